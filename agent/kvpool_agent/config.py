@@ -1,0 +1,131 @@
+"""The agent's configuration: one typed model, validated once.
+
+Sources, highest precedence first: keyword arguments, ``KVPOOL_*`` environment
+variables, then a YAML or JSON file named by ``KVPOOL_CONFIG_FILE`` (the
+operator renders this model into a ConfigMap and mounts it there).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, Self
+
+import yaml
+from pydantic import ByteSize, Field, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from kvpool_agent.policies import POLICY_NAMES
+
+CONFIG_FILE_ENV = "KVPOOL_CONFIG_FILE"
+MIN_PAGE_SIZE = 4096
+MIN_PAGES = 16
+
+
+class _ConfigFileSource(PydanticBaseSettingsSource):
+    """Values from the YAML/JSON file named by ``KVPOOL_CONFIG_FILE``, if set."""
+
+    def __init__(self, settings_cls: type[BaseSettings]) -> None:
+        super().__init__(settings_cls)
+        path = os.environ.get(CONFIG_FILE_ENV)
+        self._values: dict[str, Any] = {}
+        if path:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+            if not isinstance(loaded, dict):
+                raise ValueError(
+                    f"{path}: expected a mapping of settings, got {type(loaded).__name__}"
+                )
+            self._values = loaded
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self._values.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self._values)
+
+
+class AgentConfig(BaseSettings):
+    """Configuration of one node agent (and the pool it serves)."""
+
+    model_config = SettingsConfigDict(env_prefix="KVPOOL_", frozen=True, extra="forbid")
+
+    pool: str = Field(
+        "default",
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        description="Pool name; names the shared-memory segment and, later, the Service.",
+    )
+    segment_path: Path | None = Field(
+        None, description="Shared-memory file of the L1 segment; default /dev/shm/kvpool-<pool>."
+    )
+    l1_size: ByteSize = Field(
+        ByteSize(1 << 30), description="Bytes of chunk data in the L1 segment (e.g. 1GiB, 64GiB)."
+    )
+    page_size: ByteSize = Field(
+        ByteSize(64 << 10),
+        description="Allocation granularity (power of two, >= 4KiB); a chunk occupies whole pages.",
+    )
+    eviction_policy: str = Field(
+        "lru", description=f"Eviction policy within a tenant; one of {', '.join(POLICY_NAMES)}."
+    )
+    high_watermark: float = Field(
+        0.90, gt=0, le=1, description="Eviction starts when this fraction of the segment is used."
+    )
+    low_watermark: float = Field(
+        0.80, gt=0, lt=1, description="Eviction stops once usage falls to this fraction."
+    )
+    default_tenant_quota: ByteSize | None = Field(
+        None,
+        description="Quota of tenants without their own: bytes, 0 = no caching, null = no limit.",
+    )
+    lease_seconds: float = Field(
+        30.0, gt=0, description="Lifetime of read and write locks; expired locks are dropped."
+    )
+    maintenance_interval_seconds: float = Field(
+        1.0, gt=0, description="Period of the background watermark check and lease expiry."
+    )
+    pin_memory: Literal["never", "auto", "always"] = Field(
+        "never",
+        description=(
+            "Register the segment as CUDA pinned memory in the agent: never (no CUDA context), "
+            "auto (if CUDA is available) or always (fail without CUDA). Clients pin on their own."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.low_watermark >= self.high_watermark:
+            raise ValueError(
+                f"low_watermark ({self.low_watermark}) must be below "
+                f"high_watermark ({self.high_watermark})"
+            )
+        page = int(self.page_size)
+        if page < MIN_PAGE_SIZE or page & (page - 1):
+            raise ValueError(f"page_size must be a power of two >= {MIN_PAGE_SIZE}, got {page}")
+        if int(self.l1_size) < MIN_PAGES * page:
+            raise ValueError(f"l1_size must hold at least {MIN_PAGES} pages of {page} bytes")
+        if self.eviction_policy not in POLICY_NAMES:
+            raise ValueError(
+                f"unknown eviction_policy {self.eviction_policy!r}; "
+                f"known policies are {', '.join(POLICY_NAMES)}"
+            )
+        return self
+
+    @property
+    def resolved_segment_path(self) -> Path:
+        return self.segment_path or Path(f"/dev/shm/kvpool-{self.pool}")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _ConfigFileSource(settings_cls))

@@ -1,0 +1,91 @@
+"""Chunk keys and tenant ids: the one place that decides what may be shared.
+
+Both the connector (inside vLLM) and tools import this module, so a key is the
+same in every process and every vLLM version. The scheme, documented so that
+tenants can reproduce it:
+
+* ``tenant_id(salt) = hex(SHA-256("kvpool-tenant-v1\\0" || salt))[:32]``.
+  One-way: the agent only ever sees this id, never the salt.
+* ``root = SHA-256("kvpool-root-v1\\0" || salt || "\\0" || fingerprint)``, where
+  the fingerprint names the model, dtype, KV layout, tensor-parallel rank and
+  chunk size (see :class:`ModelFingerprint`).
+* ``k_i = SHA-256(k_{i-1} || tokens_i)`` over the i-th full chunk of token ids,
+  each token a little-endian uint32, with ``k_{-1} = root``.
+
+Two salts never share a root, so they never share a key: tenant isolation
+rests on SHA-256 preimage resistance, not on the agent's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+KEY_BYTES = 32
+TENANT_ID_CHARS = 32
+
+_TENANT_DOMAIN = b"kvpool-tenant-v1\0"
+_ROOT_DOMAIN = b"kvpool-root-v1\0"
+
+
+def tenant_id(salt: str | None) -> str:
+    """The tenant id for a vLLM ``cache_salt`` (``None`` and ``""`` are the default tenant)."""
+    digest = hashlib.sha256(_TENANT_DOMAIN + (salt or "").encode())
+    return digest.hexdigest()[:TENANT_ID_CHARS]
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """Everything that makes two engines' KV bytes for the same tokens differ."""
+
+    model: str
+    dtype: str
+    kv_layout: str
+    tp_rank: int = 0
+    tp_size: int = 1
+    chunk_tokens: int = 256
+
+    def encode(self) -> bytes:
+        fields = (
+            self.model,
+            self.dtype,
+            self.kv_layout,
+            str(self.tp_rank),
+            str(self.tp_size),
+            str(self.chunk_tokens),
+        )
+        return "\x1f".join(fields).encode()
+
+
+def root_key(salt: str | None, fingerprint: ModelFingerprint) -> bytes:
+    """The chain seed ``k_{-1}`` for one tenant and one model configuration."""
+    material = _ROOT_DOMAIN + (salt or "").encode() + b"\0" + fingerprint.encode()
+    return hashlib.sha256(material).digest()
+
+
+def next_key(previous: bytes, chunk_tokens: Sequence[int]) -> bytes:
+    """``k_i = H(k_{i-1} || tokens_i)``."""
+    tokens = array("I", chunk_tokens)
+    if sys.byteorder == "big":
+        tokens.byteswap()
+    hasher = hashlib.sha256(previous)
+    hasher.update(tokens.tobytes())
+    return hasher.digest()
+
+
+def chunk_keys(
+    token_ids: Sequence[int], salt: str | None, fingerprint: ModelFingerprint
+) -> list[bytes]:
+    """Keys of every *full* chunk of ``token_ids``; a trailing partial chunk has no key."""
+    return list(iter_chunk_keys(token_ids, root_key(salt, fingerprint), fingerprint.chunk_tokens))
+
+
+def iter_chunk_keys(token_ids: Sequence[int], root: bytes, chunk_tokens: int) -> Iterator[bytes]:
+    """Yield chained keys lazily, so a caller that stops at the first miss hashes no further."""
+    key = root
+    for start in range(0, len(token_ids) - chunk_tokens + 1, chunk_tokens):
+        key = next_key(key, token_ids[start : start + chunk_tokens])
+        yield key

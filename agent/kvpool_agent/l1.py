@@ -1,0 +1,680 @@
+"""The L1 cache: index, chunk life cycle, locks under leases, eviction and tenant quotas.
+
+It keeps metadata only; clients copy the bytes in and out of the shared segment
+at the offsets it hands out. Life cycle of a chunk (one slot)::
+
+    reserve ──► WRITING ──commit──► READY ◄──lookup/release──► READY, read-locked by N
+       ▲          │ lease expires /           │ evicted (unlocked only) / cleared
+       │          ▼ release                   ▼
+      FREE ◄──────┴───────────── DOOMED (cleared while locked; freed on the last unlock)
+
+A WRITING chunk is invisible to readers and never evicted; a read-locked one is
+never evicted. Every lock belongs to a lease that expires, so a crashed client
+pins nothing for longer than ``lease_seconds``.
+
+Chunks form chains (``k_i`` names its predecessor ``k_{i-1}``) and a chunk is
+only reachable through its whole prefix. Hits are touched tail first, so the
+head of a chain is always its most recent part and recency-based policies
+evict tails first; and a chunk that loses its predecessor is unreachable, so
+eviction takes all of its unlocked descendants along.
+
+Eviction has three triggers: the high watermark (evict to the low one), an
+allocation that does not fit (evict until it does, so a store fails for lack
+of memory only when nothing is evictable), and a tenant over its quota (evict
+only that tenant's chunks; a tenant never makes room for itself at the expense
+of another). Within a tenant the configured policy orders victims; across
+tenants, the victim whose last use is oldest goes first.
+
+Not thread-safe: one owner (the agent's event loop) calls it.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import time
+from array import array
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from kvpool_agent.allocator import ExtentAllocator
+from kvpool_agent.keys import KEY_BYTES
+from kvpool_agent.policies import EvictionPolicy, PolicyFactory, SlotArena
+from kvpool_agent.quotas import Limit, QuotaBook
+from kvpool_agent.segment import SegmentLayout
+
+NIL = -1
+
+
+class State(enum.IntEnum):
+    FREE = 0
+    WRITING = 1
+    READY = 2
+    DOOMED = 3
+
+
+_READY = int(State.READY)
+_DOOMED = int(State.DOOMED)
+
+
+class EvictionCause(enum.StrEnum):
+    WATERMARK = "watermark"
+    PRESSURE = "pressure"
+    QUOTA = "quota"
+
+
+class CacheError(Exception):
+    """A request the cache refuses; ``code`` is stable and machine-readable."""
+
+    code = "error"
+
+
+class InvalidRequest(CacheError):
+    code = "invalid_request"
+
+
+class UnknownLease(CacheError):
+    code = "unknown_lease"
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a chunk's bytes live: an absolute offset into the segment file."""
+
+    key: bytes
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Result of :meth:`L1Cache.reserve`.
+
+    ``placements[i]`` is where to write ``keys[i]``, or None if that key is
+    already cached (nothing to copy). Keys past ``len(placements)`` were
+    refused for ``refused_reason``; a gap would make the rest unreachable, so
+    refusal always covers the tail of the request.
+    """
+
+    lease: int | None
+    placements: tuple[Placement | None, ...]
+    refused_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """Result of :meth:`L1Cache.lookup`: the leading run of ready chunks, read-locked.
+
+    ``offsets[i]`` and ``sizes[i]`` locate the i-th hit; ``len(offsets)`` is the hit count.
+    """
+
+    lease: int | None
+    offsets: list[int]
+    sizes: list[int]
+
+    @property
+    def count(self) -> int:
+        return len(self.offsets)
+
+
+@dataclass(frozen=True)
+class TenantStats:
+    tenant: str
+    used_bytes: int
+    chunks: int
+    quota_bytes: Limit
+    hits: int
+    misses: int
+    stored_chunks: int
+    evicted_chunks: int
+
+
+@dataclass(frozen=True)
+class L1Stats:
+    capacity_bytes: int
+    allocated_bytes: int
+    stored_bytes: int
+    chunks: int
+    hits: int
+    misses: int
+    evictions: dict[str, int]
+    lock_expiries: int
+    open_leases: int
+    free_extents: int
+    fragmentation: float
+    """External: 1 - largest free extent / free bytes."""
+    page_waste: float
+    """Internal: share of allocated bytes that round chunks up to whole pages."""
+    tenants: list[TenantStats]
+
+
+@dataclass
+class _Tenant:
+    name: str
+    index: int
+    policy: EvictionPolicy
+    used_bytes: int = 0
+    chunks: int = 0
+    hits: int = 0
+    misses: int = 0
+    stored_chunks: int = 0
+    evicted_chunks: int = 0
+
+
+@dataclass
+class _Lease:
+    writing: bool
+    slots: list[int]
+    expires: float
+
+
+@dataclass
+class _EvictionPlan:
+    victims: dict[int, None] = field(default_factory=dict)
+    freed: int = 0
+
+
+class L1Cache:
+    def __init__(
+        self,
+        layout: SegmentLayout,
+        policy: PolicyFactory,
+        quotas: QuotaBook,
+        *,
+        high_watermark: float = 0.90,
+        low_watermark: float = 0.80,
+        lease_seconds: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not 0 < low_watermark < high_watermark <= 1:
+            raise ValueError("watermarks must satisfy 0 < low < high <= 1")
+        self.layout = layout
+        self.quotas = quotas
+        self.lease_seconds = lease_seconds
+        self._clock = clock
+        self._policy_factory = policy
+        pages = layout.pages
+        self._allocator = ExtentAllocator(pages)
+        self._high_pages = int(pages * high_watermark)
+        self._low_pages = int(pages * low_watermark)
+
+        # Per-slot metadata in flat arrays; a chunk needs at least one page, so
+        # there are never more chunks than pages.
+        self._free_slots = array("i", range(pages - 1, -1, -1))
+        self._keys: list[bytes | None] = [None] * pages
+        self._state = bytearray(pages)
+        self._first_page = array("q", [0]) * pages
+        self._pages = array("i", [0]) * pages
+        self._nbytes = array("q", [0]) * pages
+        self._tenant = array("i", [NIL]) * pages
+        self._readers = array("i", [0]) * pages
+        self._last_use = array("q", [0]) * pages
+        self._parent = array("i", [NIL]) * pages
+        self._first_child = array("i", [NIL]) * pages
+        self._next_sibling = array("i", [NIL]) * pages
+        self._prev_sibling = array("i", [NIL]) * pages
+        self._arena = SlotArena(pages)
+        self._index: dict[bytes, int] = {}
+        self._tick = 0
+
+        self._tenants: dict[str, _Tenant] = {}
+        self._tenant_list: list[_Tenant] = []
+        self._leases: dict[int, _Lease] = {}
+        self._expiry_heap: list[tuple[float, int]] = []
+        self._lease_ids = itertools.count(1)
+
+        self._stored_bytes = 0
+        self._hits = 0
+        self._misses = 0
+        self._evictions: Counter[str] = Counter()
+        self._lock_expiries = 0
+
+    # ------------------------------------------------------------------ store
+
+    def reserve(
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        parent: bytes | None = None,
+    ) -> Reservation:
+        """Write-lock space for ``keys`` (a run of one chain; ``parent`` precedes the first)."""
+        _check_keys(keys)
+        if len(sizes) != len(keys):
+            raise InvalidRequest(f"{len(keys)} keys but {len(sizes)} sizes")
+        if any(size <= 0 for size in sizes):
+            raise InvalidRequest("chunk sizes must be positive")
+        if len(set(keys)) != len(keys):
+            raise InvalidRequest("a reservation names the same key twice")
+        account = self._account(tenant)
+        previous = NIL if parent is None else self._index.get(parent, NIL)
+        if previous != NIL and self._tenant[previous] != account.index:
+            previous = NIL  # never link across tenants
+        protected: set[int] = {previous} if previous != NIL else set()
+        placements: list[Placement | None] = []
+        new_slots: list[int] = []
+        refused: str | None = None
+        for key, nbytes in zip(keys, sizes, strict=True):
+            existing = self._index.get(key, NIL)
+            if existing != NIL:
+                placements.append(None)
+                protected.add(existing)
+                previous = existing
+                continue
+            refused = self._make_room(account, nbytes, protected)
+            if refused is not None:
+                break
+            slot = self._place(account, key, nbytes, previous, protected)
+            if slot == NIL:
+                refused = "no evictable memory left in the L1 segment"
+                break
+            protected.add(slot)
+            new_slots.append(slot)
+            placements.append(Placement(key, self._offset(slot), nbytes))
+            previous = slot
+        lease = self._open_lease(writing=True, slots=new_slots) if new_slots else None
+        return Reservation(lease, tuple(placements), refused)
+
+    def commit(self, lease: int, count: int | None = None) -> int:
+        """Make the first ``count`` (default all) reserved chunks ready; discard the rest.
+
+        Returns how many chunks became ready. Chunks cleared while being written
+        are discarded, not published.
+        """
+        record = self._take_lease(lease)
+        if not record.writing:
+            self._leases[lease] = record
+            raise InvalidRequest(f"lease {lease} is a read lease; release it instead")
+        slots = record.slots
+        keep = len(slots) if count is None else count
+        if not 0 <= keep <= len(slots):
+            self._leases[lease] = record
+            raise InvalidRequest(f"cannot commit {count} of {len(slots)} reserved chunks")
+        published = 0
+        # Tail first, so the head of the run ends up the most recently used.
+        for position in range(len(slots) - 1, -1, -1):
+            slot = slots[position]
+            if position >= keep or self._state[slot] == State.DOOMED:
+                self._free(slot)
+                continue
+            self._state[slot] = State.READY
+            account = self._tenant_list[self._tenant[slot]]
+            self._last_use[slot] = self._next_tick()
+            account.policy.insert(slot, self._key(slot))
+            account.stored_chunks += 1
+            published += 1
+        return published
+
+    # --------------------------------------------------------------- retrieve
+
+    def lookup(self, tenant: str, keys: Sequence[bytes], *, lock: bool = True) -> Hit:
+        """The leading run of ready chunks of ``keys`` (read-locked under a lease if ``lock``).
+
+        The hot path of the agent: locals are bound once and the loops do nothing else.
+        A malformed key cannot be in the index, so it is simply a miss.
+        """
+        account = self._account(tenant)
+        find, state, owner, own = self._index.get, self._state, self._tenant, account.index
+        slots: list[int] = []
+        for key in keys:
+            slot = find(key, NIL)
+            if slot == NIL or state[slot] != _READY or owner[slot] != own:
+                break
+            slots.append(slot)
+        hit_count = len(slots)
+        if hit_count:
+            last_use, readers, tick = self._last_use, self._readers, self._next_tick()
+            if lock:
+                for slot in slots:
+                    last_use[slot] = tick
+                    readers[slot] += 1
+            else:
+                for slot in slots:
+                    last_use[slot] = tick
+            account.policy.touch(slots[::-1])  # tail first: the head ends up the most recent
+        account.hits += hit_count
+        account.misses += len(keys) - hit_count
+        self._hits += hit_count
+        self._misses += len(keys) - hit_count
+        first_page, nbytes = self._first_page, self._nbytes
+        base, page = self.layout.data_offset, self.layout.page_size
+        offsets = [base + first_page[slot] * page for slot in slots]
+        sizes = [nbytes[slot] for slot in slots]
+        lease = self._open_lease(writing=False, slots=slots) if lock and hit_count else None
+        return Hit(lease, offsets, sizes)
+
+    def release(self, lease: int) -> None:
+        """End a lease: drop read locks, or abandon an uncommitted reservation."""
+        self._end_lease(self._take_lease(lease))
+
+    # ------------------------------------------------------------ maintenance
+
+    def expire_leases(self) -> int:
+        """End every lease past its expiry; returns how many expired."""
+        now = self._clock()
+        expired = 0
+        heap = self._expiry_heap
+        while heap and heap[0][0] <= now:
+            _, lease = heapq.heappop(heap)
+            record = self._leases.pop(lease, None)
+            if record is not None:
+                self._end_lease(record)
+                expired += 1
+        self._lock_expiries += expired
+        return expired
+
+    def maintain(self) -> None:
+        """The periodic check: expire leases, restore the watermark, enforce shrunken quotas."""
+        self.expire_leases()
+        self._evict_to_watermark(extra_pages=0, protected=set())
+        for account in self._tenant_list:
+            self._enforce_quota(account)
+
+    def evict(self, pages: int, tenant: str | None = None) -> bool:
+        """Free at least ``pages`` pages (of one tenant, or anyone): all or nothing."""
+        scope = None if tenant is None else self._account(tenant)
+        plan = self._plan(pages, self._pages, scope, protected=set())
+        if plan.freed < pages:
+            return False
+        self._apply(plan, EvictionCause.PRESSURE)
+        return True
+
+    def set_quota(self, tenant: str, limit: Limit) -> None:
+        """Set a tenant's limit; shrinking it evicts the tenant down to it right away."""
+        self.quotas.set(tenant, limit)
+        self._enforce_quota(self._account(tenant))
+
+    def delete_quota(self, tenant: str) -> None:
+        self.quotas.delete(tenant)
+        self._enforce_quota(self._account(tenant))
+
+    def clear(self, tenant: str | None = None) -> int:
+        """Drop every chunk (of one tenant, or all). Locked chunks go when unlocked."""
+        scope = None if tenant is None else self._tenants.get(tenant)
+        if tenant is not None and scope is None:
+            return 0
+        dropped = 0
+        for key, slot in list(self._index.items()):
+            if scope is not None and self._tenant[slot] != scope.index:
+                continue
+            dropped += 1
+            if self._state[slot] == State.READY and self._readers[slot] == 0:
+                self._remove_from_policy(slot, evicted=False)
+                self._free(slot)
+            else:
+                if self._state[slot] == State.READY:
+                    self._remove_from_policy(slot, evicted=False)
+                self._state[slot] = State.DOOMED
+                del self._index[key]
+        return dropped
+
+    # ------------------------------------------------------------------ stats
+
+    def contains(self, key: bytes) -> bool:
+        slot = self._index.get(key, NIL)
+        return slot != NIL and self._state[slot] == State.READY
+
+    def iter_keys(self, tenant: str | None = None) -> Iterator[bytes]:
+        """Keys of ready chunks (of one tenant, or all)."""
+        scope = None if tenant is None else self._tenants.get(tenant)
+        for key, slot in self._index.items():
+            if self._state[slot] == State.READY and (
+                scope is None or self._tenant[slot] == scope.index
+            ):
+                yield key
+
+    def tenant_usage(self, tenant: str) -> TenantStats:
+        return self._tenant_stats(self._account(tenant))
+
+    def stats(self) -> L1Stats:
+        page = self.layout.page_size
+        allocated_pages = self._allocator.total_pages - self._allocator.free_pages
+        allocated = allocated_pages * page
+        return L1Stats(
+            capacity_bytes=self.layout.data_size,
+            allocated_bytes=allocated,
+            stored_bytes=self._stored_bytes,
+            chunks=len(self._index),
+            hits=self._hits,
+            misses=self._misses,
+            evictions={cause.value: self._evictions[cause] for cause in EvictionCause},
+            lock_expiries=self._lock_expiries,
+            open_leases=len(self._leases),
+            free_extents=self._allocator.free_extent_count,
+            fragmentation=self._allocator.fragmentation(),
+            page_waste=(allocated - self._stored_bytes) / allocated if allocated else 0.0,
+            tenants=[self._tenant_stats(account) for account in self._tenant_list],
+        )
+
+    # -------------------------------------------------------------- internals
+
+    def _account(self, tenant: str) -> _Tenant:
+        account = self._tenants.get(tenant)
+        if account is None:
+            account = _Tenant(tenant, len(self._tenant_list), self._policy_factory(self._arena))
+            self._tenants[tenant] = account
+            self._tenant_list.append(account)
+        return account
+
+    def _tenant_stats(self, account: _Tenant) -> TenantStats:
+        return TenantStats(
+            tenant=account.name,
+            used_bytes=account.used_bytes,
+            chunks=account.chunks,
+            quota_bytes=self.quotas.limit(account.name),
+            hits=account.hits,
+            misses=account.misses,
+            stored_chunks=account.stored_chunks,
+            evicted_chunks=account.evicted_chunks,
+        )
+
+    def _make_room(self, account: _Tenant, nbytes: int, protected: set[int]) -> str | None:
+        """Evict the tenant's own chunks so ``nbytes`` more fit its quota; a reason if not."""
+        limit = self.quotas.limit(account.name)
+        if limit is None:
+            return None
+        if nbytes > limit:
+            return f"chunk of {nbytes} bytes exceeds the tenant quota of {limit} bytes"
+        excess = account.used_bytes + nbytes - limit
+        if excess <= 0:
+            return None
+        plan = self._plan(excess, self._nbytes, account, protected)
+        if plan.freed < excess:
+            return f"tenant quota of {limit} bytes is full of locked chunks"
+        self._apply(plan, EvictionCause.QUOTA)
+        return None
+
+    def _place(
+        self, account: _Tenant, key: bytes, nbytes: int, parent: int, protected: set[int]
+    ) -> int:
+        pages = -(-nbytes // self.layout.page_size)
+        first_page = self._allocate(pages, protected)
+        if first_page is None:
+            return NIL
+        slot = self._free_slots.pop()
+        self._keys[slot] = key
+        self._state[slot] = State.WRITING
+        self._first_page[slot] = first_page
+        self._pages[slot] = pages
+        self._nbytes[slot] = nbytes
+        self._tenant[slot] = account.index
+        self._readers[slot] = 0
+        self._index[key] = slot
+        self._link(slot, parent)
+        account.used_bytes += nbytes
+        account.chunks += 1
+        self._stored_bytes += nbytes
+        return slot
+
+    def _allocate(self, pages: int, protected: set[int]) -> int | None:
+        self._evict_to_watermark(extra_pages=pages, protected=protected)
+        while True:
+            first_page = self._allocator.allocate(pages)
+            if first_page is not None:
+                return first_page
+            plan = self._plan(pages, self._pages, None, protected)
+            if not plan.victims:
+                return None
+            self._apply(plan, EvictionCause.PRESSURE)
+
+    def _evict_to_watermark(self, extra_pages: int, protected: set[int]) -> None:
+        used = self._allocator.total_pages - self._allocator.free_pages + extra_pages
+        if used <= self._high_pages:
+            return
+        # Best effort: as far towards the low watermark as unlocked chunks allow.
+        plan = self._plan(used - self._low_pages, self._pages, None, protected)
+        self._apply(plan, EvictionCause.WATERMARK)
+
+    def _enforce_quota(self, account: _Tenant) -> None:
+        limit = self.quotas.limit(account.name)
+        if limit is not None and account.used_bytes > limit:
+            plan = self._plan(account.used_bytes - limit, self._nbytes, account, protected=set())
+            self._apply(plan, EvictionCause.QUOTA)
+
+    def _plan(
+        self,
+        need: int,
+        measure: array[int],
+        scope: _Tenant | None,
+        protected: set[int],
+    ) -> _EvictionPlan:
+        """Choose victims worth ``need`` (in ``measure`` units) without changing anything."""
+        plan = _EvictionPlan()
+        for slot in self._victim_order(scope):
+            if plan.freed >= need:
+                break
+            if slot in plan.victims or not self._evictable(slot, protected):
+                continue
+            for victim in self._with_descendants(slot, protected):
+                if victim not in plan.victims:
+                    plan.victims[victim] = None
+                    plan.freed += measure[victim]
+        return plan
+
+    def _victim_order(self, scope: _Tenant | None) -> Iterator[int]:
+        if scope is not None:
+            return scope.policy.victims()
+        candidates = [account.policy.victims() for account in self._tenant_list if account.chunks]
+        return heapq.merge(*candidates, key=self._last_use.__getitem__)
+
+    def _evictable(self, slot: int, protected: set[int]) -> bool:
+        return (
+            self._state[slot] == State.READY and self._readers[slot] == 0 and slot not in protected
+        )
+
+    def _with_descendants(self, slot: int, protected: set[int]) -> Iterator[int]:
+        """``slot`` and every evictable chunk below it (unreachable once ``slot`` is gone)."""
+        yield slot
+        stack = [self._first_child[slot]]
+        while stack:
+            child = stack.pop()
+            while child != NIL:
+                if self._evictable(child, protected):
+                    yield child
+                stack.append(self._first_child[child])
+                child = self._next_sibling[child]
+
+    def _apply(self, plan: _EvictionPlan, cause: EvictionCause) -> None:
+        for slot in plan.victims:
+            self._tenant_list[self._tenant[slot]].evicted_chunks += 1
+            self._remove_from_policy(slot, evicted=True)
+            self._free(slot)
+        self._evictions[cause] += len(plan.victims)
+
+    def _remove_from_policy(self, slot: int, *, evicted: bool) -> None:
+        self._tenant_list[self._tenant[slot]].policy.remove(slot, self._key(slot), evicted=evicted)
+
+    def _free(self, slot: int) -> None:
+        key = self._key(slot)
+        if self._index.get(key) == slot:
+            del self._index[key]
+        self._unlink(slot)
+        self._allocator.free(self._first_page[slot], self._pages[slot])
+        account = self._tenant_list[self._tenant[slot]]
+        nbytes = self._nbytes[slot]
+        account.used_bytes -= nbytes
+        account.chunks -= 1
+        self._stored_bytes -= nbytes
+        self._keys[slot] = None
+        self._state[slot] = State.FREE
+        self._tenant[slot] = NIL
+        self._readers[slot] = 0
+        self._free_slots.append(slot)
+
+    def _link(self, slot: int, parent: int) -> None:
+        self._parent[slot] = parent
+        self._first_child[slot] = NIL
+        self._prev_sibling[slot] = NIL
+        self._next_sibling[slot] = NIL
+        if parent == NIL:
+            return
+        sibling = self._first_child[parent]
+        self._next_sibling[slot] = sibling
+        if sibling != NIL:
+            self._prev_sibling[sibling] = slot
+        self._first_child[parent] = slot
+
+    def _unlink(self, slot: int) -> None:
+        parent = self._parent[slot]
+        before, after = self._prev_sibling[slot], self._next_sibling[slot]
+        if before != NIL:
+            self._next_sibling[before] = after
+        elif parent != NIL:
+            self._first_child[parent] = after
+        if after != NIL:
+            self._prev_sibling[after] = before
+        child = self._first_child[slot]
+        while child != NIL:  # orphans: unreachable, left for the policy to evict
+            following = self._next_sibling[child]
+            self._parent[child] = NIL
+            self._prev_sibling[child] = NIL
+            self._next_sibling[child] = NIL
+            child = following
+        self._parent[slot] = NIL
+        self._first_child[slot] = NIL
+        self._prev_sibling[slot] = NIL
+        self._next_sibling[slot] = NIL
+
+    def _open_lease(self, *, writing: bool, slots: list[int]) -> int:
+        lease = next(self._lease_ids)
+        expires = self._clock() + self.lease_seconds
+        self._leases[lease] = _Lease(writing, slots, expires)
+        heapq.heappush(self._expiry_heap, (expires, lease))
+        return lease
+
+    def _take_lease(self, lease: int) -> _Lease:
+        record = self._leases.pop(lease, None)
+        if record is None:
+            raise UnknownLease(f"lease {lease} is unknown, already ended or expired")
+        return record
+
+    def _end_lease(self, record: _Lease) -> None:
+        if record.writing:
+            for slot in record.slots:
+                self._free(slot)
+            return
+        readers, state = self._readers, self._state
+        for slot in record.slots:
+            readers[slot] -= 1
+            if state[slot] == _DOOMED and readers[slot] == 0:
+                self._free(slot)
+
+    def _offset(self, slot: int) -> int:
+        return self.layout.data_offset + self._first_page[slot] * self.layout.page_size
+
+    def _key(self, slot: int) -> bytes:
+        key = self._keys[slot]
+        assert key is not None, f"slot {slot} holds no chunk"
+        return key
+
+    def _next_tick(self) -> int:
+        self._tick += 1
+        return self._tick
+
+
+def _check_keys(keys: Sequence[bytes]) -> None:
+    for key in keys:
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            raise InvalidRequest(f"keys are {KEY_BYTES} bytes")

@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from kvpool_agent.l1 import L1Cache
+from kvpool_agent.policies import policy_factory
+from kvpool_agent.quotas import QuotaBook
+from kvpool_agent.segment import SegmentLayout
+
+PAGE = 4096
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def key(name: str | int) -> bytes:
+    return hashlib.sha256(str(name).encode()).digest()
+
+
+def make_cache(
+    *,
+    pages: int = 100,
+    policy: str = "lru",
+    quotas: QuotaBook | None = None,
+    clock: FakeClock | None = None,
+    high: float = 0.9,
+    low: float = 0.8,
+) -> L1Cache:
+    return L1Cache(
+        SegmentLayout(page_size=PAGE, data_offset=PAGE, data_size=PAGE * pages),
+        policy_factory(policy),
+        quotas or QuotaBook(),
+        high_watermark=high,
+        low_watermark=low,
+        lease_seconds=30.0,
+        clock=clock or FakeClock(),
+    )
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()

@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import hashlib
+
+from kvpool_agent.keys import ModelFingerprint, chunk_keys, root_key, tenant_id
+
+MODEL = ModelFingerprint(model="m", dtype="bfloat16", kv_layout="NHD", chunk_tokens=4)
+
+
+def test_keys_cover_full_chunks_only_and_chain() -> None:
+    tokens = list(range(10))
+    keys = chunk_keys(tokens, "salt", MODEL)
+    assert len(keys) == 2
+    # the second key depends on the first: a prefix key is shared, a later one is not
+    other = chunk_keys([*tokens[:4], 99, 5, 6, 7], "salt", MODEL)
+    assert other[0] == keys[0] and other[1] != keys[1]
+
+
+def test_the_documented_formula() -> None:
+    root = hashlib.sha256(b"kvpool-root-v1\0salt\0" + MODEL.encode()).digest()
+    first = hashlib.sha256(root + b"".join(t.to_bytes(4, "little") for t in range(4))).digest()
+    assert root_key("salt", MODEL) == root
+    assert chunk_keys(list(range(4)), "salt", MODEL) == [first]
+
+
+def test_salts_and_models_never_share_keys() -> None:
+    tokens = list(range(8))
+    base = chunk_keys(tokens, "a", MODEL)
+    assert not set(base) & set(chunk_keys(tokens, "b", MODEL))
+    assert not set(base) & set(chunk_keys(tokens, None, MODEL))
+    for changed in (
+        ModelFingerprint("m", "float16", "NHD", chunk_tokens=4),
+        ModelFingerprint("m", "bfloat16", "HND", chunk_tokens=4),
+        ModelFingerprint("m", "bfloat16", "NHD", tp_rank=1, tp_size=2, chunk_tokens=4),
+        ModelFingerprint("other", "bfloat16", "NHD", chunk_tokens=4),
+    ):
+        assert not set(base) & set(chunk_keys(tokens, "a", changed))
+
+
+def test_tenant_id_is_one_way_stable_and_never_contains_the_salt() -> None:
+    salt = "my-secret-salt"
+    tid = tenant_id(salt)
+    assert tid == hashlib.sha256(b"kvpool-tenant-v1\0" + salt.encode()).hexdigest()[:32]
+    assert len(tid) == 32 and salt not in tid
+    assert tenant_id(None) == tenant_id("") != tid

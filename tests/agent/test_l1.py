@@ -1,0 +1,328 @@
+"""Rules of the L1 cache, one test per rule, run for every registered policy where it applies."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from kvpool_agent.l1 import InvalidRequest, L1Cache, UnknownLease
+from kvpool_agent.policies import POLICY_NAMES
+from kvpool_agent.quotas import QuotaBook
+
+from .conftest import PAGE, FakeClock, key, make_cache
+
+pytestmark = pytest.mark.parametrize("policy", POLICY_NAMES)
+
+
+def store(
+    cache: L1Cache, tenant: str, names: list[int], size: int = PAGE, parent: int | None = None
+) -> None:
+    reservation = cache.reserve(
+        tenant,
+        [key(n) for n in names],
+        [size] * len(names),
+        None if parent is None else key(parent),
+    )
+    assert reservation.refused_reason is None, reservation.refused_reason
+    if reservation.lease is not None:
+        cache.commit(reservation.lease)
+
+
+def hits(cache: L1Cache, tenant: str, names: list[int]) -> int:
+    return cache.lookup(tenant, [key(n) for n in names], lock=False).count
+
+
+def test_reserved_chunk_is_invisible_until_commit(policy: str) -> None:
+    cache = make_cache(policy=policy)
+    reservation = cache.reserve("t", [key(1)], [100])
+    assert hits(cache, "t", [1]) == 0
+    assert reservation.lease is not None
+    assert cache.commit(reservation.lease) == 1
+    assert hits(cache, "t", [1]) == 1
+
+
+def test_lookup_returns_the_leading_run_only(policy: str) -> None:
+    cache = make_cache(policy=policy)
+    store(cache, "t", [1, 2, 3])
+    store(cache, "t", [5])
+    assert hits(cache, "t", [1, 2, 3, 4, 5]) == 3
+    assert hits(cache, "t", [4, 1]) == 0
+
+
+def test_duplicate_store_is_a_no_op(policy: str) -> None:
+    cache = make_cache(policy=policy)
+    store(cache, "t", [1])
+    used = cache.stats().allocated_bytes
+    again = cache.reserve("t", [key(1), key(2)], [PAGE, PAGE])
+    assert again.placements[0] is None and again.placements[1] is not None
+    # A key being written by another client is not reserved twice either.
+    racing = cache.reserve("t", [key(2)], [PAGE])
+    assert racing.placements == (None,) and racing.lease is None
+    assert cache.stats().allocated_bytes == used + PAGE
+
+
+def test_placements_are_distinct_and_inside_the_data_region(policy: str) -> None:
+    cache = make_cache(pages=50, policy=policy)
+    reservation = cache.reserve(
+        "t", [key(n) for n in range(10)], [PAGE * (1 + n % 3) for n in range(10)]
+    )
+    spans = sorted((p.offset, p.offset + p.nbytes) for p in reservation.placements if p)
+    layout = cache.layout
+    assert spans[0][0] >= layout.data_offset and spans[-1][1] <= layout.total_size
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
+
+
+def test_commit_of_a_prefix_discards_the_rest(policy: str) -> None:
+    cache = make_cache(policy=policy)
+    reservation = cache.reserve("t", [key(1), key(2), key(3)], [PAGE] * 3)
+    assert reservation.lease is not None
+    assert cache.commit(reservation.lease, count=2) == 2
+    assert hits(cache, "t", [1, 2, 3]) == 2
+    assert cache.stats().allocated_bytes == 2 * PAGE
+    with pytest.raises(UnknownLease):
+        cache.commit(reservation.lease)
+
+
+def test_release_of_a_reservation_frees_it(policy: str) -> None:
+    cache = make_cache(policy=policy)
+    reservation = cache.reserve("t", [key(1)], [PAGE])
+    assert reservation.lease is not None
+    cache.release(reservation.lease)
+    assert cache.stats().allocated_bytes == 0 and hits(cache, "t", [1]) == 0
+    with pytest.raises(UnknownLease):
+        cache.release(reservation.lease)
+
+
+def test_commit_of_a_read_lease_is_refused_and_keeps_the_lease(policy: str) -> None:
+    cache = make_cache(policy=policy)
+    store(cache, "t", [1])
+    hit = cache.lookup("t", [key(1)])
+    assert hit.lease is not None
+    with pytest.raises(InvalidRequest):
+        cache.commit(hit.lease)
+    cache.release(hit.lease)
+
+
+def test_read_locked_chunks_are_never_evicted(policy: str) -> None:
+    cache = make_cache(policy=policy)
+    store(cache, "t", [1, 2])
+    hit = cache.lookup("t", [key(1), key(2)])
+    assert not cache.evict(1)  # atomic: nothing evictable, nothing changes
+    assert hits(cache, "t", [1, 2]) == 2
+    assert hit.lease is not None
+    cache.release(hit.lease)
+    assert cache.evict(1)
+
+
+def test_evict_is_all_or_nothing(policy: str) -> None:
+    cache = make_cache(policy=policy)
+    store(cache, "t", [1])
+    store(cache, "t", [2])
+    hit = cache.lookup("t", [key(2)])
+    before = cache.stats()
+    assert not cache.evict(2)
+    assert cache.stats().chunks == before.chunks == 2
+    assert hit.lease is not None
+    assert cache.evict(1)
+    assert hits(cache, "t", [2]) == 1 and hits(cache, "t", [1]) == 0
+
+
+def test_expired_leases_release_their_locks(policy: str, clock: FakeClock) -> None:
+    cache = make_cache(policy=policy, clock=clock)
+    store(cache, "t", [1])
+    cache.lookup("t", [key(1)])  # a reader that crashes and never releases
+    abandoned = cache.reserve("t", [key(2)], [PAGE])  # a writer that crashes mid-store
+    assert abandoned.lease is not None
+    clock.advance(29)
+    assert cache.expire_leases() == 0
+    clock.advance(2)
+    assert cache.expire_leases() == 2
+    stats = cache.stats()
+    assert stats.lock_expiries == 2 and stats.open_leases == 0
+    assert stats.allocated_bytes == PAGE  # the abandoned reservation is gone
+    assert cache.evict(1)  # the read lock is gone
+    with pytest.raises(UnknownLease):
+        cache.commit(abandoned.lease)
+
+
+def test_clear_of_locked_chunks_frees_them_on_release(policy: str) -> None:
+    cache = make_cache(policy=policy)
+    store(cache, "a", [1, 2])
+    store(cache, "b", [3])
+    hit = cache.lookup("a", [key(1)])
+    writing = cache.reserve("a", [key(4)], [PAGE])
+    assert cache.clear("a") == 3
+    assert hits(cache, "a", [1]) == 0 and hits(cache, "b", [3]) == 1
+    assert cache.stats().allocated_bytes == 3 * PAGE  # the locked and the writing chunk stay
+    assert hit.lease is not None and writing.lease is not None
+    cache.release(hit.lease)
+    assert cache.commit(writing.lease) == 0  # cleared while written: discarded
+    assert cache.stats().allocated_bytes == PAGE and hits(cache, "a", [4]) == 0
+    assert cache.clear() == 1 and cache.stats().chunks == 0
+
+
+def test_high_watermark_evicts_down_to_low(policy: str) -> None:
+    cache = make_cache(pages=100, policy=policy, high=0.9, low=0.8)
+    for n in range(90):
+        store(cache, "t", [n])
+    assert cache.stats().chunks == 90 and sum(cache.stats().evictions.values()) == 0
+    store(cache, "t", [1000])  # 91 pages > high: evict to 80 - 1
+    stats = cache.stats()
+    assert stats.allocated_bytes == 80 * PAGE
+    assert stats.evictions["watermark"] == 11
+    assert hits(cache, "t", [1000]) == 1
+
+
+def test_background_check_restores_the_watermark(policy: str) -> None:
+    cache = make_cache(pages=100, policy=policy, high=0.5, low=0.4)
+    store(cache, "t", list(range(50)))
+    hit = cache.lookup("t", [key(n) for n in range(50)])
+    store(cache, "t", [1000, 1001])  # above high, but every older chunk is locked
+    assert cache.stats().allocated_bytes == 52 * PAGE
+    assert hit.lease is not None
+    cache.release(hit.lease)
+    cache.maintain()
+    assert cache.stats().allocated_bytes == 40 * PAGE
+
+
+def test_store_never_fails_while_something_is_evictable(policy: str) -> None:
+    cache = make_cache(pages=20, policy=policy, high=1.0, low=0.99)
+    for n in range(100):
+        store(cache, "t", [n], size=PAGE * (1 + n % 4))
+    assert cache.stats().allocated_bytes <= 20 * PAGE
+
+
+def test_store_is_refused_when_everything_is_locked(policy: str) -> None:
+    cache = make_cache(pages=20, policy=policy, high=1.0, low=0.99)
+    store(cache, "t", list(range(20)))
+    hit = cache.lookup("t", [key(n) for n in range(20)])
+    assert hit.count == 20
+    refused = cache.reserve("t", [key(100)], [PAGE])
+    assert refused.lease is None and refused.placements == ()
+    assert refused.refused_reason is not None and "no evictable memory" in refused.refused_reason
+
+
+def test_eviction_takes_the_tail_of_a_chain_first(policy: str) -> None:
+    cache = make_cache(policy=policy)
+    store(cache, "t", [0, 1, 2, 3])
+    cache.lookup("t", [key(n) for n in range(4)], lock=False)
+    assert cache.evict(1)
+    assert hits(cache, "t", [0, 1, 2, 3]) == 3
+
+
+def test_a_chunk_whose_predecessor_is_evicted_goes_with_it(policy: str) -> None:
+    cache = make_cache(policy=policy)
+    store(cache, "t", [0])
+    store(cache, "t", [1], parent=0)  # newer than its parent
+    store(cache, "t", [2], parent=1)
+    store(cache, "t", [9])
+    cache.lookup("t", [key(9)], lock=False)
+    assert cache.evict(1)  # the oldest is the head of the chain 0-1-2
+    assert cache.stats().chunks == 1 and hits(cache, "t", [9]) == 1
+
+
+def test_over_quota_tenant_evicts_only_its_own_chunks(policy: str) -> None:
+    cache = make_cache(pages=100, policy=policy, quotas=QuotaBook(limits={"a": 3 * PAGE}))
+    store(cache, "b", [100, 101])
+    store(cache, "a", [1])
+    store(cache, "a", [2])
+    store(cache, "a", [3])
+    hits(cache, "a", [1])
+    store(cache, "a", [4])
+    assert cache.tenant_usage("a").used_bytes == 3 * PAGE
+    assert hits(cache, "b", [100, 101]) == 2
+    assert hits(cache, "a", [1]) == 1  # recently used: survived
+    assert cache.stats().evictions["quota"] == 1
+
+
+def test_quota_full_of_locked_chunks_refuses(policy: str) -> None:
+    cache = make_cache(policy=policy, quotas=QuotaBook(limits={"a": 2 * PAGE}))
+    store(cache, "a", [1, 2])
+    cache.lookup("a", [key(1), key(2)])
+    refused = cache.reserve("a", [key(3)], [PAGE])
+    assert refused.refused_reason is not None and "quota" in refused.refused_reason
+    assert cache.tenant_usage("a").used_bytes == 2 * PAGE
+
+
+def test_zero_quota_disables_caching_and_default_applies(policy: str) -> None:
+    cache = make_cache(policy=policy, quotas=QuotaBook(default=0, limits={"vip": None}))
+    refused = cache.reserve("anyone", [key(1)], [PAGE])
+    assert refused.lease is None and refused.refused_reason is not None
+    store(cache, "vip", list(range(10)))
+    assert cache.tenant_usage("vip").chunks == 10
+
+
+def test_chunk_larger_than_the_quota_is_refused(policy: str) -> None:
+    cache = make_cache(policy=policy, quotas=QuotaBook(default=PAGE))
+    refused = cache.reserve("t", [key(1)], [PAGE + 1])
+    assert refused.refused_reason is not None and "exceeds" in refused.refused_reason
+
+
+def test_shrinking_a_quota_evicts_at_once(policy: str) -> None:
+    cache = make_cache(policy=policy)
+    store(cache, "t", list(range(10)))
+    cache.set_quota("t", 4 * PAGE)
+    usage = cache.tenant_usage("t")
+    assert usage.used_bytes == 4 * PAGE and usage.quota_bytes == 4 * PAGE
+    assert hits(cache, "t", list(range(10))) == 4  # the head of the chain stays
+    cache.delete_quota("t")
+    assert cache.tenant_usage("t").quota_bytes is None
+
+
+def test_usage_accounting_is_exact(policy: str) -> None:
+    cache = make_cache(policy=policy)
+    store(cache, "t", [1], size=100)
+    store(cache, "t", [2], size=PAGE + 1)
+    usage = cache.tenant_usage("t")
+    assert usage.used_bytes == PAGE + 101 and usage.chunks == 2
+    stats = cache.stats()
+    assert stats.stored_bytes == PAGE + 101 and stats.allocated_bytes == 3 * PAGE
+    assert 0 < stats.page_waste < 1
+
+
+def test_another_tenants_keys_never_hit(policy: str) -> None:
+    cache = make_cache(policy=policy)
+    store(cache, "a", [1])
+    assert hits(cache, "b", [1]) == 0
+    # and b's store of the same key does not link into or replace a's chunk
+    assert cache.reserve("b", [key(2)], [PAGE], parent=key(1)).lease is not None
+
+
+def test_hits_and_misses_are_counted(policy: str) -> None:
+    cache = make_cache(policy=policy)
+    store(cache, "t", [1, 2])
+    hits(cache, "t", [1, 2, 3, 4])
+    stats = cache.stats()
+    assert (stats.hits, stats.misses) == (2, 2)
+    assert (stats.tenants[0].hits, stats.tenants[0].misses) == (2, 2)
+
+
+def test_fragmentation_is_reported(policy: str) -> None:
+    cache = make_cache(pages=100, policy=policy)
+    for n in range(10):
+        store(cache, "t", [n])
+    assert cache.stats().fragmentation == 0.0
+    for n in range(0, 10, 2):
+        assert cache.lookup("t", [key(n)]).lease is not None
+    assert cache.evict(5)  # only the odd chunks are unlocked: holes between locked ones
+    stats = cache.stats()
+    assert stats.fragmentation > 0 and stats.free_extents == 5  # four holes and the tail
+
+
+@pytest.mark.parametrize(
+    ("keys", "sizes"),
+    [
+        ([b"short"], [1]),
+        ([key(1)], [1, 2]),
+        ([key(1)], [0]),
+        ([key(1), key(1)], [1, 1]),
+    ],
+)
+def test_malformed_reservations_are_rejected(
+    policy: str, keys: list[bytes], sizes: list[int]
+) -> None:
+    cache = make_cache(policy=policy)
+    with pytest.raises(InvalidRequest):
+        cache.reserve("t", keys, sizes)
+    assert cache.stats().allocated_bytes == 0
