@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from kvpool_agent.bench import l1 as bench_l1
+from kvpool_agent.bench import service as bench_service
 from kvpool_agent.keys import tenant_id
 
 
@@ -26,14 +27,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     bench = commands.add_parser("bench", help="run a benchmark and print its table")
     benches = bench.add_subparsers(dest="bench", required=True)
-    bench_l1.add_arguments(benches.add_parser("l1", help=bench_l1.__doc__))
+    bench_l1.add_arguments(benches.add_parser("l1", help="L1 index and copy costs, in-process"))
+    bench_service.add_arguments(
+        benches.add_parser("service", help="store/retrieve through the ZMQ protocol vs memcpy")
+    )
 
     args = parser.parse_args(argv)
     if args.command == "tenant-id":
         salt = args.salt if args.salt is not None else sys.stdin.readline().rstrip("\n")
         print(tenant_id(salt))
-    elif args.command == "bench":
+    elif args.bench == "l1":
         bench_l1.run(args)
+    else:
+        bench_service.run(args)
     return 0
 
 

@@ -88,6 +88,38 @@ class AgentConfig(BaseSettings):
     maintenance_interval_seconds: float = Field(
         1.0, gt=0, description="Period of the background watermark check and lease expiry."
     )
+    host: str = Field(
+        "127.0.0.1", description="Address the ZMQ and HTTP servers bind (0.0.0.0 in a pod)."
+    )
+    zmq_port: int = Field(
+        7400, ge=0, le=65535, description="Port of the ZMQ protocol for vLLM (0 picks a free one)."
+    )
+    http_port: int = Field(
+        7401, ge=0, le=65535, description="Port of the HTTP API and /metrics (0 picks a free one)."
+    )
+    max_inline_bytes: ByteSize = Field(
+        ByteSize(64 << 20),
+        description="Largest payload of one inline (bytes over ZMQ) store or retrieve.",
+    )
+    tokens_file: Path | None = Field(
+        None,
+        description=(
+            "YAML/JSON file of bearer tokens {admin: [...], tenants: {tenant-id: [...]}}; "
+            "without one, an admin token is generated into state_dir at start."
+        ),
+    )
+    state_dir: Path = Field(
+        Path.home() / ".local" / "state" / "kvpool",
+        description="Directory for the quota file and a generated admin token.",
+    )
+    quota_file: Path | None = Field(
+        None, description="JSON file of tenant quotas; default <state_dir>/quotas-<pool>.json."
+    )
+    metrics_top_tenants: int = Field(
+        20,
+        ge=0,
+        description="Tenants with their own metrics label, largest first; the rest are 'other'.",
+    )
     pin_memory: Literal["never", "auto", "always"] = Field(
         "never",
         description=(
@@ -118,6 +150,10 @@ class AgentConfig(BaseSettings):
     @property
     def resolved_segment_path(self) -> Path:
         return self.segment_path or Path(f"/dev/shm/kvpool-{self.pool}")
+
+    @property
+    def resolved_quota_file(self) -> Path:
+        return self.quota_file or self.state_dir / f"quotas-{self.pool}.json"
 
     @classmethod
     def settings_customise_sources(

@@ -139,6 +139,10 @@ class L1Stats:
     chunks: int
     hits: int
     misses: int
+    written_bytes: int
+    """Total bytes of chunks committed."""
+    read_bytes: int
+    """Total bytes of chunks returned read-locked (retrieves)."""
     evictions: dict[str, int]
     lock_expiries: int
     open_leases: int
@@ -228,6 +232,8 @@ class L1Cache:
         self._stored_bytes = 0
         self._hits = 0
         self._misses = 0
+        self._written_bytes = 0
+        self._read_bytes = 0
         self._evictions: Counter[str] = Counter()
         self._lock_expiries = 0
 
@@ -244,8 +250,10 @@ class L1Cache:
         _check_keys(keys)
         if len(sizes) != len(keys):
             raise InvalidRequest(f"{len(keys)} keys but {len(sizes)} sizes")
-        if any(size <= 0 for size in sizes):
-            raise InvalidRequest("chunk sizes must be positive")
+        if any(not 0 < size <= self.layout.data_size for size in sizes):
+            raise InvalidRequest(
+                f"chunk sizes must be positive and at most the segment's {self.layout.data_size}"
+            )
         if len(set(keys)) != len(keys):
             raise InvalidRequest("a reservation names the same key twice")
         account = self._account(tenant)
@@ -258,6 +266,11 @@ class L1Cache:
         refused: str | None = None
         for key, nbytes in zip(keys, sizes, strict=True):
             existing = self._index.get(key, NIL)
+            if existing != NIL and self._tenant[existing] != account.index:
+                # Keys are salted per tenant, so this is a broken or hostile client: never
+                # let one tenant's chain hang under another's chunk.
+                refused = "key is held by another tenant"
+                break
             if existing != NIL:
                 placements.append(None)
                 protected.add(existing)
@@ -304,6 +317,7 @@ class L1Cache:
             self._last_use[slot] = self._next_tick()
             account.policy.insert(slot, self._key(slot))
             account.stored_chunks += 1
+            self._written_bytes += self._nbytes[slot]
             published += 1
         return published
 
@@ -342,7 +356,10 @@ class L1Cache:
         base, page = self.layout.data_offset, self.layout.page_size
         offsets = [base + first_page[slot] * page for slot in slots]
         sizes = [nbytes[slot] for slot in slots]
-        lease = self._open_lease(writing=False, slots=slots) if lock and hit_count else None
+        lease = None
+        if lock and hit_count:
+            lease = self._open_lease(writing=False, slots=slots)
+            self._read_bytes += sum(sizes)
         return Hit(lease, offsets, sizes)
 
     def release(self, lease: int) -> None:
@@ -419,6 +436,8 @@ class L1Cache:
     def iter_keys(self, tenant: str | None = None) -> Iterator[bytes]:
         """Keys of ready chunks (of one tenant, or all)."""
         scope = None if tenant is None else self._tenants.get(tenant)
+        if tenant is not None and scope is None:
+            return
         for key, slot in self._index.items():
             if self._state[slot] == State.READY and (
                 scope is None or self._tenant[slot] == scope.index
@@ -426,7 +445,11 @@ class L1Cache:
                 yield key
 
     def tenant_usage(self, tenant: str) -> TenantStats:
-        return self._tenant_stats(self._account(tenant))
+        """Usage of one tenant; asking about an unknown tenant does not create it."""
+        account = self._tenants.get(tenant)
+        if account is None:
+            return TenantStats(tenant, 0, 0, self.quotas.limit(tenant), 0, 0, 0, 0)
+        return self._tenant_stats(account)
 
     def stats(self) -> L1Stats:
         page = self.layout.page_size
@@ -439,6 +462,8 @@ class L1Cache:
             chunks=len(self._index),
             hits=self._hits,
             misses=self._misses,
+            written_bytes=self._written_bytes,
+            read_bytes=self._read_bytes,
             evictions={cause.value: self._evictions[cause] for cause in EvictionCause},
             lock_expiries=self._lock_expiries,
             open_leases=len(self._leases),

@@ -1,4 +1,10 @@
-"""The agent process's composition root: builds every part, runs them, stops them in reverse."""
+"""The agent process's composition root: builds every part, starts them, stops them in reverse.
+
+Parts: the L1 segment and cache, the quota store and service, the token
+authority, metrics, the ZMQ server (its own thread), the HTTP API (uvicorn on
+this event loop) and the maintenance task. SIGTERM and SIGINT stop it: readiness
+turns false, the servers stop accepting, then the segment is unmapped.
+"""
 
 from __future__ import annotations
 
@@ -6,49 +12,114 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
+from collections.abc import AsyncIterator, Iterator
 
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from kvpool_agent.auth import load_authority
 from kvpool_agent.cache_factory import L1Tier, open_l1
 from kvpool_agent.config import AgentConfig
+from kvpool_agent.http_api import create_app
+from kvpool_agent.metrics import AgentMetrics
+from kvpool_agent.quota_store import FileQuotaStore
+from kvpool_agent.service import CacheService
+from kvpool_agent.zmq_server import ZmqServer
 
 log = logging.getLogger(__name__)
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the agent owns SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
-        self._l1: L1Tier | None = None
         self._stopping = asyncio.Event()
+        self._ready = False
 
-    @property
-    def l1(self) -> L1Tier:
-        if self._l1 is None:
-            raise RuntimeError("the agent is not started")
-        return self._l1
+    def stop(self) -> None:
+        self._ready = False
+        self._stopping.set()
 
     async def run(self) -> None:
         """Serve until :meth:`stop` is called (SIGTERM and SIGINT call it)."""
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.stop)
-        self._l1 = open_l1(self.config)
-        maintenance = asyncio.create_task(self._maintain(), name="l1-maintenance")
-        log.info("agent for pool %r ready", self.config.pool)
-        try:
+        config = self.config
+        async with contextlib.AsyncExitStack() as stack:
+            l1 = open_l1(config)
+            stack.callback(l1.close)
+            service = CacheService(l1.cache, FileQuotaStore(config.resolved_quota_file))
+            log.info(
+                "loaded %d tenant quotas from %s", service.load_quotas(), config.resolved_quota_file
+            )
+            authority = load_authority(
+                config.tokens_file, config.state_dir / f"admin-token-{config.pool}"
+            )
+            metrics = AgentMetrics(CollectorRegistry(), service, config.metrics_top_tenants)
+            zmq_server = ZmqServer(
+                service,
+                l1.segment,
+                f"tcp://{config.host}:{config.zmq_port or '*'}",
+                max_inline_bytes=int(config.max_inline_bytes),
+                session_idle_seconds=10 * config.lease_seconds,
+                observer=metrics,
+            )
+            zmq_server.start()
+            stack.callback(zmq_server.stop)
+            app = create_app(
+                service, authority, ready=lambda: self._ready, metrics=metrics.exposition
+            )
+            http_url = await stack.enter_async_context(self._serve_http(app))
+            await stack.enter_async_context(self._maintain(l1, service))
+            self._ready = True
+            log.info(
+                "agent ready pool=%s zmq=%s http=%s segment=%s",
+                config.pool,
+                zmq_server.bound_endpoint,
+                http_url,
+                l1.segment.path,
+            )
             await self._stopping.wait()
+            log.info("agent stopping")
+        log.info("agent stopped")
+
+    @contextlib.asynccontextmanager
+    async def _serve_http(self, app: object) -> AsyncIterator[str]:
+        listener = socket.create_server((self.config.host, self.config.http_port))
+        host, port = listener.getsockname()[:2]
+        server = _EmbeddedUvicorn(
+            uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")  # type: ignore[arg-type]
+        )
+        task = asyncio.create_task(server.serve(sockets=[listener]), name="http")
+        try:
+            yield f"http://{host}:{port}"
         finally:
-            maintenance.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await maintenance
-            self._l1.close()
-            self._l1 = None
-            log.info("agent stopped")
+            server.should_exit = True
+            await task
+            listener.close()
 
-    def stop(self) -> None:
-        self._stopping.set()
-
-    async def _maintain(self) -> None:
+    @contextlib.asynccontextmanager
+    async def _maintain(self, l1: L1Tier, service: CacheService) -> AsyncIterator[None]:
         """Expire leases and hold the watermark between stores (stores also evict on demand)."""
-        interval = self.config.maintenance_interval_seconds
-        while True:
-            await asyncio.sleep(interval)
-            self.l1.cache.maintain()
+
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(self.config.maintenance_interval_seconds)
+                service.maintain()
+
+        task = asyncio.create_task(loop(), name="l1-maintenance")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -8,6 +10,8 @@ from kvpool_agent.l1 import L1Cache
 from kvpool_agent.policies import policy_factory
 from kvpool_agent.quotas import QuotaBook
 from kvpool_agent.segment import SegmentLayout
+
+from .agent_process import AgentProcess
 
 PAGE = 4096
 
@@ -50,3 +54,11 @@ def make_cache(
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
+
+
+@pytest.fixture
+def agent_process(tmp_path: Path) -> Iterator[AgentProcess]:
+    """A real agent process (not started: set ``settings`` first, then call ``start()``)."""
+    process = AgentProcess(tmp_path)
+    yield process
+    process.cleanup()

@@ -1,0 +1,246 @@
+"""Bearer tokens of the agent's HTTP API: who is calling, admin or one tenant.
+
+Tokens come from a YAML or JSON file (the pool's Secret, mounted)::
+
+    admin: [token, ...]            # or a single string
+    tenants:
+      "<tenant-id>": [token, ...]  # or a single string; quote ids in YAML
+
+Only the SHA-256 digests of the tokens stay in memory, and every check compares
+digests with :func:`hmac.compare_digest` against every known token, so neither
+a memory dump nor response timing gives a token away. Error messages name the
+offending entry by position, never by value, and nothing here logs a token.
+
+Without a tokens file the agent calls :meth:`TokenAuthority.generate_admin_token`
+at start: a fresh admin token is written to a file readable only by the agent's
+user (mode 0600), and the authority keeps its digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+import secrets
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from kvpool_agent.keys import TENANT_ID_CHARS
+
+_TENANT_ID = re.compile(rf"[0-9a-f]{{{TENANT_ID_CHARS}}}")
+# Visible ASCII only: what fits in an Authorization header without quoting.
+_TOKEN = re.compile(r"[\x21-\x7e]+")
+_TOP_LEVEL_KEYS = ("admin", "tenants")
+
+TENANT_ID_RULE = (
+    f"tenant id must be {TENANT_ID_CHARS} lowercase hex characters; "
+    "compute it with `kvpool tenant-id`"
+)
+
+
+class TokenFileError(ValueError):
+    """The tokens file cannot be read or does not have the expected shape."""
+
+
+def is_tenant_id(value: str) -> bool:
+    """True for a well-formed tenant id (see :func:`kvpool_agent.keys.tenant_id`)."""
+    return _TENANT_ID.fullmatch(value) is not None
+
+
+def check_tenant_id(value: str) -> str:
+    """Return ``value`` if it is a well-formed tenant id; ValueError with the rule if not."""
+    if not is_tenant_id(value):
+        raise ValueError(TENANT_ID_RULE)
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who a request acts for: the admin (``tenant`` is None) or one tenant."""
+
+    tenant: str | None
+
+    @classmethod
+    def admin(cls) -> Principal:
+        return cls(None)
+
+    @classmethod
+    def for_tenant(cls, tenant: str) -> Principal:
+        return cls(check_tenant_id(tenant))
+
+    @property
+    def is_admin(self) -> bool:
+        return self.tenant is None
+
+    def may_access(self, tenant: str) -> bool:
+        """Whether this principal may read and change ``tenant``'s quota and cache."""
+        return self.tenant is None or self.tenant == tenant
+
+    def __str__(self) -> str:
+        return "admin" if self.tenant is None else f"tenant {self.tenant}"
+
+
+ADMIN = Principal.admin()
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+class TokenAuthority:
+    """Maps bearer tokens to principals, knowing only the tokens' SHA-256 digests."""
+
+    def __init__(self, tokens: Mapping[str, object], *, source: str = "tokens") -> None:
+        """Build from the parsed tokens mapping ``{admin: ..., tenants: {id: ...}}``.
+
+        ``source`` names the mapping in error messages (the file path, usually).
+        Raises :class:`TokenFileError` on a malformed mapping.
+        """
+        if not isinstance(tokens, Mapping):
+            raise TokenFileError(
+                f"{source}: expected a mapping with keys 'admin' and 'tenants', "
+                f"got {type(tokens).__name__}"
+            )
+        unknown = sorted(str(key) for key in tokens if key not in _TOP_LEVEL_KEYS)
+        if unknown:
+            raise TokenFileError(
+                f"{source}: unknown keys {', '.join(unknown)}; expected 'admin' and 'tenants'"
+            )
+        self._entries: list[tuple[bytes, Principal]] = []
+        owners: dict[bytes, Principal] = {}
+        for token in _token_list(tokens.get("admin"), f"{source}: admin"):
+            self._add(owners, token, ADMIN, f"{source}: admin")
+        tenants = tokens.get("tenants")
+        if tenants is None:
+            tenants = {}
+        if not isinstance(tenants, Mapping):
+            raise TokenFileError(
+                f"{source}: 'tenants' must map tenant ids to tokens, got {type(tenants).__name__}"
+            )
+        for tenant, value in tenants.items():
+            if not isinstance(tenant, str):
+                raise TokenFileError(
+                    f"{source}: tenant id {tenant!r} is a {type(tenant).__name__}, not a string "
+                    "(quote tenant ids in YAML)"
+                )
+            if not is_tenant_id(tenant):
+                raise TokenFileError(f"{source}: tenant {tenant!r}: {TENANT_ID_RULE}")
+            where = f"{source}: tenant {tenant}"
+            for token in _token_list(value, where):
+                self._add(owners, token, Principal(tenant), where)
+        if not self._entries:
+            raise TokenFileError(f"{source}: defines no tokens; nobody could use the API")
+
+    @classmethod
+    def from_file(cls, path: Path) -> TokenAuthority:
+        """Read a YAML or JSON tokens file; :class:`TokenFileError` says what is wrong."""
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            raise TokenFileError(f"cannot read tokens file {path}: {error}") from error
+        try:
+            parsed = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            # The error's own text quotes the offending line, which may hold a token.
+            raise TokenFileError(f"{path}: not valid YAML or JSON{_position(error)}") from None
+        if parsed is None:
+            raise TokenFileError(f"{path}: the file is empty; it defines no tokens")
+        return cls(parsed, source=str(path))
+
+    @classmethod
+    def generate_admin_token(cls, path: Path) -> TokenAuthority:
+        """Write a fresh random admin token to ``path`` (mode 0600); the authority of it alone.
+
+        The file is replaced atomically, so a reader never sees a partial token;
+        a token generated at an earlier start stops working.
+        """
+        token = secrets.token_urlsafe(32)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "w") as handle:
+                handle.write(token + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+        return cls({"admin": token}, source=str(path))
+
+    def authenticate(self, token: str) -> Principal | None:
+        """The principal of ``token``, or None if it is unknown.
+
+        Compares against every known digest without stopping early, so the time
+        taken does not depend on which entry (if any) matches.
+        """
+        digest = _digest(token)
+        found: Principal | None = None
+        for known, principal in self._entries:
+            if hmac.compare_digest(digest, known):
+                found = principal
+        return found
+
+    @property
+    def token_count(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"<TokenAuthority of {len(self._entries)} tokens>"
+
+    def _add(
+        self, owners: dict[bytes, Principal], token: str, principal: Principal, where: str
+    ) -> None:
+        digest = _digest(token)
+        owner = owners.get(digest)
+        if owner == principal:
+            return  # listed twice for the same principal: harmless
+        if owner is not None:
+            raise TokenFileError(f"{where}: a token is also listed for {owner}; tokens must differ")
+        owners[digest] = principal
+        self._entries.append((digest, principal))
+
+
+def load_authority(tokens_file: Path | None, admin_token_file: Path) -> TokenAuthority:
+    """The agent's authority: from ``tokens_file`` if configured, else a generated admin token."""
+    if tokens_file is not None:
+        return TokenAuthority.from_file(tokens_file)
+    return TokenAuthority.generate_admin_token(admin_token_file)
+
+
+def _token_list(value: object, where: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        items: list[object] = [value]
+    elif isinstance(value, list):
+        items = value
+    else:
+        raise TokenFileError(
+            f"{where}: expected a token or a list of tokens, got {type(value).__name__}"
+        )
+    tokens: list[str] = []
+    for position, item in enumerate(items, start=1):
+        if not isinstance(item, str):
+            raise TokenFileError(
+                f"{where}: token #{position} is a {type(item).__name__}, not a string"
+            )
+        if not _TOKEN.fullmatch(item):
+            raise TokenFileError(
+                f"{where}: token #{position} is empty or has whitespace or non-ASCII characters"
+            )
+        tokens.append(item)
+    return tokens
+
+
+def _position(error: yaml.YAMLError) -> str:
+    mark = getattr(error, "problem_mark", None)
+    if mark is None:
+        return ""
+    return f" (line {mark.line + 1}, column {mark.column + 1})"

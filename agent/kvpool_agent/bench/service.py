@@ -1,0 +1,314 @@
+"""``kvpool bench service``: the agent's ZMQ protocol end to end, against raw memcpy.
+
+A real ``kvpool-agent`` process serves 1 and 4 client processes. Each client
+stores its own chunks (prepare_store, copy into the mapped segment,
+commit_store; batches of up to 64 MiB) totalling ``--working-set-mib``, then
+retrieves them all (lookup with read locks, copy out, release), checking the
+bytes. Throughput is all clients' bytes over the wall time of the phase
+(clients start together at a barrier). The baseline is a raw memcpy of the same
+bytes in the same client processes, from the same source buffer into a private
+buffer of the same size, so both sides move the same working set through DRAM.
+Also the round trip of a locked lookup of a 64-chunk cached prefix, p50/p99.
+
+With ``--lmcache-python``, the same workload runs against LMCache's
+multiprocess server (``lmcache_peer.py`` in that interpreter) and both are
+printed side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import mmap
+import multiprocessing
+import multiprocessing.context
+import multiprocessing.queues
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.synchronize import Barrier
+from pathlib import Path
+from typing import Any
+
+from kvpool_agent.bench.report import table
+from kvpool_agent.client import AgentClient, copy_in, copy_out
+from kvpool_agent.keys import tenant_id
+
+TENANT = tenant_id("bench")
+BATCH_BYTES = 64 << 20
+LOOKUP_CHUNKS = 64
+READY = re.compile(r"agent ready pool=\S+ zmq=(\S+) http=(\S+)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--working-set-mib", type=int, default=256, help="MiB per client")
+    parser.add_argument(
+        "--chunk-sizes", default=f"{256 << 10},{2 << 20},{32 << 20}", help="bytes, comma-separated"
+    )
+    parser.add_argument("--clients", default="1,4", help="client counts, comma-separated")
+    parser.add_argument("--lookups", type=int, default=2000, help="timed lookups")
+    parser.add_argument(
+        "--lmcache-python", type=Path, help="python of a venv with lmcache==0.5.6, to compare"
+    )
+
+
+@dataclass(frozen=True)
+class Phase:
+    store_seconds: float
+    retrieve_seconds: float
+    memcpy_seconds: float
+    mismatches: int
+
+
+def _private_buffer(size: int) -> mmap.mmap:
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+
+
+def _client(endpoint: str, worker: int, chunk: int, working_set: int, barrier: Barrier) -> Phase:
+    count = working_set // chunk
+    source = _private_buffer(count * chunk)
+    source.write(os.urandom(1 << 20) * (count * chunk >> 20))
+    target = _private_buffer(count * chunk)
+    source_view, target_view = memoryview(source), memoryview(target)
+    keys = [hashlib.sha256(b"%d-%d-%d" % (worker, chunk, i)).digest() for i in range(count)]
+    per_batch = max(1, BATCH_BYTES // chunk)
+    batches = [range(i, min(i + per_batch, count)) for i in range(0, count, per_batch)]
+    with AgentClient(endpoint, client_name=f"bench-{worker}", timeout=60) as client:
+        segment = client.segment()
+        barrier.wait()
+        started = time.perf_counter()
+        target_view[:] = source_view  # the raw memcpy of the same bytes
+        memcpy_seconds = time.perf_counter() - started
+
+        barrier.wait()
+        started = time.perf_counter()
+        for batch in batches:
+            plan = client.prepare_store(TENANT, [keys[i] for i in batch], [chunk] * len(batch))
+            assert plan.lease is not None, plan.refused
+            copy_in(
+                segment, plan.offsets, [source_view[i * chunk : (i + 1) * chunk] for i in batch]
+            )
+            client.commit_store(plan.lease)
+        store_seconds = time.perf_counter() - started
+
+        barrier.wait()
+        started = time.perf_counter()
+        for batch in batches:
+            hit = client.lookup(TENANT, [keys[i] for i in batch])
+            assert hit.lease is not None and hit.count == len(batch)
+            for i, offset in zip(batch, hit.offsets, strict=True):
+                target_view[i * chunk : (i + 1) * chunk] = segment.view[offset : offset + chunk]
+            client.release(hit.lease)
+        retrieve_seconds = time.perf_counter() - started
+        mismatches = int(source_view != target_view)
+    source_view.release()
+    target_view.release()
+    return Phase(store_seconds, retrieve_seconds, memcpy_seconds, mismatches)
+
+
+def _client_process(
+    job: tuple[str, int, int, int], barrier: Barrier, results: multiprocessing.queues.Queue[Phase]
+) -> None:
+    endpoint, worker, chunk, working_set = job
+    results.put(_client(endpoint, worker, chunk, working_set, barrier))
+
+
+def _run_clients(
+    context: multiprocessing.context.SpawnContext,
+    endpoint: str,
+    count: int,
+    chunk: int,
+    working_set: int,
+) -> list[Phase]:
+    barrier = context.Barrier(count)
+    results: multiprocessing.queues.Queue[Phase] = context.Queue()
+    workers = [
+        context.Process(
+            target=_client_process, args=((endpoint, w, chunk, working_set), barrier, results)
+        )
+        for w in range(count)
+    ]
+    for worker in workers:
+        worker.start()
+    phases = [results.get(timeout=600) for _ in workers]
+    for worker in workers:
+        worker.join()
+    return phases
+
+
+def _lookup_latency(endpoint: str, lookups: int) -> tuple[float, float]:
+    keys = [hashlib.sha256(b"lookup-%d" % i).digest() for i in range(LOOKUP_CHUNKS)]
+    with AgentClient(endpoint) as client:
+        client.store(TENANT, keys, [bytes(4096)] * LOOKUP_CHUNKS)
+        samples = []
+        for _ in range(lookups + 200):
+            started = time.perf_counter()
+            hit = client.lookup(TENANT, keys)
+            samples.append(time.perf_counter() - started)
+            assert hit.lease is not None and hit.count == LOOKUP_CHUNKS
+            client.release(hit.lease)
+        assert copy_out(client.segment(), hit)[0] == bytes(4096)
+    timed = sorted(samples[200:])
+    return statistics.median(timed) * 1e6, timed[int(len(timed) * 0.99)] * 1e6
+
+
+class _Agent:
+    """A kvpool-agent process sized for the benchmark."""
+
+    def __init__(self, l1_bytes: int) -> None:
+        self._workdir = tempfile.TemporaryDirectory()
+        self.segment = Path("/dev/shm") / f"kvpool-bench-{os.getpid()}"
+        env = {
+            **os.environ,
+            "KVPOOL_SEGMENT_PATH": str(self.segment),
+            "KVPOOL_L1_SIZE": str(l1_bytes),
+            "KVPOOL_PAGE_SIZE": "65536",
+            "KVPOOL_ZMQ_PORT": "0",
+            "KVPOOL_HTTP_PORT": "0",
+            "KVPOOL_STATE_DIR": self._workdir.name,
+        }
+        self.process = subprocess.Popen(
+            [Path(sys.executable).parent / "kvpool-agent"],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.endpoint = self._wait_ready()
+
+    def _wait_ready(self) -> str:
+        assert self.process.stderr is not None
+        found: list[str] = []
+        ready = threading.Event()
+
+        def read() -> None:
+            assert self.process.stderr is not None
+            for line in self.process.stderr:
+                match = READY.search(line)
+                if match:
+                    found.append(match.group(1))
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(60) or not found:
+            self.close()
+            raise RuntimeError("the agent did not start")
+        return found[0]
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait(30)
+        self.segment.unlink(missing_ok=True)
+        self._workdir.cleanup()
+
+
+def _ours(chunks: list[int], clients: list[int], working_set: int, lookups: int) -> dict[str, Any]:
+    agent = _Agent(max(clients) * working_set + (256 << 20))
+    context = multiprocessing.get_context("spawn")
+    results = []
+    try:
+        for chunk in chunks:
+            for count in clients:
+                phases = _run_clients(context, agent.endpoint, count, chunk, working_set)
+                assert all(phase.mismatches == 0 for phase in phases), "bytes differ"
+                with AgentClient(agent.endpoint) as client:
+                    client.clear()
+                total = count * (working_set // chunk) * chunk
+                results.append(
+                    {
+                        "chunk_bytes": chunk,
+                        "clients": count,
+                        "store_gbps": total / max(p.store_seconds for p in phases) / 1e9,
+                        "retrieve_gbps": total / max(p.retrieve_seconds for p in phases) / 1e9,
+                        "memcpy_gbps": total / max(p.memcpy_seconds for p in phases) / 1e9,
+                    }
+                )
+        p50, p99 = _lookup_latency(agent.endpoint, lookups)
+    finally:
+        agent.close()
+    return {"system": "kvpool agent", "throughput": results, "lookup_us": {"p50": p50, "p99": p99}}
+
+
+def _lmcache(python: Path, args: argparse.Namespace) -> dict[str, Any]:
+    script = Path(__file__).with_name("lmcache_peer.py")
+    output = subprocess.run(
+        [
+            python,
+            script,
+            "--working-set-mib",
+            str(args.working_set_mib),
+            "--chunk-sizes",
+            args.chunk_sizes,
+            "--clients",
+            args.clients,
+            "--lookups",
+            str(args.lookups),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+    )
+    result: dict[str, Any] = json.loads(output.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _rows(result: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for entry in result["throughput"]:
+        memcpy = entry["memcpy_gbps"]
+        rows.append(
+            [
+                result["system"],
+                f"{entry['chunk_bytes'] >> 10} KiB",
+                str(entry["clients"]),
+                f"{memcpy:.2f}",
+                f"{entry['store_gbps']:.2f}",
+                f"{entry['store_gbps'] / memcpy:.2f}",
+                f"{entry['retrieve_gbps']:.2f}",
+                f"{entry['retrieve_gbps'] / memcpy:.2f}",
+            ]
+        )
+    return rows
+
+
+def run(args: argparse.Namespace) -> None:
+    chunks = [int(size) for size in args.chunk_sizes.split(",")]
+    clients = [int(count) for count in args.clients.split(",")]
+    working_set = args.working_set_mib << 20
+    results = [_ours(chunks, clients, working_set, args.lookups)]
+    if args.lmcache_python:
+        results.append(_lmcache(args.lmcache_python, args))
+    header = ["system", "chunk", "clients", "memcpy GB/s", "store GB/s", "ratio"]
+    header += ["retrieve GB/s", "ratio"]
+    rows = [row for result in results for row in _rows(result)]
+    print(
+        table(
+            f"Store/retrieve through the protocol vs raw memcpy (goal ratio >= 0.8 at >= 2 MiB), "
+            f"{args.working_set_mib} MiB per client",
+            header,
+            rows,
+        )
+    )
+    print()
+    latency_rows = [
+        [r["system"], f"{r['lookup_us']['p50']:.0f}", f"{r['lookup_us']['p99']:.0f}"]
+        for r in results
+    ]
+    print(
+        table(
+            f"Locked lookup round trip, {LOOKUP_CHUNKS}-chunk cached prefix (goal p50 <= 100 us)",
+            ["system", "p50 us", "p99 us"],
+            latency_rows,
+        )
+    )
+    for result in results:
+        if result.get("notes"):
+            print(f"\n{result['system']}: {result['notes']}")

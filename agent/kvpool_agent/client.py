@@ -1,0 +1,518 @@
+"""Client library for the agent's ZMQ protocol: :class:`AgentClient` (blocking) and
+:class:`AsyncAgentClient` (asyncio), with the same methods.
+
+Both speak through one DEALER socket, time every request out, and recover by
+themselves: a request that times out closes the socket (so nothing stale is
+delivered later) and the next call reconnects; a restarted agent answers
+``unknown_session`` and the client says hello again and resends, for the
+requests where that is safe (not for lease operations: the leases died with
+the old agent). A client never waits longer than its timeout.
+
+The zero-copy helpers :meth:`AgentClient.store` and :meth:`AgentClient.retrieve`
+map the segment and copy the bytes themselves; the ``*_inline`` methods send
+the bytes over the socket instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import zmq
+import zmq.asyncio
+
+from kvpool_agent import protocol as p
+from kvpool_agent.l1 import Hit
+from kvpool_agent.segment import SharedSegment
+
+T = TypeVar("T")
+Payload = bytes | memoryview
+
+
+class AgentUnavailable(ConnectionError):
+    """The agent did not answer within the timeout (down, restarting or overloaded)."""
+
+
+class AgentError(RuntimeError):
+    """The agent refused a request; ``code`` is a :class:`~kvpool_agent.protocol.ErrorCode`."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+@dataclass(frozen=True)
+class AgentInfo:
+    """What the agent said in reply to hello."""
+
+    agent_id: str
+    session: int
+    segment_path: Path
+    data_offset: int
+    data_size: int
+    page_size: int
+    max_inline_bytes: int
+    max_keys: int
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    """Where to write each key: ``offsets[i]`` or -1 when the agent already has it."""
+
+    lease: int | None
+    offsets: list[int]
+    refused: str | None
+
+
+@dataclass(frozen=True)
+class InlineStoreResult:
+    stored: int
+    present: int
+    refused: str | None
+
+
+@dataclass(frozen=True)
+class _Exchange(Generic[T]):
+    build: Callable[[int, int], Any]
+    """(req, session) -> request message."""
+    parse: Callable[[Any, list[bytes]], T]
+    frames: Sequence[Payload] = ()
+    resend_after_hello: bool = True
+
+
+def _expect(kind: type[T]) -> Callable[[Any, list[bytes]], T]:
+    def parse(reply: Any, data: list[bytes]) -> T:
+        if not isinstance(reply, kind):
+            raise AgentError(p.ErrorCode.MALFORMED, f"expected {kind.__name__}, got {reply!r}")
+        return reply
+
+    return parse
+
+
+def _acknowledged(reply: Any, data: list[bytes]) -> None:
+    _expect(p.Ok)(reply, data)
+
+
+def _no_lease(lease: int) -> int | None:
+    return None if lease == p.NO_LEASE else lease
+
+
+class _Requests:
+    """Builds every request and parses its reply; shared by both clients."""
+
+    @staticmethod
+    def lookup(tenant: str, keys: Sequence[bytes], lock: bool) -> _Exchange[Hit]:
+        def parse(reply: Any, data: list[bytes]) -> Hit:
+            answer = _expect(p.LookupReply)(reply, data)
+            return Hit(_no_lease(answer.lease), answer.offsets, answer.sizes)
+
+        return _Exchange(lambda req, s: p.Lookup(req, s, tenant, list(keys), lock), parse)
+
+    @staticmethod
+    def prepare_store(
+        tenant: str, keys: Sequence[bytes], sizes: Sequence[int], parent: bytes | None
+    ) -> _Exchange[StorePlan]:
+        def parse(reply: Any, data: list[bytes]) -> StorePlan:
+            answer = _expect(p.PrepareStoreReply)(reply, data)
+            return StorePlan(_no_lease(answer.lease), answer.offsets, answer.refused)
+
+        return _Exchange(
+            lambda req, s: p.PrepareStore(req, s, tenant, list(keys), list(sizes), parent), parse
+        )
+
+    @staticmethod
+    def commit_store(lease: int, count: int | None) -> _Exchange[int]:
+        return _Exchange(
+            lambda req, s: p.CommitStore(req, s, lease, count),
+            lambda reply, data: _expect(p.CommitReply)(reply, data).committed,
+            resend_after_hello=False,
+        )
+
+    @staticmethod
+    def release(lease: int) -> _Exchange[None]:
+        return _Exchange(
+            lambda req, s: p.Release(req, s, lease),
+            _acknowledged,
+            resend_after_hello=False,
+        )
+
+    @staticmethod
+    def store_inline(
+        tenant: str, keys: Sequence[bytes], chunks: Sequence[Payload], parent: bytes | None
+    ) -> _Exchange[InlineStoreResult]:
+        def parse(reply: Any, data: list[bytes]) -> InlineStoreResult:
+            answer = _expect(p.StoreInlineReply)(reply, data)
+            return InlineStoreResult(answer.stored, answer.present, answer.refused)
+
+        return _Exchange(
+            lambda req, s: p.StoreInline(req, s, tenant, list(keys), parent), parse, chunks
+        )
+
+    @staticmethod
+    def retrieve_inline(tenant: str, keys: Sequence[bytes]) -> _Exchange[list[bytes]]:
+        def parse(reply: Any, data: list[bytes]) -> list[bytes]:
+            answer = _expect(p.RetrieveInlineReply)(reply, data)
+            if answer.count != len(data):
+                raise AgentError(p.ErrorCode.MALFORMED, "data frames do not match the count")
+            return data
+
+        return _Exchange(lambda req, s: p.RetrieveInline(req, s, tenant, list(keys)), parse)
+
+    @staticmethod
+    def clear(tenant: str | None) -> _Exchange[int]:
+        return _Exchange(
+            lambda req, s: p.Clear(req, s, tenant),
+            lambda reply, data: _expect(p.ClearReply)(reply, data).cleared,
+        )
+
+    @staticmethod
+    def stats() -> _Exchange[dict[str, int | float]]:
+        return _Exchange(
+            lambda req, s: p.Stats(req),
+            lambda reply, data: _expect(p.StatsReply)(reply, data).stats,
+        )
+
+    @staticmethod
+    def ping() -> _Exchange[str]:
+        return _Exchange(
+            lambda req, s: p.Ping(req), lambda reply, data: _expect(p.Pong)(reply, data).agent_id
+        )
+
+
+def _info(reply: Any) -> AgentInfo:
+    answer = _expect(p.HelloReply)(reply, [])
+    return AgentInfo(
+        answer.agent_id,
+        answer.session,
+        Path(answer.segment_path),
+        answer.data_offset,
+        answer.data_size,
+        answer.page_size,
+        answer.max_inline_bytes,
+        answer.max_keys,
+    )
+
+
+class _ClientBase:
+    def __init__(self, endpoint: str, client_name: str, timeout: float) -> None:
+        self.endpoint = endpoint
+        self.client_name = client_name
+        self.timeout = timeout
+        self.info: AgentInfo | None = None
+        self._req = itertools.count(1)
+        self._segment: SharedSegment | None = None
+
+    def _configure(self, socket: zmq.Socket[Any]) -> None:
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.RECONNECT_IVL, 100)
+        socket.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        socket.connect(self.endpoint)
+
+    def _session(self) -> int:
+        assert self.info is not None
+        return self.info.session
+
+    def _check(self, reply: Any) -> None:
+        if isinstance(reply, p.Error):
+            raise AgentError(reply.code, reply.message)
+
+    def segment(self) -> SharedSegment:
+        """The agent's segment, mapped into this process (once).
+
+        The mapping is populated up front: faulting pages in during the first
+        copies would cost more than the copies themselves.
+        """
+        if self.info is None:
+            raise AgentUnavailable("not connected: call connect() first")
+        if self._segment is None or self._segment.path != self.info.segment_path:
+            self._segment = SharedSegment.attach(self.info.segment_path, populate=True)
+        return self._segment
+
+    def _close_segment(self) -> None:
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+
+
+class AgentClient(_ClientBase):
+    """Blocking client; one request at a time (use one client per thread)."""
+
+    def __init__(
+        self, endpoint: str, *, client_name: str = "kvpool-client", timeout: float = 5.0
+    ) -> None:
+        super().__init__(endpoint, client_name, timeout)
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._socket: zmq.Socket[bytes] | None = None
+
+    def __enter__(self) -> AgentClient:
+        self.connect()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def connect(self) -> AgentInfo:
+        if self._socket is None:
+            self._socket = self._context.socket(zmq.DEALER)
+            self._configure(self._socket)
+        reply, _ = self._roundtrip(p.Hello(next(self._req), p.PROTOCOL_VERSION, self.client_name))
+        self._check(reply)
+        self.info = _info(reply)
+        return self.info
+
+    def close(self) -> None:
+        if self._socket is not None and self.info is not None:
+            with contextlib.suppress(AgentUnavailable):
+                self._roundtrip(p.EndSession(next(self._req), self.info.session))
+        self._reset()
+        self._close_segment()
+
+    def _reset(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+        self.info = None
+
+    def _roundtrip(self, request: Any, frames: Sequence[Payload] = ()) -> tuple[Any, list[bytes]]:
+        socket = self._socket
+        assert socket is not None
+        socket.send_multipart([p.encode(request), *frames], copy=len(frames) == 0)
+        deadline_ms = int(self.timeout * 1000)
+        while socket.poll(deadline_ms):
+            message = socket.recv_multipart()
+            reply = p.decode_reply(message[0])
+            if reply.req == request.req:
+                return reply, message[1:]
+        self._reset()
+        raise AgentUnavailable(f"no reply from the agent at {self.endpoint} in {self.timeout} s")
+
+    def _call(self, exchange: _Exchange[T]) -> T:
+        if self.info is None:
+            self.connect()
+        reply, data = self._roundtrip(
+            exchange.build(next(self._req), self._session()), exchange.frames
+        )
+        if isinstance(reply, p.Error) and reply.code == p.ErrorCode.UNKNOWN_SESSION:
+            self.connect()
+            if exchange.resend_after_hello:
+                reply, data = self._roundtrip(
+                    exchange.build(next(self._req), self._session()), exchange.frames
+                )
+        self._check(reply)
+        return exchange.parse(reply, data)
+
+    def ping(self) -> str:
+        return self._call(_Requests.ping())
+
+    def lookup(self, tenant: str, keys: Sequence[bytes], *, lock: bool = True) -> Hit:
+        return self._call(_Requests.lookup(tenant, keys, lock))
+
+    def prepare_store(
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        parent: bytes | None = None,
+    ) -> StorePlan:
+        return self._call(_Requests.prepare_store(tenant, keys, sizes, parent))
+
+    def commit_store(self, lease: int, count: int | None = None) -> int:
+        return self._call(_Requests.commit_store(lease, count))
+
+    def release(self, lease: int) -> None:
+        self._call(_Requests.release(lease))
+
+    def store_inline(
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        chunks: Sequence[Payload],
+        parent: bytes | None = None,
+    ) -> InlineStoreResult:
+        return self._call(_Requests.store_inline(tenant, keys, chunks, parent))
+
+    def retrieve_inline(self, tenant: str, keys: Sequence[bytes]) -> list[bytes]:
+        return self._call(_Requests.retrieve_inline(tenant, keys))
+
+    def clear(self, tenant: str | None = None) -> int:
+        return self._call(_Requests.clear(tenant))
+
+    def stats(self) -> dict[str, int | float]:
+        return self._call(_Requests.stats())
+
+    def store(
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        chunks: Sequence[Payload],
+        parent: bytes | None = None,
+    ) -> int:
+        """Zero-copy store: reserve, copy into the mapped segment, commit. Returns chunks stored."""
+        plan = self.prepare_store(tenant, keys, [len(chunk) for chunk in chunks], parent)
+        if plan.lease is None:
+            return 0
+        copy_in(self.segment(), plan.offsets, chunks)
+        return self.commit_store(plan.lease)
+
+    def retrieve(self, tenant: str, keys: Sequence[bytes]) -> list[bytes]:
+        """Zero-copy retrieve: lookup with read locks, copy out of the segment, release."""
+        hit = self.lookup(tenant, keys)
+        if hit.lease is None:
+            return []
+        try:
+            return copy_out(self.segment(), hit)
+        finally:
+            self.release(hit.lease)
+
+
+class AsyncAgentClient(_ClientBase):
+    """asyncio client; concurrent calls on one client are serialised."""
+
+    def __init__(
+        self, endpoint: str, *, client_name: str = "kvpool-client", timeout: float = 5.0
+    ) -> None:
+        super().__init__(endpoint, client_name, timeout)
+        self._context = zmq.asyncio.Context.instance()
+        self._socket: zmq.asyncio.Socket | None = None
+        self._busy = asyncio.Lock()
+
+    async def connect(self) -> AgentInfo:
+        if self._socket is None:
+            self._socket = self._context.socket(zmq.DEALER)
+            self._configure(self._socket)
+        reply, _ = await self._roundtrip(
+            p.Hello(next(self._req), p.PROTOCOL_VERSION, self.client_name)
+        )
+        self._check(reply)
+        self.info = _info(reply)
+        return self.info
+
+    async def close(self) -> None:
+        if self._socket is not None and self.info is not None:
+            with contextlib.suppress(AgentUnavailable):
+                await self._roundtrip(p.EndSession(next(self._req), self.info.session))
+        self._reset()
+        self._close_segment()
+
+    def _reset(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+        self.info = None
+
+    async def _roundtrip(
+        self, request: Any, frames: Sequence[Payload] = ()
+    ) -> tuple[Any, list[bytes]]:
+        async with self._busy:
+            socket = self._socket
+            assert socket is not None
+            await socket.send_multipart([p.encode(request), *frames])
+            deadline_ms = int(self.timeout * 1000)
+            while await socket.poll(deadline_ms):
+                message = await socket.recv_multipart()
+                reply = p.decode_reply(message[0])
+                if reply.req == request.req:
+                    return reply, message[1:]
+            self._reset()
+            raise AgentUnavailable(
+                f"no reply from the agent at {self.endpoint} in {self.timeout} s"
+            )
+
+    async def _call(self, exchange: _Exchange[T]) -> T:
+        if self.info is None:
+            await self.connect()
+        reply, data = await self._roundtrip(
+            exchange.build(next(self._req), self._session()), exchange.frames
+        )
+        if isinstance(reply, p.Error) and reply.code == p.ErrorCode.UNKNOWN_SESSION:
+            await self.connect()
+            if exchange.resend_after_hello:
+                reply, data = await self._roundtrip(
+                    exchange.build(next(self._req), self._session()), exchange.frames
+                )
+        self._check(reply)
+        return exchange.parse(reply, data)
+
+    async def ping(self) -> str:
+        return await self._call(_Requests.ping())
+
+    async def lookup(self, tenant: str, keys: Sequence[bytes], *, lock: bool = True) -> Hit:
+        return await self._call(_Requests.lookup(tenant, keys, lock))
+
+    async def prepare_store(
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        parent: bytes | None = None,
+    ) -> StorePlan:
+        return await self._call(_Requests.prepare_store(tenant, keys, sizes, parent))
+
+    async def commit_store(self, lease: int, count: int | None = None) -> int:
+        return await self._call(_Requests.commit_store(lease, count))
+
+    async def release(self, lease: int) -> None:
+        await self._call(_Requests.release(lease))
+
+    async def store_inline(
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        chunks: Sequence[Payload],
+        parent: bytes | None = None,
+    ) -> InlineStoreResult:
+        return await self._call(_Requests.store_inline(tenant, keys, chunks, parent))
+
+    async def retrieve_inline(self, tenant: str, keys: Sequence[bytes]) -> list[bytes]:
+        return await self._call(_Requests.retrieve_inline(tenant, keys))
+
+    async def clear(self, tenant: str | None = None) -> int:
+        return await self._call(_Requests.clear(tenant))
+
+    async def stats(self) -> dict[str, int | float]:
+        return await self._call(_Requests.stats())
+
+    async def store(
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        chunks: Sequence[Payload],
+        parent: bytes | None = None,
+    ) -> int:
+        """Zero-copy store, as :meth:`AgentClient.store`."""
+        plan = await self.prepare_store(tenant, keys, [len(chunk) for chunk in chunks], parent)
+        if plan.lease is None:
+            return 0
+        copy_in(self.segment(), plan.offsets, chunks)
+        return await self.commit_store(plan.lease)
+
+    async def retrieve(self, tenant: str, keys: Sequence[bytes]) -> list[bytes]:
+        """Zero-copy retrieve, as :meth:`AgentClient.retrieve`."""
+        hit = await self.lookup(tenant, keys)
+        if hit.lease is None:
+            return []
+        try:
+            return copy_out(self.segment(), hit)
+        finally:
+            await self.release(hit.lease)
+
+
+def copy_in(segment: SharedSegment, offsets: Sequence[int], chunks: Sequence[Payload]) -> None:
+    """Copy ``chunks`` to their reserved offsets (-1: already cached, skipped)."""
+    view = segment.view
+    for offset, chunk in zip(offsets, chunks, strict=False):
+        if offset >= 0:
+            view[offset : offset + len(chunk)] = chunk
+
+
+def copy_out(segment: SharedSegment, hit: Hit) -> list[bytes]:
+    view = segment.view
+    return [
+        bytes(view[offset : offset + size])
+        for offset, size in zip(hit.offsets, hit.sizes, strict=True)
+    ]

@@ -1,0 +1,402 @@
+"""The agent's HTTP API: health, cache status, tenant quotas, usage and clearing.
+
+:func:`create_app` gets every dependency as an argument; the composition root
+builds the service and the token authority and passes them in.
+
+Access: ``/healthz``, ``/readyz`` and ``/metrics`` need no token. Every other
+route takes ``Authorization: Bearer <token>``: an admin token may do anything,
+a tenant token only reads and changes its own tenant's quota, usage and cache.
+Checks run in this order: a missing or unknown token is 401, a malformed tenant
+id 422, a tenant touching another tenant or an admin-only route 403 (only a
+body that is not JSON at all is refused before the token is checked: FastAPI
+parses bodies first). Every error body is ``{"detail": "<reason>"}``.
+
+Handlers that reach the service are plain ``def``: FastAPI runs them in its
+thread pool, so the service's locks and the quota store's file I/O never block
+the event loop.
+"""
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, Self
+
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Request, status
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from kvpool_agent.auth import TENANT_ID_RULE, Principal, TokenAuthority, is_tenant_id
+from kvpool_agent.quota_store import QuotaStoreError
+from kvpool_agent.service import CacheService, QuotaView
+
+log = logging.getLogger(__name__)
+
+MAX_LIMIT_BYTES = 2**63 - 1
+"""Largest quota accepted (what a signed 64-bit consumer of the API can hold)."""
+
+TENANT_ID_DOC = "Tenant id: 32 lowercase hex characters, from `kvpool tenant-id <cache_salt>`."
+_EXAMPLE_TENANT = "0123456789abcdef0123456789abcdef"
+
+_DESCRIPTION = """\
+The node agent's control API. Send `Authorization: Bearer <token>`: an admin token
+may use every route, a tenant token only its own tenant's routes. `/healthz`,
+`/readyz` and `/metrics` need no token. Errors are `{"detail": "<reason>"}`.
+Tenant ids are `kvpool tenant-id <cache_salt>`: 32 lowercase hex characters.
+"""
+
+MetricsSource = Callable[[], tuple[bytes, str]]
+"""Renders the metrics exposition: ``(body, content_type)``."""
+
+
+# ------------------------------------------------------------------ models
+
+
+class Error(BaseModel):
+    detail: str = Field(description="Why the request failed.")
+
+
+class Health(BaseModel):
+    status: str = Field("ok", description="Always 'ok' while the process serves requests.")
+
+
+class Readiness(BaseModel):
+    ready: bool = Field(description="True when the agent serves cache requests.")
+
+
+class CacheStatus(BaseModel):
+    """State of the node's L1 cache (all tenants)."""
+
+    capacity_bytes: int = Field(description="Bytes of chunk data the L1 segment holds.")
+    allocated_bytes: int = Field(description="Bytes in allocated pages (whole pages per chunk).")
+    stored_bytes: int = Field(description="Bytes of chunk data stored (being written or ready).")
+    chunks: int = Field(description="Chunks in the index.")
+    hits: int = Field(description="Chunks found by lookups since start.")
+    misses: int = Field(description="Chunks looked up and not found since start.")
+    written_bytes: int = Field(description="Bytes of chunks committed since start.")
+    read_bytes: int = Field(description="Bytes of chunks handed to readers since start.")
+    evictions: dict[str, int] = Field(
+        description="Chunks evicted since start, by cause: watermark, pressure, quota."
+    )
+    lock_expiries: int = Field(description="Leases that expired instead of being released.")
+    open_leases: int = Field(description="Read and write leases open now.")
+    free_extents: int = Field(description="Runs of free pages.")
+    fragmentation: float = Field(
+        description="External fragmentation: 1 - largest free extent / free bytes."
+    )
+    page_waste: float = Field(
+        description="Share of allocated bytes lost to rounding chunks up to whole pages."
+    )
+    tenant_count: int = Field(description="Tenants the cache has accounts for.")
+
+
+class Quota(BaseModel):
+    tenant: str = Field(description="Tenant id (32 lowercase hex characters).")
+    limit_bytes: int | None = Field(
+        description="Bytes the tenant may keep cached; 0 = no caching, null = unlimited."
+    )
+    explicit: bool = Field(
+        description="True if the tenant has its own quota; false if the default applies."
+    )
+
+    @classmethod
+    def of(cls, view: QuotaView) -> Self:
+        return cls(tenant=view.tenant, limit_bytes=view.limit, explicit=view.explicit)
+
+
+class QuotaUpdate(BaseModel):
+    """A tenant's new quota, stored durably and applied at once (shrinking evicts)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    limit_bytes: Annotated[StrictInt, Field(ge=0, le=MAX_LIMIT_BYTES)] | None = Field(
+        description="Bytes the tenant may keep cached: an integer >= 0 (0 = no caching), "
+        "or null for unlimited.",
+        examples=[8 << 30, 0, None],
+    )
+
+
+class Usage(BaseModel):
+    tenant: str = Field(description="Tenant id.")
+    used_bytes: int = Field(description="Bytes of the tenant's chunks in L1.")
+    chunks: int = Field(description="The tenant's chunks in L1.")
+    quota_bytes: int | None = Field(description="The tenant's quota; null = unlimited.")
+    hits: int = Field(description="Chunks the tenant found since start.")
+    misses: int = Field(description="Chunks the tenant looked up and did not find.")
+    stored_chunks: int = Field(description="Chunks the tenant stored since start.")
+    evicted_chunks: int = Field(description="The tenant's chunks evicted since start.")
+
+
+class Cleared(BaseModel):
+    dropped_chunks: int = Field(
+        description="Chunks dropped; locked ones are freed when their readers finish."
+    )
+
+
+# ----------------------------------------------------------------- errors
+
+Responses = dict[int | str, dict[str, Any]]
+
+_ERRORS = {
+    401: "Missing or unknown bearer token.",
+    403: "The token may not use this route (another tenant's, or admin-only).",
+    422: "Malformed tenant id or request body.",
+    503: "The quota store failed; nothing was changed.",
+}
+_BEARER = {"WWW-Authenticate": 'Bearer realm="kvpool"'}
+_INVALID_TOKEN = {"WWW-Authenticate": 'Bearer realm="kvpool", error="invalid_token"'}
+
+
+def _errors(*codes: int) -> Responses:
+    """OpenAPI entries for the error responses a route may give."""
+    return {code: {"model": Error, "description": _ERRORS[code]} for code in codes}
+
+
+def _reason(error: RequestValidationError) -> str:
+    """One clause per problem, e.g. ``body.limit_bytes: Input should be ...``."""
+    problems = []
+    for item in error.errors():
+        location = tuple(item.get("loc", ()))
+        if item.get("type") == "json_invalid":
+            cause = item.get("ctx", {}).get("error", "malformed")
+            at = f" at character {location[1]}" if len(location) > 1 else ""
+            problems.append(f"body: not valid JSON ({cause}{at})")
+            continue
+        where = ".".join(str(part) for part in location)
+        message = str(item.get("msg", "invalid"))
+        problems.append(f"{where}: {message}" if where else message)
+    return "invalid request: " + "; ".join(problems)
+
+
+async def _on_invalid_request(request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, RequestValidationError)
+    return JSONResponse({"detail": _reason(error)}, status_code=422)
+
+
+async def _on_store_error(request: Request, error: Exception) -> JSONResponse:
+    log.error("quota store failed on %s %s: %s", request.method, request.url.path, error)
+    return JSONResponse(
+        {"detail": f"quota store unavailable, nothing was changed: {error}"}, status_code=503
+    )
+
+
+# ----------------------------------------------------------------- access
+
+
+@dataclass(frozen=True, slots=True)
+class TenantAccess:
+    """A request allowed to act on ``tenant``, and who made it."""
+
+    tenant: str
+    principal: Principal
+
+
+@dataclass(frozen=True, slots=True)
+class _Guards:
+    """FastAPI dependencies that authenticate and authorize a request."""
+
+    admin: Callable[..., Principal]
+    tenant: Callable[..., TenantAccess]
+
+
+def _guards(authority: TokenAuthority) -> _Guards:
+    bearer = HTTPBearer(
+        auto_error=False,
+        description="An admin token, or a tenant token for that tenant's own routes.",
+    )
+
+    def authenticate(
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+    ) -> Principal:
+        if credentials is None:
+            raise HTTPException(
+                status.HTTP_401_UNAUTHORIZED, "a bearer token is required", headers=_BEARER
+            )
+        principal = authority.authenticate(credentials.credentials)
+        if principal is None:
+            raise HTTPException(
+                status.HTTP_401_UNAUTHORIZED, "unknown bearer token", headers=_INVALID_TOKEN
+            )
+        return principal
+
+    def admin(principal: Annotated[Principal, Depends(authenticate)]) -> Principal:
+        if not principal.is_admin:
+            raise HTTPException(status.HTTP_403_FORBIDDEN, "this route needs an admin token")
+        return principal
+
+    def tenant(
+        tenant_id: Annotated[str, Path(description=TENANT_ID_DOC, examples=[_EXAMPLE_TENANT])],
+        principal: Annotated[Principal, Depends(authenticate)],
+    ) -> TenantAccess:
+        if not is_tenant_id(tenant_id):
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, TENANT_ID_RULE)
+        if not principal.may_access(tenant_id):
+            raise HTTPException(
+                status.HTTP_403_FORBIDDEN, "a tenant token may only access its own tenant"
+            )
+        return TenantAccess(tenant_id, principal)
+
+    return _Guards(admin, tenant)
+
+
+# -------------------------------------------------------------------- app
+
+
+def create_app(
+    service: CacheService,
+    authority: TokenAuthority,
+    *,
+    ready: Callable[[], bool] | None = None,
+    metrics: MetricsSource | None = None,
+) -> FastAPI:
+    """The HTTP API over ``service``, guarded by ``authority``.
+
+    ``ready`` answers ``/readyz`` (default: ready whenever the app serves).
+    ``metrics``, if given, is served at ``/metrics`` without a token.
+    """
+    app = FastAPI(
+        title="kvpool agent",
+        summary="Node-local KV cache agent for vLLM: status, tenant quotas and usage.",
+        description=_DESCRIPTION,
+        version="1",
+    )
+    app.add_exception_handler(RequestValidationError, _on_invalid_request)
+    app.add_exception_handler(QuotaStoreError, _on_store_error)
+    guards = _guards(authority)
+    app.include_router(_health_routes(ready or _always, metrics))
+    app.include_router(_cache_routes(service, guards))
+    app.include_router(_tenant_routes(service, guards))
+    return app
+
+
+def _always() -> bool:
+    return True
+
+
+def _health_routes(ready: Callable[[], bool], metrics: MetricsSource | None) -> APIRouter:
+    router = APIRouter(tags=["health"])
+
+    @router.get("/healthz", summary="Liveness: 200 while the process is up.")
+    async def healthz() -> Health:
+        return Health()
+
+    @router.get(
+        "/readyz",
+        summary="Readiness: 200 when the agent serves cache requests, else 503.",
+        responses={503: {"model": Error, "description": "Not ready yet, or stopping."}},
+    )
+    def readyz() -> Readiness:
+        if not ready():
+            raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "the agent is not ready")
+        return Readiness(ready=True)
+
+    if metrics is not None:
+        render = metrics
+
+        @router.get(
+            "/metrics",
+            summary="Prometheus metrics (no token needed).",
+            response_class=Response,
+            responses={200: {"content": {"text/plain": {}}, "description": "Metrics."}},
+        )
+        def metrics_route() -> Response:
+            body, content_type = render()
+            return Response(content=body, media_type=content_type)
+
+    return router
+
+
+def _cache_routes(service: CacheService, guards: _Guards) -> APIRouter:
+    router = APIRouter(prefix="/v1", tags=["cache"], responses=_errors(401, 403))
+    Admin = Annotated[Principal, Depends(guards.admin)]
+
+    @router.get("/status", summary="L1 cache state, all tenants together (admin).")
+    def cache_status(_: Admin) -> CacheStatus:
+        stats = service.stats()
+        return CacheStatus(
+            capacity_bytes=stats.capacity_bytes,
+            allocated_bytes=stats.allocated_bytes,
+            stored_bytes=stats.stored_bytes,
+            chunks=stats.chunks,
+            hits=stats.hits,
+            misses=stats.misses,
+            written_bytes=stats.written_bytes,
+            read_bytes=stats.read_bytes,
+            evictions=dict(stats.evictions),
+            lock_expiries=stats.lock_expiries,
+            open_leases=stats.open_leases,
+            free_extents=stats.free_extents,
+            fragmentation=stats.fragmentation,
+            page_waste=stats.page_waste,
+            tenant_count=len(stats.tenants),
+        )
+
+    @router.post("/clear", summary="Drop every cached chunk of every tenant (admin).")
+    def clear_all(principal: Admin) -> Cleared:
+        dropped = service.clear()
+        log.info("%s cleared the cache: %d chunks dropped", principal, dropped)
+        return Cleared(dropped_chunks=dropped)
+
+    return router
+
+
+def _tenant_routes(service: CacheService, guards: _Guards) -> APIRouter:
+    router = APIRouter(
+        prefix="/v1/tenants/{tenant_id}", tags=["tenants"], responses=_errors(401, 403, 422)
+    )
+    Tenant = Annotated[TenantAccess, Depends(guards.tenant)]
+
+    @router.get("/quota", summary="A tenant's quota (admin or that tenant).")
+    def get_quota(access: Tenant) -> Quota:
+        return Quota.of(service.quota(access.tenant))
+
+    @router.put(
+        "/quota",
+        summary="Set a tenant's quota durably; shrinking evicts at once (admin or that tenant).",
+        responses=_errors(503),
+    )
+    def put_quota(access: Tenant, update: QuotaUpdate) -> Quota:
+        view = service.set_quota(access.tenant, update.limit_bytes)
+        log.info(
+            "%s set the quota of tenant %s to %s", access.principal, view.tenant, _bytes(view.limit)
+        )
+        return Quota.of(view)
+
+    @router.delete(
+        "/quota",
+        summary="Revert a tenant to the default quota (admin or that tenant).",
+        responses=_errors(503),
+    )
+    def delete_quota(access: Tenant) -> Quota:
+        view = service.delete_quota(access.tenant)
+        log.info("%s reverted the quota of tenant %s to the default", access.principal, view.tenant)
+        return Quota.of(view)
+
+    @router.get("/usage", summary="A tenant's cache usage and counters (admin or that tenant).")
+    def get_usage(access: Tenant) -> Usage:
+        usage = service.usage(access.tenant)
+        return Usage(
+            tenant=usage.tenant,
+            used_bytes=usage.used_bytes,
+            chunks=usage.chunks,
+            quota_bytes=usage.quota_bytes,
+            hits=usage.hits,
+            misses=usage.misses,
+            stored_chunks=usage.stored_chunks,
+            evicted_chunks=usage.evicted_chunks,
+        )
+
+    @router.post("/clear", summary="Drop a tenant's cached chunks (admin or that tenant).")
+    def clear_tenant(access: Tenant) -> Cleared:
+        dropped = service.clear(access.tenant)
+        log.info(
+            "%s cleared tenant %s: %d chunks dropped", access.principal, access.tenant, dropped
+        )
+        return Cleared(dropped_chunks=dropped)
+
+    return router
+
+
+def _bytes(limit: int | None) -> str:
+    return "unlimited" if limit is None else f"{limit} bytes"

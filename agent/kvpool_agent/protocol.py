@@ -1,0 +1,285 @@
+"""The ZMQ protocol between vLLM (the connector) and the node agent.
+
+Transport: the agent binds a ROUTER socket, clients connect DEALER sockets.
+Every message is one msgpack frame holding a tagged array (``[op, req, ...]``,
+decoded with msgspec), followed by raw data frames for the inline operations
+only. ``req`` is chosen by the client and echoed in the reply, so a client can
+drop stale replies after a timeout.
+
+Zero-copy path (clients that map the segment)::
+
+    hello ─► lookup (read-locks the hit prefix) ─► client copies out ─► release
+          └► prepare_store (write-locks) ─► client copies in ─► commit_store
+
+Inline path (clients that cannot map it): ``store_inline`` carries one data
+frame per key; ``retrieve_inline`` answers with one data frame per hit.
+
+Every failure is an :class:`Error` reply with a stable ``code``; the agent goes
+on serving everyone else. Version 1 clients must send ``hello`` first; a
+different version gets ``unsupported_version``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import cast
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+NO_LEASE = 0
+"""``lease`` in a reply when nothing was locked."""
+
+
+class ErrorCode(enum.StrEnum):
+    MALFORMED = "malformed"
+    UNKNOWN_OP = "unknown_op"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    UNKNOWN_SESSION = "unknown_session"
+    UNKNOWN_LEASE = "unknown_lease"
+    NOT_YOUR_LEASE = "not_your_lease"
+    INVALID_REQUEST = "invalid_request"
+    TOO_LARGE = "too_large"
+    INTERNAL = "internal"
+
+
+class _Message(msgspec.Struct, array_like=True, tag_field="op"):
+    req: int
+
+
+# ----------------------------------------------------------------- requests
+
+
+class Hello(_Message, tag="hello"):
+    version: int
+    client: str
+
+
+class Ping(_Message, tag="ping"):
+    pass
+
+
+class Lookup(_Message, tag="lookup"):
+    """Prefix lookup; with ``lock`` (prepare_retrieve) the hits stay read-locked under a lease."""
+
+    session: int
+    tenant: str
+    keys: list[bytes]
+    lock: bool = True
+
+
+class PrepareStore(_Message, tag="prepare_store"):
+    session: int
+    tenant: str
+    keys: list[bytes]
+    sizes: list[int]
+    parent: bytes | None = None
+
+
+class CommitStore(_Message, tag="commit_store"):
+    """Publish the first ``count`` (default all) chunks of a store lease; discard the rest."""
+
+    session: int
+    lease: int
+    count: int | None = None
+
+
+class Release(_Message, tag="release"):
+    """End a lease: commit_retrieve for a read lease, cancel for a store lease."""
+
+    session: int
+    lease: int
+
+
+class StoreInline(_Message, tag="store_inline"):
+    """Followed by one data frame per key."""
+
+    session: int
+    tenant: str
+    keys: list[bytes]
+    parent: bytes | None = None
+
+
+class RetrieveInline(_Message, tag="retrieve_inline"):
+    session: int
+    tenant: str
+    keys: list[bytes]
+
+
+class EndSession(_Message, tag="end_session"):
+    session: int
+
+
+class Clear(_Message, tag="clear"):
+    """Drop one tenant's chunks, or every chunk when ``tenant`` is None."""
+
+    session: int
+    tenant: str | None = None
+
+
+class Stats(_Message, tag="stats"):
+    pass
+
+
+Request = (
+    Hello
+    | Ping
+    | Lookup
+    | PrepareStore
+    | CommitStore
+    | Release
+    | StoreInline
+    | RetrieveInline
+    | EndSession
+    | Clear
+    | Stats
+)
+REQUEST_TYPES: tuple[type[_Message], ...] = (
+    Hello,
+    Ping,
+    Lookup,
+    PrepareStore,
+    CommitStore,
+    Release,
+    StoreInline,
+    RetrieveInline,
+    EndSession,
+    Clear,
+    Stats,
+)
+
+
+def op_name(message: _Message) -> str:
+    """The wire tag of a message, e.g. ``"lookup"``."""
+    return str(message.__struct_config__.tag)
+
+
+REQUEST_OPS = frozenset(str(kind.__struct_config__.tag) for kind in REQUEST_TYPES)
+
+# ------------------------------------------------------------------ replies
+
+
+class HelloReply(_Message, tag="hello_reply"):
+    version: int
+    session: int
+    agent_id: str
+    """Changes when the agent restarts: a client's session is then gone."""
+    segment_path: str
+    data_offset: int
+    data_size: int
+    page_size: int
+    max_inline_bytes: int
+    max_keys: int
+
+
+class Pong(_Message, tag="pong"):
+    agent_id: str
+
+
+class LookupReply(_Message, tag="lookup_reply"):
+    lease: int
+    offsets: list[int]
+    sizes: list[int]
+
+
+class PrepareStoreReply(_Message, tag="prepare_store_reply"):
+    """``offsets[i]``: where to write ``keys[i]``, -1 if already cached; refusal covers the tail."""
+
+    lease: int
+    offsets: list[int]
+    refused: str | None = None
+
+
+class CommitReply(_Message, tag="commit_reply"):
+    committed: int
+
+
+class Ok(_Message, tag="ok"):
+    pass
+
+
+class StoreInlineReply(_Message, tag="store_inline_reply"):
+    stored: int
+    present: int
+    refused: str | None = None
+
+
+class RetrieveInlineReply(_Message, tag="retrieve_inline_reply"):
+    """Followed by ``count`` data frames, the hits in order."""
+
+    count: int
+
+
+class ClearReply(_Message, tag="clear_reply"):
+    cleared: int
+
+
+class StatsReply(_Message, tag="stats_reply"):
+    stats: dict[str, int | float]
+
+
+class Error(_Message, tag="error"):
+    code: str
+    message: str
+
+
+Reply = (
+    HelloReply
+    | Pong
+    | LookupReply
+    | PrepareStoreReply
+    | CommitReply
+    | Ok
+    | StoreInlineReply
+    | RetrieveInlineReply
+    | ClearReply
+    | StatsReply
+    | Error
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+_any_decoder = msgspec.msgpack.Decoder()
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message; ``code`` and ``req`` go into the error reply."""
+
+    def __init__(self, code: ErrorCode, message: str, req: int = 0) -> None:
+        super().__init__(message)
+        self.code = code
+        self.req = req
+
+
+def encode(message: _Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_request(frame: bytes | memoryview) -> Request:
+    try:
+        return cast(Request, _request_decoder.decode(frame))
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as error:
+        raise _classify(frame, error) from None
+
+
+def decode_reply(frame: bytes | memoryview) -> Reply:
+    try:
+        return cast(Reply, _reply_decoder.decode(frame))
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as error:
+        raise ProtocolError(ErrorCode.MALFORMED, f"malformed reply: {error}") from None
+
+
+def _classify(frame: bytes | memoryview, error: Exception) -> ProtocolError:
+    """Why a request did not decode; done only on failure, so the hot path decodes once."""
+    try:
+        raw = _any_decoder.decode(frame)
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return ProtocolError(ErrorCode.MALFORMED, "frame is not valid msgpack")
+    if not isinstance(raw, list) or not raw or not isinstance(raw[0], str):
+        return ProtocolError(ErrorCode.MALFORMED, "a request is an array [op, req, ...]")
+    req = raw[1] if len(raw) > 1 and type(raw[1]) is int and raw[1] >= 0 else 0
+    if raw[0] not in REQUEST_OPS:
+        known = ", ".join(sorted(REQUEST_OPS))
+        return ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {raw[0]!r}; known: {known}", req)
+    return ProtocolError(ErrorCode.MALFORMED, f"bad {raw[0]} request: {error}", req)

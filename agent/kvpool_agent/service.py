@@ -1,0 +1,76 @@
+"""The agent's shared state behind one lock: the L1 cache and its durable quotas.
+
+The ZMQ thread, the HTTP handlers and the maintenance task all reach the
+cache through this object. Cache operations take microseconds, so one lock
+serves them all; quota writes do their I/O outside it (under a lock of their
+own, so that two writers apply in the order they stored).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from kvpool_agent.l1 import L1Cache, L1Stats, TenantStats
+from kvpool_agent.quota_store import QuotaStore
+from kvpool_agent.quotas import Limit
+
+
+@dataclass(frozen=True)
+class QuotaView:
+    tenant: str
+    limit: Limit
+    explicit: bool
+    """False when the tenant has no quota of its own and the default applies."""
+
+
+class CacheService:
+    def __init__(self, cache: L1Cache, quota_store: QuotaStore) -> None:
+        self.cache = cache
+        self.lock = threading.Lock()
+        self._quota_store = quota_store
+        self._quota_writes = threading.Lock()
+
+    def load_quotas(self) -> int:
+        """Apply the stored quotas (at start); returns how many tenants have one."""
+        limits = self._quota_store.load()
+        with self.lock:
+            for tenant, limit in limits.items():
+                self.cache.set_quota(tenant, limit)
+        return len(limits)
+
+    def quota(self, tenant: str) -> QuotaView:
+        with self.lock:
+            book = self.cache.quotas
+            return QuotaView(tenant, book.limit(tenant), book.has_own(tenant))
+
+    def set_quota(self, tenant: str, limit: Limit) -> QuotaView:
+        """Store the limit durably, then apply it (shrinking evicts at once)."""
+        with self._quota_writes:
+            self._quota_store.save(tenant, limit)
+            with self.lock:
+                self.cache.set_quota(tenant, limit)
+        return self.quota(tenant)
+
+    def delete_quota(self, tenant: str) -> QuotaView:
+        with self._quota_writes:
+            self._quota_store.delete(tenant)
+            with self.lock:
+                self.cache.delete_quota(tenant)
+        return self.quota(tenant)
+
+    def usage(self, tenant: str) -> TenantStats:
+        with self.lock:
+            return self.cache.tenant_usage(tenant)
+
+    def stats(self) -> L1Stats:
+        with self.lock:
+            return self.cache.stats()
+
+    def clear(self, tenant: str | None = None) -> int:
+        with self.lock:
+            return self.cache.clear(tenant)
+
+    def maintain(self) -> None:
+        with self.lock:
+            self.cache.maintain()

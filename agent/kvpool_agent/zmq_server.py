@@ -1,0 +1,341 @@
+"""The agent's ZMQ ROUTER: decodes requests, runs them against the cache, replies.
+
+One thread owns the socket and serves one message at a time (ROUTER queues
+fairly across peers). Cache operations take microseconds under the service
+lock; the only bulk work, copying inline payloads, happens outside the lock
+while the chunks are write-locked (store) or read-locked (retrieve). Any bad
+input becomes an :class:`~kvpool_agent.protocol.Error` reply; nothing a client
+sends can stop the loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import zmq
+
+from kvpool_agent import protocol as p
+from kvpool_agent.l1 import CacheError, InvalidRequest, UnknownLease
+from kvpool_agent.segment import SharedSegment
+from kvpool_agent.service import CacheService
+
+log = logging.getLogger(__name__)
+
+Frames = Sequence[zmq.Frame]
+Handled = tuple[p.Reply, list[bytes]]
+
+
+class RequestObserver(Protocol):
+    def observe_request(self, op: str, seconds: float, error: str | None) -> None: ...
+
+
+@dataclass
+class _Session:
+    client: str
+    leases: set[int] = field(default_factory=set)
+    last_seen: float = 0.0
+
+
+class ZmqServer:
+    def __init__(
+        self,
+        service: CacheService,
+        segment: SharedSegment,
+        endpoint: str,
+        *,
+        max_inline_bytes: int,
+        max_keys: int = 8192,
+        session_idle_seconds: float = 300.0,
+        observer: RequestObserver | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.agent_id = uuid.uuid4().hex
+        self._service = service
+        self._segment = segment
+        self._endpoint = endpoint
+        self._max_inline = max_inline_bytes
+        self._max_keys = max_keys
+        self._idle = session_idle_seconds
+        self._observer = observer
+        self._clock = clock
+        self._sessions: dict[int, _Session] = {}
+        self._next_session = 1
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._socket: zmq.Socket[bytes] | None = None
+        self._wake_endpoint = f"inproc://kvpool-wake-{self.agent_id}"
+        self._thread: threading.Thread | None = None
+        self.bound_endpoint = ""
+        self._handlers: dict[type, Callable[[p.Request, Frames], Handled]] = {
+            p.Hello: self._hello,  # type: ignore[dict-item]
+            p.Ping: self._ping,  # type: ignore[dict-item]
+            p.Lookup: self._lookup,  # type: ignore[dict-item]
+            p.PrepareStore: self._prepare_store,  # type: ignore[dict-item]
+            p.CommitStore: self._commit_store,  # type: ignore[dict-item]
+            p.Release: self._release,  # type: ignore[dict-item]
+            p.StoreInline: self._store_inline,  # type: ignore[dict-item]
+            p.RetrieveInline: self._retrieve_inline,  # type: ignore[dict-item]
+            p.EndSession: self._end_session,  # type: ignore[dict-item]
+            p.Clear: self._clear,  # type: ignore[dict-item]
+            p.Stats: self._stats,  # type: ignore[dict-item]
+        }
+
+    # ---------------------------------------------------------------- running
+
+    def start(self) -> None:
+        socket = self._context.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its identity
+        # A frame larger than the biggest inline payload is dropped by ZMQ with the connection.
+        socket.setsockopt(zmq.MAXMSGSIZE, self._max_inline + (1 << 20))
+        socket.bind(self._endpoint)
+        self.bound_endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._socket = socket
+        wake = self._context.socket(zmq.PAIR)
+        wake.bind(self._wake_endpoint)
+        self._thread = threading.Thread(
+            target=self._serve, args=(socket, wake), name="kvpool-zmq", daemon=True
+        )
+        self._thread.start()
+        log.info("ZMQ protocol v%d on %s", p.PROTOCOL_VERSION, self.bound_endpoint)
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        waker = self._context.socket(zmq.PAIR)
+        waker.connect(self._wake_endpoint)
+        waker.send(b"stop")
+        self._thread.join()
+        waker.close()
+        self._thread = None
+
+    def _serve(self, socket: zmq.Socket[bytes], wake: zmq.Socket[bytes]) -> None:
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
+        timeout_ms = int(self._idle * 1000 / 4)
+        try:
+            while True:
+                events = dict(poller.poll(timeout_ms))
+                if wake in events:
+                    return
+                if socket in events:
+                    self._serve_one(socket)
+                else:
+                    self._drop_idle_sessions()
+        finally:
+            socket.close()
+            wake.close()
+
+    def _serve_one(self, socket: zmq.Socket[bytes]) -> None:
+        frames = socket.recv_multipart(copy=False)
+        identity, body = frames[0], frames[1:]
+        started = time.perf_counter()
+        op, req = "invalid", 0
+        data: list[bytes] = []
+        try:
+            if not body:
+                raise p.ProtocolError(p.ErrorCode.MALFORMED, "empty message")
+            request = p.decode_request(body[0].buffer)
+            op, req = p.op_name(request), request.req
+            reply, data = self._handlers[type(request)](request, body[1:])
+        except p.ProtocolError as error:
+            req = error.req or req
+            reply = p.Error(req, error.code, str(error))
+        except UnknownLease as error:
+            reply = p.Error(req, p.ErrorCode.UNKNOWN_LEASE, str(error))
+        except CacheError as error:
+            reply = p.Error(req, p.ErrorCode.INVALID_REQUEST, str(error))
+        except Exception:
+            log.exception("internal error serving %s", op)
+            reply = p.Error(req, p.ErrorCode.INTERNAL, "internal error; see the agent log")
+        socket.send_multipart([identity.bytes, p.encode(reply), *data])
+        if self._observer is not None:
+            error_code = reply.code if isinstance(reply, p.Error) else None
+            self._observer.observe_request(op, time.perf_counter() - started, error_code)
+
+    # ------------------------------------------------------------- sessions
+
+    def _session(self, session_id: int) -> _Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise p.ProtocolError(
+                p.ErrorCode.UNKNOWN_SESSION,
+                f"session {session_id} is unknown (agent {self.agent_id} restarted?); send hello",
+            )
+        session.last_seen = self._clock()
+        return session
+
+    def _check_owner(self, session: _Session, lease: int) -> None:
+        if lease not in session.leases:
+            raise p.ProtocolError(
+                p.ErrorCode.NOT_YOUR_LEASE, f"lease {lease} was not granted to this session"
+            )
+
+    def _end_leases(self, leases: set[int]) -> None:
+        with self._service.lock:
+            for lease in leases:
+                with contextlib.suppress(UnknownLease):  # expired already
+                    self._service.cache.release(lease)
+        leases.clear()
+
+    def _drop_idle_sessions(self) -> None:
+        cutoff = self._clock() - self._idle
+        for session_id, session in list(self._sessions.items()):
+            if session.last_seen < cutoff:
+                self._end_leases(session.leases)
+                del self._sessions[session_id]
+
+    def _check_keys(self, keys: list[bytes]) -> None:
+        if len(keys) > self._max_keys:
+            raise p.ProtocolError(
+                p.ErrorCode.TOO_LARGE, f"{len(keys)} keys; at most {self._max_keys} per request"
+            )
+
+    # ------------------------------------------------------------- handlers
+
+    def _hello(self, request: p.Hello, extra: Frames) -> Handled:
+        if request.version != p.PROTOCOL_VERSION:
+            raise p.ProtocolError(
+                p.ErrorCode.UNSUPPORTED_VERSION,
+                f"unsupported protocol version {request.version}; "
+                f"this agent speaks version {p.PROTOCOL_VERSION}",
+                request.req,
+            )
+        session_id = self._next_session
+        self._next_session += 1
+        self._sessions[session_id] = _Session(request.client, last_seen=self._clock())
+        layout = self._segment.layout
+        return p.HelloReply(
+            request.req,
+            p.PROTOCOL_VERSION,
+            session_id,
+            self.agent_id,
+            str(self._segment.path),
+            layout.data_offset,
+            layout.data_size,
+            layout.page_size,
+            self._max_inline,
+            self._max_keys,
+        ), []
+
+    def _ping(self, request: p.Ping, extra: Frames) -> Handled:
+        return p.Pong(request.req, self.agent_id), []
+
+    def _lookup(self, request: p.Lookup, extra: Frames) -> Handled:
+        session = self._session(request.session)
+        self._check_keys(request.keys)
+        with self._service.lock:
+            hit = self._service.cache.lookup(request.tenant, request.keys, lock=request.lock)
+        if hit.lease is not None:
+            session.leases.add(hit.lease)
+        return p.LookupReply(request.req, hit.lease or p.NO_LEASE, hit.offsets, hit.sizes), []
+
+    def _prepare_store(self, request: p.PrepareStore, extra: Frames) -> Handled:
+        session = self._session(request.session)
+        self._check_keys(request.keys)
+        with self._service.lock:
+            reservation = self._service.cache.reserve(
+                request.tenant, request.keys, request.sizes, request.parent
+            )
+        if reservation.lease is not None:
+            session.leases.add(reservation.lease)
+        offsets = [-1 if place is None else place.offset for place in reservation.placements]
+        return p.PrepareStoreReply(
+            request.req, reservation.lease or p.NO_LEASE, offsets, reservation.refused_reason
+        ), []
+
+    def _commit_store(self, request: p.CommitStore, extra: Frames) -> Handled:
+        session = self._session(request.session)
+        self._check_owner(session, request.lease)
+        with self._service.lock:
+            committed = self._service.cache.commit(request.lease, request.count)
+        session.leases.discard(request.lease)
+        return p.CommitReply(request.req, committed), []
+
+    def _release(self, request: p.Release, extra: Frames) -> Handled:
+        session = self._session(request.session)
+        self._check_owner(session, request.lease)
+        session.leases.discard(request.lease)
+        with self._service.lock:
+            self._service.cache.release(request.lease)
+        return p.Ok(request.req), []
+
+    def _store_inline(self, request: p.StoreInline, extra: Frames) -> Handled:
+        self._session(request.session)
+        self._check_keys(request.keys)
+        if len(extra) != len(request.keys):
+            raise InvalidRequest(f"{len(request.keys)} keys but {len(extra)} data frames")
+        sizes = [len(frame) for frame in extra]
+        if sum(sizes) > self._max_inline:
+            raise p.ProtocolError(
+                p.ErrorCode.TOO_LARGE,
+                f"inline payload of {sum(sizes)} bytes; at most {self._max_inline}",
+                request.req,
+            )
+        cache = self._service.cache
+        with self._service.lock:
+            reservation = cache.reserve(request.tenant, request.keys, sizes, request.parent)
+        # The reserved chunks are write-locked: copy without holding the service lock.
+        view = self._segment.view
+        for place, frame in zip(reservation.placements, extra, strict=False):
+            if place is not None:
+                view[place.offset : place.offset + place.nbytes] = frame.buffer
+        stored = 0
+        if reservation.lease is not None:
+            with self._service.lock:
+                stored = cache.commit(reservation.lease)
+        present = sum(place is None for place in reservation.placements)
+        return p.StoreInlineReply(request.req, stored, present, reservation.refused_reason), []
+
+    def _retrieve_inline(self, request: p.RetrieveInline, extra: Frames) -> Handled:
+        self._session(request.session)
+        self._check_keys(request.keys)
+        cache = self._service.cache
+        with self._service.lock:
+            hit = cache.lookup(request.tenant, request.keys, lock=True)
+        if hit.lease is None:
+            return p.RetrieveInlineReply(request.req, 0), []
+        try:
+            view = self._segment.view
+            data = [
+                bytes(view[offset : offset + size])
+                for offset, size in zip(hit.offsets, hit.sizes, strict=True)
+            ]
+        finally:
+            with self._service.lock:
+                cache.release(hit.lease)
+        return p.RetrieveInlineReply(request.req, len(data)), data
+
+    def _end_session(self, request: p.EndSession, extra: Frames) -> Handled:
+        session = self._session(request.session)
+        self._end_leases(session.leases)
+        del self._sessions[request.session]
+        return p.Ok(request.req), []
+
+    def _clear(self, request: p.Clear, extra: Frames) -> Handled:
+        self._session(request.session)
+        return p.ClearReply(request.req, self._service.clear(request.tenant)), []
+
+    def _stats(self, request: p.Stats, extra: Frames) -> Handled:
+        stats = self._service.stats()
+        summary: dict[str, int | float] = {
+            "capacity_bytes": stats.capacity_bytes,
+            "allocated_bytes": stats.allocated_bytes,
+            "stored_bytes": stats.stored_bytes,
+            "chunks": stats.chunks,
+            "hits": stats.hits,
+            "misses": stats.misses,
+            "lock_expiries": stats.lock_expiries,
+            "open_leases": stats.open_leases,
+            "fragmentation": stats.fragmentation,
+            "sessions": len(self._sessions),
+        }
+        summary.update({f"evictions_{cause}": count for cause, count in stats.evictions.items()})
+        return p.StatsReply(request.req, summary), []

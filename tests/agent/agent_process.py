@@ -1,0 +1,96 @@
+"""Run a real ``kvpool-agent`` process for tests: start, read its endpoints, restart, kill."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+BIN = Path(sys.executable).parent
+READY = re.compile(r"agent ready pool=\S+ zmq=(\S+) http=(\S+) segment=(\S+)")
+ADMIN_TOKEN = "admin-token-for-tests"
+
+
+@dataclass
+class AgentProcess:
+    """One agent; ``settings`` become KVPOOL_* environment variables."""
+
+    workdir: Path
+    settings: dict[str, str] = field(default_factory=dict)
+    tenant_tokens: dict[str, str] = field(default_factory=dict)
+    zmq: str = ""
+    http: str = ""
+    log: list[str] = field(default_factory=list)
+    _process: subprocess.Popen[str] | None = None
+
+    @property
+    def segment_path(self) -> Path:
+        return Path("/dev/shm") / f"kvpool-test-{os.getpid()}-{self.workdir.name}"
+
+    def environment(self) -> dict[str, str]:
+        tokens = self.workdir / "tokens.yaml"
+        tokens.write_text(
+            yaml.safe_dump(
+                {"admin": ADMIN_TOKEN, "tenants": {t: tok for t, tok in self.tenant_tokens.items()}}
+            )
+        )
+        defaults = {
+            "SEGMENT_PATH": str(self.segment_path),
+            "L1_SIZE": "64MiB",
+            "ZMQ_PORT": "0",
+            "HTTP_PORT": "0",
+            "STATE_DIR": str(self.workdir / "state"),
+            "TOKENS_FILE": str(tokens),
+        }
+        merged = {**defaults, **self.settings}
+        return {**os.environ, **{f"KVPOOL_{name}": value for name, value in merged.items()}}
+
+    def start(self, timeout: float = 30.0) -> AgentProcess:
+        self._process = subprocess.Popen(
+            [BIN / "kvpool-agent"],
+            env=self.environment(),
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        ready = threading.Event()
+        threading.Thread(target=self._read_log, args=(self._process, ready), daemon=True).start()
+        if not ready.wait(timeout):
+            self.kill()
+            raise RuntimeError("agent did not become ready:\n" + "".join(self.log))
+        return self
+
+    def _read_log(self, process: subprocess.Popen[str], ready: threading.Event) -> None:
+        assert process.stderr is not None
+        for line in process.stderr:
+            self.log.append(line)
+            match = READY.search(line)
+            if match:
+                self.zmq, self.http = match.group(1), match.group(2)
+                ready.set()
+        ready.set()  # exited: wake the waiter, which then finds no endpoints
+
+    def stop(self, timeout: float = 15.0) -> int:
+        assert self._process is not None
+        self._process.send_signal(signal.SIGTERM)
+        return self._process.wait(timeout)
+
+    def kill(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+
+    def fix_ports(self) -> None:
+        """Keep the current ports across a restart (clients reconnect to the same address)."""
+        self.settings["ZMQ_PORT"] = self.zmq.rsplit(":", 1)[1]
+        self.settings["HTTP_PORT"] = self.http.rsplit(":", 1)[1]
+
+    def cleanup(self) -> None:
+        self.kill()
+        self.segment_path.unlink(missing_ok=True)

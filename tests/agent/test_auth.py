@@ -1,0 +1,180 @@
+"""Bearer tokens: the file format, its errors, digests only, the generated admin token."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+
+import pytest
+
+from kvpool_agent.auth import (
+    ADMIN,
+    TENANT_ID_RULE,
+    Principal,
+    TokenAuthority,
+    TokenFileError,
+    check_tenant_id,
+    load_authority,
+)
+from kvpool_agent.keys import tenant_id
+
+ALICE = tenant_id("alice")
+BOB = tenant_id("bob")
+
+
+def write(tmp_path: Path, text: str, name: str = "tokens.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_yaml_with_lists(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        f"admin: [root-1, root-2]\ntenants:\n  '{ALICE}': [alice-1, alice-2]\n  '{BOB}': [bob-1]\n",
+    )
+    authority = TokenAuthority.from_file(path)
+    assert authority.token_count == 5
+    assert authority.authenticate("root-1") == ADMIN
+    assert authority.authenticate("root-2") == ADMIN
+    assert authority.authenticate("alice-2") == Principal(ALICE)
+    assert authority.authenticate("bob-1") == Principal(BOB)
+    assert authority.authenticate("nobody") is None
+    assert authority.authenticate("") is None
+
+
+def test_json_with_single_strings(tmp_path: Path) -> None:
+    path = write(
+        tmp_path, json.dumps({"admin": "root", "tenants": {ALICE: "alice"}}), "tokens.json"
+    )
+    authority = TokenAuthority.from_file(path)
+    assert authority.authenticate("root") == ADMIN
+    assert authority.authenticate("alice") == Principal(ALICE)
+
+
+def test_tenants_only_and_admin_only_are_fine() -> None:
+    assert TokenAuthority({"tenants": {ALICE: "a"}}).authenticate("a") == Principal(ALICE)
+    assert TokenAuthority({"admin": "r", "tenants": None}).authenticate("r") == ADMIN
+
+
+def test_only_digests_are_kept() -> None:
+    secret = "very-secret-token-value"
+    authority = TokenAuthority({"admin": [secret], "tenants": {ALICE: secret + "-alice"}})
+    state = repr(vars(authority))
+    assert secret not in state and secret.encode() not in state.encode()
+    assert secret not in repr(authority)
+    assert authority.authenticate(secret) == ADMIN
+    assert authority.authenticate(secret + "-alice") == Principal(ALICE)
+
+
+def test_principals() -> None:
+    assert ADMIN.is_admin and ADMIN.may_access(ALICE) and str(ADMIN) == "admin"
+    alice = Principal.for_tenant(ALICE)
+    assert not alice.is_admin
+    assert alice.may_access(ALICE) and not alice.may_access(BOB)
+    assert str(alice) == f"tenant {ALICE}"
+    with pytest.raises(ValueError, match="32 lowercase hex"):
+        Principal.for_tenant("alice")
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["", "alice", ALICE.upper(), ALICE[:-1], ALICE + "0", "g" * 32, f" {ALICE[1:]}"],
+)
+def test_malformed_tenant_ids(value: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        check_tenant_id(value)
+    assert str(caught.value) == TENANT_ID_RULE
+    assert "kvpool tenant-id" in TENANT_ID_RULE
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("", "empty"),
+        ("- a\n- b\n", "expected a mapping"),
+        ("admin: x\nusers: {}\n", "unknown keys users"),
+        ("admin: 5\n", "admin: expected a token or a list of tokens, got int"),
+        ("admin: {a: b}\n", "expected a token or a list of tokens, got dict"),
+        ("admin: [ok, 7]\n", "admin: token #2 is a int, not a string"),
+        ("admin: ['']\n", "token #1 is empty"),
+        ("admin: ['two words']\n", "whitespace"),
+        ("admin: x\ntenants: [a, b]\n", "'tenants' must map tenant ids to tokens"),
+        ("tenants:\n  alice: tok\n", "tenant 'alice': tenant id must be 32 lowercase hex"),
+        (
+            "tenants:\n  12345678901234567890123456789012: tok\n",
+            "is a int, not a string (quote tenant ids in YAML)",
+        ),
+        ("admin: []\ntenants: {}\n", "defines no tokens"),
+        (f"admin: shared\ntenants:\n  '{ALICE}': shared\n", "also listed for admin"),
+        ("admin: [x\n", "not valid YAML or JSON (line 2, column 1)"),
+    ],
+)
+def test_malformed_files(tmp_path: Path, text: str, reason: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(TokenFileError) as caught:
+        TokenAuthority.from_file(path)
+    message = str(caught.value)
+    assert reason in message
+    assert str(path) in message
+
+
+def test_errors_never_quote_a_token(tmp_path: Path) -> None:
+    secret = "s3cr3t-token"
+    cases = [
+        f"admin: [{secret}, '{secret} with space']\n",
+        f"admin: {secret}\ntenants:\n  '{ALICE}': {secret}\n",
+        f"admin: [{secret}\n  tenants: {{{{\n",  # broken YAML that quotes the line
+    ]
+    for text in cases:
+        with pytest.raises(TokenFileError) as caught:
+            TokenAuthority.from_file(write(tmp_path, text))
+        assert secret not in str(caught.value)
+        assert caught.value.__cause__ is None or secret not in str(caught.value.__cause__)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(TokenFileError, match="cannot read tokens file"):
+        TokenAuthority.from_file(tmp_path / "absent.yaml")
+
+
+def test_same_token_twice_for_one_principal_is_harmless() -> None:
+    authority = TokenAuthority({"admin": ["r", "r"], "tenants": {ALICE: ["a", "a"]}})
+    assert authority.token_count == 2
+
+
+def test_generated_admin_token(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "admin-token-default"
+    authority = TokenAuthority.generate_admin_token(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    token = path.read_text().strip()
+    assert len(token) >= 40  # token_urlsafe(32): 43 characters
+    assert authority.authenticate(token) == ADMIN
+    assert authority.token_count == 1
+    assert token not in repr(vars(authority))
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left
+
+    again = TokenAuthority.generate_admin_token(path)
+    fresh = path.read_text().strip()
+    assert fresh != token
+    assert again.authenticate(fresh) == ADMIN
+    assert again.authenticate(token) is None
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_generated_token_replaces_a_world_readable_file(tmp_path: Path) -> None:
+    path = tmp_path / "admin-token"
+    path.write_text("old\n")
+    path.chmod(0o644)
+    TokenAuthority.generate_admin_token(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_load_authority(tmp_path: Path) -> None:
+    tokens = write(tmp_path, "admin: configured\n")
+    generated = tmp_path / "admin-token-pool"
+    assert load_authority(tokens, generated).authenticate("configured") == ADMIN
+    assert not generated.exists()
+    authority = load_authority(None, generated)
+    assert authority.authenticate(generated.read_text().strip()) == ADMIN

@@ -1,0 +1,68 @@
+"""The console scripts, run as a user runs them: real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvpool_agent.keys import tenant_id
+
+BIN = Path(sys.executable).parent
+
+
+def test_tenant_id_reads_the_salt_from_stdin_or_argument() -> None:
+    from_stdin = subprocess.run(
+        [BIN / "kvpool", "tenant-id"], input="s3cret\n", capture_output=True, text=True, check=True
+    )
+    assert from_stdin.stdout.strip() == tenant_id("s3cret")
+    from_arg = subprocess.run(
+        [BIN / "kvpool", "tenant-id", "s3cret"], capture_output=True, text=True, check=True
+    )
+    assert from_arg.stdout == from_stdin.stdout
+
+
+def test_agent_starts_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
+    segment = Path("/dev/shm") / f"kvpool-test-cli-{os.getpid()}"
+    env = {**os.environ, "KVPOOL_SEGMENT_PATH": str(segment), "KVPOOL_L1_SIZE": "4MiB"}
+    agent = subprocess.Popen([BIN / "kvpool-agent"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        assert agent.stderr is not None
+        deadline = time.monotonic() + 30
+        lines = []
+        while time.monotonic() < deadline:
+            line = agent.stderr.readline()
+            lines.append(line)
+            if "ready" in line:
+                break
+        assert any("ready" in line for line in lines), lines
+        assert segment.stat().st_size == 4 * 2**20 + 64 * 2**10
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=10) == 0
+    finally:
+        agent.kill()
+        segment.unlink(missing_ok=True)
+
+
+def test_agent_refuses_invalid_configuration() -> None:
+    env = {**os.environ, "KVPOOL_LOW_WATERMARK": "0.95"}
+    result = subprocess.run(
+        [BIN / "kvpool-agent"], env=env, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 2
+    assert "low_watermark (0.95) must be below high_watermark (0.9)" in result.stderr
+
+
+def test_bench_l1_prints_its_table() -> None:
+    result = subprocess.run(
+        [BIN / "kvpool", "bench", "l1", "--chunks", "6400", "--lookups", "50", "--copy-mib", "32"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert "prefix lookup with read lock, per chunk" in result.stdout
+    assert "reserve+copy+commit" in result.stdout and "ratio" in result.stdout

@@ -1,0 +1,440 @@
+"""The HTTP API over real sockets: uvicorn on 127.0.0.1 in a thread, httpx as the client.
+
+The service behind it is real too: an L1Cache and a FileQuotaStore under tmp_path.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvpool_agent.auth import TENANT_ID_RULE, TokenAuthority
+from kvpool_agent.http_api import MetricsSource, create_app
+from kvpool_agent.keys import tenant_id
+from kvpool_agent.quota_store import FileQuotaStore
+from kvpool_agent.quotas import QuotaBook
+from kvpool_agent.service import CacheService
+
+from .conftest import PAGE, key, make_cache
+
+ALICE = tenant_id("alice")
+BOB = tenant_id("bob")
+CAROL = tenant_id("carol")  # has no token
+
+ADMIN_TOKEN = "admin-token-Zq8vN1"
+ALICE_TOKEN = "alice-token-Hx41Lp"
+BOB_TOKEN = "bob-token-Wm93Rt"
+UNKNOWN_TOKEN = "unknown-token-Jc55Ke"
+TOKENS = {"admin": ADMIN_TOKEN, "tenants": {ALICE: [ALICE_TOKEN], BOB: BOB_TOKEN}}
+
+
+class Mount:
+    """The ASGI app the server hands requests to: each test mounts its own app.
+
+    One uvicorn server serves the whole module (starting and stopping one costs
+    about 0.2 s), while every test still gets a fresh service and app.
+    """
+
+    def __init__(self) -> None:
+        self.app: ASGIApp | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        assert self.app is not None, "no app mounted"
+        await self.app(scope, receive, send)
+
+
+@dataclass
+class Server:
+    mount: Mount
+    http: httpx.Client
+    """A client of the server for the whole module (creating one costs tens of ms)."""
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    """uvicorn on a free port of 127.0.0.1, in a thread."""
+    mount = Mount()
+    # log_config=None leaves the uvicorn loggers propagating to the root logger (and caplog).
+    config = uvicorn.Config(mount, host="127.0.0.1", port=0, log_config=None, lifespan="off")
+    instance = uvicorn.Server(config)
+    thread = threading.Thread(target=instance.run, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not instance.started:
+        assert thread.is_alive(), "uvicorn failed to start"
+        assert time.monotonic() < deadline, "uvicorn did not start within 10 s"
+        time.sleep(0.002)
+    host, port = instance.servers[0].sockets[0].getsockname()[:2]
+    try:
+        with httpx.Client(base_url=f"http://{host}:{port}", timeout=10) as http:
+            yield Server(mount, http)
+    finally:
+        instance.should_exit = True
+        thread.join(timeout=10)
+
+
+@dataclass
+class Api:
+    service: CacheService
+    http: httpx.Client
+    quota_file: Path
+
+    def call(
+        self, method: str, path: str, token: str | None = None, **kwargs: Any
+    ) -> httpx.Response:
+        headers = dict(kwargs.pop("headers", {}))
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        return self.http.request(method, path, headers=headers, **kwargs)
+
+    def store(self, tenant: str, names: range, size: int = PAGE) -> None:
+        """Cache chunks for ``tenant`` the way the ZMQ server does: reserve, then commit."""
+        with self.service.lock:
+            keys = [key(f"{tenant}-{name}") for name in names]
+            reservation = self.service.cache.reserve(tenant, keys, [size] * len(keys))
+            assert reservation.lease is not None and reservation.refused_reason is None
+            self.service.cache.commit(reservation.lease)
+
+
+@contextmanager
+def running(
+    server: Server,
+    tmp_path: Path,
+    *,
+    quota_file: Path | None = None,
+    quotas: QuotaBook | None = None,
+    ready: Callable[[], bool] | None = None,
+    metrics: MetricsSource | None = None,
+) -> Iterator[Api]:
+    quota_file = quota_file or tmp_path / "q.json"
+    service = CacheService(make_cache(pages=100, quotas=quotas), FileQuotaStore(quota_file))
+    server.mount.app = create_app(service, TokenAuthority(TOKENS), ready=ready, metrics=metrics)
+    try:
+        yield Api(service, server.http, quota_file)
+    finally:
+        server.mount.app = None
+
+
+@pytest.fixture
+def api(server: Server, tmp_path: Path) -> Iterator[Api]:
+    with running(server, tmp_path) as started:
+        yield started
+
+
+# ------------------------------------------------------------------ the auth matrix
+
+ADMIN_ONLY = "admin only"
+OWN_TENANT = "admin or own tenant"
+ENDPOINTS = [
+    ("GET", "/v1/status", None, ADMIN_ONLY),
+    ("POST", "/v1/clear", None, ADMIN_ONLY),
+    ("GET", f"/v1/tenants/{ALICE}/quota", None, OWN_TENANT),
+    ("PUT", f"/v1/tenants/{ALICE}/quota", {"limit_bytes": 1 << 20}, OWN_TENANT),
+    ("DELETE", f"/v1/tenants/{ALICE}/quota", None, OWN_TENANT),
+    ("GET", f"/v1/tenants/{ALICE}/usage", None, OWN_TENANT),
+    ("POST", f"/v1/tenants/{ALICE}/clear", None, OWN_TENANT),
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "access"),
+    ENDPOINTS,
+    ids=[f"{method} {path.replace(ALICE, '<alice>')}" for method, path, _, _ in ENDPOINTS],
+)
+def test_auth_matrix(
+    api: Api, method: str, path: str, body: dict[str, int] | None, access: str
+) -> None:
+    missing = api.call(method, path, json=body)
+    assert missing.status_code == 401
+    assert missing.headers["WWW-Authenticate"].startswith("Bearer")
+    assert missing.json() == {"detail": "a bearer token is required"}
+
+    unknown = api.call(method, path, UNKNOWN_TOKEN, json=body)
+    assert unknown.status_code == 401
+    assert 'error="invalid_token"' in unknown.headers["WWW-Authenticate"]
+    assert unknown.json() == {"detail": "unknown bearer token"}
+
+    basic = api.call(method, path, json=body, headers={"Authorization": f"Basic {ADMIN_TOKEN}"})
+    assert basic.status_code == 401  # only the Bearer scheme counts
+    empty = api.call(method, path, json=body, headers={"Authorization": "Bearer"})
+    assert empty.status_code == 401
+
+    other = api.call(method, path, BOB_TOKEN, json=body)
+    assert other.status_code == 403
+    assert "detail" in other.json()
+
+    own = api.call(method, path, ALICE_TOKEN, json=body)
+    if access == ADMIN_ONLY:
+        assert own.status_code == 403
+        assert own.json() == {"detail": "this route needs an admin token"}
+    else:
+        assert own.status_code == 200, own.text
+        assert other.json() == {"detail": "a tenant token may only access its own tenant"}
+
+    admin = api.call(method, path, ADMIN_TOKEN, json=body)
+    assert admin.status_code == 200, admin.text
+
+
+def test_admin_reaches_any_tenant(api: Api) -> None:
+    for tenant in (ALICE, BOB, CAROL):
+        assert api.call("GET", f"/v1/tenants/{tenant}/usage", ADMIN_TOKEN).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/openapi.json", "/docs"])
+def test_public_routes_need_no_token(api: Api, path: str) -> None:
+    assert api.call("GET", path).status_code == 200
+    assert api.call("GET", path, UNKNOWN_TOKEN).status_code == 200
+
+
+def test_denied_requests_change_nothing(api: Api) -> None:
+    api.store(ALICE, range(3))
+    assert api.call("POST", f"/v1/tenants/{ALICE}/clear", BOB_TOKEN).status_code == 403
+    assert api.call("POST", "/v1/clear", ALICE_TOKEN).status_code == 403
+    denied = api.call("PUT", f"/v1/tenants/{ALICE}/quota", BOB_TOKEN, json={"limit_bytes": 0})
+    assert denied.status_code == 403
+    assert api.service.usage(ALICE).chunks == 3
+    assert not api.service.quota(ALICE).explicit
+    assert not api.quota_file.exists()
+
+
+# --------------------------------------------------------------------- behaviour
+
+
+def test_health_and_readiness(server: Server, tmp_path: Path) -> None:
+    ready = threading.Event()
+    with running(server, tmp_path, ready=ready.is_set) as api:
+        assert api.call("GET", "/healthz").json() == {"status": "ok"}
+        not_ready = api.call("GET", "/readyz")
+        assert not_ready.status_code == 503
+        assert not_ready.json() == {"detail": "the agent is not ready"}
+        ready.set()
+        assert api.call("GET", "/readyz").json() == {"ready": True}
+
+
+def test_metrics_are_mounted_when_given(server: Server, tmp_path: Path) -> None:
+    def metrics() -> tuple[bytes, str]:
+        return b"kvpool_up 1\n", "text/plain; version=0.0.4; charset=utf-8"
+
+    with running(server, tmp_path, metrics=metrics) as api:
+        response = api.call("GET", "/metrics")
+        assert response.status_code == 200
+        assert response.content == b"kvpool_up 1\n"
+        assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+
+
+def test_no_metrics_route_without_a_source(api: Api) -> None:
+    assert api.call("GET", "/metrics").status_code == 404
+
+
+def test_status(api: Api) -> None:
+    api.store(ALICE, range(3))
+    api.store(BOB, range(2), size=PAGE // 2)
+    with api.service.lock:
+        api.service.cache.lookup(ALICE, [key(f"{ALICE}-0"), key("absent")], lock=False)
+    body = api.call("GET", "/v1/status", ADMIN_TOKEN).json()
+    assert body["capacity_bytes"] == 100 * PAGE
+    assert body["allocated_bytes"] == 5 * PAGE
+    assert body["stored_bytes"] == 4 * PAGE
+    assert body["chunks"] == 5
+    assert (body["hits"], body["misses"]) == (1, 1)
+    assert (body["written_bytes"], body["read_bytes"]) == (4 * PAGE, 0)
+    assert body["evictions"] == {"watermark": 0, "pressure": 0, "quota": 0}
+    assert (body["lock_expiries"], body["open_leases"]) == (0, 0)
+    assert body["page_waste"] == pytest.approx(0.2)
+    assert 0 <= body["fragmentation"] <= 1
+    assert body["free_extents"] >= 1
+    assert body["tenant_count"] == 2
+
+
+def test_quota_round_trip_and_shrinking_evicts(api: Api) -> None:
+    quota = f"/v1/tenants/{ALICE}/quota"
+    usage = f"/v1/tenants/{ALICE}/usage"
+    api.store(ALICE, range(10))
+    api.store(BOB, range(4))
+    before = api.call("GET", usage, ALICE_TOKEN).json()
+    assert (before["used_bytes"], before["chunks"], before["stored_chunks"]) == (10 * PAGE, 10, 10)
+    assert before["quota_bytes"] is None and before["evicted_chunks"] == 0
+
+    assert api.call("GET", quota, ALICE_TOKEN).json() == {
+        "tenant": ALICE,
+        "limit_bytes": None,
+        "explicit": False,
+    }
+    put = api.call("PUT", quota, ALICE_TOKEN, json={"limit_bytes": 3 * PAGE})
+    assert put.json() == {"tenant": ALICE, "limit_bytes": 3 * PAGE, "explicit": True}
+    assert api.call("GET", quota, ADMIN_TOKEN).json() == put.json()
+
+    after = api.call("GET", usage, ALICE_TOKEN).json()
+    assert after["used_bytes"] <= 3 * PAGE
+    assert after["chunks"] == after["used_bytes"] // PAGE
+    assert after["evicted_chunks"] == 10 - after["chunks"]
+    assert after["quota_bytes"] == 3 * PAGE
+    assert api.service.usage(BOB).chunks == 4  # another tenant's quota never touches Bob
+    status = api.call("GET", "/v1/status", ADMIN_TOKEN).json()
+    assert status["evictions"]["quota"] == after["evicted_chunks"]
+    assert FileQuotaStore(api.quota_file).load() == {ALICE: 3 * PAGE}  # durable
+
+    unlimited = api.call("PUT", quota, ALICE_TOKEN, json={"limit_bytes": None})
+    assert unlimited.json() == {"tenant": ALICE, "limit_bytes": None, "explicit": True}
+    deleted = api.call("DELETE", quota, ALICE_TOKEN)
+    assert deleted.json() == {"tenant": ALICE, "limit_bytes": None, "explicit": False}
+    assert FileQuotaStore(api.quota_file).load() == {}
+    assert api.call("DELETE", quota, ALICE_TOKEN).status_code == 200  # idempotent
+
+
+def test_zero_quota_and_the_default(server: Server, tmp_path: Path) -> None:
+    with running(server, tmp_path, quotas=QuotaBook(default=50 * PAGE)) as api:
+        quota = f"/v1/tenants/{ALICE}/quota"
+        api.store(ALICE, range(5))
+        assert api.call("GET", quota, ALICE_TOKEN).json()["limit_bytes"] == 50 * PAGE
+        api.call("PUT", quota, ADMIN_TOKEN, json={"limit_bytes": 0})
+        assert api.call("GET", f"/v1/tenants/{ALICE}/usage", ALICE_TOKEN).json()["chunks"] == 0
+        reverted = api.call("DELETE", quota, ADMIN_TOKEN).json()
+        assert reverted == {"tenant": ALICE, "limit_bytes": 50 * PAGE, "explicit": False}
+
+
+def test_clear(api: Api) -> None:
+    api.store(ALICE, range(4))
+    api.store(BOB, range(3))
+    cleared = api.call("POST", f"/v1/tenants/{ALICE}/clear", ALICE_TOKEN)
+    assert cleared.json() == {"dropped_chunks": 4}
+    assert api.call("GET", f"/v1/tenants/{ALICE}/usage", ALICE_TOKEN).json()["used_bytes"] == 0
+    assert api.service.usage(BOB).chunks == 3
+    assert api.call("POST", f"/v1/tenants/{CAROL}/clear", ADMIN_TOKEN).json() == {
+        "dropped_chunks": 0
+    }
+    assert api.call("POST", "/v1/clear", ADMIN_TOKEN).json() == {"dropped_chunks": 3}
+    assert api.call("GET", "/v1/status", ADMIN_TOKEN).json()["chunks"] == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        ({"limit_bytes": -1}, "body.limit_bytes: Input should be greater than or equal to 0"),
+        ({"limit_bytes": "4096"}, "body.limit_bytes: Input should be a valid integer"),
+        ({"limit_bytes": 1.5}, "body.limit_bytes: Input should be a valid integer"),
+        ({"limit_bytes": True}, "body.limit_bytes: Input should be a valid integer"),
+        ({"limit_bytes": 1 << 64}, "body.limit_bytes: Input should be less than or equal to"),
+        ({}, "body.limit_bytes: Field required"),
+        ({"limit_bytes": 1, "limit": 2}, "body.limit: Extra inputs are not permitted"),
+        ([4096], "body: Input should be a valid dictionary"),
+    ],
+)
+def test_bad_bodies(api: Api, body: object, reason: str) -> None:
+    response = api.call("PUT", f"/v1/tenants/{ALICE}/quota", ALICE_TOKEN, json=body)
+    assert response.status_code == 422
+    detail = response.json()["detail"]
+    assert isinstance(detail, str) and reason in detail, detail
+    assert not api.service.quota(ALICE).explicit
+
+
+@pytest.mark.parametrize(
+    ("content", "headers", "reason"),
+    [
+        (b"{not json", {"Content-Type": "application/json"}, "body: not valid JSON (Expecting"),
+        (b"", {"Content-Type": "application/json"}, "body: Field required"),
+        (
+            b"limit_bytes=5",
+            {"Content-Type": "application/x-www-form-urlencoded"},
+            "body: Input should be a valid dictionary",
+        ),
+    ],
+)
+def test_non_json_bodies(api: Api, content: bytes, headers: dict[str, str], reason: str) -> None:
+    response = api.call(
+        "PUT", f"/v1/tenants/{ALICE}/quota", ALICE_TOKEN, content=content, headers=headers
+    )
+    assert response.status_code == 422
+    assert reason in response.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["alice", ALICE.upper(), ALICE[:-1], ALICE + "0", "z" * 32, "default"],
+)
+@pytest.mark.parametrize("route", ["quota", "usage", "clear"])
+def test_malformed_tenant_id(api: Api, bad: str, route: str) -> None:
+    method = "POST" if route == "clear" else "GET"
+    path = f"/v1/tenants/{bad}/{route}"
+    assert api.call(method, path).status_code == 401  # who is asking comes first
+    for token in (ADMIN_TOKEN, ALICE_TOKEN):
+        response = api.call(method, path, token)
+        assert response.status_code == 422
+        assert response.json() == {"detail": TENANT_ID_RULE}
+    assert "kvpool tenant-id" in TENANT_ID_RULE
+
+
+def test_quota_store_failure_is_503(server: Server, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with running(server, tmp_path, quota_file=blocker / "q.json") as api:
+        quota = f"/v1/tenants/{ALICE}/quota"
+        api.store(ALICE, range(5))
+        for method, body in (("PUT", {"limit_bytes": 0}), ("DELETE", None)):
+            response = api.call(method, quota, ALICE_TOKEN, json=body)
+            assert response.status_code == 503
+            detail = response.json()["detail"]
+            assert detail.startswith("quota store unavailable, nothing was changed")
+            assert "q.json" in detail
+        assert api.call("GET", quota, ALICE_TOKEN).json()["explicit"] is False  # unchanged
+        assert api.service.usage(ALICE).chunks == 5  # and nothing was evicted
+        assert api.call("GET", "/healthz").status_code == 200  # the rest keeps working
+
+
+def test_openapi_lists_every_endpoint(api: Api) -> None:
+    spec = api.call("GET", "/openapi.json").json()
+    paths = spec["paths"]
+    tenant = "/v1/tenants/{tenant_id}"
+    expected = {
+        "/healthz": {"get"},
+        "/readyz": {"get"},
+        "/v1/status": {"get"},
+        "/v1/clear": {"post"},
+        f"{tenant}/quota": {"get", "put", "delete"},
+        f"{tenant}/usage": {"get"},
+        f"{tenant}/clear": {"post"},
+    }
+    assert {path: set(operations) for path, operations in paths.items()} == expected
+    assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    put = paths[f"{tenant}/quota"]["put"]
+    assert put["security"] == [{"HTTPBearer": []}]
+    assert {"401", "403", "422", "503"} <= set(put["responses"])
+    assert "security" not in paths["/healthz"]["get"]
+    update = spec["components"]["schemas"]["QuotaUpdate"]
+    assert update["required"] == ["limit_bytes"]
+    assert "null" in update["properties"]["limit_bytes"]["description"]
+    for path, operations in paths.items():
+        for operation in operations.values():
+            assert operation.get("summary"), f"{path} has no summary"
+
+
+def test_tokens_never_reach_the_logs(api: Api, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(1)  # everything, uvicorn's TRACE level included
+    quota = f"/v1/tenants/{ALICE}/quota"
+    api.call("GET", "/v1/status", ADMIN_TOKEN)
+    api.call("GET", "/v1/status", ALICE_TOKEN)
+    api.call("GET", "/v1/status", UNKNOWN_TOKEN)
+    api.call("PUT", quota, ALICE_TOKEN, json={"limit_bytes": 4096})
+    api.call("PUT", quota, BOB_TOKEN, json={"limit_bytes": 4096})
+    api.call("PUT", quota, ALICE_TOKEN, json={"limit_bytes": "x"})
+    api.call("POST", "/v1/clear", ADMIN_TOKEN)
+    api.call("GET", "/v1/tenants/bad/usage", ADMIN_TOKEN)
+    api.call("GET", "/v1/status", headers={"Authorization": f"Basic {ADMIN_TOKEN}"})
+
+    text = caplog.text
+    assert "/v1/status" in text  # the access log was captured ...
+    assert f"tenant {ALICE} set the quota of tenant {ALICE} to 4096 bytes" in text  # ... and ours
+    for token in (ADMIN_TOKEN, ALICE_TOKEN, BOB_TOKEN, UNKNOWN_TOKEN):
+        assert token not in text
+        for record in caplog.records:
+            assert token not in repr(record.args)

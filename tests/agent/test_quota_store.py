@@ -1,0 +1,119 @@
+"""The file quota store: round trip, restarts, atomic replacement, corruption; loading at start."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvpool_agent.keys import tenant_id
+from kvpool_agent.quota_store import FileQuotaStore, QuotaStoreError
+from kvpool_agent.service import CacheService
+
+from .conftest import PAGE, key, make_cache
+
+ALICE = tenant_id("alice")
+BOB = tenant_id("bob")
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    store = FileQuotaStore(tmp_path / "q.json")
+    assert store.load() == {}
+    store.save(ALICE, 1 << 20)
+    store.save(BOB, None)
+    store.save(ALICE, 0)
+    assert store.load() == {ALICE: 0, BOB: None}
+    store.delete(BOB)
+    store.delete(BOB)  # deleting twice is a no-op
+    assert store.load() == {ALICE: 0}
+    assert json.loads((tmp_path / "q.json").read_text()) == {ALICE: 0}
+
+
+def test_survives_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "quotas.json"  # the directory is created on first write
+    FileQuotaStore(path).save(ALICE, 4096)
+    FileQuotaStore(path).save(BOB, None)
+    assert FileQuotaStore(path).load() == {ALICE: 4096, BOB: None}
+
+
+def test_replaces_atomically_and_leaves_no_temporary(tmp_path: Path) -> None:
+    path = tmp_path / "q.json"
+    store = FileQuotaStore(path)
+    store.save(ALICE, 1)
+    with path.open() as reader:  # a reader that opened the old version keeps it whole
+        store.save(ALICE, 2)
+        assert json.loads(reader.read()) == {ALICE: 1}
+    for limit in range(3, 20):
+        store.save(ALICE, limit)
+    assert store.load() == {ALICE: 19}
+    assert [entry.name for entry in tmp_path.iterdir()] == ["q.json"]
+
+
+def test_delete_of_an_absent_tenant_writes_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "q.json"
+    FileQuotaStore(path).delete(ALICE)
+    assert not path.exists()
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["{not json", "[1, 2]", json.dumps({ALICE: -1}), json.dumps({ALICE: "1GiB"}), "1.5"],
+)
+def test_corrupt_file(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "q.json"
+    path.write_text(content)
+    store = FileQuotaStore(path)
+    with pytest.raises(QuotaStoreError, match=str(path)):
+        store.load()
+    with pytest.raises(QuotaStoreError):
+        store.save(ALICE, 1)  # a change never overwrites a file it cannot read
+    assert path.read_text() == content
+
+
+def test_unwritable_location(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    store = FileQuotaStore(blocker / "q.json")
+    with pytest.raises(QuotaStoreError, match="cannot"):
+        store.save(ALICE, 1)
+
+
+def test_load_quotas_applies_stored_limits(tmp_path: Path) -> None:
+    path = tmp_path / "q.json"
+    store = FileQuotaStore(path)
+    store.save(ALICE, 2 * PAGE)
+    store.save(BOB, None)
+
+    cache = make_cache()
+    lease = cache.reserve(ALICE, [key(i) for i in range(5)], [PAGE] * 5).lease
+    assert lease is not None
+    cache.commit(lease)
+    service = CacheService(cache, FileQuotaStore(path))  # a restarted agent
+    assert service.load_quotas() == 2
+    alice = service.quota(ALICE)
+    assert (alice.limit, alice.explicit) == (2 * PAGE, True)
+    assert service.usage(ALICE).used_bytes <= 2 * PAGE  # applying a smaller limit evicts
+    bob = service.quota(BOB)
+    assert (bob.limit, bob.explicit) == (None, True)
+    assert not service.quota(tenant_id("carol")).explicit
+
+
+def test_service_writes_through_before_applying(tmp_path: Path) -> None:
+    path = tmp_path / "q.json"
+    service = CacheService(make_cache(), FileQuotaStore(path))
+    service.set_quota(ALICE, 3 * PAGE)
+    assert FileQuotaStore(path).load() == {ALICE: 3 * PAGE}
+    service.delete_quota(ALICE)
+    assert FileQuotaStore(path).load() == {}
+    assert not service.quota(ALICE).explicit
+
+
+def test_failed_store_leaves_the_quota_unchanged(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    service = CacheService(make_cache(), FileQuotaStore(blocker / "q.json"))
+    with pytest.raises(QuotaStoreError):
+        service.set_quota(ALICE, 0)
+    assert not service.quota(ALICE).explicit
+    assert service.quota(ALICE).limit is None
