@@ -14,6 +14,8 @@ chunk); its owner, the L1 cache, frees each extent exactly once.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 SUBBIN_BITS = 3
 SUBBINS = 1 << SUBBIN_BITS
 
@@ -38,16 +40,28 @@ def _first_bin_that_fits(pages: int) -> int:
 class ExtentAllocator:
     """Hands out runs of whole pages from ``total_pages`` pages; page numbers start at 0."""
 
-    def __init__(self, total_pages: int) -> None:
+    def __init__(self, total_pages: int, used: Iterable[tuple[int, int]] = ()) -> None:
+        """All pages free but the ``used`` (first page, pages) runs, which must not overlap."""
         if total_pages <= 0:
             raise ValueError("total_pages must be positive")
         self.total_pages = total_pages
-        self.free_pages = total_pages
+        self.free_pages = 0
         self._length_by_start: dict[int, int] = {}
         self._start_by_end: dict[int, int] = {}
         self._bins: list[dict[int, None]] = [{} for _ in range(_bin_of(total_pages) + 1)]
         self._nonempty = 0  # bitmap over bins
-        self._insert(0, total_pages)
+        position = 0
+        for start, pages in sorted(used):
+            if start < position or start + pages > total_pages or pages <= 0:
+                raise ValueError(f"used run [{start}, {start + pages}) overlaps or is out of range")
+            self._add_free(position, start - position)
+            position = start + pages
+        self._add_free(position, total_pages - position)
+
+    def _add_free(self, start: int, pages: int) -> None:
+        if pages > 0:
+            self._insert(start, pages)
+            self.free_pages += pages
 
     def allocate(self, pages: int) -> int | None:
         """First page of a fresh run of ``pages`` pages, or None if no free extent is that long."""

@@ -1,11 +1,18 @@
-"""Build the L1 pieces (segment, pinning, index) from the agent's configuration."""
+"""Build the L1 pieces (segment, journal, pinning, index) from the agent's configuration.
+
+A segment left by an earlier agent is adopted when compatible and its index
+rebuilt from the chunk table, so a restart keeps the cache hot; otherwise it is
+recreated from empty, and the reason is logged and kept for metrics.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from kvpool_agent.config import AgentConfig
+from kvpool_agent.journal import SegmentJournal
 from kvpool_agent.l1 import L1Cache
 from kvpool_agent.pinned import PinnedRegion, pin
 from kvpool_agent.policies import policy_factory
@@ -15,24 +22,42 @@ from kvpool_agent.segment import SharedSegment
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class SegmentOrigin:
+    """How this agent came by its segment."""
+
+    adopted: bool
+    reason: str
+    """Why it was recreated, or "adopted"."""
+    restored_chunks: int
+    discarded_records: int
+    seconds: float
+
+
 @dataclass
 class L1Tier:
     """The mapped segment and the cache that manages it; ``close`` undoes ``open_l1``."""
 
     segment: SharedSegment
+    journal: SegmentJournal
     cache: L1Cache
     pinned: PinnedRegion | None
+    origin: SegmentOrigin
 
     def close(self) -> None:
         if self.pinned is not None:
             self.pinned.release()
+        self.journal.close()
         self.segment.close()
 
 
 def open_l1(config: AgentConfig) -> L1Tier:
+    started = time.perf_counter()
     path = config.resolved_segment_path
-    segment = SharedSegment.create(path, int(config.l1_size), int(config.page_size))
-    pinned = pin(segment.mapping, config.pin_memory)
+    segment, recreated_because = SharedSegment.open(
+        path, int(config.l1_size), int(config.page_size)
+    )
+    journal = SegmentJournal(segment)
     cache = L1Cache(
         segment.layout,
         policy_factory(config.eviction_policy),
@@ -40,7 +65,26 @@ def open_l1(config: AgentConfig) -> L1Tier:
         high_watermark=config.high_watermark,
         low_watermark=config.low_watermark,
         lease_seconds=config.lease_seconds,
+        journal=journal,
     )
+    if recreated_because is None:
+        report = cache.restore(journal.committed())
+        origin = SegmentOrigin(
+            True, "adopted", report.restored, report.discarded, time.perf_counter() - started
+        )
+        log.info(
+            "adopted segment %s: %d chunks restored, %d damaged records discarded, in %.3f s",
+            path,
+            report.restored,
+            report.discarded,
+            origin.seconds,
+        )
+    else:
+        journal.reset()
+        origin = SegmentOrigin(False, recreated_because, 0, 0, time.perf_counter() - started)
+        level = logging.INFO if recreated_because == "no segment yet" else logging.WARNING
+        log.log(level, "created segment %s from empty: %s", path, recreated_because)
+    pinned = pin(segment.mapping, config.pin_memory)
     log.info(
         "L1 segment %s: %d pages of %d bytes, policy %s, pinned %s",
         path,
@@ -49,7 +93,7 @@ def open_l1(config: AgentConfig) -> L1Tier:
         config.eviction_policy,
         pinned is not None,
     )
-    return L1Tier(segment, cache, pinned)
+    return L1Tier(segment, journal, cache, pinned, origin)
 
 
 def _limit(value: int | None) -> int | None:

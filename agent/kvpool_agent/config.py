@@ -85,6 +85,11 @@ class AgentConfig(BaseSettings):
     lease_seconds: float = Field(
         30.0, gt=0, description="Lifetime of read and write locks; expired locks are dropped."
     )
+    shutdown_grace_seconds: float = Field(
+        10.0,
+        ge=0,
+        description="On SIGTERM, how long stores in flight may still commit before exiting.",
+    )
     maintenance_interval_seconds: float = Field(
         1.0, gt=0, description="Period of the background watermark check and lease expiry."
     )

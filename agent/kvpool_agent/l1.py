@@ -36,10 +36,11 @@ import itertools
 import time
 from array import array
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvpool_agent.allocator import ExtentAllocator
+from kvpool_agent.journal import ChunkRecord, SegmentJournal
 from kvpool_agent.keys import KEY_BYTES
 from kvpool_agent.policies import EvictionPolicy, PolicyFactory, SlotArena
 from kvpool_agent.quotas import Limit, QuotaBook
@@ -154,6 +155,13 @@ class L1Stats:
     tenants: list[TenantStats]
 
 
+@dataclass(frozen=True)
+class RestoreReport:
+    restored: int
+    discarded: int
+    """Records that failed their checksum, pointed outside the segment or overlapped."""
+
+
 @dataclass
 class _Tenant:
     name: str
@@ -191,7 +199,9 @@ class L1Cache:
         low_watermark: float = 0.80,
         lease_seconds: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        journal: SegmentJournal | None = None,
     ) -> None:
+        """``journal``, if given, records committed chunks in the segment for warm restarts."""
         if not 0 < low_watermark < high_watermark <= 1:
             raise ValueError("watermarks must satisfy 0 < low < high <= 1")
         self.layout = layout
@@ -215,6 +225,7 @@ class L1Cache:
         self._tenant = array("i", [NIL]) * pages
         self._readers = array("i", [0]) * pages
         self._last_use = array("q", [0]) * pages
+        self._sequence = array("q", [0]) * pages  # commit number, for the journal
         self._parent = array("i", [NIL]) * pages
         self._first_child = array("i", [NIL]) * pages
         self._next_sibling = array("i", [NIL]) * pages
@@ -222,12 +233,15 @@ class L1Cache:
         self._arena = SlotArena(pages)
         self._index: dict[bytes, int] = {}
         self._tick = 0
+        self._journal = journal
+        self._commit_sequence = 0
 
         self._tenants: dict[str, _Tenant] = {}
         self._tenant_list: list[_Tenant] = []
         self._leases: dict[int, _Lease] = {}
         self._expiry_heap: list[tuple[float, int]] = []
         self._lease_ids = itertools.count(1)
+        self._write_leases = 0
 
         self._stored_bytes = 0
         self._hits = 0
@@ -298,14 +312,14 @@ class L1Cache:
         """
         record = self._take_lease(lease)
         if not record.writing:
-            self._leases[lease] = record
+            self._put_back(lease, record)
             raise InvalidRequest(f"lease {lease} is a read lease; release it instead")
         slots = record.slots
         keep = len(slots) if count is None else count
         if not 0 <= keep <= len(slots):
-            self._leases[lease] = record
+            self._put_back(lease, record)
             raise InvalidRequest(f"cannot commit {count} of {len(slots)} reserved chunks")
-        published = 0
+        published: list[int] = []
         # Tail first, so the head of the run ends up the most recently used.
         for position in range(len(slots) - 1, -1, -1):
             slot = slots[position]
@@ -318,8 +332,11 @@ class L1Cache:
             account.policy.insert(slot, self._key(slot))
             account.stored_chunks += 1
             self._written_bytes += self._nbytes[slot]
-            published += 1
-        return published
+            published.append(slot)
+        if self._journal is not None:
+            for slot in reversed(published):  # head first: a parent is numbered before its child
+                self._journal.record(self._record_of(slot))
+        return len(published)
 
     # --------------------------------------------------------------- retrieve
 
@@ -377,6 +394,7 @@ class L1Cache:
             _, lease = heapq.heappop(heap)
             record = self._leases.pop(lease, None)
             if record is not None:
+                self._write_leases -= record.writing
                 self._end_lease(record)
                 expired += 1
         self._lock_expiries += expired
@@ -427,7 +445,100 @@ class L1Cache:
                 del self._index[key]
         return dropped
 
+    # ----------------------------------------------------------- warm restart
+
+    def restore(self, records: Iterable[ChunkRecord | int]) -> RestoreReport:
+        """Rebuild the index of a fresh cache from an adopted segment's chunk table.
+
+        Records that fail their checksum (given as bare slot numbers), point
+        outside the data region, disagree with their size, or overlap an earlier
+        record are discarded and erased; the rest become ready chunks, inserted
+        in commit order so that the policies see the oldest first.
+        """
+        if self._index or self._journal is None:
+            raise RuntimeError("restore() needs a fresh cache with a journal")
+        page, total = self.layout.page_size, self._allocator.total_pages
+        valid: list[ChunkRecord] = []
+        discarded: list[int] = []
+        for record in records:
+            if isinstance(record, int):
+                discarded.append(record)
+            elif (
+                0 <= record.slot < total
+                and record.pages > 0
+                and 0 <= record.first_page <= total - record.pages
+                and (record.pages - 1) * page < record.nbytes <= record.pages * page
+            ):
+                valid.append(record)
+            else:
+                discarded.append(record.slot)
+        kept: list[ChunkRecord] = []
+        end = 0
+        for record in sorted(valid, key=lambda r: r.first_page):
+            if record.first_page < end or record.key in self._index:
+                discarded.append(record.slot)
+                continue
+            kept.append(record)
+            self._index[record.key] = record.slot
+            end = record.first_page + record.pages
+        for slot in discarded:
+            self._journal.erase(slot)
+        self._allocator = ExtentAllocator(total, [(r.first_page, r.pages) for r in kept])
+        for record in sorted(kept, key=lambda r: r.sequence):
+            self._adopt(record)
+        for record in kept:
+            parent = record.parent
+            if (
+                0 <= parent < total
+                and self._state[parent] == State.READY
+                and self._sequence[parent] == record.parent_sequence
+                and self._tenant[parent] == self._tenant[record.slot]
+            ):
+                self._link(record.slot, parent)
+        used = {record.slot for record in kept}
+        self._free_slots = array("i", (s for s in range(total - 1, -1, -1) if s not in used))
+        self._commit_sequence = max((r.sequence for r in kept), default=0)
+        return RestoreReport(len(kept), len(discarded))
+
+    def _adopt(self, record: ChunkRecord) -> None:
+        slot, account = record.slot, self._account(record.tenant)
+        self._keys[slot] = record.key
+        self._state[slot] = State.READY
+        self._first_page[slot] = record.first_page
+        self._pages[slot] = record.pages
+        self._nbytes[slot] = record.nbytes
+        self._tenant[slot] = account.index
+        self._readers[slot] = 0
+        self._link(slot, NIL)
+        self._last_use[slot] = self._next_tick()
+        self._sequence[slot] = record.sequence
+        account.policy.insert(slot, record.key)
+        account.used_bytes += record.nbytes
+        account.chunks += 1
+        self._stored_bytes += record.nbytes
+
+    def _record_of(self, slot: int) -> ChunkRecord:
+        self._commit_sequence += 1
+        self._sequence[slot] = self._commit_sequence
+        parent = self._parent[slot]
+        return ChunkRecord(
+            slot,
+            parent,
+            self._key(slot),
+            self._tenant_list[self._tenant[slot]].name,
+            self._first_page[slot],
+            self._pages[slot],
+            self._nbytes[slot],
+            self._commit_sequence,
+            0 if parent == NIL else self._sequence[parent],  # sequences start at 1
+        )
+
     # ------------------------------------------------------------------ stats
+
+    @property
+    def open_write_leases(self) -> int:
+        """Reservations not yet committed or released (transfers in flight into L1)."""
+        return self._write_leases
 
     def contains(self, key: bytes) -> bool:
         slot = self._index.get(key, NIL)
@@ -612,6 +723,8 @@ class L1Cache:
         self._tenant_list[self._tenant[slot]].policy.remove(slot, self._key(slot), evicted=evicted)
 
     def _free(self, slot: int) -> None:
+        if self._journal is not None:
+            self._journal.erase(slot)  # before the pages can be handed out again
         key = self._key(slot)
         if self._index.get(key) == slot:
             del self._index[key]
@@ -623,6 +736,7 @@ class L1Cache:
         account.chunks -= 1
         self._stored_bytes -= nbytes
         self._keys[slot] = None
+        self._sequence[slot] = 0
         self._state[slot] = State.FREE
         self._tenant[slot] = NIL
         self._readers[slot] = 0
@@ -664,6 +778,7 @@ class L1Cache:
 
     def _open_lease(self, *, writing: bool, slots: list[int]) -> int:
         lease = next(self._lease_ids)
+        self._write_leases += writing
         expires = self._clock() + self.lease_seconds
         self._leases[lease] = _Lease(writing, slots, expires)
         heapq.heappush(self._expiry_heap, (expires, lease))
@@ -673,7 +788,12 @@ class L1Cache:
         record = self._leases.pop(lease, None)
         if record is None:
             raise UnknownLease(f"lease {lease} is unknown, already ended or expired")
+        self._write_leases -= record.writing
         return record
+
+    def _put_back(self, lease: int, record: _Lease) -> None:
+        self._leases[lease] = record
+        self._write_leases += record.writing
 
     def _end_lease(self, record: _Lease) -> None:
         if record.writing:

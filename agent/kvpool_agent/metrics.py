@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from kvpool_agent.cache_factory import SegmentOrigin
 from kvpool_agent.service import CacheService
 
 OTHER_TENANTS = "other"
@@ -103,10 +104,35 @@ class _CacheCollector(Collector):
 
 class AgentMetrics:
     def __init__(
-        self, registry: CollectorRegistry, service: CacheService, top_tenants: int
+        self,
+        registry: CollectorRegistry,
+        service: CacheService,
+        top_tenants: int,
+        origin: SegmentOrigin,
     ) -> None:
         self.registry = registry
         registry.register(_CacheCollector(service, top_tenants))
+        Gauge(
+            "kvpool_l1_restored_chunks",
+            "Chunks this agent adopted from the segment an earlier agent left.",
+            registry=registry,
+        ).set(origin.restored_chunks)
+        Gauge(
+            "kvpool_l1_discarded_records",
+            "Damaged chunk records discarded when the segment was adopted.",
+            registry=registry,
+        ).set(origin.discarded_records)
+        Gauge(
+            "kvpool_l1_segment_start_seconds",
+            "Time to open or adopt the segment and rebuild the index at start.",
+            registry=registry,
+        ).set(origin.seconds)
+        Gauge(
+            "kvpool_l1_segment_origin",
+            'How the segment came to be: reason "adopted", or why it was recreated.',
+            ["reason"],
+            registry=registry,
+        ).labels(origin.reason).set(1)
         self._latency = Histogram(
             "kvpool_request_seconds",
             "Time to serve a ZMQ request, by operation.",

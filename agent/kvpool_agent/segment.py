@@ -2,13 +2,18 @@
 
 Layout (offsets in bytes)::
 
-    0                 header: magic, layout version, page size, data offset, data size
-    data_offset       data region: ``data_size`` bytes of whole pages (data_offset = page size)
+    0              header: magic, layout version, page size, table and data placement, CRC
+    table_offset   chunk table: one fixed-size record per page (see journal.py)
+    data_offset    data region: ``data_size`` bytes of whole pages, page-aligned
 
 Offsets handed to clients are absolute file offsets, so a client needs only the
 path to map the file and copy at ``offset``. The agent reserves the memory up
 front (``posix_fallocate``): a too-small /dev/shm is a clear error at start,
 not a SIGBUS in the middle of a store.
+
+The file outlives the agent. A restarted agent calls :meth:`SharedSegment.open`,
+which re-adopts a compatible segment (same layout version, size and page size,
+intact header) and otherwise recreates it from empty, saying why.
 """
 
 from __future__ import annotations
@@ -16,12 +21,16 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 MAGIC = b"KVPOOLS1"
-LAYOUT_VERSION = 1
-_HEADER = struct.Struct("<8sIIQQ")  # magic, layout version, page size, data offset, data size
+LAYOUT_VERSION = 2
+# magic, layout version, page size, table offset, table slots, data offset, data size, CRC32
+_HEADER = struct.Struct("<8sIIQQQQI")
+HEADER_BYTES = 4096
+TABLE_RECORD_BYTES = 128
 
 
 class SegmentError(RuntimeError):
@@ -33,6 +42,46 @@ class SegmentLayout:
     page_size: int
     data_offset: int
     data_size: int
+    table_offset: int = 0
+    table_slots: int = 0
+
+    @classmethod
+    def plan(cls, data_size: int, page_size: int) -> SegmentLayout:
+        """Header, then one table record per page, then the page-aligned data region."""
+        data_size -= data_size % page_size
+        slots = data_size // page_size
+        table_end = HEADER_BYTES + slots * TABLE_RECORD_BYTES
+        data_offset = -(-table_end // page_size) * page_size
+        return cls(page_size, data_offset, data_size, HEADER_BYTES, slots)
+
+    def header(self) -> bytes:
+        fields = (
+            MAGIC,
+            LAYOUT_VERSION,
+            self.page_size,
+            self.table_offset,
+            self.table_slots,
+            self.data_offset,
+            self.data_size,
+        )
+        body = _HEADER.pack(*fields, 0)[: _HEADER.size - 4]
+        return body + zlib.crc32(body).to_bytes(4, "little")
+
+    @classmethod
+    def from_header(cls, raw: bytes) -> SegmentLayout:
+        """Parse a header; :class:`SegmentError` says what is wrong with it."""
+        if len(raw) < _HEADER.size:
+            raise SegmentError("too short to be a kvpool segment")
+        magic, version, page, table_offset, slots, data_offset, data_size, crc = _HEADER.unpack(
+            raw[: _HEADER.size]
+        )
+        if magic != MAGIC:
+            raise SegmentError("not a kvpool segment")
+        if version != LAYOUT_VERSION:
+            raise SegmentError(f"segment layout {version}; this build reads {LAYOUT_VERSION}")
+        if zlib.crc32(raw[: _HEADER.size - 4]) != crc:
+            raise SegmentError("damaged header (checksum mismatch)")
+        return cls(page, data_offset, data_size, table_offset, slots)
 
     @property
     def total_size(self) -> int:
@@ -57,7 +106,7 @@ class SharedSegment:
         cls, path: Path, data_size: int, page_size: int, *, populate: bool = True
     ) -> SharedSegment:
         """Create (or replace) the segment, reserve its memory and map it."""
-        layout = SegmentLayout(page_size, page_size, data_size - data_size % page_size)
+        layout = SegmentLayout.plan(data_size, page_size)
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
@@ -72,10 +121,7 @@ class SharedSegment:
                     f"cannot reserve {layout.total_size} bytes for {path}: {error.strerror}; "
                     "is the shared-memory filesystem large enough?"
                 ) from error
-            header = _HEADER.pack(
-                MAGIC, LAYOUT_VERSION, layout.page_size, layout.data_offset, layout.data_size
-            )
-            os.pwrite(fd, header, 0)
+            os.pwrite(fd, layout.header(), 0)
             os.replace(temporary, path)  # clients never see a half-written header
             return cls(path, layout, _map(fd, layout.total_size, populate))
         except BaseException:
@@ -92,22 +138,40 @@ class SharedSegment:
         except OSError as error:
             raise SegmentError(f"cannot open segment {path}: {error.strerror}") from error
         try:
-            raw = os.pread(fd, _HEADER.size, 0)
-            if len(raw) < _HEADER.size:
-                raise SegmentError(f"{path} is too short to be a kvpool segment")
-            magic, version, page_size, data_offset, data_size = _HEADER.unpack(raw)
-            if magic != MAGIC:
-                raise SegmentError(f"{path} is not a kvpool segment")
-            if version != LAYOUT_VERSION:
-                raise SegmentError(
-                    f"{path} has segment layout {version}; this build reads {LAYOUT_VERSION}"
-                )
-            layout = SegmentLayout(page_size, data_offset, data_size)
+            try:
+                layout = SegmentLayout.from_header(os.pread(fd, _HEADER.size, 0))
+            except SegmentError as error:
+                raise SegmentError(f"{path}: {error}") from None
             if os.fstat(fd).st_size < layout.total_size:
                 raise SegmentError(f"{path} is shorter than its header says")
             return cls(path, layout, _map(fd, layout.total_size, populate))
         finally:
             os.close(fd)
+
+    @classmethod
+    def open(cls, path: Path, data_size: int, page_size: int) -> tuple[SharedSegment, str | None]:
+        """The agent's way in: adopt a compatible segment, else create one.
+
+        Returns the segment and, when it was created rather than adopted, why.
+        """
+        if not path.exists():
+            return cls.create(path, data_size, page_size), "no segment yet"
+        try:
+            segment = cls.attach(path, populate=True)
+        except SegmentError as error:
+            return cls.create(path, data_size, page_size), str(error).removeprefix(f"{path}: ")
+        if segment.layout != SegmentLayout.plan(data_size, page_size):
+            segment.close()
+            reason = "the configured size or page size differs from the segment's"
+            return cls.create(path, data_size, page_size), reason
+        return segment, None
+
+    @property
+    def table(self) -> memoryview:
+        """The chunk table region (agent only)."""
+        layout = self.layout
+        end = layout.table_offset + layout.table_slots * TABLE_RECORD_BYTES
+        return self.view[layout.table_offset : end]
 
     def page_offset(self, page: int) -> int:
         """Absolute file offset of a data page."""

@@ -2,8 +2,10 @@
 
 Parts: the L1 segment and cache, the quota store and service, the token
 authority, metrics, the ZMQ server (its own thread), the HTTP API (uvicorn on
-this event loop) and the maintenance task. SIGTERM and SIGINT stop it: readiness
-turns false, the servers stop accepting, then the segment is unmapped.
+this event loop) and the maintenance task. SIGTERM and SIGINT stop it:
+readiness turns false, new stores are refused while those in flight may still
+commit (up to ``shutdown_grace_seconds``), the servers stop, and the segment is
+unmapped, not removed: the next agent adopts it with every committed chunk.
 """
 
 from __future__ import annotations
@@ -64,7 +66,9 @@ class Agent:
             authority = load_authority(
                 config.tokens_file, config.state_dir / f"admin-token-{config.pool}"
             )
-            metrics = AgentMetrics(CollectorRegistry(), service, config.metrics_top_tenants)
+            metrics = AgentMetrics(
+                CollectorRegistry(), service, config.metrics_top_tenants, l1.origin
+            )
             zmq_server = ZmqServer(
                 service,
                 l1.segment,
@@ -89,7 +93,15 @@ class Agent:
                 l1.segment.path,
             )
             await self._stopping.wait()
-            log.info("agent stopping")
+            self._ready = False
+            zmq_server.drain()
+            drained = await asyncio.to_thread(
+                zmq_server.drained.wait, config.shutdown_grace_seconds
+            )
+            log.info(
+                "agent stopping: %s",
+                "no store in flight" if drained else "grace period over, stores in flight dropped",
+            )
         log.info("agent stopped")
 
     @contextlib.asynccontextmanager

@@ -22,6 +22,7 @@ from typing import Protocol
 import zmq
 
 from kvpool_agent import protocol as p
+from kvpool_agent.auth import TENANT_ID_RULE, is_tenant_id
 from kvpool_agent.l1 import CacheError, InvalidRequest, UnknownLease
 from kvpool_agent.segment import SharedSegment
 from kvpool_agent.service import CacheService
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 Frames = Sequence[zmq.Frame]
 Handled = tuple[p.Reply, list[bytes]]
+SHUTTING_DOWN = "the agent is shutting down"
 
 
 class RequestObserver(Protocol):
@@ -72,6 +74,9 @@ class ZmqServer:
         self._wake_endpoint = f"inproc://kvpool-wake-{self.agent_id}"
         self._thread: threading.Thread | None = None
         self.bound_endpoint = ""
+        self._draining = False
+        self.drained = threading.Event()
+        """Set once draining and no store is in flight (see :meth:`drain`)."""
         self._handlers: dict[type, Callable[[p.Request, Frames], Handled]] = {
             p.Hello: self._hello,  # type: ignore[dict-item]
             p.Ping: self._ping,  # type: ignore[dict-item]
@@ -105,15 +110,30 @@ class ZmqServer:
         self._thread.start()
         log.info("ZMQ protocol v%d on %s", p.PROTOCOL_VERSION, self.bound_endpoint)
 
+    def drain(self) -> None:
+        """Refuse new stores from now on; :attr:`drained` is set once in-flight ones ended.
+
+        Lookups and retrieves are still served, and so are the commits of
+        stores already reserved, so a rolling restart loses no committed chunk.
+        """
+        self._signal(b"drain")
+
     def stop(self) -> None:
         if self._thread is None:
             return
+        self._signal(b"stop")
+        self._thread.join()
+        self._thread = None
+
+    def _signal(self, command: bytes) -> None:
         waker = self._context.socket(zmq.PAIR)
         waker.connect(self._wake_endpoint)
-        waker.send(b"stop")
-        self._thread.join()
+        waker.send(command)
         waker.close()
-        self._thread = None
+
+    def _check_drained(self) -> None:
+        if self._draining and self._service.cache.open_write_leases == 0:
+            self.drained.set()
 
     def _serve(self, socket: zmq.Socket[bytes], wake: zmq.Socket[bytes]) -> None:
         poller = zmq.Poller()
@@ -124,11 +144,14 @@ class ZmqServer:
             while True:
                 events = dict(poller.poll(timeout_ms))
                 if wake in events:
-                    return
-                if socket in events:
+                    if wake.recv() == b"stop":
+                        return
+                    self._draining = True
+                elif socket in events:
                     self._serve_one(socket)
                 else:
                     self._drop_idle_sessions()
+                self._check_drained()
         finally:
             socket.close()
             wake.close()
@@ -240,6 +263,9 @@ class ZmqServer:
     def _prepare_store(self, request: p.PrepareStore, extra: Frames) -> Handled:
         session = self._session(request.session)
         self._check_keys(request.keys)
+        _check_tenant(request.tenant)
+        if self._draining:
+            return p.PrepareStoreReply(request.req, p.NO_LEASE, [], SHUTTING_DOWN), []
         with self._service.lock:
             reservation = self._service.cache.reserve(
                 request.tenant, request.keys, request.sizes, request.parent
@@ -270,8 +296,11 @@ class ZmqServer:
     def _store_inline(self, request: p.StoreInline, extra: Frames) -> Handled:
         self._session(request.session)
         self._check_keys(request.keys)
+        _check_tenant(request.tenant)
         if len(extra) != len(request.keys):
             raise InvalidRequest(f"{len(request.keys)} keys but {len(extra)} data frames")
+        if self._draining:
+            return p.StoreInlineReply(request.req, 0, 0, SHUTTING_DOWN), []
         sizes = [len(frame) for frame in extra]
         if sum(sizes) > self._max_inline:
             raise p.ProtocolError(
@@ -339,3 +368,9 @@ class ZmqServer:
         }
         summary.update({f"evictions_{cause}": count for cause, count in stats.evictions.items()})
         return p.StatsReply(request.req, summary), []
+
+
+def _check_tenant(tenant: str) -> None:
+    """Chunks are stored under a tenant id (see keys.tenant_id), never anything else."""
+    if not is_tenant_id(tenant):
+        raise InvalidRequest(TENANT_ID_RULE)

@@ -27,7 +27,14 @@ def test_tenant_id_reads_the_salt_from_stdin_or_argument() -> None:
 
 def test_agent_starts_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
     segment = Path("/dev/shm") / f"kvpool-test-cli-{os.getpid()}"
-    env = {**os.environ, "KVPOOL_SEGMENT_PATH": str(segment), "KVPOOL_L1_SIZE": "4MiB"}
+    env = {
+        **os.environ,
+        "KVPOOL_SEGMENT_PATH": str(segment),
+        "KVPOOL_L1_SIZE": "4MiB",
+        "KVPOOL_ZMQ_PORT": "0",
+        "KVPOOL_HTTP_PORT": "0",
+        "KVPOOL_STATE_DIR": str(tmp_path),
+    }
     agent = subprocess.Popen([BIN / "kvpool-agent"], env=env, stderr=subprocess.PIPE, text=True)
     try:
         assert agent.stderr is not None

@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ PAGE = 4096
 
 
 @pytest.fixture
-def segment_path(tmp_path: Path) -> Path:
+def segment_path(tmp_path: Path) -> Iterator[Path]:
     # /dev/shm is where the agent puts it; tmp_path keeps tests isolated on machines without it.
     shm = Path("/dev/shm")
     base = shm if shm.is_dir() else tmp_path
@@ -25,7 +26,9 @@ def segment_path(tmp_path: Path) -> Path:
 
 def test_a_client_mapping_sees_the_agents_bytes(segment_path: Path) -> None:
     agent = SharedSegment.create(segment_path, 16 * PAGE, PAGE)
-    assert agent.layout.data_offset == PAGE and agent.layout.pages == 16
+    # header page, one 128-byte table record per page, then page-aligned data
+    assert agent.layout.table_offset == 4096 and agent.layout.table_slots == 16
+    assert agent.layout.data_offset == 2 * PAGE and agent.layout.pages == 16
     offset = agent.page_offset(3)
     agent.write(offset, b"hello kv")
     client = SharedSegment.attach(segment_path)
@@ -54,9 +57,52 @@ def test_attach_refuses_what_is_not_a_segment(segment_path: Path, tmp_path: Path
     segment_path.write_bytes(b"x" * 100)
     with pytest.raises(SegmentError, match="not a kvpool segment"):
         SharedSegment.attach(segment_path)
-    segment_path.write_bytes(b"KVPOOLS1" + (99).to_bytes(4, "little") + bytes(20))
-    with pytest.raises(SegmentError, match="layout 99"):
+    segment_path.write_bytes(b"KVPOOLS1" + (1).to_bytes(4, "little") + bytes(60))
+    with pytest.raises(SegmentError, match="segment layout 1; this build reads 2"):
         SharedSegment.attach(segment_path)
+
+
+def test_open_adopts_a_compatible_segment_and_keeps_its_bytes(segment_path: Path) -> None:
+    first, reason = SharedSegment.open(segment_path, 16 * PAGE, PAGE)
+    assert reason == "no segment yet"
+    first.write(first.page_offset(2), b"still here")
+    first.close()
+    again, reason = SharedSegment.open(segment_path, 16 * PAGE, PAGE)
+    assert reason is None
+    assert again.read(again.page_offset(2), 10) == b"still here"
+    again.close()
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda path: _patch(path, 8, (1).to_bytes(4, "little")), "segment layout 1"),
+        (lambda path: _patch(path, 16, (1 << 20).to_bytes(8, "little")), "damaged header"),
+        (lambda path: _patch(path, 0, b"NOTKVPOO"), "not a kvpool segment"),
+    ],
+)
+def test_open_recreates_an_old_or_damaged_segment(
+    segment_path: Path, damage: Callable[[Path], None], reason: str
+) -> None:
+    SharedSegment.open(segment_path, 16 * PAGE, PAGE)[0].close()
+    damage(segment_path)
+    segment, why = SharedSegment.open(segment_path, 16 * PAGE, PAGE)
+    assert why is not None and reason in why
+    assert SharedSegment.attach(segment_path).layout == segment.layout  # readable again
+    segment.close()
+
+
+def test_open_recreates_when_the_configured_size_changed(segment_path: Path) -> None:
+    SharedSegment.open(segment_path, 16 * PAGE, PAGE)[0].close()
+    segment, why = SharedSegment.open(segment_path, 32 * PAGE, PAGE)
+    assert why is not None and "size" in why and segment.layout.pages == 32
+    segment.close()
+
+
+def _patch(path: Path, offset: int, data: bytes) -> None:
+    with path.open("r+b") as handle:
+        handle.seek(offset)
+        handle.write(data)
 
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs a tmpfs at /dev/shm")

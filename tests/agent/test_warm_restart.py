@@ -1,0 +1,246 @@
+"""Warm restart: a new agent adopts the segment an earlier one left, with every committed chunk."""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.queues
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvpool_agent.client import AgentClient, AgentError, AgentUnavailable
+from kvpool_agent.journal import SegmentJournal
+from kvpool_agent.keys import tenant_id
+from kvpool_agent.l1 import L1Cache
+from kvpool_agent.policies import policy_factory
+from kvpool_agent.quotas import QuotaBook
+from kvpool_agent.segment import TABLE_RECORD_BYTES, SharedSegment
+
+from .agent_process import ADMIN_TOKEN, AgentProcess
+from .conftest import key
+
+PAGE = 4096
+TENANT, OTHER = tenant_id("warm-a"), tenant_id("warm-b")
+
+
+def payload(name: int, size: int) -> bytes:
+    return random.Random(name).randbytes(size)
+
+
+@pytest.fixture
+def segment_path(tmp_path: Path) -> Iterator[Path]:
+    path = Path("/dev/shm") / f"kvpool-warm-{os.getpid()}-{tmp_path.name}"
+    yield path
+    path.unlink(missing_ok=True)
+
+
+class Node:
+    """An agent's L1 in-process: segment + journal + cache, reopened like a restart."""
+
+    def __init__(self, path: Path, policy: str = "lru") -> None:
+        self.segment, self.recreated = SharedSegment.open(path, 64 * PAGE, PAGE)
+        self.journal = SegmentJournal(self.segment)
+        self.cache = L1Cache(
+            self.segment.layout, policy_factory(policy), QuotaBook(), journal=self.journal
+        )
+        self.report = None if self.recreated else self.cache.restore(self.journal.committed())
+
+    def store(self, tenant: str, names: list[int], size: int, parent: int | None = None) -> None:
+        reservation = self.cache.reserve(
+            tenant,
+            [key(n) for n in names],
+            [size] * len(names),
+            None if parent is None else key(parent),
+        )
+        for name, place in zip(names, reservation.placements, strict=False):
+            if place is not None:
+                self.segment.write(place.offset, payload(name, size))
+        assert reservation.lease is not None
+        self.cache.commit(reservation.lease)
+
+    def read(self, tenant: str, names: list[int]) -> list[bytes]:
+        hit = self.cache.lookup(tenant, [key(n) for n in names], lock=False)
+        return [self.segment.read(o, s) for o, s in zip(hit.offsets, hit.sizes, strict=True)]
+
+    def close(self) -> None:
+        self.journal.close()
+        self.segment.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_committed_chunks_survive_and_reservations_do_not(segment_path: Path, policy: str) -> None:
+    node = Node(segment_path, policy)
+    node.store(TENANT, [1, 2, 3], 5000)  # a chain of three 2-page chunks
+    node.store(OTHER, [10], 100)
+    node.store(TENANT, [4], PAGE, parent=3)
+    node.cache.reserve(TENANT, [key(5)], [PAGE])  # mid-write when the agent dies
+    node.cache.lookup(TENANT, [key(1)])  # a read lock: must not survive
+    node.store(TENANT, [6], PAGE)
+    node.cache.clear(OTHER)
+    node.close()
+
+    again = Node(segment_path, policy)
+    assert again.recreated is None and again.report is not None
+    assert (again.report.restored, again.report.discarded) == (5, 0)
+    assert again.read(TENANT, [1, 2, 3, 4]) == [
+        payload(n, s) for n, s in [(1, 5000), (2, 5000), (3, 5000), (4, PAGE)]
+    ]
+    assert again.read(TENANT, [6]) == [payload(6, PAGE)]
+    assert again.read(TENANT, [5]) == [] and again.read(OTHER, [10]) == []
+    restored = again.cache.tenant_usage(TENANT)
+    assert (restored.used_bytes, restored.chunks) == (3 * 5000 + 2 * PAGE, 5)
+    stats = again.cache.stats()
+    assert stats.open_leases == 0 and stats.allocated_bytes == 8 * PAGE  # 3 x 2 pages + 2 x 1
+    assert again.cache.evict(1)  # nothing is locked any more
+    # The chain is linked again: evicting its head takes the rest along.
+    again.cache.clear()
+    again.store(TENANT, [20], PAGE)
+    again.store(TENANT, [21], PAGE, parent=20)
+    again.close()
+    third = Node(segment_path, policy)
+    third.cache.lookup(TENANT, [key(21)], lock=False)  # not reachable, but newer than its head
+    assert third.cache.evict(1)
+    assert third.cache.stats().chunks == 0
+    third.close()
+
+
+def test_new_chunks_after_a_restart_never_overlap_old_ones(segment_path: Path) -> None:
+    node = Node(segment_path)
+    for n in range(0, 40, 2):
+        node.store(TENANT, [n], PAGE * (1 + n % 3))
+    node.close()
+    again = Node(segment_path)
+    for n in range(100, 104):  # 40 pages + 8, below the high watermark: nothing is evicted
+        again.store(TENANT, [n], PAGE * 2)
+    for n in range(0, 40, 2):
+        assert again.read(TENANT, [n]) == [payload(n, PAGE * (1 + n % 3))]
+    for n in range(100, 104):
+        assert again.read(TENANT, [n]) == [payload(n, PAGE * 2)]
+    again.close()
+
+
+def test_damaged_records_are_discarded_never_served(segment_path: Path) -> None:
+    node = Node(segment_path)
+    for n in range(6):
+        node.store(TENANT, [n], PAGE)
+    node.close()
+    with segment_path.open("r+b") as handle:  # flip a byte inside slot 0's record (its key)
+        layout = SharedSegment.attach(segment_path).layout
+        handle.seek(layout.table_offset + 0 * TABLE_RECORD_BYTES + 10)
+        handle.write(b"\xff")
+    again = Node(segment_path)
+    assert again.report is not None and (again.report.restored, again.report.discarded) == (5, 1)
+    served = sum(len(again.read(TENANT, [n])) for n in range(6))
+    assert served == 5
+    for n in range(6):
+        assert again.read(TENANT, [n]) in ([], [payload(n, PAGE)])
+    again.close()
+    assert Node(segment_path).report.discarded == 0  # type: ignore[union-attr]  # erased
+
+
+def _fill(endpoint: str, tenant: str, count: int, size: int) -> None:
+    with AgentClient(endpoint) as client:
+        for first in range(0, count, 8):
+            names = list(range(first, min(first + 8, count)))
+            stored = client.store(
+                tenant, [key(n) for n in names], [payload(n, size) for n in names]
+            )
+            assert stored == len(names)
+
+
+def test_sigkill_then_restart_serves_every_chunk_byte_exact(agent_process: AgentProcess) -> None:
+    agent = agent_process.start()
+    agent.fix_ports()
+    _fill(agent.zmq, TENANT, 200, 100_000)
+    client = AgentClient(agent.zmq, timeout=2)  # stays connected across the restart
+    client.connect()
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    usage = httpx.get(f"{agent.http}/v1/tenants/{TENANT}/usage", headers=admin).json()
+    agent.kill()  # SIGKILL: no shutdown path at all
+    agent.start()
+    assert client.retrieve(TENANT, [key(n) for n in range(200)]) == [
+        payload(n, 100_000) for n in range(200)
+    ]
+    after = httpx.get(f"{agent.http}/v1/tenants/{TENANT}/usage", headers=admin).json()
+    for field in ("used_bytes", "chunks", "limit_bytes"):  # usage, not per-process counters
+        assert after.get(field) == usage.get(field), field
+    assert after["used_bytes"] == 200 * 100_000
+    metrics = httpx.get(f"{agent.http}/metrics").text
+    assert "kvpool_l1_restored_chunks 200.0" in metrics
+    assert 'kvpool_l1_segment_origin{reason="adopted"} 1.0' in metrics
+    client.close()
+
+
+def _store_until_refused(
+    endpoint: str, worker: int, done: multiprocessing.queues.Queue[int]
+) -> None:
+    """Store chunk after chunk; report each one whose commit the agent confirmed."""
+    client = AgentClient(endpoint, timeout=2)
+    name = worker * 100_000
+    try:
+        client.connect()
+        while True:
+            plan = client.prepare_store(TENANT, [key(name)], [50_000])
+            if plan.lease is None:
+                break  # refused: the agent is draining
+            client.segment().write(plan.offsets[0], payload(name, 50_000))
+            if client.commit_store(plan.lease) == 1:
+                done.put(name)
+            name += 1
+    except (AgentUnavailable, AgentError):
+        pass
+    done.put(-1)
+
+
+def test_sigterm_during_concurrent_stores_loses_no_committed_chunk(
+    agent_process: AgentProcess,
+) -> None:
+    agent_process.settings["L1_SIZE"] = "256MiB"
+    agent = agent_process.start()
+    agent.fix_ports()
+    context = multiprocessing.get_context("spawn")
+    done: multiprocessing.queues.Queue[int] = context.Queue()
+    workers = [
+        context.Process(target=_store_until_refused, args=(agent.zmq, w, done)) for w in range(2)
+    ]
+    for worker in workers:
+        worker.start()
+    committed: list[int] = []
+    while len(committed) < 50:
+        committed.append(done.get(timeout=30))
+    assert agent.stop() == 0  # SIGTERM while both workers keep storing
+    finished = 0
+    while finished < len(workers):
+        name = done.get(timeout=30)
+        finished += name == -1
+        if name >= 0:
+            committed.append(name)
+    for worker in workers:
+        worker.join(10)
+    assert "stores in flight dropped" not in "".join(agent.log)
+    agent.start()
+    with AgentClient(agent.zmq) as client:
+        names = [n for n in committed if n >= 0]
+        for name in names:
+            assert client.retrieve(TENANT, [key(name)]) == [payload(name, 50_000)], name
+
+
+def test_an_incompatible_segment_is_recreated_with_a_reason(agent_process: AgentProcess) -> None:
+    agent = agent_process.start()
+    _fill(agent.zmq, TENANT, 8, 1000)
+    assert agent.stop() == 0
+    with agent.segment_path.open("r+b") as handle:  # an older layout version
+        handle.seek(8)
+        handle.write((1).to_bytes(4, "little"))
+    agent.start()
+    assert any("from empty: segment layout 1; this build reads 2" in line for line in agent.log)
+    metrics = httpx.get(f"{agent.http}/metrics").text
+    assert 'kvpool_l1_segment_origin{reason="segment layout 1; this build reads 2"} 1.0' in metrics
+    with AgentClient(agent.zmq) as client:
+        assert client.lookup(TENANT, [key(0)], lock=False).count == 0
+        _fill(agent.zmq, TENANT, 8, 1000)  # and it serves
+        assert client.lookup(TENANT, [key(n) for n in range(8)], lock=False).count == 8
