@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from kvpool_agent.bench import l1 as bench_l1
+from kvpool_agent.bench import restart as bench_restart
 from kvpool_agent.bench import service as bench_service
 from kvpool_agent.keys import tenant_id
 
@@ -31,15 +32,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench_service.add_arguments(
         benches.add_parser("service", help="store/retrieve through the ZMQ protocol vs memcpy")
     )
+    bench_restart.add_arguments(
+        benches.add_parser("restart", help="time to adopt a full segment after a restart")
+    )
 
     args = parser.parse_args(argv)
     if args.command == "tenant-id":
         salt = args.salt if args.salt is not None else sys.stdin.readline().rstrip("\n")
         print(tenant_id(salt))
-    elif args.bench == "l1":
-        bench_l1.run(args)
     else:
-        bench_service.run(args)
+        {"l1": bench_l1.run, "service": bench_service.run, "restart": bench_restart.run}[
+            args.bench
+        ](args)
     return 0
 
 

@@ -73,3 +73,14 @@ def test_bench_l1_prints_its_table() -> None:
     )
     assert "prefix lookup with read lock, per chunk" in result.stdout
     assert "reserve+copy+commit" in result.stdout and "ratio" in result.stdout
+
+
+def test_bench_restart_prints_its_table() -> None:
+    result = subprocess.run(
+        [BIN / "kvpool", "bench", "restart", "--index-chunks", "2000"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert "rebuild index" in result.stdout and "2,000 x 4 KiB" in result.stdout
