@@ -70,6 +70,15 @@ class StorePlan:
 
 
 @dataclass(frozen=True)
+class PrefetchProgress:
+    """See :class:`~kvpool_agent.protocol.PrefetchStatusReply`."""
+
+    done: bool
+    expected: int
+    loaded: int
+
+
+@dataclass(frozen=True)
 class InlineStoreResult:
     stored: int
     present: int
@@ -112,6 +121,30 @@ class _Requests:
             return Hit(_no_lease(answer.lease), answer.offsets, answer.sizes)
 
         return _Exchange(lambda req, s: p.Lookup(req, s, tenant, list(keys), lock), parse)
+
+    @staticmethod
+    def lookup_prefetch(
+        tenant: str, keys: Sequence[bytes], parent: bytes | None
+    ) -> _Exchange[tuple[Hit, int]]:
+        def parse(reply: Any, data: list[bytes]) -> tuple[Hit, int]:
+            answer = _expect(p.LookupReply)(reply, data)
+            return Hit(_no_lease(answer.lease), answer.offsets, answer.sizes), answer.prefetch
+
+        return _Exchange(
+            lambda req, s: p.Lookup(req, s, tenant, list(keys), True, True, parent), parse
+        )
+
+    @staticmethod
+    def prefetch_status(prefetch: int, wait_ms: int) -> _Exchange[PrefetchProgress]:
+        def parse(reply: Any, data: list[bytes]) -> PrefetchProgress:
+            answer = _expect(p.PrefetchStatusReply)(reply, data)
+            return PrefetchProgress(answer.done, answer.expected, answer.loaded)
+
+        return _Exchange(
+            lambda req, s: p.PrefetchStatus(req, s, prefetch, wait_ms),
+            parse,
+            resend_after_hello=False,
+        )
 
     @staticmethod
     def prepare_store(
@@ -312,6 +345,16 @@ class AgentClient(_ClientBase):
     def lookup(self, tenant: str, keys: Sequence[bytes], *, lock: bool = True) -> Hit:
         return self._call(_Requests.lookup(tenant, keys, lock))
 
+    def lookup_prefetch(
+        self, tenant: str, keys: Sequence[bytes], parent: bytes | None = None
+    ) -> tuple[Hit, int]:
+        """Locked lookup that also starts loading the missed rest from L2: (hit, prefetch id)."""
+        return self._call(_Requests.lookup_prefetch(tenant, keys, parent))
+
+    def prefetch_status(self, prefetch: int, *, wait_ms: int = 0) -> PrefetchProgress:
+        """Progress of a prefetch; with ``wait_ms`` the agent answers when done or at the time."""
+        return self._call(_Requests.prefetch_status(prefetch, wait_ms))
+
     def prepare_store(
         self,
         tenant: str,
@@ -443,6 +486,14 @@ class AsyncAgentClient(_ClientBase):
 
     async def lookup(self, tenant: str, keys: Sequence[bytes], *, lock: bool = True) -> Hit:
         return await self._call(_Requests.lookup(tenant, keys, lock))
+
+    async def lookup_prefetch(
+        self, tenant: str, keys: Sequence[bytes], parent: bytes | None = None
+    ) -> tuple[Hit, int]:
+        return await self._call(_Requests.lookup_prefetch(tenant, keys, parent))
+
+    async def prefetch_status(self, prefetch: int, *, wait_ms: int = 0) -> PrefetchProgress:
+        return await self._call(_Requests.prefetch_status(prefetch, wait_ms))
 
     async def prepare_store(
         self,

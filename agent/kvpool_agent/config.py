@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, Self
 
 import yaml
-from pydantic import ByteSize, Field, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -49,10 +49,57 @@ class _ConfigFileSource(PydanticBaseSettingsSource):
         return dict(self._values)
 
 
+class NvmeTierConfig(BaseModel):
+    """A local-disk L2 tier: one file per chunk under ``path/<pool>``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: Path = Field(description="Directory on the node's NVMe (a hostPath in Kubernetes).")
+    capacity: ByteSize = Field(description="Bytes of chunk files kept; LRU files go first.")
+    fsync: Literal["never", "data", "always"] = Field(
+        "data",
+        description=(
+            "never: rely on the page cache; data: fsync each file before it is renamed into "
+            "place; always: also fsync the directory."
+        ),
+    )
+    direct_io: bool = Field(False, description="Write and read with O_DIRECT (where supported).")
+    max_concurrency: int = Field(16, ge=1, description="File operations in flight at once.")
+
+
+class S3TierConfig(BaseModel):
+    """An S3 (or S3-compatible) L2 tier shared by every agent of the pool."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    bucket: str = Field(description="Bucket name.")
+    prefix: str = Field("kvpool", description="Key prefix; objects go under <prefix>/<pool>/.")
+    endpoint_url: str | None = Field(None, description="Endpoint of an S3-compatible store.")
+    region: str | None = Field(None, description="Region; default from the credential chain.")
+    max_concurrency: int = Field(16, ge=1, description="Requests in flight at once.")
+    connect_timeout_seconds: float = Field(2.0, gt=0, description="TCP connect timeout.")
+    read_timeout_seconds: float = Field(10.0, gt=0, description="Socket read timeout.")
+    max_attempts: int = Field(
+        3, ge=1, description="Attempts per request (exponential backoff with jitter)."
+    )
+    breaker_failures: int = Field(
+        5, ge=1, description="Consecutive failures that open the circuit breaker."
+    )
+    breaker_reset_seconds: float = Field(
+        30.0, gt=0, description="How long an open breaker turns requests into misses."
+    )
+    multipart_threshold: ByteSize = Field(
+        ByteSize(8 << 20), description="Objects from this size move in parallel parts."
+    )
+    part_size: ByteSize = Field(ByteSize(8 << 20), description="Size of one part.")
+
+
 class AgentConfig(BaseSettings):
     """Configuration of one node agent (and the pool it serves)."""
 
-    model_config = SettingsConfigDict(env_prefix="KVPOOL_", frozen=True, extra="forbid")
+    model_config = SettingsConfigDict(
+        env_prefix="KVPOOL_", env_nested_delimiter="__", frozen=True, extra="forbid"
+    )
 
     pool: str = Field(
         "default",
@@ -124,6 +171,18 @@ class AgentConfig(BaseSettings):
         20,
         ge=0,
         description="Tenants with their own metrics label, largest first; the rest are 'other'.",
+    )
+    nvme: NvmeTierConfig | None = Field(None, description="Local NVMe L2 tier, if any.")
+    s3: S3TierConfig | None = Field(None, description="S3 L2 tier, if any.")
+    store_policy: Literal["all", "reused"] = Field(
+        "all",
+        description="Which chunks go to L2: all, or those hit at least store_min_hits times.",
+    )
+    store_min_hits: int = Field(1, ge=1, description="Hits before a chunk goes to L2 (reused).")
+    writeback_queue_chunks: int = Field(
+        256,
+        ge=1,
+        description="Chunks waiting for L2 at most; past that, write-backs are shed (counted).",
     )
     pin_memory: Literal["never", "auto", "always"] = Field(
         "never",

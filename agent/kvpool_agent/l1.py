@@ -33,6 +33,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+import math
 import time
 from array import array
 from collections import Counter
@@ -382,6 +383,34 @@ class L1Cache:
     def release(self, lease: int) -> None:
         """End a lease: drop read locks, or abandon an uncommitted reservation."""
         self._end_lease(self._take_lease(lease))
+
+    def lease_chunks(self, lease: int) -> tuple[str, list[bytes]]:
+        """Tenant and keys of a store lease's chunks, in order (for the write-back)."""
+        record = self._leases.get(lease)
+        if record is None or not record.writing or not record.slots:
+            return "", []
+        tenant = self._tenant_list[self._tenant[record.slots[0]]].name
+        return tenant, [self._key(slot) for slot in record.slots]
+
+    def pin(self, tenant: str, key: bytes) -> Hit:
+        """Read-lock one ready chunk with a lease that never expires, for the L2 write-back.
+
+        Unlike :meth:`lookup` it counts no hit and changes no recency. The pin holds
+        the chunk in L1 until the write-back releases it; the write-back queue is
+        bounded, and so is what pins can hold.
+        """
+        slot = self._index.get(key, NIL)
+        account = self._tenants.get(tenant)
+        if (
+            slot == NIL
+            or account is None
+            or self._state[slot] != State.READY
+            or self._tenant[slot] != account.index
+        ):
+            return Hit(None, [], [])
+        self._readers[slot] += 1
+        lease = self._open_lease(writing=False, slots=[slot], expires=math.inf)
+        return Hit(lease, [self._offset(slot)], [self._nbytes[slot]])
 
     # ------------------------------------------------------------ maintenance
 
@@ -776,12 +805,14 @@ class L1Cache:
         self._prev_sibling[slot] = NIL
         self._next_sibling[slot] = NIL
 
-    def _open_lease(self, *, writing: bool, slots: list[int]) -> int:
+    def _open_lease(self, *, writing: bool, slots: list[int], expires: float | None = None) -> int:
         lease = next(self._lease_ids)
         self._write_leases += writing
-        expires = self._clock() + self.lease_seconds
+        if expires is None:
+            expires = self._clock() + self.lease_seconds
         self._leases[lease] = _Lease(writing, slots, expires)
-        heapq.heappush(self._expiry_heap, (expires, lease))
+        if expires != math.inf:
+            heapq.heappush(self._expiry_heap, (expires, lease))
         return lease
 
     def _take_lease(self, lease: int) -> _Lease:

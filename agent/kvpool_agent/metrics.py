@@ -10,7 +10,7 @@ the rest are summed under ``other``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -18,6 +18,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from kvpool_agent.cache_factory import SegmentOrigin
+from kvpool_agent.l2.base import L2Adapter
+from kvpool_agent.l2.prefetch import Prefetcher
+from kvpool_agent.l2.writeback import WriteBack
 from kvpool_agent.service import CacheService
 
 OTHER_TENANTS = "other"
@@ -102,6 +105,73 @@ class _CacheCollector(Collector):
         yield quota
 
 
+class _L2Collector(Collector):
+    def __init__(
+        self, tiers: Sequence[L2Adapter], writeback: WriteBack, prefetcher: Prefetcher
+    ) -> None:
+        self._tiers = tiers
+        self._writeback = writeback
+        self._prefetcher = prefetcher
+
+    def collect(self) -> Iterator[Metric]:
+        per_tier = {
+            "kvpool_l2_puts": ("Objects put, by tier.", "puts", CounterMetricFamily),
+            "kvpool_l2_put_failures": (
+                "Puts that failed, by tier.",
+                "put_failures",
+                CounterMetricFamily,
+            ),
+            "kvpool_l2_gets": ("Objects asked for, by tier.", "gets", CounterMetricFamily),
+            "kvpool_l2_hits": ("Objects found and verified, by tier.", "hits", CounterMetricFamily),
+            "kvpool_l2_integrity_failures": (
+                "Objects that failed their header or checksum (deleted, never served).",
+                "integrity_failures",
+                CounterMetricFamily,
+            ),
+            "kvpool_l2_evictions": ("Objects evicted, by tier.", "evictions", CounterMetricFamily),
+            "kvpool_l2_used_bytes": (
+                "Bytes held, by tier (where known).",
+                "used_bytes",
+                GaugeMetricFamily,
+            ),
+        }
+        for name, (documentation, field, family) in per_tier.items():
+            metric = family(name, documentation, labels=["tier"])
+            for tier in self._tiers:
+                metric.add_metric([tier.name], getattr(tier.stats, field))
+            yield metric
+        writeback = self._writeback.stats
+        yield CounterMetricFamily(
+            "kvpool_writeback_written", "Chunk copies written to L2.", value=writeback.written
+        )
+        yield CounterMetricFamily(
+            "kvpool_writeback_failed", "Chunk copies L2 refused.", value=writeback.failed
+        )
+        yield CounterMetricFamily(
+            "kvpool_writeback_shed", "Chunks not written back: queue full.", value=writeback.shed
+        )
+        yield GaugeMetricFamily(
+            "kvpool_writeback_pending", "Chunks waiting for L2.", value=writeback.pending
+        )
+        prefetch = self._prefetcher.stats
+        yield CounterMetricFamily(
+            "kvpool_prefetch_started", "Prefetches from L2 started.", value=prefetch.started
+        )
+        yield CounterMetricFamily(
+            "kvpool_prefetch_refused", "Prefetches not started (too many).", value=prefetch.refused
+        )
+        yield CounterMetricFamily(
+            "kvpool_prefetch_loaded_chunks",
+            "Chunks loaded from L2 into L1.",
+            value=prefetch.loaded_chunks,
+        )
+        yield CounterMetricFamily(
+            "kvpool_prefetch_loaded_bytes",
+            "Bytes loaded from L2 into L1.",
+            value=prefetch.loaded_bytes,
+        )
+
+
 class AgentMetrics:
     def __init__(
         self,
@@ -140,12 +210,27 @@ class AgentMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
+        self._l2_latency = Histogram(
+            "kvpool_l2_seconds",
+            "Time of one L2 operation, by tier and operation.",
+            ["tier", "op"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+            registry=registry,
+        )
         self._errors = Counter(
             "kvpool_request_errors",
             "ZMQ requests answered with an error, by operation and code.",
             ["op", "code"],
             registry=registry,
         )
+
+    def register_l2(
+        self, tiers: Sequence[L2Adapter], writeback: WriteBack, prefetcher: Prefetcher
+    ) -> None:
+        self.registry.register(_L2Collector(tiers, writeback, prefetcher))
+
+    def observe_l2(self, tier: str, op: str, seconds: float) -> None:
+        self._l2_latency.labels(tier, op).observe(seconds)
 
     def observe_request(self, op: str, seconds: float, error: str | None) -> None:
         self._latency.labels(op).observe(seconds)

@@ -60,12 +60,19 @@ class Ping(_Message, tag="ping"):
 
 
 class Lookup(_Message, tag="lookup"):
-    """Prefix lookup; with ``lock`` (prepare_retrieve) the hits stay read-locked under a lease."""
+    """Prefix lookup; with ``lock`` (prepare_retrieve) the hits stay read-locked under a lease.
+
+    With ``prefetch``, the agent starts loading the keys after the hits from L2
+    into L1 and names the prefetch in the reply; ``prefetch_status`` follows it.
+    """
 
     session: int
     tenant: str
     keys: list[bytes]
     lock: bool = True
+    prefetch: bool = False
+    parent: bytes | None = None
+    """The key before ``keys[0]``, when the lookup starts mid-chain."""
 
 
 class PrepareStore(_Message, tag="prepare_store"):
@@ -121,6 +128,14 @@ class Stats(_Message, tag="stats"):
     pass
 
 
+class PrefetchStatus(_Message, tag="prefetch_status"):
+    """How far a prefetch got; with ``wait_ms``, the reply waits until it is done (or the time)."""
+
+    session: int
+    prefetch: int
+    wait_ms: int = 0
+
+
 Request = (
     Hello
     | Ping
@@ -133,6 +148,7 @@ Request = (
     | EndSession
     | Clear
     | Stats
+    | PrefetchStatus
 )
 REQUEST_TYPES: tuple[type[_Message], ...] = (
     Hello,
@@ -146,6 +162,7 @@ REQUEST_TYPES: tuple[type[_Message], ...] = (
     EndSession,
     Clear,
     Stats,
+    PrefetchStatus,
 )
 
 
@@ -180,6 +197,16 @@ class LookupReply(_Message, tag="lookup_reply"):
     lease: int
     offsets: list[int]
     sizes: list[int]
+    prefetch: int = 0
+    """Id of the prefetch started for the keys after the hits; 0 when none was started."""
+
+
+class PrefetchStatusReply(_Message, tag="prefetch_status_reply"):
+    done: bool
+    expected: int
+    """Chunks after the L1 hits that L2 holds and that are being loaded; -1 while unknown."""
+    loaded: int
+    """Of those, chunks now ready in L1 (a lookup of the same keys will hit them)."""
 
 
 class PrepareStoreReply(_Message, tag="prepare_store_reply"):
@@ -227,6 +254,7 @@ Reply = (
     HelloReply
     | Pong
     | LookupReply
+    | PrefetchStatusReply
     | PrepareStoreReply
     | CommitReply
     | Ok

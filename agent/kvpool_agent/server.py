@@ -24,6 +24,9 @@ from kvpool_agent.auth import load_authority
 from kvpool_agent.cache_factory import L1Tier, open_l1
 from kvpool_agent.config import AgentConfig
 from kvpool_agent.http_api import create_app
+from kvpool_agent.l2.prefetch import Prefetcher
+from kvpool_agent.l2.tiers import open_tiers
+from kvpool_agent.l2.writeback import WriteBack
 from kvpool_agent.metrics import AgentMetrics
 from kvpool_agent.quota_store import FileQuotaStore
 from kvpool_agent.service import CacheService
@@ -69,6 +72,26 @@ class Agent:
             metrics = AgentMetrics(
                 CollectorRegistry(), service, config.metrics_top_tenants, l1.origin
             )
+            tiers = open_tiers(config, service.cache.quotas.limit)
+            for tier in tiers:
+                stack.push_async_callback(tier.close)
+            writeback = prefetcher = None
+            if tiers:
+                writeback = WriteBack(
+                    service,
+                    l1.segment,
+                    tiers,
+                    policy=config.store_policy,
+                    min_hits=config.store_min_hits,
+                    capacity=config.writeback_queue_chunks,
+                    observe=metrics.observe_l2,
+                )
+                prefetcher = Prefetcher(service, l1.segment, tiers, observe=metrics.observe_l2)
+                metrics.register_l2(tiers, writeback, prefetcher)
+                for controller in (writeback, prefetcher):
+                    await controller.start()
+                    stack.push_async_callback(controller.stop)
+                log.info("L2 tiers: %s", ", ".join(tier.name for tier in tiers))
             zmq_server = ZmqServer(
                 service,
                 l1.segment,
@@ -76,7 +99,11 @@ class Agent:
                 max_inline_bytes=int(config.max_inline_bytes),
                 session_idle_seconds=10 * config.lease_seconds,
                 observer=metrics,
+                writeback=writeback,
+                prefetcher=prefetcher,
             )
+            if prefetcher is not None:
+                prefetcher.on_change(zmq_server.prefetch_changed)
             zmq_server.start()
             stack.callback(zmq_server.stop)
             app = create_app(

@@ -24,18 +24,31 @@ import zmq
 from kvpool_agent import protocol as p
 from kvpool_agent.auth import TENANT_ID_RULE, is_tenant_id
 from kvpool_agent.l1 import CacheError, InvalidRequest, UnknownLease
+from kvpool_agent.l2.prefetch import Prefetcher
+from kvpool_agent.l2.writeback import WriteBack
 from kvpool_agent.segment import SharedSegment
 from kvpool_agent.service import CacheService
 
 log = logging.getLogger(__name__)
 
 Frames = Sequence[zmq.Frame]
-Handled = tuple[p.Reply, list[bytes]]
+Handled = tuple[p.Reply, list[bytes]] | None
+"""A reply and its data frames, or None when the reply is parked for later."""
 SHUTTING_DOWN = "the agent is shutting down"
 
 
 class RequestObserver(Protocol):
     def observe_request(self, op: str, seconds: float, error: str | None) -> None: ...
+
+
+@dataclass
+class _Parked:
+    """A prefetch_status request waiting for its prefetch (or its deadline)."""
+
+    identity: bytes
+    request: p.PrefetchStatus
+    deadline: float
+    op_started: float
 
 
 @dataclass
@@ -56,9 +69,15 @@ class ZmqServer:
         max_keys: int = 8192,
         session_idle_seconds: float = 300.0,
         observer: RequestObserver | None = None,
+        writeback: WriteBack | None = None,
+        prefetcher: Prefetcher | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.agent_id = uuid.uuid4().hex
+        self._writeback = writeback
+        self._prefetcher = prefetcher
+        self._parked: list[_Parked] = []
+        self._notifier: zmq.Socket[bytes] | None = None
         self._service = service
         self._segment = segment
         self._endpoint = endpoint
@@ -102,7 +121,7 @@ class ZmqServer:
         socket.bind(self._endpoint)
         self.bound_endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._socket = socket
-        wake = self._context.socket(zmq.PAIR)
+        wake = self._context.socket(zmq.PULL)
         wake.bind(self._wake_endpoint)
         self._thread = threading.Thread(
             target=self._serve, args=(socket, wake), name="kvpool-zmq", daemon=True
@@ -124,12 +143,21 @@ class ZmqServer:
         self._signal(b"stop")
         self._thread.join()
         self._thread = None
+        if self._notifier is not None:
+            self._notifier.close(linger=0)
 
     def _signal(self, command: bytes) -> None:
-        waker = self._context.socket(zmq.PAIR)
+        waker = self._context.socket(zmq.PUSH)
         waker.connect(self._wake_endpoint)
         waker.send(command)
-        waker.close()
+        waker.close(linger=1000)
+
+    def prefetch_changed(self) -> None:
+        """Wake the server to answer parked prefetch_status requests (event loop thread only)."""
+        if self._notifier is None:
+            self._notifier = self._context.socket(zmq.PUSH)
+            self._notifier.connect(self._wake_endpoint)
+        self._notifier.send(b"prefetch", zmq.NOBLOCK)
 
     def _check_drained(self) -> None:
         if self._draining and self._service.cache.open_write_leases == 0:
@@ -139,18 +167,24 @@ class ZmqServer:
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
-        timeout_ms = int(self._idle * 1000 / 4)
+        idle_ms = self._idle * 1000 / 4
         try:
             while True:
-                events = dict(poller.poll(timeout_ms))
+                timeout = idle_ms
+                if self._parked:
+                    nearest = min(parked.deadline for parked in self._parked)
+                    timeout = max(0.0, min(idle_ms, (nearest - time.monotonic()) * 1000))
+                events = dict(poller.poll(int(timeout)))
                 if wake in events:
-                    if wake.recv() == b"stop":
+                    command = wake.recv()
+                    if command == b"stop":
                         return
-                    self._draining = True
+                    self._draining |= command == b"drain"
                 elif socket in events:
                     self._serve_one(socket)
                 else:
                     self._drop_idle_sessions()
+                self._answer_parked(socket)
                 self._check_drained()
         finally:
             socket.close()
@@ -158,27 +192,47 @@ class ZmqServer:
 
     def _serve_one(self, socket: zmq.Socket[bytes]) -> None:
         frames = socket.recv_multipart(copy=False)
-        identity, body = frames[0], frames[1:]
+        identity, body = frames[0].bytes, frames[1:]
         started = time.perf_counter()
         op, req = "invalid", 0
-        data: list[bytes] = []
         try:
             if not body:
                 raise p.ProtocolError(p.ErrorCode.MALFORMED, "empty message")
             request = p.decode_request(body[0].buffer)
             op, req = p.op_name(request), request.req
-            reply, data = self._handlers[type(request)](request, body[1:])
+            if isinstance(request, p.PrefetchStatus):
+                handled = self._prefetch_status(request, identity, started)
+            else:
+                handled = self._handlers[type(request)](request, body[1:])
+            if handled is None:
+                return  # parked: answered when the prefetch moves or the wait is over
+            reply, data = handled
         except p.ProtocolError as error:
             req = error.req or req
-            reply = p.Error(req, error.code, str(error))
+            reply, data = p.Error(req, error.code, str(error)), []
         except UnknownLease as error:
-            reply = p.Error(req, p.ErrorCode.UNKNOWN_LEASE, str(error))
+            reply, data = p.Error(req, p.ErrorCode.UNKNOWN_LEASE, str(error)), []
         except CacheError as error:
-            reply = p.Error(req, p.ErrorCode.INVALID_REQUEST, str(error))
+            reply, data = p.Error(req, p.ErrorCode.INVALID_REQUEST, str(error)), []
         except Exception:
             log.exception("internal error serving %s", op)
-            reply = p.Error(req, p.ErrorCode.INTERNAL, "internal error; see the agent log")
-        socket.send_multipart([identity.bytes, p.encode(reply), *data])
+            reply, data = (
+                p.Error(req, p.ErrorCode.INTERNAL, "internal error; see the agent log"),
+                [],
+            )
+        self._send(socket, identity, reply, data, op=op, started=started)
+
+    def _send(
+        self,
+        socket: zmq.Socket[bytes],
+        identity: bytes,
+        reply: p.Reply,
+        data: list[bytes],
+        *,
+        op: str,
+        started: float,
+    ) -> None:
+        socket.send_multipart([identity, p.encode(reply), *data])
         if self._observer is not None:
             error_code = reply.code if isinstance(reply, p.Error) else None
             self._observer.observe_request(op, time.perf_counter() - started, error_code)
@@ -254,11 +308,65 @@ class ZmqServer:
     def _lookup(self, request: p.Lookup, extra: Frames) -> Handled:
         session = self._session(request.session)
         self._check_keys(request.keys)
+        keys = request.keys
         with self._service.lock:
-            hit = self._service.cache.lookup(request.tenant, request.keys, lock=request.lock)
+            hit = self._service.cache.lookup(request.tenant, keys, lock=request.lock)
+            if self._writeback is not None and hit.count:
+                self._writeback.hit(request.tenant, keys[: hit.count])
         if hit.lease is not None:
             session.leases.add(hit.lease)
-        return p.LookupReply(request.req, hit.lease or p.NO_LEASE, hit.offsets, hit.sizes), []
+        prefetch = 0
+        if request.prefetch and self._prefetcher is not None and hit.count < len(keys):
+            parent = keys[hit.count - 1] if hit.count else request.parent
+            prefetch = self._prefetcher.begin(request.tenant, keys[hit.count :], parent)
+        return p.LookupReply(
+            request.req, hit.lease or p.NO_LEASE, hit.offsets, hit.sizes, prefetch
+        ), []
+
+    def _prefetch_status(
+        self, request: p.PrefetchStatus, identity: bytes, started: float
+    ) -> Handled:
+        self._session(request.session)
+        prefetch = None if self._prefetcher is None else self._prefetcher.status(request.prefetch)
+        if prefetch is None:
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_REQUEST,
+                f"prefetch {request.prefetch} is unknown or long finished",
+                request.req,
+            )
+        if prefetch.done or request.wait_ms <= 0:
+            return self._prefetch_reply(request), []
+        deadline = time.monotonic() + request.wait_ms / 1000
+        self._parked.append(_Parked(identity, request, deadline, started))
+        return None
+
+    def _prefetch_reply(self, request: p.PrefetchStatus) -> p.PrefetchStatusReply:
+        assert self._prefetcher is not None
+        prefetch = self._prefetcher.status(request.prefetch)
+        if prefetch is None:  # forgotten while parked: report it finished with nothing
+            return p.PrefetchStatusReply(request.req, True, 0, 0)
+        return p.PrefetchStatusReply(request.req, prefetch.done, prefetch.expected, prefetch.loaded)
+
+    def _answer_parked(self, socket: zmq.Socket[bytes]) -> None:
+        if not self._parked or self._prefetcher is None:
+            return
+        now = time.monotonic()
+        waiting = []
+        for parked in self._parked:
+            prefetch = self._prefetcher.status(parked.request.prefetch)
+            if prefetch is None or prefetch.done or parked.deadline <= now:
+                reply = self._prefetch_reply(parked.request)
+                self._send(
+                    socket,
+                    parked.identity,
+                    reply,
+                    [],
+                    op="prefetch_status",
+                    started=parked.op_started,
+                )
+            else:
+                waiting.append(parked)
+        self._parked = waiting
 
     def _prepare_store(self, request: p.PrepareStore, extra: Frames) -> Handled:
         session = self._session(request.session)
@@ -280,8 +388,12 @@ class ZmqServer:
     def _commit_store(self, request: p.CommitStore, extra: Frames) -> Handled:
         session = self._session(request.session)
         self._check_owner(session, request.lease)
+        cache = self._service.cache
         with self._service.lock:
-            committed = self._service.cache.commit(request.lease, request.count)
+            tenant, keys = cache.lease_chunks(request.lease)
+            committed = cache.commit(request.lease, request.count)
+            if self._writeback is not None:
+                self._writeback.committed(tenant, keys[: request.count])
         session.leases.discard(request.lease)
         return p.CommitReply(request.req, committed), []
 
@@ -320,6 +432,8 @@ class ZmqServer:
         if reservation.lease is not None:
             with self._service.lock:
                 stored = cache.commit(reservation.lease)
+                if self._writeback is not None:
+                    self._writeback.committed(request.tenant, request.keys)
         present = sum(place is None for place in reservation.placements)
         return p.StoreInlineReply(request.req, stored, present, reservation.refused_reason), []
 

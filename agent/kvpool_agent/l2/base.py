@@ -1,0 +1,66 @@
+"""The contract every L2 tier implements.
+
+Operations are batched and answer per key, in order: one failing key never
+fails the batch. ``get`` returns only verified bytes: an object whose header
+or checksum does not match is a miss (counted by the adapter and deleted),
+never served. Adapters bound their own concurrency and never raise for an
+unreachable backend; they report per-key failures instead (``False`` or
+``None``), so a dead tier costs the cache nothing but misses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectKey:
+    """A chunk in L2: its tenant (the tenant id, never the salt) and its chunk key."""
+
+    tenant: str
+    key: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class L2Object:
+    name: ObjectKey
+    payload: bytes | memoryview
+
+
+@dataclass
+class AdapterStats:
+    """Plain counters an adapter keeps; the metrics module exports them."""
+
+    puts: int = 0
+    put_failures: int = 0
+    put_bytes: int = 0
+    gets: int = 0
+    hits: int = 0
+    get_bytes: int = 0
+    integrity_failures: int = 0
+    evictions: int = 0
+    used_bytes: int = 0
+    """Bytes held in the tier (where the adapter knows; S3 does not)."""
+
+
+class L2Adapter(Protocol):
+    name: str
+    stats: AdapterStats
+
+    async def put(self, objects: Sequence[L2Object]) -> list[bool]:
+        """Store each object; True where it is durably stored (or already was)."""
+        ...
+
+    async def get(self, keys: Sequence[ObjectKey]) -> list[bytes | None]:
+        """The verified payload of each key, or None (missing, corrupt or unreachable)."""
+        ...
+
+    async def exists(self, keys: Sequence[ObjectKey]) -> list[bool]: ...
+
+    async def delete(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """True where the object is gone afterwards."""
+        ...
+
+    async def close(self) -> None: ...

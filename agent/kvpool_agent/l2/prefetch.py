@@ -1,0 +1,175 @@
+"""Prefetch: a lookup that misses in L1 loads the rest of the prefix from L2, asynchronously.
+
+The ZMQ thread starts a prefetch for the keys after the L1 hits and answers at
+once with its id. On the event loop, the prefetch finds how long a run of
+those keys the tiers hold (in order, fastest tier first: ``expected``), then
+loads them into L1 chunk by chunk through the ordinary reserve/copy/commit
+path, so quotas apply and nothing half-copied is ever visible (``loaded``).
+It stops at the first chunk it cannot get or place. Listeners (the ZMQ server,
+to answer parked ``prefetch_status`` requests) hear of every change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvpool_agent.l2.base import L2Adapter, ObjectKey
+from kvpool_agent.l2.writeback import LatencyObserver
+from kvpool_agent.segment import SharedSegment
+from kvpool_agent.service import CacheService
+
+log = logging.getLogger(__name__)
+
+_REMEMBERED = 4096  # finished prefetches kept for status queries
+_BATCH = 8
+
+
+@dataclass
+class Prefetch:
+    id: int
+    tenant: str
+    keys: list[bytes]
+    parent: bytes | None
+    expected: int = -1
+    loaded: int = 0
+    done: bool = False
+
+
+@dataclass
+class PrefetchStats:
+    started: int = 0
+    refused: int = 0
+    """Not started: too many prefetches in flight."""
+    loaded_chunks: int = 0
+    loaded_bytes: int = 0
+    in_flight: int = 0
+
+
+@dataclass
+class Prefetcher:
+    service: CacheService
+    segment: SharedSegment
+    tiers: Sequence[L2Adapter]
+    max_in_flight: int = 32
+    observe: LatencyObserver | None = None
+    stats: PrefetchStats = field(default_factory=PrefetchStats)
+
+    def __post_init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._prefetches: OrderedDict[int, Prefetch] = OrderedDict()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._listeners: list[Callable[[], None]] = []
+        self._guard = threading.Lock()  # begin() runs on the ZMQ thread, the rest on the loop
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
+
+    def begin(self, tenant: str, keys: Sequence[bytes], parent: bytes | None) -> int:
+        """Start loading ``keys`` (thread-safe); 0 if no prefetch was started."""
+        if not keys or not self.tiers or self._loop is None:
+            return 0
+        with self._guard:
+            if self.stats.in_flight >= self.max_in_flight:
+                self.stats.refused += 1
+                return 0
+            prefetch = Prefetch(next(self._ids), tenant, list(keys), parent)
+            self._prefetches[prefetch.id] = prefetch
+            while len(self._prefetches) > _REMEMBERED:
+                self._prefetches.popitem(last=False)
+            self.stats.started += 1
+            self.stats.in_flight += 1
+        self._loop.call_soon_threadsafe(self._spawn, prefetch)
+        return prefetch.id
+
+    def status(self, prefetch_id: int) -> Prefetch | None:
+        with self._guard:
+            return self._prefetches.get(prefetch_id)
+
+    def _spawn(self, prefetch: Prefetch) -> None:
+        task = asyncio.create_task(self._run(prefetch), name=f"prefetch-{prefetch.id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, prefetch: Prefetch) -> None:
+        try:
+            holders = await self._locate(prefetch)
+            prefetch.expected = len(holders)
+            self._changed()
+            parent = prefetch.parent
+            for start in range(0, len(holders), _BATCH):
+                batch = list(
+                    zip(prefetch.keys[start:], holders[start : start + _BATCH], strict=False)
+                )
+                payloads = await asyncio.gather(
+                    *(self._get(tier, prefetch.tenant, key) for key, tier in batch)
+                )
+                for (key, _), payload in zip(batch, payloads, strict=True):
+                    if payload is None or not self._place(prefetch.tenant, key, payload, parent):
+                        return
+                    parent = key
+                    prefetch.loaded += 1
+                self._changed()
+        except Exception:
+            log.exception("prefetch %d failed", prefetch.id)
+        finally:
+            prefetch.done = True
+            with self._guard:
+                self.stats.in_flight -= 1
+            self._changed()
+
+    async def _locate(self, prefetch: Prefetch) -> list[L2Adapter]:
+        """The tier holding each key of the leading run the tiers have, fastest tier first."""
+        names = [ObjectKey(prefetch.tenant, key) for key in prefetch.keys]
+        found = await asyncio.gather(*(tier.exists(names) for tier in self.tiers))
+        holders: list[L2Adapter] = []
+        for index in range(len(names)):
+            holder = next((t for t, has in zip(self.tiers, found, strict=True) if has[index]), None)
+            if holder is None:
+                break
+            holders.append(holder)
+        return holders
+
+    async def _get(self, tier: L2Adapter, tenant: str, key: bytes) -> bytes | None:
+        started = time.perf_counter()
+        (payload,) = await tier.get([ObjectKey(tenant, key)])
+        if self.observe is not None:
+            self.observe(tier.name, "get", time.perf_counter() - started)
+        return payload
+
+    def _place(self, tenant: str, key: bytes, payload: bytes, parent: bytes | None) -> bool:
+        """Reserve, copy, commit one chunk into L1; False if L1 refused it."""
+        cache = self.service.cache
+        with self.service.lock:
+            reservation = cache.reserve(tenant, [key], [len(payload)], parent)
+        if not reservation.placements:
+            return False
+        placement = reservation.placements[0]
+        if placement is None:
+            return True  # stored meanwhile by a client or another prefetch
+        self.segment.write(placement.offset, payload)  # write-locked: no lock needed to copy
+        assert reservation.lease is not None
+        with self.service.lock:
+            committed = cache.commit(reservation.lease)
+        self.stats.loaded_chunks += committed
+        self.stats.loaded_bytes += committed * len(payload)
+        return committed == 1
+
+    def _changed(self) -> None:
+        for listener in self._listeners:
+            listener()
