@@ -149,6 +149,12 @@ class AgentConfig(BaseSettings):
     http_port: int = Field(
         7401, ge=0, le=65535, description="Port of the HTTP API and /metrics (0 picks a free one)."
     )
+    events_port: int = Field(
+        7402,
+        ge=0,
+        le=65535,
+        description="Port of the chunk-event PUB socket for the prefix index (0 picks a free one).",
+    )
     max_inline_bytes: ByteSize = Field(
         ByteSize(64 << 20),
         description="Largest payload of one inline (bytes over ZMQ) store or retrieve.",

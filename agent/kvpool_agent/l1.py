@@ -39,6 +39,7 @@ from array import array
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvpool_agent.allocator import ExtentAllocator
 from kvpool_agent.journal import ChunkRecord, SegmentJournal
@@ -156,6 +157,18 @@ class L1Stats:
     tenants: list[TenantStats]
 
 
+class ChunkListener(Protocol):
+    """Told when ready chunks appear in or leave L1 (for the pool-wide prefix index).
+
+    Called with the cache's lock held: implementations must be quick and never
+    call back into the cache.
+    """
+
+    def stored(self, tenant: str, keys: list[bytes]) -> None: ...
+
+    def removed(self, tenant: str, keys: list[bytes], cause: str) -> None: ...
+
+
 @dataclass(frozen=True)
 class RestoreReport:
     restored: int
@@ -201,6 +214,7 @@ class L1Cache:
         lease_seconds: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         journal: SegmentJournal | None = None,
+        listener: ChunkListener | None = None,
     ) -> None:
         """``journal``, if given, records committed chunks in the segment for warm restarts."""
         if not 0 < low_watermark < high_watermark <= 1:
@@ -221,6 +235,7 @@ class L1Cache:
         self._keys: list[bytes | None] = [None] * pages
         self._state = bytearray(pages)
         self._first_page = array("q", [0]) * pages
+        self._offsets = array("q", [0]) * pages  # absolute file offset of each chunk
         self._pages = array("i", [0]) * pages
         self._nbytes = array("q", [0]) * pages
         self._tenant = array("i", [NIL]) * pages
@@ -235,6 +250,7 @@ class L1Cache:
         self._index: dict[bytes, int] = {}
         self._tick = 0
         self._journal = journal
+        self.listener = listener
         self._commit_sequence = 0
 
         self._tenants: dict[str, _Tenant] = {}
@@ -337,6 +353,9 @@ class L1Cache:
         if self._journal is not None:
             for slot in reversed(published):  # head first: a parent is numbered before its child
                 self._journal.record(self._record_of(slot))
+        if self.listener is not None and published:
+            tenant = self._tenant_list[self._tenant[published[0]]].name
+            self.listener.stored(tenant, [self._key(slot) for slot in reversed(published)])
         return len(published)
 
     # --------------------------------------------------------------- retrieve
@@ -370,10 +389,8 @@ class L1Cache:
         account.misses += len(keys) - hit_count
         self._hits += hit_count
         self._misses += len(keys) - hit_count
-        first_page, nbytes = self._first_page, self._nbytes
-        base, page = self.layout.data_offset, self.layout.page_size
-        offsets = [base + first_page[slot] * page for slot in slots]
-        sizes = [nbytes[slot] for slot in slots]
+        offsets = list(map(self._offsets.__getitem__, slots))
+        sizes = list(map(self._nbytes.__getitem__, slots))
         lease = None
         if lock and hit_count:
             lease = self._open_lease(writing=False, slots=slots)
@@ -460,10 +477,13 @@ class L1Cache:
         if tenant is not None and scope is None:
             return 0
         dropped = 0
+        announced: dict[int, list[bytes]] = {}
         for key, slot in list(self._index.items()):
             if scope is not None and self._tenant[slot] != scope.index:
                 continue
             dropped += 1
+            if self._state[slot] == State.READY:
+                announced.setdefault(self._tenant[slot], []).append(key)
             if self._state[slot] == State.READY and self._readers[slot] == 0:
                 self._remove_from_policy(slot, evicted=False)
                 self._free(slot)
@@ -472,6 +492,7 @@ class L1Cache:
                     self._remove_from_policy(slot, evicted=False)
                 self._state[slot] = State.DOOMED
                 del self._index[key]
+        self._announce_removed(announced, "cleared")
         return dropped
 
     # ----------------------------------------------------------- warm restart
@@ -534,6 +555,7 @@ class L1Cache:
         self._keys[slot] = record.key
         self._state[slot] = State.READY
         self._first_page[slot] = record.first_page
+        self._offsets[slot] = self._offset_of(record.first_page)
         self._pages[slot] = record.pages
         self._nbytes[slot] = record.nbytes
         self._tenant[slot] = account.index
@@ -583,6 +605,14 @@ class L1Cache:
                 scope is None or self._tenant[slot] == scope.index
             ):
                 yield key
+
+    def keys_by_tenant(self) -> dict[str, list[bytes]]:
+        """Every ready key, grouped by tenant."""
+        grouped: dict[str, list[bytes]] = {}
+        for key, slot in self._index.items():
+            if self._state[slot] == State.READY:
+                grouped.setdefault(self._tenant_list[self._tenant[slot]].name, []).append(key)
+        return grouped
 
     def tenant_usage(self, tenant: str) -> TenantStats:
         """Usage of one tenant; asking about an unknown tenant does not create it."""
@@ -662,6 +692,7 @@ class L1Cache:
         self._keys[slot] = key
         self._state[slot] = State.WRITING
         self._first_page[slot] = first_page
+        self._offsets[slot] = self._offset_of(first_page)
         self._pages[slot] = pages
         self._nbytes[slot] = nbytes
         self._tenant[slot] = account.index
@@ -742,11 +773,21 @@ class L1Cache:
                 child = self._next_sibling[child]
 
     def _apply(self, plan: _EvictionPlan, cause: EvictionCause) -> None:
+        if self.listener is not None:
+            announced: dict[int, list[bytes]] = {}
+            for slot in plan.victims:
+                announced.setdefault(self._tenant[slot], []).append(self._key(slot))
+            self._announce_removed(announced, cause.value)
         for slot in plan.victims:
             self._tenant_list[self._tenant[slot]].evicted_chunks += 1
             self._remove_from_policy(slot, evicted=True)
             self._free(slot)
         self._evictions[cause] += len(plan.victims)
+
+    def _announce_removed(self, keys_by_tenant: dict[int, list[bytes]], cause: str) -> None:
+        if self.listener is not None:
+            for tenant, keys in keys_by_tenant.items():
+                self.listener.removed(self._tenant_list[tenant].name, keys, cause)
 
     def _remove_from_policy(self, slot: int, *, evicted: bool) -> None:
         self._tenant_list[self._tenant[slot]].policy.remove(slot, self._key(slot), evicted=evicted)
@@ -838,7 +879,10 @@ class L1Cache:
                 self._free(slot)
 
     def _offset(self, slot: int) -> int:
-        return self.layout.data_offset + self._first_page[slot] * self.layout.page_size
+        return self._offsets[slot]
+
+    def _offset_of(self, first_page: int) -> int:
+        return self.layout.data_offset + first_page * self.layout.page_size
 
     def _key(self, slot: int) -> bytes:
         key = self._keys[slot]

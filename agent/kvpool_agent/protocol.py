@@ -128,6 +128,12 @@ class Stats(_Message, tag="stats"):
     pass
 
 
+class Snapshot(_Message, tag="snapshot"):
+    """Every ready key by tenant, for a prefix index resynchronising with the chunk events."""
+
+    session: int
+
+
 class PrefetchStatus(_Message, tag="prefetch_status"):
     """How far a prefetch got; with ``wait_ms``, the reply waits until it is done (or the time)."""
 
@@ -149,6 +155,7 @@ Request = (
     | Clear
     | Stats
     | PrefetchStatus
+    | Snapshot
 )
 REQUEST_TYPES: tuple[type[_Message], ...] = (
     Hello,
@@ -163,6 +170,7 @@ REQUEST_TYPES: tuple[type[_Message], ...] = (
     Clear,
     Stats,
     PrefetchStatus,
+    Snapshot,
 )
 
 
@@ -245,6 +253,13 @@ class StatsReply(_Message, tag="stats_reply"):
     stats: dict[str, int | float]
 
 
+class SnapshotReply(_Message, tag="snapshot_reply"):
+    agent: str
+    seq: int
+    """The last chunk event this snapshot includes; apply only later events to it."""
+    tenants: dict[str, list[bytes]]
+
+
 class Error(_Message, tag="error"):
     code: str
     message: str
@@ -262,6 +277,7 @@ Reply = (
     | RetrieveInlineReply
     | ClearReply
     | StatsReply
+    | SnapshotReply
     | Error
 )
 

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import signal
 import socket
+import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import uvicorn
@@ -23,6 +24,7 @@ from prometheus_client import CollectorRegistry
 from kvpool_agent.auth import load_authority
 from kvpool_agent.cache_factory import L1Tier, open_l1
 from kvpool_agent.config import AgentConfig
+from kvpool_agent.events import EventPublisher
 from kvpool_agent.http_api import create_app
 from kvpool_agent.l2.prefetch import Prefetcher
 from kvpool_agent.l2.tiers import open_tiers
@@ -72,6 +74,11 @@ class Agent:
             metrics = AgentMetrics(
                 CollectorRegistry(), service, config.metrics_top_tenants, l1.origin
             )
+            agent_id = uuid.uuid4().hex
+            events = EventPublisher(f"tcp://{config.host}:{config.events_port or '*'}", agent_id)
+            events.start()
+            stack.callback(events.stop)
+            l1.cache.listener = events
             tiers = open_tiers(config, service.cache.quotas.limit)
             for tier in tiers:
                 stack.push_async_callback(tier.close)
@@ -96,11 +103,13 @@ class Agent:
                 service,
                 l1.segment,
                 f"tcp://{config.host}:{config.zmq_port or '*'}",
+                agent_id=agent_id,
                 max_inline_bytes=int(config.max_inline_bytes),
                 session_idle_seconds=10 * config.lease_seconds,
                 observer=metrics,
                 writeback=writeback,
                 prefetcher=prefetcher,
+                events=events,
             )
             if prefetcher is not None:
                 prefetcher.on_change(zmq_server.prefetch_changed)
@@ -113,11 +122,12 @@ class Agent:
             await stack.enter_async_context(self._maintain(l1, service))
             self._ready = True
             log.info(
-                "agent ready pool=%s zmq=%s http=%s segment=%s",
+                "agent ready pool=%s zmq=%s http=%s segment=%s events=%s",
                 config.pool,
                 zmq_server.bound_endpoint,
                 http_url,
                 l1.segment.path,
+                events.bound_endpoint,
             )
             await self._stopping.wait()
             self._ready = False

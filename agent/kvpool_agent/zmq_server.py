@@ -14,7 +14,6 @@ import contextlib
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -23,6 +22,7 @@ import zmq
 
 from kvpool_agent import protocol as p
 from kvpool_agent.auth import TENANT_ID_RULE, is_tenant_id
+from kvpool_agent.events import EventPublisher
 from kvpool_agent.l1 import CacheError, InvalidRequest, UnknownLease
 from kvpool_agent.l2.prefetch import Prefetcher
 from kvpool_agent.l2.writeback import WriteBack
@@ -65,15 +65,18 @@ class ZmqServer:
         segment: SharedSegment,
         endpoint: str,
         *,
+        agent_id: str,
         max_inline_bytes: int,
         max_keys: int = 8192,
         session_idle_seconds: float = 300.0,
         observer: RequestObserver | None = None,
         writeback: WriteBack | None = None,
         prefetcher: Prefetcher | None = None,
+        events: EventPublisher | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.agent_id = uuid.uuid4().hex
+        self.agent_id = agent_id
+        self._events = events
         self._writeback = writeback
         self._prefetcher = prefetcher
         self._parked: list[_Parked] = []
@@ -108,6 +111,7 @@ class ZmqServer:
             p.EndSession: self._end_session,  # type: ignore[dict-item]
             p.Clear: self._clear,  # type: ignore[dict-item]
             p.Stats: self._stats,  # type: ignore[dict-item]
+            p.Snapshot: self._snapshot,  # type: ignore[dict-item]
         }
 
     # ---------------------------------------------------------------- running
@@ -465,6 +469,13 @@ class ZmqServer:
     def _clear(self, request: p.Clear, extra: Frames) -> Handled:
         self._session(request.session)
         return p.ClearReply(request.req, self._service.clear(request.tenant)), []
+
+    def _snapshot(self, request: p.Snapshot, extra: Frames) -> Handled:
+        self._session(request.session)
+        with self._service.lock:  # events are published under this lock: seq is consistent
+            seq = 0 if self._events is None else self._events.seq
+            tenants = self._service.cache.keys_by_tenant()
+        return p.SnapshotReply(request.req, self.agent_id, seq, tenants), []
 
     def _stats(self, request: p.Stats, extra: Frames) -> Handled:
         stats = self._service.stats()

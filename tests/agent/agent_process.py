@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 BIN = Path(sys.executable).parent
-READY = re.compile(r"agent ready pool=\S+ zmq=(\S+) http=(\S+) segment=(\S+)")
+READY = re.compile(r"agent ready pool=\S+ zmq=(\S+) http=(\S+) segment=(\S+) events=(\S+)")
 ADMIN_TOKEN = "admin-token-for-tests"
 
 
@@ -27,6 +27,7 @@ class AgentProcess:
     tenant_tokens: dict[str, str] = field(default_factory=dict)
     zmq: str = ""
     http: str = ""
+    events: str = ""
     log: list[str] = field(default_factory=list)
     _process: subprocess.Popen[str] | None = None
 
@@ -46,6 +47,7 @@ class AgentProcess:
             "L1_SIZE": "64MiB",
             "ZMQ_PORT": "0",
             "HTTP_PORT": "0",
+            "EVENTS_PORT": "0",
             "STATE_DIR": str(self.workdir / "state"),
             "TOKENS_FILE": str(tokens),
         }
@@ -72,7 +74,7 @@ class AgentProcess:
             self.log.append(line)
             match = READY.search(line)
             if match:
-                self.zmq, self.http = match.group(1), match.group(2)
+                self.zmq, self.http, self.events = match.group(1), match.group(2), match.group(4)
                 ready.set()
         ready.set()  # exited: wake the waiter, which then finds no endpoints
 

@@ -243,7 +243,7 @@ def test_fuzzed_frames_never_break_the_agent(agent: AgentProcess) -> None:
 def _store_and_check(endpoint: str, worker: int) -> int:
     """A client process: store shared and own chunks, read everything back; returns mismatches."""
     mismatches = 0
-    with AgentClient(endpoint, client_name=f"worker-{worker}") as client:
+    with AgentClient(endpoint, client_name=f"worker-{worker}", timeout=30) as client:
         for round_ in range(20):
             shared = [1000 + round_, 1001 + round_]
             own = [10_000 * (worker + 1) + round_]

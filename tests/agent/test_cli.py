@@ -33,6 +33,7 @@ def test_agent_starts_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
         "KVPOOL_L1_SIZE": "4MiB",
         "KVPOOL_ZMQ_PORT": "0",
         "KVPOOL_HTTP_PORT": "0",
+        "KVPOOL_EVENTS_PORT": "0",
         "KVPOOL_STATE_DIR": str(tmp_path),
     }
     agent = subprocess.Popen([BIN / "kvpool-agent"], env=env, stderr=subprocess.PIPE, text=True)

@@ -173,6 +173,7 @@ class _Agent:
             "KVPOOL_PAGE_SIZE": "65536",
             "KVPOOL_ZMQ_PORT": "0",
             "KVPOOL_HTTP_PORT": "0",
+            "KVPOOL_EVENTS_PORT": "0",
             "KVPOOL_STATE_DIR": self._workdir.name,
         }
         self.process = subprocess.Popen(

@@ -1,0 +1,91 @@
+"""Chunk events: what enters and leaves this agent's cache, on a ZMQ PUB socket.
+
+A pool-wide prefix index (``kvpool index``) subscribes to every agent. Each
+message is two frames, the topic :data:`TOPIC` and a msgpack
+:class:`ChunkEvent`. ``seq`` grows by one per message of one agent process
+(``agent`` changes when the agent restarts), so a subscriber sees every gap;
+after a gap it asks the agent for a ``snapshot`` (ZMQ request) of the keys it
+holds, which carries the ``seq`` it is consistent with. PUB never blocks the
+cache: a subscriber that falls behind loses messages and resynchronises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+
+import msgspec
+import zmq
+
+TOPIC = b"kvpool.chunks"
+
+log = logging.getLogger(__name__)
+
+
+class ChunkEvent(msgspec.Struct, array_like=True, frozen=True):
+    seq: int
+    agent: str
+    kind: str
+    """"stored" or "removed"."""
+    tier: str
+    tenant: str
+    keys: list[bytes]
+    cause: str = ""
+    """For removals: watermark, pressure, quota or cleared."""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(ChunkEvent)
+
+
+def decode_event(frame: bytes) -> ChunkEvent:
+    return _decoder.decode(frame)
+
+
+class EventPublisher:
+    """A :class:`~kvpool_agent.l1.ChunkListener` that publishes every change."""
+
+    def __init__(self, endpoint: str, agent_id: str, tier: str = "l1") -> None:
+        self.agent_id = agent_id
+        self._endpoint = endpoint
+        self._tier = tier
+        self._lock = threading.Lock()  # L1 calls back from the ZMQ thread and the event loop
+        self._socket: zmq.Socket[bytes] | None = None
+        self._seq = 0
+        self.bound_endpoint = ""
+
+    def start(self) -> None:
+        socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDHWM, 100_000)
+        socket.bind(self._endpoint)
+        self.bound_endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._socket = socket
+        log.info("chunk events on %s", self.bound_endpoint)
+
+    def stop(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+    @property
+    def seq(self) -> int:
+        """The sequence number of the last message sent."""
+        return self._seq
+
+    def stored(self, tenant: str, keys: list[bytes]) -> None:
+        self._publish("stored", tenant, keys, "")
+
+    def removed(self, tenant: str, keys: list[bytes], cause: str) -> None:
+        self._publish("removed", tenant, keys, cause)
+
+    def _publish(self, kind: str, tenant: str, keys: list[bytes], cause: str) -> None:
+        with self._lock:
+            if self._socket is None:
+                return
+            self._seq += 1
+            event = ChunkEvent(self._seq, self.agent_id, kind, self._tier, tenant, keys, cause)
+            # Past the high-water mark the message is dropped: subscribers see the gap and resync.
+            with contextlib.suppress(zmq.Again):
+                self._socket.send_multipart([TOPIC, _encoder.encode(event)], zmq.NOBLOCK)
