@@ -173,6 +173,15 @@ class AgentConfig(BaseSettings):
     quota_file: Path | None = Field(
         None, description="JSON file of tenant quotas; default <state_dir>/quotas-<pool>.json."
     )
+    quota_configmap: str | None = Field(
+        None,
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z0-9]([-.a-z0-9]*[a-z0-9])?$",
+        description=(
+            "Keep tenant quotas in this ConfigMap ('namespace/name', the pool's quota "
+            "ConfigMap) through the Kubernetes API instead of quota_file: every agent of "
+            "the pool applies a quota set through any of them."
+        ),
+    )
     metrics_top_tenants: int = Field(
         20,
         ge=0,

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from kvpool_agent.config import CONFIG_FILE_ENV, AgentConfig
+from kvpool_agent.quota_store import QuotaStoreError
 from kvpool_agent.segment import SegmentError
 from kvpool_agent.server import Agent
 
@@ -40,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         asyncio.run(Agent(config).run())
-    except SegmentError as error:
+    except (SegmentError, QuotaStoreError) as error:
         print(f"kvpool-agent: {error}", file=sys.stderr)
         return 1
     return 0

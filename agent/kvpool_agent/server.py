@@ -64,10 +64,21 @@ class Agent:
         async with contextlib.AsyncExitStack() as stack:
             l1 = open_l1(config)
             stack.callback(l1.close)
-            service = CacheService(l1.cache, FileQuotaStore(config.resolved_quota_file))
-            log.info(
-                "loaded %d tenant quotas from %s", service.load_quotas(), config.resolved_quota_file
-            )
+            if config.quota_configmap:
+                from kvpool_agent.quota_store_k8s import KubernetesQuotaStore
+
+                shared = KubernetesQuotaStore.connect(config.quota_configmap)
+                service = CacheService(l1.cache, shared)
+                log.info("loaded %d tenant quotas from %s", service.load_quotas(), shared.where)
+                shared.start(service.replace_quotas)
+                stack.callback(shared.stop)
+            else:
+                service = CacheService(l1.cache, FileQuotaStore(config.resolved_quota_file))
+                log.info(
+                    "loaded %d tenant quotas from %s",
+                    service.load_quotas(),
+                    config.resolved_quota_file,
+                )
             authority = load_authority(
                 config.tokens_file, config.state_dir / f"admin-token-{config.pool}"
             )

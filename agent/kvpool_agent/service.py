@@ -9,6 +9,7 @@ own, so that two writers apply in the order they stored).
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvpool_agent.l1 import L1Cache, L1Stats, TenantStats
@@ -38,6 +39,20 @@ class CacheService:
             for tenant, limit in limits.items():
                 self.cache.set_quota(tenant, limit)
         return len(limits)
+
+    def replace_quotas(self, limits: Mapping[str, Limit]) -> None:
+        """Make the explicit quotas exactly ``limits`` (the store reports a change).
+
+        Under the write lock, so a change reported while this agent stores one of its
+        own applies after it, in the order the store saw them.
+        """
+        with self._quota_writes, self.lock:
+            book = self.cache.quotas
+            for tenant in book.explicit().keys() - limits.keys():
+                self.cache.delete_quota(tenant)
+            for tenant, limit in limits.items():
+                if not book.has_own(tenant) or book.limit(tenant) != limit:
+                    self.cache.set_quota(tenant, limit)
 
     def quota(self, tenant: str) -> QuotaView:
         with self.lock:

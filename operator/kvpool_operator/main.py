@@ -1,10 +1,18 @@
-"""``kvpool-operator``: entry point of the kopf operator."""
+"""``kvpool-operator``: run the operator (kopf) for some namespaces or the whole cluster."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+
+import kopf
+
+from kvpool_operator.handlers import registry
+from kvpool_operator.reconcile import Options
+
+AGENT_IMAGE_ENV = "KVPOOL_AGENT_IMAGE"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -12,13 +20,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="kvpool-operator",
         description="Reconcile KVCachePool resources into DaemonSets of kvpool agents.",
     )
-    parser.parse_args(argv)
-    print(
-        "kvpool-operator: the reconciler is not built yet (tracked as the operator issue); "
-        "run agents directly with kvpool-agent.",
-        file=sys.stderr,
+    scope = parser.add_mutually_exclusive_group(required=True)
+    scope.add_argument(
+        "-n", "--namespace", action="append", help="serve this namespace (repeatable)"
     )
-    return 2
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="serve every namespace")
+    parser.add_argument(
+        "--agent-image",
+        default=os.environ.get(AGENT_IMAGE_ENV),
+        help=f"image of agents whose pool names none (default: ${AGENT_IMAGE_ENV})",
+    )
+    parser.add_argument(
+        "--liveness",
+        default="http://0.0.0.0:8080/healthz",
+        help="liveness endpoint to serve (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--retry-seconds",
+        type=float,
+        default=10.0,
+        help="delay before retrying a pool whose children the API server refused "
+        "(default: %(default)s)",
+    )
+    parser.add_argument("--log-format", choices=["json", "plain"], default="json")
+    parser.add_argument("--verbose", action="store_true", help="debug logging")
+    args = parser.parse_args(argv)
+    if not args.agent_image:
+        parser.error(f"--agent-image or ${AGENT_IMAGE_ENV} is required")
+    kopf.configure(
+        verbose=args.verbose,
+        log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL,
+    )
+    kopf.run(
+        registry=registry,
+        clusterwide=args.all_namespaces,
+        namespaces=args.namespace or (),
+        liveness_endpoint=args.liveness,
+        standalone=True,
+        memo=kopf.Memo(
+            options=Options(agent_image=args.agent_image, retry_seconds=args.retry_seconds)
+        ),
+    )
+    return 0
 
 
 if __name__ == "__main__":

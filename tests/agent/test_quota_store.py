@@ -117,3 +117,18 @@ def test_failed_store_leaves_the_quota_unchanged(tmp_path: Path) -> None:
         service.set_quota(ALICE, 0)
     assert not service.quota(ALICE).explicit
     assert service.quota(ALICE).limit is None
+
+
+def test_replace_quotas_applies_a_store_change_exactly(tmp_path: Path) -> None:
+    cache = make_cache(pages=100)
+    service = CacheService(cache, FileQuotaStore(tmp_path / "q.json"))
+    for n in range(10):
+        reservation = cache.reserve("a", [key(n)], [PAGE])
+        assert reservation.lease is not None
+        cache.commit(reservation.lease)
+    service.set_quota("b", 5 * PAGE)
+    service.replace_quotas({"a": 2 * PAGE, "c": None})  # another agent's view of the store
+    assert service.quota("a").limit == 2 * PAGE and service.quota("a").explicit
+    assert not service.quota("b").explicit  # gone from the store: back to the default
+    assert service.quota("c").explicit and service.quota("c").limit is None
+    assert cache.tenant_usage("a").used_bytes == 2 * PAGE  # the shrink evicted at once

@@ -1,0 +1,259 @@
+"""Tenant quotas in the pool's quota ConfigMap, through the Kubernetes API.
+
+The ConfigMap (``kvpool-<pool>-quotas``, made by the operator with the pool) maps tenant
+ids to limits: bytes as a decimal string, or ``unlimited``. Every agent of the pool uses it:
+
+- a quota set or reverted through any agent's HTTP API is one JSON merge patch of one key
+  (:meth:`KubernetesQuotaStore.save`, :meth:`~KubernetesQuotaStore.delete`), so writers
+  through different agents never overwrite each other's tenants;
+- :meth:`~KubernetesQuotaStore.start` lists and then watches the ConfigMap in a thread of
+  its own and calls ``on_change`` with the complete quotas whenever they change, so every
+  agent applies a quota within a watch event's latency of its write. Events arrive in the
+  order of the writes; applying each complete mapping in that order converges every agent
+  on the ConfigMap's content.
+
+When the API server cannot be reached, :meth:`~KubernetesQuotaStore.load` answers with the
+last quotas the store saw and the watch retries in the background; writes fail with
+:class:`~kvpool_agent.quota_store.QuotaStoreError` (the HTTP API answers 503) rather than
+let one agent diverge from the others. A value that is neither a byte count nor
+``unlimited`` (a hand edit) is logged and ignored; the other tenants still apply.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
+import urllib3
+from kubernetes import config as kube_config
+from kubernetes.client import ApiClient, Configuration, CoreV1Api
+from kubernetes.client.exceptions import ApiException
+
+from kvpool_agent.quota_store import QuotaStoreError
+from kvpool_agent.quotas import Limit
+
+log = logging.getLogger(__name__)
+
+UNLIMITED = "unlimited"
+FIELD_MANAGER = "kvpool-agent"
+
+QuotaListener = Callable[[dict[str, Limit]], None]
+"""Receives the complete quotas, each time they change."""
+
+
+class KubernetesQuotaStore:
+    """A :class:`~kvpool_agent.quota_store.QuotaStore` on one ConfigMap, with a watch."""
+
+    def __init__(
+        self,
+        api: CoreV1Api,
+        namespace: str,
+        name: str,
+        *,
+        timeout: float = 10.0,
+        retry_seconds: float = 2.0,
+        watch_seconds: int = 300,
+    ) -> None:
+        self.namespace = namespace
+        self.name = name
+        self._api = api
+        self._timeout = timeout
+        self._retry_seconds = retry_seconds
+        self._watch_seconds = watch_seconds
+        self._lock = threading.Lock()
+        self._known: dict[str, Limit] | None = None
+        self._published: dict[str, Limit] | None = None
+        self._stopping = threading.Event()
+        self._response: urllib3.BaseHTTPResponse | None = None
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def connect(cls, reference: str) -> KubernetesQuotaStore:
+        """The ConfigMap ``namespace/name``, through this pod's service account (in a pod) or
+        the kubeconfig (``$KUBECONFIG``, elsewhere); QuotaStoreError if neither is there."""
+        namespace, _, name = reference.partition("/")
+        if not namespace or not name:
+            raise ValueError(f"expected a ConfigMap as namespace/name, got {reference!r}")
+        configuration = Configuration()
+        try:
+            if "KUBERNETES_SERVICE_HOST" in os.environ:
+                kube_config.load_incluster_config(client_configuration=configuration)
+            else:
+                kube_config.load_kube_config(
+                    os.environ.get("KUBECONFIG"), client_configuration=configuration
+                )
+        except kube_config.ConfigException as error:
+            raise QuotaStoreError(
+                f"no access to the Kubernetes API for ConfigMap {reference}: {error}"
+            ) from error
+        return cls(CoreV1Api(ApiClient(configuration)), namespace, name)
+
+    @property
+    def where(self) -> str:
+        return f"ConfigMap {self.namespace}/{self.name}"
+
+    def load(self) -> dict[str, Limit]:
+        """The quotas now, or the last known ones while the API server is unreachable."""
+        try:
+            config_map = self._api.read_namespaced_config_map(
+                self.name, self.namespace, _request_timeout=self._timeout
+            )
+        except ApiException as error:
+            if error.status == 404:
+                return self._remember({}, published=True)
+            return self._last_known(error)
+        except urllib3.exceptions.HTTPError as error:
+            return self._last_known(error)
+        return self._remember(self._parse(config_map.data or {}), published=True)
+
+    def save(self, tenant: str, limit: Limit) -> None:
+        self._patch({tenant: UNLIMITED if limit is None else str(limit)})
+
+    def delete(self, tenant: str) -> None:
+        self._patch({tenant: None})
+
+    def start(self, on_change: QuotaListener) -> None:
+        """Watch the ConfigMap; ``on_change`` runs in the watch thread."""
+        self._thread = threading.Thread(
+            target=self._watch, args=(on_change,), name="quota-watch", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        with self._lock:
+            response = self._response
+        if response is not None:
+            response.shutdown()  # wakes the watch thread from its blocking read
+        if self._thread is not None:
+            self._thread.join(self._timeout)
+
+    def _patch(self, data: dict[str, str | None]) -> None:
+        try:
+            config_map = self._api.patch_namespaced_config_map(
+                self.name,
+                self.namespace,
+                {"data": data},
+                field_manager=FIELD_MANAGER,
+                _content_type="application/merge-patch+json",
+                _request_timeout=self._timeout,
+            )
+        except ApiException as error:
+            if error.status == 404:
+                raise QuotaStoreError(
+                    f"{self.where} does not exist (the operator makes it with the pool)"
+                ) from error
+            raise QuotaStoreError(
+                f"cannot write quotas to {self.where}: {error.status} {error.reason}"
+            ) from error
+        except urllib3.exceptions.HTTPError as error:
+            raise QuotaStoreError(
+                f"cannot write quotas to {self.where}: the API server is unreachable ({error})"
+            ) from error
+        self._remember(self._parse(config_map.data or {}), published=False)
+
+    def _last_known(self, error: Exception) -> dict[str, Limit]:
+        with self._lock:
+            known = self._known
+        if known is None:
+            raise QuotaStoreError(f"cannot read quotas from {self.where}: {error}") from error
+        log.warning("cannot read quotas from %s (%s); using the last known ones", self.where, error)
+        return dict(known)
+
+    def _remember(self, limits: dict[str, Limit], *, published: bool) -> dict[str, Limit]:
+        """Keep ``limits`` as the last known quotas (and as applied, if the caller applies)."""
+        with self._lock:
+            self._known = limits
+            if published:
+                self._published = limits
+        return dict(limits)
+
+    def _parse(self, data: Mapping[str, str]) -> dict[str, Limit]:
+        limits: dict[str, Limit] = {}
+        for tenant, value in data.items():
+            if value == UNLIMITED:
+                limits[tenant] = None
+            elif value.isascii() and value.isdigit():
+                limits[tenant] = int(value)
+            else:
+                log.error(
+                    "%s: the quota of tenant %s is %r, neither a byte count nor %r; ignored",
+                    self.where,
+                    tenant,
+                    value,
+                    UNLIMITED,
+                )
+        return limits
+
+    def _publish(self, data: Mapping[str, str], on_change: QuotaListener) -> None:
+        limits = self._parse(data)
+        with self._lock:
+            self._known = limits
+            changed, self._published = limits != self._published, limits
+        if changed:
+            on_change(dict(limits))
+
+    def _watch(self, on_change: QuotaListener) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._follow(self._list(on_change), on_change)
+            except (ApiException, urllib3.exceptions.HTTPError, OSError, ValueError) as error:
+                if self._stopping.is_set():
+                    return
+                log.warning(
+                    "watching %s failed (%s); retrying in %ss",
+                    self.where,
+                    error,
+                    self._retry_seconds,
+                )
+                self._stopping.wait(self._retry_seconds)
+
+    def _list(self, on_change: QuotaListener) -> str:
+        """Publish the current quotas; returns the resourceVersion to watch from."""
+        listed = self._api.list_namespaced_config_map(
+            self.namespace,
+            field_selector=f"metadata.name={self.name}",
+            _request_timeout=self._timeout,
+        )
+        self._publish((listed.items[0].data or {}) if listed.items else {}, on_change)
+        version = listed.metadata.resource_version if listed.metadata else None
+        return version or ""
+
+    def _follow(self, version: str, on_change: QuotaListener) -> None:
+        """Publish every change after ``version`` until the server ends the watch."""
+        response = cast(
+            urllib3.BaseHTTPResponse,
+            self._api.list_namespaced_config_map(
+                self.namespace,
+                field_selector=f"metadata.name={self.name}",
+                watch=True,
+                resource_version=version,
+                timeout_seconds=self._watch_seconds,
+                _preload_content=False,
+                _request_timeout=(self._timeout, self._watch_seconds + self._timeout),
+            ),
+        )
+        with self._lock:
+            self._response = response
+        try:
+            if self._stopping.is_set():
+                return
+            for line in response:
+                if not line.strip():
+                    continue
+                event: dict[str, Any] = json.loads(line)
+                kind, obj = event.get("type"), event.get("object") or {}
+                if kind == "ERROR":
+                    if obj.get("code") == 410:
+                        return  # our resourceVersion is too old: list again
+                    raise ValueError(f"watch error: {obj.get('message')}")
+                if kind in ("ADDED", "MODIFIED", "DELETED"):
+                    self._publish({} if kind == "DELETED" else obj.get("data") or {}, on_change)
+        finally:
+            with self._lock:
+                self._response = None
+            response.release_conn()

@@ -1,0 +1,47 @@
+"""Events on a KVCachePool (``kubectl describe kvp``): what the operator did and what failed.
+
+kopf posts them (queued, in the background, with retries).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+import kopf
+
+from kvpool_operator.status import APPLY_FAILED, INVALID_SPEC
+
+APPLIED = "Applied"
+DRIFT_CORRECTED = "DriftCorrected"
+MONITOR_UNAVAILABLE = "ServiceMonitorUnavailable"
+
+
+class PoolEvents:
+    """The events the operator posts on a pool."""
+
+    def applied(self, pool: Mapping[str, Any], changes: Sequence[str]) -> None:
+        _post(pool, "Normal", APPLIED, "; ".join(changes))
+
+    def drift_corrected(self, pool: Mapping[str, Any], child: str, deleted: bool) -> None:
+        how = "deleted" if deleted else "changed"
+        _post(pool, "Normal", DRIFT_CORRECTED, f"restored {child}, {how} outside the operator")
+
+    def invalid_spec(self, pool: Mapping[str, Any], message: str) -> None:
+        _post(pool, "Warning", INVALID_SPEC, message)
+
+    def apply_failed(self, pool: Mapping[str, Any], message: str) -> None:
+        _post(pool, "Warning", APPLY_FAILED, f"{message} (retrying)")
+
+    def monitor_unavailable(self, pool: Mapping[str, Any]) -> None:
+        _post(
+            pool,
+            "Warning",
+            MONITOR_UNAVAILABLE,
+            "metrics.serviceMonitor.enabled is set but the cluster has no ServiceMonitor "
+            "resource (install the prometheus-operator CRDs); no ServiceMonitor was made",
+        )
+
+
+def _post(pool: Mapping[str, Any], type: str, reason: str, message: str) -> None:
+    kopf.event(kopf.Body(cast(kopf.RawBody, pool)), type=type, reason=reason, message=message)

@@ -1,0 +1,188 @@
+"""The KVCachePool resource: its names and the operator's typed view of its spec.
+
+``crds/kvcachepools.kvpool.io.yaml`` is the source of truth. :class:`PoolSpec` mirrors it
+field by field with the same defaults (``tests/operator/test_crd.py`` holds the two in
+step), so the operator reads a pool the same way whether or not an API server filled in
+the defaults. The CRD's CEL rules refuse invalid pools at admission; this model only adds
+the checks the rendering needs to stay total.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, Self
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "kvpool.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "KVCachePool"
+PLURAL = "kvcachepools"
+
+_UNITS = {
+    "": 1,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "Ki": 1 << 10,
+    "Mi": 1 << 20,
+    "Gi": 1 << 30,
+    "Ti": 1 << 40,
+}
+_QUANTITY = re.compile(r"([0-9]+)(Ki|Mi|Gi|Ti|k|M|G|T)?")
+
+
+class InvalidSpec(ValueError):
+    """The pool's spec cannot be turned into children; the message names the fields."""
+
+
+def parse_bytes(value: object) -> int:
+    """A whole quantity of bytes as the CRD spells it (``64Gi``, ``512M``, ``4096``)."""
+    match = _QUANTITY.fullmatch(value) if isinstance(value, str) else None
+    if match is None:
+        raise ValueError(f"{value!r} is not a whole quantity of bytes such as 64Gi")
+    return int(match[1]) * _UNITS[match[2] or ""]
+
+
+Bytes = Annotated[int, BeforeValidator(parse_bytes)]
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", alias_generator=to_camel, populate_by_name=True
+    )
+
+
+class L1Spec(_Spec):
+    size: Bytes = Field(1 << 30, description="Bytes of chunk data per node.")
+    page_size: Bytes = Field(64 << 10, description="Allocation granularity.")
+    lease_seconds: float = Field(30.0, gt=0, description="Lifetime of chunk locks.")
+
+
+class EvictionSpec(_Spec):
+    policy: Literal["lru", "arc"] = Field("lru", description="Victim order within a tenant.")
+    high_watermark: float = Field(0.9, gt=0, le=1, description="Eviction starts above it.")
+    low_watermark: float = Field(0.8, gt=0, lt=1, description="Eviction stops at it.")
+
+
+class SecretKeyRef(_Spec):
+    name: str = Field(description="Secret in the pool's namespace.")
+    key: str = Field("tokens.yaml", description="Key of the Secret to mount.")
+
+
+class SecretRef(_Spec):
+    name: str = Field(description="Secret in the pool's namespace.")
+
+
+class TenantsSpec(_Spec):
+    default_quota: Bytes | None = Field(None, description="Quota of tenants without one.")
+    tokens_secret_ref: SecretKeyRef | None = Field(None, description="HTTP API tokens.")
+
+
+class NvmeTier(_Spec):
+    host_path: str = Field(description="Directory on the node.")
+    capacity: Bytes = Field(description="Bytes the agent may use there.")
+
+
+class S3Tier(_Spec):
+    bucket: str = Field(description="Bucket name.")
+    prefix: str = Field("kvpool", description="Key prefix of the pool's objects.")
+    endpoint: str | None = Field(None, description="Endpoint of an S3-compatible store.")
+    region: str | None = Field(None, description="Region of the bucket.")
+    credentials_secret_ref: SecretRef | None = Field(None, description="Credentials as env.")
+
+
+class L2Tier(_Spec):
+    type: Literal["nvme", "s3"] = Field(description="Kind of tier.")
+    nvme: NvmeTier | None = Field(None, description="Settings of an nvme tier.")
+    s3: S3Tier | None = Field(None, description="Settings of an s3 tier.")
+
+    @model_validator(mode="after")
+    def _one_member(self) -> Self:
+        members = {"nvme": self.nvme, "s3": self.s3}
+        if members[self.type] is None or any(
+            value is not None for name, value in members.items() if name != self.type
+        ):
+            raise ValueError(f"an L2 tier of type {self.type} sets the field {self.type} only")
+        return self
+
+
+class L2Spec(_Spec):
+    store_policy: Literal["all", "reused"] = Field("all", description="Chunks written back.")
+    store_min_hits: int = Field(1, ge=1, description="Hits before a reused chunk goes to L2.")
+    tiers: tuple[L2Tier, ...] = Field((), description="Tiers in lookup order.")
+
+    def tier(self, kind: Literal["nvme", "s3"]) -> L2Tier | None:
+        return next((tier for tier in self.tiers if tier.type == kind), None)
+
+
+class PortsSpec(_Spec):
+    zmq: int = Field(7400, ge=1, le=65535, description="ZMQ protocol port.")
+    http: int = Field(7401, ge=1, le=65535, description="HTTP API and metrics port.")
+    events: int = Field(7402, ge=1, le=65535, description="Chunk-event stream port.")
+
+
+class ServiceMonitorSpec(_Spec):
+    enabled: bool = Field(False, description="Create a ServiceMonitor.")
+    interval: str = Field("30s", description="Scrape interval.")
+    labels: dict[str, str] = Field({}, description="Labels of the ServiceMonitor.")
+
+
+class MetricsSpec(_Spec):
+    top_tenants: int = Field(20, ge=0, description="Tenants labelled in metrics.")
+    service_monitor: ServiceMonitorSpec = Field(ServiceMonitorSpec(), description="Monitor.")
+
+
+class ResourcesSpec(_Spec):
+    requests: dict[str, int | str] = Field({}, description="Overrides of the requests.")
+    limits: dict[str, int | str] = Field({}, description="Overrides of the limits.")
+
+
+class UpdateStrategySpec(_Spec):
+    type: Literal["RollingUpdate", "OnDelete"] = Field("RollingUpdate", description="Rollout.")
+    max_unavailable: int | str = Field(1, description="Agents down at once in a rollout.")
+
+
+class AgentSpec(_Spec):
+    image: str | None = Field(None, description="Agent image; default: the operator's.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="Pull policy."
+    )
+    resources: ResourcesSpec = Field(ResourcesSpec(), description="Resource overrides.")
+    node_selector: dict[str, str] = Field({}, description="Nodes that run an agent.")
+    tolerations: tuple[dict[str, Any], ...] = Field((), description="Pod tolerations.")
+    affinity: dict[str, Any] | None = Field(None, description="Pod affinity.")
+    priority_class_name: str | None = Field(None, description="Pod priority class.")
+    update_strategy: UpdateStrategySpec = Field(UpdateStrategySpec(), description="Rollout.")
+
+
+class PoolSpec(_Spec):
+    chunk_tokens: int = Field(256, ge=1, description="Tokens per cached chunk.")
+    block_size: int = Field(16, ge=1, description="vLLM's KV block size.")
+    l1: L1Spec = Field(L1Spec(), description="The shared-memory cache of each node.")
+    eviction: EvictionSpec = Field(EvictionSpec(), description="L1 eviction.")
+    tenants: TenantsSpec = Field(TenantsSpec(), description="Quotas and tokens.")
+    l2: L2Spec = Field(L2Spec(), description="Tiers behind L1.")
+    ports: PortsSpec = Field(PortsSpec(), description="Agent and Service ports.")
+    metrics: MetricsSpec = Field(MetricsSpec(), description="Prometheus metrics.")
+    agent: AgentSpec = Field(AgentSpec(), description="The agent DaemonSet.")
+
+    @classmethod
+    def parse(cls, spec: Mapping[str, Any]) -> PoolSpec:
+        """Read a pool's ``spec``; :class:`InvalidSpec` says which fields are wrong."""
+        try:
+            return cls.model_validate(spec)
+        except ValidationError as error:
+            raise InvalidSpec(describe(error, "spec")) from error
+
+
+def describe(error: ValidationError, root: str) -> str:
+    """One line per problem, each naming its field from ``root``."""
+    return "; ".join(
+        f"{'.'.join([root, *(str(part) for part in problem['loc'])])}: {problem['msg']}"
+        for problem in error.errors()
+    )

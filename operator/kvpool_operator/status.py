@@ -1,0 +1,166 @@
+"""The pool's status: a pure function of what the operator did and what the DaemonSet reports.
+
+Conditions (each with a CamelCase reason and a message for people):
+
+- ``Ready``: every selected node runs an agent of the current spec and it is ready
+  (``AgentsReady``); otherwise why not: ``InvalidSpec``, ``ApplyFailed``, ``Reconciling``
+  (the operator has not applied this generation yet), ``Pending`` (no DaemonSet status
+  yet), ``NoNodes``, ``RollingOut``, ``AgentsNotReady``.
+- ``Progressing``: a rollout is under way (``Reconciling``, ``RollingOut``) or not
+  (``RolloutComplete``, or the problem that stops it).
+- ``Degraded``: the operator cannot make the children from the spec: ``InvalidSpec``
+  (fix the pool) or ``ApplyFailed`` (the API server refused; retried). ``AsExpected``
+  otherwise. A problem stays recorded here until the next apply succeeds, so status
+  updates driven by the DaemonSet keep it.
+
+A condition's ``lastTransitionTime`` changes only when its status does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+READY = "Ready"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+
+INVALID_SPEC = "InvalidSpec"
+APPLY_FAILED = "ApplyFailed"
+PROBLEM_REASONS = (INVALID_SPEC, APPLY_FAILED)
+
+_Assessment = tuple[bool, str, str]
+"""A condition as (holds, reason, message)."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why the children could not be made from the spec."""
+
+    reason: str
+    message: str
+
+    @classmethod
+    def recorded(cls, status: Mapping[str, Any]) -> Problem | None:
+        """The problem a previous status recorded in its Degraded condition, if any."""
+        for condition in status.get("conditions", ()):
+            if (
+                condition.get("type") == DEGRADED
+                and condition.get("status") == "True"
+                and condition.get("reason") in PROBLEM_REASONS
+            ):
+                return cls(condition["reason"], condition.get("message", ""))
+        return None
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """What the DaemonSet controller reports about the agents."""
+
+    desired: int
+    updated: int
+    ready: int
+    observed: bool
+    """Whether the controller has seen the DaemonSet's current spec."""
+
+    @classmethod
+    def of(cls, daemonset: Mapping[str, Any]) -> Rollout | None:
+        """The DaemonSet's rollout; None until its controller has written a status."""
+        status = daemonset.get("status") or {}
+        if "observedGeneration" not in status:
+            return None
+        return cls(
+            desired=int(status.get("desiredNumberScheduled", 0)),
+            updated=int(status.get("updatedNumberScheduled", 0)),
+            ready=int(status.get("numberReady", 0)),
+            observed=int(status["observedGeneration"])
+            >= int(daemonset.get("metadata", {}).get("generation", 0)),
+        )
+
+    @property
+    def rolled_out(self) -> bool:
+        return self.observed and self.updated >= self.desired
+
+
+def pool_status(
+    *,
+    generation: int,
+    observed_generation: int | None,
+    problem: Problem | None,
+    rollout: Rollout | None,
+    previous: Mapping[str, Any],
+    now: datetime,
+) -> dict[str, Any]:
+    """The whole ``status`` of a pool."""
+    ready, progressing = _assess(generation, observed_generation, problem, rollout)
+    degraded: _Assessment = (
+        (True, problem.reason, problem.message)
+        if problem
+        else (False, "AsExpected", "nothing stops the operator from making the children")
+    )
+    earlier = {c.get("type"): c for c in previous.get("conditions", ())}
+    status: dict[str, Any] = {
+        "desiredNodes": rollout.desired if rollout else 0,
+        "readyNodes": rollout.ready if rollout else 0,
+        "updatedNodes": rollout.updated if rollout else 0,
+        "conditions": [
+            _condition(kind, value, generation, earlier.get(kind), now)
+            for kind, value in ((READY, ready), (PROGRESSING, progressing), (DEGRADED, degraded))
+        ],
+    }
+    if observed_generation is not None:
+        status["observedGeneration"] = observed_generation
+    return status
+
+
+def _assess(
+    generation: int,
+    observed_generation: int | None,
+    problem: Problem | None,
+    rollout: Rollout | None,
+) -> tuple[_Assessment, _Assessment]:
+    """(Ready, Progressing) as (status, reason, message)."""
+    if problem is not None:
+        halted = f"stopped: {problem.message}"
+        return (False, problem.reason, halted), (False, problem.reason, halted)
+    if observed_generation != generation:
+        waiting = f"the operator has not applied generation {generation} yet"
+        return (False, "Reconciling", waiting), (True, "Reconciling", waiting)
+    if rollout is None:
+        waiting = "waiting for the DaemonSet controller to report the agents"
+        return (False, "Pending", waiting), (True, "RollingOut", waiting)
+    counts = f"{rollout.ready} of {rollout.desired} agents ready"
+    if not rollout.rolled_out:
+        moving = f"{rollout.updated} of {rollout.desired} agents run the current configuration"
+        return (False, "RollingOut", moving), (True, "RollingOut", moving)
+    done = (False, "RolloutComplete", f"every agent runs generation {generation}")
+    if rollout.desired == 0:
+        return (False, "NoNodes", "no node matches the pool's node selector and tolerations"), done
+    if rollout.ready < rollout.desired:
+        return (False, "AgentsNotReady", counts), done
+    return (True, "AgentsReady", counts), done
+
+
+def _condition(
+    kind: str,
+    value: _Assessment,
+    generation: int,
+    earlier: Mapping[str, Any] | None,
+    now: datetime,
+) -> dict[str, Any]:
+    status = "True" if value[0] else "False"
+    unchanged = earlier is not None and earlier.get("status") == status
+    return {
+        "type": kind,
+        "status": status,
+        "reason": value[1],
+        "message": value[2],
+        "observedGeneration": generation,
+        "lastTransitionTime": (
+            earlier["lastTransitionTime"]
+            if unchanged and earlier is not None and "lastTransitionTime" in earlier
+            else now.strftime("%Y-%m-%dT%H:%M:%SZ")
+        ),
+    }

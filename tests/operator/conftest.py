@@ -1,0 +1,121 @@
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+
+from .kube_api import ServedApi
+
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).parents[2]
+T = TypeVar("T")
+
+
+def eventually(check: Callable[[], T], timeout: float = 15.0) -> T:
+    """``check()``'s result once it stops raising AssertionError (or its last error)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return check()
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+class Kubectl:
+    def __init__(self, kubeconfig: Path) -> None:
+        self.env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+
+    def __call__(self, *args: str, manifest: dict[str, Any] | None = None) -> str:
+        result = subprocess.run(
+            ["kubectl", *args],
+            input=yaml.safe_dump(manifest) if manifest is not None else None,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        assert result.returncode == 0, f"kubectl {' '.join(args)}: {result.stderr}"
+        return result.stdout
+
+
+class OperatorProcess:
+    """``kvpool-operator`` for one namespace, against a kubeconfig."""
+
+    def __init__(self, kubeconfig: Path, namespace: str, log: Path) -> None:
+        self.kubeconfig = kubeconfig
+        self.namespace = namespace
+        self.log_path = log
+        self.liveness = f"http://127.0.0.1:{free_port()}/healthz"
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> OperatorProcess:
+        with self.log_path.open("ab") as log:
+            self._process = subprocess.Popen(
+                [
+                    BIN / "kvpool-operator",
+                    "--namespace",
+                    self.namespace,
+                    "--agent-image",
+                    "kvpool:test",
+                    "--liveness",
+                    self.liveness,
+                    "--retry-seconds",
+                    "0.5",
+                ],
+                env={**os.environ, "KUBECONFIG": str(self.kubeconfig)},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        eventually(self._alive, timeout=30)
+        return self
+
+    def _alive(self) -> None:
+        assert self._process is not None and self._process.poll() is None, self.log()
+        try:
+            with urllib.request.urlopen(self.liveness, timeout=1) as response:
+                assert response.status == 200
+        except OSError as error:
+            raise AssertionError(f"not alive yet: {error}") from error
+
+    def stop(self) -> int:
+        assert self._process is not None
+        self._process.terminate()
+        try:
+            return self._process.wait(15)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            return self._process.wait()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def served_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedApi]:
+    api = ServedApi(tmp_path_factory.mktemp("api")).start()
+    yield api
+    api.stop()
+
+
+@pytest.fixture(scope="module")
+def kubectl(served_api: ServedApi) -> Kubectl:
+    return Kubectl(served_api.kubeconfig())

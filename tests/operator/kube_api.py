@@ -1,0 +1,576 @@
+"""A Kubernetes API server for tests: kmock's emulator over HTTP on loopback, made realistic.
+
+kmock (0.8) keeps objects in memory and merges every write naively. :class:`ApiServer`
+makes it behave like a real API server wherever kvpool depends on it:
+
+- paths: ``/api/v1/namespaces[/name]`` is the namespaces resource (kmock 0.8 takes it for
+  a namespace prefix; the harness replaces kmock's path parser for that case);
+- discovery: kmock's bundled built-in resources, with the core group served as ``v1``
+  (kmock says ``/v1``, which breaks kubectl's mapping of ConfigMap, Pod, ...);
+- a CustomResourceDefinition that is created registers its resources (kind, scope, short
+  names, subresources) and is marked Established;
+- metadata: ``uid``, ``creationTimestamp``, ``resourceVersion`` (one counter for every
+  object), ``generation`` (bumped when anything but metadata and status changes),
+  ``generateName``;
+- writes: JSON merge patch (RFC 7386) and JSON patch as specified; a strategic merge
+  patch is served as a merge patch (lists are replaced, not merged by key); server-side
+  apply creates a missing object and removes the fields that the same field manager
+  applied before and applies no longer (lists are atomic; no conflicts, as with
+  ``force``); a write that changes nothing is a no-op (no new resourceVersion, no event);
+- the status subresource: writes to an object leave its status alone, writes to
+  ``/status`` change only the status;
+- deletion: an object with finalizers gets a deletionTimestamp; the garbage collector
+  deletes, after their owner, the objects whose ownerReferences name its uid
+  (background propagation, recursively);
+- lists carry ``kind`` (``<Kind>List``), ``apiVersion`` and the current resourceVersion;
+  ``fieldSelector`` on ``metadata.name``/``metadata.namespace`` and equality or
+  existence ``labelSelector``s filter lists and watches;
+- watches from a resourceVersion replay the events after it (no burst of ADDED); watches
+  without one start with ADDED for every object; ``timeoutSeconds`` ends a watch.
+
+Not emulated: validation against OpenAPI schemas and CEL rules (``test_crd.py`` and
+``test_render.py`` check those offline), defaulting, admission, authentication, RBAC,
+controllers (a test writes a DaemonSet's status as its controller would), protobuf
+bodies (kubectl sends JSON for custom resources and for ``apply``).
+
+:class:`ServedApi` runs it on a loopback port in a thread of its own, writes a kubeconfig
+for it, can refuse chosen writes (:meth:`ServedApi.refuse`), and offers a TCP proxy in
+front of it that a test can cut to make the API server unreachable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import secrets
+import threading
+import uuid
+import warnings
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiohttp.web
+import attrs
+import jsonpatch
+import kmock
+import yaml
+from kmock._internal import enums, parsing, rendering
+
+_parse_path = parsing.parse_path
+
+
+def _parse_path_of_namespaces(path: str) -> parsing.ParsedPath:
+    """kmock 0.8 reads ``/api/v1/namespaces[/name]`` as a namespace prefix; it is a resource."""
+    parts = path.strip("/").split("/")
+    if parts[:3] == ["api", "v1", "namespaces"] and len(parts) <= 4:
+        return parsing.ParsedPath("", "v1", "namespaces", None, (parts[3:] or [None])[0])
+    return _parse_path(path)
+
+
+parsing.parse_path = _parse_path_of_namespaces
+
+T = TypeVar("T")
+Obj = dict[str, Any]
+Key = tuple[kmock.resource, str | None, str]
+CRDS = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Refuse requests of ``method`` on ``plural`` with ``status`` (fault injection)."""
+
+    method: str
+    plural: str
+    status: int
+    message: str
+
+
+@attrs.define(kw_only=True)
+class ApiServer(kmock.KubernetesEmulator):
+    _version: int = attrs.field(default=0, init=False)
+    _log: list[tuple[kmock.resource, Obj]] = attrs.field(factory=list, init=False)
+    _applied: dict[tuple[Key, str], Obj] = attrs.field(factory=dict, init=False)
+    faults: list[Fault] = attrs.field(factory=list, init=False)
+
+    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        resource = request.resource
+        if resource is None or resource.plural is None:
+            return await super()._handle(request)
+        for fault in self.faults:
+            if request.method == fault.method and resource.plural == fault.plural:
+                raise kmock.KubernetesError(
+                    status=fault.status, reason="Invalid", message=fault.message
+                )
+        if request.method in ("POST", "PATCH", "PUT", "DELETE"):
+            async with self._lock:
+                obj, status = await self._write(request)
+            return aiohttp.web.json_response(obj, status=status)
+        if request.action == enums.action.FETCH:  # (kmock's own path takes ~20 ms)
+            async with self._lock:
+                info = self._info(resource)
+                key = (resource, request.namespace if info.namespaced else None, request.name)
+                found = self._current(key)
+            if found is None:
+                raise kmock.KubernetesObjectNotFoundError()
+            return aiohttp.web.json_response(found)
+        if request.action == enums.action.LIST:
+            return aiohttp.web.json_response(await self._serve_list(request))
+        return await super()._handle(request)
+
+    # discovery
+
+    async def _serve_version(self, request: rendering.Request) -> rendering.Payload:
+        document = await super()._serve_version(request)
+        assert isinstance(document, dict)
+        document["groupVersion"] = document["groupVersion"].lstrip("/")
+        return document
+
+    def _info(self, resource: kmock.resource) -> kmock.ResourceInfo:
+        if resource not in self.resources:
+            raise kmock.KubernetesResourceNotFoundError()
+        return self.resources[resource]
+
+    def _register(self, crd: Obj) -> None:
+        names, spec = crd["spec"]["names"], crd["spec"]
+        for version in spec["versions"]:
+            if version.get("served", True):
+                self.resources[kmock.resource(spec["group"], version["name"], names["plural"])] = (
+                    kmock.ResourceInfo(
+                        kind=names["kind"],
+                        singular=names.get("singular", names["kind"].lower()),
+                        namespaced=spec["scope"] == "Namespaced",
+                        shortnames=names.get("shortNames", ()),
+                        categories=names.get("categories", ()),
+                        subresources=set(version.get("subresources", {})),
+                        verbs={"create", "delete", "get", "list", "patch", "update", "watch"},
+                    )
+                )
+        crd["status"] = {
+            "acceptedNames": names,
+            "conditions": [
+                {"type": kind, "status": "True", "reason": kind, "message": ""}
+                for kind in ("NamesAccepted", "Established")
+            ],
+        }
+
+    # writes
+
+    async def _write(self, request: rendering.Request) -> tuple[Obj, int]:
+        resource = request.resource
+        assert resource is not None
+        info = self._info(resource)
+        namespace = request.namespace if info.namespaced else None
+        if request.method == "POST":
+            return await self._create(resource, info, namespace, _body(request)), 201
+        assert request.name is not None
+        key: Key = (resource, namespace, request.name)
+        current = self._current(key)
+        if request.method == "DELETE":
+            if current is None:
+                raise kmock.KubernetesObjectNotFoundError()
+            return await self._delete(key, current), 200
+        content_type = _header(request, "Content-Type")
+        if content_type.startswith("application/apply-patch"):
+            applied = _body(request)
+            manager = request.params.get("fieldManager", "")
+            previous = self._applied.get((key, manager), {})
+            self._applied[key, manager] = copy.deepcopy(applied)
+            if current is None:
+                return await self._create(resource, info, namespace, applied), 201
+            new = _merge(_prune(current, previous, applied), applied)
+        elif current is None:
+            raise kmock.KubernetesObjectNotFoundError()
+        elif request.method == "PUT":
+            new = _body(request)
+        elif "json-patch" in content_type:
+            new = jsonpatch.apply_patch(current, request.data)
+        else:
+            new = _merge_patch(current, _body(request))
+        return await self._update(key, info, current, new, request.subresource), 200
+
+    def _current(self, key: Key) -> Obj | None:
+        if key not in self.objects or self.objects[key].deleted:
+            return None
+        return copy.deepcopy(self.objects[key].raw)
+
+    def _next_version(self) -> str:
+        self._version += 1
+        return str(self._version)
+
+    async def _publish(self, resource: kmock.resource, kind: str, obj: Obj) -> None:
+        event = {"type": kind, "object": copy.deepcopy(obj)}
+        self._log.append((resource, event))
+        await self._buses[resource].put(event)
+
+    async def _create(
+        self, resource: kmock.resource, info: kmock.ResourceInfo, namespace: str | None, obj: Obj
+    ) -> Obj:
+        metadata = obj.setdefault("metadata", {})
+        if "name" not in metadata and "generateName" in metadata:
+            metadata["name"] = metadata["generateName"] + secrets.token_hex(3)
+        if namespace is not None:
+            metadata["namespace"] = namespace
+        key: Key = (resource, namespace, metadata["name"])
+        if self._current(key) is not None:
+            raise kmock.KubernetesError(status=409, reason="AlreadyExists", message="exists")
+        metadata.update(
+            uid=str(uuid.uuid4()),
+            creationTimestamp=_now(),
+            generation=1,
+            resourceVersion=self._next_version(),
+        )
+        if "status" in info.subresources:
+            obj.pop("status", None)
+        if resource == CRDS:
+            self._register(obj)
+        if key in self.objects:
+            self.objects[key].create(obj)
+        else:
+            self.objects[key] = obj
+        await self._publish(resource, "ADDED", obj)
+        return obj
+
+    async def _update(
+        self,
+        key: Key,
+        info: kmock.ResourceInfo,
+        current: Obj,
+        new: Obj,
+        subresource: str | None,
+    ) -> Obj:
+        if "status" in info.subresources:
+            # /status writes change the status only; other writes everything else.
+            kept, status = (current, new) if subresource == "status" else (new, current)
+            new = {key: value for key, value in kept.items() if key != "status"}
+            if "status" in status:
+                new["status"] = status["status"]
+        new = copy.deepcopy(new)
+        fixed = ("name", "namespace", "uid", "creationTimestamp", "generation", "resourceVersion")
+        new["metadata"] = {
+            **new.get("metadata", {}),
+            **{
+                field: current["metadata"][field] for field in fixed if field in current["metadata"]
+            },
+        }
+        if new == current:
+            return current
+        if _spec_of(new) != _spec_of(current):
+            new["metadata"]["generation"] = current["metadata"].get("generation", 1) + 1
+        new["metadata"]["resourceVersion"] = self._next_version()
+        self.objects[key].history.append(new)
+        await self._publish(key[0], "MODIFIED", new)
+        metadata = new["metadata"]
+        if metadata.get("deletionTimestamp") and not metadata.get("finalizers"):
+            await self._remove(key, new)
+        return new
+
+    async def _delete(self, key: Key, current: Obj) -> Obj:
+        metadata = current["metadata"]
+        if metadata.get("deletionTimestamp"):
+            return current
+        if metadata.get("finalizers"):
+            changed = {**current, "metadata": {**metadata, "deletionTimestamp": _now()}}
+            return await self._update(key, self._info(key[0]), current, changed, None)
+        await self._remove(key, current)
+        return current
+
+    async def _remove(self, key: Key, obj: Obj) -> None:
+        self.objects[key].delete()
+        gone = {**obj, "metadata": {**obj["metadata"], "resourceVersion": self._next_version()}}
+        await self._publish(key[0], "DELETED", gone)
+        uid = obj["metadata"]["uid"]
+        for other_key, other in list(self.objects.items()):
+            if not other.deleted and any(
+                owner.get("uid") == uid
+                for owner in other.raw["metadata"].get("ownerReferences", ())
+            ):
+                await self._delete(other_key, copy.deepcopy(other.raw))
+
+    # reads
+
+    def _listed(self, request: rendering.Request) -> tuple[kmock.resource, list[Obj]]:
+        resource = request.resource
+        assert resource is not None
+        info = self._info(resource)
+        namespace = request.namespace if info.namespaced else None
+        selected = _selector(request)
+        return resource, [
+            copy.deepcopy(obj.raw)
+            for (kind, obj_namespace, _), obj in self.objects.items()
+            if kind == resource
+            and not obj.deleted
+            and namespace in (None, obj_namespace)
+            and selected(obj.raw)
+        ]
+
+    async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
+        async with self._lock:
+            resource, items = self._listed(request)
+            info = self._info(resource)
+            version = str(self._version)
+        api_version = f"{resource.group}/{resource.version}".lstrip("/")
+        return {
+            "apiVersion": api_version,
+            "kind": f"{info.kind}List",
+            "metadata": {"resourceVersion": version},
+            "items": items,
+        }
+
+    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[rendering.Payload]:
+        yield b""  # start streaming before anything happens
+        since = request.params.get("resourceVersion", "")
+        async with self._lock:
+            resource, items = self._listed(request)
+            bus = self._buses[resource]
+            mark = await bus.mark()
+            if since and since != "0":
+                backlog = [
+                    event
+                    for kind, event in self._log
+                    if kind == resource
+                    and int(event["object"]["metadata"]["resourceVersion"]) > int(since)
+                ]
+            else:
+                backlog = [{"type": "ADDED", "object": item} for item in items]
+        selected = _selector(request)
+
+        def wanted(event: Obj) -> bool:
+            metadata = event["object"]["metadata"]
+            return request.namespace in (None, metadata.get("namespace")) and selected(
+                event["object"]
+            )
+
+        loop = asyncio.get_running_loop()
+        timeout = float(request.params.get("timeoutSeconds", 0) or 0)
+        deadline = loop.time() + timeout if timeout else None
+        for event in backlog:
+            if wanted(event):
+                yield event
+        stream = bus.stream(since=mark)
+        try:
+            while True:
+                remaining = None if deadline is None else deadline - loop.time()
+                try:
+                    event = await asyncio.wait_for(anext(stream), remaining)
+                except TimeoutError:
+                    return
+                if wanted(event):
+                    yield event
+        finally:
+            await bus.unmark(mark)
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _header(request: rendering.Request, name: str) -> str:
+    return next((v for k, v in request.headers.items() if k.lower() == name.lower()), "")
+
+
+def _body(request: rendering.Request) -> Obj:
+    data = request.data if request.data is not None else yaml.safe_load(request.text)
+    if not isinstance(data, dict):
+        raise kmock.KubernetesError(status=400, reason="BadRequest", message="not an object")
+    return copy.deepcopy(data)
+
+
+def _spec_of(obj: Obj) -> Obj:
+    return {key: value for key, value in obj.items() if key not in ("metadata", "status")}
+
+
+def _merge_patch(current: Obj, patch: Obj) -> Obj:
+    """RFC 7386: objects merge, null deletes, anything else replaces."""
+    merged = dict(current)
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        elif isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge_patch(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def _merge(current: Obj, applied: Obj) -> Obj:
+    """Server-side apply's merge: applied objects merge in, applied values replace."""
+    merged = dict(current)
+    for key, value in applied.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def _prune(current: Obj, previous: Obj, applied: Obj) -> Obj:
+    """Drop what a manager applied before and applies no longer."""
+    pruned = dict(current)
+    for key, value in previous.items():
+        if key not in applied:
+            pruned.pop(key, None)
+        elif isinstance(value, dict) and isinstance(applied[key], dict) and key in pruned:
+            pruned[key] = _prune(pruned[key], value, applied[key])
+    return pruned
+
+
+def _selector(request: rendering.Request) -> Callable[[Obj], bool]:
+    """fieldSelector (metadata.name, metadata.namespace) and labelSelector (k=v, k)."""
+    fields = [
+        term.split("=", 1) for term in request.params.get("fieldSelector", "").split(",") if term
+    ]
+    labels = [term for term in request.params.get("labelSelector", "").split(",") if term]
+    for name, _ in fields:
+        if name not in ("metadata.name", "metadata.namespace"):
+            raise kmock.KubernetesError(status=400, reason="BadRequest", message=name)
+
+    def selected(obj: Obj) -> bool:
+        metadata = obj.get("metadata", {})
+        own = metadata.get("labels", {})
+        return all(metadata.get(name.split(".")[1]) == value for name, value in fields) and all(
+            own.get(term.split("=", 1)[0]) == term.split("=", 1)[1] if "=" in term else term in own
+            for term in labels
+        )
+
+    return selected
+
+
+class Proxy:
+    """A loopback TCP proxy to ``upstream``; :meth:`cut` makes it refuse and drop everything."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self._upstream = upstream
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def open(self) -> None:
+        """Listen (again, on the same port once it has one)."""
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def cut(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in list(self._writers):
+            writer.transport.abort()
+        await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self._upstream)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._writers |= {writer, up_writer}
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            sink.transport.abort()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        self._writers -= {writer, up_writer}
+
+
+class ServedApi:
+    """An :class:`ApiServer` on a loopback port, served from a thread of its own."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.api = ApiServer()
+        with warnings.catch_warnings():  # kmock 0.8 reads its bundle with a deprecated call
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.api.resources.load_bundled()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._stack = contextlib.AsyncExitStack()
+        self.url = ""
+
+    def start(self) -> ServedApi:
+        self._thread.start()
+        self.call(self._open())
+        return self
+
+    async def _open(self) -> None:
+        await self._stack.enter_async_context(self.api)
+        server = await self._stack.enter_async_context(kmock.Server(self.api))
+        self.url = f"http://{server.host}:{server.port}"
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.call(self._stack.aclose(), timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def call(self, coroutine: Awaitable[T], timeout: float = 30) -> T:
+        async def run() -> T:
+            return await coroutine
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout)
+
+    def kubeconfig(self, url: str | None = None, name: str = "kubeconfig") -> Path:
+        """A kubeconfig for this server (or for ``url``, e.g. a proxy in front of it)."""
+        path = self.workdir / name
+        path.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "test", "cluster": {"server": url or self.url}}],
+                    "users": [{"name": "test", "user": {"token": "test"}}],
+                    "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}],
+                    "current-context": "test",
+                }
+            )
+        )
+        return path
+
+    @contextlib.contextmanager
+    def refuse(self, method: str, plural: str, status: int, message: str) -> Iterator[None]:
+        fault = Fault(method, plural, status, message)
+        self.api.faults.append(fault)
+        try:
+            yield
+        finally:
+            self.api.faults.remove(fault)
+
+    def proxy(self) -> Proxy:
+        host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        proxy = Proxy((host, int(port)))
+        self.call(proxy.open())
+        return proxy
+
+    def objects(self, plural: str, namespace: str | None = None) -> dict[str, Obj]:
+        """Stored objects of a resource by name (a consistent copy, read on the server)."""
+
+        async def read() -> dict[str, Obj]:
+            async with self.api._lock:
+                return {
+                    name: copy.deepcopy(obj.raw)
+                    for (resource, obj_namespace, name), obj in self.api.objects.items()
+                    if resource.plural == plural
+                    and not obj.deleted
+                    and namespace in (None, obj_namespace)
+                }
+
+        return self.call(read())
+
+    def events(self, namespace: str, involved: str) -> list[Mapping[str, Any]]:
+        """Events about the object named ``involved``."""
+        return [
+            event
+            for event in self.objects("events", namespace).values()
+            if event.get("involvedObject", {}).get("name") == involved
+        ]

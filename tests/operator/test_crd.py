@@ -1,0 +1,218 @@
+"""The KVCachePool CRD: a valid, documented, structural schema; examples pass it; invalid
+pools are refused with a message naming the problem; the operator's model matches it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, get_args, get_origin
+
+import kubernetes_validate
+import pytest
+import yaml
+from pydantic import BaseModel
+
+from kvpool_agent.config import AgentConfig, S3TierConfig
+from kvpool_agent.policies import POLICY_NAMES
+from kvpool_operator.spec import API_VERSION, KIND, PLURAL, PoolSpec, parse_bytes
+
+from .crd_schema import EXAMPLES, admission_errors, crd, schema, with_defaults
+
+OLDEST_KUBERNETES = "1.29"
+"""The oldest Kubernetes with everything the CRD uses (CEL rules, the quantity library)."""
+
+
+def _nodes(node: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    yield path, node
+    for name, child in node.get("properties", {}).items():
+        yield from _nodes(child, f"{path}.{name}".lstrip("."))
+    if "items" in node:
+        yield from _nodes(node["items"], f"{path}[]")
+
+
+def _pool(spec: dict[str, Any], name: str = "main") -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name}, "spec": spec}
+
+
+@pytest.mark.parametrize("version", [OLDEST_KUBERNETES, kubernetes_validate.latest_version()])
+def test_the_crd_is_a_valid_customresourcedefinition(version: str) -> None:
+    kubernetes_validate.validate(crd(), version, strict=True)
+
+
+def test_names() -> None:
+    spec = crd()["spec"]
+    assert (spec["group"], spec["scope"]) == ("kvpool.io", "Namespaced")
+    assert spec["names"]["kind"] == KIND
+    assert spec["names"]["plural"] == PLURAL
+    assert spec["names"]["shortNames"] == ["kvp"]
+    (version,) = spec["versions"]
+    assert f"{spec['group']}/{version['name']}" == API_VERSION
+    assert version["subresources"] == {"status": {}}
+    columns = {column["name"]: column["jsonPath"] for column in version["additionalPrinterColumns"]}
+    assert columns == {
+        "L1": ".spec.l1.size",
+        "Ready": '.status.conditions[?(@.type=="Ready")].status',
+        "Nodes-Ready": ".status.readyNodes",
+        "Nodes-Desired": ".status.desiredNodes",
+        "Age": ".metadata.creationTimestamp",
+    }
+
+
+def test_every_field_is_documented_and_typed() -> None:
+    undocumented = [
+        path
+        for path, node in _nodes(schema())
+        if path != "metadata" and not path.endswith("[]") and not node.get("description")
+    ]
+    untyped = [
+        path
+        for path, node in _nodes(schema())
+        if "type" not in node and not node.get("x-kubernetes-int-or-string")
+    ]
+    assert (undocumented, untyped) == ([], [])
+
+
+def test_spec_objects_default_so_that_their_fields_default() -> None:
+    spec = schema()["properties"]["spec"]
+    missing = [
+        path
+        for path, node in _nodes(spec, "spec")
+        if node.get("type") == "object"
+        and any("default" in child for child in node.get("properties", {}).values())
+        and "default" not in node
+        and path != "spec"
+        and not node.get("required")
+    ]
+    assert missing == [], "these objects have defaulted fields but no default of their own"
+
+
+def test_eviction_policies_are_the_agents() -> None:
+    eviction = schema()["properties"]["spec"]["properties"]["eviction"]
+    assert tuple(eviction["properties"]["policy"]["enum"]) == POLICY_NAMES
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda path: path.name)
+def test_examples_are_admitted(path: Any) -> None:
+    assert admission_errors(yaml.safe_load(path.read_text())) == []
+
+
+def test_the_models_defaults_are_the_crds() -> None:
+    defaulted = with_defaults(schema(), _pool({}))
+    assert PoolSpec.parse(defaulted["spec"]) == PoolSpec.parse({})
+
+
+def test_the_model_has_the_fields_of_the_crd() -> None:
+    crd_fields = {
+        path
+        for path, _ in _nodes(schema()["properties"]["spec"])
+        if path and not path.endswith("[]")
+    }
+    assert _model_fields(PoolSpec) == crd_fields
+
+
+def _model_fields(model: type[BaseModel], prefix: str = "") -> set[str]:
+    """Field paths of a model by their CRD names; ``[]`` marks the items of a list."""
+    paths = set()
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{field.alias or name}"
+        paths.add(path)
+        for nested, in_list in _models_in(field.annotation):
+            paths |= _model_fields(nested, f"{path}[]." if in_list else f"{path}.")
+    return paths
+
+
+def _models_in(annotation: Any, in_list: bool = False) -> Iterator[tuple[type[BaseModel], bool]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        yield annotation, in_list
+    is_list = get_origin(annotation) in (tuple, list)
+    for argument in get_args(annotation):
+        yield from _models_in(argument, in_list or is_list)
+
+
+VALID = {"chunkTokens": 256, "blockSize": 16}
+INVALID_POOLS = [
+    pytest.param(
+        {"eviction": {"highWatermark": 0.8, "lowWatermark": 0.9}},
+        "eviction.lowWatermark (0.9) must be below eviction.highWatermark (0.8)",
+        id="watermarks",
+    ),
+    pytest.param(
+        {"chunkTokens": 100, "blockSize": 16},
+        "chunkTokens (100) must be a multiple of blockSize (16)",
+        id="chunk-not-a-multiple-of-block",
+    ),
+    pytest.param(
+        {"l1": {"size": "512Ki", "pageSize": "64Ki"}},
+        "l1.size must hold at least 16 pages of l1.pageSize",
+        id="l1-smaller-than-16-pages",
+    ),
+    pytest.param({"l1": {"pageSize": "48Ki"}}, "'48Ki' is not one of", id="page-size"),
+    pytest.param({"l1": {"size": "1.5Gi"}}, "does not match", id="fractional-size"),
+    pytest.param({"eviction": {"policy": "fifo"}}, "'fifo' is not one of", id="policy"),
+    pytest.param({"eviction": {"highWatermark": 1.5}}, "1.5 is greater than", id="watermark>1"),
+    pytest.param(
+        {
+            "l2": {
+                "tiers": [
+                    {"type": "nvme", "nvme": {"hostPath": "/a", "capacity": "1Ti"}},
+                    {"type": "nvme", "nvme": {"hostPath": "/b", "capacity": "1Ti"}},
+                ]
+            }
+        },
+        "l2.tiers may hold at most one tier of each type (nvme, s3)",
+        id="two-nvme-tiers",
+    ),
+    pytest.param(
+        {"l2": {"tiers": [{"type": "s3", "nvme": {"hostPath": "/a", "capacity": "1Ti"}}]}},
+        "an L2 tier of type s3 sets the field s3 and no other",
+        id="tier-type-mismatch",
+    ),
+    pytest.param({"ports": {"zmq": 7400, "http": 7400}}, "must differ", id="same-ports"),
+    pytest.param({"ports": {"events": 7401}}, "must differ", id="events-port-taken"),
+    pytest.param({"l3": {}}, "Additional properties are not allowed ('l3'", id="unknown-field"),
+    pytest.param(
+        {"tenants": {"tokensSecretRef": {"key": "t"}}}, "'name' is a required", id="secret-name"
+    ),
+]
+
+
+@pytest.mark.parametrize(("change", "message"), INVALID_POOLS)
+def test_invalid_pools_are_refused_with_a_message(change: dict[str, Any], message: str) -> None:
+    assert admission_errors(_pool(VALID)) == []
+    errors = admission_errors(_pool({**VALID, **change}))
+    assert any(message in error for error in errors), errors
+
+
+@pytest.mark.parametrize("name", ["gpu.pool", "x" * 41, "Main"])
+def test_pool_names_must_be_short_dns_labels(name: str) -> None:
+    assert admission_errors(_pool({}, name="main")) == []
+    (error,) = admission_errors(_pool({}, name=name))
+    assert "the pool name must be a DNS label" in error
+
+
+def test_defaults_are_the_agents() -> None:
+    """An empty pool runs agents with the agent's own defaults (README, AgentConfig)."""
+    spec = with_defaults(schema(), _pool({}))["spec"]
+    agent = AgentConfig.model_fields
+    assert parse_bytes(spec["l1"]["size"]) == agent["l1_size"].default
+    assert parse_bytes(spec["l1"]["pageSize"]) == agent["page_size"].default
+    assert spec["l1"]["leaseSeconds"] == agent["lease_seconds"].default
+    assert spec["eviction"] == {
+        "policy": agent["eviction_policy"].default,
+        "highWatermark": agent["high_watermark"].default,
+        "lowWatermark": agent["low_watermark"].default,
+    }
+    assert spec["ports"] == {
+        "zmq": agent["zmq_port"].default,
+        "http": agent["http_port"].default,
+        "events": agent["events_port"].default,
+    }
+    assert spec["metrics"]["topTenants"] == agent["metrics_top_tenants"].default
+    assert spec["l2"] == {
+        "storePolicy": agent["store_policy"].default,
+        "storeMinHits": agent["store_min_hits"].default,
+        "tiers": [],
+    }
+    s3 = with_defaults(schema(), _pool({"l2": {"tiers": [{"type": "s3", "s3": {"bucket": "b"}}]}}))
+    assert (
+        s3["spec"]["l2"]["tiers"][0]["s3"]["prefix"] == S3TierConfig.model_fields["prefix"].default
+    )

@@ -1,0 +1,416 @@
+"""The operator for real: ``kvpool-operator`` (kopf) in a subprocess, against the emulated
+API server of ``kube_api.py``, driven with kubectl the way a person would drive it.
+
+The tests share one operator and one API server; each works on a pool of its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+
+from .conftest import REPO, Kubectl, OperatorProcess, eventually
+from .kube_api import ServedApi
+
+NAMESPACE = "inference"
+CHILDREN = [
+    ("configmaps", "kvpool-{}-config"),
+    ("configmaps", "kvpool-{}-quotas"),
+    ("daemonsets", "kvpool-{}-agent"),
+    ("services", "kvpool-{}"),
+    ("serviceaccounts", "kvpool-{}-agent"),
+    ("roles", "kvpool-{}-agent"),
+    ("rolebindings", "kvpool-{}-agent"),
+]
+SERVICE_MONITOR_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "servicemonitors.monitoring.coreos.com"},
+    "spec": {
+        "group": "monitoring.coreos.com",
+        "scope": "Namespaced",
+        "names": {
+            "kind": "ServiceMonitor",
+            "plural": "servicemonitors",
+            "singular": "servicemonitor",
+        },
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "x-kubernetes-preserve-unknown-fields": True,
+                    }
+                },
+            }
+        ],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def operator(
+    served_api: ServedApi, kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    kubectl("apply", "--validate=false", "-f", str(REPO / "crds"))
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}
+    kubectl("apply", "--validate=false", "-f", "-", manifest=namespace)
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    process = OperatorProcess(served_api.kubeconfig(), NAMESPACE, log).start()
+    yield process
+    process.stop()
+
+
+def _get(api: ServedApi, plural: str, name: str) -> dict[str, Any] | None:
+    return api.objects(plural, NAMESPACE).get(name)
+
+
+def _create(kubectl: Kubectl, api: ServedApi, name: str, spec: dict[str, Any]) -> str:
+    pool = {
+        "apiVersion": "kvpool.io/v1alpha1",
+        "kind": "KVCachePool",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+    kubectl("apply", "--validate=false", "-n", NAMESPACE, "-f", "-", manifest=pool)
+    created = _get(api, "kvcachepools", name)
+    assert created is not None
+    uid: str = created["metadata"]["uid"]
+    return uid
+
+
+def _patch_pool(kubectl: Kubectl, name: str, patch: dict[str, Any]) -> None:
+    kubectl("patch", "kvp", name, "-n", NAMESPACE, "--type=merge", "-p", json.dumps(patch))
+
+
+def _status(api: ServedApi, name: str) -> dict[str, Any]:
+    pool = _get(api, "kvcachepools", name)
+    assert pool is not None
+    status: dict[str, Any] = pool.get("status") or {}
+    return status
+
+
+def _condition(api: ServedApi, name: str, kind: str) -> tuple[str, str, str]:
+    for condition in _status(api, name).get("conditions", ()):
+        if condition["type"] == kind:
+            return condition["status"], condition["reason"], condition["message"]
+    raise AssertionError(f"{name} has no {kind} condition yet")
+
+
+def _applied(api: ServedApi, name: str, generation: int = 1) -> None:
+    """The operator has applied this generation of the pool."""
+    assert _status(api, name).get("observedGeneration") == generation
+
+
+def _events(api: ServedApi, name: str) -> list[tuple[str, str, str]]:
+    return [(e["type"], e["reason"], e["message"]) for e in api.events(NAMESPACE, name)]
+
+
+def _event(api: ServedApi, name: str, kind: str, reason: str, text: str = "") -> str:
+    """The message of an event on pool ``name``, once kopf has posted it (in the background)."""
+
+    def posted() -> str:
+        for event in _events(api, name):
+            if event[:2] == (kind, reason) and text in event[2]:
+                return event[2]
+        raise AssertionError(f"no {kind} {reason} event with {text!r}: {_events(api, name)}")
+
+    return eventually(posted)
+
+
+def _children_of(api: ServedApi, pool: str) -> dict[str, dict[str, Any] | None]:
+    return {
+        f"{plural}/{name.format(pool)}": _get(api, plural, name.format(pool))
+        for plural, name in CHILDREN
+    }
+
+
+def test_a_pool_gets_its_children_and_a_status(
+    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
+) -> None:
+    kubectl("apply", "--validate=false", "-n", NAMESPACE, "-f", str(REPO / "crds/examples"))
+    uid = served_api.objects("kvcachepools", NAMESPACE)["main"]["metadata"]["uid"]
+
+    def children_made() -> dict[str, dict[str, Any] | None]:
+        children = _children_of(served_api, "main")
+        for where, child in children.items():
+            assert child is not None, f"no {where}"
+            (owner,) = child["metadata"]["ownerReferences"]
+            assert (owner["kind"], owner["name"], owner["uid"]) == ("KVCachePool", "main", uid)
+            assert owner["controller"] is True
+        return children
+
+    children = eventually(children_made)
+    eventually(lambda: _applied(served_api, "main"))
+    assert _condition(served_api, "main", "Ready")[:2] == ("False", "Pending")
+    assert _condition(served_api, "main", "Progressing")[:2] == ("True", "RollingOut")
+    assert _condition(served_api, "main", "Degraded")[:2] == ("False", "AsExpected")
+    config = children["configmaps/kvpool-main-config"]
+    daemonset = children["daemonsets/kvpool-main-agent"]
+    assert config is not None and daemonset is not None
+    checksum = hashlib.sha256(config["data"]["agent.yaml"].encode()).hexdigest()
+    template = daemonset["spec"]["template"]
+    assert template["metadata"]["annotations"]["kvpool.io/config-checksum"] == checksum
+    assert template["spec"]["containers"][0]["image"] == "kvpool:test"
+    applied = _event(served_api, "main", "Normal", "Applied")
+    assert "created DaemonSet kvpool-main-agent" in applied
+    assert "created Service kvpool-main" in applied
+    # The other example (gpu-nodes) asks for a ServiceMonitor, which this cluster lacks.
+    eventually(lambda: _applied(served_api, "gpu"))
+    _event(served_api, "gpu", "Warning", "ServiceMonitorUnavailable")
+
+
+def test_the_status_follows_the_daemonset(
+    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
+) -> None:
+    _create(kubectl, served_api, "rollout", {})
+    eventually(lambda: _applied(served_api, "rollout"))
+    daemonset = _get(served_api, "daemonsets", "kvpool-rollout-agent")
+    assert daemonset is not None
+
+    def report(ready: int) -> None:  # what the DaemonSet controller would write
+        status = {
+            "observedGeneration": daemonset["metadata"]["generation"],
+            "desiredNumberScheduled": 3,
+            "currentNumberScheduled": 3,
+            "updatedNumberScheduled": 3,
+            "numberReady": ready,
+            "numberMisscheduled": 0,
+        }
+        kubectl(
+            "patch",
+            "daemonset",
+            "kvpool-rollout-agent",
+            "-n",
+            NAMESPACE,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            json.dumps({"status": status}),
+        )
+
+    report(ready=2)
+
+    def two_of_three() -> None:
+        status = _status(served_api, "rollout")
+        assert (status.get("readyNodes"), status.get("desiredNodes")) == (2, 3)
+        assert _condition(served_api, "rollout", "Ready") == (
+            "False",
+            "AgentsNotReady",
+            "2 of 3 agents ready",
+        )
+
+    eventually(two_of_three)
+    report(ready=3)
+
+    def all_ready() -> None:
+        ready = _condition(served_api, "rollout", "Ready")
+        assert ready == ("True", "AgentsReady", "3 of 3 agents ready")
+
+    eventually(all_ready)
+    assert _condition(served_api, "rollout", "Progressing")[:2] == ("False", "RolloutComplete")
+
+
+def test_drift_is_corrected(
+    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
+) -> None:
+    _create(kubectl, served_api, "drift", {})
+    eventually(lambda: _applied(served_api, "drift"))
+    service = _get(served_api, "services", "kvpool-drift")
+    config = _get(served_api, "configmaps", "kvpool-drift-config")
+    assert service is not None and config is not None
+
+    kubectl("delete", "service", "kvpool-drift", "-n", NAMESPACE)
+
+    def service_back() -> None:
+        again = _get(served_api, "services", "kvpool-drift")
+        assert again is not None and again["metadata"]["uid"] != service["metadata"]["uid"]
+        assert again["metadata"]["annotations"] == service["metadata"]["annotations"]
+
+    eventually(service_back)
+
+    kubectl("label", "configmap", "kvpool-drift-config", "-n", NAMESPACE, "team=cache")
+    hacked = {"data": {"agent.yaml": "pool: drift\nl1_size: 1\n"}}
+    kubectl("patch", "configmap", "kvpool-drift-config", "-n", NAMESPACE, "-p", json.dumps(hacked))
+
+    def config_back() -> None:
+        again = _get(served_api, "configmaps", "kvpool-drift-config")
+        assert again is not None and again["data"] == config["data"]
+        assert again["metadata"]["labels"]["team"] == "cache"  # someone else's field stays
+
+    eventually(config_back)
+
+    evil = {"spec": {"template": {"spec": {"containers": [{"name": "agent", "image": "evil"}]}}}}
+    kubectl(
+        "patch",
+        "daemonset",
+        "kvpool-drift-agent",
+        "-n",
+        NAMESPACE,
+        "--type=merge",
+        "-p",
+        json.dumps(evil),
+    )
+
+    def daemonset_back() -> None:
+        again = _get(served_api, "daemonsets", "kvpool-drift-agent")
+        assert again is not None
+        (container,) = again["spec"]["template"]["spec"]["containers"]
+        assert (container["image"], container.get("command")) == ("kvpool:test", ["kvpool-agent"])
+
+    eventually(daemonset_back)
+
+    for message in (
+        "restored Service kvpool-drift, deleted outside the operator",
+        "restored ConfigMap kvpool-drift-config, changed outside the operator",
+        "restored DaemonSet kvpool-drift-agent, changed outside the operator",
+    ):
+        _event(served_api, "drift", "Normal", "DriftCorrected", message)
+
+
+def test_a_spec_change_rolls_the_agents(
+    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
+) -> None:
+    _create(kubectl, served_api, "update", {"agent": {"nodeSelector": {"gpu": "yes", "zone": "a"}}})
+    eventually(lambda: _applied(served_api, "update"))
+    before = _get(served_api, "daemonsets", "kvpool-update-agent")
+    assert before is not None
+
+    _patch_pool(
+        kubectl,
+        "update",
+        {"spec": {"l1": {"size": "2Gi"}, "agent": {"nodeSelector": {"zone": None}}}},
+    )
+    eventually(lambda: _applied(served_api, "update", generation=2))
+    after = _get(served_api, "daemonsets", "kvpool-update-agent")
+    config = _get(served_api, "configmaps", "kvpool-update-config")
+    assert after is not None and config is not None
+    assert yaml.safe_load(config["data"]["agent.yaml"])["l1_size"] == 2 << 30
+    old_pod, new_pod = before["spec"]["template"], after["spec"]["template"]
+    key = "kvpool.io/config-checksum"
+    assert new_pod["metadata"]["annotations"][key] != old_pod["metadata"]["annotations"][key]
+    assert after["metadata"]["generation"] > before["metadata"]["generation"]
+    assert new_pod["spec"]["nodeSelector"] == {"gpu": "yes"}  # the removed key is gone
+    memory = new_pod["spec"]["containers"][0]["resources"]["requests"]["memory"]
+    assert memory != old_pod["spec"]["containers"][0]["resources"]["requests"]["memory"]
+    updates = "updated ConfigMap kvpool-update-config; updated DaemonSet kvpool-update-agent"
+    _event(served_api, "update", "Normal", "Applied", updates)
+
+
+def test_an_invalid_spec_is_reported_and_not_applied(
+    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
+) -> None:
+    # The emulator has no CEL rules; a real API server would refuse this pool already.
+    _create(kubectl, served_api, "tiny", {"l1": {"size": "512Ki"}})
+    eventually(lambda: _applied(served_api, "tiny"))
+    degraded = _condition(served_api, "tiny", "Degraded")
+    assert degraded[:2] == ("True", "InvalidSpec")
+    assert "l1_size must hold at least 16 pages" in degraded[2]
+    assert _condition(served_api, "tiny", "Ready")[:2] == ("False", "InvalidSpec")
+    assert _event(served_api, "tiny", "Warning", "InvalidSpec") == degraded[2]
+    assert _get(served_api, "daemonsets", "kvpool-tiny-agent") is None
+
+    _patch_pool(kubectl, "tiny", {"spec": {"l1": {"size": "1Gi"}}})
+    eventually(lambda: _applied(served_api, "tiny", generation=2))
+    assert _condition(served_api, "tiny", "Degraded")[:2] == ("False", "AsExpected")
+    assert _get(served_api, "daemonsets", "kvpool-tiny-agent") is not None
+
+
+def test_a_refused_child_is_reported_and_retried(
+    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
+) -> None:
+    refusal = "admission webhook denied the DaemonSet"
+    with served_api.refuse("PATCH", "daemonsets", 422, refusal):
+        _create(kubectl, served_api, "refused", {})
+        degraded = eventually(lambda: _condition(served_api, "refused", "Degraded"))
+        assert degraded[:2] == ("True", "ApplyFailed")
+        assert refusal in degraded[2]
+        assert "observedGeneration" not in _status(served_api, "refused")
+        _event(served_api, "refused", "Warning", "ApplyFailed", refusal)
+    eventually(lambda: _applied(served_api, "refused"))  # retried after the refusal ends
+    assert _condition(served_api, "refused", "Degraded")[:2] == ("False", "AsExpected")
+    assert _get(served_api, "daemonsets", "kvpool-refused-agent") is not None
+
+
+def test_a_service_monitor_where_the_cluster_has_them(
+    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
+) -> None:
+    _create(kubectl, served_api, "monitored", {"metrics": {"serviceMonitor": {"enabled": True}}})
+    eventually(lambda: _applied(served_api, "monitored"))
+    _event(served_api, "monitored", "Warning", "ServiceMonitorUnavailable")
+    assert served_api.objects("servicemonitors", NAMESPACE) == {}
+
+    kubectl("apply", "--validate=false", "-f", "-", manifest=SERVICE_MONITOR_CRD)
+    _patch_pool(
+        kubectl, "monitored", {"spec": {"metrics": {"serviceMonitor": {"interval": "10s"}}}}
+    )
+
+    def monitor_made() -> dict[str, Any]:
+        monitor = _get(served_api, "servicemonitors", "kvpool-monitored")
+        assert monitor is not None
+        return monitor
+
+    monitor = eventually(monitor_made)
+    assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "10s"}]
+    assert monitor["metadata"]["ownerReferences"][0]["name"] == "monitored"
+
+    _patch_pool(kubectl, "monitored", {"spec": {"metrics": {"serviceMonitor": {"enabled": False}}}})
+    _event(served_api, "monitored", "Normal", "Applied", "deleted ServiceMonitor kvpool-monitored")
+    assert _get(served_api, "servicemonitors", "kvpool-monitored") is None
+
+
+def test_deleting_a_pool_deletes_its_children(
+    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
+) -> None:
+    _create(kubectl, served_api, "doomed", {})
+    eventually(lambda: _applied(served_api, "doomed"))
+    assert all(_children_of(served_api, "doomed").values())
+
+    kubectl("delete", "kvp", "doomed", "-n", NAMESPACE)
+
+    def all_gone() -> None:
+        assert [where for where, c in _children_of(served_api, "doomed").items() if c] == []
+
+    eventually(all_gone)
+    time.sleep(1)  # and the operator does not bring them back
+    all_gone()
+
+
+def test_logs_are_structured(
+    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
+) -> None:
+    _create(kubectl, served_api, "logged", {})
+    eventually(lambda: _applied(served_api, "logged"))
+    records = [json.loads(line) for line in operator.log().splitlines() if line.strip()]
+    assert all({"message", "severity", "timestamp"} <= record.keys() for record in records)
+    about = [r["object"] for r in records if r.get("object", {}).get("name") == "logged"]
+    assert about and about[0]["kind"] == "KVCachePool" and about[0]["namespace"] == NAMESPACE
+
+
+def test_a_restarted_operator_catches_up(
+    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
+) -> None:
+    _create(kubectl, served_api, "resumed", {})
+    eventually(lambda: _applied(served_api, "resumed"))
+    assert operator.stop() == 0
+
+    kubectl("delete", "service", "kvpool-resumed", "-n", NAMESPACE)
+    _patch_pool(kubectl, "resumed", {"spec": {"chunkTokens": 512}})
+    operator.start()
+
+    def caught_up() -> None:
+        _applied(served_api, "resumed", generation=2)
+        service = _get(served_api, "services", "kvpool-resumed")
+        assert service is not None
+        assert service["metadata"]["annotations"]["kvpool.io/chunk-tokens"] == "512"
+
+    eventually(caught_up)

@@ -1,0 +1,159 @@
+"""The pool's status as a function of the operator's outcome and the DaemonSet's rollout."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from kvpool_operator.status import Problem, Rollout, pool_status
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def _conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+
+
+def _status(
+    rollout: Rollout | None,
+    *,
+    generation: int = 2,
+    observed: int | None = 2,
+    problem: Problem | None = None,
+    previous: dict[str, Any] | None = None,
+    now: datetime = T0,
+) -> dict[str, Any]:
+    return pool_status(
+        generation=generation,
+        observed_generation=observed,
+        problem=problem,
+        rollout=rollout,
+        previous=previous or {},
+        now=now,
+    )
+
+
+@pytest.mark.parametrize(
+    ("rollout", "expected"),
+    [
+        (
+            Rollout(desired=3, updated=3, ready=3, observed=True),
+            {
+                "Ready": ("True", "AgentsReady"),
+                "Progressing": ("False", "RolloutComplete"),
+                "Degraded": ("False", "AsExpected"),
+            },
+        ),
+        (
+            Rollout(desired=3, updated=1, ready=3, observed=True),
+            {
+                "Ready": ("False", "RollingOut"),
+                "Progressing": ("True", "RollingOut"),
+                "Degraded": ("False", "AsExpected"),
+            },
+        ),
+        (
+            Rollout(desired=3, updated=3, ready=3, observed=False),
+            {
+                "Ready": ("False", "RollingOut"),
+                "Progressing": ("True", "RollingOut"),
+                "Degraded": ("False", "AsExpected"),
+            },
+        ),
+        (
+            Rollout(desired=3, updated=3, ready=2, observed=True),
+            {
+                "Ready": ("False", "AgentsNotReady"),
+                "Progressing": ("False", "RolloutComplete"),
+                "Degraded": ("False", "AsExpected"),
+            },
+        ),
+        (
+            Rollout(desired=0, updated=0, ready=0, observed=True),
+            {
+                "Ready": ("False", "NoNodes"),
+                "Progressing": ("False", "RolloutComplete"),
+                "Degraded": ("False", "AsExpected"),
+            },
+        ),
+        (
+            None,
+            {
+                "Ready": ("False", "Pending"),
+                "Progressing": ("True", "RollingOut"),
+                "Degraded": ("False", "AsExpected"),
+            },
+        ),
+    ],
+)
+def test_conditions_follow_the_rollout(
+    rollout: Rollout | None, expected: dict[str, tuple[str, str]]
+) -> None:
+    status = _status(rollout)
+    assert _conditions(status) == expected
+    assert status["observedGeneration"] == 2
+    assert (status["desiredNodes"], status["readyNodes"], status["updatedNodes"]) == (
+        (rollout.desired, rollout.ready, rollout.updated) if rollout else (0, 0, 0)
+    )
+
+
+def test_messages_count_the_agents() -> None:
+    status = _status(Rollout(desired=3, updated=3, ready=2, observed=True))
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["message"] == "2 of 3 agents ready"
+    assert ready["observedGeneration"] == 2
+
+
+def test_a_generation_not_yet_applied_is_reconciling() -> None:
+    status = _status(Rollout(3, 3, 3, True), generation=3, observed=2)
+    assert _conditions(status)["Ready"] == ("False", "Reconciling")
+    assert _conditions(status)["Progressing"] == ("True", "Reconciling")
+    assert status["observedGeneration"] == 2
+
+
+@pytest.mark.parametrize("reason", ["InvalidSpec", "ApplyFailed"])
+def test_a_problem_degrades_the_pool(reason: str) -> None:
+    problem = Problem(reason, "spec.l1.size: too small")
+    status = _status(Rollout(3, 3, 3, True), problem=problem)
+    assert _conditions(status) == {
+        "Ready": ("False", reason),
+        "Progressing": ("False", reason),
+        "Degraded": ("True", reason),
+    }
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["message"] == "spec.l1.size: too small"
+    assert Problem.recorded(status) == problem  # kept by status updates from the DaemonSet
+    assert Problem.recorded(_status(Rollout(3, 3, 3, True))) is None
+
+
+def test_an_unknown_observed_generation_is_left_out() -> None:
+    assert "observedGeneration" not in _status(None, observed=None)
+
+
+def test_transition_times_change_only_with_the_status() -> None:
+    first = _status(Rollout(3, 3, 2, True), now=T0)
+    later = T0 + timedelta(minutes=5)
+    same = _status(Rollout(3, 3, 1, True), previous=first, now=later)
+    flipped = _status(Rollout(3, 3, 3, True), previous=first, now=later)
+    times = {c["type"]: c["lastTransitionTime"] for c in same["conditions"]}
+    assert set(times.values()) == {"2026-01-01T00:00:00Z"}
+    flipped_times = {c["type"]: c["lastTransitionTime"] for c in flipped["conditions"]}
+    assert flipped_times["Ready"] == "2026-01-01T00:05:00Z"
+    assert flipped_times["Degraded"] == "2026-01-01T00:00:00Z"
+
+
+def test_rollout_of_a_daemonset() -> None:
+    daemonset: dict[str, Any] = {"metadata": {"generation": 4}}
+    assert Rollout.of(daemonset) is None  # its controller has not reported yet
+    daemonset["status"] = {
+        "observedGeneration": 3,
+        "desiredNumberScheduled": 5,
+        "updatedNumberScheduled": 2,
+        "numberReady": 4,
+    }
+    assert Rollout.of(daemonset) == Rollout(desired=5, updated=2, ready=4, observed=False)
+    daemonset["status"]["observedGeneration"] = 4
+    rollout = Rollout.of(daemonset)
+    assert rollout is not None and rollout.observed and not rollout.rolled_out
