@@ -64,21 +64,7 @@ class Agent:
         async with contextlib.AsyncExitStack() as stack:
             l1 = open_l1(config)
             stack.callback(l1.close)
-            if config.quota_configmap:
-                from kvpool_agent.quota_store_k8s import KubernetesQuotaStore
-
-                shared = KubernetesQuotaStore.connect(config.quota_configmap)
-                service = CacheService(l1.cache, shared)
-                log.info("loaded %d tenant quotas from %s", service.load_quotas(), shared.where)
-                shared.start(service.replace_quotas)
-                stack.callback(shared.stop)
-            else:
-                service = CacheService(l1.cache, FileQuotaStore(config.resolved_quota_file))
-                log.info(
-                    "loaded %d tenant quotas from %s",
-                    service.load_quotas(),
-                    config.resolved_quota_file,
-                )
+            service = self._open_service(l1, stack)
             authority = load_authority(
                 config.tokens_file, config.state_dir / f"admin-token-{config.pool}"
             )
@@ -90,28 +76,7 @@ class Agent:
             events.start()
             stack.callback(events.stop)
             l1.cache.listener = events
-            tiers = open_tiers(config, service.cache.quotas.limit)
-            for tier in tiers:
-                stack.push_async_callback(tier.close)
-            writeback = prefetcher = None
-            if tiers:
-                l1.cache.evict_orphans = False  # L2 can bring an evicted prefix back
-                writeback = WriteBack(
-                    service,
-                    l1.segment,
-                    tiers,
-                    policy=config.store_policy,
-                    min_hits=config.store_min_hits,
-                    capacity=config.writeback_queue_chunks,
-                    capacity_bytes=int(config.l1_size) // 4,
-                    observe=metrics.observe_l2,
-                )
-                prefetcher = Prefetcher(service, l1.segment, tiers, observe=metrics.observe_l2)
-                metrics.register_l2(tiers, writeback, prefetcher)
-                for controller in (writeback, prefetcher):
-                    await controller.start()
-                    stack.push_async_callback(controller.stop)
-                log.info("L2 tiers: %s", ", ".join(tier.name for tier in tiers))
+            writeback, prefetcher = await self._start_l2(l1, service, metrics, stack)
             zmq_server = ZmqServer(
                 service,
                 l1.segment,
@@ -153,6 +118,57 @@ class Agent:
                 "no store in flight" if drained else "grace period over, stores in flight dropped",
             )
         log.info("agent stopped")
+
+    def _open_service(self, l1: L1Tier, stack: contextlib.AsyncExitStack) -> CacheService:
+        """The cache behind its lock, with quotas from the pool's ConfigMap or a local file."""
+        config = self.config
+        if config.quota_configmap:
+            from kvpool_agent.quota_store_k8s import KubernetesQuotaStore
+
+            shared = KubernetesQuotaStore.connect(config.quota_configmap)
+            service = CacheService(l1.cache, shared)
+            log.info("loaded %d tenant quotas from %s", service.load_quotas(), shared.where)
+            shared.start(service.replace_quotas)
+            stack.callback(shared.stop)
+            return service
+        service = CacheService(l1.cache, FileQuotaStore(config.resolved_quota_file))
+        log.info(
+            "loaded %d tenant quotas from %s", service.load_quotas(), config.resolved_quota_file
+        )
+        return service
+
+    async def _start_l2(
+        self,
+        l1: L1Tier,
+        service: CacheService,
+        metrics: AgentMetrics,
+        stack: contextlib.AsyncExitStack,
+    ) -> tuple[WriteBack | None, Prefetcher | None]:
+        """The configured L2 tiers and their write-back and prefetch; (None, None) without any."""
+        config = self.config
+        tiers = open_tiers(config, service.cache.quotas.limit)
+        for tier in tiers:
+            stack.push_async_callback(tier.close)
+        if not tiers:
+            return None, None
+        l1.cache.evict_orphans = False  # L2 can bring an evicted prefix back
+        writeback = WriteBack(
+            service,
+            l1.segment,
+            tiers,
+            policy=config.store_policy,
+            min_hits=config.store_min_hits,
+            capacity=config.writeback_queue_chunks,
+            capacity_bytes=int(config.l1_size) // 4,
+            observe=metrics.observe_l2,
+        )
+        prefetcher = Prefetcher(service, l1.segment, tiers, observe=metrics.observe_l2)
+        metrics.register_l2(tiers, writeback, prefetcher)
+        for controller in (writeback, prefetcher):
+            await controller.start()
+            stack.push_async_callback(controller.stop)
+        log.info("L2 tiers: %s", ", ".join(tier.name for tier in tiers))
+        return writeback, prefetcher
 
     @contextlib.asynccontextmanager
     async def _serve_http(self, app: object) -> AsyncIterator[str]:
