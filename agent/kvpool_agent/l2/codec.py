@@ -43,16 +43,24 @@ def encode(name: ObjectKey, payload: bytes | memoryview) -> bytes:
 
 def decode(name: ObjectKey, blob: bytes | memoryview) -> bytes:
     """The payload of ``blob`` if it is intact and is ``name``; else :class:`IntegrityError`."""
-    if len(blob) < HEADER.size:
+    return verify(name, blob[: HEADER.size], bytes(blob[HEADER.size :]))
+
+
+def verify(name: ObjectKey, header: bytes | memoryview, payload: bytes) -> bytes:
+    """``payload`` if it and its ``header``, read apart, are intact and are ``name``.
+
+    For readers that read the payload straight into the bytes they return: a copy
+    of a large payload costs as much as reading it from a device.
+    """
+    if len(header) < HEADER.size:
         raise IntegrityError("shorter than the object header")
-    magic, version, key, tenant, length, checksum = HEADER.unpack_from(blob)
+    magic, version, key, tenant, length, checksum = HEADER.unpack_from(header)
     if magic != MAGIC:
         raise IntegrityError("not a kvpool L2 object")
     if version != FORMAT_VERSION:
         raise IntegrityError(f"object format {version}; this build reads {FORMAT_VERSION}")
     if key != name.key or tenant.rstrip(b"\0") != name.tenant.encode():
         raise IntegrityError("the object belongs to another key or tenant")
-    payload = bytes(blob[HEADER.size :])
     if len(payload) != length:
         raise IntegrityError(f"payload of {len(payload)} bytes, header says {length}")
     if xxhash.xxh3_64_intdigest(payload) != checksum:

@@ -1,0 +1,274 @@
+"""S3 tier (or any S3-compatible store), shared by every agent of a pool.
+
+Object key: ``<prefix>/<pool>/<tenant>/<2 hex>/<key hex>`` (see
+:mod:`~kvpool_agent.l2.layout`): each tenant under its own prefix, and the 2-hex
+shard spreads requests over 256 prefixes per tenant (S3 limits request rates
+per prefix). The body is the codec header and the payload.
+
+Large objects move in parallel: a put from ``multipart_threshold`` bytes is a
+managed multipart upload (``part_size`` parts). A get asks for the first
+``multipart_threshold`` bytes, which is the whole object for every smaller one
+(one request, no HEAD), and fetches the rest of a larger one in parallel ranges.
+
+Requests time out, retry with exponential backoff and jitter (botocore's
+"standard" mode) and go through a :class:`CircuitBreaker`, so a dead S3 costs
+the cache immediate misses. Blocking boto3 calls run on the adapter's own
+threads, at most ``max_concurrency`` at once; nothing raises for a backend
+failure: those are per-key ``None``/``False``, counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, TypeVar, TypeVarTuple
+
+import boto3
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from kvpool_agent.config import S3TierConfig
+from kvpool_agent.l2 import codec, layout
+from kvpool_agent.l2.base import AdapterStats, L2Object, ObjectKey
+from kvpool_agent.l2.breaker import CircuitBreaker
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+    from mypy_boto3_s3.type_defs import GetObjectOutputTypeDef
+
+log = logging.getLogger(__name__)
+
+BACKEND_ERRORS = (BotoCoreError, ClientError)
+_MISSING = frozenset({"NoSuchKey", "404", "NotFound"})
+_T = TypeVar("_T")
+_Ts = TypeVarTuple("_Ts")
+
+
+class _Refused(Exception):
+    """The breaker is open: the call did not go out."""
+
+
+class S3Adapter:
+    name = "s3"
+
+    def __init__(self, config: S3TierConfig, pool: str) -> None:
+        self.config = config
+        self.stats = AdapterStats()
+        self.failures = 0
+        """Gets, exists and deletes that failed at the backend (puts: ``stats.put_failures``)."""
+        self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_reset_seconds)
+        self._prefix = "/".join(part for part in (config.prefix.strip("/"), pool) if part)
+        self._threshold = int(config.multipart_threshold)
+        self._part_size = int(config.part_size)
+        self._transfer = TransferConfig(
+            multipart_threshold=self._threshold,
+            multipart_chunksize=self._part_size,
+            max_concurrency=config.max_concurrency,
+        )
+        self._client: S3Client = boto3.session.Session().client(
+            "s3",
+            endpoint_url=config.endpoint_url,
+            region_name=config.region,
+            config=Config(
+                connect_timeout=config.connect_timeout_seconds,
+                read_timeout=config.read_timeout_seconds,
+                retries={"max_attempts": config.max_attempts, "mode": "standard"},
+                # Every object request may run its parts in parallel.
+                max_pool_connections=config.max_concurrency**2,
+                # The codec's xxh3 already covers every payload end to end; botocore's
+                # CRC32 would be one more pass over every byte.
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+            ),
+        )
+        # Requests wait for a slot here rather than in the executor's queue, so that the
+        # breaker is asked when a request can go out, not when it was queued.
+        self._slots = asyncio.Semaphore(config.max_concurrency)
+        self._executor = ThreadPoolExecutor(
+            config.max_concurrency, thread_name_prefix=f"kvpool-s3-{pool}"
+        )
+        # Ranges of one large get, fetched from inside an _executor thread (a pool of
+        # their own, so they never wait behind the gets that wait for them).
+        self._parts = ThreadPoolExecutor(
+            config.max_concurrency, thread_name_prefix=f"kvpool-s3-parts-{pool}"
+        )
+
+    def object_key(self, name: ObjectKey) -> str:
+        return f"{self._prefix}/{layout.relative_path(name)}"
+
+    async def put(self, objects: Sequence[L2Object]) -> list[bool]:
+        return list(await asyncio.gather(*(self._put_one(obj) for obj in objects)))
+
+    async def get(self, keys: Sequence[ObjectKey]) -> list[bytes | None]:
+        return list(await asyncio.gather(*(self._get_one(name) for name in keys)))
+
+    async def exists(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        return list(await asyncio.gather(*(self._exists_one(name) for name in keys)))
+
+    async def delete(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        return list(await asyncio.gather(*(self._delete_one(name) for name in keys)))
+
+    async def close(self) -> None:
+        def shut_down() -> None:
+            self._executor.shutdown()
+            self._parts.shutdown()
+            self._client.close()
+
+        await asyncio.to_thread(shut_down)
+
+    async def _put_one(self, obj: L2Object) -> bool:
+        if not layout.is_valid(obj.name):
+            self.stats.put_failures += 1
+            return False
+        try:
+            await self._call(self._put_blocking, obj.name, obj.payload)
+        except (_Refused, *BACKEND_ERRORS) as error:
+            self.stats.put_failures += 1
+            self._log_failure("put", obj.name, error)
+            return False
+        self.stats.puts += 1
+        self.stats.put_bytes += len(obj.payload)
+        return True
+
+    async def _get_one(self, name: ObjectKey) -> bytes | None:
+        self.stats.gets += 1
+        if not layout.is_valid(name):
+            return None
+        try:
+            payload = await self._call(self._get_blocking, name)
+        except (_Refused, *BACKEND_ERRORS) as error:
+            self.failures += 1
+            self._log_failure("get", name, error)
+            return None
+        except codec.IntegrityError as error:
+            self.stats.integrity_failures += 1
+            log.warning("S3 tier: %s is corrupt (%s); deleting it", self.object_key(name), error)
+            await self._delete_one(name)
+            return None
+        if payload is not None:
+            self.stats.hits += 1
+            self.stats.get_bytes += len(payload)
+        return payload
+
+    async def _exists_one(self, name: ObjectKey) -> bool:
+        if not layout.is_valid(name):
+            return False
+        try:
+            return await self._call(self._exists_blocking, name)
+        except (_Refused, *BACKEND_ERRORS) as error:
+            self.failures += 1
+            self._log_failure("exists", name, error)
+            return False
+
+    async def _delete_one(self, name: ObjectKey) -> bool:
+        if not layout.is_valid(name):
+            return True
+        try:
+            await self._call(self._delete_blocking, name)
+        except (_Refused, *BACKEND_ERRORS) as error:
+            self.failures += 1
+            self._log_failure("delete", name, error)
+            return False
+        return True
+
+    async def _call(self, fn: Callable[[*_Ts], _T], *args: *_Ts) -> _T:
+        """Run one blocking request in a thread, through the breaker.
+
+        Raises :class:`_Refused` (breaker open), a backend error (counted by the
+        breaker) or what ``fn`` raised otherwise (the backend answered).
+        """
+        async with self._slots:
+            if not self.breaker.allow():
+                raise _Refused
+            try:
+                result = await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+            except BACKEND_ERRORS:
+                if self.breaker.failure():
+                    log.warning(
+                        "S3 tier: %d failures in a row; requests are misses for %.0f s",
+                        self.breaker.failures,
+                        self.breaker.reset_seconds,
+                    )
+                raise
+            except codec.IntegrityError:
+                self.breaker.success()
+                raise
+            self.breaker.success()
+            return result
+
+    def _log_failure(self, operation: str, name: ObjectKey, error: Exception) -> None:
+        if not isinstance(error, _Refused):
+            log.debug("S3 tier: %s of %s failed: %s", operation, self.object_key(name), error)
+
+    # The methods below run on the adapter's threads.
+
+    def _put_blocking(self, name: ObjectKey, payload: bytes | memoryview) -> None:
+        blob = codec.encode(name, payload)
+        key = self.object_key(name)
+        if len(blob) >= self._threshold:
+            self._client.upload_fileobj(
+                io.BytesIO(blob), self.config.bucket, key, Config=self._transfer
+            )
+        else:
+            self._client.put_object(Bucket=self.config.bucket, Key=key, Body=blob)
+
+    def _get_blocking(self, name: ObjectKey) -> bytes | None:
+        """The verified payload, None if there is no such object; raises IntegrityError."""
+        key = self.object_key(name)
+        try:
+            first = self._client.get_object(
+                Bucket=self.config.bucket, Key=key, Range=f"bytes=0-{self._threshold - 1}"
+            )
+        except ClientError as error:
+            code = error.response.get("Error", {}).get("Code", "")
+            if code in _MISSING:
+                return None
+            if code == "InvalidRange":  # an empty object: not one of ours
+                raise codec.IntegrityError("empty object") from error
+            raise
+        total = _object_size(first)
+        if total <= self._threshold:  # the whole object: its payload straight into bytes
+            header = first["Body"].read(codec.HEADER.size)
+            return codec.verify(name, header, first["Body"].read())
+        head = first["Body"].read()
+        blob = bytearray(total)
+        blob[: len(head)] = head
+        starts = range(len(head), total, self._part_size)
+        ends = [min(start + self._part_size, total) for start in starts]
+        parts = self._parts.map(self._get_range, itertools.repeat(key), starts, ends)
+        for start, end, part in zip(starts, ends, parts, strict=True):
+            if len(part) != end - start:
+                raise codec.IntegrityError("the object changed during a ranged read")
+            blob[start:end] = part
+        return codec.decode(name, memoryview(blob))
+
+    def _get_range(self, key: str, start: int, end: int) -> bytes:
+        response = self._client.get_object(
+            Bucket=self.config.bucket, Key=key, Range=f"bytes={start}-{end - 1}"
+        )
+        return response["Body"].read()
+
+    def _exists_blocking(self, name: ObjectKey) -> bool:
+        try:
+            self._client.head_object(Bucket=self.config.bucket, Key=self.object_key(name))
+        except ClientError as error:
+            if error.response.get("Error", {}).get("Code", "") in _MISSING:
+                return False
+            raise
+        return True
+
+    def _delete_blocking(self, name: ObjectKey) -> None:
+        self._client.delete_object(Bucket=self.config.bucket, Key=self.object_key(name))
+
+
+def _object_size(response: GetObjectOutputTypeDef) -> int:
+    """The whole object's size, from a ranged get's Content-Range ("bytes 0-99/1234")."""
+    content_range = response.get("ContentRange")
+    if content_range:
+        return int(content_range.rsplit("/", 1)[1])
+    return response["ContentLength"]  # the server ignored the range and sent it all

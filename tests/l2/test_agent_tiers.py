@@ -1,0 +1,169 @@
+"""L2 through real agent processes: write-back, prefetch, restart, and sharing over S3."""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvpool_agent.client import AgentClient
+from kvpool_agent.keys import tenant_id
+from tests.agent.agent_process import AgentProcess
+from tests.agent.conftest import key
+
+from .faults import Fault, FaultProxy
+
+TENANT = tenant_id("l2-tenant")
+CHUNK = 60_000  # one 64 KiB page each
+
+
+def data(name: int | str) -> bytes:
+    return random.Random(f"l2-{name}").randbytes(CHUNK)
+
+
+def metric(agent: AgentProcess, name: str) -> float:
+    text = httpx.get(f"{agent.http}/metrics").text
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def store_chain(client: AgentClient, names: list[int], parent: int | None = None) -> None:
+    for start in range(0, len(names), 8):
+        batch = names[start : start + 8]
+        before = names[start - 1] if start else parent
+        stored = client.store(
+            TENANT,
+            [key(n) for n in batch],
+            [data(n) for n in batch],
+            None if before is None else key(before),
+        )
+        assert stored == len(batch)
+
+
+def load(client: AgentClient, names: list[int]) -> list[bytes]:
+    """Retrieve with prefetch: what a connector does for an async load."""
+    keys = [key(n) for n in names]
+    hit, prefetch = client.lookup_prefetch(TENANT, keys)
+    if hit.lease is not None:
+        client.release(hit.lease)
+    if prefetch:
+        progress = client.prefetch_status(prefetch, wait_ms=4000)
+        assert progress.done, progress
+    return client.retrieve(TENANT, keys)
+
+
+@pytest.fixture
+def agents(tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
+    started: list[AgentProcess] = []
+
+    def start(name: str, **settings: str) -> AgentProcess:
+        workdir = tmp_path / name
+        workdir.mkdir(exist_ok=True)
+        agent = AgentProcess(workdir, {"L1_SIZE": "4MiB", **settings})
+        started.append(agent)
+        return agent.start()
+
+    yield start
+    for agent in started:
+        agent.cleanup()
+
+
+def test_chunks_pushed_out_of_l1_come_back_from_nvme(
+    agents: Callable[..., AgentProcess], tmp_path: Path
+) -> None:
+    nvme = {"NVME__PATH": str(tmp_path / "nvme"), "NVME__CAPACITY": "64MiB"}
+    agent = agents("a", L1_SIZE="8MiB", **nvme)  # 128 pages; write-back pins up to 2 MiB
+    with AgentClient(agent.zmq) as client:
+        store_chain(client, list(range(20)))
+        wait_until(lambda: metric(agent, "kvpool_writeback_written_total") >= 20)
+        store_chain(client, list(range(100, 230)))  # other traffic pushes the first chain out
+        assert client.lookup(TENANT, [key(0)], lock=False).count == 0
+        wait_until(lambda: metric(agent, "kvpool_writeback_pending") == 0)  # pins released
+        assert load(client, list(range(20))) == [data(n) for n in range(20)]
+    assert metric(agent, "kvpool_prefetch_loaded_chunks_total") >= 20
+    assert metric(agent, 'kvpool_l2_hits_total{tier="nvme"}') >= 20
+
+
+def test_nvme_outlives_the_agent_and_its_segment(
+    agents: Callable[..., AgentProcess], tmp_path: Path
+) -> None:
+    nvme = {"NVME__PATH": str(tmp_path / "nvme"), "NVME__CAPACITY": "64MiB"}
+    agent = agents("a", **nvme)
+    with AgentClient(agent.zmq) as client:
+        store_chain(client, list(range(10)))
+    wait_until(lambda: metric(agent, "kvpool_writeback_pending") == 0)
+    assert agent.stop() == 0
+    agent.settings["L1_SIZE"] = "8MiB"  # another size: the segment starts empty
+    agent.start()
+    with AgentClient(agent.zmq) as client:
+        assert client.lookup(TENANT, [key(0)], lock=False).count == 0
+        assert load(client, list(range(10))) == [data(n) for n in range(10)]
+
+
+def test_a_chunk_stored_on_one_node_is_loaded_on_another(
+    agents: Callable[..., AgentProcess], s3_endpoint: str, bucket: str
+) -> None:
+    s3 = {"S3__BUCKET": bucket, "S3__ENDPOINT_URL": s3_endpoint, "S3__REGION": "us-east-1"}
+    first, second = agents("node-1", **s3), agents("node-2", **s3)
+    with AgentClient(first.zmq) as client:
+        store_chain(client, list(range(6)))
+    wait_until(lambda: metric(first, "kvpool_writeback_written_total") >= 6)
+    with AgentClient(second.zmq) as client:
+        assert load(client, list(range(6))) == [data(n) for n in range(6)]
+        # and a salt that differs finds nothing
+        assert client.lookup_prefetch(tenant_id("other"), [key(0)])[0].count == 0
+
+
+def test_prefetched_chunks_count_against_the_tenant_quota(
+    agents: Callable[..., AgentProcess], tmp_path: Path
+) -> None:
+    agent = agents("a", NVME__PATH=str(tmp_path / "nvme"), NVME__CAPACITY="64MiB")
+    with AgentClient(agent.zmq) as client:
+        store_chain(client, list(range(10)))
+        wait_until(lambda: metric(agent, "kvpool_writeback_written_total") >= 10)
+        client.clear(TENANT)
+    admin = {"Authorization": "Bearer admin-token-for-tests"}
+    quota = httpx.put(
+        f"{agent.http}/v1/tenants/{TENANT}/quota", json={"limit_bytes": 4 * CHUNK}, headers=admin
+    )
+    assert quota.status_code == 200
+    with AgentClient(agent.zmq) as client:
+        _, prefetch = client.lookup_prefetch(TENANT, [key(n) for n in range(10)])
+        progress = client.prefetch_status(prefetch, wait_ms=4000)
+        assert progress.done and progress.expected == 10
+        assert progress.loaded == 4  # the quota stopped it; its head was not evicted for its tail
+        assert client.lookup(TENANT, [key(n) for n in range(10)], lock=False).count == 4
+        usage = httpx.get(f"{agent.http}/v1/tenants/{TENANT}/usage", headers=admin).json()
+        assert usage["used_bytes"] <= 4 * CHUNK
+
+
+def test_a_slow_l2_sheds_write_backs_without_slowing_stores(
+    agents: Callable[..., AgentProcess], proxy: FaultProxy, bucket: str
+) -> None:
+    agent = agents(
+        "a",
+        S3__BUCKET=bucket,
+        S3__ENDPOINT_URL=proxy.url,
+        S3__REGION="us-east-1",
+        WRITEBACK_QUEUE_CHUNKS="4",
+    )
+    proxy.inject(Fault.SLOW, delay=1.0)
+    with AgentClient(agent.zmq) as client:
+        started = time.monotonic()
+        store_chain(client, list(range(24)))
+        assert time.monotonic() - started < 3  # 24 stores, each would wait 1 s on S3
+    assert metric(agent, "kvpool_writeback_shed_total") >= 24 - 4 - 4  # queue 4, 4 workers
+    proxy.clear()
+    wait_until(lambda: metric(agent, "kvpool_writeback_pending") == 0)

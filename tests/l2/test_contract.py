@@ -1,0 +1,204 @@
+"""The L2 contract, run against every registered adapter and a fault-injecting wrapper.
+
+Expectations are per key: a key the wrapper fails must come back as a per-key
+failure (False / None) while the rest of its batch behaves as with any adapter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from kvpool_agent.l2 import ADAPTER_NAMES, L2Adapter, L2Object, ObjectKey, adapter_class
+from kvpool_agent.l2.codec import HEADER
+
+from .conftest import POOL, MiB, chunk, nvme_config, payload, raw_client, s3_config
+from .faults import FaultyAdapter
+
+pytestmark = pytest.mark.asyncio
+
+SIZES = [0, 1, 4095, 4096, 4097, MiB + 3, 20 * MiB]  # 20 MiB: a multipart object on S3
+
+
+@dataclass
+class Tier:
+    adapter: L2Adapter
+    corrupt: Callable[[ObjectKey], None]
+    """Flip one byte of the stored object, behind the adapter's back."""
+    stored: Callable[[ObjectKey], bool]
+    """Whether the backend holds the object, asked behind the adapter's back."""
+    fails: Callable[[ObjectKey], bool]
+    """Keys the adapter is built to fail."""
+
+
+def _flip(blob: bytes) -> bytes:
+    flipped = bytearray(blob)
+    flipped[min(HEADER.size, len(blob) - 1)] ^= 0xFF  # first payload byte, or the checksum
+    return bytes(flipped)
+
+
+def _nvme(tmp_path: Path) -> Tier:
+    adapter = adapter_class("nvme")(nvme_config(tmp_path), POOL, lambda tenant: None)  # type: ignore[call-arg]
+
+    def corrupt(name: ObjectKey) -> None:
+        path = adapter.path_of(name)  # type: ignore[attr-defined]
+        path.write_bytes(_flip(path.read_bytes()))
+
+    def stored(name: ObjectKey) -> bool:
+        return bool(adapter.path_of(name).exists())  # type: ignore[attr-defined]
+
+    return Tier(adapter, corrupt, stored, lambda name: False)
+
+
+def _s3(request: pytest.FixtureRequest) -> Tier:
+    endpoint: str = request.getfixturevalue("s3_endpoint")
+    bucket: str = request.getfixturevalue("bucket")
+    adapter = adapter_class("s3")(s3_config(endpoint, bucket), POOL)  # type: ignore[call-arg]
+    raw = raw_client(endpoint)
+
+    def corrupt(name: ObjectKey) -> None:
+        key = adapter.object_key(name)  # type: ignore[attr-defined]
+        blob = raw.get_object(Bucket=bucket, Key=key)["Body"].read()
+        raw.put_object(Bucket=bucket, Key=key, Body=_flip(blob))
+
+    def stored(name: ObjectKey) -> bool:
+        key = adapter.object_key(name)  # type: ignore[attr-defined]
+        return bool(raw.list_objects_v2(Bucket=bucket, Prefix=key).get("KeyCount"))
+
+    return Tier(adapter, corrupt, stored, lambda name: False)
+
+
+@pytest_asyncio.fixture(params=[*ADAPTER_NAMES, "faulty"])
+async def tier(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Tier]:
+    if request.param == "nvme":
+        tier = _nvme(tmp_path)
+    elif request.param == "s3":
+        tier = _s3(request)
+    else:
+        inner = _nvme(tmp_path)
+        faulty = FaultyAdapter(inner.adapter)
+        tier = Tier(faulty, inner.corrupt, inner.stored, faulty.fails)
+    yield tier
+    await tier.adapter.close()
+
+
+def _expected(tier: Tier, name: ObjectKey, data: bytes) -> bytes | None:
+    return None if tier.fails(name) else data
+
+
+async def test_round_trips_are_byte_exact_for_every_size(tier: Tier) -> None:
+    objects = [L2Object(chunk(size), payload(size)) for size in SIZES]
+    assert await tier.adapter.put(objects) == [not tier.fails(o.name) for o in objects]
+    names = [o.name for o in objects]
+    got = await tier.adapter.get(names)
+    for obj, data in zip(objects, got, strict=True):
+        assert data == _expected(tier, obj.name, bytes(obj.payload)), len(obj.payload)
+    assert await tier.adapter.exists(names) == [not tier.fails(n) for n in names]
+    stored = [o for o in objects if not tier.fails(o.name)]
+    assert tier.adapter.stats.hits == len(stored)
+    assert tier.adapter.stats.get_bytes == sum(len(o.payload) for o in stored)
+
+
+async def test_a_memoryview_payload_round_trips(tier: Tier) -> None:
+    data = payload(10_000)
+    names = [chunk(i) for i in range(4)]
+    await tier.adapter.put([L2Object(n, memoryview(data)[1000:9000]) for n in names])
+    assert await tier.adapter.get(names) == [_expected(tier, n, data[1000:9000]) for n in names]
+
+
+async def test_results_are_per_key_and_in_order(tier: Tier) -> None:
+    names = [chunk(i) for i in range(12)]
+    present = names[::2]
+    await tier.adapter.put([L2Object(n, payload(100 + i, i)) for i, n in enumerate(present)])
+    got = await tier.adapter.get(names)
+    for i, (n, data) in enumerate(zip(names, got, strict=True)):
+        wanted = payload(100 + i // 2, i // 2) if i % 2 == 0 else None
+        assert data == (None if tier.fails(n) else wanted), i
+    assert await tier.adapter.exists(names) == [
+        i % 2 == 0 and not tier.fails(n) for i, n in enumerate(names)
+    ]
+
+
+async def test_missing_keys_are_misses(tier: Tier) -> None:
+    names = [chunk(f"absent-{i}") for i in range(8)]
+    assert await tier.adapter.get(names) == [None] * 8
+    assert await tier.adapter.exists(names) == [False] * 8
+    assert await tier.adapter.delete(names) == [not tier.fails(n) for n in names]
+    assert await tier.adapter.get([]) == []
+    assert tier.adapter.stats.hits == 0
+
+
+async def test_delete_removes_the_object(tier: Tier) -> None:
+    names = [chunk(i) for i in range(8)]
+    await tier.adapter.put([L2Object(n, payload(1000, i)) for i, n in enumerate(names)])
+    assert await tier.adapter.delete(names[:4]) == [not tier.fails(n) for n in names[:4]]
+    got = await tier.adapter.get(names)
+    assert got[:4] == [None] * 4
+    assert got[4:] == [_expected(tier, n, payload(1000, i + 4)) for i, n in enumerate(names[4:])]
+    assert not any(tier.stored(n) for n in names[:4])
+
+
+async def test_tenants_are_separate(tier: Tier) -> None:
+    names = [chunk(i, tenant) for i in range(6) for tenant in ("tenant-a", "tenant-b")]
+    await tier.adapter.put([L2Object(n, payload(500, n.tenant)) for n in names])
+    got = await tier.adapter.get(names)
+    assert got == [_expected(tier, n, payload(500, n.tenant)) for n in names]
+    tenant_a = [n for n in names if n.tenant == "tenant-a"]
+    await tier.adapter.delete(tenant_a)
+    got = await tier.adapter.get(names)
+    assert got == [
+        None if n.tenant == "tenant-a" else _expected(tier, n, payload(500, n.tenant))
+        for n in names
+    ]
+
+
+async def test_a_corrupt_object_is_a_counted_miss_and_is_deleted(tier: Tier) -> None:
+    names = [n for n in (chunk(i) for i in range(20)) if not tier.fails(n)][:2]
+    for size, name in zip((0, 3000), names, strict=True):
+        assert await tier.adapter.put([L2Object(name, payload(size))]) == [True]
+        tier.corrupt(name)
+    assert await tier.adapter.get(names) == [None, None]
+    assert tier.adapter.stats.integrity_failures == 2
+    assert tier.adapter.stats.hits == 0
+    assert not any(tier.stored(n) for n in names)
+    assert await tier.adapter.exists(names) == [False, False]
+
+
+async def test_put_is_idempotent(tier: Tier) -> None:
+    names = [chunk(i) for i in range(4)]
+    objects = [L2Object(n, payload(3000, i)) for i, n in enumerate(names)]
+    first = await tier.adapter.put(objects)
+    used = tier.adapter.stats.used_bytes
+    assert await tier.adapter.put(objects) == first == [not tier.fails(n) for n in names]
+    assert tier.adapter.stats.used_bytes == used
+    assert await tier.adapter.get(names) == [
+        _expected(tier, n, bytes(o.payload)) for n, o in zip(names, objects, strict=True)
+    ]
+
+
+async def test_names_outside_the_layout_are_refused_per_key(tier: Tier) -> None:
+    good = next(n for n in (chunk(i) for i in range(20)) if not tier.fails(n))
+    bad = [ObjectKey("../escape", good.key), ObjectKey(".hidden", good.key), chunk(1, "x" * 33)]
+    bad.append(ObjectKey(good.tenant, good.key[:16]))
+    objects = [L2Object(n, b"data") for n in [*bad, good]]
+    assert await tier.adapter.put(objects) == [False] * len(bad) + [True]
+    assert await tier.adapter.get([*bad, good]) == [None] * len(bad) + [b"data"]
+
+
+async def test_concurrent_operations(tier: Tier) -> None:
+    objects = [L2Object(chunk(i), payload(1000 * (i % 7) + i, i)) for i in range(64)]
+    puts = await asyncio.gather(*(tier.adapter.put([o]) for o in objects[:32]))
+    puts.append(await tier.adapter.put(objects[32:]))
+    assert [ok for batch in puts for ok in batch] == [not tier.fails(o.name) for o in objects]
+    gets = await asyncio.gather(
+        *(tier.adapter.get([o.name]) for o in objects),
+        tier.adapter.get([o.name for o in objects]),
+    )
+    expected = [_expected(tier, o.name, bytes(o.payload)) for o in objects]
+    assert [one[0] for one in gets[:-1]] == expected
+    assert gets[-1] == expected
