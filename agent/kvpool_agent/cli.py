@@ -1,4 +1,4 @@
-"""``kvpool``: tools for operators and tenants (tenant ids, benchmarks)."""
+"""``kvpool``: tools for operators and tenants (tenant ids, the prefix index, benchmarks)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kvpool_agent.bench import index as bench_index
 from kvpool_agent.bench import l1 as bench_l1
+from kvpool_agent.bench import l2 as bench_l2
 from kvpool_agent.bench import restart as bench_restart
 from kvpool_agent.bench import service as bench_service
 from kvpool_agent.keys import tenant_id
@@ -26,24 +28,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     tenant.add_argument("salt", nargs="?", help="the cache_salt; default: read standard input")
 
+    commands.add_parser(
+        "index",
+        add_help=False,  # its arguments, --help included, go to the index's own parser
+        help="run the pool-wide prefix index (cache-aware routing for gateways)",
+    )
+
     bench = commands.add_parser("bench", help="run a benchmark and print its table")
     benches = bench.add_subparsers(dest="bench", required=True)
     bench_l1.add_arguments(benches.add_parser("l1", help="L1 index and copy costs, in-process"))
     bench_service.add_arguments(
         benches.add_parser("service", help="store/retrieve through the ZMQ protocol vs memcpy")
     )
+    bench_l2.add_arguments(
+        benches.add_parser("l2", help="NVMe and S3 adapters vs raw file I/O and raw boto3")
+    )
     bench_restart.add_arguments(
         benches.add_parser("restart", help="time to adopt a full segment after a restart")
     )
+    bench_index.add_arguments(
+        benches.add_parser("index", help="prefix index: query latency, events/s, memory")
+    )
 
-    args = parser.parse_args(argv)
+    args, index_arguments = parser.parse_known_args(argv)
+    if index_arguments and args.command != "index":
+        parser.error(f"unrecognized arguments: {' '.join(index_arguments)}")
     if args.command == "tenant-id":
         salt = args.salt if args.salt is not None else sys.stdin.readline().rstrip("\n")
         print(tenant_id(salt))
+    elif args.command == "index":
+        # Imported here: the web stack is not needed by the other tools.
+        from kvpool_agent.index import server as index_server
+
+        return index_server.main(index_arguments)
     else:
-        {"l1": bench_l1.run, "service": bench_service.run, "restart": bench_restart.run}[
-            args.bench
-        ](args)
+        {
+            "l1": bench_l1.run,
+            "service": bench_service.run,
+            "restart": bench_restart.run,
+            "l2": bench_l2.run,
+            "index": bench_index.run,
+        }[args.bench](args)
     return 0
 
 

@@ -1,0 +1,175 @@
+"""``kvpool index``: the prefix index process. Composition root: builds every part,
+starts them, stops them in reverse.
+
+Parts: the gateway token authority, the tracker, the event subscriber (its own
+thread), the discovery (static, or a Kubernetes watch thread), metrics, and
+the HTTP API (uvicorn on this event loop). SIGTERM and SIGINT stop it:
+readiness turns false, then the HTTP server, discovery and subscriber stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Iterator, Sequence
+
+import uvicorn
+from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
+
+from kvpool_agent.auth import TokenFileError
+from kvpool_agent.index.auth import GatewayAuthority, load_gateway_authority
+from kvpool_agent.index.config import CONFIG_FILE_ENV, IndexConfig, StaticAgent
+from kvpool_agent.index.discovery import (
+    AgentEndpoint,
+    Discovery,
+    KubernetesDiscovery,
+    StaticDiscovery,
+)
+from kvpool_agent.index.http_api import create_app
+from kvpool_agent.index.metrics import IndexMetrics
+from kvpool_agent.index.service import IndexService
+from kvpool_agent.index.subscriber import EventSubscriber
+from kvpool_agent.index.tracker import PrefixTracker
+
+log = logging.getLogger(__name__)
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the index owns SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def make_discovery(config: IndexConfig) -> Discovery:
+    if config.discovery == "kubernetes":
+        return KubernetesDiscovery.connect(config.pool, config.namespace)
+    return StaticDiscovery(agent.endpoint() for agent in config.agents)
+
+
+class IndexServer:
+    def __init__(
+        self, config: IndexConfig, authority: GatewayAuthority, discovery: Discovery
+    ) -> None:
+        self.config = config
+        self._authority = authority
+        self._discovery = discovery
+        self._stopping = asyncio.Event()
+        self._ready = False
+
+    def stop(self) -> None:
+        self._ready = False
+        self._stopping.set()
+
+    async def run(self) -> None:
+        """Serve until :meth:`stop` is called (SIGTERM and SIGINT call it)."""
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.stop)
+        config, discovery = self.config, self._discovery
+        tracker = PrefixTracker(config.max_chunks_per_node)
+        subscriber = EventSubscriber(
+            tracker,
+            snapshot_timeout=config.snapshot_timeout_seconds,
+            receive_hwm=config.receive_hwm,
+        )
+        metrics = IndexMetrics(CollectorRegistry(), tracker, subscriber.status)
+        service = IndexService(tracker, config.routing_policy(), metrics)
+        app = create_app(
+            service,
+            self._authority,
+            subscriber.status,
+            default_fingerprint=config.fingerprint,
+            ready=lambda: self._ready,
+            metrics=metrics.exposition,
+        )
+        async with contextlib.AsyncExitStack() as stack:
+            subscriber.start()
+            stack.callback(subscriber.stop)
+            discovery.start(subscriber.follow)
+            stack.callback(discovery.stop)
+            http_url = await stack.enter_async_context(self._serve_http(app))
+            self._ready = True
+            log.info(
+                "index ready pool=%s http=%s discovery=%s",
+                config.pool,
+                http_url,
+                config.discovery,
+            )
+            await self._stopping.wait()
+            self._ready = False
+        log.info("index stopped")
+
+    @contextlib.asynccontextmanager
+    async def _serve_http(self, app: object) -> AsyncIterator[str]:
+        listener = socket.create_server((self.config.host, self.config.http_port))
+        host, port = listener.getsockname()[:2]
+        server = _EmbeddedUvicorn(
+            uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")  # type: ignore[arg-type]
+        )
+        task = asyncio.create_task(server.serve(sockets=[listener]), name="http")
+        try:
+            yield f"http://{host}:{port}"
+        finally:
+            server.should_exit = True
+            await task
+            listener.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``kvpool index [--config FILE] [--agent NODE=ZMQ,EVENTS ...]``."""
+    parser = argparse.ArgumentParser(
+        prog="kvpool index",
+        description=(
+            "Follow the chunk events of a pool's agents and answer gateways' route and lookup "
+            "requests over HTTP. Settings come from KVPOOL_INDEX_* environment variables and "
+            "an optional YAML/JSON file (see kvpool_agent.index.config)."
+        ),
+    )
+    parser.add_argument(
+        "--config", help=f"YAML or JSON file of index settings (or ${CONFIG_FILE_ENV})"
+    )
+    parser.add_argument(
+        "--agent",
+        action="append",
+        default=[],
+        metavar="NODE=ZMQ,EVENTS",
+        help="an agent to follow, e.g. gpu-1=tcp://10.0.0.5:7400,tcp://10.0.0.5:7402 "
+        "(repeat for each; implies static discovery)",
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.config:
+        os.environ[CONFIG_FILE_ENV] = args.config
+    try:
+        if args.agent:
+            agents = [AgentEndpoint.parse(text) for text in args.agent]
+            config = IndexConfig(
+                discovery="static",
+                agents=[StaticAgent(node=a.node, zmq=a.zmq, events=a.events) for a in agents],
+            )
+        else:
+            config = IndexConfig()
+    except (ValidationError, ValueError, OSError) as error:
+        print(f"kvpool index: invalid configuration:\n{error}", file=sys.stderr)
+        return 2
+    try:
+        authority = load_gateway_authority(config.tokens_file, config.generated_token_file)
+        discovery = make_discovery(config)
+    except (TokenFileError, ValueError, OSError) as error:
+        print(f"kvpool index: {error}", file=sys.stderr)
+        return 2
+    asyncio.run(IndexServer(config, authority, discovery).run())
+    return 0

@@ -1,0 +1,152 @@
+"""``kvpool index`` as a user runs it: a real process over real agents, asked by IndexClient."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvpool_agent.client import AgentClient
+from kvpool_agent.index.client import IndexClient, IndexRequestError
+from kvpool_agent.keys import ModelFingerprint, chunk_keys, tenant_id
+
+from ..agent.agent_process import AgentProcess
+from .conftest import start_all, wait_until
+
+BIN = Path(sys.executable).parent
+READY = re.compile(r"index ready pool=\S+ http=(\S+)")
+GATEWAY_TOKEN = "gateway-token-for-tests"
+ADMIN_TOKEN = "index-admin-token-for-tests"
+TENANT_TOKEN = "tenant-token-for-tests"
+FINGERPRINT = ModelFingerprint("test-model", "bfloat16", "NHD", chunk_tokens=16)
+SALT = "alice-salt"
+PROMPT = list(range(1000, 1101))  # six full chunks of 16 tokens, and 5 tokens more
+
+
+class IndexProcess:
+    def __init__(self, workdir: Path, agents: dict[str, AgentProcess]) -> None:
+        tokens = workdir / "tokens.yaml"
+        tokens.write_text(
+            yaml.safe_dump(
+                {
+                    "admin": [ADMIN_TOKEN],
+                    "gateways": [GATEWAY_TOKEN],
+                    "tenants": {tenant_id(SALT): TENANT_TOKEN},
+                }
+            )
+        )
+        environment = {
+            **os.environ,
+            "KVPOOL_INDEX_HTTP_PORT": "0",
+            "KVPOOL_INDEX_TOKENS_FILE": str(tokens),
+            "KVPOOL_INDEX_STATE_DIR": str(workdir / "state"),
+            "KVPOOL_INDEX_FINGERPRINT": json.dumps(
+                {"model": "test-model", "dtype": "bfloat16", "kv_layout": "NHD", "chunk_tokens": 16}
+            ),
+        }
+        arguments = [f"--agent={node}={a.zmq},{a.events}" for node, a in agents.items()]
+        self.log: list[str] = []
+        self.url = ""
+        self.process = subprocess.Popen(
+            [BIN / "kvpool", "index", *arguments],
+            env=environment,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        ready = threading.Event()
+        threading.Thread(target=self._read_log, args=(ready,), daemon=True).start()
+        assert ready.wait(30) and self.url, "index did not start:\n" + "".join(self.log)
+
+    def _read_log(self, ready: threading.Event) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.log.append(line)
+            if match := READY.search(line):
+                self.url = match.group(1)
+                ready.set()
+        ready.set()
+
+    def get(self, path: str, token: str | None = None) -> str:
+        request = urllib.request.Request(self.url + path)
+        if token:
+            request.add_header("Authorization", f"Bearer {token}")
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            return str(answer.read().decode())
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(15)
+
+
+@pytest.fixture
+def index_process(
+    tmp_path: Path, make_agents: Callable[..., list[AgentProcess]]
+) -> Iterator[tuple[IndexProcess, dict[str, AgentProcess]]]:
+    agents = dict(zip(("gpu-1", "gpu-2"), make_agents(2), strict=True))
+    start_all(list(agents.values()))
+    index = IndexProcess(tmp_path, agents)
+    yield index, agents
+    if index.process.poll() is None:
+        index.process.kill()
+        index.process.wait()
+
+
+def test_gateways_route_through_the_index_process(
+    index_process: tuple[IndexProcess, dict[str, AgentProcess]],
+) -> None:
+    index, agents = index_process
+    keys = chunk_keys(PROMPT, SALT, FINGERPRINT)
+    for node, count in (("gpu-1", 6), ("gpu-2", 2)):
+        with AgentClient(agents[node].zmq) as agent:
+            agent.store(tenant_id(SALT), keys[:count], [b"kv"] * count)
+
+    with IndexClient(index.url, GATEWAY_TOKEN, timeout=5) as client:
+
+        def matches() -> list[tuple[str, int]]:
+            found = client.lookup(token_ids=PROMPT, cache_salt=SALT).matches
+            return [(match.node, match.tokens) for match in found]
+
+        wait_until(lambda: matches() == [("gpu-1", 96), ("gpu-2", 32)], what="the stores")
+        route = client.route(loads={"gpu-1": 1, "gpu-2": 1}, token_ids=PROMPT, cache_salt=SALT)
+        assert (route.node, route.reason, route.matched_tokens) == ("gpu-1", "longest_match", 96)
+        assert route.prompt_tokens == 101
+        busy = client.route(loads={"gpu-1": 8, "gpu-2": 0}, token_ids=PROMPT, cache_salt=SALT)
+        assert (busy.node, busy.reason, busy.matched_tokens) == ("gpu-2", "overloaded", 32)
+        by_keys = client.lookup(chunk_keys=keys, fingerprint=FINGERPRINT)
+        assert [(m.node, m.chunks) for m in by_keys.matches] == [("gpu-1", 6), ("gpu-2", 2)]
+
+        # tenant isolation: another salt, or none, derives other keys
+        assert client.lookup(token_ids=PROMPT, cache_salt="mallory").matches == []
+        assert client.lookup(token_ids=PROMPT).matches == []
+        stranger = client.route(loads={"gpu-1": 1, "gpu-2": 0}, token_ids=PROMPT)
+        assert (stranger.node, stranger.reason) == ("gpu-2", "low_match")
+
+    with IndexClient(index.url, ADMIN_TOKEN) as admin:
+        assert admin.lookup(token_ids=PROMPT, cache_salt=SALT).matches
+    for token in (TENANT_TOKEN, "unknown"):
+        with IndexClient(index.url, token) as client, pytest.raises(IndexRequestError) as refused:
+            client.lookup(token_ids=PROMPT, cache_salt=SALT)
+        assert refused.value.status == 401 and "gateway" in refused.value.detail
+
+    nodes = json.loads(index.get("/v1/nodes", GATEWAY_TOKEN))["nodes"]
+    assert [(n["node"], n["chunks"], n["synced"]) for n in nodes] == [
+        ("gpu-1", 6, True),
+        ("gpu-2", 2, True),
+    ]
+    metrics = index.get("/metrics")
+    assert 'kvpool_index_chunks{node="gpu-1"} 6.0' in metrics
+    assert 'kvpool_index_agent_connected{node="gpu-2"} 1.0' in metrics
+    assert 'kvpool_index_route_decisions_total{reason="overloaded"} 1.0' in metrics
+    assert 'kvpool_index_query_seconds_count{op="lookup"}' in metrics
+    assert index.stop() == 0
+    assert SALT not in "".join(index.log)
