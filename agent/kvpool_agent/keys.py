@@ -84,8 +84,18 @@ def chunk_keys(
 
 
 def iter_chunk_keys(token_ids: Sequence[int], root: bytes, chunk_tokens: int) -> Iterator[bytes]:
-    """Yield chained keys lazily, so a caller that stops at the first miss hashes no further."""
+    """Yield chained keys lazily, so a caller that stops at the first miss hashes no further.
+
+    The token ids are packed once; each key then hashes a slice of that buffer.
+    """
+    tokens = array("I", token_ids)
+    if sys.byteorder == "big":
+        tokens.byteswap()
+    packed = memoryview(tokens).cast("B")
+    step = chunk_tokens * tokens.itemsize
     key = root
-    for start in range(0, len(token_ids) - chunk_tokens + 1, chunk_tokens):
-        key = next_key(key, token_ids[start : start + chunk_tokens])
+    for start in range(0, len(packed) - step + 1, step):
+        hasher = hashlib.sha256(key)
+        hasher.update(packed[start : start + step])
+        key = hasher.digest()
         yield key
