@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kvpool_agent.bench import connector as bench_connector
 from kvpool_agent.bench import index as bench_index
 from kvpool_agent.bench import l1 as bench_l1
 from kvpool_agent.bench import l2 as bench_l2
@@ -40,6 +41,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench_service.add_arguments(
         benches.add_parser("service", help="store/retrieve through the ZMQ protocol vs memcpy")
     )
+    bench_connector.add_arguments(
+        benches.add_parser(
+            "connector", help="TTFT: kvpool connector vs no connector vs ExampleConnector"
+        )
+    )
     bench_l2.add_arguments(
         benches.add_parser("l2", help="NVMe and S3 adapters vs raw file I/O and raw boto3")
     )
@@ -67,6 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "service": bench_service.run,
             "restart": bench_restart.run,
             "l2": bench_l2.run,
+            "connector": bench_connector.run,
             "index": bench_index.run,
         }[args.bench](args)
     return 0

@@ -1,0 +1,124 @@
+"""Where the agent is: an explicit endpoint, or the annotations of a pool's Service.
+
+The operator annotates the Service ``kvpool-<pool>`` with everything a connector
+needs; the connector reaches the node-local agent through that Service
+(``internalTrafficPolicy: Local``)::
+
+    kvpool.io/zmq-port          7400
+    kvpool.io/segment-path      /dev/shm/kvpool-<pool>
+    kvpool.io/chunk-tokens      256
+    kvpool.io/protocol-version  1
+
+The Kubernetes client is imported only for a pool name, and reads with the pod's
+service account (it needs ``get`` on that Service).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvpool_agent.connector.settings import ConnectorSettings
+from kvpool_agent.protocol import PROTOCOL_VERSION
+
+ANNOTATION_ZMQ_PORT = "kvpool.io/zmq-port"
+ANNOTATION_SEGMENT_PATH = "kvpool.io/segment-path"
+ANNOTATION_CHUNK_TOKENS = "kvpool.io/chunk-tokens"
+ANNOTATION_PROTOCOL_VERSION = "kvpool.io/protocol-version"
+NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+K8S_TIMEOUT_S = 5.0
+
+ServiceReader = Callable[[str, str], Mapping[str, str]]
+"""(service name, namespace) -> the Service's annotations."""
+
+
+class DiscoveryError(RuntimeError):
+    """The pool's Service cannot be read or does not describe a usable agent."""
+
+
+@dataclass(frozen=True)
+class AgentAddress:
+    endpoint: str
+    segment_path: Path | None
+    """None: take the path from the agent's hello."""
+    chunk_tokens: int | None
+    """None: not advertised."""
+
+
+def service_name(pool: str) -> str:
+    return f"kvpool-{pool}"
+
+
+def resolve(
+    settings: ConnectorSettings,
+    read_service: ServiceReader | None = None,
+    namespace_file: Path = NAMESPACE_FILE,
+) -> AgentAddress:
+    """The agent's address; settings (and so the env overrides) win over annotations."""
+    if settings.endpoint is not None:
+        return AgentAddress(settings.endpoint, settings.segment_path, settings.chunk_tokens)
+    assert settings.pool is not None
+    namespace = settings.namespace or _own_namespace(namespace_file)
+    name = service_name(settings.pool)
+    reader = read_service or read_service_annotations
+    try:
+        annotations = reader(name, namespace)
+    except DiscoveryError:
+        raise
+    except Exception as error:  # the Kubernetes client raises many kinds
+        raise DiscoveryError(f"cannot read Service {namespace}/{name}: {error}") from error
+    version = annotations.get(ANNOTATION_PROTOCOL_VERSION)
+    if version is not None and version != str(PROTOCOL_VERSION):
+        raise DiscoveryError(
+            f"Service {namespace}/{name} speaks protocol {version}; "
+            f"this connector speaks {PROTOCOL_VERSION}"
+        )
+    port = _int_annotation(annotations, ANNOTATION_ZMQ_PORT, name)
+    if port is None:
+        raise DiscoveryError(f"Service {namespace}/{name} has no {ANNOTATION_ZMQ_PORT} annotation")
+    advertised_path = annotations.get(ANNOTATION_SEGMENT_PATH)
+    segment = settings.segment_path or (Path(advertised_path) if advertised_path else None)
+    chunk_tokens = settings.chunk_tokens or _int_annotation(
+        annotations, ANNOTATION_CHUNK_TOKENS, name
+    )
+    return AgentAddress(f"tcp://{name}.{namespace}.svc:{port}", segment, chunk_tokens)
+
+
+def read_service_annotations(name: str, namespace: str) -> Mapping[str, str]:
+    """Read a Service's annotations with the in-cluster service account."""
+    # imported here, and untyped on purpose: only pool discovery needs the client,
+    # and its typing differs between releases
+    k8s_config: Any = importlib.import_module("kubernetes.config")
+    k8s_client: Any = importlib.import_module("kubernetes.client")
+    k8s_config.load_incluster_config()
+    service = k8s_client.CoreV1Api().read_namespaced_service(
+        name, namespace, _request_timeout=K8S_TIMEOUT_S
+    )
+    annotations = service.metadata.annotations if service.metadata is not None else None
+    return {str(key): str(value) for key, value in (annotations or {}).items()}
+
+
+def _own_namespace(namespace_file: Path) -> str:
+    try:
+        return namespace_file.read_text().strip()
+    except OSError as error:
+        raise DiscoveryError(
+            f"no 'namespace' in kv_connector_extra_config and {namespace_file} is unreadable "
+            f"({error.strerror}): is this pod in Kubernetes?"
+        ) from error
+
+
+def _int_annotation(annotations: Mapping[str, str], key: str, service: str) -> int | None:
+    raw = annotations.get(key)
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise DiscoveryError(f"Service {service}: {key}={raw!r} is not an integer") from None
+    if value <= 0:
+        raise DiscoveryError(f"Service {service}: {key}={raw!r} must be positive")
+    return value

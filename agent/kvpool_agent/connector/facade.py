@@ -1,0 +1,303 @@
+"""``KvpoolConnector``: the class vLLM loads; it only wires the settings and delegates.
+
+vLLM builds one instance per role: in the scheduler process it drives a
+:class:`~kvpool_agent.connector.scheduler.SchedulerHalf`, in each worker a
+:class:`~kvpool_agent.connector.worker.WorkerHalf`. Each half has its own
+:class:`~kvpool_agent.connector.link.AgentLink` (the scheduler's with the short
+``lookup_timeout_s``) and its own counters.
+
+A best-effort cache must never fail a request, so the scheduler role sets
+vLLM's ``kv_load_failure_policy`` to ``recompute`` (with a warning if it was
+``fail``, vLLM's default): a chunk that disappears between lookup and load is
+then recomputed, not an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.v1.attention.backend import AttentionMetadata
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from vllm.v1.outputs import KVConnectorOutput
+
+from kvpool_agent.client import AgentInfo
+from kvpool_agent.connector import discovery
+from kvpool_agent.connector.counters import Counters
+from kvpool_agent.connector.link import AgentLink
+from kvpool_agent.connector.metadata import KvpoolHandshake, KvpoolMetadata, KvpoolWorkerMetadata
+from kvpool_agent.connector.metrics import KvpoolPromMetrics, KvpoolStats
+from kvpool_agent.connector.scheduler import SchedulerHalf
+from kvpool_agent.connector.settings import ConnectorSettings
+from kvpool_agent.connector.worker import WorkerHalf
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_TOKENS = 256
+
+
+class KvpoolConnector(KVConnectorBase_V1):
+    """vLLM connector that shares KV through the node's kvpool agent (see the package docs)."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        settings = ConnectorSettings.load(self._kv_transfer_config.kv_connector_extra_config)
+        self._settings = settings
+        self._counters = Counters()
+        self._scheduler: SchedulerHalf | None = None
+        self._worker: WorkerHalf | None = None
+        self._address: discovery.AgentAddress | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._require_recompute()
+            model = vllm_config.model_config
+            self._scheduler = SchedulerHalf(
+                model=_model_identity(settings.model_name or model.model, vllm_config),
+                dtype=str(model.dtype).removeprefix("torch."),
+                tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                block_size=vllm_config.cache_config.block_size,
+                link=self._link("scheduler", settings.lookup_timeout_s),
+                counters=self._counters,
+                prefetch_wait_s=settings.prefetch_wait_s,
+            )
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._worker = WorkerHalf(
+                rank=get_tensor_model_parallel_rank(),
+                link=self._link("worker", settings.transfer_timeout_s, self._on_new_agent),
+                counters=self._counters,
+                chunk_tokens=self._chunk_tokens,
+                segment_path=self._segment_path,
+                pin_mode=settings.pin_memory,
+            )
+
+    # ------------------------------------------------------------ wiring
+
+    def _link(
+        self,
+        role: str,
+        timeout: float,
+        on_new_agent: Callable[[AgentInfo], None] | None = None,
+    ) -> AgentLink:
+        return AgentLink(
+            self._resolve,
+            role=role,
+            timeout=timeout,
+            retry_min_s=self._settings.retry_min_s,
+            retry_max_s=self._settings.retry_max_s,
+            counters=self._counters,
+            on_new_agent=on_new_agent,
+        )
+
+    def _resolve(self) -> discovery.AgentAddress:
+        if self._address is None:
+            self._address = discovery.resolve(self._settings)
+        return self._address
+
+    def _chunk_tokens(self) -> int:
+        if self._settings.chunk_tokens is not None:
+            return self._settings.chunk_tokens
+        try:
+            advertised = self._resolve().chunk_tokens
+        except discovery.DiscoveryError as error:
+            log.warning("kvpool: %s; using %d-token chunks", error, DEFAULT_CHUNK_TOKENS)
+            return DEFAULT_CHUNK_TOKENS
+        return advertised or DEFAULT_CHUNK_TOKENS
+
+    def _segment_path(self, info: AgentInfo) -> Path:
+        address = self._address
+        if address is not None and address.segment_path is not None:
+            return address.segment_path
+        return info.segment_path
+
+    def _on_new_agent(self, info: AgentInfo) -> None:
+        assert self._worker is not None
+        self._worker.on_new_agent(info)
+
+    def _require_recompute(self) -> None:
+        config = self._kv_transfer_config
+        if config.kv_load_failure_policy != "recompute":
+            log.warning(
+                "kvpool: setting kv_load_failure_policy='recompute' (was %r): chunks the cache "
+                "loses between lookup and load are recomputed, never an error",
+                config.kv_load_failure_policy,
+            )
+            config.kv_load_failure_policy = "recompute"
+
+    @property
+    def scheduler(self) -> SchedulerHalf:
+        assert self._scheduler is not None, "a scheduler method called on a worker connector"
+        return self._scheduler
+
+    @property
+    def worker(self) -> WorkerHalf:
+        assert self._worker is not None, "a worker method called on a scheduler connector"
+        return self._worker
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a lost store is a future miss, nothing more
+
+    def _metadata(self) -> KvpoolMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvpoolMetadata)
+        return meta
+
+    # ------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+        groups = self._kv_cache_config.kv_cache_groups
+        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+            kinds = [type(group.kv_cache_spec).__name__ for group in groups]
+            raise ValueError(f"kvpool caches full attention in one KV cache group, not {kinds}")
+        layer_names = list(groups[0].layer_names)
+        backends = get_current_attn_backends(self._vllm_config, layer_names)
+        self.worker.register_kv_caches(
+            kv_caches,
+            layer_names,
+            self._kv_cache_config.num_blocks,
+            groups[0].kv_cache_spec.block_size,
+            "+".join(sorted(backend.get_name() for backend in backends)),
+        )
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self.worker.handshake
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, KvpoolMetadata)
+        self.worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.worker.start_load(self._metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are whole chunks of every layer, done in start_load_kv
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return None  # stores copy whole chunks after the forward, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self.worker.save(self._metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done = self.worker.get_finished(finished_req_ids)
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker.build_worker_meta()
+
+    # ------------------------------------------------------------ scheduler side
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        handshakes = {
+            rank: meta for rank, meta in metadata.items() if isinstance(meta, KvpoolHandshake)
+        }
+        self.scheduler.configure(handshakes)
+
+    def on_new_request(self, request: Request) -> None:
+        self.scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        self.scheduler.update_connector_output(
+            meta if isinstance(meta, KvpoolWorkerMetadata) else None,
+            set(connector_output.finished_sending or ()),
+        )
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request), None
+
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler.has_pending_work()
+
+    # ------------------------------------------------------------ both
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        counts = self._counters.take()
+        return KvpoolStats(data=counts) if counts else None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return KvpoolStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KvpoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+
+def _model_identity(name: str, vllm_config: VllmConfig) -> str:
+    """The model part of the key fingerprint: the name, and what else changes the weights."""
+    model = vllm_config.model_config
+    identity = name
+    if model.revision:
+        identity += f"@{model.revision}"
+    if model.quantization:
+        identity += f"+{model.quantization}"
+    return identity

@@ -1,0 +1,168 @@
+"""One process's line to the agent, built so that the agent can never stop vLLM.
+
+:class:`AgentLink` wraps an :class:`~kvpool_agent.client.AgentClient` and adds
+what serving needs around it:
+
+* a failure (timeout, refused connection, unreadable Service) marks the agent
+  *down*: one warning, a counter, and no further calls until a pause has passed
+  (``retry_min_s``, doubling up to ``retry_max_s`` while it stays down), so a
+  dead agent costs one timeout per pause rather than one per request;
+* the next call after the pause tries again; the client reconnects and says
+  hello by itself, and a restarted agent (new ``agent_id``) is reported to
+  ``on_new_agent`` so the worker can map a re-created segment;
+* refusals (:class:`~kvpool_agent.client.AgentError`) are not outages: the agent
+  answered, so the caller decides.
+
+Callers catch :class:`LinkDown` and carry on without the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import zmq
+
+from kvpool_agent.client import AgentClient, AgentInfo, AgentUnavailable
+from kvpool_agent.connector.counters import Counters
+from kvpool_agent.connector.discovery import AgentAddress, DiscoveryError
+from kvpool_agent.protocol import ProtocolError
+from kvpool_agent.segment import SegmentError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Resolver = Callable[[], AgentAddress]
+ClientFactory = Callable[[str, float], AgentClient]
+
+
+_OUTAGES = (AgentUnavailable, DiscoveryError, SegmentError, OSError, zmq.ZMQError, ProtocolError)
+"""What marks the agent down: no answer, no address, no segment, or an answer that is not one."""
+
+
+class LinkDown(ConnectionError):
+    """The agent is unavailable now; the caller goes on without the cache."""
+
+
+def _default_client(endpoint: str, timeout: float) -> AgentClient:
+    return AgentClient(endpoint, client_name="kvpool-vllm-connector", timeout=timeout)
+
+
+class AgentLink:
+    def __init__(
+        self,
+        resolve: Resolver,
+        *,
+        role: str,
+        timeout: float,
+        retry_min_s: float,
+        retry_max_s: float,
+        counters: Counters,
+        client_factory: ClientFactory = _default_client,
+        clock: Callable[[], float] = time.monotonic,
+        on_new_agent: Callable[[AgentInfo], None] | None = None,
+    ) -> None:
+        self._resolve = resolve
+        self._role = role
+        self._timeout = timeout
+        self._retry_min = retry_min_s
+        self._retry_max = retry_max_s
+        self._counters = counters
+        self._client_factory = client_factory
+        self._clock = clock
+        self._on_new_agent = on_new_agent
+        self.address: AgentAddress | None = None
+        self._client: AgentClient | None = None
+        self._agent_id: str | None = None
+        self._down_since: float | None = None
+        self._retry_at = 0.0
+        self._pause = retry_min_s
+
+    @property
+    def is_down(self) -> bool:
+        return self._down_since is not None
+
+    def usable(self) -> bool:
+        """False while pausing after a failure (the call would be skipped)."""
+        return self._down_since is None or self._clock() >= self._retry_at
+
+    def call(self, operation: Callable[[AgentClient], T]) -> T:
+        """Run ``operation`` on the connected client, or raise :class:`LinkDown`."""
+        if not self.usable():
+            self._counters.add("agent_skipped_calls")
+            raise LinkDown("the kvpool agent is down; pausing before the next try")
+        try:
+            client = self._connected()
+            result = operation(client)
+        except _OUTAGES as error:
+            if not isinstance(error, AgentUnavailable):  # that one reset the client already
+                self._client = None  # start again from a fresh socket and session
+            self._failed(error)
+            raise LinkDown(str(error)) from error
+        self._check_agent(client)
+        if self._down_since is not None:
+            log.warning(
+                "kvpool %s: agent at %s is back after %.1f s; using the cache again",
+                self._role,
+                client.endpoint,
+                self._clock() - self._down_since,
+            )
+            self._down_since = None
+            self._pause = self._retry_min
+        return result
+
+    def info(self) -> AgentInfo:
+        """The agent's hello reply (connecting first if needed)."""
+        return self.call(self._require_info)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _connected(self) -> AgentClient:
+        if self._client is None:
+            if self.address is None:
+                self.address = self._resolve()
+            self._client = self._client_factory(self.address.endpoint, self._timeout)
+        if self._client.info is None:
+            self._client.connect()
+        return self._client
+
+    @staticmethod
+    def _require_info(client: AgentClient) -> AgentInfo:
+        if client.info is None:  # a call dropped the session and did not reconnect
+            client.connect()
+        assert client.info is not None
+        return client.info
+
+    def _check_agent(self, client: AgentClient) -> None:
+        info = client.info
+        if info is None or info.agent_id == self._agent_id:
+            return
+        first = self._agent_id is None
+        self._agent_id = info.agent_id
+        if not first:
+            self._counters.add("agent_restarts_seen")
+            log.warning("kvpool %s: the agent restarted (now %s)", self._role, info.agent_id)
+        if self._on_new_agent is not None:
+            self._on_new_agent(info)
+
+    def _failed(self, error: Exception) -> None:
+        now = self._clock()
+        self._counters.add("agent_failures")
+        if self._down_since is None:
+            self._down_since = now
+            self._pause = self._retry_min
+            log.warning(
+                "kvpool %s: agent unavailable (%s); vLLM goes on without the cache "
+                "(recomputing) and retries in %.1f s",
+                self._role,
+                error,
+                self._pause,
+            )
+        else:
+            self._pause = min(self._pause * 2, self._retry_max)
+        self._retry_at = now + self._pause

@@ -1,0 +1,84 @@
+"""What the two halves tell each other.
+
+* scheduler -> worker, every step: :class:`KvpoolMetadata` (loads to do before
+  the forward, stores to do after it, requests whose blocks the scheduler now
+  holds, requests preempted this step);
+* worker -> scheduler, every step: :class:`KvpoolWorkerMetadata` (store jobs
+  finished, summed over the tensor-parallel workers);
+* worker -> scheduler, once at start: :class:`KvpoolHandshake` (the chunk
+  format's descriptor for the key fingerprint, the chunk size, whether stores
+  finish within their step).
+
+Keys travel per tensor-parallel rank (``keys[rank][i]``): each rank has its own
+fingerprint, so its own chain. Never the salt: only keys and the tenant id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+RankKeys = tuple[tuple[bytes, ...], ...]
+"""``keys[rank][i]``: the key of the job's i-th chunk for that rank."""
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """Copy chunks ``keys[rank]`` into ``block_ids`` (their blocks from ``first_block`` on)."""
+
+    req_id: str
+    tenant: str
+    keys: RankKeys
+    block_ids: tuple[int, ...]
+    """Destination blocks in token order; the first chunk may be entered part way."""
+    first_block: int
+    """Blocks of the first chunk that vLLM already has (skipped)."""
+
+
+@dataclass(frozen=True)
+class StoreJob:
+    """Store chunks ``keys[rank]``, whose blocks are ``block_ids`` (``blocks_per_chunk`` each)."""
+
+    job_id: int
+    req_id: str
+    tenant: str
+    keys: RankKeys
+    parents: tuple[bytes | None, ...]
+    """Per rank: the key of the chunk before the first, so the agent knows the chain."""
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class KvpoolMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    stores: list[StoreJob] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)
+    """Finished requests whose blocks the scheduler holds until their stores are done."""
+    preempted: list[str] = field(default_factory=list)
+
+
+@dataclass
+class KvpoolWorkerMetadata(KVConnectorWorkerMetadata):
+    completed_stores: dict[int, int] = field(default_factory=dict)
+    """Store job id -> number of workers that have finished it (copied or given up)."""
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KvpoolWorkerMetadata)
+        merged = dict(self.completed_stores)
+        for job_id, count in other.completed_stores.items():
+            merged[job_id] = merged.get(job_id, 0) + count
+        return KvpoolWorkerMetadata(merged)
+
+
+@dataclass
+class KvpoolHandshake(KVConnectorHandshakeMetadata):
+    kv_layout: str
+    """The chunk format's descriptor: the ``kv_layout`` of this rank's key fingerprint."""
+    chunk_tokens: int
+    stores_complete_in_step: bool
+    """Stores finish inside ``wait_for_save`` (CPU), so blocks need never be held."""

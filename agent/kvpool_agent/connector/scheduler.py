@@ -1,0 +1,489 @@
+"""The scheduler half: which tokens to load from the agent, which chunks to store, when.
+
+It runs in vLLM's scheduler process and never touches KV bytes. Per request it
+keeps the key chain of each tensor-parallel rank (:mod:`kvpool_agent.keys`,
+computed from the token ids, the request's ``cache_salt`` and the rank's
+fingerprint), the request's block ids and a store cursor.
+
+* ``get_num_new_matched_tokens``: look up (without locking) the chunks beyond
+  vLLM's own prefix-cache hit, on every rank; the hit is the shortest run, in
+  whole chunks, and never the whole prompt (vLLM must compute one token). An
+  unavailable agent is a miss. When the run stops short, the agent is asked once
+  to load the rest from L2 (``lookup_prefetch``) and given a couple of
+  milliseconds; if it is still loading, the answer is "not yet" (``None``) and
+  vLLM asks again at its next step, until the prefetch is done or
+  ``prefetch_wait_s`` has passed; then the lookup is repeated.
+* ``update_state_after_alloc``: turn the hit into a :class:`LoadJob` on the
+  blocks vLLM allocated. The worker locks the chunks when it copies them; if
+  they are gone by then it reports the blocks and vLLM recomputes them.
+* ``build_connector_meta``: every chunk that becomes full by the end of this
+  step (prompt or generated tokens) and was not loaded from the agent becomes
+  part of a :class:`StoreJob`, with the key of the chunk before it as parent.
+* ``request_finished``: a request whose stores have not finished yet keeps its
+  blocks until the worker reports them finished (only when the workers' stores
+  are asynchronous, as on CUDA; on CPU they finish within their step).
+
+Until the workers' handshake arrives (the chunk format fixes the fingerprint)
+the half answers "no hits" and plans nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from kvpool_agent import keys
+from kvpool_agent.client import AgentClient, AgentError, PrefetchProgress
+from kvpool_agent.connector.counters import Counters
+from kvpool_agent.connector.link import AgentLink, LinkDown
+from kvpool_agent.connector.metadata import (
+    KvpoolHandshake,
+    KvpoolMetadata,
+    KvpoolWorkerMetadata,
+    LoadJob,
+    StoreJob,
+)
+from kvpool_agent.l1 import Hit
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+PREFETCH_PROBE_MS = 2
+"""How long the scheduler waits, once, for a fresh prefetch: enough for the agent to
+find that a local tier holds nothing (the usual miss), so a miss costs no step."""
+
+
+class RequestView(Protocol):
+    """What the scheduler half reads of a vLLM ``Request``."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def cache_salt(self) -> str | None: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+
+
+class _KeyChain:
+    """One rank's chained chunk keys of one request, hashed as far as asked and no further."""
+
+    def __init__(self, root: bytes, chunk_tokens: int) -> None:
+        self._root = root
+        self._chunk_tokens = chunk_tokens
+        self.keys: list[bytes] = []
+
+    def upto(self, tokens: Sequence[int], chunks: int) -> list[bytes]:
+        size = self._chunk_tokens
+        while len(self.keys) < chunks:
+            index = len(self.keys)
+            previous = self.keys[-1] if self.keys else self._root
+            chunk = tokens[index * size : (index + 1) * size]
+            if len(chunk) < size:
+                break
+            self.keys.append(keys.next_key(previous, chunk))
+        return self.keys[:chunks]
+
+    def parent(self, chunk: int) -> bytes | None:
+        return self.keys[chunk - 1] if chunk > 0 else None
+
+
+@dataclass
+class _Request:
+    request: RequestView
+    tenant: str
+    chains: list[_KeyChain]
+    block_ids: list[int] = field(default_factory=list)
+    stored_chunks: int = 0
+    """Chunks ``[0, stored_chunks)`` are stored, being stored or were loaded."""
+    planned: tuple[int, int] | None = None
+    """(vLLM's computed tokens, our hit tokens) of the last lookup."""
+    open_stores: set[int] = field(default_factory=set)
+    prefetches: list[int] = field(default_factory=list)
+    """Prefetch ids (from L2) the request waits for; one per rank that started one."""
+    prefetch_deadline: float = 0.0
+    prefetch_tried: bool = False
+
+
+@dataclass
+class _OpenStore:
+    req_id: str
+    workers_left: int
+
+
+class SchedulerHalf:
+    def __init__(
+        self,
+        *,
+        model: str,
+        dtype: str,
+        tp_size: int,
+        block_size: int,
+        link: AgentLink,
+        counters: Counters,
+        prefetch_wait_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._prefetch_wait_s = prefetch_wait_s
+        self._clock = clock
+        self._model = model
+        self._dtype = dtype
+        self._tp_size = tp_size
+        self._block_size = block_size
+        self._link = link
+        self.counters = counters
+        self._roots: list[tuple[keys.ModelFingerprint, dict[str, bytes]]] = []
+        self.chunk_tokens = 0
+        self._stores_complete_in_step = True
+        self._requests: dict[str, _Request] = {}
+        self._loads: list[LoadJob] = []
+        self._newly_held: list[str] = []
+        self._held: set[str] = set()
+        self._stores: dict[int, _OpenStore] = {}
+        self._job_ids = itertools.count(1)
+
+    # ------------------------------------------------------------ set-up
+
+    @property
+    def ready(self) -> bool:
+        return bool(self._roots)
+
+    def configure(self, handshakes: Mapping[int, KvpoolHandshake]) -> None:
+        """Take every rank's chunk format; the fingerprints follow from it."""
+        missing = sorted(set(range(self._tp_size)) - set(handshakes))
+        if missing:
+            log.error("kvpool: no handshake from tensor-parallel ranks %s; cache disabled", missing)
+            return
+        sizes = {handshakes[rank].chunk_tokens for rank in range(self._tp_size)}
+        if len(sizes) != 1:
+            log.error("kvpool: workers disagree on chunk_tokens %s; cache disabled", sizes)
+            return
+        self.chunk_tokens = sizes.pop()
+        if self.chunk_tokens % self._block_size:
+            log.error(
+                "kvpool: chunk_tokens=%d is not a multiple of the block size %d; cache disabled",
+                self.chunk_tokens,
+                self._block_size,
+            )
+            return
+        self._stores_complete_in_step = all(
+            handshakes[rank].stores_complete_in_step for rank in range(self._tp_size)
+        )
+        self._roots = [
+            (
+                keys.ModelFingerprint(
+                    self._model,
+                    self._dtype,
+                    handshakes[rank].kv_layout,
+                    rank,
+                    self._tp_size,
+                    self.chunk_tokens,
+                ),
+                {},
+            )
+            for rank in range(self._tp_size)
+        ]
+        log.info(
+            "kvpool: caching %d-token chunks, layout %s",
+            self.chunk_tokens,
+            handshakes[0].kv_layout,
+        )
+
+    def _root(self, rank: int, salt: str | None) -> bytes:
+        fingerprint, roots = self._roots[rank]
+        cached = roots.get(salt or "")
+        if cached is None:
+            if len(roots) > 4096:  # salts are per tenant; keep the memo bounded anyway
+                roots.clear()
+            cached = roots[salt or ""] = keys.root_key(salt, fingerprint)
+        return cached
+
+    def _state(self, request: RequestView) -> _Request:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            salt = request.cache_salt
+            chains = [
+                _KeyChain(self._root(rank, salt), self.chunk_tokens)
+                for rank in range(len(self._roots))
+            ]
+            state = _Request(request, keys.tenant_id(salt), chains)
+            self._requests[request.request_id] = state
+        return state
+
+    # ------------------------------------------------------------ lookups
+
+    def on_new_request(self, request: RequestView) -> None:
+        if self.ready:
+            self._state(request)
+
+    def get_num_new_matched_tokens(
+        self, request: RequestView, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if not self.ready:
+            return 0, False
+        with self.counters.timed("scheduler_us"):
+            return self._matched(request, num_computed_tokens)
+
+    def _matched(self, request: RequestView, num_computed_tokens: int) -> tuple[int | None, bool]:
+        state = self._state(request)
+        state.planned = None
+        size = self.chunk_tokens
+        limit = (request.num_tokens - 1) // size  # vLLM must compute at least one token
+        first = num_computed_tokens // size
+        if first >= limit:
+            return 0, False
+        if state.prefetches and not self._prefetched(state):
+            return None, False  # the agent is still loading the rest from L2: ask again
+        hits = self._lookup(state, first, limit)
+        if first + hits < limit and self._start_prefetch(state, first + hits, limit):
+            if not self._prefetched(state, wait_ms=PREFETCH_PROBE_MS):
+                return None, False
+            hits = self._lookup(state, first, limit)
+        external = (first + hits) * size - num_computed_tokens
+        if external <= 0:
+            return 0, False
+        state.planned = (num_computed_tokens, external)
+        self.counters.add("hit_tokens", external)
+        return external, False
+
+    def _lookup(self, state: _Request, first: int, limit: int) -> int:
+        """Chunks ``first, first+1, ...`` (up to ``limit``) that every rank finds, in a row."""
+        if not self._link.usable():
+            self.counters.add("agent_skipped_calls")
+            return 0
+        tokens = state.request.all_token_ids
+        hits = limit - first
+        try:
+            max_keys = self._link.info().max_keys
+            for chain in state.chains:
+                wanted = chain.upto(tokens, first + hits)[first : first + min(hits, max_keys)]
+                self.counters.add("lookups")
+                found = self._link.call(_Lookup(state.tenant, wanted))
+                hits = min(hits, found.count)
+                if hits == 0:
+                    break
+        except LinkDown:
+            return 0
+        except AgentError as error:
+            log.warning("kvpool: lookup refused (%s); treating it as a miss", error)
+            return 0
+        return hits
+
+    def _start_prefetch(self, state: _Request, start: int, limit: int) -> bool:
+        """Ask the agent to load chunks ``start..limit`` from L2 (once per request)."""
+        if self._prefetch_wait_s <= 0 or state.prefetch_tried or not self._link.usable():
+            return False
+        state.prefetch_tried = True
+        try:
+            max_keys = self._link.info().max_keys
+            for chain in state.chains:
+                chunk_keys = chain.upto(state.request.all_token_ids, limit)
+                wanted = chunk_keys[start : min(limit, start + max_keys)]
+                request = _Prefetch(state.tenant, wanted, chain.parent(start))
+                hit, prefetch = self._link.call(request)
+                if hit.lease is not None:  # raced with a store; the worker locks for itself
+                    self._link.call(_Release(hit.lease))
+                if prefetch:
+                    state.prefetches.append(prefetch)
+        except (LinkDown, AgentError) as error:
+            log.debug("kvpool: no prefetch: %s", error)
+        if not state.prefetches:
+            return False
+        self.counters.add("prefetches", len(state.prefetches))
+        state.prefetch_deadline = self._clock() + self._prefetch_wait_s
+        return True
+
+    def _prefetched(self, state: _Request, wait_ms: int = 0) -> bool:
+        """True once the request's prefetches are done, failed or out of time."""
+        try:
+            for prefetch in list(state.prefetches):
+                if not self._link.call(_PrefetchStatus(prefetch, wait_ms)).done:
+                    if self._clock() < state.prefetch_deadline:
+                        return False
+                    self.counters.add("prefetch_timeouts")
+                    break
+                state.prefetches.remove(prefetch)
+        except (LinkDown, AgentError) as error:
+            log.debug("kvpool: prefetch status unknown: %s", error)
+        state.prefetches.clear()
+        return True
+
+    def update_state_after_alloc(
+        self, request: RequestView, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if num_external_tokens == 0:
+            return
+        state = self._requests[request.request_id]
+        assert state.planned is not None, "vLLM allocated for a hit this connector did not report"
+        start = state.planned[0]
+        end = start + min(num_external_tokens, state.planned[1])
+        (block_ids, *_) = blocks.get_block_ids()
+        size, block = self.chunk_tokens, self._block_size
+        first_chunk, end_chunk = start // size, -(-end // size)
+        self._loads.append(
+            LoadJob(
+                req_id=request.request_id,
+                tenant=state.tenant,
+                keys=tuple(tuple(chain.keys[first_chunk:end_chunk]) for chain in state.chains),
+                block_ids=tuple(block_ids[start // block : end // block]),
+                first_block=(start % size) // block,
+            )
+        )
+        state.stored_chunks = max(state.stored_chunks, end_chunk)
+        state.planned = None
+
+    # ------------------------------------------------------------ each step
+
+    def build_connector_meta(self, output: SchedulerOutput) -> KvpoolMetadata:
+        with self.counters.timed("scheduler_us"):
+            return self._build(output)
+
+    def _build(self, output: SchedulerOutput) -> KvpoolMetadata:
+        stores: list[StoreJob] = []
+        for new in output.scheduled_new_reqs:
+            new_state = self._requests.get(new.req_id)
+            if new_state is None:
+                continue
+            new_state.block_ids = list(new.block_ids[0])
+            computed = new.num_computed_tokens + output.num_scheduled_tokens.get(new.req_id, 0)
+            self._plan_store(new_state, computed, stores)
+        cached = output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_block_ids = cached.new_block_ids[index]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_block_ids[0]) if new_block_ids else []
+            elif new_block_ids:
+                state.block_ids.extend(new_block_ids[0])
+            computed = cached.num_computed_tokens[index] + output.num_scheduled_tokens.get(
+                req_id, 0
+            )
+            self._plan_store(state, computed, stores)
+        preempted = sorted(output.preempted_req_ids or ())
+        for req_id in preempted:
+            self.counters.add("preemptions_seen")
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.block_ids = []
+        meta = KvpoolMetadata(self._loads, stores, self._newly_held, preempted)
+        self._loads, self._newly_held = [], []
+        return meta
+
+    def _plan_store(self, state: _Request, computed_tokens: int, stores: list[StoreJob]) -> None:
+        size = self.chunk_tokens
+        per_chunk = size // self._block_size
+        full = min(computed_tokens, state.request.num_tokens, len(state.request.all_token_ids))
+        full = min(full // size, len(state.block_ids) // per_chunk)
+        first = state.stored_chunks
+        if full <= first:
+            return
+        tokens = state.request.all_token_ids
+        chunk_keys = [chain.upto(tokens, full)[first:full] for chain in state.chains]
+        if any(len(rank_keys) != full - first for rank_keys in chunk_keys):
+            return  # token ids not known yet (cannot happen with vLLM's accounting)
+        job_id = next(self._job_ids)
+        stores.append(
+            StoreJob(
+                job_id=job_id,
+                req_id=state.request.request_id,
+                tenant=state.tenant,
+                keys=tuple(tuple(rank_keys) for rank_keys in chunk_keys),
+                parents=tuple(chain.parent(first) for chain in state.chains),
+                block_ids=tuple(state.block_ids[first * per_chunk : full * per_chunk]),
+            )
+        )
+        self._stores[job_id] = _OpenStore(state.request.request_id, self._tp_size)
+        state.open_stores.add(job_id)
+        state.stored_chunks = full
+
+    def update_connector_output(
+        self, worker_meta: KvpoolWorkerMetadata | None, finished_sending: set[str]
+    ) -> None:
+        if worker_meta is not None:
+            for job_id, workers in worker_meta.completed_stores.items():
+                store = self._stores.get(job_id)
+                if store is None:
+                    continue
+                store.workers_left -= workers
+                if store.workers_left > 0:
+                    continue
+                del self._stores[job_id]
+                state = self._requests.get(store.req_id)
+                if state is not None:
+                    state.open_stores.discard(job_id)
+        for req_id in finished_sending:
+            if req_id in self._held:
+                self._held.discard(req_id)
+                self._requests.pop(req_id, None)
+
+    def request_finished(self, request: RequestView) -> bool:
+        """True: hold the request's blocks until the worker reports its stores finished."""
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return False
+        if state.open_stores and not self._stores_complete_in_step:
+            self._held.add(request.request_id)
+            self._newly_held.append(request.request_id)
+            self.counters.add("held_requests")
+            return True
+        for job_id in state.open_stores:  # finished within their step; forget them
+            self._stores.pop(job_id, None)
+        del self._requests[request.request_id]
+        return False
+
+    def has_pending_work(self) -> bool:
+        """Keep vLLM stepping while blocks are held, so the worker can report them."""
+        return bool(self._held)
+
+    @property
+    def tracked_requests(self) -> int:
+        return len(self._requests)
+
+    def close(self) -> None:
+        self._link.close()
+
+
+@dataclass(frozen=True)
+class _Lookup:
+    tenant: str
+    wanted: list[bytes]
+
+    def __call__(self, client: AgentClient) -> Hit:
+        return client.lookup(self.tenant, self.wanted, lock=False)
+
+
+@dataclass(frozen=True)
+class _Prefetch:
+    tenant: str
+    wanted: list[bytes]
+    parent: bytes | None
+
+    def __call__(self, client: AgentClient) -> tuple[Hit, int]:
+        return client.lookup_prefetch(self.tenant, self.wanted, self.parent)
+
+
+@dataclass(frozen=True)
+class _PrefetchStatus:
+    prefetch: int
+    wait_ms: int
+
+    def __call__(self, client: AgentClient) -> PrefetchProgress:
+        return client.prefetch_status(self.prefetch, wait_ms=self.wait_ms)
+
+
+@dataclass(frozen=True)
+class _Release:
+    lease: int
+
+    def __call__(self, client: AgentClient) -> None:
+        client.release(self.lease)

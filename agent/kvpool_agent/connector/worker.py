@@ -1,0 +1,379 @@
+"""The worker half: copies between vLLM's KV cache and the agent's segment.
+
+It runs in each vLLM worker process (one per tensor-parallel rank) and knows
+nothing about scheduling: it executes the jobs in the step's metadata.
+
+* ``register_kv_caches``: find each layer's blocks by shape and stride
+  (:mod:`kvpool_agent.connector.layout`), fix the chunk format, map the segment,
+  and describe the format to the scheduler (the handshake).
+* ``start_load_kv`` (before the forward): for each :class:`LoadJob`, lock the
+  chunks (``lookup``), copy them into the blocks, release. Chunks that are gone,
+  and every chunk after the first gap, are reported through
+  ``get_block_ids_with_load_errors`` in the same step, so vLLM recomputes them.
+* ``wait_for_save`` (after the forward): for each :class:`StoreJob`, reserve
+  (``prepare_store`` with the parent key), copy the chunks the agent does not
+  have yet, commit. Refusals (quota, memory) and errors drop the store; the
+  next request recomputes and tries again.
+* ``get_finished``: requests the scheduler holds are reported once their stores
+  have finished.
+
+Any agent failure is counted and logged by the link and costs only the cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvpool_agent.client import AgentClient, AgentError, AgentInfo, StorePlan
+from kvpool_agent.connector.copier import BlockCopier, Copy, MappedSegment
+from kvpool_agent.connector.counters import Counters
+from kvpool_agent.connector.layout import ChunkFormat, detect_layout
+from kvpool_agent.connector.link import AgentLink, LinkDown
+from kvpool_agent.connector.metadata import (
+    KvpoolHandshake,
+    KvpoolMetadata,
+    KvpoolWorkerMetadata,
+    LoadJob,
+    StoreJob,
+)
+from kvpool_agent.l1 import Hit
+from kvpool_agent.pinned import PinMode
+from kvpool_agent.segment import SegmentError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _PendingStore:
+    job: StoreJob
+    lease: int | None
+    copies: list[Copy]
+
+
+@dataclass
+class _PendingRelease:
+    lease: int
+    copies: list[Copy]
+
+
+class WorkerHalf:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        link: AgentLink,
+        counters: Counters,
+        chunk_tokens: Callable[[], int],
+        segment_path: Callable[[AgentInfo], Path],
+        pin_mode: PinMode,
+    ) -> None:
+        self._rank = rank
+        self._link = link
+        self.counters = counters
+        self._chunk_tokens = chunk_tokens
+        self._segment_path = segment_path
+        self._pin_mode = pin_mode
+        self.format: ChunkFormat | None = None
+        self._copier: BlockCopier | None = None
+        self._segment: MappedSegment | None = None
+        self._failed_blocks: set[int] = set()
+        self._stores: list[_PendingStore] = []
+        self._releases: list[_PendingRelease] = []
+        self._completed: dict[int, int] = {}
+        self._open_jobs: dict[str, set[int]] = {}
+        self._held: set[str] = set()
+        self.handshake: KvpoolHandshake | None = None
+
+    # ------------------------------------------------------------ set-up
+
+    def register_kv_caches(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        layer_names: Sequence[str],
+        num_blocks: int,
+        block_size: int,
+        content: str,
+    ) -> None:
+        """Understand the caches of ``layer_names`` (in this order) and map the segment."""
+        tensors = [kv_caches[name] for name in layer_names]
+        layouts = [detect_layout(tensor, num_blocks) for tensor in tensors]
+        chunk_tokens = self._chunk_tokens()
+        self.format = ChunkFormat.of(layouts, chunk_tokens, block_size, content)
+        self._copier = BlockCopier(
+            [layout.blocks(tensor) for layout, tensor in zip(layouts, tensors, strict=True)],
+            self.format,
+        )
+        self.handshake = KvpoolHandshake(
+            self.format.descriptor(), chunk_tokens, self._copier.synchronous
+        )
+        log.info(
+            "kvpool worker %d: %d layers, blocks %s (%s), %d bytes per %d-token chunk",
+            self._rank,
+            self.format.layers,
+            layouts[0].page_shape,
+            layouts[0].physical_order,
+            self.format.chunk_bytes,
+            chunk_tokens,
+        )
+        with contextlib.suppress(LinkDown):  # map now, not in the first request
+            self._link.info()
+
+    def on_new_agent(self, info: AgentInfo) -> None:
+        """The link met an agent (first or restarted): map its segment unless mapped."""
+        path = self._segment_path(info)
+        if self._segment is not None and self._segment.path == path and self._segment.is_current():
+            return
+        self._drop_segment()
+        on_gpu = self._copier is not None and self._copier.device.type == "cuda"
+        try:
+            self._segment = MappedSegment(path, self._pin_mode if on_gpu else "never")
+        except (SegmentError, OSError) as error:
+            log.warning("kvpool worker %d: cannot map segment %s: %s", self._rank, path, error)
+            return
+        log.info(
+            "kvpool worker %d: mapped segment %s%s",
+            self._rank,
+            path,
+            " (pinned)" if self._segment.pinned else "",
+        )
+
+    def _drop_segment(self) -> None:
+        if self._segment is None:
+            return
+        if self._copier is not None:
+            self._copier.flush()
+        self._settle(wait=True)
+        self._segment.close()
+        self._segment = None
+
+    # ------------------------------------------------------------ loads
+
+    def start_load(self, meta: KvpoolMetadata) -> None:
+        self._held.update(meta.held)  # before get_finished, whatever the step's order
+        if meta.loads:
+            with self.counters.timed("load_us"):
+                for job in meta.loads:
+                    self._load(job)
+
+    def _load(self, job: LoadJob) -> None:
+        copier, chunk_format = self._copier, self.format
+        assert copier is not None and chunk_format is not None
+        keys = list(job.keys[self._rank])
+        loaded = 0
+        try:
+            hit = self._link.call(_Lookup(job.tenant, keys))
+            segment = self._mapped()
+            copies: list[Copy] = []
+            try:
+                for index in range(min(hit.count, len(keys))):
+                    if hit.sizes[index] != chunk_format.chunk_bytes:
+                        log.warning(
+                            "kvpool worker %d: chunk of %d bytes, expected %d; not loaded",
+                            self._rank,
+                            hit.sizes[index],
+                            chunk_format.chunk_bytes,
+                        )
+                        break
+                    first, ids = self._chunk_blocks(job, index)
+                    chunk = segment.chunk(hit.offsets[index], chunk_format.chunk_bytes)
+                    copies.append(copier.load(chunk, ids, first))
+                    loaded += 1
+            finally:
+                if hit.lease is not None:
+                    self._releases.append(_PendingRelease(hit.lease, copies))
+        except (LinkDown, SegmentError) as error:
+            log.debug("kvpool worker %d: load of %s failed: %s", self._rank, job.req_id, error)
+        except AgentError as error:
+            log.warning("kvpool worker %d: load refused: %s", self._rank, error)
+        self.counters.add("loaded_chunks", loaded)
+        if loaded < len(keys):
+            self.counters.add("load_failed_chunks", len(keys) - loaded)
+            for index in range(loaded, len(keys)):
+                self._failed_blocks.update(self._chunk_blocks(job, index)[1])
+        self._settle(wait=False)
+
+    def _chunk_blocks(self, job: LoadJob, index: int) -> tuple[int, list[int]]:
+        """(first block within the chunk, destination block ids) of the job's ``index``-th chunk."""
+        assert self.format is not None
+        per_chunk = self.format.blocks_per_chunk
+        start = 0 if index == 0 else index * per_chunk - job.first_block
+        end = (index + 1) * per_chunk - job.first_block
+        return (job.first_block if index == 0 else 0), list(job.block_ids[start:end])
+
+    def take_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    # ------------------------------------------------------------ stores
+
+    def save(self, meta: KvpoolMetadata) -> None:
+        if not (meta.stores or self._stores or self._releases):
+            return
+        with self.counters.timed("store_us"):
+            for job in meta.stores:
+                self._open_jobs.setdefault(job.req_id, set()).add(job.job_id)
+                self._store(job)
+            self._settle(wait=False)
+
+    def _store(self, job: StoreJob) -> None:
+        copier, chunk_format = self._copier, self.format
+        assert copier is not None and chunk_format is not None
+        keys = list(job.keys[self._rank])
+        size = chunk_format.chunk_bytes
+        per_chunk = chunk_format.blocks_per_chunk
+        try:
+            plan = self._link.call(_Prepare(job.tenant, keys, size, job.parents[self._rank]))
+        except (LinkDown, AgentError) as error:
+            log.debug("kvpool worker %d: store of %s skipped: %s", self._rank, job.req_id, error)
+            self.counters.add("failed_stores")
+            self._complete(job)
+            return
+        offsets = plan.offsets
+        self.counters.add("present_chunks", sum(1 for offset in offsets if offset < 0))
+        self.counters.add("refused_chunks", len(keys) - len(offsets))
+        copies: list[Copy] = []
+        if plan.lease is not None:
+            try:
+                segment = self._mapped()
+                for index, offset in enumerate(offsets):
+                    if offset >= 0:
+                        ids = job.block_ids[index * per_chunk : (index + 1) * per_chunk]
+                        copies.append(copier.store(segment.chunk(offset, size), ids))
+            except SegmentError as error:
+                log.warning("kvpool worker %d: store not copied: %s", self._rank, error)
+                self.counters.add("failed_stores")
+                self._abandon(plan.lease)
+                self._complete(job)
+                return
+        self._stores.append(_PendingStore(job, plan.lease, copies))
+        if plan.refused:
+            log.debug("kvpool worker %d: agent stored only part: %s", self._rank, plan.refused)
+
+    def _settle(self, *, wait: bool) -> None:
+        """Commit stores and release loads whose copies have finished (all, with ``wait``)."""
+        still: list[_PendingStore] = []
+        for store in self._stores:
+            if wait:
+                for copy in store.copies:
+                    copy.wait()
+            elif not all(copy.done() for copy in store.copies):
+                still.append(store)
+                continue
+            self._commit(store)
+        self._stores = still
+        waiting: list[_PendingRelease] = []
+        for release in self._releases:
+            if wait:
+                for copy in release.copies:
+                    copy.wait()
+            elif not all(copy.done() for copy in release.copies):
+                waiting.append(release)
+                continue
+            self._abandon(release.lease)
+        self._releases = waiting
+
+    def _commit(self, store: _PendingStore) -> None:
+        if store.lease is not None:
+            try:
+                committed = self._link.call(_Commit(store.lease))
+                self.counters.add("stored_chunks", committed)
+            except (LinkDown, AgentError) as error:
+                log.debug("kvpool worker %d: commit failed: %s", self._rank, error)
+                self.counters.add("failed_stores")
+        self._complete(store.job)
+
+    def _abandon(self, lease: int) -> None:
+        """Release a lease; if the agent is gone, so is the lease (it also expires)."""
+        try:
+            self._link.call(_Release(lease))
+        except (LinkDown, AgentError) as error:
+            log.debug("kvpool worker %d: release failed: %s", self._rank, error)
+
+    def _complete(self, job: StoreJob) -> None:
+        self._completed[job.job_id] = self._completed.get(job.job_id, 0) + 1
+        jobs = self._open_jobs.get(job.req_id)
+        if jobs is not None:
+            jobs.discard(job.job_id)
+            if not jobs:
+                del self._open_jobs[job.req_id]
+
+    def handle_preemptions(self, meta: KvpoolMetadata) -> None:
+        """Preempted requests' blocks are about to be reused: finish every copy first."""
+        if meta.preempted and self._stores:
+            if self._copier is not None:
+                self._copier.flush()
+            self._settle(wait=True)
+
+    # ------------------------------------------------------------ reporting
+
+    def get_finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Held requests whose stores are done (their blocks may be freed).
+
+        The scheduler names a request as held in the metadata of the step whose
+        ``finished_req_ids`` carry it, so every id reported here was given to vLLM's
+        ``get_finished`` in this call or an earlier one, as vLLM requires.
+        """
+        self._settle(wait=False)
+        done = {req_id for req_id in self._held if req_id not in self._open_jobs}
+        self._held -= done
+        return done
+
+    def build_worker_meta(self) -> KvpoolWorkerMetadata | None:
+        if not self._completed:
+            return None
+        completed, self._completed = self._completed, {}
+        return KvpoolWorkerMetadata(completed)
+
+    def _mapped(self) -> MappedSegment:
+        if self._segment is None:
+            self.on_new_agent(self._link.info())
+        if self._segment is None:
+            raise SegmentError("the agent's segment is not mapped")
+        return self._segment
+
+    def close(self) -> None:
+        self._drop_segment()
+        self._link.close()
+
+
+@dataclass(frozen=True)
+class _Lookup:
+    tenant: str
+    keys: list[bytes]
+
+    def __call__(self, client: AgentClient) -> Hit:
+        return client.lookup(self.tenant, self.keys, lock=True)
+
+
+@dataclass(frozen=True)
+class _Prepare:
+    tenant: str
+    keys: list[bytes]
+    size: int
+    parent: bytes | None
+
+    def __call__(self, client: AgentClient) -> StorePlan:
+        sizes = [self.size] * len(self.keys)
+        return client.prepare_store(self.tenant, self.keys, sizes, self.parent)
+
+
+@dataclass(frozen=True)
+class _Commit:
+    lease: int
+
+    def __call__(self, client: AgentClient) -> int:
+        return client.commit_store(self.lease)
+
+
+@dataclass(frozen=True)
+class _Release:
+    lease: int
+
+    def __call__(self, client: AgentClient) -> None:
+        client.release(self.lease)

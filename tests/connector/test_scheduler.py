@@ -1,0 +1,325 @@
+"""The scheduler half's planning, with an in-memory agent and stand-ins for vLLM's objects."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvpool_agent import keys
+from kvpool_agent.connector.counters import Counters
+from kvpool_agent.connector.metadata import KvpoolHandshake, KvpoolWorkerMetadata
+from kvpool_agent.connector.scheduler import SchedulerHalf
+
+from .fakes import (
+    Clock,
+    FakeAgent,
+    FakeBlocks,
+    FakeRequest,
+    make_link,
+    new_request,
+    scheduler_output,
+)
+
+CHUNK, BLOCK = 256, 128
+LAYOUT = "kvpool-chunk-v1;test"
+
+
+def tokens(length: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 30000) for _ in range(length)]
+
+
+def chain(ids: list[int], salt: str | None = None, rank: int = 0, tp: int = 1) -> list[bytes]:
+    fingerprint = keys.ModelFingerprint("m", "bfloat16", LAYOUT, rank, tp, CHUNK)
+    return keys.chunk_keys(ids, salt, fingerprint)
+
+
+def make(
+    agent: FakeAgent,
+    *,
+    tp: int = 1,
+    stores_complete_in_step: bool = True,
+    prefetch_wait_s: float = 0.0,
+    clock: Clock | None = None,
+) -> SchedulerHalf:
+    counters = Counters()
+    clock = clock or Clock()
+    half = SchedulerHalf(
+        model="m",
+        dtype="bfloat16",
+        tp_size=tp,
+        block_size=BLOCK,
+        link=make_link(agent, counters, clock),
+        counters=counters,
+        prefetch_wait_s=prefetch_wait_s,
+        clock=clock,
+    )
+    half.configure(
+        {rank: KvpoolHandshake(LAYOUT, CHUNK, stores_complete_in_step) for rank in range(tp)}
+    )
+    return half
+
+
+def test_nothing_happens_before_the_workers_describe_their_chunks() -> None:
+    agent = FakeAgent()
+    half = SchedulerHalf(
+        model="m",
+        dtype="bfloat16",
+        tp_size=1,
+        block_size=BLOCK,
+        link=make_link(agent),
+        counters=Counters(),
+    )
+    request = FakeRequest("r", tokens(1000))
+    assert half.get_num_new_matched_tokens(request, 0) == (0, False)
+    meta = half.build_connector_meta(scheduler_output([new_request("r", list(range(8)), 0)]))
+    assert (meta.loads, meta.stores) == ([], [])
+    assert agent.lookups == []
+
+
+def test_hits_become_a_load_of_whole_chunks() -> None:
+    agent = FakeAgent()
+    prompt = tokens(1000)
+    agent.put(keys.tenant_id(None), chain(prompt)[:3])
+    half = make(agent)
+    request = FakeRequest("r", prompt)
+
+    assert half.get_num_new_matched_tokens(request, 0) == (3 * CHUNK, False)
+    assert agent.lookups[-1][2] is False  # the scheduler never locks
+    block_ids = list(range(20, 28))
+    half.update_state_after_alloc(request, FakeBlocks(block_ids), 3 * CHUNK)
+    meta = half.build_connector_meta(
+        scheduler_output([new_request("r", block_ids, 3 * CHUNK)], scheduled={"r": 1000 - 768})
+    )
+
+    (load,) = meta.loads
+    assert load.keys == (tuple(chain(prompt)[:3]),)
+    assert load.block_ids == tuple(block_ids[:6])
+    assert load.first_block == 0
+    assert meta.stores == []  # the loaded chunks are not stored again; chunk 3 is not full
+
+
+def test_a_local_hit_mid_chunk_loads_the_rest_of_the_chunk() -> None:
+    agent = FakeAgent()
+    prompt = tokens(1000)
+    agent.put(keys.tenant_id(None), chain(prompt))
+    half = make(agent)
+    request = FakeRequest("r", prompt)
+
+    # vLLM's own prefix cache has 3 blocks (384 tokens): chunk 1 is half there
+    assert half.get_num_new_matched_tokens(request, 384) == (3 * CHUNK - 384, False)
+    assert agent.lookups[-1][1] == chain(prompt)[1:3]
+    block_ids = list(range(40, 48))
+    half.update_state_after_alloc(request, FakeBlocks(block_ids), 3 * CHUNK - 384)
+    (load,) = half.build_connector_meta(scheduler_output()).loads
+    assert load.keys == (tuple(chain(prompt)[1:3]),)
+    assert load.first_block == 1
+    assert load.block_ids == tuple(block_ids[3:6])
+
+
+def test_vllm_always_computes_the_last_token() -> None:
+    agent = FakeAgent()
+    prompt = tokens(2 * CHUNK)
+    agent.put(keys.tenant_id(None), chain(prompt))
+    half = make(agent)
+    assert half.get_num_new_matched_tokens(FakeRequest("r", prompt), 0) == (CHUNK, False)
+    short = tokens(CHUNK - 10, seed=1)
+    assert half.get_num_new_matched_tokens(FakeRequest("s", short), 0) == (0, False)
+
+
+def test_salts_are_tenants_and_never_share() -> None:
+    agent = FakeAgent()
+    prompt = tokens(600)
+    agent.put(keys.tenant_id("alice"), chain(prompt, "alice"))
+    half = make(agent)
+
+    assert half.get_num_new_matched_tokens(FakeRequest("a", prompt, "alice"), 0)[0] == 2 * CHUNK
+    assert half.get_num_new_matched_tokens(FakeRequest("b", prompt, "bob"), 0)[0] == 0
+    assert half.get_num_new_matched_tokens(FakeRequest("c", prompt), 0)[0] == 0
+    tenants = {tenant for tenant, _, _ in agent.lookups}
+    assert tenants == {keys.tenant_id(salt) for salt in ("alice", "bob", None)}
+    assert all(b"alice" not in key for _, wanted, _ in agent.lookups for key in wanted)
+
+
+def test_every_rank_must_hit() -> None:
+    agent = FakeAgent()
+    prompt = tokens(1000)
+    tenant = keys.tenant_id(None)
+    agent.put(tenant, chain(prompt, rank=0, tp=2)[:3])
+    agent.put(tenant, chain(prompt, rank=1, tp=2)[:2])
+    half = make(agent, tp=2)
+    request = FakeRequest("r", prompt)
+    assert half.get_num_new_matched_tokens(request, 0) == (2 * CHUNK, False)
+    half.update_state_after_alloc(request, FakeBlocks(list(range(8))), 2 * CHUNK)
+    (load,) = half.build_connector_meta(scheduler_output()).loads
+    assert load.keys == (
+        tuple(chain(prompt, rank=0, tp=2)[:2]),
+        tuple(chain(prompt, rank=1, tp=2)[:2]),
+    )
+
+
+def test_an_unavailable_agent_is_a_miss() -> None:
+    agent = FakeAgent(down=True)
+    half = make(agent)
+    prompt = tokens(1000)
+    assert half.get_num_new_matched_tokens(FakeRequest("r", prompt), 0) == (0, False)
+    assert half.get_num_new_matched_tokens(FakeRequest("s", prompt), 0) == (0, False)
+    assert half.counters.totals["agent_failures"] == 1
+    assert half.counters.totals["agent_skipped_calls"] == 1
+
+
+def test_stores_follow_the_chunks_as_they_fill() -> None:
+    half = make(FakeAgent())
+    prompt = tokens(700)
+    request = FakeRequest("r", list(prompt))
+    half.get_num_new_matched_tokens(request, 0)
+    block_ids = list(range(100, 106))
+    # chunked prefill: 300 tokens, then the remaining 400
+    first = half.build_connector_meta(
+        scheduler_output([new_request("r", block_ids[:3], 0)], scheduled={"r": 300})
+    )
+    (store,) = first.stores
+    assert store.keys == (tuple(chain(prompt)[:1]),)
+    assert store.parents == (None,)
+    assert store.block_ids == (100, 101)
+
+    second = half.build_connector_meta(
+        scheduler_output(cached=[("r", block_ids[3:], 300)], scheduled={"r": 400})
+    )
+    (store,) = second.stores
+    assert store.keys == (tuple(chain(prompt)[1:2]),)
+    assert store.parents == (chain(prompt)[0],)
+    assert store.block_ids == (102, 103)
+
+    # decoding: generated tokens fill chunk 2 (tokens 512..767)
+    for step in range(700, 768):
+        request.tokens.append(step)
+        meta = half.build_connector_meta(
+            scheduler_output(
+                cached=[("r", [106] if step == 768 - 1 else None, step)], scheduled={"r": 1}
+            )
+        )
+        if step < 767:
+            assert meta.stores == []
+    (store,) = meta.stores
+    assert store.keys == (tuple(chain(request.tokens)[2:3]),)
+    assert store.block_ids == (104, 105)
+
+
+def test_preempted_requests_store_from_their_new_blocks() -> None:
+    half = make(FakeAgent())
+    prompt = tokens(600)
+    request = FakeRequest("r", prompt)
+    half.get_num_new_matched_tokens(request, 0)
+    half.build_connector_meta(
+        scheduler_output([new_request("r", [1, 2, 3], 0)], scheduled={"r": 300})
+    )
+    meta = half.build_connector_meta(scheduler_output(preempted={"r"}))
+    assert meta.preempted == ["r"]
+    assert half.counters.totals["preemptions_seen"] == 1
+
+    resumed = half.build_connector_meta(
+        scheduler_output(cached=[("r", [7, 8, 9, 10, 11], 0)], scheduled={"r": 600}, resumed={"r"})
+    )
+    (store,) = resumed.stores  # chunk 0 was stored before the preemption
+    assert store.keys == (tuple(chain(prompt)[1:2]),)
+    assert store.block_ids == (9, 10)
+
+
+def test_finished_requests_keep_blocks_only_while_stores_are_in_flight() -> None:
+    for in_step in (True, False):
+        half = make(FakeAgent(), stores_complete_in_step=in_step)
+        request = FakeRequest("r", tokens(600))
+        half.get_num_new_matched_tokens(request, 0)
+        (store,) = half.build_connector_meta(
+            scheduler_output([new_request("r", list(range(5)), 0)], scheduled={"r": 600})
+        ).stores
+
+        held = half.request_finished(request)
+
+        assert held is not in_step
+        assert half.has_pending_work() is not in_step
+        meta = half.build_connector_meta(scheduler_output())
+        assert meta.held == ([] if in_step else ["r"])
+        half.update_connector_output(KvpoolWorkerMetadata({store.job_id: 1}), {"r"} - {""})
+        assert not half.has_pending_work()
+        assert half.tracked_requests == 0
+
+
+def test_confirmed_stores_release_nothing_twice() -> None:
+    half = make(FakeAgent(), stores_complete_in_step=False)
+    request = FakeRequest("r", tokens(600))
+    half.get_num_new_matched_tokens(request, 0)
+    (store,) = half.build_connector_meta(
+        scheduler_output([new_request("r", list(range(5)), 0)], scheduled={"r": 600})
+    ).stores
+    half.update_connector_output(KvpoolWorkerMetadata({store.job_id: 1}), set())
+    assert half.request_finished(request) is False  # confirmed before it finished
+    assert half.tracked_requests == 0
+
+
+@pytest.mark.parametrize("ranks", [{1}, {0: 128, 1: 256}])
+def test_inconsistent_workers_disable_the_cache(ranks: object) -> None:
+    half = SchedulerHalf(
+        model="m",
+        dtype="bfloat16",
+        tp_size=2,
+        block_size=BLOCK,
+        link=make_link(FakeAgent()),
+        counters=Counters(),
+    )
+    if isinstance(ranks, set):
+        half.configure({rank: KvpoolHandshake(LAYOUT, CHUNK, True) for rank in ranks})
+    else:
+        assert isinstance(ranks, dict)
+        half.configure({rank: KvpoolHandshake(LAYOUT, size, True) for rank, size in ranks.items()})
+    assert not half.ready
+
+
+def test_requests_wait_while_the_agent_prefetches_from_l2() -> None:
+    agent = FakeAgent(prefetch_polls=1)
+    prompt = tokens(1300)
+    tenant = keys.tenant_id(None)
+    agent.put(tenant, chain(prompt)[:1])
+    agent.put_l2(tenant, chain(prompt)[1:4])
+    half = make(agent, prefetch_wait_s=2.0)
+    request = FakeRequest("r", prompt)
+
+    assert half.get_num_new_matched_tokens(request, 0) == (None, False)  # started, not done
+    assert half.get_num_new_matched_tokens(request, 0) == (4 * CHUNK, False)
+    assert half.counters.totals["prefetches"] == 1
+    assert agent.released == []  # the prefetching lookup found nothing to lock
+
+
+def test_a_slow_prefetch_is_given_up() -> None:
+    agent, clock = FakeAgent(prefetch_polls=100), Clock()
+    prompt = tokens(1000)
+    agent.put(keys.tenant_id(None), chain(prompt)[:1])
+    agent.put_l2(keys.tenant_id(None), chain(prompt)[1:3])
+    half = make(agent, prefetch_wait_s=2.0, clock=clock)
+    request = FakeRequest("r", prompt)
+
+    assert half.get_num_new_matched_tokens(request, 0) == (None, False)
+    clock.now += 1.0
+    assert half.get_num_new_matched_tokens(request, 0) == (None, False)
+    clock.now += 1.5
+    assert half.get_num_new_matched_tokens(request, 0) == (CHUNK, False)  # what L1 has
+    assert half.counters.totals["prefetch_timeouts"] == 1
+    assert half.get_num_new_matched_tokens(request, 0) == (CHUNK, False)  # asked once only
+
+
+def test_a_quick_prefetch_costs_no_step() -> None:
+    agent = FakeAgent(prefetch_polls=0)
+    prompt = tokens(1000)
+    agent.put_l2(keys.tenant_id(None), chain(prompt)[:2])
+    half = make(agent, prefetch_wait_s=2.0)
+    assert half.get_num_new_matched_tokens(FakeRequest("r", prompt), 0) == (2 * CHUNK, False)
+
+
+def test_without_l2_nothing_waits() -> None:
+    agent = FakeAgent()
+    prompt = tokens(1000)
+    half = make(agent, prefetch_wait_s=2.0)
+    assert half.get_num_new_matched_tokens(FakeRequest("r", prompt), 0) == (0, False)
+    assert half.counters.totals["prefetches"] == 0

@@ -1,0 +1,137 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import pytest
+
+from kvpool_agent.connector import discovery
+from kvpool_agent.connector.discovery import AgentAddress, DiscoveryError, resolve
+from kvpool_agent.connector.settings import ConnectorSettings
+
+ANNOTATIONS = {
+    "kvpool.io/zmq-port": "7400",
+    "kvpool.io/segment-path": "/dev/shm/kvpool-main",
+    "kvpool.io/chunk-tokens": "512",
+    "kvpool.io/protocol-version": "1",
+}
+
+
+def test_explicit_endpoint() -> None:
+    settings = ConnectorSettings.load({"endpoint": "tcp://10.0.0.1:7400"}, environ={})
+    assert resolve(settings) == AgentAddress("tcp://10.0.0.1:7400", None, None)
+
+
+def test_exactly_one_target() -> None:
+    with pytest.raises(ValueError, match="exactly one of"):
+        ConnectorSettings.load({}, environ={})
+    with pytest.raises(ValueError, match="exactly one of"):
+        ConnectorSettings.load({"endpoint": "tcp://a:1", "pool": "main"}, environ={})
+
+
+def test_unknown_key_names_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="known keys: chunk_tokens, endpoint"):
+        ConnectorSettings.load({"endpoint": "tcp://a:1", "chunk_size": 256}, environ={})
+
+
+def test_bad_values_are_refused() -> None:
+    with pytest.raises(ValueError, match="tcp://host:port"):
+        ConnectorSettings.load({"endpoint": "localhost:7400"}, environ={})
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        ConnectorSettings.load({"endpoint": "tcp://a:1", "chunk_tokens": 0}, environ={})
+
+
+def test_environment_overrides_everything() -> None:
+    environ = {
+        "KVPOOL_ENDPOINT": "tcp://127.0.0.1:9000",
+        "KVPOOL_SEGMENT_PATH": "/dev/shm/mine",
+        "KVPOOL_CHUNK_TOKENS": "128",
+    }
+    settings = ConnectorSettings.load({"pool": "main", "namespace": "ns"}, environ=environ)
+    assert resolve(settings) == AgentAddress("tcp://127.0.0.1:9000", Path("/dev/shm/mine"), 128)
+
+
+def test_pool_is_discovered_through_the_service() -> None:
+    asked: list[tuple[str, str]] = []
+
+    def read(name: str, namespace: str) -> dict[str, str]:
+        asked.append((name, namespace))
+        return ANNOTATIONS
+
+    settings = ConnectorSettings.load({"pool": "main", "namespace": "inference"}, environ={})
+    address = resolve(settings, read)
+    assert asked == [("kvpool-main", "inference")]
+    assert address == AgentAddress(
+        "tcp://kvpool-main.inference.svc:7400", Path("/dev/shm/kvpool-main"), 512
+    )
+
+
+def test_settings_win_over_annotations() -> None:
+    settings = ConnectorSettings.load(
+        {"pool": "main", "namespace": "ns", "chunk_tokens": 256, "segment_path": "/mnt/seg"},
+        environ={},
+    )
+    address = resolve(settings, lambda name, namespace: ANNOTATIONS)
+    assert (address.chunk_tokens, address.segment_path) == (256, Path("/mnt/seg"))
+
+
+def test_namespace_defaults_to_the_pods_own(tmp_path: Path) -> None:
+    namespace_file = tmp_path / "namespace"
+    namespace_file.write_text("serving\n")
+    settings = ConnectorSettings.load({"pool": "main"}, environ={})
+    address = resolve(settings, lambda name, namespace: ANNOTATIONS, namespace_file)
+    assert address.endpoint == "tcp://kvpool-main.serving.svc:7400"
+    with pytest.raises(DiscoveryError, match="is this pod in Kubernetes"):
+        resolve(settings, lambda name, namespace: ANNOTATIONS, tmp_path / "missing")
+
+
+@pytest.mark.parametrize(
+    ("annotations", "message"),
+    [
+        ({**ANNOTATIONS, "kvpool.io/protocol-version": "2"}, "speaks protocol 2"),
+        ({"kvpool.io/segment-path": "/dev/shm/x"}, "no kvpool.io/zmq-port"),
+        ({**ANNOTATIONS, "kvpool.io/zmq-port": "http"}, "is not an integer"),
+        ({**ANNOTATIONS, "kvpool.io/chunk-tokens": "-1"}, "must be positive"),
+    ],
+)
+def test_unusable_annotations(annotations: dict[str, str], message: str) -> None:
+    settings = ConnectorSettings.load({"pool": "main", "namespace": "ns"}, environ={})
+    with pytest.raises(DiscoveryError, match=message):
+        resolve(settings, lambda name, namespace: annotations)
+
+
+def test_kubernetes_errors_become_discovery_errors() -> None:
+    def forbidden(name: str, namespace: str) -> dict[str, str]:
+        raise PermissionError("services is forbidden")
+
+    settings = ConnectorSettings.load({"pool": "main", "namespace": "ns"}, environ={})
+    with pytest.raises(DiscoveryError, match="cannot read Service ns/kvpool-main: services is"):
+        resolve(settings, forbidden)
+
+
+def test_the_kubernetes_reader_uses_the_in_cluster_account(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[object] = []
+
+    class CoreV1Api:
+        def read_namespaced_service(
+            self, name: str, namespace: str, _request_timeout: float
+        ) -> SimpleNamespace:
+            calls.append((name, namespace, _request_timeout))
+            return SimpleNamespace(metadata=SimpleNamespace(annotations=ANNOTATIONS))
+
+    config = ModuleType("kubernetes.config")
+    config.load_incluster_config = lambda: calls.append("in-cluster")  # type: ignore[attr-defined]
+    client = ModuleType("kubernetes.client")
+    client.CoreV1Api = CoreV1Api  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "kubernetes", ModuleType("kubernetes"))
+    monkeypatch.setitem(sys.modules, "kubernetes.config", config)
+    monkeypatch.setitem(sys.modules, "kubernetes.client", client)
+
+    settings = ConnectorSettings.load({"pool": "main", "namespace": "ns"}, environ={})
+    address = resolve(settings)
+
+    assert calls == ["in-cluster", ("kvpool-main", "ns", discovery.K8S_TIMEOUT_S)]
+    assert address.endpoint == "tcp://kvpool-main.ns.svc:7400"

@@ -1,0 +1,174 @@
+"""The worker half against a real agent process, with small CPU caches standing in for vLLM's."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvpool_agent import keys
+from kvpool_agent.client import AgentClient, AgentInfo
+from kvpool_agent.connector.counters import Counters
+from kvpool_agent.connector.discovery import AgentAddress
+from kvpool_agent.connector.link import AgentLink
+from kvpool_agent.connector.metadata import KvpoolMetadata, LoadJob, StoreJob
+from kvpool_agent.connector.worker import WorkerHalf
+from tests.agent.agent_process import AgentProcess
+
+BLOCKS, HEADS, BLOCK_TOKENS, CONTENT = 16, 2, 4, 8
+CHUNK = 2 * BLOCK_TOKENS
+LAYERS = ["model.layers.0.attn", "model.layers.1.attn"]
+TENANT = keys.tenant_id("worker-test")
+KEYS = [bytes([index]) * 32 for index in range(4)]
+
+
+def _agent(workdir: Path) -> Iterator[AgentProcess]:
+    process = AgentProcess(workdir)
+    process.start()
+    process.fix_ports()
+    yield process
+    process.cleanup()
+
+
+@pytest.fixture(scope="module")
+def shared_agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
+    yield from _agent(tmp_path_factory.mktemp("agent"))
+
+
+@pytest.fixture
+def agent(shared_agent: AgentProcess) -> AgentProcess:
+    """The module's agent, emptied."""
+    with AgentClient(shared_agent.zmq) as client:
+        client.clear()
+    return shared_agent
+
+
+@pytest.fixture
+def own_agent(tmp_path: Path) -> Iterator[AgentProcess]:
+    """An agent of the test's own, for killing."""
+    yield from _agent(tmp_path)
+
+
+def make_worker(agent: AgentProcess, seed: int | None) -> tuple[WorkerHalf, list[torch.Tensor]]:
+    counters = Counters()
+    holder: list[WorkerHalf] = []
+
+    def on_new_agent(info: AgentInfo) -> None:
+        holder[0].on_new_agent(info)
+
+    link = AgentLink(
+        lambda: AgentAddress(agent.zmq, None, None),
+        role="worker",
+        timeout=1.0,
+        retry_min_s=0.05,
+        retry_max_s=0.1,
+        counters=counters,
+        on_new_agent=on_new_agent,
+    )
+    worker = WorkerHalf(
+        rank=0,
+        link=link,
+        counters=counters,
+        chunk_tokens=lambda: CHUNK,
+        segment_path=lambda info: info.segment_path,
+        pin_mode="never",
+    )
+    holder.append(worker)
+    shape = (BLOCKS, HEADS, BLOCK_TOKENS, CONTENT)
+    if seed is None:
+        caches = [torch.zeros(shape, dtype=torch.bfloat16) for _ in LAYERS]
+    else:
+        generator = torch.Generator().manual_seed(seed)
+        caches = [torch.randn(shape, generator=generator).to(torch.bfloat16) for _ in LAYERS]
+    worker.register_kv_caches(dict(zip(LAYERS, caches, strict=True)), LAYERS, BLOCKS, 4, "TEST")
+    return worker, caches
+
+
+def store(worker: WorkerHalf, job_id: int, chunk_keys: list[bytes], block_ids: list[int]) -> None:
+    job = StoreJob(job_id, f"r{job_id}", TENANT, (tuple(chunk_keys),), (None,), tuple(block_ids))
+    worker.save(KvpoolMetadata(stores=[job]))
+
+
+def test_store_then_load_in_another_worker(agent: AgentProcess) -> None:
+    source, source_caches = make_worker(agent, seed=1)
+    assert source.handshake is not None
+    assert source.handshake.stores_complete_in_step
+    assert "content=TEST" in source.handshake.kv_layout
+
+    store(source, 1, KEYS[:2], [3, 4, 5, 6])
+
+    assert source.counters.totals["stored_chunks"] == 2
+    meta = source.build_worker_meta()
+    assert meta is not None and meta.completed_stores == {1: 1}
+
+    target, target_caches = make_worker(agent, seed=None)
+    job = LoadJob("r2", TENANT, (tuple(KEYS[:2]),), (9, 10, 11), first_block=1)
+    target.start_load(KvpoolMetadata(loads=[job]))
+
+    assert target.take_load_errors() == set()
+    for before, after in zip(source_caches, target_caches, strict=True):
+        assert torch.equal(after[[9, 10, 11]], before[[4, 5, 6]])
+        assert after[:9].eq(0).all()
+    assert target.counters.totals["loaded_chunks"] == 2
+
+
+def test_missing_chunks_are_reported_for_recompute(agent: AgentProcess) -> None:
+    source, _ = make_worker(agent, seed=2)
+    store(source, 1, KEYS[:2], [0, 1, 2, 3])
+    target, _ = make_worker(agent, seed=None)
+
+    # chunk 2 was never stored (or was evicted after the scheduler's lookup)
+    job = LoadJob("r", TENANT, (tuple(KEYS[:3]),), (8, 9, 10, 11, 12, 13), first_block=0)
+    target.start_load(KvpoolMetadata(loads=[job]))
+
+    assert target.take_load_errors() == {12, 13}
+    assert target.take_load_errors() == set()  # reported once
+    assert target.counters.totals["load_failed_chunks"] == 1
+
+
+def test_present_chunks_are_not_copied_twice(agent: AgentProcess) -> None:
+    worker, _ = make_worker(agent, seed=3)
+    store(worker, 1, KEYS[:2], [0, 1, 2, 3])
+    store(worker, 2, KEYS[:3], [0, 1, 2, 3, 4, 5])
+    assert worker.counters.totals["present_chunks"] == 2
+    assert worker.counters.totals["stored_chunks"] == 3
+
+
+def test_held_requests_are_reported_when_their_stores_are_done(agent: AgentProcess) -> None:
+    worker, _ = make_worker(agent, seed=4)
+    store(worker, 1, KEYS[:1], [0, 1])
+    assert worker.get_finished({"r0"}) == set()  # finished, not held: nothing to report
+    # the step after r1 finished: the metadata names it held, finished_req_ids carry it
+    worker.start_load(KvpoolMetadata(held=["r1"]))
+    assert worker.get_finished({"r1"}) == {"r1"}
+    assert worker.get_finished(set()) == set()
+
+
+def test_a_dead_agent_costs_the_cache_only(own_agent: AgentProcess) -> None:
+    agent = own_agent
+    source, _ = make_worker(agent, seed=5)
+    store(source, 1, KEYS[:2], [0, 1, 2, 3])
+    target, _ = make_worker(agent, seed=None)
+    agent.kill()
+
+    job = LoadJob("r", TENANT, (tuple(KEYS[:2]),), (4, 5, 6, 7), first_block=0)
+    target.start_load(KvpoolMetadata(loads=[job]))
+    store(target, 9, KEYS[2:3], [0, 1])
+
+    assert target.take_load_errors() == {4, 5, 6, 7}
+    assert target.counters.totals["agent_failures"] >= 1
+    meta = target.build_worker_meta()
+    assert meta is not None and meta.completed_stores == {9: 1}  # given up, not left open
+
+    agent.start()  # the segment survives: the restarted agent adopts it
+    for _ in range(20):
+        target.start_load(KvpoolMetadata(loads=[job]))
+        if not target.take_load_errors():
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the worker did not reconnect")
+    assert target.counters.totals["agent_restarts_seen"] == 1
