@@ -12,6 +12,7 @@ from kvpool_agent.bench import l1 as bench_l1
 from kvpool_agent.bench import l2 as bench_l2
 from kvpool_agent.bench import restart as bench_restart
 from kvpool_agent.bench import service as bench_service
+from kvpool_agent.bench import writeback as bench_writeback
 from kvpool_agent.keys import tenant_id
 
 
@@ -49,6 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench_l2.add_arguments(
         benches.add_parser("l2", help="NVMe and S3 adapters vs raw file I/O and raw boto3")
     )
+    bench_writeback.add_arguments(
+        benches.add_parser("writeback", help="store latency with a saturated write-back queue")
+    )
     bench_restart.add_arguments(
         benches.add_parser("restart", help="time to adopt a full segment after a restart")
     )
@@ -73,6 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "service": bench_service.run,
             "restart": bench_restart.run,
             "l2": bench_l2.run,
+            "writeback": bench_writeback.run,
             "connector": bench_connector.run,
             "index": bench_index.run,
         }[args.bench](args)

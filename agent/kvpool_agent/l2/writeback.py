@@ -158,7 +158,9 @@ class WriteBack:
         while True:
             item = await self._queue.get()
             try:
-                payload = self._segment.read(item.offset, item.size)  # pinned: bytes are stable
+                # Pinned, so the bytes stay put: hand the tiers a view, not a copy (a copy on
+                # the event loop would hold the GIL against the ZMQ thread's stores).
+                payload = self._segment.view[item.offset : item.offset + item.size]
                 for tier, stored in zip(
                     self._tiers,
                     await asyncio.gather(*(self._put(t, item, payload) for t in self._tiers)),
@@ -176,7 +178,7 @@ class WriteBack:
                     self.stats.pending -= 1
                     self.stats.pending_bytes -= item.size
 
-    async def _put(self, tier: L2Adapter, item: _Item, payload: bytes) -> bool:
+    async def _put(self, tier: L2Adapter, item: _Item, payload: memoryview) -> bool:
         started = time.perf_counter()
         (stored,) = await tier.put([L2Object(item.name, payload)])
         if self._observe is not None:
