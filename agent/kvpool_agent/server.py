@@ -152,6 +152,13 @@ class Agent:
         if not tiers:
             return None, None
         l1.cache.evict_orphans = False  # L2 can bring an evicted prefix back
+        loop = asyncio.get_running_loop()
+
+        def shrink_tiers(tenant: str) -> None:  # any thread: HTTP handlers, the quota watch
+            for tier in tiers:
+                asyncio.run_coroutine_threadsafe(tier.enforce_quota(tenant), loop)
+
+        service.quota_listeners.append(shrink_tiers)
         writeback = WriteBack(
             service,
             l1.segment,

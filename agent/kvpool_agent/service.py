@@ -9,7 +9,7 @@ own, so that two writers apply in the order they stored).
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from kvpool_agent.l1 import L1Cache, L1Stats, TenantStats
@@ -31,6 +31,8 @@ class CacheService:
         self.lock = threading.Lock()
         self._quota_store = quota_store
         self._quota_writes = threading.Lock()
+        self.quota_listeners: list[Callable[[str], None]] = []
+        """Told (outside the locks) which tenant's quota changed, e.g. to shrink L2 tiers."""
 
     def load_quotas(self) -> int:
         """Apply the stored quotas (at start); returns how many tenants have one."""
@@ -46,13 +48,17 @@ class CacheService:
         Under the write lock, so a change reported while this agent stores one of its
         own applies after it, in the order the store saw them.
         """
+        changed: list[str] = []
         with self._quota_writes, self.lock:
             book = self.cache.quotas
             for tenant in book.explicit().keys() - limits.keys():
                 self.cache.delete_quota(tenant)
+                changed.append(tenant)
             for tenant, limit in limits.items():
                 if not book.has_own(tenant) or book.limit(tenant) != limit:
                     self.cache.set_quota(tenant, limit)
+                    changed.append(tenant)
+        self._quota_changed(*changed)
 
     def quota(self, tenant: str) -> QuotaView:
         with self.lock:
@@ -65,6 +71,7 @@ class CacheService:
             self._quota_store.save(tenant, limit)
             with self.lock:
                 self.cache.set_quota(tenant, limit)
+        self._quota_changed(tenant)
         return self.quota(tenant)
 
     def delete_quota(self, tenant: str) -> QuotaView:
@@ -72,7 +79,13 @@ class CacheService:
             self._quota_store.delete(tenant)
             with self.lock:
                 self.cache.delete_quota(tenant)
+        self._quota_changed(tenant)
         return self.quota(tenant)
+
+    def _quota_changed(self, *tenants: str) -> None:
+        for tenant in tenants:
+            for listener in self.quota_listeners:
+                listener(tenant)
 
     def usage(self, tenant: str) -> TenantStats:
         with self.lock:

@@ -179,6 +179,22 @@ class NvmeAdapter:
         self._remove(name)
         return True
 
+    async def enforce_quota(self, tenant: str) -> int:
+        """Evict the tenant's own LRU files down to its (shrunken) quota; returns how many.
+
+        Files in use are skipped; the rest of the excess goes at the tenant's next put.
+        """
+        limit, account = self._limit_of(tenant), self._tenants.get(tenant)
+        if limit is None or account is None or account.used_bytes <= limit:
+            return 0
+        victims: dict[ObjectKey, int] = {}
+        self._pick(account.lru, account.used_bytes - limit, victims)
+        for victim in victims:
+            self._locks.try_claim(victim)
+            self._remove(victim)
+        await self._unlink_claimed(list(victims))
+        return len(victims)
+
     def _make_room(self, tenant: str, size: int) -> list[ObjectKey] | None:
         """Make room for ``size`` more bytes of ``tenant``: the victims, claimed and unindexed.
 

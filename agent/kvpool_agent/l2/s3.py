@@ -113,6 +113,10 @@ class S3Adapter:
     async def delete(self, keys: Sequence[ObjectKey]) -> list[bool]:
         return list(await asyncio.gather(*(self._delete_one(name) for name in keys)))
 
+    async def enforce_quota(self, tenant: str) -> int:
+        """S3 keeps no per-tenant accounting (it is shared by the pool): nothing to do."""
+        return 0
+
     async def close(self) -> None:
         def shut_down() -> None:
             self._executor.shutdown()

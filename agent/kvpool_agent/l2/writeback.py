@@ -102,7 +102,8 @@ class WriteBack:
 
     def committed(self, tenant: str, keys: Sequence[bytes]) -> None:
         if self._policy == "all":
-            self._submit(tenant, keys)
+            # Tail first, so that a tier's recency order keeps the head of a chain longest.
+            self._submit(tenant, keys[::-1])
 
     def hit(self, tenant: str, keys: Sequence[bytes]) -> None:
         if self._policy != "reused":
