@@ -1,0 +1,1 @@
+"""End-to-end: the whole kvpool flow on one machine (see ``scenario.py``)."""

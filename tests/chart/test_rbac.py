@@ -1,0 +1,151 @@
+"""The operator's RBAC: exactly what it does, nothing more, in exactly the namespaces it
+serves; and enough to hand the agents their Role (Kubernetes' escalation rule)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+
+from kvpool_operator.apply import KINDS
+from kvpool_operator.handlers import registry
+from kvpool_operator.reconcile import POOLS, SERVICE_MONITORS
+from kvpool_operator.render import Pool, render
+from kvpool_operator.spec import GROUP, PLURAL, PoolSpec
+
+from .conftest import NAMESPACE, Helm, Manifest, by_kind, one
+
+Permission = tuple[str, str, str]
+"""(API group, resource, verb)."""
+
+CLUSTER_WIDE: set[Permission] = {
+    ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
+    ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+    ("", "namespaces", "list"),
+    ("", "namespaces", "watch"),
+}
+"""kopf's needs whatever namespaces it serves."""
+
+
+def _verbs(group: str, resource: str, *verbs: str) -> set[Permission]:
+    return {(group, resource, verb) for verb in verbs}
+
+
+NAMESPACED: set[Permission] = (
+    _verbs(GROUP, PLURAL, "get", "list", "watch", "patch")
+    | _verbs(GROUP, f"{PLURAL}/status", "get", "patch")
+    | _verbs(GROUP, f"{PLURAL}/finalizers", "update")
+    | _verbs("", "configmaps", "get", "list", "watch", "create", "patch")
+    | _verbs("", "services", "get", "list", "watch", "create", "patch")
+    | _verbs("", "serviceaccounts", "get", "list", "watch", "create", "patch")
+    | _verbs("apps", "daemonsets", "get", "list", "watch", "create", "patch")
+    | _verbs("rbac.authorization.k8s.io", "roles", "get", "list", "watch", "create", "patch")
+    | _verbs("rbac.authorization.k8s.io", "rolebindings", "get", "list", "watch", "create", "patch")
+    | _verbs("monitoring.coreos.com", "servicemonitors", "get", "create", "patch", "delete")
+    | _verbs("", "events", "create", "patch")
+)
+"""What the operator does in a namespace it serves (the test below derives it from the code)."""
+
+
+def _group(api_version: str) -> str:
+    return api_version.rpartition("/")[0]
+
+
+def test_the_expected_permissions_follow_the_operators_code() -> None:
+    """Every kind the operator writes and every resource kopf watches is in NAMESPACED."""
+    for kind in KINDS.values():
+        group = _group(kind.api_version)
+        if kind is POOLS:
+            continue  # kopf patches pools; the operator writes their status subresource
+        needed = {"get", "create", "patch"} | ({"delete"} if kind is SERVICE_MONITORS else set())
+        assert _verbs(group, kind.plural, *needed) <= NAMESPACED, kind
+    watched = [handler.selector for handler in registry._watching.get_all_handlers()]
+    watched += [handler.selector for handler in registry._changing.get_all_handlers()]
+    assert watched, "kopf's registry moved: find the operator's watched resources again"
+    for selector in watched:
+        assert selector is not None and isinstance(selector.any_name, str), selector
+        assert _verbs(str(selector.group), selector.any_name, "list", "watch") <= NAMESPACED
+
+
+def _subject(manifests: list[Manifest]) -> dict[str, str]:
+    pod = one(manifests, "Deployment")["spec"]["template"]["spec"]
+    return {"kind": "ServiceAccount", "name": pod["serviceAccountName"], "namespace": NAMESPACE}
+
+
+def _granted(rules: Iterable[dict[str, Any]]) -> set[Permission]:
+    granted: set[Permission] = set()
+    for rule in rules:
+        assert "resourceNames" not in rule and "nonResourceURLs" not in rule, rule
+        granted |= {
+            (group, resource, verb)
+            for group in rule["apiGroups"]
+            for resource in rule["resources"]
+            for verb in rule["verbs"]
+        }
+    return granted
+
+
+def _grants(manifests: list[Manifest], namespace: str | None) -> set[Permission]:
+    """The operator's permissions in ``namespace`` (None: cluster-scoped ones)."""
+    subject = _subject(manifests)
+    roles = {
+        (role["kind"], role["metadata"]["name"]): role["rules"]
+        for role in by_kind(manifests, "ClusterRole")
+    }
+    granted: set[Permission] = set()
+    bindings = by_kind(manifests, "ClusterRoleBinding") + [
+        binding
+        for binding in by_kind(manifests, "RoleBinding")
+        if binding["metadata"]["namespace"] == namespace
+    ]
+    for binding in bindings:
+        if subject in binding["subjects"]:
+            ref = binding["roleRef"]
+            granted |= _granted(roles[ref["kind"], ref["name"]])
+    return granted
+
+
+@pytest.mark.parametrize("watched", [[], ["inference", "batch"]])
+def test_the_operator_gets_exactly_what_it_needs_where_it_works(
+    helm: Helm, watched: list[str]
+) -> None:
+    sets = tuple(f"operator.watchNamespaces[{i}]={name}" for i, name in enumerate(watched))
+    manifests = helm.template(sets=sets)
+    for namespace in watched or ["inference", "anywhere"]:
+        assert _grants(manifests, namespace) == NAMESPACED | CLUSTER_WIDE, namespace
+    if watched:
+        assert _grants(manifests, "elsewhere") == CLUSTER_WIDE
+        assert {
+            binding["metadata"]["namespace"] for binding in by_kind(manifests, "RoleBinding")
+        } == set(watched)
+    for role in by_kind(manifests, "ClusterRole"):
+        for verb, resource in (
+            (v, r) for rule in role["rules"] for v in rule["verbs"] for r in rule["resources"]
+        ):
+            assert "*" not in (verb, resource)
+            assert verb not in {"escalate", "bind", "impersonate"}
+            assert resource != "secrets", "the operator reads no Secrets (agents mount them)"
+
+
+def test_the_operator_may_hand_the_agents_their_role(helm: Helm) -> None:
+    """Kubernetes lets a subject create a Role only with permissions it holds itself."""
+    children = render(Pool("main", "inference", "uid"), PoolSpec.parse({}), default_image="x")
+    held = _grants(helm.template(), "inference")
+    for rule in children.role["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                for verb in rule["verbs"]:
+                    assert (group, resource, verb) in held
+
+
+def test_without_rbac_the_chart_makes_none(helm: Helm) -> None:
+    manifests = helm.template(sets=("rbac.create=false", "serviceAccount.create=false"))
+    kinds = {manifest["kind"] for manifest in manifests}
+    assert not kinds & {
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Role",
+        "RoleBinding",
+        "ServiceAccount",
+    }
