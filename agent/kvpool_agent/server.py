@@ -14,11 +14,9 @@ import asyncio
 import contextlib
 import logging
 import signal
-import socket
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
-import uvicorn
 from prometheus_client import CollectorRegistry
 
 from kvpool_agent.auth import load_authority
@@ -26,6 +24,7 @@ from kvpool_agent.cache_factory import L1Tier, open_l1
 from kvpool_agent.config import AgentConfig
 from kvpool_agent.events import EventPublisher
 from kvpool_agent.http_api import create_app
+from kvpool_agent.http_serving import serve_http
 from kvpool_agent.l2.prefetch import Prefetcher
 from kvpool_agent.l2.tiers import open_tiers
 from kvpool_agent.l2.writeback import WriteBack
@@ -35,14 +34,6 @@ from kvpool_agent.service import CacheService
 from kvpool_agent.zmq_server import ZmqServer
 
 log = logging.getLogger(__name__)
-
-
-class _EmbeddedUvicorn(uvicorn.Server):
-    """uvicorn without its own signal handling: the agent owns SIGTERM/SIGINT."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 class Agent:
@@ -96,7 +87,9 @@ class Agent:
             app = create_app(
                 service, authority, ready=lambda: self._ready, metrics=metrics.exposition
             )
-            http_url = await stack.enter_async_context(self._serve_http(app))
+            http_url = await stack.enter_async_context(
+                serve_http(app, self.config.host, self.config.http_port)
+            )
             await stack.enter_async_context(self._maintain(l1, service))
             self._ready = True
             log.info(
@@ -176,21 +169,6 @@ class Agent:
             stack.push_async_callback(controller.stop)
         log.info("L2 tiers: %s", ", ".join(tier.name for tier in tiers))
         return writeback, prefetcher
-
-    @contextlib.asynccontextmanager
-    async def _serve_http(self, app: object) -> AsyncIterator[str]:
-        listener = socket.create_server((self.config.host, self.config.http_port))
-        host, port = listener.getsockname()[:2]
-        server = _EmbeddedUvicorn(
-            uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")  # type: ignore[arg-type]
-        )
-        task = asyncio.create_task(server.serve(sockets=[listener]), name="http")
-        try:
-            yield f"http://{host}:{port}"
-        finally:
-            server.should_exit = True
-            await task
-            listener.close()
 
     @contextlib.asynccontextmanager
     async def _maintain(self, l1: L1Tier, service: CacheService) -> AsyncIterator[None]:

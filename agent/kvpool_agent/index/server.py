@@ -15,15 +15,14 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import sys
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Sequence
 
-import uvicorn
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from kvpool_agent.auth import TokenFileError
+from kvpool_agent.http_serving import serve_http
 from kvpool_agent.index.auth import GatewayAuthority, load_gateway_authority
 from kvpool_agent.index.config import CONFIG_FILE_ENV, IndexConfig, StaticAgent
 from kvpool_agent.index.discovery import (
@@ -39,14 +38,6 @@ from kvpool_agent.index.subscriber import EventSubscriber
 from kvpool_agent.index.tracker import PrefixTracker
 
 log = logging.getLogger(__name__)
-
-
-class _EmbeddedUvicorn(uvicorn.Server):
-    """uvicorn without its own signal handling: the index owns SIGTERM/SIGINT."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 def make_discovery(config: IndexConfig) -> Discovery:
@@ -96,7 +87,9 @@ class IndexServer:
             stack.callback(subscriber.stop)
             discovery.start(subscriber.follow)
             stack.callback(discovery.stop)
-            http_url = await stack.enter_async_context(self._serve_http(app))
+            http_url = await stack.enter_async_context(
+                serve_http(app, self.config.host, self.config.http_port)
+            )
             self._ready = True
             log.info(
                 "index ready pool=%s http=%s discovery=%s",
@@ -107,21 +100,6 @@ class IndexServer:
             await self._stopping.wait()
             self._ready = False
         log.info("index stopped")
-
-    @contextlib.asynccontextmanager
-    async def _serve_http(self, app: object) -> AsyncIterator[str]:
-        listener = socket.create_server((self.config.host, self.config.http_port))
-        host, port = listener.getsockname()[:2]
-        server = _EmbeddedUvicorn(
-            uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")  # type: ignore[arg-type]
-        )
-        task = asyncio.create_task(server.serve(sockets=[listener]), name="http")
-        try:
-            yield f"http://{host}:{port}"
-        finally:
-            server.should_exit = True
-            await task
-            listener.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
