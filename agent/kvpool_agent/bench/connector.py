@@ -32,21 +32,19 @@ import argparse
 import json
 import os
 import random
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpool_agent.bench.agent_process import BenchAgent
 from kvpool_agent.bench.report import table
 
 CONFIGS = ("none", "kvpool", "example")
-READY = re.compile(r"agent ready pool=\S+ zmq=(\S+)")
 RESULT = "@@kvpool-bench "
 
 
@@ -80,7 +78,7 @@ def run(args: argparse.Namespace) -> None:
         agent = None
         endpoint = args.endpoint
         if "kvpool" in configs and endpoint is None:
-            agent = _Agent(workdir)
+            agent = BenchAgent("connector", {"POOL": "bench", "L1_SIZE": "2GiB"})
             endpoint = agent.endpoint
         engines: list[_Engine] = []
         try:
@@ -264,51 +262,6 @@ class _Engine:
                 self.process.kill()
                 self.process.wait()
         self._log.close()
-
-
-class _Agent:
-    """A private kvpool-agent with a 2 GiB segment."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.segment = Path("/dev/shm") / f"kvpool-bench-connector-{os.getpid()}"
-        env = {
-            **os.environ,
-            "KVPOOL_POOL": "bench",
-            "KVPOOL_SEGMENT_PATH": str(self.segment),
-            "KVPOOL_L1_SIZE": "2GiB",
-            "KVPOOL_ZMQ_PORT": "0",
-            "KVPOOL_HTTP_PORT": "0",
-            "KVPOOL_EVENTS_PORT": "0",
-            "KVPOOL_STATE_DIR": str(workdir / "agent-state"),
-        }
-        self.process = subprocess.Popen(
-            [Path(sys.executable).parent / "kvpool-agent"],
-            env=env,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        found: list[str] = []
-        ready = threading.Event()
-
-        def read() -> None:
-            assert self.process.stderr is not None
-            for line in self.process.stderr:
-                match = READY.search(line)
-                if match:
-                    found.append(match.group(1))
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(60) or not found:
-            self.close()
-            raise RuntimeError("kvpool-agent did not start")
-        self.endpoint = found[0]
-
-    def close(self) -> None:
-        self.process.terminate()
-        self.process.wait(30)
-        self.segment.unlink(missing_ok=True)
 
 
 def _write_model(directory: Path, args: argparse.Namespace) -> None:

@@ -25,18 +25,15 @@ import multiprocessing
 import multiprocessing.context
 import multiprocessing.queues
 import os
-import re
 import statistics
 import subprocess
-import sys
-import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
 
+from kvpool_agent.bench.agent_process import BenchAgent
 from kvpool_agent.bench.report import table
 from kvpool_agent.client import AgentClient, copy_in, copy_out
 from kvpool_agent.keys import tenant_id
@@ -44,7 +41,6 @@ from kvpool_agent.keys import tenant_id
 TENANT = tenant_id("bench")
 BATCH_BYTES = 64 << 20
 LOOKUP_CHUNKS = 64
-READY = re.compile(r"agent ready pool=\S+ zmq=(\S+) http=(\S+)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -163,59 +159,10 @@ def _lookup_latency(endpoint: str, lookups: int) -> tuple[float, float]:
     return statistics.median(timed) * 1e6, timed[int(len(timed) * 0.99)] * 1e6
 
 
-class _Agent:
-    """A kvpool-agent process sized for the benchmark."""
-
-    def __init__(self, l1_bytes: int) -> None:
-        self._workdir = tempfile.TemporaryDirectory()
-        self.segment = Path("/dev/shm") / f"kvpool-bench-{os.getpid()}"
-        env = {
-            **os.environ,
-            "KVPOOL_SEGMENT_PATH": str(self.segment),
-            "KVPOOL_L1_SIZE": str(l1_bytes),
-            "KVPOOL_PAGE_SIZE": "65536",
-            "KVPOOL_ZMQ_PORT": "0",
-            "KVPOOL_HTTP_PORT": "0",
-            "KVPOOL_EVENTS_PORT": "0",
-            "KVPOOL_STATE_DIR": self._workdir.name,
-        }
-        self.process = subprocess.Popen(
-            [Path(sys.executable).parent / "kvpool-agent"],
-            env=env,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.endpoint = self._wait_ready()
-
-    def _wait_ready(self) -> str:
-        assert self.process.stderr is not None
-        found: list[str] = []
-        ready = threading.Event()
-
-        def read() -> None:
-            assert self.process.stderr is not None
-            for line in self.process.stderr:
-                match = READY.search(line)
-                if match:
-                    found.append(match.group(1))
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(60) or not found:
-            self.close()
-            raise RuntimeError("the agent did not start")
-        return found[0]
-
-    def close(self) -> None:
-        self.process.terminate()
-        self.process.wait(30)
-        self.segment.unlink(missing_ok=True)
-        self._workdir.cleanup()
-
-
 def _ours(chunks: list[int], clients: list[int], working_set: int, lookups: int) -> dict[str, Any]:
-    agent = _Agent(max(clients) * working_set + (256 << 20))
+    agent = BenchAgent(
+        "service", {"L1_SIZE": str(max(clients) * working_set + (256 << 20)), "PAGE_SIZE": "65536"}
+    )
     context = multiprocessing.get_context("spawn")
     results = []
     try:

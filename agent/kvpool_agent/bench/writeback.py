@@ -15,58 +15,23 @@ import hashlib
 import os
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import httpx
 
+from kvpool_agent.bench.agent_process import BenchAgent
 from kvpool_agent.bench.report import table
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
 
 TENANT = tenant_id("bench-writeback")
-READY = re.compile(r"agent ready pool=\S+ zmq=(\S+) http=(\S+)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunks", type=int, default=2000, help="stores timed per agent")
     parser.add_argument("--chunk-kib", type=int, default=2048, help="chunk size, KiB")
-
-
-def _start(workdir: Path, extra: dict[str, str]) -> tuple[subprocess.Popen[str], str, str]:
-    env = {
-        **os.environ,
-        "KVPOOL_L1_SIZE": "1GiB",
-        "KVPOOL_ZMQ_PORT": "0",
-        "KVPOOL_HTTP_PORT": "0",
-        "KVPOOL_EVENTS_PORT": "0",
-        "KVPOOL_STATE_DIR": str(workdir),
-        **extra,
-    }
-    process = subprocess.Popen(
-        [Path(sys.executable).parent / "kvpool-agent"], env=env, stderr=subprocess.PIPE, text=True
-    )
-    found: list[tuple[str, str]] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert process.stderr is not None
-        for line in process.stderr:
-            match = READY.search(line)
-            if match:
-                found.append((match.group(1), match.group(2)))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(60) or not found:
-        process.kill()
-        raise RuntimeError("the agent did not start")
-    return process, *found[0]
 
 
 def _store_latencies(endpoint: str, chunks: int, size: int) -> list[float]:
@@ -94,32 +59,24 @@ def run(args: argparse.Namespace) -> None:
     size = args.chunk_kib << 10
     rows = []
     results: dict[str, tuple[float, float, float]] = {}
-    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
-        root = Path(tmp)
+    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:  # NVMe files on a real disk
         setups = {
             "idle (no L2)": {},
             "saturated (NVMe, fsync always, queue 8)": {
-                "KVPOOL_NVME__PATH": str(root / "nvme"),
-                "KVPOOL_NVME__CAPACITY": "8GiB",
-                "KVPOOL_NVME__FSYNC": "always",
-                "KVPOOL_WRITEBACK_QUEUE_CHUNKS": "8",
+                "NVME__PATH": str(Path(tmp) / "nvme"),
+                "NVME__CAPACITY": "8GiB",
+                "NVME__FSYNC": "always",
+                "WRITEBACK_QUEUE_CHUNKS": "8",
             },
         }
-        for name, extra in setups.items():
-            workdir = root / f"agent-{len(results)}"
-            workdir.mkdir()
-            segment = Path("/dev/shm") / f"kvpool-bench-wb-{os.getpid()}-{len(results)}"
-            process, endpoint, http = _start(
-                workdir, {"KVPOOL_SEGMENT_PATH": str(segment), **extra}
-            )
+        for index, (name, extra) in enumerate(setups.items()):
+            agent = BenchAgent(f"writeback-{index}", {"L1_SIZE": "1GiB", **extra})
             try:
-                samples = _store_latencies(endpoint, args.chunks, size)
-                metrics = httpx.get(f"{http}/metrics").text
+                samples = _store_latencies(agent.endpoint, args.chunks, size)
+                metrics = httpx.get(f"{agent.http}/metrics").text
                 shed = re.search(r"^kvpool_writeback_shed_total (\S+)$", metrics, re.MULTILINE)
             finally:
-                process.terminate()
-                process.wait(30)
-                segment.unlink(missing_ok=True)
+                agent.close()
             results[name] = _percentiles(samples)
             p50, p99, worst = results[name]
             rows.append(
