@@ -1,10 +1,15 @@
-"""Bearer tokens of the agent's HTTP API: who is calling, admin or one tenant.
+"""Bearer tokens of the pool's HTTP APIs: who is calling, admin, one tenant or a gateway.
 
-Tokens come from a YAML or JSON file (the pool's Secret, mounted)::
+Tokens come from a YAML or JSON file (the pool's Secret, mounted by the agents and by
+the prefix index alike)::
 
-    admin: [token, ...]            # or a single string
+    admin: [token, ...]            # or a single string: every route of both APIs
     tenants:
       "<tenant-id>": [token, ...]  # or a single string; quote ids in YAML
+    gateways: [token, ...]         # or a single string: the index's routing API only
+
+Which principal may use which route is the APIs' business (:class:`Principal` only
+says who is calling): the agent refuses gateway tokens, the index tenant tokens.
 
 Only the SHA-256 digests of the tokens stay in memory, and every check compares
 digests with :func:`hmac.compare_digest` against every known token, so neither
@@ -18,6 +23,7 @@ user (mode 0600), and the authority keeps its digest.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 import os
@@ -35,7 +41,8 @@ from kvpool_agent.keys import TENANT_ID_CHARS
 _TENANT_ID = re.compile(rf"[0-9a-f]{{{TENANT_ID_CHARS}}}")
 # Visible ASCII only: what fits in an Authorization header without quoting.
 _TOKEN = re.compile(r"[\x21-\x7e]+")
-_TOP_LEVEL_KEYS = ("admin", "tenants")
+_TOP_LEVEL_KEYS = ("admin", "tenants", "gateways")
+_KEYS_TEXT = ", ".join(f"'{key}'" for key in _TOP_LEVEL_KEYS)
 
 TENANT_ID_RULE = (
     f"tenant id must be {TENANT_ID_CHARS} lowercase hex characters; "
@@ -59,33 +66,41 @@ def check_tenant_id(value: str) -> str:
     return value
 
 
+class Role(enum.StrEnum):
+    ADMIN = "admin"
+    TENANT = "tenant"
+    GATEWAY = "gateway"
+
+
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """Who a request acts for: the admin (``tenant`` is None) or one tenant."""
+    """Who a request acts for: the admin, one tenant (``tenant`` set) or a gateway."""
 
-    tenant: str | None
+    role: Role
+    tenant: str | None = None
 
     @classmethod
     def admin(cls) -> Principal:
-        return cls(None)
+        return cls(Role.ADMIN)
 
     @classmethod
     def for_tenant(cls, tenant: str) -> Principal:
-        return cls(check_tenant_id(tenant))
+        return cls(Role.TENANT, check_tenant_id(tenant))
 
     @property
     def is_admin(self) -> bool:
-        return self.tenant is None
+        return self.role is Role.ADMIN
 
     def may_access(self, tenant: str) -> bool:
         """Whether this principal may read and change ``tenant``'s quota and cache."""
-        return self.tenant is None or self.tenant == tenant
+        return self.is_admin or (self.role is Role.TENANT and self.tenant == tenant)
 
     def __str__(self) -> str:
-        return "admin" if self.tenant is None else f"tenant {self.tenant}"
+        return f"tenant {self.tenant}" if self.role is Role.TENANT else str(self.role)
 
 
 ADMIN = Principal.admin()
+GATEWAY = Principal(Role.GATEWAY)
 
 
 def _digest(token: str) -> bytes:
@@ -96,20 +111,19 @@ class TokenAuthority:
     """Maps bearer tokens to principals, knowing only the tokens' SHA-256 digests."""
 
     def __init__(self, tokens: Mapping[str, object], *, source: str = "tokens") -> None:
-        """Build from the parsed tokens mapping ``{admin: ..., tenants: {id: ...}}``.
+        """Build from the parsed mapping ``{admin: ..., tenants: {id: ...}, gateways: ...}``.
 
         ``source`` names the mapping in error messages (the file path, usually).
         Raises :class:`TokenFileError` on a malformed mapping.
         """
         if not isinstance(tokens, Mapping):
             raise TokenFileError(
-                f"{source}: expected a mapping with keys 'admin' and 'tenants', "
-                f"got {type(tokens).__name__}"
+                f"{source}: expected a mapping with keys {_KEYS_TEXT}, got {type(tokens).__name__}"
             )
         unknown = sorted(str(key) for key in tokens if key not in _TOP_LEVEL_KEYS)
         if unknown:
             raise TokenFileError(
-                f"{source}: unknown keys {', '.join(unknown)}; expected 'admin' and 'tenants'"
+                f"{source}: unknown keys {', '.join(unknown)}; expected {_KEYS_TEXT}"
             )
         self._entries: list[tuple[bytes, Principal]] = []
         owners: dict[bytes, Principal] = {}
@@ -132,7 +146,9 @@ class TokenAuthority:
                 raise TokenFileError(f"{source}: tenant {tenant!r}: {TENANT_ID_RULE}")
             where = f"{source}: tenant {tenant}"
             for token in _token_list(value, where):
-                self._add(owners, token, Principal(tenant), where)
+                self._add(owners, token, Principal(Role.TENANT, tenant), where)
+        for token in _token_list(tokens.get("gateways"), f"{source}: gateways"):
+            self._add(owners, token, GATEWAY, f"{source}: gateways")
         if not self._entries:
             raise TokenFileError(f"{source}: defines no tokens; nobody could use the API")
 
@@ -208,7 +224,7 @@ class TokenAuthority:
 
 
 def load_authority(tokens_file: Path | None, admin_token_file: Path) -> TokenAuthority:
-    """The agent's authority: from ``tokens_file`` if configured, else a generated admin token."""
+    """An API's authority: from ``tokens_file`` if configured, else a generated admin token."""
     if tokens_file is not None:
         return TokenAuthority.from_file(tokens_file)
     return TokenAuthority.generate_admin_token(admin_token_file)

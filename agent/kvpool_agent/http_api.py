@@ -5,9 +5,10 @@ builds the service and the token authority and passes them in.
 
 Access: ``/healthz``, ``/readyz`` and ``/metrics`` need no token. Every other
 route takes ``Authorization: Bearer <token>``: an admin token may do anything,
-a tenant token only reads and changes its own tenant's quota, usage and cache.
-Checks run in this order: a missing or unknown token is 401, a malformed tenant
-id 422, a tenant touching another tenant or an admin-only route 403 (only a
+a tenant token only reads and changes its own tenant's quota, usage and cache,
+and a gateway token (the prefix index's) nothing here. Checks run in this order:
+a missing or unknown token is 401, a gateway token 403, a malformed tenant id
+422, a tenant touching another tenant or an admin-only route 403 (only a
 body that is not JSON at all is refused before the token is checked: FastAPI
 parses bodies first). Every error body is ``{"detail": "<reason>"}``.
 
@@ -23,11 +24,17 @@ from typing import Annotated, Any, Self
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Request, status
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from kvpool_agent.auth import TENANT_ID_RULE, Principal, TokenAuthority, is_tenant_id
+from kvpool_agent.auth import TENANT_ID_RULE, Principal, Role, TokenAuthority, is_tenant_id
+from kvpool_agent.http_common import (
+    Error,
+    MetricsSource,
+    bearer_principal,
+    health_routes,
+    on_invalid_request,
+)
 from kvpool_agent.quota_store import QuotaStoreError
 from kvpool_agent.service import CacheService, QuotaView
 
@@ -46,23 +53,7 @@ may use every route, a tenant token only its own tenant's routes. `/healthz`,
 Tenant ids are `kvpool tenant-id <cache_salt>`: 32 lowercase hex characters.
 """
 
-MetricsSource = Callable[[], tuple[bytes, str]]
-"""Renders the metrics exposition: ``(body, content_type)``."""
-
-
 # ------------------------------------------------------------------ models
-
-
-class Error(BaseModel):
-    detail: str = Field(description="Why the request failed.")
-
-
-class Health(BaseModel):
-    status: str = Field("ok", description="Always 'ok' while the process serves requests.")
-
-
-class Readiness(BaseModel):
-    ready: bool = Field(description="True when the agent serves cache requests.")
 
 
 class CacheStatus(BaseModel):
@@ -140,38 +131,15 @@ Responses = dict[int | str, dict[str, Any]]
 
 _ERRORS = {
     401: "Missing or unknown bearer token.",
-    403: "The token may not use this route (another tenant's, or admin-only).",
+    403: "The token may not use this route (another tenant's, admin-only, or a gateway's).",
     422: "Malformed tenant id or request body.",
     503: "The quota store failed; nothing was changed.",
 }
-_BEARER = {"WWW-Authenticate": 'Bearer realm="kvpool"'}
-_INVALID_TOKEN = {"WWW-Authenticate": 'Bearer realm="kvpool", error="invalid_token"'}
 
 
 def _errors(*codes: int) -> Responses:
     """OpenAPI entries for the error responses a route may give."""
     return {code: {"model": Error, "description": _ERRORS[code]} for code in codes}
-
-
-def _reason(error: RequestValidationError) -> str:
-    """One clause per problem, e.g. ``body.limit_bytes: Input should be ...``."""
-    problems = []
-    for item in error.errors():
-        location = tuple(item.get("loc", ()))
-        if item.get("type") == "json_invalid":
-            cause = item.get("ctx", {}).get("error", "malformed")
-            at = f" at character {location[1]}" if len(location) > 1 else ""
-            problems.append(f"body: not valid JSON ({cause}{at})")
-            continue
-        where = ".".join(str(part) for part in location)
-        message = str(item.get("msg", "invalid"))
-        problems.append(f"{where}: {message}" if where else message)
-    return "invalid request: " + "; ".join(problems)
-
-
-async def _on_invalid_request(request: Request, error: Exception) -> JSONResponse:
-    assert isinstance(error, RequestValidationError)
-    return JSONResponse({"detail": _reason(error)}, status_code=422)
 
 
 async def _on_store_error(request: Request, error: Exception) -> JSONResponse:
@@ -201,24 +169,12 @@ class _Guards:
 
 
 def _guards(authority: TokenAuthority) -> _Guards:
-    bearer = HTTPBearer(
-        auto_error=False,
+    authenticate = bearer_principal(
+        authority,
+        realm="kvpool",
+        roles=(Role.ADMIN, Role.TENANT),
         description="An admin token, or a tenant token for that tenant's own routes.",
     )
-
-    def authenticate(
-        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
-    ) -> Principal:
-        if credentials is None:
-            raise HTTPException(
-                status.HTTP_401_UNAUTHORIZED, "a bearer token is required", headers=_BEARER
-            )
-        principal = authority.authenticate(credentials.credentials)
-        if principal is None:
-            raise HTTPException(
-                status.HTTP_401_UNAUTHORIZED, "unknown bearer token", headers=_INVALID_TOKEN
-            )
-        return principal
 
     def admin(principal: Annotated[Principal, Depends(authenticate)]) -> Principal:
         if not principal.is_admin:
@@ -261,10 +217,10 @@ def create_app(
         description=_DESCRIPTION,
         version="1",
     )
-    app.add_exception_handler(RequestValidationError, _on_invalid_request)
+    app.add_exception_handler(RequestValidationError, on_invalid_request)
     app.add_exception_handler(QuotaStoreError, _on_store_error)
     guards = _guards(authority)
-    app.include_router(_health_routes(ready or _always, metrics))
+    app.include_router(health_routes(ready or _always, metrics, what="agent"))
     app.include_router(_cache_routes(service, guards))
     app.include_router(_tenant_routes(service, guards))
     return app
@@ -272,39 +228,6 @@ def create_app(
 
 def _always() -> bool:
     return True
-
-
-def _health_routes(ready: Callable[[], bool], metrics: MetricsSource | None) -> APIRouter:
-    router = APIRouter(tags=["health"])
-
-    @router.get("/healthz", summary="Liveness: 200 while the process is up.")
-    async def healthz() -> Health:
-        return Health()
-
-    @router.get(
-        "/readyz",
-        summary="Readiness: 200 when the agent serves cache requests, else 503.",
-        responses={503: {"model": Error, "description": "Not ready yet, or stopping."}},
-    )
-    def readyz() -> Readiness:
-        if not ready():
-            raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "the agent is not ready")
-        return Readiness(ready=True)
-
-    if metrics is not None:
-        render = metrics
-
-        @router.get(
-            "/metrics",
-            summary="Prometheus metrics (no token needed).",
-            response_class=Response,
-            responses={200: {"content": {"text/plain": {}}, "description": "Metrics."}},
-        )
-        def metrics_route() -> Response:
-            body, content_type = render()
-            return Response(content=body, media_type=content_type)
-
-    return router
 
 
 def _cache_routes(service: CacheService, guards: _Guards) -> APIRouter:

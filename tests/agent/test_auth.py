@@ -10,8 +10,10 @@ import pytest
 
 from kvpool_agent.auth import (
     ADMIN,
+    GATEWAY,
     TENANT_ID_RULE,
     Principal,
+    Role,
     TokenAuthority,
     TokenFileError,
     check_tenant_id,
@@ -38,8 +40,8 @@ def test_yaml_with_lists(tmp_path: Path) -> None:
     assert authority.token_count == 5
     assert authority.authenticate("root-1") == ADMIN
     assert authority.authenticate("root-2") == ADMIN
-    assert authority.authenticate("alice-2") == Principal(ALICE)
-    assert authority.authenticate("bob-1") == Principal(BOB)
+    assert authority.authenticate("alice-2") == Principal(Role.TENANT, ALICE)
+    assert authority.authenticate("bob-1") == Principal(Role.TENANT, BOB)
     assert authority.authenticate("nobody") is None
     assert authority.authenticate("") is None
 
@@ -50,11 +52,22 @@ def test_json_with_single_strings(tmp_path: Path) -> None:
     )
     authority = TokenAuthority.from_file(path)
     assert authority.authenticate("root") == ADMIN
-    assert authority.authenticate("alice") == Principal(ALICE)
+    assert authority.authenticate("alice") == Principal(Role.TENANT, ALICE)
+
+
+def test_gateway_tokens(tmp_path: Path) -> None:
+    path = write(tmp_path, f"admin: root\ngateways: [gw-1, gw-2]\ntenants: {{'{ALICE}': a}}\n")
+    authority = TokenAuthority.from_file(path)
+    assert authority.authenticate("gw-2") == GATEWAY
+    assert authority.authenticate("a") == Principal(Role.TENANT, ALICE)
+    assert TokenAuthority({"gateways": "gw"}).authenticate("gw") == GATEWAY
+    assert not GATEWAY.is_admin and not GATEWAY.may_access(ALICE) and str(GATEWAY) == "gateway"
 
 
 def test_tenants_only_and_admin_only_are_fine() -> None:
-    assert TokenAuthority({"tenants": {ALICE: "a"}}).authenticate("a") == Principal(ALICE)
+    assert TokenAuthority({"tenants": {ALICE: "a"}}).authenticate("a") == Principal(
+        Role.TENANT, ALICE
+    )
     assert TokenAuthority({"admin": "r", "tenants": None}).authenticate("r") == ADMIN
 
 
@@ -65,7 +78,7 @@ def test_only_digests_are_kept() -> None:
     assert secret not in state and secret.encode() not in state.encode()
     assert secret not in repr(authority)
     assert authority.authenticate(secret) == ADMIN
-    assert authority.authenticate(secret + "-alice") == Principal(ALICE)
+    assert authority.authenticate(secret + "-alice") == Principal(Role.TENANT, ALICE)
 
 
 def test_principals() -> None:
@@ -94,7 +107,10 @@ def test_malformed_tenant_ids(value: str) -> None:
     [
         ("", "empty"),
         ("- a\n- b\n", "expected a mapping"),
-        ("admin: x\nusers: {}\n", "unknown keys users"),
+        ("admin: x\nusers: {}\n", "unknown keys users; expected 'admin', 'tenants', 'gateways'"),
+        ("gateways: {a: b}\n", "gateways: expected a token or a list of tokens, got dict"),
+        ("gateways: [ok, 7]\n", "gateways: token #2 is a int, not a string"),
+        (f"gateways: shared\ntenants:\n  '{ALICE}': shared\n", "also listed for tenant"),
         ("admin: 5\n", "admin: expected a token or a list of tokens, got int"),
         ("admin: {a: b}\n", "expected a token or a list of tokens, got dict"),
         ("admin: [ok, 7]\n", "admin: token #2 is a int, not a string"),

@@ -35,7 +35,12 @@ ADMIN_TOKEN = "admin-token-Zq8vN1"
 ALICE_TOKEN = "alice-token-Hx41Lp"
 BOB_TOKEN = "bob-token-Wm93Rt"
 UNKNOWN_TOKEN = "unknown-token-Jc55Ke"
-TOKENS = {"admin": ADMIN_TOKEN, "tenants": {ALICE: [ALICE_TOKEN], BOB: BOB_TOKEN}}
+GATEWAY_TOKEN = "gateway-token-Rb27Yu"
+TOKENS = {
+    "admin": ADMIN_TOKEN,
+    "tenants": {ALICE: [ALICE_TOKEN], BOB: BOB_TOKEN},
+    "gateways": GATEWAY_TOKEN,
+}
 
 
 class Mount:
@@ -172,6 +177,12 @@ def test_auth_matrix(
     other = api.call(method, path, BOB_TOKEN, json=body)
     assert other.status_code == 403
     assert "detail" in other.json()
+
+    gateway = api.call(method, path, GATEWAY_TOKEN, json=body)  # the index's, not the agent's
+    assert gateway.status_code == 403
+    assert gateway.json() == {
+        "detail": "gateway tokens cannot use this API (it takes admin tokens, tenant tokens)"
+    }
 
     own = api.call(method, path, ALICE_TOKEN, json=body)
     if access == ADMIN_ONLY:

@@ -12,7 +12,6 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
 from kvpool_agent.auth import TokenAuthority
-from kvpool_agent.index.auth import GatewayAuthority, Role
 from kvpool_agent.index.config import Fingerprint
 from kvpool_agent.index.discovery import AgentEndpoint
 from kvpool_agent.index.http_api import create_app
@@ -21,10 +20,11 @@ from kvpool_agent.index.policy import RoutingPolicy
 from kvpool_agent.index.service import IndexService
 from kvpool_agent.index.subscriber import AgentStatus
 from kvpool_agent.index.tracker import PrefixTracker
-from kvpool_agent.keys import chunk_keys, root_key
+from kvpool_agent.keys import chunk_keys, root_key, tenant_id
 
 GATEWAY = "gateway-token-Qw3"
 ADMIN = "admin-token-Zx9"
+TENANT = "tenant-token-Pk2"
 FINGERPRINT = Fingerprint(model="m", dtype="bfloat16", kv_layout="NHD", chunk_tokens=4)
 SALT = "s3cret-salt-of-alice"
 TOKENS = list(range(18))  # four full chunks of four, and two tokens more
@@ -49,11 +49,8 @@ class Api:
         ]
         self.metrics = IndexMetrics(CollectorRegistry(), self.tracker, lambda: self.agents)
         self.service = IndexService(self.tracker, RoutingPolicy(), self.metrics)
-        authority = GatewayAuthority(
-            {
-                Role.ADMIN: TokenAuthority({"admin": ADMIN}),
-                Role.GATEWAY: TokenAuthority({"admin": GATEWAY}),
-            }
+        authority = TokenAuthority(
+            {"admin": ADMIN, "gateways": [GATEWAY], "tenants": {tenant_id(SALT): TENANT}}
         )
         app = create_app(
             self.service,
@@ -91,16 +88,19 @@ def test_health_and_metrics_need_no_token(api: Api) -> None:
 
 
 @pytest.mark.parametrize(
-    ("token", "status"), [(None, 401), ("nope", 401), (GATEWAY, 200), (ADMIN, 200)]
+    ("token", "status"),
+    [(None, 401), ("nope", 401), (TENANT, 403), (GATEWAY, 200), (ADMIN, 200)],
 )
 def test_gateway_and_admin_tokens_may_ask(api: Api, token: str | None, status: int) -> None:
     answer = api.post("/v1/lookup", {"token_ids": TOKENS, "cache_salt": SALT}, token)
     assert answer.status_code == status
+    nodes = api.http.get("/v1/nodes", headers={"Authorization": f"Bearer {token}"})
+    assert nodes.status_code == status
     if status == 401:
         assert answer.headers["WWW-Authenticate"].startswith("Bearer")
-        assert (
-            api.http.get("/v1/nodes", headers={"Authorization": f"Bearer {token}"}).status_code
-            == 401
+    if status == 403:
+        assert answer.json()["detail"] == (
+            "tenant tokens cannot use this API (it takes gateway tokens, admin tokens)"
         )
 
 

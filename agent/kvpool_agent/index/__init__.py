@@ -14,8 +14,8 @@ Core (no sockets, no web framework, no metrics library):
 
 Edges: :mod:`~kvpool_agent.index.subscriber` (ZMQ: events, gaps, resync by snapshot),
 :mod:`~kvpool_agent.index.discovery` (static list, Kubernetes pods),
-:mod:`~kvpool_agent.index.http_api` and :mod:`~kvpool_agent.index.auth` (FastAPI,
-gateway tokens), :mod:`~kvpool_agent.index.metrics` (Prometheus),
+:mod:`~kvpool_agent.index.http_api` (FastAPI; gateway and admin tokens of the pool's
+tokens file, :mod:`kvpool_agent.auth`), :mod:`~kvpool_agent.index.metrics` (Prometheus),
 :mod:`~kvpool_agent.index.client` (HTTP client for gateways),
 :mod:`~kvpool_agent.index.config` and :mod:`~kvpool_agent.index.server` (the
 ``kvpool index`` process).

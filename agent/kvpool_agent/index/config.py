@@ -113,7 +113,7 @@ class IndexConfig(BaseSettings):
     tokens_file: Path | None = Field(
         None,
         description=(
-            "YAML/JSON bearer tokens {admin: [...], gateways: [...]} (the pool's tokens file); "
+            "The pool's tokens file (kvpool_agent.auth): its admin and gateways tokens may ask; "
             "without one, a token is generated into state_dir at start."
         ),
     )

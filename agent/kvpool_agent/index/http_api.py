@@ -5,10 +5,10 @@
 
 Access: ``/healthz``, ``/readyz`` and ``/metrics`` need no token; every other
 route takes ``Authorization: Bearer <token>`` with a gateway token or an admin
-token of the pool (401 otherwise). A query names the prompt either by its
-token ids (with the request's ``cache_salt`` and the model's fingerprint; the
-index's configured fingerprint when the request has none) or by precomputed
-chunk keys (hex). Errors are ``{"detail": "<reason>"}``.
+token of the pool (401 without a known token, 403 for a tenant token). A query
+names the prompt either by its token ids (with the request's ``cache_salt`` and
+the model's fingerprint; the index's configured fingerprint when the request has
+none) or by precomputed chunk keys (hex). Errors are ``{"detail": "<reason>"}``.
 
 Handlers are plain ``def``: they take the tracker's lock and hash keys, so
 FastAPI runs them in its thread pool, off the event loop. (No postponed
@@ -19,13 +19,18 @@ import time
 from collections.abc import Callable
 from typing import Annotated, Self
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, status
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, status
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from kvpool_agent.index.auth import GatewayAuthority, Role
+from kvpool_agent.auth import Principal, Role, TokenAuthority
+from kvpool_agent.http_common import (
+    Error,
+    MetricsSource,
+    bearer_principal,
+    health_routes,
+    on_invalid_request,
+)
 from kvpool_agent.index.config import Fingerprint
 from kvpool_agent.index.query import NodeMatch, Query
 from kvpool_agent.index.service import IndexService
@@ -33,34 +38,17 @@ from kvpool_agent.index.subscriber import AgentStatus
 from kvpool_agent.index.tracker import NodeCounts
 from kvpool_agent.keys import KEY_BYTES
 
-MetricsSource = Callable[[], tuple[bytes, str]]
-"""Renders the metrics exposition: ``(body, content_type)``."""
-
 _DESCRIPTION = """\
 Cache-aware routing for a kvpool pool: which node holds the longest cached prefix of a
 prompt, and where to send it given the nodes' loads. Send `Authorization: Bearer <token>`
 (a gateway or admin token); `/healthz`, `/readyz` and `/metrics` need none.
 """
-_BEARER = {"WWW-Authenticate": 'Bearer realm="kvpool-index"'}
-_INVALID_TOKEN = {"WWW-Authenticate": 'Bearer realm="kvpool-index", error="invalid_token"'}
 
 TokenId = Annotated[StrictInt, Field(ge=0, le=2**32 - 1)]
 HexKey = Annotated[str, Field(pattern=rf"^[0-9a-f]{{{2 * KEY_BYTES}}}$")]
 
 
 # ------------------------------------------------------------------ models
-
-
-class Error(BaseModel):
-    detail: str = Field(description="Why the request failed.")
-
-
-class Health(BaseModel):
-    status: str = Field("ok", description="Always 'ok' while the process serves requests.")
-
-
-class Readiness(BaseModel):
-    ready: bool = Field(description="True once the index follows the pool's agents.")
 
 
 class LookupRequest(BaseModel):
@@ -149,7 +137,7 @@ class Nodes(BaseModel):
 
 def create_app(
     service: IndexService,
-    authority: GatewayAuthority,
+    authority: TokenAuthority,
     agents: Callable[[], list[AgentStatus]],
     *,
     default_fingerprint: Fingerprint | None = None,
@@ -163,85 +151,31 @@ def create_app(
         description=_DESCRIPTION,
         version="1",
     )
-    app.add_exception_handler(RequestValidationError, _on_invalid_request)
-    app.include_router(_health_routes(ready or (lambda: True), metrics))
+    app.add_exception_handler(RequestValidationError, on_invalid_request)
+    app.include_router(health_routes(ready or (lambda: True), metrics, what="index"))
     app.include_router(_index_routes(service, authority, agents, default_fingerprint))
     return app
 
 
-async def _on_invalid_request(request: Request, error: Exception) -> JSONResponse:
-    assert isinstance(error, RequestValidationError)
-    problems = []
-    for item in error.errors():
-        where = ".".join(str(part) for part in item.get("loc", ()))
-        message = str(item.get("msg", "invalid"))
-        problems.append(f"{where}: {message}" if where else message)
-    return JSONResponse({"detail": "invalid request: " + "; ".join(problems)}, status_code=422)
-
-
-def _health_routes(ready: Callable[[], bool], metrics: MetricsSource | None) -> APIRouter:
-    router = APIRouter(tags=["health"])
-
-    @router.get("/healthz", summary="Liveness: 200 while the process is up.")
-    async def healthz() -> Health:
-        return Health()
-
-    @router.get(
-        "/readyz",
-        summary="Readiness: 200 once the index follows the pool's agents, else 503.",
-        responses={503: {"model": Error, "description": "Starting or stopping."}},
-    )
-    def readyz() -> Readiness:
-        if not ready():
-            raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "the index is not ready")
-        return Readiness(ready=True)
-
-    if metrics is not None:
-        render = metrics
-
-        @router.get(
-            "/metrics",
-            summary="Prometheus metrics (no token needed).",
-            response_class=Response,
-            responses={200: {"content": {"text/plain": {}}, "description": "Metrics."}},
-        )
-        def metrics_route() -> Response:
-            body, content_type = render()
-            return Response(content=body, media_type=content_type)
-
-    return router
-
-
 def _index_routes(
     service: IndexService,
-    authority: GatewayAuthority,
+    authority: TokenAuthority,
     agents: Callable[[], list[AgentStatus]],
     default_fingerprint: Fingerprint | None,
 ) -> APIRouter:
-    bearer = HTTPBearer(auto_error=False, description="A gateway token or an admin token.")
-
-    def caller(
-        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
-    ) -> Role:
-        if credentials is None:
-            raise HTTPException(
-                status.HTTP_401_UNAUTHORIZED, "a bearer token is required", headers=_BEARER
-            )
-        role = authority.authenticate(credentials.credentials)
-        if role is None:
-            raise HTTPException(
-                status.HTTP_401_UNAUTHORIZED,
-                "unknown bearer token (the index takes gateway and admin tokens)",
-                headers=_INVALID_TOKEN,
-            )
-        return role
-
-    Caller = Annotated[Role, Depends(caller)]
+    caller = bearer_principal(
+        authority,
+        realm="kvpool-index",
+        roles=(Role.GATEWAY, Role.ADMIN),
+        description="A gateway token or an admin token of the pool.",
+    )
+    Caller = Annotated[Principal, Depends(caller)]
     router = APIRouter(
         prefix="/v1",
         tags=["routing"],
         responses={
             401: {"model": Error, "description": "Missing or unknown bearer token."},
+            403: {"model": Error, "description": "A tenant token: tenants cannot route."},
             422: {"model": Error, "description": "Malformed request."},
         },
     )

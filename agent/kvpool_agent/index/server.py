@@ -21,9 +21,8 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from kvpool_agent.auth import TokenFileError
+from kvpool_agent.auth import TokenAuthority, TokenFileError, load_authority
 from kvpool_agent.http_serving import serve_http
-from kvpool_agent.index.auth import GatewayAuthority, load_gateway_authority
 from kvpool_agent.index.config import CONFIG_FILE_ENV, IndexConfig, StaticAgent
 from kvpool_agent.index.discovery import (
     AgentEndpoint,
@@ -48,7 +47,7 @@ def make_discovery(config: IndexConfig) -> Discovery:
 
 class IndexServer:
     def __init__(
-        self, config: IndexConfig, authority: GatewayAuthority, discovery: Discovery
+        self, config: IndexConfig, authority: TokenAuthority, discovery: Discovery
     ) -> None:
         self.config = config
         self._authority = authority
@@ -144,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvpool index: invalid configuration:\n{error}", file=sys.stderr)
         return 2
     try:
-        authority = load_gateway_authority(config.tokens_file, config.generated_token_file)
+        authority = load_authority(config.tokens_file, config.generated_token_file)
         discovery = make_discovery(config)
     except (TokenFileError, ValueError, OSError) as error:
         print(f"kvpool index: {error}", file=sys.stderr)
