@@ -7,6 +7,9 @@ message is two frames, the topic :data:`TOPIC` and a msgpack
 after a gap it asks the agent for a ``snapshot`` (ZMQ request) of the keys it
 holds, which carries the ``seq`` it is consistent with. PUB never blocks the
 cache: a subscriber that falls behind loses messages and resynchronises.
+``time`` is the publisher's Unix time, so a subscriber can measure its lag (as
+well as the nodes' clocks agree); it is the last field, so decoders that predate
+it ignore it and events that predate it decode with 0.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 
 import msgspec
 import zmq
@@ -33,6 +37,8 @@ class ChunkEvent(msgspec.Struct, array_like=True, frozen=True):
     keys: list[bytes]
     cause: str = ""
     """For removals: watermark, pressure, quota or cleared."""
+    time: float = 0.0
+    """Unix time the agent published the event (0: unknown)."""
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -85,7 +91,9 @@ class EventPublisher:
             if self._socket is None:
                 return
             self._seq += 1
-            event = ChunkEvent(self._seq, self.agent_id, kind, self._tier, tenant, keys, cause)
+            event = ChunkEvent(
+                self._seq, self.agent_id, kind, self._tier, tenant, keys, cause, time.time()
+            )
             # Past the high-water mark the message is dropped: subscribers see the gap and resync.
             with contextlib.suppress(zmq.Again):
                 self._socket.send_multipart([TOPIC, _encoder.encode(event)], zmq.NOBLOCK)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+
+import msgspec
 import zmq
 
 from kvpool_agent import protocol as p
@@ -44,8 +47,10 @@ def test_stores_evictions_and_clears_are_published_in_sequence(
         client.clear()
         while first.kind != "removed":
             first = _next(subscriber)
+        before = time.time()
         client.store(TENANT, [key(1), key(2)], [b"a" * 1000, b"b" * 1000])
         stored = _next(subscriber)
+        assert before <= stored.time <= time.time()  # the publish time, for the index's lag
         assert (stored.kind, stored.tier, stored.tenant) == ("stored", "l1", TENANT)
         assert stored.keys == [key(1), key(2)] and stored.seq == first.seq + 1
         assert stored.agent == client.info.agent_id  # type: ignore[union-attr]
@@ -61,6 +66,13 @@ def test_stores_evictions_and_clears_are_published_in_sequence(
         cleared = _next(subscriber)
         assert (cleared.kind, cleared.cause) == ("removed", "cleared")
     subscriber.close()
+
+
+def test_events_without_a_publish_time_still_decode() -> None:
+    """An agent that predates ``time`` sends seven fields; the index reads time 0."""
+    older = msgspec.msgpack.encode([3, "a", "stored", "l1", TENANT, [key(1)], ""])
+    event = decode_event(older)
+    assert (event.seq, event.keys, event.time) == (3, [key(1)], 0.0)
 
 
 def test_snapshot_lists_every_key_with_the_sequence_it_matches(

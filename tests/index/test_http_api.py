@@ -45,6 +45,7 @@ class Api:
                 {"connected": 1, "restart": 0, "gap": 0},
                 0,
                 None,
+                0.25,
             )
         ]
         self.metrics = IndexMetrics(CollectorRegistry(), self.tracker, lambda: self.agents)
@@ -85,6 +86,7 @@ def test_health_and_metrics_need_no_token(api: Api) -> None:
     metrics = api.http.get("/metrics").text
     assert 'kvpool_index_chunks{node="n0"} 4.0' in metrics
     assert 'kvpool_index_resyncs_total{node="n0",reason="connected"} 1.0' in metrics
+    assert 'kvpool_index_event_lag_seconds{node="n0"} 0.25' in metrics
 
 
 @pytest.mark.parametrize(
@@ -195,6 +197,7 @@ def test_nodes_reports_every_followed_agent(api: Api) -> None:
                 "events": 7,
                 "resyncs": {"connected": 1, "restart": 0, "gap": 0},
                 "last_event_age_seconds": None,
+                "event_lag_seconds": 0.25,
             }
         ]
     }

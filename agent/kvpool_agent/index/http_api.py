@@ -126,6 +126,9 @@ class NodeState(BaseModel):
     events: int = Field(description="Chunk events applied.")
     resyncs: dict[str, int] = Field(description="Resynchronisations by reason.")
     last_event_age_seconds: float | None = Field(description="Seconds since the last event.")
+    event_lag_seconds: float | None = Field(
+        description="Receive time minus publish time of the last event."
+    )
 
 
 class Nodes(BaseModel):
@@ -246,4 +249,5 @@ def _node_state(agent: AgentStatus, counts: NodeCounts | None, now: float) -> No
         events=agent.events,
         resyncs=agent.resyncs,
         last_event_age_seconds=age,
+        event_lag_seconds=agent.event_lag,
     )

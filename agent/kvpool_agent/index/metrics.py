@@ -3,15 +3,14 @@
 Per node (label ``node``; a pool has one agent per node, so the label is
 bounded by the cluster): chunks tracked, chunks dropped by the cap, events
 applied, resyncs by reason, failed snapshot requests, whether the node is
-synchronised and connected, and the age of its last event. These are read
-from the tracker and the subscriber at scrape time. Queries are timed by
+synchronised and connected, the lag of its last event (receive time minus
+the agent's publish time; as exact as the nodes' clocks agree) and the age of
+its last event (a quiet agent grows it, a late stream grows the lag). These are
+read from the tracker and the subscriber at scrape time. Queries are timed by
 :class:`~kvpool_agent.index.service.IndexService` through
 :meth:`IndexMetrics.observe_query`; routing decisions are counted by reason.
-
-``kvpool_index_last_event_age_seconds`` is how far behind the index *may*
-be: events carry no publish time, so the index cannot tell a quiet agent
-from a late stream; a gap in sequence numbers (counted as a ``gap`` resync)
-is the certain sign of lost events.
+A gap in sequence numbers (counted as a ``gap`` resync) is the certain sign of
+lost events.
 """
 
 from __future__ import annotations
@@ -96,6 +95,11 @@ class _IndexCollector(Collector):
             "Seconds since the node's last chunk event (absent before the first).",
             labels=["node"],
         )
+        lag = GaugeMetricFamily(
+            "kvpool_index_event_lag_seconds",
+            "Receive time minus publish time of the node's last chunk event.",
+            labels=["node"],
+        )
         now = self._clock()
         for agent in sorted(self._agents(), key=lambda status: status.endpoint.node):
             node = agent.endpoint.node
@@ -107,7 +111,9 @@ class _IndexCollector(Collector):
             connected.add_metric([node], int(agent.connected))
             if agent.last_event is not None:
                 age.add_metric([node], max(0.0, now - agent.last_event))
-        yield from (events, resyncs, failures, synced, connected, age)
+            if agent.event_lag is not None:
+                lag.add_metric([node], agent.event_lag)
+        yield from (events, resyncs, failures, synced, connected, age, lag)
 
 
 class IndexMetrics:

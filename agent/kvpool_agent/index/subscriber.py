@@ -94,6 +94,8 @@ class AgentStatus:
     """Hello or snapshot requests that failed or timed out (each is retried)."""
     last_event: float | None
     """Unix time of the last event received."""
+    event_lag: float | None = None
+    """Receive time minus publish time of the last event that carried one."""
 
 
 @dataclass(eq=False)
@@ -116,6 +118,7 @@ class _Follower:
     resyncs: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ResyncReason, 0))
     snapshot_failures: int = 0
     last_event: float | None = None
+    event_lag: float | None = None
 
     def status(self) -> AgentStatus:
         return AgentStatus(
@@ -128,6 +131,7 @@ class _Follower:
             dict(self.resyncs),
             self.snapshot_failures,
             self.last_event,
+            self.event_lag,
         )
 
 
@@ -304,7 +308,9 @@ class EventSubscriber:
             except msgspec.MsgspecError as error:
                 log.warning("node %s: undecodable event ignored: %s", follower.endpoint.node, error)
                 continue
-            follower.last_event = self._clock()
+            follower.last_event = now = self._clock()
+            if event.time:
+                follower.event_lag = max(0.0, now - event.time)
             self._on_event(follower, event)
 
     def _on_event(self, follower: _Follower, event: ChunkEvent) -> None:
