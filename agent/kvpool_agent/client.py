@@ -115,23 +115,25 @@ class _Requests:
     """Builds every request and parses its reply; shared by both clients."""
 
     @staticmethod
-    def lookup(tenant: str, keys: Sequence[bytes], lock: bool) -> _Exchange[Hit]:
+    def lookup(tenant: str, keys: Sequence[bytes], lock: bool, count: bool) -> _Exchange[Hit]:
         def parse(reply: Any, data: list[bytes]) -> Hit:
             answer = _expect(p.LookupReply)(reply, data)
             return Hit(_no_lease(answer.lease), answer.offsets, answer.sizes)
 
-        return _Exchange(lambda req, s: p.Lookup(req, s, tenant, list(keys), lock), parse)
+        return _Exchange(
+            lambda req, s: p.Lookup(req, s, tenant, list(keys), lock, count=count), parse
+        )
 
     @staticmethod
     def lookup_prefetch(
-        tenant: str, keys: Sequence[bytes], parent: bytes | None
+        tenant: str, keys: Sequence[bytes], parent: bytes | None, count: bool
     ) -> _Exchange[tuple[Hit, int]]:
         def parse(reply: Any, data: list[bytes]) -> tuple[Hit, int]:
             answer = _expect(p.LookupReply)(reply, data)
             return Hit(_no_lease(answer.lease), answer.offsets, answer.sizes), answer.prefetch
 
         return _Exchange(
-            lambda req, s: p.Lookup(req, s, tenant, list(keys), True, True, parent), parse
+            lambda req, s: p.Lookup(req, s, tenant, list(keys), True, True, parent, count), parse
         )
 
     @staticmethod
@@ -342,14 +344,22 @@ class AgentClient(_ClientBase):
     def ping(self) -> str:
         return self._call(_Requests.ping())
 
-    def lookup(self, tenant: str, keys: Sequence[bytes], *, lock: bool = True) -> Hit:
-        return self._call(_Requests.lookup(tenant, keys, lock))
+    def lookup(
+        self, tenant: str, keys: Sequence[bytes], *, lock: bool = True, count: bool = True
+    ) -> Hit:
+        """The leading run of ``keys`` in L1; ``count=False`` for a repeated look (no stats)."""
+        return self._call(_Requests.lookup(tenant, keys, lock, count))
 
     def lookup_prefetch(
-        self, tenant: str, keys: Sequence[bytes], parent: bytes | None = None
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        parent: bytes | None = None,
+        *,
+        count: bool = True,
     ) -> tuple[Hit, int]:
         """Locked lookup that also starts loading the missed rest from L2: (hit, prefetch id)."""
-        return self._call(_Requests.lookup_prefetch(tenant, keys, parent))
+        return self._call(_Requests.lookup_prefetch(tenant, keys, parent, count))
 
     def prefetch_status(self, prefetch: int, *, wait_ms: int = 0) -> PrefetchProgress:
         """Progress of a prefetch; with ``wait_ms`` the agent answers when done or at the time."""
@@ -484,13 +494,20 @@ class AsyncAgentClient(_ClientBase):
     async def ping(self) -> str:
         return await self._call(_Requests.ping())
 
-    async def lookup(self, tenant: str, keys: Sequence[bytes], *, lock: bool = True) -> Hit:
-        return await self._call(_Requests.lookup(tenant, keys, lock))
+    async def lookup(
+        self, tenant: str, keys: Sequence[bytes], *, lock: bool = True, count: bool = True
+    ) -> Hit:
+        return await self._call(_Requests.lookup(tenant, keys, lock, count))
 
     async def lookup_prefetch(
-        self, tenant: str, keys: Sequence[bytes], parent: bytes | None = None
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        parent: bytes | None = None,
+        *,
+        count: bool = True,
     ) -> tuple[Hit, int]:
-        return await self._call(_Requests.lookup_prefetch(tenant, keys, parent))
+        return await self._call(_Requests.lookup_prefetch(tenant, keys, parent, count))
 
     async def prefetch_status(self, prefetch: int, *, wait_ms: int = 0) -> PrefetchProgress:
         return await self._call(_Requests.prefetch_status(prefetch, wait_ms))

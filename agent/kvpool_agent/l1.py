@@ -369,8 +369,12 @@ class L1Cache:
 
     # --------------------------------------------------------------- retrieve
 
-    def lookup(self, tenant: str, keys: Sequence[bytes], *, lock: bool = True) -> Hit:
+    def lookup(
+        self, tenant: str, keys: Sequence[bytes], *, lock: bool = True, count: bool = True
+    ) -> Hit:
         """The leading run of ready chunks of ``keys`` (read-locked under a lease if ``lock``).
+
+        ``count``: add the hits and misses to the statistics (a repeated look does not).
 
         The hot path of the agent: locals are bound once and the loops do nothing else.
         A malformed key cannot be in the index, so it is simply a miss.
@@ -394,10 +398,11 @@ class L1Cache:
                 for slot in slots:
                     last_use[slot] = tick
             account.policy.touch(slots[::-1])  # tail first: the head ends up the most recent
-        account.hits += hit_count
-        account.misses += len(keys) - hit_count
-        self._hits += hit_count
-        self._misses += len(keys) - hit_count
+        if count:
+            account.hits += hit_count
+            account.misses += len(keys) - hit_count
+            self._hits += hit_count
+            self._misses += len(keys) - hit_count
         offsets = list(map(self._offsets.__getitem__, slots))
         sizes = list(map(self._nbytes.__getitem__, slots))
         lease = None

@@ -73,6 +73,9 @@ class Lookup(_Message, tag="lookup"):
     prefetch: bool = False
     parent: bytes | None = None
     """The key before ``keys[0]``, when the lookup starts mid-chain."""
+    count: bool = True
+    """Count the hits and misses (tenant statistics, write-back reuse). A client that looks
+    the same chunks up again (vLLM's scheduler probes, then its worker loads) counts once."""
 
 
 class PrepareStore(_Message, tag="prepare_store"):

@@ -314,8 +314,10 @@ class ZmqServer:
         self._check_keys(request.keys)
         keys = request.keys
         with self._service.lock:
-            hit = self._service.cache.lookup(request.tenant, keys, lock=request.lock)
-            if self._writeback is not None and hit.count:
+            hit = self._service.cache.lookup(
+                request.tenant, keys, lock=request.lock, count=request.count
+            )
+            if self._writeback is not None and hit.count and request.count:
                 self._writeback.hit(request.tenant, keys[: hit.count])
         if hit.lease is not None:
             session.leases.add(hit.lease)

@@ -35,7 +35,8 @@ class FakeAgent:
     prefetch_polls: int = 1
     """Status polls before a prefetch is done (it then moves its keys from L2 to L1)."""
     prefetches: dict[int, tuple[str, list[bytes], int]] = field(default_factory=dict)
-    lookups: list[tuple[str, list[bytes], bool]] = field(default_factory=list)
+    lookups: list[tuple[str, list[bytes], bool, bool]] = field(default_factory=list)
+    """(tenant, keys, lock, count) of every lookup."""
     released: list[int] = field(default_factory=list)
     connects: int = 0
 
@@ -69,9 +70,11 @@ class FakeClient:
         )
         return self.info
 
-    def lookup(self, tenant: str, keys: list[bytes], *, lock: bool = True) -> Hit:
+    def lookup(
+        self, tenant: str, keys: list[bytes], *, lock: bool = True, count: bool = True
+    ) -> Hit:
         self._check()
-        self.agent.lookups.append((tenant, list(keys), lock))
+        self.agent.lookups.append((tenant, list(keys), lock, count))
         held = self.agent.chunks.get(tenant, set())
         count = 0
         for key in keys:
@@ -81,9 +84,9 @@ class FakeClient:
         return Hit(7 if lock and count else None, [4096] * count, [CHUNK_BYTES] * count)
 
     def lookup_prefetch(
-        self, tenant: str, keys: list[bytes], parent: bytes | None = None
+        self, tenant: str, keys: list[bytes], parent: bytes | None = None, *, count: bool = True
     ) -> tuple[Hit, int]:
-        hit = self.lookup(tenant, keys)
+        hit = self.lookup(tenant, keys, count=count)
         rest = keys[hit.count :]
         in_l2 = self.agent.l2.get(tenant, set())
         run = 0

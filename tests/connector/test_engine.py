@@ -22,13 +22,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
 from kvpool_agent import keys
 from kvpool_agent.client import AgentClient
 from kvpool_agent.segment import SharedSegment
-from tests.agent.agent_process import AgentProcess
+from tests.agent.agent_process import ADMIN_TOKEN, AgentProcess
 
 from .engines import Engine, write_model
 
@@ -109,14 +110,29 @@ def test_cross_engine_hit_with_identical_output(setup: Setup) -> None:
     assert second.counters["load_failed_chunks"] == 0
 
 
+def usage(agent: AgentProcess, salt: str) -> tuple[int, int]:
+    """(hits, misses) the agent counted for the tenant of ``salt``."""
+    answer = httpx.get(
+        f"{agent.http}/v1/tenants/{keys.tenant_id(salt)}/usage",
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+    )
+    answer.raise_for_status()
+    return answer.json()["hits"], answer.json()["misses"]
+
+
 def test_different_salt_never_hits(setup: Setup) -> None:
     salted = prompt(2, 800)
     expected = setup.ref.generate([salted], salts=["tenant-a"])
     assert setup.a.generate([salted], salts=["tenant-a"]).tokens == expected.tokens
+    assert usage(setup.agent, "tenant-a") == (0, 3)  # A's probe: three chunks, none there
 
     other = setup.b.generate([salted], salts=["tenant-b"])
     unsalted = setup.b.generate([salted])
     same = setup.b.generate([salted], salts=["tenant-a"])
+
+    # Each request counts once: the scheduler's probe, not the worker's load again.
+    assert usage(setup.agent, "tenant-a") == (3, 3)
+    assert usage(setup.agent, "tenant-b") == (0, 3)
 
     assert other.cached == [0]
     assert unsalted.cached == [0]

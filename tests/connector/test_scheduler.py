@@ -86,7 +86,10 @@ def test_hits_become_a_load_of_whole_chunks() -> None:
     request = FakeRequest("r", prompt)
 
     assert half.get_num_new_matched_tokens(request, 0) == (3 * CHUNK, False)
-    assert agent.lookups[-1][2] is False  # the scheduler never locks
+    assert agent.lookups[-1][2:] == (False, True)  # the scheduler never locks; it counts
+    # vLLM may ask again (no room this step): the agent counts a request's chunks once
+    assert half.get_num_new_matched_tokens(request, 0) == (3 * CHUNK, False)
+    assert agent.lookups[-1][2:] == (False, False)
     block_ids = list(range(20, 28))
     half.update_state_after_alloc(request, FakeBlocks(block_ids), 3 * CHUNK)
     meta = half.build_connector_meta(
@@ -137,9 +140,9 @@ def test_salts_are_tenants_and_never_share() -> None:
     assert half.get_num_new_matched_tokens(FakeRequest("a", prompt, "alice"), 0)[0] == 2 * CHUNK
     assert half.get_num_new_matched_tokens(FakeRequest("b", prompt, "bob"), 0)[0] == 0
     assert half.get_num_new_matched_tokens(FakeRequest("c", prompt), 0)[0] == 0
-    tenants = {tenant for tenant, _, _ in agent.lookups}
+    tenants = {tenant for tenant, *_ in agent.lookups}
     assert tenants == {keys.tenant_id(salt) for salt in ("alice", "bob", None)}
-    assert all(b"alice" not in key for _, wanted, _ in agent.lookups for key in wanted)
+    assert all(b"alice" not in key for _, wanted, *_ in agent.lookups for key in wanted)
 
 
 def test_every_rank_must_hit() -> None:

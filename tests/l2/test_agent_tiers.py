@@ -13,7 +13,7 @@ import pytest
 
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
-from tests.agent.agent_process import AgentProcess
+from tests.agent.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.agent.conftest import key
 
 from .faults import Fault, FaultProxy
@@ -172,3 +172,27 @@ def test_a_slow_l2_sheds_write_backs_without_slowing_stores(
     assert metric(agent, "kvpool_writeback_shed_total") >= 24 - 4 - 4  # queue 4, 4 workers
     proxy.clear()
     wait_until(lambda: metric(agent, "kvpool_writeback_pending") == 0)
+
+
+def test_the_reused_policy_writes_back_after_enough_counted_hits(
+    agents: Callable[..., AgentProcess], tmp_path: Path
+) -> None:
+    nvme = {"NVME__PATH": str(tmp_path / "nvme"), "NVME__CAPACITY": "64MiB"}
+    agent = agents("a", STORE_POLICY="reused", STORE_MIN_HITS="2", **nvme)
+    written = "kvpool_writeback_written_total"
+    with AgentClient(agent.zmq) as client:
+        store_chain(client, [1, 2])
+        client.lookup(TENANT, [key(1), key(2)], lock=False)  # one use
+        for _ in range(3):  # repeated looks at the same use count nothing
+            client.lookup(TENANT, [key(1), key(2)], lock=False, count=False)
+        time.sleep(0.5)
+        assert metric(agent, written) == 0, "written back before its second use"
+        client.lookup(TENANT, [key(1)], lock=False)  # a second use of chunk 1 only
+        wait_until(lambda: metric(agent, written) == 1)
+        time.sleep(0.5)
+        assert metric(agent, written) == 1  # chunk 2 was used once
+    usage = httpx.get(
+        f"{agent.http}/v1/tenants/{TENANT}/usage",
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+    ).json()
+    assert (usage["hits"], usage["misses"]) == (3, 0)

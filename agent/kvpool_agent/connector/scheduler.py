@@ -29,7 +29,9 @@ the half answers "no hits" and plans nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -111,6 +113,8 @@ class _Request:
     """Prefetch ids (from L2) the request waits for; one per rank that started one."""
     prefetch_deadline: float = 0.0
     prefetch_tried: bool = False
+    counted: bool = False
+    """The agent counted this request's hits and misses (at its first lookup)."""
 
 
 @dataclass
@@ -191,10 +195,12 @@ class SchedulerHalf:
             )
             for rank in range(self._tp_size)
         ]
+        log.info("kvpool: caching %d-token chunks", self.chunk_tokens)
+        # What a prefix index needs to hash a gateway's token ids as this engine does
+        # (its `fingerprint` setting, the pool's spec.index.fingerprint).
         log.info(
-            "kvpool: caching %d-token chunks, layout %s",
-            self.chunk_tokens,
-            handshakes[0].kv_layout,
+            "kvpool: key fingerprint for the index: %s",
+            json.dumps(dataclasses.asdict(self._roots[0][0]), sort_keys=True),
         )
 
     def _root(self, rank: int, salt: str | None) -> bytes:
@@ -263,10 +269,11 @@ class SchedulerHalf:
         hits = limit - first
         try:
             max_keys = self._link.info().max_keys
+            count, state.counted = not state.counted, True
             for chain in state.chains:
                 wanted = chain.upto(tokens, first + hits)[first : first + min(hits, max_keys)]
                 self.counters.add("lookups")
-                found = self._link.call(_Lookup(state.tenant, wanted))
+                found = self._link.call(_Lookup(state.tenant, wanted, count))
                 hits = min(hits, found.count)
                 if hits == 0:
                     break
@@ -457,9 +464,10 @@ class SchedulerHalf:
 class _Lookup:
     tenant: str
     wanted: list[bytes]
+    count: bool
 
     def __call__(self, client: AgentClient) -> Hit:
-        return client.lookup(self.tenant, self.wanted, lock=False)
+        return client.lookup(self.tenant, self.wanted, lock=False, count=self.count)
 
 
 @dataclass(frozen=True)
@@ -469,7 +477,7 @@ class _Prefetch:
     parent: bytes | None
 
     def __call__(self, client: AgentClient) -> tuple[Hit, int]:
-        return client.lookup_prefetch(self.tenant, self.wanted, self.parent)
+        return client.lookup_prefetch(self.tenant, self.wanted, self.parent, count=False)
 
 
 @dataclass(frozen=True)

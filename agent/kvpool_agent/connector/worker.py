@@ -348,7 +348,8 @@ class _Lookup:
     keys: list[bytes]
 
     def __call__(self, client: AgentClient) -> Hit:
-        return client.lookup(self.tenant, self.keys, lock=True)
+        # The scheduler's probe counted these chunks already.
+        return client.lookup(self.tenant, self.keys, lock=True, count=False)
 
 
 @dataclass(frozen=True)
