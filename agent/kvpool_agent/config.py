@@ -27,12 +27,12 @@ MIN_PAGE_SIZE = 4096
 MIN_PAGES = 16
 
 
-class _ConfigFileSource(PydanticBaseSettingsSource):
-    """Values from the YAML/JSON file named by ``KVPOOL_CONFIG_FILE``, if set."""
+class ConfigFileSource(PydanticBaseSettingsSource):
+    """Values from the YAML/JSON file named by the environment variable ``env``, if set."""
 
-    def __init__(self, settings_cls: type[BaseSettings]) -> None:
+    def __init__(self, settings_cls: type[BaseSettings], env: str) -> None:
         super().__init__(settings_cls)
-        path = os.environ.get(CONFIG_FILE_ENV)
+        path = os.environ.get(env)
         self._values: dict[str, Any] = {}
         if path:
             loaded = yaml.safe_load(Path(path).read_text()) or {}
@@ -246,4 +246,4 @@ class AgentConfig(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, _ConfigFileSource(settings_cls))
+        return (init_settings, env_settings, ConfigFileSource(settings_cls, CONFIG_FILE_ENV))

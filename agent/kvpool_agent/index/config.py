@@ -8,18 +8,13 @@ JSON), then the YAML or JSON file named by ``--config`` or
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic_settings import (
-    BaseSettings,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    YamlConfigSettingsSource,
-)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from kvpool_agent.config import ConfigFileSource
 from kvpool_agent.index.discovery import AgentEndpoint
 from kvpool_agent.index.policy import (
     DEFAULT_LOAD_FACTOR,
@@ -155,7 +150,4 @@ class IndexConfig(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        path = os.environ.get(CONFIG_FILE_ENV)
-        if not path:
-            return (init_settings, env_settings)
-        return (init_settings, env_settings, YamlConfigSettingsSource(settings_cls, Path(path)))
+        return (init_settings, env_settings, ConfigFileSource(settings_cls, CONFIG_FILE_ENV))
