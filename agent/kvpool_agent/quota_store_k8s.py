@@ -21,18 +21,16 @@ let one agent diverge from the others. A value that is neither a byte count nor
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, cast
 
 import urllib3
-from kubernetes import config as kube_config
-from kubernetes.client import ApiClient, Configuration, CoreV1Api
+from kubernetes.client import ApiClient, CoreV1Api
 from kubernetes.client.exceptions import ApiException
+from kubernetes.config import ConfigException
 
+from kvpool_agent.kube_watch import ListWatch, Manifest, api_configuration
 from kvpool_agent.quota_store import QuotaStoreError
 from kvpool_agent.quotas import Limit
 
@@ -62,14 +60,18 @@ class KubernetesQuotaStore:
         self.name = name
         self._api = api
         self._timeout = timeout
-        self._retry_seconds = retry_seconds
-        self._watch_seconds = watch_seconds
         self._lock = threading.Lock()
         self._known: dict[str, Limit] | None = None
         self._published: dict[str, Limit] | None = None
-        self._stopping = threading.Event()
-        self._response: urllib3.BaseHTTPResponse | None = None
-        self._thread: threading.Thread | None = None
+        self._config_map = ListWatch(
+            api.list_namespaced_config_map,
+            namespace,
+            selectors={"field_selector": f"metadata.name={name}"},
+            what=self.where,
+            timeout=timeout,
+            retry_seconds=retry_seconds,
+            watch_seconds=watch_seconds,
+        )
 
     @classmethod
     def connect(cls, reference: str) -> KubernetesQuotaStore:
@@ -78,15 +80,9 @@ class KubernetesQuotaStore:
         namespace, _, name = reference.partition("/")
         if not namespace or not name:
             raise ValueError(f"expected a ConfigMap as namespace/name, got {reference!r}")
-        configuration = Configuration()
         try:
-            if "KUBERNETES_SERVICE_HOST" in os.environ:
-                kube_config.load_incluster_config(client_configuration=configuration)
-            else:
-                kube_config.load_kube_config(
-                    os.environ.get("KUBECONFIG"), client_configuration=configuration
-                )
-        except kube_config.ConfigException as error:
+            configuration = api_configuration()
+        except ConfigException as error:
             raise QuotaStoreError(
                 f"no access to the Kubernetes API for ConfigMap {reference}: {error}"
             ) from error
@@ -118,19 +114,12 @@ class KubernetesQuotaStore:
 
     def start(self, on_change: QuotaListener) -> None:
         """Watch the ConfigMap; ``on_change`` runs in the watch thread."""
-        self._thread = threading.Thread(
-            target=self._watch, args=(on_change,), name="quota-watch", daemon=True
+        self._config_map.start(
+            lambda found: self._publish(found.get(self.name), on_change), thread_name="quota-watch"
         )
-        self._thread.start()
 
     def stop(self) -> None:
-        self._stopping.set()
-        with self._lock:
-            response = self._response
-        if response is not None:
-            response.shutdown()  # wakes the watch thread from its blocking read
-        if self._thread is not None:
-            self._thread.join(self._timeout)
+        self._config_map.stop()
 
     def _patch(self, data: dict[str, str | None]) -> None:
         try:
@@ -189,71 +178,10 @@ class KubernetesQuotaStore:
                 )
         return limits
 
-    def _publish(self, data: Mapping[str, str], on_change: QuotaListener) -> None:
-        limits = self._parse(data)
+    def _publish(self, config_map: Manifest | None, on_change: QuotaListener) -> None:
+        limits = self._parse((config_map or {}).get("data") or {})
         with self._lock:
             self._known = limits
             changed, self._published = limits != self._published, limits
         if changed:
             on_change(dict(limits))
-
-    def _watch(self, on_change: QuotaListener) -> None:
-        while not self._stopping.is_set():
-            try:
-                self._follow(self._list(on_change), on_change)
-            except (ApiException, urllib3.exceptions.HTTPError, OSError, ValueError) as error:
-                if self._stopping.is_set():
-                    return
-                log.warning(
-                    "watching %s failed (%s); retrying in %ss",
-                    self.where,
-                    error,
-                    self._retry_seconds,
-                )
-                self._stopping.wait(self._retry_seconds)
-
-    def _list(self, on_change: QuotaListener) -> str:
-        """Publish the current quotas; returns the resourceVersion to watch from."""
-        listed = self._api.list_namespaced_config_map(
-            self.namespace,
-            field_selector=f"metadata.name={self.name}",
-            _request_timeout=self._timeout,
-        )
-        self._publish((listed.items[0].data or {}) if listed.items else {}, on_change)
-        version = listed.metadata.resource_version if listed.metadata else None
-        return version or ""
-
-    def _follow(self, version: str, on_change: QuotaListener) -> None:
-        """Publish every change after ``version`` until the server ends the watch."""
-        response = cast(
-            urllib3.BaseHTTPResponse,
-            self._api.list_namespaced_config_map(
-                self.namespace,
-                field_selector=f"metadata.name={self.name}",
-                watch=True,
-                resource_version=version,
-                timeout_seconds=self._watch_seconds,
-                _preload_content=False,
-                _request_timeout=(self._timeout, self._watch_seconds + self._timeout),
-            ),
-        )
-        with self._lock:
-            self._response = response
-        try:
-            if self._stopping.is_set():
-                return
-            for line in response:
-                if not line.strip():
-                    continue
-                event: dict[str, Any] = json.loads(line)
-                kind, obj = event.get("type"), event.get("object") or {}
-                if kind == "ERROR":
-                    if obj.get("code") == 410:
-                        return  # our resourceVersion is too old: list again
-                    raise ValueError(f"watch error: {obj.get('message')}")
-                if kind in ("ADDED", "MODIFIED", "DELETED"):
-                    self._publish({} if kind == "DELETED" else obj.get("data") or {}, on_change)
-        finally:
-            with self._lock:
-                self._response = None
-            response.release_conn()

@@ -11,25 +11,22 @@ and in routing answers.
 it is running, has an IP and is not being deleted; its endpoints are
 ``tcp://<pod IP>:<port>`` for the container ports named ``zmq`` and
 ``events`` (7400 and 7402 when not named). Where two pods sit on one node (a
-surge during a rollout), the newer one wins. The ``kubernetes`` package is
-imported only when this discovery is used (by name: it may come with or
-without type information).
+surge during a rollout), the newer one wins. The list and watch are
+:class:`~kvpool_agent.kube_watch.ListWatch`'s.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
 import logging
-import os
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    import urllib3
+from kubernetes.client import ApiClient, CoreV1Api
+from kubernetes.config import ConfigException
+
+from kvpool_agent.kube_watch import ListWatch, api_configuration
 
 log = logging.getLogger(__name__)
 
@@ -135,30 +132,24 @@ class KubernetesDiscovery:
         signature, called with ``_preload_content=False``)."""
         self.namespace = namespace
         self.pool = pool
-        self._list_pods = list_pods
-        self._timeout = timeout
-        self._retry_seconds = retry_seconds
-        self._watch_seconds = watch_seconds
-        self._pods: dict[str, Mapping[str, Any]] = {}
         self._published: list[AgentEndpoint] | None = None
-        self._stopping = threading.Event()
-        self._lock = threading.Lock()
-        self._response: urllib3.BaseHTTPResponse | None = None
-        self._thread: threading.Thread | None = None
+        self._pods = ListWatch(
+            list_pods,
+            namespace,
+            selectors={"label_selector": label_selector(pool)},
+            what=f"pods {label_selector(pool)} in namespace {namespace}",
+            timeout=timeout,
+            retry_seconds=retry_seconds,
+            watch_seconds=watch_seconds,
+        )
 
     @classmethod
     def connect(cls, pool: str, namespace: str | None = None) -> KubernetesDiscovery:
         """Through this pod's service account (in a pod) or the kubeconfig (elsewhere);
         ``namespace`` defaults to this pod's own."""
-        kube_config: Any = importlib.import_module("kubernetes.config")
-        kube_client: Any = importlib.import_module("kubernetes.client")
-        configuration = kube_client.Configuration()
         try:
-            if "KUBERNETES_SERVICE_HOST" in os.environ:
-                kube_config.load_incluster_config(client_configuration=configuration)
-            else:
-                kube_config.load_kube_config(client_configuration=configuration)
-        except kube_config.ConfigException as error:
+            configuration = api_configuration()
+        except ConfigException as error:
             raise ValueError(f"no Kubernetes API to discover agents with: {error}") from error
         if namespace is None:
             try:
@@ -168,98 +159,24 @@ class KubernetesDiscovery:
                     f"no namespace configured and {NAMESPACE_FILE} is unreadable "
                     f"({error.strerror}): set the index's namespace"
                 ) from error
-        api = kube_client.CoreV1Api(kube_client.ApiClient(configuration))
-        return cls(api.list_namespaced_pod, namespace, pool)
+        return cls(CoreV1Api(ApiClient(configuration)).list_namespaced_pod, namespace, pool)
 
     @property
     def where(self) -> str:
-        return f"pods {label_selector(self.pool)} in namespace {self.namespace}"
+        return self._pods.what
 
     def start(self, on_change: EndpointsListener) -> None:
         """List and watch the agent pods; ``on_change`` runs in the watch thread."""
-        self._thread = threading.Thread(
-            target=self._watch, args=(on_change,), name="kvpool-index-discovery", daemon=True
+        self._pods.start(
+            lambda pods: self._publish(pods.values(), on_change),
+            thread_name="kvpool-index-discovery",
         )
-        self._thread.start()
 
     def stop(self) -> None:
-        self._stopping.set()
-        with self._lock:
-            response = self._response
-        if response is not None:
-            response.shutdown()  # wakes the watch thread from its blocking read
-        if self._thread is not None:
-            self._thread.join(self._timeout)
+        self._pods.stop()
 
-    def _watch(self, on_change: EndpointsListener) -> None:
-        import urllib3
-
-        api_exception = importlib.import_module("kubernetes.client.exceptions").ApiException
-        while not self._stopping.is_set():
-            try:
-                self._follow(self._list(on_change), on_change)
-            except (api_exception, urllib3.exceptions.HTTPError, OSError, ValueError) as error:
-                if self._stopping.is_set():
-                    return
-                log.warning(
-                    "watching %s failed (%s); retrying in %ss",
-                    self.where,
-                    error,
-                    self._retry_seconds,
-                )
-                self._stopping.wait(self._retry_seconds)
-
-    def _list(self, on_change: EndpointsListener) -> str:
-        """Publish the agents now; returns the resourceVersion to watch from."""
-        response = self._list_pods(
-            self.namespace,
-            label_selector=label_selector(self.pool),
-            _preload_content=False,
-            _request_timeout=self._timeout,
-        )
-        listed: dict[str, Any] = json.loads(response.data)
-        self._pods = {
-            (pod.get("metadata") or {}).get("name", ""): pod for pod in listed.get("items") or []
-        }
-        self._publish(on_change)
-        return str((listed.get("metadata") or {}).get("resourceVersion") or "")
-
-    def _follow(self, version: str, on_change: EndpointsListener) -> None:
-        """Publish every change after ``version`` until the server ends the watch."""
-        response: urllib3.BaseHTTPResponse = self._list_pods(
-            self.namespace,
-            label_selector=label_selector(self.pool),
-            watch=True,
-            resource_version=version,
-            timeout_seconds=self._watch_seconds,
-            _preload_content=False,
-            _request_timeout=(self._timeout, self._watch_seconds + self._timeout),
-        )
-        with self._lock:
-            self._response = response
-        try:
-            if self._stopping.is_set():
-                return
-            for line in response:
-                event: dict[str, Any] = json.loads(line)
-                kind, pod = event.get("type"), event.get("object") or {}
-                if kind == "ERROR":
-                    if pod.get("code") == 410:
-                        return  # our resourceVersion is too old: list again
-                    raise ValueError(f"watch error: {pod.get('message')}")
-                name = (pod.get("metadata") or {}).get("name", "")
-                if kind in ("ADDED", "MODIFIED"):
-                    self._pods[name] = pod
-                elif kind == "DELETED":
-                    self._pods.pop(name, None)
-                self._publish(on_change)
-        finally:
-            with self._lock:
-                self._response = None
-            response.release_conn()
-
-    def _publish(self, on_change: EndpointsListener) -> None:
-        endpoints = endpoints_of(self._pods.values())
+    def _publish(self, pods: Iterable[Mapping[str, Any]], on_change: EndpointsListener) -> None:
+        endpoints = endpoints_of(pods)
         if endpoints != self._published:
             self._published = endpoints
             log.info("agents of pool %s: %s", self.pool, ", ".join(e.node for e in endpoints))
