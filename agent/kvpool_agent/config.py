@@ -23,6 +23,8 @@ from pydantic_settings import (
 from kvpool_agent.policies import POLICY_NAMES
 
 CONFIG_FILE_ENV = "KVPOOL_CONFIG_FILE"
+POOL_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+"""A pool name: a DNS label, as the names of its Kubernetes objects need."""
 MIN_PAGE_SIZE = 4096
 MIN_PAGES = 16
 
@@ -103,7 +105,7 @@ class AgentConfig(BaseSettings):
 
     pool: str = Field(
         "default",
-        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        pattern=POOL_NAME_PATTERN,
         description="Pool name; names the shared-memory segment and, later, the Service.",
     )
     segment_path: Path | None = Field(

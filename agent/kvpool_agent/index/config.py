@@ -14,7 +14,7 @@ from typing import Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from kvpool_agent.config import ConfigFileSource
+from kvpool_agent.config import POOL_NAME_PATTERN, ConfigFileSource
 from kvpool_agent.index.discovery import AgentEndpoint
 from kvpool_agent.index.policy import (
     DEFAULT_LOAD_FACTOR,
@@ -66,7 +66,7 @@ class IndexConfig(BaseSettings):
 
     pool: str = Field(
         "default",
-        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        pattern=POOL_NAME_PATTERN,
         description="Pool whose agents to follow (the kvpool.io/pool label of their pods).",
     )
     discovery: Literal["static", "kubernetes"] = Field(
