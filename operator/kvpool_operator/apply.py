@@ -38,6 +38,8 @@ class Kind:
     api_version: str
     kind: str
     plural: str
+    provided_by: str | None = None
+    """What installs this kind where a cluster may lack it; None: built into Kubernetes."""
 
     def path(self, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
         base = "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
@@ -52,9 +54,15 @@ KINDS = {
         Kind("v1", "Service", "services"),
         Kind("v1", "ServiceAccount", "serviceaccounts"),
         Kind("apps/v1", "DaemonSet", "daemonsets"),
+        Kind("apps/v1", "Deployment", "deployments"),
         Kind("rbac.authorization.k8s.io/v1", "Role", "roles"),
         Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
-        Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors"),
+        Kind(
+            "monitoring.coreos.com/v1",
+            "ServiceMonitor",
+            "servicemonitors",
+            provided_by="the prometheus-operator CRDs",
+        ),
         Kind(API_VERSION, KIND, PLURAL),
     )
 }

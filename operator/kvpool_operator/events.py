@@ -14,7 +14,6 @@ from kvpool_operator.status import APPLY_FAILED, INVALID_SPEC
 
 APPLIED = "Applied"
 DRIFT_CORRECTED = "DriftCorrected"
-MONITOR_UNAVAILABLE = "ServiceMonitorUnavailable"
 
 
 class PoolEvents:
@@ -33,13 +32,17 @@ class PoolEvents:
     def apply_failed(self, pool: Mapping[str, Any], message: str) -> None:
         _post(pool, "Warning", APPLY_FAILED, f"{message} (retrying)")
 
-    def monitor_unavailable(self, pool: Mapping[str, Any]) -> None:
+    def kind_unavailable(
+        self, pool: Mapping[str, Any], kind: str, name: str, provided_by: str
+    ) -> None:
+        """The spec asks for a child of a kind the cluster does not serve (reason
+        ``<Kind>Unavailable``, e.g. ``ServiceMonitorUnavailable``)."""
         _post(
             pool,
             "Warning",
-            MONITOR_UNAVAILABLE,
-            "metrics.serviceMonitor.enabled is set but the cluster has no ServiceMonitor "
-            "resource (install the prometheus-operator CRDs); no ServiceMonitor was made",
+            f"{kind}Unavailable",
+            f"the pool asks for the {kind} {name} but the cluster has no {kind} resource "
+            f"(install {provided_by}); no {kind} was made",
         )
 
 

@@ -3,8 +3,9 @@
 - a pool is created, changed (spec, labels, annotations) or found at start:
   :meth:`~kvpool_operator.reconcile.Reconciler.pool_changed`, retried while the API
   server refuses;
-- any event on a child (labelled ``kvpool.io/pool``): drift correction and the pool's
-  status, :meth:`~kvpool_operator.reconcile.Reconciler.child_changed`.
+- any event on a child (labelled ``kvpool.io/pool``; the agents' DaemonSet and the index's
+  Deployment among them): drift correction and the pool's status,
+  :meth:`~kvpool_operator.reconcile.Reconciler.child_changed`.
 
 kopf keeps its own bookkeeping in ``kvpool.io/`` annotations of the pool (not in its
 status, which is the operator's); of its own log records, only warnings and errors become
@@ -63,6 +64,7 @@ def pool_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.event("v1", "services", labels=CHILD_LABELS, registry=registry)
 @kopf.on.event("v1", "serviceaccounts", labels=CHILD_LABELS, registry=registry)
 @kopf.on.event("apps/v1", "daemonsets", labels=CHILD_LABELS, registry=registry)
+@kopf.on.event("apps/v1", "deployments", labels=CHILD_LABELS, registry=registry)
 @kopf.on.event("rbac.authorization.k8s.io/v1", "roles", labels=CHILD_LABELS, registry=registry)
 @kopf.on.event(
     "rbac.authorization.k8s.io/v1", "rolebindings", labels=CHILD_LABELS, registry=registry

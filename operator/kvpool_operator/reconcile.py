@@ -3,13 +3,16 @@
 Two idempotent entry points, each called by a thin kopf handler (``handlers.py``):
 
 - :meth:`Reconciler.pool_changed`: the pool was created or changed, or was found when the
-  operator started. Render every child, apply each (server-side apply), write the status,
-  post an event naming what changed. An invalid spec is reported (status and a Warning
-  event) and not retried; a refused or failed write is reported and raised, so that the
-  caller retries.
+  operator started. Render every child, apply each the pool has (server-side apply), delete
+  the optional children it no longer has (those it owns: the index, the ServiceMonitor),
+  write the status, post an event naming what changed. An optional child of a kind the
+  cluster does not serve (a ServiceMonitor without prometheus-operator) is skipped with a
+  Warning event. An invalid spec is reported (status and a Warning event) and not retried;
+  a refused or failed write is reported and raised, so that the caller retries.
 - :meth:`Reconciler.child_changed`: an event on one of the pool's children. A child that
   was deleted, or no longer holds what the operator renders, is applied again (drift);
-  events on the DaemonSet refresh the pool's node counts and conditions.
+  events on the DaemonSet refresh the pool's node counts and conditions, events on the
+  index's Deployment its ``status.index``.
 """
 
 from __future__ import annotations
@@ -19,15 +22,22 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from kvpool_operator.apply import KINDS, ApiError, Cluster, kind_of
+from kvpool_operator.apply import KINDS, ApiError, Cluster, Kind, kind_of
 from kvpool_operator.events import PoolEvents
-from kvpool_operator.render import POOL_LABEL, Children, Manifest, Pool, render
+from kvpool_operator.render import POOL_LABEL, ChildRef, Children, Manifest, Pool, render
 from kvpool_operator.spec import API_VERSION, KIND, InvalidSpec, PoolSpec
-from kvpool_operator.status import APPLY_FAILED, INVALID_SPEC, Problem, Rollout, pool_status
+from kvpool_operator.status import (
+    APPLY_FAILED,
+    INVALID_SPEC,
+    IndexReplicas,
+    Problem,
+    Rollout,
+    pool_status,
+)
 
 POOLS = KINDS[API_VERSION, KIND]
 DAEMONSETS = KINDS["apps/v1", "DaemonSet"]
-SERVICE_MONITORS = KINDS["monitoring.coreos.com/v1", "ServiceMonitor"]
+DEPLOYMENTS = KINDS["apps/v1", "Deployment"]
 
 
 @dataclass(frozen=True)
@@ -53,22 +63,24 @@ class Reconciler:
             children = self._render(pool)
         except InvalidSpec as error:
             self._events.invalid_spec(pool, str(error))
-            self._write_status(pool, generation, Problem(INVALID_SPEC, str(error)))
+            self._write_status(pool, generation, Problem(INVALID_SPEC, str(error)), None)
             return
-        changes: list[str] = []
         try:
-            for manifest in children.required():
-                change, stored = self._sync(manifest)
-                changes += [change] if change else []
-                if manifest is children.daemonset:
-                    daemonset = stored
-            changes += self._sync_monitor(pool, children)
+            changes, stored = self._sync_children(pool, children)
         except ApiError as error:
             self._events.apply_failed(pool, str(error))
             observed = (pool.get("status") or {}).get("observedGeneration")
-            self._write_status(pool, observed, Problem(APPLY_FAILED, str(error)))
+            self._write_status(pool, observed, Problem(APPLY_FAILED, str(error)), children)
             raise
-        self._write_status(pool, generation, None, daemonset=daemonset)
+        index = children.index
+        self._write_status(
+            pool,
+            generation,
+            None,
+            children,
+            daemonset=stored[ChildRef.of(children.daemonset)],
+            deployment=stored[ChildRef.of(index.deployment)] if index else None,
+        )
         if changes:
             self._events.applied(pool, changes)
 
@@ -84,25 +96,19 @@ class Reconciler:
             children = self._render(pool)
         except InvalidSpec:
             return  # pool_changed reported it
-        desired = next(
-            (
-                manifest
-                for manifest in children.required()
-                if (manifest["kind"], manifest["metadata"]["name"])
-                == (child["kind"], metadata["name"])
-            ),
-            None,
-        )
+        ref = ChildRef.of(child)
+        desired = next((m for m in children.present() if ChildRef.of(m) == ref), None)
         if desired is None:
-            return
+            return  # not a child the pool has (one pool_changed deleted, say)
         deleted = event_type == "DELETED"
         if deleted or not is_subset(desired, child):
             child = self._cluster.apply(desired)
             self._events.drift_corrected(pool, f"{desired['kind']} {metadata['name']}", deleted)
+        observed, problem = status.get("observedGeneration"), Problem.recorded(status)
         if desired is children.daemonset:
-            self._write_status(
-                pool, status.get("observedGeneration"), Problem.recorded(status), daemonset=child
-            )
+            self._write_status(pool, observed, problem, children, daemonset=child)
+        elif children.index is not None and desired is children.index.deployment:
+            self._write_status(pool, observed, problem, children, deployment=child)
 
     def _render(self, pool: Mapping[str, Any]) -> Children:
         return render(
@@ -110,6 +116,37 @@ class Reconciler:
             PoolSpec.parse(pool.get("spec") or {}),
             default_image=self._options.agent_image,
         )
+
+    def _sync_children(
+        self, pool: Mapping[str, Any], children: Children
+    ) -> tuple[list[str], dict[ChildRef, Manifest]]:
+        """Apply the children the pool has and delete the optional ones it must not have;
+        says what changed, and returns the applied children as stored."""
+        changes: list[str] = []
+        stored: dict[ChildRef, Manifest] = {}
+        served: dict[Kind, bool] = {}
+        for manifest in children.present():
+            kind, name = kind_of(manifest), manifest["metadata"]["name"]
+            missing = self._missing(kind, served)
+            if missing is not None:
+                self._events.kind_unavailable(pool, kind.kind, name, missing)
+                continue
+            change, stored[ChildRef.of(manifest)] = self._sync(manifest)
+            changes += [change] if change else []
+        for ref in children.absent:
+            kind = KINDS[ref.api_version, ref.kind]
+            if self._missing(kind, served) is None and self._delete_owned(pool, kind, ref.name):
+                changes.append(f"deleted {ref.kind} {ref.name}")
+        return changes, stored
+
+    def _missing(self, kind: Kind, served: dict[Kind, bool]) -> str | None:
+        """What to install for ``kind`` where the cluster lacks it (asked once per pass, in
+        ``served``); None where the cluster serves it."""
+        if kind.provided_by is None:
+            return None
+        if kind not in served:
+            served[kind] = self._cluster.serves(kind)
+        return None if served[kind] else kind.provided_by
 
     def _sync(self, manifest: Manifest) -> tuple[str | None, Manifest]:
         """Apply one child; says whether that created or changed it."""
@@ -122,36 +159,35 @@ class Reconciler:
             return f"updated {kind.kind} {metadata['name']}", after
         return None, after
 
-    def _sync_monitor(self, pool: Mapping[str, Any], children: Children) -> list[str]:
-        """Make, update or remove the pool's ServiceMonitor, where the cluster has them."""
-        if not self._cluster.serves(SERVICE_MONITORS):
-            if children.service_monitor is not None:
-                self._events.monitor_unavailable(pool)
-            return []
-        if children.service_monitor is not None:
-            change, _ = self._sync(children.service_monitor)
-            return [change] if change else []
+    def _delete_owned(self, pool: Mapping[str, Any], kind: Kind, name: str) -> bool:
+        """Delete the object if this pool owns it (someone else's of that name stays)."""
         namespace, uid = pool["metadata"]["namespace"], pool["metadata"]["uid"]
-        name = children.service["metadata"]["name"]
-        existing = self._cluster.get(SERVICE_MONITORS, namespace, name)
+        existing = self._cluster.get(kind, namespace, name)
         owners = (existing or {}).get("metadata", {}).get("ownerReferences", ())
-        if any(owner.get("uid") == uid for owner in owners) and self._cluster.delete(
-            SERVICE_MONITORS, namespace, name
-        ):
-            return [f"deleted ServiceMonitor {name}"]
-        return []
+        return any(owner.get("uid") == uid for owner in owners) and self._cluster.delete(
+            kind, namespace, name
+        )
 
     def _write_status(
         self,
         pool: Mapping[str, Any],
         observed_generation: int | None,
         problem: Problem | None,
+        children: Children | None,
+        *,
         daemonset: Mapping[str, Any] | None = None,
+        deployment: Mapping[str, Any] | None = None,
     ) -> None:
+        """Write the pool's status from the DaemonSet and the index's Deployment, read here
+        unless given. ``children`` None (an invalid spec): whatever index Deployment the pool
+        still has."""
         metadata = pool["metadata"]
         namespace, name = metadata["namespace"], metadata["name"]
+        identity = _identity(pool)
         if daemonset is None:
-            daemonset = self._cluster.get(DAEMONSETS, namespace, _identity(pool).agent_name) or {}
+            daemonset = self._cluster.get(DAEMONSETS, namespace, identity.agent_name) or {}
+        if deployment is None and (children is None or children.index is not None):
+            deployment = self._cluster.get(DEPLOYMENTS, namespace, identity.index_name)
         previous = pool.get("status") or {}
         status = pool_status(
             generation=int(metadata.get("generation", 1)),
@@ -160,6 +196,7 @@ class Reconciler:
             rollout=Rollout.of(daemonset),
             previous=previous,
             now=datetime.now(UTC),
+            index=IndexReplicas.of(deployment) if deployment is not None else None,
         )
         if {key: previous.get(key) for key in status} != status:
             self._cluster.patch_status(POOLS, namespace, name, status)

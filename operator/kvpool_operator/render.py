@@ -12,20 +12,34 @@ the pool and owned by it (a controller ownerReference, so deleting the pool dele
 - ``kvpool-<pool>-agent``: DaemonSet of agents, rolled by a checksum of ``agent.yaml``;
 - ``kvpool-<pool>``: Service (``internalTrafficPolicy: Local``) whose annotations tell
   the vLLM connector how to reach and use its node's agent;
-- ``kvpool-<pool>``: ServiceMonitor, when the spec asks for one.
+- ``kvpool-<pool>``: ServiceMonitor, when the spec asks for one;
+- the prefix index, when the spec asks for it (``spec.index.enabled``), labelled
+  ``app.kubernetes.io/component: index`` (so the agents' Service and DaemonSet never select
+  its pods, nor the index's discovery, which follows ``component: agent`` pods):
+  ``kvpool-<pool>-index-config``: ConfigMap, key ``index.yaml``: the index's own
+  :class:`~kvpool_agent.index.config.IndexConfig`; ``kvpool-<pool>-index``: ServiceAccount,
+  Role and RoleBinding that let it read and watch the pool's pods, a Deployment of
+  ``spec.index.replicas`` independent indexes, and a ClusterIP Service for gateways.
+
+The ServiceMonitor and the index are optional children: :class:`Children` lists those the
+spec asks for next to the required ones, and names (:attr:`Children.absent`) those it does
+not, which the operator deletes where the pool owns them.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from kvpool_agent.config import AgentConfig
+from kvpool_agent.index.config import CONFIG_FILE_ENV as INDEX_CONFIG_FILE_ENV
+from kvpool_agent.index.config import IndexConfig
 from kvpool_agent.protocol import PROTOCOL_VERSION
 from kvpool_operator.spec import (
     API_VERSION,
@@ -33,6 +47,7 @@ from kvpool_operator.spec import (
     InvalidSpec,
     NvmeTier,
     PoolSpec,
+    ResourcesSpec,
     S3Tier,
     describe,
 )
@@ -53,10 +68,16 @@ DISCOVERY_ANNOTATIONS = (
     "kvpool.io/protocol-version",
 )
 
+AGENT = "agent"
+INDEX = "index"
+"""Values of the component label: the agents' objects and pods, the index's."""
+
 CONFIG_KEY = "agent.yaml"
+INDEX_CONFIG_KEY = "index.yaml"
 CONFIG_DIR = "/etc/kvpool/config"
 TOKENS_DIR = "/etc/kvpool/tokens"
 TOKENS_FILE = "tokens.yaml"
+TOKENS_PATH = f"{TOKENS_DIR}/{TOKENS_FILE}"
 STATE_DIR = "/var/lib/kvpool"
 AGENT_UID = 10001
 """The agent image's user (Dockerfile)."""
@@ -66,6 +87,13 @@ AGENT_BASE_MEMORY = 256 << 20
 INDEX_BYTES_PER_PAGE = 256
 """Upper bound of the L1 index and allocator metadata per page of the segment."""
 AGENT_CPU_REQUEST = "250m"
+INDEX_CPU_REQUEST = "100m"
+INDEX_MEMORY_REQUEST = "512Mi"
+INDEX_MEMORY_LIMIT = "2Gi"
+"""The index's memory grows with the chunks it tracks (about 150 B each, keys included,
+by ``kvpool bench index``): 2Gi holds about ten nodes' worth of maxChunksPerNode 1M. Its
+node count is unknown at render time, so these are defaults that spec.index.resources
+overrides."""
 _BINARY_SUFFIXES = (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10))
 
 
@@ -93,22 +121,66 @@ class Pool:
     def service_name(self) -> str:
         return f"kvpool-{self.name}"
 
-    def labels(self) -> dict[str, str]:
+    @property
+    def index_name(self) -> str:
+        return f"kvpool-{self.name}-index"
+
+    @property
+    def index_config_name(self) -> str:
+        return f"kvpool-{self.name}-index-config"
+
+    def labels(self, component: str = AGENT) -> dict[str, str]:
         return {
             NAME_LABEL: "kvpool",
             INSTANCE_LABEL: self.name,
-            COMPONENT_LABEL: "agent",
+            COMPONENT_LABEL: component,
             POOL_LABEL: self.name,
         }
 
-    def selector(self) -> dict[str, str]:
-        """The agent pods' labels that the DaemonSet and the Service select on."""
-        return {key: self.labels()[key] for key in (NAME_LABEL, INSTANCE_LABEL, COMPONENT_LABEL)}
+    def selector(self, component: str = AGENT) -> dict[str, str]:
+        """The labels that a component's workload and Service select its pods on."""
+        labels = self.labels(component)
+        return {key: labels[key] for key in (NAME_LABEL, INSTANCE_LABEL, COMPONENT_LABEL)}
+
+
+@dataclass(frozen=True)
+class ChildRef:
+    """Which object a child is: enough to get or delete it in the pool's namespace."""
+
+    api_version: str
+    kind: str
+    name: str
+
+    @classmethod
+    def of(cls, manifest: Mapping[str, Any]) -> ChildRef:
+        return cls(manifest["apiVersion"], manifest["kind"], manifest["metadata"]["name"])
+
+
+@dataclass(frozen=True)
+class IndexChildren:
+    """The prefix index's children, in the order they are applied (the Deployment last)."""
+
+    config: Manifest
+    service_account: Manifest
+    role: Manifest
+    role_binding: Manifest
+    service: Manifest
+    deployment: Manifest
+
+    def manifests(self) -> list[Manifest]:
+        return [
+            self.config,
+            self.service_account,
+            self.role,
+            self.role_binding,
+            self.service,
+            self.deployment,
+        ]
 
 
 @dataclass(frozen=True)
 class Children:
-    """Every child of one pool, in the order they are applied (the DaemonSet last)."""
+    """Every child of one pool: those it has, and the optional ones it must not have."""
 
     service_account: Manifest
     role: Manifest
@@ -117,10 +189,13 @@ class Children:
     quotas: Manifest
     service: Manifest
     daemonset: Manifest
+    index: IndexChildren | None
     service_monitor: Manifest | None
+    absent: tuple[ChildRef, ...]
+    """Optional children the spec does not ask for, in the order they are deleted."""
 
     def required(self) -> list[Manifest]:
-        """The children every pool has (the ServiceMonitor is optional)."""
+        """The children every pool has, in the order they are applied (the DaemonSet last)."""
         return [
             self.service_account,
             self.role,
@@ -131,9 +206,35 @@ class Children:
             self.daemonset,
         ]
 
+    def optional(self) -> list[Manifest]:
+        """The optional children the spec asks for, in the order they are applied."""
+        index = self.index.manifests() if self.index is not None else []
+        return index + ([self.service_monitor] if self.service_monitor is not None else [])
 
-class _RenderedAgentConfig(AgentConfig):
-    """AgentConfig from its arguments only: the operator's environment must not leak in."""
+    def present(self) -> list[Manifest]:
+        """Every child the pool has, in the order they are applied."""
+        return self.required() + self.optional()
+
+
+def index_refs(pool: Pool) -> tuple[ChildRef, ...]:
+    """The children the index adds, in the order they are deleted (the Deployment first)."""
+    return (
+        ChildRef("apps/v1", "Deployment", pool.index_name),
+        ChildRef("v1", "Service", pool.index_name),
+        ChildRef("rbac.authorization.k8s.io/v1", "RoleBinding", pool.index_name),
+        ChildRef("rbac.authorization.k8s.io/v1", "Role", pool.index_name),
+        ChildRef("v1", "ServiceAccount", pool.index_name),
+        ChildRef("v1", "ConfigMap", pool.index_config_name),
+    )
+
+
+def service_monitor_refs(pool: Pool) -> tuple[ChildRef, ...]:
+    return (ChildRef("monitoring.coreos.com/v1", "ServiceMonitor", pool.service_name),)
+
+
+class _ArgumentsOnly(BaseSettings):
+    """Settings from their keyword arguments only: the operator's environment (variables,
+    a config file named there) must not leak into what the operator renders."""
 
     @classmethod
     def settings_customise_sources(
@@ -147,21 +248,56 @@ class _RenderedAgentConfig(AgentConfig):
         return (init_settings,)
 
 
+class _RenderedAgentConfig(_ArgumentsOnly, AgentConfig):
+    """AgentConfig from its arguments only."""
+
+
+class _RenderedIndexConfig(_ArgumentsOnly, IndexConfig):
+    """IndexConfig from its arguments only."""
+
+
+_Settings = TypeVar("_Settings", bound=BaseSettings)
+
+
+def _configured(model: type[_Settings], component: str, **arguments: Any) -> _Settings:
+    """``model`` from ``arguments``; :class:`InvalidSpec` naming the fields it refuses."""
+    try:
+        return model(**arguments)
+    except ValidationError as error:
+        raise InvalidSpec(
+            f"the {component} configuration is invalid: {describe(error, component)}"
+        ) from error
+
+
+def _config_text(config: BaseSettings) -> str:
+    """The settings file a process reads: the fields the operator set, nothing defaulted."""
+    return yaml.safe_dump(config.model_dump(mode="json", exclude_unset=True))
+
+
+def _checksum(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def render(pool: Pool, spec: PoolSpec, *, default_image: str) -> Children:
-    """Every child of ``pool``; :class:`InvalidSpec` if the agent would refuse its config."""
+    """Every child of ``pool``; :class:`InvalidSpec` if the agent or the index would refuse
+    its configuration."""
     config = agent_config(pool, spec)
-    config_text = yaml.safe_dump(config.model_dump(mode="json", exclude_unset=True))
+    config_text = _config_text(config)
+    service_account, role, role_binding = _agent_rbac(pool)
+    index = _index_children(pool, spec, default_image) if spec.index.enabled else None
+    monitor = _service_monitor(pool, spec) if spec.metrics.service_monitor.enabled else None
     return Children(
-        service_account=_service_account(pool),
-        role=_role(pool),
-        role_binding=_role_binding(pool),
+        service_account=service_account,
+        role=role,
+        role_binding=role_binding,
         config=_manifest("v1", "ConfigMap", pool, pool.config_name, data={CONFIG_KEY: config_text}),
         quotas=_manifest("v1", "ConfigMap", pool, pool.quotas_name),
         service=_service(pool, spec, config),
         daemonset=_daemonset(pool, spec, config, config_text, default_image),
-        service_monitor=_service_monitor(pool, spec)
-        if spec.metrics.service_monitor.enabled
-        else None,
+        index=index,
+        service_monitor=monitor,
+        absent=(() if index else index_refs(pool))
+        + (() if monitor else service_monitor_refs(pool)),
     )
 
 
@@ -169,32 +305,55 @@ def agent_config(pool: Pool, spec: PoolSpec) -> AgentConfig:
     """The configuration every agent of the pool runs with."""
     tokens = spec.tenants.tokens_secret_ref
     nvme, s3 = spec.l2.tier("nvme"), spec.l2.tier("s3")
-    try:
-        return _RenderedAgentConfig(
-            pool=pool.name,
-            l1_size=spec.l1.size,
-            page_size=spec.l1.page_size,
-            lease_seconds=spec.l1.lease_seconds,
-            eviction_policy=spec.eviction.policy,
-            high_watermark=spec.eviction.high_watermark,
-            low_watermark=spec.eviction.low_watermark,
-            default_tenant_quota=spec.tenants.default_quota,
-            zmq_port=spec.ports.zmq,
-            http_port=spec.ports.http,
-            events_port=spec.ports.events,
-            metrics_top_tenants=spec.metrics.top_tenants,
-            state_dir=STATE_DIR,
-            tokens_file=f"{TOKENS_DIR}/{TOKENS_FILE}" if tokens else None,
-            quota_configmap=f"{pool.namespace}/{pool.quotas_name}",
-            nvme=_nvme_config(nvme.nvme) if nvme and nvme.nvme else None,
-            s3=_s3_config(s3.s3) if s3 and s3.s3 else None,
-            store_policy=spec.l2.store_policy,
-            store_min_hits=spec.l2.store_min_hits,
-        )
-    except ValidationError as error:
-        raise InvalidSpec(
-            f"the agent configuration is invalid: {describe(error, 'agent')}"
-        ) from error
+    return _configured(
+        _RenderedAgentConfig,
+        AGENT,
+        pool=pool.name,
+        l1_size=spec.l1.size,
+        page_size=spec.l1.page_size,
+        lease_seconds=spec.l1.lease_seconds,
+        eviction_policy=spec.eviction.policy,
+        high_watermark=spec.eviction.high_watermark,
+        low_watermark=spec.eviction.low_watermark,
+        default_tenant_quota=spec.tenants.default_quota,
+        zmq_port=spec.ports.zmq,
+        http_port=spec.ports.http,
+        events_port=spec.ports.events,
+        metrics_top_tenants=spec.metrics.top_tenants,
+        state_dir=STATE_DIR,
+        tokens_file=TOKENS_PATH if tokens else None,
+        quota_configmap=f"{pool.namespace}/{pool.quotas_name}",
+        nvme=_nvme_config(nvme.nvme) if nvme and nvme.nvme else None,
+        s3=_s3_config(s3.s3) if s3 and s3.s3 else None,
+        store_policy=spec.l2.store_policy,
+        store_min_hits=spec.l2.store_min_hits,
+    )
+
+
+def index_config(pool: Pool, spec: PoolSpec) -> IndexConfig:
+    """The configuration every index replica of the pool runs with."""
+    index, fingerprint = spec.index, spec.index.fingerprint
+    return _configured(
+        _RenderedIndexConfig,
+        INDEX,
+        pool=pool.name,
+        discovery="kubernetes",
+        namespace=pool.namespace,
+        host="0.0.0.0",
+        http_port=index.port,
+        max_chunks_per_node=index.max_chunks_per_node,
+        load_factor=index.routing.load_factor,
+        load_slack=index.routing.load_slack,
+        min_match_ratio=index.routing.min_match_ratio,
+        fingerprint=None
+        if fingerprint is None
+        else {
+            **fingerprint.model_dump(),
+            "chunk_tokens": fingerprint.chunk_tokens or spec.chunk_tokens,
+        },
+        tokens_file=TOKENS_PATH,
+        state_dir=STATE_DIR,
+    )
 
 
 def _nvme_config(tier: NvmeTier) -> dict[str, Any]:
@@ -228,6 +387,7 @@ def _manifest(
     pool: Pool,
     name: str,
     *,
+    component: str = AGENT,
     labels: dict[str, str] | None = None,
     annotations: dict[str, str] | None = None,
     **body: Any,
@@ -235,7 +395,11 @@ def _manifest(
     metadata: dict[str, Any] = {
         "name": name,
         "namespace": pool.namespace,
-        "labels": {**pool.labels(), MANAGED_BY_LABEL: "kvpool-operator", **(labels or {})},
+        "labels": {
+            **pool.labels(component),
+            MANAGED_BY_LABEL: "kvpool-operator",
+            **(labels or {}),
+        },
         "ownerReferences": [
             {
                 "apiVersion": API_VERSION,
@@ -252,41 +416,56 @@ def _manifest(
     return {"apiVersion": api_version, "kind": kind, "metadata": metadata, **body}
 
 
-def _service_account(pool: Pool) -> Manifest:
-    return _manifest("v1", "ServiceAccount", pool, pool.agent_name)
-
-
-def _role(pool: Pool) -> Manifest:
-    return _manifest(
-        "rbac.authorization.k8s.io/v1",
-        "Role",
-        pool,
-        pool.agent_name,
-        rules=[
-            {
-                "apiGroups": [""],
-                "resources": ["configmaps"],
-                "resourceNames": [pool.quotas_name],
-                "verbs": ["get", "list", "watch", "patch"],
-            }
-        ],
+def _rbac(
+    pool: Pool, name: str, component: str, rules: list[dict[str, Any]]
+) -> tuple[Manifest, Manifest, Manifest]:
+    """A ServiceAccount ``name``, a Role ``name`` with ``rules``, and their RoleBinding."""
+    rbac = "rbac.authorization.k8s.io"
+    return (
+        _manifest("v1", "ServiceAccount", pool, name, component=component),
+        _manifest(f"{rbac}/v1", "Role", pool, name, component=component, rules=rules),
+        _manifest(
+            f"{rbac}/v1",
+            "RoleBinding",
+            pool,
+            name,
+            component=component,
+            roleRef={"apiGroup": rbac, "kind": "Role", "name": name},
+            subjects=[{"kind": "ServiceAccount", "name": name, "namespace": pool.namespace}],
+        ),
     )
 
 
-def _role_binding(pool: Pool) -> Manifest:
-    return _manifest(
-        "rbac.authorization.k8s.io/v1",
-        "RoleBinding",
-        pool,
-        pool.agent_name,
-        roleRef={"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": pool.agent_name},
-        subjects=[{"kind": "ServiceAccount", "name": pool.agent_name, "namespace": pool.namespace}],
-    )
+def _agent_rbac(pool: Pool) -> tuple[Manifest, Manifest, Manifest]:
+    """The agents may read, watch and patch their pool's quota ConfigMap, nothing else."""
+    quotas = {
+        "apiGroups": [""],
+        "resources": ["configmaps"],
+        "resourceNames": [pool.quotas_name],
+        "verbs": ["get", "list", "watch", "patch"],
+    }
+    return _rbac(pool, pool.agent_name, AGENT, [quotas])
+
+
+def _index_rbac(pool: Pool) -> tuple[Manifest, Manifest, Manifest]:
+    """The index lists and watches the pods of its namespace (the pool's agents)."""
+    pods = {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    return _rbac(pool, pool.index_name, INDEX, [pods])
 
 
 def _ports(spec: PoolSpec) -> list[tuple[str, int]]:
     """The ports of the pool Service (the agent pods also serve ``events``)."""
     return [("zmq", spec.ports.zmq), ("http", spec.ports.http)]
+
+
+def _service_ports(ports: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    return [
+        {"name": name, "port": port, "targetPort": name, "protocol": "TCP"} for name, port in ports
+    ]
+
+
+def _container_ports(ports: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    return [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in ports]
 
 
 def _service(pool: Pool, spec: PoolSpec, config: AgentConfig) -> Manifest:
@@ -313,10 +492,7 @@ def _service(pool: Pool, spec: PoolSpec, config: AgentConfig) -> Manifest:
             "type": "ClusterIP",
             "internalTrafficPolicy": "Local",
             "selector": pool.selector(),
-            "ports": [
-                {"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
-                for name, port in _ports(spec)
-            ],
+            "ports": _service_ports(_ports(spec)),
         },
     )
 
@@ -330,52 +506,103 @@ def _service_monitor(pool: Pool, spec: PoolSpec) -> Manifest:
         pool.service_name,
         labels=monitor.labels,
         spec={
-            "selector": {"matchLabels": pool.selector()},
+            # Every Service of the pool: the agents' and the index's both name their port http.
+            "selector": {"matchLabels": {NAME_LABEL: "kvpool", INSTANCE_LABEL: pool.name}},
             "endpoints": [{"port": "http", "path": "/metrics", "interval": monitor.interval}],
         },
     )
 
 
-def _resources(spec: PoolSpec) -> dict[str, dict[str, int | str]]:
-    memory = format_bytes(agent_memory(spec))
-    overrides = spec.agent.resources
+def _resources(
+    requests: dict[str, int | str], limits: dict[str, int | str], overrides: ResourcesSpec
+) -> dict[str, dict[str, int | str]]:
+    """Default requests and limits, each entry overridable by the spec."""
     return {
-        "requests": {"cpu": AGENT_CPU_REQUEST, "memory": memory, **overrides.requests},
-        "limits": {"memory": memory, **overrides.limits},
+        "requests": {**requests, **overrides.requests},
+        "limits": {**limits, **overrides.limits},
     }
 
 
-def _volumes(
-    pool: Pool, spec: PoolSpec, config: AgentConfig
-) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+def _probes(startup_failures: int) -> dict[str, Any]:
+    """Startup and liveness on /healthz, readiness on /readyz, all on the port named http."""
+
+    def probe(path: str, period: int, failures: int) -> dict[str, Any]:
+        return {
+            "httpGet": {"path": path, "port": "http"},
+            "periodSeconds": period,
+            "failureThreshold": failures,
+        }
+
+    return {
+        "startupProbe": probe("/healthz", 2, startup_failures),
+        "livenessProbe": probe("/healthz", 10, 3),
+        "readinessProbe": probe("/readyz", 5, 2),
+    }
+
+
+def _container_security() -> dict[str, Any]:
+    return {
+        "privileged": False,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _pod_security() -> dict[str, Any]:
+    """The image's non-root user, the runtime's default seccomp profile."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": AGENT_UID,
+        "runAsGroup": AGENT_UID,
+        "fsGroup": AGENT_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+Volume = tuple[dict[str, Any], dict[str, Any]]
+"""A pod's volume and its container's mount of it."""
+
+
+def _config_volume(config_map: str) -> Volume:
+    return (
+        {"name": "config", "configMap": {"name": config_map}},
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+    )
+
+
+def _state_volume() -> Volume:
+    return {"name": "state", "emptyDir": {}}, {"name": "state", "mountPath": STATE_DIR}
+
+
+def _tokens_volume(spec: PoolSpec) -> list[Volume]:
+    """The pool's tokens Secret at TOKENS_PATH, if it names one."""
+    tokens = spec.tenants.tokens_secret_ref
+    if tokens is None:
+        return []
+    volume = {
+        "name": "tokens",
+        "secret": {
+            "secretName": tokens.name,
+            "items": [{"key": tokens.key, "path": TOKENS_FILE}],
+            "defaultMode": 0o440,
+        },
+    }
+    return [(volume, {"name": "tokens", "mountPath": TOKENS_DIR, "readOnly": True})]
+
+
+def _volumes(pool: Pool, spec: PoolSpec, config: AgentConfig) -> list[Volume]:
     """(volume, mount) pairs of the agent pod."""
     shm = config.resolved_segment_path.parent
-    pairs: list[tuple[dict[str, Any], dict[str, Any]]] = [
-        (
-            {"name": "config", "configMap": {"name": pool.config_name}},
-            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-        ),
+    pairs: list[Volume] = [
+        _config_volume(pool.config_name),
         (
             {"name": "shm", "hostPath": {"path": str(shm), "type": "Directory"}},
             {"name": "shm", "mountPath": str(shm)},
         ),
-        ({"name": "state", "emptyDir": {}}, {"name": "state", "mountPath": STATE_DIR}),
+        _state_volume(),
+        *_tokens_volume(spec),
     ]
-    tokens = spec.tenants.tokens_secret_ref
-    if tokens is not None:
-        pairs.append(
-            (
-                {
-                    "name": "tokens",
-                    "secret": {
-                        "secretName": tokens.name,
-                        "items": [{"key": tokens.key, "path": TOKENS_FILE}],
-                        "defaultMode": 0o440,
-                    },
-                },
-                {"name": "tokens", "mountPath": TOKENS_DIR, "readOnly": True},
-            )
-        )
     nvme = spec.l2.tier("nvme")
     if nvme is not None and nvme.nvme is not None:
         path = nvme.nvme.host_path
@@ -389,13 +616,7 @@ def _volumes(
 
 
 def _container(pool: Pool, spec: PoolSpec, config: AgentConfig, image: str) -> dict[str, Any]:
-    def probe(path: str, period: int, failures: int) -> dict[str, Any]:
-        return {
-            "httpGet": {"path": path, "port": "http"},
-            "periodSeconds": period,
-            "failureThreshold": failures,
-        }
-
+    memory = format_bytes(agent_memory(spec))
     container: dict[str, Any] = {
         "name": "agent",
         "image": image,
@@ -405,21 +626,15 @@ def _container(pool: Pool, spec: PoolSpec, config: AgentConfig, image: str) -> d
             {"name": "KVPOOL_HOST", "value": "0.0.0.0"},
             {"name": "KVPOOL_CONFIG_FILE", "value": f"{CONFIG_DIR}/{CONFIG_KEY}"},
         ],
-        "ports": [
-            {"name": name, "containerPort": port, "protocol": "TCP"}
-            for name, port in [*_ports(spec), ("events", spec.ports.events)]
-        ],
-        "resources": _resources(spec),
+        "ports": _container_ports([*_ports(spec), ("events", spec.ports.events)]),
+        "resources": _resources(
+            {"cpu": AGENT_CPU_REQUEST, "memory": memory},
+            {"memory": memory},
+            spec.agent.resources,
+        ),
         # The segment is reserved up front: a large L1 may take a while to map at start.
-        "startupProbe": probe("/healthz", 2, 150),
-        "livenessProbe": probe("/healthz", 10, 3),
-        "readinessProbe": probe("/readyz", 5, 2),
-        "securityContext": {
-            "privileged": False,
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        **_probes(startup_failures=150),
+        "securityContext": _container_security(),
         "volumeMounts": [mount for _, mount in _volumes(pool, spec, config)],
     }
     s3 = spec.l2.tier("s3")
@@ -452,6 +667,19 @@ def _init_containers(spec: PoolSpec, image: str) -> list[dict[str, Any]]:
     ]
 
 
+def _pod_template(
+    pool: Pool, component: str, config_text: str, pod_spec: dict[str, Any]
+) -> dict[str, Any]:
+    """A component's pod template, rolled by a checksum of its configuration file."""
+    return {
+        "metadata": {
+            "labels": pool.labels(component),
+            "annotations": {CHECKSUM_ANNOTATION: _checksum(config_text)},
+        },
+        "spec": pod_spec,
+    }
+
+
 def _daemonset(
     pool: Pool, spec: PoolSpec, config: AgentConfig, config_text: str, default_image: str
 ) -> Manifest:
@@ -469,18 +697,11 @@ def _daemonset(
     }
     pod_spec: dict[str, Any] = {
         "serviceAccountName": pool.agent_name,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": AGENT_UID,
-            "runAsGroup": AGENT_UID,
-            "fsGroup": AGENT_UID,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": _pod_security(),
         **{key: value for key, value in scheduling.items() if value},
         "containers": [_container(pool, spec, config, image)],
         "volumes": [volume for volume, _ in _volumes(pool, spec, config)],
     }
-    checksum = hashlib.sha256(config_text.encode()).hexdigest()
     return _manifest(
         "apps/v1",
         "DaemonSet",
@@ -489,12 +710,82 @@ def _daemonset(
         spec={
             "selector": {"matchLabels": pool.selector()},
             "updateStrategy": strategy,
-            "template": {
-                "metadata": {
-                    "labels": pool.labels(),
-                    "annotations": {CHECKSUM_ANNOTATION: checksum},
-                },
-                "spec": pod_spec,
+            "template": _pod_template(pool, AGENT, config_text, pod_spec),
+        },
+    )
+
+
+def _index_children(pool: Pool, spec: PoolSpec, default_image: str) -> IndexChildren:
+    config_text = _config_text(index_config(pool, spec))
+    service_account, role, role_binding = _index_rbac(pool)
+    port = [("http", spec.index.port)]
+    return IndexChildren(
+        config=_manifest(
+            "v1",
+            "ConfigMap",
+            pool,
+            pool.index_config_name,
+            component=INDEX,
+            data={INDEX_CONFIG_KEY: config_text},
+        ),
+        service_account=service_account,
+        role=role,
+        role_binding=role_binding,
+        service=_manifest(
+            "v1",
+            "Service",
+            pool,
+            pool.index_name,
+            component=INDEX,
+            spec={
+                "type": "ClusterIP",
+                "selector": pool.selector(INDEX),
+                "ports": _service_ports(port),
             },
+        ),
+        deployment=_index_deployment(pool, spec, config_text, default_image),
+    )
+
+
+def _index_deployment(pool: Pool, spec: PoolSpec, config_text: str, default_image: str) -> Manifest:
+    index = spec.index
+    volumes = [_config_volume(pool.index_config_name), _state_volume(), *_tokens_volume(spec)]
+    container = {
+        "name": "index",
+        "image": index.image or spec.agent.image or default_image,
+        "imagePullPolicy": spec.agent.image_pull_policy,
+        "command": ["kvpool", "index"],
+        "env": [{"name": INDEX_CONFIG_FILE_ENV, "value": f"{CONFIG_DIR}/{INDEX_CONFIG_KEY}"}],
+        "ports": _container_ports([("http", index.port)]),
+        "resources": _resources(
+            {"cpu": INDEX_CPU_REQUEST, "memory": INDEX_MEMORY_REQUEST},
+            {"memory": INDEX_MEMORY_LIMIT},
+            index.resources,
+        ),
+        **_probes(startup_failures=30),
+        "securityContext": _container_security(),
+        "volumeMounts": [mount for _, mount in volumes],
+    }
+    scheduling: dict[str, Any] = {
+        "nodeSelector": index.node_selector,
+        "tolerations": list(index.tolerations),
+    }
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": pool.index_name,
+        "securityContext": _pod_security(),
+        **{key: value for key, value in scheduling.items() if value},
+        "containers": [container],
+        "volumes": [volume for volume, _ in volumes],
+    }
+    return _manifest(
+        "apps/v1",
+        "Deployment",
+        pool,
+        pool.index_name,
+        component=INDEX,
+        spec={
+            "replicas": index.replicas,
+            "selector": {"matchLabels": pool.selector(INDEX)},
+            "template": _pod_template(pool, INDEX, config_text, pod_spec),
         },
     )

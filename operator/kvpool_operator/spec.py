@@ -160,6 +160,42 @@ class AgentSpec(_Spec):
     update_strategy: UpdateStrategySpec = Field(UpdateStrategySpec(), description="Rollout.")
 
 
+class RoutingSpec(_Spec):
+    load_factor: float = Field(1.5, ge=1, description="Overload bound: x average load.")
+    load_slack: float = Field(0.0, ge=0, description="Absolute margin of the load bound.")
+    min_match_ratio: float = Field(
+        0.3, ge=0, le=1, description="Matched share of a prompt below which affinity is ignored."
+    )
+
+
+class FingerprintSpec(_Spec):
+    model: str = Field(description="Model name, as vLLM serves it.")
+    dtype: str = Field(description="KV cache dtype.")
+    kv_layout: str = Field(description="KV layout the connector reports.")
+    tp_rank: int = Field(0, ge=0, description="Tensor-parallel rank whose keys to match.")
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel size.")
+    chunk_tokens: int | None = Field(None, ge=1, description="Default: the pool's chunkTokens.")
+
+
+class IndexSpec(_Spec):
+    enabled: bool = Field(False, description="Deploy the pool-wide prefix index.")
+    replicas: int = Field(1, ge=1, description="Independent index replicas.")
+    image: str | None = Field(None, description="Index image; default: the agents'.")
+    port: int = Field(7403, ge=1, le=65535, description="HTTP port of the index.")
+    max_chunks_per_node: int = Field(1_000_000, ge=1, description="Chunks tracked per node.")
+    routing: RoutingSpec = Field(RoutingSpec(), description="Routing policy.")
+    fingerprint: FingerprintSpec | None = Field(None, description="Default model of queries.")
+    resources: ResourcesSpec = Field(ResourcesSpec(), description="Resource overrides.")
+    node_selector: dict[str, str] = Field({}, description="Nodes that may run the index.")
+    tolerations: tuple[dict[str, Any], ...] = Field((), description="Pod tolerations.")
+
+
+INDEX_NEEDS_TOKENS = (
+    "spec.index.enabled needs spec.tenants.tokensSecretRef: "
+    "gateways authenticate with its gateways: tokens"
+)
+
+
 class PoolSpec(_Spec):
     chunk_tokens: int = Field(256, ge=1, description="Tokens per cached chunk.")
     block_size: int = Field(16, ge=1, description="vLLM's KV block size.")
@@ -170,6 +206,13 @@ class PoolSpec(_Spec):
     ports: PortsSpec = Field(PortsSpec(), description="Agent and Service ports.")
     metrics: MetricsSpec = Field(MetricsSpec(), description="Prometheus metrics.")
     agent: AgentSpec = Field(AgentSpec(), description="The agent DaemonSet.")
+    index: IndexSpec = Field(IndexSpec(), description="The pool-wide prefix index.")
+
+    @model_validator(mode="after")
+    def _index_has_tokens(self) -> Self:
+        if self.index.enabled and self.tenants.tokens_secret_ref is None:
+            raise ValueError(INDEX_NEEDS_TOKENS)
+        return self
 
     @classmethod
     def parse(cls, spec: Mapping[str, Any]) -> PoolSpec:

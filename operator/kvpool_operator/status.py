@@ -1,4 +1,5 @@
-"""The pool's status: a pure function of what the operator did and what the DaemonSet reports.
+"""The pool's status: a pure function of what the operator did and what the DaemonSet (and
+the index's Deployment) report.
 
 Conditions (each with a CamelCase reason and a message for people):
 
@@ -14,6 +15,11 @@ Conditions (each with a CamelCase reason and a message for people):
   updates driven by the DaemonSet keep it.
 
 A condition's ``lastTransitionTime`` changes only when its status does.
+
+``index``: the prefix index's replicas (``replicas`` asked for, ``readyReplicas``) while the
+pool has an index Deployment; absent otherwise. The conditions are about the agents only:
+the cache works without the index (gateways that cannot reach it route without affinity),
+so an index that is not ready does not make the pool unready.
 """
 
 from __future__ import annotations
@@ -84,6 +90,19 @@ class Rollout:
         return self.observed and self.updated >= self.desired
 
 
+@dataclass(frozen=True)
+class IndexReplicas:
+    """What the index's Deployment asks for and what its controller reports ready."""
+
+    replicas: int
+    ready: int
+
+    @classmethod
+    def of(cls, deployment: Mapping[str, Any]) -> IndexReplicas:
+        spec, status = deployment.get("spec") or {}, deployment.get("status") or {}
+        return cls(int(spec.get("replicas", 1)), int(status.get("readyReplicas", 0)))
+
+
 def pool_status(
     *,
     generation: int,
@@ -92,8 +111,10 @@ def pool_status(
     rollout: Rollout | None,
     previous: Mapping[str, Any],
     now: datetime,
+    index: IndexReplicas | None = None,
 ) -> dict[str, Any]:
-    """The whole ``status`` of a pool."""
+    """The whole ``status`` of a pool; ``index`` None (no index) as ``"index": None``, which
+    a merge patch of the status removes."""
     ready, progressing = _assess(generation, observed_generation, problem, rollout)
     degraded: _Assessment = (
         (True, problem.reason, problem.message)
@@ -109,6 +130,7 @@ def pool_status(
             _condition(kind, value, generation, earlier.get(kind), now)
             for kind, value in ((READY, ready), (PROGRESSING, progressing), (DEGRADED, degraded))
         ],
+        "index": {"replicas": index.replicas, "readyReplicas": index.ready} if index else None,
     }
     if observed_generation is not None:
         status["observedGeneration"] = observed_generation

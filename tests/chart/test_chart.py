@@ -171,6 +171,8 @@ def test_the_example_pool_is_one_the_operator_renders(helm: Helm) -> None:
     )
     config = yaml.safe_load(children.config["data"]["agent.yaml"])
     assert {"nvme", "s3"} <= config.keys()
+    assert children.index is not None
+    assert children.index.deployment["spec"]["replicas"] == 2
     assert not by_kind(helm.template(), "KVCachePool"), "no example pool unless asked"
 
 

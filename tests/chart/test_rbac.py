@@ -1,5 +1,6 @@
 """The operator's RBAC: exactly what it does, nothing more, in exactly the namespaces it
-serves; and enough to hand the agents their Role (Kubernetes' escalation rule)."""
+serves; and enough to hand the agents and the prefix index their Roles (Kubernetes'
+escalation rule)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from kvpool_operator.apply import KINDS
+from kvpool_operator.apply import KINDS, kind_of
 from kvpool_operator.handlers import registry
-from kvpool_operator.reconcile import POOLS, SERVICE_MONITORS
-from kvpool_operator.render import Pool, render
+from kvpool_operator.reconcile import POOLS
+from kvpool_operator.render import Children, Pool, render
 from kvpool_operator.spec import GROUP, PLURAL, PoolSpec
 
 from .conftest import NAMESPACE, Helm, Manifest, by_kind, one
@@ -32,20 +33,37 @@ def _verbs(group: str, resource: str, *verbs: str) -> set[Permission]:
     return {(group, resource, verb) for verb in verbs}
 
 
+CHILD_VERBS = ("get", "list", "watch", "create", "patch")
+"""Server-side apply of a child (get, create, patch), watched for drift (list, watch)."""
+RBAC = "rbac.authorization.k8s.io"
 NAMESPACED: set[Permission] = (
     _verbs(GROUP, PLURAL, "get", "list", "watch", "patch")
     | _verbs(GROUP, f"{PLURAL}/status", "get", "patch")
     | _verbs(GROUP, f"{PLURAL}/finalizers", "update")
-    | _verbs("", "configmaps", "get", "list", "watch", "create", "patch")
-    | _verbs("", "services", "get", "list", "watch", "create", "patch")
-    | _verbs("", "serviceaccounts", "get", "list", "watch", "create", "patch")
-    | _verbs("apps", "daemonsets", "get", "list", "watch", "create", "patch")
-    | _verbs("rbac.authorization.k8s.io", "roles", "get", "list", "watch", "create", "patch")
-    | _verbs("rbac.authorization.k8s.io", "rolebindings", "get", "list", "watch", "create", "patch")
+    | _verbs("apps", "daemonsets", *CHILD_VERBS)
+    # the index's children are deleted when a pool turns it off
+    | _verbs("", "configmaps", *CHILD_VERBS, "delete")
+    | _verbs("", "services", *CHILD_VERBS, "delete")
+    | _verbs("", "serviceaccounts", *CHILD_VERBS, "delete")
+    | _verbs("apps", "deployments", *CHILD_VERBS, "delete")
+    | _verbs(RBAC, "roles", *CHILD_VERBS, "delete")
+    | _verbs(RBAC, "rolebindings", *CHILD_VERBS, "delete")
     | _verbs("monitoring.coreos.com", "servicemonitors", "get", "create", "patch", "delete")
     | _verbs("", "events", "create", "patch")
+    | _verbs("", "pods", "get", "list", "watch")  # granted on to the index's Role
 )
-"""What the operator does in a namespace it serves (the test below derives it from the code)."""
+"""What the operator does in a namespace it serves (the tests below derive it from the code)."""
+
+EVERYTHING = {
+    "tenants": {"tokensSecretRef": {"name": "tokens"}},
+    "index": {"enabled": True},
+    "metrics": {"serviceMonitor": {"enabled": True}},
+}
+"""A pool with every optional child."""
+
+
+def _render(spec: dict[str, Any]) -> Children:
+    return render(Pool("main", "inference", "uid"), PoolSpec.parse(spec), default_image="x")
 
 
 def _group(api_version: str) -> str:
@@ -54,11 +72,14 @@ def _group(api_version: str) -> str:
 
 def test_the_expected_permissions_follow_the_operators_code() -> None:
     """Every kind the operator writes and every resource kopf watches is in NAMESPACED."""
+    deleted = {(ref.api_version, ref.kind) for ref in _render({}).absent}
+    assert {kind for _, kind in deleted} >= {"Deployment", "ServiceMonitor"}
     for kind in KINDS.values():
         group = _group(kind.api_version)
         if kind is POOLS:
             continue  # kopf patches pools; the operator writes their status subresource
-        needed = {"get", "create", "patch"} | ({"delete"} if kind is SERVICE_MONITORS else set())
+        needed = {"get", "create", "patch"}
+        needed |= {"delete"} if (kind.api_version, kind.kind) in deleted else set()
         assert _verbs(group, kind.plural, *needed) <= NAMESPACED, kind
     watched = [handler.selector for handler in registry._watching.get_all_handlers()]
     watched += [handler.selector for handler in registry._changing.get_all_handlers()]
@@ -66,6 +87,24 @@ def test_the_expected_permissions_follow_the_operators_code() -> None:
     for selector in watched:
         assert selector is not None and isinstance(selector.any_name, str), selector
         assert _verbs(str(selector.group), selector.any_name, "list", "watch") <= NAMESPACED
+
+
+def test_every_permission_has_a_use() -> None:
+    """NAMESPACED names no resource the operator neither writes nor hands on in a Role."""
+    children = _render(EVERYTHING)
+    assert children.index is not None
+    written = {(_group(m["apiVersion"]), kind_of(m).plural) for m in children.present()}
+    handed_on = {
+        (group, resource)
+        for role in (children.role, children.index.role)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
+    pools = {(GROUP, PLURAL), (GROUP, f"{PLURAL}/status"), (GROUP, f"{PLURAL}/finalizers")}
+    events = {("", "events")}
+    resources = {(group, resource) for group, resource, _ in NAMESPACED}
+    assert resources == written | handed_on | pools | events
 
 
 def _subject(manifests: list[Manifest]) -> dict[str, str]:
@@ -128,15 +167,21 @@ def test_the_operator_gets_exactly_what_it_needs_where_it_works(
             assert resource != "secrets", "the operator reads no Secrets (agents mount them)"
 
 
-def test_the_operator_may_hand_the_agents_their_role(helm: Helm) -> None:
+def test_the_operator_may_hand_the_agents_and_the_index_their_roles(helm: Helm) -> None:
     """Kubernetes lets a subject create a Role only with permissions it holds itself."""
-    children = render(Pool("main", "inference", "uid"), PoolSpec.parse({}), default_image="x")
+    children = _render(EVERYTHING)
+    assert children.index is not None
     held = _grants(helm.template(), "inference")
-    for rule in children.role["rules"]:
-        for group in rule["apiGroups"]:
-            for resource in rule["resources"]:
-                for verb in rule["verbs"]:
-                    assert (group, resource, verb) in held
+    for role in (children.role, children.index.role):
+        for rule in role["rules"]:
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    for verb in rule["verbs"]:
+                        assert (group, resource, verb) in held, role["metadata"]["name"]
+    assert _verbs("", "pods", "get", "list", "watch") <= held
+    assert _verbs("apps", "deployments", "get", "list", "watch", "create", "patch", "delete") <= (
+        held
+    )
 
 
 def test_without_rbac_the_chart_makes_none(helm: Helm) -> None:

@@ -3,6 +3,7 @@ pools are refused with a message naming the problem; the operator's model matche
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any, get_args, get_origin
 
@@ -12,8 +13,17 @@ import yaml
 from pydantic import BaseModel
 
 from kvpool_agent.config import AgentConfig, S3TierConfig
+from kvpool_agent.index.config import Fingerprint, IndexConfig
 from kvpool_agent.policies import POLICY_NAMES
-from kvpool_operator.spec import API_VERSION, KIND, PLURAL, PoolSpec, parse_bytes
+from kvpool_operator.spec import (
+    API_VERSION,
+    INDEX_NEEDS_TOKENS,
+    KIND,
+    PLURAL,
+    InvalidSpec,
+    PoolSpec,
+    parse_bytes,
+)
 
 from .crd_schema import EXAMPLES, admission_errors, crd, schema, with_defaults
 
@@ -53,6 +63,7 @@ def test_names() -> None:
         "Ready": '.status.conditions[?(@.type=="Ready")].status',
         "Nodes-Ready": ".status.readyNodes",
         "Nodes-Desired": ".status.desiredNodes",
+        "Index-Ready": ".status.index.readyReplicas",
         "Age": ".metadata.creationTimestamp",
     }
 
@@ -129,6 +140,8 @@ def _models_in(annotation: Any, in_list: bool = False) -> Iterator[tuple[type[Ba
 
 
 VALID = {"chunkTokens": 256, "blockSize": 16}
+TOKENS = {"tenants": {"tokensSecretRef": {"name": "kvpool-main-tokens"}}}
+FINGERPRINT = {"model": "m", "dtype": "bfloat16", "kvLayout": "nhd"}
 INVALID_POOLS = [
     pytest.param(
         {"eviction": {"highWatermark": 0.8, "lowWatermark": 0.9}},
@@ -171,6 +184,32 @@ INVALID_POOLS = [
     pytest.param({"l3": {}}, "Additional properties are not allowed ('l3'", id="unknown-field"),
     pytest.param(
         {"tenants": {"tokensSecretRef": {"key": "t"}}}, "'name' is a required", id="secret-name"
+    ),
+    pytest.param({"index": {"enabled": True}}, INDEX_NEEDS_TOKENS, id="index-without-tokens"),
+    pytest.param(
+        {**TOKENS, "index": {"enabled": True, "replicas": 0}},
+        "0 is less than the minimum of 1",
+        id="index-replicas",
+    ),
+    pytest.param(
+        {**TOKENS, "index": {"routing": {"minMatchRatio": 1.5}}},
+        "1.5 is greater than the maximum of 1",
+        id="index-match-ratio",
+    ),
+    pytest.param(
+        {**TOKENS, "index": {"routing": {"loadFactor": 0.5}}},
+        "0.5 is less than the minimum of 1",
+        id="index-load-factor",
+    ),
+    pytest.param(
+        {**TOKENS, "index": {"fingerprint": {"model": "m", "dtype": "bfloat16"}}},
+        "'kvLayout' is a required property",
+        id="index-fingerprint-incomplete",
+    ),
+    pytest.param(
+        {**TOKENS, "index": {"fingerprint": {**FINGERPRINT, "tpRank": 2, "tpSize": 2}}},
+        "index.fingerprint.tpRank must be below index.fingerprint.tpSize",
+        id="index-tp-rank",
     ),
 ]
 
@@ -216,3 +255,36 @@ def test_defaults_are_the_agents() -> None:
     assert (
         s3["spec"]["l2"]["tiers"][0]["s3"]["prefix"] == S3TierConfig.model_fields["prefix"].default
     )
+
+
+def test_an_index_needs_the_pools_tokens_in_the_crd_and_the_model() -> None:
+    """Gateways authenticate with the tokens Secret: no index nobody could call."""
+    enabled = {"index": {"enabled": True}}
+    assert admission_errors(_pool({**enabled, **TOKENS})) == []
+    assert admission_errors(_pool({"index": {"enabled": False}})) == []
+    (error,) = admission_errors(_pool(enabled))
+    assert error == f"spec: {INDEX_NEEDS_TOKENS}"
+    with pytest.raises(InvalidSpec, match=re.escape(INDEX_NEEDS_TOKENS)):
+        PoolSpec.parse(enabled)
+    assert PoolSpec.parse({**enabled, **TOKENS}).index.enabled
+
+
+def test_index_defaults_are_the_indexs() -> None:
+    """A pool's index runs with the index's own defaults (IndexConfig, Fingerprint)."""
+    spec = with_defaults(schema(), _pool({"index": {"fingerprint": FINGERPRINT}}))["spec"]
+    index, config = spec["index"], IndexConfig.model_fields
+    assert (index["enabled"], index["replicas"], "image" in index) == (False, 1, False)
+    assert index["port"] == config["http_port"].default
+    assert index["maxChunksPerNode"] == config["max_chunks_per_node"].default
+    assert index["routing"] == {
+        "loadFactor": config["load_factor"].default,
+        "loadSlack": config["load_slack"].default,
+        "minMatchRatio": config["min_match_ratio"].default,
+    }
+    fingerprint = Fingerprint.model_fields
+    assert (index["fingerprint"]["tpRank"], index["fingerprint"]["tpSize"]) == (
+        fingerprint["tp_rank"].default,
+        fingerprint["tp_size"].default,
+    )
+    assert "chunkTokens" not in index["fingerprint"]  # the operator uses the pool's
+    assert (index["resources"], index["nodeSelector"], index["tolerations"]) == ({}, {}, [])

@@ -28,6 +28,15 @@ CHILDREN = [
     ("roles", "kvpool-{}-agent"),
     ("rolebindings", "kvpool-{}-agent"),
 ]
+INDEX_CHILDREN = [
+    ("configmaps", "kvpool-{}-index-config"),
+    ("serviceaccounts", "kvpool-{}-index"),
+    ("roles", "kvpool-{}-index"),
+    ("rolebindings", "kvpool-{}-index"),
+    ("services", "kvpool-{}-index"),
+    ("deployments", "kvpool-{}-index"),
+]
+TOKENS = {"tenants": {"tokensSecretRef": {"name": "kvpool-tokens"}}}
 SERVICE_MONITOR_CRD = {
     "apiVersion": "apiextensions.k8s.io/v1",
     "kind": "CustomResourceDefinition",
@@ -127,11 +136,22 @@ def _event(api: ServedApi, name: str, kind: str, reason: str, text: str = "") ->
     return eventually(posted)
 
 
-def _children_of(api: ServedApi, pool: str) -> dict[str, dict[str, Any] | None]:
+def _children_of(
+    api: ServedApi, pool: str, children: list[tuple[str, str]] = CHILDREN
+) -> dict[str, dict[str, Any] | None]:
     return {
         f"{plural}/{name.format(pool)}": _get(api, plural, name.format(pool))
-        for plural, name in CHILDREN
+        for plural, name in children
     }
+
+
+def _owned(api: ServedApi, pool: str, uid: str, children: list[tuple[str, str]]) -> None:
+    """Every one of ``children`` exists and is owned by the pool."""
+    for where, child in _children_of(api, pool, children).items():
+        assert child is not None, f"no {where}"
+        (owner,) = child["metadata"]["ownerReferences"]
+        assert (owner["kind"], owner["name"], owner["uid"]) == ("KVCachePool", pool, uid)
+        assert owner["controller"] is True
 
 
 def test_a_pool_gets_its_children_and_a_status(
@@ -140,16 +160,8 @@ def test_a_pool_gets_its_children_and_a_status(
     kubectl("apply", "--validate=false", "-n", NAMESPACE, "-f", str(REPO / "crds/examples"))
     uid = served_api.objects("kvcachepools", NAMESPACE)["main"]["metadata"]["uid"]
 
-    def children_made() -> dict[str, dict[str, Any] | None]:
-        children = _children_of(served_api, "main")
-        for where, child in children.items():
-            assert child is not None, f"no {where}"
-            (owner,) = child["metadata"]["ownerReferences"]
-            assert (owner["kind"], owner["name"], owner["uid"]) == ("KVCachePool", "main", uid)
-            assert owner["controller"] is True
-        return children
-
-    children = eventually(children_made)
+    eventually(lambda: _owned(served_api, "main", uid, CHILDREN))
+    children = _children_of(served_api, "main")
     eventually(lambda: _applied(served_api, "main"))
     assert _condition(served_api, "main", "Ready")[:2] == ("False", "Pending")
     assert _condition(served_api, "main", "Progressing")[:2] == ("True", "RollingOut")
@@ -366,6 +378,100 @@ def test_a_service_monitor_where_the_cluster_has_them(
     _patch_pool(kubectl, "monitored", {"spec": {"metrics": {"serviceMonitor": {"enabled": False}}}})
     _event(served_api, "monitored", "Normal", "Applied", "deleted ServiceMonitor kvpool-monitored")
     assert _get(served_api, "servicemonitors", "kvpool-monitored") is None
+
+
+def test_the_index_follows_the_pool(
+    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
+) -> None:
+    uid = _create(kubectl, served_api, "routed", {**TOKENS, "index": {"enabled": True}})
+    eventually(lambda: _owned(served_api, "routed", uid, INDEX_CHILDREN))
+    eventually(lambda: _applied(served_api, "routed"))
+    config = _get(served_api, "configmaps", "kvpool-routed-index-config")
+    deployment = _get(served_api, "deployments", "kvpool-routed-index")
+    assert config is not None and deployment is not None
+    assert yaml.safe_load(config["data"]["index.yaml"])["discovery"] == "kubernetes"
+    template = deployment["spec"]["template"]
+    checksum = hashlib.sha256(config["data"]["index.yaml"].encode()).hexdigest()
+    assert template["metadata"]["annotations"]["kvpool.io/config-checksum"] == checksum
+    assert template["metadata"]["labels"]["app.kubernetes.io/component"] == "index"
+    assert template["spec"]["containers"][0]["command"] == ["kvpool", "index"]
+    assert _status(served_api, "routed")["index"] == {"replicas": 1, "readyReplicas": 0}
+    _event(served_api, "routed", "Normal", "Applied", "created Deployment kvpool-routed-index")
+
+    # drift: a deleted index Deployment comes back
+    kubectl("delete", "deployment", "kvpool-routed-index", "-n", NAMESPACE)
+
+    def deployment_back() -> dict[str, Any]:
+        again = _get(served_api, "deployments", "kvpool-routed-index")
+        assert again is not None and again["metadata"]["uid"] != deployment["metadata"]["uid"]
+        assert again["spec"]["template"] == template
+        return again
+
+    restored = eventually(deployment_back)
+    message = "restored Deployment kvpool-routed-index, deleted outside the operator"
+    _event(served_api, "routed", "Normal", "DriftCorrected", message)
+
+    # status.index follows what the Deployment controller reports
+    report = {
+        "observedGeneration": restored["metadata"]["generation"],
+        "replicas": 1,
+        "updatedReplicas": 1,
+        "readyReplicas": 1,
+        "availableReplicas": 1,
+    }
+    kubectl(
+        "patch",
+        "deployment",
+        "kvpool-routed-index",
+        "-n",
+        NAMESPACE,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps({"status": report}),
+    )
+
+    def index_ready() -> None:
+        assert _status(served_api, "routed")["index"] == {"replicas": 1, "readyReplicas": 1}
+
+    eventually(index_ready)
+    _patch_pool(kubectl, "routed", {"spec": {"index": {"replicas": 2}}})
+    eventually(lambda: _applied(served_api, "routed", generation=2))
+    scaled = _get(served_api, "deployments", "kvpool-routed-index")
+    assert scaled is not None and scaled["spec"]["replicas"] == 2
+    assert _status(served_api, "routed")["index"] == {"replicas": 2, "readyReplicas": 1}
+
+    # turned off: every index child goes, the agents' stay, status.index goes
+    _patch_pool(kubectl, "routed", {"spec": {"index": {"enabled": False}}})
+    eventually(lambda: _applied(served_api, "routed", generation=3))
+
+    def index_gone() -> None:
+        children = _children_of(served_api, "routed", INDEX_CHILDREN)
+        assert [where for where, child in children.items() if child] == []
+
+    eventually(index_gone)
+    assert "index" not in _status(served_api, "routed")
+    assert all(_children_of(served_api, "routed").values())
+    deleted = _event(served_api, "routed", "Normal", "Applied", "deleted Deployment")
+    assert "deleted ConfigMap kvpool-routed-index-config" in deleted
+    time.sleep(1)  # and the operator does not bring them back
+    index_gone()
+
+
+def test_an_index_child_the_pool_does_not_own_stays(
+    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
+) -> None:
+    theirs = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "kvpool-plain-index-config", "namespace": NAMESPACE},
+        "data": {"index.yaml": "someone else's"},
+    }
+    kubectl("apply", "--validate=false", "-f", "-", manifest=theirs)
+    _create(kubectl, served_api, "plain", {})
+    eventually(lambda: _applied(served_api, "plain"))
+    kept = _get(served_api, "configmaps", "kvpool-plain-index-config")
+    assert kept is not None and kept["data"] == theirs["data"]
 
 
 def test_deleting_a_pool_deletes_its_children(

@@ -11,14 +11,21 @@ import pytest
 import yaml
 
 from kvpool_agent.config import CONFIG_FILE_ENV, AgentConfig
+from kvpool_agent.index.config import CONFIG_FILE_ENV as INDEX_CONFIG_FILE_ENV
+from kvpool_agent.index.config import IndexConfig
+from kvpool_agent.index.discovery import COMPONENT_LABEL, POOL_LABEL
 from kvpool_agent.protocol import PROTOCOL_VERSION
 from kvpool_operator.render import (
     CHECKSUM_ANNOTATION,
+    ChildRef,
     Children,
+    IndexChildren,
     Pool,
     agent_memory,
     format_bytes,
+    index_refs,
     render,
+    service_monitor_refs,
 )
 from kvpool_operator.spec import InvalidSpec, PoolSpec
 
@@ -43,8 +50,9 @@ def _children(spec: PoolSpec | None = None) -> Children:
     return render(POOL, spec or PoolSpec(), default_image=IMAGE)
 
 
-def _all(children: Children) -> list[dict[str, Any]]:
-    return children.required() + [m for m in [children.service_monitor] if m is not None]
+TOKENS = {"tenants": {"tokensSecretRef": {"name": "kvpool-gpu-tokens"}}}
+NO_OFFICIAL_SCHEMA = {"ServiceMonitor"}
+"""prometheus-operator's kind; test_service_monitor checks it."""
 
 
 def _pod(children: Children) -> dict[str, Any]:
@@ -52,16 +60,49 @@ def _pod(children: Children) -> dict[str, Any]:
     return pod
 
 
+def _index(
+    spec: dict[str, Any] | None = None, index: dict[str, Any] | None = None
+) -> IndexChildren:
+    """The index children of a pool with tokens and ``spec.index`` = enabled + ``index``."""
+    pool = {**TOKENS, **(spec or {}), "index": {"enabled": True, **(index or {})}}
+    children = _children(PoolSpec.parse(pool)).index
+    assert children is not None
+    return children
+
+
+def _index_pod(index: IndexChildren) -> dict[str, Any]:
+    pod: dict[str, Any] = index.deployment["spec"]["template"]["spec"]
+    return pod
+
+
 @pytest.mark.parametrize("version", [OLDEST_KUBERNETES, kubernetes_validate.latest_version()])
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda path: path.name)
 def test_children_are_valid_kubernetes_objects(example: Path, version: str) -> None:
-    for child in _children(_spec(example)).required():
+    for child in _children(_spec(example)).present():
+        if child["kind"] not in NO_OFFICIAL_SCHEMA:
+            kubernetes_validate.validate(child, version, strict=True)
+
+
+@pytest.mark.parametrize("version", [OLDEST_KUBERNETES, kubernetes_validate.latest_version()])
+def test_index_children_of_every_option_are_valid_kubernetes_objects(version: str) -> None:
+    index = _index(
+        index={
+            "image": "registry.example/kvpool-index:1.0",
+            "replicas": 3,
+            "port": 8080,
+            "fingerprint": {"model": "m", "dtype": "bfloat16", "kvLayout": "nhd", "tpSize": 2},
+            "resources": {"requests": {"cpu": 1}, "limits": {"cpu": "2", "memory": "8Gi"}},
+            "nodeSelector": {"pool": "cpu"},
+            "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+        }
+    )
+    for child in index.manifests():
         kubernetes_validate.validate(child, version, strict=True)
 
 
 def test_names_labels_and_owner() -> None:
     children = _children(_spec(GPU_EXAMPLE))
-    names = {(c["kind"], c["metadata"]["name"]) for c in _all(children)}
+    names = {(c["kind"], c["metadata"]["name"]) for c in children.present()}
     assert names == {
         ("ConfigMap", "kvpool-gpu-config"),
         ("ConfigMap", "kvpool-gpu-quotas"),
@@ -71,11 +112,21 @@ def test_names_labels_and_owner() -> None:
         ("ServiceAccount", "kvpool-gpu-agent"),
         ("Role", "kvpool-gpu-agent"),
         ("RoleBinding", "kvpool-gpu-agent"),
+        ("ConfigMap", "kvpool-gpu-index-config"),
+        ("ServiceAccount", "kvpool-gpu-index"),
+        ("Role", "kvpool-gpu-index"),
+        ("RoleBinding", "kvpool-gpu-index"),
+        ("Deployment", "kvpool-gpu-index"),
+        ("Service", "kvpool-gpu-index"),
     }
-    for child in _all(children):
+    assert children.absent == ()
+    assert children.index is not None
+    index = [child["metadata"]["name"] for child in children.index.manifests()]
+    for child in children.present():
         metadata = child["metadata"]
         assert metadata["namespace"] == POOL.namespace
-        assert LABELS.items() <= metadata["labels"].items()
+        component = "index" if metadata["name"] in index else "agent"
+        assert {**LABELS, COMPONENT_LABEL: component}.items() <= metadata["labels"].items()
         assert metadata["ownerReferences"] == [
             {
                 "apiVersion": "kvpool.io/v1alpha1",
@@ -257,10 +308,12 @@ def test_service_monitor() -> None:
     assert monitor is not None
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["a"] == "b"
-    assert monitor["spec"] == {
-        "selector": {"matchLabels": _children().service["spec"]["selector"]},
-        "endpoints": [{"port": "http", "path": "/metrics", "interval": "5s"}],
-    }
+    assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "5s"}]
+    # it scrapes the agents' Service and the index's (each has a port named http)
+    selector = monitor["spec"]["selector"]["matchLabels"].items()
+    for service in (_children().service, _index().service):
+        assert selector <= service["metadata"]["labels"].items()
+        assert "http" in {port["name"] for port in service["spec"]["ports"]}
 
 
 @pytest.mark.parametrize(
@@ -280,3 +333,232 @@ def test_specs_the_agent_would_refuse_are_invalid(spec: dict[str, Any], message:
 def test_a_pool_name_the_agent_refuses_is_invalid() -> None:
     with pytest.raises(InvalidSpec, match=r"agent\.pool"):
         render(Pool("Gpu.Pool", "ns", "uid"), PoolSpec(), default_image=IMAGE)
+
+
+def test_a_pool_without_the_index_names_the_index_children_absent() -> None:
+    """What a pool without the index deletes is exactly what a pool with one has."""
+    children = _children()
+    assert children.index is None
+    assert children.absent == index_refs(POOL) + service_monitor_refs(POOL)
+    index = _index()
+    assert {ChildRef.of(child) for child in index.manifests()} == set(index_refs(POOL))
+    assert index_refs(POOL)[0] == ChildRef.of(index.deployment)  # deleted first
+    monitored = _children(PoolSpec.parse({"metrics": {"serviceMonitor": {"enabled": True}}}))
+    assert monitored.service_monitor is not None
+    assert service_monitor_refs(POOL) == (ChildRef.of(monitored.service_monitor),)
+    assert monitored.absent == index_refs(POOL)
+
+
+def test_index_pods_and_agent_pods_are_told_apart() -> None:
+    """The agents' Service and DaemonSet never select an index pod, the index's Service no
+    agent pod, and the index's discovery (component=agent pods of the pool) follows agents
+    only."""
+    children = _children(PoolSpec.parse({**TOKENS, "index": {"enabled": True}}))
+    assert children.index is not None
+    index_pod = children.index.deployment["spec"]["template"]["metadata"]["labels"]
+    agent_pod = children.daemonset["spec"]["template"]["metadata"]["labels"]
+
+    def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+        return selector.items() <= labels.items()
+
+    agent_selectors = [
+        children.service["spec"]["selector"],
+        children.daemonset["spec"]["selector"]["matchLabels"],
+    ]
+    index_selectors = [
+        children.index.service["spec"]["selector"],
+        children.index.deployment["spec"]["selector"]["matchLabels"],
+    ]
+    discovery = {COMPONENT_LABEL: "agent", POOL_LABEL: "gpu"}
+    assert all(selects(s, agent_pod) and not selects(s, index_pod) for s in agent_selectors)
+    assert all(selects(s, index_pod) and not selects(s, agent_pod) for s in index_selectors)
+    assert selects(discovery, agent_pod) and not selects(discovery, index_pod)
+    assert index_pod[COMPONENT_LABEL] == "index"
+
+
+def test_index_config_is_the_indexs_own_model(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    bogus = tmp_path / "operator-index.yaml"
+    bogus.write_text("http_port: 1\n")
+    with monkeypatch.context() as operator_env:  # the operator's environment must not leak
+        operator_env.setenv("KVPOOL_INDEX_LOAD_SLACK", "99")
+        operator_env.setenv(INDEX_CONFIG_FILE_ENV, str(bogus))
+        index = _children(_spec(GPU_EXAMPLE)).index
+    assert index is not None
+    text = index.config["data"]["index.yaml"]
+    assert yaml.safe_load(text)["load_slack"] == 4
+    (tmp_path / "index.yaml").write_text(text)
+    monkeypatch.setenv(INDEX_CONFIG_FILE_ENV, str(tmp_path / "index.yaml"))
+    config = IndexConfig()  # what `kvpool index` reads from the mounted ConfigMap
+    assert (config.pool, config.discovery, config.namespace) == ("gpu", "kubernetes", "inference")
+    assert (config.host, config.http_port) == ("0.0.0.0", 7403)
+    assert str(config.tokens_file) == "/etc/kvpool/tokens/tokens.yaml"
+    assert str(config.state_dir) == "/var/lib/kvpool"
+    assert config.max_chunks_per_node == 2_000_000
+    assert (config.load_factor, config.load_slack, config.min_match_ratio) == (2, 4, 0.25)
+    assert config.fingerprint is not None
+    assert config.fingerprint.model_dump() == {
+        "model": "meta-llama/Llama-3.1-8B-Instruct",
+        "dtype": "bfloat16",
+        "kv_layout": "nhd",
+        "tp_rank": 0,
+        "tp_size": 1,
+        "chunk_tokens": 256,
+    }
+    assert not config.agents  # discovery finds them
+
+
+def test_index_config_defaults_and_fingerprint_chunks() -> None:
+    def config(spec: dict[str, Any], index: dict[str, Any]) -> dict[str, Any]:
+        loaded: dict[str, Any] = yaml.safe_load(_index(spec, index).config["data"]["index.yaml"])
+        return loaded
+
+    defaults = IndexConfig.model_fields
+    plain = config({}, {})
+    assert plain["fingerprint"] is None
+    assert plain["max_chunks_per_node"] == defaults["max_chunks_per_node"].default
+    assert plain["load_factor"] == defaults["load_factor"].default
+    fingerprint = {"model": "m", "dtype": "fp8", "kvLayout": "hnd"}
+    pools = config({"chunkTokens": 512}, {"fingerprint": fingerprint})
+    assert pools["fingerprint"]["chunk_tokens"] == 512  # the pool's, by default
+    own = config({"chunkTokens": 512}, {"fingerprint": {**fingerprint, "chunkTokens": 128}})
+    assert own["fingerprint"]["chunk_tokens"] == 128
+    assert config({}, {"port": 9000})["http_port"] == 9000
+
+
+def test_index_deployment_and_pod() -> None:
+    index = _index()
+    deployment = index.deployment
+    assert deployment["apiVersion"] == "apps/v1"
+    assert deployment["spec"]["replicas"] == 1
+    pod = _index_pod(index)
+    (container,) = pod["containers"]
+    assert container["command"] == ["kvpool", "index"]
+    assert container["image"] == IMAGE
+    assert container["env"] == [
+        {"name": "KVPOOL_INDEX_CONFIG_FILE", "value": "/etc/kvpool/config/index.yaml"}
+    ]
+    assert container["ports"] == [{"name": "http", "containerPort": 7403, "protocol": "TCP"}]
+    assert container["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert volumes.keys() == mounts.keys() == {"config", "state", "tokens"}
+    assert volumes["config"]["configMap"] == {"name": "kvpool-gpu-index-config"}
+    assert mounts["config"] == {
+        "name": "config",
+        "mountPath": "/etc/kvpool/config",
+        "readOnly": True,
+    }
+    assert volumes["state"] == {"name": "state", "emptyDir": {}}
+    assert mounts["state"]["mountPath"] == "/var/lib/kvpool"
+    agent_pod = _pod(_children(PoolSpec.parse(TOKENS)))
+    agent_tokens = next(v for v in agent_pod["volumes"] if v["name"] == "tokens")
+    assert volumes["tokens"] == agent_tokens  # the same Secret, mounted the same way
+    assert mounts["tokens"] == {
+        "name": "tokens",
+        "mountPath": "/etc/kvpool/tokens",
+        "readOnly": True,
+    }
+    # hardened like the agent: non-root, read-only root, no capabilities, RuntimeDefault
+    assert pod["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": 10001,
+        "runAsGroup": 10001,
+        "fsGroup": 10001,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert container["securityContext"] == agent_pod["containers"][0]["securityContext"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert not {"hostIPC", "hostNetwork", "hostPID", "nodeSelector", "tolerations"} & pod.keys()
+    assert pod["serviceAccountName"] == "kvpool-gpu-index"
+    assert container["resources"] == {
+        "requests": {"cpu": "100m", "memory": "512Mi"},
+        "limits": {"memory": "2Gi"},
+    }
+
+
+def test_index_options_reach_the_deployment() -> None:
+    toleration = {"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}
+    index = _index(
+        {"agent": {"image": "registry.example/agent:2", "imagePullPolicy": "Always"}},
+        {
+            "replicas": 3,
+            "port": 8080,
+            "resources": {"requests": {"memory": "1Gi"}, "limits": {"memory": "8Gi", "cpu": 2}},
+            "nodeSelector": {"pool": "cpu"},
+            "tolerations": [toleration],
+        },
+    )
+    pod = _index_pod(index)
+    (container,) = pod["containers"]
+    assert index.deployment["spec"]["replicas"] == 3
+    assert (container["image"], container["imagePullPolicy"]) == (
+        "registry.example/agent:2",  # the agents' image, where the index names none
+        "Always",
+    )
+    assert container["ports"][0]["containerPort"] == 8080
+    assert container["resources"] == {
+        "requests": {"cpu": "100m", "memory": "1Gi"},
+        "limits": {"memory": "8Gi", "cpu": 2},
+    }
+    assert (pod["nodeSelector"], pod["tolerations"]) == ({"pool": "cpu"}, [toleration])
+    assert index.service["spec"]["ports"] == [
+        {"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"}
+    ]
+    own = _index(index={"image": "registry.example/index:3"})
+    assert _index_pod(own)["containers"][0]["image"] == "registry.example/index:3"
+
+
+def test_index_service() -> None:
+    index = _index()
+    service = index.service
+    assert service["metadata"]["name"] == "kvpool-gpu-index"
+    assert service["spec"]["type"] == "ClusterIP"
+    assert "internalTrafficPolicy" not in service["spec"]  # any node's gateway may call it
+    assert service["spec"]["ports"] == [
+        {"name": "http", "port": 7403, "targetPort": "http", "protocol": "TCP"}
+    ]
+    assert service["spec"]["selector"] == index.deployment["spec"]["selector"]["matchLabels"]
+
+
+def test_the_index_may_read_and_watch_pods_only() -> None:
+    index = _index()
+    assert index.role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+    assert index.role_binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": "kvpool-gpu-index",
+    }
+    assert index.role_binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "kvpool-gpu-index", "namespace": "inference"}
+    ]
+    assert index.service_account["metadata"]["name"] == "kvpool-gpu-index"
+
+
+def test_an_index_config_change_rolls_the_index_and_nothing_else_does() -> None:
+    def checksums(index: dict[str, Any]) -> tuple[str, str]:
+        children = _children(PoolSpec.parse({**TOKENS, "index": {"enabled": True, **index}}))
+        assert children.index is not None
+        templates = (children.index.deployment, children.daemonset)
+        index_sum, agent_sum = (
+            t["spec"]["template"]["metadata"]["annotations"][CHECKSUM_ANNOTATION] for t in templates
+        )
+        return index_sum, agent_sum
+
+    index_base, agent_base = checksums({})
+    assert checksums({}) == (index_base, agent_base)
+    assert checksums({"routing": {"loadSlack": 2}})[0] != index_base
+    assert checksums({"maxChunksPerNode": 10})[0] != index_base
+    assert checksums({"replicas": 2}) == (index_base, agent_base)  # in the Deployment spec
+    assert checksums({"routing": {"loadSlack": 2}})[1] == agent_base
+
+
+def test_a_pool_that_asks_for_an_index_without_tokens_is_invalid() -> None:
+    with pytest.raises(InvalidSpec, match=r"spec\.index\.enabled needs spec\.tenants"):
+        PoolSpec.parse({"index": {"enabled": True}})

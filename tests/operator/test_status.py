@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvpool_operator.status import Problem, Rollout, pool_status
+from kvpool_operator.status import IndexReplicas, Problem, Rollout, pool_status
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -24,6 +24,7 @@ def _status(
     problem: Problem | None = None,
     previous: dict[str, Any] | None = None,
     now: datetime = T0,
+    index: IndexReplicas | None = None,
 ) -> dict[str, Any]:
     return pool_status(
         generation=generation,
@@ -32,6 +33,7 @@ def _status(
         rollout=rollout,
         previous=previous or {},
         now=now,
+        index=index,
     )
 
 
@@ -157,3 +159,20 @@ def test_rollout_of_a_daemonset() -> None:
     daemonset["status"]["observedGeneration"] = 4
     rollout = Rollout.of(daemonset)
     assert rollout is not None and rollout.observed and not rollout.rolled_out
+
+
+def test_the_index_is_reported_beside_the_agents() -> None:
+    agents_ready = Rollout(3, 3, 3, True)
+    status = _status(agents_ready, index=IndexReplicas(replicas=2, ready=0))
+    assert status["index"] == {"replicas": 2, "readyReplicas": 0}
+    # the conditions are about the agents: an index that is not ready leaves the pool Ready
+    assert _conditions(status)["Ready"] == ("True", "AgentsReady")
+    # without an index, a merge patch removes status.index
+    assert _status(agents_ready)["index"] is None
+
+
+def test_index_replicas_of_a_deployment() -> None:
+    deployment: dict[str, Any] = {"metadata": {"generation": 1}, "spec": {"replicas": 2}}
+    assert IndexReplicas.of(deployment) == IndexReplicas(replicas=2, ready=0)  # no status yet
+    deployment["status"] = {"replicas": 2, "readyReplicas": 1, "updatedReplicas": 2}
+    assert IndexReplicas.of(deployment) == IndexReplicas(replicas=2, ready=1)
