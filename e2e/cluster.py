@@ -13,6 +13,8 @@
   files is rewritten, with one exception: pods here share the machine's network, so each
   pod gets a loopback address of its own, and an env value ``0.0.0.0`` (the wildcard of
   the pod's own network) becomes that address.
+- The kubelet's reports: each pod it runs is written to the API server with its labels,
+  node, container ports, IP and phase Running (what the prefix index discovers agents by).
 - Cluster DNS and kube-proxy: each pod's ``/etc/hosts`` resolves
   ``<service>.<namespace>.svc`` to the ready pod that the Service selects on the pod's
   own node (``internalTrafficPolicy: Local``, the only policy kvpool uses); a Service
@@ -403,7 +405,32 @@ class Kubelet:
         labels = dict(template.get("metadata", {}).get("labels", {}))
         pod = Pod(name, namespace, self.node, ip, labels, spec, directory, process, log)
         self.pods.append(pod)
+        self._report(pod, container)
         return pod
+
+    def _report(self, pod: Pod, container: Manifest) -> None:
+        """Write the pod and its status to the API server, as a kubelet reports its pods."""
+        manifest = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": pod.name, "namespace": pod.namespace, "labels": pod.labels},
+            "spec": {
+                "nodeName": self.node.name,
+                "containers": [
+                    {
+                        "name": container["name"],
+                        "image": "kvpool-e2e",
+                        "ports": container.get("ports", []),
+                    }
+                ],
+            },
+        }
+        self._control.kubectl("apply", "--validate=false", "-f", "-", stdin=json.dumps(manifest))
+        status = {"phase": "Running", "podIP": pod.ip, "hostIP": f"127.77.{self.node.index}.0"}
+        self._control.kubectl(
+            "patch", "pod", pod.name, "-n", pod.namespace, "--subresource=status",
+            "--type=merge", "-p", json.dumps({"status": status}),
+        )  # fmt: skip
 
     # volumes
 

