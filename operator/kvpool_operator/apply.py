@@ -10,14 +10,13 @@ and applying an unchanged child changes nothing on the server. Status goes throu
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 
 import urllib3
-from kubernetes import config as kube_config
-from kubernetes.client import ApiClient, Configuration
+from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
+from kvpool_agent.kube_watch import api_configuration
 from kvpool_operator.render import Manifest
 from kvpool_operator.spec import API_VERSION, KIND, PLURAL
 
@@ -82,14 +81,7 @@ class Cluster:
     @classmethod
     def connect(cls) -> Cluster:
         """In a pod: its service account; elsewhere: the kubeconfig (``$KUBECONFIG``)."""
-        configuration = Configuration()
-        if "KUBERNETES_SERVICE_HOST" in os.environ:
-            kube_config.load_incluster_config(client_configuration=configuration)
-        else:
-            kube_config.load_kube_config(
-                os.environ.get("KUBECONFIG"), client_configuration=configuration
-            )
-        return cls(ApiClient(configuration))
+        return cls(ApiClient(api_configuration()))
 
     def get(self, kind: Kind, namespace: str, name: str) -> Manifest | None:
         """The object, or None if it does not exist."""
