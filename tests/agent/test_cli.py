@@ -85,3 +85,19 @@ def test_bench_restart_prints_its_table() -> None:
         timeout=120,
     )
     assert "rebuild index" in result.stdout and "2,000 x 4 KiB" in result.stdout
+
+
+def test_bench_service_prints_throughput_and_round_trips_against_the_zmq_floor() -> None:
+    result = subprocess.run(
+        [
+            BIN / "kvpool", "bench", "service", "--working-set-mib", "4",
+            "--chunk-sizes", str(256 << 10), "--clients", "1", "--lookups", "50",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=180,
+    )  # fmt: skip
+    assert "kvpool agent  256 KiB" in result.stdout
+    for row in ("kvpool agent", "ping (no cache work)", "bare pyzmq: same bytes each way"):
+        assert row in result.stdout.split("Locked lookup round trip")[1], result.stdout

@@ -8,7 +8,10 @@ bytes. Throughput is all clients' bytes over the wall time of the phase
 (clients start together at a barrier). The baseline is a raw memcpy of the same
 bytes in the same client processes, from the same source buffer into a private
 buffer of the same size, so both sides move the same working set through DRAM.
-Also the round trip of a locked lookup of a 64-chunk cached prefix, p50/p99.
+Also the round trip of a locked lookup of a 64-chunk cached prefix, p50/p99, next
+to the agent's ``ping`` (the protocol without cache work) and to the transport's
+floor: a bare pyzmq ROUTER in another process echoing a reply of the same size to
+a request of the same size, over the same TCP loopback.
 
 With ``--lmcache-python``, the same workload runs against LMCache's
 multiprocess server (``lmcache_peer.py`` in that interpreter) and both are
@@ -28,15 +31,20 @@ import os
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
 
+import zmq
+
+from kvpool_agent import protocol as p
 from kvpool_agent.bench.agent_process import BenchAgent
 from kvpool_agent.bench.report import table
 from kvpool_agent.client import AgentClient, copy_in, copy_out
 from kvpool_agent.keys import tenant_id
+from kvpool_agent.l1 import Hit
 
 TENANT = tenant_id("bench")
 BATCH_BYTES = 64 << 20
@@ -143,20 +151,81 @@ def _run_clients(
     return phases
 
 
-def _lookup_latency(endpoint: str, lookups: int) -> tuple[float, float]:
+def _percentiles(
+    call: Callable[[], object], count: int, after: Callable[[], object] = lambda: None
+) -> tuple[float, float]:
+    """p50 and p99 in microseconds of ``count`` calls (after 200 untimed ones); ``after``
+    runs after each call, untimed."""
+    samples = []
+    for _ in range(count + 200):
+        started = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - started)
+        after()
+    timed = sorted(samples[200:])
+    return statistics.median(timed) * 1e6, timed[int(len(timed) * 0.99)] * 1e6
+
+
+def _lookup_latency(endpoint: str, lookups: int) -> dict[str, tuple[float, float]]:
+    """Round trips of a locked 64-chunk lookup (its release untimed), of a ping, and of the
+    same request and reply bytes through bare pyzmq."""
     keys = [hashlib.sha256(b"lookup-%d" % i).digest() for i in range(LOOKUP_CHUNKS)]
     with AgentClient(endpoint) as client:
         client.store(TENANT, keys, [bytes(4096)] * LOOKUP_CHUNKS)
-        samples = []
-        for _ in range(lookups + 200):
-            started = time.perf_counter()
-            hit = client.lookup(TENANT, keys)
-            samples.append(time.perf_counter() - started)
+        hits: list[Hit] = []
+
+        def lookup() -> None:
+            hits.append(client.lookup(TENANT, keys))
+
+        def release() -> None:
+            hit = hits.pop()
             assert hit.lease is not None and hit.count == LOOKUP_CHUNKS
             client.release(hit.lease)
-        assert copy_out(client.segment(), hit)[0] == bytes(4096)
-    timed = sorted(samples[200:])
-    return statistics.median(timed) * 1e6, timed[int(len(timed) * 0.99)] * 1e6
+
+        result = {"lookup": _percentiles(lookup, lookups, release)}
+        result["ping"] = _percentiles(client.ping, lookups)
+        hit = client.lookup(TENANT, keys)
+        assert hit.lease is not None and copy_out(client.segment(), hit)[0] == bytes(4096)
+        client.release(hit.lease)
+    request = p.encode(p.Lookup(1, 1, TENANT, keys))
+    reply = p.encode(p.LookupReply(1, hit.lease, hit.offsets, hit.sizes))
+    result["floor"] = _zmq_floor(request, reply, lookups)
+    return result
+
+
+def _echo(reply: bytes, endpoints: multiprocessing.queues.Queue[str]) -> None:
+    """A bare ROUTER: answers every request with ``reply`` until it gets an empty one."""
+    socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+    socket.bind("tcp://127.0.0.1:*")
+    endpoints.put(socket.getsockopt_string(zmq.LAST_ENDPOINT))
+    while True:
+        identity, request = socket.recv_multipart()
+        socket.send_multipart([identity, reply])
+        if not request:
+            break
+    socket.close()
+
+
+def _zmq_floor(request: bytes, reply: bytes, count: int) -> tuple[float, float]:
+    """The transport's floor: the same bytes each way through bare pyzmq, another process."""
+    context = multiprocessing.get_context("spawn")
+    endpoints: multiprocessing.queues.Queue[str] = context.Queue()
+    echo = context.Process(target=_echo, args=(reply, endpoints))
+    echo.start()
+    socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    socket.connect(endpoints.get(timeout=60))
+
+    def roundtrip() -> None:
+        socket.send(request)
+        socket.recv()
+
+    try:
+        return _percentiles(roundtrip, count)
+    finally:
+        socket.send(b"")
+        socket.recv()
+        socket.close()
+        echo.join(10)
 
 
 def _ours(chunks: list[int], clients: list[int], working_set: int, lookups: int) -> dict[str, Any]:
@@ -182,10 +251,19 @@ def _ours(chunks: list[int], clients: list[int], working_set: int, lookups: int)
                         "memcpy_gbps": total / max(p.memcpy_seconds for p in phases) / 1e9,
                     }
                 )
-        p50, p99 = _lookup_latency(agent.endpoint, lookups)
+        latency = _lookup_latency(agent.endpoint, lookups)
     finally:
         agent.close()
-    return {"system": "kvpool agent", "throughput": results, "lookup_us": {"p50": p50, "p99": p99}}
+    p50, p99 = latency["lookup"]
+    return {
+        "system": "kvpool agent",
+        "throughput": results,
+        "lookup_us": {"p50": p50, "p99": p99},
+        "also_us": {
+            "kvpool agent: ping (no cache work)": latency["ping"],
+            "bare pyzmq: same bytes each way (floor)": latency["floor"],
+        },
+    }
 
 
 def _lmcache(python: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -250,14 +328,18 @@ def run(args: argparse.Namespace) -> None:
         )
     )
     print()
+    floor = results[0]["also_us"]["bare pyzmq: same bytes each way (floor)"][0]
     latency_rows = [
-        [r["system"], f"{r['lookup_us']['p50']:.0f}", f"{r['lookup_us']['p99']:.0f}"]
-        for r in results
+        [name, f"{p50:.0f}", f"{p99:.0f}", f"{p50 / floor:.2f}"]
+        for name, (p50, p99) in [
+            *((r["system"], (r["lookup_us"]["p50"], r["lookup_us"]["p99"])) for r in results),
+            *results[0]["also_us"].items(),
+        ]
     ]
     print(
         table(
             f"Locked lookup round trip, {LOOKUP_CHUNKS}-chunk cached prefix (goal p50 <= 100 us)",
-            ["system", "p50 us", "p99 us"],
+            ["system", "p50 us", "p99 us", "p50 / floor"],
             latency_rows,
         )
     )
