@@ -16,6 +16,13 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from kvpool_agent.index.policy import (
+    DEFAULT_LOAD_FACTOR,
+    DEFAULT_LOAD_SLACK,
+    DEFAULT_MIN_MATCH_RATIO,
+)
+from kvpool_agent.index.tracker import DEFAULT_MAX_CHUNKS_PER_NODE
+
 GROUP = "kvpool.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -161,10 +168,17 @@ class AgentSpec(_Spec):
 
 
 class RoutingSpec(_Spec):
-    load_factor: float = Field(1.5, ge=1, description="Overload bound: x average load.")
-    load_slack: float = Field(0.0, ge=0, description="Absolute margin of the load bound.")
+    load_factor: float = Field(
+        DEFAULT_LOAD_FACTOR, ge=1, description="Overload bound: x average load."
+    )
+    load_slack: float = Field(
+        DEFAULT_LOAD_SLACK, ge=0, description="Absolute margin of the load bound."
+    )
     min_match_ratio: float = Field(
-        0.3, ge=0, le=1, description="Matched share of a prompt below which affinity is ignored."
+        DEFAULT_MIN_MATCH_RATIO,
+        ge=0,
+        le=1,
+        description="Matched share of a prompt below which affinity is ignored.",
     )
 
 
@@ -182,7 +196,9 @@ class IndexSpec(_Spec):
     replicas: int = Field(1, ge=1, description="Independent index replicas.")
     image: str | None = Field(None, description="Index image; default: the agents'.")
     port: int = Field(7403, ge=1, le=65535, description="HTTP port of the index.")
-    max_chunks_per_node: int = Field(1_000_000, ge=1, description="Chunks tracked per node.")
+    max_chunks_per_node: int = Field(
+        DEFAULT_MAX_CHUNKS_PER_NODE, ge=1, description="Chunks tracked per node."
+    )
     routing: RoutingSpec = Field(RoutingSpec(), description="Routing policy.")
     fingerprint: FingerprintSpec | None = Field(None, description="Default model of queries.")
     resources: ResourcesSpec = Field(ResourcesSpec(), description="Resource overrides.")
