@@ -9,9 +9,12 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Protocol
 
 import pytest
 import yaml
@@ -33,8 +36,20 @@ SALT = "alice-salt"
 PROMPT = list(range(1000, 1101))  # six full chunks of 16 tokens, and 5 tokens more
 
 
+class Endpoints(Protocol):
+    zmq: str
+    events: str
+
+
 class IndexProcess:
-    def __init__(self, workdir: Path, agents: dict[str, AgentProcess]) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        agents: Mapping[str, Endpoints],
+        settings: Mapping[str, str] | None = None,
+    ) -> None:
+        """``settings`` become KVPOOL_INDEX_* environment variables."""
+        workdir.mkdir(exist_ok=True)
         tokens = workdir / "tokens.yaml"
         tokens.write_text(
             yaml.safe_dump(
@@ -53,6 +68,7 @@ class IndexProcess:
             "KVPOOL_INDEX_FINGERPRINT": json.dumps(
                 {"model": "test-model", "dtype": "bfloat16", "kv_layout": "NHD", "chunk_tokens": 16}
             ),
+            **{f"KVPOOL_INDEX_{name}": value for name, value in (settings or {}).items()},
         }
         arguments = [f"--agent={node}={a.zmq},{a.events}" for node, a in agents.items()]
         self.log: list[str] = []
@@ -75,6 +91,13 @@ class IndexProcess:
                 self.url = match.group(1)
                 ready.set()
         ready.set()
+
+    def status(self, path: str) -> int:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=5) as answer:
+                return int(answer.status)
+        except urllib.error.HTTPError as error:
+            return error.code
 
     def get(self, path: str, token: str | None = None) -> str:
         request = urllib.request.Request(self.url + path)
@@ -150,3 +173,28 @@ def test_gateways_route_through_the_index_process(
     assert 'kvpool_index_query_seconds_count{op="lookup"}' in metrics
     assert index.stop() == 0
     assert SALT not in "".join(index.log)
+
+
+def test_a_new_index_is_ready_once_it_holds_every_agent_or_its_warmup_is_over(
+    tmp_path: Path, make_agents: Callable[..., list[AgentProcess]]
+) -> None:
+    (live,) = make_agents(1)
+    start_all([live])
+    synced = IndexProcess(tmp_path / "synced", {"gpu-1": live}, {"WARMUP_SECONDS": "60"})
+    try:
+        wait_until(lambda: synced.status("/readyz") == 200, what="ready after the sync")
+    finally:
+        assert synced.stop() == 0
+
+    # an agent that never answers: not ready (an empty index would route without affinity)
+    # until the warmup is over, then ready to route with what it has
+    dead = SimpleNamespace(zmq="tcp://127.0.0.1:9", events="tcp://127.0.0.1:9")
+    waiting = IndexProcess(
+        tmp_path / "waiting", {"gpu-1": live, "gpu-2": dead}, {"WARMUP_SECONDS": "3"}
+    )
+    try:
+        assert waiting.status("/readyz") == 503
+        assert waiting.status("/healthz") == 200
+        wait_until(lambda: waiting.status("/readyz") == 200, what="ready after the warmup")
+    finally:
+        assert waiting.stop() == 0

@@ -116,6 +116,14 @@ class IndexConfig(BaseSettings):
         Path.home() / ".local" / "state" / "kvpool",
         description="Directory of the generated token (index-token-<pool>).",
     )
+    warmup_seconds: float = Field(
+        30.0,
+        ge=0,
+        description=(
+            "Readiness waits until every discovered agent is synchronised, at most this long "
+            "(so that a new replica does not answer routes from an empty index)."
+        ),
+    )
     snapshot_timeout_seconds: float = Field(
         10.0, gt=0, description="How long a resync waits for an agent's snapshot."
     )

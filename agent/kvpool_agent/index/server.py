@@ -3,8 +3,11 @@ starts them, stops them in reverse.
 
 Parts: the gateway token authority, the tracker, the event subscriber (its own
 thread), the discovery (static, or a Kubernetes watch thread), metrics, and
-the HTTP API (uvicorn on this event loop). SIGTERM and SIGINT stop it:
-readiness turns false, then the HTTP server, discovery and subscriber stop.
+the HTTP API (uvicorn on this event loop). It is ready (``/readyz``) once it
+holds a synchronised copy of every agent discovery named, or after
+``warmup_seconds`` without one (then it routes with what it has). SIGTERM and
+SIGINT stop it: readiness turns false, then the HTTP server, discovery and
+subscriber stop.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry
@@ -54,6 +58,15 @@ class IndexServer:
         self._discovery = discovery
         self._stopping = asyncio.Event()
         self._ready = False
+        self._warm_by = time.monotonic() + config.warmup_seconds
+        self._warmed = False
+
+    def _warm(self, subscriber: EventSubscriber) -> bool:
+        """Whether the index has caught up with every agent once, or stopped waiting to."""
+        self._warmed = self._warmed or (
+            subscriber.caught_up() or time.monotonic() >= self._warm_by
+        )
+        return self._warmed
 
     def stop(self) -> None:
         self._ready = False
@@ -78,7 +91,7 @@ class IndexServer:
             self._authority,
             subscriber.status,
             default_fingerprint=config.fingerprint,
-            ready=lambda: self._ready,
+            ready=lambda: self._ready and self._warm(subscriber),
             metrics=metrics.exposition,
         )
         async with contextlib.AsyncExitStack() as stack:

@@ -158,6 +158,8 @@ class EventSubscriber:
         self._wake_endpoint = f"inproc://kvpool-index-{uuid.uuid4().hex}"
         self._lock = threading.Lock()
         self._wanted: dict[str, AgentEndpoint] | None = None
+        """Agents named by follow() and not yet applied by the loop thread."""
+        self._named = False
         self._followers: dict[str, _Follower] = {}
         """Replaced, never mutated, by the loop thread: other threads read a consistent copy."""
         self._requests = itertools.count(1)
@@ -188,7 +190,15 @@ class EventSubscriber:
         wanted = {endpoint.node: endpoint for endpoint in endpoints}
         with self._lock:
             self._wanted = wanted
+            self._named = True
         self._signal(b"follow")
+
+    def caught_up(self) -> bool:
+        """Whether the agents to follow have been named (by discovery) and the index holds a
+        synchronised copy of every one of them."""
+        with self._lock:
+            applied = self._named and self._wanted is None
+        return applied and all(follower.synced for follower in self._followers.values())
 
     def status(self) -> list[AgentStatus]:
         return [follower.status() for follower in self._followers.values()]
