@@ -63,9 +63,7 @@ class IndexServer:
 
     def _warm(self, subscriber: EventSubscriber) -> bool:
         """Whether the index has caught up with every agent once, or stopped waiting to."""
-        self._warmed = self._warmed or (
-            subscriber.caught_up() or time.monotonic() >= self._warm_by
-        )
+        self._warmed = self._warmed or (subscriber.caught_up() or time.monotonic() >= self._warm_by)
         return self._warmed
 
     def stop(self) -> None:
