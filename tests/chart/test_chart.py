@@ -176,21 +176,27 @@ def test_the_example_pool_is_one_the_operator_renders(helm: Helm) -> None:
     assert not by_kind(helm.template(), "KVCachePool"), "no example pool unless asked"
 
 
-def test_the_service_monitor_scrapes_the_agents_services(helm: Helm) -> None:
+def test_the_service_monitor_scrapes_the_agents_and_index_services(helm: Helm) -> None:
     monitor = one(helm.template("monitoring.yaml"), "ServiceMonitor")
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
     spec = monitor["spec"]
     assert spec["namespaceSelector"] == {"any": True}
-    service = render(
-        Pool("main", "inference", "uid"), PoolSpec.parse({}), default_image="kvpool:test"
-    ).service
-    labels = service["metadata"]["labels"]
-    assert spec["selector"]["matchLabels"].items() <= labels.items()
-    assert set(spec["targetLabels"]) <= labels.keys()
-    ports = {port["name"] for port in service["spec"]["ports"]}
-    for endpoint in spec["endpoints"]:
-        assert endpoint["port"] in ports
-        assert endpoint["path"] == "/metrics"
+    children = render(
+        Pool("main", "inference", "uid"),
+        PoolSpec.parse(
+            {"tenants": {"tokensSecretRef": {"name": "tokens"}}, "index": {"enabled": True}}
+        ),
+        default_image="kvpool:test",
+    )
+    assert children.index is not None
+    for service in (children.service, children.index.service):
+        labels = service["metadata"]["labels"]
+        assert spec["selector"]["matchLabels"].items() <= labels.items()
+        assert set(spec["targetLabels"]) <= labels.keys()
+        ports = {port["name"] for port in service["spec"]["ports"]}
+        for endpoint in spec["endpoints"]:
+            assert endpoint["port"] in ports
+            assert endpoint["path"] == "/metrics"
     assert not by_kind(helm.template(), "ServiceMonitor"), "no ServiceMonitor unless asked"
     namespaced = one(
         helm.template("s3-nvme.yaml", sets=("serviceMonitor.enabled=true",)), "ServiceMonitor"

@@ -1,5 +1,5 @@
-"""The Grafana dashboard: well formed, and every series it queries is one a real agent
-exports (read from a running agent's /metrics, so a renamed metric fails here)."""
+"""The Grafana dashboard: well formed, and every series it queries is one a real agent or
+a real prefix index exports (read from their /metrics, so a renamed metric fails here)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.agent.agent_process import AgentProcess
+from tests.index.index_process import IndexProcess
 
 from .conftest import CHART
 
@@ -22,14 +23,20 @@ _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
-    """The sample names of a real agent with an L2 tier (so that L2 metrics exist)."""
+    """The sample names of a real agent with an L2 tier (so that L2 metrics exist) and of a
+    real index following it."""
     work = tmp_path_factory.mktemp("dashboard-agent")
     nvme = json.dumps({"path": str(work / "nvme"), "capacity": "64MiB"})
     agent = AgentProcess(work / "agent", settings={"NVME": nvme})
     agent.workdir.mkdir()
     try:
         agent.start()
-        text = httpx.get(f"{agent.http}/metrics", timeout=10).text
+        index = IndexProcess(work / "index", {"n0": agent})
+        try:
+            text = httpx.get(f"{agent.http}/metrics", timeout=10).text
+            text += httpx.get(f"{index.url}/metrics", timeout=10).text
+        finally:
+            index.stop()
     finally:
         agent.cleanup()
     names = set(re.findall(r"^(kvpool_\w+)", text, re.MULTILINE))  # samples
@@ -71,6 +78,8 @@ def test_every_queried_metric_is_exported(exported: set[str]) -> None:
         ("L2 latency", r"histogram_quantile\(0\.99, .*kvpool_l2_seconds_bucket"),
         ("write-back", r"kvpool_writeback_written_total"),
         ("prefetch", r"kvpool_prefetch_loaded_chunks_total"),
+        ("index event lag", r"kvpool_index_event_lag_seconds"),
+        ("routing decisions", r"by \(reason\) \(rate\(kvpool_index_route_decisions_total"),
     ],
 )
 def test_the_dashboard_shows(topic: str, pattern: str) -> None:
