@@ -769,6 +769,22 @@ def _index_deployment(pool: Pool, spec: PoolSpec, config_text: str, default_imag
     scheduling: dict[str, Any] = {
         "nodeSelector": index.node_selector,
         "tolerations": list(index.tolerations),
+        # replicas on different nodes where the cluster allows: one node's loss leaves routes
+        "affinity": {
+            "podAntiAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "weight": 100,
+                        "podAffinityTerm": {
+                            "labelSelector": {"matchLabels": pool.selector(INDEX)},
+                            "topologyKey": "kubernetes.io/hostname",
+                        },
+                    }
+                ]
+            }
+        }
+        if index.replicas > 1
+        else None,
     }
     pod_spec: dict[str, Any] = {
         "serviceAccountName": pool.index_name,

@@ -481,6 +481,11 @@ def test_index_deployment_and_pod() -> None:
     }
 
 
+def pod_labels(index: IndexChildren) -> dict[str, str]:
+    labels: dict[str, str] = index.deployment["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
 def test_index_options_reach_the_deployment() -> None:
     toleration = {"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}
     index = _index(
@@ -506,6 +511,13 @@ def test_index_options_reach_the_deployment() -> None:
         "limits": {"memory": "8Gi", "cpu": 2},
     }
     assert (pod["nodeSelector"], pod["tolerations"]) == ({"pool": "cpu"}, [toleration])
+    # replicas spread over nodes where they can (a soft rule: never blocks scheduling)
+    anti_affinity = pod["affinity"]["podAntiAffinity"]
+    (spread,) = anti_affinity["preferredDuringSchedulingIgnoredDuringExecution"]
+    term = spread["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"].items() <= pod_labels(index).items()
+    assert "affinity" not in _index_pod(_index())  # one replica: nothing to spread
     assert index.service["spec"]["ports"] == [
         {"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"}
     ]
