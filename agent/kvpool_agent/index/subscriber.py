@@ -159,7 +159,8 @@ class EventSubscriber:
         self._lock = threading.Lock()
         self._wanted: dict[str, AgentEndpoint] | None = None
         """Agents named by follow() and not yet applied by the loop thread."""
-        self._named = False
+        self._followed = False
+        """The loop thread has applied a follow() (set after it replaced the followers)."""
         self._followers: dict[str, _Follower] = {}
         """Replaced, never mutated, by the loop thread: other threads read a consistent copy."""
         self._requests = itertools.count(1)
@@ -190,14 +191,13 @@ class EventSubscriber:
         wanted = {endpoint.node: endpoint for endpoint in endpoints}
         with self._lock:
             self._wanted = wanted
-            self._named = True
         self._signal(b"follow")
 
     def caught_up(self) -> bool:
         """Whether the agents to follow have been named (by discovery) and the index holds a
         synchronised copy of every one of them."""
         with self._lock:
-            applied = self._named and self._wanted is None
+            applied = self._followed and self._wanted is None
         return applied and all(follower.synced for follower in self._followers.values())
 
     def status(self) -> list[AgentStatus]:
@@ -273,6 +273,8 @@ class EventSubscriber:
                 followers[node] = self._open(endpoint)
                 log.info("following agent of node %s at %s", node, endpoint.events)
         self._followers = followers
+        with self._lock:
+            self._followed = True
 
     def _open(self, endpoint: AgentEndpoint) -> _Follower:
         sub = self._context.socket(zmq.SUB)
