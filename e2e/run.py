@@ -41,8 +41,8 @@ def summary(evidence: Evidence) -> None:
         f"{evidence.first.seconds:.2f} s",
         f"vllm-2: {evidence.second.cached[0]} cached tokens (loaded "
         f"{evidence.second.counters.get('loaded_chunks', 0):.0f} chunks from the agent), "
-        f"{evidence.second.seconds:.2f} s, same output: "
-        f"{evidence.second.tokens == evidence.first.tokens}",
+        f"{evidence.second.seconds:.2f} s, same output up to noise: "
+        f"{not evidence.second.differences(evidence.first)}",
         f"node-a agent: {evidence.status_a['chunks']} chunks, {evidence.status_a['hits']} hits; "
         f"node-b agent: {evidence.status_b['chunks']} chunks",
         f"index: nodes {[(n['node'], n['chunks']) for n in evidence.index_nodes]}; route "

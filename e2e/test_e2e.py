@@ -29,7 +29,7 @@ def test_the_whole_flow(tmp_path: Path) -> None:
     assert evidence.first.counters["stored_chunks"] >= evidence.prompt_chunks
     assert evidence.second.cached == [evidence.prompt_chunks * evidence.chunk_tokens]
     assert evidence.second.counters["loaded_chunks"] >= evidence.prompt_chunks
-    assert evidence.second.tokens == evidence.first.tokens
+    assert not evidence.second.differences(evidence.first)  # up to noise (connector/greedy.py)
     assert evidence.status_a["chunks"] >= evidence.prompt_chunks
     assert evidence.status_a["hits"] >= evidence.prompt_chunks
     assert evidence.status_b["chunks"] == 0, "node-b's agent holds nothing: agents are local"

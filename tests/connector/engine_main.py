@@ -16,6 +16,8 @@ import time
 from typing import Any
 
 MARK = "@@"
+TOP_LOGPROBS = 5
+"""Candidates reported per generated token, for comparisons within a tolerance."""
 
 
 def build(settings: dict[str, Any]) -> Any:
@@ -65,6 +67,14 @@ def kvpool_counters(llm: Any) -> dict[str, float]:
     return counters
 
 
+def top_logprobs(positions: Any) -> list[list[tuple[int, float]]]:
+    """Each generated position's top candidates as (token, log-probability), best first."""
+    return [
+        sorted(((token, entry.logprob) for token, entry in position.items()), key=lambda t: -t[1])
+        for position in positions or []
+    ]
+
+
 def generate(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -77,13 +87,17 @@ def generate(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
             prompt["cache_salt"] = salt
         prompts.append(prompt)
     params = SamplingParams(
-        max_tokens=request.get("max_tokens", 8), temperature=0.0, ignore_eos=True
+        max_tokens=request.get("max_tokens", 8),
+        temperature=0.0,
+        ignore_eos=True,
+        logprobs=TOP_LOGPROBS,
     )
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - started
     return {
         "tokens": [list(output.outputs[0].token_ids) for output in outputs],
+        "top": [top_logprobs(output.outputs[0].logprobs) for output in outputs],
         "cached": [output.num_cached_tokens for output in outputs],
         "seconds": seconds,
         "counters": kvpool_counters(llm),

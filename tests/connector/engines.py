@@ -12,6 +12,8 @@ from pathlib import Path
 from queue import Empty, Queue
 from typing import Any
 
+from .greedy import Candidates, problems
+
 MAIN = Path(__file__).with_name("engine_main.py")
 ROOT = Path(__file__).resolve().parents[2]
 MARK = "@@"
@@ -83,6 +85,13 @@ class Result:
     cached: list[int]
     seconds: float
     counters: dict[str, float]
+    top: list[list[Candidates]] = field(default_factory=list)
+    """Per request, per generated token: the best candidates and their log-probabilities."""
+
+    def differences(self, reference: Result) -> list[str]:
+        """Why these generations are not the reference's up to numerical noise (see
+        :mod:`.greedy`); empty if they are."""
+        return problems(self.tokens, self.top, reference.tokens, reference.top)
 
 
 @dataclass

@@ -2,14 +2,18 @@
 
 Three engine processes share one agent for the whole module:
 
-* ``ref``: no connector -- the reference output (recompute);
+* ``ref``: no connector -- the reference output (recompute), computed with other kernels
+  than the engines under test (oneDNN and ATen limited to AVX2), so that every machine
+  compares across kernels, as an AVX-512 or AMX machine does with any reference;
 * ``a``: our connector, vLLM's prefix cache on -- the engine that computes first;
 * ``b``: our connector, prefix cache off and a small KV cache (preemption) -- every
   cached token it reports came through the agent.
 
-The model has random (not vLLM's dummy) weights, so greedy output depends on
-the whole context: :func:`test_poisoned_cache_changes_the_output` shows that
-wrong KV bytes in the agent change B's output, so identical output is evidence.
+Outputs are compared up to numerical noise (:mod:`.greedy`): kernels, batch composition
+and a prefill over loaded KV all move logits by a bf16 rounding step, which may flip a
+near-tied greedy token. The model has random (not vLLM's dummy) weights, so greedy output
+depends on the whole context: :func:`test_poisoned_cache_changes_the_output` shows that
+wrong KV bytes in the agent fail that comparison, so passing it is evidence.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ pytestmark = pytest.mark.timeout(600)
 
 CHUNK = 256  # two CPU blocks of 128 tokens
 B_BLOCKS = 24  # B's KV cache: 3072 tokens, so four long requests preempt each other
+OTHER_KERNELS = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 
 @dataclass
@@ -69,7 +74,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         "retry_max_s": 0.5,
         "transfer_timeout_s": 1.0,
     }
-    ref = Engine("ref", {"model": model}, work / "ref.log")
+    ref = Engine("ref", {"model": model}, work / "ref.log", env=OTHER_KERNELS)
     a = Engine("a", {"model": model, "connector": "kvpool", "extra_config": extra}, work / "a.log")
     b = Engine(
         "b",
@@ -100,13 +105,13 @@ def test_cross_engine_hit_with_identical_output(setup: Setup) -> None:
     long_prompt = prompt(1, 1000)
     expected = setup.ref.generate([long_prompt], max_tokens=16)
     first = setup.a.generate([long_prompt], max_tokens=16)
-    assert first.tokens == expected.tokens
+    assert not first.differences(expected)
     assert first.counters["stored_chunks"] >= 3
 
     second = setup.b.generate([long_prompt], max_tokens=16)
 
     assert second.cached == [3 * CHUNK]  # every full chunk (the prompt ends mid-chunk)
-    assert second.tokens == expected.tokens
+    assert not second.differences(expected)
     assert second.counters["load_failed_chunks"] == 0
 
 
@@ -123,7 +128,7 @@ def usage(agent: AgentProcess, salt: str) -> tuple[int, int]:
 def test_different_salt_never_hits(setup: Setup) -> None:
     salted = prompt(2, 800)
     expected = setup.ref.generate([salted], salts=["tenant-a"])
-    assert setup.a.generate([salted], salts=["tenant-a"]).tokens == expected.tokens
+    assert not setup.a.generate([salted], salts=["tenant-a"]).differences(expected)
     assert usage(setup.agent, "tenant-a") == (0, 3)  # A's probe: three chunks, none there
 
     other = setup.b.generate([salted], salts=["tenant-b"])
@@ -137,13 +142,14 @@ def test_different_salt_never_hits(setup: Setup) -> None:
     assert other.cached == [0]
     assert unsalted.cached == [0]
     assert same.cached == [3 * CHUNK]
-    assert other.tokens == unsalted.tokens == same.tokens == expected.tokens
+    for result in (other, unsalted, same):
+        assert not result.differences(expected)
 
 
 def test_short_and_mid_chunk_prompts(setup: Setup) -> None:
     prompts = [prompt(3, 100), prompt(4, 2 * CHUNK), prompt(5, CHUNK + 128 + 50)]
     expected = setup.ref.generate(prompts)
-    assert setup.a.generate(prompts).tokens == expected.tokens
+    assert not setup.a.generate(prompts).differences(expected)
 
     loaded = setup.b.generate(prompts)
 
@@ -151,7 +157,7 @@ def test_short_and_mid_chunk_prompts(setup: Setup) -> None:
     # last chunk to compute (vLLM must compute one token); a mid-chunk end
     # loads the full chunks only
     assert loaded.cached == [0, CHUNK, CHUNK]
-    assert loaded.tokens == expected.tokens
+    assert not loaded.differences(expected)
 
 
 def test_preempted_requests_stay_correct(setup: Setup) -> None:
@@ -164,7 +170,7 @@ def test_preempted_requests_stay_correct(setup: Setup) -> None:
     result = setup.b.generate(prompts, max_tokens=48)
 
     assert result.counters["preemptions_seen"] > before.get("preemptions_seen", 0)
-    assert result.tokens == expected.tokens
+    assert not result.differences(expected)
     # resumed requests reloaded their own chunks instead of recomputing them
     assert result.counters["loaded_chunks"] > before["loaded_chunks"]
 
@@ -179,7 +185,7 @@ def test_agent_killed_between_requests(setup: Setup) -> None:
     setup.agent.kill()
     started = time.perf_counter()
     down = setup.b.generate([warm, cold])
-    assert down.tokens == expected.tokens  # recomputed, nothing failed
+    assert not down.differences(expected)  # recomputed, nothing failed
     assert down.cached == [0, 0]
     assert down.counters["agent_failures"] > failures
     assert time.perf_counter() - started < 10  # short timeouts, then a pause
@@ -188,7 +194,7 @@ def test_agent_killed_between_requests(setup: Setup) -> None:
     for _ in range(10):  # the link retries after its pause (at most 0.5 s here)
         time.sleep(0.3)
         back = setup.b.generate([warm, cold])
-        assert back.tokens == expected.tokens
+        assert not back.differences(expected)
         if back.cached[0] and back.cached[1]:
             break
     else:
@@ -215,7 +221,7 @@ def test_chunks_only_in_l2_are_prefetched(setup: Setup) -> None:
 
     assert result.counters["prefetches"] == prefetches + 1
     assert result.cached == [3 * CHUNK]
-    assert result.tokens == expected.tokens
+    assert not result.differences(expected)
 
 
 def test_poisoned_cache_changes_the_output(setup: Setup) -> None:
@@ -235,6 +241,6 @@ def test_poisoned_cache_changes_the_output(setup: Setup) -> None:
     poisoned = setup.b.generate([victim], max_tokens=16)
 
     assert poisoned.cached == [3 * CHUNK]
-    assert poisoned.tokens != expected.tokens
+    assert poisoned.differences(expected)  # the comparison every other test relies on fails
     with AgentClient(setup.agent.zmq) as client:
         client.clear()  # leave no poison behind
