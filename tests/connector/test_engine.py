@@ -32,6 +32,7 @@ import torch
 
 from kvpool_agent import keys
 from kvpool_agent.client import AgentClient
+from kvpool_agent.connector import compat
 from kvpool_agent.segment import SharedSegment
 from tests.agent.agent_process import ADMIN_TOKEN, AgentProcess
 
@@ -244,3 +245,11 @@ def test_poisoned_cache_changes_the_output(setup: Setup) -> None:
     assert poisoned.differences(expected)  # the comparison every other test relies on fails
     with AgentClient(setup.agent.zmq) as client:
         client.clear()  # leave no poison behind
+
+
+def test_the_connector_names_the_vllm_it_runs_on(setup: Setup) -> None:
+    from vllm import __version__ as running
+
+    log = setup.b.log_text()
+    assert f"kvpool: connector on vLLM {running} (supported: {compat.supported_range()})" in log
+    assert "outside the versions this connector supports" not in log

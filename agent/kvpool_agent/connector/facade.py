@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import vllm
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -41,6 +42,7 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from kvpool_agent.client import AgentInfo
 from kvpool_agent.connector import discovery
+from kvpool_agent.connector.compat import check_vllm_version
 from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.link import AgentLink
 from kvpool_agent.connector.metadata import KvpoolHandshake, KvpoolMetadata, KvpoolWorkerMetadata
@@ -79,6 +81,7 @@ class KvpoolConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _log_with_vllm()
+        check_vllm_version(vllm.__version__)
         settings = ConnectorSettings.load(self._kv_transfer_config.kv_connector_extra_config)
         self._settings = settings
         self._counters = Counters()

