@@ -35,6 +35,7 @@ from kvpool_agent.http_common import (
     health_routes,
     on_invalid_request,
 )
+from kvpool_agent.l1 import TenantStats
 from kvpool_agent.quota_store import QuotaStoreError
 from kvpool_agent.service import CacheService, QuotaView
 
@@ -117,6 +118,25 @@ class Usage(BaseModel):
     misses: int = Field(description="Chunks the tenant looked up and did not find.")
     stored_chunks: int = Field(description="Chunks the tenant stored since start.")
     evicted_chunks: int = Field(description="The tenant's chunks evicted since start.")
+
+    @classmethod
+    def of(cls, stats: TenantStats) -> Self:
+        return cls(
+            tenant=stats.tenant,
+            used_bytes=stats.used_bytes,
+            chunks=stats.chunks,
+            quota_bytes=stats.quota_bytes,
+            hits=stats.hits,
+            misses=stats.misses,
+            stored_chunks=stats.stored_chunks,
+            evicted_chunks=stats.evicted_chunks,
+        )
+
+
+class TenantUsages(BaseModel):
+    """Every tenant the cache has an account for; counters run since the agent started."""
+
+    tenants: list[Usage] = Field(description="One entry per tenant, in no particular order.")
 
 
 class Cleared(BaseModel):
@@ -255,6 +275,14 @@ def _cache_routes(service: CacheService, guards: _Guards) -> APIRouter:
             tenant_count=len(stats.tenants),
         )
 
+    @router.get(
+        "/tenants",
+        tags=["tenants"],
+        summary="Every tenant's cache usage and counters since start (admin).",
+    )
+    def list_tenants(_: Admin) -> TenantUsages:
+        return TenantUsages(tenants=[Usage.of(stats) for stats in service.stats().tenants])
+
     @router.post("/clear", summary="Drop every cached chunk of every tenant (admin).")
     def clear_all(principal: Admin) -> Cleared:
         dropped = service.clear()
@@ -298,17 +326,7 @@ def _tenant_routes(service: CacheService, guards: _Guards) -> APIRouter:
 
     @router.get("/usage", summary="A tenant's cache usage and counters (admin or that tenant).")
     def get_usage(access: Tenant) -> Usage:
-        usage = service.usage(access.tenant)
-        return Usage(
-            tenant=usage.tenant,
-            used_bytes=usage.used_bytes,
-            chunks=usage.chunks,
-            quota_bytes=usage.quota_bytes,
-            hits=usage.hits,
-            misses=usage.misses,
-            stored_chunks=usage.stored_chunks,
-            evicted_chunks=usage.evicted_chunks,
-        )
+        return Usage.of(service.usage(access.tenant))
 
     @router.post("/clear", summary="Drop a tenant's cached chunks (admin or that tenant).")
     def clear_tenant(access: Tenant) -> Cleared:

@@ -142,6 +142,7 @@ ADMIN_ONLY = "admin only"
 OWN_TENANT = "admin or own tenant"
 ENDPOINTS = [
     ("GET", "/v1/status", None, ADMIN_ONLY),
+    ("GET", "/v1/tenants", None, ADMIN_ONLY),
     ("POST", "/v1/clear", None, ADMIN_ONLY),
     ("GET", f"/v1/tenants/{ALICE}/quota", None, OWN_TENANT),
     ("PUT", f"/v1/tenants/{ALICE}/quota", {"limit_bytes": 1 << 20}, OWN_TENANT),
@@ -265,6 +266,23 @@ def test_status(api: Api) -> None:
     assert 0 <= body["fragmentation"] <= 1
     assert body["free_extents"] >= 1
     assert body["tenant_count"] == 2
+
+
+def test_tenant_list(api: Api) -> None:
+    assert api.call("GET", "/v1/tenants", ADMIN_TOKEN).json() == {"tenants": []}
+    api.store(ALICE, range(3))
+    api.store(BOB, range(2), size=PAGE // 2)
+    with api.service.lock:
+        api.service.cache.lookup(ALICE, [key(f"{ALICE}-0"), key("absent")], lock=False)
+        api.service.cache.lookup(CAROL, [key("absent")], lock=False)
+    listed = api.call("GET", "/v1/tenants", ADMIN_TOKEN).json()["tenants"]
+    by_tenant = {usage["tenant"]: usage for usage in listed}
+    assert by_tenant.keys() == {ALICE, BOB, CAROL}
+    for tenant, usage in by_tenant.items():  # the same view as each tenant's own route
+        assert usage == api.call("GET", f"/v1/tenants/{tenant}/usage", ADMIN_TOKEN).json()
+    assert (by_tenant[ALICE]["hits"], by_tenant[ALICE]["misses"]) == (1, 1)
+    assert (by_tenant[BOB]["chunks"], by_tenant[BOB]["used_bytes"]) == (2, PAGE)
+    assert (by_tenant[CAROL]["hits"], by_tenant[CAROL]["misses"]) == (0, 1)
 
 
 def test_quota_round_trip_and_shrinking_evicts(api: Api) -> None:
@@ -410,6 +428,7 @@ def test_openapi_lists_every_endpoint(api: Api) -> None:
         "/healthz": {"get"},
         "/readyz": {"get"},
         "/v1/status": {"get"},
+        "/v1/tenants": {"get"},
         "/v1/clear": {"post"},
         f"{tenant}/quota": {"get", "put", "delete"},
         f"{tenant}/usage": {"get"},
