@@ -1,4 +1,5 @@
-"""``kvpool``: tools for operators and tenants (tenant ids, the prefix index, benchmarks)."""
+"""``kvpool``: tools for operators and tenants (tenant ids, the doctor, the prefix index,
+benchmarks)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from kvpool_agent.bench import l2 as bench_l2
 from kvpool_agent.bench import restart as bench_restart
 from kvpool_agent.bench import service as bench_service
 from kvpool_agent.bench import writeback as bench_writeback
+from kvpool_agent.doctor import command as doctor
 from kvpool_agent.keys import tenant_id
 
 
@@ -29,6 +31,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
     )
     tenant.add_argument("salt", nargs="?", help="the cache_salt; default: read standard input")
+
+    doctor.add_arguments(
+        commands.add_parser(
+            "doctor",
+            help="check a deployment end to end, as a vLLM pod sees it",
+            description=doctor.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
 
     commands.add_parser(
         "index",
@@ -66,6 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "tenant-id":
         salt = args.salt if args.salt is not None else sys.stdin.readline().rstrip("\n")
         print(tenant_id(salt))
+    elif args.command == "doctor":
+        return doctor.run(args)
     elif args.command == "index":
         # Imported here: the web stack is not needed by the other tools.
         from kvpool_agent.index import server as index_server

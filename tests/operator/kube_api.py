@@ -29,13 +29,16 @@ makes it behave like a real API server wherever kvpool depends on it:
   without one start with ADDED for every object; ``timeoutSeconds`` ends a watch.
 
 Not emulated: validation against OpenAPI schemas and CEL rules (``test_crd.py`` and
-``test_render.py`` check those offline), defaulting, admission, authentication, RBAC,
-controllers (a test writes a DaemonSet's status as its controller would), protobuf
-bodies (kubectl sends JSON for custom resources and for ``apply``).
+``test_render.py`` check those offline), defaulting, admission, authentication, RBAC
+(every bearer token may do everything, unless a test denies it a verb: see
+:meth:`ServedApi.deny`), controllers (a test writes a DaemonSet's status as its
+controller would), protobuf bodies (kubectl sends JSON for custom resources and for
+``apply``).
 
 :class:`ServedApi` runs it on a loopback port in a thread of its own, writes a kubeconfig
-for it, can refuse chosen writes (:meth:`ServedApi.refuse`), and offers a TCP proxy in
-front of it that a test can cut to make the API server unreachable.
+for it, can refuse chosen writes (:meth:`ServedApi.refuse`) and deny a token a verb as
+RBAC does without the grant (:meth:`ServedApi.deny`), and offers a TCP proxy in front of
+it that a test can cut to make the API server unreachable.
 """
 
 from __future__ import annotations
@@ -90,17 +93,68 @@ class Fault:
     message: str
 
 
+@dataclass(frozen=True)
+class Denial:
+    """The requests bearing ``token`` may not ``verb`` ``plural``: RBAC without that grant."""
+
+    token: str
+    user: str
+    """Who the token authenticates as, e.g. ``system:serviceaccount:<namespace>:<name>``."""
+    verb: str
+    plural: str
+
+    def refusal(self, request: rendering.Request) -> kmock.KubernetesError:
+        """The API server's 403, worded as Kubernetes words it."""
+        resource = request.resource
+        assert resource is not None
+        subject = f'{self.plural} "{request.name}"' if request.name else self.plural
+        scope = f' in the namespace "{request.namespace}"' if request.namespace else ""
+        message = (
+            f'{subject} is forbidden: User "{self.user}" cannot {self.verb} resource '
+            f'"{self.plural}" in API group "{resource.group}"{scope}'
+        )
+        details = {"name": request.name, "kind": self.plural}
+        return kmock.KubernetesError(
+            status=403, reason="Forbidden", message=message, details=details
+        )
+
+
+_VERBS = {
+    enums.action.FETCH: "get",
+    enums.action.LIST: "list",
+    enums.action.WATCH: "watch",
+    enums.action.CREATE: "create",
+    enums.action.DELETE: "delete",
+}
+
+
+def _verb(request: rendering.Request) -> str:
+    """The RBAC verb of a request (an update is ``patch`` or ``update`` by its method)."""
+    if request.action == enums.action.UPDATE:
+        return "patch" if request.method == "PATCH" else "update"
+    return _VERBS[request.action] if request.action is not None else ""
+
+
 @attrs.define(kw_only=True)
 class ApiServer(kmock.KubernetesEmulator):
     _version: int = attrs.field(default=0, init=False)
     _log: list[tuple[kmock.resource, Obj]] = attrs.field(factory=list, init=False)
     _applied: dict[tuple[Key, str], Obj] = attrs.field(factory=dict, init=False)
     faults: list[Fault] = attrs.field(factory=list, init=False)
+    denials: list[Denial] = attrs.field(factory=list, init=False)
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         resource = request.resource
         if resource is None or resource.plural is None:
             return await super()._handle(request)
+        token = _header(request, "Authorization").removeprefix("Bearer ")
+        for denial in self.denials:
+            if (denial.token, denial.verb, denial.plural) == (
+                token,
+                _verb(request),
+                resource.plural,
+            ):
+                raise denial.refusal(request)
         for fault in self.faults:
             if request.method == fault.method and resource.plural == fault.plural:
                 raise kmock.KubernetesError(
@@ -545,6 +599,17 @@ class ServedApi:
             yield
         finally:
             self.api.faults.remove(fault)
+
+    @contextlib.contextmanager
+    def deny(self, token: str, user: str, verb: str, plural: str) -> Iterator[None]:
+        """Answer 403 Forbidden to ``token``'s ``verb`` on ``plural``, as RBAC does for a
+        ``user`` without that grant (every other token and verb is still allowed)."""
+        denial = Denial(token, user, verb, plural)
+        self.api.denials.append(denial)
+        try:
+            yield
+        finally:
+            self.api.denials.remove(denial)
 
     def proxy(self) -> Proxy:
         host, port = self.url.removeprefix("http://").rsplit(":", 1)

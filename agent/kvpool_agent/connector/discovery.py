@@ -8,6 +8,7 @@ needs; the connector reaches the node-local agent through that Service
     kvpool.io/segment-path      /dev/shm/kvpool-<pool>
     kvpool.io/chunk-tokens      256
     kvpool.io/protocol-version  1
+    kvpool.io/http-port         7401   (the agent's HTTP API, for tools such as kvpool doctor)
 
 The Kubernetes client is imported only for a pool name, and reads with the pod's
 service account (it needs ``get`` on that Service).
@@ -28,6 +29,7 @@ ANNOTATION_ZMQ_PORT = "kvpool.io/zmq-port"
 ANNOTATION_SEGMENT_PATH = "kvpool.io/segment-path"
 ANNOTATION_CHUNK_TOKENS = "kvpool.io/chunk-tokens"
 ANNOTATION_PROTOCOL_VERSION = "kvpool.io/protocol-version"
+ANNOTATION_HTTP_PORT = "kvpool.io/http-port"
 NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 K8S_TIMEOUT_S = 5.0
 
@@ -37,6 +39,10 @@ ServiceReader = Callable[[str, str], Mapping[str, str]]
 
 class DiscoveryError(RuntimeError):
     """The pool's Service cannot be read or does not describe a usable agent."""
+
+
+class ProtocolMismatch(DiscoveryError):
+    """The pool's Service advertises a protocol version this client does not speak."""
 
 
 @dataclass(frozen=True)
@@ -72,16 +78,16 @@ def resolve(
         raise DiscoveryError(f"cannot read Service {namespace}/{name}: {error}") from error
     version = annotations.get(ANNOTATION_PROTOCOL_VERSION)
     if version is not None and version != str(PROTOCOL_VERSION):
-        raise DiscoveryError(
+        raise ProtocolMismatch(
             f"Service {namespace}/{name} speaks protocol {version}; "
             f"this connector speaks {PROTOCOL_VERSION}"
         )
-    port = _int_annotation(annotations, ANNOTATION_ZMQ_PORT, name)
+    port = int_annotation(annotations, ANNOTATION_ZMQ_PORT, name)
     if port is None:
         raise DiscoveryError(f"Service {namespace}/{name} has no {ANNOTATION_ZMQ_PORT} annotation")
     advertised_path = annotations.get(ANNOTATION_SEGMENT_PATH)
     segment = settings.segment_path or (Path(advertised_path) if advertised_path else None)
-    chunk_tokens = settings.chunk_tokens or _int_annotation(
+    chunk_tokens = settings.chunk_tokens or int_annotation(
         annotations, ANNOTATION_CHUNK_TOKENS, name
     )
     return AgentAddress(f"tcp://{name}.{namespace}.svc:{port}", segment, chunk_tokens)
@@ -97,6 +103,11 @@ def read_service_annotations(name: str, namespace: str) -> Mapping[str, str]:
     service = k8s_client.CoreV1Api().read_namespaced_service(
         name, namespace, _request_timeout=K8S_TIMEOUT_S
     )
+    return service_annotations(service)
+
+
+def service_annotations(service: Any) -> dict[str, str]:
+    """The annotations of a Service read with the Kubernetes client (a ``V1Service``)."""
     annotations = service.metadata.annotations if service.metadata is not None else None
     return {str(key): str(value) for key, value in (annotations or {}).items()}
 
@@ -111,7 +122,8 @@ def _own_namespace(namespace_file: Path) -> str:
         ) from error
 
 
-def _int_annotation(annotations: Mapping[str, str], key: str, service: str) -> int | None:
+def int_annotation(annotations: Mapping[str, str], key: str, service: str) -> int | None:
+    """A positive integer annotation; None if absent, DiscoveryError if malformed."""
     raw = annotations.get(key)
     if raw is None:
         return None

@@ -1,0 +1,144 @@
+"""The canary check: a chunk goes through the agent both ways, as the connector moves KV.
+
+1. Clear the canary tenant (what a run that died half-way left behind).
+2. Agent to pod: the agent stores a chunk itself (``store_inline``); this pod looks it
+   up (read-locked), copies it out of *its* mapping of the segment and releases it. Other
+   bytes mean this pod maps another file than the agent, and nothing is ever written
+   into that file (it may be another pool's segment).
+3. Pod to agent, the connector's store and load: ``prepare_store``, copy into the mapped
+   segment, ``commit_store``; a locked ``lookup``, copy out, ``release``; and the agent's
+   own view of the same chunk (``retrieve_inline``). Every copy must be the bytes stored.
+4. Clear the canary tenant, and look again: nothing is left in L1.
+
+The chunks are random bytes under a reserved tenant id, :data:`CANARY_TENANT`. The
+agent takes only well-formed ids (32 hex characters), so the id is one: a SHA-256
+digest in a domain of its own (``kvpool-doctor-canary-v1``), where a tenant's id is a
+digest in the ``kvpool-tenant-v1`` domain. A salt whose id were the canary's would be a
+128-bit preimage of SHA-256. Lookups do not count (``count=False``); the agent's inline
+read counts one hit for the canary tenant, which the hit-rate check leaves out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+from kvpool_agent.client import AgentClient, AgentError, AgentUnavailable, copy_in, copy_out
+from kvpool_agent.doctor.report import Check, failed, passed, size
+from kvpool_agent.keys import TENANT_ID_CHARS
+from kvpool_agent.segment import SharedSegment
+
+NAME = "canary"
+CANARY_TENANT = hashlib.sha256(b"kvpool-doctor-canary-v1").hexdigest()[:TENANT_ID_CHARS]
+CANARY_BYTES = 4096
+_AGENT_KEY = hashlib.sha256(b"kvpool-doctor-canary-v1\0agent-to-pod").digest()
+_POD_KEY = hashlib.sha256(b"kvpool-doctor-canary-v1\0pod-to-agent").digest()
+
+Failure = tuple[str, str]
+"""What was seen, and the fix."""
+
+_OTHER_FILE = (
+    "this pod must map the agent's segment: mount the node's /dev/shm at the path the "
+    "agent uses, and drop a segment_path / KVPOOL_SEGMENT_PATH / --segment-path that "
+    "names another file"
+)
+_AGENT_FAILED = "the agent's log says why (kubectl logs, or the kvpool-agent process's stderr)"
+
+
+def check_canary(client: AgentClient, segment: SharedSegment) -> Check:
+    failure: Failure | None
+    try:
+        client.clear(CANARY_TENANT)
+        failure = _agent_to_pod(client, segment) or _pod_to_agent(client, segment)
+    except (AgentError, AgentUnavailable) as error:
+        failure = (f"the agent failed the canary: {error}", _AGENT_FAILED)
+    left = _clear(client)
+    if failure is not None:
+        seen, fix = failure
+        return failed(NAME, seen if left is None else f"{seen}; {left}", fix)
+    if left is not None:
+        return failed(NAME, left, _AGENT_FAILED)
+    return passed(
+        NAME,
+        f"{size(CANARY_BYTES)} chunks under the reserved tenant {CANARY_TENANT}: stored by "
+        f"the agent and read here, stored here and read by the agent, loaded back through "
+        f"{segment.path}; identical bytes; cleared, nothing left",
+    )
+
+
+def _agent_to_pod(client: AgentClient, segment: SharedSegment) -> Failure | None:
+    payload = os.urandom(CANARY_BYTES)
+    stored = client.store_inline(CANARY_TENANT, [_AGENT_KEY], [payload])
+    if stored.stored != 1:
+        return _refused(stored.refused)
+    hit = client.lookup(CANARY_TENANT, [_AGENT_KEY], count=False)
+    if hit.lease is None:
+        return ("the agent stored the canary, then its lookup missed it", _AGENT_FAILED)
+    try:
+        (seen,) = copy_out(segment, hit)
+    finally:
+        client.release(hit.lease)
+    if seen != payload:
+        assert client.info is not None
+        return (
+            f"canary mismatch: the agent wrote the canary at offset {hit.offsets[0]} of its "
+            f"segment {client.info.segment_path}; this pod's {segment.path} holds other bytes "
+            "there: they are different files",
+            _OTHER_FILE,
+        )
+    return None
+
+
+def _pod_to_agent(client: AgentClient, segment: SharedSegment) -> Failure | None:
+    payload = os.urandom(CANARY_BYTES)
+    plan = client.prepare_store(CANARY_TENANT, [_POD_KEY], [len(payload)])
+    if plan.lease is None:
+        return _refused(plan.refused)
+    if plan.offsets[0] < 0:
+        return ("the canary was cached already: is another kvpool doctor running?", _RERUN)
+    copy_in(segment, plan.offsets, [payload])
+    if client.commit_store(plan.lease) != 1:
+        return ("the agent did not commit the canary this pod stored", _AGENT_FAILED)
+    hit = client.lookup(CANARY_TENANT, [_POD_KEY], count=False)
+    if hit.lease is None:
+        return ("the agent committed the canary, then its lookup missed it", _AGENT_FAILED)
+    try:
+        (loaded,) = copy_out(segment, hit)
+    finally:
+        client.release(hit.lease)
+    agent_view = client.retrieve_inline(CANARY_TENANT, [_POD_KEY])
+    if loaded != payload or agent_view != [payload]:
+        return (
+            f"canary mismatch: this pod stored the canary at offset {plan.offsets[0]}; it "
+            f"loaded {'the same' if loaded == payload else 'other'} bytes back, the agent "
+            f"read {'the same' if agent_view == [payload] else 'other'} bytes",
+            _OTHER_FILE,
+        )
+    return None
+
+
+_RERUN = "run it again once the other run has finished"
+
+
+def _refused(reason: str | None) -> Failure:
+    return (
+        f"the agent refused a {size(CANARY_BYTES)} canary: {reason}",
+        "a tenant without a quota of its own gets the pool's default tenant quota "
+        "(spec.tenants.defaultQuota; 0 caches nothing), and a full L1 of locked chunks "
+        "refuses stores (GET /v1/status: open_leases)",
+    )
+
+
+def _clear(client: AgentClient) -> str | None:
+    """Clear the canary tenant; what went wrong, if anything did."""
+    try:
+        client.clear(CANARY_TENANT)
+        left = sum(
+            client.lookup(CANARY_TENANT, [key], lock=False, count=False).count
+            for key in (_AGENT_KEY, _POD_KEY)
+        )
+    except (AgentError, AgentUnavailable) as error:
+        return f"the canary tenant {CANARY_TENANT} could not be cleared: {error}"
+    if left:
+        return f"the canary tenant {CANARY_TENANT} still holds {left} chunks after clear"
+    return None

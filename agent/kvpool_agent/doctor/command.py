@@ -1,0 +1,94 @@
+"""``kvpool doctor``: check a deployment end to end, as a vLLM pod's connector sees it.
+
+Prints one line per check, ``PASS|FAIL|SKIP  <check>  <what was seen>``, and under a
+FAIL the fix; exits 1 if any check failed, else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvpool_agent.connector.settings import ConnectorSettings
+from kvpool_agent.doctor.fingerprint import EngineModel
+from kvpool_agent.doctor.report import Check, exit_code
+from kvpool_agent.doctor.run import Options, diagnose
+
+ADMIN_TOKEN_ENV = "KVPOOL_ADMIN_TOKEN"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument(
+        "--endpoint", help="the agent's ZMQ address, tcp://HOST:PORT (no Kubernetes)"
+    )
+    target.add_argument(
+        "--pool", help="the KVCachePool: check through its Service, as the connector"
+    )
+    parser.add_argument("--namespace", help="the pool's namespace; default: this pod's")
+    parser.add_argument(
+        "--segment-path",
+        type=Path,
+        help="where this pod sees the segment, if not where the Service says",
+    )
+    parser.add_argument("--http", help="the agent's HTTP API with --endpoint, http://HOST:PORT")
+    parser.add_argument("--block-size", type=int, help="vLLM's block size (tokens)")
+    parser.add_argument(
+        "--model", help="the model in the key fingerprint, as the connector logs it"
+    )
+    parser.add_argument("--dtype", help="the KV cache dtype, as the connector logs it")
+    parser.add_argument("--kv-layout", help="the KV layout, as the connector logs it")
+    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size (default 1)")
+    parser.add_argument(
+        "--admin-token-file",
+        type=Path,
+        help=f"a file holding an admin token of the pool (or set {ADMIN_TOKEN_ENV})",
+    )
+    parser.add_argument(
+        "--min-lookups",
+        type=int,
+        default=100,
+        help="chunk lookups without a hit that flag a tenant (default 100)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=3.0, help="seconds per request (default 3)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    extra_config: dict[str, Any] = (
+        {"endpoint": args.endpoint}
+        if args.endpoint is not None
+        else {"pool": args.pool, "namespace": args.namespace}
+    )
+    if args.segment_path is not None:
+        extra_config["segment_path"] = args.segment_path
+    try:
+        settings = ConnectorSettings.load(extra_config)
+        admin_token = _admin_token(args.admin_token_file)
+    except (ValueError, OSError) as error:
+        print(f"kvpool doctor: {error}", file=sys.stderr)
+        return 2
+    options = Options(
+        settings=settings,
+        http_url=args.http,
+        admin_token=admin_token,
+        block_size=args.block_size,
+        engine=EngineModel(args.model, args.dtype, args.kv_layout, args.tp_size),
+        min_lookups=args.min_lookups,
+        timeout=args.timeout,
+    )
+    checks: list[Check] = []
+    for check in diagnose(options):
+        checks.append(check)
+        print("\n".join(check.lines()), flush=True)
+    return exit_code(checks)
+
+
+def _admin_token(path: Path | None) -> str | None:
+    if path is not None:
+        return path.read_text().strip()
+    return os.environ.get(ADMIN_TOKEN_ENV) or None

@@ -1,0 +1,86 @@
+"""The checks in order, each skipped with the reason when one it depends on failed.
+
+service -> protocol -> annotations -> agent -> segment -> canary
+                                      agent -> shm
+annotations -> chunk-size, fingerprint, hit-rate
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvpool_agent.client import AgentClient
+from kvpool_agent.connector.discovery import AgentAddress
+from kvpool_agent.connector.settings import ConnectorSettings
+from kvpool_agent.doctor import agent, canary, chunk_size, fingerprint, hit_rate, shared_memory
+from kvpool_agent.doctor.address import locate
+from kvpool_agent.doctor.report import Check, skipped, skipped_all
+
+
+@dataclass(frozen=True)
+class Options:
+    settings: ConnectorSettings
+    """What the connector would be configured with (its extra config and KVPOOL_* overrides)."""
+    http_url: str | None
+    """The agent's HTTP API, when not found through the pool's Service."""
+    admin_token: str | None
+    block_size: int | None
+    engine: fingerprint.EngineModel
+    min_lookups: int
+    timeout: float
+
+
+AFTER_LOCATE = (
+    agent.NAME,
+    shared_memory.SEGMENT,
+    shared_memory.SHM,
+    canary.NAME,
+    chunk_size.NAME,
+    fingerprint.NAME,
+    hit_rate.NAME,
+)
+
+
+def diagnose(options: Options) -> Iterator[Check]:
+    """Run every check, yielding each result as it is known."""
+    checks, located = locate(options.settings, options.http_url)
+    yield from checks
+    if located is None:
+        yield from skipped_all(AFTER_LOCATE, "needs the agent's address (discovery failed)")
+        return
+    address = located.address
+    check, client = agent.reach(address.endpoint, options.timeout, located.pool)
+    yield check
+    if client is None:
+        yield from skipped_all(
+            (shared_memory.SEGMENT, shared_memory.SHM, canary.NAME),
+            "needs an agent that answers",
+        )
+    else:
+        try:
+            yield from _through_the_segment(client, address)
+        finally:
+            client.close()
+    yield chunk_size.check_chunk_size(address.chunk_tokens, options.block_size)
+    yield fingerprint.check_fingerprint(
+        options.engine, address.chunk_tokens, located.kube, located.pool, located.namespace
+    )
+    yield hit_rate.check_hit_rate(
+        located.http_url, options.admin_token, options.min_lookups, options.timeout
+    )
+
+
+def _through_the_segment(client: AgentClient, address: AgentAddress) -> Iterator[Check]:
+    assert client.info is not None
+    path = shared_memory.segment_path(address, client.info)
+    check, mapped = shared_memory.check_segment(path, client.info)
+    yield check
+    yield shared_memory.check_shm(path, client.info)
+    if mapped is None:
+        yield skipped(canary.NAME, "needs the segment mapped")
+        return
+    try:
+        yield canary.check_canary(client, mapped)
+    finally:
+        mapped.close()

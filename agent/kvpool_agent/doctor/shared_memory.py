@@ -1,0 +1,99 @@
+"""The segment and shm checks: this pod maps the agent's segment, on a big enough /dev/shm.
+
+The connector maps the path its settings or the Service name, else the one the agent's
+hello names. That file must exist here, be the agent's (its size), and be mappable
+read-write by this uid; the file system that holds it must hold the whole segment
+(``l1.size`` and the header).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from kvpool_agent.client import AgentInfo
+from kvpool_agent.connector.discovery import AgentAddress
+from kvpool_agent.doctor.report import Check, failed, passed, size
+from kvpool_agent.segment import SegmentError, SharedSegment
+
+SEGMENT, SHM = "segment", "shm"
+
+_MOUNT_THE_NODES_SHM = (
+    "mount the node's /dev/shm into the vLLM pod (volumes: [{name: kvpool-shm, hostPath: "
+    "{path: /dev/shm, type: Directory}}], volumeMounts: [{name: kvpool-shm, mountPath: "
+    "/dev/shm}]), and set no segment_path / KVPOOL_SEGMENT_PATH unless it is mounted elsewhere"
+)
+
+
+def segment_path(address: AgentAddress, info: AgentInfo) -> Path:
+    """The file the connector maps: its settings' or the Service's path, else the agent's."""
+    return address.segment_path or info.segment_path
+
+
+def check_segment(path: Path, info: AgentInfo) -> tuple[Check, SharedSegment | None]:
+    """Map ``path`` as the connector does; the mapping if it is the agent's segment."""
+    expected = info.data_offset + info.data_size
+    try:
+        found = path.stat()
+    except OSError as error:
+        return failed(SEGMENT, f"{path}: {error.strerror} in this pod", _MOUNT_THE_NODES_SHM), None
+    if not stat.S_ISREG(found.st_mode):
+        return failed(
+            SEGMENT,
+            f"{path} is not a file (mode {stat.filemode(found.st_mode)})",
+            _MOUNT_THE_NODES_SHM,
+        ), None
+    if found.st_size != expected:
+        return failed(
+            SEGMENT,
+            f"{path} has {found.st_size} bytes; the agent's segment ({info.segment_path}) has "
+            f"{expected}: this pod sees another file",
+            _MOUNT_THE_NODES_SHM,
+        ), None
+    uid = os.geteuid()
+    try:
+        mapped = SharedSegment.attach(path, populate=True)
+    except SegmentError as error:
+        return failed(
+            SEGMENT,
+            f"uid {uid} cannot map {path} read-write: {error} (owner uid {found.st_uid}, "
+            f"gid {found.st_gid}, mode {stat.filemode(found.st_mode)})",
+            f"run vLLM as uid {found.st_uid} (securityContext.runAsUser), or in group "
+            f"{found.st_gid} (runAsGroup or supplementalGroups) with the file group-writable",
+        ), None
+    if (mapped.layout.data_offset, mapped.layout.data_size) != (info.data_offset, info.data_size):
+        mapped.close()
+        return failed(
+            SEGMENT,
+            f"{path} holds a segment of another layout than the agent's "
+            f"({mapped.layout.data_size} data bytes at {mapped.layout.data_offset}, the agent "
+            f"{info.data_size} at {info.data_offset}): this pod sees another file",
+            _MOUNT_THE_NODES_SHM,
+        ), None
+    return passed(
+        SEGMENT, f"{path}: {size(expected)}, the agent's size, mapped read-write as uid {uid}"
+    ), mapped
+
+
+def check_shm(path: Path, info: AgentInfo) -> Check:
+    """The file system holding ``path`` has room for the whole segment."""
+    directory = path.parent
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    found = os.statvfs(directory)
+    total, free = found.f_blocks * found.f_frsize, found.f_bavail * found.f_frsize
+    needed = info.data_offset + info.data_size
+    seen = (
+        f"{directory}: {size(total)} in all, {size(free)} free; the segment takes {size(needed)} "
+        f"(l1.size {size(info.data_size)} and its header)"
+    )
+    if total < needed:
+        return failed(
+            SHM,
+            seen,
+            f"{directory} here is not the node's /dev/shm (a pod's own is small): "
+            f"{_MOUNT_THE_NODES_SHM}; else grow the node's /dev/shm or lower the pool's "
+            "spec.l1.size",
+        )
+    return passed(SHM, seen)

@@ -1,0 +1,125 @@
+"""``kvpool doctor`` run as a process against a real agent and the emulated API server."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client, config
+
+from kvpool_agent.doctor.report import NAME_WIDTH
+from tests.agent.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.operator.conftest import served_api  # noqa: F401 (the API server fixture)
+from tests.operator.kube_api import ServedApi
+
+BIN = Path(sys.executable).parent
+CHECK_NAMES = (
+    "service",
+    "protocol",
+    "annotations",
+    "agent",
+    "segment",
+    "shm",
+    "canary",
+    "chunk-size",
+    "fingerprint",
+    "hit-rate",
+)
+
+
+@dataclass(frozen=True)
+class Line:
+    outcome: str
+    seen: str
+    fix: str | None
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    returncode: int
+    output: str
+    checks: dict[str, Line]
+
+    def outcomes(self) -> dict[str, str]:
+        return {name: line.outcome for name, line in self.checks.items()}
+
+
+def parse(output: str) -> dict[str, Line]:
+    """The printed checks, by name: ``OUTCOME  name  seen``, then an indented ``fix:``."""
+    checks: dict[str, Line] = {}
+    fix_column = 4 + 2 + NAME_WIDTH + 2
+    for line in output.splitlines():
+        if line.startswith(" " * fix_column + "fix: "):
+            name = list(checks)[-1]
+            checks[name] = Line(checks[name].outcome, checks[name].seen, line[fix_column + 5 :])
+            continue
+        outcome, name, seen = line[:4], line[6 : 6 + NAME_WIDTH].strip(), line[fix_column:]
+        assert outcome in ("PASS", "FAIL", "SKIP"), line
+        checks[name] = Line(outcome, seen, None)
+    assert tuple(checks) == CHECK_NAMES, output
+    return checks
+
+
+def run_doctor(*args: str, env: dict[str, str] | None = None, as_a_pod: bool = False) -> Diagnosis:
+    """``kvpool doctor ARGS`` in a process of its own.
+
+    ``as_a_pod``: the way a vLLM container runs, without the capabilities that let root
+    ignore file modes (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH), so that a file's owner and
+    mode apply to it as to any uid. Needs setpriv (util-linux) when run as root.
+    """
+    command = [str(BIN / "kvpool"), "doctor", *args]
+    if as_a_pod and os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("setpriv (util-linux) is needed to drop root's file capabilities")
+        drop = "-dac_override,-dac_read_search"
+        command = [setpriv, f"--bounding-set={drop}", "--inh-caps=-all", *command]
+    result = subprocess.run(
+        command,
+        env={**clean_env(), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode in (0, 1), result.stderr
+    return Diagnosis(result.returncode, result.stdout, parse(result.stdout))
+
+
+def clean_env() -> dict[str, str]:
+    """This environment without a cluster's or kvpool's settings."""
+    return {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("KVPOOL_", "KUBERNETES_")) and key != "KUBECONFIG"
+    }
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[AgentProcess]:
+    """A real agent with an admin token (ADMIN_TOKEN)."""
+    process = AgentProcess(tmp_path)
+    process.start()
+    yield process
+    process.cleanup()
+
+
+def agent_args(agent: AgentProcess) -> list[str]:
+    """The doctor's arguments for ``agent`` without Kubernetes, with its HTTP API."""
+    return ["--endpoint", agent.zmq, "--http", agent.http]
+
+
+ADMIN_ENV = {"KVPOOL_ADMIN_TOKEN": ADMIN_TOKEN}
+
+
+def core_api(api: ServedApi) -> Any:
+    configuration = client.Configuration()
+    config.load_kube_config(str(api.kubeconfig()), client_configuration=configuration)
+    return client.CoreV1Api(client.ApiClient(configuration))

@@ -1,0 +1,217 @@
+"""``kvpool doctor --endpoint``: every agent-side check against a real agent process, and
+each failure it names (wrong port, unreadable segment, another file mapped, a protocol the
+agent refuses, a tenant that never hits)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvpool_agent import cli, protocol
+from kvpool_agent.client import AgentClient
+from kvpool_agent.doctor.canary import CANARY_TENANT
+from kvpool_agent.keys import tenant_id
+from tests.agent.agent_process import ADMIN_TOKEN, AgentProcess
+
+from .conftest import ADMIN_ENV, agent_args, parse, run_doctor
+
+TENANT = tenant_id("team-a-cache-salt")
+AGENT_SIDE = ("agent", "segment", "shm", "canary")
+
+
+def keys(name: str, count: int) -> list[bytes]:
+    return [hashlib.sha256(f"{name}-{index}".encode()).digest() for index in range(count)]
+
+
+def usage(agent: AgentProcess) -> dict[str, dict[str, int]]:
+    response = httpx.get(
+        f"{agent.http}/v1/tenants", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    )
+    response.raise_for_status()
+    return {entry["tenant"]: entry for entry in response.json()["tenants"]}
+
+
+def test_a_healthy_agent_passes_and_the_canary_leaves_nothing(agent: AgentProcess) -> None:
+    with AgentClient(agent.zmq) as tenant:  # a tenant that stores and hits
+        tenant.store(TENANT, keys("a", 3), [b"x" * 4096] * 3)
+        assert len(tenant.retrieve(TENANT, keys("a", 3))) == 3
+    before = usage(agent)[TENANT]
+
+    diagnosis = run_doctor(
+        *agent_args(agent), "--block-size", "128", env={**ADMIN_ENV, "KVPOOL_CHUNK_TOKENS": "256"}
+    )
+
+    assert diagnosis.returncode == 0, diagnosis.output
+    assert diagnosis.outcomes() == {
+        "service": "SKIP",
+        "protocol": "SKIP",
+        "annotations": "SKIP",
+        "agent": "PASS",
+        "segment": "PASS",
+        "shm": "PASS",
+        "canary": "PASS",
+        "chunk-size": "PASS",
+        "fingerprint": "SKIP",  # no pool, no index
+        "hit-rate": "PASS",
+    }, diagnosis.output
+    checks = diagnosis.checks
+    assert f"segment {agent.segment_path}" in checks["agent"].seen
+    assert f"{agent.segment_path}: 64.2 MiB, the agent's size" in checks["segment"].seen
+    assert "the segment takes 64.2 MiB (l1.size 64.0 MiB" in checks["shm"].seen
+    assert "identical bytes; cleared, nothing left" in checks["canary"].seen
+    assert checks["chunk-size"].seen == "256-token chunks: 2 blocks of 128"
+    assert checks["hit-rate"].seen.startswith("counted since the agent started: ")
+    assert f"tenant {TENANT}: 3 of 3 chunk lookups hit (100%)" in checks["hit-rate"].seen
+    assert CANARY_TENANT not in checks["hit-rate"].seen
+
+    after = usage(agent)
+    assert after[TENANT] == before  # the doctor changed nothing of a tenant's
+    assert (after[CANARY_TENANT]["chunks"], after[CANARY_TENANT]["used_bytes"]) == (0, 0)
+    status = httpx.get(
+        f"{agent.http}/v1/status", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    ).json()
+    assert (status["chunks"], status["open_leases"]) == (3, 0)
+
+
+def test_a_second_run_passes_too(agent: AgentProcess) -> None:
+    """The canary starts from a clean tenant and cleans up: runs do not disturb each other."""
+    for _ in range(2):
+        diagnosis = run_doctor(*agent_args(agent), env=ADMIN_ENV)
+        assert diagnosis.checks["canary"].outcome == "PASS", diagnosis.output
+
+
+@pytest.mark.parametrize("port", ["closed", "http"])
+def test_wrong_port(agent: AgentProcess, port: str) -> None:
+    if port == "http":  # the agent's HTTP port: something listens, not the kvpool protocol
+        endpoint = agent.zmq.rsplit(":", 1)[0] + ":" + agent.http.rsplit(":", 1)[1]
+        cause = "accepts connections but does not speak the kvpool protocol"
+    else:
+        endpoint, cause = "tcp://127.0.0.1:9", "nothing listens on 127.0.0.1:9 (connection refused)"
+
+    diagnosis = run_doctor("--endpoint", endpoint, "--timeout", "1")
+
+    assert diagnosis.returncode == 1
+    failure = diagnosis.checks["agent"]
+    assert failure.outcome == "FAIL"
+    assert failure.seen.startswith(f"no answer from {endpoint} in 1 s: ")
+    assert cause in failure.seen
+    assert failure.fix is not None and "agent ready ... zmq=tcp://HOST:PORT" in failure.fix
+    for name in ("segment", "shm", "canary"):
+        assert diagnosis.checks[name].outcome == "SKIP"
+        assert diagnosis.checks[name].seen == "needs an agent that answers"
+
+
+@pytest.mark.parametrize("how", ["another owner", "a directory", "a file of another size"])
+def test_unreadable_segment(agent: AgentProcess, tmp_path: Path, how: str) -> None:
+    """The connector's mapping fails: the doctor says why, and never runs the canary."""
+    arguments = agent_args(agent)
+    segment = agent.segment_path
+    if how == "another owner":
+        # The image's agent runs as uid 10001 and its segment is rw for owner and group; a
+        # vLLM container of another uid cannot open it read-write. (Not as root here: the
+        # doctor runs without root's file capabilities.)
+        if os.geteuid() == 0:
+            os.chown(segment, 10001, 10001)
+        segment.chmod(0o600 if os.geteuid() == 0 else 0)
+        expected = f"uid {os.geteuid()} cannot map {segment} read-write: "
+        expected += f"cannot open segment {segment}: Permission denied"
+    elif how == "a directory":
+        segment = tmp_path / "shm"
+        segment.mkdir()
+        arguments += ["--segment-path", str(segment)]
+        expected = f"{segment} is not a file (mode d"
+    else:
+        segment = Path("/dev/shm") / f"kvpool-doctor-short-{os.getpid()}"
+        segment.write_bytes(b"\0" * 4096)
+        arguments += ["--segment-path", str(segment)]
+        expected = f"{segment} has 4096 bytes; the agent's segment ({agent.segment_path}) has "
+    try:
+        diagnosis = run_doctor(*arguments, as_a_pod=True)
+    finally:
+        if how == "a file of another size":
+            segment.unlink()
+
+    assert diagnosis.returncode == 1
+    failure = diagnosis.checks["segment"]
+    assert failure.outcome == "FAIL", diagnosis.output
+    assert failure.seen.startswith(expected), failure.seen
+    assert failure.fix is not None
+    if how == "another owner":
+        owner = segment.stat().st_uid
+        assert failure.fix.startswith(f"run vLLM as uid {owner} (securityContext.runAsUser)")
+    else:
+        assert "mount the node's /dev/shm into the vLLM pod" in failure.fix
+    assert diagnosis.checks["canary"].seen == "needs the segment mapped"
+    assert diagnosis.checks["agent"].outcome == "PASS"
+
+
+def test_canary_mismatch_when_the_pod_maps_another_file(agent: AgentProcess) -> None:
+    """A copy of the agent's segment passes every file check; only the canary tells."""
+    copy = Path("/dev/shm") / f"kvpool-doctor-copy-{os.getpid()}"
+    shutil.copyfile(agent.segment_path, copy)
+    original = hashlib.sha256(copy.read_bytes()).digest()
+    try:
+        diagnosis = run_doctor(*agent_args(agent), "--segment-path", str(copy), env=ADMIN_ENV)
+        assert hashlib.sha256(copy.read_bytes()).digest() == original  # never written
+    finally:
+        copy.unlink()
+
+    assert diagnosis.returncode == 1
+    assert diagnosis.checks["segment"].outcome == "PASS"
+    failure = diagnosis.checks["canary"]
+    assert failure.outcome == "FAIL"
+    assert failure.seen.startswith("canary mismatch: the agent wrote the canary at offset ")
+    assert f"of its segment {agent.segment_path}; this pod's {copy} holds other" in failure.seen
+    assert failure.fix is not None and "--segment-path" in failure.fix
+    assert usage(agent)[CANARY_TENANT]["chunks"] == 0  # cleared all the same
+
+
+def test_an_agent_that_refuses_the_protocol(
+    agent: AgentProcess, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A client of another protocol version: the real agent answers unsupported_version."""
+    monkeypatch.setattr(protocol, "PROTOCOL_VERSION", protocol.PROTOCOL_VERSION + 1)
+
+    returncode = cli.main(["doctor", "--endpoint", agent.zmq])
+
+    checks = parse(capsys.readouterr().out)
+    assert returncode == 1
+    failure = checks["agent"]
+    assert failure.outcome == "FAIL"
+    assert failure.seen.startswith(f"protocol mismatch: the agent at {agent.zmq} refuses")
+    assert "unsupported_version" in failure.seen
+    assert failure.fix is not None and "one kvpool release" in failure.fix
+
+
+def test_a_tenant_that_never_hits_is_flagged(agent: AgentProcess) -> None:
+    starved, served = tenant_id("starved"), tenant_id("served")
+    with AgentClient(agent.zmq) as engine:
+        engine.store(starved, keys("stored", 2), [b"y" * 4096] * 2)
+        for round_ in range(60):  # looks up chunks it never stored
+            engine.lookup(starved, keys(f"other-{round_}", 2), lock=False)
+        engine.store(served, keys("b", 1), [b"z" * 4096])
+        engine.lookup(served, keys("b", 1) + keys("missing", 200), lock=False)
+
+    diagnosis = run_doctor(*agent_args(agent), "--min-lookups", "100", env=ADMIN_ENV)
+
+    assert diagnosis.returncode == 1
+    failure = diagnosis.checks["hit-rate"]
+    assert failure.outcome == "FAIL", diagnosis.output
+    assert failure.seen == (
+        f"counted since the agent started: tenant {starved}: 0 of 120 chunk lookups hit "
+        "(0%), 2 stored, 0 evicted, never a hit"
+    )
+    assert failure.fix is not None and "cache_salt" in failure.fix
+
+
+def test_the_hit_rate_needs_an_admin_token(agent: AgentProcess) -> None:
+    without = run_doctor(*agent_args(agent))
+    assert without.checks["hit-rate"].outcome == "SKIP"
+    wrong = run_doctor(*agent_args(agent), env={"KVPOOL_ADMIN_TOKEN": "not-a-token"})
+    assert wrong.returncode == 1
+    assert wrong.checks["hit-rate"].seen.endswith("401: the agent refused the token")
