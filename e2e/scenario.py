@@ -15,6 +15,9 @@
    second: the second loads the prompt's chunks from the agent (external hits) and
    answers the same tokens. Node B's agent holds nothing (agents are node-local). A
    gateway asks the index where to send the prompt: node A, which holds its prefix.
+   The pool gets the key fingerprint the connector logged (``spec.index.fingerprint``),
+   and ``kvpool doctor --pool main`` runs in a pod written as the vLLM pods are, on node
+   A: every check passes.
 6. The tenant sets its quota over HTTP with its own token through node A's agent: A
    applies it at once (shrinking evicts the tenant's chunks), B gets it through the
    pool's quota ConfigMap.
@@ -44,6 +47,7 @@ from typing import Any
 
 import httpx
 import yaml
+from pydantic.alias_generators import to_camel
 from tests.chart.tools import ToolsUnavailable, tools
 from tests.connector.engines import MAIN as ENGINE_MAIN
 from tests.connector.engines import Engine, Result, write_model
@@ -108,6 +112,9 @@ class Evidence:
     index_nodes: list[dict[str, Any]] = field(default_factory=list)
     route: dict[str, Any] = field(default_factory=dict)
     route_other_salt: dict[str, Any] = field(default_factory=dict)
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    doctor: str = ""
+    """What ``kvpool doctor`` printed in a vLLM pod on node A (every line PASS)."""
     gateway_on_agent_status: int = 0
     tenant_on_index_status: int = 0
     other_tenant_status: int = 0
@@ -128,7 +135,9 @@ class PodEngine(Engine):
 
     def start(self) -> PodEngine:
         assert self.kubelet is not None
-        template = vllm_pod(self.settings)
+        template = vllm_pod(
+            [sys.executable, str(ENGINE_MAIN), json.dumps(self.settings)], ENGINE_ENV
+        )
         log = self.log_path.open("w")
         self.pod = self.kubelet.run(
             self.name,
@@ -143,7 +152,14 @@ class PodEngine(Engine):
         return self
 
 
-def vllm_pod(settings: dict[str, Any]) -> Manifest:
+ENGINE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+}
+
+
+def vllm_pod(command: list[str], env: dict[str, str]) -> Manifest:
     """A vLLM pod as the chart's NOTES tell a user to write it: the node's /dev/shm."""
     return {
         "metadata": {"labels": {"app": "vllm"}},
@@ -151,12 +167,8 @@ def vllm_pod(settings: dict[str, Any]) -> Manifest:
             "containers": [
                 {
                     "name": "vllm",
-                    "command": [sys.executable, str(ENGINE_MAIN), json.dumps(settings)],
-                    "env": [
-                        {"name": "VLLM_ENABLE_V1_MULTIPROCESSING", "value": "0"},
-                        {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"},
-                        {"name": "VLLM_LOGGING_STREAM", "value": "ext://sys.stderr"},
-                    ],
+                    "command": command,
+                    "env": [{"name": name, "value": value} for name, value in env.items()],
                     "volumeMounts": [{"name": "kvpool-shm", "mountPath": "/dev/shm"}],
                 }
             ],
@@ -206,6 +218,7 @@ def run(workdir: Path, say: Say = print) -> Evidence:
         flow.start_engines()
         flow.report_rollout()
         flow.serve()
+        flow.doctor()
         flow.set_quota()
         flow.delete_pool()
         flow.step("done")
@@ -358,7 +371,7 @@ class Flow:
         # The connector logs the key fingerprint that the gateway's queries need.
         log = (self.workdir / "vllm-1.log").read_text()
         marker = "key fingerprint for the index: "
-        fingerprint = json.loads(log.split(marker, 1)[1].splitlines()[0])
+        fingerprint = evidence.fingerprint = json.loads(log.split(marker, 1)[1].splitlines()[0])
 
         def synced() -> list[dict[str, Any]]:
             nodes: list[dict[str, Any]] = _get(f"{index}/v1/nodes", gateway)["nodes"]
@@ -383,6 +396,47 @@ class Flow:
             headers=gateway,
             timeout=10,
         ).status_code
+
+    def doctor(self) -> None:
+        self.step("give the pool the connector's key fingerprint; kvpool doctor in a vLLM pod")
+        fingerprint = self.evidence.fingerprint
+        # what the README tells a user: the fingerprint the connector logged, in the pool
+        patch = {
+            "spec": {"index": {"fingerprint": {to_camel(k): v for k, v in fingerprint.items()}}}
+        }
+        self.control.kubectl(
+            "patch", "kvp", self.pool_name, "-n", NAMESPACE, "--type=merge", "-p", json.dumps(patch)
+        )
+        (index_config,) = [
+            name
+            for name, obj in self.children["configmaps"].items()
+            if obj["metadata"]["labels"].get("app.kubernetes.io/component") == "index"
+        ]
+
+        def rendered() -> None:
+            config_map = self.control.get("configmaps", NAMESPACE, index_config) or {}
+            index = yaml.safe_load(config_map.get("data", {}).get("index.yaml", "{}"))
+            assert index.get("fingerprint") == fingerprint, index
+
+        eventually(rendered, 30, "the operator rendering the fingerprint for the index")
+        arguments = [
+            "--pool", self.pool_name, "--namespace", NAMESPACE,
+            "--block-size", str(self.pool["spec"]["blockSize"]),
+            "--model", fingerprint["model"], "--dtype", fingerprint["dtype"],
+            "--kv-layout", fingerprint["kv_layout"], "--tp-size", str(fingerprint["tp_size"]),
+        ]  # fmt: skip
+        template = vllm_pod(
+            [str(BIN / "kvpool"), "doctor", *arguments],
+            {"KVPOOL_ADMIN_TOKEN": self.tokens["admin"]},
+        )
+        pod = self.kubelets[0].run("vllm-doctor", NAMESPACE, template)
+        self.stack.callback(pod.stop, 5)
+        returncode = pod.process.wait(120)
+        assert pod.log is not None
+        output = self.evidence.doctor = pod.log.read_text()
+        self.say(output)
+        outcomes = [line[:4] for line in output.splitlines() if not line.startswith(" ")]
+        assert returncode == 0 and set(outcomes) == {"PASS"}, output
 
     def set_quota(self) -> None:
         self.step("the tenant sets its quota over HTTP with its token")

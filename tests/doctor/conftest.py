@@ -67,14 +67,30 @@ def parse(output: str) -> dict[str, Line]:
     return checks
 
 
-def run_doctor(*args: str, env: dict[str, str] | None = None, as_a_pod: bool = False) -> Diagnosis:
+def run_doctor(
+    *args: str,
+    env: dict[str, str] | None = None,
+    as_a_pod: bool = False,
+    own_shm_mib: int | None = None,
+) -> Diagnosis:
     """``kvpool doctor ARGS`` in a process of its own.
 
     ``as_a_pod``: the way a vLLM container runs, without the capabilities that let root
     ignore file modes (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH), so that a file's owner and
     mode apply to it as to any uid. Needs setpriv (util-linux) when run as root.
+    ``own_shm_mib``: in a mount namespace whose /dev/shm is a tmpfs of its own of that
+    size, as in a pod that does not mount the node's. Needs unshare (util-linux).
     """
     command = [str(BIN / "kvpool"), "doctor", *args]
+    if own_shm_mib is not None:
+        if shutil.which("unshare") is None:
+            pytest.skip("unshare (util-linux) is needed for a /dev/shm of the doctor's own")
+        mount = f'mount -t tmpfs -o size={own_shm_mib}m tmpfs /dev/shm && exec "$@"'
+        user_namespace = ["--map-root-user"] if os.geteuid() != 0 else []
+        command = [
+            "unshare", "--mount", "--propagation", "private", *user_namespace,
+            "sh", "-c", mount, "sh", *command,
+        ]  # fmt: skip
     if as_a_pod and os.geteuid() == 0:
         setpriv = shutil.which("setpriv")
         if setpriv is None:

@@ -150,6 +150,21 @@ def test_unreadable_segment(agent: AgentProcess, tmp_path: Path, how: str) -> No
     assert diagnosis.checks["agent"].outcome == "PASS"
 
 
+def test_a_pod_without_the_nodes_shm(agent: AgentProcess) -> None:
+    """The classic: the pod's /dev/shm is its own small tmpfs, not the node's."""
+    diagnosis = run_doctor(*agent_args(agent), own_shm_mib=16)
+
+    assert diagnosis.returncode == 1
+    missing = diagnosis.checks["segment"]
+    assert missing.outcome == "FAIL", diagnosis.output
+    assert missing.seen == f"{agent.segment_path}: No such file or directory in this pod"
+    assert missing.fix is not None and "hostPath" in missing.fix
+    small = diagnosis.checks["shm"]
+    assert small.outcome == "FAIL"
+    assert small.seen.startswith("/dev/shm: 16.0 MiB in all, 16.0 MiB free; the segment takes")
+    assert small.fix is not None and "is not the node's /dev/shm" in small.fix
+
+
 def test_canary_mismatch_when_the_pod_maps_another_file(agent: AgentProcess) -> None:
     """A copy of the agent's segment passes every file check; only the canary tells."""
     copy = Path("/dev/shm") / f"kvpool-doctor-copy-{os.getpid()}"
