@@ -31,6 +31,12 @@ _TENANT_DOMAIN = b"kvpool-tenant-v1\0"
 _ROOT_DOMAIN = b"kvpool-root-v1\0"
 
 
+CANARY_TENANT = hashlib.sha256(b"kvpool-doctor-canary-v1").hexdigest()[:TENANT_ID_CHARS]
+"""The tenant of ``kvpool doctor``'s canary chunks: a digest in a domain of its own, so no
+salt maps to it (that would take a 128-bit SHA-256 preimage). Its chunks stay in L1 (the
+write-back skips them) and the doctor clears them at once."""
+
+
 def tenant_id(salt: str | None) -> str:
     """The tenant id for a vLLM ``cache_salt`` (``None`` and ``""`` are the default tenant)."""
     digest = hashlib.sha256(_TENANT_DOMAIN + (salt or "").encode())

@@ -5,8 +5,10 @@ agent refuses, a tenant that never hits)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import httpx
@@ -14,8 +16,7 @@ import pytest
 
 from kvpool_agent import cli, protocol
 from kvpool_agent.client import AgentClient
-from kvpool_agent.doctor.canary import CANARY_TENANT
-from kvpool_agent.keys import tenant_id
+from kvpool_agent.keys import CANARY_TENANT, tenant_id
 from tests.agent.agent_process import ADMIN_TOKEN, AgentProcess
 
 from .conftest import ADMIN_ENV, agent_args, parse, run_doctor
@@ -230,3 +231,36 @@ def test_the_hit_rate_needs_an_admin_token(agent: AgentProcess) -> None:
     wrong = run_doctor(*agent_args(agent), env={"KVPOOL_ADMIN_TOKEN": "not-a-token"})
     assert wrong.returncode == 1
     assert wrong.checks["hit-rate"].seen.endswith("401: the agent refused the token")
+
+
+def test_the_canary_never_reaches_l2(tmp_path: Path) -> None:
+    nvme = tmp_path / "nvme"
+    agent = AgentProcess(
+        tmp_path / "agent", settings={"NVME": json.dumps({"path": str(nvme), "capacity": "64MiB"})}
+    )
+    agent.workdir.mkdir()
+    agent.start()
+    try:
+        assert run_doctor(*agent_args(agent), env=ADMIN_ENV).outcomes()["canary"] == "PASS"
+        # a tenant's chunk stored after the canary is written back, so the write-back queue
+        # (first in, first out) is past anything the canary could have put there
+        with AgentClient(agent.zmq) as tenant:
+            tenant.store(TENANT, keys("l2", 1), [b"y" * 4096])
+        deadline = time.monotonic() + 20
+        while not list((nvme / "default" / TENANT).rglob("[0-9a-f]" * 64)):
+            assert time.monotonic() < deadline, "the agent wrote nothing back to L2"
+            time.sleep(0.1)
+    finally:
+        agent.cleanup()
+
+    assert not (nvme / "default" / CANARY_TENANT).exists()
+
+
+def test_chunks_of_partial_blocks_are_named(agent: AgentProcess) -> None:
+    diagnosis = run_doctor(
+        *agent_args(agent), "--block-size", "96", env={"KVPOOL_CHUNK_TOKENS": "256"}
+    )
+
+    assert diagnosis.returncode == 1
+    assert diagnosis.checks["chunk-size"].outcome == "FAIL", diagnosis.output
+    assert "96" in diagnosis.checks["chunk-size"].seen

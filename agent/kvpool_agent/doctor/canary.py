@@ -10,12 +10,14 @@
    own view of the same chunk (``retrieve_inline``). Every copy must be the bytes stored.
 4. Clear the canary tenant, and look again: nothing is left in L1.
 
-The chunks are random bytes under a reserved tenant id, :data:`CANARY_TENANT`. The
-agent takes only well-formed ids (32 hex characters), so the id is one: a SHA-256
-digest in a domain of its own (``kvpool-doctor-canary-v1``), where a tenant's id is a
-digest in the ``kvpool-tenant-v1`` domain. A salt whose id were the canary's would be a
-128-bit preimage of SHA-256. Lookups do not count (``count=False``); the agent's inline
-read counts one hit for the canary tenant, which the hit-rate check leaves out.
+The chunks are random bytes under a reserved tenant id,
+:data:`kvpool_agent.keys.CANARY_TENANT`. The agent takes only well-formed ids (32 hex
+characters), so the id is one: a SHA-256 digest in a domain of its own
+(``kvpool-doctor-canary-v1``), where a tenant's id is a digest in the ``kvpool-tenant-v1``
+domain. A salt whose id were the canary's would be a 128-bit preimage of SHA-256. The
+agent's write-back skips the canary, so nothing reaches L2. Lookups do not count
+(``count=False``); the agent's inline read counts one hit for the canary tenant, which the
+hit-rate check leaves out.
 """
 
 from __future__ import annotations
@@ -25,11 +27,10 @@ import os
 
 from kvpool_agent.client import AgentClient, AgentError, AgentUnavailable, copy_in, copy_out
 from kvpool_agent.doctor.report import Check, failed, passed, size
-from kvpool_agent.keys import TENANT_ID_CHARS
+from kvpool_agent.keys import CANARY_TENANT
 from kvpool_agent.segment import SharedSegment
 
 NAME = "canary"
-CANARY_TENANT = hashlib.sha256(b"kvpool-doctor-canary-v1").hexdigest()[:TENANT_ID_CHARS]
 CANARY_BYTES = 4096
 _AGENT_KEY = hashlib.sha256(b"kvpool-doctor-canary-v1\0agent-to-pod").digest()
 _POD_KEY = hashlib.sha256(b"kvpool-doctor-canary-v1\0pod-to-agent").digest()

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from kvpool_agent.keys import CANARY_TENANT
 from kvpool_agent.l1 import UnknownLease
 from kvpool_agent.l2.base import L2Adapter, L2Object, ObjectKey
 from kvpool_agent.segment import SharedSegment
@@ -124,8 +125,8 @@ class WriteBack:
         self._submit(tenant, qualified)
 
     def _submit(self, tenant: str, keys: Sequence[bytes]) -> None:
-        if not keys or self._loop is None or self._queue is None:
-            return
+        if not keys or tenant == CANARY_TENANT or self._loop is None or self._queue is None:
+            return  # the doctor's canary stays in L1: it is cleared at once
         items = []
         for key in keys:
             if self.stats.pending >= self._capacity:
