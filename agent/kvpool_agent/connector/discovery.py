@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpool_agent.client import AgentInfo
 from kvpool_agent.connector.settings import ConnectorSettings
 from kvpool_agent.protocol import PROTOCOL_VERSION
 
@@ -52,6 +53,10 @@ class AgentAddress:
     """None: take the path from the agent's hello."""
     chunk_tokens: int | None
     """None: not advertised."""
+
+    def segment_for(self, info: AgentInfo) -> Path:
+        """The file to map: this address's path (settings or Service), else the agent's."""
+        return self.segment_path or info.segment_path
 
 
 def service_name(pool: str) -> str:

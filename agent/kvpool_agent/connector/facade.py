@@ -146,10 +146,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         return advertised or DEFAULT_CHUNK_TOKENS
 
     def _segment_path(self, info: AgentInfo) -> Path:
-        address = self._address
-        if address is not None and address.segment_path is not None:
-            return address.segment_path
-        return info.segment_path
+        return self._resolve().segment_for(info)
 
     def _on_new_agent(self, info: AgentInfo) -> None:
         assert self._worker is not None

@@ -73,7 +73,7 @@ def diagnose(options: Options) -> Iterator[Check]:
 
 def _through_the_segment(client: AgentClient, address: AgentAddress) -> Iterator[Check]:
     assert client.info is not None
-    path = shared_memory.segment_path(address, client.info)
+    path = address.segment_for(client.info)
     check, mapped = shared_memory.check_segment(path, client.info)
     yield check
     yield shared_memory.check_shm(path, client.info)

@@ -13,7 +13,6 @@ import stat
 from pathlib import Path
 
 from kvpool_agent.client import AgentInfo
-from kvpool_agent.connector.discovery import AgentAddress
 from kvpool_agent.doctor.report import Check, failed, passed, size
 from kvpool_agent.segment import SegmentError, SharedSegment
 
@@ -24,11 +23,6 @@ _MOUNT_THE_NODES_SHM = (
     "{path: /dev/shm, type: Directory}}], volumeMounts: [{name: kvpool-shm, mountPath: "
     "/dev/shm}]), and set no segment_path / KVPOOL_SEGMENT_PATH unless it is mounted elsewhere"
 )
-
-
-def segment_path(address: AgentAddress, info: AgentInfo) -> Path:
-    """The file the connector maps: its settings' or the Service's path, else the agent's."""
-    return address.segment_path or info.segment_path
 
 
 def check_segment(path: Path, info: AgentInfo) -> tuple[Check, SharedSegment | None]:
