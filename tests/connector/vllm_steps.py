@@ -116,6 +116,7 @@ def kv_cache_config(config: VllmConfig, num_blocks: int) -> KVCacheConfig:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
     model = config.model_config
+    assert isinstance(model.dtype, torch.dtype), model.dtype  # resolved by the config
     spec = FullAttentionSpec(
         block_size=config.cache_config.block_size,
         num_kv_heads=model.get_num_kv_heads(config.parallel_config),
@@ -179,7 +180,12 @@ class StepEngine:
         from vllm.distributed.kv_transfer.kv_connector.utils import copy_kv_blocks
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.kv_cache_utils import (
+            get_request_block_hasher,
+            init_none_hash,
+            resolve_kv_cache_block_sizes,
+        )
+        from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.caches = allocate_kv_caches(self.config, self.plan)
@@ -198,15 +204,18 @@ class StepEngine:
                 self.worker.register_kv_caches(self.caches)
                 self.worker.set_host_xfer_buffer_ops(copy_kv_blocks)
 
-        block_size = self.config.cache_config.block_size
-        scheduler_cls = self.config.scheduler_config.get_scheduler_cls()
-        self.scheduler = scheduler_cls(
+        # vllm/v1/engine/core.py: the scheduler, and the block hasher of its requests
+        block_size, hash_block_size = resolve_kv_cache_block_sizes(self.plan, self.config)
+        scheduler = self.config.scheduler_config.get_scheduler_cls()(
             vllm_config=self.config,
             kv_cache_config=self.plan,
             structured_output_manager=StructuredOutputManager(self.config),
             block_size=block_size,
+            hash_block_size=hash_block_size,
             log_stats=True,
         )
+        assert isinstance(scheduler, Scheduler), type(scheduler)
+        self.scheduler = scheduler
         # The engine core hands the workers' handshakes to the scheduler's connector.
         handshake = self.worker.get_handshake_metadata()
         connector = self.scheduler.get_kv_connector()
@@ -215,7 +224,7 @@ class StepEngine:
             connector.set_xfer_handshake_metadata_pp_aware({(0, 0): handshake})
         hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
-        self._hasher = get_request_block_hasher(block_size, hash_fn)
+        self._hasher = get_request_block_hasher(hash_block_size, hash_fn)
 
     @contextlib.contextmanager
     def _worker_current(self) -> Iterator[None]:
