@@ -419,11 +419,6 @@ def test_a_store_in_one_engine_is_a_load_in_another(
     second.step()
 
 
-@pytest.mark.xfail(
-    raises=AssertionError,
-    strict=True,
-    reason="kvpool leaves _cache_hit_source at EXTERNAL_UNSPECIFIED (see the test's docs)",
-)
 def test_hits_are_reported_as_host_memory(engines: Callable[[Runner], StepEngine]) -> None:
     """vLLM (from 0.32) labels connector hits by tier in its prefix-cache metrics, and asks
     connectors to say theirs ("Subclasses must set HOST/DISK/P2P or override

@@ -56,6 +56,13 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.request import Request
 
+try:  # vLLM 0.32+ labels a connector's hits by the tier that served them
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    _HIT_SOURCE: CacheHitSource | None = CacheHitSource.HOST
+except ImportError:  # vLLM 0.30, 0.31
+    _HIT_SOURCE = None
+
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_TOKENS = 256
@@ -75,6 +82,9 @@ def _log_with_vllm() -> None:
 
 class KvpoolConnector(KVConnectorBase_V1):
     """vLLM connector that shares KV through the node's kvpool agent (see the package docs)."""
+
+    if _HIT_SOURCE is not None:
+        _cache_hit_source = _HIT_SOURCE  # loads come from the node's shared memory
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
