@@ -105,15 +105,13 @@ INHERITED: dict[str, str] = {
     ),
     "unregister_kv_caches": "nothing registered with a device or NIC: nothing to drop",
     "restore_kv_caches": "nothing registered with a device or NIC: nothing to restore",
+    # metrics (0.32)
+    "get_external_cache_hit_sources": (
+        "vLLM's default reports every hit under _cache_hit_source, which kvpool sets to HOST "
+        "(test_hits_are_reported_as_host_memory)"
+    ),
 }
 """vLLM hooks (of any supported release) left to vLLM's default, and why that is right."""
-
-PROPOSED: dict[str, str] = {
-    "_cache_hit_source": "test_hits_are_reported_as_host_memory",
-    "get_external_cache_hit_sources": "test_hits_are_reported_as_host_memory",
-}
-"""vLLM hooks kvpool inherits but should answer, each with the (strict xfail) test that
-says so; implemented or not, they pass the hook checks. (0.32: the tier of a hit.)"""
 
 
 # ------------------------------------------------------------------ signatures
@@ -249,7 +247,7 @@ def test_every_vllm_hook_is_implemented_or_knowingly_inherited() -> None:
     undecided = {
         name: _describe(value)
         for name, value in VLLM_HOOKS.items()
-        if name not in ours and name not in {**INHERITED, **PROPOSED, "__init__": ""}
+        if name not in ours and name not in {**INHERITED, "__init__": ""}
     }
     assert not undecided, (
         f"{VLLM}'s KVConnectorBase_V1 has hooks kvpool neither implements nor inherits "
