@@ -172,3 +172,51 @@ def test_a_dead_agent_costs_the_cache_only(own_agent: AgentProcess) -> None:
     else:
         pytest.fail("the worker did not reconnect")
     assert target.counters.totals["agent_restarts_seen"] == 1
+
+
+class InFlight:
+    """A copy still in flight (as a DMA on a side stream is) until the test lands it."""
+
+    def __init__(self) -> None:
+        self.landed = False
+
+    def done(self) -> bool:
+        return self.landed
+
+    def wait(self) -> None:
+        assert self.landed, "waited for a copy the test never landed"
+
+
+def test_a_load_whose_lease_ends_before_its_release_is_recomputed(tmp_path: Path) -> None:
+    """A worker that stalls past its read lease may have copied pages that the agent gave
+    to another chunk meanwhile: those blocks are reported to vLLM, never used as loaded."""
+    quick = {"LEASE_SECONDS": "0.5", "MAINTENANCE_INTERVAL_SECONDS": "0.1"}
+    agent = AgentProcess(tmp_path / "agent", settings=quick)
+    agent.workdir.mkdir()
+    agent.start()
+    try:
+        source, _ = make_worker(agent, seed=6)
+        store(source, 1, KEYS[:2], [0, 1, 2, 3])
+        target, _ = make_worker(agent, seed=None)
+        copier = target._copier
+        assert copier is not None
+        in_flight: list[InFlight] = []
+
+        def load_slowly(*args: object) -> InFlight:
+            copier_load(*args)  # the bytes are copied; the copy "lands" when the test says
+            in_flight.append(InFlight())
+            return in_flight[-1]
+
+        copier_load = copier.load
+        copier.load = load_slowly  # type: ignore[method-assign]
+        job = LoadJob("r", TENANT, (tuple(KEYS[:2]),), (8, 9, 10, 11), first_block=0)
+        target.start_load(KvpoolMetadata(loads=[job]))
+
+        time.sleep(1.0)  # the stall: twice the lease, five maintenance passes
+        for copy in in_flight:
+            copy.landed = True
+
+        assert target.take_load_errors() == {8, 9, 10, 11}
+        assert target.counters.totals["load_failed_chunks"] == 2
+    finally:
+        agent.cleanup()

@@ -9,7 +9,9 @@ nothing about scheduling: it executes the jobs in the step's metadata.
 * ``start_load_kv`` (before the forward): for each :class:`LoadJob`, lock the
   chunks (``lookup``), copy them into the blocks, release. Chunks that are gone,
   and every chunk after the first gap, are reported through
-  ``get_block_ids_with_load_errors`` in the same step, so vLLM recomputes them.
+  ``get_block_ids_with_load_errors`` in the same step, so vLLM recomputes them; so are
+  the blocks of a load whose lease did not hold until its release (the pages may hold
+  another chunk by then).
 * ``wait_for_save`` (after the forward): for each :class:`StoreJob`, reserve
   (``prepare_store`` with the parent key), copy the chunks the agent does not
   have yet, commit. Refusals (quota, memory) and errors drop the store; the
@@ -60,6 +62,8 @@ class _PendingStore:
 class _PendingRelease:
     lease: int
     copies: list[Copy]
+    block_ids: list[int]
+    """The blocks the copies write: wrong if the lease ends before it is released."""
 
 
 class WorkerHalf:
@@ -170,6 +174,7 @@ class WorkerHalf:
             hit = self._link.call(_Lookup(job.tenant, keys))
             segment = self._mapped()
             copies: list[Copy] = []
+            written: list[int] = []
             try:
                 for index in range(min(hit.count, len(keys))):
                     if hit.sizes[index] != chunk_format.chunk_bytes:
@@ -183,10 +188,11 @@ class WorkerHalf:
                     first, ids = self._chunk_blocks(job, index)
                     chunk = segment.chunk(hit.offsets[index], chunk_format.chunk_bytes)
                     copies.append(copier.load(chunk, ids, first))
+                    written.extend(ids)
                     loaded += 1
             finally:
                 if hit.lease is not None:
-                    self._releases.append(_PendingRelease(hit.lease, copies))
+                    self._releases.append(_PendingRelease(hit.lease, copies, written))
         except (LinkDown, SegmentError) as error:
             log.debug("kvpool worker %d: load of %s failed: %s", self._rank, job.req_id, error)
         except AgentError as error:
@@ -207,6 +213,9 @@ class WorkerHalf:
         return (job.first_block if index == 0 else 0), list(job.block_ids[start:end])
 
     def take_load_errors(self) -> set[int]:
+        # vLLM asks after the forward, whose input the copies were: they are done, and the
+        # blocks count only if their chunks' leases held until now
+        self._settle_loads(wait=True)
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
@@ -257,6 +266,10 @@ class WorkerHalf:
 
     def _settle(self, *, wait: bool) -> None:
         """Commit stores and release loads whose copies have finished (all, with ``wait``)."""
+        self._settle_stores(wait=wait)
+        self._settle_loads(wait=wait)
+
+    def _settle_stores(self, *, wait: bool) -> None:
         still: list[_PendingStore] = []
         for store in self._stores:
             if wait:
@@ -267,6 +280,8 @@ class WorkerHalf:
                 continue
             self._commit(store)
         self._stores = still
+
+    def _settle_loads(self, *, wait: bool) -> None:
         waiting: list[_PendingRelease] = []
         for release in self._releases:
             if wait:
@@ -275,7 +290,7 @@ class WorkerHalf:
             elif not all(copy.done() for copy in release.copies):
                 waiting.append(release)
                 continue
-            self._abandon(release.lease)
+            self._release_load(release)
         self._releases = waiting
 
     def _commit(self, store: _PendingStore) -> None:
@@ -287,6 +302,23 @@ class WorkerHalf:
                 log.debug("kvpool worker %d: commit failed: %s", self._rank, error)
                 self.counters.add("failed_stores")
         self._complete(store.job)
+
+    def _release_load(self, release: _PendingRelease) -> None:
+        """Release a load's lease. If that fails, the lease may have ended before the copies
+        did (a stalled worker, an agent restarted), and the pages may hold another chunk by
+        now, another tenant's included: the blocks are reported for recompute, never used."""
+        try:
+            self._link.call(_Release(release.lease))
+        except (LinkDown, AgentError) as error:
+            log.warning(
+                "kvpool worker %d: a load's lease did not hold until its release (%s); "
+                "%d blocks recomputed",
+                self._rank,
+                error,
+                len(release.block_ids),
+            )
+            self.counters.add("load_failed_chunks", len(release.copies))
+            self._failed_blocks.update(release.block_ids)
 
     def _abandon(self, lease: int) -> None:
         """Release a lease; if the agent is gone, so is the lease (it also expires)."""
