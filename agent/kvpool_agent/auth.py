@@ -120,7 +120,7 @@ class TokenAuthority:
             raise TokenFileError(
                 f"{source}: expected a mapping with keys {_KEYS_TEXT}, got {type(tokens).__name__}"
             )
-        unknown = sorted(str(key) for key in tokens if key not in _TOP_LEVEL_KEYS)
+        unknown = [_glimpse(key) for key in tokens if key not in _TOP_LEVEL_KEYS]
         if unknown:
             raise TokenFileError(
                 f"{source}: unknown keys {', '.join(unknown)}; expected {_KEYS_TEXT}"
@@ -136,14 +136,16 @@ class TokenAuthority:
             raise TokenFileError(
                 f"{source}: 'tenants' must map tenant ids to tokens, got {type(tenants).__name__}"
             )
-        for tenant, value in tenants.items():
+        for position, (tenant, value) in enumerate(tenants.items(), start=1):
             if not isinstance(tenant, str):
                 raise TokenFileError(
-                    f"{source}: tenant id {tenant!r} is a {type(tenant).__name__}, not a string "
+                    f"{source}: tenant #{position} is a {type(tenant).__name__}, not a string "
                     "(quote tenant ids in YAML)"
                 )
             if not is_tenant_id(tenant):
-                raise TokenFileError(f"{source}: tenant {tenant!r}: {TENANT_ID_RULE}")
+                raise TokenFileError(
+                    f"{source}: tenant #{position} ({_glimpse(tenant)}): {TENANT_ID_RULE}"
+                )
             where = f"{source}: tenant {tenant}"
             for token in _token_list(value, where):
                 self._add(owners, token, Principal(Role.TENANT, tenant), where)
@@ -253,6 +255,12 @@ def _token_list(value: object, where: str) -> list[str]:
             )
         tokens.append(item)
     return tokens
+
+
+def _glimpse(key: object) -> str:
+    """A malformed key, described but not quoted: it may be a token pasted in the wrong place."""
+    text = str(key)
+    return f"{text[:2]!r}... ({len(text)} characters)"
 
 
 def _position(error: yaml.YAMLError) -> str:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
+from kvpool_agent.auth import TokenFileError
 from kvpool_agent.config import CONFIG_FILE_ENV, AgentConfig
 from kvpool_agent.quota_store import QuotaStoreError
 from kvpool_agent.segment import SegmentError
@@ -41,7 +42,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         asyncio.run(Agent(config).run())
-    except (SegmentError, QuotaStoreError) as error:
+    except TokenFileError as error:
+        print(f"kvpool-agent: invalid tokens file: {error}", file=sys.stderr)
+        return 2
+    except (SegmentError, QuotaStoreError, OSError) as error:
         print(f"kvpool-agent: {error}", file=sys.stderr)
         return 1
     return 0

@@ -52,13 +52,15 @@ class Agent:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.stop)
         config = self.config
+        # every input is checked before the segment exists: a bad one leaves nothing behind
+        config.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        authority = load_authority(
+            config.tokens_file, config.state_dir / f"admin-token-{config.pool}"
+        )
         async with contextlib.AsyncExitStack() as stack:
             l1 = open_l1(config)
             stack.callback(l1.close)
             service = self._open_service(l1, stack)
-            authority = load_authority(
-                config.tokens_file, config.state_dir / f"admin-token-{config.pool}"
-            )
             metrics = AgentMetrics(
                 CollectorRegistry(), service, config.metrics_top_tenants, l1.origin
             )

@@ -107,7 +107,10 @@ def test_malformed_tenant_ids(value: str) -> None:
     [
         ("", "empty"),
         ("- a\n- b\n", "expected a mapping"),
-        ("admin: x\nusers: {}\n", "unknown keys users; expected 'admin', 'tenants', 'gateways'"),
+        (
+            "admin: x\nusers: {}\n",
+            "unknown keys 'us'... (5 characters); expected 'admin', 'tenants', 'gateways'",
+        ),
         ("gateways: {a: b}\n", "gateways: expected a token or a list of tokens, got dict"),
         ("gateways: [ok, 7]\n", "gateways: token #2 is a int, not a string"),
         (f"gateways: shared\ntenants:\n  '{ALICE}': shared\n", "also listed for tenant"),
@@ -117,7 +120,7 @@ def test_malformed_tenant_ids(value: str) -> None:
         ("admin: ['']\n", "token #1 is empty"),
         ("admin: ['two words']\n", "whitespace"),
         ("admin: x\ntenants: [a, b]\n", "'tenants' must map tenant ids to tokens"),
-        ("tenants:\n  alice: tok\n", "tenant 'alice': tenant id must be 32 lowercase hex"),
+        ("tenants:\n  alice: tok\n", "tenant #1 ('al'... (5 characters)): tenant id must be 32"),
         (
             "tenants:\n  12345678901234567890123456789012: tok\n",
             "is a int, not a string (quote tenant ids in YAML)",
@@ -142,6 +145,8 @@ def test_errors_never_quote_a_token(tmp_path: Path) -> None:
         f"admin: [{secret}, '{secret} with space']\n",
         f"admin: {secret}\ntenants:\n  '{ALICE}': {secret}\n",
         f"admin: [{secret}\n  tenants: {{{{\n",  # broken YAML that quotes the line
+        f"{secret}: [a]\nadmin: [b]\n",  # a token pasted as a key
+        f"admin: [b]\ntenants:\n  {secret}: [a]\n",  # ... or as a tenant id
     ]
     for text in cases:
         with pytest.raises(TokenFileError) as caught:

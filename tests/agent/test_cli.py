@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -62,6 +63,63 @@ def test_agent_refuses_invalid_configuration() -> None:
     )
     assert result.returncode == 2
     assert "low_watermark (0.95) must be below high_watermark (0.9)" in result.stderr
+
+
+def test_a_broken_tokens_file_is_one_line_and_leaves_no_segment(tmp_path: Path) -> None:
+    secret = "pasted-token-0123456789"
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text(f"{secret}: [a]\nadmin: [b]\n")  # a token pasted as a key
+    segment = Path("/dev/shm") / f"kvpool-test-cli-tokens-{os.getpid()}"
+    env = {
+        **os.environ,
+        "KVPOOL_SEGMENT_PATH": str(segment),
+        "KVPOOL_L1_SIZE": "4MiB",
+        "KVPOOL_STATE_DIR": str(tmp_path / "state"),
+        "KVPOOL_TOKENS_FILE": str(tokens),
+    }
+    try:
+        result = subprocess.run(
+            [BIN / "kvpool-agent"], env=env, capture_output=True, text=True, timeout=60, check=False
+        )
+        assert result.returncode == 2, result.stderr
+        assert "Traceback" not in result.stderr
+        (error,) = [line for line in result.stderr.splitlines() if "kvpool-agent:" in line]
+        assert error.startswith(f"kvpool-agent: invalid tokens file: {tokens}: unknown keys")
+        assert secret not in result.stderr
+        assert not segment.exists()
+    finally:
+        segment.unlink(missing_ok=True)
+
+
+def test_the_state_directory_is_private_whatever_the_umask(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text("admin: [an-admin-token]\n")
+    segment = Path("/dev/shm") / f"kvpool-test-cli-state-{os.getpid()}"
+    env = {
+        **os.environ,
+        "KVPOOL_SEGMENT_PATH": str(segment),
+        "KVPOOL_L1_SIZE": "4MiB",
+        "KVPOOL_ZMQ_PORT": "0",
+        "KVPOOL_HTTP_PORT": "0",
+        "KVPOOL_EVENTS_PORT": "0",
+        "KVPOOL_STATE_DIR": str(state),
+        "KVPOOL_TOKENS_FILE": str(tokens),
+    }
+    agent = subprocess.Popen(
+        [BIN / "kvpool-agent"], env=env, stderr=subprocess.PIPE, text=True, umask=0
+    )
+    try:
+        assert agent.stderr is not None
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and "ready" not in agent.stderr.readline():
+            pass
+        assert stat.S_IMODE(state.stat().st_mode) == 0o700
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=10) == 0
+    finally:
+        agent.kill()
+        segment.unlink(missing_ok=True)
 
 
 def test_bench_l1_prints_its_table() -> None:
