@@ -312,6 +312,7 @@ class ZmqServer:
     def _lookup(self, request: p.Lookup, extra: Frames) -> Handled:
         session = self._session(request.session)
         self._check_keys(request.keys)
+        _check_tenant(request.tenant)
         keys = request.keys
         with self._service.lock:
             hit = self._service.cache.lookup(
@@ -446,6 +447,7 @@ class ZmqServer:
     def _retrieve_inline(self, request: p.RetrieveInline, extra: Frames) -> Handled:
         self._session(request.session)
         self._check_keys(request.keys)
+        _check_tenant(request.tenant)
         cache = self._service.cache
         with self._service.lock:
             hit = cache.lookup(request.tenant, request.keys, lock=True)
@@ -470,6 +472,8 @@ class ZmqServer:
 
     def _clear(self, request: p.Clear, extra: Frames) -> Handled:
         self._session(request.session)
+        if request.tenant is not None:
+            _check_tenant(request.tenant)
         return p.ClearReply(request.req, self._service.clear(request.tenant)), []
 
     def _snapshot(self, request: p.Snapshot, extra: Frames) -> Handled:
@@ -498,6 +502,7 @@ class ZmqServer:
 
 
 def _check_tenant(tenant: str) -> None:
-    """Chunks are stored under a tenant id (see keys.tenant_id), never anything else."""
+    """Every operation names a tenant id (see keys.tenant_id), never anything else: a lookup
+    with a 10 MiB name would otherwise cost the agent a tenant record of that size."""
     if not is_tenant_id(tenant):
         raise InvalidRequest(TENANT_ID_RULE)

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from kvpool_agent import protocol as p
-from kvpool_agent.client import AgentClient, AgentUnavailable, AsyncAgentClient
+from kvpool_agent.client import AgentClient, AgentError, AgentUnavailable, AsyncAgentClient
 from kvpool_agent.keys import tenant_id
 
 from .agent_process import ADMIN_TOKEN, AgentProcess
@@ -354,3 +354,24 @@ def test_metrics_are_exported(agent: AgentProcess) -> None:
     assert 'kvpool_request_seconds_count{op="lookup"} 1.0' in text
     assert 'kvpool_l1_evictions_total{cause="watermark"} 0.0' in text
     assert "kvpool_l1_capacity_bytes 6.7108864e+07" in text
+
+
+def test_every_operation_refuses_what_is_not_a_tenant_id(agent: AgentProcess) -> None:
+    """A lookup under a 1 MiB name would leave the agent a tenant record of that size."""
+    huge = "t" * (1 << 20)
+    with AgentClient(agent.zmq) as client:
+        for call in (
+            lambda: client.lookup(huge, [key(1)]),
+            lambda: client.lookup("not-an-id", [key(1)], lock=False),
+            lambda: client.retrieve_inline(huge, [key(1)]),
+            lambda: client.clear(huge),
+            lambda: client.prepare_store(huge, [key(1)], [4096]),
+        ):
+            with pytest.raises(AgentError) as refused:
+                call()
+            assert refused.value.code == "invalid_request"
+        assert client.lookup(TENANT, [key(1)]).count == 0  # a well-formed id still answers
+    listed = httpx.get(
+        f"{agent.http}/v1/tenants", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    ).json()["tenants"]
+    assert all(len(entry["tenant"]) == 32 for entry in listed)
