@@ -39,7 +39,9 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from kvpool_agent.config import AgentConfig
 from kvpool_agent.index.config import CONFIG_FILE_ENV as INDEX_CONFIG_FILE_ENV
+from kvpool_agent.index.config import CONFIG_MAP_KEY as INDEX_CONFIG_MAP_KEY
 from kvpool_agent.index.config import IndexConfig
+from kvpool_agent.index.config import config_map_name as index_config_map_name
 from kvpool_agent.protocol import PROTOCOL_VERSION
 from kvpool_operator.spec import (
     API_VERSION,
@@ -73,7 +75,6 @@ INDEX = "index"
 """Values of the component label: the agents' objects and pods, the index's."""
 
 CONFIG_KEY = "agent.yaml"
-INDEX_CONFIG_KEY = "index.yaml"
 CONFIG_DIR = "/etc/kvpool/config"
 TOKENS_DIR = "/etc/kvpool/tokens"
 TOKENS_FILE = "tokens.yaml"
@@ -127,7 +128,7 @@ class Pool:
 
     @property
     def index_config_name(self) -> str:
-        return f"kvpool-{self.name}-index-config"
+        return index_config_map_name(self.name)
 
     def labels(self, component: str = AGENT) -> dict[str, str]:
         return {
@@ -726,7 +727,7 @@ def _index_children(pool: Pool, spec: PoolSpec, default_image: str) -> IndexChil
             pool,
             pool.index_config_name,
             component=INDEX,
-            data={INDEX_CONFIG_KEY: config_text},
+            data={INDEX_CONFIG_MAP_KEY: config_text},
         ),
         service_account=service_account,
         role=role,
@@ -755,7 +756,7 @@ def _index_deployment(pool: Pool, spec: PoolSpec, config_text: str, default_imag
         "image": index.image or spec.agent.image or default_image,
         "imagePullPolicy": spec.agent.image_pull_policy,
         "command": ["kvpool", "index"],
-        "env": [{"name": INDEX_CONFIG_FILE_ENV, "value": f"{CONFIG_DIR}/{INDEX_CONFIG_KEY}"}],
+        "env": [{"name": INDEX_CONFIG_FILE_ENV, "value": f"{CONFIG_DIR}/{INDEX_CONFIG_MAP_KEY}"}],
         "ports": _container_ports([("http", index.port)]),
         "resources": _resources(
             {"cpu": INDEX_CPU_REQUEST, "memory": INDEX_MEMORY_REQUEST},

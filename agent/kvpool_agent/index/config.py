@@ -26,6 +26,13 @@ from kvpool_agent.index.tracker import DEFAULT_MAX_CHUNKS_PER_NODE
 from kvpool_agent.keys import ModelFingerprint
 
 CONFIG_FILE_ENV = "KVPOOL_INDEX_CONFIG_FILE"
+CONFIG_MAP_KEY = "index.yaml"
+"""The key of this configuration in the pool's index ConfigMap (:func:`config_map_name`)."""
+
+
+def config_map_name(pool: str) -> str:
+    """The ConfigMap the operator writes a pool's index configuration to."""
+    return f"kvpool-{pool}-index-config"
 
 
 class Fingerprint(BaseModel):
