@@ -26,28 +26,39 @@ def test_tenant_id_reads_the_salt_from_stdin_or_argument() -> None:
     assert from_arg.stdout == from_stdin.stdout
 
 
+def agent_env(segment: Path, state_dir: Path, **settings: str) -> dict[str, str]:
+    """A 4 MiB agent on free ports, its segment and state where the test says; ``settings``
+    become further KVPOOL_<NAME> variables."""
+    merged = {
+        "SEGMENT_PATH": str(segment),
+        "L1_SIZE": "4MiB",
+        "ZMQ_PORT": "0",
+        "HTTP_PORT": "0",
+        "EVENTS_PORT": "0",
+        "STATE_DIR": str(state_dir),
+        **settings,
+    }
+    return {**os.environ, **{f"KVPOOL_{name}": value for name, value in merged.items()}}
+
+
+def wait_ready(agent: subprocess.Popen[str], timeout: float = 30.0) -> None:
+    """Read the agent's log until it says it is ready."""
+    assert agent.stderr is not None
+    deadline = time.monotonic() + timeout
+    lines = []
+    while time.monotonic() < deadline:
+        lines.append(agent.stderr.readline())
+        if "ready" in lines[-1]:
+            return
+    raise AssertionError(f"the agent did not get ready: {lines}")
+
+
 def test_agent_starts_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
     segment = Path("/dev/shm") / f"kvpool-test-cli-{os.getpid()}"
-    env = {
-        **os.environ,
-        "KVPOOL_SEGMENT_PATH": str(segment),
-        "KVPOOL_L1_SIZE": "4MiB",
-        "KVPOOL_ZMQ_PORT": "0",
-        "KVPOOL_HTTP_PORT": "0",
-        "KVPOOL_EVENTS_PORT": "0",
-        "KVPOOL_STATE_DIR": str(tmp_path),
-    }
+    env = agent_env(segment, tmp_path)
     agent = subprocess.Popen([BIN / "kvpool-agent"], env=env, stderr=subprocess.PIPE, text=True)
     try:
-        assert agent.stderr is not None
-        deadline = time.monotonic() + 30
-        lines = []
-        while time.monotonic() < deadline:
-            line = agent.stderr.readline()
-            lines.append(line)
-            if "ready" in line:
-                break
-        assert any("ready" in line for line in lines), lines
+        wait_ready(agent)
         assert segment.stat().st_size == 4 * 2**20 + 64 * 2**10
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=10) == 0
@@ -70,13 +81,7 @@ def test_a_broken_tokens_file_is_one_line_and_leaves_no_segment(tmp_path: Path) 
     tokens = tmp_path / "tokens.yaml"
     tokens.write_text(f"{secret}: [a]\nadmin: [b]\n")  # a token pasted as a key
     segment = Path("/dev/shm") / f"kvpool-test-cli-tokens-{os.getpid()}"
-    env = {
-        **os.environ,
-        "KVPOOL_SEGMENT_PATH": str(segment),
-        "KVPOOL_L1_SIZE": "4MiB",
-        "KVPOOL_STATE_DIR": str(tmp_path / "state"),
-        "KVPOOL_TOKENS_FILE": str(tokens),
-    }
+    env = agent_env(segment, tmp_path / "state", TOKENS_FILE=str(tokens))
     try:
         result = subprocess.run(
             [BIN / "kvpool-agent"], env=env, capture_output=True, text=True, timeout=60, check=False
@@ -96,24 +101,12 @@ def test_the_state_directory_is_private_whatever_the_umask(tmp_path: Path) -> No
     tokens = tmp_path / "tokens.yaml"
     tokens.write_text("admin: [an-admin-token]\n")
     segment = Path("/dev/shm") / f"kvpool-test-cli-state-{os.getpid()}"
-    env = {
-        **os.environ,
-        "KVPOOL_SEGMENT_PATH": str(segment),
-        "KVPOOL_L1_SIZE": "4MiB",
-        "KVPOOL_ZMQ_PORT": "0",
-        "KVPOOL_HTTP_PORT": "0",
-        "KVPOOL_EVENTS_PORT": "0",
-        "KVPOOL_STATE_DIR": str(state),
-        "KVPOOL_TOKENS_FILE": str(tokens),
-    }
+    env = agent_env(segment, state, TOKENS_FILE=str(tokens))
     agent = subprocess.Popen(
         [BIN / "kvpool-agent"], env=env, stderr=subprocess.PIPE, text=True, umask=0
     )
     try:
-        assert agent.stderr is not None
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and "ready" not in agent.stderr.readline():
-            pass
+        wait_ready(agent)
         assert stat.S_IMODE(state.stat().st_mode) == 0o700
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=10) == 0

@@ -79,6 +79,23 @@ def write_model(directory: Path, *, seed: int = 0, **overrides: Any) -> Path:
     return directory
 
 
+def poison_segment(path: Path) -> None:
+    """Overwrite every chunk byte of the agent's segment at ``path`` with bf16 noise: the
+    negative control of a test that compares outputs computed from loaded KV."""
+    import torch
+
+    from kvpool_agent.segment import SharedSegment
+
+    segment = SharedSegment.attach(path)
+    try:
+        layout = segment.layout
+        noise = torch.randn(layout.data_size // 2, generator=torch.Generator().manual_seed(0))
+        raw = noise.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+        segment.view[layout.data_offset : layout.data_offset + layout.data_size] = raw
+    finally:
+        segment.close()
+
+
 @dataclass
 class Result:
     tokens: list[list[int]]

@@ -28,15 +28,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from kvpool_agent import keys
 from kvpool_agent.client import AgentClient
 from kvpool_agent.connector import compat
-from kvpool_agent.segment import SharedSegment
 from tests.agent.agent_process import ADMIN_TOKEN, AgentProcess
 
-from .engines import Engine, write_model
+from .engines import Engine, poison_segment, write_model
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -230,14 +228,7 @@ def test_poisoned_cache_changes_the_output(setup: Setup) -> None:
     victim = prompt(8, 1000)
     expected = setup.ref.generate([victim], max_tokens=16)
     setup.a.generate([victim], max_tokens=16)
-    segment = SharedSegment.attach(setup.agent.segment_path)
-    try:
-        layout = segment.layout
-        noise = torch.randn(layout.data_size // 2, generator=torch.Generator().manual_seed(0))
-        raw = noise.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
-        segment.view[layout.data_offset : layout.data_offset + layout.data_size] = raw
-    finally:
-        segment.close()
+    poison_segment(setup.agent.segment_path)
 
     poisoned = setup.b.generate([victim], max_tokens=16)
 

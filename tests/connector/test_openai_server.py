@@ -37,16 +37,14 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool_agent import keys
 from kvpool_agent.client import AgentClient
-from kvpool_agent.segment import SharedSegment
 from tests.agent.agent_process import ADMIN_TOKEN, AgentProcess
 
 from .engine_main import TOP_LOGPROBS
-from .engines import Result, write_model
+from .engines import Result, poison_segment, write_model
 from .http_process import HttpProcess, free_port
 
 pytestmark = pytest.mark.timeout(600)
@@ -278,14 +276,7 @@ def test_poisoned_cache_changes_the_served_output(server: Server) -> None:
     the comparison the other tests pass would catch wrong KV."""
     victim = prompt(3)
     expected, _ = complete(server, victim, "team-a")
-    segment = SharedSegment.attach(server.agent.segment_path)
-    try:
-        layout = segment.layout
-        noise = torch.randn(layout.data_size // 2, generator=torch.Generator().manual_seed(0))
-        raw = noise.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
-        segment.view[layout.data_offset : layout.data_offset + layout.data_size] = raw
-    finally:
-        segment.close()
+    poison_segment(server.agent.segment_path)
     try:
         poisoned, _ = complete(server, victim, "team-a")
     finally:
