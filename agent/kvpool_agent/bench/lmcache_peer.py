@@ -5,10 +5,10 @@ environment that holds ``lmcache==0.5.6``; it is never imported by
 ``kvpool_agent`` (it imports nothing from it, and only the standard library at
 module level)::
 
-    python3 -m venv /work/lmcache-venv
-    /work/lmcache-venv/bin/pip install torch==2.13.0   # the local CPU build
-    /work/lmcache-venv/bin/pip install lmcache==0.5.6
-    /work/lmcache-venv/bin/python agent/kvpool_agent/bench/lmcache_peer.py \\
+    python3 -m venv ../lmcache-venv          # beside the checkout, outside the repository
+    ../lmcache-venv/bin/pip install torch==2.13.0   # the local CPU build
+    ../lmcache-venv/bin/pip install lmcache==0.5.6
+    ../lmcache-venv/bin/python agent/kvpool_agent/bench/lmcache_peer.py \\
         [--working-set-mib 256] [--chunk-sizes 262144,2097152,33554432] \\
         [--clients 1,4] [--lookups 2000] [--path shm|zmq] \\
         [--no-prefault] [--cold-client-map] [--timeout 280]
