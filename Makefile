@@ -4,7 +4,8 @@
 #
 # The vLLM matrix (README "Supported vLLM versions"; kvpool_agent/connector/compat.py):
 # `make test-vllm VLLM=0.31.0` runs the connector's tests on one more release in a venv of
-# its own (.venv-vllm-0.31.0); `make test-matrix` runs every release but the default.
+# its own (.venv-vllm-0.31.0), kept for the next run; `make test-matrix` runs every release
+# but the default.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -41,9 +42,10 @@ lint: deps
 test-vllm: .venv-vllm-$(VLLM)/.deps-installed
 	.venv-vllm-$(VLLM)/bin/pytest -p no:cacheprovider $(call vllm_tests,$(VLLM))
 
+# One venv at a time, each removed after its run: CI's disk need not hold them all.
 test-matrix:
 	set -e; for version in $(filter-out $(VLLM_DEFAULT),$(VLLM_ENGINE) $(VLLM_API)); do \
-		$(MAKE) --no-print-directory test-vllm VLLM=$$version; done
+		$(MAKE) --no-print-directory test-vllm VLLM=$$version; rm -rf .venv-vllm-$$version; done
 
 agent:
 	$(PYTHON) -m pip install . && kvpool-agent

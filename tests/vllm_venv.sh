@@ -15,6 +15,10 @@ venv=$1 version=$2 mode=$3
 python=${PYTHON:-python3}
 pip=(python -m pip install --quiet --disable-pip-version-check)
 
+# triton (1 GB of a 4 GB venv) comes with xgrammar and compiles GPU kernels only; vLLM's CPU
+# paths and the connector's tests run without it, and CI's disk holds several venvs.
+drop_triton() { python -m pip uninstall --quiet --yes triton; }
+
 rm -rf "$venv"
 "$python" -m venv "$venv"
 source "$venv/bin/activate"
@@ -27,6 +31,7 @@ engine)
     # its torchvision/torchaudio/torchcodec wheels do not match the CPU torch and break
     # imports; vLLM runs without them
     python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+    drop_triton
     ;;
 api)
     "${pip[@]}" --no-deps "vllm==$version" packaging
@@ -54,6 +59,7 @@ with open(sys.argv[1], "w") as out:
     out.write("\n".join(kept) + "\n")
 EOF
     "${pip[@]}" -c "$venv/torch-constraint.txt" -r "$venv/vllm-requirements.txt"
+    drop_triton
     # Fail here, not in the tests, if vLLM's Python API does not load beside the CPU torch.
     # Without a GPU the CUDA wheel finds no platform (UnspecifiedPlatform: it imports but
     # builds no config); VLLM_TARGET_DEVICE=cpu is vLLM's own switch for CPU-only runs of an
