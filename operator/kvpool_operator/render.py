@@ -215,8 +215,8 @@ class Children:
         ]
 
     def optional(self) -> list[Manifest]:
-        """The optional workloads and monitors the spec asks for, in the order they are
-        applied."""
+        """The index's children and the ServiceMonitor, where the spec asks for them, in the
+        order they are applied (after the required children)."""
         index = self.index.manifests() if self.index is not None else []
         return index + ([self.service_monitor] if self.service_monitor is not None else [])
 
