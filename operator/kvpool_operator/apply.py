@@ -56,6 +56,7 @@ KINDS = {
         Kind("apps/v1", "Deployment", "deployments"),
         Kind("rbac.authorization.k8s.io/v1", "Role", "roles"),
         Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
+        Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
         Kind(
             "monitoring.coreos.com/v1",
             "ServiceMonitor",

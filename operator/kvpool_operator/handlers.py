@@ -3,8 +3,8 @@
 - a pool is created, changed (spec, labels, annotations) or found at start:
   :meth:`~kvpool_operator.reconcile.Reconciler.pool_changed`, retried while the API
   server refuses;
-- any event on a child (labelled ``kvpool.io/pool``; the agents' DaemonSet and the index's
-  Deployment among them): drift correction and the pool's status,
+- any event on a child (labelled ``kvpool.io/pool``; the agents' DaemonSet, the index's
+  Deployment and the NetworkPolicies among them): drift correction and the pool's status,
   :meth:`~kvpool_operator.reconcile.Reconciler.child_changed`.
 
 kopf keeps its own bookkeeping in ``kvpool.io/`` annotations of the pool (not in its
@@ -69,6 +69,7 @@ def pool_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.event(
     "rbac.authorization.k8s.io/v1", "rolebindings", labels=CHILD_LABELS, registry=registry
 )
+@kopf.on.event("networking.k8s.io/v1", "networkpolicies", labels=CHILD_LABELS, registry=registry)
 def child_changed(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     _reconciler(memo).child_changed(type, body)
 

@@ -4,11 +4,12 @@ Two idempotent entry points, each called by a thin kopf handler (``handlers.py``
 
 - :meth:`Reconciler.pool_changed`: the pool was created or changed, or was found when the
   operator started. Render every child, apply each the pool has (server-side apply), delete
-  the optional children it no longer has (those it owns: the index, the ServiceMonitor),
-  write the status, post an event naming what changed. An optional child of a kind the
-  cluster does not serve (a ServiceMonitor without prometheus-operator) is skipped with a
-  Warning event. An invalid spec is reported (status and a Warning event) and not retried;
-  a refused or failed write is reported and raised, so that the caller retries.
+  the optional children it no longer has (those it owns: the index, the ServiceMonitor, the
+  NetworkPolicies), write the status, post an event naming what changed. An optional child
+  of a kind the cluster does not serve (a ServiceMonitor without prometheus-operator) is
+  skipped with a Warning event. An invalid spec is reported (status and a Warning event)
+  and not retried; a refused or failed write is reported and raised, so that the caller
+  retries.
 - :meth:`Reconciler.child_changed`: an event on one of the pool's children. A child that
   was deleted, or no longer holds what the operator renders, is applied again (drift);
   events on the DaemonSet refresh the pool's node counts and conditions, events on the

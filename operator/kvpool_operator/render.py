@@ -13,6 +13,10 @@ the pool and owned by it (a controller ownerReference, so deleting the pool dele
 - ``kvpool-<pool>``: Service (``internalTrafficPolicy: Local``) whose annotations tell
   the vLLM connector how to reach and use its node's agent;
 - ``kvpool-<pool>``: ServiceMonitor, when the spec asks for one;
+- ``kvpool-<pool>-agent`` and, with the index, ``kvpool-<pool>-index``: NetworkPolicies,
+  when the spec asks for them (``spec.networkPolicy.enabled``), that isolate the agent pods
+  and the index pods for ingress and admit each peer the spec names to the ports it needs;
+  applied before the other children, so that no pod of the pool runs unprotected;
 - the prefix index, when the spec asks for it (``spec.index.enabled``), labelled
   ``app.kubernetes.io/component: index`` (so the agents' Service and DaemonSet never select
   its pods, nor the index's discovery, which follows ``component: agent`` pods):
@@ -21,9 +25,10 @@ the pool and owned by it (a controller ownerReference, so deleting the pool dele
   Role and RoleBinding that let it read and watch the pool's pods, a Deployment of
   ``spec.index.replicas`` independent indexes, and a ClusterIP Service for gateways.
 
-The ServiceMonitor and the index are optional children: :class:`Children` lists those the
-spec asks for next to the required ones, and names (:attr:`Children.absent`) those it does
-not, which the operator deletes where the pool owns them.
+The NetworkPolicies, the ServiceMonitor and the index are optional children:
+:class:`Children` lists those the spec asks for next to the required ones, and names
+(:attr:`Children.absent`) those it does not, which the operator deletes where the pool owns
+them.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from kvpool_operator.spec import (
     API_VERSION,
     KIND,
     InvalidSpec,
+    NetworkPeer,
     NvmeTier,
     PoolSpec,
     ResourcesSpec,
@@ -192,6 +198,7 @@ class Children:
     daemonset: Manifest
     index: IndexChildren | None
     service_monitor: Manifest | None
+    network_policies: tuple[Manifest, ...]
     absent: tuple[ChildRef, ...]
     """Optional children the spec does not ask for, in the order they are deleted."""
 
@@ -208,13 +215,14 @@ class Children:
         ]
 
     def optional(self) -> list[Manifest]:
-        """The optional children the spec asks for, in the order they are applied."""
+        """The index's children and the ServiceMonitor, where the spec asks for them, in the
+        order they are applied (after the required children)."""
         index = self.index.manifests() if self.index is not None else []
         return index + ([self.service_monitor] if self.service_monitor is not None else [])
 
     def present(self) -> list[Manifest]:
-        """Every child the pool has, in the order they are applied."""
-        return self.required() + self.optional()
+        """Every child the pool has, in the order they are applied (NetworkPolicies first)."""
+        return [*self.network_policies, *self.required(), *self.optional()]
 
 
 def index_refs(pool: Pool) -> tuple[ChildRef, ...]:
@@ -231,6 +239,17 @@ def index_refs(pool: Pool) -> tuple[ChildRef, ...]:
 
 def service_monitor_refs(pool: Pool) -> tuple[ChildRef, ...]:
     return (ChildRef("monitoring.coreos.com/v1", "ServiceMonitor", pool.service_name),)
+
+
+NETWORK_POLICY_API_VERSION = "networking.k8s.io/v1"
+
+
+def network_policy_refs(pool: Pool) -> tuple[ChildRef, ...]:
+    """The agents' NetworkPolicy and the index's."""
+    return tuple(
+        ChildRef(NETWORK_POLICY_API_VERSION, "NetworkPolicy", name)
+        for name in (pool.agent_name, pool.index_name)
+    )
 
 
 class _ArgumentsOnly(BaseSettings):
@@ -287,6 +306,8 @@ def render(pool: Pool, spec: PoolSpec, *, default_image: str) -> Children:
     service_account, role, role_binding = _agent_rbac(pool)
     index = _index_children(pool, spec, default_image) if spec.index.enabled else None
     monitor = _service_monitor(pool, spec) if spec.metrics.service_monitor.enabled else None
+    policies = _network_policies(pool, spec) if spec.network_policy.enabled else ()
+    made = {ChildRef.of(policy) for policy in policies}
     return Children(
         service_account=service_account,
         role=role,
@@ -297,8 +318,10 @@ def render(pool: Pool, spec: PoolSpec, *, default_image: str) -> Children:
         daemonset=_daemonset(pool, spec, config, config_text, default_image),
         index=index,
         service_monitor=monitor,
+        network_policies=policies,
         absent=(() if index else index_refs(pool))
-        + (() if monitor else service_monitor_refs(pool)),
+        + (() if monitor else service_monitor_refs(pool))
+        + tuple(ref for ref in network_policy_refs(pool) if ref not in made),
     )
 
 
@@ -512,6 +535,59 @@ def _service_monitor(pool: Pool, spec: PoolSpec) -> Manifest:
             "endpoints": [{"port": "http", "path": "/metrics", "interval": monitor.interval}],
         },
     )
+
+
+def _peers(peers: tuple[NetworkPeer, ...]) -> list[dict[str, Any]]:
+    """The spec's peers as NetworkPolicy peers: each selector as written, ``{}`` included."""
+    return [peer.model_dump(mode="json", by_alias=True, exclude_defaults=True) for peer in peers]
+
+
+def _ingress(peers: list[dict[str, Any]], ports: list[int]) -> list[dict[str, Any]]:
+    """One ingress rule admitting ``peers`` to ``ports``; none without peers (a rule without
+    ``from`` would admit every source)."""
+    if not peers:
+        return []
+    return [{"from": peers, "ports": [{"protocol": "TCP", "port": port} for port in ports]}]
+
+
+def _network_policy(
+    pool: Pool, component: str, name: str, ingress: list[dict[str, Any]]
+) -> Manifest:
+    """Isolate a component's pods for ingress (egress stays open) and admit ``ingress``."""
+    return _manifest(
+        NETWORK_POLICY_API_VERSION,
+        "NetworkPolicy",
+        pool,
+        name,
+        component=component,
+        spec={
+            "podSelector": {"matchLabels": pool.selector(component)},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    )
+
+
+def _network_policies(pool: Pool, spec: PoolSpec) -> tuple[Manifest, ...]:
+    """Clients reach the agents' ZMQ and HTTP ports, Prometheus their HTTP port (/metrics),
+    the pool's index their ZMQ (snapshots) and events ports; gateways and Prometheus reach
+    the index's port."""
+    policy, ports = spec.network_policy, spec.ports
+    prometheus = _peers(policy.prometheus)
+    index = [{"podSelector": {"matchLabels": pool.selector(INDEX)}}] if spec.index.enabled else []
+    agents = _network_policy(
+        pool,
+        AGENT,
+        pool.agent_name,
+        _ingress(_peers(policy.clients), [ports.zmq, ports.http])
+        + _ingress(index, [ports.zmq, ports.events])
+        + _ingress(prometheus, [ports.http]),
+    )
+    if not spec.index.enabled:
+        return (agents,)
+    port = spec.index.port
+    ingress = _ingress(_peers(policy.gateways), [port]) + _ingress(prometheus, [port])
+    return agents, _network_policy(pool, INDEX, pool.index_name, ingress)
 
 
 def _resources(

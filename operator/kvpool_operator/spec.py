@@ -206,6 +206,63 @@ class IndexSpec(_Spec):
     tolerations: tuple[dict[str, Any], ...] = Field((), description="Pod tolerations.")
 
 
+SELECTOR_VALUES = "matchExpressions: In and NotIn need values, Exists and DoesNotExist take none"
+PEER_SELECTS_NOTHING = "a networkPolicy peer sets podSelector, namespaceSelector or both"
+NETWORK_POLICY_NEEDS_CLIENTS = (
+    "spec.networkPolicy.enabled needs spec.networkPolicy.clients: "
+    "the pods (vLLM's) that use the agents"
+)
+NETWORK_POLICY_NEEDS_GATEWAYS = (
+    "spec.networkPolicy.enabled with spec.index.enabled needs spec.networkPolicy.gateways: "
+    "the pods that call the index"
+)
+
+
+class LabelSelectorRequirement(_Spec):
+    key: str = Field(description="Label key.")
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"] = Field(
+        description="How the label's value is matched."
+    )
+    values: tuple[str, ...] = Field((), description="Values of In and NotIn.")
+
+    @model_validator(mode="after")
+    def _values_fit_the_operator(self) -> Self:
+        if (self.operator in ("In", "NotIn")) != bool(self.values):
+            raise ValueError(SELECTOR_VALUES)
+        return self
+
+
+class LabelSelector(_Spec):
+    match_labels: dict[str, str] = Field({}, description="Labels it has.")
+    match_expressions: tuple[LabelSelectorRequirement, ...] = Field(
+        (), description="Requirements on its labels."
+    )
+
+
+class NetworkPeer(_Spec):
+    pod_selector: LabelSelector | None = Field(None, description="Pods admitted.")
+    namespace_selector: LabelSelector | None = Field(None, description="Their namespaces.")
+
+    @model_validator(mode="after")
+    def _selects(self) -> Self:
+        if self.pod_selector is None and self.namespace_selector is None:
+            raise ValueError(PEER_SELECTS_NOTHING)
+        return self
+
+
+class NetworkPolicySpec(_Spec):
+    enabled: bool = Field(False, description="Admit only these peers to the pool's pods.")
+    clients: tuple[NetworkPeer, ...] = Field((), description="vLLM pods and tools: the agents.")
+    gateways: tuple[NetworkPeer, ...] = Field((), description="Gateways: the index.")
+    prometheus: tuple[NetworkPeer, ...] = Field((), description="Scrapers of /metrics.")
+
+    @model_validator(mode="after")
+    def _has_clients(self) -> Self:
+        if self.enabled and not self.clients:
+            raise ValueError(NETWORK_POLICY_NEEDS_CLIENTS)
+        return self
+
+
 INDEX_NEEDS_TOKENS = (
     "spec.index.enabled needs spec.tenants.tokensSecretRef: "
     "gateways authenticate with its gateways: tokens"
@@ -223,11 +280,21 @@ class PoolSpec(_Spec):
     metrics: MetricsSpec = Field(MetricsSpec(), description="Prometheus metrics.")
     agent: AgentSpec = Field(AgentSpec(), description="The agent DaemonSet.")
     index: IndexSpec = Field(IndexSpec(), description="The pool-wide prefix index.")
+    network_policy: NetworkPolicySpec = Field(
+        NetworkPolicySpec(), description="Who may connect to the pool's pods."
+    )
 
     @model_validator(mode="after")
     def _index_has_tokens(self) -> Self:
         if self.index.enabled and self.tenants.tokens_secret_ref is None:
             raise ValueError(INDEX_NEEDS_TOKENS)
+        return self
+
+    @model_validator(mode="after")
+    def _index_has_gateways(self) -> Self:
+        policy = self.network_policy
+        if policy.enabled and self.index.enabled and not policy.gateways:
+            raise ValueError(NETWORK_POLICY_NEEDS_GATEWAYS)
         return self
 
     @classmethod

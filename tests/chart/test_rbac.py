@@ -48,6 +48,8 @@ NAMESPACED: set[Permission] = (
     | _verbs("apps", "deployments", *CHILD_VERBS, "delete")
     | _verbs(RBAC, "roles", *CHILD_VERBS, "delete")
     | _verbs(RBAC, "rolebindings", *CHILD_VERBS, "delete")
+    # a pool's NetworkPolicies are deleted when it turns spec.networkPolicy off
+    | _verbs("networking.k8s.io", "networkpolicies", *CHILD_VERBS, "delete")
     | _verbs("monitoring.coreos.com", "servicemonitors", "get", "create", "patch", "delete")
     | _verbs("", "events", "create", "patch")
     | _verbs("", "pods", "get", "list", "watch")  # granted on to the index's Role
@@ -58,6 +60,11 @@ EVERYTHING = {
     "tenants": {"tokensSecretRef": {"name": "tokens"}},
     "index": {"enabled": True},
     "metrics": {"serviceMonitor": {"enabled": True}},
+    "networkPolicy": {
+        "enabled": True,
+        "clients": [{"podSelector": {}}],
+        "gateways": [{"podSelector": {}}],
+    },
 }
 """A pool with every optional child."""
 
@@ -73,7 +80,7 @@ def _group(api_version: str) -> str:
 def test_the_expected_permissions_follow_the_operators_code() -> None:
     """Every kind the operator writes and every resource kopf watches is in NAMESPACED."""
     deleted = {(ref.api_version, ref.kind) for ref in _render({}).absent}
-    assert {kind for _, kind in deleted} >= {"Deployment", "ServiceMonitor"}
+    assert {kind for _, kind in deleted} >= {"Deployment", "ServiceMonitor", "NetworkPolicy"}
     for kind in KINDS.values():
         group = _group(kind.api_version)
         if kind is POOLS:

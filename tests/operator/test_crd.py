@@ -19,7 +19,11 @@ from kvpool_operator.spec import (
     API_VERSION,
     INDEX_NEEDS_TOKENS,
     KIND,
+    NETWORK_POLICY_NEEDS_CLIENTS,
+    NETWORK_POLICY_NEEDS_GATEWAYS,
+    PEER_SELECTS_NOTHING,
     PLURAL,
+    SELECTOR_VALUES,
     InvalidSpec,
     PoolSpec,
     parse_bytes,
@@ -142,7 +146,55 @@ def _models_in(annotation: Any, in_list: bool = False) -> Iterator[tuple[type[Ba
 VALID = {"chunkTokens": 256, "blockSize": 16}
 TOKENS = {"tenants": {"tokensSecretRef": {"name": "kvpool-main-tokens"}}}
 FINGERPRINT = {"model": "m", "dtype": "bfloat16", "kvLayout": "nhd"}
+ANY_POD = {"podSelector": {}}
+
+
+def _clients(*peers: dict[str, Any]) -> dict[str, Any]:
+    """A pool whose network policy admits ``peers`` as clients."""
+    return {"networkPolicy": {"enabled": True, "clients": list(peers)}}
+
+
+def _expression(operator: str, *values: str) -> dict[str, Any]:
+    """A client peer whose podSelector has one expression on the label ``app``."""
+    expression: dict[str, Any] = {"key": "app", "operator": operator}
+    expression |= {"values": list(values)} if values else {}
+    return {"podSelector": {"matchExpressions": [expression]}}
+
+
+NETWORK_POLICY_RULES = [
+    pytest.param(
+        {"networkPolicy": {"enabled": True}}, NETWORK_POLICY_NEEDS_CLIENTS, id="no-clients"
+    ),
+    pytest.param(
+        {**TOKENS, "index": {"enabled": True}, **_clients(ANY_POD)},
+        NETWORK_POLICY_NEEDS_GATEWAYS,
+        id="index-without-gateways",
+    ),
+    pytest.param(_clients({}), PEER_SELECTS_NOTHING, id="peer-selects-nothing"),
+    pytest.param(_clients(_expression("In")), SELECTOR_VALUES, id="in-without-values"),
+    pytest.param(_clients(_expression("Exists", "a")), SELECTOR_VALUES, id="exists-with-values"),
+]
+"""Network policies the CRD and the operator's model both refuse, with the same message."""
 INVALID_POOLS = [
+    *NETWORK_POLICY_RULES,
+    pytest.param(
+        _clients(_expression("Equals", "a")), "'Equals' is not one of", id="selector-operator"
+    ),
+    pytest.param(
+        _clients({"podSelector": {"matchLabels": {"app": "not a label value"}}}),
+        "does not match",
+        id="label-value",
+    ),
+    pytest.param(
+        _clients({"ipBlock": {"cidr": "10.0.0.0/8"}}),
+        "Additional properties are not allowed ('ipBlock'",
+        id="ip-block",
+    ),
+    pytest.param(
+        {"networkPolicy": {"enabled": True, "clients": ANY_POD}},
+        "is not of type 'array'",
+        id="clients-not-a-list",
+    ),
     pytest.param(
         {"eviction": {"highWatermark": 0.8, "lowWatermark": 0.9}},
         "eviction.lowWatermark (0.9) must be below eviction.highWatermark (0.8)",
@@ -267,6 +319,29 @@ def test_an_index_needs_the_pools_tokens_in_the_crd_and_the_model() -> None:
     with pytest.raises(InvalidSpec, match=re.escape(INDEX_NEEDS_TOKENS)):
         PoolSpec.parse(enabled)
     assert PoolSpec.parse({**enabled, **TOKENS}).index.enabled
+
+
+@pytest.mark.parametrize(("spec", "message"), NETWORK_POLICY_RULES)
+def test_network_policy_rules_hold_in_the_crd_and_the_model(
+    spec: dict[str, Any], message: str
+) -> None:
+    """The emulated API server has no CEL rules: the operator refuses what the CRD refuses."""
+    assert any(message in error for error in admission_errors(_pool(spec))), message
+    with pytest.raises(InvalidSpec, match=re.escape(message)):
+        PoolSpec.parse(spec)
+
+
+def test_network_policy_peers_as_a_networkpolicy_takes_them() -> None:
+    namespaces = {"namespaceSelector": {}}  # every pod of every namespace
+    both = {"namespaceSelector": {"matchLabels": {"team": "a"}}, **_expression("In", "vllm")}
+    policy = _clients(ANY_POD, namespaces, both, _expression("DoesNotExist"))
+    policy["networkPolicy"] |= {"gateways": [ANY_POD], "prometheus": [namespaces]}
+    spec = {**TOKENS, "index": {"enabled": True}, **policy}
+    assert admission_errors(_pool(spec)) == []
+    assert PoolSpec.parse(spec).network_policy.enabled
+    assert admission_errors(_pool({"networkPolicy": {"clients": [ANY_POD]}})) == []
+    defaulted = with_defaults(schema(), _pool({}))["spec"]["networkPolicy"]
+    assert defaulted == {"enabled": False, "clients": [], "gateways": [], "prometheus": []}
 
 
 def test_index_defaults_are_the_indexs() -> None:

@@ -36,6 +36,10 @@ INDEX_CHILDREN = [
     ("services", "kvpool-{}-index"),
     ("deployments", "kvpool-{}-index"),
 ]
+POLICIES = [
+    ("networkpolicies", "kvpool-{}-agent"),
+    ("networkpolicies", "kvpool-{}-index"),
+]
 TOKENS = {"tenants": {"tokensSecretRef": {"name": "kvpool-tokens"}}}
 SERVICE_MONITOR_CRD = {
     "apiVersion": "apiextensions.k8s.io/v1",
@@ -456,6 +460,88 @@ def test_the_index_follows_the_pool(
     assert "deleted ConfigMap kvpool-routed-index-config" in deleted
     time.sleep(1)  # and the operator does not bring them back
     index_gone()
+
+
+def _policies(api: ServedApi, pool: str, *names: str) -> None:
+    """The NetworkPolicies of ``pool`` are exactly those named ``names``."""
+    found = {
+        name
+        for name, policy in api.objects("networkpolicies", NAMESPACE).items()
+        if policy["metadata"]["labels"].get("kvpool.io/pool") == pool
+    }
+    assert found == set(names)
+
+
+def _client_peers(api: ServedApi) -> list[dict[str, Any]]:
+    """The peers of the first ingress rule of the agents' NetworkPolicy (the clients')."""
+    policy = _get(api, "networkpolicies", "kvpool-guarded-agent")
+    assert policy is not None
+    peers: list[dict[str, Any]] = policy["spec"]["ingress"][0]["from"]
+    return peers
+
+
+def test_network_policies_follow_the_pool(
+    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
+) -> None:
+    uid = _create(kubectl, served_api, "guarded", {**TOKENS, "index": {"enabled": True}})
+    eventually(lambda: _applied(served_api, "guarded"))
+    _policies(served_api, "guarded")  # none: off by default
+
+    clients = [{"podSelector": {"matchLabels": {"kvpool.io/client": "guarded"}}}]
+    gateways = [{"podSelector": {"matchLabels": {"kvpool.io/gateway": "guarded"}}}]
+    policy = {"enabled": True, "clients": clients, "gateways": gateways}
+    _patch_pool(kubectl, "guarded", {"spec": {"networkPolicy": policy}})
+    eventually(lambda: _applied(served_api, "guarded", generation=2))
+    eventually(lambda: _owned(served_api, "guarded", uid, POLICIES))
+    assert _client_peers(served_api) == clients
+    applied = _event(served_api, "guarded", "Normal", "Applied", "NetworkPolicy")
+    assert "created NetworkPolicy kvpool-guarded-agent" in applied
+    assert "created NetworkPolicy kvpool-guarded-index" in applied
+
+    # update: other clients
+    team = [{"namespaceSelector": {"matchLabels": {"team": "a"}}, "podSelector": {}}]
+    _patch_pool(kubectl, "guarded", {"spec": {"networkPolicy": {"clients": team}}})
+    eventually(lambda: _applied(served_api, "guarded", generation=3))
+    assert _client_peers(served_api) == team
+    updated = "updated NetworkPolicy kvpool-guarded-agent"
+    _event(served_api, "guarded", "Normal", "Applied", updated)
+
+    # drift: a deleted policy comes back
+    before = _get(served_api, "networkpolicies", "kvpool-guarded-agent")
+    assert before is not None
+    kubectl("delete", "networkpolicy", "kvpool-guarded-agent", "-n", NAMESPACE)
+
+    def policy_back() -> None:
+        again = _get(served_api, "networkpolicies", "kvpool-guarded-agent")
+        assert again is not None and again["metadata"]["uid"] != before["metadata"]["uid"]
+        assert again["spec"] == before["spec"]
+
+    eventually(policy_back)
+    restored = "restored NetworkPolicy kvpool-guarded-agent, deleted outside the operator"
+    _event(served_api, "guarded", "Normal", "DriftCorrected", restored)
+
+    # the index turned off: its policy goes, and the agents no longer admit index pods
+    _patch_pool(kubectl, "guarded", {"spec": {"index": {"enabled": False}}})
+    eventually(lambda: _applied(served_api, "guarded", generation=4))
+    eventually(lambda: _policies(served_api, "guarded", "kvpool-guarded-agent"))
+    agents = _get(served_api, "networkpolicies", "kvpool-guarded-agent")
+    assert agents is not None and [rule["from"] for rule in agents["spec"]["ingress"]] == [team]
+
+    # turned off: the agents' policy goes too, for good
+    _patch_pool(kubectl, "guarded", {"spec": {"networkPolicy": {"enabled": False}}})
+    eventually(lambda: _applied(served_api, "guarded", generation=5))
+    deleted = "deleted NetworkPolicy kvpool-guarded-agent"
+    _event(served_api, "guarded", "Normal", "Applied", deleted)
+    _policies(served_api, "guarded")
+    time.sleep(1)  # and the operator does not bring it back
+    _policies(served_api, "guarded")
+
+    # on again, then the pool deleted: the garbage collector takes the policy with it
+    _patch_pool(kubectl, "guarded", {"spec": {"networkPolicy": {"enabled": True}}})
+    eventually(lambda: _applied(served_api, "guarded", generation=6))
+    _policies(served_api, "guarded", "kvpool-guarded-agent")
+    kubectl("delete", "kvp", "guarded", "-n", NAMESPACE)
+    eventually(lambda: _policies(served_api, "guarded"))
 
 
 def test_an_index_child_the_pool_does_not_own_stays(

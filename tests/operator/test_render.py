@@ -24,12 +24,14 @@ from kvpool_operator.render import (
     agent_memory,
     format_bytes,
     index_refs,
+    network_policy_refs,
     render,
     service_monitor_refs,
 )
 from kvpool_operator.spec import InvalidSpec, PoolSpec
 
 from .crd_schema import EXAMPLES, GPU_EXAMPLE
+from .network_policy import Pod, admits
 from .test_crd import OLDEST_KUBERNETES
 
 POOL = Pool("gpu", "inference", "0d3c5e9a-1f2b-4c6d-8e9f-0a1b2c3d4e5f")
@@ -118,6 +120,8 @@ def test_names_labels_and_owner() -> None:
         ("RoleBinding", "kvpool-gpu-index"),
         ("Deployment", "kvpool-gpu-index"),
         ("Service", "kvpool-gpu-index"),
+        ("NetworkPolicy", "kvpool-gpu-agent"),
+        ("NetworkPolicy", "kvpool-gpu-index"),
     }
     assert children.absent == ()
     assert children.index is not None
@@ -339,14 +343,16 @@ def test_a_pool_without_the_index_names_the_index_children_absent() -> None:
     """What a pool without the index deletes is exactly what a pool with one has."""
     children = _children()
     assert children.index is None
-    assert children.absent == index_refs(POOL) + service_monitor_refs(POOL)
+    assert children.absent == index_refs(POOL) + service_monitor_refs(POOL) + network_policy_refs(
+        POOL
+    )
     index = _index()
     assert {ChildRef.of(child) for child in index.manifests()} == set(index_refs(POOL))
     assert index_refs(POOL)[0] == ChildRef.of(index.deployment)  # deleted first
     monitored = _children(PoolSpec.parse({"metrics": {"serviceMonitor": {"enabled": True}}}))
     assert monitored.service_monitor is not None
     assert service_monitor_refs(POOL) == (ChildRef.of(monitored.service_monitor),)
-    assert monitored.absent == index_refs(POOL)
+    assert monitored.absent == index_refs(POOL) + network_policy_refs(POOL)
 
 
 def test_index_pods_and_agent_pods_are_told_apart() -> None:
@@ -574,3 +580,132 @@ def test_an_index_config_change_rolls_the_index_and_nothing_else_does() -> None:
 def test_a_pool_that_asks_for_an_index_without_tokens_is_invalid() -> None:
     with pytest.raises(InvalidSpec, match=r"spec\.index\.enabled needs spec\.tenants"):
         PoolSpec.parse({"index": {"enabled": True}})
+
+
+NETWORK_POLICY = {
+    "enabled": True,
+    "clients": [
+        {"podSelector": {"matchLabels": {"app": "vllm"}}},
+        {
+            "namespaceSelector": {"matchLabels": {"team": "a"}},
+            "podSelector": {"matchExpressions": [{"key": "client", "operator": "Exists"}]},
+        },
+    ],
+    "gateways": [{"podSelector": {"matchLabels": {"app": "gateway"}}}],
+    "prometheus": [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            "podSelector": {
+                "matchExpressions": [
+                    {"key": "app.kubernetes.io/name", "operator": "In", "values": ["prometheus"]}
+                ]
+            },
+        }
+    ],
+}
+PORTS = {"zmq": 9000, "http": 9001, "events": 9002}
+INDEX_PORT = 9003
+SOURCES = {
+    "vllm": Pod({"app": "vllm"}, "inference"),
+    "vllm-of-team-a": Pod({"client": "yes"}, "team-a", {"team": "a"}),
+    "vllm-elsewhere": Pod({"app": "vllm"}, "elsewhere"),
+    "stranger": Pod({"app": "other"}, "inference"),
+    "gateway": Pod({"app": "gateway"}, "inference"),
+    "prometheus": Pod(
+        {"app.kubernetes.io/name": "prometheus"},
+        "monitoring",
+        {"kubernetes.io/metadata.name": "monitoring"},
+    ),
+}
+
+
+def _protected(policy: dict[str, Any], index: bool = True) -> Children:
+    spec = {**TOKENS, "ports": PORTS, "networkPolicy": policy}
+    spec |= {"index": {"enabled": True, "port": INDEX_PORT}} if index else {}
+    return _children(PoolSpec.parse(spec))
+
+
+def _pods(children: Children) -> dict[str, Pod]:
+    """The pool's agent pod, and its index pod if it has one."""
+    workloads = {"agent": children.daemonset}
+    workloads |= {"index": children.index.deployment} if children.index is not None else {}
+    return {
+        name: Pod(workload["spec"]["template"]["metadata"]["labels"], POOL.namespace)
+        for name, workload in workloads.items()
+    }
+
+
+def _admitted(children: Children, target: Pod, source: Pod) -> set[int]:
+    ports = {*PORTS.values(), INDEX_PORT}
+    return {port for port in ports if admits(children.network_policies, target, source, port)}
+
+
+def test_network_policies_are_off_by_default() -> None:
+    children = _children(PoolSpec.parse({**TOKENS, "index": {"enabled": True}}))
+    assert children.network_policies == ()
+    assert set(network_policy_refs(POOL)) <= set(children.absent)
+
+
+@pytest.mark.parametrize("version", [OLDEST_KUBERNETES, kubernetes_validate.latest_version()])
+def test_network_policies_are_valid_kubernetes_objects(version: str) -> None:
+    children = _protected(NETWORK_POLICY)
+    assert [ChildRef.of(policy) for policy in children.network_policies] == list(
+        network_policy_refs(POOL)
+    )
+    for policy in children.network_policies:
+        kubernetes_validate.validate(policy, version, strict=True)
+    assert children.present()[:2] == list(children.network_policies)  # applied first
+    assert not set(network_policy_refs(POOL)) & set(children.absent)
+
+
+@pytest.mark.parametrize(
+    ("source", "agent_ports", "index_ports"),
+    [
+        ("vllm", {9000, 9001}, set()),
+        ("vllm-of-team-a", {9000, 9001}, set()),
+        ("vllm-elsewhere", set(), set()),  # a podSelector alone: the pool's namespace only
+        ("stranger", set(), set()),
+        ("gateway", set(), {INDEX_PORT}),
+        ("prometheus", {9001}, {INDEX_PORT}),
+    ],
+)
+def test_each_peer_reaches_the_ports_it_needs_and_no_other(
+    source: str, agent_ports: set[int], index_ports: set[int]
+) -> None:
+    children = _protected(NETWORK_POLICY)
+    pods = _pods(children)
+    assert _admitted(children, pods["agent"], SOURCES[source]) == agent_ports
+    assert _admitted(children, pods["index"], SOURCES[source]) == index_ports
+
+
+def test_the_index_reaches_the_agents_snapshots_and_events() -> None:
+    children = _protected(NETWORK_POLICY)
+    pods = _pods(children)
+    assert _admitted(children, pods["agent"], pods["index"]) == {9000, 9002}
+    assert _admitted(children, pods["index"], pods["agent"]) == set()
+    assert _admitted(children, pods["agent"], pods["agent"]) == set()  # agents never talk
+
+
+def test_a_pool_without_the_index_has_the_agents_policy_only() -> None:
+    clients_only = {"enabled": True, "clients": NETWORK_POLICY["clients"]}
+    children = _protected(clients_only, index=False)
+    (policy,) = children.network_policies
+    assert ChildRef.of(policy) == network_policy_refs(POOL)[0]
+    assert network_policy_refs(POOL)[1] in children.absent
+    (clients,) = policy["spec"]["ingress"]  # no rule for an index or Prometheus it lacks
+    assert clients["from"] == NETWORK_POLICY["clients"]
+    agent = _pods(children)["agent"]
+    assert _admitted(children, agent, SOURCES["vllm"]) == {9000, 9001}
+    for source in ("prometheus", "gateway", "stranger"):
+        assert _admitted(children, agent, SOURCES[source]) == set(), source
+
+
+def test_no_rule_admits_every_source() -> None:
+    """A rule without peers admits everyone: an empty list of peers makes no rule at all."""
+    for policy in (NETWORK_POLICY, {"enabled": True, "clients": NETWORK_POLICY["clients"]}):
+        for index in (True, False):
+            if index and "gateways" not in policy:
+                continue
+            for rendered in _protected(policy, index).network_policies:
+                assert rendered["spec"]["policyTypes"] == ["Ingress"]  # egress stays open
+                assert all(rule["from"] and rule["ports"] for rule in rendered["spec"]["ingress"])
