@@ -8,9 +8,10 @@ route takes ``Authorization: Bearer <token>``: an admin token may do anything,
 a tenant token only reads and changes its own tenant's quota, usage and cache,
 and a gateway token (the prefix index's) nothing here. Checks run in this order:
 a missing or unknown token is 401, a gateway token 403, a malformed tenant id
-422, a tenant touching another tenant or an admin-only route 403 (only a
-body that is not JSON at all is refused before the token is checked: FastAPI
-parses bodies first). Every error body is ``{"detail": "<reason>"}``.
+422, a tenant touching another tenant or an admin-only route 403. A request
+with a body is checked for its size (413) and token before the body is read
+(:class:`~kvpool_agent.http_body_gate.BodyGate`). Every error body is
+``{"detail": "<reason>"}``.
 
 Handlers that reach the service are plain ``def``: FastAPI runs them in its
 thread pool, so the service's locks and the quota store's file I/O never block
@@ -27,14 +28,25 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from kvpool_agent.auth import TENANT_ID_RULE, Principal, Role, TokenAuthority, is_tenant_id
+from kvpool_agent.auth import (
+    TENANT_ID_PATTERN,
+    TENANT_ID_RULE,
+    Principal,
+    Role,
+    TokenAuthority,
+    is_tenant_id,
+)
+from kvpool_agent.http_body_gate import BodyGate
 from kvpool_agent.http_common import (
+    BearerAuth,
     Error,
     MetricsSource,
     bearer_principal,
     health_routes,
     on_invalid_request,
+    on_method_not_allowed,
 )
+from kvpool_agent.http_limits import HttpLimits
 from kvpool_agent.l1 import TenantStats
 from kvpool_agent.quota_store import QuotaStoreError
 from kvpool_agent.service import CacheService, QuotaView
@@ -188,12 +200,9 @@ class _Guards:
     tenant: Callable[..., TenantAccess]
 
 
-def _guards(authority: TokenAuthority) -> _Guards:
+def _guards(auth: BearerAuth) -> _Guards:
     authenticate = bearer_principal(
-        authority,
-        realm="kvpool",
-        roles=(Role.ADMIN, Role.TENANT),
-        description="An admin token, or a tenant token for that tenant's own routes.",
+        auth, description="An admin token, or a tenant token for that tenant's own routes."
     )
 
     def admin(principal: Annotated[Principal, Depends(authenticate)]) -> Principal:
@@ -202,7 +211,15 @@ def _guards(authority: TokenAuthority) -> _Guards:
         return principal
 
     def tenant(
-        tenant_id: Annotated[str, Path(description=TENANT_ID_DOC, examples=[_EXAMPLE_TENANT])],
+        tenant_id: Annotated[
+            str,
+            Path(
+                description=TENANT_ID_DOC,
+                examples=[_EXAMPLE_TENANT],
+                # declared, not enforced by FastAPI: the check below runs after the token's
+                json_schema_extra={"pattern": TENANT_ID_PATTERN},
+            ),
+        ],
         principal: Annotated[Principal, Depends(authenticate)],
     ) -> TenantAccess:
         if not is_tenant_id(tenant_id):
@@ -225,11 +242,13 @@ def create_app(
     *,
     ready: Callable[[], bool] | None = None,
     metrics: MetricsSource | None = None,
+    limits: HttpLimits | None = None,
 ) -> FastAPI:
     """The HTTP API over ``service``, guarded by ``authority``.
 
     ``ready`` answers ``/readyz`` (default: ready whenever the app serves).
     ``metrics``, if given, is served at ``/metrics`` without a token.
+    ``limits`` bound request bodies (:class:`~kvpool_agent.http_body_gate.BodyGate`).
     """
     app = FastAPI(
         title="kvpool agent",
@@ -239,7 +258,10 @@ def create_app(
     )
     app.add_exception_handler(RequestValidationError, on_invalid_request)
     app.add_exception_handler(QuotaStoreError, _on_store_error)
-    guards = _guards(authority)
+    app.add_exception_handler(status.HTTP_405_METHOD_NOT_ALLOWED, on_method_not_allowed)
+    auth = BearerAuth(authority, realm="kvpool", roles=(Role.ADMIN, Role.TENANT))
+    app.add_middleware(BodyGate, auth=auth, limits=limits or HttpLimits())
+    guards = _guards(auth)
     app.include_router(health_routes(ready or _always, metrics, what="agent"))
     app.include_router(_cache_routes(service, guards))
     app.include_router(_tenant_routes(service, guards))
