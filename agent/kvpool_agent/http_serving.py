@@ -50,8 +50,9 @@ async def serve_http(
     """
     limits = limits or HttpLimits()
     flood_log = RateLimitedLog(log)
+    bound = connection_bound(limits.max_connections)
     gate = ConnectionGate(
-        max_connections=connection_bound(limits.max_connections),
+        max_connections=bound,
         header_timeout=limits.header_timeout_seconds,
         log=flood_log,
     )
@@ -61,6 +62,8 @@ async def serve_http(
         RequestTracker(app),
         http=gate.protocol_factory(AutoHTTPProtocol),  # type: ignore[arg-type]
         ws="none",
+        # asyncio accepts up to `backlog` sockets at once before the gate sees any of them
+        backlog=bound,
         log_level="warning",
         access_log=False,
         lifespan="off",
@@ -79,8 +82,10 @@ async def serve_http(
 def connection_bound(wanted: int) -> int:
     """``wanted``, or fewer if the descriptor limit would leave the process too few.
 
-    Raises the soft limit to the hard one first (as the Go runtime does): the soft
-    default of many hosts, 1024, is a relic of select().
+    The bound counts twice: asyncio accepts up to a listen backlog (the bound, too) of
+    sockets in one go before the gate can close any. Raises the soft limit to the hard
+    one first (as the Go runtime does): the soft default of many hosts, 1024, is a relic
+    of select().
     """
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
@@ -89,11 +94,11 @@ def connection_bound(wanted: int) -> int:
             soft = hard
     if soft == resource.RLIM_INFINITY:
         return wanted
-    bound = max(1, min(wanted, soft - RESERVED_DESCRIPTORS))
+    bound = max(1, min(wanted, (soft - RESERVED_DESCRIPTORS) // 2))
     if bound < wanted:
         log.warning(
-            "HTTP: at most %d connections, not %d: the file limit is %d and %d descriptors "
-            "are kept for the rest of the process",
+            "HTTP: at most %d connections, not %d: the file limit is %d, %d descriptors "
+            "are kept for the rest of the process, and an accept burst may double the count",
             bound,
             wanted,
             soft,
