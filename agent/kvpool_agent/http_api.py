@@ -164,6 +164,7 @@ Responses = dict[int | str, dict[str, Any]]
 _ERRORS = {
     401: "Missing or unknown bearer token.",
     403: "The token may not use this route (another tenant's, admin-only, or a gateway's).",
+    413: "Request body larger than http_limits.max_body_bytes (refused before it is read).",
     422: "Malformed tenant id or request body.",
     503: "The quota store failed; nothing was changed.",
 }
@@ -327,7 +328,7 @@ def _tenant_routes(service: CacheService, guards: _Guards) -> APIRouter:
     @router.put(
         "/quota",
         summary="Set a tenant's quota durably; shrinking evicts at once (admin or that tenant).",
-        responses=_errors(503),
+        responses=_errors(413, 503),
     )
     def put_quota(access: Tenant, update: QuotaUpdate) -> Quota:
         view = service.set_quota(access.tenant, update.limit_bytes)

@@ -185,6 +185,7 @@ def _index_routes(
         responses={
             401: {"model": Error, "description": "Missing or unknown bearer token."},
             403: {"model": Error, "description": "A tenant token: tenants cannot route."},
+            413: {"model": Error, "description": "Body larger than http_limits.max_body_bytes."},
             422: {"model": Error, "description": "Malformed request."},
         },
     )
