@@ -26,7 +26,7 @@ from typing import Annotated, Any, Self
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
 
 from kvpool_agent.auth import (
     TENANT_ID_PATTERN,
@@ -53,8 +53,10 @@ from kvpool_agent.service import CacheService, QuotaView
 
 log = logging.getLogger(__name__)
 
-MAX_LIMIT_BYTES = 2**63 - 1
-"""Largest quota accepted (what a signed 64-bit consumer of the API can hold)."""
+MAX_LIMIT_BYTES = 2**53
+"""Largest quota accepted (8 PiB): every integer up to it is exact as a JSON double, so a
+client that holds numbers as doubles (JavaScript, many JSON Schema validators) never sends
+a schema-valid value that rounds past the bound."""
 
 TENANT_ID_DOC = "Tenant id: 32 lowercase hex characters, from `kvpool tenant-id <cache_salt>`."
 _EXAMPLE_TENANT = "0123456789abcdef0123456789abcdef"
@@ -109,12 +111,22 @@ class Quota(BaseModel):
         return cls(tenant=view.tenant, limit_bytes=view.limit, explicit=view.explicit)
 
 
+def _integral_float_as_int(value: object) -> object:
+    """JSON Schema's integer includes 4096.0: take it as 4096 (1.5, "1" and true still fail)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 class QuotaUpdate(BaseModel):
     """A tenant's new quota, stored durably and applied at once (shrinking evicts)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    limit_bytes: Annotated[StrictInt, Field(ge=0, le=MAX_LIMIT_BYTES)] | None = Field(
+    limit_bytes: (
+        Annotated[
+            StrictInt, Field(ge=0, le=MAX_LIMIT_BYTES), BeforeValidator(_integral_float_as_int)
+        ]
+        | None
+    ) = Field(
         description="Bytes the tenant may keep cached: an integer >= 0 (0 = no caching), "
         "or null for unlimited.",
         examples=[8 << 30, 0, None],

@@ -368,6 +368,26 @@ def test_bad_bodies(api: Api, body: object, reason: str) -> None:
     assert not api.service.quota(ALICE).explicit
 
 
+def test_the_largest_quota_is_exact_as_a_double(api: Api) -> None:
+    """The bound is one that a client holding numbers as doubles cannot round past."""
+    update = api.call("GET", "/openapi.json").json()["components"]["schemas"]["QuotaUpdate"]
+    maximum = update["properties"]["limit_bytes"]["anyOf"][0]["maximum"]
+    assert int(float(maximum)) == maximum
+    path = f"/v1/tenants/{ALICE}/quota"
+    assert api.call("PUT", path, ALICE_TOKEN, json={"limit_bytes": maximum}).status_code == 200
+    rounded = api.call("PUT", path, ALICE_TOKEN, json={"limit_bytes": float(maximum)})
+    assert rounded.status_code == 200, rounded.text
+
+
+def test_an_integral_float_is_an_integer(api: Api) -> None:
+    """JSON Schema counts 4096.0 as an integer, so a schema-valid client may send it."""
+    response = api.call(
+        "PUT", f"/v1/tenants/{ALICE}/quota", ALICE_TOKEN, json={"limit_bytes": 4096.0}
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["limit_bytes"] == 4096
+
+
 @pytest.mark.parametrize(
     ("content", "headers", "reason"),
     [
