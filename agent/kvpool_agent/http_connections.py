@@ -66,10 +66,6 @@ class ConnectionGate:
             f"{max_connections} HTTP connections are open and busy; try again",
         )
 
-    @property
-    def open_connections(self) -> int:
-        return len(self._open)
-
     def protocol_factory(self, inner: ProtocolFactory) -> ProtocolFactory:
         """What uvicorn calls per connection instead of ``inner`` (its protocol class)."""
 
