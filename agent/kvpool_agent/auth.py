@@ -38,7 +38,9 @@ import yaml
 
 from kvpool_agent.keys import TENANT_ID_CHARS
 
-_TENANT_ID = re.compile(rf"[0-9a-f]{{{TENANT_ID_CHARS}}}")
+TENANT_ID_PATTERN = rf"^[0-9a-f]{{{TENANT_ID_CHARS}}}$"
+"""A tenant id as a JSON Schema / OpenAPI pattern."""
+_TENANT_ID = re.compile(TENANT_ID_PATTERN)
 # Visible ASCII only: what fits in an Authorization header without quoting.
 _TOKEN = re.compile(r"[\x21-\x7e]+")
 _TOP_LEVEL_KEYS = ("admin", "tenants", "gateways")

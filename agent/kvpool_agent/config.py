@@ -20,6 +20,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from kvpool_agent.http_limits import HttpLimits
 from kvpool_agent.policies import POLICY_NAMES
 
 CONFIG_FILE_ENV = "KVPOOL_CONFIG_FILE"
@@ -156,6 +157,10 @@ class AgentConfig(BaseSettings):
         ge=0,
         le=65535,
         description="Port of the chunk-event PUB socket for the prefix index (0 picks a free one).",
+    )
+    http_limits: HttpLimits = Field(
+        default_factory=HttpLimits,
+        description="What one HTTP client may cost: body size, read timeouts, connections.",
     )
     max_inline_bytes: ByteSize = Field(
         ByteSize(64 << 20),

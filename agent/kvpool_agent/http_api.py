@@ -8,9 +8,10 @@ route takes ``Authorization: Bearer <token>``: an admin token may do anything,
 a tenant token only reads and changes its own tenant's quota, usage and cache,
 and a gateway token (the prefix index's) nothing here. Checks run in this order:
 a missing or unknown token is 401, a gateway token 403, a malformed tenant id
-422, a tenant touching another tenant or an admin-only route 403 (only a
-body that is not JSON at all is refused before the token is checked: FastAPI
-parses bodies first). Every error body is ``{"detail": "<reason>"}``.
+422, a tenant touching another tenant or an admin-only route 403. A request
+with a body is checked for its size (413) and token before the body is read
+(:class:`~kvpool_agent.http_body_gate.BodyGate`). Every error body is
+``{"detail": "<reason>"}``.
 
 Handlers that reach the service are plain ``def``: FastAPI runs them in its
 thread pool, so the service's locks and the quota store's file I/O never block
@@ -25,24 +26,37 @@ from typing import Annotated, Any, Self
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
 
-from kvpool_agent.auth import TENANT_ID_RULE, Principal, Role, TokenAuthority, is_tenant_id
+from kvpool_agent.auth import (
+    TENANT_ID_PATTERN,
+    TENANT_ID_RULE,
+    Principal,
+    Role,
+    TokenAuthority,
+    is_tenant_id,
+)
+from kvpool_agent.http_body_gate import BodyGate
 from kvpool_agent.http_common import (
+    BearerAuth,
     Error,
     MetricsSource,
     bearer_principal,
     health_routes,
     on_invalid_request,
+    on_method_not_allowed,
 )
+from kvpool_agent.http_limits import HttpLimits
 from kvpool_agent.l1 import TenantStats
 from kvpool_agent.quota_store import QuotaStoreError
 from kvpool_agent.service import CacheService, QuotaView
 
 log = logging.getLogger(__name__)
 
-MAX_LIMIT_BYTES = 2**63 - 1
-"""Largest quota accepted (what a signed 64-bit consumer of the API can hold)."""
+MAX_LIMIT_BYTES = 2**53
+"""Largest quota accepted (8 PiB): every integer up to it is exact as a JSON double, so a
+client that holds numbers as doubles (JavaScript, many JSON Schema validators) never sends
+a schema-valid value that rounds past the bound."""
 
 TENANT_ID_DOC = "Tenant id: 32 lowercase hex characters, from `kvpool tenant-id <cache_salt>`."
 _EXAMPLE_TENANT = "0123456789abcdef0123456789abcdef"
@@ -97,12 +111,22 @@ class Quota(BaseModel):
         return cls(tenant=view.tenant, limit_bytes=view.limit, explicit=view.explicit)
 
 
+def _integral_float_as_int(value: object) -> object:
+    """JSON Schema's integer includes 4096.0: take it as 4096 (1.5, "1" and true still fail)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 class QuotaUpdate(BaseModel):
     """A tenant's new quota, stored durably and applied at once (shrinking evicts)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    limit_bytes: Annotated[StrictInt, Field(ge=0, le=MAX_LIMIT_BYTES)] | None = Field(
+    limit_bytes: (
+        Annotated[
+            StrictInt, Field(ge=0, le=MAX_LIMIT_BYTES), BeforeValidator(_integral_float_as_int)
+        ]
+        | None
+    ) = Field(
         description="Bytes the tenant may keep cached: an integer >= 0 (0 = no caching), "
         "or null for unlimited.",
         examples=[8 << 30, 0, None],
@@ -152,6 +176,7 @@ Responses = dict[int | str, dict[str, Any]]
 _ERRORS = {
     401: "Missing or unknown bearer token.",
     403: "The token may not use this route (another tenant's, admin-only, or a gateway's).",
+    413: "Request body larger than http_limits.max_body_bytes (refused before it is read).",
     422: "Malformed tenant id or request body.",
     503: "The quota store failed; nothing was changed.",
 }
@@ -188,12 +213,9 @@ class _Guards:
     tenant: Callable[..., TenantAccess]
 
 
-def _guards(authority: TokenAuthority) -> _Guards:
+def _guards(auth: BearerAuth) -> _Guards:
     authenticate = bearer_principal(
-        authority,
-        realm="kvpool",
-        roles=(Role.ADMIN, Role.TENANT),
-        description="An admin token, or a tenant token for that tenant's own routes.",
+        auth, description="An admin token, or a tenant token for that tenant's own routes."
     )
 
     def admin(principal: Annotated[Principal, Depends(authenticate)]) -> Principal:
@@ -202,7 +224,15 @@ def _guards(authority: TokenAuthority) -> _Guards:
         return principal
 
     def tenant(
-        tenant_id: Annotated[str, Path(description=TENANT_ID_DOC, examples=[_EXAMPLE_TENANT])],
+        tenant_id: Annotated[
+            str,
+            Path(
+                description=TENANT_ID_DOC,
+                examples=[_EXAMPLE_TENANT],
+                # declared, not enforced by FastAPI: the check below runs after the token's
+                json_schema_extra={"pattern": TENANT_ID_PATTERN},
+            ),
+        ],
         principal: Annotated[Principal, Depends(authenticate)],
     ) -> TenantAccess:
         if not is_tenant_id(tenant_id):
@@ -225,11 +255,13 @@ def create_app(
     *,
     ready: Callable[[], bool] | None = None,
     metrics: MetricsSource | None = None,
+    limits: HttpLimits | None = None,
 ) -> FastAPI:
     """The HTTP API over ``service``, guarded by ``authority``.
 
     ``ready`` answers ``/readyz`` (default: ready whenever the app serves).
     ``metrics``, if given, is served at ``/metrics`` without a token.
+    ``limits`` bound request bodies (:class:`~kvpool_agent.http_body_gate.BodyGate`).
     """
     app = FastAPI(
         title="kvpool agent",
@@ -239,7 +271,10 @@ def create_app(
     )
     app.add_exception_handler(RequestValidationError, on_invalid_request)
     app.add_exception_handler(QuotaStoreError, _on_store_error)
-    guards = _guards(authority)
+    app.add_exception_handler(status.HTTP_405_METHOD_NOT_ALLOWED, on_method_not_allowed)
+    auth = BearerAuth(authority, realm="kvpool", roles=(Role.ADMIN, Role.TENANT))
+    app.add_middleware(BodyGate, auth=auth, limits=limits or HttpLimits())
+    guards = _guards(auth)
     app.include_router(health_routes(ready or _always, metrics, what="agent"))
     app.include_router(_cache_routes(service, guards))
     app.include_router(_tenant_routes(service, guards))
@@ -305,7 +340,7 @@ def _tenant_routes(service: CacheService, guards: _Guards) -> APIRouter:
     @router.put(
         "/quota",
         summary="Set a tenant's quota durably; shrinking evicts at once (admin or that tenant).",
-        responses=_errors(503),
+        responses=_errors(413, 503),
     )
     def put_quota(access: Tenant, update: QuotaUpdate) -> Quota:
         view = service.set_quota(access.tenant, update.limit_bytes)

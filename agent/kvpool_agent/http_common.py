@@ -14,7 +14,9 @@ from fastapi import APIRouter, Depends, HTTPException, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security.utils import get_authorization_scheme_param
 from pydantic import BaseModel, Field
+from starlette.routing import Match
 
 from kvpool_agent.auth import Principal, Role, TokenAuthority
 
@@ -92,32 +94,65 @@ async def on_invalid_request(request: Request, error: Exception) -> JSONResponse
     return JSONResponse({"detail": invalid_request_reason(error)}, status_code=422)
 
 
-def bearer_principal(
-    authority: TokenAuthority, *, realm: str, roles: Collection[Role], description: str
-) -> Callable[..., Principal]:
-    """A FastAPI dependency: the caller's principal, if its role is one of ``roles``."""
-    bearer = HTTPBearer(auto_error=False, description=description)
-    challenge = {"WWW-Authenticate": f'Bearer realm="{realm}"'}
-    invalid = {"WWW-Authenticate": f'Bearer realm="{realm}", error="invalid_token"'}
-    allowed = ", ".join(f"{role} tokens" for role in roles)
+async def on_method_not_allowed(request: Request, error: Exception) -> JSONResponse:
+    """405 naming every method of the path in ``Allow``.
 
-    def authenticate(
-        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
-    ) -> Principal:
-        if credentials is None:
+    Starlette's own 405 names only the first route of the path that matched, so
+    ``POST /quota`` would say ``Allow: GET`` though PUT and DELETE are served too.
+    """
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if route.matches(request.scope)[0] is not Match.NONE:
+            methods.update(getattr(route, "methods", None) or ())
+    return JSONResponse(
+        {"detail": f"method {request.method} not allowed"},
+        status_code=status.HTTP_405_METHOD_NOT_ALLOWED,
+        headers={"Allow": ", ".join(sorted(methods))},
+    )
+
+
+class BearerAuth:
+    """Who sends a request, from its ``Authorization: Bearer`` token, for one API's ``roles``.
+
+    Both the routes' dependency (:func:`bearer_principal`) and the body gate
+    (:class:`kvpool_agent.http_body_gate.BodyGate`, which must decide before a body is
+    read) ask this one object, so they answer alike.
+    """
+
+    def __init__(self, authority: TokenAuthority, *, realm: str, roles: Collection[Role]) -> None:
+        self._authority = authority
+        self._roles = tuple(roles)
+        self._challenge = {"WWW-Authenticate": f'Bearer realm="{realm}"'}
+        self._invalid = {"WWW-Authenticate": f'Bearer realm="{realm}", error="invalid_token"'}
+        self._allowed = ", ".join(f"{role} tokens" for role in roles)
+
+    def principal(self, authorization: str | None) -> Principal:
+        """The caller of an ``Authorization`` header value; HTTPException 401 or 403 if none."""
+        scheme, token = get_authorization_scheme_param(authorization)
+        if not token or scheme.lower() != "bearer":
             raise HTTPException(
-                status.HTTP_401_UNAUTHORIZED, "a bearer token is required", headers=challenge
+                status.HTTP_401_UNAUTHORIZED, "a bearer token is required", headers=self._challenge
             )
-        principal = authority.authenticate(credentials.credentials)
+        principal = self._authority.authenticate(token)
         if principal is None:
             raise HTTPException(
-                status.HTTP_401_UNAUTHORIZED, "unknown bearer token", headers=invalid
+                status.HTTP_401_UNAUTHORIZED, "unknown bearer token", headers=self._invalid
             )
-        if principal.role not in roles:
+        if principal.role not in self._roles:
             raise HTTPException(
                 status.HTTP_403_FORBIDDEN,
-                f"{principal.role} tokens cannot use this API (it takes {allowed})",
+                f"{principal.role} tokens cannot use this API (it takes {self._allowed})",
             )
         return principal
+
+
+def bearer_principal(auth: BearerAuth, *, description: str) -> Callable[..., Principal]:
+    """A FastAPI dependency: the caller's principal (see :meth:`BearerAuth.principal`)."""
+    bearer = HTTPBearer(auto_error=False, description=description)  # declares the scheme
+
+    def authenticate(
+        request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+    ) -> Principal:
+        return auth.principal(request.headers.get("authorization"))
 
     return authenticate

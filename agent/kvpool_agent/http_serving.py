@@ -1,13 +1,34 @@
-"""Serve an ASGI app with uvicorn inside a process that owns its own signal handling."""
+"""Serve an ASGI app with uvicorn inside a process that owns its own signal handling.
+
+The server is guarded against clients that hold connections or descriptors
+(:mod:`kvpool_agent.http_connections`): request bodies are the app's business
+(:class:`kvpool_agent.http_body_gate.BodyGate`, which needs the app's tokens).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import resource
 import socket
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+from kvpool_agent.http_connections import ConnectionGate, RequestTracker
+from kvpool_agent.http_limits import HttpLimits
+from kvpool_agent.rate_limited_log import RateLimitedLog
+
+log = logging.getLogger(__name__)
+
+RESERVED_DESCRIPTORS = 256
+"""File descriptors kept from HTTP connections for the rest of the process (ZMQ, files)."""
+
+_ACCEPT_EXHAUSTED = "socket.accept() out of system resource"
+"""How asyncio's loop reports an accept() that failed for want of descriptors."""
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -19,21 +40,89 @@ class _EmbeddedUvicorn(uvicorn.Server):
 
 
 @contextlib.asynccontextmanager
-async def serve_http(app: object, host: str, port: int) -> AsyncIterator[str]:
+async def serve_http(
+    app: Any, host: str, port: int, limits: HttpLimits | None = None
+) -> AsyncIterator[str]:
     """Serve ``app`` on ``host:port`` (0: a free port) on this loop; yields the base URL.
 
     The socket is bound before serving starts, so the URL is known at once and a port in
     use is an error here rather than a log line later.
     """
+    limits = limits or HttpLimits()
+    flood_log = RateLimitedLog(log)
+    bound = connection_bound(limits.max_connections)
+    gate = ConnectionGate(
+        max_connections=bound,
+        header_timeout=limits.header_timeout_seconds,
+        log=flood_log,
+    )
     listener = socket.create_server((host, port))
     bound_host, bound_port = listener.getsockname()[:2]
-    server = _EmbeddedUvicorn(
-        uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")  # type: ignore[arg-type]
+    config = uvicorn.Config(
+        RequestTracker(app),
+        http=gate.protocol_factory(AutoHTTPProtocol),  # type: ignore[arg-type]
+        ws="none",
+        # asyncio accepts up to `backlog` sockets at once before the gate sees any of them
+        backlog=bound,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
     )
-    task = asyncio.create_task(server.serve(sockets=[listener]), name="http")
+    server = _EmbeddedUvicorn(config)
+    with _quiet_accept_failures(flood_log):
+        task = asyncio.create_task(server.serve(sockets=[listener]), name="http")
+        try:
+            yield f"http://{bound_host}:{bound_port}"
+        finally:
+            server.should_exit = True
+            await task
+            listener.close()
+
+
+def connection_bound(wanted: int) -> int:
+    """``wanted``, or fewer if the descriptor limit would leave the process too few.
+
+    The bound counts twice: asyncio accepts up to a listen backlog (the bound, too) of
+    sockets in one go before the gate can close any. Raises the soft limit to the hard
+    one first (as the Go runtime does): the soft default of many hosts, 1024, is a relic
+    of select().
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    bound = max(1, min(wanted, (soft - RESERVED_DESCRIPTORS) // 2))
+    if bound < wanted:
+        log.warning(
+            "HTTP: at most %d connections, not %d: the file limit is %d, %d descriptors "
+            "are kept for the rest of the process, and an accept burst may double the count",
+            bound,
+            wanted,
+            soft,
+            RESERVED_DESCRIPTORS,
+        )
+    return bound
+
+
+@contextlib.contextmanager
+def _quiet_accept_failures(flood_log: RateLimitedLog) -> Iterator[None]:
+    """One rate-limited line, not a traceback a second, while accept() lacks descriptors."""
+    loop = asyncio.get_running_loop()
+    previous = loop.get_exception_handler()
+
+    def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if str(context.get("message", "")).startswith(_ACCEPT_EXHAUSTED):
+            flood_log.warning(f"HTTP: {_ACCEPT_EXHAUSTED}: {context.get('exception')}")
+        elif previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handle)
     try:
-        yield f"http://{bound_host}:{bound_port}"
+        yield
     finally:
-        server.should_exit = True
-        await task
-        listener.close()
+        loop.set_exception_handler(previous)

@@ -87,10 +87,14 @@ class Agent:
             zmq_server.start()
             stack.callback(zmq_server.stop)
             app = create_app(
-                service, authority, ready=lambda: self._ready, metrics=metrics.exposition
+                service,
+                authority,
+                ready=lambda: self._ready,
+                metrics=metrics.exposition,
+                limits=config.http_limits,
             )
             http_url = await stack.enter_async_context(
-                serve_http(app, self.config.host, self.config.http_port)
+                serve_http(app, config.host, config.http_port, config.http_limits)
             )
             await stack.enter_async_context(self._maintain(l1, service))
             self._ready = True

@@ -29,11 +29,18 @@ class AgentProcess:
     http: str = ""
     events: str = ""
     log: list[str] = field(default_factory=list)
+    file_limit: int | None = None
+    """RLIMIT_NOFILE of the process (soft and hard), if not inherited."""
     _process: subprocess.Popen[str] | None = None
 
     @property
     def segment_path(self) -> Path:
         return Path("/dev/shm") / f"kvpool-test-{os.getpid()}-{self.workdir.name}"
+
+    @property
+    def pid(self) -> int:
+        assert self._process is not None
+        return self._process.pid
 
     def environment(self) -> dict[str, str]:
         tokens = self.workdir / "tokens.yaml"
@@ -56,7 +63,7 @@ class AgentProcess:
 
     def start(self, timeout: float = 30.0) -> AgentProcess:
         self._process = subprocess.Popen(
-            [BIN / "kvpool-agent"],
+            self._command(),
             env=self.environment(),
             stderr=subprocess.PIPE,
             text=True,
@@ -67,6 +74,18 @@ class AgentProcess:
             self.kill()
             raise RuntimeError("agent did not become ready:\n" + "".join(self.log))
         return self
+
+    def _command(self) -> list[str]:
+        agent = str(BIN / "kvpool-agent")
+        if self.file_limit is None:
+            return [agent]
+        # set in a launcher that then becomes the agent: preexec_fn is unsafe with threads
+        limit = (
+            "import os, resource, sys; "
+            f"resource.setrlimit(resource.RLIMIT_NOFILE, ({self.file_limit}, {self.file_limit})); "
+            "os.execv(sys.argv[1], sys.argv[1:])"
+        )
+        return [sys.executable, "-c", limit, agent]
 
     def _read_log(self, process: subprocess.Popen[str], ready: threading.Event) -> None:
         assert process.stderr is not None

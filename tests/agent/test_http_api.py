@@ -5,6 +5,7 @@ The service behind it is real too: an L1Cache and a FileQuotaStore under tmp_pat
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,7 +19,7 @@ import pytest
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvpool_agent.auth import TENANT_ID_RULE, TokenAuthority
+from kvpool_agent.auth import TENANT_ID_PATTERN, TENANT_ID_RULE, TokenAuthority
 from kvpool_agent.http_api import MetricsSource, create_app
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.quota_store import FileQuotaStore
@@ -367,6 +368,26 @@ def test_bad_bodies(api: Api, body: object, reason: str) -> None:
     assert not api.service.quota(ALICE).explicit
 
 
+def test_the_largest_quota_is_exact_as_a_double(api: Api) -> None:
+    """The bound is one that a client holding numbers as doubles cannot round past."""
+    update = api.call("GET", "/openapi.json").json()["components"]["schemas"]["QuotaUpdate"]
+    maximum = update["properties"]["limit_bytes"]["anyOf"][0]["maximum"]
+    assert int(float(maximum)) == maximum
+    path = f"/v1/tenants/{ALICE}/quota"
+    assert api.call("PUT", path, ALICE_TOKEN, json={"limit_bytes": maximum}).status_code == 200
+    rounded = api.call("PUT", path, ALICE_TOKEN, json={"limit_bytes": float(maximum)})
+    assert rounded.status_code == 200, rounded.text
+
+
+def test_an_integral_float_is_an_integer(api: Api) -> None:
+    """JSON Schema counts 4096.0 as an integer, so a schema-valid client may send it."""
+    response = api.call(
+        "PUT", f"/v1/tenants/{ALICE}/quota", ALICE_TOKEN, json={"limit_bytes": 4096.0}
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["limit_bytes"] == 4096
+
+
 @pytest.mark.parametrize(
     ("content", "headers", "reason"),
     [
@@ -438,7 +459,7 @@ def test_openapi_lists_every_endpoint(api: Api) -> None:
     assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
     put = paths[f"{tenant}/quota"]["put"]
     assert put["security"] == [{"HTTPBearer": []}]
-    assert {"401", "403", "422", "503"} <= set(put["responses"])
+    assert {"401", "403", "413", "422", "503"} <= set(put["responses"])
     assert "security" not in paths["/healthz"]["get"]
     update = spec["components"]["schemas"]["QuotaUpdate"]
     assert update["required"] == ["limit_bytes"]
@@ -446,6 +467,25 @@ def test_openapi_lists_every_endpoint(api: Api) -> None:
     for path, operations in paths.items():
         for operation in operations.values():
             assert operation.get("summary"), f"{path} has no summary"
+
+
+def test_openapi_declares_the_tenant_id_pattern(api: Api) -> None:
+    """A schema-valid tenant id is a valid one: generated requests never get 422 for it."""
+    paths = api.call("GET", "/openapi.json").json()["paths"]
+    tenant_paths = [path for path in paths if "{tenant_id}" in path]
+    assert tenant_paths
+    for path in tenant_paths:
+        for operation in paths[path].values():
+            (parameter,) = [p for p in operation["parameters"] if p["name"] == "tenant_id"]
+            assert parameter["schema"]["pattern"] == TENANT_ID_PATTERN, path
+    assert re.fullmatch(TENANT_ID_PATTERN, ALICE)
+
+
+def test_405_names_every_method_of_the_path(api: Api) -> None:
+    answer = api.call("POST", f"/v1/tenants/{ALICE}/quota", ADMIN_TOKEN)
+    assert answer.status_code == 405
+    assert answer.headers["Allow"] == "DELETE, GET, PUT"
+    assert answer.json() == {"detail": "method POST not allowed"}
 
 
 def test_tokens_never_reach_the_logs(api: Api, caplog: pytest.LogCaptureFixture) -> None:

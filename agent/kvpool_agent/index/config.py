@@ -11,10 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvpool_agent.config import POOL_NAME_PATTERN, ConfigFileSource
+from kvpool_agent.http_limits import HttpLimits
 from kvpool_agent.index.discovery import AgentEndpoint
 from kvpool_agent.index.policy import (
     DEFAULT_LOAD_FACTOR,
@@ -26,6 +27,8 @@ from kvpool_agent.index.tracker import DEFAULT_MAX_CHUNKS_PER_NODE
 from kvpool_agent.keys import ModelFingerprint
 
 CONFIG_FILE_ENV = "KVPOOL_INDEX_CONFIG_FILE"
+DEFAULT_MAX_BODY_BYTES = ByteSize(16 << 20)
+"""A route or lookup body: token ids of a prompt of ~2M tokens as JSON."""
 CONFIG_MAP_KEY = "index.yaml"
 """The key of this configuration in the pool's index ConfigMap (:func:`config_map_name`)."""
 
@@ -89,6 +92,10 @@ class IndexConfig(BaseSettings):
     host: str = Field("127.0.0.1", description="Address of the HTTP API (0.0.0.0 in a pod).")
     http_port: int = Field(
         7403, ge=0, le=65535, description="Port of the HTTP API and /metrics (0 picks a free one)."
+    )
+    http_limits: HttpLimits = Field(
+        default_factory=lambda: HttpLimits(max_body_bytes=DEFAULT_MAX_BODY_BYTES),
+        description="What one HTTP client may cost: body size, read timeouts, connections.",
     )
     max_chunks_per_node: int = Field(
         DEFAULT_MAX_CHUNKS_PER_NODE,

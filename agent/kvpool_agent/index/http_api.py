@@ -24,13 +24,17 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from kvpool_agent.auth import Principal, Role, TokenAuthority
+from kvpool_agent.http_body_gate import BodyGate
 from kvpool_agent.http_common import (
+    BearerAuth,
     Error,
     MetricsSource,
     bearer_principal,
     health_routes,
     on_invalid_request,
+    on_method_not_allowed,
 )
+from kvpool_agent.http_limits import HttpLimits
 from kvpool_agent.index.config import Fingerprint
 from kvpool_agent.index.query import NodeMatch, Query
 from kvpool_agent.index.service import IndexService
@@ -146,8 +150,12 @@ def create_app(
     default_fingerprint: Fingerprint | None = None,
     ready: Callable[[], bool] | None = None,
     metrics: MetricsSource | None = None,
+    limits: HttpLimits | None = None,
 ) -> FastAPI:
-    """The HTTP API over ``service``; ``agents`` reports the followed agents (``/v1/nodes``)."""
+    """The HTTP API over ``service``; ``agents`` reports the followed agents (``/v1/nodes``).
+
+    ``limits`` bound request bodies (:class:`~kvpool_agent.http_body_gate.BodyGate`).
+    """
     app = FastAPI(
         title="kvpool index",
         summary="Cache-aware routing for vLLM gateways over a kvpool pool.",
@@ -155,23 +163,21 @@ def create_app(
         version="1",
     )
     app.add_exception_handler(RequestValidationError, on_invalid_request)
+    app.add_exception_handler(status.HTTP_405_METHOD_NOT_ALLOWED, on_method_not_allowed)
+    auth = BearerAuth(authority, realm="kvpool-index", roles=(Role.GATEWAY, Role.ADMIN))
+    app.add_middleware(BodyGate, auth=auth, limits=limits or HttpLimits())
     app.include_router(health_routes(ready or (lambda: True), metrics, what="index"))
-    app.include_router(_index_routes(service, authority, agents, default_fingerprint))
+    app.include_router(_index_routes(service, auth, agents, default_fingerprint))
     return app
 
 
 def _index_routes(
     service: IndexService,
-    authority: TokenAuthority,
+    auth: BearerAuth,
     agents: Callable[[], list[AgentStatus]],
     default_fingerprint: Fingerprint | None,
 ) -> APIRouter:
-    caller = bearer_principal(
-        authority,
-        realm="kvpool-index",
-        roles=(Role.GATEWAY, Role.ADMIN),
-        description="A gateway token or an admin token of the pool.",
-    )
+    caller = bearer_principal(auth, description="A gateway token or an admin token of the pool.")
     Caller = Annotated[Principal, Depends(caller)]
     router = APIRouter(
         prefix="/v1",
@@ -179,6 +185,7 @@ def _index_routes(
         responses={
             401: {"model": Error, "description": "Missing or unknown bearer token."},
             403: {"model": Error, "description": "A tenant token: tenants cannot route."},
+            413: {"model": Error, "description": "Body larger than http_limits.max_body_bytes."},
             422: {"model": Error, "description": "Malformed request."},
         },
     )

@@ -91,6 +91,7 @@ class IndexServer:
             default_fingerprint=config.fingerprint,
             ready=lambda: self._ready and self._warm(subscriber),
             metrics=metrics.exposition,
+            limits=config.http_limits,
         )
         async with contextlib.AsyncExitStack() as stack:
             subscriber.start()
@@ -98,7 +99,7 @@ class IndexServer:
             discovery.start(subscriber.follow)
             stack.callback(discovery.stop)
             http_url = await stack.enter_async_context(
-                serve_http(app, self.config.host, self.config.http_port)
+                serve_http(app, config.host, config.http_port, config.http_limits)
             )
             self._ready = True
             log.info(
