@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import schemathesis
 from hypothesis import HealthCheck, given, settings
 
 from .agent_process import ADMIN_TOKEN, AgentProcess
-
-schemathesis = pytest.importorskip("schemathesis")
 
 EXAMPLES_PER_OPERATION = 30
 
