@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvpool_agent.allocator import ExtentAllocator
-from kvpool_agent.journal import ChunkRecord, SegmentJournal
+from kvpool_agent.journal import RESERVED, ChunkRecord, SegmentJournal
 from kvpool_agent.keys import KEY_BYTES
 from kvpool_agent.policies import EvictionPolicy, PolicyFactory, SlotArena
 from kvpool_agent.quotas import Limit, QuotaBook
@@ -198,6 +198,8 @@ class RestoreReport:
     restored: int
     discarded: int
     """Records that failed their checksum, pointed outside the segment or overlapped."""
+    quarantined: int = 0
+    """Chunks that were reserved, not committed: their pages are held back for a fence."""
 
 
 @dataclass
@@ -581,45 +583,52 @@ class L1Cache:
 
     # ----------------------------------------------------------- warm restart
 
-    def restore(self, records: Iterable[ChunkRecord | int]) -> RestoreReport:
+    def restore(
+        self, records: Iterable[ChunkRecord | int], reserved: Iterable[ChunkRecord | int] = ()
+    ) -> RestoreReport:
         """Rebuild the index of a fresh cache from an adopted segment's chunk table.
 
         Records that fail their checksum (given as bare slot numbers), point
         outside the data region, disagree with their size, or overlap an earlier
         record are discarded and erased; the rest become ready chunks, inserted
-        in commit order so that the policies see the oldest first.
+        in commit order so that the policies see the oldest first. The pages of
+        ``reserved`` records (stores in flight when the last agent stopped, or
+        quarantined) are quarantined for a fence: their writers may still copy.
         """
         if self._index or self._journal is None:
             raise RuntimeError("restore() needs a fresh cache with a journal")
-        page, total = self.layout.page_size, self._allocator.total_pages
-        valid: list[ChunkRecord] = []
+        total = self._allocator.total_pages
+        valid: list[tuple[ChunkRecord, bool]] = []
         discarded: list[int] = []
-        for record in records:
-            if isinstance(record, int):
-                discarded.append(record)
-            elif (
-                0 <= record.slot < total
-                and record.pages > 0
-                and 0 <= record.first_page <= total - record.pages
-                and (record.pages - 1) * page < record.nbytes <= record.pages * page
-            ):
-                valid.append(record)
-            else:
-                discarded.append(record.slot)
+        for writing, group in ((False, records), (True, reserved)):
+            for record in group:
+                if isinstance(record, int) or not self._fits(record):
+                    discarded.append(record if isinstance(record, int) else record.slot)
+                else:
+                    valid.append((record, writing))
         kept: list[ChunkRecord] = []
+        held: list[ChunkRecord] = []
         end = 0
-        for record in sorted(valid, key=lambda r: r.first_page):
-            if record.first_page < end or record.key in self._index:
+        for record, writing in sorted(valid, key=lambda pair: pair[0].first_page):
+            if record.first_page < end or (not writing and record.key in self._index):
                 discarded.append(record.slot)
                 continue
-            kept.append(record)
-            self._index[record.key] = record.slot
+            if writing:
+                held.append(record)
+            else:
+                kept.append(record)
+                self._index[record.key] = record.slot
             end = record.first_page + record.pages
         for slot in discarded:
             self._journal.erase(slot)
-        self._allocator = ExtentAllocator(total, [(r.first_page, r.pages) for r in kept])
-        for record in sorted(kept, key=lambda r: r.sequence):
+        self._allocator = ExtentAllocator(total, [(r.first_page, r.pages) for r in kept + held])
+        for record in sorted(kept, key=lambda r: r.sequence) + held:
             self._adopt(record)
+        if held:
+            for record in held:
+                self._remove_from_policy(record.slot, evicted=False)
+            lease = _Lease(writing=True, slots=[r.slot for r in held], expires=0.0)
+            self._quarantine_lease(next(self._lease_ids), lease, self._clock())
         for record in kept:
             parent = record.parent
             if (
@@ -629,10 +638,20 @@ class L1Cache:
                 and self._tenant[parent] == self._tenant[record.slot]
             ):
                 self._link(record.slot, parent)
-        used = {record.slot for record in kept}
+        used = {record.slot for record in kept + held}
         self._free_slots = array("i", (s for s in range(total - 1, -1, -1) if s not in used))
         self._commit_sequence = max((r.sequence for r in kept), default=0)
-        return RestoreReport(len(kept), len(discarded))
+        return RestoreReport(len(kept), len(discarded), len(held))
+
+    def _fits(self, record: ChunkRecord) -> bool:
+        """Whether a journal record lies inside the data region and agrees with its size."""
+        page, total = self.layout.page_size, self._allocator.total_pages
+        return (
+            0 <= record.slot < total
+            and record.pages > 0
+            and 0 <= record.first_page <= total - record.pages
+            and (record.pages - 1) * page < record.nbytes <= record.pages * page
+        )
 
     def _adopt(self, record: ChunkRecord) -> None:
         slot, account = record.slot, self._account(record.tenant)
@@ -793,6 +812,9 @@ class L1Cache:
         account.used_bytes += nbytes
         account.chunks += 1
         self._stored_bytes += nbytes
+        if self._journal is not None:  # its writer may outlive this agent: see restore()
+            record = ChunkRecord(slot, NIL, key, account.name, first_page, pages, nbytes, 0, 0)
+            self._journal.record(record, RESERVED)
         return slot
 
     def _allocate(self, pages: int, protected: set[int]) -> int | None:
