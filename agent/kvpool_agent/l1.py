@@ -981,7 +981,7 @@ class L1Cache:
             if lease in self._quarantine.leases:
                 raise LeaseExpired(
                     f"lease {lease} expired before its commit; its chunks were dropped and "
-                    "its pages stay unused until its writer's session ends"
+                    "its pages stay unused until its session ends or a fence passes"
                 )
             raise UnknownLease(f"lease {lease} is unknown, already ended or expired")
         self._write_leases -= record.writing

@@ -136,7 +136,8 @@ class ZmqServer:
     def start(self) -> None:
         socket = self._context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its identity
+        # No ROUTER_HANDOVER: with it, a second connection that names itself like a first
+        # one takes over its routing identity, and with it the first one's session.
         # A frame larger than the biggest inline payload is dropped by ZMQ with the connection.
         socket.setsockopt(zmq.MAXMSGSIZE, self._max_inline + (1 << 20))
         socket.bind(self._endpoint)

@@ -93,9 +93,11 @@ def test_read_locks_live_until_release_and_tenants_are_isolated(agent: AgentProc
 class RawClient:
     """A DEALER speaking raw frames, for what the client library would never send."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, routing_id: bytes | None = None) -> None:
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        if routing_id is not None:
+            self.socket.setsockopt(zmq.ROUTING_ID, routing_id)
         self.socket.connect(endpoint)
 
     def ask(self, *frames: bytes) -> tuple[p.Reply, list[bytes]]:
