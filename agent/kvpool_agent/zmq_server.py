@@ -301,14 +301,13 @@ class ZmqServer:
             return
         with self._service.lock:
             self._quarantines_seen = cache.quarantined_leases
-            for session_id, session in self._sessions.items():
+            for session in self._sessions.values():
                 if not session.fenced and any(map(cache.is_quarantined, session.leases)):
                     session.fenced = True
                     self._fenced_sessions += 1
-                    log.warning(
-                        "session %d (%s): a write lease expired before its commit; "
-                        "session fenced, its pages quarantined",
-                        session_id,
+                    log.warning(  # not the session id: it is the session's credential
+                        "a session of client %r held a write lease that expired before its "
+                        "commit: session fenced, its pages quarantined",
                         session.client,
                     )
 
