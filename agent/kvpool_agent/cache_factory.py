@@ -68,15 +68,17 @@ def open_l1(config: AgentConfig) -> L1Tier:
         journal=journal,
     )
     if recreated_because is None:
-        report = cache.restore(journal.committed())
+        report = cache.restore(journal.committed(), journal.reserved())
         origin = SegmentOrigin(
             True, "adopted", report.restored, report.discarded, time.perf_counter() - started
         )
         log.info(
-            "adopted segment %s: %d chunks restored, %d damaged records discarded, in %.3f s",
+            "adopted segment %s: %d chunks restored, %d damaged records discarded, "
+            "%d reserved chunks quarantined, in %.3f s",
             path,
             report.restored,
             report.discarded,
+            report.quarantined,
             origin.seconds,
         )
     else:

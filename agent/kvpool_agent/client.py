@@ -6,7 +6,11 @@ themselves: a request that times out closes the socket (so nothing stale is
 delivered later) and the next call reconnects; a restarted agent answers
 ``unknown_session`` and the client says hello again and resends, for the
 requests where that is safe (not for lease operations: the leases died with
-the old agent). A client never waits longer than its timeout.
+the old agent). A session fenced for a write lease that expired before its
+commit (``session_fenced``) is left the same way: its leases are void, and the
+old session is left to the agent's idle sweep, never ended by the client, so
+that its quarantined pages outlive any copy still running late. A client never
+waits longer than its timeout.
 
 The zero-copy helpers :meth:`AgentClient.store` and :meth:`AgentClient.retrieve`
 map the segment and copy the bytes themselves; the ``*_inline`` methods send
@@ -105,6 +109,10 @@ def _expect(kind: type[T]) -> Callable[[Any, list[bytes]], T]:
 
 def _acknowledged(reply: Any, data: list[bytes]) -> None:
     _expect(p.Ok)(reply, data)
+
+
+_SESSION_LOST = frozenset((p.ErrorCode.UNKNOWN_SESSION, p.ErrorCode.SESSION_FENCED))
+"""Replies after which the client says hello again (and resends what is safe to resend)."""
 
 
 def _no_lease(lease: int) -> int | None:
@@ -332,7 +340,7 @@ class AgentClient(_ClientBase):
         reply, data = self._roundtrip(
             exchange.build(next(self._req), self._session()), exchange.frames
         )
-        if isinstance(reply, p.Error) and reply.code == p.ErrorCode.UNKNOWN_SESSION:
+        if isinstance(reply, p.Error) and reply.code in _SESSION_LOST:
             self.connect()
             if exchange.resend_after_hello:
                 reply, data = self._roundtrip(
@@ -482,7 +490,7 @@ class AsyncAgentClient(_ClientBase):
         reply, data = await self._roundtrip(
             exchange.build(next(self._req), self._session()), exchange.frames
         )
-        if isinstance(reply, p.Error) and reply.code == p.ErrorCode.UNKNOWN_SESSION:
+        if isinstance(reply, p.Error) and reply.code in _SESSION_LOST:
             await self.connect()
             if exchange.resend_after_hello:
                 reply, data = await self._roundtrip(

@@ -4,7 +4,9 @@ One fixed-size record per slot (slot numbers are stable, so a record's index
 is its slot). The L1 cache writes a record when a chunk is committed (after
 the client copied its bytes) and erases it before the chunk's pages can be
 reused, so a committed record always describes bytes that are in place.
-Chunks that were only reserved have no record and vanish with a restart.
+A reserved chunk has a record too, marked reserved: its writer may outlive the
+agent, so a restarted agent holds those pages back (quarantined) instead of
+handing them out at once; reserved chunks are never restored as chunks.
 
 Record (little-endian, 128 bytes)::
 
@@ -27,6 +29,7 @@ from kvpool_agent.keys import KEY_BYTES
 from kvpool_agent.segment import TABLE_RECORD_BYTES, SharedSegment
 
 COMMITTED = 1
+RESERVED = 2
 _BODY = struct.Struct("<B3xi32s32sQIQQQ")
 _CRC = struct.Struct("<I")
 MAX_TENANT_BYTES = 32
@@ -52,12 +55,12 @@ class SegmentJournal:
         self._table = segment.table
         self.slots = segment.layout.table_slots
 
-    def record(self, chunk: ChunkRecord) -> None:
+    def record(self, chunk: ChunkRecord, state: int = COMMITTED) -> None:
         tenant = chunk.tenant.encode()
         if len(tenant) > MAX_TENANT_BYTES or len(chunk.key) != KEY_BYTES:
             raise ValueError("tenant ids are at most 32 bytes and keys 32 bytes")
         body = _BODY.pack(
-            COMMITTED,
+            state,
             chunk.parent,
             chunk.key,
             tenant,
@@ -84,10 +87,17 @@ class SegmentJournal:
 
     def committed(self) -> Iterator[ChunkRecord | int]:
         """Every committed record; the slot number alone for a record that fails its CRC."""
+        return self._records(COMMITTED)
+
+    def reserved(self) -> Iterator[ChunkRecord | int]:
+        """Every reserved (uncommitted) record, as :meth:`committed`."""
+        return self._records(RESERVED)
+
+    def _records(self, state: int) -> Iterator[ChunkRecord | int]:
         table = self._table
         for slot in range(self.slots):
             start = slot * TABLE_RECORD_BYTES
-            if table[start] != COMMITTED:
+            if table[start] != state:
                 continue
             body = table[start : start + _BODY.size]
             (crc,) = _CRC.unpack_from(table, start + _BODY.size)

@@ -4,13 +4,25 @@ It keeps metadata only; clients copy the bytes in and out of the shared segment
 at the offsets it hands out. Life cycle of a chunk (one slot)::
 
     reserve ──► WRITING ──commit──► READY ◄──lookup/release──► READY, read-locked by N
-       ▲          │ lease expires /           │ evicted (unlocked only) / cleared
-       │          ▼ release                   ▼
-      FREE ◄──────┴───────────── DOOMED (cleared while locked; freed on the last unlock)
+       ▲          │ release      │            │ evicted (unlocked only) / cleared
+       │          │              │ lease      ▼
+      FREE ◄──────┴──────────────┼───────── DOOMED (cleared while locked; freed on the last unlock)
+       ▲                         ▼ expires
+       └── release / fence ── QUARANTINED (pages held, no key)
 
 A WRITING chunk is invisible to readers and never evicted; a read-locked one is
 never evicted. Every lock belongs to a lease that expires, so a crashed client
-pins nothing for longer than ``lease_seconds``.
+pins nothing for long.
+
+A write lease that expires is quarantined, not freed: its client may be stalled
+rather than dead, and still copy into those pages. Were they reused, its late
+write would land in another chunk, another tenant's perhaps, and nothing would
+notice. Quarantined pages stay allocated (counted by the watermarks and the
+tenant's usage, never evicted, never handed out) until the lease is released
+(the ZMQ server does so when the writer's session ends) or ``fence_seconds``
+pass; its commit fails with :class:`LeaseExpired`. Read leases need no
+quarantine: a reader that copies from reused pages writes nothing into the
+segment, and the connector treats a load whose release fails as a failure.
 
 Chunks form chains (``k_i`` names its predecessor ``k_{i-1}``) and a chunk is
 only reachable through its whole prefix. Hits are touched tail first, so the
@@ -43,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvpool_agent.allocator import ExtentAllocator
-from kvpool_agent.journal import ChunkRecord, SegmentJournal
+from kvpool_agent.journal import RESERVED, ChunkRecord, SegmentJournal
 from kvpool_agent.keys import KEY_BYTES
 from kvpool_agent.policies import EvictionPolicy, PolicyFactory, SlotArena
 from kvpool_agent.quotas import Limit, QuotaBook
@@ -57,6 +69,7 @@ class State(enum.IntEnum):
     WRITING = 1
     READY = 2
     DOOMED = 3
+    QUARANTINED = 4
 
 
 _READY = int(State.READY)
@@ -81,6 +94,12 @@ class InvalidRequest(CacheError):
 
 class UnknownLease(CacheError):
     code = "unknown_lease"
+
+
+class LeaseExpired(CacheError):
+    """A write lease expired before its commit; its pages are quarantined (see the module doc)."""
+
+    code = "lease_expired"
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +169,10 @@ class L1Stats:
     evictions: dict[str, int]
     lock_expiries: int
     open_leases: int
+    quarantined_leases: int
+    """Write leases that expired before their commit (their pages were quarantined)."""
+    quarantined_bytes: int
+    """Bytes of pages held back now from expired write leases."""
     free_extents: int
     fragmentation: float
     """External: 1 - largest free extent / free bytes."""
@@ -175,6 +198,8 @@ class RestoreReport:
     restored: int
     discarded: int
     """Records that failed their checksum, pointed outside the segment or overlapped."""
+    quarantined: int = 0
+    """Chunks that were reserved, not committed: their pages are held back for a fence."""
 
 
 @dataclass
@@ -198,6 +223,17 @@ class _Lease:
 
 
 @dataclass
+class _Quarantine:
+    """Expired write leases whose pages are held back, oldest first (all fences are as long);
+    a lease's ``expires`` is the end of its fence."""
+
+    fence_seconds: float
+    leases: dict[int, _Lease] = field(default_factory=dict)
+    total: int = 0
+    """How many leases were ever quarantined."""
+
+
+@dataclass
 class _EvictionPlan:
     victims: dict[int, None] = field(default_factory=dict)
     freed: int = 0
@@ -213,11 +249,16 @@ class L1Cache:
         high_watermark: float = 0.90,
         low_watermark: float = 0.80,
         lease_seconds: float = 30.0,
+        fence_seconds: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         journal: SegmentJournal | None = None,
         listener: ChunkListener | None = None,
     ) -> None:
-        """``journal``, if given, records committed chunks in the segment for warm restarts."""
+        """``journal``, if given, records committed chunks in the segment for warm restarts.
+
+        ``fence_seconds`` (default 10 x ``lease_seconds``): the longest an expired write
+        lease's pages stay quarantined when nobody releases them.
+        """
         if not 0 < low_watermark < high_watermark <= 1:
             raise ValueError("watermarks must satisfy 0 < low < high <= 1")
         self.layout = layout
@@ -262,6 +303,9 @@ class L1Cache:
         self._expiry_heap: list[tuple[float, int]] = []
         self._lease_ids = itertools.count(1)
         self._write_leases = 0
+        self._quarantine = _Quarantine(
+            10 * lease_seconds if fence_seconds is None else fence_seconds
+        )
 
         self._stored_bytes = 0
         self._hits = 0
@@ -412,8 +456,24 @@ class L1Cache:
         return Hit(lease, offsets, sizes)
 
     def release(self, lease: int) -> None:
-        """End a lease: drop read locks, or abandon an uncommitted reservation."""
+        """End a lease: drop read locks, or abandon an uncommitted reservation.
+
+        Releasing a quarantined write lease frees its pages: the caller vouches that its
+        writer writes no more (its session ended).
+        """
+        if lease in self._quarantine.leases:
+            self._end_quarantine(lease)
+            return
         self._end_lease(self._take_lease(lease))
+
+    def is_quarantined(self, lease: int) -> bool:
+        """Whether ``lease`` is a write lease that expired and whose pages are still held."""
+        return lease in self._quarantine.leases
+
+    @property
+    def quarantined_leases(self) -> int:
+        """How many write leases were ever quarantined (read without the lock to spot news)."""
+        return self._quarantine.total
 
     def lease_chunks(self, lease: int) -> tuple[str, list[bytes]]:
         """Tenant and keys of a store lease's chunks, in order (for the write-back)."""
@@ -446,7 +506,10 @@ class L1Cache:
     # ------------------------------------------------------------ maintenance
 
     def expire_leases(self) -> int:
-        """End every lease past its expiry; returns how many expired."""
+        """End every lease past its expiry (quarantine a write lease's pages); how many expired.
+
+        Also frees the quarantined pages whose fence has passed.
+        """
         now = self._clock()
         expired = 0
         heap = self._expiry_heap
@@ -455,9 +518,18 @@ class L1Cache:
             record = self._leases.pop(lease, None)
             if record is not None:
                 self._write_leases -= record.writing
-                self._end_lease(record)
+                if record.writing:
+                    self._quarantine_lease(lease, record, now)
+                else:
+                    self._end_lease(record)
                 expired += 1
         self._lock_expiries += expired
+        # Every fence is as long, so the oldest quarantine ends first.
+        while self._quarantine.leases:
+            lease, record = next(iter(self._quarantine.leases.items()))
+            if record.expires > now:
+                break
+            self._end_quarantine(lease)
         return expired
 
     def maintain(self) -> None:
@@ -511,45 +583,52 @@ class L1Cache:
 
     # ----------------------------------------------------------- warm restart
 
-    def restore(self, records: Iterable[ChunkRecord | int]) -> RestoreReport:
+    def restore(
+        self, records: Iterable[ChunkRecord | int], reserved: Iterable[ChunkRecord | int] = ()
+    ) -> RestoreReport:
         """Rebuild the index of a fresh cache from an adopted segment's chunk table.
 
         Records that fail their checksum (given as bare slot numbers), point
         outside the data region, disagree with their size, or overlap an earlier
         record are discarded and erased; the rest become ready chunks, inserted
-        in commit order so that the policies see the oldest first.
+        in commit order so that the policies see the oldest first. The pages of
+        ``reserved`` records (stores in flight when the last agent stopped, or
+        quarantined) are quarantined for a fence: their writers may still copy.
         """
         if self._index or self._journal is None:
             raise RuntimeError("restore() needs a fresh cache with a journal")
-        page, total = self.layout.page_size, self._allocator.total_pages
-        valid: list[ChunkRecord] = []
+        total = self._allocator.total_pages
+        valid: list[tuple[ChunkRecord, bool]] = []
         discarded: list[int] = []
-        for record in records:
-            if isinstance(record, int):
-                discarded.append(record)
-            elif (
-                0 <= record.slot < total
-                and record.pages > 0
-                and 0 <= record.first_page <= total - record.pages
-                and (record.pages - 1) * page < record.nbytes <= record.pages * page
-            ):
-                valid.append(record)
-            else:
-                discarded.append(record.slot)
+        for writing, group in ((False, records), (True, reserved)):
+            for record in group:
+                if isinstance(record, int) or not self._fits(record):
+                    discarded.append(record if isinstance(record, int) else record.slot)
+                else:
+                    valid.append((record, writing))
         kept: list[ChunkRecord] = []
+        held: list[ChunkRecord] = []
         end = 0
-        for record in sorted(valid, key=lambda r: r.first_page):
-            if record.first_page < end or record.key in self._index:
+        for record, writing in sorted(valid, key=lambda pair: pair[0].first_page):
+            if record.first_page < end or (not writing and record.key in self._index):
                 discarded.append(record.slot)
                 continue
-            kept.append(record)
-            self._index[record.key] = record.slot
+            if writing:
+                held.append(record)
+            else:
+                kept.append(record)
+                self._index[record.key] = record.slot
             end = record.first_page + record.pages
         for slot in discarded:
             self._journal.erase(slot)
-        self._allocator = ExtentAllocator(total, [(r.first_page, r.pages) for r in kept])
-        for record in sorted(kept, key=lambda r: r.sequence):
+        self._allocator = ExtentAllocator(total, [(r.first_page, r.pages) for r in kept + held])
+        for record in sorted(kept, key=lambda r: r.sequence) + held:
             self._adopt(record)
+        if held:
+            for record in held:
+                self._remove_from_policy(record.slot, evicted=False)
+            lease = _Lease(writing=True, slots=[r.slot for r in held], expires=0.0)
+            self._quarantine_lease(next(self._lease_ids), lease, self._clock())
         for record in kept:
             parent = record.parent
             if (
@@ -559,10 +638,20 @@ class L1Cache:
                 and self._tenant[parent] == self._tenant[record.slot]
             ):
                 self._link(record.slot, parent)
-        used = {record.slot for record in kept}
+        used = {record.slot for record in kept + held}
         self._free_slots = array("i", (s for s in range(total - 1, -1, -1) if s not in used))
         self._commit_sequence = max((r.sequence for r in kept), default=0)
-        return RestoreReport(len(kept), len(discarded))
+        return RestoreReport(len(kept), len(discarded), len(held))
+
+    def _fits(self, record: ChunkRecord) -> bool:
+        """Whether a journal record lies inside the data region and agrees with its size."""
+        page, total = self.layout.page_size, self._allocator.total_pages
+        return (
+            0 <= record.slot < total
+            and record.pages > 0
+            and 0 <= record.first_page <= total - record.pages
+            and (record.pages - 1) * page < record.nbytes <= record.pages * page
+        )
 
     def _adopt(self, record: ChunkRecord) -> None:
         slot, account = record.slot, self._account(record.tenant)
@@ -651,6 +740,13 @@ class L1Cache:
             evictions={cause.value: self._evictions[cause] for cause in EvictionCause},
             lock_expiries=self._lock_expiries,
             open_leases=len(self._leases),
+            quarantined_leases=self._quarantine.total,
+            quarantined_bytes=page
+            * sum(
+                self._pages[slot]
+                for held in self._quarantine.leases.values()
+                for slot in held.slots
+            ),
             free_extents=self._allocator.free_extent_count,
             fragmentation=self._allocator.fragmentation(),
             page_waste=(allocated - self._stored_bytes) / allocated if allocated else 0.0,
@@ -716,6 +812,9 @@ class L1Cache:
         account.used_bytes += nbytes
         account.chunks += 1
         self._stored_bytes += nbytes
+        if self._journal is not None:  # its writer may outlive this agent: see restore()
+            record = ChunkRecord(slot, NIL, key, account.name, first_page, pages, nbytes, 0, 0)
+            self._journal.record(record, RESERVED)
         return slot
 
     def _allocate(self, pages: int, protected: set[int]) -> int | None:
@@ -879,6 +978,11 @@ class L1Cache:
     def _take_lease(self, lease: int) -> _Lease:
         record = self._leases.pop(lease, None)
         if record is None:
+            if lease in self._quarantine.leases:
+                raise LeaseExpired(
+                    f"lease {lease} expired before its commit; its chunks were dropped and "
+                    "its pages stay unused until its session ends or a fence passes"
+                )
             raise UnknownLease(f"lease {lease} is unknown, already ended or expired")
         self._write_leases -= record.writing
         return record
@@ -886,6 +990,22 @@ class L1Cache:
     def _put_back(self, lease: int, record: _Lease) -> None:
         self._leases[lease] = record
         self._write_leases += record.writing
+
+    def _quarantine_lease(self, lease: int, record: _Lease, now: float) -> None:
+        """Hold an expired write lease's pages: unreachable and unusable, still allocated."""
+        for slot in record.slots:
+            key = self._key(slot)
+            if self._index.get(key) == slot:
+                del self._index[key]  # the key may be stored again, elsewhere
+            self._unlink(slot)
+            self._state[slot] = State.QUARANTINED
+        record.expires = now + self._quarantine.fence_seconds
+        self._quarantine.leases[lease] = record
+        self._quarantine.total += 1
+
+    def _end_quarantine(self, lease: int) -> None:
+        for slot in self._quarantine.leases.pop(lease).slots:
+            self._free(slot)
 
     def _end_lease(self, record: _Lease) -> None:
         if record.writing:

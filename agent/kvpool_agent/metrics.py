@@ -56,6 +56,10 @@ class _CacheCollector(Collector):
             "kvpool_l1_stored_bytes": ("Bytes of chunks in L1.", stats.stored_bytes),
             "kvpool_l1_chunks": ("Chunks in L1.", stats.chunks),
             "kvpool_l1_open_leases": ("Read and write leases held by clients.", stats.open_leases),
+            "kvpool_l1_quarantined_bytes": (
+                "Bytes of L1 pages held back from write leases that expired uncommitted.",
+                stats.quarantined_bytes,
+            ),
             "kvpool_l1_fragmentation_ratio": (
                 "1 - largest free extent / free bytes.",
                 stats.fragmentation,
@@ -69,6 +73,10 @@ class _CacheCollector(Collector):
             "kvpool_l1_written_bytes": ("Bytes of chunks committed.", stats.written_bytes),
             "kvpool_l1_read_bytes": ("Bytes of chunks handed out for reading.", stats.read_bytes),
             "kvpool_l1_lock_expiries": ("Leases that expired un-released.", stats.lock_expiries),
+            "kvpool_l1_quarantined_leases": (
+                "Write leases that expired uncommitted; their pages were quarantined.",
+                stats.quarantined_leases,
+            ),
         }
         for name, (documentation, value) in counters.items():
             yield CounterMetricFamily(name, documentation, value=value)

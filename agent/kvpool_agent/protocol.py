@@ -36,7 +36,14 @@ class ErrorCode(enum.StrEnum):
     UNKNOWN_OP = "unknown_op"
     UNSUPPORTED_VERSION = "unsupported_version"
     UNKNOWN_SESSION = "unknown_session"
+    """No such session on this connection (the agent restarted, or it is another's): hello."""
+    SESSION_FENCED = "session_fenced"
+    """A write lease of this session expired before its commit, so its writes may have come
+    late: the session and all its leases are void. Say hello for a new session."""
     UNKNOWN_LEASE = "unknown_lease"
+    LEASE_EXPIRED = "lease_expired"
+    """The store lease expired before this commit: nothing was published. Its pages stay
+    quarantined (never reused) until the session ends, so late writes harm no one."""
     NOT_YOUR_LEASE = "not_your_lease"
     INVALID_REQUEST = "invalid_request"
     TOO_LARGE = "too_large"
@@ -190,6 +197,7 @@ REQUEST_OPS = frozenset(str(kind.__struct_config__.tag) for kind in REQUEST_TYPE
 class HelloReply(_Message, tag="hello_reply"):
     version: int
     session: int
+    """64 random bits, valid only on the connection that said hello."""
     agent_id: str
     """Changes when the agent restarts: a client's session is then gone."""
     segment_path: str

@@ -6,12 +6,24 @@ lock; the only bulk work, copying inline payloads, happens outside the lock
 while the chunks are write-locked (store) or read-locked (retrieve). Any bad
 input becomes an :class:`~kvpool_agent.protocol.Error` reply; nothing a client
 sends can stop the loop.
+
+Sessions: an id is 64 random bits (the widest integer msgpack carries) and
+belongs to the connection that said hello (its ROUTER routing identity): from
+any other connection it is unknown, so one client can neither guess nor use
+another's session, and a lease is committed or released only by the session it
+was granted to. A session whose write lease expired before its commit is
+fenced: every later request on it fails with ``session_fenced`` (the client
+says hello again) and its quarantined pages (see :mod:`kvpool_agent.l1`) are
+freed once it is swept as idle. Idle sessions are swept on a timer, busy
+socket or not.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +35,7 @@ import zmq
 from kvpool_agent import protocol as p
 from kvpool_agent.auth import TENANT_ID_RULE, is_tenant_id
 from kvpool_agent.events import EventPublisher
-from kvpool_agent.l1 import CacheError, InvalidRequest, UnknownLease
+from kvpool_agent.l1 import CacheError, InvalidRequest, LeaseExpired, UnknownLease
 from kvpool_agent.l2.prefetch import Prefetcher
 from kvpool_agent.l2.writeback import WriteBack
 from kvpool_agent.segment import SharedSegment
@@ -32,6 +44,8 @@ from kvpool_agent.service import CacheService
 log = logging.getLogger(__name__)
 
 Frames = Sequence[zmq.Frame]
+Peer = bytes
+"""The ROUTER routing identity of the connection a request came on."""
 Handled = tuple[p.Reply, list[bytes]] | None
 """A reply and its data frames, or None when the reply is parked for later."""
 SHUTTING_DOWN = "the agent is shutting down"
@@ -54,8 +68,10 @@ class _Parked:
 @dataclass
 class _Session:
     client: str
+    peer: Peer
     leases: set[int] = field(default_factory=set)
     last_seen: float = 0.0
+    fenced: bool = False
 
 
 class ZmqServer:
@@ -90,7 +106,8 @@ class ZmqServer:
         self._observer = observer
         self._clock = clock
         self._sessions: dict[int, _Session] = {}
-        self._next_session = 1
+        self._quarantines_seen = 0
+        self._fenced_sessions = 0
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket: zmq.Socket[bytes] | None = None
         self._wake_endpoint = f"inproc://kvpool-wake-{self.agent_id}"
@@ -99,7 +116,7 @@ class ZmqServer:
         self._draining = False
         self.drained = threading.Event()
         """Set once draining and no store is in flight (see :meth:`drain`)."""
-        self._handlers: dict[type, Callable[[p.Request, Frames], Handled]] = {
+        self._handlers: dict[type, Callable[[p.Request, Frames, Peer], Handled]] = {
             p.Hello: self._hello,  # type: ignore[dict-item]
             p.Ping: self._ping,  # type: ignore[dict-item]
             p.Lookup: self._lookup,  # type: ignore[dict-item]
@@ -119,7 +136,8 @@ class ZmqServer:
     def start(self) -> None:
         socket = self._context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its identity
+        # No ROUTER_HANDOVER: with it, a second connection that names itself like a first
+        # one takes over its routing identity, and with it the first one's session.
         # A frame larger than the biggest inline payload is dropped by ZMQ with the connection.
         socket.setsockopt(zmq.MAXMSGSIZE, self._max_inline + (1 << 20))
         socket.bind(self._endpoint)
@@ -171,14 +189,15 @@ class ZmqServer:
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
-        idle_ms = self._idle * 1000 / 4
+        sweep_period = self._idle / 4
+        next_sweep = self._clock() + sweep_period
         try:
             while True:
-                timeout = idle_ms
+                timeout = max(0.0, next_sweep - self._clock())
                 if self._parked:
                     nearest = min(parked.deadline for parked in self._parked)
-                    timeout = max(0.0, min(idle_ms, (nearest - time.monotonic()) * 1000))
-                events = dict(poller.poll(int(timeout)))
+                    timeout = max(0.0, min(timeout, nearest - time.monotonic()))
+                events = dict(poller.poll(math.ceil(timeout * 1000)))
                 if wake in events:
                     command = wake.recv()
                     if command == b"stop":
@@ -186,8 +205,9 @@ class ZmqServer:
                     self._draining |= command == b"drain"
                 elif socket in events:
                     self._serve_one(socket)
-                else:
+                if self._clock() >= next_sweep:  # on time even while requests keep coming
                     self._drop_idle_sessions()
+                    next_sweep = self._clock() + sweep_period
                 self._answer_parked(socket)
                 self._check_drained()
         finally:
@@ -204,10 +224,11 @@ class ZmqServer:
                 raise p.ProtocolError(p.ErrorCode.MALFORMED, "empty message")
             request = p.decode_request(body[0].buffer)
             op, req = p.op_name(request), request.req
+            self._fence_expired_writers()
             if isinstance(request, p.PrefetchStatus):
                 handled = self._prefetch_status(request, identity, started)
             else:
-                handled = self._handlers[type(request)](request, body[1:])
+                handled = self._handlers[type(request)](request, body[1:], identity)
             if handled is None:
                 return  # parked: answered when the prefetch moves or the wait is over
             reply, data = handled
@@ -216,6 +237,8 @@ class ZmqServer:
             reply, data = p.Error(req, error.code, str(error)), []
         except UnknownLease as error:
             reply, data = p.Error(req, p.ErrorCode.UNKNOWN_LEASE, str(error)), []
+        except LeaseExpired as error:
+            reply, data = p.Error(req, p.ErrorCode.LEASE_EXPIRED, str(error)), []
         except CacheError as error:
             reply, data = p.Error(req, p.ErrorCode.INVALID_REQUEST, str(error)), []
         except Exception:
@@ -243,15 +266,50 @@ class ZmqServer:
 
     # ------------------------------------------------------------- sessions
 
-    def _session(self, session_id: int) -> _Session:
+    def _session(self, session_id: int, peer: Peer) -> _Session:
+        """The caller's live session; fenced ones are refused without refreshing ``last_seen``,
+        so they are swept (and their quarantined pages freed) ``session_idle`` after."""
         session = self._sessions.get(session_id)
-        if session is None:
+        if session is None or session.peer != peer:
             raise p.ProtocolError(
                 p.ErrorCode.UNKNOWN_SESSION,
-                f"session {session_id} is unknown (agent {self.agent_id} restarted?); send hello",
+                f"session {session_id} is unknown on this connection "
+                f"(agent {self.agent_id} restarted?); send hello",
+            )
+        if session.fenced:
+            raise p.ProtocolError(
+                p.ErrorCode.SESSION_FENCED,
+                f"session {session_id} held a write lease that expired before its commit; "
+                "its leases are void; send hello for a new session",
             )
         session.last_seen = self._clock()
         return session
+
+    def _new_session_id(self) -> int:
+        while True:
+            session_id = secrets.randbits(64)
+            if session_id not in self._sessions:
+                return session_id
+
+    def _fence_expired_writers(self) -> None:
+        """Fence the sessions whose write leases were quarantined since the last look.
+
+        The cache's count is read without the lock first: the common case costs one compare.
+        """
+        cache = self._service.cache
+        if cache.quarantined_leases == self._quarantines_seen:
+            return
+        with self._service.lock:
+            self._quarantines_seen = cache.quarantined_leases
+            for session in self._sessions.values():
+                if not session.fenced and any(map(cache.is_quarantined, session.leases)):
+                    session.fenced = True
+                    self._fenced_sessions += 1
+                    log.warning(  # not the session id: it is the session's credential
+                        "a session of client %r held a write lease that expired before its "
+                        "commit: session fenced, its pages quarantined",
+                        session.client,
+                    )
 
     def _check_owner(self, session: _Session, lease: int) -> None:
         if lease not in session.leases:
@@ -281,7 +339,7 @@ class ZmqServer:
 
     # ------------------------------------------------------------- handlers
 
-    def _hello(self, request: p.Hello, extra: Frames) -> Handled:
+    def _hello(self, request: p.Hello, extra: Frames, peer: Peer) -> Handled:
         if request.version != p.PROTOCOL_VERSION:
             raise p.ProtocolError(
                 p.ErrorCode.UNSUPPORTED_VERSION,
@@ -289,9 +347,8 @@ class ZmqServer:
                 f"this agent speaks version {p.PROTOCOL_VERSION}",
                 request.req,
             )
-        session_id = self._next_session
-        self._next_session += 1
-        self._sessions[session_id] = _Session(request.client, last_seen=self._clock())
+        session_id = self._new_session_id()
+        self._sessions[session_id] = _Session(request.client, peer, last_seen=self._clock())
         layout = self._segment.layout
         return p.HelloReply(
             request.req,
@@ -306,11 +363,11 @@ class ZmqServer:
             self._max_keys,
         ), []
 
-    def _ping(self, request: p.Ping, extra: Frames) -> Handled:
+    def _ping(self, request: p.Ping, extra: Frames, peer: Peer) -> Handled:
         return p.Pong(request.req, self.agent_id), []
 
-    def _lookup(self, request: p.Lookup, extra: Frames) -> Handled:
-        session = self._session(request.session)
+    def _lookup(self, request: p.Lookup, extra: Frames, peer: Peer) -> Handled:
+        session = self._session(request.session, peer)
         self._check_keys(request.keys)
         _check_tenant(request.tenant)
         keys = request.keys
@@ -333,7 +390,7 @@ class ZmqServer:
     def _prefetch_status(
         self, request: p.PrefetchStatus, identity: bytes, started: float
     ) -> Handled:
-        self._session(request.session)
+        self._session(request.session, identity)
         prefetch = None if self._prefetcher is None else self._prefetcher.status(request.prefetch)
         if prefetch is None:
             raise p.ProtocolError(
@@ -375,8 +432,8 @@ class ZmqServer:
                 waiting.append(parked)
         self._parked = waiting
 
-    def _prepare_store(self, request: p.PrepareStore, extra: Frames) -> Handled:
-        session = self._session(request.session)
+    def _prepare_store(self, request: p.PrepareStore, extra: Frames, peer: Peer) -> Handled:
+        session = self._session(request.session, peer)
         self._check_keys(request.keys)
         _check_tenant(request.tenant)
         if self._draining:
@@ -392,8 +449,8 @@ class ZmqServer:
             request.req, reservation.lease or p.NO_LEASE, offsets, reservation.refused_reason
         ), []
 
-    def _commit_store(self, request: p.CommitStore, extra: Frames) -> Handled:
-        session = self._session(request.session)
+    def _commit_store(self, request: p.CommitStore, extra: Frames, peer: Peer) -> Handled:
+        session = self._session(request.session, peer)
         self._check_owner(session, request.lease)
         cache = self._service.cache
         with self._service.lock:
@@ -404,16 +461,16 @@ class ZmqServer:
         session.leases.discard(request.lease)
         return p.CommitReply(request.req, committed), []
 
-    def _release(self, request: p.Release, extra: Frames) -> Handled:
-        session = self._session(request.session)
+    def _release(self, request: p.Release, extra: Frames, peer: Peer) -> Handled:
+        session = self._session(request.session, peer)
         self._check_owner(session, request.lease)
         session.leases.discard(request.lease)
         with self._service.lock:
             self._service.cache.release(request.lease)
         return p.Ok(request.req), []
 
-    def _store_inline(self, request: p.StoreInline, extra: Frames) -> Handled:
-        self._session(request.session)
+    def _store_inline(self, request: p.StoreInline, extra: Frames, peer: Peer) -> Handled:
+        self._session(request.session, peer)
         self._check_keys(request.keys)
         _check_tenant(request.tenant)
         if len(extra) != len(request.keys):
@@ -444,8 +501,8 @@ class ZmqServer:
         present = sum(place is None for place in reservation.placements)
         return p.StoreInlineReply(request.req, stored, present, reservation.refused_reason), []
 
-    def _retrieve_inline(self, request: p.RetrieveInline, extra: Frames) -> Handled:
-        self._session(request.session)
+    def _retrieve_inline(self, request: p.RetrieveInline, extra: Frames, peer: Peer) -> Handled:
+        self._session(request.session, peer)
         self._check_keys(request.keys)
         _check_tenant(request.tenant)
         cache = self._service.cache
@@ -464,26 +521,26 @@ class ZmqServer:
                 cache.release(hit.lease)
         return p.RetrieveInlineReply(request.req, len(data)), data
 
-    def _end_session(self, request: p.EndSession, extra: Frames) -> Handled:
-        session = self._session(request.session)
+    def _end_session(self, request: p.EndSession, extra: Frames, peer: Peer) -> Handled:
+        session = self._session(request.session, peer)
         self._end_leases(session.leases)
         del self._sessions[request.session]
         return p.Ok(request.req), []
 
-    def _clear(self, request: p.Clear, extra: Frames) -> Handled:
-        self._session(request.session)
+    def _clear(self, request: p.Clear, extra: Frames, peer: Peer) -> Handled:
+        self._session(request.session, peer)
         if request.tenant is not None:
             _check_tenant(request.tenant)
         return p.ClearReply(request.req, self._service.clear(request.tenant)), []
 
-    def _snapshot(self, request: p.Snapshot, extra: Frames) -> Handled:
-        self._session(request.session)
+    def _snapshot(self, request: p.Snapshot, extra: Frames, peer: Peer) -> Handled:
+        self._session(request.session, peer)
         with self._service.lock:  # events are published under this lock: seq is consistent
             seq = 0 if self._events is None else self._events.seq
             tenants = self._service.cache.keys_by_tenant()
         return p.SnapshotReply(request.req, self.agent_id, seq, tenants), []
 
-    def _stats(self, request: p.Stats, extra: Frames) -> Handled:
+    def _stats(self, request: p.Stats, extra: Frames, peer: Peer) -> Handled:
         stats = self._service.stats()
         summary: dict[str, int | float] = {
             "capacity_bytes": stats.capacity_bytes,
@@ -494,6 +551,9 @@ class ZmqServer:
             "misses": stats.misses,
             "lock_expiries": stats.lock_expiries,
             "open_leases": stats.open_leases,
+            "quarantined_leases": stats.quarantined_leases,
+            "quarantined_bytes": stats.quarantined_bytes,
+            "fenced_sessions": self._fenced_sessions,
             "fragmentation": stats.fragmentation,
             "sessions": len(self._sessions),
         }

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from kvpool_agent.l1 import InvalidRequest, L1Cache, UnknownLease
+from kvpool_agent.l1 import InvalidRequest, L1Cache, LeaseExpired, Reservation, UnknownLease
 from kvpool_agent.policies import POLICY_NAMES
 from kvpool_agent.quotas import QuotaBook
 
@@ -140,10 +140,74 @@ def test_expired_leases_release_their_locks(policy: str, clock: FakeClock) -> No
     assert cache.expire_leases() == 2
     stats = cache.stats()
     assert stats.lock_expiries == 2 and stats.open_leases == 0
-    assert stats.allocated_bytes == PAGE  # the abandoned reservation is gone
+    assert stats.allocated_bytes == 2 * PAGE  # the abandoned reservation is quarantined
     assert cache.evict(1)  # the read lock is gone
-    with pytest.raises(UnknownLease):
+    with pytest.raises(LeaseExpired):
         cache.commit(abandoned.lease)
+
+
+def pages_of(reservation: Reservation) -> set[int]:
+    return {
+        page
+        for placement in reservation.placements
+        if placement is not None
+        for page in range(placement.offset, placement.offset + placement.nbytes, PAGE)
+    }
+
+
+def test_an_expired_write_lease_keeps_its_pages_from_everyone_until_its_fence(
+    policy: str, clock: FakeClock
+) -> None:
+    """A writer stalled past its lease may still copy into its pages: nobody else gets them."""
+    cache = make_cache(policy=policy, clock=clock, pages=4, high=1.0, low=0.5)
+    stalled = cache.reserve("a", [key(1)], [2 * PAGE])
+    assert stalled.lease is not None
+    clock.advance(31)
+    assert cache.expire_leases() == 1
+    stats = cache.stats()
+    assert (stats.quarantined_leases, stats.quarantined_bytes) == (1, 2 * PAGE)
+    assert stats.allocated_bytes == 2 * PAGE and cache.tenant_usage("a").used_bytes == 2 * PAGE
+    # The other half of the segment, then memory pressure: B evicts its own chunk,
+    # never the quarantined pages.
+    first = cache.reserve("b", [key(2)], [2 * PAGE])
+    assert first.lease is not None and cache.commit(first.lease) == 1
+    second = cache.reserve("b", [key(3)], [PAGE])
+    assert second.lease is not None and cache.commit(second.lease) == 1
+    assert not pages_of(stalled) & (pages_of(first) | pages_of(second))
+    assert cache.contains(key(3)) and not cache.contains(key(2))  # B made room from its own
+    assert cache.reserve("b", [key(4)], [3 * PAGE]).lease is None  # not even under pressure
+    with pytest.raises(LeaseExpired):  # the late commit publishes nothing
+        cache.commit(stalled.lease)
+    assert not cache.contains(key(1))
+
+    clock.advance(10 * 30)  # the fence: 10 lease times
+    cache.expire_leases()
+    stats = cache.stats()
+    assert (stats.quarantined_leases, stats.quarantined_bytes) == (1, 0)
+    assert cache.tenant_usage("a").used_bytes == 0
+    assert cache.reserve("b", [key(4)], [3 * PAGE]).lease is not None  # the pages are back
+    with pytest.raises(UnknownLease):
+        cache.commit(stalled.lease)
+
+
+def test_releasing_a_quarantined_lease_frees_its_pages_and_its_key_is_free_at_once(
+    policy: str, clock: FakeClock
+) -> None:
+    cache = make_cache(policy=policy, clock=clock)
+    stalled = cache.reserve("a", [key(1), key(2)], [PAGE, PAGE], parent=None)
+    assert stalled.lease is not None
+    clock.advance(31)
+    cache.expire_leases()
+    again = cache.reserve("a", [key(1)], [PAGE])  # stored again elsewhere meanwhile
+    assert again.lease is not None and not pages_of(again) & pages_of(stalled)
+    assert cache.commit(again.lease) == 1
+    assert cache.stats().allocated_bytes == 3 * PAGE
+    cache.release(stalled.lease)  # its session ended: its writer writes no more
+    stats = cache.stats()
+    assert stats.allocated_bytes == PAGE and stats.quarantined_bytes == 0
+    assert hits(cache, "a", [1]) == 1
+    with pytest.raises(UnknownLease):
+        cache.release(stalled.lease)
 
 
 def test_clear_of_locked_chunks_frees_them_on_release(policy: str) -> None:

@@ -24,7 +24,15 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvpool_agent.l1 import NIL, CacheError, InvalidRequest, L1Cache, State, UnknownLease
+from kvpool_agent.l1 import (
+    NIL,
+    CacheError,
+    InvalidRequest,
+    L1Cache,
+    LeaseExpired,
+    State,
+    UnknownLease,
+)
 from kvpool_agent.policies import POLICY_NAMES, policy_factory
 from kvpool_agent.quotas import Limit, QuotaBook
 from kvpool_agent.segment import SegmentLayout
@@ -33,6 +41,7 @@ PAGE = 4096
 PAGES = 64
 LAYOUT = SegmentLayout(page_size=PAGE, data_offset=PAGE, data_size=PAGE * PAGES)
 LEASE_SECONDS = 30.0
+FENCE_SECONDS = 60.0
 HIGH, LOW = 0.9, 0.8
 TENANTS = ("t0", "t1", "t2", "t3")
 KEYS_PER_TENANT = 16
@@ -89,6 +98,8 @@ class L1Machine(RuleBasedStateMachine):
         self.clock = FakeClock()
         self.cache = L1Cache(LAYOUT, policy_factory(self.policy), QuotaBook(), clock=self.clock)
         self.leases: dict[int, LeaseModel] = {}
+        self.quarantined: dict[int, tuple[LeaseModel, float]] = {}
+        """Expired write leases and the end of their fence."""
         self.dead_leases: list[int] = []
         self.seen_keys: list[bytes] = []
         self.previous_used: dict[str, int] = {}
@@ -143,9 +154,19 @@ class L1Machine(RuleBasedStateMachine):
                     assert key not in self.cache._index, "an abandoned reservation stayed indexed"
 
     def expire_in_model(self) -> int:
-        expired = [lease for lease, r in self.leases.items() if r.expires <= self.clock.now]
+        """Read leases end; write leases go to quarantine; fences that passed end."""
+        now = self.clock.now
+        expired = [lease for lease, r in self.leases.items() if r.expires <= now]
         for lease in expired:
+            record = self.leases[lease]
             self.end_lease(lease)
+            if record.writing:
+                self.dead_leases.remove(lease)
+                self.quarantined[lease] = (record, now + FENCE_SECONDS)
+        for lease, (_, fence) in list(self.quarantined.items()):
+            if fence <= now:
+                del self.quarantined[lease]
+                self.dead_leases.append(lease)
         return len(expired)
 
     def open_leases(self, *, writing: bool | None = None) -> list[int]:
@@ -177,6 +198,7 @@ class L1Machine(RuleBasedStateMachine):
             high_watermark=HIGH,
             low_watermark=LOW,
             lease_seconds=LEASE_SECONDS,
+            fence_seconds=FENCE_SECONDS,
             clock=self.clock,
         )
         rng = random.Random(seed)
@@ -368,6 +390,36 @@ class L1Machine(RuleBasedStateMachine):
             else:
                 self.cache.release(lease)
 
+    @precondition(lambda self: self.quarantined)
+    @rule(choice=CHOICE, commit=st.booleans())
+    def use_quarantined_lease(self, choice: int, commit: bool) -> None:
+        """A late commit publishes nothing and changes nothing; a release frees the pages."""
+        leases = sorted(self.quarantined)
+        lease = leases[choice % len(leases)]
+        if commit:
+            before = self.cache.stats()
+            with pytest.raises(LeaseExpired):
+                self.cache.commit(lease)
+            assert self.cache.stats() == before
+            return
+        record, _ = self.quarantined.pop(lease)
+        held = sum(self.cache._pages[self.quarantined_slot(*entry)] for entry in record.entries)
+        free_before = self.cache._allocator.free_pages
+        self.cache.release(lease)
+        self.dead_leases.append(lease)
+        assert self.cache._allocator.free_pages == free_before + held
+
+    def quarantined_slot(self, key: bytes, offset: int) -> int:
+        cache = self.cache
+        (slot,) = [
+            slot
+            for slot in self.live_slots()
+            if cache._state[slot] == State.QUARANTINED
+            and cache._keys[slot] == key
+            and cache._offset(slot) == offset
+        ]
+        return slot
+
     @precondition(lambda self: self.leases)
     @rule(choice=CHOICE)
     def misuse_open_lease(self, choice: int) -> None:
@@ -380,7 +432,7 @@ class L1Machine(RuleBasedStateMachine):
             self.cache.commit(lease, None if not record.writing else len(record.entries) + 1)
         assert self.cache.stats() == before
 
-    @rule(seconds=st.sampled_from([0.5, 1.0, 10.0, 29.0, 30.0, 31.0, 60.0]))
+    @rule(seconds=st.sampled_from([0.5, 1.0, 10.0, 29.0, 30.0, 31.0, 60.0, 61.0]))
     def advance_clock(self, seconds: float) -> None:
         self.clock.now += seconds
 
@@ -539,10 +591,31 @@ class L1Machine(RuleBasedStateMachine):
             for i, entry in enumerate(record.entries)
             if i in record.doomed
         }
+        quarantined_entries = {
+            entry for record, _ in self.quarantined.values() for entry in record.entries
+        }
         for slot in live:
             if slot not in indexed:
-                assert cache._state[slot] == State.DOOMED, slot
-                assert (cache._keys[slot], cache._offset(slot)) in doomed_entries, "leaked slot"
+                entry = (cache._keys[slot], cache._offset(slot))
+                if cache._state[slot] == State.QUARANTINED:
+                    assert entry in quarantined_entries, "a slot quarantined for no lease"
+                else:
+                    assert cache._state[slot] == State.DOOMED, slot
+                    assert entry in doomed_entries, "leaked slot"
+
+    @invariant()
+    def quarantined_pages_stay_held(self) -> None:
+        """An expired write lease's pages hold no other chunk until its fence or release."""
+        cache = self.cache
+        pages = 0
+        for record, _ in self.quarantined.values():
+            for key, offset in record.entries:
+                slot = self.quarantined_slot(key, offset)
+                assert cache._parent[slot] == cache._first_child[slot] == NIL
+                pages += cache._pages[slot]
+        stats = cache.stats()
+        assert stats.quarantined_bytes == pages * PAGE
+        assert set(cache._quarantine.leases) == set(self.quarantined)
 
     @invariant()
     def locks_match_the_open_leases(self) -> None:

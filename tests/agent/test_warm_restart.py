@@ -15,13 +15,13 @@ import pytest
 from kvpool_agent.client import AgentClient, AgentError, AgentUnavailable
 from kvpool_agent.journal import SegmentJournal
 from kvpool_agent.keys import tenant_id
-from kvpool_agent.l1 import L1Cache
+from kvpool_agent.l1 import L1Cache, RestoreReport
 from kvpool_agent.policies import policy_factory
 from kvpool_agent.quotas import QuotaBook
 from kvpool_agent.segment import TABLE_RECORD_BYTES, SharedSegment
 
 from .agent_process import ADMIN_TOKEN, AgentProcess
-from .conftest import key
+from .conftest import FakeClock, key
 
 PAGE = 4096
 TENANT, OTHER = tenant_id("warm-a"), tenant_id("warm-b")
@@ -41,13 +41,21 @@ def segment_path(tmp_path: Path) -> Iterator[Path]:
 class Node:
     """An agent's L1 in-process: segment + journal + cache, reopened like a restart."""
 
-    def __init__(self, path: Path, policy: str = "lru") -> None:
+    def __init__(self, path: Path, policy: str = "lru", clock: FakeClock | None = None) -> None:
         self.segment, self.recreated = SharedSegment.open(path, 64 * PAGE, PAGE)
         self.journal = SegmentJournal(self.segment)
         self.cache = L1Cache(
-            self.segment.layout, policy_factory(policy), QuotaBook(), journal=self.journal
+            self.segment.layout,
+            policy_factory(policy),
+            QuotaBook(),
+            journal=self.journal,
+            clock=clock or FakeClock(),
         )
-        self.report = None if self.recreated else self.cache.restore(self.journal.committed())
+        self.report = (
+            None
+            if self.recreated
+            else self.cache.restore(self.journal.committed(), self.journal.reserved())
+        )
 
     def store(self, tenant: str, names: list[int], size: int, parent: int | None = None) -> None:
         reservation = self.cache.reserve(
@@ -71,6 +79,45 @@ class Node:
         self.segment.close()
 
 
+def test_a_store_in_flight_at_a_restart_keeps_its_pages_out_of_reach_for_a_fence(
+    segment_path: Path,
+) -> None:
+    """Its writer may outlive the agent and copy late: the next agent must not reuse the pages."""
+    before = FakeClock()
+    node = Node(segment_path, clock=before)
+    node.store(TENANT, [1], PAGE)
+    in_flight = node.cache.reserve(TENANT, [key(2), key(3)], [PAGE, 2 * PAGE])
+    expired = node.cache.reserve(OTHER, [key(4)], [PAGE])
+    assert in_flight.lease is not None and expired.lease is not None
+    before.advance(31)
+    node.cache.expire_leases()  # quarantined before the restart: held after it too
+    node.close()
+
+    clock = FakeClock()
+    again = Node(segment_path, clock=clock)
+    assert again.report is not None and again.report.quarantined == 3
+    held = {
+        place.offset
+        for reservation in (in_flight, expired)
+        for place in reservation.placements
+        if place is not None
+    }
+    assert again.read(TENANT, [1]) == [payload(1, PAGE)] and again.read(TENANT, [2]) == []
+    # Ask for the whole segment: every page but the 4 held back (chunk 1 is evicted).
+    fresh = again.cache.reserve(OTHER, [key(n) for n in range(10, 74)], [PAGE] * 64)
+    offsets = {place.offset for place in fresh.placements if place is not None}
+    assert len(offsets) == 64 - 4 and not offsets & held
+    assert again.cache.stats().quarantined_bytes == 4 * PAGE
+    assert fresh.lease is not None
+    again.cache.release(fresh.lease)
+    clock.advance(10 * 30)  # the fence
+    again.cache.expire_leases()
+    stats = again.cache.stats()
+    assert stats.quarantined_bytes == 0 and stats.allocated_bytes == 0
+    again.close()
+    assert Node(segment_path).report == RestoreReport(0, 0, 0)  # their records are erased
+
+
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_committed_chunks_survive_and_reservations_do_not(segment_path: Path, policy: str) -> None:
     node = Node(segment_path, policy)
@@ -85,16 +132,17 @@ def test_committed_chunks_survive_and_reservations_do_not(segment_path: Path, po
 
     again = Node(segment_path, policy)
     assert again.recreated is None and again.report is not None
-    assert (again.report.restored, again.report.discarded) == (5, 0)
+    assert (again.report.restored, again.report.discarded, again.report.quarantined) == (5, 0, 1)
     assert again.read(TENANT, [1, 2, 3, 4]) == [
         payload(n, s) for n, s in [(1, 5000), (2, 5000), (3, 5000), (4, PAGE)]
     ]
     assert again.read(TENANT, [6]) == [payload(6, PAGE)]
     assert again.read(TENANT, [5]) == [] and again.read(OTHER, [10]) == []
-    restored = again.cache.tenant_usage(TENANT)
-    assert (restored.used_bytes, restored.chunks) == (3 * 5000 + 2 * PAGE, 5)
+    restored = again.cache.tenant_usage(TENANT)  # with the quarantined reservation
+    assert (restored.used_bytes, restored.chunks) == (3 * 5000 + 3 * PAGE, 6)
     stats = again.cache.stats()
-    assert stats.open_leases == 0 and stats.allocated_bytes == 8 * PAGE  # 3 x 2 pages + 2 x 1
+    assert stats.open_leases == 0 and stats.allocated_bytes == 9 * PAGE  # 3 x 2 pages + 3 x 1
+    assert stats.quarantined_bytes == PAGE
     assert again.cache.evict(1)  # nothing is locked any more
     # The chain is linked again: evicting its head takes the rest along.
     again.cache.clear()
