@@ -80,7 +80,10 @@ class CacheStatus(BaseModel):
     page_waste: float = Field(
         description="Share of allocated bytes lost to rounding chunks up to whole pages."
     )
-    tenant_count: int = Field(description="Tenants the cache has accounts for.")
+    tenant_count: int = Field(
+        description="Tenant records: tenants holding chunks or a quota, and the most recently "
+        "active of those holding nothing (up to a bound)."
+    )
 
 
 class Quota(BaseModel):
@@ -272,7 +275,7 @@ def _cache_routes(service: CacheService, guards: _Guards) -> APIRouter:
             free_extents=stats.free_extents,
             fragmentation=stats.fragmentation,
             page_waste=stats.page_waste,
-            tenant_count=len(stats.tenants),
+            tenant_count=stats.tenant_count,
         )
 
     @router.get(
@@ -281,7 +284,7 @@ def _cache_routes(service: CacheService, guards: _Guards) -> APIRouter:
         summary="Every tenant's cache usage and counters since start (admin).",
     )
     def list_tenants(_: Admin) -> TenantUsages:
-        return TenantUsages(tenants=[Usage.of(stats) for stats in service.stats().tenants])
+        return TenantUsages(tenants=[Usage.of(stats) for stats in service.tenants()])
 
     @router.post("/clear", summary="Drop every cached chunk of every tenant (admin).")
     def clear_all(principal: Admin) -> Cleared:

@@ -90,16 +90,15 @@ class _CacheCollector(Collector):
             "Quota per labelled tenant (absent when unlimited).",
             labels=["tenant"],
         )
-        ranked = sorted(stats.tenants, key=lambda tenant: tenant.used_bytes, reverse=True)
-        for tenant in ranked[: self._top]:
+        ranking = self._service.ranked_tenants(self._top)
+        for tenant in ranking.largest:
             used.add_metric([tenant.tenant], tenant.used_bytes)
             chunks.add_metric([tenant.tenant], tenant.chunks)
             if tenant.quota_bytes is not None:
                 quota.add_metric([tenant.tenant], tenant.quota_bytes)
-        rest = ranked[self._top :]
-        if rest:
-            used.add_metric([OTHER_TENANTS], sum(tenant.used_bytes for tenant in rest))
-            chunks.add_metric([OTHER_TENANTS], sum(tenant.chunks for tenant in rest))
+        if ranking.rest_count:
+            used.add_metric([OTHER_TENANTS], ranking.rest_used_bytes)
+            chunks.add_metric([OTHER_TENANTS], ranking.rest_chunks)
         yield used
         yield chunks
         yield quota
