@@ -35,6 +35,11 @@ class AgentProcess:
     def segment_path(self) -> Path:
         return Path("/dev/shm") / f"kvpool-test-{os.getpid()}-{self.workdir.name}"
 
+    @property
+    def pid(self) -> int:
+        assert self._process is not None
+        return self._process.pid
+
     def environment(self) -> dict[str, str]:
         tokens = self.workdir / "tokens.yaml"
         tokens.write_text(
