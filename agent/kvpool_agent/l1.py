@@ -150,6 +150,8 @@ class L1Stats:
     allocated_bytes: int
     stored_bytes: int
     chunks: int
+    held_chunks: int
+    """Chunks charged to tenants (being written, ready, or cleared but still locked)."""
     hits: int
     misses: int
     written_bytes: int
@@ -714,6 +716,7 @@ class L1Cache:
             allocated_bytes=allocated,
             stored_bytes=self._stored_bytes,
             chunks=len(self._index),
+            held_chunks=len(self._keys) - len(self._free_slots),
             hits=self._hits,
             misses=self._misses,
             written_bytes=self._written_bytes,

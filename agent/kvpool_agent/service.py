@@ -42,7 +42,6 @@ class TenantRanking:
 
 
 _USED_BYTES = attrgetter("used_bytes")
-_CHUNKS = attrgetter("chunks")
 
 
 class CacheService:
@@ -122,14 +121,21 @@ class CacheService:
         return [self.cache.tenant_stats(record) for record in records]
 
     def ranked_tenants(self, count: int) -> TenantRanking:
-        """The ``count`` tenants using the most L1 bytes, and the sums of the others."""
+        """The ``count`` tenants using the most L1 bytes, and the sums of the others.
+
+        The others' sums are the cache's totals less the largest (a moment apart at most).
+        """
         with self.lock:
+            totals = self.cache.stats()
             records = self.cache.tenant_records()
-        largest = heapq.nlargest(count, records, key=_USED_BYTES)
+        largest = [
+            self.cache.tenant_stats(record)
+            for record in heapq.nlargest(count, records, key=_USED_BYTES)
+        ]
         return TenantRanking(
-            largest=[self.cache.tenant_stats(record) for record in largest],
-            rest_used_bytes=sum(map(_USED_BYTES, records)) - sum(map(_USED_BYTES, largest)),
-            rest_chunks=sum(map(_CHUNKS, records)) - sum(map(_CHUNKS, largest)),
+            largest=largest,
+            rest_used_bytes=max(0, totals.stored_bytes - sum(t.used_bytes for t in largest)),
+            rest_chunks=max(0, totals.held_chunks - sum(t.chunks for t in largest)),
             rest_count=len(records) - len(largest),
         )
 

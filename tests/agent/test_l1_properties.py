@@ -593,6 +593,7 @@ class L1Machine(RuleBasedStateMachine):
             usage = cache.tenant_usage(account.name)
             assert usage.used_bytes == account.used_bytes
         assert cache.stats().stored_bytes == sum(used.values())
+        assert cache.stats().held_chunks == sum(chunks.values())
 
     @invariant()
     def quota_never_grows_past_limit(self) -> None:

@@ -59,15 +59,16 @@ def test_reports_on_many_tenants_hold_the_lock_for_a_small_part_of_their_work(
     service = CacheService(cache, FileQuotaStore(tmp_path / "quotas.json"))
     lock = TimedLock()
     service.lock = lock  # type: ignore[assignment]
-    metrics = AgentMetrics(
-        CollectorRegistry(), service, 20, SegmentOrigin(False, "created", 0, 0, 0.0)
-    )
+    origin = SegmentOrigin(False, "created", 0, 0, 0.0)
 
-    hold, render = longest_hold(lock, metrics.exposition)
+    def scrape() -> bytes:  # a first scrape: it ranks the tenants
+        return AgentMetrics(CollectorRegistry(), service, 20, origin).exposition()[0]
+
+    hold, render = longest_hold(lock, scrape)
     assert hold * 4 < render, f"/metrics held the lock {hold:.4f} s of {render:.4f} s"
     hold, listing = longest_hold(lock, service.tenants)
     assert hold * 4 < listing, f"/v1/tenants held the lock {hold:.4f} s of {listing:.4f} s"
     hold, _ = longest_hold(lock, service.stats)
     assert hold * 10 < render, f"/v1/status held the lock {hold:.4f} s"
     assert service.stats().tenant_count == TENANTS
-    assert b'kvpool_tenant_chunks{tenant="other"} 99980.0' in metrics.exposition()[0]
+    assert b'kvpool_tenant_chunks{tenant="other"} 99980.0' in scrape()
