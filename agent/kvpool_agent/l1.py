@@ -312,6 +312,8 @@ class L1Cache:
         self._tenants: dict[str, _Tenant] = {}
         self._tenant_list: list[_Tenant] = []
         self._idle = _IdleTenants(idle_tenants, _Tenant("", NIL, policy(self._arena)))
+        # Tenants that may be over their quota: only these need the periodic check.
+        self._over_quota: set[str] = set()
         self._leases: dict[int, _Lease] = {}
         self._expiry_heap: list[tuple[float, int]] = []
         self._lease_ids = itertools.count(1)
@@ -521,8 +523,12 @@ class L1Cache:
         """The periodic check: expire leases, restore the watermark, enforce shrunken quotas."""
         self.expire_leases()
         self._evict_to_watermark(extra_pages=0, protected=set())
-        for account in list(self._tenants.values()):
-            self._enforce_quota(account)
+        for tenant in list(self._over_quota):
+            account = self._tenants.get(tenant)
+            if account is None:
+                self._over_quota.discard(tenant)
+            else:
+                self._enforce_quota(account)
         self._trim_idle()
 
     def evict(self, pages: int, tenant: str | None = None) -> bool:
@@ -645,6 +651,7 @@ class L1Cache:
         account.used_bytes += record.nbytes
         account.chunks += 1
         self._stored_bytes += record.nbytes
+        self._over_quota.add(account.name)  # the quota may have shrunk while it was away
 
     def _record_of(self, slot: int) -> ChunkRecord:
         self._commit_sequence += 1
@@ -844,6 +851,10 @@ class L1Cache:
         if limit is not None and account.used_bytes > limit:
             plan = self._plan(account.used_bytes - limit, self._nbytes, account, protected=set())
             self._apply(plan, EvictionCause.QUOTA)
+        if limit is not None and account.used_bytes > limit:
+            self._over_quota.add(account.name)  # its chunks are locked: maintain tries again
+        else:
+            self._over_quota.discard(account.name)
 
     def _plan(
         self,
