@@ -13,6 +13,7 @@ from kvpool_agent.bench import l1 as bench_l1
 from kvpool_agent.bench import l2 as bench_l2
 from kvpool_agent.bench import restart as bench_restart
 from kvpool_agent.bench import service as bench_service
+from kvpool_agent.bench import tenants as bench_tenants
 from kvpool_agent.bench import writeback as bench_writeback
 from kvpool_agent.doctor import command as doctor
 from kvpool_agent.keys import tenant_id
@@ -67,6 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench_restart.add_arguments(
         benches.add_parser("restart", help="time to adopt a full segment after a restart")
     )
+    bench_tenants.add_arguments(
+        benches.add_parser("tenants", help="lookups/s while /metrics is polled, many tenants")
+    )
     bench_index.add_arguments(
         benches.add_parser("index", help="prefix index: query latency, events/s, memory")
     )
@@ -93,6 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "writeback": bench_writeback.run,
             "connector": bench_connector.run,
             "index": bench_index.run,
+            "tenants": bench_tenants.run,
         }[args.bench](args)
     return 0
 

@@ -87,6 +87,11 @@ class CacheStatus(BaseModel):
     )
     lock_expiries: int = Field(description="Leases that expired instead of being released.")
     open_leases: int = Field(description="Read and write leases open now.")
+    quarantined_leases: int = Field(
+        description="Write leases that expired before their commit since start (their pages "
+        "were held back from reuse: a stalled writer may still copy into them)."
+    )
+    quarantined_bytes: int = Field(description="Bytes in pages held back that way now.")
     free_extents: int = Field(description="Runs of free pages.")
     fragmentation: float = Field(
         description="External fragmentation: 1 - largest free extent / free bytes."
@@ -94,7 +99,10 @@ class CacheStatus(BaseModel):
     page_waste: float = Field(
         description="Share of allocated bytes lost to rounding chunks up to whole pages."
     )
-    tenant_count: int = Field(description="Tenants the cache has accounts for.")
+    tenant_count: int = Field(
+        description="Tenant records: tenants holding chunks or a quota, and the most recently "
+        "active of those holding nothing (up to a bound)."
+    )
 
 
 class Quota(BaseModel):
@@ -304,10 +312,12 @@ def _cache_routes(service: CacheService, guards: _Guards) -> APIRouter:
             evictions=dict(stats.evictions),
             lock_expiries=stats.lock_expiries,
             open_leases=stats.open_leases,
+            quarantined_leases=stats.quarantined_leases,
+            quarantined_bytes=stats.quarantined_bytes,
             free_extents=stats.free_extents,
             fragmentation=stats.fragmentation,
             page_waste=stats.page_waste,
-            tenant_count=len(stats.tenants),
+            tenant_count=stats.tenant_count,
         )
 
     @router.get(
@@ -316,7 +326,7 @@ def _cache_routes(service: CacheService, guards: _Guards) -> APIRouter:
         summary="Every tenant's cache usage and counters since start (admin).",
     )
     def list_tenants(_: Admin) -> TenantUsages:
-        return TenantUsages(tenants=[Usage.of(stats) for stats in service.stats().tenants])
+        return TenantUsages(tenants=[Usage.of(stats) for stats in service.tenants()])
 
     @router.post("/clear", summary="Drop every cached chunk of every tenant (admin).")
     def clear_all(principal: Admin) -> Cleared:

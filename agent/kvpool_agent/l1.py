@@ -38,6 +38,13 @@ only that tenant's chunks; a tenant never makes room for itself at the expense
 of another). Within a tenant the configured policy orders victims; across
 tenants, the victim whose last use is oldest goes first.
 
+Tenant records: tenants choose their ids (a new ``cache_salt`` is a new tenant), so
+a record lives only while it holds something, a chunk (open leases hold chunks) or
+a quota of its own. A record that holds nothing keeps its counters while it is
+among the ``idle_tenants`` most recently active such records; past that the
+oldest is dropped, so a flood of new ids costs a bounded amount of memory. The
+cache-wide counters stay exact; a dropped record's counters go with it.
+
 Not thread-safe: one owner (the agent's event loop) calls it.
 """
 
@@ -49,7 +56,7 @@ import itertools
 import math
 import time
 from array import array
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -62,6 +69,8 @@ from kvpool_agent.quotas import Limit, QuotaBook
 from kvpool_agent.segment import SegmentLayout
 
 NIL = -1
+IDLE_TENANTS = 4096
+"""Records of tenants that hold nothing kept for their counters (about 0.6 KiB each)."""
 
 
 class State(enum.IntEnum):
@@ -160,6 +169,8 @@ class L1Stats:
     allocated_bytes: int
     stored_bytes: int
     chunks: int
+    held_chunks: int
+    """Chunks charged to tenants (being written, ready, or cleared but still locked)."""
     hits: int
     misses: int
     written_bytes: int
@@ -178,7 +189,8 @@ class L1Stats:
     """External: 1 - largest free extent / free bytes."""
     page_waste: float
     """Internal: share of allocated bytes that round chunks up to whole pages."""
-    tenants: list[TenantStats]
+    tenant_count: int
+    """Tenant records: those holding chunks or a quota, and up to ``IDLE_TENANTS`` more."""
 
 
 class ChunkListener(Protocol):
@@ -202,6 +214,31 @@ class RestoreReport:
     """Chunks that were reserved, not committed: their pages are held back for a fence."""
 
 
+class TenantRecord(Protocol):
+    """A tenant's record as readers outside the cache see it (read-only)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def used_bytes(self) -> int: ...
+
+    @property
+    def chunks(self) -> int: ...
+
+    @property
+    def hits(self) -> int: ...
+
+    @property
+    def misses(self) -> int: ...
+
+    @property
+    def stored_chunks(self) -> int: ...
+
+    @property
+    def evicted_chunks(self) -> int: ...
+
+
 @dataclass
 class _Tenant:
     name: str
@@ -213,6 +250,18 @@ class _Tenant:
     misses: int = 0
     stored_chunks: int = 0
     evicted_chunks: int = 0
+
+
+@dataclass
+class _IdleTenants:
+    """Records that held nothing when last used, and the places dropped ones left."""
+
+    bound: int
+    vacant: _Tenant
+    """Fills a dropped record's place in the record list until a new record takes it."""
+    records: OrderedDict[str, _Tenant] = field(default_factory=OrderedDict)
+    """Least recently used first."""
+    vacancies: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -253,11 +302,13 @@ class L1Cache:
         clock: Callable[[], float] = time.monotonic,
         journal: SegmentJournal | None = None,
         listener: ChunkListener | None = None,
+        idle_tenants: int = IDLE_TENANTS,
     ) -> None:
         """``journal``, if given, records committed chunks in the segment for warm restarts.
 
         ``fence_seconds`` (default 10 x ``lease_seconds``): the longest an expired write
         lease's pages stay quarantined when nobody releases them.
+        ``idle_tenants``: how many records of tenants that hold nothing keep their counters.
         """
         if not 0 < low_watermark < high_watermark <= 1:
             raise ValueError("watermarks must satisfy 0 < low < high <= 1")
@@ -271,23 +322,7 @@ class L1Cache:
         self._high_pages = int(pages * high_watermark)
         self._low_pages = int(pages * low_watermark)
 
-        # Per-slot metadata in flat arrays; a chunk needs at least one page, so
-        # there are never more chunks than pages.
-        self._free_slots = array("i", range(pages - 1, -1, -1))
-        self._keys: list[bytes | None] = [None] * pages
-        self._state = bytearray(pages)
-        self._first_page = array("q", [0]) * pages
-        self._offsets = array("q", [0]) * pages  # absolute file offset of each chunk
-        self._pages = array("i", [0]) * pages
-        self._nbytes = array("q", [0]) * pages
-        self._tenant = array("i", [NIL]) * pages
-        self._readers = array("i", [0]) * pages
-        self._last_use = array("q", [0]) * pages
-        self._sequence = array("q", [0]) * pages  # commit number, for the journal
-        self._parent = array("i", [NIL]) * pages
-        self._first_child = array("i", [NIL]) * pages
-        self._next_sibling = array("i", [NIL]) * pages
-        self._prev_sibling = array("i", [NIL]) * pages
+        self._make_slot_tables(pages)
         self._arena = SlotArena(pages)
         self._index: dict[bytes, int] = {}
         self._tick = 0
@@ -299,6 +334,9 @@ class L1Cache:
 
         self._tenants: dict[str, _Tenant] = {}
         self._tenant_list: list[_Tenant] = []
+        self._idle = _IdleTenants(idle_tenants, _Tenant("", NIL, policy(self._arena)))
+        # Tenants that may be over their quota: only these need the periodic check.
+        self._over_quota: set[str] = set()
         self._leases: dict[int, _Lease] = {}
         self._expiry_heap: list[tuple[float, int]] = []
         self._lease_ids = itertools.count(1)
@@ -314,6 +352,25 @@ class L1Cache:
         self._read_bytes = 0
         self._evictions: Counter[str] = Counter()
         self._lock_expiries = 0
+
+    def _make_slot_tables(self, pages: int) -> None:
+        """Per-slot metadata in flat arrays; a chunk needs at least one page, so there are
+        never more chunks than pages."""
+        self._free_slots = array("i", range(pages - 1, -1, -1))
+        self._keys: list[bytes | None] = [None] * pages
+        self._state = bytearray(pages)
+        self._first_page = array("q", [0]) * pages
+        self._offsets = array("q", [0]) * pages  # absolute file offset of each chunk
+        self._pages = array("i", [0]) * pages
+        self._nbytes = array("q", [0]) * pages
+        self._tenant = array("i", [NIL]) * pages
+        self._readers = array("i", [0]) * pages
+        self._last_use = array("q", [0]) * pages
+        self._sequence = array("q", [0]) * pages  # commit number, for the journal
+        self._parent = array("i", [NIL]) * pages
+        self._first_child = array("i", [NIL]) * pages
+        self._next_sibling = array("i", [NIL]) * pages
+        self._prev_sibling = array("i", [NIL]) * pages
 
     # ------------------------------------------------------------------ store
 
@@ -372,6 +429,7 @@ class L1Cache:
             placements.append(Placement(key, self._offset(slot), nbytes))
             previous = slot
         lease = self._open_lease(writing=True, slots=new_slots) if new_slots else None
+        self._rest(account)
         return Reservation(lease, tuple(placements), refused)
 
     def commit(self, lease: int, count: int | None = None) -> int:
@@ -447,6 +505,8 @@ class L1Cache:
             account.misses += len(keys) - hit_count
             self._hits += hit_count
             self._misses += len(keys) - hit_count
+        if not account.chunks:
+            self._rest(account)
         offsets = list(map(self._offsets.__getitem__, slots))
         sizes = list(map(self._nbytes.__getitem__, slots))
         lease = None
@@ -536,26 +596,36 @@ class L1Cache:
         """The periodic check: expire leases, restore the watermark, enforce shrunken quotas."""
         self.expire_leases()
         self._evict_to_watermark(extra_pages=0, protected=set())
-        for account in self._tenant_list:
-            self._enforce_quota(account)
+        for tenant in list(self._over_quota):
+            account = self._tenants.get(tenant)
+            if account is None:
+                self._over_quota.discard(tenant)
+            else:
+                self._enforce_quota(account)
+        self._trim_idle()
 
     def evict(self, pages: int, tenant: str | None = None) -> bool:
         """Free at least ``pages`` pages (of one tenant, or anyone): all or nothing."""
         scope = None if tenant is None else self._account(tenant)
         plan = self._plan(pages, self._pages, scope, protected=set())
-        if plan.freed < pages:
-            return False
-        self._apply(plan, EvictionCause.PRESSURE)
-        return True
+        if plan.freed >= pages:
+            self._apply(plan, EvictionCause.PRESSURE)
+        if scope is not None:
+            self._rest(scope)
+        return plan.freed >= pages
 
     def set_quota(self, tenant: str, limit: Limit) -> None:
         """Set a tenant's limit; shrinking it evicts the tenant down to it right away."""
         self.quotas.set(tenant, limit)
-        self._enforce_quota(self._account(tenant))
+        account = self._account(tenant)
+        self._enforce_quota(account)
+        self._rest(account)
 
     def delete_quota(self, tenant: str) -> None:
         self.quotas.delete(tenant)
-        self._enforce_quota(self._account(tenant))
+        account = self._account(tenant)
+        self._enforce_quota(account)
+        self._rest(account)
 
     def clear(self, tenant: str | None = None) -> int:
         """Drop every chunk (of one tenant, or all). Locked chunks go when unlocked."""
@@ -579,6 +649,7 @@ class L1Cache:
                 self._state[slot] = State.DOOMED
                 del self._index[key]
         self._announce_removed(announced, "cleared")
+        self._trim_idle()
         return dropped
 
     # ----------------------------------------------------------- warm restart
@@ -670,6 +741,7 @@ class L1Cache:
         account.used_bytes += record.nbytes
         account.chunks += 1
         self._stored_bytes += record.nbytes
+        self._over_quota.add(account.name)  # the quota may have shrunk while it was away
 
     def _record_of(self, slot: int) -> ChunkRecord:
         self._commit_sequence += 1
@@ -722,7 +794,15 @@ class L1Cache:
         account = self._tenants.get(tenant)
         if account is None:
             return TenantStats(tenant, 0, 0, self.quotas.limit(tenant), 0, 0, 0, 0)
-        return self._tenant_stats(account)
+        return self.tenant_stats(account)
+
+    def tenant_records(self) -> list[TenantRecord]:
+        """Every tenant record: a copy of the list only, cheap enough to take under a lock.
+
+        The records stay live; :meth:`tenant_stats` reads one later (outside the lock, each
+        counter is read whole, though two counters of one record may be a moment apart).
+        """
+        return list(self._tenants.values())
 
     def stats(self) -> L1Stats:
         page = self.layout.page_size
@@ -733,6 +813,7 @@ class L1Cache:
             allocated_bytes=allocated,
             stored_bytes=self._stored_bytes,
             chunks=len(self._index),
+            held_chunks=len(self._keys) - len(self._free_slots),
             hits=self._hits,
             misses=self._misses,
             written_bytes=self._written_bytes,
@@ -750,7 +831,7 @@ class L1Cache:
             free_extents=self._allocator.free_extent_count,
             fragmentation=self._allocator.fragmentation(),
             page_waste=(allocated - self._stored_bytes) / allocated if allocated else 0.0,
-            tenants=[self._tenant_stats(account) for account in self._tenant_list],
+            tenant_count=len(self._tenants),
         )
 
     # -------------------------------------------------------------- internals
@@ -758,12 +839,41 @@ class L1Cache:
     def _account(self, tenant: str) -> _Tenant:
         account = self._tenants.get(tenant)
         if account is None:
-            account = _Tenant(tenant, len(self._tenant_list), self._policy_factory(self._arena))
+            self._trim_idle()  # before the new record exists: it is in use, never dropped
+            policy = self._policy_factory(self._arena)
+            if self._idle.vacancies:
+                account = _Tenant(tenant, self._idle.vacancies.pop(), policy)
+                self._tenant_list[account.index] = account
+            else:
+                account = _Tenant(tenant, len(self._tenant_list), policy)
+                self._tenant_list.append(account)
             self._tenants[tenant] = account
-            self._tenant_list.append(account)
         return account
 
-    def _tenant_stats(self, account: _Tenant) -> TenantStats:
+    def _holds_nothing(self, account: _Tenant) -> bool:
+        return not account.chunks and not self.quotas.has_own(account.name)
+
+    def _rest(self, account: _Tenant) -> None:
+        """After using a record: one that holds nothing becomes the most recent idle one."""
+        idle = self._idle.records
+        if self._holds_nothing(account):
+            idle[account.name] = account
+            idle.move_to_end(account.name)
+        else:
+            idle.pop(account.name, None)
+
+    def _trim_idle(self) -> None:
+        """Drop the least recently used idle records past the bound (none may be in use)."""
+        idle = self._idle
+        while len(idle.records) > idle.bound:
+            _, account = idle.records.popitem(last=False)
+            if self._holds_nothing(account):  # else it was given chunks since it rested
+                del self._tenants[account.name]
+                self._tenant_list[account.index] = idle.vacant
+                idle.vacancies.append(account.index)
+
+    def tenant_stats(self, account: TenantRecord) -> TenantStats:
+        """One record's usage, quota and counters."""
         return TenantStats(
             tenant=account.name,
             used_bytes=account.used_bytes,
@@ -841,6 +951,10 @@ class L1Cache:
         if limit is not None and account.used_bytes > limit:
             plan = self._plan(account.used_bytes - limit, self._nbytes, account, protected=set())
             self._apply(plan, EvictionCause.QUOTA)
+        if limit is not None and account.used_bytes > limit:
+            self._over_quota.add(account.name)  # its chunks are locked: maintain tries again
+        else:
+            self._over_quota.discard(account.name)
 
     def _plan(
         self,
@@ -923,6 +1037,8 @@ class L1Cache:
         nbytes = self._nbytes[slot]
         account.used_bytes -= nbytes
         account.chunks -= 1
+        if not account.chunks:
+            self._rest(account)
         self._stored_bytes -= nbytes
         self._keys[slot] = None
         self._sequence[slot] = 0

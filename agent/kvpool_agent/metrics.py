@@ -5,11 +5,14 @@ collector, so the hot path only bumps plain integers); request latencies are
 observed by the ZMQ server through :meth:`AgentMetrics.observe_request`.
 Everything lives on an injected :class:`CollectorRegistry`. Tenant labels are
 bounded: the ``top_tenants`` largest tenants by usage get their own label,
-the rest are summed under ``other``.
+the rest are summed under ``other``. Ranking costs O(tenants) (outside the
+service lock, but in the interpreter the ZMQ thread shares), so it is redone at
+most every ``RANKING_SECONDS``: anyone may poll ``/metrics`` in a loop.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -21,9 +24,11 @@ from kvpool_agent.cache_factory import SegmentOrigin
 from kvpool_agent.l2.base import L2Adapter
 from kvpool_agent.l2.prefetch import Prefetcher
 from kvpool_agent.l2.writeback import WriteBack
-from kvpool_agent.service import CacheService
+from kvpool_agent.service import CacheService, TenantRanking
 
 OTHER_TENANTS = "other"
+RANKING_SECONDS = 1.0
+"""How old the per-tenant figures of a scrape may be (scrapes come every 15 s or so)."""
 _LATENCY_BUCKETS = (
     0.00002,
     0.00005,
@@ -44,6 +49,14 @@ class _CacheCollector(Collector):
     def __init__(self, service: CacheService, top_tenants: int) -> None:
         self._service = service
         self._top = top_tenants
+        self._ranking: TenantRanking | None = None
+        self._ranked_at = 0.0
+
+    def _tenant_ranking(self) -> TenantRanking:
+        now = time.monotonic()
+        if self._ranking is None or now - self._ranked_at >= RANKING_SECONDS:
+            self._ranking, self._ranked_at = self._service.ranked_tenants(self._top), now
+        return self._ranking
 
     def collect(self) -> Iterator[Metric]:
         stats = self._service.stats()
@@ -98,16 +111,15 @@ class _CacheCollector(Collector):
             "Quota per labelled tenant (absent when unlimited).",
             labels=["tenant"],
         )
-        ranked = sorted(stats.tenants, key=lambda tenant: tenant.used_bytes, reverse=True)
-        for tenant in ranked[: self._top]:
+        ranking = self._tenant_ranking()
+        for tenant in ranking.largest:
             used.add_metric([tenant.tenant], tenant.used_bytes)
             chunks.add_metric([tenant.tenant], tenant.chunks)
             if tenant.quota_bytes is not None:
                 quota.add_metric([tenant.tenant], tenant.quota_bytes)
-        rest = ranked[self._top :]
-        if rest:
-            used.add_metric([OTHER_TENANTS], sum(tenant.used_bytes for tenant in rest))
-            chunks.add_metric([OTHER_TENANTS], sum(tenant.chunks for tenant in rest))
+        if ranking.rest_count:
+            used.add_metric([OTHER_TENANTS], ranking.rest_used_bytes)
+            chunks.add_metric([OTHER_TENANTS], ranking.rest_chunks)
         yield used
         yield chunks
         yield quota

@@ -3,14 +3,19 @@
 The ZMQ thread, the HTTP handlers and the maintenance task all reach the
 cache through this object. Cache operations take microseconds, so one lock
 serves them all; quota writes do their I/O outside it (under a lock of their
-own, so that two writers apply in the order they stored).
+own, so that two writers apply in the order they stored). Reports (status,
+metrics, tenant lists) take the lock for O(1) figures and a copy of the tenant
+record list only; reading, ranking and formatting thousands of tenants happens
+outside it, so an unauthenticated ``/metrics`` poller cannot stall the data path.
 """
 
 from __future__ import annotations
 
+import heapq
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from operator import attrgetter
 
 from kvpool_agent.l1 import L1Cache, L1Stats, TenantStats
 from kvpool_agent.quota_store import QuotaStore
@@ -23,6 +28,20 @@ class QuotaView:
     limit: Limit
     explicit: bool
     """False when the tenant has no quota of its own and the default applies."""
+
+
+@dataclass(frozen=True)
+class TenantRanking:
+    """The tenants that use the most L1, and the rest summed (for bounded metric labels)."""
+
+    largest: list[TenantStats]
+    """Largest first."""
+    rest_used_bytes: int
+    rest_chunks: int
+    rest_count: int
+
+
+_USED_BYTES = attrgetter("used_bytes")
 
 
 class CacheService:
@@ -94,6 +113,31 @@ class CacheService:
     def stats(self) -> L1Stats:
         with self.lock:
             return self.cache.stats()
+
+    def tenants(self) -> list[TenantStats]:
+        """Every tenant record's usage and counters."""
+        with self.lock:
+            records = self.cache.tenant_records()
+        return [self.cache.tenant_stats(record) for record in records]
+
+    def ranked_tenants(self, count: int) -> TenantRanking:
+        """The ``count`` tenants using the most L1 bytes, and the sums of the others.
+
+        The others' sums are the cache's totals less the largest (a moment apart at most).
+        """
+        with self.lock:
+            totals = self.cache.stats()
+            records = self.cache.tenant_records()
+        largest = [
+            self.cache.tenant_stats(record)
+            for record in heapq.nlargest(count, records, key=_USED_BYTES)
+        ]
+        return TenantRanking(
+            largest=largest,
+            rest_used_bytes=max(0, totals.stored_bytes - sum(t.used_bytes for t in largest)),
+            rest_chunks=max(0, totals.held_chunks - sum(t.chunks for t in largest)),
+            rest_count=len(records) - len(largest),
+        )
 
     def clear(self, tenant: str | None = None) -> int:
         with self.lock:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent.l1 import L1Cache
+from kvpool_agent.l1 import IDLE_TENANTS, L1Cache
 from kvpool_agent.policies import policy_factory
 from kvpool_agent.quotas import QuotaBook
 from kvpool_agent.segment import SegmentLayout
@@ -39,6 +39,7 @@ def make_cache(
     clock: FakeClock | None = None,
     high: float = 0.9,
     low: float = 0.8,
+    idle_tenants: int = IDLE_TENANTS,
 ) -> L1Cache:
     return L1Cache(
         SegmentLayout(page_size=PAGE, data_offset=PAGE, data_size=PAGE * pages),
@@ -48,6 +49,7 @@ def make_cache(
         low_watermark=low,
         lease_seconds=30.0,
         clock=clock or FakeClock(),
+        idle_tenants=idle_tenants,
     )
 
 

@@ -152,3 +152,19 @@ def test_bench_service_prints_throughput_and_round_trips_against_the_zmq_floor()
     assert "kvpool agent  256 KiB" in result.stdout
     for row in ("kvpool agent", "ping (no cache work)", "bare pyzmq: same bytes each way"):
         assert row in result.stdout.split("Locked lookup round trip")[1], result.stdout
+
+
+def test_bench_tenants_prints_lookups_alone_and_while_metrics_is_polled() -> None:
+    result = subprocess.run(
+        [
+            BIN / "kvpool", "bench", "tenants", "--tenants", "300", "--seconds", "0.3",
+            "--runs", "1",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=180,
+    )  # fmt: skip
+    assert "300 tenants with a chunk each" in result.stdout, result.stdout
+    for row in ("alone", "2 clients polling /healthz", "2 clients polling /metrics + /v1/status"):
+        assert row in result.stdout, result.stdout

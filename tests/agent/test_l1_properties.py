@@ -188,9 +188,15 @@ class L1Machine(RuleBasedStateMachine):
         limits=st.fixed_dictionaries({}, optional=dict.fromkeys(TENANTS, QUOTAS)),
         warm=st.integers(0, 24),
         seed=st.integers(0, 2**32 - 1),
+        idle_tenants=st.integers(0, 2),
     )
-    def build(self, default: Limit, limits: dict[str, Limit], warm: int, seed: int) -> None:
-        """A fresh cache, warmed with committed chains so that memory pressure comes sooner."""
+    def build(
+        self, default: Limit, limits: dict[str, Limit], warm: int, seed: int, idle_tenants: int
+    ) -> None:
+        """A fresh cache, warmed with committed chains so that memory pressure comes sooner.
+
+        Few idle records are kept, so records are dropped and their places reused.
+        """
         self.cache = L1Cache(
             LAYOUT,
             policy_factory(self.policy),
@@ -200,6 +206,7 @@ class L1Machine(RuleBasedStateMachine):
             lease_seconds=LEASE_SECONDS,
             fence_seconds=FENCE_SECONDS,
             clock=self.clock,
+            idle_tenants=idle_tenants,
         )
         rng = random.Random(seed)
         for _ in range(warm):
@@ -522,6 +529,7 @@ class L1Machine(RuleBasedStateMachine):
         free_before = cache._allocator.free_pages
         index_before = dict(cache._index)
         stats_before = cache.stats()
+        usage_before = {t.tenant: t for t in map(cache.tenant_stats, cache.tenant_records())}
         ready_before = self.ready_by_tenant()
 
         evicted = cache.evict(pages, scope)
@@ -532,17 +540,20 @@ class L1Machine(RuleBasedStateMachine):
         else:
             assert cache._allocator.free_pages == free_before
             assert cache._index == index_before
-            stats_after = cache.stats()
-            # An empty account for a tenant seen for the first time is not a change.
-            known = {t.tenant for t in stats_before.tenants}
+            # An empty record for a tenant seen for the first time is not a change, and
+            # making it may drop another idle one.
+            usage_after = {t.tenant: t for t in map(cache.tenant_stats, cache.tenant_records())}
             assert all(
-                t.used_bytes == t.chunks == t.evicted_chunks == 0
-                for t in stats_after.tenants
-                if t.tenant not in known
+                usage_before.get(name, usage) == usage
+                or usage.used_bytes == usage.chunks == usage.evicted_chunks == 0
+                for name, usage in usage_after.items()
             )
-            stats_after = dataclasses.replace(
-                stats_after, tenants=[t for t in stats_after.tenants if t.tenant in known]
+            assert all(
+                usage.used_bytes == usage.chunks == 0
+                for name, usage in usage_before.items()
+                if name not in usage_after
             )
+            stats_after = dataclasses.replace(cache.stats(), tenant_count=stats_before.tenant_count)
             assert stats_after == stats_before
         for name in TENANTS:
             if scope is not None and name != scope:
@@ -655,6 +666,7 @@ class L1Machine(RuleBasedStateMachine):
             usage = cache.tenant_usage(account.name)
             assert usage.used_bytes == account.used_bytes
         assert cache.stats().stored_bytes == sum(used.values())
+        assert cache.stats().held_chunks == sum(chunks.values())
 
     @invariant()
     def quota_never_grows_past_limit(self) -> None:

@@ -10,7 +10,7 @@ from kvpool_agent import protocol as p
 from kvpool_agent.client import AgentClient, AgentError, copy_in
 from kvpool_agent.keys import tenant_id
 
-from .agent_process import AgentProcess
+from .agent_process import ADMIN_TOKEN, AgentProcess
 from .conftest import key
 from .test_agent_service import RawClient, payload, wait_for
 
@@ -43,6 +43,10 @@ def test_a_writer_stalled_past_its_lease_corrupts_no_other_tenant(agent: AgentPr
         stats = other.stats()
         assert (stats["quarantined_leases"], stats["fenced_sessions"]) == (1, 1)
         assert stats["quarantined_bytes"] == 128 << 10  # two 64 KiB pages, still held
+        status = httpx.get(
+            f"{agent.http}/v1/status", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        ).json()
+        assert (status["quarantined_leases"], status["quarantined_bytes"]) == (1, 128 << 10)
         # The fenced client said hello again and stores on with a new session.
         assert stalled.store(TENANT, [key(3)], [payload(3, SIZE)]) == 1
         assert other.retrieve(TENANT, [key(3)]) == [payload(3, SIZE)]

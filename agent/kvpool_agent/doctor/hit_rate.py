@@ -1,10 +1,11 @@
 """The hit-rate check: no tenant looks chunks up again and again without ever hitting.
 
 Reads every tenant's counters from the agent's HTTP API (``GET /v1/tenants``, admin
-token). The counters run since the agent started (they are not a recent window), and
-count chunks, not requests. A tenant with at least ``min_lookups`` chunk lookups and not
-one hit is the silent zero-hit deployment: its engines never find what they stored.
-The canary tenant is left out.
+token): tenants holding chunks or a quota, and the most recently active of the others
+(a starved tenant that keeps looking up stays among them). The counters run since the
+agent made the record (not a recent window), and count chunks, not requests. A tenant
+with at least ``min_lookups`` chunk lookups and not one hit is the silent zero-hit
+deployment: its engines never find what they stored. The canary tenant is left out.
 """
 
 from __future__ import annotations

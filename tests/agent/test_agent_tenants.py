@@ -1,0 +1,64 @@
+"""Tenant records in a real agent: new tenant ids (cache salts) cost bounded memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from kvpool_agent.client import AgentClient
+from kvpool_agent.keys import tenant_id
+from kvpool_agent.l1 import IDLE_TENANTS
+
+from .agent_process import ADMIN_TOKEN, AgentProcess
+from .conftest import key
+
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+def tenant_count(agent: AgentProcess) -> int:
+    status = httpx.get(f"{agent.http}/v1/status", headers=ADMIN).raise_for_status().json()
+    return int(status["tenant_count"])
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS")
+
+
+def look_up_as_new_tenants(client: AgentClient, first: int, count: int) -> None:
+    for number in range(first, first + count):
+        assert client.lookup(tenant_id(f"salt-{number}"), [key(number)], lock=False).count == 0
+
+
+def test_lookups_by_new_tenants_leave_a_bounded_number_of_records(
+    agent_process: AgentProcess,
+) -> None:
+    agent = agent_process.start()
+    with AgentClient(agent.zmq) as client:
+        look_up_as_new_tenants(client, 0, IDLE_TENANTS + 1000)
+        assert tenant_count(agent) <= IDLE_TENANTS + 1
+        before = rss_bytes(agent.pid)
+        look_up_as_new_tenants(client, IDLE_TENANTS + 1000, 25_000)
+        grown = rss_bytes(agent.pid) - before
+        assert tenant_count(agent) <= IDLE_TENANTS + 1
+        stats = client.stats()
+    assert stats["misses"] == IDLE_TENANTS + 26_000  # the cache-wide counters stay exact
+    # 25,000 records held ~15 MiB; dropped ones leave their memory to the next.
+    assert grown < 5 << 20, f"the agent grew by {grown >> 10} KiB"
+
+
+def test_clearing_the_cache_drops_the_records_of_its_tenants(agent_process: AgentProcess) -> None:
+    agent = agent_process.start()
+    tenants = IDLE_TENANTS + 500
+    with AgentClient(agent.zmq) as client:
+        for number in range(tenants):
+            assert client.store_inline(tenant_id(f"salt-{number}"), [key(number)], [b"kv"]).stored
+    assert tenant_count(agent) == tenants
+    httpx.post(f"{agent.http}/v1/clear", headers=ADMIN).raise_for_status()
+    assert tenant_count(agent) <= IDLE_TENANTS
+    usages = httpx.get(f"{agent.http}/v1/tenants", headers=ADMIN).raise_for_status().json()
+    newest = tenant_id(f"salt-{tenants - 1}")
+    assert any(u["tenant"] == newest and u["stored_chunks"] == 1 for u in usages["tenants"])
