@@ -201,6 +201,8 @@ class _Lease:
 class _EvictionPlan:
     victims: dict[int, None] = field(default_factory=dict)
     freed: int = 0
+    waiting: dict[int, int] = field(default_factory=dict)
+    """Chunks passed over as the prefix of others: how many children are not victims yet."""
 
 
 class L1Cache:
@@ -252,8 +254,8 @@ class L1Cache:
         self._tick = 0
         self._journal = journal
         self.listener = listener
-        self.evict_orphans = True
-        """Evict a chunk's descendants with it; off when L2 tiers can restore the prefix."""
+        self.refuse_orphans = True
+        """Refuse a run whose predecessor L1 lacks (unreachable); off when L2 can restore it."""
         self._commit_sequence = 0
 
         self._tenants: dict[str, _Tenant] = {}
@@ -297,6 +299,10 @@ class L1Cache:
             raise InvalidRequest("a reservation names the same key twice")
         account = self._account(tenant)
         previous = NIL if parent is None else self._index.get(parent, NIL)
+        if parent is not None and previous == NIL and self.refuse_orphans:
+            # Without a lower tier no lookup reaches these chunks: storing them would only
+            # evict the reachable tails of other chains.
+            return Reservation(None, (), "the chunk before the first key is not in L1")
         if previous != NIL and self._tenant[previous] != account.index:
             previous = NIL  # never link across tenants
         protected: set[int] = {previous} if previous != NIL else set()
@@ -750,18 +756,44 @@ class L1Cache:
         scope: _Tenant | None,
         protected: set[int],
     ) -> _EvictionPlan:
-        """Choose victims worth ``need`` (in ``measure`` units) without changing anything."""
+        """Choose victims worth ``need`` (in ``measure`` units) without changing anything.
+
+        Only chain tails are victims, so what stays is whole prefixes whatever order the
+        policy proposes (a long prompt stored over several steps has its head oldest). A
+        chunk proposed while it has children waits, and goes the moment its last child
+        does: the policy ranked it before everything still to come. A chunk with a locked
+        descendant, or one being written, stays: it is the prefix of a chunk in use.
+        Chunks still waiting at the end get a second chance (see :meth:`_requeue`).
+        """
         plan = _EvictionPlan()
+        first_child = self._first_child
         for slot in self._victim_order(scope):
             if plan.freed >= need:
                 break
-            if slot in plan.victims or not self._evictable(slot, protected):
+            if not self._evictable(slot, protected):
                 continue
-            for victim in self._with_descendants(slot, protected):
-                if victim not in plan.victims:
-                    plan.victims[victim] = None
-                    plan.freed += measure[victim]
+            if first_child[slot] != NIL:
+                kept = sum(1 for child in self._children(slot) if child not in plan.victims)
+                if kept:
+                    plan.waiting[slot] = kept
+                    continue
+            self._take(plan, slot, need, measure)
         return plan
+
+    def _take(self, plan: _EvictionPlan, slot: int, need: int, measure: array[int]) -> None:
+        """Make ``slot`` a victim, then each waiting ancestor that has no child left."""
+        victim = slot
+        while True:
+            plan.victims[victim] = None
+            plan.freed += measure[victim]
+            parent = self._parent[victim]
+            if parent not in plan.waiting or plan.freed >= need:
+                return
+            plan.waiting[parent] -= 1
+            if plan.waiting[parent]:
+                return
+            del plan.waiting[parent]
+            victim = parent
 
     def _victim_order(self, scope: _Tenant | None) -> Iterator[int]:
         if scope is not None:
@@ -774,23 +806,11 @@ class L1Cache:
             self._state[slot] == State.READY and self._readers[slot] == 0 and slot not in protected
         )
 
-    def _with_descendants(self, slot: int, protected: set[int]) -> Iterator[int]:
-        """``slot`` and every evictable chunk below it (unreachable once ``slot`` is gone).
-
-        Not when a lower tier may hold ``slot``: a prefetch brings the prefix back and
-        the chunks below it are hits again.
-        """
-        yield slot
-        if not self.evict_orphans:
-            return
-        stack = [self._first_child[slot]]
-        while stack:
-            child = stack.pop()
-            while child != NIL:
-                if self._evictable(child, protected):
-                    yield child
-                stack.append(self._first_child[child])
-                child = self._next_sibling[child]
+    def _children(self, slot: int) -> Iterator[int]:
+        child = self._first_child[slot]
+        while child != NIL:
+            yield child
+            child = self._next_sibling[child]
 
     def _apply(self, plan: _EvictionPlan, cause: EvictionCause) -> None:
         if self.listener is not None:
@@ -803,6 +823,20 @@ class L1Cache:
             self._remove_from_policy(slot, evicted=True)
             self._free(slot)
         self._evictions[cause] += len(plan.victims)
+        self._requeue(plan.waiting)
+
+    def _requeue(self, slots: Iterable[int]) -> None:
+        """Rank the prefixes an eviction passed over as the newest of their policy's lists.
+
+        Their chains are still cached, so they are in use as much as their tails; and
+        without this every later eviction would walk the same heads again to reach the
+        tails (a chain stored over several steps has its head oldest).
+        """
+        by_tenant: dict[int, list[int]] = {}
+        for slot in slots:
+            by_tenant.setdefault(self._tenant[slot], []).append(slot)
+        for tenant, group in by_tenant.items():
+            self._tenant_list[tenant].policy.requeue(group)
 
     def _announce_removed(self, keys_by_tenant: dict[int, list[bytes]], cause: str) -> None:
         if self.listener is not None:
