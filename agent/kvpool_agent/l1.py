@@ -254,8 +254,8 @@ class L1Cache:
         self._tick = 0
         self._journal = journal
         self.listener = listener
-        self.refuse_orphans = True
-        """Refuse a run whose predecessor L1 lacks (unreachable); off when L2 can restore it."""
+        self.lower_tier = False
+        """L2 tiers are configured: a prefix that L1 lacks can come back by prefetch."""
         self._commit_sequence = 0
 
         self._tenants: dict[str, _Tenant] = {}
@@ -299,18 +299,19 @@ class L1Cache:
             raise InvalidRequest("a reservation names the same key twice")
         account = self._account(tenant)
         previous = NIL if parent is None else self._index.get(parent, NIL)
-        if parent is not None and previous == NIL and self.refuse_orphans:
+        if parent is not None and previous == NIL and not self.lower_tier:
             # Without a lower tier no lookup reaches these chunks: storing them would only
             # evict the reachable tails of other chains.
             return Reservation(None, (), "the chunk before the first key is not in L1")
         if previous != NIL and self._tenant[previous] != account.index:
             previous = NIL  # never link across tenants
         protected: set[int] = {previous} if previous != NIL else set()
-        protected.update(slot for slot in map(self._index.get, keep) if slot is not None)
+        cached = [slot for slot in map(self._index.get, (*keep, *keys)) if slot is not None]
+        protected.update(cached)
         placements: list[Placement | None] = []
         new_slots: list[int] = []
         refused: str | None = None
-        for key, nbytes in zip(keys, sizes, strict=True):
+        for position, (key, nbytes) in enumerate(zip(keys, sizes, strict=True)):
             existing = self._index.get(key, NIL)
             if existing != NIL and self._tenant[existing] != account.index:
                 # Keys are salted per tenant, so this is a broken or hostile client: never
@@ -325,6 +326,11 @@ class L1Cache:
             refused = self._make_room(account, nbytes, protected)
             if refused is not None:
                 break
+            if not new_slots:
+                # Room for the rest of the run at once: a chain that cannot shrink (its tail
+                # is this run's parent) is then walked once per store, not once per chunk.
+                wanted = self._pages_wanted(keys[position:], sizes[position:])
+                self._evict_to_watermark(extra_pages=wanted, protected=protected)
             slot = self._place(account, key, nbytes, previous, protected)
             if slot == NIL:
                 refused = "no evictable memory left in the L1 segment"
@@ -704,7 +710,7 @@ class L1Cache:
     def _place(
         self, account: _Tenant, key: bytes, nbytes: int, parent: int, protected: set[int]
     ) -> int:
-        pages = -(-nbytes // self.layout.page_size)
+        pages = self._pages_for(nbytes)
         first_page = self._allocate(pages, protected)
         if first_page is None:
             return NIL
@@ -724,8 +730,15 @@ class L1Cache:
         self._stored_bytes += nbytes
         return slot
 
+    def _pages_for(self, nbytes: int) -> int:
+        return -(-nbytes // self.layout.page_size)
+
+    def _pages_wanted(self, keys: Sequence[bytes], sizes: Sequence[int]) -> int:
+        """Pages of the chunks of a run that L1 does not hold yet."""
+        cached = self._index
+        return sum(self._pages_for(n) for k, n in zip(keys, sizes, strict=True) if k not in cached)
+
     def _allocate(self, pages: int, protected: set[int]) -> int | None:
-        self._evict_to_watermark(extra_pages=pages, protected=protected)
         while True:
             first_page = self._allocator.allocate(pages)
             if first_page is not None:
@@ -762,8 +775,9 @@ class L1Cache:
         policy proposes (a long prompt stored over several steps has its head oldest). A
         chunk proposed while it has children waits, and goes the moment its last child
         does: the policy ranked it before everything still to come. A chunk with a locked
-        descendant, or one being written, stays: it is the prefix of a chunk in use.
-        Chunks still waiting at the end get a second chance (see :meth:`_requeue`).
+        descendant, or one being written, stays: it is the prefix of a chunk in use (with
+        L2, only while tails alone make room). Chunks still waiting at the end get a
+        second chance (see :meth:`_requeue`).
         """
         plan = _EvictionPlan()
         first_child = self._first_child
@@ -778,6 +792,16 @@ class L1Cache:
                     plan.waiting[slot] = kept
                     continue
             self._take(plan, slot, need, measure)
+        if plan.freed < need and self.lower_tier:
+            # Tails alone do not make room (a chain being extended or written back is all
+            # there is): older chunks go too, since a prefetch brings a prefix back. Without
+            # this, the rest of a chain longer than L1 would never reach L2 either.
+            for slot in list(plan.waiting):
+                if plan.freed >= need:
+                    break
+                del plan.waiting[slot]
+                plan.victims[slot] = None
+                plan.freed += measure[slot]
         return plan
 
     def _take(self, plan: _EvictionPlan, slot: int, need: int, measure: array[int]) -> None:

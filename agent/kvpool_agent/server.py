@@ -146,7 +146,7 @@ class Agent:
             stack.push_async_callback(tier.close)
         if not tiers:
             return None, None
-        l1.cache.refuse_orphans = False  # L2 can bring a missing prefix back
+        l1.cache.lower_tier = True  # L2 can bring a missing prefix back
         loop = asyncio.get_running_loop()
 
         def shrink_tiers(tenant: str) -> None:  # any thread: HTTP handlers, the quota watch

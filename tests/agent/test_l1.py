@@ -258,6 +258,17 @@ def test_a_long_prompt_stored_in_steps_keeps_the_longest_prefix_that_fits(policy
     assert hits(cache, "t", chain) == stats.chunks == 192
 
 
+def test_with_l2_a_chain_longer_than_l1_is_stored_whole(policy: str) -> None:
+    """Every chunk reaches L1, so the write-back can take it to L2; L1 keeps what fits."""
+    cache = make_cache(pages=240, policy=policy, high=0.9, low=0.8)
+    cache.lower_tier = True
+    for start in range(0, 300, 16):
+        names = list(range(start, min(start + 16, 300)))
+        store(cache, "t", names, parent=start - 1 if start else None)
+    assert cache.lookup("t", [key(n) for n in range(284, 300)], lock=False).count == 16
+    assert cache.stats().allocated_bytes <= 240 * PAGE
+
+
 def test_independent_chains_shrink_least_recently_used_first(policy: str) -> None:
     cache = make_cache(policy=policy)
     store_chain(cache, "t", [0, 1, 2, 3], batch=2)
@@ -299,7 +310,7 @@ def test_a_run_whose_predecessor_is_gone_is_refused_without_l2(policy: str) -> N
     assert refused.lease is None and refused.placements == ()
     assert refused.refused_reason is not None and "before the first key" in refused.refused_reason
     assert cache.stats().allocated_bytes == 0
-    cache.refuse_orphans = False  # with L2, a prefetch can bring the prefix back
+    cache.lower_tier = True  # with L2, a prefetch can bring the prefix back
     stored = cache.reserve("t", [key(1), key(2)], [PAGE, PAGE], parent=key(0))
     assert stored.lease is not None and stored.refused_reason is None
 

@@ -121,13 +121,15 @@ class L1Machine(RuleBasedStateMachine):
         return [slot for slot in range(PAGES) if self.cache._state[slot] != State.FREE]
 
     def evictable_slots(self, tenant: str | None = None) -> list[int]:
-        """Ready, unlocked chunks whose descendants are all evictable too (tails go first)."""
+        """Ready, unlocked chunks; without L2, whose descendants are all evictable too."""
         cache = self.cache
         index = None if tenant is None else cache._tenants[tenant].index
 
         def evictable(slot: int) -> bool:
             if cache._state[slot] != State.READY or cache._readers[slot] != 0:
                 return False
+            if cache.lower_tier:
+                return True  # tails first, but a chain that cannot shrink may lose its head
             child = cache._first_child[slot]
             while child != NIL:
                 if not evictable(child):
@@ -153,10 +155,12 @@ class L1Machine(RuleBasedStateMachine):
     def assert_no_orphans_made(
         self, links: set[tuple[bytes | None, bytes | None]], stored: Sequence[bytes] = ()
     ) -> None:
-        """Eviction takes a chunk only after all of its descendants.
+        """Without L2, eviction takes a chunk only after all of its descendants.
 
         ``stored``: keys a reservation placed anew (one that it evicted first is new).
         """
+        if self.cache.lower_tier:
+            return
         live = {self.cache._keys[slot] for slot in self.live_slots()} - set(stored)
         for child, parent in links:
             assert child not in live or parent in live, "eviction left a chunk unreachable"
@@ -217,7 +221,7 @@ class L1Machine(RuleBasedStateMachine):
             lease_seconds=LEASE_SECONDS,
             clock=self.clock,
         )
-        self.cache.refuse_orphans = not lower_tier
+        self.cache.lower_tier = lower_tier
         rng = random.Random(seed)
         tenant = rng.choice(TENANTS)
         for _ in range(warm):
@@ -272,7 +276,7 @@ class L1Machine(RuleBasedStateMachine):
 
         reservation = cache.reserve(tenant, keys, sizes, parent=parent_key)
 
-        if parent_key is not None and parent_key not in indexed_before and cache.refuse_orphans:
+        if parent_key is not None and parent_key not in indexed_before and not cache.lower_tier:
             assert reservation.placements == () and reservation.lease is None, (
                 "a run under a predecessor L1 lacks was stored"
             )
