@@ -13,11 +13,13 @@ never evicted. Every lock belongs to a lease that expires, so a crashed client
 pins nothing for longer than ``lease_seconds``.
 
 Chunks form chains (``k_i`` names its predecessor ``k_{i-1}``) and a chunk is
-only reachable through its whole prefix. Hits are touched tail first, so the
-head of a chain is always its most recent part and recency-based policies
-evict tails first; and a chunk that loses its predecessor is unreachable, so
-eviction takes all of its unlocked descendants along (unless L2 tiers exist:
-then a prefetch can restore the prefix, and the descendants stay useful).
+only reachable through its whole prefix. So only chain tails are victims: a
+chunk the policy proposes goes after all of its descendants, which matters
+because a long prompt stored over several steps has its head oldest (hits are
+touched tail first, so a hit chain has its head newest). A run stored under a
+predecessor that L1 lacks would be unreachable and is refused, unless L2 tiers
+exist: then a prefetch can restore the prefix, and when tails alone cannot make
+room, older chunks may go too.
 
 Eviction has three triggers: the high watermark (evict to the low one), an
 allocation that does not fit (evict until it does, so a store fails for lack

@@ -127,6 +127,18 @@ def test_bench_l1_prints_its_table() -> None:
     assert "reserve+copy+commit" in result.stdout and "ratio" in result.stdout
 
 
+def test_bench_chains_keeps_the_prefix_that_fits() -> None:
+    result = subprocess.run(
+        [BIN / "kvpool", "bench", "chains", "--chain-mib", "12", "--l1-mib", "10"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    rows = [line.split() for line in result.stdout.splitlines() if line.split()[:1] == ["lru"]]
+    assert rows and rows[0][-2] == "1.00", result.stdout  # reachable / fit at low watermark
+
+
 def test_bench_restart_prints_its_table() -> None:
     result = subprocess.run(
         [BIN / "kvpool", "bench", "restart", "--index-chunks", "2000"],
