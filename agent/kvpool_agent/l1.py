@@ -308,8 +308,8 @@ class L1Cache:
         if previous != NIL and self._tenant[previous] != account.index:
             previous = NIL  # never link across tenants
         protected: set[int] = {previous} if previous != NIL else set()
-        cached = [slot for slot in map(self._index.get, (*keep, *keys)) if slot is not None]
-        protected.update(cached)
+        # The run's own cached chunks too: the room made for the run must not evict them.
+        protected.update(slot for slot in map(self._index.get, (*keep, *keys)) if slot is not None)
         placements: list[Placement | None] = []
         new_slots: list[int] = []
         refused: str | None = None
