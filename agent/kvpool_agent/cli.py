@@ -7,6 +7,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kvpool_agent.bench import chains as bench_chains
 from kvpool_agent.bench import connector as bench_connector
 from kvpool_agent.bench import index as bench_index
 from kvpool_agent.bench import l1 as bench_l1
@@ -51,6 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench = commands.add_parser("bench", help="run a benchmark and print its table")
     benches = bench.add_subparsers(dest="bench", required=True)
     bench_l1.add_arguments(benches.add_parser("l1", help="L1 index and copy costs, in-process"))
+    bench_chains.add_arguments(
+        benches.add_parser("chains", help="reachable prefix of a long prompt stored in steps")
+    )
     bench_service.add_arguments(
         benches.add_parser("service", help="store/retrieve through the ZMQ protocol vs memcpy")
     )
@@ -91,6 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         {
             "l1": bench_l1.run,
+            "chains": bench_chains.run,
             "service": bench_service.run,
             "restart": bench_restart.run,
             "l2": bench_l2.run,

@@ -25,11 +25,13 @@ quarantine: a reader that copies from reused pages writes nothing into the
 segment, and the connector treats a load whose release fails as a failure.
 
 Chunks form chains (``k_i`` names its predecessor ``k_{i-1}``) and a chunk is
-only reachable through its whole prefix. Hits are touched tail first, so the
-head of a chain is always its most recent part and recency-based policies
-evict tails first; and a chunk that loses its predecessor is unreachable, so
-eviction takes all of its unlocked descendants along (unless L2 tiers exist:
-then a prefetch can restore the prefix, and the descendants stay useful).
+only reachable through its whole prefix. So only chain tails are victims: a
+chunk the policy proposes goes after all of its descendants, which matters
+because a long prompt stored over several steps has its head oldest (hits are
+touched tail first, so a hit chain has its head newest). A run stored under a
+predecessor that L1 lacks would be unreachable and is refused, unless L2 tiers
+exist: then a prefetch can restore the prefix, and when tails alone cannot make
+room, older chunks may go too.
 
 Eviction has three triggers: the high watermark (evict to the low one), an
 allocation that does not fit (evict until it does, so a store fails for lack
@@ -286,6 +288,8 @@ class _Quarantine:
 class _EvictionPlan:
     victims: dict[int, None] = field(default_factory=dict)
     freed: int = 0
+    waiting: dict[int, int] = field(default_factory=dict)
+    """Chunks passed over as the prefix of others: how many children are not victims yet."""
 
 
 class L1Cache:
@@ -328,8 +332,8 @@ class L1Cache:
         self._tick = 0
         self._journal = journal
         self.listener = listener
-        self.evict_orphans = True
-        """Evict a chunk's descendants with it; off when L2 tiers can restore the prefix."""
+        self.lower_tier = False
+        """L2 tiers are configured: a prefix that L1 lacks can come back by prefetch."""
         self._commit_sequence = 0
 
         self._tenants: dict[str, _Tenant] = {}
@@ -398,14 +402,19 @@ class L1Cache:
             raise InvalidRequest("a reservation names the same key twice")
         account = self._account(tenant)
         previous = NIL if parent is None else self._index.get(parent, NIL)
+        if parent is not None and previous == NIL and not self.lower_tier:
+            # Without a lower tier no lookup reaches these chunks: storing them would only
+            # evict the reachable tails of other chains.
+            return Reservation(None, (), "the chunk before the first key is not in L1")
         if previous != NIL and self._tenant[previous] != account.index:
             previous = NIL  # never link across tenants
         protected: set[int] = {previous} if previous != NIL else set()
-        protected.update(slot for slot in map(self._index.get, keep) if slot is not None)
+        # The run's own cached chunks too: the room made for the run must not evict them.
+        protected.update(slot for slot in map(self._index.get, (*keep, *keys)) if slot is not None)
         placements: list[Placement | None] = []
         new_slots: list[int] = []
         refused: str | None = None
-        for key, nbytes in zip(keys, sizes, strict=True):
+        for position, (key, nbytes) in enumerate(zip(keys, sizes, strict=True)):
             existing = self._index.get(key, NIL)
             if existing != NIL and self._tenant[existing] != account.index:
                 # Keys are salted per tenant, so this is a broken or hostile client: never
@@ -420,6 +429,11 @@ class L1Cache:
             refused = self._make_room(account, nbytes, protected)
             if refused is not None:
                 break
+            if not new_slots:
+                # Room for the rest of the run at once: a chain that cannot shrink (its tail
+                # is this run's parent) is then walked once per store, not once per chunk.
+                wanted = self._pages_wanted(keys[position:], sizes[position:])
+                self._evict_to_watermark(extra_pages=wanted, protected=protected)
             slot = self._place(account, key, nbytes, previous, protected)
             if slot == NIL:
                 refused = "no evictable memory left in the L1 segment"
@@ -904,7 +918,7 @@ class L1Cache:
     def _place(
         self, account: _Tenant, key: bytes, nbytes: int, parent: int, protected: set[int]
     ) -> int:
-        pages = -(-nbytes // self.layout.page_size)
+        pages = self._pages_for(nbytes)
         first_page = self._allocate(pages, protected)
         if first_page is None:
             return NIL
@@ -927,8 +941,15 @@ class L1Cache:
             self._journal.record(record, RESERVED)
         return slot
 
+    def _pages_for(self, nbytes: int) -> int:
+        return -(-nbytes // self.layout.page_size)
+
+    def _pages_wanted(self, keys: Sequence[bytes], sizes: Sequence[int]) -> int:
+        """Pages of the chunks of a run that L1 does not hold yet."""
+        cached = self._index
+        return sum(self._pages_for(n) for k, n in zip(keys, sizes, strict=True) if k not in cached)
+
     def _allocate(self, pages: int, protected: set[int]) -> int | None:
-        self._evict_to_watermark(extra_pages=pages, protected=protected)
         while True:
             first_page = self._allocator.allocate(pages)
             if first_page is not None:
@@ -963,18 +984,55 @@ class L1Cache:
         scope: _Tenant | None,
         protected: set[int],
     ) -> _EvictionPlan:
-        """Choose victims worth ``need`` (in ``measure`` units) without changing anything."""
+        """Choose victims worth ``need`` (in ``measure`` units) without changing anything.
+
+        Only chain tails are victims, so what stays is whole prefixes whatever order the
+        policy proposes (a long prompt stored over several steps has its head oldest). A
+        chunk proposed while it has children waits, and goes the moment its last child
+        does: the policy ranked it before everything still to come. A chunk with a locked
+        descendant, or one being written, stays: it is the prefix of a chunk in use (with
+        L2, only while tails alone make room). Chunks still waiting at the end get a
+        second chance (see :meth:`_requeue`).
+        """
         plan = _EvictionPlan()
+        first_child = self._first_child
         for slot in self._victim_order(scope):
             if plan.freed >= need:
                 break
-            if slot in plan.victims or not self._evictable(slot, protected):
+            if not self._evictable(slot, protected):
                 continue
-            for victim in self._with_descendants(slot, protected):
-                if victim not in plan.victims:
-                    plan.victims[victim] = None
-                    plan.freed += measure[victim]
+            if first_child[slot] != NIL:
+                kept = sum(1 for child in self._children(slot) if child not in plan.victims)
+                if kept:
+                    plan.waiting[slot] = kept
+                    continue
+            self._take(plan, slot, need, measure)
+        if plan.freed < need and self.lower_tier:
+            # Tails alone do not make room (a chain being extended or written back is all
+            # there is): older chunks go too, since a prefetch brings a prefix back. Without
+            # this, the rest of a chain longer than L1 would never reach L2 either.
+            for slot in list(plan.waiting):
+                if plan.freed >= need:
+                    break
+                del plan.waiting[slot]
+                plan.victims[slot] = None
+                plan.freed += measure[slot]
         return plan
+
+    def _take(self, plan: _EvictionPlan, slot: int, need: int, measure: array[int]) -> None:
+        """Make ``slot`` a victim, then each waiting ancestor that has no child left."""
+        victim = slot
+        while True:
+            plan.victims[victim] = None
+            plan.freed += measure[victim]
+            parent = self._parent[victim]
+            if parent not in plan.waiting or plan.freed >= need:
+                return
+            plan.waiting[parent] -= 1
+            if plan.waiting[parent]:
+                return
+            del plan.waiting[parent]
+            victim = parent
 
     def _victim_order(self, scope: _Tenant | None) -> Iterator[int]:
         if scope is not None:
@@ -987,23 +1045,11 @@ class L1Cache:
             self._state[slot] == State.READY and self._readers[slot] == 0 and slot not in protected
         )
 
-    def _with_descendants(self, slot: int, protected: set[int]) -> Iterator[int]:
-        """``slot`` and every evictable chunk below it (unreachable once ``slot`` is gone).
-
-        Not when a lower tier may hold ``slot``: a prefetch brings the prefix back and
-        the chunks below it are hits again.
-        """
-        yield slot
-        if not self.evict_orphans:
-            return
-        stack = [self._first_child[slot]]
-        while stack:
-            child = stack.pop()
-            while child != NIL:
-                if self._evictable(child, protected):
-                    yield child
-                stack.append(self._first_child[child])
-                child = self._next_sibling[child]
+    def _children(self, slot: int) -> Iterator[int]:
+        child = self._first_child[slot]
+        while child != NIL:
+            yield child
+            child = self._next_sibling[child]
 
     def _apply(self, plan: _EvictionPlan, cause: EvictionCause) -> None:
         if self.listener is not None:
@@ -1016,6 +1062,20 @@ class L1Cache:
             self._remove_from_policy(slot, evicted=True)
             self._free(slot)
         self._evictions[cause] += len(plan.victims)
+        self._requeue(plan.waiting)
+
+    def _requeue(self, slots: Iterable[int]) -> None:
+        """Rank the prefixes an eviction passed over as the newest of their policy's lists.
+
+        Their chains are still cached, so they are in use as much as their tails; and
+        without this every later eviction would walk the same heads again to reach the
+        tails (a chain stored over several steps has its head oldest).
+        """
+        by_tenant: dict[int, list[int]] = {}
+        for slot in slots:
+            by_tenant.setdefault(self._tenant[slot], []).append(slot)
+        for tenant, group in by_tenant.items():
+            self._tenant_list[tenant].policy.requeue(group)
 
     def _announce_removed(self, keys_by_tenant: dict[int, list[bytes]], cause: str) -> None:
         if self.listener is not None:

@@ -150,7 +150,7 @@ class Agent:
             stack.push_async_callback(tier.close)
         if not tiers:
             return None, None
-        l1.cache.evict_orphans = False  # L2 can bring an evicted prefix back
+        l1.cache.lower_tier = True  # L2 can bring a missing prefix back
         loop = asyncio.get_running_loop()
 
         def shrink_tiers(tenant: str) -> None:  # any thread: HTTP handlers, the quota watch

@@ -127,6 +127,22 @@ def test_bench_l1_prints_its_table() -> None:
     assert "reserve+copy+commit" in result.stdout and "ratio" in result.stdout
 
 
+def test_bench_chains_keeps_the_prefix_that_fits() -> None:
+    sizes = ("--chain-mib", "12", "--l1-mib", "10", "--prompt-mib", "2", "--rounds", "2")
+    result = subprocess.run(
+        [BIN / "kvpool", "bench", "chains", *sizes],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    one_chain, in_turns = [
+        line.split() for line in result.stdout.splitlines() if line.split()[:1] == ["lru"]
+    ]
+    assert one_chain[-2] == "1.00", result.stdout  # reachable / fit at the low watermark
+    assert in_turns[2] == in_turns[4] and in_turns[5] != "0", result.stdout  # all reachable
+
+
 def test_bench_restart_prints_its_table() -> None:
     result = subprocess.run(
         [BIN / "kvpool", "bench", "restart", "--index-chunks", "2000"],

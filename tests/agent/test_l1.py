@@ -275,15 +275,108 @@ def test_eviction_takes_the_tail_of_a_chain_first(policy: str) -> None:
     assert hits(cache, "t", [0, 1, 2, 3]) == 3
 
 
-def test_a_chunk_whose_predecessor_is_evicted_goes_with_it(policy: str) -> None:
+def store_chain(cache: L1Cache, tenant: str, names: list[int], batch: int) -> None:
+    """Store ``names`` as one chain over several steps, as vLLM's chunked prefill does."""
+    for start in range(0, len(names), batch):
+        parent = names[start - 1] if start else None
+        reservation = cache.reserve(
+            tenant,
+            [key(n) for n in names[start : start + batch]],
+            [PAGE] * len(names[start : start + batch]),
+            None if parent is None else key(parent),
+        )
+        if reservation.lease is not None:
+            cache.commit(reservation.lease)
+
+
+def test_a_chain_stored_in_steps_shrinks_from_its_tail(policy: str) -> None:
     cache = make_cache(policy=policy)
-    store(cache, "t", [0])
-    store(cache, "t", [1], parent=0)  # newer than its parent
-    store(cache, "t", [2], parent=1)
+    store_chain(cache, "t", [0, 1, 2], batch=1)  # the head is the oldest part
     store(cache, "t", [9])
     cache.lookup("t", [key(9)], lock=False)
-    assert cache.evict(1)  # the oldest is the head of the chain 0-1-2
-    assert cache.stats().chunks == 1 and hits(cache, "t", [9]) == 1
+    assert cache.evict(1)
+    assert hits(cache, "t", [0, 1, 2]) == 2 and hits(cache, "t", [9]) == 1
+
+
+def test_a_prefix_an_eviction_passed_over_gets_a_second_chance(policy: str) -> None:
+    """Its chain was still cached when the eviction came by: it ranks as recent as its tail,
+    and the next eviction does not walk it again."""
+    cache = make_cache(policy=policy)
+    store_chain(cache, "t", [0, 1, 2], batch=1)
+    store(cache, "t", [9])
+    assert cache.evict(1)  # 0 and 1 are passed over, 2 goes
+    assert cache.evict(1)
+    assert hits(cache, "t", [0, 1, 2]) == 2 and hits(cache, "t", [9]) == 0
+
+
+def test_a_long_prompt_stored_in_steps_keeps_the_longest_prefix_that_fits(policy: str) -> None:
+    """The issue's case scaled down: a 300-chunk chain in 16-chunk steps into 240 pages."""
+    cache = make_cache(pages=240, policy=policy, high=0.9, low=0.8)
+    chain = list(range(300))
+    store_chain(cache, "t", chain, batch=16)
+    stats = cache.stats()
+    assert hits(cache, "t", chain) == stats.chunks  # all reachable: nothing is dead weight
+    cache.maintain()  # the agent's periodic check
+    stats = cache.stats()
+    assert stats.allocated_bytes == 192 * PAGE  # the low watermark
+    assert hits(cache, "t", chain) == stats.chunks == 192
+
+
+def test_with_l2_a_chain_longer_than_l1_is_stored_whole(policy: str) -> None:
+    """Every chunk reaches L1, so the write-back can take it to L2; L1 keeps what fits."""
+    cache = make_cache(pages=240, policy=policy, high=0.9, low=0.8)
+    cache.lower_tier = True
+    for start in range(0, 300, 16):
+        names = list(range(start, min(start + 16, 300)))
+        store(cache, "t", names, parent=start - 1 if start else None)
+    assert cache.lookup("t", [key(n) for n in range(284, 300)], lock=False).count == 16
+    assert cache.stats().allocated_bytes <= 240 * PAGE
+
+
+def test_independent_chains_shrink_least_recently_used_first(policy: str) -> None:
+    cache = make_cache(policy=policy)
+    store_chain(cache, "t", [0, 1, 2, 3], batch=2)
+    store_chain(cache, "t", [10, 11, 12, 13], batch=2)
+    cache.lookup("t", [key(n) for n in range(4)], lock=False)
+    assert cache.evict(2)
+    assert hits(cache, "t", [0, 1, 2, 3]) == 4
+    assert hits(cache, "t", [10, 11, 12, 13]) == 2
+
+
+def test_a_hit_prefix_outlives_its_tail_in_every_policy_list(policy: str) -> None:
+    """ARC keeps a hit prefix in its frequency list and the tail in its recency list; when
+    it takes victims from the frequency list first, the prefix still waits for its tail."""
+    cache = make_cache(policy=policy)
+    store(cache, "t", [200, 201, 202, 203])
+    assert cache.evict(4)
+    store(cache, "t", [200])  # ghost hits: ARC's recency target grows to 2
+    store(cache, "t", [201])
+    store_chain(cache, "t", [0, 1, 2, 3], batch=2)
+    cache.lookup("t", [key(0), key(1)], lock=False)
+    assert cache.evict(3)
+    assert hits(cache, "t", [0, 1, 2, 3]) == 3 and hits(cache, "t", [200]) == 0
+
+
+def test_a_locked_chunk_keeps_its_prefix(policy: str) -> None:
+    cache = make_cache(policy=policy)
+    store(cache, "t", [9])
+    store_chain(cache, "t", [0, 1, 2, 3], batch=2)
+    pinned = cache.pin("t", key(3))  # the write-back pins one chunk, not its prefix
+    assert pinned.lease is not None
+    assert not cache.evict(2)  # only 9 may go: 0-2 are the prefix of a chunk in use
+    assert cache.evict(1)
+    assert hits(cache, "t", [0, 1, 2, 3]) == 4 and hits(cache, "t", [9]) == 0
+
+
+def test_a_run_whose_predecessor_is_gone_is_refused_without_l2(policy: str) -> None:
+    cache = make_cache(policy=policy)
+    refused = cache.reserve("t", [key(1), key(2)], [PAGE, PAGE], parent=key(0))
+    assert refused.lease is None and refused.placements == ()
+    assert refused.refused_reason is not None and "before the first key" in refused.refused_reason
+    assert cache.stats().allocated_bytes == 0
+    cache.lower_tier = True  # with L2, a prefetch can bring the prefix back
+    stored = cache.reserve("t", [key(1), key(2)], [PAGE, PAGE], parent=key(0))
+    assert stored.lease is not None and stored.refused_reason is None
 
 
 def test_over_quota_tenant_evicts_only_its_own_chunks(policy: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -56,6 +57,7 @@ QUOTAS: st.SearchStrategy[Limit] = st.one_of(
 )
 SIZES = st.integers(1, 3 * PAGE)
 CHOICE = st.integers(0, 10_000)  # index into whatever the model holds, modulo its length
+LAST_SEEN = -1  # as a parent choice: the key seen last (continue the latest run)
 
 
 class FakeClock:
@@ -130,15 +132,49 @@ class L1Machine(RuleBasedStateMachine):
         return [slot for slot in range(PAGES) if self.cache._state[slot] != State.FREE]
 
     def evictable_slots(self, tenant: str | None = None) -> list[int]:
+        """Ready, unlocked chunks; without L2, whose descendants are all evictable too."""
         cache = self.cache
         index = None if tenant is None else cache._tenants[tenant].index
+
+        def evictable(slot: int) -> bool:
+            if cache._state[slot] != State.READY or cache._readers[slot] != 0:
+                return False
+            if cache.lower_tier:
+                return True  # tails first, but a chain that cannot shrink may lose its head
+            child = cache._first_child[slot]
+            while child != NIL:
+                if not evictable(child):
+                    return False
+                child = cache._next_sibling[child]
+            return True
+
         return [
             slot
             for slot in self.live_slots()
-            if cache._state[slot] == State.READY
-            and cache._readers[slot] == 0
-            and (index is None or cache._tenant[slot] == index)
+            if evictable(slot) and (index is None or cache._tenant[slot] == index)
         ]
+
+    def ready_parent_links(self) -> set[tuple[bytes | None, bytes | None]]:
+        """(chunk, predecessor) of every live chunk whose predecessor is ready."""
+        cache = self.cache
+        return {
+            (cache._keys[slot], cache._keys[cache._parent[slot]])
+            for slot in self.live_slots()
+            if cache._parent[slot] != NIL and cache._state[cache._parent[slot]] == State.READY
+        }
+
+    def assert_no_orphans_made(
+        self, links: set[tuple[bytes | None, bytes | None]], stored: Sequence[bytes] = ()
+    ) -> None:
+        """Without L2, eviction takes a chunk only after all of its descendants.
+
+        ``stored``: keys a reservation placed anew (one that it evicted first is new).
+        """
+        if self.cache.lower_tier:
+            return
+        live = {self.cache._keys[slot] for slot in self.live_slots()} - set(stored)
+        for child, parent in links:
+            assert child not in live or parent in live, "eviction left a chunk unreachable"
 
     def used_bytes(self, tenant: str) -> int:
         account = self.cache._tenants.get(tenant)
@@ -189,13 +225,22 @@ class L1Machine(RuleBasedStateMachine):
         warm=st.integers(0, 24),
         seed=st.integers(0, 2**32 - 1),
         idle_tenants=st.integers(0, 2),
+        lower_tier=st.booleans(),
     )
     def build(
-        self, default: Limit, limits: dict[str, Limit], warm: int, seed: int, idle_tenants: int
+        self,
+        *,
+        default: Limit,
+        limits: dict[str, Limit],
+        warm: int,
+        seed: int,
+        idle_tenants: int,
+        lower_tier: bool,
     ) -> None:
         """A fresh cache, warmed with committed chains so that memory pressure comes sooner.
 
-        Few idle records are kept, so records are dropped and their places reused.
+        Few idle records are kept, so records are dropped and their places reused. Some
+        runs continue the previous one, as a prompt stored over several steps.
         """
         self.cache = L1Cache(
             LAYOUT,
@@ -208,14 +253,18 @@ class L1Machine(RuleBasedStateMachine):
             clock=self.clock,
             idle_tenants=idle_tenants,
         )
+        self.cache.lower_tier = lower_tier
         rng = random.Random(seed)
+        tenant = rng.choice(TENANTS)
         for _ in range(warm):
             count = rng.randint(1, 4)
+            continued = bool(self.seen_keys) and rng.random() < 0.5
+            tenant = tenant if continued else rng.choice(TENANTS)
             self.reserve(
-                tenant=rng.choice(TENANTS),
+                tenant=tenant,
                 picks=rng.sample(range(KEYS_PER_TENANT), count),
                 sizes=[rng.randint(1, 3 * PAGE) for _ in range(count)],
-                parent=None,
+                parent=LAST_SEEN if continued else None,
                 then="commit",
                 cut=0,
             )
@@ -224,7 +273,7 @@ class L1Machine(RuleBasedStateMachine):
         tenant=st.sampled_from(TENANTS),
         picks=st.lists(st.integers(0, KEYS_PER_TENANT - 1), min_size=1, max_size=4, unique=True),
         sizes=st.lists(SIZES, min_size=4, max_size=4),
-        parent=st.one_of(st.none(), CHOICE),
+        parent=st.one_of(st.none(), st.just(LAST_SEEN), CHOICE),
         then=st.sampled_from(["hold", "hold", "commit", "commit", "commit", "partial"]),
         cut=CHOICE,
     )
@@ -249,6 +298,7 @@ class L1Machine(RuleBasedStateMachine):
         )
         indexed_before = set(cache._index)
         ready_before = self.ready_by_tenant()
+        links_before = self.ready_parent_links()
         evictions_before = cache.stats().evictions
         requested_pages = sum(_pages(size) for size in sizes)
         roomy = (
@@ -258,6 +308,10 @@ class L1Machine(RuleBasedStateMachine):
 
         reservation = cache.reserve(tenant, keys, sizes, parent=parent_key)
 
+        if parent_key is not None and parent_key not in indexed_before and not cache.lower_tier:
+            assert reservation.placements == () and reservation.lease is None, (
+                "a run under a predecessor L1 lacks was stored"
+            )
         placements = reservation.placements
         assert len(placements) <= len(keys)
         assert (reservation.refused_reason is None) == (len(placements) == len(keys))
@@ -287,6 +341,7 @@ class L1Machine(RuleBasedStateMachine):
             assert self.used_bytes(tenant) <= limit, "reserve placed a chunk over the quota"
 
         # Reserving never makes anything ready; it may only evict.
+        self.assert_no_orphans_made(links_before, stored=[p.key for p in new])
         ready_after = self.ready_by_tenant()
         for name in TENANTS:
             assert ready_after[name] <= ready_before[name]
@@ -458,7 +513,9 @@ class L1Machine(RuleBasedStateMachine):
 
     @rule()
     def maintain(self) -> None:
+        links_before = self.ready_parent_links()
         self.cache.maintain()
+        self.assert_no_orphans_made(links_before)
         self.expire_in_model()
         assert self.used_pages() <= self.cache._high_pages or not self.evictable_slots()
         for tenant in TENANTS:
@@ -468,11 +525,13 @@ class L1Machine(RuleBasedStateMachine):
     def set_quota(self, tenant: str, limit: Limit, delete: bool) -> None:
         ready_before = self.ready_by_tenant()
         evictions_before = self.cache.stats().evictions
+        links_before = self.ready_parent_links()
         if delete:
             self.cache.delete_quota(tenant)
         else:
             self.cache.set_quota(tenant, limit)
         self.assert_quota_enforced(tenant)
+        self.assert_no_orphans_made(links_before)
         ready_after = self.ready_by_tenant()
         for name in TENANTS:
             if name != tenant:
@@ -531,10 +590,12 @@ class L1Machine(RuleBasedStateMachine):
         stats_before = cache.stats()
         usage_before = {t.tenant: t for t in map(cache.tenant_stats, cache.tenant_records())}
         ready_before = self.ready_by_tenant()
+        links_before = self.ready_parent_links()
 
         evicted = cache.evict(pages, scope)
 
         assert evicted == (evictable_pages >= pages)
+        self.assert_no_orphans_made(links_before)
         if evicted:
             assert cache._allocator.free_pages - free_before >= pages
         else:

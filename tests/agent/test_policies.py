@@ -30,6 +30,15 @@ def test_a_touched_slot_is_not_the_first_victim(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)
+def test_requeued_slots_go_last_in_their_order(name: str) -> None:
+    policy = policy_factory(name)(SlotArena(16))
+    for slot in range(5):
+        policy.insert(slot, key(slot))
+    policy.requeue([0, 2])
+    assert list(policy.victims()) == [1, 3, 4, 0, 2]
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
 def test_policies_of_one_arena_do_not_interfere(name: str) -> None:
     arena = SlotArena(16)
     first, second = policy_factory(name)(arena), policy_factory(name)(arena)
@@ -76,6 +85,16 @@ def test_arc_adapts_towards_recency_on_ghost_hits() -> None:
     assert policy.target == 0  # type: ignore[attr-defined]
     policy.insert(5, key(0))  # the same key comes back: T1 was too small
     assert policy.target > 0  # type: ignore[attr-defined]
+
+
+def test_arc_requeue_is_not_a_use() -> None:
+    """A prefix passed over by an eviction stays in the list it was in (no promotion)."""
+    policy = policy_factory("arc")(SlotArena(16))
+    for slot in range(3):
+        policy.insert(slot, key(slot))
+    policy.touch([2])  # T1 = [0, 1], T2 = [2]
+    policy.requeue([0, 2])
+    assert list(policy.victims()) == [1, 0, 2]
 
 
 def test_unknown_policy_names_the_known_ones() -> None:

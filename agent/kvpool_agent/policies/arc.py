@@ -64,6 +64,10 @@ class ARCPolicy:
             ghosts[key] = None
             self._trim_ghosts()
 
+    def requeue(self, slots: Sequence[int]) -> None:
+        for resident in (self._t1, self._t2):
+            resident.move_to_tail([slot for slot in slots if slot in resident])
+
     def victims(self) -> Iterator[int]:
         if len(self._t1) > self.target or not self._t2:
             return itertools.chain(self._t1, self._t2)

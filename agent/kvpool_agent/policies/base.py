@@ -5,7 +5,8 @@ it never frees memory, never looks at locks and never decides how much to
 evict. The cache calls ``insert`` when a chunk becomes ready, ``touch`` with the
 slots of every lookup's hits, ``remove`` when a chunk leaves (``evicted`` tells a policy with ghost
 history whether to remember it) and walks ``victims()`` without changing
-anything in between, skipping slots it may not evict.
+anything in between, skipping slots it may not evict. It calls ``requeue`` with
+the slots it passed over because they are the prefix of chunks still cached.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ class EvictionPolicy(Protocol):
         ...
 
     def remove(self, slot: int, key: bytes, *, evicted: bool) -> None: ...
+
+    def requeue(self, slots: Sequence[int]) -> None:
+        """Rank ``slots`` newest within whatever list each is in; not a use (no promotion)."""
+        ...
 
     def victims(self) -> Iterator[int]:
         """Resident slots, best victim first; lazy, and invalid once the policy changes."""

@@ -20,5 +20,8 @@ class LRUPolicy:
     def remove(self, slot: int, key: bytes, *, evicted: bool) -> None:
         self._order.remove(slot)
 
+    def requeue(self, slots: Sequence[int]) -> None:
+        self._order.move_to_tail(slots)
+
     def victims(self) -> Iterator[int]:
         return iter(self._order)
