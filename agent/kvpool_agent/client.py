@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 
 from kvpool_agent import protocol as p
-from kvpool_agent.l1 import Hit
+from kvpool_agent.cache_types import Hit
 from kvpool_agent.segment import SharedSegment
 
 T = TypeVar("T")

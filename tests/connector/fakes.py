@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from kvpool_agent.cache_types import Hit
 from kvpool_agent.client import (
     AgentError,
     AgentInfo,
@@ -18,7 +19,6 @@ from kvpool_agent.client import (
 from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.discovery import AgentAddress
 from kvpool_agent.connector.link import AgentLink
-from kvpool_agent.l1 import Hit
 
 CHUNK_BYTES = 4096
 

@@ -42,9 +42,9 @@ import zmq
 from kvpool_agent import protocol as p
 from kvpool_agent.bench.agent_process import BenchAgent
 from kvpool_agent.bench.report import table
+from kvpool_agent.cache_types import Hit
 from kvpool_agent.client import AgentClient, copy_in, copy_out
 from kvpool_agent.keys import tenant_id
-from kvpool_agent.l1 import Hit
 
 TENANT = tenant_id("bench")
 BATCH_BYTES = 64 << 20

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from kvpool_agent import keys
+from kvpool_agent.cache_types import Hit
 from kvpool_agent.client import AgentClient, AgentError, PrefetchProgress
 from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.link import AgentLink, LinkDown
@@ -49,7 +50,6 @@ from kvpool_agent.connector.metadata import (
     LoadJob,
     StoreJob,
 )
-from kvpool_agent.l1 import Hit
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

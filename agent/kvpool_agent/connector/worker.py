@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from kvpool_agent.cache_types import Hit
 from kvpool_agent.client import AgentClient, AgentError, AgentInfo, StorePlan
 from kvpool_agent.connector.copier import BlockCopier, Copy, MappedSegment
 from kvpool_agent.connector.counters import Counters
@@ -44,7 +45,6 @@ from kvpool_agent.connector.metadata import (
     LoadJob,
     StoreJob,
 )
-from kvpool_agent.l1 import Hit
 from kvpool_agent.pinned import PinMode
 from kvpool_agent.segment import SegmentError
 
