@@ -31,7 +31,6 @@ import zmq
 import zmq.asyncio
 
 from kvpool_agent import protocol as p
-from kvpool_agent.l1 import Hit
 from kvpool_agent.segment import SharedSegment
 
 T = TypeVar("T")
@@ -62,6 +61,20 @@ class AgentInfo:
     page_size: int
     max_inline_bytes: int
     max_keys: int
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """The leading run of the keys that the agent holds: ``offsets[i]`` and ``sizes[i]``
+    locate the i-th; ``lease`` holds them read-locked (None: nothing locked)."""
+
+    lease: int | None
+    offsets: list[int]
+    sizes: list[int]
+
+    @property
+    def count(self) -> int:
+        return len(self.offsets)
 
 
 @dataclass(frozen=True)
@@ -119,14 +132,19 @@ def _no_lease(lease: int) -> int | None:
     return None if lease == p.NO_LEASE else lease
 
 
+def _found(answer: p.LookupReply) -> LookupResult:
+    return LookupResult(_no_lease(answer.lease), answer.offsets, answer.sizes)
+
+
 class _Requests:
     """Builds every request and parses its reply; shared by both clients."""
 
     @staticmethod
-    def lookup(tenant: str, keys: Sequence[bytes], lock: bool, count: bool) -> _Exchange[Hit]:
-        def parse(reply: Any, data: list[bytes]) -> Hit:
-            answer = _expect(p.LookupReply)(reply, data)
-            return Hit(_no_lease(answer.lease), answer.offsets, answer.sizes)
+    def lookup(
+        tenant: str, keys: Sequence[bytes], lock: bool, count: bool
+    ) -> _Exchange[LookupResult]:
+        def parse(reply: Any, data: list[bytes]) -> LookupResult:
+            return _found(_expect(p.LookupReply)(reply, data))
 
         return _Exchange(
             lambda req, s: p.Lookup(req, s, tenant, list(keys), lock, count=count), parse
@@ -135,10 +153,10 @@ class _Requests:
     @staticmethod
     def lookup_prefetch(
         tenant: str, keys: Sequence[bytes], parent: bytes | None, count: bool
-    ) -> _Exchange[tuple[Hit, int]]:
-        def parse(reply: Any, data: list[bytes]) -> tuple[Hit, int]:
+    ) -> _Exchange[tuple[LookupResult, int]]:
+        def parse(reply: Any, data: list[bytes]) -> tuple[LookupResult, int]:
             answer = _expect(p.LookupReply)(reply, data)
-            return Hit(_no_lease(answer.lease), answer.offsets, answer.sizes), answer.prefetch
+            return _found(answer), answer.prefetch
 
         return _Exchange(
             lambda req, s: p.Lookup(req, s, tenant, list(keys), True, True, parent, count), parse
@@ -354,7 +372,7 @@ class AgentClient(_ClientBase):
 
     def lookup(
         self, tenant: str, keys: Sequence[bytes], *, lock: bool = True, count: bool = True
-    ) -> Hit:
+    ) -> LookupResult:
         """The leading run of ``keys`` in L1; ``count=False`` for a repeated look (no stats)."""
         return self._call(_Requests.lookup(tenant, keys, lock, count))
 
@@ -365,7 +383,7 @@ class AgentClient(_ClientBase):
         parent: bytes | None = None,
         *,
         count: bool = True,
-    ) -> tuple[Hit, int]:
+    ) -> tuple[LookupResult, int]:
         """Locked lookup that also starts loading the missed rest from L2: (hit, prefetch id)."""
         return self._call(_Requests.lookup_prefetch(tenant, keys, parent, count))
 
@@ -504,7 +522,7 @@ class AsyncAgentClient(_ClientBase):
 
     async def lookup(
         self, tenant: str, keys: Sequence[bytes], *, lock: bool = True, count: bool = True
-    ) -> Hit:
+    ) -> LookupResult:
         return await self._call(_Requests.lookup(tenant, keys, lock, count))
 
     async def lookup_prefetch(
@@ -514,7 +532,7 @@ class AsyncAgentClient(_ClientBase):
         parent: bytes | None = None,
         *,
         count: bool = True,
-    ) -> tuple[Hit, int]:
+    ) -> tuple[LookupResult, int]:
         return await self._call(_Requests.lookup_prefetch(tenant, keys, parent, count))
 
     async def prefetch_status(self, prefetch: int, *, wait_ms: int = 0) -> PrefetchProgress:
@@ -586,7 +604,7 @@ def copy_in(segment: SharedSegment, offsets: Sequence[int], chunks: Sequence[Pay
             view[offset : offset + len(chunk)] = chunk
 
 
-def copy_out(segment: SharedSegment, hit: Hit) -> list[bytes]:
+def copy_out(segment: SharedSegment, hit: LookupResult) -> list[bytes]:
     view = segment.view
     return [
         bytes(view[offset : offset + size])

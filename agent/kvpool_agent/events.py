@@ -50,7 +50,7 @@ def decode_event(frame: bytes) -> ChunkEvent:
 
 
 class EventPublisher:
-    """A :class:`~kvpool_agent.l1.ChunkListener` that publishes every change."""
+    """A :class:`~kvpool_agent.cache_types.ChunkListener` that publishes every change."""
 
     def __init__(self, endpoint: str, agent_id: str, tier: str = "l1") -> None:
         self.agent_id = agent_id

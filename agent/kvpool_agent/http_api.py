@@ -36,6 +36,7 @@ from kvpool_agent.auth import (
     TokenAuthority,
     is_tenant_id,
 )
+from kvpool_agent.cache_types import TenantStats
 from kvpool_agent.http_body_gate import BodyGate
 from kvpool_agent.http_common import (
     BearerAuth,
@@ -47,7 +48,6 @@ from kvpool_agent.http_common import (
     on_method_not_allowed,
 )
 from kvpool_agent.http_limits import HttpLimits
-from kvpool_agent.l1 import TenantStats
 from kvpool_agent.quota_store import QuotaStoreError
 from kvpool_agent.service import CacheService, QuotaView
 

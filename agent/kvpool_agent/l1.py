@@ -61,9 +61,22 @@ from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from kvpool_agent.allocator import ExtentAllocator
+from kvpool_agent.cache_types import (
+    ChunkListener,
+    EvictionCause,
+    Hit,
+    InvalidRequest,
+    L1Stats,
+    LeaseExpired,
+    Placement,
+    Reservation,
+    RestoreReport,
+    TenantRecord,
+    TenantStats,
+    UnknownLease,
+)
 from kvpool_agent.journal import RESERVED, ChunkRecord, SegmentJournal
 from kvpool_agent.keys import KEY_BYTES
 from kvpool_agent.policies import EvictionPolicy, PolicyFactory, SlotArena
@@ -85,160 +98,6 @@ class State(enum.IntEnum):
 
 _READY = int(State.READY)
 _DOOMED = int(State.DOOMED)
-
-
-class EvictionCause(enum.StrEnum):
-    WATERMARK = "watermark"
-    PRESSURE = "pressure"
-    QUOTA = "quota"
-
-
-class CacheError(Exception):
-    """A request the cache refuses; ``code`` is stable and machine-readable."""
-
-    code = "error"
-
-
-class InvalidRequest(CacheError):
-    code = "invalid_request"
-
-
-class UnknownLease(CacheError):
-    code = "unknown_lease"
-
-
-class LeaseExpired(CacheError):
-    """A write lease expired before its commit; its pages are quarantined (see the module doc)."""
-
-    code = "lease_expired"
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """Where a chunk's bytes live: an absolute offset into the segment file."""
-
-    key: bytes
-    offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class Reservation:
-    """Result of :meth:`L1Cache.reserve`.
-
-    ``placements[i]`` is where to write ``keys[i]``, or None if that key is
-    already cached (nothing to copy). Keys past ``len(placements)`` were
-    refused for ``refused_reason``; a gap would make the rest unreachable, so
-    refusal always covers the tail of the request.
-    """
-
-    lease: int | None
-    placements: tuple[Placement | None, ...]
-    refused_reason: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Hit:
-    """Result of :meth:`L1Cache.lookup`: the leading run of ready chunks, read-locked.
-
-    ``offsets[i]`` and ``sizes[i]`` locate the i-th hit; ``len(offsets)`` is the hit count.
-    """
-
-    lease: int | None
-    offsets: list[int]
-    sizes: list[int]
-
-    @property
-    def count(self) -> int:
-        return len(self.offsets)
-
-
-@dataclass(frozen=True)
-class TenantStats:
-    tenant: str
-    used_bytes: int
-    chunks: int
-    quota_bytes: Limit
-    hits: int
-    misses: int
-    stored_chunks: int
-    evicted_chunks: int
-
-
-@dataclass(frozen=True)
-class L1Stats:
-    capacity_bytes: int
-    allocated_bytes: int
-    stored_bytes: int
-    chunks: int
-    held_chunks: int
-    """Chunks charged to tenants (being written, ready, or cleared but still locked)."""
-    hits: int
-    misses: int
-    written_bytes: int
-    """Total bytes of chunks committed."""
-    read_bytes: int
-    """Total bytes of chunks returned read-locked (retrieves)."""
-    evictions: dict[str, int]
-    lock_expiries: int
-    open_leases: int
-    quarantined_leases: int
-    """Write leases that expired before their commit (their pages were quarantined)."""
-    quarantined_bytes: int
-    """Bytes of pages held back now from expired write leases."""
-    free_extents: int
-    fragmentation: float
-    """External: 1 - largest free extent / free bytes."""
-    page_waste: float
-    """Internal: share of allocated bytes that round chunks up to whole pages."""
-    tenant_count: int
-    """Tenant records: those holding chunks or a quota, and up to ``IDLE_TENANTS`` more."""
-
-
-class ChunkListener(Protocol):
-    """Told when ready chunks appear in or leave L1 (for the pool-wide prefix index).
-
-    Called with the cache's lock held: implementations must be quick and never
-    call back into the cache.
-    """
-
-    def stored(self, tenant: str, keys: list[bytes]) -> None: ...
-
-    def removed(self, tenant: str, keys: list[bytes], cause: str) -> None: ...
-
-
-@dataclass(frozen=True)
-class RestoreReport:
-    restored: int
-    discarded: int
-    """Records that failed their checksum, pointed outside the segment or overlapped."""
-    quarantined: int = 0
-    """Chunks that were reserved, not committed: their pages are held back for a fence."""
-
-
-class TenantRecord(Protocol):
-    """A tenant's record as readers outside the cache see it (read-only)."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def used_bytes(self) -> int: ...
-
-    @property
-    def chunks(self) -> int: ...
-
-    @property
-    def hits(self) -> int: ...
-
-    @property
-    def misses(self) -> int: ...
-
-    @property
-    def stored_chunks(self) -> int: ...
-
-    @property
-    def evicted_chunks(self) -> int: ...
 
 
 @dataclass

@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from operator import attrgetter
 
-from kvpool_agent.l1 import L1Cache, L1Stats, TenantStats
+from kvpool_agent.cache_types import L1Stats, TenantStats
+from kvpool_agent.l1 import L1Cache
 from kvpool_agent.quota_store import QuotaStore
 from kvpool_agent.quotas import Limit
 

@@ -34,8 +34,8 @@ import zmq
 
 from kvpool_agent import protocol as p
 from kvpool_agent.auth import TENANT_ID_RULE, is_tenant_id
+from kvpool_agent.cache_types import CacheError, InvalidRequest, LeaseExpired, UnknownLease
 from kvpool_agent.events import EventPublisher
-from kvpool_agent.l1 import CacheError, InvalidRequest, LeaseExpired, UnknownLease
 from kvpool_agent.l2.prefetch import Prefetcher
 from kvpool_agent.l2.writeback import WriteBack
 from kvpool_agent.segment import SharedSegment

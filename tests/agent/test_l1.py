@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 
-from kvpool_agent.l1 import InvalidRequest, L1Cache, LeaseExpired, Reservation, UnknownLease
+from kvpool_agent.cache_types import InvalidRequest, LeaseExpired, Reservation, UnknownLease
+from kvpool_agent.l1 import L1Cache
 from kvpool_agent.policies import POLICY_NAMES
 from kvpool_agent.quotas import QuotaBook
 

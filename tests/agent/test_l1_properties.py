@@ -25,15 +25,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvpool_agent.l1 import (
-    NIL,
-    CacheError,
-    InvalidRequest,
-    L1Cache,
-    LeaseExpired,
-    State,
-    UnknownLease,
-)
+from kvpool_agent.cache_types import CacheError, InvalidRequest, LeaseExpired, UnknownLease
+from kvpool_agent.l1 import NIL, L1Cache, State
 from kvpool_agent.policies import POLICY_NAMES, policy_factory
 from kvpool_agent.quotas import Limit, QuotaBook
 from kvpool_agent.segment import SegmentLayout

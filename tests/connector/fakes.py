@@ -12,13 +12,13 @@ from kvpool_agent.client import (
     AgentError,
     AgentInfo,
     AgentUnavailable,
+    LookupResult,
     PrefetchProgress,
     StorePlan,
 )
 from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.discovery import AgentAddress
 from kvpool_agent.connector.link import AgentLink
-from kvpool_agent.l1 import Hit
 
 CHUNK_BYTES = 4096
 
@@ -72,7 +72,7 @@ class FakeClient:
 
     def lookup(
         self, tenant: str, keys: list[bytes], *, lock: bool = True, count: bool = True
-    ) -> Hit:
+    ) -> LookupResult:
         self._check()
         self.agent.lookups.append((tenant, list(keys), lock, count))
         held = self.agent.chunks.get(tenant, set())
@@ -81,11 +81,11 @@ class FakeClient:
             if key not in held:
                 break
             count += 1
-        return Hit(7 if lock and count else None, [4096] * count, [CHUNK_BYTES] * count)
+        return LookupResult(7 if lock and count else None, [4096] * count, [CHUNK_BYTES] * count)
 
     def lookup_prefetch(
         self, tenant: str, keys: list[bytes], parent: bytes | None = None, *, count: bool = True
-    ) -> tuple[Hit, int]:
+    ) -> tuple[LookupResult, int]:
         hit = self.lookup(tenant, keys, count=count)
         rest = keys[hit.count :]
         in_l2 = self.agent.l2.get(tenant, set())

@@ -14,17 +14,17 @@ def test_a_failure_pauses_the_link_and_doubles_the_pause() -> None:
     link = make_link(agent, counters, clock)
 
     with pytest.raises(LinkDown):
-        link.call(lambda client: client.lookup("t", [b"k"]))
+        link.lookup("t", [b"k"], lock=True, count=True)
     assert link.is_down and not link.usable()
     with pytest.raises(LinkDown):  # skipped without waiting for a timeout
-        link.call(lambda client: client.lookup("t", [b"k"]))
+        link.lookup("t", [b"k"], lock=True, count=True)
     assert counters.totals["agent_failures"] == 1
     assert counters.totals["agent_skipped_calls"] == 1
 
     clock.now += 1.0
     assert link.usable()
     with pytest.raises(LinkDown):  # still down: the next pause is twice as long
-        link.call(lambda client: client.lookup("t", [b"k"]))
+        link.lookup("t", [b"k"], lock=True, count=True)
     clock.now += 1.5
     assert not link.usable()
     clock.now += 0.5
@@ -34,15 +34,15 @@ def test_a_failure_pauses_the_link_and_doubles_the_pause() -> None:
 def test_the_link_comes_back_when_the_agent_does() -> None:
     agent, clock, counters = FakeAgent(), Clock(), Counters()
     link = make_link(agent, counters, clock)
-    assert link.call(lambda client: client.lookup("t", [b"k"])).count == 0
+    assert link.lookup("t", [b"k"], lock=True, count=True).count == 0
     agent.down = True
     with pytest.raises(LinkDown):
-        link.call(lambda client: client.lookup("t", [b"k"]))
+        link.lookup("t", [b"k"], lock=True, count=True)
 
     agent.down = False
     agent.put("t", [b"k"])
     clock.now += 1.0
-    assert link.call(lambda client: client.lookup("t", [b"k"])).count == 1
+    assert link.lookup("t", [b"k"], lock=True, count=True).count == 1
     assert not link.is_down
     assert agent.connects == 2  # the timed-out client said hello again
 
@@ -51,7 +51,7 @@ def test_refusals_are_not_outages() -> None:
     agent = FakeAgent(refuse=True)
     link = make_link(agent)
     with pytest.raises(AgentError):
-        link.call(lambda client: client.lookup("t", [b"k"]))
+        link.lookup("t", [b"k"], lock=True, count=True)
     assert not link.is_down
 
 

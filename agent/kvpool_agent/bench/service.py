@@ -42,9 +42,8 @@ import zmq
 from kvpool_agent import protocol as p
 from kvpool_agent.bench.agent_process import BenchAgent
 from kvpool_agent.bench.report import table
-from kvpool_agent.client import AgentClient, copy_in, copy_out
+from kvpool_agent.client import AgentClient, LookupResult, copy_in, copy_out
 from kvpool_agent.keys import tenant_id
-from kvpool_agent.l1 import Hit
 
 TENANT = tenant_id("bench")
 BATCH_BYTES = 64 << 20
@@ -172,7 +171,7 @@ def _lookup_latency(endpoint: str, lookups: int) -> dict[str, tuple[float, float
     keys = [hashlib.sha256(b"lookup-%d" % i).digest() for i in range(LOOKUP_CHUNKS)]
     with AgentClient(endpoint) as client:
         client.store(TENANT, keys, [bytes(4096)] * LOOKUP_CHUNKS)
-        hits: list[Hit] = []
+        hits: list[LookupResult] = []
 
         def lookup() -> None:
             hits.append(client.lookup(TENANT, keys))

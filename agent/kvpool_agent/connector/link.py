@@ -1,7 +1,8 @@
 """One process's line to the agent, built so that the agent can never stop vLLM.
 
-:class:`AgentLink` wraps an :class:`~kvpool_agent.client.AgentClient` and adds
-what serving needs around it:
+:class:`AgentLink` offers the connector's calls to the agent as typed methods;
+each goes to an :class:`~kvpool_agent.client.AgentClient` through one guard that
+adds what serving needs around it:
 
 * a failure (timeout, refused connection, unreadable Service) marks the agent
   *down*: one warning, a counter, and no further calls until a pause has passed
@@ -20,12 +21,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import zmq
 
-from kvpool_agent.client import AgentClient, AgentInfo, AgentUnavailable
+from kvpool_agent.client import (
+    AgentClient,
+    AgentInfo,
+    AgentUnavailable,
+    LookupResult,
+    PrefetchProgress,
+    StorePlan,
+)
 from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.discovery import AgentAddress, DiscoveryError
 from kvpool_agent.protocol import ProtocolError
@@ -88,7 +96,32 @@ class AgentLink:
         """False while pausing after a failure (the call would be skipped)."""
         return self._down_since is None or self._clock() >= self._retry_at
 
-    def call(self, operation: Callable[[AgentClient], T]) -> T:
+    def lookup(
+        self, tenant: str, keys: Sequence[bytes], *, lock: bool, count: bool
+    ) -> LookupResult:
+        return self._call(lambda client: client.lookup(tenant, keys, lock=lock, count=count))
+
+    def lookup_prefetch(
+        self, tenant: str, keys: Sequence[bytes], parent: bytes | None, *, count: bool
+    ) -> tuple[LookupResult, int]:
+        """A locked lookup that also asks the agent to load the rest from L2: (hit, prefetch)."""
+        return self._call(lambda client: client.lookup_prefetch(tenant, keys, parent, count=count))
+
+    def prefetch_status(self, prefetch: int, *, wait_ms: int) -> PrefetchProgress:
+        return self._call(lambda client: client.prefetch_status(prefetch, wait_ms=wait_ms))
+
+    def prepare_store(
+        self, tenant: str, keys: Sequence[bytes], sizes: Sequence[int], parent: bytes | None
+    ) -> StorePlan:
+        return self._call(lambda client: client.prepare_store(tenant, keys, sizes, parent))
+
+    def commit_store(self, lease: int) -> int:
+        return self._call(lambda client: client.commit_store(lease))
+
+    def release(self, lease: int) -> None:
+        self._call(lambda client: client.release(lease))
+
+    def _call(self, operation: Callable[[AgentClient], T]) -> T:
         """Run ``operation`` on the connected client, or raise :class:`LinkDown`."""
         if not self.usable():
             self._counters.add("agent_skipped_calls")
@@ -115,7 +148,7 @@ class AgentLink:
 
     def info(self) -> AgentInfo:
         """The agent's hello reply (connecting first if needed)."""
-        return self.call(self._require_info)
+        return self._call(self._require_info)
 
     def close(self) -> None:
         if self._client is not None:

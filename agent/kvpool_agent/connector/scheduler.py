@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from kvpool_agent import keys
-from kvpool_agent.client import AgentClient, AgentError, PrefetchProgress
+from kvpool_agent.client import AgentError
 from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.link import AgentLink, LinkDown
 from kvpool_agent.connector.metadata import (
@@ -49,7 +49,6 @@ from kvpool_agent.connector.metadata import (
     LoadJob,
     StoreJob,
 )
-from kvpool_agent.l1 import Hit
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -273,7 +272,7 @@ class SchedulerHalf:
             for chain in state.chains:
                 wanted = chain.upto(tokens, first + hits)[first : first + min(hits, max_keys)]
                 self.counters.add("lookups")
-                found = self._link.call(_Lookup(state.tenant, wanted, count))
+                found = self._link.lookup(state.tenant, wanted, lock=False, count=count)
                 hits = min(hits, found.count)
                 if hits == 0:
                     break
@@ -294,10 +293,11 @@ class SchedulerHalf:
             for chain in state.chains:
                 chunk_keys = chain.upto(state.request.all_token_ids, limit)
                 wanted = chunk_keys[start : min(limit, start + max_keys)]
-                request = _Prefetch(state.tenant, wanted, chain.parent(start))
-                hit, prefetch = self._link.call(request)
+                hit, prefetch = self._link.lookup_prefetch(
+                    state.tenant, wanted, chain.parent(start), count=False
+                )
                 if hit.lease is not None:  # raced with a store; the worker locks for itself
-                    self._link.call(_Release(hit.lease))
+                    self._link.release(hit.lease)
                 if prefetch:
                     state.prefetches.append(prefetch)
         except (LinkDown, AgentError) as error:
@@ -312,7 +312,7 @@ class SchedulerHalf:
         """True once the request's prefetches are done, failed or out of time."""
         try:
             for prefetch in list(state.prefetches):
-                if not self._link.call(_PrefetchStatus(prefetch, wait_ms)).done:
+                if not self._link.prefetch_status(prefetch, wait_ms=wait_ms).done:
                     if self._clock() < state.prefetch_deadline:
                         return False
                     self.counters.add("prefetch_timeouts")
@@ -458,40 +458,3 @@ class SchedulerHalf:
 
     def close(self) -> None:
         self._link.close()
-
-
-@dataclass(frozen=True)
-class _Lookup:
-    tenant: str
-    wanted: list[bytes]
-    count: bool
-
-    def __call__(self, client: AgentClient) -> Hit:
-        return client.lookup(self.tenant, self.wanted, lock=False, count=self.count)
-
-
-@dataclass(frozen=True)
-class _Prefetch:
-    tenant: str
-    wanted: list[bytes]
-    parent: bytes | None
-
-    def __call__(self, client: AgentClient) -> tuple[Hit, int]:
-        return client.lookup_prefetch(self.tenant, self.wanted, self.parent, count=False)
-
-
-@dataclass(frozen=True)
-class _PrefetchStatus:
-    prefetch: int
-    wait_ms: int
-
-    def __call__(self, client: AgentClient) -> PrefetchProgress:
-        return client.prefetch_status(self.prefetch, wait_ms=self.wait_ms)
-
-
-@dataclass(frozen=True)
-class _Release:
-    lease: int
-
-    def __call__(self, client: AgentClient) -> None:
-        client.release(self.lease)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from kvpool_agent.client import AgentClient, AgentError, AgentInfo, StorePlan
+from kvpool_agent.client import AgentError, AgentInfo
 from kvpool_agent.connector.copier import BlockCopier, Copy, MappedSegment
 from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.layout import ChunkFormat, detect_layout
@@ -44,7 +44,6 @@ from kvpool_agent.connector.metadata import (
     LoadJob,
     StoreJob,
 )
-from kvpool_agent.l1 import Hit
 from kvpool_agent.pinned import PinMode
 from kvpool_agent.segment import SegmentError
 
@@ -171,7 +170,8 @@ class WorkerHalf:
         keys = list(job.keys[self._rank])
         loaded = 0
         try:
-            hit = self._link.call(_Lookup(job.tenant, keys))
+            # the scheduler's probe counted these chunks already
+            hit = self._link.lookup(job.tenant, keys, lock=True, count=False)
             segment = self._mapped()
             copies: list[Copy] = []
             written: list[int] = []
@@ -237,7 +237,8 @@ class WorkerHalf:
         size = chunk_format.chunk_bytes
         per_chunk = chunk_format.blocks_per_chunk
         try:
-            plan = self._link.call(_Prepare(job.tenant, keys, size, job.parents[self._rank]))
+            sizes = [size] * len(keys)
+            plan = self._link.prepare_store(job.tenant, keys, sizes, job.parents[self._rank])
         except (LinkDown, AgentError) as error:
             log.debug("kvpool worker %d: store of %s skipped: %s", self._rank, job.req_id, error)
             self.counters.add("failed_stores")
@@ -296,7 +297,7 @@ class WorkerHalf:
     def _commit(self, store: _PendingStore) -> None:
         if store.lease is not None:
             try:
-                committed = self._link.call(_Commit(store.lease))
+                committed = self._link.commit_store(store.lease)
                 self.counters.add("stored_chunks", committed)
             except (LinkDown, AgentError) as error:
                 log.debug("kvpool worker %d: commit failed: %s", self._rank, error)
@@ -308,7 +309,7 @@ class WorkerHalf:
         did (a stalled worker, an agent restarted), and the pages may hold another chunk by
         now, another tenant's included: the blocks are reported for recompute, never used."""
         try:
-            self._link.call(_Release(release.lease))
+            self._link.release(release.lease)
         except (LinkDown, AgentError) as error:
             log.warning(
                 "kvpool worker %d: a load's lease did not hold until its release (%s); "
@@ -323,7 +324,7 @@ class WorkerHalf:
     def _abandon(self, lease: int) -> None:
         """Release a lease; if the agent is gone, so is the lease (it also expires)."""
         try:
-            self._link.call(_Release(lease))
+            self._link.release(lease)
         except (LinkDown, AgentError) as error:
             log.debug("kvpool worker %d: release failed: %s", self._rank, error)
 
@@ -372,41 +373,3 @@ class WorkerHalf:
     def close(self) -> None:
         self._drop_segment()
         self._link.close()
-
-
-@dataclass(frozen=True)
-class _Lookup:
-    tenant: str
-    keys: list[bytes]
-
-    def __call__(self, client: AgentClient) -> Hit:
-        # The scheduler's probe counted these chunks already.
-        return client.lookup(self.tenant, self.keys, lock=True, count=False)
-
-
-@dataclass(frozen=True)
-class _Prepare:
-    tenant: str
-    keys: list[bytes]
-    size: int
-    parent: bytes | None
-
-    def __call__(self, client: AgentClient) -> StorePlan:
-        sizes = [self.size] * len(self.keys)
-        return client.prepare_store(self.tenant, self.keys, sizes, self.parent)
-
-
-@dataclass(frozen=True)
-class _Commit:
-    lease: int
-
-    def __call__(self, client: AgentClient) -> int:
-        return client.commit_store(self.lease)
-
-
-@dataclass(frozen=True)
-class _Release:
-    lease: int
-
-    def __call__(self, client: AgentClient) -> None:
-        client.release(self.lease)

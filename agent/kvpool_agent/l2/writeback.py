@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from kvpool_agent.cache_types import UnknownLease
 from kvpool_agent.keys import CANARY_TENANT
-from kvpool_agent.l1 import UnknownLease
 from kvpool_agent.l2.base import L2Adapter, L2Object, ObjectKey
 from kvpool_agent.segment import SharedSegment
 from kvpool_agent.service import CacheService
