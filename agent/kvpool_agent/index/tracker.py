@@ -45,9 +45,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvpool_agent.names import DEFAULT_MAX_CHUNKS_PER_NODE
+
 BATCH_KEYS = 64
 """Keys per batch record: bounds one verification step and the cap's overshoot."""
-DEFAULT_MAX_CHUNKS_PER_NODE = 1_000_000
 
 
 class KeySequence(Protocol):
