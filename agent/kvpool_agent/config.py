@@ -21,9 +21,16 @@ from pydantic_settings import (
 )
 
 from kvpool_agent.http_limits import HttpLimits
+from kvpool_agent.names import (
+    AGENT_CONFIG_FILE_ENV,
+    AGENT_ENV_PREFIX,
+    DEFAULT_EVENTS_PORT,
+    DEFAULT_HTTP_PORT,
+    DEFAULT_ZMQ_PORT,
+    segment_path,
+)
 from kvpool_agent.policies import POLICY_NAMES
 
-CONFIG_FILE_ENV = "KVPOOL_CONFIG_FILE"
 POOL_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 """A pool name: a DNS label, as the names of its Kubernetes objects need."""
 MIN_PAGE_SIZE = 4096
@@ -101,7 +108,7 @@ class AgentConfig(BaseSettings):
     """Configuration of one node agent (and the pool it serves)."""
 
     model_config = SettingsConfigDict(
-        env_prefix="KVPOOL_", env_nested_delimiter="__", frozen=True, extra="forbid"
+        env_prefix=AGENT_ENV_PREFIX, env_nested_delimiter="__", frozen=True, extra="forbid"
     )
 
     pool: str = Field(
@@ -147,13 +154,19 @@ class AgentConfig(BaseSettings):
         "127.0.0.1", description="Address the ZMQ and HTTP servers bind (0.0.0.0 in a pod)."
     )
     zmq_port: int = Field(
-        7400, ge=0, le=65535, description="Port of the ZMQ protocol for vLLM (0 picks a free one)."
+        DEFAULT_ZMQ_PORT,
+        ge=0,
+        le=65535,
+        description="Port of the ZMQ protocol for vLLM (0 picks a free one).",
     )
     http_port: int = Field(
-        7401, ge=0, le=65535, description="Port of the HTTP API and /metrics (0 picks a free one)."
+        DEFAULT_HTTP_PORT,
+        ge=0,
+        le=65535,
+        description="Port of the HTTP API and /metrics (0 picks a free one).",
     )
     events_port: int = Field(
-        7402,
+        DEFAULT_EVENTS_PORT,
         ge=0,
         le=65535,
         description="Port of the chunk-event PUB socket for the prefix index (0 picks a free one).",
@@ -238,7 +251,7 @@ class AgentConfig(BaseSettings):
 
     @property
     def resolved_segment_path(self) -> Path:
-        return self.segment_path or Path(f"/dev/shm/kvpool-{self.pool}")
+        return self.segment_path or segment_path(self.pool)
 
     @property
     def resolved_quota_file(self) -> Path:
@@ -253,4 +266,4 @@ class AgentConfig(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, ConfigFileSource(settings_cls, CONFIG_FILE_ENV))
+        return (init_settings, env_settings, ConfigFileSource(settings_cls, AGENT_CONFIG_FILE_ENV))

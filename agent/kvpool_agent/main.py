@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from kvpool_agent.auth import TokenFileError
-from kvpool_agent.config import CONFIG_FILE_ENV, AgentConfig
+from kvpool_agent.config import AgentConfig
+from kvpool_agent.names import AGENT_CONFIG_FILE_ENV
 from kvpool_agent.quota_store import QuotaStoreError
 from kvpool_agent.segment import SegmentError
 from kvpool_agent.server import Agent
@@ -23,7 +24,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="kvpool-agent",
         description=(
             "Run a kvpool node agent. Settings come from KVPOOL_* environment variables and "
-            f"an optional YAML/JSON file (--config or {CONFIG_FILE_ENV}); see the README."
+            f"an optional YAML/JSON file (--config or {AGENT_CONFIG_FILE_ENV}); see the README."
         ),
     )
     parser.add_argument("--config", help="YAML or JSON file of agent settings")
@@ -34,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if args.config:
-        os.environ[CONFIG_FILE_ENV] = args.config
+        os.environ[AGENT_CONFIG_FILE_ENV] = args.config
     try:
         config = AgentConfig()
     except (ValidationError, ValueError, OSError) as error:

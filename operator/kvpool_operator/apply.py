@@ -17,10 +17,10 @@ from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
 from kvpool_agent.kube_watch import api_configuration
+from kvpool_agent.names import OPERATOR
 from kvpool_operator.render import Manifest
 from kvpool_operator.spec import API_VERSION, KIND, PLURAL
 
-FIELD_MANAGER = "kvpool-operator"
 REQUEST_TIMEOUT_SECONDS = 30.0
 
 
@@ -101,7 +101,7 @@ class Cluster:
             kind_of(manifest).path(metadata["namespace"], metadata["name"]),
             body=manifest,
             content_type="application/apply-patch+yaml",
-            query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
+            query=[("fieldManager", OPERATOR), ("force", "true")],
         )
 
     def delete(self, kind: Kind, namespace: str, name: str) -> bool:

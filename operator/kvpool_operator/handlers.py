@@ -20,16 +20,16 @@ from typing import Any
 
 import kopf
 
+from kvpool_agent.names import APP, NAME_LABEL, POOL_LABEL
 from kvpool_operator.apply import ApiError, Cluster
 from kvpool_operator.events import PoolEvents
 from kvpool_operator.reconcile import Options, Reconciler
-from kvpool_operator.render import NAME_LABEL, POOL_LABEL
 from kvpool_operator.spec import GROUP, PLURAL, VERSION
 
 registry = kopf.OperatorRegistry()
 
 CHILD_LABELS: Mapping[str, Any] = {
-    NAME_LABEL: "kvpool",
+    NAME_LABEL: APP,
     POOL_LABEL: kopf.PRESENT,
 }
 

@@ -9,10 +9,9 @@ from collections.abc import Sequence
 
 import kopf
 
+from kvpool_agent.names import OPERATOR_AGENT_IMAGE_ENV
 from kvpool_operator.handlers import registry
 from kvpool_operator.reconcile import Options
-
-AGENT_IMAGE_ENV = "KVPOOL_AGENT_IMAGE"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -27,8 +26,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="serve every namespace")
     parser.add_argument(
         "--agent-image",
-        default=os.environ.get(AGENT_IMAGE_ENV),
-        help=f"image of agents whose pool names none (default: ${AGENT_IMAGE_ENV})",
+        default=os.environ.get(OPERATOR_AGENT_IMAGE_ENV),
+        help=f"image of agents whose pool names none (default: ${OPERATOR_AGENT_IMAGE_ENV})",
     )
     parser.add_argument(
         "--liveness",
@@ -46,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
     if not args.agent_image:
-        parser.error(f"--agent-image or ${AGENT_IMAGE_ENV} is required")
+        parser.error(f"--agent-image or ${OPERATOR_AGENT_IMAGE_ENV} is required")
     kopf.configure(
         verbose=args.verbose,
         log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL,

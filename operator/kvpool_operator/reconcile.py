@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from kvpool_agent.names import POOL_LABEL
 from kvpool_operator.apply import KINDS, ApiError, Cluster, Kind, kind_of
 from kvpool_operator.events import PoolEvents
-from kvpool_operator.render import POOL_LABEL, ChildRef, Children, Manifest, Pool, render
+from kvpool_operator.render import ChildRef, Children, Manifest, Pool, render
 from kvpool_operator.spec import API_VERSION, KIND, InvalidSpec, PoolSpec
 from kvpool_operator.status import (
     APPLY_FAILED,

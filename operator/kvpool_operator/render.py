@@ -42,11 +42,31 @@ import yaml
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
+from kvpool_agent import names
 from kvpool_agent.config import AgentConfig
-from kvpool_agent.index.config import CONFIG_FILE_ENV as INDEX_CONFIG_FILE_ENV
-from kvpool_agent.index.config import CONFIG_MAP_KEY as INDEX_CONFIG_MAP_KEY
 from kvpool_agent.index.config import IndexConfig
-from kvpool_agent.index.config import config_map_name as index_config_map_name
+from kvpool_agent.names import (
+    AGENT_COMPONENT,
+    AGENT_CONFIG_FILE_ENV,
+    AGENT_CONFIG_KEY,
+    AGENT_HOST_ENV,
+    APP,
+    CHUNK_TOKENS_ANNOTATION,
+    COMPONENT_LABEL,
+    CONFIG_CHECKSUM_ANNOTATION,
+    HTTP_PORT_ANNOTATION,
+    INDEX_COMPONENT,
+    INDEX_CONFIG_FILE_ENV,
+    INDEX_CONFIG_KEY,
+    INSTANCE_LABEL,
+    MANAGED_BY_LABEL,
+    NAME_LABEL,
+    OPERATOR,
+    POOL_LABEL,
+    PROTOCOL_VERSION_ANNOTATION,
+    SEGMENT_PATH_ANNOTATION,
+    ZMQ_PORT_ANNOTATION,
+)
 from kvpool_agent.protocol import PROTOCOL_VERSION
 from kvpool_operator.spec import (
     API_VERSION,
@@ -62,25 +82,6 @@ from kvpool_operator.spec import (
 
 Manifest = dict[str, Any]
 
-NAME_LABEL = "app.kubernetes.io/name"
-INSTANCE_LABEL = "app.kubernetes.io/instance"
-COMPONENT_LABEL = "app.kubernetes.io/component"
-MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
-POOL_LABEL = "kvpool.io/pool"
-CHECKSUM_ANNOTATION = "kvpool.io/config-checksum"
-DISCOVERY_ANNOTATIONS = (
-    "kvpool.io/zmq-port",
-    "kvpool.io/http-port",
-    "kvpool.io/segment-path",
-    "kvpool.io/chunk-tokens",
-    "kvpool.io/protocol-version",
-)
-
-AGENT = "agent"
-INDEX = "index"
-"""Values of the component label: the agents' objects and pods, the index's."""
-
-CONFIG_KEY = "agent.yaml"
 CONFIG_DIR = "/etc/kvpool/config"
 TOKENS_DIR = "/etc/kvpool/tokens"
 TOKENS_FILE = "tokens.yaml"
@@ -114,37 +115,37 @@ class Pool:
 
     @property
     def config_name(self) -> str:
-        return f"kvpool-{self.name}-config"
+        return names.config_map_name(self.name)
 
     @property
     def quotas_name(self) -> str:
-        return f"kvpool-{self.name}-quotas"
+        return names.quotas_name(self.name)
 
     @property
     def agent_name(self) -> str:
-        return f"kvpool-{self.name}-agent"
+        return names.agent_name(self.name)
 
     @property
     def service_name(self) -> str:
-        return f"kvpool-{self.name}"
+        return names.service_name(self.name)
 
     @property
     def index_name(self) -> str:
-        return f"kvpool-{self.name}-index"
+        return names.index_name(self.name)
 
     @property
     def index_config_name(self) -> str:
-        return index_config_map_name(self.name)
+        return names.index_config_map_name(self.name)
 
-    def labels(self, component: str = AGENT) -> dict[str, str]:
+    def labels(self, component: str = AGENT_COMPONENT) -> dict[str, str]:
         return {
-            NAME_LABEL: "kvpool",
+            NAME_LABEL: APP,
             INSTANCE_LABEL: self.name,
             COMPONENT_LABEL: component,
             POOL_LABEL: self.name,
         }
 
-    def selector(self, component: str = AGENT) -> dict[str, str]:
+    def selector(self, component: str = AGENT_COMPONENT) -> dict[str, str]:
         """The labels that a component's workload and Service select its pods on."""
         labels = self.labels(component)
         return {key: labels[key] for key in (NAME_LABEL, INSTANCE_LABEL, COMPONENT_LABEL)}
@@ -312,7 +313,9 @@ def render(pool: Pool, spec: PoolSpec, *, default_image: str) -> Children:
         service_account=service_account,
         role=role,
         role_binding=role_binding,
-        config=_manifest("v1", "ConfigMap", pool, pool.config_name, data={CONFIG_KEY: config_text}),
+        config=_manifest(
+            "v1", "ConfigMap", pool, pool.config_name, data={AGENT_CONFIG_KEY: config_text}
+        ),
         quotas=_manifest("v1", "ConfigMap", pool, pool.quotas_name),
         service=_service(pool, spec, config),
         daemonset=_daemonset(pool, spec, config, config_text, default_image),
@@ -331,7 +334,7 @@ def agent_config(pool: Pool, spec: PoolSpec) -> AgentConfig:
     nvme, s3 = spec.l2.tier("nvme"), spec.l2.tier("s3")
     return _configured(
         _RenderedAgentConfig,
-        AGENT,
+        AGENT_COMPONENT,
         pool=pool.name,
         l1_size=spec.l1.size,
         page_size=spec.l1.page_size,
@@ -359,7 +362,7 @@ def index_config(pool: Pool, spec: PoolSpec) -> IndexConfig:
     index, fingerprint = spec.index, spec.index.fingerprint
     return _configured(
         _RenderedIndexConfig,
-        INDEX,
+        INDEX_COMPONENT,
         pool=pool.name,
         discovery="kubernetes",
         namespace=pool.namespace,
@@ -411,7 +414,7 @@ def _manifest(
     pool: Pool,
     name: str,
     *,
-    component: str = AGENT,
+    component: str = AGENT_COMPONENT,
     labels: dict[str, str] | None = None,
     annotations: dict[str, str] | None = None,
     **body: Any,
@@ -421,7 +424,7 @@ def _manifest(
         "namespace": pool.namespace,
         "labels": {
             **pool.labels(component),
-            MANAGED_BY_LABEL: "kvpool-operator",
+            MANAGED_BY_LABEL: OPERATOR,
             **(labels or {}),
         },
         "ownerReferences": [
@@ -468,13 +471,13 @@ def _agent_rbac(pool: Pool) -> tuple[Manifest, Manifest, Manifest]:
         "resourceNames": [pool.quotas_name],
         "verbs": ["get", "list", "watch", "patch"],
     }
-    return _rbac(pool, pool.agent_name, AGENT, [quotas])
+    return _rbac(pool, pool.agent_name, AGENT_COMPONENT, [quotas])
 
 
 def _index_rbac(pool: Pool) -> tuple[Manifest, Manifest, Manifest]:
     """The index lists and watches the pods of its namespace (the pool's agents)."""
     pods = {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
-    return _rbac(pool, pool.index_name, INDEX, [pods])
+    return _rbac(pool, pool.index_name, INDEX_COMPONENT, [pods])
 
 
 def _ports(spec: PoolSpec) -> list[tuple[str, int]]:
@@ -493,19 +496,13 @@ def _container_ports(ports: list[tuple[str, int]]) -> list[dict[str, Any]]:
 
 
 def _service(pool: Pool, spec: PoolSpec, config: AgentConfig) -> Manifest:
-    discovery = dict(
-        zip(
-            DISCOVERY_ANNOTATIONS,
-            (
-                str(spec.ports.zmq),
-                str(spec.ports.http),
-                str(config.resolved_segment_path),
-                str(spec.chunk_tokens),
-                str(PROTOCOL_VERSION),
-            ),
-            strict=True,
-        )
-    )
+    discovery = {
+        ZMQ_PORT_ANNOTATION: str(spec.ports.zmq),
+        HTTP_PORT_ANNOTATION: str(spec.ports.http),
+        SEGMENT_PATH_ANNOTATION: str(config.resolved_segment_path),
+        CHUNK_TOKENS_ANNOTATION: str(spec.chunk_tokens),
+        PROTOCOL_VERSION_ANNOTATION: str(PROTOCOL_VERSION),
+    }
     return _manifest(
         "v1",
         "Service",
@@ -531,7 +528,7 @@ def _service_monitor(pool: Pool, spec: PoolSpec) -> Manifest:
         labels=monitor.labels,
         spec={
             # Every Service of the pool: the agents' and the index's both name their port http.
-            "selector": {"matchLabels": {NAME_LABEL: "kvpool", INSTANCE_LABEL: pool.name}},
+            "selector": {"matchLabels": {NAME_LABEL: APP, INSTANCE_LABEL: pool.name}},
             "endpoints": [{"port": "http", "path": "/metrics", "interval": monitor.interval}],
         },
     )
@@ -574,10 +571,14 @@ def _network_policies(pool: Pool, spec: PoolSpec) -> tuple[Manifest, ...]:
     the index's port."""
     policy, ports = spec.network_policy, spec.ports
     prometheus = _peers(policy.prometheus)
-    index = [{"podSelector": {"matchLabels": pool.selector(INDEX)}}] if spec.index.enabled else []
+    index = (
+        [{"podSelector": {"matchLabels": pool.selector(INDEX_COMPONENT)}}]
+        if spec.index.enabled
+        else []
+    )
     agents = _network_policy(
         pool,
-        AGENT,
+        AGENT_COMPONENT,
         pool.agent_name,
         _ingress(_peers(policy.clients), [ports.zmq, ports.http])
         + _ingress(index, [ports.zmq, ports.events])
@@ -587,7 +588,7 @@ def _network_policies(pool: Pool, spec: PoolSpec) -> tuple[Manifest, ...]:
         return (agents,)
     port = spec.index.port
     ingress = _ingress(_peers(policy.gateways), [port]) + _ingress(prometheus, [port])
-    return agents, _network_policy(pool, INDEX, pool.index_name, ingress)
+    return agents, _network_policy(pool, INDEX_COMPONENT, pool.index_name, ingress)
 
 
 def _resources(
@@ -700,8 +701,8 @@ def _container(pool: Pool, spec: PoolSpec, config: AgentConfig, image: str) -> d
         "imagePullPolicy": spec.agent.image_pull_policy,
         "command": ["kvpool-agent"],
         "env": [
-            {"name": "KVPOOL_HOST", "value": "0.0.0.0"},
-            {"name": "KVPOOL_CONFIG_FILE", "value": f"{CONFIG_DIR}/{CONFIG_KEY}"},
+            {"name": AGENT_HOST_ENV, "value": "0.0.0.0"},
+            {"name": AGENT_CONFIG_FILE_ENV, "value": f"{CONFIG_DIR}/{AGENT_CONFIG_KEY}"},
         ],
         "ports": _container_ports([*_ports(spec), ("events", spec.ports.events)]),
         "resources": _resources(
@@ -751,7 +752,7 @@ def _pod_template(
     return {
         "metadata": {
             "labels": pool.labels(component),
-            "annotations": {CHECKSUM_ANNOTATION: _checksum(config_text)},
+            "annotations": {CONFIG_CHECKSUM_ANNOTATION: _checksum(config_text)},
         },
         "spec": pod_spec,
     }
@@ -787,7 +788,7 @@ def _daemonset(
         spec={
             "selector": {"matchLabels": pool.selector()},
             "updateStrategy": strategy,
-            "template": _pod_template(pool, AGENT, config_text, pod_spec),
+            "template": _pod_template(pool, AGENT_COMPONENT, config_text, pod_spec),
         },
     )
 
@@ -802,8 +803,8 @@ def _index_children(pool: Pool, spec: PoolSpec, default_image: str) -> IndexChil
             "ConfigMap",
             pool,
             pool.index_config_name,
-            component=INDEX,
-            data={INDEX_CONFIG_MAP_KEY: config_text},
+            component=INDEX_COMPONENT,
+            data={INDEX_CONFIG_KEY: config_text},
         ),
         service_account=service_account,
         role=role,
@@ -813,10 +814,10 @@ def _index_children(pool: Pool, spec: PoolSpec, default_image: str) -> IndexChil
             "Service",
             pool,
             pool.index_name,
-            component=INDEX,
+            component=INDEX_COMPONENT,
             spec={
                 "type": "ClusterIP",
-                "selector": pool.selector(INDEX),
+                "selector": pool.selector(INDEX_COMPONENT),
                 "ports": _service_ports(port),
             },
         ),
@@ -832,7 +833,7 @@ def _index_deployment(pool: Pool, spec: PoolSpec, config_text: str, default_imag
         "image": index.image or spec.agent.image or default_image,
         "imagePullPolicy": spec.agent.image_pull_policy,
         "command": ["kvpool", "index"],
-        "env": [{"name": INDEX_CONFIG_FILE_ENV, "value": f"{CONFIG_DIR}/{INDEX_CONFIG_MAP_KEY}"}],
+        "env": [{"name": INDEX_CONFIG_FILE_ENV, "value": f"{CONFIG_DIR}/{INDEX_CONFIG_KEY}"}],
         "ports": _container_ports([("http", index.port)]),
         "resources": _resources(
             {"cpu": INDEX_CPU_REQUEST, "memory": INDEX_MEMORY_REQUEST},
@@ -853,7 +854,7 @@ def _index_deployment(pool: Pool, spec: PoolSpec, config_text: str, default_imag
                     {
                         "weight": 100,
                         "podAffinityTerm": {
-                            "labelSelector": {"matchLabels": pool.selector(INDEX)},
+                            "labelSelector": {"matchLabels": pool.selector(INDEX_COMPONENT)},
                             "topologyKey": "kubernetes.io/hostname",
                         },
                     }
@@ -875,10 +876,10 @@ def _index_deployment(pool: Pool, spec: PoolSpec, config_text: str, default_imag
         "Deployment",
         pool,
         pool.index_name,
-        component=INDEX,
+        component=INDEX_COMPONENT,
         spec={
             "replicas": index.replicas,
-            "selector": {"matchLabels": pool.selector(INDEX)},
-            "template": _pod_template(pool, INDEX, config_text, pod_spec),
+            "selector": {"matchLabels": pool.selector(INDEX_COMPONENT)},
+            "template": _pod_template(pool, INDEX_COMPONENT, config_text, pod_spec),
         },
     )

@@ -16,12 +16,16 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
-from kvpool_agent.index.policy import (
+from kvpool_agent.names import (
+    DEFAULT_EVENTS_PORT,
+    DEFAULT_HTTP_PORT,
+    DEFAULT_INDEX_PORT,
     DEFAULT_LOAD_FACTOR,
     DEFAULT_LOAD_SLACK,
+    DEFAULT_MAX_CHUNKS_PER_NODE,
     DEFAULT_MIN_MATCH_RATIO,
+    DEFAULT_ZMQ_PORT,
 )
-from kvpool_agent.index.tracker import DEFAULT_MAX_CHUNKS_PER_NODE
 
 GROUP = "kvpool.io"
 VERSION = "v1alpha1"
@@ -128,9 +132,9 @@ class L2Spec(_Spec):
 
 
 class PortsSpec(_Spec):
-    zmq: int = Field(7400, ge=1, le=65535, description="ZMQ protocol port.")
-    http: int = Field(7401, ge=1, le=65535, description="HTTP API and metrics port.")
-    events: int = Field(7402, ge=1, le=65535, description="Chunk-event stream port.")
+    zmq: int = Field(DEFAULT_ZMQ_PORT, ge=1, le=65535, description="ZMQ protocol port.")
+    http: int = Field(DEFAULT_HTTP_PORT, ge=1, le=65535, description="HTTP API and metrics port.")
+    events: int = Field(DEFAULT_EVENTS_PORT, ge=1, le=65535, description="Chunk-event stream port.")
 
 
 class ServiceMonitorSpec(_Spec):
@@ -195,7 +199,7 @@ class IndexSpec(_Spec):
     enabled: bool = Field(False, description="Deploy the pool-wide prefix index.")
     replicas: int = Field(1, ge=1, description="Independent index replicas.")
     image: str | None = Field(None, description="Index image; default: the agents'.")
-    port: int = Field(7403, ge=1, le=65535, description="HTTP port of the index.")
+    port: int = Field(DEFAULT_INDEX_PORT, ge=1, le=65535, description="HTTP port of the index.")
     max_chunks_per_node: int = Field(
         DEFAULT_MAX_CHUNKS_PER_NODE, ge=1, description="Chunks tracked per node."
     )

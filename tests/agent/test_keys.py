@@ -3,7 +3,14 @@ from __future__ import annotations
 import hashlib
 from array import array
 
-from kvpool_agent.keys import ModelFingerprint, chunk_keys, next_key, root_key, tenant_id
+from kvpool_agent.keys import (
+    KeyChain,
+    ModelFingerprint,
+    chunk_keys,
+    next_key,
+    root_key,
+    tenant_id,
+)
 
 MODEL = ModelFingerprint(model="m", dtype="bfloat16", kv_layout="NHD", chunk_tokens=4)
 
@@ -31,6 +38,22 @@ def test_every_kind_of_token_sequence_gives_the_same_keys() -> None:
         assert chunk_keys(same, "salt", MODEL) == expected
     root = root_key("salt", MODEL)
     assert next_key(next_key(root, tokens[:4]), tuple(tokens[4:])) == expected[1]
+
+
+def test_a_chain_grown_in_steps_hashes_each_key_once_as_the_formula_says() -> None:
+    """The scheduler extends a request's chain as its tokens grow, across packing batches."""
+    tokens = list(range(4 * 40 + 3))
+    root = root_key("salt", MODEL)
+    expected, previous = [], root
+    for start in range(0, 4 * 40, 4):
+        previous = next_key(previous, tokens[start : start + 4])
+        expected.append(previous)
+    chain = KeyChain(root, MODEL.chunk_tokens)
+    grown: list[int] = []
+    for asked, length in ((0, 0), (1, 3), (1, 4), (3, 9), (20, 70), (40, 90), (99, len(tokens))):
+        grown.extend(tokens[len(grown) : length])
+        assert chain.upto(grown, asked) == expected[: min(asked, length // 4)]
+    assert chain.keys == expected and chain.parent(0) is None and chain.parent(40) == expected[39]
 
 
 def test_salts_and_models_never_share_keys() -> None:

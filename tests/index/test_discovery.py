@@ -20,9 +20,9 @@ from kvpool_agent.index.discovery import (
     KubernetesDiscovery,
     StaticDiscovery,
     endpoints_of,
-    label_selector,
     pod_endpoint,
 )
+from kvpool_agent.names import agent_pods_selector
 
 from .conftest import wait_until
 
@@ -100,7 +100,7 @@ def test_the_newest_pod_of_a_node_wins() -> None:
         "tcp://10.0.0.2:7400",
         "tcp://10.0.0.3:7400",
     ]
-    assert label_selector("main") == "app.kubernetes.io/component=agent,kvpool.io/pool=main"
+    assert agent_pods_selector("main") == "app.kubernetes.io/component=agent,kvpool.io/pool=main"
 
 
 class Watch:
@@ -171,7 +171,7 @@ def test_kubernetes_discovery_lists_then_follows_the_pool_pods(api: PodApi) -> N
         watch = api.watches.get(timeout=5)
         assert seen == [["gpu-1@tcp://10.0.0.1:7400"]]
         first_watch = api.calls[-1]
-        assert first_watch["label_selector"] == label_selector("main")
+        assert first_watch["label_selector"] == agent_pods_selector("main")
         assert (first_watch["namespace"], first_watch["resource_version"]) == ("kvpool", "41")
 
         watch.push("ADDED", pod("b", node="gpu-2", phase="Pending", ip=None))

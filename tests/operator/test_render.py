@@ -10,13 +10,17 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvpool_agent.config import CONFIG_FILE_ENV, AgentConfig
-from kvpool_agent.index.config import CONFIG_FILE_ENV as INDEX_CONFIG_FILE_ENV
+from kvpool_agent.config import AgentConfig
 from kvpool_agent.index.config import IndexConfig
-from kvpool_agent.index.discovery import COMPONENT_LABEL, POOL_LABEL
+from kvpool_agent.names import (
+    AGENT_CONFIG_FILE_ENV,
+    COMPONENT_LABEL,
+    CONFIG_CHECKSUM_ANNOTATION,
+    INDEX_CONFIG_FILE_ENV,
+    POOL_LABEL,
+)
 from kvpool_agent.protocol import PROTOCOL_VERSION
 from kvpool_operator.render import (
-    CHECKSUM_ANNOTATION,
     ChildRef,
     Children,
     IndexChildren,
@@ -154,7 +158,7 @@ def test_agent_config_is_the_agents_own_model(
     assert "host" not in rendered
     assert rendered["lease_seconds"] == 30
     (tmp_path / "agent.yaml").write_text(text)
-    monkeypatch.setenv(CONFIG_FILE_ENV, str(tmp_path / "agent.yaml"))
+    monkeypatch.setenv(AGENT_CONFIG_FILE_ENV, str(tmp_path / "agent.yaml"))
     config = AgentConfig()  # what the agent reads from the mounted ConfigMap
     assert config.pool == "gpu"
     assert int(config.l1_size) == 64 << 30
@@ -276,7 +280,7 @@ def test_quantities_are_canonical(count: int, quantity: str) -> None:
 def test_a_config_change_rolls_the_agents_and_nothing_else_does() -> None:
     def checksum(spec: dict[str, Any]) -> str:
         template = _children(PoolSpec.parse(spec)).daemonset["spec"]["template"]
-        value: str = template["metadata"]["annotations"][CHECKSUM_ANNOTATION]
+        value: str = template["metadata"]["annotations"][CONFIG_CHECKSUM_ANNOTATION]
         return value
 
     base = checksum({})
@@ -380,6 +384,34 @@ def test_index_pods_and_agent_pods_are_told_apart() -> None:
     assert all(selects(s, index_pod) and not selects(s, agent_pod) for s in index_selectors)
     assert selects(discovery, agent_pod) and not selects(discovery, index_pod)
     assert index_pod[COMPONENT_LABEL] == "index"
+
+
+def test_each_pod_leads_its_process_to_its_own_configuration(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The env a workload's container gets names the file its process reads its settings from
+    (the names the operator renders are the names the agent and the index read)."""
+    children = _children(_spec(GPU_EXAMPLE))
+    assert children.index is not None
+    workloads = (
+        (children.daemonset, children.config, AgentConfig),
+        (children.index.deployment, children.index.config, IndexConfig),
+    )
+    for workload, config_map, model in workloads:
+        pod = workload["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "config")
+        volume = next(v for v in pod["volumes"] if v["name"] == "config")
+        assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+        with monkeypatch.context() as pod_env:
+            for variable in container["env"]:
+                path = Path(variable["value"])
+                if path.parent == Path(mount["mountPath"]):  # where the kubelet mounts it
+                    (tmp_path / path.name).write_text(config_map["data"][path.name])
+                    path = tmp_path / path.name
+                pod_env.setenv(variable["name"], str(path))
+            config = model()
+        assert (config.pool, config.host) == ("gpu", "0.0.0.0")
 
 
 def test_index_config_is_the_indexs_own_model(
@@ -565,7 +597,8 @@ def test_an_index_config_change_rolls_the_index_and_nothing_else_does() -> None:
         assert children.index is not None
         templates = (children.index.deployment, children.daemonset)
         index_sum, agent_sum = (
-            t["spec"]["template"]["metadata"]["annotations"][CHECKSUM_ANNOTATION] for t in templates
+            t["spec"]["template"]["metadata"]["annotations"][CONFIG_CHECKSUM_ANNOTATION]
+            for t in templates
         )
         return index_sum, agent_sum
 

@@ -24,13 +24,15 @@ from typing import Any
 
 from kvpool_agent.client import AgentInfo
 from kvpool_agent.connector.settings import ConnectorSettings
+from kvpool_agent.names import (
+    CHUNK_TOKENS_ANNOTATION,
+    PROTOCOL_VERSION_ANNOTATION,
+    SEGMENT_PATH_ANNOTATION,
+    ZMQ_PORT_ANNOTATION,
+    service_name,
+)
 from kvpool_agent.protocol import PROTOCOL_VERSION
 
-ANNOTATION_ZMQ_PORT = "kvpool.io/zmq-port"
-ANNOTATION_SEGMENT_PATH = "kvpool.io/segment-path"
-ANNOTATION_CHUNK_TOKENS = "kvpool.io/chunk-tokens"
-ANNOTATION_PROTOCOL_VERSION = "kvpool.io/protocol-version"
-ANNOTATION_HTTP_PORT = "kvpool.io/http-port"
 NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 K8S_TIMEOUT_S = 5.0
 
@@ -59,10 +61,6 @@ class AgentAddress:
         return self.segment_path or info.segment_path
 
 
-def service_name(pool: str) -> str:
-    return f"kvpool-{pool}"
-
-
 def resolve(
     settings: ConnectorSettings,
     read_service: ServiceReader | None = None,
@@ -81,19 +79,19 @@ def resolve(
         raise
     except Exception as error:  # the Kubernetes client raises many kinds
         raise DiscoveryError(f"cannot read Service {namespace}/{name}: {error}") from error
-    version = annotations.get(ANNOTATION_PROTOCOL_VERSION)
+    version = annotations.get(PROTOCOL_VERSION_ANNOTATION)
     if version is not None and version != str(PROTOCOL_VERSION):
         raise ProtocolMismatch(
             f"Service {namespace}/{name} speaks protocol {version}; "
             f"this connector speaks {PROTOCOL_VERSION}"
         )
-    port = int_annotation(annotations, ANNOTATION_ZMQ_PORT, name)
+    port = int_annotation(annotations, ZMQ_PORT_ANNOTATION, name)
     if port is None:
-        raise DiscoveryError(f"Service {namespace}/{name} has no {ANNOTATION_ZMQ_PORT} annotation")
-    advertised_path = annotations.get(ANNOTATION_SEGMENT_PATH)
+        raise DiscoveryError(f"Service {namespace}/{name} has no {ZMQ_PORT_ANNOTATION} annotation")
+    advertised_path = annotations.get(SEGMENT_PATH_ANNOTATION)
     segment = settings.segment_path or (Path(advertised_path) if advertised_path else None)
     chunk_tokens = settings.chunk_tokens or int_annotation(
-        annotations, ANNOTATION_CHUNK_TOKENS, name
+        annotations, CHUNK_TOKENS_ANNOTATION, name
     )
     return AgentAddress(f"tcp://{name}.{namespace}.svc:{port}", segment, chunk_tokens)
 

@@ -74,34 +74,11 @@ class RequestView(Protocol):
     def all_token_ids(self) -> Sequence[int]: ...
 
 
-class _KeyChain:
-    """One rank's chained chunk keys of one request, hashed as far as asked and no further."""
-
-    def __init__(self, root: bytes, chunk_tokens: int) -> None:
-        self._root = root
-        self._chunk_tokens = chunk_tokens
-        self.keys: list[bytes] = []
-
-    def upto(self, tokens: Sequence[int], chunks: int) -> list[bytes]:
-        size = self._chunk_tokens
-        while len(self.keys) < chunks:
-            index = len(self.keys)
-            previous = self.keys[-1] if self.keys else self._root
-            chunk = tokens[index * size : (index + 1) * size]
-            if len(chunk) < size:
-                break
-            self.keys.append(keys.next_key(previous, chunk))
-        return self.keys[:chunks]
-
-    def parent(self, chunk: int) -> bytes | None:
-        return self.keys[chunk - 1] if chunk > 0 else None
-
-
 @dataclass
 class _Request:
     request: RequestView
     tenant: str
-    chains: list[_KeyChain]
+    chains: list[keys.KeyChain]
     block_ids: list[int] = field(default_factory=list)
     stored_chunks: int = 0
     """Chunks ``[0, stored_chunks)`` are stored, being stored or were loaded."""
@@ -216,7 +193,7 @@ class SchedulerHalf:
         if state is None:
             salt = request.cache_salt
             chains = [
-                _KeyChain(self._root(rank, salt), self.chunk_tokens)
+                keys.KeyChain(self._root(rank, salt), self.chunk_tokens)
                 for rank in range(len(self._roots))
             ]
             state = _Request(request, keys.tenant_id(salt), chains)

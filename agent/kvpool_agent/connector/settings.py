@@ -21,9 +21,11 @@ from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-ENV_ENDPOINT = "KVPOOL_ENDPOINT"
-ENV_SEGMENT_PATH = "KVPOOL_SEGMENT_PATH"
-ENV_CHUNK_TOKENS = "KVPOOL_CHUNK_TOKENS"
+from kvpool_agent.names import (
+    CONNECTOR_CHUNK_TOKENS_ENV,
+    CONNECTOR_ENDPOINT_ENV,
+    CONNECTOR_SEGMENT_PATH_ENV,
+)
 
 
 class ConnectorSettings(BaseModel):
@@ -81,7 +83,8 @@ class ConnectorSettings(BaseModel):
         if (self.endpoint is None) == (self.pool is None):
             raise ValueError(
                 "kv_connector_extra_config needs exactly one of 'endpoint' (with an optional "
-                "'segment_path') or 'pool' (with an optional 'namespace'), or KVPOOL_ENDPOINT"
+                f"'segment_path') or 'pool' (with an optional 'namespace'), or "
+                f"{CONNECTOR_ENDPOINT_ENV}"
             )
         if self.endpoint is not None and not self.endpoint.startswith(("tcp://", "ipc://")):
             raise ValueError(f"endpoint must be tcp://host:port or ipc://path, not {self.endpoint}")
@@ -99,14 +102,14 @@ class ConnectorSettings(BaseModel):
         """
         env = os.environ if environ is None else environ
         values = dict(extra_config)
-        if env.get(ENV_ENDPOINT):
-            values["endpoint"] = env[ENV_ENDPOINT]
+        if env.get(CONNECTOR_ENDPOINT_ENV):
+            values["endpoint"] = env[CONNECTOR_ENDPOINT_ENV]
             values.pop("pool", None)
             values.pop("namespace", None)
-        if env.get(ENV_SEGMENT_PATH):
-            values["segment_path"] = env[ENV_SEGMENT_PATH]
-        if env.get(ENV_CHUNK_TOKENS):
-            values["chunk_tokens"] = env[ENV_CHUNK_TOKENS]
+        if env.get(CONNECTOR_SEGMENT_PATH_ENV):
+            values["segment_path"] = env[CONNECTOR_SEGMENT_PATH_ENV]
+        if env.get(CONNECTOR_CHUNK_TOKENS_ENV):
+            values["chunk_tokens"] = env[CONNECTOR_CHUNK_TOKENS_ENV]
         try:
             return cls.model_validate(values)
         except ValidationError as error:

@@ -14,19 +14,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvpool_agent.connector.discovery import (
-    ANNOTATION_HTTP_PORT,
-    ANNOTATION_PROTOCOL_VERSION,
     AgentAddress,
     DiscoveryError,
     ProtocolMismatch,
     int_annotation,
     resolve,
     service_annotations,
-    service_name,
 )
 from kvpool_agent.connector.settings import ConnectorSettings
 from kvpool_agent.doctor.kube import KubeReader, grant_service_get, refusal
 from kvpool_agent.doctor.report import Check, failed, passed, skipped, skipped_all
+from kvpool_agent.names import HTTP_PORT_ANNOTATION, PROTOCOL_VERSION_ANNOTATION, service_name
 from kvpool_agent.protocol import PROTOCOL_VERSION
 
 CHECKS = ("service", "protocol", "annotations")
@@ -85,7 +83,7 @@ def locate(settings: ConnectorSettings, http_url: str | None) -> tuple[list[Chec
     read = _ServiceRead(kube)
     try:
         address = resolve(settings, read)
-        http_port = int_annotation(read.annotations or {}, ANNOTATION_HTTP_PORT, name)
+        http_port = int_annotation(read.annotations or {}, HTTP_PORT_ANNOTATION, name)
     except DiscoveryError as error:
         if read.annotations is None:
             unread = _unread(str(error), read, settings.pool, kube)
@@ -129,10 +127,10 @@ def _read(read: _ServiceRead, name: str, kube: KubeReader) -> Check:
 
 
 def _protocol(annotations: Mapping[str, str]) -> Check:
-    version = annotations.get(ANNOTATION_PROTOCOL_VERSION)
+    version = annotations.get(PROTOCOL_VERSION_ANNOTATION)
     if version is None:
         return passed(
-            PROTOCOL, f"no {ANNOTATION_PROTOCOL_VERSION} annotation: protocol {PROTOCOL_VERSION}"
+            PROTOCOL, f"no {PROTOCOL_VERSION_ANNOTATION} annotation: protocol {PROTOCOL_VERSION}"
         )
     return passed(PROTOCOL, f"the Service and this client speak protocol {version}")
 

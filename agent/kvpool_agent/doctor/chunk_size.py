@@ -4,6 +4,7 @@ nothing (it refuses the layout and logs "not a multiple of the block size")."""
 from __future__ import annotations
 
 from kvpool_agent.doctor.report import Check, failed, passed, skipped
+from kvpool_agent.names import CHUNK_TOKENS_ANNOTATION, CONNECTOR_CHUNK_TOKENS_ENV
 
 NAME = "chunk-size"
 
@@ -15,7 +16,8 @@ def check_chunk_size(chunk_tokens: int | None, block_size: int | None) -> Check:
         return skipped(
             NAME,
             "the chunk size is not advertised (an endpoint, or a Service without "
-            "kvpool.io/chunk-tokens): set KVPOOL_CHUNK_TOKENS as the connector would take it",
+            f"{CHUNK_TOKENS_ANNOTATION}): set {CONNECTOR_CHUNK_TOKENS_ENV} as the connector "
+            "would take it",
         )
     if chunk_tokens % block_size:
         multiple = -(-chunk_tokens // block_size) * block_size

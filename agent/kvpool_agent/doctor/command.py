@@ -16,8 +16,7 @@ from kvpool_agent.connector.settings import ConnectorSettings
 from kvpool_agent.doctor.fingerprint import EngineModel
 from kvpool_agent.doctor.report import Check, exit_code
 from kvpool_agent.doctor.run import Options, diagnose
-
-ADMIN_TOKEN_ENV = "KVPOOL_ADMIN_TOKEN"
+from kvpool_agent.names import ADMIN_TOKEN_ENV
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

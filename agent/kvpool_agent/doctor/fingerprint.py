@@ -19,8 +19,9 @@ from pydantic.alias_generators import to_camel
 
 from kvpool_agent.doctor.kube import KubeReader, refusal
 from kvpool_agent.doctor.report import Check, failed, passed, skipped
-from kvpool_agent.index.config import Fingerprint, config_map_name
+from kvpool_agent.index.config import Fingerprint
 from kvpool_agent.keys import ModelFingerprint
+from kvpool_agent.names import index_config_map_name
 
 NAME = "fingerprint"
 
@@ -57,7 +58,7 @@ def check_fingerprint(
         return skipped(NAME, "no pool: the index's fingerprint is read from the pool's ConfigMap")
     if chunk_tokens is None:
         return skipped(NAME, "the pool's Service does not advertise its chunk size")
-    where = f"{namespace}/{config_map_name(pool)}"
+    where = f"{namespace}/{index_config_map_name(pool)}"
     try:
         config = kube.index_config(pool, namespace)
     except Exception as error:  # the Kubernetes client raises many kinds

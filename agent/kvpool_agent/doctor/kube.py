@@ -18,9 +18,9 @@ import yaml
 from kubernetes.client import ApiClient, CoreV1Api
 from kubernetes.client.exceptions import ApiException
 
-from kvpool_agent.connector.discovery import K8S_TIMEOUT_S, service_name
-from kvpool_agent.index.config import CONFIG_MAP_KEY, config_map_name
+from kvpool_agent.connector.discovery import K8S_TIMEOUT_S
 from kvpool_agent.kube_watch import api_configuration
+from kvpool_agent.names import INDEX_CONFIG_KEY, index_config_map_name, service_name
 
 _USER = re.compile(r'User "([^"]+)"')
 _SERVICE_ACCOUNT = "system:serviceaccount:"
@@ -48,9 +48,9 @@ class KubeReader:
     def index_config(self, pool: str, namespace: str) -> Any:
         """The pool's index configuration (what ``kvpool index`` runs with), parsed YAML."""
         config_map = self._api.read_namespaced_config_map(
-            config_map_name(pool), namespace, _request_timeout=K8S_TIMEOUT_S
+            index_config_map_name(pool), namespace, _request_timeout=K8S_TIMEOUT_S
         )
-        return yaml.safe_load((config_map.data or {}).get(CONFIG_MAP_KEY) or "{}")
+        return yaml.safe_load((config_map.data or {}).get(INDEX_CONFIG_KEY) or "{}")
 
 
 @dataclass(frozen=True)

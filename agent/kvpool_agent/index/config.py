@@ -17,25 +17,20 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from kvpool_agent.config import POOL_NAME_PATTERN, ConfigFileSource
 from kvpool_agent.http_limits import HttpLimits
 from kvpool_agent.index.discovery import AgentEndpoint
-from kvpool_agent.index.policy import (
+from kvpool_agent.index.policy import RoutingPolicy
+from kvpool_agent.keys import ModelFingerprint
+from kvpool_agent.names import (
+    DEFAULT_INDEX_PORT,
     DEFAULT_LOAD_FACTOR,
     DEFAULT_LOAD_SLACK,
+    DEFAULT_MAX_CHUNKS_PER_NODE,
     DEFAULT_MIN_MATCH_RATIO,
-    RoutingPolicy,
+    INDEX_CONFIG_FILE_ENV,
+    INDEX_ENV_PREFIX,
 )
-from kvpool_agent.index.tracker import DEFAULT_MAX_CHUNKS_PER_NODE
-from kvpool_agent.keys import ModelFingerprint
 
-CONFIG_FILE_ENV = "KVPOOL_INDEX_CONFIG_FILE"
 DEFAULT_MAX_BODY_BYTES = ByteSize(16 << 20)
 """A route or lookup body: token ids of a prompt of ~2M tokens as JSON."""
-CONFIG_MAP_KEY = "index.yaml"
-"""The key of this configuration in the pool's index ConfigMap (:func:`config_map_name`)."""
-
-
-def config_map_name(pool: str) -> str:
-    """The ConfigMap the operator writes a pool's index configuration to."""
-    return f"kvpool-{pool}-index-config"
 
 
 class Fingerprint(BaseModel):
@@ -71,7 +66,7 @@ class IndexConfig(BaseSettings):
     """Configuration of one prefix index process (one pool)."""
 
     model_config = SettingsConfigDict(
-        env_prefix="KVPOOL_INDEX_", env_nested_delimiter="__", frozen=True, extra="forbid"
+        env_prefix=INDEX_ENV_PREFIX, env_nested_delimiter="__", frozen=True, extra="forbid"
     )
 
     pool: str = Field(
@@ -91,7 +86,10 @@ class IndexConfig(BaseSettings):
     )
     host: str = Field("127.0.0.1", description="Address of the HTTP API (0.0.0.0 in a pod).")
     http_port: int = Field(
-        7403, ge=0, le=65535, description="Port of the HTTP API and /metrics (0 picks a free one)."
+        DEFAULT_INDEX_PORT,
+        ge=0,
+        le=65535,
+        description="Port of the HTTP API and /metrics (0 picks a free one).",
     )
     http_limits: HttpLimits = Field(
         default_factory=lambda: HttpLimits(max_body_bytes=DEFAULT_MAX_BODY_BYTES),
@@ -172,4 +170,4 @@ class IndexConfig(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, ConfigFileSource(settings_cls, CONFIG_FILE_ENV))
+        return (init_settings, env_settings, ConfigFileSource(settings_cls, INDEX_CONFIG_FILE_ENV))

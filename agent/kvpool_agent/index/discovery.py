@@ -27,13 +27,10 @@ from kubernetes.client import ApiClient, CoreV1Api
 from kubernetes.config import ConfigException
 
 from kvpool_agent.kube_watch import ListWatch, api_configuration
+from kvpool_agent.names import DEFAULT_EVENTS_PORT, DEFAULT_ZMQ_PORT, agent_pods_selector
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ZMQ_PORT = 7400
-DEFAULT_EVENTS_PORT = 7402
-COMPONENT_LABEL = "app.kubernetes.io/component"
-POOL_LABEL = "kvpool.io/pool"
 NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
@@ -79,10 +76,6 @@ class StaticDiscovery:
 
     def stop(self) -> None:
         """Nothing runs in the background."""
-
-
-def label_selector(pool: str) -> str:
-    return f"{COMPONENT_LABEL}=agent,{POOL_LABEL}={pool}"
 
 
 def pod_endpoint(pod: Mapping[str, Any]) -> AgentEndpoint | None:
@@ -133,11 +126,12 @@ class KubernetesDiscovery:
         self.namespace = namespace
         self.pool = pool
         self._published: list[AgentEndpoint] | None = None
+        selector = agent_pods_selector(pool)
         self._pods = ListWatch(
             list_pods,
             namespace,
-            selectors={"label_selector": label_selector(pool)},
-            what=f"pods {label_selector(pool)} in namespace {namespace}",
+            selectors={"label_selector": selector},
+            what=f"pods {selector} in namespace {namespace}",
             timeout=timeout,
             retry_seconds=retry_seconds,
             watch_seconds=watch_seconds,

@@ -24,9 +24,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-DEFAULT_LOAD_FACTOR = 1.5
-DEFAULT_MIN_MATCH_RATIO = 0.3
-DEFAULT_LOAD_SLACK = 0.0
+from kvpool_agent.names import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_SLACK, DEFAULT_MIN_MATCH_RATIO
 
 
 class Reason(enum.StrEnum):

@@ -9,49 +9,46 @@ not kept. A caller that already has the keys passes them instead.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvpool_agent.index.tracker import KeyChain
-from kvpool_agent.keys import ModelFingerprint, iter_chunk_keys, root_key
+from kvpool_agent.index.tracker import KeySequence
+from kvpool_agent.keys import KeyChain, ModelFingerprint, root_key
 
 
 class PromptKeys:
-    """The chain keys of a prompt's full chunks, each hashed on first access."""
+    """The chain keys of a prompt's full chunks, as a sequence: each hashed on first access
+    (by a :class:`~kvpool_agent.keys.KeyChain`, as the connector hashes them)."""
 
-    __slots__ = ("_chain", "_keys", "_length")
+    __slots__ = ("_chain", "_length", "_tokens")
 
     def __init__(
         self, token_ids: Sequence[int], salt: str | None, fingerprint: ModelFingerprint
     ) -> None:
+        self._tokens = token_ids
         self._length = len(token_ids) // fingerprint.chunk_tokens
-        self._chain: Iterator[bytes] = iter_chunk_keys(
-            token_ids, root_key(salt, fingerprint), fingerprint.chunk_tokens
-        )
-        self._keys: list[bytes] = []
+        self._chain = KeyChain(root_key(salt, fingerprint), fingerprint.chunk_tokens)
 
     def __len__(self) -> int:
         return self._length
 
     def __getitem__(self, position: int) -> bytes:
-        keys = self._keys
-        if 0 <= position < len(keys):
-            return keys[position]
         if not 0 <= position < self._length:
             raise IndexError(f"chunk {position} of a prompt of {self._length} chunks")
-        while len(keys) <= position:
-            keys.append(next(self._chain))
+        keys = self._chain.keys
+        if position >= len(keys):
+            self._chain.extend(self._tokens, position + 1)
         return keys[position]
 
     @property
     def hashed(self) -> int:
         """Keys computed so far."""
-        return len(self._keys)
+        return len(self._chain.keys)
 
 
 @dataclass(frozen=True)
 class Query:
-    keys: KeyChain
+    keys: KeySequence
     prompt_tokens: int
     """Length of the prompt in tokens (a trailing partial chunk counts, though it has no key)."""
     chunk_tokens: int

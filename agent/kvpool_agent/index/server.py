@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from kvpool_agent.auth import TokenAuthority, TokenFileError, load_authority
 from kvpool_agent.http_serving import serve_http
-from kvpool_agent.index.config import CONFIG_FILE_ENV, IndexConfig, StaticAgent
+from kvpool_agent.index.config import IndexConfig, StaticAgent
 from kvpool_agent.index.discovery import (
     AgentEndpoint,
     Discovery,
@@ -39,6 +39,7 @@ from kvpool_agent.index.metrics import IndexMetrics
 from kvpool_agent.index.service import IndexService
 from kvpool_agent.index.subscriber import EventSubscriber
 from kvpool_agent.index.tracker import PrefixTracker
+from kvpool_agent.names import INDEX_CONFIG_FILE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
     )
     parser.add_argument(
-        "--config", help=f"YAML or JSON file of index settings (or ${CONFIG_FILE_ENV})"
+        "--config", help=f"YAML or JSON file of index settings (or ${INDEX_CONFIG_FILE_ENV})"
     )
     parser.add_argument(
         "--agent",
@@ -141,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if args.config:
-        os.environ[CONFIG_FILE_ENV] = args.config
+        os.environ[INDEX_CONFIG_FILE_ENV] = args.config
     try:
         if args.agent:
             agents = [AgentEndpoint.parse(text) for text in args.agent]

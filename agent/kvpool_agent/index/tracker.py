@@ -45,12 +45,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvpool_agent.names import DEFAULT_MAX_CHUNKS_PER_NODE
+
 BATCH_KEYS = 64
 """Keys per batch record: bounds one verification step and the cap's overshoot."""
-DEFAULT_MAX_CHUNKS_PER_NODE = 1_000_000
 
 
-class KeyChain(Protocol):
+class KeySequence(Protocol):
     """The chunk keys of one prompt, in chain order (a list, or keys hashed on demand)."""
 
     def __len__(self) -> int: ...
@@ -138,7 +139,7 @@ class _Node:
             batch.live = 0
 
 
-def _leading_run(where: dict[bytes, _Batch], keys: KeyChain) -> int:
+def _leading_run(where: dict[bytes, _Batch], keys: KeySequence) -> int:
     """How many keys of ``keys``, from the first, ``where`` holds without a gap."""
     limit = len(keys)
     while limit > 0 and keys[0] in where:
@@ -166,7 +167,7 @@ def _leading_run(where: dict[bytes, _Batch], keys: KeyChain) -> int:
     return 0
 
 
-def _first_hole(where: dict[bytes, _Batch], keys: KeyChain, top: int) -> int:
+def _first_hole(where: dict[bytes, _Batch], keys: KeySequence, top: int) -> int:
     """A position in ``[0, top]`` whose key ``where`` lacks, or -1 if it holds them all."""
     position = top
     while position >= 0:
@@ -239,7 +240,7 @@ class PrefixTracker:
     # ---------------------------------------------------------------- queries
 
     def longest_prefixes(
-        self, keys: KeyChain, nodes: Iterable[str] | None = None
+        self, keys: KeySequence, nodes: Iterable[str] | None = None
     ) -> dict[str, PrefixMatch]:
         """Per node (all nodes, or those of ``nodes`` that are tracked) with a match: its
         leading run of ``keys``. Nodes that hold not even ``keys[0]`` are left out."""

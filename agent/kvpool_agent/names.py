@@ -1,0 +1,112 @@
+"""The names the parts of kvpool agree on: labels, annotations, environment variables, the
+names of a pool's objects and segment, and the defaults the KVCachePool CRD shares.
+
+The operator writes these names and the agent, the connector (inside vLLM), the index and
+``kvpool doctor`` read them, so each is spelled here once. The Helm chart cannot import
+Python; it spells its own objects' names. Standard library only: the connector imports
+this module inside vLLM.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+APP = "kvpool"
+"""The value of the name label of every object of a pool."""
+
+# Labels of a pool's objects and pods.
+NAME_LABEL = "app.kubernetes.io/name"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+POOL_LABEL = "kvpool.io/pool"
+OPERATOR = "kvpool-operator"
+"""The managed-by label of the operator's objects, and its field manager."""
+AGENT_COMPONENT = "agent"
+INDEX_COMPONENT = "index"
+"""Values of the component label: the agents' objects and pods, the index's."""
+
+# Annotations.
+CONFIG_CHECKSUM_ANNOTATION = "kvpool.io/config-checksum"
+"""On a pod template: rolls the pods when their configuration file changes."""
+ZMQ_PORT_ANNOTATION = "kvpool.io/zmq-port"
+HTTP_PORT_ANNOTATION = "kvpool.io/http-port"
+SEGMENT_PATH_ANNOTATION = "kvpool.io/segment-path"
+CHUNK_TOKENS_ANNOTATION = "kvpool.io/chunk-tokens"
+PROTOCOL_VERSION_ANNOTATION = "kvpool.io/protocol-version"
+"""The pool Service's annotations above tell a connector how to reach and use its agent."""
+
+# Environment variables.
+AGENT_ENV_PREFIX = "KVPOOL_"
+"""Of every field of the agent's configuration (``KVPOOL_HOST``, ``KVPOOL_ZMQ_PORT``...)."""
+AGENT_CONFIG_FILE_ENV = "KVPOOL_CONFIG_FILE"
+"""The agent's configuration file."""
+AGENT_HOST_ENV = f"{AGENT_ENV_PREFIX}HOST"
+INDEX_ENV_PREFIX = "KVPOOL_INDEX_"
+INDEX_CONFIG_FILE_ENV = "KVPOOL_INDEX_CONFIG_FILE"
+"""The index's configuration file."""
+CONNECTOR_ENDPOINT_ENV = "KVPOOL_ENDPOINT"
+CONNECTOR_SEGMENT_PATH_ENV = "KVPOOL_SEGMENT_PATH"
+CONNECTOR_CHUNK_TOKENS_ENV = "KVPOOL_CHUNK_TOKENS"
+"""The connector's overrides of its ``kv_connector_extra_config`` (and the doctor's)."""
+ADMIN_TOKEN_ENV = "KVPOOL_ADMIN_TOKEN"
+"""An admin token of the pool, for ``kvpool doctor``."""
+OPERATOR_AGENT_IMAGE_ENV = "KVPOOL_AGENT_IMAGE"
+"""The operator's default agent image (the chart sets it)."""
+
+# Configuration files, as the keys of their ConfigMaps.
+AGENT_CONFIG_KEY = "agent.yaml"
+INDEX_CONFIG_KEY = "index.yaml"
+
+# Ports the agents and the index listen on unless the pool names others.
+DEFAULT_ZMQ_PORT = 7400
+DEFAULT_HTTP_PORT = 7401
+DEFAULT_EVENTS_PORT = 7402
+DEFAULT_INDEX_PORT = 7403
+
+# The index's defaults, which the CRD mirrors (tests/operator/test_crd.py).
+DEFAULT_LOAD_FACTOR = 1.5
+DEFAULT_MIN_MATCH_RATIO = 0.3
+DEFAULT_LOAD_SLACK = 0.0
+DEFAULT_MAX_CHUNKS_PER_NODE = 1_000_000
+
+
+def service_name(pool: str) -> str:
+    """The pool's Service, whose annotations a connector discovers its agent by."""
+    return f"kvpool-{pool}"
+
+
+def agent_name(pool: str) -> str:
+    """The agents' DaemonSet, ServiceAccount, Role, RoleBinding and NetworkPolicy."""
+    return f"kvpool-{pool}-agent"
+
+
+def config_map_name(pool: str) -> str:
+    """The ConfigMap of the agents' configuration (key :data:`AGENT_CONFIG_KEY`)."""
+    return f"kvpool-{pool}-config"
+
+
+def quotas_name(pool: str) -> str:
+    """The ConfigMap of the pool's tenant quotas, which the agents write."""
+    return f"kvpool-{pool}-quotas"
+
+
+def index_name(pool: str) -> str:
+    """The index's Deployment, Service, ServiceAccount, Role, RoleBinding and
+    NetworkPolicy."""
+    return f"kvpool-{pool}-index"
+
+
+def index_config_map_name(pool: str) -> str:
+    """The ConfigMap of the index's configuration (key :data:`INDEX_CONFIG_KEY`)."""
+    return f"kvpool-{pool}-index-config"
+
+
+def segment_path(pool: str) -> Path:
+    """The pool's L1 segment on a node, unless the agent's configuration names another."""
+    return Path(f"/dev/shm/kvpool-{pool}")
+
+
+def agent_pods_selector(pool: str) -> str:
+    """The label selector of the pool's agent pods."""
+    return f"{COMPONENT_LABEL}={AGENT_COMPONENT},{POOL_LABEL}={pool}"
