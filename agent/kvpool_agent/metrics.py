@@ -22,9 +22,9 @@ from prometheus_client.registry import Collector
 
 from kvpool_agent.cache_factory import SegmentOrigin
 from kvpool_agent.l2.base import L2Adapter
-from kvpool_agent.l2.prefetch import Prefetcher
-from kvpool_agent.l2.writeback import WriteBack
 from kvpool_agent.service import CacheService, TenantRanking
+from kvpool_agent.tiering.prefetch import Prefetcher
+from kvpool_agent.tiering.writeback import WriteBack
 
 OTHER_TENANTS = "other"
 RANKING_SECONDS = 1.0

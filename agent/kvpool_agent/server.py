@@ -25,12 +25,12 @@ from kvpool_agent.config import AgentConfig
 from kvpool_agent.events import EventPublisher
 from kvpool_agent.http_api import create_app
 from kvpool_agent.http_serving import serve_http
-from kvpool_agent.l2.prefetch import Prefetcher
 from kvpool_agent.l2.tiers import open_tiers
-from kvpool_agent.l2.writeback import WriteBack
 from kvpool_agent.metrics import AgentMetrics
 from kvpool_agent.quota_store import FileQuotaStore
 from kvpool_agent.service import CacheService
+from kvpool_agent.tiering.prefetch import Prefetcher
+from kvpool_agent.tiering.writeback import WriteBack
 from kvpool_agent.zmq_server import ZmqServer
 
 log = logging.getLogger(__name__)

@@ -36,10 +36,10 @@ from kvpool_agent import protocol as p
 from kvpool_agent.auth import TENANT_ID_RULE, is_tenant_id
 from kvpool_agent.events import EventPublisher
 from kvpool_agent.l1 import CacheError, InvalidRequest, LeaseExpired, UnknownLease
-from kvpool_agent.l2.prefetch import Prefetcher
-from kvpool_agent.l2.writeback import WriteBack
 from kvpool_agent.segment import SharedSegment
 from kvpool_agent.service import CacheService
+from kvpool_agent.tiering.prefetch import Prefetcher
+from kvpool_agent.tiering.writeback import WriteBack
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvpool_agent.l2.base import L2Adapter, ObjectKey
-from kvpool_agent.l2.writeback import LatencyObserver
 from kvpool_agent.segment import SharedSegment
 from kvpool_agent.service import CacheService
+from kvpool_agent.tiering.writeback import LatencyObserver
 
 log = logging.getLogger(__name__)
 
