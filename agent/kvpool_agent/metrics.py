@@ -1,4 +1,8 @@
-"""Prometheus metrics: the only module that touches prometheus_client.
+"""The agent's Prometheus metrics: its one module that defines prometheus_client objects.
+
+The composition root (:mod:`kvpool_agent.server`) only creates the
+:class:`CollectorRegistry` it injects here; the connector and the prefix index
+have metrics modules of their own.
 
 Cache figures are read from the service's stats at scrape time (a custom
 collector, so the hot path only bumps plain integers); request latencies are
