@@ -47,7 +47,11 @@ among the ``idle_tenants`` most recently active such records; past that the
 oldest is dropped, so a flood of new ids costs a bounded amount of memory. The
 cache-wide counters stay exact; a dropped record's counters go with it.
 
-Not thread-safe: one owner (the agent's event loop) calls it.
+Not thread-safe: the agent reaches it only through
+:class:`~kvpool_agent.service.CacheService`, which calls it under one lock from
+every thread (the ZMQ thread, the event loop, the HTTP handlers); only a few
+counters (``open_write_leases``, ``quarantined_leases``) and quota limits are read
+without that lock.
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""Prometheus metrics: the only module that touches prometheus_client.
+"""The agent's Prometheus metrics: its one module that defines prometheus_client objects.
+
+The composition root (:mod:`kvpool_agent.server`) only creates the
+:class:`CollectorRegistry` it injects here; the connector and the prefix index
+have metrics modules of their own.
 
 Cache figures are read from the service's stats at scrape time (a custom
 collector, so the hot path only bumps plain integers); request latencies are
@@ -22,9 +26,9 @@ from prometheus_client.registry import Collector
 
 from kvpool_agent.cache_factory import SegmentOrigin
 from kvpool_agent.l2.base import L2Adapter
-from kvpool_agent.l2.prefetch import Prefetcher
-from kvpool_agent.l2.writeback import WriteBack
 from kvpool_agent.service import CacheService, TenantRanking
+from kvpool_agent.tiering.prefetch import Prefetcher
+from kvpool_agent.tiering.writeback import WriteBack
 
 OTHER_TENANTS = "other"
 RANKING_SECONDS = 1.0

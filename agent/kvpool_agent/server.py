@@ -25,12 +25,12 @@ from kvpool_agent.config import AgentConfig
 from kvpool_agent.events import EventPublisher
 from kvpool_agent.http_api import create_app
 from kvpool_agent.http_serving import serve_http
-from kvpool_agent.l2.prefetch import Prefetcher
 from kvpool_agent.l2.tiers import open_tiers
-from kvpool_agent.l2.writeback import WriteBack
 from kvpool_agent.metrics import AgentMetrics
 from kvpool_agent.quota_store import FileQuotaStore
 from kvpool_agent.service import CacheService
+from kvpool_agent.tiering.prefetch import Prefetcher
+from kvpool_agent.tiering.writeback import WriteBack
 from kvpool_agent.zmq_server import ZmqServer
 
 log = logging.getLogger(__name__)
@@ -68,8 +68,8 @@ class Agent:
             events = EventPublisher(f"tcp://{config.host}:{config.events_port or '*'}", agent_id)
             events.start()
             stack.callback(events.stop)
-            l1.cache.listener = events
-            writeback, prefetcher = await self._start_l2(l1, service, metrics, stack)
+            service.publish_events(events)
+            prefetcher = await self._start_l2(l1, service, metrics, stack)
             zmq_server = ZmqServer(
                 service,
                 l1.segment,
@@ -78,9 +78,6 @@ class Agent:
                 max_inline_bytes=int(config.max_inline_bytes),
                 session_idle_seconds=10 * config.lease_seconds,
                 observer=metrics,
-                writeback=writeback,
-                prefetcher=prefetcher,
-                events=events,
             )
             if prefetcher is not None:
                 prefetcher.on_change(zmq_server.prefetch_changed)
@@ -125,12 +122,12 @@ class Agent:
             from kvpool_agent.quota_store_k8s import KubernetesQuotaStore
 
             shared = KubernetesQuotaStore.connect(config.quota_configmap)
-            service = CacheService(l1.cache, shared)
+            service = CacheService(l1.cache, l1.segment, shared)
             log.info("loaded %d tenant quotas from %s", service.load_quotas(), shared.where)
             shared.start(service.replace_quotas)
             stack.callback(shared.stop)
             return service
-        service = CacheService(l1.cache, FileQuotaStore(config.resolved_quota_file))
+        service = CacheService(l1.cache, l1.segment, FileQuotaStore(config.resolved_quota_file))
         log.info(
             "loaded %d tenant quotas from %s", service.load_quotas(), config.resolved_quota_file
         )
@@ -142,15 +139,17 @@ class Agent:
         service: CacheService,
         metrics: AgentMetrics,
         stack: contextlib.AsyncExitStack,
-    ) -> tuple[WriteBack | None, Prefetcher | None]:
-        """The configured L2 tiers and their write-back and prefetch; (None, None) without any."""
+    ) -> Prefetcher | None:
+        """The configured L2 tiers, their write-back and prefetch attached to the service.
+
+        Returns the prefetcher (None without tiers), whose progress the ZMQ server reports.
+        """
         config = self.config
-        tiers = open_tiers(config, service.cache.quotas.limit)
+        tiers = open_tiers(config, service.quota_limit)
         for tier in tiers:
             stack.push_async_callback(tier.close)
         if not tiers:
-            return None, None
-        l1.cache.lower_tier = True  # L2 can bring a missing prefix back
+            return None
         loop = asyncio.get_running_loop()
 
         def shrink_tiers(tenant: str) -> None:  # any thread: HTTP handlers, the quota watch
@@ -168,13 +167,14 @@ class Agent:
             capacity_bytes=int(config.l1_size) // 4,
             observe=metrics.observe_l2,
         )
-        prefetcher = Prefetcher(service, l1.segment, tiers, observe=metrics.observe_l2)
+        prefetcher = Prefetcher(service, tiers, observe=metrics.observe_l2)
+        service.attach_lower_tiers(writeback, prefetcher)
         metrics.register_l2(tiers, writeback, prefetcher)
         for controller in (writeback, prefetcher):
             await controller.start()
             stack.push_async_callback(controller.stop)
         log.info("L2 tiers: %s", ", ".join(tier.name for tier in tiers))
-        return writeback, prefetcher
+        return prefetcher
 
     @contextlib.asynccontextmanager
     async def _maintain(self, l1: L1Tier, service: CacheService) -> AsyncIterator[None]:

@@ -1,26 +1,128 @@
-"""The agent's shared state behind one lock: the L1 cache and its durable quotas.
+"""The cache service: the one seam through which every edge reaches the L1 cache.
 
-The ZMQ thread, the HTTP handlers and the maintenance task all reach the
-cache through this object. Cache operations take microseconds, so one lock
-serves them all; quota writes do their I/O outside it (under a lock of their
-own, so that two writers apply in the order they stored). Reports (status,
-metrics, tenant lists) take the lock for O(1) figures and a copy of the tenant
-record list only; reading, ranking and formatting thousands of tenants happens
-outside it, so an unauthenticated ``/metrics`` poller cannot stall the data path.
+The ZMQ server, the HTTP API, the maintenance task and the L2 controllers
+(write-back, prefetch) call these operations; none of them takes the lock or
+touches the cache itself. An operation raises the cache's domain errors
+(:class:`~kvpool_agent.l1.CacheError` and its kinds); each edge maps them to
+its own replies.
+
+Data path: :meth:`CacheService.lookup` (a hit tells the write-back, a miss may
+start a prefetch), :meth:`~CacheService.reserve`, :meth:`~CacheService.commit`
+(tells the write-back), :meth:`~CacheService.release`, and
+:meth:`~CacheService.store` / :meth:`~CacheService.retrieve`, which copy bytes
+for callers that cannot map the segment (and for the prefetch). The L2
+controllers attach through the small protocols below, given at composition
+(:meth:`~CacheService.attach_lower_tiers`): the service imports no L2 code.
+
+One lock: cache operations take microseconds, so it serves them all; bulk
+copies happen outside it while the chunks are write-locked (store) or
+read-locked (retrieve). Quota writes do their I/O outside it (under a lock of
+their own, so that two writers apply in the order they stored). Reports
+(status, metrics, tenant lists) take the lock for O(1) figures and a copy of
+the tenant record list only; reading, ranking and formatting thousands of
+tenants happens outside it, so an unauthenticated ``/metrics`` poller cannot
+stall the data path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
+from typing import Protocol
 
-from kvpool_agent.cache_types import L1Stats, TenantStats
+from kvpool_agent.cache_types import (
+    ChunkListener,
+    Hit,
+    L1Stats,
+    Reservation,
+    TenantStats,
+    UnknownLease,
+)
 from kvpool_agent.l1 import L1Cache
 from kvpool_agent.quota_store import QuotaStore
 from kvpool_agent.quotas import Limit
+from kvpool_agent.segment import SharedSegment
+
+
+class Pins(Protocol):
+    """Read locks without expiry on single chunks, for the write-back.
+
+    Handed to a :class:`WriteBackHook` call, which runs under the service lock:
+    valid only during that call.
+    """
+
+    def pin(self, tenant: str, key: bytes) -> Hit: ...
+
+    def release(self, lease: int) -> None: ...
+
+
+class WriteBackHook(Protocol):
+    """Hears of commits and hits, under the service lock, and pins what it will copy to L2.
+
+    Must be quick and must not call the service (its lock is held).
+    """
+
+    def committed(self, tenant: str, keys: Sequence[bytes], pins: Pins) -> None: ...
+
+    def hit(self, tenant: str, keys: Sequence[bytes], pins: Pins) -> None: ...
+
+
+class PrefetchProgress(Protocol):
+    @property
+    def done(self) -> bool: ...
+
+    @property
+    def expected(self) -> int:
+        """Chunks the tiers hold (-1 until known)."""
+        ...
+
+    @property
+    def loaded(self) -> int: ...
+
+
+class PrefetchHook(Protocol):
+    """Loads the rest of a prefix from L2 after an L1 miss (called outside the service lock)."""
+
+    def begin(self, tenant: str, keys: Sequence[bytes], parent: bytes | None) -> int:
+        """Start loading ``keys`` (``parent`` precedes the first); its id, or 0 if none."""
+        ...
+
+    def status(self, prefetch_id: int) -> PrefetchProgress | None: ...
+
+
+class SequencedListener(ChunkListener, Protocol):
+    @property
+    def seq(self) -> int:
+        """The sequence number of the last change published."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class LookupOutcome:
+    hit: Hit
+    prefetch: int
+    """The prefetch loading the keys after the hits from L2, or 0 (none started)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreResult:
+    stored: int
+    """Chunks copied and made ready."""
+    present: int
+    """Chunks that were cached already (nothing copied)."""
+    refused_reason: str | None
+    """Why the tail of the keys was refused, if it was."""
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    seq: int
+    """The last chunk event published when the keys were read (0 without events)."""
+    keys_by_tenant: dict[str, list[bytes]]
 
 
 @dataclass(frozen=True)
@@ -46,20 +148,184 @@ _USED_BYTES = attrgetter("used_bytes")
 
 
 class CacheService:
-    def __init__(self, cache: L1Cache, quota_store: QuotaStore) -> None:
-        self.cache = cache
-        self.lock = threading.Lock()
+    def __init__(self, cache: L1Cache, segment: SharedSegment, quota_store: QuotaStore) -> None:
+        self._cache = cache
+        self._segment = segment
+        self._lock = threading.Lock()
         self._quota_store = quota_store
         self._quota_writes = threading.Lock()
+        self._events: SequencedListener | None = None
+        self._write_back: WriteBackHook | None = None
+        self._prefetch: PrefetchHook | None = None
         self.quota_listeners: list[Callable[[str], None]] = []
         """Told (outside the locks) which tenant's quota changed, e.g. to shrink L2 tiers."""
+
+    # ------------------------------------------------------------ composition
+
+    def publish_events(self, events: SequencedListener) -> None:
+        """Tell ``events`` of every chunk stored or removed from now on (under the lock)."""
+        with self._lock:
+            self._events = events
+            self._cache.listener = events
+
+    def attach_lower_tiers(self, write_back: WriteBackHook, prefetch: PrefetchHook) -> None:
+        """L2 tiers exist: commits and hits go to ``write_back``, misses to ``prefetch``.
+
+        The cache then also accepts a run whose predecessor it lacks (a prefetch can
+        bring the prefix back).
+        """
+        with self._lock:
+            self._write_back = write_back
+            self._prefetch = prefetch
+            self._cache.lower_tier = True
+
+    # -------------------------------------------------------------- data path
+
+    def lookup(
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        *,
+        lock: bool = True,
+        count: bool = True,
+        prefetch: bool = False,
+        parent: bytes | None = None,
+    ) -> LookupOutcome:
+        """The leading run of ready chunks of ``keys`` (see :meth:`L1Cache.lookup`).
+
+        Counted hits tell the write-back (a ``reused`` policy counts them). With
+        ``prefetch``, the keys after the hits start loading from L2 (``parent``
+        precedes the first key).
+        """
+        write_back = self._write_back
+        with self._lock:
+            hit = self._cache.lookup(tenant, keys, lock=lock, count=count)
+            if write_back is not None and hit.count and count:
+                write_back.hit(tenant, keys[: hit.count], self._cache)
+        prefetch_id = 0
+        if prefetch and self._prefetch is not None and hit.count < len(keys):
+            after = keys[hit.count - 1] if hit.count else parent
+            prefetch_id = self._prefetch.begin(tenant, keys[hit.count :], after)
+        return LookupOutcome(hit, prefetch_id)
+
+    def prefetch_status(self, prefetch_id: int) -> PrefetchProgress | None:
+        """None for an id never given or long finished (or without L2 tiers)."""
+        return None if self._prefetch is None else self._prefetch.status(prefetch_id)
+
+    def reserve(
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        parent: bytes | None = None,
+        *,
+        keep: Sequence[bytes] = (),
+    ) -> Reservation:
+        """Write-lock space for ``keys`` (see :meth:`L1Cache.reserve`)."""
+        with self._lock:
+            return self._cache.reserve(tenant, keys, sizes, parent, keep)
+
+    def commit(self, lease: int, count: int | None = None) -> int:
+        """Make the first ``count`` (default all) reserved chunks ready; tell the write-back."""
+        return self._commit(lease, count, write_back=True)
+
+    def _commit(self, lease: int, count: int | None, *, write_back: bool) -> int:
+        hook = self._write_back if write_back else None
+        with self._lock:
+            if hook is None:
+                return self._cache.commit(lease, count)
+            tenant, keys = self._cache.lease_chunks(lease)
+            committed = self._cache.commit(lease, count)
+            hook.committed(tenant, keys[:count], self._cache)
+        return committed
+
+    def release(self, lease: int) -> None:
+        """End a lease (read locks, or an uncommitted reservation); UnknownLease if none."""
+        with self._lock:
+            self._cache.release(lease)
+
+    def release_all(self, leases: Iterable[int]) -> None:
+        """End each of ``leases`` still open (an expired one is skipped), under one lock."""
+        with self._lock:
+            for lease in leases:
+                with contextlib.suppress(UnknownLease):
+                    self._cache.release(lease)
+
+    def store(
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        payloads: Sequence[bytes | memoryview],
+        parent: bytes | None = None,
+        *,
+        keep: Sequence[bytes] = (),
+        write_back: bool = True,
+    ) -> StoreResult:
+        """Reserve, copy ``payloads`` into the segment, commit: the store of a caller
+        that cannot map the segment, and the prefetch's placement.
+
+        The copy runs outside the lock (the reserved chunks are write-locked).
+        ``write_back=False`` for chunks that came from L2: they are there already.
+        """
+        reservation = self.reserve(tenant, keys, [len(p) for p in payloads], parent, keep=keep)
+        view = self._segment.view
+        for place, payload in zip(reservation.placements, payloads, strict=False):
+            if place is not None:
+                view[place.offset : place.offset + place.nbytes] = payload
+        stored = 0
+        if reservation.lease is not None:
+            stored = self._commit(reservation.lease, None, write_back=write_back)
+        present = sum(place is None for place in reservation.placements)
+        return StoreResult(stored, present, reservation.refused_reason)
+
+    def retrieve(self, tenant: str, keys: Sequence[bytes]) -> list[bytes]:
+        """Copies of the leading run of ready chunks of ``keys`` (read-locked while copied)."""
+        with self._lock:
+            hit = self._cache.lookup(tenant, keys, lock=True)
+        if hit.lease is None:
+            return []
+        try:
+            view = self._segment.view
+            return [
+                bytes(view[offset : offset + size])
+                for offset, size in zip(hit.offsets, hit.sizes, strict=True)
+            ]
+        finally:
+            self.release(hit.lease)
+
+    def snapshot(self) -> Snapshot:
+        """Every tenant's keys, and the event sequence number they are consistent with."""
+        with self._lock:  # events are published under this lock
+            seq = 0 if self._events is None else self._events.seq
+            return Snapshot(seq, self._cache.keys_by_tenant())
+
+    @property
+    def open_write_leases(self) -> int:
+        """Reservations not yet committed or released (read without the lock)."""
+        return self._cache.open_write_leases
+
+    @property
+    def quarantined_leases(self) -> int:
+        """How many write leases were ever quarantined (read without the lock to spot news)."""
+        return self._cache.quarantined_leases
+
+    def holding_quarantined(self, lease_sets: Sequence[Iterable[int]]) -> list[bool]:
+        """For each set of leases, whether one of them is quarantined (see :mod:`l1`)."""
+        with self._lock:
+            return [any(map(self._cache.is_quarantined, leases)) for leases in lease_sets]
+
+    # ----------------------------------------------------------------- quotas
+
+    def quota_limit(self, tenant: str) -> Limit:
+        """The tenant's limit, read without the lock (one dict lookup; L2 tiers ask per put)."""
+        return self._cache.quotas.limit(tenant)
 
     def load_quotas(self) -> int:
         """Apply the stored quotas (at start); returns how many tenants have one."""
         limits = self._quota_store.load()
-        with self.lock:
+        with self._lock:
             for tenant, limit in limits.items():
-                self.cache.set_quota(tenant, limit)
+                self._cache.set_quota(tenant, limit)
         return len(limits)
 
     def replace_quotas(self, limits: Mapping[str, Limit]) -> None:
@@ -69,36 +335,36 @@ class CacheService:
         own applies after it, in the order the store saw them.
         """
         changed: list[str] = []
-        with self._quota_writes, self.lock:
-            book = self.cache.quotas
+        with self._quota_writes, self._lock:
+            book = self._cache.quotas
             for tenant in book.explicit().keys() - limits.keys():
-                self.cache.delete_quota(tenant)
+                self._cache.delete_quota(tenant)
                 changed.append(tenant)
             for tenant, limit in limits.items():
                 if not book.has_own(tenant) or book.limit(tenant) != limit:
-                    self.cache.set_quota(tenant, limit)
+                    self._cache.set_quota(tenant, limit)
                     changed.append(tenant)
         self._quota_changed(*changed)
 
     def quota(self, tenant: str) -> QuotaView:
-        with self.lock:
-            book = self.cache.quotas
+        with self._lock:
+            book = self._cache.quotas
             return QuotaView(tenant, book.limit(tenant), book.has_own(tenant))
 
     def set_quota(self, tenant: str, limit: Limit) -> QuotaView:
         """Store the limit durably, then apply it (shrinking evicts at once)."""
         with self._quota_writes:
             self._quota_store.save(tenant, limit)
-            with self.lock:
-                self.cache.set_quota(tenant, limit)
+            with self._lock:
+                self._cache.set_quota(tenant, limit)
         self._quota_changed(tenant)
         return self.quota(tenant)
 
     def delete_quota(self, tenant: str) -> QuotaView:
         with self._quota_writes:
             self._quota_store.delete(tenant)
-            with self.lock:
-                self.cache.delete_quota(tenant)
+            with self._lock:
+                self._cache.delete_quota(tenant)
         self._quota_changed(tenant)
         return self.quota(tenant)
 
@@ -107,30 +373,32 @@ class CacheService:
             for listener in self.quota_listeners:
                 listener(tenant)
 
+    # ---------------------------------------------------------------- reports
+
     def usage(self, tenant: str) -> TenantStats:
-        with self.lock:
-            return self.cache.tenant_usage(tenant)
+        with self._lock:
+            return self._cache.tenant_usage(tenant)
 
     def stats(self) -> L1Stats:
-        with self.lock:
-            return self.cache.stats()
+        with self._lock:
+            return self._cache.stats()
 
     def tenants(self) -> list[TenantStats]:
         """Every tenant record's usage and counters."""
-        with self.lock:
-            records = self.cache.tenant_records()
-        return [self.cache.tenant_stats(record) for record in records]
+        with self._lock:
+            records = self._cache.tenant_records()
+        return [self._cache.tenant_stats(record) for record in records]
 
     def ranked_tenants(self, count: int) -> TenantRanking:
         """The ``count`` tenants using the most L1 bytes, and the sums of the others.
 
         The others' sums are the cache's totals less the largest (a moment apart at most).
         """
-        with self.lock:
-            totals = self.cache.stats()
-            records = self.cache.tenant_records()
+        with self._lock:
+            totals = self._cache.stats()
+            records = self._cache.tenant_records()
         largest = [
-            self.cache.tenant_stats(record)
+            self._cache.tenant_stats(record)
             for record in heapq.nlargest(count, records, key=_USED_BYTES)
         ]
         return TenantRanking(
@@ -141,9 +409,9 @@ class CacheService:
         )
 
     def clear(self, tenant: str | None = None) -> int:
-        with self.lock:
-            return self.cache.clear(tenant)
+        with self._lock:
+            return self._cache.clear(tenant)
 
     def maintain(self) -> None:
-        with self.lock:
-            self.cache.maintain()
+        with self._lock:
+            self._cache.maintain()

@@ -1,11 +1,12 @@
-"""The agent's ZMQ ROUTER: decodes requests, runs them against the cache, replies.
+"""The agent's ZMQ ROUTER: decodes requests, calls the cache service, encodes replies.
 
 One thread owns the socket and serves one message at a time (ROUTER queues
-fairly across peers). Cache operations take microseconds under the service
-lock; the only bulk work, copying inline payloads, happens outside the lock
-while the chunks are write-locked (store) or read-locked (retrieve). Any bad
-input becomes an :class:`~kvpool_agent.protocol.Error` reply; nothing a client
-sends can stop the loop.
+fairly across peers). Every operation on the cache is one call of
+:class:`~kvpool_agent.service.CacheService`; this module adds the transport's
+own concerns: sessions, lease ownership, limits on a request's size, draining,
+and parked ``prefetch_status`` waits. Any bad input becomes an
+:class:`~kvpool_agent.protocol.Error` reply; nothing a client sends can stop
+the loop.
 
 Sessions: an id is 64 random bits (the widest integer msgpack carries) and
 belongs to the connection that said hello (its ROUTER routing identity): from
@@ -20,7 +21,6 @@ socket or not.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import secrets
@@ -35,9 +35,6 @@ import zmq
 from kvpool_agent import protocol as p
 from kvpool_agent.auth import TENANT_ID_RULE, is_tenant_id
 from kvpool_agent.cache_types import CacheError, InvalidRequest, LeaseExpired, UnknownLease
-from kvpool_agent.events import EventPublisher
-from kvpool_agent.l2.prefetch import Prefetcher
-from kvpool_agent.l2.writeback import WriteBack
 from kvpool_agent.segment import SharedSegment
 from kvpool_agent.service import CacheService
 
@@ -86,15 +83,9 @@ class ZmqServer:
         max_keys: int = 8192,
         session_idle_seconds: float = 300.0,
         observer: RequestObserver | None = None,
-        writeback: WriteBack | None = None,
-        prefetcher: Prefetcher | None = None,
-        events: EventPublisher | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.agent_id = agent_id
-        self._events = events
-        self._writeback = writeback
-        self._prefetcher = prefetcher
         self._parked: list[_Parked] = []
         self._notifier: zmq.Socket[bytes] | None = None
         self._service = service
@@ -182,7 +173,7 @@ class ZmqServer:
         self._notifier.send(b"prefetch", zmq.NOBLOCK)
 
     def _check_drained(self) -> None:
-        if self._draining and self._service.cache.open_write_leases == 0:
+        if self._draining and self._service.open_write_leases == 0:
             self.drained.set()
 
     def _serve(self, socket: zmq.Socket[bytes], wake: zmq.Socket[bytes]) -> None:
@@ -294,22 +285,23 @@ class ZmqServer:
     def _fence_expired_writers(self) -> None:
         """Fence the sessions whose write leases were quarantined since the last look.
 
-        The cache's count is read without the lock first: the common case costs one compare.
+        The count is read without the lock: the common case costs one compare.
         """
-        cache = self._service.cache
-        if cache.quarantined_leases == self._quarantines_seen:
+        quarantines = self._service.quarantined_leases
+        if quarantines == self._quarantines_seen:
             return
-        with self._service.lock:
-            self._quarantines_seen = cache.quarantined_leases
-            for session in self._sessions.values():
-                if not session.fenced and any(map(cache.is_quarantined, session.leases)):
-                    session.fenced = True
-                    self._fenced_sessions += 1
-                    log.warning(  # not the session id: it is the session's credential
-                        "a session of client %r held a write lease that expired before its "
-                        "commit: session fenced, its pages quarantined",
-                        session.client,
-                    )
+        self._quarantines_seen = quarantines
+        live = [session for session in self._sessions.values() if not session.fenced]
+        held = self._service.holding_quarantined([session.leases for session in live])
+        for session, quarantined in zip(live, held, strict=True):
+            if quarantined:
+                session.fenced = True
+                self._fenced_sessions += 1
+                log.warning(  # not the session id: it is the session's credential
+                    "a session of client %r held a write lease that expired before its "
+                    "commit: session fenced, its pages quarantined",
+                    session.client,
+                )
 
     def _check_owner(self, session: _Session, lease: int) -> None:
         if lease not in session.leases:
@@ -318,10 +310,7 @@ class ZmqServer:
             )
 
     def _end_leases(self, leases: set[int]) -> None:
-        with self._service.lock:
-            for lease in leases:
-                with contextlib.suppress(UnknownLease):  # expired already
-                    self._service.cache.release(lease)
+        self._service.release_all(leases)
         leases.clear()
 
     def _drop_idle_sessions(self) -> None:
@@ -370,28 +359,26 @@ class ZmqServer:
         session = self._session(request.session, peer)
         self._check_keys(request.keys)
         _check_tenant(request.tenant)
-        keys = request.keys
-        with self._service.lock:
-            hit = self._service.cache.lookup(
-                request.tenant, keys, lock=request.lock, count=request.count
-            )
-            if self._writeback is not None and hit.count and request.count:
-                self._writeback.hit(request.tenant, keys[: hit.count])
+        found = self._service.lookup(
+            request.tenant,
+            request.keys,
+            lock=request.lock,
+            count=request.count,
+            prefetch=request.prefetch,
+            parent=request.parent,
+        )
+        hit = found.hit
         if hit.lease is not None:
             session.leases.add(hit.lease)
-        prefetch = 0
-        if request.prefetch and self._prefetcher is not None and hit.count < len(keys):
-            parent = keys[hit.count - 1] if hit.count else request.parent
-            prefetch = self._prefetcher.begin(request.tenant, keys[hit.count :], parent)
         return p.LookupReply(
-            request.req, hit.lease or p.NO_LEASE, hit.offsets, hit.sizes, prefetch
+            request.req, hit.lease or p.NO_LEASE, hit.offsets, hit.sizes, found.prefetch
         ), []
 
     def _prefetch_status(
         self, request: p.PrefetchStatus, identity: bytes, started: float
     ) -> Handled:
         self._session(request.session, identity)
-        prefetch = None if self._prefetcher is None else self._prefetcher.status(request.prefetch)
+        prefetch = self._service.prefetch_status(request.prefetch)
         if prefetch is None:
             raise p.ProtocolError(
                 p.ErrorCode.INVALID_REQUEST,
@@ -405,19 +392,18 @@ class ZmqServer:
         return None
 
     def _prefetch_reply(self, request: p.PrefetchStatus) -> p.PrefetchStatusReply:
-        assert self._prefetcher is not None
-        prefetch = self._prefetcher.status(request.prefetch)
+        prefetch = self._service.prefetch_status(request.prefetch)
         if prefetch is None:  # forgotten while parked: report it finished with nothing
             return p.PrefetchStatusReply(request.req, True, 0, 0)
         return p.PrefetchStatusReply(request.req, prefetch.done, prefetch.expected, prefetch.loaded)
 
     def _answer_parked(self, socket: zmq.Socket[bytes]) -> None:
-        if not self._parked or self._prefetcher is None:
+        if not self._parked:
             return
         now = time.monotonic()
         waiting = []
         for parked in self._parked:
-            prefetch = self._prefetcher.status(parked.request.prefetch)
+            prefetch = self._service.prefetch_status(parked.request.prefetch)
             if prefetch is None or prefetch.done or parked.deadline <= now:
                 reply = self._prefetch_reply(parked.request)
                 self._send(
@@ -438,10 +424,9 @@ class ZmqServer:
         _check_tenant(request.tenant)
         if self._draining:
             return p.PrepareStoreReply(request.req, p.NO_LEASE, [], SHUTTING_DOWN), []
-        with self._service.lock:
-            reservation = self._service.cache.reserve(
-                request.tenant, request.keys, request.sizes, request.parent
-            )
+        reservation = self._service.reserve(
+            request.tenant, request.keys, request.sizes, request.parent
+        )
         if reservation.lease is not None:
             session.leases.add(reservation.lease)
         offsets = [-1 if place is None else place.offset for place in reservation.placements]
@@ -452,12 +437,7 @@ class ZmqServer:
     def _commit_store(self, request: p.CommitStore, extra: Frames, peer: Peer) -> Handled:
         session = self._session(request.session, peer)
         self._check_owner(session, request.lease)
-        cache = self._service.cache
-        with self._service.lock:
-            tenant, keys = cache.lease_chunks(request.lease)
-            committed = cache.commit(request.lease, request.count)
-            if self._writeback is not None:
-                self._writeback.committed(tenant, keys[: request.count])
+        committed = self._service.commit(request.lease, request.count)
         session.leases.discard(request.lease)
         return p.CommitReply(request.req, committed), []
 
@@ -465,8 +445,7 @@ class ZmqServer:
         session = self._session(request.session, peer)
         self._check_owner(session, request.lease)
         session.leases.discard(request.lease)
-        with self._service.lock:
-            self._service.cache.release(request.lease)
+        self._service.release(request.lease)
         return p.Ok(request.req), []
 
     def _store_inline(self, request: p.StoreInline, extra: Frames, peer: Peer) -> Handled:
@@ -477,48 +456,25 @@ class ZmqServer:
             raise InvalidRequest(f"{len(request.keys)} keys but {len(extra)} data frames")
         if self._draining:
             return p.StoreInlineReply(request.req, 0, 0, SHUTTING_DOWN), []
-        sizes = [len(frame) for frame in extra]
-        if sum(sizes) > self._max_inline:
+        size = sum(len(frame) for frame in extra)
+        if size > self._max_inline:
             raise p.ProtocolError(
                 p.ErrorCode.TOO_LARGE,
-                f"inline payload of {sum(sizes)} bytes; at most {self._max_inline}",
+                f"inline payload of {size} bytes; at most {self._max_inline}",
                 request.req,
             )
-        cache = self._service.cache
-        with self._service.lock:
-            reservation = cache.reserve(request.tenant, request.keys, sizes, request.parent)
-        # The reserved chunks are write-locked: copy without holding the service lock.
-        view = self._segment.view
-        for place, frame in zip(reservation.placements, extra, strict=False):
-            if place is not None:
-                view[place.offset : place.offset + place.nbytes] = frame.buffer
-        stored = 0
-        if reservation.lease is not None:
-            with self._service.lock:
-                stored = cache.commit(reservation.lease)
-                if self._writeback is not None:
-                    self._writeback.committed(request.tenant, request.keys)
-        present = sum(place is None for place in reservation.placements)
-        return p.StoreInlineReply(request.req, stored, present, reservation.refused_reason), []
+        result = self._service.store(
+            request.tenant, request.keys, [frame.buffer for frame in extra], request.parent
+        )
+        return p.StoreInlineReply(
+            request.req, result.stored, result.present, result.refused_reason
+        ), []
 
     def _retrieve_inline(self, request: p.RetrieveInline, extra: Frames, peer: Peer) -> Handled:
         self._session(request.session, peer)
         self._check_keys(request.keys)
         _check_tenant(request.tenant)
-        cache = self._service.cache
-        with self._service.lock:
-            hit = cache.lookup(request.tenant, request.keys, lock=True)
-        if hit.lease is None:
-            return p.RetrieveInlineReply(request.req, 0), []
-        try:
-            view = self._segment.view
-            data = [
-                bytes(view[offset : offset + size])
-                for offset, size in zip(hit.offsets, hit.sizes, strict=True)
-            ]
-        finally:
-            with self._service.lock:
-                cache.release(hit.lease)
+        data = self._service.retrieve(request.tenant, request.keys)
         return p.RetrieveInlineReply(request.req, len(data)), data
 
     def _end_session(self, request: p.EndSession, extra: Frames, peer: Peer) -> Handled:
@@ -535,10 +491,10 @@ class ZmqServer:
 
     def _snapshot(self, request: p.Snapshot, extra: Frames, peer: Peer) -> Handled:
         self._session(request.session, peer)
-        with self._service.lock:  # events are published under this lock: seq is consistent
-            seq = 0 if self._events is None else self._events.seq
-            tenants = self._service.cache.keys_by_tenant()
-        return p.SnapshotReply(request.req, self.agent_id, seq, tenants), []
+        snapshot = self._service.snapshot()
+        return p.SnapshotReply(
+            request.req, self.agent_id, snapshot.seq, snapshot.keys_by_tenant
+        ), []
 
     def _stats(self, request: p.Stats, extra: Frames, peer: Peer) -> Handled:
         stats = self._service.stats()

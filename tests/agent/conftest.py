@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import hashlib
+import mmap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -8,8 +9,10 @@ import pytest
 
 from kvpool_agent.l1 import IDLE_TENANTS, L1Cache
 from kvpool_agent.policies import policy_factory
+from kvpool_agent.quota_store import FileQuotaStore
 from kvpool_agent.quotas import QuotaBook
-from kvpool_agent.segment import SegmentLayout
+from kvpool_agent.segment import SegmentLayout, SharedSegment
+from kvpool_agent.service import CacheService
 
 from .agent_process import AgentProcess
 
@@ -51,6 +54,13 @@ def make_cache(
         clock=clock or FakeClock(),
         idle_tenants=idle_tenants,
     )
+
+
+def make_service(cache: L1Cache, quota_file: Path) -> CacheService:
+    """A service over ``cache``, its segment anonymous memory laid out like the cache's."""
+    layout = cache.layout
+    segment = SharedSegment(Path("anonymous"), layout, mmap.mmap(-1, layout.total_size))
+    return CacheService(cache, segment, FileQuotaStore(quota_file))
 
 
 @pytest.fixture

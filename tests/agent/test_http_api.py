@@ -26,7 +26,7 @@ from kvpool_agent.quota_store import FileQuotaStore
 from kvpool_agent.quotas import QuotaBook
 from kvpool_agent.service import CacheService
 
-from .conftest import PAGE, key, make_cache
+from .conftest import PAGE, key, make_cache, make_service
 
 ALICE = tenant_id("alice")
 BOB = tenant_id("bob")
@@ -105,11 +105,10 @@ class Api:
 
     def store(self, tenant: str, names: range, size: int = PAGE) -> None:
         """Cache chunks for ``tenant`` the way the ZMQ server does: reserve, then commit."""
-        with self.service.lock:
-            keys = [key(f"{tenant}-{name}") for name in names]
-            reservation = self.service.cache.reserve(tenant, keys, [size] * len(keys))
-            assert reservation.lease is not None and reservation.refused_reason is None
-            self.service.cache.commit(reservation.lease)
+        keys = [key(f"{tenant}-{name}") for name in names]
+        reservation = self.service.reserve(tenant, keys, [size] * len(keys))
+        assert reservation.lease is not None and reservation.refused_reason is None
+        self.service.commit(reservation.lease)
 
 
 @contextmanager
@@ -123,7 +122,7 @@ def running(
     metrics: MetricsSource | None = None,
 ) -> Iterator[Api]:
     quota_file = quota_file or tmp_path / "q.json"
-    service = CacheService(make_cache(pages=100, quotas=quotas), FileQuotaStore(quota_file))
+    service = make_service(make_cache(pages=100, quotas=quotas), quota_file)
     server.mount.app = create_app(service, TokenAuthority(TOKENS), ready=ready, metrics=metrics)
     try:
         yield Api(service, server.http, quota_file)
@@ -252,8 +251,7 @@ def test_no_metrics_route_without_a_source(api: Api) -> None:
 def test_status(api: Api) -> None:
     api.store(ALICE, range(3))
     api.store(BOB, range(2), size=PAGE // 2)
-    with api.service.lock:
-        api.service.cache.lookup(ALICE, [key(f"{ALICE}-0"), key("absent")], lock=False)
+    api.service.lookup(ALICE, [key(f"{ALICE}-0"), key("absent")], lock=False)
     body = api.call("GET", "/v1/status", ADMIN_TOKEN).json()
     assert body["capacity_bytes"] == 100 * PAGE
     assert body["allocated_bytes"] == 5 * PAGE
@@ -273,9 +271,8 @@ def test_tenant_list(api: Api) -> None:
     assert api.call("GET", "/v1/tenants", ADMIN_TOKEN).json() == {"tenants": []}
     api.store(ALICE, range(3))
     api.store(BOB, range(2), size=PAGE // 2)
-    with api.service.lock:
-        api.service.cache.lookup(ALICE, [key(f"{ALICE}-0"), key("absent")], lock=False)
-        api.service.cache.lookup(CAROL, [key("absent")], lock=False)
+    api.service.lookup(ALICE, [key(f"{ALICE}-0"), key("absent")], lock=False)
+    api.service.lookup(CAROL, [key("absent")], lock=False)
     listed = api.call("GET", "/v1/tenants", ADMIN_TOKEN).json()["tenants"]
     by_tenant = {usage["tenant"]: usage for usage in listed}
     assert by_tenant.keys() == {ALICE, BOB, CAROL}

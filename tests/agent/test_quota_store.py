@@ -9,9 +9,8 @@ import pytest
 
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.quota_store import FileQuotaStore, QuotaStoreError
-from kvpool_agent.service import CacheService
 
-from .conftest import PAGE, key, make_cache
+from .conftest import PAGE, key, make_cache, make_service
 
 ALICE = tenant_id("alice")
 BOB = tenant_id("bob")
@@ -89,7 +88,7 @@ def test_load_quotas_applies_stored_limits(tmp_path: Path) -> None:
     lease = cache.reserve(ALICE, [key(i) for i in range(5)], [PAGE] * 5).lease
     assert lease is not None
     cache.commit(lease)
-    service = CacheService(cache, FileQuotaStore(path))  # a restarted agent
+    service = make_service(cache, path)  # a restarted agent
     assert service.load_quotas() == 2
     alice = service.quota(ALICE)
     assert (alice.limit, alice.explicit) == (2 * PAGE, True)
@@ -101,7 +100,7 @@ def test_load_quotas_applies_stored_limits(tmp_path: Path) -> None:
 
 def test_service_writes_through_before_applying(tmp_path: Path) -> None:
     path = tmp_path / "q.json"
-    service = CacheService(make_cache(), FileQuotaStore(path))
+    service = make_service(make_cache(), path)
     service.set_quota(ALICE, 3 * PAGE)
     assert FileQuotaStore(path).load() == {ALICE: 3 * PAGE}
     service.delete_quota(ALICE)
@@ -112,7 +111,7 @@ def test_service_writes_through_before_applying(tmp_path: Path) -> None:
 def test_failed_store_leaves_the_quota_unchanged(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
-    service = CacheService(make_cache(), FileQuotaStore(blocker / "q.json"))
+    service = make_service(make_cache(), blocker / "q.json")
     with pytest.raises(QuotaStoreError):
         service.set_quota(ALICE, 0)
     assert not service.quota(ALICE).explicit
@@ -121,7 +120,7 @@ def test_failed_store_leaves_the_quota_unchanged(tmp_path: Path) -> None:
 
 def test_replace_quotas_applies_a_store_change_exactly(tmp_path: Path) -> None:
     cache = make_cache(pages=100)
-    service = CacheService(cache, FileQuotaStore(tmp_path / "q.json"))
+    service = make_service(cache, tmp_path / "q.json")
     for n in range(10):
         reservation = cache.reserve("a", [key(n)], [PAGE])
         assert reservation.lease is not None

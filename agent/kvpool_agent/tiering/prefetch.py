@@ -1,10 +1,11 @@
 """Prefetch: a lookup that misses in L1 loads the rest of the prefix from L2, asynchronously.
 
-The ZMQ thread starts a prefetch for the keys after the L1 hits and answers at
-once with its id. On the event loop, the prefetch finds how long a run of
-those keys the tiers hold (in order, fastest tier first: ``expected``), then
-loads them into L1 chunk by chunk through the ordinary reserve/copy/commit
-path, so quotas apply and nothing half-copied is ever visible (``loaded``).
+The cache service's lookup starts a prefetch for the keys after the L1 hits
+(on the ZMQ thread), whose id the client gets at once. On the event loop, the
+prefetch finds how long a run of those keys the tiers hold (in order, fastest
+tier first: ``expected``), then loads them into L1 chunk by chunk through the
+service's store (reserve, copy, commit), so quotas apply and nothing
+half-copied is ever visible (``loaded``).
 It stops at the first chunk it cannot get or place. Listeners (the ZMQ server,
 to answer parked ``prefetch_status`` requests) hear of every change.
 """
@@ -21,9 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvpool_agent.l2.base import L2Adapter, ObjectKey
-from kvpool_agent.l2.writeback import LatencyObserver
-from kvpool_agent.segment import SharedSegment
 from kvpool_agent.service import CacheService
+from kvpool_agent.tiering.writeback import LatencyObserver
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,6 @@ class PrefetchStats:
 @dataclass
 class Prefetcher:
     service: CacheService
-    segment: SharedSegment
     tiers: Sequence[L2Adapter]
     max_in_flight: int = 32
     observe: LatencyObserver | None = None
@@ -160,26 +159,16 @@ class Prefetcher:
     def _place(
         self, tenant: str, key: bytes, payload: bytes, parent: bytes | None, loaded: list[bytes]
     ) -> bool:
-        """Reserve, copy, commit one chunk into L1; False if L1 refused it.
+        """Store one chunk into L1; False if L1 refused it.
 
         The chunks this prefetch loaded are kept: a prefix longer than the quota
-        stops at the quota instead of evicting its own head.
+        stops at the quota instead of evicting its own head. Present already (a
+        client or another prefetch stored it meanwhile) counts as placed.
         """
-        cache = self.service.cache
-        with self.service.lock:
-            reservation = cache.reserve(tenant, [key], [len(payload)], parent, keep=loaded)
-        if not reservation.placements:
-            return False
-        placement = reservation.placements[0]
-        if placement is None:
-            return True  # stored meanwhile by a client or another prefetch
-        self.segment.write(placement.offset, payload)  # write-locked: no lock needed to copy
-        assert reservation.lease is not None
-        with self.service.lock:
-            committed = cache.commit(reservation.lease)
-        self.stats.loaded_chunks += committed
-        self.stats.loaded_bytes += committed * len(payload)
-        return committed == 1
+        result = self.service.store(tenant, [key], [payload], parent, keep=loaded, write_back=False)
+        self.stats.loaded_chunks += result.stored
+        self.stats.loaded_bytes += result.stored * len(payload)
+        return result.stored + result.present == 1
 
     def _changed(self) -> None:
         for listener in self._listeners:

@@ -1,9 +1,10 @@
 """Write-back: committed chunks go to the L2 tiers in the background, never in a store's way.
 
-The ZMQ thread reports commits (policy ``all``) or hits (policy ``reused``:
-a chunk qualifies at its ``min_hits``-th hit). Each qualifying chunk is pinned
-in L1 (a read lock without expiry, so eviction cannot lose it) and queued;
-worker tasks on the event loop copy it out, put it to every tier and unpin it.
+The cache service reports commits (policy ``all``) or hits (policy ``reused``:
+a chunk qualifies at its ``min_hits``-th hit), holding its lock. Each qualifying
+chunk is pinned in L1 (a read lock without expiry, so eviction cannot lose it)
+and queued; worker tasks on the event loop copy it out, put it to every tier
+and unpin it through the service.
 The queue is bounded in chunks and in bytes (pins must leave most of L1
 evictable): past either bound, chunks are shed (counted, not pinned, free to be
 evicted) instead of slowing stores or growing memory.
@@ -14,17 +15,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from kvpool_agent.cache_types import UnknownLease
 from kvpool_agent.keys import CANARY_TENANT
 from kvpool_agent.l2.base import L2Adapter, L2Object, ObjectKey
 from kvpool_agent.segment import SharedSegment
-from kvpool_agent.service import CacheService
+from kvpool_agent.service import CacheService, Pins
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class WriteBack:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._workers: list[asyncio.Task[None]] = []
         self.stats = WriteBackStats()
+        self._pending = threading.Lock()  # the service's calls and the workers count pending
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -99,14 +101,14 @@ class WriteBack:
                 await worker
         self._workers = []
 
-    # Called by the ZMQ thread, holding the service lock.
+    # Called by the cache service, holding its lock (see service.WriteBackHook).
 
-    def committed(self, tenant: str, keys: Sequence[bytes]) -> None:
+    def committed(self, tenant: str, keys: Sequence[bytes], pins: Pins) -> None:
         if self._policy == "all":
             # Tail first, so that a tier's recency order keeps the head of a chain longest.
-            self._submit(tenant, keys[::-1])
+            self._submit(tenant, keys[::-1], pins)
 
-    def hit(self, tenant: str, keys: Sequence[bytes]) -> None:
+    def hit(self, tenant: str, keys: Sequence[bytes], pins: Pins) -> None:
         if self._policy != "reused":
             return
         qualified = []
@@ -122,29 +124,31 @@ class WriteBack:
             self._hits[key] = count
         while len(self._hits) > _HIT_MEMORY:
             self._hits.popitem(last=False)
-        self._submit(tenant, qualified)
+        self._submit(tenant, qualified, pins)
 
-    def _submit(self, tenant: str, keys: Sequence[bytes]) -> None:
+    def _submit(self, tenant: str, keys: Sequence[bytes], pins: Pins) -> None:
         if not keys or tenant == CANARY_TENANT or self._loop is None or self._queue is None:
             return  # the doctor's canary stays in L1: it is cleared at once
         items = []
-        for key in keys:
-            if self.stats.pending >= self._capacity:
-                self.stats.shed += 1
-                continue
-            pinned = self._service.cache.pin(tenant, key)
-            if pinned.lease is None:
-                continue  # evicted or cleared already
-            if self.stats.pending_bytes + pinned.sizes[0] > self._capacity_bytes:
-                self._service.cache.release(pinned.lease)
-                self.stats.shed += 1
-                continue
-            self.stats.pending += 1
-            self.stats.pending_bytes += pinned.sizes[0]
-            self.stats.queued += 1
-            items.append(
-                _Item(ObjectKey(tenant, key), pinned.lease, pinned.offsets[0], pinned.sizes[0])
-            )
+        stats = self.stats
+        with self._pending:
+            for key in keys:
+                if stats.pending >= self._capacity:
+                    stats.shed += 1
+                    continue
+                pinned = pins.pin(tenant, key)
+                if pinned.lease is None:
+                    continue  # evicted or cleared already
+                if stats.pending_bytes + pinned.sizes[0] > self._capacity_bytes:
+                    pins.release(pinned.lease)
+                    stats.shed += 1
+                    continue
+                stats.pending += 1
+                stats.pending_bytes += pinned.sizes[0]
+                stats.queued += 1
+                items.append(
+                    _Item(ObjectKey(tenant, key), pinned.lease, pinned.offsets[0], pinned.sizes[0])
+                )
         if items:
             self._loop.call_soon_threadsafe(self._enqueue, items)
 
@@ -174,9 +178,8 @@ class WriteBack:
                         self.stats.failed += 1
                         log.debug("write-back of a chunk to %s failed", tier.name)
             finally:
-                with self._service.lock:
-                    with contextlib.suppress(UnknownLease):
-                        self._service.cache.release(item.lease)
+                self._service.release_all([item.lease])
+                with self._pending:
                     self.stats.pending -= 1
                     self.stats.pending_bytes -= item.size
 
