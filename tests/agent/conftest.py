@@ -10,8 +10,7 @@ from kvpool_agent.l1 import IDLE_TENANTS, L1Cache
 from kvpool_agent.policies import policy_factory
 from kvpool_agent.quotas import QuotaBook
 from kvpool_agent.segment import SegmentLayout
-
-from .agent_process import AgentProcess
+from kvpool_agent.testing.agent_process import AgentProcess
 
 PAGE = 4096
 

@@ -40,11 +40,11 @@ from typing import Any
 import zmq
 
 from kvpool_agent import protocol as p
-from kvpool_agent.bench.agent_process import BenchAgent
 from kvpool_agent.bench.report import table
 from kvpool_agent.client import AgentClient, copy_in, copy_out
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.l1 import Hit
+from kvpool_agent.testing.agent_process import running_agent
 
 TENANT = tenant_id("bench")
 BATCH_BYTES = 64 << 20
@@ -229,17 +229,15 @@ def _zmq_floor(request: bytes, reply: bytes, count: int) -> tuple[float, float]:
 
 
 def _ours(chunks: list[int], clients: list[int], working_set: int, lookups: int) -> dict[str, Any]:
-    agent = BenchAgent(
-        "service", {"L1_SIZE": str(max(clients) * working_set + (256 << 20)), "PAGE_SIZE": "65536"}
-    )
+    settings = {"L1_SIZE": str(max(clients) * working_set + (256 << 20)), "PAGE_SIZE": "65536"}
     context = multiprocessing.get_context("spawn")
     results = []
-    try:
+    with running_agent(settings) as agent:
         for chunk in chunks:
             for count in clients:
-                phases = _run_clients(context, agent.endpoint, count, chunk, working_set)
+                phases = _run_clients(context, agent.zmq, count, chunk, working_set)
                 assert all(phase.mismatches == 0 for phase in phases), "bytes differ"
-                with AgentClient(agent.endpoint) as client:
+                with AgentClient(agent.zmq) as client:
                     client.clear()
                 total = count * (working_set // chunk) * chunk
                 results.append(
@@ -251,9 +249,7 @@ def _ours(chunks: list[int], clients: list[int], working_set: int, lookups: int)
                         "memcpy_gbps": total / max(p.memcpy_seconds for p in phases) / 1e9,
                     }
                 )
-        latency = _lookup_latency(agent.endpoint, lookups)
-    finally:
-        agent.close()
+        latency = _lookup_latency(agent.zmq, lookups)
     p50, p99 = latency["lookup"]
     return {
         "system": "kvpool agent",
