@@ -14,8 +14,8 @@ floor: a bare pyzmq ROUTER in another process echoing a reply of the same size t
 a request of the same size, over the same TCP loopback.
 
 With ``--lmcache-python``, the same workload runs against LMCache's
-multiprocess server (``lmcache_peer.py`` in that interpreter) and both are
-printed side by side.
+multiprocess server (the repository's ``benchmarks/lmcache_peer.py``, which is not
+shipped, in that interpreter) and both are printed side by side.
 """
 
 from __future__ import annotations
@@ -60,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lookups", type=int, default=2000, help="timed lookups")
     parser.add_argument(
         "--lmcache-python", type=Path, help="python of a venv with lmcache==0.5.6, to compare"
+    )
+    parser.add_argument(
+        "--lmcache-peer",
+        type=Path,
+        default=Path("benchmarks/lmcache_peer.py"),
+        help="the repository's LMCache workload script (default: %(default)s, from the root)",
     )
 
 
@@ -263,11 +269,10 @@ def _ours(chunks: list[int], clients: list[int], working_set: int, lookups: int)
 
 
 def _lmcache(python: Path, args: argparse.Namespace) -> dict[str, Any]:
-    script = Path(__file__).with_name("lmcache_peer.py")
     output = subprocess.run(
         [
             python,
-            script,
+            args.lmcache_peer,
             "--working-set-mib",
             str(args.working_set_mib),
             "--chunk-sizes",
@@ -309,6 +314,11 @@ def run(args: argparse.Namespace) -> None:
     chunks = [int(size) for size in args.chunk_sizes.split(",")]
     clients = [int(count) for count in args.clients.split(",")]
     working_set = args.working_set_mib << 20
+    if args.lmcache_python and not args.lmcache_peer.is_file():  # before the long part
+        raise SystemExit(
+            f"--lmcache-python needs the repository's LMCache script, not found at "
+            f"{args.lmcache_peer}: run from a checkout's root or pass --lmcache-peer"
+        )
     results = [_ours(chunks, clients, working_set, args.lookups)]
     if args.lmcache_python:
         results.append(_lmcache(args.lmcache_python, args))
