@@ -48,4 +48,4 @@ test-matrix:
 		$(MAKE) --no-print-directory test-vllm VLLM=$$version; rm -rf .venv-vllm-$$version; done
 
 agent:
-	$(PYTHON) -m pip install . && kvpool-agent
+	$(PYTHON) -m pip install '.[agent]' && kvpool-agent
