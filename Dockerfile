@@ -17,7 +17,7 @@ COPY pyproject.toml README.md ./
 COPY agent ./agent
 COPY operator ./operator
 RUN python -m venv /opt/kvpool \
- && /opt/kvpool/bin/pip install . \
+ && /opt/kvpool/bin/pip install '.[all]' \
  && /opt/kvpool/bin/kvpool-agent --help > /dev/null \
  && /opt/kvpool/bin/kvpool-operator --help > /dev/null \
  && /opt/kvpool/bin/kvpool --help > /dev/null

@@ -32,8 +32,8 @@ $(VENV)/.deps-installed: pyproject.toml tests/vllm_venv.sh
 	PYTHON=$(PYTHON) tests/vllm_venv.sh $(VENV) $(VLLM_DEFAULT) engine
 
 lint: deps
-	$(BIN)/ruff check agent operator tests e2e
-	$(BIN)/ruff format --check agent operator tests e2e
+	$(BIN)/ruff check agent operator tests e2e benchmarks
+	$(BIN)/ruff format --check agent operator tests e2e benchmarks
 	$(BIN)/mypy
 
 .venv-vllm-%/.deps-installed: pyproject.toml tests/vllm_venv.sh
@@ -48,4 +48,4 @@ test-matrix:
 		$(MAKE) --no-print-directory test-vllm VLLM=$$version; rm -rf .venv-vllm-$$version; done
 
 agent:
-	$(PYTHON) -m pip install . && kvpool-agent
+	$(PYTHON) -m pip install '.[agent]' && kvpool-agent

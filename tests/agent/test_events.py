@@ -11,8 +11,8 @@ from kvpool_agent import protocol as p
 from kvpool_agent.client import AgentClient
 from kvpool_agent.events import TOPIC, ChunkEvent, decode_event
 from kvpool_agent.keys import tenant_id
+from kvpool_agent.testing.agent_process import AgentProcess
 
-from .agent_process import AgentProcess
 from .conftest import key
 
 TENANT = tenant_id("events")

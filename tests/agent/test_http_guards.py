@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from kvpool_agent.client import AgentClient
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 
 from ..raw_http import closed_by_peer, connect, head, read_answer
-from .agent_process import ADMIN_TOKEN, AgentProcess
 from .body_memory import QUOTA_PATH, body_memory_growth
 
 MAX_BODY = 4096

@@ -9,8 +9,8 @@ import pytest
 from kvpool_agent import protocol as p
 from kvpool_agent.client import AgentClient, AgentError, copy_in
 from kvpool_agent.keys import tenant_id
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 
-from .agent_process import ADMIN_TOKEN, AgentProcess
 from .conftest import key
 from .test_agent_service import RawClient, payload, wait_for
 

@@ -20,8 +20,8 @@ from kvpool_agent.l1 import L1Cache
 from kvpool_agent.policies import policy_factory
 from kvpool_agent.quotas import QuotaBook
 from kvpool_agent.segment import TABLE_RECORD_BYTES, SharedSegment
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 
-from .agent_process import ADMIN_TOKEN, AgentProcess
 from .conftest import FakeClock, key
 
 PAGE = 4096

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.agent.agent_process import AgentProcess
+from kvpool_agent.testing.agent_process import AgentProcess
 from tests.index.index_process import IndexProcess
 
 from .conftest import CHART

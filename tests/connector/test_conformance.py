@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from kvpool_agent.client import AgentClient
-from tests.agent.agent_process import AgentProcess
+from kvpool_agent.testing.agent_process import AgentProcess
 
 from .engines import write_model
 from .vllm_steps import RUNNERS, Runner, StepEngine, cpu_platform_env, kv_cache_config, vllm_config

@@ -32,7 +32,7 @@ import pytest
 from kvpool_agent import keys
 from kvpool_agent.client import AgentClient
 from kvpool_agent.connector import compat
-from tests.agent.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 
 from .engines import Engine, poison_segment, write_model
 

@@ -41,7 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool_agent import keys
 from kvpool_agent.client import AgentClient
-from tests.agent.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 
 from .engine_main import TOP_LOGPROBS
 from .engines import Result, poison_segment, write_model

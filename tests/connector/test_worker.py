@@ -16,7 +16,7 @@ from kvpool_agent.connector.discovery import AgentAddress
 from kvpool_agent.connector.link import AgentLink
 from kvpool_agent.connector.metadata import KvpoolMetadata, LoadJob, StoreJob
 from kvpool_agent.connector.worker import WorkerHalf
-from tests.agent.agent_process import AgentProcess
+from kvpool_agent.testing.agent_process import AgentProcess
 
 BLOCKS, HEADS, BLOCK_TOKENS, CONTENT = 16, 2, 4, 8
 CHUNK = 2 * BLOCK_TOKENS

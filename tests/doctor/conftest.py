@@ -15,7 +15,7 @@ import pytest
 from kubernetes import client, config
 
 from kvpool_agent.doctor.report import NAME_WIDTH
-from tests.agent.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.operator.conftest import served_api  # noqa: F401 (the API server fixture)
 from tests.operator.kube_api import ServedApi
 

@@ -17,7 +17,7 @@ import pytest
 from kvpool_agent import cli, protocol
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import CANARY_TENANT, tenant_id
-from tests.agent.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 
 from .conftest import ADMIN_ENV, agent_args, parse, run_doctor
 

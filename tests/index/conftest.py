@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ..agent.agent_process import AgentProcess
+from kvpool_agent.testing.agent_process import AgentProcess
 
 
 def key(name: str | int) -> bytes:

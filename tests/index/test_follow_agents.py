@@ -16,8 +16,8 @@ from kvpool_agent.index.discovery import AgentEndpoint
 from kvpool_agent.index.subscriber import AgentStatus, EventSubscriber
 from kvpool_agent.index.tracker import PrefixTracker
 from kvpool_agent.keys import tenant_id
+from kvpool_agent.testing.agent_process import AgentProcess
 
-from ..agent.agent_process import AgentProcess
 from .conftest import chain, start_all, wait_until
 from .proxy import TcpProxy
 

@@ -12,8 +12,8 @@ import pytest
 from kvpool_agent.client import AgentClient
 from kvpool_agent.index.client import IndexClient, IndexRequestError
 from kvpool_agent.keys import chunk_keys, tenant_id
+from kvpool_agent.testing.agent_process import AgentProcess
 
-from ..agent.agent_process import AgentProcess
 from .conftest import start_all, wait_until
 from .index_process import (
     ADMIN_TOKEN,

@@ -18,9 +18,9 @@ from urllib.parse import urlsplit
 import boto3
 import pytest
 
-from kvpool_agent.bench.l2 import moto_server
 from kvpool_agent.config import NvmeTierConfig, S3TierConfig
 from kvpool_agent.l2 import ObjectKey
+from kvpool_agent.testing.s3_server import moto_server
 
 from .faults import FaultProxy
 

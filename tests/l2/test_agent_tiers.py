@@ -13,7 +13,7 @@ import pytest
 
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
-from tests.agent.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.agent.conftest import key
 
 from .faults import Fault, FaultProxy

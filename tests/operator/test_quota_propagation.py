@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from kvpool_agent.keys import tenant_id
-from tests.agent.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 
 from .conftest import Kubectl, eventually
 from .kube_api import ServedApi

@@ -29,6 +29,7 @@ tokens each request found cached, and the median of the per-round ratios to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -41,8 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpool_agent.bench.agent_process import BenchAgent
 from kvpool_agent.bench.report import table
+from kvpool_agent.testing.agent_process import running_agent
 
 CONFIGS = ("none", "kvpool", "example")
 RESULT = "@@kvpool-bench "
@@ -71,15 +72,16 @@ def run(args: argparse.Namespace) -> None:
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown:
         raise SystemExit(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
-    with tempfile.TemporaryDirectory(prefix="kvpool-bench-connector-") as work:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvpool-bench-connector-") as work,
+        contextlib.ExitStack() as agent,
+    ):
         workdir = Path(work)
         model = workdir / "model"
         _write_model(model, args)
-        agent = None
         endpoint = args.endpoint
         if "kvpool" in configs and endpoint is None:
-            agent = BenchAgent("connector", {"POOL": "bench", "L1_SIZE": "2GiB"})
-            endpoint = agent.endpoint
+            endpoint = agent.enter_context(running_agent({"POOL": "bench", "L1_SIZE": "2GiB"})).zmq
         engines: list[_Engine] = []
         try:
             for config in configs:
@@ -98,8 +100,6 @@ def run(args: argparse.Namespace) -> None:
         finally:
             for engine in engines:
                 engine.stop()
-            if agent is not None:
-                agent.close()
     print(report(results, args))
 
 

@@ -27,17 +27,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import hashlib
 import mmap
 import os
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +48,7 @@ from kvpool_agent.l2 import layout
 from kvpool_agent.l2.base import L2Object, ObjectKey
 from kvpool_agent.l2.nvme import BLOCK, NvmeAdapter
 from kvpool_agent.l2.s3 import S3Adapter
+from kvpool_agent.testing.s3_server import moto_server
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -91,39 +87,6 @@ def run(args: argparse.Namespace) -> None:
             os.environ.setdefault(variable, "kvpool-bench")
         with moto_server() as endpoint:
             print(asyncio.run(s3_report(args, sizes, endpoint)))
-
-
-@contextlib.contextmanager
-def moto_server(startup_seconds: float = 30.0) -> Iterator[str]:
-    """moto's standalone S3 server in a subprocess on 127.0.0.1; yields its endpoint URL."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + startup_seconds
-        while True:  # no readiness signal to wait on: poll the port
-            if process.poll() is not None:
-                raise RuntimeError(f"moto server exited with status {process.returncode}")
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"moto server not up in {startup_seconds} s") from None
-                time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        try:
-            process.wait(5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ floor: a bare pyzmq ROUTER in another process echoing a reply of the same size t
 a request of the same size, over the same TCP loopback.
 
 With ``--lmcache-python``, the same workload runs against LMCache's
-multiprocess server (``lmcache_peer.py`` in that interpreter) and both are
-printed side by side.
+multiprocess server (the repository's ``benchmarks/lmcache_peer.py``, which is not
+shipped, in that interpreter) and both are printed side by side.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ from typing import Any
 import zmq
 
 from kvpool_agent import protocol as p
-from kvpool_agent.bench.agent_process import BenchAgent
 from kvpool_agent.bench.report import table
 from kvpool_agent.client import AgentClient, LookupResult, copy_in, copy_out
 from kvpool_agent.keys import tenant_id
+from kvpool_agent.testing.agent_process import running_agent
 
 TENANT = tenant_id("bench")
 BATCH_BYTES = 64 << 20
@@ -59,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lookups", type=int, default=2000, help="timed lookups")
     parser.add_argument(
         "--lmcache-python", type=Path, help="python of a venv with lmcache==0.5.6, to compare"
+    )
+    parser.add_argument(
+        "--lmcache-peer",
+        type=Path,
+        default=Path("benchmarks/lmcache_peer.py"),
+        help="the repository's LMCache workload script (default: %(default)s, from the root)",
     )
 
 
@@ -228,17 +234,15 @@ def _zmq_floor(request: bytes, reply: bytes, count: int) -> tuple[float, float]:
 
 
 def _ours(chunks: list[int], clients: list[int], working_set: int, lookups: int) -> dict[str, Any]:
-    agent = BenchAgent(
-        "service", {"L1_SIZE": str(max(clients) * working_set + (256 << 20)), "PAGE_SIZE": "65536"}
-    )
+    settings = {"L1_SIZE": str(max(clients) * working_set + (256 << 20)), "PAGE_SIZE": "65536"}
     context = multiprocessing.get_context("spawn")
     results = []
-    try:
+    with running_agent(settings) as agent:
         for chunk in chunks:
             for count in clients:
-                phases = _run_clients(context, agent.endpoint, count, chunk, working_set)
+                phases = _run_clients(context, agent.zmq, count, chunk, working_set)
                 assert all(phase.mismatches == 0 for phase in phases), "bytes differ"
-                with AgentClient(agent.endpoint) as client:
+                with AgentClient(agent.zmq) as client:
                     client.clear()
                 total = count * (working_set // chunk) * chunk
                 results.append(
@@ -250,9 +254,7 @@ def _ours(chunks: list[int], clients: list[int], working_set: int, lookups: int)
                         "memcpy_gbps": total / max(p.memcpy_seconds for p in phases) / 1e9,
                     }
                 )
-        latency = _lookup_latency(agent.endpoint, lookups)
-    finally:
-        agent.close()
+        latency = _lookup_latency(agent.zmq, lookups)
     p50, p99 = latency["lookup"]
     return {
         "system": "kvpool agent",
@@ -266,11 +268,10 @@ def _ours(chunks: list[int], clients: list[int], working_set: int, lookups: int)
 
 
 def _lmcache(python: Path, args: argparse.Namespace) -> dict[str, Any]:
-    script = Path(__file__).with_name("lmcache_peer.py")
     output = subprocess.run(
         [
             python,
-            script,
+            args.lmcache_peer,
             "--working-set-mib",
             str(args.working_set_mib),
             "--chunk-sizes",
@@ -312,6 +313,11 @@ def run(args: argparse.Namespace) -> None:
     chunks = [int(size) for size in args.chunk_sizes.split(",")]
     clients = [int(count) for count in args.clients.split(",")]
     working_set = args.working_set_mib << 20
+    if args.lmcache_python and not args.lmcache_peer.is_file():  # before the long part
+        raise SystemExit(
+            f"--lmcache-python needs the repository's LMCache script, not found at "
+            f"{args.lmcache_peer}: run from a checkout's root or pass --lmcache-peer"
+        )
     results = [_ours(chunks, clients, working_set, args.lookups)]
     if args.lmcache_python:
         results.append(_lmcache(args.lmcache_python, args))

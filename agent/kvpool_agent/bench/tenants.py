@@ -15,25 +15,22 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.queues
 import multiprocessing.synchronize
 import platform
 import statistics
-import tempfile
 import time
 
 import httpx
 
-from kvpool_agent.bench.agent_process import BenchAgent
 from kvpool_agent.bench.report import table
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess, running_agent
 
 CHUNK = b"k" * 1024
-ADMIN_TOKEN = "bench-tenants-admin"
 POLLERS = 2
 CONTROL = f"{POLLERS} clients polling /healthz"
 SETUPS: dict[str, tuple[str, ...]] = {
@@ -102,7 +99,7 @@ def _poll(
 
 def _polled_lookups(
     context: multiprocessing.context.SpawnContext,
-    agent: BenchAgent,
+    agent: AgentProcess,
     paths: tuple[str, ...],
     tenants: int,
     seconds: float,
@@ -121,7 +118,7 @@ def _polled_lookups(
         for _ in pollers:  # each has started and finished its first round
             if not polling.acquire(timeout=120):
                 raise RuntimeError("a poller did not start")
-        rate = _lookups(agent.endpoint, tenants, seconds)
+        rate = _lookups(agent.zmq, tenants, seconds)
     finally:
         stop.set()
     poll_seconds = statistics.median(results.get(timeout=120) for _ in pollers)
@@ -138,15 +135,9 @@ def _spread(samples: list[float], spec: str) -> str:
 def run(args: argparse.Namespace) -> None:
     context = multiprocessing.get_context("spawn")
     l1_mib = max(64, args.tenants * 4 // 1024 * 2)  # one 4 KiB page each, under the watermark
-    tokens = tempfile.NamedTemporaryFile("w", suffix=".json")  # noqa: SIM115 (closed below)
-    tokens.write(json.dumps({"admin": [ADMIN_TOKEN]}))
-    tokens.flush()
-    agent = BenchAgent(
-        "tenants", {"L1_SIZE": f"{l1_mib}MiB", "PAGE_SIZE": "4KiB", "TOKENS_FILE": tokens.name}
-    )
-    try:
+    with running_agent({"L1_SIZE": f"{l1_mib}MiB", "PAGE_SIZE": "4KiB"}) as agent:
         started = time.perf_counter()
-        _populate(agent.endpoint, args.tenants)
+        _populate(agent.zmq, args.tenants)
         populate_seconds = time.perf_counter() - started
         rates: dict[str, list[float]] = {name: [] for name in SETUPS}
         polls: dict[str, list[float]] = {name: [] for name in SETUPS}
@@ -156,11 +147,8 @@ def run(args: argparse.Namespace) -> None:
                     rate, poll = _polled_lookups(context, agent, paths, args.tenants, args.seconds)
                     polls[name].append(poll * 1e3)
                 else:
-                    rate = _lookups(agent.endpoint, args.tenants, args.seconds)
+                    rate = _lookups(agent.zmq, args.tenants, args.seconds)
                 rates[name].append(rate)
-    finally:
-        agent.close()
-        tokens.close()
     control = rates[CONTROL]
     rows = [
         [

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import httpx
 
-from kvpool_agent.bench.agent_process import BenchAgent
 from kvpool_agent.bench.report import table
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
+from kvpool_agent.testing.agent_process import running_agent
 
 TENANT = tenant_id("bench-writeback")
 
@@ -69,14 +69,11 @@ def run(args: argparse.Namespace) -> None:
                 "WRITEBACK_QUEUE_CHUNKS": "8",
             },
         }
-        for index, (name, extra) in enumerate(setups.items()):
-            agent = BenchAgent(f"writeback-{index}", {"L1_SIZE": "1GiB", **extra})
-            try:
-                samples = _store_latencies(agent.endpoint, args.chunks, size)
+        for name, extra in setups.items():
+            with running_agent({"L1_SIZE": "1GiB", **extra}) as agent:
+                samples = _store_latencies(agent.zmq, args.chunks, size)
                 metrics = httpx.get(f"{agent.http}/metrics").text
                 shed = re.search(r"^kvpool_writeback_shed_total (\S+)$", metrics, re.MULTILINE)
-            finally:
-                agent.close()
             results[name] = _percentiles(samples)
             p50, p99, worst = results[name]
             rows.append(

@@ -1,13 +1,16 @@
-"""Run a real ``kvpool-agent`` process for tests: start, read its endpoints, restart, kill."""
+"""Run a real ``kvpool-agent`` process: start, read its endpoints, restart, kill."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +38,7 @@ class AgentProcess:
 
     @property
     def segment_path(self) -> Path:
-        return Path("/dev/shm") / f"kvpool-test-{os.getpid()}-{self.workdir.name}"
+        return Path("/dev/shm") / f"kvpool-harness-{os.getpid()}-{self.workdir.name}"
 
     @property
     def pid(self) -> int:
@@ -115,3 +118,14 @@ class AgentProcess:
     def cleanup(self) -> None:
         self.kill()
         self.segment_path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def running_agent(settings: dict[str, str], timeout: float = 60.0) -> Iterator[AgentProcess]:
+    """A started agent with its state in a temporary directory, removed with it on exit."""
+    with tempfile.TemporaryDirectory(prefix="kvpool-agent-") as workdir:
+        agent = AgentProcess(Path(workdir), dict(settings))
+        try:
+            yield agent.start(timeout)
+        finally:
+            agent.cleanup()
