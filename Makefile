@@ -1,6 +1,7 @@
 # The one test command (README, .ci/run): `make test` creates .venv, installs the test
 # dependencies (torch first: its local CPU build, never the CUDA wheels; then vLLM's CPU
-# build; kvpool last, changing nothing vLLM installed) and runs ruff, mypy and the suite.
+# build; kvpool last, changing nothing vLLM installed) and runs ruff, mypy, the import
+# contracts (pyproject's [tool.importlinter], lint-imports) and the suite.
 #
 # The vLLM matrix (README "Supported vLLM versions"; kvpool_agent/connector/compat.py):
 # `make test-vllm VLLM=0.31.0` runs the connector's tests on one more release in a venv of
@@ -35,6 +36,7 @@ lint: deps
 	$(BIN)/ruff check agent operator tests e2e benchmarks
 	$(BIN)/ruff format --check agent operator tests e2e benchmarks
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 .venv-vllm-%/.deps-installed: pyproject.toml tests/vllm_venv.sh
 	PYTHON=$(PYTHON) tests/vllm_venv.sh .venv-vllm-$* $* $(call vllm_mode,$*)
