@@ -210,12 +210,17 @@ def run(llm: Any, args: argparse.Namespace, endpoint: str | None) -> None:  # no
     shared = prompt()
     generate(shared)
     kinds = {"hit" if not args.miss else "miss": None, f"floor ({args.floor_tokens} tokens)": None}
+    paired = args.vllm_prefix_cache and endpoint is not None and not args.miss
+    if paired:  # kvpool's hit next to vLLM's own hit on the same prompt, in one engine
+        kinds = {"hit": None, "native (vLLM prefix-cache hit)": None, **kinds}
     samples: dict[str, list[tuple[float, float, int, dict[str, float], collections.Counter[str]]]]
     samples = {kind: [] for kind in kinds}
     agent_before = agent_request_seconds()
     for _ in range(args.requests):
         for kind in kinds:  # interleaved: both see the same machine load
             ids = floor() if kind.startswith("floor") else prompt() if args.miss else shared
+            if paired and kind == "hit":
+                llm.reset_prefix_cache()  # vLLM forgets the prompt: kvpool serves it
             TIMES.clear()
             CALLS.clear()
             cpu = time.process_time()
