@@ -21,13 +21,6 @@ from ..raw_http import Answer, connect, head, read_answer
 QUOTA_PATH = f"/v1/tenants/{tenant_id('alice')}/quota"
 
 
-def peak_rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmHWM for process {pid}")
-
-
 def send_unauthenticated_body(url: str, size: int) -> Answer:
     """Send the whole body (as far as the agent takes it) and return its answer."""
     with connect(url, timeout=30) as sock:
@@ -55,9 +48,9 @@ def send_unauthenticated_body(url: str, size: int) -> Answer:
 
 def body_memory_growth(agent: AgentProcess, size: int) -> tuple[Answer, int]:
     """The answer to an unauthenticated body of ``size`` bytes, and the agent's peak RSS growth."""
-    before = peak_rss_bytes(agent.pid)
+    before = agent.memory_bytes("VmHWM")
     answer = send_unauthenticated_body(agent.http, size)
-    return answer, peak_rss_bytes(agent.pid) - before
+    return answer, agent.memory_bytes("VmHWM") - before
 
 
 def main() -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 
 from kvpool_agent.client import AgentClient
@@ -21,13 +19,6 @@ def tenant_count(agent: AgentProcess) -> int:
     return int(status["tenant_count"])
 
 
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) << 10
-    raise AssertionError("no VmRSS")
-
-
 def look_up_as_new_tenants(client: AgentClient, first: int, count: int) -> None:
     for number in range(first, first + count):
         assert client.lookup(tenant_id(f"salt-{number}"), [key(number)], lock=False).count == 0
@@ -40,9 +31,9 @@ def test_lookups_by_new_tenants_leave_a_bounded_number_of_records(
     with AgentClient(agent.zmq) as client:
         look_up_as_new_tenants(client, 0, IDLE_TENANTS + 1000)
         assert tenant_count(agent) <= IDLE_TENANTS + 1
-        before = rss_bytes(agent.pid)
+        before = agent.memory_bytes()
         look_up_as_new_tenants(client, IDLE_TENANTS + 1000, 25_000)
-        grown = rss_bytes(agent.pid) - before
+        grown = agent.memory_bytes() - before
         assert tenant_count(agent) <= IDLE_TENANTS + 1
         stats = client.stats()
     assert stats["misses"] == IDLE_TENANTS + 26_000  # the cache-wide counters stay exact

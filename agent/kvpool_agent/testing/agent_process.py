@@ -45,6 +45,14 @@ class AgentProcess:
         assert self._process is not None
         return self._process.pid
 
+    def memory_bytes(self, field: str = "VmRSS") -> int:
+        """A memory figure of the agent from ``/proc/PID/status``: ``VmRSS`` (resident now) or
+        ``VmHWM`` (the peak resident), in bytes."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) << 10
+        raise RuntimeError(f"no {field} for process {self.pid}")
+
     def environment(self) -> dict[str, str]:
         tokens = self.workdir / "tokens.yaml"
         tokens.write_text(
