@@ -152,14 +152,14 @@ class _Requests:
 
     @staticmethod
     def lookup_prefetch(
-        tenant: str, keys: Sequence[bytes], parent: bytes | None, count: bool
+        tenant: str, keys: Sequence[bytes], parent: bytes | None, lock: bool, count: bool
     ) -> _Exchange[tuple[LookupResult, int]]:
         def parse(reply: Any, data: list[bytes]) -> tuple[LookupResult, int]:
             answer = _expect(p.LookupReply)(reply, data)
             return _found(answer), answer.prefetch
 
         return _Exchange(
-            lambda req, s: p.Lookup(req, s, tenant, list(keys), True, True, parent, count), parse
+            lambda req, s: p.Lookup(req, s, tenant, list(keys), lock, True, parent, count), parse
         )
 
     @staticmethod
@@ -382,10 +382,11 @@ class AgentClient(_ClientBase):
         keys: Sequence[bytes],
         parent: bytes | None = None,
         *,
+        lock: bool = True,
         count: bool = True,
     ) -> tuple[LookupResult, int]:
-        """Locked lookup that also starts loading the missed rest from L2: (hit, prefetch id)."""
-        return self._call(_Requests.lookup_prefetch(tenant, keys, parent, count))
+        """A lookup that also starts loading the missed rest from L2: (hit, prefetch id)."""
+        return self._call(_Requests.lookup_prefetch(tenant, keys, parent, lock, count))
 
     def prefetch_status(self, prefetch: int, *, wait_ms: int = 0) -> PrefetchProgress:
         """Progress of a prefetch; with ``wait_ms`` the agent answers when done or at the time."""
@@ -531,9 +532,10 @@ class AsyncAgentClient(_ClientBase):
         keys: Sequence[bytes],
         parent: bytes | None = None,
         *,
+        lock: bool = True,
         count: bool = True,
     ) -> tuple[LookupResult, int]:
-        return await self._call(_Requests.lookup_prefetch(tenant, keys, parent, count))
+        return await self._call(_Requests.lookup_prefetch(tenant, keys, parent, lock, count))
 
     async def prefetch_status(self, prefetch: int, *, wait_ms: int = 0) -> PrefetchProgress:
         return await self._call(_Requests.prefetch_status(prefetch, wait_ms))

@@ -104,8 +104,11 @@ class AgentLink:
     def lookup_prefetch(
         self, tenant: str, keys: Sequence[bytes], parent: bytes | None, *, count: bool
     ) -> tuple[LookupResult, int]:
-        """A locked lookup that also asks the agent to load the rest from L2: (hit, prefetch)."""
-        return self._call(lambda client: client.lookup_prefetch(tenant, keys, parent, count=count))
+        """An unlocked lookup (the scheduler's probe) that also asks the agent to load the rest
+        from L2: (hit, prefetch id, 0 when none started)."""
+        return self._call(
+            lambda client: client.lookup_prefetch(tenant, keys, parent, lock=False, count=count)
+        )
 
     def prefetch_status(self, prefetch: int, *, wait_ms: int) -> PrefetchProgress:
         return self._call(lambda client: client.prefetch_status(prefetch, wait_ms=wait_ms))

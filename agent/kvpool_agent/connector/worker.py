@@ -7,7 +7,10 @@ nothing about scheduling: it executes the jobs in the step's metadata.
   (:mod:`kvpool_agent.connector.layout`), fix the chunk format, map the segment,
   and describe the format to the scheduler (the handshake).
 * ``start_load_kv`` (before the forward): for each :class:`LoadJob`, lock the
-  chunks (``lookup``), copy them into the blocks, release. Chunks that are gone,
+  chunks (``lookup``), copy them into the blocks, release. The same lookup covers
+  the chunks the request stores in this step right after the loaded ones (a prompt
+  that ends on a chunk boundary computes its last chunk, which the agent usually
+  has): those found need no reservation after the forward. Chunks that are gone,
   and every chunk after the first gap, are reported through
   ``get_block_ids_with_load_errors`` in the same step, so vLLM recomputes them; so are
   the blocks of a load whose lease did not hold until its release (the pages may hold
@@ -91,6 +94,8 @@ class WorkerHalf:
         self._completed: dict[int, int] = {}
         self._open_jobs: dict[str, set[int]] = {}
         self._held: set[str] = set()
+        self._present: dict[int, int] = {}
+        """Store job id -> its leading chunks that this step's load lookup found cached."""
         self.handshake: KvpoolHandshake | None = None
 
     # ------------------------------------------------------------ set-up
@@ -162,16 +167,27 @@ class WorkerHalf:
         if meta.loads:
             with self.counters.timed("load_us"):
                 for job in meta.loads:
-                    self._load(job)
+                    self._load(job, self._following_store(job, meta.stores))
 
-    def _load(self, job: LoadJob) -> None:
+    def _following_store(self, load: LoadJob, stores: Sequence[StoreJob]) -> StoreJob | None:
+        """The store job of the same request whose chunks follow the loaded ones."""
+        last = load.keys[self._rank][-1]
+        for store in stores:
+            if store.req_id == load.req_id and store.parents[self._rank] == last:
+                return store
+        return None
+
+    def _load(self, job: LoadJob, following: StoreJob | None) -> None:
         copier, chunk_format = self._copier, self.format
         assert copier is not None and chunk_format is not None
         keys = list(job.keys[self._rank])
+        store_keys = list(following.keys[self._rank]) if following is not None else []
         loaded = 0
         try:
             # the scheduler's probe counted these chunks already
-            hit = self._link.lookup(job.tenant, keys, lock=True, count=False)
+            hit = self._link.lookup(job.tenant, keys + store_keys, lock=True, count=False)
+            if following is not None and hit.count > len(keys):
+                self._present[following.job_id] = hit.count - len(keys)
             segment = self._mapped()
             copies: list[Copy] = []
             written: list[int] = []
@@ -236,9 +252,15 @@ class WorkerHalf:
         keys = list(job.keys[self._rank])
         size = chunk_format.chunk_bytes
         per_chunk = chunk_format.blocks_per_chunk
+        present = self._present.pop(job.job_id, 0)
+        self.counters.add("present_chunks", present)
+        if present == len(keys):
+            self._complete(job)
+            return
+        parent = keys[present - 1] if present else job.parents[self._rank]
         try:
-            sizes = [size] * len(keys)
-            plan = self._link.prepare_store(job.tenant, keys, sizes, job.parents[self._rank])
+            sizes = [size] * (len(keys) - present)
+            plan = self._link.prepare_store(job.tenant, keys[present:], sizes, parent)
         except (LinkDown, AgentError) as error:
             log.debug("kvpool worker %d: store of %s skipped: %s", self._rank, job.req_id, error)
             self.counters.add("failed_stores")
@@ -246,12 +268,12 @@ class WorkerHalf:
             return
         offsets = plan.offsets
         self.counters.add("present_chunks", sum(1 for offset in offsets if offset < 0))
-        self.counters.add("refused_chunks", len(keys) - len(offsets))
+        self.counters.add("refused_chunks", len(keys) - present - len(offsets))
         copies: list[Copy] = []
         if plan.lease is not None:
             try:
                 segment = self._mapped()
-                for index, offset in enumerate(offsets):
+                for index, offset in enumerate(offsets, start=present):
                     if offset >= 0:
                         ids = job.block_ids[index * per_chunk : (index + 1) * per_chunk]
                         copies.append(copier.store(segment.chunk(offset, size), ids))
