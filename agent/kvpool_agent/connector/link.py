@@ -124,6 +124,12 @@ class AgentLink:
     def release(self, lease: int) -> None:
         self._call(lambda client: client.release(lease))
 
+    def release_later(self, lease: int) -> Callable[[], None]:
+        """Send a release now; the returned call waits for its answer (and raises as
+        :meth:`release` does)."""
+        answer = self._call(lambda client: client.release_later(lease))
+        return lambda: self._call(lambda client: answer())
+
     def _call(self, operation: Callable[[AgentClient], T]) -> T:
         """Run ``operation`` on the connected client, or raise :class:`LinkDown`."""
         if not self.usable():

@@ -7,7 +7,8 @@ nothing about scheduling: it executes the jobs in the step's metadata.
   (:mod:`kvpool_agent.connector.layout`), fix the chunk format, map the segment,
   and describe the format to the scheduler (the handshake).
 * ``start_load_kv`` (before the forward): for each :class:`LoadJob`, lock the
-  chunks (``lookup``), copy them into the blocks, release. The same lookup covers
+  chunks (``lookup``), copy them into the blocks, send the release (its answer is
+  read after the forward, so the round trip overlaps it). The same lookup covers
   the chunks the request stores in this step right after the loaded ones (a prompt
   that ends on a chunk boundary computes its last chunk, which the agent usually
   has): those found need no reservation after the forward. Chunks that are gone,
@@ -66,6 +67,8 @@ class _PendingRelease:
     copies: list[Copy]
     block_ids: list[int]
     """The blocks the copies write: wrong if the lease ends before it is released."""
+    answer: Callable[[], None] | None = None
+    """Waits for the agent's answer to the release, once it is sent."""
 
 
 class WorkerHalf:
@@ -91,6 +94,8 @@ class WorkerHalf:
         self._failed_blocks: set[int] = set()
         self._stores: list[_PendingStore] = []
         self._releases: list[_PendingRelease] = []
+        self._releasing: list[_PendingRelease] = []
+        """Releases sent whose answers are read after the forward."""
         self._completed: dict[int, int] = {}
         self._open_jobs: dict[str, set[int]] = {}
         self._held: set[str] = set()
@@ -305,6 +310,8 @@ class WorkerHalf:
         self._stores = still
 
     def _settle_loads(self, *, wait: bool) -> None:
+        """Send the releases of loads whose copies have finished; with ``wait``, finish every
+        copy and read every release's answer."""
         waiting: list[_PendingRelease] = []
         for release in self._releases:
             if wait:
@@ -313,8 +320,17 @@ class WorkerHalf:
             elif not all(copy.done() for copy in release.copies):
                 waiting.append(release)
                 continue
-            self._release_load(release)
+            try:
+                release.answer = self._link.release_later(release.lease)
+            except (LinkDown, AgentError) as error:
+                self._lease_lost(release, error)
+                continue
+            self._releasing.append(release)
         self._releases = waiting
+        if wait:
+            for release in self._releasing:
+                self._confirm_release(release)
+            self._releasing = []
 
     def _commit(self, store: _PendingStore) -> None:
         if store.lease is not None:
@@ -326,22 +342,26 @@ class WorkerHalf:
                 self.counters.add("failed_stores")
         self._complete(store.job)
 
-    def _release_load(self, release: _PendingRelease) -> None:
-        """Release a load's lease. If that fails, the lease may have ended before the copies
-        did (a stalled worker, an agent restarted), and the pages may hold another chunk by
-        now, another tenant's included: the blocks are reported for recompute, never used."""
+    def _confirm_release(self, release: _PendingRelease) -> None:
+        assert release.answer is not None
         try:
-            self._link.release(release.lease)
+            release.answer()
         except (LinkDown, AgentError) as error:
-            log.warning(
-                "kvpool worker %d: a load's lease did not hold until its release (%s); "
-                "%d blocks recomputed",
-                self._rank,
-                error,
-                len(release.block_ids),
-            )
-            self.counters.add("load_failed_chunks", len(release.copies))
-            self._failed_blocks.update(release.block_ids)
+            self._lease_lost(release, error)
+
+    def _lease_lost(self, release: _PendingRelease, error: Exception) -> None:
+        """A release that failed: the lease may have ended before the copies did (a stalled
+        worker, an agent restarted), and the pages may hold another chunk by now, another
+        tenant's included: the blocks are reported for recompute, never used."""
+        log.warning(
+            "kvpool worker %d: a load's lease did not hold until its release (%s); "
+            "%d blocks recomputed",
+            self._rank,
+            error,
+            len(release.block_ids),
+        )
+        self.counters.add("load_failed_chunks", len(release.copies))
+        self._failed_blocks.update(release.block_ids)
 
     def _abandon(self, lease: int) -> None:
         """Release a lease; if the agent is gone, so is the lease (it also expires)."""
