@@ -110,6 +110,18 @@ def test_hits_become_a_load_of_whole_chunks() -> None:
     assert half.counters.totals["hit_tokens"] == 3 * CHUNK
 
 
+def test_a_preempted_request_looks_again_when_it_resumes() -> None:
+    """It stored its own chunks before it was preempted: the answer from before is stale."""
+    agent = FakeAgent()
+    prompt = tokens(1000)
+    half = make(agent)
+    request = FakeRequest("r", prompt)
+    assert half.get_num_new_matched_tokens(request, 0) == (0, False)
+    agent.put(keys.tenant_id(None), chain(prompt))
+    half.build_connector_meta(scheduler_output(preempted={"r"}))
+    assert half.get_num_new_matched_tokens(request, 0) == (7 * CHUNK, False)
+
+
 def test_a_local_hit_mid_chunk_loads_the_rest_of_the_chunk() -> None:
     agent = FakeAgent()
     prompt = tokens(1000)

@@ -393,6 +393,7 @@ class SchedulerHalf:
             state = self._requests.get(req_id)
             if state is not None:
                 state.block_ids = []
+                state.probe = None  # it stored chunks since: look again when it resumes
         meta = KvpoolMetadata(self._loads, stores, self._newly_held, preempted)
         self._loads, self._newly_held = [], []
         return meta
