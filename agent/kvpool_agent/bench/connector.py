@@ -45,14 +45,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpool_agent.bench import connector_queued
-from kvpool_agent.bench.connector_engine import Engine, Sample, write_model
+from kvpool_agent.bench.connector_engine import Engine, Sample, kv_bytes_per_token, write_model
 from kvpool_agent.bench.report import table
 from kvpool_agent.testing.agent_process import running_agent
 
 CONFIGS = ("none", "kvpool", "example", "native")
 FLOOR = "floor"
 """The row of one-chunk prompts, served by the ``none`` engine."""
-HEAD_SIZE = 64
 FLOOR_GOAL = 1.25
 OVERHEAD_GOAL = 0.02
 
@@ -79,6 +78,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=256,
         help="requests submitted at once for the per-step scheduler time (0: skip)",
+    )
+    parser.add_argument(
+        "--queued-chunks",
+        type=int,
+        default=8,
+        help="chunks per queued prompt (enough that a prefetch from L2 outlasts the probe)",
     )
     parser.add_argument(
         "--queued-max-seqs", type=int, default=64, help="max_num_seqs of the queued engine"
@@ -275,7 +280,7 @@ def _copy_lines(runs: list[Run], args: argparse.Namespace, copy_rate: float) -> 
     if extra is None:
         return []
     cached = statistics.median(s.cached for run in runs for s in run.repeated["kvpool"])
-    loaded = cached * args.layers * 2 * args.kv_heads * HEAD_SIZE * 2  # K and V, bf16
+    loaded = cached * kv_bytes_per_token(args)
     copy_ms = loaded / copy_rate * 1000
     extra_ms = statistics.median(extra) * 1000
     return [

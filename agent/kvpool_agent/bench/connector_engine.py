@@ -25,6 +25,7 @@ from typing import Any
 RESULT = "@@kvpool-bench "
 US_METRIC = "vllm:kvpool_"
 """The connector's counters in vLLM's metrics: ``vllm:kvpool_<name>_us`` for its own time."""
+HEAD_SIZE = 64
 SCHEDULER_CALLS = (
     "get_num_new_matched_tokens",
     "update_state_after_alloc",
@@ -55,6 +56,8 @@ class Burst:
     """Connector time on the scheduler side in each engine step of the burst."""
     asks: list[int]
     """``get_num_new_matched_tokens`` calls in each step."""
+    deferred: int
+    """Of those calls, the answers ``None`` (not known yet: the request waits a step)."""
 
 
 class Engine:
@@ -113,12 +116,17 @@ class Engine:
         self._log.close()
 
 
+def kv_bytes_per_token(args: argparse.Namespace) -> int:
+    """The model's KV per token: K and V of every layer, bf16."""
+    return int(args.layers) * 2 * int(args.kv_heads) * HEAD_SIZE * 2
+
+
 def write_model(directory: Path, args: argparse.Namespace) -> None:
     """A Llama with random weights (vLLM's dummy weights make attention trivially uniform)."""
     import torch
     from safetensors.torch import save_file
 
-    head = 64
+    head = HEAD_SIZE
     hidden, inner, layers = args.hidden, args.intermediate, args.layers
     kv = args.kv_heads * head
     vocab = 8192
@@ -182,6 +190,7 @@ class StepTimer:
     asks: list[int] = field(default_factory=list)
     _spent: float = 0.0
     _asked: int = 0
+    deferred: int = 0
     _open: bool = False
 
     def install(self) -> None:
@@ -209,11 +218,12 @@ class StepTimer:
         @functools.wraps(method)
         def timed(*args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self._spent += time.perf_counter() - started
-                self._asked += asks
+            answer = method(*args, **kwargs)
+            self._spent += time.perf_counter() - started
+            if asks:
+                self._asked += 1
+                self.deferred += answer[0] is None
+            return answer
 
         return timed
 
@@ -228,6 +238,7 @@ class StepTimer:
         self.close()
         self.steps_us.clear()
         self.asks.clear()
+        self.deferred = 0
 
 
 def _engine(settings: dict[str, Any]) -> Any:
@@ -309,6 +320,7 @@ def _child(settings: dict[str, Any]) -> None:
                 "cached": cached,
                 "steps_us": timer.steps_us,
                 "asks": timer.asks,
+                "deferred": timer.deferred,
             }
         else:
             answer = {

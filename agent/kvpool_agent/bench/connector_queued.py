@@ -11,14 +11,15 @@ every step until its prefetch is done.
 One kvpool engine and a private agent with an NVMe L2 in a temporary
 directory. The prompts are stored through the engine (``stored``, every lookup
 misses), written back to L2, then sent again (``L1 hits``), then the agent's L1
-is cleared (the ``clear`` request: L2 keeps the chunks) and they are sent once
-more (``L2 only``).
+is cleared (the ``clear`` request: L2 keeps the chunks), L2's files are dropped
+from the page cache, and the prompts are sent once more (``L2 only``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import statistics
@@ -27,22 +28,22 @@ from pathlib import Path
 
 import httpx
 
-from kvpool_agent.bench.connector_engine import Burst, Engine
+from kvpool_agent.bench.connector_engine import Burst, Engine, kv_bytes_per_token
 from kvpool_agent.bench.report import table
 from kvpool_agent.client import AgentClient
 from kvpool_agent.testing.agent_process import running_agent
 
-CHUNKS_PER_PROMPT = 2
-"""Short prompts keep the data small: two chunks each, and a few tokens vLLM computes."""
 WRITEBACK_TIMEOUT_S = 120.0
 
 
 def measure(model: Path, workdir: Path, args: argparse.Namespace) -> dict[str, Burst]:
-    tokens = CHUNKS_PER_PROMPT * args.chunk_tokens + 8
+    tokens = args.queued_chunks * args.chunk_tokens + 8  # and a few tokens vLLM computes
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 8000) for _ in range(tokens)] for _ in range(args.queued)]
-    nvme = {"path": str(workdir / "nvme"), "capacity": "4GiB"}
-    with running_agent({"POOL": "bench", "L1_SIZE": "2GiB", "NVME": json.dumps(nvme)}) as agent:
+    chunk_bytes = args.chunk_tokens * kv_bytes_per_token(args)
+    room = f"{2 * args.queued * args.queued_chunks * chunk_bytes + (256 << 20)}"  # no eviction
+    nvme = {"path": str(workdir / "nvme"), "capacity": room}
+    with running_agent({"POOL": "bench", "L1_SIZE": room, "NVME": json.dumps(nvme)}) as agent:
         settings = {
             "config": "kvpool",
             "model": str(model),
@@ -57,10 +58,11 @@ def measure(model: Path, workdir: Path, args: argparse.Namespace) -> dict[str, B
         try:
             engine.wait_ready()
             bursts = {"stored": engine.burst(prompts)}
-            _wait_written(agent.http, CHUNKS_PER_PROMPT * len(prompts))
+            _wait_written(agent.http, args.queued_chunks * len(prompts))
             bursts["L1 hits"] = engine.burst(prompts)
             with AgentClient(agent.zmq) as client:
                 client.clear()  # L1 forgets every chunk; L2 keeps them
+            _drop_from_page_cache(workdir / "nvme")
             bursts["L2 only"] = engine.burst(prompts)
         finally:
             engine.stop()
@@ -80,6 +82,19 @@ def _wait_written(http: str, chunks: int) -> None:
         time.sleep(0.2)
 
 
+def _drop_from_page_cache(directory: Path) -> None:
+    """Make L2 reads come from the device, as they would for chunks written long ago (the
+    page cache would serve them from memory, faster than any prefetch probe)."""
+    for path in directory.rglob("*"):
+        if path.is_file():
+            descriptor = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(descriptor)  # dirty pages cannot be dropped
+                os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(descriptor)
+
+
 def _metric(text: str, name: str) -> float:
     match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
     return float(match.group(1)) if match else 0.0
@@ -94,7 +109,9 @@ def report(bursts: dict[str, Burst], args: argparse.Namespace) -> str:
                 case,
                 f"{statistics.median(burst.cached):.0f}",
                 len(steps),
-                f"{statistics.median(burst.asks):.0f}" if burst.asks else "",
+                f"{statistics.median(burst.asks):.0f} / {max(burst.asks)}",
+                sum(burst.asks),
+                burst.deferred,
                 f"{statistics.median(steps):.0f}",
                 f"{steps[min(len(steps) - 1, int(len(steps) * 0.99))]:.0f}",
                 f"{steps[-1]:.0f}",
@@ -103,7 +120,7 @@ def report(bursts: dict[str, Burst], args: argparse.Namespace) -> str:
             ]
         )
     title = (
-        f"{args.queued} requests submitted at once ({CHUNKS_PER_PROMPT} chunks of "
+        f"{args.queued} requests submitted at once ({args.queued_chunks} chunks of "
         f"{args.chunk_tokens} tokens + 8 each, max_num_seqs {args.queued_max_seqs}): the "
         "connector's scheduler-side time per engine step"
     )
@@ -111,7 +128,9 @@ def report(bursts: dict[str, Burst], args: argparse.Namespace) -> str:
         "chunks",
         "cached tok p50",
         "steps",
-        "asks/step p50",
+        "asks/step p50 / max",
+        "asks",
+        "of them None",
         "us/step p50",
         "p99",
         "max",
