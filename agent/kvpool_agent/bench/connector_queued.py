@@ -6,7 +6,10 @@ vLLM's scheduler walks its waiting queue at every step and asks the connector
 whose chunks the agent is still prefetching from L2 gets ``None`` and is asked
 again at the next step. So the case that costs most is ``--queued`` requests
 whose chunks are in L2 but not in L1, submitted at once: every one is asked at
-every step until its prefetch is done.
+every step until its prefetch is done. The prompts have ``--queued-chunks``
+chunks each, enough that loading one from L2 outlasts the scheduler's short
+probe (with two small chunks the probe usually sees the prefetch finish, and no
+request waits).
 
 One kvpool engine and a private agent with an NVMe L2 in a temporary
 directory. The prompts are stored through the engine (``stored``, every lookup
