@@ -4,8 +4,7 @@ The standalone reference for ``profile_connector_hit.py`` (whose round trips run
 busy engine): ping, the scheduler's unlocked lookup, the worker's locked lookup + release,
 and the no-op ``prepare_store`` a hit makes for its one computed chunk.
 
-    cd /work/wt/prof && PYTHONPATH=agent:operator /work/main/.venv/bin/python \
-        benchmarks/profile_agent_ops.py
+    PYTHONPATH=agent:operator .venv/bin/python benchmarks/profile_agent_ops.py
 """
 
 from __future__ import annotations
