@@ -15,7 +15,7 @@ BENCHES = {
     "l1": "L1 index and copy costs, in-process",
     "chains": "reachable prefix of a long prompt stored in steps",
     "service": "store/retrieve through the ZMQ protocol vs memcpy",
-    "connector": "TTFT: kvpool connector vs no connector vs ExampleConnector",
+    "connector": "TTFT vs floor, vLLM prefix cache, ExampleConnector, recompute; queued steps",
     "l2": "NVMe and S3 adapters vs raw file I/O and raw boto3",
     "writeback": "store latency with a saturated write-back queue",
     "restart": "time to adopt a full segment after a restart",

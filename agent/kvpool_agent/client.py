@@ -152,14 +152,14 @@ class _Requests:
 
     @staticmethod
     def lookup_prefetch(
-        tenant: str, keys: Sequence[bytes], parent: bytes | None, count: bool
+        tenant: str, keys: Sequence[bytes], parent: bytes | None, lock: bool, count: bool
     ) -> _Exchange[tuple[LookupResult, int]]:
         def parse(reply: Any, data: list[bytes]) -> tuple[LookupResult, int]:
             answer = _expect(p.LookupReply)(reply, data)
             return _found(answer), answer.prefetch
 
         return _Exchange(
-            lambda req, s: p.Lookup(req, s, tenant, list(keys), True, True, parent, count), parse
+            lambda req, s: p.Lookup(req, s, tenant, list(keys), lock, True, parent, count), parse
         )
 
     @staticmethod
@@ -309,6 +309,10 @@ class AgentClient(_ClientBase):
         super().__init__(endpoint, client_name, timeout)
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket: zmq.Socket[bytes] | None = None
+        self._awaited: set[int] = set()
+        """Requests sent with :meth:`release_later` whose replies nobody has read yet."""
+        self._arrived: dict[int, tuple[Any, list[bytes]]] = {}
+        """Their replies that came while another reply was awaited."""
 
     def __enter__(self) -> AgentClient:
         self.connect()
@@ -338,17 +342,31 @@ class AgentClient(_ClientBase):
             self._socket.close()
             self._socket = None
         self.info = None
+        self._awaited.clear()
+        self._arrived.clear()
 
     def _roundtrip(self, request: Any, frames: Sequence[Payload] = ()) -> tuple[Any, list[bytes]]:
         socket = self._socket
         assert socket is not None
         socket.send_multipart([p.encode(request), *frames], copy=len(frames) == 0)
+        return self._reply(request.req)
+
+    def _reply(self, req: int) -> tuple[Any, list[bytes]]:
+        """Wait for the reply to request ``req``, keeping those of requests sent ahead."""
+        arrived = self._arrived.pop(req, None)
+        if arrived is not None:
+            return arrived
+        socket = self._socket
+        if socket is None:
+            raise AgentUnavailable(f"the connection to {self.endpoint} was reset; no reply")
         deadline_ms = int(self.timeout * 1000)
         while socket.poll(deadline_ms):
             message = socket.recv_multipart()
             reply = p.decode_reply(message[0])
-            if reply.req == request.req:
+            if reply.req == req:
                 return reply, message[1:]
+            if reply.req in self._awaited:
+                self._arrived[reply.req] = (reply, message[1:])
         self._reset()
         raise AgentUnavailable(f"no reply from the agent at {self.endpoint} in {self.timeout} s")
 
@@ -382,10 +400,11 @@ class AgentClient(_ClientBase):
         keys: Sequence[bytes],
         parent: bytes | None = None,
         *,
+        lock: bool = True,
         count: bool = True,
     ) -> tuple[LookupResult, int]:
-        """Locked lookup that also starts loading the missed rest from L2: (hit, prefetch id)."""
-        return self._call(_Requests.lookup_prefetch(tenant, keys, parent, count))
+        """A lookup that also starts loading the missed rest from L2: (hit, prefetch id)."""
+        return self._call(_Requests.lookup_prefetch(tenant, keys, parent, lock, count))
 
     def prefetch_status(self, prefetch: int, *, wait_ms: int = 0) -> PrefetchProgress:
         """Progress of a prefetch; with ``wait_ms`` the agent answers when done or at the time."""
@@ -405,6 +424,30 @@ class AgentClient(_ClientBase):
 
     def release(self, lease: int) -> None:
         self._call(_Requests.release(lease))
+
+    def release_later(self, lease: int) -> Callable[[], None]:
+        """Send a release now; the returned call waits for the agent's answer. The round trip
+        then overlaps the caller's own work (vLLM's forward) instead of preceding it."""
+        if self.info is None:
+            self.connect()
+        socket = self._socket
+        assert socket is not None
+        exchange = _Requests.release(lease)
+        request = exchange.build(next(self._req), self._session())
+        socket.send(p.encode(request))
+        self._awaited.add(request.req)
+
+        def answer() -> None:
+            if request.req not in self._awaited:
+                raise AgentUnavailable(f"the connection to {self.endpoint} was reset; no reply")
+            try:
+                reply, data = self._reply(request.req)
+            finally:
+                self._awaited.discard(request.req)
+            self._check(reply)
+            exchange.parse(reply, data)
+
+        return answer
 
     def store_inline(
         self,
@@ -531,9 +574,10 @@ class AsyncAgentClient(_ClientBase):
         keys: Sequence[bytes],
         parent: bytes | None = None,
         *,
+        lock: bool = True,
         count: bool = True,
     ) -> tuple[LookupResult, int]:
-        return await self._call(_Requests.lookup_prefetch(tenant, keys, parent, count))
+        return await self._call(_Requests.lookup_prefetch(tenant, keys, parent, lock, count))
 
     async def prefetch_status(self, prefetch: int, *, wait_ms: int = 0) -> PrefetchProgress:
         return await self._call(_Requests.prefetch_status(prefetch, wait_ms))

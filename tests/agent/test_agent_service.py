@@ -90,6 +90,26 @@ def test_read_locks_live_until_release_and_tenants_are_isolated(agent: AgentProc
         assert client.lookup(TENANT, [key(1)], lock=False).count == 0
 
 
+def test_a_release_sent_ahead_is_answered_after_other_requests(agent: AgentProcess) -> None:
+    """The connector sends a load's release before vLLM's forward and reads the answer after
+    it, while it makes other requests; a release that failed still says so."""
+    with AgentClient(agent.zmq) as client:
+        client.store(TENANT, [key(1), key(2)], [payload(1, 100), payload(2, 100)])
+        first, second = client.lookup(TENANT, [key(1)]), client.lookup(TENANT, [key(2)])
+        assert first.lease is not None and second.lease is not None
+        released = client.release_later(first.lease)
+        wrong = client.release_later(first.lease + second.lease + 12345)
+        assert client.lookup(TENANT, [key(1)], lock=False).count == 1  # answers kept meanwhile
+        client.release(second.lease)
+        assert client.stats()["open_leases"] == 0
+        released()
+        with pytest.raises(AgentError):
+            wrong()
+        lost = client.release_later(first.lease)
+    with pytest.raises(AgentUnavailable):  # the connection closed before the answer was read
+        lost()
+
+
 class RawClient:
     """A DEALER speaking raw frames, for what the client library would never send."""
 

@@ -39,6 +39,7 @@ class FakeAgent:
     """(tenant, keys, lock, count) of every lookup."""
     released: list[int] = field(default_factory=list)
     connects: int = 0
+    status_polls: int = 0
 
     def put(self, tenant: str, keys: list[bytes]) -> None:
         self.chunks.setdefault(tenant, set()).update(keys)
@@ -84,9 +85,15 @@ class FakeClient:
         return LookupResult(7 if lock and count else None, [4096] * count, [CHUNK_BYTES] * count)
 
     def lookup_prefetch(
-        self, tenant: str, keys: list[bytes], parent: bytes | None = None, *, count: bool = True
+        self,
+        tenant: str,
+        keys: list[bytes],
+        parent: bytes | None = None,
+        *,
+        lock: bool = True,
+        count: bool = True,
     ) -> tuple[LookupResult, int]:
-        hit = self.lookup(tenant, keys, count=count)
+        hit = self.lookup(tenant, keys, lock=lock, count=count)
         rest = keys[hit.count :]
         in_l2 = self.agent.l2.get(tenant, set())
         run = 0
@@ -100,6 +107,7 @@ class FakeClient:
 
     def prefetch_status(self, prefetch: int, *, wait_ms: int = 0) -> PrefetchProgress:
         self._check()
+        self.agent.status_polls += 1
         tenant, keys, polls = self.agent.prefetches[prefetch]
         if polls > 0:
             self.agent.prefetches[prefetch] = (tenant, keys, polls - 1)

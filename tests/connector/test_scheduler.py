@@ -9,7 +9,7 @@ import pytest
 from kvpool_agent import keys
 from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.metadata import KvpoolHandshake, KvpoolWorkerMetadata
-from kvpool_agent.connector.scheduler import SchedulerHalf
+from kvpool_agent.connector.scheduler import PREFETCH_POLLS_PER_STEP, PROBE_REUSE_S, SchedulerHalf
 
 from .fakes import (
     Clock,
@@ -82,14 +82,20 @@ def test_hits_become_a_load_of_whole_chunks() -> None:
     agent = FakeAgent()
     prompt = tokens(1000)
     agent.put(keys.tenant_id(None), chain(prompt)[:3])
-    half = make(agent)
+    clock = Clock()
+    half = make(agent, clock=clock)
     request = FakeRequest("r", prompt)
 
     assert half.get_num_new_matched_tokens(request, 0) == (3 * CHUNK, False)
     assert agent.lookups[-1][2:] == (False, True)  # the scheduler never locks; it counts
-    # vLLM may ask again (no room this step): the agent counts a request's chunks once
+    # vLLM asks again at every step while it has no room: the answer stands a while
+    for _ in range(50):
+        assert half.get_num_new_matched_tokens(request, 0) == (3 * CHUNK, False)
+    assert len(agent.lookups) == 1
+    clock.now += PROBE_REUSE_S  # then the agent is asked, and counts a request's chunks once
     assert half.get_num_new_matched_tokens(request, 0) == (3 * CHUNK, False)
     assert agent.lookups[-1][2:] == (False, False)
+    assert half.counters.totals["hit_tokens"] == 0  # counted when vLLM allocates for them
     block_ids = list(range(20, 28))
     half.update_state_after_alloc(request, FakeBlocks(block_ids), 3 * CHUNK)
     meta = half.build_connector_meta(
@@ -101,6 +107,19 @@ def test_hits_become_a_load_of_whole_chunks() -> None:
     assert load.block_ids == tuple(block_ids[:6])
     assert load.first_block == 0
     assert meta.stores == []  # the loaded chunks are not stored again; chunk 3 is not full
+    assert half.counters.totals["hit_tokens"] == 3 * CHUNK
+
+
+def test_a_preempted_request_looks_again_when_it_resumes() -> None:
+    """It stored its own chunks before it was preempted: the answer from before is stale."""
+    agent = FakeAgent()
+    prompt = tokens(1000)
+    half = make(agent)
+    request = FakeRequest("r", prompt)
+    assert half.get_num_new_matched_tokens(request, 0) == (0, False)
+    agent.put(keys.tenant_id(None), chain(prompt))
+    half.build_connector_meta(scheduler_output(preempted={"r"}))
+    assert half.get_num_new_matched_tokens(request, 0) == (3 * CHUNK, False)
 
 
 def test_a_local_hit_mid_chunk_loads_the_rest_of_the_chunk() -> None:
@@ -326,3 +345,25 @@ def test_without_l2_nothing_waits() -> None:
     half = make(agent, prefetch_wait_s=2.0)
     assert half.get_num_new_matched_tokens(FakeRequest("r", prompt), 0) == (0, False)
     assert half.counters.totals["prefetches"] == 0
+    assert len(agent.lookups) == 1  # the probe asked for the prefetch: one round trip
+
+
+def test_a_queue_waiting_for_prefetches_costs_a_step_a_bounded_number_of_questions() -> None:
+    """vLLM asks every waiting request at every step while their prefetches load."""
+    agent = FakeAgent(prefetch_polls=1000)
+    tenant = keys.tenant_id(None)
+    requests = [FakeRequest(f"r{n}", tokens(600, seed=n)) for n in range(100)]
+    for request in requests:
+        agent.put_l2(tenant, chain(request.tokens)[:4])
+    half = make(agent, prefetch_wait_s=60.0)
+
+    def step() -> tuple[int, int]:
+        lookups, polls = len(agent.lookups), agent.status_polls
+        for request in requests:
+            assert half.get_num_new_matched_tokens(request, 0) == (None, False)
+        half.build_connector_meta(scheduler_output())
+        return len(agent.lookups) - lookups, agent.status_polls - polls
+
+    assert step() == (100, PREFETCH_POLLS_PER_STEP)  # each request's probe starts its prefetch
+    for _ in range(5):
+        assert step() == (0, PREFETCH_POLLS_PER_STEP)

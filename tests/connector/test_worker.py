@@ -6,6 +6,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -135,6 +136,49 @@ def test_present_chunks_are_not_copied_twice(agent: AgentProcess) -> None:
     store(worker, 2, KEYS[:3], [0, 1, 2, 3, 4, 5])
     assert worker.counters.totals["present_chunks"] == 2
     assert worker.counters.totals["stored_chunks"] == 3
+
+
+def agent_requests(agent: AgentProcess, op: str) -> int:
+    """Requests of kind ``op`` the agent has served (its /metrics)."""
+    text = httpx.get(f"{agent.http}/metrics").text
+    prefix = f'kvpool_request_seconds_count{{op="{op}"}} '
+    line = next((line for line in text.splitlines() if line.startswith(prefix)), prefix + "0")
+    return int(float(line.removeprefix(prefix)))
+
+
+def test_a_hit_finds_the_chunks_it_stores_next_cached_in_its_load_lookup(
+    agent: AgentProcess,
+) -> None:
+    """A prompt that ends on a chunk boundary: vLLM loads chunks 0-1, computes chunk 2 and
+    stores it in the same step; the agent has it already, so nothing is reserved."""
+    source, _ = make_worker(agent, seed=4)
+    store(source, 1, KEYS[:4], list(range(8)))
+    target, _ = make_worker(agent, seed=None)
+    load = LoadJob("r", TENANT, (tuple(KEYS[:2]),), (8, 9, 10, 11), first_block=0)
+    computed = StoreJob(2, "r", TENANT, (tuple(KEYS[2:3]),), (KEYS[1],), (12, 13))
+    meta = KvpoolMetadata(loads=[load], stores=[computed])
+    reservations = agent_requests(agent, "prepare_store")
+
+    target.start_load(meta)
+    target.save(meta)
+
+    assert target.take_load_errors() == set()
+    assert agent_requests(agent, "prepare_store") == reservations
+    assert target.counters.totals["present_chunks"] == 1
+    assert target.counters.totals["stored_chunks"] == 0
+    built = target.build_worker_meta()
+    assert built is not None and built.completed_stores == {2: 1}
+    # a store that goes past what the agent has reserves the rest only, after the cached run
+    other, _ = make_worker(agent, seed=5)
+    load = LoadJob("s", TENANT, (tuple(KEYS[:1]),), (0, 1), first_block=0)
+    new = bytes([9]) * 32
+    longer = StoreJob(3, "s", TENANT, ((KEYS[1], KEYS[2], new),), (KEYS[0],), tuple(range(2, 8)))
+    meta = KvpoolMetadata(loads=[load], stores=[longer])
+    other.start_load(meta)
+    other.save(meta)
+    assert agent_requests(agent, "prepare_store") == reservations + 1
+    assert other.counters.totals["present_chunks"] == 2
+    assert other.counters.totals["stored_chunks"] == 1
 
 
 def test_held_requests_are_reported_when_their_stores_are_done(agent: AgentProcess) -> None:

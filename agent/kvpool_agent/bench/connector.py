@@ -1,58 +1,66 @@
-"""``kvpool bench connector``: time to first token with our vLLM connector, without one, and
-with vLLM's ExampleConnector.
+"""``kvpool bench connector``: time to first token with our vLLM connector, without one, with
+vLLM's ExampleConnector and with vLLM's own prefix cache; the connector's cost at 0% hits; and
+its scheduler-side time per step with many requests queued.
 
-One run, one engine configuration per child process (same model, same engine
-settings): ``none`` (no connector: every prefill is computed), ``kvpool`` (our
-connector and a private ``kvpool-agent``, or ``--endpoint``) and ``example``
-(vLLM's built-in ExampleConnector, its disk-based reference, in a temporary
-directory). vLLM's own prefix cache is off in all three, so a repeated prompt
-is served from the external cache, as it would be in another engine or after
-vLLM evicted it.
+One engine configuration per child process (same model, same engine settings):
+``none`` (no connector: every prefill is computed), ``kvpool`` (our connector
+and a private ``kvpool-agent``, or ``--endpoint``), ``example`` (vLLM's
+built-in ExampleConnector, its disk-based reference, in a temporary directory)
+and ``native`` (no connector, vLLM's own prefix cache on). vLLM's prefix cache
+is off in the first three, so a repeated prompt is served from the external
+cache, as it would be in another engine or after vLLM evicted it; ``native``
+is a hit with the same compute and no transfer at all, the floor of any cache.
 
 The model is a Llama with random weights (``--layers``, ``--hidden`` ...), big
-enough that prefill dominates. Each engine is warmed up, then:
+enough that prefill dominates. Each engine is warmed up, then each of
+``--runs`` runs has ``--requests`` rounds of:
 
-* **repeated prefix**: one ``--prompt-tokens`` prompt sent ``--requests`` + 1
-  times, one at a time, ``max_tokens=1``; the first run stores, the others are
-  timed (TTFT = the wall time of the request);
-* **0% hit rate**: ``--requests`` distinct prompts of the same length: every
-  lookup misses and every chunk is stored, the connector's pure overhead.
+* **repeated prefix**: one ``--prompt-tokens`` prompt (stored by a first,
+  untimed request), ``max_tokens=1``, TTFT = the wall time of the request; and
+  the **floor**, a fresh prompt of one chunk on the ``none`` engine: the
+  prefill vLLM must still compute on a hit;
+* **0% hit rate**: a fresh prompt of the same length: every lookup misses and
+  every chunk is stored, the connector's pure overhead.
 
-The engines run side by side but serve one request at a time, round-robin
-(each round sends the same prompt to every engine back to back, starting with a
-different engine each round), so a busy machine slows all of them alike. The
-table gives the median TTFT, the prefill throughput (prompt tokens / TTFT), the
-tokens each request found cached, and the median of the per-round ratios to
-``none``.
+Each round sends the same prompt to every engine back to back, starting with a
+different engine each round, so a busy machine slows all of them alike; ratios
+are medians of per-round (paired) ratios. Across runs the report gives the
+median and the spread (min-max) of the per-run figures.
+
+Then ``--queued`` requests at once on a fresh kvpool engine (see
+:mod:`kvpool_agent.bench.connector_queued`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from kvpool_agent.bench import connector_queued
+from kvpool_agent.bench.connector_engine import Engine, Sample, kv_bytes_per_token, write_model
 from kvpool_agent.bench.report import table
 from kvpool_agent.testing.agent_process import running_agent
 
-CONFIGS = ("none", "kvpool", "example")
-RESULT = "@@kvpool-bench "
+CONFIGS = ("none", "kvpool", "example", "native")
+FLOOR = "floor"
+"""The row of one-chunk prompts, served by the ``none`` engine."""
+FLOOR_GOAL = 1.25
+OVERHEAD_GOAL = 0.02
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset")
     parser.add_argument("--prompt-tokens", type=int, default=2048, help="tokens per prompt")
-    parser.add_argument("--requests", type=int, default=8, help="timed rounds per scenario")
+    parser.add_argument("--requests", type=int, default=8, help="timed rounds per run")
+    parser.add_argument("--runs", type=int, default=1, help="TTFT runs in the same engines")
     parser.add_argument(
         "--chunk-tokens",
         type=int,
@@ -65,6 +73,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=int, default=4, help="KV heads")
     parser.add_argument("--intermediate", type=int, default=1536, help="MLP size")
     parser.add_argument("--endpoint", help="use this running agent instead of a private one")
+    parser.add_argument(
+        "--queued",
+        type=int,
+        default=256,
+        help="requests submitted at once for the per-step scheduler time (0: skip)",
+    )
+    parser.add_argument(
+        "--queued-chunks",
+        type=int,
+        default=8,
+        help="chunks per queued prompt (enough that a prefetch from L2 outlasts the probe)",
+    )
+    parser.add_argument(
+        "--queued-max-seqs", type=int, default=64, help="max_num_seqs of the queued engine"
+    )
 
 
 def run(args: argparse.Namespace) -> None:
@@ -72,17 +95,20 @@ def run(args: argparse.Namespace) -> None:
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown:
         raise SystemExit(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
+    if args.runs < 1 or args.requests < 1:
+        raise SystemExit("--runs and --requests must be at least 1")
+    copy_rate = memcpy_rate()
     with (
         tempfile.TemporaryDirectory(prefix="kvpool-bench-connector-") as work,
         contextlib.ExitStack() as agent,
     ):
         workdir = Path(work)
         model = workdir / "model"
-        _write_model(model, args)
+        write_model(model, args)
         endpoint = args.endpoint
         if "kvpool" in configs and endpoint is None:
             endpoint = agent.enter_context(running_agent({"POOL": "bench", "L1_SIZE": "2GiB"})).zmq
-        engines: list[_Engine] = []
+        engines: list[Engine] = []
         try:
             for config in configs:
                 settings = {
@@ -93,307 +119,239 @@ def run(args: argparse.Namespace) -> None:
                     "endpoint": endpoint,
                     "storage": str(workdir / "example"),
                 }
-                engines.append(_Engine(settings, workdir / f"{config}.log"))
+                engines.append(Engine(settings, workdir / f"{config}.log"))
             for engine in engines:
                 engine.wait_ready()
-            results = _measure(engines, args.prompt_tokens, args.requests)
+            runs = _measure(engines, args)
         finally:
             for engine in engines:
                 engine.stop()
-    print(report(results, args))
+        agent.close()  # the queued part has its own agent
+        print(report(runs, args, copy_rate), flush=True)
+        if args.queued > 0:
+            bursts = connector_queued.measure(model, workdir, args)
+            print("\n" + connector_queued.report(bursts, args))
+    print("\n" + machine())
 
 
-# ------------------------------------------------------------------ parent side
-
-
-@dataclass(frozen=True)
-class Sample:
-    seconds: float
-    cached: int
-    token: int
-    connector_us: int
-    """Time the kvpool connector itself spent on the request (its own counters)."""
+# ------------------------------------------------------------------ measuring
 
 
 @dataclass
-class ConfigResult:
-    config: str
-    repeated: list[Sample]
-    misses: list[Sample]
+class Run:
+    """One TTFT measurement: per row (a config, or the floor), its samples in round order."""
+
+    repeated: dict[str, list[Sample]] = field(default_factory=dict)
+    misses: dict[str, list[Sample]] = field(default_factory=dict)
 
 
-def _measure(engines: list[_Engine], length: int, requests: int) -> list[ConfigResult]:
-    """Round-robin, one request at a time: every round sees each engine under the same load."""
+def _measure(engines: list[Engine], args: argparse.Namespace) -> list[Run]:
+    """``--runs`` runs of round-robin rounds, one request at a time."""
     rng = random.Random(1)
 
-    def prompt() -> list[int]:
+    def prompt(length: int) -> list[int]:
         return [rng.randrange(3, 8000) for _ in range(length)]
 
+    slots = [(engine.config, engine) for engine in engines]
+    slots += [(FLOOR, engine) for engine in engines if engine.config == "none"]
     for _ in range(2):  # warm-up: allocator, kernels, the agent connection
-        warm = prompt()
+        warm = prompt(args.prompt_tokens)
+        for name, engine in slots:
+            engine.generate(prompt(args.chunk_tokens) if name == FLOOR else warm)
+    runs = []
+    for _ in range(args.runs):
+        shared = prompt(args.prompt_tokens)
         for engine in engines:
-            engine.generate(warm)
-    shared = prompt()
-    for engine in engines:
-        engine.generate(shared)  # computed and stored (with a connector)
-    results = [ConfigResult(engine.config, [], []) for engine in engines]
-    for round_ in range(requests):
-        order = [(round_ + offset) % len(engines) for offset in range(len(engines))]
-        for index in order:
-            results[index].repeated.append(engines[index].generate(shared))
-        fresh = prompt()
-        for index in order:
-            results[index].misses.append(engines[index].generate(fresh))
-    return results
+            engine.generate(shared)  # computed (and stored, where something stores)
+        run = Run()
+        for round_ in range(args.requests):
+            order = slots[round_ % len(slots) :] + slots[: round_ % len(slots)]
+            one_chunk = prompt(args.chunk_tokens)
+            for name, engine in order:
+                sample = engine.generate(one_chunk if name == FLOOR else shared)
+                run.repeated.setdefault(name, []).append(sample)
+            fresh = prompt(args.prompt_tokens)
+            for name, engine in order:
+                if name != FLOOR:
+                    run.misses.setdefault(name, []).append(engine.generate(fresh))
+        runs.append(run)
+    return runs
 
 
-def report(results: list[ConfigResult], args: argparse.Namespace) -> str:
-    tokens = args.prompt_tokens
-    baseline = next((result for result in results if result.config == "none"), None)
-    rows: list[list[object]] = []
-    for scenario in ("repeated prefix", "0% hit rate"):
-        for result in results:
-            samples = result.repeated if scenario == "repeated prefix" else result.misses
-            seconds = [sample.seconds for sample in samples]
-            ttft = statistics.median(seconds)
-            versus = ""
-            if baseline is not None and result is not baseline:
-                base = baseline.repeated if scenario == "repeated prefix" else baseline.misses
-                # paired: each round ran every config back to back
-                ratio = statistics.median(
-                    sample.seconds / reference.seconds
-                    for sample, reference in zip(samples, base, strict=True)
-                )
-                versus = f"{1 / ratio:.2f}x faster" if ratio < 1 else f"{ratio - 1:+.1%} slower"
-            own = statistics.median(sample.connector_us for sample in samples) / 1000
-            rows.append(
-                [
-                    scenario,
-                    result.config,
-                    f"{ttft * 1000:.0f}",
-                    f"{min(seconds) * 1000:.0f}-{max(seconds) * 1000:.0f}",
-                    f"{tokens / ttft:,.0f}",
-                    f"{statistics.median(sample.cached for sample in samples):.0f}",
-                    f"{own:.1f}" if result.config == "kvpool" else "",
-                    versus,
-                ]
+def memcpy_rate(size: int = 64 << 20, repeats: int = 9) -> float:
+    """Bytes per second of one thread copying a buffer far bigger than the caches (median)."""
+    import numpy as np
+
+    source = np.ones(size, dtype=np.uint8)
+    target = np.empty_like(source)
+    np.copyto(target, source)  # fault the pages in
+    seconds = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        np.copyto(target, source)
+        seconds.append(time.perf_counter() - started)
+    return size / statistics.median(seconds)
+
+
+# ------------------------------------------------------------------ report
+
+
+def _paired(
+    runs: list[Run], scenario: str, row: str, reference: str, pair: Callable[[float, float], float]
+) -> list[float] | None:
+    """Per run, the median over rounds of ``pair(row's TTFT, reference's TTFT)``."""
+    per_run = []
+    for run in runs:
+        samples = getattr(run, scenario)
+        if row not in samples or reference not in samples:
+            return None
+        per_run.append(
+            statistics.median(
+                pair(sample.seconds, base.seconds)
+                for sample, base in zip(samples[row], samples[reference], strict=True)
             )
-    title = (
-        f"vLLM connectors: {args.layers}-layer Llama (hidden {args.hidden}), "
-        f"{tokens}-token prompts, {args.chunk_tokens}-token kvpool chunks, "
-        f"{args.requests} rounds, vLLM prefix cache off"
-    )
-    header = [
-        "scenario",
-        "config",
-        "TTFT p50 ms",
-        "min-max ms",
-        "prefill tok/s",
-        "cached tok",
-        "connector ms",
-        "vs none (paired p50)",
-    ]
-    first_tokens = {
-        tuple(sample.token for sample in result.repeated + result.misses) for result in results
-    }
-    lines = [table(title, header, rows)]
-    ours = next((result for result in results if result.config == "kvpool"), None)
-    if ours is not None and baseline is not None:
-        own_s = statistics.median(sample.connector_us for sample in ours.misses) / 1e6
-        recompute_s = statistics.median(sample.seconds for sample in baseline.misses)
-        lines.append(
-            f"kvpool at 0% hits: {own_s * 1000:.1f} ms of its own work per request "
-            f"(lookup, planning, copies, agent round trips) = {own_s / recompute_s:.2%} "
-            "of a recompute"
         )
-    lines.append(
-        "first tokens identical across configs: " + ("yes" if len(first_tokens) == 1 else "NO")
+    return per_run
+
+
+def _ratio(runs: list[Run], scenario: str, row: str, reference: str) -> list[float] | None:
+    return _paired(runs, scenario, row, reference, lambda value, base: value / base)
+
+
+def _difference(runs: list[Run], scenario: str, row: str, reference: str) -> list[float] | None:
+    return _paired(runs, scenario, row, reference, lambda value, base: value - base)
+
+
+def _spread(values: Sequence[float] | None, form: str, scale: float = 1.0) -> str:
+    """The median of per-run figures, with their min-max when there are several runs."""
+    if not values:
+        return ""
+    middle = form.format(statistics.median(values) * scale)
+    if len(values) == 1:
+        return middle
+    return f"{middle} [{form.format(min(values) * scale)}-{form.format(max(values) * scale)}]"
+
+
+def _ttfts(runs: list[Run], scenario: str, row: str) -> list[float]:
+    return [statistics.median(s.seconds for s in getattr(run, scenario)[row]) for run in runs]
+
+
+def report(runs: list[Run], args: argparse.Namespace, copy_rate: float) -> str:
+    rows = list(runs[0].repeated)
+    spread = f"median [min-max] of {len(runs)} runs" if len(runs) > 1 else "1 run"
+    title = (
+        f"Reader TTFT, repeated prefix: {args.layers}-layer Llama (hidden {args.hidden}), "
+        f"{args.prompt_tokens}-token prompt, {args.chunk_tokens}-token chunks, "
+        f"{args.requests} rounds per run, {spread}"
     )
-    load = os.getloadavg()[0]
-    lines.append(f"load average during the run: {load:.1f} on {os.cpu_count()} CPUs")
+    header = ["reader", "cached tok", "TTFT ms", "vs floor", "vs native", "vs recompute"]
+    lines = [
+        table(
+            title,
+            header,
+            [
+                [
+                    row,
+                    f"{statistics.median(s.cached for r in runs for s in r.repeated[row]):.0f}",
+                    _spread(_ttfts(runs, "repeated", row), "{:.1f}", 1000),
+                    _spread(_ratio(runs, "repeated", row, FLOOR), "{:.2f}"),
+                    _spread(_ratio(runs, "repeated", row, "native"), "{:.2f}"),
+                    _spread(_ratio(runs, "repeated", row, "none"), "{:.3f}"),
+                ]
+                for row in rows
+            ],
+        )
+    ]
+    lines += _copy_lines(runs, args, copy_rate)
+    lines += ["", _overhead_table(runs, spread)]
+    if "kvpool" in runs[0].misses:
+        lines += ["", _own_time_table(runs)]
+    tokens = {
+        tuple(s.token for run in runs for s in run.repeated[row] + run.misses[row])
+        for row in runs[0].misses
+    }
+    lines.append("first tokens identical across configs: " + ("yes" if len(tokens) == 1 else "NO"))
     return "\n".join(lines)
 
 
-class _Engine:
-    """One engine configuration in its own process, one request at a time over its pipes."""
+def _copy_lines(runs: list[Run], args: argparse.Namespace, copy_rate: float) -> list[str]:
+    """kvpool's time above vLLM's own hit, against the memcpy time of the bytes it loaded."""
+    extra = _difference(runs, "repeated", "kvpool", "native")
+    if extra is None:
+        return []
+    cached = statistics.median(s.cached for run in runs for s in run.repeated["kvpool"])
+    loaded = cached * kv_bytes_per_token(args)
+    copy_ms = loaded / copy_rate * 1000
+    extra_ms = statistics.median(extra) * 1000
+    return [
+        f"kvpool - native (paired): {_spread(extra, '{:.1f}', 1000)} ms; loaded "
+        f"{loaded / 1e6:.1f} MB, whose memcpy at {copy_rate / 1e9:.1f} GB/s (one thread, "
+        f"64 MiB buffer, median of 9) takes {copy_ms:.1f} ms: {extra_ms - copy_ms:.1f} ms "
+        "above the copy",
+        f"goal: TTFT <= {FLOOR_GOAL}x floor",
+    ]
 
-    def __init__(self, settings: dict[str, Any], log_path: Path) -> None:
-        self.config = str(settings["config"])
-        self.log_path = log_path
-        env = {
-            **os.environ,
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        }
-        self._log = log_path.open("w")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", __name__, json.dumps(settings)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-            env=env,
+
+def _overhead_table(runs: list[Run], spread: str) -> str:
+    """0% hits: each config's TTFT against a recompute on the same fresh prompts."""
+    rows = []
+    for row in runs[0].misses:
+        difference = _difference(runs, "misses", row, "none")
+        recompute = _ttfts(runs, "misses", "none") if difference is not None else None
+        share = (
+            [d / r for d, r in zip(difference, recompute, strict=True)]
+            if difference is not None and recompute is not None
+            else None
         )
-
-    def _answer(self) -> str:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            if line.startswith(RESULT):
-                return line.removeprefix(RESULT).strip()
-        tail = "\n".join(self.log_path.read_text().splitlines()[-30:])
-        raise RuntimeError(f"the {self.config} engine exited:\n{tail}")
-
-    def wait_ready(self) -> None:
-        assert self._answer() == "ready"
-
-    def generate(self, prompt: list[int]) -> Sample:
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps(prompt) + "\n")
-        self.process.stdin.flush()
-        return Sample(**json.loads(self._answer()))
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            assert self.process.stdin is not None
-            self.process.stdin.close()
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
-
-
-def _write_model(directory: Path, args: argparse.Namespace) -> None:
-    """A Llama with random weights (vLLM's dummy weights make attention trivially uniform)."""
-    import torch
-    from safetensors.torch import save_file
-
-    head = 64
-    hidden, inner, layers = args.hidden, args.intermediate, args.layers
-    kv = args.kv_heads * head
-    vocab = 8192
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": inner,
-        "num_attention_heads": args.heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": head,
-        "num_hidden_layers": layers,
-        "vocab_size": vocab,
-        "max_position_embeddings": max(8192, 2 * args.prompt_tokens),
-        "rms_norm_eps": 1e-5,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
-    generator = torch.Generator().manual_seed(0)
-
-    def normal(*shape: int, std: float) -> torch.Tensor:
-        return (torch.randn(*shape, generator=generator) * std).to(torch.bfloat16)
-
-    ones = torch.ones(hidden, dtype=torch.bfloat16)
-    tensors = {
-        "model.embed_tokens.weight": normal(vocab, hidden, std=1.0),
-        "model.norm.weight": ones,
-        "lm_head.weight": normal(vocab, hidden, std=0.1),
-    }
-    for layer in range(layers):
-        prefix = f"model.layers.{layer}."
-        tensors |= {
-            prefix + "self_attn.q_proj.weight": normal(args.heads * head, hidden, std=0.1),
-            prefix + "self_attn.k_proj.weight": normal(kv, hidden, std=0.1),
-            prefix + "self_attn.v_proj.weight": normal(kv, hidden, std=0.1),
-            prefix + "self_attn.o_proj.weight": normal(hidden, args.heads * head, std=0.05),
-            prefix + "mlp.gate_proj.weight": normal(inner, hidden, std=0.05),
-            prefix + "mlp.up_proj.weight": normal(inner, hidden, std=0.05),
-            prefix + "mlp.down_proj.weight": normal(hidden, inner, std=0.05),
-            prefix + "input_layernorm.weight": ones,
-            prefix + "post_attention_layernorm.weight": ones,
-        }
-    directory.mkdir(parents=True)
-    (directory / "config.json").write_text(json.dumps(config))
-    save_file(
-        {name: tensor.clone() for name, tensor in tensors.items()},
-        directory / "model.safetensors",
-    )
-
-
-# ------------------------------------------------------------------ child side
-
-
-def _engine(settings: dict[str, Any]) -> Any:
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    transfer = None
-    if settings["config"] == "kvpool":
-        transfer = KVTransferConfig(
-            kv_connector="KvpoolConnector",
-            kv_connector_module_path="kvpool_agent.connector",
-            kv_role="kv_both",
-            kv_connector_extra_config={
-                "endpoint": settings["endpoint"],
-                "chunk_tokens": settings["chunk_tokens"],
-            },
+        rows.append(
+            [
+                row,
+                _spread(_ttfts(runs, "misses", row), "{:.1f}", 1000),
+                "" if row == "none" else _spread(difference, "{:+.1f}", 1000),
+                "" if row == "none" else _spread(share, "{:+.1%}"),
+            ]
         )
-    elif settings["config"] == "example":
-        transfer = KVTransferConfig(
-            kv_connector="ExampleConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={"shared_storage_path": settings["storage"]},
+    title = (
+        f"0% hit rate (fresh prompts, every chunk stored), {spread}; "
+        f"goal for kvpool: <= {OVERHEAD_GOAL:.0%} of the recompute TTFT"
+    )
+    header = ["config", "TTFT ms", "vs none ms (paired p50)", "vs none % of recompute"]
+    return table(title, header, rows)
+
+
+def _own_time_table(runs: list[Run]) -> str:
+    """The kvpool connector's own time per request, split by its ``*_us`` counters."""
+    rows = []
+    for scenario, label in (("repeated", "hit (repeated prefix)"), ("misses", "0% hits")):
+        samples = [s for run in runs for s in getattr(run, scenario)["kvpool"]]
+        hashing = any("hash_us" in s.connector_us for s in samples)
+
+        def ms(of: Callable[[Sample], int], samples: list[Sample] = samples) -> str:
+            return f"{statistics.median(of(s) for s in samples) / 1000:.2f}"
+
+        rows.append(
+            [
+                label,
+                ms(lambda s: s.spent_us("hash_us")) if hashing else "n/a",
+                ms(lambda s: s.spent_us("scheduler_us") - s.spent_us("hash_us")),
+                ms(lambda s: s.spent_us("load_us")),
+                ms(lambda s: s.spent_us("store_us")),
+                ms(lambda s: sum(s.spent_us(n) for n in ("scheduler_us", "load_us", "store_us"))),
+            ]
         )
-    length = settings["prompt_tokens"] + 64
-    return LLM(
-        model=settings["model"],
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        seed=0,
-        max_model_len=length,
-        max_num_batched_tokens=length,
-        max_num_seqs=4,
-        enable_prefix_caching=False,
-        distributed_executor_backend="uni",
-        disable_log_stats=False,  # the connector's counters come through vLLM's metrics
-        kv_transfer_config=transfer,
+    title = (
+        "kvpool connector's own time per request, ms (median of all requests, from its "
+        "vllm:kvpool_*_us counters; lookup = scheduler side - hashing)"
     )
+    return table(title, ["requests", "hashing", "lookup", "load", "store", "total"], rows)
 
 
-def _connector_us(llm: Any) -> int:
-    """The kvpool connector's own time so far (scheduler, loads, stores), from vLLM's metrics."""
-    names = {f"vllm:kvpool_{name}_us" for name in ("scheduler", "load", "store")}
-    return sum(
-        int(metric.value)
-        for metric in llm.get_metrics()
-        if getattr(metric, "name", "").removesuffix("_total") in names
-    )
-
-
-def _child(settings: dict[str, Any]) -> None:
-    """Serve prompts from stdin (one JSON list per line), one answer per line, until EOF."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    llm = _engine(settings)
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    print(f"{RESULT}ready", flush=True)
-    spent = _connector_us(llm)
-    for line in sys.stdin:
-        ids = json.loads(line)
-        started = time.perf_counter()
-        (output,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
-        seconds = time.perf_counter() - started
-        before, spent = spent, _connector_us(llm)
-        sample = {
-            "seconds": seconds,
-            "cached": int(output.num_cached_tokens or 0),
-            "token": output.outputs[0].token_ids[0],
-            "connector_us": spent - before,
-        }
-        print(RESULT + json.dumps(sample), flush=True)
-
-
-if __name__ == "__main__":
-    _child(json.loads(sys.argv[1]))
+def machine() -> str:
+    cpu = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    load = " ".join(f"{value:.2f}" for value in os.getloadavg())
+    return f"CPU: {cpu}, {os.cpu_count()} CPUs; load average (1, 5, 15 min) at the end: {load}"

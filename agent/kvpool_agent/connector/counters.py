@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 COUNTERS: dict[str, str] = {
     "lookups": "Scheduler lookups sent to the agent.",
-    "hit_tokens": "Tokens vLLM was told it can load from the agent.",
+    "hit_tokens": "Tokens vLLM allocated blocks for, to load them from the agent.",
     "prefetches": "Prefetches from L2 that requests waited for.",
     "prefetch_timeouts": "Prefetches not done within prefetch_wait_s (the request went on).",
     "loaded_chunks": "Chunks copied from the segment into vLLM's KV cache.",
@@ -30,6 +30,7 @@ COUNTERS: dict[str, str] = {
     "preemptions_seen": "Preempted requests seen by the scheduler.",
     "held_requests": "Finished requests whose blocks were held until their stores completed.",
     "scheduler_us": "Microseconds the scheduler spent in lookups and planning.",
+    "hash_us": "Microseconds the scheduler spent hashing token ids into keys (in scheduler_us).",
     "load_us": "Microseconds the workers spent loading (lookups, copies, releases).",
     "store_us": "Microseconds the workers spent storing (reserve, copies, commits).",
 }

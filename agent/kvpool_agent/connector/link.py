@@ -104,8 +104,11 @@ class AgentLink:
     def lookup_prefetch(
         self, tenant: str, keys: Sequence[bytes], parent: bytes | None, *, count: bool
     ) -> tuple[LookupResult, int]:
-        """A locked lookup that also asks the agent to load the rest from L2: (hit, prefetch)."""
-        return self._call(lambda client: client.lookup_prefetch(tenant, keys, parent, count=count))
+        """An unlocked lookup (the scheduler's probe) that also asks the agent to load the rest
+        from L2: (hit, prefetch id, 0 when none started)."""
+        return self._call(
+            lambda client: client.lookup_prefetch(tenant, keys, parent, lock=False, count=count)
+        )
 
     def prefetch_status(self, prefetch: int, *, wait_ms: int) -> PrefetchProgress:
         return self._call(lambda client: client.prefetch_status(prefetch, wait_ms=wait_ms))
@@ -120,6 +123,12 @@ class AgentLink:
 
     def release(self, lease: int) -> None:
         self._call(lambda client: client.release(lease))
+
+    def release_later(self, lease: int) -> Callable[[], None]:
+        """Send a release now; the returned call waits for its answer (and raises as
+        :meth:`release` does)."""
+        answer = self._call(lambda client: client.release_later(lease))
+        return lambda: self._call(lambda client: answer())
 
     def _call(self, operation: Callable[[AgentClient], T]) -> T:
         """Run ``operation`` on the connected client, or raise :class:`LinkDown`."""

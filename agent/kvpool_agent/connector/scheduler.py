@@ -5,14 +5,20 @@ keeps the key chain of each tensor-parallel rank (:mod:`kvpool_agent.keys`,
 computed from the token ids, the request's ``cache_salt`` and the rank's
 fingerprint), the request's block ids and a store cursor.
 
-* ``get_num_new_matched_tokens``: look up (without locking) the chunks beyond
+* ``get_num_new_matched_tokens``: probe (without locking) the chunks beyond
   vLLM's own prefix-cache hit, on every rank; the hit is the shortest run, in
   whole chunks, and never the whole prompt (vLLM must compute one token). An
-  unavailable agent is a miss. When the run stops short, the agent is asked once
-  to load the rest from L2 (``lookup_prefetch``) and given a couple of
-  milliseconds; if it is still loading, the answer is "not yet" (``None``) and
-  vLLM asks again at its next step, until the prefetch is done or
-  ``prefetch_wait_s`` has passed; then the lookup is repeated.
+  unavailable agent is a miss. The probe is one round trip per rank, and it also
+  asks the agent to load the chunks after the run from L2 (once per request); an
+  agent without L2, or one whose L2 holds nothing more, answers that at once. A
+  prefetch is given a couple of milliseconds; if it is still loading, the answer
+  is "not yet" (``None``) and vLLM asks again at its next step, until the
+  prefetch is done or ``prefetch_wait_s`` has passed.
+* Requests vLLM cannot schedule yet are asked again at every step. A probe's
+  answer stands for :data:`PROBE_REUSE_S` (it is a hint: the worker locks what it
+  loads), and the prefetch questions of all waiting requests together are bounded
+  per step (:data:`PREFETCH_POLLS_PER_STEP`), so a queue of any length costs a
+  step a bounded number of round trips.
 * ``update_state_after_alloc``: turn the hit into a :class:`LoadJob` on the
   blocks vLLM allocated. The worker locks the chunks when it copies them; if
   they are gone by then it reports the blocks and vLLM recomputes them.
@@ -60,6 +66,26 @@ PREFETCH_PROBE_MS = 2
 """How long the scheduler waits, once, for a fresh prefetch: enough for the agent to
 find that a local tier holds nothing (the usual miss), so a miss costs no step."""
 
+PROBE_REUSE_S = 1.0
+"""How long a probe's answer stands for a request that vLLM asks again (it could not be
+scheduled yet). The answer is a hint: the worker locks what it loads and reports a chunk
+that is gone by then for recompute, so a stale answer costs at most a few chunks computed
+instead of loaded; asking again would cost a round trip per waiting request per step."""
+
+PREFETCH_POLLS_PER_STEP = 8
+"""Prefetch status questions per engine step, all waiting requests together. vLLM skips a
+request whose prefetch is still loading and asks the next one, so without a bound a step
+would ask every waiting request. vLLM walks its queue in admission order, so the bound
+goes to the requests it admits first; the others are asked in later steps."""
+
+
+@dataclass(frozen=True)
+class _Probe:
+    span: tuple[int, int]
+    """(first chunk, chunk limit) looked up."""
+    hits: int
+    at: float
+
 
 class RequestView(Protocol):
     """What the scheduler half reads of a vLLM ``Request``."""
@@ -84,6 +110,8 @@ class _Request:
     """Chunks ``[0, stored_chunks)`` are stored, being stored or were loaded."""
     planned: tuple[int, int] | None = None
     """(vLLM's computed tokens, our hit tokens) of the last lookup."""
+    probe: _Probe | None = None
+    """The last probe's answer, reused while it is fresh."""
     open_stores: set[int] = field(default_factory=set)
     prefetches: list[int] = field(default_factory=list)
     """Prefetch ids (from L2) the request waits for; one per rank that started one."""
@@ -129,6 +157,7 @@ class SchedulerHalf:
         self._held: set[str] = set()
         self._stores: dict[int, _OpenStore] = {}
         self._job_ids = itertools.count(1)
+        self._polls_left = PREFETCH_POLLS_PER_STEP
 
     # ------------------------------------------------------------ set-up
 
@@ -224,72 +253,75 @@ class SchedulerHalf:
             return 0, False
         if state.prefetches and not self._prefetched(state):
             return None, False  # the agent is still loading the rest from L2: ask again
-        hits = self._lookup(state, first, limit)
-        if first + hits < limit and self._start_prefetch(state, first + hits, limit):
+        hits = self._probe(state, first, limit)
+        if state.prefetches:  # the probe started one
             if not self._prefetched(state, wait_ms=PREFETCH_PROBE_MS):
                 return None, False
-            hits = self._lookup(state, first, limit)
+            hits = self._probe(state, first, limit)  # again only if the prefetch loaded chunks
         external = (first + hits) * size - num_computed_tokens
         if external <= 0:
             return 0, False
         state.planned = (num_computed_tokens, external)
-        self.counters.add("hit_tokens", external)
         return external, False
 
-    def _lookup(self, state: _Request, first: int, limit: int) -> int:
+    def _probe(self, state: _Request, first: int, limit: int) -> int:
         """Chunks ``first, first+1, ...`` (up to ``limit``) that every rank finds, in a row."""
+        now = self._clock()
+        probe = state.probe
+        if probe is not None and probe.span == (first, limit) and now - probe.at < PROBE_REUSE_S:
+            return probe.hits
+        hits = self._lookup(state, first, limit)
+        state.probe = _Probe((first, limit), hits, now)
+        return hits
+
+    def _lookup(self, state: _Request, first: int, limit: int) -> int:
         if not self._link.usable():
             self.counters.add("agent_skipped_calls")
             return 0
+        prefetch = self._prefetch_wait_s > 0 and not state.prefetch_tried
+        state.prefetch_tried = True
         tokens = state.request.all_token_ids
         hits = limit - first
         try:
             max_keys = self._link.info().max_keys
             count, state.counted = not state.counted, True
             for chain in state.chains:
-                wanted = chain.upto(tokens, first + hits)[first : first + min(hits, max_keys)]
+                with self.counters.timed("hash_us"):
+                    wanted = chain.upto(tokens, first + hits)[first : first + min(hits, max_keys)]
                 self.counters.add("lookups")
-                found = self._link.lookup(state.tenant, wanted, lock=False, count=count)
+                if prefetch:  # every rank: each loads its own chunks
+                    found, started = self._link.lookup_prefetch(
+                        state.tenant, wanted, chain.parent(first), count=count
+                    )
+                    if started:
+                        state.prefetches.append(started)
+                else:
+                    found = self._link.lookup(state.tenant, wanted, lock=False, count=count)
                 hits = min(hits, found.count)
-                if hits == 0:
+                if hits == 0 and not prefetch:
                     break
         except LinkDown:
-            return 0
+            hits = 0
         except AgentError as error:
             log.warning("kvpool: lookup refused (%s); treating it as a miss", error)
-            return 0
+            hits = 0
+        if state.prefetches:
+            self.counters.add("prefetches", len(state.prefetches))
+            state.prefetch_deadline = self._clock() + self._prefetch_wait_s
         return hits
 
-    def _start_prefetch(self, state: _Request, start: int, limit: int) -> bool:
-        """Ask the agent to load chunks ``start..limit`` from L2 (once per request)."""
-        if self._prefetch_wait_s <= 0 or state.prefetch_tried or not self._link.usable():
-            return False
-        state.prefetch_tried = True
-        try:
-            max_keys = self._link.info().max_keys
-            for chain in state.chains:
-                chunk_keys = chain.upto(state.request.all_token_ids, limit)
-                wanted = chunk_keys[start : min(limit, start + max_keys)]
-                hit, prefetch = self._link.lookup_prefetch(
-                    state.tenant, wanted, chain.parent(start), count=False
-                )
-                if hit.lease is not None:  # raced with a store; the worker locks for itself
-                    self._link.release(hit.lease)
-                if prefetch:
-                    state.prefetches.append(prefetch)
-        except (LinkDown, AgentError) as error:
-            log.debug("kvpool: no prefetch: %s", error)
-        if not state.prefetches:
-            return False
-        self.counters.add("prefetches", len(state.prefetches))
-        state.prefetch_deadline = self._clock() + self._prefetch_wait_s
-        return True
-
     def _prefetched(self, state: _Request, wait_ms: int = 0) -> bool:
-        """True once the request's prefetches are done, failed or out of time."""
+        """True once the request's prefetches are done, failed or out of time. A prefetch that
+        loaded chunks makes the next probe ask the agent again."""
         try:
             for prefetch in list(state.prefetches):
-                if not self._link.prefetch_status(prefetch, wait_ms=wait_ms).done:
+                if self._polls_left <= 0 and self._clock() < state.prefetch_deadline:
+                    return False  # this step's questions are spent; later steps ask
+                self._polls_left -= 1
+                progress = self._link.prefetch_status(prefetch, wait_ms=wait_ms)
+                if progress.loaded:
+                    state.probe = None
+                if not progress.done:
                     if self._clock() < state.prefetch_deadline:
                         return False
                     self.counters.add("prefetch_timeouts")
@@ -323,6 +355,7 @@ class SchedulerHalf:
         )
         state.stored_chunks = max(state.stored_chunks, end_chunk)
         state.planned = None
+        self.counters.add("hit_tokens", end - start)
 
     # ------------------------------------------------------------ each step
 
@@ -331,6 +364,7 @@ class SchedulerHalf:
             return self._build(output)
 
     def _build(self, output: SchedulerOutput) -> KvpoolMetadata:
+        self._polls_left = PREFETCH_POLLS_PER_STEP  # once per schedule(): a new step
         stores: list[StoreJob] = []
         for new in output.scheduled_new_reqs:
             new_state = self._requests.get(new.req_id)
@@ -359,6 +393,7 @@ class SchedulerHalf:
             state = self._requests.get(req_id)
             if state is not None:
                 state.block_ids = []
+                state.probe = None  # it stored chunks since: look again when it resumes
         meta = KvpoolMetadata(self._loads, stores, self._newly_held, preempted)
         self._loads, self._newly_held = [], []
         return meta
@@ -372,7 +407,8 @@ class SchedulerHalf:
         if full <= first:
             return
         tokens = state.request.all_token_ids
-        chunk_keys = [chain.upto(tokens, full)[first:full] for chain in state.chains]
+        with self.counters.timed("hash_us"):
+            chunk_keys = [chain.upto(tokens, full)[first:full] for chain in state.chains]
         if any(len(rank_keys) != full - first for rank_keys in chunk_keys):
             return  # token ids not known yet (cannot happen with vLLM's accounting)
         job_id = next(self._job_ids)

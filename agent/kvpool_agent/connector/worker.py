@@ -7,7 +7,11 @@ nothing about scheduling: it executes the jobs in the step's metadata.
   (:mod:`kvpool_agent.connector.layout`), fix the chunk format, map the segment,
   and describe the format to the scheduler (the handshake).
 * ``start_load_kv`` (before the forward): for each :class:`LoadJob`, lock the
-  chunks (``lookup``), copy them into the blocks, release. Chunks that are gone,
+  chunks (``lookup``), copy them into the blocks, send the release (its answer is
+  read after the forward, so the round trip overlaps it). The same lookup covers
+  the chunks the request stores in this step right after the loaded ones (a prompt
+  that ends on a chunk boundary computes its last chunk, which the agent usually
+  has): those found need no reservation after the forward. Chunks that are gone,
   and every chunk after the first gap, are reported through
   ``get_block_ids_with_load_errors`` in the same step, so vLLM recomputes them; so are
   the blocks of a load whose lease did not hold until its release (the pages may hold
@@ -63,6 +67,8 @@ class _PendingRelease:
     copies: list[Copy]
     block_ids: list[int]
     """The blocks the copies write: wrong if the lease ends before it is released."""
+    answer: Callable[[], None] | None = None
+    """Waits for the agent's answer to the release, once it is sent."""
 
 
 class WorkerHalf:
@@ -88,9 +94,13 @@ class WorkerHalf:
         self._failed_blocks: set[int] = set()
         self._stores: list[_PendingStore] = []
         self._releases: list[_PendingRelease] = []
+        self._releasing: list[_PendingRelease] = []
+        """Releases sent whose answers are read after the forward."""
         self._completed: dict[int, int] = {}
         self._open_jobs: dict[str, set[int]] = {}
         self._held: set[str] = set()
+        self._present: dict[int, int] = {}
+        """Store job id -> its leading chunks that this step's load lookup found cached."""
         self.handshake: KvpoolHandshake | None = None
 
     # ------------------------------------------------------------ set-up
@@ -162,16 +172,27 @@ class WorkerHalf:
         if meta.loads:
             with self.counters.timed("load_us"):
                 for job in meta.loads:
-                    self._load(job)
+                    self._load(job, self._following_store(job, meta.stores))
 
-    def _load(self, job: LoadJob) -> None:
+    def _following_store(self, load: LoadJob, stores: Sequence[StoreJob]) -> StoreJob | None:
+        """The store job of the same request whose chunks follow the loaded ones."""
+        last = load.keys[self._rank][-1]
+        for store in stores:
+            if store.req_id == load.req_id and store.parents[self._rank] == last:
+                return store
+        return None
+
+    def _load(self, job: LoadJob, following: StoreJob | None) -> None:
         copier, chunk_format = self._copier, self.format
         assert copier is not None and chunk_format is not None
         keys = list(job.keys[self._rank])
+        store_keys = list(following.keys[self._rank]) if following is not None else []
         loaded = 0
         try:
             # the scheduler's probe counted these chunks already
-            hit = self._link.lookup(job.tenant, keys, lock=True, count=False)
+            hit = self._link.lookup(job.tenant, keys + store_keys, lock=True, count=False)
+            if following is not None and hit.count > len(keys):
+                self._present[following.job_id] = hit.count - len(keys)
             segment = self._mapped()
             copies: list[Copy] = []
             written: list[int] = []
@@ -236,9 +257,15 @@ class WorkerHalf:
         keys = list(job.keys[self._rank])
         size = chunk_format.chunk_bytes
         per_chunk = chunk_format.blocks_per_chunk
+        present = self._present.pop(job.job_id, 0)
+        self.counters.add("present_chunks", present)
+        if present == len(keys):
+            self._complete(job)
+            return
+        parent = keys[present - 1] if present else job.parents[self._rank]
         try:
-            sizes = [size] * len(keys)
-            plan = self._link.prepare_store(job.tenant, keys, sizes, job.parents[self._rank])
+            sizes = [size] * (len(keys) - present)
+            plan = self._link.prepare_store(job.tenant, keys[present:], sizes, parent)
         except (LinkDown, AgentError) as error:
             log.debug("kvpool worker %d: store of %s skipped: %s", self._rank, job.req_id, error)
             self.counters.add("failed_stores")
@@ -246,12 +273,12 @@ class WorkerHalf:
             return
         offsets = plan.offsets
         self.counters.add("present_chunks", sum(1 for offset in offsets if offset < 0))
-        self.counters.add("refused_chunks", len(keys) - len(offsets))
+        self.counters.add("refused_chunks", len(keys) - present - len(offsets))
         copies: list[Copy] = []
         if plan.lease is not None:
             try:
                 segment = self._mapped()
-                for index, offset in enumerate(offsets):
+                for index, offset in enumerate(offsets, start=present):
                     if offset >= 0:
                         ids = job.block_ids[index * per_chunk : (index + 1) * per_chunk]
                         copies.append(copier.store(segment.chunk(offset, size), ids))
@@ -283,6 +310,8 @@ class WorkerHalf:
         self._stores = still
 
     def _settle_loads(self, *, wait: bool) -> None:
+        """Send the releases of loads whose copies have finished; with ``wait``, finish every
+        copy and read every release's answer."""
         waiting: list[_PendingRelease] = []
         for release in self._releases:
             if wait:
@@ -291,8 +320,17 @@ class WorkerHalf:
             elif not all(copy.done() for copy in release.copies):
                 waiting.append(release)
                 continue
-            self._release_load(release)
+            try:
+                release.answer = self._link.release_later(release.lease)
+            except (LinkDown, AgentError) as error:
+                self._lease_lost(release, error)
+                continue
+            self._releasing.append(release)
         self._releases = waiting
+        if wait:
+            for release in self._releasing:
+                self._confirm_release(release)
+            self._releasing = []
 
     def _commit(self, store: _PendingStore) -> None:
         if store.lease is not None:
@@ -304,22 +342,26 @@ class WorkerHalf:
                 self.counters.add("failed_stores")
         self._complete(store.job)
 
-    def _release_load(self, release: _PendingRelease) -> None:
-        """Release a load's lease. If that fails, the lease may have ended before the copies
-        did (a stalled worker, an agent restarted), and the pages may hold another chunk by
-        now, another tenant's included: the blocks are reported for recompute, never used."""
+    def _confirm_release(self, release: _PendingRelease) -> None:
+        assert release.answer is not None
         try:
-            self._link.release(release.lease)
+            release.answer()
         except (LinkDown, AgentError) as error:
-            log.warning(
-                "kvpool worker %d: a load's lease did not hold until its release (%s); "
-                "%d blocks recomputed",
-                self._rank,
-                error,
-                len(release.block_ids),
-            )
-            self.counters.add("load_failed_chunks", len(release.copies))
-            self._failed_blocks.update(release.block_ids)
+            self._lease_lost(release, error)
+
+    def _lease_lost(self, release: _PendingRelease, error: Exception) -> None:
+        """A release that failed: the lease may have ended before the copies did (a stalled
+        worker, an agent restarted), and the pages may hold another chunk by now, another
+        tenant's included: the blocks are reported for recompute, never used."""
+        log.warning(
+            "kvpool worker %d: a load's lease did not hold until its release (%s); "
+            "%d blocks recomputed",
+            self._rank,
+            error,
+            len(release.block_ids),
+        )
+        self.counters.add("load_failed_chunks", len(release.copies))
+        self._failed_blocks.update(release.block_ids)
 
     def _abandon(self, lease: int) -> None:
         """Release a lease; if the agent is gone, so is the lease (it also expires)."""
