@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import statistics
@@ -32,6 +31,7 @@ from pathlib import Path
 import httpx
 
 from kvpool_agent.bench.connector_engine import Burst, Engine, kv_bytes_per_token
+from kvpool_agent.bench.l2 import drop_page_cache
 from kvpool_agent.bench.report import table
 from kvpool_agent.client import AgentClient
 from kvpool_agent.testing.agent_process import running_agent
@@ -88,14 +88,7 @@ def _wait_written(http: str, chunks: int) -> None:
 def _drop_from_page_cache(directory: Path) -> None:
     """Make L2 reads come from the device, as they would for chunks written long ago (the
     page cache would serve them from memory, faster than any prefetch probe)."""
-    for path in directory.rglob("*"):
-        if path.is_file():
-            descriptor = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(descriptor)  # dirty pages cannot be dropped
-                os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(descriptor)
+    drop_page_cache([path for path in directory.rglob("*") if path.is_file()])
 
 
 def _metric(text: str, name: str) -> float:

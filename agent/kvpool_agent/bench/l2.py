@@ -181,7 +181,7 @@ class _AdapterSide:
 
     def before_reads(self) -> None:
         if isinstance(self.adapter, NvmeAdapter):
-            _drop_cache([self.adapter.path_of(name) for name in self.work.names])
+            drop_page_cache([self.adapter.path_of(name) for name in self.work.names])
 
     async def read(self, group: range) -> None:
         got = await self.adapter.get([self.work.names[i] for i in group])
@@ -260,7 +260,7 @@ class _RawFiles:
         list(self.pool.map(self._write, group))
 
     def before_reads(self) -> None:
-        _drop_cache(self.paths)
+        drop_page_cache(self.paths)
 
     async def read(self, group: range) -> None:
         _same(list(self.pool.map(self._read, group)), [self.work.payloads[i] for i in group])
@@ -307,7 +307,8 @@ class _RawFiles:
             os.close(fd)
 
 
-def _drop_cache(paths: list[Path]) -> None:
+def drop_page_cache(paths: list[Path]) -> None:
+    """Make reads of ``paths`` come from the device (our own files: no root needed)."""
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
