@@ -147,7 +147,7 @@ def main() -> None:
         intermediate=1536,
         prompt_tokens=max(args.prompt_tokens, 2048),
     )
-    from kvpool_agent.bench.connector import _engine, _write_model
+    from kvpool_agent.bench.connector_engine import build_engine, write_model
     from kvpool_agent.testing.agent_process import running_agent
 
     instrument()
@@ -166,14 +166,14 @@ def main() -> None:
         contextlib.ExitStack() as stack,
     ):
         model = Path(work) / "model"
-        _write_model(model, model_args)
+        write_model(model, model_args)
         endpoint = None
         if args.config == "kvpool":
             agent = stack.enter_context(running_agent({"POOL": "bench", "L1_SIZE": "2GiB"}))
             endpoint = agent.zmq
             AGENT["http"] = agent.http
             print(f"agent pid {agent.pid} at {endpoint}", flush=True)
-        llm = _engine(
+        llm = build_engine(
             {
                 "config": args.config,
                 "model": str(model),

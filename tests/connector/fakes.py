@@ -40,6 +40,9 @@ class FakeAgent:
     released: list[int] = field(default_factory=list)
     connects: int = 0
     status_polls: int = 0
+    clock: Clock | None = None
+    call_seconds: float = 0.0
+    """How far each call moves ``clock`` (the agent's answer time)."""
 
     def put(self, tenant: str, keys: list[bytes]) -> None:
         self.chunks.setdefault(tenant, set()).update(keys)
@@ -56,6 +59,8 @@ class FakeClient:
         self.info: AgentInfo | None = None
 
     def _check(self) -> None:
+        if self.agent.clock is not None:
+            self.agent.clock.now += self.agent.call_seconds
         if self.agent.down:
             self.info = None
             raise AgentUnavailable(f"no reply from the agent at {self.endpoint}")

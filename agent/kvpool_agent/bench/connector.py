@@ -12,8 +12,10 @@ cache, as it would be in another engine or after vLLM evicted it; ``native``
 is a hit with the same compute and no transfer at all, the floor of any cache.
 
 The model is a Llama with random weights (``--layers``, ``--hidden`` ...), big
-enough that prefill dominates. Each engine is warmed up, then each of
-``--runs`` runs has ``--requests`` rounds of:
+enough that prefill dominates. Each of ``--runs`` runs starts its engines anew
+(a process's own speed differs by a few percent from another's with the same
+work, here up to ±8%: where its pages and threads land), warms them up, and has
+``--requests`` rounds of:
 
 * **repeated prefix**: one ``--prompt-tokens`` prompt (stored by a first,
   untimed request), ``max_tokens=1``, TTFT = the wall time of the request; and
@@ -25,7 +27,8 @@ enough that prefill dominates. Each engine is warmed up, then each of
 Each round sends the same prompt to every engine back to back, starting with a
 different engine each round, so a busy machine slows all of them alike; ratios
 are medians of per-round (paired) ratios. Across runs the report gives the
-median and the spread (min-max) of the per-run figures.
+median and the spread (min-max) of the per-run figures, so the median is over
+as many sets of processes as runs.
 
 Then ``--queued`` requests at once on a fresh kvpool engine (see
 :mod:`kvpool_agent.bench.connector_queued`).
@@ -60,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset")
     parser.add_argument("--prompt-tokens", type=int, default=2048, help="tokens per prompt")
     parser.add_argument("--requests", type=int, default=8, help="timed rounds per run")
-    parser.add_argument("--runs", type=int, default=1, help="TTFT runs in the same engines")
+    parser.add_argument("--runs", type=int, default=1, help="TTFT runs, each on engines started anew")
     parser.add_argument(
         "--chunk-tokens",
         type=int,
@@ -108,24 +111,27 @@ def run(args: argparse.Namespace) -> None:
         endpoint = args.endpoint
         if "kvpool" in configs and endpoint is None:
             endpoint = agent.enter_context(running_agent({"POOL": "bench", "L1_SIZE": "2GiB"})).zmq
-        engines: list[Engine] = []
-        try:
-            for config in configs:
-                settings = {
-                    "config": config,
-                    "model": str(model),
-                    "prompt_tokens": args.prompt_tokens,
-                    "chunk_tokens": args.chunk_tokens,
-                    "endpoint": endpoint,
-                    "storage": str(workdir / "example"),
-                }
-                engines.append(Engine(settings, workdir / f"{config}.log"))
-            for engine in engines:
-                engine.wait_ready()
-            runs = _measure(engines, args)
-        finally:
-            for engine in engines:
-                engine.stop()
+        rng = random.Random(1)
+        runs = []
+        for _ in range(args.runs):
+            engines: list[Engine] = []
+            try:
+                for config in configs:
+                    settings = {
+                        "config": config,
+                        "model": str(model),
+                        "prompt_tokens": args.prompt_tokens,
+                        "chunk_tokens": args.chunk_tokens,
+                        "endpoint": endpoint,
+                        "storage": str(workdir / "example"),
+                    }
+                    engines.append(Engine(settings, workdir / f"{config}.log"))
+                for engine in engines:
+                    engine.wait_ready()
+                runs.append(_measure(engines, args, rng))
+            finally:
+                for engine in engines:
+                    engine.stop()
         agent.close()  # the queued part has its own agent
         print(report(runs, args, copy_rate), flush=True)
         if args.queued > 0:
@@ -145,9 +151,8 @@ class Run:
     misses: dict[str, list[Sample]] = field(default_factory=dict)
 
 
-def _measure(engines: list[Engine], args: argparse.Namespace) -> list[Run]:
-    """``--runs`` runs of round-robin rounds, one request at a time."""
-    rng = random.Random(1)
+def _measure(engines: list[Engine], args: argparse.Namespace, rng: random.Random) -> Run:
+    """One run of round-robin rounds on fresh engines, one request at a time."""
 
     def prompt(length: int) -> list[int]:
         return [rng.randrange(3, 8000) for _ in range(length)]
@@ -158,24 +163,21 @@ def _measure(engines: list[Engine], args: argparse.Namespace) -> list[Run]:
         warm = prompt(args.prompt_tokens)
         for name, engine in slots:
             engine.generate(prompt(args.chunk_tokens) if name == FLOOR else warm)
-    runs = []
-    for _ in range(args.runs):
-        shared = prompt(args.prompt_tokens)
-        for engine in engines:
-            engine.generate(shared)  # computed (and stored, where something stores)
-        run = Run()
-        for round_ in range(args.requests):
-            order = slots[round_ % len(slots) :] + slots[: round_ % len(slots)]
-            one_chunk = prompt(args.chunk_tokens)
-            for name, engine in order:
-                sample = engine.generate(one_chunk if name == FLOOR else shared)
-                run.repeated.setdefault(name, []).append(sample)
-            fresh = prompt(args.prompt_tokens)
-            for name, engine in order:
-                if name != FLOOR:
-                    run.misses.setdefault(name, []).append(engine.generate(fresh))
-        runs.append(run)
-    return runs
+    shared = prompt(args.prompt_tokens)
+    for engine in engines:
+        engine.generate(shared)  # computed (and stored, where something stores)
+    run = Run()
+    for round_ in range(args.requests):
+        order = slots[round_ % len(slots) :] + slots[: round_ % len(slots)]
+        one_chunk = prompt(args.chunk_tokens)
+        for name, engine in order:
+            sample = engine.generate(one_chunk if name == FLOOR else shared)
+            run.repeated.setdefault(name, []).append(sample)
+        fresh = prompt(args.prompt_tokens)
+        for name, engine in order:
+            if name != FLOOR:
+                run.misses.setdefault(name, []).append(engine.generate(fresh))
+    return run
 
 
 def memcpy_rate(size: int = 64 << 20, repeats: int = 9) -> float:

@@ -241,7 +241,7 @@ class StepTimer:
         self.deferred = 0
 
 
-def _engine(settings: dict[str, Any]) -> Any:
+def build_engine(settings: dict[str, Any]) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -298,7 +298,7 @@ def _child(settings: dict[str, Any]) -> None:
     timer = StepTimer()
     if settings.get("time_steps"):
         timer.install()
-    llm = _engine(settings)
+    llm = build_engine(settings)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     print(f"{RESULT}ready", flush=True)
     spent = _connector_us(llm)

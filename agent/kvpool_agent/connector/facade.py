@@ -109,6 +109,7 @@ class KvpoolConnector(KVConnectorBase_V1):
                 link=self._link("scheduler", settings.lookup_timeout_s),
                 counters=self._counters,
                 prefetch_wait_s=settings.prefetch_wait_s,
+                step_budget_s=settings.step_budget_ms / 1000,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

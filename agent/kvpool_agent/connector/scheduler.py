@@ -16,9 +16,14 @@ fingerprint), the request's block ids and a store cursor.
   prefetch is done or ``prefetch_wait_s`` has passed.
 * Requests vLLM cannot schedule yet are asked again at every step. A probe's
   answer stands for :data:`PROBE_REUSE_S` (it is a hint: the worker locks what it
-  loads), and the prefetch questions of all waiting requests together are bounded
-  per step (:data:`PREFETCH_POLLS_PER_STEP`), so a queue of any length costs a
-  step a bounded number of round trips.
+  loads), and all questions to the agent in one step (new requests' probes,
+  prefetch status) stop at ``step_budget_s``: a request that would need one more
+  answers "not yet" and is asked in the next step. Prefetch questions get half of
+  it, so the probes of new requests (which start their prefetches) always get
+  the other half. vLLM walks its waiting queue
+  in admission order and keeps skipped requests at its head, so the budget goes
+  to the oldest requests, and a burst or a queue of any length delays a step by
+  at most the budget (plus the one question in flight).
 * ``update_state_after_alloc``: turn the hit into a :class:`LoadJob` on the
   blocks vLLM allocated. The worker locks the chunks when it copies them; if
   they are gone by then it reports the blocks and vLLM recomputes them.
@@ -71,12 +76,6 @@ PROBE_REUSE_S = 1.0
 scheduled yet). The answer is a hint: the worker locks what it loads and reports a chunk
 that is gone by then for recompute, so a stale answer costs at most a few chunks computed
 instead of loaded; asking again would cost a round trip per waiting request per step."""
-
-PREFETCH_POLLS_PER_STEP = 8
-"""Prefetch status questions per engine step, all waiting requests together. vLLM skips a
-request whose prefetch is still loading and asks the next one, so without a bound a step
-would ask every waiting request. vLLM walks its queue in admission order, so the bound
-goes to the requests it admits first; the others are asked in later steps."""
 
 
 @dataclass(frozen=True)
@@ -138,9 +137,11 @@ class SchedulerHalf:
         link: AgentLink,
         counters: Counters,
         prefetch_wait_s: float = 0.0,
+        step_budget_s: float = 0.01,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._prefetch_wait_s = prefetch_wait_s
+        self._step_budget_s = step_budget_s
         self._clock = clock
         self._model = model
         self._dtype = dtype
@@ -157,7 +158,8 @@ class SchedulerHalf:
         self._held: set[str] = set()
         self._stores: dict[int, _OpenStore] = {}
         self._job_ids = itertools.count(1)
-        self._polls_left = PREFETCH_POLLS_PER_STEP
+        self._step_asked_s = 0.0
+        """Time spent asking the agent in this step."""
 
     # ------------------------------------------------------------ set-up
 
@@ -254,23 +256,29 @@ class SchedulerHalf:
         if state.prefetches and not self._prefetched(state):
             return None, False  # the agent is still loading the rest from L2: ask again
         hits = self._probe(state, first, limit)
-        if state.prefetches:  # the probe started one
+        if hits is not None and state.prefetches:  # the probe started one
             if not self._prefetched(state, wait_ms=PREFETCH_PROBE_MS):
                 return None, False
             hits = self._probe(state, first, limit)  # again only if the prefetch loaded chunks
+        if hits is None:
+            return None, False  # this step's time for questions is spent: ask next step
         external = (first + hits) * size - num_computed_tokens
         if external <= 0:
             return 0, False
         state.planned = (num_computed_tokens, external)
         return external, False
 
-    def _probe(self, state: _Request, first: int, limit: int) -> int:
-        """Chunks ``first, first+1, ...`` (up to ``limit``) that every rank finds, in a row."""
+    def _probe(self, state: _Request, first: int, limit: int) -> int | None:
+        """Chunks ``first, first+1, ...`` (up to ``limit``) that every rank finds, in a row;
+        None when that takes a question and this step has no time left for one."""
         now = self._clock()
         probe = state.probe
         if probe is not None and probe.span == (first, limit) and now - probe.at < PROBE_REUSE_S:
             return probe.hits
+        if self._step_asked_s >= self._step_budget_s:
+            return None
         hits = self._lookup(state, first, limit)
+        self._step_asked_s += self._clock() - now
         state.probe = _Probe((first, limit), hits, now)
         return hits
 
@@ -315,10 +323,13 @@ class SchedulerHalf:
         loaded chunks makes the next probe ask the agent again."""
         try:
             for prefetch in list(state.prefetches):
-                if self._polls_left <= 0 and self._clock() < state.prefetch_deadline:
-                    return False  # this step's questions are spent; later steps ask
-                self._polls_left -= 1
+                asked = self._clock()
+                if self._step_asked_s >= self._step_budget_s / 2 and (
+                    asked < state.prefetch_deadline
+                ):
+                    return False  # this step's time for these questions is spent
                 progress = self._link.prefetch_status(prefetch, wait_ms=wait_ms)
+                self._step_asked_s += self._clock() - asked
                 if progress.loaded:
                     state.probe = None
                 if not progress.done:
@@ -364,7 +375,7 @@ class SchedulerHalf:
             return self._build(output)
 
     def _build(self, output: SchedulerOutput) -> KvpoolMetadata:
-        self._polls_left = PREFETCH_POLLS_PER_STEP  # once per schedule(): a new step
+        self._step_asked_s = 0.0  # once per schedule(): a new step
         stores: list[StoreJob] = []
         for new in output.scheduled_new_reqs:
             new_state = self._requests.get(new.req_id)

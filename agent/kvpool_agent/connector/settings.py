@@ -70,6 +70,14 @@ class ConnectorSettings(BaseModel):
             "(0: never ask for a prefetch)."
         ),
     )
+    step_budget_ms: float = Field(
+        10.0,
+        gt=0,
+        description=(
+            "Most time the scheduler spends asking the agent in one engine step (a burst of "
+            "new requests, prefetch questions); requests past it are asked in the next step."
+        ),
+    )
     retry_min_s: float = Field(
         1.0, gt=0, description="First pause after the agent failed; doubles while it stays down."
     )
