@@ -63,7 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset")
     parser.add_argument("--prompt-tokens", type=int, default=2048, help="tokens per prompt")
     parser.add_argument("--requests", type=int, default=8, help="timed rounds per run")
-    parser.add_argument("--runs", type=int, default=1, help="TTFT runs, each on engines started anew")
+    parser.add_argument(
+        "--runs", type=int, default=1, help="TTFT runs, each on engines started anew"
+    )
     parser.add_argument(
         "--chunk-tokens",
         type=int,
