@@ -16,10 +16,15 @@ a withdrawal shifts the entries after it back, so there are no tombstones. A buc
 agent writes the bucket, and a reader retries a bucket whose sequence moved. A reader
 may miss a key that is being moved (a miss costs a recompute, as any miss does); it
 never sees a key the agent has not published.
+
+The agent holds an exclusive lock on the file while it lives; the kernel drops it when the
+process ends, however it ends. A reader trusts the table only while somebody holds that
+lock: a dead or stopped agent's table is never read as if it were kept.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import struct
@@ -61,12 +66,10 @@ class ProbeTableWriter:
         self._mask = buckets - 1
         size = HEADER_BYTES + buckets * BUCKET_BYTES
         temporary = path.with_name(f".{path.name}.{os.getpid()}")
-        fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o660)
-        try:
-            os.ftruncate(fd, size)
-            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+        self._fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o660)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)  # held until the process ends: "the table is kept"
+        os.ftruncate(self._fd, size)
+        self._map = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         _HEADER.pack_into(self._map, 0, MAGIC, VERSION, buckets, agent_id.encode()[:32])
         os.replace(temporary, path)
         self._keys: dict[bytes, int] = {}
@@ -100,8 +103,9 @@ class ProbeTableWriter:
         self._write(hole, 0, _EMPTY)
 
     def close(self) -> None:
-        self._map.close()
         self.path.unlink(missing_ok=True)
+        self._map.close()
+        os.close(self._fd)
 
     def _offset(self, index: int) -> int:
         return HEADER_BYTES + index * BUCKET_BYTES
@@ -126,10 +130,12 @@ class ProbeTableReader:
     def __init__(self, path: Path, agent_id: str) -> None:
         """Raises OSError or ValueError when there is no such table (an older agent, or one
         that restarted since): the caller asks the agent instead."""
-        with path.open("rb") as file:
-            self._map = mmap.mmap(file.fileno(), 0, mmap.MAP_SHARED, mmap.PROT_READ)
-            self._inode = os.fstat(file.fileno()).st_ino
-        self.path = path
+        self._fd = os.open(path, os.O_RDONLY)
+        try:
+            self._map = mmap.mmap(self._fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
+        except (OSError, ValueError):
+            os.close(self._fd)
+            raise
         try:
             magic, version, buckets, owner = _HEADER.unpack_from(self._map, 0)
             if magic != MAGIC or version != VERSION:
@@ -139,7 +145,7 @@ class ProbeTableReader:
             if len(self._map) != HEADER_BYTES + buckets * BUCKET_BYTES:
                 raise ValueError(f"{path} is truncated")
         except ValueError:
-            self._map.close()
+            self.close()
             raise
         self.agent_id = agent_id
         self._mask = buckets - 1
@@ -170,13 +176,15 @@ class ProbeTableReader:
             index = (index + 1) & mask
         return False
 
-    def is_current(self) -> bool:
-        """False once the agent removed or replaced the file (it stopped or restarted): the
-        mapping then shows a table nobody keeps any more."""
+    def is_kept(self) -> bool:
+        """Whether the agent that writes the table is alive (it holds the file's lock)."""
         try:
-            return bool(os.stat(self.path).st_ino == self._inode)
-        except OSError:
-            return False
+            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return False
 
     def close(self) -> None:
         self._map.close()
+        os.close(self._fd)

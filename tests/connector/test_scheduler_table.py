@@ -15,11 +15,11 @@ from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.discovery import AgentAddress
 from kvpool_agent.connector.link import AgentLink
 from kvpool_agent.connector.metadata import KvpoolHandshake
-from kvpool_agent.connector.scheduler import TABLE_CHECK_S, SchedulerHalf
+from kvpool_agent.connector.scheduler import SchedulerHalf
 from kvpool_agent.probe_table import table_path
 from kvpool_agent.testing.agent_process import AgentProcess
 
-from .fakes import Clock, FakeRequest
+from .fakes import FakeRequest
 from .test_scheduler import BLOCK, CHUNK, LAYOUT, chain, tokens
 
 TENANT = keys.tenant_id(None)
@@ -34,9 +34,7 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
     process.cleanup()
 
 
-def scheduler(
-    agent: AgentProcess, *, prefetch_wait_s: float = 0.0, clock: Clock | None = None
-) -> SchedulerHalf:
+def scheduler(agent: AgentProcess, *, prefetch_wait_s: float = 0.0) -> SchedulerHalf:
     counters = Counters()
     half = SchedulerHalf(
         model="m",
@@ -54,7 +52,6 @@ def scheduler(
         counters=counters,
         prefetch_wait_s=prefetch_wait_s,
         segment_path=lambda info: info.segment_path,
-        clock=clock or Clock(),
     )
     half.configure({0: KvpoolHandshake(LAYOUT, CHUNK, True)})
     return half
@@ -116,18 +113,19 @@ def test_without_a_table_every_probe_asks_the_agent(agent: AgentProcess) -> None
     assert half.counters.totals["lookups"] == 1
 
 
-def test_a_restarted_agents_new_table_replaces_the_old_one(agent: AgentProcess) -> None:
-    """A scheduler that finds every hit in the table does not talk to the agent: it notices
-    the restart by the table's file, asks once (and says hello), then maps the new table."""
+def test_a_dead_agents_table_is_not_read_and_a_restarted_agents_is(agent: AgentProcess) -> None:
+    """A scheduler that finds every hit in the table does not talk to the agent: the table's
+    lock tells it the agent died; it asks (a miss while down, a hello once back), then maps
+    the new agent's table."""
     prompt = tokens(1000)
     with AgentClient(agent.zmq) as client:
         client.store(TENANT, chain(prompt)[:3], [b"k" * 64] * 3)
-    clock = Clock()
-    half = scheduler(agent, clock=clock)
+    half = scheduler(agent)
     assert half.get_num_new_matched_tokens(FakeRequest("r", prompt), 0) == (3 * CHUNK, False)
     agent.kill()
+    assert half.get_num_new_matched_tokens(FakeRequest("dead", prompt), 0) == (0, False)
     agent.start()  # warm restart: the chunks are adopted, and published in a new table
-    clock.now += TABLE_CHECK_S
+    time.sleep(0.2)  # the link's pause after the failure
     assert half.get_num_new_matched_tokens(FakeRequest("s", prompt), 0) == (3 * CHUNK, False)
-    assert half.get_num_new_matched_tokens(FakeRequest("t", prompt), 0) == (3 * CHUNK, False)
-    assert half.counters.totals["local_probes"] == 2
+    assert half.counters.totals["local_probes"] == 2  # r, and s from the new agent's table
+    assert half.counters.totals["agent_failures"] == 1

@@ -81,12 +81,6 @@ that is gone by then for recompute, so a stale answer costs at most a few chunks
 instead of loaded; asking again would cost a round trip per waiting request per step."""
 
 
-TABLE_CHECK_S = 1.0
-"""How often the scheduler checks that the agent's table of ready chunks is still the one it
-keeps: a restarted agent writes a new one, and a scheduler that finds every hit in the
-table would otherwise not talk to the agent to learn of the restart."""
-
-
 @dataclass(frozen=True)
 class _Probe:
     span: tuple[int, int]
@@ -157,7 +151,6 @@ class SchedulerHalf:
         self._segment_path = segment_path
         self._probe_table: ProbeTableReader | None = None
         self._no_table_for: str | None = None
-        self._table_checked = 0.0
         self._clock = clock
         self._model = model
         self._dtype = dtype
@@ -330,13 +323,11 @@ class SchedulerHalf:
 
     def _table(self, info: AgentInfo) -> ProbeTableReader | None:
         """The table of the agent ``info`` names, mapped once per agent (None without one)."""
-        table, now = self._probe_table, self._clock()
-        if table is not None and now >= self._table_checked + TABLE_CHECK_S:
-            self._table_checked = now
-            if not table.is_current():  # the agent stopped or restarted: ask it (and reconnect)
-                table.close()
-                self._probe_table = self._no_table_for = None
-                return None
+        table = self._probe_table
+        if table is not None and not table.is_kept():  # the agent died: ask (and reconnect)
+            table.close()
+            self._probe_table = self._no_table_for = None
+            return None
         if table is not None and table.agent_id == info.agent_id:
             return table
         if table is not None:
