@@ -2,7 +2,8 @@
 
 The standalone reference for ``profile_connector_hit.py`` (whose round trips run inside a
 busy engine): ping, the scheduler's unlocked lookup, the worker's locked lookup + release,
-and the no-op ``prepare_store`` a hit makes for its one computed chunk.
+the no-op ``prepare_store`` a hit made for its one computed chunk, and the scheduler's probe of
+the agent's table of ready chunks that replaces the unlocked lookup.
 
     PYTHONPATH=agent:operator .venv/bin/python benchmarks/profile_agent_ops.py
 """
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import profile_connector_hit as hit
 from kvpool_agent import keys
 from kvpool_agent.client import AgentClient
+from kvpool_agent.probe_table import ProbeTableReader, table_path
 from kvpool_agent.testing.agent_process import running_agent
 
 CHUNK_BYTES = 524288  # the bench model's 128-token chunk
@@ -70,6 +72,14 @@ def main() -> None:
             "prepare_store of 1 present chunk",
             lambda: client.prepare_store(tenant, chain[15:], [CHUNK_BYTES], chain[14]),
         )
+        assert client.info is not None
+        table = ProbeTableReader(table_path(client.info.segment_path), client.info.agent_id)
+        measure(
+            "table probe 15 keys (no round trip)",
+            lambda: table.is_kept() and table.run(tenant, chain[:15]),
+            n=3000,
+        )
+        table.close()
         client.close()
 
 

@@ -16,6 +16,7 @@ from kvpool_agent.journal import SegmentJournal
 from kvpool_agent.l1 import L1Cache
 from kvpool_agent.pinned import PinnedRegion, pin
 from kvpool_agent.policies import policy_factory
+from kvpool_agent.probe_table import ProbeTableWriter, table_path
 from kvpool_agent.quotas import QuotaBook
 from kvpool_agent.segment import SharedSegment
 
@@ -40,6 +41,7 @@ class L1Tier:
 
     segment: SharedSegment
     journal: SegmentJournal
+    probe_table: ProbeTableWriter
     cache: L1Cache
     pinned: PinnedRegion | None
     origin: SegmentOrigin
@@ -47,17 +49,19 @@ class L1Tier:
     def close(self) -> None:
         if self.pinned is not None:
             self.pinned.release()
+        self.probe_table.close()
         self.journal.close()
         self.segment.close()
 
 
-def open_l1(config: AgentConfig) -> L1Tier:
+def open_l1(config: AgentConfig, agent_id: str) -> L1Tier:
     started = time.perf_counter()
     path = config.resolved_segment_path
     segment, recreated_because = SharedSegment.open(
         path, int(config.l1_size), int(config.page_size)
     )
     journal = SegmentJournal(segment)
+    probe_table = ProbeTableWriter(table_path(path), segment.layout.pages, agent_id)
     cache = L1Cache(
         segment.layout,
         policy_factory(config.eviction_policy),
@@ -66,6 +70,7 @@ def open_l1(config: AgentConfig) -> L1Tier:
         low_watermark=config.low_watermark,
         lease_seconds=config.lease_seconds,
         journal=journal,
+        probe_table=probe_table,
     )
     if recreated_because is None:
         report = cache.restore(journal.committed(), journal.reserved())
@@ -95,7 +100,7 @@ def open_l1(config: AgentConfig) -> L1Tier:
         config.eviction_policy,
         pinned is not None,
     )
-    return L1Tier(segment, journal, cache, pinned, origin)
+    return L1Tier(segment, journal, probe_table, cache, pinned, origin)
 
 
 def _limit(value: int | None) -> int | None:

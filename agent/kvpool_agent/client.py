@@ -425,6 +425,19 @@ class AgentClient(_ClientBase):
     def release(self, lease: int) -> None:
         self._call(_Requests.release(lease))
 
+    def count_lookup(self, tenant: str, keys: Sequence[bytes]) -> None:
+        """Send an unlocked lookup that counts its hits and misses, and do not wait: the
+        caller found them itself (the agent's table of ready chunks), the agent keeps the
+        tenant's statistics and the write-back's reuse counts. The answer is dropped."""
+        if self.info is None:
+            self.connect()
+        socket = self._socket
+        assert socket is not None
+        request = _Requests.lookup(tenant, keys, False, True).build(
+            next(self._req), self._session()
+        )
+        socket.send(p.encode(request))
+
     def release_later(self, lease: int) -> Callable[[], None]:
         """Send a release now; the returned call waits for the agent's answer. The round trip
         then overlaps the caller's own work (vLLM's forward) instead of preceding it."""

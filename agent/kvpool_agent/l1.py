@@ -84,6 +84,7 @@ from kvpool_agent.cache_types import (
 from kvpool_agent.journal import RESERVED, ChunkRecord, SegmentJournal
 from kvpool_agent.keys import KEY_BYTES
 from kvpool_agent.policies import EvictionPolicy, PolicyFactory, SlotArena
+from kvpool_agent.probe_table import ProbeTableWriter
 from kvpool_agent.quotas import Limit, QuotaBook
 from kvpool_agent.segment import SegmentLayout
 
@@ -170,12 +171,14 @@ class L1Cache:
         journal: SegmentJournal | None = None,
         listener: ChunkListener | None = None,
         idle_tenants: int = IDLE_TENANTS,
+        probe_table: ProbeTableWriter | None = None,
     ) -> None:
         """``journal``, if given, records committed chunks in the segment for warm restarts.
 
         ``fence_seconds`` (default 10 x ``lease_seconds``): the longest an expired write
         lease's pages stay quarantined when nobody releases them.
         ``idle_tenants``: how many records of tenants that hold nothing keep their counters.
+        ``probe_table``, if given, is kept to the ready chunks for the connectors' schedulers.
         """
         if not 0 < low_watermark < high_watermark <= 1:
             raise ValueError("watermarks must satisfy 0 < low < high <= 1")
@@ -194,6 +197,7 @@ class L1Cache:
         self._index: dict[bytes, int] = {}
         self._tick = 0
         self._journal = journal
+        self._probe_table = probe_table
         self.listener = listener
         self.lower_tier = False
         """L2 tiers are configured: a prefix that L1 lacks can come back by prefetch."""
@@ -333,6 +337,8 @@ class L1Cache:
                 continue
             self._state[slot] = State.READY
             account = self._tenant_list[self._tenant[slot]]
+            if self._probe_table is not None:
+                self._probe_table.publish(self._key(slot), account.name)
             self._last_use[slot] = self._next_tick()
             account.policy.insert(slot, self._key(slot))
             account.stored_chunks += 1
@@ -523,6 +529,7 @@ class L1Cache:
             else:
                 if self._state[slot] == State.READY:
                     self._remove_from_policy(slot, evicted=False)
+                    self._withdraw(slot)
                 self._state[slot] = State.DOOMED
                 del self._index[key]
         self._announce_removed(announced, "cleared")
@@ -605,6 +612,8 @@ class L1Cache:
         slot, account = record.slot, self._account(record.tenant)
         self._keys[slot] = record.key
         self._state[slot] = State.READY
+        if self._probe_table is not None:
+            self._probe_table.publish(record.key, account.name)
         self._first_page[slot] = record.first_page
         self._offsets[slot] = self._offset_of(record.first_page)
         self._pages[slot] = record.pages
@@ -948,7 +957,14 @@ class L1Cache:
     def _remove_from_policy(self, slot: int, *, evicted: bool) -> None:
         self._tenant_list[self._tenant[slot]].policy.remove(slot, self._key(slot), evicted=evicted)
 
+    def _withdraw(self, slot: int) -> None:
+        """The chunk stops being ready: the connectors' schedulers no longer find it."""
+        if self._probe_table is not None:
+            self._probe_table.withdraw(self._key(slot))
+
     def _free(self, slot: int) -> None:
+        if self._state[slot] == State.READY:
+            self._withdraw(slot)
         if self._journal is not None:
             self._journal.erase(slot)  # before the pages can be handed out again
         key = self._key(slot)

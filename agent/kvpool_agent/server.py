@@ -58,13 +58,13 @@ class Agent:
             config.tokens_file, config.state_dir / f"admin-token-{config.pool}"
         )
         async with contextlib.AsyncExitStack() as stack:
-            l1 = open_l1(config)
+            agent_id = uuid.uuid4().hex
+            l1 = open_l1(config, agent_id)
             stack.callback(l1.close)
             service = self._open_service(l1, stack)
             metrics = AgentMetrics(
                 CollectorRegistry(), service, config.metrics_top_tenants, l1.origin
             )
-            agent_id = uuid.uuid4().hex
             events = EventPublisher(f"tcp://{config.host}:{config.events_port or '*'}", agent_id)
             events.start()
             stack.callback(events.stop)

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 COUNTERS: dict[str, str] = {
     "lookups": "Scheduler lookups sent to the agent.",
+    "local_probes": "Scheduler probes answered by the agent's table of ready chunks (no wait).",
     "hit_tokens": "Tokens vLLM allocated blocks for, to load them from the agent.",
     "prefetches": "Prefetches from L2 that requests waited for.",
     "prefetch_timeouts": "Prefetches not done within prefetch_wait_s (the request went on).",

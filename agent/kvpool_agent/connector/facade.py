@@ -110,6 +110,7 @@ class KvpoolConnector(KVConnectorBase_V1):
                 counters=self._counters,
                 prefetch_wait_s=settings.prefetch_wait_s,
                 step_budget_s=settings.step_budget_ms / 1000,
+                segment_path=self._segment_path,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

@@ -110,6 +110,10 @@ class AgentLink:
             lambda client: client.lookup_prefetch(tenant, keys, parent, lock=False, count=count)
         )
 
+    def count_lookup(self, tenant: str, keys: Sequence[bytes]) -> None:
+        """Send a counted, unlocked lookup without waiting for its answer."""
+        self._call(lambda client: client.count_lookup(tenant, keys))
+
     def prefetch_status(self, prefetch: int, *, wait_ms: int) -> PrefetchProgress:
         return self._call(lambda client: client.prefetch_status(prefetch, wait_ms=wait_ms))
 

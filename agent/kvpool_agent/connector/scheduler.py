@@ -40,6 +40,7 @@ the half answers "no hits" and plans nothing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -47,10 +48,11 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from kvpool_agent import keys
-from kvpool_agent.client import AgentError
+from kvpool_agent.client import AgentError, AgentInfo
 from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.link import AgentLink, LinkDown
 from kvpool_agent.connector.metadata import (
@@ -60,6 +62,7 @@ from kvpool_agent.connector.metadata import (
     LoadJob,
     StoreJob,
 )
+from kvpool_agent.probe_table import ProbeTableReader, table_path
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -138,10 +141,16 @@ class SchedulerHalf:
         counters: Counters,
         prefetch_wait_s: float = 0.0,
         step_budget_s: float = 0.01,
+        segment_path: Callable[[AgentInfo], Path] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``segment_path``: where this process sees the agent's segment (its table of ready
+        chunks lies beside it); without it every probe asks the agent."""
         self._prefetch_wait_s = prefetch_wait_s
         self._step_budget_s = step_budget_s
+        self._segment_path = segment_path
+        self._probe_table: ProbeTableReader | None = None
+        self._no_table_for: str | None = None
         self._clock = clock
         self._model = model
         self._dtype = dtype
@@ -275,12 +284,65 @@ class SchedulerHalf:
         probe = state.probe
         if probe is not None and probe.span == (first, limit) and now - probe.at < PROBE_REUSE_S:
             return probe.hits
-        if self._step_asked_s >= self._step_budget_s:
-            return None
-        hits = self._lookup(state, first, limit)
-        self._step_asked_s += self._clock() - now
+        hits = self._local_run(state, first, limit)
+        if hits is None:
+            if self._step_asked_s >= self._step_budget_s:
+                return None
+            hits = self._lookup(state, first, limit)
+            self._step_asked_s += self._clock() - now
         state.probe = _Probe((first, limit), hits, now)
         return hits
+
+    def _local_run(self, state: _Request, first: int, limit: int) -> int | None:
+        """The run of chunks the agent's table of ready chunks shows (no round trip), or None
+        when the agent must be asked: no table (an older agent), or chunks missing that the
+        probe's prefetch from L2 may bring."""
+        if not self._link.usable():
+            return None
+        try:
+            info = self._link.info()
+        except LinkDown:
+            return 0  # a miss, as the lookup would answer
+        table = self._table(info)
+        if table is None:
+            return None
+        tokens, end = state.request.all_token_ids, min(limit, first + info.max_keys)
+        with self.counters.timed("hash_us"):
+            wanted = [chain.upto(tokens, end)[first:end] for chain in state.chains]
+        hits = min(table.run(state.tenant, rank_keys) for rank_keys in wanted)
+        if hits < end - first and self._prefetch_wait_s > 0 and not state.prefetch_tried:
+            return None
+        self.counters.add("local_probes")
+        if not state.counted:  # the agent counts a request's hits and misses once, as before
+            state.counted = True
+            for rank_keys in wanted:
+                self.counters.add("lookups")
+                with contextlib.suppress(LinkDown, AgentError):
+                    self._link.count_lookup(state.tenant, rank_keys)
+        return hits
+
+    def _table(self, info: AgentInfo) -> ProbeTableReader | None:
+        """The table of the agent ``info`` names, mapped once per agent (None without one)."""
+        table = self._probe_table
+        if table is not None and not table.is_kept():  # the agent died: ask (and reconnect)
+            table.close()
+            self._probe_table = self._no_table_for = None
+            return None
+        if table is not None and table.agent_id == info.agent_id:
+            return table
+        if table is not None:
+            table.close()
+            self._probe_table = None
+        if self._segment_path is None or self._no_table_for == info.agent_id:
+            return None
+        try:
+            self._probe_table = ProbeTableReader(
+                table_path(self._segment_path(info)), info.agent_id
+            )
+        except (OSError, ValueError) as error:
+            self._no_table_for = info.agent_id
+            log.info("kvpool: no table of ready chunks (%s); every probe asks the agent", error)
+        return self._probe_table
 
     def _lookup(self, state: _Request, first: int, limit: int) -> int:
         if not self._link.usable():
@@ -481,4 +543,6 @@ class SchedulerHalf:
         return len(self._requests)
 
     def close(self) -> None:
+        if self._probe_table is not None:
+            self._probe_table.close()
         self._link.close()

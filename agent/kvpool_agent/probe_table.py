@@ -1,0 +1,190 @@
+"""Which L1 chunks are ready, readable by the connector's scheduler without a round trip.
+
+The agent keeps it beside its segment (``<segment>.probe``, recreated at every start)
+and writes it under its cache lock: a key is published when its chunk becomes ready
+and withdrawn when it stops being ready. A vLLM scheduler on the node maps the file
+read-only and probes its keys there instead of asking the agent. The answer is a
+hint, as the unlocked lookup it replaces was: the worker locks what it loads and
+recomputes what is gone by then.
+
+Layout: a header (magic, version, bucket count, the agent's id, so a reader knows the
+table belongs to the agent it talks to) and a power of two of buckets, at most half
+full (a chunk needs a page, so there are never more chunks than pages). A key's home
+bucket is its first 8 bytes (keys are SHA-256 digests); collisions probe linearly, and
+a withdrawal shifts the entries after it back, so there are no tombstones. A bucket is
+``sequence (u32) | tenant tag (u32) | key (32 bytes)``; the sequence is odd while the
+agent writes the bucket, and a reader retries a bucket whose sequence moved. A reader
+may miss a key that is being moved (a miss costs a recompute, as any miss does); it
+never sees a key the agent has not published.
+
+The agent holds an exclusive lock on the file while it lives; the kernel drops it when the
+process ends, however it ends. A reader trusts the table only while somebody holds that
+lock: a dead or stopped agent's table is never read as if it were kept.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import struct
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+
+MAGIC = b"KVPPROBE"
+VERSION = 1
+_HEADER = struct.Struct("<8sII32s")  # magic, version, buckets, agent id (hex, 32 chars)
+HEADER_BYTES = 64
+_BUCKET = struct.Struct("<II32s")
+BUCKET_BYTES = _BUCKET.size
+_SEQUENCE = struct.Struct("<I")
+_EMPTY = bytes(32)
+_READ_TRIES = 4
+
+
+def table_path(segment_path: Path) -> Path:
+    return segment_path.with_name(segment_path.name + ".probe")
+
+
+def tenant_tag(tenant: str) -> int:
+    """32 bits of the tenant id: a key is only ever found by its own tenant (as in L1, where
+    a key another tenant stored is a miss)."""
+    return zlib.crc32(tenant.encode())
+
+
+def _home(key: bytes, mask: int) -> int:
+    return int.from_bytes(key[:8], "little") & mask
+
+
+class ProbeTableWriter:
+    """The agent's side: one writer, under the cache's lock."""
+
+    def __init__(self, path: Path, max_chunks: int, agent_id: str) -> None:
+        buckets = 1 << max(4, (2 * max_chunks - 1).bit_length())
+        self.path = path
+        self._mask = buckets - 1
+        size = HEADER_BYTES + buckets * BUCKET_BYTES
+        temporary = path.with_name(f".{path.name}.{os.getpid()}")
+        self._fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o660)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)  # held until the process ends: "the table is kept"
+        os.ftruncate(self._fd, size)
+        self._map = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        _HEADER.pack_into(self._map, 0, MAGIC, VERSION, buckets, agent_id.encode()[:32])
+        os.replace(temporary, path)
+        self._keys: dict[bytes, int] = {}
+        """Key -> its bucket (the agent's own map of the table)."""
+
+    def publish(self, key: bytes, tenant: str) -> None:
+        if key in self._keys or len(key) != 32 or key == _EMPTY:
+            return
+        index = _home(key, self._mask)
+        while self._bucket_key(index) != _EMPTY:
+            index = (index + 1) & self._mask
+        self._write(index, tenant_tag(tenant), key)
+
+    def withdraw(self, key: bytes) -> None:
+        """Remove ``key``; move the entries after it back so that no probe stops short."""
+        hole = self._keys.pop(key, None)
+        if hole is None:
+            return
+        mask, index = self._mask, hole
+        while True:
+            index = (index + 1) & mask
+            moving = self._bucket_key(index)
+            if moving == _EMPTY:
+                break
+            home = _home(moving, mask)
+            # the entry may fill the hole unless its home lies cyclically in (hole, index]
+            if (index - home) & mask >= (index - hole) & mask:
+                tag = _BUCKET.unpack_from(self._map, self._offset(index))[1]
+                self._write(hole, tag, moving)
+                hole = index
+        self._write(hole, 0, _EMPTY)
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+        self._map.close()
+        os.close(self._fd)
+
+    def _offset(self, index: int) -> int:
+        return HEADER_BYTES + index * BUCKET_BYTES
+
+    def _bucket_key(self, index: int) -> bytes:
+        offset = self._offset(index) + 8
+        return self._map[offset : offset + 32]
+
+    def _write(self, index: int, tag: int, key: bytes) -> None:
+        offset = self._offset(index)
+        (sequence,) = _SEQUENCE.unpack_from(self._map, offset)
+        _SEQUENCE.pack_into(self._map, offset, (sequence + 1) & 0xFFFFFFFF)
+        self._map[offset + 4 : offset + BUCKET_BYTES] = _BUCKET.pack(0, tag, key)[4:]
+        _SEQUENCE.pack_into(self._map, offset, (sequence + 2) & 0xFFFFFFFF)
+        if key != _EMPTY:
+            self._keys[key] = index
+
+
+class ProbeTableReader:
+    """A scheduler's side: the table of the agent ``agent_id``, mapped read-only."""
+
+    def __init__(self, path: Path, agent_id: str) -> None:
+        """Raises OSError or ValueError when there is no such table (an older agent, or one
+        that restarted since): the caller asks the agent instead."""
+        self._fd = os.open(path, os.O_RDONLY)
+        try:
+            self._map = mmap.mmap(self._fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
+        except (OSError, ValueError):
+            os.close(self._fd)
+            raise
+        try:
+            magic, version, buckets, owner = _HEADER.unpack_from(self._map, 0)
+            if magic != MAGIC or version != VERSION:
+                raise ValueError(f"{path} is not a probe table of version {VERSION}")
+            if owner.rstrip(b"\0").decode() != agent_id[:32]:
+                raise ValueError(f"{path} belongs to another agent (restarted?)")
+            if len(self._map) != HEADER_BYTES + buckets * BUCKET_BYTES:
+                raise ValueError(f"{path} is truncated")
+        except ValueError:
+            self.close()
+            raise
+        self.agent_id = agent_id
+        self._mask = buckets - 1
+
+    def run(self, tenant: str, keys: Sequence[bytes]) -> int:
+        """How many of ``keys``, from the first, the agent holds ready for ``tenant``."""
+        tag = tenant_tag(tenant)
+        for count, key in enumerate(keys):
+            if not self._holds(key, tag):
+                return count
+        return len(keys)
+
+    def _holds(self, key: bytes, tag: int) -> bool:
+        view, mask = self._map, self._mask
+        index = _home(key, mask)
+        for _ in range(mask + 1):
+            offset = HEADER_BYTES + index * BUCKET_BYTES
+            for _ in range(_READ_TRIES):
+                before, owner, found = _BUCKET.unpack_from(view, offset)
+                if not before & 1 and _SEQUENCE.unpack_from(view, offset)[0] == before:
+                    break
+            else:
+                return False  # a bucket being rewritten right now: a miss is always safe
+            if found == key:
+                return bool(owner == tag)
+            if found == _EMPTY:
+                return False
+            index = (index + 1) & mask
+        return False
+
+    def is_kept(self) -> bool:
+        """Whether the agent that writes the table is alive (it holds the file's lock)."""
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return False
+
+    def close(self) -> None:
+        self._map.close()
+        os.close(self._fd)

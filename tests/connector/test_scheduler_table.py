@@ -1,0 +1,131 @@
+"""The scheduler probes a real agent's table of ready chunks instead of asking it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvpool_agent import keys
+from kvpool_agent.client import AgentClient
+from kvpool_agent.connector.counters import Counters
+from kvpool_agent.connector.discovery import AgentAddress
+from kvpool_agent.connector.link import AgentLink
+from kvpool_agent.connector.metadata import KvpoolHandshake
+from kvpool_agent.connector.scheduler import SchedulerHalf
+from kvpool_agent.probe_table import table_path
+from kvpool_agent.testing.agent_process import AgentProcess
+
+from .fakes import FakeRequest
+from .test_scheduler import BLOCK, CHUNK, LAYOUT, chain, tokens
+
+TENANT = keys.tenant_id(None)
+
+
+@pytest.fixture
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
+    process = AgentProcess(tmp_path_factory.mktemp("agent"))
+    process.start()
+    process.fix_ports()  # a restarted agent listens where the scheduler looks
+    yield process
+    process.cleanup()
+
+
+def scheduler(agent: AgentProcess, *, prefetch_wait_s: float = 0.0) -> SchedulerHalf:
+    counters = Counters()
+    half = SchedulerHalf(
+        model="m",
+        dtype="bfloat16",
+        tp_size=1,
+        block_size=BLOCK,
+        link=AgentLink(
+            lambda: AgentAddress(agent.zmq, None, None),
+            role="scheduler",
+            timeout=1.0,
+            retry_min_s=0.05,
+            retry_max_s=0.1,
+            counters=counters,
+        ),
+        counters=counters,
+        prefetch_wait_s=prefetch_wait_s,
+        segment_path=lambda info: info.segment_path,
+    )
+    half.configure({0: KvpoolHandshake(LAYOUT, CHUNK, True)})
+    return half
+
+
+def hits(agent: AgentProcess) -> tuple[int, int]:
+    with AgentClient(agent.zmq) as client:
+        stats = client.stats()
+    return int(stats["hits"]), int(stats["misses"])
+
+
+def test_a_hit_is_found_without_waiting_for_the_agent(agent: AgentProcess) -> None:
+    prompt = tokens(1000)
+    with AgentClient(agent.zmq) as client:
+        client.store(TENANT, chain(prompt)[:3], [b"k" * 64] * 3)
+    half = scheduler(agent, prefetch_wait_s=2.0)
+    half.get_num_new_matched_tokens(FakeRequest("warm", tokens(300, seed=9)), 0)  # connects
+    before = hits(agent)
+
+    os.kill(agent.pid, signal.SIGSTOP)  # the agent answers nothing now
+    try:
+        started = time.perf_counter()
+        assert half.get_num_new_matched_tokens(FakeRequest("r", prompt), 0) == (3 * CHUNK, False)
+        assert time.perf_counter() - started < 0.5  # the lookup timeout is 1 s
+    finally:
+        os.kill(agent.pid, signal.SIGCONT)
+    assert half.counters.totals["local_probes"] == 1  # the warm-up missed: it asked
+    # the agent still counts the request's hits and misses, once
+    deadline = time.monotonic() + 5
+    while hits(agent) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert hits(agent) == (before[0] + 3, before[1])
+
+
+def test_a_partial_hit_asks_the_agent_for_its_prefetch(agent: AgentProcess) -> None:
+    """The table cannot know what L2 holds: a run that stops short is a round trip."""
+    prompt = tokens(1000)
+    with AgentClient(agent.zmq) as client:
+        client.store(TENANT, chain(prompt)[:1], [b"k" * 64])
+    half = scheduler(agent, prefetch_wait_s=2.0)
+    assert half.get_num_new_matched_tokens(FakeRequest("r", prompt), 0) == (CHUNK, False)
+    assert half.counters.totals["local_probes"] == 0
+    assert half.counters.totals["lookups"] == 1
+    no_prefetch = scheduler(agent)  # without prefetch the table's answer is final
+    assert no_prefetch.get_num_new_matched_tokens(FakeRequest("s", prompt), 0) == (CHUNK, False)
+    assert no_prefetch.counters.totals["local_probes"] == 1
+
+
+def test_without_a_table_every_probe_asks_the_agent(agent: AgentProcess) -> None:
+    """An agent of an older version keeps no table: nothing changes but the round trip."""
+    prompt = tokens(1000)
+    with AgentClient(agent.zmq) as client:
+        client.store(TENANT, chain(prompt)[:3], [b"k" * 64] * 3)
+        assert client.info is not None
+        table_path(client.info.segment_path).unlink()
+    half = scheduler(agent)
+    assert half.get_num_new_matched_tokens(FakeRequest("r", prompt), 0) == (3 * CHUNK, False)
+    assert half.counters.totals["local_probes"] == 0
+    assert half.counters.totals["lookups"] == 1
+
+
+def test_a_dead_agents_table_is_not_read_and_a_restarted_agents_is(agent: AgentProcess) -> None:
+    """A scheduler that finds every hit in the table does not talk to the agent: the table's
+    lock tells it the agent died; it asks (a miss while down, a hello once back), then maps
+    the new agent's table."""
+    prompt = tokens(1000)
+    with AgentClient(agent.zmq) as client:
+        client.store(TENANT, chain(prompt)[:3], [b"k" * 64] * 3)
+    half = scheduler(agent)
+    assert half.get_num_new_matched_tokens(FakeRequest("r", prompt), 0) == (3 * CHUNK, False)
+    agent.kill()
+    assert half.get_num_new_matched_tokens(FakeRequest("dead", prompt), 0) == (0, False)
+    agent.start()  # warm restart: the chunks are adopted, and published in a new table
+    time.sleep(0.2)  # the link's pause after the failure
+    assert half.get_num_new_matched_tokens(FakeRequest("s", prompt), 0) == (3 * CHUNK, False)
+    assert half.counters.totals["local_probes"] == 2  # r, and s from the new agent's table
+    assert half.counters.totals["agent_failures"] == 1
