@@ -12,13 +12,12 @@ import pytest
 from kvpool_agent import keys
 from kvpool_agent.client import AgentClient
 from kvpool_agent.connector.counters import Counters
-from kvpool_agent.connector.discovery import AgentAddress
-from kvpool_agent.connector.link import AgentLink
 from kvpool_agent.connector.metadata import KvpoolHandshake
 from kvpool_agent.connector.scheduler import SchedulerHalf
 from kvpool_agent.probe_table import table_path
 from kvpool_agent.testing.agent_process import AgentProcess
 
+from .agent_link import agent_link
 from .fakes import FakeRequest
 from .test_scheduler import BLOCK, CHUNK, LAYOUT, chain, tokens
 
@@ -41,14 +40,7 @@ def scheduler(agent: AgentProcess, *, prefetch_wait_s: float = 0.0) -> Scheduler
         dtype="bfloat16",
         tp_size=1,
         block_size=BLOCK,
-        link=AgentLink(
-            lambda: AgentAddress(agent.zmq, None, None),
-            role="scheduler",
-            timeout=1.0,
-            retry_min_s=0.05,
-            retry_max_s=0.1,
-            counters=counters,
-        ),
+        link=agent_link(agent, counters, "scheduler"),
         counters=counters,
         prefetch_wait_s=prefetch_wait_s,
         segment_path=lambda info: info.segment_path,

@@ -13,11 +13,11 @@ import torch
 from kvpool_agent import keys
 from kvpool_agent.client import AgentClient, AgentInfo
 from kvpool_agent.connector.counters import Counters
-from kvpool_agent.connector.discovery import AgentAddress
-from kvpool_agent.connector.link import AgentLink
 from kvpool_agent.connector.metadata import KvpoolMetadata, LoadJob, StoreJob
 from kvpool_agent.connector.worker import WorkerHalf
 from kvpool_agent.testing.agent_process import AgentProcess
+
+from .agent_link import agent_link
 
 BLOCKS, HEADS, BLOCK_TOKENS, CONTENT = 16, 2, 4, 8
 CHUNK = 2 * BLOCK_TOKENS
@@ -60,15 +60,7 @@ def make_worker(agent: AgentProcess, seed: int | None) -> tuple[WorkerHalf, list
     def on_new_agent(info: AgentInfo) -> None:
         holder[0].on_new_agent(info)
 
-    link = AgentLink(
-        lambda: AgentAddress(agent.zmq, None, None),
-        role="worker",
-        timeout=1.0,
-        retry_min_s=0.05,
-        retry_max_s=0.1,
-        counters=counters,
-        on_new_agent=on_new_agent,
-    )
+    link = agent_link(agent, counters, "worker", on_new_agent)
     worker = WorkerHalf(
         rank=0,
         link=link,

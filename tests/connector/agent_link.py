@@ -1,0 +1,28 @@
+"""A link from a connector half to a real agent process, with the short pauses tests want."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvpool_agent.client import AgentInfo
+from kvpool_agent.connector.counters import Counters
+from kvpool_agent.connector.discovery import AgentAddress
+from kvpool_agent.connector.link import AgentLink
+from kvpool_agent.testing.agent_process import AgentProcess
+
+
+def agent_link(
+    agent: AgentProcess,
+    counters: Counters,
+    role: str,
+    on_new_agent: Callable[[AgentInfo], None] | None = None,
+) -> AgentLink:
+    return AgentLink(
+        lambda: AgentAddress(agent.zmq, None, None),
+        role=role,
+        timeout=1.0,
+        retry_min_s=0.05,
+        retry_max_s=0.1,
+        counters=counters,
+        on_new_agent=on_new_agent,
+    )
