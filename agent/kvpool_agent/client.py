@@ -425,29 +425,27 @@ class AgentClient(_ClientBase):
     def release(self, lease: int) -> None:
         self._call(_Requests.release(lease))
 
+    def _send(self, exchange: _Exchange[Any]) -> Any:
+        """Send a request without waiting for its answer; the request sent."""
+        if self.info is None:
+            self.connect()
+        socket = self._socket
+        assert socket is not None
+        request = exchange.build(next(self._req), self._session())
+        socket.send(p.encode(request))
+        return request
+
     def count_lookup(self, tenant: str, keys: Sequence[bytes]) -> None:
         """Send an unlocked lookup that counts its hits and misses, and do not wait: the
         caller found them itself (the agent's table of ready chunks), the agent keeps the
         tenant's statistics and the write-back's reuse counts. The answer is dropped."""
-        if self.info is None:
-            self.connect()
-        socket = self._socket
-        assert socket is not None
-        request = _Requests.lookup(tenant, keys, False, True).build(
-            next(self._req), self._session()
-        )
-        socket.send(p.encode(request))
+        self._send(_Requests.lookup(tenant, keys, False, True))
 
     def release_later(self, lease: int) -> Callable[[], None]:
         """Send a release now; the returned call waits for the agent's answer. The round trip
         then overlaps the caller's own work (vLLM's forward) instead of preceding it."""
-        if self.info is None:
-            self.connect()
-        socket = self._socket
-        assert socket is not None
         exchange = _Requests.release(lease)
-        request = exchange.build(next(self._req), self._session())
-        socket.send(p.encode(request))
+        request = self._send(exchange)
         self._awaited.add(request.req)
 
         def answer() -> None:
