@@ -75,6 +75,13 @@ class NvmeTierConfig(BaseModel):
     )
     direct_io: bool = Field(False, description="Write and read with O_DIRECT (where supported).")
     max_concurrency: int = Field(16, ge=1, description="File operations in flight at once.")
+    encryption: bool = Field(
+        False,
+        description=(
+            "Seal each file with AES-GCM under the pool's key. Off: files are plaintext but "
+            "still authenticated with the key (a forged or renamed file is a miss)."
+        ),
+    )
 
 
 class S3TierConfig(BaseModel):
@@ -102,6 +109,28 @@ class S3TierConfig(BaseModel):
         ByteSize(8 << 20), description="Objects from this size move in parallel parts."
     )
     part_size: ByteSize = Field(ByteSize(8 << 20), description="Size of one part.")
+    encryption: bool = Field(
+        True,
+        description=(
+            "Seal each object with AES-GCM under the pool's key. Off: objects are plaintext "
+            "but still authenticated with the key (a forged or renamed object is a miss)."
+        ),
+    )
+    server_side_encryption: Literal["AES256", "aws:kms", "aws:kms:dsse"] | None = Field(
+        None,
+        description="S3 server-side encryption asked for on every put (independent of sealing).",
+    )
+    sse_kms_key_id: str | None = Field(
+        None, description="KMS key of server_side_encryption aws:kms or aws:kms:dsse."
+    )
+
+    @model_validator(mode="after")
+    def _check_sse(self) -> Self:
+        if self.sse_kms_key_id is not None and not (self.server_side_encryption or "").startswith(
+            "aws:kms"
+        ):
+            raise ValueError("sse_kms_key_id needs server_side_encryption aws:kms or aws:kms:dsse")
+        return self
 
 
 class AgentConfig(BaseSettings):
@@ -207,6 +236,16 @@ class AgentConfig(BaseSettings):
         ge=0,
         description="Tenants with their own metrics label, largest first; the rest are 'other'.",
     )
+    l2_key_dir: Path | None = Field(
+        None,
+        description=(
+            "Directory of the pool's L2 master keys, one file per key (a mounted Secret): the "
+            "file's name is the key id (a positive integer), its content the key (at least 32 "
+            "bytes, e.g. `openssl rand -hex 32`). The highest id seals new objects, every id "
+            "present opens old ones; reread every 30 s. Where it holds no key, key 1 is "
+            "generated (mode 0600). Default <state_dir>/l2-keys."
+        ),
+    )
     nvme: NvmeTierConfig | None = Field(None, description="Local NVMe L2 tier, if any.")
     s3: S3TierConfig | None = Field(None, description="S3 L2 tier, if any.")
     store_policy: Literal["all", "reused"] = Field(
@@ -252,6 +291,10 @@ class AgentConfig(BaseSettings):
     @property
     def resolved_segment_path(self) -> Path:
         return self.segment_path or segment_path(self.pool)
+
+    @property
+    def resolved_l2_key_dir(self) -> Path:
+        return self.l2_key_dir or self.state_dir / "l2-keys"
 
     @property
     def resolved_quota_file(self) -> Path:
