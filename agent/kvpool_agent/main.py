@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from kvpool_agent.auth import TokenFileError
 from kvpool_agent.config import AgentConfig
+from kvpool_agent.l2.keyring import KeyringError
 from kvpool_agent.names import AGENT_CONFIG_FILE_ENV
 from kvpool_agent.quota_store import QuotaStoreError
 from kvpool_agent.segment import SegmentError
@@ -46,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TokenFileError as error:
         print(f"kvpool-agent: invalid tokens file: {error}", file=sys.stderr)
         return 2
-    except (SegmentError, QuotaStoreError, OSError) as error:
+    except (SegmentError, QuotaStoreError, KeyringError, OSError) as error:
         print(f"kvpool-agent: {error}", file=sys.stderr)
         return 1
     return 0

@@ -20,6 +20,8 @@ import pytest
 
 from kvpool_agent.config import NvmeTierConfig, S3TierConfig
 from kvpool_agent.l2 import ObjectKey
+from kvpool_agent.l2.codec import ObjectCodec
+from kvpool_agent.l2.keyring import Keyring, generate_key
 from kvpool_agent.testing.s3_server import moto_server
 
 from .faults import FaultProxy
@@ -38,6 +40,12 @@ def chunk(index: int | str, tenant: str = TENANT) -> ObjectKey:
 
 def payload(size: int, seed: int | str = 0) -> bytes:
     return random.Random(f"{seed}-{size}").randbytes(size)
+
+
+def object_codec(keys: Path, pool: str = POOL, *, seal: bool = False) -> ObjectCodec:
+    """A codec under the master keys in ``keys`` (key 1 generated there if it holds none)."""
+    generate_key(keys)
+    return ObjectCodec(Keyring(keys), pool, seal=seal)
 
 
 def nvme_config(path: Path, **overrides: Any) -> NvmeTierConfig:

@@ -13,6 +13,7 @@ import pytest
 
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
+from kvpool_agent.l2.codec import HEADER
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.agent.conftest import key
 
@@ -113,9 +114,14 @@ def test_nvme_outlives_the_agent_and_its_segment(
 
 
 def test_a_chunk_stored_on_one_node_is_loaded_on_another(
-    agents: Callable[..., AgentProcess], s3_endpoint: str, bucket: str
+    agents: Callable[..., AgentProcess], s3_endpoint: str, bucket: str, tmp_path: Path
 ) -> None:
-    s3 = {"S3__BUCKET": bucket, "S3__ENDPOINT_URL": s3_endpoint, "S3__REGION": "us-east-1"}
+    s3 = {
+        "S3__BUCKET": bucket,
+        "S3__ENDPOINT_URL": s3_endpoint,
+        "S3__REGION": "us-east-1",
+        "L2_KEY_DIR": str(tmp_path / "pool-keys"),  # the pool's key Secret, on both nodes
+    }
     first, second = agents("node-1", **s3), agents("node-2", **s3)
     with AgentClient(first.zmq) as client:
         store_chain(client, list(range(6)))
@@ -135,13 +141,13 @@ def test_prefetched_chunks_count_against_the_tenant_quota(
         wait_until(lambda: metric(agent, "kvpool_writeback_written_total") >= 10)
         client.clear(TENANT)
     admin = {"Authorization": "Bearer admin-token-for-tests"}
-    limit = 4 * CHUNK + 1000  # 4 chunks, with room for the NVMe files' headers
+    limit = 4 * (CHUNK + HEADER.size) + 100  # 4 chunks and their NVMe files' headers
     quota = httpx.put(
         f"{agent.http}/v1/tenants/{TENANT}/quota", json={"limit_bytes": limit}, headers=admin
     )
     assert quota.status_code == 200
     # The NVMe tier shrinks to the new quota at once, not at the tenant's next put.
-    wait_until(lambda: metric(agent, 'kvpool_l2_used_bytes{tier="nvme"}') <= 4 * (CHUNK + 100))
+    wait_until(lambda: metric(agent, 'kvpool_l2_used_bytes{tier="nvme"}') <= limit)
     assert metric(agent, 'kvpool_l2_evictions_total{tier="nvme"}') == 6
     with AgentClient(agent.zmq) as client:
         _, prefetch = client.lookup_prefetch(TENANT, [key(n) for n in range(10)])
@@ -151,7 +157,7 @@ def test_prefetched_chunks_count_against_the_tenant_quota(
         hits = client.lookup(TENANT, [key(n) for n in range(10)], lock=False).count
         assert hits == progress.loaded
         usage = httpx.get(f"{agent.http}/v1/tenants/{TENANT}/usage", headers=admin).json()
-        assert usage["used_bytes"] <= 4 * CHUNK + 1000
+        assert usage["used_bytes"] <= limit
 
 
 def test_a_slow_l2_sheds_write_backs_without_slowing_stores(

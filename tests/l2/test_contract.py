@@ -1,4 +1,5 @@
-"""The L2 contract, run against every registered adapter and a fault-injecting wrapper.
+"""The L2 contract, run against every registered adapter and a fault-injecting wrapper,
+each with its objects sealed and with them authenticated plaintext.
 
 Expectations are per key: a key the wrapper fails must come back as a per-key
 failure (False / None) while the rest of its batch behaves as with any adapter.
@@ -17,7 +18,7 @@ import pytest_asyncio
 from kvpool_agent.l2 import ADAPTER_NAMES, L2Adapter, L2Object, ObjectKey, adapter_class
 from kvpool_agent.l2.codec import HEADER
 
-from .conftest import POOL, MiB, chunk, nvme_config, payload, raw_client, s3_config
+from .conftest import POOL, MiB, chunk, nvme_config, object_codec, payload, raw_client, s3_config
 from .faults import FaultyAdapter
 
 pytestmark = pytest.mark.asyncio
@@ -28,61 +29,75 @@ SIZES = [0, 1, 4095, 4096, 4097, MiB + 3, 20 * MiB]  # 20 MiB: a multipart objec
 @dataclass
 class Tier:
     adapter: L2Adapter
-    corrupt: Callable[[ObjectKey], None]
-    """Flip one byte of the stored object, behind the adapter's back."""
+    read: Callable[[ObjectKey], bytes]
+    """The stored object's bytes, read behind the adapter's back."""
+    write: Callable[[ObjectKey, bytes], None]
+    """Replace the stored object's bytes behind the adapter's back."""
     stored: Callable[[ObjectKey], bool]
     """Whether the backend holds the object, asked behind the adapter's back."""
     fails: Callable[[ObjectKey], bool]
     """Keys the adapter is built to fail."""
+    drops_bad_objects: bool
+    """NVMe deletes an object that does not open; S3 leaves it (the bucket is shared)."""
+
+    def corrupt(self, name: ObjectKey) -> None:
+        """Flip the first payload byte (or, of an empty payload, the tag's last)."""
+        blob = bytearray(self.read(name))
+        blob[min(HEADER.size, len(blob) - 1)] ^= 0xFF
+        self.write(name, bytes(blob))
 
 
-def _flip(blob: bytes) -> bytes:
-    flipped = bytearray(blob)
-    flipped[min(HEADER.size, len(blob) - 1)] ^= 0xFF  # first payload byte, or the checksum
-    return bytes(flipped)
+def _nvme(tmp_path: Path, seal: bool) -> Tier:
+    codec = object_codec(tmp_path / "keys", seal=seal)
+    adapter = adapter_class("nvme")(nvme_config(tmp_path / "l2"), POOL, lambda tenant: None, codec)  # type: ignore[call-arg]
 
+    def read(name: ObjectKey) -> bytes:
+        return bytes(adapter.path_of(name).read_bytes())  # type: ignore[attr-defined]
 
-def _nvme(tmp_path: Path) -> Tier:
-    adapter = adapter_class("nvme")(nvme_config(tmp_path), POOL, lambda tenant: None)  # type: ignore[call-arg]
-
-    def corrupt(name: ObjectKey) -> None:
-        path = adapter.path_of(name)  # type: ignore[attr-defined]
-        path.write_bytes(_flip(path.read_bytes()))
+    def write(name: ObjectKey, blob: bytes) -> None:
+        adapter.path_of(name).write_bytes(blob)  # type: ignore[attr-defined]
 
     def stored(name: ObjectKey) -> bool:
         return bool(adapter.path_of(name).exists())  # type: ignore[attr-defined]
 
-    return Tier(adapter, corrupt, stored, lambda name: False)
+    return Tier(adapter, read, write, stored, lambda name: False, drops_bad_objects=True)
 
 
-def _s3(request: pytest.FixtureRequest) -> Tier:
+def _s3(request: pytest.FixtureRequest, tmp_path: Path, seal: bool) -> Tier:
     endpoint: str = request.getfixturevalue("s3_endpoint")
     bucket: str = request.getfixturevalue("bucket")
-    adapter = adapter_class("s3")(s3_config(endpoint, bucket), POOL)  # type: ignore[call-arg]
+    codec = object_codec(tmp_path / "keys", seal=seal)
+    adapter = adapter_class("s3")(s3_config(endpoint, bucket), POOL, codec)  # type: ignore[call-arg]
     raw = raw_client(endpoint)
 
-    def corrupt(name: ObjectKey) -> None:
+    def read(name: ObjectKey) -> bytes:
         key = adapter.object_key(name)  # type: ignore[attr-defined]
-        blob = raw.get_object(Bucket=bucket, Key=key)["Body"].read()
-        raw.put_object(Bucket=bucket, Key=key, Body=_flip(blob))
+        return raw.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+    def write(name: ObjectKey, blob: bytes) -> None:
+        raw.put_object(Bucket=bucket, Key=adapter.object_key(name), Body=blob)  # type: ignore[attr-defined]
 
     def stored(name: ObjectKey) -> bool:
         key = adapter.object_key(name)  # type: ignore[attr-defined]
         return bool(raw.list_objects_v2(Bucket=bucket, Prefix=key).get("KeyCount"))
 
-    return Tier(adapter, corrupt, stored, lambda name: False)
+    return Tier(adapter, read, write, stored, lambda name: False, drops_bad_objects=False)
 
 
-@pytest_asyncio.fixture(params=[*ADAPTER_NAMES, "faulty"])
+@pytest_asyncio.fixture(
+    params=[(name, seal) for name in (*ADAPTER_NAMES, "faulty") for seal in (False, True)],
+    ids=lambda param: f"{param[0]}-{'sealed' if param[1] else 'plain'}",
+)
 async def tier(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Tier]:
-    if request.param == "nvme":
-        tier = _nvme(tmp_path)
-    elif request.param == "s3":
-        tier = _s3(request)
+    name, seal = request.param
+    if name == "nvme":
+        tier = _nvme(tmp_path, seal)
+    elif name == "s3":
+        tier = _s3(request, tmp_path, seal)
     else:
-        inner = _nvme(tmp_path)
+        inner = _nvme(tmp_path, seal)
         faulty = FaultyAdapter(inner.adapter)
-        tier = Tier(faulty, inner.corrupt, inner.stored, faulty.fails)
+        tier = Tier(faulty, inner.read, inner.write, inner.stored, faulty.fails, True)
     yield tier
     await tier.adapter.close()
 
@@ -157,7 +172,7 @@ async def test_tenants_are_separate(tier: Tier) -> None:
     ]
 
 
-async def test_a_corrupt_object_is_a_counted_miss_and_is_deleted(tier: Tier) -> None:
+async def test_a_corrupt_object_is_a_counted_miss(tier: Tier) -> None:
     names = [n for n in (chunk(i) for i in range(20)) if not tier.fails(n)][:2]
     for size, name in zip((0, 3000), names, strict=True):
         assert await tier.adapter.put([L2Object(name, payload(size))]) == [True]
@@ -165,8 +180,33 @@ async def test_a_corrupt_object_is_a_counted_miss_and_is_deleted(tier: Tier) -> 
     assert await tier.adapter.get(names) == [None, None]
     assert tier.adapter.stats.integrity_failures == 2
     assert tier.adapter.stats.hits == 0
-    assert not any(tier.stored(n) for n in names)
-    assert await tier.adapter.exists(names) == [False, False]
+    kept = not tier.drops_bad_objects
+    assert [tier.stored(n) for n in names] == [kept, kept]
+    assert await tier.adapter.exists(names) == [kept, kept]
+
+
+async def test_a_truncated_or_renamed_object_is_a_miss(tier: Tier) -> None:
+    """Renamed: copied verbatim under another chunk key, and with its header's key rewritten
+    to match (what a checksum alone would serve)."""
+    source, truncated, copied, forged = [
+        n for n in (chunk(i) for i in range(40)) if not tier.fails(n)
+    ][:4]
+    await tier.adapter.put(
+        [L2Object(n, payload(5000, n.key.hex())) for n in (source, truncated, copied, forged)]
+    )
+    tier.write(truncated, tier.read(truncated)[:-1])
+    blob = tier.read(source)
+    tier.write(copied, blob)
+    key_at = blob.index(source.key)
+    tier.write(forged, blob[:key_at] + forged.key + blob[key_at + len(forged.key) :])
+    assert await tier.adapter.get([truncated, copied, forged, source]) == [
+        None,
+        None,
+        None,
+        payload(5000, source.key.hex()),
+    ]
+    assert tier.adapter.stats.integrity_failures == 3
+    assert [tier.stored(n) for n in (truncated, copied, forged)] == [not tier.drops_bad_objects] * 3
 
 
 async def test_put_is_idempotent(tier: Tier) -> None:

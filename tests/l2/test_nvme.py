@@ -17,7 +17,7 @@ from kvpool_agent.l2 import L2Object, ObjectKey
 from kvpool_agent.l2.codec import HEADER
 from kvpool_agent.l2.nvme import BLOCK, NvmeAdapter
 
-from .conftest import POOL, MiB, chunk, nvme_config, payload
+from .conftest import POOL, MiB, chunk, nvme_config, object_codec, payload
 
 pytestmark = pytest.mark.asyncio
 
@@ -29,7 +29,8 @@ def _adapter(
     path: Path, limits: dict[str, int | None] | None = None, **overrides: Any
 ) -> NvmeAdapter:
     quotas = limits or {}
-    return NvmeAdapter(nvme_config(path, **overrides), POOL, quotas.get)
+    codec = object_codec(path.parent / f"{path.name}-keys")
+    return NvmeAdapter(nvme_config(path, **overrides), POOL, quotas.get, codec)
 
 
 def _files(root: Path) -> list[Path]:
@@ -179,8 +180,8 @@ async def test_racing_operations_on_one_key_keep_the_index_true_to_the_disk(
 async def test_fsync_policy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsync: str, file_syncs: int, dir_syncs: int
 ) -> None:
-    calls = _spy_syncs(monkeypatch)
     adapter = _adapter(tmp_path, fsync=fsync)
+    calls = _spy_syncs(monkeypatch)
     await _put(adapter, chunk(0))
     assert calls == {"fdatasync": file_syncs, "fsync": dir_syncs}
     await adapter.close()
@@ -189,8 +190,8 @@ async def test_fsync_policy(
 async def test_fsync_always_also_syncs_the_directories(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    calls = _spy_syncs(monkeypatch)
     adapter = _adapter(tmp_path, fsync="always")
+    calls = _spy_syncs(monkeypatch)
     await _put(adapter, chunk(0))
     # The file, its directory, and the two directories created for it.
     assert calls == {"fdatasync": 1, "fsync": 3}

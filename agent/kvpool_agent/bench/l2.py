@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import math
 import mmap
 import os
 import tempfile
@@ -46,6 +47,8 @@ from kvpool_agent.config import NvmeTierConfig, S3TierConfig
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.l2 import layout
 from kvpool_agent.l2.base import L2Object, ObjectKey
+from kvpool_agent.l2.codec import ObjectCodec
+from kvpool_agent.l2.keyring import Keyring, generate_key
 from kvpool_agent.l2.nvme import BLOCK, NvmeAdapter
 from kvpool_agent.l2.s3 import S3Adapter
 from kvpool_agent.testing.s3_server import moto_server
@@ -111,6 +114,12 @@ def _workload(size: int, total: int, group_bytes: int) -> _Workload:
         [block[i % size :] + block[: i % size] for i in range(count)],
         [range(first, min(first + per_group, count)) for first in range(0, count, per_group)],
     )
+
+
+def _codec(keys: Path, *, seal: bool) -> ObjectCodec:
+    """A codec under a key generated in ``keys`` (read once: the keys are not reread)."""
+    generate_key(keys)
+    return ObjectCodec(Keyring(keys, reload_seconds=math.inf), "bench", seal=seal)
 
 
 class _Side(Protocol):
@@ -218,7 +227,8 @@ async def nvme_report(args: argparse.Namespace, sizes: list[int]) -> str:
             direct_io=args.direct_io,
             max_concurrency=args.concurrency,
         )
-        adapter = NvmeAdapter(config, "bench", lambda tenant: None)
+        codec = _codec(root / "keys", seal=config.encryption)
+        adapter = NvmeAdapter(config, "bench", lambda tenant: None, codec)
         if args.direct_io and not adapter.direct_io:
             raise SystemExit(f"{root} refuses O_DIRECT")
         (root / "raw").mkdir()
@@ -326,8 +336,10 @@ async def s3_report(args: argparse.Namespace, sizes: list[int], endpoint: str) -
     config = S3TierConfig(bucket=bucket, endpoint_url=endpoint, max_concurrency=args.concurrency)
     part = int(config.part_size)
     # One request per object, as the raw calls; and the default: parallel parts.
-    whole = S3Adapter(config.model_copy(update={"multipart_threshold": 5 << 30}), "bench")
-    parts = S3Adapter(config, "bench")
+    with tempfile.TemporaryDirectory(prefix="kvpool-bench-l2-keys-") as keys:
+        codec = _codec(Path(keys), seal=config.encryption)
+    whole = S3Adapter(config.model_copy(update={"multipart_threshold": 5 << 30}), "bench", codec)
+    parts = S3Adapter(config, "bench", codec)
     client = boto3.session.Session().client(
         "s3",
         endpoint_url=endpoint,

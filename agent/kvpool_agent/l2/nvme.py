@@ -1,8 +1,11 @@
 """Local NVMe tier: one file per chunk, an LRU index in memory rebuilt from disk at start.
 
 Each chunk is the file ``<path>/<pool>/<tenant>/<2 hex>/<key hex>`` (see
-:mod:`~kvpool_agent.l2.layout`) holding the codec header and the payload; under
-O_DIRECT the file is padded to whole blocks and the header gives the real length.
+:mod:`~kvpool_agent.l2.layout`) holding the codec's header and body (sealed
+or authenticated under the pool's key); under O_DIRECT the file is padded to
+whole blocks and the header gives the real length. A file that does not open
+as its chunk (tampered, truncated, renamed, or under a key this agent no longer
+holds) is a miss and is deleted: no other agent reads this disk.
 A write goes to a temp file beside its target and is renamed into place, so a
 crash leaves the old file, the new one, or a temp file that the next start removes.
 
@@ -32,8 +35,9 @@ from pathlib import Path
 from typing import TypeVar, TypeVarTuple
 
 from kvpool_agent.config import NvmeTierConfig
-from kvpool_agent.l2 import codec, layout
+from kvpool_agent.l2 import layout
 from kvpool_agent.l2.base import AdapterStats, L2Object, ObjectKey
+from kvpool_agent.l2.codec import HEADER, IntegrityError, ObjectCodec, payload_length
 from kvpool_agent.l2.keylocks import KeyLocks
 
 log = logging.getLogger(__name__)
@@ -57,10 +61,15 @@ class NvmeAdapter:
     name = "nvme"
 
     def __init__(
-        self, config: NvmeTierConfig, pool: str, limit_of: Callable[[str], int | None]
+        self,
+        config: NvmeTierConfig,
+        pool: str,
+        limit_of: Callable[[str], int | None],
+        codec: ObjectCodec,
     ) -> None:
         """Scan ``config.path/pool`` (creating it if needed); removes temp files left by a crash."""
         self.config = config
+        self.codec = codec
         self.root = config.path / pool
         self.stats = AdapterStats()
         self.failures = 0
@@ -141,7 +150,7 @@ class NvmeAdapter:
                 return None
             try:
                 payload = await self._run(self._read, name)
-            except codec.IntegrityError as error:
+            except IntegrityError as error:
                 self.stats.integrity_failures += 1
                 log.warning("NVMe tier: %s is corrupt (%s); deleted", self.path_of(name), error)
                 await self._drop(name)
@@ -268,7 +277,7 @@ class NvmeAdapter:
         self._tenants[name.tenant].lru.move_to_end(name)
 
     def _file_size(self, payload_bytes: int) -> int:
-        size = codec.HEADER.size + payload_bytes
+        size = HEADER.size + payload_bytes
         return _round_up(size) if self.direct_io else size
 
     async def _run(self, fn: Callable[[*_Ts], _T], *args: *_Ts) -> _T:
@@ -284,12 +293,12 @@ class NvmeAdapter:
         fd = os.open(temp, flags | (_O_DIRECT if self.direct_io else 0), 0o640)
         try:
             try:
-                header = codec.encode_header(name, payload)
+                header, body = self.codec.encode(name, payload)
                 if self.direct_io:
-                    _write_all(fd, _aligned(header, payload))
+                    _write_all(fd, _aligned(header, body))
                 else:
                     _write_all(fd, header)
-                    _write_all(fd, payload)
+                    _write_all(fd, body)
                 if self.config.fsync != "never":
                     os.fdatasync(fd)
             finally:
@@ -304,7 +313,7 @@ class NvmeAdapter:
     def _read(self, name: ObjectKey) -> bytes:
         path = self.path_of(name)
         read = _read_direct if self.direct_io else _read_buffered
-        payload = read(path, name)
+        payload = read(path, name, self.codec)
         with contextlib.suppress(OSError):
             os.utime(path)  # so that the LRU order rebuilt at start follows hits too
         return payload
@@ -385,20 +394,20 @@ def _write_all(fd: int, data: bytes | memoryview | mmap.mmap) -> None:
             done += os.write(fd, view[done:])
 
 
-def _read_buffered(path: Path, name: ObjectKey) -> bytes:
+def _read_buffered(path: Path, name: ObjectKey, codec: ObjectCodec) -> bytes:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
         # The payload straight into the bytes that get() returns (a copy would cost as much
         # as the read), and first: one large read keeps the kernel's readahead large.
-        payload = os.pread(fd, max(0, size - codec.HEADER.size), codec.HEADER.size)
-        header = os.pread(fd, codec.HEADER.size, 0)
+        payload = os.pread(fd, max(0, size - HEADER.size), HEADER.size)
+        header = os.pread(fd, HEADER.size, 0)
     finally:
         os.close(fd)
-    return codec.verify(name, header, payload)
+    return codec.open(name, header, payload)
 
 
-def _read_direct(path: Path, name: ObjectKey) -> bytes:
+def _read_direct(path: Path, name: ObjectKey, codec: ObjectCodec) -> bytes:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | _O_DIRECT)
     try:
         size = os.fstat(fd).st_size
@@ -413,8 +422,8 @@ def _read_direct(path: Path, name: ObjectKey) -> bytes:
             done += got
     finally:
         os.close(fd)
-    length = codec.HEADER.unpack_from(view)[4] if done >= codec.HEADER.size else 0
-    return codec.decode(name, view[: min(done, codec.HEADER.size + length)])
+    length = payload_length(view[:done])
+    return codec.decode(name, view[: min(done, HEADER.size + length)])
 
 
 def _unlink(path: Path) -> None:

@@ -3,7 +3,11 @@
 Object key: ``<prefix>/<pool>/<tenant>/<2 hex>/<key hex>`` (see
 :mod:`~kvpool_agent.l2.layout`): each tenant under its own prefix, and the 2-hex
 shard spreads requests over 256 prefixes per tenant (S3 limits request rates
-per prefix). The body is the codec header and the payload.
+per prefix). The body is the codec's header and body (sealed or authenticated
+under the pool's key). An object that does not open as its chunk is a miss and
+is left alone: the bucket is shared, and another agent may already seal with a
+key this one has not read yet; the chunk's next write-back replaces it.
+Server-side encryption, where configured, is asked for on every put.
 
 Large objects move in parallel: a put from ``multipart_threshold`` bytes is a
 managed multipart upload (``part_size`` parts). A get asks for the first
@@ -25,7 +29,7 @@ import itertools
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, TypeVar, TypeVarTuple
+from typing import TYPE_CHECKING, TypedDict, TypeVar, TypeVarTuple
 
 import boto3
 from boto3.s3.transfer import TransferConfig
@@ -33,12 +37,14 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from kvpool_agent.config import S3TierConfig
-from kvpool_agent.l2 import codec, layout
+from kvpool_agent.l2 import layout
 from kvpool_agent.l2.base import AdapterStats, L2Object, ObjectKey
 from kvpool_agent.l2.breaker import CircuitBreaker
+from kvpool_agent.l2.codec import HEADER, IntegrityError, ObjectCodec
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
+    from mypy_boto3_s3.literals import ServerSideEncryptionType
     from mypy_boto3_s3.type_defs import GetObjectOutputTypeDef
 
 log = logging.getLogger(__name__)
@@ -49,6 +55,11 @@ _T = TypeVar("_T")
 _Ts = TypeVarTuple("_Ts")
 
 
+class _ServerSideEncryption(TypedDict, total=False):
+    ServerSideEncryption: ServerSideEncryptionType
+    SSEKMSKeyId: str
+
+
 class _Refused(Exception):
     """The breaker is open: the call did not go out."""
 
@@ -56,8 +67,9 @@ class _Refused(Exception):
 class S3Adapter:
     name = "s3"
 
-    def __init__(self, config: S3TierConfig, pool: str) -> None:
+    def __init__(self, config: S3TierConfig, pool: str, codec: ObjectCodec) -> None:
         self.config = config
+        self.codec = codec
         self.stats = AdapterStats()
         self.failures = 0
         """Gets, exists and deletes that failed at the backend (puts: ``stats.put_failures``)."""
@@ -80,12 +92,18 @@ class S3Adapter:
                 retries={"max_attempts": config.max_attempts, "mode": "standard"},
                 # Every object request may run its parts in parallel.
                 max_pool_connections=config.max_concurrency**2,
-                # The codec's xxh3 already covers every payload end to end; botocore's
+                # The codec's tag already covers every object end to end; botocore's
                 # CRC32 would be one more pass over every byte.
                 request_checksum_calculation="when_required",
                 response_checksum_validation="when_required",
             ),
         )
+        self._encryption_args: _ServerSideEncryption = {}
+        """Server-side encryption arguments of every put."""
+        if config.server_side_encryption is not None:
+            self._encryption_args["ServerSideEncryption"] = config.server_side_encryption
+        if config.sse_kms_key_id is not None:
+            self._encryption_args["SSEKMSKeyId"] = config.sse_kms_key_id
         # Requests wait for a slot here rather than in the executor's queue, so that the
         # breaker is asked when a request can go out, not when it was queued.
         self._slots = asyncio.Semaphore(config.max_concurrency)
@@ -149,10 +167,9 @@ class S3Adapter:
             self.failures += 1
             self._log_failure("get", name, error)
             return None
-        except codec.IntegrityError as error:
+        except IntegrityError as error:
             self.stats.integrity_failures += 1
-            log.warning("S3 tier: %s is corrupt (%s); deleting it", self.object_key(name), error)
-            await self._delete_one(name)
+            log.warning("S3 tier: %s does not open (%s); a miss", self.object_key(name), error)
             return None
         if payload is not None:
             self.stats.hits += 1
@@ -199,7 +216,7 @@ class S3Adapter:
                         self.breaker.reset_seconds,
                     )
                 raise
-            except codec.IntegrityError:
+            except IntegrityError:
                 self.breaker.success()
                 raise
             self.breaker.success()
@@ -212,14 +229,21 @@ class S3Adapter:
     # The methods below run on the adapter's threads.
 
     def _put_blocking(self, name: ObjectKey, payload: bytes | memoryview) -> None:
-        blob = codec.encode(name, payload)
+        header, body = self.codec.encode(name, payload)
+        blob = header + body
         key = self.object_key(name)
         if len(blob) >= self._threshold:
             self._client.upload_fileobj(
-                io.BytesIO(blob), self.config.bucket, key, Config=self._transfer
+                io.BytesIO(blob),
+                self.config.bucket,
+                key,
+                ExtraArgs=dict(self._encryption_args),
+                Config=self._transfer,
             )
         else:
-            self._client.put_object(Bucket=self.config.bucket, Key=key, Body=blob)
+            self._client.put_object(
+                Bucket=self.config.bucket, Key=key, Body=blob, **self._encryption_args
+            )
 
     def _get_blocking(self, name: ObjectKey) -> bytes | None:
         """The verified payload, None if there is no such object; raises IntegrityError."""
@@ -233,12 +257,12 @@ class S3Adapter:
             if code in _MISSING:
                 return None
             if code == "InvalidRange":  # an empty object: not one of ours
-                raise codec.IntegrityError("empty object") from error
+                raise IntegrityError("empty object") from error
             raise
         total = _object_size(first)
         if total <= self._threshold:  # the whole object: its payload straight into bytes
-            header = first["Body"].read(codec.HEADER.size)
-            return codec.verify(name, header, first["Body"].read())
+            header = first["Body"].read(HEADER.size)
+            return self.codec.open(name, header, first["Body"].read())
         head = first["Body"].read()
         blob = bytearray(total)
         blob[: len(head)] = head
@@ -247,9 +271,9 @@ class S3Adapter:
         parts = self._parts.map(self._get_range, itertools.repeat(key), starts, ends)
         for start, end, part in zip(starts, ends, parts, strict=True):
             if len(part) != end - start:
-                raise codec.IntegrityError("the object changed during a ranged read")
+                raise IntegrityError("the object changed during a ranged read")
             blob[start:end] = part
-        return codec.decode(name, memoryview(blob))
+        return self.codec.decode(name, memoryview(blob))
 
     def _get_range(self, key: str, start: int, end: int) -> bytes:
         response = self._client.get_object(

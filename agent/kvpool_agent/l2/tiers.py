@@ -1,4 +1,4 @@
-"""Open the configured L2 tiers, fastest first (NVMe, then S3)."""
+"""Open the configured L2 tiers, fastest first (NVMe, then S3), under the pool's keys."""
 
 from __future__ import annotations
 
@@ -6,12 +6,21 @@ from collections.abc import Callable
 
 from kvpool_agent.config import AgentConfig
 from kvpool_agent.l2 import L2Adapter, adapter_class
+from kvpool_agent.l2.codec import ObjectCodec
+from kvpool_agent.l2.keyring import Keyring, generate_key
 
 
 def open_tiers(config: AgentConfig, limit_of: Callable[[str], int | None]) -> list[L2Adapter]:
+    """The tiers; :class:`~kvpool_agent.l2.keyring.KeyringError` if the keys are unusable."""
+    if config.nvme is None and config.s3 is None:
+        return []
+    generate_key(config.resolved_l2_key_dir)
+    keyring = Keyring(config.resolved_l2_key_dir)
     tiers: list[L2Adapter] = []
     if config.nvme is not None:
-        tiers.append(adapter_class("nvme")(config.nvme, config.pool, limit_of))  # type: ignore[call-arg]
+        codec = ObjectCodec(keyring, config.pool, seal=config.nvme.encryption)
+        tiers.append(adapter_class("nvme")(config.nvme, config.pool, limit_of, codec))  # type: ignore[call-arg]
     if config.s3 is not None:
-        tiers.append(adapter_class("s3")(config.s3, config.pool))  # type: ignore[call-arg]
+        codec = ObjectCodec(keyring, config.pool, seal=config.s3.encryption)
+        tiers.append(adapter_class("s3")(config.s3, config.pool, codec))  # type: ignore[call-arg]
     return tiers
