@@ -42,6 +42,11 @@ def payload(size: int, seed: int | str = 0) -> bytes:
     return random.Random(f"{seed}-{size}").randbytes(size)
 
 
+def write_key(directory: Path, key_id: int, material: bytes) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / str(key_id)).write_bytes(material)
+
+
 def object_codec(keys: Path, pool: str = POOL, *, seal: bool = False) -> ObjectCodec:
     """A codec under the master keys in ``keys`` (key 1 generated there if it holds none)."""
     generate_key(keys)

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import boto3
 import httpx
 import pytest
 
@@ -130,6 +131,37 @@ def test_a_chunk_stored_on_one_node_is_loaded_on_another(
         assert load(client, list(range(6))) == [data(n) for n in range(6)]
         # and a salt that differs finds nothing
         assert client.lookup_prefetch(tenant_id("other"), [key(0)])[0].count == 0
+
+
+def test_a_tenants_object_copied_under_another_tenant_is_a_miss_for_it(
+    agents: Callable[..., AgentProcess], s3_endpoint: str, bucket: str
+) -> None:
+    """One pool key, two tenants: A's object copied to B's name, verbatim and with its header's
+    tenant rewritten to B, is never served to B."""
+    agent = agents("a", S3__BUCKET=bucket, S3__ENDPOINT_URL=s3_endpoint, S3__REGION="us-east-1")
+    victim = tenant_id("tenant-b")
+    with AgentClient(agent.zmq) as client:
+        store_chain(client, [0, 1])
+        wait_until(lambda: metric(agent, "kvpool_writeback_written_total") >= 2)
+    raw = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    for chunk, rewrite in ((0, False), (1, True)):
+        source = next(
+            o["Key"]
+            for o in raw.list_objects_v2(Bucket=bucket)["Contents"]
+            if o["Key"].endswith(key(chunk).hex())
+        )
+        blob = raw.get_object(Bucket=bucket, Key=source)["Body"].read()
+        if rewrite:
+            blob = blob.replace(TENANT.encode(), victim.encode(), 1)
+        raw.put_object(Bucket=bucket, Key=source.replace(TENANT, victim), Body=blob)
+    with AgentClient(agent.zmq) as client:
+        for chunk in (0, 1):
+            hit, prefetch = client.lookup_prefetch(victim, [key(chunk)])
+            assert hit.count == 0
+            progress = client.prefetch_status(prefetch, wait_ms=4000)
+            assert progress.done and progress.loaded == 0, progress
+            assert client.retrieve(victim, [key(chunk)]) == []
+    assert metric(agent, 'kvpool_l2_integrity_failures_total{tier="s3"}') == 2
 
 
 def test_prefetched_chunks_count_against_the_tenant_quota(

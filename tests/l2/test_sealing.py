@@ -1,0 +1,155 @@
+"""Sealing: what is stored, what opens, rotation, server-side encryption.
+
+The codec is exercised through the adapters against real files and moto's HTTP
+server; the bucket's bytes are read back with a raw boto3 client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from kvpool_agent.l2 import L2Object, ObjectKey
+from kvpool_agent.l2.codec import HEADER, NONCE_SIZE, IntegrityError, ObjectCodec
+from kvpool_agent.l2.keyring import Keyring
+from kvpool_agent.l2.nvme import NvmeAdapter
+from kvpool_agent.l2.s3 import S3Adapter
+
+from .conftest import POOL, MiB, chunk, nvme_config, payload, raw_client, s3_config, write_key
+
+pytestmark = pytest.mark.asyncio
+
+KEY_1, KEY_2 = b"1" * 64, b"2" * 64
+
+
+def codec(keys: Path, pool: str = POOL, *, seal: bool = True) -> ObjectCodec:
+    return ObjectCodec(Keyring(keys, reload_seconds=0), pool, seal=seal)
+
+
+S3Factory = Callable[..., S3Adapter]
+
+
+@pytest_asyncio.fixture
+async def s3(s3_endpoint: str, bucket: str) -> AsyncIterator[S3Factory]:
+    made: list[S3Adapter] = []
+
+    def factory(keys: Path, pool: str = POOL, seal: bool = True, **settings: Any) -> S3Adapter:
+        config = s3_config(s3_endpoint, bucket, encryption=seal, **settings)
+        made.append(S3Adapter(config, pool, codec(keys, pool, seal=seal)))
+        return made[-1]
+
+    yield factory
+    for adapter in made:
+        await adapter.close()
+
+
+def stored_object(adapter: S3Adapter, endpoint: str, name: ObjectKey) -> bytes:
+    raw = raw_client(endpoint)
+    return raw.get_object(Bucket=adapter.config.bucket, Key=adapter.object_key(name))["Body"].read()
+
+
+@pytest.mark.parametrize("seal", [True, False], ids=["sealed", "plain"])
+async def test_the_bucket_holds_no_plaintext_of_a_sealed_tier(
+    s3: S3Factory, s3_endpoint: str, tmp_path: Path, seal: bool
+) -> None:
+    write_key(tmp_path / "keys", 1, KEY_1)
+    adapter = s3(tmp_path / "keys", seal=seal)
+    names, data = [chunk(0), chunk(1)], [payload(4096, "a"), payload(9 * MiB, "b")]  # b: multipart
+    assert await adapter.put([L2Object(n, d) for n, d in zip(names, data, strict=True)]) == [
+        True,
+        True,
+    ]
+    for name, plain in zip(names, data, strict=True):
+        blob = stored_object(adapter, s3_endpoint, name)
+        probe = plain[1000:1064]  # any 64 bytes of the chunk
+        assert (probe in blob) is not seal
+    assert await adapter.get(names) == data
+
+
+async def test_server_side_encryption_reaches_every_put(
+    s3: S3Factory, s3_endpoint: str, tmp_path: Path
+) -> None:
+    write_key(tmp_path / "keys", 1, KEY_1)
+    raw = raw_client(s3_endpoint)
+    for settings, expected in [
+        ({"server_side_encryption": "AES256"}, {"ServerSideEncryption": "AES256"}),
+        (
+            {"server_side_encryption": "aws:kms", "sse_kms_key_id": "alias/kvpool"},
+            {"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": "alias/kvpool"},
+        ),
+    ]:
+        adapter = s3(tmp_path / "keys", **settings)
+        names = [chunk(f"{settings}-small"), chunk(f"{settings}-multipart")]
+        await adapter.put([L2Object(names[0], b"x" * 100), L2Object(names[1], b"y" * 9 * MiB)])
+        for name in names:
+            head = raw.head_object(Bucket=adapter.config.bucket, Key=adapter.object_key(name))
+            assert {field: head.get(field) for field in expected} == expected
+
+
+async def test_another_pool_or_master_key_opens_nothing(s3: S3Factory, tmp_path: Path) -> None:
+    """Same bucket, prefix, tenant and chunk key: only the pool (or the key) differs."""
+    write_key(tmp_path / "keys", 1, KEY_1)
+    write_key(tmp_path / "other-keys", 1, KEY_2)
+    name, data = chunk(0), payload(5000)
+    writer = s3(tmp_path / "keys", pool=POOL)
+    assert await writer.put([L2Object(name, data)]) == [True]
+    # A reader of another pool looking at the writer's object (its key made to match).
+    other_pool = s3(tmp_path / "keys", pool="other-pool")
+    other_pool.object_key = writer.object_key  # type: ignore[method-assign]
+    other_key = s3(tmp_path / "other-keys", pool=POOL)
+    same = s3(tmp_path / "keys", pool=POOL)
+    assert await other_pool.get([name]) == [None]
+    assert await other_key.get([name]) == [None]
+    assert await same.get([name]) == [data]
+    assert other_pool.stats.integrity_failures == other_key.stats.integrity_failures == 1
+
+
+async def test_rotation_old_objects_open_until_their_key_is_removed(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    write_key(keys, 1, KEY_1)
+    adapter = NvmeAdapter(nvme_config(tmp_path / "l2"), POOL, lambda tenant: None, codec(keys))
+    old, new = chunk("old"), chunk("new")
+    assert await adapter.put([L2Object(old, b"old" * 1000)]) == [True]
+    write_key(keys, 2, KEY_2)  # the Secret gains key 2: new objects are sealed under it
+    assert await adapter.put([L2Object(new, b"new" * 1000)]) == [True]
+    assert [_key_id(adapter.path_of(n).read_bytes()) for n in (old, new)] == [1, 2]
+    assert await adapter.get([old, new]) == [b"old" * 1000, b"new" * 1000]
+    (keys / "1").unlink()  # key 1 retired: its objects are misses, and go
+    assert await adapter.get([old, new]) == [None, b"new" * 1000]
+    assert not adapter.path_of(old).exists()
+    await adapter.close()
+
+
+def _key_id(blob: bytes) -> int:
+    return int(HEADER.unpack_from(blob)[3])
+
+
+async def test_each_object_has_its_own_nonce(tmp_path: Path) -> None:
+    write_key(tmp_path / "keys", 1, KEY_1)
+    sealer = codec(tmp_path / "keys")
+    name, data = chunk(0), payload(1000)
+    (head_1, body_1), (head_2, body_2) = sealer.encode(name, data), sealer.encode(name, data)
+    nonce = slice(HEADER.size - 16 - NONCE_SIZE, HEADER.size - 16)
+    assert head_1[nonce] != head_2[nonce] and body_1 != body_2
+    assert sealer.open(name, head_1, bytes(body_1)) == sealer.open(name, head_2, bytes(body_2))
+
+
+async def test_a_header_field_changed_by_one_bit_does_not_open(tmp_path: Path) -> None:
+    """Every header byte is covered: format, flags, key id, key, tenant, length, nonce, tag."""
+    write_key(tmp_path / "keys", 1, KEY_1)
+    write_key(tmp_path / "keys", 2, KEY_2)
+    for seal in (True, False):
+        sealer = codec(tmp_path / "keys", seal=seal)
+        name, data = ObjectKey("t", bytes(32)), payload(300)
+        header, body = sealer.encode(name, data)
+        for index in range(len(header)):
+            forged = bytearray(header)
+            forged[index] ^= 0x01
+            # The reader asks for what the forged header names, so only the tag can refuse it.
+            tenant = forged[43:75].rstrip(b"\0").decode(errors="replace")
+            with pytest.raises(IntegrityError):
+                sealer.open(ObjectKey(tenant, bytes(forged[11:43])), bytes(forged), bytes(body))
