@@ -100,7 +100,6 @@ class NvmeTier(_Spec):
     encryption: bool = Field(False, description="Seal files with the pool's key.")
 
 
-SSE_KMS_KEY_NEEDS_KMS = "s3.sseKmsKeyId needs s3.serverSideEncryption aws:kms or aws:kms:dsse"
 S3_NEEDS_KEY = (
     "an s3 tier needs spec.l2.encryption.keySecretRef: every agent of the pool seals or "
     "authenticates its objects with that key (a key per node would make other nodes' objects "
@@ -123,14 +122,6 @@ class S3Tier(_Spec):
         None, description="S3 server-side encryption asked for on every put."
     )
     sse_kms_key_id: str | None = Field(None, description="KMS key of aws:kms and aws:kms:dsse.")
-
-    @model_validator(mode="after")
-    def _kms_key_with_kms(self) -> Self:
-        if self.sse_kms_key_id is not None and not (self.server_side_encryption or "").startswith(
-            "aws:kms"
-        ):
-            raise ValueError(SSE_KMS_KEY_NEEDS_KMS)
-        return self
 
 
 class L2Tier(_Spec):

@@ -26,7 +26,6 @@ from kvpool_operator.spec import (
     PLURAL,
     S3_NEEDS_KEY,
     SELECTOR_VALUES,
-    SSE_KMS_KEY_NEEDS_KMS,
     InvalidSpec,
     PoolSpec,
     parse_bytes,
@@ -196,6 +195,14 @@ L2_KEY_RULES = [
     pytest.param(
         _l2(nvme={"encryption": True}), NVME_ENCRYPTION_NEEDS_KEY, id="sealed-nvme-without-key"
     ),
+]
+"""L2 encryption settings the CRD and the operator's model both refuse, with the same
+message."""
+SSE_KMS_KEY_NEEDS_KMS = "s3.sseKmsKeyId needs s3.serverSideEncryption aws:kms or aws:kms:dsse"
+"""The CRD's words; the agent's configuration refuses the same (test_render)."""
+INVALID_POOLS = [
+    *NETWORK_POLICY_RULES,
+    *L2_KEY_RULES,
     pytest.param(
         _l2(s3={"sseKmsKeyId": "alias/kv"}, **L2_KEY), SSE_KMS_KEY_NEEDS_KMS, id="kms-key-alone"
     ),
@@ -204,12 +211,6 @@ L2_KEY_RULES = [
         SSE_KMS_KEY_NEEDS_KMS,
         id="kms-key-with-aes256",
     ),
-]
-"""L2 encryption settings the CRD and the operator's model both refuse, with the same
-message."""
-INVALID_POOLS = [
-    *NETWORK_POLICY_RULES,
-    *L2_KEY_RULES,
     pytest.param(
         _l2(s3={"serverSideEncryption": "aws:kms2"}, **L2_KEY),
         "'aws:kms2' is not one of",

@@ -409,6 +409,15 @@ def test_service_monitor() -> None:
         ({"eviction": {"lowWatermark": 0.95}}, "low_watermark (0.95) must be below"),
         ({"l1": {"size": "1.5Gi"}}, "spec.l1.size"),
         ({"l2": {"tiers": [{"type": "s3"}]}}, "spec.l2.tiers.0"),
+        (
+            {
+                "l2": {
+                    "tiers": [{"type": "s3", "s3": {"bucket": "b", "sseKmsKeyId": "alias/kv"}}],
+                    **L2_KEY,
+                }
+            },
+            "agent.s3: Value error, sse_kms_key_id needs server_side_encryption aws:kms",
+        ),
     ],
 )
 def test_specs_the_agent_would_refuse_are_invalid(spec: dict[str, Any], message: str) -> None:
