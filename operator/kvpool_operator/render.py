@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Any, TypeVar
 
 import yaml
@@ -87,6 +88,11 @@ TOKENS_DIR = "/etc/kvpool/tokens"
 TOKENS_FILE = "tokens.yaml"
 TOKENS_PATH = f"{TOKENS_DIR}/{TOKENS_FILE}"
 STATE_DIR = "/var/lib/kvpool"
+L2_KEYS_DIR = "/etc/kvpool/l2-keys"
+"""Where the pool's L2 key Secret is mounted (spec.l2.encryption.keySecretRef)."""
+NODE_KEYS_DIR = ".kvpool-keys"
+"""Without a key Secret, each agent keeps its own key under the NVMe tier's hostPath, in
+this directory (a name no pool can have), so that it outlives the pod as the files do."""
 AGENT_UID = 10001
 """The agent image's user (Dockerfile)."""
 
@@ -350,6 +356,7 @@ def agent_config(pool: Pool, spec: PoolSpec) -> AgentConfig:
         state_dir=STATE_DIR,
         tokens_file=TOKENS_PATH if tokens else None,
         quota_configmap=f"{pool.namespace}/{pool.quotas_name}",
+        l2_key_dir=_l2_key_dir(pool, spec),
         nvme=_nvme_config(nvme.nvme) if nvme and nvme.nvme else None,
         s3=_s3_config(s3.s3) if s3 and s3.s3 else None,
         store_policy=spec.l2.store_policy,
@@ -383,14 +390,34 @@ def index_config(pool: Pool, spec: PoolSpec) -> IndexConfig:
     )
 
 
+def _l2_key_dir(pool: Pool, spec: PoolSpec) -> str | None:
+    """The mounted key Secret; without one, a node key beside the NVMe tier's files (the
+    state directory is lost with the pod, and the files would become misses); no L2, none."""
+    if spec.l2.encryption.key_secret_ref is not None:
+        return L2_KEYS_DIR
+    nvme = spec.l2.tier("nvme")
+    if nvme is not None and nvme.nvme is not None:
+        return str(PurePosixPath(nvme.nvme.host_path, NODE_KEYS_DIR, pool.name))
+    return None
+
+
 def _nvme_config(tier: NvmeTier) -> dict[str, Any]:
-    return {"path": tier.host_path, "capacity": tier.capacity}
+    return {"path": tier.host_path, "capacity": tier.capacity, "encryption": tier.encryption}
 
 
 def _s3_config(tier: S3Tier) -> dict[str, Any]:
-    settings = {"bucket": tier.bucket, "prefix": tier.prefix}
-    settings |= {"endpoint_url": tier.endpoint} if tier.endpoint else {}
-    return settings | ({"region": tier.region} if tier.region else {})
+    optional = {
+        "endpoint_url": tier.endpoint,
+        "region": tier.region,
+        "server_side_encryption": tier.server_side_encryption,
+        "sse_kms_key_id": tier.sse_kms_key_id,
+    }
+    return {
+        "bucket": tier.bucket,
+        "prefix": tier.prefix,
+        "encryption": tier.encryption,
+        **{name: value for name, value in optional.items() if value},
+    }
 
 
 def agent_memory(spec: PoolSpec) -> int:
@@ -669,6 +696,16 @@ def _tokens_volume(spec: PoolSpec) -> list[Volume]:
     return [(volume, {"name": "tokens", "mountPath": TOKENS_DIR, "readOnly": True})]
 
 
+def _l2_keys_volume(spec: PoolSpec) -> list[Volume]:
+    """The pool's L2 key Secret at L2_KEYS_DIR, every entry a file, if it names one. The
+    kubelet refreshes the files when the Secret changes and the agent rereads them: no roll."""
+    keys = spec.l2.encryption.key_secret_ref
+    if keys is None:
+        return []
+    volume = {"name": "l2-keys", "secret": {"secretName": keys.name, "defaultMode": 0o440}}
+    return [(volume, {"name": "l2-keys", "mountPath": L2_KEYS_DIR, "readOnly": True})]
+
+
 def _volumes(pool: Pool, spec: PoolSpec, config: AgentConfig) -> list[Volume]:
     """(volume, mount) pairs of the agent pod."""
     shm = config.resolved_segment_path.parent
@@ -680,6 +717,7 @@ def _volumes(pool: Pool, spec: PoolSpec, config: AgentConfig) -> list[Volume]:
         ),
         _state_volume(),
         *_tokens_volume(spec),
+        *_l2_keys_volume(spec),
     ]
     nvme = spec.l2.tier("nvme")
     if nvme is not None and nvme.nvme is not None:

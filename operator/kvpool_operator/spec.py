@@ -97,6 +97,18 @@ class TenantsSpec(_Spec):
 class NvmeTier(_Spec):
     host_path: str = Field(description="Directory on the node.")
     capacity: Bytes = Field(description="Bytes the agent may use there.")
+    encryption: bool = Field(False, description="Seal files with the pool's key.")
+
+
+S3_NEEDS_KEY = (
+    "an s3 tier needs spec.l2.encryption.keySecretRef: every agent of the pool seals or "
+    "authenticates its objects with that key (a key per node would make other nodes' objects "
+    "misses)"
+)
+NVME_ENCRYPTION_NEEDS_KEY = (
+    "an nvme tier with encryption needs spec.l2.encryption.keySecretRef: a key kept on the "
+    "disk beside the data protects nothing at rest"
+)
 
 
 class S3Tier(_Spec):
@@ -105,6 +117,11 @@ class S3Tier(_Spec):
     endpoint: str | None = Field(None, description="Endpoint of an S3-compatible store.")
     region: str | None = Field(None, description="Region of the bucket.")
     credentials_secret_ref: SecretRef | None = Field(None, description="Credentials as env.")
+    encryption: bool = Field(True, description="Seal objects with the pool's key.")
+    server_side_encryption: Literal["AES256", "aws:kms", "aws:kms:dsse"] | None = Field(
+        None, description="S3 server-side encryption asked for on every put."
+    )
+    sse_kms_key_id: str | None = Field(None, description="KMS key of aws:kms and aws:kms:dsse.")
 
 
 class L2Tier(_Spec):
@@ -122,10 +139,25 @@ class L2Tier(_Spec):
         return self
 
 
+class L2EncryptionSpec(_Spec):
+    key_secret_ref: SecretRef | None = Field(None, description="The pool's L2 master keys.")
+
+
 class L2Spec(_Spec):
     store_policy: Literal["all", "reused"] = Field("all", description="Chunks written back.")
     store_min_hits: int = Field(1, ge=1, description="Hits before a reused chunk goes to L2.")
     tiers: tuple[L2Tier, ...] = Field((), description="Tiers in lookup order.")
+    encryption: L2EncryptionSpec = Field(L2EncryptionSpec(), description="Keys of L2 objects.")
+
+    @model_validator(mode="after")
+    def _shared_tiers_have_the_pools_key(self) -> Self:
+        if self.encryption.key_secret_ref is None:
+            s3, nvme = self.tier("s3"), self.tier("nvme")
+            if s3 is not None:
+                raise ValueError(S3_NEEDS_KEY)
+            if nvme is not None and nvme.nvme is not None and nvme.nvme.encryption:
+                raise ValueError(NVME_ENCRYPTION_NEEDS_KEY)
+        return self
 
     def tier(self, kind: Literal["nvme", "s3"]) -> L2Tier | None:
         return next((tier for tier in self.tiers if tier.type == kind), None)

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from kvpool_agent.config import AgentConfig, S3TierConfig
+from kvpool_agent.config import AgentConfig, NvmeTierConfig, S3TierConfig
 from kvpool_agent.index.config import Fingerprint, IndexConfig
 from kvpool_agent.policies import POLICY_NAMES
 from kvpool_operator.spec import (
@@ -21,8 +21,10 @@ from kvpool_operator.spec import (
     KIND,
     NETWORK_POLICY_NEEDS_CLIENTS,
     NETWORK_POLICY_NEEDS_GATEWAYS,
+    NVME_ENCRYPTION_NEEDS_KEY,
     PEER_SELECTS_NOTHING,
     PLURAL,
+    S3_NEEDS_KEY,
     SELECTOR_VALUES,
     InvalidSpec,
     PoolSpec,
@@ -175,8 +177,48 @@ NETWORK_POLICY_RULES = [
     pytest.param(_clients(_expression("Exists", "a")), SELECTOR_VALUES, id="exists-with-values"),
 ]
 """Network policies the CRD and the operator's model both refuse, with the same message."""
+L2_KEY = {"encryption": {"keySecretRef": {"name": "kvpool-main-l2-key"}}}
+NVME = {"hostPath": "/mnt/nvme", "capacity": "1Ti"}
+
+
+def _l2(nvme: dict[str, Any] | None = None, s3: dict[str, Any] | None = None, **l2: Any) -> Any:
+    """A pool whose L2 has an nvme tier with ``nvme`` (if given), an s3 tier of the bucket kv-cache
+    with ``s3`` (if given), and the other fields ``l2``."""
+    tiers = [{"type": "nvme", "nvme": NVME | nvme}] if nvme is not None else []
+    tiers += [{"type": "s3", "s3": {"bucket": "kv-cache"} | s3}] if s3 is not None else []
+    return {"l2": {"tiers": tiers, **l2}}
+
+
+L2_KEY_RULES = [
+    pytest.param(_l2(s3={}), S3_NEEDS_KEY, id="s3-without-key"),
+    pytest.param(_l2(s3={"encryption": False}), S3_NEEDS_KEY, id="plaintext-s3-without-key"),
+    pytest.param(
+        _l2(nvme={"encryption": True}), NVME_ENCRYPTION_NEEDS_KEY, id="sealed-nvme-without-key"
+    ),
+]
+"""L2 encryption settings the CRD and the operator's model both refuse, with the same
+message."""
+SSE_KMS_KEY_NEEDS_KMS = "s3.sseKmsKeyId needs s3.serverSideEncryption aws:kms or aws:kms:dsse"
+"""The CRD's words; the agent's configuration refuses the same (test_render)."""
 INVALID_POOLS = [
     *NETWORK_POLICY_RULES,
+    *L2_KEY_RULES,
+    pytest.param(
+        _l2(s3={"sseKmsKeyId": "alias/kv"}, **L2_KEY), SSE_KMS_KEY_NEEDS_KMS, id="kms-key-alone"
+    ),
+    pytest.param(
+        _l2(s3={"serverSideEncryption": "AES256", "sseKmsKeyId": "alias/kv"}, **L2_KEY),
+        SSE_KMS_KEY_NEEDS_KMS,
+        id="kms-key-with-aes256",
+    ),
+    pytest.param(
+        _l2(s3={"serverSideEncryption": "aws:kms2"}, **L2_KEY),
+        "'aws:kms2' is not one of",
+        id="server-side-encryption",
+    ),
+    pytest.param(
+        _l2(s3={}, encryption={"keySecretRef": {}}), "'name' is a required", id="l2-key-name"
+    ),
     pytest.param(
         _clients(_expression("Equals", "a")), "'Equals' is not one of", id="selector-operator"
     ),
@@ -303,10 +345,16 @@ def test_defaults_are_the_agents() -> None:
         "storeMinHits": agent["store_min_hits"].default,
         "tiers": [],
     }
-    s3 = with_defaults(schema(), _pool({"l2": {"tiers": [{"type": "s3", "s3": {"bucket": "b"}}]}}))
-    assert (
-        s3["spec"]["l2"]["tiers"][0]["s3"]["prefix"] == S3TierConfig.model_fields["prefix"].default
+    nvme, s3 = (
+        tier[tier["type"]]
+        for tier in with_defaults(schema(), _pool(_l2(nvme={}, s3={}, **L2_KEY)))["spec"]["l2"][
+            "tiers"
+        ]
     )
+    assert s3["prefix"] == S3TierConfig.model_fields["prefix"].default
+    assert s3["encryption"] == S3TierConfig.model_fields["encryption"].default is True
+    assert nvme["encryption"] == NvmeTierConfig.model_fields["encryption"].default is False
+    assert "serverSideEncryption" not in s3
 
 
 def test_an_index_needs_the_pools_tokens_in_the_crd_and_the_model() -> None:
@@ -329,6 +377,34 @@ def test_network_policy_rules_hold_in_the_crd_and_the_model(
     assert any(message in error for error in admission_errors(_pool(spec))), message
     with pytest.raises(InvalidSpec, match=re.escape(message)):
         PoolSpec.parse(spec)
+
+
+@pytest.mark.parametrize(("spec", "message"), L2_KEY_RULES)
+def test_l2_key_rules_hold_in_the_crd_and_the_model(spec: dict[str, Any], message: str) -> None:
+    """The emulated API server has no CEL rules: the operator refuses what the CRD refuses."""
+    assert any(message in error for error in admission_errors(_pool(spec))), message
+    with pytest.raises(InvalidSpec, match=re.escape(message)):
+        PoolSpec.parse(spec)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        pytest.param(_l2(s3={}, **L2_KEY), id="s3-with-key"),
+        pytest.param(_l2(nvme={}), id="plaintext-nvme-without-key"),
+        pytest.param(_l2(nvme={"encryption": True}, **L2_KEY), id="sealed-nvme-with-key"),
+        pytest.param(_l2(**L2_KEY), id="key-without-tiers"),
+        pytest.param(_l2(s3={"serverSideEncryption": "AES256"}, **L2_KEY), id="sse-s3"),
+        pytest.param(_l2(s3={"serverSideEncryption": "aws:kms"}, **L2_KEY), id="sse-kms"),
+        pytest.param(
+            _l2(s3={"serverSideEncryption": "aws:kms:dsse", "sseKmsKeyId": "arn:k"}, **L2_KEY),
+            id="sse-kms-dsse-with-key-id",
+        ),
+    ],
+)
+def test_l2_encryption_settings_the_rules_admit(spec: dict[str, Any]) -> None:
+    assert admission_errors(_pool(spec)) == []
+    PoolSpec.parse(with_defaults(schema(), _pool(spec))["spec"])
 
 
 def test_network_policy_peers_as_a_networkpolicy_takes_them() -> None:

@@ -341,6 +341,34 @@ def test_an_invalid_spec_is_reported_and_not_applied(
     assert _get(served_api, "daemonsets", "kvpool-tiny-agent") is not None
 
 
+def test_an_s3_tier_needs_the_pools_l2_key_secret(
+    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
+) -> None:
+    """Refused without the key Secret (as the CRD's rule would); with it, the agents mount
+    it and are told where."""
+    s3 = {"tiers": [{"type": "s3", "s3": {"bucket": "kv-cache"}}]}
+    _create(kubectl, served_api, "sealed", {"l2": s3})
+    eventually(lambda: _applied(served_api, "sealed"))
+    degraded = _condition(served_api, "sealed", "Degraded")
+    assert degraded[:2] == ("True", "InvalidSpec")
+    assert "an s3 tier needs spec.l2.encryption.keySecretRef" in degraded[2]
+    assert _get(served_api, "daemonsets", "kvpool-sealed-agent") is None
+
+    key = {"encryption": {"keySecretRef": {"name": "kvpool-sealed-l2-key"}}}
+    _patch_pool(kubectl, "sealed", {"spec": {"l2": key}})
+    eventually(lambda: _applied(served_api, "sealed", generation=2))
+    assert _condition(served_api, "sealed", "Degraded")[:2] == ("False", "AsExpected")
+    daemonset = _get(served_api, "daemonsets", "kvpool-sealed-agent")
+    config = _get(served_api, "configmaps", "kvpool-sealed-config")
+    assert daemonset is not None and config is not None
+    pod = daemonset["spec"]["template"]["spec"]
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    assert volumes["l2-keys"]["secret"]["secretName"] == "kvpool-sealed-l2-key"
+    mounts = {mount["name"]: mount for mount in pod["containers"][0]["volumeMounts"]}
+    key_dir = yaml.safe_load(config["data"]["agent.yaml"])["l2_key_dir"]
+    assert mounts["l2-keys"]["mountPath"] == key_dir
+
+
 def test_a_refused_child_is_reported_and_retried(
     served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
 ) -> None:

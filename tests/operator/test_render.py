@@ -178,6 +178,12 @@ def test_agent_config_is_the_agents_own_model(
         "eu-west-1",
     )
     assert config.s3.endpoint_url is None
+    assert (config.nvme.encryption, config.s3.encryption) == (True, True)
+    assert (config.s3.server_side_encryption, config.s3.sse_kms_key_id) == (
+        "aws:kms",
+        "alias/kvpool",
+    )
+    assert str(config.l2_key_dir) == "/etc/kvpool/l2-keys"
     assert (config.store_policy, config.store_min_hits) == ("reused", 2)
     assert config.events_port == 7402
     assert config.quota_configmap == "inference/kvpool-gpu-quotas"
@@ -186,6 +192,78 @@ def test_agent_config_is_the_agents_own_model(
 def test_a_pool_without_l2_has_an_agent_without_l2() -> None:
     rendered = yaml.safe_load(_children().config["data"]["agent.yaml"])
     assert (rendered["nvme"], rendered["s3"]) == (None, None)
+    assert rendered["l2_key_dir"] is None
+
+
+L2_KEY = {"encryption": {"keySecretRef": {"name": "kvpool-gpu-l2-key"}}}
+NVME_TIER = {"type": "nvme", "nvme": {"hostPath": "/mnt/nvme0/kvpool", "capacity": "1Ti"}}
+S3_TIER = {"type": "s3", "s3": {"bucket": "kv-cache"}}
+
+
+def _l2_children(*tiers: dict[str, Any], **l2: Any) -> Children:
+    return _children(PoolSpec.parse({"l2": {"tiers": list(tiers), **l2}}))
+
+
+def _agent_yaml(children: Children) -> dict[str, Any]:
+    rendered: dict[str, Any] = yaml.safe_load(children.config["data"]["agent.yaml"])
+    return rendered
+
+
+def _volume_and_mount(children: Children, name: str) -> tuple[Any, Any]:
+    """The pod's volume ``name`` and the agent's mount of it (None where absent)."""
+    pod = _pod(children)
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    mounts = {mount["name"]: mount for mount in pod["containers"][0]["volumeMounts"]}
+    return volumes.get(name), mounts.get(name)
+
+
+@pytest.mark.parametrize("version", [OLDEST_KUBERNETES, kubernetes_validate.latest_version()])
+def test_the_pools_l2_key_secret_is_mounted_for_the_agents(version: str) -> None:
+    """Read-only, every entry a key file the agent's group (fsGroup) can read; the agent is
+    told where. The operator itself never reads the Secret."""
+    children = _l2_children(NVME_TIER, S3_TIER, **L2_KEY)
+    kubernetes_validate.validate(children.daemonset, version, strict=True)
+    volume, mount = _volume_and_mount(children, "l2-keys")
+    assert volume == {
+        "name": "l2-keys",
+        "secret": {"secretName": "kvpool-gpu-l2-key", "defaultMode": 0o440},
+    }
+    assert mount == {"name": "l2-keys", "mountPath": "/etc/kvpool/l2-keys", "readOnly": True}
+    assert _agent_yaml(children)["l2_key_dir"] == mount["mountPath"]
+    assert _agent_yaml(_l2_children(**L2_KEY))["l2_key_dir"] == mount["mountPath"]
+
+
+def test_without_a_key_secret_an_nvme_tier_keeps_a_node_key_beside_its_files() -> None:
+    """The state directory goes with the pod: a key there would turn the NVMe files, which
+    outlive it, into misses. The key directory lies in the tier's hostPath mount."""
+    children = _l2_children(NVME_TIER)
+    assert _volume_and_mount(children, "l2-keys") == (None, None)
+    _, nvme = _volume_and_mount(children, "nvme")
+    key_dir = Path(_agent_yaml(children)["l2_key_dir"])
+    assert key_dir == Path("/mnt/nvme0/kvpool/.kvpool-keys/gpu")
+    assert key_dir.is_relative_to(nvme["mountPath"])
+    trailing_slash = {"type": "nvme", "nvme": {"hostPath": "/mnt/nvme0/", "capacity": "1Ti"}}
+    assert _agent_yaml(_l2_children(trailing_slash))["l2_key_dir"] == "/mnt/nvme0/.kvpool-keys/gpu"
+
+
+def test_the_tiers_encryption_settings_reach_the_agent() -> None:
+    defaulted = _agent_yaml(_l2_children(NVME_TIER, S3_TIER, **L2_KEY))
+    assert (defaulted["nvme"]["encryption"], defaulted["s3"]["encryption"]) == (False, True)
+    assert not {"server_side_encryption", "sse_kms_key_id"} & defaulted["s3"].keys()
+    sealed_nvme = {"type": "nvme", "nvme": {**NVME_TIER["nvme"], "encryption": True}}
+    s3 = {
+        "type": "s3",
+        "s3": {
+            "bucket": "kv-cache",
+            "encryption": False,
+            "serverSideEncryption": "aws:kms:dsse",
+            "sseKmsKeyId": "arn:aws:kms:eu-west-1:111122223333:key/kv",
+        },
+    }
+    chosen = _agent_yaml(_l2_children(sealed_nvme, s3, **L2_KEY))
+    assert (chosen["nvme"]["encryption"], chosen["s3"]["encryption"]) == (True, False)
+    assert chosen["s3"]["server_side_encryption"] == "aws:kms:dsse"
+    assert chosen["s3"]["sse_kms_key_id"] == "arn:aws:kms:eu-west-1:111122223333:key/kv"
 
 
 def test_service_tells_the_connector_where_the_agent_is() -> None:
@@ -331,6 +409,15 @@ def test_service_monitor() -> None:
         ({"eviction": {"lowWatermark": 0.95}}, "low_watermark (0.95) must be below"),
         ({"l1": {"size": "1.5Gi"}}, "spec.l1.size"),
         ({"l2": {"tiers": [{"type": "s3"}]}}, "spec.l2.tiers.0"),
+        (
+            {
+                "l2": {
+                    "tiers": [{"type": "s3", "s3": {"bucket": "b", "sseKmsKeyId": "alias/kv"}}],
+                    **L2_KEY,
+                }
+            },
+            "agent.s3: Value error, sse_kms_key_id needs server_side_encryption aws:kms",
+        ),
     ],
 )
 def test_specs_the_agent_would_refuse_are_invalid(spec: dict[str, Any], message: str) -> None:
