@@ -231,6 +231,15 @@ class AgentConfig(BaseSettings):
             "the pool applies a quota set through any of them."
         ),
     )
+    tenants_configmap: str | None = Field(
+        None,
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z0-9]([-.a-z0-9]*[a-z0-9])?$",
+        description=(
+            "Watch this ConfigMap ('namespace/name', the pool's tenants ConfigMap, written by "
+            "the operator from KVCacheTenants) for tenant token digests and quota ceilings, "
+            "beside tokens_file."
+        ),
+    )
     metrics_top_tenants: int = Field(
         20,
         ge=0,

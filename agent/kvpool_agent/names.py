@@ -91,6 +91,12 @@ def quotas_name(pool: str) -> str:
     return f"kvpool-{pool}-quotas"
 
 
+def tenants_name(pool: str) -> str:
+    """The ConfigMap of the pool's KVCacheTenants (token digests, quota ceilings), which the
+    operator writes and the agents watch."""
+    return f"kvpool-{pool}-tenants"
+
+
 def index_name(pool: str) -> str:
     """The index's Deployment, Service, ServiceAccount, Role, RoleBinding and
     NetworkPolicy."""
