@@ -3,7 +3,10 @@ plaintext, and the codec's own speed, in the same run.
 
 Codec: :class:`ObjectCodec` ``encode`` and ``open`` of ``--codec-mib`` of chunks
 on one core, sealing (AES-256-GCM) and not (GMAC over the plaintext): the
-ceiling of each side's cryptography, for reading the tier figures against.
+ceiling of each side's cryptography, for reading the tier figures against. Each
+output is dropped when made, as the adapters drop a body once written, so the
+allocator's cost is in the figure too: where glibc maps an output afresh (large
+ones), its page faults, which can cost more than the AES.
 
 NVMe: the adapter's put and get of ``--nvme-mib`` of chunks against plain file
 writes and reads of the same bytes: same chunk sizes, fsync setting, threads
