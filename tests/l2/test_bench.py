@@ -29,8 +29,12 @@ def test_bench_l2_prints_sealed_against_plaintext_with_the_cpu_per_gb(tmp_path: 
     output = subprocess.run(command, capture_output=True, text=True, timeout=180, check=True).stdout
     sealing = (
         ("ObjectCodec on one core", ("encode", "open"), ""),
-        ("NVMe adapter sealed vs plaintext, same run", ("write", "read"), ">= 0.8"),
-        ("S3 adapter sealed vs plaintext", ("put", "get"), ">= 0.8"),
+        (
+            "NVMe adapter sealed (AES-GCM) vs plaintext (GMAC), same run",
+            ("write", "read"),
+            ">= 0.8",
+        ),
+        ("S3 adapter sealed (AES-GCM) vs plaintext (GMAC)", ("put", "get"), ">= 0.8"),
     )
     for title, operations, goal in sealing:
         rows = rows_of(output, title)

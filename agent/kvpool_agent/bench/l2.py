@@ -366,7 +366,7 @@ async def nvme_report(args: argparse.Namespace, sizes: list[int]) -> str:
                 against_raw,
             ),
             table(
-                f"NVMe adapter sealed vs plaintext, same run: {setting}",
+                f"NVMe adapter sealed (AES-GCM) vs plaintext (GMAC), same run: {setting}",
                 _columns("plaintext", "sealed"),
                 sealing,
             ),
@@ -526,7 +526,8 @@ async def s3_report(args: argparse.Namespace, sizes: list[int], endpoint: str) -
                 against_raw,
             ),
             table(
-                f"S3 adapter sealed vs plaintext, one request per object, same run: {setting}",
+                f"S3 adapter sealed (AES-GCM) vs plaintext (GMAC), one request per object, "
+                f"same run: {setting}",
                 _columns("plaintext", "sealed"),
                 sealing,
             ),
