@@ -1,26 +1,41 @@
-"""``kvpool bench l2``: the L2 adapters against the raw I/O they wrap, in the same run.
+"""``kvpool bench l2``: the L2 adapters against the raw I/O they wrap, sealed against
+plaintext, and the codec's own speed, in the same run.
+
+Codec: :class:`ObjectCodec` ``encode`` and ``open`` of ``--codec-mib`` of chunks
+on one core, sealing (AES-256-GCM) and not (GMAC over the plaintext): the
+ceiling of each side's cryptography, for reading the tier figures against. Each
+output is dropped when made, as the adapters drop a body once written, so the
+allocator's cost is in the figure too: where glibc maps an output afresh (large
+ones), its page faults, which can cost more than the AES.
 
 NVMe: the adapter's put and get of ``--nvme-mib`` of chunks against plain file
 writes and reads of the same bytes: same chunk sizes, fsync setting, threads
-(``--concurrency``) and filesystem (``--nvme-dir``); with ``--direct-io`` both
+(``--concurrency``) and filesystem (``--nvme-dir``); with ``--direct-io`` all
 sides use O_DIRECT. Before the reads every file is synced and dropped from the
-page cache (``posix_fadvise(DONTNEED)``), so both sides read from the device.
-Goal: adapter >= 0.9 of raw.
+page cache (``posix_fadvise(DONTNEED)``), so every side reads from the device.
+The adapter runs twice, as a sealing and as a plaintext tier (its default).
+Goals: the default adapter >= 0.9 of raw; sealed >= 0.8 of plaintext for
+chunks from 1 MiB.
 
 S3: the adapter's put and get against raw boto3 ``put_object``/``get_object``
 with the same client settings and threads, against the same endpoint: a moto
 server started here on 127.0.0.1 (in its own process), or ``--s3-endpoint`` and
 ``--s3-bucket``. The adapter is measured as the raw calls work, one request per
-object (goal: >= 0.8), and for chunks from the default ``multipart_threshold``
-also with its default parallel parts and ranges (for information: they pay off
-against S3's per-connection limits, while moto re-reads a whole object for
-every range).
+object, sealing (its default; goal: >= 0.8 of raw) and plaintext (goal: sealed
+>= 0.8 of plaintext for chunks from 1 MiB), and for chunks from the default
+``multipart_threshold`` also with its default parallel parts and ranges (for
+information: they pay off against S3's per-connection limits, while moto
+re-reads a whole object for every range).
+
+Every figure comes with the CPU it cost: this process's CPU seconds (user and
+system, every thread) during a side's turns per GB moved; a local moto server's
+CPU is not in it.
 
 Shared disks and servers drift by several times within seconds, so the sides
-take turns in groups of ``--group-mib`` (the side that goes first alternates),
+take turns in groups of ``--group-mib`` (the side that goes first rotates),
 each side's time is summed over the groups, and each figure is the best of
-``--repeats`` such runs after an untimed warm-up run. Every read is checked
-against what was written.
+``--repeats`` such runs after an untimed warm-up run (its CPU the least of
+them). Every read is checked against what was written.
 """
 
 from __future__ import annotations
@@ -65,6 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure (best is shown)")
     parser.add_argument("--group-mib", type=int, default=128, help="MiB per turn of a side")
     parser.add_argument("--concurrency", type=int, default=16, help="threads / max_concurrency")
+    parser.add_argument("--codec-mib", type=int, default=256, help="codec working set, MiB")
+    parser.add_argument("--skip-codec", action="store_true", help="no codec benchmark")
     parser.add_argument("--skip-nvme", action="store_true", help="no NVMe benchmark")
     parser.add_argument("--skip-s3", action="store_true", help="no S3 benchmark")
     parser.add_argument(
@@ -80,6 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     sizes = [int(mib) * MiB for mib in args.chunk_mib.split(",")]
+    if not args.skip_codec:
+        print(asyncio.run(codec_report(args, sizes)))
+        print()
     if not args.skip_nvme:
         print(asyncio.run(nvme_report(args, sizes)))
         print()
@@ -136,15 +156,23 @@ class _Side(Protocol):
     async def clean(self) -> None: ...
 
 
-async def _compare(repeats: int, work: _Workload, sides: list[_Side]) -> list[list[float]]:
-    """Best [write, read] seconds of each side; the first side is the baseline.
+@dataclass(frozen=True)
+class _Cost:
+    """A side's [write, read] seconds, and this process's CPU seconds meanwhile."""
+
+    seconds: list[float]
+    cpu: list[float]
+
+
+async def _compare(repeats: int, work: _Workload, sides: list[_Side]) -> list[_Cost]:
+    """Each side's best seconds and least CPU seconds of ``repeats`` runs.
 
     The first run is a warm-up, not counted: on a thin-provisioned virtual disk the
     first write to a block costs several times the next one.
     """
-    best = [[float("inf")] * 2 for _ in sides]
+    best = [_Cost([math.inf] * 2, [math.inf] * 2) for _ in sides]
     for repeat in range(repeats + 1):
-        spent = [[0.0] * 2 for _ in sides]
+        spent = [_Cost([0.0] * 2, [0.0] * 2) for _ in sides]
         for phase in (0, 1):  # writes, then reads
             if phase:
                 for side in sides:
@@ -152,32 +180,56 @@ async def _compare(repeats: int, work: _Workload, sides: list[_Side]) -> list[li
             for number, group in enumerate(work.groups):
                 turn = (number + repeat) % len(sides)  # who goes first rotates
                 for index in [*range(turn, len(sides)), *range(turn)]:
-                    started = time.perf_counter()
+                    started, cpu = time.perf_counter(), time.process_time()
                     await (sides[index].read(group) if phase else sides[index].write(group))
-                    spent[index][phase] += time.perf_counter() - started
+                    spent[index].seconds[phase] += time.perf_counter() - started
+                    spent[index].cpu[phase] += time.process_time() - cpu
         for side in sides:
             await side.clean()
         if repeat:
             for old, new in zip(best, spent, strict=True):
-                old[:] = [min(pair) for pair in zip(old, new, strict=True)]
+                old.seconds[:] = map(min, old.seconds, new.seconds)
+                old.cpu[:] = map(min, old.cpu, new.cpu)
     return best
 
 
+def _columns(base: str, other: str) -> list[str]:
+    return ["chunk", "op", base, other, "ratio", "goal", f"{base} CPU s/GB", f"{other} CPU s/GB"]
+
+
 def _rows(
-    work: _Workload, operations: tuple[str, str], best: list[list[float]], goal: str
+    work: _Workload, operations: tuple[str, str], base: _Cost, other: _Cost, goal: str
 ) -> list[list[str]]:
-    """Rows of the second side (the adapter) against the first (raw)."""
+    """Rows of ``other`` against ``base``: throughput, its ratio, CPU per GB of each."""
+    gigabytes = work.nbytes / 1e9
     return [
         [
             f"{work.size // MiB} MiB",
             operation,
-            f"{work.nbytes / raw / 1e9:.2f} GB/s",
-            f"{work.nbytes / ours / 1e9:.2f} GB/s",
-            f"{raw / ours:.2f}",
+            f"{gigabytes / base_seconds:.2f} GB/s",
+            f"{gigabytes / other_seconds:.2f} GB/s",
+            f"{base_seconds / other_seconds:.2f}",
             goal,
+            f"{base_cpu / gigabytes:.3f}",
+            f"{other_cpu / gigabytes:.3f}",
         ]
-        for operation, raw, ours in zip(operations, best[0], best[1], strict=True)
+        for operation, base_seconds, other_seconds, base_cpu, other_cpu in zip(
+            operations, base.seconds, other.seconds, base.cpu, other.cpu, strict=True
+        )
     ]
+
+
+def _sealing_goal(work: _Workload) -> str:
+    return ">= 0.8" if work.size >= MiB else ""
+
+
+def _mode(seal: bool) -> str:
+    return "sealed" if seal else "plaintext"
+
+
+def _default_side(config: NvmeTierConfig | S3TierConfig) -> int:
+    """Which of [raw, plaintext adapter, sealed adapter] is the tier as configured by default."""
+    return 2 if config.encryption else 1
 
 
 class _AdapterSide:
@@ -210,41 +262,115 @@ def _same(got: list[bytes] | list[bytes | None], payloads: list[bytes]) -> None:
         raise AssertionError("a read returned other bytes")
 
 
+# Codec
+
+
+async def codec_report(args: argparse.Namespace, sizes: list[int]) -> str:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvpool-bench-l2-keys-") as keys:
+        plain, sealed = (_codec(Path(keys), seal=seal) for seal in (False, True))
+    for size in sizes:
+        work = _workload(size, args.codec_mib * MiB, args.group_mib * MiB)
+        sides: list[_Side] = [_CodecSide(plain, work), _CodecSide(sealed, work)]
+        best = await _compare(args.repeats, work, sides)
+        rows += _rows(work, ("encode", "open"), best[0], best[1], "")
+    return table(
+        f"ObjectCodec on one core, the ceiling of each side's cryptography: "
+        f"{args.codec_mib} MiB per size",
+        _columns("plaintext (GMAC)", "sealed (AES-GCM)"),
+        rows,
+    )
+
+
+class _CodecSide:
+    """The codec alone, on this thread: encode as the write, open as the read.
+
+    Each output is dropped as soon as it is made, as the adapters drop a body once it
+    is written, so that the figure is the codec's in a steady state (allocator included).
+    """
+
+    def __init__(self, codec: ObjectCodec, work: _Workload) -> None:
+        self.codec, self.work = codec, work
+        self.encoded: list[tuple[bytes, bytes]] = []
+
+    async def write(self, group: range) -> None:
+        for i in group:
+            self.codec.encode(self.work.names[i], self.work.payloads[i])
+
+    def before_reads(self) -> None:
+        """Untimed: the objects to open, each opened and checked once here."""
+        names, payloads = self.work.names, self.work.payloads
+        for name, payload in zip(names, payloads, strict=True):
+            header, body = self.codec.encode(name, payload)
+            self.encoded.append((header, bytes(body)))  # bytes of bytes: the same object
+        opened = [self.codec.open(n, *pair) for n, pair in zip(names, self.encoded, strict=True)]
+        _same(opened, payloads)
+
+    async def read(self, group: range) -> None:
+        for i in group:
+            self.codec.open(self.work.names[i], *self.encoded[i])
+
+    async def clean(self) -> None:
+        self.encoded.clear()
+
+
 # NVMe
 
 
 async def nvme_report(args: argparse.Namespace, sizes: list[int]) -> str:
-    rows = []
+    against_raw, sealing = [], []
     with (
         tempfile.TemporaryDirectory(dir=args.nvme_dir, prefix="kvpool-bench-l2-") as tmp,
         ThreadPoolExecutor(args.concurrency) as pool,
     ):
         root = Path(tmp)
         config = NvmeTierConfig(
-            path=root / "adapter",
+            path=root,
             capacity=2 * args.nvme_mib * MiB,
             fsync=args.fsync,
             direct_io=args.direct_io,
             max_concurrency=args.concurrency,
         )
-        codec = _codec(root / "keys", seal=config.encryption)
-        adapter = NvmeAdapter(config, "bench", lambda tenant: None, codec)
-        if args.direct_io and not adapter.direct_io:
+        adapters = [  # plaintext, sealed: in directories of their own
+            NvmeAdapter(
+                config.model_copy(update={"path": root / _mode(seal), "encryption": seal}),
+                "bench",
+                lambda tenant: None,
+                _codec(root / "keys", seal=seal),
+            )
+            for seal in (False, True)
+        ]
+        if args.direct_io and not all(adapter.direct_io for adapter in adapters):
             raise SystemExit(f"{root} refuses O_DIRECT")
         (root / "raw").mkdir()
         for size in sizes:
             work = _workload(size, args.nvme_mib * MiB, args.group_mib * MiB)
             raw = _RawFiles(root / "raw", work, pool, args.fsync, args.direct_io)
-            ours = _AdapterSide(adapter, work)
-            best = await _compare(args.repeats, work, [raw, ours])
-            rows += _rows(work, ("write", "read"), best, ">= 0.9")
-        await adapter.close()
+            sides: list[_Side] = [raw, *(_AdapterSide(adapter, work) for adapter in adapters)]
+            best = await _compare(args.repeats, work, sides)
+            against_raw += _rows(
+                work, ("write", "read"), best[0], best[_default_side(config)], ">= 0.9"
+            )
+            sealing += _rows(work, ("write", "read"), best[1], best[2], _sealing_goal(work))
+        for adapter in adapters:
+            await adapter.close()
     mode = "O_DIRECT" if args.direct_io else "buffered, page cache dropped before reads"
-    return table(
-        f"NVMe adapter vs raw files: {args.nvme_mib} MiB per size, fsync={args.fsync}, {mode}, "
-        f"{args.concurrency} threads",
-        ["chunk", "op", "raw files", "adapter", "ratio", "goal"],
-        rows,
+    setting = (
+        f"{args.nvme_mib} MiB per size, fsync={args.fsync}, {mode}, {args.concurrency} threads"
+    )
+    return "\n\n".join(
+        [
+            table(
+                f"NVMe adapter ({_mode(config.encryption)}, its default) vs raw files: {setting}",
+                _columns("raw files", "adapter"),
+                against_raw,
+            ),
+            table(
+                f"NVMe adapter sealed (AES-GCM) vs plaintext (GMAC), same run: {setting}",
+                _columns("plaintext", "sealed"),
+                sealing,
+            ),
+        ]
     )
 
 
@@ -335,11 +461,25 @@ async def s3_report(args: argparse.Namespace, sizes: list[int], endpoint: str) -
     bucket = args.s3_bucket or f"kvpool-bench-{uuid.uuid4().hex[:12]}"
     config = S3TierConfig(bucket=bucket, endpoint_url=endpoint, max_concurrency=args.concurrency)
     part = int(config.part_size)
-    # One request per object, as the raw calls; and the default: parallel parts.
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-l2-keys-") as keys:
-        codec = _codec(Path(keys), seal=config.encryption)
-    whole = S3Adapter(config.model_copy(update={"multipart_threshold": 5 << 30}), "bench", codec)
-    parts = S3Adapter(config, "bench", codec)
+        codecs = {seal: _codec(Path(keys), seal=seal) for seal in (False, True)}
+    # One request per object, as the raw calls, plaintext and sealed under prefixes of their
+    # own; and the default: parallel parts.
+    whole = [
+        S3Adapter(
+            config.model_copy(
+                update={
+                    "multipart_threshold": 5 << 30,
+                    "prefix": f"bench-{_mode(seal)}",
+                    "encryption": seal,
+                }
+            ),
+            "bench",
+            codecs[seal],
+        )
+        for seal in (False, True)
+    ]
+    parts = S3Adapter(config, "bench", codecs[config.encryption])
     client = boto3.session.Session().client(
         "s3",
         endpoint_url=endpoint,
@@ -355,26 +495,43 @@ async def s3_report(args: argparse.Namespace, sizes: list[int], endpoint: str) -
     )
     if not args.s3_bucket:
         client.create_bucket(Bucket=bucket)
-    rows = []
+    against_raw, sealing = [], []
     with ThreadPoolExecutor(args.concurrency) as pool:
         for size in sizes:
             work = _workload(size, args.s3_mib * MiB, args.group_mib * MiB)
-            sides: list[_Side] = [_RawBoto3(client, bucket, work, pool), _AdapterSide(whole, work)]
+            sides: list[_Side] = [
+                _RawBoto3(client, bucket, work, pool),
+                *(_AdapterSide(adapter, work) for adapter in whole),
+            ]
             if size >= int(config.multipart_threshold):
                 sides.append(_AdapterSide(parts, work))
             best = await _compare(args.repeats, work, sides)
-            rows += _rows(work, ("put", "get"), best[:2], ">= 0.8")
-            if len(best) == 3:
+            against_raw += _rows(
+                work, ("put", "get"), best[0], best[_default_side(config)], ">= 0.8"
+            )
+            if len(best) == 4:
                 labels = (f"put, {part // MiB} MiB parts", f"get, {part // MiB} MiB ranges")
-                rows += _rows(work, labels, [best[0], best[2]], "")
-    await whole.close()
-    await parts.close()
+                against_raw += _rows(work, labels, best[0], best[3], "")
+            sealing += _rows(work, ("put", "get"), best[1], best[2], _sealing_goal(work))
+    for adapter in [*whole, parts]:
+        await adapter.close()
     client.close()
-    return table(
-        f"S3 adapter vs raw boto3 at {endpoint}: {args.s3_mib} MiB per size, "
-        f"{args.concurrency} threads",
-        ["chunk", "op", "raw boto3", "adapter", "ratio", "goal"],
-        rows,
+    setting = f"{args.s3_mib} MiB per size, {args.concurrency} threads"
+    return "\n\n".join(
+        [
+            table(
+                f"S3 adapter ({_mode(config.encryption)}, its default) vs raw boto3 at "
+                f"{endpoint}: {setting}",
+                _columns("raw boto3", "adapter"),
+                against_raw,
+            ),
+            table(
+                f"S3 adapter sealed (AES-GCM) vs plaintext (GMAC), one request per object, "
+                f"same run: {setting}",
+                _columns("plaintext", "sealed"),
+                sealing,
+            ),
+        ]
     )
 
 
