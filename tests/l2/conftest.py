@@ -20,6 +20,7 @@ import pytest
 
 from kvpool_agent.config import NvmeTierConfig, S3TierConfig
 from kvpool_agent.l2 import ObjectKey
+from kvpool_agent.l2.buffers import BufferPool
 from kvpool_agent.l2.codec import ObjectCodec
 from kvpool_agent.l2.keyring import Keyring, generate_key
 from kvpool_agent.testing.s3_server import moto_server
@@ -50,7 +51,7 @@ def write_key(directory: Path, key_id: int, material: bytes) -> None:
 def object_codec(keys: Path, pool: str = POOL, *, seal: bool = False) -> ObjectCodec:
     """A codec under the master keys in ``keys`` (key 1 generated there if it holds none)."""
     generate_key(keys)
-    return ObjectCodec(Keyring(keys), pool, seal=seal)
+    return ObjectCodec(Keyring(keys), pool, seal=seal, buffers=BufferPool())
 
 
 def nvme_config(path: Path, **overrides: Any) -> NvmeTierConfig:

@@ -219,7 +219,7 @@ class FaultyAdapter:
         results = iter(await self.inner.put(passed))
         return [False if self.fails(obj.name) else next(results) for obj in objects]
 
-    async def get(self, keys: Sequence[ObjectKey]) -> list[bytes | None]:
+    async def get(self, keys: Sequence[ObjectKey]) -> list[bytes | memoryview | None]:
         results = iter(await self.inner.get([k for k in keys if not self.fails(k)]))
         return [None if self.fails(k) else next(results) for k in keys]
 

@@ -14,6 +14,7 @@ import pytest
 import pytest_asyncio
 
 from kvpool_agent.l2 import L2Object, ObjectKey
+from kvpool_agent.l2.buffers import BufferPool
 from kvpool_agent.l2.codec import HEADER, NONCE_SIZE, IntegrityError, ObjectCodec
 from kvpool_agent.l2.keyring import Keyring
 from kvpool_agent.l2.nvme import NvmeAdapter
@@ -27,7 +28,7 @@ KEY_1, KEY_2 = b"1" * 64, b"2" * 64
 
 
 def codec(keys: Path, pool: str = POOL, *, seal: bool = True) -> ObjectCodec:
-    return ObjectCodec(Keyring(keys, reload_seconds=0), pool, seal=seal)
+    return ObjectCodec(Keyring(keys, reload_seconds=0), pool, seal=seal, buffers=BufferPool())
 
 
 S3Factory = Callable[..., S3Adapter]
@@ -132,10 +133,13 @@ async def test_each_object_has_its_own_nonce(tmp_path: Path) -> None:
     write_key(tmp_path / "keys", 1, KEY_1)
     sealer = codec(tmp_path / "keys")
     name, data = chunk(0), payload(1000)
-    (head_1, body_1), (head_2, body_2) = sealer.encode(name, data), sealer.encode(name, data)
+    with sealer.encode(name, data) as (head_1, body):
+        body_1 = bytes(body)
+    with sealer.encode(name, data) as (head_2, body):
+        body_2 = bytes(body)
     nonce = slice(HEADER.size - 16 - NONCE_SIZE, HEADER.size - 16)
     assert head_1[nonce] != head_2[nonce] and body_1 != body_2
-    assert sealer.open(name, head_1, bytes(body_1)) == sealer.open(name, head_2, bytes(body_2))
+    assert sealer.open(name, head_1, body_1) == sealer.open(name, head_2, body_2) == data
 
 
 async def test_a_header_field_changed_by_one_bit_does_not_open(tmp_path: Path) -> None:
@@ -145,11 +149,12 @@ async def test_a_header_field_changed_by_one_bit_does_not_open(tmp_path: Path) -
     for seal in (True, False):
         sealer = codec(tmp_path / "keys", seal=seal)
         name, data = ObjectKey("t", bytes(32)), payload(300)
-        header, body = sealer.encode(name, data)
+        with sealer.encode(name, data) as (header, sealed):
+            body = bytes(sealed)
         for index in range(len(header)):
             forged = bytearray(header)
             forged[index] ^= 0x01
             # The reader asks for what the forged header names, so only the tag can refuse it.
             tenant = forged[43:75].rstrip(b"\0").decode(errors="replace")
             with pytest.raises(IntegrityError):
-                sealer.open(ObjectKey(tenant, bytes(forged[11:43])), bytes(forged), bytes(body))
+                sealer.open(ObjectKey(tenant, bytes(forged[11:43])), bytes(forged), body)

@@ -49,6 +49,7 @@ import os
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +63,7 @@ from kvpool_agent.config import NvmeTierConfig, S3TierConfig
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.l2 import layout
 from kvpool_agent.l2.base import L2Object, ObjectKey
+from kvpool_agent.l2.buffers import BufferPool
 from kvpool_agent.l2.codec import ObjectCodec
 from kvpool_agent.l2.keyring import Keyring, generate_key
 from kvpool_agent.l2.nvme import BLOCK, NvmeAdapter
@@ -139,7 +141,8 @@ def _workload(size: int, total: int, group_bytes: int) -> _Workload:
 def _codec(keys: Path, *, seal: bool) -> ObjectCodec:
     """A codec under a key generated in ``keys`` (read once: the keys are not reread)."""
     generate_key(keys)
-    return ObjectCodec(Keyring(keys, reload_seconds=math.inf), "bench", seal=seal)
+    keyring = Keyring(keys, reload_seconds=math.inf)
+    return ObjectCodec(keyring, "bench", seal=seal, buffers=BufferPool())
 
 
 class _Side(Protocol):
@@ -257,7 +260,7 @@ def _all(results: list[bool]) -> None:
         raise AssertionError("an operation failed")
 
 
-def _same(got: list[bytes] | list[bytes | None], payloads: list[bytes]) -> None:
+def _same(got: Sequence[bytes | memoryview | None], payloads: list[bytes]) -> None:
     if got != payloads:
         raise AssertionError("a read returned other bytes")
 
@@ -295,14 +298,15 @@ class _CodecSide:
 
     async def write(self, group: range) -> None:
         for i in group:
-            self.codec.encode(self.work.names[i], self.work.payloads[i])
+            with self.codec.encode(self.work.names[i], self.work.payloads[i]):
+                pass
 
     def before_reads(self) -> None:
         """Untimed: the objects to open, each opened and checked once here."""
         names, payloads = self.work.names, self.work.payloads
         for name, payload in zip(names, payloads, strict=True):
-            header, body = self.codec.encode(name, payload)
-            self.encoded.append((header, bytes(body)))  # bytes of bytes: the same object
+            with self.codec.encode(name, payload) as (header, body):
+                self.encoded.append((header, bytes(body)))
         opened = [self.codec.open(n, *pair) for n, pair in zip(names, self.encoded, strict=True)]
         _same(opened, payloads)
 

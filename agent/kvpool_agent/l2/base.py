@@ -53,7 +53,7 @@ class L2Adapter(Protocol):
         """Store each object; True where it is durably stored (or already was)."""
         ...
 
-    async def get(self, keys: Sequence[ObjectKey]) -> list[bytes | None]:
+    async def get(self, keys: Sequence[ObjectKey]) -> list[bytes | memoryview | None]:
         """The verified payload of each key, or None (missing, corrupt or unreachable)."""
         ...
 

@@ -24,9 +24,11 @@ object, far inside GCM's limits however many objects a tenant writes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import struct
+from collections.abc import Iterator
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -34,6 +36,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF, HKDFExpand
 
 from kvpool_agent.l2.base import ObjectKey
+from kvpool_agent.l2.buffers import BufferPool
 from kvpool_agent.l2.keyring import Keyring
 
 MAGIC = b"KVPL2"
@@ -45,10 +48,17 @@ NONCE_SIZE = 24
 _ASSOCIATED = HEADER.size - TAG_SIZE
 """The header up to the tag: the associated data."""
 _LENGTH_FIELD = 6
+_FLAGS_OFFSET = 6
+"""Byte offset of the flags: after the magic and the format version."""
 
 
 class IntegrityError(ValueError):
     """The bytes are not the object that was asked for (or not intact, or not ours)."""
+
+
+def is_sealed(header: bytes | memoryview) -> bool:
+    """Whether a header says its body is ciphertext (False if it is shorter than a header)."""
+    return len(header) >= HEADER.size and bool(header[_FLAGS_OFFSET] & SEALED)
 
 
 def payload_length(header: bytes | memoryview) -> int:
@@ -59,16 +69,21 @@ def payload_length(header: bytes | memoryview) -> int:
 class ObjectCodec:
     """Encodes a tier's objects (sealed or not) and opens any object of the pool's keys."""
 
-    def __init__(self, keyring: Keyring, pool: str, *, seal: bool) -> None:
+    def __init__(self, keyring: Keyring, pool: str, *, seal: bool, buffers: BufferPool) -> None:
         self.keyring = keyring
         self.seal = seal
+        self.buffers = buffers
         self._pool = pool.encode()
 
+    @contextlib.contextmanager
     def encode(
         self, name: ObjectKey, payload: bytes | memoryview
-    ) -> tuple[bytes, bytes | memoryview]:
-        """The header and the body of ``payload`` as ``name``: the body is the payload itself
-        when the tier does not seal (no copy), its ciphertext when it does."""
+    ) -> Iterator[tuple[bytes, bytes | memoryview]]:
+        """The header and the body of ``payload`` as ``name``, for the block's duration.
+
+        The body is the payload itself where the tier does not seal (no copy), its
+        ciphertext in a buffer borrowed from :attr:`buffers` where it does.
+        """
         keys = self.keyring.current()
         key_id = keys.active_id
         nonce = os.urandom(NONCE_SIZE)
@@ -86,25 +101,36 @@ class ObjectCodec:
         )[:_ASSOCIATED]
         cipher = self._cipher(keys.by_id[key_id], name.tenant, nonce, None).encryptor()
         cipher.authenticate_additional_data(associated)
-        body: bytes | memoryview
-        if self.seal:
-            body = cipher.update(payload)
-        else:
+        if not self.seal:
             cipher.authenticate_additional_data(payload)
-            body = payload
-        cipher.finalize()
-        return associated + cipher.tag, body
+            cipher.finalize()
+            yield associated + cipher.tag, payload
+            return
+        with self.buffers.borrow(len(payload)) as body:
+            cipher.update_into(payload, body)
+            cipher.finalize()
+            yield associated + cipher.tag, body
 
-    def decode(self, name: ObjectKey, blob: bytes | memoryview) -> bytes:
+    def decode(
+        self, name: ObjectKey, blob: bytes | memoryview, *, in_place: bool = False
+    ) -> bytes | memoryview:
         """The payload of a whole object; :class:`IntegrityError` unless it opens as ``name``."""
-        return self.open(name, blob[: HEADER.size], bytes(blob[HEADER.size :]))
+        view = memoryview(blob)
+        return self.open(name, view[: HEADER.size], view[HEADER.size :], in_place=in_place)
 
-    def open(self, name: ObjectKey, header: bytes | memoryview, body: bytes) -> bytes:
+    def open(
+        self,
+        name: ObjectKey,
+        header: bytes | memoryview,
+        body: bytes | memoryview,
+        *,
+        in_place: bool = False,
+    ) -> bytes | memoryview:
         """The payload of ``header`` and ``body``, read apart; :class:`IntegrityError` unless
         they open as ``name``.
 
-        For readers that read the body straight into the bytes they return: a copy of a
-        large body costs as much as reading it from a device.
+        A plaintext body comes back as it is (no copy). A sealed one is decrypted into new
+        bytes, or with ``in_place`` (a writable body the caller owns) where it lies.
         """
         if len(header) < HEADER.size:
             raise IntegrityError("shorter than the object header")
@@ -122,11 +148,15 @@ class ObjectCodec:
             raise IntegrityError(f"sealed under key id {key_id}, which this agent does not hold")
         cipher = self._cipher(material, name.tenant, nonce, tag).decryptor()
         cipher.authenticate_additional_data(bytes(header[:_ASSOCIATED]))
-        if flags & SEALED:
-            payload = cipher.update(body)
-        else:
+        payload: bytes | memoryview
+        if not flags & SEALED:
             cipher.authenticate_additional_data(body)
             payload = body
+        elif in_place:
+            payload = memoryview(body)
+            cipher.update_into(payload, payload)
+        else:
+            payload = cipher.update(body)
         try:
             cipher.finalize()
         except InvalidTag:

@@ -37,7 +37,7 @@ from typing import TypeVar, TypeVarTuple
 from kvpool_agent.config import NvmeTierConfig
 from kvpool_agent.l2 import layout
 from kvpool_agent.l2.base import AdapterStats, L2Object, ObjectKey
-from kvpool_agent.l2.codec import HEADER, IntegrityError, ObjectCodec, payload_length
+from kvpool_agent.l2.codec import HEADER, IntegrityError, ObjectCodec, is_sealed, payload_length
 from kvpool_agent.l2.keylocks import KeyLocks
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class NvmeAdapter:
     async def put(self, objects: Sequence[L2Object]) -> list[bool]:
         return list(await asyncio.gather(*(self._put_one(obj) for obj in objects)))
 
-    async def get(self, keys: Sequence[ObjectKey]) -> list[bytes | None]:
+    async def get(self, keys: Sequence[ObjectKey]) -> list[bytes | memoryview | None]:
         return list(await asyncio.gather(*(self._get_one(name) for name in keys)))
 
     async def exists(self, keys: Sequence[ObjectKey]) -> list[bool]:
@@ -141,7 +141,7 @@ class NvmeAdapter:
         self.stats.put_bytes += len(obj.payload)
         return True
 
-    async def _get_one(self, name: ObjectKey) -> bytes | None:
+    async def _get_one(self, name: ObjectKey) -> bytes | memoryview | None:
         self.stats.gets += 1
         if not layout.is_valid(name):
             return None
@@ -293,12 +293,12 @@ class NvmeAdapter:
         fd = os.open(temp, flags | (_O_DIRECT if self.direct_io else 0), 0o640)
         try:
             try:
-                header, body = self.codec.encode(name, payload)
-                if self.direct_io:
-                    _write_all(fd, _aligned(header, body))
-                else:
-                    _write_all(fd, header)
-                    _write_all(fd, body)
+                with self.codec.encode(name, payload) as (header, body):
+                    if self.direct_io:
+                        _write_all(fd, _aligned(header, body))
+                    else:
+                        _write_all(fd, header)
+                        _write_all(fd, body)
                 if self.config.fsync != "never":
                     os.fdatasync(fd)
             finally:
@@ -310,7 +310,7 @@ class NvmeAdapter:
         if self.config.fsync == "always":
             _fsync_dir(path.parent)
 
-    def _read(self, name: ObjectKey) -> bytes:
+    def _read(self, name: ObjectKey) -> bytes | memoryview:
         path = self.path_of(name)
         read = _read_direct if self.direct_io else _read_buffered
         payload = read(path, name, self.codec)
@@ -394,36 +394,42 @@ def _write_all(fd: int, data: bytes | memoryview | mmap.mmap) -> None:
             done += os.write(fd, view[done:])
 
 
-def _read_buffered(path: Path, name: ObjectKey, codec: ObjectCodec) -> bytes:
+def _read_buffered(path: Path, name: ObjectKey, codec: ObjectCodec) -> bytes | memoryview:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        size = os.fstat(fd).st_size
-        # The payload straight into the bytes that get() returns (a copy would cost as much
-        # as the read), and first: one large read keeps the kernel's readahead large.
-        payload = os.pread(fd, max(0, size - HEADER.size), HEADER.size)
+        body_bytes = max(0, os.fstat(fd).st_size - HEADER.size)
         header = os.pread(fd, HEADER.size, 0)
+        if not is_sealed(header):  # the body straight into the bytes that get() returns
+            return codec.open(name, header, os.pread(fd, body_bytes, HEADER.size))
+        with codec.buffers.borrow(body_bytes) as ciphertext:  # decrypted into new bytes
+            done = _read_into(fd, ciphertext, HEADER.size)
+            return codec.open(name, header, ciphertext[:done])
     finally:
         os.close(fd)
-    return codec.open(name, header, payload)
 
 
-def _read_direct(path: Path, name: ObjectKey, codec: ObjectCodec) -> bytes:
+def _read_direct(path: Path, name: ObjectKey, codec: ObjectCodec) -> bytes | memoryview:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | _O_DIRECT)
     try:
         size = os.fstat(fd).st_size
         # Never closed explicitly: a traceback may still hold a view; refcounting unmaps it.
-        buffer = mmap.mmap(-1, max(_round_up(size), BLOCK))
-        view = memoryview(buffer)
-        done = 0
-        while done < size:
-            got = os.preadv(fd, [view[done:]], done)
-            if not got:
-                break
-            done += got
+        view = memoryview(mmap.mmap(-1, max(_round_up(size), BLOCK)))
+        done = _read_into(fd, view, 0)
     finally:
         os.close(fd)
     length = payload_length(view[:done])
-    return codec.decode(name, view[: min(done, HEADER.size + length)])
+    return codec.decode(name, view[: min(done, HEADER.size + length)], in_place=True)
+
+
+def _read_into(fd: int, view: memoryview, offset: int) -> int:
+    """Fill ``view`` from ``offset`` of the file; how many bytes there were."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if not got:
+            break
+        done += got
+    return done
 
 
 def _unlink(path: Path) -> None:

@@ -122,7 +122,7 @@ class S3Adapter:
     async def put(self, objects: Sequence[L2Object]) -> list[bool]:
         return list(await asyncio.gather(*(self._put_one(obj) for obj in objects)))
 
-    async def get(self, keys: Sequence[ObjectKey]) -> list[bytes | None]:
+    async def get(self, keys: Sequence[ObjectKey]) -> list[bytes | memoryview | None]:
         return list(await asyncio.gather(*(self._get_one(name) for name in keys)))
 
     async def exists(self, keys: Sequence[ObjectKey]) -> list[bool]:
@@ -157,7 +157,7 @@ class S3Adapter:
         self.stats.put_bytes += len(obj.payload)
         return True
 
-    async def _get_one(self, name: ObjectKey) -> bytes | None:
+    async def _get_one(self, name: ObjectKey) -> bytes | memoryview | None:
         self.stats.gets += 1
         if not layout.is_valid(name):
             return None
@@ -229,8 +229,8 @@ class S3Adapter:
     # The methods below run on the adapter's threads.
 
     def _put_blocking(self, name: ObjectKey, payload: bytes | memoryview) -> None:
-        header, body = self.codec.encode(name, payload)
-        blob = header + body
+        with self.codec.encode(name, payload) as (header, body):
+            blob = header + body
         key = self.object_key(name)
         if len(blob) >= self._threshold:
             self._client.upload_fileobj(
@@ -245,7 +245,7 @@ class S3Adapter:
                 Bucket=self.config.bucket, Key=key, Body=blob, **self._encryption_args
             )
 
-    def _get_blocking(self, name: ObjectKey) -> bytes | None:
+    def _get_blocking(self, name: ObjectKey) -> bytes | memoryview | None:
         """The verified payload, None if there is no such object; raises IntegrityError."""
         key = self.object_key(name)
         try:
@@ -273,7 +273,7 @@ class S3Adapter:
             if len(part) != end - start:
                 raise IntegrityError("the object changed during a ranged read")
             blob[start:end] = part
-        return self.codec.decode(name, memoryview(blob))
+        return self.codec.decode(name, memoryview(blob), in_place=True)
 
     def _get_range(self, key: str, start: int, end: int) -> bytes:
         response = self._client.get_object(

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from kvpool_agent.config import AgentConfig
 from kvpool_agent.l2 import L2Adapter, adapter_class
+from kvpool_agent.l2.buffers import BufferPool
 from kvpool_agent.l2.codec import ObjectCodec
 from kvpool_agent.l2.keyring import Keyring, generate_key
 
@@ -16,11 +17,12 @@ def open_tiers(config: AgentConfig, limit_of: Callable[[str], int | None]) -> li
         return []
     generate_key(config.resolved_l2_key_dir)
     keyring = Keyring(config.resolved_l2_key_dir)
+    buffers = BufferPool()
     tiers: list[L2Adapter] = []
     if config.nvme is not None:
-        codec = ObjectCodec(keyring, config.pool, seal=config.nvme.encryption)
+        codec = ObjectCodec(keyring, config.pool, seal=config.nvme.encryption, buffers=buffers)
         tiers.append(adapter_class("nvme")(config.nvme, config.pool, limit_of, codec))  # type: ignore[call-arg]
     if config.s3 is not None:
-        codec = ObjectCodec(keyring, config.pool, seal=config.s3.encryption)
+        codec = ObjectCodec(keyring, config.pool, seal=config.s3.encryption, buffers=buffers)
         tiers.append(adapter_class("s3")(config.s3, config.pool, codec))  # type: ignore[call-arg]
     return tiers

@@ -149,7 +149,7 @@ class Prefetcher:
             holders.append(holder)
         return holders
 
-    async def _get(self, tier: L2Adapter, tenant: str, key: bytes) -> bytes | None:
+    async def _get(self, tier: L2Adapter, tenant: str, key: bytes) -> bytes | memoryview | None:
         started = time.perf_counter()
         (payload,) = await tier.get([ObjectKey(tenant, key)])
         if self.observe is not None:
@@ -157,7 +157,12 @@ class Prefetcher:
         return payload
 
     def _place(
-        self, tenant: str, key: bytes, payload: bytes, parent: bytes | None, loaded: list[bytes]
+        self,
+        tenant: str,
+        key: bytes,
+        payload: bytes | memoryview,
+        parent: bytes | None,
+        loaded: list[bytes],
     ) -> bool:
         """Store one chunk into L1; False if L1 refused it.
 
