@@ -19,6 +19,12 @@ offending entry by position, never by value, and nothing here logs a token.
 Without a tokens file the agent calls :meth:`TokenAuthority.generate_admin_token`
 at start: a fresh admin token is written to a file readable only by the agent's
 user (mode 0600), and the authority keeps its digest.
+
+Beside the file's tokens, an authority accepts digests granted at run time
+(:meth:`TokenAuthority.replace_granted`: the KVCacheTenants' tokens and the
+operator's, from the pool's tenants ConfigMap). Each call replaces the granted set
+whole, in one assignment, so a request sees the old set or the new one, never a mix,
+and a digest left out stops working at once.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import os
 import re
 import secrets
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,6 +115,15 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
+def token_digest(token: str) -> str:
+    """What the tenants ConfigMap holds of a token: SHA-256 of its UTF-8 bytes, as hex."""
+    return _digest(token).hex()
+
+
+Grant = tuple[bytes, Principal]
+"""A token's SHA-256 digest (raw bytes) and the principal it stands for."""
+
+
 class TokenAuthority:
     """Maps bearer tokens to principals, knowing only the tokens' SHA-256 digests."""
 
@@ -127,7 +142,7 @@ class TokenAuthority:
             raise TokenFileError(
                 f"{source}: unknown keys {', '.join(unknown)}; expected {_KEYS_TEXT}"
             )
-        self._entries: list[tuple[bytes, Principal]] = []
+        self._entries: list[Grant] = []
         owners: dict[bytes, Principal] = {}
         for token in _token_list(tokens.get("admin"), f"{source}: admin"):
             self._add(owners, token, ADMIN, f"{source}: admin")
@@ -155,6 +170,7 @@ class TokenAuthority:
             self._add(owners, token, GATEWAY, f"{source}: gateways")
         if not self._entries:
             raise TokenFileError(f"{source}: defines no tokens; nobody could use the API")
+        self._own = tuple(self._entries)
 
     @classmethod
     def from_file(cls, path: Path) -> TokenAuthority:
@@ -202,10 +218,29 @@ class TokenAuthority:
         """
         digest = _digest(token)
         found: Principal | None = None
-        for known, principal in self._entries:
+        for known, principal in self._entries:  # one read: a concurrent swap is seen whole
             if hmac.compare_digest(digest, known):
                 found = principal
         return found
+
+    def replace_granted(self, grants: Iterable[Grant]) -> list[Grant]:
+        """Accept exactly ``grants`` beside the file's tokens from now on.
+
+        A digest that the file (or an earlier grant of this call) gives another principal
+        is refused, so that no token means two things; the refused grants are returned
+        for the caller to report (by principal: never log a digest).
+        """
+        owners = {digest: principal for digest, principal in self._own}
+        entries, refused = list(self._own), []
+        for digest, principal in grants:
+            owner = owners.get(digest)
+            if owner is None:
+                owners[digest] = principal
+                entries.append((digest, principal))
+            elif owner != principal:
+                refused.append((digest, principal))
+        self._entries = entries
+        return refused
 
     @property
     def token_count(self) -> int:

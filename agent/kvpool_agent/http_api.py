@@ -5,8 +5,10 @@ builds the service and the token authority and passes them in.
 
 Access: ``/healthz``, ``/readyz`` and ``/metrics`` need no token. Every other
 route takes ``Authorization: Bearer <token>``: an admin token may do anything,
-a tenant token only reads and changes its own tenant's quota, usage and cache,
-and a gateway token (the prefix index's) nothing here. Checks run in this order:
+a tenant token only reads and changes its own tenant's quota (within the ceiling its
+KVCacheTenant sets), usage and cache, and a gateway token (the prefix index's)
+nothing here. Tokens come from the tokens file and, with ``tenants_configmap``, from
+the pool's KVCacheTenants (the operator's token is an admin's). Checks run in this order:
 a missing or unknown token is 401, a gateway token 403, a malformed tenant id
 422, a tenant touching another tenant or an admin-only route 403. A request
 with a body is checked for its size (413) and token before the body is read
@@ -21,9 +23,9 @@ the event loop.
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Self
+from typing import Annotated, Any, Literal, Self
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Request, status
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Query, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
@@ -48,8 +50,10 @@ from kvpool_agent.http_common import (
     on_method_not_allowed,
 )
 from kvpool_agent.http_limits import HttpLimits
+from kvpool_agent.l2.base import TierUnavailable
 from kvpool_agent.quota_store import QuotaStoreError
-from kvpool_agent.service import CacheService, QuotaView
+from kvpool_agent.quotas import TierLimits
+from kvpool_agent.service import AboveCeiling, CacheService, QuotaView
 
 log = logging.getLogger(__name__)
 
@@ -108,15 +112,24 @@ class CacheStatus(BaseModel):
 class Quota(BaseModel):
     tenant: str = Field(description="Tenant id (32 lowercase hex characters).")
     limit_bytes: int | None = Field(
-        description="Bytes the tenant may keep cached; 0 = no caching, null = unlimited."
+        description="Bytes the tenant may keep in L1; 0 = no caching, null = unlimited."
+    )
+    nvme_limit_bytes: int | None = Field(
+        description="Bytes the tenant may keep in this node's NVMe tier; null = unlimited."
     )
     explicit: bool = Field(
-        description="True if the tenant has its own quota; false if the default applies."
+        description="True if the tenant has its own quota; false if the default applies "
+        "(lowered to the tenant's ceiling, if its KVCacheTenant sets one)."
     )
 
     @classmethod
     def of(cls, view: QuotaView) -> Self:
-        return cls(tenant=view.tenant, limit_bytes=view.limit, explicit=view.explicit)
+        return cls(
+            tenant=view.tenant,
+            limit_bytes=view.limits.l1,
+            nvme_limit_bytes=view.limits.nvme,
+            explicit=view.explicit,
+        )
 
 
 def _integral_float_as_int(value: object) -> object:
@@ -124,21 +137,36 @@ def _integral_float_as_int(value: object) -> object:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
+_LimitBytes = (
+    Annotated[StrictInt, Field(ge=0, le=MAX_LIMIT_BYTES), BeforeValidator(_integral_float_as_int)]
+    | None
+)
+
+
 class QuotaUpdate(BaseModel):
-    """A tenant's new quota, stored durably and applied at once (shrinking evicts)."""
+    """A tenant's new quota, stored durably and applied at once (shrinking evicts).
+
+    A tenant's own token may set at most its ceiling in each tier (403 above it).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    limit_bytes: (
-        Annotated[
-            StrictInt, Field(ge=0, le=MAX_LIMIT_BYTES), BeforeValidator(_integral_float_as_int)
-        ]
-        | None
-    ) = Field(
-        description="Bytes the tenant may keep cached: an integer >= 0 (0 = no caching), "
+    limit_bytes: _LimitBytes = Field(
+        description="Bytes the tenant may keep in L1: an integer >= 0 (0 = no caching), "
         "or null for unlimited.",
         examples=[8 << 30, 0, None],
     )
+    nvme_limit_bytes: _LimitBytes = Field(
+        None,
+        description="Bytes the tenant may keep in the NVMe tier, or null for unlimited; "
+        "absent: the same as limit_bytes.",
+        examples=[64 << 30],
+    )
+
+    def limits(self) -> TierLimits:
+        if "nvme_limit_bytes" not in self.model_fields_set:
+            return TierLimits.both(self.limit_bytes)
+        return TierLimits(self.limit_bytes, self.nvme_limit_bytes)
 
 
 class Usage(BaseModel):
@@ -175,24 +203,37 @@ class Cleared(BaseModel):
     dropped_chunks: int = Field(
         description="Chunks dropped; locked ones are freed when their readers finish."
     )
+    l2_dropped_objects: int | None = Field(
+        None,
+        description="With tiers=all: objects deleted from the L2 tiers (this node's NVMe "
+        "files and the pool's S3 objects of the tenant); null otherwise.",
+    )
 
 
 # ----------------------------------------------------------------- errors
 
 Responses = dict[int | str, dict[str, Any]]
 
-_ERRORS = {
+_ERRORS: dict[int | str, str] = {
     401: "Missing or unknown bearer token.",
     403: "The token may not use this route (another tenant's, admin-only, or a gateway's).",
     413: "Request body larger than http_limits.max_body_bytes (refused before it is read).",
     422: "Malformed tenant id or request body.",
     503: "The quota store failed; nothing was changed.",
+    "ceiling": "The token may not use this route (another tenant's, admin-only, or a "
+    "gateway's), or a tenant's own token asked for more than its ceiling.",
+    "tiers": "An L2 tier could not finish the drop (L1 is dropped); try again.",
 }
 
 
 def _errors(*codes: int) -> Responses:
     """OpenAPI entries for the error responses a route may give."""
     return {code: {"model": Error, "description": _ERRORS[code]} for code in codes}
+
+
+def _error(code: int, reason: str) -> Responses:
+    """An OpenAPI entry for ``code``, with its description for one route (``_ERRORS[reason]``)."""
+    return {code: {"model": Error, "description": _ERRORS[reason]}}
 
 
 async def _on_store_error(request: Request, error: Exception) -> JSONResponse:
@@ -328,7 +369,11 @@ def _cache_routes(service: CacheService, guards: _Guards) -> APIRouter:
     def list_tenants(_: Admin) -> TenantUsages:
         return TenantUsages(tenants=[Usage.of(stats) for stats in service.tenants()])
 
-    @router.post("/clear", summary="Drop every cached chunk of every tenant (admin).")
+    @router.post(
+        "/clear",
+        summary="Drop every cached chunk of every tenant (admin).",
+        response_model_exclude_none=True,
+    )
     def clear_all(principal: Admin) -> Cleared:
         dropped = service.clear()
         log.info("%s cleared the cache: %d chunks dropped", principal, dropped)
@@ -349,13 +394,19 @@ def _tenant_routes(service: CacheService, guards: _Guards) -> APIRouter:
 
     @router.put(
         "/quota",
-        summary="Set a tenant's quota durably; shrinking evicts at once (admin or that tenant).",
-        responses=_errors(413, 503),
+        summary="Set a tenant's quota durably; shrinking evicts at once (admin, or that "
+        "tenant within its ceiling).",
+        responses={**_errors(413, 503), **_error(403, "ceiling")},
     )
     def put_quota(access: Tenant, update: QuotaUpdate) -> Quota:
-        view = service.set_quota(access.tenant, update.limit_bytes)
+        try:
+            view = service.set_quota(
+                access.tenant, update.limits(), within_ceiling=not access.principal.is_admin
+            )
+        except AboveCeiling as error:
+            raise HTTPException(status.HTTP_403_FORBIDDEN, str(error)) from None
         log.info(
-            "%s set the quota of tenant %s to %s", access.principal, view.tenant, _bytes(view.limit)
+            "%s set the quota of tenant %s to %s", access.principal, view.tenant, _limits(view)
         )
         return Quota.of(view)
 
@@ -373,16 +424,53 @@ def _tenant_routes(service: CacheService, guards: _Guards) -> APIRouter:
     def get_usage(access: Tenant) -> Usage:
         return Usage.of(service.usage(access.tenant))
 
-    @router.post("/clear", summary="Drop a tenant's cached chunks (admin or that tenant).")
-    def clear_tenant(access: Tenant) -> Cleared:
-        dropped = service.clear(access.tenant)
+    @router.post(
+        "/clear",
+        summary="Drop a tenant's cached chunks from L1, or with tiers=all from L2 too "
+        "(admin or that tenant).",
+        responses=_error(503, "tiers"),
+        response_model_exclude_none=True,
+    )
+    def clear_tenant(
+        access: Tenant,
+        tiers: Annotated[
+            Literal["l1", "all"],
+            Query(
+                description="l1: this node's L1 only. all: also this node's NVMe files and "
+                "the pool's S3 objects of the tenant (when its KVCacheTenant is deleted)."
+            ),
+        ] = "l1",
+    ) -> Cleared:
+        if tiers == "l1":
+            dropped = service.clear(access.tenant)
+            log.info(
+                "%s cleared tenant %s: %d chunks dropped", access.principal, access.tenant, dropped
+            )
+            return Cleared(dropped_chunks=dropped)
+        try:
+            both = service.drop_tenant(access.tenant)
+        except TierUnavailable as error:
+            log.error("%s: dropping tenant %s: %s", access.principal, access.tenant, error)
+            raise HTTPException(
+                status.HTTP_503_SERVICE_UNAVAILABLE,
+                f"L1 is dropped but an L2 tier is not done, try again: {error}",
+            ) from None
         log.info(
-            "%s cleared tenant %s: %d chunks dropped", access.principal, access.tenant, dropped
+            "%s dropped tenant %s: %d chunks from L1, %d objects from L2",
+            access.principal,
+            access.tenant,
+            both.l1_chunks,
+            both.l2_objects,
         )
-        return Cleared(dropped_chunks=dropped)
+        return Cleared(dropped_chunks=both.l1_chunks, l2_dropped_objects=both.l2_objects)
 
     return router
 
 
 def _bytes(limit: int | None) -> str:
     return "unlimited" if limit is None else f"{limit} bytes"
+
+
+def _limits(view: QuotaView) -> str:
+    l1, nvme = view.limits.l1, view.limits.nvme
+    return _bytes(l1) if l1 == nvme else f"{_bytes(l1)} in L1, {_bytes(nvme)} in NVMe"

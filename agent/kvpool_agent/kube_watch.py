@@ -9,7 +9,8 @@ watches from the list's resourceVersion and hands the set over again after every
 When the watch ends (the server's timeout, a 410 for a resourceVersion too old) it lists
 again; when the API server fails or cannot be reached it retries after ``retry_seconds``.
 Consumers derive what they need from the set (agent endpoints, a ConfigMap's quotas) and
-ignore calls that change nothing for them.
+ignore calls that change nothing for them. :func:`connect_config_map` and
+:func:`watch_config_map` set it up for one named ConfigMap (the pool's quotas, its tenants).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, cast
 
 import urllib3
 from kubernetes import config as kube_config
-from kubernetes.client import Configuration
+from kubernetes.client import ApiClient, Configuration, CoreV1Api
 from kubernetes.client.exceptions import ApiException
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,38 @@ def api_configuration() -> Configuration:
             os.environ.get("KUBECONFIG"), client_configuration=configuration
         )
     return configuration
+
+
+def connect_config_map(reference: str) -> tuple[CoreV1Api, str, str]:
+    """The API, namespace and name of ConfigMap ``namespace/name`` (see :func:`api_configuration`).
+
+    ValueError for a malformed reference, ConfigException without access to the API.
+    """
+    namespace, _, name = reference.partition("/")
+    if not namespace or not name:
+        raise ValueError(f"expected a ConfigMap as namespace/name, got {reference!r}")
+    return CoreV1Api(ApiClient(api_configuration())), namespace, name
+
+
+def watch_config_map(
+    api: CoreV1Api,
+    namespace: str,
+    name: str,
+    *,
+    timeout: float = 10.0,
+    retry_seconds: float = 2.0,
+    watch_seconds: int = 300,
+) -> ListWatch:
+    """A :class:`ListWatch` of the one ConfigMap ``namespace/name`` (absent: an empty set)."""
+    return ListWatch(
+        api.list_namespaced_config_map,
+        namespace,
+        selectors={"field_selector": f"metadata.name={name}"},
+        what=f"ConfigMap {namespace}/{name}",
+        timeout=timeout,
+        retry_seconds=retry_seconds,
+        watch_seconds=watch_seconds,
+    )
 
 
 class ListWatch:

@@ -63,7 +63,7 @@ import math
 import time
 from array import array
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvpool_agent.allocator import ExtentAllocator
@@ -85,7 +85,7 @@ from kvpool_agent.journal import RESERVED, ChunkRecord, SegmentJournal
 from kvpool_agent.keys import KEY_BYTES
 from kvpool_agent.policies import EvictionPolicy, PolicyFactory, SlotArena
 from kvpool_agent.probe_table import ProbeTableWriter
-from kvpool_agent.quotas import Limit, QuotaBook
+from kvpool_agent.quotas import Quota, QuotaBook, TierLimits
 from kvpool_agent.segment import SegmentLayout
 
 NIL = -1
@@ -497,15 +497,26 @@ class L1Cache:
             self._rest(scope)
         return plan.freed >= pages
 
-    def set_quota(self, tenant: str, limit: Limit) -> None:
-        """Set a tenant's limit; shrinking it evicts the tenant down to it right away."""
+    def set_quota(self, tenant: str, limit: Quota) -> None:
+        """Set a tenant's limits (a number: both tiers); shrinking L1's evicts right away."""
         self.quotas.set(tenant, limit)
-        account = self._account(tenant)
-        self._enforce_quota(account)
-        self._rest(account)
+        self._quota_changed(tenant)
 
     def delete_quota(self, tenant: str) -> None:
         self.quotas.delete(tenant)
+        self._quota_changed(tenant)
+
+    def replace_ceilings(self, ceilings: Mapping[str, TierLimits]) -> frozenset[str]:
+        """Make the tenants' ceilings exactly ``ceilings``; returns the tenants they changed.
+
+        A tenant on the default limit whose ceiling drops below it shrinks at once.
+        """
+        changed = self.quotas.replace_ceilings(ceilings)
+        for tenant in changed:
+            self._quota_changed(tenant)
+        return changed
+
+    def _quota_changed(self, tenant: str) -> None:
         account = self._account(tenant)
         self._enforce_quota(account)
         self._rest(account)

@@ -18,6 +18,7 @@ from kvpool_agent.names import AGENT_CONFIG_FILE_ENV
 from kvpool_agent.quota_store import QuotaStoreError
 from kvpool_agent.segment import SegmentError
 from kvpool_agent.server import Agent
+from kvpool_agent.tenants_configmap import TenantsWatchError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TokenFileError as error:
         print(f"kvpool-agent: invalid tokens file: {error}", file=sys.stderr)
         return 2
-    except (SegmentError, QuotaStoreError, KeyringError, OSError) as error:
+    except (SegmentError, QuotaStoreError, KeyringError, TenantsWatchError, OSError) as error:
         print(f"kvpool-agent: {error}", file=sys.stderr)
         return 1
     return 0

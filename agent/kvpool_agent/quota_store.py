@@ -3,7 +3,9 @@
 The agent loads the stored limits at start and writes every change through
 the store before applying it. This module has the interface and the file
 backend (the embedded default); a Kubernetes ConfigMap backend shares the
-interface.
+interface. Both keep a tenant's limits in their stored form
+(:data:`~kvpool_agent.quotas.Quota`): one number (or null) when the tiers agree, the
+only form before tiers had limits of their own, so older files still load.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Protocol
 
-from kvpool_agent.quotas import Limit
+from kvpool_agent.quotas import Quota, quota_from_json, quota_to_json
 
 
 class QuotaStoreError(RuntimeError):
@@ -22,43 +24,47 @@ class QuotaStoreError(RuntimeError):
 
 
 class QuotaStore(Protocol):
-    def load(self) -> dict[str, Limit]: ...
+    def load(self) -> dict[str, Quota]: ...
 
-    def save(self, tenant: str, limit: Limit) -> None: ...
+    def save(self, tenant: str, limits: Quota) -> None: ...
 
     def delete(self, tenant: str) -> None: ...
 
 
 class FileQuotaStore:
-    """Limits in one JSON object ``{tenant: bytes or null}``, replaced atomically on change."""
+    """Limits in one JSON object ``{tenant: limits}``, replaced atomically on change."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def load(self) -> dict[str, Limit]:
+    def load(self) -> dict[str, Quota]:
         try:
             raw = json.loads(self.path.read_text())
         except FileNotFoundError:
             return {}
         except (OSError, ValueError) as error:
             raise QuotaStoreError(f"cannot read quotas from {self.path}: {error}") from error
-        if not isinstance(raw, dict) or not all(
-            value is None or (isinstance(value, int) and value >= 0) for value in raw.values()
-        ):
-            raise QuotaStoreError(f"{self.path}: expected {{tenant: bytes >= 0 or null}}")
-        return {str(tenant): limit for tenant, limit in raw.items()}
+        if not isinstance(raw, dict):
+            raise QuotaStoreError(f"{self.path}: expected {{tenant: limits}}")
+        limits: dict[str, Quota] = {}
+        for tenant, value in raw.items():
+            try:
+                limits[str(tenant)] = quota_from_json(value)
+            except ValueError as error:
+                raise QuotaStoreError(f"{self.path}: tenant {tenant}: {error}") from None
+        return limits
 
-    def save(self, tenant: str, limit: Limit) -> None:
-        limits = self.load()
-        limits[tenant] = limit
-        self._write(limits)
+    def save(self, tenant: str, limits: Quota) -> None:
+        stored = self.load()
+        stored[tenant] = limits
+        self._write(stored)
 
     def delete(self, tenant: str) -> None:
         limits = self.load()
         if limits.pop(tenant, "absent") != "absent":
             self._write(limits)
 
-    def _write(self, limits: dict[str, Limit]) -> None:
+    def _write(self, limits: dict[str, Quota]) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
@@ -66,7 +72,12 @@ class FileQuotaStore:
             raise QuotaStoreError(f"cannot write quotas to {self.path}: {error}") from error
         try:
             with os.fdopen(fd, "w") as handle:
-                json.dump(limits, handle, indent=1, sort_keys=True)
+                json.dump(
+                    {t: quota_to_json(v) for t, v in limits.items()},
+                    handle,
+                    indent=1,
+                    sort_keys=True,
+                )
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(temporary, self.path)

@@ -1,7 +1,9 @@
 """Tenant quotas in the pool's quota ConfigMap, through the Kubernetes API.
 
 The ConfigMap (``kvpool-<pool>-quotas``, made by the operator with the pool) maps tenant
-ids to limits: bytes as a decimal string, or ``unlimited``. Every agent of the pool uses it:
+ids to limits: bytes as a decimal string, or ``unlimited`` (both tiers alike), or JSON
+``{"l1": <bytes or null>, "nvme": <bytes or null>}`` (null: unlimited). Every agent of the
+pool uses it:
 
 - a quota set or reverted through any agent's HTTP API is one JSON merge patch of one key
   (:meth:`KubernetesQuotaStore.save`, :meth:`~KubernetesQuotaStore.delete`), so writers
@@ -15,31 +17,32 @@ ids to limits: bytes as a decimal string, or ``unlimited``. Every agent of the p
 When the API server cannot be reached, :meth:`~KubernetesQuotaStore.load` answers with the
 last quotas the store saw and the watch retries in the background; writes fail with
 :class:`~kvpool_agent.quota_store.QuotaStoreError` (the HTTP API answers 503) rather than
-let one agent diverge from the others. A value that is neither a byte count nor
-``unlimited`` (a hand edit) is logged and ignored; the other tenants still apply.
+let one agent diverge from the others. A value of none of these forms (a hand edit) is
+logged and ignored; the other tenants still apply.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Callable, Mapping
 
 import urllib3
-from kubernetes.client import ApiClient, CoreV1Api
+from kubernetes.client import CoreV1Api
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config import ConfigException
 
-from kvpool_agent.kube_watch import ListWatch, Manifest, api_configuration
+from kvpool_agent.kube_watch import Manifest, connect_config_map, watch_config_map
 from kvpool_agent.quota_store import QuotaStoreError
-from kvpool_agent.quotas import Limit
+from kvpool_agent.quotas import Quota, quota_from_json, quota_to_json
 
 log = logging.getLogger(__name__)
 
 UNLIMITED = "unlimited"
 FIELD_MANAGER = "kvpool-agent"
 
-QuotaListener = Callable[[dict[str, Limit]], None]
+QuotaListener = Callable[[dict[str, Quota]], None]
 """Receives the complete quotas, each time they change."""
 
 
@@ -61,13 +64,12 @@ class KubernetesQuotaStore:
         self._api = api
         self._timeout = timeout
         self._lock = threading.Lock()
-        self._known: dict[str, Limit] | None = None
-        self._published: dict[str, Limit] | None = None
-        self._config_map = ListWatch(
-            api.list_namespaced_config_map,
+        self._known: dict[str, Quota] | None = None
+        self._published: dict[str, Quota] | None = None
+        self._config_map = watch_config_map(
+            api,
             namespace,
-            selectors={"field_selector": f"metadata.name={name}"},
-            what=self.where,
+            name,
             timeout=timeout,
             retry_seconds=retry_seconds,
             watch_seconds=watch_seconds,
@@ -77,22 +79,19 @@ class KubernetesQuotaStore:
     def connect(cls, reference: str) -> KubernetesQuotaStore:
         """The ConfigMap ``namespace/name``, through this pod's service account (in a pod) or
         the kubeconfig (``$KUBECONFIG``, elsewhere); QuotaStoreError if neither is there."""
-        namespace, _, name = reference.partition("/")
-        if not namespace or not name:
-            raise ValueError(f"expected a ConfigMap as namespace/name, got {reference!r}")
         try:
-            configuration = api_configuration()
+            api, namespace, name = connect_config_map(reference)
         except ConfigException as error:
             raise QuotaStoreError(
                 f"no access to the Kubernetes API for ConfigMap {reference}: {error}"
             ) from error
-        return cls(CoreV1Api(ApiClient(configuration)), namespace, name)
+        return cls(api, namespace, name)
 
     @property
     def where(self) -> str:
         return f"ConfigMap {self.namespace}/{self.name}"
 
-    def load(self) -> dict[str, Limit]:
+    def load(self) -> dict[str, Quota]:
         """The quotas now, or the last known ones while the API server is unreachable."""
         try:
             config_map = self._api.read_namespaced_config_map(
@@ -106,8 +105,12 @@ class KubernetesQuotaStore:
             return self._last_known(error)
         return self._remember(self._parse(config_map.data or {}), published=True)
 
-    def save(self, tenant: str, limit: Limit) -> None:
-        self._patch({tenant: UNLIMITED if limit is None else str(limit)})
+    def save(self, tenant: str, limits: Quota) -> None:
+        stored = quota_to_json(limits)
+        if isinstance(stored, dict):
+            self._patch({tenant: json.dumps(stored)})
+        else:
+            self._patch({tenant: UNLIMITED if stored is None else str(stored)})
 
     def delete(self, tenant: str) -> None:
         self._patch({tenant: None})
@@ -145,7 +148,7 @@ class KubernetesQuotaStore:
             ) from error
         self._remember(self._parse(config_map.data or {}), published=False)
 
-    def _last_known(self, error: Exception) -> dict[str, Limit]:
+    def _last_known(self, error: Exception) -> dict[str, Quota]:
         with self._lock:
             known = self._known
         if known is None:
@@ -153,7 +156,7 @@ class KubernetesQuotaStore:
         log.warning("cannot read quotas from %s (%s); using the last known ones", self.where, error)
         return dict(known)
 
-    def _remember(self, limits: dict[str, Limit], *, published: bool) -> dict[str, Limit]:
+    def _remember(self, limits: dict[str, Quota], *, published: bool) -> dict[str, Quota]:
         """Keep ``limits`` as the last known quotas (and as applied, if the caller applies)."""
         with self._lock:
             self._known = limits
@@ -161,20 +164,18 @@ class KubernetesQuotaStore:
                 self._published = limits
         return dict(limits)
 
-    def _parse(self, data: Mapping[str, str]) -> dict[str, Limit]:
-        limits: dict[str, Limit] = {}
+    def _parse(self, data: Mapping[str, str]) -> dict[str, Quota]:
+        limits: dict[str, Quota] = {}
         for tenant, value in data.items():
-            if value == UNLIMITED:
-                limits[tenant] = None
-            elif value.isascii() and value.isdigit():
-                limits[tenant] = int(value)
-            else:
+            try:
+                limits[tenant] = parse_limits(value)
+            except ValueError as error:
                 log.error(
-                    "%s: the quota of tenant %s is %r, neither a byte count nor %r; ignored",
+                    "%s: the quota of tenant %s is %r, %s; ignored",
                     self.where,
                     tenant,
                     value,
-                    UNLIMITED,
+                    error,
                 )
         return limits
 
@@ -185,3 +186,18 @@ class KubernetesQuotaStore:
             changed, self._published = limits != self._published, limits
         if changed:
             on_change(dict(limits))
+
+
+def parse_limits(value: str) -> Quota:
+    """A quota ConfigMap value: bytes, ``unlimited`` or JSON limits per tier; ValueError if not."""
+    if value == UNLIMITED:
+        return None
+    if value.isascii() and value.isdigit():
+        return int(value)
+    try:
+        parsed = json.loads(value) if value.startswith("{") else value
+    except ValueError:
+        parsed = value
+    if isinstance(parsed, dict):
+        return quota_from_json(parsed)
+    raise ValueError(f'neither a byte count, {UNLIMITED!r} nor {{"l1": ..., "nvme": ...}}')

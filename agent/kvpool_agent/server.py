@@ -16,10 +16,11 @@ import logging
 import signal
 import uuid
 from collections.abc import AsyncIterator
+from typing import cast
 
 from prometheus_client import CollectorRegistry
 
-from kvpool_agent.auth import load_authority
+from kvpool_agent.auth import TokenAuthority, load_authority
 from kvpool_agent.cache_factory import L1Tier, open_l1
 from kvpool_agent.config import AgentConfig
 from kvpool_agent.events import EventPublisher
@@ -62,6 +63,7 @@ class Agent:
             l1 = open_l1(config, agent_id)
             stack.callback(l1.close)
             service = self._open_service(l1, stack)
+            self._follow_tenants(authority, service, stack)
             metrics = AgentMetrics(
                 CollectorRegistry(), service, config.metrics_top_tenants, l1.origin
             )
@@ -133,6 +135,29 @@ class Agent:
         )
         return service
 
+    def _follow_tenants(
+        self, authority: TokenAuthority, service: CacheService, stack: contextlib.AsyncExitStack
+    ) -> None:
+        """With a tenants ConfigMap: its tokens join the authority, its ceilings the quotas."""
+        if not self.config.tenants_configmap:
+            return
+        from kvpool_agent.tenants_configmap import TenantsSnapshot, TenantsWatch
+
+        watch = TenantsWatch.connect(self.config.tenants_configmap)
+
+        def apply(snapshot: TenantsSnapshot) -> None:
+            for _, principal in authority.replace_granted(snapshot.grants()):
+                log.error(
+                    "%s: a token of %s is also another principal's; refused",
+                    watch.where,
+                    principal,
+                )
+            service.replace_ceilings(snapshot.ceilings())
+
+        watch.add_listener(apply)
+        watch.start()
+        stack.callback(watch.stop)
+
     async def _start_l2(
         self,
         l1: L1Tier,
@@ -145,7 +170,7 @@ class Agent:
         Returns the prefetcher (None without tiers), whose progress the ZMQ server reports.
         """
         config = self.config
-        tiers = open_tiers(config, service.quota_limit)
+        tiers = open_tiers(config, service.nvme_quota_limit)
         for tier in tiers:
             stack.push_async_callback(tier.close)
         if not tiers:
@@ -157,6 +182,20 @@ class Agent:
                 asyncio.run_coroutine_threadsafe(tier.enforce_quota(tenant), loop)
 
         service.quota_listeners.append(shrink_tiers)
+
+        def drop_tenant(tenant: str) -> int:  # an HTTP handler's thread
+            async def every_tier() -> int:
+                # every tier runs to its end, even when another fails
+                results = await asyncio.gather(
+                    *(tier.drop_tenant(tenant) for tier in tiers), return_exceptions=True
+                )
+                for result in results:
+                    if isinstance(result, BaseException):
+                        raise result
+                return sum(cast(list[int], results))
+
+            return asyncio.run_coroutine_threadsafe(every_tier(), loop).result()
+
         writeback = WriteBack(
             service,
             l1.segment,
@@ -168,7 +207,7 @@ class Agent:
             observe=metrics.observe_l2,
         )
         prefetcher = Prefetcher(service, tiers, observe=metrics.observe_l2)
-        service.attach_lower_tiers(writeback, prefetcher)
+        service.attach_lower_tiers(writeback, prefetcher, drop_tenant)
         metrics.register_l2(tiers, writeback, prefetcher)
         for controller in (writeback, prefetcher):
             await controller.start()

@@ -44,7 +44,7 @@ from kvpool_agent.cache_types import (
 )
 from kvpool_agent.l1 import L1Cache
 from kvpool_agent.quota_store import QuotaStore
-from kvpool_agent.quotas import Limit
+from kvpool_agent.quotas import Limit, Quota, TierLimits, as_limits
 from kvpool_agent.segment import SharedSegment
 
 
@@ -69,6 +69,15 @@ class WriteBackHook(Protocol):
     def committed(self, tenant: str, keys: Sequence[bytes], pins: Pins) -> None: ...
 
     def hit(self, tenant: str, keys: Sequence[bytes], pins: Pins) -> None: ...
+
+
+class TenantDrop(Protocol):
+    def __call__(self, tenant: str) -> int:
+        """Delete the tenant's objects from every L2 tier (blocking); how many went.
+
+        Raises :class:`~kvpool_agent.l2.base.TierUnavailable` if a tier could not finish.
+        """
+        ...
 
 
 class PrefetchProgress(Protocol):
@@ -128,9 +137,24 @@ class Snapshot:
 @dataclass(frozen=True)
 class QuotaView:
     tenant: str
-    limit: Limit
+    limits: TierLimits
     explicit: bool
     """False when the tenant has no quota of its own and the default applies."""
+
+    @property
+    def limit(self) -> Limit:
+        """The L1 limit."""
+        return self.limits.l1
+
+
+class AboveCeiling(ValueError):
+    """A tenant asked for more than its ceiling (set by its KVCacheTenant); nothing changed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    l1_chunks: int
+    l2_objects: int
 
 
 @dataclass(frozen=True)
@@ -157,6 +181,7 @@ class CacheService:
         self._events: SequencedListener | None = None
         self._write_back: WriteBackHook | None = None
         self._prefetch: PrefetchHook | None = None
+        self._drop_lower: TenantDrop | None = None
         self.quota_listeners: list[Callable[[str], None]] = []
         """Told (outside the locks) which tenant's quota changed, e.g. to shrink L2 tiers."""
 
@@ -168,8 +193,11 @@ class CacheService:
             self._events = events
             self._cache.listener = events
 
-    def attach_lower_tiers(self, write_back: WriteBackHook, prefetch: PrefetchHook) -> None:
-        """L2 tiers exist: commits and hits go to ``write_back``, misses to ``prefetch``.
+    def attach_lower_tiers(
+        self, write_back: WriteBackHook, prefetch: PrefetchHook, drop: TenantDrop
+    ) -> None:
+        """L2 tiers exist: commits and hits go to ``write_back``, misses to ``prefetch``,
+        :meth:`drop_tenant` to ``drop``.
 
         The cache then also accepts a run whose predecessor it lacks (a prefetch can
         bring the prefix back).
@@ -177,6 +205,7 @@ class CacheService:
         with self._lock:
             self._write_back = write_back
             self._prefetch = prefetch
+            self._drop_lower = drop
             self._cache.lower_tier = True
 
     # -------------------------------------------------------------- data path
@@ -317,8 +346,12 @@ class CacheService:
     # ----------------------------------------------------------------- quotas
 
     def quota_limit(self, tenant: str) -> Limit:
-        """The tenant's limit, read without the lock (one dict lookup; L2 tiers ask per put)."""
+        """The tenant's L1 limit, read without the lock (one dict lookup)."""
         return self._cache.quotas.limit(tenant)
+
+    def nvme_quota_limit(self, tenant: str) -> Limit:
+        """The tenant's NVMe limit, read without the lock (the NVMe tier asks per put)."""
+        return self._cache.quotas.limits(tenant).nvme
 
     def load_quotas(self) -> int:
         """Apply the stored quotas (at start); returns how many tenants have one."""
@@ -328,7 +361,7 @@ class CacheService:
                 self._cache.set_quota(tenant, limit)
         return len(limits)
 
-    def replace_quotas(self, limits: Mapping[str, Limit]) -> None:
+    def replace_quotas(self, limits: Mapping[str, Quota]) -> None:
         """Make the explicit quotas exactly ``limits`` (the store reports a change).
 
         Under the write lock, so a change reported while this agent stores one of its
@@ -341,24 +374,50 @@ class CacheService:
                 self._cache.delete_quota(tenant)
                 changed.append(tenant)
             for tenant, limit in limits.items():
-                if not book.has_own(tenant) or book.limit(tenant) != limit:
+                if not book.has_own(tenant) or book.limits(tenant) != as_limits(limit):
                     self._cache.set_quota(tenant, limit)
                     changed.append(tenant)
         self._quota_changed(*changed)
 
+    def replace_ceilings(self, ceilings: Mapping[str, TierLimits]) -> None:
+        """Make the tenants' ceilings exactly ``ceilings`` (the tenants ConfigMap changed)."""
+        with self._lock:
+            changed = self._cache.replace_ceilings(ceilings)
+        self._quota_changed(*sorted(changed))
+
     def quota(self, tenant: str) -> QuotaView:
         with self._lock:
             book = self._cache.quotas
-            return QuotaView(tenant, book.limit(tenant), book.has_own(tenant))
+            return QuotaView(tenant, book.limits(tenant), book.has_own(tenant))
 
-    def set_quota(self, tenant: str, limit: Limit) -> QuotaView:
-        """Store the limit durably, then apply it (shrinking evicts at once)."""
+    def set_quota(self, tenant: str, limits: Quota, *, within_ceiling: bool = False) -> QuotaView:
+        """Store the limits durably, then apply them (shrinking evicts at once).
+
+        ``within_ceiling`` (a tenant sets its own): :class:`AboveCeiling` if a tier's
+        limit exceeds the tenant's ceiling there.
+        """
+        wanted = as_limits(limits).check()
         with self._quota_writes:
-            self._quota_store.save(tenant, limit)
+            if within_ceiling:
+                self._check_ceiling(tenant, wanted)
+            self._quota_store.save(tenant, wanted.stored())
             with self._lock:
-                self._cache.set_quota(tenant, limit)
+                self._cache.set_quota(tenant, wanted)
         self._quota_changed(tenant)
         return self.quota(tenant)
+
+    def _check_ceiling(self, tenant: str, wanted: TierLimits) -> None:
+        with self._lock:
+            ceiling = self._cache.quotas.ceiling(tenant)
+        above = [] if ceiling is None else wanted.above(ceiling)
+        if above:
+            tier, limit, bound = above[0]
+            asked = "unlimited" if limit is None else f"{limit} bytes"
+            raise AboveCeiling(
+                f"the {tier} quota asked ({asked}) is above this tenant's {tier} ceiling of "
+                f"{bound} bytes, which its KVCacheTenant's spec.quota sets; set at most the "
+                "ceiling, or have the KVCacheTenant's quota raised"
+            )
 
     def delete_quota(self, tenant: str) -> QuotaView:
         with self._quota_writes:
@@ -411,6 +470,16 @@ class CacheService:
     def clear(self, tenant: str | None = None) -> int:
         with self._lock:
             return self._cache.clear(tenant)
+
+    def drop_tenant(self, tenant: str) -> Dropped:
+        """Drop the tenant's chunks from L1, then its objects from every L2 tier.
+
+        L1 first, so the write-back takes no new chunk of the tenant to L2 after the drop
+        (a copy already in flight may still land: dropping again removes it).
+        """
+        l1_chunks = self.clear(tenant)
+        l2_objects = 0 if self._drop_lower is None else self._drop_lower(tenant)
+        return Dropped(l1_chunks, l2_objects)
 
     def maintain(self) -> None:
         with self._lock:

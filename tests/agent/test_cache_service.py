@@ -56,7 +56,7 @@ class RecordingPrefetch:
 def attached(tmp_path: Path) -> tuple[CacheService, RecordingWriteBack, RecordingPrefetch]:
     service = make_service(make_cache(pages=20), tmp_path / "q.json")
     write_back, prefetch = RecordingWriteBack(), RecordingPrefetch()
-    service.attach_lower_tiers(write_back, prefetch)
+    service.attach_lower_tiers(write_back, prefetch, drop=lambda tenant: 0)
     return service, write_back, prefetch
 
 

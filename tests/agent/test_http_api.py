@@ -295,10 +295,16 @@ def test_quota_round_trip_and_shrinking_evicts(api: Api) -> None:
     assert api.call("GET", quota, ALICE_TOKEN).json() == {
         "tenant": ALICE,
         "limit_bytes": None,
+        "nvme_limit_bytes": None,
         "explicit": False,
     }
     put = api.call("PUT", quota, ALICE_TOKEN, json={"limit_bytes": 3 * PAGE})
-    assert put.json() == {"tenant": ALICE, "limit_bytes": 3 * PAGE, "explicit": True}
+    assert put.json() == {
+        "tenant": ALICE,
+        "limit_bytes": 3 * PAGE,
+        "nvme_limit_bytes": 3 * PAGE,
+        "explicit": True,
+    }
     assert api.call("GET", quota, ADMIN_TOKEN).json() == put.json()
 
     after = api.call("GET", usage, ALICE_TOKEN).json()
@@ -312,9 +318,19 @@ def test_quota_round_trip_and_shrinking_evicts(api: Api) -> None:
     assert FileQuotaStore(api.quota_file).load() == {ALICE: 3 * PAGE}  # durable
 
     unlimited = api.call("PUT", quota, ALICE_TOKEN, json={"limit_bytes": None})
-    assert unlimited.json() == {"tenant": ALICE, "limit_bytes": None, "explicit": True}
+    assert unlimited.json() == {
+        "tenant": ALICE,
+        "limit_bytes": None,
+        "nvme_limit_bytes": None,
+        "explicit": True,
+    }
     deleted = api.call("DELETE", quota, ALICE_TOKEN)
-    assert deleted.json() == {"tenant": ALICE, "limit_bytes": None, "explicit": False}
+    assert deleted.json() == {
+        "tenant": ALICE,
+        "limit_bytes": None,
+        "nvme_limit_bytes": None,
+        "explicit": False,
+    }
     assert FileQuotaStore(api.quota_file).load() == {}
     assert api.call("DELETE", quota, ALICE_TOKEN).status_code == 200  # idempotent
 
@@ -327,7 +343,12 @@ def test_zero_quota_and_the_default(server: Server, tmp_path: Path) -> None:
         api.call("PUT", quota, ADMIN_TOKEN, json={"limit_bytes": 0})
         assert api.call("GET", f"/v1/tenants/{ALICE}/usage", ALICE_TOKEN).json()["chunks"] == 0
         reverted = api.call("DELETE", quota, ADMIN_TOKEN).json()
-        assert reverted == {"tenant": ALICE, "limit_bytes": 50 * PAGE, "explicit": False}
+        assert reverted == {
+            "tenant": ALICE,
+            "limit_bytes": 50 * PAGE,
+            "nvme_limit_bytes": 50 * PAGE,
+            "explicit": False,
+        }
 
 
 def test_clear(api: Api) -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.quota_store import FileQuotaStore, QuotaStoreError
+from kvpool_agent.quotas import TierLimits
 
 from .conftest import PAGE, key, make_cache, make_service
 
@@ -27,6 +28,18 @@ def test_round_trip(tmp_path: Path) -> None:
     store.delete(BOB)  # deleting twice is a no-op
     assert store.load() == {ALICE: 0}
     assert json.loads((tmp_path / "q.json").read_text()) == {ALICE: 0}
+
+
+def test_limits_per_tier_round_trip_and_older_files_still_load(tmp_path: Path) -> None:
+    path = tmp_path / "q.json"
+    path.write_text(json.dumps({ALICE: 4096, BOB: None}))  # written before tiers had limits
+    store = FileQuotaStore(path)
+    assert store.load() == {ALICE: 4096, BOB: None}
+    store.save(BOB, TierLimits(l1=1024, nvme=None))
+    store.save(ALICE, TierLimits(l1=2048, nvme=2048))
+    assert store.load() == {ALICE: 2048, BOB: TierLimits(1024, None)}
+    # tiers that agree keep the older single form, readable by an older agent
+    assert json.loads(path.read_text()) == {ALICE: 2048, BOB: {"l1": 1024, "nvme": None}}
 
 
 def test_survives_a_restart(tmp_path: Path) -> None:
@@ -57,7 +70,16 @@ def test_delete_of_an_absent_tenant_writes_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "content",
-    ["{not json", "[1, 2]", json.dumps({ALICE: -1}), json.dumps({ALICE: "1GiB"}), "1.5"],
+    [
+        "{not json",
+        "[1, 2]",
+        json.dumps({ALICE: -1}),
+        json.dumps({ALICE: "1GiB"}),
+        "1.5",
+        json.dumps({ALICE: {"l1": 1}}),
+        json.dumps({ALICE: {"l1": 1, "nvme": -2}}),
+        json.dumps({ALICE: {"l1": 1, "nvme": True}}),
+    ],
 )
 def test_corrupt_file(tmp_path: Path, content: str) -> None:
     path = tmp_path / "q.json"

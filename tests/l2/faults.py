@@ -231,5 +231,9 @@ class FaultyAdapter:
         results = iter(await self.inner.delete([k for k in keys if not self.fails(k)]))
         return [False if self.fails(k) else next(results) for k in keys]
 
+    async def drop_tenant(self, tenant: str) -> int:
+        """Passed through: a whole-tenant drop names no key to fail."""
+        return await self.inner.drop_tenant(tenant)
+
     async def close(self) -> None:
         await self.inner.close()

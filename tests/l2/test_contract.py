@@ -242,3 +242,19 @@ async def test_concurrent_operations(tier: Tier) -> None:
     expected = [_expected(tier, o.name, bytes(o.payload)) for o in objects]
     assert [one[0] for one in gets[:-1]] == expected
     assert gets[-1] == expected
+
+
+async def test_drop_tenant_deletes_that_tenant_only(tier: Tier) -> None:
+    # "tenant-ab" starts with "tenant-a": the drop must stop at the tenant's own prefix
+    names = [chunk(i, tenant) for i in range(7) for tenant in ("tenant-a", "tenant-ab")]
+    await tier.adapter.put([L2Object(n, payload(300, n.tenant)) for n in names])
+    stored_a = [n for n in names if n.tenant == "tenant-a" and not tier.fails(n)]
+    assert await tier.adapter.drop_tenant("tenant-a") == len(stored_a)
+    assert not any(tier.stored(n) for n in names if n.tenant == "tenant-a")
+    got = await tier.adapter.get(names)
+    assert got == [
+        None if n.tenant == "tenant-a" else _expected(tier, n, payload(300, n.tenant))
+        for n in names
+    ]
+    assert await tier.adapter.drop_tenant("tenant-a") == 0  # idempotent
+    assert await tier.adapter.drop_tenant("never-stored") == 0

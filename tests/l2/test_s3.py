@@ -12,6 +12,7 @@ import pytest
 import pytest_asyncio
 
 from kvpool_agent.l2 import L2Object
+from kvpool_agent.l2.base import TierUnavailable
 from kvpool_agent.l2.breaker import BreakerState
 from kvpool_agent.l2.codec import HEADER, MAGIC
 from kvpool_agent.l2.s3 import S3Adapter
@@ -158,3 +159,21 @@ async def test_the_breaker_turns_a_dead_backend_into_immediate_misses(
     assert await adapter.get(names) == [payload(1000, 0), None, None]
     assert adapter.breaker.state is BreakerState.CLOSED
     assert await adapter.get(names) == [payload(1000, i) for i in range(3)]
+
+
+async def test_drop_tenant_pages_through_batches_and_reports_a_failure(
+    make: Factory, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("kvpool_agent.l2.s3._BATCH", 3)  # 8 objects: 3 lists and deletes
+    adapter = make(proxy.url, max_attempts=2)
+    names = [chunk(i, "tenant-a") for i in range(8)]
+    await adapter.put([L2Object(n, payload(100, i)) for i, n in enumerate(names)])
+    proxy.inject(Fault.ERROR, methods=["POST"])  # every batch delete fails
+    with pytest.raises(TierUnavailable, match="after 0 objects"):
+        await adapter.drop_tenant("tenant-a")
+    proxy.clear()
+    before = len(proxy.seen)
+    assert await adapter.drop_tenant("tenant-a") == 8
+    posts = [seen for seen in proxy.seen[before:] if seen.method == "POST"]
+    assert len(posts) == 3
+    assert await adapter.get(names) == [None] * 8

@@ -5,7 +5,9 @@ fails the batch. ``get`` returns only verified bytes: an object whose header
 or checksum does not match is a miss (counted by the adapter and deleted),
 never served. Adapters bound their own concurrency and never raise for an
 unreachable backend; they report per-key failures instead (``False`` or
-``None``), so a dead tier costs the cache nothing but misses.
+``None``), so a dead tier costs the cache nothing but misses. The one exception
+is :meth:`L2Adapter.drop_tenant`, whose caller must learn that a drop is
+incomplete (:class:`TierUnavailable`) to try again.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+
+class TierUnavailable(RuntimeError):
+    """The tier could not finish a tenant's drop; some of its objects may remain."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +71,14 @@ class L2Adapter(Protocol):
 
     async def enforce_quota(self, tenant: str) -> int:
         """Evict the tenant's objects down to its quota now (a quota shrank); how many went."""
+        ...
+
+    async def drop_tenant(self, tenant: str) -> int:
+        """Delete every object of ``tenant`` in this tier (its KVCacheTenant is gone); how many.
+
+        Idempotent: dropping an absent tenant is 0. Raises :class:`TierUnavailable` if the
+        backend failed before every object was gone. The adapters document its cost.
+        """
         ...
 
     async def close(self) -> None: ...

@@ -20,7 +20,17 @@ _TENANT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,31}")
 
 
 def is_valid(name: ObjectKey) -> bool:
-    return len(name.key) == KEY_BYTES and _TENANT.fullmatch(name.tenant) is not None
+    return len(name.key) == KEY_BYTES and is_valid_tenant(name.tenant)
+
+
+def is_valid_tenant(tenant: str) -> bool:
+    """Whether ``tenant`` names a directory / prefix of the layout (others hold no objects)."""
+    return _TENANT.fullmatch(tenant) is not None
+
+
+def tenant_prefix(tenant: str) -> str:
+    """Where every object of ``tenant`` lives (a valid tenant's: see :func:`is_valid_tenant`)."""
+    return f"{tenant}/"
 
 
 def relative_path(name: ObjectKey) -> str:

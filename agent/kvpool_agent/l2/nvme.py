@@ -36,7 +36,7 @@ from typing import TypeVar, TypeVarTuple
 
 from kvpool_agent.config import NvmeTierConfig
 from kvpool_agent.l2 import layout
-from kvpool_agent.l2.base import AdapterStats, L2Object, ObjectKey
+from kvpool_agent.l2.base import AdapterStats, L2Object, ObjectKey, TierUnavailable
 from kvpool_agent.l2.codec import HEADER, IntegrityError, ObjectCodec, is_sealed, payload_length
 from kvpool_agent.l2.keylocks import KeyLocks
 
@@ -203,6 +203,25 @@ class NvmeAdapter:
             self._remove(victim)
         await self._unlink_claimed(list(victims))
         return len(victims)
+
+    async def drop_tenant(self, tenant: str) -> int:
+        """Delete every indexed file of ``tenant``; returns how many.
+
+        Cost: one unlink per file, run on the adapter's ``max_concurrency`` threads (each
+        waits for an operation in flight on its key). A put of the tenant that starts
+        during the drop may land after it; dropping again removes it.
+        """
+        account = self._tenants.get(tenant)
+        if account is None:
+            return 0
+        names = list(account.lru)
+        gone = await self.delete(names)
+        if not all(gone):
+            raise TierUnavailable(
+                f"NVMe tier: {gone.count(False)} of {len(names)} files of tenant {tenant} "
+                "could not be deleted (see the log)"
+            )
+        return len(names)
 
     def _make_room(self, tenant: str, size: int) -> list[ObjectKey] | None:
         """Make room for ``size`` more bytes of ``tenant``: the victims, claimed and unindexed.

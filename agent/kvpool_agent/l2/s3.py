@@ -38,7 +38,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from kvpool_agent.config import S3TierConfig
 from kvpool_agent.l2 import layout
-from kvpool_agent.l2.base import AdapterStats, L2Object, ObjectKey
+from kvpool_agent.l2.base import AdapterStats, L2Object, ObjectKey, TierUnavailable
 from kvpool_agent.l2.breaker import CircuitBreaker
 from kvpool_agent.l2.codec import HEADER, IntegrityError, ObjectCodec
 
@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 
 BACKEND_ERRORS = (BotoCoreError, ClientError)
 _MISSING = frozenset({"NoSuchKey", "404", "NotFound"})
+_BATCH = 1000
+"""Keys per list_objects_v2 page and per delete_objects request (both S3's maximum)."""
 _T = TypeVar("_T")
 _Ts = TypeVarTuple("_Ts")
 
@@ -134,6 +136,29 @@ class S3Adapter:
     async def enforce_quota(self, tenant: str) -> int:
         """S3 keeps no per-tenant accounting (it is shared by the pool): nothing to do."""
         return 0
+
+    async def drop_tenant(self, tenant: str) -> int:
+        """Delete every object under the tenant's prefix of the pool; returns how many.
+
+        Cost: one list and one batch delete per 1000 objects, one after the other. Every
+        agent of the pool may drop the same tenant at once: the objects go once, and a
+        delete of an object already gone succeeds, so each reports what it saw.
+        """
+        if not layout.is_valid_tenant(tenant):
+            return 0
+        prefix = f"{self._prefix}/{layout.tenant_prefix(tenant)}"
+        dropped = 0
+        try:
+            while keys := await self._call(self._list_blocking, prefix):
+                await self._call(self._delete_many_blocking, keys)
+                dropped += len(keys)
+        except (_Refused, *BACKEND_ERRORS) as error:
+            self.failures += 1
+            raise TierUnavailable(
+                f"S3 tier: dropping tenant {tenant} stopped after {dropped} objects: "
+                f"{'the circuit breaker is open' if isinstance(error, _Refused) else error}"
+            ) from error
+        return dropped
 
     async def close(self) -> None:
         def shut_down() -> None:
@@ -292,6 +317,26 @@ class S3Adapter:
 
     def _delete_blocking(self, name: ObjectKey) -> None:
         self._client.delete_object(Bucket=self.config.bucket, Key=self.object_key(name))
+
+    def _list_blocking(self, prefix: str) -> list[str]:
+        """Up to 1000 keys under ``prefix`` (the first page: the caller deletes what it got)."""
+        page = self._client.list_objects_v2(
+            Bucket=self.config.bucket, Prefix=prefix, MaxKeys=_BATCH
+        )
+        return [item["Key"] for item in page.get("Contents", [])]
+
+    def _delete_many_blocking(self, keys: list[str]) -> None:
+        answer = self._client.delete_objects(
+            Bucket=self.config.bucket,
+            Delete={"Objects": [{"Key": key} for key in keys], "Quiet": True},
+        )
+        errors = answer.get("Errors", [])
+        if errors:
+            first = errors[0]
+            raise ClientError(
+                {"Error": {"Code": first.get("Code", ""), "Message": first.get("Message", "")}},
+                f"DeleteObjects ({len(errors)} of {len(keys)} keys failed)",
+            )
 
 
 def _object_size(response: GetObjectOutputTypeDef) -> int:

@@ -1,0 +1,74 @@
+"""Parsing the tenants ConfigMap and granting its digests: malformed entries skipped without
+their values in the log, the file's tokens kept, a digest that would mean two principals refused."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from kvpool_agent.auth import ADMIN, Principal, TokenAuthority, token_digest
+from kvpool_agent.keys import tenant_id
+from kvpool_agent.quotas import QuotaBook, TierLimits
+from kvpool_agent.tenants_configmap import parse_tenants
+
+ALICE, BOB = tenant_id("alice"), tenant_id("bob")
+WHERE = "ConfigMap ns/kvpool-main-tenants"
+
+
+def _entry(*tokens: str, ceiling: object = None) -> str:
+    return json.dumps(
+        {"tokens": [token_digest(t) for t in tokens], "ceiling": ceiling, "tenant": "ns/a"}
+    )
+
+
+def test_entries_parse_and_malformed_ones_are_skipped_unquoted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    data = {
+        ALICE: _entry("alice-token", ceiling={"l1": 4096, "nvme": None}),
+        BOB: _entry("bob-token", ceiling={"l1": -1, "nvme": None}),
+        "operator": json.dumps({"tokens": [token_digest("operator-token")]}),
+        "secret-looking-key": _entry("x"),
+        tenant_id("carol"): json.dumps({"tokens": ["not-a-digest"]}),
+    }
+    with caplog.at_level(logging.ERROR):
+        snapshot = parse_tenants(data, WHERE)
+    assert list(snapshot.tenants) == [ALICE]
+    assert snapshot.tenants[ALICE].ceiling == TierLimits(4096, None)
+    assert snapshot.ceilings() == {ALICE: TierLimits(4096, None)}
+    assert [p for _, p in snapshot.grants()] == [ADMIN, Principal.for_tenant(ALICE)]
+    assert f"entry {BOB} skipped" in caplog.text
+    assert "secret-looking-key" not in caplog.text and "not-a-digest" not in caplog.text
+    assert token_digest("bob-token") not in caplog.text
+
+
+def test_granted_tokens_swap_whole_and_never_shadow_the_files() -> None:
+    authority = TokenAuthority({"admin": "file-admin", "tenants": {BOB: "bob-token"}})
+    alice = Principal.for_tenant(ALICE)
+    refused = authority.replace_granted(
+        [
+            (bytes.fromhex(token_digest("alice-token")), alice),
+            (bytes.fromhex(token_digest("bob-token")), alice),
+        ]  # Bob's file token: refused
+    )
+    assert refused == [(bytes.fromhex(token_digest("bob-token")), alice)]
+    assert authority.authenticate("alice-token") == alice
+    assert authority.authenticate("bob-token") == Principal.for_tenant(BOB)
+    authority.replace_granted([])
+    assert authority.authenticate("alice-token") is None  # revoked
+    assert authority.authenticate("file-admin") == ADMIN
+
+
+def test_a_ceiling_lowers_the_default_but_not_an_own_quota() -> None:
+    book = QuotaBook(default=8192, limits={BOB: 1 << 20})
+    assert book.replace_ceilings({ALICE: TierLimits(4096, None), BOB: TierLimits(4096, 0)}) == {
+        ALICE,
+        BOB,
+    }
+    assert book.limits(ALICE) == TierLimits(4096, 8192)
+    assert book.limits(BOB) == TierLimits.both(1 << 20)  # set by an admin: stands
+    assert TierLimits(None, 10).above(TierLimits(4096, None)) == [("l1", None, 4096)]
+    assert book.replace_ceilings({}) == {ALICE, BOB}
+    assert book.limits(ALICE) == TierLimits.both(8192)
