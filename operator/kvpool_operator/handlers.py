@@ -22,6 +22,7 @@ Events on the pool, next to those the operator words itself (``events.py``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -121,16 +122,26 @@ def tenant_deleted(body: kopf.Body, retry: int, memo: kopf.Memo, **_: Any) -> No
 
 
 @kopf.daemon(GROUP, VERSION, TENANT_PLURAL, registry=registry, cancellation_timeout=5.0)
-def tenant_usage(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+async def tenant_usage(
+    stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, **_: Any
+) -> None:
     """Every ``--usage-seconds``: admission again (a namespace relabelled, a pool's limits
-    changed), then the tenant's usage from the agents."""
+    changed), then the tenant's usage from the agents. Async, so that waiting holds no
+    thread (a sync daemon per tenant would hold one of kopf's few threads each, and starve
+    the handlers); each pass runs in a thread for as long as it takes."""
     tenants, seconds = _tenants(memo), _options(memo).usage_seconds
-    while not stopped.wait(seconds):
-        try:
-            tenants.tenant_changed(body)
-            tenants.read_usage(body)
-        except ApiError as error:
-            logging.getLogger(__name__).warning("tenant not re-checked: %s", error)
+    while not stopped:
+        await stopped.wait(seconds)
+        if not stopped:
+            await asyncio.to_thread(_recheck, tenants, body)
+
+
+def _recheck(tenants: TenantReconciler, body: kopf.Body) -> None:
+    try:
+        tenants.tenant_changed(body)
+        tenants.read_usage(body)
+    except ApiError as error:
+        logging.getLogger(__name__).warning("tenant not re-checked: %s", error)
 
 
 @kopf.on.event("v1", "configmaps", labels=CHILD_LABELS, registry=registry)
