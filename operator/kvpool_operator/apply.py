@@ -10,6 +10,7 @@ and applying an unchanged child changes nothing on the server. Status goes throu
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import urllib3
@@ -19,7 +20,7 @@ from kubernetes.client.exceptions import ApiException
 from kvpool_agent.kube_watch import api_configuration
 from kvpool_agent.names import OPERATOR
 from kvpool_operator.render import Manifest
-from kvpool_operator.spec import API_VERSION, KIND, PLURAL
+from kvpool_operator.spec import API_VERSION, KIND, PLURAL, TENANT_KIND, TENANT_PLURAL
 
 REQUEST_TIMEOUT_SECONDS = 30.0
 
@@ -68,6 +69,12 @@ KINDS = {
 }
 
 
+TENANTS = Kind(API_VERSION, TENANT_KIND, TENANT_PLURAL)
+SECRETS = Kind("v1", "Secret", "secrets")
+PODS = Kind("v1", "Pod", "pods")
+"""Kinds the operator reads or writes beside the pools' children (``tenants.py``)."""
+
+
 def kind_of(manifest: Manifest) -> Kind:
     return KINDS[manifest["apiVersion"], manifest["kind"]]
 
@@ -103,6 +110,37 @@ class Cluster:
             content_type="application/apply-patch+yaml",
             query=[("fieldManager", OPERATOR), ("force", "true")],
         )
+
+    def create(self, kind: Kind, manifest: Manifest) -> Manifest:
+        """Create ``manifest`` (409 if it exists); returns the object as stored."""
+        return self._request("POST", kind.path(manifest["metadata"]["namespace"]), body=manifest)
+
+    def patch(self, kind: Kind, namespace: str, name: str, patch: Manifest) -> Manifest:
+        """A JSON merge patch (RFC 7386: ``None`` removes a key); returns the object."""
+        return self._request(
+            "PATCH",
+            kind.path(namespace, name),
+            body=patch,
+            content_type="application/merge-patch+json",
+        )
+
+    def select(self, kind: Kind, namespace: str, labels: Mapping[str, str]) -> list[Manifest]:
+        """The objects of ``kind`` in ``namespace`` that carry every one of ``labels``."""
+        selector = ",".join(f"{key}={value}" for key, value in labels.items())
+        found = self._request("GET", kind.path(namespace), query=[("labelSelector", selector)])
+        items: list[Manifest] = found.get("items") or []
+        return items
+
+    def namespace_labels(self, name: str) -> dict[str, str] | None:
+        """The labels of the namespace ``name``; None if there is no such namespace."""
+        try:
+            namespace = self._request("GET", f"/api/v1/namespaces/{name}")
+        except ApiError as error:
+            if error.status == 404:
+                return None
+            raise
+        labels: dict[str, str] = namespace.get("metadata", {}).get("labels") or {}
+        return labels
 
     def delete(self, kind: Kind, namespace: str, name: str) -> bool:
         """Delete the object; False if there was none."""

@@ -1,4 +1,5 @@
-"""Events on a KVCachePool (``kubectl describe kvp``): what the operator did and what failed.
+"""Events on a KVCachePool (``kubectl describe kvp``) and a KVCacheTenant (``kubectl describe
+kvt``): what the operator did and what failed.
 
 kopf posts them (queued, in the background, with retries).
 """
@@ -48,3 +49,30 @@ class PoolEvents:
 
 def _post(pool: Mapping[str, Any], type: str, reason: str, message: str) -> None:
     kopf.event(kopf.Body(cast(kopf.RawBody, pool)), type=type, reason=reason, message=message)
+
+
+ACCEPTED = "Accepted"
+TOKEN_ROTATED = "TokenRotated"
+REVOKED = "Revoked"
+CLEAR_INCOMPLETE = "ClearIncomplete"
+
+
+class TenantEvents:
+    """The events the operator posts on a KVCacheTenant (``kubectl describe kvt``). None
+    carries the salt or a token."""
+
+    def accepted(self, tenant: Mapping[str, Any], message: str) -> None:
+        _post(tenant, "Normal", ACCEPTED, message)
+
+    def refused(self, tenant: Mapping[str, Any], reason: str, message: str) -> None:
+        _post(tenant, "Warning", reason, message)
+
+    def token_rotated(self, tenant: Mapping[str, Any], generation: int) -> None:
+        message = f"minted the token of generation {generation}; the previous one is revoked"
+        _post(tenant, "Normal", TOKEN_ROTATED, message)
+
+    def revoked(self, tenant: Mapping[str, Any], message: str) -> None:
+        _post(tenant, "Normal", REVOKED, message)
+
+    def clear_incomplete(self, tenant: Mapping[str, Any], message: str) -> None:
+        _post(tenant, "Warning", CLEAR_INCOMPLETE, message)

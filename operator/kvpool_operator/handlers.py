@@ -5,7 +5,15 @@
   server refuses;
 - any event on a child (labelled ``kvpool.io/pool``; the agents' DaemonSet, the index's
   Deployment and the NetworkPolicies among them): drift correction and the pool's status,
-  :meth:`~kvpool_operator.reconcile.Reconciler.child_changed`.
+  :meth:`~kvpool_operator.reconcile.Reconciler.child_changed`;
+- a KVCacheTenant is created, changed or found at start, or its pool has an event (created,
+  changed, deleted), or every ``--usage-seconds`` (a daemon per tenant: admission again,
+  then its usage): :mod:`kvpool_operator.tenants`; its deletion (kopf's finalizer,
+  ``kvpool.io/finalizer``, holds it until the token is revoked and its chunks cleared,
+  retried ``--clear-retries`` times while agents fail).
+
+The operator's own admin token (:class:`~kvpool_operator.tokens.OperatorToken`) is made at
+start, kept in the memo only, and its digest published in every pool's tenants ConfigMap.
 
 kopf keeps its own bookkeeping in ``kvpool.io/`` annotations of the pool (not in its
 status, which is the operator's); of its own log records, only warnings and errors become
@@ -14,6 +22,7 @@ Events on the pool, next to those the operator words itself (``events.py``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -21,10 +30,14 @@ from typing import Any
 import kopf
 
 from kvpool_agent.names import APP, NAME_LABEL, POOL_LABEL
+from kvpool_operator.agents import Agents
 from kvpool_operator.apply import ApiError, Cluster
-from kvpool_operator.events import PoolEvents
+from kvpool_operator.events import PoolEvents, TenantEvents
 from kvpool_operator.reconcile import Options, Reconciler
-from kvpool_operator.spec import GROUP, PLURAL, VERSION
+from kvpool_operator.render import Pool
+from kvpool_operator.spec import GROUP, PLURAL, TENANT_PLURAL, VERSION
+from kvpool_operator.tenants import AgentsUnreachable, TenantReconciler
+from kvpool_operator.tokens import OperatorToken
 
 registry = kopf.OperatorRegistry()
 
@@ -46,8 +59,11 @@ def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration"
     )
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
     settings.posting.level = logging.WARNING
-    memo["reconciler"] = Reconciler(Cluster.connect(), PoolEvents(), _options(memo))
+    cluster, token = Cluster.connect(), OperatorToken()
+    memo["reconciler"] = Reconciler(cluster, PoolEvents(), _options(memo))
+    memo["tenants"] = TenantReconciler(cluster, TenantEvents(), Agents(cluster, token), token)
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
@@ -56,8 +72,76 @@ def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
 def pool_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     try:
         _reconciler(memo).pool_changed(body)
+        metadata = body["metadata"]
+        pool = Pool(metadata["name"], metadata["namespace"], metadata["uid"])
+        _tenants(memo).publish_operator_token(pool)
     except ApiError as error:
         raise kopf.TemporaryError(str(error), delay=_options(memo).retry_seconds) from error
+
+
+@kopf.index(GROUP, VERSION, TENANT_PLURAL, registry=registry)
+def tenants_by_pool(
+    namespace: str | None, name: str, spec: kopf.Spec, **_: Any
+) -> dict[tuple[str, str], tuple[str | None, str]]:
+    """(pool namespace, pool name) -> (namespace, name) of each tenant bound to it."""
+    ref = spec.get("poolRef") or {}
+    return {(str(ref.get("namespace")), str(ref.get("name"))): (namespace, name)}
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
+def pool_seen(namespace: str | None, name: str, memo: kopf.Memo, **kwargs: Any) -> None:
+    """A pool's event (a deletion among them): its tenants follow (kopf passes the index
+    ``tenants_by_pool`` by its name)."""
+    index: kopf.Index[tuple[str, str], tuple[str, str]] = kwargs["tenants_by_pool"]
+    for tenant_namespace, tenant_name in index.get((str(namespace), name), ()):
+        try:
+            _tenants(memo).refresh(tenant_namespace, tenant_name)
+        except ApiError as error:
+            logging.getLogger(__name__).warning(
+                "tenant %s/%s not refreshed: %s", tenant_namespace, tenant_name, error
+            )
+
+
+@kopf.on.resume(GROUP, VERSION, TENANT_PLURAL, registry=registry)
+@kopf.on.create(GROUP, VERSION, TENANT_PLURAL, registry=registry)
+@kopf.on.update(GROUP, VERSION, TENANT_PLURAL, registry=registry)
+def tenant_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    try:
+        _tenants(memo).tenant_changed(body)
+    except ApiError as error:
+        raise kopf.TemporaryError(str(error), delay=_options(memo).retry_seconds) from error
+
+
+@kopf.on.delete(GROUP, VERSION, TENANT_PLURAL, registry=registry)
+def tenant_deleted(body: kopf.Body, retry: int, memo: kopf.Memo, **_: Any) -> None:
+    options = _options(memo)
+    try:
+        _tenants(memo).tenant_deleted(body, last_attempt=retry >= options.clear_retries)
+    except (ApiError, AgentsUnreachable) as error:
+        raise kopf.TemporaryError(str(error), delay=options.retry_seconds) from error
+
+
+@kopf.daemon(GROUP, VERSION, TENANT_PLURAL, registry=registry, cancellation_timeout=5.0)
+async def tenant_usage(
+    stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, **_: Any
+) -> None:
+    """Every ``--usage-seconds``: admission again (a namespace relabelled, a pool's limits
+    changed), then the tenant's usage from the agents. Async, so that waiting holds no
+    thread (a sync daemon per tenant would hold one of kopf's few threads each, and starve
+    the handlers); each pass runs in a thread for as long as it takes."""
+    tenants, seconds = _tenants(memo), _options(memo).usage_seconds
+    while not stopped:
+        await stopped.wait(seconds)
+        if not stopped:
+            await asyncio.to_thread(_recheck, tenants, body)
+
+
+def _recheck(tenants: TenantReconciler, body: kopf.Body) -> None:
+    try:
+        tenants.tenant_changed(body)
+        tenants.read_usage(body)
+    except ApiError as error:
+        logging.getLogger(__name__).warning("tenant not re-checked: %s", error)
 
 
 @kopf.on.event("v1", "configmaps", labels=CHILD_LABELS, registry=registry)
@@ -79,6 +163,13 @@ def _options(memo: kopf.Memo) -> Options:
     if not isinstance(options, Options):
         raise TypeError("the operator's memo needs 'options' (kvpool_operator.main sets them)")
     return options
+
+
+def _tenants(memo: kopf.Memo) -> TenantReconciler:
+    tenants = memo.get("tenants")
+    if not isinstance(tenants, TenantReconciler):
+        raise TypeError("the operator's memo has no tenant reconciler (the startup handler)")
+    return tenants
 
 
 def _reconciler(memo: kopf.Memo) -> Reconciler:

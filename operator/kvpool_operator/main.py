@@ -41,6 +41,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="delay before retrying a pool whose children the API server refused "
         "(default: %(default)s)",
     )
+    parser.add_argument(
+        "--usage-seconds",
+        type=float,
+        default=30.0,
+        help="period of each KVCacheTenant's re-check and usage read (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--clear-retries",
+        type=int,
+        default=5,
+        help="retries of a deleted KVCacheTenant's clearing while agents fail, before it is "
+        "deleted anyway (default: %(default)s)",
+    )
     parser.add_argument("--log-format", choices=["json", "plain"], default="json")
     parser.add_argument("--verbose", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
@@ -57,7 +70,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         liveness_endpoint=args.liveness,
         standalone=True,
         memo=kopf.Memo(
-            options=Options(agent_image=args.agent_image, retry_seconds=args.retry_seconds)
+            options=Options(
+                agent_image=args.agent_image,
+                retry_seconds=args.retry_seconds,
+                usage_seconds=args.usage_seconds,
+                clear_retries=args.clear_retries,
+            )
         ),
     )
     return 0

@@ -49,7 +49,12 @@ class Options:
     agent_image: str
     """Image of agents whose pool names none (the operator's own image, by the chart)."""
     retry_seconds: float = 10.0
-    """Delay before a pool whose children the API server refused is reconciled again."""
+    """Delay before a pool whose children the API server refused is reconciled again (and
+    a tenant whose writes failed, or whose deletion some agents did not clear)."""
+    usage_seconds: float = 30.0
+    """Period of each KVCacheTenant's re-check and usage read."""
+    clear_retries: int = 5
+    """Retries of a deleted tenant's clearing while agents fail; then it is deleted anyway."""
 
 
 class Reconciler:

@@ -7,8 +7,11 @@ the pool and owned by it (a controller ownerReference, so deleting the pool dele
   :class:`~kvpool_agent.config.AgentConfig`, validated by that model and dumped from it;
 - ``kvpool-<pool>-quotas``: ConfigMap of tenant quotas; the operator renders only its
   metadata, the agents own its data;
+- ``kvpool-<pool>-tenants``: ConfigMap of the KVCacheTenants' token digests and quota
+  ceilings; the operator renders only its metadata and writes its data key by key
+  (``tenants.py``), the agents watch it;
 - ``kvpool-<pool>-agent``: ServiceAccount, Role and RoleBinding that let the agents read,
-  watch and patch that one quota ConfigMap;
+  watch and patch that one quota ConfigMap, and read and watch the tenants ConfigMap;
 - ``kvpool-<pool>-agent``: DaemonSet of agents, rolled by a checksum of ``agent.yaml``;
 - ``kvpool-<pool>``: Service (``internalTrafficPolicy: Local``) whose annotations tell
   the vLLM connector how to reach and use its node's agent;
@@ -128,6 +131,10 @@ class Pool:
         return names.quotas_name(self.name)
 
     @property
+    def tenants_name(self) -> str:
+        return names.tenants_name(self.name)
+
+    @property
     def agent_name(self) -> str:
         return names.agent_name(self.name)
 
@@ -201,6 +208,7 @@ class Children:
     role_binding: Manifest
     config: Manifest
     quotas: Manifest
+    tenants: Manifest
     service: Manifest
     daemonset: Manifest
     index: IndexChildren | None
@@ -217,6 +225,7 @@ class Children:
             self.role_binding,
             self.config,
             self.quotas,
+            self.tenants,
             self.service,
             self.daemonset,
         ]
@@ -323,6 +332,7 @@ def render(pool: Pool, spec: PoolSpec, *, default_image: str) -> Children:
             "v1", "ConfigMap", pool, pool.config_name, data={AGENT_CONFIG_KEY: config_text}
         ),
         quotas=_manifest("v1", "ConfigMap", pool, pool.quotas_name),
+        tenants=_manifest("v1", "ConfigMap", pool, pool.tenants_name),
         service=_service(pool, spec, config),
         daemonset=_daemonset(pool, spec, config, config_text, default_image),
         index=index,
@@ -356,6 +366,7 @@ def agent_config(pool: Pool, spec: PoolSpec) -> AgentConfig:
         state_dir=STATE_DIR,
         tokens_file=TOKENS_PATH if tokens else None,
         quota_configmap=f"{pool.namespace}/{pool.quotas_name}",
+        tenants_configmap=f"{pool.namespace}/{pool.tenants_name}",
         l2_key_dir=_l2_key_dir(pool, spec),
         nvme=_nvme_config(nvme.nvme) if nvme and nvme.nvme else None,
         s3=_s3_config(s3.s3) if s3 and s3.s3 else None,
@@ -491,14 +502,21 @@ def _rbac(
 
 
 def _agent_rbac(pool: Pool) -> tuple[Manifest, Manifest, Manifest]:
-    """The agents may read, watch and patch their pool's quota ConfigMap, nothing else."""
+    """The agents may read, watch and patch their pool's quota ConfigMap, and read and
+    watch its tenants ConfigMap (only the operator writes that one), nothing else."""
     quotas = {
         "apiGroups": [""],
         "resources": ["configmaps"],
         "resourceNames": [pool.quotas_name],
         "verbs": ["get", "list", "watch", "patch"],
     }
-    return _rbac(pool, pool.agent_name, AGENT_COMPONENT, [quotas])
+    tenants = {
+        "apiGroups": [""],
+        "resources": ["configmaps"],
+        "resourceNames": [pool.tenants_name],
+        "verbs": ["get", "list", "watch"],
+    }
+    return _rbac(pool, pool.agent_name, AGENT_COMPONENT, [quotas, tenants])
 
 
 def _index_rbac(pool: Pool) -> tuple[Manifest, Manifest, Manifest]:

@@ -32,6 +32,8 @@ VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "KVCachePool"
 PLURAL = "kvcachepools"
+TENANT_KIND = "KVCacheTenant"
+TENANT_PLURAL = "kvcachetenants"
 
 _UNITS = {
     "": 1,
@@ -87,11 +89,6 @@ class SecretKeyRef(_Spec):
 
 class SecretRef(_Spec):
     name: str = Field(description="Secret in the pool's namespace.")
-
-
-class TenantsSpec(_Spec):
-    default_quota: Bytes | None = Field(None, description="Quota of tenants without one.")
-    tokens_secret_ref: SecretKeyRef | None = Field(None, description="HTTP API tokens.")
 
 
 class NvmeTier(_Spec):
@@ -274,6 +271,41 @@ class LabelSelector(_Spec):
         (), description="Requirements on its labels."
     )
 
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        """Whether an object with ``labels`` is selected, as Kubernetes reads a selector."""
+        return all(labels.get(key) == value for key, value in self.match_labels.items()) and all(
+            _holds(requirement, labels) for requirement in self.match_expressions
+        )
+
+
+def _holds(requirement: LabelSelectorRequirement, labels: Mapping[str, str]) -> bool:
+    present = requirement.key in labels
+    match requirement.operator:
+        case "In":
+            return present and labels[requirement.key] in requirement.values
+        case "NotIn":
+            return not present or labels[requirement.key] not in requirement.values
+        case "Exists":
+            return present
+        case "DoesNotExist":
+            return not present
+
+
+class TierQuota(_Spec):
+    """Bytes per tier; an absent tier has no limit of its own here."""
+
+    l1: Bytes | None = Field(None, description="Bytes of L1 (each node's shared memory).")
+    nvme: Bytes | None = Field(None, description="Bytes of each node's NVMe tier.")
+
+
+class TenantsSpec(_Spec):
+    default_quota: Bytes | None = Field(None, description="Quota of tenants without one.")
+    tokens_secret_ref: SecretKeyRef | None = Field(None, description="HTTP API tokens.")
+    allowed_namespaces: LabelSelector | None = Field(
+        None, description="Namespaces whose KVCacheTenants may bind; absent or empty: none."
+    )
+    max_quota: TierQuota = Field(TierQuota(), description="Largest quota of a KVCacheTenant.")
+
 
 class NetworkPeer(_Spec):
     pod_selector: LabelSelector | None = Field(None, description="Pods admitted.")
@@ -348,3 +380,41 @@ def describe(error: ValidationError, root: str) -> str:
         f"{'.'.join([root, *(str(part) for part in problem['loc'])])}: {problem['msg']}"
         for problem in error.errors()
     )
+
+
+class PoolRef(_Spec):
+    name: str = Field(description="The KVCachePool's name.")
+    namespace: str = Field(description="The KVCachePool's namespace.")
+
+
+class TenantQuota(_Spec):
+    l1: Bytes = Field(description="Bytes of L1 on each node: the tenant's ceiling there.")
+    nvme: Bytes | None = Field(None, description="Bytes of NVMe on each node; absent: as l1.")
+
+    @property
+    def nvme_bytes(self) -> int:
+        return self.l1 if self.nvme is None else self.nvme
+
+
+class SaltSecretRef(_Spec):
+    name: str = Field(description="Secret in the tenant's namespace.")
+    key: str = Field("salt", description="Key of the Secret that holds the salt.")
+
+
+class TenantSpec(_Spec):
+    """A KVCacheTenant's ``spec`` (``crds/kvcachetenants.kvpool.io.yaml``)."""
+
+    pool_ref: PoolRef = Field(description="The pool the tenant binds to.")
+    quota: TenantQuota = Field(description="The tenant's quota ceiling per tier.")
+    salt_secret_ref: SaltSecretRef | None = Field(
+        None, description="The team's own Secret holding the salt; absent: generated."
+    )
+    token_generation: int = Field(0, ge=0, description="Bump to rotate the token.")
+
+    @classmethod
+    def parse(cls, spec: Mapping[str, Any]) -> TenantSpec:
+        """Read a tenant's ``spec``; :class:`InvalidSpec` says which fields are wrong."""
+        try:
+            return cls.model_validate(spec)
+        except ValidationError as error:
+            raise InvalidSpec(describe(error, "spec")) from error

@@ -37,7 +37,7 @@ INVALID_SPEC = "InvalidSpec"
 APPLY_FAILED = "ApplyFailed"
 PROBLEM_REASONS = (INVALID_SPEC, APPLY_FAILED)
 
-_Assessment = tuple[bool, str, str]
+Assessment = tuple[bool, str, str]
 """A condition as (holds, reason, message)."""
 
 
@@ -116,7 +116,7 @@ def pool_status(
     """The whole ``status`` of a pool; ``index`` None (no index) as ``"index": None``, which
     a merge patch of the status removes."""
     ready, progressing = _assess(generation, observed_generation, problem, rollout)
-    degraded: _Assessment = (
+    degraded: Assessment = (
         (True, problem.reason, problem.message)
         if problem
         else (False, "AsExpected", "nothing stops the operator from making the children")
@@ -127,7 +127,7 @@ def pool_status(
         "readyNodes": rollout.ready if rollout else 0,
         "updatedNodes": rollout.updated if rollout else 0,
         "conditions": [
-            _condition(kind, value, generation, earlier.get(kind), now)
+            condition(kind, value, generation, earlier.get(kind), now)
             for kind, value in ((READY, ready), (PROGRESSING, progressing), (DEGRADED, degraded))
         ],
         "index": {"replicas": index.replicas, "readyReplicas": index.ready} if index else None,
@@ -142,7 +142,7 @@ def _assess(
     observed_generation: int | None,
     problem: Problem | None,
     rollout: Rollout | None,
-) -> tuple[_Assessment, _Assessment]:
+) -> tuple[Assessment, Assessment]:
     """(Ready, Progressing) as (status, reason, message)."""
     if problem is not None:
         halted = f"stopped: {problem.message}"
@@ -165,9 +165,9 @@ def _assess(
     return (True, "AgentsReady", counts), done
 
 
-def _condition(
+def condition(
     kind: str,
-    value: _Assessment,
+    value: Assessment,
     generation: int,
     earlier: Mapping[str, Any] | None,
     now: datetime,

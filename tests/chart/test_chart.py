@@ -21,7 +21,13 @@ from kvpool_operator import main as operator_main
 from kvpool_operator.reconcile import Options
 from kvpool_operator.render import Pool, render
 from kvpool_operator.spec import PoolSpec
-from tests.operator.crd_schema import CRD_PATH, admission_errors, schema, with_defaults
+from tests.operator.crd_schema import (
+    CRD_PATH,
+    TENANT_CRD_PATH,
+    admission_errors,
+    schema,
+    with_defaults,
+)
 
 from .conftest import CHART, NAMESPACE, VALUES, Helm, Manifest, by_kind, one
 from .tools import KUBERNETES_VERSION
@@ -90,15 +96,19 @@ def test_every_object_is_valid(rendered: tuple[str, list[Manifest]], version: st
             pytest.fail(f"{manifest['kind']} {manifest['metadata']['name']}: {first}")
 
 
-def test_the_chart_installs_the_crd_of_crds(helm: Helm) -> None:
+def test_the_chart_installs_the_crds_of_crds(helm: Helm) -> None:
+    sources = (CRD_PATH, TENANT_CRD_PATH)
     copies = sorted(path.name for path in (CHART / "crds").iterdir())
-    assert copies == [CRD_PATH.name]
-    assert (CHART / "crds" / CRD_PATH.name).read_bytes() == CRD_PATH.read_bytes(), (
-        f"the chart's CRD differs from the source of truth: cp {CRD_PATH} {CHART / 'crds'}/"
-    )
-    (crd,) = by_kind(helm.template(), "CustomResourceDefinition")
-    assert crd == yaml.safe_load(CRD_PATH.read_text())
-    assert crd["apiVersion"] == "apiextensions.k8s.io/v1"
+    assert copies == sorted(source.name for source in sources)
+    for source in sources:
+        assert (CHART / "crds" / source.name).read_bytes() == source.read_bytes(), (
+            f"the chart's CRD differs from the source of truth: cp {source} {CHART / 'crds'}/"
+        )
+    crds = by_kind(helm.template(), "CustomResourceDefinition")
+    assert sorted(crds, key=lambda crd: crd["metadata"]["name"]) == [
+        yaml.safe_load(source.read_text()) for source in sources
+    ]
+    assert {crd["apiVersion"] for crd in crds} == {"apiextensions.k8s.io/v1"}
 
 
 def test_the_operator_deployment(rendered: tuple[str, list[Manifest]]) -> None:

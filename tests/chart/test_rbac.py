@@ -13,7 +13,7 @@ from kvpool_operator.apply import KINDS, kind_of
 from kvpool_operator.handlers import registry
 from kvpool_operator.reconcile import POOLS
 from kvpool_operator.render import Children, Pool, render
-from kvpool_operator.spec import GROUP, PLURAL, PoolSpec
+from kvpool_operator.spec import GROUP, PLURAL, TENANT_PLURAL, PoolSpec
 
 from .conftest import NAMESPACE, Helm, Manifest, by_kind, one
 
@@ -23,10 +23,11 @@ Permission = tuple[str, str, str]
 CLUSTER_WIDE: set[Permission] = {
     ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
     ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+    ("", "namespaces", "get"),  # a tenant's namespace's labels (allowedNamespaces)
     ("", "namespaces", "list"),
     ("", "namespaces", "watch"),
 }
-"""kopf's needs whatever namespaces it serves."""
+"""kopf's needs whatever namespaces it serves, and the tenants' namespaces' labels."""
 
 
 def _verbs(group: str, resource: str, *verbs: str) -> set[Permission]:
@@ -36,10 +37,18 @@ def _verbs(group: str, resource: str, *verbs: str) -> set[Permission]:
 CHILD_VERBS = ("get", "list", "watch", "create", "patch")
 """Server-side apply of a child (get, create, patch), watched for drift (list, watch)."""
 RBAC = "rbac.authorization.k8s.io"
+SECRET_VERBS: set[Permission] = _verbs("", "secrets", "get", "create", "patch")
+"""Secrets: the tenant's Secret <name>-kvpool is made, then patched (its token rotated or
+withdrawn), never deleted (the garbage collector takes it with its KVCacheTenant); a team's
+own salt Secret is read. No list or watch: the operator reads only the Secrets it names."""
 NAMESPACED: set[Permission] = (
     _verbs(GROUP, PLURAL, "get", "list", "watch", "patch")
     | _verbs(GROUP, f"{PLURAL}/status", "get", "patch")
     | _verbs(GROUP, f"{PLURAL}/finalizers", "update")
+    # tenants: watched, kopf's bookkeeping and finalizer in their metadata, their status
+    | _verbs(GROUP, TENANT_PLURAL, "get", "list", "watch", "patch")
+    | _verbs(GROUP, f"{TENANT_PLURAL}/status", "patch")
+    | SECRET_VERBS
     | _verbs("apps", "daemonsets", *CHILD_VERBS)
     # the index's children are deleted when a pool turns it off
     | _verbs("", "configmaps", *CHILD_VERBS, "delete")
@@ -52,7 +61,8 @@ NAMESPACED: set[Permission] = (
     | _verbs("networking.k8s.io", "networkpolicies", *CHILD_VERBS, "delete")
     | _verbs("monitoring.coreos.com", "servicemonitors", "get", "create", "patch", "delete")
     | _verbs("", "events", "create", "patch")
-    | _verbs("", "pods", "get", "list", "watch")  # granted on to the index's Role
+    # the agents' addresses (a tenant's usage and clearing); granted on to the index's Role
+    | _verbs("", "pods", "get", "list", "watch")
 )
 """What the operator does in a namespace it serves (the tests below derive it from the code)."""
 
@@ -109,9 +119,10 @@ def test_every_permission_has_a_use() -> None:
         for resource in rule["resources"]
     }
     pools = {(GROUP, PLURAL), (GROUP, f"{PLURAL}/status"), (GROUP, f"{PLURAL}/finalizers")}
+    tenants = {(GROUP, TENANT_PLURAL), (GROUP, f"{TENANT_PLURAL}/status"), ("", "secrets")}
     events = {("", "events")}
     resources = {(group, resource) for group, resource, _ in NAMESPACED}
-    assert resources == written | handed_on | pools | events
+    assert resources == written | handed_on | pools | tenants | events
 
 
 def _subject(manifests: list[Manifest]) -> dict[str, str]:
@@ -171,7 +182,28 @@ def test_the_operator_gets_exactly_what_it_needs_where_it_works(
         ):
             assert "*" not in (verb, resource)
             assert verb not in {"escalate", "bind", "impersonate"}
-            assert resource != "secrets", "the operator reads no Secrets (agents mount them)"
+    held = _grants(manifests, (watched or ["inference"])[0])
+    assert {p for p in held if p[1] == "secrets"} == SECRET_VERBS, (
+        "Secrets: only the tenants' (made and patched, never listed) and their salt Secrets "
+        "(read); the pools' Secrets are mounted by the agents, never read by the operator"
+    )
+
+
+def test_tenant_teams_may_edit_their_kvcachetenants_through_edit_and_admin(helm: Helm) -> None:
+    """Aggregated into the built-in edit and admin roles (as cert-manager does); the
+    status is the operator's; Secrets are covered by edit itself."""
+    (role,) = [
+        role
+        for role in by_kind(helm.template(), "ClusterRole")
+        if role["metadata"]["name"].endswith("-tenant-edit")
+    ]
+    labels = role["metadata"]["labels"]
+    assert labels["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+    assert labels["rbac.authorization.k8s.io/aggregate-to-admin"] == "true"
+    verbs = ("get", "list", "watch", "create", "update", "patch", "delete")
+    assert _granted(role["rules"]) == _verbs(GROUP, TENANT_PLURAL, *verbs)
+    bound = {b["roleRef"]["name"] for b in by_kind(helm.template(), "ClusterRoleBinding")}
+    assert role["metadata"]["name"] not in bound
 
 
 def test_the_operator_may_hand_the_agents_and_the_index_their_roles(helm: Helm) -> None:

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -58,12 +58,16 @@ class Kubectl:
 
 
 class OperatorProcess:
-    """``kvpool-operator`` for one namespace, against a kubeconfig."""
+    """``kvpool-operator`` for one namespace (None: every namespace), against a kubeconfig,
+    with ``options`` added to its command line."""
 
-    def __init__(self, kubeconfig: Path, namespace: str, log: Path) -> None:
+    def __init__(
+        self, kubeconfig: Path, namespace: str | None, log: Path, options: Sequence[str] = ()
+    ) -> None:
         self.kubeconfig = kubeconfig
         self.namespace = namespace
         self.log_path = log
+        self.options = options
         self.liveness = f"http://127.0.0.1:{free_port()}/healthz"
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -72,14 +76,14 @@ class OperatorProcess:
             self._process = subprocess.Popen(
                 [
                     BIN / "kvpool-operator",
-                    "--namespace",
-                    self.namespace,
+                    *(["--namespace", self.namespace] if self.namespace else ["--all-namespaces"]),
                     "--agent-image",
                     "kvpool:test",
                     "--liveness",
                     self.liveness,
                     "--retry-seconds",
                     "0.5",
+                    *self.options,
                 ],
                 env={**os.environ, "KUBECONFIG": str(self.kubeconfig)},
                 stdout=log,

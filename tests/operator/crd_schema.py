@@ -1,4 +1,5 @@
-"""The KVCachePool CRD's schema, applied as an API server applies it, without one.
+"""kvpool's CRDs' schemas (the pool's by default), applied as an API server applies them,
+without one.
 
 - Structural defaulting: a ``default`` fills an absent property, and the defaults inside
   it apply in turn (so ``default: {}`` on an object defaults its fields).
@@ -12,7 +13,8 @@
   ``messageExpression`` words a failure, and the Kubernetes quantity library's
   ``quantity()`` and ``asInteger()`` (the only ones the CRD uses) are provided.
 
-Not evaluated: ``oldSelf`` (the CRD has no transition rules), CEL cost limits, the other
+Not evaluated: transition rules (those that read ``oldSelf``: an API server skips them on
+create, and these checks are of new objects), CEL cost limits, the other
 Kubernetes CEL libraries, and ``metadata`` beyond what ``self.metadata.name`` reads.
 """
 
@@ -30,6 +32,7 @@ from celpy import celtypes
 from kubernetes.utils import parse_quantity
 
 CRD_PATH = Path(__file__).parents[2] / "crds" / "kvcachepools.kvpool.io.yaml"
+TENANT_CRD_PATH = CRD_PATH.parent / "kvcachetenants.kvpool.io.yaml"
 EXAMPLES = sorted((CRD_PATH.parent / "examples").glob("*.yaml"))
 GPU_EXAMPLE = CRD_PATH.parent / "examples" / "gpu-nodes.yaml"
 """The example that sets (nearly) every field."""
@@ -37,13 +40,13 @@ Schema = dict[str, Any]
 
 
 @cache
-def crd() -> dict[str, Any]:
-    loaded: dict[str, Any] = yaml.safe_load(CRD_PATH.read_text())
+def crd(path: Path = CRD_PATH) -> dict[str, Any]:
+    loaded: dict[str, Any] = yaml.safe_load(path.read_text())
     return loaded
 
 
-def schema() -> Schema:
-    (version,) = crd()["spec"]["versions"]
+def schema(path: Path = CRD_PATH) -> Schema:
+    (version,) = crd(path)["spec"]["versions"]
     result: Schema = version["schema"]["openAPIV3Schema"]
     return result
 
@@ -80,12 +83,12 @@ def _strict(node: Schema) -> Schema:
     return converted
 
 
-def schema_errors(pool: dict[str, Any]) -> list[str]:
-    """OpenAPI problems of a defaulted pool, as ``path: message``."""
-    validator = jsonschema.Draft4Validator(_strict(schema()))
+def schema_errors(obj: dict[str, Any], path: Path = CRD_PATH) -> list[str]:
+    """OpenAPI problems of a defaulted object, as ``path: message``."""
+    validator = jsonschema.Draft4Validator(_strict(schema(path)))
     return [
         f"{'.'.join(str(part) for part in error.absolute_path)}: {error.message}"
-        for error in validator.iter_errors(pool)
+        for error in validator.iter_errors(obj)
     ]
 
 
@@ -121,14 +124,16 @@ def _to_cel(node: Schema, value: Any) -> Any:
     return celpy.json_to_cel(value)
 
 
-def rule_errors(pool: dict[str, Any]) -> list[str]:
-    """Failed CEL rules of a defaulted pool, as ``path: message``."""
-    return _rule_errors(schema(), pool, "")
+def rule_errors(obj: dict[str, Any], path: Path = CRD_PATH) -> list[str]:
+    """Failed CEL rules of a defaulted object, as ``path: message``."""
+    return _rule_errors(schema(path), obj, "")
 
 
 def _rule_errors(node: Schema, value: Any, path: str) -> list[str]:
     errors = []
     for rule in node.get("x-kubernetes-validations", ()):
+        if "oldSelf" in rule["rule"]:
+            continue  # a transition rule: not evaluated on create
         context = {"self": _to_cel(node, value)}
         if not bool(_program(rule["rule"]).evaluate(context)):
             message = (
@@ -147,7 +152,7 @@ def _rule_errors(node: Schema, value: Any, path: str) -> list[str]:
     return errors
 
 
-def admission_errors(pool: dict[str, Any]) -> list[str]:
-    """What an API server would refuse ``pool`` for: schema problems, then failed rules."""
-    defaulted = with_defaults(schema(), pool)
-    return schema_errors(defaulted) or rule_errors(defaulted)
+def admission_errors(obj: dict[str, Any], path: Path = CRD_PATH) -> list[str]:
+    """What an API server would refuse ``obj`` for: schema problems, then failed rules."""
+    defaulted = with_defaults(schema(path), obj)
+    return schema_errors(defaulted, path) or rule_errors(defaulted, path)

@@ -26,12 +26,23 @@ from kvpool_operator.spec import (
     PLURAL,
     S3_NEEDS_KEY,
     SELECTOR_VALUES,
+    TENANT_KIND,
+    TENANT_PLURAL,
     InvalidSpec,
+    LabelSelector,
     PoolSpec,
+    TenantSpec,
     parse_bytes,
 )
 
-from .crd_schema import EXAMPLES, admission_errors, crd, schema, with_defaults
+from .crd_schema import (
+    EXAMPLES,
+    TENANT_CRD_PATH,
+    admission_errors,
+    crd,
+    schema,
+    with_defaults,
+)
 
 OLDEST_KUBERNETES = "1.29"
 """The oldest Kubernetes with everything the CRD uses (CEL rules, the quantity library)."""
@@ -439,3 +450,123 @@ def test_index_defaults_are_the_indexs() -> None:
     )
     assert "chunkTokens" not in index["fingerprint"]  # the operator uses the pool's
     assert (index["resources"], index["nodeSelector"], index["tolerations"]) == ({}, {}, [])
+
+
+def _tenant(spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": TENANT_KIND,
+        "metadata": {"name": "team-a"},
+        "spec": spec,
+    }
+
+
+TENANT = {"poolRef": {"name": "main", "namespace": "inference"}, "quota": {"l1": "8Gi"}}
+
+
+@pytest.mark.parametrize("version", [OLDEST_KUBERNETES, kubernetes_validate.latest_version()])
+def test_the_tenant_crd_is_a_valid_customresourcedefinition(version: str) -> None:
+    kubernetes_validate.validate(crd(TENANT_CRD_PATH), version, strict=True)
+
+
+def test_tenant_names_and_columns() -> None:
+    spec = crd(TENANT_CRD_PATH)["spec"]
+    assert (spec["group"], spec["scope"]) == ("kvpool.io", "Namespaced")
+    assert (spec["names"]["kind"], spec["names"]["plural"]) == (TENANT_KIND, TENANT_PLURAL)
+    assert spec["names"]["shortNames"] == ["kvt"]
+    (version,) = spec["versions"]
+    assert version["subresources"] == {"status": {}}
+    columns = {column["name"]: column["jsonPath"] for column in version["additionalPrinterColumns"]}
+    assert columns == {
+        "Pool": ".spec.poolRef.name",
+        "Tenant-ID": ".status.tenantId",
+        "L1-Quota": ".spec.quota.l1",
+        "L1-Used": ".status.usage.l1Bytes",
+        "Ready": '.status.conditions[?(@.type=="Ready")].status',
+        "Age": ".metadata.creationTimestamp",
+    }
+
+
+def test_every_tenant_field_is_documented_and_typed_and_the_model_has_them() -> None:
+    tenant = schema(TENANT_CRD_PATH)
+    undocumented = [
+        path
+        for path, node in _nodes(tenant)
+        if path != "metadata" and not path.endswith("[]") and not node.get("description")
+    ]
+    untyped = [path for path, node in _nodes(tenant) if "type" not in node]
+    assert (undocumented, untyped) == ([], [])
+    spec_fields = {
+        path for path, _ in _nodes(tenant["properties"]["spec"]) if path and not path.endswith("[]")
+    }
+    assert _model_fields(TenantSpec) == spec_fields
+
+
+def test_a_tenant_is_admitted_and_its_defaults_are_the_models() -> None:
+    assert admission_errors(_tenant(TENANT), TENANT_CRD_PATH) == []
+    salted = {**TENANT, "saltSecretRef": {"name": "team-a-salt"}}
+    defaulted = with_defaults(schema(TENANT_CRD_PATH), _tenant(salted))["spec"]
+    assert TenantSpec.parse(defaulted) == TenantSpec.parse(salted)
+    assert (defaulted["tokenGeneration"], defaulted["saltSecretRef"]["key"]) == (0, "salt")
+    assert TenantSpec.parse(TENANT).quota.nvme_bytes == 8 << 30  # absent nvme: as l1
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        pytest.param({"quota": {"l1": "0"}}, "quota.l1 must be more than 0 bytes", id="l1-zero"),
+        pytest.param({"quota": {"l1": "1.5Gi"}}, "does not match", id="l1-fraction"),
+        pytest.param({"quota": {"nvme": "1Ti"}}, "'l1' is a required", id="l1-missing"),
+        pytest.param(
+            {"poolRef": {"name": "Main", "namespace": "inference"}},
+            "poolRef.name must be a pool name",
+            id="pool-name",
+        ),
+        pytest.param(
+            {"poolRef": {"name": "main", "namespace": "in_ference"}},
+            "poolRef.namespace must be a namespace name",
+            id="pool-namespace",
+        ),
+        pytest.param({"poolRef": {"name": "main"}}, "'namespace' is a required", id="no-ns"),
+        pytest.param(
+            {"saltSecretRef": {"name": "Salt!"}}, "saltSecretRef.name must be", id="salt-name"
+        ),
+        pytest.param(
+            {"saltSecretRef": {"name": "s", "key": "a/b"}}, "saltSecretRef.key must", id="key"
+        ),
+        pytest.param({"tokenGeneration": -1}, "-1 is less than the minimum of 0", id="gen"),
+    ],
+)
+def test_invalid_tenants_are_refused_with_a_message(change: dict[str, Any], message: str) -> None:
+    errors = admission_errors(_tenant({**TENANT, **change}), TENANT_CRD_PATH)
+    assert any(message in error for error in errors), errors
+
+
+def test_the_pools_tenant_fields() -> None:
+    """allowedNamespaces is a label selector, maxQuota bytes per tier; both optional."""
+    selector = {"matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "Exists"}]}
+    tenants = {"allowedNamespaces": selector, "maxQuota": {"l1": "16Gi"}}
+    assert admission_errors(_pool({"tenants": tenants})) == []
+    spec = PoolSpec.parse({"tenants": tenants}).tenants
+    assert spec.max_quota.l1 == 16 << 30 and spec.max_quota.nvme is None
+    assert spec.allowed_namespaces is not None
+    assert spec.allowed_namespaces.matches({"kubernetes.io/metadata.name": "any"})
+    wrong = {"allowedNamespaces": {"matchExpressions": [{"key": "a", "operator": "In"}]}}
+    assert any(SELECTOR_VALUES in e for e in admission_errors(_pool({"tenants": wrong})))
+    assert PoolSpec.parse({}).tenants.allowed_namespaces is None
+
+
+@pytest.mark.parametrize(
+    ("selector", "labels", "selected"),
+    [
+        ({"matchLabels": {"team": "a"}}, {"team": "a", "x": "y"}, True),
+        ({"matchLabels": {"team": "a"}}, {"team": "b"}, False),
+        ({"matchExpressions": [{"key": "team", "operator": "In", "values": ["a"]}]}, {}, False),
+        ({"matchExpressions": [{"key": "team", "operator": "NotIn", "values": ["a"]}]}, {}, True),
+        ({"matchExpressions": [{"key": "team", "operator": "DoesNotExist"}]}, {"team": ""}, False),
+    ],
+)
+def test_label_selectors_match_as_kubernetes_matches(
+    selector: dict[str, Any], labels: dict[str, str], selected: bool
+) -> None:
+    assert LabelSelector.model_validate(selector).matches(labels) is selected

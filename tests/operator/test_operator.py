@@ -22,6 +22,7 @@ NAMESPACE = "inference"
 CHILDREN = [
     ("configmaps", "kvpool-{}-config"),
     ("configmaps", "kvpool-{}-quotas"),
+    ("configmaps", "kvpool-{}-tenants"),
     ("daemonsets", "kvpool-{}-agent"),
     ("services", "kvpool-{}"),
     ("serviceaccounts", "kvpool-{}-agent"),

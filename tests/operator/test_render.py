@@ -112,6 +112,7 @@ def test_names_labels_and_owner() -> None:
     assert names == {
         ("ConfigMap", "kvpool-gpu-config"),
         ("ConfigMap", "kvpool-gpu-quotas"),
+        ("ConfigMap", "kvpool-gpu-tenants"),
         ("DaemonSet", "kvpool-gpu-agent"),
         ("Service", "kvpool-gpu"),
         ("ServiceMonitor", "kvpool-gpu"),
@@ -187,6 +188,7 @@ def test_agent_config_is_the_agents_own_model(
     assert (config.store_policy, config.store_min_hits) == ("reused", 2)
     assert config.events_port == 7402
     assert config.quota_configmap == "inference/kvpool-gpu-quotas"
+    assert config.tenants_configmap == "inference/kvpool-gpu-tenants"
 
 
 def test_a_pool_without_l2_has_an_agent_without_l2() -> None:
@@ -368,7 +370,7 @@ def test_a_config_change_rolls_the_agents_and_nothing_else_does() -> None:
     assert checksum({"agent": {"nodeSelector": {"gpu": "yes"}}}) == base  # in the pod spec
 
 
-def test_the_agents_may_use_their_quota_configmap_only() -> None:
+def test_the_agents_may_use_their_quota_configmap_and_read_their_tenants_only() -> None:
     children = _children()
     assert children.role["rules"] == [
         {
@@ -376,13 +378,20 @@ def test_the_agents_may_use_their_quota_configmap_only() -> None:
             "resources": ["configmaps"],
             "resourceNames": ["kvpool-gpu-quotas"],
             "verbs": ["get", "list", "watch", "patch"],
-        }
+        },
+        {
+            "apiGroups": [""],
+            "resources": ["configmaps"],
+            "resourceNames": ["kvpool-gpu-tenants"],
+            "verbs": ["get", "list", "watch"],
+        },
     ]
     assert children.role_binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "kvpool-gpu-agent", "namespace": "inference"}
     ]
     assert children.role_binding["roleRef"]["name"] == "kvpool-gpu-agent"
     assert "data" not in children.quotas  # the agents own the quotas
+    assert "data" not in children.tenants  # written key by key from the KVCacheTenants
 
 
 def test_service_monitor() -> None:

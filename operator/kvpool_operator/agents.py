@@ -1,0 +1,119 @@
+"""The operator's calls to a pool's agents over their HTTP API, with its admin token.
+
+The agents are the pods the pool's DaemonSet selects that have an address; each is called
+at ``http://<pod IP>:<spec.ports.http>``, all at once, each call bounded by a timeout, so
+that an unreachable node costs seconds, never the operator's loop. An agent that fails is
+named in :attr:`Sweep.failed`, with why; the others' answers stand.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import urllib3
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from kvpool_operator.apply import PODS, Cluster
+from kvpool_operator.render import Pool
+from kvpool_operator.tokens import OperatorToken
+
+CONNECT_SECONDS = 2.0
+READ_SECONDS = 10.0
+"""Clearing a tenant's L2 objects may take a while; reads of usage are quick."""
+MAX_PARALLEL = 16
+
+T = TypeVar("T")
+
+
+class AgentError(RuntimeError):
+    """An agent could not be reached or refused the call."""
+
+
+class _Answer(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Usage(_Answer):
+    """A tenant's usage on one agent (``GET /v1/tenants/{id}/usage``)."""
+
+    used_bytes: int
+    nvme_used_bytes: int = 0
+    """Reported by agents with an NVMe tier; absent: none."""
+    hits: int
+    misses: int
+
+
+class Cleared(_Answer):
+    """What one agent dropped (``POST /v1/tenants/{id}/clear?tiers=all``)."""
+
+    dropped_chunks: int
+    l2_dropped: int = 0
+
+
+@dataclass(frozen=True)
+class Sweep(Generic[T]):
+    """The answers of a pool's agents to one call."""
+
+    answers: list[T] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    """One line per agent that did not answer: its address and why."""
+
+
+class Agents:
+    def __init__(self, cluster: Cluster, token: OperatorToken) -> None:
+        self._cluster = cluster
+        self._token = token
+        self._http = urllib3.PoolManager(
+            timeout=urllib3.Timeout(connect=CONNECT_SECONDS, read=READ_SECONDS),
+            retries=False,
+            maxsize=MAX_PARALLEL,
+        )
+
+    def usage(self, pool: Pool, port: int, tenant: str) -> Sweep[Usage]:
+        return self._sweep(pool, port, "GET", f"/v1/tenants/{tenant}/usage", Usage)
+
+    def clear(self, pool: Pool, port: int, tenant: str) -> Sweep[Cleared]:
+        """Drop the tenant's chunks from every tier of every agent (L1, the node's NVMe
+        files, the pool's S3 objects: each agent drops the whole S3 prefix, idempotently)."""
+        return self._sweep(pool, port, "POST", f"/v1/tenants/{tenant}/clear?tiers=all", Cleared)
+
+    def addresses(self, pool: Pool, port: int) -> list[str]:
+        """``host:port`` of every agent of the pool that has an address."""
+        pods = self._cluster.select(PODS, pool.namespace, pool.selector())
+        ips = [(pod.get("status") or {}).get("podIP") for pod in pods]
+        return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips if ip]
+
+    def _sweep(
+        self, pool: Pool, port: int, method: str, path: str, answer: type[_Answer]
+    ) -> Sweep[Any]:
+        addresses = self.addresses(pool, port)
+        sweep: Sweep[Any] = Sweep()
+        if not addresses:
+            return sweep
+        with ThreadPoolExecutor(min(MAX_PARALLEL, len(addresses))) as threads:
+            futures = {
+                address: threads.submit(self._call, method, address, path, answer)
+                for address in addresses
+            }
+        for address, future in futures.items():
+            try:
+                sweep.answers.append(future.result())
+            except AgentError as error:
+                sweep.failed.append(f"{address}: {error}")
+        return sweep
+
+    def _call(self, method: str, address: str, path: str, answer: type[_Answer]) -> _Answer:
+        headers = {"Authorization": f"Bearer {self._token.value}", "Accept": "application/json"}
+        try:
+            response = self._http.request(method, f"http://{address}{path}", headers=headers)
+        except urllib3.exceptions.HTTPError as error:
+            raise AgentError(f"unreachable: {error}") from error
+        if response.status != 200:
+            raise AgentError(f"{method} {path} answered {response.status}: {response.data[:200]!r}")
+        try:
+            return answer.model_validate(json.loads(response.data))
+        except (ValueError, ValidationError) as error:
+            raise AgentError(f"{method} {path} answered {error}") from error

@@ -1,0 +1,545 @@
+"""KVCacheTenants: a team's binding to a pool, made in the team's own namespace.
+
+Entry points, each called by a thin kopf handler (``handlers.py``):
+
+- :meth:`TenantReconciler.tenant_changed`: the tenant was created or changed, found at the
+  operator's start, its pool changed, or its periodic re-check came (a namespace whose
+  labels no longer match loses its token). Admission: the pool exists, its
+  ``spec.tenants.allowedNamespaces`` selects the tenant's namespace (absent or empty: no
+  namespace), the quota is within ``spec.tenants.maxQuota``, the salt is there (the team's
+  Secret, or one the operator generates), and no other tenant of the pool has the same
+  tenant id. Accepted: the Secret ``<name>-kvpool`` holds the token (minted anew when
+  ``spec.tokenGeneration`` changes), the salt (if generated), the tenant id, the pool and
+  its endpoint; the pool's tenants ConfigMap holds the token's digest and the quota ceiling
+  under the tenant id; the pool's quota ConfigMap holds the quota, written when the CR's
+  quota changes (between changes, the tenant's own HTTP sets stand). Refused: the entry
+  leaves the tenants ConfigMap and the token leaves the Secret (the Secret, its salt and
+  tenant id stay, so that a tenant accepted again keeps its cache).
+- :meth:`TenantReconciler.tenant_deleted`: revoke (the entry leaves the tenants ConfigMap:
+  the agents drop the token on their next watch event), clear the tenant's chunks on every
+  agent (L1, NVMe, S3), drop its quota. Agents that cannot be reached make the caller retry;
+  after its last retry the deletion completes anyway and a Warning says which agents kept
+  what (their L1 chunks age out by eviction; the S3 prefix was cleared by any agent that
+  answered).
+- :meth:`TenantReconciler.read_usage`: the tenant's usage, summed over the pool's agents,
+  into its status (periodically, never on every change).
+
+Every write is a JSON merge patch of single keys, so tenants reconciled one after another
+never overwrite each other's entries; a lock serialises the check for a tenant id in use
+with its write. The salt is read from and written to Secrets only: never a log line, an
+event, a status or a ConfigMap.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from kvpool_agent.keys import tenant_id
+from kvpool_agent.names import MANAGED_BY_LABEL, OPERATOR
+from kvpool_operator.agents import Agents
+from kvpool_operator.apply import KINDS, SECRETS, TENANTS, ApiError, Cluster
+from kvpool_operator.events import TenantEvents
+from kvpool_operator.render import Pool, format_bytes
+from kvpool_operator.spec import (
+    API_VERSION,
+    KIND,
+    TENANT_KIND,
+    InvalidSpec,
+    LabelSelector,
+    PoolSpec,
+    TenantSpec,
+)
+from kvpool_operator.status import Assessment, condition
+from kvpool_operator.tokens import OperatorToken, digest, mint
+
+log = logging.getLogger(__name__)
+
+POOLS = KINDS[API_VERSION, KIND]
+CONFIG_MAPS = KINDS["v1", "ConfigMap"]
+
+SECRET_SUFFIX = "-kvpool"
+SALT_KEY = "salt"
+TOKEN_KEY = "token"
+TENANT_ID_KEY = "tenant-id"
+POOL_KEY = "pool"
+NAMESPACE_KEY = "namespace"
+ENDPOINT_KEY = "endpoint"
+TOKEN_GENERATION_ANNOTATION = "kvpool.io/token-generation"
+"""On the Secret: the spec.tokenGeneration its token was minted for."""
+OPERATOR_KEY = "operator"
+"""The tenants ConfigMap's key of the operator's own admin token."""
+
+ACCEPTED = "Accepted"
+READY = "Ready"
+INVALID_SPEC = "InvalidSpec"
+POOL_NOT_FOUND = "PoolNotFound"
+NAMESPACE_NOT_ALLOWED = "NamespaceNotAllowed"
+QUOTA_ABOVE_MAXIMUM = "QuotaAboveMaximum"
+SALT_SECRET_MISSING = "SaltSecretMissing"
+INVALID_SALT = "InvalidSalt"
+TENANT_ID_IN_USE = "TenantIdInUse"
+TOKEN_PUBLISHED = "TokenPublished"
+NOT_ACCEPTED = "NotAccepted"
+POOL_NOT_READY = "PoolNotReady"
+
+
+class Refused(Exception):
+    """The pool does not admit the tenant: ``reason`` is the Accepted condition's."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+class AgentsUnreachable(RuntimeError):
+    """Some agents did not clear a deleted tenant's chunks; the message names them."""
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What an accepted tenant binds to."""
+
+    pool: Pool
+    pool_spec: PoolSpec
+    pool_ready: bool
+    salt: str
+    generated: bool
+    """Whether the operator generated the salt (and keeps it in the tenant's Secret)."""
+    tenant_id: str
+    secret: Mapping[str, Any] | None
+    """The tenant's Secret as it is, if it exists."""
+
+
+@dataclass(frozen=True)
+class _Tenant:
+    namespace: str
+    name: str
+    uid: str
+    generation: int
+
+    @classmethod
+    def of(cls, tenant: Mapping[str, Any]) -> _Tenant:
+        metadata = tenant["metadata"]
+        return cls(
+            metadata["namespace"],
+            metadata["name"],
+            metadata["uid"],
+            int(metadata.get("generation", 1)),
+        )
+
+    @property
+    def ref(self) -> str:
+        """How the tenants ConfigMap names it."""
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def secret_name(self) -> str:
+        return f"{self.name}{SECRET_SUFFIX}"
+
+
+class TenantReconciler:
+    def __init__(
+        self, cluster: Cluster, events: TenantEvents, agents: Agents, token: OperatorToken
+    ) -> None:
+        self._cluster = cluster
+        self._events = events
+        self._agents = agents
+        self._token = token
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ admission
+
+    def tenant_changed(self, tenant: Mapping[str, Any]) -> None:
+        with self._lock:
+            self._reconcile(tenant)
+
+    def refresh(self, namespace: str, name: str) -> None:
+        """Reconcile the tenant as stored now (its pool changed)."""
+        tenant = self._cluster.get(TENANTS, namespace, name)
+        if tenant is not None and not tenant["metadata"].get("deletionTimestamp"):
+            self.tenant_changed(tenant)
+
+    def _reconcile(self, tenant: Mapping[str, Any]) -> None:
+        who = _Tenant.of(tenant)
+        status = tenant.get("status") or {}
+        try:
+            spec = TenantSpec.parse(tenant.get("spec") or {})
+        except InvalidSpec as error:
+            self._refuse(tenant, None, Refused(INVALID_SPEC, str(error)))
+            return
+        try:
+            admission = self._admit(who, spec)
+        except Refused as refusal:
+            self._refuse(tenant, spec, refusal)
+            return
+        token, rotated = self._write_secret(who, spec, admission)
+        previous_id = status.get("tenantId")
+        if previous_id and previous_id != admission.tenant_id:
+            self._withdraw_entry(admission.pool, previous_id, who, drop_quota=True)
+        ceiling = {"l1": spec.quota.l1, "nvme": spec.quota.nvme_bytes}
+        self._set_key(
+            admission.pool.tenants_name,
+            admission.pool,
+            admission.tenant_id,
+            json.dumps(
+                {"tokens": [digest(token)], "ceiling": ceiling, "tenant": who.ref}, sort_keys=True
+            ),
+        )
+        if status.get("quota") != ceiling or previous_id != admission.tenant_id:
+            self._set_key(
+                admission.pool.quotas_name,
+                admission.pool,
+                admission.tenant_id,
+                json.dumps(ceiling, sort_keys=True),
+            )
+        self.publish_operator_token(admission.pool)
+        pool = f"{admission.pool.namespace}/{admission.pool.name}"
+        ready: Assessment = (
+            (True, TOKEN_PUBLISHED, f"the token and quota are published to the agents of {pool}")
+            if admission.pool_ready
+            else (False, POOL_NOT_READY, f"the pool {pool} is not ready")
+        )
+        accepted: Assessment = (True, ACCEPTED, f"the pool {pool} admits the tenant")
+        changed = self._write_status(
+            tenant,
+            accepted,
+            ready,
+            tenantId=admission.tenant_id,
+            secretName=who.secret_name,
+            tokenGeneration=spec.token_generation,
+            quota=ceiling,
+        )
+        if changed[ACCEPTED]:
+            self._events.accepted(tenant, f"{accepted[2]}: tenant id {admission.tenant_id}")
+        if rotated:
+            self._events.token_rotated(tenant, spec.token_generation)
+
+    def _admit(self, who: _Tenant, spec: TenantSpec) -> Admission:
+        ref = spec.pool_ref
+        pool_body = self._cluster.get(POOLS, ref.namespace, ref.name)
+        if pool_body is None or pool_body["metadata"].get("deletionTimestamp"):
+            raise Refused(POOL_NOT_FOUND, f"there is no KVCachePool {ref.namespace}/{ref.name}")
+        try:
+            pool_spec = PoolSpec.parse(pool_body.get("spec") or {})
+        except InvalidSpec as error:
+            raise Refused(POOL_NOT_FOUND, f"the pool's spec is invalid: {error}") from error
+        pool = Pool(ref.name, ref.namespace, pool_body["metadata"]["uid"])
+        labels = self._cluster.namespace_labels(who.namespace) or {}
+        if not _admits(pool_spec.tenants.allowed_namespaces, labels):
+            raise Refused(
+                NAMESPACE_NOT_ALLOWED,
+                f"the pool {ref.namespace}/{ref.name} does not admit the namespace "
+                f"{who.namespace} (its spec.tenants.allowedNamespaces does not select it)",
+            )
+        _within_maximum(spec, pool_spec)
+        secret = self._cluster.get(SECRETS, who.namespace, who.secret_name)
+        salt, generated = self._salt(who, spec, secret)
+        tenant = tenant_id(salt)
+        holder = _holder(self._data(pool, pool.tenants_name) or {}, tenant)
+        if holder is not None and holder != who.ref:
+            raise Refused(
+                TENANT_ID_IN_USE,
+                f"the KVCacheTenant {holder} already has tenant id {tenant} in this pool "
+                "(the same salt): use a salt of your own",
+            )
+        conditions = (pool_body.get("status") or {}).get("conditions") or ()
+        ready = any(c.get("type") == READY and c.get("status") == "True" for c in conditions)
+        return Admission(pool, pool_spec, ready, salt, generated, tenant, secret)
+
+    def _salt(
+        self, who: _Tenant, spec: TenantSpec, secret: Mapping[str, Any] | None
+    ) -> tuple[str, bool]:
+        """The tenant's salt, and whether the operator generated it."""
+        ref = spec.salt_secret_ref
+        if ref is None:
+            return _decoded(secret).get(SALT_KEY) or mint(), True
+        theirs = self._cluster.get(SECRETS, who.namespace, ref.name)
+        values = _decoded(theirs)
+        if ref.key not in values:
+            missing = "does not exist" if theirs is None else f"has no key {ref.key}"
+            raise Refused(
+                SALT_SECRET_MISSING, f"the Secret {ref.name} {missing} (spec.saltSecretRef)"
+            )
+        if not values[ref.key]:
+            raise Refused(INVALID_SALT, f"the key {ref.key} of the Secret {ref.name} is empty")
+        return values[ref.key], False
+
+    def _write_secret(
+        self, who: _Tenant, spec: TenantSpec, admission: Admission
+    ) -> tuple[str, bool]:
+        """Make the tenant's Secret hold what it should; returns its token and whether an
+        earlier token was replaced (a rotation)."""
+        existing = admission.secret
+        current = _decoded(existing)
+        annotations = (existing or {}).get("metadata", {}).get("annotations") or {}
+        minted_for = annotations.get(TOKEN_GENERATION_ANNOTATION)
+        token = current.get(TOKEN_KEY)
+        rotated = token is not None and minted_for != str(spec.token_generation)
+        if token is None or rotated:
+            token = mint()
+        pool = admission.pool
+        desired: dict[str, str | None] = {
+            TOKEN_KEY: token,
+            TENANT_ID_KEY: admission.tenant_id,
+            POOL_KEY: pool.name,
+            NAMESPACE_KEY: pool.namespace,
+            ENDPOINT_KEY: (
+                f"http://{pool.service_name}.{pool.namespace}.svc:{admission.pool_spec.ports.http}"
+            ),
+            SALT_KEY: admission.salt if admission.generated else None,
+        }
+        generation = {TOKEN_GENERATION_ANNOTATION: str(spec.token_generation)}
+        if existing is None:
+            self._cluster.create(SECRETS, _secret(who, desired, generation))
+        else:
+            changes = {key: value for key, value in desired.items() if current.get(key) != value}
+            if changes or minted_for != generation[TOKEN_GENERATION_ANNOTATION]:
+                self._cluster.patch(
+                    SECRETS,
+                    who.namespace,
+                    who.secret_name,
+                    {"metadata": {"annotations": generation}, "data": _encoded(changes)},
+                )
+        return token, rotated
+
+    def _refuse(self, tenant: Mapping[str, Any], spec: TenantSpec | None, refusal: Refused) -> None:
+        """Take back what a refused tenant had: its entry in the pool, its Secret's token."""
+        who = _Tenant.of(tenant)
+        previous_id = (tenant.get("status") or {}).get("tenantId")
+        if spec is not None and previous_id:
+            ref = spec.pool_ref
+            pool = self._cluster.get(POOLS, ref.namespace, ref.name)
+            if pool is not None:
+                identity = Pool(ref.name, ref.namespace, pool["metadata"]["uid"])
+                self._withdraw_entry(identity, previous_id, who, drop_quota=False)
+        secret = self._cluster.get(SECRETS, who.namespace, who.secret_name)
+        if TOKEN_KEY in ((secret or {}).get("data") or {}):
+            withdrawn = {"data": {TOKEN_KEY: None}}
+            self._cluster.patch(SECRETS, who.namespace, who.secret_name, withdrawn)
+        changed = self._write_status(
+            tenant,
+            (False, refusal.reason, refusal.message),
+            (False, NOT_ACCEPTED, f"not accepted: {refusal.message}"),
+        )
+        if changed[ACCEPTED]:
+            self._events.refused(tenant, refusal.reason, refusal.message)
+
+    def _write_status(
+        self,
+        tenant: Mapping[str, Any],
+        accepted: Assessment,
+        ready: Assessment,
+        **fields: Any,
+    ) -> dict[str, bool]:
+        """Write the conditions and ``fields``; says which conditions changed (status or
+        reason), so that an event is posted once per change, not once per re-check."""
+        who = _Tenant.of(tenant)
+        previous = tenant.get("status") or {}
+        earlier = {c.get("type"): c for c in previous.get("conditions", ())}
+        now = datetime.now(UTC)
+        conditions = [
+            condition(kind, value, who.generation, earlier.get(kind), now)
+            for kind, value in ((ACCEPTED, accepted), (READY, ready))
+        ]
+        status = {"observedGeneration": who.generation, "conditions": conditions, **fields}
+        if {key: previous.get(key) for key in status} != status:
+            self._cluster.patch_status(TENANTS, who.namespace, who.name, status)
+        return {
+            new["type"]: (earlier.get(new["type"]) or {}).get("status") != new["status"]
+            or (earlier.get(new["type"]) or {}).get("reason") != new["reason"]
+            for new in conditions
+        }
+
+    # ------------------------------------------------------------ deletion
+
+    def tenant_deleted(self, tenant: Mapping[str, Any], *, last_attempt: bool) -> None:
+        """Revoke the token, clear the chunks on every agent, drop the quota. Raises
+        :class:`AgentsUnreachable` where agents failed, unless ``last_attempt``."""
+        who = _Tenant.of(tenant)
+        status = tenant.get("status") or {}
+        tenant_id_ = status.get("tenantId")
+        if not tenant_id_ or status.get("quota") is None:
+            return  # never accepted: nothing was published under its name
+        try:
+            spec = TenantSpec.parse(tenant.get("spec") or {})
+        except InvalidSpec:
+            return
+        ref = spec.pool_ref
+        pool_body = self._cluster.get(POOLS, ref.namespace, ref.name)
+        if pool_body is None:
+            return  # the pool is gone, and with it its ConfigMaps and agents
+        pool = Pool(ref.name, ref.namespace, pool_body["metadata"]["uid"])
+        with self._lock:
+            revoked = self._withdraw_entry(pool, tenant_id_, who, drop_quota=False)
+        where = f"{ref.namespace}/{ref.name}"
+        if revoked:
+            self._events.revoked(
+                tenant, f"revoked the token on every agent of {where} (their next watch event)"
+            )
+        try:
+            port = PoolSpec.parse(pool_body.get("spec") or {}).ports.http
+        except InvalidSpec:
+            port = PoolSpec().ports.http
+        sweep = self._agents.clear(pool, port, tenant_id_)
+        if sweep.failed and not last_attempt:
+            raise AgentsUnreachable("; ".join(sweep.failed))
+        if sweep.failed:
+            self._events.clear_incomplete(
+                tenant,
+                f"{len(sweep.failed)} agents of {where} did not clear the tenant's chunks "
+                f"(their L1 chunks age out by eviction): {'; '.join(sweep.failed)}",
+            )
+        with self._lock:
+            self._set_key(pool.quotas_name, pool, tenant_id_, None)
+        chunks = sum(answer.dropped_chunks for answer in sweep.answers)
+        objects = sum(answer.l2_dropped for answer in sweep.answers)
+        self._events.revoked(
+            tenant,
+            f"freed the tenant's space: {chunks} chunks dropped from L1 and {objects} objects "
+            f"from L2 by {len(sweep.answers)} agents of {where}; its quota is dropped",
+        )
+
+    # ---------------------------------------------------------------- usage
+
+    def read_usage(self, tenant: Mapping[str, Any]) -> None:
+        status = tenant.get("status") or {}
+        earlier = {c.get("type"): c for c in status.get("conditions", ())}
+        tenant_id_ = status.get("tenantId")
+        if not tenant_id_ or (earlier.get(ACCEPTED) or {}).get("status") != "True":
+            return
+        spec = TenantSpec.parse(tenant.get("spec") or {})
+        ref = spec.pool_ref
+        pool_body = self._cluster.get(POOLS, ref.namespace, ref.name)
+        if pool_body is None:
+            return
+        pool = Pool(ref.name, ref.namespace, pool_body["metadata"]["uid"])
+        port = PoolSpec.parse(pool_body.get("spec") or {}).ports.http
+        sweep = self._agents.usage(pool, port, tenant_id_)
+        if sweep.failed:
+            log.warning("usage of tenant %s: %s", tenant_id_, "; ".join(sweep.failed))
+        answers = sweep.answers
+        usage = {
+            "l1Bytes": sum(answer.used_bytes for answer in answers),
+            "nvmeBytes": sum(answer.nvme_used_bytes for answer in answers),
+            "hits": sum(answer.hits for answer in answers),
+            "misses": sum(answer.misses for answer in answers),
+            "agents": len(answers),
+            "readAt": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        }
+        who = _Tenant.of(tenant)
+        self._cluster.patch_status(TENANTS, who.namespace, who.name, {"usage": usage})
+
+    # ----------------------------------------------------- the pool's side
+
+    def publish_operator_token(self, pool: Pool) -> None:
+        """The digest of the operator's admin token under ``operator`` in the pool's
+        tenants ConfigMap (replacing a previous operator's)."""
+        value = json.dumps({"tokens": [self._token.digest]})
+        if self._data(pool, pool.tenants_name) is not None:
+            self._set_key(pool.tenants_name, pool, OPERATOR_KEY, value)
+
+    # -------------------------------------------------------------- helpers
+
+    def _withdraw_entry(self, pool: Pool, tenant: str, who: _Tenant, *, drop_quota: bool) -> bool:
+        """Remove the tenant's entry (and quota) if it is this tenant's; says if it was."""
+        if _holder(self._data(pool, pool.tenants_name) or {}, tenant) != who.ref:
+            return False
+        self._set_key(pool.tenants_name, pool, tenant, None)
+        if drop_quota:
+            self._set_key(pool.quotas_name, pool, tenant, None)
+        return True
+
+    def _data(self, pool: Pool, config_map: str) -> dict[str, str] | None:
+        """The data of one of the pool's ConfigMaps; None if it does not exist."""
+        found = self._cluster.get(CONFIG_MAPS, pool.namespace, config_map)
+        data: dict[str, str] | None = None if found is None else found.get("data") or {}
+        return data
+
+    def _set_key(self, config_map: str, pool: Pool, key: str, value: str | None) -> None:
+        """One key of one of the pool's ConfigMaps (None removes it), if it differs. A
+        ConfigMap the pool has not made yet is an :class:`ApiError` (retried)."""
+        data = self._data(pool, config_map)
+        if data is None and value is None:
+            return
+        if data is None:
+            raise ApiError(f"the pool's ConfigMap {config_map} does not exist yet", 404)
+        if data.get(key) != value:
+            self._cluster.patch(CONFIG_MAPS, pool.namespace, config_map, {"data": {key: value}})
+
+
+def _admits(selector: LabelSelector | None, labels: Mapping[str, str]) -> bool:
+    """Absent or empty selects no namespace (unlike Kubernetes' empty selector)."""
+    return selector is not None and selector != LabelSelector() and selector.matches(labels)
+
+
+def _within_maximum(spec: TenantSpec, pool_spec: PoolSpec) -> None:
+    maximum = pool_spec.tenants.max_quota
+    for tier, asked, most in (
+        ("l1", spec.quota.l1, maximum.l1),
+        ("nvme", spec.quota.nvme_bytes, maximum.nvme),
+    ):
+        if most is not None and asked > most:
+            raise Refused(
+                QUOTA_ABOVE_MAXIMUM,
+                f"quota.{tier} {format_bytes(asked)} is above the pool's maximum "
+                f"{format_bytes(most)} (spec.tenants.maxQuota.{tier})",
+            )
+
+
+def _holder(data: Mapping[str, str], tenant: str) -> str | None:
+    """Which KVCacheTenant (namespace/name) an entry of the tenants ConfigMap is for."""
+    if tenant not in data:
+        return None
+    try:
+        entry = json.loads(data[tenant])
+    except ValueError:
+        return None
+    holder = entry.get("tenant") if isinstance(entry, dict) else None
+    return holder if isinstance(holder, str) else None
+
+
+def _decoded(secret: Mapping[str, Any] | None) -> dict[str, str]:
+    data = (secret or {}).get("data") or {}
+    return {key: base64.b64decode(value).decode() for key, value in data.items()}
+
+
+def _encoded(values: Mapping[str, str | None]) -> dict[str, str | None]:
+    return {
+        key: None if value is None else base64.b64encode(value.encode()).decode()
+        for key, value in values.items()
+    }
+
+
+def _secret(
+    who: _Tenant, values: Mapping[str, str | None], annotations: dict[str, str]
+) -> dict[str, Any]:
+    """The tenant's Secret, owned by the KVCacheTenant (deleted with it)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {
+            "name": who.secret_name,
+            "namespace": who.namespace,
+            "labels": {MANAGED_BY_LABEL: OPERATOR},
+            "annotations": annotations,
+            "ownerReferences": [
+                {
+                    "apiVersion": API_VERSION,
+                    "kind": TENANT_KIND,
+                    "name": who.name,
+                    "uid": who.uid,
+                    "controller": True,
+                }
+            ],
+        },
+        "data": {key: value for key, value in _encoded(values).items() if value is not None},
+    }

@@ -1,0 +1,486 @@
+"""KVCacheTenants through the real operator (``kvpool-operator`` for every namespace, in a
+subprocess) against the emulated API server, driven with kubectl as a team would.
+
+One pool, ``inference/shared``, admits the namespaces labelled ``kvpool.io/team-access:
+shared`` with at most 16Gi of L1 per tenant; its one agent is an :class:`AgentStandIn`
+whose address is in an agent pod's ``status.podIP``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvpool_agent.keys import tenant_id
+from kvpool_operator.render import Pool
+
+from .agent_stand_in import CLEARED, USAGE, AgentStandIn
+from .conftest import REPO, Kubectl, OperatorProcess, eventually
+from .kube_api import ServedApi
+
+POOL_NAMESPACE = "inference"
+TEAM = "team-a"
+OUTSIDER = "team-b"
+ACCESS = {"kvpool.io/team-access": "shared"}
+TENANTS_CM = "kvpool-shared-tenants"
+QUOTAS_CM = "kvpool-shared-quotas"
+GiB = 1 << 30
+
+
+def _apply(kubectl: Kubectl, manifest: dict[str, Any]) -> None:
+    kubectl("apply", "--validate=false", "-f", "-", manifest=manifest)
+
+
+def _namespace(name: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}}
+
+
+def _pool(name: str, http_port: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvpool.io/v1alpha1",
+        "kind": "KVCachePool",
+        "metadata": {"name": name, "namespace": POOL_NAMESPACE},
+        "spec": {
+            "ports": {"http": http_port},
+            "tenants": {
+                "allowedNamespaces": {"matchLabels": ACCESS},
+                "maxQuota": {"l1": "16Gi"},
+            },
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def agent(served_api: ServedApi) -> Iterator[AgentStandIn]:
+    def operator_digest() -> str | None:
+        config_map = served_api.objects("configmaps", POOL_NAMESPACE).get(TENANTS_CM) or {}
+        entry = (config_map.get("data") or {}).get("operator")
+        return None if entry is None else str(json.loads(entry)["tokens"][0])
+
+    stand_in = AgentStandIn(operator_digest).start()
+    yield stand_in
+    stand_in.stop()
+
+
+@pytest.fixture(scope="module")
+def operator(
+    served_api: ServedApi,
+    kubectl: Kubectl,
+    agent: AgentStandIn,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[OperatorProcess]:
+    kubectl("apply", "--validate=false", "-f", str(REPO / "crds"))
+    _apply(kubectl, _namespace(POOL_NAMESPACE, {}))
+    _apply(kubectl, _namespace(TEAM, ACCESS))
+    _apply(kubectl, _namespace(OUTSIDER, {}))
+    _apply(kubectl, _pool("shared", agent.port))
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "kvpool-shared-agent-x1",
+            "namespace": POOL_NAMESPACE,
+            "labels": Pool("shared", POOL_NAMESPACE, "").labels(),
+        },
+        "spec": {"containers": [{"name": "agent", "image": "kvpool:test"}]},
+    }
+    _apply(kubectl, pod)
+    kubectl(
+        "patch",
+        "pod",
+        "kvpool-shared-agent-x1",
+        "-n",
+        POOL_NAMESPACE,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps({"status": {"podIP": "127.0.0.1", "phase": "Running"}}),
+    )
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    options = ("--usage-seconds", "1", "--clear-retries", "1")
+    process = OperatorProcess(served_api.kubeconfig(), None, log, options).start()
+    yield process
+    process.stop()
+
+
+def _tenant(
+    kubectl: Kubectl, namespace: str, name: str, l1: str = "8Gi", **spec: Any
+) -> dict[str, Any]:
+    tenant = {
+        "apiVersion": "kvpool.io/v1alpha1",
+        "kind": "KVCacheTenant",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "poolRef": {"name": spec.pop("pool", "shared"), "namespace": POOL_NAMESPACE},
+            "quota": {"l1": l1},
+            **spec,
+        },
+    }
+    _apply(kubectl, tenant)
+    return tenant
+
+
+def _patch(kubectl: Kubectl, namespace: str, name: str, spec: dict[str, Any]) -> None:
+    patch = json.dumps({"spec": spec})
+    kubectl("patch", "kvt", name, "-n", namespace, "--type=merge", "-p", patch)
+
+
+def _status(api: ServedApi, namespace: str, name: str) -> dict[str, Any]:
+    tenant = api.objects("kvcachetenants", namespace).get(name)
+    assert tenant is not None, f"no tenant {namespace}/{name}"
+    status: dict[str, Any] = tenant.get("status") or {}
+    return status
+
+
+def _condition(api: ServedApi, namespace: str, name: str, kind: str) -> tuple[str, str, str]:
+    for condition in _status(api, namespace, name).get("conditions", ()):
+        if condition["type"] == kind:
+            return condition["status"], condition["reason"], condition["message"]
+    raise AssertionError(f"{namespace}/{name} has no {kind} condition yet")
+
+
+def _accepted(api: ServedApi, namespace: str, name: str, reason: str = "Accepted") -> str:
+    """The Accepted condition's message, once it has ``reason``."""
+    status, found, message = _condition(api, namespace, name, "Accepted")
+    assert (status, found) == ("True" if reason == "Accepted" else "False", reason), message
+    return message
+
+
+def _secret(api: ServedApi, namespace: str, name: str) -> dict[str, str]:
+    secret = api.objects("secrets", namespace).get(f"{name}-kvpool")
+    assert secret is not None, f"no Secret {name}-kvpool"
+    return {key: base64.b64decode(value).decode() for key, value in secret["data"].items()}
+
+
+def _data(api: ServedApi, config_map: str) -> dict[str, str]:
+    found = api.objects("configmaps", POOL_NAMESPACE).get(config_map)
+    assert found is not None
+    data: dict[str, str] = found.get("data") or {}
+    return data
+
+
+def _entry(api: ServedApi, tenant: str) -> dict[str, Any]:
+    data = _data(api, TENANTS_CM)
+    assert tenant in data, f"no entry for {tenant}"
+    entry: dict[str, Any] = json.loads(data[tenant])
+    return entry
+
+
+def _event(api: ServedApi, namespace: str, name: str, kind: str, reason: str) -> str:
+    def posted() -> str:
+        events = [(e["type"], e["reason"], e["message"]) for e in api.events(namespace, name)]
+        for event in events:
+            if event[:2] == (kind, reason):
+                return event[2]
+        raise AssertionError(f"no {kind} {reason} event on {name}: {events}")
+
+    return eventually(posted)
+
+
+def _digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _pool_ready(kubectl: Kubectl, api: ServedApi, pool: str) -> None:
+    """Report the pool's DaemonSet ready, as its controller would."""
+
+    def daemonset() -> dict[str, Any]:
+        found = api.objects("daemonsets", POOL_NAMESPACE).get(f"kvpool-{pool}-agent")
+        assert found is not None
+        return found
+
+    generation = eventually(daemonset)["metadata"]["generation"]
+    counts = {"desiredNumberScheduled": 1, "updatedNumberScheduled": 1, "numberReady": 1}
+    status = {"observedGeneration": generation, "currentNumberScheduled": 1, **counts}
+    kubectl(
+        "patch",
+        "daemonset",
+        f"kvpool-{pool}-agent",
+        "-n",
+        POOL_NAMESPACE,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps({"status": status}),
+    )
+
+
+def test_a_tenant_in_an_allowed_namespace_gets_its_token_quota_and_usage(
+    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess, agent: AgentStandIn
+) -> None:
+    started = time.monotonic()
+    _tenant(kubectl, TEAM, "alpha")
+    eventually(lambda: _accepted(served_api, TEAM, "alpha"))
+    secret = _secret(served_api, TEAM, "alpha")
+    tenant = tenant_id(secret["salt"])
+    entry = eventually(lambda: _entry(served_api, tenant))
+    published = time.monotonic() - started
+    assert secret["tenant-id"] == tenant
+    assert (secret["pool"], secret["namespace"]) == ("shared", POOL_NAMESPACE)
+    assert secret["endpoint"] == f"http://kvpool-shared.{POOL_NAMESPACE}.svc:{agent.port}"
+    assert entry == {
+        "tokens": [_digest(secret["token"])],
+        "ceiling": {"l1": 8 * GiB, "nvme": 8 * GiB},
+        "tenant": f"{TEAM}/alpha",
+    }
+    assert json.loads(_data(served_api, QUOTAS_CM)[tenant]) == {"l1": 8 * GiB, "nvme": 8 * GiB}
+    status = _status(served_api, TEAM, "alpha")
+    assert (status["tenantId"], status["secretName"], status["tokenGeneration"]) == (
+        tenant,
+        "alpha-kvpool",
+        0,
+    )
+    assert status["observedGeneration"] == 1
+    assert _event(served_api, TEAM, "alpha", "Normal", "Accepted").endswith(tenant)
+    ready = _condition(served_api, TEAM, "alpha", "Ready")
+    assert ready[:2] == ("False", "PoolNotReady")  # no agent reported ready yet
+
+    _pool_ready(kubectl, served_api, "shared")
+
+    def ready_now() -> None:
+        assert _condition(served_api, TEAM, "alpha", "Ready")[:2] == ("True", "TokenPublished")
+
+    eventually(ready_now)
+
+    def usage() -> dict[str, Any]:
+        found: dict[str, Any] = _status(served_api, TEAM, "alpha").get("usage") or {}
+        assert found.get("agents") == 1, found
+        return found
+
+    read = eventually(usage)
+    assert (read["l1Bytes"], read["nvmeBytes"], read["hits"], read["misses"]) == (
+        USAGE["used_bytes"],
+        USAGE["nvme_used_bytes"],
+        USAGE["hits"],
+        USAGE["misses"],
+    )
+    assert ("GET", f"/v1/tenants/{tenant}/usage") in agent.calls
+    print(f"apply to the token's digest in the tenants ConfigMap: {published:.2f} s")
+
+
+def test_a_namespace_the_pool_does_not_select_gets_no_token_until_it_is_labelled(
+    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
+) -> None:
+    _tenant(kubectl, OUTSIDER, "beta")
+    message = eventually(lambda: _accepted(served_api, OUTSIDER, "beta", "NamespaceNotAllowed"))
+    assert "does not admit the namespace team-b" in message
+    assert _condition(served_api, OUTSIDER, "beta", "Ready")[:2] == ("False", "NotAccepted")
+    assert "does not admit" in _event(
+        served_api, OUTSIDER, "beta", "Warning", "NamespaceNotAllowed"
+    )
+    assert "beta-kvpool" not in served_api.objects("secrets", OUTSIDER)
+    holders = [json.loads(value).get("tenant") for value in _data(served_api, TENANTS_CM).values()]
+    assert f"{OUTSIDER}/beta" not in holders
+
+    # the platform team labels the namespace: the periodic re-check admits it
+    _apply(kubectl, _namespace(OUTSIDER, ACCESS))
+    eventually(lambda: _accepted(served_api, OUTSIDER, "beta"))
+    tenant = _secret(served_api, OUTSIDER, "beta")["tenant-id"]
+    assert _entry(served_api, tenant)["tenant"] == f"{OUTSIDER}/beta"
+
+    # and unlabels it: the token is withdrawn from the agents and from the Secret
+    _apply(kubectl, _namespace(OUTSIDER, {}))
+    eventually(lambda: _accepted(served_api, OUTSIDER, "beta", "NamespaceNotAllowed"))
+
+    def withdrawn() -> None:
+        assert tenant not in _data(served_api, TENANTS_CM)
+        assert "token" not in _secret(served_api, OUTSIDER, "beta")
+
+    eventually(withdrawn)
+
+
+def test_a_quota_above_the_pools_maximum_is_refused(
+    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
+) -> None:
+    _tenant(kubectl, TEAM, "greedy", l1="32Gi")
+    message = eventually(lambda: _accepted(served_api, TEAM, "greedy", "QuotaAboveMaximum"))
+    assert message == "quota.l1 32Gi is above the pool's maximum 16Gi (spec.tenants.maxQuota.l1)"
+    assert _event(served_api, TEAM, "greedy", "Warning", "QuotaAboveMaximum") == message
+    assert "greedy-kvpool" not in served_api.objects("secrets", TEAM)
+
+    _patch(kubectl, TEAM, "greedy", {"quota": {"l1": "16Gi", "nvme": "100Gi"}})
+    eventually(lambda: _accepted(served_api, TEAM, "greedy"))
+    tenant = _secret(served_api, TEAM, "greedy")["tenant-id"]
+    assert _entry(served_api, tenant)["ceiling"] == {"l1": 16 * GiB, "nvme": 100 * GiB}
+
+
+def test_rotating_the_token_revokes_the_old_one(
+    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
+) -> None:
+    _tenant(kubectl, TEAM, "rotor")
+    eventually(lambda: _accepted(served_api, TEAM, "rotor"))
+    before = _secret(served_api, TEAM, "rotor")
+    tenant = before["tenant-id"]
+    assert _entry(served_api, tenant)["tokens"] == [_digest(before["token"])]
+
+    _patch(kubectl, TEAM, "rotor", {"tokenGeneration": 1})
+
+    def rotated() -> dict[str, str]:
+        after = _secret(served_api, TEAM, "rotor")
+        assert after["token"] != before["token"]
+        assert _entry(served_api, tenant)["tokens"] == [_digest(after["token"])]
+        assert _status(served_api, TEAM, "rotor")["tokenGeneration"] == 1
+        return after
+
+    after = eventually(rotated)
+    assert (after["salt"], after["tenant-id"]) == (before["salt"], tenant)  # same cache
+    assert "generation 1" in _event(served_api, TEAM, "rotor", "Normal", "TokenRotated")
+    time.sleep(1.5)  # re-checks mint nothing more
+    assert _secret(served_api, TEAM, "rotor")["token"] == after["token"]
+
+
+def test_the_crs_quota_is_written_when_it_changes_and_http_sets_stand_in_between(
+    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
+) -> None:
+    _tenant(kubectl, TEAM, "quota")
+    eventually(lambda: _accepted(served_api, TEAM, "quota"))
+    tenant = _secret(served_api, TEAM, "quota")["tenant-id"]
+    lower = json.dumps({"l1": GiB, "nvme": GiB})  # what an agent writes on an HTTP PUT
+    patch = json.dumps({"data": {tenant: lower}})
+    kubectl("patch", "configmap", QUOTAS_CM, "-n", POOL_NAMESPACE, "--type=merge", "-p", patch)
+
+    _patch(kubectl, TEAM, "quota", {"tokenGeneration": 1})  # not a quota change
+    eventually(lambda: _status(served_api, TEAM, "quota")["tokenGeneration"] == 1 or None)
+    time.sleep(1.5)
+    assert _data(served_api, QUOTAS_CM)[tenant] == lower
+
+    _patch(kubectl, TEAM, "quota", {"quota": {"l1": "4Gi"}})
+
+    def written() -> None:
+        assert json.loads(_data(served_api, QUOTAS_CM)[tenant]) == {"l1": 4 * GiB, "nvme": 4 * GiB}
+        assert _entry(served_api, tenant)["ceiling"] == {"l1": 4 * GiB, "nvme": 4 * GiB}
+
+    eventually(written)
+
+
+def test_a_teams_own_salt_and_a_salt_in_use(
+    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
+) -> None:
+    _tenant(kubectl, TEAM, "own", saltSecretRef={"name": "own-salt"})
+    message = eventually(lambda: _accepted(served_api, TEAM, "own", "SaltSecretMissing"))
+    assert message == "the Secret own-salt does not exist (spec.saltSecretRef)"
+
+    salt = "team-a-own-salt-4a1f0c"
+    _apply(kubectl, _salt_secret(TEAM, "own-salt", "salt", ""))
+    eventually(lambda: _accepted(served_api, TEAM, "own", "InvalidSalt"))
+    _apply(kubectl, _salt_secret(TEAM, "own-salt", "salt", salt))
+    eventually(lambda: _accepted(served_api, TEAM, "own"))
+    generated = _secret(served_api, TEAM, "own")
+    assert generated["tenant-id"] == tenant_id(salt)
+    assert "salt" not in generated  # the team keeps its own
+
+    # another tenant of the pool with the same salt gets nothing
+    _apply(kubectl, _salt_secret(OUTSIDER, "copy-salt", "s", salt))
+    _apply(kubectl, _namespace(OUTSIDER, ACCESS))
+    _tenant(kubectl, OUTSIDER, "copycat", saltSecretRef={"name": "copy-salt", "key": "s"})
+    message = eventually(lambda: _accepted(served_api, OUTSIDER, "copycat", "TenantIdInUse"))
+    assert f"{TEAM}/own already has tenant id {tenant_id(salt)}" in message
+    assert _entry(served_api, tenant_id(salt))["tenant"] == f"{TEAM}/own"
+    assert "token" not in _secret_or_empty(served_api, OUTSIDER, "copycat")
+    _apply(kubectl, _namespace(OUTSIDER, {}))
+
+
+def _salt_secret(namespace: str, name: str, key: str, salt: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name, "namespace": namespace},
+        "data": {key: base64.b64encode(salt.encode()).decode()},
+    }
+
+
+def _secret_or_empty(api: ServedApi, namespace: str, name: str) -> dict[str, Any]:
+    found: dict[str, Any] = api.objects("secrets", namespace).get(f"{name}-kvpool") or {}
+    return found.get("data") or {}
+
+
+def test_deleting_a_tenant_revokes_its_token_and_frees_its_space(
+    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess, agent: AgentStandIn
+) -> None:
+    _tenant(kubectl, TEAM, "leaving")
+    eventually(lambda: _accepted(served_api, TEAM, "leaving"))
+    tenant = _secret(served_api, TEAM, "leaving")["tenant-id"]
+    assert tenant in _data(served_api, QUOTAS_CM)
+
+    started = time.monotonic()
+    kubectl("delete", "kvt", "leaving", "-n", TEAM, "--wait=false")
+
+    def revoked() -> None:
+        assert tenant not in _data(served_api, TENANTS_CM)
+
+    eventually(revoked, timeout=15)
+    revocation = time.monotonic() - started
+
+    def gone() -> None:
+        assert "leaving" not in served_api.objects("kvcachetenants", TEAM)  # finalizer released
+        assert tenant not in _data(served_api, QUOTAS_CM)
+        assert "leaving-kvpool" not in served_api.objects("secrets", TEAM)  # owned: collected
+
+    eventually(gone)
+    freed = time.monotonic() - started
+    assert ("POST", f"/v1/tenants/{tenant}/clear?tiers=all") in agent.calls
+    messages = [
+        e["message"] for e in served_api.events(TEAM, "leaving") if e["reason"] == "Revoked"
+    ]
+    assert any("revoked the token on every agent of inference/shared" in m for m in messages)
+    freed_message = f"{CLEARED['dropped_chunks']} chunks dropped from L1 and "
+    assert any(freed_message in m for m in messages), messages
+    print(f"delete to revocation: {revocation:.2f} s; to the tenant gone: {freed:.2f} s")
+
+
+def test_deleting_the_pool_marks_its_tenants_pool_not_found(
+    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess, agent: AgentStandIn
+) -> None:
+    _apply(kubectl, _pool("doomed", agent.port))
+    _tenant(kubectl, TEAM, "orphan", pool="doomed")
+    eventually(lambda: _accepted(served_api, TEAM, "orphan"))
+
+    kubectl("delete", "kvp", "doomed", "-n", POOL_NAMESPACE)
+    message = eventually(lambda: _accepted(served_api, TEAM, "orphan", "PoolNotFound"))
+    assert message == f"there is no KVCachePool {POOL_NAMESPACE}/doomed"
+    assert "orphan" in served_api.objects("kvcachetenants", TEAM)  # not deleted
+    assert "token" not in _secret(served_api, TEAM, "orphan")
+    _event(served_api, TEAM, "orphan", "Warning", "PoolNotFound")
+
+
+def test_salts_never_leave_secrets(
+    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
+) -> None:
+    """Every salt of the tests above, generated or the team's, is in no object but Secrets
+    (nor in any earlier version of one, nor in a watch event) and not in the operator's log."""
+    salts = [
+        values["salt"]
+        for secret in served_api.objects("secrets").values()
+        if (values := {k: base64.b64decode(v).decode() for k, v in secret["data"].items()})
+        and "salt" in values
+        and values["salt"]
+    ] + [
+        base64.b64decode(secret["data"]["s"]).decode()
+        for secret in served_api.objects("secrets").values()
+        if "s" in (secret.get("data") or {})
+    ]
+    assert len(salts) >= 5, salts
+
+    async def everything_but_secrets() -> str:
+        api = served_api.api
+        async with api._lock:
+            stored = [
+                [dict(version) for version in obj.history if version is not None]
+                for (resource, _, _), obj in api.objects.items()
+                if resource.plural != "secrets"
+            ]
+            logged = [event for resource, event in api._log if resource.plural != "secrets"]
+        return json.dumps([stored, logged], default=dict)
+
+    text = served_api.call(everything_but_secrets())
+    log = operator.log()
+    assert "tenantId" in text and "kvpool-shared-tenants" in text and "tenant_changed" in log
+    for salt in salts:
+        assert salt not in text
+        assert salt not in log
