@@ -48,17 +48,10 @@ NONCE_SIZE = 24
 _ASSOCIATED = HEADER.size - TAG_SIZE
 """The header up to the tag: the associated data."""
 _LENGTH_FIELD = 6
-_FLAGS_OFFSET = 6
-"""Byte offset of the flags: after the magic and the format version."""
 
 
 class IntegrityError(ValueError):
     """The bytes are not the object that was asked for (or not intact, or not ours)."""
-
-
-def is_sealed(header: bytes | memoryview) -> bool:
-    """Whether a header says its body is ciphertext (False if it is shorter than a header)."""
-    return len(header) >= HEADER.size and bool(header[_FLAGS_OFFSET] & SEALED)
 
 
 def payload_length(header: bytes | memoryview) -> int:

@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import TypeVar, TypeVarTuple
 
 from kvpool_agent.config import NvmeTierConfig
-from kvpool_agent.l2 import layout
+from kvpool_agent.l2 import buffers, layout
 from kvpool_agent.l2.base import AdapterStats, L2Object, ObjectKey, TierUnavailable
-from kvpool_agent.l2.codec import HEADER, IntegrityError, ObjectCodec, is_sealed, payload_length
+from kvpool_agent.l2.codec import HEADER, IntegrityError, ObjectCodec, payload_length
 from kvpool_agent.l2.keylocks import KeyLocks
 
 log = logging.getLogger(__name__)
@@ -416,15 +416,15 @@ def _write_all(fd: int, data: bytes | memoryview | mmap.mmap) -> None:
 def _read_buffered(path: Path, name: ObjectKey, codec: ObjectCodec) -> bytes | memoryview:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        body_bytes = max(0, os.fstat(fd).st_size - HEADER.size)
+        size = os.fstat(fd).st_size
+        # The body first (one large read keeps the kernel's readahead large), straight into
+        # the buffer that get() returns, where a sealed body is decrypted in place.
+        body = buffers.fresh(max(0, size - HEADER.size))
+        body = body[: _read_into(fd, body, HEADER.size)]
         header = os.pread(fd, HEADER.size, 0)
-        if not is_sealed(header):  # the body straight into the bytes that get() returns
-            return codec.open(name, header, os.pread(fd, body_bytes, HEADER.size))
-        with codec.buffers.borrow(body_bytes) as ciphertext:  # decrypted into new bytes
-            done = _read_into(fd, ciphertext, HEADER.size)
-            return codec.open(name, header, ciphertext[:done])
     finally:
         os.close(fd)
+    return codec.open(name, header, body, in_place=True)
 
 
 def _read_direct(path: Path, name: ObjectKey, codec: ObjectCodec) -> bytes | memoryview:
@@ -432,7 +432,7 @@ def _read_direct(path: Path, name: ObjectKey, codec: ObjectCodec) -> bytes | mem
     try:
         size = os.fstat(fd).st_size
         # Never closed explicitly: a traceback may still hold a view; refcounting unmaps it.
-        view = memoryview(mmap.mmap(-1, max(_round_up(size), BLOCK)))
+        view = buffers.mapped(max(_round_up(size), BLOCK))
         done = _read_into(fd, view, 0)
     finally:
         os.close(fd)

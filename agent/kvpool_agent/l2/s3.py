@@ -37,7 +37,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from kvpool_agent.config import S3TierConfig
-from kvpool_agent.l2 import layout
+from kvpool_agent.l2 import buffers, layout
 from kvpool_agent.l2.base import AdapterStats, L2Object, ObjectKey, TierUnavailable
 from kvpool_agent.l2.breaker import CircuitBreaker
 from kvpool_agent.l2.codec import HEADER, IntegrityError, ObjectCodec
@@ -289,7 +289,7 @@ class S3Adapter:
             header = first["Body"].read(HEADER.size)
             return self.codec.open(name, header, first["Body"].read())
         head = first["Body"].read()
-        blob = bytearray(total)
+        blob = buffers.fresh(total)
         blob[: len(head)] = head
         starts = range(len(head), total, self._part_size)
         ends = [min(start + self._part_size, total) for start in starts]
@@ -298,7 +298,7 @@ class S3Adapter:
             if len(part) != end - start:
                 raise IntegrityError("the object changed during a ranged read")
             blob[start:end] = part
-        return self.codec.decode(name, memoryview(blob), in_place=True)
+        return self.codec.decode(name, blob, in_place=True)
 
     def _get_range(self, key: str, start: int, end: int) -> bytes:
         response = self._client.get_object(
