@@ -5,32 +5,26 @@ A fresh buffer of tens of MiB is a new mapping (it is above glibc's largest mmap
 threshold), faulted in 4 KiB at a time: under a hypervisor that costs about as much
 as AES-GCM over the same bytes (``kvpool bench l2``). A buffer borrowed from the
 :class:`BufferPool` is already faulted in: a ciphertext on its way to a file or a
-request goes through one. What ``get`` returns must be a buffer of its own:
-:func:`fresh` maps it with ``MAP_POPULATE``, so the kernel faults it in one call.
+request goes through one. What ``get`` returns must be a buffer of its own, which
+:func:`fresh` makes cheap to fill.
 """
 
 from __future__ import annotations
 
 import contextlib
-import mmap
 import threading
 from collections.abc import Iterator
 
+import numpy
+
 DEFAULT_IDLE_BYTES = 128 << 20
-MAPPED_FROM = 1 << 20
-"""From this size :func:`fresh` maps; smaller buffers come from the heap, which reuses them."""
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def fresh(size: int) -> memoryview:
-    """A writable buffer of ``size`` bytes of its own (zero-filled), already faulted in."""
-    return mapped(size) if size >= MAPPED_FROM else memoryview(bytearray(size))
-
-
-def mapped(size: int) -> memoryview:
-    """:func:`fresh`, always a mapping of its own: page-aligned (what O_DIRECT needs)."""
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE
-    return memoryview(mmap.mmap(-1, size, flags=flags))
+    """A writable buffer of ``size`` bytes of its own, not zeroed: filled by a read, the
+    kernel faults its pages in as it copies (no fault per page from user space), and
+    numpy asks for huge pages for a large one."""
+    return numpy.empty(size, numpy.uint8).data
 
 
 class BufferPool:

@@ -432,7 +432,7 @@ def _read_direct(path: Path, name: ObjectKey, codec: ObjectCodec) -> bytes | mem
     try:
         size = os.fstat(fd).st_size
         # Never closed explicitly: a traceback may still hold a view; refcounting unmaps it.
-        view = buffers.mapped(max(_round_up(size), BLOCK))
+        view = memoryview(mmap.mmap(-1, max(_round_up(size), BLOCK)))
         done = _read_into(fd, view, 0)
     finally:
         os.close(fd)
