@@ -174,9 +174,13 @@ def test_tiers_all_drops_the_tenant_from_nvme_and_s3(
     clear = f"{process.http}/v1/tenants/{ALICE}/clear"
     quota = f"{process.http}/v1/tenants/{ALICE}/quota"
     eventually(lambda: _status(httpx.get(quota, headers=_auth(OPERATOR_TOKEN)), 200), timeout=10)
+    usage = f"{process.http}/v1/tenants/{ALICE}/usage"
+    on_disk = sum(path.stat().st_size for path in _files(nvme, ALICE))
+    assert httpx.get(usage, headers=_auth(ALICE_TOKEN)).json()["nvme_used_bytes"] == on_disk
     dropped = httpx.post(clear, params={"tiers": "all"}, headers=_auth(OPERATOR_TOKEN))
     assert dropped.status_code == 200, dropped.text
     assert dropped.json() == {"dropped_chunks": 6, "l2_dropped_objects": 12}  # 6 NVMe + 6 S3
+    assert httpx.get(usage, headers=_auth(ALICE_TOKEN)).json()["nvme_used_bytes"] == 0
     assert _files(nvme, ALICE) == [] and _objects(s3_endpoint, bucket, ALICE) == []
     assert len(_files(nvme, BOB)) == 6 and len(_objects(s3_endpoint, bucket, BOB)) == 6
     again = httpx.post(clear, params={"tiers": "all"}, headers=_auth(ALICE_TOKEN))
