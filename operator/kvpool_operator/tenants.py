@@ -191,7 +191,8 @@ class TenantReconciler:
             admission.pool,
             admission.tenant_id,
             json.dumps(
-                {"tokens": [token_digest(token)], "ceiling": ceiling, "tenant": who.ref}, sort_keys=True
+                {"tokens": [token_digest(token)], "ceiling": ceiling, "tenant": who.ref},
+                sort_keys=True,
             ),
         )
         if status.get("quota") != ceiling or previous_id != admission.tenant_id:
