@@ -163,6 +163,18 @@ def _every_agent_answers(agents: list[AgentProcess], tenant: str, token: str, co
     assert answers == [code] * len(agents), answers
 
 
+def _admitted(
+    served_api: ServedApi, kubectl: Kubectl, agents: list[AgentProcess], name: str
+) -> dict[str, str]:
+    """Apply a tenant of the team; its Secret once it is accepted and every agent takes its
+    token."""
+    _tenant(kubectl, TEAM, name)
+    eventually(lambda: _accepted(served_api, TEAM, name))
+    secret = _secret(served_api, TEAM, name)
+    eventually(lambda: _every_agent_answers(agents, secret["tenant-id"], secret["token"], 200))
+    return secret
+
+
 def _usage(agent: AgentProcess, tenant: str) -> dict[str, Any]:
     """The tenant's usage as the agent reports it (to its admin)."""
     response = httpx.get(f"{agent.http}/v1/tenants/{tenant}/usage", headers=_bearer(ADMIN_TOKEN))
@@ -406,12 +418,9 @@ def test_a_quota_above_the_pools_maximum_is_refused(
 def test_rotating_the_token_revokes_the_old_one(
     served_api: ServedApi, kubectl: Kubectl, agents: list[AgentProcess]
 ) -> None:
-    _tenant(kubectl, TEAM, "rotor")
-    eventually(lambda: _accepted(served_api, TEAM, "rotor"))
-    before = _secret(served_api, TEAM, "rotor")
+    before = _admitted(served_api, kubectl, agents, "rotor")
     tenant = before["tenant-id"]
     assert _entry(served_api, tenant)["tokens"] == [token_digest(before["token"])]
-    eventually(lambda: _every_agent_answers(agents, tenant, before["token"], 200))
 
     _patch(kubectl, TEAM, "rotor", {"tokenGeneration": 1})
 
@@ -434,11 +443,8 @@ def test_rotating_the_token_revokes_the_old_one(
 def test_the_crs_quota_is_written_when_it_changes_and_http_sets_stand_in_between(
     served_api: ServedApi, kubectl: Kubectl, agents: list[AgentProcess]
 ) -> None:
-    _tenant(kubectl, TEAM, "quota")
-    eventually(lambda: _accepted(served_api, TEAM, "quota"))
-    secret = _secret(served_api, TEAM, "quota")
+    secret = _admitted(served_api, kubectl, agents, "quota")
     tenant = secret["tenant-id"]
-    eventually(lambda: _every_agent_answers(agents, tenant, secret["token"], 200))
     lower = {"l1": GiB, "nvme": 2 * GiB}
     put = httpx.put(
         f"{agents[0].http}/v1/tenants/{tenant}/quota",
@@ -514,12 +520,9 @@ def _secret_or_empty(api: ServedApi, namespace: str, name: str) -> dict[str, Any
 def test_deleting_a_tenant_revokes_its_token_and_frees_its_space(
     served_api: ServedApi, kubectl: Kubectl, agents: list[AgentProcess]
 ) -> None:
-    _tenant(kubectl, TEAM, "leaving")
-    eventually(lambda: _accepted(served_api, TEAM, "leaving"))
-    secret = _secret(served_api, TEAM, "leaving")
+    secret = _admitted(served_api, kubectl, agents, "leaving")
     tenant = secret["tenant-id"]
     assert tenant in _data(served_api, QUOTAS_CM)
-    eventually(lambda: _every_agent_answers(agents, tenant, secret["token"], 200))
     _store(agents, tenant, 3)
     held = [_usage(agent, tenant) for agent in agents]
     assert [(usage["chunks"], usage["nvme_used_bytes"] > 0) for usage in held] == [(3, True)] * 2
