@@ -172,6 +172,9 @@ class QuotaUpdate(BaseModel):
 class Usage(BaseModel):
     tenant: str = Field(description="Tenant id.")
     used_bytes: int = Field(description="Bytes of the tenant's chunks in L1.")
+    nvme_used_bytes: int = Field(
+        description="Bytes of the tenant's files in this node's NVMe tier; 0 without one."
+    )
     chunks: int = Field(description="The tenant's chunks in L1.")
     quota_bytes: int | None = Field(description="The tenant's quota; null = unlimited.")
     hits: int = Field(description="Chunks the tenant found since start.")
@@ -180,10 +183,11 @@ class Usage(BaseModel):
     evicted_chunks: int = Field(description="The tenant's chunks evicted since start.")
 
     @classmethod
-    def of(cls, stats: TenantStats) -> Self:
+    def of(cls, stats: TenantStats, nvme_used_bytes: int) -> Self:
         return cls(
             tenant=stats.tenant,
             used_bytes=stats.used_bytes,
+            nvme_used_bytes=nvme_used_bytes,
             chunks=stats.chunks,
             quota_bytes=stats.quota_bytes,
             hits=stats.hits,
@@ -367,7 +371,11 @@ def _cache_routes(service: CacheService, guards: _Guards) -> APIRouter:
         summary="Every tenant's cache usage and counters since start (admin).",
     )
     def list_tenants(_: Admin) -> TenantUsages:
-        return TenantUsages(tenants=[Usage.of(stats) for stats in service.tenants()])
+        return TenantUsages(
+            tenants=[
+                Usage.of(stats, service.nvme_used(stats.tenant)) for stats in service.tenants()
+            ]
+        )
 
     @router.post(
         "/clear",
@@ -422,7 +430,7 @@ def _tenant_routes(service: CacheService, guards: _Guards) -> APIRouter:
 
     @router.get("/usage", summary="A tenant's cache usage and counters (admin or that tenant).")
     def get_usage(access: Tenant) -> Usage:
-        return Usage.of(service.usage(access.tenant))
+        return Usage.of(service.usage(access.tenant), service.nvme_used(access.tenant))
 
     @router.post(
         "/clear",

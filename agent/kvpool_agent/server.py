@@ -26,6 +26,7 @@ from kvpool_agent.config import AgentConfig
 from kvpool_agent.events import EventPublisher
 from kvpool_agent.http_api import create_app
 from kvpool_agent.http_serving import serve_http
+from kvpool_agent.l2.nvme import NvmeAdapter
 from kvpool_agent.l2.tiers import open_tiers
 from kvpool_agent.metrics import AgentMetrics
 from kvpool_agent.quota_store import FileQuotaStore
@@ -207,7 +208,10 @@ class Agent:
             observe=metrics.observe_l2,
         )
         prefetcher = Prefetcher(service, tiers, observe=metrics.observe_l2)
-        service.attach_lower_tiers(writeback, prefetcher, drop_tenant)
+        nvme = next((tier for tier in tiers if isinstance(tier, NvmeAdapter)), None)
+        service.attach_lower_tiers(
+            writeback, prefetcher, drop_tenant, None if nvme is None else nvme.tenant_used
+        )
         metrics.register_l2(tiers, writeback, prefetcher)
         for controller in (writeback, prefetcher):
             await controller.start()

@@ -80,6 +80,12 @@ class TenantDrop(Protocol):
         ...
 
 
+class TenantBytes(Protocol):
+    def __call__(self, tenant: str) -> int:
+        """Bytes of the tenant's objects in a tier."""
+        ...
+
+
 class PrefetchProgress(Protocol):
     @property
     def done(self) -> bool: ...
@@ -182,6 +188,7 @@ class CacheService:
         self._write_back: WriteBackHook | None = None
         self._prefetch: PrefetchHook | None = None
         self._drop_lower: TenantDrop | None = None
+        self._nvme_used: TenantBytes | None = None
         self.quota_listeners: list[Callable[[str], None]] = []
         """Told (outside the locks) which tenant's quota changed, e.g. to shrink L2 tiers."""
 
@@ -194,10 +201,15 @@ class CacheService:
             self._cache.listener = events
 
     def attach_lower_tiers(
-        self, write_back: WriteBackHook, prefetch: PrefetchHook, drop: TenantDrop
+        self,
+        write_back: WriteBackHook,
+        prefetch: PrefetchHook,
+        drop: TenantDrop,
+        nvme_used: TenantBytes | None = None,
     ) -> None:
         """L2 tiers exist: commits and hits go to ``write_back``, misses to ``prefetch``,
-        :meth:`drop_tenant` to ``drop``.
+        :meth:`drop_tenant` to ``drop``, :meth:`nvme_used` to ``nvme_used`` (None: no
+        NVMe tier).
 
         The cache then also accepts a run whose predecessor it lacks (a prefetch can
         bring the prefix back).
@@ -206,6 +218,7 @@ class CacheService:
             self._write_back = write_back
             self._prefetch = prefetch
             self._drop_lower = drop
+            self._nvme_used = nvme_used
             self._cache.lower_tier = True
 
     # -------------------------------------------------------------- data path
@@ -437,6 +450,10 @@ class CacheService:
     def usage(self, tenant: str) -> TenantStats:
         with self._lock:
             return self._cache.tenant_usage(tenant)
+
+    def nvme_used(self, tenant: str) -> int:
+        """Bytes of the tenant's files in this node's NVMe tier; 0 without one."""
+        return 0 if self._nvme_used is None else self._nvme_used(tenant)
 
     def stats(self) -> L1Stats:
         with self._lock:

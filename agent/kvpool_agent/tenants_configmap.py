@@ -24,11 +24,10 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from kubernetes.client import CoreV1Api
 from kubernetes.config import ConfigException
 
 from kvpool_agent.auth import ADMIN, Grant, Principal, is_tenant_id
-from kvpool_agent.kube_watch import Manifest, connect_config_map, watch_config_map
+from kvpool_agent.kube_watch import ListWatch, Manifest, connect_config_map, watch_config_map
 from kvpool_agent.quotas import TierLimits, as_limits, quota_from_json
 
 log = logging.getLogger(__name__)
@@ -90,34 +89,20 @@ def parse_tenants(data: Mapping[str, str], where: str) -> TenantsSnapshot:
 class TenantsWatch:
     """Follows the tenants ConfigMap and tells its listeners each new snapshot."""
 
-    def __init__(
-        self,
-        api: CoreV1Api,
-        namespace: str,
-        name: str,
-        *,
-        timeout: float = 10.0,
-        retry_seconds: float = 2.0,
-        watch_seconds: int = 300,
-    ) -> None:
+    def __init__(self, namespace: str, name: str, config_map: ListWatch) -> None:
+        """``config_map``: the list+watch of ConfigMap ``namespace/name`` (not started)."""
         self.where = f"ConfigMap {namespace}/{name}"
         self._name = name
         self._listeners: list[SnapshotListener] = []
         self._last: TenantsSnapshot | None = None
-        self._config_map = watch_config_map(
-            api,
-            namespace,
-            name,
-            timeout=timeout,
-            retry_seconds=retry_seconds,
-            watch_seconds=watch_seconds,
-        )
+        self._config_map = config_map
 
     @classmethod
     def connect(cls, reference: str) -> TenantsWatch:
         """ConfigMap ``namespace/name``, through this pod's service account or the kubeconfig."""
         try:
-            return cls(*connect_config_map(reference))
+            api, namespace, name = connect_config_map(reference)
+            return cls(namespace, name, watch_config_map(api, namespace, name))
         except ConfigException as error:
             raise TenantsWatchError(
                 f"no access to the Kubernetes API for ConfigMap {reference}: {error}"

@@ -1,5 +1,8 @@
 """The operator's calls to a pool's agents over their HTTP API, with its admin token.
 
+Answers are parsed with the agent's own response models (``kvpool_agent.http_api``), so
+the field names the operator reads are the ones the agents send.
+
 The agents are the pods the pool's DaemonSet selects that have an address; each is called
 at ``http://<pod IP>:<spec.ports.http>``, all at once, each call bounded by a timeout, so
 that an unreachable node costs seconds, never the operator's loop. An agent that fails is
@@ -11,11 +14,12 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import urllib3
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ValidationError
 
+from kvpool_agent.http_api import Cleared, Usage
 from kvpool_operator.apply import PODS, Cluster
 from kvpool_operator.render import Pool
 from kvpool_operator.tokens import OperatorToken
@@ -26,31 +30,11 @@ READ_SECONDS = 10.0
 MAX_PARALLEL = 16
 
 T = TypeVar("T")
+Answer = TypeVar("Answer", bound=BaseModel)
 
 
 class AgentError(RuntimeError):
     """An agent could not be reached or refused the call."""
-
-
-class _Answer(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class Usage(_Answer):
-    """A tenant's usage on one agent (``GET /v1/tenants/{id}/usage``)."""
-
-    used_bytes: int
-    nvme_used_bytes: int = 0
-    """Reported by agents with an NVMe tier; absent: none."""
-    hits: int
-    misses: int
-
-
-class Cleared(_Answer):
-    """What one agent dropped (``POST /v1/tenants/{id}/clear?tiers=all``)."""
-
-    dropped_chunks: int
-    l2_dropped: int = 0
 
 
 @dataclass(frozen=True)
@@ -87,10 +71,10 @@ class Agents:
         return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips if ip]
 
     def _sweep(
-        self, pool: Pool, port: int, method: str, path: str, answer: type[_Answer]
-    ) -> Sweep[Any]:
+        self, pool: Pool, port: int, method: str, path: str, answer: type[Answer]
+    ) -> Sweep[Answer]:
         addresses = self.addresses(pool, port)
-        sweep: Sweep[Any] = Sweep()
+        sweep: Sweep[Answer] = Sweep()
         if not addresses:
             return sweep
         with ThreadPoolExecutor(min(MAX_PARALLEL, len(addresses))) as threads:
@@ -105,7 +89,7 @@ class Agents:
                 sweep.failed.append(f"{address}: {error}")
         return sweep
 
-    def _call(self, method: str, address: str, path: str, answer: type[_Answer]) -> _Answer:
+    def _call(self, method: str, address: str, path: str, answer: type[Answer]) -> Answer:
         headers = {"Authorization": f"Bearer {self._token.value}", "Accept": "application/json"}
         try:
             response = self._http.request(method, f"http://{address}{path}", headers=headers)

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from kvpool_agent.auth import token_digest
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.names import MANAGED_BY_LABEL, OPERATOR
 from kvpool_operator.agents import Agents
@@ -57,7 +58,7 @@ from kvpool_operator.spec import (
     TenantSpec,
 )
 from kvpool_operator.status import Assessment, condition
-from kvpool_operator.tokens import OperatorToken, digest, mint
+from kvpool_operator.tokens import OperatorToken, mint
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +191,8 @@ class TenantReconciler:
             admission.pool,
             admission.tenant_id,
             json.dumps(
-                {"tokens": [digest(token)], "ceiling": ceiling, "tenant": who.ref}, sort_keys=True
+                {"tokens": [token_digest(token)], "ceiling": ceiling, "tenant": who.ref},
+                sort_keys=True,
             ),
         )
         if status.get("quota") != ceiling or previous_id != admission.tenant_id:
@@ -400,7 +402,7 @@ class TenantReconciler:
         with self._lock:
             self._set_key(pool.quotas_name, pool, tenant_id_, None)
         chunks = sum(answer.dropped_chunks for answer in sweep.answers)
-        objects = sum(answer.l2_dropped for answer in sweep.answers)
+        objects = sum(answer.l2_dropped_objects or 0 for answer in sweep.answers)
         self._events.revoked(
             tenant,
             f"freed the tenant's space: {chunks} chunks dropped from L1 and {objects} objects "

@@ -1,15 +1,16 @@
 """Bearer tokens the operator mints: the tenants' (into their Secrets) and its own.
 
-Agents learn only a token's digest (SHA-256 of its UTF-8 bytes, hex), through the pool's
-tenants ConfigMap. The operator's own admin token is generated at its start and kept in
+Agents learn only a token's digest (:func:`kvpool_agent.auth.token_digest`), through the
+pool's tenants ConfigMap. The operator's own admin token is generated at its start and kept in
 memory only: it reads the tenants' usage and clears a deleted tenant's chunks with it, and
 a restarted operator publishes a new one (the old one stops working).
 """
 
 from __future__ import annotations
 
-import hashlib
 import secrets
+
+from kvpool_agent.auth import token_digest
 
 
 def mint() -> str:
@@ -17,17 +18,12 @@ def mint() -> str:
     return secrets.token_urlsafe(32)
 
 
-def digest(token: str) -> str:
-    """What the agents know of a token: the hex SHA-256 of its UTF-8 bytes."""
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
 class OperatorToken:
     """The operator's admin token; its repr shows no secret (it may end up in a log)."""
 
     def __init__(self) -> None:
         self.value = mint()
-        self.digest = digest(self.value)
+        self.digest = token_digest(self.value)
 
     def __repr__(self) -> str:
         return f"OperatorToken(digest={self.digest[:8]}...)"

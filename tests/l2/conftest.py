@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import random
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -23,6 +23,7 @@ from kvpool_agent.l2 import ObjectKey
 from kvpool_agent.l2.buffers import BufferPool
 from kvpool_agent.l2.codec import ObjectCodec
 from kvpool_agent.l2.keyring import Keyring, generate_key
+from kvpool_agent.testing.agent_process import AgentProcess
 from kvpool_agent.testing.s3_server import moto_server
 
 from .faults import FaultProxy
@@ -109,3 +110,20 @@ def proxy(s3_endpoint: str) -> Iterator[FaultProxy]:
     proxy.start()
     yield proxy
     proxy.stop()
+
+
+@pytest.fixture
+def agents(tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
+    """Start real agents, each in its own directory ``name`` (4 MiB of L1 unless set)."""
+    started: list[AgentProcess] = []
+
+    def start(name: str, **settings: str) -> AgentProcess:
+        workdir = tmp_path / name
+        workdir.mkdir(exist_ok=True)
+        agent = AgentProcess(workdir, {"L1_SIZE": "4MiB", **settings})
+        started.append(agent)
+        return agent.start()
+
+    yield start
+    for agent in started:
+        agent.cleanup()

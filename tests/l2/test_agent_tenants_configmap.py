@@ -73,28 +73,15 @@ def _grant(kubectl: Kubectl, ceiling: dict[str, int | None]) -> None:
     )
 
 
-@pytest.fixture
-def agent(tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
-    started: list[AgentProcess] = []
-
-    def start(**settings: str) -> AgentProcess:
-        agent = AgentProcess(
-            tmp_path / "agent",
-            {"L1_SIZE": "4MiB", "TENANTS_CONFIGMAP": f"{NAMESPACE}/{NAME}", **settings},
-        )
-        agent.workdir.mkdir()
-        started.append(agent)
-        return agent.start()
-
-    yield start
-    for process in started:
-        process.cleanup()
+def _watching(agents: Callable[..., AgentProcess], **settings: str) -> AgentProcess:
+    """An agent watching the tenants ConfigMap."""
+    return agents("agent", TENANTS_CONFIGMAP=f"{NAMESPACE}/{NAME}", **settings)
 
 
 def test_tokens_and_ceilings_follow_the_configmap(
-    tenants: Kubectl, agent: Callable[..., AgentProcess]
+    tenants: Kubectl, agents: Callable[..., AgentProcess]
 ) -> None:
-    http = agent().http
+    http = _watching(agents).http
     quota = f"{http}/v1/tenants/{ALICE}/quota"
     assert httpx.get(quota, headers=_auth(ALICE_TOKEN)).status_code == 401
 
@@ -134,9 +121,9 @@ def test_tokens_and_ceilings_follow_the_configmap(
 
 
 def test_a_malformed_entry_is_skipped_and_never_logged(
-    tenants: Kubectl, agent: Callable[..., AgentProcess]
+    tenants: Kubectl, agents: Callable[..., AgentProcess]
 ) -> None:
-    process = agent()
+    process = _watching(agents)
     digest = token_digest(ALICE_TOKEN)
     _patch(tenants, {BOB: {"tokens": [digest], "ceiling": "lots"}})
     _grant(tenants, {"l1": None, "nvme": None})
@@ -149,14 +136,15 @@ def test_a_malformed_entry_is_skipped_and_never_logged(
 
 def test_tiers_all_drops_the_tenant_from_nvme_and_s3(
     tenants: Kubectl,
-    agent: Callable[..., AgentProcess],
+    agents: Callable[..., AgentProcess],
     tmp_path: Path,
     s3_endpoint: str,
     bucket: str,
 ) -> None:
     _grant(tenants, {"l1": None, "nvme": None})
     nvme = tmp_path / "nvme"
-    process = agent(
+    process = _watching(
+        agents,
         NVME__PATH=str(nvme),
         NVME__CAPACITY="64MiB",
         S3__BUCKET=bucket,
@@ -174,9 +162,13 @@ def test_tiers_all_drops_the_tenant_from_nvme_and_s3(
     clear = f"{process.http}/v1/tenants/{ALICE}/clear"
     quota = f"{process.http}/v1/tenants/{ALICE}/quota"
     eventually(lambda: _status(httpx.get(quota, headers=_auth(OPERATOR_TOKEN)), 200), timeout=10)
+    usage = f"{process.http}/v1/tenants/{ALICE}/usage"
+    on_disk = sum(path.stat().st_size for path in _files(nvme, ALICE))
+    assert httpx.get(usage, headers=_auth(ALICE_TOKEN)).json()["nvme_used_bytes"] == on_disk
     dropped = httpx.post(clear, params={"tiers": "all"}, headers=_auth(OPERATOR_TOKEN))
     assert dropped.status_code == 200, dropped.text
     assert dropped.json() == {"dropped_chunks": 6, "l2_dropped_objects": 12}  # 6 NVMe + 6 S3
+    assert httpx.get(usage, headers=_auth(ALICE_TOKEN)).json()["nvme_used_bytes"] == 0
     assert _files(nvme, ALICE) == [] and _objects(s3_endpoint, bucket, ALICE) == []
     assert len(_files(nvme, BOB)) == 6 and len(_objects(s3_endpoint, bucket, BOB)) == 6
     again = httpx.post(clear, params={"tiers": "all"}, headers=_auth(ALICE_TOKEN))

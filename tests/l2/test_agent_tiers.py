@@ -5,12 +5,11 @@ from __future__ import annotations
 import random
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import boto3
 import httpx
-import pytest
 
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
@@ -64,22 +63,6 @@ def load(client: AgentClient, names: list[int]) -> list[bytes]:
         progress = client.prefetch_status(prefetch, wait_ms=4000)
         assert progress.done, progress
     return client.retrieve(TENANT, keys)
-
-
-@pytest.fixture
-def agents(tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
-    started: list[AgentProcess] = []
-
-    def start(name: str, **settings: str) -> AgentProcess:
-        workdir = tmp_path / name
-        workdir.mkdir(exist_ok=True)
-        agent = AgentProcess(workdir, {"L1_SIZE": "4MiB", **settings})
-        started.append(agent)
-        return agent.start()
-
-    yield start
-    for agent in started:
-        agent.cleanup()
 
 
 def test_chunks_pushed_out_of_l1_come_back_from_nvme(

@@ -2,26 +2,33 @@
 subprocess) against the emulated API server, driven with kubectl as a team would.
 
 One pool, ``inference/shared``, admits the namespaces labelled ``kvpool.io/team-access:
-shared`` with at most 16Gi of L1 per tenant; its one agent is an :class:`AgentStandIn`
-whose address is in an agent pod's ``status.podIP``.
+shared`` with at most 16Gi of L1 per tenant. Its agents are two real ``kvpool-agent``
+processes (on 127.0.0.1 and 127.0.0.2, each with an NVMe tier, at the pool's http port),
+watching the pool's tenants and quota ConfigMaps on the same API server; two agent pods
+carry their addresses in ``status.podIP``, which is how the operator finds them.
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
+import statistics
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
+from kvpool_agent.auth import token_digest
+from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from kvpool_operator.render import Pool
+from tests.agent.conftest import key
+from tests.l2.test_agent_tiers import data, metric
 
-from .agent_stand_in import CLEARED, USAGE, AgentStandIn
-from .conftest import REPO, Kubectl, OperatorProcess, eventually
+from .conftest import REPO, Kubectl, OperatorProcess, eventually, free_port
 from .kube_api import ServedApi
 
 POOL_NAMESPACE = "inference"
@@ -31,6 +38,7 @@ ACCESS = {"kvpool.io/team-access": "shared"}
 TENANTS_CM = "kvpool-shared-tenants"
 QUOTAS_CM = "kvpool-shared-quotas"
 GiB = 1 << 30
+AGENT_ADDRESSES = ("127.0.0.1", "127.0.0.2")
 
 
 def _apply(kubectl: Kubectl, manifest: dict[str, Any]) -> None:
@@ -57,56 +65,136 @@ def _pool(name: str, http_port: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def agent(served_api: ServedApi) -> Iterator[AgentStandIn]:
-    def operator_digest() -> str | None:
-        config_map = served_api.objects("configmaps", POOL_NAMESPACE).get(TENANTS_CM) or {}
-        entry = (config_map.get("data") or {}).get("operator")
-        return None if entry is None else str(json.loads(entry)["tokens"][0])
-
-    stand_in = AgentStandIn(operator_digest).start()
-    yield stand_in
-    stand_in.stop()
+def http_port() -> int:
+    """The pool's http port, where the operator calls every agent."""
+    return free_port()
 
 
 @pytest.fixture(scope="module")
 def operator(
     served_api: ServedApi,
     kubectl: Kubectl,
-    agent: AgentStandIn,
+    http_port: int,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[OperatorProcess]:
     kubectl("apply", "--validate=false", "-f", str(REPO / "crds"))
     _apply(kubectl, _namespace(POOL_NAMESPACE, {}))
     _apply(kubectl, _namespace(TEAM, ACCESS))
     _apply(kubectl, _namespace(OUTSIDER, {}))
-    _apply(kubectl, _pool("shared", agent.port))
+    _apply(kubectl, _pool("shared", http_port))
+    for number, address in enumerate(AGENT_ADDRESSES, 1):
+        _agent_pod(kubectl, f"kvpool-shared-agent-x{number}", address)
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    options = ("--usage-seconds", "1", "--clear-retries", "1")
+    process = OperatorProcess(served_api.kubeconfig(), None, log, options).start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def agents(
+    served_api: ServedApi,
+    operator: OperatorProcess,
+    http_port: int,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[list[AgentProcess]]:
+    """The pool's agents, started once the operator has made the pool's ConfigMaps."""
+    eventually(lambda: _data(served_api, TENANTS_CM))
+    started: list[AgentProcess] = []
+    try:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("KUBECONFIG", str(served_api.kubeconfig()))
+            for address in AGENT_ADDRESSES:
+                workdir = tmp_path_factory.mktemp("agent")
+                settings = {
+                    "HOST": address,
+                    "HTTP_PORT": str(http_port),
+                    "L1_SIZE": "16MiB",
+                    "TENANTS_CONFIGMAP": f"{POOL_NAMESPACE}/{TENANTS_CM}",
+                    "QUOTA_CONFIGMAP": f"{POOL_NAMESPACE}/{QUOTAS_CM}",
+                    "NVME__PATH": str(workdir / "nvme"),
+                    "NVME__CAPACITY": "64MiB",
+                }
+                started.append(AgentProcess(workdir, settings))
+                started[-1].start()
+        yield started
+    finally:
+        for process in started:
+            process.cleanup()
+
+
+def _agent_pod(kubectl: Kubectl, name: str, address: str) -> None:
+    """An agent pod of the pool "shared", with ``address`` as its IP."""
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
-            "name": "kvpool-shared-agent-x1",
+            "name": name,
             "namespace": POOL_NAMESPACE,
             "labels": Pool("shared", POOL_NAMESPACE, "").labels(),
         },
         "spec": {"containers": [{"name": "agent", "image": "kvpool:test"}]},
     }
     _apply(kubectl, pod)
+    status = {"status": {"podIP": address, "phase": "Running"}}
     kubectl(
         "patch",
         "pod",
-        "kvpool-shared-agent-x1",
+        name,
         "-n",
         POOL_NAMESPACE,
         "--subresource=status",
         "--type=merge",
         "-p",
-        json.dumps({"status": {"podIP": "127.0.0.1", "phase": "Running"}}),
+        json.dumps(status),
     )
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
-    options = ("--usage-seconds", "1", "--clear-retries", "1")
-    process = OperatorProcess(served_api.kubeconfig(), None, log, options).start()
-    yield process
-    process.stop()
+
+
+def _bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def _every_agent_answers(agents: list[AgentProcess], tenant: str, token: str, code: int) -> None:
+    """Every agent answers ``code`` to ``token`` asking for the tenant's quota."""
+    answers = [
+        httpx.get(f"{agent.http}/v1/tenants/{tenant}/quota", headers=_bearer(token)).status_code
+        for agent in agents
+    ]
+    assert answers == [code] * len(agents), answers
+
+
+def _admitted(
+    served_api: ServedApi, kubectl: Kubectl, agents: list[AgentProcess], name: str
+) -> dict[str, str]:
+    """Apply a tenant of the team; its Secret once it is accepted and every agent takes its
+    token."""
+    _tenant(kubectl, TEAM, name)
+    eventually(lambda: _accepted(served_api, TEAM, name))
+    secret = _secret(served_api, TEAM, name)
+    eventually(lambda: _every_agent_answers(agents, secret["tenant-id"], secret["token"], 200))
+    return secret
+
+
+def _usage(agent: AgentProcess, tenant: str) -> dict[str, Any]:
+    """The tenant's usage as the agent reports it (to its admin)."""
+    response = httpx.get(f"{agent.http}/v1/tenants/{tenant}/usage", headers=_bearer(ADMIN_TOKEN))
+    assert response.status_code == 200, response.text
+    usage: dict[str, Any] = response.json()
+    return usage
+
+
+def _store(agents: list[AgentProcess], tenant: str, chunks: int) -> None:
+    """``chunks`` chunks of the tenant on every agent, through ZMQ, written back to NVMe."""
+    for number, agent in enumerate(agents):
+        names = [f"{tenant}-{number}-{n}" for n in range(chunks)]
+        with AgentClient(agent.zmq) as client:
+            stored = client.store(tenant, [key(n) for n in names], [data(n) for n in names])
+            assert stored == chunks
+    eventually(lambda: _written_back(agents))
+
+
+def _written_back(agents: list[AgentProcess]) -> None:
+    assert [metric(agent, "kvpool_writeback_pending") for agent in agents] == [0] * len(agents)
 
 
 def _tenant(
@@ -136,6 +224,10 @@ def _status(api: ServedApi, namespace: str, name: str) -> dict[str, Any]:
     assert tenant is not None, f"no tenant {namespace}/{name}"
     status: dict[str, Any] = tenant.get("status") or {}
     return status
+
+
+def _token_generation(api: ServedApi, namespace: str, name: str, generation: int) -> None:
+    assert _status(api, namespace, name).get("tokenGeneration") == generation
 
 
 def _condition(api: ServedApi, namespace: str, name: str, kind: str) -> tuple[str, str, str]:
@@ -183,10 +275,6 @@ def _event(api: ServedApi, namespace: str, name: str, kind: str, reason: str) ->
     return eventually(posted)
 
 
-def _digest(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
 def _pool_ready(kubectl: Kubectl, api: ServedApi, pool: str) -> None:
     """Report the pool's DaemonSet ready, as its controller would."""
 
@@ -212,7 +300,10 @@ def _pool_ready(kubectl: Kubectl, api: ServedApi, pool: str) -> None:
 
 
 def test_a_tenant_in_an_allowed_namespace_gets_its_token_quota_and_usage(
-    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess, agent: AgentStandIn
+    served_api: ServedApi,
+    kubectl: Kubectl,
+    http_port: int,
+    agents: list[AgentProcess],
 ) -> None:
     started = time.monotonic()
     _tenant(kubectl, TEAM, "alpha")
@@ -223,9 +314,9 @@ def test_a_tenant_in_an_allowed_namespace_gets_its_token_quota_and_usage(
     published = time.monotonic() - started
     assert secret["tenant-id"] == tenant
     assert (secret["pool"], secret["namespace"]) == ("shared", POOL_NAMESPACE)
-    assert secret["endpoint"] == f"http://kvpool-shared.{POOL_NAMESPACE}.svc:{agent.port}"
+    assert secret["endpoint"] == f"http://kvpool-shared.{POOL_NAMESPACE}.svc:{http_port}"
     assert entry == {
-        "tokens": [_digest(secret["token"])],
+        "tokens": [token_digest(secret["token"])],
         "ceiling": {"l1": 8 * GiB, "nvme": 8 * GiB},
         "tenant": f"{TEAM}/alpha",
     }
@@ -248,19 +339,33 @@ def test_a_tenant_in_an_allowed_namespace_gets_its_token_quota_and_usage(
 
     eventually(ready_now)
 
-    def usage() -> dict[str, Any]:
-        found: dict[str, Any] = _status(served_api, TEAM, "alpha").get("usage") or {}
-        assert found.get("agents") == 1, found
-        return found
+    # every agent takes the team's token, within the CR's quota (its ceiling)
+    eventually(lambda: _every_agent_answers(agents, tenant, secret["token"], 200))
+    for agent in agents:
+        mine = httpx.get(
+            f"{agent.http}/v1/tenants/{tenant}/quota", headers=_bearer(secret["token"])
+        )
+        assert mine.json()["limit_bytes"] == 8 * GiB
 
-    read = eventually(usage)
-    assert (read["l1Bytes"], read["nvmeBytes"], read["hits"], read["misses"]) == (
-        USAGE["used_bytes"],
-        USAGE["nvme_used_bytes"],
-        USAGE["hits"],
-        USAGE["misses"],
-    )
-    assert ("GET", f"/v1/tenants/{tenant}/usage") in agent.calls
+    _store(agents, tenant, 3)
+    with AgentClient(agents[0].zmq) as client:  # hits and a miss, on one agent only
+        client.lookup(tenant, [key(f"{tenant}-0-{n}") for n in range(3)] + [key("absent")])
+    on_agents = [_usage(agent, tenant) for agent in agents]
+    assert all(usage["nvme_used_bytes"] > 0 for usage in on_agents), on_agents
+    summed = {
+        "l1Bytes": sum(usage["used_bytes"] for usage in on_agents),
+        "nvmeBytes": sum(usage["nvme_used_bytes"] for usage in on_agents),
+        "hits": sum(usage["hits"] for usage in on_agents),
+        "misses": sum(usage["misses"] for usage in on_agents),
+        "agents": 2,
+    }
+    assert summed["hits"] >= 3 and summed["misses"] >= 1
+
+    def usage() -> None:
+        found = _status(served_api, TEAM, "alpha").get("usage") or {}
+        assert {field: found.get(field) for field in summed} == summed, found
+
+    eventually(usage)
     print(f"apply to the token's digest in the tenants ConfigMap: {published:.2f} s")
 
 
@@ -311,44 +416,48 @@ def test_a_quota_above_the_pools_maximum_is_refused(
 
 
 def test_rotating_the_token_revokes_the_old_one(
-    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
+    served_api: ServedApi, kubectl: Kubectl, agents: list[AgentProcess]
 ) -> None:
-    _tenant(kubectl, TEAM, "rotor")
-    eventually(lambda: _accepted(served_api, TEAM, "rotor"))
-    before = _secret(served_api, TEAM, "rotor")
+    before = _admitted(served_api, kubectl, agents, "rotor")
     tenant = before["tenant-id"]
-    assert _entry(served_api, tenant)["tokens"] == [_digest(before["token"])]
+    assert _entry(served_api, tenant)["tokens"] == [token_digest(before["token"])]
 
     _patch(kubectl, TEAM, "rotor", {"tokenGeneration": 1})
 
     def rotated() -> dict[str, str]:
         after = _secret(served_api, TEAM, "rotor")
         assert after["token"] != before["token"]
-        assert _entry(served_api, tenant)["tokens"] == [_digest(after["token"])]
+        assert _entry(served_api, tenant)["tokens"] == [token_digest(after["token"])]
         assert _status(served_api, TEAM, "rotor")["tokenGeneration"] == 1
         return after
 
     after = eventually(rotated)
     assert (after["salt"], after["tenant-id"]) == (before["salt"], tenant)  # same cache
     assert "generation 1" in _event(served_api, TEAM, "rotor", "Normal", "TokenRotated")
+    eventually(lambda: _every_agent_answers(agents, tenant, before["token"], 401))
+    _every_agent_answers(agents, tenant, after["token"], 200)
     time.sleep(1.5)  # re-checks mint nothing more
     assert _secret(served_api, TEAM, "rotor")["token"] == after["token"]
 
 
 def test_the_crs_quota_is_written_when_it_changes_and_http_sets_stand_in_between(
-    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
+    served_api: ServedApi, kubectl: Kubectl, agents: list[AgentProcess]
 ) -> None:
-    _tenant(kubectl, TEAM, "quota")
-    eventually(lambda: _accepted(served_api, TEAM, "quota"))
-    tenant = _secret(served_api, TEAM, "quota")["tenant-id"]
-    lower = json.dumps({"l1": GiB, "nvme": GiB})  # what an agent writes on an HTTP PUT
-    patch = json.dumps({"data": {tenant: lower}})
-    kubectl("patch", "configmap", QUOTAS_CM, "-n", POOL_NAMESPACE, "--type=merge", "-p", patch)
+    secret = _admitted(served_api, kubectl, agents, "quota")
+    tenant = secret["tenant-id"]
+    lower = {"l1": GiB, "nvme": 2 * GiB}
+    put = httpx.put(
+        f"{agents[0].http}/v1/tenants/{tenant}/quota",
+        json={"limit_bytes": lower["l1"], "nvme_limit_bytes": lower["nvme"]},
+        headers=_bearer(secret["token"]),
+    )
+    assert put.status_code == 200, put.text
+    assert json.loads(_data(served_api, QUOTAS_CM)[tenant]) == lower
 
     _patch(kubectl, TEAM, "quota", {"tokenGeneration": 1})  # not a quota change
-    eventually(lambda: _status(served_api, TEAM, "quota")["tokenGeneration"] == 1 or None)
+    eventually(lambda: _token_generation(served_api, TEAM, "quota", 1))
     time.sleep(1.5)
-    assert _data(served_api, QUOTAS_CM)[tenant] == lower
+    assert json.loads(_data(served_api, QUOTAS_CM)[tenant]) == lower
 
     _patch(kubectl, TEAM, "quota", {"quota": {"l1": "4Gi"}})
 
@@ -357,6 +466,14 @@ def test_the_crs_quota_is_written_when_it_changes_and_http_sets_stand_in_between
         assert _entry(served_api, tenant)["ceiling"] == {"l1": 4 * GiB, "nvme": 4 * GiB}
 
     eventually(written)
+
+    def applied_by_every_agent() -> None:
+        for agent in agents:
+            quota = f"{agent.http}/v1/tenants/{tenant}/quota"
+            found = httpx.get(quota, headers=_bearer(ADMIN_TOKEN)).json()
+            assert (found["limit_bytes"], found["nvme_limit_bytes"]) == (4 * GiB, 4 * GiB)
+
+    eventually(applied_by_every_agent)
 
 
 def test_a_teams_own_salt_and_a_salt_in_use(
@@ -401,43 +518,90 @@ def _secret_or_empty(api: ServedApi, namespace: str, name: str) -> dict[str, Any
 
 
 def test_deleting_a_tenant_revokes_its_token_and_frees_its_space(
-    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess, agent: AgentStandIn
+    served_api: ServedApi, kubectl: Kubectl, agents: list[AgentProcess]
 ) -> None:
-    _tenant(kubectl, TEAM, "leaving")
-    eventually(lambda: _accepted(served_api, TEAM, "leaving"))
-    tenant = _secret(served_api, TEAM, "leaving")["tenant-id"]
+    secret = _admitted(served_api, kubectl, agents, "leaving")
+    tenant = secret["tenant-id"]
     assert tenant in _data(served_api, QUOTAS_CM)
+    _store(agents, tenant, 3)
+    held = [_usage(agent, tenant) for agent in agents]
+    assert [(usage["chunks"], usage["nvme_used_bytes"] > 0) for usage in held] == [(3, True)] * 2
 
     started = time.monotonic()
     kubectl("delete", "kvt", "leaving", "-n", TEAM, "--wait=false")
-
-    def revoked() -> None:
-        assert tenant not in _data(served_api, TENANTS_CM)
-
-    eventually(revoked, timeout=15)
+    eventually(lambda: _every_agent_answers(agents, tenant, secret["token"], 401))
     revocation = time.monotonic() - started
 
     def gone() -> None:
         assert "leaving" not in served_api.objects("kvcachetenants", TEAM)  # finalizer released
+        assert tenant not in _data(served_api, TENANTS_CM)
         assert tenant not in _data(served_api, QUOTAS_CM)
         assert "leaving-kvpool" not in served_api.objects("secrets", TEAM)  # owned: collected
 
     eventually(gone)
     freed = time.monotonic() - started
-    assert ("POST", f"/v1/tenants/{tenant}/clear?tiers=all") in agent.calls
+    for agent in agents:
+        usage = _usage(agent, tenant)
+        assert (usage["chunks"], usage["used_bytes"], usage["nvme_used_bytes"]) == (0, 0, 0)
     messages = [
         e["message"] for e in served_api.events(TEAM, "leaving") if e["reason"] == "Revoked"
     ]
     assert any("revoked the token on every agent of inference/shared" in m for m in messages)
-    freed_message = f"{CLEARED['dropped_chunks']} chunks dropped from L1 and "
+    freed_message = "6 chunks dropped from L1 and 6 objects from L2 by 2 agents"
     assert any(freed_message in m for m in messages), messages
-    print(f"delete to revocation: {revocation:.2f} s; to the tenant gone: {freed:.2f} s")
+    print(f"delete to 401 on both agents: {revocation:.2f} s; to the tenant gone: {freed:.2f} s")
+
+
+def test_apply_to_a_working_token_and_delete_to_401(
+    served_api: ServedApi, kubectl: Kubectl, agents: list[AgentProcess]
+) -> None:
+    """The issue's two figures, five times each, on real agents: from ``kubectl apply`` to the
+    generated token working on every agent, and from ``kubectl delete`` to every agent
+    answering it 401."""
+    to_working, to_revoked = zip(
+        *(_apply_and_delete(served_api, kubectl, agents, f"timed-{n}") for n in range(5)),
+        strict=True,
+    )
+    for what, seconds in (("apply to a working token", to_working), ("delete to 401", to_revoked)):
+        print(
+            f"{what}: median {statistics.median(seconds):.2f} s, "
+            f"range {min(seconds):.2f}-{max(seconds):.2f} s over {len(seconds)} runs"
+        )
+
+
+def _apply_and_delete(
+    served_api: ServedApi, kubectl: Kubectl, agents: list[AgentProcess], name: str
+) -> tuple[float, float]:
+    """Seconds from apply to the token working on every agent, from delete to 401 on every
+    agent; returns once the tenant is gone."""
+    started = time.monotonic()
+    _tenant(kubectl, TEAM, name)
+
+    def working() -> dict[str, str]:
+        encoded = _secret_or_empty(served_api, TEAM, name)
+        assert "token" in encoded and "tenant-id" in encoded
+        secret = {key: base64.b64decode(value).decode() for key, value in encoded.items()}
+        _every_agent_answers(agents, secret["tenant-id"], secret["token"], 200)
+        return secret
+
+    secret = eventually(working)
+    to_working = time.monotonic() - started
+    started = time.monotonic()
+    kubectl("delete", "kvt", name, "-n", TEAM, "--wait=false")
+    eventually(lambda: _every_agent_answers(agents, secret["tenant-id"], secret["token"], 401))
+    to_revoked = time.monotonic() - started
+    eventually(lambda: _tenant_gone(served_api, name))
+    return to_working, to_revoked
+
+
+def _tenant_gone(api: ServedApi, name: str) -> None:
+    assert name not in api.objects("kvcachetenants", TEAM)
 
 
 def test_deleting_the_pool_marks_its_tenants_pool_not_found(
-    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess, agent: AgentStandIn
+    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess, http_port: int
 ) -> None:
-    _apply(kubectl, _pool("doomed", agent.port))
+    _apply(kubectl, _pool("doomed", http_port))
     _tenant(kubectl, TEAM, "orphan", pool="doomed")
     eventually(lambda: _accepted(served_api, TEAM, "orphan"))
 
