@@ -35,6 +35,7 @@ import boto3
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
+from botocore.response import StreamingBody
 
 from kvpool_agent.config import S3TierConfig
 from kvpool_agent.l2 import buffers, layout
@@ -285,9 +286,11 @@ class S3Adapter:
                 raise IntegrityError("empty object") from error
             raise
         total = _object_size(first)
-        if total <= self._threshold:  # the whole object: its payload straight into bytes
+        if total <= self._threshold:  # the whole object: its body straight into the result
             header = first["Body"].read(HEADER.size)
-            return self.codec.open(name, header, first["Body"].read())
+            body = buffers.fresh(max(0, total - HEADER.size))
+            filled = _read_into(first["Body"], body)
+            return self.codec.open(name, header, body[:filled], in_place=True)
         head = first["Body"].read()
         blob = buffers.fresh(total)
         blob[: len(head)] = head
@@ -337,6 +340,18 @@ class S3Adapter:
                 {"Error": {"Code": first.get("Code", ""), "Message": first.get("Message", "")}},
                 f"DeleteObjects ({len(errors)} of {len(keys)} keys failed)",
             )
+
+
+def _read_into(stream: StreamingBody, view: memoryview) -> int:
+    """Fill ``view`` from ``stream`` (the kernel writes the socket's bytes into it); how many
+    bytes there were."""
+    done = 0
+    while done < len(view):
+        got = stream.readinto(view[done:])  # type: ignore[arg-type]  # the stub says IO; a buffer it is
+        if not got:
+            break
+        done += got
+    return done
 
 
 def _object_size(response: GetObjectOutputTypeDef) -> int:
