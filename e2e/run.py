@@ -51,10 +51,16 @@ def summary(evidence: Evidence) -> None:
         f"{evidence.route_other_salt['node']} ({evidence.route_other_salt['reason']}); "
         f"tenant token on the index: HTTP {evidence.tenant_on_index_status}, gateway token on "
         f"an agent: HTTP {evidence.gateway_on_agent_status}",
+        f"team-a: Secret {evidence.secret_keys}, tenant Ready={evidence.tenant_ready['status']}; "
+        f"team-c: {evidence.refused['reason']}; salt outside Secrets: "
+        f"{evidence.salt_outside_secrets or 'nowhere'}",
         f"tenant {evidence.tenant}: {evidence.usage_before['used_bytes']} bytes; quota set to "
         f"{evidence.quota_set['limit_bytes']} -> {evidence.usage_after['used_bytes']} bytes "
         f"({evidence.usage_after['evicted_chunks']} chunks evicted); node-b's agent: "
         f"{evidence.quota_on_b}; another tenant's route: HTTP {evidence.other_tenant_status}",
+        f"above the ceiling: HTTP {evidence.above_ceiling_status}; team-b's token on team-a: "
+        f"HTTP {evidence.other_team_status}; after deleting team-a's tenant: "
+        f"{evidence.revoked_statuses}, {evidence.usage_after_tenant_delete['chunks']} chunks",
         f"after deleting the pool: {evidence.children_after_delete}; agents exited "
         f"{evidence.agent_exit_codes}, the index {evidence.index_exit_code}",
         f"steps (seconds from the start): {evidence.seconds}",

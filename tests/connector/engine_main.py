@@ -83,8 +83,8 @@ def generate(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
     prompts = []
     for ids, salt in zip(request["prompts"], salts, strict=True):
         prompt = TokensPrompt(prompt_token_ids=ids)
-        if salt is not None:
-            prompt["cache_salt"] = salt
+        if salt is not None:  # "$NAME": the pod's variable NAME, as a team's gateway stamps it
+            prompt["cache_salt"] = os.environ[salt[1:]] if salt.startswith("$") else salt
         prompts.append(prompt)
     params = SamplingParams(
         max_tokens=request.get("max_tokens", 8),
