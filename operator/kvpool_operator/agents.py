@@ -21,8 +21,8 @@ from pydantic import BaseModel, ValidationError
 
 from kvpool_agent.http_api import Cleared, Usage
 from kvpool_operator.apply import PODS, Cluster
+from kvpool_operator.bearer import OperatorToken
 from kvpool_operator.render import Pool
-from kvpool_operator.tokens import OperatorToken
 
 CONNECT_SECONDS = 2.0
 READ_SECONDS = 10.0

@@ -12,7 +12,7 @@
   ``kvpool.io/finalizer``, holds it until the token is revoked and its chunks cleared,
   retried ``--clear-retries`` times while agents fail).
 
-The operator's own admin token (:class:`~kvpool_operator.tokens.OperatorToken`) is made at
+The operator's own admin token (:class:`~kvpool_operator.bearer.OperatorToken`) is made at
 start, kept in the memo only, and its digest published in every pool's tenants ConfigMap.
 
 kopf keeps its own bookkeeping in ``kvpool.io/`` annotations of the pool (not in its
@@ -32,12 +32,12 @@ import kopf
 from kvpool_agent.names import APP, NAME_LABEL, POOL_LABEL
 from kvpool_operator.agents import Agents
 from kvpool_operator.apply import ApiError, Cluster
+from kvpool_operator.bearer import OperatorToken
 from kvpool_operator.events import PoolEvents, TenantEvents
 from kvpool_operator.reconcile import Options, Reconciler
 from kvpool_operator.render import Pool
 from kvpool_operator.spec import GROUP, PLURAL, TENANT_PLURAL, VERSION
 from kvpool_operator.tenants import AgentsUnreachable, TenantReconciler
-from kvpool_operator.tokens import OperatorToken
 
 registry = kopf.OperatorRegistry()
 

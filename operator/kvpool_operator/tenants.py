@@ -46,6 +46,7 @@ from kvpool_agent.keys import tenant_id
 from kvpool_agent.names import MANAGED_BY_LABEL, OPERATOR
 from kvpool_operator.agents import Agents
 from kvpool_operator.apply import KINDS, SECRETS, TENANTS, ApiError, Cluster
+from kvpool_operator.bearer import OperatorToken, mint
 from kvpool_operator.events import TenantEvents
 from kvpool_operator.render import Pool, format_bytes
 from kvpool_operator.spec import (
@@ -58,7 +59,6 @@ from kvpool_operator.spec import (
     TenantSpec,
 )
 from kvpool_operator.status import Assessment, condition
-from kvpool_operator.tokens import OperatorToken, mint
 
 log = logging.getLogger(__name__)
 
