@@ -64,6 +64,7 @@ from tests.connector.engines import Engine, Result, write_model
 from tests.operator.conftest import OperatorProcess
 
 from kvpool_agent.names import quotas_name
+from kvpool_operator.spec import parse_bytes
 
 from .cluster import ControlPlane, Kubelet, Manifest, Node, Pod, check_sandbox, eventually
 
@@ -634,8 +635,7 @@ class Flow:
     def _tenant_quota(self) -> int:
         """Team-a's L1 ceiling, in bytes, as its KVCacheTenant states it."""
         quantity = yaml.safe_load((MANIFESTS / "tenant.yaml").read_text())["spec"]["quota"]["l1"]
-        assert quantity.endswith("Mi"), quantity
-        return int(quantity[:-2]) << 20
+        return parse_bytes(quantity)
 
     def _salt_outside_secrets(self, salt: str) -> list[str]:
         """Every stored object but Secrets, searched for the salt (status, events, logs of

@@ -195,9 +195,9 @@ def parse_limits(value: str) -> Quota:
     if value.isascii() and value.isdigit():
         return int(value)
     try:
-        parsed = json.loads(value) if value.startswith("{") else value
+        parsed = json.loads(value) if value.startswith("{") else None
     except ValueError:
-        parsed = value
-    if isinstance(parsed, dict):
-        return quota_from_json(parsed)
-    raise ValueError(f'neither a byte count, {UNLIMITED!r} nor {{"l1": ..., "nvme": ...}}')
+        parsed = None
+    if parsed is None:  # JSON that starts with "{" is an object, or not JSON at all
+        raise ValueError(f'neither a byte count, {UNLIMITED!r} nor {{"l1": ..., "nvme": ...}}')
+    return quota_from_json(parsed)

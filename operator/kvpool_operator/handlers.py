@@ -23,8 +23,9 @@ Events on the pool, next to those the operator words itself (``events.py``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import kopf
@@ -70,13 +71,11 @@ def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
 @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry)
 def pool_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    try:
+    with _retried(memo, ApiError):
         _reconciler(memo).pool_changed(body)
         metadata = body["metadata"]
         pool = Pool(metadata["name"], metadata["namespace"], metadata["uid"])
         _tenants(memo).publish_operator_token(pool)
-    except ApiError as error:
-        raise kopf.TemporaryError(str(error), delay=_options(memo).retry_seconds) from error
 
 
 @kopf.index(GROUP, VERSION, TENANT_PLURAL, registry=registry)
@@ -106,19 +105,15 @@ def pool_seen(namespace: str | None, name: str, memo: kopf.Memo, **kwargs: Any) 
 @kopf.on.create(GROUP, VERSION, TENANT_PLURAL, registry=registry)
 @kopf.on.update(GROUP, VERSION, TENANT_PLURAL, registry=registry)
 def tenant_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    try:
+    with _retried(memo, ApiError):
         _tenants(memo).tenant_changed(body)
-    except ApiError as error:
-        raise kopf.TemporaryError(str(error), delay=_options(memo).retry_seconds) from error
 
 
 @kopf.on.delete(GROUP, VERSION, TENANT_PLURAL, registry=registry)
 def tenant_deleted(body: kopf.Body, retry: int, memo: kopf.Memo, **_: Any) -> None:
-    options = _options(memo)
-    try:
-        _tenants(memo).tenant_deleted(body, last_attempt=retry >= options.clear_retries)
-    except (ApiError, AgentsUnreachable) as error:
-        raise kopf.TemporaryError(str(error), delay=options.retry_seconds) from error
+    last_attempt = retry >= _options(memo).clear_retries
+    with _retried(memo, ApiError, AgentsUnreachable):
+        _tenants(memo).tenant_deleted(body, last_attempt=last_attempt)
 
 
 @kopf.daemon(GROUP, VERSION, TENANT_PLURAL, registry=registry, cancellation_timeout=5.0)
@@ -156,6 +151,16 @@ def _recheck(tenants: TenantReconciler, body: kopf.Body) -> None:
 @kopf.on.event("networking.k8s.io/v1", "networkpolicies", labels=CHILD_LABELS, registry=registry)
 def child_changed(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     _reconciler(memo).child_changed(type, body)
+
+
+@contextlib.contextmanager
+def _retried(memo: kopf.Memo, *errors: type[Exception]) -> Iterator[None]:
+    """What ``errors`` stop (the API server refusing, agents not answering) is retried after
+    ``--retry-seconds``."""
+    try:
+        yield
+    except errors as error:
+        raise kopf.TemporaryError(str(error), delay=_options(memo).retry_seconds) from error
 
 
 def _options(memo: kopf.Memo) -> Options:

@@ -445,8 +445,9 @@ class TenantReconciler:
         """The digest of the operator's admin token under ``operator`` in the pool's
         tenants ConfigMap (replacing a previous operator's)."""
         value = json.dumps({"tokens": [self._token.digest]})
-        if self._data(pool, pool.tenants_name) is not None:
-            self._set_key(pool.tenants_name, pool, OPERATOR_KEY, value)
+        data = self._data(pool, pool.tenants_name)
+        if data is not None:
+            self._patch_key(pool, pool.tenants_name, data, OPERATOR_KEY, value)
 
     # -------------------------------------------------------------- helpers
 
@@ -473,6 +474,12 @@ class TenantReconciler:
             return
         if data is None:
             raise ApiError(f"the pool's ConfigMap {config_map} does not exist yet", 404)
+        self._patch_key(pool, config_map, data, key, value)
+
+    def _patch_key(
+        self, pool: Pool, config_map: str, data: Mapping[str, str], key: str, value: str | None
+    ) -> None:
+        """One key of a ConfigMap whose ``data`` was just read, if it differs."""
         if data.get(key) != value:
             self._cluster.patch(CONFIG_MAPS, pool.namespace, config_map, {"data": {key: value}})
 

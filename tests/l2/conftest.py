@@ -22,7 +22,7 @@ from kvpool_agent.config import NvmeTierConfig, S3TierConfig
 from kvpool_agent.l2 import ObjectKey
 from kvpool_agent.l2.buffers import BufferPool
 from kvpool_agent.l2.codec import ObjectCodec
-from kvpool_agent.l2.keyring import Keyring, generate_key
+from kvpool_agent.l2.keyring import RELOAD_SECONDS, Keyring, generate_key
 from kvpool_agent.testing.agent_process import AgentProcess
 from kvpool_agent.testing.s3_server import moto_server
 
@@ -49,10 +49,13 @@ def write_key(directory: Path, key_id: int, material: bytes) -> None:
     (directory / str(key_id)).write_bytes(material)
 
 
-def object_codec(keys: Path, pool: str = POOL, *, seal: bool = False) -> ObjectCodec:
+def object_codec(
+    keys: Path, pool: str = POOL, *, seal: bool = False, reload_seconds: float = RELOAD_SECONDS
+) -> ObjectCodec:
     """A codec under the master keys in ``keys`` (key 1 generated there if it holds none)."""
     generate_key(keys)
-    return ObjectCodec(Keyring(keys), pool, seal=seal, buffers=BufferPool())
+    keyring = Keyring(keys, reload_seconds=reload_seconds)
+    return ObjectCodec(keyring, pool, seal=seal, buffers=BufferPool())
 
 
 def nvme_config(path: Path, **overrides: Any) -> NvmeTierConfig:

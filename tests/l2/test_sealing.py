@@ -14,13 +14,21 @@ import pytest
 import pytest_asyncio
 
 from kvpool_agent.l2 import L2Object, ObjectKey
-from kvpool_agent.l2.buffers import BufferPool
 from kvpool_agent.l2.codec import HEADER, NONCE_SIZE, IntegrityError, ObjectCodec
-from kvpool_agent.l2.keyring import Keyring
 from kvpool_agent.l2.nvme import NvmeAdapter
 from kvpool_agent.l2.s3 import S3Adapter
 
-from .conftest import POOL, MiB, chunk, nvme_config, payload, raw_client, s3_config, write_key
+from .conftest import (
+    POOL,
+    MiB,
+    chunk,
+    nvme_config,
+    object_codec,
+    payload,
+    raw_client,
+    s3_config,
+    write_key,
+)
 
 pytestmark = pytest.mark.asyncio
 
@@ -28,7 +36,8 @@ KEY_1, KEY_2 = b"1" * 64, b"2" * 64
 
 
 def codec(keys: Path, pool: str = POOL, *, seal: bool = True) -> ObjectCodec:
-    return ObjectCodec(Keyring(keys, reload_seconds=0), pool, seal=seal, buffers=BufferPool())
+    """A sealing codec that rereads its keys at every use (rotation takes effect at once)."""
+    return object_codec(keys, pool, seal=seal, reload_seconds=0)
 
 
 S3Factory = Callable[..., S3Adapter]
