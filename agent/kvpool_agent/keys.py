@@ -19,6 +19,7 @@ rests on SHA-256 preimage resistance, not on the agent's bookkeeping.
 from __future__ import annotations
 
 import hashlib
+import re
 import sys
 from array import array
 from collections.abc import Sequence
@@ -41,6 +42,27 @@ def tenant_id(salt: str | None) -> str:
     """The tenant id for a vLLM ``cache_salt`` (``None`` and ``""`` are the default tenant)."""
     digest = hashlib.sha256(_TENANT_DOMAIN + (salt or "").encode())
     return digest.hexdigest()[:TENANT_ID_CHARS]
+
+
+TENANT_ID_PATTERN = rf"^[0-9a-f]{{{TENANT_ID_CHARS}}}$"
+"""A tenant id as a JSON Schema / OpenAPI pattern."""
+_TENANT_ID = re.compile(TENANT_ID_PATTERN)
+TENANT_ID_RULE = (
+    f"tenant id must be {TENANT_ID_CHARS} lowercase hex characters; "
+    "compute it with `kvpool tenant-id`"
+)
+
+
+def is_tenant_id(value: str) -> bool:
+    """True for a well-formed tenant id (see :func:`tenant_id`)."""
+    return _TENANT_ID.fullmatch(value) is not None
+
+
+def check_tenant_id(value: str) -> str:
+    """Return ``value`` if it is a well-formed tenant id; ValueError with the rule if not."""
+    if not is_tenant_id(value):
+        raise ValueError(TENANT_ID_RULE)
+    return value
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,14 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
-from kvpool_agent.auth import TokenFileError
 from kvpool_agent.config import AgentConfig
 from kvpool_agent.l2.keyring import KeyringError
 from kvpool_agent.names import AGENT_CONFIG_FILE_ENV
-from kvpool_agent.quota_store import QuotaStoreError
 from kvpool_agent.segment import SegmentError
 from kvpool_agent.server import Agent
-from kvpool_agent.tenants_configmap import TenantsWatchError
+from kvpool_agent.tenancy.auth import TokenFileError
+from kvpool_agent.tenancy.quota_store import QuotaStoreError
+from kvpool_agent.tenancy.tenants_watch import TenantsWatchError
 
 
 def main(argv: Sequence[str] | None = None) -> int:

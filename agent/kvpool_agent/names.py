@@ -64,6 +64,16 @@ DEFAULT_HTTP_PORT = 7401
 DEFAULT_EVENTS_PORT = 7402
 DEFAULT_INDEX_PORT = 7403
 
+# Eviction policies: the names a configuration (and the CRD) may give, each the
+# "module:Class" that implements it, imported on first use by
+# kvpool_agent.core.policies.policy_factory. Adding a policy is one line here and one
+# module in core/policies/.
+EVICTION_POLICIES = {
+    "lru": "kvpool_agent.core.policies.lru:LRUPolicy",
+    "arc": "kvpool_agent.core.policies.arc:ARCPolicy",
+}
+POLICY_NAMES: tuple[str, ...] = tuple(EVICTION_POLICIES)
+
 # The index's defaults, which the CRD mirrors (tests/operator/test_crd.py).
 DEFAULT_LOAD_FACTOR = 1.5
 DEFAULT_MIN_MATCH_RATIO = 0.3

@@ -338,3 +338,36 @@ def _classify(frame: bytes | memoryview, error: Exception) -> ProtocolError:
         known = ", ".join(sorted(REQUEST_OPS))
         return ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {raw[0]!r}; known: {known}", req)
     return ProtocolError(ErrorCode.MALFORMED, f"bad {raw[0]} request: {error}", req)
+
+
+# ---------------------------------------------------------------- the events feed
+# The agent's events port (a ZMQ PUB socket, :mod:`kvpool_agent.edge.events`) publishes
+# what enters and leaves its cache; the prefix index subscribes. Each message is two
+# frames, the topic :data:`EVENTS_TOPIC` and one msgpack :class:`ChunkEvent`.
+
+EVENTS_TOPIC = b"kvpool.chunks"
+
+
+class ChunkEvent(msgspec.Struct, array_like=True, frozen=True):
+    seq: int
+    agent: str
+    kind: str
+    """"stored" or "removed"."""
+    tier: str
+    tenant: str
+    keys: list[bytes]
+    cause: str = ""
+    """For removals: watermark, pressure, quota or cleared."""
+    time: float = 0.0
+    """Unix time the agent published the event (0: unknown)."""
+
+
+_event_decoder = msgspec.msgpack.Decoder(ChunkEvent)
+
+
+def decode_event(frame: bytes) -> ChunkEvent:
+    return _event_decoder.decode(frame)
+
+
+def encode_event(event: ChunkEvent) -> bytes:
+    return msgspec.msgpack.encode(event)

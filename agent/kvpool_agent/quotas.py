@@ -11,15 +11,23 @@ A ceiling (from the tenant's KVCacheTenant) bounds what the tenant itself may se
 and the default it falls back to: without an explicit quota a tenant with a ceiling
 gets min(default, ceiling) in each tier. An explicit quota applies as stored (an admin
 may set one above the ceiling). Durable storage of the limits is a service concern;
-this book only answers "what is tenant T allowed".
+:class:`~kvpool_agent.core.quota_book.QuotaBook` answers "what is tenant T allowed".
+
+This module is the value types and their two stored forms, shared by the agent and the
+operator: JSON (:func:`quota_to_json`, the quota file and HTTP) and a quota ConfigMap
+value (:func:`quota_to_configmap`: bytes as a decimal string, ``unlimited``, or JSON
+limits per tier).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 UNLIMITED = None
+UNLIMITED_VALUE = "unlimited"
+"""A quota ConfigMap's spelling of no limit (both tiers)."""
 Limit = int | None
 TIERS = ("l1", "nvme")
 _FORMS = 'bytes >= 0, null (unlimited) or {"l1": bytes or null, "nvme": bytes or null}'
@@ -38,7 +46,7 @@ class TierLimits:
 
     def check(self) -> TierLimits:
         for tier in TIERS:
-            _check(getattr(self, tier))
+            check_limit(getattr(self, tier))
         return self
 
     def capped(self, ceiling: TierLimits) -> TierLimits:
@@ -79,58 +87,29 @@ def quota_from_json(value: object) -> Quota:
     raise ValueError(f"expected {_FORMS}")
 
 
-class QuotaBook:
-    def __init__(
-        self,
-        default: Limit = UNLIMITED,
-        limits: Mapping[str, Quota] | None = None,
-    ) -> None:
-        _check(default)
-        self.default = default
-        self._limits: dict[str, TierLimits] = {}
-        self._ceilings: dict[str, TierLimits] = {}
-        for tenant, limit in (limits or {}).items():
-            self.set(tenant, limit)
+def quota_to_configmap(quota: Quota) -> str:
+    """A quota ConfigMap value: bytes, ``unlimited``, or JSON limits when the tiers differ."""
+    stored = quota_to_json(quota)
+    if isinstance(stored, dict):
+        return json.dumps(stored, sort_keys=True)
+    return UNLIMITED_VALUE if stored is None else str(stored)
 
-    def limits(self, tenant: str) -> TierLimits:
-        """The tenant's limits in force: its own, or the default under its ceiling."""
-        own = self._limits.get(tenant)
-        if own is not None:
-            return own
-        default = TierLimits.both(self.default)
-        ceiling = self._ceilings.get(tenant)
-        return default if ceiling is None else default.capped(ceiling)
 
-    def limit(self, tenant: str) -> Limit:
-        """The tenant's L1 limit in force."""
-        return self.limits(tenant).l1
-
-    def ceiling(self, tenant: str) -> TierLimits | None:
-        return self._ceilings.get(tenant)
-
-    def has_own(self, tenant: str) -> bool:
-        return tenant in self._limits
-
-    def set(self, tenant: str, limit: Quota) -> None:
-        """Set the tenant's own limits (a single number: both tiers)."""
-        self._limits[tenant] = as_limits(limit).check()
-
-    def delete(self, tenant: str) -> None:
-        """Back to the default limit; deleting a tenant without its own limit is a no-op."""
-        self._limits.pop(tenant, None)
-
-    def replace_ceilings(self, ceilings: Mapping[str, TierLimits]) -> frozenset[str]:
-        """Make the ceilings exactly ``ceilings``; returns the tenants whose ceiling changed."""
-        changed = frozenset(
-            tenant
-            for tenant in self._ceilings.keys() | ceilings.keys()
-            if self._ceilings.get(tenant) != ceilings.get(tenant)
+def quota_from_configmap(value: str) -> Quota:
+    """Parse a quota ConfigMap value (:func:`quota_to_configmap`'s forms); ValueError if not."""
+    if value == UNLIMITED_VALUE:
+        return None
+    if value.isascii() and value.isdigit():
+        return int(value)
+    try:
+        parsed = json.loads(value) if value.startswith("{") else None
+    except ValueError:
+        parsed = None
+    if parsed is None:  # JSON that starts with "{" is an object, or not JSON at all
+        raise ValueError(
+            f'neither a byte count, {UNLIMITED_VALUE!r} nor {{"l1": ..., "nvme": ...}}'
         )
-        self._ceilings = {tenant: ceiling.check() for tenant, ceiling in ceilings.items()}
-        return changed
-
-    def explicit(self) -> dict[str, TierLimits]:
-        return dict(self._limits)
+    return quota_from_json(parsed)
 
 
 def as_limits(value: Quota) -> TierLimits:
@@ -147,6 +126,6 @@ def _min(limit: Limit, bound: Limit) -> Limit:
     return bound if limit is None else min(limit, bound)
 
 
-def _check(limit: Limit) -> None:
+def check_limit(limit: Limit) -> None:
     if limit is not None and limit < 0:
         raise ValueError(f"a quota is a byte count >= 0 or unlimited, got {limit}")

@@ -20,20 +20,21 @@ from typing import cast
 
 from prometheus_client import CollectorRegistry
 
-from kvpool_agent.auth import TokenAuthority, load_authority
-from kvpool_agent.cache_factory import L1Tier, open_l1
 from kvpool_agent.config import AgentConfig
-from kvpool_agent.events import EventPublisher
-from kvpool_agent.http_api import create_app
-from kvpool_agent.http_serving import serve_http
+from kvpool_agent.core.factory import L1Tier, open_l1
+from kvpool_agent.edge.events import EventPublisher
+from kvpool_agent.edge.http_api import create_app
+from kvpool_agent.edge.metrics import AgentMetrics
+from kvpool_agent.edge.zmq_server import ZmqServer
 from kvpool_agent.l2.nvme import NvmeAdapter
 from kvpool_agent.l2.tiers import open_tiers
-from kvpool_agent.metrics import AgentMetrics
-from kvpool_agent.quota_store import FileQuotaStore
-from kvpool_agent.service import CacheService
+from kvpool_agent.service.cache_service import CacheService
+from kvpool_agent.tenancy.auth import TokenAuthority, load_authority
+from kvpool_agent.tenancy.quota_store import FileQuotaStore
+from kvpool_agent.tenants_configmap import TenantsSnapshot
 from kvpool_agent.tiering.prefetch import Prefetcher
 from kvpool_agent.tiering.writeback import WriteBack
-from kvpool_agent.zmq_server import ZmqServer
+from kvpool_agent.web.serving import serve_http
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ class Agent:
         """The cache behind its lock, with quotas from the pool's ConfigMap or a local file."""
         config = self.config
         if config.quota_configmap:
-            from kvpool_agent.quota_store_k8s import KubernetesQuotaStore
+            from kvpool_agent.tenancy.kube_quota_store import KubernetesQuotaStore
 
             shared = KubernetesQuotaStore.connect(config.quota_configmap)
             service = CacheService(l1.cache, l1.segment, shared)
@@ -142,12 +143,12 @@ class Agent:
         """With a tenants ConfigMap: its tokens join the authority, its ceilings the quotas."""
         if not self.config.tenants_configmap:
             return
-        from kvpool_agent.tenants_configmap import TenantsSnapshot, TenantsWatch
+        from kvpool_agent.tenancy.tenants_watch import TenantsWatch, grants
 
         watch = TenantsWatch.connect(self.config.tenants_configmap)
 
         def apply(snapshot: TenantsSnapshot) -> None:
-            for _, principal in authority.replace_granted(snapshot.grants()):
+            for _, principal in authority.replace_granted(grants(snapshot)):
                 log.error(
                     "%s: a token of %s is also another principal's; refused",
                     watch.where,

@@ -1,6 +1,6 @@
 """The operator's calls to a pool's agents over their HTTP API, with its admin token.
 
-Answers are parsed with the agent's own response models (``kvpool_agent.http_api``), so
+Answers are parsed with the agent's own response models (``kvpool_agent.edge.http_api``), so
 the field names the operator reads are the ones the agents send.
 
 The agents are the pods the pool's DaemonSet selects that have an address; each is called
@@ -19,7 +19,7 @@ from typing import Generic, TypeVar
 import urllib3
 from pydantic import BaseModel, ValidationError
 
-from kvpool_agent.http_api import Cleared, Usage
+from kvpool_agent.api_models import Cleared, Usage
 from kvpool_operator.apply import PODS, Cluster
 from kvpool_operator.bearer import OperatorToken
 from kvpool_operator.render import Pool

@@ -17,7 +17,7 @@ import urllib3
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
-from kvpool_agent.kube_watch import api_configuration
+from kvpool_agent.kube.watch import api_configuration
 from kvpool_agent.names import OPERATOR
 from kvpool_operator.render import Manifest
 from kvpool_operator.spec import API_VERSION, KIND, PLURAL, TENANT_KIND, TENANT_PLURAL

@@ -1,16 +1,16 @@
 """Bearer tokens the operator mints: the tenants' (into their Secrets) and its own.
 
-Agents learn only a token's digest (:func:`kvpool_agent.auth.token_digest`), through the
-pool's tenants ConfigMap. The operator's own admin token is generated at its start and kept in
-memory only: it reads the tenants' usage and clears a deleted tenant's chunks with it, and
-a restarted operator publishes a new one (the old one stops working).
+Agents learn only a token's digest (:func:`kvpool_agent.tenants_configmap.digest_token`),
+through the pool's tenants ConfigMap. The operator's own admin token is generated at its
+start and kept in memory only: it reads the tenants' usage and clears a deleted tenant's
+chunks with it, and a restarted operator publishes a new one (the old one stops working).
 """
 
 from __future__ import annotations
 
 import secrets
 
-from kvpool_agent.auth import token_digest
+from kvpool_agent.tenants_configmap import digest_token
 
 
 def mint() -> str:
@@ -23,7 +23,7 @@ class OperatorToken:
 
     def __init__(self) -> None:
         self.value = mint()
-        self.digest = token_digest(self.value)
+        self.digest = digest_token(self.value)
 
     def __repr__(self) -> str:
-        return f"OperatorToken(digest={self.digest[:8]}...)"
+        return f"OperatorToken(digest={self.digest.hex()[:8]}...)"

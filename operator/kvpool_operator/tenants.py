@@ -33,7 +33,6 @@ event, a status or a ConfigMap.
 from __future__ import annotations
 
 import base64
-import json
 import logging
 import threading
 from collections.abc import Mapping
@@ -41,9 +40,15 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from kvpool_agent.auth import token_digest
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.names import MANAGED_BY_LABEL, OPERATOR
+from kvpool_agent.quotas import TierLimits, quota_to_configmap
+from kvpool_agent.tenants_configmap import (
+    OPERATOR_KEY,
+    TenantEntry,
+    digest_token,
+    encode_operator_entry,
+)
 from kvpool_operator.agents import Agents
 from kvpool_operator.apply import KINDS, SECRETS, TENANTS, ApiError, Cluster
 from kvpool_operator.bearer import OperatorToken, mint
@@ -74,8 +79,6 @@ NAMESPACE_KEY = "namespace"
 ENDPOINT_KEY = "endpoint"
 TOKEN_GENERATION_ANNOTATION = "kvpool.io/token-generation"
 """On the Secret: the spec.tokenGeneration its token was minted for."""
-OPERATOR_KEY = "operator"
-"""The tenants ConfigMap's key of the operator's own admin token."""
 
 ACCEPTED = "Accepted"
 READY = "Ready"
@@ -185,22 +188,20 @@ class TenantReconciler:
         previous_id = status.get("tenantId")
         if previous_id and previous_id != admission.tenant_id:
             self._withdraw_entry(admission.pool, previous_id, who, drop_quota=True)
-        ceiling = {"l1": spec.quota.l1, "nvme": spec.quota.nvme_bytes}
+        limits = TierLimits(spec.quota.l1, spec.quota.nvme_bytes)
+        ceiling = {"l1": limits.l1, "nvme": limits.nvme}
         self._set_key(
             admission.pool.tenants_name,
             admission.pool,
             admission.tenant_id,
-            json.dumps(
-                {"tokens": [token_digest(token)], "ceiling": ceiling, "tenant": who.ref},
-                sort_keys=True,
-            ),
+            TenantEntry((digest_token(token),), limits, who.ref).encode(),
         )
         if status.get("quota") != ceiling or previous_id != admission.tenant_id:
             self._set_key(
                 admission.pool.quotas_name,
                 admission.pool,
                 admission.tenant_id,
-                json.dumps(ceiling, sort_keys=True),
+                quota_to_configmap(limits),
             )
         self.publish_operator_token(admission.pool)
         pool = f"{admission.pool.namespace}/{admission.pool.name}"
@@ -444,7 +445,7 @@ class TenantReconciler:
     def publish_operator_token(self, pool: Pool) -> None:
         """The digest of the operator's admin token under ``operator`` in the pool's
         tenants ConfigMap (replacing a previous operator's)."""
-        value = json.dumps({"tokens": [self._token.digest]})
+        value = encode_operator_entry((self._token.digest,))
         data = self._data(pool, pool.tenants_name)
         if data is not None:
             self._patch_key(pool, pool.tenants_name, data, OPERATOR_KEY, value)
@@ -508,11 +509,9 @@ def _holder(data: Mapping[str, str], tenant: str) -> str | None:
     if tenant not in data:
         return None
     try:
-        entry = json.loads(data[tenant])
+        return TenantEntry.decode(data[tenant]).source
     except ValueError:
         return None
-    holder = entry.get("tenant") if isinstance(entry, dict) else None
-    return holder if isinstance(holder, str) else None
 
 
 def _decoded(secret: Mapping[str, Any] | None) -> dict[str, str]:

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent.l1 import IDLE_TENANTS, L1Cache
-from kvpool_agent.policies import policy_factory
-from kvpool_agent.quota_store import FileQuotaStore
-from kvpool_agent.quotas import QuotaBook
+from kvpool_agent.core.l1 import IDLE_TENANTS, L1Cache
+from kvpool_agent.core.policies import policy_factory
+from kvpool_agent.core.quota_book import QuotaBook
 from kvpool_agent.segment import SegmentLayout, SharedSegment
-from kvpool_agent.service import CacheService
+from kvpool_agent.service.cache_service import CacheService
+from kvpool_agent.tenancy.quota_store import FileQuotaStore
 from kvpool_agent.testing.agent_process import AgentProcess
 
 PAGE = 4096

@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 
 from kvpool_agent.client import AgentClient
+from kvpool_agent.core.l1 import IDLE_TENANTS
 from kvpool_agent.keys import tenant_id
-from kvpool_agent.l1 import IDLE_TENANTS
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 
 from .conftest import key

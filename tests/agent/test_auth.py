@@ -8,18 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent.auth import (
+from kvpool_agent.keys import TENANT_ID_RULE, check_tenant_id, tenant_id
+from kvpool_agent.tenancy.auth import (
     ADMIN,
     GATEWAY,
-    TENANT_ID_RULE,
     Principal,
     Role,
     TokenAuthority,
     TokenFileError,
-    check_tenant_id,
     load_authority,
 )
-from kvpool_agent.keys import tenant_id
 
 ALICE = tenant_id("alice")
 BOB = tenant_id("bob")

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvpool_agent.service import CacheService, Pins
+from kvpool_agent.service.cache_service import CacheService
+from kvpool_agent.service.hooks import Pins
 
 from .conftest import PAGE, key, make_cache, make_service
 

@@ -9,8 +9,8 @@ import zmq
 
 from kvpool_agent import protocol as p
 from kvpool_agent.client import AgentClient
-from kvpool_agent.events import TOPIC, ChunkEvent, decode_event
 from kvpool_agent.keys import tenant_id
+from kvpool_agent.protocol import EVENTS_TOPIC, ChunkEvent, decode_event
 from kvpool_agent.testing.agent_process import AgentProcess
 
 from .conftest import key
@@ -21,7 +21,7 @@ TENANT = tenant_id("events")
 def _subscribe(endpoint: str) -> zmq.Socket[bytes]:
     socket = zmq.Context.instance().socket(zmq.SUB)
     socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.SUBSCRIBE, TOPIC)
+    socket.setsockopt(zmq.SUBSCRIBE, EVENTS_TOPIC)
     socket.connect(endpoint)
     return socket
 
@@ -29,7 +29,7 @@ def _subscribe(endpoint: str) -> zmq.Socket[bytes]:
 def _next(socket: zmq.Socket[bytes]) -> ChunkEvent:
     assert socket.poll(5000), "no event"
     topic, body = socket.recv_multipart()
-    assert topic == TOPIC
+    assert topic == EVENTS_TOPIC
     return decode_event(body)
 
 

@@ -19,12 +19,12 @@ import pytest
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvpool_agent.auth import TENANT_ID_PATTERN, TENANT_ID_RULE, TokenAuthority
-from kvpool_agent.http_api import MetricsSource, create_app
-from kvpool_agent.keys import tenant_id
-from kvpool_agent.quota_store import FileQuotaStore
-from kvpool_agent.quotas import QuotaBook
-from kvpool_agent.service import CacheService
+from kvpool_agent.core.quota_book import QuotaBook
+from kvpool_agent.edge.http_api import MetricsSource, create_app
+from kvpool_agent.keys import TENANT_ID_PATTERN, TENANT_ID_RULE, tenant_id
+from kvpool_agent.service.cache_service import CacheService
+from kvpool_agent.tenancy.auth import TokenAuthority
+from kvpool_agent.tenancy.quota_store import FileQuotaStore
 
 from .conftest import PAGE, key, make_cache, make_service
 

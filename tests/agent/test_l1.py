@@ -6,10 +6,10 @@ import itertools
 
 import pytest
 
-from kvpool_agent.cache_types import InvalidRequest, LeaseExpired, Reservation, UnknownLease
-from kvpool_agent.l1 import L1Cache
-from kvpool_agent.policies import POLICY_NAMES
-from kvpool_agent.quotas import QuotaBook
+from kvpool_agent.core.cache_types import InvalidRequest, LeaseExpired, Reservation, UnknownLease
+from kvpool_agent.core.l1 import L1Cache
+from kvpool_agent.core.policies import POLICY_NAMES
+from kvpool_agent.core.quota_book import QuotaBook
 
 from .conftest import PAGE, FakeClock, key, make_cache
 

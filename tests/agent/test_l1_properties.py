@@ -25,10 +25,11 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvpool_agent.cache_types import CacheError, InvalidRequest, LeaseExpired, UnknownLease
-from kvpool_agent.l1 import NIL, L1Cache, State
-from kvpool_agent.policies import POLICY_NAMES, policy_factory
-from kvpool_agent.quotas import Limit, QuotaBook
+from kvpool_agent.core.cache_types import CacheError, InvalidRequest, LeaseExpired, UnknownLease
+from kvpool_agent.core.l1 import NIL, L1Cache, State
+from kvpool_agent.core.policies import POLICY_NAMES, policy_factory
+from kvpool_agent.core.quota_book import QuotaBook
+from kvpool_agent.quotas import Limit
 from kvpool_agent.segment import SegmentLayout
 
 PAGE = 4096

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool_agent.policies import POLICY_NAMES, SlotArena, policy_factory
+from kvpool_agent.core.policies import POLICY_NAMES, SlotArena, policy_factory
 
 from .conftest import key
 

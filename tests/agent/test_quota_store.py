@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvpool_agent.keys import tenant_id
-from kvpool_agent.quota_store import FileQuotaStore, QuotaStoreError
 from kvpool_agent.quotas import TierLimits
+from kvpool_agent.tenancy.quota_store import FileQuotaStore, QuotaStoreError
 
 from .conftest import PAGE, key, make_cache, make_service
 

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from kvpool_agent.rate_limited_log import RateLimitedLog
+from kvpool_agent.web.rate_limited_log import RateLimitedLog
 
 from .conftest import FakeClock
 

@@ -122,7 +122,7 @@ def test_never_pinning_imports_no_torch() -> None:
     code = (
         "import sys, mmap; from kvpool_agent.pinned import pin;"
         "assert pin(mmap.mmap(-1, 4096), 'never') is None;"
-        "import kvpool_agent.l1, kvpool_agent.segment, kvpool_agent.config;"
+        "import kvpool_agent.core.l1, kvpool_agent.segment, kvpool_agent.config;"
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

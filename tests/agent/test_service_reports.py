@@ -9,8 +9,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from kvpool_agent.cache_factory import SegmentOrigin
-from kvpool_agent.metrics import AgentMetrics
+from kvpool_agent.core.factory import SegmentOrigin
+from kvpool_agent.edge.metrics import AgentMetrics
 
 from .conftest import PAGE, key, make_cache, make_service
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool_agent.l1 import L1Cache
-from kvpool_agent.policies import POLICY_NAMES
-from kvpool_agent.quotas import QuotaBook
+from kvpool_agent.core.l1 import L1Cache
+from kvpool_agent.core.policies import POLICY_NAMES
+from kvpool_agent.core.quota_book import QuotaBook
 
 from .conftest import PAGE, key, make_cache
 from .test_l1 import hits, store

@@ -8,10 +8,12 @@ import logging
 
 import pytest
 
-from kvpool_agent.auth import ADMIN, Principal, TokenAuthority, token_digest
+from kvpool_agent.core.quota_book import QuotaBook
 from kvpool_agent.keys import tenant_id
-from kvpool_agent.quotas import QuotaBook, TierLimits
-from kvpool_agent.tenants_configmap import parse_tenants
+from kvpool_agent.quotas import TierLimits
+from kvpool_agent.tenancy.auth import ADMIN, Principal, TokenAuthority
+from kvpool_agent.tenancy.tenants_watch import grants
+from kvpool_agent.tenants_configmap import parse_tenants, token_digest
 
 ALICE, BOB = tenant_id("alice"), tenant_id("bob")
 WHERE = "ConfigMap ns/kvpool-main-tenants"
@@ -38,7 +40,7 @@ def test_entries_parse_and_malformed_ones_are_skipped_unquoted(
     assert list(snapshot.tenants) == [ALICE]
     assert snapshot.tenants[ALICE].ceiling == TierLimits(4096, None)
     assert snapshot.ceilings() == {ALICE: TierLimits(4096, None)}
-    assert [p for _, p in snapshot.grants()] == [ADMIN, Principal.for_tenant(ALICE)]
+    assert [p for _, p in grants(snapshot)] == [ADMIN, Principal.for_tenant(ALICE)]
     assert f"entry {BOB} skipped" in caplog.text
     assert "secret-looking-key" not in caplog.text and "not-a-digest" not in caplog.text
     assert token_digest("bob-token") not in caplog.text

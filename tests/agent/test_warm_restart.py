@@ -12,13 +12,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpool_agent.cache_types import RestoreReport
 from kvpool_agent.client import AgentClient, AgentError, AgentUnavailable
-from kvpool_agent.journal import SegmentJournal
+from kvpool_agent.core.cache_types import RestoreReport
+from kvpool_agent.core.journal import SegmentJournal
+from kvpool_agent.core.l1 import L1Cache
+from kvpool_agent.core.policies import policy_factory
+from kvpool_agent.core.quota_book import QuotaBook
 from kvpool_agent.keys import tenant_id
-from kvpool_agent.l1 import L1Cache
-from kvpool_agent.policies import policy_factory
-from kvpool_agent.quotas import QuotaBook
 from kvpool_agent.segment import TABLE_RECORD_BYTES, SharedSegment
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 

@@ -15,12 +15,12 @@ import sys
 from kvpool_agent import connector
 
 AGENT_INTERNALS = (
-    "kvpool_agent.l1",
-    "kvpool_agent.allocator",
-    "kvpool_agent.journal",
-    "kvpool_agent.policies",
-    "kvpool_agent.service",
-    "kvpool_agent.zmq_server",
+    "kvpool_agent.core.l1",
+    "kvpool_agent.core.allocator",
+    "kvpool_agent.core.journal",
+    "kvpool_agent.core.policies",
+    "kvpool_agent.service.cache_service",
+    "kvpool_agent.edge.zmq_server",
     "kvpool_agent.server",
 )
 

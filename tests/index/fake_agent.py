@@ -11,15 +11,13 @@ import threading
 import time
 import uuid
 
-import msgspec
 import zmq
 
 from kvpool_agent import protocol as p
-from kvpool_agent.events import TOPIC, ChunkEvent
 from kvpool_agent.index.discovery import AgentEndpoint
+from kvpool_agent.protocol import EVENTS_TOPIC, ChunkEvent, encode_event
 
 TENANT = "0123456789abcdef0123456789abcdef"
-_encoder = msgspec.msgpack.Encoder()
 
 
 class FakeAgent:
@@ -66,7 +64,7 @@ class FakeAgent:
                     self.keys = [k for k in self.keys if k not in keys]
             event = ChunkEvent(self.seq, self.agent_id, kind, tier, TENANT, keys)
         if not lost:
-            self._pub.send_multipart([TOPIC, _encoder.encode(event)])
+            self._pub.send_multipart([EVENTS_TOPIC, encode_event(event)])
 
     def restart(self, keep_keys: bool) -> None:
         with self._lock:

@@ -13,8 +13,8 @@ import yaml
 from pydantic import BaseModel
 
 from kvpool_agent.config import AgentConfig, NvmeTierConfig, S3TierConfig
+from kvpool_agent.core.policies import POLICY_NAMES
 from kvpool_agent.index.config import Fingerprint, IndexConfig
-from kvpool_agent.policies import POLICY_NAMES
 from kvpool_operator.spec import (
     API_VERSION,
     INDEX_NEEDS_TOKENS,

@@ -15,9 +15,9 @@ from kubernetes import config as kube_config
 from kubernetes.client import CoreV1Api
 
 from kvpool_agent.keys import tenant_id
-from kvpool_agent.quota_store import QuotaStoreError
-from kvpool_agent.quota_store_k8s import KubernetesQuotaStore
 from kvpool_agent.quotas import Limit
+from kvpool_agent.tenancy.kube_quota_store import KubernetesQuotaStore
+from kvpool_agent.tenancy.quota_store import QuotaStoreError
 
 from .conftest import Kubectl
 from .kube_api import Proxy, ServedApi

@@ -20,9 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
-from kvpool_agent.auth import token_digest
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
+from kvpool_agent.tenants_configmap import token_digest
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from kvpool_operator.render import Pool
 from tests.agent.conftest import key

@@ -22,10 +22,10 @@ import hashlib
 import time
 
 from kvpool_agent.bench.report import table
+from kvpool_agent.core.l1 import L1Cache
+from kvpool_agent.core.policies import POLICY_NAMES, policy_factory
+from kvpool_agent.core.quota_book import QuotaBook
 from kvpool_agent.keys import tenant_id
-from kvpool_agent.l1 import L1Cache
-from kvpool_agent.policies import POLICY_NAMES, policy_factory
-from kvpool_agent.quotas import QuotaBook
 from kvpool_agent.segment import SegmentLayout
 
 TENANT = tenant_id("bench")

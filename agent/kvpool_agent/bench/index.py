@@ -8,7 +8,7 @@
   (as decoded events deliver them).
 * events: chunk events per second one index absorbs. In process (decode and
   apply, no sockets), and over ZMQ: ``--publishers`` processes, each a real
-  :class:`~kvpool_agent.events.EventPublisher` plus a stand-in agent that
+  :class:`~kvpool_agent.edge.events.EventPublisher` plus a stand-in agent that
   answers the index's snapshot, flood stored/removed events into one
   :class:`~kvpool_agent.index.subscriber.EventSubscriber`. Two rates: while
   they publish (they compete with the index for CPUs), and once all are done
@@ -34,7 +34,7 @@ import zmq
 
 from kvpool_agent import protocol as p
 from kvpool_agent.bench.report import table
-from kvpool_agent.events import ChunkEvent, EventPublisher, decode_event
+from kvpool_agent.edge.events import EventPublisher
 from kvpool_agent.index.discovery import AgentEndpoint
 from kvpool_agent.index.policy import RoutingPolicy
 from kvpool_agent.index.query import Query
@@ -268,7 +268,7 @@ def _in_process_rate(events: int, keys_per_event: int) -> float:
     encoder = msgspec.msgpack.Encoder()
     frames = [
         encoder.encode(
-            ChunkEvent(
+            p.ChunkEvent(
                 n + 1,
                 "agent",
                 "removed" if n % 2 else "stored",
@@ -282,7 +282,7 @@ def _in_process_rate(events: int, keys_per_event: int) -> float:
     tracker = PrefixTracker()
     started = time.perf_counter()
     for frame in frames:
-        event = decode_event(frame)
+        event = p.decode_event(frame)
         if event.kind == "stored":
             tracker.stored("node", event.keys)
         else:

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from kvpool_agent.bench.report import table
-from kvpool_agent.l1 import L1Cache
-from kvpool_agent.policies import policy_factory
-from kvpool_agent.quotas import QuotaBook
+from kvpool_agent.core.l1 import L1Cache
+from kvpool_agent.core.policies import policy_factory
+from kvpool_agent.core.quota_book import QuotaBook
 from kvpool_agent.segment import SegmentLayout, SharedSegment
 
 CHAIN = 64

@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 from kvpool_agent.bench.report import table
-from kvpool_agent.journal import SegmentJournal
+from kvpool_agent.core.journal import SegmentJournal
+from kvpool_agent.core.l1 import L1Cache
+from kvpool_agent.core.policies import policy_factory
+from kvpool_agent.core.quota_book import QuotaBook
 from kvpool_agent.keys import tenant_id
-from kvpool_agent.l1 import L1Cache
-from kvpool_agent.policies import policy_factory
-from kvpool_agent.quotas import QuotaBook
 from kvpool_agent.segment import SharedSegment
 
 BATCH = 64

@@ -15,8 +15,8 @@ import urllib.request
 
 from pydantic import ValidationError
 
+from kvpool_agent.api_models import TenantUsages, Usage
 from kvpool_agent.doctor.report import Check, failed, passed, skipped
-from kvpool_agent.http_api import TenantUsages, Usage
 from kvpool_agent.keys import CANARY_TENANT
 
 NAME = "hit-rate"

@@ -1,6 +1,6 @@
 """The Kubernetes API as this pod sees it: the pool's Service and the index's ConfigMap.
 
-The credentials are the components' own (:func:`kvpool_agent.kube_watch.api_configuration`):
+The credentials are the components' own (:func:`kvpool_agent.kube.watch.api_configuration`):
 the pod's service account in a pod, else the kubeconfig (``$KUBECONFIG``). Errors keep
 the API server's status, so that a check tells a missing object (404) from a missing
 RBAC grant (403), and names the grant.
@@ -19,7 +19,7 @@ from kubernetes.client import ApiClient, CoreV1Api
 from kubernetes.client.exceptions import ApiException
 
 from kvpool_agent.connector.discovery import K8S_TIMEOUT_S
-from kvpool_agent.kube_watch import api_configuration
+from kvpool_agent.kube.watch import api_configuration
 from kvpool_agent.names import INDEX_CONFIG_KEY, index_config_map_name, service_name
 
 _USER = re.compile(r'User "([^"]+)"')

@@ -14,8 +14,7 @@ from typing import Literal, Self
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from kvpool_agent.config import POOL_NAME_PATTERN, ConfigFileSource
-from kvpool_agent.http_limits import HttpLimits
+from kvpool_agent.config import POOL_NAME_PATTERN, ConfigFileSource, HttpLimits
 from kvpool_agent.index.discovery import AgentEndpoint
 from kvpool_agent.index.policy import RoutingPolicy
 from kvpool_agent.keys import ModelFingerprint
@@ -120,8 +119,8 @@ class IndexConfig(BaseSettings):
     tokens_file: Path | None = Field(
         None,
         description=(
-            "The pool's tokens file (kvpool_agent.auth): its admin and gateways tokens may ask; "
-            "without one, a token is generated into state_dir at start."
+            "The pool's tokens file (kvpool_agent.tenancy.auth): its admin and gateways "
+            "tokens may ask; without one, a token is generated into state_dir at start."
         ),
     )
     state_dir: Path = Field(

@@ -12,7 +12,7 @@ it is running, has an IP and is not being deleted; its endpoints are
 ``tcp://<pod IP>:<port>`` for the container ports named ``zmq`` and
 ``events`` (7400 and 7402 when not named). Where two pods sit on one node (a
 surge during a rollout), the newer one wins. The list and watch are
-:class:`~kvpool_agent.kube_watch.ListWatch`'s.
+:class:`~kvpool_agent.kube.watch.ListWatch`'s.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from kubernetes.client import ApiClient, CoreV1Api
 from kubernetes.config import ConfigException
 
-from kvpool_agent.kube_watch import ListWatch, api_configuration
+from kvpool_agent.kube.watch import ListWatch, api_configuration
 from kvpool_agent.names import DEFAULT_EVENTS_PORT, DEFAULT_ZMQ_PORT, agent_pods_selector
 
 log = logging.getLogger(__name__)

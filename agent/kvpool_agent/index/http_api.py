@@ -23,9 +23,16 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, status
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from kvpool_agent.auth import Principal, Role, TokenAuthority
-from kvpool_agent.http_body_gate import BodyGate
-from kvpool_agent.http_common import (
+from kvpool_agent.config import HttpLimits
+from kvpool_agent.index.config import Fingerprint
+from kvpool_agent.index.query import NodeMatch, Query
+from kvpool_agent.index.service import IndexService
+from kvpool_agent.index.subscriber import AgentStatus
+from kvpool_agent.index.tracker import NodeCounts
+from kvpool_agent.keys import KEY_BYTES
+from kvpool_agent.tenancy.auth import Principal, Role, TokenAuthority
+from kvpool_agent.web.body_gate import BodyGate
+from kvpool_agent.web.common import (
     BearerAuth,
     Error,
     MetricsSource,
@@ -34,13 +41,6 @@ from kvpool_agent.http_common import (
     on_invalid_request,
     on_method_not_allowed,
 )
-from kvpool_agent.http_limits import HttpLimits
-from kvpool_agent.index.config import Fingerprint
-from kvpool_agent.index.query import NodeMatch, Query
-from kvpool_agent.index.service import IndexService
-from kvpool_agent.index.subscriber import AgentStatus
-from kvpool_agent.index.tracker import NodeCounts
-from kvpool_agent.keys import KEY_BYTES
 
 _DESCRIPTION = """\
 Cache-aware routing for a kvpool pool: which node holds the longest cached prefix of a
@@ -154,7 +154,7 @@ def create_app(
 ) -> FastAPI:
     """The HTTP API over ``service``; ``agents`` reports the followed agents (``/v1/nodes``).
 
-    ``limits`` bound request bodies (:class:`~kvpool_agent.http_body_gate.BodyGate`).
+    ``limits`` bound request bodies (:class:`~kvpool_agent.web.body_gate.BodyGate`).
     """
     app = FastAPI(
         title="kvpool index",

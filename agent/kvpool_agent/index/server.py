@@ -25,8 +25,6 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from kvpool_agent.auth import TokenAuthority, TokenFileError, load_authority
-from kvpool_agent.http_serving import serve_http
 from kvpool_agent.index.config import IndexConfig, StaticAgent
 from kvpool_agent.index.discovery import (
     AgentEndpoint,
@@ -40,6 +38,8 @@ from kvpool_agent.index.service import IndexService
 from kvpool_agent.index.subscriber import EventSubscriber
 from kvpool_agent.index.tracker import PrefixTracker
 from kvpool_agent.names import INDEX_CONFIG_FILE_ENV
+from kvpool_agent.tenancy.auth import TokenAuthority, TokenFileError, load_authority
+from kvpool_agent.web.serving import serve_http
 
 log = logging.getLogger(__name__)
 

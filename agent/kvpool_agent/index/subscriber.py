@@ -1,7 +1,7 @@
 """Follow the chunk events of many agents and keep the tracker in step with each of them.
 
 One thread serves every agent: a SUB socket on the agent's event endpoint
-(:mod:`kvpool_agent.events`) and, while resynchronising, a DEALER on its ZMQ
+(:mod:`kvpool_agent.edge.events`) and, while resynchronising, a DEALER on its ZMQ
 protocol endpoint. Per agent the subscriber is in one of two states::
 
     following ──(gap | new agent id | (re)connected)──► resyncing
@@ -45,7 +45,6 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvpool_agent import protocol as p
-from kvpool_agent.events import TOPIC, ChunkEvent, decode_event
 from kvpool_agent.index.discovery import AgentEndpoint
 
 log = logging.getLogger(__name__)
@@ -109,7 +108,7 @@ class _Follower:
     """Monotonic time a request in flight times out, or a failed one is retried."""
     backoff: float = 0.0
     resyncing: bool = False
-    buffer: list[ChunkEvent] = field(default_factory=list)
+    buffer: list[p.ChunkEvent] = field(default_factory=list)
     agent_id: str | None = None
     seq: int = 0
     synced: bool = False
@@ -282,7 +281,7 @@ class EventSubscriber:
         sub.setsockopt(zmq.RCVHWM, self._receive_hwm)
         sub.setsockopt(zmq.RECONNECT_IVL, 100)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        sub.setsockopt(zmq.SUBSCRIBE, p.EVENTS_TOPIC)
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(endpoint.events)
         return _Follower(endpoint, sub, monitor)
@@ -313,10 +312,10 @@ class EventSubscriber:
             except ValueError:
                 log.warning("node %s: an event not in two frames, ignored", follower.endpoint.node)
                 continue
-            if topic != TOPIC:
+            if topic != p.EVENTS_TOPIC:
                 continue
             try:
-                event = decode_event(body)
+                event = p.decode_event(body)
             except msgspec.MsgspecError as error:
                 log.warning("node %s: undecodable event ignored: %s", follower.endpoint.node, error)
                 continue
@@ -325,7 +324,7 @@ class EventSubscriber:
                 follower.event_lag = max(0.0, now - event.time)
             self._on_event(follower, event)
 
-    def _on_event(self, follower: _Follower, event: ChunkEvent) -> None:
+    def _on_event(self, follower: _Follower, event: p.ChunkEvent) -> None:
         if follower.resyncing:
             if len(follower.buffer) < self._max_buffered:
                 follower.buffer.append(event)
@@ -340,7 +339,7 @@ class EventSubscriber:
         elif event.seq == follower.seq + 1:
             self._apply(follower, event)
 
-    def _apply(self, follower: _Follower, event: ChunkEvent) -> None:
+    def _apply(self, follower: _Follower, event: p.ChunkEvent) -> None:
         follower.seq = event.seq
         follower.events += 1
         if event.tier != TRACKED_TIER:

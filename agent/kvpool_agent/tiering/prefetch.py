@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvpool_agent.l2.base import L2Adapter, ObjectKey
-from kvpool_agent.service import CacheService
+from kvpool_agent.service.cache_service import CacheService
 from kvpool_agent.tiering.writeback import LatencyObserver
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,8 @@ from typing import Literal
 from kvpool_agent.keys import CANARY_TENANT
 from kvpool_agent.l2.base import L2Adapter, L2Object, ObjectKey
 from kvpool_agent.segment import SharedSegment
-from kvpool_agent.service import CacheService, Pins
+from kvpool_agent.service.cache_service import CacheService
+from kvpool_agent.service.hooks import Pins
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from kvpool_agent.policies.slotlists import SlotArena
+from kvpool_agent.core.policies.slotlists import SlotArena
 
 
 class LRUPolicy:

@@ -2,7 +2,7 @@
 
 Both APIs answer errors as ``{"detail": "<reason>"}``, serve ``/healthz``, ``/readyz``
 and ``/metrics`` without a token, and take ``Authorization: Bearer <token>`` from the
-pool's tokens file (:mod:`kvpool_agent.auth`) everywhere else: a missing or unknown token
+pool's tokens file (:mod:`kvpool_agent.tenancy.auth`) everywhere else: a missing or unknown token
 is 401, a principal the API does not serve (a gateway on an agent, a tenant on the index)
 403.
 """
@@ -18,7 +18,7 @@ from fastapi.security.utils import get_authorization_scheme_param
 from pydantic import BaseModel, Field
 from starlette.routing import Match
 
-from kvpool_agent.auth import Principal, Role, TokenAuthority
+from kvpool_agent.tenancy.auth import Principal, Role, TokenAuthority
 
 MetricsSource = Callable[[], tuple[bytes, str]]
 """Renders the metrics exposition: ``(body, content_type)``."""
@@ -115,7 +115,7 @@ class BearerAuth:
     """Who sends a request, from its ``Authorization: Bearer`` token, for one API's ``roles``.
 
     Both the routes' dependency (:func:`bearer_principal`) and the body gate
-    (:class:`kvpool_agent.http_body_gate.BodyGate`, which must decide before a body is
+    (:class:`kvpool_agent.web.body_gate.BodyGate`, which must decide before a body is
     read) ask this one object, so they answer alike.
     """
 

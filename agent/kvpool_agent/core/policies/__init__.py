@@ -1,28 +1,23 @@
 """Eviction policies behind a plain registry: a literal name maps to "module:Class".
 
-Modules are imported on first use; an unknown name is an error that lists the
-known ones. Adding a policy is one line here and one module beside this file.
+The registry is :data:`kvpool_agent.names.EVICTION_POLICIES`, so the configuration
+checks a name without loading any policy. Modules are imported on first use; an
+unknown name is an error that lists the known ones.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from kvpool_agent.policies.base import EvictionPolicy, PolicyFactory
-from kvpool_agent.policies.slotlists import SlotArena
-
-_REGISTRY: dict[str, str] = {
-    "lru": "kvpool_agent.policies.lru:LRUPolicy",
-    "arc": "kvpool_agent.policies.arc:ARCPolicy",
-}
-
-POLICY_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+from kvpool_agent.core.policies.base import EvictionPolicy, PolicyFactory
+from kvpool_agent.core.policies.slotlists import SlotArena
+from kvpool_agent.names import EVICTION_POLICIES, POLICY_NAMES
 
 
 def policy_factory(name: str) -> PolicyFactory:
     """The policy class registered under ``name``."""
     try:
-        target = _REGISTRY[name]
+        target = EVICTION_POLICIES[name]
     except KeyError:
         raise ValueError(
             f"unknown eviction policy {name!r}; known policies are {', '.join(POLICY_NAMES)}"

@@ -2,7 +2,7 @@
 
 One thread owns the socket and serves one message at a time (ROUTER queues
 fairly across peers). Every operation on the cache is one call of
-:class:`~kvpool_agent.service.CacheService`; this module adds the transport's
+:class:`~kvpool_agent.service.cache_service.CacheService`; this module adds the transport's
 own concerns: sessions, lease ownership, limits on a request's size, draining,
 and parked ``prefetch_status`` waits. Any bad input becomes an
 :class:`~kvpool_agent.protocol.Error` reply; nothing a client sends can stop
@@ -14,7 +14,7 @@ any other connection it is unknown, so one client can neither guess nor use
 another's session, and a lease is committed or released only by the session it
 was granted to. A session whose write lease expired before its commit is
 fenced: every later request on it fails with ``session_fenced`` (the client
-says hello again) and its quarantined pages (see :mod:`kvpool_agent.l1`) are
+says hello again) and its quarantined pages (see :mod:`kvpool_agent.core.l1`) are
 freed once it is swept as idle. Idle sessions are swept on a timer, busy
 socket or not.
 """
@@ -33,10 +33,10 @@ from typing import Protocol
 import zmq
 
 from kvpool_agent import protocol as p
-from kvpool_agent.auth import TENANT_ID_RULE, is_tenant_id
-from kvpool_agent.cache_types import CacheError, InvalidRequest, LeaseExpired, UnknownLease
+from kvpool_agent.core.cache_types import CacheError, InvalidRequest, LeaseExpired, UnknownLease
+from kvpool_agent.keys import TENANT_ID_RULE, is_tenant_id
 from kvpool_agent.segment import SharedSegment
-from kvpool_agent.service import CacheService
+from kvpool_agent.service.cache_service import CacheService
 
 log = logging.getLogger(__name__)
 

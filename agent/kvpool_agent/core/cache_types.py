@@ -1,6 +1,6 @@
 """The L1 cache's contract: what its callers pass, get back, catch and implement.
 
-Kept apart from the cache itself (:mod:`kvpool_agent.l1`) so that the service, the
+Kept apart from the cache itself (:mod:`kvpool_agent.core.l1`) so that the service, the
 transports, the HTTP API and L2 read these types without loading the mechanism
 (allocator, journal, policies).
 """
@@ -40,7 +40,7 @@ class UnknownLease(CacheError):
 class LeaseExpired(CacheError):
     """A write lease expired before its commit; its pages are quarantined.
 
-    See :mod:`kvpool_agent.l1` for why.
+    See :mod:`kvpool_agent.core.l1` for why.
     """
 
     code = "lease_expired"
@@ -57,7 +57,7 @@ class Placement:
 
 @dataclass(frozen=True, slots=True)
 class Reservation:
-    """Result of :meth:`~kvpool_agent.l1.L1Cache.reserve`.
+    """Result of :meth:`~kvpool_agent.core.l1.L1Cache.reserve`.
 
     ``placements[i]`` is where to write ``keys[i]``, or None if that key is
     already cached (nothing to copy). Keys past ``len(placements)`` were
@@ -72,7 +72,7 @@ class Reservation:
 
 @dataclass(frozen=True, slots=True)
 class Hit:
-    """Result of :meth:`~kvpool_agent.l1.L1Cache.lookup`: the leading run of ready chunks,
+    """Result of :meth:`~kvpool_agent.core.l1.L1Cache.lookup`: the leading run of ready chunks,
     read-locked.
 
     ``offsets[i]`` and ``sizes[i]`` locate the i-th hit; ``len(offsets)`` is the hit count.

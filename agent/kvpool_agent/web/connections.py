@@ -20,7 +20,7 @@ each connection's protocol its own copy of the lifespan state holding the connec
 (uvicorn copies that state into every request's ``scope["state"]``), and
 :class:`RequestTracker`, the outermost middleware, reports when a request begins and
 when its response ends. Refusals and timeouts are logged through a
-:class:`~kvpool_agent.rate_limited_log.RateLimitedLog`, not once per connection.
+:class:`~kvpool_agent.web.rate_limited_log.RateLimitedLog`, not once per connection.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvpool_agent.rate_limited_log import RateLimitedLog
+from kvpool_agent.web.rate_limited_log import RateLimitedLog
 
 CONNECTION_KEY = "kvpool.connection"
 """Where a request's :class:`GuardedConnection` is in ``scope["state"]``."""

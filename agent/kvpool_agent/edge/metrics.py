@@ -24,9 +24,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from kvpool_agent.cache_factory import SegmentOrigin
+from kvpool_agent.core.factory import SegmentOrigin
 from kvpool_agent.l2.base import L2Adapter
-from kvpool_agent.service import CacheService, TenantRanking
+from kvpool_agent.service.cache_service import CacheService
+from kvpool_agent.service.results import TenantRanking
 from kvpool_agent.tiering.prefetch import Prefetcher
 from kvpool_agent.tiering.writeback import WriteBack
 

@@ -48,7 +48,7 @@ oldest is dropped, so a flood of new ids costs a bounded amount of memory. The
 cache-wide counters stay exact; a dropped record's counters go with it.
 
 Not thread-safe: the agent reaches it only through
-:class:`~kvpool_agent.service.CacheService`, which calls it under one lock from
+:class:`~kvpool_agent.service.cache_service.CacheService`, which calls it under one lock from
 every thread (the ZMQ thread, the event loop, the HTTP handlers); only a few
 counters (``open_write_leases``, ``quarantined_leases``) and quota limits are read
 without that lock.
@@ -66,8 +66,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvpool_agent.allocator import ExtentAllocator
-from kvpool_agent.cache_types import (
+from kvpool_agent.core.allocator import ExtentAllocator
+from kvpool_agent.core.cache_types import (
     ChunkListener,
     EvictionCause,
     Hit,
@@ -81,11 +81,12 @@ from kvpool_agent.cache_types import (
     TenantStats,
     UnknownLease,
 )
-from kvpool_agent.journal import RESERVED, ChunkRecord, SegmentJournal
+from kvpool_agent.core.journal import RESERVED, ChunkRecord, SegmentJournal
+from kvpool_agent.core.policies import EvictionPolicy, PolicyFactory, SlotArena
+from kvpool_agent.core.quota_book import QuotaBook
 from kvpool_agent.keys import KEY_BYTES
-from kvpool_agent.policies import EvictionPolicy, PolicyFactory, SlotArena
 from kvpool_agent.probe_table import ProbeTableWriter
-from kvpool_agent.quotas import Quota, QuotaBook, TierLimits
+from kvpool_agent.quotas import Quota, TierLimits
 from kvpool_agent.segment import SegmentLayout
 
 NIL = -1

@@ -1,8 +1,8 @@
 """Serve an ASGI app with uvicorn inside a process that owns its own signal handling.
 
 The server is guarded against clients that hold connections or descriptors
-(:mod:`kvpool_agent.http_connections`): request bodies are the app's business
-(:class:`kvpool_agent.http_body_gate.BodyGate`, which needs the app's tokens).
+(:mod:`kvpool_agent.web.connections`): request bodies are the app's business
+(:class:`kvpool_agent.web.body_gate.BodyGate`, which needs the app's tokens).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from kvpool_agent.http_connections import ConnectionGate, RequestTracker
-from kvpool_agent.http_limits import HttpLimits
-from kvpool_agent.rate_limited_log import RateLimitedLog
+from kvpool_agent.config import HttpLimits
+from kvpool_agent.web.connections import ConnectionGate, RequestTracker
+from kvpool_agent.web.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)
 

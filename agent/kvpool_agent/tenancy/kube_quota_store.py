@@ -16,14 +16,13 @@ pool uses it:
 
 When the API server cannot be reached, :meth:`~KubernetesQuotaStore.load` answers with the
 last quotas the store saw and the watch retries in the background; writes fail with
-:class:`~kvpool_agent.quota_store.QuotaStoreError` (the HTTP API answers 503) rather than
+:class:`~kvpool_agent.tenancy.quota_store.QuotaStoreError` (the HTTP API answers 503) rather than
 let one agent diverge from the others. A value of none of these forms (a hand edit) is
 logged and ignored; the other tenants still apply.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -33,13 +32,12 @@ from kubernetes.client import CoreV1Api
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config import ConfigException
 
-from kvpool_agent.kube_watch import Manifest, connect_config_map, watch_config_map
-from kvpool_agent.quota_store import QuotaStoreError
-from kvpool_agent.quotas import Quota, quota_from_json, quota_to_json
+from kvpool_agent.kube.watch import Manifest, connect_config_map, watch_config_map
+from kvpool_agent.quotas import Quota, quota_from_configmap, quota_to_configmap
+from kvpool_agent.tenancy.quota_store import QuotaStoreError
 
 log = logging.getLogger(__name__)
 
-UNLIMITED = "unlimited"
 FIELD_MANAGER = "kvpool-agent"
 
 QuotaListener = Callable[[dict[str, Quota]], None]
@@ -47,7 +45,7 @@ QuotaListener = Callable[[dict[str, Quota]], None]
 
 
 class KubernetesQuotaStore:
-    """A :class:`~kvpool_agent.quota_store.QuotaStore` on one ConfigMap, with a watch."""
+    """A :class:`~kvpool_agent.tenancy.quota_store.QuotaStore` on one ConfigMap, with a watch."""
 
     def __init__(
         self,
@@ -106,11 +104,7 @@ class KubernetesQuotaStore:
         return self._remember(self._parse(config_map.data or {}), published=True)
 
     def save(self, tenant: str, limits: Quota) -> None:
-        stored = quota_to_json(limits)
-        if isinstance(stored, dict):
-            self._patch({tenant: json.dumps(stored)})
-        else:
-            self._patch({tenant: UNLIMITED if stored is None else str(stored)})
+        self._patch({tenant: quota_to_configmap(limits)})
 
     def delete(self, tenant: str) -> None:
         self._patch({tenant: None})
@@ -168,7 +162,7 @@ class KubernetesQuotaStore:
         limits: dict[str, Quota] = {}
         for tenant, value in data.items():
             try:
-                limits[tenant] = parse_limits(value)
+                limits[tenant] = quota_from_configmap(value)
             except ValueError as error:
                 log.error(
                     "%s: the quota of tenant %s is %r, %s; ignored",
@@ -186,18 +180,3 @@ class KubernetesQuotaStore:
             changed, self._published = limits != self._published, limits
         if changed:
             on_change(dict(limits))
-
-
-def parse_limits(value: str) -> Quota:
-    """A quota ConfigMap value: bytes, ``unlimited`` or JSON limits per tier; ValueError if not."""
-    if value == UNLIMITED:
-        return None
-    if value.isascii() and value.isdigit():
-        return int(value)
-    try:
-        parsed = json.loads(value) if value.startswith("{") else None
-    except ValueError:
-        parsed = None
-    if parsed is None:  # JSON that starts with "{" is an object, or not JSON at all
-        raise ValueError(f'neither a byte count, {UNLIMITED!r} nor {{"l1": ..., "nvme": ...}}')
-    return quota_from_json(parsed)

@@ -12,12 +12,12 @@ import time
 from dataclasses import dataclass
 
 from kvpool_agent.config import AgentConfig
-from kvpool_agent.journal import SegmentJournal
-from kvpool_agent.l1 import L1Cache
+from kvpool_agent.core.journal import SegmentJournal
+from kvpool_agent.core.l1 import L1Cache
+from kvpool_agent.core.policies import policy_factory
+from kvpool_agent.core.quota_book import QuotaBook
 from kvpool_agent.pinned import PinnedRegion, pin
-from kvpool_agent.policies import policy_factory
 from kvpool_agent.probe_table import ProbeTableWriter, table_path
-from kvpool_agent.quotas import QuotaBook
 from kvpool_agent.segment import SharedSegment
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
-from kvpool_agent.policies.slotlists import SlotArena
+from kvpool_agent.core.policies.slotlists import SlotArena
 
 
 class ARCPolicy:

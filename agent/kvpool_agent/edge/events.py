@@ -1,8 +1,8 @@
 """Chunk events: what enters and leaves this agent's cache, on a ZMQ PUB socket.
 
 A pool-wide prefix index (``kvpool index``) subscribes to every agent. Each
-message is two frames, the topic :data:`TOPIC` and a msgpack
-:class:`ChunkEvent`. ``seq`` grows by one per message of one agent process
+message is two frames, the topic :data:`~kvpool_agent.protocol.EVENTS_TOPIC` and a msgpack
+:class:`~kvpool_agent.protocol.ChunkEvent`. ``seq`` grows by one per message of one agent process
 (``agent`` changes when the agent restarts), so a subscriber sees every gap;
 after a gap it asks the agent for a ``snapshot`` (ZMQ request) of the keys it
 holds, which carries the ``seq`` it is consistent with. PUB never blocks the
@@ -19,38 +19,15 @@ import logging
 import threading
 import time
 
-import msgspec
 import zmq
 
-TOPIC = b"kvpool.chunks"
+from kvpool_agent.protocol import EVENTS_TOPIC, ChunkEvent, encode_event
 
 log = logging.getLogger(__name__)
 
 
-class ChunkEvent(msgspec.Struct, array_like=True, frozen=True):
-    seq: int
-    agent: str
-    kind: str
-    """"stored" or "removed"."""
-    tier: str
-    tenant: str
-    keys: list[bytes]
-    cause: str = ""
-    """For removals: watermark, pressure, quota or cleared."""
-    time: float = 0.0
-    """Unix time the agent published the event (0: unknown)."""
-
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(ChunkEvent)
-
-
-def decode_event(frame: bytes) -> ChunkEvent:
-    return _decoder.decode(frame)
-
-
 class EventPublisher:
-    """A :class:`~kvpool_agent.cache_types.ChunkListener` that publishes every change."""
+    """A :class:`~kvpool_agent.core.cache_types.ChunkListener` that publishes every change."""
 
     def __init__(self, endpoint: str, agent_id: str, tier: str = "l1") -> None:
         self.agent_id = agent_id
@@ -96,4 +73,4 @@ class EventPublisher:
             )
             # Past the high-water mark the message is dropped: subscribers see the gap and resync.
             with contextlib.suppress(zmq.Again):
-                self._socket.send_multipart([TOPIC, _encoder.encode(event)], zmq.NOBLOCK)
+                self._socket.send_multipart([EVENTS_TOPIC, encode_event(event)], zmq.NOBLOCK)

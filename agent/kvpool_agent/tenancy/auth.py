@@ -30,7 +30,6 @@ and a digest left out stops working at once.
 from __future__ import annotations
 
 import enum
-import hashlib
 import hmac
 import os
 import re
@@ -42,36 +41,17 @@ from pathlib import Path
 
 import yaml
 
-from kvpool_agent.keys import TENANT_ID_CHARS
+from kvpool_agent.keys import TENANT_ID_RULE, check_tenant_id, is_tenant_id
+from kvpool_agent.tenants_configmap import digest_token
 
-TENANT_ID_PATTERN = rf"^[0-9a-f]{{{TENANT_ID_CHARS}}}$"
-"""A tenant id as a JSON Schema / OpenAPI pattern."""
-_TENANT_ID = re.compile(TENANT_ID_PATTERN)
 # Visible ASCII only: what fits in an Authorization header without quoting.
 _TOKEN = re.compile(r"[\x21-\x7e]+")
 _TOP_LEVEL_KEYS = ("admin", "tenants", "gateways")
 _KEYS_TEXT = ", ".join(f"'{key}'" for key in _TOP_LEVEL_KEYS)
 
-TENANT_ID_RULE = (
-    f"tenant id must be {TENANT_ID_CHARS} lowercase hex characters; "
-    "compute it with `kvpool tenant-id`"
-)
-
 
 class TokenFileError(ValueError):
     """The tokens file cannot be read or does not have the expected shape."""
-
-
-def is_tenant_id(value: str) -> bool:
-    """True for a well-formed tenant id (see :func:`kvpool_agent.keys.tenant_id`)."""
-    return _TENANT_ID.fullmatch(value) is not None
-
-
-def check_tenant_id(value: str) -> str:
-    """Return ``value`` if it is a well-formed tenant id; ValueError with the rule if not."""
-    if not is_tenant_id(value):
-        raise ValueError(TENANT_ID_RULE)
-    return value
 
 
 class Role(enum.StrEnum):
@@ -109,15 +89,6 @@ class Principal:
 
 ADMIN = Principal.admin()
 GATEWAY = Principal(Role.GATEWAY)
-
-
-def _digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode()).digest()
-
-
-def token_digest(token: str) -> str:
-    """What the tenants ConfigMap holds of a token: SHA-256 of its UTF-8 bytes, as hex."""
-    return _digest(token).hex()
 
 
 Grant = tuple[bytes, Principal]
@@ -216,7 +187,7 @@ class TokenAuthority:
         Compares against every known digest without stopping early, so the time
         taken does not depend on which entry (if any) matches.
         """
-        digest = _digest(token)
+        digest = digest_token(token)
         found: Principal | None = None
         for known, principal in self._entries:  # one read: a concurrent swap is seen whole
             if hmac.compare_digest(digest, known):
@@ -252,7 +223,7 @@ class TokenAuthority:
     def _add(
         self, owners: dict[bytes, Principal], token: str, principal: Principal, where: str
     ) -> None:
-        digest = _digest(token)
+        digest = digest_token(token)
         owner = owners.get(digest)
         if owner == principal:
             return  # listed twice for the same principal: harmless

@@ -3,7 +3,7 @@
 The ZMQ server, the HTTP API, the maintenance task and the L2 controllers
 (write-back, prefetch) call these operations; none of them takes the lock or
 touches the cache itself. An operation raises the cache's domain errors
-(:class:`~kvpool_agent.l1.CacheError` and its kinds); each edge maps them to
+(:class:`~kvpool_agent.core.l1.CacheError` and its kinds); each edge maps them to
 its own replies.
 
 Data path: :meth:`CacheService.lookup` (a hit tells the write-back, a miss may
@@ -30,149 +30,35 @@ import contextlib
 import heapq
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from operator import attrgetter
-from typing import Protocol
 
-from kvpool_agent.cache_types import (
-    ChunkListener,
-    Hit,
+from kvpool_agent.core.cache_types import (
     L1Stats,
     Reservation,
     TenantStats,
     UnknownLease,
 )
-from kvpool_agent.l1 import L1Cache
-from kvpool_agent.quota_store import QuotaStore
+from kvpool_agent.core.l1 import L1Cache
 from kvpool_agent.quotas import Limit, Quota, TierLimits, as_limits
 from kvpool_agent.segment import SharedSegment
-
-
-class Pins(Protocol):
-    """Read locks without expiry on single chunks, for the write-back.
-
-    Handed to a :class:`WriteBackHook` call, which runs under the service lock:
-    valid only during that call.
-    """
-
-    def pin(self, tenant: str, key: bytes) -> Hit: ...
-
-    def release(self, lease: int) -> None: ...
-
-
-class WriteBackHook(Protocol):
-    """Hears of commits and hits, under the service lock, and pins what it will copy to L2.
-
-    Must be quick and must not call the service (its lock is held).
-    """
-
-    def committed(self, tenant: str, keys: Sequence[bytes], pins: Pins) -> None: ...
-
-    def hit(self, tenant: str, keys: Sequence[bytes], pins: Pins) -> None: ...
-
-
-class TenantDrop(Protocol):
-    def __call__(self, tenant: str) -> int:
-        """Delete the tenant's objects from every L2 tier (blocking); how many went.
-
-        Raises :class:`~kvpool_agent.l2.base.TierUnavailable` if a tier could not finish.
-        """
-        ...
-
-
-class TenantBytes(Protocol):
-    def __call__(self, tenant: str) -> int:
-        """Bytes of the tenant's objects in a tier."""
-        ...
-
-
-class PrefetchProgress(Protocol):
-    @property
-    def done(self) -> bool: ...
-
-    @property
-    def expected(self) -> int:
-        """Chunks the tiers hold (-1 until known)."""
-        ...
-
-    @property
-    def loaded(self) -> int: ...
-
-
-class PrefetchHook(Protocol):
-    """Loads the rest of a prefix from L2 after an L1 miss (called outside the service lock)."""
-
-    def begin(self, tenant: str, keys: Sequence[bytes], parent: bytes | None) -> int:
-        """Start loading ``keys`` (``parent`` precedes the first); its id, or 0 if none."""
-        ...
-
-    def status(self, prefetch_id: int) -> PrefetchProgress | None: ...
-
-
-class SequencedListener(ChunkListener, Protocol):
-    @property
-    def seq(self) -> int:
-        """The sequence number of the last change published."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class LookupOutcome:
-    hit: Hit
-    prefetch: int
-    """The prefetch loading the keys after the hits from L2, or 0 (none started)."""
-
-
-@dataclass(frozen=True, slots=True)
-class StoreResult:
-    stored: int
-    """Chunks copied and made ready."""
-    present: int
-    """Chunks that were cached already (nothing copied)."""
-    refused_reason: str | None
-    """Why the tail of the keys was refused, if it was."""
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    seq: int
-    """The last chunk event published when the keys were read (0 without events)."""
-    keys_by_tenant: dict[str, list[bytes]]
-
-
-@dataclass(frozen=True)
-class QuotaView:
-    tenant: str
-    limits: TierLimits
-    explicit: bool
-    """False when the tenant has no quota of its own and the default applies."""
-
-    @property
-    def limit(self) -> Limit:
-        """The L1 limit."""
-        return self.limits.l1
-
-
-class AboveCeiling(ValueError):
-    """A tenant asked for more than its ceiling (set by its KVCacheTenant); nothing changed."""
-
-
-@dataclass(frozen=True, slots=True)
-class Dropped:
-    l1_chunks: int
-    l2_objects: int
-
-
-@dataclass(frozen=True)
-class TenantRanking:
-    """The tenants that use the most L1, and the rest summed (for bounded metric labels)."""
-
-    largest: list[TenantStats]
-    """Largest first."""
-    rest_used_bytes: int
-    rest_chunks: int
-    rest_count: int
-
+from kvpool_agent.service.hooks import (
+    PrefetchHook,
+    PrefetchProgress,
+    SequencedListener,
+    TenantBytes,
+    TenantDrop,
+    WriteBackHook,
+)
+from kvpool_agent.service.results import (
+    AboveCeiling,
+    Dropped,
+    LookupOutcome,
+    QuotaView,
+    Snapshot,
+    StoreResult,
+    TenantRanking,
+)
+from kvpool_agent.tenancy.quota_store import QuotaStore
 
 _USED_BYTES = attrgetter("used_bytes")
 

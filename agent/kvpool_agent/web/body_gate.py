@@ -6,7 +6,7 @@ parse) as many bytes as it cares to send. For a request that carries a body (a
 ``Content-Length`` above 0, or ``Transfer-Encoding``), in this order:
 
 1. a declared ``Content-Length`` above ``max_body_bytes``: 413, body unread;
-2. no token the API accepts: 401 or 403 (:class:`kvpool_agent.http_common.BearerAuth`),
+2. no token the API accepts: 401 or 403 (:class:`kvpool_agent.web.common.BearerAuth`),
    body unread;
 3. while the app reads: more bytes than ``max_body_bytes`` (a chunked or short-declared
    body) is 413, and a body not complete ``body_timeout_seconds`` after the head is 408
@@ -24,8 +24,8 @@ from fastapi import HTTPException, status
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvpool_agent.http_common import BearerAuth
-from kvpool_agent.http_limits import HttpLimits
+from kvpool_agent.config import HttpLimits
+from kvpool_agent.web.common import BearerAuth
 
 _DISCONNECT: Message = {"type": "http.disconnect"}
 

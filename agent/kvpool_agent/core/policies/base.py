@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
-from kvpool_agent.policies.slotlists import SlotArena
+from kvpool_agent.core.policies.slotlists import SlotArena
 
 
 class EvictionPolicy(Protocol):

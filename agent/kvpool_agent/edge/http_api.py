@@ -12,7 +12,7 @@ the pool's KVCacheTenants (the operator's token is an admin's). Checks run in th
 a missing or unknown token is 401, a gateway token 403, a malformed tenant id
 422, a tenant touching another tenant or an admin-only route 403. A request
 with a body is checked for its size (413) and token before the body is read
-(:class:`~kvpool_agent.http_body_gate.BodyGate`). Every error body is
+(:class:`~kvpool_agent.web.body_gate.BodyGate`). Every error body is
 ``{"detail": "<reason>"}``.
 
 Handlers that reach the service are plain ``def``: FastAPI runs them in its
@@ -23,24 +23,30 @@ the event loop.
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Query, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
 
-from kvpool_agent.auth import (
-    TENANT_ID_PATTERN,
-    TENANT_ID_RULE,
-    Principal,
-    Role,
-    TokenAuthority,
-    is_tenant_id,
+from kvpool_agent.api_models import (
+    CacheStatus,
+    Cleared,
+    Quota,
+    QuotaUpdate,
+    TenantUsages,
+    Usage,
 )
-from kvpool_agent.cache_types import TenantStats
-from kvpool_agent.http_body_gate import BodyGate
-from kvpool_agent.http_common import (
+from kvpool_agent.config import HttpLimits
+from kvpool_agent.core.cache_types import TenantStats
+from kvpool_agent.keys import TENANT_ID_PATTERN, TENANT_ID_RULE, is_tenant_id
+from kvpool_agent.l2.base import TierUnavailable
+from kvpool_agent.service.cache_service import CacheService
+from kvpool_agent.service.results import AboveCeiling, QuotaView
+from kvpool_agent.tenancy.auth import Principal, Role, TokenAuthority
+from kvpool_agent.tenancy.quota_store import QuotaStoreError
+from kvpool_agent.web.body_gate import BodyGate
+from kvpool_agent.web.common import (
     BearerAuth,
     Error,
     MetricsSource,
@@ -49,18 +55,8 @@ from kvpool_agent.http_common import (
     on_invalid_request,
     on_method_not_allowed,
 )
-from kvpool_agent.http_limits import HttpLimits
-from kvpool_agent.l2.base import TierUnavailable
-from kvpool_agent.quota_store import QuotaStoreError
-from kvpool_agent.quotas import TierLimits
-from kvpool_agent.service import AboveCeiling, CacheService, QuotaView
 
 log = logging.getLogger(__name__)
-
-MAX_LIMIT_BYTES = 2**53
-"""Largest quota accepted (8 PiB): every integer up to it is exact as a JSON double, so a
-client that holds numbers as doubles (JavaScript, many JSON Schema validators) never sends
-a schema-valid value that rounds past the bound."""
 
 TENANT_ID_DOC = "Tenant id: 32 lowercase hex characters, from `kvpool tenant-id <cache_salt>`."
 _EXAMPLE_TENANT = "0123456789abcdef0123456789abcdef"
@@ -71,148 +67,6 @@ may use every route, a tenant token only its own tenant's routes. `/healthz`,
 `/readyz` and `/metrics` need no token. Errors are `{"detail": "<reason>"}`.
 Tenant ids are `kvpool tenant-id <cache_salt>`: 32 lowercase hex characters.
 """
-
-# ------------------------------------------------------------------ models
-
-
-class CacheStatus(BaseModel):
-    """State of the node's L1 cache (all tenants)."""
-
-    capacity_bytes: int = Field(description="Bytes of chunk data the L1 segment holds.")
-    allocated_bytes: int = Field(description="Bytes in allocated pages (whole pages per chunk).")
-    stored_bytes: int = Field(description="Bytes of chunk data stored (being written or ready).")
-    chunks: int = Field(description="Chunks in the index.")
-    hits: int = Field(description="Chunks found by lookups since start.")
-    misses: int = Field(description="Chunks looked up and not found since start.")
-    written_bytes: int = Field(description="Bytes of chunks committed since start.")
-    read_bytes: int = Field(description="Bytes of chunks handed to readers since start.")
-    evictions: dict[str, int] = Field(
-        description="Chunks evicted since start, by cause: watermark, pressure, quota."
-    )
-    lock_expiries: int = Field(description="Leases that expired instead of being released.")
-    open_leases: int = Field(description="Read and write leases open now.")
-    quarantined_leases: int = Field(
-        description="Write leases that expired before their commit since start (their pages "
-        "were held back from reuse: a stalled writer may still copy into them)."
-    )
-    quarantined_bytes: int = Field(description="Bytes in pages held back that way now.")
-    free_extents: int = Field(description="Runs of free pages.")
-    fragmentation: float = Field(
-        description="External fragmentation: 1 - largest free extent / free bytes."
-    )
-    page_waste: float = Field(
-        description="Share of allocated bytes lost to rounding chunks up to whole pages."
-    )
-    tenant_count: int = Field(
-        description="Tenant records: tenants holding chunks or a quota, and the most recently "
-        "active of those holding nothing (up to a bound)."
-    )
-
-
-class Quota(BaseModel):
-    tenant: str = Field(description="Tenant id (32 lowercase hex characters).")
-    limit_bytes: int | None = Field(
-        description="Bytes the tenant may keep in L1; 0 = no caching, null = unlimited."
-    )
-    nvme_limit_bytes: int | None = Field(
-        description="Bytes the tenant may keep in this node's NVMe tier; null = unlimited."
-    )
-    explicit: bool = Field(
-        description="True if the tenant has its own quota; false if the default applies "
-        "(lowered to the tenant's ceiling, if its KVCacheTenant sets one)."
-    )
-
-    @classmethod
-    def of(cls, view: QuotaView) -> Self:
-        return cls(
-            tenant=view.tenant,
-            limit_bytes=view.limits.l1,
-            nvme_limit_bytes=view.limits.nvme,
-            explicit=view.explicit,
-        )
-
-
-def _integral_float_as_int(value: object) -> object:
-    """JSON Schema's integer includes 4096.0: take it as 4096 (1.5, "1" and true still fail)."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-_LimitBytes = (
-    Annotated[StrictInt, Field(ge=0, le=MAX_LIMIT_BYTES), BeforeValidator(_integral_float_as_int)]
-    | None
-)
-
-
-class QuotaUpdate(BaseModel):
-    """A tenant's new quota, stored durably and applied at once (shrinking evicts).
-
-    A tenant's own token may set at most its ceiling in each tier (403 above it).
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    limit_bytes: _LimitBytes = Field(
-        description="Bytes the tenant may keep in L1: an integer >= 0 (0 = no caching), "
-        "or null for unlimited.",
-        examples=[8 << 30, 0, None],
-    )
-    nvme_limit_bytes: _LimitBytes = Field(
-        None,
-        description="Bytes the tenant may keep in the NVMe tier, or null for unlimited; "
-        "absent: the same as limit_bytes.",
-        examples=[64 << 30],
-    )
-
-    def limits(self) -> TierLimits:
-        if "nvme_limit_bytes" not in self.model_fields_set:
-            return TierLimits.both(self.limit_bytes)
-        return TierLimits(self.limit_bytes, self.nvme_limit_bytes)
-
-
-class Usage(BaseModel):
-    tenant: str = Field(description="Tenant id.")
-    used_bytes: int = Field(description="Bytes of the tenant's chunks in L1.")
-    nvme_used_bytes: int = Field(
-        description="Bytes of the tenant's files in this node's NVMe tier; 0 without one."
-    )
-    chunks: int = Field(description="The tenant's chunks in L1.")
-    quota_bytes: int | None = Field(description="The tenant's quota; null = unlimited.")
-    hits: int = Field(description="Chunks the tenant found since start.")
-    misses: int = Field(description="Chunks the tenant looked up and did not find.")
-    stored_chunks: int = Field(description="Chunks the tenant stored since start.")
-    evicted_chunks: int = Field(description="The tenant's chunks evicted since start.")
-
-    @classmethod
-    def of(cls, stats: TenantStats, nvme_used_bytes: int) -> Self:
-        return cls(
-            tenant=stats.tenant,
-            used_bytes=stats.used_bytes,
-            nvme_used_bytes=nvme_used_bytes,
-            chunks=stats.chunks,
-            quota_bytes=stats.quota_bytes,
-            hits=stats.hits,
-            misses=stats.misses,
-            stored_chunks=stats.stored_chunks,
-            evicted_chunks=stats.evicted_chunks,
-        )
-
-
-class TenantUsages(BaseModel):
-    """Every tenant the cache has an account for; counters run since the agent started."""
-
-    tenants: list[Usage] = Field(description="One entry per tenant, in no particular order.")
-
-
-class Cleared(BaseModel):
-    dropped_chunks: int = Field(
-        description="Chunks dropped; locked ones are freed when their readers finish."
-    )
-    l2_dropped_objects: int | None = Field(
-        None,
-        description="With tiers=all: objects deleted from the L2 tiers (this node's NVMe "
-        "files and the pool's S3 objects of the tenant); null otherwise.",
-    )
-
 
 # ----------------------------------------------------------------- errors
 
@@ -314,7 +168,7 @@ def create_app(
 
     ``ready`` answers ``/readyz`` (default: ready whenever the app serves).
     ``metrics``, if given, is served at ``/metrics`` without a token.
-    ``limits`` bound request bodies (:class:`~kvpool_agent.http_body_gate.BodyGate`).
+    ``limits`` bound request bodies (:class:`~kvpool_agent.web.body_gate.BodyGate`).
     """
     app = FastAPI(
         title="kvpool agent",
@@ -372,9 +226,7 @@ def _cache_routes(service: CacheService, guards: _Guards) -> APIRouter:
     )
     def list_tenants(_: Admin) -> TenantUsages:
         return TenantUsages(
-            tenants=[
-                Usage.of(stats, service.nvme_used(stats.tenant)) for stats in service.tenants()
-            ]
+            tenants=[_usage(stats, service.nvme_used(stats.tenant)) for stats in service.tenants()]
         )
 
     @router.post(
@@ -398,7 +250,7 @@ def _tenant_routes(service: CacheService, guards: _Guards) -> APIRouter:
 
     @router.get("/quota", summary="A tenant's quota (admin or that tenant).")
     def get_quota(access: Tenant) -> Quota:
-        return Quota.of(service.quota(access.tenant))
+        return _quota(service.quota(access.tenant))
 
     @router.put(
         "/quota",
@@ -416,7 +268,7 @@ def _tenant_routes(service: CacheService, guards: _Guards) -> APIRouter:
         log.info(
             "%s set the quota of tenant %s to %s", access.principal, view.tenant, _limits(view)
         )
-        return Quota.of(view)
+        return _quota(view)
 
     @router.delete(
         "/quota",
@@ -426,11 +278,11 @@ def _tenant_routes(service: CacheService, guards: _Guards) -> APIRouter:
     def delete_quota(access: Tenant) -> Quota:
         view = service.delete_quota(access.tenant)
         log.info("%s reverted the quota of tenant %s to the default", access.principal, view.tenant)
-        return Quota.of(view)
+        return _quota(view)
 
     @router.get("/usage", summary="A tenant's cache usage and counters (admin or that tenant).")
     def get_usage(access: Tenant) -> Usage:
-        return Usage.of(service.usage(access.tenant), service.nvme_used(access.tenant))
+        return _usage(service.usage(access.tenant), service.nvme_used(access.tenant))
 
     @router.post(
         "/clear",
@@ -482,3 +334,26 @@ def _bytes(limit: int | None) -> str:
 def _limits(view: QuotaView) -> str:
     l1, nvme = view.limits.l1, view.limits.nvme
     return _bytes(l1) if l1 == nvme else f"{_bytes(l1)} in L1, {_bytes(nvme)} in NVMe"
+
+
+def _quota(view: QuotaView) -> Quota:
+    return Quota(
+        tenant=view.tenant,
+        limit_bytes=view.limits.l1,
+        nvme_limit_bytes=view.limits.nvme,
+        explicit=view.explicit,
+    )
+
+
+def _usage(stats: TenantStats, nvme_used_bytes: int) -> Usage:
+    return Usage(
+        tenant=stats.tenant,
+        used_bytes=stats.used_bytes,
+        nvme_used_bytes=nvme_used_bytes,
+        chunks=stats.chunks,
+        quota_bytes=stats.quota_bytes,
+        hits=stats.hits,
+        misses=stats.misses,
+        stored_chunks=stats.stored_chunks,
+        evicted_chunks=stats.evicted_chunks,
+    )

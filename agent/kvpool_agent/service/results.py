@@ -1,0 +1,66 @@
+"""What the service's operations answer: plain values that the edges encode."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpool_agent.core.cache_types import Hit, TenantStats
+from kvpool_agent.quotas import Limit, TierLimits
+
+
+@dataclass(frozen=True, slots=True)
+class LookupOutcome:
+    hit: Hit
+    prefetch: int
+    """The prefetch loading the keys after the hits from L2, or 0 (none started)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreResult:
+    stored: int
+    """Chunks copied and made ready."""
+    present: int
+    """Chunks that were cached already (nothing copied)."""
+    refused_reason: str | None
+    """Why the tail of the keys was refused, if it was."""
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    seq: int
+    """The last chunk event published when the keys were read (0 without events)."""
+    keys_by_tenant: dict[str, list[bytes]]
+
+
+@dataclass(frozen=True)
+class QuotaView:
+    tenant: str
+    limits: TierLimits
+    explicit: bool
+    """False when the tenant has no quota of its own and the default applies."""
+
+    @property
+    def limit(self) -> Limit:
+        """The L1 limit."""
+        return self.limits.l1
+
+
+class AboveCeiling(ValueError):
+    """A tenant asked for more than its ceiling (set by its KVCacheTenant); nothing changed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    l1_chunks: int
+    l2_objects: int
+
+
+@dataclass(frozen=True)
+class TenantRanking:
+    """The tenants that use the most L1, and the rest summed (for bounded metric labels)."""
+
+    largest: list[TenantStats]
+    """Largest first."""
+    rest_used_bytes: int
+    rest_chunks: int
+    rest_count: int
