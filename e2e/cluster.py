@@ -1,6 +1,6 @@
 """A Kubernetes cluster on one machine, just real enough for kvpool's whole flow.
 
-- :class:`ControlPlane`: the API server emulator of ``tests/operator/kube_api.py`` on
+- :class:`ControlPlane`: the API server emulator of ``tests/support/kube_api.py`` on
   loopback, a kubeconfig for kubectl and the operator, and an HTTPS front with its own CA
   for clients that run "in a pod" (``load_incluster_config``: the agents' quota store, the
   vLLM connector's discovery).
@@ -38,32 +38,20 @@ import socket
 import ssl
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from tests.operator.kube_api import Proxy, ServedApi
+from tests.support.kube_api import Proxy, ServedApi
+from tests.support.polling import eventually
 
 SANDBOX = Path(__file__).with_name("sandbox.py")
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 WILDCARD = "0.0.0.0"
 Manifest = dict[str, Any]
 T = TypeVar("T")
-
-
-def eventually(check: Callable[[], T], timeout: float, what: str) -> T:
-    """``check()``'s result once it stops raising AssertionError."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return check()
-        except AssertionError as error:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what}: not within {timeout:.0f} s: {error}") from error
-        time.sleep(0.1)
 
 
 class PodExited(RuntimeError):

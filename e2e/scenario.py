@@ -58,10 +58,10 @@ from typing import Any
 import httpx
 import yaml
 from pydantic.alias_generators import to_camel
-from tests.chart.tools import ToolsUnavailable, tools
-from tests.connector.engines import MAIN as ENGINE_MAIN
-from tests.connector.engines import Engine, Result, write_model
-from tests.operator.conftest import OperatorProcess
+from tests.support.engines import MAIN as ENGINE_MAIN
+from tests.support.engines import Engine, Result, write_model
+from tests.support.operator_process import OperatorProcess
+from tests.support.tools import ToolsUnavailable, tools
 
 from kvpool_agent.names import quotas_name
 from kvpool_operator.spec import parse_bytes
@@ -163,7 +163,7 @@ class Evidence:
 
 @dataclass
 class PodEngine(Engine):
-    """A vLLM engine (``tests/connector/engine_main.py``) run as a pod by a kubelet."""
+    """A vLLM engine (``tests/support/engine_main.py``) run as a pod by a kubelet."""
 
     kubelet: Kubelet | None = None
     namespace: str = TEAMS[0]

@@ -15,8 +15,7 @@ from pathlib import Path
 
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.testing.agent_process import AgentProcess
-
-from ..raw_http import Answer, connect, head, read_answer
+from tests.support.raw_http import Answer, connect, head, read_answer
 
 QUOTA_PATH = f"/v1/tenants/{tenant_id('alice')}/quota"
 

@@ -16,6 +16,7 @@ from kvpool_agent import protocol as p
 from kvpool_agent.client import AgentClient, AgentError, AgentUnavailable, AsyncAgentClient
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.polling import wait_until
 
 from .conftest import key
 
@@ -31,14 +32,6 @@ def payload(name: int, size: int) -> bytes:
 def agent(agent_process: AgentProcess) -> AgentProcess:
     agent_process.settings["MAX_INLINE_BYTES"] = "4MiB"
     return agent_process.start()
-
-
-def wait_for(condition: object, timeout: float = 10.0) -> None:
-    assert callable(condition)
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def test_zero_copy_store_and_retrieve_are_byte_exact(agent: AgentProcess) -> None:
@@ -314,13 +307,13 @@ def test_locks_of_a_crashed_client_expire(agent_process: AgentProcess) -> None:
     assert child.exitcode == 1
     with AgentClient(agent.zmq) as client:
         assert client.stats()["open_leases"] == 2
-        wait_for(lambda: client.stats()["open_leases"] == 0)
+        wait_until(lambda: client.stats()["open_leases"] == 0)
         stats = client.stats()
         assert stats["lock_expiries"] == 2
         assert stats["quarantined_bytes"] == 2 << 20  # the writer may only be stalled
         assert client.clear(TENANT) == 1  # the reader's lock is gone: the chunk can go
         # The crashed client's session is swept as idle (10 lease times): its pages are free.
-        wait_for(lambda: client.stats()["quarantined_bytes"] == 0, timeout=30)
+        wait_until(lambda: client.stats()["quarantined_bytes"] == 0, timeout=30)
         assert client.stats()["allocated_bytes"] == 0
 
 

@@ -14,8 +14,8 @@ import pytest
 
 from kvpool_agent.client import AgentClient
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.raw_http import closed_by_peer, connect, head, read_answer
 
-from ..raw_http import closed_by_peer, connect, head, read_answer
 from .body_memory import QUOTA_PATH, body_memory_growth
 
 MAX_BODY = 4096

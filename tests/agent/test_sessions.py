@@ -10,9 +10,10 @@ from kvpool_agent import protocol as p
 from kvpool_agent.client import AgentClient, AgentError, copy_in
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.polling import wait_until
 
 from .conftest import key
-from .test_agent_service import RawClient, payload, wait_for
+from .test_agent_service import RawClient, payload
 
 TENANT = tenant_id("salt-a")
 OTHER = tenant_id("salt-b")
@@ -32,7 +33,7 @@ def test_a_writer_stalled_past_its_lease_corrupts_no_other_tenant(agent: AgentPr
         plan = stalled.prepare_store(TENANT, [key(1)], [SIZE])
         assert plan.lease is not None
         # The stall, made deterministic: the writer copies nothing until its lease expired.
-        wait_for(lambda: other.stats()["lock_expiries"] == 1)
+        wait_until(lambda: other.stats()["lock_expiries"] == 1)
         assert other.store(OTHER, [key(2)], [payload(2, SIZE)]) == 1
         copy_in(stalled.segment(), plan.offsets, [payload(1, SIZE)])  # the late write
         assert other.retrieve(OTHER, [key(2)]) == [payload(2, SIZE)]
@@ -106,6 +107,6 @@ def test_idle_sessions_are_swept_on_time_while_the_socket_stays_busy(
 
         assert busy.stats()["sessions"] == 2
         # wait_for asks every 50 ms: the socket is never silent for a sweep period (2.5 s).
-        wait_for(only_the_busy_session_is_left, timeout=20)
+        wait_until(only_the_busy_session_is_left, timeout=20)
         assert busy.info is not None and busy.info.session == session
     idle.close()

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from .tools import KUBERNETES_VERSION, ROOT, Tools, ToolsUnavailable, tools
+from tests.support.tools import KUBERNETES_VERSION, ROOT, Tools, ToolsUnavailable, tools
 
 CHART = ROOT / "charts" / "kvpool"
 VALUES = Path(__file__).with_name("values")

@@ -28,9 +28,9 @@ from tests.operator.crd_schema import (
     schema,
     with_defaults,
 )
+from tests.support.tools import KUBERNETES_VERSION
 
 from .conftest import CHART, NAMESPACE, VALUES, Helm, Manifest, by_kind, one
-from .tools import KUBERNETES_VERSION
 
 OLDEST_KUBERNETES = "1.29.0"
 """Chart.yaml's kubeVersion floor (the CRD's CEL rules)."""

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kvpool_agent.testing.agent_process import AgentProcess
-from tests.index.index_process import IndexProcess
+from tests.support.index_process import IndexProcess
 
 from .conftest import CHART
 

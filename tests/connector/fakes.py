@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from kvpool_agent import keys
 from kvpool_agent.client import (
     AgentError,
     AgentInfo,
@@ -207,3 +209,18 @@ def scheduler_output(
         num_scheduled_tokens=scheduled or {},
         preempted_req_ids=preempted or set(),
     )
+
+
+# Prompts and their chains as the scheduler tests use them.
+CHUNK, BLOCK = 256, 128
+LAYOUT = "kvpool-chunk-v1;test"
+
+
+def tokens(length: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 30000) for _ in range(length)]
+
+
+def chain(ids: list[int], salt: str | None = None, rank: int = 0, tp: int = 1) -> list[bytes]:
+    fingerprint = keys.ModelFingerprint("m", "bfloat16", LAYOUT, rank, tp, CHUNK)
+    return keys.chunk_keys(ids, salt, fingerprint)

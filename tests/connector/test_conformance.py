@@ -39,8 +39,8 @@ import torch
 
 from kvpool_agent.client import AgentClient
 from kvpool_agent.testing.agent_process import AgentProcess
+from tests.support.engines import write_model
 
-from .engines import write_model
 from .vllm_steps import RUNNERS, Runner, StepEngine, cpu_platform_env, kv_cache_config, vllm_config
 
 os.environ.update(cpu_platform_env())  # before vLLM's first import picks its platform

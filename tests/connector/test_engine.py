@@ -33,8 +33,7 @@ from kvpool_agent import keys
 from kvpool_agent.client import AgentClient
 from kvpool_agent.connector import compat
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
-
-from .engines import Engine, poison_segment, write_model
+from tests.support.engines import Engine, poison_segment, write_model
 
 pytestmark = pytest.mark.timeout(600)
 

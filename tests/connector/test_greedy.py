@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.connector.greedy import TOLERANCE, compare
+from tests.support.greedy import TOLERANCE, compare
 
 STEP = 0.03125  # one bf16 rounding step of a logit between 4 and 8
 

@@ -42,10 +42,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpool_agent import keys
 from kvpool_agent.client import AgentClient
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
-
-from .engine_main import TOP_LOGPROBS
-from .engines import Result, poison_segment, write_model
-from .http_process import HttpProcess, free_port
+from tests.support.engine_main import TOP_LOGPROBS
+from tests.support.engines import Result, poison_segment, write_model
+from tests.support.http_process import HttpProcess
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from kvpool_agent import keys
@@ -12,27 +10,19 @@ from kvpool_agent.connector.metadata import KvpoolHandshake, KvpoolWorkerMetadat
 from kvpool_agent.connector.scheduler import PROBE_REUSE_S, SchedulerHalf
 
 from .fakes import (
+    BLOCK,
+    CHUNK,
+    LAYOUT,
     Clock,
     FakeAgent,
     FakeBlocks,
     FakeRequest,
+    chain,
     make_link,
     new_request,
     scheduler_output,
+    tokens,
 )
-
-CHUNK, BLOCK = 256, 128
-LAYOUT = "kvpool-chunk-v1;test"
-
-
-def tokens(length: int, seed: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 30000) for _ in range(length)]
-
-
-def chain(ids: list[int], salt: str | None = None, rank: int = 0, tp: int = 1) -> list[bytes]:
-    fingerprint = keys.ModelFingerprint("m", "bfloat16", LAYOUT, rank, tp, CHUNK)
-    return keys.chunk_keys(ids, salt, fingerprint)
 
 
 def make(

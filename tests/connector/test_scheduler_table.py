@@ -18,8 +18,7 @@ from kvpool_agent.probe_table import table_path
 from kvpool_agent.testing.agent_process import AgentProcess
 
 from .agent_link import agent_link
-from .fakes import FakeRequest
-from .test_scheduler import BLOCK, CHUNK, LAYOUT, chain, tokens
+from .fakes import BLOCK, CHUNK, LAYOUT, FakeRequest, chain, tokens
 
 TENANT = keys.tenant_id(None)
 

@@ -16,8 +16,7 @@ from kubernetes import client, config
 
 from kvpool_agent.doctor.report import NAME_WIDTH
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
-from tests.operator.conftest import served_api  # noqa: F401 (the API server fixture)
-from tests.operator.kube_api import ServedApi
+from tests.support.kube_api import ServedApi
 
 BIN = Path(sys.executable).parent
 CHECK_NAMES = (

@@ -19,7 +19,7 @@ from kubernetes.client.exceptions import ApiException
 
 from kvpool_operator.render import Pool, render
 from kvpool_operator.spec import PoolSpec
-from tests.operator.kube_api import ServedApi
+from tests.support.kube_api import ServedApi
 
 from .conftest import core_api, run_doctor
 

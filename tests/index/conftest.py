@@ -2,31 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from kvpool_agent.testing.agent_process import AgentProcess
-
-
-def key(name: str | int) -> bytes:
-    return hashlib.sha256(str(name).encode()).digest()
-
-
-def chain(name: str, length: int) -> list[bytes]:
-    """``length`` opaque keys standing for one prompt's chain."""
-    return [key(f"{name}/{position}") for position in range(length)]
-
-
-def wait_until(condition: Callable[[], object], timeout: float = 10.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what or condition}"
-        time.sleep(0.01)
 
 
 def start_all(processes: list[AgentProcess]) -> None:

@@ -23,8 +23,7 @@ from kvpool_agent.index.discovery import (
     pod_endpoint,
 )
 from kvpool_agent.names import agent_pods_selector
-
-from .conftest import wait_until
+from tests.support.polling import wait_until
 
 
 def pod(

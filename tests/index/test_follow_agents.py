@@ -6,7 +6,6 @@ truth the index is checked against is what each agent answers to a lookup.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable, Iterator, Sequence
 
 import pytest
@@ -17,8 +16,11 @@ from kvpool_agent.index.subscriber import AgentStatus, EventSubscriber
 from kvpool_agent.index.tracker import PrefixTracker
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.testing.agent_process import AgentProcess
+from tests.support.chunks import chain
+from tests.support.polling import wait_until
+from tests.support.ports import free_port
 
-from .conftest import chain, start_all, wait_until
+from .conftest import start_all
 from .proxy import TcpProxy
 
 TENANT = tenant_id("follow")
@@ -101,12 +103,6 @@ def store(agent: AgentProcess, keys: list[bytes], size: int = 1000) -> None:
 
 def endpoint(node: str, agent: AgentProcess) -> AgentEndpoint:
     return AgentEndpoint(node, agent.zmq, agent.events)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def test_the_index_follows_stores_evictions_and_clears_on_several_agents(

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from ..raw_http import closed_by_peer, connect, head, read_answer
-from .index_process import GATEWAY_TOKEN, TENANT_TOKEN, IndexProcess
+from tests.support.index_process import GATEWAY_TOKEN, TENANT_TOKEN, IndexProcess
+from tests.support.raw_http import closed_by_peer, connect, head, read_answer
 
 MAX_BODY = 4096
 HEADER_TIMEOUT = 1.0

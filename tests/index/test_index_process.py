@@ -13,9 +13,7 @@ from kvpool_agent.client import AgentClient
 from kvpool_agent.index.client import IndexClient, IndexRequestError
 from kvpool_agent.keys import chunk_keys, tenant_id
 from kvpool_agent.testing.agent_process import AgentProcess
-
-from .conftest import start_all, wait_until
-from .index_process import (
+from tests.support.index_process import (
     ADMIN_TOKEN,
     FINGERPRINT,
     GATEWAY_TOKEN,
@@ -23,6 +21,9 @@ from .index_process import (
     TENANT_TOKEN,
     IndexProcess,
 )
+from tests.support.polling import wait_until
+
+from .conftest import start_all
 
 PROMPT = list(range(1000, 1101))  # six full chunks of 16 tokens, and 5 tokens more
 

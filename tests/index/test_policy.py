@@ -8,8 +8,7 @@ from kvpool_agent.index.policy import Decision, Reason, RoutingPolicy
 from kvpool_agent.index.query import Query
 from kvpool_agent.index.service import IndexService
 from kvpool_agent.index.tracker import PrefixTracker
-
-from .conftest import chain
+from tests.support.chunks import chain
 
 DEFAULT = RoutingPolicy()
 

@@ -8,8 +8,9 @@ import pytest
 
 from kvpool_agent.index.subscriber import AgentStatus, EventSubscriber
 from kvpool_agent.index.tracker import PrefixTracker
+from tests.support.chunks import chain
+from tests.support.polling import wait_until
 
-from .conftest import chain, wait_until
 from .fake_agent import FakeAgent
 
 

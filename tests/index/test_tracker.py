@@ -9,8 +9,7 @@ import pytest
 from kvpool_agent.index.query import Query
 from kvpool_agent.index.tracker import BATCH_KEYS, PrefixMatch, PrefixTracker
 from kvpool_agent.keys import ModelFingerprint
-
-from .conftest import chain
+from tests.support.chunks import chain
 
 
 class Clock:

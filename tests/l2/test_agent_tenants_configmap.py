@@ -17,12 +17,13 @@ from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.tenants_configmap import token_digest
 from kvpool_agent.testing.agent_process import AgentProcess
-from tests.agent.conftest import key
-from tests.operator.conftest import Kubectl, eventually
-from tests.operator.kube_api import ServedApi
+from tests.support.chunks import data, key
+from tests.support.kube_api import ServedApi
+from tests.support.metrics import metric
+from tests.support.operator_process import Kubectl
+from tests.support.polling import eventually, wait_until
 
 from .conftest import raw_client
-from .test_agent_tiers import data, metric, wait_until
 
 NAMESPACE = "inference"
 NAME = "kvpool-main-tenants"

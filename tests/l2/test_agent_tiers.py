@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,29 +13,14 @@ from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.l2.codec import HEADER
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
-from tests.agent.conftest import key
+from tests.support.chunks import data, key
+from tests.support.metrics import metric
+from tests.support.polling import wait_until
 
 from .faults import Fault, FaultProxy
 
 TENANT = tenant_id("l2-tenant")
 CHUNK = 60_000  # one 64 KiB page each
-
-
-def data(name: int | str) -> bytes:
-    return random.Random(f"l2-{name}").randbytes(CHUNK)
-
-
-def metric(agent: AgentProcess, name: str) -> float:
-    text = httpx.get(f"{agent.http}/metrics").text
-    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def store_chain(client: AgentClient, names: list[int], parent: int | None = None) -> None:

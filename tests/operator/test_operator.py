@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
-from .conftest import REPO, Kubectl, OperatorProcess, eventually
-from .kube_api import ServedApi
+from tests.support.kube_api import ServedApi
+from tests.support.operator_process import REPO, Kubectl, OperatorProcess
+from tests.support.polling import eventually
 
 NAMESPACE = "inference"
 CHILDREN = [

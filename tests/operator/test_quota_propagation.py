@@ -12,9 +12,9 @@ import pytest
 
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
-
-from .conftest import Kubectl, eventually
-from .kube_api import ServedApi
+from tests.support.kube_api import ServedApi
+from tests.support.operator_process import Kubectl
+from tests.support.polling import eventually
 
 NAMESPACE = "inference"
 NAME = "kvpool-main-quotas"

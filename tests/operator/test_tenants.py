@@ -25,11 +25,12 @@ from kvpool_agent.keys import tenant_id
 from kvpool_agent.tenants_configmap import token_digest
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from kvpool_operator.render import Pool
-from tests.agent.conftest import key
-from tests.l2.test_agent_tiers import data, metric
-
-from .conftest import REPO, Kubectl, OperatorProcess, eventually, free_port
-from .kube_api import ServedApi
+from tests.support.chunks import data, key
+from tests.support.kube_api import ServedApi
+from tests.support.metrics import metric
+from tests.support.operator_process import REPO, Kubectl, OperatorProcess
+from tests.support.polling import eventually
+from tests.support.ports import free_port
 
 POOL_NAMESPACE = "inference"
 TEAM = "team-a"

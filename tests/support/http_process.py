@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Mapping
@@ -13,13 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on now (the caller binds it soon after)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class StartupError(RuntimeError):

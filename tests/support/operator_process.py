@@ -1,42 +1,21 @@
+"""Kubernetes clients for tests: kubectl against the emulator, and a real kvpool-operator."""
+
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import pytest
 import yaml
-
-from .kube_api import ServedApi
+from tests.support.polling import eventually
+from tests.support.ports import free_port
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).parents[2]
-T = TypeVar("T")
-
-
-def eventually(check: Callable[[], T], timeout: float = 15.0) -> T:
-    """``check()``'s result once it stops raising AssertionError (or its last error)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return check()
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-        time.sleep(0.05)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 class Kubectl:
@@ -111,15 +90,3 @@ class OperatorProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
-
-
-@pytest.fixture(scope="module")
-def served_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedApi]:
-    api = ServedApi(tmp_path_factory.mktemp("api")).start()
-    yield api
-    api.stop()
-
-
-@pytest.fixture(scope="module")
-def kubectl(served_api: ServedApi) -> Kubectl:
-    return Kubectl(served_api.kubeconfig())

@@ -18,9 +18,8 @@ from kvpool_agent.keys import tenant_id
 from kvpool_agent.quotas import Limit
 from kvpool_agent.tenancy.kube_quota_store import KubernetesQuotaStore
 from kvpool_agent.tenancy.quota_store import QuotaStoreError
-
-from .conftest import Kubectl
-from .kube_api import Proxy, ServedApi
+from tests.support.kube_api import Proxy, ServedApi
+from tests.support.operator_process import Kubectl
 
 NAMESPACE = "quotas"
 NAME = "kvpool-main-quotas"

@@ -1,0 +1,16 @@
+"""What the tests of several folders (and the e2e) share; no test module is imported.
+
+- :mod:`~tests.support.kube_api`: the Kubernetes API server emulator (served over HTTP);
+- :mod:`~tests.support.operator_process`: kubectl against it, a real ``kvpool-operator``;
+- :mod:`~tests.support.tools`: kubectl and helm from their PyPI package;
+- :mod:`~tests.support.engines`, :mod:`~tests.support.engine_main`,
+  :mod:`~tests.support.greedy`: real vLLM CPU engines and greedy output compared up to noise;
+- :mod:`~tests.support.http_process`, :mod:`~tests.support.index_process`: server
+  processes started and stopped with their health checks;
+- :mod:`~tests.support.raw_http`: HTTP spoken by hand over a socket (for the guards);
+- :mod:`~tests.support.chunks`, :mod:`~tests.support.metrics`,
+  :mod:`~tests.support.polling`, :mod:`~tests.support.ports`: keys and bytes, one agent
+  metric, bounded waiting, free loopback ports.
+
+Real agent processes come from :mod:`kvpool_agent.testing` (the benchmarks use them too).
+"""
