@@ -22,6 +22,7 @@ import pytest
 
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
+from kvpool_agent.quotas import TierLimits, as_limits, quota_from_configmap
 from kvpool_agent.tenants_configmap import token_digest
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from kvpool_operator.render import Pool
@@ -258,6 +259,11 @@ def _data(api: ServedApi, config_map: str) -> dict[str, str]:
     return data
 
 
+def _quota(served_api: ServedApi, tenant: str) -> TierLimits:
+    """The tenant's limits in the pool's quota ConfigMap, read with the agents' codec."""
+    return as_limits(quota_from_configmap(_data(served_api, QUOTAS_CM)[tenant]))
+
+
 def _entry(api: ServedApi, tenant: str) -> dict[str, Any]:
     data = _data(api, TENANTS_CM)
     assert tenant in data, f"no entry for {tenant}"
@@ -321,7 +327,7 @@ def test_a_tenant_in_an_allowed_namespace_gets_its_token_quota_and_usage(
         "ceiling": {"l1": 8 * GiB, "nvme": 8 * GiB},
         "tenant": f"{TEAM}/alpha",
     }
-    assert json.loads(_data(served_api, QUOTAS_CM)[tenant]) == {"l1": 8 * GiB, "nvme": 8 * GiB}
+    assert _quota(served_api, tenant) == TierLimits(8 * GiB, 8 * GiB)
     status = _status(served_api, TEAM, "alpha")
     assert (status["tenantId"], status["secretName"], status["tokenGeneration"]) == (
         tenant,
@@ -453,17 +459,17 @@ def test_the_crs_quota_is_written_when_it_changes_and_http_sets_stand_in_between
         headers=_bearer(secret["token"]),
     )
     assert put.status_code == 200, put.text
-    assert json.loads(_data(served_api, QUOTAS_CM)[tenant]) == lower
+    assert _quota(served_api, tenant) == TierLimits(lower["l1"], lower["nvme"])
 
     _patch(kubectl, TEAM, "quota", {"tokenGeneration": 1})  # not a quota change
     eventually(lambda: _token_generation(served_api, TEAM, "quota", 1))
     time.sleep(1.5)
-    assert json.loads(_data(served_api, QUOTAS_CM)[tenant]) == lower
+    assert _quota(served_api, tenant) == TierLimits(lower["l1"], lower["nvme"])
 
     _patch(kubectl, TEAM, "quota", {"quota": {"l1": "4Gi"}})
 
     def written() -> None:
-        assert json.loads(_data(served_api, QUOTAS_CM)[tenant]) == {"l1": 4 * GiB, "nvme": 4 * GiB}
+        assert _quota(served_api, tenant) == TierLimits(4 * GiB, 4 * GiB)
         assert _entry(served_api, tenant)["ceiling"] == {"l1": 4 * GiB, "nvme": 4 * GiB}
 
     eventually(written)

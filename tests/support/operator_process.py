@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from tests.support.polling import eventually
 from tests.support.ports import free_port
 
