@@ -41,14 +41,12 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import os
 import random
 import secrets
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -58,8 +56,7 @@ from typing import Any
 import httpx
 import yaml
 from pydantic.alias_generators import to_camel
-from tests.support.engines import MAIN as ENGINE_MAIN
-from tests.support.engines import Engine, Result, write_model
+from tests.support.engines import Result, write_model
 from tests.support.operator_process import OperatorProcess
 from tests.support.tools import ToolsUnavailable, tools
 
@@ -67,9 +64,9 @@ from kvpool_agent.names import quotas_name
 from kvpool_operator.spec import parse_bytes
 
 from .cluster import ControlPlane, Kubelet, Manifest, Node, Pod, check_sandbox, eventually
+from .pods import BIN, SALT_ENV, PodEngine, image_env, vllm_pod
 
 ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 MANIFESTS = Path(__file__).with_name("manifests")
 NAMESPACE = "inference"
 GROUP = "kvpool.io"
@@ -83,7 +80,6 @@ TENANT = "kvpool-cache"
 TENANT_SECRET = f"{TENANT}-kvpool"
 """The Secret the operator makes beside it."""
 ADMITTED_LABEL = "kvpool.io/cache=main"
-SALT_ENV = "KVPOOL_CACHE_SALT"
 """The engines' variable holding team-a's salt, from its Secret (a gateway stamps it)."""
 PROMPT_TOKENS = 1000
 MAX_TOKENS = 16
@@ -159,75 +155,6 @@ class Evidence:
     agent_exit_codes: list[int] = field(default_factory=list)
     index_exit_code: int | None = None
     seconds: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class PodEngine(Engine):
-    """A vLLM engine (``tests/support/engine_main.py``) run as a pod by a kubelet."""
-
-    kubelet: Kubelet | None = None
-    namespace: str = TEAMS[0]
-    pod: Pod | None = None
-
-    def start(self) -> PodEngine:
-        assert self.kubelet is not None
-        template = vllm_pod(
-            [sys.executable, str(ENGINE_MAIN), json.dumps(self.settings)], ENGINE_ENV
-        )
-        salt = {"secretKeyRef": {"name": TENANT_SECRET, "key": "salt"}}
-        template["spec"]["containers"][0]["env"].append({"name": SALT_ENV, "valueFrom": salt})
-        log = self.log_path.open("w")
-        self.pod = self.kubelet.run(
-            self.name,
-            self.namespace,
-            template,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log,
-        )
-        self._process = self.pod.process
-        threading.Thread(target=self._read, daemon=True).start()
-        return self
-
-
-ENGINE_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
-}
-
-
-def vllm_pod(command: list[str], env: dict[str, str]) -> Manifest:
-    """A vLLM pod as the chart's NOTES tell a user to write it: the node's /dev/shm."""
-    return {
-        "metadata": {"labels": {"app": "vllm"}},
-        "spec": {
-            "containers": [
-                {
-                    "name": "vllm",
-                    "command": command,
-                    "env": [{"name": name, "value": value} for name, value in env.items()],
-                    "volumeMounts": [{"name": "kvpool-shm", "mountPath": "/dev/shm"}],
-                }
-            ],
-            "volumes": [
-                {"name": "kvpool-shm", "hostPath": {"path": "/dev/shm", "type": "Directory"}}
-            ],
-        },
-    }
-
-
-def image_env() -> dict[str, str]:
-    """The "image" every container runs: this Python environment, nothing of the caller's
-    cluster or kvpool settings."""
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if not key.startswith(("KVPOOL_", "KUBERNETES_", "PYTEST_")) and key != "KUBECONFIG"
-    }
-    env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", os.defpath)])
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 def kubectl_binary() -> Path:
@@ -408,7 +335,14 @@ class Flow:
         for index in (1, 2):
             settings = {"model": str(model), "connector": "kvpool", "extra_config": extra_config}
             log = self.workdir / f"vllm-{index}.log"
-            engine = PodEngine(f"vllm-{index}", settings, log, kubelet=self.kubelets[0])
+            engine = PodEngine(
+                f"vllm-{index}",
+                settings,
+                log,
+                kubelet=self.kubelets[0],
+                namespace=TEAMS[0],
+                salt_secret=TENANT_SECRET,
+            )
             self.engines.append(engine.start())
             self.stack.callback(engine.stop)
 

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,8 @@ import pytest
 from kvpool_agent.probe_table import table_path
 
 ROOT = Path(__file__).resolve().parents[2]
+SOURCES = ("pyproject.toml", "README.md", "agent", "operator")
+"""What the package is built from (the Dockerfile copies the same)."""
 BASE_MODULES = ("kvpool_agent.client", "kvpool_agent.keys", "kvpool_agent.protocol")
 CONNECTOR_NEEDS_VLLM = {
     # vLLM (and torch) come with the engine's image, not with kvpool: these import them
@@ -76,15 +79,24 @@ print(json.dumps({"connector": names, "found": found}))
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """kvpool's wheel, built once from this tree (as the Dockerfile's build stage does)."""
-    out = tmp_path_factory.mktemp("wheel")
+    """kvpool's wheel, built once from a copy of what the Dockerfile copies (a build in the
+    tree would leave build/ behind)."""
+    work = tmp_path_factory.mktemp("wheel")
+    source = work / "src"
+    source.mkdir()
+    for name in SOURCES:
+        if (ROOT / name).is_dir():
+            ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
+            shutil.copytree(ROOT / name, source / name, ignore=ignore)
+        else:
+            shutil.copy(ROOT / name, source / name)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", out, ROOT],
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", work, source],
         check=True,
         capture_output=True,
         env=CLEAN,
     )
-    (built,) = out.glob("kvpool-*.whl")
+    (built,) = work.glob("kvpool-*.whl")
     return built
 
 
