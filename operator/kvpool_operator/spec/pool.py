@@ -8,6 +8,7 @@ from typing import Any, ClassVar, Literal, Self
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from kvpool_agent.names import DEFAULT_EVENTS_PORT, DEFAULT_HTTP_PORT, DEFAULT_ZMQ_PORT
+from kvpool_operator.reasons import READY
 from kvpool_operator.spec.base import (
     KIND,
     PLURAL,
@@ -313,7 +314,7 @@ class KVCachePool(Resource):
             PrinterColumn(
                 "Ready",
                 "string",
-                '.status.conditions[?(@.type=="Ready")].status',
+                f'.status.conditions[?(@.type=="{READY}")].status',
                 "Whether every node's agent is up to date and ready.",
             ),
             PrinterColumn(

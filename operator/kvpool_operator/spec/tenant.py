@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 from pydantic import ConfigDict, Field, ValidationError
 
+from kvpool_operator.reasons import READY
 from kvpool_operator.spec.base import (
     TENANT_KIND,
     TENANT_PLURAL,
@@ -163,7 +164,7 @@ class KVCacheTenant(Resource):
             PrinterColumn(
                 "Ready",
                 "string",
-                '.status.conditions[?(@.type=="Ready")].status',
+                f'.status.conditions[?(@.type=="{READY}")].status',
                 "Whether the tenant's token and quota are on the pool's agents.",
             ),
             AGE,
