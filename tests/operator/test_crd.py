@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,6 +40,7 @@ from kvpool_operator.spec import (
     TenantSpec,
     parse_bytes,
 )
+from kvpool_operator.status import IndexReplicas, Rollout, pool_status
 
 from .crd_schema import (
     CRD_PATH,
@@ -47,6 +49,7 @@ from .crd_schema import (
     admission_errors,
     crd,
     schema,
+    schema_errors,
     with_defaults,
 )
 
@@ -158,6 +161,19 @@ def test_spec_objects_default_so_that_their_fields_default() -> None:
         and not node.get("required")
     ]
     assert missing == [], "these objects have defaulted fields but no default of their own"
+
+
+def test_the_status_the_operator_writes_fits_the_crd() -> None:
+    status = pool_status(
+        generation=3,
+        observed_generation=3,
+        problem=None,
+        rollout=Rollout(desired=2, updated=2, ready=1, observed=True),
+        previous={},
+        now=datetime(2026, 1, 1, tzinfo=UTC),
+        index=IndexReplicas(replicas=2, ready=1),
+    )
+    assert schema_errors(with_defaults(schema(), {**_pool(VALID), "status": status})) == []
 
 
 def test_eviction_policies_are_the_agents() -> None:
