@@ -37,6 +37,7 @@ lint: deps
 	$(BIN)/ruff format --check agent operator tests e2e benchmarks
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+	$(BIN)/python -m kvpool_operator.crds --check
 
 .venv-vllm-%/.deps-installed: pyproject.toml tests/vllm_venv.sh
 	PYTHON=$(PYTHON) tests/vllm_venv.sh .venv-vllm-$* $* $(call vllm_mode,$*)

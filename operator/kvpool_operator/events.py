@@ -11,10 +11,17 @@ from typing import Any, cast
 
 import kopf
 
-from kvpool_operator.status import APPLY_FAILED, INVALID_SPEC
-
-APPLIED = "Applied"
-DRIFT_CORRECTED = "DriftCorrected"
+from kvpool_operator.reasons import (
+    ACCEPTED,
+    APPLIED,
+    APPLY_FAILED,
+    CLEAR_INCOMPLETE,
+    DRIFT_CORRECTED,
+    INVALID_SPEC,
+    REVOKED,
+    TOKEN_ROTATED,
+    unavailable,
+)
 
 
 class PoolEvents:
@@ -41,7 +48,7 @@ class PoolEvents:
         _post(
             pool,
             "Warning",
-            f"{kind}Unavailable",
+            unavailable(kind),
             f"the pool asks for the {kind} {name} but the cluster has no {kind} resource "
             f"(install {provided_by}); no {kind} was made",
         )
@@ -49,12 +56,6 @@ class PoolEvents:
 
 def _post(pool: Mapping[str, Any], type: str, reason: str, message: str) -> None:
     kopf.event(kopf.Body(cast(kopf.RawBody, pool)), type=type, reason=reason, message=message)
-
-
-ACCEPTED = "Accepted"
-TOKEN_ROTATED = "TokenRotated"
-REVOKED = "Revoked"
-CLEAR_INCOMPLETE = "ClearIncomplete"
 
 
 class TenantEvents:

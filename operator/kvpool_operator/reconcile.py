@@ -26,11 +26,10 @@ from typing import Any
 from kvpool_agent.names import POOL_LABEL
 from kvpool_operator.apply import KINDS, ApiError, Cluster, Kind, kind_of
 from kvpool_operator.events import PoolEvents
+from kvpool_operator.reasons import APPLY_FAILED, INVALID_SPEC
 from kvpool_operator.render import ChildRef, Children, Manifest, Pool, render
 from kvpool_operator.spec import API_VERSION, KIND, InvalidSpec, PoolSpec
 from kvpool_operator.status import (
-    APPLY_FAILED,
-    INVALID_SPEC,
     IndexReplicas,
     Problem,
     Rollout,

@@ -29,12 +29,22 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-READY = "Ready"
-PROGRESSING = "Progressing"
-DEGRADED = "Degraded"
+from kvpool_operator.reasons import (
+    AGENTS_NOT_READY,
+    AGENTS_READY,
+    APPLY_FAILED,
+    AS_EXPECTED,
+    DEGRADED,
+    INVALID_SPEC,
+    NO_NODES,
+    PENDING,
+    PROGRESSING,
+    READY,
+    RECONCILING,
+    ROLLING_OUT,
+    ROLLOUT_COMPLETE,
+)
 
-INVALID_SPEC = "InvalidSpec"
-APPLY_FAILED = "ApplyFailed"
 PROBLEM_REASONS = (INVALID_SPEC, APPLY_FAILED)
 
 Assessment = tuple[bool, str, str]
@@ -119,7 +129,7 @@ def pool_status(
     degraded: Assessment = (
         (True, problem.reason, problem.message)
         if problem
-        else (False, "AsExpected", "nothing stops the operator from making the children")
+        else (False, AS_EXPECTED, "nothing stops the operator from making the children")
     )
     earlier = {c.get("type"): c for c in previous.get("conditions", ())}
     status: dict[str, Any] = {
@@ -149,20 +159,20 @@ def _assess(
         return (False, problem.reason, halted), (False, problem.reason, halted)
     if observed_generation != generation:
         waiting = f"the operator has not applied generation {generation} yet"
-        return (False, "Reconciling", waiting), (True, "Reconciling", waiting)
+        return (False, RECONCILING, waiting), (True, RECONCILING, waiting)
     if rollout is None:
         waiting = "waiting for the DaemonSet controller to report the agents"
-        return (False, "Pending", waiting), (True, "RollingOut", waiting)
+        return (False, PENDING, waiting), (True, ROLLING_OUT, waiting)
     counts = f"{rollout.ready} of {rollout.desired} agents ready"
     if not rollout.rolled_out:
         moving = f"{rollout.updated} of {rollout.desired} agents run the current configuration"
-        return (False, "RollingOut", moving), (True, "RollingOut", moving)
-    done = (False, "RolloutComplete", f"every agent runs generation {generation}")
+        return (False, ROLLING_OUT, moving), (True, ROLLING_OUT, moving)
+    done = (False, ROLLOUT_COMPLETE, f"every agent runs generation {generation}")
     if rollout.desired == 0:
-        return (False, "NoNodes", "no node matches the pool's node selector and tolerations"), done
+        return (False, NO_NODES, "no node matches the pool's node selector and tolerations"), done
     if rollout.ready < rollout.desired:
-        return (False, "AgentsNotReady", counts), done
-    return (True, "AgentsReady", counts), done
+        return (False, AGENTS_NOT_READY, counts), done
+    return (True, AGENTS_READY, counts), done
 
 
 def condition(

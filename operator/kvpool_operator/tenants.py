@@ -53,6 +53,20 @@ from kvpool_operator.agents import Agents
 from kvpool_operator.apply import KINDS, SECRETS, TENANTS, ApiError, Cluster
 from kvpool_operator.bearer import OperatorToken, mint
 from kvpool_operator.events import TenantEvents
+from kvpool_operator.reasons import (
+    ACCEPTED,
+    INVALID_SALT,
+    INVALID_SPEC,
+    NAMESPACE_NOT_ALLOWED,
+    NOT_ACCEPTED,
+    POOL_NOT_FOUND,
+    POOL_NOT_READY,
+    QUOTA_ABOVE_MAXIMUM,
+    READY,
+    SALT_SECRET_MISSING,
+    TENANT_ID_IN_USE,
+    TOKEN_PUBLISHED,
+)
 from kvpool_operator.render import Pool, format_bytes
 from kvpool_operator.spec import (
     API_VERSION,
@@ -79,19 +93,6 @@ NAMESPACE_KEY = "namespace"
 ENDPOINT_KEY = "endpoint"
 TOKEN_GENERATION_ANNOTATION = "kvpool.io/token-generation"
 """On the Secret: the spec.tokenGeneration its token was minted for."""
-
-ACCEPTED = "Accepted"
-READY = "Ready"
-INVALID_SPEC = "InvalidSpec"
-POOL_NOT_FOUND = "PoolNotFound"
-NAMESPACE_NOT_ALLOWED = "NamespaceNotAllowed"
-QUOTA_ABOVE_MAXIMUM = "QuotaAboveMaximum"
-SALT_SECRET_MISSING = "SaltSecretMissing"
-INVALID_SALT = "InvalidSalt"
-TENANT_ID_IN_USE = "TenantIdInUse"
-TOKEN_PUBLISHED = "TokenPublished"
-NOT_ACCEPTED = "NotAccepted"
-POOL_NOT_READY = "PoolNotReady"
 
 
 class Refused(Exception):

@@ -1,11 +1,15 @@
-"""The KVCachePool CRD: a valid, documented, structural schema; examples pass it; invalid
-pools are refused with a message naming the problem; the operator's model matches it."""
+"""kvpool's CRDs: generated from the operator's models (the committed YAML is what the
+generator writes); valid, documented, structural schemas; examples pass them; invalid pools
+and tenants are refused with a message naming the problem, by the CRD and, where the
+operator needs it, by its model too."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import Any, get_args, get_origin
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
 
 import kubernetes_validate
 import pytest
@@ -13,8 +17,9 @@ import yaml
 from pydantic import BaseModel
 
 from kvpool_agent.config import AgentConfig, NvmeTierConfig, S3TierConfig
-from kvpool_agent.core.policies import POLICY_NAMES
 from kvpool_agent.index.config import Fingerprint, IndexConfig
+from kvpool_agent.names import POLICY_NAMES
+from kvpool_operator import crds
 from kvpool_operator.spec import (
     API_VERSION,
     INDEX_NEEDS_TOKENS,
@@ -26,6 +31,7 @@ from kvpool_operator.spec import (
     PLURAL,
     S3_NEEDS_KEY,
     SELECTOR_VALUES,
+    SSE_KMS_KEY_NEEDS_KMS,
     TENANT_KIND,
     TENANT_PLURAL,
     InvalidSpec,
@@ -34,13 +40,16 @@ from kvpool_operator.spec import (
     TenantSpec,
     parse_bytes,
 )
+from kvpool_operator.status import IndexReplicas, Rollout, pool_status
 
 from .crd_schema import (
+    CRD_PATH,
     EXAMPLES,
     TENANT_CRD_PATH,
     admission_errors,
     crd,
     schema,
+    schema_errors,
     with_defaults,
 )
 
@@ -58,6 +67,47 @@ def _nodes(node: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str
 
 def _pool(spec: dict[str, Any], name: str = "main") -> dict[str, Any]:
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name}, "spec": spec}
+
+
+ROOT = CRD_PATH.parents[1]
+
+
+def test_the_committed_crds_are_generated_from_the_models() -> None:
+    """kubectl's and the chart's copies: python -m kvpool_operator.crds writes them."""
+    generated = crds.files(ROOT)
+    assert sorted(generated) == sorted(
+        ROOT / target / path.name for target in crds.TARGETS for path in (CRD_PATH, TENANT_CRD_PATH)
+    )
+    stale = [str(path) for path, text in generated.items() if path.read_text() != text]
+    assert stale == [], "run python -m kvpool_operator.crds"
+
+
+def test_check_names_each_stale_file_and_writing_fixes_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for target in crds.TARGETS:
+        (tmp_path / target).mkdir(parents=True)
+    assert crds.main(["--check", "--root", str(tmp_path)]) == 1
+    assert len(capsys.readouterr().out.splitlines()) == 4  # two CRDs, two places, all missing
+    assert crds.main(["--root", str(tmp_path)]) == 0
+    assert crds.main(["--check", "--root", str(tmp_path)]) == 0
+    edited = tmp_path / "charts/kvpool/crds" / TENANT_CRD_PATH.name
+    edited.write_text(edited.read_text().replace("shortNames: [kvt]", "shortNames: [kt]"))
+    assert crds.main(["--check", "--root", str(tmp_path)]) == 1
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith(f"{edited}: differs from the models")
+
+
+def test_the_generator_refuses_what_a_structural_schema_cannot_say() -> None:
+    class Constant(BaseModel):
+        mode: Literal["fixed"]  # JSON schema's const: no OpenAPI 3.0 equivalent
+
+    class Either(BaseModel):
+        value: int | bool
+
+    for model in (Constant, Either):
+        with pytest.raises(ValueError, match="no structural schema"):
+            crds.openapi_schema(model)
 
 
 @pytest.mark.parametrize("version", [OLDEST_KUBERNETES, kubernetes_validate.latest_version()])
@@ -113,6 +163,19 @@ def test_spec_objects_default_so_that_their_fields_default() -> None:
     assert missing == [], "these objects have defaulted fields but no default of their own"
 
 
+def test_the_status_the_operator_writes_fits_the_crd() -> None:
+    status = pool_status(
+        generation=3,
+        observed_generation=3,
+        problem=None,
+        rollout=Rollout(desired=2, updated=2, ready=1, observed=True),
+        previous={},
+        now=datetime(2026, 1, 1, tzinfo=UTC),
+        index=IndexReplicas(replicas=2, ready=1),
+    )
+    assert schema_errors(with_defaults(schema(), {**_pool(VALID), "status": status})) == []
+
+
 def test_eviction_policies_are_the_agents() -> None:
     eviction = schema()["properties"]["spec"]["properties"]["eviction"]
     assert tuple(eviction["properties"]["policy"]["enum"]) == POLICY_NAMES
@@ -126,34 +189,6 @@ def test_examples_are_admitted(path: Any) -> None:
 def test_the_models_defaults_are_the_crds() -> None:
     defaulted = with_defaults(schema(), _pool({}))
     assert PoolSpec.parse(defaulted["spec"]) == PoolSpec.parse({})
-
-
-def test_the_model_has_the_fields_of_the_crd() -> None:
-    crd_fields = {
-        path
-        for path, _ in _nodes(schema()["properties"]["spec"])
-        if path and not path.endswith("[]")
-    }
-    assert _model_fields(PoolSpec) == crd_fields
-
-
-def _model_fields(model: type[BaseModel], prefix: str = "") -> set[str]:
-    """Field paths of a model by their CRD names; ``[]`` marks the items of a list."""
-    paths = set()
-    for name, field in model.model_fields.items():
-        path = f"{prefix}{field.alias or name}"
-        paths.add(path)
-        for nested, in_list in _models_in(field.annotation):
-            paths |= _model_fields(nested, f"{path}[]." if in_list else f"{path}.")
-    return paths
-
-
-def _models_in(annotation: Any, in_list: bool = False) -> Iterator[tuple[type[BaseModel], bool]]:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        yield annotation, in_list
-    is_list = get_origin(annotation) in (tuple, list)
-    for argument in get_args(annotation):
-        yield from _models_in(argument, in_list or is_list)
 
 
 VALID = {"chunkTokens": 256, "blockSize": 16}
@@ -209,8 +244,6 @@ L2_KEY_RULES = [
 ]
 """L2 encryption settings the CRD and the operator's model both refuse, with the same
 message."""
-SSE_KMS_KEY_NEEDS_KMS = "s3.sseKmsKeyId needs s3.serverSideEncryption aws:kms or aws:kms:dsse"
-"""The CRD's words; the agent's configuration refuses the same (test_render)."""
 INVALID_POOLS = [
     *NETWORK_POLICY_RULES,
     *L2_KEY_RULES,
@@ -487,7 +520,7 @@ def test_tenant_names_and_columns() -> None:
     }
 
 
-def test_every_tenant_field_is_documented_and_typed_and_the_model_has_them() -> None:
+def test_every_tenant_field_is_documented_and_typed() -> None:
     tenant = schema(TENANT_CRD_PATH)
     undocumented = [
         path
@@ -496,10 +529,6 @@ def test_every_tenant_field_is_documented_and_typed_and_the_model_has_them() -> 
     ]
     untyped = [path for path, node in _nodes(tenant) if "type" not in node]
     assert (undocumented, untyped) == ([], [])
-    spec_fields = {
-        path for path, _ in _nodes(tenant["properties"]["spec"]) if path and not path.endswith("[]")
-    }
-    assert _model_fields(TenantSpec) == spec_fields
 
 
 def test_a_tenant_is_admitted_and_its_defaults_are_the_models() -> None:
