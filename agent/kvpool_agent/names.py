@@ -74,7 +74,7 @@ EVICTION_POLICIES = {
 }
 POLICY_NAMES: tuple[str, ...] = tuple(EVICTION_POLICIES)
 
-# The index's defaults, which the CRD mirrors (tests/operator/test_crd.py).
+# The index's defaults, which the CRD's defaults come from (kvpool_operator.spec.index).
 DEFAULT_LOAD_FACTOR = 1.5
 DEFAULT_MIN_MATCH_RATIO = 0.3
 DEFAULT_LOAD_SLACK = 0.0

@@ -21,7 +21,7 @@ from kvpool_operator import main as operator_main
 from kvpool_operator.reconcile import Options
 from kvpool_operator.render import Pool, render
 from kvpool_operator.spec import PoolSpec
-from tests.operator.crd_schema import (
+from tests.support.crd_schema import (
     CRD_PATH,
     TENANT_CRD_PATH,
     admission_errors,
@@ -102,7 +102,7 @@ def test_the_chart_installs_the_crds_of_crds(helm: Helm) -> None:
     assert copies == sorted(source.name for source in sources)
     for source in sources:
         assert (CHART / "crds" / source.name).read_bytes() == source.read_bytes(), (
-            f"the chart's CRD differs from the source of truth: cp {source} {CHART / 'crds'}/"
+            f"the chart's CRD differs from {source}: run python -m kvpool_operator.crds"
         )
     crds = by_kind(helm.template(), "CustomResourceDefinition")
     assert sorted(crds, key=lambda crd: crd["metadata"]["name"]) == [

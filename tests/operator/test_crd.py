@@ -41,10 +41,10 @@ from kvpool_operator.spec import (
     parse_bytes,
 )
 from kvpool_operator.status import IndexReplicas, Rollout, pool_status
-
-from .crd_schema import (
+from tests.support.crd_schema import (
     CRD_PATH,
     EXAMPLES,
+    OLDEST_KUBERNETES,
     TENANT_CRD_PATH,
     admission_errors,
     crd,
@@ -52,9 +52,6 @@ from .crd_schema import (
     schema_errors,
     with_defaults,
 )
-
-OLDEST_KUBERNETES = "1.29"
-"""The oldest Kubernetes with everything the CRD uses (CEL rules, the quantity library)."""
 
 
 def _nodes(node: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:

@@ -33,10 +33,9 @@ from kvpool_operator.render import (
     service_monitor_refs,
 )
 from kvpool_operator.spec import InvalidSpec, PoolSpec
+from tests.support.crd_schema import EXAMPLES, GPU_EXAMPLE, OLDEST_KUBERNETES
 
-from .crd_schema import EXAMPLES, GPU_EXAMPLE
 from .network_policy import Pod, admits
-from .test_crd import OLDEST_KUBERNETES
 
 POOL = Pool("gpu", "inference", "0d3c5e9a-1f2b-4c6d-8e9f-0a1b2c3d4e5f")
 IMAGE = "registry.example/kvpool:1.0"

@@ -1,6 +1,8 @@
 """What the tests of several folders (and the e2e) share; no test module is imported.
 
 - :mod:`~tests.support.kube_api`: the Kubernetes API server emulator (served over HTTP);
+- :mod:`~tests.support.crd_schema`: the CRDs' schemas applied as an API server applies
+  them (defaults, OpenAPI validation, CEL rules);
 - :mod:`~tests.support.operator_process`: kubectl against it, a real ``kvpool-operator``;
 - :mod:`~tests.support.tools`: kubectl and helm from their PyPI package;
 - :mod:`~tests.support.engines`, :mod:`~tests.support.engine_main`,

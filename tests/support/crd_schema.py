@@ -31,6 +31,8 @@ import yaml
 from celpy import celtypes
 from kubernetes.utils import parse_quantity
 
+OLDEST_KUBERNETES = "1.29"
+"""The oldest Kubernetes with everything the CRD uses (CEL rules, the quantity library)."""
 CRD_PATH = Path(__file__).parents[2] / "crds" / "kvcachepools.kvpool.io.yaml"
 TENANT_CRD_PATH = CRD_PATH.parent / "kvcachetenants.kvpool.io.yaml"
 EXAMPLES = sorted((CRD_PATH.parent / "examples").glob("*.yaml"))
