@@ -65,6 +65,7 @@ from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvpool_agent.allocator import ExtentAllocator
 from kvpool_agent.cache_types import (
@@ -103,6 +104,13 @@ class State(enum.IntEnum):
 
 _READY = int(State.READY)
 _DOOMED = int(State.DOOMED)
+_STATES = tuple(State)
+"""Each state by its value (the slot table keeps the values)."""
+_STATE_VALUES = frozenset(int(state) for state in State)
+_FINDABLE = (int(State.WRITING), _READY)
+"""The states of chunks the index finds."""
+_LINKABLE = frozenset((int(State.WRITING), _READY, _DOOMED))
+"""The states of chunks that can have children."""
 
 
 @dataclass
@@ -146,6 +154,76 @@ class _Quarantine:
     leases: dict[int, _Lease] = field(default_factory=dict)
     total: int = 0
     """How many leases were ever quarantined."""
+
+
+class InvariantError(AssertionError):
+    """A rule of the cache's bookkeeping is broken: a bug in the cache, never in a caller."""
+
+
+class SlotView(NamedTuple):
+    """One slot's metadata, as :meth:`L1Cache.debug_view` copies it."""
+
+    slot: int
+    state: State
+    key: bytes | None
+    tenant: str | None
+    """The name of the record the chunk is charged to; None for a free slot."""
+    offset: int
+    first_page: int
+    pages: int
+    nbytes: int
+    readers: int
+    parent: int
+    """The slot of the chunk's predecessor in its chain, or ``NIL``."""
+    children: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseView:
+    writing: bool
+    slots: tuple[int, ...]
+    expires: float
+    """When an open lease expires; for a quarantined one, when its fence ends."""
+
+
+@dataclass(frozen=True, slots=True)
+class TenantView:
+    name: str
+    used_bytes: int
+    chunks: int
+
+
+@dataclass(frozen=True)
+class L1DebugView:
+    """A copy of the cache's bookkeeping, for tests and debugging (never the data path)."""
+
+    slots: tuple[SlotView, ...]
+    """Every slot, free ones included, by slot number."""
+    index: Mapping[bytes, int]
+    """Key to slot of the chunks a lookup or a reservation can find (being written or ready)."""
+    free_slots: tuple[int, ...]
+    free_extents: tuple[tuple[int, int], ...]
+    """The page allocator's free (first page, pages) runs, in page order."""
+    total_pages: int
+    free_pages: int
+    high_pages: int
+    low_pages: int
+    leases: Mapping[int, LeaseView]
+    quarantined: Mapping[int, LeaseView]
+    tenants: Mapping[str, TenantView]
+    record_places: int
+    """Places in the record list: the records plus the places dropped ones left."""
+
+    @property
+    def used_pages(self) -> int:
+        return self.total_pages - self.free_pages
+
+    def live(self) -> list[SlotView]:
+        """The slots that hold a chunk (in any state but free)."""
+        return [view for view in self.slots if view.state != State.FREE]
+
+    def slot_of(self, key: bytes) -> SlotView:
+        return self.slots[self.index[key]]
 
 
 @dataclass
@@ -731,6 +809,299 @@ class L1Cache:
             tenant_count=len(self._tenants),
         )
 
+    # -------------------------------------------------------------- debugging
+
+    def debug_view(self) -> L1DebugView:
+        """A copy of the bookkeeping: slots, index, free pages, leases and records."""
+        names = [account.name for account in self._tenant_list]
+        allocator = self._allocator
+
+        def lease_view(record: _Lease) -> LeaseView:
+            return LeaseView(record.writing, tuple(record.slots), record.expires)
+
+        total = len(self._keys)
+        return L1DebugView(
+            slots=tuple(
+                map(
+                    SlotView,
+                    range(total),
+                    map(_STATES.__getitem__, self._state),
+                    self._keys,
+                    [None if tenant == NIL else names[tenant] for tenant in self._tenant],
+                    self._offsets,
+                    self._first_page,
+                    self._pages,
+                    self._nbytes,
+                    self._readers,
+                    self._parent,
+                    [tuple(self._children(slot)) for slot in range(total)],
+                )
+            ),
+            index=dict(self._index),
+            free_slots=tuple(self._free_slots),
+            free_extents=tuple(allocator.free_extents()),
+            total_pages=allocator.total_pages,
+            free_pages=allocator.free_pages,
+            high_pages=self._high_pages,
+            low_pages=self._low_pages,
+            leases={lease: lease_view(record) for lease, record in self._leases.items()},
+            quarantined={
+                lease: lease_view(record) for lease, record in self._quarantine.leases.items()
+            },
+            tenants={
+                name: TenantView(name, account.used_bytes, account.chunks)
+                for name, account in self._tenants.items()
+            },
+            record_places=len(self._tenant_list),
+        )
+
+    def check_invariants(self) -> None:
+        """Check every rule the bookkeeping keeps; raise :class:`InvariantError` naming one broken.
+
+        Takes time linear in the slots, leases and records: for tests and debugging.
+        """
+        self._check_slots()
+        self._check_pages()
+        self._check_index()
+        self._check_chains()
+        self._check_leases()
+        self._check_quarantine()
+        self._check_records()
+        self._check_usage()
+        self._check_policies()
+
+    def _check_slots(self) -> None:
+        """A slot is free exactly when listed free; a live one is charged, sized and placed."""
+        free = set(self._free_slots)
+        if len(free) != len(self._free_slots):
+            raise _broken("free slots", "a slot is listed free twice")
+        for slot in range(len(self._keys)):
+            state = self._state[slot]
+            if state not in _STATE_VALUES:
+                raise _broken("slots", f"slot {slot} is in no state ({state})")
+            if state == State.FREE:
+                if slot not in free:
+                    raise _broken("free slots", f"free slot {slot} is not listed free")
+                if self._keys[slot] is not None or self._tenant[slot] != NIL:
+                    raise _broken("free slots", f"free slot {slot} keeps a key or a tenant")
+                if self._readers[slot] or self._sequence[slot]:
+                    raise _broken("free slots", f"free slot {slot} keeps readers or a number")
+                continue
+            if slot in free:
+                raise _broken("free slots", f"slot {slot} holds a chunk but is listed free")
+            self._check_live_slot(slot)
+
+    def _check_live_slot(self, slot: int) -> None:
+        tenant = self._tenant[slot]
+        if self._keys[slot] is None:
+            raise _broken("slots", f"slot {slot} holds no key")
+        if not (
+            0 <= tenant < len(self._tenant_list)
+            and self._tenants.get(self._tenant_list[tenant].name) is self._tenant_list[tenant]
+        ):
+            raise _broken(
+                "slots", f"slot {slot} is charged to place {tenant}, which holds no record"
+            )
+        nbytes, pages = self._nbytes[slot], self._pages[slot]
+        if nbytes <= 0 or pages != self._pages_for(nbytes):
+            raise _broken("slots", f"slot {slot} holds {nbytes} bytes on {pages} pages")
+        if self._offsets[slot] != self._offset_of(self._first_page[slot]):
+            raise _broken("slots", f"slot {slot}'s offset is not its first page's")
+        if self._readers[slot] < 0:
+            raise _broken("slots", f"slot {slot} has {self._readers[slot]} readers")
+        if self._last_use[slot] > self._tick:
+            raise _broken("slots", f"slot {slot} was used at a tick still to come")
+        # A quarantined slot may keep the number of a record from before a restart.
+        if self._state[slot] != State.QUARANTINED and self._sequence[slot] > self._commit_sequence:
+            raise _broken("slots", f"slot {slot}'s commit number was never handed out")
+
+    def _check_pages(self) -> None:
+        """Live chunks and free extents cover the data region exactly, without overlap."""
+        allocator = self._allocator
+        free = allocator.free_extents()
+        if allocator.free_pages != sum(pages for _, pages in free):
+            raise _broken("pages", f"{allocator.free_pages} pages counted free, not the extents'")
+        runs = free + [
+            (self._first_page[slot], self._pages[slot])
+            for slot in range(len(self._keys))
+            if self._state[slot] != State.FREE
+        ]
+        position = 0
+        for start, pages in sorted(runs):
+            if start != position:
+                raise _broken("pages", f"overlap or hole at page {position}")
+            position += pages
+        if position != allocator.total_pages:
+            raise _broken("pages", f"chunks and free extents end at page {position}")
+
+    def _check_index(self) -> None:
+        """The index holds exactly the chunks being written or ready, each under its key."""
+        for key, slot in self._index.items():
+            if self._keys[slot] != key or self._state[slot] not in _FINDABLE:
+                raise _broken(
+                    "index",
+                    f"key {key.hex()[:12]} names slot {slot}, which holds another key "
+                    f"or is {_STATES[self._state[slot]].name}",
+                )
+        findable = sum(1 for state in self._state if state in _FINDABLE)
+        if findable != len(self._index):
+            raise _broken(
+                "index", f"{findable} chunks are written or ready, {len(self._index)} indexed"
+            )
+
+    def _check_chains(self) -> None:
+        """Links are mutual, stay within a tenant and never loop; unlinked slots have none."""
+        total = len(self._keys)
+        for slot in range(total):
+            parent = self._parent[slot]
+            if self._state[slot] in (State.FREE, State.QUARANTINED):
+                if (parent, self._first_child[slot]) != (NIL, NIL) or (
+                    self._next_sibling[slot],
+                    self._prev_sibling[slot],
+                ) != (NIL, NIL):
+                    raise _broken(
+                        "chains", f"{_STATES[self._state[slot]].name} slot {slot} is linked"
+                    )
+                continue
+            if parent != NIL:
+                if self._state[parent] not in _LINKABLE:
+                    raise _broken("chains", f"slot {slot}'s predecessor {parent} holds no chunk")
+                if self._tenant[parent] != self._tenant[slot]:
+                    raise _broken("chains", f"slot {slot}'s chain crosses tenants at {parent}")
+                if slot not in self._children(parent):
+                    raise _broken("chains", f"slot {slot} is not a child of its predecessor")
+            before, child = NIL, self._first_child[slot]
+            for _ in range(total):
+                if child == NIL:
+                    break
+                if self._parent[child] != slot or self._prev_sibling[child] != before:
+                    raise _broken("chains", f"slot {child} is listed a child of {slot}, not linked")
+                before, child = child, self._next_sibling[child]
+            if child != NIL:
+                raise _broken("chains", f"slot {slot}'s children loop")
+        settled: set[int] = set()
+        for start in range(total):
+            path: set[int] = set()
+            slot = start
+            while slot != NIL and slot not in settled:
+                if slot in path:
+                    raise _broken("chains", f"the chain through slot {start} loops")
+                path.add(slot)
+                slot = self._parent[slot]
+            settled |= path
+
+    def _check_leases(self) -> None:
+        """Every lock belongs to an open lease, every chunk being written to one write lease."""
+        readers: Counter[int] = Counter()
+        writers: Counter[int] = Counter()
+        scheduled = set(self._expiry_heap)
+        for lease, record in self._leases.items():
+            if lease in self._quarantine.leases:
+                raise _broken("leases", f"lease {lease} is both open and quarantined")
+            if record.expires != math.inf and (record.expires, lease) not in scheduled:
+                raise _broken(
+                    "leases", f"lease {lease} is not in the expiry heap: it never expires"
+                )
+            (writers if record.writing else readers).update(record.slots)
+            allowed = (State.WRITING if record.writing else State.READY, State.DOOMED)
+            for slot in record.slots:
+                if self._state[slot] not in allowed:
+                    name = _STATES[self._state[slot]].name
+                    raise _broken("leases", f"lease {lease} holds slot {slot}, which is {name}")
+        if self._write_leases != sum(record.writing for record in self._leases.values()):
+            raise _broken("leases", f"{self._write_leases} write leases counted open")
+        for slot in range(len(self._keys)):
+            state = self._state[slot]
+            if self._readers[slot] != readers[slot]:
+                raise _broken(
+                    "leases",
+                    f"slot {slot} has {self._readers[slot]} readers, {readers[slot]} read leases",
+                )
+            if state == State.DOOMED:
+                if not readers[slot] + writers[slot]:
+                    raise _broken("leases", f"cleared slot {slot} is held by no lease: never freed")
+                if writers[slot] > 1:
+                    raise _broken("leases", f"slot {slot} is held by {writers[slot]} write leases")
+            elif writers[slot] != (state == State.WRITING):
+                raise _broken("leases", f"slot {slot} is held by {writers[slot]} write leases")
+
+    def _check_quarantine(self) -> None:
+        """Expired write leases hold their slots, fences ending oldest first."""
+        held: Counter[int] = Counter()
+        fence = -math.inf
+        for lease, record in self._quarantine.leases.items():
+            if not record.writing:
+                raise _broken("quarantine", f"read lease {lease} is quarantined")
+            if record.expires < fence:
+                raise _broken("quarantine", f"lease {lease}'s fence ends before an older one's")
+            fence = record.expires
+            held.update(record.slots)
+        for slot in range(len(self._keys)):
+            if held[slot] != (self._state[slot] == State.QUARANTINED):
+                raise _broken(
+                    "quarantine",
+                    f"{_STATES[self._state[slot]].name} slot {slot} is held by {held[slot]} "
+                    "quarantined leases",
+                )
+
+    def _check_records(self) -> None:
+        """Each record sits at its place in the list; dropped records' places are vacant."""
+        records, places, idle = self._tenants, self._tenant_list, self._idle
+        for name, account in records.items():
+            if account.name != name:
+                raise _broken("records", f"record {account.name!r} is filed as {name!r}")
+            if not (0 <= account.index < len(places) and places[account.index] is account):
+                raise _broken("records", f"record {name!r} is not at its place")
+        if len(set(idle.vacancies)) != len(idle.vacancies) or any(
+            places[place] is not idle.vacant for place in idle.vacancies
+        ):
+            raise _broken("records", "a vacancy is listed twice or holds a record")
+        if len(records) + len(idle.vacancies) != len(places):
+            raise _broken(
+                "records",
+                f"{len(records)} records, {len(idle.vacancies)} vacancies, {len(places)} places",
+            )
+        for name, account in idle.records.items():
+            if records.get(name) is not account:
+                raise _broken("records", f"idle record {name!r} is not a record")
+        vacant = idle.vacant
+        if vacant.used_bytes or vacant.chunks or next(vacant.policy.victims(), None) is not None:
+            raise _broken("records", "the vacant record was charged")
+
+    def _check_usage(self) -> None:
+        """Each record's bytes and chunks, and the cache's, are what its slots hold."""
+        used: Counter[int] = Counter()
+        chunks: Counter[int] = Counter()
+        for slot in range(len(self._keys)):
+            if self._state[slot] != State.FREE:
+                used[self._tenant[slot]] += self._nbytes[slot]
+                chunks[self._tenant[slot]] += 1
+        for account in self._tenants.values():
+            if (account.used_bytes, account.chunks) != (used[account.index], chunks[account.index]):
+                raise _broken(
+                    "usage",
+                    f"record {account.name!r} counts {account.used_bytes} bytes in "
+                    f"{account.chunks} chunks; its slots hold {used[account.index]} in "
+                    f"{chunks[account.index]}",
+                )
+        if self._stored_bytes != sum(used.values()):
+            raise _broken("usage", f"{self._stored_bytes} bytes counted, {sum(used.values())} held")
+
+    def _check_policies(self) -> None:
+        """Each record's policy orders exactly the record's ready chunks, each once."""
+        ready: dict[int, set[int]] = {}
+        for slot in range(len(self._keys)):
+            if self._state[slot] == State.READY:
+                ready.setdefault(self._tenant[slot], set()).add(slot)
+        for account in self._tenants.values():
+            victims = list(account.policy.victims())
+            if len(victims) != len(set(victims)) or set(victims) != ready.get(account.index, set()):
+                raise _broken(
+                    "policies",
+                    f"record {account.name!r}'s policy orders {victims}, its ready chunks are "
+                    f"{sorted(ready.get(account.index, set()))}",
+                )
+
     # -------------------------------------------------------------- internals
 
     def _account(self, tenant: str) -> _Tenant:
@@ -1104,3 +1475,7 @@ def _check_keys(keys: Sequence[bytes]) -> None:
     for key in keys:
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
             raise InvalidRequest(f"keys are {KEY_BYTES} bytes")
+
+
+def _broken(invariant: str, detail: str) -> InvariantError:
+    return InvariantError(f"L1 invariant broken ({invariant}): {detail}")
