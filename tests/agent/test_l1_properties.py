@@ -402,7 +402,8 @@ class L1Machine(RuleBasedStateMachine):
         expected = 0
         while expected < len(keys) and keys[expected] in ready:
             expected += 1
-        before = [self.view().slot_of(key) for key in keys[:expected]]
+        view = self.view()
+        before = [view.slot_of(key) for key in keys[:expected]]
 
         hit = self.cache.lookup(tenant, keys, lock=lock)
 
