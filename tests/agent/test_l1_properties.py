@@ -1,8 +1,8 @@
 """Property tests of the L1 cache: a hypothesis state machine per registered eviction policy.
 
 The machine keeps a small model (open leases, what each of them locks, which
-locked entries were cleared) and checks the cache against it and against its
-own bookkeeping after every step. Internals are only read, never written.
+locked entries were cleared) and checks the cache against it, through the cache's
+debug view, and the cache's own bookkeeping (``check_invariants``) after every step.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from hypothesis.stateful import (
 )
 
 from kvpool_agent.core.cache_types import CacheError, InvalidRequest, LeaseExpired, UnknownLease
-from kvpool_agent.core.l1 import NIL, L1Cache, State
+from kvpool_agent.core.l1 import NIL, L1Cache, L1DebugView, SlotView, State
 from kvpool_agent.core.policies import POLICY_NAMES, policy_factory
 from kvpool_agent.core.quota_book import QuotaBook
 from kvpool_agent.quotas import Limit
@@ -105,10 +105,13 @@ class L1Machine(RuleBasedStateMachine):
     def key(self, tenant: str, index: int) -> bytes:
         return key_of("shared" if self.shared_keys else tenant, index)
 
+    def view(self) -> L1DebugView:
+        return self.cache.debug_view()
+
     def ready_keys(self, tenant: str) -> set[bytes]:
         # iter_keys(unknown tenant) lists everyone's keys (see the xfail below), so ask
         # only about tenants the cache has an account for.
-        if tenant not in self.cache._tenants:
+        if tenant not in {record.name for record in self.cache.tenant_records()}:
             return set()
         return set(self.cache.iter_keys(tenant))
 
@@ -116,45 +119,41 @@ class L1Machine(RuleBasedStateMachine):
         return {tenant: self.ready_keys(tenant) for tenant in TENANTS}
 
     def offset_of(self, key: bytes) -> int:
-        return self.cache._offset(self.cache._index[key])
+        return self.view().slot_of(key).offset
 
     def used_pages(self) -> int:
-        allocator = self.cache._allocator
-        return allocator.total_pages - allocator.free_pages
+        return self.view().used_pages
 
-    def live_slots(self) -> list[int]:
-        return [slot for slot in range(PAGES) if self.cache._state[slot] != State.FREE]
+    def roomy(self, pages: int) -> bool:
+        """Whether ``pages`` more fit below the high watermark, in one free extent."""
+        view = self.view()
+        largest = max((length for _, length in view.free_extents), default=0)
+        return view.used_pages + pages <= view.high_pages and pages <= largest
 
     def evictable_slots(self, tenant: str | None = None) -> list[int]:
         """Ready, unlocked chunks; without L2, whose descendants are all evictable too."""
-        cache = self.cache
-        index = None if tenant is None else cache._tenants[tenant].index
+        view = self.view()
 
         def evictable(slot: int) -> bool:
-            if cache._state[slot] != State.READY or cache._readers[slot] != 0:
+            if view.slots[slot].state != State.READY or view.slots[slot].readers != 0:
                 return False
-            if cache.lower_tier:
+            if self.cache.lower_tier:
                 return True  # tails first, but a chain that cannot shrink may lose its head
-            child = cache._first_child[slot]
-            while child != NIL:
-                if not evictable(child):
-                    return False
-                child = cache._next_sibling[child]
-            return True
+            return all(evictable(child) for child in view.slots[slot].children)
 
         return [
-            slot
-            for slot in self.live_slots()
-            if evictable(slot) and (index is None or cache._tenant[slot] == index)
+            slot.slot
+            for slot in view.live()
+            if evictable(slot.slot) and tenant in (None, slot.tenant)
         ]
 
     def ready_parent_links(self) -> set[tuple[bytes | None, bytes | None]]:
         """(chunk, predecessor) of every live chunk whose predecessor is ready."""
-        cache = self.cache
+        view = self.view()
         return {
-            (cache._keys[slot], cache._keys[cache._parent[slot]])
-            for slot in self.live_slots()
-            if cache._parent[slot] != NIL and cache._state[cache._parent[slot]] == State.READY
+            (slot.key, view.slots[slot.parent].key)
+            for slot in view.live()
+            if slot.parent != NIL and view.slots[slot.parent].state == State.READY
         }
 
     def assert_no_orphans_made(
@@ -166,22 +165,22 @@ class L1Machine(RuleBasedStateMachine):
         """
         if self.cache.lower_tier:
             return
-        live = {self.cache._keys[slot] for slot in self.live_slots()} - set(stored)
+        live = {slot.key for slot in self.view().live()} - set(stored)
         for child, parent in links:
             assert child not in live or parent in live, "eviction left a chunk unreachable"
 
     def used_bytes(self, tenant: str) -> int:
-        account = self.cache._tenants.get(tenant)
-        return 0 if account is None else account.used_bytes
+        return self.cache.tenant_usage(tenant).used_bytes
 
     def end_lease(self, lease: int, committed: int = 0) -> None:
         """The model's side of a lease ending (release, commit or expiry) after the fact."""
         record = self.leases.pop(lease)
         self.dead_leases.append(lease)
         if record.writing:
+            index = self.view().index
             for position, (key, _) in enumerate(record.entries):
                 if position >= committed and position not in record.doomed:
-                    assert key not in self.cache._index, "an abandoned reservation stayed indexed"
+                    assert key not in index, "an abandoned reservation stayed indexed"
 
     def expire_in_model(self) -> int:
         """Read leases end; write leases go to quarantine; fences that passed end."""
@@ -207,7 +206,7 @@ class L1Machine(RuleBasedStateMachine):
     def assert_quota_enforced(self, tenant: str) -> None:
         """After enforcement: within quota, or nothing of the tenant's is evictable."""
         limit = self.cache.quotas.limit(tenant)
-        if limit is not None and tenant in self.cache._tenants:
+        if limit is not None and tenant in self.view().tenants:
             used = self.used_bytes(tenant)
             assert used <= limit or not self.evictable_slots(tenant), (tenant, used, limit)
 
@@ -290,15 +289,11 @@ class L1Machine(RuleBasedStateMachine):
             if parent is None or not self.seen_keys
             else self.seen_keys[parent % len(self.seen_keys)]
         )
-        indexed_before = set(cache._index)
+        indexed_before = set(self.view().index)
         ready_before = self.ready_by_tenant()
         links_before = self.ready_parent_links()
         evictions_before = cache.stats().evictions
-        requested_pages = sum(_pages(size) for size in sizes)
-        roomy = (
-            self.used_pages() + requested_pages <= cache._high_pages
-            and requested_pages <= cache._allocator.largest_free_extent()
-        )
+        roomy = self.roomy(sum(_pages(size) for size in sizes))
 
         reservation = cache.reserve(tenant, keys, sizes, parent=parent_key)
 
@@ -311,12 +306,13 @@ class L1Machine(RuleBasedStateMachine):
         assert (reservation.refused_reason is None) == (len(placements) == len(keys))
         new = [p for p in placements if p is not None]
         assert (reservation.lease is None) == (not new)
+        view = self.view()
         for key, size, placement in zip(keys, sizes, placements, strict=False):
             if placement is None:
                 # Already cached, and protected for the rest of the reservation.
                 assert key in indexed_before, "None placement for a key that was not cached"
-                assert key in cache._index, "a key the reservation relies on was evicted"
-                assert cache._tenant[cache._index[key]] == cache._tenants[tenant].index, (
+                assert key in view.index, "a key the reservation relies on was evicted"
+                assert view.slot_of(key).tenant == tenant, (
                     "another tenant's chunk counted as cached"
                 )
                 continue
@@ -326,9 +322,9 @@ class L1Machine(RuleBasedStateMachine):
             assert (placement.offset - LAYOUT.data_offset) % PAGE == 0
             assert LAYOUT.data_offset <= placement.offset
             assert placement.offset + size <= LAYOUT.total_size
-            slot = cache._index[key]
-            assert cache._state[slot] == State.WRITING
-            assert cache._offset(slot) == placement.offset
+            slot = view.slot_of(key)
+            assert slot.state == State.WRITING
+            assert slot.offset == placement.offset
 
         limit = cache.quotas.limit(tenant)
         if new and limit is not None:
@@ -407,19 +403,20 @@ class L1Machine(RuleBasedStateMachine):
         expected = 0
         while expected < len(keys) and keys[expected] in ready:
             expected += 1
-        offsets = [self.offset_of(key) for key in keys[:expected]]
-        readers_before = [self.cache._readers[self.cache._index[k]] for k in keys[:expected]]
+        view = self.view()
+        before = [view.slot_of(key) for key in keys[:expected]]
 
         hit = self.cache.lookup(tenant, keys, lock=lock)
 
         assert hit.count == expected
-        assert hit.offsets == offsets
-        assert hit.sizes == [self.cache._nbytes[self.cache._index[k]] for k in keys[:expected]]
+        assert hit.offsets == [slot.offset for slot in before]
+        assert hit.sizes == [slot.nbytes for slot in before]
         assert (hit.lease is None) == (not lock or expected == 0)
         if not lock:
-            assert [self.cache._readers[self.cache._index[k]] for k in keys[:expected]] == (
-                readers_before
-            )
+            view = self.view()
+            assert [view.slot_of(k).readers for k in keys[:expected]] == [
+                slot.readers for slot in before
+            ]
         if hit.lease is not None:
             self.leases[hit.lease] = LeaseModel(
                 tenant,
@@ -459,20 +456,17 @@ class L1Machine(RuleBasedStateMachine):
             assert self.cache.stats() == before
             return
         record, _ = self.quarantined.pop(lease)
-        held = sum(self.cache._pages[self.quarantined_slot(*entry)] for entry in record.entries)
-        free_before = self.cache._allocator.free_pages
+        view = self.view()
+        held = sum(self.quarantined_slot(view, *entry).pages for entry in record.entries)
         self.cache.release(lease)
         self.dead_leases.append(lease)
-        assert self.cache._allocator.free_pages == free_before + held
+        assert self.view().free_pages == view.free_pages + held
 
-    def quarantined_slot(self, key: bytes, offset: int) -> int:
-        cache = self.cache
+    def quarantined_slot(self, view: L1DebugView, key: bytes, offset: int) -> SlotView:
         (slot,) = [
             slot
-            for slot in self.live_slots()
-            if cache._state[slot] == State.QUARANTINED
-            and cache._keys[slot] == key
-            and cache._offset(slot) == offset
+            for slot in view.live()
+            if slot.state == State.QUARANTINED and slot.key == key and slot.offset == offset
         ]
         return slot
 
@@ -503,7 +497,7 @@ class L1Machine(RuleBasedStateMachine):
         self.clock.now += LEASE_SECONDS + 1
         assert self.cache.expire_leases() == len(self.leases)
         self.expire_in_model()
-        assert not self.cache._leases
+        assert not self.view().leases
 
     @rule()
     def maintain(self) -> None:
@@ -511,7 +505,7 @@ class L1Machine(RuleBasedStateMachine):
         self.cache.maintain()
         self.assert_no_orphans_made(links_before)
         self.expire_in_model()
-        assert self.used_pages() <= self.cache._high_pages or not self.evictable_slots()
+        assert self.used_pages() <= self.view().high_pages or not self.evictable_slots()
         for tenant in TENANTS:
             self.assert_quota_enforced(tenant)
 
@@ -558,12 +552,11 @@ class L1Machine(RuleBasedStateMachine):
         for name in TENANTS:
             if scope in (None, name):
                 assert not self.ready_keys(name)
-                if name in cache._tenants:
-                    index = cache._tenants[name].index
-                    assert all(cache._tenant[s] != index for s in cache._index.values())
+                view = self.view()
+                assert all(view.slots[slot].tenant != name for slot in view.index.values())
             else:
                 assert self.ready_keys(name) == ready_before[name]
-        assert "never-seen" not in cache._tenants
+        assert "never-seen" not in self.view().tenants
         for record in self.leases.values():
             if scope in (None, record.tenant):
                 record.doomed = set(range(len(record.entries)))
@@ -574,13 +567,8 @@ class L1Machine(RuleBasedStateMachine):
     )
     def evict(self, pages: int, scope: str | None) -> None:
         cache = self.cache
-        evictable_pages = (
-            0
-            if scope is not None and scope not in cache._tenants
-            else sum(cache._pages[slot] for slot in self.evictable_slots(scope))
-        )
-        free_before = cache._allocator.free_pages
-        index_before = dict(cache._index)
+        view_before = self.view()
+        evictable_pages = sum(view_before.slots[slot].pages for slot in self.evictable_slots(scope))
         stats_before = cache.stats()
         usage_before = {t.tenant: t for t in map(cache.tenant_stats, cache.tenant_records())}
         ready_before = self.ready_by_tenant()
@@ -590,11 +578,12 @@ class L1Machine(RuleBasedStateMachine):
 
         assert evicted == (evictable_pages >= pages)
         self.assert_no_orphans_made(links_before)
+        view = self.view()
         if evicted:
-            assert cache._allocator.free_pages - free_before >= pages
+            assert view.free_pages - view_before.free_pages >= pages
         else:
-            assert cache._allocator.free_pages == free_before
-            assert cache._index == index_before
+            assert view.free_pages == view_before.free_pages
+            assert view.index == view_before.index
             # An empty record for a tenant seen for the first time is not a change, and
             # making it may drop another idle one.
             usage_after = {t.tenant: t for t in map(cache.tenant_stats, cache.tenant_records())}
@@ -617,39 +606,48 @@ class L1Machine(RuleBasedStateMachine):
     # ------------------------------------------------------------- invariants
 
     @invariant()
-    def placements_tile_the_data_region(self) -> None:
+    def cache_matches_its_rules_and_the_model(self) -> None:
+        """The cache's own rules (slots, pages, index, chains, leases, records, policies),
+        then one copy of its bookkeeping against the model."""
+        self.cache.check_invariants()
+        view = self.view()
+        self.placements_tile_the_data_region(view)
+        self.slots_are_accounted_for(view)
+        self.quarantined_pages_stay_held(view)
+        self.locks_match_the_open_leases(view)
+        self.usage_is_exact(view)
+        self.policies_hold_exactly_the_ready_chunks(view)
+        self.chains_stay_within_a_tenant(view)
+
+    def placements_tile_the_data_region(self, view: L1DebugView) -> None:
         """Live chunks and free extents cover the data region exactly, without overlap."""
-        cache = self.cache
         runs: list[tuple[int, int]] = []
-        for slot in self.live_slots():
-            assert cache._pages[slot] == _pages(cache._nbytes[slot])
-            runs.append((cache._first_page[slot], cache._pages[slot]))
-            offset = cache._offset(slot)
-            assert LAYOUT.data_offset <= offset
-            assert offset + cache._nbytes[slot] <= LAYOUT.total_size
-        runs += cache._allocator.free_extents()
+        for slot in view.live():
+            assert slot.pages == _pages(slot.nbytes)
+            runs.append((slot.first_page, slot.pages))
+            assert LAYOUT.data_offset <= slot.offset
+            assert slot.offset == LAYOUT.data_offset + slot.first_page * PAGE
+            assert slot.offset + slot.nbytes <= LAYOUT.total_size
+        runs += view.free_extents
         position = 0
         for start, pages in sorted(runs):
             assert start == position, f"overlap or hole at page {position}: {sorted(runs)}"
             position += pages
-        assert position == PAGES
-        stats = cache.stats()
-        assert stats.allocated_bytes == self.used_pages() * PAGE <= stats.capacity_bytes
+        assert position == PAGES == view.total_pages
+        stats = self.cache.stats()
+        assert stats.allocated_bytes == view.used_pages * PAGE <= stats.capacity_bytes
         assert 0.0 <= stats.fragmentation <= 1.0
         assert 0.0 <= stats.page_waste < 1.0
 
-    @invariant()
-    def slots_are_accounted_for(self) -> None:
-        cache = self.cache
-        live = self.live_slots()
-        free = list(cache._free_slots)
-        assert len(free) == len(set(free)) == PAGES - len(live)
-        assert not set(free) & set(live)
-        for key, slot in cache._index.items():
-            assert cache._keys[slot] == key
-            assert cache._state[slot] in (State.WRITING, State.READY)
-        indexed = set(cache._index.values())
-        assert len(indexed) == len(cache._index)
+    def slots_are_accounted_for(self, view: L1DebugView) -> None:
+        live = view.live()
+        assert len(view.free_slots) == len(set(view.free_slots)) == PAGES - len(live)
+        assert not set(view.free_slots) & {slot.slot for slot in live}
+        for key, place in view.index.items():
+            assert view.slots[place].key == key
+            assert view.slots[place].state in (State.WRITING, State.READY)
+        indexed = set(view.index.values())
+        assert len(indexed) == len(view.index)
         # Every live slot is indexed, or a cleared chunk still held by an open lease.
         doomed_entries = {
             entry
@@ -661,32 +659,29 @@ class L1Machine(RuleBasedStateMachine):
             entry for record, _ in self.quarantined.values() for entry in record.entries
         }
         for slot in live:
-            if slot not in indexed:
-                entry = (cache._keys[slot], cache._offset(slot))
-                if cache._state[slot] == State.QUARANTINED:
+            if slot.slot not in indexed:
+                entry = (slot.key, slot.offset)
+                if slot.state == State.QUARANTINED:
                     assert entry in quarantined_entries, "a slot quarantined for no lease"
                 else:
-                    assert cache._state[slot] == State.DOOMED, slot
+                    assert slot.state == State.DOOMED, slot
                     assert entry in doomed_entries, "leaked slot"
 
-    @invariant()
-    def quarantined_pages_stay_held(self) -> None:
+    def quarantined_pages_stay_held(self, view: L1DebugView) -> None:
         """An expired write lease's pages hold no other chunk until its fence or release."""
-        cache = self.cache
         pages = 0
         for record, _ in self.quarantined.values():
             for key, offset in record.entries:
-                slot = self.quarantined_slot(key, offset)
-                assert cache._parent[slot] == cache._first_child[slot] == NIL
-                pages += cache._pages[slot]
-        stats = cache.stats()
+                slot = self.quarantined_slot(view, key, offset)
+                assert slot.parent == NIL and not slot.children
+                pages += slot.pages
+        stats = self.cache.stats()
         assert stats.quarantined_bytes == pages * PAGE
-        assert set(cache._quarantine.leases) == set(self.quarantined)
+        assert set(view.quarantined) == set(self.quarantined)
 
-    @invariant()
-    def locks_match_the_open_leases(self) -> None:
+    def locks_match_the_open_leases(self, view: L1DebugView) -> None:
         cache = self.cache
-        assert set(cache._leases) == set(self.leases)
+        assert set(view.leases) == set(self.leases)
         read_locks: dict[tuple[bytes, int], int] = {}
         for record in self.leases.values():
             if not record.writing:
@@ -694,34 +689,34 @@ class L1Machine(RuleBasedStateMachine):
                     read_locks[entry] = read_locks.get(entry, 0) + 1
             for key, offset in record.live_entries():
                 # A locked or reserved chunk stays where it was until its lease ends.
-                assert key in cache._index, "a locked chunk disappeared"
-                slot = cache._index[key]
-                assert cache._offset(slot) == offset, "a locked chunk moved"
+                assert key in view.index, "a locked chunk disappeared"
+                slot = view.slot_of(key)
+                assert slot.offset == offset, "a locked chunk moved"
                 if record.writing:
-                    assert cache._state[slot] == State.WRITING
+                    assert slot.state == State.WRITING
                     assert not cache.contains(key)
                 else:
                     assert cache.contains(key)
-        for slot in self.live_slots():
-            entry = (cache._keys[slot], cache._offset(slot))
-            assert cache._readers[slot] == read_locks.get(entry, 0), entry
+        for slot in view.live():
+            assert slot.key is not None
+            assert slot.readers == read_locks.get((slot.key, slot.offset), 0), slot
 
-    @invariant()
-    def usage_is_exact(self) -> None:
-        cache = self.cache
-        used: dict[int, int] = {}
-        chunks: dict[int, int] = {}
-        for slot in self.live_slots():
-            tenant = cache._tenant[slot]
-            used[tenant] = used.get(tenant, 0) + cache._nbytes[slot]
-            chunks[tenant] = chunks.get(tenant, 0) + 1
-        for account in cache._tenant_list:
-            assert account.used_bytes == used.get(account.index, 0), account.name
-            assert account.chunks == chunks.get(account.index, 0), account.name
-            usage = cache.tenant_usage(account.name)
-            assert usage.used_bytes == account.used_bytes
-        assert cache.stats().stored_bytes == sum(used.values())
-        assert cache.stats().held_chunks == sum(chunks.values())
+    def usage_is_exact(self, view: L1DebugView) -> None:
+        used: dict[str | None, int] = {}
+        chunks: dict[str | None, int] = {}
+        for slot in view.live():
+            used[slot.tenant] = used.get(slot.tenant, 0) + slot.nbytes
+            chunks[slot.tenant] = chunks.get(slot.tenant, 0) + 1
+        assert set(used) <= set(view.tenants), "a chunk is charged to no record"
+        for name, account in view.tenants.items():
+            assert account.used_bytes == used.get(name, 0), name
+            assert account.chunks == chunks.get(name, 0), name
+            usage = self.cache.tenant_usage(name)
+            assert (usage.used_bytes, usage.chunks) == (account.used_bytes, account.chunks)
+        stats = self.cache.stats()
+        assert stats.stored_bytes == sum(used.values())
+        assert stats.held_chunks == sum(chunks.values())
+        assert stats.tenant_count == len(view.tenants)
 
     @invariant()
     def quota_never_grows_past_limit(self) -> None:
@@ -737,34 +732,25 @@ class L1Machine(RuleBasedStateMachine):
                 )
             self.previous_used[tenant] = used
 
-    @invariant()
-    def policies_hold_exactly_the_ready_chunks(self) -> None:
-        cache = self.cache
-        for account in cache._tenant_list:
-            victims = list(account.policy.victims())
-            assert len(victims) == len(set(victims)), "a slot is listed twice"
+    def policies_hold_exactly_the_ready_chunks(self, view: L1DebugView) -> None:
+        """Each tenant lists its ready chunks (that its policy orders exactly these, each
+        once, is a rule of ``check_invariants``)."""
+        for name in view.tenants:
             ready = {
-                slot
-                for slot in cache._index.values()
-                if cache._state[slot] == State.READY and cache._tenant[slot] == account.index
+                slot.key
+                for slot in view.live()
+                if slot.state == State.READY and slot.tenant == name
             }
-            assert set(victims) == ready, account.name
+            assert set(self.cache.iter_keys(name)) == ready, name
 
-    @invariant()
-    def chains_stay_within_a_tenant(self) -> None:
-        cache = self.cache
-        for slot in self.live_slots():
-            parent = cache._parent[slot]
-            if parent == NIL:
+    def chains_stay_within_a_tenant(self, view: L1DebugView) -> None:
+        for slot in view.live():
+            if slot.parent == NIL:
                 continue
-            assert cache._state[parent] != State.FREE
-            assert cache._tenant[parent] == cache._tenant[slot], "a chain crosses tenants"
-            children = []
-            child = cache._first_child[parent]
-            while child != NIL:
-                children.append(child)
-                child = cache._next_sibling[child]
-            assert slot in children
+            parent = view.slots[slot.parent]
+            assert parent.state != State.FREE
+            assert parent.tenant == slot.tenant, "a chain crosses tenants"
+            assert slot.slot in parent.children
 
 
 L1_SETTINGS = settings(
@@ -817,7 +803,9 @@ def test_quota_eviction_never_touches_other_tenants(
     )
     for tenant, picks, sizes, then in steps:
         keys = [key_of(tenant, i) for i in picks]
-        before = {name: set(cache.iter_keys(name)) for name in cache._tenants}
+        before = {
+            record.name: set(cache.iter_keys(record.name)) for record in cache.tenant_records()
+        }
         reservation = cache.reserve(tenant, keys, sizes[: len(keys)])
         for name, keys_before in before.items():
             if name != tenant:
@@ -896,9 +884,11 @@ def test_a_key_held_by_another_tenant_never_links_chains_across_tenants() -> Non
     if second.lease is not None:
         cache.commit(second.lease)
     b_keys = set(cache.iter_keys("b"))
-    for slot, parent in enumerate(cache._parent):
-        if parent != NIL:
-            assert cache._tenant[parent] == cache._tenant[slot], "a chain crosses tenants"
+    slots = cache.debug_view().slots
+    for slot in slots:
+        if slot.parent != NIL:
+            assert slots[slot.parent].tenant == slot.tenant, "a chain crosses tenants"
+    cache.check_invariants()
     cache.set_quota("a", 0)  # a's quota eviction ...
     assert not cache.contains(shared)
     assert set(cache.iter_keys("b")) == b_keys, "... evicted b's chunks"

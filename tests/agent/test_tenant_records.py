@@ -79,7 +79,7 @@ def test_a_dropped_records_place_is_reused_without_mixing_tenants(policy: str) -
     cache.clear("old")  # drops old's record
     hits(cache, "passer-by", [1])
     store(cache, "new", [2])
-    assert len(cache._tenant_list) == 1  # each took the place the one before left
+    assert cache.debug_view().record_places == 1  # each took the place the one before left
     assert hits(cache, "new", [2]) == 1
     assert hits(cache, "old", [2]) == 0
     assert cache.tenant_usage("new").chunks == 1

@@ -57,6 +57,7 @@ class Node:
             if self.recreated
             else self.cache.restore(self.journal.committed(), self.journal.reserved())
         )
+        self.cache.check_invariants()
 
     def store(self, tenant: str, names: list[int], size: int, parent: int | None = None) -> None:
         reservation = self.cache.reserve(
@@ -70,6 +71,7 @@ class Node:
                 self.segment.write(place.offset, payload(name, size))
         assert reservation.lease is not None
         self.cache.commit(reservation.lease)
+        self.cache.check_invariants()
 
     def read(self, tenant: str, names: list[int]) -> list[bytes]:
         hit = self.cache.lookup(tenant, [key(n) for n in names], lock=False)
