@@ -8,8 +8,7 @@ import time
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.testing.agent_process import AgentProcess
-
-from .conftest import key
+from tests.support.chunks import key
 
 TENANT = tenant_id("salt-a")
 PAGE = 64 << 10  # the agent's default page size

@@ -10,15 +10,14 @@ import time
 
 import httpx
 import pytest
-import zmq
 
 from kvpool_agent import protocol as p
 from kvpool_agent.client import AgentClient, AgentError, AgentUnavailable, AsyncAgentClient
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.chunks import key
 from tests.support.polling import wait_until
-
-from .conftest import key
+from tests.support.raw_zmq import RawClient
 
 TENANT = tenant_id("salt-a")
 OTHER = tenant_id("salt-b")
@@ -101,36 +100,6 @@ def test_a_release_sent_ahead_is_answered_after_other_requests(agent: AgentProce
         lost = client.release_later(first.lease)
     with pytest.raises(AgentUnavailable):  # the connection closed before the answer was read
         lost()
-
-
-class RawClient:
-    """A DEALER speaking raw frames, for what the client library would never send."""
-
-    def __init__(self, endpoint: str, routing_id: bytes | None = None) -> None:
-        self.socket = zmq.Context.instance().socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        if routing_id is not None:
-            self.socket.setsockopt(zmq.ROUTING_ID, routing_id)
-        self.socket.connect(endpoint)
-
-    def ask(self, *frames: bytes) -> tuple[p.Reply, list[bytes]]:
-        self.socket.send_multipart(list(frames))
-        assert self.socket.poll(5000), "no reply"
-        reply, *data = self.socket.recv_multipart()
-        return p.decode_reply(reply), data
-
-    def error(self, *frames: bytes) -> p.Error:
-        reply, _ = self.ask(*frames)
-        assert isinstance(reply, p.Error), reply
-        return reply
-
-    def hello(self) -> int:
-        reply, _ = self.ask(p.encode(p.Hello(1, p.PROTOCOL_VERSION, "raw")))
-        assert isinstance(reply, p.HelloReply)
-        return reply.session
-
-    def close(self) -> None:
-        self.socket.close()
 
 
 def test_an_old_client_gets_a_clear_version_error(agent: AgentProcess) -> None:

@@ -8,8 +8,7 @@ from kvpool_agent.client import AgentClient
 from kvpool_agent.core.l1 import IDLE_TENANTS
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
-
-from .conftest import key
+from tests.support.chunks import key
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 

@@ -14,8 +14,7 @@ from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.probe_table import ProbeTableReader, ProbeTableWriter, table_path
 from kvpool_agent.testing.agent_process import AgentProcess
-
-from .conftest import key
+from tests.support.chunks import key
 
 AGENT_ID = "a" * 32
 

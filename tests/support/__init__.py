@@ -9,7 +9,9 @@
   :mod:`~tests.support.greedy`: real vLLM CPU engines and greedy output compared up to noise;
 - :mod:`~tests.support.http_process`, :mod:`~tests.support.index_process`: server
   processes started and stopped with their health checks;
-- :mod:`~tests.support.raw_http`: HTTP spoken by hand over a socket (for the guards);
+- :mod:`~tests.support.raw_http`, :mod:`~tests.support.raw_zmq`: HTTP and the agent's ZMQ
+  protocol spoken by hand (for what well-behaved clients never send);
+- :mod:`~tests.support.l1`: in-process L1 caches and services, and a clock to move;
 - :mod:`~tests.support.chunks`, :mod:`~tests.support.metrics`,
   :mod:`~tests.support.polling`, :mod:`~tests.support.ports`: keys and bytes, one agent
   metric, bounded waiting, free loopback ports.

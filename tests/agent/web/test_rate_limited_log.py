@@ -5,8 +5,7 @@ import logging
 import pytest
 
 from kvpool_agent.web.rate_limited_log import RateLimitedLog
-
-from .conftest import FakeClock
+from tests.support.l1 import FakeClock
 
 
 def test_a_flood_is_one_line_a_minute_with_its_count(caplog: pytest.LogCaptureFixture) -> None:

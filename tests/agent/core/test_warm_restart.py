@@ -21,8 +21,8 @@ from kvpool_agent.core.quota_book import QuotaBook
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.segment import TABLE_RECORD_BYTES, SharedSegment
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
-
-from .conftest import FakeClock, key
+from tests.support.chunks import key
+from tests.support.l1 import FakeClock
 
 PAGE = 4096
 TENANT, OTHER = tenant_id("warm-a"), tenant_id("warm-b")

@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry
 
 from kvpool_agent.core.factory import SegmentOrigin
 from kvpool_agent.edge.metrics import AgentMetrics
-
-from .conftest import PAGE, key, make_cache, make_service
+from tests.support.chunks import key
+from tests.support.l1 import PAGE, make_cache, make_service
 
 TENANTS = 100_000
 

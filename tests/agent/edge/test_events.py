@@ -12,8 +12,7 @@ from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.protocol import EVENTS_TOPIC, ChunkEvent, decode_event
 from kvpool_agent.testing.agent_process import AgentProcess
-
-from .conftest import key
+from tests.support.chunks import key
 
 TENANT = tenant_id("events")
 

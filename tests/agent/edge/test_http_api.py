@@ -25,8 +25,8 @@ from kvpool_agent.keys import TENANT_ID_PATTERN, TENANT_ID_RULE, tenant_id
 from kvpool_agent.service.cache_service import CacheService
 from kvpool_agent.tenancy.auth import TokenAuthority
 from kvpool_agent.tenancy.quota_store import FileQuotaStore
-
-from .conftest import PAGE, key, make_cache, make_service
+from tests.support.chunks import key
+from tests.support.l1 import PAGE, make_cache, make_service
 
 ALICE = tenant_id("alice")
 BOB = tenant_id("bob")

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvpool_agent.core.policies import POLICY_NAMES, SlotArena, policy_factory
-
-from .conftest import key
+from tests.support.chunks import key
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)

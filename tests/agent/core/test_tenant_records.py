@@ -7,9 +7,8 @@ import pytest
 from kvpool_agent.core.l1 import L1Cache
 from kvpool_agent.core.policies import POLICY_NAMES
 from kvpool_agent.core.quota_book import QuotaBook
-
-from .conftest import PAGE, key, make_cache
-from .test_l1 import hits, store
+from tests.support.chunks import key
+from tests.support.l1 import PAGE, hits, make_cache, store
 
 pytestmark = pytest.mark.parametrize("policy", POLICY_NAMES)
 

@@ -10,28 +10,10 @@ from kvpool_agent.core.cache_types import InvalidRequest, LeaseExpired, Reservat
 from kvpool_agent.core.l1 import L1Cache
 from kvpool_agent.core.policies import POLICY_NAMES
 from kvpool_agent.core.quota_book import QuotaBook
-
-from .conftest import PAGE, FakeClock, key, make_cache
+from tests.support.chunks import key
+from tests.support.l1 import PAGE, FakeClock, hits, make_cache, store
 
 pytestmark = pytest.mark.parametrize("policy", POLICY_NAMES)
-
-
-def store(
-    cache: L1Cache, tenant: str, names: list[int], size: int = PAGE, parent: int | None = None
-) -> None:
-    reservation = cache.reserve(
-        tenant,
-        [key(n) for n in names],
-        [size] * len(names),
-        None if parent is None else key(parent),
-    )
-    assert reservation.refused_reason is None, reservation.refused_reason
-    if reservation.lease is not None:
-        cache.commit(reservation.lease)
-
-
-def hits(cache: L1Cache, tenant: str, names: list[int]) -> int:
-    return cache.lookup(tenant, [key(n) for n in names], lock=False).count
 
 
 def test_reserved_chunk_is_invisible_until_commit(policy: str) -> None:

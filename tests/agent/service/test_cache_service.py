@@ -12,8 +12,8 @@ from pathlib import Path
 
 from kvpool_agent.service.cache_service import CacheService
 from kvpool_agent.service.hooks import Pins
-
-from .conftest import PAGE, key, make_cache, make_service
+from tests.support.chunks import key
+from tests.support.l1 import PAGE, make_cache, make_service
 
 ALICE = "a" * 32
 

@@ -10,10 +10,9 @@ from kvpool_agent import protocol as p
 from kvpool_agent.client import AgentClient, AgentError, copy_in
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.chunks import data, key
 from tests.support.polling import wait_until
-
-from .conftest import key
-from .test_agent_service import RawClient, payload
+from tests.support.raw_zmq import RawClient
 
 TENANT = tenant_id("salt-a")
 OTHER = tenant_id("salt-b")
@@ -34,9 +33,9 @@ def test_a_writer_stalled_past_its_lease_corrupts_no_other_tenant(agent: AgentPr
         assert plan.lease is not None
         # The stall, made deterministic: the writer copies nothing until its lease expired.
         wait_until(lambda: other.stats()["lock_expiries"] == 1)
-        assert other.store(OTHER, [key(2)], [payload(2, SIZE)]) == 1
-        copy_in(stalled.segment(), plan.offsets, [payload(1, SIZE)])  # the late write
-        assert other.retrieve(OTHER, [key(2)]) == [payload(2, SIZE)]
+        assert other.store(OTHER, [key(2)], [data(2, SIZE)]) == 1
+        copy_in(stalled.segment(), plan.offsets, [data(1, SIZE)])  # the late write
+        assert other.retrieve(OTHER, [key(2)]) == [data(2, SIZE)]
         with pytest.raises(AgentError) as late_commit:
             stalled.commit_store(plan.lease)
         assert late_commit.value.code == p.ErrorCode.SESSION_FENCED
@@ -49,8 +48,8 @@ def test_a_writer_stalled_past_its_lease_corrupts_no_other_tenant(agent: AgentPr
         ).json()
         assert (status["quarantined_leases"], status["quarantined_bytes"]) == (1, 128 << 10)
         # The fenced client said hello again and stores on with a new session.
-        assert stalled.store(TENANT, [key(3)], [payload(3, SIZE)]) == 1
-        assert other.retrieve(TENANT, [key(3)]) == [payload(3, SIZE)]
+        assert stalled.store(TENANT, [key(3)], [data(3, SIZE)]) == 1
+        assert other.retrieve(TENANT, [key(3)]) == [data(3, SIZE)]
     metrics = httpx.get(f"{agent.http}/metrics").text
     assert "kvpool_l1_quarantined_leases_total 1.0" in metrics
 

@@ -10,8 +10,8 @@ import pytest
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.quotas import TierLimits
 from kvpool_agent.tenancy.quota_store import FileQuotaStore, QuotaStoreError
-
-from .conftest import PAGE, key, make_cache, make_service
+from tests.support.chunks import key
+from tests.support.l1 import PAGE, make_cache, make_service
 
 ALICE = tenant_id("alice")
 BOB = tenant_id("bob")
