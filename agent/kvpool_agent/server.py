@@ -57,9 +57,7 @@ class Agent:
         config = self.config
         # every input is checked before the segment exists: a bad one leaves nothing behind
         config.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        authority = load_authority(
-            config.tokens_file, config.state_dir / f"admin-token-{config.pool}"
-        )
+        authority = load_authority(config.tokens_file, config.generated_token_files)
         async with contextlib.AsyncExitStack() as stack:
             agent_id = uuid.uuid4().hex
             l1 = open_l1(config, agent_id)
@@ -69,7 +67,9 @@ class Agent:
             metrics = AgentMetrics(
                 CollectorRegistry(), service, config.metrics_top_tenants, l1.origin
             )
-            events = EventPublisher(f"tcp://{config.host}:{config.events_port or '*'}", agent_id)
+            events = EventPublisher(
+                f"tcp://{config.host}:{config.events_port or '*'}", agent_id, authority
+            )
             events.start()
             stack.callback(events.stop)
             service.publish_events(events)
@@ -78,6 +78,7 @@ class Agent:
                 service,
                 l1.segment,
                 f"tcp://{config.host}:{config.zmq_port or '*'}",
+                authority=authority,
                 agent_id=agent_id,
                 max_inline_bytes=int(config.max_inline_bytes),
                 session_idle_seconds=10 * config.lease_seconds,

@@ -27,7 +27,7 @@ def test_lookups_by_new_tenants_leave_a_bounded_number_of_records(
     agent_process: AgentProcess,
 ) -> None:
     agent = agent_process.start()
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         look_up_as_new_tenants(client, 0, IDLE_TENANTS + 1000)
         assert tenant_count(agent) <= IDLE_TENANTS + 1
         before = agent.memory_bytes()
@@ -43,7 +43,7 @@ def test_lookups_by_new_tenants_leave_a_bounded_number_of_records(
 def test_clearing_the_cache_drops_the_records_of_its_tenants(agent_process: AgentProcess) -> None:
     agent = agent_process.start()
     tenants = IDLE_TENANTS + 500
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         for number in range(tenants):
             assert client.store_inline(tenant_id(f"salt-{number}"), [key(number)], [b"kv"]).stored
     assert tenant_count(agent) == tenants

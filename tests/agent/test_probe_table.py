@@ -13,7 +13,7 @@ import pytest
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.probe_table import ProbeTableReader, ProbeTableWriter, table_path
-from kvpool_agent.testing.agent_process import AgentProcess
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import key
 
 AGENT_ID = "a" * 32
@@ -95,7 +95,7 @@ def test_a_reader_racing_the_writer_never_finds_an_unpublished_key(tmp_path: Pat
 
 def test_the_agent_keeps_its_table_to_the_ready_chunks(agent_process: AgentProcess) -> None:
     agent_process.start()
-    with AgentClient(agent_process.zmq) as client:
+    with AgentClient(agent_process.zmq, token=ADMIN_TOKEN) as client:
         info = client.info
         assert info is not None
         path = table_path(info.segment_path)

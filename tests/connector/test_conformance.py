@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from kvpool_agent.client import AgentClient
-from kvpool_agent.testing.agent_process import AgentProcess
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.engines import write_model
 
 from .vllm_steps import RUNNERS, Runner, StepEngine, cpu_platform_env, kv_cache_config, vllm_config
@@ -285,7 +285,7 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
 
 @pytest.fixture
 def empty_agent(agent: AgentProcess) -> AgentProcess:
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         client.clear()
     return agent
 

@@ -280,7 +280,7 @@ def test_poisoned_cache_changes_the_served_output(server: Server) -> None:
     try:
         poisoned, _ = complete(server, victim, "team-a")
     finally:
-        with AgentClient(server.agent.zmq) as client:
+        with AgentClient(server.agent.zmq, token=ADMIN_TOKEN) as client:
             client.clear()  # leave no poison behind
 
     assert cached(poisoned) == EXPECTED_HIT, report(server)

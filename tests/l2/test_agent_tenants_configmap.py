@@ -16,7 +16,7 @@ import pytest
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.tenants_configmap import token_digest
-from kvpool_agent.testing.agent_process import AgentProcess
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import data, key
 from tests.support.kube_api import ServedApi
 from tests.support.metrics import metric
@@ -152,7 +152,7 @@ def test_tiers_all_drops_the_tenant_from_nvme_and_s3(
         S3__ENDPOINT_URL=s3_endpoint,
         S3__REGION="us-east-1",
     )
-    with AgentClient(process.zmq) as client:
+    with AgentClient(process.zmq, token=ADMIN_TOKEN) as client:
         for tenant, first in ((ALICE, 0), (BOB, 100)):  # keys differ by tenant, as salts make them
             names = range(first, first + 6)
             assert client.store(tenant, [key(n) for n in names], [data(n) for n in names]) == 6

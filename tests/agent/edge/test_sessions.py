@@ -27,7 +27,10 @@ def agent(agent_process: AgentProcess) -> AgentProcess:
 
 
 def test_a_writer_stalled_past_its_lease_corrupts_no_other_tenant(agent: AgentProcess) -> None:
-    stalled, other = AgentClient(agent.zmq), AgentClient(agent.zmq)
+    stalled, other = (
+        AgentClient(agent.zmq, token=ADMIN_TOKEN),
+        AgentClient(agent.zmq, token=ADMIN_TOKEN),
+    )
     with stalled, other:
         plan = stalled.prepare_store(TENANT, [key(1)], [SIZE])
         assert plan.lease is not None
@@ -56,7 +59,7 @@ def test_a_writer_stalled_past_its_lease_corrupts_no_other_tenant(agent: AgentPr
 
 def test_a_session_belongs_to_the_connection_that_opened_it(agent: AgentProcess) -> None:
     owner, intruder = RawClient(agent.zmq), RawClient(agent.zmq)
-    session, own = owner.hello(), intruder.hello()
+    session, own = owner.hello(ADMIN_TOKEN), intruder.hello(ADMIN_TOKEN)
     assert session != own and min(session, own) >= 1 << 32  # random, not sequential
     reply, _ = owner.ask(p.encode(p.PrepareStore(2, session, TENANT, [key(1)], [SIZE])))
     assert isinstance(reply, p.PrepareStoreReply) and reply.lease != p.NO_LEASE
@@ -81,7 +84,7 @@ def test_a_connection_cannot_take_over_another_ones_routing_identity(
 ) -> None:
     """Clients may name their connection: a second one under the same name is not served."""
     owner = RawClient(agent.zmq, routing_id=b"vllm-worker-0")
-    session = owner.hello()
+    session = owner.hello(ADMIN_TOKEN)
     impostor = RawClient(agent.zmq, routing_id=b"vllm-worker-0")
     impostor.socket.send(p.encode(p.Lookup(2, session, TENANT, [key(1)])))
     assert not impostor.socket.poll(1000), "the impostor was served as the owner"
@@ -95,8 +98,8 @@ def test_idle_sessions_are_swept_on_time_while_the_socket_stays_busy(
     agent: AgentProcess,
 ) -> None:
     idle = RawClient(agent.zmq)
-    idle.hello()
-    with AgentClient(agent.zmq) as busy:
+    idle.hello(ADMIN_TOKEN)
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as busy:
         assert busy.info is not None
         session = busy.info.session
 
