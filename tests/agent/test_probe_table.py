@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import stat
 import threading
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import pytest
 
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
-from kvpool_agent.probe_table import ProbeTableReader, ProbeTableWriter, table_path
+from kvpool_agent.probe_table import TABLE_MODE, ProbeTableReader, ProbeTableWriter, table_path
+from kvpool_agent.segment import SEGMENT_MODE
 from kvpool_agent.testing.agent_process import AgentProcess
 from tests.support.chunks import key
 
@@ -99,8 +101,10 @@ def test_the_agent_keeps_its_table_to_the_ready_chunks(agent_process: AgentProce
         info = client.info
         assert info is not None
         path = table_path(info.segment_path)
-        # readable by exactly those who may map the segment
-        assert os.stat(path).st_mode & 0o777 == os.stat(info.segment_path).st_mode & 0o777
+        # the connectors' group maps the segment read-write and reads the table; the umask
+        # plays no part
+        assert stat.S_IMODE(os.stat(info.segment_path).st_mode) == SEGMENT_MODE == 0o660
+        assert stat.S_IMODE(os.stat(path).st_mode) == TABLE_MODE == 0o640
         reader = ProbeTableReader(path, info.agent_id)
         tenant = tenant_id("probe-tenant")
         client.store(tenant, [key(1), key(2)], [b"x" * 100, b"y" * 100])

@@ -17,6 +17,12 @@ ALICE = tenant_id("alice")
 BOB = tenant_id("bob")
 
 
+def write_private(path: Path, text: str) -> None:
+    """A quota file as the agent writes it: its own, mode 0600."""
+    path.write_text(text)
+    path.chmod(0o600)
+
+
 def test_round_trip(tmp_path: Path) -> None:
     store = FileQuotaStore(tmp_path / "q.json")
     assert store.load() == {}
@@ -32,7 +38,7 @@ def test_round_trip(tmp_path: Path) -> None:
 
 def test_limits_per_tier_round_trip_and_older_files_still_load(tmp_path: Path) -> None:
     path = tmp_path / "q.json"
-    path.write_text(json.dumps({ALICE: 4096, BOB: None}))  # written before tiers had limits
+    write_private(path, json.dumps({ALICE: 4096, BOB: None}))  # before tiers had limits
     store = FileQuotaStore(path)
     assert store.load() == {ALICE: 4096, BOB: None}
     store.save(BOB, TierLimits(l1=1024, nvme=None))
@@ -83,7 +89,7 @@ def test_delete_of_an_absent_tenant_writes_nothing(tmp_path: Path) -> None:
 )
 def test_corrupt_file(tmp_path: Path, content: str) -> None:
     path = tmp_path / "q.json"
-    path.write_text(content)
+    write_private(path, content)
     store = FileQuotaStore(path)
     with pytest.raises(QuotaStoreError, match=str(path)):
         store.load()
