@@ -18,6 +18,9 @@ import pytest
 
 NOBODY = 65534
 
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="giving a file to another user (chown) needs root"
+)
 needs_another_user = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("setpriv") is None,
     reason="acting as another local user (uid 65534) needs root and setpriv (util-linux)",
