@@ -10,6 +10,7 @@ opens what is at a temporary name; nothing planted, and no file a link points at
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ from kvpool_agent.testing.agent_process import AgentProcess
 from tests.support.chunks import key
 from tests.support.local_user import (
     NOBODY,
+    as_nobody,
     fingerprint,
     needs_another_user,
     plant_file,
@@ -48,7 +50,10 @@ def planted(agent_process: AgentProcess) -> Iterator[list[Path]]:
     yield paths
     agent_process.kill()
     for path in [*paths, table_path(agent_process.segment_path)]:
-        path.unlink(missing_ok=True)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def segment_file(agent: AgentProcess, victim: Path) -> Path:
@@ -159,17 +164,19 @@ def test_planted_temporary_names_are_never_opened_and_the_modes_are_exact(
     assert {path: fingerprint(path) for path in before} == before
 
 
-def test_a_state_directory_of_another_user_is_refused(
-    agent_process: AgentProcess, planted: list[Path], tmp_path: Path
+def test_a_state_directory_another_user_made_first_is_refused(
+    agent_process: AgentProcess, planted: list[Path]
 ) -> None:
-    state = tmp_path / "state"
-    state.mkdir(mode=0o777)
-    os.chown(state, NOBODY, NOBODY)  # as if the other user had made it first
+    """A state directory under /tmp that the other user made before the agent: its entries
+    would be theirs to rename and replace."""
+    state = Path("/tmp") / f"kvpool-planted-state-{os.getpid()}-{agent_process.workdir.name}"
+    as_nobody('umask 0 && mkdir "$1"', str(state))
+    planted.append(state)
     agent_process.settings.update({"STATE_DIR": str(state)})
     agent_process.launch()
     assert agent_process.wait_refused() == 1
     (refusal,) = [line for line in agent_process.log if line.startswith("kvpool-agent:")]
-    assert f"refusing state directory {state}:" in refusal
-    assert f"owner uid {NOBODY}, mode {stat.S_IMODE(state.stat().st_mode):04o}" in refusal
+    assert f"refusing state directory {state}: it belongs to another user" in refusal
+    assert f"(owner uid {NOBODY}, mode 0777)" in refusal
     assert list(state.iterdir()) == []
     assert not agent_process.segment_path.exists()
