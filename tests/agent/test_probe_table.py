@@ -147,6 +147,30 @@ def test_a_key_with_no_free_bucket_near_its_home_is_counted_not_published(tmp_pa
     assert sum(reader.run("t", [chunk]) for chunk in crowded) == MAX_PROBE
 
 
+def test_crowded_homes_keep_every_published_key_reachable(tmp_path: Path) -> None:
+    """Keys from a few neighbouring homes: long runs, refusals and shifts all happen; the
+    reader finds exactly the keys whose publication the writer accepted, and no other."""
+    rng = random.Random(4)
+    writer = ProbeTableWriter(tmp_path / "t.probe", 256, AGENT_ID)  # 512 buckets
+    reader = ProbeTableReader(tmp_path / "t.probe", AGENT_ID)
+    held: set[bytes] = set()
+    offered: set[bytes] = set()
+    for _ in range(6000):
+        if held and rng.random() < 0.45:
+            gone = rng.choice(sorted(held))
+            writer.withdraw(gone)
+            held.discard(gone)
+            offered.discard(gone)
+        else:
+            home = rng.choice((0, 3, 40, 70, 511)).to_bytes(8, "little")
+            chunk = home + rng.randbytes(24)
+            offered.add(chunk)
+            if writer.publish(chunk, "t"):
+                held.add(chunk)
+    assert writer.full > 0
+    assert {chunk for chunk in offered if reader.run("t", [chunk])} == held
+
+
 SMALL = {"L1_SIZE": "1MiB", "PAGE_SIZE": "4096"}
 """256 pages: a table of 512 buckets (twice the pages, a power of two), MAX_PROBE of them
 around any home."""
