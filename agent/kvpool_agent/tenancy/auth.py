@@ -31,16 +31,15 @@ from __future__ import annotations
 
 import enum
 import hmac
-import os
 import re
 import secrets
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from kvpool_agent.files import ensure_directory, write_file
 from kvpool_agent.keys import TENANT_ID_RULE, check_tenant_id, is_tenant_id
 from kvpool_agent.tenants_configmap import digest_token
 
@@ -48,6 +47,8 @@ from kvpool_agent.tenants_configmap import digest_token
 _TOKEN = re.compile(r"[\x21-\x7e]+")
 _TOP_LEVEL_KEYS = ("admin", "tenants", "gateways")
 _KEYS_TEXT = ", ".join(f"'{key}'" for key in _TOP_LEVEL_KEYS)
+TOKEN_FILE_MODE = 0o600
+"""A generated admin token: for the agent's user (and whoever reads it as that user) only."""
 
 
 class TokenFileError(ValueError):
@@ -164,21 +165,12 @@ class TokenAuthority:
         """Write a fresh random admin token to ``path`` (mode 0600); the authority of it alone.
 
         The file is replaced atomically, so a reader never sees a partial token;
-        a token generated at an earlier start stops working.
+        a token generated at an earlier start stops working. Something at ``path`` that
+        is not a regular file of the agent's user is refused (:mod:`kvpool_agent.files`).
         """
         token = secrets.token_urlsafe(32)
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        try:
-            os.fchmod(fd, 0o600)
-            with os.fdopen(fd, "w") as handle:
-                handle.write(token + "\n")
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temporary, path)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
+        ensure_directory(path.parent, what="state directory")
+        write_file(path, (token + "\n").encode(), TOKEN_FILE_MODE, what="admin token file")
         return cls({"admin": token}, source=str(path))
 
     def authenticate(self, token: str) -> Principal | None:
