@@ -37,7 +37,8 @@ Contracts (what the agent shares with the connector, the operator, the doctor, t
   segment's layout; ``probe_table`` -- the lock-free lookup table beside it; ``pinned`` --
   pinning a mapping of it for CUDA copies;
 * ``names`` -- labels, annotations, variables, ports, policy names; ``keys`` -- chunk keys
-  and tenant ids.
+  and tenant ids; ``files`` -- creating and adopting the agent's own files and directories
+  (exclusively, with exact modes, nothing another local user planted).
 """
 
 __version__ = "0.1.0"

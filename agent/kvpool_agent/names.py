@@ -111,6 +111,12 @@ def tenants_name(pool: str) -> str:
     return f"kvpool-{pool}-tenants"
 
 
+def index_access_name(pool: str) -> str:
+    """The Secret of the token the pool's index follows its agents with (key ``token``),
+    minted by the operator; the agents learn its digest from the tenants ConfigMap."""
+    return f"kvpool-{pool}-index-access"
+
+
 def index_name(pool: str) -> str:
     """The index's Deployment, Service, ServiceAccount, Role, RoleBinding and
     NetworkPolicy."""

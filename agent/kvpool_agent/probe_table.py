@@ -20,6 +20,19 @@ never sees a key the agent has not published.
 The agent holds an exclusive lock on the file while it lives; the kernel drops it when the
 process ends, however it ends. A reader trusts the table only while somebody holds that
 lock: a dead or stopped agent's table is never read as if it were kept.
+
+The writer keeps its own copy of which bucket holds which key and never reads the mapping
+back, so nothing written into the file by anyone else steers it. A key is placed at most
+:data:`MAX_PROBE` buckets past its home (half-full tables of random keys stay far below:
+about 40 buckets at a million keys); a key with no free bucket that close (keys crafted
+to share a home) is not published and is counted (:attr:`ProbeTableWriter.full`): the
+scheduler misses it here and the agent's lookup finds it, at the cost of a round trip.
+Every loop is bounded, so a full table never holds the cache's lock for long.
+
+The agent creates the file exclusively (:mod:`kvpool_agent.files`) with mode
+:data:`TABLE_MODE`: the agent writes, its group (the node's connectors) reads, others
+nothing. Something at the table's name that is not a regular file of the agent's user
+is refused at start.
 """
 
 from __future__ import annotations
@@ -29,8 +42,11 @@ import mmap
 import os
 import struct
 import zlib
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
+
+from kvpool_agent.files import check_replaceable, create_temporary
 
 MAGIC = b"KVPPROBE"
 VERSION = 1
@@ -41,6 +57,10 @@ BUCKET_BYTES = _BUCKET.size
 _SEQUENCE = struct.Struct("<I")
 _EMPTY = bytes(32)
 _READ_TRIES = 4
+MAX_PROBE = 64
+"""How far past its home bucket the writer places a key (or gives up on publishing it)."""
+TABLE_MODE = 0o640
+"""The agent writes the table; its group (the connectors' schedulers) maps it read-only."""
 
 
 def table_path(segment_path: Path) -> Path:
@@ -61,44 +81,65 @@ class ProbeTableWriter:
     """The agent's side: one writer, under the cache's lock."""
 
     def __init__(self, path: Path, max_chunks: int, agent_id: str) -> None:
+        """Create the table (replacing the agent's own earlier one); :class:`~kvpool_agent.
+        files.FileRefused` if what is at ``path`` is not the agent's."""
         buckets = 1 << max(4, (2 * max_chunks - 1).bit_length())
         self.path = path
         self._mask = buckets - 1
-        size = HEADER_BYTES + buckets * BUCKET_BYTES
-        temporary = path.with_name(f".{path.name}.{os.getpid()}")
-        self._fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o660)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)  # held until the process ends: "the table is kept"
-        os.ftruncate(self._fd, size)
-        self._map = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        _HEADER.pack_into(self._map, 0, MAGIC, VERSION, buckets, agent_id.encode()[:32])
-        os.replace(temporary, path)
+        self._max_probe = min(MAX_PROBE, buckets)
+        self._held: list[bytes | None] = [None] * buckets
+        """The key in each bucket as the writer put it: no decision depends on the mapping."""
+        self._tags = array("I", bytes(4 * buckets))
         self._keys: dict[bytes, int] = {}
-        """Key -> its bucket (the agent's own map of the table)."""
+        """Key -> its bucket."""
+        self.full = 0
+        """Keys not published: no free bucket within MAX_PROBE of their home."""
+        size = HEADER_BYTES + buckets * BUCKET_BYTES
+        check_replaceable(path, "probe table")
+        self._fd, temporary = create_temporary(path, TABLE_MODE)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)  # held until the process ends: "the table is kept"
+            os.ftruncate(self._fd, size)
+            self._map = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            _HEADER.pack_into(self._map, 0, MAGIC, VERSION, buckets, agent_id.encode()[:32])
+            os.replace(temporary, path)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            os.close(self._fd)
+            raise
 
-    def publish(self, key: bytes, tenant: str) -> None:
-        if key in self._keys or len(key) != 32 or key == _EMPTY:
-            return
-        index = _home(key, self._mask)
-        while self._bucket_key(index) != _EMPTY:
-            index = (index + 1) & self._mask
-        self._write(index, tenant_tag(tenant), key)
+    def publish(self, key: bytes, tenant: str) -> bool:
+        """Publish ``key`` for ``tenant``; False (counted) if no bucket near its home is free."""
+        if key in self._keys:
+            return True
+        if len(key) != 32 or key == _EMPTY:
+            return False
+        held, mask = self._held, self._mask
+        index = _home(key, mask)
+        for _ in range(self._max_probe):
+            if held[index] is None:
+                self._write(index, tenant_tag(tenant), key)
+                return True
+            index = (index + 1) & mask
+        self.full += 1
+        return False
 
     def withdraw(self, key: bytes) -> None:
         """Remove ``key``; move the entries after it back so that no probe stops short."""
         hole = self._keys.pop(key, None)
         if hole is None:
             return
-        mask, index = self._mask, hole
-        while True:
+        held, mask, limit = self._held, self._mask, self._max_probe
+        index = hole
+        for _ in range(mask):
             index = (index + 1) & mask
-            moving = self._bucket_key(index)
-            if moving == _EMPTY:
-                break
+            moving = held[index]
+            if moving is None or (index - hole) & mask >= limit:
+                break  # every entry lies within MAX_PROBE of its home: none further can move
             home = _home(moving, mask)
             # the entry may fill the hole unless its home lies cyclically in (hole, index]
             if (index - home) & mask >= (index - hole) & mask:
-                tag = _BUCKET.unpack_from(self._map, self._offset(index))[1]
-                self._write(hole, tag, moving)
+                self._write(hole, self._tags[index], moving)
                 hole = index
         self._write(hole, 0, _EMPTY)
 
@@ -107,20 +148,17 @@ class ProbeTableWriter:
         self._map.close()
         os.close(self._fd)
 
-    def _offset(self, index: int) -> int:
-        return HEADER_BYTES + index * BUCKET_BYTES
-
-    def _bucket_key(self, index: int) -> bytes:
-        offset = self._offset(index) + 8
-        return self._map[offset : offset + 32]
-
     def _write(self, index: int, tag: int, key: bytes) -> None:
-        offset = self._offset(index)
+        offset = HEADER_BYTES + index * BUCKET_BYTES
         (sequence,) = _SEQUENCE.unpack_from(self._map, offset)
         _SEQUENCE.pack_into(self._map, offset, (sequence + 1) & 0xFFFFFFFF)
         self._map[offset + 4 : offset + BUCKET_BYTES] = _BUCKET.pack(0, tag, key)[4:]
         _SEQUENCE.pack_into(self._map, offset, (sequence + 2) & 0xFFFFFFFF)
-        if key != _EMPTY:
+        self._tags[index] = tag
+        if key == _EMPTY:
+            self._held[index] = None
+        else:
+            self._held[index] = key
             self._keys[key] = index
 
 

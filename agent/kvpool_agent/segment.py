@@ -14,16 +14,32 @@ not a SIGBUS in the middle of a store.
 The file outlives the agent. A restarted agent calls :meth:`SharedSegment.open`,
 which re-adopts a compatible segment (same layout version, size and page size,
 intact header) and otherwise recreates it from empty, saying why.
+
+The agent creates the file exclusively (see :mod:`kvpool_agent.files`) with mode
+:data:`SEGMENT_MODE`: read-write for the agent and its group, the connectors of the
+node, which copy KV in and out of it; nothing for other users. It adopts only a
+regular file of its own user whose mode grants no more than that (a narrower one,
+as agents before 0.2 left under a umask, is widened to it); anything else at the
+segment's name is refused at start, as it may be another user's file, mapped by them.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import stat
 import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvpool_agent.files import (
+    FileRefused,
+    check_replaceable,
+    create_temporary,
+    ensure_directory,
+    open_verified,
+)
 
 MAGIC = b"KVPOOLS1"
 LAYOUT_VERSION = 2
@@ -31,6 +47,10 @@ LAYOUT_VERSION = 2
 _HEADER = struct.Struct("<8sIIQQQQI")
 HEADER_BYTES = 4096
 TABLE_RECORD_BYTES = 128
+SEGMENT_MODE = 0o660
+"""The agent and its group (the node's connectors) read and write the segment."""
+DIRECTORY_MODE = 0o710
+"""A segment directory the agent creates: its group may reach the files, not list them."""
 
 
 class SegmentError(RuntimeError):
@@ -105,12 +125,14 @@ class SharedSegment:
     def create(
         cls, path: Path, data_size: int, page_size: int, *, populate: bool = True
     ) -> SharedSegment:
-        """Create (or replace) the segment, reserve its memory and map it."""
+        """Create (or replace one of the agent's own) segment, reserve its memory and map it."""
         layout = SegmentLayout.plan(data_size, page_size)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
-            fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o660)
+            _check_directory(path)
+            check_replaceable(path, "segment")
+            fd, temporary = create_temporary(path, SEGMENT_MODE)
+        except FileRefused as error:
+            raise SegmentError(str(error)) from None
         except OSError as error:
             raise SegmentError(f"cannot create segment {path}: {error.strerror}") from error
         try:
@@ -132,39 +154,56 @@ class SharedSegment:
 
     @classmethod
     def attach(cls, path: Path, *, populate: bool = False) -> SharedSegment:
-        """Map an existing segment created by an agent."""
+        """Map an existing segment created by an agent (a client's way in)."""
         try:
             fd = os.open(path, os.O_RDWR)
         except OSError as error:
             raise SegmentError(f"cannot open segment {path}: {error.strerror}") from error
         try:
-            try:
-                layout = SegmentLayout.from_header(os.pread(fd, _HEADER.size, 0))
-            except SegmentError as error:
-                raise SegmentError(f"{path}: {error}") from None
-            if os.fstat(fd).st_size < layout.total_size:
-                raise SegmentError(f"{path} is shorter than its header says")
-            return cls(path, layout, _map(fd, layout.total_size, populate))
+            return cls._map_existing(path, fd, populate)
         finally:
             os.close(fd)
 
     @classmethod
     def open(cls, path: Path, data_size: int, page_size: int) -> tuple[SharedSegment, str | None]:
-        """The agent's way in: adopt a compatible segment, else create one.
+        """The agent's way in: adopt a compatible segment of its own, else create one.
 
         Returns the segment and, when it was created rather than adopted, why.
+        :class:`SegmentError` if what is at ``path`` is not the agent's to adopt.
         """
-        if not path.exists():
-            return cls.create(path, data_size, page_size), "no segment yet"
         try:
-            segment = cls.attach(path, populate=True)
-        except SegmentError as error:
-            return cls.create(path, data_size, page_size), str(error).removeprefix(f"{path}: ")
+            _check_directory(path)
+            fd, status = open_verified(path, what="segment", mode=SEGMENT_MODE, flags=os.O_RDWR)
+        except FileNotFoundError:
+            return cls.create(path, data_size, page_size), "no segment yet"
+        except FileRefused as error:
+            raise SegmentError(str(error)) from None
+        except OSError as error:
+            raise SegmentError(f"cannot open segment {path}: {error.strerror}") from error
+        try:
+            if stat.S_IMODE(status.st_mode) != SEGMENT_MODE:
+                os.fchmod(fd, SEGMENT_MODE)  # narrower (an older agent's umask): the group maps it
+            try:
+                segment = cls._map_existing(path, fd, populate=True)
+            except SegmentError as error:
+                return cls.create(path, data_size, page_size), str(error).removeprefix(f"{path}: ")
+        finally:
+            os.close(fd)
         if segment.layout != SegmentLayout.plan(data_size, page_size):
             segment.close()
             reason = "the configured size or page size differs from the segment's"
             return cls.create(path, data_size, page_size), reason
         return segment, None
+
+    @classmethod
+    def _map_existing(cls, path: Path, fd: int, populate: bool) -> SharedSegment:
+        try:
+            layout = SegmentLayout.from_header(os.pread(fd, _HEADER.size, 0))
+        except SegmentError as error:
+            raise SegmentError(f"{path}: {error}") from None
+        if os.fstat(fd).st_size < layout.total_size:
+            raise SegmentError(f"{path} is shorter than its header says")
+        return cls(path, layout, _map(fd, layout.total_size, populate))
 
     @property
     def table(self) -> memoryview:
@@ -193,6 +232,13 @@ class SharedSegment:
 
     def unlink(self) -> None:
         self.path.unlink(missing_ok=True)
+
+
+def _check_directory(path: Path) -> None:
+    """The segment's directory: created for the agent's group to reach, or a directory of the
+    agent or root where no other user may swap the segment for a file of theirs (as a
+    connector maps whatever file is at the name)."""
+    ensure_directory(path.parent, what="segment directory", mode=DIRECTORY_MODE, guard_entries=True)
 
 
 def _map(fd: int, size: int, populate: bool) -> mmap.mmap:

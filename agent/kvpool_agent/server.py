@@ -26,6 +26,7 @@ from kvpool_agent.edge.events import EventPublisher
 from kvpool_agent.edge.http_api import create_app
 from kvpool_agent.edge.metrics import AgentMetrics
 from kvpool_agent.edge.zmq_server import ZmqServer
+from kvpool_agent.files import ensure_directory
 from kvpool_agent.l2.nvme import NvmeAdapter
 from kvpool_agent.l2.tiers import open_tiers
 from kvpool_agent.service.cache_service import CacheService
@@ -56,7 +57,7 @@ class Agent:
             loop.add_signal_handler(signum, self.stop)
         config = self.config
         # every input is checked before the segment exists: a bad one leaves nothing behind
-        config.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        ensure_directory(config.state_dir, what="state directory")
         authority = load_authority(config.tokens_file, config.generated_token_files)
         async with contextlib.AsyncExitStack() as stack:
             agent_id = uuid.uuid4().hex
@@ -65,7 +66,11 @@ class Agent:
             service = self._open_service(l1, stack)
             self._follow_tenants(authority, service, stack)
             metrics = AgentMetrics(
-                CollectorRegistry(), service, config.metrics_top_tenants, l1.origin
+                CollectorRegistry(),
+                service,
+                config.metrics_top_tenants,
+                l1.origin,
+                probe_table=l1.probe_table,
             )
             events = EventPublisher(
                 f"tcp://{config.host}:{config.events_port or '*'}", agent_id, authority

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvpool_agent.pinned import PinningError, pin
-from kvpool_agent.segment import SegmentError, SharedSegment
+from kvpool_agent.segment import SEGMENT_MODE, SegmentError, SharedSegment
 
 PAGE = 4096
 
@@ -71,6 +72,55 @@ def test_open_adopts_a_compatible_segment_and_keeps_its_bytes(segment_path: Path
     assert reason is None
     assert again.read(again.page_offset(2), 10) == b"still here"
     again.close()
+
+
+def test_open_adopts_its_own_segment_left_narrower_and_opens_it_to_the_group(
+    segment_path: Path,
+) -> None:
+    """An earlier agent created its segment under a umask (0640 under 022): the connectors of
+    its group could not write it. It is still the agent's own: adopted, at the agent's mode."""
+    SharedSegment.open(segment_path, 16 * PAGE, PAGE)[0].close()
+    segment_path.chmod(0o640)
+    segment, reason = SharedSegment.open(segment_path, 16 * PAGE, PAGE)
+    assert reason is None
+    assert stat.S_IMODE(segment_path.stat().st_mode) == SEGMENT_MODE == 0o660
+    segment.close()
+
+
+@pytest.mark.parametrize("mode", [0o666, 0o664, 0o4660])
+def test_open_refuses_a_segment_others_may_have_mapped(segment_path: Path, mode: int) -> None:
+    """Whoever could open it may hold a mapping still: no chmod takes that back."""
+    SharedSegment.open(segment_path, 16 * PAGE, PAGE)[0].close()
+    segment_path.chmod(mode)
+    with pytest.raises(SegmentError) as refused:
+        SharedSegment.open(segment_path, 16 * PAGE, PAGE)
+    message = str(refused.value)
+    assert message.startswith(f"refusing segment {segment_path}: its mode grants more than 0660")
+    assert f"(owner uid {os.geteuid()}, mode {mode:04o})" in message and "\n" not in message
+    assert stat.S_IMODE(segment_path.stat().st_mode) == mode  # left as it was
+
+
+def test_the_segment_directory_the_agent_makes_lets_its_group_through_only(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "shm" / "kvpool-test"
+    SharedSegment.create(path, 16 * PAGE, PAGE).close()
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o710
+    assert stat.S_IMODE(path.stat().st_mode) == SEGMENT_MODE
+
+
+def test_a_segment_directory_where_others_may_swap_the_segment_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A connector maps whatever file is at the segment's name: in a directory every user may
+    write, without the sticky bit of /dev/shm, anyone could put theirs there."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(SegmentError, match="any user may rename its entries"):
+        SharedSegment.open(shared / "kvpool-test", 16 * PAGE, PAGE)
+    shared.chmod(0o1777)
+    SharedSegment.open(shared / "kvpool-test", 16 * PAGE, PAGE)[0].close()
 
 
 @pytest.mark.parametrize(

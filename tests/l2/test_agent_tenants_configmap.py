@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvpool_agent.client import AgentClient
+from kvpool_agent.client import AgentClient, AgentError
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.tenants_configmap import token_digest
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
@@ -29,6 +29,7 @@ NAMESPACE = "inference"
 NAME = "kvpool-main-tenants"
 ALICE, BOB = tenant_id("alice"), tenant_id("bob")
 ALICE_TOKEN, OPERATOR_TOKEN = "alice-token-from-the-operator", "operator-token-in-memory"
+INDEX_ACCESS = "the-index-token-the-operator-minted"
 MiB = 1 << 20
 
 
@@ -119,6 +120,41 @@ def test_tokens_and_ceilings_follow_the_configmap(
     eventually(lambda: _status(httpx.get(quota, headers=_auth(ALICE_TOKEN)), 401), timeout=10)
     print(f"key removed to revoked: {time.monotonic() - revoked:.2f} s")
     assert httpx.get(quota, headers=_auth(OPERATOR_TOKEN)).status_code == 200
+
+
+def test_zmq_sessions_follow_the_configmap_and_end_with_their_token(
+    tenants: Kubectl, agents: Callable[..., AgentProcess]
+) -> None:
+    """A team's engine says hello with its KVCacheTenant's token and works on its tenant;
+    the operator's index key grants the snapshot; the key removed, the session is void."""
+    process = _watching(agents)
+    _grant(tenants, {"l1": None, "nvme": None})
+    _patch(tenants, {"index": {"tokens": [token_digest(INDEX_ACCESS)]}})
+    engine = AgentClient(process.zmq, token=ALICE_TOKEN)
+    eventually(lambda: _says_hello(engine), timeout=10)
+    assert engine.store_inline(ALICE, [key(1)], [b"kv"]).stored == 1
+    with AgentClient(process.zmq, token=INDEX_ACCESS) as index:
+        assert eventually(index.snapshot, timeout=10) == {ALICE: [key(1)]}
+
+    _patch(tenants, {ALICE: None})
+
+    def void() -> None:
+        with pytest.raises(AgentError) as refused:
+            engine.lookup(ALICE, [key(1)], lock=False)
+        assert refused.value.code == "unauthenticated", refused.value
+
+    eventually(void, timeout=10)
+    with pytest.raises(AgentError) as again:
+        AgentClient(process.zmq, token=ALICE_TOKEN).connect()
+    assert again.value.code == "unauthenticated"
+    engine.close()
+
+
+def _says_hello(client: AgentClient) -> None:
+    try:
+        client.connect()
+    except AgentError as error:
+        raise AssertionError(f"not granted yet: {error}") from error
 
 
 def test_a_malformed_entry_is_skipped_and_never_logged(

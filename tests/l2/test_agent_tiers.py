@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import boto3
 import httpx
+import pytest
 
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
@@ -200,3 +203,62 @@ def test_the_reused_policy_writes_back_after_enough_counted_hits(
         headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
     ).json()
     assert (usage["hits"], usage["misses"]) == (3, 0)
+
+
+@pytest.fixture
+def own_agent(tmp_path: Path) -> Iterator[AgentProcess]:
+    """An agent not started yet (set ``settings`` and ``umask`` first)."""
+    workdir = tmp_path / "agent"
+    workdir.mkdir()
+    agent = AgentProcess(workdir, {"L1_SIZE": "4MiB"})
+    yield agent
+    agent.cleanup()
+
+
+def test_the_nvme_tree_and_its_generated_key_are_the_agents_alone(
+    own_agent: AgentProcess, tmp_path: Path
+) -> None:
+    """Under a umask of 0, as much as any: no other user lists the tree (tenant ids, chunk
+    keys) or reads a file of it, nor the key beside it."""
+    nvme = tmp_path / "nvme"
+    keys = nvme / ".kvpool-keys" / "default"  # where the operator puts a node's own key
+    own_agent.settings.update(
+        {"NVME__PATH": str(nvme), "NVME__CAPACITY": "64MiB", "L2_KEY_DIR": str(keys)}
+    )
+    own_agent.umask = 0
+    agent = own_agent.start()
+    with AgentClient(agent.zmq) as client:
+        store_chain(client, list(range(6)))
+    wait_until(lambda: metric(agent, "kvpool_writeback_written_total") >= 6)
+    tree = nvme / "default"
+    directories = [tree, *(p for p in tree.rglob("*") if p.is_dir()), keys, keys.parent]
+    files = [p for p in tree.rglob("*") if p.is_file()]
+    assert len(files) == 6
+    assert {f"{stat.S_IMODE(p.stat().st_mode):04o}" for p in directories} == {"0700"}
+    assert {f"{stat.S_IMODE(p.stat().st_mode):04o}" for p in [*files, keys / "1"]} == {"0600"}
+
+
+def test_a_key_file_others_may_write_stops_the_agent_and_a_readable_one_is_warned_about(
+    own_agent: AgentProcess, tmp_path: Path
+) -> None:
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    key_file = keys / "1"
+    key_file.write_bytes(b"k" * 64)
+    key_file.chmod(0o664)  # the group could choose the pool's key
+    nvme = {"NVME__PATH": str(tmp_path / "nvme"), "NVME__CAPACITY": "64MiB"}
+    own_agent.settings.update({**nvme, "L2_KEY_DIR": str(keys)})
+    own_agent.launch()
+    assert own_agent.wait_refused() == 1
+    (refusal,) = [line for line in own_agent.log if line.startswith("kvpool-agent:")]
+    assert refusal.startswith(f"kvpool-agent: refusing L2 key file {key_file}:")
+    assert f"(owner uid {os.geteuid()}, mode 0664)" in refusal
+    assert "Traceback" not in "".join(own_agent.log)
+
+    key_file.chmod(0o644)  # readable by every user: used, and said
+    agent = own_agent.start()
+    warnings = [line for line in agent.log if "is readable by every user" in line]
+    assert len(warnings) == 1 and " WARNING " in warnings[0] and str(key_file) in warnings[0]
+    with AgentClient(agent.zmq) as client:
+        store_chain(client, [0])
+    wait_until(lambda: metric(agent, "kvpool_writeback_written_total") >= 1)

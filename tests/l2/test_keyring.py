@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import stat
 from pathlib import Path
 
 import pytest
 
 from kvpool_agent.l2.keyring import Keyring, KeyringError, generate_key, read_keys
+from tests.support.local_user import NOBODY, needs_root
 
 from .conftest import write_key
 
@@ -49,3 +52,57 @@ def test_a_secret_mount_is_read_and_a_broken_update_keeps_the_keys(tmp_path: Pat
     (mount / "4").write_bytes(KEY_2)
     assert keyring.current().by_id == {3: KEY_1, 4: KEY_2}
     assert keyring.current().active_id == 4
+
+
+@pytest.mark.parametrize("mode", [0o620, 0o602, 0o666])
+def test_a_key_file_others_may_write_is_refused(tmp_path: Path, mode: int) -> None:
+    """Whoever may write the key may choose it, and then read every object sealed under it."""
+    write_key(tmp_path, 1, KEY_1)
+    path = tmp_path / "1"
+    path.chmod(mode)
+    with pytest.raises(KeyringError) as refused:
+        read_keys(tmp_path)
+    message = str(refused.value)
+    assert message.startswith(f"refusing L2 key file {path}:") and "\n" not in message
+    assert f"(owner uid {os.geteuid()}, mode {mode:04o})" in message
+    assert "chmod go-w" in message
+
+
+@needs_root
+def test_a_key_file_of_another_user_is_refused(tmp_path: Path) -> None:
+    write_key(tmp_path, 1, KEY_1)
+    os.chown(tmp_path / "1", NOBODY, NOBODY)
+    with pytest.raises(KeyringError, match=f"belongs to another user \\(owner uid {NOBODY}"):
+        Keyring(tmp_path)
+
+
+def test_a_key_file_every_user_may_read_is_used_with_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    write_key(tmp_path, 1, KEY_1)
+    path = tmp_path / "1"
+    path.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="kvpool_agent.l2.keyring"):
+        keyring = Keyring(tmp_path, reload_seconds=0)
+        assert keyring.current().by_id == {1: KEY_1}  # reread: warned once
+    (warning,) = [record.getMessage() for record in caplog.records]
+    assert warning.startswith(f"L2 key file {path} is readable by every user")
+    assert "mode 0644" in warning
+    caplog.clear()
+    path.chmod(0o440)  # a Secret's defaultMode: the pod's group only
+    with caplog.at_level(logging.WARNING, logger="kvpool_agent.l2.keyring"):
+        assert Keyring(tmp_path).current().by_id == {1: KEY_1}
+    assert caplog.records == []
+
+
+def test_a_generated_key_is_private_whatever_the_umask(tmp_path: Path) -> None:
+    keys = tmp_path / "nvme" / ".kvpool-keys" / "pool"
+    previous = os.umask(0)
+    try:
+        generate_key(keys)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((keys / "1").stat().st_mode) == 0o600
+    for directory in (keys, keys.parent):  # both made by the agent: nobody else lists them
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert [entry.name for entry in keys.iterdir()] == ["1"]  # no temporary left

@@ -7,15 +7,18 @@ import errno
 import logging
 import os
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvpool_agent.files import FileRefused
 from kvpool_agent.l2 import L2Object, ObjectKey
 from kvpool_agent.l2.codec import HEADER
 from kvpool_agent.l2.nvme import BLOCK, NvmeAdapter
+from tests.support.local_user import NOBODY, needs_root
 
 from .conftest import POOL, MiB, chunk, nvme_config, object_codec, payload
 
@@ -232,7 +235,8 @@ async def test_direct_io_writes_whole_blocks_and_round_trips(
     sizes = [0, 1, BLOCK - HEADER.size, BLOCK, MiB + 1]
     names = [chunk(size) for size in sizes]
     assert await adapter.put([L2Object(n, payload(s)) for n, s in zip(names, sizes, strict=True)])
-    assert all(flag & os.O_DIRECT for flag in flags)
+    files = [flag for flag in flags if not flag & os.O_DIRECTORY]  # not its directories' checks
+    assert files and all(flag & os.O_DIRECT for flag in files)
     assert all(adapter.path_of(n).stat().st_size % BLOCK == 0 for n in names)
     assert adapter.stats.used_bytes == sum(p.stat().st_size for p in _files(adapter.root))
     assert await adapter.get(names) == [payload(s) for s in sizes]
@@ -263,3 +267,70 @@ async def test_direct_io_falls_back_where_the_filesystem_refuses_it(
     assert adapter.path_of(chunk(0)).stat().st_size == FILE
     assert await adapter.get([chunk(0)]) == [payload(SIZE, chunk(0).key.hex())]
     await adapter.close()
+
+
+def _modes(root: Path) -> dict[str, set[str]]:
+    """The modes of the tree's directories (the root's included) and of its files."""
+    found: dict[str, set[str]] = {"directories": {f"{stat.S_IMODE(root.stat().st_mode):04o}"}}
+    for path in root.rglob("*"):
+        kind = "directories" if path.is_dir() else "files"
+        found.setdefault(kind, set()).add(f"{stat.S_IMODE(path.stat().st_mode):04o}")
+    return found
+
+
+async def test_the_tree_is_the_agents_alone_whatever_the_umask(tmp_path: Path) -> None:
+    """0755 directories let every local user list every tenant id and chunk key."""
+    previous = os.umask(0)
+    try:
+        adapter = _adapter(tmp_path / "nvme")
+        assert await _put(adapter, *[chunk(i, tenant) for i in range(4) for tenant in "ab"])
+    finally:
+        os.umask(previous)
+    await adapter.close()
+    assert _modes(adapter.root) == {"directories": {"0700"}, "files": {"0600"}}
+
+
+async def test_wider_directories_an_older_agent_left_are_narrowed_at_start(
+    tmp_path: Path,
+) -> None:
+    first = _adapter(tmp_path)
+    names = [chunk(i) for i in range(3)]
+    await _put(first, *names)
+    await first.close()
+    for path in [first.root, *first.root.rglob("*")]:
+        if path.is_dir():
+            path.chmod(0o755)
+    second = _adapter(tmp_path)
+    assert _modes(second.root)["directories"] == {"0700"}
+    assert await second.get(names) == [payload(SIZE, n.key.hex()) for n in names]
+    await second.close()
+
+
+@needs_root
+async def test_a_tree_of_another_user_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / POOL
+    root.mkdir(mode=0o777)
+    os.chown(root, NOBODY, NOBODY)
+    with pytest.raises(FileRefused) as refused:
+        _adapter(tmp_path)
+    message = str(refused.value)
+    assert message.startswith(f"refusing NVMe tier directory {root}: it belongs to another user")
+    assert f"(owner uid {NOBODY}, mode {stat.S_IMODE(root.stat().st_mode):04o})" in message
+
+
+@needs_root
+async def test_what_another_user_put_in_the_tree_is_never_served_or_written_into(
+    tmp_path: Path,
+) -> None:
+    first = _adapter(tmp_path)
+    names = [chunk(0), chunk(1, "tenant-b")]
+    await _put(first, *names)
+    await first.close()
+    theirs = first.path_of(names[0])
+    os.chown(theirs, NOBODY, NOBODY)  # a file of theirs, at a chunk's very name
+    os.chown(first.path_of(names[1]).parent, NOBODY, NOBODY)  # a shard directory of theirs
+    second = _adapter(tmp_path)
+    assert second.stats.used_bytes == 0
+    assert await second.get(names) == [None, None]
+    assert await _put(second, names[1]) == [False]  # its shard is not the agent's
+    await second.close()

@@ -2,7 +2,9 @@
 
 A segment left by an earlier agent is adopted when compatible and its index
 rebuilt from the chunk table, so a restart keeps the cache hot; otherwise it is
-recreated from empty, and the reason is logged and kept for metrics.
+recreated from empty, and the reason is logged and kept for metrics. A segment or
+probe table that is not the agent's own file (another user's, a link, a mode wider
+than the agent's) is refused: the agent does not start (:mod:`kvpool_agent.files`).
 """
 
 from __future__ import annotations
@@ -60,8 +62,12 @@ def open_l1(config: AgentConfig, agent_id: str) -> L1Tier:
     segment, recreated_because = SharedSegment.open(
         path, int(config.l1_size), int(config.page_size)
     )
+    try:
+        probe_table = ProbeTableWriter(table_path(path), segment.layout.pages, agent_id)
+    except BaseException:
+        segment.close()
+        raise
     journal = SegmentJournal(segment)
-    probe_table = ProbeTableWriter(table_path(path), segment.layout.pages, agent_id)
     cache = L1Cache(
         segment.layout,
         policy_factory(config.eviction_policy),

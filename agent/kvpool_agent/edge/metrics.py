@@ -4,8 +4,9 @@ The composition root (:mod:`kvpool_agent.server`) only creates the
 :class:`CollectorRegistry` it injects here; the connector and the prefix index
 have metrics modules of their own.
 
-Cache figures are read from the service's stats at scrape time (a custom
-collector, so the hot path only bumps plain integers); request latencies are
+Cache figures are read from the service's stats (and the probe table's count of keys
+it could not publish) at scrape time (a custom collector, so the hot path only bumps
+plain integers); request latencies are
 observed by the ZMQ server through :meth:`AgentMetrics.observe_request`.
 Everything lives on an injected :class:`CollectorRegistry`. Tenant labels are
 bounded: the ``top_tenants`` largest tenants by usage get their own label,
@@ -26,6 +27,7 @@ from prometheus_client.registry import Collector
 
 from kvpool_agent.core.factory import SegmentOrigin
 from kvpool_agent.l2.base import L2Adapter
+from kvpool_agent.probe_table import ProbeTableWriter
 from kvpool_agent.service.cache_service import CacheService
 from kvpool_agent.service.results import TenantRanking
 from kvpool_agent.tiering.prefetch import Prefetcher
@@ -130,6 +132,19 @@ class _CacheCollector(Collector):
         yield quota
 
 
+class _ProbeTableCollector(Collector):
+    def __init__(self, table: ProbeTableWriter) -> None:
+        self._table = table
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "kvpool_probe_table_full",
+            "Ready chunks not published in the probe table (no free bucket near their key's "
+            "home); schedulers find them through a lookup instead.",
+            value=self._table.full,
+        )
+
+
 class _L2Collector(Collector):
     def __init__(
         self, tiers: Sequence[L2Adapter], writeback: WriteBack, prefetcher: Prefetcher
@@ -204,9 +219,12 @@ class AgentMetrics:
         service: CacheService,
         top_tenants: int,
         origin: SegmentOrigin,
+        probe_table: ProbeTableWriter | None = None,
     ) -> None:
         self.registry = registry
         registry.register(_CacheCollector(service, top_tenants))
+        if probe_table is not None:
+            registry.register(_ProbeTableCollector(probe_table))
         Gauge(
             "kvpool_l1_restored_chunks",
             "Chunks this agent adopted from the segment an earlier agent left.",

@@ -11,6 +11,13 @@ The directory is reread at most every :data:`RELOAD_SECONDS`, by whichever
 thread asks first, so that a Secret the kubelet updates in place takes effect
 with no restart. A reread that fails keeps the keys in use and logs why. Key
 material never reaches a log.
+
+A key file must be a regular file (a Secret's entries are links into its current
+version, so links are followed) owned by the agent's user or root (the kubelet writes
+a Secret's files as root) that no group or other user may write: anyone who could
+write it could choose the key. One readable by every user is used, with a warning (a
+Secret mounted with ``defaultMode`` 0440 is readable by the pod's group only). A key the
+agent generates goes into a directory it creates 0700, in a file it creates 0600.
 """
 
 from __future__ import annotations
@@ -18,16 +25,28 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import stat
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvpool_agent.files import FileRefused, ensure_directory, open_verified, write_file
 
 log = logging.getLogger(__name__)
 
 MIN_KEY_BYTES = 32
 RELOAD_SECONDS = 30.0
 GENERATED_KEY_ID = 1
+KEY_FILE_MODE = 0o600
+"""A generated key: the agent's user only."""
+_KEY_FILE_LIMIT = 0o755
+"""What a key file may grant at most: never write to the group or other users."""
+_KEY_FILE_RULE = (
+    "an L2 key file must be a regular file of the agent's user or root that neither its "
+    "group nor other users may write (chmod go-w)"
+)
 
 
 class KeyringError(ValueError):
@@ -45,8 +64,11 @@ class Keys:
         return max(self.by_id)
 
 
-def read_keys(directory: Path) -> Keys:
-    """The keys in ``directory``; :class:`KeyringError` if there are none or one is too short."""
+def read_keys(directory: Path, warn: Callable[[str], None] | None = log.warning) -> Keys:
+    """The keys in ``directory``; :class:`KeyringError` if there are none or one is unusable.
+
+    ``warn`` hears of each key file readable by every user (None: nobody does).
+    """
     found: dict[int, bytes] = {}
     try:
         entries = list(os.scandir(directory))
@@ -55,7 +77,28 @@ def read_keys(directory: Path) -> Keys:
     for entry in entries:
         if not entry.name.isdecimal() or int(entry.name) < 1 or entry.is_dir():
             continue
-        material = Path(entry.path).read_bytes().strip()
+        path = Path(entry.path)
+        try:
+            fd, status = open_verified(
+                path,
+                what="L2 key file",
+                mode=_KEY_FILE_LIMIT,
+                follow_symlinks=True,
+                owners={os.geteuid(), 0},
+                rule=_KEY_FILE_RULE,
+            )
+        except FileRefused as error:
+            raise KeyringError(str(error)) from None
+        except OSError as error:
+            raise KeyringError(f"cannot read L2 key {path}: {error.strerror}") from error
+        with os.fdopen(fd, "rb") as handle:
+            material = handle.read().strip()
+        if status.st_mode & stat.S_IROTH and warn is not None:
+            warn(
+                f"L2 key file {path} is readable by every user (owner uid {status.st_uid}, "
+                f"mode {stat.S_IMODE(status.st_mode):04o}): chmod o-r, or mount the Secret "
+                "with defaultMode 0440"
+            )
         if len(material) < MIN_KEY_BYTES:
             raise KeyringError(
                 f"L2 key {entry.name} in {directory} has {len(material)} bytes; "
@@ -73,27 +116,25 @@ def read_keys(directory: Path) -> Keys:
 def generate_key(directory: Path) -> None:
     """Create key :data:`GENERATED_KEY_ID` (mode 0600) unless the directory holds a key."""
     try:
-        read_keys(directory)
+        read_keys(directory, warn=None)
         return
     except KeyringError:
         pass
     path = directory / str(GENERATED_KEY_ID)
     try:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    except FileExistsError:  # another agent on this node made it first
-        return
+        ensure_directory(directory, what="L2 key directory")
+        made = write_file(
+            path, secrets.token_hex(32).encode(), KEY_FILE_MODE, what="L2 key", replace=False
+        )
+    except FileRefused as error:
+        raise KeyringError(str(error)) from None
     except OSError as error:
         raise KeyringError(
             f"the L2 key directory {directory} holds no key, and one cannot be made there: "
             f"{error.strerror}"
         ) from error
-    try:
-        os.write(fd, secrets.token_hex(32).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    log.info("generated L2 key %d in %s", GENERATED_KEY_ID, directory)
+    if made:  # else another agent on this node made it first
+        log.info("generated L2 key %d in %s", GENERATED_KEY_ID, directory)
 
 
 class Keyring:
@@ -103,7 +144,8 @@ class Keyring:
         """Read ``directory`` now; :class:`KeyringError` if it holds no usable key."""
         self.directory = directory
         self._reload_seconds = reload_seconds
-        self._keys = read_keys(directory)
+        self._warned: set[str] = set()
+        self._keys = read_keys(directory, self._warn)
         self._read_at = time.monotonic()
         self._reloading = threading.Lock()
         log.info("L2 keys %s from %s", sorted(self._keys.by_id), directory)
@@ -121,10 +163,16 @@ class Keyring:
     def _reload(self) -> None:
         self._read_at = time.monotonic()
         try:
-            keys = read_keys(self.directory)
+            keys = read_keys(self.directory, self._warn)
         except (KeyringError, OSError) as error:
             log.warning("L2 keys: keeping keys %s: %s", sorted(self._keys.by_id), error)
             return
         if keys != self._keys:
             log.info("L2 keys now %s (sealing with %d)", sorted(keys.by_id), keys.active_id)
             self._keys = keys
+
+    def _warn(self, message: str) -> None:
+        """Once per key file and mode: the directory is reread every few seconds."""
+        if message not in self._warned:
+            self._warned.add(message)
+            log.warning("%s", message)

@@ -17,6 +17,13 @@ bytes land, so ``used_bytes`` never exceeds the capacity and matches the files o
 disk once operations complete. Eviction takes least recently used files that no
 operation is using: anyone's for the capacity, only the tenant's own for its quota.
 After a restart the LRU order is the files' mtime order (a hit touches the mtime).
+
+The tree is the agent's alone: ``<path>/<pool>`` and every directory below it are mode
+:data:`DIRECTORY_MODE` (0700: another user could otherwise list every tenant id and
+chunk key), the files :data:`FILE_MODE` (0600), created exclusively and never through a
+symbolic link (:mod:`kvpool_agent.files`). A directory of the tree that an older agent
+left wider is narrowed at start; one that is not the agent's is refused (the tree's root,
+at start) or left alone as a stranger (below it).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from pathlib import Path
 from typing import TypeVar, TypeVarTuple
 
 from kvpool_agent.config import NvmeTierConfig
+from kvpool_agent.files import FileRefused, create_exclusive, ensure_directory
 from kvpool_agent.l2 import buffers, layout
 from kvpool_agent.l2.base import AdapterStats, L2Object, ObjectKey, TierUnavailable
 from kvpool_agent.l2.codec import HEADER, IntegrityError, ObjectCodec, payload_length
@@ -43,6 +51,8 @@ from kvpool_agent.l2.keylocks import KeyLocks
 log = logging.getLogger(__name__)
 
 TEMP_PREFIX = ".tmp-"
+DIRECTORY_MODE = 0o700
+FILE_MODE = 0o600
 BLOCK = 4096
 """O_DIRECT alignment of buffers, offsets and lengths (covers 512 B and 4 KiB sectors)."""
 
@@ -82,7 +92,8 @@ class NvmeAdapter:
         self._executor = ThreadPoolExecutor(
             config.max_concurrency, thread_name_prefix=f"kvpool-nvme-{pool}"
         )
-        self.root.mkdir(parents=True, exist_ok=True)
+        ensure_directory(config.path, what="NVMe tier directory")
+        self._ensure_own_dir(self.root)
         self.direct_io = config.direct_io and _direct_io_works(self.root)
         """Whether O_DIRECT is in use: asked for and accepted by the filesystem."""
         self._load()
@@ -308,8 +319,7 @@ class NvmeAdapter:
         path = self.path_of(name)
         self._ensure_dir(path.parent)
         temp = path.with_name(f"{TEMP_PREFIX}{path.name}-{secrets.token_hex(4)}")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        fd = os.open(temp, flags | (_O_DIRECT if self.direct_io else 0), 0o640)
+        fd = create_exclusive(temp, FILE_MODE, os.O_WRONLY | (_O_DIRECT if self.direct_io else 0))
         try:
             try:
                 with self.codec.encode(name, payload) as (header, body):
@@ -338,26 +348,47 @@ class NvmeAdapter:
         return payload
 
     def _ensure_dir(self, directory: Path) -> None:
+        """A shard directory ``<root>/<tenant>/<shard>`` of the agent's own, made if missing."""
         if directory in self._known_dirs:
             return
-        directory.mkdir(parents=True, exist_ok=True)
+        self._ensure_own_dir(directory.parent)
+        self._ensure_own_dir(directory)
         if self.config.fsync == "always":  # the new directory entries must survive too
             _fsync_dir(directory.parent)
             _fsync_dir(directory.parent.parent)
         self._known_dirs.add(directory)
 
+    def _ensure_own_dir(self, directory: Path) -> bool:
+        """Make or check a directory of the tree (0700, the agent's); whether it was narrowed."""
+        return ensure_directory(
+            directory, what="NVMe tier directory", mode=DIRECTORY_MODE, own=True
+        )
+
     # Start-up, on the constructor's thread (no loop yet).
 
     def _load(self) -> None:
         found: list[tuple[int, ObjectKey, int]] = []
-        temps = strays = 0
+        temps = strays = narrowed = 0
+        uid = os.geteuid()
         for tenant_dir in os.scandir(self.root):
             if tenant_dir.name.startswith(TEMP_PREFIX):  # a crash during the O_DIRECT probe
                 _unlink(Path(tenant_dir.path))
                 temps += 1
             elif tenant_dir.is_dir(follow_symlinks=False):
+                try:
+                    narrowed += self._ensure_own_dir(Path(tenant_dir.path))
+                except FileRefused as error:
+                    log.warning("NVMe tier: ignored: %s", error)
+                    strays += 1
+                    continue
                 for shard in os.scandir(tenant_dir.path):
                     if not shard.is_dir(follow_symlinks=False):
+                        strays += 1
+                        continue
+                    try:
+                        narrowed += self._ensure_own_dir(Path(shard.path))
+                    except FileRefused as error:
+                        log.warning("NVMe tier: ignored: %s", error)
                         strays += 1
                         continue
                     for entry in os.scandir(shard.path):
@@ -370,10 +401,20 @@ class NvmeAdapter:
                             strays += 1
                             continue
                         stat = entry.stat(follow_symlinks=False)
+                        if stat.st_uid != uid:  # not the agent's: never served, never replaced
+                            strays += 1
+                            continue
                         found.append((stat.st_mtime_ns, name, stat.st_size))
         found.sort(key=lambda item: item[0])
         for _, name, size in found:
             self._add(name, size)
+        if narrowed:
+            log.info(
+                "NVMe tier %s: %d directories narrowed to mode %04o (other users could list them)",
+                self.root,
+                narrowed,
+                DIRECTORY_MODE,
+            )
         log.info(
             "NVMe tier %s: %d files, %d bytes; removed %d temp files, ignored %d other entries",
             self.root,
@@ -414,7 +455,7 @@ def _write_all(fd: int, data: bytes | memoryview | mmap.mmap) -> None:
 
 
 def _read_buffered(path: Path, name: ObjectKey, codec: ObjectCodec) -> bytes | memoryview:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
         size = os.fstat(fd).st_size
         # The body first (one large read keeps the kernel's readahead large), straight into
@@ -428,7 +469,7 @@ def _read_buffered(path: Path, name: ObjectKey, codec: ObjectCodec) -> bytes | m
 
 
 def _read_direct(path: Path, name: ObjectKey, codec: ObjectCodec) -> bytes | memoryview:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | _O_DIRECT)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | _O_DIRECT)
     try:
         size = os.fstat(fd).st_size
         # Never closed explicitly: a traceback may still hold a view; refcounting unmaps it.
@@ -468,9 +509,9 @@ def _direct_io_works(directory: Path) -> bool:
     if not _O_DIRECT:
         log.warning("NVMe tier: no O_DIRECT on this platform; using buffered I/O")
         return False
-    probe = directory / f"{TEMP_PREFIX}direct-io-probe"
+    probe = directory / f"{TEMP_PREFIX}direct-io-probe-{secrets.token_hex(8)}"
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | _O_DIRECT, 0o600)
+        fd = create_exclusive(probe, FILE_MODE, os.O_WRONLY | _O_DIRECT)
         try:
             _write_all(fd, mmap.mmap(-1, BLOCK))
         finally:

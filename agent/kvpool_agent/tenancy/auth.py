@@ -36,16 +36,15 @@ from __future__ import annotations
 
 import enum
 import hmac
-import os
 import re
 import secrets
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from kvpool_agent.files import ensure_directory, write_file
 from kvpool_agent.keys import TENANT_ID_RULE, check_tenant_id, is_tenant_id
 from kvpool_agent.tenants_configmap import digest_token
 
@@ -53,6 +52,8 @@ from kvpool_agent.tenants_configmap import digest_token
 _TOKEN = re.compile(r"[\x21-\x7e]+")
 _TOP_LEVEL_KEYS = ("admin", "tenants", "engines", "indexes", "gateways")
 _KEYS_TEXT = ", ".join(f"'{key}'" for key in _TOP_LEVEL_KEYS)
+TOKEN_FILE_MODE = 0o600
+"""A generated token: for the agent's user (and whoever reads it as that user) only."""
 
 
 class TokenFileError(ValueError):
@@ -182,11 +183,13 @@ class TokenAuthority:
         ``engines``, ``indexes``), each written to its file (mode 0600); their authority.
 
         Each file is replaced atomically, so a reader never sees a partial token; a token
-        generated at an earlier start stops working.
+        generated at an earlier start stops working. Something at a file's path that is not
+        a regular file of the agent's user is refused (:mod:`kvpool_agent.files`).
         """
         tokens = {key: secrets.token_urlsafe(32) for key in files}
         for key, path in files.items():
-            _write_token(path, tokens[key])
+            ensure_directory(path.parent, what="state directory")
+            write_file(path, (tokens[key] + "\n").encode(), TOKEN_FILE_MODE, what="token file")
         return cls(tokens, source=", ".join(str(path) for path in files.values()))
 
     def authenticate(self, token: str) -> Principal | None:
@@ -259,21 +262,6 @@ def load_authority(tokens_file: Path | None, generated: Mapping[str, Path]) -> T
     if tokens_file is not None:
         return TokenAuthority.from_file(tokens_file)
     return TokenAuthority.generate(generated)
-
-
-def _write_token(path: Path, token: str) -> None:
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(token + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 def _token_list(value: object, where: str) -> list[str]:

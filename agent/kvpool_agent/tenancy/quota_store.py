@@ -6,17 +6,23 @@ backend (the embedded default); a Kubernetes ConfigMap backend shares the
 interface. Both keep a tenant's limits in their stored form
 (:data:`~kvpool_agent.quotas.Quota`): one number (or null) when the tiers agree, the
 only form before tiers had limits of their own, so older files still load.
+
+The file is the agent's alone (mode :data:`QUOTA_FILE_MODE`, written through
+:mod:`kvpool_agent.files`): a quota file that another user owns or may write, or that
+is not a regular file, is refused rather than applied.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Protocol
 
+from kvpool_agent.files import FileRefused, ensure_directory, open_verified, write_file
 from kvpool_agent.quotas import Quota, quota_from_json, quota_to_json
+
+QUOTA_FILE_MODE = 0o600
 
 
 class QuotaStoreError(RuntimeError):
@@ -39,9 +45,16 @@ class FileQuotaStore:
 
     def load(self) -> dict[str, Quota]:
         try:
-            raw = json.loads(self.path.read_text())
+            fd, _ = open_verified(self.path, what="quota file", mode=QUOTA_FILE_MODE)
         except FileNotFoundError:
             return {}
+        except FileRefused as error:
+            raise QuotaStoreError(str(error)) from None
+        except OSError as error:
+            raise QuotaStoreError(f"cannot read quotas from {self.path}: {error}") from error
+        try:
+            with os.fdopen(fd, "rb") as handle:
+                raw = json.loads(handle.read())
         except (OSError, ValueError) as error:
             raise QuotaStoreError(f"cannot read quotas from {self.path}: {error}") from error
         if not isinstance(raw, dict):
@@ -65,22 +78,13 @@ class FileQuotaStore:
             self._write(limits)
 
     def _write(self, limits: dict[str, Quota]) -> None:
+        text = json.dumps(
+            {t: quota_to_json(v) for t, v in limits.items()}, indent=1, sort_keys=True
+        )
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+            ensure_directory(self.path.parent, what="quota file directory")
+            write_file(self.path, text.encode(), QUOTA_FILE_MODE, what="quota file")
+        except FileRefused as error:
+            raise QuotaStoreError(str(error)) from None
         except OSError as error:
-            raise QuotaStoreError(f"cannot write quotas to {self.path}: {error}") from error
-        try:
-            with os.fdopen(fd, "w") as handle:
-                json.dump(
-                    {t: quota_to_json(v) for t, v in limits.items()},
-                    handle,
-                    indent=1,
-                    sort_keys=True,
-                )
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temporary, self.path)
-        except OSError as error:
-            Path(temporary).unlink(missing_ok=True)
             raise QuotaStoreError(f"cannot write quotas to {self.path}: {error}") from error

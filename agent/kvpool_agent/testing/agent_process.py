@@ -37,7 +37,12 @@ class AgentProcess:
     log: list[str] = field(default_factory=list)
     file_limit: int | None = None
     """RLIMIT_NOFILE of the process (soft and hard), if not inherited."""
+    umask: int | None = None
+    """The process's umask, if not inherited."""
     _process: subprocess.Popen[str] | None = None
+    _reader: threading.Thread | None = None
+    _ready: threading.Event = field(default_factory=threading.Event)
+    _started: bool = False
 
     @property
     def segment_path(self) -> Path:
@@ -81,30 +86,66 @@ class AgentProcess:
         return {**os.environ, **{f"KVPOOL_{name}": value for name, value in merged.items()}}
 
     def start(self, timeout: float = 30.0) -> AgentProcess:
+        self.launch()
+        return self.wait_ready(timeout)
+
+    def launch(self, *, hold: bool = False) -> int:
+        """Start the process without waiting for it; its PID. With ``hold``, it waits for
+        :meth:`release` before it becomes the agent (same PID): the PID is known first."""
+        self._ready, self._started = threading.Event(), False
         self._process = subprocess.Popen(
-            self._command(),
+            self._command(hold),
             env=self.environment(),
+            stdin=subprocess.PIPE if hold else None,
             stderr=subprocess.PIPE,
             text=True,
+            umask=-1 if self.umask is None else self.umask,
         )
-        ready = threading.Event()
-        threading.Thread(target=self._read_log, args=(self._process, ready), daemon=True).start()
-        if not ready.wait(timeout):
+        self._reader = threading.Thread(
+            target=self._read_log, args=(self._process, self._ready), daemon=True
+        )
+        self._reader.start()
+        return self._process.pid
+
+    def release(self) -> None:
+        """Let a process launched with ``hold`` become the agent."""
+        assert self._process is not None and self._process.stdin is not None
+        self._process.stdin.write("go\n")
+        self._process.stdin.close()
+
+    def wait_ready(self, timeout: float = 30.0) -> AgentProcess:
+        if not self._ready.wait(timeout):
             self.kill()
             raise RuntimeError("agent did not become ready:\n" + "".join(self.log))
         return self
 
-    def _command(self) -> list[str]:
+    def wait_refused(self, timeout: float = 30.0) -> int:
+        """Wait for an agent that must not start to exit; its exit status (stderr in ``log``).
+
+        AssertionError (and the agent killed) if it became ready instead.
+        """
+        assert self._process is not None and self._reader is not None
+        self._ready.wait(timeout)
+        if self._started:
+            self.kill()
+            raise AssertionError("the agent started:\n" + "".join(self.log))
+        status = self._process.wait(timeout)
+        self._reader.join(timeout)
+        return status
+
+    def _command(self, hold: bool = False) -> list[str]:
         agent = str(BIN / "kvpool-agent")
-        if self.file_limit is None:
+        if self.file_limit is None and not hold:
             return [agent]
         # set in a launcher that then becomes the agent: preexec_fn is unsafe with threads
-        limit = (
-            "import os, resource, sys; "
-            f"resource.setrlimit(resource.RLIMIT_NOFILE, ({self.file_limit}, {self.file_limit})); "
-            "os.execv(sys.argv[1], sys.argv[1:])"
-        )
-        return [sys.executable, "-c", limit, agent]
+        steps = ["import os, resource, sys"]
+        if self.file_limit is not None:
+            limit = self.file_limit
+            steps.append(f"resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {limit}))")
+        if hold:
+            steps.append("sys.stdin.readline()")
+        steps.append("os.execv(sys.argv[1], sys.argv[1:])")
+        return [sys.executable, "-c", "; ".join(steps), agent]
 
     def _read_log(self, process: subprocess.Popen[str], ready: threading.Event) -> None:
         assert process.stderr is not None
@@ -113,6 +154,7 @@ class AgentProcess:
             match = READY.search(line)
             if match:
                 self.zmq, self.http, self.events = match.group(1), match.group(2), match.group(4)
+                self._started = True
                 ready.set()
         ready.set()  # exited: wake the waiter, which then finds no endpoints
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import stat
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from kvpool_agent.tenancy.auth import (
     TokenFileError,
     load_authority,
 )
+from tests.support.local_user import NOBODY, needs_root
 
 ALICE = tenant_id("alice")
 BOB = tenant_id("bob")
@@ -189,6 +191,32 @@ def test_generated_token_replaces_a_world_readable_file(tmp_path: Path) -> None:
     path.chmod(0o644)
     TokenAuthority.generate({"admin": path})
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize("planted", ["link", pytest.param("another user's file", marks=needs_root)])
+def test_the_generated_token_never_goes_where_another_user_points(
+    tmp_path: Path, planted: str
+) -> None:
+    """A link (or a file of another user) at the token's name: refused, in one line naming
+    the owner and mode, and nothing written through it."""
+    target = tmp_path / "root-secret"
+    target.write_text("root's own\n")
+    target.chmod(0o600)
+    path = tmp_path / "admin-token-default"
+    if planted == "link":
+        path.symlink_to(target)
+    else:
+        path.write_text("theirs\n")
+        os.chown(path, NOBODY, NOBODY)
+    before = os.lstat(path)
+    with pytest.raises(OSError) as refused:
+        TokenAuthority.generate({"admin": path})
+    message = str(refused.value)
+    assert message.startswith(f"refusing token file {path}:") and "\n" not in message
+    assert f"owner uid {before.st_uid}, mode {stat.S_IMODE(before.st_mode):04o}" in message
+    assert target.read_text() == "root's own\n"
+    assert os.lstat(path).st_ino == before.st_ino
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["admin-token-default", "root-secret"]
 
 
 def test_load_authority(tmp_path: Path) -> None:

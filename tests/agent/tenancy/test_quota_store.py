@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -12,9 +14,16 @@ from kvpool_agent.quotas import TierLimits
 from kvpool_agent.tenancy.quota_store import FileQuotaStore, QuotaStoreError
 from tests.support.chunks import key
 from tests.support.l1 import PAGE, make_cache, make_service
+from tests.support.local_user import NOBODY, needs_root
 
 ALICE = tenant_id("alice")
 BOB = tenant_id("bob")
+
+
+def write_private(path: Path, text: str) -> None:
+    """A quota file as the agent writes it: its own, mode 0600."""
+    path.write_text(text)
+    path.chmod(0o600)
 
 
 def test_round_trip(tmp_path: Path) -> None:
@@ -32,7 +41,7 @@ def test_round_trip(tmp_path: Path) -> None:
 
 def test_limits_per_tier_round_trip_and_older_files_still_load(tmp_path: Path) -> None:
     path = tmp_path / "q.json"
-    path.write_text(json.dumps({ALICE: 4096, BOB: None}))  # written before tiers had limits
+    write_private(path, json.dumps({ALICE: 4096, BOB: None}))  # before tiers had limits
     store = FileQuotaStore(path)
     assert store.load() == {ALICE: 4096, BOB: None}
     store.save(BOB, TierLimits(l1=1024, nvme=None))
@@ -83,7 +92,7 @@ def test_delete_of_an_absent_tenant_writes_nothing(tmp_path: Path) -> None:
 )
 def test_corrupt_file(tmp_path: Path, content: str) -> None:
     path = tmp_path / "q.json"
-    path.write_text(content)
+    write_private(path, content)
     store = FileQuotaStore(path)
     with pytest.raises(QuotaStoreError, match=str(path)):
         store.load()
@@ -98,6 +107,51 @@ def test_unwritable_location(tmp_path: Path) -> None:
     store = FileQuotaStore(blocker / "q.json")
     with pytest.raises(QuotaStoreError, match="cannot"):
         store.save(ALICE, 1)
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        "a file others may write",
+        "a link to root's file",
+        pytest.param("another user's file", marks=needs_root),
+    ],
+)
+def test_a_quota_file_that_is_not_the_agents_own_is_refused(tmp_path: Path, planted: str) -> None:
+    """Applied, another user's quotas would be theirs to choose; written through a link, the
+    agent would overwrite the file it points at."""
+    secret = tmp_path / "root-secret"
+    write_private(secret, json.dumps({ALICE: 1}))
+    path = tmp_path / "q.json"
+    if planted == "a link to root's file":
+        path.symlink_to(secret)
+    else:
+        write_private(path, json.dumps({ALICE: 1}))
+        if planted == "a file others may write":
+            path.chmod(0o666)
+        else:
+            os.chown(path, NOBODY, NOBODY)
+    status = os.lstat(path)
+    store = FileQuotaStore(path)
+    for change in (store.load, lambda: store.save(BOB, 1)):
+        with pytest.raises(QuotaStoreError) as refused:
+            change()
+        message = str(refused.value)
+        assert message.startswith(f"refusing quota file {path}:") and "\n" not in message
+        assert f"owner uid {status.st_uid}, mode {stat.S_IMODE(status.st_mode):04o}" in message
+    assert json.loads(secret.read_text()) == {ALICE: 1}
+    assert os.lstat(path).st_ino == status.st_ino
+
+
+def test_the_quota_file_is_the_agents_alone_whatever_the_umask(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "q.json"
+    previous = os.umask(0)
+    try:
+        FileQuotaStore(path).save(ALICE, 1)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
 
 
 def test_load_quotas_applies_stored_limits(tmp_path: Path) -> None:
