@@ -3,7 +3,8 @@
 One fixed-size record per slot (slot numbers are stable, so a record's index
 is its slot). The L1 cache writes a record when a chunk is committed (after
 the client copied its bytes) and erases it before the chunk's pages can be
-reused, so a committed record always describes bytes that are in place.
+reused, so a committed record always describes bytes that are in place; a chunk
+cleared while read-locked loses its record at once, so a restart never brings it back.
 A reserved chunk has a record too, marked reserved: its writer may outlive the
 agent, so a restarted agent holds those pages back (quarantined) instead of
 handing them out at once; reserved chunks are never restored as chunks.

@@ -1,17 +1,24 @@
 """Property tests of the L1 cache: a hypothesis state machine per registered eviction policy.
 
 The machine keeps a small model (open leases, what each of them locks, which
-locked entries were cleared) and checks the cache against it, through the cache's
-debug view, and the cache's own bookkeeping (``check_invariants``) after every step.
+locked entries were cleared, the order of commits) and checks the cache against it,
+through the cache's debug view, and the cache's own bookkeeping (``check_invariants``)
+after every step. The cache runs as the agent's does, over a segment with its chunk
+table (the journal) and a probe table, so that a step may also restart it: a new
+cache adopts the segment and restores from the journal, and the machine goes on.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import mmap
 import random
+import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -25,16 +32,25 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvpool_agent.core.cache_types import CacheError, InvalidRequest, LeaseExpired, UnknownLease
+from kvpool_agent.core.cache_types import (
+    CacheError,
+    InvalidRequest,
+    LeaseExpired,
+    RestoreReport,
+    UnknownLease,
+)
+from kvpool_agent.core.journal import SegmentJournal
 from kvpool_agent.core.l1 import NIL, L1Cache, L1DebugView, SlotView, State
 from kvpool_agent.core.policies import POLICY_NAMES, policy_factory
 from kvpool_agent.core.quota_book import QuotaBook
+from kvpool_agent.probe_table import ProbeTableReader, ProbeTableWriter
 from kvpool_agent.quotas import Limit
-from kvpool_agent.segment import SegmentLayout
+from kvpool_agent.segment import SegmentLayout, SharedSegment
 
 PAGE = 4096
 PAGES = 64
-LAYOUT = SegmentLayout(page_size=PAGE, data_offset=PAGE, data_size=PAGE * PAGES)
+LAYOUT = SegmentLayout.plan(PAGE * PAGES, PAGE)  # with a chunk table: one record per page
+AGENT_ID = "l1-machine"
 LEASE_SECONDS = 30.0
 FENCE_SECONDS = 60.0
 HIGH, LOW = 0.9, 0.8
@@ -52,6 +68,8 @@ QUOTAS: st.SearchStrategy[Limit] = st.one_of(
 SIZES = st.integers(1, 3 * PAGE)
 CHOICE = st.integers(0, 10_000)  # index into whatever the model holds, modulo its length
 LAST_SEEN = -1  # as a parent choice: the key seen last (continue the latest run)
+Place = tuple[bytes | None, int]
+"""A chunk told apart from others of its key: (key, offset)."""
 
 
 class FakeClock:
@@ -93,14 +111,55 @@ class L1Machine(RuleBasedStateMachine):
         super().__init__()
         self.clock = FakeClock()
         self.cache = L1Cache(LAYOUT, policy_factory(self.policy), QuotaBook(), clock=self.clock)
+        # What outlives an agent: the segment (anonymous memory, laid out as the agent's),
+        # and the stored quotas.
+        self.segment = SharedSegment(Path("anonymous"), LAYOUT, mmap.mmap(-1, LAYOUT.total_size))
+        self.directory = Path(tempfile.mkdtemp(prefix="kvpool-l1-machine-"))
+        self.journal: SegmentJournal | None = None
+        self.probe_table: ProbeTableWriter | None = None
+        self.default_quota: Limit = None
+        self.own_quotas: dict[str, Limit] = {}
+        self.idle_tenants = 0
         self.leases: dict[int, LeaseModel] = {}
         self.quarantined: dict[int, tuple[LeaseModel, float]] = {}
         """Expired write leases and the end of their fence."""
         self.dead_leases: list[int] = []
         self.seen_keys: list[bytes] = []
         self.previous_used: dict[str, int] = {}
+        self.commits: dict[Place, int] = {}
+        """When each chunk was last committed, numbered as the journal numbers commits."""
+        self.commit_count = 0
+
+    def teardown(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
+        if self.probe_table is not None:
+            self.probe_table.close()
+        self.segment.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
 
     # ---------------------------------------------------------------- helpers
+
+    def open_cache(self, quotas: QuotaBook, lower_tier: bool) -> L1Cache:
+        """An agent's cache over the segment, built as ``open_l1`` (core/factory.py) builds
+        it: a journal over the segment's chunk table, a new probe table."""
+        self.journal = SegmentJournal(self.segment)
+        self.probe_table = ProbeTableWriter(self.directory / "segment.probe", PAGES, AGENT_ID)
+        cache = L1Cache(
+            LAYOUT,
+            policy_factory(self.policy),
+            quotas,
+            high_watermark=HIGH,
+            low_watermark=LOW,
+            lease_seconds=LEASE_SECONDS,
+            fence_seconds=FENCE_SECONDS,
+            clock=self.clock,
+            journal=self.journal,
+            idle_tenants=self.idle_tenants,
+            probe_table=self.probe_table,
+        )
+        cache.lower_tier = lower_tier
+        return cache
 
     def key(self, tenant: str, index: int) -> bytes:
         return key_of("shared" if self.shared_keys else tenant, index)
@@ -147,25 +206,27 @@ class L1Machine(RuleBasedStateMachine):
             if evictable(slot.slot) and tenant in (None, slot.tenant)
         ]
 
-    def ready_parent_links(self) -> set[tuple[bytes | None, bytes | None]]:
+    def ready_parent_links(self) -> set[tuple[Place, Place]]:
         """(chunk, predecessor) of every live chunk whose predecessor is ready."""
         view = self.view()
         return {
-            (slot.key, view.slots[slot.parent].key)
+            ((slot.key, slot.offset), (view.slots[slot.parent].key, view.slots[slot.parent].offset))
             for slot in view.live()
             if slot.parent != NIL and view.slots[slot.parent].state == State.READY
         }
 
     def assert_no_orphans_made(
-        self, links: set[tuple[bytes | None, bytes | None]], stored: Sequence[bytes] = ()
+        self, links: set[tuple[Place, Place]], stored: Sequence[bytes] = ()
     ) -> None:
         """Without L2, eviction takes a chunk only after all of its descendants.
 
-        ``stored``: keys a reservation placed anew (one that it evicted first is new).
+        Chunks are told apart by key and offset: a key may also name a quarantined or
+        cleared chunk elsewhere. ``stored``: keys a reservation placed anew (one that it
+        evicted first is new, perhaps at the same offset).
         """
         if self.cache.lower_tier:
             return
-        live = {slot.key for slot in self.view().live()} - set(stored)
+        live = {(slot.key, slot.offset) for slot in self.view().live() if slot.key not in stored}
         for child, parent in links:
             assert child not in live or parent in live, "eviction left a chunk unreachable"
 
@@ -235,18 +296,9 @@ class L1Machine(RuleBasedStateMachine):
         Few idle records are kept, so records are dropped and their places reused. Some
         runs continue the previous one, as a prompt stored over several steps.
         """
-        self.cache = L1Cache(
-            LAYOUT,
-            policy_factory(self.policy),
-            QuotaBook(default, limits),
-            high_watermark=HIGH,
-            low_watermark=LOW,
-            lease_seconds=LEASE_SECONDS,
-            fence_seconds=FENCE_SECONDS,
-            clock=self.clock,
-            idle_tenants=idle_tenants,
-        )
-        self.cache.lower_tier = lower_tier
+        self.default_quota, self.own_quotas = default, dict(limits)
+        self.idle_tenants = idle_tenants
+        self.cache = self.open_cache(QuotaBook(default, limits), lower_tier)
         rng = random.Random(seed)
         tenant = rng.choice(TENANTS)
         for _ in range(warm):
@@ -379,6 +431,8 @@ class L1Machine(RuleBasedStateMachine):
             if position < keep:
                 assert self.cache.contains(key)
                 assert self.offset_of(key) == offset
+                self.commit_count += 1  # head first, as the journal numbers them
+                self.commits[key, offset] = self.commit_count
         self.end_lease(lease, committed=keep)
 
     @rule(
@@ -516,8 +570,10 @@ class L1Machine(RuleBasedStateMachine):
         links_before = self.ready_parent_links()
         if delete:
             self.cache.delete_quota(tenant)
+            self.own_quotas.pop(tenant, None)
         else:
             self.cache.set_quota(tenant, limit)
+            self.own_quotas[tenant] = limit
         self.assert_quota_enforced(tenant)
         self.assert_no_orphans_made(links_before)
         ready_after = self.ready_by_tenant()
@@ -602,6 +658,111 @@ class L1Machine(RuleBasedStateMachine):
         for name in TENANTS:
             if scope is not None and name != scope:
                 assert self.ready_keys(name) == ready_before[name]
+
+    @rule(early=st.lists(st.sampled_from(TENANTS), max_size=3))
+    def restart(self, early: list[str]) -> None:
+        """The agent stops, however it stops, and a new one adopts the segment.
+
+        As ``open_l1`` (core/factory.py) and the service after it do: a new cache over
+        the segment, configured alike, restored from the chunk table the old one left,
+        then the stored quotas applied (``CacheService.load_quotas``). What survives:
+        the ready chunks, in place, with their tenants and usage, and the links between
+        them where the parent was committed first (a record names its parent by commit
+        number, which a parent still being written has not got yet). Chunks being
+        written, or quarantined, come back quarantined for a fence under one new lease:
+        their writers may outlive the agent. Chunks cleared while read-locked stay
+        cleared. Nothing else does: leases, locks, lease numbers, counters, idle records.
+
+        ``early``: tenants whose lookups reach the new cache before its restore. The
+        agent restores first, but ``restore`` takes any cache that holds no chunk, and
+        a record made before it is given chunks without being used again: trimming idle
+        records must not drop it.
+        """
+        before = self.view()
+        self.probe_table_lists_the_ready_chunks()
+        ready = [slot for slot in before.live() if slot.state == State.READY]
+        # A cleared chunk is held by its write lease (being written) or by read locks.
+        held = [
+            slot
+            for slot in before.live()
+            if slot.state in (State.WRITING, State.QUARANTINED)
+            or (slot.state == State.DOOMED and not slot.readers)
+        ]
+        parents = {slot.slot: self.restored_parent(before, slot) for slot in ready}
+        assert self.journal is not None and self.probe_table is not None
+        self.journal.close()
+        self.probe_table.close()
+
+        cache = self.cache = self.open_cache(QuotaBook(self.default_quota), self.cache.lower_tier)
+        for tenant in early:
+            assert cache.lookup(tenant, [self.key(tenant, 0)]).count == 0
+        assert self.journal is not None
+        report = cache.restore(self.journal.committed(), self.journal.reserved())
+
+        assert report == RestoreReport(len(ready), 0, len(held)), (report, len(ready), len(held))
+        view = self.view()
+        assert view.index == {slot.key: slot.slot for slot in ready}, "not the ready chunks indexed"
+        assert {slot.slot for slot in view.live()} == {slot.slot for slot in ready + held}
+        for old in ready + held:
+            # In its slot and place, with its tenant and size, unlocked (links: see below).
+            state = State.READY if old.state == State.READY else State.QUARANTINED
+            expected = old._replace(state=state, readers=0, parent=NIL, children=())
+            new = view.slots[old.slot]._replace(parent=NIL, children=())
+            assert new == expected, f"slot {old.slot} came back as {new}, not as {expected}"
+        for slot, parent in parents.items():
+            assert view.slots[slot].parent == parent, "a chain was not restored as journaled"
+        assert not view.leases
+        if held:
+            ((lease, quarantine),) = view.quarantined.items()
+            assert set(quarantine.slots) == {slot.slot for slot in held}
+            assert quarantine.expires == self.clock.now + FENCE_SECONDS
+            self.quarantined = {
+                lease: (
+                    LeaseModel("", True, [(slot.key, slot.offset) for slot in held], 0.0),
+                    quarantine.expires,
+                )
+            }
+        else:
+            assert not view.quarantined
+            self.quarantined = {}
+        holders = {slot.tenant for slot in ready + held}
+        assert holders <= set(view.tenants) <= holders | set(early)
+        for record in cache.tenant_records():
+            stats = cache.tenant_stats(record)
+            if record.name not in early:  # counters are the process's
+                assert stats.hits == stats.misses == stats.stored_chunks == 0, stats
+            assert stats.evicted_chunks == 0, stats
+        self.leases = {}
+        self.dead_leases = []  # the new cache numbers its leases from 1 again
+        self.probe_table_lists_the_ready_chunks()
+
+        for tenant, limit in self.own_quotas.items():
+            cache.set_quota(tenant, limit)
+            self.assert_quota_enforced(tenant)
+
+    def restored_parent(self, before: L1DebugView, child: SlotView) -> int:
+        """The slot a ready chunk's chain link names after a restore (``NIL``: none)."""
+        if child.parent == NIL:
+            return NIL
+        parent = before.slots[child.parent]
+        if parent.state != State.READY:
+            return NIL  # a chunk being written, or cleared: it comes back unready or not at all
+        if self.commits[parent.key, parent.offset] > self.commits[child.key, child.offset]:
+            return NIL  # committed after its child, whose record names no commit of it
+        return parent.slot
+
+    def probe_table_lists_the_ready_chunks(self) -> None:
+        """The table the schedulers probe holds exactly the ready chunks, under their tenants."""
+        reader = ProbeTableReader(self.directory / "segment.probe", AGENT_ID)
+        try:
+            ready = self.ready_by_tenant()
+            for tenant in TENANTS:
+                for key in self.seen_keys:
+                    assert reader.run(tenant, [key]) == (key in ready[tenant]), (
+                        f"the probe table lists {key.hex()[:12]} for {tenant} wrongly"
+                    )
+        finally:
+            reader.close()
 
     # ------------------------------------------------------------- invariants
 

@@ -19,6 +19,7 @@ from kvpool_agent.core.l1 import L1Cache
 from kvpool_agent.core.policies import policy_factory
 from kvpool_agent.core.quota_book import QuotaBook
 from kvpool_agent.keys import tenant_id
+from kvpool_agent.probe_table import ProbeTableReader, ProbeTableWriter, table_path
 from kvpool_agent.segment import TABLE_RECORD_BYTES, SharedSegment
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import key
@@ -26,6 +27,7 @@ from tests.support.l1 import FakeClock
 
 PAGE = 4096
 TENANT, OTHER = tenant_id("warm-a"), tenant_id("warm-b")
+AGENT_ID = "b" * 32
 
 
 def payload(name: int, size: int) -> bytes:
@@ -45,12 +47,14 @@ class Node:
     def __init__(self, path: Path, policy: str = "lru", clock: FakeClock | None = None) -> None:
         self.segment, self.recreated = SharedSegment.open(path, 64 * PAGE, PAGE)
         self.journal = SegmentJournal(self.segment)
+        self.probe_table = ProbeTableWriter(table_path(path), self.segment.layout.pages, AGENT_ID)
         self.cache = L1Cache(
             self.segment.layout,
             policy_factory(policy),
             QuotaBook(),
             journal=self.journal,
             clock=clock or FakeClock(),
+            probe_table=self.probe_table,
         )
         self.report = (
             None
@@ -77,7 +81,16 @@ class Node:
         hit = self.cache.lookup(tenant, [key(n) for n in names], lock=False)
         return [self.segment.read(o, s) for o, s in zip(hit.offsets, hit.sizes, strict=True)]
 
+    def probed(self, tenant: str, names: list[int]) -> list[int]:
+        """Which of ``names`` the schedulers' probe table offers ``tenant``."""
+        reader = ProbeTableReader(self.probe_table.path, AGENT_ID)
+        try:
+            return [name for name in names if reader.run(tenant, [key(name)])]
+        finally:
+            reader.close()
+
     def close(self) -> None:
+        self.probe_table.close()
         self.journal.close()
         self.segment.close()
 
@@ -106,6 +119,8 @@ def test_a_store_in_flight_at_a_restart_keeps_its_pages_out_of_reach_for_a_fence
         if place is not None
     }
     assert again.read(TENANT, [1]) == [payload(1, PAGE)] and again.read(TENANT, [2]) == []
+    # Once a bug: the restore offered the quarantined chunks to the schedulers' probes.
+    assert again.probed(TENANT, [1, 2, 3]) == [1] and again.probed(OTHER, [4]) == []
     # Ask for the whole segment: every page but the 4 held back (chunk 1 is evicted).
     fresh = again.cache.reserve(OTHER, [key(n) for n in range(10, 74)], [PAGE] * 64)
     offsets = {place.offset for place in fresh.placements if place is not None}
@@ -157,6 +172,45 @@ def test_committed_chunks_survive_and_reservations_do_not(segment_path: Path, po
     assert third.cache.evict(1)
     assert third.read(TENANT, [20, 21]) == [payload(20, PAGE)]  # linked: the tail goes first
     third.close()
+
+
+def test_chains_come_back_whole_whatever_the_order_of_their_pages(segment_path: Path) -> None:
+    """Once a bug: the restore linked chunks in page order, and linking a chunk forgets its
+    children, so a chain whose tail lay before its middle came back broken."""
+    node = Node(segment_path)
+    node.store(OTHER, [10], PAGE)
+    node.store(TENANT, [1, 2], PAGE)
+    node.cache.clear(OTHER)
+    node.store(TENANT, [3], PAGE, parent=2)  # on the page chunk 10 left
+    view = node.cache.debug_view()
+    assert [view.slot_of(key(n)).first_page for n in (3, 1, 2)] == [0, 1, 2]
+    node.close()
+
+    again = Node(segment_path)  # checks the invariants
+    view = again.cache.debug_view()
+    assert view.slot_of(key(3)).parent == view.index[key(2)]
+    assert view.slot_of(key(2)).parent == view.index[key(1)]
+    again.cache.lookup(TENANT, [key(1)], lock=False)  # the head is the oldest no longer
+    assert again.cache.evict(1)
+    assert again.read(TENANT, [1, 2, 3]) == [payload(1, PAGE), payload(2, PAGE)]  # tail first
+    again.close()
+
+
+def test_a_chunk_cleared_while_read_locked_stays_cleared_after_a_restart(
+    segment_path: Path,
+) -> None:
+    """Once a bug: its record stayed in the chunk table until its last reader let go, so a
+    restart before that brought it back, charged to its tenant."""
+    node = Node(segment_path)
+    node.store(TENANT, [1, 2], PAGE)
+    assert node.cache.lookup(TENANT, [key(1)]).lease is not None  # a reader is copying it
+    assert node.cache.clear(TENANT) == 2
+    node.close()  # the agent stops before the reader lets go
+    again = Node(segment_path)
+    assert again.report == RestoreReport(0, 0, 0)
+    assert again.read(TENANT, [1]) == [] and again.probed(TENANT, [1]) == []
+    assert again.cache.tenant_usage(TENANT).used_bytes == 0
+    again.close()
 
 
 def test_new_chunks_after_a_restart_never_overlap_old_ones(segment_path: Path) -> None:

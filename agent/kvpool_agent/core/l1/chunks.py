@@ -147,6 +147,8 @@ class Chunks:
                 if slots.state[slot] == State.READY:
                     self.remove_from_policy(slot, evicted=False)
                     self.withdraw(slot)
+                    if self.journal is not None:  # a restart must not bring it back
+                        self.journal.erase(slot)
                 slots.state[slot] = State.DOOMED
                 del self.index[key]
         self.announce_removed(announced, "cleared")

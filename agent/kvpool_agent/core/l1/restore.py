@@ -52,14 +52,15 @@ def restore(
     for slot in discarded:
         chunks.journal.erase(slot)
     chunks.allocator = ExtentAllocator(total, [(r.first_page, r.pages) for r in kept + held])
-    for record in sorted(kept, key=lambda r: r.sequence) + held:
+    kept.sort(key=lambda r: r.sequence)  # a parent is numbered before its children
+    for record in kept + held:
         _adopt(chunks, record)
     if held:
         for record in held:
             chunks.remove_from_policy(record.slot, evicted=False)
         leases.quarantine_restored([r.slot for r in held])
     slots = chunks.slots
-    for record in kept:
+    for record in kept:  # parents first: linking a chunk forgets the children it had
         parent = record.parent
         if (
             0 <= parent < total
@@ -90,8 +91,8 @@ def _adopt(chunks: Chunks, record: ChunkRecord) -> None:
     account = chunks.tenants.account(record.tenant)
     slots.keys[slot] = record.key
     slots.state[slot] = State.READY
-    if chunks.probe_table is not None:
-        chunks.probe_table.publish(record.key, account.name)
+    if chunks.probe_table is not None and chunks.index.get(record.key) == slot:
+        chunks.probe_table.publish(record.key, account.name)  # ready, not held back
     slots.first_page[slot] = record.first_page
     slots.offsets[slot] = chunks.offset_of(record.first_page)
     slots.pages[slot] = record.pages
