@@ -227,7 +227,7 @@ def test_the_nvme_tree_and_its_generated_key_are_the_agents_alone(
     )
     own_agent.umask = 0
     agent = own_agent.start()
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         store_chain(client, list(range(6)))
     wait_until(lambda: metric(agent, "kvpool_writeback_written_total") >= 6)
     tree = nvme / "default"
@@ -259,6 +259,6 @@ def test_a_key_file_others_may_write_stops_the_agent_and_a_readable_one_is_warne
     agent = own_agent.start()
     warnings = [line for line in agent.log if "is readable by every user" in line]
     assert len(warnings) == 1 and " WARNING " in warnings[0] and str(key_file) in warnings[0]
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         store_chain(client, [0])
     wait_until(lambda: metric(agent, "kvpool_writeback_written_total") >= 1)
