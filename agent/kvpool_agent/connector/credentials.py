@@ -35,15 +35,20 @@ class CredentialMissing(ConnectionError):
     """No token for the agent could be found or read; the message says where to put one."""
 
 
-def credential(settings: ConnectorSettings, environ: Mapping[str, str] | None = None) -> Credential:
-    """The connector's token source (see the module docstring)."""
+def credential(
+    settings: ConnectorSettings,
+    environ: Mapping[str, str] | None = None,
+    state_dir: Path = DEFAULT_STATE_DIR,
+) -> Credential:
+    """The connector's token source (see the module docstring); ``state_dir``: where an
+    agent of the embedded default on this machine keeps its generated tokens."""
     env = os.environ if environ is None else environ
     if env.get(CONNECTOR_TOKEN_ENV):
         token = env[CONNECTOR_TOKEN_ENV].strip()
         return lambda: token
     named = env.get(CONNECTOR_TOKEN_FILE_ENV) or settings.token_file
     path = Path(named) if named else None
-    default = generated_token_path(DEFAULT_STATE_DIR, "engine", settings.pool or DEFAULT_POOL)
+    default = generated_token_path(state_dir, "engine", settings.pool or DEFAULT_POOL)
 
     def read() -> str:
         try:
