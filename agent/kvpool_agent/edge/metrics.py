@@ -25,6 +25,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from kvpool_agent.core.factory import SegmentOrigin
+from kvpool_agent.edge.zmtp import DropReason
 from kvpool_agent.l2.base import L2Adapter
 from kvpool_agent.service.cache_service import CacheService
 from kvpool_agent.service.results import TenantRanking
@@ -248,6 +249,15 @@ class AgentMetrics:
             ["op", "code"],
             registry=registry,
         )
+        self._dropped_peers = Counter(
+            "kvpool_zmq_dropped_peers",
+            "ZMQ connections the agent closed, by reason: a message of too many frames or "
+            "bytes, not ZMTP 3 from a DEALER, no handshake in time.",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in DropReason:
+            self._dropped_peers.labels(reason)
 
     def register_l2(
         self, tiers: Sequence[L2Adapter], writeback: WriteBack, prefetcher: Prefetcher
@@ -261,6 +271,9 @@ class AgentMetrics:
         self._latency.labels(op).observe(seconds)
         if error is not None:
             self._errors.labels(op, error).inc()
+
+    def observe_dropped_peer(self, reason: str) -> None:
+        self._dropped_peers.labels(reason).inc()
 
     def exposition(self) -> tuple[bytes, str]:
         """The text format body and its content type, for GET /metrics."""
