@@ -31,6 +31,7 @@ from kvpool_agent.service.cache_service import CacheService
 from kvpool_agent.service.results import TenantRanking
 from kvpool_agent.tiering.prefetch import Prefetcher
 from kvpool_agent.tiering.writeback import WriteBack
+from kvpool_agent.web.connections import HttpRefusals
 
 OTHER_TENANTS = "other"
 RANKING_SECONDS = 1.0
@@ -198,6 +199,23 @@ class _L2Collector(Collector):
         )
 
 
+class _HttpCollector(Collector):
+    def __init__(self, refusals: HttpRefusals) -> None:
+        self._refusals = refusals
+
+    def collect(self) -> Iterator[Metric]:
+        refused = CounterMetricFamily(
+            "kvpool_http_refused",
+            "Requests and connections the HTTP server answered itself, by reason: "
+            "head_too_large and too_many_headers (431), malformed_head (400), head_timeout "
+            "(408), connections_full (503).",
+            labels=["reason"],
+        )
+        for reason, count in sorted(self._refusals.counts.items()):
+            refused.add_metric([reason], count)
+        yield refused
+
+
 class AgentMetrics:
     def __init__(
         self,
@@ -258,6 +276,10 @@ class AgentMetrics:
         )
         for reason in DropReason:
             self._dropped_peers.labels(reason)
+
+    def register_http(self, refusals: HttpRefusals) -> None:
+        """Count what the HTTP server refuses (see :func:`~kvpool_agent.web.serving.serve_http`)."""
+        self.registry.register(_HttpCollector(refusals))
 
     def register_l2(
         self, tiers: Sequence[L2Adapter], writeback: WriteBack, prefetcher: Prefetcher
