@@ -81,7 +81,8 @@ _LimitBytes = (
 class QuotaUpdate(BaseModel):
     """A tenant's new quota, stored durably and applied at once (shrinking evicts).
 
-    A tenant's own token may set at most its ceiling in each tier (403 above it).
+    A tenant's own token may set at most its ceiling in each tier, or without a ceiling the
+    pool's default tenant quota (403 above it; null, unlimited, is above any bound).
     """
 
     model_config = ConfigDict(extra="forbid")

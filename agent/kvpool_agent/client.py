@@ -312,6 +312,17 @@ class _ClientBase:
         if isinstance(reply, p.Error):
             raise AgentError(reply.code, reply.message)
 
+    def _check_frames(self, frames: Sequence[Payload]) -> None:
+        """An inline payload over the agent's ``max_inline_bytes`` is refused here: a message
+        much larger than that would cost the connection (the agent drops such peers)."""
+        assert self.info is not None
+        size = sum(memoryview(frame).nbytes for frame in frames)
+        if size > self.info.max_inline_bytes:
+            raise AgentError(
+                p.ErrorCode.TOO_LARGE,
+                f"inline payload of {size} bytes; at most {self.info.max_inline_bytes}",
+            )
+
     def segment(self) -> SharedSegment:
         """The agent's segment, mapped into this process (once).
 
@@ -408,6 +419,7 @@ class AgentClient(_ClientBase):
     def _call(self, exchange: _Exchange[T]) -> T:
         if self.info is None:
             self.connect()
+        self._check_frames(exchange.frames)
         reply, data = self._roundtrip(
             exchange.build(next(self._req), self._session()), exchange.frames
         )
@@ -601,6 +613,7 @@ class AsyncAgentClient(_ClientBase):
     async def _call(self, exchange: _Exchange[T]) -> T:
         if self.info is None:
             await self.connect()
+        self._check_frames(exchange.frames)
         reply, data = await self._roundtrip(
             exchange.build(next(self._req), self._session()), exchange.frames
         )

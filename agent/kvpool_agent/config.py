@@ -66,7 +66,7 @@ DEFAULT_MAX_BODY_BYTES = ByteSize(1 << 20)
 
 
 class HttpLimits(BaseModel):
-    """What one HTTP client may cost a process: body size, read timeouts, open connections.
+    """What one HTTP client may cost a process: head and body size, read timeouts, connections.
 
     The agent's and the index's configurations both hold one (``http_limits``);
     :func:`kvpool_agent.web.serving.serve_http` and
@@ -78,6 +78,21 @@ class HttpLimits(BaseModel):
     max_body_bytes: ByteSize = Field(
         DEFAULT_MAX_BODY_BYTES,
         description="Largest request body; a larger one is answered 413 before it is read.",
+    )
+    max_head_bytes: ByteSize = Field(
+        ByteSize(16 << 10),
+        ge=1024,
+        description=(
+            "Largest request head (request line and header fields); past it the request is "
+            "answered 431 and the connection closed, and at most this much of an unfinished "
+            "head is held. Clients send a few KiB (bearer tokens are 64 characters); 16 KiB "
+            "is h11's and Node.js's default."
+        ),
+    )
+    max_header_count: int = Field(
+        100,
+        ge=1,
+        description="Header fields of a request at most (Apache's default); more: 431, closed.",
     )
     header_timeout_seconds: float = Field(
         10.0,

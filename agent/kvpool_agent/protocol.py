@@ -1,6 +1,7 @@
 """The ZMQ protocol between vLLM (the connector) and the node agent.
 
-Transport: the agent binds a ROUTER socket, clients connect DEALER sockets.
+Transport: ZMTP 3 over TCP; clients connect DEALER sockets, the agent plays the ROUTER's
+part (:mod:`kvpool_agent.edge.zmtp`, which bounds a message's frames and bytes).
 Every message is one msgpack frame holding a tagged array (``[op, req, ...]``,
 decoded with msgspec), followed by raw data frames for the inline operations
 only. ``req`` is chosen by the client and echoed in the reply, so a client can
@@ -326,24 +327,33 @@ def encode(message: _Message) -> bytes:
     return _encoder.encode(message)
 
 
+_UNDECODABLE = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError)
+"""What decoding a frame raises when the frame is bad. RecursionError: msgpack nested
+deeper than the decoder's stack (``b"\x91" * 5000 + b"\xc0"``), which no message is."""
+_TOO_DEEP = "frame is msgpack nested too deeply"
+
+
 def decode_request(frame: bytes | memoryview) -> Request:
     try:
         return cast(Request, _request_decoder.decode(frame))
-    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as error:
+    except _UNDECODABLE as error:
         raise _classify(frame, error) from None
 
 
 def decode_reply(frame: bytes | memoryview) -> Reply:
     try:
         return cast(Reply, _reply_decoder.decode(frame))
-    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as error:
-        raise ProtocolError(ErrorCode.MALFORMED, f"malformed reply: {error}") from None
+    except _UNDECODABLE as error:
+        reason = _TOO_DEEP if isinstance(error, RecursionError) else error
+        raise ProtocolError(ErrorCode.MALFORMED, f"malformed reply: {reason}") from None
 
 
 def _classify(frame: bytes | memoryview, error: Exception) -> ProtocolError:
     """Why a request did not decode; done only on failure, so the hot path decodes once."""
     try:
         raw = _any_decoder.decode(frame)
+    except RecursionError:
+        return ProtocolError(ErrorCode.MALFORMED, _TOO_DEEP)
     except (msgspec.DecodeError, UnicodeDecodeError):
         return ProtocolError(ErrorCode.MALFORMED, "frame is not valid msgpack")
     if not isinstance(raw, list) or not raw or not isinstance(raw[0], str):
@@ -352,7 +362,8 @@ def _classify(frame: bytes | memoryview, error: Exception) -> ProtocolError:
     if raw[0] not in REQUEST_OPS:
         known = ", ".join(sorted(REQUEST_OPS))
         return ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {raw[0]!r}; known: {known}", req)
-    return ProtocolError(ErrorCode.MALFORMED, f"bad {raw[0]} request: {error}", req)
+    reason = _TOO_DEEP if isinstance(error, RecursionError) else error
+    return ProtocolError(ErrorCode.MALFORMED, f"bad {raw[0]} request: {reason}", req)
 
 
 # ---------------------------------------------------------------- the events feed

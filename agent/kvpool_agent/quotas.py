@@ -7,10 +7,11 @@ limit) means the same limit for both tiers, as before tiers had limits of their 
 The stores deal in :data:`Quota`: that single number when the tiers agree (the only
 form an older agent reads), :class:`TierLimits` when they differ.
 
-A ceiling (from the tenant's KVCacheTenant) bounds what the tenant itself may set,
-and the default it falls back to: without an explicit quota a tenant with a ceiling
-gets min(default, ceiling) in each tier. An explicit quota applies as stored (an admin
-may set one above the ceiling). Durable storage of the limits is a service concern;
+A ceiling (from the tenant's KVCacheTenant) bounds what the tenant itself may set
+(without a ceiling the default bounds it), and the default it falls back to: without an
+explicit quota a tenant with a ceiling gets min(default, ceiling) in each tier. An
+explicit quota applies as stored (an admin may set one above the ceiling). Durable
+storage of the limits is a service concern;
 :class:`~kvpool_agent.core.quota_book.QuotaBook` answers "what is tenant T allowed".
 
 This module is the value types and their two stored forms, shared by the agent and the

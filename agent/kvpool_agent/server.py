@@ -35,6 +35,7 @@ from kvpool_agent.tenancy.quota_store import FileQuotaStore
 from kvpool_agent.tenants_configmap import TenantsSnapshot
 from kvpool_agent.tiering.prefetch import Prefetcher
 from kvpool_agent.tiering.writeback import WriteBack
+from kvpool_agent.web.connections import HttpRefusals
 from kvpool_agent.web.serving import serve_http
 
 log = logging.getLogger(__name__)
@@ -100,8 +101,10 @@ class Agent:
                 metrics=metrics.exposition,
                 limits=config.http_limits,
             )
+            refusals = HttpRefusals()
+            metrics.register_http(refusals)
             http_url = await stack.enter_async_context(
-                serve_http(app, config.host, config.http_port, config.http_limits)
+                serve_http(app, config.host, config.http_port, config.http_limits, refusals)
             )
             await stack.enter_async_context(self._maintain(l1, service))
             self._ready = True

@@ -143,10 +143,10 @@ def test_bad_requests_get_error_replies_and_the_agent_serves_on(agent: AgentProc
             p.ErrorCode.INVALID_REQUEST,
         ),
         (
-            [
+            [  # above max_inline_bytes (4 MiB), within the largest message (5 MiB)
                 enc(p.StoreInline(8, session, TENANT, two_keys)),
-                bytes(3 << 20),
-                bytes(3 << 20),
+                bytes(2 << 20),
+                bytes((2 << 20) + 1),
             ],
             p.ErrorCode.TOO_LARGE,
         ),

@@ -1,4 +1,5 @@
-"""Tenant records in a real agent: new tenant ids (cache salts) cost bounded memory."""
+"""Tenants in a real agent: new tenant ids (cache salts) cost bounded memory; a tenant's
+own token sets its quota within the default."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import key
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+DEFAULT_QUOTA = 2 << 20
 
 
 def tenant_count(agent: AgentProcess) -> int:
@@ -52,3 +54,34 @@ def test_clearing_the_cache_drops_the_records_of_its_tenants(agent_process: Agen
     usages = httpx.get(f"{agent.http}/v1/tenants", headers=ADMIN).raise_for_status().json()
     newest = tenant_id(f"salt-{tenants - 1}")
     assert any(u["tenant"] == newest and u["stored_chunks"] == 1 for u in usages["tenants"])
+
+
+def test_a_tenant_without_a_ceiling_cannot_raise_itself_above_the_default(
+    agent_process: AgentProcess,
+) -> None:
+    """Before: ``{"limit_bytes": null}`` with the tenant's own token was 200, and the tenant
+    grew past the default (2 MiB) as far as the cache let it."""
+    alice = tenant_id("alice-salt")
+    agent_process.settings["DEFAULT_TENANT_QUOTA"] = str(DEFAULT_QUOTA)
+    agent_process.tenant_tokens = {alice: "alice-token"}
+    agent = agent_process.start()
+    quota = f"{agent.http}/v1/tenants/{alice}/quota"
+    own = {"Authorization": "Bearer alice-token"}
+    for above in (
+        {"limit_bytes": None},
+        {"limit_bytes": DEFAULT_QUOTA + 1},
+        {"limit_bytes": DEFAULT_QUOTA, "nvme_limit_bytes": None},
+    ):
+        refused = httpx.put(quota, headers=own, json=above)
+        assert refused.status_code == 403, above
+        assert f"default tenant quota of {DEFAULT_QUOTA} bytes" in refused.json()["detail"]
+    assert httpx.get(quota, headers=own).json()["limit_bytes"] == DEFAULT_QUOTA  # unchanged
+    within = httpx.put(quota, headers=own, json={"limit_bytes": DEFAULT_QUOTA // 2})
+    assert within.status_code == 200 and within.json()["limit_bytes"] == DEFAULT_QUOTA // 2
+    assert httpx.put(quota, headers=own, json={"limit_bytes": DEFAULT_QUOTA}).status_code == 200
+    by_admin = httpx.put(quota, headers=ADMIN, json={"limit_bytes": None})
+    assert by_admin.status_code == 200 and by_admin.json()["limit_bytes"] is None
+    with AgentClient(agent.zmq) as client:  # and the admin's quota is the one in force
+        chunks = 3 * DEFAULT_QUOTA // (64 << 10)
+        stored = client.store_inline(alice, [key(n) for n in range(chunks)], [b"kv"] * chunks)
+        assert stored.stored == chunks

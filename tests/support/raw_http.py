@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import threading
+import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -65,3 +67,67 @@ def closed_by_peer(sock: socket.socket) -> bool:
     except ConnectionResetError:
         return True
     return True
+
+
+def send_endless_head(url: str, size: int) -> Answer | None:
+    """Send a request head whose last header never ends, up to ``size`` bytes of it; the
+    server's answer, or None if it closed the connection without one."""
+    with connect(url, timeout=30) as sock:
+        block = b"a" * (64 << 10)
+        try:
+            sock.sendall(head("GET", "/healthz", end=False) + b"X-Endless: ")
+            for _ in range(size // len(block)):
+                sock.sendall(block)
+        except OSError:  # the server closed the connection: it wants no more
+            pass
+        try:
+            return read_answer(sock)
+        except OSError:
+            return None
+
+
+@dataclass(frozen=True)
+class Flood:
+    answers: list[Answer | None]
+    """What each flooding connection got (None: closed without an answer)."""
+    slowest: float
+    """The slowest ``GET /healthz`` of another client meanwhile, in seconds."""
+
+
+def head_flood(url: str, connections: int, size: int) -> Flood:
+    """``connections`` clients each send an endless head of ``size`` bytes, while another
+    client asks ``/healthz`` on fresh connections until they are done."""
+    answers: list[Answer | None] = []
+    floods = [
+        threading.Thread(target=lambda: answers.append(send_endless_head(url, size)))
+        for _ in range(connections)
+    ]
+    for flood in floods:
+        flood.start()
+    slowest = 0.0
+    while any(flood.is_alive() for flood in floods):
+        started = time.perf_counter()
+        with connect(url, timeout=30) as sock:
+            sock.sendall(head("GET", "/healthz"))
+            assert read_answer(sock).status == 200
+        slowest = max(slowest, time.perf_counter() - started)
+        time.sleep(0.02)
+    for flood in floods:
+        flood.join()
+    return Flood(answers, slowest)
+
+
+def kept_alive_seconds(url: str, path: str, headers: dict[str, str], body: bytes = b"") -> float:
+    """The median time of a request on a connection kept alive after an earlier one."""
+    method = "POST" if body else "GET"
+    request = head(method, path, {**headers, "Content-Length": str(len(body))}) + body
+    times = []
+    with connect(url, timeout=10) as sock:
+        for number in range(8):
+            started = time.perf_counter()
+            sock.sendall(request)
+            answer = read_answer(sock)
+            assert answer.status == 200, answer
+            if number:  # the first opens the connection
+                times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]

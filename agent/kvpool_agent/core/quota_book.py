@@ -1,7 +1,8 @@
 """The quotas in force: each tenant's own limits, the default, and the ceilings.
 
 What a tenant is allowed is its own limits if it has them, otherwise the default
-lowered to its ceiling (:mod:`kvpool_agent.quotas` holds the value types). Durable
+lowered to its ceiling (:mod:`kvpool_agent.quotas` holds the value types). What a tenant
+may set itself is bounded by its ceiling, or without one by the default. Durable
 storage of the limits is a service concern; this book only answers "what is tenant T
 allowed".
 """
@@ -41,6 +42,14 @@ class QuotaBook:
 
     def ceiling(self, tenant: str) -> TierLimits | None:
         return self._ceilings.get(tenant)
+
+    def own_bound(self, tenant: str) -> TierLimits | None:
+        """The most the tenant may set itself: its ceiling, or without one the default
+        (None: no bound, when there is neither). Admins are bound by neither."""
+        ceiling = self._ceilings.get(tenant)
+        if ceiling is not None or self.default is UNLIMITED:
+            return ceiling
+        return TierLimits.both(self.default)
 
     def has_own(self, tenant: str) -> bool:
         return tenant in self._limits

@@ -3,17 +3,17 @@
 :func:`create_app` gets every dependency as an argument; the composition root
 builds the service and the token authority and passes them in.
 
-Access: ``/healthz``, ``/readyz`` and ``/metrics`` need no token. Every other
-route takes ``Authorization: Bearer <token>``: an admin token may do anything,
-a tenant token only reads and changes its own tenant's quota (within the ceiling its
-KVCacheTenant sets), usage and cache, and a gateway token (the prefix index's)
-nothing here. Tokens come from the tokens file and, with ``tenants_configmap``, from
-the pool's KVCacheTenants (the operator's token is an admin's). Checks run in this order:
-a missing or unknown token is 401, a gateway token 403, a malformed tenant id
-422, a tenant touching another tenant or an admin-only route 403. A request
-with a body is checked for its size (413) and token before the body is read
-(:class:`~kvpool_agent.web.body_gate.BodyGate`). Every error body is
-``{"detail": "<reason>"}``.
+Access: ``/healthz``, ``/readyz`` and ``/metrics`` need no token. Every other route
+takes ``Authorization: Bearer <token>``: an admin token may do anything, a tenant token
+only reads and changes its own tenant's quota (within the ceiling its KVCacheTenant
+sets, or without one the default quota), usage and cache, and a gateway token (the
+prefix index's) nothing here. Tokens come from the tokens file and, with
+``tenants_configmap``, from the pool's KVCacheTenants (the operator's token is an
+admin's). Checks run in this order: a missing or unknown token is 401, a gateway token
+403, a malformed tenant id 422, a tenant touching another tenant or an admin-only route
+403. A request with a body is checked for its size (413) and token before the body is
+read (:class:`~kvpool_agent.web.body_gate.BodyGate`). Every error body is ``{"detail":
+"<reason>"}``.
 
 Handlers that reach the service are plain ``def``: FastAPI runs them in its
 thread pool, so the service's locks and the quota store's file I/O never block
@@ -79,7 +79,8 @@ _ERRORS: dict[int | str, str] = {
     422: "Malformed tenant id or request body.",
     503: "The quota store failed; nothing was changed.",
     "ceiling": "The token may not use this route (another tenant's, admin-only, or a "
-    "gateway's), or a tenant's own token asked for more than its ceiling.",
+    "gateway's), or a tenant's own token asked for more than its ceiling (without a "
+    "KVCacheTenant ceiling: the default tenant quota; unlimited is more than either).",
     "tiers": "An L2 tier could not finish the drop (L1 is dropped); try again.",
 }
 
@@ -255,7 +256,7 @@ def _tenant_routes(service: CacheService, guards: _Guards) -> APIRouter:
     @router.put(
         "/quota",
         summary="Set a tenant's quota durably; shrinking evicts at once (admin, or that "
-        "tenant within its ceiling).",
+        "tenant within its ceiling or, without one, the default quota).",
         responses={**_errors(413, 503), **_error(403, "ceiling")},
     )
     def put_quota(access: Tenant, update: QuotaUpdate) -> Quota:

@@ -26,12 +26,14 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from kvpool_agent.core.factory import SegmentOrigin
+from kvpool_agent.edge.zmtp import DropReason
 from kvpool_agent.l2.base import L2Adapter
 from kvpool_agent.probe_table import ProbeTableWriter
 from kvpool_agent.service.cache_service import CacheService
 from kvpool_agent.service.results import TenantRanking
 from kvpool_agent.tiering.prefetch import Prefetcher
 from kvpool_agent.tiering.writeback import WriteBack
+from kvpool_agent.web.connections import HttpRefusals
 
 OTHER_TENANTS = "other"
 RANKING_SECONDS = 1.0
@@ -212,6 +214,23 @@ class _L2Collector(Collector):
         )
 
 
+class _HttpCollector(Collector):
+    def __init__(self, refusals: HttpRefusals) -> None:
+        self._refusals = refusals
+
+    def collect(self) -> Iterator[Metric]:
+        refused = CounterMetricFamily(
+            "kvpool_http_refused",
+            "Requests and connections the HTTP server answered itself, by reason: "
+            "head_too_large and too_many_headers (431), malformed_head (400), head_timeout "
+            "(408), connections_full (503).",
+            labels=["reason"],
+        )
+        for reason, count in sorted(self._refusals.counts.items()):
+            refused.add_metric([reason], count)
+        yield refused
+
+
 class AgentMetrics:
     def __init__(
         self,
@@ -266,6 +285,19 @@ class AgentMetrics:
             ["op", "code"],
             registry=registry,
         )
+        self._dropped_peers = Counter(
+            "kvpool_zmq_dropped_peers",
+            "ZMQ connections the agent closed, by reason: a message of too many frames or "
+            "bytes, not ZMTP 3 from a DEALER, no handshake in time.",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in DropReason:
+            self._dropped_peers.labels(reason)
+
+    def register_http(self, refusals: HttpRefusals) -> None:
+        """Count what the HTTP server refuses (see :func:`~kvpool_agent.web.serving.serve_http`)."""
+        self.registry.register(_HttpCollector(refusals))
 
     def register_l2(
         self, tiers: Sequence[L2Adapter], writeback: WriteBack, prefetcher: Prefetcher
@@ -279,6 +311,9 @@ class AgentMetrics:
         self._latency.labels(op).observe(seconds)
         if error is not None:
             self._errors.labels(op, error).inc()
+
+    def observe_dropped_peer(self, reason: str) -> None:
+        self._dropped_peers.labels(reason).inc()
 
     def exposition(self) -> tuple[bytes, str]:
         """The text format body and its content type, for GET /metrics."""

@@ -1,12 +1,15 @@
-"""The agent's ZMQ ROUTER: decodes requests, calls the cache service, encodes replies.
+"""The agent's ZMQ server: decodes requests, calls the cache service, encodes replies.
 
-One thread owns the socket and serves one message at a time (ROUTER queues
-fairly across peers). Every operation on the cache is one call of
+One thread owns the port and serves one message at a time, one of each peer in turn.
+The port is framed by :class:`~kvpool_agent.edge.zmtp.ZmtpRouter` rather than a libzmq
+ROUTER, so that a message is bounded while it arrives (:attr:`ZmqServer.bounds`: a
+header frame and a data frame per key, ``max_inline_bytes`` and :data:`HEADER_BYTES` in
+all); a peer that sends more is dropped. Every operation on the cache is one call of
 :class:`~kvpool_agent.service.cache_service.CacheService`; this module adds the transport's
 own concerns: sessions, lease ownership, limits on a request's size, draining,
 and parked ``prefetch_status`` waits. Any bad input becomes an
 :class:`~kvpool_agent.protocol.Error` reply; nothing a client sends can stop
-the loop.
+the loop, and an unexpected failure logs one traceback a minute, however often it recurs.
 
 Sessions: an id is 64 random bits (the widest integer msgpack carries) and
 belongs to the connection that said hello (its ROUTER routing identity): from
@@ -54,17 +57,22 @@ import zmq
 
 from kvpool_agent import protocol as p
 from kvpool_agent.core.cache_types import CacheError, InvalidRequest, LeaseExpired, UnknownLease
+from kvpool_agent.edge.zmtp import DropReason, Frame, MessageBounds, ZmtpRouter
 from kvpool_agent.keys import CANARY_TENANT, TENANT_ID_RULE, is_tenant_id, tenant_id
 from kvpool_agent.segment import SharedSegment
 from kvpool_agent.service.cache_service import CacheService
 from kvpool_agent.tenancy.auth import Principal, Role, TokenAuthority
 from kvpool_agent.tenants_configmap import digest_token
+from kvpool_agent.web.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
-Frames = Sequence[zmq.Frame]
+Frames = Sequence[Frame]
 Peer = bytes
-"""The ROUTER routing identity of the connection a request came on."""
+"""The routing identity of the connection a request came on."""
+HEADER_BYTES = 1 << 20
+"""What a message may hold beside its inline payload: its header frame (a request of
+8192 keys of 32 bytes is some 300 KiB of msgpack) and the data frames' framing."""
 Handled = tuple[p.Reply, list[bytes]] | None
 """A reply and its data frames, or None when the reply is parked for later."""
 SHUTTING_DOWN = "the agent is shutting down"
@@ -76,6 +84,8 @@ _CHUNK_ROLES = frozenset((Role.ADMIN, Role.ENGINE, Role.TENANT))
 
 class RequestObserver(Protocol):
     def observe_request(self, op: str, seconds: float, error: str | None) -> None: ...
+
+    def observe_dropped_peer(self, reason: str) -> None: ...
 
 
 @dataclass
@@ -133,7 +143,8 @@ class ZmqServer:
         self._quarantines_seen = 0
         self._fenced_sessions = 0
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._socket: zmq.Socket[bytes] | None = None
+        self._router: ZmtpRouter | None = None
+        self._flood_log = RateLimitedLog(log)
         self._wake_endpoint = f"inproc://kvpool-wake-{self.agent_id}"
         self._thread: threading.Thread | None = None
         self.bound_endpoint = ""
@@ -157,20 +168,24 @@ class ZmqServer:
 
     # ---------------------------------------------------------------- running
 
+    @property
+    def bounds(self) -> MessageBounds:
+        """The largest message a peer may send: an inline store of ``max_keys`` keys
+        (a header frame, a data frame per key) and ``max_inline_bytes`` of data."""
+        return MessageBounds(self._max_keys + 1, self._max_inline + HEADER_BYTES)
+
     def start(self) -> None:
-        socket = self._context.socket(zmq.ROUTER)
-        socket.setsockopt(zmq.LINGER, 0)
-        # No ROUTER_HANDOVER: with it, a second connection that names itself like a first
-        # one takes over its routing identity, and with it the first one's session.
-        # A frame larger than the biggest inline payload is dropped by ZMQ with the connection.
-        socket.setsockopt(zmq.MAXMSGSIZE, self._max_inline + (1 << 20))
-        socket.bind(self._endpoint)
-        self.bound_endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._socket = socket
+        # Each connection gets a routing identity of its own: one that names itself like
+        # another cannot take over the other's, and with it the other's session.
+        router = ZmtpRouter(
+            self._endpoint, self.bounds, log=self._flood_log, on_drop=self._dropped_peer
+        )
+        self.bound_endpoint = router.bound_endpoint
+        self._router = router
         wake = self._context.socket(zmq.PULL)
         wake.bind(self._wake_endpoint)
         self._thread = threading.Thread(
-            target=self._serve, args=(socket, wake), name="kvpool-zmq", daemon=True
+            target=self._serve, args=(router, wake), name="kvpool-zmq", daemon=True
         )
         self._thread.start()
         log.info("ZMQ protocol v%d on %s", p.PROTOCOL_VERSION, self.bound_endpoint)
@@ -209,44 +224,51 @@ class ZmqServer:
         if self._draining and self._service.open_write_leases == 0:
             self.drained.set()
 
-    def _serve(self, socket: zmq.Socket[bytes], wake: zmq.Socket[bytes]) -> None:
+    def _dropped_peer(self, reason: DropReason) -> None:
+        if self._observer is not None:
+            self._observer.observe_dropped_peer(reason)
+
+    def _serve(self, router: ZmtpRouter, wake: zmq.Socket[bytes]) -> None:
         poller = zmq.Poller()
-        poller.register(socket, zmq.POLLIN)
+        router.register(poller)
         poller.register(wake, zmq.POLLIN)
         sweep_period = self._idle / 4
         next_sweep = self._clock() + sweep_period
         try:
             while True:
                 timeout = max(0.0, next_sweep - self._clock())
-                if self._parked:
-                    nearest = min(parked.deadline for parked in self._parked)
-                    timeout = max(0.0, min(timeout, nearest - time.monotonic()))
+                deadlines = [parked.deadline for parked in self._parked]
+                deadlines.extend(d for d in [router.next_deadline()] if d is not None)
+                if deadlines:
+                    timeout = max(0.0, min(timeout, min(deadlines) - time.monotonic()))
+                if router.ready():
+                    timeout = 0.0
                 events = dict(poller.poll(math.ceil(timeout * 1000)))
                 if wake in events:
                     command = wake.recv()
                     if command == b"stop":
                         return
                     self._draining |= command == b"drain"
-                elif socket in events:
-                    self._serve_one(socket)
+                router.handle(events)
+                router.expire()
+                for identity, body in router.take():
+                    self._serve_one(identity, body)
                 if self._clock() >= next_sweep:  # on time even while requests keep coming
                     self._drop_idle_sessions()
                     next_sweep = self._clock() + sweep_period
-                self._answer_parked(socket)
+                self._answer_parked()
                 self._check_drained()
         finally:
-            socket.close()
+            router.close()
             wake.close()
 
-    def _serve_one(self, socket: zmq.Socket[bytes]) -> None:
-        frames = socket.recv_multipart(copy=False)
-        identity, body = frames[0].bytes, frames[1:]
+    def _serve_one(self, identity: Peer, body: Frames) -> None:
         started = time.perf_counter()
         op, req = "invalid", 0
         try:
             if not body:
                 raise p.ProtocolError(p.ErrorCode.MALFORMED, "empty message")
-            request = p.decode_request(body[0].buffer)
+            request = p.decode_request(body[0])
             op, req = p.op_name(request), request.req
             self._fence_expired_writers()
             self._void_revoked_sessions()
@@ -266,25 +288,19 @@ class ZmqServer:
             reply, data = p.Error(req, p.ErrorCode.LEASE_EXPIRED, str(error)), []
         except CacheError as error:
             reply, data = p.Error(req, p.ErrorCode.INVALID_REQUEST, str(error)), []
-        except Exception:
-            log.exception("internal error serving %s", op)
+        except Exception as error:
+            self._flood_log.exception(f"internal error serving {op}: {type(error).__name__}")
             reply, data = (
                 p.Error(req, p.ErrorCode.INTERNAL, "internal error; see the agent log"),
                 [],
             )
-        self._send(socket, identity, reply, data, op=op, started=started)
+        self._send(identity, reply, data, op=op, started=started)
 
     def _send(
-        self,
-        socket: zmq.Socket[bytes],
-        identity: bytes,
-        reply: p.Reply,
-        data: list[bytes],
-        *,
-        op: str,
-        started: float,
+        self, identity: bytes, reply: p.Reply, data: list[bytes], *, op: str, started: float
     ) -> None:
-        socket.send_multipart([identity, p.encode(reply), *data])
+        assert self._router is not None
+        self._router.send(identity, [p.encode(reply), *data])
         if self._observer is not None:
             error_code = reply.code if isinstance(reply, p.Error) else None
             self._observer.observe_request(op, time.perf_counter() - started, error_code)
@@ -492,7 +508,7 @@ class ZmqServer:
             return p.PrefetchStatusReply(request.req, True, 0, 0)
         return p.PrefetchStatusReply(request.req, prefetch.done, prefetch.expected, prefetch.loaded)
 
-    def _answer_parked(self, socket: zmq.Socket[bytes]) -> None:
+    def _answer_parked(self) -> None:
         if not self._parked:
             return
         now = time.monotonic()
@@ -502,12 +518,7 @@ class ZmqServer:
             if prefetch is None or prefetch.done or parked.deadline <= now:
                 reply = self._prefetch_reply(parked.request)
                 self._send(
-                    socket,
-                    parked.identity,
-                    reply,
-                    [],
-                    op="prefetch_status",
-                    started=parked.op_started,
+                    parked.identity, reply, [], op="prefetch_status", started=parked.op_started
                 )
             else:
                 waiting.append(parked)
@@ -556,9 +567,7 @@ class ZmqServer:
                 f"inline payload of {size} bytes; at most {self._max_inline}",
                 request.req,
             )
-        result = self._service.store(
-            tenant, request.keys, [frame.buffer for frame in extra], request.parent
-        )
+        result = self._service.store(tenant, request.keys, list(extra), request.parent)
         return p.StoreInlineReply(
             request.req, result.stored, result.present, result.refused_reason
         ), []

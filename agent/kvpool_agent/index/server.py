@@ -40,6 +40,7 @@ from kvpool_agent.index.subscriber import EventSubscriber
 from kvpool_agent.index.tracker import PrefixTracker
 from kvpool_agent.names import INDEX_CONFIG_FILE_ENV
 from kvpool_agent.tenancy.auth import TokenAuthority, TokenFileError, load_authority
+from kvpool_agent.web.connections import HttpRefusals
 from kvpool_agent.web.serving import serve_http
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,8 @@ class IndexServer:
             receive_hwm=config.receive_hwm,
         )
         metrics = IndexMetrics(CollectorRegistry(), tracker, subscriber.status)
+        refusals = HttpRefusals()
+        metrics.register_http(refusals)
         service = IndexService(tracker, config.routing_policy(), metrics)
         app = create_app(
             service,
@@ -108,7 +111,7 @@ class IndexServer:
             discovery.start(subscriber.follow)
             stack.callback(discovery.stop)
             http_url = await stack.enter_async_context(
-                serve_http(app, config.host, config.http_port, config.http_limits)
+                serve_http(app, config.host, config.http_port, config.http_limits, refusals)
             )
             self._ready = True
             log.info(

@@ -50,8 +50,11 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvpool_agent import protocol as p
 from kvpool_agent.index.discovery import AgentEndpoint
+from kvpool_agent.web.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)
+_failures = RateLimitedLog(log)
+"""A failure that recurs on every poll logs one traceback a minute per node."""
 
 TRACKED_TIER = "l1"
 CLIENT_NAME = "kvpool-index"
@@ -238,8 +241,8 @@ class EventSubscriber:
                     try:
                         self._serve(follower, ready)
                     except Exception:  # one agent's bug must not stop following the others
-                        log.exception(
-                            "node %s: failed to handle its sockets", follower.endpoint.node
+                        _failures.exception(
+                            f"node {follower.endpoint.node}: failed to handle its sockets"
                         )
                 self._check_deadlines()
         finally:

@@ -293,7 +293,8 @@ class CacheService:
         """Store the limits durably, then apply them (shrinking evicts at once).
 
         ``within_ceiling`` (a tenant sets its own): :class:`AboveCeiling` if a tier's
-        limit exceeds the tenant's ceiling there.
+        limit exceeds the tenant's ceiling there, or without a ceiling the default quota
+        (unlimited exceeds any bound).
         """
         wanted = as_limits(limits).check()
         with self._quota_writes:
@@ -307,16 +308,24 @@ class CacheService:
 
     def _check_ceiling(self, tenant: str, wanted: TierLimits) -> None:
         with self._lock:
-            ceiling = self._cache.quotas.ceiling(tenant)
-        above = [] if ceiling is None else wanted.above(ceiling)
-        if above:
-            tier, limit, bound = above[0]
-            asked = "unlimited" if limit is None else f"{limit} bytes"
+            book = self._cache.quotas
+            bound, ceiling = book.own_bound(tenant), book.ceiling(tenant)
+        above = [] if bound is None else wanted.above(bound)
+        if not above:
+            return
+        tier, limit, most = above[0]
+        asked = "unlimited" if limit is None else f"{limit} bytes"
+        if ceiling is not None:
             raise AboveCeiling(
                 f"the {tier} quota asked ({asked}) is above this tenant's {tier} ceiling of "
-                f"{bound} bytes, which its KVCacheTenant's spec.quota sets; set at most the "
+                f"{most} bytes, which its KVCacheTenant's spec.quota sets; set at most the "
                 "ceiling, or have the KVCacheTenant's quota raised"
             )
+        raise AboveCeiling(
+            f"the {tier} quota asked ({asked}) is above the default tenant quota of {most} "
+            "bytes (default_tenant_quota), the most a tenant without a KVCacheTenant ceiling "
+            "may set itself; set at most the default, or ask an admin"
+        )
 
     def delete_quota(self, tenant: str) -> QuotaView:
         with self._quota_writes:

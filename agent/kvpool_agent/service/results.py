@@ -46,7 +46,8 @@ class QuotaView:
 
 
 class AboveCeiling(ValueError):
-    """A tenant asked for more than its ceiling (set by its KVCacheTenant); nothing changed."""
+    """A tenant asked for more than it may set itself: its ceiling (set by its KVCacheTenant),
+    or without one the default quota; nothing changed."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,8 +24,11 @@ from dataclasses import dataclass, field
 from kvpool_agent.l2.base import L2Adapter, ObjectKey
 from kvpool_agent.service.cache_service import CacheService
 from kvpool_agent.tiering.writeback import LatencyObserver
+from kvpool_agent.web.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)
+_failures = RateLimitedLog(log)
+"""Prefetches follow clients' lookups: one that keeps failing logs a traceback a minute."""
 
 _REMEMBERED = 4096  # finished prefetches kept for status queries
 _BATCH = 8
@@ -129,8 +132,8 @@ class Prefetcher:
                     loaded.append(key)
                     prefetch.loaded += 1
                 self._changed()
-        except Exception:
-            log.exception("prefetch %d failed", prefetch.id)
+        except Exception as error:
+            _failures.exception(f"a prefetch failed: {type(error).__name__}")
         finally:
             prefetch.done = True
             with self._guard:

@@ -1,4 +1,4 @@
-"""Connection guards of an HTTP server: a bound on open connections, a deadline per request head.
+"""Connection guards of an HTTP server: open connections, a request head's time, size and fields.
 
 uvicorn arms its keep-alive timer only after a response and cancels it on the next
 byte, so a client that connects and sends nothing, or half a request head, holds its
@@ -13,25 +13,43 @@ the ZMQ data path of the same process cannot accept clients either.
   connection idle longest (waiting for a request head) is closed to make room, as
   nginx reuses keep-alive connections, and if none is idle the new one gets 503;
 - gets ``header_timeout`` to send a whole request head after it opens or after its
-  last response, else a 408 and the close.
+  last response, else a 408 and the close;
+- may send a request head of at most ``max_head_bytes`` and ``max_header_count`` header
+  fields, else a 431 and the close (a malformed head: 400 and the close);
+- has ``TCP_NODELAY`` set: a socket made by ``socket.create_server`` has protocol 0, so
+  asyncio does not set it, and a response written in two parts (head, body) then waited
+  for the client's delayed ACK, 40 ms per request on a kept-alive connection.
+
+Heads are parsed by h11 (:class:`BoundedH11Protocol`, uvicorn's h11 protocol with the
+bounds): h11 buffers at most ``max_head_bytes`` of an unfinished head (its
+``max_incomplete_event_size``), and pauses reading while a request is served, so a
+pipelined head waits in the socket. httptools, uvicorn's other parser, has no bound at
+all: 16 connections each sending 32 MiB of one unfinished header cost 825 MiB.
 
 A request's progress reaches its connection through the ASGI scope: the gate hands
 each connection's protocol its own copy of the lifespan state holding the connection
 (uvicorn copies that state into every request's ``scope["state"]``), and
 :class:`RequestTracker`, the outermost middleware, reports when a request begins and
 when its response ends. Refusals and timeouts are logged through a
-:class:`~kvpool_agent.web.rate_limited_log.RateLimitedLog`, not once per connection.
+:class:`~kvpool_agent.web.rate_limited_log.RateLimitedLog`, not once per connection, and
+counted by reason in :class:`HttpRefusals` (the metrics read them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
-from collections import OrderedDict
+import socket
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import h11
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.config import Config
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.server import ServerState
 
 from kvpool_agent.web.rate_limited_log import RateLimitedLog
 
@@ -39,6 +57,31 @@ CONNECTION_KEY = "kvpool.connection"
 """Where a request's :class:`GuardedConnection` is in ``scope["state"]``."""
 
 ProtocolFactory = Callable[..., asyncio.Protocol]
+
+
+class Refusal(enum.StrEnum):
+    """Why the gate answered a connection itself (a metric label)."""
+
+    HEAD_TOO_LARGE = "head_too_large"
+    """431: a request head over ``max_head_bytes``."""
+    TOO_MANY_HEADERS = "too_many_headers"
+    """431: a request head of over ``max_header_count`` header fields."""
+    MALFORMED_HEAD = "malformed_head"
+    """400: a request head (or chunked framing) that is not HTTP/1.1."""
+    HEAD_TIMEOUT = "head_timeout"
+    """408: no whole request head within ``header_timeout``."""
+    CONNECTIONS_FULL = "connections_full"
+    """503: ``max_connections`` open and none idle."""
+
+
+class HttpRefusals:
+    """How often the gate refused what, by :class:`Refusal`; read at scrape time."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[Refusal] = Counter({refusal: 0 for refusal in Refusal})
+
+    def add(self, refusal: Refusal) -> None:
+        self.counts[refusal] += 1
 
 
 def _canned(status: str, detail: str) -> bytes:
@@ -52,9 +95,21 @@ def _canned(status: str, detail: str) -> bytes:
 
 
 class ConnectionGate:
-    def __init__(self, *, max_connections: int, header_timeout: float, log: RateLimitedLog) -> None:
+    def __init__(
+        self,
+        *,
+        max_connections: int,
+        header_timeout: float,
+        max_head_bytes: int,
+        max_header_count: int,
+        log: RateLimitedLog,
+        refusals: HttpRefusals | None = None,
+    ) -> None:
         self.max_connections = max_connections
         self.header_timeout = header_timeout
+        self.max_head_bytes = max_head_bytes
+        self.max_header_count = max_header_count
+        self.refusals = refusals or HttpRefusals()
         self._log = log
         self._open: set[GuardedConnection] = set()
         self._idle: OrderedDict[GuardedConnection, None] = OrderedDict()
@@ -65,6 +120,17 @@ class ConnectionGate:
             "503 Service Unavailable",
             f"{max_connections} HTTP connections are open and busy; try again",
         )
+        self._answers = {
+            Refusal.HEAD_TOO_LARGE: _canned(
+                "431 Request Header Fields Too Large",
+                f"request head larger than {max_head_bytes} bytes",
+            ),
+            Refusal.TOO_MANY_HEADERS: _canned(
+                "431 Request Header Fields Too Large",
+                f"more than {max_header_count} header fields",
+            ),
+            Refusal.MALFORMED_HEAD: _canned("400 Bad Request", "malformed HTTP request"),
+        }
 
     def protocol_factory(self, inner: ProtocolFactory) -> ProtocolFactory:
         """What uvicorn calls per connection instead of ``inner`` (its protocol class)."""
@@ -80,6 +146,7 @@ class ConnectionGate:
     def _admit(self, connection: GuardedConnection) -> bool:
         if len(self._open) >= self.max_connections:
             if not self._idle:
+                self.refusals.add(Refusal.CONNECTIONS_FULL)
                 self._log.warning(
                     f"HTTP: {self.max_connections} connections open and none idle: "
                     "refusing new ones with 503 (http_limits.max_connections)"
@@ -107,11 +174,25 @@ class ConnectionGate:
             self._idle.move_to_end(connection)
 
     def _timed_out_head(self, connection: GuardedConnection) -> None:
+        self.refusals.add(Refusal.HEAD_TIMEOUT)
         self._log.warning(
             f"HTTP: closing connections that sent no complete request head within "
             f"{self.header_timeout:g} s (http_limits.header_timeout_seconds)"
         )
         connection.close(self._timed_out)
+
+    def _refuse_head(self, refusal: Refusal) -> bytes:
+        """Count and log a refused head; the answer to write before closing."""
+        self.refusals.add(refusal)
+        if refusal is Refusal.MALFORMED_HEAD:
+            self._log.warning("HTTP: answering 400 to malformed requests and closing")
+        else:
+            self._log.warning(
+                f"HTTP: answering 431 to request heads over {self.max_head_bytes} bytes or "
+                f"{self.max_header_count} header fields and closing "
+                "(http_limits.max_head_bytes, http_limits.max_header_count)"
+            )
+        return self._answers[refusal]
 
 
 class GuardedConnection(asyncio.Protocol):
@@ -128,6 +209,9 @@ class GuardedConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if not self._gate._admit(self):
             transport.write(self._gate._refused)
             transport.close()
@@ -179,6 +263,66 @@ class GuardedConnection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+class _BadHead(Exception):
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal)
+        self.refusal = refusal
+
+
+class _BoundedH11(h11.Connection):
+    """h11's server side, raising :class:`_BadHead` where h11 would raise its own error
+    (which uvicorn answers 400 with a log line a connection), and for heads over the bounds
+    that arrived whole (h11 bounds only a head still incomplete)."""
+
+    def __init__(self, max_head_bytes: int, max_header_count: int) -> None:
+        super().__init__(h11.SERVER, max_incomplete_event_size=max_head_bytes)
+        self._max_head_bytes = max_head_bytes
+        self._max_header_count = max_header_count
+
+    def next_event(self) -> Any:
+        try:
+            event = super().next_event()
+        except h11.RemoteProtocolError as error:
+            too_large = error.error_status_hint == 431
+            raise _BadHead(
+                Refusal.HEAD_TOO_LARGE if too_large else Refusal.MALFORMED_HEAD
+            ) from None
+        if isinstance(event, h11.Request):
+            if len(event.headers) > self._max_header_count:
+                raise _BadHead(Refusal.TOO_MANY_HEADERS)
+            size = len(event.method) + len(event.target) + 12  # " ", " HTTP/1.1\r\n"
+            size += sum(len(name) + len(value) + 4 for name, value in event.headers.raw_items())
+            if size > self._max_head_bytes:
+                raise _BadHead(Refusal.HEAD_TOO_LARGE)
+        return event
+
+
+class BoundedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with the gate's head bounds (needs a :class:`GuardedConnection`
+    in ``app_state``, as :meth:`ConnectionGate.protocol_factory` puts it there)."""
+
+    def __init__(
+        self,
+        config: Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self._guarded: GuardedConnection = app_state[CONNECTION_KEY]
+        gate = self._guarded._gate
+        self.conn = _BoundedH11(gate.max_head_bytes, gate.max_header_count)
+
+    def handle_events(self) -> None:
+        try:
+            super().handle_events()
+        except _BadHead as bad:
+            answer = self._guarded._gate._refuse_head(bad.refusal)
+            in_flight = self.cycle is not None and not self.cycle.response_complete
+            # a response under way gets no answer in its middle: the connection just ends
+            self._guarded.close(b"" if in_flight else answer)
 
 
 class RequestTracker:

@@ -33,15 +33,27 @@ class RateLimitedLog:
         self._seen: dict[str, _Seen] = {}
 
     def warning(self, event: str) -> None:
+        self._log(logging.WARNING, event)
+
+    def exception(self, event: str) -> None:
+        """``event`` at ERROR with the traceback of the exception being handled; a flood of
+        them (a request that fails the same way again and again) is one traceback a minute."""
+        self._log(logging.ERROR, event, exc_info=True)
+
+    def _log(self, level: int, event: str, *, exc_info: bool = False) -> None:
         now = self._clock()
         seen = self._seen.get(event)
         if seen is not None and now - seen.logged_at < self._interval:
             seen.suppressed += 1
             return
         if seen is None or not seen.suppressed:
-            self._logger.warning("%s", event)
+            self._logger.log(level, "%s", event, exc_info=exc_info)
         else:
-            self._logger.warning(
-                "%s (and %d more times since the last such line)", event, seen.suppressed
+            self._logger.log(
+                level,
+                "%s (and %d more times since the last such line)",
+                event,
+                seen.suppressed,
+                exc_info=exc_info,
             )
         self._seen[event] = _Seen(now)

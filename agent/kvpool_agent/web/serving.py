@@ -1,8 +1,9 @@
 """Serve an ASGI app with uvicorn inside a process that owns its own signal handling.
 
-The server is guarded against clients that hold connections or descriptors
-(:mod:`kvpool_agent.web.connections`): request bodies are the app's business
-(:class:`kvpool_agent.web.body_gate.BodyGate`, which needs the app's tokens).
+The server is guarded against clients that hold connections or descriptors, or send
+endless request heads (:mod:`kvpool_agent.web.connections`, which also sets TCP_NODELAY):
+request bodies are the app's business (:class:`kvpool_agent.web.body_gate.BodyGate`,
+which needs the app's tokens).
 """
 
 from __future__ import annotations
@@ -16,10 +17,14 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import uvicorn
-from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from kvpool_agent.config import HttpLimits
-from kvpool_agent.web.connections import ConnectionGate, RequestTracker
+from kvpool_agent.web.connections import (
+    BoundedH11Protocol,
+    ConnectionGate,
+    HttpRefusals,
+    RequestTracker,
+)
 from kvpool_agent.web.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -41,12 +46,17 @@ class _EmbeddedUvicorn(uvicorn.Server):
 
 @contextlib.asynccontextmanager
 async def serve_http(
-    app: Any, host: str, port: int, limits: HttpLimits | None = None
+    app: Any,
+    host: str,
+    port: int,
+    limits: HttpLimits | None = None,
+    refusals: HttpRefusals | None = None,
 ) -> AsyncIterator[str]:
     """Serve ``app`` on ``host:port`` (0: a free port) on this loop; yields the base URL.
 
     The socket is bound before serving starts, so the URL is known at once and a port in
-    use is an error here rather than a log line later.
+    use is an error here rather than a log line later. What the connection gate refuses
+    is counted in ``refusals``.
     """
     limits = limits or HttpLimits()
     flood_log = RateLimitedLog(log)
@@ -54,13 +64,17 @@ async def serve_http(
     gate = ConnectionGate(
         max_connections=bound,
         header_timeout=limits.header_timeout_seconds,
+        max_head_bytes=int(limits.max_head_bytes),
+        max_header_count=limits.max_header_count,
         log=flood_log,
+        refusals=refusals,
     )
     listener = socket.create_server((host, port))
     bound_host, bound_port = listener.getsockname()[:2]
     config = uvicorn.Config(
         RequestTracker(app),
-        http=gate.protocol_factory(AutoHTTPProtocol),  # type: ignore[arg-type]
+        # h11, not httptools: h11 bounds an unfinished head (the gate's 431), httptools not
+        http=gate.protocol_factory(BoundedH11Protocol),  # type: ignore[arg-type]
         ws="none",
         # asyncio accepts up to `backlog` sockets at once before the gate sees any of them
         backlog=bound,

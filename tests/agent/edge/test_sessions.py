@@ -82,12 +82,13 @@ def test_a_session_belongs_to_the_connection_that_opened_it(agent: AgentProcess)
 def test_a_connection_cannot_take_over_another_ones_routing_identity(
     agent: AgentProcess,
 ) -> None:
-    """Clients may name their connection: a second one under the same name is not served."""
+    """Clients may name their connection: the agent ignores the name (each connection has
+    an identity of its own), so a second one under the same name is a stranger."""
     owner = RawClient(agent.zmq, routing_id=b"vllm-worker-0")
     session = owner.hello(ADMIN_TOKEN)
     impostor = RawClient(agent.zmq, routing_id=b"vllm-worker-0")
-    impostor.socket.send(p.encode(p.Lookup(2, session, TENANT, [key(1)])))
-    assert not impostor.socket.poll(1000), "the impostor was served as the owner"
+    refused = impostor.error(p.encode(p.Lookup(2, session, TENANT, [key(1)])))
+    assert refused.code == p.ErrorCode.UNKNOWN_SESSION, "the impostor was served as the owner"
     reply, _ = owner.ask(p.encode(p.Lookup(3, session, TENANT, [key(1)])))
     assert isinstance(reply, p.LookupReply)
     owner.close()

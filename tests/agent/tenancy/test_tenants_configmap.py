@@ -74,3 +74,11 @@ def test_a_ceiling_lowers_the_default_but_not_an_own_quota() -> None:
     assert TierLimits(None, 10).above(TierLimits(4096, None)) == [("l1", None, 4096)]
     assert book.replace_ceilings({}) == {ALICE, BOB}
     assert book.limits(ALICE) == TierLimits.both(8192)
+
+
+def test_what_a_tenant_may_set_itself_is_its_ceiling_or_else_the_default() -> None:
+    book = QuotaBook(default=8192)
+    book.replace_ceilings({ALICE: TierLimits(1 << 20, None)})
+    assert book.own_bound(ALICE) == TierLimits(1 << 20, None)  # a ceiling above the default
+    assert book.own_bound(BOB) == TierLimits.both(8192)
+    assert QuotaBook().own_bound(BOB) is None  # no default, no ceiling: no bound

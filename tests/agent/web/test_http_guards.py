@@ -1,4 +1,5 @@
-"""What one HTTP client may cost a real agent process: bodies, slow clients, idle sockets.
+"""What one HTTP client may cost a real agent process: heads, bodies, slow clients, idle
+sockets; and what a kept-alive connection costs a well-behaved one.
 
 Requests go over plain sockets, so a test can send half a request, or only the head of
 one, and see what the agent answers before the rest arrives.
@@ -14,11 +15,28 @@ import pytest
 
 from kvpool_agent.client import AgentClient
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
-from tests.support.raw_http import closed_by_peer, connect, head, read_answer
+from tests.support.metrics import metric
+from tests.support.raw_http import (
+    closed_by_peer,
+    connect,
+    head,
+    head_flood,
+    kept_alive_seconds,
+    read_answer,
+)
 
 from .body_memory import QUOTA_PATH, body_memory_growth
 
 MAX_BODY = 4096
+MAX_HEAD = 16 << 10
+"""The default of http_limits.max_head_bytes."""
+HEAD_MEMORY_BOUND = 16 << 20
+"""Peak RSS growth allowed while 16 connections send endless heads (before: +91 MiB for
+4 MiB each; the issue's 32 MiB each: +825 MiB)."""
+HEALTH_BOUND = 1.0
+"""The longest another client's /healthz may take meanwhile, in seconds."""
+KEPT_ALIVE_BOUND = 0.010
+"""A request on a kept-alive connection (before TCP_NODELAY: 40-44 ms, a delayed ACK)."""
 TIMEOUT_SECONDS = 1.0
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 JSON = {"Content-Type": "application/json"}
@@ -135,3 +153,60 @@ def test_idle_connections_leave_the_zmq_path_and_new_requests_working(tmp_path: 
         for sock in idle:
             sock.close()
         agent.cleanup()
+
+
+def refused(reason: str) -> str:
+    return f'kvpool_http_refused_total{{reason="{reason}"}}'
+
+
+def test_endless_request_heads_are_answered_431_at_the_bound(agent: AgentProcess) -> None:
+    before, counted = agent.memory_bytes("VmHWM"), metric(agent, refused("head_too_large"))
+    flood = head_flood(agent.http, connections=16, size=4 << 20)
+    grown = agent.memory_bytes("VmHWM") - before
+    statuses = [answer.status if answer else None for answer in flood.answers]
+    assert set(statuses) <= {431, None} and statuses.count(431) >= 8, statuses
+    assert grown < HEAD_MEMORY_BOUND, f"peak RSS grew by {grown / 2**20:.0f} MiB"
+    assert flood.slowest < HEALTH_BOUND, f"/healthz took {flood.slowest:.2f} s"
+    assert metric(agent, refused("head_too_large")) == counted + 16
+
+
+@pytest.mark.parametrize(
+    ("headers", "reason", "detail"),
+    [
+        ({f"X-Field-{n}": "1" for n in range(101)}, "too_many_headers", "more than 100 header"),
+        ({"X-Big": "b" * MAX_HEAD}, "head_too_large", f"larger than {MAX_HEAD} bytes"),
+    ],
+    ids=["101 fields", "one whole head over the bound"],
+)
+def test_a_head_over_the_bounds_is_431_and_closed(
+    agent: AgentProcess, headers: dict[str, str], reason: str, detail: str
+) -> None:
+    counted = metric(agent, refused(reason))
+    with connect(agent.http, timeout=5) as sock:
+        sock.sendall(head("GET", "/healthz", headers))
+        answer = read_answer(sock)
+        assert answer.status == 431 and detail in answer.body.decode()
+        assert closed_by_peer(sock)
+    assert metric(agent, refused(reason)) == counted + 1
+    fine = {f"X-Field-{n}": "1" * 100 for n in range(90)}  # 90 fields, 10 KiB: served
+    with connect(agent.http, timeout=5) as sock:
+        sock.sendall(head("GET", "/healthz", fine))
+        assert read_answer(sock).status == 200
+
+
+def test_a_kept_alive_connection_answers_at_once(agent: AgentProcess) -> None:
+    for path, headers in (("/healthz", {}), ("/v1/status", ADMIN)):
+        seconds = kept_alive_seconds(agent.http, path, headers)
+        assert seconds < KEPT_ALIVE_BOUND, f"{path}: {seconds * 1000:.1f} ms"
+
+
+def test_malformed_heads_are_400_and_one_log_line(agent: AgentProcess) -> None:
+    """uvicorn logged each one ("Invalid HTTP request received."); now a line a minute."""
+    counted, logged = metric(agent, refused("malformed_head")), len(agent.log)
+    for _ in range(50):
+        with connect(agent.http, timeout=5) as sock:
+            sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+            assert read_answer(sock).status == 400
+            assert closed_by_peer(sock)
+    assert metric(agent, refused("malformed_head")) == counted + 50
+    assert len(agent.log) - logged <= 1, agent.log[logged:]
