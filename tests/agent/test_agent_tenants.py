@@ -81,7 +81,9 @@ def test_a_tenant_without_a_ceiling_cannot_raise_itself_above_the_default(
     assert httpx.put(quota, headers=own, json={"limit_bytes": DEFAULT_QUOTA}).status_code == 200
     by_admin = httpx.put(quota, headers=ADMIN, json={"limit_bytes": None})
     assert by_admin.status_code == 200 and by_admin.json()["limit_bytes"] is None
-    with AgentClient(agent.zmq) as client:  # and the admin's quota is the one in force
+    with AgentClient(
+        agent.zmq, token=ADMIN_TOKEN
+    ) as client:  # and the admin's quota is the one in force
         chunks = 3 * DEFAULT_QUOTA // (64 << 10)
         stored = client.store_inline(alice, [key(n) for n in range(chunks)], [b"kv"] * chunks)
         assert stored.stored == chunks

@@ -38,8 +38,8 @@ from kvpool_agent.client import (
     StorePlan,
 )
 from kvpool_agent.connector.counters import Counters
-from kvpool_agent.connector.credentials import Credential, CredentialMissing
 from kvpool_agent.connector.discovery import AgentAddress, DiscoveryError
+from kvpool_agent.connector.identity import Credential, CredentialMissing
 from kvpool_agent.protocol import ErrorCode, ProtocolError
 from kvpool_agent.segment import SegmentError
 

@@ -11,7 +11,7 @@ reads the pool Service's annotations through the Kubernetes API (see
 :mod:`kvpool_agent.connector.discovery`). ``KVPOOL_ENDPOINT``,
 ``KVPOOL_SEGMENT_PATH`` and ``KVPOOL_CHUNK_TOKENS`` override both, for local use.
 The token the connector says hello with comes from ``KVPOOL_TOKEN``, a file, or the
-embedded default's engine token (:mod:`kvpool_agent.connector.credentials`).
+embedded default's engine token (:mod:`kvpool_agent.connector.identity`).
 """
 
 from __future__ import annotations

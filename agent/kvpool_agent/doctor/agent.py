@@ -12,7 +12,7 @@ import socket
 import zmq
 
 from kvpool_agent.client import AgentClient, AgentError, AgentUnavailable
-from kvpool_agent.connector.credentials import Credential, CredentialMissing
+from kvpool_agent.connector.identity import Credential, CredentialMissing
 from kvpool_agent.doctor.report import Check, failed, passed, size
 from kvpool_agent.protocol import PROTOCOL_VERSION, ErrorCode
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvpool_agent.connector.credentials import credential
+from kvpool_agent.connector.identity import credential
 from kvpool_agent.connector.settings import ConnectorSettings
 from kvpool_agent.doctor.fingerprint import EngineModel
 from kvpool_agent.doctor.report import Check, exit_code

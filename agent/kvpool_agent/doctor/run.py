@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvpool_agent.client import AgentClient
-from kvpool_agent.connector.credentials import Credential
 from kvpool_agent.connector.discovery import AgentAddress
+from kvpool_agent.connector.identity import Credential
 from kvpool_agent.connector.settings import ConnectorSettings
 from kvpool_agent.doctor import agent, canary, chunk_size, fingerprint, hit_rate, shared_memory
 from kvpool_agent.doctor.address import locate

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvpool_agent.connector.counters import Counters
-from kvpool_agent.connector.credentials import CredentialMissing, credential
 from kvpool_agent.connector.discovery import AgentAddress
+from kvpool_agent.connector.identity import CredentialMissing, credential
 from kvpool_agent.connector.link import AgentLink, LinkDown
 from kvpool_agent.connector.settings import ConnectorSettings
 from kvpool_agent.keys import tenant_id

@@ -1,4 +1,4 @@
-"""The connector's token for its agent, found where a pod or a user puts it.
+"""The connector's identity toward its agent: its token, found where a pod or a user puts it.
 
 In order: ``KVPOOL_TOKEN`` (a pod sets it from its team's Secret, key ``token``, with
 ``valueFrom.secretKeyRef``), the file ``KVPOOL_TOKEN_FILE`` names, the file
