@@ -23,7 +23,7 @@ import profile_connector_hit as hit
 from kvpool_agent import keys
 from kvpool_agent.client import AgentClient
 from kvpool_agent.probe_table import ProbeTableReader, table_path
-from kvpool_agent.testing.agent_process import running_agent
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, running_agent
 
 CHUNK_BYTES = 524288  # the bench model's 128-token chunk
 
@@ -31,7 +31,7 @@ CHUNK_BYTES = 524288  # the bench model's 128-token chunk
 def main() -> None:
     with running_agent({"POOL": "bench", "L1_SIZE": "2GiB"}) as agent:
         hit.AGENT["http"] = agent.http
-        client = AgentClient(agent.zmq, client_name="profile", timeout=5)
+        client = AgentClient(agent.zmq, token=ADMIN_TOKEN, client_name="profile", timeout=5)
         client.connect()
         tenant = keys.tenant_id(None)
         chain = [hashlib.sha256(bytes([i])).digest() for i in range(16)]

@@ -249,8 +249,10 @@ def run(llm: Any, args: argparse.Namespace, endpoint: str | None) -> None:  # no
             print(f"  {label:<60} {statistics.median(values):8.3f} {min(values):8.3f} {calls:6.0f}")
     if endpoint is not None:
         from kvpool_agent.client import AgentClient
+        from kvpool_agent.testing.agent_process import ADMIN_TOKEN
 
-        with contextlib.closing(AgentClient(endpoint, client_name="prof", timeout=5)) as client:
+        client = AgentClient(endpoint, token=ADMIN_TOKEN, client_name="prof", timeout=5)
+        with contextlib.closing(client):
             client.connect()
             rtts = []
             for _ in range(200):

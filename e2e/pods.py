@@ -18,6 +18,12 @@ from .cluster import Kubelet, Manifest, Pod
 
 BIN = Path(sys.executable).parent
 SALT_ENV = "KVPOOL_CACHE_SALT"
+TOKEN_ENV = "KVPOOL_TOKEN"
+
+
+def from_secret(name: str, secret: str, key: str) -> dict[str, object]:
+    """A container's environment variable from a key of a Secret of the pod's namespace."""
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
 
 @dataclass
@@ -27,7 +33,8 @@ class PodEngine(Engine):
     kubelet: Kubelet | None = None
     namespace: str = ""
     salt_secret: str = ""
-    """The Secret whose ``salt`` the pod gets as :data:`SALT_ENV`."""
+    """The team's Secret: its ``salt`` is the pod's :data:`SALT_ENV`, its ``token`` the
+    connector's :data:`TOKEN_ENV`."""
     pod: Pod | None = None
 
     def start(self) -> PodEngine:
@@ -35,8 +42,10 @@ class PodEngine(Engine):
         template = vllm_pod(
             [sys.executable, str(ENGINE_MAIN), json.dumps(self.settings)], ENGINE_ENV
         )
-        salt = {"secretKeyRef": {"name": self.salt_secret, "key": "salt"}}
-        template["spec"]["containers"][0]["env"].append({"name": SALT_ENV, "valueFrom": salt})
+        template["spec"]["containers"][0]["env"] += [
+            from_secret(SALT_ENV, self.salt_secret, "salt"),
+            from_secret(TOKEN_ENV, self.salt_secret, "token"),  # the team's token for the agent
+        ]
         log = self.log_path.open("w")
         self.pod = self.kubelet.run(
             self.name,

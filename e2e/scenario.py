@@ -64,7 +64,7 @@ from kvpool_agent.names import quotas_name
 from kvpool_operator.spec import parse_bytes
 
 from .cluster import ControlPlane, Kubelet, Manifest, Node, Pod, check_sandbox, eventually
-from .pods import BIN, SALT_ENV, PodEngine, image_env, vllm_pod
+from .pods import BIN, SALT_ENV, TOKEN_ENV, PodEngine, from_secret, image_env, vllm_pod
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFESTS = Path(__file__).with_name("manifests")
@@ -451,11 +451,16 @@ class Flow:
             "--model", fingerprint["model"], "--dtype", fingerprint["dtype"],
             "--kv-layout", fingerprint["kv_layout"], "--tp-size", str(fingerprint["tp_size"]),
         ]  # fmt: skip
+        # in team-a's namespace with its token, as its vLLM pods; the platform team's admin
+        # token only for the hit-rate check (which reads every tenant's usage)
         template = vllm_pod(
             [str(BIN / "kvpool"), "doctor", *arguments],
             {"KVPOOL_ADMIN_TOKEN": self.tokens["admin"]},
         )
-        pod = self.kubelets[0].run("vllm-doctor", NAMESPACE, template)
+        template["spec"]["containers"][0]["env"].append(
+            from_secret(TOKEN_ENV, TENANT_SECRET, "token")
+        )
+        pod = self.kubelets[0].run("vllm-doctor", TEAMS[0], template)
         self.stack.callback(pod.stop, 5)
         returncode = pod.process.wait(120)
         assert pod.log is not None

@@ -15,6 +15,10 @@ waits longer than its timeout.
 The zero-copy helpers :meth:`AgentClient.store` and :meth:`AgentClient.retrieve`
 map the segment and copy the bytes themselves; the ``*_inline`` methods send
 the bytes over the socket instead.
+
+Every client says who it is: ``token`` is a bearer token of the pool (an admin's, an
+engine's, an index's or a KVCacheTenant's), sent with each hello. A refused one raises
+:class:`AgentError` with code ``unauthenticated``.
 """
 
 from __future__ import annotations
@@ -41,6 +45,21 @@ class AgentUnavailable(ConnectionError):
     """The agent did not answer within the timeout (down, restarting or overloaded)."""
 
 
+class TokenFileError(ValueError):
+    """A token file that cannot be used; the message names the file and why."""
+
+
+def read_token(path: Path) -> str:
+    """The bearer token in ``path`` (one line; surrounding whitespace is dropped)."""
+    try:
+        token = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise TokenFileError(f"cannot read the token file {path}: {error}") from error
+    if not token or any(character.isspace() for character in token):
+        raise TokenFileError(f"{path}: expected one token on one line")
+    return token
+
+
 class AgentError(RuntimeError):
     """The agent refused a request; ``code`` is a :class:`~kvpool_agent.protocol.ErrorCode`."""
 
@@ -61,6 +80,8 @@ class AgentInfo:
     page_size: int
     max_inline_bytes: int
     max_keys: int
+    tenant: str
+    """The tenant a KVCacheTenant's token acts for; "" for the other roles."""
 
 
 @dataclass(frozen=True)
@@ -232,17 +253,21 @@ class _Requests:
         )
 
     @staticmethod
+    def snapshot() -> _Exchange[dict[str, list[bytes]]]:
+        return _Exchange(
+            p.Snapshot, lambda reply, data: _expect(p.SnapshotReply)(reply, data).tenants
+        )
+
+    @staticmethod
     def stats() -> _Exchange[dict[str, int | float]]:
         return _Exchange(
-            lambda req, s: p.Stats(req),
+            p.Stats,
             lambda reply, data: _expect(p.StatsReply)(reply, data).stats,
         )
 
     @staticmethod
     def ping() -> _Exchange[str]:
-        return _Exchange(
-            lambda req, s: p.Ping(req), lambda reply, data: _expect(p.Pong)(reply, data).agent_id
-        )
+        return _Exchange(p.Ping, lambda reply, data: _expect(p.Pong)(reply, data).agent_id)
 
 
 def _info(reply: Any) -> AgentInfo:
@@ -256,12 +281,14 @@ def _info(reply: Any) -> AgentInfo:
         answer.page_size,
         answer.max_inline_bytes,
         answer.max_keys,
+        answer.tenant,
     )
 
 
 class _ClientBase:
-    def __init__(self, endpoint: str, client_name: str, timeout: float) -> None:
+    def __init__(self, endpoint: str, token: str, client_name: str, timeout: float) -> None:
         self.endpoint = endpoint
+        self._token = token
         self.client_name = client_name
         self.timeout = timeout
         self.info: AgentInfo | None = None
@@ -277,6 +304,9 @@ class _ClientBase:
     def _session(self) -> int:
         assert self.info is not None
         return self.info.session
+
+    def _hello(self) -> p.Hello:
+        return p.Hello(next(self._req), p.PROTOCOL_VERSION, self.client_name, self._token)
 
     def _check(self, reply: Any) -> None:
         if isinstance(reply, p.Error):
@@ -315,9 +345,14 @@ class AgentClient(_ClientBase):
     """Blocking client; one request at a time (use one client per thread)."""
 
     def __init__(
-        self, endpoint: str, *, client_name: str = "kvpool-client", timeout: float = 5.0
+        self,
+        endpoint: str,
+        *,
+        token: str,
+        client_name: str = "kvpool-client",
+        timeout: float = 5.0,
     ) -> None:
-        super().__init__(endpoint, client_name, timeout)
+        super().__init__(endpoint, token, client_name, timeout)
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket: zmq.Socket[bytes] | None = None
         self._awaited: set[int] = set()
@@ -336,7 +371,7 @@ class AgentClient(_ClientBase):
         if self._socket is None:
             self._socket = self._context.socket(zmq.DEALER)
             self._configure(self._socket)
-        reply, _ = self._roundtrip(p.Hello(next(self._req), p.PROTOCOL_VERSION, self.client_name))
+        reply, _ = self._roundtrip(self._hello())
         self._check(reply)
         self.info = _info(reply)
         return self.info
@@ -490,6 +525,10 @@ class AgentClient(_ClientBase):
     def stats(self) -> dict[str, int | float]:
         return self._call(_Requests.stats())
 
+    def snapshot(self) -> dict[str, list[bytes]]:
+        """Every ready key by tenant (an index's or an admin's token)."""
+        return self._call(_Requests.snapshot())
+
     def store(
         self,
         tenant: str,
@@ -519,9 +558,14 @@ class AsyncAgentClient(_ClientBase):
     """asyncio client; concurrent calls on one client are serialised."""
 
     def __init__(
-        self, endpoint: str, *, client_name: str = "kvpool-client", timeout: float = 5.0
+        self,
+        endpoint: str,
+        *,
+        token: str,
+        client_name: str = "kvpool-client",
+        timeout: float = 5.0,
     ) -> None:
-        super().__init__(endpoint, client_name, timeout)
+        super().__init__(endpoint, token, client_name, timeout)
         self._context = zmq.asyncio.Context.instance()
         self._socket: zmq.asyncio.Socket | None = None
         self._busy = asyncio.Lock()
@@ -530,9 +574,7 @@ class AsyncAgentClient(_ClientBase):
         if self._socket is None:
             self._socket = self._context.socket(zmq.DEALER)
             self._configure(self._socket)
-        reply, _ = await self._roundtrip(
-            p.Hello(next(self._req), p.PROTOCOL_VERSION, self.client_name)
-        )
+        reply, _ = await self._roundtrip(self._hello())
         self._check(reply)
         self.info = _info(reply)
         return self.info
@@ -638,6 +680,9 @@ class AsyncAgentClient(_ClientBase):
 
     async def stats(self) -> dict[str, int | float]:
         return await self._call(_Requests.stats())
+
+    async def snapshot(self) -> dict[str, list[bytes]]:
+        return await self._call(_Requests.snapshot())
 
     async def store(
         self,

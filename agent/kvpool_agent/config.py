@@ -25,8 +25,11 @@ from kvpool_agent.names import (
     AGENT_ENV_PREFIX,
     DEFAULT_EVENTS_PORT,
     DEFAULT_HTTP_PORT,
+    DEFAULT_POOL,
+    DEFAULT_STATE_DIR,
     DEFAULT_ZMQ_PORT,
     POLICY_NAMES,
+    generated_token_path,
     segment_path,
 )
 
@@ -197,7 +200,7 @@ class AgentConfig(BaseSettings):
     )
 
     pool: str = Field(
-        "default",
+        DEFAULT_POOL,
         pattern=POOL_NAME_PATTERN,
         description="Pool name; names the shared-memory segment and, later, the Service.",
     )
@@ -267,13 +270,14 @@ class AgentConfig(BaseSettings):
     tokens_file: Path | None = Field(
         None,
         description=(
-            "YAML/JSON file of bearer tokens {admin: [...], tenants: {tenant-id: [...]}}; "
-            "without one, an admin token is generated into state_dir at start."
+            "YAML/JSON file of bearer tokens {admin: [...], tenants: {tenant-id: [...]}, "
+            "engines: [...], indexes: [...]}; without one, an admin, an engine and an index "
+            "token are generated into state_dir at start (<role>-token-<pool>, mode 0600)."
         ),
     )
     state_dir: Path = Field(
-        Path.home() / ".local" / "state" / "kvpool",
-        description="Directory for the quota file and a generated admin token.",
+        DEFAULT_STATE_DIR,
+        description="Directory for the quota file and the generated tokens.",
     )
     quota_file: Path | None = Field(
         None, description="JSON file of tenant quotas; default <state_dir>/quotas-<pool>.json."
@@ -364,6 +368,15 @@ class AgentConfig(BaseSettings):
     @property
     def resolved_quota_file(self) -> Path:
         return self.quota_file or self.state_dir / f"quotas-{self.pool}.json"
+
+    @property
+    def generated_token_files(self) -> dict[str, Path]:
+        """Without a tokens file: the files of the admin, engine and index tokens the agent
+        generates at start (keys as in a tokens file)."""
+        return {
+            key: generated_token_path(self.state_dir, role, self.pool)
+            for key, role in (("admin", "admin"), ("engines", "engine"), ("indexes", "index"))
+        }
 
     @classmethod
     def settings_customise_sources(

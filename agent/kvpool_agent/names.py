@@ -48,6 +48,10 @@ INDEX_CONFIG_FILE_ENV = "KVPOOL_INDEX_CONFIG_FILE"
 CONNECTOR_ENDPOINT_ENV = "KVPOOL_ENDPOINT"
 CONNECTOR_SEGMENT_PATH_ENV = "KVPOOL_SEGMENT_PATH"
 CONNECTOR_CHUNK_TOKENS_ENV = "KVPOOL_CHUNK_TOKENS"
+CONNECTOR_TOKEN_ENV = "KVPOOL_TOKEN"
+"""The connector's token for its agent's ZMQ port (a pod sets it from its team's Secret)."""
+CONNECTOR_TOKEN_FILE_ENV = "KVPOOL_TOKEN_FILE"
+"""Or the file that holds it."""
 """The connector's overrides of its ``kv_connector_extra_config`` (and the doctor's)."""
 ADMIN_TOKEN_ENV = "KVPOOL_ADMIN_TOKEN"
 """An admin token of the pool, for ``kvpool doctor``."""
@@ -107,6 +111,12 @@ def tenants_name(pool: str) -> str:
     return f"kvpool-{pool}-tenants"
 
 
+def index_access_name(pool: str) -> str:
+    """The Secret of the token the pool's index follows its agents with (key ``token``),
+    minted by the operator; the agents learn its digest from the tenants ConfigMap."""
+    return f"kvpool-{pool}-index-access"
+
+
 def index_name(pool: str) -> str:
     """The index's Deployment, Service, ServiceAccount, Role, RoleBinding and
     NetworkPolicy."""
@@ -116,6 +126,18 @@ def index_name(pool: str) -> str:
 def index_config_map_name(pool: str) -> str:
     """The ConfigMap of the index's configuration (key :data:`INDEX_CONFIG_KEY`)."""
     return f"kvpool-{pool}-index-config"
+
+
+DEFAULT_STATE_DIR = Path.home() / ".local" / "state" / "kvpool"
+"""Where the embedded default keeps its state (the agent's and the index's ``state_dir``)."""
+DEFAULT_POOL = "default"
+"""The embedded default's pool name."""
+
+
+def generated_token_path(state_dir: Path, role: str, pool: str) -> Path:
+    """Where an agent without a tokens file writes the token it generates for ``role``
+    (``admin``, ``engine``, ``index``): ``<state_dir>/<role>-token-<pool>``, mode 0600."""
+    return state_dir / f"{role}-token-{pool}"
 
 
 def segment_path(pool: str) -> Path:

@@ -18,6 +18,12 @@ frame per key; ``retrieve_inline`` answers with one data frame per hit.
 Every failure is an :class:`Error` reply with a stable ``code``; the agent goes
 on serving everyone else. Version 1 clients must send ``hello`` first; a
 different version gets ``unsupported_version``.
+
+Credentials: ``hello`` carries a bearer token (an admin's, an engine's, an index's or a
+KVCacheTenant's); without a valid one it is refused with ``unauthenticated``, and every
+other request needs the session that a hello opened. What a session may do depends on its
+token's role (:mod:`kvpool_agent.edge.zmq_server`); a request beyond it gets ``forbidden``.
+The events feed (:data:`EVENTS_TOPIC`) takes the same token as a ZMQ PLAIN password.
 """
 
 from __future__ import annotations
@@ -36,6 +42,10 @@ class ErrorCode(enum.StrEnum):
     MALFORMED = "malformed"
     UNKNOWN_OP = "unknown_op"
     UNSUPPORTED_VERSION = "unsupported_version"
+    UNAUTHENTICATED = "unauthenticated"
+    """hello without a known token, or a session whose token was revoked since."""
+    FORBIDDEN = "forbidden"
+    """The session's token may not do this (another tenant's chunks, snapshot, clear...)."""
     UNKNOWN_SESSION = "unknown_session"
     """No such session on this connection (the agent restarted, or it is another's): hello."""
     SESSION_FENCED = "session_fenced"
@@ -61,10 +71,12 @@ class _Message(msgspec.Struct, array_like=True, tag_field="op"):
 class Hello(_Message, tag="hello"):
     version: int
     client: str
+    token: str = ""
+    """The caller's bearer token; never logged."""
 
 
 class Ping(_Message, tag="ping"):
-    pass
+    session: int = 0
 
 
 class Lookup(_Message, tag="lookup"):
@@ -136,7 +148,7 @@ class Clear(_Message, tag="clear"):
 
 
 class Stats(_Message, tag="stats"):
-    pass
+    session: int = 0
 
 
 class Snapshot(_Message, tag="snapshot"):
@@ -207,6 +219,9 @@ class HelloReply(_Message, tag="hello_reply"):
     page_size: int
     max_inline_bytes: int
     max_keys: int
+    tenant: str = ""
+    """The tenant a KVCacheTenant's token acts for (its requests' default tenant); "" for
+    the other roles."""
 
 
 class Pong(_Message, tag="pong"):

@@ -59,9 +59,7 @@ class Agent:
         config = self.config
         # every input is checked before the segment exists: a bad one leaves nothing behind
         ensure_directory(config.state_dir, what="state directory")
-        authority = load_authority(
-            config.tokens_file, config.state_dir / f"admin-token-{config.pool}"
-        )
+        authority = load_authority(config.tokens_file, config.generated_token_files)
         async with contextlib.AsyncExitStack() as stack:
             agent_id = uuid.uuid4().hex
             l1 = open_l1(config, agent_id)
@@ -75,7 +73,9 @@ class Agent:
                 l1.origin,
                 probe_table=l1.probe_table,
             )
-            events = EventPublisher(f"tcp://{config.host}:{config.events_port or '*'}", agent_id)
+            events = EventPublisher(
+                f"tcp://{config.host}:{config.events_port or '*'}", agent_id, authority
+            )
             events.start()
             stack.callback(events.stop)
             service.publish_events(events)
@@ -84,6 +84,7 @@ class Agent:
                 service,
                 l1.segment,
                 f"tcp://{config.host}:{config.zmq_port or '*'}",
+                authority=authority,
                 agent_id=agent_id,
                 max_inline_bytes=int(config.max_inline_bytes),
                 session_idle_seconds=10 * config.lease_seconds,

@@ -8,7 +8,9 @@ codec, used by the writer and the readers. Its ``data``:
 - ``<tenant id>``: ``{"tokens": ["<sha256 hex>", ...], "ceiling": {"l1": <bytes or null>,
   "nvme": <bytes or null>}, "tenant": "<namespace>/<name>"}``: the tenant's bearer tokens
   (digests only) and the most it may set as its own quota per tier (null: no ceiling);
-- ``operator``: ``{"tokens": ["<sha256 hex>"]}``: the operator's admin token.
+- ``operator``: ``{"tokens": ["<sha256 hex>"]}``: the operator's admin token;
+- ``index``: ``{"tokens": ["<sha256 hex>"]}``: the token the pool's prefix index follows
+  the agents with (snapshots and chunk events only), minted by the operator.
 
 :func:`parse_tenants` reads a whole ``data`` into a :class:`TenantsSnapshot`. A malformed
 entry is logged by key and reason, never by value (a value holds token digests), and
@@ -22,7 +24,7 @@ import json
 import logging
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvpool_agent.keys import is_tenant_id
 from kvpool_agent.quotas import TierLimits, as_limits, quota_from_json
@@ -30,6 +32,7 @@ from kvpool_agent.quotas import TierLimits, as_limits, quota_from_json
 log = logging.getLogger(__name__)
 
 OPERATOR_KEY = "operator"
+INDEX_KEY = "index"
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
@@ -74,12 +77,12 @@ class TenantEntry:
         return cls(_digests(entry.get("tokens")), ceiling, source)
 
 
-def encode_operator_entry(tokens: tuple[bytes, ...]) -> str:
-    """The ``operator`` key's value: the digests of the operator's admin tokens."""
+def encode_role_entry(tokens: tuple[bytes, ...]) -> str:
+    """The value of the ``operator`` or ``index`` key: the digests of that role's tokens."""
     return json.dumps({"tokens": [token.hex() for token in tokens]})
 
 
-def decode_operator_entry(value: str) -> tuple[bytes, ...]:
+def decode_role_entry(value: str) -> tuple[bytes, ...]:
     return _digests(_object(value, {"tokens"}).get("tokens"))
 
 
@@ -87,6 +90,7 @@ def decode_operator_entry(value: str) -> tuple[bytes, ...]:
 class TenantsSnapshot:
     tenants: dict[str, TenantEntry] = field(default_factory=dict)
     operator_tokens: tuple[bytes, ...] = ()
+    index_tokens: tuple[bytes, ...] = ()
 
     def ceilings(self) -> dict[str, TierLimits]:
         return {tenant: entry.ceiling for tenant, entry in self.tenants.items()}
@@ -98,11 +102,13 @@ def parse_tenants(data: Mapping[str, str], where: str) -> TenantsSnapshot:
     for key, value in data.items():
         try:
             if key == OPERATOR_KEY:
-                snapshot = TenantsSnapshot(snapshot.tenants, decode_operator_entry(value))
+                snapshot = replace(snapshot, operator_tokens=decode_role_entry(value))
+            elif key == INDEX_KEY:
+                snapshot = replace(snapshot, index_tokens=decode_role_entry(value))
             elif is_tenant_id(key):
                 snapshot.tenants[key] = TenantEntry.decode(value)
             else:
-                raise ValueError("the key is neither a tenant id nor 'operator'")
+                raise ValueError("the key is neither a tenant id, 'operator' nor 'index'")
         except ValueError as error:
             log.error("%s: entry %s skipped: %s", where, _key_glimpse(key), error)
     return snapshot
@@ -132,6 +138,6 @@ def _digests(value: object) -> tuple[bytes, ...]:
 
 def _key_glimpse(key: str) -> str:
     """A key, quoted only when it has the shape of a key (tenant id, 'operator')."""
-    if key == OPERATOR_KEY or is_tenant_id(key):
+    if key in (OPERATOR_KEY, INDEX_KEY) or is_tenant_id(key):
         return key
     return f"{key[:2]!r}... ({len(key)} characters)"

@@ -72,10 +72,10 @@ def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry)
 def pool_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     with _retried(memo, ApiError):
-        _reconciler(memo).pool_changed(body)
+        spec = _reconciler(memo).pool_changed(body)
         metadata = body["metadata"]
         pool = Pool(metadata["name"], metadata["namespace"], metadata["uid"])
-        _tenants(memo).publish_operator_token(pool)
+        _tenants(memo).publish_pool_tokens(pool, index=spec is not None and spec.index.enabled)
 
 
 @kopf.index(GROUP, VERSION, TENANT_PLURAL, registry=registry)

@@ -62,15 +62,17 @@ class Reconciler:
         self._events = events
         self._options = options
 
-    def pool_changed(self, pool: Mapping[str, Any]) -> None:
+    def pool_changed(self, pool: Mapping[str, Any]) -> PoolSpec | None:
+        """Reconcile the pool; its spec, or None when it is invalid (reported)."""
         metadata = pool["metadata"]
         generation = int(metadata.get("generation", 1))
         try:
-            children = self._render(pool)
+            spec = PoolSpec.parse(pool.get("spec") or {})
+            children = self._render(pool, spec)
         except InvalidSpec as error:
             self._events.invalid_spec(pool, str(error))
             self._write_status(pool, generation, Problem(INVALID_SPEC, str(error)), None)
-            return
+            return None
         try:
             changes, stored = self._sync_children(pool, children)
         except ApiError as error:
@@ -89,6 +91,7 @@ class Reconciler:
         )
         if changes:
             self._events.applied(pool, changes)
+        return spec
 
     def child_changed(self, event_type: str | None, child: Mapping[str, Any]) -> None:
         metadata = child["metadata"]
@@ -99,7 +102,7 @@ class Reconciler:
         if status.get("observedGeneration") != pool["metadata"].get("generation"):
             return  # a spec change is on its way: pool_changed applies it
         try:
-            children = self._render(pool)
+            children = self._render(pool, PoolSpec.parse(pool.get("spec") or {}))
         except InvalidSpec:
             return  # pool_changed reported it
         ref = ChildRef.of(child)
@@ -116,12 +119,8 @@ class Reconciler:
         elif children.index is not None and desired is children.index.deployment:
             self._write_status(pool, observed, problem, children, deployment=child)
 
-    def _render(self, pool: Mapping[str, Any]) -> Children:
-        return render(
-            _identity(pool),
-            PoolSpec.parse(pool.get("spec") or {}),
-            default_image=self._options.agent_image,
-        )
+    def _render(self, pool: Mapping[str, Any], spec: PoolSpec) -> Children:
+        return render(_identity(pool), spec, default_image=self._options.agent_image)
 
     def _sync_children(
         self, pool: Mapping[str, Any], children: Children

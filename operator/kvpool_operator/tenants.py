@@ -41,13 +41,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kvpool_agent.keys import tenant_id
-from kvpool_agent.names import MANAGED_BY_LABEL, OPERATOR
+from kvpool_agent.names import INDEX_COMPONENT, MANAGED_BY_LABEL, OPERATOR
 from kvpool_agent.quotas import TierLimits, quota_to_configmap
 from kvpool_agent.tenants_configmap import (
+    INDEX_KEY,
     OPERATOR_KEY,
     TenantEntry,
     digest_token,
-    encode_operator_entry,
+    encode_role_entry,
 )
 from kvpool_operator.agents import Agents
 from kvpool_operator.apply import KINDS, SECRETS, TENANTS, ApiError, Cluster
@@ -68,6 +69,8 @@ from kvpool_operator.reasons import (
     TOKEN_PUBLISHED,
 )
 from kvpool_operator.render import Pool, format_bytes
+from kvpool_operator.render.config import AGENT_ACCESS_KEY
+from kvpool_operator.render.objects import manifest
 from kvpool_operator.spec import (
     API_VERSION,
     KIND,
@@ -204,7 +207,7 @@ class TenantReconciler:
                 admission.tenant_id,
                 quota_to_configmap(limits),
             )
-        self.publish_operator_token(admission.pool)
+        self.publish_pool_tokens(admission.pool, index=admission.pool_spec.index.enabled)
         pool = f"{admission.pool.namespace}/{admission.pool.name}"
         ready: Assessment = (
             (True, TOKEN_PUBLISHED, f"the token and quota are published to the agents of {pool}")
@@ -443,13 +446,35 @@ class TenantReconciler:
 
     # ----------------------------------------------------- the pool's side
 
-    def publish_operator_token(self, pool: Pool) -> None:
-        """The digest of the operator's admin token under ``operator`` in the pool's
-        tenants ConfigMap (replacing a previous operator's)."""
-        value = encode_operator_entry((self._token.digest,))
+    def publish_pool_tokens(self, pool: Pool, *, index: bool) -> None:
+        """In the pool's tenants ConfigMap: the digest of the operator's admin token under
+        ``operator`` (replacing a previous operator's) and, with ``index``, of the token the
+        pool's index follows its agents with under ``index`` (minted into the Secret the
+        index mounts, once: it outlives operator restarts); without, no ``index`` key, so a
+        token left in that Secret works no more."""
         data = self._data(pool, pool.tenants_name)
-        if data is not None:
-            self._patch_key(pool, pool.tenants_name, data, OPERATOR_KEY, value)
+        if data is None:
+            return  # the pool's reconcile makes it; this runs again after
+        operator = encode_role_entry((self._token.digest,))
+        self._patch_key(pool, pool.tenants_name, data, OPERATOR_KEY, operator)
+        indexes = encode_role_entry((digest_token(self._index_token(pool)),)) if index else None
+        self._patch_key(pool, pool.tenants_name, data, INDEX_KEY, indexes)
+
+    def _index_token(self, pool: Pool) -> str:
+        """The index's token for the agents, from its Secret (made with a new one if absent:
+        owned by the pool, deleted with it)."""
+        name = pool.index_access_name
+        found = self._cluster.get(SECRETS, pool.namespace, name)
+        token = _decoded(found).get(AGENT_ACCESS_KEY)
+        if token is None:
+            token = mint()
+            owner = manifest("v1", "Secret", pool, name, component=INDEX_COMPONENT)
+            secret = {**owner, "type": "Opaque", "data": _encoded({AGENT_ACCESS_KEY: token})}
+            if found is None:
+                self._cluster.create(SECRETS, secret)
+            else:
+                self._cluster.patch(SECRETS, pool.namespace, name, secret)
+        return token
 
     # -------------------------------------------------------------- helpers
 

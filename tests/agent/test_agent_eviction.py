@@ -7,7 +7,7 @@ import time
 
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
-from kvpool_agent.testing.agent_process import AgentProcess
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import key
 
 TENANT = tenant_id("salt-a")
@@ -26,7 +26,7 @@ def test_a_prompt_longer_than_l1_keeps_the_longest_prefix_that_fits(
     }
     agent = agent_process.start()
     chain = [key(n) for n in range(160)]
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         for first in range(0, len(chain), 16):
             step = chain[first : first + 16]
             data = [random.Random(first + i).randbytes(PAGE) for i in range(len(step))]

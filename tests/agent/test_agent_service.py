@@ -36,7 +36,7 @@ def agent(agent_process: AgentProcess) -> AgentProcess:
 def test_zero_copy_store_and_retrieve_are_byte_exact(agent: AgentProcess) -> None:
     keys = [key(n) for n in range(8)]
     data = [payload(n, 1000 + n * 40_000) for n in range(8)]
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         assert client.store(TENANT, keys, data) == 8
         assert client.retrieve(TENANT, [*keys, key(99)]) == data
         assert client.retrieve(TENANT, [key(99), *keys]) == []
@@ -47,7 +47,7 @@ def test_zero_copy_store_and_retrieve_are_byte_exact(agent: AgentProcess) -> Non
 def test_inline_store_and_retrieve_are_byte_exact(agent: AgentProcess) -> None:
     keys = [key(n) for n in range(4)]
     data = [payload(n, 70_000) for n in range(4)]
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         result = client.store_inline(TENANT, keys, data)
         assert (result.stored, result.present, result.refused) == (4, 0, None)
         assert client.retrieve_inline(TENANT, keys) == data
@@ -56,7 +56,7 @@ def test_inline_store_and_retrieve_are_byte_exact(agent: AgentProcess) -> None:
 
 def test_async_client(agent: AgentProcess) -> None:
     async def scenario() -> None:
-        client = AsyncAgentClient(agent.zmq)
+        client = AsyncAgentClient(agent.zmq, token=ADMIN_TOKEN)
         await client.connect()
         keys, data = [key(1), key(2)], [payload(1, 5000), payload(2, 9000)]
         assert await client.store(TENANT, keys, data) == 2
@@ -70,7 +70,7 @@ def test_async_client(agent: AgentProcess) -> None:
 
 
 def test_read_locks_live_until_release_and_tenants_are_isolated(agent: AgentProcess) -> None:
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         client.store(TENANT, [key(1)], [payload(1, 100)])
         hit = client.lookup(TENANT, [key(1)])
         assert hit.count == 1 and client.stats()["open_leases"] == 1
@@ -85,7 +85,7 @@ def test_read_locks_live_until_release_and_tenants_are_isolated(agent: AgentProc
 def test_a_release_sent_ahead_is_answered_after_other_requests(agent: AgentProcess) -> None:
     """The connector sends a load's release before vLLM's forward and reads the answer after
     it, while it makes other requests; a release that failed still says so."""
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         client.store(TENANT, [key(1), key(2)], [payload(1, 100), payload(2, 100)])
         first, second = client.lookup(TENANT, [key(1)]), client.lookup(TENANT, [key(2)])
         assert first.lease is not None and second.lease is not None
@@ -112,7 +112,7 @@ def test_an_old_client_gets_a_clear_version_error(agent: AgentProcess) -> None:
 
 def test_bad_requests_get_error_replies_and_the_agent_serves_on(agent: AgentProcess) -> None:
     raw, other = RawClient(agent.zmq), RawClient(agent.zmq)
-    session, other_session = raw.hello(), other.hello()
+    session, other_session = raw.hello(ADMIN_TOKEN), other.hello(ADMIN_TOKEN)
     enc = p.encode
     reply, _ = other.ask(enc(p.PrepareStore(2, other_session, TENANT, [key(5)], [100])))
     assert isinstance(reply, p.PrepareStoreReply)
@@ -162,7 +162,7 @@ def test_bad_requests_get_error_replies_and_the_agent_serves_on(agent: AgentProc
     assert (
         raw.error(enc(p.CommitStore(11, session, reply.lease))).code == p.ErrorCode.NOT_YOUR_LEASE
     )
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         client.store(TENANT, [key(8)], [payload(8, 5000)])
         assert client.retrieve(TENANT, [key(8)]) == [payload(8, 5000)]
     raw.close()
@@ -200,10 +200,10 @@ def _mutations(rng: random.Random, session: int) -> list[list[bytes]]:
 
 def test_fuzzed_frames_never_break_the_agent(agent: AgentProcess) -> None:
     stored = {n: payload(n, 30_000 + n) for n in range(100, 110)}
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         client.store(tenant_id("keeper"), [key(n) for n in stored], list(stored.values()))
     raw = RawClient(agent.zmq)
-    session = raw.hello()
+    session = raw.hello(ADMIN_TOKEN)
     messages = _mutations(random.Random(1234), session)
     for frames in messages:
         raw.socket.send_multipart(frames)
@@ -216,7 +216,7 @@ def test_fuzzed_frames_never_break_the_agent(agent: AgentProcess) -> None:
             break
     assert replies == len(messages)
     raw.close()
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         keeper = tenant_id("keeper")
         assert client.retrieve(keeper, [key(n) for n in stored]) == list(stored.values())
         assert client.store(keeper, [key(200)], [payload(200, 1000)]) == 1
@@ -227,7 +227,9 @@ def test_fuzzed_frames_never_break_the_agent(agent: AgentProcess) -> None:
 def _store_and_check(endpoint: str, worker: int) -> int:
     """A client process: store shared and own chunks, read everything back; returns mismatches."""
     mismatches = 0
-    with AgentClient(endpoint, client_name=f"worker-{worker}", timeout=30) as client:
+    with AgentClient(
+        endpoint, token=ADMIN_TOKEN, client_name=f"worker-{worker}", timeout=30
+    ) as client:
         for round_ in range(20):
             shared = [1000 + round_, 1001 + round_]
             own = [10_000 * (worker + 1) + round_]
@@ -247,7 +249,7 @@ def test_concurrent_client_processes_read_exact_bytes(agent: AgentProcess) -> No
     with context.Pool(4) as pool:
         mismatches = pool.starmap(_store_and_check, [(agent.zmq, worker) for worker in range(4)])
     assert mismatches == [0, 0, 0, 0]
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         shared = range(1000, 1021)  # committed by whichever worker reserved each first
         assert client.retrieve(TENANT, [key(n) for n in shared]) == [
             payload(n, 20_000) for n in shared
@@ -256,7 +258,7 @@ def test_concurrent_client_processes_read_exact_bytes(agent: AgentProcess) -> No
 
 
 def _die_holding_locks(endpoint: str) -> None:
-    client = AgentClient(endpoint)
+    client = AgentClient(endpoint, token=ADMIN_TOKEN)
     client.connect()
     client.store(TENANT, [key(1)], [payload(1, 4096)])
     assert client.lookup(TENANT, [key(1)]).count == 1  # a reader that never releases
@@ -274,7 +276,7 @@ def test_locks_of_a_crashed_client_expire(agent_process: AgentProcess) -> None:
     child.start()
     child.join(30)
     assert child.exitcode == 1
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         assert client.stats()["open_leases"] == 2
         wait_until(lambda: client.stats()["open_leases"] == 0)
         stats = client.stats()
@@ -289,7 +291,7 @@ def test_locks_of_a_crashed_client_expire(agent_process: AgentProcess) -> None:
 def test_client_recovers_from_an_agent_restart(agent_process: AgentProcess) -> None:
     agent = agent_process.start()
     agent.fix_ports()
-    client = AgentClient(agent.zmq, timeout=2.0)
+    client = AgentClient(agent.zmq, token=ADMIN_TOKEN, timeout=2.0)
     first_agent = client.connect().agent_id
     client.store(TENANT, [key(1)], [payload(1, 100)])
     assert agent.stop() == 0
@@ -303,7 +305,7 @@ def test_client_recovers_from_an_agent_restart(agent_process: AgentProcess) -> N
 
 
 def test_client_gives_up_quickly_when_no_agent_answers() -> None:
-    client = AgentClient("tcp://127.0.0.1:9", timeout=0.5)
+    client = AgentClient("tcp://127.0.0.1:9", token=ADMIN_TOKEN, timeout=0.5)
     started = time.monotonic()
     with pytest.raises(AgentUnavailable):
         client.connect()
@@ -323,13 +325,13 @@ def test_quotas_set_over_http_survive_a_restart(agent_process: AgentProcess) -> 
     agent.start()
     answer = httpx.get(agent.http + path, headers=admin).json()
     assert answer["limit_bytes"] == 123456 and answer["explicit"] is True
-    with AgentClient(agent.zmq) as client:  # and the cache enforces it
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:  # and the cache enforces it
         refused = client.prepare_store(TENANT, [key(1)], [200_000])
         assert refused.lease is None and refused.refused is not None
 
 
 def test_metrics_are_exported(agent: AgentProcess) -> None:
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         client.store(TENANT, [key(1), key(2)], [payload(1, 1000), payload(2, 1000)])
         client.retrieve(TENANT, [key(1), key(2), key(3)])
         client.retrieve_inline(TENANT, [key(9)])
@@ -346,7 +348,7 @@ def test_metrics_are_exported(agent: AgentProcess) -> None:
 def test_every_operation_refuses_what_is_not_a_tenant_id(agent: AgentProcess) -> None:
     """A lookup under a 1 MiB name would leave the agent a tenant record of that size."""
     huge = "t" * (1 << 20)
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         for call in (
             lambda: client.lookup(huge, [key(1)]),
             lambda: client.lookup("not-an-id", [key(1)], lock=False),

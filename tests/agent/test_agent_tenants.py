@@ -29,7 +29,7 @@ def test_lookups_by_new_tenants_leave_a_bounded_number_of_records(
     agent_process: AgentProcess,
 ) -> None:
     agent = agent_process.start()
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         look_up_as_new_tenants(client, 0, IDLE_TENANTS + 1000)
         assert tenant_count(agent) <= IDLE_TENANTS + 1
         before = agent.memory_bytes()
@@ -45,7 +45,7 @@ def test_lookups_by_new_tenants_leave_a_bounded_number_of_records(
 def test_clearing_the_cache_drops_the_records_of_its_tenants(agent_process: AgentProcess) -> None:
     agent = agent_process.start()
     tenants = IDLE_TENANTS + 500
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         for number in range(tenants):
             assert client.store_inline(tenant_id(f"salt-{number}"), [key(number)], [b"kv"]).stored
     assert tenant_count(agent) == tenants
@@ -81,7 +81,9 @@ def test_a_tenant_without_a_ceiling_cannot_raise_itself_above_the_default(
     assert httpx.put(quota, headers=own, json={"limit_bytes": DEFAULT_QUOTA}).status_code == 200
     by_admin = httpx.put(quota, headers=ADMIN, json={"limit_bytes": None})
     assert by_admin.status_code == 200 and by_admin.json()["limit_bytes"] is None
-    with AgentClient(agent.zmq) as client:  # and the admin's quota is the one in force
+    with AgentClient(
+        agent.zmq, token=ADMIN_TOKEN
+    ) as client:  # and the admin's quota is the one in force
         chunks = 3 * DEFAULT_QUOTA // (64 << 10)
         stored = client.store_inline(alice, [key(n) for n in range(chunks)], [b"kv"] * chunks)
         assert stored.stored == chunks

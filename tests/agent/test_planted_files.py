@@ -21,7 +21,7 @@ from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.probe_table import TABLE_MODE, table_path
 from kvpool_agent.segment import SEGMENT_MODE, SegmentLayout
-from kvpool_agent.testing.agent_process import AgentProcess
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import key
 from tests.support.local_user import (
     NOBODY,
@@ -157,7 +157,7 @@ def test_planted_temporary_names_are_never_opened_and_the_modes_are_exact(
         found = (status.st_uid, f"{stat.S_IMODE(status.st_mode):04o}")
         assert found == (os.geteuid(), f"{mode:04o}"), path
     assert {path: fingerprint(path) for path in before} == before
-    with AgentClient(agent_process.zmq) as client:
+    with AgentClient(agent_process.zmq, token=ADMIN_TOKEN) as client:
         assert client.store(TENANT, [key(1)], [b"chunk"]) == 1
         assert client.retrieve(TENANT, [key(1)]) == [b"chunk"]
     assert agent_process.stop() == 0

@@ -27,7 +27,7 @@ from kvpool_agent.probe_table import (
     table_path,
 )
 from kvpool_agent.segment import SEGMENT_MODE
-from kvpool_agent.testing.agent_process import AgentProcess
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import key
 from tests.support.metrics import metric
 
@@ -110,7 +110,7 @@ def test_a_reader_racing_the_writer_never_finds_an_unpublished_key(tmp_path: Pat
 
 def test_the_agent_keeps_its_table_to_the_ready_chunks(agent_process: AgentProcess) -> None:
     agent_process.start()
-    with AgentClient(agent_process.zmq) as client:
+    with AgentClient(agent_process.zmq, token=ADMIN_TOKEN) as client:
         info = client.info
         assert info is not None
         path = table_path(info.segment_path)
@@ -195,7 +195,7 @@ def test_a_full_neighbourhood_stops_publishing_and_the_agent_still_serves(
     agent = agent_process.start()
     tenant = tenant_id("crowded")
     crowded = [bytes(8) + n.to_bytes(24, "big") for n in range(1, MAX_PROBE + 21)]
-    with AgentClient(agent.zmq, timeout=2 * BOUND) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN, timeout=2 * BOUND) as client:
         info = client.info
         assert info is not None
         reader = ProbeTableReader(table_path(info.segment_path), info.agent_id)
@@ -217,7 +217,7 @@ def test_a_table_someone_filled_does_not_hang_the_agent(agent_process: AgentProc
     agent_process.settings.update(SMALL)
     agent = agent_process.start()
     tenant = tenant_id("filled")
-    with AgentClient(agent.zmq, timeout=2 * BOUND) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN, timeout=2 * BOUND) as client:
         info = client.info
         assert info is not None
         path = table_path(info.segment_path)

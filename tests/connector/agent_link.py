@@ -8,7 +8,7 @@ from kvpool_agent.client import AgentInfo
 from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.discovery import AgentAddress
 from kvpool_agent.connector.link import AgentLink
-from kvpool_agent.testing.agent_process import AgentProcess
+from kvpool_agent.testing.agent_process import ENGINE_TOKEN, AgentProcess
 
 
 def agent_link(
@@ -19,6 +19,7 @@ def agent_link(
 ) -> AgentLink:
     return AgentLink(
         lambda: AgentAddress(agent.zmq, None, None),
+        credential=lambda: ENGINE_TOKEN,
         role=role,
         timeout=1.0,
         retry_min_s=0.05,

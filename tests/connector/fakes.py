@@ -74,7 +74,7 @@ class FakeClient:
             raise AgentUnavailable("down")
         self.agent.connects += 1
         self.info = AgentInfo(
-            self.agent.agent_id, 1, Path("/dev/shm/fake"), 4096, 1 << 20, 4096, 1 << 20, 8192
+            self.agent.agent_id, 1, Path("/dev/shm/fake"), 4096, 1 << 20, 4096, 1 << 20, 8192, ""
         )
         return self.info
 
@@ -152,12 +152,13 @@ def make_link(
 ) -> AgentLink:
     return AgentLink(
         lambda: AgentAddress("tcp://fake:1", None, None),
+        credential=lambda: "fake-token",
         role="test",
         timeout=0.1,
         retry_min_s=1.0,
         retry_max_s=4.0,
         counters=counters or Counters(),
-        client_factory=lambda endpoint, timeout: FakeClient(agent, endpoint, timeout),
+        client_factory=lambda endpoint, token, timeout: FakeClient(agent, endpoint, timeout),
         clock=clock or Clock(),
         on_new_agent=on_new_agent,
     )

@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from kvpool_agent.client import AgentClient
-from kvpool_agent.testing.agent_process import AgentProcess
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 from tests.support.engines import write_model
 
 from .vllm_steps import RUNNERS, Runner, StepEngine, cpu_platform_env, kv_cache_config, vllm_config
@@ -285,7 +285,7 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
 
 @pytest.fixture
 def empty_agent(agent: AgentProcess) -> AgentProcess:
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         client.clear()
     return agent
 
@@ -293,8 +293,11 @@ def empty_agent(agent: AgentProcess) -> AgentProcess:
 @pytest.fixture(scope="module")
 def config(tmp_path_factory: pytest.TempPathFactory, agent: AgentProcess) -> VllmConfig:
     model = write_model(tmp_path_factory.mktemp("model"))
+    token_file = tmp_path_factory.mktemp("token") / "token"
+    token_file.write_text(ENGINE_TOKEN + "\n")  # as a mounted Secret
     extra: dict[str, Any] = {
         "endpoint": agent.zmq,
+        "token_file": str(token_file),
         # generous: a slow lookup would be a miss, and this machine may be busy
         "lookup_timeout_s": 10.0,
         "transfer_timeout_s": 10.0,

@@ -211,7 +211,7 @@ def test_chunks_only_in_l2_are_prefetched(setup: Setup) -> None:
     while len(list(tenant_dir.glob("*/" + "[0-9a-f]" * 64))) < 3:  # written back
         assert time.monotonic() < deadline, "the agent wrote nothing back to L2"
         time.sleep(0.1)
-    with AgentClient(setup.agent.zmq) as client:
+    with AgentClient(setup.agent.zmq, token=ADMIN_TOKEN) as client:
         client.clear()  # L1 forgets every chunk; L2 keeps them
     prefetches = setup.b.generate([prompt(97, 10)], max_tokens=1).counters["prefetches"]
 
@@ -233,7 +233,7 @@ def test_poisoned_cache_changes_the_output(setup: Setup) -> None:
 
     assert poisoned.cached == [3 * CHUNK]
     assert poisoned.differences(expected)  # the comparison every other test relies on fails
-    with AgentClient(setup.agent.zmq) as client:
+    with AgentClient(setup.agent.zmq, token=ADMIN_TOKEN) as client:
         client.clear()  # leave no poison behind
 
 

@@ -41,7 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool_agent import keys
 from kvpool_agent.client import AgentClient
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 from tests.support.engine_main import TOP_LOGPROBS
 from tests.support.engines import Result, poison_segment, write_model
 from tests.support.http_process import HttpProcess
@@ -127,6 +127,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             "KVPOOL_ENDPOINT": None,
             "KVPOOL_SEGMENT_PATH": None,
             "KVPOOL_CHUNK_TOKENS": None,
+            "KVPOOL_TOKEN": ENGINE_TOKEN,
         }
         vllm = HttpProcess(
             "vLLM's OpenAI server",
@@ -280,7 +281,7 @@ def test_poisoned_cache_changes_the_served_output(server: Server) -> None:
     try:
         poisoned, _ = complete(server, victim, "team-a")
     finally:
-        with AgentClient(server.agent.zmq) as client:
+        with AgentClient(server.agent.zmq, token=ADMIN_TOKEN) as client:
             client.clear()  # leave no poison behind
 
     assert cached(poisoned) == EXPECTED_HIT, report(server)

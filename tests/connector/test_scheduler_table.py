@@ -15,7 +15,7 @@ from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.metadata import KvpoolHandshake
 from kvpool_agent.connector.scheduler import SchedulerHalf
 from kvpool_agent.probe_table import table_path
-from kvpool_agent.testing.agent_process import AgentProcess
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 
 from .agent_link import agent_link
 from .fakes import BLOCK, CHUNK, LAYOUT, FakeRequest, chain, tokens
@@ -49,14 +49,14 @@ def scheduler(agent: AgentProcess, *, prefetch_wait_s: float = 0.0) -> Scheduler
 
 
 def hits(agent: AgentProcess) -> tuple[int, int]:
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         stats = client.stats()
     return int(stats["hits"]), int(stats["misses"])
 
 
 def test_a_hit_is_found_without_waiting_for_the_agent(agent: AgentProcess) -> None:
     prompt = tokens(1000)
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         client.store(TENANT, chain(prompt)[:3], [b"k" * 64] * 3)
     half = scheduler(agent, prefetch_wait_s=2.0)
     half.get_num_new_matched_tokens(FakeRequest("warm", tokens(300, seed=9)), 0)  # connects
@@ -80,7 +80,7 @@ def test_a_hit_is_found_without_waiting_for_the_agent(agent: AgentProcess) -> No
 def test_a_partial_hit_asks_the_agent_for_its_prefetch(agent: AgentProcess) -> None:
     """The table cannot know what L2 holds: a run that stops short is a round trip."""
     prompt = tokens(1000)
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         client.store(TENANT, chain(prompt)[:1], [b"k" * 64])
     half = scheduler(agent, prefetch_wait_s=2.0)
     assert half.get_num_new_matched_tokens(FakeRequest("r", prompt), 0) == (CHUNK, False)
@@ -94,7 +94,7 @@ def test_a_partial_hit_asks_the_agent_for_its_prefetch(agent: AgentProcess) -> N
 def test_without_a_table_every_probe_asks_the_agent(agent: AgentProcess) -> None:
     """An agent of an older version keeps no table: nothing changes but the round trip."""
     prompt = tokens(1000)
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         client.store(TENANT, chain(prompt)[:3], [b"k" * 64] * 3)
         assert client.info is not None
         table_path(client.info.segment_path).unlink()
@@ -109,7 +109,7 @@ def test_a_dead_agents_table_is_not_read_and_a_restarted_agents_is(agent: AgentP
     lock tells it the agent died; it asks (a miss while down, a hello once back), then maps
     the new agent's table."""
     prompt = tokens(1000)
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         client.store(TENANT, chain(prompt)[:3], [b"k" * 64] * 3)
     half = scheduler(agent)
     assert half.get_num_new_matched_tokens(FakeRequest("r", prompt), 0) == (3 * CHUNK, False)

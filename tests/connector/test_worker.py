@@ -15,7 +15,7 @@ from kvpool_agent.client import AgentClient, AgentInfo
 from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.metadata import KvpoolMetadata, LoadJob, StoreJob
 from kvpool_agent.connector.worker import WorkerHalf
-from kvpool_agent.testing.agent_process import AgentProcess
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 
 from .agent_link import agent_link
 
@@ -42,7 +42,7 @@ def shared_agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProc
 @pytest.fixture
 def agent(shared_agent: AgentProcess) -> AgentProcess:
     """The module's agent, emptied."""
-    with AgentClient(shared_agent.zmq) as client:
+    with AgentClient(shared_agent.zmq, token=ADMIN_TOKEN) as client:
         client.clear()
     return shared_agent
 

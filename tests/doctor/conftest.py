@@ -15,7 +15,7 @@ import pytest
 from kubernetes import client, config
 
 from kvpool_agent.doctor.report import NAME_WIDTH
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 from tests.support.kube_api import ServedApi
 
 BIN = Path(sys.executable).parent
@@ -98,7 +98,7 @@ def run_doctor(
         command = [setpriv, f"--bounding-set={drop}", "--inh-caps=-all", *command]
     result = subprocess.run(
         command,
-        env={**clean_env(), **(env or {})},
+        env={**clean_env(), "KVPOOL_TOKEN": ENGINE_TOKEN, **(env or {})},
         capture_output=True,
         text=True,
         timeout=60,

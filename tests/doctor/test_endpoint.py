@@ -17,7 +17,7 @@ import pytest
 from kvpool_agent import cli, protocol
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import CANARY_TENANT, tenant_id
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 
 from .conftest import ADMIN_ENV, agent_args, parse, run_doctor
 
@@ -38,7 +38,7 @@ def usage(agent: AgentProcess) -> dict[str, dict[str, int]]:
 
 
 def test_a_healthy_agent_passes_and_the_canary_leaves_nothing(agent: AgentProcess) -> None:
-    with AgentClient(agent.zmq) as tenant:  # a tenant that stores and hits
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as tenant:  # a tenant that stores and hits
         tenant.store(TENANT, keys("a", 3), [b"x" * 4096] * 3)
         assert len(tenant.retrieve(TENANT, keys("a", 3))) == 3
     before = usage(agent)[TENANT]
@@ -192,6 +192,7 @@ def test_an_agent_that_refuses_the_protocol(
 ) -> None:
     """A client of another protocol version: the real agent answers unsupported_version."""
     monkeypatch.setattr(protocol, "PROTOCOL_VERSION", protocol.PROTOCOL_VERSION + 1)
+    monkeypatch.setenv("KVPOOL_TOKEN", ENGINE_TOKEN)
 
     returncode = cli.main(["doctor", "--endpoint", agent.zmq])
 
@@ -206,7 +207,7 @@ def test_an_agent_that_refuses_the_protocol(
 
 def test_a_tenant_that_never_hits_is_flagged(agent: AgentProcess) -> None:
     starved, served = tenant_id("starved"), tenant_id("served")
-    with AgentClient(agent.zmq) as engine:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as engine:
         engine.store(starved, keys("stored", 2), [b"y" * 4096] * 2)
         for round_ in range(60):  # looks up chunks it never stored
             engine.lookup(starved, keys(f"other-{round_}", 2), lock=False)
@@ -244,7 +245,7 @@ def test_the_canary_never_reaches_l2(tmp_path: Path) -> None:
         assert run_doctor(*agent_args(agent), env=ADMIN_ENV).outcomes()["canary"] == "PASS"
         # a tenant's chunk stored after the canary is written back, so the write-back queue
         # (first in, first out) is past anything the canary could have put there
-        with AgentClient(agent.zmq) as tenant:
+        with AgentClient(agent.zmq, token=ADMIN_TOKEN) as tenant:
             tenant.store(TENANT, keys("l2", 1), [b"y" * 4096])
         deadline = time.monotonic() + 20
         while not list((nvme / "default" / TENANT).rglob("[0-9a-f]" * 64)):
@@ -264,3 +265,19 @@ def test_chunks_of_partial_blocks_are_named(agent: AgentProcess) -> None:
     assert diagnosis.returncode == 1
     assert diagnosis.checks["chunk-size"].outcome == "FAIL", diagnosis.output
     assert "96" in diagnosis.checks["chunk-size"].seen
+
+
+def test_a_missing_or_refused_token_is_one_fail_line_with_the_fix(
+    agent: AgentProcess, tmp_path: Path
+) -> None:
+    """As the connector: no token anywhere, then a token the agent does not know."""
+    for env, seen in (
+        ({"KVPOOL_TOKEN": "", "HOME": str(tmp_path)}, "no token for the kvpool agent: set"),
+        ({"KVPOOL_TOKEN": "not-a-token-of-this-pool"}, f"the agent at {agent.zmq} refused"),
+    ):
+        diagnosis = run_doctor(*agent_args(agent), env=env)
+        assert diagnosis.returncode == 1
+        failure = diagnosis.checks["agent"]
+        assert failure.outcome == "FAIL" and failure.seen.startswith(seen), failure
+        assert failure.fix is not None and "KVCacheTenant's Secret" in failure.fix
+        assert diagnosis.checks["canary"].outcome == "SKIP"

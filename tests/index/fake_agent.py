@@ -2,7 +2,8 @@
 
 It publishes exactly the events a test scripts (so a test can skip sequence
 numbers or change the agent id) and answers ``hello`` and ``snapshot`` from
-the keys it says it holds; answers can be withheld or delayed.
+the keys it says it holds; answers can be withheld or delayed. Its events port takes the
+index's token as the agent's does (the agent's own PLAIN authenticator).
 """
 
 from __future__ import annotations
@@ -14,17 +15,25 @@ import uuid
 import zmq
 
 from kvpool_agent import protocol as p
+from kvpool_agent.edge.zap import PlainAuthenticator
 from kvpool_agent.index.discovery import AgentEndpoint
 from kvpool_agent.protocol import EVENTS_TOPIC, ChunkEvent, encode_event
+from kvpool_agent.tenancy.auth import Role, TokenAuthority
+from kvpool_agent.testing.agent_process import INDEX_TOKEN
 
 TENANT = "0123456789abcdef0123456789abcdef"
 
 
 class FakeAgent:
     def __init__(self) -> None:
-        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._pub: zmq.Socket[bytes] = context.socket(zmq.XPUB)  # XPUB: sees subscriptions
+        self._authenticator = PlainAuthenticator(
+            TokenAuthority({"indexes": INDEX_TOKEN}), (Role.INDEX,), domain="fake-events"
+        )
+        self._authenticator.start()
+        self._pub: zmq.Socket[bytes] = self._authenticator.context.socket(zmq.XPUB)
+        self._authenticator.protect(self._pub)  # XPUB: sees subscriptions
         self._pub.setsockopt(zmq.LINGER, 0)
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub.bind("tcp://127.0.0.1:*")
         self._router: zmq.Socket[bytes] = context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -77,6 +86,7 @@ class FakeAgent:
         self._stopping.set()
         self._thread.join()
         self._pub.close()
+        self._authenticator.stop()
 
     def _serve(self) -> None:
         try:

@@ -37,7 +37,7 @@ def test_file_then_environment_then_arguments(
     assert (config.pool, config.discovery, config.load_factor) == ("main", "static", 2.0)
     assert config.routing_policy() == RoutingPolicy(2.0, 0.1, 0.0)
     assert config.fingerprint is not None and config.fingerprint.fingerprint().chunk_tokens == 256
-    assert config.generated_token_file == config.state_dir / "index-token-main"
+    assert config.generated_token_file == config.state_dir / "index-admin-token-main"
     discovery = make_discovery(config)
     assert discovery.endpoints == [AgentEndpoint(**AGENT)]  # type: ignore[attr-defined]
     other = StaticAgent(node="gpu-2", zmq="tcp://b:7400", events="tcp://b:7402")

@@ -15,7 +15,7 @@ from kvpool_agent.index.discovery import AgentEndpoint
 from kvpool_agent.index.subscriber import AgentStatus, EventSubscriber
 from kvpool_agent.index.tracker import PrefixTracker
 from kvpool_agent.keys import tenant_id
-from kvpool_agent.testing.agent_process import AgentProcess
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, INDEX_TOKEN, AgentProcess
 from tests.support.chunks import chain
 from tests.support.polling import wait_until
 from tests.support.ports import free_port
@@ -32,7 +32,9 @@ class Index:
 
     def __init__(self) -> None:
         self.tracker = PrefixTracker()
-        self.subscriber = EventSubscriber(self.tracker, snapshot_timeout=2.0, max_backoff=0.5)
+        self.subscriber = EventSubscriber(
+            self.tracker, token=INDEX_TOKEN, snapshot_timeout=2.0, max_backoff=0.5
+        )
         self.subscriber.start()
 
     def follow(self, endpoints: Sequence[AgentEndpoint]) -> None:
@@ -79,7 +81,7 @@ _clients: dict[str, AgentClient] = {}
 def client_of(agent: AgentProcess) -> AgentClient:
     """One client per agent endpoint (it says hello again by itself after a restart)."""
     if agent.zmq not in _clients:
-        _clients[agent.zmq] = AgentClient(agent.zmq)
+        _clients[agent.zmq] = AgentClient(agent.zmq, token=ADMIN_TOKEN)
     return _clients[agent.zmq]
 
 

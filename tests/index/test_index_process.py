@@ -12,7 +12,7 @@ import pytest
 from kvpool_agent.client import AgentClient
 from kvpool_agent.index.client import IndexClient, IndexRequestError
 from kvpool_agent.keys import chunk_keys, tenant_id
-from kvpool_agent.testing.agent_process import AgentProcess
+from kvpool_agent.testing.agent_process import ENGINE_TOKEN, AgentProcess
 from tests.support.index_process import (
     ADMIN_TOKEN,
     FINGERPRINT,
@@ -47,7 +47,7 @@ def test_gateways_route_through_the_index_process(
     index, agents = index_process
     keys = chunk_keys(PROMPT, SALT, FINGERPRINT)
     for node, count in (("gpu-1", 6), ("gpu-2", 2)):
-        with AgentClient(agents[node].zmq) as agent:
+        with AgentClient(agents[node].zmq, token=ENGINE_TOKEN) as agent:
             agent.store(tenant_id(SALT), keys[:count], [b"kv"] * count)
 
     with IndexClient(index.url, GATEWAY_TOKEN, timeout=5) as client:

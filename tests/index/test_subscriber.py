@@ -8,6 +8,7 @@ import pytest
 
 from kvpool_agent.index.subscriber import AgentStatus, EventSubscriber
 from kvpool_agent.index.tracker import PrefixTracker
+from kvpool_agent.testing.agent_process import INDEX_TOKEN
 from tests.support.chunks import chain
 from tests.support.polling import wait_until
 
@@ -17,7 +18,9 @@ from .fake_agent import FakeAgent
 class Harness:
     def __init__(self) -> None:
         self.tracker = PrefixTracker()
-        self.subscriber = EventSubscriber(self.tracker, snapshot_timeout=0.3, max_backoff=0.5)
+        self.subscriber = EventSubscriber(
+            self.tracker, token=INDEX_TOKEN, snapshot_timeout=0.3, max_backoff=0.5
+        )
         self.fakes: list[FakeAgent] = []
 
     def fake(self) -> FakeAgent:

@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
-from kvpool_agent.client import AgentClient
+from kvpool_agent.client import AgentClient, AgentError
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.tenants_configmap import token_digest
-from kvpool_agent.testing.agent_process import AgentProcess
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import data, key
 from tests.support.kube_api import ServedApi
 from tests.support.metrics import metric
@@ -29,6 +29,7 @@ NAMESPACE = "inference"
 NAME = "kvpool-main-tenants"
 ALICE, BOB = tenant_id("alice"), tenant_id("bob")
 ALICE_TOKEN, OPERATOR_TOKEN = "alice-token-from-the-operator", "operator-token-in-memory"
+INDEX_ACCESS = "the-index-token-the-operator-minted"
 MiB = 1 << 20
 
 
@@ -121,6 +122,41 @@ def test_tokens_and_ceilings_follow_the_configmap(
     assert httpx.get(quota, headers=_auth(OPERATOR_TOKEN)).status_code == 200
 
 
+def test_zmq_sessions_follow_the_configmap_and_end_with_their_token(
+    tenants: Kubectl, agents: Callable[..., AgentProcess]
+) -> None:
+    """A team's engine says hello with its KVCacheTenant's token and works on its tenant;
+    the operator's index key grants the snapshot; the key removed, the session is void."""
+    process = _watching(agents)
+    _grant(tenants, {"l1": None, "nvme": None})
+    _patch(tenants, {"index": {"tokens": [token_digest(INDEX_ACCESS)]}})
+    engine = AgentClient(process.zmq, token=ALICE_TOKEN)
+    eventually(lambda: _says_hello(engine), timeout=10)
+    assert engine.store_inline(ALICE, [key(1)], [b"kv"]).stored == 1
+    with AgentClient(process.zmq, token=INDEX_ACCESS) as index:
+        assert eventually(index.snapshot, timeout=10) == {ALICE: [key(1)]}
+
+    _patch(tenants, {ALICE: None})
+
+    def void() -> None:
+        with pytest.raises(AgentError) as refused:
+            engine.lookup(ALICE, [key(1)], lock=False)
+        assert refused.value.code == "unauthenticated", refused.value
+
+    eventually(void, timeout=10)
+    with pytest.raises(AgentError) as again:
+        AgentClient(process.zmq, token=ALICE_TOKEN).connect()
+    assert again.value.code == "unauthenticated"
+    engine.close()
+
+
+def _says_hello(client: AgentClient) -> None:
+    try:
+        client.connect()
+    except AgentError as error:
+        raise AssertionError(f"not granted yet: {error}") from error
+
+
 def test_a_malformed_entry_is_skipped_and_never_logged(
     tenants: Kubectl, agents: Callable[..., AgentProcess]
 ) -> None:
@@ -152,7 +188,7 @@ def test_tiers_all_drops_the_tenant_from_nvme_and_s3(
         S3__ENDPOINT_URL=s3_endpoint,
         S3__REGION="us-east-1",
     )
-    with AgentClient(process.zmq) as client:
+    with AgentClient(process.zmq, token=ADMIN_TOKEN) as client:
         for tenant, first in ((ALICE, 0), (BOB, 100)):  # keys differ by tenant, as salts make them
             names = range(first, first + 6)
             assert client.store(tenant, [key(n) for n in names], [data(n) for n in names]) == 6

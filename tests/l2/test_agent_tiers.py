@@ -56,7 +56,7 @@ def test_chunks_pushed_out_of_l1_come_back_from_nvme(
 ) -> None:
     nvme = {"NVME__PATH": str(tmp_path / "nvme"), "NVME__CAPACITY": "64MiB"}
     agent = agents("a", L1_SIZE="8MiB", **nvme)  # 128 pages; write-back pins up to 2 MiB
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         store_chain(client, list(range(20)))
         wait_until(lambda: metric(agent, "kvpool_writeback_written_total") >= 20)
         store_chain(client, list(range(100, 230)))  # other traffic pushes the first chain out
@@ -72,13 +72,13 @@ def test_nvme_outlives_the_agent_and_its_segment(
 ) -> None:
     nvme = {"NVME__PATH": str(tmp_path / "nvme"), "NVME__CAPACITY": "64MiB"}
     agent = agents("a", **nvme)
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         store_chain(client, list(range(10)))
     wait_until(lambda: metric(agent, "kvpool_writeback_pending") == 0)
     assert agent.stop() == 0
     agent.settings["L1_SIZE"] = "8MiB"  # another size: the segment starts empty
     agent.start()
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         assert client.lookup(TENANT, [key(0)], lock=False).count == 0
         assert load(client, list(range(10))) == [data(n) for n in range(10)]
 
@@ -93,10 +93,10 @@ def test_a_chunk_stored_on_one_node_is_loaded_on_another(
         "L2_KEY_DIR": str(tmp_path / "pool-keys"),  # the pool's key Secret, on both nodes
     }
     first, second = agents("node-1", **s3), agents("node-2", **s3)
-    with AgentClient(first.zmq) as client:
+    with AgentClient(first.zmq, token=ADMIN_TOKEN) as client:
         store_chain(client, list(range(6)))
     wait_until(lambda: metric(first, "kvpool_writeback_written_total") >= 6)
-    with AgentClient(second.zmq) as client:
+    with AgentClient(second.zmq, token=ADMIN_TOKEN) as client:
         assert load(client, list(range(6))) == [data(n) for n in range(6)]
         # and a salt that differs finds nothing
         assert client.lookup_prefetch(tenant_id("other"), [key(0)])[0].count == 0
@@ -109,7 +109,7 @@ def test_a_tenants_object_copied_under_another_tenant_is_a_miss_for_it(
     tenant rewritten to B, is never served to B."""
     agent = agents("a", S3__BUCKET=bucket, S3__ENDPOINT_URL=s3_endpoint, S3__REGION="us-east-1")
     victim = tenant_id("tenant-b")
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         store_chain(client, [0, 1])
         wait_until(lambda: metric(agent, "kvpool_writeback_written_total") >= 2)
     raw = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
@@ -123,7 +123,7 @@ def test_a_tenants_object_copied_under_another_tenant_is_a_miss_for_it(
         if rewrite:
             blob = blob.replace(TENANT.encode(), victim.encode(), 1)
         raw.put_object(Bucket=bucket, Key=source.replace(TENANT, victim), Body=blob)
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         for chunk in (0, 1):
             hit, prefetch = client.lookup_prefetch(victim, [key(chunk)])
             assert hit.count == 0
@@ -137,7 +137,7 @@ def test_prefetched_chunks_count_against_the_tenant_quota(
     agents: Callable[..., AgentProcess], tmp_path: Path
 ) -> None:
     agent = agents("a", NVME__PATH=str(tmp_path / "nvme"), NVME__CAPACITY="64MiB")
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         store_chain(client, list(range(10)))
         wait_until(lambda: metric(agent, "kvpool_writeback_written_total") >= 10)
         client.clear(TENANT)
@@ -150,7 +150,7 @@ def test_prefetched_chunks_count_against_the_tenant_quota(
     # The NVMe tier shrinks to the new quota at once, not at the tenant's next put.
     wait_until(lambda: metric(agent, 'kvpool_l2_used_bytes{tier="nvme"}') <= limit)
     assert metric(agent, 'kvpool_l2_evictions_total{tier="nvme"}') == 6
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         _, prefetch = client.lookup_prefetch(TENANT, [key(n) for n in range(10)])
         progress = client.prefetch_status(prefetch, wait_ms=4000)
         # Only the leading run the tier kept is usable, and it fits the quota whole.
@@ -172,7 +172,7 @@ def test_a_slow_l2_sheds_write_backs_without_slowing_stores(
         WRITEBACK_QUEUE_CHUNKS="4",
     )
     proxy.inject(Fault.SLOW, delay=1.0)
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         started = time.monotonic()
         store_chain(client, list(range(24)))
         assert time.monotonic() - started < 3  # 24 stores, each would wait 1 s on S3
@@ -187,7 +187,7 @@ def test_the_reused_policy_writes_back_after_enough_counted_hits(
     nvme = {"NVME__PATH": str(tmp_path / "nvme"), "NVME__CAPACITY": "64MiB"}
     agent = agents("a", STORE_POLICY="reused", STORE_MIN_HITS="2", **nvme)
     written = "kvpool_writeback_written_total"
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         store_chain(client, [1, 2])
         client.lookup(TENANT, [key(1), key(2)], lock=False)  # one use
         for _ in range(3):  # repeated looks at the same use count nothing
@@ -227,7 +227,7 @@ def test_the_nvme_tree_and_its_generated_key_are_the_agents_alone(
     )
     own_agent.umask = 0
     agent = own_agent.start()
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         store_chain(client, list(range(6)))
     wait_until(lambda: metric(agent, "kvpool_writeback_written_total") >= 6)
     tree = nvme / "default"
@@ -259,6 +259,6 @@ def test_a_key_file_others_may_write_stops_the_agent_and_a_readable_one_is_warne
     agent = own_agent.start()
     warnings = [line for line in agent.log if "is readable by every user" in line]
     assert len(warnings) == 1 and " WARNING " in warnings[0] and str(key_file) in warnings[0]
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         store_chain(client, [0])
     wait_until(lambda: metric(agent, "kvpool_writeback_written_total") >= 1)

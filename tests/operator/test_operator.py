@@ -6,6 +6,7 @@ The tests share one operator and one API server; each works on a pool of its own
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import time
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kvpool_agent.tenants_configmap import digest_token, parse_tenants
 from tests.support.kube_api import ServedApi
 from tests.support.operator_process import REPO, Kubectl, OperatorProcess
 from tests.support.polling import eventually
@@ -431,6 +433,10 @@ def test_the_index_follows_the_pool(
     assert template["spec"]["containers"][0]["command"] == ["kvpool", "index"]
     assert _status(served_api, "routed")["index"] == {"replicas": 1, "readyReplicas": 0}
     _event(served_api, "routed", "Normal", "Applied", "created Deployment kvpool-routed-index")
+    # the index's token for the agents: minted into the Secret its pods mount, owned by the
+    # pool; the agents learn its digest, as an index's, from the tenants ConfigMap
+    token = eventually(lambda: _index_access(served_api, "routed", uid))
+    assert eventually(lambda: _granted_index(served_api, "routed")) == (digest_token(token),)
 
     # drift: a deleted index Deployment comes back
     kubectl("delete", "deployment", "kvpool-routed-index", "-n", NAMESPACE)
@@ -484,12 +490,29 @@ def test_the_index_follows_the_pool(
         assert [where for where, child in children.items() if child] == []
 
     eventually(index_gone)
+    assert eventually(lambda: _granted_index(served_api, "routed", present=False)) == ()
     assert "index" not in _status(served_api, "routed")
     assert all(_children_of(served_api, "routed").values())
     deleted = _event(served_api, "routed", "Normal", "Applied", "deleted Deployment")
     assert "deleted ConfigMap kvpool-routed-index-config" in deleted
     time.sleep(1)  # and the operator does not bring them back
     index_gone()
+
+
+def _index_access(api: ServedApi, pool: str, uid: str) -> str:
+    secret = _get(api, "secrets", f"kvpool-{pool}-index-access")
+    assert secret is not None
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == uid
+    return base64.b64decode(secret["data"]["token"]).decode()
+
+
+def _granted_index(api: ServedApi, pool: str, *, present: bool = True) -> tuple[bytes, ...]:
+    """The index tokens the pool's tenants ConfigMap grants (the agents' reading of it)."""
+    config_map = _get(api, "configmaps", f"kvpool-{pool}-tenants")
+    assert config_map is not None
+    data = config_map.get("data") or {}
+    assert ("index" in data) == present, data
+    return parse_tenants(data, "test").index_tokens
 
 
 def _policies(api: ServedApi, pool: str, *names: str) -> None:

@@ -528,6 +528,7 @@ def test_index_config_is_the_indexs_own_model(
     assert (config.host, config.http_port) == ("0.0.0.0", 7403)
     assert str(config.tokens_file) == "/etc/kvpool/tokens/tokens.yaml"
     assert str(config.state_dir) == "/var/lib/kvpool"
+    assert str(config.agent_token_file) == "/etc/kvpool/agent-access/token"  # the Secret's key
     assert config.max_chunks_per_node == 2_000_000
     assert (config.load_factor, config.load_slack, config.min_match_ratio) == (2, 4, 0.25)
     assert config.fingerprint is not None
@@ -578,7 +579,17 @@ def test_index_deployment_and_pod() -> None:
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["name"]: m for m in container["volumeMounts"]}
-    assert volumes.keys() == mounts.keys() == {"config", "state", "tokens"}
+    assert volumes.keys() == mounts.keys() == {"config", "state", "tokens", "agent-access"}
+    # the token it follows the agents with: the operator's Secret, read only
+    assert volumes["agent-access"]["secret"] == {
+        "secretName": "kvpool-gpu-index-access",
+        "defaultMode": 0o440,
+    }
+    assert mounts["agent-access"] == {
+        "name": "agent-access",
+        "mountPath": "/etc/kvpool/agent-access",
+        "readOnly": True,
+    }
     assert volumes["config"]["configMap"] == {"name": "kvpool-gpu-index-config"}
     assert mounts["config"] == {
         "name": "config",

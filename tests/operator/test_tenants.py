@@ -189,7 +189,7 @@ def _store(agents: list[AgentProcess], tenant: str, chunks: int) -> None:
     """``chunks`` chunks of the tenant on every agent, through ZMQ, written back to NVMe."""
     for number, agent in enumerate(agents):
         names = [f"{tenant}-{number}-{n}" for n in range(chunks)]
-        with AgentClient(agent.zmq) as client:
+        with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
             stored = client.store(tenant, [key(n) for n in names], [data(n) for n in names])
             assert stored == chunks
     eventually(lambda: _written_back(agents))
@@ -355,7 +355,8 @@ def test_a_tenant_in_an_allowed_namespace_gets_its_token_quota_and_usage(
         assert mine.json()["limit_bytes"] == 8 * GiB
 
     _store(agents, tenant, 3)
-    with AgentClient(agents[0].zmq) as client:  # hits and a miss, on one agent only
+    # hits and a miss, on one agent only
+    with AgentClient(agents[0].zmq, token=ADMIN_TOKEN) as client:
         client.lookup(tenant, [key(f"{tenant}-0-{n}") for n in range(3)] + [key("absent")])
     on_agents = [_usage(agent, tenant) for agent in agents]
     assert all(usage["nvme_used_bytes"] > 0 for usage in on_agents), on_agents

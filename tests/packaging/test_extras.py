@@ -225,10 +225,13 @@ def test_the_agent_starts_and_stops_on_its_extra(venv: tuple[str, Path], tmp_pat
 @pytest.mark.parametrize("venv", ["index"], indirect=True)
 def test_the_index_starts_and_answers_on_its_extra(venv: tuple[str, Path], tmp_path: Path) -> None:
     _, bin_dir = venv
+    agent_token = tmp_path / "agent-token"  # what the index follows the agents with
+    agent_token.write_text("an-index-token-of-the-pool\n")
     env = {
         **CLEAN,
         "KVPOOL_INDEX_HTTP_PORT": "0",
         "KVPOOL_INDEX_STATE_DIR": str(tmp_path / "state"),
+        "KVPOOL_INDEX_AGENT_TOKEN_FILE": str(agent_token),
     }
     agent = "--agent=node-1=tcp://127.0.0.1:9,tcp://127.0.0.1:9"  # never answers: fine
     with (

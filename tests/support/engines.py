@@ -12,6 +12,8 @@ from pathlib import Path
 from queue import Empty, Queue
 from typing import Any
 
+from kvpool_agent.testing.agent_process import ENGINE_TOKEN
+
 from .greedy import Candidates, problems
 
 MAIN = Path(__file__).with_name("engine_main.py")
@@ -129,6 +131,7 @@ class Engine:
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # stdout carries the results
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            "KVPOOL_TOKEN": ENGINE_TOKEN,  # every harness agent's engine token
             **self.env,
         }
         for name in ("KVPOOL_ENDPOINT", "KVPOOL_SEGMENT_PATH", "KVPOOL_CHUNK_TOKENS"):

@@ -18,6 +18,7 @@ from typing import Protocol
 import yaml
 
 from kvpool_agent.keys import ModelFingerprint, tenant_id
+from kvpool_agent.testing.agent_process import INDEX_TOKEN
 
 BIN = Path(sys.executable).parent
 READY = re.compile(r"index ready pool=\S+ http=(\S+)")
@@ -52,8 +53,11 @@ class IndexProcess:
                 }
             )
         )
+        agent_token = workdir / "agent-token"
+        agent_token.write_text(INDEX_TOKEN + "\n")
         environment = {
             **os.environ,
+            "KVPOOL_INDEX_AGENT_TOKEN_FILE": str(agent_token),
             "KVPOOL_INDEX_HTTP_PORT": "0",
             "KVPOOL_INDEX_TOKENS_FILE": str(tokens),
             "KVPOOL_INDEX_STATE_DIR": str(workdir / "state"),

@@ -31,8 +31,8 @@ class RawClient:
         assert isinstance(reply, p.Error), reply
         return reply
 
-    def hello(self) -> int:
-        reply, _ = self.ask(p.encode(p.Hello(1, p.PROTOCOL_VERSION, "raw")))
+    def hello(self, token: str) -> int:
+        reply, _ = self.ask(p.encode(p.Hello(1, p.PROTOCOL_VERSION, "raw", token)))
         assert isinstance(reply, p.HelloReply)
         return reply.session
 

@@ -34,7 +34,7 @@ from kvpool_agent.bench.connector_engine import Burst, Engine, kv_bytes_per_toke
 from kvpool_agent.bench.l2 import drop_page_cache
 from kvpool_agent.bench.report import table
 from kvpool_agent.client import AgentClient
-from kvpool_agent.testing.agent_process import running_agent
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, running_agent
 
 WRITEBACK_TIMEOUT_S = 120.0
 
@@ -63,7 +63,7 @@ def measure(model: Path, workdir: Path, args: argparse.Namespace) -> dict[str, B
             bursts = {"stored": engine.burst(prompts)}
             _wait_written(agent.http, args.queued_chunks * len(prompts))
             bursts["L1 hits"] = engine.burst(prompts)
-            with AgentClient(agent.zmq) as client:
+            with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
                 client.clear()  # L1 forgets every chunk; L2 keeps them
             _drop_from_page_cache(workdir / "nvme")
             bursts["L2 only"] = engine.burst(prompts)

@@ -42,6 +42,8 @@ from kvpool_agent.index.service import IndexService
 from kvpool_agent.index.subscriber import EventSubscriber
 from kvpool_agent.index.tracker import PrefixTracker
 from kvpool_agent.keys import ModelFingerprint, chunk_keys
+from kvpool_agent.tenancy.auth import TokenAuthority
+from kvpool_agent.testing.agent_process import INDEX_TOKEN
 
 T = TypeVar("T")
 VOCABULARY = 128_000
@@ -226,7 +228,9 @@ def _event_keys(publisher: int, keys_per_event: int, sets: int) -> list[list[byt
 def _publisher(pipe: Connection, number: int, events: int, keys_per_event: int) -> None:
     """A stand-in agent: a real EventPublisher, and a ROUTER that answers hello and snapshot."""
     agent_id = uuid.uuid4().hex
-    publisher = EventPublisher("tcp://127.0.0.1:*", agent_id)
+    publisher = EventPublisher(
+        "tcp://127.0.0.1:*", agent_id, TokenAuthority({"indexes": INDEX_TOKEN})
+    )
     publisher.start()
     router: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
@@ -313,7 +317,7 @@ def events_report(publishers: int, events: int, keys_per_event: int) -> str:
         processes.append(process)
     endpoints = [AgentEndpoint(f"node-{number}", *pipe.recv()) for number, pipe in enumerate(pipes)]
     tracker = PrefixTracker()
-    subscriber = EventSubscriber(tracker)
+    subscriber = EventSubscriber(tracker, token=INDEX_TOKEN)
     subscriber.start()
     try:
         subscriber.follow(endpoints)

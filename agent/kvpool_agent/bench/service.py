@@ -43,7 +43,7 @@ from kvpool_agent import protocol as p
 from kvpool_agent.bench.report import table
 from kvpool_agent.client import AgentClient, LookupResult, copy_in, copy_out
 from kvpool_agent.keys import tenant_id
-from kvpool_agent.testing.agent_process import running_agent
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, running_agent
 
 TENANT = tenant_id("bench")
 BATCH_BYTES = 64 << 20
@@ -89,7 +89,9 @@ def _client(endpoint: str, worker: int, chunk: int, working_set: int, barrier: B
     keys = [hashlib.sha256(b"%d-%d-%d" % (worker, chunk, i)).digest() for i in range(count)]
     per_batch = max(1, BATCH_BYTES // chunk)
     batches = [range(i, min(i + per_batch, count)) for i in range(0, count, per_batch)]
-    with AgentClient(endpoint, client_name=f"bench-{worker}", timeout=60) as client:
+    with AgentClient(
+        endpoint, token=ADMIN_TOKEN, client_name=f"bench-{worker}", timeout=60
+    ) as client:
         segment = client.segment()
         barrier.wait()
         started = time.perf_counter()
@@ -175,7 +177,7 @@ def _lookup_latency(endpoint: str, lookups: int) -> dict[str, tuple[float, float
     """Round trips of a locked 64-chunk lookup (its release untimed), of a ping, and of the
     same request and reply bytes through bare pyzmq."""
     keys = [hashlib.sha256(b"lookup-%d" % i).digest() for i in range(LOOKUP_CHUNKS)]
-    with AgentClient(endpoint) as client:
+    with AgentClient(endpoint, token=ADMIN_TOKEN) as client:
         client.store(TENANT, keys, [bytes(4096)] * LOOKUP_CHUNKS)
         hits: list[LookupResult] = []
 
@@ -242,7 +244,7 @@ def _ours(chunks: list[int], clients: list[int], working_set: int, lookups: int)
             for count in clients:
                 phases = _run_clients(context, agent.zmq, count, chunk, working_set)
                 assert all(phase.mismatches == 0 for phase in phases), "bytes differ"
-                with AgentClient(agent.zmq) as client:
+                with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
                     client.clear()
                 total = count * (working_set // chunk) * chunk
                 results.append(

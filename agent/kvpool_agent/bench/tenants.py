@@ -56,7 +56,7 @@ def _key(number: int) -> bytes:
 
 
 def _populate(endpoint: str, tenants: int) -> None:
-    with AgentClient(endpoint, timeout=60) as client:
+    with AgentClient(endpoint, token=ADMIN_TOKEN, timeout=60) as client:
         for number in range(tenants):
             stored = client.store_inline(_tenant(number), [_key(number)], [CHUNK]).stored
             assert stored == 1, f"tenant {number}: the L1 is too small for the bench"
@@ -67,7 +67,7 @@ def _lookups(endpoint: str, tenants: int, seconds: float) -> float:
     names = [_tenant(number) for number in range(min(tenants, 1000))]
     keys = [_key(number) for number in range(len(names))]
     done = 0
-    with AgentClient(endpoint, timeout=60) as client:
+    with AgentClient(endpoint, token=ADMIN_TOKEN, timeout=60) as client:
         started = time.perf_counter()
         while (elapsed := time.perf_counter() - started) < seconds:
             turn = done % len(names)

@@ -24,7 +24,7 @@ import httpx
 from kvpool_agent.bench.report import table
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
-from kvpool_agent.testing.agent_process import running_agent
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, running_agent
 
 TENANT = tenant_id("bench-writeback")
 
@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _store_latencies(endpoint: str, chunks: int, size: int) -> list[float]:
     payload = os.urandom(size)
     samples = []
-    with AgentClient(endpoint, timeout=30) as client:
+    with AgentClient(endpoint, token=ADMIN_TOKEN, timeout=30) as client:
         for i in range(chunks + 50):
             key = hashlib.sha256(b"wb-%d" % i).digest()
             started = time.perf_counter()

@@ -41,7 +41,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvpool_agent.client import AgentInfo
-from kvpool_agent.connector import discovery
+from kvpool_agent.connector import discovery, identity
 from kvpool_agent.connector.compat import check_vllm_version
 from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.link import AgentLink
@@ -94,6 +94,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         check_vllm_version(vllm.__version__)
         settings = ConnectorSettings.load(self._kv_transfer_config.kv_connector_extra_config)
         self._settings = settings
+        self._credential = identity.credential(settings)
         self._counters = Counters()
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
@@ -134,6 +135,7 @@ class KvpoolConnector(KVConnectorBase_V1):
     ) -> AgentLink:
         return AgentLink(
             self._resolve,
+            credential=self._credential,
             role=role,
             timeout=timeout,
             retry_min_s=self._settings.retry_min_s,

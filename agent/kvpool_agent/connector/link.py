@@ -12,7 +12,9 @@ adds what serving needs around it:
   hello by itself, and a restarted agent (new ``agent_id``) is reported to
   ``on_new_agent`` so the worker can map a re-created segment;
 * refusals (:class:`~kvpool_agent.client.AgentError`) are not outages: the agent
-  answered, so the caller decides.
+  answered, so the caller decides; except a refused token (``unauthenticated``,
+  ``forbidden`` at hello) and a missing one, which are: one warning that says where the
+  token comes from, and the same pauses (a fixed Secret is read at the next try).
 
 Callers catch :class:`LinkDown` and carry on without the cache.
 """
@@ -28,6 +30,7 @@ import zmq
 
 from kvpool_agent.client import (
     AgentClient,
+    AgentError,
     AgentInfo,
     AgentUnavailable,
     LookupResult,
@@ -36,26 +39,30 @@ from kvpool_agent.client import (
 )
 from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.discovery import AgentAddress, DiscoveryError
-from kvpool_agent.protocol import ProtocolError
+from kvpool_agent.connector.identity import Credential, CredentialMissing
+from kvpool_agent.protocol import ErrorCode, ProtocolError
 from kvpool_agent.segment import SegmentError
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Resolver = Callable[[], AgentAddress]
-ClientFactory = Callable[[str, float], AgentClient]
+ClientFactory = Callable[[str, str, float], AgentClient]
+"""(endpoint, token, timeout) -> a client."""
 
 
 _OUTAGES = (AgentUnavailable, DiscoveryError, SegmentError, OSError, zmq.ZMQError, ProtocolError)
-"""What marks the agent down: no answer, no address, no segment, or an answer that is not one."""
+"""What marks the agent down: no answer, no address, no segment, or an answer that is not one
+(a missing token too: :class:`CredentialMissing` is an OSError)."""
+_REFUSED_TOKEN = frozenset((ErrorCode.UNAUTHENTICATED, ErrorCode.FORBIDDEN))
 
 
 class LinkDown(ConnectionError):
     """The agent is unavailable now; the caller goes on without the cache."""
 
 
-def _default_client(endpoint: str, timeout: float) -> AgentClient:
-    return AgentClient(endpoint, client_name="kvpool-vllm-connector", timeout=timeout)
+def _default_client(endpoint: str, token: str, timeout: float) -> AgentClient:
+    return AgentClient(endpoint, token=token, client_name="kvpool-vllm-connector", timeout=timeout)
 
 
 class AgentLink:
@@ -63,6 +70,7 @@ class AgentLink:
         self,
         resolve: Resolver,
         *,
+        credential: Credential,
         role: str,
         timeout: float,
         retry_min_s: float,
@@ -73,6 +81,7 @@ class AgentLink:
         on_new_agent: Callable[[AgentInfo], None] | None = None,
     ) -> None:
         self._resolve = resolve
+        self._credential = credential
         self._role = role
         self._timeout = timeout
         self._retry_min = retry_min_s
@@ -84,6 +93,8 @@ class AgentLink:
         self.address: AgentAddress | None = None
         self._client: AgentClient | None = None
         self._agent_id: str | None = None
+        self.bound_tenant = ""
+        """The tenant the token acts for (a KVCacheTenant's token), from the last hello."""
         self._down_since: float | None = None
         self._retry_at = 0.0
         self._pause = retry_min_s
@@ -142,6 +153,12 @@ class AgentLink:
         try:
             client = self._connected()
             result = operation(client)
+        except AgentError as error:
+            if error.code not in _REFUSED_TOKEN:
+                raise
+            self._client = None
+            self._failed(CredentialMissing(f"the agent refused the connector's token ({error})"))
+            raise LinkDown(str(error)) from error
         except _OUTAGES as error:
             if not isinstance(error, AgentUnavailable):  # that one reset the client already
                 self._client = None  # start again from a fresh socket and session
@@ -172,7 +189,9 @@ class AgentLink:
         if self._client is None:
             if self.address is None:
                 self.address = self._resolve()
-            self._client = self._client_factory(self.address.endpoint, self._timeout)
+            self._client = self._client_factory(
+                self.address.endpoint, self._credential(), self._timeout
+            )
         if self._client.info is None:
             self._client.connect()
         return self._client
@@ -186,7 +205,10 @@ class AgentLink:
 
     def _check_agent(self, client: AgentClient) -> None:
         info = client.info
-        if info is None or info.agent_id == self._agent_id:
+        if info is None:
+            return
+        self.bound_tenant = info.tenant
+        if info.agent_id == self._agent_id:
             return
         first = self._agent_id is None
         self._agent_id = info.agent_id

@@ -236,7 +236,11 @@ class SchedulerHalf:
                 keys.KeyChain(self._root(rank, salt), self.chunk_tokens)
                 for rank in range(len(self._roots))
             ]
-            state = _Request(request, keys.tenant_id(salt), chains)
+            # no salt: the default tenant, or the tenant the engine's token acts for
+            tenant = (
+                keys.tenant_id(salt) if salt else self._link.bound_tenant or keys.tenant_id(salt)
+            )
+            state = _Request(request, tenant, chains)
             self._requests[request.request_id] = state
         return state
 

@@ -10,6 +10,8 @@ set it when the pod mounts the segment at another path). With a pool the connect
 reads the pool Service's annotations through the Kubernetes API (see
 :mod:`kvpool_agent.connector.discovery`). ``KVPOOL_ENDPOINT``,
 ``KVPOOL_SEGMENT_PATH`` and ``KVPOOL_CHUNK_TOKENS`` override both, for local use.
+The token the connector says hello with comes from ``KVPOOL_TOKEN``, a file, or the
+embedded default's engine token (:mod:`kvpool_agent.connector.identity`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,13 @@ class ConnectorSettings(BaseModel):
     pool: str | None = Field(None, description="KVCachePool name: discover the agent by Service.")
     namespace: str | None = Field(
         None, description="Namespace of the pool's Service; default: this pod's namespace."
+    )
+    token_file: Path | None = Field(
+        None,
+        description=(
+            "File of the token for the agent (a mounted Secret's 'token'); KVPOOL_TOKEN and "
+            "KVPOOL_TOKEN_FILE take precedence."
+        ),
     )
     chunk_tokens: int | None = Field(
         None,

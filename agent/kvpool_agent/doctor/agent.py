@@ -1,4 +1,5 @@
-"""The agent check: the agent answers hello at the address the connector would use.
+"""The agent check: the agent answers hello at the address the connector would use, and
+takes the token the connector would send.
 
 When it does not, a plain TCP connection to the same address tells why: the name does not
 resolve, nothing listens on the port, or something that is not an agent listens there.
@@ -11,6 +12,7 @@ import socket
 import zmq
 
 from kvpool_agent.client import AgentClient, AgentError, AgentUnavailable
+from kvpool_agent.connector.identity import Credential, CredentialMissing
 from kvpool_agent.doctor.report import Check, failed, passed, size
 from kvpool_agent.protocol import PROTOCOL_VERSION, ErrorCode
 
@@ -18,9 +20,15 @@ NAME = "agent"
 CLIENT_NAME = "kvpool-doctor"
 
 
-def reach(endpoint: str, timeout: float, pool: str | None) -> tuple[Check, AgentClient | None]:
+def reach(
+    endpoint: str, credential: Credential, timeout: float, pool: str | None
+) -> tuple[Check, AgentClient | None]:
     """Say hello to the agent; the connected client if it answered."""
-    client = AgentClient(endpoint, client_name=CLIENT_NAME, timeout=timeout)
+    try:
+        token = credential()
+    except CredentialMissing as error:
+        return failed(NAME, str(error), _TOKEN_FIX), None
+    client = AgentClient(endpoint, token=token, client_name=CLIENT_NAME, timeout=timeout)
     try:
         info = client.connect()
     except AgentUnavailable:
@@ -36,6 +44,10 @@ def reach(endpoint: str, timeout: float, pool: str | None) -> tuple[Check, Agent
                 "run one kvpool release in the vLLM image and in the agents (upgrade the "
                 "older side): the protocol version is part of the release",
             ), None
+        if error.code in (ErrorCode.UNAUTHENTICATED, ErrorCode.FORBIDDEN):
+            return failed(
+                NAME, f"the agent at {endpoint} refused the token: {error}", _TOKEN_FIX
+            ), None
         return failed(NAME, f"the agent at {endpoint} refused hello: {error}", _LOGS), None
     except zmq.ZMQError as error:
         client.close()
@@ -47,6 +59,12 @@ def reach(endpoint: str, timeout: float, pool: str | None) -> tuple[Check, Agent
     ), client
 
 
+_TOKEN_FIX = (
+    "give the connector (and the doctor) a token of the pool: a team's engine takes its "
+    "KVCacheTenant's Secret (key 'token') as KVPOOL_TOKEN; a shared engine an engine token of "
+    "the pool's tokens file; on the embedded default, the agent writes one to "
+    "~/.local/state/kvpool/engine-token-<pool>"
+)
 _LOGS = "the agent's log says why (kubectl logs, or the kvpool-agent process's stderr)"
 _ENDPOINT_FORM = "an endpoint is tcp://HOST:PORT or ipc://PATH"
 

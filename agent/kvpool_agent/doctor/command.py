@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvpool_agent.connector.identity import credential
 from kvpool_agent.connector.settings import ConnectorSettings
 from kvpool_agent.doctor.fingerprint import EngineModel
 from kvpool_agent.doctor.report import Check, exit_code
@@ -42,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-layout", help="the KV layout, as the connector logs it")
     parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size (default 1)")
     parser.add_argument(
+        "--token-file",
+        type=Path,
+        help="a file holding the token the connector uses (or set KVPOOL_TOKEN or "
+        "KVPOOL_TOKEN_FILE, as for the connector)",
+    )
+    parser.add_argument(
         "--admin-token-file",
         type=Path,
         help=f"a file holding an admin token of the pool (or set {ADMIN_TOKEN_ENV})",
@@ -65,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.segment_path is not None:
         extra_config["segment_path"] = args.segment_path
+    if args.token_file is not None:
+        extra_config["token_file"] = args.token_file
     try:
         settings = ConnectorSettings.load(extra_config)
         admin_token = _admin_token(args.admin_token_file)
@@ -73,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     options = Options(
         settings=settings,
+        credential=credential(settings),
         http_url=args.http,
         admin_token=admin_token,
         block_size=args.block_size,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from kvpool_agent.client import AgentClient
 from kvpool_agent.connector.discovery import AgentAddress
+from kvpool_agent.connector.identity import Credential
 from kvpool_agent.connector.settings import ConnectorSettings
 from kvpool_agent.doctor import agent, canary, chunk_size, fingerprint, hit_rate, shared_memory
 from kvpool_agent.doctor.address import locate
@@ -22,6 +23,8 @@ from kvpool_agent.doctor.report import Check, skipped, skipped_all
 class Options:
     settings: ConnectorSettings
     """What the connector would be configured with (its extra config and KVPOOL_* overrides)."""
+    credential: Credential
+    """The token the connector would say hello with."""
     http_url: str | None
     """The agent's HTTP API, when not found through the pool's Service."""
     admin_token: str | None
@@ -50,7 +53,7 @@ def diagnose(options: Options) -> Iterator[Check]:
         yield from skipped_all(AFTER_LOCATE, "needs the agent's address (discovery failed)")
         return
     address = located.address
-    check, client = agent.reach(address.endpoint, options.timeout, located.pool)
+    check, client = agent.reach(address.endpoint, options.credential, options.timeout, located.pool)
     yield check
     if client is None:
         yield from skipped_all(

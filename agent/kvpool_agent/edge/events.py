@@ -7,6 +7,9 @@ message is two frames, the topic :data:`~kvpool_agent.protocol.EVENTS_TOPIC` and
 after a gap it asks the agent for a ``snapshot`` (ZMQ request) of the keys it
 holds, which carries the ``seq`` it is consistent with. PUB never blocks the
 cache: a subscriber that falls behind loses messages and resynchronises.
+A subscriber connects with ZMQ's PLAIN mechanism, its password an index's (or an admin's)
+token of the pool (:mod:`kvpool_agent.edge.zap`); any other connection is closed during
+its handshake and receives nothing.
 ``time`` is the publisher's Unix time, so a subscriber can measure its lag (as
 well as the nodes' clocks agree); it is the last field, so decoders that predate
 it ignore it and events that predate it decode with 0.
@@ -21,7 +24,9 @@ import time
 
 import zmq
 
+from kvpool_agent.edge.zap import PlainAuthenticator
 from kvpool_agent.protocol import EVENTS_TOPIC, ChunkEvent, encode_event
+from kvpool_agent.tenancy.auth import Role, TokenAuthority
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +34,13 @@ log = logging.getLogger(__name__)
 class EventPublisher:
     """A :class:`~kvpool_agent.core.cache_types.ChunkListener` that publishes every change."""
 
-    def __init__(self, endpoint: str, agent_id: str, tier: str = "l1") -> None:
+    def __init__(
+        self, endpoint: str, agent_id: str, authority: TokenAuthority, tier: str = "l1"
+    ) -> None:
         self.agent_id = agent_id
+        self._authenticator = PlainAuthenticator(
+            authority, (Role.INDEX, Role.ADMIN), domain="kvpool-events"
+        )
         self._endpoint = endpoint
         self._tier = tier
         self._lock = threading.Lock()  # L1 calls back from the ZMQ thread and the event loop
@@ -39,7 +49,9 @@ class EventPublisher:
         self.bound_endpoint = ""
 
     def start(self) -> None:
-        socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
+        self._authenticator.start()
+        socket: zmq.Socket[bytes] = self._authenticator.context.socket(zmq.PUB)
+        self._authenticator.protect(socket)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, 100_000)
         socket.bind(self._endpoint)
@@ -48,9 +60,11 @@ class EventPublisher:
         log.info("chunk events on %s", self.bound_endpoint)
 
     def stop(self) -> None:
-        if self._socket is not None:
-            self._socket.close()
-            self._socket = None
+        with self._lock:
+            if self._socket is not None:
+                self._socket.close()
+                self._socket = None
+        self._authenticator.stop()
 
     @property
     def seq(self) -> int:

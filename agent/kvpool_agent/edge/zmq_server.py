@@ -20,6 +20,26 @@ fenced: every later request on it fails with ``session_fenced`` (the client
 says hello again) and its quarantined pages (see :mod:`kvpool_agent.core.l1`) are
 freed once it is swept as idle. Idle sessions are swept on a timer, busy
 socket or not.
+
+Credentials: hello carries a bearer token, checked by the pool's token authority (the
+same one as the HTTP API's: the tokens file, or the generated tokens, and the
+KVCacheTenants' tokens from the tenants ConfigMap). Without a known token a hello is
+refused (``unauthenticated``), and nothing else works without a session. A session may:
+
+- with a KVCacheTenant's token: its own tenant's chunks only (lookups, stores, retrieves,
+  clearing its own chunks); a request that names the default tenant (no ``cache_salt``)
+  acts on the token's tenant instead;
+- with an engine's token (a vLLM engine serving many tenants' salts): any tenant's chunks,
+  but no snapshot and no clear;
+- with an index's token: the snapshot only (the events feed takes the same token);
+- with an admin's token: everything.
+
+Every token that touches chunks may also use ``kvpool doctor``'s canary tenant
+(:data:`~kvpool_agent.keys.CANARY_TENANT`: random bytes, cleared at once), so the doctor
+checks a deployment with the engine's own token. Anything else is ``forbidden``; a
+gateway's token is refused at hello. A token revoked while its sessions live (a
+KVCacheTenant deleted) voids them: their next request is ``unauthenticated``, and their
+leases end as a fenced session's do, so a writer still copying harms no one.
 """
 
 from __future__ import annotations
@@ -38,9 +58,11 @@ import zmq
 from kvpool_agent import protocol as p
 from kvpool_agent.core.cache_types import CacheError, InvalidRequest, LeaseExpired, UnknownLease
 from kvpool_agent.edge.zmtp import DropReason, Frame, MessageBounds, ZmtpRouter
-from kvpool_agent.keys import TENANT_ID_RULE, is_tenant_id
+from kvpool_agent.keys import CANARY_TENANT, TENANT_ID_RULE, is_tenant_id, tenant_id
 from kvpool_agent.segment import SharedSegment
 from kvpool_agent.service.cache_service import CacheService
+from kvpool_agent.tenancy.auth import Principal, Role, TokenAuthority
+from kvpool_agent.tenants_configmap import digest_token
 from kvpool_agent.web.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -54,6 +76,10 @@ HEADER_BYTES = 1 << 20
 Handled = tuple[p.Reply, list[bytes]] | None
 """A reply and its data frames, or None when the reply is parked for later."""
 SHUTTING_DOWN = "the agent is shutting down"
+DEFAULT_TENANT = tenant_id(None)
+"""The tenant of requests without a ``cache_salt``."""
+_CHUNK_ROLES = frozenset((Role.ADMIN, Role.ENGINE, Role.TENANT))
+"""Roles whose tokens touch chunks."""
 
 
 class RequestObserver(Protocol):
@@ -76,9 +102,13 @@ class _Parked:
 class _Session:
     client: str
     peer: Peer
+    principal: Principal
+    digest: bytes
+    """Of the token that opened it: checked again when the granted tokens change."""
     leases: set[int] = field(default_factory=set)
     last_seen: float = 0.0
     fenced: bool = False
+    revoked: bool = False
 
 
 class ZmqServer:
@@ -88,6 +118,7 @@ class ZmqServer:
         segment: SharedSegment,
         endpoint: str,
         *,
+        authority: TokenAuthority,
         agent_id: str,
         max_inline_bytes: int,
         max_keys: int = 8192,
@@ -100,6 +131,8 @@ class ZmqServer:
         self._notifier: zmq.Socket[bytes] | None = None
         self._service = service
         self._segment = segment
+        self._authority = authority
+        self._generation_seen = authority.generation
         self._endpoint = endpoint
         self._max_inline = max_inline_bytes
         self._max_keys = max_keys
@@ -238,6 +271,7 @@ class ZmqServer:
             request = p.decode_request(body[0])
             op, req = p.op_name(request), request.req
             self._fence_expired_writers()
+            self._void_revoked_sessions()
             if isinstance(request, p.PrefetchStatus):
                 handled = self._prefetch_status(request, identity, started)
             else:
@@ -283,6 +317,11 @@ class ZmqServer:
                 f"session {session_id} is unknown on this connection "
                 f"(agent {self.agent_id} restarted?); send hello",
             )
+        if session.revoked:
+            raise p.ProtocolError(
+                p.ErrorCode.UNAUTHENTICATED,
+                f"the token of session {session_id} was revoked; its leases are void",
+            )
         if session.fenced:
             raise p.ProtocolError(
                 p.ErrorCode.SESSION_FENCED,
@@ -319,6 +358,40 @@ class ZmqServer:
                     session.client,
                 )
 
+    def _void_revoked_sessions(self) -> None:
+        """Void the sessions whose token is no longer granted (one compare when nothing
+        changed). Their leases are left to the idle sweep, as a fenced session's."""
+        generation = self._authority.generation
+        if generation == self._generation_seen:
+            return
+        self._generation_seen = generation
+        for session in self._sessions.values():
+            if not session.revoked and not self._authority.holds(session.digest, session.principal):
+                session.revoked = True
+                log.warning(
+                    "a session of client %r lost its token (%s revoked): session voided",
+                    session.client,
+                    session.principal,
+                )
+
+    def _tenant(self, session: _Session, tenant: str) -> str:
+        """The tenant a request of ``session`` naming ``tenant`` acts on, if it may."""
+        principal = session.principal
+        if tenant == CANARY_TENANT and principal.role in _CHUNK_ROLES:
+            return tenant
+        if principal.role is Role.TENANT:
+            assert principal.tenant is not None
+            if tenant in (principal.tenant, DEFAULT_TENANT):
+                return principal.tenant
+            raise p.ProtocolError(
+                p.ErrorCode.FORBIDDEN,
+                f"this token acts for tenant {principal.tenant} only, not {tenant[:40]!r}",
+            )
+        if principal.role in (Role.ADMIN, Role.ENGINE):
+            _check_tenant(tenant)
+            return tenant
+        raise p.ProtocolError(p.ErrorCode.FORBIDDEN, f"{principal} tokens touch no chunk")
+
     def _check_owner(self, session: _Session, lease: int) -> None:
         if lease not in session.leases:
             raise p.ProtocolError(
@@ -352,8 +425,28 @@ class ZmqServer:
                 f"this agent speaks version {p.PROTOCOL_VERSION}",
                 request.req,
             )
+        principal = self._authority.authenticate(request.token) if request.token else None
+        if principal is None:
+            raise p.ProtocolError(
+                p.ErrorCode.UNAUTHENTICATED,
+                "hello needs a token of this pool (a KVCacheTenant's, an engine's or an "
+                + ("admin's); this one is unknown" if request.token else "admin's); none given"),
+                request.req,
+            )
+        if principal.role is Role.GATEWAY:
+            raise p.ProtocolError(
+                p.ErrorCode.FORBIDDEN,
+                "a gateway token is for the prefix index's routing API, not the agent",
+                request.req,
+            )
         session_id = self._new_session_id()
-        self._sessions[session_id] = _Session(request.client, peer, last_seen=self._clock())
+        self._sessions[session_id] = _Session(
+            request.client,
+            peer,
+            principal,
+            digest_token(request.token),
+            last_seen=self._clock(),
+        )
         layout = self._segment.layout
         return p.HelloReply(
             request.req,
@@ -366,17 +459,19 @@ class ZmqServer:
             layout.page_size,
             self._max_inline,
             self._max_keys,
+            principal.tenant or "",
         ), []
 
     def _ping(self, request: p.Ping, extra: Frames, peer: Peer) -> Handled:
+        self._session(request.session, peer)
         return p.Pong(request.req, self.agent_id), []
 
     def _lookup(self, request: p.Lookup, extra: Frames, peer: Peer) -> Handled:
         session = self._session(request.session, peer)
         self._check_keys(request.keys)
-        _check_tenant(request.tenant)
+        tenant = self._tenant(session, request.tenant)
         found = self._service.lookup(
-            request.tenant,
+            tenant,
             request.keys,
             lock=request.lock,
             count=request.count,
@@ -432,12 +527,10 @@ class ZmqServer:
     def _prepare_store(self, request: p.PrepareStore, extra: Frames, peer: Peer) -> Handled:
         session = self._session(request.session, peer)
         self._check_keys(request.keys)
-        _check_tenant(request.tenant)
+        tenant = self._tenant(session, request.tenant)
         if self._draining:
             return p.PrepareStoreReply(request.req, p.NO_LEASE, [], SHUTTING_DOWN), []
-        reservation = self._service.reserve(
-            request.tenant, request.keys, request.sizes, request.parent
-        )
+        reservation = self._service.reserve(tenant, request.keys, request.sizes, request.parent)
         if reservation.lease is not None:
             session.leases.add(reservation.lease)
         offsets = [-1 if place is None else place.offset for place in reservation.placements]
@@ -460,9 +553,9 @@ class ZmqServer:
         return p.Ok(request.req), []
 
     def _store_inline(self, request: p.StoreInline, extra: Frames, peer: Peer) -> Handled:
-        self._session(request.session, peer)
+        session = self._session(request.session, peer)
         self._check_keys(request.keys)
-        _check_tenant(request.tenant)
+        tenant = self._tenant(session, request.tenant)
         if len(extra) != len(request.keys):
             raise InvalidRequest(f"{len(request.keys)} keys but {len(extra)} data frames")
         if self._draining:
@@ -474,16 +567,15 @@ class ZmqServer:
                 f"inline payload of {size} bytes; at most {self._max_inline}",
                 request.req,
             )
-        result = self._service.store(request.tenant, request.keys, list(extra), request.parent)
+        result = self._service.store(tenant, request.keys, list(extra), request.parent)
         return p.StoreInlineReply(
             request.req, result.stored, result.present, result.refused_reason
         ), []
 
     def _retrieve_inline(self, request: p.RetrieveInline, extra: Frames, peer: Peer) -> Handled:
-        self._session(request.session, peer)
+        session = self._session(request.session, peer)
         self._check_keys(request.keys)
-        _check_tenant(request.tenant)
-        data = self._service.retrieve(request.tenant, request.keys)
+        data = self._service.retrieve(self._tenant(session, request.tenant), request.keys)
         return p.RetrieveInlineReply(request.req, len(data)), data
 
     def _end_session(self, request: p.EndSession, extra: Frames, peer: Peer) -> Handled:
@@ -493,19 +585,33 @@ class ZmqServer:
         return p.Ok(request.req), []
 
     def _clear(self, request: p.Clear, extra: Frames, peer: Peer) -> Handled:
-        self._session(request.session, peer)
-        if request.tenant is not None:
-            _check_tenant(request.tenant)
-        return p.ClearReply(request.req, self._service.clear(request.tenant)), []
+        """An admin clears any tenant or all; a tenant's token its own chunks only (and every
+        chunk token the doctor's canary)."""
+        session = self._session(request.session, peer)
+        role = session.principal.role
+        if request.tenant is not None and (role is Role.TENANT or request.tenant == CANARY_TENANT):
+            tenant: str | None = self._tenant(session, request.tenant)
+        elif role is Role.ADMIN:
+            tenant = request.tenant
+            if tenant is not None:
+                _check_tenant(tenant)
+        else:
+            raise p.ProtocolError(p.ErrorCode.FORBIDDEN, f"{session.principal} may not clear")
+        return p.ClearReply(request.req, self._service.clear(tenant)), []
 
     def _snapshot(self, request: p.Snapshot, extra: Frames, peer: Peer) -> Handled:
-        self._session(request.session, peer)
+        session = self._session(request.session, peer)
+        if session.principal.role not in (Role.ADMIN, Role.INDEX):
+            raise p.ProtocolError(
+                p.ErrorCode.FORBIDDEN, "the snapshot is for a prefix index's (or an admin's) token"
+            )
         snapshot = self._service.snapshot()
         return p.SnapshotReply(
             request.req, self.agent_id, snapshot.seq, snapshot.keys_by_tenant
         ), []
 
     def _stats(self, request: p.Stats, extra: Frames, peer: Peer) -> Handled:
+        self._session(request.session, peer)
         stats = self._service.stats()
         summary: dict[str, int | float] = {
             "capacity_bytes": stats.capacity_bytes,

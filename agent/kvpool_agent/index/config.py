@@ -24,8 +24,10 @@ from kvpool_agent.names import (
     DEFAULT_LOAD_SLACK,
     DEFAULT_MAX_CHUNKS_PER_NODE,
     DEFAULT_MIN_MATCH_RATIO,
+    DEFAULT_STATE_DIR,
     INDEX_CONFIG_FILE_ENV,
     INDEX_ENV_PREFIX,
+    generated_token_path,
 )
 
 DEFAULT_MAX_BODY_BYTES = ByteSize(16 << 20)
@@ -123,9 +125,17 @@ class IndexConfig(BaseSettings):
             "tokens may ask; without one, a token is generated into state_dir at start."
         ),
     )
+    agent_token_file: Path | None = Field(
+        None,
+        description=(
+            "File of the token the index follows the agents with (an index token of the "
+            "pool: snapshots and chunk events); default: the index token that an agent of "
+            "the embedded default generates, <state_dir>/index-token-<pool>."
+        ),
+    )
     state_dir: Path = Field(
-        Path.home() / ".local" / "state" / "kvpool",
-        description="Directory of the generated token (index-token-<pool>).",
+        DEFAULT_STATE_DIR,
+        description="Directory of the generated token (index-admin-token-<pool>).",
     )
     warmup_seconds: float = Field(
         30.0,
@@ -157,8 +167,12 @@ class IndexConfig(BaseSettings):
         return RoutingPolicy(self.load_factor, self.min_match_ratio, self.load_slack)
 
     @property
+    def resolved_agent_token_file(self) -> Path:
+        return self.agent_token_file or generated_token_path(self.state_dir, "index", self.pool)
+
+    @property
     def generated_token_file(self) -> Path:
-        return self.state_dir / f"index-token-{self.pool}"
+        return self.state_dir / f"index-admin-token-{self.pool}"
 
     @classmethod
     def settings_customise_sources(

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
+from kvpool_agent.client import read_token
 from kvpool_agent.index.config import IndexConfig, StaticAgent
 from kvpool_agent.index.discovery import (
     AgentEndpoint,
@@ -53,10 +54,16 @@ def make_discovery(config: IndexConfig) -> Discovery:
 
 class IndexServer:
     def __init__(
-        self, config: IndexConfig, authority: TokenAuthority, discovery: Discovery
+        self,
+        config: IndexConfig,
+        authority: TokenAuthority,
+        agent_token: str,
+        discovery: Discovery,
     ) -> None:
+        """``agent_token``: what the index follows the agents with (an index token)."""
         self.config = config
         self._authority = authority
+        self._agent_token = agent_token
         self._discovery = discovery
         self._stopping = asyncio.Event()
         self._ready = False
@@ -81,6 +88,7 @@ class IndexServer:
         tracker = PrefixTracker(config.max_chunks_per_node)
         subscriber = EventSubscriber(
             tracker,
+            token=self._agent_token,
             snapshot_timeout=config.snapshot_timeout_seconds,
             receive_hwm=config.receive_hwm,
         )
@@ -159,10 +167,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvpool index: invalid configuration:\n{error}", file=sys.stderr)
         return 2
     try:
-        authority = load_authority(config.tokens_file, config.generated_token_file)
+        authority = load_authority(config.tokens_file, {"admin": config.generated_token_file})
+        agent_token = read_token(config.resolved_agent_token_file)
         discovery = make_discovery(config)
-    except (TokenFileError, ValueError, OSError) as error:
+    except (TokenFileError, ValueError, OSError) as error:  # a token file's error too
         print(f"kvpool index: {error}", file=sys.stderr)
         return 2
-    asyncio.run(IndexServer(config, authority, discovery).run())
+    asyncio.run(IndexServer(config, authority, agent_token, discovery).run())
     return 0

@@ -7,7 +7,7 @@ Both time themselves (key hashing included) for the ``observer``.
 Embedding the index in a Python gateway instead of running ``kvpool index``::
 
     tracker = PrefixTracker()
-    subscriber = EventSubscriber(tracker)
+    subscriber = EventSubscriber(tracker, token=index_token)  # an index token of the pool
     discovery = StaticDiscovery(endpoints)  # or KubernetesDiscovery.connect(pool, namespace)
     subscriber.start()
     discovery.start(subscriber.follow)

@@ -23,6 +23,10 @@ protocol endpoint. Per agent the subscriber is in one of two states::
 * While resynchronising, queries still see the node's previous keys: stale
   for a moment, never empty.
 
+Both connections carry the index's token (an index's or an admin's token of the pool):
+in ``hello``, and as the PLAIN password of the SUB socket; an agent that refuses it is
+logged once per connection attempt's failure and retried like an unreachable one.
+
 Only L1 events are tracked: routing is about what a node can serve from its
 segment. Agents leave through :meth:`EventSubscriber.follow` (discovery says
 the pod is gone): their keys are dropped from the tracker.
@@ -116,6 +120,8 @@ class _Follower:
     seq: int = 0
     synced: bool = False
     connected: bool = False
+    refused: bool = False
+    """The agent's events port refused the index's token (logged once until it accepts)."""
     events: int = 0
     resyncs: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ResyncReason, 0))
     snapshot_failures: int = 0
@@ -142,6 +148,7 @@ class EventSubscriber:
         self,
         sink: IndexSink,
         *,
+        token: str,
         snapshot_timeout: float = 10.0,
         max_backoff: float = 30.0,
         settle: float = 0.2,
@@ -150,6 +157,7 @@ class EventSubscriber:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._sink = sink
+        self._token = token
         self._snapshot_timeout = snapshot_timeout
         self._max_backoff = max_backoff
         self._settle = settle
@@ -285,7 +293,11 @@ class EventSubscriber:
         sub.setsockopt(zmq.RECONNECT_IVL, 100)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         sub.setsockopt(zmq.SUBSCRIBE, p.EVENTS_TOPIC)
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sub.setsockopt(zmq.PLAIN_USERNAME, CLIENT_NAME.encode())
+        sub.setsockopt(zmq.PLAIN_PASSWORD, self._token.encode())
+        monitor = sub.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        )
         sub.connect(endpoint.events)
         return _Follower(endpoint, sub, monitor)
 
@@ -300,11 +312,19 @@ class EventSubscriber:
     def _on_monitor(self, follower: _Follower) -> None:
         while follower.monitor.poll(0):
             event = recv_monitor_message(follower.monitor)["event"]
-            if event == zmq.EVENT_CONNECTED:
-                follower.connected = True
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                follower.connected, follower.refused = True, False
                 self._resync(follower, ResyncReason.CONNECTED)
             elif event == zmq.EVENT_DISCONNECTED:
                 follower.connected = False
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and not follower.refused:
+                follower.refused = True  # logged once, until a handshake succeeds
+                log.error(
+                    "node %s refused the index's token on its events port %s: give the index "
+                    "an index token of the pool (agent_token_file)",
+                    follower.endpoint.node,
+                    follower.endpoint.events,
+                )
 
     def _drain(self, follower: _Follower) -> None:
         for _ in range(_DRAIN_BATCH):
@@ -378,7 +398,9 @@ class EventSubscriber:
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(follower.endpoint.zmq)
-        dealer.send(p.encode(p.Hello(next(self._requests), p.PROTOCOL_VERSION, CLIENT_NAME)))
+        dealer.send(
+            p.encode(p.Hello(next(self._requests), p.PROTOCOL_VERSION, CLIENT_NAME, self._token))
+        )
         follower.dealer = dealer
         follower.session = None
         follower.deadline = time.monotonic() + self._snapshot_timeout

@@ -1,24 +1,29 @@
-"""Bearer tokens of the pool's HTTP APIs: who is calling, admin, one tenant or a gateway.
+"""Bearer tokens of the pool's APIs: who is calling, admin, one tenant, an engine, an index
+or a gateway.
 
 Tokens come from a YAML or JSON file (the pool's Secret, mounted by the agents and by
 the prefix index alike)::
 
-    admin: [token, ...]            # or a single string: every route of both APIs
+    admin: [token, ...]            # or a single string: everything, on every API
     tenants:
       "<tenant-id>": [token, ...]  # or a single string; quote ids in YAML
+    engines: [token, ...]          # vLLM engines that serve many tenants' salts
+    indexes: [token, ...]          # prefix indexes following the agents
     gateways: [token, ...]         # or a single string: the index's routing API only
 
-Which principal may use which route is the APIs' business (:class:`Principal` only
-says who is calling): the agent refuses gateway tokens, the index tenant tokens.
+Which principal may use which route or operation is the APIs' business (:class:`Principal`
+only says who is calling): the agent's HTTP API refuses gateway, engine and index tokens,
+its ZMQ port gateway tokens (see :mod:`kvpool_agent.edge.zmq_server`), the index tenant
+tokens.
 
 Only the SHA-256 digests of the tokens stay in memory, and every check compares
 digests with :func:`hmac.compare_digest` against every known token, so neither
 a memory dump nor response timing gives a token away. Error messages name the
 offending entry by position, never by value, and nothing here logs a token.
 
-Without a tokens file the agent calls :meth:`TokenAuthority.generate_admin_token`
-at start: a fresh admin token is written to a file readable only by the agent's
-user (mode 0600), and the authority keeps its digest.
+Without a tokens file the agent calls :meth:`TokenAuthority.generate` at start: a fresh
+admin, engine and index token each is written to a file readable only by the agent's
+user (mode 0600), and the authority keeps their digests.
 
 Beside the file's tokens, an authority accepts digests granted at run time
 (:meth:`TokenAuthority.replace_granted`: the KVCacheTenants' tokens and the
@@ -45,10 +50,10 @@ from kvpool_agent.tenants_configmap import digest_token
 
 # Visible ASCII only: what fits in an Authorization header without quoting.
 _TOKEN = re.compile(r"[\x21-\x7e]+")
-_TOP_LEVEL_KEYS = ("admin", "tenants", "gateways")
+_TOP_LEVEL_KEYS = ("admin", "tenants", "engines", "indexes", "gateways")
 _KEYS_TEXT = ", ".join(f"'{key}'" for key in _TOP_LEVEL_KEYS)
 TOKEN_FILE_MODE = 0o600
-"""A generated admin token: for the agent's user (and whoever reads it as that user) only."""
+"""A generated token: for the agent's user (and whoever reads it as that user) only."""
 
 
 class TokenFileError(ValueError):
@@ -59,11 +64,16 @@ class Role(enum.StrEnum):
     ADMIN = "admin"
     TENANT = "tenant"
     GATEWAY = "gateway"
+    ENGINE = "engine"
+    """A vLLM engine serving many tenants' salts: any tenant's chunks, nothing else."""
+    INDEX = "index"
+    """A prefix index: the agent's key snapshot and chunk events, nothing else."""
 
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """Who a request acts for: the admin, one tenant (``tenant`` set) or a gateway."""
+    """Who a request acts for: the admin, one tenant (``tenant`` set), an engine, an index
+    or a gateway."""
 
     role: Role
     tenant: str | None = None
@@ -90,6 +100,10 @@ class Principal:
 
 ADMIN = Principal.admin()
 GATEWAY = Principal(Role.GATEWAY)
+ENGINE = Principal(Role.ENGINE)
+INDEX = Principal(Role.INDEX)
+_SHARED_ROLES = (("engines", ENGINE), ("indexes", INDEX), ("gateways", GATEWAY))
+"""The tokens file's keys of roles that are not one tenant's, and their principals."""
 
 
 Grant = tuple[bytes, Principal]
@@ -138,11 +152,14 @@ class TokenAuthority:
             where = f"{source}: tenant {tenant}"
             for token in _token_list(value, where):
                 self._add(owners, token, Principal(Role.TENANT, tenant), where)
-        for token in _token_list(tokens.get("gateways"), f"{source}: gateways"):
-            self._add(owners, token, GATEWAY, f"{source}: gateways")
+        for key, principal in _SHARED_ROLES:
+            for token in _token_list(tokens.get(key), f"{source}: {key}"):
+                self._add(owners, token, principal, f"{source}: {key}")
         if not self._entries:
             raise TokenFileError(f"{source}: defines no tokens; nobody could use the API")
         self._own = tuple(self._entries)
+        self._owners = owners
+        self._generation = 0
 
     @classmethod
     def from_file(cls, path: Path) -> TokenAuthority:
@@ -161,17 +178,19 @@ class TokenAuthority:
         return cls(parsed, source=str(path))
 
     @classmethod
-    def generate_admin_token(cls, path: Path) -> TokenAuthority:
-        """Write a fresh random admin token to ``path`` (mode 0600); the authority of it alone.
+    def generate(cls, files: Mapping[str, Path]) -> TokenAuthority:
+        """A fresh random token for each key of the tokens file in ``files`` (``admin``,
+        ``engines``, ``indexes``), each written to its file (mode 0600); their authority.
 
-        The file is replaced atomically, so a reader never sees a partial token;
-        a token generated at an earlier start stops working. Something at ``path`` that
-        is not a regular file of the agent's user is refused (:mod:`kvpool_agent.files`).
+        Each file is replaced atomically, so a reader never sees a partial token; a token
+        generated at an earlier start stops working. Something at a file's path that is not
+        a regular file of the agent's user is refused (:mod:`kvpool_agent.files`).
         """
-        token = secrets.token_urlsafe(32)
-        ensure_directory(path.parent, what="state directory")
-        write_file(path, (token + "\n").encode(), TOKEN_FILE_MODE, what="admin token file")
-        return cls({"admin": token}, source=str(path))
+        tokens = {key: secrets.token_urlsafe(32) for key in files}
+        for key, path in files.items():
+            ensure_directory(path.parent, what="state directory")
+            write_file(path, (tokens[key] + "\n").encode(), TOKEN_FILE_MODE, what="token file")
+        return cls(tokens, source=", ".join(str(path) for path in files.values()))
 
     def authenticate(self, token: str) -> Principal | None:
         """The principal of ``token``, or None if it is unknown.
@@ -185,6 +204,17 @@ class TokenAuthority:
             if hmac.compare_digest(digest, known):
                 found = principal
         return found
+
+    def holds(self, digest: bytes, principal: Principal) -> bool:
+        """Whether the token of ``digest`` (one this authority accepted before) still stands
+        for ``principal``: false once it is revoked. Not for checking a caller's token (use
+        :meth:`authenticate`): a dictionary lookup, not constant-time."""
+        return self._owners.get(digest) == principal
+
+    @property
+    def generation(self) -> int:
+        """Grows by one whenever the granted tokens are replaced (a revocation may follow)."""
+        return self._generation
 
     def replace_granted(self, grants: Iterable[Grant]) -> list[Grant]:
         """Accept exactly ``grants`` beside the file's tokens from now on.
@@ -202,7 +232,8 @@ class TokenAuthority:
                 entries.append((digest, principal))
             elif owner != principal:
                 refused.append((digest, principal))
-        self._entries = entries
+        self._entries, self._owners = entries, owners
+        self._generation += 1
         return refused
 
     @property
@@ -225,11 +256,12 @@ class TokenAuthority:
         self._entries.append((digest, principal))
 
 
-def load_authority(tokens_file: Path | None, admin_token_file: Path) -> TokenAuthority:
-    """An API's authority: from ``tokens_file`` if configured, else a generated admin token."""
+def load_authority(tokens_file: Path | None, generated: Mapping[str, Path]) -> TokenAuthority:
+    """An API's authority: from ``tokens_file`` if configured, else generated tokens (see
+    :meth:`TokenAuthority.generate`)."""
     if tokens_file is not None:
         return TokenAuthority.from_file(tokens_file)
-    return TokenAuthority.generate_admin_token(admin_token_file)
+    return TokenAuthority.generate(generated)
 
 
 def _token_list(value: object, where: str) -> list[str]:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from kubernetes.config import ConfigException
 
 from kvpool_agent.kube.watch import ListWatch, Manifest, connect_config_map, watch_config_map
-from kvpool_agent.tenancy.auth import ADMIN, Grant, Principal
+from kvpool_agent.tenancy.auth import ADMIN, INDEX, Grant, Principal
 from kvpool_agent.tenants_configmap import TenantsSnapshot, parse_tenants
 
 log = logging.getLogger(__name__)
@@ -28,8 +28,10 @@ class TenantsWatchError(RuntimeError):
 
 
 def grants(snapshot: TenantsSnapshot) -> list[Grant]:
-    """Every token digest with its principal: the operator's as admin, each tenant's own."""
+    """Every token digest with its principal: the operator's as admin, the index's as an
+    index, each tenant's own."""
     found: list[Grant] = [(digest, ADMIN) for digest in snapshot.operator_tokens]
+    found.extend((digest, INDEX) for digest in snapshot.index_tokens)
     for tenant, entry in snapshot.tenants.items():
         principal = Principal.for_tenant(tenant)
         found.extend((digest, principal) for digest in entry.tokens)

@@ -19,6 +19,9 @@ import yaml
 BIN = Path(sys.executable).parent
 READY = re.compile(r"agent ready pool=\S+ zmq=(\S+) http=(\S+) segment=(\S+) events=(\S+)")
 ADMIN_TOKEN = "admin-token-for-tests"
+ENGINE_TOKEN = "engine-token-for-tests"
+INDEX_TOKEN = "index-token-for-tests"
+"""The tokens of every harness agent's tokens file (with its tenants' own)."""
 
 
 @dataclass
@@ -62,7 +65,12 @@ class AgentProcess:
         tokens = self.workdir / "tokens.yaml"
         tokens.write_text(
             yaml.safe_dump(
-                {"admin": ADMIN_TOKEN, "tenants": {t: tok for t, tok in self.tenant_tokens.items()}}
+                {
+                    "admin": ADMIN_TOKEN,
+                    "engines": ENGINE_TOKEN,
+                    "indexes": INDEX_TOKEN,
+                    "tenants": dict(self.tenant_tokens),
+                }
             )
         )
         defaults = {

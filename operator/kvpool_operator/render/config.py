@@ -22,6 +22,10 @@ TOKENS_DIR = "/etc/kvpool/tokens"
 TOKENS_FILE = "tokens.yaml"
 TOKENS_PATH = f"{TOKENS_DIR}/{TOKENS_FILE}"
 STATE_DIR = "/var/lib/kvpool"
+AGENT_ACCESS_DIR = "/etc/kvpool/agent-access"
+"""Where the index mounts the Secret of the token it follows the agents with."""
+AGENT_ACCESS_KEY = "token"
+"""That Secret's key (the operator mints it; see kvpool_operator.tenants)."""
 L2_KEYS_DIR = "/etc/kvpool/l2-keys"
 """Where the pool's L2 key Secret is mounted (spec.l2.encryption.keySecretRef)."""
 NODE_KEYS_DIR = ".kvpool-keys"
@@ -124,6 +128,7 @@ def index_config(pool: Pool, spec: PoolSpec) -> IndexConfig:
             "chunk_tokens": fingerprint.chunk_tokens or spec.chunk_tokens,
         },
         tokens_file=TOKENS_PATH,
+        agent_token_file=f"{AGENT_ACCESS_DIR}/{AGENT_ACCESS_KEY}",
         state_dir=STATE_DIR,
     )
 

@@ -15,6 +15,7 @@ from kvpool_operator.render.config import index_config, settings_file
 from kvpool_operator.render.objects import ChildRef, Manifest, Pool, manifest
 from kvpool_operator.render.pods import (
     CONFIG_DIR,
+    agent_access_volume,
     config_volume,
     container_ports,
     container_security,
@@ -106,7 +107,12 @@ def index_children(pool: Pool, spec: PoolSpec, default_image: str) -> IndexChild
 
 def _index_deployment(pool: Pool, spec: PoolSpec, config_text: str, default_image: str) -> Manifest:
     index = spec.index
-    volumes = [config_volume(pool.index_config_name), state_volume(), *tokens_volume(spec)]
+    volumes = [
+        config_volume(pool.index_config_name),
+        state_volume(),
+        *tokens_volume(spec),
+        agent_access_volume(pool),
+    ]
     container = {
         "name": "index",
         "image": index.image or spec.agent.image or default_image,

@@ -56,6 +56,10 @@ class Pool:
         return names.index_name(self.name)
 
     @property
+    def index_access_name(self) -> str:
+        return names.index_access_name(self.name)
+
+    @property
     def index_config_name(self) -> str:
         return names.index_config_map_name(self.name)
 

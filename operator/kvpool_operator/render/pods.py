@@ -8,7 +8,7 @@ import hashlib
 from typing import Any
 
 from kvpool_agent.names import CONFIG_CHECKSUM_ANNOTATION
-from kvpool_operator.render.config import STATE_DIR, TOKENS_DIR, TOKENS_FILE
+from kvpool_operator.render.config import AGENT_ACCESS_DIR, STATE_DIR, TOKENS_DIR, TOKENS_FILE
 from kvpool_operator.render.objects import Pool
 from kvpool_operator.spec import PoolSpec, ResourcesSpec
 
@@ -93,6 +93,15 @@ def tokens_volume(spec: PoolSpec) -> list[Volume]:
         },
     }
     return [(volume, {"name": "tokens", "mountPath": TOKENS_DIR, "readOnly": True})]
+
+
+def agent_access_volume(pool: Pool) -> Volume:
+    """The index's token for the agents (the operator's Secret), read-only."""
+    volume = {
+        "name": "agent-access",
+        "secret": {"secretName": pool.index_access_name, "defaultMode": 0o440},
+    }
+    return volume, {"name": "agent-access", "mountPath": AGENT_ACCESS_DIR, "readOnly": True}
 
 
 def container_ports(ports: list[tuple[str, int]]) -> list[dict[str, Any]]:

@@ -248,7 +248,7 @@ def test_damaged_records_are_discarded_never_served(segment_path: Path) -> None:
 
 
 def _fill(endpoint: str, tenant: str, count: int, size: int) -> None:
-    with AgentClient(endpoint) as client:
+    with AgentClient(endpoint, token=ADMIN_TOKEN) as client:
         for first in range(0, count, 8):
             names = list(range(first, min(first + 8, count)))
             stored = client.store(
@@ -261,7 +261,9 @@ def test_sigkill_then_restart_serves_every_chunk_byte_exact(agent_process: Agent
     agent = agent_process.start()
     agent.fix_ports()
     _fill(agent.zmq, TENANT, 200, 100_000)
-    client = AgentClient(agent.zmq, timeout=2)  # stays connected across the restart
+    client = AgentClient(
+        agent.zmq, token=ADMIN_TOKEN, timeout=2
+    )  # stays connected across the restart
     client.connect()
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     usage = httpx.get(f"{agent.http}/v1/tenants/{TENANT}/usage", headers=admin).json()
@@ -284,7 +286,7 @@ def _store_until_refused(
     endpoint: str, worker: int, done: multiprocessing.queues.Queue[int]
 ) -> None:
     """Store chunk after chunk; report each one whose commit the agent confirmed."""
-    client = AgentClient(endpoint, timeout=2)
+    client = AgentClient(endpoint, token=ADMIN_TOKEN, timeout=2)
     name = worker * 100_000
     try:
         client.connect()
@@ -328,7 +330,7 @@ def test_sigterm_during_concurrent_stores_loses_no_committed_chunk(
         worker.join(10)
     assert "stores in flight dropped" not in "".join(agent.log)
     agent.start()
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         names = [n for n in committed if n >= 0]
         for name in names:
             assert client.retrieve(TENANT, [key(name)]) == [payload(name, 50_000)], name
@@ -345,7 +347,7 @@ def test_an_incompatible_segment_is_recreated_with_a_reason(agent_process: Agent
     assert any("from empty: segment layout 1; this build reads 2" in line for line in agent.log)
     metrics = httpx.get(f"{agent.http}/metrics").text
     assert 'kvpool_l1_segment_origin{reason="segment layout 1; this build reads 2"} 1.0' in metrics
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         assert client.lookup(TENANT, [key(0)], lock=False).count == 0
         _fill(agent.zmq, TENANT, 8, 1000)  # and it serves
         assert client.lookup(TENANT, [key(n) for n in range(8)], lock=False).count == 8

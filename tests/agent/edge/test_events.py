@@ -11,15 +11,18 @@ from kvpool_agent import protocol as p
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.protocol import EVENTS_TOPIC, ChunkEvent, decode_event
-from kvpool_agent.testing.agent_process import AgentProcess
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, INDEX_TOKEN, AgentProcess
 from tests.support.chunks import key
 
 TENANT = tenant_id("events")
 
 
-def _subscribe(endpoint: str) -> zmq.Socket[bytes]:
+def _subscribe(endpoint: str, token: str = INDEX_TOKEN) -> zmq.Socket[bytes]:
+    """A subscriber as the index connects one: PLAIN, its password ``token``."""
     socket = zmq.Context.instance().socket(zmq.SUB)
     socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.PLAIN_USERNAME, b"test")
+    socket.setsockopt(zmq.PLAIN_PASSWORD, token.encode())
     socket.setsockopt(zmq.SUBSCRIBE, EVENTS_TOPIC)
     socket.connect(endpoint)
     return socket
@@ -38,7 +41,7 @@ def test_stores_evictions_and_clears_are_published_in_sequence(
     agent_process.settings |= {"L1_SIZE": "1MiB", "PAGE_SIZE": "64KiB"}  # 16 pages
     agent = agent_process.start()
     subscriber = _subscribe(agent.events)
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         # PUB/SUB joins asynchronously: store until the subscriber hears something.
         while not subscriber.poll(100):
             client.store(TENANT, [key("warmup")], [b"w"])
@@ -78,14 +81,14 @@ def test_snapshot_lists_every_key_with_the_sequence_it_matches(
     agent_process: AgentProcess,
 ) -> None:
     agent = agent_process.start()
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         client.store(TENANT, [key(1), key(2)], [b"x", b"y"])
         other = tenant_id("other")
         client.store(other, [key(3)], [b"z"])
         socket = zmq.Context.instance().socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.connect(agent.zmq)
-        socket.send(p.encode(p.Hello(1, p.PROTOCOL_VERSION, "index")))
+        socket.send(p.encode(p.Hello(1, p.PROTOCOL_VERSION, "index", INDEX_TOKEN)))
         assert socket.poll(5000)
         hello = p.decode_reply(socket.recv())
         assert isinstance(hello, p.HelloReply)

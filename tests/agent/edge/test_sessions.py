@@ -27,7 +27,10 @@ def agent(agent_process: AgentProcess) -> AgentProcess:
 
 
 def test_a_writer_stalled_past_its_lease_corrupts_no_other_tenant(agent: AgentProcess) -> None:
-    stalled, other = AgentClient(agent.zmq), AgentClient(agent.zmq)
+    stalled, other = (
+        AgentClient(agent.zmq, token=ADMIN_TOKEN),
+        AgentClient(agent.zmq, token=ADMIN_TOKEN),
+    )
     with stalled, other:
         plan = stalled.prepare_store(TENANT, [key(1)], [SIZE])
         assert plan.lease is not None
@@ -56,7 +59,7 @@ def test_a_writer_stalled_past_its_lease_corrupts_no_other_tenant(agent: AgentPr
 
 def test_a_session_belongs_to_the_connection_that_opened_it(agent: AgentProcess) -> None:
     owner, intruder = RawClient(agent.zmq), RawClient(agent.zmq)
-    session, own = owner.hello(), intruder.hello()
+    session, own = owner.hello(ADMIN_TOKEN), intruder.hello(ADMIN_TOKEN)
     assert session != own and min(session, own) >= 1 << 32  # random, not sequential
     reply, _ = owner.ask(p.encode(p.PrepareStore(2, session, TENANT, [key(1)], [SIZE])))
     assert isinstance(reply, p.PrepareStoreReply) and reply.lease != p.NO_LEASE
@@ -82,7 +85,7 @@ def test_a_connection_cannot_take_over_another_ones_routing_identity(
     """Clients may name their connection: the agent ignores the name (each connection has
     an identity of its own), so a second one under the same name is a stranger."""
     owner = RawClient(agent.zmq, routing_id=b"vllm-worker-0")
-    session = owner.hello()
+    session = owner.hello(ADMIN_TOKEN)
     impostor = RawClient(agent.zmq, routing_id=b"vllm-worker-0")
     refused = impostor.error(p.encode(p.Lookup(2, session, TENANT, [key(1)])))
     assert refused.code == p.ErrorCode.UNKNOWN_SESSION, "the impostor was served as the owner"
@@ -96,8 +99,8 @@ def test_idle_sessions_are_swept_on_time_while_the_socket_stays_busy(
     agent: AgentProcess,
 ) -> None:
     idle = RawClient(agent.zmq)
-    idle.hello()
-    with AgentClient(agent.zmq) as busy:
+    idle.hello(ADMIN_TOKEN)
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as busy:
         assert busy.info is not None
         session = busy.info.session
 

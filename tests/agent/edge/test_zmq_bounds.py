@@ -16,7 +16,7 @@ import pytest
 from kvpool_agent import protocol as p
 from kvpool_agent.client import AgentClient, AgentError
 from kvpool_agent.keys import tenant_id
-from kvpool_agent.testing.agent_process import AgentProcess
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import key
 from tests.support.metrics import metric
 from tests.support.raw_zmq import RawClient, ZmtpPeer
@@ -48,7 +48,7 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
 
 def flood_while_pinging(agent: AgentProcess, peer: ZmtpPeer, flood: Iterator[bytes]) -> float:
     """Send ``flood`` from ``peer`` while another client pings; the slowest ping, in seconds."""
-    with AgentClient(agent.zmq, timeout=30) as other:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN, timeout=30) as other:
         other.ping()
         done = threading.Event()
 
@@ -106,13 +106,13 @@ def test_a_client_over_the_bound_is_dropped_and_the_library_refuses_to_send(
     max_inline_bytes); past that it costs its connection."""
     before = metric(agent, dropped("message_too_large"))
     raw = RawClient(agent.zmq)
-    session = raw.hello()
+    session = raw.hello(ADMIN_TOKEN)
     header = p.encode(p.StoreInline(2, session, TENANT, [key(1), key(2)]))
     raw.socket.send_multipart([header, bytes(3 << 20), bytes(3 << 20)])
     assert not raw.socket.poll(1000), "a message over the bound was served"
     raw.close()
     assert metric(agent, dropped("message_too_large")) == before + 1
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         with pytest.raises(AgentError) as refused:
             client.store_inline(TENANT, [key(1), key(2)], [bytes(3 << 20), bytes(3 << 20)])
         assert refused.value.code == p.ErrorCode.TOO_LARGE
@@ -121,7 +121,7 @@ def test_a_client_over_the_bound_is_dropped_and_the_library_refuses_to_send(
 
 
 def test_the_largest_legitimate_messages_are_served(agent: AgentProcess) -> None:
-    with AgentClient(agent.zmq) as client:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         payload = b"y" * MAX_INLINE
         assert client.store_inline(TENANT, [key(1)], [payload]).stored == 1
         assert client.retrieve(TENANT, [key(1)]) == [payload]

@@ -109,7 +109,8 @@ def test_malformed_tenant_ids(value: str) -> None:
         ("- a\n- b\n", "expected a mapping"),
         (
             "admin: x\nusers: {}\n",
-            "unknown keys 'us'... (5 characters); expected 'admin', 'tenants', 'gateways'",
+            "unknown keys 'us'... (5 characters); "
+            "expected 'admin', 'tenants', 'engines', 'indexes', 'gateways'",
         ),
         ("gateways: {a: b}\n", "gateways: expected a token or a list of tokens, got dict"),
         ("gateways: [ok, 7]\n", "gateways: token #2 is a int, not a string"),
@@ -167,7 +168,7 @@ def test_same_token_twice_for_one_principal_is_harmless() -> None:
 
 def test_generated_admin_token(tmp_path: Path) -> None:
     path = tmp_path / "state" / "admin-token-default"
-    authority = TokenAuthority.generate_admin_token(path)
+    authority = TokenAuthority.generate({"admin": path})
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     token = path.read_text().strip()
     assert len(token) >= 40  # token_urlsafe(32): 43 characters
@@ -176,7 +177,7 @@ def test_generated_admin_token(tmp_path: Path) -> None:
     assert token not in repr(vars(authority))
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left
 
-    again = TokenAuthority.generate_admin_token(path)
+    again = TokenAuthority.generate({"admin": path})
     fresh = path.read_text().strip()
     assert fresh != token
     assert again.authenticate(fresh) == ADMIN
@@ -188,7 +189,7 @@ def test_generated_token_replaces_a_world_readable_file(tmp_path: Path) -> None:
     path = tmp_path / "admin-token"
     path.write_text("old\n")
     path.chmod(0o644)
-    TokenAuthority.generate_admin_token(path)
+    TokenAuthority.generate({"admin": path})
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
@@ -209,9 +210,9 @@ def test_the_generated_token_never_goes_where_another_user_points(
         os.chown(path, NOBODY, NOBODY)
     before = os.lstat(path)
     with pytest.raises(OSError) as refused:
-        TokenAuthority.generate_admin_token(path)
+        TokenAuthority.generate({"admin": path})
     message = str(refused.value)
-    assert message.startswith(f"refusing admin token file {path}:") and "\n" not in message
+    assert message.startswith(f"refusing token file {path}:") and "\n" not in message
     assert f"owner uid {before.st_uid}, mode {stat.S_IMODE(before.st_mode):04o}" in message
     assert target.read_text() == "root's own\n"
     assert os.lstat(path).st_ino == before.st_ino
@@ -221,7 +222,7 @@ def test_the_generated_token_never_goes_where_another_user_points(
 def test_load_authority(tmp_path: Path) -> None:
     tokens = write(tmp_path, "admin: configured\n")
     generated = tmp_path / "admin-token-pool"
-    assert load_authority(tokens, generated).authenticate("configured") == ADMIN
+    assert load_authority(tokens, {"admin": generated}).authenticate("configured") == ADMIN
     assert not generated.exists()
-    authority = load_authority(None, generated)
+    authority = load_authority(None, {"admin": generated})
     assert authority.authenticate(generated.read_text().strip()) == ADMIN

@@ -141,7 +141,7 @@ def test_idle_connections_leave_the_zmq_path_and_new_requests_working(tmp_path: 
     try:
         for _ in range(600):
             idle.append(connect(agent.http))
-        with AgentClient(agent.zmq, timeout=5) as client:
+        with AgentClient(agent.zmq, token=ADMIN_TOKEN, timeout=5) as client:
             assert client.ping()
         with connect(agent.http, timeout=5) as sock:
             sock.sendall(head("GET", "/healthz"))
