@@ -34,6 +34,7 @@ from kvpool_agent.service.results import TenantRanking
 from kvpool_agent.tiering.prefetch import Prefetcher
 from kvpool_agent.tiering.writeback import WriteBack
 from kvpool_agent.web.connections import HttpRefusals
+from kvpool_agent.web.refusal_metrics import HttpRefusalsCollector
 
 OTHER_TENANTS = "other"
 RANKING_SECONDS = 1.0
@@ -214,23 +215,6 @@ class _L2Collector(Collector):
         )
 
 
-class _HttpCollector(Collector):
-    def __init__(self, refusals: HttpRefusals) -> None:
-        self._refusals = refusals
-
-    def collect(self) -> Iterator[Metric]:
-        refused = CounterMetricFamily(
-            "kvpool_http_refused",
-            "Requests and connections the HTTP server answered itself, by reason: "
-            "head_too_large and too_many_headers (431), malformed_head (400), head_timeout "
-            "(408), connections_full (503).",
-            labels=["reason"],
-        )
-        for reason, count in sorted(self._refusals.counts.items()):
-            refused.add_metric([reason], count)
-        yield refused
-
-
 class AgentMetrics:
     def __init__(
         self,
@@ -297,7 +281,7 @@ class AgentMetrics:
 
     def register_http(self, refusals: HttpRefusals) -> None:
         """Count what the HTTP server refuses (see :func:`~kvpool_agent.web.serving.serve_http`)."""
-        self.registry.register(_HttpCollector(refusals))
+        self.registry.register(HttpRefusalsCollector(refusals, "kvpool_http_refused"))
 
     def register_l2(
         self, tiers: Sequence[L2Adapter], writeback: WriteBack, prefetcher: Prefetcher

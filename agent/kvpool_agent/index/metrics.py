@@ -27,6 +27,7 @@ from kvpool_agent.index.policy import Decision
 from kvpool_agent.index.subscriber import AgentStatus
 from kvpool_agent.index.tracker import PrefixTracker
 from kvpool_agent.web.connections import HttpRefusals
+from kvpool_agent.web.refusal_metrics import HttpRefusalsCollector
 
 _QUERY_BUCKETS = (
     0.00005,
@@ -117,23 +118,6 @@ class _IndexCollector(Collector):
         yield from (events, resyncs, failures, synced, connected, age, lag)
 
 
-class _HttpCollector(Collector):
-    def __init__(self, refusals: HttpRefusals) -> None:
-        self._refusals = refusals
-
-    def collect(self) -> Iterator[Metric]:
-        refused = CounterMetricFamily(
-            "kvpool_index_http_refused",
-            "Requests and connections the HTTP server answered itself, by reason: "
-            "head_too_large and too_many_headers (431), malformed_head (400), head_timeout "
-            "(408), connections_full (503).",
-            labels=["reason"],
-        )
-        for reason, count in sorted(self._refusals.counts.items()):
-            refused.add_metric([reason], count)
-        yield refused
-
-
 class IndexMetrics:
     """The :class:`~kvpool_agent.index.service.QueryObserver` of the index process."""
 
@@ -163,7 +147,7 @@ class IndexMetrics:
 
     def register_http(self, refusals: HttpRefusals) -> None:
         """Count what the HTTP server refuses (see :func:`~kvpool_agent.web.serving.serve_http`)."""
-        self.registry.register(_HttpCollector(refusals))
+        self.registry.register(HttpRefusalsCollector(refusals, "kvpool_index_http_refused"))
 
     def observe_query(self, op: str, seconds: float) -> None:
         self._latency.labels(op).observe(seconds)

@@ -6,5 +6,6 @@ connection bounds, the body gate, bearer authentication, health routes and error
   heads' time, size and fields, TCP_NODELAY) and its counts of refusals;
 - :mod:`~kvpool_agent.web.body_gate`: body size and token checked before a body is read;
 - :mod:`~kvpool_agent.web.common`: bearer auth, health routes, error bodies;
+- :mod:`~kvpool_agent.web.refusal_metrics`: what the server refused, as a counter;
 - :mod:`~kvpool_agent.web.rate_limited_log`: log lines that a flood cannot multiply.
 """
