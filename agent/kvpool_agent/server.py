@@ -157,10 +157,14 @@ class Agent:
             # L2 before L1: a bad NVMe path or key stops the agent before the segment exists
             limits = _NvmeLimits()
             tiers = open_tiers(config, limits, undo)
-            for tier in tiers:
-                stack.push_async_callback(tier.close)
-            l1 = open_l1(config, agent_id, undo)
+            async with contextlib.AsyncExitStack() as opening:
+                for tier in tiers:
+                    opening.push_async_callback(tier.close)
+                l1 = open_l1(config, agent_id, undo)
+                closing_tiers = opening.pop_all()
             stack.callback(l1.close)
+            # the tiers close before L1 is unmapped (a write-back may still hold its memory)
+            await stack.enter_async_context(closing_tiers)
             service = self._open_service(l1, stack)
             limits.service = service
             self._follow_tenants(authority, service, stack)
