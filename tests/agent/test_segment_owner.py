@@ -169,9 +169,32 @@ def _probe_table_refused(agent: AgentProcess, listener: socket.socket) -> str:
     return f"refusing probe table {table}: it is a directory"
 
 
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def _pinning_without_cuda(agent: AgentProcess, listener: socket.socket) -> str:
+    """Refused once the segment and the probe table exist (and the L2 key, and the cache)."""
+    if _cuda_available():
+        pytest.skip("a CUDA device pins the segment")
+    agent.settings["PIN_MEMORY"] = "always"
+    agent.settings["NVME"] = json.dumps({"path": str(agent.workdir / "nvme"), "capacity": "16MiB"})
+    return f"cannot pin segment {agent.segment_path}: pin_memory=always but"
+
+
 Failure = Callable[[AgentProcess, socket.socket], str]
 """Sets up a start that fails; what its one line says."""
-FAILURES: list[Failure] = [_port_in_use, _events_port_in_use, _bad_nvme_path, _probe_table_refused]
+FAILURES: list[Failure] = [
+    _port_in_use,
+    _events_port_in_use,
+    _bad_nvme_path,
+    _probe_table_refused,
+    _pinning_without_cuda,
+]
 
 
 def snapshot(agent: AgentProcess) -> dict[str, object]:
@@ -206,7 +229,7 @@ def test_a_failed_start_leaves_no_file_it_made(
     assert expected in refusal
     assert "Traceback" not in "".join(agent.log)
     if earlier_segment:  # and the segment left for a warm restart still serves its chunks
-        for setting in ("HTTP_PORT", "EVENTS_PORT", "NVME"):
+        for setting in ("HTTP_PORT", "EVENTS_PORT", "NVME", "PIN_MEMORY"):
             agent.settings.pop(setting, None)
         if agent.files[1].is_dir():
             agent.files[1].rmdir()

@@ -12,6 +12,7 @@ lives (see :mod:`kvpool_agent.segment`), so that no two agents adopt one segment
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -23,10 +24,16 @@ from kvpool_agent.core.journal import SegmentJournal
 from kvpool_agent.core.l1 import L1Cache
 from kvpool_agent.core.policies import policy_factory
 from kvpool_agent.core.quota_book import QuotaBook
-from kvpool_agent.files import LockFile, Undo
-from kvpool_agent.pinned import PinnedRegion, pin
+from kvpool_agent.files import FileRefused, LockFile, Undo
+from kvpool_agent.pinned import PinnedRegion, PinningError, pin
 from kvpool_agent.probe_table import ProbeTableWriter, table_kept, table_path
-from kvpool_agent.segment import LOCK_MODE, SharedSegment, check_directory, lock_path
+from kvpool_agent.segment import (
+    LOCK_MODE,
+    SegmentError,
+    SharedSegment,
+    check_directory,
+    lock_path,
+)
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +85,12 @@ def claim_segment(path: Path) -> LockFile | str:
     check_directory(path)
     lock = lock_path(path)
     note = f"pid {os.getpid()} on {os.uname().nodename}"
-    held = LockFile.take(lock, what="segment lock", mode=LOCK_MODE, note=note)
+    try:
+        held = LockFile.take(lock, what="segment lock", mode=LOCK_MODE, note=note)
+    except FileRefused:
+        raise
+    except OSError as error:
+        raise SegmentError(f"cannot lock segment {path} ({lock}): {error.strerror}") from None
     if held is None:
         holder = LockFile.holder(lock)
         return f"agent {holder}" if holder else f"the process that holds {lock}"
@@ -98,42 +110,46 @@ def open_l1(config: AgentConfig, agent_id: str, undo: Undo | None = None) -> L1T
     )
     if recreated_because is not None and undo is not None:
         undo.file(path)
-    try:
+    with contextlib.ExitStack() as opened:  # if anything below fails, what is open closes
+        opened.callback(segment.close)
         probe_table = ProbeTableWriter(table_path(path), segment.layout.pages, agent_id)
-    except BaseException:
-        segment.close()
-        raise
-    journal = SegmentJournal(segment)
-    cache = L1Cache(
-        segment.layout,
-        policy_factory(config.eviction_policy),
-        QuotaBook(default=_limit(config.default_tenant_quota)),
-        high_watermark=config.high_watermark,
-        low_watermark=config.low_watermark,
-        lease_seconds=config.lease_seconds,
-        journal=journal,
-        probe_table=probe_table,
-    )
-    if recreated_because is None:
-        report = cache.restore(journal.committed(), journal.reserved())
-        origin = SegmentOrigin(
-            True, "adopted", report.restored, report.discarded, time.perf_counter() - started
+        opened.callback(probe_table.close)
+        journal = SegmentJournal(segment)
+        opened.callback(journal.close)  # its views of the segment go before the mapping
+        cache = L1Cache(
+            segment.layout,
+            policy_factory(config.eviction_policy),
+            QuotaBook(default=_limit(config.default_tenant_quota)),
+            high_watermark=config.high_watermark,
+            low_watermark=config.low_watermark,
+            lease_seconds=config.lease_seconds,
+            journal=journal,
+            probe_table=probe_table,
         )
-        log.info(
-            "adopted segment %s: %d chunks restored, %d damaged records discarded, "
-            "%d reserved chunks quarantined, in %.3f s",
-            path,
-            report.restored,
-            report.discarded,
-            report.quarantined,
-            origin.seconds,
-        )
-    else:
-        journal.reset()
-        origin = SegmentOrigin(False, recreated_because, 0, 0, time.perf_counter() - started)
-        level = logging.INFO if recreated_because == "no segment yet" else logging.WARNING
-        log.log(level, "created segment %s from empty: %s", path, recreated_because)
-    pinned = pin(segment.mapping, config.pin_memory)
+        if recreated_because is None:
+            report = cache.restore(journal.committed(), journal.reserved())
+            origin = SegmentOrigin(
+                True, "adopted", report.restored, report.discarded, time.perf_counter() - started
+            )
+            log.info(
+                "adopted segment %s: %d chunks restored, %d damaged records discarded, "
+                "%d reserved chunks quarantined, in %.3f s",
+                path,
+                report.restored,
+                report.discarded,
+                report.quarantined,
+                origin.seconds,
+            )
+        else:
+            journal.reset()
+            origin = SegmentOrigin(False, recreated_because, 0, 0, time.perf_counter() - started)
+            level = logging.INFO if recreated_because == "no segment yet" else logging.WARNING
+            log.log(level, "created segment %s from empty: %s", path, recreated_because)
+        try:
+            pinned = pin(segment.mapping, config.pin_memory)
+        except PinningError as error:
+            raise SegmentError(f"cannot pin segment {path}: {error}") from None
+        opened.pop_all()
     log.info(
         "L1 segment %s: %d pages of %d bytes, policy %s, pinned %s",
         path,
