@@ -369,10 +369,10 @@ def _names(path: Path, fd: int) -> bool:
 class Undo:
     """What one start created, to remove again if it fails; never what was there before it.
 
-    Files are recorded as they are created (:meth:`file`); directories before (:meth:
-    `directories` notes which of them, and of their parents, are missing then). :meth:`run`
-    removes the files, then the directories that are still empty, deepest first;
-    :meth:`keep` forgets everything once the start succeeded.
+    Files are recorded once they are created (:meth:`file`), directories before
+    (:meth:`directories` notes which of them, and of their parents, are missing then).
+    :meth:`run` removes the files, then those directories that are still empty, deepest
+    first; :meth:`keep` forgets everything once the start succeeded.
     """
 
     def __init__(self) -> None:

@@ -114,7 +114,7 @@ class Agent:
             if waited >= wait:
                 raise SegmentInUse(
                     f"segment {path} is in use by {claim} (lock {lock_path(path)}; waited "
-                    f"{waited:.0f} s, handover_seconds {wait:g}): stop that agent, or give this "
+                    f"{waited:.1f} s, handover_seconds {wait:g}): stop that agent, or give this "
                     "one another pool or segment_path"
                 )
             if claim != holder:
