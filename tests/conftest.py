@@ -3,6 +3,9 @@ emulator and kubectl."""
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +14,31 @@ import pytest
 from kvpool_agent.testing.agent_process import AgentProcess
 from tests.support.kube_api import ServedApi
 from tests.support.operator_process import Kubectl
+
+SHARED_MEMORY = Path("/dev/shm")
+
+
+def _left_in_shared_memory() -> list[Path]:
+    """What this test process made in /dev/shm and left: its harness agents' segments, probe
+    tables and locks, and the segments tests make themselves (``kvpool-<what>-<pid>...``)."""
+    mine = re.compile(rf"\.?kvpool-[a-z-]+-{os.getpid()}(?:[-.]|$)")
+    return sorted(path for path in SHARED_MEMORY.iterdir() if mine.match(path.name))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_left() -> Iterator[None]:
+    """A test removes what it made in /dev/shm, even for an agent it killed: a run that
+    leaves anything there fails (what it left is removed, and named)."""
+    yield
+    left = _left_in_shared_memory()
+    for path in left:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    assert not left, f"the tests left {len(left)} files in {SHARED_MEMORY}: " + ", ".join(
+        path.name for path in left
+    )
 
 
 @pytest.fixture(scope="module")

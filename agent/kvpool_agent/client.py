@@ -82,6 +82,8 @@ class AgentInfo:
     max_keys: int
     tenant: str
     """The tenant a KVCacheTenant's token acts for; "" for the other roles."""
+    segment_identity: tuple[int, int] = (0, 0)
+    """Device and inode of the file the agent maps; (0, 0) where the agent does not say."""
 
 
 @dataclass(frozen=True)
@@ -282,6 +284,7 @@ def _info(reply: Any) -> AgentInfo:
         answer.max_inline_bytes,
         answer.max_keys,
         answer.tenant,
+        (answer.segment_device, answer.segment_inode),
     )
 
 

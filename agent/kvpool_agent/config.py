@@ -238,6 +238,15 @@ class AgentConfig(BaseSettings):
     maintenance_interval_seconds: float = Field(
         1.0, gt=0, description="Period of the background watermark check and lease expiry."
     )
+    handover_seconds: float = Field(
+        30.0,
+        ge=0,
+        description=(
+            "At start, how long to wait for another live agent of the same segment to exit (a "
+            "rollout's old pod, still stopping) before refusing to start; it then adopts the "
+            "segment."
+        ),
+    )
     host: str = Field(
         "127.0.0.1", description="Address the ZMQ and HTTP servers bind (0.0.0.0 in a pod)."
     )

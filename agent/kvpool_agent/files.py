@@ -22,12 +22,23 @@ it verified on an open descriptor:
 
 Anything refused raises :class:`FileRefused`, an ``OSError`` whose message is one line
 naming the path, its owner and its mode.
+
+Two more tools make the agent's files its own for as long as it lives:
+
+* **A lock file** (:class:`LockFile`): an exclusive ``flock`` that the kernel drops when
+  its holder ends, however it ends. Only the holder removes the file, and a taker checks,
+  once it holds the lock, that the name still names the file it locked; so at most one
+  process holds the lock of the file at a name, and none is left behind but by a killed
+  holder, for the next taker to adopt.
+* **An undo list** (:class:`Undo`): what one start created, removed again if the start
+  fails, never what was there before it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import secrets
 import stat
@@ -269,3 +280,127 @@ def _make_directories(path: Path, mode: int) -> None:
         os.fchmod(fd, mode)
     finally:
         os.close(fd)
+
+
+class LockFile:
+    """An exclusive ``flock`` held on the file at :attr:`path` (see the module docstring)."""
+
+    ATTEMPTS = 100
+    """Tries of :meth:`take` when the file keeps being replaced under it (a busy name)."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd: int | None = fd
+
+    @classmethod
+    def take(cls, path: Path, *, what: str, mode: int, note: str) -> LockFile | None:
+        """Hold the lock of the file at ``path``, created (exactly ``mode``) if absent; None
+        while another process holds it. ``note`` (who holds it) is written into the file once
+        it is held, for a refused taker to name (:meth:`holder`). :class:`FileRefused` if
+        what is at ``path`` is not the agent's (see :func:`open_verified`).
+        """
+        for _ in range(cls.ATTEMPTS):
+            try:
+                fd = create_exclusive(path, mode)
+            except FileExistsError:
+                try:
+                    fd, _ = open_verified(path, what=what, mode=mode, flags=os.O_RDWR)
+                except FileNotFoundError:
+                    continue  # its holder removed it meanwhile
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return None
+            except BaseException:
+                os.close(fd)
+                raise
+            if not _names(path, fd):
+                os.close(fd)  # removed by the holder this taker waited for: the name is free
+                continue
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, note.encode(), 0)
+            except BaseException:
+                cls(path, fd).release()
+                raise
+            return cls(path, fd)
+        return None
+
+    @staticmethod
+    def holder(path: Path) -> str:
+        """The note of whoever holds (or last held) the lock at ``path``; "" if none is there."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NO_FOLLOW)
+        except OSError:
+            return ""
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return ""
+            text = os.pread(fd, 512, 0).decode(errors="replace")
+        except OSError:
+            return ""
+        finally:
+            os.close(fd)
+        return " ".join(text.split())
+
+    def release(self) -> None:
+        """Remove the file (still the holder's: only a holder removes it) and drop the lock."""
+        if self._fd is None:
+            return
+        try:
+            if _names(self.path, self._fd):
+                self.path.unlink(missing_ok=True)
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _names(path: Path, fd: int) -> bool:
+    """Whether ``path`` names the file open at ``fd``."""
+    try:
+        there = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    here = os.fstat(fd)
+    return (there.st_dev, there.st_ino) == (here.st_dev, here.st_ino)
+
+
+class Undo:
+    """What one start created, to remove again if it fails; never what was there before it.
+
+    Files are recorded once they are created (:meth:`file`), directories before
+    (:meth:`directories` notes which of them, and of their parents, are missing then).
+    :meth:`run` removes the files, then those directories that are still empty, deepest
+    first; :meth:`keep` forgets everything once the start succeeded.
+    """
+
+    def __init__(self) -> None:
+        self._files: list[Path] = []
+        self._directories: list[Path] = []
+
+    def file(self, path: Path) -> None:
+        self._files.append(path)
+
+    def directories(self, *paths: Path) -> None:
+        """Note which of ``paths`` (and of their parents) do not exist yet."""
+        for path in paths:
+            missing: list[Path] = []
+            here = path
+            while not os.path.lexists(here) and here.parent != here:
+                missing.append(here)
+                here = here.parent
+            self._directories.extend(reversed(missing))
+
+    def keep(self) -> None:
+        self._files.clear()
+        self._directories.clear()
+
+    def run(self) -> None:
+        for path in reversed(self._files):
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+        for path in sorted(set(self._directories), key=lambda p: len(p.parts), reverse=True):
+            with contextlib.suppress(OSError):  # not empty (or not there): it stays
+                path.rmdir()
+        self.keep()

@@ -46,7 +46,7 @@ from array import array
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvpool_agent.files import check_replaceable, create_temporary
+from kvpool_agent.files import check_replaceable, create_temporary, open_verified
 
 MAGIC = b"KVPPROBE"
 VERSION = 1
@@ -99,6 +99,8 @@ class ProbeTableWriter:
         self._fd, temporary = create_temporary(path, TABLE_MODE)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX)  # held until the process ends: "the table is kept"
+            status = os.fstat(self._fd)
+            self._identity = status.st_dev, status.st_ino
             os.ftruncate(self._fd, size)
             self._map = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             _HEADER.pack_into(self._map, 0, MAGIC, VERSION, buckets, agent_id.encode()[:32])
@@ -143,8 +145,17 @@ class ProbeTableWriter:
                 hole = index
         self._write(hole, 0, _EMPTY)
 
+    def is_at_path(self) -> bool:
+        """Whether :attr:`path` still names this table (not removed, not replaced)."""
+        try:
+            status = os.lstat(self.path)
+        except OSError:
+            return False
+        return (status.st_dev, status.st_ino) == self._identity
+
     def close(self) -> None:
-        self.path.unlink(missing_ok=True)
+        if self.is_at_path():  # never another's table that replaced this one
+            self.path.unlink(missing_ok=True)
         self._map.close()
         os.close(self._fd)
 
@@ -160,6 +171,22 @@ class ProbeTableWriter:
         else:
             self._held[index] = key
             self._keys[key] = index
+
+
+def table_kept(path: Path) -> bool:
+    """Whether a live agent writes the table at ``path`` (holds its lock). False where there is
+    none, or something that is not the agent's (its writer refuses that at start)."""
+    try:
+        fd, _ = open_verified(path, what="probe table", mode=TABLE_MODE)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 class ProbeTableReader:

@@ -222,6 +222,10 @@ class HelloReply(_Message, tag="hello_reply"):
     tenant: str = ""
     """The tenant a KVCacheTenant's token acts for (its requests' default tenant); "" for
     the other roles."""
+    segment_device: int = 0
+    segment_inode: int = 0
+    """The file the agent maps (device and inode numbers; 0 from agents that do not say): a
+    client that maps another file at ``segment_path`` sees its numbers differ."""
 
 
 class Pong(_Message, tag="pong"):

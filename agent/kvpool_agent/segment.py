@@ -21,6 +21,16 @@ node, which copy KV in and out of it; nothing for other users. It adopts only a
 regular file of its own user whose mode grants no more than that (a narrower one,
 as agents before 0.2 left under a umask, is widened to it); anything else at the
 segment's name is refused at start, as it may be another user's file, mapped by them.
+
+One agent at a time owns a segment: before it creates or adopts anything, it holds the
+lock of ``<segment>.lock`` (:func:`lock_path`, a :class:`~kvpool_agent.files.LockFile`)
+until it ends. A second agent for the same segment waits for it (a rollout's old pod that
+is still stopping), then adopts the segment, or gives up (:class:`SegmentInUse`).
+Connectors never take the lock: they map the segment whoever owns it.
+
+A segment is known by its file's identity (:attr:`SharedSegment.identity`: device and
+inode), which the agent names in its hello: a client that maps another file at the path
+(another pool's segment, a copy, a file that replaced the agent's) sees it differ.
 """
 
 from __future__ import annotations
@@ -49,12 +59,31 @@ HEADER_BYTES = 4096
 TABLE_RECORD_BYTES = 128
 SEGMENT_MODE = 0o660
 """The agent and its group (the node's connectors) read and write the segment."""
+LOCK_MODE = 0o600
+"""The owner lock: the agent's user only (another agent of that user reads who holds it)."""
 DIRECTORY_MODE = 0o710
 """A segment directory the agent creates: its group may reach the files, not list them."""
 
 
 class SegmentError(RuntimeError):
     """The segment cannot be created or attached."""
+
+
+class SegmentInUse(SegmentError):
+    """Another live agent owns the segment (holds its lock)."""
+
+
+def lock_path(segment_path: Path) -> Path:
+    """The owner lock of a segment: ``<segment>.lock``, beside it."""
+    return segment_path.with_name(segment_path.name + ".lock")
+
+
+FileIdentity = tuple[int, int]
+"""A file's device and inode numbers."""
+
+
+def identity_of(status: os.stat_result) -> FileIdentity:
+    return status.st_dev, status.st_ino
 
 
 @dataclass(frozen=True)
@@ -115,11 +144,20 @@ class SegmentLayout:
 class SharedSegment:
     """A mapped segment file. Create it with :meth:`create` (agent) or :meth:`attach` (client)."""
 
-    def __init__(self, path: Path, layout: SegmentLayout, mapping: mmap.mmap) -> None:
+    def __init__(
+        self,
+        path: Path,
+        layout: SegmentLayout,
+        mapping: mmap.mmap,
+        identity: FileIdentity = (0, 0),
+    ) -> None:
         self.path = path
         self.layout = layout
         self._mapping = mapping
         self.view = memoryview(mapping)
+        self.identity = identity
+        """Device and inode of the file mapped (whatever is at :attr:`path` now); (0, 0) for
+        an anonymous mapping."""
 
     @classmethod
     def create(
@@ -128,7 +166,7 @@ class SharedSegment:
         """Create (or replace one of the agent's own) segment, reserve its memory and map it."""
         layout = SegmentLayout.plan(data_size, page_size)
         try:
-            _check_directory(path)
+            check_directory(path)
             check_replaceable(path, "segment")
             fd, temporary = create_temporary(path, SEGMENT_MODE)
         except FileRefused as error:
@@ -144,8 +182,9 @@ class SharedSegment:
                     "is the shared-memory filesystem large enough?"
                 ) from error
             os.pwrite(fd, layout.header(), 0)
+            identity = identity_of(os.fstat(fd))
             os.replace(temporary, path)  # clients never see a half-written header
-            return cls(path, layout, _map(fd, layout.total_size, populate))
+            return cls(path, layout, _map(fd, layout.total_size, populate), identity)
         except BaseException:
             temporary.unlink(missing_ok=True)
             raise
@@ -172,7 +211,7 @@ class SharedSegment:
         :class:`SegmentError` if what is at ``path`` is not the agent's to adopt.
         """
         try:
-            _check_directory(path)
+            check_directory(path)
             fd, status = open_verified(path, what="segment", mode=SEGMENT_MODE, flags=os.O_RDWR)
         except FileNotFoundError:
             return cls.create(path, data_size, page_size), "no segment yet"
@@ -201,9 +240,10 @@ class SharedSegment:
             layout = SegmentLayout.from_header(os.pread(fd, _HEADER.size, 0))
         except SegmentError as error:
             raise SegmentError(f"{path}: {error}") from None
-        if os.fstat(fd).st_size < layout.total_size:
+        status = os.fstat(fd)
+        if status.st_size < layout.total_size:
             raise SegmentError(f"{path} is shorter than its header says")
-        return cls(path, layout, _map(fd, layout.total_size, populate))
+        return cls(path, layout, _map(fd, layout.total_size, populate), identity_of(status))
 
     @property
     def table(self) -> memoryview:
@@ -226,6 +266,13 @@ class SharedSegment:
     def mapping(self) -> mmap.mmap:
         return self._mapping
 
+    def is_at_path(self) -> bool:
+        """Whether :attr:`path` still names the file mapped (not removed, not replaced)."""
+        try:
+            return identity_of(os.lstat(self.path)) == self.identity
+        except OSError:
+            return False
+
     def close(self) -> None:
         self.view.release()
         self._mapping.close()
@@ -234,7 +281,7 @@ class SharedSegment:
         self.path.unlink(missing_ok=True)
 
 
-def _check_directory(path: Path) -> None:
+def check_directory(path: Path) -> None:
     """The segment's directory: created for the agent's group to reach, or a directory of the
     agent or root where no other user may swap the segment for a file of theirs (as a
     connector maps whatever file is at the name)."""

@@ -1,11 +1,12 @@
 """The agent process's composition root: builds every part, starts them, stops them in reverse.
 
-Parts: the L1 segment and cache, the quota store and service, the token
-authority, metrics, the ZMQ server (its own thread), the HTTP API (uvicorn on
-this event loop) and the maintenance task. SIGTERM and SIGINT stop it:
-readiness turns false, new stores are refused while those in flight may still
-commit (up to ``shutdown_grace_seconds``), the servers stop, and the segment is
-unmapped, not removed: the next agent adopts it with every committed chunk.
+Parts: the segment's owner lock, the L1 segment and cache, the quota store and
+service, the token authority, metrics, the ZMQ server (its own thread), the HTTP
+API (uvicorn on this event loop) and the maintenance task. SIGTERM and SIGINT stop
+it: readiness turns false, new stores are refused while those in flight may still
+commit (up to ``shutdown_grace_seconds``), the servers stop, the segment is
+unmapped, not removed, and the lock is let go last: the next agent (one already
+waiting for it, in a rollout) adopts the segment with every committed chunk.
 """
 
 from __future__ import annotations
@@ -15,27 +16,32 @@ import contextlib
 import logging
 import signal
 import uuid
-from collections.abc import AsyncIterator
-from typing import cast
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import TypeVar, cast
 
 from prometheus_client import CollectorRegistry
 
 from kvpool_agent.config import AgentConfig
-from kvpool_agent.core.factory import L1Tier, open_l1
+from kvpool_agent.core.factory import L1Tier, claim_segment, open_l1
 from kvpool_agent.edge.events import EventPublisher
 from kvpool_agent.edge.http_api import create_app
 from kvpool_agent.edge.metrics import AgentMetrics
 from kvpool_agent.edge.zmq_server import ZmqServer
-from kvpool_agent.files import ensure_directory
+from kvpool_agent.edge.zmtp import listen as listen_zmq
+from kvpool_agent.files import LockFile, Undo, ensure_directory
+from kvpool_agent.l2 import L2Adapter
 from kvpool_agent.l2.nvme import NvmeAdapter
 from kvpool_agent.l2.tiers import open_tiers
+from kvpool_agent.segment import SegmentInUse, lock_path
 from kvpool_agent.service.cache_service import CacheService
-from kvpool_agent.tenancy.auth import TokenAuthority, load_authority
+from kvpool_agent.tenancy.auth import GeneratedTokens, TokenAuthority
 from kvpool_agent.tenancy.quota_store import FileQuotaStore
 from kvpool_agent.tenants_configmap import TenantsSnapshot
 from kvpool_agent.tiering.prefetch import Prefetcher
 from kvpool_agent.tiering.writeback import WriteBack
 from kvpool_agent.web.connections import HttpRefusals
+from kvpool_agent.web.serving import listen as listen_http
 from kvpool_agent.web.serving import serve_http
 
 log = logging.getLogger(__name__)
@@ -52,19 +58,115 @@ class Agent:
         self._stopping.set()
 
     async def run(self) -> None:
-        """Serve until :meth:`stop` is called (SIGTERM and SIGINT call it)."""
+        """Serve until :meth:`stop` is called (SIGTERM and SIGINT call it).
+
+        What can be checked is checked before anything is made: the settings, the tokens
+        file, then the segment's owner lock (taken once no other agent holds it, waiting up
+        to ``handover_seconds`` for one that is stopping), then the ports (bound). Only then
+        the files: state directory, L2 key and tree, segment and probe table, and the
+        generated tokens last. A start that fails removes what it made, never a segment it
+        adopted, and lets the lock go last.
+        """
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.stop)
         config = self.config
-        # every input is checked before the segment exists: a bad one leaves nothing behind
-        ensure_directory(config.state_dir, what="state directory")
-        authority = load_authority(config.tokens_file, config.generated_token_files)
+        generated: GeneratedTokens | None = None
+        if config.tokens_file is not None:
+            authority = TokenAuthority.from_file(config.tokens_file)
+        else:
+            generated = GeneratedTokens(config.generated_token_files)
+            authority = generated.authority()
+        undo = Undo()
+        undo.directories(config.state_dir, config.resolved_segment_path.parent)
+        if config.nvme is not None or config.s3 is not None:
+            undo.directories(config.resolved_l2_key_dir)
+        if config.nvme is not None:
+            undo.directories(config.nvme.path / config.pool)
+        owner: LockFile | None = None
+        try:
+            owner = await self._claim_segment()
+            if owner is not None:
+                await self._serve(authority, generated, undo)
+        except BaseException:
+            undo.run()
+            raise
+        finally:
+            if owner is not None:
+                owner.release()
+        log.info("agent stopped")
+
+    async def _claim_segment(self) -> LockFile | None:
+        """The segment's owner lock, once no other agent holds it; None if stopped meanwhile.
+
+        :class:`SegmentInUse` when another agent still holds it after ``handover_seconds``.
+        """
+        path, wait = self.config.resolved_segment_path, self.config.handover_seconds
+        loop = asyncio.get_running_loop()
+        started, holder = loop.time(), ""
+        while True:
+            claim = claim_segment(path)
+            waited = loop.time() - started
+            if not isinstance(claim, str):
+                if holder:
+                    log.info("segment %s: %s exited after %.1f s", path, holder, waited)
+                return claim
+            if waited >= wait:
+                raise SegmentInUse(
+                    f"segment {path} is in use by {claim} (lock {lock_path(path)}; waited "
+                    f"{waited:.1f} s, handover_seconds {wait:g}): stop that agent, or give this "
+                    "one another pool or segment_path"
+                )
+            if claim != holder:
+                holder = claim
+                log.warning(
+                    "segment %s is in use by %s: waiting up to %g s (handover_seconds) for it "
+                    "to exit",
+                    path,
+                    holder,
+                    wait,
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), min(_CLAIM_POLL_SECONDS, wait))
+            if self._stopping.is_set():
+                log.info("stopped while waiting for segment %s", path)
+                return None
+
+    async def _serve(
+        self, authority: TokenAuthority, generated: GeneratedTokens | None, undo: Undo
+    ) -> None:
+        """Start every part (noting in ``undo`` what it makes), serve, stop in reverse."""
+        config = self.config
         async with contextlib.AsyncExitStack() as stack:
             agent_id = uuid.uuid4().hex
-            l1 = open_l1(config, agent_id)
+            # the ports, before any file: one in use stops the agent here
+            zmq_endpoint = f"tcp://{config.host}:{config.zmq_port or '*'}"
+            zmq_listener = _bind("zmq_port", zmq_endpoint, lambda: listen_zmq(zmq_endpoint))
+            stack.callback(zmq_listener.close)
+            http_listener = _bind(
+                "http_port",
+                f"{config.host}:{config.http_port}",
+                lambda: listen_http(config.host, config.http_port),
+            )
+            stack.callback(http_listener.close)
+            events_endpoint = f"tcp://{config.host}:{config.events_port or '*'}"
+            events = EventPublisher(events_endpoint, agent_id, authority)
+            _bind("events_port", events_endpoint, events.start)
+            stack.callback(events.stop)
+            ensure_directory(config.state_dir, what="state directory")
+            # L2 before L1: a bad NVMe path or key stops the agent before the segment exists
+            limits = _NvmeLimits()
+            tiers = open_tiers(config, limits, undo)
+            async with contextlib.AsyncExitStack() as opening:
+                for tier in tiers:
+                    opening.push_async_callback(tier.close)
+                l1 = open_l1(config, agent_id, undo)
+                closing_tiers = opening.pop_all()
             stack.callback(l1.close)
+            # the tiers close before L1 is unmapped (a write-back may still hold its memory)
+            await stack.enter_async_context(closing_tiers)
             service = self._open_service(l1, stack)
+            limits.service = service
             self._follow_tenants(authority, service, stack)
             metrics = AgentMetrics(
                 CollectorRegistry(),
@@ -73,22 +175,18 @@ class Agent:
                 l1.origin,
                 probe_table=l1.probe_table,
             )
-            events = EventPublisher(
-                f"tcp://{config.host}:{config.events_port or '*'}", agent_id, authority
-            )
-            events.start()
-            stack.callback(events.stop)
             service.publish_events(events)
-            prefetcher = await self._start_l2(l1, service, metrics, stack)
+            prefetcher = await self._start_l2(l1, service, metrics, tiers, stack)
             zmq_server = ZmqServer(
                 service,
                 l1.segment,
-                f"tcp://{config.host}:{config.zmq_port or '*'}",
+                zmq_endpoint,
                 authority=authority,
                 agent_id=agent_id,
                 max_inline_bytes=int(config.max_inline_bytes),
                 session_idle_seconds=10 * config.lease_seconds,
                 observer=metrics,
+                listener=zmq_listener,
             )
             if prefetcher is not None:
                 prefetcher.on_change(zmq_server.prefetch_changed)
@@ -104,9 +202,19 @@ class Agent:
             refusals = HttpRefusals()
             metrics.register_http(refusals)
             http_url = await stack.enter_async_context(
-                serve_http(app, config.host, config.http_port, config.http_limits, refusals)
+                serve_http(
+                    app,
+                    config.host,
+                    config.http_port,
+                    config.http_limits,
+                    refusals,
+                    listener=http_listener,
+                )
             )
             await stack.enter_async_context(self._maintain(l1, service))
+            if generated is not None:  # last: a failed start replaces no earlier tokens
+                generated.write(undo.file)
+            undo.keep()  # started: from now on every file stays for the next agent
             self._ready = True
             log.info(
                 "agent ready pool=%s zmq=%s http=%s segment=%s events=%s",
@@ -126,7 +234,6 @@ class Agent:
                 "agent stopping: %s",
                 "no store in flight" if drained else "grace period over, stores in flight dropped",
             )
-        log.info("agent stopped")
 
     def _open_service(self, l1: L1Tier, stack: contextlib.AsyncExitStack) -> CacheService:
         """The cache behind its lock, with quotas from the pool's ConfigMap or a local file."""
@@ -174,16 +281,14 @@ class Agent:
         l1: L1Tier,
         service: CacheService,
         metrics: AgentMetrics,
+        tiers: list[L2Adapter],
         stack: contextlib.AsyncExitStack,
     ) -> Prefetcher | None:
-        """The configured L2 tiers, their write-back and prefetch attached to the service.
+        """The write-back and prefetch of the L2 ``tiers``, attached to the service.
 
         Returns the prefetcher (None without tiers), whose progress the ZMQ server reports.
         """
         config = self.config
-        tiers = open_tiers(config, service.nvme_quota_limit)
-        for tier in tiers:
-            stack.push_async_callback(tier.close)
         if not tiers:
             return None
         loop = asyncio.get_running_loop()
@@ -234,9 +339,19 @@ class Agent:
         """Expire leases and hold the watermark between stores (stores also evict on demand)."""
 
         async def loop() -> None:
+            displaced: list[Path] = []
             while True:
                 await asyncio.sleep(self.config.maintenance_interval_seconds)
                 service.maintain()
+                now = l1.displaced()
+                if now and now != displaced:
+                    log.error(
+                        "%s no longer named this agent's (removed or replaced by someone "
+                        "else: another agent, a person?): clients that map that name now "
+                        "see another file; restart this agent",
+                        " and ".join(map(str, now)),
+                    )
+                displaced = now
 
         task = asyncio.create_task(loop(), name="l1-maintenance")
         try:
@@ -245,3 +360,27 @@ class Agent:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+_CLAIM_POLL_SECONDS = 0.1
+"""How often a starting agent tries the segment's owner lock again while another holds it."""
+
+_T = TypeVar("_T")
+
+
+def _bind(setting: str, where: str, bind: Callable[[], _T]) -> _T:
+    """``bind()``; a port that cannot be bound is one line naming it and its setting."""
+    try:
+        return bind()
+    except OSError as error:
+        raise OSError(f"cannot listen on {where} ({setting}): {error.strerror}") from None
+
+
+class _NvmeLimits:
+    """The tenants' NVMe limits, for the L2 tiers, which open before the service exists
+    (nothing is put into them before it does)."""
+
+    service: CacheService | None = None
+
+    def __call__(self, tenant: str) -> int | None:
+        return None if self.service is None else self.service.nvme_quota_limit(tenant)

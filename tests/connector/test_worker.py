@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,7 +56,10 @@ def own_agent(tmp_path: Path) -> Iterator[AgentProcess]:
     yield from _agent(tmp_path)
 
 
-def make_worker(agent: AgentProcess, seed: int | None) -> tuple[WorkerHalf, list[torch.Tensor]]:
+def make_worker(
+    agent: AgentProcess, seed: int | None, segment: Path | None = None
+) -> tuple[WorkerHalf, list[torch.Tensor]]:
+    """A worker of ``agent``; it maps ``segment`` if given, else the agent's."""
     counters = Counters()
     holder: list[WorkerHalf] = []
 
@@ -66,7 +72,7 @@ def make_worker(agent: AgentProcess, seed: int | None) -> tuple[WorkerHalf, list
         link=link,
         counters=counters,
         chunk_tokens=lambda: CHUNK,
-        segment_path=lambda info: info.segment_path,
+        segment_path=lambda info: segment or info.segment_path,
         pin_mode="never",
     )
     holder.append(worker)
@@ -106,6 +112,30 @@ def test_store_then_load_in_another_worker(agent: AgentProcess) -> None:
         assert torch.equal(after[[9, 10, 11]], before[[4, 5, 6]])
         assert after[:9].eq(0).all()
     assert target.counters.totals["loaded_chunks"] == 2
+
+
+def test_a_worker_never_copies_through_a_file_the_agent_does_not_map(
+    agent: AgentProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A copy of the agent's segment at the path the worker maps (a pod's own /dev/shm, a
+    wrong segment path): the agent's hello names its file, and the worker uses no other."""
+    copy = Path("/dev/shm") / f"kvpool-worker-copy-{os.getpid()}"
+    shutil.copyfile(agent.segment_path, copy)
+    try:
+        original = hashlib.sha256(copy.read_bytes()).digest()
+        worker, _ = make_worker(agent, seed=1, segment=copy)
+        store(worker, 1, KEYS[:2], [3, 4, 5, 6])
+        store(worker, 2, KEYS[2:], [7, 8, 9, 10])
+        assert hashlib.sha256(copy.read_bytes()).digest() == original
+    finally:
+        copy.unlink()
+    assert worker.counters.totals["stored_chunks"] == 0
+    assert worker.counters.totals["failed_stores"] == 2
+    refusals = [r for r in caplog.records if "is not the file the agent maps" in r.getMessage()]
+    assert len(refusals) == 1  # said once
+    assert f"{agent.segment_path} is the agent's segment" in refusals[0].getMessage()
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
+        assert client.lookup(TENANT, KEYS, lock=False).count == 0
 
 
 def test_missing_chunks_are_reported_for_recompute(agent: AgentProcess) -> None:

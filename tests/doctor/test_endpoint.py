@@ -16,7 +16,9 @@ import pytest
 
 from kvpool_agent import cli, protocol
 from kvpool_agent.client import AgentClient
+from kvpool_agent.doctor import canary
 from kvpool_agent.keys import CANARY_TENANT, tenant_id
+from kvpool_agent.segment import SharedSegment
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 
 from .conftest import ADMIN_ENV, agent_args, parse, run_doctor
@@ -166,8 +168,11 @@ def test_a_pod_without_the_nodes_shm(agent: AgentProcess) -> None:
     assert small.fix is not None and "is not the node's /dev/shm" in small.fix
 
 
-def test_canary_mismatch_when_the_pod_maps_another_file(agent: AgentProcess) -> None:
-    """A copy of the agent's segment passes every file check; only the canary tells."""
+def test_a_pod_that_maps_another_file_fails_the_segment_check_naming_both(
+    agent: AgentProcess,
+) -> None:
+    """A copy of the agent's segment (its size, its layout, its bytes): the agent's hello
+    names the file it maps, and this one is another."""
     copy = Path("/dev/shm") / f"kvpool-doctor-copy-{os.getpid()}"
     shutil.copyfile(agent.segment_path, copy)
     original = hashlib.sha256(copy.read_bytes()).digest()
@@ -178,12 +183,56 @@ def test_canary_mismatch_when_the_pod_maps_another_file(agent: AgentProcess) -> 
         copy.unlink()
 
     assert diagnosis.returncode == 1
-    assert diagnosis.checks["segment"].outcome == "PASS"
-    failure = diagnosis.checks["canary"]
-    assert failure.outcome == "FAIL"
-    assert failure.seen.startswith("canary mismatch: the agent wrote the canary at offset ")
-    assert f"of its segment {agent.segment_path}; this pod's {copy} holds other" in failure.seen
+    failure = diagnosis.checks["segment"]
+    assert failure.outcome == "FAIL", diagnosis.output
+    assert failure.seen.startswith(f"this pod maps {copy} (file ")
+    assert f"the agent maps its segment {agent.segment_path} (file " in failure.seen
+    assert failure.seen.endswith("they are different files")
     assert failure.fix is not None and "--segment-path" in failure.fix
+    assert diagnosis.checks["canary"].seen == "needs the segment mapped"
+
+
+def test_a_segment_replaced_under_its_live_agent_fails_naming_both(agent: AgentProcess) -> None:
+    """Another file at the agent's very path (what a second agent did before issue 28): the
+    pod maps it, the agent its own; the agent says so in its log too."""
+    path = agent.segment_path
+    replacement = path.with_name(f".{path.name}.replacement")
+    shutil.copyfile(path, replacement)
+    os.replace(replacement, path)
+
+    diagnosis = run_doctor(*agent_args(agent), env=ADMIN_ENV)
+
+    assert diagnosis.returncode == 1
+    failure = diagnosis.checks["segment"]
+    assert failure.outcome == "FAIL", diagnosis.output
+    assert failure.seen.startswith(f"{path} here is file ")
+    assert ", but the agent maps file " in failure.seen
+    assert "replaced or removed since the agent started" in failure.seen
+    assert failure.fix is not None and failure.fix.startswith("restart the agent")
+    deadline = time.monotonic() + 10
+    while not any(f"{path} no longer named this agent's" in line for line in agent.log):
+        assert time.monotonic() < deadline, "".join(agent.log)
+        time.sleep(0.1)
+
+
+def test_the_canary_tells_another_file_where_the_agent_does_not_name_its_own(
+    agent: AgentProcess,
+) -> None:
+    """An older agent names no file in its hello: the canary still tells a copy."""
+    copy = Path("/dev/shm") / f"kvpool-doctor-copy-{os.getpid()}"
+    shutil.copyfile(agent.segment_path, copy)
+    mapped = SharedSegment.attach(copy)
+    try:
+        with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
+            check = canary.check_canary(client, mapped)
+    finally:
+        mapped.close()
+        copy.unlink()
+
+    assert check.outcome == "FAIL"
+    assert check.seen.startswith("canary mismatch: the agent wrote the canary at offset ")
+    assert f"of its segment {agent.segment_path}; this pod's {copy} holds other" in check.seen
+    assert check.fix is not None and "--segment-path" in check.fix
     assert usage(agent)[CANARY_TENANT]["chunks"] == 0  # cleared all the same
 
 

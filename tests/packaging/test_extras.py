@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from kvpool_agent.probe_table import table_path
+from kvpool_agent.segment import lock_path
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("pyproject.toml", "README.md", "agent", "operator")
@@ -218,8 +219,8 @@ def test_the_agent_starts_and_stops_on_its_extra(venv: tuple[str, Path], tmp_pat
         with started([bin_dir / "kvpool-agent"], env, r"agent ready pool=packaging ") as found:
             assert f"segment={segment}" in found.string
     finally:
-        segment.unlink(missing_ok=True)
-        table_path(segment).unlink(missing_ok=True)
+        for path in (segment, table_path(segment), lock_path(segment)):
+            path.unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("venv", ["index"], indirect=True)

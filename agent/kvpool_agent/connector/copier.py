@@ -74,6 +74,11 @@ class MappedSegment:
     def pinned(self) -> bool:
         return self._pinned is not None
 
+    @property
+    def identity(self) -> tuple[int, int]:
+        """Device and inode of the file mapped."""
+        return self._segment.identity
+
     def is_current(self) -> bool:
         """False when the file at ``path`` was re-created (the agent made a new segment)."""
         try:

@@ -91,6 +91,8 @@ class WorkerHalf:
         self.format: ChunkFormat | None = None
         self._copier: BlockCopier | None = None
         self._segment: MappedSegment | None = None
+        self._refused: tuple[Path, tuple[int, int]] | None = None
+        """The path and the agent's file last refused (see :meth:`on_new_agent`)."""
         self._failed_blocks: set[int] = set()
         self._stores: list[_PendingStore] = []
         self._releases: list[_PendingRelease] = []
@@ -138,17 +140,43 @@ class WorkerHalf:
             self._link.info()
 
     def on_new_agent(self, info: AgentInfo) -> None:
-        """The link met an agent (first or restarted): map its segment unless mapped."""
+        """The link met an agent (first or restarted): map its segment unless mapped.
+
+        A file that is not the one the agent maps (where its hello says which) is not used:
+        its bytes are not the agent's, and what is copied into it never reaches the agent.
+        """
         path = self._segment_path(info)
-        if self._segment is not None and self._segment.path == path and self._segment.is_current():
+        agents = info.segment_identity
+        mapped = self._segment
+        if (
+            mapped is not None
+            and mapped.path == path
+            and mapped.is_current()
+            and (not any(agents) or mapped.identity == agents)
+        ):
             return
         self._drop_segment()
         on_gpu = self._copier is not None and self._copier.device.type == "cuda"
         try:
-            self._segment = MappedSegment(path, self._pin_mode if on_gpu else "never")
+            segment = MappedSegment(path, self._pin_mode if on_gpu else "never")
         except (SegmentError, OSError) as error:
             log.warning("kvpool worker %d: cannot map segment %s: %s", self._rank, path, error)
             return
+        if any(agents) and segment.identity != agents:
+            segment.close()
+            if self._refused != (path, agents):  # once, not at every load and store
+                self._refused = (path, agents)
+                log.warning(
+                    "kvpool worker %d: %s is not the file the agent maps (%s is the agent's "
+                    "segment): not used, so nothing is loaded or stored; mount the node's "
+                    "/dev/shm, and set no segment path that names another file",
+                    self._rank,
+                    path,
+                    info.segment_path,
+                )
+            return
+        self._refused = None
+        self._segment = segment
         log.info(
             "kvpool worker %d: mapped segment %s%s",
             self._rank,

@@ -5,22 +5,35 @@ rebuilt from the chunk table, so a restart keeps the cache hot; otherwise it is
 recreated from empty, and the reason is logged and kept for metrics. A segment or
 probe table that is not the agent's own file (another user's, a link, a mode wider
 than the agent's) is refused: the agent does not start (:mod:`kvpool_agent.files`).
+
+Only the segment's owner opens it: :func:`claim_segment` first, for as long as the agent
+lives (see :mod:`kvpool_agent.segment`), so that no two agents adopt one segment.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvpool_agent.config import AgentConfig
 from kvpool_agent.core.journal import SegmentJournal
 from kvpool_agent.core.l1 import L1Cache
 from kvpool_agent.core.policies import policy_factory
 from kvpool_agent.core.quota_book import QuotaBook
-from kvpool_agent.pinned import PinnedRegion, pin
-from kvpool_agent.probe_table import ProbeTableWriter, table_path
-from kvpool_agent.segment import SharedSegment
+from kvpool_agent.files import FileRefused, LockFile, Undo
+from kvpool_agent.pinned import PinnedRegion, PinningError, pin
+from kvpool_agent.probe_table import ProbeTableWriter, table_kept, table_path
+from kvpool_agent.segment import (
+    LOCK_MODE,
+    SegmentError,
+    SharedSegment,
+    check_directory,
+    lock_path,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +61,12 @@ class L1Tier:
     pinned: PinnedRegion | None
     origin: SegmentOrigin
 
+    def displaced(self) -> list[Path]:
+        """The agent's files whose names no longer name them (removed or replaced by someone
+        else): a client that maps the name now sees another file."""
+        files = (self.segment, self.probe_table)
+        return [file.path for file in files if not file.is_at_path()]
+
     def close(self) -> None:
         if self.pinned is not None:
             self.pinned.release()
@@ -56,48 +75,81 @@ class L1Tier:
         self.segment.close()
 
 
-def open_l1(config: AgentConfig, agent_id: str) -> L1Tier:
+def claim_segment(path: Path) -> LockFile | str:
+    """Take the owner lock of the segment at ``path`` (checking, or making, its directory):
+    the lock, held until released, or who holds it now.
+
+    Agents before the lock held only their probe table's: while such an agent lives, the
+    segment is its own too (the lock just taken is let go).
+    """
+    check_directory(path)
+    lock = lock_path(path)
+    note = f"pid {os.getpid()} on {os.uname().nodename}"
+    try:
+        held = LockFile.take(lock, what="segment lock", mode=LOCK_MODE, note=note)
+    except FileRefused:
+        raise
+    except OSError as error:
+        raise SegmentError(f"cannot lock segment {path} ({lock}): {error.strerror}") from None
+    if held is None:
+        holder = LockFile.holder(lock)
+        return f"agent {holder}" if holder else f"the process that holds {lock}"
+    if table_kept(table_path(path)):
+        held.release()
+        return f"an older agent (it holds {table_path(path)})"
+    return held
+
+
+def open_l1(config: AgentConfig, agent_id: str, undo: Undo | None = None) -> L1Tier:
+    """The agent's L1 (the segment's owner lock must be held, see :func:`claim_segment`); a
+    segment it creates (not one it adopts) is noted in ``undo``."""
     started = time.perf_counter()
     path = config.resolved_segment_path
     segment, recreated_because = SharedSegment.open(
         path, int(config.l1_size), int(config.page_size)
     )
-    try:
+    if recreated_because is not None and undo is not None:
+        undo.file(path)
+    with contextlib.ExitStack() as opened:  # if anything below fails, what is open closes
+        opened.callback(segment.close)
         probe_table = ProbeTableWriter(table_path(path), segment.layout.pages, agent_id)
-    except BaseException:
-        segment.close()
-        raise
-    journal = SegmentJournal(segment)
-    cache = L1Cache(
-        segment.layout,
-        policy_factory(config.eviction_policy),
-        QuotaBook(default=_limit(config.default_tenant_quota)),
-        high_watermark=config.high_watermark,
-        low_watermark=config.low_watermark,
-        lease_seconds=config.lease_seconds,
-        journal=journal,
-        probe_table=probe_table,
-    )
-    if recreated_because is None:
-        report = cache.restore(journal.committed(), journal.reserved())
-        origin = SegmentOrigin(
-            True, "adopted", report.restored, report.discarded, time.perf_counter() - started
+        opened.callback(probe_table.close)
+        journal = SegmentJournal(segment)
+        opened.callback(journal.close)  # its views of the segment go before the mapping
+        cache = L1Cache(
+            segment.layout,
+            policy_factory(config.eviction_policy),
+            QuotaBook(default=_limit(config.default_tenant_quota)),
+            high_watermark=config.high_watermark,
+            low_watermark=config.low_watermark,
+            lease_seconds=config.lease_seconds,
+            journal=journal,
+            probe_table=probe_table,
         )
-        log.info(
-            "adopted segment %s: %d chunks restored, %d damaged records discarded, "
-            "%d reserved chunks quarantined, in %.3f s",
-            path,
-            report.restored,
-            report.discarded,
-            report.quarantined,
-            origin.seconds,
-        )
-    else:
-        journal.reset()
-        origin = SegmentOrigin(False, recreated_because, 0, 0, time.perf_counter() - started)
-        level = logging.INFO if recreated_because == "no segment yet" else logging.WARNING
-        log.log(level, "created segment %s from empty: %s", path, recreated_because)
-    pinned = pin(segment.mapping, config.pin_memory)
+        if recreated_because is None:
+            report = cache.restore(journal.committed(), journal.reserved())
+            origin = SegmentOrigin(
+                True, "adopted", report.restored, report.discarded, time.perf_counter() - started
+            )
+            log.info(
+                "adopted segment %s: %d chunks restored, %d damaged records discarded, "
+                "%d reserved chunks quarantined, in %.3f s",
+                path,
+                report.restored,
+                report.discarded,
+                report.quarantined,
+                origin.seconds,
+            )
+        else:
+            journal.reset()
+            origin = SegmentOrigin(False, recreated_because, 0, 0, time.perf_counter() - started)
+            level = logging.INFO if recreated_because == "no segment yet" else logging.WARNING
+            log.log(level, "created segment %s from empty: %s", path, recreated_because)
+        try:
+            pinned = pin(segment.mapping, config.pin_memory)
+        except PinningError as error:
+            raise SegmentError(f"cannot pin segment {path}: {error}") from None
+        opened.pop_all()
     log.info(
         "L1 segment %s: %d pages of %d bytes, policy %s, pinned %s",
         path,

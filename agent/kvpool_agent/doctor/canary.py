@@ -27,6 +27,7 @@ import os
 
 from kvpool_agent.client import AgentClient, AgentError, AgentUnavailable, copy_in, copy_out
 from kvpool_agent.doctor.report import Check, failed, passed, size
+from kvpool_agent.doctor.shared_memory import OTHER_FILE
 from kvpool_agent.keys import CANARY_TENANT
 from kvpool_agent.segment import SharedSegment
 
@@ -38,11 +39,6 @@ _POD_KEY = hashlib.sha256(b"kvpool-doctor-canary-v1\0pod-to-agent").digest()
 Failure = tuple[str, str]
 """What was seen, and the fix."""
 
-_OTHER_FILE = (
-    "this pod must map the agent's segment: mount the node's /dev/shm at the path the "
-    "agent uses, and drop a segment_path / KVPOOL_SEGMENT_PATH / --segment-path that "
-    "names another file"
-)
 _AGENT_FAILED = "the agent's log says why (kubectl logs, or the kvpool-agent process's stderr)"
 
 
@@ -85,7 +81,7 @@ def _agent_to_pod(client: AgentClient, segment: SharedSegment) -> Failure | None
             f"canary mismatch: the agent wrote the canary at offset {hit.offsets[0]} of its "
             f"segment {client.info.segment_path}; this pod's {segment.path} holds other bytes "
             "there: they are different files",
-            _OTHER_FILE,
+            OTHER_FILE,
         )
     return None
 
@@ -113,7 +109,7 @@ def _pod_to_agent(client: AgentClient, segment: SharedSegment) -> Failure | None
             f"canary mismatch: this pod stored the canary at offset {plan.offsets[0]}; it "
             f"loaded {'the same' if loaded == payload else 'other'} bytes back, the agent "
             f"read {'the same' if agent_view == [payload] else 'other'} bytes",
-            _OTHER_FILE,
+            OTHER_FILE,
         )
     return None
 

@@ -1,9 +1,10 @@
 """The segment and shm checks: this pod maps the agent's segment, on a big enough /dev/shm.
 
 The connector maps the path its settings or the Service name, else the one the agent's
-hello names. That file must exist here, be the agent's (its size), and be mappable
-read-write by this uid; the file system that holds it must hold the whole segment
-(``l1.size`` and the header).
+hello names. That file must exist here, be the agent's (its size, and the very file the
+agent maps: the hello names its device and inode), and be mappable read-write by this
+uid; the file system that holds it must hold the whole segment (``l1.size`` and the
+header).
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ from kvpool_agent.segment import SegmentError, SharedSegment
 
 SEGMENT, SHM = "segment", "shm"
 
+OTHER_FILE = (
+    "this pod must map the agent's segment: mount the node's /dev/shm at the path the agent "
+    "uses, and drop a segment_path / KVPOOL_SEGMENT_PATH / --segment-path that names another "
+    "file"
+)
 _MOUNT_THE_NODES_SHM = (
     "mount the node's /dev/shm into the vLLM pod (volumes: [{name: kvpool-shm, hostPath: "
     "{path: /dev/shm, type: Directory}}], volumeMounts: [{name: kvpool-shm, mountPath: "
@@ -65,9 +71,43 @@ def check_segment(path: Path, info: AgentInfo) -> tuple[Check, SharedSegment | N
             f"{info.data_size} at {info.data_offset}): this pod sees another file",
             _MOUNT_THE_NODES_SHM,
         ), None
+    other = _another_file(path, mapped, info)
+    if other is not None:
+        mapped.close()
+        return other, None
     return passed(
-        SEGMENT, f"{path}: {size(expected)}, the agent's size, mapped read-write as uid {uid}"
+        SEGMENT,
+        f"{path}: {size(expected)}, the agent's size, mapped read-write as uid {uid}"
+        + (", the very file the agent maps" if any(info.segment_identity) else ""),
     ), mapped
+
+
+def _another_file(path: Path, mapped: SharedSegment, info: AgentInfo) -> Check | None:
+    """A FAIL if the file mapped here is not the one the agent maps (where it says which)."""
+    if not any(info.segment_identity) or mapped.identity == info.segment_identity:
+        return None
+    here, agents = _file(mapped.identity), _file(info.segment_identity)
+    if path == info.segment_path:
+        return failed(
+            SEGMENT,
+            f"{path} here is {here}, but the agent maps {agents}: the file at its path was "
+            "replaced or removed since the agent started, and whoever maps the path sees "
+            "other bytes than the agent",
+            "restart the agent (it adopts the file at its path) and find what replaced the "
+            "segment: another agent of the pool (one that predates the segment's owner lock) "
+            "or a person",
+        )
+    return failed(
+        SEGMENT,
+        f"this pod maps {path} ({here}); the agent maps its segment {info.segment_path} "
+        f"({agents}): they are different files",
+        OTHER_FILE,
+    )
+
+
+def _file(identity: tuple[int, int]) -> str:
+    device, inode = identity
+    return f"file {os.major(device)}:{os.minor(device)} inode {inode}"
 
 
 def check_shm(path: Path, info: AgentInfo) -> Check:

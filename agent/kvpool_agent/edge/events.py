@@ -49,12 +49,18 @@ class EventPublisher:
         self.bound_endpoint = ""
 
     def start(self) -> None:
+        """Bind and publish; ``OSError`` (one line) if the endpoint cannot be bound."""
         self._authenticator.start()
         socket: zmq.Socket[bytes] = self._authenticator.context.socket(zmq.PUB)
         self._authenticator.protect(socket)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, 100_000)
-        socket.bind(self._endpoint)
+        try:
+            socket.bind(self._endpoint)
+        except zmq.ZMQError as error:
+            socket.close()
+            self._authenticator.stop()
+            raise OSError(error.errno, error.strerror) from None
         self.bound_endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._socket = socket
         log.info("chunk events on %s", self.bound_endpoint)

@@ -47,6 +47,7 @@ from __future__ import annotations
 import logging
 import math
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -125,8 +126,12 @@ class ZmqServer:
         session_idle_seconds: float = 300.0,
         observer: RequestObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
+        listener: socket.socket | None = None,
     ) -> None:
+        """Serves on ``endpoint``, or on ``listener`` (:func:`~kvpool_agent.edge.zmtp.listen`)
+        bound beforehand."""
         self.agent_id = agent_id
+        self._listener = listener
         self._parked: list[_Parked] = []
         self._notifier: zmq.Socket[bytes] | None = None
         self._service = service
@@ -178,7 +183,11 @@ class ZmqServer:
         # Each connection gets a routing identity of its own: one that names itself like
         # another cannot take over the other's, and with it the other's session.
         router = ZmtpRouter(
-            self._endpoint, self.bounds, log=self._flood_log, on_drop=self._dropped_peer
+            self._endpoint,
+            self.bounds,
+            log=self._flood_log,
+            on_drop=self._dropped_peer,
+            listener=self._listener,
         )
         self.bound_endpoint = router.bound_endpoint
         self._router = router
@@ -460,6 +469,7 @@ class ZmqServer:
             self._max_inline,
             self._max_keys,
             principal.tenant or "",
+            *self._segment.identity,
         ), []
 
     def _ping(self, request: p.Ping, extra: Frames, peer: Peer) -> Handled:

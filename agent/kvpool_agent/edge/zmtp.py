@@ -156,18 +156,18 @@ class ZmtpRouter:
         on_drop: Callable[[DropReason], None] | None = None,
         handshake_seconds: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        listener: socket.socket | None = None,
     ) -> None:
+        """Listen on ``endpoint``, or on ``listener`` (:func:`listen`), bound beforehand."""
         self.bounds = bounds
         self._log = log
         self._on_drop = on_drop
         self._handshake_seconds = handshake_seconds
         self._clock = clock
-        host, port = _tcp_address(endpoint)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host, port), family=family, backlog=1024)
+        self._listener = listen(endpoint) if listener is None else listener
         self._listener.setblocking(False)
         bound_host, bound_port = self._listener.getsockname()[:2]
-        shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
+        shown = f"[{bound_host}]" if self._listener.family == socket.AF_INET6 else bound_host
         self.bound_endpoint = f"tcp://{shown}:{bound_port}"
         self._connections: dict[bytes, _Connection] = {}
         self._by_fd: dict[int, _Connection] = {}
@@ -513,6 +513,13 @@ def _properties(metadata: bytes) -> dict[str, bytes]:
         found[name] = metadata[value_start:value_end]
         position = value_end
     return found
+
+
+def listen(endpoint: str) -> socket.socket:
+    """A TCP socket listening on ``endpoint`` (``tcp://HOST:PORT``), for a :class:`ZmtpRouter`."""
+    host, port = _tcp_address(endpoint)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=1024)
 
 
 def _tcp_address(endpoint: str) -> tuple[str, int]:

@@ -113,11 +113,12 @@ def read_keys(directory: Path, warn: Callable[[str], None] | None = log.warning)
     return Keys(found)
 
 
-def generate_key(directory: Path) -> None:
-    """Create key :data:`GENERATED_KEY_ID` (mode 0600) unless the directory holds a key."""
+def generate_key(directory: Path) -> Path | None:
+    """Create key :data:`GENERATED_KEY_ID` (mode 0600) unless the directory holds a key; the
+    file made (None: there was a key, or another agent made it first)."""
     try:
         read_keys(directory, warn=None)
-        return
+        return None
     except KeyringError:
         pass
     path = directory / str(GENERATED_KEY_ID)
@@ -133,8 +134,10 @@ def generate_key(directory: Path) -> None:
             f"the L2 key directory {directory} holds no key, and one cannot be made there: "
             f"{error.strerror}"
         ) from error
-    if made:  # else another agent on this node made it first
-        log.info("generated L2 key %d in %s", GENERATED_KEY_ID, directory)
+    if not made:  # another agent on this node made it first
+        return None
+    log.info("generated L2 key %d in %s", GENERATED_KEY_ID, directory)
+    return path
 
 
 class Keyring:

@@ -5,17 +5,25 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvpool_agent.config import AgentConfig
+from kvpool_agent.files import Undo, ensure_directory
 from kvpool_agent.l2 import L2Adapter, adapter_class
 from kvpool_agent.l2.buffers import BufferPool
 from kvpool_agent.l2.codec import ObjectCodec
 from kvpool_agent.l2.keyring import Keyring, generate_key
 
 
-def open_tiers(config: AgentConfig, limit_of: Callable[[str], int | None]) -> list[L2Adapter]:
-    """The tiers; :class:`~kvpool_agent.l2.keyring.KeyringError` if the keys are unusable."""
+def open_tiers(
+    config: AgentConfig, limit_of: Callable[[str], int | None], undo: Undo | None = None
+) -> list[L2Adapter]:
+    """The tiers; :class:`~kvpool_agent.l2.keyring.KeyringError` if the keys are unusable.
+    A key generated here is noted in ``undo``."""
     if config.nvme is None and config.s3 is None:
         return []
-    generate_key(config.resolved_l2_key_dir)
+    if config.nvme is not None:  # a bad path fails before a key is made
+        ensure_directory(config.nvme.path, what="NVMe tier directory")
+    generated = generate_key(config.resolved_l2_key_dir)
+    if generated is not None and undo is not None:
+        undo.file(generated)
     keyring = Keyring(config.resolved_l2_key_dir)
     buffers = BufferPool()
     tiers: list[L2Adapter] = []

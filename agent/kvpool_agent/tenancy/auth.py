@@ -21,9 +21,9 @@ digests with :func:`hmac.compare_digest` against every known token, so neither
 a memory dump nor response timing gives a token away. Error messages name the
 offending entry by position, never by value, and nothing here logs a token.
 
-Without a tokens file the agent calls :meth:`TokenAuthority.generate` at start: a fresh
-admin, engine and index token each is written to a file readable only by the agent's
-user (mode 0600), and the authority keeps their digests.
+Without a tokens file the agent generates tokens at start (:class:`GeneratedTokens`): a
+fresh admin, engine and index token each is written to a file readable only by the
+agent's user (mode 0600) once the agent has started, and the authority keeps their digests.
 
 Beside the file's tokens, an authority accepts digests granted at run time
 (:meth:`TokenAuthority.replace_granted`: the KVCacheTenants' tokens and the
@@ -38,13 +38,13 @@ import enum
 import hmac
 import re
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from kvpool_agent.files import ensure_directory, write_file
+from kvpool_agent.files import check_replaceable, ensure_directory, write_file
 from kvpool_agent.keys import TENANT_ID_RULE, check_tenant_id, is_tenant_id
 from kvpool_agent.tenants_configmap import digest_token
 
@@ -181,16 +181,12 @@ class TokenAuthority:
     def generate(cls, files: Mapping[str, Path]) -> TokenAuthority:
         """A fresh random token for each key of the tokens file in ``files`` (``admin``,
         ``engines``, ``indexes``), each written to its file (mode 0600); their authority.
-
-        Each file is replaced atomically, so a reader never sees a partial token; a token
-        generated at an earlier start stops working. Something at a file's path that is not
-        a regular file of the agent's user is refused (:mod:`kvpool_agent.files`).
+        See :class:`GeneratedTokens`, which writes the files when its caller says so.
         """
-        tokens = {key: secrets.token_urlsafe(32) for key in files}
-        for key, path in files.items():
-            ensure_directory(path.parent, what="state directory")
-            write_file(path, (tokens[key] + "\n").encode(), TOKEN_FILE_MODE, what="token file")
-        return cls(tokens, source=", ".join(str(path) for path in files.values()))
+        generated = GeneratedTokens(files)
+        authority = generated.authority()
+        generated.write()
+        return authority
 
     def authenticate(self, token: str) -> Principal | None:
         """The principal of ``token``, or None if it is unknown.
@@ -254,6 +250,39 @@ class TokenAuthority:
             raise TokenFileError(f"{where}: a token is also listed for {owner}; tokens must differ")
         owners[digest] = principal
         self._entries.append((digest, principal))
+
+
+class GeneratedTokens:
+    """A fresh random token for each key of ``files`` (``admin``, ``engines``, ``indexes``),
+    kept until :meth:`write` puts each in its file (mode 0600), then forgotten.
+
+    The authority is known at once; the files wait until the agent has started everything
+    else, so a failed start replaces no earlier agent's tokens. Each file is replaced
+    atomically, so a reader never sees a partial token; a token generated at an earlier
+    start stops working. Something at a file's path that is not a regular file of the
+    agent's user is refused (:mod:`kvpool_agent.files`).
+    """
+
+    def __init__(self, files: Mapping[str, Path]) -> None:
+        self.files = dict(files)
+        self._tokens = {key: secrets.token_urlsafe(32) for key in files}
+        self._source = ", ".join(str(path) for path in files.values())
+
+    def authority(self) -> TokenAuthority:
+        return TokenAuthority(self._tokens, source=self._source)
+
+    def write(self, written: Callable[[Path], None] | None = None) -> None:
+        """Write every file (checked first: one refused writes none); ``written`` hears of
+        each file once it is in place."""
+        for path in self.files.values():
+            check_replaceable(path, "token file")
+        for key, path in self.files.items():
+            ensure_directory(path.parent, what="state directory")
+            token = self._tokens[key]
+            write_file(path, (token + "\n").encode(), TOKEN_FILE_MODE, what="token file")
+            if written is not None:
+                written(path)
+        self._tokens.clear()
 
 
 def load_authority(tokens_file: Path | None, generated: Mapping[str, Path]) -> TokenAuthority:

@@ -39,6 +39,9 @@ class AgentProcess:
     """RLIMIT_NOFILE of the process (soft and hard), if not inherited."""
     umask: int | None = None
     """The process's umask, if not inherited."""
+    generate_tokens: bool = False
+    """No tokens file: the agent generates its tokens into its state directory (see
+    :attr:`admin_token`)."""
     _process: subprocess.Popen[str] | None = None
     _reader: threading.Thread | None = None
     _ready: threading.Event = field(default_factory=threading.Event)
@@ -47,6 +50,20 @@ class AgentProcess:
     @property
     def segment_path(self) -> Path:
         return Path("/dev/shm") / f"kvpool-harness-{os.getpid()}-{self.workdir.name}"
+
+    @property
+    def files(self) -> list[Path]:
+        """The agent's files in /dev/shm: the segment, its probe table and its owner lock."""
+        segment = self.segment_path
+        return [segment, *(segment.with_name(segment.name + end) for end in (".probe", ".lock"))]
+
+    @property
+    def admin_token(self) -> str:
+        """The admin token: the tokens file's, or the one the agent generated."""
+        if not self.generate_tokens:
+            return ADMIN_TOKEN
+        state = Path(self.settings.get("STATE_DIR", self.workdir / "state"))
+        return (state / f"admin-token-{self.settings.get('POOL', 'default')}").read_text().strip()
 
     @property
     def pid(self) -> int:
@@ -82,6 +99,8 @@ class AgentProcess:
             "STATE_DIR": str(self.workdir / "state"),
             "TOKENS_FILE": str(tokens),
         }
+        if self.generate_tokens:
+            del defaults["TOKENS_FILE"]
         merged = {**defaults, **self.settings}
         return {**os.environ, **{f"KVPOOL_{name}": value for name, value in merged.items()}}
 
@@ -174,8 +193,10 @@ class AgentProcess:
         self.settings["HTTP_PORT"] = self.http.rsplit(":", 1)[1]
 
     def cleanup(self) -> None:
+        """Kill the agent and remove its files in /dev/shm (a killed agent leaves them all)."""
         self.kill()
-        self.segment_path.unlink(missing_ok=True)
+        for path in self.files:
+            path.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

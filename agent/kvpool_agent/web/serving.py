@@ -51,8 +51,11 @@ async def serve_http(
     port: int,
     limits: HttpLimits | None = None,
     refusals: HttpRefusals | None = None,
+    *,
+    listener: socket.socket | None = None,
 ) -> AsyncIterator[str]:
-    """Serve ``app`` on ``host:port`` (0: a free port) on this loop; yields the base URL.
+    """Serve ``app`` on ``host:port`` (0: a free port), or on ``listener`` (:func:`listen`,
+    bound beforehand), on this loop; yields the base URL.
 
     The socket is bound before serving starts, so the URL is known at once and a port in
     use is an error here rather than a log line later. What the connection gate refuses
@@ -69,7 +72,8 @@ async def serve_http(
         log=flood_log,
         refusals=refusals,
     )
-    listener = socket.create_server((host, port))
+    if listener is None:
+        listener = listen(host, port)
     bound_host, bound_port = listener.getsockname()[:2]
     config = uvicorn.Config(
         RequestTracker(app),
@@ -91,6 +95,11 @@ async def serve_http(
             server.should_exit = True
             await task
             listener.close()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host:port``, for :func:`serve_http`."""
+    return socket.create_server((host, port))
 
 
 def connection_bound(wanted: int) -> int:

@@ -39,6 +39,7 @@ def segment_path(tmp_path: Path) -> Iterator[Path]:
     path = Path("/dev/shm") / f"kvpool-warm-{os.getpid()}-{tmp_path.name}"
     yield path
     path.unlink(missing_ok=True)
+    table_path(path).unlink(missing_ok=True)  # a node's table that a test did not close
 
 
 class Node:
