@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import enum
 import hmac
+import logging
 import re
 import secrets
 from collections.abc import Iterable, Mapping
@@ -47,6 +48,8 @@ import yaml
 from kvpool_agent.files import ensure_directory, write_file
 from kvpool_agent.keys import TENANT_ID_RULE, check_tenant_id, is_tenant_id
 from kvpool_agent.tenants_configmap import digest_token
+
+log = logging.getLogger(__name__)
 
 # Visible ASCII only: what fits in an Authorization header without quoting.
 _TOKEN = re.compile(r"[\x21-\x7e]+")
@@ -190,6 +193,8 @@ class TokenAuthority:
         for key, path in files.items():
             ensure_directory(path.parent, what="state directory")
             write_file(path, (tokens[key] + "\n").encode(), TOKEN_FILE_MODE, what="token file")
+        where = ", ".join(f"{key} {path}" for key, path in files.items())
+        log.info("no tokens file: generated tokens into %s (mode 0600)", where)
         return cls(tokens, source=", ".join(str(path) for path in files.values()))
 
     def authenticate(self, token: str) -> Principal | None:
