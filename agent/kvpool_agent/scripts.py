@@ -11,6 +11,8 @@ import importlib.metadata
 
 from packaging.requirements import Requirement
 
+from kvpool_agent import __version__
+
 DISTRIBUTION = "kvpool"
 
 
@@ -41,7 +43,8 @@ def require_extra(extra: str, command: str) -> None:
     if missing:
         raise SystemExit(
             f"{command} needs kvpool's '{extra}' extra (missing: {', '.join(missing)}); "
-            f"install it with: pip install 'kvpool[{extra}]'"
+            f"install kvpool with it from its wheel or a checkout: pip install "
+            f"'kvpool-{__version__}-py3-none-any.whl[{extra}]' (README: Installing kvpool)"
         )
 
 

@@ -207,6 +207,7 @@ def test_tiers_all_drops_the_tenant_from_nvme_and_s3(
     assert dropped.json() == {"dropped_chunks": 6, "l2_dropped_objects": 12}  # 6 NVMe + 6 S3
     assert httpx.get(usage, headers=_auth(ALICE_TOKEN)).json()["nvme_used_bytes"] == 0
     assert _files(nvme, ALICE) == [] and _objects(s3_endpoint, bucket, ALICE) == []
+    assert list(nvme.glob(f"*/{ALICE}")) == []  # no empty directories left either
     assert len(_files(nvme, BOB)) == 6 and len(_objects(s3_endpoint, bucket, BOB)) == 6
     again = httpx.post(clear, params={"tiers": "all"}, headers=_auth(ALICE_TOKEN))
     assert again.json() == {"dropped_chunks": 0, "l2_dropped_objects": 0}  # idempotent

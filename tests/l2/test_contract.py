@@ -17,6 +17,7 @@ import pytest_asyncio
 
 from kvpool_agent.l2 import ADAPTER_NAMES, L2Adapter, L2Object, ObjectKey, adapter_class
 from kvpool_agent.l2.codec import HEADER
+from kvpool_agent.l2.nvme import NvmeAdapter
 
 from .conftest import POOL, MiB, chunk, nvme_config, object_codec, payload, raw_client, s3_config
 from .faults import FaultyAdapter
@@ -257,4 +258,6 @@ async def test_drop_tenant_deletes_that_tenant_only(tier: Tier) -> None:
         for n in names
     ]
     assert await tier.adapter.drop_tenant("tenant-a") == 0  # idempotent
+    if isinstance(tier.adapter, NvmeAdapter):  # and no empty directory of it is left
+        assert not (tier.adapter.root / "tenant-a").exists()
     assert await tier.adapter.drop_tenant("never-stored") == 0

@@ -216,11 +216,13 @@ class NvmeAdapter:
         return len(victims)
 
     async def drop_tenant(self, tenant: str) -> int:
-        """Delete every indexed file of ``tenant``; returns how many.
+        """Delete every indexed file of ``tenant``, then its directories if that left them
+        empty; returns how many files.
 
         Cost: one unlink per file, run on the adapter's ``max_concurrency`` threads (each
         waits for an operation in flight on its key). A put of the tenant that starts
-        during the drop may land after it; dropping again removes it.
+        during the drop may land after it (dropping again removes it), or fail if its
+        directory went meanwhile (the next write-back of the chunk makes it again).
         """
         account = self._tenants.get(tenant)
         if account is None:
@@ -232,7 +234,18 @@ class NvmeAdapter:
                 f"NVMe tier: {gone.count(False)} of {len(names)} files of tenant {tenant} "
                 "could not be deleted (see the log)"
             )
+        await self._run(self._remove_empty_dirs, self.root / tenant)
         return len(names)
+
+    def _remove_empty_dirs(self, tenant_dir: Path) -> None:
+        """The tenant's shard directories, and its own, where they hold nothing now."""
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            for shard in os.scandir(tenant_dir):
+                self._known_dirs.discard(Path(shard.path))
+                with contextlib.suppress(OSError):  # not empty: a put landed meanwhile
+                    os.rmdir(shard.path)
+        with contextlib.suppress(OSError):
+            os.rmdir(tenant_dir)
 
     def _make_room(self, tenant: str, size: int) -> list[ObjectKey] | None:
         """Make room for ``size`` more bytes of ``tenant``: the victims, claimed and unindexed.

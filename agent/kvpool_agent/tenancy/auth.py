@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import enum
 import hmac
+import logging
 import re
 import secrets
 from collections.abc import Callable, Iterable, Mapping
@@ -47,6 +48,8 @@ import yaml
 from kvpool_agent.files import check_replaceable, ensure_directory, write_file
 from kvpool_agent.keys import TENANT_ID_RULE, check_tenant_id, is_tenant_id
 from kvpool_agent.tenants_configmap import digest_token
+
+log = logging.getLogger(__name__)
 
 # Visible ASCII only: what fits in an Authorization header without quoting.
 _TOKEN = re.compile(r"[\x21-\x7e]+")
@@ -283,6 +286,8 @@ class GeneratedTokens:
             if written is not None:
                 written(path)
         self._tokens.clear()
+        where = ", ".join(f"{key} {path}" for key, path in self.files.items())
+        log.info("no tokens file: generated tokens into %s (mode 0600)", where)
 
 
 def load_authority(tokens_file: Path | None, generated: Mapping[str, Path]) -> TokenAuthority:
