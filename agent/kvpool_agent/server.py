@@ -29,6 +29,7 @@ from kvpool_agent.edge.zmq_server import ZmqServer
 from kvpool_agent.files import ensure_directory
 from kvpool_agent.l2.nvme import NvmeAdapter
 from kvpool_agent.l2.tiers import open_tiers
+from kvpool_agent.problems import listening
 from kvpool_agent.service.cache_service import CacheService
 from kvpool_agent.tenancy.auth import TokenAuthority, load_authority
 from kvpool_agent.tenancy.quota_store import FileQuotaStore
@@ -76,7 +77,8 @@ class Agent:
             events = EventPublisher(
                 f"tcp://{config.host}:{config.events_port or '*'}", agent_id, authority
             )
-            events.start()
+            with listening("events_port", config.host, config.events_port):
+                events.start()
             stack.callback(events.stop)
             service.publish_events(events)
             prefetcher = await self._start_l2(l1, service, metrics, stack)
@@ -92,7 +94,8 @@ class Agent:
             )
             if prefetcher is not None:
                 prefetcher.on_change(zmq_server.prefetch_changed)
-            zmq_server.start()
+            with listening("zmq_port", config.host, config.zmq_port):
+                zmq_server.start()
             stack.callback(zmq_server.stop)
             app = create_app(
                 service,
@@ -103,9 +106,10 @@ class Agent:
             )
             refusals = HttpRefusals()
             metrics.register_http(refusals)
-            http_url = await stack.enter_async_context(
-                serve_http(app, config.host, config.http_port, config.http_limits, refusals)
-            )
+            with listening("http_port", config.host, config.http_port):
+                http_url = await stack.enter_async_context(
+                    serve_http(app, config.host, config.http_port, config.http_limits, refusals)
+                )
             await stack.enter_async_context(self._maintain(l1, service))
             self._ready = True
             log.info(
