@@ -63,6 +63,8 @@ def read_config_file(path: str) -> dict[str, Any]:
         raise ConfigError(
             [f"{path}: cannot read the configuration file: {error.strerror}"]
         ) from None
+    except UnicodeDecodeError as error:
+        raise ConfigError([f"{path}: not UTF-8 text (byte {error.start})"]) from None
     except yaml.YAMLError as error:
         raise ConfigError([f"{path}: not YAML or JSON: {_yaml_problem(error)}"]) from None
     if not isinstance(loaded, dict):

@@ -18,6 +18,7 @@ import contextlib
 import difflib
 import errno
 import json
+import os
 import sys
 import types
 import typing
@@ -378,7 +379,7 @@ def listening(setting: str, host: str, port: int) -> Iterator[None]:
             raise
         if code == errno.EADDRINUSE:
             raise ConfigError([f"port {port} ({setting}) is in use on {host}"]) from error
-        reason = getattr(error, "strerror", None) or str(error)
+        reason = os.strerror(code) if code > 0 else getattr(error, "strerror", None) or error
         raise ConfigError(
             [f"cannot listen on {host}:{port} (host, {setting}): {reason}"]
         ) from error

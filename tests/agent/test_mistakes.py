@@ -34,6 +34,12 @@ AGENT = [
         ],
     ),
     Mistake(
+        "file-not-text",
+        FILE,
+        ["kvpool-agent: {tmp}/agent.yaml: not UTF-8 text (byte 9)"],
+        files={"agent.yaml": "l1_size: \udcff\n"},
+    ),
+    Mistake(
         "file-unknown-key",
         FILE,
         ["kvpool-agent: {tmp}/agent.yaml: l1_sise=1Gi: unknown setting; did you mean l1_size?"],

@@ -29,7 +29,8 @@ class Mistake:
     ``{port}`` a port that another socket holds."""
     env: dict[str, str] = field(default_factory=dict)
     files: dict[str, str] = field(default_factory=dict)
-    """Written into the test's directory before the script runs: name, content."""
+    """Written into the test's directory before the script runs: name, content (a lone
+    surrogate such as ``\\udcff`` is that byte)."""
 
     def __str__(self) -> str:
         return self.id
@@ -61,7 +62,7 @@ def feed(
         return text.replace("{tmp}", str(tmp_path)).replace("{port}", str(port))
 
     for name, content in mistake.files.items():
-        (tmp_path / name).write_text(fill(content))
+        (tmp_path / name).write_bytes(fill(content).encode("utf-8", "surrogateescape"))
     environment = {
         **clean_environment(tmp_path),
         **(env or {}),
