@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from kvpool_agent.keys import tenant_id
+from kvpool_agent.problems import ArgumentParser
 from kvpool_agent.scripts import require_extra
 
 BENCHES = {
@@ -26,7 +27,7 @@ BENCHES = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvpool", description=__doc__)
+    parser = ArgumentParser(prog="kvpool", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
     tenant = commands.add_parser(
@@ -71,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         require_extra("agent", "kvpool doctor")
         from kvpool_agent.doctor import command as doctor
 
-        tool = argparse.ArgumentParser(
+        tool = ArgumentParser(
             prog="kvpool doctor",
             description=doctor.__doc__,
             formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -83,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.bench == "index":
         require_extra("index", command)
     module = importlib.import_module(f"kvpool_agent.bench.{args.bench}")
-    tool = argparse.ArgumentParser(prog=command, description=BENCHES[args.bench])
+    tool = ArgumentParser(prog=command, description=BENCHES[args.bench])
     module.add_arguments(tool)
     module.run(tool.parse_args(rest))
     return 0

@@ -8,16 +8,19 @@ operator renders this model into a ConfigMap and mounts it there).
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Any, ClassVar, Literal, Self, TypeVar
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
 )
 
 from kvpool_agent.names import (
@@ -32,11 +35,50 @@ from kvpool_agent.names import (
     generated_token_path,
     segment_path,
 )
+from kvpool_agent.problems import (
+    ConfigError,
+    EnvironmentOrigin,
+    FlagOrigin,
+    Loc,
+    MappingOrigin,
+    Origin,
+    SettingError,
+    describe,
+    show,
+)
+from kvpool_agent.sizes import Size
 
 POOL_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 """A pool name: a DNS label, as the names of its Kubernetes objects need."""
 MIN_PAGE_SIZE = 4096
 MIN_PAGES = 16
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """The settings in a YAML or JSON file; :class:`ConfigError` naming the file, and the
+    line where YAML stopped, if it cannot be read."""
+    try:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as error:
+        raise ConfigError(
+            [f"{path}: cannot read the configuration file: {error.strerror}"]
+        ) from None
+    except UnicodeDecodeError as error:
+        raise ConfigError([f"{path}: not UTF-8 text (byte {error.start})"]) from None
+    except yaml.YAMLError as error:
+        raise ConfigError([f"{path}: not YAML or JSON: {_yaml_problem(error)}"]) from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(
+            [f"{path}: expected a mapping of settings, got a {type(loaded).__name__}"]
+        )
+    return loaded
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    if isinstance(error, yaml.MarkedYAMLError) and error.problem_mark is not None:
+        mark = error.problem_mark
+        return f"line {mark.line + 1}, column {mark.column + 1}: {error.problem}"
+    return " ".join(str(error).split())
 
 
 class ConfigFileSource(PydanticBaseSettingsSource):
@@ -45,14 +87,7 @@ class ConfigFileSource(PydanticBaseSettingsSource):
     def __init__(self, settings_cls: type[BaseSettings], env: str) -> None:
         super().__init__(settings_cls)
         path = os.environ.get(env)
-        self._values: dict[str, Any] = {}
-        if path:
-            loaded = yaml.safe_load(Path(path).read_text()) or {}
-            if not isinstance(loaded, dict):
-                raise ValueError(
-                    f"{path}: expected a mapping of settings, got {type(loaded).__name__}"
-                )
-            self._values = loaded
+        self._values = read_config_file(path) if path else {}
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
         return self._values.get(field_name), field_name, False
@@ -61,7 +96,51 @@ class ConfigFileSource(PydanticBaseSettingsSource):
         return dict(self._values)
 
 
-DEFAULT_MAX_BODY_BYTES = ByteSize(1 << 20)
+_Settings = TypeVar("_Settings", bound=BaseSettings)
+_UNREADABLE = re.compile(
+    r'error parsing value for field "(?P<field>[^"]+)" from source "(?P<source>\w+)"'
+)
+
+
+def load_settings(
+    model: type[_Settings], flags: Mapping[Loc, tuple[str, object]] | None = None, **values: Any
+) -> _Settings:
+    """``model(**values)`` (a settings model with a ``config_file_env``), or a
+    :class:`ConfigError` with one line per problem, each naming the setting as the user
+    wrote it: a flag (``flags``: where each of ``values`` came from on the command line), an
+    environment variable, or a key of the configuration file; and its value.
+    """
+    try:
+        return model(**values)
+    except ValidationError as error:
+        raise ConfigError(describe(error, _origins(model, flags), model)) from None
+    except SettingsError as error:  # a variable of a list or a nested model that is not JSON
+        match = _UNREADABLE.search(str(error))
+        if match is None:
+            raise ConfigError([" ".join(str(error).split())]) from None
+        found = _environment(model).find((match["field"],))
+        where = match["field"] if found is None else f"{found.name}={show(found.value)}"
+        raise ConfigError([f"{where}: not valid JSON ({error.__cause__})"]) from None
+
+
+def _environment(model: type[BaseSettings]) -> EnvironmentOrigin:
+    config = model.model_config
+    prefix, delimiter = config.get("env_prefix") or "", config.get("env_nested_delimiter")
+    return EnvironmentOrigin(prefix, delimiter, os.environ)
+
+
+def _origins(
+    model: type[BaseSettings], flags: Mapping[Loc, tuple[str, object]] | None
+) -> list[Origin]:
+    """Where ``model``'s values come from, highest precedence first."""
+    origins: list[Origin] = [FlagOrigin(flags or {}), _environment(model)]
+    path = os.environ.get(getattr(model, "config_file_env", ""), "")
+    if path:
+        origins.append(MappingOrigin(path, read_config_file(path)))
+    return origins
+
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
 """The agent's default bound on a request body."""
 
 
@@ -75,12 +154,12 @@ class HttpLimits(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_body_bytes: ByteSize = Field(
+    max_body_bytes: Size = Field(
         DEFAULT_MAX_BODY_BYTES,
         description="Largest request body; a larger one is answered 413 before it is read.",
     )
-    max_head_bytes: ByteSize = Field(
-        ByteSize(16 << 10),
+    max_head_bytes: Size = Field(
+        16 << 10,
         ge=1024,
         description=(
             "Largest request head (request line and header fields); past it the request is "
@@ -111,9 +190,10 @@ class HttpLimits(BaseModel):
         1024,
         ge=1,
         description=(
-            "Open HTTP connections at most (fewer if the file limit leaves too few descriptors "
-            "for the rest of the process); at the bound the longest idle one is closed to admit "
-            "a new one, and a new one is refused (503) if none is idle."
+            "Open HTTP connections at most; at the bound the longest idle one is closed to admit "
+            "a new one, and a new one is refused (503) if none is idle. Lowered (logged) to half "
+            "of the file limit less 256 descriptors if that is smaller (an accept burst may "
+            "briefly double the count); the soft file limit is raised to the hard one at start."
         ),
     )
 
@@ -124,7 +204,7 @@ class NvmeTierConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     path: Path = Field(description="Directory on the node's NVMe (a hostPath in Kubernetes).")
-    capacity: ByteSize = Field(description="Bytes of chunk files kept; LRU files go first.")
+    capacity: Size = Field(description="Bytes of chunk files kept; LRU files go first.")
     fsync: Literal["never", "data", "always"] = Field(
         "data",
         description=(
@@ -164,10 +244,10 @@ class S3TierConfig(BaseModel):
     breaker_reset_seconds: float = Field(
         30.0, gt=0, description="How long an open breaker turns requests into misses."
     )
-    multipart_threshold: ByteSize = Field(
-        ByteSize(8 << 20), description="Objects from this size move in parallel parts."
+    multipart_threshold: Size = Field(
+        8 << 20, description="Objects from this size move in parallel parts."
     )
-    part_size: ByteSize = Field(ByteSize(8 << 20), description="Size of one part.")
+    part_size: Size = Field(8 << 20, description="Size of one part.")
     encryption: bool = Field(
         True,
         description=(
@@ -188,7 +268,11 @@ class S3TierConfig(BaseModel):
         if self.sse_kms_key_id is not None and not (self.server_side_encryption or "").startswith(
             "aws:kms"
         ):
-            raise ValueError("sse_kms_key_id needs server_side_encryption aws:kms or aws:kms:dsse")
+            raise SettingError(
+                "sse_kms_key_id needs server_side_encryption aws:kms or aws:kms:dsse",
+                sse_kms_key_id=self.sse_kms_key_id,
+                server_side_encryption=self.server_side_encryption,
+            )
         return self
 
 
@@ -198,21 +282,27 @@ class AgentConfig(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=AGENT_ENV_PREFIX, env_nested_delimiter="__", frozen=True, extra="forbid"
     )
+    config_file_env: ClassVar[str] = AGENT_CONFIG_FILE_ENV
 
     pool: str = Field(
         DEFAULT_POOL,
         pattern=POOL_NAME_PATTERN,
-        description="Pool name; names the shared-memory segment and, later, the Service.",
+        description=(
+            "Pool name (a DNS label); names the shared-memory segment and the pool's Kubernetes "
+            "objects."
+        ),
     )
     segment_path: Path | None = Field(
         None, description="Shared-memory file of the L1 segment; default /dev/shm/kvpool-<pool>."
     )
-    l1_size: ByteSize = Field(
-        ByteSize(1 << 30), description="Bytes of chunk data in the L1 segment (e.g. 1GiB, 64GiB)."
+    l1_size: Size = Field(
+        1 << 30, description="Bytes of chunk data in the L1 segment (e.g. 1Gi, 64Gi)."
     )
-    page_size: ByteSize = Field(
-        ByteSize(64 << 10),
-        description="Allocation granularity (power of two, >= 4KiB); a chunk occupies whole pages.",
+    page_size: Size = Field(
+        64 << 10,
+        description=(
+            "Allocation granularity (a power of two, >= 4Ki); a chunk occupies whole pages."
+        ),
     )
     eviction_policy: str = Field(
         "lru", description=f"Eviction policy within a tenant; one of {', '.join(POLICY_NAMES)}."
@@ -223,12 +313,20 @@ class AgentConfig(BaseSettings):
     low_watermark: float = Field(
         0.80, gt=0, lt=1, description="Eviction stops once usage falls to this fraction."
     )
-    default_tenant_quota: ByteSize | None = Field(
+    default_tenant_quota: Size | None = Field(
         None,
-        description="Quota of tenants without their own: bytes, 0 = no caching, null = no limit.",
+        description=(
+            "Quota of tenants without their own: bytes, 0 = no caching, null = no limit; also "
+            "the most a tenant's own token may set where no KVCacheTenant ceiling applies."
+        ),
     )
     lease_seconds: float = Field(
-        30.0, gt=0, description="Lifetime of read and write locks; expired locks are dropped."
+        30.0,
+        gt=0,
+        description=(
+            "Lifetime of read and write locks; a crashed client's locks expire (an expired "
+            "store's pages stay quarantined up to 10 x this)."
+        ),
     )
     shutdown_grace_seconds: float = Field(
         10.0,
@@ -272,9 +370,12 @@ class AgentConfig(BaseSettings):
         default_factory=HttpLimits,
         description="What one HTTP client may cost: body size, read timeouts, connections.",
     )
-    max_inline_bytes: ByteSize = Field(
-        ByteSize(64 << 20),
-        description="Largest payload of one inline (bytes over ZMQ) store or retrieve.",
+    max_inline_bytes: Size = Field(
+        64 << 20,
+        description=(
+            "Largest payload of one inline (bytes over ZMQ) store or retrieve; a ZMQ message may "
+            "hold this and 1 MiB more (its header), or the agent closes its connection."
+        ),
     )
     tokens_file: Path | None = Field(
         None,
@@ -286,18 +387,26 @@ class AgentConfig(BaseSettings):
     )
     state_dir: Path = Field(
         DEFAULT_STATE_DIR,
-        description="Directory for the quota file and the generated tokens.",
+        description=(
+            "Directory of the quota file and the generated tokens; created 0700, and an "
+            "existing one must belong to the agent's user or root."
+        ),
     )
     quota_file: Path | None = Field(
-        None, description="JSON file of tenant quotas; default <state_dir>/quotas-<pool>.json."
+        None,
+        description=(
+            "JSON file of durable tenant quotas (mode 0600) where no quota_configmap is set; "
+            "default <state_dir>/quotas-<pool>.json."
+        ),
     )
     quota_configmap: str | None = Field(
         None,
         pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z0-9]([-.a-z0-9]*[a-z0-9])?$",
         description=(
             "Keep tenant quotas in this ConfigMap ('namespace/name', the pool's quota "
-            "ConfigMap) through the Kubernetes API instead of quota_file: every agent of "
-            "the pool applies a quota set through any of them."
+            "ConfigMap) through the Kubernetes API instead of quota_file: quotas written "
+            "through any agent reach every agent within seconds; an agent keeps its last known "
+            "quotas while the API server is unreachable (set by the operator)."
         ),
     )
     tenants_configmap: str | None = Field(
@@ -306,7 +415,8 @@ class AgentConfig(BaseSettings):
         description=(
             "Watch this ConfigMap ('namespace/name', the pool's tenants ConfigMap, written by "
             "the operator from KVCacheTenants) for tenant token digests and quota ceilings, "
-            "beside tokens_file."
+            "beside tokens_file; applied at every change, malformed entries logged and skipped "
+            "(set by the operator)."
         ),
     )
     metrics_top_tenants: int = Field(
@@ -350,19 +460,28 @@ class AgentConfig(BaseSettings):
     @model_validator(mode="after")
     def _check(self) -> Self:
         if self.low_watermark >= self.high_watermark:
-            raise ValueError(
+            raise SettingError(
                 f"low_watermark ({self.low_watermark}) must be below "
-                f"high_watermark ({self.high_watermark})"
+                f"high_watermark ({self.high_watermark})",
+                low_watermark=self.low_watermark,
+                high_watermark=self.high_watermark,
             )
-        page = int(self.page_size)
+        page = self.page_size
         if page < MIN_PAGE_SIZE or page & (page - 1):
-            raise ValueError(f"page_size must be a power of two >= {MIN_PAGE_SIZE}, got {page}")
-        if int(self.l1_size) < MIN_PAGES * page:
-            raise ValueError(f"l1_size must hold at least {MIN_PAGES} pages of {page} bytes")
+            raise SettingError(
+                f"page_size must be a power of two >= {MIN_PAGE_SIZE}, got {page}", page_size=page
+            )
+        if self.l1_size < MIN_PAGES * page:
+            raise SettingError(
+                f"l1_size must hold at least {MIN_PAGES} pages of {page} bytes",
+                l1_size=self.l1_size,
+                page_size=page,
+            )
         if self.eviction_policy not in POLICY_NAMES:
-            raise ValueError(
+            raise SettingError(
                 f"unknown eviction_policy {self.eviction_policy!r}; "
-                f"known policies are {', '.join(POLICY_NAMES)}"
+                f"known policies are {', '.join(POLICY_NAMES)}",
+                eviction_policy=self.eviction_policy,
             )
         return self
 
@@ -396,4 +515,4 @@ class AgentConfig(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, ConfigFileSource(settings_cls, AGENT_CONFIG_FILE_ENV))
+        return (init_settings, env_settings, ConfigFileSource(settings_cls, cls.config_file_env))

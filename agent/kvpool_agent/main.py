@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
 import sys
 from collections.abc import Sequence
 
-from pydantic import ValidationError
-
-from kvpool_agent.config import AgentConfig
+from kvpool_agent.config import AgentConfig, load_settings
 from kvpool_agent.l2.keyring import KeyringError
 from kvpool_agent.names import AGENT_CONFIG_FILE_ENV
+from kvpool_agent.problems import ArgumentParser, ConfigError, exit_with
 from kvpool_agent.segment import SegmentError
 from kvpool_agent.server import Agent
 from kvpool_agent.tenancy.auth import TokenFileError
@@ -22,8 +20,9 @@ from kvpool_agent.tenancy.tenants_watch import TenantsWatchError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="kvpool-agent",
+    prog = "kvpool-agent"
+    parser = ArgumentParser(
+        prog=prog,
         description=(
             "Run a kvpool node agent. Settings come from KVPOOL_* environment variables and "
             f"an optional YAML/JSON file (--config or {AGENT_CONFIG_FILE_ENV}); see the README."
@@ -32,19 +31,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", help="YAML or JSON file of agent settings")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    try:
+        logging.basicConfig(
+            level=args.log_level.upper(),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+    except ValueError as error:
+        parser.error(f"argument --log-level: {error}")
     if args.config:
         os.environ[AGENT_CONFIG_FILE_ENV] = args.config
     try:
-        config = AgentConfig()
-    except (ValidationError, ValueError, OSError) as error:
-        print(f"kvpool-agent: invalid configuration:\n{error}", file=sys.stderr)
-        return 2
+        config = load_settings(AgentConfig)
+    except ConfigError as error:
+        return exit_with(prog, error)
     try:
         asyncio.run(Agent(config).run())
+    except ConfigError as error:  # a port in use
+        return exit_with(prog, error)
     except TokenFileError as error:
         print(f"kvpool-agent: invalid tokens file: {error}", file=sys.stderr)
         return 2

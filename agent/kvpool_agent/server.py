@@ -15,10 +15,11 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TypeVar, cast
+from typing import cast
 
 from prometheus_client import CollectorRegistry
 
@@ -33,6 +34,7 @@ from kvpool_agent.files import LockFile, Undo, ensure_directory
 from kvpool_agent.l2 import L2Adapter
 from kvpool_agent.l2.nvme import NvmeAdapter
 from kvpool_agent.l2.tiers import open_tiers
+from kvpool_agent.problems import listening
 from kvpool_agent.segment import SegmentInUse, lock_path
 from kvpool_agent.service.cache_service import CacheService
 from kvpool_agent.tenancy.auth import GeneratedTokens, TokenAuthority
@@ -140,19 +142,7 @@ class Agent:
         async with contextlib.AsyncExitStack() as stack:
             agent_id = uuid.uuid4().hex
             # the ports, before any file: one in use stops the agent here
-            zmq_endpoint = f"tcp://{config.host}:{config.zmq_port or '*'}"
-            zmq_listener = _bind("zmq_port", zmq_endpoint, lambda: listen_zmq(zmq_endpoint))
-            stack.callback(zmq_listener.close)
-            http_listener = _bind(
-                "http_port",
-                f"{config.host}:{config.http_port}",
-                lambda: listen_http(config.host, config.http_port),
-            )
-            stack.callback(http_listener.close)
-            events_endpoint = f"tcp://{config.host}:{config.events_port or '*'}"
-            events = EventPublisher(events_endpoint, agent_id, authority)
-            _bind("events_port", events_endpoint, events.start)
-            stack.callback(events.stop)
+            zmq_listener, http_listener, events = self._listen(agent_id, authority, stack)
             ensure_directory(config.state_dir, what="state directory")
             # L2 before L1: a bad NVMe path or key stops the agent before the segment exists
             limits = _NvmeLimits()
@@ -180,7 +170,7 @@ class Agent:
             zmq_server = ZmqServer(
                 service,
                 l1.segment,
-                zmq_endpoint,
+                f"tcp://{config.host}:{config.zmq_port or '*'}",
                 authority=authority,
                 agent_id=agent_id,
                 max_inline_bytes=int(config.max_inline_bytes),
@@ -234,6 +224,26 @@ class Agent:
                 "agent stopping: %s",
                 "no store in flight" if drained else "grace period over, stores in flight dropped",
             )
+
+    def _listen(
+        self, agent_id: str, authority: TokenAuthority, stack: contextlib.AsyncExitStack
+    ) -> tuple[socket.socket, socket.socket, EventPublisher]:
+        """The ZMQ and HTTP ports bound, and the events port publishing: a port in use (or
+        an address the host lacks) is one line naming its setting."""
+        config = self.config
+        with listening("zmq_port", config.host, config.zmq_port):
+            zmq_listener = listen_zmq(f"tcp://{config.host}:{config.zmq_port or '*'}")
+        stack.callback(zmq_listener.close)
+        with listening("http_port", config.host, config.http_port):
+            http_listener = listen_http(config.host, config.http_port)
+        stack.callback(http_listener.close)
+        events = EventPublisher(
+            f"tcp://{config.host}:{config.events_port or '*'}", agent_id, authority
+        )
+        with listening("events_port", config.host, config.events_port):
+            events.start()
+        stack.callback(events.stop)
+        return zmq_listener, http_listener, events
 
     def _open_service(self, l1: L1Tier, stack: contextlib.AsyncExitStack) -> CacheService:
         """The cache behind its lock, with quotas from the pool's ConfigMap or a local file."""
@@ -364,16 +374,6 @@ class Agent:
 
 _CLAIM_POLL_SECONDS = 0.1
 """How often a starting agent tries the segment's owner lock again while another holds it."""
-
-_T = TypeVar("_T")
-
-
-def _bind(setting: str, where: str, bind: Callable[[], _T]) -> _T:
-    """``bind()``; a port that cannot be bound is one line naming it and its setting."""
-    try:
-        return bind()
-    except OSError as error:
-        raise OSError(f"cannot listen on {where} ({setting}): {error.strerror}") from None
 
 
 class _NvmeLimits:

@@ -5,17 +5,31 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import urllib.parse
 from collections.abc import Sequence
 
 import kopf
 
 from kvpool_agent.names import OPERATOR_AGENT_IMAGE_ENV
+from kvpool_agent.problems import ArgumentParser, number
 from kvpool_operator.handlers import registry
 from kvpool_operator.reconcile import Options
 
 
+def _liveness(text: str) -> str:
+    """kopf's liveness endpoint: ``http://HOST:PORT/PATH``."""
+    parsed = urllib.parse.urlsplit(text)
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    if parsed.scheme != "http" or not parsed.hostname or port is None:
+        raise argparse.ArgumentTypeError(f"expected http://HOST:PORT/PATH, not {text!r}")
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="kvpool-operator",
         description="Reconcile KVCachePool resources into DaemonSets of kvpool agents.",
     )
@@ -31,25 +45,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--liveness",
+        type=_liveness,
         default="http://0.0.0.0:8080/healthz",
         help="liveness endpoint to serve (default: %(default)s)",
     )
     parser.add_argument(
         "--retry-seconds",
-        type=float,
+        type=number(float),
         default=10.0,
         help="delay before retrying a pool whose children the API server refused "
         "(default: %(default)s)",
     )
     parser.add_argument(
         "--usage-seconds",
-        type=float,
+        type=number(float),
         default=30.0,
         help="period of each KVCacheTenant's re-check and usage read (default: %(default)s)",
     )
     parser.add_argument(
         "--clear-retries",
-        type=int,
+        type=number(int, zero=True),
         default=5,
         help="retries of a deleted KVCacheTenant's clearing while agents fail, before it is "
         "deleted anyway (default: %(default)s)",

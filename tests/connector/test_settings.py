@@ -9,6 +9,7 @@ import pytest
 from kvpool_agent.connector import discovery
 from kvpool_agent.connector.discovery import AgentAddress, DiscoveryError, resolve
 from kvpool_agent.connector.settings import ConnectorSettings
+from kvpool_agent.problems import ConfigError
 
 ANNOTATIONS = {
     "kvpool.io/zmq-port": "7400",
@@ -31,8 +32,27 @@ def test_exactly_one_target() -> None:
 
 
 def test_unknown_key_names_the_known_ones() -> None:
-    with pytest.raises(ValueError, match="known keys: chunk_tokens, endpoint"):
+    with pytest.raises(
+        ValueError, match="chunk_size=256: unknown setting; did you mean chunk_tokens"
+    ):
         ConnectorSettings.load({"endpoint": "tcp://a:1", "chunk_size": 256}, environ={})
+    with pytest.raises(ValueError, match="known: chunk_tokens, endpoint"):
+        ConnectorSettings.load({"endpoint": "tcp://a:1", "zzz": 1}, environ={})
+
+
+def test_each_problem_is_one_line_naming_the_key_or_variable() -> None:
+    with pytest.raises(ConfigError) as refused:
+        ConnectorSettings.load(
+            {"endpoint": "tcp://a:1", "chunk_tokens": 0, "lookup_timeout_s": "soon"},
+            environ={"KVPOOL_ENDPOINT": "localhost:7400"},
+        )
+    assert refused.value.problems == [
+        "KVPOOL_ENDPOINT=localhost:7400: must be tcp://host:port or ipc://path; "
+        "did you mean tcp://localhost:7400?",
+        "kv_connector_extra_config: chunk_tokens=0: input should be greater than 0",
+        "kv_connector_extra_config: lookup_timeout_s=soon: input should be a valid number, "
+        "unable to parse string as a number",
+    ]
 
 
 def test_bad_values_are_refused() -> None:

@@ -65,7 +65,7 @@ def test_a_healthy_agent_passes_and_the_canary_leaves_nothing(agent: AgentProces
     checks = diagnosis.checks
     assert f"segment {agent.segment_path}" in checks["agent"].seen
     assert f"{agent.segment_path}: 64.2 MiB, the agent's size" in checks["segment"].seen
-    assert "the segment takes 64.2 MiB (l1.size 64.0 MiB" in checks["shm"].seen
+    assert "the segment takes 64.2 MiB (l1_size 64.0 MiB" in checks["shm"].seen
     assert "identical bytes; cleared, nothing left" in checks["canary"].seen
     assert checks["chunk-size"].seen == "256-token chunks: 2 blocks of 128"
     assert checks["hit-rate"].seen.startswith("counted since the agent started: ")

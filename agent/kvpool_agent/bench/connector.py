@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> None:
         write_model(model, args)
         endpoint = args.endpoint
         if "kvpool" in configs and endpoint is None:
-            endpoint = agent.enter_context(running_agent({"POOL": "bench", "L1_SIZE": "2GiB"})).zmq
+            endpoint = agent.enter_context(running_agent({"POOL": "bench", "L1_SIZE": "2Gi"})).zmq
         rng = random.Random(1)
         runs = []
         for _ in range(args.runs):

@@ -135,7 +135,7 @@ def _spread(samples: list[float], spec: str) -> str:
 def run(args: argparse.Namespace) -> None:
     context = multiprocessing.get_context("spawn")
     l1_mib = max(64, args.tenants * 4 // 1024 * 2)  # one 4 KiB page each, under the watermark
-    with running_agent({"L1_SIZE": f"{l1_mib}MiB", "PAGE_SIZE": "4KiB"}) as agent:
+    with running_agent({"L1_SIZE": f"{l1_mib}Mi", "PAGE_SIZE": "4Ki"}) as agent:
         started = time.perf_counter()
         _populate(agent.zmq, args.tenants)
         populate_seconds = time.perf_counter() - started

@@ -64,13 +64,13 @@ def run(args: argparse.Namespace) -> None:
             "idle (no L2)": {},
             "saturated (NVMe, fsync always, queue 8)": {
                 "NVME__PATH": str(Path(tmp) / "nvme"),
-                "NVME__CAPACITY": "8GiB",
+                "NVME__CAPACITY": "8Gi",
                 "NVME__FSYNC": "always",
                 "WRITEBACK_QUEUE_CHUNKS": "8",
             },
         }
         for name, extra in setups.items():
-            with running_agent({"L1_SIZE": "1GiB", **extra}) as agent:
+            with running_agent({"L1_SIZE": "1Gi", **extra}) as agent:
                 samples = _store_latencies(agent.zmq, args.chunks, size)
                 metrics = httpx.get(f"{agent.http}/metrics").text
                 shed = re.search(r"^kvpool_writeback_shed_total (\S+)$", metrics, re.MULTILINE)

@@ -21,13 +21,29 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvpool_agent.names import (
     CONNECTOR_CHUNK_TOKENS_ENV,
     CONNECTOR_ENDPOINT_ENV,
     CONNECTOR_SEGMENT_PATH_ENV,
 )
+from kvpool_agent.problems import (
+    ConfigError,
+    FlagOrigin,
+    Loc,
+    MappingOrigin,
+    SettingError,
+    describe,
+)
+
+EXTRA_CONFIG = "kv_connector_extra_config"
+OVERRIDES = {
+    "endpoint": CONNECTOR_ENDPOINT_ENV,
+    "segment_path": CONNECTOR_SEGMENT_PATH_ENV,
+    "chunk_tokens": CONNECTOR_CHUNK_TOKENS_ENV,
+}
+"""The settings an environment variable overrides, and its name."""
 
 
 class ConnectorSettings(BaseModel):
@@ -95,42 +111,66 @@ class ConnectorSettings(BaseModel):
         "auto", description="Register the segment as CUDA pinned memory in the worker."
     )
 
+    @field_validator("endpoint")
+    @classmethod
+    def _zmq_address(cls, endpoint: str | None) -> str | None:
+        if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://")):
+            guess = "" if "://" in endpoint else f"; did you mean tcp://{endpoint}?"
+            raise ValueError(f"must be tcp://host:port or ipc://path{guess}")
+        return endpoint
+
     @model_validator(mode="after")
     def _one_target(self) -> Self:
         if (self.endpoint is None) == (self.pool is None):
-            raise ValueError(
-                "kv_connector_extra_config needs exactly one of 'endpoint' (with an optional "
+            raise SettingError(
+                f"{EXTRA_CONFIG} needs exactly one of 'endpoint' (with an optional "
                 f"'segment_path') or 'pool' (with an optional 'namespace'), or "
-                f"{CONNECTOR_ENDPOINT_ENV}"
+                f"{CONNECTOR_ENDPOINT_ENV}",
+                endpoint=self.endpoint,
+                pool=self.pool,
             )
-        if self.endpoint is not None and not self.endpoint.startswith(("tcp://", "ipc://")):
-            raise ValueError(f"endpoint must be tcp://host:port or ipc://path, not {self.endpoint}")
         if self.retry_max_s < self.retry_min_s:
-            raise ValueError("retry_max_s must be at least retry_min_s")
+            raise SettingError(
+                "retry_max_s must be at least retry_min_s",
+                retry_max_s=self.retry_max_s,
+                retry_min_s=self.retry_min_s,
+            )
         return self
 
     @classmethod
     def load(
-        cls, extra_config: Mapping[str, Any], environ: Mapping[str, str] | None = None
+        cls,
+        extra_config: Mapping[str, Any],
+        environ: Mapping[str, str] | None = None,
+        *,
+        flags: Mapping[str, str] | None = None,
     ) -> ConnectorSettings:
         """Validate ``extra_config`` with the ``KVPOOL_*`` overrides applied.
 
-        Raises ``ValueError`` naming the offending key; vLLM shows it at start.
+        Raises :class:`~kvpool_agent.problems.ConfigError` (a ``ValueError``), one line per
+        problem naming the key of ``kv_connector_extra_config`` or the variable and its
+        value; vLLM shows it at start. ``flags``: ``extra_config`` came from a command line
+        (``kvpool doctor``), and these are the flags of its keys.
         """
         env = os.environ if environ is None else environ
         values = dict(extra_config)
+        overridden: dict[Loc, tuple[str, object]] = {}
+        for field, variable in OVERRIDES.items():
+            if env.get(variable):
+                values[field] = env[variable]
+                overridden[(field,)] = (variable, env[variable])
         if env.get(CONNECTOR_ENDPOINT_ENV):
-            values["endpoint"] = env[CONNECTOR_ENDPOINT_ENV]
             values.pop("pool", None)
             values.pop("namespace", None)
-        if env.get(CONNECTOR_SEGMENT_PATH_ENV):
-            values["segment_path"] = env[CONNECTOR_SEGMENT_PATH_ENV]
-        if env.get(CONNECTOR_CHUNK_TOKENS_ENV):
-            values["chunk_tokens"] = env[CONNECTOR_CHUNK_TOKENS_ENV]
         try:
             return cls.model_validate(values)
         except ValidationError as error:
-            known = ", ".join(sorted(cls.model_fields))
-            raise ValueError(
-                f"invalid kvpool kv_connector_extra_config: {error}\nknown keys: {known}"
-            ) from None
+            given = (
+                FlagOrigin(
+                    {(key,): (flags.get(key, key), value) for key, value in extra_config.items()}
+                )
+                if flags is not None
+                else MappingOrigin(EXTRA_CONFIG, extra_config)
+            )
+            origins = [FlagOrigin(overridden, joiner="="), given]
+            raise ConfigError(describe(error, origins, cls)) from None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,26 @@ from kvpool_agent.doctor.fingerprint import EngineModel
 from kvpool_agent.doctor.report import Check, exit_code
 from kvpool_agent.doctor.run import Options, diagnose
 from kvpool_agent.names import ADMIN_TOKEN_ENV
+from kvpool_agent.problems import ConfigError, exit_with, number, show
+
+PROG = "kvpool doctor"
+
+
+FLAGS = {
+    "endpoint": "--endpoint",
+    "pool": "--pool",
+    "namespace": "--namespace",
+    "segment_path": "--segment-path",
+    "token_file": "--token-file",
+}
+"""The connector's settings that the doctor takes from its command line, and their flags."""
+
+
+def _http_url(text: str) -> str:
+    parsed = urllib.parse.urlsplit(text)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise argparse.ArgumentTypeError(f"expected http://HOST:PORT, not {text!r}")
+    return text.rstrip("/")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,14 +54,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         help="where this pod sees the segment, if not where the Service says",
     )
-    parser.add_argument("--http", help="the agent's HTTP API with --endpoint, http://HOST:PORT")
-    parser.add_argument("--block-size", type=int, help="vLLM's block size (tokens)")
+    parser.add_argument(
+        "--http", type=_http_url, help="the agent's HTTP API with --endpoint, http://HOST:PORT"
+    )
+    parser.add_argument("--block-size", type=number(int), help="vLLM's block size (tokens)")
     parser.add_argument(
         "--model", help="the model in the key fingerprint, as the connector logs it"
     )
     parser.add_argument("--dtype", help="the KV cache dtype, as the connector logs it")
     parser.add_argument("--kv-layout", help="the KV layout, as the connector logs it")
-    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size (default 1)")
+    parser.add_argument(
+        "--tp-size", type=number(int), default=1, help="tensor-parallel size (default 1)"
+    )
     parser.add_argument(
         "--token-file",
         type=Path,
@@ -55,12 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--min-lookups",
-        type=int,
+        type=number(int),
         default=100,
         help="chunk lookups without a hit that flag a tenant (default 100)",
     )
     parser.add_argument(
-        "--timeout", type=float, default=3.0, help="seconds per request (default 3)"
+        "--timeout", type=number(float), default=3.0, help="seconds per request (default 3)"
     )
 
 
@@ -75,11 +99,10 @@ def run(args: argparse.Namespace) -> int:
     if args.token_file is not None:
         extra_config["token_file"] = args.token_file
     try:
-        settings = ConnectorSettings.load(extra_config)
+        settings = ConnectorSettings.load(extra_config, flags=FLAGS)
         admin_token = _admin_token(args.admin_token_file)
-    except (ValueError, OSError) as error:
-        print(f"kvpool doctor: {error}", file=sys.stderr)
-        return 2
+    except ConfigError as error:
+        return exit_with(PROG, error)
     options = Options(
         settings=settings,
         credential=credential(settings),
@@ -99,5 +122,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _admin_token(path: Path | None) -> str | None:
     if path is not None:
-        return path.read_text().strip()
+        try:
+            return path.read_text().strip()
+        except OSError as error:
+            raise ConfigError(
+                [f"--admin-token-file {show(path)}: cannot read it: {error.strerror}"]
+            ) from None
     return os.environ.get(ADMIN_TOKEN_ENV) or None

@@ -3,7 +3,7 @@
 The connector maps the path its settings or the Service name, else the one the agent's
 hello names. That file must exist here, be the agent's (its size, and the very file the
 agent maps: the hello names its device and inode), and be mappable read-write by this
-uid; the file system that holds it must hold the whole segment (``l1.size`` and the
+uid; the file system that holds it must hold the whole segment (``l1_size`` and the
 header).
 """
 
@@ -120,7 +120,7 @@ def check_shm(path: Path, info: AgentInfo) -> Check:
     needed = info.data_offset + info.data_size
     seen = (
         f"{directory}: {size(total)} in all, {size(free)} free; the segment takes {size(needed)} "
-        f"(l1.size {size(info.data_size)} and its header)"
+        f"(l1_size {size(info.data_size)} and its header)"
     )
     if total < needed:
         return failed(
@@ -128,6 +128,6 @@ def check_shm(path: Path, info: AgentInfo) -> Check:
             seen,
             f"{directory} here is not the node's /dev/shm (a pod's own is small): "
             f"{_MOUNT_THE_NODES_SHM}; else grow the node's /dev/shm or lower the pool's "
-            "spec.l1.size",
+            "spec.l1.size (the agent's l1_size)",
         )
     return passed(SHM, seen)

@@ -9,9 +9,9 @@ JSON), then the YAML or JSON file named by ``--config`` or
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Self
+from typing import ClassVar, Literal, Self
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvpool_agent.config import POOL_NAME_PATTERN, ConfigFileSource, HttpLimits
@@ -29,8 +29,9 @@ from kvpool_agent.names import (
     INDEX_ENV_PREFIX,
     generated_token_path,
 )
+from kvpool_agent.problems import SettingError
 
-DEFAULT_MAX_BODY_BYTES = ByteSize(16 << 20)
+DEFAULT_MAX_BODY_BYTES = 16 << 20
 """A route or lookup body: token ids of a prompt of ~2M tokens as JSON."""
 
 
@@ -69,6 +70,7 @@ class IndexConfig(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=INDEX_ENV_PREFIX, env_nested_delimiter="__", frozen=True, extra="forbid"
     )
+    config_file_env: ClassVar[str] = INDEX_CONFIG_FILE_ENV
 
     pool: str = Field(
         "default",
@@ -157,10 +159,19 @@ class IndexConfig(BaseSettings):
     @model_validator(mode="after")
     def _check(self) -> Self:
         if self.discovery == "static" and not self.agents:
-            raise ValueError("static discovery needs agents (--agent NODE=ZMQ,EVENTS)")
+            raise SettingError(
+                "static discovery needs agents: --agent NODE=ZMQ,EVENTS, agents in the "
+                "configuration file, or discovery kubernetes",
+                agents=self.agents,
+            )
         nodes = [agent.node for agent in self.agents]
-        if len(set(nodes)) != len(nodes):
-            raise ValueError("agents: each node may be listed once")
+        again = {n: node for n, node in enumerate(nodes) if node in nodes[:n]}
+        if again:
+            raise SettingError(
+                f"each node may be listed once: {', '.join(sorted(set(again.values())))} "
+                "more than once",
+                at={("agents", n, "node"): node for n, node in again.items()},
+            )
         return self
 
     def routing_policy(self) -> RoutingPolicy:
@@ -183,4 +194,4 @@ class IndexConfig(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, ConfigFileSource(settings_cls, INDEX_CONFIG_FILE_ENV))
+        return (init_settings, env_settings, ConfigFileSource(settings_cls, cls.config_file_env))

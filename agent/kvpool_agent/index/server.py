@@ -12,7 +12,6 @@ subscriber stop.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -23,9 +22,9 @@ import time
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry
-from pydantic import ValidationError
 
 from kvpool_agent.client import read_token
+from kvpool_agent.config import load_settings
 from kvpool_agent.index.config import IndexConfig, StaticAgent
 from kvpool_agent.index.discovery import (
     AgentEndpoint,
@@ -39,6 +38,7 @@ from kvpool_agent.index.service import IndexService
 from kvpool_agent.index.subscriber import EventSubscriber
 from kvpool_agent.index.tracker import PrefixTracker
 from kvpool_agent.names import INDEX_CONFIG_FILE_ENV
+from kvpool_agent.problems import ArgumentParser, ConfigError, Loc, exit_with, listening, show
 from kvpool_agent.tenancy.auth import TokenAuthority, TokenFileError, load_authority
 from kvpool_agent.web.connections import HttpRefusals
 from kvpool_agent.web.serving import serve_http
@@ -110,9 +110,10 @@ class IndexServer:
             stack.callback(subscriber.stop)
             discovery.start(subscriber.follow)
             stack.callback(discovery.stop)
-            http_url = await stack.enter_async_context(
-                serve_http(app, config.host, config.http_port, config.http_limits, refusals)
-            )
+            with listening("http_port", config.host, config.http_port):
+                http_url = await stack.enter_async_context(
+                    serve_http(app, config.host, config.http_port, config.http_limits, refusals)
+                )
             self._ready = True
             log.info(
                 "index ready pool=%s http=%s discovery=%s",
@@ -127,12 +128,13 @@ class IndexServer:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``kvpool index [--config FILE] [--agent NODE=ZMQ,EVENTS ...]``."""
-    parser = argparse.ArgumentParser(
-        prog="kvpool index",
+    prog = "kvpool index"
+    parser = ArgumentParser(
+        prog=prog,
         description=(
             "Follow the chunk events of a pool's agents and answer gateways' route and lookup "
             "requests over HTTP. Settings come from KVPOOL_INDEX_* environment variables and "
-            "an optional YAML/JSON file (see kvpool_agent.index.config)."
+            "an optional YAML/JSON file (see the README's configuration reference)."
         ),
     )
     parser.add_argument(
@@ -148,30 +150,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    try:
+        logging.basicConfig(
+            level=args.log_level.upper(),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+    except ValueError as error:
+        parser.error(f"argument --log-level: {error}")
     if args.config:
         os.environ[INDEX_CONFIG_FILE_ENV] = args.config
     try:
         if args.agent:
-            agents = [AgentEndpoint.parse(text) for text in args.agent]
-            config = IndexConfig(
+            agents = []
+            for text in args.agent:
+                try:
+                    agents.append(AgentEndpoint.parse(text))
+                except ValueError as error:
+                    raise ConfigError([f"--agent {show(text)}: {error}"]) from None
+            flags: dict[Loc, tuple[str, object]] = {
+                ("agents", number): ("--agent", text) for number, text in enumerate(args.agent)
+            }
+            flags[("discovery",)] = ("--agent", args.agent[0])
+            config = load_settings(
+                IndexConfig,
+                flags,
                 discovery="static",
                 agents=[StaticAgent(node=a.node, zmq=a.zmq, events=a.events) for a in agents],
             )
         else:
-            config = IndexConfig()
-    except (ValidationError, ValueError, OSError) as error:
-        print(f"kvpool index: invalid configuration:\n{error}", file=sys.stderr)
-        return 2
+            config = load_settings(IndexConfig)
+    except ConfigError as error:
+        return exit_with(prog, error)
     try:
         authority = load_authority(config.tokens_file, {"admin": config.generated_token_file})
         agent_token = read_token(config.resolved_agent_token_file)
         discovery = make_discovery(config)
     except (TokenFileError, ValueError, OSError) as error:  # a token file's error too
-        print(f"kvpool index: {error}", file=sys.stderr)
+        print(f"{prog}: {error}", file=sys.stderr)
         return 2
-    asyncio.run(IndexServer(config, authority, agent_token, discovery).run())
+    try:
+        asyncio.run(IndexServer(config, authority, agent_token, discovery).run())
+    except ConfigError as error:
+        return exit_with(prog, error)
     return 0

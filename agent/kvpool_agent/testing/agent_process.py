@@ -92,7 +92,7 @@ class AgentProcess:
         )
         defaults = {
             "SEGMENT_PATH": str(self.segment_path),
-            "L1_SIZE": "64MiB",
+            "L1_SIZE": "64Mi",
             "ZMQ_PORT": "0",
             "HTTP_PORT": "0",
             "EVENTS_PORT": "0",

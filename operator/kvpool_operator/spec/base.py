@@ -3,7 +3,6 @@ quantities, Secret references and the wording of a validation error."""
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, ClassVar
 
 from pydantic import (
@@ -16,6 +15,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from kvpool_agent.sizes import UNIT_PATTERN, parse_size
 from kvpool_operator.spec.markers import CustomResource
 
 GROUP = "kvpool.io"
@@ -26,42 +26,25 @@ PLURAL = "kvcachepools"
 TENANT_KIND = "KVCacheTenant"
 TENANT_PLURAL = "kvcachetenants"
 
-_UNITS = {
-    "": 1,
-    "k": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-    "T": 10**12,
-    "Ki": 1 << 10,
-    "Mi": 1 << 20,
-    "Gi": 1 << 30,
-    "Ti": 1 << 40,
-}
-_QUANTITY = re.compile(r"([0-9]+)(Ki|Mi|Gi|Ti|k|M|G|T)?")
-
 
 class InvalidSpec(ValueError):
     """The pool's spec cannot be turned into children; the message names the fields."""
 
 
 def parse_bytes(value: object) -> int:
-    """A whole quantity of bytes as the CRD spells it (``64Gi``, ``512M``, ``4096``)."""
-    match = _QUANTITY.fullmatch(value) if isinstance(value, str) else None
-    if match is None:
-        raise ValueError(f"{value!r} is not a whole quantity of bytes such as 64Gi")
-    return int(match[1]) * _UNITS[match[2] or ""]
+    """A whole quantity of bytes as the CRD spells it (``64Gi``, ``512M``, ``4096``): the
+    agent's own reading of a size (:func:`kvpool_agent.sizes.parse_size`)."""
+    return parse_size(value)
 
 
 def _bytes(pattern: str) -> WithJsonSchema:
     return WithJsonSchema({"type": "string", "pattern": pattern, "maxLength": 32})
 
 
-Bytes = Annotated[
-    int, BeforeValidator(parse_bytes), _bytes("^(0|[1-9][0-9]*(Ki|Mi|Gi|Ti|k|M|G|T)?)$")
-]
+Bytes = Annotated[int, BeforeValidator(parse_bytes), _bytes(f"^(0|[1-9][0-9]*({UNIT_PATTERN})?)$")]
 """Bytes, written as a whole quantity (``0``, ``512M``, ``8Gi``); read as an int."""
 PositiveBytes = Annotated[
-    int, BeforeValidator(parse_bytes), _bytes("^[1-9][0-9]*(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+    int, BeforeValidator(parse_bytes), _bytes(f"^[1-9][0-9]*({UNIT_PATTERN})?$")
 ]
 """Bytes the CRD refuses to be 0."""
 PAGE_SIZES = ("4Ki", "8Ki", "16Ki", "32Ki", "64Ki", "128Ki", "256Ki", "512Ki", "1Mi", "2Mi", "4Mi")

@@ -1,0 +1,216 @@
+"""The README's configuration reference, generated from the configuration models.
+
+Every setting of the agent (:class:`~kvpool_agent.config.AgentConfig`), the prefix index
+(:class:`~kvpool_agent.index.config.IndexConfig`) and the vLLM connector
+(:class:`~kvpool_agent.connector.settings.ConnectorSettings`): its name as a configuration
+file spells it (nested ones as ``nvme.path``), its environment variable, its default and
+its description. The models are the one source: ``python -m kvpool_agent.reference``
+rewrites the README's section between the markers, ``--check`` fails where it differs
+(``tests/agent/test_reference.py`` runs the check).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import typing
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePath
+
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings
+
+from kvpool_agent.config import AgentConfig
+from kvpool_agent.connector.settings import EXTRA_CONFIG, OVERRIDES, ConnectorSettings
+from kvpool_agent.index.config import IndexConfig
+from kvpool_agent.problems import ArgumentParser, nested_model
+from kvpool_agent.sizes import format_size, is_size
+
+BEGIN = "<!-- BEGIN the configuration reference: python -m kvpool_agent.reference -->"
+END = "<!-- END the configuration reference -->"
+NONE = "—"
+"""An environment column's cell where no variable sets the field on its own."""
+
+
+@dataclass(frozen=True)
+class Row:
+    setting: str
+    variable: str
+    default: str
+    meaning: str
+
+    def line(self) -> str:
+        meaning = _PLACEHOLDER.sub(lambda match: f"`{match[0]}`", self.meaning)
+        cells = (f"`{self.setting}`", self.variable, self.default, meaning)
+        return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+
+
+_PLACEHOLDER = re.compile(r"[^\s`(]*<[a-z_]+>[^\s`),;]*(?<![.])")
+"""A word with a ``<placeholder>`` (``<state_dir>/l2-keys``): code, or markdown drops it."""
+
+
+Variable = Callable[[tuple[str, ...]], str | None]
+"""The environment variable of a field's location (names of fields, outermost first)."""
+
+
+def settings_variable(model: type[BaseSettings]) -> Variable:
+    """``KVPOOL_NVME__PATH``: pydantic-settings' variable of a location in ``model``."""
+    config = model.model_config
+    prefix, delimiter = config.get("env_prefix") or "", config.get("env_nested_delimiter") or ""
+
+    def variable(loc: tuple[str, ...]) -> str:
+        return (prefix + delimiter.join(loc)).upper()
+
+    return variable
+
+
+_REQUIRED = object()
+
+
+def rows(
+    model: type[BaseModel],
+    variable: Variable,
+    *,
+    loc: tuple[str, ...] = (),
+    shown: str = "",
+    defaults: BaseModel | None = None,
+    in_json: bool = False,
+) -> Iterator[Row]:
+    """A row per field of ``model``; a nested model's fields follow it (``nvme.path``)."""
+    for name, field in model.model_fields.items():
+        where = (*loc, name)
+        setting = f"{shown}.{name}" if shown else name
+        default = _default(name, field, defaults)
+        env = NONE if in_json else variable(where) or NONE
+        nested = nested_model(field.annotation)
+        listed = _is_list(field.annotation)
+        if nested is None or listed or default is None:
+            # a plain field, a list of models (one JSON variable), an optional model
+            json = " (JSON)" if nested is not None and env != NONE else ""
+            shown_env = f"`{env}`{json}" if env != NONE else env
+            yield Row(setting, shown_env, _shown(default, field), field.description or "")
+        if nested is not None:
+            yield from rows(
+                nested,
+                variable,
+                loc=where,
+                shown=f"{setting}[]" if listed else setting,
+                defaults=default if isinstance(default, BaseModel) else None,
+                in_json=in_json or listed,
+            )
+
+
+def _default(name: str, field: FieldInfo, defaults: BaseModel | None) -> object:
+    """The field's default: in its parent's default where that is a model (the index's
+    ``http_limits`` differ from the agent's), else its own."""
+    if defaults is not None:
+        return getattr(defaults, name)
+    if field.is_required():
+        return _REQUIRED
+    return field.get_default(call_default_factory=True, validated_data={})
+
+
+def _is_list(annotation: object) -> bool:
+    if typing.get_origin(annotation) is list:
+        return True
+    return any(_is_list(argument) for argument in typing.get_args(annotation))
+
+
+def _shown(value: object, field: FieldInfo) -> str:
+    if value is _REQUIRED:
+        return "required"
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        text = str(value).lower()
+    elif isinstance(value, int) and is_size(field):
+        text = format_size(value)
+    elif isinstance(value, float):
+        text = f"{value:g}"
+    elif isinstance(value, PurePath):
+        home = str(Path.home())
+        text = str(value)
+        text = "~" + text[len(home) :] if text.startswith(home + "/") else text
+    elif isinstance(value, list):
+        text = "[]" if not value else str(value)
+    else:
+        text = str(value)
+    return f"`{text}`"
+
+
+HEADER = "| setting | environment variable | default | meaning |\n| --- | --- | --- | --- |"
+
+
+def _table(lines: Iterator[Row]) -> str:
+    return "\n".join([HEADER, *(row.line() for row in lines)])
+
+
+def render() -> str:
+    """The README's section between :data:`BEGIN` and :data:`END`, markers included."""
+
+    def connector_variable(loc: tuple[str, ...]) -> str | None:
+        return OVERRIDES.get(loc[0]) if len(loc) == 1 else None
+
+    parts = [
+        BEGIN,
+        "",
+        "### The agent (`kvpool-agent`)",
+        "",
+        "`kvpool_agent.config.AgentConfig`; the file: `--config` or `KVPOOL_CONFIG_FILE`.",
+        "",
+        _table(rows(AgentConfig, settings_variable(AgentConfig))),
+        "",
+        "### The prefix index (`kvpool index`)",
+        "",
+        "`kvpool_agent.index.config.IndexConfig`; the file: `--config` or "
+        "`KVPOOL_INDEX_CONFIG_FILE`; `--agent` adds to `agents` (and sets `discovery: static`).",
+        "",
+        _table(rows(IndexConfig, settings_variable(IndexConfig))),
+        "",
+        f"### The vLLM connector (`{EXTRA_CONFIG}`)",
+        "",
+        "`kvpool_agent.connector.settings.ConnectorSettings`; a variable overrides its key.",
+        "",
+        _table(rows(ConnectorSettings, connector_variable)),
+        "",
+        END,
+    ]
+    return "\n".join(parts)
+
+
+def section(text: str) -> str:
+    """The generated section of a README's ``text`` (empty if it has none)."""
+    begin, end = text.find(BEGIN), text.find(END)
+    if begin < 0 or end < begin:
+        return ""
+    return text[begin : end + len(END)]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = ArgumentParser(prog="python -m kvpool_agent.reference", description=__doc__)
+    parser.add_argument("readme", nargs="?", default="README.md", type=Path)
+    parser.add_argument("--check", action="store_true", help="fail if the README differs")
+    args = parser.parse_args(argv)
+    text = args.readme.read_text()
+    old = section(text)
+    if not old:
+        print(f"{args.readme}: no section between {BEGIN} and {END}", file=sys.stderr)
+        return 2
+    new = render()
+    if args.check:
+        if old != new:
+            print(
+                f"{args.readme}: the configuration reference differs from the models; run "
+                "python -m kvpool_agent.reference",
+                file=sys.stderr,
+            )
+            return 1
+        return 0
+    args.readme.write_text(text.replace(old, new))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

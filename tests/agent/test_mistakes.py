@@ -1,0 +1,185 @@
+"""``kvpool-agent`` and ``kvpool`` (tenant-id, bench) given broken inputs: one line per
+problem, naming the file, the setting or variable as written and the value; exit 2."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.support.mistakes import BIN, Mistake, feed, held_port
+
+FILE = ["--config", "{tmp}/agent.yaml"]
+
+AGENT = [
+    Mistake(
+        "yaml-syntax",
+        FILE,
+        ["kvpool-agent: {tmp}/agent.yaml: not YAML or JSON: line 2, column 1: expected ','"],
+        files={"agent.yaml": "l1_size: [1\n"},
+    ),
+    Mistake(
+        "file-not-a-mapping",
+        FILE,
+        ["kvpool-agent: {tmp}/agent.yaml: expected a mapping of settings, got a list"],
+        files={"agent.yaml": "- l1_size: 1Gi\n"},
+    ),
+    Mistake(
+        "file-absent",
+        ["--config", "{tmp}/absent.yaml"],
+        [
+            "kvpool-agent: {tmp}/absent.yaml: cannot read the configuration file: "
+            "No such file or directory"
+        ],
+    ),
+    Mistake(
+        "file-not-text",
+        FILE,
+        ["kvpool-agent: {tmp}/agent.yaml: not UTF-8 text (byte 9)"],
+        files={"agent.yaml": "l1_size: \udcff\n"},
+    ),
+    Mistake(
+        "file-unknown-key",
+        FILE,
+        ["kvpool-agent: {tmp}/agent.yaml: l1_sise=1Gi: unknown setting; did you mean l1_size?"],
+        files={"agent.yaml": "l1_sise: 1Gi\n"},
+    ),
+    Mistake(
+        "file-l1-size-nested",
+        FILE,
+        [
+            'kvpool-agent: {tmp}/agent.yaml: l1={"size": "64Mi"}: unknown setting; '
+            "did you mean l1_size?"
+        ],
+        files={"agent.yaml": "l1:\n  size: 64Mi\n"},
+    ),
+    Mistake(
+        "file-two-problems",
+        FILE,
+        [
+            "kvpool-agent: {tmp}/agent.yaml: nvme.capacity: required, not set",
+            "kvpool-agent: {tmp}/agent.yaml: store_policy=some: input should be 'all' or 'reused'",
+        ],
+        files={"agent.yaml": "nvme:\n  path: /mnt/nvme\nstore_policy: some\n"},
+    ),
+    Mistake(
+        "file-nested-size",
+        FILE,
+        [
+            "kvpool-agent: {tmp}/agent.yaml: http_limits.max_body_bytes=1MB: ambiguous unit MB: "
+            "write 1M (M: 10^6) or 1Mi (Mi: 2^20)"
+        ],
+        files={"agent.yaml": "http_limits:\n  max_body_bytes: 1MB\n"},
+    ),
+    Mistake(
+        "env-not-a-number",
+        [],
+        ["kvpool-agent: KVPOOL_ZMQ_PORT=http: input should be a valid integer"],
+        env={"KVPOOL_ZMQ_PORT": "http"},
+    ),
+    Mistake(
+        "env-ambiguous-size",
+        [],
+        ["kvpool-agent: KVPOOL_L1_SIZE=64GB: ambiguous unit GB: write 64G (G: 10^9) or 64Gi"],
+        env={"KVPOOL_L1_SIZE": "64GB"},
+    ),
+    Mistake(
+        "env-fraction-size",
+        [],
+        ["kvpool-agent: KVPOOL_L1_SIZE=1.5Gi: not a whole quantity: write 1536Mi"],
+        env={"KVPOOL_L1_SIZE": "1.5Gi"},
+    ),
+    Mistake(
+        "env-nested-missing",
+        [],
+        ["kvpool-agent: KVPOOL_NVME__CAPACITY: required, not set"],
+        env={"KVPOOL_NVME__PATH": "/mnt/nvme"},
+    ),
+    Mistake(
+        "env-not-json",
+        [],
+        ["kvpool-agent: KVPOOL_NVME={bad: should be a mapping of settings (a JSON object)"],
+        env={"KVPOOL_NVME": "{bad"},
+    ),
+    Mistake(
+        "env-rule",
+        [],
+        [
+            "kvpool-agent: KVPOOL_LOW_WATERMARK=0.95: low_watermark (0.95) must be below "
+            "high_watermark (0.9)"
+        ],
+        env={"KVPOOL_LOW_WATERMARK": "0.95"},
+    ),
+    Mistake(
+        "env-and-file-rule",
+        FILE,
+        [
+            "kvpool-agent: KVPOOL_L1_SIZE=512Ki, {tmp}/agent.yaml: page_size=64Ki: l1_size must "
+            "hold at least 16 pages of 65536 bytes"
+        ],
+        env={"KVPOOL_L1_SIZE": "512Ki"},
+        files={"agent.yaml": "page_size: 64Ki\n"},
+    ),
+    Mistake(
+        "unknown-flag",
+        ["--bogus"],
+        ["kvpool-agent: unrecognized arguments: --bogus"],
+    ),
+    Mistake(
+        "log-level",
+        ["--log-level", "loud"],
+        ["kvpool-agent: argument --log-level: Unknown level: 'LOUD'"],
+    ),
+]
+
+
+@pytest.mark.parametrize("mistake", AGENT, ids=str)
+def test_agent(mistake: Mistake, tmp_path: Path) -> None:
+    feed(f"{BIN}/kvpool-agent", mistake, tmp_path)
+
+
+@pytest.mark.parametrize("setting", ["zmq_port", "events_port", "http_port"])
+def test_agent_port_in_use(setting: str, tmp_path: Path) -> None:
+    segment = Path("/dev/shm") / f"kvpool-test-mistakes-{os.getpid()}"
+    env = {
+        "KVPOOL_SEGMENT_PATH": str(segment),
+        "KVPOOL_L1_SIZE": "4Mi",
+        "KVPOOL_STATE_DIR": str(tmp_path / "state"),
+        **{f"KVPOOL_{port.upper()}": "0" for port in ("zmq_port", "events_port", "http_port")},
+        f"KVPOOL_{setting.upper()}": "{port}",
+    }
+    mistake = Mistake(
+        setting,
+        ["--log-level", "warning"],
+        [f"kvpool-agent: port {{port}} ({setting}) is in use on 127.0.0.1"],
+        env=env,
+    )
+    try:
+        with held_port() as port:
+            feed(f"{BIN}/kvpool-agent", mistake, tmp_path, port=port)
+    finally:
+        for path in segment.parent.glob(f"{segment.name}*"):
+            path.unlink()
+
+
+KVPOOL = [
+    Mistake("no-command", [], ["kvpool: the following arguments are required: command"]),
+    Mistake("unknown-command", ["frob"], ["kvpool: argument command: invalid choice: 'frob'"]),
+    Mistake("tenant-id-two-salts", ["tenant-id", "a", "b"], ["kvpool: unrecognized arguments: b"]),
+    Mistake(
+        "unknown-bench",
+        ["bench", "nosuch"],
+        ["kvpool bench: argument bench: invalid choice: 'nosuch'"],
+    ),
+    Mistake(
+        "bench-flag",
+        ["bench", "chains", "--l1-mib", "x"],
+        ["kvpool bench chains: argument --l1-mib: invalid int value: 'x'"],
+    ),
+]
+
+
+@pytest.mark.parametrize("mistake", KVPOOL, ids=str)
+def test_kvpool(mistake: Mistake, tmp_path: Path) -> None:
+    feed(f"{BIN}/kvpool", mistake, tmp_path)

@@ -1,0 +1,68 @@
+"""``kvpool doctor`` given broken inputs: one line per problem, naming the flag or variable
+as written and its value; exit 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.mistakes import BIN, Mistake, feed
+
+ENDPOINT = ["--endpoint", "tcp://127.0.0.1:7400"]
+
+DOCTOR = [
+    Mistake(
+        "endpoint-without-tcp",
+        ["--endpoint", "127.0.0.1:7400"],
+        [
+            "kvpool doctor: --endpoint 127.0.0.1:7400: must be tcp://host:port or ipc://path; "
+            "did you mean tcp://127.0.0.1:7400?"
+        ],
+    ),
+    Mistake(
+        "no-target",
+        [],
+        ["kvpool doctor: one of the arguments --endpoint --pool is required"],
+    ),
+    Mistake(
+        "env-endpoint",
+        ["--pool", "main"],
+        ["kvpool doctor: KVPOOL_ENDPOINT=localhost:7400: must be tcp://host:port or ipc://path"],
+        env={"KVPOOL_ENDPOINT": "localhost:7400"},
+    ),
+    Mistake(
+        "env-chunk-tokens",
+        ENDPOINT,
+        ["kvpool doctor: KVPOOL_CHUNK_TOKENS=many: input should be a valid integer"],
+        env={"KVPOOL_CHUNK_TOKENS": "many"},
+    ),
+    Mistake(
+        "timeout",
+        [*ENDPOINT, "--timeout", "0"],
+        ["kvpool doctor: argument --timeout: expected a number above 0, not 0"],
+    ),
+    Mistake(
+        "block-size",
+        [*ENDPOINT, "--block-size", "x"],
+        ["kvpool doctor: argument --block-size: expected a whole number, not 'x'"],
+    ),
+    Mistake(
+        "http-without-scheme",
+        [*ENDPOINT, "--http", "localhost:7401"],
+        ["kvpool doctor: argument --http: expected http://HOST:PORT, not 'localhost:7401'"],
+    ),
+    Mistake(
+        "admin-token-file",
+        [*ENDPOINT, "--admin-token-file", "{tmp}/absent"],
+        [
+            "kvpool doctor: --admin-token-file {tmp}/absent: cannot read it: "
+            "No such file or directory"
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("mistake", DOCTOR, ids=str)
+def test_doctor(mistake: Mistake, tmp_path: Path) -> None:
+    feed(f"{BIN}/kvpool doctor", mistake, tmp_path)

@@ -1,0 +1,102 @@
+"""``kvpool index`` given broken inputs: one line per problem, naming the file, the flag,
+setting or variable as written and the value; exit 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.mistakes import BIN, Mistake, feed, held_port
+
+AGENT = ["--agent", "gpu-1=tcp://127.0.0.1:1,tcp://127.0.0.1:2"]
+FILE = ["--config", "{tmp}/index.yaml"]
+
+INDEX = [
+    Mistake(
+        "no-agents",
+        [],
+        [
+            "kvpool index: agents (not set): static discovery needs agents: --agent "
+            "NODE=ZMQ,EVENTS, agents in the configuration file, or discovery kubernetes"
+        ],
+    ),
+    Mistake(
+        "agent-flag",
+        ["--agent", "nonsense"],
+        ["kvpool index: --agent nonsense: expected NODE=ZMQ_ENDPOINT,EVENTS_ENDPOINT"],
+    ),
+    Mistake(
+        "agent-twice",
+        [*AGENT, "--agent", "gpu-1=tcp://127.0.0.1:3,tcp://127.0.0.1:4"],
+        [
+            "kvpool index: --agent gpu-1=tcp://127.0.0.1:3,tcp://127.0.0.1:4: each node may be "
+            "listed once: gpu-1 more than once"
+        ],
+    ),
+    Mistake(
+        "yaml-syntax",
+        FILE,
+        ["kvpool index: {tmp}/index.yaml: not YAML or JSON: line 2, column 1: "],
+        files={"index.yaml": "agents: [gpu-1: {\n"},
+    ),
+    Mistake(
+        "file-agent-incomplete",
+        FILE,
+        ["kvpool index: {tmp}/index.yaml: agents[0].events: required, not set"],
+        files={"index.yaml": "agents:\n  - node: gpu-1\n    zmq: tcp://127.0.0.1:1\n"},
+    ),
+    Mistake(
+        "file-unknown-key",
+        FILE,
+        ["kvpool index: {tmp}/index.yaml: agentz=[]: unknown setting; did you mean agents?"],
+        files={"index.yaml": "agentz: []\ndiscovery: kubernetes\n"},
+    ),
+    Mistake(
+        "env-not-json",
+        [],
+        ["kvpool index: KVPOOL_INDEX_AGENTS=[bad: not valid JSON"],
+        env={"KVPOOL_INDEX_AGENTS": "[bad"},
+    ),
+    Mistake(
+        "env-choice",
+        [],
+        ["kvpool index: KVPOOL_INDEX_DISCOVERY=dns: input should be 'static' or 'kubernetes'"],
+        env={"KVPOOL_INDEX_DISCOVERY": "dns"},
+    ),
+    Mistake(
+        "env-ambiguous-size",
+        AGENT,
+        [
+            "kvpool index: KVPOOL_INDEX_HTTP_LIMITS__MAX_BODY_BYTES=16MB: ambiguous unit MB: "
+            "write 16M (M: 10^6) or 16Mi (Mi: 2^20)"
+        ],
+        env={"KVPOOL_INDEX_HTTP_LIMITS__MAX_BODY_BYTES": "16MB"},
+    ),
+    Mistake(
+        "unknown-flag",
+        ["--agents", "x"],
+        ["kvpool index: unrecognized arguments: --agents x"],
+    ),
+]
+
+
+@pytest.mark.parametrize("mistake", INDEX, ids=str)
+def test_index(mistake: Mistake, tmp_path: Path) -> None:
+    feed(f"{BIN}/kvpool index", mistake, tmp_path)
+
+
+def test_index_port_in_use(tmp_path: Path) -> None:
+    mistake = Mistake(
+        "http-port",
+        [*AGENT, "--log-level", "warning"],
+        ["kvpool index: port {port} (http_port) is in use on 127.0.0.1"],
+        env={
+            "KVPOOL_INDEX_HTTP_PORT": "{port}",
+            "KVPOOL_INDEX_AGENT_TOKEN_FILE": "{tmp}/index-token",
+            "KVPOOL_INDEX_STATE_DIR": "{tmp}/state",
+        },
+        files={"index-token": "index-token-of-the-pool\n"},
+    )
+    with held_port() as port:
+        feed(f"{BIN}/kvpool index", mistake, tmp_path, port=port)

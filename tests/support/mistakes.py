@@ -1,0 +1,86 @@
+"""Broken inputs fed to a console script, as a user runs it: a real process, its stderr.
+
+Each :class:`Mistake` is one row of a script's table: the command line, environment
+variables and files, and the lines the script must print on stderr, one per problem. The
+script must exit 2 and print exactly those lines (each line starts with the expected text;
+the rest is pydantic's or the OS's wording), no traceback, nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+
+
+@dataclass(frozen=True)
+class Mistake:
+    id: str
+    argv: list[str]
+    lines: list[str]
+    """What each line of stderr starts with, in order; ``{tmp}`` is the test's directory and
+    ``{port}`` a port that another socket holds."""
+    env: dict[str, str] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+    """Written into the test's directory before the script runs: name, content (a lone
+    surrogate such as ``\\udcff`` is that byte)."""
+
+    def __str__(self) -> str:
+        return self.id
+
+
+@contextmanager
+def held_port() -> Iterator[int]:
+    """A loopback port that a listening socket holds while the block runs."""
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        yield int(holder.getsockname()[1])
+
+
+def clean_environment(tmp_path: Path) -> dict[str, str]:
+    """This process's environment without kvpool's variables, with a home of its own."""
+    kept = {name: value for name, value in os.environ.items() if not name.startswith("KVPOOL_")}
+    return {**kept, "HOME": str(tmp_path)}
+
+
+def feed(
+    script: str,
+    mistake: Mistake,
+    tmp_path: Path,
+    env: dict[str, str] | None = None,
+    port: int = 0,
+) -> list[str]:
+    """Run ``script`` with ``mistake``; assert its one-line refusals; return its stderr lines."""
+
+    def fill(text: str) -> str:
+        return text.replace("{tmp}", str(tmp_path)).replace("{port}", str(port))
+
+    for name, content in mistake.files.items():
+        (tmp_path / name).write_bytes(fill(content).encode("utf-8", "surrogateescape"))
+    environment = {
+        **clean_environment(tmp_path),
+        **(env or {}),
+        **{name: fill(value) for name, value in mistake.env.items()},
+    }
+    result = subprocess.run(
+        [*script.split(), *(fill(argument) for argument in mistake.argv)],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    lines = result.stderr.splitlines()
+    expected = [fill(line) for line in mistake.lines]
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == len(expected), result.stderr
+    for line, start in zip(lines, expected, strict=True):
+        assert line.startswith(start), f"{line!r} does not start with {start!r}"
+    return lines
