@@ -142,31 +142,35 @@ def test_a_rollout_hands_the_segment_over_once_the_old_agent_exits(
     assert new.stop() == 0
 
 
-def _port_in_use(agent: AgentProcess, listener: socket.socket) -> str:
+CONFIGURATION, REFUSED = 2, 1
+"""The agent's exit status for a mistake in its settings, and for a refused file."""
+
+
+def _port_in_use(agent: AgentProcess, listener: socket.socket) -> tuple[str, int]:
     port = listener.getsockname()[1]
     agent.settings["HTTP_PORT"] = str(port)
-    return f"cannot listen on 127.0.0.1:{port} (http_port): Address already in use"
+    return f"port {port} (http_port) is in use on 127.0.0.1", CONFIGURATION
 
 
-def _events_port_in_use(agent: AgentProcess, listener: socket.socket) -> str:
+def _events_port_in_use(agent: AgentProcess, listener: socket.socket) -> tuple[str, int]:
     port = listener.getsockname()[1]
     agent.settings["EVENTS_PORT"] = str(port)
-    return f"cannot listen on tcp://127.0.0.1:{port} (events_port): Address already in use"
+    return f"port {port} (events_port) is in use on 127.0.0.1", CONFIGURATION
 
 
-def _bad_nvme_path(agent: AgentProcess, listener: socket.socket) -> str:
+def _bad_nvme_path(agent: AgentProcess, listener: socket.socket) -> tuple[str, int]:
     path = agent.workdir / "not-a-directory"
     path.write_text("a file")
     agent.settings["NVME"] = json.dumps({"path": str(path), "capacity": "16MiB"})
-    return f"refusing NVMe tier directory {path}: it is a regular file, not a directory"
+    return f"refusing NVMe tier directory {path}: it is a regular file, not a directory", REFUSED
 
 
-def _probe_table_refused(agent: AgentProcess, listener: socket.socket) -> str:
+def _probe_table_refused(agent: AgentProcess, listener: socket.socket) -> tuple[str, int]:
     """Refused after the segment exists: a directory where the probe table goes."""
     table = agent.files[1]
     table.mkdir()
     agent.settings["NVME"] = json.dumps({"path": str(agent.workdir / "nvme"), "capacity": "16MiB"})
-    return f"refusing probe table {table}: it is a directory"
+    return f"refusing probe table {table}: it is a directory", REFUSED
 
 
 def _cuda_available() -> bool:
@@ -177,17 +181,17 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def _pinning_without_cuda(agent: AgentProcess, listener: socket.socket) -> str:
+def _pinning_without_cuda(agent: AgentProcess, listener: socket.socket) -> tuple[str, int]:
     """Refused once the segment and the probe table exist (and the L2 key, and the cache)."""
     if _cuda_available():
         pytest.skip("a CUDA device pins the segment")
     agent.settings["PIN_MEMORY"] = "always"
     agent.settings["NVME"] = json.dumps({"path": str(agent.workdir / "nvme"), "capacity": "16MiB"})
-    return f"cannot pin segment {agent.segment_path}: pin_memory=always but"
+    return f"cannot pin segment {agent.segment_path}: pin_memory=always but", REFUSED
 
 
-Failure = Callable[[AgentProcess, socket.socket], str]
-"""Sets up a start that fails; what its one line says."""
+Failure = Callable[[AgentProcess, socket.socket], tuple[str, int]]
+"""Sets up a start that fails; what its one line says, and the exit status."""
 FAILURES: list[Failure] = [
     _port_in_use,
     _events_port_in_use,
@@ -219,11 +223,11 @@ def test_a_failed_start_leaves_no_file_it_made(
             store(agent, client, range(CHUNKS))
         assert agent.stop() == 0
     with socket.create_server(("127.0.0.1", 0)) as listener:
-        expected = failure(agent, listener)
+        expected, status = failure(agent, listener)
         agent.environment()  # the harness writes its tokens file at launch
         before = snapshot(agent)
         agent.launch()
-        assert agent.wait_refused() == 1
+        assert agent.wait_refused() == status
     assert snapshot(agent) == before
     (refusal,) = [line for line in agent.log if line.startswith("kvpool-agent:")]
     assert expected in refusal
