@@ -8,6 +8,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from kvpool_agent import __version__
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.problems import ArgumentParser
 from kvpool_agent.scripts import require_extra
@@ -28,6 +29,7 @@ BENCHES = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = ArgumentParser(prog="kvpool", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     tenant = commands.add_parser(

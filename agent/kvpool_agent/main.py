@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from kvpool_agent import __version__
 from kvpool_agent.config import AgentConfig, load_settings
 from kvpool_agent.l2.keyring import KeyringError
 from kvpool_agent.names import AGENT_CONFIG_FILE_ENV
@@ -28,6 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"an optional YAML/JSON file (--config or {AGENT_CONFIG_FILE_ENV}); see the README."
         ),
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--config", help="YAML or JSON file of agent settings")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     args = parser.parse_args(argv)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import kopf
 
+from kvpool_agent import __version__
 from kvpool_agent.names import OPERATOR_AGENT_IMAGE_ENV
 from kvpool_agent.problems import ArgumentParser, number
 from kvpool_operator.handlers import registry
@@ -33,6 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="kvpool-operator",
         description="Reconcile KVCachePool resources into DaemonSets of kvpool agents.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     scope = parser.add_mutually_exclusive_group(required=True)
     scope.add_argument(
         "-n", "--namespace", action="append", help="serve this namespace (repeatable)"

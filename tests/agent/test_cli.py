@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvpool_agent import __version__
 from kvpool_agent.keys import tenant_id
 
 BIN = Path(sys.executable).parent
@@ -206,3 +207,11 @@ def test_bench_tenants_prints_lookups_alone_and_while_metrics_is_polled() -> Non
     assert "300 tenants with a chunk each" in result.stdout, result.stdout
     for row in ("alone", "2 clients polling /healthz", "2 clients polling /metrics + /v1/status"):
         assert row in result.stdout, result.stdout
+
+
+def test_every_console_script_says_its_version() -> None:
+    for script in ("kvpool", "kvpool-agent", "kvpool-operator"):
+        run = subprocess.run(
+            [BIN / script, "--version"], capture_output=True, text=True, check=True, timeout=60
+        )
+        assert run.stdout == f"{script} {__version__}\n", run
