@@ -33,8 +33,8 @@ class Evictor:
         excess = account.used_bytes + nbytes - limit
         if excess <= 0:
             return None
-        nbytes = self._chunks.slots.nbytes
-        plan = plan_eviction(self._chunks, excess, nbytes, account, protected, required=excess)
+        sizes = self._chunks.slots.nbytes
+        plan = plan_eviction(self._chunks, excess, sizes, account, protected, required=excess)
         if plan.freed < excess:
             return f"tenant quota of {limit} bytes is full of locked chunks"
         self.apply(plan, EvictionCause.QUOTA)
