@@ -28,9 +28,11 @@ def _left_in_shared_memory() -> list[Path]:
 @pytest.fixture(scope="session", autouse=True)
 def no_shared_memory_left() -> Iterator[None]:
     """A test removes what it made in /dev/shm, even for an agent it killed: a run that
-    leaves anything there fails (what it left is removed, and named)."""
+    leaves anything there fails (what it left is removed, and named). Files there before
+    the run are another process's that had this pid (a run that was killed)."""
+    before = set(_left_in_shared_memory())
     yield
-    left = _left_in_shared_memory()
+    left = [path for path in _left_in_shared_memory() if path not in before]
     for path in left:
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)

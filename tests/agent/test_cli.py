@@ -151,18 +151,24 @@ def test_bench_l1_prints_its_table() -> None:
 
 
 def test_bench_chains_keeps_the_prefix_that_fits() -> None:
-    sizes = ("--chain-mib", "12", "--l1-mib", "10", "--prompt-mib", "2", "--rounds", "2")
+    sizes = ("--chain-mib", "24", "--fitting-mib", "19", "--l1-mib", "20")
+    turns = ("--prompt-mib", "2", "--rounds", "2")
     result = subprocess.run(
-        [BIN / "kvpool", "bench", "chains", *sizes],
+        [BIN / "kvpool", "bench", "chains", *sizes, *turns],
         capture_output=True,
         text=True,
         check=True,
         timeout=120,
     )
-    one_chain, in_turns = [
-        line.split() for line in result.stdout.splitlines() if line.split()[:1] == ["lru"]
-    ]
-    assert one_chain[-2] == "1.00", result.stdout  # reachable / fit at the low watermark
+    rows = [line.split() for line in result.stdout.splitlines() if line.split()[:1] == ["lru"]]
+    *chains, in_turns = rows
+    # reachable / fit at the low watermark, by L2 tiers and chain size: only a chain longer
+    # than L1, with L2 tiers, may give up its head
+    ratios = {(row[1], row[2]): row[-2] for row in chains}
+    del ratios["yes", "24"]
+    assert ratios == {("no", "24"): "1.00", ("no", "19"): "1.00", ("yes", "19"): "1.00"}, (
+        result.stdout
+    )
     assert in_turns[2] == in_turns[4] and in_turns[5] != "0", result.stdout  # all reachable
 
 

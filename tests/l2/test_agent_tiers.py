@@ -67,6 +67,59 @@ def test_chunks_pushed_out_of_l1_come_back_from_nvme(
     assert metric(agent, 'kvpool_l2_hits_total{tier="nvme"}') >= 20
 
 
+def test_a_chain_that_fits_in_l1_keeps_its_whole_prefix_with_an_nvme_tier(
+    agents: Callable[..., AgentProcess], tmp_path: Path
+) -> None:
+    """A chain past the high watermark but within L1: its tails go, never its head.
+
+    128 one-page chunks of L1 (watermarks 115 and 102 pages): 102 chunks, then 16 more
+    continuing them, as a prompt stored over several steps (8 chunks a step). Without L2
+    tiers this keeps chunks 0..101; with an NVMe tier it once kept 16..117, so that a
+    lookup from the prompt's start found nothing while 102 chunks sat in L1.
+    """
+    nvme = {"NVME__PATH": str(tmp_path / "nvme"), "NVME__CAPACITY": "64MiB"}
+    agent = agents("a", L1_SIZE="8MiB", MAINTENANCE_INTERVAL_SECONDS="0.2", **nvme)
+    chain = list(range(118))
+    low = 102 * 64 * 1024
+
+    def held(client: AgentClient) -> list[int]:
+        return [n for n in chain if client.lookup(TENANT, [key(n)], lock=False).count]
+
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
+        for first in range(0, len(chain), 8):  # paced so that write-back sheds nothing
+            store_chain(client, chain[first : first + 8], parent=first - 1 if first else None)
+            wait_until(lambda: metric(agent, "kvpool_writeback_pending") == 0)
+        assert metric(agent, "kvpool_writeback_shed_total") == 0
+        wait_until(lambda: client.stats()["allocated_bytes"] <= low)  # the periodic check
+        assert held(client) == chain[:102]
+        # Ten of the tails come back from NVMe (below the high watermark, so that the
+        # periodic check leaves them), after the whole prefix.
+        assert load(client, chain[:112]) == [data(n) for n in chain[:112]]
+        assert held(client) == chain[:112]
+    assert metric(agent, "kvpool_prefetch_loaded_chunks_total") == 10
+
+
+def test_a_chain_longer_than_l1_reaches_nvme_whole_and_its_head_comes_back_first(
+    agents: Callable[..., AgentProcess], tmp_path: Path
+) -> None:
+    """160 one-page chunks through 128 of L1: the only case that may cut a chain's head.
+
+    Every chunk still reaches NVMe, and loading the prompt's first 60 chunks back keeps
+    all of them (the prefetch takes tails of the chain to make room, never its head).
+    """
+    nvme = {"NVME__PATH": str(tmp_path / "nvme"), "NVME__CAPACITY": "64MiB"}
+    agent = agents("a", L1_SIZE="8MiB", **nvme)
+    chain = list(range(160))
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
+        for first in range(0, len(chain), 8):  # paced so that write-back sheds nothing
+            store_chain(client, chain[first : first + 8], parent=first - 1 if first else None)
+            wait_until(lambda: metric(agent, "kvpool_writeback_pending") == 0)
+        assert metric(agent, "kvpool_writeback_written_total") == len(chain)
+        assert client.lookup(TENANT, [key(0)], lock=False).count == 0
+        assert load(client, chain[:60]) == [data(n) for n in chain[:60]]
+        assert client.lookup(TENANT, [key(n) for n in chain], lock=False).count >= 60
+
+
 def test_nvme_outlives_the_agent_and_its_segment(
     agents: Callable[..., AgentProcess], tmp_path: Path
 ) -> None:

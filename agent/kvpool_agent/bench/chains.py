@@ -1,13 +1,16 @@
 """``kvpool bench chains``: how much of a long prompt stored over several steps stays reachable.
 
 vLLM stores a long prompt over several steps (chunked prefill), so the head of
-its chain is the oldest part. One chain bigger than L1 (by default the case of
-issue 16: 300 MiB of 256 KiB chunks, 16 a step, into a 256 MiB L1) is stored
-step by step, each step naming the last key of the step before as its parent,
-as the connector does; then the agent's periodic maintenance runs once. The
-table compares the chunks reachable from the head (a lookup of the whole chain)
-with the chunks that fit: the physical limit, and the low watermark that the
-maintenance evicts down to.
+its chain is the oldest part. One chain is stored step by step, each step naming
+the last key of the step before as its parent, as the connector does; then the
+agent's periodic maintenance runs once. Two chains, each without and with L2
+tiers: one bigger than L1 (by default the case of issue 16: 300 MiB of 256 KiB
+chunks, 16 a step, into a 256 MiB L1) and one that fits in L1 but not below the
+high watermark (236 MiB). The table compares the chunks reachable from the head
+(a lookup of the whole chain) with the chunks that fit: the physical limit, and
+the low watermark that the maintenance evicts down to. With L2 tiers a chain
+bigger than L1 gives up its head, so that the rest of it reaches L1 and L2 (a
+prefetch brings the head back): nothing is reachable from the head in L1 alone.
 
 A second table times eviction where it runs most often: ``--prompts`` prompts
 stored in turns, one step each (as concurrent requests), by a tenant whose
@@ -34,7 +37,10 @@ MiB = 1 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--chain-mib", type=int, default=300, help="size of the prompt's KV")
+    parser.add_argument("--chain-mib", type=int, default=300, help="size of the long prompt's KV")
+    parser.add_argument(
+        "--fitting-mib", type=int, default=236, help="size of the prompt's KV that fits in L1"
+    )
     parser.add_argument("--l1-mib", type=int, default=256, help="size of the L1 segment")
     parser.add_argument("--chunk-kib", type=int, default=256, help="size of one chunk")
     parser.add_argument("--page-kib", type=int, default=64, help="L1 page size")
@@ -52,14 +58,18 @@ def _reachable(cache: L1Cache, keys: list[bytes]) -> int:
     return cache.lookup(TENANT, keys, lock=False, count=False).count
 
 
-def _cache(policy: str, args: argparse.Namespace, quota: int | None = None) -> L1Cache:
-    return L1Cache(
+def _cache(
+    policy: str, args: argparse.Namespace, quota: int | None = None, lower_tier: bool = False
+) -> L1Cache:
+    cache = L1Cache(
         SegmentLayout.plan(args.l1_mib * MiB, args.page_kib << 10),
         policy_factory(policy),
         QuotaBook(limits={} if quota is None else {TENANT: quota}),
         high_watermark=HIGH,
         low_watermark=LOW,
     )
+    cache.lower_tier = lower_tier
+    return cache
 
 
 def _store_step(cache: L1Cache, keys: list[bytes], first: int, args: argparse.Namespace) -> None:
@@ -71,11 +81,11 @@ def _store_step(cache: L1Cache, keys: list[bytes], first: int, args: argparse.Na
         cache.commit(reservation.lease)
 
 
-def _case(policy: str, args: argparse.Namespace) -> list[str]:
-    cache = _cache(policy, args)
+def _case(policy: str, chain_mib: int, lower_tier: bool, args: argparse.Namespace) -> list[str]:
+    cache = _cache(policy, args, lower_tier=lower_tier)
     layout = cache.layout
     chunk = args.chunk_kib << 10
-    keys = [_key(position) for position in range((args.chain_mib * MiB) // chunk)]
+    keys = [_key(position) for position in range((chain_mib * MiB) // chunk)]
     started = time.perf_counter()
     for first in range(0, len(keys), args.step):
         _store_step(cache, keys, first, args)
@@ -91,6 +101,8 @@ def _case(policy: str, args: argparse.Namespace) -> list[str]:
     fit_low = min(low_pages // pages_per_chunk, len(keys))
     return [
         policy,
+        "yes" if lower_tier else "no",
+        f"{chain_mib:,}",
         f"{len(keys):,}",
         f"{stored.allocated_bytes / MiB:.1f}",
         f"{reachable_stored:,} / {fit_all:,}",
@@ -130,10 +142,12 @@ def _turns(policy: str, args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> None:
     print(
         table(
-            f"One {args.chain_mib} MiB chain of {args.chunk_kib} KiB chunks, {args.step} a step,"
+            f"One chain of {args.chunk_kib} KiB chunks, {args.step} a step,"
             f" into a {args.l1_mib} MiB L1 (watermarks {HIGH:.2f}/{LOW:.2f})",
             [
                 "policy",
+                "L2 tiers",
+                "chain MiB",
                 "chunks offered",
                 "MiB after stores",
                 "reachable / fit in L1",
@@ -142,7 +156,12 @@ def run(args: argparse.Namespace) -> None:
                 "ratio",
                 "us per chunk offered",
             ],
-            [_case(policy, args) for policy in POLICY_NAMES],
+            [
+                _case(policy, chain_mib, lower_tier, args)
+                for chain_mib in (args.chain_mib, args.fitting_mib)
+                for lower_tier in (False, True)
+                for policy in POLICY_NAMES
+            ],
         )
     )
     print()

@@ -16,7 +16,7 @@ import mmap
 import random
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,6 +56,8 @@ FENCE_SECONDS = 60.0
 HIGH, LOW = 0.9, 0.8
 TENANTS = ("t0", "t1", "t2", "t3")
 KEYS_PER_TENANT = 16
+PROMPT_KEYS = 1000
+"""Long prompts take keys from PROMPT_KEYS on, each a range of its own."""
 
 QUOTAS: st.SearchStrategy[Limit] = st.one_of(
     st.none(),
@@ -129,6 +131,8 @@ class L1Machine(RuleBasedStateMachine):
         self.commits: dict[Place, int] = {}
         """When each chunk was last committed, numbered as the journal numbers commits."""
         self.commit_count = 0
+        self.prompts = 0
+        """Long prompts stored so far: each gets keys of its own."""
 
     def teardown(self) -> None:
         if self.journal is not None:
@@ -183,22 +187,32 @@ class L1Machine(RuleBasedStateMachine):
     def used_pages(self) -> int:
         return self.view().used_pages
 
-    def roomy(self, pages: int) -> bool:
+    def roomy(self, view: L1DebugView, pages: int) -> bool:
         """Whether ``pages`` more fit below the high watermark, in one free extent."""
-        view = self.view()
         largest = max((length for _, length in view.free_extents), default=0)
         return view.used_pages + pages <= view.high_pages and pages <= largest
 
-    def evictable_slots(self, tenant: str | None = None) -> list[int]:
-        """Ready, unlocked chunks; without L2, whose descendants are all evictable too."""
-        view = self.view()
+    def evictable_slots(
+        self,
+        tenant: str | None = None,
+        kept: Set[int] = frozenset(),
+        view: L1DebugView | None = None,
+    ) -> list[int]:
+        """Ready, unlocked chunks whose descendants are all evictable too: what tails alone
+        can free, with L2 tiers or without. ``kept``: slots a store protects."""
+        view = self.view() if view is None else view
+        known: dict[int, bool] = {}
 
         def evictable(slot: int) -> bool:
-            if view.slots[slot].state != State.READY or view.slots[slot].readers != 0:
-                return False
-            if self.cache.lower_tier:
-                return True  # tails first, but a chain that cannot shrink may lose its head
-            return all(evictable(child) for child in view.slots[slot].children)
+            if slot not in known:
+                data = view.slots[slot]
+                known[slot] = (
+                    data.state == State.READY
+                    and data.readers == 0
+                    and slot not in kept
+                    and all(evictable(child) for child in data.children)
+                )
+            return known[slot]
 
         return [
             slot.slot
@@ -206,9 +220,9 @@ class L1Machine(RuleBasedStateMachine):
             if evictable(slot.slot) and tenant in (None, slot.tenant)
         ]
 
-    def ready_parent_links(self) -> set[tuple[Place, Place]]:
+    def ready_parent_links(self, view: L1DebugView | None = None) -> set[tuple[Place, Place]]:
         """(chunk, predecessor) of every live chunk whose predecessor is ready."""
-        view = self.view()
+        view = self.view() if view is None else view
         return {
             ((slot.key, slot.offset), (view.slots[slot.parent].key, view.slots[slot.parent].offset))
             for slot in view.live()
@@ -216,19 +230,57 @@ class L1Machine(RuleBasedStateMachine):
         }
 
     def assert_no_orphans_made(
-        self, links: set[tuple[Place, Place]], stored: Sequence[bytes] = ()
+        self, links: set[tuple[Place, Place]], stored: Sequence[bytes] = (), *, short: bool = False
     ) -> None:
-        """Without L2, eviction takes a chunk only after all of its descendants.
+        """Eviction takes a chunk only after all of its descendants, with L2 tiers too.
 
+        The one exception: with L2 tiers, a store that is ``short`` (tails alone may not
+        make room for it, in L1 or in its tenant's quota) may take older chunks.
         Chunks are told apart by key and offset: a key may also name a quarantined or
-        cleared chunk elsewhere. ``stored``: keys a reservation placed anew (one that it
-        evicted first is new, perhaps at the same offset).
+        cleared chunk elsewhere; only indexed chunks count (a write lease that expires
+        meanwhile unlinks its chunks). ``stored``: keys a reservation placed anew (one that
+        it evicted first is new, perhaps at the same offset).
         """
-        if self.cache.lower_tier:
+        if short and self.cache.lower_tier:
             return
-        live = {(slot.key, slot.offset) for slot in self.view().live() if slot.key not in stored}
+        view = self.view()
+        live = {  # findable: quarantined or cleared chunks are unreachable by their own rules
+            (slot.key, slot.offset)
+            for slot in view.live()
+            if view.index.get(slot.key) == slot.slot and slot.key not in stored
+        }
         for child, parent in links:
             assert child not in live or parent in live, "eviction left a chunk unreachable"
+
+    def short_of_room(
+        self,
+        view: L1DebugView,
+        tenant: str,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        parent: bytes | None,
+    ) -> bool:
+        """Whether tails alone may not make room for a run: the only case in which a store
+        may cut a chain at its head (with L2 tiers).
+
+        In L1: the run's new chunks do not fit in the largest free extent (the allocator's
+        placement beyond that is not modelled). In the quota: tails alone cannot free it.
+        Evicting a tail frees what it takes from both the usage and the tails, so the
+        quota's slack (limit - usage + what tails can free) shrinks by each chunk placed.
+        """
+        new = [size for key, size in zip(keys, sizes, strict=False) if key not in view.index]
+        largest = max((length for _, length in view.free_extents), default=0)
+        if sum(_pages(size) for size in new) > largest:
+            return True
+        limit = self.cache.quotas.limit(tenant)
+        if limit is None:
+            return False
+        # What a store protects: its parent (if the tenant's) and its keys already cached.
+        kept = {view.index[key] for key in keys if key in view.index}
+        if parent in view.index and view.slot_of(parent).tenant == tenant:
+            kept.add(view.index[parent])
+        tails = sum(view.slots[slot].nbytes for slot in self.evictable_slots(tenant, kept, view))
+        return sum(new) > limit - self.used_bytes(tenant) + tails
 
     def used_bytes(self, tenant: str) -> int:
         return self.cache.tenant_usage(tenant).used_bytes
@@ -341,15 +393,16 @@ class L1Machine(RuleBasedStateMachine):
             if parent is None or not self.seen_keys
             else self.seen_keys[parent % len(self.seen_keys)]
         )
-        indexed_before = set(self.view().index)
+        before = self.view()
         ready_before = self.ready_by_tenant()
-        links_before = self.ready_parent_links()
+        links_before = self.ready_parent_links(before)
         evictions_before = cache.stats().evictions
-        roomy = self.roomy(sum(_pages(size) for size in sizes))
+        roomy = self.roomy(before, sum(_pages(size) for size in sizes))
+        short = self.short_of_room(before, tenant, keys, sizes, parent_key)
 
         reservation = cache.reserve(tenant, keys, sizes, parent=parent_key)
 
-        if parent_key is not None and parent_key not in indexed_before and not cache.lower_tier:
+        if parent_key is not None and parent_key not in before.index and not cache.lower_tier:
             assert reservation.placements == () and reservation.lease is None, (
                 "a run under a predecessor L1 lacks was stored"
             )
@@ -362,7 +415,7 @@ class L1Machine(RuleBasedStateMachine):
         for key, size, placement in zip(keys, sizes, placements, strict=False):
             if placement is None:
                 # Already cached, and protected for the rest of the reservation.
-                assert key in indexed_before, "None placement for a key that was not cached"
+                assert key in before.index, "None placement for a key that was not cached"
                 assert key in view.index, "a key the reservation relies on was evicted"
                 assert view.slot_of(key).tenant == tenant, (
                     "another tenant's chunk counted as cached"
@@ -383,7 +436,7 @@ class L1Machine(RuleBasedStateMachine):
             assert self.used_bytes(tenant) <= limit, "reserve placed a chunk over the quota"
 
         # Reserving never makes anything ready; it may only evict.
-        self.assert_no_orphans_made(links_before, stored=[p.key for p in new])
+        self.assert_no_orphans_made(links_before, stored=[p.key for p in new], short=short)
         ready_after = self.ready_by_tenant()
         for name in TENANTS:
             assert ready_after[name] <= ready_before[name]
@@ -413,6 +466,37 @@ class L1Machine(RuleBasedStateMachine):
                 self.commit_lease(reservation.lease, None if then == "commit" else cut)
         self.seen_keys.extend(key for key in keys if key not in self.seen_keys)
 
+    @rule(
+        tenant=st.sampled_from(TENANTS),
+        pages=st.integers(PAGES // 2, PAGES + 8),
+        step=st.integers(4, 16),
+        size=SIZES,
+    )
+    def store_a_long_prompt(self, *, tenant: str, pages: int, step: int, size: int) -> None:
+        """One prompt of about ``pages`` stored over several steps (chunked prefill): its
+        head is the oldest, and each step names the last chunk of the one before. Some
+        fit in L1, some do not; most cross the high watermark.
+        """
+        length = max(1, pages // _pages(size))
+        self.prompts += 1
+        chain = [self.key(tenant, PROMPT_KEYS * self.prompts + i) for i in range(length)]
+        for first in range(0, length, step):
+            keys, parent = chain[first : first + step], chain[first - 1] if first else None
+            sizes = [size] * len(keys)
+            before = self.view()
+            links = self.ready_parent_links(before)
+            short = self.short_of_room(before, tenant, keys, sizes, parent)
+            reservation = self.cache.reserve(tenant, keys, sizes, parent=parent)
+            new = [place for place in reservation.placements if place is not None]
+            self.assert_no_orphans_made(links, stored=[p.key for p in new], short=short)
+            if reservation.lease is not None:  # committed whole at once: the model's side
+                assert self.cache.commit(reservation.lease) == len(new)
+                for place in new:
+                    self.commit_count += 1
+                    self.commits[place.key, place.offset] = self.commit_count
+                self.dead_leases.append(reservation.lease)
+            self.seen_keys.extend(keys)
+
     @precondition(lambda self: self.open_leases(writing=True))
     @rule(choice=CHOICE, count=st.one_of(st.none(), CHOICE))
     def commit(self, choice: int, count: int | None) -> None:
@@ -425,12 +509,13 @@ class L1Machine(RuleBasedStateMachine):
         published = self.cache.commit(lease, None if count is None else keep)
         kept = [i for i in range(keep) if i not in record.doomed]
         assert published == len(kept)
+        view = self.view()
         for position, (key, offset) in enumerate(record.entries):
             if position in record.doomed:
                 continue
             if position < keep:
                 assert self.cache.contains(key)
-                assert self.offset_of(key) == offset
+                assert view.slot_of(key).offset == offset
                 self.commit_count += 1  # head first, as the journal numbers them
                 self.commits[key, offset] = self.commit_count
         self.end_lease(lease, committed=keep)
@@ -624,7 +709,9 @@ class L1Machine(RuleBasedStateMachine):
     def evict(self, pages: int, scope: str | None) -> None:
         cache = self.cache
         view_before = self.view()
-        evictable_pages = sum(view_before.slots[slot].pages for slot in self.evictable_slots(scope))
+        evictable_pages = sum(
+            view_before.slots[slot].pages for slot in self.evictable_slots(scope, view=view_before)
+        )
         stats_before = cache.stats()
         usage_before = {t.tenant: t for t in map(cache.tenant_stats, cache.tenant_records())}
         ready_before = self.ready_by_tenant()

@@ -30,8 +30,18 @@ chunk the policy proposes goes after all of its descendants, which matters
 because a long prompt stored over several steps has its head oldest (hits are
 touched tail first, so a hit chain has its head newest). A run stored under a
 predecessor that L1 lacks would be unreachable and is refused, unless L2 tiers
-exist: then a prefetch can restore the prefix, and when tails alone cannot make
-room, older chunks may go too.
+exist: then a prefetch can restore the prefix.
+
+With L2 tiers there is one exception, for a store that could not proceed
+otherwise: when tails alone cannot make room for the chunks it places (they do
+not fit in L1, or in the tenant's quota: a chain longer than either, or one whose
+other chunks are locked or being written back), older chunks go too, oldest
+first, as many as the store needs and no more; so the rest of a chain longer
+than L1 still reaches L1, and L2 through the write-back. Everything else takes
+tails only, with L2 tiers or without: the watermarks (the part of a store's room
+that is not needed to place it), the periodic maintenance, a shrunken quota and
+:meth:`L1Cache.evict`. A chain that fits in L1 keeps its whole prefix, and a
+prefetch that loads a prefix's missing tail never evicts its head.
 
 Eviction has three triggers: the high watermark (evict to the low one), an
 allocation that does not fit (evict until it does, so a store fails for lack

@@ -33,7 +33,8 @@ class Evictor:
         excess = account.used_bytes + nbytes - limit
         if excess <= 0:
             return None
-        plan = plan_eviction(self._chunks, excess, self._chunks.slots.nbytes, account, protected)
+        sizes = self._chunks.slots.nbytes
+        plan = plan_eviction(self._chunks, excess, sizes, account, protected, required=excess)
         if plan.freed < excess:
             return f"tenant quota of {limit} bytes is full of locked chunks"
         self.apply(plan, EvictionCause.QUOTA)
@@ -46,20 +47,27 @@ class Evictor:
             first_page = chunks.allocator.allocate(pages)
             if first_page is not None:
                 return first_page
-            plan = plan_eviction(chunks, pages, chunks.slots.pages, None, protected)
+            plan = plan_eviction(chunks, pages, chunks.slots.pages, None, protected, required=pages)
             if not plan.victims:
                 return None
             self.apply(plan, EvictionCause.PRESSURE)
 
     def to_watermark(self, extra_pages: int, protected: set[int]) -> None:
-        """Past the high watermark with ``extra_pages`` more: evict towards the low one."""
+        """Past the high watermark with ``extra_pages`` more: evict towards the low one.
+
+        Best effort, by tails alone: as far towards the low watermark as unlocked chains
+        can shrink. Only the pages of ``extra_pages`` (a store's run) that are not free
+        may take older chunks too (see :func:`plan_eviction`), once for the whole run.
+        """
         allocator = self._chunks.allocator
         used = allocator.total_pages - allocator.free_pages + extra_pages
         if used <= self.high_pages:
             return
-        # Best effort: as far towards the low watermark as unlocked chunks allow.
         pages = self._chunks.slots.pages
-        plan = plan_eviction(self._chunks, used - self.low_pages, pages, None, protected)
+        missing = max(0, extra_pages - allocator.free_pages)
+        plan = plan_eviction(
+            self._chunks, used - self.low_pages, pages, None, protected, required=missing
+        )
         self.apply(plan, EvictionCause.WATERMARK)
 
     def enforce_quota(self, account: Tenant) -> None:

@@ -25,7 +25,13 @@ class EvictionPlan:
 
 
 def plan_eviction(
-    chunks: Chunks, need: int, measure: array[int], scope: Tenant | None, protected: set[int]
+    chunks: Chunks,
+    need: int,
+    measure: array[int],
+    scope: Tenant | None,
+    protected: set[int],
+    *,
+    required: int = 0,
 ) -> EvictionPlan:
     """Choose victims worth ``need`` (in ``measure`` units: bytes or pages of each slot).
 
@@ -33,9 +39,15 @@ def plan_eviction(
     policy proposes (a long prompt stored over several steps has its head oldest). A
     chunk proposed while it has children waits, and goes the moment its last child
     does: the policy ranked it before everything still to come. A chunk with a locked
-    descendant, or one being written, stays: it is the prefix of a chunk in use (with
-    L2, only while tails alone make room). Chunks still waiting at the end get a
-    second chance (the eviction ranks them anew, newest).
+    descendant, or one being written, stays: it is the prefix of a chunk in use.
+    Chunks still waiting at the end get a second chance (the eviction ranks them anew,
+    newest).
+
+    ``required``: how much of ``need`` a store cannot proceed without (the chunk it
+    places, or the part of its run that does not fit). With L2 tiers, and only if tails
+    alone free less than that, the chunks passed over go too, oldest first, until it is
+    freed: a chain longer than L1 (or its tenant's quota) still reaches L2 whole. The
+    rest of ``need`` (a watermark) is only ever met by tails.
     """
     plan = EvictionPlan()
     slots = chunks.slots
@@ -51,12 +63,13 @@ def plan_eviction(
                 plan.waiting[slot] = kept
                 continue
         _take(slots, plan, slot, need, measure)
-    if plan.freed < need and chunks.lower_tier:
-        # Tails alone do not make room (a chain being extended or written back is all
-        # there is): older chunks go too, since a prefetch brings a prefix back. Without
-        # this, the rest of a chain longer than L1 would never reach L2 either.
+    if plan.freed < required and chunks.lower_tier:
+        # Tails alone do not make room for the store (a chain being extended, locked or
+        # written back is all there is): older chunks go too, since a prefetch brings a
+        # prefix back. Without this, the rest of a chain longer than L1 would never be
+        # stored, nor reach L2.
         for slot in list(plan.waiting):
-            if plan.freed >= need:
+            if plan.freed >= required:
                 break
             del plan.waiting[slot]
             plan.victims[slot] = None
