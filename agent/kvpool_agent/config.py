@@ -340,9 +340,9 @@ class AgentConfig(BaseSettings):
         30.0,
         ge=0,
         description=(
-            "At start, how long to wait for another live agent of the same segment to exit (a "
-            "rollout's old pod, still stopping) before refusing to start; it then adopts the "
-            "segment."
+            "At start, how long to wait for another live agent of the same segment, or of the "
+            "same pool in the same state_dir or nvme.path, to exit (a rollout's old pod, still "
+            "stopping) before refusing to start; it then adopts the segment."
         ),
     )
     host: str = Field(

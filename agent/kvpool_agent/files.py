@@ -42,7 +42,7 @@ import fcntl
 import os
 import secrets
 import stat
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 _NO_FOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
@@ -327,6 +327,16 @@ class LockFile:
             return cls(path, fd)
         return None
 
+    @classmethod
+    def claim(cls, path: Path, *, what: str, mode: int) -> LockFile | str:
+        """:meth:`take` noting this process as the holder: the lock, or who holds it now."""
+        note = f"pid {os.getpid()} on {os.uname().nodename}"
+        held = cls.take(path, what=what, mode=mode, note=note)
+        if held is not None:
+            return held
+        holder = cls.holder(path)
+        return f"agent {holder}" if holder else f"the process that holds {path}"
+
     @staticmethod
     def holder(path: Path) -> str:
         """The note of whoever holds (or last held) the lock at ``path``; "" if none is there."""
@@ -370,17 +380,27 @@ class Undo:
     """What one start created, to remove again if it fails; never what was there before it.
 
     Files are recorded once they are created (:meth:`file`), directories before
-    (:meth:`directories` notes which of them, and of their parents, are missing then).
-    :meth:`run` removes the files, then those directories that are still empty, deepest
-    first; :meth:`keep` forgets everything once the start succeeded.
+    (:meth:`directories` notes which of them, and of their parents, are missing then). A
+    file that replaces another is made under a temporary name (:meth:`pending`) and takes
+    its place only once the start succeeded, so a failed start leaves the earlier one as it
+    was. :meth:`run` removes the files, then those directories that are still empty, deepest
+    first; :meth:`keep` puts the pending files in place and forgets everything once the
+    start succeeded.
     """
 
     def __init__(self) -> None:
         self._files: list[Path] = []
         self._directories: list[Path] = []
+        self._installs: list[Callable[[], None]] = []
 
     def file(self, path: Path) -> None:
         self._files.append(path)
+
+    def pending(self, temporary: Path, install: Callable[[], None]) -> None:
+        """A file made under a ``temporary`` name; ``install`` (by :meth:`keep`) renames it
+        into place, :meth:`run` removes it."""
+        self._files.append(temporary)
+        self._installs.append(install)
 
     def directories(self, *paths: Path) -> None:
         """Note which of ``paths`` (and of their parents) do not exist yet."""
@@ -393,14 +413,25 @@ class Undo:
             self._directories.extend(reversed(missing))
 
     def keep(self) -> None:
-        self._files.clear()
-        self._directories.clear()
+        """The start succeeded: the pending files take their names, and every file stays."""
+        for install in self._installs:
+            install()
+        self._forget()
 
-    def run(self) -> None:
+    def run(self, before_directories: Callable[[], None] | None = None) -> None:
+        """Remove the files; call ``before_directories`` (the owner locks let go: a lock file
+        keeps its directory); remove the directories still empty."""
         for path in reversed(self._files):
             with contextlib.suppress(OSError):
                 path.unlink(missing_ok=True)
+        if before_directories is not None:
+            before_directories()
         for path in sorted(set(self._directories), key=lambda p: len(p.parts), reverse=True):
             with contextlib.suppress(OSError):  # not empty (or not there): it stays
                 path.rmdir()
-        self.keep()
+        self._forget()
+
+    def _forget(self) -> None:
+        self._files.clear()
+        self._directories.clear()
+        self._installs.clear()

@@ -38,14 +38,21 @@ class PinnedRegion:
         self._anchor = None
 
 
+def check(mode: PinMode) -> None:
+    """:class:`PinningError` if ``mode`` requires pinning and CUDA is not there to do it (an
+    agent checks this before it makes its segment)."""
+    reason = _cuda_unavailable_reason() if mode == "always" else None
+    if reason is not None:
+        raise PinningError(f"pin_memory=always but {reason}")
+
+
 def pin(mapping: mmap.mmap, mode: PinMode) -> PinnedRegion | None:
     """Pin ``mapping`` according to ``mode``; None when not pinned (and why is logged)."""
     if mode == "never":
         return None
+    check(mode)
     reason = _cuda_unavailable_reason()
     if reason is not None:
-        if mode == "always":
-            raise PinningError(f"pin_memory=always but {reason}")
         log.info("segment not pinned: %s", reason)
         return None
     import torch

@@ -13,7 +13,9 @@ not a SIGBUS in the middle of a store.
 
 The file outlives the agent. A restarted agent calls :meth:`SharedSegment.open`,
 which re-adopts a compatible segment (same layout version, size and page size,
-intact header) and otherwise recreates it from empty, saying why.
+intact header) and otherwise recreates it from empty, saying why. The agent builds a new
+segment under a temporary name and renames it into place only once its start succeeded
+(:meth:`SharedSegment.install`): a start that fails leaves the earlier segment as it was.
 
 The agent creates the file exclusively (see :mod:`kvpool_agent.files`) with mode
 :data:`SEGMENT_MODE`: read-write for the agent and its group, the connectors of the
@@ -158,12 +160,25 @@ class SharedSegment:
         self.identity = identity
         """Device and inode of the file mapped (whatever is at :attr:`path` now); (0, 0) for
         an anonymous mapping."""
+        self.pending: Path | None = None
+        """The temporary name of a created segment not yet at :attr:`path` (see
+        :meth:`install`)."""
 
     @classmethod
     def create(
-        cls, path: Path, data_size: int, page_size: int, *, populate: bool = True
+        cls,
+        path: Path,
+        data_size: int,
+        page_size: int,
+        *,
+        populate: bool = True,
+        pending: bool = False,
     ) -> SharedSegment:
-        """Create (or replace one of the agent's own) segment, reserve its memory and map it."""
+        """Create (or replace one of the agent's own) segment, reserve its memory and map it.
+
+        With ``pending``, the new file keeps its temporary name (:attr:`pending`) until
+        :meth:`install` puts it at ``path``: until then, whatever is there stays.
+        """
         layout = SegmentLayout.plan(data_size, page_size)
         try:
             check_directory(path)
@@ -183,13 +198,33 @@ class SharedSegment:
                 ) from error
             os.pwrite(fd, layout.header(), 0)
             identity = identity_of(os.fstat(fd))
-            os.replace(temporary, path)  # clients never see a half-written header
-            return cls(path, layout, _map(fd, layout.total_size, populate), identity)
+            segment = cls(path, layout, _map(fd, layout.total_size, populate), identity)
         except BaseException:
             temporary.unlink(missing_ok=True)
             raise
         finally:
             os.close(fd)
+        segment.pending = temporary
+        if not pending:
+            try:
+                segment.install()
+            except BaseException:
+                segment.close()
+                raise
+        return segment
+
+    def install(self) -> None:
+        """Put a :attr:`pending` segment at its path (replacing one of the agent's own there):
+        clients never see a half-written header, nor a segment of a start that failed."""
+        if self.pending is None:
+            return
+        try:
+            check_replaceable(self.path, "segment")
+            os.replace(self.pending, self.path)
+        except BaseException:
+            self.pending.unlink(missing_ok=True)
+            raise
+        self.pending = None
 
     @classmethod
     def attach(cls, path: Path, *, populate: bool = False) -> SharedSegment:
@@ -204,8 +239,11 @@ class SharedSegment:
             os.close(fd)
 
     @classmethod
-    def open(cls, path: Path, data_size: int, page_size: int) -> tuple[SharedSegment, str | None]:
-        """The agent's way in: adopt a compatible segment of its own, else create one.
+    def open(
+        cls, path: Path, data_size: int, page_size: int, *, pending: bool = False
+    ) -> tuple[SharedSegment, str | None]:
+        """The agent's way in: adopt a compatible segment of its own, else create one (with
+        ``pending``, under a temporary name: see :meth:`create`).
 
         Returns the segment and, when it was created rather than adopted, why.
         :class:`SegmentError` if what is at ``path`` is not the agent's to adopt.
@@ -214,7 +252,7 @@ class SharedSegment:
             check_directory(path)
             fd, status = open_verified(path, what="segment", mode=SEGMENT_MODE, flags=os.O_RDWR)
         except FileNotFoundError:
-            return cls.create(path, data_size, page_size), "no segment yet"
+            return cls.create(path, data_size, page_size, pending=pending), "no segment yet"
         except FileRefused as error:
             raise SegmentError(str(error)) from None
         except OSError as error:
@@ -225,13 +263,15 @@ class SharedSegment:
             try:
                 segment = cls._map_existing(path, fd, populate=True)
             except SegmentError as error:
-                return cls.create(path, data_size, page_size), str(error).removeprefix(f"{path}: ")
+                return cls.create(path, data_size, page_size, pending=pending), str(
+                    error
+                ).removeprefix(f"{path}: ")
         finally:
             os.close(fd)
         if segment.layout != SegmentLayout.plan(data_size, page_size):
             segment.close()
             reason = "the configured size or page size differs from the segment's"
-            return cls.create(path, data_size, page_size), reason
+            return cls.create(path, data_size, page_size, pending=pending), reason
         return segment, None
 
     @classmethod

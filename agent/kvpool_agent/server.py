@@ -1,12 +1,13 @@
 """The agent process's composition root: builds every part, starts them, stops them in reverse.
 
-Parts: the segment's owner lock, the L1 segment and cache, the quota store and
-service, the token authority, metrics, the ZMQ server (its own thread), the HTTP
-API (uvicorn on this event loop) and the maintenance task. SIGTERM and SIGINT stop
-it: readiness turns false, new stores are refused while those in flight may still
-commit (up to ``shutdown_grace_seconds``), the servers stop, the segment is
-unmapped, not removed, and the lock is let go last: the next agent (one already
-waiting for it, in a rollout) adopts the segment with every committed chunk.
+Parts: the owner locks (of the segment, of the pool's state directory and NVMe tree),
+the L1 segment and cache, the quota store and service, the token authority, metrics, the
+ZMQ server (its own thread), the HTTP API (uvicorn on this event loop) and the
+maintenance task. SIGTERM and SIGINT stop it: readiness turns false, new stores are
+refused while those in flight may still commit (up to ``shutdown_grace_seconds``), the
+servers stop, the segment is unmapped, not removed, and the locks are let go last: the
+next agent (one already waiting for them, in a rollout) adopts the segment with every
+committed chunk.
 """
 
 from __future__ import annotations
@@ -17,25 +18,27 @@ import logging
 import signal
 import socket
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from prometheus_client import CollectorRegistry
 
 from kvpool_agent.config import AgentConfig
-from kvpool_agent.core.factory import L1Tier, claim_segment, open_l1
+from kvpool_agent.core.factory import L1Tier, check_pinning, claim_segment, open_l1
 from kvpool_agent.edge.events import EventPublisher
 from kvpool_agent.edge.http_api import create_app
 from kvpool_agent.edge.metrics import AgentMetrics
 from kvpool_agent.edge.zmq_server import ZmqServer
 from kvpool_agent.edge.zmtp import listen as listen_zmq
-from kvpool_agent.files import LockFile, Undo, ensure_directory
+from kvpool_agent.files import FileRefused, LockFile, Undo, ensure_directory
 from kvpool_agent.l2 import L2Adapter
 from kvpool_agent.l2.nvme import NvmeAdapter
 from kvpool_agent.l2.tiers import open_tiers
 from kvpool_agent.problems import listening
-from kvpool_agent.segment import SegmentInUse, lock_path
+from kvpool_agent.quotas import Quota
+from kvpool_agent.segment import LOCK_MODE, SegmentInUse, lock_path
 from kvpool_agent.service.cache_service import CacheService
 from kvpool_agent.tenancy.auth import GeneratedTokens, TokenAuthority
 from kvpool_agent.tenancy.quota_store import FileQuotaStore
@@ -45,6 +48,10 @@ from kvpool_agent.tiering.writeback import WriteBack
 from kvpool_agent.web.connections import HttpRefusals
 from kvpool_agent.web.serving import listen as listen_http
 from kvpool_agent.web.serving import serve_http
+
+if TYPE_CHECKING:
+    from kvpool_agent.tenancy.kube_quota_store import KubernetesQuotaStore
+    from kvpool_agent.tenancy.tenants_watch import TenantsWatch
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +70,14 @@ class Agent:
         """Serve until :meth:`stop` is called (SIGTERM and SIGINT call it).
 
         What can be checked is checked before anything is made: the settings, the tokens
-        file, then the segment's owner lock (taken once no other agent holds it, waiting up
-        to ``handover_seconds`` for one that is stopping), then the ports (bound). Only then
-        the files: state directory, L2 key and tree, segment and probe table, and the
-        generated tokens last. A start that fails removes what it made, never a segment it
-        adopted, and lets the lock go last.
+        file, then the owner locks of the segment, of the pool's state in the state directory
+        and of its NVMe tree (each taken once no other agent holds it, waiting up to
+        ``handover_seconds`` in all for one that is stopping), then the ports (bound), the
+        quota store, the Kubernetes API and pinning. Only then the files: L2 key and tree,
+        segment (a new one under a temporary name) and probe table, and the generated tokens
+        last; once all is up, a new segment takes its name. A start that fails removes what
+        it made, never a segment it adopted or would have replaced, and lets the locks go
+        last.
         """
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -85,53 +95,95 @@ class Agent:
             undo.directories(config.resolved_l2_key_dir)
         if config.nvme is not None:
             undo.directories(config.nvme.path / config.pool)
-        owner: LockFile | None = None
+        owners: list[LockFile] = []
+
+        def release() -> None:
+            while owners:
+                owners.pop().release()
+
         try:
-            owner = await self._claim_segment()
-            if owner is not None:
+            if await self._claim(owners):
                 await self._serve(authority, generated, undo)
         except BaseException:
-            undo.run()
+            undo.run(release)  # a lock file keeps its directory: the locks go before those
             raise
         finally:
-            if owner is not None:
-                owner.release()
+            release()
         log.info("agent stopped")
 
-    async def _claim_segment(self) -> LockFile | None:
-        """The segment's owner lock, once no other agent holds it; None if stopped meanwhile.
+    def _owned(self) -> list[_Owned]:
+        """What this agent owns alone while it lives: its segment, its pool's state in the
+        state directory (tokens, quota file), and its pool's NVMe tree if it has one."""
+        config, pool = self.config, self.config.pool
+        segment, state = config.resolved_segment_path, config.state_dir
+        owned = [
+            _Owned(
+                f"segment {segment}",
+                lock_path(segment),
+                "segment_path",
+                lambda: claim_segment(segment),
+            ),
+            _Owned.beside(
+                f"state directory {state} (pool {pool})",
+                ("state directory", state),
+                state / f"agent-{pool}.lock",
+                "state_dir",
+            ),
+        ]
+        if config.nvme is not None:
+            root = config.nvme.path
+            owned.append(
+                _Owned.beside(
+                    f"NVMe tier {root / pool}",
+                    ("NVMe tier directory", root),
+                    root / f"{pool}.lock",
+                    "nvme.path",
+                )
+            )
+        return owned
 
-        :class:`SegmentInUse` when another agent still holds it after ``handover_seconds``.
+    async def _claim(self, owners: list[LockFile]) -> bool:
+        """Take the owner locks of :meth:`_owned` into ``owners``; False if stopped meanwhile.
+
+        :class:`SegmentInUse` when another agent still holds one after ``handover_seconds``.
         """
-        path, wait = self.config.resolved_segment_path, self.config.handover_seconds
-        loop = asyncio.get_running_loop()
-        started, holder = loop.time(), ""
+        started = asyncio.get_running_loop().time()
+        for owned in self._owned():
+            lock = await self._claim_one(owned, started)
+            if lock is None:
+                return False
+            owners.append(lock)
+        return True
+
+    async def _claim_one(self, owned: _Owned, started: float) -> LockFile | None:
+        """The lock of ``owned`` once no other agent holds it; None if stopped meanwhile."""
+        wait = self.config.handover_seconds
+        loop, holder = asyncio.get_running_loop(), ""
         while True:
-            claim = claim_segment(path)
+            claim = owned.claim()
             waited = loop.time() - started
             if not isinstance(claim, str):
                 if holder:
-                    log.info("segment %s: %s exited after %.1f s", path, holder, waited)
+                    log.info("%s: %s exited after %.1f s", owned.name, holder, waited)
                 return claim
             if waited >= wait:
                 raise SegmentInUse(
-                    f"segment {path} is in use by {claim} (lock {lock_path(path)}; waited "
+                    f"{owned.name} is in use by {claim} (lock {owned.lock}; waited "
                     f"{waited:.1f} s, handover_seconds {wait:g}): stop that agent, or give this "
-                    "one another pool or segment_path"
+                    f"one another pool or {owned.setting}"
                 )
             if claim != holder:
                 holder = claim
                 log.warning(
-                    "segment %s is in use by %s: waiting up to %g s (handover_seconds) for it "
-                    "to exit",
-                    path,
+                    "%s is in use by %s: waiting up to %g s (handover_seconds) for it to exit",
+                    owned.name,
                     holder,
                     wait,
                 )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), min(_CLAIM_POLL_SECONDS, wait))
             if self._stopping.is_set():
-                log.info("stopped while waiting for segment %s", path)
+                log.info("stopped while waiting for %s", owned.name)
                 return None
 
     async def _serve(
@@ -143,7 +195,10 @@ class Agent:
             agent_id = uuid.uuid4().hex
             # the ports, before any file: one in use stops the agent here
             zmq_listener, http_listener, events = self._listen(agent_id, authority, stack)
-            ensure_directory(config.state_dir, what="state directory")
+            # then what is read or reached, and pinning: none of them fails once files exist
+            quota_store, quotas = self._load_quotas()
+            tenants = self._connect_tenants()
+            check_pinning(config)
             # L2 before L1: a bad NVMe path or key stops the agent before the segment exists
             limits = _NvmeLimits()
             tiers = open_tiers(config, limits, undo)
@@ -155,9 +210,10 @@ class Agent:
             stack.callback(l1.close)
             # the tiers close before L1 is unmapped (a write-back may still hold its memory)
             await stack.enter_async_context(closing_tiers)
-            service = self._open_service(l1, stack)
+            service = self._open_service(l1, quota_store, quotas, stack)
             limits.service = service
-            self._follow_tenants(authority, service, stack)
+            if tenants is not None:
+                self._follow_tenants(tenants, authority, service, stack)
             metrics = AgentMetrics(
                 CollectorRegistry(),
                 service,
@@ -180,8 +236,6 @@ class Agent:
             )
             if prefetcher is not None:
                 prefetcher.on_change(zmq_server.prefetch_changed)
-            zmq_server.start()
-            stack.callback(zmq_server.stop)
             app = create_app(
                 service,
                 authority,
@@ -201,10 +255,14 @@ class Agent:
                     listener=http_listener,
                 )
             )
-            await stack.enter_async_context(self._maintain(l1, service))
             if generated is not None:  # last: a failed start replaces no earlier tokens
                 generated.write(undo.file)
-            undo.keep()  # started: from now on every file stays for the next agent
+            # started: a new segment takes its name (before a client is served), and from
+            # now on every file stays for the next agent
+            undo.keep()
+            zmq_server.start()
+            stack.callback(zmq_server.stop)
+            await stack.enter_async_context(self._maintain(l1, service))
             self._ready = True
             log.info(
                 "agent ready pool=%s zmq=%s http=%s segment=%s events=%s",
@@ -245,33 +303,52 @@ class Agent:
         stack.callback(events.stop)
         return zmq_listener, http_listener, events
 
-    def _open_service(self, l1: L1Tier, stack: contextlib.AsyncExitStack) -> CacheService:
-        """The cache behind its lock, with quotas from the pool's ConfigMap or a local file."""
+    def _load_quotas(self) -> tuple[FileQuotaStore | KubernetesQuotaStore, dict[str, Quota]]:
+        """The pool's quota store (its ConfigMap, or a local file) and the quotas it holds."""
         config = self.config
+        store: FileQuotaStore | KubernetesQuotaStore
         if config.quota_configmap:
             from kvpool_agent.tenancy.kube_quota_store import KubernetesQuotaStore
 
-            shared = KubernetesQuotaStore.connect(config.quota_configmap)
-            service = CacheService(l1.cache, l1.segment, shared)
-            log.info("loaded %d tenant quotas from %s", service.load_quotas(), shared.where)
-            shared.start(service.replace_quotas)
-            stack.callback(shared.stop)
-            return service
-        service = CacheService(l1.cache, l1.segment, FileQuotaStore(config.resolved_quota_file))
-        log.info(
-            "loaded %d tenant quotas from %s", service.load_quotas(), config.resolved_quota_file
-        )
+            store = KubernetesQuotaStore.connect(config.quota_configmap)
+        else:
+            store = FileQuotaStore(config.resolved_quota_file)
+        return store, store.load()
+
+    def _connect_tenants(self) -> TenantsWatch | None:
+        """The watch of the tenants ConfigMap (not started), if there is one."""
+        if not self.config.tenants_configmap:
+            return None
+        from kvpool_agent.tenancy.tenants_watch import TenantsWatch
+
+        return TenantsWatch.connect(self.config.tenants_configmap)
+
+    def _open_service(
+        self,
+        l1: L1Tier,
+        store: FileQuotaStore | KubernetesQuotaStore,
+        quotas: dict[str, Quota],
+        stack: contextlib.AsyncExitStack,
+    ) -> CacheService:
+        """The cache behind its lock, with the ``quotas`` loaded from ``store``, which a
+        ConfigMap store then keeps up to date."""
+        service = CacheService(l1.cache, l1.segment, store)
+        where = store.path if isinstance(store, FileQuotaStore) else store.where
+        log.info("loaded %d tenant quotas from %s", service.set_quotas(quotas), where)
+        if not isinstance(store, FileQuotaStore):
+            store.start(service.replace_quotas)
+            stack.callback(store.stop)
         return service
 
     def _follow_tenants(
-        self, authority: TokenAuthority, service: CacheService, stack: contextlib.AsyncExitStack
+        self,
+        watch: TenantsWatch,
+        authority: TokenAuthority,
+        service: CacheService,
+        stack: contextlib.AsyncExitStack,
     ) -> None:
-        """With a tenants ConfigMap: its tokens join the authority, its ceilings the quotas."""
-        if not self.config.tenants_configmap:
-            return
-        from kvpool_agent.tenancy.tenants_watch import TenantsWatch, grants
-
-        watch = TenantsWatch.connect(self.config.tenants_configmap)
+        """The tenants ConfigMap's tokens join the authority, its ceilings the quotas."""
+        from kvpool_agent.tenancy.tenants_watch import grants
 
         def apply(snapshot: TenantsSnapshot) -> None:
             for _, principal in authority.replace_granted(grants(snapshot)):
@@ -373,7 +450,35 @@ class Agent:
 
 
 _CLAIM_POLL_SECONDS = 0.1
-"""How often a starting agent tries the segment's owner lock again while another holds it."""
+"""How often a starting agent tries an owner lock again while another holds it."""
+
+
+@dataclass(frozen=True)
+class _Owned:
+    """What one agent at a time owns, through the lock at ``lock``: ``claim`` takes it (the
+    lock, or who holds it now); ``setting`` gives another agent one of its own."""
+
+    name: str
+    lock: Path
+    setting: str
+    claim: Callable[[], LockFile | str]
+
+    @classmethod
+    def beside(cls, name: str, directory: tuple[str, Path], lock: Path, setting: str) -> _Owned:
+        """Owned through a lock file in a ``directory`` (what it is, and where) that is
+        checked, or made, first."""
+
+        def claim() -> LockFile | str:
+            what, path = directory
+            ensure_directory(path, what=what)
+            try:
+                return LockFile.claim(lock, what=f"{what} lock", mode=LOCK_MODE)
+            except FileRefused:
+                raise
+            except OSError as error:
+                raise OSError(f"cannot lock {name} ({lock}): {error.strerror}") from None
+
+        return cls(name, lock, setting, claim)
 
 
 class _NvmeLimits:

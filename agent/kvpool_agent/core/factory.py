@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from kvpool_agent.core.policies import policy_factory
 from kvpool_agent.core.quota_book import QuotaBook
 from kvpool_agent.files import FileRefused, LockFile, Undo
 from kvpool_agent.pinned import PinnedRegion, PinningError, pin
+from kvpool_agent.pinned import check as check_pin
 from kvpool_agent.probe_table import ProbeTableWriter, table_kept, table_path
 from kvpool_agent.segment import (
     LOCK_MODE,
@@ -84,32 +84,41 @@ def claim_segment(path: Path) -> LockFile | str:
     """
     check_directory(path)
     lock = lock_path(path)
-    note = f"pid {os.getpid()} on {os.uname().nodename}"
     try:
-        held = LockFile.take(lock, what="segment lock", mode=LOCK_MODE, note=note)
+        held = LockFile.claim(lock, what="segment lock", mode=LOCK_MODE)
     except FileRefused:
         raise
     except OSError as error:
         raise SegmentError(f"cannot lock segment {path} ({lock}): {error.strerror}") from None
-    if held is None:
-        holder = LockFile.holder(lock)
-        return f"agent {holder}" if holder else f"the process that holds {lock}"
-    if table_kept(table_path(path)):
+    if isinstance(held, LockFile) and table_kept(table_path(path)):
         held.release()
         return f"an older agent (it holds {table_path(path)})"
     return held
 
 
+def check_pinning(config: AgentConfig) -> None:
+    """Before the segment is opened: :class:`SegmentError` if ``pin_memory`` requires pinning
+    that cannot be done here."""
+    try:
+        check_pin(config.pin_memory)
+    except PinningError as error:
+        raise SegmentError(f"cannot pin segment {config.resolved_segment_path}: {error}") from None
+
+
 def open_l1(config: AgentConfig, agent_id: str, undo: Undo | None = None) -> L1Tier:
-    """The agent's L1 (the segment's owner lock must be held, see :func:`claim_segment`); a
-    segment it creates (not one it adopts) is noted in ``undo``."""
+    """The agent's L1 (the segment's owner lock must be held, see :func:`claim_segment`).
+
+    With ``undo``, a segment it creates (not one it adopts) stays under a temporary name,
+    noted there, until the start succeeds (:meth:`Undo.keep`): a failed start leaves an
+    earlier segment at the path as it was.
+    """
     started = time.perf_counter()
     path = config.resolved_segment_path
     segment, recreated_because = SharedSegment.open(
-        path, int(config.l1_size), int(config.page_size)
+        path, int(config.l1_size), int(config.page_size), pending=undo is not None
     )
-    if recreated_because is not None and undo is not None:
-        undo.file(path)
+    if segment.pending is not None and undo is not None:
+        undo.pending(segment.pending, segment.install)
     with contextlib.ExitStack() as opened:  # if anything below fails, what is open closes
         opened.callback(segment.close)
         probe_table = ProbeTableWriter(table_path(path), segment.layout.pages, agent_id)

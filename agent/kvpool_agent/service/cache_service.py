@@ -254,7 +254,10 @@ class CacheService:
 
     def load_quotas(self) -> int:
         """Apply the stored quotas (at start); returns how many tenants have one."""
-        limits = self._quota_store.load()
+        return self.set_quotas(self._quota_store.load())
+
+    def set_quotas(self, limits: Mapping[str, Quota]) -> int:
+        """Apply ``limits``, the stored quotas read at start; returns how many there are."""
         with self._lock:
             for tenant, limit in limits.items():
                 self._cache.set_quota(tenant, limit)
