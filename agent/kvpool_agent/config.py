@@ -66,7 +66,7 @@ def read_config_file(path: str) -> dict[str, Any]:
     except UnicodeDecodeError as error:
         raise ConfigError([f"{path}: not UTF-8 text (byte {error.start})"]) from None
     except yaml.YAMLError as error:
-        raise ConfigError([f"{path}: not YAML or JSON: {_yaml_problem(error)}"]) from None
+        raise ConfigError([f"{path}: not YAML or JSON: {yaml_problem(error)}"]) from None
     if not isinstance(loaded, dict):
         raise ConfigError(
             [f"{path}: expected a mapping of settings, got a {type(loaded).__name__}"]
@@ -74,7 +74,8 @@ def read_config_file(path: str) -> dict[str, Any]:
     return loaded
 
 
-def _yaml_problem(error: yaml.YAMLError) -> str:
+def yaml_problem(error: yaml.YAMLError) -> str:
+    """Where a YAML file is broken and how, in one line, quoting none of its text."""
     if isinstance(error, yaml.MarkedYAMLError) and error.problem_mark is not None:
         mark = error.problem_mark
         return f"line {mark.line + 1}, column {mark.column + 1}: {error.problem}"

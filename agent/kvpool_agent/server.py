@@ -40,7 +40,7 @@ from kvpool_agent.problems import listening
 from kvpool_agent.quotas import Quota
 from kvpool_agent.segment import LOCK_MODE, SegmentInUse, lock_path
 from kvpool_agent.service.cache_service import CacheService
-from kvpool_agent.tenancy.auth import GeneratedTokens, TokenAuthority
+from kvpool_agent.tenancy.auth import GeneratedTokens, TokenAuthority, load_authority
 from kvpool_agent.tenancy.quota_store import FileQuotaStore
 from kvpool_agent.tenants_configmap import TenantsSnapshot
 from kvpool_agent.tiering.prefetch import Prefetcher
@@ -83,12 +83,7 @@ class Agent:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.stop)
         config = self.config
-        generated: GeneratedTokens | None = None
-        if config.tokens_file is not None:
-            authority = TokenAuthority.from_file(config.tokens_file)
-        else:
-            generated = GeneratedTokens(config.generated_token_files)
-            authority = generated.authority()
+        authority, generated = load_authority(config.tokens_file, config.generated_token_files)
         undo = Undo()
         undo.directories(config.state_dir, config.resolved_segment_path.parent)
         if config.nvme is not None or config.s3 is not None:

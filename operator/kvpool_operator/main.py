@@ -1,18 +1,28 @@
-"""``kvpool-operator``: run the operator (kopf) for some namespaces or the whole cluster."""
+"""``kvpool-operator``: run the operator (kopf) for some namespaces or the whole cluster.
+
+Before kopf starts, what kopf would only log (a traceback, then retries forever) is refused
+in one line, exit 2: no Kubernetes credentials at all, and a liveness port that cannot be
+bound. An API server that is configured but unreachable is not refused: kopf retries.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import urllib.parse
 from collections.abc import Sequence
 
 import kopf
+import yaml
+from kubernetes.config import ConfigException
 
 from kvpool_agent import __version__
+from kvpool_agent.config import yaml_problem
+from kvpool_agent.kube.watch import api_configuration
 from kvpool_agent.names import OPERATOR_AGENT_IMAGE_ENV
-from kvpool_agent.problems import ArgumentParser, number
+from kvpool_agent.problems import ArgumentParser, ConfigError, exit_with, listening, number, show
 from kvpool_operator.handlers import registry
 from kvpool_operator.reconcile import Options
 
@@ -27,6 +37,43 @@ def _liveness(text: str) -> str:
     if parsed.scheme != "http" or not parsed.hostname or port is None:
         raise argparse.ArgumentTypeError(f"expected http://HOST:PORT/PATH, not {text!r}")
     return text
+
+
+def check_credentials() -> None:
+    """Some Kubernetes credentials are there, as kopf's login and ``Cluster.connect`` read
+    them: in a pod its service account, else the kubeconfig. Nothing is asked of the API
+    server. :class:`ConfigError` naming where they were looked for."""
+    try:
+        api_configuration()
+    except (ConfigException, yaml.YAMLError, OSError) as error:
+        problem = f"{_credentials_source()}: no Kubernetes credentials: {_why(error)}"
+        raise ConfigError([problem]) from error
+
+
+def _credentials_source() -> str:
+    if "KUBERNETES_SERVICE_HOST" in os.environ:
+        host = os.environ["KUBERNETES_SERVICE_HOST"]
+        return f"in-cluster service account (KUBERNETES_SERVICE_HOST={show(host)})"
+    if "KUBECONFIG" in os.environ:
+        return f"KUBECONFIG={show(os.environ['KUBECONFIG'])}"
+    return "KUBECONFIG (not set: ~/.kube/config)"
+
+
+def _why(error: Exception) -> str:
+    if isinstance(error, yaml.YAMLError):
+        return f"not YAML: {yaml_problem(error)}"
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return " ".join(str(error).split())
+
+
+def check_liveness(url: str) -> None:
+    """The liveness endpoint's port can be bound (then let go, for kopf to bind):
+    :class:`ConfigError` naming ``--liveness`` if not."""
+    parsed = urllib.parse.urlsplit(url)
+    host, port = parsed.hostname or "", parsed.port or 0
+    with listening("--liveness", host, port):
+        socket.create_server((host, port)).close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -76,6 +123,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.agent_image:
         parser.error(f"--agent-image or ${OPERATOR_AGENT_IMAGE_ENV} is required")
+    try:
+        check_credentials()
+        check_liveness(args.liveness)
+    except ConfigError as error:
+        return exit_with(parser.prog, error)
     kopf.configure(
         verbose=args.verbose,
         log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL,

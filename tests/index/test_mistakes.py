@@ -3,10 +3,14 @@ setting or variable as written and the value; exit 2."""
 
 from __future__ import annotations
 
+import os
+import urllib.parse
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from tests.support.index_process import IndexProcess
 from tests.support.mistakes import BIN, Mistake, feed, held_port
 
 AGENT = ["--agent", "gpu-1=tcp://127.0.0.1:1,tcp://127.0.0.1:2"]
@@ -86,17 +90,44 @@ def test_index(mistake: Mistake, tmp_path: Path) -> None:
     feed(f"{BIN}/kvpool index", mistake, tmp_path)
 
 
-def test_index_port_in_use(tmp_path: Path) -> None:
-    mistake = Mistake(
+def port_in_use(state_dir: str) -> Mistake:
+    """The HTTP port held by another socket, the index's state in ``state_dir``."""
+    return Mistake(
         "http-port",
         [*AGENT, "--log-level", "warning"],
         ["kvpool index: port {port} (http_port) is in use on 127.0.0.1"],
         env={
             "KVPOOL_INDEX_HTTP_PORT": "{port}",
             "KVPOOL_INDEX_AGENT_TOKEN_FILE": "{tmp}/index-token",
-            "KVPOOL_INDEX_STATE_DIR": "{tmp}/state",
+            "KVPOOL_INDEX_STATE_DIR": state_dir,
         },
         files={"index-token": "index-token-of-the-pool\n"},
     )
+
+
+def test_index_port_in_use(tmp_path: Path) -> None:
+    """Refused before anything is written: no state directory, no generated token."""
     with held_port() as port:
-        feed(f"{BIN}/kvpool index", mistake, tmp_path, port=port)
+        feed(f"{BIN}/kvpool index", port_in_use("{tmp}/state/index"), tmp_path, port=port)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["index-token"]
+
+
+def test_a_second_index_leaves_the_first_ones_token(tmp_path: Path) -> None:
+    """A second index on a running one's port and state directory: refused in one line;
+    the first one's generated admin token stays, and still works."""
+    agents = {"gpu-1": SimpleNamespace(zmq="tcp://127.0.0.1:1", events="tcp://127.0.0.1:2")}
+    first = IndexProcess(tmp_path / "first", agents, tokens_file=False)
+    try:
+        token_file = tmp_path / "first" / "state" / "index-admin-token-default"
+        before = token_file.stat()
+        token = token_file.read_text()
+        port = urllib.parse.urlsplit(first.url).port
+        assert port is not None
+        feed(f"{BIN}/kvpool index", port_in_use(str(token_file.parent)), tmp_path, port=port)
+        after = token_file.stat()
+        assert token_file.read_text() == token
+        assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+        assert os.listdir(token_file.parent) == [token_file.name]
+        assert first.get("/v1/nodes", token.strip())
+    finally:
+        first.stop()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvpool_operator.main import main
-from tests.support.mistakes import BIN, Mistake, feed
+from tests.support.mistakes import BIN, Mistake, feed, held_port
 
 
 @pytest.mark.parametrize(
@@ -81,6 +81,88 @@ OPERATOR = [
 ]
 
 
+KUBECONFIG = """\
+apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "http://127.0.0.1:1"}}]
+users: [{name: u, user: {token: t}}]
+contexts: [{name: x, context: {cluster: c, user: u}}]
+current-context: x
+"""
+"""Credentials for an API server that does not answer: not a mistake (kopf retries)."""
+
+SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+
+CREDENTIALS = [
+    Mistake(
+        "no-kubeconfig",
+        IMAGE,
+        [
+            "kvpool-operator: KUBECONFIG={tmp}/absent: no Kubernetes credentials: "
+            "Invalid kube-config file. No configuration found."
+        ],
+        env={"KUBECONFIG": "{tmp}/absent"},
+    ),
+    Mistake(
+        "no-kubeconfig-at-home",
+        IMAGE,
+        [
+            "kvpool-operator: KUBECONFIG (not set: ~/.kube/config): no Kubernetes credentials: "
+            "Invalid kube-config file. No configuration found."
+        ],
+    ),
+    Mistake(
+        "kubeconfig-yaml",
+        IMAGE,
+        [
+            "kvpool-operator: KUBECONFIG={tmp}/kubeconfig: no Kubernetes credentials: "
+            "not YAML: line 2, column 1: "
+        ],
+        env={"KUBECONFIG": "{tmp}/kubeconfig"},
+        files={"kubeconfig": "clusters: [\n"},
+    ),
+    pytest.param(
+        Mistake(
+            "no-service-account",
+            IMAGE,
+            [
+                "kvpool-operator: in-cluster service account (KUBERNETES_SERVICE_HOST=10.0.0.1): "
+                "no Kubernetes credentials: Service token file does not exist."
+            ],
+            env={"KUBERNETES_SERVICE_HOST": "10.0.0.1", "KUBERNETES_SERVICE_PORT": "443"},
+        ),
+        marks=pytest.mark.skipif(SERVICE_ACCOUNT.exists(), reason="runs in a pod"),
+        id="no-service-account",
+    ),
+    Mistake(
+        "liveness-host",
+        [*IMAGE, "--liveness", "http://host.invalid:8080/healthz"],
+        ["kvpool-operator: cannot listen on host.invalid:8080 (host, --liveness): "],
+        env={"KUBECONFIG": "{tmp}/kubeconfig"},
+        files={"kubeconfig": KUBECONFIG},
+    ),
+]
+
+
 @pytest.mark.parametrize("mistake", OPERATOR, ids=str)
 def test_broken_command_lines_are_one_line_each(mistake: Mistake, tmp_path: Path) -> None:
     feed(f"{BIN}/kvpool-operator", mistake, tmp_path)
+
+
+@pytest.mark.parametrize("mistake", CREDENTIALS, ids=str)
+def test_what_kopf_would_retry_forever_is_one_line(mistake: Mistake, tmp_path: Path) -> None:
+    """No credentials at all, or a liveness address the host lacks: refused before kopf
+    runs (which would log a traceback and retry every minute)."""
+    feed(f"{BIN}/kvpool-operator", mistake, tmp_path)
+
+
+def test_liveness_port_in_use(tmp_path: Path) -> None:
+    mistake = Mistake(
+        "liveness-port",
+        [*IMAGE, "--liveness", "http://127.0.0.1:{port}/healthz"],
+        ["kvpool-operator: port {port} (--liveness) is in use on 127.0.0.1"],
+        env={"KUBECONFIG": "{tmp}/kubeconfig"},
+        files={"kubeconfig": KUBECONFIG},
+    )
+    with held_port() as port:
+        feed(f"{BIN}/kvpool-operator", mistake, tmp_path, port=port)

@@ -40,8 +40,11 @@ class IndexProcess:
         workdir: Path,
         agents: Mapping[str, Endpoints],
         settings: Mapping[str, str] | None = None,
+        *,
+        tokens_file: bool = True,
     ) -> None:
-        """``settings`` become KVPOOL_INDEX_* environment variables."""
+        """``settings`` become KVPOOL_INDEX_* environment variables; without ``tokens_file``
+        the index generates its admin token into ``workdir/state``."""
         workdir.mkdir(exist_ok=True)
         tokens = workdir / "tokens.yaml"
         tokens.write_text(
@@ -59,13 +62,14 @@ class IndexProcess:
             **os.environ,
             "KVPOOL_INDEX_AGENT_TOKEN_FILE": str(agent_token),
             "KVPOOL_INDEX_HTTP_PORT": "0",
-            "KVPOOL_INDEX_TOKENS_FILE": str(tokens),
             "KVPOOL_INDEX_STATE_DIR": str(workdir / "state"),
             "KVPOOL_INDEX_FINGERPRINT": json.dumps(
                 {"model": "test-model", "dtype": "bfloat16", "kv_layout": "NHD", "chunk_tokens": 16}
             ),
             **{f"KVPOOL_INDEX_{name}": value for name, value in (settings or {}).items()},
         }
+        if tokens_file:
+            environment["KVPOOL_INDEX_TOKENS_FILE"] = str(tokens)
         arguments = [f"--agent={node}={a.zmq},{a.events}" for node, a in agents.items()]
         self.log: list[str] = []
         self.url = ""

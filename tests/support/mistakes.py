@@ -44,8 +44,14 @@ def held_port() -> Iterator[int]:
 
 
 def clean_environment(tmp_path: Path) -> dict[str, str]:
-    """This process's environment without kvpool's variables, with a home of its own."""
-    kept = {name: value for name, value in os.environ.items() if not name.startswith("KVPOOL_")}
+    """This process's environment without kvpool's variables and without a way to this
+    machine's Kubernetes cluster (``KUBECONFIG``, a pod's ``KUBERNETES_*``), with a home of
+    its own."""
+    kept = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith(("KVPOOL_", "KUBERNETES_")) and name != "KUBECONFIG"
+    }
     return {**kept, "HOME": str(tmp_path)}
 
 

@@ -124,7 +124,8 @@ class IndexConfig(BaseSettings):
         None,
         description=(
             "The pool's tokens file (kvpool_agent.tenancy.auth): its admin and gateways "
-            "tokens may ask; without one, a token is generated into state_dir at start."
+            "tokens may ask; without one, an admin token is generated into state_dir once "
+            "the index listens (a failed start writes none)."
         ),
     )
     agent_token_file: Path | None = Field(

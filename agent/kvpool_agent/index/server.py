@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from kvpool_agent.client import read_token
 from kvpool_agent.config import load_settings
+from kvpool_agent.files import Undo
 from kvpool_agent.index.config import IndexConfig, StaticAgent
 from kvpool_agent.index.discovery import (
     AgentEndpoint,
@@ -39,9 +40,14 @@ from kvpool_agent.index.subscriber import EventSubscriber
 from kvpool_agent.index.tracker import PrefixTracker
 from kvpool_agent.names import INDEX_CONFIG_FILE_ENV
 from kvpool_agent.problems import ArgumentParser, ConfigError, Loc, exit_with, listening, show
-from kvpool_agent.tenancy.auth import TokenAuthority, TokenFileError, load_authority
+from kvpool_agent.tenancy.auth import (
+    GeneratedTokens,
+    TokenAuthority,
+    TokenFileError,
+    load_authority,
+)
 from kvpool_agent.web.connections import HttpRefusals
-from kvpool_agent.web.serving import serve_http
+from kvpool_agent.web.serving import listen, serve_http
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +65,13 @@ class IndexServer:
         authority: TokenAuthority,
         agent_token: str,
         discovery: Discovery,
+        generated: GeneratedTokens | None = None,
     ) -> None:
-        """``agent_token``: what the index follows the agents with (an index token)."""
+        """``agent_token``: what the index follows the agents with (an index token);
+        ``generated``: the authority's tokens, written once the index has started."""
         self.config = config
         self._authority = authority
+        self._generated = generated
         self._agent_token = agent_token
         self._discovery = discovery
         self._stopping = asyncio.Event()
@@ -79,8 +88,24 @@ class IndexServer:
         self._ready = False
         self._stopping.set()
 
+    def _write_tokens(self, generated: GeneratedTokens) -> None:
+        """The generated token's file, last of the start: if it cannot be written, the
+        state directory is removed again if this made it."""
+        undo = Undo()
+        undo.directories(self.config.state_dir)
+        try:
+            generated.write(undo.file)
+        except BaseException:
+            undo.run()
+            raise
+
     async def run(self) -> None:
-        """Serve until :meth:`stop` is called (SIGTERM and SIGINT call it)."""
+        """Serve until :meth:`stop` is called (SIGTERM and SIGINT call it).
+
+        The HTTP port is bound first (in use: one line naming it, nothing started), the
+        generated token is written last: a failed start leaves no file, and replaces no
+        token of an index already running.
+        """
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.stop)
@@ -106,14 +131,25 @@ class IndexServer:
             limits=config.http_limits,
         )
         async with contextlib.AsyncExitStack() as stack:
+            with listening("http_port", config.host, config.http_port):
+                listener = listen(config.host, config.http_port)
+            stack.callback(listener.close)
             subscriber.start()
             stack.callback(subscriber.stop)
             discovery.start(subscriber.follow)
             stack.callback(discovery.stop)
-            with listening("http_port", config.host, config.http_port):
-                http_url = await stack.enter_async_context(
-                    serve_http(app, config.host, config.http_port, config.http_limits, refusals)
+            http_url = await stack.enter_async_context(
+                serve_http(
+                    app,
+                    config.host,
+                    config.http_port,
+                    config.http_limits,
+                    refusals,
+                    listener=listener,
                 )
+            )
+            if self._generated is not None:
+                self._write_tokens(self._generated)
             self._ready = True
             log.info(
                 "index ready pool=%s http=%s discovery=%s",
@@ -182,14 +218,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as error:
         return exit_with(prog, error)
     try:
-        authority = load_authority(config.tokens_file, {"admin": config.generated_token_file})
+        authority, generated = load_authority(
+            config.tokens_file, {"admin": config.generated_token_file}
+        )
         agent_token = read_token(config.resolved_agent_token_file)
         discovery = make_discovery(config)
     except (TokenFileError, ValueError, OSError) as error:  # a token file's error too
         print(f"{prog}: {error}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(IndexServer(config, authority, agent_token, discovery).run())
-    except ConfigError as error:
+        asyncio.run(IndexServer(config, authority, agent_token, discovery, generated).run())
+    except ConfigError as error:  # the port in use
         return exit_with(prog, error)
+    except OSError as error:  # the token file refused, or not written
+        print(f"{prog}: {error}", file=sys.stderr)
+        return 1
     return 0

@@ -21,9 +21,10 @@ digests with :func:`hmac.compare_digest` against every known token, so neither
 a memory dump nor response timing gives a token away. Error messages name the
 offending entry by position, never by value, and nothing here logs a token.
 
-Without a tokens file the agent generates tokens at start (:class:`GeneratedTokens`): a
-fresh admin, engine and index token each is written to a file readable only by the
-agent's user (mode 0600) once the agent has started, and the authority keeps their digests.
+Without a tokens file the agent (and the index) generates tokens at start
+(:func:`load_authority`, :class:`GeneratedTokens`): a fresh admin, engine and index token
+each is written to a file readable only by the agent's user (mode 0600) once the agent has
+started, and the authority keeps their digests.
 
 Beside the file's tokens, an authority accepts digests granted at run time
 (:meth:`TokenAuthority.replace_granted`: the KVCacheTenants' tokens and the
@@ -180,17 +181,6 @@ class TokenAuthority:
             raise TokenFileError(f"{path}: the file is empty; it defines no tokens")
         return cls(parsed, source=str(path))
 
-    @classmethod
-    def generate(cls, files: Mapping[str, Path]) -> TokenAuthority:
-        """A fresh random token for each key of the tokens file in ``files`` (``admin``,
-        ``engines``, ``indexes``), each written to its file (mode 0600); their authority.
-        See :class:`GeneratedTokens`, which writes the files when its caller says so.
-        """
-        generated = GeneratedTokens(files)
-        authority = generated.authority()
-        generated.write()
-        return authority
-
     def authenticate(self, token: str) -> Principal | None:
         """The principal of ``token``, or None if it is unknown.
 
@@ -259,8 +249,8 @@ class GeneratedTokens:
     """A fresh random token for each key of ``files`` (``admin``, ``engines``, ``indexes``),
     kept until :meth:`write` puts each in its file (mode 0600), then forgotten.
 
-    The authority is known at once; the files wait until the agent has started everything
-    else, so a failed start replaces no earlier agent's tokens. Each file is replaced
+    The authority is known at once; the files wait until the agent (or the index) has started
+    everything else, so a failed start replaces no earlier agent's tokens. Each file is replaced
     atomically, so a reader never sees a partial token; a token generated at an earlier
     start stops working. Something at a file's path that is not a regular file of the
     agent's user is refused (:mod:`kvpool_agent.files`).
@@ -290,12 +280,16 @@ class GeneratedTokens:
         log.info("no tokens file: generated tokens into %s (mode 0600)", where)
 
 
-def load_authority(tokens_file: Path | None, generated: Mapping[str, Path]) -> TokenAuthority:
-    """An API's authority: from ``tokens_file`` if configured, else generated tokens (see
-    :meth:`TokenAuthority.generate`)."""
+def load_authority(
+    tokens_file: Path | None, generated: Mapping[str, Path]
+) -> tuple[TokenAuthority, GeneratedTokens | None]:
+    """An API's authority: from ``tokens_file`` if configured, else of fresh tokens for the
+    files ``generated``, returned too, for the caller to write once it has started
+    (:meth:`GeneratedTokens.write`): a failed start writes no token file."""
     if tokens_file is not None:
-        return TokenAuthority.from_file(tokens_file)
-    return TokenAuthority.generate(generated)
+        return TokenAuthority.from_file(tokens_file), None
+    tokens = GeneratedTokens(generated)
+    return tokens.authority(), tokens
 
 
 def _token_list(value: object, where: str) -> list[str]:

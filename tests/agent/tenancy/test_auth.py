@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from kvpool_agent import files
+from kvpool_agent.files import Undo
 from kvpool_agent.keys import TENANT_ID_RULE, check_tenant_id, tenant_id
+from kvpool_agent.tenancy import auth
 from kvpool_agent.tenancy.auth import (
     ADMIN,
     GATEWAY,
@@ -23,6 +26,14 @@ from tests.support.local_user import NOBODY, needs_root
 
 ALICE = tenant_id("alice")
 BOB = tenant_id("bob")
+
+
+def generate(files: dict[str, Path]) -> TokenAuthority:
+    """Fresh tokens for ``files``, written at once."""
+    authority, generated = load_authority(None, files)
+    assert generated is not None
+    generated.write()
+    return authority
 
 
 def write(tmp_path: Path, text: str, name: str = "tokens.yaml") -> Path:
@@ -168,7 +179,7 @@ def test_same_token_twice_for_one_principal_is_harmless() -> None:
 
 def test_generated_admin_token(tmp_path: Path) -> None:
     path = tmp_path / "state" / "admin-token-default"
-    authority = TokenAuthority.generate({"admin": path})
+    authority = generate({"admin": path})
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     token = path.read_text().strip()
     assert len(token) >= 40  # token_urlsafe(32): 43 characters
@@ -177,7 +188,7 @@ def test_generated_admin_token(tmp_path: Path) -> None:
     assert token not in repr(vars(authority))
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left
 
-    again = TokenAuthority.generate({"admin": path})
+    again = generate({"admin": path})
     fresh = path.read_text().strip()
     assert fresh != token
     assert again.authenticate(fresh) == ADMIN
@@ -189,7 +200,7 @@ def test_generated_token_replaces_a_world_readable_file(tmp_path: Path) -> None:
     path = tmp_path / "admin-token"
     path.write_text("old\n")
     path.chmod(0o644)
-    TokenAuthority.generate({"admin": path})
+    generate({"admin": path})
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
@@ -210,7 +221,7 @@ def test_the_generated_token_never_goes_where_another_user_points(
         os.chown(path, NOBODY, NOBODY)
     before = os.lstat(path)
     with pytest.raises(OSError) as refused:
-        TokenAuthority.generate({"admin": path})
+        generate({"admin": path})
     message = str(refused.value)
     assert message.startswith(f"refusing token file {path}:") and "\n" not in message
     assert f"owner uid {before.st_uid}, mode {stat.S_IMODE(before.st_mode):04o}" in message
@@ -221,8 +232,36 @@ def test_the_generated_token_never_goes_where_another_user_points(
 
 def test_load_authority(tmp_path: Path) -> None:
     tokens = write(tmp_path, "admin: configured\n")
-    generated = tmp_path / "admin-token-pool"
-    assert load_authority(tokens, {"admin": generated}).authenticate("configured") == ADMIN
-    assert not generated.exists()
-    authority = load_authority(None, {"admin": generated})
-    assert authority.authenticate(generated.read_text().strip()) == ADMIN
+    path = tmp_path / "state" / "admin-token-pool"
+    authority, generated = load_authority(tokens, {"admin": path})
+    assert authority.authenticate("configured") == ADMIN
+    assert generated is None
+    authority, generated = load_authority(None, {"admin": path})
+    assert generated is not None
+    assert not path.parent.exists()  # nothing written before the caller has started
+    generated.write()
+    assert authority.authenticate(path.read_text().strip()) == ADMIN
+
+
+def test_a_token_file_not_written_is_undone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second file fails once the first is written: an undo told of each file removes
+    the first, and the directories noted before, not what was there."""
+    state = tmp_path / "state" / "deeper"
+    first, second = state / "admin-token", tmp_path / "engine-token"
+    _, generated = load_authority(None, {"admin": first, "engines": second})
+    assert generated is not None
+
+    def write_file(path: Path, data: bytes, mode: int, *, what: str) -> bool:
+        if path == second:
+            raise OSError(28, "No space left on device")
+        return files.write_file(path, data, mode, what=what)
+
+    monkeypatch.setattr(auth, "write_file", write_file)
+    undo = Undo()
+    undo.directories(state)
+    with pytest.raises(OSError, match="No space left"):
+        generated.write(undo.file)
+    undo.run()
+    assert list(tmp_path.iterdir()) == []
