@@ -11,6 +11,17 @@ import pytest
 from tests.support.mistakes import BIN, Mistake, feed, held_port
 
 FILE = ["--config", "{tmp}/agent.yaml"]
+STARTS = {
+    "KVPOOL_POOL": "mistakes",
+    "KVPOOL_SEGMENT_PATH": "{tmp}/segment",
+    "KVPOOL_L1_SIZE": "4Mi",
+    "KVPOOL_STATE_DIR": "{tmp}/state",
+    "KVPOOL_ZMQ_PORT": "0",
+    "KVPOOL_HTTP_PORT": "0",
+    "KVPOOL_EVENTS_PORT": "0",
+}
+"""Settings of an agent that gets as far as opening its tiers (and then stops, refused)."""
+QUIET = ["--log-level", "warning"]
 
 AGENT = [
     Mistake(
@@ -120,6 +131,60 @@ AGENT = [
         ],
         env={"KVPOOL_L1_SIZE": "512Ki"},
         files={"agent.yaml": "page_size: 64Ki\n"},
+    ),
+    Mistake(
+        "env-segment-path-empty",
+        [],
+        ['kvpool-agent: KVPOOL_SEGMENT_PATH="": must be an absolute path to a file'],
+        env={"KVPOOL_SEGMENT_PATH": ""},
+    ),
+    Mistake(
+        "env-segment-path-relative",
+        [],
+        ["kvpool-agent: KVPOOL_SEGMENT_PATH=relative: must be an absolute path to a file"],
+        env={"KVPOOL_SEGMENT_PATH": "relative"},
+    ),
+    Mistake(
+        "file-segment-path-root",
+        FILE,
+        ["kvpool-agent: {tmp}/agent.yaml: segment_path=/: must be an absolute path to a file"],
+        files={"agent.yaml": "segment_path: /\n"},
+    ),
+    Mistake(
+        "env-size-too-large",
+        [],
+        [
+            "kvpool-agent: KVPOOL_L1_SIZE=99999999999999999999999999: too large: a size is "
+            "below 2^63 bytes"
+        ],
+        env={"KVPOOL_L1_SIZE": "99999999999999999999999999"},
+    ),
+    Mistake(
+        "env-size-bytes-suffix",
+        [],
+        ["kvpool-agent: KVPOOL_L1_SIZE=64B: unknown unit B"],
+        env={"KVPOOL_L1_SIZE": "64B"},
+    ),
+    Mistake(
+        "env-s3-endpoint",
+        [],
+        [
+            'kvpool-agent: KVPOOL_S3.endpoint_url="not a url": must be an http:// or https:// '
+            "URL with a host"
+        ],
+        env={"KVPOOL_S3": '{"bucket": "b", "endpoint_url": "not a url"}'},
+    ),
+    Mistake(
+        "env-s3-region",
+        [],
+        ['kvpool-agent: KVPOOL_S3.region="bad region!": must be a region name'],
+        env={"KVPOOL_S3": '{"bucket": "b", "region": "bad region!"}'},
+    ),
+    Mistake(
+        "env-s3-region-botocore",
+        QUIET,
+        ["kvpool-agent: s3.region=12345: Provided region_name '12345' doesn't match"],
+        env={**STARTS, "KVPOOL_S3": '{"bucket": "b", "region": "12345"}'},
     ),
     Mistake(
         "unknown-flag",
