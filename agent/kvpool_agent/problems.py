@@ -367,6 +367,16 @@ def number(kind: type[int] | type[float], *, zero: bool = False) -> Callable[[st
     return parse
 
 
+def numbers(kind: type[int] | type[float], *, zero: bool = False) -> Callable[[str], list[float]]:
+    """An argparse type: comma-separated numbers, each as :func:`number` reads it."""
+    one = number(kind, zero=zero)
+
+    def parse(text: str) -> list[float]:
+        return [one(item.strip()) for item in text.split(",")]
+
+    return parse
+
+
 @contextlib.contextmanager
 def listening(setting: str, host: str, port: int) -> Iterator[None]:
     """Around the bind of a listening socket: a port in use, or an address the host does

@@ -240,8 +240,30 @@ KVPOOL = [
     Mistake(
         "bench-flag",
         ["bench", "chains", "--l1-mib", "x"],
-        ["kvpool bench chains: argument --l1-mib: invalid int value: 'x'"],
+        ["kvpool bench chains: argument --l1-mib: expected a whole number, not 'x'"],
     ),
+]
+
+
+BENCH_FLAGS = [
+    ("l1", "--chunks", "0", "expected a number above 0, not 0"),
+    ("l1", "--policy", "fifo", "invalid choice: 'fifo'"),
+    ("l1", "--copy-mib", "-1", "expected a number above 0, not -1"),
+    ("chains", "--chunk-kib", "0", "expected a number above 0, not 0"),
+    ("service", "--chunk-sizes", "abc", "expected a whole number, not 'abc'"),
+    ("service", "--clients", "1,0", "expected a number above 0, not 0"),
+    ("writeback", "--chunks", "-1", "expected a number above 0, not -1"),
+    ("tenants", "--tenants", "0", "expected a number above 0, not 0"),
+    ("connector", "--queued", "-1", "expected a number of 0 or more, not -1"),
+]
+"""Benchmark flags out of range: (bench, flag, value, what is wrong)."""
+KVPOOL += [
+    Mistake(
+        f"bench-{bench}{flag}={value}",
+        ["bench", bench, flag, value],
+        [f"kvpool bench {bench}: argument {flag}: {message}"],
+    )
+    for bench, flag, value, message in BENCH_FLAGS
 ]
 
 
