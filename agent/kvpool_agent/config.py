@@ -52,6 +52,7 @@ from kvpool_agent.problems import (
     Origin,
     SettingError,
     describe,
+    named,
     show,
 )
 from kvpool_agent.sizes import Size
@@ -131,6 +132,13 @@ def load_settings(
         found = _environment(model).find((match["field"],))
         where = match["field"] if found is None else f"{found.name}={show(found.value)}"
         raise ConfigError([f"{where}: not valid JSON ({error.__cause__})"]) from None
+
+
+def setting(model: type[BaseSettings], loc: Loc, value: object) -> str:
+    """``model``'s setting at ``loc``, as the user wrote it (the variable, the file and the
+    key), with ``value``: for a problem found after validation (a directory that cannot be
+    made)."""
+    return named(loc, value, _origins(model, None))
 
 
 def _environment(model: type[BaseSettings]) -> EnvironmentOrigin:

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from kvpool_agent import __version__
-from kvpool_agent.config import AgentConfig, load_settings
+from kvpool_agent.config import AgentConfig, load_settings, setting
 from kvpool_agent.l2.keyring import KeyringError
 from kvpool_agent.names import AGENT_CONFIG_FILE_ENV
 from kvpool_agent.problems import ArgumentParser, ConfigError, exit_with
@@ -51,12 +51,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as error:  # a port in use
         return exit_with(prog, error)
     except TokenFileError as error:
-        print(f"kvpool-agent: invalid tokens file: {error}", file=sys.stderr)
-        return 2
+        return exit_with(prog, _tokens_problem(config, error))
     except (SegmentError, QuotaStoreError, KeyringError, TenantsWatchError, OSError) as error:
         print(f"kvpool-agent: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _tokens_problem(config: AgentConfig, error: TokenFileError) -> ConfigError:
+    """``error`` of the tokens file, after ``tokens_file`` as the user wrote it."""
+    path = config.tokens_file
+    if path is None:  # the generated tokens
+        return ConfigError([f"invalid tokens file: {error}"])
+    where = setting(AgentConfig, ("tokens_file",), path)
+    return ConfigError([f"{where}: {str(error).removeprefix(f'{path}: ')}"])
 
 
 if __name__ == "__main__":

@@ -187,6 +187,39 @@ AGENT = [
         env={**STARTS, "KVPOOL_S3": '{"bucket": "b", "region": "12345"}'},
     ),
     Mistake(
+        "env-tokens-file-absent",
+        QUIET,
+        [
+            "kvpool-agent: KVPOOL_TOKENS_FILE={tmp}/absent.yaml: cannot read tokens file: "
+            "No such file or directory"
+        ],
+        env={**STARTS, "KVPOOL_TOKENS_FILE": "{tmp}/absent.yaml"},
+    ),
+    Mistake(
+        "env-nvme-path-under-a-file",
+        QUIET,
+        [
+            "kvpool-agent: KVPOOL_NVME__PATH={tmp}/agent.yaml/nvme: cannot make the directory: "
+            "Not a directory"
+        ],
+        env={
+            **STARTS,
+            "KVPOOL_NVME__PATH": "{tmp}/agent.yaml/nvme",
+            "KVPOOL_NVME__CAPACITY": "1Mi",
+        },
+        files={"agent.yaml": ""},
+    ),
+    Mistake(
+        "file-nvme-path-under-a-file",
+        [*FILE, *QUIET],
+        [
+            "kvpool-agent: {tmp}/agent.yaml: nvme.path={tmp}/agent.yaml/nvme: cannot make the "
+            "directory: Not a directory"
+        ],
+        env=STARTS,
+        files={"agent.yaml": "nvme:\n  path: {tmp}/agent.yaml/nvme\n  capacity: 1Mi\n"},
+    ),
+    Mistake(
         "unknown-flag",
         ["--bogus"],
         ["kvpool-agent: unrecognized arguments: --bogus"],
