@@ -220,6 +220,22 @@ AGENT = [
         files={"agent.yaml": "nvme:\n  path: {tmp}/agent.yaml/nvme\n  capacity: 1Mi\n"},
     ),
     Mistake(
+        "env-state-dir-in-proc",
+        QUIET,
+        ["kvpool-agent: KVPOOL_STATE_DIR=/proc/x: cannot make the directory: No such file"],
+        env={**STARTS, "KVPOOL_STATE_DIR": "/proc/x"},
+    ),
+    Mistake(
+        "file-state-dir-under-a-file",
+        [*FILE, *QUIET],
+        [
+            "kvpool-agent: {tmp}/agent.yaml: state_dir={tmp}/agent.yaml/state: cannot make the "
+            "directory: Not a directory"
+        ],
+        env={k: v for k, v in STARTS.items() if k != "KVPOOL_STATE_DIR"},
+        files={"agent.yaml": "state_dir: {tmp}/agent.yaml/state\n"},
+    ),
+    Mistake(
         "unknown-flag",
         ["--bogus"],
         ["kvpool-agent: unrecognized arguments: --bogus"],
