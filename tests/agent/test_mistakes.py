@@ -304,6 +304,7 @@ BENCH_FLAGS = [
     ("writeback", "--chunks", "-1", "expected a number above 0, not -1"),
     ("tenants", "--tenants", "0", "expected a number above 0, not 0"),
     ("connector", "--queued", "-1", "expected a number of 0 or more, not -1"),
+    ("connector", "--configs", "kvpool,vllm", "unknown configs ['vllm']; known: none, kvpool"),
 ]
 """Benchmark flags out of range: (bench, flag, value, what is wrong)."""
 KVPOOL += [

@@ -61,7 +61,9 @@ OVERHEAD_GOAL = 0.02
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset")
+    parser.add_argument(
+        "--configs", type=_configs, default=",".join(CONFIGS), help="comma-separated subset"
+    )
     parser.add_argument(
         "--prompt-tokens", type=problems.number(int), default=2048, help="tokens per prompt"
     )
@@ -110,11 +112,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> None:
-    configs = [name.strip() for name in args.configs.split(",") if name.strip()]
+def _configs(text: str) -> list[str]:
+    configs = [name.strip() for name in text.split(",") if name.strip()]
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown:
-        raise SystemExit(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
+        raise argparse.ArgumentTypeError(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
+    return configs
+
+
+def run(args: argparse.Namespace) -> None:
+    configs = args.configs
     copy_rate = memcpy_rate()
     with (
         tempfile.TemporaryDirectory(prefix="kvpool-bench-connector-") as work,
