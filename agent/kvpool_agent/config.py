@@ -12,9 +12,17 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Self, TypeVar
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -44,12 +52,15 @@ from kvpool_agent.problems import (
     Origin,
     SettingError,
     describe,
+    named,
     show,
 )
 from kvpool_agent.sizes import Size
 
 POOL_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 """A pool name: a DNS label, as the names of its Kubernetes objects need."""
+_REGION = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?")
+"""An S3 region: a host label, as botocore checks it."""
 MIN_PAGE_SIZE = 4096
 MIN_PAGES = 16
 
@@ -122,6 +133,13 @@ def load_settings(
         found = _environment(model).find((match["field"],))
         where = match["field"] if found is None else f"{found.name}={show(found.value)}"
         raise ConfigError([f"{where}: not valid JSON ({error.__cause__})"]) from None
+
+
+def setting(model: type[BaseSettings], loc: Loc, value: object) -> str:
+    """``model``'s setting at ``loc``, as the user wrote it (the variable, the file and the
+    key), with ``value``: for a problem found after validation (a directory that cannot be
+    made)."""
+    return named(loc, value, _origins(model, None))
 
 
 def _environment(model: type[BaseSettings]) -> EnvironmentOrigin:
@@ -231,7 +249,9 @@ class S3TierConfig(BaseModel):
 
     bucket: str = Field(description="Bucket name.")
     prefix: str = Field("kvpool", description="Key prefix; objects go under <prefix>/<pool>/.")
-    endpoint_url: str | None = Field(None, description="Endpoint of an S3-compatible store.")
+    endpoint_url: str | None = Field(
+        None, description="Endpoint of an S3-compatible store (http:// or https:// URL)."
+    )
     region: str | None = Field(None, description="Region; default from the credential chain.")
     max_concurrency: int = Field(16, ge=1, description="Requests in flight at once.")
     connect_timeout_seconds: float = Field(2.0, gt=0, description="TCP connect timeout.")
@@ -263,6 +283,22 @@ class S3TierConfig(BaseModel):
     sse_kms_key_id: str | None = Field(
         None, description="KMS key of server_side_encryption aws:kms or aws:kms:dsse."
     )
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _check_endpoint(cls, url: str | None) -> str | None:
+        if url is not None:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError("must be an http:// or https:// URL with a host")
+        return url
+
+    @field_validator("region")
+    @classmethod
+    def _check_region(cls, region: str | None) -> str | None:
+        if region is not None and not _REGION.fullmatch(region):
+            raise ValueError("must be a region name such as us-east-1 (letters, digits, -)")
+        return region
 
     @model_validator(mode="after")
     def _check_sse(self) -> Self:
@@ -457,6 +493,13 @@ class AgentConfig(BaseSettings):
             "auto (if CUDA is available) or always (fail without CUDA). Clients pin on their own."
         ),
     )
+
+    @field_validator("segment_path")
+    @classmethod
+    def _check_segment_path(cls, path: Path | None) -> Path | None:
+        if path is not None and not (path.is_absolute() and path.name):
+            raise ValueError("must be an absolute path to a file, such as /dev/shm/kvpool-a")
+        return path
 
     @model_validator(mode="after")
     def _check(self) -> Self:

@@ -7,9 +7,10 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from kvpool_agent import __version__
-from kvpool_agent.config import AgentConfig, load_settings
+from kvpool_agent.config import AgentConfig, load_settings, setting
 from kvpool_agent.l2.keyring import KeyringError
 from kvpool_agent.names import AGENT_CONFIG_FILE_ENV
 from kvpool_agent.problems import ArgumentParser, ConfigError, exit_with
@@ -51,12 +52,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as error:  # a port in use
         return exit_with(prog, error)
     except TokenFileError as error:
-        print(f"kvpool-agent: invalid tokens file: {error}", file=sys.stderr)
-        return 2
-    except (SegmentError, QuotaStoreError, KeyringError, TenantsWatchError, OSError) as error:
+        return exit_with(prog, _tokens_problem(config, error))
+    except OSError as error:
+        problem = _directory_problem(config, error)
+        if problem is None:
+            print(f"kvpool-agent: {error}", file=sys.stderr)
+            return 1
+        return exit_with(prog, problem)
+    except (SegmentError, QuotaStoreError, KeyringError, TenantsWatchError) as error:
         print(f"kvpool-agent: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _tokens_problem(config: AgentConfig, error: TokenFileError) -> ConfigError:
+    """``error`` of the tokens file, after ``tokens_file`` as the user wrote it."""
+    path = config.tokens_file
+    if path is None:  # the generated tokens
+        return ConfigError([f"invalid tokens file: {error}"])
+    where = setting(AgentConfig, ("tokens_file",), path)
+    return ConfigError([f"{where}: {str(error).removeprefix(f'{path}: ')}"])
+
+
+def _directory_problem(config: AgentConfig, error: OSError) -> ConfigError | None:
+    """``error`` making a configured directory (or one above it: ``/proc/x``, a path under
+    a file), after that setting as the user wrote it; None for any other error."""
+    if error.filename is None or error.strerror is None:
+        return None
+    failed = Path(error.filename)
+    for field, path in (
+        ("state_dir", config.state_dir),
+        ("l2_key_dir", config.resolved_l2_key_dir),
+    ):
+        if failed == path or failed in path.parents:
+            where = setting(AgentConfig, (field,), path)
+            return ConfigError([f"{where}: cannot make the directory: {error.strerror} ({failed})"])
+    return None
 
 
 if __name__ == "__main__":

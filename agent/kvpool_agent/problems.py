@@ -247,18 +247,21 @@ def describe(
             lines.append(_setting_line(loc, cause, origins))
             continue
         missing = problem["type"] == "missing"
-        located = _locate(loc, origins, missing=missing)
-        if located is not None:
-            where = _label(*located)
-        elif not loc:
-            where = ""
-        elif missing:
-            where = dotted(loc)
-        else:
-            where = f"{dotted(loc)}={show(problem['input'])}"
+        where = named(loc, _MISSING if missing else problem["input"], origins)
         message = _message(problem, loc, model)
         lines.append(f"{where}: {message}" if where else message)
     return lines
+
+
+def named(loc: Loc, value: object, origins: Sequence[Origin]) -> str:
+    """The setting at ``loc`` as the user wrote it (``KVPOOL_NVME__PATH=/x``, ``a.yaml:
+    nvme.path=/x``), or as the model names it with ``value`` (none: a missing one)."""
+    located = _locate(loc, origins, missing=value is _MISSING)
+    if located is not None:
+        return _label(*located)
+    if not loc or value is _MISSING:
+        return dotted(loc)
+    return f"{dotted(loc)}={show(value)}"
 
 
 def _setting_line(loc: Loc, cause: SettingError, origins: Sequence[Origin]) -> str:
@@ -363,6 +366,16 @@ def number(kind: type[int] | type[float], *, zero: bool = False) -> Callable[[st
                 f"expected a number {'of 0 or more' if zero else 'above 0'}, not {text}"
             )
         return value
+
+    return parse
+
+
+def numbers(kind: type[int] | type[float], *, zero: bool = False) -> Callable[[str], list[float]]:
+    """An argparse type: comma-separated numbers, each as :func:`number` reads it."""
+    one = number(kind, zero=zero)
+
+    def parse(text: str) -> list[float]:
+        return [one(item.strip()) for item in text.split(",")]
 
     return parse
 

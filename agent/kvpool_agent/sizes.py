@@ -8,6 +8,8 @@ number of bytes, or a whole number and a unit.
 - decimal: ``k M G T P E`` (10^3 ... 10^18), as Kubernetes;
 - ``KB MB GB TB PB EB`` (and ``K``) are refused: they mean 10^n to SI and 2^n to many a
   reader, and pydantic read ``1GB`` as 10^9 bytes, some 954 MiB, without a word;
+- a bare ``B`` (``512B``) is refused, as the CRDs' schema refuses it: write ``512``;
+- a size of 2^63 bytes or more (``8Ei``) is refused: no file or mapping is that large;
 - a fraction (``1.5Gi``) is refused with the whole quantity to write (``1536Mi``), as the
   CRDs' schema refuses it.
 
@@ -37,6 +39,8 @@ BINARY_UNITS = {
 DECIMAL_UNITS = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
 UNITS = {**BINARY_UNITS, **DECIMAL_UNITS}
 """Kubernetes' suffixes of a quantity of bytes: what the CRDs' schema admits."""
+MAX_SIZE = (1 << 63) - 1
+"""The largest size: what an off_t holds (posix_fallocate, mmap)."""
 UNIT_PATTERN = "|".join(UNITS)
 """The suffixes as a regular expression's alternation (the CRDs' schema uses it)."""
 HELP = (
@@ -62,7 +66,7 @@ def parse_size(value: object) -> int:
     if isinstance(value, int):
         if value < 0:
             raise SizeError("a size cannot be negative")
-        return value
+        return _bounded(value)
     text = value.strip()
     match = _QUANTITY.fullmatch(text)
     if match is None:
@@ -77,14 +81,20 @@ def parse_size(value: object) -> int:
         )
     if unit.endswith("iB") and unit[:-1] in BINARY_UNITS:
         unit = unit[:-1]  # KiB, MiB...: binary, as pydantic reads them
-    if unit not in UNITS and unit not in ("", "B"):
+    if unit not in UNITS and unit != "":
         raise SizeError(f"unknown unit {unit}: expected {HELP}")
     amount = Fraction(number) * UNITS.get(unit, 1)
     if amount.denominator != 1:
         raise SizeError(f"not a whole number of bytes: {number}{unit} is {float(amount)} bytes")
     if "." in number:
         raise SizeError(f"not a whole quantity: write {format_size(int(amount))}")
-    return int(amount)
+    return _bounded(int(amount))
+
+
+def _bounded(size: int) -> int:
+    if size > MAX_SIZE:
+        raise SizeError("too large: a size is below 2^63 bytes (8Ei)")
+    return size
 
 
 def format_size(size: int) -> str:
@@ -115,7 +125,7 @@ Size = Annotated[
     WithJsonSchema(
         {
             "anyOf": [
-                {"type": "integer", "minimum": 0},
+                {"type": "integer", "minimum": 0, "maximum": MAX_SIZE},
                 {"type": "string", "pattern": rf"^[0-9]+({UNIT_PATTERN}|[KMGTPE]iB)?$"},
             ]
         }

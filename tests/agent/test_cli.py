@@ -112,7 +112,7 @@ def test_a_broken_tokens_file_is_one_line_and_leaves_no_segment(tmp_path: Path) 
         assert result.returncode == 2, result.stderr
         assert "Traceback" not in result.stderr
         (error,) = [line for line in result.stderr.splitlines() if "kvpool-agent:" in line]
-        assert error.startswith(f"kvpool-agent: invalid tokens file: {tokens}: unknown keys")
+        assert error.startswith(f"kvpool-agent: KVPOOL_TOKENS_FILE={tokens}: unknown keys")
         assert secret not in result.stderr
         assert not segment.exists()
     finally:

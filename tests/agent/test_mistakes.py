@@ -11,6 +11,17 @@ import pytest
 from tests.support.mistakes import BIN, Mistake, feed, held_port
 
 FILE = ["--config", "{tmp}/agent.yaml"]
+STARTS = {
+    "KVPOOL_POOL": "mistakes",
+    "KVPOOL_SEGMENT_PATH": "{tmp}/segment",
+    "KVPOOL_L1_SIZE": "4Mi",
+    "KVPOOL_STATE_DIR": "{tmp}/state",
+    "KVPOOL_ZMQ_PORT": "0",
+    "KVPOOL_HTTP_PORT": "0",
+    "KVPOOL_EVENTS_PORT": "0",
+}
+"""Settings of an agent that gets as far as opening its tiers (and then stops, refused)."""
+QUIET = ["--log-level", "warning"]
 
 AGENT = [
     Mistake(
@@ -122,6 +133,109 @@ AGENT = [
         files={"agent.yaml": "page_size: 64Ki\n"},
     ),
     Mistake(
+        "env-segment-path-empty",
+        [],
+        ['kvpool-agent: KVPOOL_SEGMENT_PATH="": must be an absolute path to a file'],
+        env={"KVPOOL_SEGMENT_PATH": ""},
+    ),
+    Mistake(
+        "env-segment-path-relative",
+        [],
+        ["kvpool-agent: KVPOOL_SEGMENT_PATH=relative: must be an absolute path to a file"],
+        env={"KVPOOL_SEGMENT_PATH": "relative"},
+    ),
+    Mistake(
+        "file-segment-path-root",
+        FILE,
+        ["kvpool-agent: {tmp}/agent.yaml: segment_path=/: must be an absolute path to a file"],
+        files={"agent.yaml": "segment_path: /\n"},
+    ),
+    Mistake(
+        "env-size-too-large",
+        [],
+        [
+            "kvpool-agent: KVPOOL_L1_SIZE=99999999999999999999999999: too large: a size is "
+            "below 2^63 bytes"
+        ],
+        env={"KVPOOL_L1_SIZE": "99999999999999999999999999"},
+    ),
+    Mistake(
+        "env-size-bytes-suffix",
+        [],
+        ["kvpool-agent: KVPOOL_L1_SIZE=64B: unknown unit B"],
+        env={"KVPOOL_L1_SIZE": "64B"},
+    ),
+    Mistake(
+        "env-s3-endpoint",
+        [],
+        [
+            'kvpool-agent: KVPOOL_S3.endpoint_url="not a url": must be an http:// or https:// '
+            "URL with a host"
+        ],
+        env={"KVPOOL_S3": '{"bucket": "b", "endpoint_url": "not a url"}'},
+    ),
+    Mistake(
+        "env-s3-region",
+        [],
+        ['kvpool-agent: KVPOOL_S3.region="bad region!": must be a region name'],
+        env={"KVPOOL_S3": '{"bucket": "b", "region": "bad region!"}'},
+    ),
+    Mistake(
+        "env-s3-region-botocore",
+        QUIET,
+        ["kvpool-agent: s3.region=12345: Provided region_name '12345' doesn't match"],
+        env={**STARTS, "KVPOOL_S3": '{"bucket": "b", "region": "12345"}'},
+    ),
+    Mistake(
+        "env-tokens-file-absent",
+        QUIET,
+        [
+            "kvpool-agent: KVPOOL_TOKENS_FILE={tmp}/absent.yaml: cannot read tokens file: "
+            "No such file or directory"
+        ],
+        env={**STARTS, "KVPOOL_TOKENS_FILE": "{tmp}/absent.yaml"},
+    ),
+    Mistake(
+        "env-nvme-path-under-a-file",
+        QUIET,
+        [
+            "kvpool-agent: KVPOOL_NVME__PATH={tmp}/agent.yaml/nvme: cannot make the directory: "
+            "Not a directory"
+        ],
+        env={
+            **STARTS,
+            "KVPOOL_NVME__PATH": "{tmp}/agent.yaml/nvme",
+            "KVPOOL_NVME__CAPACITY": "1Mi",
+        },
+        files={"agent.yaml": ""},
+    ),
+    Mistake(
+        "file-nvme-path-under-a-file",
+        [*FILE, *QUIET],
+        [
+            "kvpool-agent: {tmp}/agent.yaml: nvme.path={tmp}/agent.yaml/nvme: cannot make the "
+            "directory: Not a directory"
+        ],
+        env=STARTS,
+        files={"agent.yaml": "nvme:\n  path: {tmp}/agent.yaml/nvme\n  capacity: 1Mi\n"},
+    ),
+    Mistake(
+        "env-state-dir-in-proc",
+        QUIET,
+        ["kvpool-agent: KVPOOL_STATE_DIR=/proc/x: cannot make the directory: No such file"],
+        env={**STARTS, "KVPOOL_STATE_DIR": "/proc/x"},
+    ),
+    Mistake(
+        "file-state-dir-under-a-file",
+        [*FILE, *QUIET],
+        [
+            "kvpool-agent: {tmp}/agent.yaml: state_dir={tmp}/agent.yaml/state: cannot make the "
+            "directory: Not a directory"
+        ],
+        env={k: v for k, v in STARTS.items() if k != "KVPOOL_STATE_DIR"},
+        files={"agent.yaml": "state_dir: {tmp}/agent.yaml/state\n"},
+    ),
+    Mistake(
         "unknown-flag",
         ["--bogus"],
         ["kvpool-agent: unrecognized arguments: --bogus"],
@@ -175,8 +289,31 @@ KVPOOL = [
     Mistake(
         "bench-flag",
         ["bench", "chains", "--l1-mib", "x"],
-        ["kvpool bench chains: argument --l1-mib: invalid int value: 'x'"],
+        ["kvpool bench chains: argument --l1-mib: expected a whole number, not 'x'"],
     ),
+]
+
+
+BENCH_FLAGS = [
+    ("l1", "--chunks", "0", "expected a number above 0, not 0"),
+    ("l1", "--policy", "fifo", "invalid choice: 'fifo'"),
+    ("l1", "--copy-mib", "-1", "expected a number above 0, not -1"),
+    ("chains", "--chunk-kib", "0", "expected a number above 0, not 0"),
+    ("service", "--chunk-sizes", "abc", "expected a whole number, not 'abc'"),
+    ("service", "--clients", "1,0", "expected a number above 0, not 0"),
+    ("writeback", "--chunks", "-1", "expected a number above 0, not -1"),
+    ("tenants", "--tenants", "0", "expected a number above 0, not 0"),
+    ("connector", "--queued", "-1", "expected a number of 0 or more, not -1"),
+    ("connector", "--configs", "kvpool,vllm", "unknown configs ['vllm']; known: none, kvpool"),
+]
+"""Benchmark flags out of range: (bench, flag, value, what is wrong)."""
+KVPOOL += [
+    Mistake(
+        f"bench-{bench}{flag}={value}",
+        ["bench", bench, flag, value],
+        [f"kvpool bench {bench}: argument {flag}: {message}"],
+    )
+    for bench, flag, value, message in BENCH_FLAGS
 ]
 
 

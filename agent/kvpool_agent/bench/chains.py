@@ -24,6 +24,7 @@ import argparse
 import hashlib
 import time
 
+from kvpool_agent import problems
 from kvpool_agent.bench.report import table
 from kvpool_agent.core.l1 import L1Cache
 from kvpool_agent.core.policies import POLICY_NAMES, policy_factory
@@ -37,17 +38,34 @@ MiB = 1 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--chain-mib", type=int, default=300, help="size of the long prompt's KV")
     parser.add_argument(
-        "--fitting-mib", type=int, default=236, help="size of the prompt's KV that fits in L1"
+        "--chain-mib", type=problems.number(int), default=300, help="size of the long prompt's KV"
     )
-    parser.add_argument("--l1-mib", type=int, default=256, help="size of the L1 segment")
-    parser.add_argument("--chunk-kib", type=int, default=256, help="size of one chunk")
-    parser.add_argument("--page-kib", type=int, default=64, help="L1 page size")
-    parser.add_argument("--step", type=int, default=16, help="chunks stored per step")
-    parser.add_argument("--prompts", type=int, default=8, help="prompts stored in turns")
-    parser.add_argument("--prompt-mib", type=int, default=32, help="size of each of them")
-    parser.add_argument("--rounds", type=int, default=4, help="times the prompts are stored")
+    parser.add_argument(
+        "--fitting-mib",
+        type=problems.number(int),
+        default=236,
+        help="size of the prompt's KV that fits in L1",
+    )
+    parser.add_argument(
+        "--l1-mib", type=problems.number(int), default=256, help="size of the L1 segment"
+    )
+    parser.add_argument(
+        "--chunk-kib", type=problems.number(int), default=256, help="size of one chunk"
+    )
+    parser.add_argument("--page-kib", type=problems.number(int), default=64, help="L1 page size")
+    parser.add_argument(
+        "--step", type=problems.number(int), default=16, help="chunks stored per step"
+    )
+    parser.add_argument(
+        "--prompts", type=problems.number(int), default=8, help="prompts stored in turns"
+    )
+    parser.add_argument(
+        "--prompt-mib", type=problems.number(int), default=32, help="size of each of them"
+    )
+    parser.add_argument(
+        "--rounds", type=problems.number(int), default=4, help="times the prompts are stored"
+    )
 
 
 def _key(position: int, prompt: int = 0) -> bytes:

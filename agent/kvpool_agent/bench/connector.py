@@ -47,6 +47,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvpool_agent import problems
 from kvpool_agent.bench import connector_queued
 from kvpool_agent.bench.connector_engine import Engine, Sample, kv_bytes_per_token, write_model
 from kvpool_agent.bench.report import table
@@ -60,48 +61,67 @@ OVERHEAD_GOAL = 0.02
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset")
-    parser.add_argument("--prompt-tokens", type=int, default=2048, help="tokens per prompt")
-    parser.add_argument("--requests", type=int, default=8, help="timed rounds per run")
     parser.add_argument(
-        "--runs", type=int, default=1, help="TTFT runs, each on engines started anew"
+        "--configs", type=_configs, default=",".join(CONFIGS), help="comma-separated subset"
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=problems.number(int), default=2048, help="tokens per prompt"
+    )
+    parser.add_argument(
+        "--requests", type=problems.number(int), default=8, help="timed rounds per run"
+    )
+    parser.add_argument(
+        "--runs",
+        type=problems.number(int),
+        default=1,
+        help="TTFT runs, each on engines started anew",
     )
     parser.add_argument(
         "--chunk-tokens",
-        type=int,
+        type=problems.number(int),
         default=128,
         help="kvpool chunk size (default: one CPU block, the ExampleConnector's granularity)",
     )
-    parser.add_argument("--layers", type=int, default=8, help="model layers")
-    parser.add_argument("--hidden", type=int, default=512, help="model hidden size")
-    parser.add_argument("--heads", type=int, default=8, help="attention heads (head size 64)")
-    parser.add_argument("--kv-heads", type=int, default=4, help="KV heads")
-    parser.add_argument("--intermediate", type=int, default=1536, help="MLP size")
+    parser.add_argument("--layers", type=problems.number(int), default=8, help="model layers")
+    parser.add_argument(
+        "--hidden", type=problems.number(int), default=512, help="model hidden size"
+    )
+    parser.add_argument(
+        "--heads", type=problems.number(int), default=8, help="attention heads (head size 64)"
+    )
+    parser.add_argument("--kv-heads", type=problems.number(int), default=4, help="KV heads")
+    parser.add_argument("--intermediate", type=problems.number(int), default=1536, help="MLP size")
     parser.add_argument("--endpoint", help="use this running agent instead of a private one")
     parser.add_argument(
         "--queued",
-        type=int,
+        type=problems.number(int, zero=True),
         default=256,
         help="requests submitted at once for the per-step scheduler time (0: skip)",
     )
     parser.add_argument(
         "--queued-chunks",
-        type=int,
+        type=problems.number(int),
         default=8,
         help="chunks per queued prompt (enough that a prefetch from L2 outlasts the probe)",
     )
     parser.add_argument(
-        "--queued-max-seqs", type=int, default=64, help="max_num_seqs of the queued engine"
+        "--queued-max-seqs",
+        type=problems.number(int),
+        default=64,
+        help="max_num_seqs of the queued engine",
     )
 
 
-def run(args: argparse.Namespace) -> None:
-    configs = [name.strip() for name in args.configs.split(",") if name.strip()]
+def _configs(text: str) -> list[str]:
+    configs = [name.strip() for name in text.split(",") if name.strip()]
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown:
-        raise SystemExit(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
-    if args.runs < 1 or args.requests < 1:
-        raise SystemExit("--runs and --requests must be at least 1")
+        raise argparse.ArgumentTypeError(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
+    return configs
+
+
+def run(args: argparse.Namespace) -> None:
+    configs = args.configs
     copy_rate = memcpy_rate()
     with (
         tempfile.TemporaryDirectory(prefix="kvpool-bench-connector-") as work,

@@ -32,6 +32,7 @@ from typing import TypeVar
 import msgspec
 import zmq
 
+from kvpool_agent import problems
 from kvpool_agent import protocol as p
 from kvpool_agent.bench.report import table
 from kvpool_agent.edge.events import EventPublisher
@@ -54,14 +55,30 @@ TENANT = "bench"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--chunks", type=int, default=1_000_000, help="chunks in the index")
-    parser.add_argument("--nodes", type=int, default=16, help="nodes the chunks spread over")
-    parser.add_argument("--prompt-tokens", type=int, default=8192, help="tokens per prompt")
-    parser.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk")
-    parser.add_argument("--queries", type=int, default=2000, help="queries timed per case")
-    parser.add_argument("--publishers", type=int, default=8, help="agents publishing events")
-    parser.add_argument("--events", type=int, default=50_000, help="events per publisher")
-    parser.add_argument("--keys-per-event", type=int, default=8, help="chunk keys per event")
+    parser.add_argument(
+        "--chunks", type=problems.number(int), default=1_000_000, help="chunks in the index"
+    )
+    parser.add_argument(
+        "--nodes", type=problems.number(int), default=16, help="nodes the chunks spread over"
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=problems.number(int), default=8192, help="tokens per prompt"
+    )
+    parser.add_argument(
+        "--chunk-tokens", type=problems.number(int), default=256, help="tokens per chunk"
+    )
+    parser.add_argument(
+        "--queries", type=problems.number(int), default=2000, help="queries timed per case"
+    )
+    parser.add_argument(
+        "--publishers", type=problems.number(int), default=8, help="agents publishing events"
+    )
+    parser.add_argument(
+        "--events", type=problems.number(int), default=50_000, help="events per publisher"
+    )
+    parser.add_argument(
+        "--keys-per-event", type=problems.number(int), default=8, help="chunk keys per event"
+    )
 
 
 def run(args: argparse.Namespace) -> None:

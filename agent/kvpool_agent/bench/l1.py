@@ -25,10 +25,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvpool_agent import problems
 from kvpool_agent.bench.report import table
 from kvpool_agent.core.l1 import L1Cache
 from kvpool_agent.core.policies import policy_factory
 from kvpool_agent.core.quota_book import QuotaBook
+from kvpool_agent.names import POLICY_NAMES
 from kvpool_agent.segment import SegmentLayout, SharedSegment
 
 CHAIN = 64
@@ -36,11 +38,18 @@ TENANT = "bench"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--chunks", type=int, default=1_000_000, help="index size (chunks)")
-    parser.add_argument("--policy", default="lru", help="eviction policy")
-    parser.add_argument("--lookups", type=int, default=20_000, help="prefix lookups to time")
     parser.add_argument(
-        "--copy-mib", type=int, default=512, help="working set of the copy test, MiB"
+        "--chunks", type=problems.number(int), default=1_000_000, help="index size (chunks)"
+    )
+    parser.add_argument("--policy", choices=POLICY_NAMES, default="lru", help="eviction policy")
+    parser.add_argument(
+        "--lookups", type=problems.number(int), default=20_000, help="prefix lookups to time"
+    )
+    parser.add_argument(
+        "--copy-mib",
+        type=problems.number(int),
+        default=512,
+        help="working set of the copy test, MiB",
     )
 
 

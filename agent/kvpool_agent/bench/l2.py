@@ -59,6 +59,7 @@ import boto3
 import numpy
 from botocore.config import Config
 
+from kvpool_agent import problems
 from kvpool_agent.bench.report import table
 from kvpool_agent.config import NvmeTierConfig, S3TierConfig
 from kvpool_agent.keys import tenant_id
@@ -79,27 +80,44 @@ MiB = 1 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--chunk-mib", default="2,32", help="chunk sizes in MiB, comma-separated")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per figure (best is shown)")
-    parser.add_argument("--group-mib", type=int, default=128, help="MiB per turn of a side")
-    parser.add_argument("--concurrency", type=int, default=16, help="threads / max_concurrency")
-    parser.add_argument("--codec-mib", type=int, default=256, help="codec working set, MiB")
+    parser.add_argument(
+        "--chunk-mib",
+        type=problems.numbers(int),
+        default=[2, 32],
+        help="chunk sizes in MiB, comma-separated (default 2,32)",
+    )
+    parser.add_argument(
+        "--repeats", type=problems.number(int), default=3, help="runs per figure (best is shown)"
+    )
+    parser.add_argument(
+        "--group-mib", type=problems.number(int), default=128, help="MiB per turn of a side"
+    )
+    parser.add_argument(
+        "--concurrency", type=problems.number(int), default=16, help="threads / max_concurrency"
+    )
+    parser.add_argument(
+        "--codec-mib", type=problems.number(int), default=256, help="codec working set, MiB"
+    )
     parser.add_argument("--skip-codec", action="store_true", help="no codec benchmark")
     parser.add_argument("--skip-nvme", action="store_true", help="no NVMe benchmark")
     parser.add_argument("--skip-s3", action="store_true", help="no S3 benchmark")
     parser.add_argument(
         "--nvme-dir", type=Path, help="directory on the device to test (default: a temp dir)"
     )
-    parser.add_argument("--nvme-mib", type=int, default=1024, help="NVMe working set, MiB")
+    parser.add_argument(
+        "--nvme-mib", type=problems.number(int), default=1024, help="NVMe working set, MiB"
+    )
     parser.add_argument("--fsync", choices=["never", "data", "always"], default="data")
     parser.add_argument("--direct-io", action="store_true", help="O_DIRECT on both sides")
-    parser.add_argument("--s3-mib", type=int, default=256, help="S3 working set, MiB")
+    parser.add_argument(
+        "--s3-mib", type=problems.number(int), default=256, help="S3 working set, MiB"
+    )
     parser.add_argument("--s3-endpoint", help="an S3 endpoint (default: a local moto server)")
     parser.add_argument("--s3-bucket", help="an existing bucket at --s3-endpoint")
 
 
 def run(args: argparse.Namespace) -> None:
-    sizes = [int(mib) * MiB for mib in args.chunk_mib.split(",")]
+    sizes = [mib * MiB for mib in args.chunk_mib]
     if not args.skip_codec:
         print(asyncio.run(codec_report(args, sizes)))
         print()

@@ -15,6 +15,7 @@ import os
 import time
 from pathlib import Path
 
+from kvpool_agent import problems
 from kvpool_agent.bench.report import table
 from kvpool_agent.core.journal import SegmentJournal
 from kvpool_agent.core.l1 import L1Cache
@@ -28,7 +29,9 @@ TENANT = tenant_id("bench")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--index-chunks", type=int, default=1_000_000, help="chunks, second case")
+    parser.add_argument(
+        "--index-chunks", type=problems.number(int), default=1_000_000, help="chunks, second case"
+    )
 
 
 def _cache(segment: SharedSegment, journal: SegmentJournal) -> L1Cache:

@@ -39,6 +39,7 @@ from typing import Any
 
 import zmq
 
+from kvpool_agent import problems
 from kvpool_agent import protocol as p
 from kvpool_agent.bench.report import table
 from kvpool_agent.client import AgentClient, LookupResult, copy_in, copy_out
@@ -51,12 +52,22 @@ LOOKUP_CHUNKS = 64
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--working-set-mib", type=int, default=256, help="MiB per client")
     parser.add_argument(
-        "--chunk-sizes", default=f"{256 << 10},{2 << 20},{32 << 20}", help="bytes, comma-separated"
+        "--working-set-mib", type=problems.number(int), default=256, help="MiB per client"
     )
-    parser.add_argument("--clients", default="1,4", help="client counts, comma-separated")
-    parser.add_argument("--lookups", type=int, default=2000, help="timed lookups")
+    parser.add_argument(
+        "--chunk-sizes",
+        type=problems.numbers(int),
+        default=[256 << 10, 2 << 20, 32 << 20],
+        help="bytes, comma-separated (default 262144,2097152,33554432)",
+    )
+    parser.add_argument(
+        "--clients",
+        type=problems.numbers(int),
+        default=[1, 4],
+        help="client counts, comma-separated (default 1,4)",
+    )
+    parser.add_argument("--lookups", type=problems.number(int), default=2000, help="timed lookups")
     parser.add_argument(
         "--lmcache-python", type=Path, help="python of a venv with lmcache==0.5.6, to compare"
     )
@@ -277,9 +288,9 @@ def _lmcache(python: Path, args: argparse.Namespace) -> dict[str, Any]:
             "--working-set-mib",
             str(args.working_set_mib),
             "--chunk-sizes",
-            args.chunk_sizes,
+            _listed(args.chunk_sizes),
             "--clients",
-            args.clients,
+            _listed(args.clients),
             "--lookups",
             str(args.lookups),
         ],
@@ -290,6 +301,10 @@ def _lmcache(python: Path, args: argparse.Namespace) -> dict[str, Any]:
     )
     result: dict[str, Any] = json.loads(output.stdout.strip().splitlines()[-1])
     return result
+
+
+def _listed(values: list[int]) -> str:
+    return ",".join(map(str, values))
 
 
 def _rows(result: dict[str, Any]) -> list[list[str]]:
@@ -312,15 +327,13 @@ def _rows(result: dict[str, Any]) -> list[list[str]]:
 
 
 def run(args: argparse.Namespace) -> None:
-    chunks = [int(size) for size in args.chunk_sizes.split(",")]
-    clients = [int(count) for count in args.clients.split(",")]
     working_set = args.working_set_mib << 20
     if args.lmcache_python and not args.lmcache_peer.is_file():  # before the long part
         raise SystemExit(
             f"--lmcache-python needs the repository's LMCache script, not found at "
             f"{args.lmcache_peer}: run from a checkout's root or pass --lmcache-peer"
         )
-    results = [_ours(chunks, clients, working_set, args.lookups)]
+    results = [_ours(args.chunk_sizes, args.clients, working_set, args.lookups)]
     if args.lmcache_python:
         results.append(_lmcache(args.lmcache_python, args))
     header = ["system", "chunk", "clients", "memcpy GB/s", "store GB/s", "ratio"]

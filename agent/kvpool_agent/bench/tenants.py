@@ -25,6 +25,7 @@ import time
 
 import httpx
 
+from kvpool_agent import problems
 from kvpool_agent.bench.report import table
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
@@ -42,9 +43,13 @@ SETUPS: dict[str, tuple[str, ...]] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tenants", type=int, default=100_000, help="tenants, one chunk each")
-    parser.add_argument("--seconds", type=float, default=3.0, help="lookup time per run")
-    parser.add_argument("--runs", type=int, default=5, help="runs of each pairing")
+    parser.add_argument(
+        "--tenants", type=problems.number(int), default=100_000, help="tenants, one chunk each"
+    )
+    parser.add_argument(
+        "--seconds", type=problems.number(float), default=3.0, help="lookup time per run"
+    )
+    parser.add_argument("--runs", type=problems.number(int), default=5, help="runs of each pairing")
 
 
 def _tenant(number: int) -> str:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from kvpool_agent import problems
 from kvpool_agent.bench.report import table
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
@@ -30,8 +31,12 @@ TENANT = tenant_id("bench-writeback")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--chunks", type=int, default=2000, help="stores timed per agent")
-    parser.add_argument("--chunk-kib", type=int, default=2048, help="chunk size, KiB")
+    parser.add_argument(
+        "--chunks", type=problems.number(int), default=2000, help="stores timed per agent"
+    )
+    parser.add_argument(
+        "--chunk-kib", type=problems.number(int), default=2048, help="chunk size, KiB"
+    )
 
 
 def _store_latencies(endpoint: str, chunks: int, size: int) -> list[float]:

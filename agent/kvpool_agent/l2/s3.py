@@ -42,6 +42,7 @@ from kvpool_agent.l2 import buffers, layout
 from kvpool_agent.l2.base import AdapterStats, L2Object, ObjectKey, TierUnavailable
 from kvpool_agent.l2.breaker import CircuitBreaker
 from kvpool_agent.l2.codec import HEADER, IntegrityError, ObjectCodec
+from kvpool_agent.problems import ConfigError, show
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -85,22 +86,7 @@ class S3Adapter:
             multipart_chunksize=self._part_size,
             max_concurrency=config.max_concurrency,
         )
-        self._client: S3Client = boto3.session.Session().client(
-            "s3",
-            endpoint_url=config.endpoint_url,
-            region_name=config.region,
-            config=Config(
-                connect_timeout=config.connect_timeout_seconds,
-                read_timeout=config.read_timeout_seconds,
-                retries={"max_attempts": config.max_attempts, "mode": "standard"},
-                # Every object request may run its parts in parallel.
-                max_pool_connections=config.max_concurrency**2,
-                # The codec's tag already covers every object end to end; botocore's
-                # CRC32 would be one more pass over every byte.
-                request_checksum_calculation="when_required",
-                response_checksum_validation="when_required",
-            ),
-        )
+        self._client = _client(config)
         self._encryption_args: _ServerSideEncryption = {}
         """Server-side encryption arguments of every put."""
         if config.server_side_encryption is not None:
@@ -360,3 +346,29 @@ def _object_size(response: GetObjectOutputTypeDef) -> int:
     if content_range:
         return int(content_range.rsplit("/", 1)[1])
     return response["ContentLength"]  # the server ignored the range and sent it all
+
+
+def _client(config: S3TierConfig) -> S3Client:
+    """boto3's client of ``config``; a :class:`ConfigError` naming ``s3.endpoint_url`` and
+    ``s3.region`` where botocore refuses them (an endpoint or a region it cannot use)."""
+    try:
+        return boto3.session.Session().client(
+            "s3",
+            endpoint_url=config.endpoint_url,
+            region_name=config.region,
+            config=Config(
+                connect_timeout=config.connect_timeout_seconds,
+                read_timeout=config.read_timeout_seconds,
+                retries={"max_attempts": config.max_attempts, "mode": "standard"},
+                # Every object request may run its parts in parallel.
+                max_pool_connections=config.max_concurrency**2,
+                # The codec's tag already covers every object end to end; botocore's
+                # CRC32 would be one more pass over every byte.
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+            ),
+        )
+    except ValueError as error:  # botocore's InvalidRegionError too
+        named = {"s3.endpoint_url": config.endpoint_url, "s3.region": config.region}
+        where = ", ".join(f"{name}={show(value)}" for name, value in named.items() if value)
+        raise ConfigError([f"{where or 's3'}: {error}"]) from None

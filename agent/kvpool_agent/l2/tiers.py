@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvpool_agent.config import AgentConfig
-from kvpool_agent.files import Undo, ensure_directory
+from kvpool_agent.files import Undo
 from kvpool_agent.l2 import L2Adapter, adapter_class
 from kvpool_agent.l2.buffers import BufferPool
 from kvpool_agent.l2.codec import ObjectCodec
 from kvpool_agent.l2.keyring import Keyring, generate_key
+from kvpool_agent.l2.nvme import ensure_tier_directory
 
 
 def open_tiers(
@@ -20,7 +21,7 @@ def open_tiers(
     if config.nvme is None and config.s3 is None:
         return []
     if config.nvme is not None:  # a bad path fails before a key is made
-        ensure_directory(config.nvme.path, what="NVMe tier directory")
+        ensure_tier_directory(config.nvme.path)
     generated = generate_key(config.resolved_l2_key_dir)
     if generated is not None and undo is not None:
         undo.file(generated)

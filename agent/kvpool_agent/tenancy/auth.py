@@ -167,11 +167,14 @@ class TokenAuthority:
 
     @classmethod
     def from_file(cls, path: Path) -> TokenAuthority:
-        """Read a YAML or JSON tokens file; :class:`TokenFileError` says what is wrong."""
+        """Read a YAML or JSON tokens file; :class:`TokenFileError` says what is wrong,
+        after the file's path (``/etc/kvpool/tokens.yaml: ...``)."""
         try:
             text = path.read_text()
-        except (OSError, UnicodeDecodeError) as error:
-            raise TokenFileError(f"cannot read tokens file {path}: {error}") from error
+        except OSError as error:
+            raise TokenFileError(f"{path}: cannot read tokens file: {error.strerror}") from None
+        except UnicodeDecodeError as error:
+            raise TokenFileError(f"{path}: not UTF-8 text (byte {error.start})") from None
         try:
             parsed = yaml.safe_load(text)
         except yaml.YAMLError as error:
