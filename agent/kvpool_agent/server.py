@@ -34,7 +34,7 @@ from kvpool_agent.edge.zmq_server import ZmqServer
 from kvpool_agent.edge.zmtp import listen as listen_zmq
 from kvpool_agent.files import FileRefused, LockFile, Undo, ensure_directory
 from kvpool_agent.l2 import L2Adapter
-from kvpool_agent.l2.nvme import NvmeAdapter
+from kvpool_agent.l2.nvme import NvmeAdapter, ensure_tier_directory
 from kvpool_agent.l2.tiers import open_tiers
 from kvpool_agent.problems import listening
 from kvpool_agent.quotas import Quota
@@ -120,9 +120,10 @@ class Agent:
             ),
             _Owned.beside(
                 f"state directory {state} (pool {pool})",
-                ("state directory", state),
+                lambda: ensure_directory(state, what="state directory"),
                 state / f"agent-{pool}.lock",
                 "state_dir",
+                what="state directory lock",
             ),
         ]
         if config.nvme is not None:
@@ -130,9 +131,10 @@ class Agent:
             owned.append(
                 _Owned.beside(
                     f"NVMe tier {root / pool}",
-                    ("NVMe tier directory", root),
+                    lambda: ensure_tier_directory(root),
                     root / f"{pool}.lock",
                     "nvme.path",
+                    what="NVMe tier directory lock",
                 )
             )
         return owned
@@ -459,15 +461,16 @@ class _Owned:
     claim: Callable[[], LockFile | str]
 
     @classmethod
-    def beside(cls, name: str, directory: tuple[str, Path], lock: Path, setting: str) -> _Owned:
-        """Owned through a lock file in a ``directory`` (what it is, and where) that is
-        checked, or made, first."""
+    def beside(
+        cls, name: str, make_directory: Callable[[], object], lock: Path, setting: str, *, what: str
+    ) -> _Owned:
+        """Owned through a lock file (``what`` it is) in a directory that ``make_directory``
+        checks, or makes, first."""
 
         def claim() -> LockFile | str:
-            what, path = directory
-            ensure_directory(path, what=what)
+            make_directory()
             try:
-                return LockFile.claim(lock, what=f"{what} lock", mode=LOCK_MODE)
+                return LockFile.claim(lock, what=what, mode=LOCK_MODE)
             except FileRefused:
                 raise
             except OSError as error:

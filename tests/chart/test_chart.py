@@ -133,17 +133,38 @@ def test_the_operator_deployment(rendered: tuple[str, list[Manifest]]) -> None:
     )
 
 
+_KUBECONFIG = {
+    "apiVersion": "v1",
+    "kind": "Config",
+    "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1"}}],
+    "users": [{"name": "u", "user": {"token": "t"}}],
+    "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+    "current-context": "c",
+}
+
+
 def test_the_operator_accepts_its_arguments(
-    rendered: tuple[str, list[Manifest]], monkeypatch: pytest.MonkeyPatch
+    rendered: tuple[str, list[Manifest]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """kvpool-operator's own parser reads the rendered arguments; the probe hits --liveness."""
+    """kvpool-operator's own parser reads the rendered arguments; the probe hits --liveness.
+
+    Its credentials are a kubeconfig (in the pod, the service account); the liveness port
+    the pod binds need not be free on the test's machine, so that check only records it.
+    """
     name, manifests = rendered
     calls: list[dict[str, Any]] = []
+    checked: list[str] = []
     monkeypatch.setattr(kopf, "configure", lambda **_: None)
     monkeypatch.setattr(kopf, "run", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(operator_main, "check_liveness", checked.append)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps(_KUBECONFIG))
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     container = _operator_container(manifests)
     assert operator_main.main(container["args"]) == 0
     (run,) = calls
+    assert checked == [run["liveness_endpoint"]]
     values = _values(name)
     watched = values["operator"]["watchNamespaces"]
     assert run["clusterwide"] is (not watched)
