@@ -31,6 +31,7 @@ from pydantic_settings import (
     SettingsError,
 )
 
+from kvpool_agent.files import FileRefused, ensure_directory
 from kvpool_agent.names import (
     AGENT_CONFIG_FILE_ENV,
     AGENT_ENV_PREFIX,
@@ -140,6 +141,21 @@ def setting(model: type[BaseSettings], loc: Loc, value: object) -> str:
     key), with ``value``: for a problem found after validation (a directory that cannot be
     made)."""
     return named(loc, value, _origins(model, None))
+
+
+def make_setting_directory(loc: Loc, path: Path, *, what: str) -> None:
+    """The agent's directory of the setting at ``loc`` (``state_dir``, ``nvme.path``...),
+    made if missing; one that cannot be made (a file in its way, a read-only or missing
+    mount) is a :class:`ConfigError` naming the setting as the user wrote it."""
+    try:
+        ensure_directory(path, what=what)
+    except FileRefused:
+        raise
+    except OSError as error:
+        where = setting(AgentConfig, loc, path)
+        raise ConfigError(
+            [f"{where}: cannot make the directory: {error.strerror} ({error.filename})"]
+        ) from None
 
 
 def _environment(model: type[BaseSettings]) -> EnvironmentOrigin:

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from kvpool_agent import __version__
 from kvpool_agent.config import AgentConfig, load_settings, setting
 from kvpool_agent.l2.keyring import KeyringError
 from kvpool_agent.names import AGENT_CONFIG_FILE_ENV
-from kvpool_agent.problems import ArgumentParser, ConfigError, exit_with
+from kvpool_agent.problems import ArgumentParser, ConfigError, exit_with, start_logging
 from kvpool_agent.segment import SegmentError
 from kvpool_agent.server import Agent
 from kvpool_agent.tenancy.auth import TokenFileError
@@ -32,15 +30,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--config", help="YAML or JSON file of agent settings")
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_log_level()
     args = parser.parse_args(argv)
-    try:
-        logging.basicConfig(
-            level=args.log_level.upper(),
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )
-    except ValueError as error:
-        parser.error(f"argument --log-level: {error}")
+    start_logging(args.log_level)
     if args.config:
         os.environ[AGENT_CONFIG_FILE_ENV] = args.config
     try:
@@ -49,17 +41,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_with(prog, error)
     try:
         asyncio.run(Agent(config).run())
-    except ConfigError as error:  # a port in use
+    except ConfigError as error:  # a port in use, a directory that cannot be made, ...
         return exit_with(prog, error)
     except TokenFileError as error:
         return exit_with(prog, _tokens_problem(config, error))
-    except OSError as error:
-        problem = _directory_problem(config, error)
-        if problem is None:
-            print(f"kvpool-agent: {error}", file=sys.stderr)
-            return 1
-        return exit_with(prog, problem)
-    except (SegmentError, QuotaStoreError, KeyringError, TenantsWatchError) as error:
+    except (SegmentError, QuotaStoreError, KeyringError, TenantsWatchError, OSError) as error:
         print(f"kvpool-agent: {error}", file=sys.stderr)
         return 1
     return 0
@@ -72,22 +58,6 @@ def _tokens_problem(config: AgentConfig, error: TokenFileError) -> ConfigError:
         return ConfigError([f"invalid tokens file: {error}"])
     where = setting(AgentConfig, ("tokens_file",), path)
     return ConfigError([f"{where}: {str(error).removeprefix(f'{path}: ')}"])
-
-
-def _directory_problem(config: AgentConfig, error: OSError) -> ConfigError | None:
-    """``error`` making a configured directory (or one above it: ``/proc/x``, a path under
-    a file), after that setting as the user wrote it; None for any other error."""
-    if error.filename is None or error.strerror is None:
-        return None
-    failed = Path(error.filename)
-    for field, path in (
-        ("state_dir", config.state_dir),
-        ("l2_key_dir", config.resolved_l2_key_dir),
-    ):
-        if failed == path or failed in path.parents:
-            where = setting(AgentConfig, (field,), path)
-            return ConfigError([f"{where}: cannot make the directory: {error.strerror} ({failed})"])
-    return None
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import contextlib
 import difflib
 import errno
 import json
+import logging
 import os
 import sys
 import types
@@ -350,6 +351,25 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+    def add_log_level(self) -> None:
+        """``--log-level``: a :mod:`logging` level's name, in any case, for
+        :func:`start_logging`."""
+        self.add_argument(
+            "--log-level", type=_log_level, default="INFO", help="logging level (default INFO)"
+        )
+
+
+def _log_level(text: str) -> str:
+    level = text.upper()
+    if not isinstance(logging.getLevelName(level), int):
+        raise argparse.ArgumentTypeError(f"Unknown level: {level!r}")
+    return level
+
+
+def start_logging(level: str) -> None:
+    """A console script's logging, at ``level`` (from ``--log-level``), one line a record."""
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def number(kind: type[int] | type[float], *, zero: bool = False) -> Callable[[str], float]:

@@ -25,16 +25,16 @@ from typing import TYPE_CHECKING, cast
 
 from prometheus_client import CollectorRegistry
 
-from kvpool_agent.config import AgentConfig
+from kvpool_agent.config import AgentConfig, make_setting_directory
 from kvpool_agent.core.factory import L1Tier, check_pinning, claim_segment, open_l1
 from kvpool_agent.edge.events import EventPublisher
 from kvpool_agent.edge.http_api import create_app
 from kvpool_agent.edge.metrics import AgentMetrics
 from kvpool_agent.edge.zmq_server import ZmqServer
 from kvpool_agent.edge.zmtp import listen as listen_zmq
-from kvpool_agent.files import FileRefused, LockFile, Undo, ensure_directory
+from kvpool_agent.files import FileRefused, LockFile, Undo
 from kvpool_agent.l2 import L2Adapter
-from kvpool_agent.l2.nvme import NvmeAdapter, ensure_tier_directory
+from kvpool_agent.l2.nvme import NvmeAdapter
 from kvpool_agent.l2.tiers import open_tiers
 from kvpool_agent.problems import listening
 from kvpool_agent.quotas import Quota
@@ -120,7 +120,7 @@ class Agent:
             ),
             _Owned.beside(
                 f"state directory {state} (pool {pool})",
-                lambda: ensure_directory(state, what="state directory"),
+                lambda: make_setting_directory(("state_dir",), state, what="state directory"),
                 state / f"agent-{pool}.lock",
                 "state_dir",
                 what="state directory lock",
@@ -131,7 +131,9 @@ class Agent:
             owned.append(
                 _Owned.beside(
                     f"NVMe tier {root / pool}",
-                    lambda: ensure_tier_directory(root),
+                    lambda: make_setting_directory(
+                        ("nvme", "path"), root, what="NVMe tier directory"
+                    ),
                     root / f"{pool}.lock",
                     "nvme.path",
                     what="NVMe tier directory lock",

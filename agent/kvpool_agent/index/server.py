@@ -39,7 +39,15 @@ from kvpool_agent.index.service import IndexService
 from kvpool_agent.index.subscriber import EventSubscriber
 from kvpool_agent.index.tracker import PrefixTracker
 from kvpool_agent.names import INDEX_CONFIG_FILE_ENV
-from kvpool_agent.problems import ArgumentParser, ConfigError, Loc, exit_with, listening, show
+from kvpool_agent.problems import (
+    ArgumentParser,
+    ConfigError,
+    Loc,
+    exit_with,
+    listening,
+    show,
+    start_logging,
+)
 from kvpool_agent.tenancy.auth import (
     GeneratedTokens,
     TokenAuthority,
@@ -184,15 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="an agent to follow, e.g. gpu-1=tcp://10.0.0.5:7400,tcp://10.0.0.5:7402 "
         "(repeat for each; implies static discovery)",
     )
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_log_level()
     args = parser.parse_args(argv)
-    try:
-        logging.basicConfig(
-            level=args.log_level.upper(),
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )
-    except ValueError as error:
-        parser.error(f"argument --log-level: {error}")
+    start_logging(args.log_level)
     if args.config:
         os.environ[INDEX_CONFIG_FILE_ENV] = args.config
     try:

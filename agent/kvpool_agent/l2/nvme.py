@@ -41,13 +41,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar, TypeVarTuple
 
-from kvpool_agent.config import AgentConfig, NvmeTierConfig, setting
+from kvpool_agent.config import NvmeTierConfig, make_setting_directory
 from kvpool_agent.files import FileRefused, create_exclusive, ensure_directory
 from kvpool_agent.l2 import buffers, layout
 from kvpool_agent.l2.base import AdapterStats, L2Object, ObjectKey, TierUnavailable
 from kvpool_agent.l2.codec import HEADER, IntegrityError, ObjectCodec, payload_length
 from kvpool_agent.l2.keylocks import KeyLocks
-from kvpool_agent.problems import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +92,7 @@ class NvmeAdapter:
         self._executor = ThreadPoolExecutor(
             config.max_concurrency, thread_name_prefix=f"kvpool-nvme-{pool}"
         )
-        ensure_tier_directory(config.path)
+        make_setting_directory(("nvme", "path"), config.path, what="NVMe tier directory")
         self._ensure_own_dir(self.root)
         self.direct_io = config.direct_io and _direct_io_works(self.root)
         """Whether O_DIRECT is in use: asked for and accepted by the filesystem."""
@@ -538,17 +537,3 @@ def _direct_io_works(directory: Path) -> bool:
     finally:
         probe.unlink(missing_ok=True)
     return True
-
-
-def ensure_tier_directory(path: Path) -> None:
-    """``nvme.path``, made if missing; one that cannot be made (a file in its way, a
-    read-only or missing mount) is a :class:`ConfigError` naming the setting."""
-    try:
-        ensure_directory(path, what="NVMe tier directory")
-    except FileRefused:
-        raise
-    except OSError as error:
-        where = setting(AgentConfig, ("nvme", "path"), path)
-        raise ConfigError(
-            [f"{where}: cannot make the directory: {error.strerror} ({error.filename})"]
-        ) from None

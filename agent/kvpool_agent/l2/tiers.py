@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvpool_agent.config import AgentConfig
+from kvpool_agent.config import AgentConfig, make_setting_directory
 from kvpool_agent.files import Undo
 from kvpool_agent.l2 import L2Adapter, adapter_class
 from kvpool_agent.l2.buffers import BufferPool
 from kvpool_agent.l2.codec import ObjectCodec
 from kvpool_agent.l2.keyring import Keyring, generate_key
-from kvpool_agent.l2.nvme import ensure_tier_directory
 
 
 def open_tiers(
@@ -20,12 +19,13 @@ def open_tiers(
     A key generated here is noted in ``undo``."""
     if config.nvme is None and config.s3 is None:
         return []
-    if config.nvme is not None:  # a bad path fails before a key is made
-        ensure_tier_directory(config.nvme.path)
-    generated = generate_key(config.resolved_l2_key_dir)
+    # nvme.path is made (or refused) with the agent's lock on its tree, before a key is made
+    key_dir = config.resolved_l2_key_dir
+    make_setting_directory(("l2_key_dir",), key_dir, what="L2 key directory")
+    generated = generate_key(key_dir)
     if generated is not None and undo is not None:
         undo.file(generated)
-    keyring = Keyring(config.resolved_l2_key_dir)
+    keyring = Keyring(key_dir)
     buffers = BufferPool()
     tiers: list[L2Adapter] = []
     if config.nvme is not None:
