@@ -83,8 +83,11 @@ INHERITED: dict[str, str] = {
     ),
     "get_transfer_results": "vLLM's default is built from get_finished, which kvpool answers",
     # capabilities kvpool does not claim
-    "supports_divergent_local_hybrid_hits": "no hybrid (HMA) support: False",
-    "get_loaded_kv_cache_group_ids": "one full-attention group, which loads restore",
+    "supports_divergent_local_hybrid_hits": "False: kvpool restores no recurrent state",
+    "get_loaded_kv_cache_group_ids": (
+        "vLLM's default, the prefix-cacheable groups: a hit restores every group kvpool "
+        "caches, and an engine with a group it cannot cache gets no hits"
+    ),
     "register_finished_partial_tail": "partial chunks are never stored",
     "has_pending_block_frees": "held blocks are freed by finished stores, not on demand",
     "take_events": "KV events come from the agent (the index reads them), not vLLM",
@@ -127,11 +130,19 @@ def _members(*classes: type) -> dict[str, Any]:
     }
 
 
+try:  # the hybrid KV cache manager's interface
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+
+    HMA: tuple[type, ...] = (SupportsHMA,)
+except ImportError:
+    HMA = ()
+
 VLLM_HOOKS = {
-    **_members(*reversed([cls for cls in BASE.__mro__ if cls not in (ABC, object)])),
+    **_members(*reversed([cls for cls in BASE.__mro__ if cls not in (ABC, object)]), *HMA),
     "__init__": BASE.__init__,
 }
-"""KVConnectorBase_V1's members, its own and those of vLLM classes it derives from."""
+"""KVConnectorBase_V1's members, its own and those of vLLM classes it derives from, and
+those of ``SupportsHMA`` where vLLM has it."""
 
 
 def _kind(member: Any) -> tuple[str, Callable[..., Any] | None]:
@@ -210,8 +221,24 @@ def test_the_connector_loads_as_vllm_loads_it() -> None:
     assert not inspect.isabstract(loaded), sorted(getattr(loaded, "__abstractmethods__", ()))
 
 
+def test_the_connector_keeps_the_hybrid_kv_cache_manager_on() -> None:
+    """vLLM turns its hybrid manager off for a connector without ``SupportsHMA``: sliding
+    windows then keep KV for the whole context, and state-space hybrids fail to start."""
+    from vllm.config import KVTransferConfig
+
+    assert HMA, f"{VLLM} has no SupportsHMA: update the connector's HMA import"
+    config = KVTransferConfig(
+        kv_connector="KvpoolConnector",
+        kv_connector_module_path="kvpool_agent.connector",
+        kv_role="kv_both",
+    )
+    assert KVConnectorFactory.supports_hma_config(config)
+
+
 def test_every_abstract_hook_is_implemented() -> None:
-    abstract = sorted(BASE.__abstractmethods__)
+    abstract = sorted(
+        {*BASE.__abstractmethods__, *(name for cls in HMA for name in cls.__abstractmethods__)}
+    )
     assert abstract, f"{VLLM} declares no abstract hook: is this KVConnectorBase_V1?"
     missing = [name for name in abstract if name not in vars(KvpoolConnector)]
     assert not missing, f"{VLLM}'s abstract hooks kvpool does not implement: {missing}"
@@ -369,7 +396,7 @@ def compute_and_store(engine: StepEngine, tokens: list[int]) -> dict[str, torch.
     assert block_ids, "vLLM ran no forward"
     assert isinstance(step.output.kv_connector_metadata, KvpoolMetadata)
     (store,) = step.output.kv_connector_metadata.stores
-    assert store.block_ids == tuple(block_ids[:full_blocks])
+    assert store.block_ids == (tuple(block_ids[:full_blocks]),)
     stored = worker.worker.counters.totals["stored_chunks"]
     assert stored == CHUNKS, f"{stored} chunks stored: did vLLM call wait_for_save?"
     assert step.kv is not None and step.kv.invalid_block_ids == set()

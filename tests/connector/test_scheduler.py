@@ -6,6 +6,7 @@ import pytest
 
 from kvpool_agent import keys
 from kvpool_agent.connector.counters import Counters
+from kvpool_agent.connector.layout import GroupRule
 from kvpool_agent.connector.metadata import KvpoolHandshake, KvpoolWorkerMetadata
 from kvpool_agent.connector.scheduler import PROBE_REUSE_S, SchedulerHalf
 
@@ -39,7 +40,7 @@ def make(
         model="m",
         dtype="bfloat16",
         tp_size=tp,
-        block_size=BLOCK,
+        groups=[GroupRule("full", BLOCK)],
         link=make_link(agent, counters, clock),
         counters=counters,
         prefetch_wait_s=prefetch_wait_s,
@@ -57,7 +58,7 @@ def test_nothing_happens_before_the_workers_describe_their_chunks() -> None:
         model="m",
         dtype="bfloat16",
         tp_size=1,
-        block_size=BLOCK,
+        groups=[GroupRule("full", BLOCK)],
         link=make_link(agent),
         counters=Counters(),
     )
@@ -94,8 +95,8 @@ def test_hits_become_a_load_of_whole_chunks() -> None:
 
     (load,) = meta.loads
     assert load.keys == (tuple(chain(prompt)[:3]),)
-    assert load.block_ids == tuple(block_ids[:6])
-    assert load.first_block == 0
+    assert load.block_ids == (tuple(block_ids[:6]),)
+    assert load.first_tokens == 0
     assert meta.stores == []  # the loaded chunks are not stored again; chunk 3 is not full
     assert half.counters.totals["hit_tokens"] == 3 * CHUNK
 
@@ -126,8 +127,8 @@ def test_a_local_hit_mid_chunk_loads_the_rest_of_the_chunk() -> None:
     half.update_state_after_alloc(request, FakeBlocks(block_ids), 3 * CHUNK - 384)
     (load,) = half.build_connector_meta(scheduler_output()).loads
     assert load.keys == (tuple(chain(prompt)[1:3]),)
-    assert load.first_block == 1
-    assert load.block_ids == tuple(block_ids[3:6])
+    assert load.first_tokens == BLOCK
+    assert load.block_ids == (tuple(block_ids[3:6]),)
 
 
 def test_vllm_always_computes_the_last_token() -> None:
@@ -194,7 +195,7 @@ def test_stores_follow_the_chunks_as_they_fill() -> None:
     (store,) = first.stores
     assert store.keys == (tuple(chain(prompt)[:1]),)
     assert store.parents == (None,)
-    assert store.block_ids == (100, 101)
+    assert store.block_ids == ((100, 101),)
 
     second = half.build_connector_meta(
         scheduler_output(cached=[("r", block_ids[3:], 300)], scheduled={"r": 400})
@@ -202,7 +203,7 @@ def test_stores_follow_the_chunks_as_they_fill() -> None:
     (store,) = second.stores
     assert store.keys == (tuple(chain(prompt)[1:2]),)
     assert store.parents == (chain(prompt)[0],)
-    assert store.block_ids == (102, 103)
+    assert store.block_ids == ((102, 103),)
 
     # decoding: generated tokens fill chunk 2 (tokens 512..767)
     for step in range(700, 768):
@@ -216,7 +217,7 @@ def test_stores_follow_the_chunks_as_they_fill() -> None:
             assert meta.stores == []
     (store,) = meta.stores
     assert store.keys == (tuple(chain(request.tokens)[2:3]),)
-    assert store.block_ids == (104, 105)
+    assert store.block_ids == ((104, 105),)
 
 
 def test_preempted_requests_store_from_their_new_blocks() -> None:
@@ -236,7 +237,7 @@ def test_preempted_requests_store_from_their_new_blocks() -> None:
     )
     (store,) = resumed.stores  # chunk 0 was stored before the preemption
     assert store.keys == (tuple(chain(prompt)[1:2]),)
-    assert store.block_ids == (9, 10)
+    assert store.block_ids == ((9, 10),)
 
 
 def test_finished_requests_keep_blocks_only_while_stores_are_in_flight() -> None:
@@ -277,7 +278,7 @@ def test_inconsistent_workers_disable_the_cache(ranks: object) -> None:
         model="m",
         dtype="bfloat16",
         tp_size=2,
-        block_size=BLOCK,
+        groups=[GroupRule("full", BLOCK)],
         link=make_link(FakeAgent()),
         counters=Counters(),
     )

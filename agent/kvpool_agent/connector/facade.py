@@ -37,13 +37,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.attention.backend import AttentionMetadata
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvpool_agent.client import AgentInfo
 from kvpool_agent.connector import discovery, identity
 from kvpool_agent.connector.compat import check_vllm_version
 from kvpool_agent.connector.counters import Counters
+from kvpool_agent.connector.groups import CachedGroup, NotCacheable, cacheable_groups, cannot_resume
 from kvpool_agent.connector.link import AgentLink
 from kvpool_agent.connector.metadata import KvpoolHandshake, KvpoolMetadata, KvpoolWorkerMetadata
 from kvpool_agent.connector.metrics import KvpoolPromMetrics, KvpoolStats
@@ -55,6 +56,13 @@ if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.request import Request
+
+try:  # the hybrid KV cache manager's interface (several KV cache groups)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+
+    _HMA: tuple[type, ...] = (SupportsHMA,)
+except ImportError:
+    _HMA = ()
 
 try:  # vLLM 0.32+ labels a connector's hits by the tier that served them
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -80,8 +88,12 @@ def _log_with_vllm() -> None:
     ours.propagate = False
 
 
-class KvpoolConnector(KVConnectorBase_V1):
-    """vLLM connector that shares KV through the node's kvpool agent (see the package docs)."""
+class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
+    """vLLM connector that shares KV through the node's kvpool agent (see the package docs).
+
+    It supports vLLM's hybrid KV cache manager (``SupportsHMA``): every KV cache group is
+    cached as :mod:`~kvpool_agent.connector.groups` says, so vLLM keeps the manager on.
+    """
 
     if _HIT_SOURCE is not None:
         _cache_hit_source = _HIT_SOURCE  # loads come from the node's shared memory
@@ -99,6 +111,9 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         self._address: discovery.AgentAddress | None = None
+        self._groups, disabled = _groups(vllm_config, kv_cache_config)
+        if disabled is not None and role == KVConnectorRole.SCHEDULER:
+            log.warning("kvpool: %s", disabled)  # once per engine: the scheduler's
         if role == KVConnectorRole.SCHEDULER:
             self._require_recompute()
             model = vllm_config.model_config
@@ -106,12 +121,13 @@ class KvpoolConnector(KVConnectorBase_V1):
                 model=_model_identity(settings.model_name or model.model, vllm_config),
                 dtype=str(model.dtype).removeprefix("torch."),
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
-                block_size=vllm_config.cache_config.block_size,
+                groups=[group.rule for group in self._groups],
                 link=self._link("scheduler", settings.lookup_timeout_s),
                 counters=self._counters,
                 prefetch_wait_s=settings.prefetch_wait_s,
                 step_budget_s=settings.step_budget_ms / 1000,
                 segment_path=self._segment_path,
+                disabled=disabled,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -200,17 +216,14 @@ class KvpoolConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
-        groups = self._kv_cache_config.kv_cache_groups
-        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
-            kinds = [type(group.kv_cache_spec).__name__ for group in groups]
-            raise ValueError(f"kvpool caches full attention in one KV cache group, not {kinds}")
-        layer_names = list(groups[0].layer_names)
+        if not self._groups:
+            return  # not cached (the scheduler said why): no handshake, no hits
+        layer_names = [name for group in self._groups for name in group.layer_names]
         backends = get_current_attn_backends(self._vllm_config, layer_names)
         self.worker.register_kv_caches(
             kv_caches,
-            layer_names,
+            [(group.rule, group.layer_names) for group in self._groups],
             self._kv_cache_config.num_blocks,
-            groups[0].kv_cache_spec.block_size,
             "+".join(sorted(backend.get_name() for backend in backends)),
         )
 
@@ -287,6 +300,11 @@ class KvpoolConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request), None
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request), None
+
     def has_pending_push_work(self) -> bool:
         return self.scheduler.has_pending_work()
 
@@ -317,6 +335,19 @@ class KvpoolConnector(KVConnectorBase_V1):
             self._worker.close()
         if self._scheduler is not None:
             self._scheduler.close()
+
+
+def _groups(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> tuple[list[CachedGroup], str | None]:
+    """The groups to cache, or none and why (an engine kvpool must not hand KV to)."""
+    reason = cannot_resume(vllm_config)
+    if reason is not None:
+        return [], reason
+    try:
+        return cacheable_groups(kv_cache_config), None
+    except NotCacheable as error:
+        return [], str(error)
 
 
 def _model_identity(name: str, vllm_config: VllmConfig) -> str:

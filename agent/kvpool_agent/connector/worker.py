@@ -39,7 +39,7 @@ import torch
 from kvpool_agent.client import AgentError, AgentInfo
 from kvpool_agent.connector.copier import BlockCopier, Copy, MappedSegment
 from kvpool_agent.connector.counters import Counters
-from kvpool_agent.connector.layout import ChunkFormat, detect_layout
+from kvpool_agent.connector.layout import NULL_BLOCK, ChunkFormat, GroupRule, detect_layout
 from kvpool_agent.connector.link import AgentLink, LinkDown
 from kvpool_agent.connector.metadata import (
     KvpoolHandshake,
@@ -110,29 +110,38 @@ class WorkerHalf:
     def register_kv_caches(
         self,
         kv_caches: Mapping[str, torch.Tensor],
-        layer_names: Sequence[str],
+        groups: Sequence[tuple[GroupRule, Sequence[str]]],
         num_blocks: int,
-        block_size: int,
         content: str,
     ) -> None:
-        """Understand the caches of ``layer_names`` (in this order) and map the segment."""
-        tensors = [kv_caches[name] for name in layer_names]
-        layouts = [detect_layout(tensor, num_blocks) for tensor in tensors]
+        """Understand the caches of each group's layers (in this order) and map the segment."""
+        tensors = [[kv_caches[name] for name in names] for _, names in groups]
+        layouts = [[detect_layout(tensor, num_blocks) for tensor in group] for group in tensors]
         chunk_tokens = self._chunk_tokens()
-        self.format = ChunkFormat.of(layouts, chunk_tokens, block_size, content)
+        self.format = ChunkFormat.of(
+            [(rule, group) for (rule, _), group in zip(groups, layouts, strict=True)],
+            chunk_tokens,
+            content,
+        )
         self._copier = BlockCopier(
-            [layout.blocks(tensor) for layout, tensor in zip(layouts, tensors, strict=True)],
+            [
+                [layout.blocks(tensor) for layout, tensor in zip(group, caches, strict=True)]
+                for group, caches in zip(layouts, tensors, strict=True)
+            ],
             self.format,
         )
         self.handshake = KvpoolHandshake(
             self.format.descriptor(), chunk_tokens, self._copier.synchronous
         )
         log.info(
-            "kvpool worker %d: %d layers, blocks %s (%s), %d bytes per %d-token chunk",
+            "kvpool worker %d: %s, %d bytes per %d-token chunk",
             self._rank,
-            self.format.layers,
-            layouts[0].page_shape,
-            layouts[0].physical_order,
+            "; ".join(
+                f"{group.rule.name}: {group.layers} layers, {group.kept} of "
+                f"{group.blocks_per_chunk} blocks {layout[0].page_shape} "
+                f"({layout[0].physical_order})"
+                for group, layout in zip(self.format.groups, layouts, strict=True)
+            ),
             self.format.chunk_bytes,
             chunk_tokens,
         )
@@ -234,10 +243,12 @@ class WorkerHalf:
                             chunk_format.chunk_bytes,
                         )
                         break
-                    first, ids = self._chunk_blocks(job, index)
+                    targets = self._load_targets(job, index)
+                    if targets is None:
+                        break
                     chunk = segment.chunk(hit.offsets[index], chunk_format.chunk_bytes)
-                    copies.append(copier.load(chunk, ids, first))
-                    written.extend(ids)
+                    copies.append(copier.load(chunk, targets))
+                    written.extend(block for _, ids in targets for block in ids)
                     loaded += 1
             finally:
                 if hit.lease is not None:
@@ -250,16 +261,53 @@ class WorkerHalf:
         if loaded < len(keys):
             self.counters.add("load_failed_chunks", len(keys) - loaded)
             for index in range(loaded, len(keys)):
-                self._failed_blocks.update(self._chunk_blocks(job, index)[1])
+                self._failed_blocks.update(
+                    block for ids in self._chunk_blocks(job, index) for block in ids
+                )
         self._settle(wait=False)
 
-    def _chunk_blocks(self, job: LoadJob, index: int) -> tuple[int, list[int]]:
-        """(first block within the chunk, destination block ids) of the job's ``index``-th chunk."""
+    def _chunk_blocks(self, job: LoadJob, index: int) -> list[list[int]]:
+        """Per group, the real (not null) destination blocks of the job's ``index``-th chunk
+        (within the first chunk, from token ``first_tokens`` on)."""
         assert self.format is not None
-        per_chunk = self.format.blocks_per_chunk
-        start = 0 if index == 0 else index * per_chunk - job.first_block
-        end = (index + 1) * per_chunk - job.first_block
-        return (job.first_block if index == 0 else 0), list(job.block_ids[start:end])
+        blocks = []
+        for group, ids in zip(self.format.groups, job.block_ids, strict=True):
+            per_chunk, skipped = group.blocks_per_chunk, job.first_tokens // group.rule.block_size
+            start = 0 if index == 0 else index * per_chunk - skipped
+            end = (index + 1) * per_chunk - skipped
+            blocks.append([block for block in ids[start:end] if block != NULL_BLOCK])
+        return blocks
+
+    def _load_targets(self, job: LoadJob, index: int) -> list[tuple[int, list[int]]] | None:
+        """Per group, ``(first kept block, destination ids)`` for the ``index``-th chunk of the
+        job: the blocks vLLM allocated, which must be a run at the end of what the group
+        keeps (vLLM gives the null block to positions outside a window). None when vLLM
+        wants a block the chunk does not hold: that chunk and the rest are recomputed."""
+        assert self.format is not None
+        targets: list[tuple[int, list[int]]] = []
+        for group, ids in zip(self.format.groups, job.block_ids, strict=True):
+            per_chunk, skipped = group.blocks_per_chunk, job.first_tokens // group.rule.block_size
+            first = skipped if index == 0 else 0  # blocks of the chunk vLLM already has
+            start = index * per_chunk - skipped + first
+            chunk_ids = ids[start : start + per_chunk - first]  # blocks first .. per_chunk-1
+            real = [position for position, block in enumerate(chunk_ids) if block != NULL_BLOCK]
+            if not real:
+                targets.append((0, []))
+                continue
+            begin = first + real[0]
+            if begin < group.first_kept or len(real) != real[-1] - real[0] + 1:
+                log.warning(
+                    "kvpool worker %d: vLLM wants block %d of a chunk whose %s group keeps "
+                    "blocks %d to %d; recomputed",
+                    self._rank,
+                    begin,
+                    group.rule.name,
+                    group.first_kept,
+                    per_chunk - 1,
+                )
+                return None
+            targets.append((begin - group.first_kept, list(chunk_ids[real[0] :])))
+        return targets
 
     def take_load_errors(self) -> set[int]:
         # vLLM asks after the forward, whose input the copies were: they are done, and the
@@ -277,14 +325,15 @@ class WorkerHalf:
             for job in meta.stores:
                 self._open_jobs.setdefault(job.req_id, set()).add(job.job_id)
                 self._store(job)
-            self._settle(wait=False)
+            # vLLM frees a window's blocks while the request runs, without waiting for us
+            self._settle_stores(wait=self.format is not None and self.format.frees_blocks)
+            self._settle_loads(wait=False)
 
     def _store(self, job: StoreJob) -> None:
         copier, chunk_format = self._copier, self.format
         assert copier is not None and chunk_format is not None
         keys = list(job.keys[self._rank])
         size = chunk_format.chunk_bytes
-        per_chunk = chunk_format.blocks_per_chunk
         present = self._present.pop(job.job_id, 0)
         self.counters.add("present_chunks", present)
         if present == len(keys):
@@ -308,8 +357,9 @@ class WorkerHalf:
                 segment = self._mapped()
                 for index, offset in enumerate(offsets, start=present):
                     if offset >= 0:
-                        ids = job.block_ids[index * per_chunk : (index + 1) * per_chunk]
-                        copies.append(copier.store(segment.chunk(offset, size), ids))
+                        copies.append(
+                            copier.store(segment.chunk(offset, size), self._kept_blocks(job, index))
+                        )
             except SegmentError as error:
                 log.warning("kvpool worker %d: store not copied: %s", self._rank, error)
                 self.counters.add("failed_stores")
@@ -319,6 +369,15 @@ class WorkerHalf:
         self._stores.append(_PendingStore(job, plan.lease, copies))
         if plan.refused:
             log.debug("kvpool worker %d: agent stored only part: %s", self._rank, plan.refused)
+
+    def _kept_blocks(self, job: StoreJob, index: int) -> list[list[int]]:
+        """Per group, the blocks it keeps of the job's ``index``-th chunk."""
+        assert self.format is not None
+        blocks = []
+        for group, ids in zip(self.format.groups, job.block_ids, strict=True):
+            start = index * group.blocks_per_chunk
+            blocks.append(list(ids[start + group.first_kept : start + group.blocks_per_chunk]))
+        return blocks
 
     def _settle(self, *, wait: bool) -> None:
         """Commit stores and release loads whose copies have finished (all, with ``wait``)."""
