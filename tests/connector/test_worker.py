@@ -289,3 +289,72 @@ def test_a_load_whose_lease_ends_before_its_release_is_recomputed(tmp_path: Path
         assert target.counters.totals["load_failed_chunks"] == 2
     finally:
         agent.cleanup()
+
+
+# ------------------------------------------------------------------ several groups
+
+WINDOW = GroupRule("window", BLOCK_TOKENS, BLOCK_TOKENS - 1)
+"""A window of ``BLOCK_TOKENS`` tokens: a chunk of two blocks keeps its last one."""
+
+
+def make_hybrid_worker(
+    agent: AgentProcess, seed: int | None
+) -> tuple[WorkerHalf, list[torch.Tensor]]:
+    """A worker whose layer 0 is full attention and layer 1 a sliding window (two groups)."""
+    counters = Counters()
+    worker = WorkerHalf(
+        rank=0,
+        link=agent_link(agent, counters, "worker"),
+        counters=counters,
+        chunk_tokens=lambda: CHUNK,
+        segment_path=lambda info: info.segment_path,
+        pin_mode="never",
+    )
+    shape = (BLOCKS, HEADS, BLOCK_TOKENS, CONTENT)
+    generator = torch.Generator().manual_seed(seed or 0)
+    caches = [
+        torch.zeros(shape, dtype=torch.bfloat16)
+        if seed is None
+        else torch.randn(shape, generator=generator).to(torch.bfloat16)
+        for _ in LAYERS
+    ]
+    groups = [(GroupRule("full", BLOCK_TOKENS), LAYERS[:1]), (WINDOW, LAYERS[1:])]
+    worker.register_kv_caches(dict(zip(LAYERS, caches, strict=True)), groups, BLOCKS, "TEST")
+    return worker, caches
+
+
+def test_a_window_group_stores_and_loads_only_its_window(agent: AgentProcess) -> None:
+    source, (full, window) = make_hybrid_worker(agent, seed=6)
+    assert source.format is not None and source.handshake is not None
+    assert source.format.chunk_bytes == 3 * HEADS * BLOCK_TOKENS * CONTENT * 2  # 2 + 1 blocks
+    assert "window3;layers=1;blocks=2;kept=1" in source.handshake.kv_layout
+    job = StoreJob(1, "r1", TENANT, (tuple(KEYS[:2]),), (None,), ((1, 2, 3, 4), (5, 6, 7, 8)))
+    source.save(KvpoolMetadata(stores=[job]))
+    assert source.counters.totals["stored_chunks"] == 2
+
+    target, (loaded_full, loaded_window) = make_hybrid_worker(agent, seed=None)
+    # vLLM's null block (0) outside the window at the hit's end: only the last block is real
+    load = LoadJob("r2", TENANT, (tuple(KEYS[:2]),), ((9, 10, 11, 12), (0, 0, 0, 13)), 0)
+    target.start_load(KvpoolMetadata(loads=[load]))
+
+    assert target.take_load_errors() == set()
+    assert torch.equal(loaded_full[[9, 10, 11, 12]], full[[1, 2, 3, 4]])
+    assert torch.equal(loaded_window[13], window[8])
+    untouched = [block for block in range(BLOCKS) if block != 13]
+    assert not loaded_window[untouched].any()  # the null block and the rest: never written
+
+
+def test_a_block_the_window_did_not_keep_is_recomputed(agent: AgentProcess) -> None:
+    """vLLM wants a block of the window group that the chunk does not hold (an engine that
+    keeps more than the window): that chunk and the rest are reported, never half loaded."""
+    source, _ = make_hybrid_worker(agent, seed=7)
+    job = StoreJob(1, "r1", TENANT, (tuple(KEYS[:2]),), (None,), ((1, 2, 3, 4), (5, 6, 7, 8)))
+    source.save(KvpoolMetadata(stores=[job]))
+    target, (loaded_full, _) = make_hybrid_worker(agent, seed=None)
+
+    load = LoadJob("r2", TENANT, (tuple(KEYS[:2]),), ((9, 10, 11, 12), (0, 14, 15, 13)), 0)
+    target.start_load(KvpoolMetadata(loads=[load]))
+
+    assert target.take_load_errors() == {11, 12, 15, 13}
+    assert target.counters.totals["loaded_chunks"] == 1
+    assert loaded_full[[9, 10]].any() and not loaded_full[[11, 12]].any()
