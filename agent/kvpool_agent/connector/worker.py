@@ -4,7 +4,8 @@ It runs in each vLLM worker process (one per tensor-parallel rank) and knows
 nothing about scheduling: it executes the jobs in the step's metadata.
 
 * ``register_kv_caches``: find each layer's blocks by shape and stride
-  (:mod:`kvpool_agent.connector.layout`), fix the chunk format, map the segment,
+  (:mod:`kvpool_agent.connector.layout`), fix the chunk format (every KV cache group,
+  each keeping what a request needs to resume at a chunk's end), map the segment,
   and describe the format to the scheduler (the handshake).
 * ``start_load_kv`` (before the forward): for each :class:`LoadJob`, lock the
   chunks (``lookup``), copy them into the blocks, send the release (its answer is
@@ -15,11 +16,14 @@ nothing about scheduling: it executes the jobs in the step's metadata.
   and every chunk after the first gap, are reported through
   ``get_block_ids_with_load_errors`` in the same step, so vLLM recomputes them; so are
   the blocks of a load whose lease did not hold until its release (the pages may hold
-  another chunk by then).
+  another chunk by then). Per group, a chunk is copied into the blocks vLLM allocated
+  for it, skipping its null block (a window's positions outside the window); a chunk
+  for which vLLM wants a block its group did not keep is reported the same way.
 * ``wait_for_save`` (after the forward): for each :class:`StoreJob`, reserve
   (``prepare_store`` with the parent key), copy the chunks the agent does not
   have yet, commit. Refusals (quota, memory) and errors drop the store; the
-  next request recomputes and tries again.
+  next request recomputes and tries again. Where a group lets vLLM free blocks while
+  the request runs (a window), the copies finish before ``wait_for_save`` returns.
 * ``get_finished``: requests the scheduler holds are reported once their stores
   have finished.
 
@@ -39,7 +43,13 @@ import torch
 from kvpool_agent.client import AgentError, AgentInfo
 from kvpool_agent.connector.copier import BlockCopier, Copy, MappedSegment
 from kvpool_agent.connector.counters import Counters
-from kvpool_agent.connector.layout import NULL_BLOCK, ChunkFormat, GroupRule, detect_layout
+from kvpool_agent.connector.layout import (
+    NULL_BLOCK,
+    ChunkFormat,
+    GroupFormat,
+    GroupRule,
+    detect_layout,
+)
 from kvpool_agent.connector.link import AgentLink, LinkDown
 from kvpool_agent.connector.metadata import (
     KvpoolHandshake,
@@ -104,6 +114,8 @@ class WorkerHalf:
         self._present: dict[int, int] = {}
         """Store job id -> its leading chunks that this step's load lookup found cached."""
         self.handshake: KvpoolHandshake | None = None
+        self._said_unkept = False
+        """A load found vLLM wanting a block a group did not keep (warned once)."""
 
     # ------------------------------------------------------------ set-up
 
@@ -261,52 +273,59 @@ class WorkerHalf:
         if loaded < len(keys):
             self.counters.add("load_failed_chunks", len(keys) - loaded)
             for index in range(loaded, len(keys)):
-                self._failed_blocks.update(
-                    block for ids in self._chunk_blocks(job, index) for block in ids
-                )
+                self._failed_blocks.update(self._chunk_blocks(job, index))
         self._settle(wait=False)
 
-    def _chunk_blocks(self, job: LoadJob, index: int) -> list[list[int]]:
-        """Per group, the real (not null) destination blocks of the job's ``index``-th chunk
-        (within the first chunk, from token ``first_tokens`` on)."""
+    def _chunk_ids(
+        self, job: LoadJob, index: int
+    ) -> list[tuple[GroupFormat, int, tuple[int, ...]]]:
+        """Per group, the destination ids of the job's ``index``-th chunk: ``(group, first,
+        ids)``, the ids of the chunk's blocks ``first`` (past those vLLM already has) to the
+        last, vLLM's null block where the group keeps no KV."""
         assert self.format is not None
-        blocks = []
+        chunks = []
         for group, ids in zip(self.format.groups, job.block_ids, strict=True):
             per_chunk, skipped = group.blocks_per_chunk, job.first_tokens // group.rule.block_size
-            start = 0 if index == 0 else index * per_chunk - skipped
-            end = (index + 1) * per_chunk - skipped
-            blocks.append([block for block in ids[start:end] if block != NULL_BLOCK])
-        return blocks
+            first = skipped if index == 0 else 0
+            start = index * per_chunk - skipped + first
+            chunks.append((group, first, ids[start : start + per_chunk - first]))
+        return chunks
+
+    def _chunk_blocks(self, job: LoadJob, index: int) -> list[int]:
+        """The real (not null) destination blocks of the job's ``index``-th chunk."""
+        return [
+            block
+            for _, _, ids in self._chunk_ids(job, index)
+            for block in ids
+            if block != NULL_BLOCK
+        ]
 
     def _load_targets(self, job: LoadJob, index: int) -> list[tuple[int, list[int]]] | None:
         """Per group, ``(first kept block, destination ids)`` for the ``index``-th chunk of the
         job: the blocks vLLM allocated, which must be a run at the end of what the group
         keeps (vLLM gives the null block to positions outside a window). None when vLLM
         wants a block the chunk does not hold: that chunk and the rest are recomputed."""
-        assert self.format is not None
         targets: list[tuple[int, list[int]]] = []
-        for group, ids in zip(self.format.groups, job.block_ids, strict=True):
-            per_chunk, skipped = group.blocks_per_chunk, job.first_tokens // group.rule.block_size
-            first = skipped if index == 0 else 0  # blocks of the chunk vLLM already has
-            start = index * per_chunk - skipped + first
-            chunk_ids = ids[start : start + per_chunk - first]  # blocks first .. per_chunk-1
-            real = [position for position, block in enumerate(chunk_ids) if block != NULL_BLOCK]
+        for group, first, ids in self._chunk_ids(job, index):
+            real = [position for position, block in enumerate(ids) if block != NULL_BLOCK]
             if not real:
                 targets.append((0, []))
                 continue
             begin = first + real[0]
             if begin < group.first_kept or len(real) != real[-1] - real[0] + 1:
-                log.warning(
-                    "kvpool worker %d: vLLM wants block %d of a chunk whose %s group keeps "
-                    "blocks %d to %d; recomputed",
-                    self._rank,
-                    begin,
-                    group.rule.name,
-                    group.first_kept,
-                    per_chunk - 1,
-                )
+                if not self._said_unkept:
+                    self._said_unkept = True
+                    log.warning(
+                        "kvpool worker %d: vLLM wants block %d of a chunk whose %s group "
+                        "keeps blocks %d to %d; such chunks are recomputed (said once)",
+                        self._rank,
+                        begin,
+                        group.rule.name,
+                        group.first_kept,
+                        group.blocks_per_chunk - 1,
+                    )
                 return None
-            targets.append((begin - group.first_kept, list(chunk_ids[real[0] :])))
+            targets.append((begin - group.first_kept, list(ids[real[0] :])))
         return targets
 
     def take_load_errors(self) -> set[int]:
