@@ -37,8 +37,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
-from kvpool_agent.client import AgentClient
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
+from kvpool_agent.testing.agent_process import ENGINE_TOKEN, AgentProcess
 from tests.support.engines import write_model
 
 from .vllm_steps import RUNNERS, Runner, StepEngine, cpu_platform_env, kv_cache_config, vllm_config
@@ -300,21 +299,6 @@ SALT = "conformance"
 BLOCKS_PER_CHUNK = 2
 CHUNKS = 3
 """Chunks of the prompt (which has a few tokens more, a partial block never stored)."""
-
-
-@pytest.fixture(scope="module")
-def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
-    process = AgentProcess(tmp_path_factory.mktemp("agent"))
-    process.start()
-    yield process
-    process.cleanup()
-
-
-@pytest.fixture
-def empty_agent(agent: AgentProcess) -> AgentProcess:
-    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
-        client.clear()
-    return agent
 
 
 @pytest.fixture(scope="module")

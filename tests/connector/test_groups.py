@@ -81,21 +81,6 @@ POISONED: list[tuple[GroupMix, str]] = [
 
 
 @pytest.fixture(scope="module")
-def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
-    process = AgentProcess(tmp_path_factory.mktemp("agent"))
-    process.start()
-    yield process
-    process.cleanup()
-
-
-@pytest.fixture
-def empty_agent(agent: AgentProcess) -> AgentProcess:
-    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
-        client.clear()
-    return agent
-
-
-@pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model(tmp_path_factory.mktemp("model"))
 
