@@ -80,7 +80,6 @@ INHERITED: dict[str, str] = {
         "vLLM's default passes pipeline rank 0's handshakes to set_xfer_handshake_metadata "
         "and refuses others (kvpool does not split pipeline stages)"
     ),
-    "get_transfer_results": "vLLM's default is built from get_finished, which kvpool answers",
     # capabilities kvpool does not claim
     "supports_divergent_local_hybrid_hits": "False: kvpool restores no recurrent state",
     "get_loaded_kv_cache_group_ids": (

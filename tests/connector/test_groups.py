@@ -241,7 +241,12 @@ def assert_null_block_untouched(engine: StepEngine) -> None:
 
 
 def load(engine: StepEngine, tokens: list[int], check: Callable[[], None]) -> None:
-    """Run the same prompt, salt and all: a hit; ``check`` the blocks before the forward."""
+    """Run the same prompt, salt and all: a hit; ``check`` the blocks before the forward.
+
+    With one group the load is synchronous: it runs before the request's first forward.
+    With several, vLLM takes load failures only per request, so kvpool's loads are
+    asynchronous to vLLM: one step loads (the request waits for its KV), and the request
+    is scheduled in a later step, once the worker reported it received."""
     block = engine.config.cache_config.block_size
     engine.add("second", tokens, SALT)
     seen: list[bool] = []
@@ -254,9 +259,18 @@ def load(engine: StepEngine, tokens: list[int], check: Callable[[], None]) -> No
         seen.append(True)
         check()
 
-    step = engine.step(forward)
+    several = len(engine.plan.kv_cache_groups) > 1
+    received: set[str] = set()
+    for _ in range(3 if several else 1):
+        step = engine.step(forward)
+        assert step.kv is None or step.kv.invalid_block_ids == set()
+        if step.kv is not None:
+            assert not step.kv.failed_recving
+            received |= step.kv.finished_recving or set()
+        if seen:
+            break
     assert seen, "vLLM ran no forward"
-    assert step.kv is None or step.kv.invalid_block_ids == set()
+    assert received == ({"second"} if several else set())
     assert step.finished == {"second"}
     engine.step()
 
@@ -383,3 +397,46 @@ def test_a_mamba_group_is_a_logged_miss(
     assert said, "kvpool did not say why a Mamba model gets no hits"
     # once per connector (each engine's scheduler and worker) at most, not per request
     assert len(said) <= 4, said
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_a_load_that_fails_recomputes_the_request(
+    empty_agent: AgentProcess,
+    engines: Callable[[GroupMix, Runner], StepEngine],
+    runner: Runner,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The chunks vanish between the scheduler's probe and the worker's load (evicted, an
+    agent restarted): with several groups vLLM takes no failed blocks (it raises), so the
+    worker reports the request failed, and vLLM computes it anew, from its first token."""
+    mix: GroupMix = "full+swa"
+    first = engines(mix, runner)
+    tokens = prompt_of(first)
+    store(first, tokens)
+    second = engines(mix, runner)
+    worker = second.worker
+    load_kv = worker.start_load_kv
+
+    def evicted_first(*args: Any, **kwargs: Any) -> None:
+        with AgentClient(empty_agent.zmq, token=ADMIN_TOKEN) as client:
+            client.clear()
+        load_kv(*args, **kwargs)
+
+    monkeypatch.setattr(worker, "start_load_kv", evicted_first)
+    second.add("second", tokens, SALT)
+    computed: list[int] = []
+
+    def forward(output: SchedulerOutput) -> None:
+        computed.extend(new.num_computed_tokens for new in output.scheduled_new_reqs)
+
+    failed: set[str] = set()
+    for _ in range(4):
+        step = second.step(forward)
+        if step.kv is not None:
+            assert step.kv.invalid_block_ids == set()
+            failed |= step.kv.failed_recving or set()
+        if step.finished:
+            break
+    assert failed == {"second"}
+    assert computed == [0], "the request did not start over"
+    assert step.finished == {"second"}

@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -128,6 +129,8 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
                 step_budget_s=settings.step_budget_ms / 1000,
                 segment_path=self._segment_path,
                 disabled=disabled,
+                # vLLM takes no block-level load failures from an engine of several groups
+                loads_per_request=len(kv_cache_config.kv_cache_groups) > 1,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -253,8 +256,16 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         self.worker.save(self._metadata())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        done = self.worker.get_finished(finished_req_ids)
-        return (done or None), None
+        results = self.get_transfer_results(finished_req_ids)
+        return (results.finished_sending or None), (results.finished_recving or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        received, failed = self.worker.take_received()
+        return KVConnectorTransferResults(
+            finished_sending=self.worker.get_finished(finished_req_ids),
+            finished_recving=received,
+            failed_recving=failed,
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
@@ -293,6 +304,7 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         self.scheduler.update_connector_output(
             meta if isinstance(meta, KvpoolWorkerMetadata) else None,
             set(connector_output.finished_sending or ()),
+            set(getattr(connector_output, "failed_recving", None) or ()),
         )
 
     def request_finished(

@@ -42,6 +42,10 @@ class LoadJob:
     first chunk to the end of the last chunk."""
     first_tokens: int
     """Tokens of the first chunk that vLLM already has (skipped)."""
+    per_request: bool = False
+    """Report the load's outcome for the request (vLLM's asynchronous load: finished or
+    failed receiving), not failed blocks: an engine of several KV cache groups takes no
+    block-level failures."""
 
 
 @dataclass(frozen=True)

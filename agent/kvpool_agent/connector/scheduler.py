@@ -25,8 +25,12 @@ fingerprint), the request's block ids and a store cursor.
   to the oldest requests, and a burst or a queue of any length delays a step by
   at most the budget (plus the one question in flight).
 * ``update_state_after_alloc``: turn the hit into a :class:`LoadJob` on the
-  blocks vLLM allocated. The worker locks the chunks when it copies them; if
-  they are gone by then it reports the blocks and vLLM recomputes them.
+  blocks vLLM allocated (every KV cache group's). The worker locks the chunks when it
+  copies them; if they are gone by then it reports the blocks and vLLM recomputes them.
+  vLLM takes no failed blocks from an engine of several groups (block ids are not
+  unique across groups), so there the load is asynchronous to vLLM: the request waits
+  one step for its KV, and a failed load is reported for the request, which vLLM then
+  computes anew; it gets no more hits, so a chunk that vanished is not offered again.
 * ``build_connector_meta``: every chunk that becomes full by the end of this
   step (prompt or generated tokens) and was not loaded from the agent becomes
   part of a :class:`StoreJob`, with the key of the chunk before it as parent.
@@ -46,7 +50,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -123,6 +127,8 @@ class _Request:
     prefetch_tried: bool = False
     counted: bool = False
     """The agent counted this request's hits and misses (at its first lookup)."""
+    load_failed: bool = False
+    """A per-request load failed: vLLM computes the request anew, without the cache."""
 
 
 @dataclass
@@ -146,12 +152,17 @@ class SchedulerHalf:
         segment_path: Callable[[AgentInfo], Path] | None = None,
         clock: Callable[[], float] = time.monotonic,
         disabled: str | None = None,
+        loads_per_request: bool = False,
     ) -> None:
         """``groups``: what each of vLLM's KV cache groups keeps of a chunk, in vLLM's order.
         ``segment_path``: where this process sees the agent's segment (its table of ready
         chunks lies beside it); without it every probe asks the agent. ``disabled``: why this
-        engine gets no hits and stores nothing (said once, by the caller)."""
+        engine gets no hits and stores nothing (said once, by the caller).
+        ``loads_per_request``: vLLM takes no block-level load failures from this engine (it
+        has several KV cache groups), so loads are asynchronous to vLLM and their failures
+        reported per request (vLLM then recomputes the request)."""
         self._disabled = disabled
+        self._loads_per_request = loads_per_request
         self._prefetch_wait_s = prefetch_wait_s
         self._step_budget_s = step_budget_s
         self._segment_path = segment_path
@@ -275,6 +286,8 @@ class SchedulerHalf:
     def _matched(self, request: RequestView, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._state(request)
         state.planned = None
+        if state.load_failed:
+            return 0, False
         size = self.chunk_tokens
         limit = (request.num_tokens - 1) // size  # vLLM must compute at least one token
         first = num_computed_tokens // size
@@ -293,7 +306,7 @@ class SchedulerHalf:
         if external <= 0:
             return 0, False
         state.planned = (num_computed_tokens, external)
-        return external, False
+        return external, self._loads_per_request
 
     def _probe(self, state: _Request, first: int, limit: int) -> int | None:
         """Chunks ``first, first+1, ...`` (up to ``limit``) that every rank finds, in a row;
@@ -444,6 +457,7 @@ class SchedulerHalf:
                     for rule, ids in zip(self._groups, blocks.get_block_ids(), strict=True)
                 ),
                 first_tokens=start % size,
+                per_request=self._loads_per_request,
             )
         )
         state.stored_chunks = max(state.stored_chunks, end_chunk)
@@ -544,8 +558,18 @@ class SchedulerHalf:
         return True
 
     def update_connector_output(
-        self, worker_meta: KvpoolWorkerMetadata | None, finished_sending: set[str]
+        self,
+        worker_meta: KvpoolWorkerMetadata | None,
+        finished_sending: set[str],
+        failed_receiving: Collection[str] = (),
     ) -> None:
+        """Count finished stores; ``failed_receiving``: requests whose per-request loads
+        failed, which vLLM computes anew; they get no more hits (a chunk that vanished
+        between the probe and the load would otherwise be offered again and again)."""
+        for req_id in failed_receiving:
+            failed = self._requests.get(req_id)
+            if failed is not None:
+                failed.load_failed = True
         if worker_meta is not None:
             for job_id, workers in worker_meta.completed_stores.items():
                 store = self._stores.get(job_id)

@@ -77,6 +77,8 @@ class _PendingRelease:
     copies: list[Copy]
     block_ids: list[int]
     """The blocks the copies write: wrong if the lease ends before it is released."""
+    req_id: str | None = None
+    """The request whose load fails as a whole (a per-request load), or None."""
     answer: Callable[[], None] | None = None
     """Waits for the agent's answer to the release, once it is sent."""
 
@@ -104,6 +106,10 @@ class WorkerHalf:
         self._refused: tuple[Path, tuple[int, int]] | None = None
         """The path and the agent's file last refused (see :meth:`on_new_agent`)."""
         self._failed_blocks: set[int] = set()
+        self._received: set[str] = set()
+        """Requests whose per-request loads are done (loaded or failed): finished receiving."""
+        self._failed_requests: set[str] = set()
+        """Of those, the requests whose loads failed (vLLM recomputes them)."""
         self._stores: list[_PendingStore] = []
         self._releases: list[_PendingRelease] = []
         self._releasing: list[_PendingRelease] = []
@@ -264,16 +270,22 @@ class WorkerHalf:
                     loaded += 1
             finally:
                 if hit.lease is not None:
-                    self._releases.append(_PendingRelease(hit.lease, copies, written))
+                    owner = job.req_id if job.per_request else None
+                    self._releases.append(_PendingRelease(hit.lease, copies, written, owner))
         except (LinkDown, SegmentError) as error:
             log.debug("kvpool worker %d: load of %s failed: %s", self._rank, job.req_id, error)
         except AgentError as error:
             log.warning("kvpool worker %d: load refused: %s", self._rank, error)
         self.counters.add("loaded_chunks", loaded)
+        if job.per_request:
+            self._received.add(job.req_id)
         if loaded < len(keys):
             self.counters.add("load_failed_chunks", len(keys) - loaded)
-            for index in range(loaded, len(keys)):
-                self._failed_blocks.update(self._chunk_blocks(job, index))
+            if job.per_request:
+                self._failed_requests.add(job.req_id)
+            else:
+                for index in range(loaded, len(keys)):
+                    self._failed_blocks.update(self._chunk_blocks(job, index))
         self._settle(wait=False)
 
     def _chunk_ids(
@@ -327,6 +339,16 @@ class WorkerHalf:
                 return None
             targets.append((begin - group.first_kept, list(ids[real[0] :])))
         return targets
+
+    def take_received(self) -> tuple[set[str], set[str]]:
+        """(finished receiving, failed receiving) of the per-request loads since the last
+        call; the failed are among the finished, as vLLM wants them."""
+        if self._received:  # their copies are done and their leases held until now
+            self._settle_loads(wait=True)
+        received, self._received = self._received, set()
+        failed = self._failed_requests & received
+        self._failed_requests -= received
+        return received, failed
 
     def take_load_errors(self) -> set[int]:
         # vLLM asks after the forward, whose input the copies were: they are done, and the
@@ -467,7 +489,10 @@ class WorkerHalf:
             len(release.block_ids),
         )
         self.counters.add("load_failed_chunks", len(release.copies))
-        self._failed_blocks.update(release.block_ids)
+        if release.req_id is not None:
+            self._failed_requests.add(release.req_id)
+        else:
+            self._failed_blocks.update(release.block_ids)
 
     def _abandon(self, lease: int) -> None:
         """Release a lease; if the agent is gone, so is the lease (it also expires)."""
