@@ -25,7 +25,12 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from kvpool_agent.connector.groups import NotCacheable, cacheable_groups, cannot_resume
+from kvpool_agent.connector.groups import (
+    NotCacheable,
+    cacheable_groups,
+    cannot_resume,
+    loads_per_request,
+)
 from kvpool_agent.connector.layout import GroupRule
 
 BLOCK = 16
@@ -94,3 +99,11 @@ def test_mla_that_cannot_use_cached_context_is_not_served() -> None:
     assert cannot_resume(engine(True, True, True)) is None  # MLA on a GPU
     assert cannot_resume(engine(True, False, True)) is None  # prefix caching off by choice
     assert cannot_resume(engine(False, False, False)) is None  # not MLA
+
+
+def test_a_window_or_several_groups_fail_loads_per_request() -> None:
+    full = FullAttentionSpec(block_size=BLOCK, **HEADS)
+    window = SlidingWindowSpec(block_size=BLOCK, sliding_window=128, **HEADS)
+    for specs, per_request in (((full,), False), ((window,), True), ((full, window), True)):
+        plan = config(*specs)
+        assert loads_per_request(plan, cacheable_groups(plan)) is per_request, specs

@@ -243,8 +243,9 @@ def assert_null_block_untouched(engine: StepEngine) -> None:
 def load(engine: StepEngine, tokens: list[int], check: Callable[[], None]) -> None:
     """Run the same prompt, salt and all: a hit; ``check`` the blocks before the forward.
 
-    With one group the load is synchronous: it runs before the request's first forward.
-    With several, vLLM takes load failures only per request, so kvpool's loads are
+    With one full-attention group the load is synchronous: it runs before the request's
+    first forward. With several groups, or a window, a failed load must fail the request
+    (see :func:`test_a_load_that_fails_recomputes_the_request`), so kvpool's loads are
     asynchronous to vLLM: one step loads (the request waits for its KV), and the request
     is scheduled in a later step, once the worker reported it received."""
     block = engine.config.cache_config.block_size
@@ -259,9 +260,12 @@ def load(engine: StepEngine, tokens: list[int], check: Callable[[], None]) -> No
         seen.append(True)
         check()
 
-    several = len(engine.plan.kv_cache_groups) > 1
+    groups = engine.plan.kv_cache_groups
+    per_request = len(groups) > 1 or any(
+        type(group.kv_cache_spec).__name__ == "SlidingWindowSpec" for group in groups
+    )
     received: set[str] = set()
-    for _ in range(3 if several else 1):
+    for _ in range(3 if per_request else 1):
         step = engine.step(forward)
         assert step.kv is None or step.kv.invalid_block_ids == set()
         if step.kv is not None:
@@ -270,7 +274,7 @@ def load(engine: StepEngine, tokens: list[int], check: Callable[[], None]) -> No
         if seen:
             break
     assert seen, "vLLM ran no forward"
-    assert received == ({"second"} if several else set())
+    assert received == ({"second"} if per_request else set())
     assert step.finished == {"second"}
     engine.step()
 
@@ -400,16 +404,19 @@ def test_a_mamba_group_is_a_logged_miss(
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("mix", ["full+swa", "swa"])
 def test_a_load_that_fails_recomputes_the_request(
     empty_agent: AgentProcess,
     engines: Callable[[GroupMix, Runner], StepEngine],
+    mix: GroupMix,
     runner: Runner,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The chunks vanish between the scheduler's probe and the worker's load (evicted, an
-    agent restarted): with several groups vLLM takes no failed blocks (it raises), so the
-    worker reports the request failed, and vLLM computes it anew, from its first token."""
-    mix: GroupMix = "full+swa"
+    agent restarted). With several groups vLLM takes no failed blocks (it raises); with a
+    window, resuming at a failed block would read the window before it, which vLLM never
+    allocated. So the worker reports the request failed, and vLLM computes it anew, from
+    its first token, once: the request is offered no more hits."""
     first = engines(mix, runner)
     tokens = prompt_of(first)
     store(first, tokens)

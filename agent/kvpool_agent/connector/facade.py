@@ -45,7 +45,13 @@ from kvpool_agent.client import AgentInfo
 from kvpool_agent.connector import discovery, identity
 from kvpool_agent.connector.compat import check_vllm_version
 from kvpool_agent.connector.counters import Counters
-from kvpool_agent.connector.groups import CachedGroup, NotCacheable, cacheable_groups, cannot_resume
+from kvpool_agent.connector.groups import (
+    CachedGroup,
+    NotCacheable,
+    cacheable_groups,
+    cannot_resume,
+    loads_per_request,
+)
 from kvpool_agent.connector.link import AgentLink
 from kvpool_agent.connector.metadata import KvpoolHandshake, KvpoolMetadata, KvpoolWorkerMetadata
 from kvpool_agent.connector.metrics import KvpoolPromMetrics, KvpoolStats
@@ -129,8 +135,7 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
                 step_budget_s=settings.step_budget_ms / 1000,
                 segment_path=self._segment_path,
                 disabled=disabled,
-                # vLLM takes no block-level load failures from an engine of several groups
-                loads_per_request=len(kv_cache_config.kv_cache_groups) > 1,
+                loads_per_request=loads_per_request(kv_cache_config, self._groups),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

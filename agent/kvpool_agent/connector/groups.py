@@ -108,3 +108,16 @@ def cannot_resume(config: VllmConfig) -> str | None:
             "no hits and stores nothing"
         )
     return None
+
+
+def loads_per_request(config: KVCacheConfig, groups: Sequence[CachedGroup]) -> bool:
+    """Whether a failed load must be reported for its request (vLLM's asynchronous load)
+    rather than as failed blocks, which vLLM recomputes from the first one on.
+
+    vLLM takes no failed blocks from an engine of several KV cache groups (a block id is
+    unique within its group only: it raises). And resuming at a failed block of a window
+    group needs the window before it, whose blocks vLLM never allocated when the hit went
+    further (null blocks): recomputing from there would read them. Either way the request
+    must be computed anew, from its first token.
+    """
+    return len(config.kv_cache_groups) > 1 or any(group.rule.kind != "full" for group in groups)

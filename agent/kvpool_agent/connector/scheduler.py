@@ -28,9 +28,11 @@ fingerprint), the request's block ids and a store cursor.
   blocks vLLM allocated (every KV cache group's). The worker locks the chunks when it
   copies them; if they are gone by then it reports the blocks and vLLM recomputes them.
   vLLM takes no failed blocks from an engine of several groups (block ids are not
-  unique across groups), so there the load is asynchronous to vLLM: the request waits
-  one step for its KV, and a failed load is reported for the request, which vLLM then
-  computes anew; it gets no more hits, so a chunk that vanished is not offered again.
+  unique across groups), and a window group cannot resume at a failed block (the window
+  before it was never allocated), so there the load is asynchronous to vLLM
+  (:func:`~kvpool_agent.connector.groups.loads_per_request`): the request waits one step
+  for its KV, and a failed load is reported for the request, which vLLM then computes
+  anew; it gets no more hits, so a chunk that vanished is not offered again.
 * ``build_connector_meta``: every chunk that becomes full by the end of this
   step (prompt or generated tokens) and was not loaded from the agent becomes
   part of a :class:`StoreJob`, with the key of the chunk before it as parent.
@@ -158,9 +160,9 @@ class SchedulerHalf:
         ``segment_path``: where this process sees the agent's segment (its table of ready
         chunks lies beside it); without it every probe asks the agent. ``disabled``: why this
         engine gets no hits and stores nothing (said once, by the caller).
-        ``loads_per_request``: vLLM takes no block-level load failures from this engine (it
-        has several KV cache groups), so loads are asynchronous to vLLM and their failures
-        reported per request (vLLM then recomputes the request)."""
+        ``loads_per_request``: a failed load must fail its whole request (several KV cache
+        groups, or a window), so loads are asynchronous to vLLM and their failures reported
+        per request (vLLM then computes the request anew)."""
         self._disabled = disabled
         self._loads_per_request = loads_per_request
         self._prefetch_wait_s = prefetch_wait_s
