@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -207,9 +208,12 @@ def kv_cache_config(config: VllmConfig, num_blocks: int, mix: GroupMix = "full")
     override, cache.num_gpu_blocks_override = cache.num_gpu_blocks_override, num_blocks
     try:
         # the memory is the override's: vLLM plans exactly num_blocks blocks
-        (result,) = plan_all(
-            config, [specs], [num_blocks * sum(spec.page_size_bytes for spec in specs.values())]
-        )
+        memory = [num_blocks * sum(spec.page_size_bytes for spec in specs.values())]
+        if "global_kv_cache_groups" in inspect.signature(plan_all).parameters:  # 0.33
+            grouped = _vllm_function("get_global_kv_cache_groups", "vllm.v1.core.kv_cache_planning")
+            (result,) = plan_all(config, [specs], memory, grouped(config, [specs]))
+        else:
+            (result,) = plan_all(config, [specs], memory)
     finally:
         cache.num_gpu_blocks_override = override
     assert isinstance(result, KVCacheConfig), type(result)
