@@ -51,7 +51,7 @@ from kvpool_agent import problems
 from kvpool_agent.bench import connector_queued
 from kvpool_agent.bench.connector_engine import Engine, Sample, kv_bytes_per_token, write_model
 from kvpool_agent.bench.report import table
-from kvpool_agent.testing.agent_process import running_agent
+from kvpool_agent.testing.agent_process import ENGINE_TOKEN, running_agent
 
 CONFIGS = ("none", "kvpool", "example", "native")
 FLOOR = "floor"
@@ -130,9 +130,10 @@ def run(args: argparse.Namespace) -> None:
         workdir = Path(work)
         model = workdir / "model"
         write_model(model, args)
-        endpoint = args.endpoint
+        endpoint, token = args.endpoint, None  # --endpoint: the token from KVPOOL_TOKEN
         if "kvpool" in configs and endpoint is None:
             endpoint = agent.enter_context(running_agent({"POOL": "bench", "L1_SIZE": "2Gi"})).zmq
+            token = ENGINE_TOKEN
         rng = random.Random(1)
         runs = []
         for _ in range(args.runs):
@@ -145,6 +146,7 @@ def run(args: argparse.Namespace) -> None:
                         "prompt_tokens": args.prompt_tokens,
                         "chunk_tokens": args.chunk_tokens,
                         "endpoint": endpoint,
+                        "token": token,
                         "storage": str(workdir / "example"),
                     }
                     engines.append(Engine(settings, workdir / f"{config}.log"))
