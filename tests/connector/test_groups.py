@@ -36,7 +36,6 @@ import torch
 
 from kvpool_agent import keys
 from kvpool_agent.client import AgentClient
-from kvpool_agent.connector.facade import KvpoolConnector
 from kvpool_agent.segment import SharedSegment
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 from tests.support.engines import write_model
@@ -53,6 +52,8 @@ from .vllm_steps import (
 )
 
 os.environ.update(cpu_platform_env())  # before vLLM's first import picks its platform
+
+from kvpool_agent.connector.facade import KvpoolConnector
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -123,6 +124,8 @@ def plans(
     def plan(mix: GroupMix) -> tuple[VllmConfig, KVCacheConfig]:
         if mix not in made:
             config = group_config(model, token_file, agent)
+            if "mamba" in mix:  # what vLLM sets for a Mamba model with prefix caching
+                config.cache_config.mamba_cache_mode = "align"
             made[mix] = config, kv_cache_config(config, NUM_BLOCKS, mix)
         return made[mix]
 

@@ -162,6 +162,7 @@ def layer_specs(config: VllmConfig, mix: GroupMix = "full") -> dict[str, KVCache
         shapes=((3, 256), (4, 16, 16)),
         dtypes=(model.dtype, model.dtype),
         page_size_padded=full.page_size_bytes,
+        mamba_cache_mode=config.cache_config.mamba_cache_mode,
     )
     attention = "model.layers.{}.self_attn.attn"
     kinds: dict[GroupMix, list[tuple[str, KVCacheSpec]]] = {
@@ -175,7 +176,8 @@ def layer_specs(config: VllmConfig, mix: GroupMix = "full") -> dict[str, KVCache
 
 
 def kv_cache_config(config: VllmConfig, num_blocks: int, mix: GroupMix = "full") -> KVCacheConfig:
-    """vLLM's plan for ``num_blocks`` blocks of a model of ``mix``'s layers, in the
+    """vLLM's plan for ``num_blocks`` blocks (or as many as one request of the model's
+    length needs) of a model of ``mix``'s layers, in the
     layout the platform's attention backend asks for, grouped and laid out as the engine
     core does it (``get_kv_cache_configs``: layers of different specs in groups of their
     own, with the hybrid KV cache manager, sharing tensors).
@@ -205,6 +207,10 @@ def kv_cache_config(config: VllmConfig, num_blocks: int, mix: GroupMix = "full")
         "vllm.v1.core.kv_cache_utils",  # 0.30 to 0.32
     )
     cache = config.cache_config
+    # vLLM (0.33) refuses a plan without room for one request of the model's length, in
+    # every group (a window's group also needs a step's tokens): twice that, to be sure
+    longest = -(-config.model_config.max_model_len // cache.block_size) + 1
+    num_blocks = max(num_blocks, 2 * longest)
     override, cache.num_gpu_blocks_override = cache.num_gpu_blocks_override, num_blocks
     try:
         # the memory is the override's: vLLM plans exactly num_blocks blocks
