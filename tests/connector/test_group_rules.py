@@ -31,7 +31,7 @@ from kvpool_agent.connector.groups import (
     cannot_resume,
     loads_per_request,
 )
-from kvpool_agent.connector.layout import GroupRule
+from kvpool_agent.connector.layout import GroupRule, LayoutError
 
 BLOCK = 16
 HEADS: dict[str, Any] = {"num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
@@ -68,7 +68,7 @@ def test_a_window_keeps_the_blocks_a_resumed_token_looks_back_on() -> None:
     assert GroupRule("window", BLOCK, 129).kept_blocks(256) == 9
     assert (
         GroupRule("full", BLOCK).kept_blocks(256)
-        == GroupRule("local", BLOCK, 8).kept_blocks(256)
+        == GroupRule("local", BLOCK, 512).kept_blocks(256)
         == 16
     )
 
@@ -107,3 +107,18 @@ def test_a_window_or_several_groups_fail_loads_per_request() -> None:
     for specs, per_request in (((full,), False), ((window,), True), ((full, window), True)):
         plan = config(*specs)
         assert loads_per_request(plan, cacheable_groups(plan)) is per_request, specs
+
+
+def test_local_attention_chunks_must_hold_whole_kvpool_chunks() -> None:
+    """vLLM frees a local-attention chunk's blocks at its edge, maybe before a kvpool chunk
+    across that edge is full and stored: such a chunk size is refused, not cached wrong."""
+    assert GroupRule("local", BLOCK, 8192).kept_blocks(256) == 16
+    with pytest.raises(LayoutError, match="does not divide the model's 8192-token"):
+        GroupRule("local", BLOCK, 8192).kept_blocks(3072)
+
+
+def test_a_group_vllm_rebuilds_after_a_load_is_refused() -> None:
+    plan = config(FullAttentionSpec(block_size=BLOCK, **HEADS))
+    plan.kv_cache_groups[0].enable_kv_transfer = False
+    with pytest.raises(NotCacheable, match="rebuilds after a load"):
+        cacheable_groups(plan)

@@ -444,3 +444,34 @@ def test_an_engine_kvpool_cannot_cache_gets_no_hits_and_asks_nothing() -> None:
         scheduler_output([new_request("r", list(range(1, 9)), computed=0)], scheduled={"r": 1000})
     )
     assert (meta.loads, meta.stores, agent.lookups) == ([], [], [])
+
+
+def test_a_failed_per_request_load_stores_its_chunks_when_recomputed() -> None:
+    agent = FakeAgent()
+    prompt = tokens(1000)
+    agent.put(keys.tenant_id(None), chain(prompt)[:3])
+    half = SchedulerHalf(
+        model="m",
+        dtype="bfloat16",
+        tp_size=1,
+        groups=HYBRID,
+        link=make_link(agent),
+        counters=Counters(),
+        loads_per_request=True,
+    )
+    half.configure({0: KvpoolHandshake(LAYOUT, CHUNK, True)})
+    request = FakeRequest("r", prompt)
+    assert half.get_num_new_matched_tokens(request, 0) == (3 * CHUNK, True)  # asynchronous
+    full, window = list(range(20, 28)), list(range(30, 38))
+    half.update_state_after_alloc(request, FakeBlocks(full, window), 3 * CHUNK)
+    (load,) = half.build_connector_meta(scheduler_output()).loads
+    assert load.per_request
+
+    half.update_connector_output(None, set(), {"r"})  # the agent lost the chunks meanwhile
+
+    assert half.get_num_new_matched_tokens(request, 0) == (0, False)  # no more hits
+    meta = half.build_connector_meta(
+        scheduler_output([new_request("r", full, window, computed=0)], scheduled={"r": 1000})
+    )
+    (store,) = meta.stores  # computed anew: its chunks are stored again
+    assert store.keys == (tuple(chain(prompt)[:3]),)

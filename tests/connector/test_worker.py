@@ -358,3 +358,10 @@ def test_a_block_the_window_did_not_keep_is_recomputed(agent: AgentProcess) -> N
     assert target.take_load_errors() == {11, 12, 15, 13}
     assert target.counters.totals["loaded_chunks"] == 1
     assert loaded_full[[9, 10]].any() and not loaded_full[[11, 12]].any()
+
+    # a null block after a real one: never a destination (the null block is vLLM's)
+    target, (_, loaded_window) = make_hybrid_worker(agent, seed=None)
+    load = LoadJob("r3", TENANT, (tuple(KEYS[:1]),), ((9, 10), (13, 0)), 0)
+    target.start_load(KvpoolMetadata(loads=[load]))
+    assert target.take_load_errors() == {9, 10, 13}
+    assert not loaded_window[0].any()

@@ -52,6 +52,7 @@ from kvpool_agent.connector.groups import (
     cannot_resume,
     loads_per_request,
 )
+from kvpool_agent.connector.layout import LayoutError
 from kvpool_agent.connector.link import AgentLink
 from kvpool_agent.connector.metadata import KvpoolHandshake, KvpoolMetadata, KvpoolWorkerMetadata
 from kvpool_agent.connector.metrics import KvpoolPromMetrics, KvpoolStats
@@ -228,12 +229,15 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
             return  # not cached (the scheduler said why): no handshake, no hits
         layer_names = [name for group in self._groups for name in group.layer_names]
         backends = get_current_attn_backends(self._vllm_config, layer_names)
-        self.worker.register_kv_caches(
-            kv_caches,
-            [(group.rule, group.layer_names) for group in self._groups],
-            self._kv_cache_config.num_blocks,
-            "+".join(sorted(backend.get_name() for backend in backends)),
-        )
+        try:
+            self.worker.register_kv_caches(
+                kv_caches,
+                [(group.rule, group.layer_names) for group in self._groups],
+                self._kv_cache_config.num_blocks,
+                "+".join(sorted(backend.get_name() for backend in backends)),
+            )
+        except LayoutError as error:  # never fail vLLM's start: serve without the cache
+            log.warning("kvpool: %s; this engine gets no hits from kvpool", error)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self.worker.handshake
@@ -375,4 +379,7 @@ def _model_identity(name: str, vllm_config: VllmConfig) -> str:
         identity += f"@{model.revision}"
     if model.quantization:
         identity += f"+{model.quantization}"
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype != "auto":  # fp8 kinds are all uint8 pages: the descriptor cannot tell
+        identity += f"+kv:{cache_dtype}"
     return identity

@@ -59,9 +59,13 @@ def cacheable_groups(config: KVCacheConfig) -> list[CachedGroup]:
     """Every group vLLM transfers, with its rule; :class:`NotCacheable` if one has none."""
     groups = []
     for group in config.kv_cache_groups:
-        if not getattr(group, "enable_kv_transfer", True):
-            continue  # vLLM rebuilds this group from another after a connector load
         spec, layer = group.kv_cache_spec, group.layer_names[0] if group.layer_names else "?"
+        if not getattr(group, "enable_kv_transfer", True):
+            raise NotCacheable(  # a replica vLLM rebuilds from another group after a load
+                f"kvpool does not cache engines with a group vLLM rebuilds after a load "
+                f"({type(spec).__name__}, layer {layer}); this engine gets no hits from "
+                "kvpool and stores nothing"
+            )
         rule = _rule(spec)
         if rule is None:
             raise NotCacheable(
@@ -91,13 +95,17 @@ def _rule(spec: KVCacheSpec) -> GroupRule | None:
 def cannot_resume(config: VllmConfig) -> str | None:
     """Why this engine cannot use a prefix it did not compute itself, or None.
 
-    vLLM turns prefix caching *and* chunked prefill off where its MLA prefill cannot
-    attend over cached context (its CPU platform without AMX): such an engine only ever
-    computes a prompt whole, and KV handed to it would be read as garbage.
+    vLLM's CPU platform turns prefix caching *and* chunked prefill off where its MLA
+    prefill cannot attend over cached context (no AMX): such an engine only ever computes
+    a prompt whole, and KV handed to it would be read as garbage. (On a GPU the two being
+    off is the user's choice, and its MLA backends attend over cached context.)
     """
+    from vllm.platforms import current_platform
+
     model = config.model_config
     if (
         model is not None
+        and current_platform.is_cpu()
         and model.use_mla
         and not config.cache_config.enable_prefix_caching
         and not config.scheduler_config.enable_chunked_prefill

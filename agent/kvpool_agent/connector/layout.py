@@ -23,7 +23,8 @@ layer of this worker, every KV cache group vLLM gives it)::
 
 A group keeps the blocks a request needs to resume at the chunk's end, and no more
 (:class:`GroupRule`): every block for full attention and MLA, the last
-``ceil((W - 1) / block_size)`` for a sliding window of ``W`` tokens. One key holds every
+``ceil((W - 1 + R) / block_size)`` for a sliding window of ``W`` tokens (``R``: tokens vLLM
+retains past the window for speculative decoding). One key holds every
 group, so a hit is all of them or none: a request never resumes with one group loaded
 and another not.
 
@@ -158,9 +159,11 @@ class GroupRule:
     * ``full``: every block (full attention, MLA);
     * ``window``: the blocks of the last ``tokens`` tokens (a sliding window of ``W`` looks
       back ``W - 1`` tokens; vLLM may retain a few more), the rest of the chunk never;
-    * ``local``: chunked local attention; every block (a chunk that ends inside an attention
-      chunk needs its blocks back to that attention chunk's start, which earlier kvpool
-      chunks hold only if they kept every block).
+    * ``local``: chunked local attention of ``tokens``-token attention chunks; every block
+      (a chunk that ends inside an attention chunk needs its blocks back to that attention
+      chunk's start, which earlier kvpool chunks hold only if they kept every block). A
+      kvpool chunk must not straddle an attention chunk's edge: vLLM frees the blocks before
+      the edge while the request runs, possibly before the kvpool chunk is full and stored.
     """
 
     kind: Literal["full", "window", "local"]
@@ -184,6 +187,11 @@ class GroupRule:
         per_chunk = self.blocks_per_chunk(chunk_tokens)
         if self.kind == "window":
             return min(per_chunk, -(-self.tokens // self.block_size))
+        if self.kind == "local" and self.tokens % chunk_tokens:
+            raise LayoutError(
+                f"chunk_tokens={chunk_tokens} does not divide the model's {self.tokens}-token "
+                "local attention chunks (vLLM frees a local chunk's blocks at its edge)"
+            )
         return per_chunk
 
 

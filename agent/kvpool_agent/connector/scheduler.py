@@ -131,6 +131,8 @@ class _Request:
     """The agent counted this request's hits and misses (at its first lookup)."""
     load_failed: bool = False
     """A per-request load failed: vLLM computes the request anew, without the cache."""
+    loaded_from: int = 0
+    """The first chunk of the request's load (stored again if that load fails)."""
 
 
 @dataclass
@@ -213,13 +215,13 @@ class SchedulerHalf:
         chunk_tokens = sizes.pop()
         try:
             self._blocks_per_chunk = [rule.blocks_per_chunk(chunk_tokens) for rule in self._groups]
+            self._first_kept = [
+                per_chunk - rule.kept_blocks(chunk_tokens)
+                for rule, per_chunk in zip(self._groups, self._blocks_per_chunk, strict=True)
+            ]
         except LayoutError as error:
             log.error("kvpool: %s; cache disabled", error)
             return
-        self._first_kept = [
-            per_chunk - rule.kept_blocks(chunk_tokens)
-            for rule, per_chunk in zip(self._groups, self._blocks_per_chunk, strict=True)
-        ]
         self.chunk_tokens = chunk_tokens
         self._stores_complete_in_step = all(
             handshakes[rank].stores_complete_in_step for rank in range(self._tp_size)
@@ -462,6 +464,7 @@ class SchedulerHalf:
                 per_request=self._loads_per_request,
             )
         )
+        state.loaded_from = first_chunk
         state.stored_chunks = max(state.stored_chunks, end_chunk)
         state.planned = None
         self.counters.add("hit_tokens", end - start)
@@ -572,6 +575,7 @@ class SchedulerHalf:
             failed = self._requests.get(req_id)
             if failed is not None:
                 failed.load_failed = True
+                failed.stored_chunks = min(failed.stored_chunks, failed.loaded_from)
         if worker_meta is not None:
             for job_id, workers in worker_meta.completed_stores.items():
                 store = self._stores.get(job_id)

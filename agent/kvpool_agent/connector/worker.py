@@ -324,7 +324,7 @@ class WorkerHalf:
                 targets.append((0, []))
                 continue
             begin = first + real[0]
-            if begin < group.first_kept or len(real) != real[-1] - real[0] + 1:
+            if begin < group.first_kept or len(real) != len(ids) - real[0]:
                 if not self._said_unkept:
                     self._said_unkept = True
                     log.warning(
