@@ -47,7 +47,7 @@ from typing import Any
 import httpx
 
 from kvpool_agent import problems
-from kvpool_agent.bench.connector import Run, _ratio, _spread, _ttfts, machine
+from kvpool_agent.bench.connector import Run, machine, median_spread, paired_ratios, ttfts
 from kvpool_agent.bench.connector_engine import Engine
 from kvpool_agent.bench.report import table
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, running_agent
@@ -295,11 +295,11 @@ def _ttft_table(runs: dict[str, list[Run]], args: argparse.Namespace) -> str:
         rows.append(
             [
                 model,
-                _spread(_ttfts(of, "repeated", "kvpool"), "{:.1f}", 1000),
-                _spread(_ttfts(of, "repeated", "none"), "{:.1f}", 1000),
-                _spread(_ttfts(of, "repeated", "native"), "{:.1f}", 1000),
-                _spread(_ratio(of, "repeated", "kvpool", "none"), "{:.3f}"),
-                _spread(_ratio(of, "repeated", "kvpool", "native"), "{:.2f}"),
+                median_spread(ttfts(of, "repeated", "kvpool"), "{:.1f}", 1000),
+                median_spread(ttfts(of, "repeated", "none"), "{:.1f}", 1000),
+                median_spread(ttfts(of, "repeated", "native"), "{:.1f}", 1000),
+                median_spread(paired_ratios(of, "repeated", "kvpool", "none"), "{:.3f}"),
+                median_spread(paired_ratios(of, "repeated", "kvpool", "native"), "{:.2f}"),
                 f"{cached['kvpool']:.0f} / {cached['native']:.0f}",
             ]
         )
