@@ -19,7 +19,8 @@ VLLM_API := 0.33.0
 VLLM ?= $(VLLM_DEFAULT)
 
 vllm_mode = $(if $(filter $(1),$(VLLM_API)),api,engine)
-vllm_tests = $(if $(filter $(1),$(VLLM_API)),tests/connector/test_conformance.py \
+vllm_tests = $(if $(filter $(1),$(VLLM_API)),tests/connector/test_conformance.py tests/connector/test_groups.py \
+	tests/connector/test_group_rules.py \
 	tests/connector/test_compat.py,tests/connector)
 
 .PHONY: test deps lint agent test-vllm test-matrix

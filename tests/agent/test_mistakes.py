@@ -305,6 +305,8 @@ BENCH_FLAGS = [
     ("tenants", "--tenants", "0", "expected a number above 0, not 0"),
     ("connector", "--queued", "-1", "expected a number of 0 or more, not -1"),
     ("connector", "--configs", "kvpool,vllm", "unknown configs ['vllm']; known: none, kvpool"),
+    ("windows", "--window", "0", "expected a number above 0, not 0"),
+    ("windows", "--full-every", "1", "expected 2 or more (1 is every layer full), not 1"),
 ]
 """Benchmark flags out of range: (bench, flag, value, what is wrong)."""
 KVPOOL += [

@@ -180,15 +180,17 @@ class FakeRequest:
 
 
 class FakeBlocks:
-    def __init__(self, block_ids: list[int]) -> None:
-        self.block_ids = block_ids
+    """vLLM's blocks of a request: one list of ids per KV cache group."""
+
+    def __init__(self, *groups: list[int]) -> None:
+        self.groups = groups
 
     def get_block_ids(self) -> tuple[list[int], ...]:
-        return (self.block_ids,)
+        return self.groups
 
 
-def new_request(req_id: str, block_ids: list[int], computed: int) -> SimpleNamespace:
-    return SimpleNamespace(req_id=req_id, block_ids=(block_ids,), num_computed_tokens=computed)
+def new_request(req_id: str, *groups: list[int], computed: int) -> SimpleNamespace:
+    return SimpleNamespace(req_id=req_id, block_ids=groups, num_computed_tokens=computed)
 
 
 def scheduler_output(

@@ -37,8 +37,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
-from kvpool_agent.client import AgentClient
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
+from kvpool_agent.testing.agent_process import ENGINE_TOKEN, AgentProcess
 from tests.support.engines import write_model
 
 from .vllm_steps import RUNNERS, Runner, StepEngine, cpu_platform_env, kv_cache_config, vllm_config
@@ -81,10 +80,12 @@ INHERITED: dict[str, str] = {
         "vLLM's default passes pipeline rank 0's handshakes to set_xfer_handshake_metadata "
         "and refuses others (kvpool does not split pipeline stages)"
     ),
-    "get_transfer_results": "vLLM's default is built from get_finished, which kvpool answers",
     # capabilities kvpool does not claim
-    "supports_divergent_local_hybrid_hits": "no hybrid (HMA) support: False",
-    "get_loaded_kv_cache_group_ids": "one full-attention group, which loads restore",
+    "supports_divergent_local_hybrid_hits": "False: kvpool restores no recurrent state",
+    "get_loaded_kv_cache_group_ids": (
+        "vLLM's default, the prefix-cacheable groups: a hit restores every group kvpool "
+        "caches, and an engine with a group it cannot cache gets no hits"
+    ),
     "register_finished_partial_tail": "partial chunks are never stored",
     "has_pending_block_frees": "held blocks are freed by finished stores, not on demand",
     "take_events": "KV events come from the agent (the index reads them), not vLLM",
@@ -127,11 +128,19 @@ def _members(*classes: type) -> dict[str, Any]:
     }
 
 
+try:  # the hybrid KV cache manager's interface
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+
+    HMA: tuple[type, ...] = (SupportsHMA,)
+except ImportError:
+    HMA = ()
+
 VLLM_HOOKS = {
-    **_members(*reversed([cls for cls in BASE.__mro__ if cls not in (ABC, object)])),
+    **_members(*reversed([cls for cls in BASE.__mro__ if cls not in (ABC, object)]), *HMA),
     "__init__": BASE.__init__,
 }
-"""KVConnectorBase_V1's members, its own and those of vLLM classes it derives from."""
+"""KVConnectorBase_V1's members, its own and those of vLLM classes it derives from, and
+those of ``SupportsHMA`` where vLLM has it."""
 
 
 def _kind(member: Any) -> tuple[str, Callable[..., Any] | None]:
@@ -210,8 +219,24 @@ def test_the_connector_loads_as_vllm_loads_it() -> None:
     assert not inspect.isabstract(loaded), sorted(getattr(loaded, "__abstractmethods__", ()))
 
 
+def test_the_connector_keeps_the_hybrid_kv_cache_manager_on() -> None:
+    """vLLM turns its hybrid manager off for a connector without ``SupportsHMA``: sliding
+    windows then keep KV for the whole context, and state-space hybrids fail to start."""
+    from vllm.config import KVTransferConfig
+
+    assert HMA, f"{VLLM} has no SupportsHMA: update the connector's HMA import"
+    config = KVTransferConfig(
+        kv_connector="KvpoolConnector",
+        kv_connector_module_path="kvpool_agent.connector",
+        kv_role="kv_both",
+    )
+    assert KVConnectorFactory.supports_hma_config(config)
+
+
 def test_every_abstract_hook_is_implemented() -> None:
-    abstract = sorted(BASE.__abstractmethods__)
+    abstract = sorted(
+        {*BASE.__abstractmethods__, *(name for cls in HMA for name in cls.__abstractmethods__)}
+    )
     assert abstract, f"{VLLM} declares no abstract hook: is this KVConnectorBase_V1?"
     missing = [name for name in abstract if name not in vars(KvpoolConnector)]
     assert not missing, f"{VLLM}'s abstract hooks kvpool does not implement: {missing}"
@@ -273,21 +298,6 @@ SALT = "conformance"
 BLOCKS_PER_CHUNK = 2
 CHUNKS = 3
 """Chunks of the prompt (which has a few tokens more, a partial block never stored)."""
-
-
-@pytest.fixture(scope="module")
-def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
-    process = AgentProcess(tmp_path_factory.mktemp("agent"))
-    process.start()
-    yield process
-    process.cleanup()
-
-
-@pytest.fixture
-def empty_agent(agent: AgentProcess) -> AgentProcess:
-    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
-        client.clear()
-    return agent
 
 
 @pytest.fixture(scope="module")
@@ -369,7 +379,7 @@ def compute_and_store(engine: StepEngine, tokens: list[int]) -> dict[str, torch.
     assert block_ids, "vLLM ran no forward"
     assert isinstance(step.output.kv_connector_metadata, KvpoolMetadata)
     (store,) = step.output.kv_connector_metadata.stores
-    assert store.block_ids == tuple(block_ids[:full_blocks])
+    assert store.block_ids == (tuple(block_ids[:full_blocks]),)
     stored = worker.worker.counters.totals["stored_chunks"]
     assert stored == CHUNKS, f"{stored} chunks stored: did vLLM call wait_for_save?"
     assert step.kv is not None and step.kv.invalid_block_ids == set()

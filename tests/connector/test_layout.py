@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from kvpool_agent.connector.copier import BlockCopier
-from kvpool_agent.connector.layout import ChunkFormat, LayoutError, detect_layout
+from kvpool_agent.connector.layout import ChunkFormat, GroupRule, LayoutError, detect_layout
 
 BLOCKS, HEADS, TOKENS, CONTENT = 12, 4, 16, 8  # logical [B, H, N, C] per layer
+FULL = GroupRule("full", TOKENS)
 
 
 def standard(order: str, generator: torch.Generator) -> torch.Tensor:
@@ -69,17 +70,17 @@ def test_blocks_that_cannot_be_told_apart() -> None:
 
 def test_chunk_format() -> None:
     layouts = [detect_layout(standard("BHNC", torch.Generator()), BLOCKS) for _ in range(3)]
-    chunk_format = ChunkFormat.of(layouts, chunk_tokens=2 * TOKENS, block_size=TOKENS, content="X")
-    assert chunk_format.blocks_per_chunk == 2
+    chunk_format = ChunkFormat.of([(FULL, layouts)], chunk_tokens=2 * TOKENS, content="X")
+    assert chunk_format.groups[0].blocks_per_chunk == 2
     assert chunk_format.chunk_bytes == 3 * 2 * HEADS * TOKENS * CONTENT * 2
     assert chunk_format.descriptor() == (
         "kvpool-chunk-v1;layer-major;layers=3;blocks=2;page=4x16x8;dtype=bfloat16;content=X"
     )
     with pytest.raises(LayoutError, match="not a multiple"):
-        ChunkFormat.of(layouts, chunk_tokens=TOKENS + 1, block_size=TOKENS, content="X")
+        ChunkFormat.of([(FULL, layouts)], chunk_tokens=TOKENS + 1, content="X")
     odd = detect_layout(torch.zeros(BLOCKS, HEADS, TOKENS, CONTENT * 2), BLOCKS)
     with pytest.raises(LayoutError, match="layers differ"):
-        ChunkFormat.of([*layouts, odd], chunk_tokens=TOKENS, block_size=TOKENS, content="X")
+        ChunkFormat.of([(FULL, [*layouts, odd])], chunk_tokens=TOKENS, content="X")
 
 
 def caches(order: str, seed: int, layers: int = 3) -> list[torch.Tensor]:
@@ -89,9 +90,9 @@ def caches(order: str, seed: int, layers: int = 3) -> list[torch.Tensor]:
 
 def copier_for(tensors: list[torch.Tensor]) -> tuple[BlockCopier, ChunkFormat]:
     layouts = [detect_layout(tensor, BLOCKS) for tensor in tensors]
-    chunk_format = ChunkFormat.of(layouts, chunk_tokens=3 * TOKENS, block_size=TOKENS, content="X")
+    chunk_format = ChunkFormat.of([(FULL, layouts)], chunk_tokens=3 * TOKENS, content="X")
     views = [layout.blocks(tensor) for layout, tensor in zip(layouts, tensors, strict=True)]
-    return BlockCopier(views, chunk_format), chunk_format
+    return BlockCopier([views], chunk_format), chunk_format
 
 
 @pytest.mark.parametrize("source_order", ["BHNC", "BNHC", "HBNC"])
@@ -106,8 +107,8 @@ def test_a_chunk_moves_between_engines_of_any_physical_layout(
     segment = torch.zeros(chunk_format.chunk_bytes + 64, dtype=torch.uint8)
     chunk = segment[64:]
 
-    assert store.store(chunk, [5, 0, 9]).done()
-    assert load.load(chunk, [7, 3, 11], first_block=0).done()
+    assert store.store(chunk, [[5, 0, 9]]).done()
+    assert load.load(chunk, [(0, [7, 3, 11])]).done()
 
     for before, after in zip(source, target, strict=True):
         assert torch.equal(after[[7, 3, 11]], before[[5, 0, 9]])
@@ -125,8 +126,8 @@ def test_chunk_bytes_do_not_depend_on_the_physical_layout() -> None:
     second, _ = copier_for(permuted)
     one = torch.empty(chunk_format.chunk_bytes, dtype=torch.uint8)
     two = torch.empty(chunk_format.chunk_bytes, dtype=torch.uint8)
-    first.store(one, [1, 2, 3])
-    second.store(two, [1, 2, 3])
+    first.store(one, [[1, 2, 3]])
+    second.store(two, [[1, 2, 3]])
     assert torch.equal(one, two)
     # layer-major, then block, then the page in [H, N, C] order
     expected = torch.cat([tensor[[1, 2, 3]].reshape(-1) for tensor in standard_cache])
@@ -139,9 +140,9 @@ def test_a_partial_chunk_fills_only_the_missing_blocks() -> None:
     store, chunk_format = copier_for(source)
     load, _ = copier_for(target)
     chunk = torch.empty(chunk_format.chunk_bytes, dtype=torch.uint8)
-    store.store(chunk, [4, 5, 6])
+    store.store(chunk, [[4, 5, 6]])
 
-    load.load(chunk, [10, 11], first_block=1)  # vLLM already had the chunk's first block
+    load.load(chunk, [(1, [10, 11])])  # vLLM already had the chunk's first block
 
     for before, after in zip(source, target, strict=True):
         assert torch.equal(after[[10, 11]], before[[5, 6]])

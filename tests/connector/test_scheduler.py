@@ -6,6 +6,7 @@ import pytest
 
 from kvpool_agent import keys
 from kvpool_agent.connector.counters import Counters
+from kvpool_agent.connector.layout import GroupRule
 from kvpool_agent.connector.metadata import KvpoolHandshake, KvpoolWorkerMetadata
 from kvpool_agent.connector.scheduler import PROBE_REUSE_S, SchedulerHalf
 
@@ -28,6 +29,7 @@ from .fakes import (
 def make(
     agent: FakeAgent,
     *,
+    groups: tuple[GroupRule, ...] = (GroupRule("full", BLOCK),),
     tp: int = 1,
     stores_complete_in_step: bool = True,
     prefetch_wait_s: float = 0.0,
@@ -39,7 +41,7 @@ def make(
         model="m",
         dtype="bfloat16",
         tp_size=tp,
-        block_size=BLOCK,
+        groups=groups,
         link=make_link(agent, counters, clock),
         counters=counters,
         prefetch_wait_s=prefetch_wait_s,
@@ -57,13 +59,15 @@ def test_nothing_happens_before_the_workers_describe_their_chunks() -> None:
         model="m",
         dtype="bfloat16",
         tp_size=1,
-        block_size=BLOCK,
+        groups=[GroupRule("full", BLOCK)],
         link=make_link(agent),
         counters=Counters(),
     )
     request = FakeRequest("r", tokens(1000))
     assert half.get_num_new_matched_tokens(request, 0) == (0, False)
-    meta = half.build_connector_meta(scheduler_output([new_request("r", list(range(8)), 0)]))
+    meta = half.build_connector_meta(
+        scheduler_output([new_request("r", list(range(8)), computed=0)])
+    )
     assert (meta.loads, meta.stores) == ([], [])
     assert agent.lookups == []
 
@@ -89,13 +93,15 @@ def test_hits_become_a_load_of_whole_chunks() -> None:
     block_ids = list(range(20, 28))
     half.update_state_after_alloc(request, FakeBlocks(block_ids), 3 * CHUNK)
     meta = half.build_connector_meta(
-        scheduler_output([new_request("r", block_ids, 3 * CHUNK)], scheduled={"r": 1000 - 768})
+        scheduler_output(
+            [new_request("r", block_ids, computed=3 * CHUNK)], scheduled={"r": 1000 - 768}
+        )
     )
 
     (load,) = meta.loads
     assert load.keys == (tuple(chain(prompt)[:3]),)
-    assert load.block_ids == tuple(block_ids[:6])
-    assert load.first_block == 0
+    assert load.block_ids == (tuple(block_ids[:6]),)
+    assert load.first_tokens == 0
     assert meta.stores == []  # the loaded chunks are not stored again; chunk 3 is not full
     assert half.counters.totals["hit_tokens"] == 3 * CHUNK
 
@@ -126,8 +132,8 @@ def test_a_local_hit_mid_chunk_loads_the_rest_of_the_chunk() -> None:
     half.update_state_after_alloc(request, FakeBlocks(block_ids), 3 * CHUNK - 384)
     (load,) = half.build_connector_meta(scheduler_output()).loads
     assert load.keys == (tuple(chain(prompt)[1:3]),)
-    assert load.first_block == 1
-    assert load.block_ids == tuple(block_ids[3:6])
+    assert load.first_tokens == BLOCK
+    assert load.block_ids == (tuple(block_ids[3:6]),)
 
 
 def test_vllm_always_computes_the_last_token() -> None:
@@ -189,12 +195,12 @@ def test_stores_follow_the_chunks_as_they_fill() -> None:
     block_ids = list(range(100, 106))
     # chunked prefill: 300 tokens, then the remaining 400
     first = half.build_connector_meta(
-        scheduler_output([new_request("r", block_ids[:3], 0)], scheduled={"r": 300})
+        scheduler_output([new_request("r", block_ids[:3], computed=0)], scheduled={"r": 300})
     )
     (store,) = first.stores
     assert store.keys == (tuple(chain(prompt)[:1]),)
     assert store.parents == (None,)
-    assert store.block_ids == (100, 101)
+    assert store.block_ids == ((100, 101),)
 
     second = half.build_connector_meta(
         scheduler_output(cached=[("r", block_ids[3:], 300)], scheduled={"r": 400})
@@ -202,7 +208,7 @@ def test_stores_follow_the_chunks_as_they_fill() -> None:
     (store,) = second.stores
     assert store.keys == (tuple(chain(prompt)[1:2]),)
     assert store.parents == (chain(prompt)[0],)
-    assert store.block_ids == (102, 103)
+    assert store.block_ids == ((102, 103),)
 
     # decoding: generated tokens fill chunk 2 (tokens 512..767)
     for step in range(700, 768):
@@ -216,7 +222,7 @@ def test_stores_follow_the_chunks_as_they_fill() -> None:
             assert meta.stores == []
     (store,) = meta.stores
     assert store.keys == (tuple(chain(request.tokens)[2:3]),)
-    assert store.block_ids == (104, 105)
+    assert store.block_ids == ((104, 105),)
 
 
 def test_preempted_requests_store_from_their_new_blocks() -> None:
@@ -225,7 +231,7 @@ def test_preempted_requests_store_from_their_new_blocks() -> None:
     request = FakeRequest("r", prompt)
     half.get_num_new_matched_tokens(request, 0)
     half.build_connector_meta(
-        scheduler_output([new_request("r", [1, 2, 3], 0)], scheduled={"r": 300})
+        scheduler_output([new_request("r", [1, 2, 3], computed=0)], scheduled={"r": 300})
     )
     meta = half.build_connector_meta(scheduler_output(preempted={"r"}))
     assert meta.preempted == ["r"]
@@ -236,7 +242,7 @@ def test_preempted_requests_store_from_their_new_blocks() -> None:
     )
     (store,) = resumed.stores  # chunk 0 was stored before the preemption
     assert store.keys == (tuple(chain(prompt)[1:2]),)
-    assert store.block_ids == (9, 10)
+    assert store.block_ids == ((9, 10),)
 
 
 def test_finished_requests_keep_blocks_only_while_stores_are_in_flight() -> None:
@@ -245,7 +251,7 @@ def test_finished_requests_keep_blocks_only_while_stores_are_in_flight() -> None
         request = FakeRequest("r", tokens(600))
         half.get_num_new_matched_tokens(request, 0)
         (store,) = half.build_connector_meta(
-            scheduler_output([new_request("r", list(range(5)), 0)], scheduled={"r": 600})
+            scheduler_output([new_request("r", list(range(5)), computed=0)], scheduled={"r": 600})
         ).stores
 
         held = half.request_finished(request)
@@ -264,7 +270,7 @@ def test_confirmed_stores_release_nothing_twice() -> None:
     request = FakeRequest("r", tokens(600))
     half.get_num_new_matched_tokens(request, 0)
     (store,) = half.build_connector_meta(
-        scheduler_output([new_request("r", list(range(5)), 0)], scheduled={"r": 600})
+        scheduler_output([new_request("r", list(range(5)), computed=0)], scheduled={"r": 600})
     ).stores
     half.update_connector_output(KvpoolWorkerMetadata({store.job_id: 1}), set())
     assert half.request_finished(request) is False  # confirmed before it finished
@@ -277,7 +283,7 @@ def test_inconsistent_workers_disable_the_cache(ranks: object) -> None:
         model="m",
         dtype="bfloat16",
         tp_size=2,
-        block_size=BLOCK,
+        groups=[GroupRule("full", BLOCK)],
         link=make_link(FakeAgent()),
         counters=Counters(),
     )
@@ -362,3 +368,110 @@ def test_a_step_asks_the_agent_for_its_time_budget_at_most() -> None:
     assert agent.status_polls >= 4 * 30  # prefetch questions get about half of every step
     probed = [wanted for _, wanted, *_ in agent.lookups]
     assert len(probed) == len({tuple(wanted) for wanted in probed}) == 100  # once each
+
+
+# ------------------------------------------------------------------ several groups
+
+HYBRID = (GroupRule("full", BLOCK), GroupRule("window", BLOCK, BLOCK - 1))
+"""A full-attention group and a 128-token window (a chunk of two blocks keeps one)."""
+
+
+def test_a_hit_loads_every_groups_blocks() -> None:
+    agent = FakeAgent()
+    prompt = tokens(1000)
+    agent.put(keys.tenant_id(None), chain(prompt)[:3])
+    half = make(agent, groups=HYBRID)
+    request = FakeRequest("r", prompt)
+    assert half.get_num_new_matched_tokens(request, 0) == (3 * CHUNK, False)
+    full, window = list(range(20, 28)), [0, 0, 0, 0, 0, 31, 32, 33]  # null outside the window
+    half.update_state_after_alloc(request, FakeBlocks(full, window), 3 * CHUNK)
+
+    (load,) = half.build_connector_meta(scheduler_output()).loads
+
+    assert load.block_ids == (tuple(full[:6]), tuple(window[:6]))
+    assert load.first_tokens == 0
+
+
+def test_chunks_whose_window_vllm_freed_are_not_stored() -> None:
+    """vLLM's own prefix hit gave the window group null blocks for the first chunks: those
+    chunks cannot be stored whole; the first chunk whose kept block is real starts the store,
+    its parent the chunk before it."""
+    agent = FakeAgent()
+    prompt = tokens(1000)
+    half = make(agent, groups=HYBRID)
+    request = FakeRequest("r", prompt)
+    half.get_num_new_matched_tokens(request, 2 * CHUNK)
+    full, window = list(range(20, 28)), [0, 0, 0, 41, 42, 43, 44, 45]
+
+    meta = half.build_connector_meta(
+        scheduler_output(
+            [new_request("r", full, window, computed=2 * CHUNK)], scheduled={"r": 1000 - 512}
+        )
+    )
+
+    (store,) = meta.stores
+    # chunk 0's kept block (position 1) is null; chunk 1's (position 3) is real
+    assert store.keys == (tuple(chain(prompt)[1:3]),)
+    assert store.parents == (chain(prompt)[0],)
+    assert store.block_ids == (tuple(full[2:6]), tuple(window[2:6]))
+
+
+def test_a_chunk_size_no_group_divides_disables_the_cache(caplog: pytest.LogCaptureFixture) -> None:
+    agent = FakeAgent()
+    half = make(agent, groups=(GroupRule("full", BLOCK), GroupRule("window", 96, 95)))
+    assert not half.ready
+    assert "not a multiple of vLLM's block size 96" in caplog.text
+    assert half.get_num_new_matched_tokens(FakeRequest("r", tokens(1000)), 0) == (0, False)
+
+
+def test_an_engine_kvpool_cannot_cache_gets_no_hits_and_asks_nothing() -> None:
+    agent = FakeAgent()
+    prompt = tokens(1000)
+    agent.put(keys.tenant_id(None), chain(prompt))
+    half = SchedulerHalf(
+        model="m",
+        dtype="bfloat16",
+        tp_size=1,
+        groups=[],
+        link=make_link(agent),
+        counters=Counters(),
+        disabled="kvpool cannot cache MambaSpec (layer model.layers.1.mixer)",
+    )
+    half.configure({0: KvpoolHandshake(LAYOUT, CHUNK, True)})
+    request = FakeRequest("r", prompt)
+    assert half.get_num_new_matched_tokens(request, 0) == (0, False)
+    meta = half.build_connector_meta(
+        scheduler_output([new_request("r", list(range(1, 9)), computed=0)], scheduled={"r": 1000})
+    )
+    assert (meta.loads, meta.stores, agent.lookups) == ([], [], [])
+
+
+def test_a_failed_per_request_load_stores_its_chunks_when_recomputed() -> None:
+    agent = FakeAgent()
+    prompt = tokens(1000)
+    agent.put(keys.tenant_id(None), chain(prompt)[:3])
+    half = SchedulerHalf(
+        model="m",
+        dtype="bfloat16",
+        tp_size=1,
+        groups=HYBRID,
+        link=make_link(agent),
+        counters=Counters(),
+        loads_per_request=True,
+    )
+    half.configure({0: KvpoolHandshake(LAYOUT, CHUNK, True)})
+    request = FakeRequest("r", prompt)
+    assert half.get_num_new_matched_tokens(request, 0) == (3 * CHUNK, True)  # asynchronous
+    full, window = list(range(20, 28)), list(range(30, 38))
+    half.update_state_after_alloc(request, FakeBlocks(full, window), 3 * CHUNK)
+    (load,) = half.build_connector_meta(scheduler_output()).loads
+    assert load.per_request
+
+    half.update_connector_output(None, set(), {"r"})  # the agent lost the chunks meanwhile
+
+    assert half.get_num_new_matched_tokens(request, 0) == (0, False)  # no more hits
+    meta = half.build_connector_meta(
+        scheduler_output([new_request("r", full, window, computed=0)], scheduled={"r": 1000})
+    )
+    (store,) = meta.stores  # computed anew: its chunks are stored again
+    assert store.keys == (tuple(chain(prompt)[:3]),)

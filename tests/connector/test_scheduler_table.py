@@ -12,6 +12,7 @@ import pytest
 from kvpool_agent import keys
 from kvpool_agent.client import AgentClient
 from kvpool_agent.connector.counters import Counters
+from kvpool_agent.connector.layout import GroupRule
 from kvpool_agent.connector.metadata import KvpoolHandshake
 from kvpool_agent.connector.scheduler import SchedulerHalf
 from kvpool_agent.probe_table import table_path
@@ -38,7 +39,7 @@ def scheduler(agent: AgentProcess, *, prefetch_wait_s: float = 0.0) -> Scheduler
         model="m",
         dtype="bfloat16",
         tp_size=1,
-        block_size=BLOCK,
+        groups=[GroupRule("full", BLOCK)],
         link=agent_link(agent, counters, "scheduler"),
         counters=counters,
         prefetch_wait_s=prefetch_wait_s,

@@ -16,6 +16,7 @@ import torch
 from kvpool_agent import keys
 from kvpool_agent.client import AgentClient, AgentInfo
 from kvpool_agent.connector.counters import Counters
+from kvpool_agent.connector.layout import GroupRule
 from kvpool_agent.connector.metadata import KvpoolMetadata, LoadJob, StoreJob
 from kvpool_agent.connector.worker import WorkerHalf
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
@@ -82,12 +83,14 @@ def make_worker(
     else:
         generator = torch.Generator().manual_seed(seed)
         caches = [torch.randn(shape, generator=generator).to(torch.bfloat16) for _ in LAYERS]
-    worker.register_kv_caches(dict(zip(LAYERS, caches, strict=True)), LAYERS, BLOCKS, 4, "TEST")
+    worker.register_kv_caches(
+        dict(zip(LAYERS, caches, strict=True)), [(GroupRule("full", 4), LAYERS)], BLOCKS, "TEST"
+    )
     return worker, caches
 
 
 def store(worker: WorkerHalf, job_id: int, chunk_keys: list[bytes], block_ids: list[int]) -> None:
-    job = StoreJob(job_id, f"r{job_id}", TENANT, (tuple(chunk_keys),), (None,), tuple(block_ids))
+    job = StoreJob(job_id, f"r{job_id}", TENANT, (tuple(chunk_keys),), (None,), (tuple(block_ids),))
     worker.save(KvpoolMetadata(stores=[job]))
 
 
@@ -104,7 +107,7 @@ def test_store_then_load_in_another_worker(agent: AgentProcess) -> None:
     assert meta is not None and meta.completed_stores == {1: 1}
 
     target, target_caches = make_worker(agent, seed=None)
-    job = LoadJob("r2", TENANT, (tuple(KEYS[:2]),), (9, 10, 11), first_block=1)
+    job = LoadJob("r2", TENANT, (tuple(KEYS[:2]),), ((9, 10, 11),), first_tokens=4)
     target.start_load(KvpoolMetadata(loads=[job]))
 
     assert target.take_load_errors() == set()
@@ -144,7 +147,7 @@ def test_missing_chunks_are_reported_for_recompute(agent: AgentProcess) -> None:
     target, _ = make_worker(agent, seed=None)
 
     # chunk 2 was never stored (or was evicted after the scheduler's lookup)
-    job = LoadJob("r", TENANT, (tuple(KEYS[:3]),), (8, 9, 10, 11, 12, 13), first_block=0)
+    job = LoadJob("r", TENANT, (tuple(KEYS[:3]),), ((8, 9, 10, 11, 12, 13),), first_tokens=0)
     target.start_load(KvpoolMetadata(loads=[job]))
 
     assert target.take_load_errors() == {12, 13}
@@ -176,8 +179,8 @@ def test_a_hit_finds_the_chunks_it_stores_next_cached_in_its_load_lookup(
     source, _ = make_worker(agent, seed=4)
     store(source, 1, KEYS[:4], list(range(8)))
     target, _ = make_worker(agent, seed=None)
-    load = LoadJob("r", TENANT, (tuple(KEYS[:2]),), (8, 9, 10, 11), first_block=0)
-    computed = StoreJob(2, "r", TENANT, (tuple(KEYS[2:3]),), (KEYS[1],), (12, 13))
+    load = LoadJob("r", TENANT, (tuple(KEYS[:2]),), ((8, 9, 10, 11),), first_tokens=0)
+    computed = StoreJob(2, "r", TENANT, (tuple(KEYS[2:3]),), (KEYS[1],), ((12, 13),))
     meta = KvpoolMetadata(loads=[load], stores=[computed])
     reservations = agent_requests(agent, "prepare_store")
 
@@ -192,9 +195,9 @@ def test_a_hit_finds_the_chunks_it_stores_next_cached_in_its_load_lookup(
     assert built is not None and built.completed_stores == {2: 1}
     # a store that goes past what the agent has reserves the rest only, after the cached run
     other, _ = make_worker(agent, seed=5)
-    load = LoadJob("s", TENANT, (tuple(KEYS[:1]),), (0, 1), first_block=0)
+    load = LoadJob("s", TENANT, (tuple(KEYS[:1]),), ((14, 15),), first_tokens=0)
     new = bytes([9]) * 32
-    longer = StoreJob(3, "s", TENANT, ((KEYS[1], KEYS[2], new),), (KEYS[0],), tuple(range(2, 8)))
+    longer = StoreJob(3, "s", TENANT, ((KEYS[1], KEYS[2], new),), (KEYS[0],), (tuple(range(2, 8)),))
     meta = KvpoolMetadata(loads=[load], stores=[longer])
     other.start_load(meta)
     other.save(meta)
@@ -220,7 +223,7 @@ def test_a_dead_agent_costs_the_cache_only(own_agent: AgentProcess) -> None:
     target, _ = make_worker(agent, seed=None)
     agent.kill()
 
-    job = LoadJob("r", TENANT, (tuple(KEYS[:2]),), (4, 5, 6, 7), first_block=0)
+    job = LoadJob("r", TENANT, (tuple(KEYS[:2]),), ((4, 5, 6, 7),), first_tokens=0)
     target.start_load(KvpoolMetadata(loads=[job]))
     store(target, 9, KEYS[2:3], [0, 1])
 
@@ -275,7 +278,7 @@ def test_a_load_whose_lease_ends_before_its_release_is_recomputed(tmp_path: Path
 
         copier_load = copier.load
         copier.load = load_slowly  # type: ignore[method-assign]
-        job = LoadJob("r", TENANT, (tuple(KEYS[:2]),), (8, 9, 10, 11), first_block=0)
+        job = LoadJob("r", TENANT, (tuple(KEYS[:2]),), ((8, 9, 10, 11),), first_tokens=0)
         target.start_load(KvpoolMetadata(loads=[job]))
 
         time.sleep(1.0)  # the stall: twice the lease, five maintenance passes
@@ -286,3 +289,79 @@ def test_a_load_whose_lease_ends_before_its_release_is_recomputed(tmp_path: Path
         assert target.counters.totals["load_failed_chunks"] == 2
     finally:
         agent.cleanup()
+
+
+# ------------------------------------------------------------------ several groups
+
+WINDOW = GroupRule("window", BLOCK_TOKENS, BLOCK_TOKENS - 1)
+"""A window of ``BLOCK_TOKENS`` tokens: a chunk of two blocks keeps its last one."""
+
+
+def make_hybrid_worker(
+    agent: AgentProcess, seed: int | None
+) -> tuple[WorkerHalf, list[torch.Tensor]]:
+    """A worker whose layer 0 is full attention and layer 1 a sliding window (two groups)."""
+    counters = Counters()
+    worker = WorkerHalf(
+        rank=0,
+        link=agent_link(agent, counters, "worker"),
+        counters=counters,
+        chunk_tokens=lambda: CHUNK,
+        segment_path=lambda info: info.segment_path,
+        pin_mode="never",
+    )
+    shape = (BLOCKS, HEADS, BLOCK_TOKENS, CONTENT)
+    generator = torch.Generator().manual_seed(seed or 0)
+    caches = [
+        torch.zeros(shape, dtype=torch.bfloat16)
+        if seed is None
+        else torch.randn(shape, generator=generator).to(torch.bfloat16)
+        for _ in LAYERS
+    ]
+    groups = [(GroupRule("full", BLOCK_TOKENS), LAYERS[:1]), (WINDOW, LAYERS[1:])]
+    worker.register_kv_caches(dict(zip(LAYERS, caches, strict=True)), groups, BLOCKS, "TEST")
+    return worker, caches
+
+
+def test_a_window_group_stores_and_loads_only_its_window(agent: AgentProcess) -> None:
+    source, (full, window) = make_hybrid_worker(agent, seed=6)
+    assert source.format is not None and source.handshake is not None
+    assert source.format.chunk_bytes == 3 * HEADS * BLOCK_TOKENS * CONTENT * 2  # 2 + 1 blocks
+    assert "window3;layers=1;blocks=2;kept=1" in source.handshake.kv_layout
+    job = StoreJob(1, "r1", TENANT, (tuple(KEYS[:2]),), (None,), ((1, 2, 3, 4), (5, 6, 7, 8)))
+    source.save(KvpoolMetadata(stores=[job]))
+    assert source.counters.totals["stored_chunks"] == 2
+
+    target, (loaded_full, loaded_window) = make_hybrid_worker(agent, seed=None)
+    # vLLM's null block (0) outside the window at the hit's end: only the last block is real
+    load = LoadJob("r2", TENANT, (tuple(KEYS[:2]),), ((9, 10, 11, 12), (0, 0, 0, 13)), 0)
+    target.start_load(KvpoolMetadata(loads=[load]))
+
+    assert target.take_load_errors() == set()
+    assert torch.equal(loaded_full[[9, 10, 11, 12]], full[[1, 2, 3, 4]])
+    assert torch.equal(loaded_window[13], window[8])
+    untouched = [block for block in range(BLOCKS) if block != 13]
+    assert not loaded_window[untouched].any()  # the null block and the rest: never written
+
+
+def test_a_block_the_window_did_not_keep_is_recomputed(agent: AgentProcess) -> None:
+    """vLLM wants a block of the window group that the chunk does not hold (an engine that
+    keeps more than the window): that chunk and the rest are reported, never half loaded."""
+    source, _ = make_hybrid_worker(agent, seed=7)
+    job = StoreJob(1, "r1", TENANT, (tuple(KEYS[:2]),), (None,), ((1, 2, 3, 4), (5, 6, 7, 8)))
+    source.save(KvpoolMetadata(stores=[job]))
+    target, (loaded_full, _) = make_hybrid_worker(agent, seed=None)
+
+    load = LoadJob("r2", TENANT, (tuple(KEYS[:2]),), ((9, 10, 11, 12), (0, 14, 15, 13)), 0)
+    target.start_load(KvpoolMetadata(loads=[load]))
+
+    assert target.take_load_errors() == {11, 12, 15, 13}
+    assert target.counters.totals["loaded_chunks"] == 1
+    assert loaded_full[[9, 10]].any() and not loaded_full[[11, 12]].any()
+
+    # a null block after a real one: never a destination (the null block is vLLM's)
+    target, (_, loaded_window) = make_hybrid_worker(agent, seed=None)
+    load = LoadJob("r3", TENANT, (tuple(KEYS[:1]),), ((9, 10), (13, 0)), 0)
+    target.start_load(KvpoolMetadata(loads=[load]))
+    assert target.take_load_errors() == {9, 10, 13}
+    assert not loaded_window[0].any()

@@ -11,8 +11,11 @@ only as a CUDA wheel, installed here beside the CPU torch (``tests/vllm_venv.sh 
   runner drives it with: the V1 runner's ``KVConnectorModelRunnerMixin`` (vLLM's CPU
   runner, and the CUDA runner up to 0.32) or Model Runner V2's ``ActiveKVConnector`` (the
   CUDA default from 0.33);
-* the KV cache is planned by vLLM (``get_kv_cache_config_from_groups``, the layout its CPU
-  attention backend asks for) and allocated by vLLM (``allocate_kv_cache``).
+* the KV cache is planned by vLLM from the layers' specs, as the engine core plans it
+  (``get_kv_cache_configs``: groups, shared tensors, the layout its CPU attention backend
+  asks for), and allocated by vLLM (``allocate_kv_cache``); besides one full-attention
+  group, :func:`kv_cache_config` plans the group mixes of :data:`GROUP_MIXES` (sliding
+  window, MLA, Mamba), several groups with the hybrid KV cache manager on.
 
 The forward itself is the caller's: a function that writes or reads KV blocks. Two things
 stand in for a running engine, each patched narrowly: the tensor-parallel rank (there is
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -40,7 +44,7 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -105,39 +109,132 @@ def _vllm_function(name: str, *modules: str) -> Callable[..., Any]:
     raise AssertionError(f"vLLM has no {name} in {modules}: update {__name__}")
 
 
-def kv_cache_config(config: VllmConfig, num_blocks: int) -> KVCacheConfig:
-    """vLLM's plan for ``num_blocks`` blocks of the model's layers, in the layout the
-    platform's attention backend asks for (what the engine core resolves at start)."""
+GroupMix = Literal["full", "full+swa", "swa", "mla", "full+mamba"]
+GROUP_MIXES: tuple[GroupMix, ...] = ("full", "full+swa", "swa", "mla", "full+mamba")
+"""KV cache configs :func:`kv_cache_config` plans, as the models that need them would:
+
+* ``full``: full attention, one group (Llama);
+* ``full+swa``: full and sliding-window attention layers, alternating (gpt-oss,
+  Gemma 3): a group each, their layers sharing tensors (the hybrid KV cache manager);
+* ``swa``: sliding-window attention only (one group, blocks outside the window freed);
+* ``mla``: multi-head latent attention only, one group (DeepSeek: one latent per token,
+  no separate V);
+* ``full+mamba``: full attention and a state-space layer (Jamba, Granite 4): the Mamba
+  group holds a running state, not KV per token, and cannot be cached by token range.
+"""
+
+SLIDING_WINDOW_BLOCKS = 1.5
+"""The sliding window, in blocks of the platform: not a whole number of blocks, so the
+block straddling the window's edge stays allocated."""
+
+
+def layer_specs(config: VllmConfig, mix: GroupMix = "full") -> dict[str, KVCacheSpec]:
+    """The KV cache spec of each attention (or Mamba) layer of a model of ``mix``, as
+    its layers would report them (``get_kv_cache_spec``), with vLLM's spec types."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    model = config.model_config
+    assert isinstance(model.dtype, torch.dtype), model.dtype  # resolved by the config
+    block_size = config.cache_config.block_size
+    num_kv_heads = model.get_num_kv_heads(config.parallel_config)
+    head_size = model.get_head_size()
+    full = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=model.dtype
+    )
+    sliding = SlidingWindowSpec(
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        dtype=model.dtype,
+        sliding_window=int(SLIDING_WINDOW_BLOCKS * block_size),
+    )
+    # DeepSeek's latent: kv_lora_rank 512 + rope 64, one "head", no V of its own
+    mla = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=576, dtype=model.dtype)
+    # A Mamba2 layer's conv and SSM states, padded to the attention page, as vLLM's
+    # hybrid model configs pad them (mamba_page_size_padded) so the groups share blocks.
+    mamba = MambaSpec(
+        block_size=block_size,
+        shapes=((3, 256), (4, 16, 16)),
+        dtypes=(model.dtype, model.dtype),
+        page_size_padded=full.page_size_bytes,
+        mamba_cache_mode=config.cache_config.mamba_cache_mode,
+    )
+    attention = "model.layers.{}.self_attn.attn"
+    kinds: dict[GroupMix, list[tuple[str, KVCacheSpec]]] = {
+        "full": [(attention, full)] * 2,
+        "full+swa": [(attention, full), (attention, sliding)] * 2,
+        "swa": [(attention, sliding)] * 2,
+        "mla": [(attention, mla)] * 2,
+        "full+mamba": [(attention, full), ("model.layers.{}.mixer", mamba)],
+    }
+    return {name.format(index): spec for index, (name, spec) in enumerate(kinds[mix])}
+
+
+def kv_cache_config(config: VllmConfig, num_blocks: int, mix: GroupMix = "full") -> KVCacheConfig:
+    """vLLM's plan for ``num_blocks`` blocks (or as many as one request of the model's
+    length needs) of a model of ``mix``'s layers, in the
+    layout the platform's attention backend asks for, grouped and laid out as the engine
+    core does it (``get_kv_cache_configs``: layers of different specs in groups of their
+    own, with the hybrid KV cache manager, sharing tensors).
+
+    Resolves the layout into ``config`` (vLLM records it there): one config, one mix.
+    """
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
     from vllm.v1.attention.backends.utils import (
         get_supported_kv_cache_layouts,
         resolve_kv_cache_layout,
     )
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    model = config.model_config
-    assert isinstance(model.dtype, torch.dtype), model.dtype  # resolved by the config
-    spec = FullAttentionSpec(
-        block_size=config.cache_config.block_size,
-        num_kv_heads=model.get_num_kv_heads(config.parallel_config),
-        head_size=model.get_head_size(),
-        dtype=model.dtype,
-    )
-    layers = [f"model.layers.{index}.self_attn.attn" for index in range(2)]
+    specs = layer_specs(config, mix)
+    # Without the hybrid KV cache manager vLLM plans one group of the layers' common
+    # kind (sliding windows as full attention), and refuses Mamba layers.
+    assert len({type(spec) for spec in specs.values()}) == 1 or (
+        not config.scheduler_config.disable_hybrid_kv_cache_manager
+    ), f"{mix}: set config.scheduler_config.disable_hybrid_kv_cache_manager = False"
     layouts = [
         layout.name for layout in get_supported_kv_cache_layouts(get_current_attn_backends(config))
     ]
-    resolve_kv_cache_layout(config, [layouts], [spec] * len(layers))
-    plan = _vllm_function(
-        "get_kv_cache_config_from_groups",
+    resolve_kv_cache_layout(config, [layouts], list(specs.values()))
+    plan_all = _vllm_function(
+        "get_kv_cache_configs",
         "vllm.v1.core.kv_cache_planning",  # 0.33
         "vllm.v1.core.kv_cache_utils",  # 0.30 to 0.32
     )
-    result: KVCacheConfig = plan(
-        config, [KVCacheGroupSpec(layers, spec)], num_blocks * spec.page_size_bytes * len(layers)
-    )
-    result.kv_cache_layout = config.cache_config.kv_cache_layout
-    config.cache_config.num_gpu_blocks = result.num_blocks
+    cache = config.cache_config
+    # vLLM (0.33) refuses a plan without room for one request of the model's length, in
+    # every group (a window's group also needs a step's tokens): twice that, to be sure
+    longest = -(-config.model_config.max_model_len // cache.block_size) + 1
+    num_blocks = max(num_blocks, 2 * longest)
+    override, cache.num_gpu_blocks_override = cache.num_gpu_blocks_override, num_blocks
+    try:
+        # the memory is the override's: vLLM plans exactly num_blocks blocks
+        memory = [num_blocks * sum(spec.page_size_bytes for spec in specs.values())]
+        if "global_kv_cache_groups" in inspect.signature(plan_all).parameters:  # 0.33
+            grouped = _vllm_function("get_global_kv_cache_groups", "vllm.v1.core.kv_cache_planning")
+            (result,) = plan_all(config, [specs], memory, grouped(config, [specs]))
+        else:
+            (result,) = plan_all(config, [specs], memory)
+    finally:
+        cache.num_gpu_blocks_override = override
+    assert isinstance(result, KVCacheConfig), type(result)
+    result.kv_cache_layout = cache.kv_cache_layout
+    cache.num_gpu_blocks = result.num_blocks
+    if hasattr(result, "hash_block_size"):  # 0.32: the engine core records them here
+        modules = ("vllm.v1.core.kv_cache_utils", "vllm.v1.core.kv_cache_planning")
+        block_sizes = _vllm_function("resolve_kv_cache_block_sizes", *modules)
+        block_size, hash_block_size = block_sizes(result, config)
+        result.hash_block_size = hash_block_size
+        if hasattr(result, "cache_hit_alignment_tokens"):
+            alignment = _vllm_function("resolve_cache_hit_alignment_tokens", *modules)
+            result.cache_hit_alignment_tokens = alignment(
+                result, config, block_size, hash_block_size
+            )
     return result
 
 
@@ -146,9 +243,10 @@ def allocate_kv_caches(config: VllmConfig, plan: KVCacheConfig) -> dict[str, tor
     from vllm.v1.worker.utils import allocate_kv_cache
 
     layout = config.cache_config.get_resolved_kv_cache_layout()
-    block_size = config.cache_config.block_size
+    # each group's kernel block size: its own (the CPU backend splits no blocks)
+    block_sizes = [group.kv_cache_spec.block_size for group in plan.kv_cache_groups]
     caches: dict[str, torch.Tensor] = allocate_kv_cache(
-        plan, torch.device("cpu"), layout, [block_size]
+        plan, torch.device("cpu"), layout, block_sizes
     )
     return caches
 
@@ -259,8 +357,14 @@ class StepEngine:
         return request
 
     def block_ids(self, request_id: str) -> list[int]:
-        (ids, *_) = self.scheduler.kv_cache_manager.get_block_ids(request_id)
-        return list(ids)
+        """The request's blocks in the first (or only) KV cache group."""
+        return self.group_block_ids(request_id)[0]
+
+    def group_block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's blocks in each KV cache group, as vLLM's KV cache manager
+        allocated them (a sliding-window group's blocks outside the window are the
+        null block, id 0)."""
+        return [list(ids) for ids in self.scheduler.kv_cache_manager.get_block_ids(request_id)]
 
     def step(self, forward: Callable[[SchedulerOutput], None] | None = None) -> Step:
         """One engine step: schedule, the worker around ``forward``, update from output.

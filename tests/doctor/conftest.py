@@ -30,6 +30,7 @@ CHECK_NAMES = (
     "chunk-size",
     "fingerprint",
     "hit-rate",
+    "model",
 )
 
 

@@ -61,6 +61,7 @@ def test_a_healthy_agent_passes_and_the_canary_leaves_nothing(agent: AgentProces
         "chunk-size": "PASS",
         "fingerprint": "SKIP",  # no pool, no index
         "hit-rate": "PASS",
+        "model": "SKIP",  # no --model-config
     }, diagnosis.output
     checks = diagnosis.checks
     assert f"segment {agent.segment_path}" in checks["agent"].seen

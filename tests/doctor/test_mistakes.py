@@ -60,6 +60,37 @@ DOCTOR = [
             "No such file or directory"
         ],
     ),
+    Mistake(
+        "model-config-absent",
+        [*ENDPOINT, "--model-config", "{tmp}/absent.json"],
+        [
+            "kvpool doctor: --model-config {tmp}/absent.json: cannot read it: "
+            "No such file or directory"
+        ],
+    ),
+    Mistake(
+        "model-directory-without-config",
+        [*ENDPOINT, "--model-config", "{tmp}"],
+        [
+            "kvpool doctor: --model-config {tmp}/config.json: cannot read it: "
+            "No such file or directory"
+        ],
+    ),
+    Mistake(
+        "model-config-not-json",
+        [*ENDPOINT, "--model-config", "{tmp}"],
+        ["kvpool doctor: --model-config {tmp}/config.json: not JSON: Expecting"],
+        files={"config.json": '{"model_type": "llama",'},
+    ),
+    Mistake(
+        "model-config-not-an-object",
+        [*ENDPOINT, "--model-config", "{tmp}/config.json"],
+        [
+            "kvpool doctor: --model-config {tmp}/config.json: not a model's config.json "
+            "(a JSON object, not list)"
+        ],
+        files={"config.json": "[]"},
+    ),
 ]
 
 

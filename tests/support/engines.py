@@ -15,70 +15,13 @@ from typing import Any
 from kvpool_agent.testing.agent_process import ENGINE_TOKEN
 
 from .greedy import Candidates, problems
+from .models import TINY_LLAMA, write_model
+
+__all__ = ["TINY_LLAMA", "Engine", "Result", "poison_segment", "write_model"]
 
 MAIN = Path(__file__).with_name("engine_main.py")
 ROOT = Path(__file__).resolve().parents[2]
 MARK = "@@"
-
-TINY_LLAMA: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "num_hidden_layers": 2,
-    "vocab_size": 2048,
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-"""A Llama small enough to start in seconds; head size 64 (a CPU attention size)."""
-
-
-def write_model(directory: Path, *, seed: int = 0, **overrides: Any) -> Path:
-    """A tiny Llama with random weights: config.json and model.safetensors.
-
-    Not vLLM's ``load_format="dummy"``: its weights are so small that greedy output
-    ignores the context, and a test of loaded KV must see wrong KV change the output.
-    Attention weights are large enough that attention is sharp and content-driven.
-    """
-    import torch
-    from safetensors.torch import save_file
-
-    config = {**TINY_LLAMA, **overrides}
-    hidden, inner = config["hidden_size"], config["intermediate_size"]
-    head = hidden // config["num_attention_heads"]
-    kv = config["num_key_value_heads"] * head
-    generator = torch.Generator().manual_seed(seed)
-
-    def normal(*shape: int, std: float) -> torch.Tensor:
-        return (torch.randn(*shape, generator=generator) * std).to(torch.bfloat16)
-
-    tensors = {
-        "model.embed_tokens.weight": normal(config["vocab_size"], hidden, std=1.0),
-        "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-        "lm_head.weight": normal(config["vocab_size"], hidden, std=0.1),
-    }
-    for layer in range(config["num_hidden_layers"]):
-        prefix = f"model.layers.{layer}."
-        tensors |= {
-            prefix + "self_attn.q_proj.weight": normal(hidden, hidden, std=0.15),
-            prefix + "self_attn.k_proj.weight": normal(kv, hidden, std=0.15),
-            prefix + "self_attn.v_proj.weight": normal(kv, hidden, std=0.1),
-            prefix + "self_attn.o_proj.weight": normal(hidden, hidden, std=0.1),
-            prefix + "mlp.gate_proj.weight": normal(inner, hidden, std=0.05),
-            prefix + "mlp.up_proj.weight": normal(inner, hidden, std=0.05),
-            prefix + "mlp.down_proj.weight": normal(hidden, inner, std=0.05),
-            prefix + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-            prefix + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-        }
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config))
-    save_file(tensors, str(directory / "model.safetensors"))
-    return directory
 
 
 def poison_segment(path: Path) -> None:

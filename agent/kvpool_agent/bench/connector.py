@@ -51,7 +51,7 @@ from kvpool_agent import problems
 from kvpool_agent.bench import connector_queued
 from kvpool_agent.bench.connector_engine import Engine, Sample, kv_bytes_per_token, write_model
 from kvpool_agent.bench.report import table
-from kvpool_agent.testing.agent_process import running_agent
+from kvpool_agent.testing.agent_process import ENGINE_TOKEN, running_agent
 
 CONFIGS = ("none", "kvpool", "example", "native")
 FLOOR = "floor"
@@ -130,9 +130,10 @@ def run(args: argparse.Namespace) -> None:
         workdir = Path(work)
         model = workdir / "model"
         write_model(model, args)
-        endpoint = args.endpoint
+        endpoint, token = args.endpoint, None  # --endpoint: the token from KVPOOL_TOKEN
         if "kvpool" in configs and endpoint is None:
             endpoint = agent.enter_context(running_agent({"POOL": "bench", "L1_SIZE": "2Gi"})).zmq
+            token = ENGINE_TOKEN
         rng = random.Random(1)
         runs = []
         for _ in range(args.runs):
@@ -145,6 +146,7 @@ def run(args: argparse.Namespace) -> None:
                         "prompt_tokens": args.prompt_tokens,
                         "chunk_tokens": args.chunk_tokens,
                         "endpoint": endpoint,
+                        "token": token,
                         "storage": str(workdir / "example"),
                     }
                     engines.append(Engine(settings, workdir / f"{config}.log"))
@@ -238,7 +240,7 @@ def _paired(
     return per_run
 
 
-def _ratio(runs: list[Run], scenario: str, row: str, reference: str) -> list[float] | None:
+def paired_ratios(runs: list[Run], scenario: str, row: str, reference: str) -> list[float] | None:
     return _paired(runs, scenario, row, reference, lambda value, base: value / base)
 
 
@@ -246,7 +248,7 @@ def _difference(runs: list[Run], scenario: str, row: str, reference: str) -> lis
     return _paired(runs, scenario, row, reference, lambda value, base: value - base)
 
 
-def _spread(values: Sequence[float] | None, form: str, scale: float = 1.0) -> str:
+def median_spread(values: Sequence[float] | None, form: str, scale: float = 1.0) -> str:
     """The median of per-run figures, with their min-max when there are several runs."""
     if not values:
         return ""
@@ -256,7 +258,7 @@ def _spread(values: Sequence[float] | None, form: str, scale: float = 1.0) -> st
     return f"{middle} [{form.format(min(values) * scale)}-{form.format(max(values) * scale)}]"
 
 
-def _ttfts(runs: list[Run], scenario: str, row: str) -> list[float]:
+def ttfts(runs: list[Run], scenario: str, row: str) -> list[float]:
     return [statistics.median(s.seconds for s in getattr(run, scenario)[row]) for run in runs]
 
 
@@ -277,10 +279,10 @@ def report(runs: list[Run], args: argparse.Namespace, copy_rate: float) -> str:
                 [
                     row,
                     f"{statistics.median(s.cached for r in runs for s in r.repeated[row]):.0f}",
-                    _spread(_ttfts(runs, "repeated", row), "{:.1f}", 1000),
-                    _spread(_ratio(runs, "repeated", row, FLOOR), "{:.2f}"),
-                    _spread(_ratio(runs, "repeated", row, "native"), "{:.2f}"),
-                    _spread(_ratio(runs, "repeated", row, "none"), "{:.3f}"),
+                    median_spread(ttfts(runs, "repeated", row), "{:.1f}", 1000),
+                    median_spread(paired_ratios(runs, "repeated", row, FLOOR), "{:.2f}"),
+                    median_spread(paired_ratios(runs, "repeated", row, "native"), "{:.2f}"),
+                    median_spread(paired_ratios(runs, "repeated", row, "none"), "{:.3f}"),
                 ]
                 for row in rows
             ],
@@ -308,7 +310,7 @@ def _copy_lines(runs: list[Run], args: argparse.Namespace, copy_rate: float) -> 
     copy_ms = loaded / copy_rate * 1000
     extra_ms = statistics.median(extra) * 1000
     return [
-        f"kvpool - native (paired): {_spread(extra, '{:.1f}', 1000)} ms; loaded "
+        f"kvpool - native (paired): {median_spread(extra, '{:.1f}', 1000)} ms; loaded "
         f"{loaded / 1e6:.1f} MB, whose memcpy at {copy_rate / 1e9:.1f} GB/s (one thread, "
         f"64 MiB buffer, median of 9) takes {copy_ms:.1f} ms: {extra_ms - copy_ms:.1f} ms "
         "above the copy",
@@ -321,7 +323,7 @@ def _overhead_table(runs: list[Run], spread: str) -> str:
     rows = []
     for row in runs[0].misses:
         difference = _difference(runs, "misses", row, "none")
-        recompute = _ttfts(runs, "misses", "none") if difference is not None else None
+        recompute = ttfts(runs, "misses", "none") if difference is not None else None
         share = (
             [d / r for d, r in zip(difference, recompute, strict=True)]
             if difference is not None and recompute is not None
@@ -330,9 +332,9 @@ def _overhead_table(runs: list[Run], spread: str) -> str:
         rows.append(
             [
                 row,
-                _spread(_ttfts(runs, "misses", row), "{:.1f}", 1000),
-                "" if row == "none" else _spread(difference, "{:+.1f}", 1000),
-                "" if row == "none" else _spread(share, "{:+.1%}"),
+                median_spread(ttfts(runs, "misses", row), "{:.1f}", 1000),
+                "" if row == "none" else median_spread(difference, "{:+.1f}", 1000),
+                "" if row == "none" else median_spread(share, "{:+.1%}"),
             ]
         )
     title = (

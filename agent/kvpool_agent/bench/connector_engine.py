@@ -64,13 +64,22 @@ class Engine:
     """One engine configuration in its own process, one command at a time over its pipes."""
 
     def __init__(self, settings: dict[str, Any], log_path: Path) -> None:
+        """``settings``: the engine's (see :func:`build_engine`); ``token``, if given, is
+        the kvpool connector's token for its agent (as ``KVPOOL_TOKEN``, not on the command
+        line)."""
+        settings = dict(settings)
+        token = settings.pop("token", None)
         self.config = str(settings["config"])
         self.log_path = log_path
         env = {
             **os.environ,
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            # vLLM's log (and the connector's) into the log file: stdout carries the answers
+            "VLLM_LOGGING_STREAM": os.environ.get("VLLM_LOGGING_STREAM", "ext://sys.stderr"),
         }
+        if token:
+            env["KVPOOL_TOKEN"] = str(token)
         self._log = log_path.open("w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", __name__, json.dumps(settings)],

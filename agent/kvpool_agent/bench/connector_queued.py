@@ -34,7 +34,7 @@ from kvpool_agent.bench.connector_engine import Burst, Engine, kv_bytes_per_toke
 from kvpool_agent.bench.l2 import drop_page_cache
 from kvpool_agent.bench.report import table
 from kvpool_agent.client import AgentClient
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, running_agent
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, running_agent
 
 WRITEBACK_TIMEOUT_S = 120.0
 
@@ -53,6 +53,7 @@ def measure(model: Path, workdir: Path, args: argparse.Namespace) -> dict[str, B
             "prompt_tokens": tokens,
             "chunk_tokens": args.chunk_tokens,
             "endpoint": agent.zmq,
+            "token": ENGINE_TOKEN,
             "max_num_seqs": args.queued_max_seqs,
             "batched_tokens": 2048,
             "time_steps": True,

@@ -4,8 +4,9 @@
 cache lives on a GPU, registers it as pinned memory). :class:`BlockCopier`
 moves one chunk at a time:
 
-* ``store``: the chunk's blocks of every layer -> the reserved bytes in the segment;
-* ``load``: a chunk's bytes -> the blocks (from ``first_block`` of the chunk on).
+* ``store``: the blocks each group keeps of the chunk, every layer -> the reserved bytes
+  in the segment;
+* ``load``: a chunk's bytes -> the blocks (per group, those vLLM allocated real blocks for).
 
 On CPU both are numpy memcpys of whole pages and are finished when they
 return. On CUDA they run on a side stream, the segment being pinned:
@@ -110,7 +111,8 @@ def _as_bytes(tensor: torch.Tensor) -> Pages:
 
 
 class BlockCopier:
-    """Copies chunks between ``caches`` (``[num_blocks, *page]`` views, one per layer) and bytes.
+    """Copies chunks between vLLM's caches and bytes: ``caches[g]`` holds group ``g``'s
+    ``[num_blocks, *page]`` views, one per layer, in the chunk format's order.
 
     On CPU the copies are numpy's: single-threaded memcpys of whole pages. torch's
     ``index_select`` would split them over vLLM's OpenMP threads, and on a busy
@@ -118,54 +120,70 @@ class BlockCopier:
     200 ms instead of 2 ms for 4 MiB at a load average of 10 on 2 cores).
     """
 
-    def __init__(self, caches: Sequence[torch.Tensor], chunk_format: ChunkFormat) -> None:
-        self._caches = list(caches)
+    def __init__(self, caches: Sequence[Sequence[torch.Tensor]], chunk_format: ChunkFormat) -> None:
+        self._caches = [list(group) for group in caches]
         self._format = chunk_format
-        self.device = self._caches[0].device
+        self.device = self._caches[0][0].device
         self._stream: torch.cuda.Stream | None = None
-        self._arrays: list[Pages] = []
+        self._arrays: list[list[Pages]] = []
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         else:
-            self._arrays = [_as_bytes(cache) for cache in self._caches]
+            self._arrays = [[_as_bytes(cache) for cache in group] for group in self._caches]
 
     @property
     def synchronous(self) -> bool:
         """Copies have finished when ``store``/``load`` return."""
         return self._stream is None
 
-    def store(self, chunk: torch.Tensor, block_ids: Sequence[int]) -> Copy:
-        """Copy the chunk's blocks (``blocks_per_chunk`` ids) into ``chunk`` (its bytes)."""
-        destination = self._format.view(chunk)
+    def store(self, chunk: torch.Tensor, block_ids: Sequence[Sequence[int]]) -> Copy:
+        """Copy the blocks each group keeps (``block_ids[g]``, ``kept`` ids) into ``chunk``."""
+        destinations = self._format.views(chunk)
         if self._stream is None:
-            pages = destination.view(torch.uint8).numpy()
-            rows = np.asarray(block_ids, dtype=np.intp)
-            for layer, array in enumerate(self._arrays):
-                np.take(array, rows, axis=0, out=pages[layer])
+            for group, arrays, destination in zip(
+                block_ids, self._arrays, destinations, strict=True
+            ):
+                pages = destination.view(torch.uint8).numpy()
+                rows = np.asarray(group, dtype=np.intp)
+                for layer, array in enumerate(arrays):
+                    np.take(array, rows, axis=0, out=pages[layer])
             return FINISHED
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))  # the blocks are computed
         with torch.cuda.stream(stream):
-            index = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
-            for layer, cache in enumerate(self._caches):
-                destination[layer].copy_(cache.index_select(0, index), non_blocking=True)
+            for group, caches, destination in zip(
+                block_ids, self._caches, destinations, strict=True
+            ):
+                index = torch.tensor(group, dtype=torch.long).to(self.device, non_blocking=True)
+                for layer, cache in enumerate(caches):
+                    destination[layer].copy_(cache.index_select(0, index), non_blocking=True)
             return self._record(stream)
 
-    def load(self, chunk: torch.Tensor, block_ids: Sequence[int], first_block: int) -> Copy:
-        """Copy ``chunk``'s blocks from ``first_block`` on into the blocks ``block_ids``."""
-        source = self._format.view(chunk)[:, first_block : first_block + len(block_ids)]
+    def load(self, chunk: torch.Tensor, targets: Sequence[tuple[int, Sequence[int]]]) -> Copy:
+        """Copy ``chunk`` into vLLM's blocks: per group ``(first, block_ids)``, the group's
+        kept blocks from ``first`` on go to ``block_ids``."""
+        sources = [
+            view[:, first : first + len(ids)]
+            for view, (first, ids) in zip(self._format.views(chunk), targets, strict=True)
+        ]
         if self._stream is None:
-            pages = source.view(torch.uint8).numpy()
-            rows = np.asarray(block_ids, dtype=np.intp)
-            for layer, array in enumerate(self._arrays):
-                array[rows] = pages[layer]
+            for (_, ids), arrays, source in zip(targets, self._arrays, sources, strict=True):
+                if not ids:
+                    continue
+                pages = source.view(torch.uint8).numpy()
+                rows = np.asarray(ids, dtype=np.intp)
+                for layer, array in enumerate(arrays):
+                    array[rows] = pages[layer]
             return FINISHED
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))  # vLLM zeroed new blocks
         with torch.cuda.stream(stream):
-            index = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
-            for layer, cache in enumerate(self._caches):
-                cache.index_copy_(0, index, source[layer].to(self.device, non_blocking=True))
+            for (_, ids), caches, source in zip(targets, self._caches, sources, strict=True):
+                if not ids:
+                    continue
+                index = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+                for layer, cache in enumerate(caches):
+                    cache.index_copy_(0, index, source[layer].to(self.device, non_blocking=True))
             copy = self._record(stream)
         torch.cuda.current_stream(self.device).wait_stream(stream)  # the forward reads them
         return copy

@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -37,13 +38,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.attention.backend import AttentionMetadata
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvpool_agent.client import AgentInfo
 from kvpool_agent.connector import discovery, identity
 from kvpool_agent.connector.compat import check_vllm_version
 from kvpool_agent.connector.counters import Counters
+from kvpool_agent.connector.groups import (
+    CachedGroup,
+    NotCacheable,
+    cacheable_groups,
+    cannot_resume,
+    loads_per_request,
+)
+from kvpool_agent.connector.layout import LayoutError
 from kvpool_agent.connector.link import AgentLink
 from kvpool_agent.connector.metadata import KvpoolHandshake, KvpoolMetadata, KvpoolWorkerMetadata
 from kvpool_agent.connector.metrics import KvpoolPromMetrics, KvpoolStats
@@ -55,6 +64,13 @@ if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.request import Request
+
+try:  # the hybrid KV cache manager's interface (several KV cache groups)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+
+    _HMA: tuple[type, ...] = (SupportsHMA,)
+except ImportError:
+    _HMA = ()
 
 try:  # vLLM 0.32+ labels a connector's hits by the tier that served them
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -80,8 +96,12 @@ def _log_with_vllm() -> None:
     ours.propagate = False
 
 
-class KvpoolConnector(KVConnectorBase_V1):
-    """vLLM connector that shares KV through the node's kvpool agent (see the package docs)."""
+class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
+    """vLLM connector that shares KV through the node's kvpool agent (see the package docs).
+
+    It supports vLLM's hybrid KV cache manager (``SupportsHMA``): every KV cache group is
+    cached as :mod:`~kvpool_agent.connector.groups` says, so vLLM keeps the manager on.
+    """
 
     if _HIT_SOURCE is not None:
         _cache_hit_source = _HIT_SOURCE  # loads come from the node's shared memory
@@ -99,6 +119,9 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         self._address: discovery.AgentAddress | None = None
+        self._groups, disabled = _groups(vllm_config, kv_cache_config)
+        if disabled is not None and role == KVConnectorRole.SCHEDULER:
+            log.warning("kvpool: %s", disabled)  # once per engine: the scheduler's
         if role == KVConnectorRole.SCHEDULER:
             self._require_recompute()
             model = vllm_config.model_config
@@ -106,12 +129,14 @@ class KvpoolConnector(KVConnectorBase_V1):
                 model=_model_identity(settings.model_name or model.model, vllm_config),
                 dtype=str(model.dtype).removeprefix("torch."),
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
-                block_size=vllm_config.cache_config.block_size,
+                groups=[group.rule for group in self._groups],
                 link=self._link("scheduler", settings.lookup_timeout_s),
                 counters=self._counters,
                 prefetch_wait_s=settings.prefetch_wait_s,
                 step_budget_s=settings.step_budget_ms / 1000,
                 segment_path=self._segment_path,
+                disabled=disabled,
+                loads_per_request=loads_per_request(kv_cache_config, self._groups),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -200,19 +225,19 @@ class KvpoolConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
-        groups = self._kv_cache_config.kv_cache_groups
-        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
-            kinds = [type(group.kv_cache_spec).__name__ for group in groups]
-            raise ValueError(f"kvpool caches full attention in one KV cache group, not {kinds}")
-        layer_names = list(groups[0].layer_names)
+        if not self._groups:
+            return  # not cached (the scheduler said why): no handshake, no hits
+        layer_names = [name for group in self._groups for name in group.layer_names]
         backends = get_current_attn_backends(self._vllm_config, layer_names)
-        self.worker.register_kv_caches(
-            kv_caches,
-            layer_names,
-            self._kv_cache_config.num_blocks,
-            groups[0].kv_cache_spec.block_size,
-            "+".join(sorted(backend.get_name() for backend in backends)),
-        )
+        try:
+            self.worker.register_kv_caches(
+                kv_caches,
+                [(group.rule, group.layer_names) for group in self._groups],
+                self._kv_cache_config.num_blocks,
+                "+".join(sorted(backend.get_name() for backend in backends)),
+            )
+        except LayoutError as error:  # never fail vLLM's start: serve without the cache
+            log.warning("kvpool: %s; this engine gets no hits from kvpool", error)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self.worker.handshake
@@ -240,8 +265,16 @@ class KvpoolConnector(KVConnectorBase_V1):
         self.worker.save(self._metadata())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        done = self.worker.get_finished(finished_req_ids)
-        return (done or None), None
+        results = self.get_transfer_results(finished_req_ids)
+        return (results.finished_sending or None), (results.finished_recving or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        received, failed = self.worker.take_received()
+        return KVConnectorTransferResults(
+            finished_sending=self.worker.get_finished(finished_req_ids),
+            finished_recving=received,
+            failed_recving=failed,
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
@@ -280,10 +313,16 @@ class KvpoolConnector(KVConnectorBase_V1):
         self.scheduler.update_connector_output(
             meta if isinstance(meta, KvpoolWorkerMetadata) else None,
             set(connector_output.finished_sending or ()),
+            set(getattr(connector_output, "failed_recving", None) or ()),
         )
 
     def request_finished(
         self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request), None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request), None
 
@@ -319,6 +358,19 @@ class KvpoolConnector(KVConnectorBase_V1):
             self._scheduler.close()
 
 
+def _groups(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> tuple[list[CachedGroup], str | None]:
+    """The groups to cache, or none and why (an engine kvpool must not hand KV to)."""
+    reason = cannot_resume(vllm_config)
+    if reason is not None:
+        return [], reason
+    try:
+        return cacheable_groups(kv_cache_config), None
+    except NotCacheable as error:
+        return [], str(error)
+
+
 def _model_identity(name: str, vllm_config: VllmConfig) -> str:
     """The model part of the key fingerprint: the name, and what else changes the weights."""
     model = vllm_config.model_config
@@ -327,4 +379,7 @@ def _model_identity(name: str, vllm_config: VllmConfig) -> str:
         identity += f"@{model.revision}"
     if model.quantization:
         identity += f"+{model.quantization}"
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype != "auto":  # fp8 kinds are all uint8 pages: the descriptor cannot tell
+        identity += f"+kv:{cache_dtype}"
     return identity

@@ -14,31 +14,43 @@ from the shape and the strides alone, not from the attention backend's name:
   memory, which only decides how fast the copy is, never what it produces.
 
 Chunk byte layout (one chunk = one agent key = ``chunk_tokens`` tokens of every
-layer of this worker)::
+layer of this worker, every KV cache group vLLM gives it)::
 
-    chunk = layer 0 | layer 1 | ... | layer L-1             (vLLM's layer order)
-    layer = page(block 0) | page(block 1) | ... | page(block nb-1)   (token order)
+    chunk = group 0 | group 1 | ... | group G-1              (vLLM's group order)
+    group = layer 0 | layer 1 | ... | layer L-1              (the group's layer order)
+    layer = page(block nb-kept) | ... | page(block nb-1)     (token order)
     page  = one block's data, C-contiguous in the logical page shape, e.g. [H, N, C]
 
-No padding and no header: ``chunk_bytes = L * nb * prod(page_shape) * itemsize``.
+A group keeps the blocks a request needs to resume at the chunk's end, and no more
+(:class:`GroupRule`): every block for full attention and MLA, the last
+``ceil((W - 1 + R) / block_size)`` for a sliding window of ``W`` tokens (``R``: tokens vLLM
+retains past the window for speculative decoding). One key holds every
+group, so a hit is all of them or none: a request never resumes with one group loaded
+and another not.
+
+No padding and no header: ``chunk_bytes = sum(L * kept * prod(page_shape) * itemsize)``.
 The bytes do not depend on the physical order of the tensor (an NHD engine and
 an HND engine of the same model write identical chunks). What a page's bytes
 *mean* is the attention backend's business (the CPU backend stores K rows then
 V rows per head, for instance), so :meth:`ChunkFormat.descriptor` names the
-backend as the content kind; the descriptor is part of every key's fingerprint,
-so engines whose pages differ never share a key.
+backend as the content kind; the descriptor, part of every key's fingerprint, also
+names each group's kind, layers, kept blocks and page, so engines whose layouts differ
+never share a key.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 STANDARD_DIM_NAMES = "BHNC"
 """vLLM's standardized per-layer view: blocks, heads, tokens in block, content."""
 FORMAT_VERSION = "kvpool-chunk-v1"
+GROUPS_FORMAT_VERSION = "kvpool-chunk-v2"
 
 
 class LayoutError(ValueError):
@@ -135,58 +147,167 @@ def _physical_order(tensor: torch.Tensor, block_dim: int) -> str:
     return "".join(names[dim] for dim in by_stride)
 
 
-@dataclass(frozen=True)
-class ChunkFormat:
-    """The byte layout of one chunk for this worker (see the module docstring)."""
+NULL_BLOCK = 0
+"""The block id vLLM gives positions a group keeps no KV for (its block pool's first block,
+the null block): outside a sliding window, before a local-attention chunk."""
 
+
+@dataclass(frozen=True)
+class GroupRule:
+    """What one KV cache group needs of a chunk for a request to resume at the chunk's end.
+
+    * ``full``: every block (full attention, MLA);
+    * ``window``: the blocks of the last ``tokens`` tokens (a sliding window of ``W`` looks
+      back ``W - 1`` tokens; vLLM may retain a few more), the rest of the chunk never;
+    * ``local``: chunked local attention of ``tokens``-token attention chunks; every block
+      (a chunk that ends inside an attention chunk needs its blocks back to that attention
+      chunk's start, which earlier kvpool chunks hold only if they kept every block). A
+      kvpool chunk must not straddle an attention chunk's edge: vLLM frees the blocks before
+      the edge while the request runs, possibly before the kvpool chunk is full and stored.
+    """
+
+    kind: Literal["full", "window", "local"]
+    block_size: int
+    tokens: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.kind if self.kind == "full" else f"{self.kind}{self.tokens}"
+
+    def blocks_per_chunk(self, chunk_tokens: int) -> int:
+        if chunk_tokens % self.block_size:
+            raise LayoutError(
+                f"chunk_tokens={chunk_tokens} is not a multiple of vLLM's block size "
+                f"{self.block_size}"
+            )
+        return chunk_tokens // self.block_size
+
+    def kept_blocks(self, chunk_tokens: int) -> int:
+        """The chunk's last blocks this group stores (all, but for a window)."""
+        per_chunk = self.blocks_per_chunk(chunk_tokens)
+        if self.kind == "window":
+            return min(per_chunk, -(-self.tokens // self.block_size))
+        if self.kind == "local" and self.tokens % chunk_tokens:
+            raise LayoutError(
+                f"chunk_tokens={chunk_tokens} does not divide the model's {self.tokens}-token "
+                "local attention chunks (vLLM frees a local chunk's blocks at its edge)"
+            )
+        return per_chunk
+
+
+FULL_ATTENTION = "full"
+
+
+@dataclass(frozen=True)
+class GroupFormat:
+    """One group's part of a chunk: ``layers x kept x page``, the chunk's last ``kept`` blocks."""
+
+    rule: GroupRule
     layers: int
     blocks_per_chunk: int
+    kept: int
     page_shape: tuple[int, ...]
     dtype: torch.dtype
-    content: str
-    """What a page's bytes mean: the attention backend that writes them."""
 
-    @classmethod
-    def of(
-        cls, layouts: list[BlockLayout], chunk_tokens: int, block_size: int, content: str
-    ) -> ChunkFormat:
-        """The format for these layers; every layer must have the same page."""
-        if not layouts:
-            raise LayoutError("no attention layers to cache")
-        first = layouts[0]
-        for layout in layouts[1:]:
-            if (layout.page_shape, layout.dtype) != (first.page_shape, first.dtype):
-                raise LayoutError(
-                    f"layers differ: page {layout.page_shape} {layout.dtype} vs "
-                    f"{first.page_shape} {first.dtype}"
-                )
-        if chunk_tokens % block_size:
-            raise LayoutError(
-                f"chunk_tokens={chunk_tokens} is not a multiple of vLLM's block size {block_size}"
-            )
-        return cls(len(layouts), chunk_tokens // block_size, first.page_shape, first.dtype, content)
+    @property
+    def first_kept(self) -> int:
+        """The first block of a chunk this group stores."""
+        return self.blocks_per_chunk - self.kept
 
     @property
     def page_bytes(self) -> int:
         return math.prod(self.page_shape) * self.dtype.itemsize
 
     @property
-    def layer_bytes(self) -> int:
-        return self.blocks_per_chunk * self.page_bytes
+    def section_bytes(self) -> int:
+        return self.layers * self.kept * self.page_bytes
 
-    @property
-    def chunk_bytes(self) -> int:
-        return self.layers * self.layer_bytes
-
-    def descriptor(self) -> str:
-        """The ``kv_layout`` of the key fingerprint: everything that shapes a chunk's bytes."""
+    def describe(self) -> str:
         page = "x".join(str(size) for size in self.page_shape)
         dtype = str(self.dtype).removeprefix("torch.")
         return (
-            f"{FORMAT_VERSION};layer-major;layers={self.layers};blocks={self.blocks_per_chunk};"
-            f"page={page};dtype={dtype};content={self.content}"
+            f"layers={self.layers};blocks={self.blocks_per_chunk};page={page};dtype={dtype}"
+            if self.kept == self.blocks_per_chunk and self.rule.kind == FULL_ATTENTION
+            else f"{self.rule.name};layers={self.layers};blocks={self.blocks_per_chunk};"
+            f"kept={self.kept};page={page};dtype={dtype}"
         )
 
-    def view(self, buffer: torch.Tensor) -> torch.Tensor:
-        """A chunk's bytes (a uint8 tensor of ``chunk_bytes``) as ``[L, nb, *page]``."""
-        return buffer.view(self.dtype).view(self.layers, self.blocks_per_chunk, *self.page_shape)
+
+@dataclass(frozen=True)
+class ChunkFormat:
+    """The byte layout of one chunk for this worker (see the module docstring)."""
+
+    groups: tuple[GroupFormat, ...]
+    content: str
+    """What a page's bytes mean: the attention backends that write them."""
+
+    @classmethod
+    def of(
+        cls,
+        groups: Sequence[tuple[GroupRule, Sequence[BlockLayout]]],
+        chunk_tokens: int,
+        content: str,
+    ) -> ChunkFormat:
+        """The format for these groups (vLLM's order), each with its layers' layouts; the
+        layers of a group must have the same page."""
+        formats = []
+        for rule, layouts in groups:
+            if not layouts:
+                raise LayoutError(f"a {rule.name} group without layers")
+            first = layouts[0]
+            for layout in layouts[1:]:
+                if (layout.page_shape, layout.dtype) != (first.page_shape, first.dtype):
+                    raise LayoutError(
+                        f"layers differ: page {layout.page_shape} {layout.dtype} vs "
+                        f"{first.page_shape} {first.dtype}"
+                    )
+            formats.append(
+                GroupFormat(
+                    rule,
+                    len(layouts),
+                    rule.blocks_per_chunk(chunk_tokens),
+                    rule.kept_blocks(chunk_tokens),
+                    first.page_shape,
+                    first.dtype,
+                )
+            )
+        if not formats:
+            raise LayoutError("no attention layers to cache")
+        return cls(tuple(formats), content)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return sum(group.section_bytes for group in self.groups)
+
+    @property
+    def layers(self) -> int:
+        return sum(group.layers for group in self.groups)
+
+    @property
+    def frees_blocks(self) -> bool:
+        """Some group lets vLLM free blocks before the request ends (a window): a store must
+        have copied them before the next step."""
+        return any(group.rule.kind != FULL_ATTENTION for group in self.groups)
+
+    def descriptor(self) -> str:
+        """The ``kv_layout`` of the key fingerprint: everything that shapes a chunk's bytes,
+        the groups' structure included. One full-attention group keeps the first format's
+        descriptor (its keys are those kvpool has always made)."""
+        if len(self.groups) == 1 and self.groups[0].rule.kind == FULL_ATTENTION:
+            return (
+                f"{FORMAT_VERSION};layer-major;{self.groups[0].describe()};content={self.content}"
+            )
+        groups = "|".join(group.describe() for group in self.groups)
+        return f"{GROUPS_FORMAT_VERSION};group-major;{groups};content={self.content}"
+
+    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """A chunk's bytes (a uint8 tensor of ``chunk_bytes``) as one ``[L, kept, *page]``
+        view per group."""
+        views, offset = [], 0
+        for group in self.groups:
+            section = buffer[offset : offset + group.section_bytes]
+            views.append(
+                section.view(group.dtype).view(group.layers, group.kept, *group.page_shape)
+            )
+            offset += group.section_bytes
+        return views

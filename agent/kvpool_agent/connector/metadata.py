@@ -25,24 +25,33 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 RankKeys = tuple[tuple[bytes, ...], ...]
 """``keys[rank][i]``: the key of the job's i-th chunk for that rank."""
+GroupBlocks = tuple[tuple[int, ...], ...]
+"""``block_ids[g]``: KV cache group ``g``'s block ids, in token order (vLLM's null block
+where the group keeps no KV)."""
 
 
 @dataclass(frozen=True)
 class LoadJob:
-    """Copy chunks ``keys[rank]`` into ``block_ids`` (their blocks from ``first_block`` on)."""
+    """Copy chunks ``keys[rank]`` into ``block_ids`` (their tokens from ``first_tokens`` on)."""
 
     req_id: str
     tenant: str
     keys: RankKeys
-    block_ids: tuple[int, ...]
-    """Destination blocks in token order; the first chunk may be entered part way."""
-    first_block: int
-    """Blocks of the first chunk that vLLM already has (skipped)."""
+    block_ids: GroupBlocks
+    """Per group, the destination blocks from the one holding token ``first_tokens`` of the
+    first chunk to the end of the last chunk."""
+    first_tokens: int
+    """Tokens of the first chunk that vLLM already has (skipped)."""
+    per_request: bool = False
+    """Report the load's outcome for the request (vLLM's asynchronous load: finished or
+    failed receiving), not failed blocks: an engine of several KV cache groups takes no
+    block-level failures."""
 
 
 @dataclass(frozen=True)
 class StoreJob:
-    """Store chunks ``keys[rank]``, whose blocks are ``block_ids`` (``blocks_per_chunk`` each)."""
+    """Store chunks ``keys[rank]``, whose blocks are ``block_ids`` (per group, every block of
+    the chunks)."""
 
     job_id: int
     req_id: str
@@ -50,7 +59,7 @@ class StoreJob:
     keys: RankKeys
     parents: tuple[bytes | None, ...]
     """Per rank: the key of the chunk before the first, so the agent knows the chain."""
-    block_ids: tuple[int, ...]
+    block_ids: GroupBlocks
 
 
 @dataclass

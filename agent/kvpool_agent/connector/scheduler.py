@@ -25,8 +25,14 @@ fingerprint), the request's block ids and a store cursor.
   to the oldest requests, and a burst or a queue of any length delays a step by
   at most the budget (plus the one question in flight).
 * ``update_state_after_alloc``: turn the hit into a :class:`LoadJob` on the
-  blocks vLLM allocated. The worker locks the chunks when it copies them; if
-  they are gone by then it reports the blocks and vLLM recomputes them.
+  blocks vLLM allocated (every KV cache group's). The worker locks the chunks when it
+  copies them; if they are gone by then it reports the blocks and vLLM recomputes them.
+  vLLM takes no failed blocks from an engine of several groups (block ids are not
+  unique across groups), and a window group cannot resume at a failed block (the window
+  before it was never allocated), so there the load is asynchronous to vLLM
+  (:func:`~kvpool_agent.connector.groups.loads_per_request`): the request waits one step
+  for its KV, and a failed load is reported for the request, which vLLM then computes
+  anew; it gets no more hits, so a chunk that vanished is not offered again.
 * ``build_connector_meta``: every chunk that becomes full by the end of this
   step (prompt or generated tokens) and was not loaded from the agent becomes
   part of a :class:`StoreJob`, with the key of the chunk before it as parent.
@@ -46,7 +52,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -54,6 +60,7 @@ from typing import TYPE_CHECKING, Protocol
 from kvpool_agent import keys
 from kvpool_agent.client import AgentError, AgentInfo
 from kvpool_agent.connector.counters import Counters
+from kvpool_agent.connector.layout import NULL_BLOCK, GroupRule, LayoutError
 from kvpool_agent.connector.link import AgentLink, LinkDown
 from kvpool_agent.connector.metadata import (
     KvpoolHandshake,
@@ -107,7 +114,8 @@ class _Request:
     request: RequestView
     tenant: str
     chains: list[keys.KeyChain]
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
+    """Per KV cache group, the request's blocks in token order."""
     stored_chunks: int = 0
     """Chunks ``[0, stored_chunks)`` are stored, being stored or were loaded."""
     planned: tuple[int, int] | None = None
@@ -121,6 +129,10 @@ class _Request:
     prefetch_tried: bool = False
     counted: bool = False
     """The agent counted this request's hits and misses (at its first lookup)."""
+    load_failed: bool = False
+    """A per-request load failed: vLLM computes the request anew, without the cache."""
+    loaded_from: int = 0
+    """The first chunk of the request's load (stored again if that load fails)."""
 
 
 @dataclass
@@ -136,16 +148,25 @@ class SchedulerHalf:
         model: str,
         dtype: str,
         tp_size: int,
-        block_size: int,
+        groups: Sequence[GroupRule],
         link: AgentLink,
         counters: Counters,
         prefetch_wait_s: float = 0.0,
         step_budget_s: float = 0.01,
         segment_path: Callable[[AgentInfo], Path] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        disabled: str | None = None,
+        loads_per_request: bool = False,
     ) -> None:
-        """``segment_path``: where this process sees the agent's segment (its table of ready
-        chunks lies beside it); without it every probe asks the agent."""
+        """``groups``: what each of vLLM's KV cache groups keeps of a chunk, in vLLM's order.
+        ``segment_path``: where this process sees the agent's segment (its table of ready
+        chunks lies beside it); without it every probe asks the agent. ``disabled``: why this
+        engine gets no hits and stores nothing (said once, by the caller).
+        ``loads_per_request``: a failed load must fail its whole request (several KV cache
+        groups, or a window), so loads are asynchronous to vLLM and their failures reported
+        per request (vLLM then computes the request anew)."""
+        self._disabled = disabled
+        self._loads_per_request = loads_per_request
         self._prefetch_wait_s = prefetch_wait_s
         self._step_budget_s = step_budget_s
         self._segment_path = segment_path
@@ -155,7 +176,10 @@ class SchedulerHalf:
         self._model = model
         self._dtype = dtype
         self._tp_size = tp_size
-        self._block_size = block_size
+        self._groups = list(groups)
+        self._blocks_per_chunk: list[int] = []
+        self._first_kept: list[int] = []
+        """Per group: blocks per chunk, and the first block of a chunk that the group keeps."""
         self._link = link
         self.counters = counters
         self._roots: list[tuple[keys.ModelFingerprint, dict[str, bytes]]] = []
@@ -178,6 +202,8 @@ class SchedulerHalf:
 
     def configure(self, handshakes: Mapping[int, KvpoolHandshake]) -> None:
         """Take every rank's chunk format; the fingerprints follow from it."""
+        if self._disabled is not None:
+            return
         missing = sorted(set(range(self._tp_size)) - set(handshakes))
         if missing:
             log.error("kvpool: no handshake from tensor-parallel ranks %s; cache disabled", missing)
@@ -186,14 +212,17 @@ class SchedulerHalf:
         if len(sizes) != 1:
             log.error("kvpool: workers disagree on chunk_tokens %s; cache disabled", sizes)
             return
-        self.chunk_tokens = sizes.pop()
-        if self.chunk_tokens % self._block_size:
-            log.error(
-                "kvpool: chunk_tokens=%d is not a multiple of the block size %d; cache disabled",
-                self.chunk_tokens,
-                self._block_size,
-            )
+        chunk_tokens = sizes.pop()
+        try:
+            self._blocks_per_chunk = [rule.blocks_per_chunk(chunk_tokens) for rule in self._groups]
+            self._first_kept = [
+                per_chunk - rule.kept_blocks(chunk_tokens)
+                for rule, per_chunk in zip(self._groups, self._blocks_per_chunk, strict=True)
+            ]
+        except LayoutError as error:
+            log.error("kvpool: %s; cache disabled", error)
             return
+        self.chunk_tokens = chunk_tokens
         self._stores_complete_in_step = all(
             handshakes[rank].stores_complete_in_step for rank in range(self._tp_size)
         )
@@ -261,6 +290,8 @@ class SchedulerHalf:
     def _matched(self, request: RequestView, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._state(request)
         state.planned = None
+        if state.load_failed:
+            return 0, False
         size = self.chunk_tokens
         limit = (request.num_tokens - 1) // size  # vLLM must compute at least one token
         first = num_computed_tokens // size
@@ -279,7 +310,7 @@ class SchedulerHalf:
         if external <= 0:
             return 0, False
         state.planned = (num_computed_tokens, external)
-        return external, False
+        return external, self._loads_per_request
 
     def _probe(self, state: _Request, first: int, limit: int) -> int | None:
         """Chunks ``first, first+1, ...`` (up to ``limit``) that every rank finds, in a row;
@@ -418,18 +449,22 @@ class SchedulerHalf:
         assert state.planned is not None, "vLLM allocated for a hit this connector did not report"
         start = state.planned[0]
         end = start + min(num_external_tokens, state.planned[1])
-        (block_ids, *_) = blocks.get_block_ids()
-        size, block = self.chunk_tokens, self._block_size
+        size = self.chunk_tokens
         first_chunk, end_chunk = start // size, -(-end // size)
         self._loads.append(
             LoadJob(
                 req_id=request.request_id,
                 tenant=state.tenant,
                 keys=tuple(tuple(chain.keys[first_chunk:end_chunk]) for chain in state.chains),
-                block_ids=tuple(block_ids[start // block : end // block]),
-                first_block=(start % size) // block,
+                block_ids=tuple(
+                    tuple(ids[start // rule.block_size : end // rule.block_size])
+                    for rule, ids in zip(self._groups, blocks.get_block_ids(), strict=True)
+                ),
+                first_tokens=start % size,
+                per_request=self._loads_per_request,
             )
         )
+        state.loaded_from = first_chunk
         state.stored_chunks = max(state.stored_chunks, end_chunk)
         state.planned = None
         self.counters.add("hit_tokens", end - start)
@@ -447,7 +482,7 @@ class SchedulerHalf:
             new_state = self._requests.get(new.req_id)
             if new_state is None:
                 continue
-            new_state.block_ids = list(new.block_ids[0])
+            new_state.block_ids = [list(ids) for ids in new.block_ids]
             computed = new.num_computed_tokens + output.num_scheduled_tokens.get(new.req_id, 0)
             self._plan_store(new_state, computed, stores)
         cached = output.scheduled_cached_reqs
@@ -457,9 +492,10 @@ class SchedulerHalf:
                 continue
             new_block_ids = cached.new_block_ids[index]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_block_ids[0]) if new_block_ids else []
+                state.block_ids = [list(ids) for ids in new_block_ids or ()]
             elif new_block_ids:
-                state.block_ids.extend(new_block_ids[0])
+                for ids, new_ids in zip(state.block_ids, new_block_ids, strict=True):
+                    ids.extend(new_ids)
             computed = cached.num_computed_tokens[index] + output.num_scheduled_tokens.get(
                 req_id, 0
             )
@@ -477,10 +513,20 @@ class SchedulerHalf:
 
     def _plan_store(self, state: _Request, computed_tokens: int, stores: list[StoreJob]) -> None:
         size = self.chunk_tokens
-        per_chunk = size // self._block_size
         full = min(computed_tokens, state.request.num_tokens, len(state.request.all_token_ids))
-        full = min(full // size, len(state.block_ids) // per_chunk)
+        if not state.block_ids:
+            return
+        full = min(
+            full // size,
+            *(
+                len(ids) // per_chunk
+                for ids, per_chunk in zip(state.block_ids, self._blocks_per_chunk, strict=True)
+            ),
+        )
         first = state.stored_chunks
+        while first < full and not self._storable(state, first):
+            first += 1  # a window's blocks vLLM did not keep (before its own prefix hit)
+        state.stored_chunks = max(state.stored_chunks, first)
         if full <= first:
             return
         tokens = state.request.all_token_ids
@@ -496,16 +542,40 @@ class SchedulerHalf:
                 tenant=state.tenant,
                 keys=tuple(tuple(rank_keys) for rank_keys in chunk_keys),
                 parents=tuple(chain.parent(first) for chain in state.chains),
-                block_ids=tuple(state.block_ids[first * per_chunk : full * per_chunk]),
+                block_ids=tuple(
+                    tuple(ids[first * per_chunk : full * per_chunk])
+                    for ids, per_chunk in zip(state.block_ids, self._blocks_per_chunk, strict=True)
+                ),
             )
         )
         self._stores[job_id] = _OpenStore(state.request.request_id, self._tp_size)
         state.open_stores.add(job_id)
         state.stored_chunks = full
 
+    def _storable(self, state: _Request, chunk: int) -> bool:
+        """Every group has the blocks it keeps of ``chunk`` (none is vLLM's null block)."""
+        for ids, per_chunk, first_kept in zip(
+            state.block_ids, self._blocks_per_chunk, self._first_kept, strict=True
+        ):
+            start = chunk * per_chunk
+            if NULL_BLOCK in ids[start + first_kept : start + per_chunk]:
+                return False
+        return True
+
     def update_connector_output(
-        self, worker_meta: KvpoolWorkerMetadata | None, finished_sending: set[str]
+        self,
+        worker_meta: KvpoolWorkerMetadata | None,
+        finished_sending: set[str],
+        failed_receiving: Collection[str] = (),
     ) -> None:
+        """Count finished stores; ``failed_receiving``: requests whose per-request loads
+        failed, which vLLM computes anew; they get no more hits (a chunk that vanished
+        between the probe and the load would otherwise be offered again and again)."""
+        for req_id in failed_receiving:
+            failed = self._requests.get(req_id)
+            if failed is not None:
+                failed.load_failed = True
+                failed.stored_chunks = min(failed.stored_chunks, failed.loaded_from)
         if worker_meta is not None:
             for job_id, workers in worker_meta.completed_stores.items():
                 store = self._stores.get(job_id)

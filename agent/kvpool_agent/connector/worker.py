@@ -4,7 +4,8 @@ It runs in each vLLM worker process (one per tensor-parallel rank) and knows
 nothing about scheduling: it executes the jobs in the step's metadata.
 
 * ``register_kv_caches``: find each layer's blocks by shape and stride
-  (:mod:`kvpool_agent.connector.layout`), fix the chunk format, map the segment,
+  (:mod:`kvpool_agent.connector.layout`), fix the chunk format (every KV cache group,
+  each keeping what a request needs to resume at a chunk's end), map the segment,
   and describe the format to the scheduler (the handshake).
 * ``start_load_kv`` (before the forward): for each :class:`LoadJob`, lock the
   chunks (``lookup``), copy them into the blocks, send the release (its answer is
@@ -15,11 +16,14 @@ nothing about scheduling: it executes the jobs in the step's metadata.
   and every chunk after the first gap, are reported through
   ``get_block_ids_with_load_errors`` in the same step, so vLLM recomputes them; so are
   the blocks of a load whose lease did not hold until its release (the pages may hold
-  another chunk by then).
+  another chunk by then). Per group, a chunk is copied into the blocks vLLM allocated
+  for it, skipping its null block (a window's positions outside the window); a chunk
+  for which vLLM wants a block its group did not keep is reported the same way.
 * ``wait_for_save`` (after the forward): for each :class:`StoreJob`, reserve
   (``prepare_store`` with the parent key), copy the chunks the agent does not
   have yet, commit. Refusals (quota, memory) and errors drop the store; the
-  next request recomputes and tries again.
+  next request recomputes and tries again. Where a group lets vLLM free blocks while
+  the request runs (a window), the copies finish before ``wait_for_save`` returns.
 * ``get_finished``: requests the scheduler holds are reported once their stores
   have finished.
 
@@ -39,7 +43,13 @@ import torch
 from kvpool_agent.client import AgentError, AgentInfo
 from kvpool_agent.connector.copier import BlockCopier, Copy, MappedSegment
 from kvpool_agent.connector.counters import Counters
-from kvpool_agent.connector.layout import ChunkFormat, detect_layout
+from kvpool_agent.connector.layout import (
+    NULL_BLOCK,
+    ChunkFormat,
+    GroupFormat,
+    GroupRule,
+    detect_layout,
+)
 from kvpool_agent.connector.link import AgentLink, LinkDown
 from kvpool_agent.connector.metadata import (
     KvpoolHandshake,
@@ -67,6 +77,8 @@ class _PendingRelease:
     copies: list[Copy]
     block_ids: list[int]
     """The blocks the copies write: wrong if the lease ends before it is released."""
+    req_id: str | None = None
+    """The request whose load fails as a whole (a per-request load), or None."""
     answer: Callable[[], None] | None = None
     """Waits for the agent's answer to the release, once it is sent."""
 
@@ -94,6 +106,10 @@ class WorkerHalf:
         self._refused: tuple[Path, tuple[int, int]] | None = None
         """The path and the agent's file last refused (see :meth:`on_new_agent`)."""
         self._failed_blocks: set[int] = set()
+        self._received: set[str] = set()
+        """Requests whose per-request loads are done (loaded or failed): finished receiving."""
+        self._failed_requests: set[str] = set()
+        """Of those, the requests whose loads failed (vLLM recomputes them)."""
         self._stores: list[_PendingStore] = []
         self._releases: list[_PendingRelease] = []
         self._releasing: list[_PendingRelease] = []
@@ -104,35 +120,46 @@ class WorkerHalf:
         self._present: dict[int, int] = {}
         """Store job id -> its leading chunks that this step's load lookup found cached."""
         self.handshake: KvpoolHandshake | None = None
+        self._said_unkept = False
+        """A load found vLLM wanting a block a group did not keep (warned once)."""
 
     # ------------------------------------------------------------ set-up
 
     def register_kv_caches(
         self,
         kv_caches: Mapping[str, torch.Tensor],
-        layer_names: Sequence[str],
+        groups: Sequence[tuple[GroupRule, Sequence[str]]],
         num_blocks: int,
-        block_size: int,
         content: str,
     ) -> None:
-        """Understand the caches of ``layer_names`` (in this order) and map the segment."""
-        tensors = [kv_caches[name] for name in layer_names]
-        layouts = [detect_layout(tensor, num_blocks) for tensor in tensors]
+        """Understand the caches of each group's layers (in this order) and map the segment."""
+        tensors = [[kv_caches[name] for name in names] for _, names in groups]
+        layouts = [[detect_layout(tensor, num_blocks) for tensor in group] for group in tensors]
         chunk_tokens = self._chunk_tokens()
-        self.format = ChunkFormat.of(layouts, chunk_tokens, block_size, content)
+        self.format = ChunkFormat.of(
+            [(rule, group) for (rule, _), group in zip(groups, layouts, strict=True)],
+            chunk_tokens,
+            content,
+        )
         self._copier = BlockCopier(
-            [layout.blocks(tensor) for layout, tensor in zip(layouts, tensors, strict=True)],
+            [
+                [layout.blocks(tensor) for layout, tensor in zip(group, caches, strict=True)]
+                for group, caches in zip(layouts, tensors, strict=True)
+            ],
             self.format,
         )
         self.handshake = KvpoolHandshake(
             self.format.descriptor(), chunk_tokens, self._copier.synchronous
         )
         log.info(
-            "kvpool worker %d: %d layers, blocks %s (%s), %d bytes per %d-token chunk",
+            "kvpool worker %d: %s, %d bytes per %d-token chunk",
             self._rank,
-            self.format.layers,
-            layouts[0].page_shape,
-            layouts[0].physical_order,
+            "; ".join(
+                f"{group.rule.name}: {group.layers} layers, {group.kept} of "
+                f"{group.blocks_per_chunk} blocks {layout[0].page_shape} "
+                f"({layout[0].physical_order})"
+                for group, layout in zip(self.format.groups, layouts, strict=True)
+            ),
             self.format.chunk_bytes,
             chunk_tokens,
         )
@@ -234,32 +261,94 @@ class WorkerHalf:
                             chunk_format.chunk_bytes,
                         )
                         break
-                    first, ids = self._chunk_blocks(job, index)
+                    targets = self._load_targets(job, index)
+                    if targets is None:
+                        break
                     chunk = segment.chunk(hit.offsets[index], chunk_format.chunk_bytes)
-                    copies.append(copier.load(chunk, ids, first))
-                    written.extend(ids)
+                    copies.append(copier.load(chunk, targets))
+                    written.extend(block for _, ids in targets for block in ids)
                     loaded += 1
             finally:
                 if hit.lease is not None:
-                    self._releases.append(_PendingRelease(hit.lease, copies, written))
+                    owner = job.req_id if job.per_request else None
+                    self._releases.append(_PendingRelease(hit.lease, copies, written, owner))
         except (LinkDown, SegmentError) as error:
             log.debug("kvpool worker %d: load of %s failed: %s", self._rank, job.req_id, error)
         except AgentError as error:
             log.warning("kvpool worker %d: load refused: %s", self._rank, error)
         self.counters.add("loaded_chunks", loaded)
+        if job.per_request:
+            self._received.add(job.req_id)
         if loaded < len(keys):
             self.counters.add("load_failed_chunks", len(keys) - loaded)
-            for index in range(loaded, len(keys)):
-                self._failed_blocks.update(self._chunk_blocks(job, index)[1])
+            if job.per_request:
+                self._failed_requests.add(job.req_id)
+            else:
+                for index in range(loaded, len(keys)):
+                    self._failed_blocks.update(self._chunk_blocks(job, index))
         self._settle(wait=False)
 
-    def _chunk_blocks(self, job: LoadJob, index: int) -> tuple[int, list[int]]:
-        """(first block within the chunk, destination block ids) of the job's ``index``-th chunk."""
+    def _chunk_ids(
+        self, job: LoadJob, index: int
+    ) -> list[tuple[GroupFormat, int, tuple[int, ...]]]:
+        """Per group, the destination ids of the job's ``index``-th chunk: ``(group, first,
+        ids)``, the ids of the chunk's blocks ``first`` (past those vLLM already has) to the
+        last, vLLM's null block where the group keeps no KV."""
         assert self.format is not None
-        per_chunk = self.format.blocks_per_chunk
-        start = 0 if index == 0 else index * per_chunk - job.first_block
-        end = (index + 1) * per_chunk - job.first_block
-        return (job.first_block if index == 0 else 0), list(job.block_ids[start:end])
+        chunks = []
+        for group, ids in zip(self.format.groups, job.block_ids, strict=True):
+            per_chunk, skipped = group.blocks_per_chunk, job.first_tokens // group.rule.block_size
+            first = skipped if index == 0 else 0
+            start = index * per_chunk - skipped + first
+            chunks.append((group, first, ids[start : start + per_chunk - first]))
+        return chunks
+
+    def _chunk_blocks(self, job: LoadJob, index: int) -> list[int]:
+        """The real (not null) destination blocks of the job's ``index``-th chunk."""
+        return [
+            block
+            for _, _, ids in self._chunk_ids(job, index)
+            for block in ids
+            if block != NULL_BLOCK
+        ]
+
+    def _load_targets(self, job: LoadJob, index: int) -> list[tuple[int, list[int]]] | None:
+        """Per group, ``(first kept block, destination ids)`` for the ``index``-th chunk of the
+        job: the blocks vLLM allocated, which must be a run at the end of what the group
+        keeps (vLLM gives the null block to positions outside a window). None when vLLM
+        wants a block the chunk does not hold: that chunk and the rest are recomputed."""
+        targets: list[tuple[int, list[int]]] = []
+        for group, first, ids in self._chunk_ids(job, index):
+            real = [position for position, block in enumerate(ids) if block != NULL_BLOCK]
+            if not real:
+                targets.append((0, []))
+                continue
+            begin = first + real[0]
+            if begin < group.first_kept or len(real) != len(ids) - real[0]:
+                if not self._said_unkept:
+                    self._said_unkept = True
+                    log.warning(
+                        "kvpool worker %d: vLLM wants block %d of a chunk whose %s group "
+                        "keeps blocks %d to %d; such chunks are recomputed (said once)",
+                        self._rank,
+                        begin,
+                        group.rule.name,
+                        group.first_kept,
+                        group.blocks_per_chunk - 1,
+                    )
+                return None
+            targets.append((begin - group.first_kept, list(ids[real[0] :])))
+        return targets
+
+    def take_received(self) -> tuple[set[str], set[str]]:
+        """(finished receiving, failed receiving) of the per-request loads since the last
+        call; the failed are among the finished, as vLLM wants them."""
+        if self._received:  # their copies are done and their leases held until now
+            self._settle_loads(wait=True)
+        received, self._received = self._received, set()
+        failed = self._failed_requests & received
+        self._failed_requests -= received
+        return received, failed
 
     def take_load_errors(self) -> set[int]:
         # vLLM asks after the forward, whose input the copies were: they are done, and the
@@ -277,14 +366,15 @@ class WorkerHalf:
             for job in meta.stores:
                 self._open_jobs.setdefault(job.req_id, set()).add(job.job_id)
                 self._store(job)
-            self._settle(wait=False)
+            # vLLM frees a window's blocks while the request runs, without waiting for us
+            self._settle_stores(wait=self.format is not None and self.format.frees_blocks)
+            self._settle_loads(wait=False)
 
     def _store(self, job: StoreJob) -> None:
         copier, chunk_format = self._copier, self.format
         assert copier is not None and chunk_format is not None
         keys = list(job.keys[self._rank])
         size = chunk_format.chunk_bytes
-        per_chunk = chunk_format.blocks_per_chunk
         present = self._present.pop(job.job_id, 0)
         self.counters.add("present_chunks", present)
         if present == len(keys):
@@ -308,8 +398,9 @@ class WorkerHalf:
                 segment = self._mapped()
                 for index, offset in enumerate(offsets, start=present):
                     if offset >= 0:
-                        ids = job.block_ids[index * per_chunk : (index + 1) * per_chunk]
-                        copies.append(copier.store(segment.chunk(offset, size), ids))
+                        copies.append(
+                            copier.store(segment.chunk(offset, size), self._kept_blocks(job, index))
+                        )
             except SegmentError as error:
                 log.warning("kvpool worker %d: store not copied: %s", self._rank, error)
                 self.counters.add("failed_stores")
@@ -319,6 +410,15 @@ class WorkerHalf:
         self._stores.append(_PendingStore(job, plan.lease, copies))
         if plan.refused:
             log.debug("kvpool worker %d: agent stored only part: %s", self._rank, plan.refused)
+
+    def _kept_blocks(self, job: StoreJob, index: int) -> list[list[int]]:
+        """Per group, the blocks it keeps of the job's ``index``-th chunk."""
+        assert self.format is not None
+        blocks = []
+        for group, ids in zip(self.format.groups, job.block_ids, strict=True):
+            start = index * group.blocks_per_chunk
+            blocks.append(list(ids[start + group.first_kept : start + group.blocks_per_chunk]))
+        return blocks
 
     def _settle(self, *, wait: bool) -> None:
         """Commit stores and release loads whose copies have finished (all, with ``wait``)."""
@@ -389,7 +489,10 @@ class WorkerHalf:
             len(release.block_ids),
         )
         self.counters.add("load_failed_chunks", len(release.copies))
-        self._failed_blocks.update(release.block_ids)
+        if release.req_id is not None:
+            self._failed_requests.add(release.req_id)
+        else:
+            self._failed_blocks.update(release.block_ids)
 
     def _abandon(self, lease: int) -> None:
         """Release a lease; if the agent is gone, so is the lease (it also expires)."""

@@ -15,6 +15,7 @@ from typing import Any
 from kvpool_agent.connector.identity import credential
 from kvpool_agent.connector.settings import ConnectorSettings
 from kvpool_agent.doctor.fingerprint import EngineModel
+from kvpool_agent.doctor.model import read_model_config
 from kvpool_agent.doctor.report import Check, exit_code
 from kvpool_agent.doctor.run import Options, diagnose
 from kvpool_agent.names import ADMIN_TOKEN_ENV
@@ -67,6 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tp-size", type=number(int), default=1, help="tensor-parallel size (default 1)"
     )
     parser.add_argument(
+        "--model-config",
+        type=Path,
+        help="the model's directory or its config.json: what kvpool caches of each kind of "
+        "layer (read alone: no agent needed)",
+    )
+    parser.add_argument(
         "--token-file",
         type=Path,
         help="a file holding the token the connector uses (or set KVPOOL_TOKEN or "
@@ -101,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = ConnectorSettings.load(extra_config, flags=FLAGS)
         admin_token = _admin_token(args.admin_token_file)
+        model_config = None if args.model_config is None else read_model_config(args.model_config)
     except ConfigError as error:
         return exit_with(PROG, error)
     options = Options(
@@ -111,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         engine=EngineModel(args.model, args.dtype, args.kv_layout, args.tp_size),
         min_lookups=args.min_lookups,
+        model_config=model_config,
         timeout=args.timeout,
     )
     checks: list[Check] = []

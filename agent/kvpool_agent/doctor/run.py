@@ -3,18 +3,28 @@
 service -> protocol -> annotations -> agent -> segment -> canary
                                       agent -> shm
 annotations -> chunk-size, fingerprint, hit-rate
+model (the model's config.json alone: it runs whatever the others found)
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kvpool_agent.client import AgentClient
 from kvpool_agent.connector.discovery import AgentAddress
 from kvpool_agent.connector.identity import Credential
 from kvpool_agent.connector.settings import ConnectorSettings
-from kvpool_agent.doctor import agent, canary, chunk_size, fingerprint, hit_rate, shared_memory
+from kvpool_agent.doctor import (
+    agent,
+    canary,
+    chunk_size,
+    fingerprint,
+    hit_rate,
+    model,
+    shared_memory,
+)
 from kvpool_agent.doctor.address import locate
 from kvpool_agent.doctor.report import Check, skipped, skipped_all
 
@@ -32,6 +42,8 @@ class Options:
     engine: fingerprint.EngineModel
     min_lookups: int
     timeout: float
+    model_config: Mapping[str, Any] | None = None
+    """The model's config.json (``--model-config``), for the model check."""
 
 
 AFTER_LOCATE = (
@@ -47,6 +59,12 @@ AFTER_LOCATE = (
 
 def diagnose(options: Options) -> Iterator[Check]:
     """Run every check, yielding each result as it is known."""
+    yield from _deployment(options)
+    yield model.check_model(options.model_config)
+
+
+def _deployment(options: Options) -> Iterator[Check]:
+    """The checks of the pool and its agent, as the connector reaches them."""
     checks, located = locate(options.settings, options.http_url)
     yield from checks
     if located is None:

