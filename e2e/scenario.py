@@ -450,6 +450,7 @@ class Flow:
             "--block-size", str(self.pool["spec"]["blockSize"]),
             "--model", fingerprint["model"], "--dtype", fingerprint["dtype"],
             "--kv-layout", fingerprint["kv_layout"], "--tp-size", str(fingerprint["tp_size"]),
+            "--model-config", str(self.workdir / "model"),  # what kvpool caches of each layer
         ]  # fmt: skip
         # in team-a's namespace with its token, as its vLLM pods; the platform team's admin
         # token only for the hit-rate check (which reads every tenant's usage)

@@ -16,6 +16,7 @@ from kvpool_agent.doctor.report import Outcome
 from tests.doctor.conftest import run_doctor
 
 CACHED = "every layer cached"
+LOCAL_8192 = "chunked local attention 8192 (cached if chunk_tokens divides it)"
 MLA_ON_CPU = (
     "cached on GPUs; on a CPU without AMX vLLM runs MLA without prefix caching and kvpool "
     "serves no hits"
@@ -135,12 +136,11 @@ LLAMA_3_8B = {
         ),
         (
             LLAMA_4_SCOUT,
-            f"llama4, 48 layers: 36 chunked local attention 8192, 12 full attention: {CACHED}",
+            f"llama4, 48 layers: 36 {LOCAL_8192}, 12 full attention: {CACHED}",
         ),
         (
             {**LLAMA_4_TEXT, "no_rope_layers": [1, 0] * 24},
-            f"llama4_text, 48 layers: 24 chunked local attention 8192, 24 full attention: "
-            f"{CACHED}",
+            f"llama4_text, 48 layers: 24 {LOCAL_8192}, 24 full attention: {CACHED}",
         ),
         (DEEPSEEK_V3, f"deepseek_v3, 61 layers: MLA (kv_lora_rank 512): {MLA_ON_CPU}"),
         (LLAMA_3_8B, f"llama, 32 layers: full attention: {CACHED}"),

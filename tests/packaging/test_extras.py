@@ -32,6 +32,7 @@ CONNECTOR_NEEDS_VLLM = {
     # vLLM (and torch) come with the engine's image, not with kvpool: these import them
     # at module level, so a venv without vLLM cannot import them.
     "kvpool_agent.connector.facade": "vllm (the KVConnectorBase_V1 that vLLM loads)",
+    "kvpool_agent.connector.groups": "vllm (its KV cache spec types)",
     "kvpool_agent.connector.metadata": "vllm (KVConnectorMetadata)",
     "kvpool_agent.connector.metrics": "vllm (KVConnectorPromMetrics)",
     "kvpool_agent.connector.scheduler": "vllm, through metadata",

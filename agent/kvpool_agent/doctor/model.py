@@ -269,7 +269,11 @@ def _sliding(window: int | None) -> Kind:
 
 def _local(chunk: int | None) -> Kind:
     size = f" {chunk}" if chunk is not None else ""
-    return Kind(f"chunked local attention{size}", "cached", "chunked local attention")
+    return Kind(
+        f"chunked local attention{size} (cached if chunk_tokens divides it)",
+        "cached",
+        "chunked local attention",
+    )
 
 
 def _state_space(name: str) -> Kind:
