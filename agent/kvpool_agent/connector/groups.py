@@ -46,7 +46,8 @@ _FULL: tuple[type[KVCacheSpec], ...] = (FullAttentionSpec, MLAAttentionSpec)
 
 
 class NotCacheable(Exception):
-    """An engine kvpool serves no hits (the message says why, in one line)."""
+    """An engine kvpool serves no hits (the message says why, in one line, after
+    ``kvpool:``)."""
 
 
 @dataclass(frozen=True)
@@ -62,14 +63,14 @@ def cacheable_groups(config: KVCacheConfig) -> list[CachedGroup]:
         spec, layer = group.kv_cache_spec, group.layer_names[0] if group.layer_names else "?"
         if not getattr(group, "enable_kv_transfer", True):
             raise NotCacheable(  # a replica vLLM rebuilds from another group after a load
-                f"kvpool does not cache engines with a group vLLM rebuilds after a load "
+                f"does not cache engines with a group vLLM rebuilds after a load "
                 f"({type(spec).__name__}, layer {layer}); this engine gets no hits from "
                 "kvpool and stores nothing"
             )
         rule = _rule(spec)
         if rule is None:
             raise NotCacheable(
-                f"kvpool cannot cache {type(spec).__name__} (layer {layer}); this engine gets "
+                f"cannot cache {type(spec).__name__} (layer {layer}); this engine gets "
                 "no hits from kvpool and stores nothing"
             )
         groups.append(CachedGroup(rule, list(group.layer_names)))
