@@ -40,7 +40,7 @@ import torch
 from kvpool_agent.testing.agent_process import ENGINE_TOKEN, AgentProcess
 from tests.support.engines import write_model
 
-from .vllm_steps import RUNNERS, Runner, StepEngine, cpu_platform_env, kv_cache_config, vllm_config
+from .vllm_steps import RUNNERS, Runner, StepEngine, agent_config, cpu_platform_env, kv_cache_config
 
 os.environ.update(cpu_platform_env())  # before vLLM's first import picks its platform
 
@@ -305,21 +305,7 @@ def config(tmp_path_factory: pytest.TempPathFactory, agent: AgentProcess) -> Vll
     model = write_model(tmp_path_factory.mktemp("model"))
     token_file = tmp_path_factory.mktemp("token") / "token"
     token_file.write_text(ENGINE_TOKEN + "\n")  # as a mounted Secret
-    extra: dict[str, Any] = {
-        "endpoint": agent.zmq,
-        "token_file": str(token_file),
-        # generous: a slow lookup would be a miss, and this machine may be busy
-        "lookup_timeout_s": 10.0,
-        "transfer_timeout_s": 10.0,
-        "prefetch_wait_s": 0.0,
-    }
-    config = vllm_config(model, extra)
-    transfer = config.kv_transfer_config
-    assert transfer is not None
-    # the platform's blocks: CPU, 128 tokens up to vLLM 0.32, 16 in 0.33
-    block_size = config.cache_config.block_size
-    transfer.kv_connector_extra_config["chunk_tokens"] = BLOCKS_PER_CHUNK * block_size
-    return config
+    return agent_config(model, agent.zmq, token_file, BLOCKS_PER_CHUNK)
 
 
 @pytest.fixture(scope="module")

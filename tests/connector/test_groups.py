@@ -46,9 +46,9 @@ from .vllm_steps import (
     GroupMix,
     Runner,
     StepEngine,
+    agent_config,
     cpu_platform_env,
     kv_cache_config,
-    vllm_config,
 )
 
 os.environ.update(cpu_platform_env())  # before vLLM's first import picks its platform
@@ -95,23 +95,9 @@ def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def group_config(model: Path, token_file: Path, agent: AgentProcess) -> VllmConfig:
     """A config of its own for each mix: vLLM records the layout it resolves in it."""
-    extra: dict[str, Any] = {
-        "endpoint": agent.zmq,
-        "token_file": str(token_file),
-        # generous: a slow lookup would be a miss, and this machine may be busy
-        "lookup_timeout_s": 10.0,
-        "transfer_timeout_s": 10.0,
-        "prefetch_wait_s": 0.0,
-    }
-    config = vllm_config(model, extra)
+    config = agent_config(model, agent.zmq, token_file, BLOCKS_PER_CHUNK)
     # the hybrid KV cache manager, as on an accelerator with an HMA connector
     config.scheduler_config.disable_hybrid_kv_cache_manager = False
-    transfer = config.kv_transfer_config
-    assert transfer is not None
-    # the platform's blocks: CPU, 128 tokens up to vLLM 0.32, 16 in 0.33
-    transfer.kv_connector_extra_config["chunk_tokens"] = (
-        BLOCKS_PER_CHUNK * config.cache_config.block_size
-    )
     return config
 
 
