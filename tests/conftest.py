@@ -8,12 +8,15 @@ import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from kvpool_agent.testing.agent_process import AgentProcess
-from tests.support.kube_api import ServedApi
-from tests.support.operator_process import Kubectl
+
+if TYPE_CHECKING:  # imported by the fixtures: the GPU machine has no Kubernetes test stack
+    from tests.support.kube_api import ServedApi
+    from tests.support.operator_process import Kubectl
 
 SHARED_MEMORY = Path("/dev/shm")
 
@@ -45,6 +48,8 @@ def no_shared_memory_left() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def served_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedApi]:
+    from tests.support.kube_api import ServedApi
+
     api = ServedApi(tmp_path_factory.mktemp("api")).start()
     yield api
     api.stop()
@@ -52,6 +57,8 @@ def served_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedApi]:
 
 @pytest.fixture(scope="module")
 def kubectl(served_api: ServedApi) -> Kubectl:
+    from tests.support.operator_process import Kubectl
+
     return Kubectl(served_api.kubeconfig())
 
 

@@ -24,6 +24,7 @@ BENCHES = {
     "restart": "time to adopt a full segment after a restart",
     "tenants": "lookups/s while /metrics is polled, many tenants",
     "index": "prefix index: query latency, events/s, memory",
+    "gpu": "copies between GPU KV blocks and the pinned segment vs the raw PCIe copy",
 }
 """Each ``kvpool bench NAME`` is the module ``kvpool_agent.bench.NAME``."""
 

@@ -16,8 +16,8 @@ import torch
 from kvpool_agent import keys
 from kvpool_agent.client import AgentClient, AgentInfo
 from kvpool_agent.connector.counters import Counters
+from kvpool_agent.connector.jobs import LoadJob, StepJobs, StoreJob
 from kvpool_agent.connector.layout import GroupRule
-from kvpool_agent.connector.metadata import KvpoolMetadata, LoadJob, StoreJob
 from kvpool_agent.connector.worker import WorkerHalf
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 
@@ -91,7 +91,7 @@ def make_worker(
 
 def store(worker: WorkerHalf, job_id: int, chunk_keys: list[bytes], block_ids: list[int]) -> None:
     job = StoreJob(job_id, f"r{job_id}", TENANT, (tuple(chunk_keys),), (None,), (tuple(block_ids),))
-    worker.save(KvpoolMetadata(stores=[job]))
+    worker.save(StepJobs(stores=[job]))
 
 
 def test_store_then_load_in_another_worker(agent: AgentProcess) -> None:
@@ -108,7 +108,7 @@ def test_store_then_load_in_another_worker(agent: AgentProcess) -> None:
 
     target, target_caches = make_worker(agent, seed=None)
     job = LoadJob("r2", TENANT, (tuple(KEYS[:2]),), ((9, 10, 11),), first_tokens=4)
-    target.start_load(KvpoolMetadata(loads=[job]))
+    target.start_load(StepJobs(loads=[job]))
 
     assert target.take_load_errors() == set()
     for before, after in zip(source_caches, target_caches, strict=True):
@@ -148,7 +148,7 @@ def test_missing_chunks_are_reported_for_recompute(agent: AgentProcess) -> None:
 
     # chunk 2 was never stored (or was evicted after the scheduler's lookup)
     job = LoadJob("r", TENANT, (tuple(KEYS[:3]),), ((8, 9, 10, 11, 12, 13),), first_tokens=0)
-    target.start_load(KvpoolMetadata(loads=[job]))
+    target.start_load(StepJobs(loads=[job]))
 
     assert target.take_load_errors() == {12, 13}
     assert target.take_load_errors() == set()  # reported once
@@ -181,7 +181,7 @@ def test_a_hit_finds_the_chunks_it_stores_next_cached_in_its_load_lookup(
     target, _ = make_worker(agent, seed=None)
     load = LoadJob("r", TENANT, (tuple(KEYS[:2]),), ((8, 9, 10, 11),), first_tokens=0)
     computed = StoreJob(2, "r", TENANT, (tuple(KEYS[2:3]),), (KEYS[1],), ((12, 13),))
-    meta = KvpoolMetadata(loads=[load], stores=[computed])
+    meta = StepJobs(loads=[load], stores=[computed])
     reservations = agent_requests(agent, "prepare_store")
 
     target.start_load(meta)
@@ -198,7 +198,7 @@ def test_a_hit_finds_the_chunks_it_stores_next_cached_in_its_load_lookup(
     load = LoadJob("s", TENANT, (tuple(KEYS[:1]),), ((14, 15),), first_tokens=0)
     new = bytes([9]) * 32
     longer = StoreJob(3, "s", TENANT, ((KEYS[1], KEYS[2], new),), (KEYS[0],), (tuple(range(2, 8)),))
-    meta = KvpoolMetadata(loads=[load], stores=[longer])
+    meta = StepJobs(loads=[load], stores=[longer])
     other.start_load(meta)
     other.save(meta)
     assert agent_requests(agent, "prepare_store") == reservations + 1
@@ -211,7 +211,7 @@ def test_held_requests_are_reported_when_their_stores_are_done(agent: AgentProce
     store(worker, 1, KEYS[:1], [0, 1])
     assert worker.get_finished({"r0"}) == set()  # finished, not held: nothing to report
     # the step after r1 finished: the metadata names it held, finished_req_ids carry it
-    worker.start_load(KvpoolMetadata(held=["r1"]))
+    worker.start_load(StepJobs(held=["r1"]))
     assert worker.get_finished({"r1"}) == {"r1"}
     assert worker.get_finished(set()) == set()
 
@@ -224,7 +224,7 @@ def test_a_dead_agent_costs_the_cache_only(own_agent: AgentProcess) -> None:
     agent.kill()
 
     job = LoadJob("r", TENANT, (tuple(KEYS[:2]),), ((4, 5, 6, 7),), first_tokens=0)
-    target.start_load(KvpoolMetadata(loads=[job]))
+    target.start_load(StepJobs(loads=[job]))
     store(target, 9, KEYS[2:3], [0, 1])
 
     assert target.take_load_errors() == {4, 5, 6, 7}
@@ -234,7 +234,7 @@ def test_a_dead_agent_costs_the_cache_only(own_agent: AgentProcess) -> None:
 
     agent.start()  # the segment survives: the restarted agent adopts it
     for _ in range(20):
-        target.start_load(KvpoolMetadata(loads=[job]))
+        target.start_load(StepJobs(loads=[job]))
         if not target.take_load_errors():
             break
         time.sleep(0.05)
@@ -271,15 +271,17 @@ def test_a_load_whose_lease_ends_before_its_release_is_recomputed(tmp_path: Path
         assert copier is not None
         in_flight: list[InFlight] = []
 
-        def load_slowly(*args: object) -> InFlight:
-            copier_load(*args)  # the bytes are copied; the copy "lands" when the test says
+        def load_slowly(*args: object, **options: bool) -> InFlight:
+            copier_load(
+                *args, **options
+            )  # the bytes are copied; the copy "lands" when the test says
             in_flight.append(InFlight())
             return in_flight[-1]
 
         copier_load = copier.load
         copier.load = load_slowly  # type: ignore[method-assign]
         job = LoadJob("r", TENANT, (tuple(KEYS[:2]),), ((8, 9, 10, 11),), first_tokens=0)
-        target.start_load(KvpoolMetadata(loads=[job]))
+        target.start_load(StepJobs(loads=[job]))
 
         time.sleep(1.0)  # the stall: twice the lease, five maintenance passes
         for copy in in_flight:
@@ -329,13 +331,13 @@ def test_a_window_group_stores_and_loads_only_its_window(agent: AgentProcess) ->
     assert source.format.chunk_bytes == 3 * HEADS * BLOCK_TOKENS * CONTENT * 2  # 2 + 1 blocks
     assert "window3;layers=1;blocks=2;kept=1" in source.handshake.kv_layout
     job = StoreJob(1, "r1", TENANT, (tuple(KEYS[:2]),), (None,), ((1, 2, 3, 4), (5, 6, 7, 8)))
-    source.save(KvpoolMetadata(stores=[job]))
+    source.save(StepJobs(stores=[job]))
     assert source.counters.totals["stored_chunks"] == 2
 
     target, (loaded_full, loaded_window) = make_hybrid_worker(agent, seed=None)
     # vLLM's null block (0) outside the window at the hit's end: only the last block is real
     load = LoadJob("r2", TENANT, (tuple(KEYS[:2]),), ((9, 10, 11, 12), (0, 0, 0, 13)), 0)
-    target.start_load(KvpoolMetadata(loads=[load]))
+    target.start_load(StepJobs(loads=[load]))
 
     assert target.take_load_errors() == set()
     assert torch.equal(loaded_full[[9, 10, 11, 12]], full[[1, 2, 3, 4]])
@@ -349,11 +351,11 @@ def test_a_block_the_window_did_not_keep_is_recomputed(agent: AgentProcess) -> N
     keeps more than the window): that chunk and the rest are reported, never half loaded."""
     source, _ = make_hybrid_worker(agent, seed=7)
     job = StoreJob(1, "r1", TENANT, (tuple(KEYS[:2]),), (None,), ((1, 2, 3, 4), (5, 6, 7, 8)))
-    source.save(KvpoolMetadata(stores=[job]))
+    source.save(StepJobs(stores=[job]))
     target, (loaded_full, _) = make_hybrid_worker(agent, seed=None)
 
     load = LoadJob("r2", TENANT, (tuple(KEYS[:2]),), ((9, 10, 11, 12), (0, 14, 15, 13)), 0)
-    target.start_load(KvpoolMetadata(loads=[load]))
+    target.start_load(StepJobs(loads=[load]))
 
     assert target.take_load_errors() == {11, 12, 15, 13}
     assert target.counters.totals["loaded_chunks"] == 1
@@ -362,6 +364,6 @@ def test_a_block_the_window_did_not_keep_is_recomputed(agent: AgentProcess) -> N
     # a null block after a real one: never a destination (the null block is vLLM's)
     target, (_, loaded_window) = make_hybrid_worker(agent, seed=None)
     load = LoadJob("r3", TENANT, (tuple(KEYS[:1]),), ((9, 10), (13, 0)), 0)
-    target.start_load(KvpoolMetadata(loads=[load]))
+    target.start_load(StepJobs(loads=[load]))
     assert target.take_load_errors() == {9, 10, 13}
     assert not loaded_window[0].any()

@@ -38,6 +38,7 @@ CONNECTOR_NEEDS_VLLM = {
     "kvpool_agent.connector.scheduler": "vllm, through metadata",
     "kvpool_agent.connector.worker": "torch (vLLM's KV tensors)",
     "kvpool_agent.connector.copier": "torch (the copy primitive)",
+    "kvpool_agent.connector.staged": "torch (the GPU copies)",
     "kvpool_agent.connector.layout": "torch (shapes and strides of vLLM's KV cache)",
 }
 CLEAN = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}

@@ -38,19 +38,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpool_agent import problems
 from kvpool_agent.bench import connector_queued
 from kvpool_agent.bench.connector_engine import Engine, Sample, kv_bytes_per_token, write_model
-from kvpool_agent.bench.report import table
+from kvpool_agent.bench.report import machine, median_spread, table
 from kvpool_agent.testing.agent_process import ENGINE_TOKEN, running_agent
 
 CONFIGS = ("none", "kvpool", "example", "native")
@@ -248,16 +247,6 @@ def _difference(runs: list[Run], scenario: str, row: str, reference: str) -> lis
     return _paired(runs, scenario, row, reference, lambda value, base: value - base)
 
 
-def median_spread(values: Sequence[float] | None, form: str, scale: float = 1.0) -> str:
-    """The median of per-run figures, with their min-max when there are several runs."""
-    if not values:
-        return ""
-    middle = form.format(statistics.median(values) * scale)
-    if len(values) == 1:
-        return middle
-    return f"{middle} [{form.format(min(values) * scale)}-{form.format(max(values) * scale)}]"
-
-
 def ttfts(runs: list[Run], scenario: str, row: str) -> list[float]:
     return [statistics.median(s.seconds for s in getattr(run, scenario)[row]) for run in runs]
 
@@ -370,14 +359,3 @@ def _own_time_table(runs: list[Run]) -> str:
         "vllm:kvpool_*_us counters; lookup = scheduler side - hashing)"
     )
     return table(title, ["requests", "hashing", "lookup", "load", "store", "total"], rows)
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    load = " ".join(f"{value:.2f}" for value in os.getloadavg())
-    return f"CPU: {cpu}, {os.cpu_count()} CPUs; load average (1, 5, 15 min) at the end: {load}"

@@ -1,8 +1,12 @@
-"""Plain-text tables for benchmark output."""
+"""Plain-text tables for benchmark output, and the figures every table shares."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import statistics
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -12,3 +16,25 @@ def table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells[1:]]
     return "\n".join(lines)
+
+
+def median_spread(values: Sequence[float] | None, form: str, scale: float = 1.0) -> str:
+    """The median of per-run figures, with their min-max when there are several runs."""
+    if not values:
+        return ""
+    middle = form.format(statistics.median(values) * scale)
+    if len(values) == 1:
+        return middle
+    return f"{middle} [{form.format(min(values) * scale)}-{form.format(max(values) * scale)}]"
+
+
+def machine() -> str:
+    """The CPU and the load average: every bench names the machine its figures came from."""
+    cpu = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    load = " ".join(f"{value:.2f}" for value in os.getloadavg())
+    return f"CPU: {cpu}, {os.cpu_count()} CPUs; load average (1, 5, 15 min) at the end: {load}"

@@ -47,9 +47,9 @@ from typing import Any
 import httpx
 
 from kvpool_agent import problems
-from kvpool_agent.bench.connector import Run, machine, median_spread, paired_ratios, ttfts
+from kvpool_agent.bench.connector import Run, paired_ratios, ttfts
 from kvpool_agent.bench.connector_engine import Engine
-from kvpool_agent.bench.report import table
+from kvpool_agent.bench.report import machine, median_spread, table
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, running_agent
 from kvpool_agent.testing.models import write_model
 

@@ -16,7 +16,8 @@ Modules, from the edge inwards:
 * ``copier`` -- the copy primitive (CPU, and CUDA with a pinned segment);
 * ``link`` -- the line to the agent: timeouts, pauses, reconnects, warnings;
 * ``discovery``, ``settings`` -- where the agent is and how to talk to it;
-* ``metadata``, ``counters``, ``metrics`` -- what the halves exchange and count.
+* ``jobs`` -- what the halves exchange, as plain data; ``metadata`` -- the same as vLLM's types;
+* ``counters``, ``metrics`` -- what the halves count.
 
 Importing this package does not import vLLM; ``KvpoolConnector`` does, on first use.
 """

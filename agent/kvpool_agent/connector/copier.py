@@ -9,11 +9,12 @@ moves one chunk at a time:
 * ``load``: a chunk's bytes -> the blocks (per group, those vLLM allocated real blocks for).
 
 On CPU both are numpy memcpys of whole pages and are finished when they
-return. On CUDA they run on a side stream, the segment being pinned:
-a store waits for the compute stream's work so far (the blocks are computed)
-and a load makes the compute stream wait for it (the forward reads the blocks),
-so neither blocks the host. Each returns a :class:`Copy` to poll: the agent's
-lease is committed or released only when the copy has finished.
+return. On CUDA they run on side streams through GPU staging slabs
+(:mod:`kvpool_agent.connector.staged`), the segment being pinned: a store waits for the
+compute stream's work so far (the blocks are computed) and a load makes the compute stream
+wait for it when this step's forward reads the blocks, so neither blocks the host. Each
+returns a :class:`Copy` to poll: the agent's lease is committed or released only when the
+copy has finished.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from kvpool_agent.connector.layout import ChunkFormat, LayoutError
+from kvpool_agent.connector.staged import StagedCopies
 from kvpool_agent.pinned import PinMode, PinnedRegion, pin
 from kvpool_agent.segment import SegmentError, SharedSegment
 
@@ -124,77 +126,63 @@ class BlockCopier:
         self._caches = [list(group) for group in caches]
         self._format = chunk_format
         self.device = self._caches[0][0].device
-        self._stream: torch.cuda.Stream | None = None
+        self._staged: StagedCopies | None = None
         self._arrays: list[list[Pages]] = []
         if self.device.type == "cuda":
-            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            self._staged = StagedCopies(self._caches, chunk_format)
         else:
             self._arrays = [[_as_bytes(cache) for cache in group] for group in self._caches]
 
     @property
     def synchronous(self) -> bool:
         """Copies have finished when ``store``/``load`` return."""
-        return self._stream is None
+        return self._staged is None
 
     def store(self, chunk: torch.Tensor, block_ids: Sequence[Sequence[int]]) -> Copy:
         """Copy the blocks each group keeps (``block_ids[g]``, ``kept`` ids) into ``chunk``."""
+        if self._staged is not None:
+            return _CudaCopy(self._staged.store(chunk, block_ids))
         destinations = self._format.views(chunk)
-        if self._stream is None:
-            for group, arrays, destination in zip(
-                block_ids, self._arrays, destinations, strict=True
-            ):
-                pages = destination.view(torch.uint8).numpy()
-                rows = np.asarray(group, dtype=np.intp)
-                for layer, array in enumerate(arrays):
-                    np.take(array, rows, axis=0, out=pages[layer])
-            return FINISHED
-        stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # the blocks are computed
-        with torch.cuda.stream(stream):
-            for group, caches, destination in zip(
-                block_ids, self._caches, destinations, strict=True
-            ):
-                index = torch.tensor(group, dtype=torch.long).to(self.device, non_blocking=True)
-                for layer, cache in enumerate(caches):
-                    destination[layer].copy_(cache.index_select(0, index), non_blocking=True)
-            return self._record(stream)
+        for group, arrays, destination in zip(block_ids, self._arrays, destinations, strict=True):
+            pages = destination.view(torch.uint8).numpy()
+            rows = np.asarray(group, dtype=np.intp)
+            for layer, array in enumerate(arrays):
+                np.take(array, rows, axis=0, out=pages[layer])
+        return FINISHED
 
-    def load(self, chunk: torch.Tensor, targets: Sequence[tuple[int, Sequence[int]]]) -> Copy:
+    def load(
+        self,
+        chunk: torch.Tensor,
+        targets: Sequence[tuple[int, Sequence[int]]],
+        *,
+        forward_reads: bool = True,
+    ) -> Copy:
         """Copy ``chunk`` into vLLM's blocks: per group ``(first, block_ids)``, the group's
-        kept blocks from ``first`` on go to ``block_ids``."""
+        kept blocks from ``first`` on go to ``block_ids``.
+
+        ``forward_reads``: this step's forward reads the blocks, so on CUDA the compute
+        stream waits for the copy. A load for a request that is not in this step's batch
+        (vLLM waits for its ``finished_recving``) passes False: the forward then runs
+        beside the copy, and whoever reports the request waits for the :class:`Copy`."""
+        if self._staged is not None:
+            done = self._staged.load(chunk, targets)
+            if forward_reads:
+                torch.cuda.current_stream(self.device).wait_event(done)
+            return _CudaCopy(done)
         sources = [
             view[:, first : first + len(ids)]
             for view, (first, ids) in zip(self._format.views(chunk), targets, strict=True)
         ]
-        if self._stream is None:
-            for (_, ids), arrays, source in zip(targets, self._arrays, sources, strict=True):
-                if not ids:
-                    continue
-                pages = source.view(torch.uint8).numpy()
-                rows = np.asarray(ids, dtype=np.intp)
-                for layer, array in enumerate(arrays):
-                    array[rows] = pages[layer]
-            return FINISHED
-        stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # vLLM zeroed new blocks
-        with torch.cuda.stream(stream):
-            for (_, ids), caches, source in zip(targets, self._caches, sources, strict=True):
-                if not ids:
-                    continue
-                index = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
-                for layer, cache in enumerate(caches):
-                    cache.index_copy_(0, index, source[layer].to(self.device, non_blocking=True))
-            copy = self._record(stream)
-        torch.cuda.current_stream(self.device).wait_stream(stream)  # the forward reads them
-        return copy
+        for (_, ids), arrays, source in zip(targets, self._arrays, sources, strict=True):
+            if not ids:
+                continue
+            pages = source.view(torch.uint8).numpy()
+            rows = np.asarray(ids, dtype=np.intp)
+            for layer, array in enumerate(arrays):
+                array[rows] = pages[layer]
+        return FINISHED
 
     def flush(self) -> None:
         """Wait for every copy issued so far."""
-        if self._stream is not None:
-            self._stream.synchronize()
-
-    @staticmethod
-    def _record(stream: torch.cuda.Stream) -> Copy:
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(stream)
-        return _CudaCopy(event)
+        if self._staged is not None:
+            self._staged.synchronize()

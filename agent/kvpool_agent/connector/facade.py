@@ -14,6 +14,7 @@ then recomputed, not an error.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -240,7 +241,8 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
             log.warning("kvpool: %s; this engine gets no hits from kvpool", error)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        return self.worker.handshake
+        handshake = self.worker.handshake
+        return None if handshake is None else KvpoolHandshake(**dataclasses.asdict(handshake))
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, KvpoolMetadata)
@@ -280,7 +282,8 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         return self.worker.take_load_errors()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self.worker.build_worker_meta()
+        done = self.worker.build_worker_meta()
+        return None if done is None else KvpoolWorkerMetadata(done.completed_stores)
 
     # ------------------------------------------------------------ scheduler side
 

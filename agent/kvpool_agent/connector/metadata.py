@@ -1,21 +1,9 @@
-"""What the two halves tell each other.
-
-* scheduler -> worker, every step: :class:`KvpoolMetadata` (loads to do before
-  the forward, stores to do after it, requests whose blocks the scheduler now
-  holds, requests preempted this step);
-* worker -> scheduler, every step: :class:`KvpoolWorkerMetadata` (store jobs
-  finished, summed over the tensor-parallel workers);
-* worker -> scheduler, once at start: :class:`KvpoolHandshake` (the chunk
-  format's descriptor for the key fingerprint, the chunk size, whether stores
-  finish within their step).
-
-Keys travel per tensor-parallel rank (``keys[rank][i]``): each rank has its own
-fingerprint, so its own chain. Never the salt: only keys and the tenant id.
-"""
+"""The messages of :mod:`kvpool_agent.connector.jobs` as the vLLM types its connector API
+passes between the scheduler and the workers."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
@@ -23,71 +11,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-RankKeys = tuple[tuple[bytes, ...], ...]
-"""``keys[rank][i]``: the key of the job's i-th chunk for that rank."""
-GroupBlocks = tuple[tuple[int, ...], ...]
-"""``block_ids[g]``: KV cache group ``g``'s block ids, in token order (vLLM's null block
-where the group keeps no KV)."""
-
-
-@dataclass(frozen=True)
-class LoadJob:
-    """Copy chunks ``keys[rank]`` into ``block_ids`` (their tokens from ``first_tokens`` on)."""
-
-    req_id: str
-    tenant: str
-    keys: RankKeys
-    block_ids: GroupBlocks
-    """Per group, the destination blocks from the one holding token ``first_tokens`` of the
-    first chunk to the end of the last chunk."""
-    first_tokens: int
-    """Tokens of the first chunk that vLLM already has (skipped)."""
-    per_request: bool = False
-    """Report the load's outcome for the request (vLLM's asynchronous load: finished or
-    failed receiving), not failed blocks: an engine of several KV cache groups takes no
-    block-level failures."""
-
-
-@dataclass(frozen=True)
-class StoreJob:
-    """Store chunks ``keys[rank]``, whose blocks are ``block_ids`` (per group, every block of
-    the chunks)."""
-
-    job_id: int
-    req_id: str
-    tenant: str
-    keys: RankKeys
-    parents: tuple[bytes | None, ...]
-    """Per rank: the key of the chunk before the first, so the agent knows the chain."""
-    block_ids: GroupBlocks
+from kvpool_agent.connector.jobs import FormatHandshake, StepJobs, StoresDone
 
 
 @dataclass
-class KvpoolMetadata(KVConnectorMetadata):
-    loads: list[LoadJob] = field(default_factory=list)
-    stores: list[StoreJob] = field(default_factory=list)
-    held: list[str] = field(default_factory=list)
-    """Finished requests whose blocks the scheduler holds until their stores are done."""
-    preempted: list[str] = field(default_factory=list)
+class KvpoolMetadata(StepJobs, KVConnectorMetadata):
+    """Scheduler -> workers, every step."""
 
 
 @dataclass
-class KvpoolWorkerMetadata(KVConnectorWorkerMetadata):
-    completed_stores: dict[int, int] = field(default_factory=dict)
-    """Store job id -> number of workers that have finished it (copied or given up)."""
+class KvpoolWorkerMetadata(StoresDone, KVConnectorWorkerMetadata):
+    """Workers -> scheduler, every step."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvpoolWorkerMetadata)
-        merged = dict(self.completed_stores)
-        for job_id, count in other.completed_stores.items():
-            merged[job_id] = merged.get(job_id, 0) + count
-        return KvpoolWorkerMetadata(merged)
+        return KvpoolWorkerMetadata(self.merged(other))
 
 
 @dataclass
-class KvpoolHandshake(KVConnectorHandshakeMetadata):
-    kv_layout: str
-    """The chunk format's descriptor: the ``kv_layout`` of this rank's key fingerprint."""
-    chunk_tokens: int
-    stores_complete_in_step: bool
-    """Stores finish inside ``wait_for_save`` (CPU), so blocks need never be held."""
+class KvpoolHandshake(FormatHandshake, KVConnectorHandshakeMetadata):
+    """Each worker -> the scheduler, once."""

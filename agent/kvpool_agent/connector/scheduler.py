@@ -60,15 +60,10 @@ from typing import TYPE_CHECKING, Protocol
 from kvpool_agent import keys
 from kvpool_agent.client import AgentError, AgentInfo
 from kvpool_agent.connector.counters import Counters
+from kvpool_agent.connector.jobs import LoadJob, StoreJob
 from kvpool_agent.connector.layout import NULL_BLOCK, GroupRule, LayoutError
 from kvpool_agent.connector.link import AgentLink, LinkDown
-from kvpool_agent.connector.metadata import (
-    KvpoolHandshake,
-    KvpoolMetadata,
-    KvpoolWorkerMetadata,
-    LoadJob,
-    StoreJob,
-)
+from kvpool_agent.connector.metadata import KvpoolHandshake, KvpoolMetadata, KvpoolWorkerMetadata
 from kvpool_agent.probe_table import ProbeTableReader, table_path
 
 if TYPE_CHECKING:

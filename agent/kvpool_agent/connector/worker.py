@@ -43,6 +43,7 @@ import torch
 from kvpool_agent.client import AgentError, AgentInfo
 from kvpool_agent.connector.copier import BlockCopier, Copy, MappedSegment
 from kvpool_agent.connector.counters import Counters
+from kvpool_agent.connector.jobs import FormatHandshake, LoadJob, StepJobs, StoreJob, StoresDone
 from kvpool_agent.connector.layout import (
     NULL_BLOCK,
     ChunkFormat,
@@ -51,13 +52,6 @@ from kvpool_agent.connector.layout import (
     detect_layout,
 )
 from kvpool_agent.connector.link import AgentLink, LinkDown
-from kvpool_agent.connector.metadata import (
-    KvpoolHandshake,
-    KvpoolMetadata,
-    KvpoolWorkerMetadata,
-    LoadJob,
-    StoreJob,
-)
 from kvpool_agent.pinned import PinMode
 from kvpool_agent.segment import SegmentError
 
@@ -119,7 +113,7 @@ class WorkerHalf:
         self._held: set[str] = set()
         self._present: dict[int, int] = {}
         """Store job id -> its leading chunks that this step's load lookup found cached."""
-        self.handshake: KvpoolHandshake | None = None
+        self.handshake: FormatHandshake | None = None
         self._said_unkept = False
         """A load found vLLM wanting a block a group did not keep (warned once)."""
 
@@ -148,7 +142,7 @@ class WorkerHalf:
             ],
             self.format,
         )
-        self.handshake = KvpoolHandshake(
+        self.handshake = FormatHandshake(
             self.format.descriptor(), chunk_tokens, self._copier.synchronous
         )
         log.info(
@@ -222,7 +216,7 @@ class WorkerHalf:
 
     # ------------------------------------------------------------ loads
 
-    def start_load(self, meta: KvpoolMetadata) -> None:
+    def start_load(self, meta: StepJobs) -> None:
         self._held.update(meta.held)  # before get_finished, whatever the step's order
         if meta.loads:
             with self.counters.timed("load_us"):
@@ -265,7 +259,7 @@ class WorkerHalf:
                     if targets is None:
                         break
                     chunk = segment.chunk(hit.offsets[index], chunk_format.chunk_bytes)
-                    copies.append(copier.load(chunk, targets))
+                    copies.append(copier.load(chunk, targets, forward_reads=not job.per_request))
                     written.extend(block for _, ids in targets for block in ids)
                     loaded += 1
             finally:
@@ -359,7 +353,7 @@ class WorkerHalf:
 
     # ------------------------------------------------------------ stores
 
-    def save(self, meta: KvpoolMetadata) -> None:
+    def save(self, meta: StepJobs) -> None:
         if not (meta.stores or self._stores or self._releases):
             return
         with self.counters.timed("store_us"):
@@ -509,7 +503,7 @@ class WorkerHalf:
             if not jobs:
                 del self._open_jobs[job.req_id]
 
-    def handle_preemptions(self, meta: KvpoolMetadata) -> None:
+    def handle_preemptions(self, meta: StepJobs) -> None:
         """Preempted requests' blocks are about to be reused: finish every copy first."""
         if meta.preempted and self._stores:
             if self._copier is not None:
@@ -530,11 +524,11 @@ class WorkerHalf:
         self._held -= done
         return done
 
-    def build_worker_meta(self) -> KvpoolWorkerMetadata | None:
+    def build_worker_meta(self) -> StoresDone | None:
         if not self._completed:
             return None
         completed, self._completed = self._completed, {}
-        return KvpoolWorkerMetadata(completed)
+        return StoresDone(completed)
 
     def _mapped(self) -> MappedSegment:
         if self._segment is None:

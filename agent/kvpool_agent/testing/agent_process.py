@@ -49,6 +49,9 @@ class AgentProcess:
 
     @property
     def segment_path(self) -> Path:
+        """``SEGMENT_PATH`` of the settings, else a file of this process's in /dev/shm."""
+        if "SEGMENT_PATH" in self.settings:
+            return Path(self.settings["SEGMENT_PATH"])
         return Path("/dev/shm") / f"kvpool-harness-{os.getpid()}-{self.workdir.name}"
 
     @property
@@ -133,7 +136,7 @@ class AgentProcess:
         self._process.stdin.close()
 
     def wait_ready(self, timeout: float = 30.0) -> AgentProcess:
-        if not self._ready.wait(timeout):
+        if not self._ready.wait(timeout) or not self._started:  # timed out, or it exited
             self.kill()
             raise RuntimeError("agent did not become ready:\n" + "".join(self.log))
         return self
