@@ -307,6 +307,9 @@ BENCH_FLAGS = [
     ("connector", "--configs", "kvpool,vllm", "unknown configs ['vllm']; known: none, kvpool"),
     ("windows", "--window", "0", "expected a number above 0, not 0"),
     ("windows", "--full-every", "1", "expected 2 or more (1 is every layer full), not 1"),
+    ("gpu", "--chunk-tokens", "100", "expected multiples of vLLM's 16-token blocks, not 100"),
+    ("gpu", "--models", "llama", "unknown llama; choose from llama3-8b, small-heads, mla,"),
+    ("gpu", "--l1-size", "6GB", "ambiguous unit GB: write 6G (G: 10^9) or 6Gi (Gi: 2^30)"),
 ]
 """Benchmark flags out of range: (bench, flag, value, what is wrong)."""
 KVPOOL += [

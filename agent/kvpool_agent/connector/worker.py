@@ -18,7 +18,9 @@ nothing about scheduling: it executes the jobs in the step's metadata.
   the blocks of a load whose lease did not hold until its release (the pages may hold
   another chunk by then). Per group, a chunk is copied into the blocks vLLM allocated
   for it, skipping its null block (a window's positions outside the window); a chunk
-  for which vLLM wants a block its group did not keep is reported the same way.
+  for which vLLM wants a block its group did not keep is reported the same way. On a GPU
+  the forward waits for a load only if it reads the blocks in this step: a per-request
+  load (vLLM holds the request until it is reported received) runs beside it.
 * ``wait_for_save`` (after the forward): for each :class:`StoreJob`, reserve
   (``prepare_store`` with the parent key), copy the chunks the agent does not
   have yet, commit. Refusals (quota, memory) and errors drop the store; the
