@@ -367,3 +367,33 @@ def test_a_block_the_window_did_not_keep_is_recomputed(agent: AgentProcess) -> N
     target.start_load(StepJobs(loads=[load]))
     assert target.take_load_errors() == {9, 10, 13}
     assert not loaded_window[0].any()
+
+
+def test_only_a_load_this_steps_forward_reads_holds_the_forward(agent: AgentProcess) -> None:
+    """On a GPU the compute stream waits for a load only if the forward of this step reads
+    its blocks; a per-request load (vLLM runs the request once it is reported received)
+    runs beside the forward. The CPU copier is synchronous, so what the worker asks of the
+    copier is what is checked here."""
+    source, _ = make_hybrid_worker(agent, seed=8)
+    job = StoreJob(1, "r1", TENANT, (tuple(KEYS[:2]),), (None,), ((1, 2, 3, 4), (5, 6, 7, 8)))
+    source.save(StepJobs(stores=[job]))
+
+    def asked(per_request: bool) -> list[bool]:
+        target, _ = make_hybrid_worker(agent, seed=None)
+        copier = target._copier
+        assert copier is not None
+        load, answers = copier.load, []
+
+        def recorded(*args: object, forward_reads: bool = True) -> object:
+            answers.append(forward_reads)
+            return load(*args, forward_reads=forward_reads)  # type: ignore[arg-type]
+
+        copier.load = recorded  # type: ignore[method-assign,assignment]
+        blocks = ((9, 10, 11, 12), (0, 0, 0, 13))
+        load_job = LoadJob("r", TENANT, (tuple(KEYS[:2]),), blocks, 0, per_request)
+        target.start_load(StepJobs(loads=[load_job]))
+        assert target.counters.totals["loaded_chunks"] == 2
+        return answers
+
+    assert asked(per_request=True) == [False, False]
+    assert asked(per_request=False) == [True, True]

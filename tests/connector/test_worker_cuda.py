@@ -6,7 +6,6 @@ Skipped without a CUDA device (the same worker code runs on CPU in ``test_worker
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,21 +34,6 @@ KEYS = [bytes([index + 1]) * 32 for index in range(4)]
 FULL = GroupRule("full", BLOCK_TOKENS)
 WINDOW = GroupRule("window", BLOCK_TOKENS, BLOCK_TOKENS - 1)
 """A chunk of two blocks keeps its last one."""
-
-
-@pytest.fixture(scope="module")
-def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
-    process = AgentProcess(tmp_path_factory.mktemp("agent"), {"L1_SIZE": "256Mi"})
-    process.start()
-    yield process
-    process.cleanup()
-
-
-@pytest.fixture
-def empty_agent(agent: AgentProcess) -> AgentProcess:
-    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
-        client.clear()
-    return agent
 
 
 def flash_attention_caches(seed: int | None) -> list[torch.Tensor]:

@@ -48,6 +48,7 @@ from kvpool_agent.bench.gpu_caches import (
     ChunkCopies,
     chunk_bytes,
     kept_ids,
+    reserve,
     timed,
 )
 from kvpool_agent.bench.report import machine, median_spread, table
@@ -284,10 +285,8 @@ def _run_once(setup: _Setup, copies: ChunkCopies, methods: _Methods, rates: Rate
         if rates is not None:
             direction[method].append(count * size / seconds / 1e9)
 
-    keys = [os.urandom(32) for _ in range(count)]
-    plan = client.prepare_store(TENANT, keys, [size] * count)
-    if plan.lease is None or len(plan.offsets) != count or min(plan.offsets) < 0:
-        raise SystemExit(f"the agent reserved {plan.offsets} of {count} chunks: {plan.refused}")
+    keys, plan = reserve(client, TENANT, count, size)
+    assert plan.lease is not None
     stored = [setup.segment.chunk(offset, size) for offset in plan.offsets]
     store_rates = rates.store if rates else {}
     load_rates = rates.load if rates else {}
@@ -357,44 +356,43 @@ class _Methods:
                 else:
                     self._contiguous.copy_(chunk, non_blocking=True)
 
+    def _groups(
+        self, chunks: Sequence[torch.Tensor], blocks: Sequence[Sequence[int]]
+    ) -> Iterator[tuple[torch.Tensor, list[torch.Tensor], list[int]]]:
+        """Per chunk and group: the chunk's ``[L, kept, *page]`` view, the group's layers and
+        the ids of the blocks it keeps."""
+        for chunk, ids in zip(chunks, blocks, strict=True):
+            yield from zip(
+                self._format.views(chunk),
+                self._views,
+                kept_ids(self._format, list(ids)),
+                strict=True,
+            )
+
     def _per_block(
         self, chunks: Sequence[torch.Tensor], blocks: Sequence[Sequence[int]], *, store: bool
     ) -> None:
         with self._on_stream():
-            for chunk, ids in zip(chunks, blocks, strict=True):
-                for pages, views, kept in zip(
-                    self._format.views(chunk),
-                    self._views,
-                    kept_ids(self._format, list(ids)),
-                    strict=True,
-                ):
-                    for layer, view in enumerate(views):
-                        for index, block in enumerate(kept):
-                            if store:
-                                pages[layer, index].copy_(view[block], non_blocking=True)
-                            else:
-                                view[block].copy_(pages[layer, index], non_blocking=True)
+            for pages, views, kept in self._groups(chunks, blocks):
+                for layer, view in enumerate(views):
+                    for index, block in enumerate(kept):
+                        if store:
+                            pages[layer, index].copy_(view[block], non_blocking=True)
+                        else:
+                            view[block].copy_(pages[layer, index], non_blocking=True)
 
     def _per_layer(
         self, chunks: Sequence[torch.Tensor], blocks: Sequence[Sequence[int]], *, store: bool
     ) -> None:
         """kvpool's copier before staging: per layer, one gather and one copy to the host."""
         with self._on_stream():
-            for chunk, ids in zip(chunks, blocks, strict=True):
-                for pages, views, kept in zip(
-                    self._format.views(chunk),
-                    self._views,
-                    kept_ids(self._format, list(ids)),
-                    strict=True,
-                ):
-                    index = torch.tensor(kept, dtype=torch.long).to(self._device, non_blocking=True)
-                    for layer, view in enumerate(views):
-                        if store:
-                            pages[layer].copy_(view.index_select(0, index), non_blocking=True)
-                        else:
-                            view.index_copy_(
-                                0, index, pages[layer].to(self._device, non_blocking=True)
-                            )
+            for pages, views, kept in self._groups(chunks, blocks):
+                index = torch.tensor(kept, dtype=torch.long).to(self._device, non_blocking=True)
+                for layer, view in enumerate(views):
+                    if store:
+                        pages[layer].copy_(view.index_select(0, index), non_blocking=True)
+                    else:
+                        view.index_copy_(0, index, pages[layer].to(self._device, non_blocking=True))
 
     def _staged(
         self, chunks: Sequence[torch.Tensor], blocks: Sequence[Sequence[int]], *, store: bool

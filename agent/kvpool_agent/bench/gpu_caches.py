@@ -19,6 +19,7 @@ them (vLLM's ``get_kv_cache_shape``), at real models' sizes:
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpool_agent.client import AgentClient, StorePlan
 from kvpool_agent.connector.copier import BlockCopier, Copy
 from kvpool_agent.connector.layout import (
     NULL_BLOCK,
@@ -240,3 +242,15 @@ class ChunkCopies:
 
     def check(self, what: str) -> None:
         check_round_trip(self.caches, self.format, self.sources, self.targets, what)
+
+
+def reserve(
+    client: AgentClient, tenant: str, count: int, size: int
+) -> tuple[list[bytes], StorePlan]:
+    """Reserve ``count`` new chunks of ``size`` bytes through the agent (random keys): the
+    keys and the plan, whose lease the caller commits or releases."""
+    keys = [os.urandom(32) for _ in range(count)]
+    plan = client.prepare_store(tenant, keys, [size] * count)
+    if plan.lease is None or len(plan.offsets) != count or min(plan.offsets) < 0:
+        raise SystemExit(f"the agent reserved {plan.offsets} of {count} chunks: {plan.refused}")
+    return keys, plan

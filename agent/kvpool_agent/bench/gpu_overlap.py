@@ -19,14 +19,13 @@ layer's copy (vLLM's ``wait_for_layer_load``).
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 
 from kvpool_agent import keys
-from kvpool_agent.bench.gpu_caches import ChunkCopies, chunk_bytes, kept_ids
+from kvpool_agent.bench.gpu_caches import ChunkCopies, chunk_bytes, kept_ids, reserve
 from kvpool_agent.bench.report import median_spread, table
 from kvpool_agent.client import AgentClient
 from kvpool_agent.connector.copier import Copy, MappedSegment
@@ -48,10 +47,8 @@ def report(
     name, tokens = shared
     size = chunk_bytes(name, tokens)
     count = max(1, min(4, COPY_BYTES // size))
-    keys = [os.urandom(32) for _ in range(count)]
-    plan = client.prepare_store(TENANT, keys, [size] * count)
-    if plan.lease is None or len(plan.offsets) != count or min(plan.offsets) < 0:
-        raise SystemExit(f"the agent reserved {plan.offsets} of {count} chunks")
+    _, plan = reserve(client, TENANT, count, size)
+    assert plan.lease is not None
     try:
         chunks = [segment.chunk(offset, size) for offset in plan.offsets]
         copies = ChunkCopies.make(name, tokens, count, device, seed=20)

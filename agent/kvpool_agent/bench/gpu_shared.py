@@ -5,7 +5,6 @@ the agent. Reported: each process's rate, and the aggregate over the span of bot
 from __future__ import annotations
 
 import multiprocessing
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ from typing import Any
 import torch
 
 from kvpool_agent import keys
-from kvpool_agent.bench.gpu_caches import ChunkCopies, chunk_bytes
+from kvpool_agent.bench.gpu_caches import ChunkCopies, chunk_bytes, reserve
 from kvpool_agent.bench.report import table
 from kvpool_agent.client import AgentClient
 from kvpool_agent.connector.copier import MappedSegment
@@ -32,10 +31,8 @@ def report(
     name, tokens = shared
     size = chunk_bytes(name, tokens)
     count = max(1, min(8, PER_PROCESS_BYTES // size))
-    keys = [os.urandom(32) for _ in range(2 * count)]
-    plan = client.prepare_store(TENANT, keys, [size] * (2 * count))
-    if plan.lease is None or len(plan.offsets) != 2 * count or min(plan.offsets) < 0:
-        raise SystemExit(f"the agent reserved {plan.offsets} of {2 * count} chunks")
+    _, plan = reserve(client, TENANT, 2 * count, size)
+    assert plan.lease is not None
     try:
         rows = []
         for processes in (1, 2):
