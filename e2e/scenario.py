@@ -294,9 +294,14 @@ class Flow:
             assert secret is not None, f"no Secret in {team} yet"
             data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
             headers = {"Authorization": f"Bearer {data['token']}"}
+            for agent in self.agents:  # an agent that exited says so, with its log's tail
+                agent.ready()
             for node in ("node-a", "node-b"):
                 usage = f"{self._http(node)}/v1/tenants/{data['tenant-id']}/usage"
-                status = httpx.get(usage, headers=headers, timeout=10).status_code
+                try:
+                    status = httpx.get(usage, headers=headers, timeout=10).status_code
+                except httpx.TransportError as error:  # not answering yet: ask again
+                    raise AssertionError(f"{node}'s agent at {usage}: {error}") from error
                 assert status == 200, (team, node, status)
             return data
 
