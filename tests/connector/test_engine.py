@@ -7,7 +7,9 @@ Three engine processes share one agent for the whole module:
   compares across kernels, as an AVX-512 or AMX machine does with any reference;
 * ``a``: our connector, vLLM's prefix cache on -- the engine that computes first;
 * ``b``: our connector, prefix cache off and a small KV cache (preemption) -- every
-  cached token it reports came through the agent.
+  cached token it reports came through the agent;
+* ``c``: our connector, prefix cache off, and no segment to map (a pod that mounts
+  nothing): its chunks travel inside the agent's messages.
 
 Outputs are compared up to numerical noise (:mod:`.greedy`): kernels, batch composition
 and a prefill over loaded KV all move logits by a bf16 rounding step, which may flip a
@@ -48,6 +50,7 @@ class Setup:
     ref: Engine
     a: Engine
     b: Engine
+    c: Engine
     nvme: Path
 
 
@@ -86,13 +89,24 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         },
         work / "b.log",
     )
-    engines = [ref, a, b]
+    without_segment = {**extra, "segment_path": str(work / "not-mounted" / "segment")}
+    c = Engine(
+        "c",
+        {
+            "model": model,
+            "connector": "kvpool",
+            "extra_config": without_segment,
+            "prefix_caching": False,
+        },
+        work / "c.log",
+    )
+    engines = [ref, a, b, c]
     try:
         for engine in engines:
             engine.start()
         for engine in engines:
             engine.wait_ready()
-        yield Setup(agent, ref, a, b, work / "nvme")
+        yield Setup(agent, ref, a, b, c, work / "nvme")
     finally:
         with ThreadPoolExecutor(len(engines)) as pool:
             list(pool.map(Engine.stop, engines))
@@ -121,6 +135,28 @@ def usage(agent: AgentProcess, salt: str) -> tuple[int, int]:
     )
     answer.raise_for_status()
     return answer.json()["hits"], answer.json()["misses"]
+
+
+def test_an_engine_without_the_segment_hits_through_the_agent(setup: Setup) -> None:
+    """C cannot map the agent's segment: it loads A's chunks, and B loads C's, through the
+    agent's messages, with the reference's output."""
+    long_prompt = prompt(11, 1000)
+    expected = setup.ref.generate([long_prompt], max_tokens=16)
+    setup.a.generate([long_prompt], max_tokens=16)
+
+    inline = setup.c.generate([long_prompt], max_tokens=16)
+
+    assert inline.cached == [3 * CHUNK]
+    assert not inline.differences(expected)
+    assert "moving KV through the agent over the network instead" in setup.c.log_text()
+
+    own = prompt(12, 1000)
+    expected = setup.ref.generate([own], max_tokens=16)
+    stored = setup.c.generate([own], max_tokens=16)
+    assert stored.counters["stored_chunks"] >= 3
+    loaded = setup.b.generate([own], max_tokens=16)
+    assert loaded.cached == [3 * CHUNK]
+    assert not loaded.differences(expected)
 
 
 def test_different_salt_never_hits(setup: Setup) -> None:
@@ -230,9 +266,11 @@ def test_poisoned_cache_changes_the_output(setup: Setup) -> None:
     poison_segment(setup.agent.segment_path)
 
     poisoned = setup.b.generate([victim], max_tokens=16)
+    inline = setup.c.generate([victim], max_tokens=16)  # the same bytes, through the agent
 
-    assert poisoned.cached == [3 * CHUNK]
+    assert poisoned.cached == [3 * CHUNK] and inline.cached == [3 * CHUNK]
     assert poisoned.differences(expected)  # the comparison every other test relies on fails
+    assert inline.differences(expected)
     with AgentClient(setup.agent.zmq, token=ADMIN_TOKEN) as client:
         client.clear()  # leave no poison behind
 

@@ -13,21 +13,25 @@ import httpx
 import pytest
 import torch
 
-from kvpool_agent import keys
-from kvpool_agent.client import AgentClient, AgentInfo
-from kvpool_agent.connector.counters import Counters
+from kvpool_agent.client import AgentClient
 from kvpool_agent.connector.jobs import LoadJob, StepJobs, StoreJob
 from kvpool_agent.connector.layout import GroupRule
 from kvpool_agent.connector.worker import WorkerHalf
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 
-from .agent_link import agent_link
-
-BLOCKS, HEADS, BLOCK_TOKENS, CONTENT = 16, 2, 4, 8
-CHUNK = 2 * BLOCK_TOKENS
-LAYERS = ["model.layers.0.attn", "model.layers.1.attn"]
-TENANT = keys.tenant_id("worker-test")
-KEYS = [bytes([index]) * 32 for index in range(4)]
+from .workers import (
+    BLOCK_TOKENS,
+    BLOCKS,
+    CONTENT,
+    HEADS,
+    KEYS,
+    LAYERS,
+    TENANT,
+    cpu_caches,
+    make_worker,
+    store,
+    worker_of,
+)
 
 
 def _agent(workdir: Path) -> Iterator[AgentProcess]:
@@ -57,43 +61,6 @@ def own_agent(tmp_path: Path) -> Iterator[AgentProcess]:
     yield from _agent(tmp_path)
 
 
-def make_worker(
-    agent: AgentProcess, seed: int | None, segment: Path | None = None
-) -> tuple[WorkerHalf, list[torch.Tensor]]:
-    """A worker of ``agent``; it maps ``segment`` if given, else the agent's."""
-    counters = Counters()
-    holder: list[WorkerHalf] = []
-
-    def on_new_agent(info: AgentInfo) -> None:
-        holder[0].on_new_agent(info)
-
-    link = agent_link(agent, counters, "worker", on_new_agent)
-    worker = WorkerHalf(
-        rank=0,
-        link=link,
-        counters=counters,
-        chunk_tokens=lambda: CHUNK,
-        segment_path=lambda info: segment or info.segment_path,
-        pin_mode="never",
-    )
-    holder.append(worker)
-    shape = (BLOCKS, HEADS, BLOCK_TOKENS, CONTENT)
-    if seed is None:
-        caches = [torch.zeros(shape, dtype=torch.bfloat16) for _ in LAYERS]
-    else:
-        generator = torch.Generator().manual_seed(seed)
-        caches = [torch.randn(shape, generator=generator).to(torch.bfloat16) for _ in LAYERS]
-    worker.register_kv_caches(
-        dict(zip(LAYERS, caches, strict=True)), [(GroupRule("full", 4), LAYERS)], BLOCKS, "TEST"
-    )
-    return worker, caches
-
-
-def store(worker: WorkerHalf, job_id: int, chunk_keys: list[bytes], block_ids: list[int]) -> None:
-    job = StoreJob(job_id, f"r{job_id}", TENANT, (tuple(chunk_keys),), (None,), (tuple(block_ids),))
-    worker.save(StepJobs(stores=[job]))
-
-
 def test_store_then_load_in_another_worker(agent: AgentProcess) -> None:
     source, source_caches = make_worker(agent, seed=1)
     assert source.handshake is not None
@@ -121,7 +88,8 @@ def test_a_worker_never_copies_through_a_file_the_agent_does_not_map(
     agent: AgentProcess, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A copy of the agent's segment at the path the worker maps (a pod's own /dev/shm, a
-    wrong segment path): the agent's hello names its file, and the worker uses no other."""
+    wrong segment path): the agent's hello names its file, and the worker uses no other; its
+    chunks travel through the agent's protocol instead."""
     copy = Path("/dev/shm") / f"kvpool-worker-copy-{os.getpid()}"
     shutil.copyfile(agent.segment_path, copy)
     try:
@@ -132,13 +100,16 @@ def test_a_worker_never_copies_through_a_file_the_agent_does_not_map(
         assert hashlib.sha256(copy.read_bytes()).digest() == original
     finally:
         copy.unlink()
-    assert worker.counters.totals["stored_chunks"] == 0
-    assert worker.counters.totals["failed_stores"] == 2
-    refusals = [r for r in caplog.records if "is not the file the agent maps" in r.getMessage()]
-    assert len(refusals) == 1  # said once
-    assert f"{agent.segment_path} is the agent's segment" in refusals[0].getMessage()
+    assert worker.counters.totals["stored_chunks"] == 4
+    assert worker.counters.totals["failed_stores"] == 0
+    said = [
+        r.getMessage() for r in caplog.records if "is not the file the agent maps" in r.getMessage()
+    ]
+    assert len(said) == 1  # said once
+    assert f"({agent.segment_path} is the agent's segment)" in said[0]
+    assert "moving KV through the agent over the network instead" in said[0]
     with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
-        assert client.lookup(TENANT, KEYS, lock=False).count == 0
+        assert client.lookup(TENANT, KEYS, lock=False).count == 4
 
 
 def test_missing_chunks_are_reported_for_recompute(agent: AgentProcess) -> None:
@@ -303,26 +274,9 @@ def make_hybrid_worker(
     agent: AgentProcess, seed: int | None
 ) -> tuple[WorkerHalf, list[torch.Tensor]]:
     """A worker whose layer 0 is full attention and layer 1 a sliding window (two groups)."""
-    counters = Counters()
-    worker = WorkerHalf(
-        rank=0,
-        link=agent_link(agent, counters, "worker"),
-        counters=counters,
-        chunk_tokens=lambda: CHUNK,
-        segment_path=lambda info: info.segment_path,
-        pin_mode="never",
-    )
-    shape = (BLOCKS, HEADS, BLOCK_TOKENS, CONTENT)
-    generator = torch.Generator().manual_seed(seed or 0)
-    caches = [
-        torch.zeros(shape, dtype=torch.bfloat16)
-        if seed is None
-        else torch.randn(shape, generator=generator).to(torch.bfloat16)
-        for _ in LAYERS
-    ]
+    caches = cpu_caches(seed)
     groups = [(GroupRule("full", BLOCK_TOKENS), LAYERS[:1]), (WINDOW, LAYERS[1:])]
-    worker.register_kv_caches(dict(zip(LAYERS, caches, strict=True)), groups, BLOCKS, "TEST")
-    return worker, caches
+    return worker_of(agent, dict(zip(LAYERS, caches, strict=True)), groups), caches
 
 
 def test_a_window_group_stores_and_loads_only_its_window(agent: AgentProcess) -> None:

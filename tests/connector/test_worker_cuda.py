@@ -12,16 +12,15 @@ import pytest
 import torch
 
 from kvpool_agent import keys
-from kvpool_agent.client import AgentClient, AgentInfo
+from kvpool_agent.client import AgentClient
 from kvpool_agent.connector.copier import BlockCopier, MappedSegment
-from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.jobs import LoadJob, StepJobs, StoreJob
 from kvpool_agent.connector.layout import ChunkFormat, GroupRule, detect_layout
 from kvpool_agent.connector.staged import StagedCopies
 from kvpool_agent.connector.worker import WorkerHalf
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 
-from .agent_link import agent_link
+from .workers import worker_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -49,26 +48,24 @@ def flash_attention_caches(seed: int | None) -> list[torch.Tensor]:
 
 
 def make_worker(
-    agent: AgentProcess, seed: int | None, groups: list[tuple[GroupRule, list[str]]]
+    agent: AgentProcess,
+    seed: int | None,
+    groups: list[tuple[GroupRule, list[str]]],
+    segment: Path | None = None,
 ) -> tuple[WorkerHalf, list[torch.Tensor]]:
-    counters = Counters()
-    holder: list[WorkerHalf] = []
-
-    def on_new_agent(info: AgentInfo) -> None:
-        holder[0].on_new_agent(info)
-
-    link = agent_link(agent, counters, "worker", on_new_agent)
-    worker = WorkerHalf(
-        rank=0,
-        link=link,
-        counters=counters,
-        chunk_tokens=lambda: CHUNK,
-        segment_path=lambda info: Path(info.segment_path),
+    """A worker with FlashAttention caches on the GPU; it maps ``segment`` if given, else the
+    agent's."""
+    caches = flash_attention_caches(seed)
+    worker = worker_of(
+        agent,
+        dict(zip(LAYERS, caches, strict=True)),
+        groups,
+        num_blocks=BLOCKS,
+        chunk_tokens=CHUNK,
+        content="FA",
+        segment=segment,
         pin_mode="always",
     )
-    holder.append(worker)
-    caches = flash_attention_caches(seed)
-    worker.register_kv_caches(dict(zip(LAYERS, caches, strict=True)), groups, BLOCKS, "FA")
     return worker, caches
 
 
@@ -121,6 +118,28 @@ def test_a_window_group_on_gpu_loads_per_request_beside_the_forward(
     for before, after in zip(stored[2:], window, strict=True):
         assert torch.equal(after[:, 13], before[:, 8])
         assert not after[:, [block for block in range(BLOCKS) if block != 13]].any()
+    source.close()
+    target.close()
+
+
+def test_gpu_blocks_travel_through_the_agents_messages_without_the_segment(
+    empty_agent: AgentProcess,
+) -> None:
+    """A pod that mounts nothing: stores copy out to host memory and go in the agent's
+    messages; loads come back the same way into other GPU blocks."""
+    nowhere = Path("/nonexistent/kvpool-segment")
+    source, stored = make_worker(empty_agent, seed=5, groups=[(FULL, LAYERS)], segment=nowhere)
+    job = StoreJob(1, "r1", TENANT, (tuple(KEYS[:2]),), (None,), ((7, 3, 12, 40),))
+    source.save(StepJobs(stores=[job]))
+    assert source.counters.totals["stored_chunks"] == 2
+
+    target, loaded = make_worker(empty_agent, seed=None, groups=[(FULL, LAYERS)], segment=nowhere)
+    load = LoadJob("r2", TENANT, (tuple(KEYS[:2]),), ((50, 9, 21, 33),), first_tokens=0)
+    target.start_load(StepJobs(loads=[load]))
+    seen = [cache[:, [50, 9, 21, 33]].clone() for cache in loaded]
+    assert target.take_load_errors() == set()
+    for before, after in zip(stored, seen, strict=True):
+        assert torch.equal(after, before[:, [7, 3, 12, 40]])
     source.close()
     target.close()
 

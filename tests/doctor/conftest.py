@@ -26,6 +26,7 @@ CHECK_NAMES = (
     "agent",
     "segment",
     "shm",
+    "transport",
     "canary",
     "chunk-size",
     "fingerprint",
@@ -61,7 +62,7 @@ def parse(output: str) -> dict[str, Line]:
             checks[name] = Line(checks[name].outcome, checks[name].seen, line[fix_column + 5 :])
             continue
         outcome, name, seen = line[:4], line[6 : 6 + NAME_WIDTH].strip(), line[fix_column:]
-        assert outcome in ("PASS", "FAIL", "SKIP"), line
+        assert outcome in ("PASS", "WARN", "FAIL", "SKIP"), line
         checks[name] = Line(outcome, seen, None)
     assert tuple(checks) == CHECK_NAMES, output
     return checks

@@ -4,10 +4,12 @@ its scheduler-side time per step with many requests queued.
 
 One engine configuration per child process (same model, same engine settings):
 ``none`` (no connector: every prefill is computed), ``kvpool`` (our connector
-and a private ``kvpool-agent``, or ``--endpoint``), ``example`` (vLLM's
+and a private ``kvpool-agent``, or ``--endpoint``), ``inline`` (the same with an agent of
+its own, in a process that cannot map the agent's segment: KV travels in the agent's
+messages; with ``--endpoint`` it shares that agent with ``kvpool``), ``example`` (vLLM's
 built-in ExampleConnector, its disk-based reference, in a temporary directory)
 and ``native`` (no connector, vLLM's own prefix cache on). vLLM's prefix cache
-is off in the first three, so a repeated prompt is served from the external
+is off in the first four, so a repeated prompt is served from the external
 cache, as it would be in another engine or after vLLM evicted it; ``native``
 is a hit with the same compute and no transfer at all, the floor of any cache.
 
@@ -52,7 +54,7 @@ from kvpool_agent.bench.connector_engine import Engine, Sample, kv_bytes_per_tok
 from kvpool_agent.bench.report import machine, median_spread, table
 from kvpool_agent.testing.agent_process import ENGINE_TOKEN, running_agent
 
-CONFIGS = ("none", "kvpool", "example", "native")
+CONFIGS = ("none", "kvpool", "inline", "example", "native")
 FLOOR = "floor"
 """The row of one-chunk prompts, served by the ``none`` engine."""
 FLOOR_GOAL = 1.25
@@ -129,10 +131,17 @@ def run(args: argparse.Namespace) -> None:
         workdir = Path(work)
         model = workdir / "model"
         write_model(model, args)
-        endpoint, token = args.endpoint, None  # --endpoint: the token from KVPOOL_TOKEN
-        if "kvpool" in configs and endpoint is None:
-            endpoint = agent.enter_context(running_agent({"POOL": "bench", "L1_SIZE": "2Gi"})).zmq
-            token = ENGINE_TOKEN
+        # an agent of its own per kvpool engine, so that neither hits the other's chunks
+        # (--endpoint: the one given, with the token from KVPOOL_TOKEN)
+        endpoints: dict[str, str] = {}
+        token = None if args.endpoint else ENGINE_TOKEN
+        for config in {"kvpool", "inline"} & set(configs):
+            endpoints[config] = (
+                args.endpoint
+                or agent.enter_context(
+                    running_agent({"POOL": f"bench-{config}", "L1_SIZE": "2Gi"})
+                ).zmq
+            )
         rng = random.Random(1)
         runs = []
         for _ in range(args.runs):
@@ -144,7 +153,7 @@ def run(args: argparse.Namespace) -> None:
                         "model": str(model),
                         "prompt_tokens": args.prompt_tokens,
                         "chunk_tokens": args.chunk_tokens,
-                        "endpoint": endpoint,
+                        "endpoint": endpoints.get(config),
                         "token": token,
                         "storage": str(workdir / "example"),
                     }

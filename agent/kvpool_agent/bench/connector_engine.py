@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 RESULT = "@@kvpool-bench "
+NOT_MOUNTED = "/nonexistent/kvpool-segment"
+"""The ``inline`` engine's segment path: no such file, so its KV travels in the agent's
+messages."""
 US_METRIC = "vllm:kvpool_"
 """The connector's counters in vLLM's metrics: ``vllm:kvpool_<name>_us`` for its own time."""
 HEAD_SIZE = 64
@@ -255,15 +258,15 @@ def build_engine(settings: dict[str, Any]) -> Any:
     from vllm.config import KVTransferConfig
 
     transfer = None
-    if settings["config"] == "kvpool":
+    if settings["config"] in ("kvpool", "inline"):
+        extra = {"endpoint": settings["endpoint"], "chunk_tokens": settings["chunk_tokens"]}
+        if settings["config"] == "inline":  # a pod that mounts nothing: KV in the messages
+            extra["segment_path"] = NOT_MOUNTED
         transfer = KVTransferConfig(
             kv_connector="KvpoolConnector",
             kv_connector_module_path="kvpool_agent.connector",
             kv_role="kv_both",
-            kv_connector_extra_config={
-                "endpoint": settings["endpoint"],
-                "chunk_tokens": settings["chunk_tokens"],
-            },
+            kv_connector_extra_config=extra,
         )
     elif settings["config"] == "example":
         transfer = KVTransferConfig(

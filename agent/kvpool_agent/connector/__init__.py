@@ -14,6 +14,8 @@ Modules, from the edge inwards:
 * ``worker`` -- the worker half: copies between vLLM's blocks and the segment;
 * ``layout`` -- the KV cache understood by shape and stride; the chunk byte format;
 * ``copier`` -- the copy primitive (CPU, and CUDA with a pinned segment);
+* ``staged`` -- the CUDA copies, through staging slabs;
+* ``inline`` -- chunks in the agent's messages, for a pod that cannot map the segment;
 * ``link`` -- the line to the agent: timeouts, pauses, reconnects, warnings;
 * ``discovery``, ``settings`` -- where the agent is and how to talk to it;
 * ``jobs`` -- what the halves exchange, as plain data; ``metadata`` -- the same as vLLM's types;

@@ -33,7 +33,9 @@ from kvpool_agent.client import (
     AgentError,
     AgentInfo,
     AgentUnavailable,
+    InlineStoreResult,
     LookupResult,
+    Payload,
     PrefetchProgress,
     StorePlan,
 )
@@ -138,6 +140,18 @@ class AgentLink:
 
     def release(self, lease: int) -> None:
         self._call(lambda client: client.release(lease))
+
+    def retrieve_inline(self, tenant: str, keys: Sequence[bytes]) -> list[bytes]:
+        return self._call(lambda client: client.retrieve_inline(tenant, keys))
+
+    def store_inline(
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        chunks: Sequence[Payload],
+        parent: bytes | None,
+    ) -> InlineStoreResult:
+        return self._call(lambda client: client.store_inline(tenant, keys, chunks, parent))
 
     def release_later(self, lease: int) -> Callable[[], None]:
         """Send a release now; the returned call waits for its answer (and raises as

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from kvpool_agent.client import AgentError, AgentInfo
+from kvpool_agent.connector import inline
 from kvpool_agent.connector.copier import BlockCopier, Copy, MappedSegment
 from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.jobs import FormatHandshake, LoadJob, StepJobs, StoreJob, StoresDone
@@ -99,8 +100,11 @@ class WorkerHalf:
         self.format: ChunkFormat | None = None
         self._copier: BlockCopier | None = None
         self._segment: MappedSegment | None = None
-        self._refused: tuple[Path, tuple[int, int]] | None = None
-        """The path and the agent's file last refused (see :meth:`on_new_agent`)."""
+        self._inline: int | None = None
+        """Without a mapped segment: the agent's ``max_inline_bytes`` when chunks travel
+        through its protocol instead (:mod:`kvpool_agent.connector.inline`), else None."""
+        self._said_unmapped: tuple[Path, str, bool] | None = None
+        """Why the segment was last not used, said once (see :meth:`on_new_agent`)."""
         self._failed_blocks: set[int] = set()
         self._received: set[str] = set()
         """Requests whose per-request loads are done (loaded or failed): finished receiving."""
@@ -167,6 +171,7 @@ class WorkerHalf:
 
         A file that is not the one the agent maps (where its hello says which) is not used:
         its bytes are not the agent's, and what is copied into it never reaches the agent.
+        Without the agent's segment, chunks travel through the agent's protocol instead.
         """
         path = self._segment_path(info)
         agents = info.segment_identity
@@ -182,23 +187,22 @@ class WorkerHalf:
         on_gpu = self._copier is not None and self._copier.device.type == "cuda"
         try:
             segment = MappedSegment(path, self._pin_mode if on_gpu else "never")
-        except (SegmentError, OSError) as error:
-            log.warning("kvpool worker %d: cannot map segment %s: %s", self._rank, path, error)
+        except SegmentError as error:  # it names the file
+            self._without_segment(info, path, str(error))
+            return
+        except OSError as error:
+            self._without_segment(info, path, f"cannot map {path}: {error}")
             return
         if any(agents) and segment.identity != agents:
             segment.close()
-            if self._refused != (path, agents):  # once, not at every load and store
-                self._refused = (path, agents)
-                log.warning(
-                    "kvpool worker %d: %s is not the file the agent maps (%s is the agent's "
-                    "segment): not used, so nothing is loaded or stored; mount the node's "
-                    "/dev/shm, and set no segment path that names another file",
-                    self._rank,
-                    path,
-                    info.segment_path,
-                )
+            self._without_segment(
+                info,
+                path,
+                f"{path} is not the file the agent maps ({info.segment_path} is the agent's "
+                "segment)",
+            )
             return
-        self._refused = None
+        self._said_unmapped, self._inline = None, None
         self._segment = segment
         log.info(
             "kvpool worker %d: mapped segment %s%s",
@@ -206,6 +210,34 @@ class WorkerHalf:
             path,
             " (pinned)" if self._segment.pinned else "",
         )
+
+    def _without_segment(self, info: AgentInfo, path: Path, reason: str) -> None:
+        """No segment to copy through: move chunks through the agent's protocol if they fit
+        in its messages; say which, once."""
+        size = self.format.chunk_bytes if self.format is not None else 0
+        usable = inline.fits(size, info.max_inline_bytes)
+        self._inline = info.max_inline_bytes if usable else None
+        if self._said_unmapped == (path, reason, usable):
+            return
+        self._said_unmapped = (path, reason, usable)
+        if usable:
+            log.warning(
+                "kvpool worker %d: %s; moving KV through the agent over the network instead "
+                "(slower than the shared segment: mount the node's /dev/shm at the agent's "
+                "segment path)",
+                self._rank,
+                reason,
+            )
+        else:
+            log.warning(
+                "kvpool worker %d: %s, and a chunk (%d bytes) is larger than the agent's "
+                "max_inline_bytes (%d), so it cannot travel through the agent either: "
+                "nothing is loaded or stored",
+                self._rank,
+                reason,
+                size,
+                info.max_inline_bytes,
+            )
 
     def _drop_segment(self) -> None:
         if self._segment is None:
@@ -234,40 +266,14 @@ class WorkerHalf:
         return None
 
     def _load(self, job: LoadJob, following: StoreJob | None) -> None:
-        copier, chunk_format = self._copier, self.format
-        assert copier is not None and chunk_format is not None
         keys = list(job.keys[self._rank])
-        store_keys = list(following.keys[self._rank]) if following is not None else []
         loaded = 0
         try:
-            # the scheduler's probe counted these chunks already
-            hit = self._link.lookup(job.tenant, keys + store_keys, lock=True, count=False)
-            if following is not None and hit.count > len(keys):
-                self._present[following.job_id] = hit.count - len(keys)
             segment = self._mapped()
-            copies: list[Copy] = []
-            written: list[int] = []
-            try:
-                for index in range(min(hit.count, len(keys))):
-                    if hit.sizes[index] != chunk_format.chunk_bytes:
-                        log.warning(
-                            "kvpool worker %d: chunk of %d bytes, expected %d; not loaded",
-                            self._rank,
-                            hit.sizes[index],
-                            chunk_format.chunk_bytes,
-                        )
-                        break
-                    targets = self._load_targets(job, index)
-                    if targets is None:
-                        break
-                    chunk = segment.chunk(hit.offsets[index], chunk_format.chunk_bytes)
-                    copies.append(copier.load(chunk, targets, forward_reads=not job.per_request))
-                    written.extend(block for _, ids in targets for block in ids)
-                    loaded += 1
-            finally:
-                if hit.lease is not None:
-                    owner = job.req_id if job.per_request else None
-                    self._releases.append(_PendingRelease(hit.lease, copies, written, owner))
+            if segment is None:
+                loaded = self._load_inline(job, keys)
+            else:
+                loaded = self._load_mapped(job, keys, following, segment)
         except (LinkDown, SegmentError) as error:
             log.debug("kvpool worker %d: load of %s failed: %s", self._rank, job.req_id, error)
         except AgentError as error:
@@ -283,6 +289,72 @@ class WorkerHalf:
                 for index in range(loaded, len(keys)):
                     self._failed_blocks.update(self._chunk_blocks(job, index))
         self._settle(wait=False)
+
+    def _load_mapped(
+        self,
+        job: LoadJob,
+        keys: list[bytes],
+        following: StoreJob | None,
+        segment: MappedSegment,
+    ) -> int:
+        """Lock the chunks, copy them out of the segment; the release waits for the copies.
+        The same lookup covers the chunks the request stores next."""
+        copier, chunk_format = self._copier, self.format
+        assert copier is not None and chunk_format is not None
+        store_keys = list(following.keys[self._rank]) if following is not None else []
+        # the scheduler's probe counted these chunks already
+        hit = self._link.lookup(job.tenant, keys + store_keys, lock=True, count=False)
+        if following is not None and hit.count > len(keys):
+            self._present[following.job_id] = hit.count - len(keys)
+        copies: list[Copy] = []
+        written: list[int] = []
+        try:
+            for index in range(min(hit.count, len(keys))):
+                if not self._expected_size(hit.sizes[index]):
+                    break
+                targets = self._load_targets(job, index)
+                if targets is None:
+                    break
+                chunk = segment.chunk(hit.offsets[index], chunk_format.chunk_bytes)
+                copies.append(copier.load(chunk, targets, forward_reads=not job.per_request))
+                written.extend(block for _, ids in targets for block in ids)
+        finally:
+            if hit.lease is not None:
+                owner = job.req_id if job.per_request else None
+                self._releases.append(_PendingRelease(hit.lease, copies, written, owner))
+        return len(copies)
+
+    def _load_inline(self, job: LoadJob, keys: list[bytes]) -> int:
+        """Ask the agent for the chunks' bytes and copy them in (no lease: they are copies)."""
+        copier, chunk_format = self._copier, self.format
+        assert copier is not None and chunk_format is not None and self._inline is not None
+        found = inline.retrieve(
+            self._link, job.tenant, keys, chunk_format.chunk_bytes, self._inline
+        )
+        copies: list[Copy] = []
+        for index, data in enumerate(found):
+            if not self._expected_size(len(data)):
+                break
+            targets = self._load_targets(job, index)
+            if targets is None:
+                break
+            chunk = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            copies.append(copier.load(chunk, targets, forward_reads=not job.per_request))
+        for copy in copies:  # the host bytes go when this returns
+            copy.wait()
+        return len(copies)
+
+    def _expected_size(self, size: int) -> bool:
+        assert self.format is not None
+        if size == self.format.chunk_bytes:
+            return True
+        log.warning(
+            "kvpool worker %d: chunk of %d bytes, expected %d; not loaded",
+            self._rank,
+            size,
+            self.format.chunk_bytes,
+        )
+        return False
 
     def _chunk_ids(
         self, job: LoadJob, index: int
@@ -378,9 +450,13 @@ class WorkerHalf:
             return
         parent = keys[present - 1] if present else job.parents[self._rank]
         try:
+            segment = self._mapped()
+            if segment is None:
+                self._store_inline(job, keys, present, parent)
+                return
             sizes = [size] * (len(keys) - present)
             plan = self._link.prepare_store(job.tenant, keys[present:], sizes, parent)
-        except (LinkDown, AgentError) as error:
+        except (LinkDown, AgentError, SegmentError) as error:
             log.debug("kvpool worker %d: store of %s skipped: %s", self._rank, job.req_id, error)
             self.counters.add("failed_stores")
             self._complete(job)
@@ -391,7 +467,6 @@ class WorkerHalf:
         copies: list[Copy] = []
         if plan.lease is not None:
             try:
-                segment = self._mapped()
                 for index, offset in enumerate(offsets, start=present):
                     if offset >= 0:
                         copies.append(
@@ -406,6 +481,34 @@ class WorkerHalf:
         self._stores.append(_PendingStore(job, plan.lease, copies))
         if plan.refused:
             log.debug("kvpool worker %d: agent stored only part: %s", self._rank, plan.refused)
+
+    def _store_inline(
+        self, job: StoreJob, keys: list[bytes], present: int, parent: bytes | None
+    ) -> None:
+        """Copy the chunks out into host memory and send them to the agent in its messages."""
+        copier, chunk_format = self._copier, self.format
+        assert copier is not None and chunk_format is not None and self._inline is not None
+        buffers = [torch.empty(chunk_format.chunk_bytes, dtype=torch.uint8) for _ in keys[present:]]
+        copies = [
+            copier.store(buffer, self._kept_blocks(job, index))
+            for index, buffer in enumerate(buffers, start=present)
+        ]
+        for copy in copies:
+            copy.wait()
+        result = inline.store(
+            self._link,
+            job.tenant,
+            keys[present:],
+            [buffer.numpy().data for buffer in buffers],
+            parent=parent,
+            max_inline_bytes=self._inline,
+        )
+        self.counters.add("stored_chunks", result.stored)
+        self.counters.add("present_chunks", result.present)
+        self.counters.add("refused_chunks", len(buffers) - result.stored - result.present)
+        if result.refused:
+            log.debug("kvpool worker %d: agent stored only part: %s", self._rank, result.refused)
+        self._complete(job)
 
     def _kept_blocks(self, job: StoreJob, index: int) -> list[list[int]]:
         """Per group, the blocks it keeps of the job's ``index``-th chunk."""
@@ -532,10 +635,12 @@ class WorkerHalf:
         completed, self._completed = self._completed, {}
         return StoresDone(completed)
 
-    def _mapped(self) -> MappedSegment:
-        if self._segment is None:
+    def _mapped(self) -> MappedSegment | None:
+        """The agent's segment, mapped; None when chunks travel through the agent's protocol
+        (the link maps again when it meets a new agent). SegmentError: neither works."""
+        if self._segment is None and self._inline is None:
             self.on_new_agent(self._link.info())
-        if self._segment is None:
+        if self._segment is None and self._inline is None:
             raise SegmentError("the agent's segment is not mapped")
         return self._segment
 

@@ -7,9 +7,10 @@ there, and its fix. Modules, one check (or family) each:
   connector reads it (its own discovery), with this pod's credentials;
 * ``agent`` -- the agent answers hello at that address (and if not, why);
 * ``shared_memory`` -- segment, shm: this pod maps the agent's segment read-write, on a
-  /dev/shm that holds it;
-* ``canary`` -- a chunk through the agent and the mapped segment both ways, compared
-  byte for byte, then cleared;
+  /dev/shm that holds it (else a WARN: KV then travels through the agent's messages);
+* ``transport`` -- which of the two the connector here would use;
+* ``canary`` -- a chunk through the agent and the mapped segment (or the agent's messages)
+  both ways, compared byte for byte, then cleared;
 * ``chunk_size``, ``fingerprint`` -- chunks of whole vLLM blocks; the index hashes
   prompts as the connector does;
 * ``hit_rate`` -- no tenant keeps missing (the agent's counters, admin token);

@@ -10,6 +10,10 @@
    own view of the same chunk (``retrieve_inline``). Every copy must be the bytes stored.
 4. Clear the canary tenant, and look again: nothing is left in L1.
 
+A pod that cannot map the segment moves KV through the agent's messages (the connector's
+inline transport): its canary stores a chunk with ``store_inline`` and reads it back with
+``retrieve_inline`` instead of steps 2 and 3.
+
 The chunks are random bytes under a reserved tenant id,
 :data:`kvpool_agent.keys.CANARY_TENANT`. The agent takes only well-formed ids (32 hex
 characters), so the id is one: a SHA-256 digest in a domain of its own
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 
 from kvpool_agent.client import AgentClient, AgentError, AgentUnavailable, copy_in, copy_out
 from kvpool_agent.doctor.report import Check, failed, passed, size
@@ -43,10 +48,29 @@ _AGENT_FAILED = "the agent's log says why (kubectl logs, or the kvpool-agent pro
 
 
 def check_canary(client: AgentClient, segment: SharedSegment) -> Check:
+    """The canary through this pod's mapping of the segment."""
+    return _canary(
+        client,
+        lambda: _agent_to_pod(client, segment) or _pod_to_agent(client, segment),
+        "stored by the agent and read here, stored here and read by the agent, loaded back "
+        f"through {segment.path}",
+    )
+
+
+def check_canary_inline(client: AgentClient) -> Check:
+    """The canary through the agent's messages (no segment mapped here)."""
+    return _canary(
+        client,
+        lambda: _through_messages(client),
+        "stored through the agent's messages and read back the same way",
+    )
+
+
+def _canary(client: AgentClient, run: Callable[[], Failure | None], how: str) -> Check:
     failure: Failure | None
     try:
         client.clear(CANARY_TENANT)
-        failure = _agent_to_pod(client, segment) or _pod_to_agent(client, segment)
+        failure = run()
     except (AgentError, AgentUnavailable) as error:
         failure = (f"the agent failed the canary: {error}", _AGENT_FAILED)
     left = _clear(client)
@@ -57,10 +81,19 @@ def check_canary(client: AgentClient, segment: SharedSegment) -> Check:
         return failed(NAME, left, _AGENT_FAILED)
     return passed(
         NAME,
-        f"{size(CANARY_BYTES)} chunks under the reserved tenant {CANARY_TENANT}: stored by "
-        f"the agent and read here, stored here and read by the agent, loaded back through "
-        f"{segment.path}; identical bytes; cleared, nothing left",
+        f"{size(CANARY_BYTES)} chunks under the reserved tenant {CANARY_TENANT}: {how}; "
+        "identical bytes; cleared, nothing left",
     )
+
+
+def _through_messages(client: AgentClient) -> Failure | None:
+    payload = os.urandom(CANARY_BYTES)
+    stored = client.store_inline(CANARY_TENANT, [_POD_KEY], [payload])
+    if stored.stored != 1:
+        return _refused(stored.refused)
+    if client.retrieve_inline(CANARY_TENANT, [_POD_KEY]) != [payload]:
+        return ("canary mismatch: the agent sent back other bytes than it was sent", _AGENT_FAILED)
+    return None
 
 
 def _agent_to_pod(client: AgentClient, segment: SharedSegment) -> Failure | None:

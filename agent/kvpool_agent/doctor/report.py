@@ -1,4 +1,5 @@
-"""What a check found: PASS, FAIL or SKIP, what was seen, and on FAIL the fix; one line each."""
+"""What a check found: PASS, WARN, FAIL or SKIP, what was seen, and on WARN or FAIL the fix;
+one line each. WARN: it works, but not as well as it could (exit status 0)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 
 class Outcome(enum.StrEnum):
     PASS = "PASS"
+    WARN = "WARN"
     FAIL = "FAIL"
     SKIP = "SKIP"
 
@@ -20,7 +22,7 @@ class Check:
     seen: str
     """What the check saw; for a SKIP, why it did not run."""
     fix: str | None = None
-    """The remedy, on FAIL."""
+    """The remedy, on WARN and FAIL."""
 
     def lines(self) -> list[str]:
         head = f"{self.outcome:<4}  {self.name:<{NAME_WIDTH}}  {self.seen}"
@@ -38,6 +40,10 @@ def passed(name: str, seen: str) -> Check:
 
 def failed(name: str, seen: str, fix: str) -> Check:
     return Check(name, Outcome.FAIL, seen, fix)
+
+
+def warned(name: str, seen: str, fix: str) -> Check:
+    return Check(name, Outcome.WARN, seen, fix)
 
 
 def skipped(name: str, reason: str) -> Check:

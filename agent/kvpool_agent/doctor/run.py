@@ -1,6 +1,6 @@
 """The checks in order, each skipped with the reason when one it depends on failed.
 
-service -> protocol -> annotations -> agent -> segment -> canary
+service -> protocol -> annotations -> agent -> segment -> transport -> canary
                                       agent -> shm
 annotations -> chunk-size, fingerprint, hit-rate
 model (the model's config.json alone: it runs whatever the others found)
@@ -24,9 +24,10 @@ from kvpool_agent.doctor import (
     hit_rate,
     model,
     shared_memory,
+    transport,
 )
 from kvpool_agent.doctor.address import locate
-from kvpool_agent.doctor.report import Check, skipped, skipped_all
+from kvpool_agent.doctor.report import Check, skipped_all
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ AFTER_LOCATE = (
     agent.NAME,
     shared_memory.SEGMENT,
     shared_memory.SHM,
+    transport.NAME,
     canary.NAME,
     chunk_size.NAME,
     fingerprint.NAME,
@@ -75,7 +77,7 @@ def _deployment(options: Options) -> Iterator[Check]:
     yield check
     if client is None:
         yield from skipped_all(
-            (shared_memory.SEGMENT, shared_memory.SHM, canary.NAME),
+            (shared_memory.SEGMENT, shared_memory.SHM, transport.NAME, canary.NAME),
             "needs an agent that answers",
         )
     else:
@@ -98,8 +100,9 @@ def _through_the_segment(client: AgentClient, address: AgentAddress) -> Iterator
     check, mapped = shared_memory.check_segment(path, client.info)
     yield check
     yield shared_memory.check_shm(path, client.info)
+    yield transport.check_transport(path, mapped, client.info)
     if mapped is None:
-        yield skipped(canary.NAME, "needs the segment mapped")
+        yield canary.check_canary_inline(client)
         return
     try:
         yield canary.check_canary(client, mapped)

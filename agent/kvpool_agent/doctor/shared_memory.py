@@ -1,5 +1,9 @@
 """The segment and shm checks: this pod maps the agent's segment, on a big enough /dev/shm.
 
+Where it cannot, the connector moves KV through the agent's messages instead (slower), so
+those findings are WARN, with the fix; a segment replaced under its live agent is a FAIL
+(the agent's state is wrong, whoever maps its path).
+
 The connector maps the path its settings or the Service name, else the one the agent's
 hello names. That file must exist here, be the agent's (its size, and the very file the
 agent maps: the hello names its device and inode), and be mappable read-write by this
@@ -14,7 +18,7 @@ import stat
 from pathlib import Path
 
 from kvpool_agent.client import AgentInfo
-from kvpool_agent.doctor.report import Check, failed, passed, size
+from kvpool_agent.doctor.report import Check, failed, passed, size, warned
 from kvpool_agent.segment import SegmentError, SharedSegment
 
 SEGMENT, SHM = "segment", "shm"
@@ -37,15 +41,15 @@ def check_segment(path: Path, info: AgentInfo) -> tuple[Check, SharedSegment | N
     try:
         found = path.stat()
     except OSError as error:
-        return failed(SEGMENT, f"{path}: {error.strerror} in this pod", _MOUNT_THE_NODES_SHM), None
+        return warned(SEGMENT, f"{path}: {error.strerror} in this pod", _MOUNT_THE_NODES_SHM), None
     if not stat.S_ISREG(found.st_mode):
-        return failed(
+        return warned(
             SEGMENT,
             f"{path} is not a file (mode {stat.filemode(found.st_mode)})",
             _MOUNT_THE_NODES_SHM,
         ), None
     if found.st_size != expected:
-        return failed(
+        return warned(
             SEGMENT,
             f"{path} has {found.st_size} bytes; the agent's segment ({info.segment_path}) has "
             f"{expected}: this pod sees another file",
@@ -55,7 +59,7 @@ def check_segment(path: Path, info: AgentInfo) -> tuple[Check, SharedSegment | N
     try:
         mapped = SharedSegment.attach(path, populate=True)
     except SegmentError as error:
-        return failed(
+        return warned(
             SEGMENT,
             f"uid {uid} cannot map {path} read-write: {error} (owner uid {found.st_uid}, "
             f"gid {found.st_gid}, mode {stat.filemode(found.st_mode)})",
@@ -64,7 +68,7 @@ def check_segment(path: Path, info: AgentInfo) -> tuple[Check, SharedSegment | N
         ), None
     if (mapped.layout.data_offset, mapped.layout.data_size) != (info.data_offset, info.data_size):
         mapped.close()
-        return failed(
+        return warned(
             SEGMENT,
             f"{path} holds a segment of another layout than the agent's "
             f"({mapped.layout.data_size} data bytes at {mapped.layout.data_offset}, the agent "
@@ -97,7 +101,7 @@ def _another_file(path: Path, mapped: SharedSegment, info: AgentInfo) -> Check |
             "segment: another agent of the pool (one that predates the segment's owner lock) "
             "or a person",
         )
-    return failed(
+    return warned(
         SEGMENT,
         f"this pod maps {path} ({here}); the agent maps its segment {info.segment_path} "
         f"({agents}): they are different files",
@@ -123,7 +127,7 @@ def check_shm(path: Path, info: AgentInfo) -> Check:
         f"(l1_size {size(info.data_size)} and its header)"
     )
     if total < needed:
-        return failed(
+        return warned(
             SHM,
             seen,
             f"{directory} here is not the node's /dev/shm (a pod's own is small): "

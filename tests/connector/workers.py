@@ -1,0 +1,80 @@
+"""Workers of the worker half against a real agent, with small CPU caches standing in for
+vLLM's (shared by the worker tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kvpool_agent import keys
+from kvpool_agent.client import AgentInfo
+from kvpool_agent.connector.counters import Counters
+from kvpool_agent.connector.jobs import StepJobs, StoreJob
+from kvpool_agent.connector.layout import GroupRule
+from kvpool_agent.connector.worker import WorkerHalf
+from kvpool_agent.pinned import PinMode
+from kvpool_agent.testing.agent_process import AgentProcess
+
+from .agent_link import agent_link
+
+BLOCKS, HEADS, BLOCK_TOKENS, CONTENT = 16, 2, 4, 8
+CHUNK = 2 * BLOCK_TOKENS
+LAYERS = ["model.layers.0.attn", "model.layers.1.attn"]
+TENANT = keys.tenant_id("worker-test")
+KEYS = [bytes([index]) * 32 for index in range(4)]
+
+
+def worker_of(
+    agent: AgentProcess,
+    layers: dict[str, torch.Tensor],
+    groups: list[tuple[GroupRule, list[str]]],
+    *,
+    num_blocks: int = BLOCKS,
+    chunk_tokens: int = CHUNK,
+    content: str = "TEST",
+    segment: Path | None = None,
+    pin_mode: PinMode = "never",
+) -> WorkerHalf:
+    """A worker of ``agent`` with these caches (``layers``: name -> tensor); it maps
+    ``segment`` if given, else the agent's."""
+    counters = Counters()
+    holder: list[WorkerHalf] = []
+
+    def on_new_agent(info: AgentInfo) -> None:
+        holder[0].on_new_agent(info)
+
+    worker = WorkerHalf(
+        rank=0,
+        link=agent_link(agent, counters, "worker", on_new_agent),
+        counters=counters,
+        chunk_tokens=lambda: chunk_tokens,
+        segment_path=lambda info: segment or info.segment_path,
+        pin_mode=pin_mode,
+    )
+    holder.append(worker)
+    worker.register_kv_caches(layers, groups, num_blocks, content)
+    return worker
+
+
+def cpu_caches(seed: int | None) -> list[torch.Tensor]:
+    """One ``[blocks, heads, tokens, content]`` bf16 tensor per layer: zeros, or random."""
+    shape = (BLOCKS, HEADS, BLOCK_TOKENS, CONTENT)
+    if seed is None:
+        return [torch.zeros(shape, dtype=torch.bfloat16) for _ in LAYERS]
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator).to(torch.bfloat16) for _ in LAYERS]
+
+
+def make_worker(
+    agent: AgentProcess, seed: int | None, segment: Path | None = None
+) -> tuple[WorkerHalf, list[torch.Tensor]]:
+    """A worker of one full-attention group; it maps ``segment`` if given, else the agent's."""
+    caches = cpu_caches(seed)
+    layers = dict(zip(LAYERS, caches, strict=True))
+    return worker_of(agent, layers, [(GroupRule("full", 4), LAYERS)], segment=segment), caches
+
+
+def store(worker: WorkerHalf, job_id: int, chunk_keys: list[bytes], block_ids: list[int]) -> None:
+    job = StoreJob(job_id, f"r{job_id}", TENANT, (tuple(chunk_keys),), (None,), (tuple(block_ids),))
+    worker.save(StepJobs(stores=[job]))
