@@ -83,10 +83,12 @@ def test_a_job_larger_than_one_message_goes_in_batches(agent_process: AgentProce
     with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         assert client.lookup(TENANT, KEYS, lock=False).count == 4
     assert metric(agent, 'kvpool_request_seconds_count{op="store_inline"}') == 2
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:  # the agent bounds its replies
+        assert len(client.retrieve_inline(TENANT, KEYS)) == 2
 
     reader, loaded = load(agent, NOWHERE, KEYS, [9, 10, 11, 12, 13, 14, 15, 1])
     assert reader.take_load_errors() == set()
-    assert metric(agent, 'kvpool_request_seconds_count{op="retrieve_inline"}') == 2
+    assert metric(agent, 'kvpool_request_seconds_count{op="retrieve_inline"}') == 3
     for before, after in zip(written, loaded, strict=True):
         assert torch.equal(after[[9, 10, 11, 12, 13, 14, 15, 1]], before[[1, 2, 3, 4, 5, 6, 7, 8]])
 

@@ -585,7 +585,8 @@ class ZmqServer:
     def _retrieve_inline(self, request: p.RetrieveInline, extra: Frames, peer: Peer) -> Handled:
         session = self._session(request.session, peer)
         self._check_keys(request.keys)
-        data = self._service.retrieve(self._tenant(session, request.tenant), request.keys)
+        tenant = self._tenant(session, request.tenant)
+        data = self._service.retrieve(tenant, request.keys, self._max_inline)
         return p.RetrieveInlineReply(request.req, len(data)), data
 
     def _end_session(self, request: p.EndSession, extra: Frames, peer: Peer) -> Handled:

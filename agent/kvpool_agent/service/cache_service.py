@@ -206,18 +206,21 @@ class CacheService:
         present = sum(place is None for place in reservation.placements)
         return StoreResult(stored, present, reservation.refused_reason)
 
-    def retrieve(self, tenant: str, keys: Sequence[bytes]) -> list[bytes]:
-        """Copies of the leading run of ready chunks of ``keys`` (read-locked while copied)."""
+    def retrieve(self, tenant: str, keys: Sequence[bytes], max_bytes: int) -> list[bytes]:
+        """Copies of the leading run of ready chunks of ``keys`` (read-locked while copied),
+        as many as fit in ``max_bytes`` together (a reply's bound; the client asks again)."""
         with self._lock:
             hit = self._cache.lookup(tenant, keys, lock=True)
         if hit.lease is None:
             return []
         try:
-            view = self._segment.view
-            return [
-                bytes(view[offset : offset + size])
-                for offset, size in zip(hit.offsets, hit.sizes, strict=True)
-            ]
+            view, found, total = self._segment.view, [], 0
+            for offset, size in zip(hit.offsets, hit.sizes, strict=True):
+                total += size
+                if total > max_bytes:
+                    break
+                found.append(bytes(view[offset : offset + size]))
+            return found
         finally:
             self.release(hit.lease)
 

@@ -82,7 +82,11 @@ def test_store_copies_the_bytes_in_and_a_store_from_l2_is_not_written_back(
     again = service.store(ALICE, [head, tail], [b"h" * 100, b"t" * 50], write_back=False)
     assert (again.stored, again.present) == (1, 1)
     assert write_back.committed_keys == [(ALICE, [head])]
-    assert service.retrieve(ALICE, [head, tail, key("absent")]) == [b"h" * 100, b"t" * 50]
+    found = service.retrieve(ALICE, [head, tail, key("absent")], max_bytes=150)
+    assert found == [b"h" * 100, b"t" * 50]
+    # a reply holds the leading chunks that fit in its bound; the client asks for the rest
+    assert service.retrieve(ALICE, [head, tail], max_bytes=149) == [b"h" * 100]
+    assert service.retrieve(ALICE, [head, tail], max_bytes=99) == []
 
 
 def test_a_lookup_tells_the_hits_and_prefetches_what_follows_them(tmp_path: Path) -> None:
