@@ -213,8 +213,11 @@ class WorkerHalf:
 
     def _without_segment(self, info: AgentInfo, path: Path, reason: str) -> None:
         """No segment to copy through: move chunks through the agent's protocol if they fit
-        in its messages; say which, once."""
-        size = self.format.chunk_bytes if self.format is not None else 0
+        in its messages; say which, once. (Before the caches are registered nothing is
+        decided: the next load or store maps again.)"""
+        if self.format is None:
+            return
+        size = self.format.chunk_bytes
         usable = inline.fits(size, info.max_inline_bytes)
         self._inline = info.max_inline_bytes if usable else None
         if self._said_unmapped == (path, reason, usable):
