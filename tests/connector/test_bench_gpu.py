@@ -56,13 +56,13 @@ def test_bench_gpu_without_cuda_says_so_in_one_line() -> None:
 def test_the_round_trip_check_fails_on_one_changed_value() -> None:
     """The bench's proof that loads return what was stored can fail (a poisoned load)."""
     copies = ChunkCopies.make("small-heads", 256, 2, torch.device("cpu"), seed=3)
-    for views in copies.caches.block_views():
+    for views in copies.caches.block_views:
         for view in views:
             for source, target in zip(copies.sources, copies.targets, strict=True):
                 view[target] = view[source]
     copies.check("copied by hand")
 
-    (views,) = copies.caches.block_views()
+    (views,) = copies.caches.block_views
     page = views[5][copies.targets[1][7]]
     page[1, 3, 0, 17] += 1.0
     with pytest.raises(SystemExit, match="layer 5 of the full group loaded other bytes"):

@@ -46,6 +46,8 @@ from kvpool_agent.bench.gpu_caches import (
     MODELS,
     Caches,
     ChunkCopies,
+    Rig,
+    batch_size,
     chunk_bytes,
     kept_ids,
     reserve,
@@ -154,23 +156,23 @@ def run(args: argparse.Namespace) -> None:
         started = time.perf_counter()
         segment = MappedSegment(info.segment_path, "always" if device.type == "cuda" else "never")
         mapped = time.perf_counter() - started
-        setup = _Setup(client, segment, device)
+        rig = Rig(client, segment, device)
         try:
             print(_header(device, info.segment_path, segment, mapped))
             rows = []
             for name in args.models:
                 for tokens in args.chunk_tokens:
-                    measured = _measure(setup, name, tokens, args.runs)
+                    measured = _measure(rig, name, tokens, args.runs)
                     rows.append(_row(name, tokens, measured))
                     print("measured:", "  ".join(str(cell) for cell in rows[-1]), file=sys.stderr)
             print()
             print(table("copies between GPU blocks and the pinned segment", _HEADER, rows))
             print()
             shared = (args.models[0], max(args.chunk_tokens))
-            print(gpu_shared.report(client, segment, shared, device, args.runs))
+            print(gpu_shared.report(rig, shared, args.runs))
             if device.type == "cuda":
                 print()
-                print(gpu_overlap.report(client, segment, shared, device, args.runs))
+                print(gpu_overlap.report(rig, shared, args.runs))
             print()
             print(_agent_cuda(agent.pid))
         finally:
@@ -258,28 +260,21 @@ def _agent_cuda(pid: int) -> str:
 # ------------------------------------------------------------------ one layout, one chunk size
 
 
-def _measure(setup: _Setup, name: str, tokens: int, runs: int) -> tuple[int, Rates]:
+def _measure(rig: Rig, name: str, tokens: int, runs: int) -> tuple[int, Rates]:
     size = chunk_bytes(name, tokens)
-    count = max(1, min(16, BATCH_BYTES // size))
-    copies = ChunkCopies.make(name, tokens, count, setup.device, seed=1)
-    methods = _Methods(copies.caches, copies.format, setup.device)
+    count = batch_size(size, BATCH_BYTES, 16)
+    copies = ChunkCopies.make(name, tokens, count, rig.device, seed=1)
+    methods = _Methods(copies.caches, copies.format, rig.device)
     rates = Rates({method: [] for method in METHODS}, {method: [] for method in METHODS})
     for run in range(runs + 1):  # run 0 warms up: the first copies through new mappings are slow
-        _run_once(setup, copies, methods, rates if run else None)
+        _run_once(rig, copies, methods, rates if run else None)
     return size, rates
 
 
-@dataclass
-class _Setup:
-    client: AgentClient
-    segment: MappedSegment
-    device: torch.device
-
-
-def _run_once(setup: _Setup, copies: ChunkCopies, methods: _Methods, rates: Rates | None) -> None:
+def _run_once(rig: Rig, copies: ChunkCopies, methods: _Methods, rates: Rates | None) -> None:
     """Store a batch of chunks through the agent, load them back, then the other methods."""
     size, count = copies.format.chunk_bytes, len(copies.sources)
-    client, device = setup.client, setup.device
+    client, device = rig.client, rig.device
 
     def record(direction: dict[str, list[float]], method: str, seconds: float) -> None:
         if rates is not None:
@@ -287,7 +282,7 @@ def _run_once(setup: _Setup, copies: ChunkCopies, methods: _Methods, rates: Rate
 
     keys, plan = reserve(client, TENANT, count, size)
     assert plan.lease is not None
-    stored = [setup.segment.chunk(offset, size) for offset in plan.offsets]
+    stored = [rig.segment.chunk(offset, size) for offset in plan.offsets]
     store_rates = rates.store if rates else {}
     load_rates = rates.load if rates else {}
     record(store_rates, "kvpool", timed(device, functools.partial(copies.store, stored)))
@@ -295,7 +290,7 @@ def _run_once(setup: _Setup, copies: ChunkCopies, methods: _Methods, rates: Rate
     hit = client.lookup(TENANT, keys, lock=True)
     if hit.count != count or hit.lease is None:
         raise SystemExit(f"the agent found {hit.count} of the {count} chunks just stored")
-    chunks = [setup.segment.chunk(offset, size) for offset in hit.offsets]
+    chunks = [rig.segment.chunk(offset, size) for offset in hit.offsets]
     copies.clear_targets()
     record(load_rates, "kvpool", timed(device, functools.partial(copies.load, chunks)))
     copies.check("kvpool's copier")
@@ -311,7 +306,7 @@ class _Methods:
     """The baselines and the alternatives, each issuing on its own side stream."""
 
     def __init__(self, caches: Caches, chunk_format: ChunkFormat, device: torch.device) -> None:
-        self._views = caches.block_views()
+        self._views = caches.block_views
         self._format = chunk_format
         self._device = device
         size = chunk_format.chunk_bytes

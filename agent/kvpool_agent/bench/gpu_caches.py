@@ -18,6 +18,7 @@ them (vLLM's ``get_kv_cache_shape``), at real models' sizes:
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import random
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpool_agent.client import AgentClient, StorePlan
-from kvpool_agent.connector.copier import BlockCopier, Copy
+from kvpool_agent.connector.copier import BlockCopier, Copy, MappedSegment
 from kvpool_agent.connector.layout import (
     NULL_BLOCK,
     BlockLayout,
@@ -110,6 +111,7 @@ class Caches:
         ]
         return cls(model, tensors, num_blocks)
 
+    @functools.cached_property
     def layouts(self) -> list[list[BlockLayout]]:
         return [
             [detect_layout(tensor, self.num_blocks) for tensor in group] for group in self.tensors
@@ -119,17 +121,18 @@ class Caches:
         return ChunkFormat.of(
             [
                 (rule, layouts)
-                for (rule, _), layouts in zip(self.model.groups, self.layouts(), strict=True)
+                for (rule, _), layouts in zip(self.model.groups, self.layouts, strict=True)
             ],
             chunk_tokens,
             "BENCH",
         )
 
+    @functools.cached_property
     def block_views(self) -> list[list[torch.Tensor]]:
         """What :class:`BlockCopier` takes: per group, each layer as ``[num_blocks, *page]``."""
         return [
             [layout.blocks(tensor) for layout, tensor in zip(layouts, group, strict=True)]
-            for layouts, group in zip(self.layouts(), self.tensors, strict=True)
+            for layouts, group in zip(self.layouts, self.tensors, strict=True)
         ]
 
 
@@ -170,7 +173,7 @@ def check_round_trip(
     for source, target in zip(sources, targets, strict=True):
         for group, views, kept_from, kept_to in zip(
             chunk_format.groups,
-            caches.block_views(),
+            caches.block_views,
             kept_ids(chunk_format, list(source)),
             kept_ids(chunk_format, list(target)),
             strict=True,
@@ -181,6 +184,21 @@ def check_round_trip(
                         f"{what}: layer {layer} of the {group.rule.name} group loaded other "
                         "bytes than were stored"
                     )
+
+
+@dataclass(frozen=True)
+class Rig:
+    """What every part of the bench copies with: the agent's client, its segment mapped here
+    (pinned on a GPU), and the device of the caches."""
+
+    client: AgentClient
+    segment: MappedSegment
+    device: torch.device
+
+
+def batch_size(chunk_bytes: int, budget: int, most: int) -> int:
+    """How many chunks make about ``budget`` bytes: at least one, at most ``most``."""
+    return max(1, min(most, budget // chunk_bytes))
 
 
 def chunk_bytes(name: str, tokens: int) -> int:
@@ -210,7 +228,7 @@ class ChunkCopies:
         chunk_format = caches.chunk_format(tokens)
         blocks = scattered_blocks(caches.num_blocks, 2 * count * per_chunk, seed)
         runs = [blocks[k * per_chunk : (k + 1) * per_chunk] for k in range(2 * count)]
-        copier = BlockCopier(caches.block_views(), chunk_format)
+        copier = BlockCopier(caches.block_views, chunk_format)
         return cls(caches, chunk_format, copier, runs[:count], runs[count:])
 
     def store(self, chunks: Sequence[torch.Tensor]) -> list[Copy]:
@@ -232,7 +250,7 @@ class ChunkCopies:
     def clear_targets(self) -> None:
         """Zero the blocks loads write, so a check after a load sees only what it wrote."""
         for views, kept in zip(
-            self.caches.block_views(),
+            self.caches.block_views,
             zip(*(kept_ids(self.format, target) for target in self.targets), strict=True),
             strict=True,
         ):

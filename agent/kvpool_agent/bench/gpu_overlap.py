@@ -25,10 +25,16 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kvpool_agent import keys
-from kvpool_agent.bench.gpu_caches import ChunkCopies, chunk_bytes, kept_ids, reserve
+from kvpool_agent.bench.gpu_caches import (
+    ChunkCopies,
+    Rig,
+    batch_size,
+    chunk_bytes,
+    kept_ids,
+    reserve,
+)
 from kvpool_agent.bench.report import median_spread, table
-from kvpool_agent.client import AgentClient
-from kvpool_agent.connector.copier import Copy, MappedSegment
+from kvpool_agent.connector.copier import Copy
 
 TENANT = keys.tenant_id("gpu-bench-overlap")
 SUFFIX_TOKENS = 256
@@ -37,26 +43,20 @@ COPY_BYTES = 1 << 30
 """Bytes the overlapped copies move (repeating the chunks as needed)."""
 
 
-def report(
-    client: AgentClient,
-    segment: MappedSegment,
-    shared: tuple[str, int],
-    device: torch.device,
-    runs: int,
-) -> str:
+def report(rig: Rig, shared: tuple[str, int], runs: int) -> str:
     name, tokens = shared
     size = chunk_bytes(name, tokens)
-    count = max(1, min(4, COPY_BYTES // size))
-    _, plan = reserve(client, TENANT, count, size)
+    count = batch_size(size, COPY_BYTES, 4)
+    _, plan = reserve(rig.client, TENANT, count, size)
     assert plan.lease is not None
     try:
-        chunks = [segment.chunk(offset, size) for offset in plan.offsets]
-        copies = ChunkCopies.make(name, tokens, count, device, seed=20)
+        chunks = [rig.segment.chunk(offset, size) for offset in plan.offsets]
+        copies = ChunkCopies.make(name, tokens, count, rig.device, seed=20)
         repeats = max(1, COPY_BYTES // (count * size))
-        overlap = _overlap(copies, chunks, repeats, device, runs)
-        layered = _layer_by_layer(copies, chunks[:1], device, runs)
+        overlap = _overlap(copies, chunks, repeats, rig.device, runs)
+        layered = _layer_by_layer(copies, chunks[:1], rig.device, runs)
     finally:
-        client.release(plan.lease)
+        rig.client.release(plan.lease)
     moved = repeats * count * size
     return "\n\n".join(
         [
@@ -153,7 +153,7 @@ def _layer_by_layer(
     pages = copies.format.views(chunks[0])[0]
     target = kept_ids(copies.format, copies.targets[0])[0]
     index = torch.tensor(target, dtype=torch.long, device=device)
-    views = copies.caches.block_views()[0]
+    views = copies.caches.block_views[0]
     side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
     def forward(wait: Callable[[int], None] = lambda layer: None) -> None:

@@ -12,37 +12,30 @@ from typing import Any
 import torch
 
 from kvpool_agent import keys
-from kvpool_agent.bench.gpu_caches import ChunkCopies, chunk_bytes, reserve
+from kvpool_agent.bench.gpu_caches import ChunkCopies, Rig, batch_size, chunk_bytes, reserve
 from kvpool_agent.bench.report import table
-from kvpool_agent.client import AgentClient
 from kvpool_agent.connector.copier import MappedSegment
 
 TENANT = keys.tenant_id("gpu-bench-shared")
 PER_PROCESS_BYTES = 512 << 20
 
 
-def report(
-    client: AgentClient,
-    segment: MappedSegment,
-    shared: tuple[str, int],
-    device: torch.device,
-    runs: int,
-) -> str:
+def report(rig: Rig, shared: tuple[str, int], runs: int) -> str:
     name, tokens = shared
     size = chunk_bytes(name, tokens)
-    count = max(1, min(8, PER_PROCESS_BYTES // size))
-    _, plan = reserve(client, TENANT, 2 * count, size)
+    count = batch_size(size, PER_PROCESS_BYTES, 8)
+    _, plan = reserve(rig.client, TENANT, 2 * count, size)
     assert plan.lease is not None
     try:
         rows = []
         for processes in (1, 2):
             results = _run(
                 processes,
-                path=str(segment.path),
+                path=str(rig.segment.path),
                 offsets=plan.offsets,
                 name=name,
                 tokens=tokens,
-                device=device,
+                device=rig.device,
                 runs=runs,
             )
             spans = [end - start for _, start, end in results]
@@ -59,7 +52,7 @@ def report(
                 ]
             )
     finally:
-        client.release(plan.lease)
+        rig.client.release(plan.lease)
     title = (
         f"processes mapping one segment, {name} {tokens}-token chunks, {count} per process, "
         f"store then load, {runs} rounds"
