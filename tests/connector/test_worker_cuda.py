@@ -69,31 +69,43 @@ def make_worker(
     return worker, caches
 
 
+STORED_FROM, LOADED_INTO = [7, 3, 12, 40], [50, 9, 21, 33]
+"""The blocks of two chunks (``KEYS[:2]``) a test stores, and those a reader loads them into."""
+
+
+def load_into_other_blocks(
+    agent: AgentProcess, stored: list[torch.Tensor], segment: Path | None = None
+) -> list[torch.Tensor]:
+    """A new worker (zeroed caches) loads ``KEYS[:2]`` into :data:`LOADED_INTO`; the forward
+    reads them on the compute stream right away and must see the stored blocks. Its caches."""
+    target, loaded = make_worker(agent, seed=None, groups=[(FULL, LAYERS)], segment=segment)
+    load = LoadJob("r2", TENANT, (tuple(KEYS[:2]),), (tuple(LOADED_INTO),), first_tokens=0)
+    target.start_load(StepJobs(loads=[load]))
+    seen = [cache[:, LOADED_INTO].clone() for cache in loaded]
+    assert target.take_load_errors() == set()
+    for before, after in zip(stored, seen, strict=True):
+        assert torch.equal(after, before[:, STORED_FROM])
+    target.close()
+    return loaded
+
+
 def test_a_chunk_stored_from_gpu_blocks_loads_into_other_gpu_blocks(
     empty_agent: AgentProcess, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="kvpool_agent.connector.worker")
     source, stored = make_worker(empty_agent, seed=1, groups=[(FULL, LAYERS)])
     assert source.handshake is not None and not source.handshake.stores_complete_in_step
-    job = StoreJob(1, "r1", TENANT, (tuple(KEYS[:2]),), (None,), ((7, 3, 12, 40),))
+    job = StoreJob(1, "r1", TENANT, (tuple(KEYS[:2]),), (None,), (tuple(STORED_FROM),))
     source.save(StepJobs(stores=[job]))
     torch.cuda.synchronize()
     source.get_finished(set())  # commits the stores whose copies have finished
     assert source.counters.totals["stored_chunks"] == 2
     assert "(pinned)" in caplog.text
 
-    target, loaded = make_worker(empty_agent, seed=None, groups=[(FULL, LAYERS)])
-    load = LoadJob("r2", TENANT, (tuple(KEYS[:2]),), ((50, 9, 21, 33),), first_tokens=0)
-    target.start_load(StepJobs(loads=[load]))
-    # the forward reads the blocks on the compute stream right away: it must see the chunk
-    seen = [cache[:, [50, 9, 21, 33]].clone() for cache in loaded]
-    assert target.take_load_errors() == set()
-    for before, after in zip(stored, seen, strict=True):
-        assert torch.equal(after, before[:, [7, 3, 12, 40]])
-    untouched = [block for block in range(BLOCKS) if block not in (50, 9, 21, 33)]
+    loaded = load_into_other_blocks(empty_agent, stored)
+    untouched = [block for block in range(BLOCKS) if block not in LOADED_INTO]
     assert not any(cache[:, untouched].any() for cache in loaded)
     source.close()
-    target.close()
 
 
 def test_a_window_group_on_gpu_loads_per_request_beside_the_forward(
@@ -129,19 +141,12 @@ def test_gpu_blocks_travel_through_the_agents_messages_without_the_segment(
     messages; loads come back the same way into other GPU blocks."""
     nowhere = Path("/nonexistent/kvpool-segment")
     source, stored = make_worker(empty_agent, seed=5, groups=[(FULL, LAYERS)], segment=nowhere)
-    job = StoreJob(1, "r1", TENANT, (tuple(KEYS[:2]),), (None,), ((7, 3, 12, 40),))
+    job = StoreJob(1, "r1", TENANT, (tuple(KEYS[:2]),), (None,), (tuple(STORED_FROM),))
     source.save(StepJobs(stores=[job]))
     assert source.counters.totals["stored_chunks"] == 2
 
-    target, loaded = make_worker(empty_agent, seed=None, groups=[(FULL, LAYERS)], segment=nowhere)
-    load = LoadJob("r2", TENANT, (tuple(KEYS[:2]),), ((50, 9, 21, 33),), first_tokens=0)
-    target.start_load(StepJobs(loads=[load]))
-    seen = [cache[:, [50, 9, 21, 33]].clone() for cache in loaded]
-    assert target.take_load_errors() == set()
-    for before, after in zip(stored, seen, strict=True):
-        assert torch.equal(after, before[:, [7, 3, 12, 40]])
+    load_into_other_blocks(empty_agent, stored, segment=nowhere)
     source.close()
-    target.close()
 
 
 def test_the_agent_never_creates_a_cuda_context(agent: AgentProcess) -> None:
