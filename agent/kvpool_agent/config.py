@@ -346,7 +346,8 @@ class AgentConfig(BaseSettings):
         ),
     )
     segment_path: Path | None = Field(
-        None, description="Shared-memory file of the L1 segment; default /dev/shm/kvpool-<pool>."
+        None,
+        description="Shared-memory file of the L1 segment; default /dev/shm/kvpool-<pool>/segment.",
     )
     l1_size: Size = Field(
         1 << 30, description="Bytes of chunk data in the L1 segment (e.g. 1Gi, 64Gi)."
@@ -514,7 +515,9 @@ class AgentConfig(BaseSettings):
     @classmethod
     def _check_segment_path(cls, path: Path | None) -> Path | None:
         if path is not None and not (path.is_absolute() and path.name):
-            raise ValueError("must be an absolute path to a file, such as /dev/shm/kvpool-a")
+            raise ValueError(
+                "must be an absolute path to a file, such as /dev/shm/kvpool-a/seg"
+            )
         return path
 
     @model_validator(mode="after")

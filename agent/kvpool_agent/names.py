@@ -20,6 +20,10 @@ INSTANCE_LABEL = "app.kubernetes.io/instance"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 POOL_LABEL = "kvpool.io/pool"
+CACHE_POOL_LABEL = "kvpool.io/cache-pool"
+"""On a tenant's pod: the pool whose cache it uses. The operator's admission webhook wires
+every pod so labelled (the segment volume, the connector's environment); see
+:data:`SEGMENT_MOUNT_DIR`."""
 OPERATOR = "kvpool-operator"
 """The managed-by label of the operator's objects, and its field manager."""
 AGENT_COMPONENT = "agent"
@@ -140,9 +144,33 @@ def generated_token_path(state_dir: Path, role: str, pool: str) -> Path:
     return state_dir / f"{role}-token-{pool}"
 
 
+SHM_DIR = Path("/dev/shm")
+"""The node's shared-memory filesystem, where each pool's agent keeps its segment."""
+SEGMENT_FILE = "segment"
+"""The segment's name in its pool's directory (beside its lock and probe table)."""
+
+
+def segment_dir(pool: str) -> Path:
+    """The pool's directory on a node: its segment, lock and probe table, and nothing else,
+    so that it can be published into a pod whole (the CSI plugin bind-mounts it)."""
+    return SHM_DIR / f"kvpool-{pool}"
+
+
 def segment_path(pool: str) -> Path:
     """The pool's L1 segment on a node, unless the agent's configuration names another."""
-    return Path(f"/dev/shm/kvpool-{pool}")
+    return segment_dir(pool) / SEGMENT_FILE
+
+
+CSI_DRIVER = "csi.kvpool.io"
+"""The CSI driver that publishes a pool's segment directory into a pod (an inline
+ephemeral volume with the attributes :data:`CSI_POOL_ATTRIBUTE` and
+:data:`CSI_NAMESPACE_ATTRIBUTE`)."""
+CSI_POOL_ATTRIBUTE = "pool"
+CSI_NAMESPACE_ATTRIBUTE = "namespace"
+"""The volume attributes that name the pool and the pool's namespace."""
+SEGMENT_MOUNT_DIR = Path("/var/run/kvpool")
+"""Where the webhook mounts the pool's directory in a labelled pod: the connector maps
+``SEGMENT_MOUNT_DIR / SEGMENT_FILE``."""
 
 
 def agent_pods_selector(pool: str) -> str:

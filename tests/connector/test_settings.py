@@ -13,7 +13,7 @@ from kvpool_agent.problems import ConfigError
 
 ANNOTATIONS = {
     "kvpool.io/zmq-port": "7400",
-    "kvpool.io/segment-path": "/dev/shm/kvpool-main",
+    "kvpool.io/segment-path": "/dev/shm/kvpool-main/segment",
     "kvpool.io/chunk-tokens": "512",
     "kvpool.io/protocol-version": "1",
 }
@@ -83,7 +83,7 @@ def test_pool_is_discovered_through_the_service() -> None:
     address = resolve(settings, read)
     assert asked == [("kvpool-main", "inference")]
     assert address == AgentAddress(
-        "tcp://kvpool-main.inference.svc:7400", Path("/dev/shm/kvpool-main"), 512
+        "tcp://kvpool-main.inference.svc:7400", Path("/dev/shm/kvpool-main/segment"), 512
     )
 
 

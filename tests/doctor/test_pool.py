@@ -75,7 +75,7 @@ def test_discovery_and_the_fingerprint_through_the_pools_objects(
     assert checks["protocol"].seen == "the Service and this client speak protocol 1"
     assert checks["annotations"].seen == (
         "zmq tcp://kvpool-main.inference.svc:7400, http http://kvpool-main.inference.svc:7401, "
-        "segment /dev/shm/kvpool-main, chunk tokens 256"
+        "segment /dev/shm/kvpool-main/segment, chunk tokens 256"
     )
     assert checks["fingerprint"].outcome == "PASS", diagnosis.output
     assert '"chunk_tokens": 256' in checks["fingerprint"].seen

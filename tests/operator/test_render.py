@@ -272,7 +272,7 @@ def test_service_tells_the_connector_where_the_agent_is() -> None:
     assert service["metadata"]["annotations"] == {
         "kvpool.io/zmq-port": "9000",
         "kvpool.io/http-port": "7401",
-        "kvpool.io/segment-path": "/dev/shm/kvpool-gpu",
+        "kvpool.io/segment-path": "/dev/shm/kvpool-gpu/segment",
         "kvpool.io/chunk-tokens": "512",
         "kvpool.io/protocol-version": str(PROTOCOL_VERSION),
     }

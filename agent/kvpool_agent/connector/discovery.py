@@ -5,7 +5,7 @@ needs; the connector reaches the node-local agent through that Service
 (``internalTrafficPolicy: Local``)::
 
     kvpool.io/zmq-port          7400
-    kvpool.io/segment-path      /dev/shm/kvpool-<pool>
+    kvpool.io/segment-path      /dev/shm/kvpool-<pool>/segment
     kvpool.io/chunk-tokens      256
     kvpool.io/protocol-version  1
     kvpool.io/http-port         7401   (the agent's HTTP API, for tools such as kvpool doctor)

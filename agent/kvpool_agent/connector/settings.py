@@ -2,7 +2,7 @@
 
 Two ways to name the agent (exactly one)::
 
-    {"endpoint": "tcp://127.0.0.1:7400", "segment_path": "/dev/shm/kvpool-default"}
+    {"endpoint": "tcp://127.0.0.1:7400", "segment_path": "/dev/shm/kvpool-default/segment"}
     {"pool": "main", "namespace": "inference"}
 
 ``segment_path`` is optional with an endpoint (the agent's hello names its segment;

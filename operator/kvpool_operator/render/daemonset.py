@@ -12,6 +12,7 @@ from kvpool_agent.names import (
     AGENT_CONFIG_FILE_ENV,
     AGENT_CONFIG_KEY,
     AGENT_HOST_ENV,
+    SHM_DIR,
 )
 from kvpool_operator.render.config import L2_KEYS_DIR
 from kvpool_operator.render.objects import Manifest, Pool, manifest
@@ -67,12 +68,14 @@ def _l2_keys_volume(spec: PoolSpec) -> list[Volume]:
 
 def _volumes(pool: Pool, spec: PoolSpec, config: AgentConfig) -> list[Volume]:
     """(volume, mount) pairs of the agent pod."""
-    shm = config.resolved_segment_path.parent
+    # The node's /dev/shm, where the agent creates its pool's directory (mode 0710, its group
+    # may reach the segment): the CSI plugin publishes that directory into tenants' pods.
+    shm = str(SHM_DIR)
     pairs: list[Volume] = [
         config_volume(pool.config_name),
         (
-            {"name": "shm", "hostPath": {"path": str(shm), "type": "Directory"}},
-            {"name": "shm", "mountPath": str(shm)},
+            {"name": "shm", "hostPath": {"path": shm, "type": "Directory"}},
+            {"name": "shm", "mountPath": shm},
         ),
         state_volume(),
         *tokens_volume(spec),
