@@ -39,15 +39,20 @@ import ssl
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
+from tests.support.csi_kubelet import KubeletCsiClient, notify_registered, registration_info
 from tests.support.kube_api import Proxy, ServedApi
 from tests.support.polling import eventually
 
 SANDBOX = Path(__file__).with_name("sandbox.py")
+KUBELET_DIR = "/var/lib/kubelet"
+"""The kubelet's directory on a node: pods' volumes, plugins and their registration."""
+IMAGE = "kvpool-e2e"
+"""What a container's image is (every container runs this Python environment)."""
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 WILDCARD = "0.0.0.0"
 Manifest = dict[str, Any]
@@ -93,8 +98,8 @@ def check_sandbox(scratch: Path) -> None:
         raise SandboxUnavailable(f"the container's mount point {target} leaked to the host")
 
 
-def _unshare() -> list[str]:
-    command = ["unshare", "--mount", "--propagation", "private"]
+def _unshare(propagation: str = "private") -> list[str]:
+    command = ["unshare", "--mount", "--propagation", propagation]
     return command + (["--map-root-user"] if os.geteuid() != 0 else [])
 
 
@@ -133,6 +138,10 @@ class ControlPlane:
         }
 
     def kubectl(self, *args: str, stdin: str | None = None) -> str:
+        return self.kubectl_warned(*args, stdin=stdin)[0]
+
+    def kubectl_warned(self, *args: str, stdin: str | None = None) -> tuple[str, list[str]]:
+        """kubectl's output, and the API server's warnings it printed (admission's)."""
         result = subprocess.run(
             [str(self.kubectl_binary), *args],
             input=stdin,
@@ -144,7 +153,12 @@ class ControlPlane:
         )
         if result.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)}: {result.stderr.strip()}")
-        return result.stdout
+        warnings = [
+            line.removeprefix("Warning: ")
+            for line in result.stderr.splitlines()
+            if line.startswith("Warning: ")
+        ]
+        return result.stdout, warnings
 
     def objects(self, plural: str, namespace: str | None = None) -> dict[str, Manifest]:
         return self.served.objects(plural, namespace)
@@ -259,6 +273,10 @@ class Pod:
     directory: Path
     process: subprocess.Popen[str]
     log: Path | None
+    warnings: list[str] = field(default_factory=list)
+    """What the API server warned of when the pod was created (admission webhooks)."""
+    on_stop: list[Callable[[], None]] = field(default_factory=list)
+    """What the kubelet does once the pod's container has exited (unpublish its volumes)."""
 
     @property
     def container(self) -> Manifest:
@@ -308,6 +326,8 @@ class Pod:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        while self.on_stop:
+            self.on_stop.pop()()
         return self.process.returncode
 
     def _tail(self) -> str:
@@ -324,7 +344,13 @@ class Kubelet:
         self.node = node
         self._image_env = dict(image_env)
         self.pods: list[Pod] = []
+        self.csi = CsiPlugins(node)
         (node.root / "dev" / "shm").mkdir(parents=True, exist_ok=True)  # every node has one
+        self._namespace = NodeNamespace(node.host_path(KUBELET_DIR))
+
+    def stop(self) -> None:
+        """After its pods: the node's mount namespace goes, and every mount in it."""
+        self._namespace.stop()
 
     def run(
         self,
@@ -336,22 +362,31 @@ class Kubelet:
         stdout: int | IO[Any] | None = None,
         stderr: int | IO[Any] | None = None,
     ) -> Pod:
-        """Start the pod of ``template`` (``metadata`` and ``spec``, as in a workload)."""
-        spec: Manifest = template["spec"]
+        """Create the pod of ``template`` (``metadata`` and ``spec``, as in a workload)
+        through the API server, as a workload controller does (admission may change it),
+        then start what the API server stored."""
+        created, warnings = self._create(name, namespace, template)
+        spec: Manifest = created["spec"]
         if spec.get("initContainers"):
             raise NotImplementedError(f"{name}: init containers are not emulated")
         (container,) = spec["containers"]
         directory = self.node.root / "pods" / name
         directory.mkdir(parents=True)
         ip = f"127.77.{self.node.index}.{len(self.pods) + 1}"
+        unpublish: list[Callable[[], None]] = []
         volumes = {
-            volume["name"]: self._volume(volume, namespace, directory)
+            volume["name"]: self._volume(volume, created, directory, unpublish)
             for volume in spec.get("volumes", ())
         }
         mounts = []
+        propagation = "private"
         for mount in container.get("volumeMounts", ()):
             if "subPath" in mount:
                 raise NotImplementedError(f"{name}: subPath mounts are not emulated")
+            if mount.get("mountPropagation") == "Bidirectional":
+                if not (container.get("securityContext") or {}).get("privileged"):
+                    raise AssertionError(f"{name}: Bidirectional propagation needs privileged")
+                propagation = "unchanged"  # its mounts reach the node's namespace
             mounts.append(
                 [str(volumes[mount["name"]]), mount["mountPath"], bool(mount.get("readOnly"))]
             )
@@ -363,8 +398,9 @@ class Kubelet:
         env = {**self._image_env, **self._control.in_cluster_env}
         env |= self._env_from(container, namespace)
         env |= {
-            item["name"]: self._env_value(item, namespace, name, ip)
+            item["name"]: value
             for item in container.get("env", ())
+            if (value := self._env_value(item, namespace, name, ip)) is not None
         }
         if "command" not in container:
             raise NotImplementedError(
@@ -384,36 +420,47 @@ class Kubelet:
             stdout = log.open("w")
             stderr = subprocess.STDOUT
         process = subprocess.Popen(
-            [*_unshare(), sys.executable, str(SANDBOX), str(directory / "sandbox.json")],
+            [
+                *self._namespace.enter(),
+                *_unshare(propagation),
+                sys.executable,
+                str(SANDBOX),
+                str(directory / "sandbox.json"),
+            ],
             stdin=stdin,
             stdout=stdout,
             stderr=stderr,
             text=True,
         )
-        labels = dict(template.get("metadata", {}).get("labels", {}))
+        labels = dict(created["metadata"].get("labels") or {})
         pod = Pod(name, namespace, self.node, ip, labels, spec, directory, process, log)
+        pod.warnings, pod.on_stop = warnings, unpublish
         self.pods.append(pod)
-        self._report(pod, container)
+        self._report_running(pod)
         return pod
 
-    def _report(self, pod: Pod, container: Manifest) -> None:
-        """Write the pod and its status to the API server, as a kubelet reports its pods."""
+    def _create(self, name: str, namespace: str, template: Manifest) -> tuple[Manifest, list[str]]:
+        """POST the pod; the stored object (after admission) and the API server's warnings."""
+        spec = {**template["spec"], "nodeName": self.node.name}
+        spec["containers"] = [{"image": IMAGE, **c} for c in spec["containers"]]
         manifest = {
             "apiVersion": "v1",
             "kind": "Pod",
-            "metadata": {"name": pod.name, "namespace": pod.namespace, "labels": pod.labels},
-            "spec": {
-                "nodeName": self.node.name,
-                "containers": [
-                    {
-                        "name": container["name"],
-                        "image": "kvpool-e2e",
-                        "ports": container.get("ports", []),
-                    }
-                ],
+            "metadata": {
+                "name": name,
+                "namespace": namespace,
+                "labels": dict(template.get("metadata", {}).get("labels", {})),
             },
+            "spec": spec,
         }
-        self._control.kubectl("apply", "--validate=false", "-f", "-", stdin=json.dumps(manifest))
+        output, warnings = self._control.kubectl_warned(
+            "create", "--validate=false", "-o", "json", "-f", "-", stdin=json.dumps(manifest)
+        )
+        created: Manifest = json.loads(output)
+        return created, warnings
+
+    def _report_running(self, pod: Pod) -> None:
+        """Write the pod's status to the API server, as a kubelet reports its pods."""
         status = {"phase": "Running", "podIP": pod.ip, "hostIP": f"127.77.{self.node.index}.0"}
         self._control.kubectl(
             "patch", "pod", pod.name, "-n", pod.namespace, "--subresource=status",
@@ -422,8 +469,17 @@ class Kubelet:
 
     # volumes
 
-    def _volume(self, volume: Manifest, namespace: str, directory: Path) -> Path:
+    def _volume(
+        self,
+        volume: Manifest,
+        pod: Manifest,
+        directory: Path,
+        unpublish: list[Callable[[], None]],
+    ) -> Path:
+        namespace = pod["metadata"]["namespace"]
         path: Path = directory / "volumes" / str(volume["name"])
+        if "csi" in volume:
+            return self._csi_volume(volume, pod, unpublish)
         if "configMap" in volume:
             source = volume["configMap"]
             found = self._control.get("configmaps", namespace, source["name"])
@@ -453,6 +509,37 @@ class Kubelet:
                 )
             return host
         raise NotImplementedError(f"volume {volume['name']}: {sorted(volume)} is not emulated")
+
+    def _csi_volume(
+        self, volume: Manifest, pod: Manifest, unpublish: list[Callable[[], None]]
+    ) -> Path:
+        """An inline ephemeral CSI volume: NodePublishVolume on the driver's registered
+        plugin, with the pod's identity if its CSIDriver asks for it (``podInfoOnMount``)."""
+        source = volume["csi"]
+        driver = source["driver"]
+        found = self._control.get("csidrivers", "", driver)
+        assert found is not None, f"no CSIDriver {driver}"
+        if "Ephemeral" not in found["spec"].get("volumeLifecycleModes", ["Persistent"]):
+            raise AssertionError(f"CSIDriver {driver} does not allow inline volumes")
+        metadata = pod["metadata"]
+        context = {**source.get("volumeAttributes", {}), "csi.storage.k8s.io/ephemeral": "true"}
+        if found["spec"].get("podInfoOnMount"):
+            context |= {
+                "csi.storage.k8s.io/pod.name": metadata["name"],
+                "csi.storage.k8s.io/pod.namespace": metadata["namespace"],
+                "csi.storage.k8s.io/pod.uid": metadata["uid"],
+                "csi.storage.k8s.io/serviceAccount.name": pod["spec"].get(
+                    "serviceAccountName", "default"
+                ),
+            }
+        # the kubelet's own path, which the plugin sees at the same place (a hostPath)
+        target = f"{KUBELET_DIR}/pods/{metadata['uid']}/volumes/kubernetes.io~csi/{volume['name']}/mount"
+        self.node.host_path(target).parent.mkdir(parents=True)
+        volume_id = f"csi-{metadata['uid']}-{volume['name']}"
+        plugin = self.csi.plugin(driver)
+        plugin.publish(volume_id, target, context, bool(source.get("readOnly")))
+        unpublish.append(lambda: plugin.unpublish(volume_id, target))
+        return self.node.host_path(target)
 
     def _service_account(self, namespace: str, directory: Path) -> Path:
         path = directory / "serviceaccount"
@@ -503,7 +590,7 @@ class Kubelet:
 
     # environment
 
-    def _env_value(self, item: Manifest, namespace: str, pod: str, ip: str) -> str:
+    def _env_value(self, item: Manifest, namespace: str, pod: str, ip: str) -> str | None:
         if "value" in item:
             value = str(item["value"])
             return ip if value == WILDCARD else value
@@ -518,8 +605,10 @@ class Kubelet:
             return fields[source["fieldRef"]["fieldPath"]]
         if "secretKeyRef" in source:
             ref = source["secretKeyRef"]
-            secret = self._control.get("secrets", namespace, ref["name"]) or {}
-            return base64.b64decode(secret.get("data", {})[ref["key"]]).decode()
+            data = (self._control.get("secrets", namespace, ref["name"]) or {}).get("data", {})
+            if ref["key"] not in data and ref.get("optional"):
+                return None
+            return base64.b64decode(data[ref["key"]]).decode()
         raise NotImplementedError(f"env {item['name']}: {source} is not emulated")
 
     def _env_from(self, container: Manifest, namespace: str) -> dict[str, str]:
@@ -548,3 +637,66 @@ def _files(path: Path, data: Mapping[str, bytes], items: Any, mode: int) -> Path
         file.write_bytes(data[key])
         file.chmod(mode)
     return path
+
+
+class NodeNamespace:
+    """A node's mount namespace, where its pods start (each in a namespace of its own made
+    from this one) and where its kubelet directory is a shared mount: a pod that mounts
+    that directory with ``mountPropagation: Bidirectional`` (a CSI plugin) publishes
+    volumes there, which the pods started after see, as on a real node; nothing of it
+    reaches the machine's own mount table."""
+
+    def __init__(self, kubelet_dir: Path) -> None:
+        kubelet_dir.mkdir(parents=True, exist_ok=True)
+        self._holder = subprocess.Popen(
+            [*_unshare(), "sleep", "infinity"], stdin=subprocess.DEVNULL
+        )
+        own = os.readlink("/proc/self/ns/mnt")
+
+        def unshared() -> None:  # before, /proc/<pid>/ns/mnt is the machine's namespace
+            assert self._holder.poll() is None, "unshare exited"
+            assert os.readlink(f"/proc/{self._holder.pid}/ns/mnt") != own, "not unshared yet"
+
+        eventually(unshared, 10, "the node's mount namespace")
+        share = f"mount --bind {kubelet_dir} {kubelet_dir} && mount --make-shared {kubelet_dir}"
+        subprocess.run([*self.enter(), "sh", "-c", share], check=True, timeout=30)
+
+    def enter(self) -> list[str]:
+        """The command prefix that runs a command in this namespace."""
+        return ["nsenter", f"--mount=/proc/{self._holder.pid}/ns/mnt", "--"]
+
+    def stop(self) -> None:
+        self._holder.kill()
+        self._holder.wait()
+
+
+class CsiPlugins:
+    """The kubelet's plugin watcher: a node plugin that serves its registration socket in
+    ``<kubelet dir>/plugins_registry`` is asked for its driver's name and endpoint, told it
+    is registered, and from then on called for that driver's volumes."""
+
+    def __init__(self, node: Node) -> None:
+        self._node = node
+        self._plugins: dict[str, KubeletCsiClient] = {}
+
+    def wait_registered(self, driver: str, timeout: float = 30.0) -> dict[str, str]:
+        """Register ``driver``'s plugin once its socket answers; what it said of itself."""
+
+        def registered() -> dict[str, str]:
+            registry = self._node.host_path(f"{KUBELET_DIR}/plugins_registry")
+            sockets = sorted(registry.glob("*.sock")) if registry.is_dir() else []
+            assert sockets, f"no registration socket in {registry}"
+            for socket_path in sockets:
+                info = registration_info(socket_path)
+                if info["name"] == driver:
+                    endpoint = self._node.host_path(info["endpoint"])
+                    self._plugins[driver] = KubeletCsiClient(endpoint)
+                    notify_registered(socket_path)
+                    return info
+            raise AssertionError(f"no plugin of {driver} registered")
+
+        return eventually(registered, timeout, f"the CSI plugin of {driver}")
+
+    def plugin(self, driver: str) -> KubeletCsiClient:
+        assert driver in self._plugins, f"no CSI plugin of {driver} on {self._node.name}"
+        return self._plugins[driver]

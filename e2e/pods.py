@@ -11,10 +11,14 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from tests.support.engines import MAIN as ENGINE_MAIN
 from tests.support.engines import Engine
 
 from .cluster import Kubelet, Manifest, Pod
+
+MANIFESTS = Path(__file__).with_name("manifests")
 
 BIN = Path(sys.executable).parent
 SALT_ENV = "KVPOOL_CACHE_SALT"
@@ -32,20 +36,15 @@ class PodEngine(Engine):
 
     kubelet: Kubelet | None = None
     namespace: str = ""
-    salt_secret: str = ""
-    """The team's Secret: its ``salt`` is the pod's :data:`SALT_ENV`, its ``token`` the
-    connector's :data:`TOKEN_ENV`."""
     pod: Pod | None = None
 
     def start(self) -> PodEngine:
         assert self.kubelet is not None
+        # labelled for the pool and nothing else: the webhook adds the segment's volume
+        # and the team's token and salt (SALT_ENV, TOKEN_ENV) from its Secret
         template = vllm_pod(
             [sys.executable, str(ENGINE_MAIN), json.dumps(self.settings)], ENGINE_ENV
         )
-        template["spec"]["containers"][0]["env"] += [
-            from_secret(SALT_ENV, self.salt_secret, "salt"),
-            from_secret(TOKEN_ENV, self.salt_secret, "token"),  # the team's token for the agent
-        ]
         log = self.log_path.open("w")
         self.pod = self.kubelet.run(
             self.name,
@@ -68,23 +67,26 @@ ENGINE_ENV = {
 
 
 def vllm_pod(command: list[str], env: dict[str, str]) -> Manifest:
-    """A vLLM pod as the chart's NOTES tell a user to write it: the node's /dev/shm."""
-    return {
-        "metadata": {"labels": {"app": "vllm"}},
-        "spec": {
-            "containers": [
-                {
-                    "name": "vllm",
-                    "command": command,
-                    "env": [{"name": name, "value": value} for name, value in env.items()],
-                    "volumeMounts": [{"name": "kvpool-shm", "mountPath": "/dev/shm"}],
-                }
-            ],
-            "volumes": [
-                {"name": "kvpool-shm", "hostPath": {"path": "/dev/shm", "type": "Directory"}}
-            ],
-        },
-    }
+    """The pod of ``manifests/vllm.yaml``, the one the README tells a team to write (its
+    label, its restricted security context), running ``command`` with ``env``."""
+    documents = yaml.safe_load_all((MANIFESTS / "vllm.yaml").read_text())
+    (deployment,) = [doc for doc in documents if doc and doc["kind"] == "Deployment"]
+    template: Manifest = deployment["spec"]["template"]
+    (container,) = template["spec"]["containers"]
+    container["command"] = command
+    container["env"] = [{"name": name, "value": value} for name, value in env.items()]
+    return template
+
+
+def restricted(template: Manifest) -> Manifest:
+    """``template`` with the security context Pod Security "restricted" asks of a pod, as
+    the vLLM pod of ``manifests/vllm.yaml`` has it."""
+    documented = vllm_pod([], {})["spec"]
+    spec = template["spec"]
+    spec["securityContext"] = documented["securityContext"]
+    for container in spec["containers"]:
+        container["securityContext"] = documented["containers"][0]["securityContext"]
+    return template
 
 
 def image_env() -> dict[str, str]:

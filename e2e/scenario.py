@@ -57,14 +57,16 @@ import httpx
 import yaml
 from pydantic.alias_generators import to_camel
 from tests.support.engines import Result, write_model
+from tests.support import pod_security
 from tests.support.operator_process import OperatorProcess
+from tests.support.ports import free_port
 from tests.support.tools import ToolsUnavailable, tools
 
 from kvpool_agent.names import quotas_name
 from kvpool_operator.spec import parse_bytes
 
 from .cluster import ControlPlane, Kubelet, Manifest, Node, Pod, check_sandbox, eventually
-from .pods import BIN, SALT_ENV, TOKEN_ENV, PodEngine, from_secret, image_env, vllm_pod
+from .pods import BIN, SALT_ENV, PodEngine, image_env, restricted, vllm_pod
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFESTS = Path(__file__).with_name("manifests")
@@ -80,6 +82,10 @@ TENANT = "kvpool-cache"
 TENANT_SECRET = f"{TENANT}-kvpool"
 """The Secret the operator makes beside it."""
 ADMITTED_LABEL = "kvpool.io/cache=main"
+RESTRICTED_LABEL = "pod-security.kubernetes.io/enforce=restricted"
+"""The teams' namespaces enforce Pod Security "restricted" (the API server checks pods)."""
+SYSTEM_NAMESPACE = "kvpool-system"
+"""Where the chart installs the operator and the CSI plugin."""
 """The engines' variable holding team-a's salt, from its Secret (a gateway stamps it)."""
 PROMPT_TOKENS = 1000
 MAX_TOKENS = 16
@@ -125,6 +131,15 @@ class Evidence:
     tenant_ready: dict[str, Any] = field(default_factory=dict)
     salt_outside_secrets: list[str] = field(default_factory=list)
     """Objects other than Secrets in which team-a's salt appears (none)."""
+    csi_registered: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Per node, what the chart's CSI plugin told the kubelet at registration."""
+    wired: dict[str, Any] = field(default_factory=dict)
+    """vllm-1's pod as the API server stored it (after the webhook): its volumes, its
+    container's mounts and environment (names and sources), its supplemental groups."""
+    wired_violations: list[str] = field(default_factory=list)
+    """The Pod Security "restricted" rules that stored pod breaks (none)."""
+    hostpath_refused: str = ""
+    """What the API server answered a team-a pod that mounts the node's /dev/shm."""
     first: Result | None = None
     second: Result | None = None
     prompt_chunks: int = 0
@@ -234,12 +249,14 @@ class Flow:
         self.step("kubectl apply the CRDs, the namespaces, the admins' tokens and the pool")
         control = self.control
         control.kubectl("apply", "--validate=false", "-f", str(ROOT / "crds"))
-        for namespace in (NAMESPACE, *TEAMS, CLOSED_TEAM):
+        for namespace in (NAMESPACE, SYSTEM_NAMESPACE, *TEAMS, CLOSED_TEAM):
             # made client-side and applied: the emulator reads JSON and YAML, not protobuf
             made = control.kubectl("create", "namespace", namespace, *CLIENT_SIDE)
             control.kubectl("apply", "--validate=false", "-f", "-", stdin=made)
         for team in TEAMS:  # the platform team opts the teams' namespaces in
             control.kubectl("label", "namespace", team, ADMITTED_LABEL)
+        for team in (*TEAMS, CLOSED_TEAM):
+            control.kubectl("label", "namespace", team, RESTRICTED_LABEL)
         tokens_file = self.workdir / "tokens.yaml"
         tokens_file.write_text(
             yaml.safe_dump({"admin": [self.tokens["admin"]], "gateways": [self.tokens["gateway"]]})
@@ -251,11 +268,16 @@ class Flow:
         control.kubectl("apply", "--validate=false", "-f", "-", stdin=secret)
         pool = str(MANIFESTS / "pool.yaml")
         control.kubectl("apply", "--validate=false", "-n", NAMESPACE, "-f", pool)
+        self.chart = chart_objects(self.workdir)
+        control.kubectl(
+            "apply", "--validate=false", "-f", "-", stdin=json.dumps(self.chart["CSIDriver"])
+        )
 
     def start_operator(self) -> None:
         self.step("run the operator; wait for the DaemonSet, the Service and the ConfigMaps")
         log = self.workdir / "operator.log"
-        operator = OperatorProcess(self.control.kubeconfig, None, log).start()
+        webhook = ["--webhook-host", "127.0.0.1", "--webhook-port", str(free_port())]
+        operator = OperatorProcess(self.control.kubeconfig, None, log, webhook).start()
         self.stack.callback(operator.stop)
         self.children = eventually(
             lambda: _children(self.control, self.pool_name), 30, "the pool's children"
@@ -272,10 +294,19 @@ class Flow:
             Kubelet(self.control, Node(name, self.nodes_root / name, index), image_env())
             for index, name in enumerate(("node-a", "node-b"), 1)
         ]
+        plugin = self.chart["DaemonSet"]
         for kubelet in self.kubelets:
+            self.stack.callback(kubelet.stop)  # after its pods
             name = f"{self.daemonset['metadata']['name']}-{kubelet.node.name}"
             self.agents.append(kubelet.run(name, NAMESPACE, self.daemonset["spec"]["template"]))
             self.stack.callback(self.agents[-1].stop, 10)
+            # the chart's CSI node plugin, which the kubelet finds by its registration socket
+            name = f"{plugin['metadata']['name']}-{kubelet.node.name}"
+            pod = kubelet.run(name, SYSTEM_NAMESPACE, plugin["spec"]["template"])
+            self.stack.callback(pod.stop, 10)
+            self.evidence.csi_registered[kubelet.node.name] = kubelet.csi.wait_registered(
+                self.chart["CSIDriver"]["metadata"]["name"]
+            )
         for agent in self.agents:
             agent.wait_ready(60)
         self.evidence.agents = {agent.node.name: agent.ip for agent in self.agents}
@@ -334,7 +365,7 @@ class Flow:
         self.index.wait_ready(60)
 
     def start_engines(self) -> None:
-        self.step("start two vLLM engines on node-a, configured by pool name only")
+        self.step("start two vLLM engines on node-a: pods labelled for the pool, nothing else")
         model = write_model(self.workdir / "model")
         extra_config = {"pool": self.pool_name, "namespace": NAMESPACE}
         for index in (1, 2):
@@ -346,10 +377,27 @@ class Flow:
                 log,
                 kubelet=self.kubelets[0],
                 namespace=TEAMS[0],
-                salt_secret=TENANT_SECRET,
             )
             self.engines.append(engine.start())
             self.stack.callback(engine.stop)
+        pod = self.control.get("pods", TEAMS[0], "vllm-1")
+        assert pod is not None
+        (container,) = pod["spec"]["containers"]
+        self.evidence.wired = {
+            "volumes": pod["spec"].get("volumes", []),
+            "mounts": container.get("volumeMounts", []),
+            "env": {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]},
+            "supplementalGroups": pod["spec"]["securityContext"].get("supplementalGroups"),
+        }
+        self.evidence.wired_violations = pod_security.restricted(pod["spec"])
+        # what the teams' namespaces refuse: the node's /dev/shm as a hostPath
+        template = vllm_pod(["true"], {})
+        template["spec"]["volumes"] = [{"name": "shm", "hostPath": {"path": "/dev/shm"}}]
+        template["metadata"]["labels"] = {"app": "vllm"}
+        try:
+            self.kubelets[0].run("vllm-hostpath", TEAMS[0], template)
+        except AssertionError as error:
+            self.evidence.hostpath_refused = str(error)
 
     def report_rollout(self) -> None:
         self.step("play the DaemonSet controller: both agents ready; the pool turns Ready")
@@ -463,9 +511,6 @@ class Flow:
             [str(BIN / "kvpool"), "doctor", *arguments],
             {"KVPOOL_ADMIN_TOKEN": self.tokens["admin"]},
         )
-        template["spec"]["containers"][0]["env"].append(
-            from_secret(TOKEN_ENV, TENANT_SECRET, "token")
-        )
         pod = self.kubelets[0].run("vllm-doctor", TEAMS[0], template)
         self.stack.callback(pod.stop, 5)
         returncode = pod.process.wait(120)
@@ -482,18 +527,20 @@ class Flow:
         mount = "/etc/kvpool-tenant"
         ceiling = self._tenant_quota()
         client = [sys.executable, str(Path(__file__).with_name("team_client.py"))]
-        template: Manifest = {
-            "spec": {
-                "containers": [
-                    {
-                        "name": "client",
-                        "command": [*client, mount, "0.5", str(2 * ceiling)],
-                        "volumeMounts": [{"name": "kvpool", "mountPath": mount}],
-                    }
-                ],
-                "volumes": [{"name": "kvpool", "secret": {"secretName": TENANT_SECRET}}],
+        template = restricted(
+            {
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "client",
+                            "command": [*client, mount, "0.5", str(2 * ceiling)],
+                            "volumeMounts": [{"name": "kvpool", "mountPath": mount}],
+                        }
+                    ],
+                    "volumes": [{"name": "kvpool", "secret": {"secretName": TENANT_SECRET}}],
+                }
             }
-        }
+        )
         pod = self.kubelets[0].run("team-a-client", TEAMS[0], template)
         self.stack.callback(pod.stop, 5)
         returncode = pod.process.wait(60)
@@ -608,6 +655,26 @@ class Flow:
     def _http(self, node: str) -> str:
         (agent,) = [agent for agent in self.agents if agent.node.name == node]
         return f"http://{agent.ip}:{agent.container_port('http')}"
+
+
+def chart_objects(workdir: Path) -> dict[str, Manifest]:
+    """The chart's CSI node plugin as ``helm template`` renders it with ``csi.enabled``:
+    its objects by kind (the CSIDriver, the node plugin's DaemonSet, ...)."""
+    try:
+        helm = tools().helm
+    except ToolsUnavailable as error:
+        raise Unavailable(f"no helm: {error}") from error
+    rendered = subprocess.run(
+        [
+            str(helm), "template", "kvpool", str(ROOT / "charts" / "kvpool"),
+            "--namespace", SYSTEM_NAMESPACE, "--set", "csi.enabled=true",
+            "--show-only", "templates/csi.yaml",
+        ],
+        capture_output=True, text=True, timeout=60, check=False, cwd=workdir,
+    )  # fmt: skip
+    if rendered.returncode != 0:
+        raise AssertionError(f"helm template: {rendered.stderr.strip()}")
+    return {doc["kind"]: doc for doc in yaml.safe_load_all(rendered.stdout) if doc}
 
 
 def _tenant_id(salt: str) -> str:
