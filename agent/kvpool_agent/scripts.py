@@ -62,3 +62,11 @@ def operator() -> int:
     from kvpool_operator.main import main
 
     return main()
+
+
+def csi() -> int:
+    """``kvpool-csi``."""
+    require_extra("csi", "kvpool-csi")
+    from kvpool_agent.csi.main import main
+
+    return main()

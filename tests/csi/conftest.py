@@ -1,0 +1,208 @@
+"""A real ``kvpool-csi`` process in a mount namespace of its own (``unshare``), so that its
+bind mounts never reach this machine's; the tests look into that namespace with
+``nsenter``. The node's kubelet directory and shared memory are temporary directories."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool_agent.csi.mounts import Mount, parse_mountinfo
+from kvpool_agent.names import SEGMENT_FILE, SEGMENT_PATH_ANNOTATION, service_name, tenants_name
+from kvpool_agent.quotas import TierLimits
+from kvpool_agent.tenants_configmap import TenantEntry, digest_token
+from tests.support.csi_kubelet import CsiClient, discover
+from tests.support.kube_api import ServedApi
+from tests.support.polling import wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMESPACE = "inference"
+NODE = "node-1"
+SEGMENT_BYTES = b"kvpool segment " * 64
+
+NEEDS_MOUNT_NAMESPACES = pytest.mark.skipif(
+    os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("nsenter")),
+    reason="needs root, unshare and nsenter (mount namespaces)",
+)
+
+
+@dataclass
+class Node:
+    """The node's directories, as the plugin sees them."""
+
+    root: Path
+    kubelet: Path = field(init=False)
+    shm: Path = field(init=False)
+    registry: Path = field(init=False)
+    socket: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.kubelet = self.root / "kubelet"
+        self.shm = self.root / "shm"
+        self.registry = self.kubelet / "plugins_registry"
+        self.socket = self.kubelet / "plugins" / "csi.kvpool.io" / "csi.sock"
+        for directory in (self.kubelet / "pods", self.shm, self.registry, self.socket.parent):
+            directory.mkdir(parents=True)
+
+    def pool_directory(self, pool: str) -> Path:
+        """The pool's directory with a segment of known bytes, as its agent makes them."""
+        directory = self.shm / f"kvpool-{pool}"
+        directory.mkdir(mode=0o710)
+        segment = directory / SEGMENT_FILE
+        segment.write_bytes(SEGMENT_BYTES)
+        segment.chmod(0o660)
+        return directory
+
+
+class PluginProcess:
+    def __init__(self, node: Node, kubeconfig: Path) -> None:
+        self.node = node
+        self.log_path = node.root / "plugin.log"
+        env = dict(os.environ, KUBECONFIG=str(kubeconfig), NODE_NAME=NODE)
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "agent"), str(ROOT / "operator")])
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        with self.log_path.open("w") as log:
+            self.process = subprocess.Popen(
+                [
+                    *("unshare", "--mount", "--propagation", "private"),
+                    *(sys.executable, "-m", "kvpool_agent.csi.main"),
+                    f"--endpoint=unix://{node.socket}",
+                    f"--registration-dir={node.registry}",
+                    f"--kubelet-endpoint={node.socket}",
+                    f"--kubelet-dir={node.kubelet}",
+                    f"--shm-dir={node.shm}",
+                    "--api-timeout=2",
+                ],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        wait_until(
+            lambda: "csi plugin ready" in self.log() or self.process.poll() is not None,
+            what="the plugin's start",
+        )
+        assert self.process.poll() is None, self.log()
+
+    @property
+    def registration(self) -> Path:
+        return self.node.registry / "csi.kvpool.io-reg.sock"
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def mounts(self) -> list[Mount]:
+        """The mount table of the plugin's namespace."""
+        return parse_mountinfo(Path(f"/proc/{self.process.pid}/mountinfo").read_text())
+
+    def inside(self, code: str, *args: str) -> str:
+        """Run Python ``code`` in the plugin's mount namespace; its stdout."""
+        namespace = f"--mount=/proc/{self.process.pid}/ns/mnt"
+        done = subprocess.run(
+            ["nsenter", namespace, sys.executable, "-c", code, *args],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait(10)
+
+
+def core_api(api: ServedApi) -> Any:
+    from kubernetes import client, config
+
+    configuration = client.Configuration()
+    config.load_kube_config(str(api.kubeconfig()), client_configuration=configuration)
+    return client.CoreV1Api(client.ApiClient(configuration))
+
+
+def tenant_entry(source: str) -> str:
+    """A tenants ConfigMap value for KVCacheTenant ``source`` (``namespace/name``)."""
+    ceiling = TierLimits(l1=None, nvme=None)
+    return TenantEntry((digest_token(f"token of {source}"),), ceiling, source).encode()
+
+
+class Pools:
+    """Pools on the API server: each a Service with the segment annotation and a tenants
+    ConfigMap."""
+
+    def __init__(self, api: ServedApi) -> None:
+        self.core = core_api(api)
+
+    def add(self, pool: str, segment: str, tenants: dict[str, str]) -> None:
+        core = self.core
+        service = {
+            "metadata": {
+                "name": service_name(pool),
+                "annotations": {SEGMENT_PATH_ANNOTATION: segment},
+            },
+            "spec": {"ports": [{"name": "zmq", "port": 7400}]},
+        }
+        config_map = {
+            "metadata": {"name": tenants_name(pool)},
+            "data": {key: tenant_entry(source) for key, source in tenants.items()},
+        }
+        core.create_namespaced_service(NAMESPACE, service)
+        core.create_namespaced_config_map(NAMESPACE, config_map)
+
+    def drop_tenant(self, pool: str, key: str) -> None:
+        self.core.patch_namespaced_config_map(tenants_name(pool), NAMESPACE, {"data": {key: None}})
+
+
+@contextlib.contextmanager
+def short_root() -> Iterator[Path]:
+    """A temporary directory with a short path: a unix socket's path has at most 107
+    characters."""
+    root = Path(tempfile.mkdtemp(prefix="kvpool-csi-", dir="/tmp"))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root)
+
+
+@pytest.fixture(scope="module")
+def node() -> Iterator[Node]:
+    with short_root() as root:
+        yield Node(root)
+
+
+@pytest.fixture(scope="module")
+def pools(served_api: ServedApi) -> Pools:
+    pools = Pools(served_api)
+    pools.core.create_namespace({"metadata": {"name": NAMESPACE}})
+    return pools
+
+
+@pytest.fixture(scope="module")
+def plugin(node: Node, served_api: ServedApi, pools: Pools) -> Iterator[PluginProcess]:
+    process = PluginProcess(node, served_api.kubeconfig())
+    yield process
+    assert process.stop() == 0, process.log()
+    host = parse_mountinfo(Path("/proc/self/mountinfo").read_text())
+    assert not [mount for mount in host if mount.mount_point.startswith(str(node.root))]
+
+
+@pytest.fixture(scope="module")
+def kubelet(plugin: PluginProcess) -> Iterator[CsiClient]:
+    with discover(plugin.registration) as client:
+        yield client

@@ -1,0 +1,293 @@
+"""``kvpool-csi`` as the kubelet drives it: registration, identity, and a pool's segment
+directory published into a pod's volume (in the plugin's own mount namespace), then
+unpublished; and every publish it refuses, with the gRPC code and the value named."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvpool_agent.csi import messages
+from kvpool_agent.csi.mounts import PUBLISHED_OPTIONS, parse_mountinfo
+from kvpool_agent.keys import tenant_id
+from kvpool_agent.names import CSI_DRIVER, CSI_NAMESPACE_ATTRIBUTE, CSI_POOL_ATTRIBUTE
+from tests.support import csi_kubelet
+from tests.support.csi_kubelet import CsiClient, target_path
+from tests.support.kube_api import ServedApi
+
+from .conftest import (
+    NAMESPACE,
+    NEEDS_MOUNT_NAMESPACES,
+    NODE,
+    SEGMENT_BYTES,
+    Node,
+    PluginProcess,
+    Pools,
+    short_root,
+)
+
+pytestmark = NEEDS_MOUNT_NAMESPACES
+
+TEAM_A = tenant_id("team-a")
+UID = "0f1e2d3c-0000-4000-8000-00000000000a"
+
+READ_AND_WRITE = """
+import mmap, sys
+with open(sys.argv[1], "r+b") as file, mmap.mmap(file.fileno(), 0) as view:
+    print(view[:15].hex())
+    view[:8] = b"from pod"
+"""
+
+
+def attributes(pool: str = "main") -> dict[str, str]:
+    return {CSI_POOL_ATTRIBUTE: pool, CSI_NAMESPACE_ATTRIBUTE: NAMESPACE}
+
+
+@pytest.fixture(scope="module")
+def main_pool(node: Node, pools: Pools) -> Path:
+    directory = node.pool_directory("main")
+    pools.add("main", str(directory / "segment"), {TEAM_A: "team-a/kvpool-cache"})
+    return directory
+
+
+def refused(call: object) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as caught:
+        call()  # type: ignore[operator]
+    return caught.value
+
+
+def host_mount_points() -> set[str]:
+    return {
+        mount.mount_point for mount in parse_mountinfo(Path("/proc/self/mountinfo").read_text())
+    }
+
+
+def test_registration_names_the_driver_and_the_kubelets_endpoint(plugin: PluginProcess) -> None:
+    info = csi_kubelet.plugin_info(plugin.registration)
+
+    assert info.type == "CSIPlugin"
+    assert info.name == CSI_DRIVER
+    assert info.endpoint == str(plugin.node.socket)
+    assert list(info.supported_versions) == ["1.0.0"]
+
+    csi_kubelet.notify(plugin.registration, False, "driver name taken")
+    assert "did not register csi.kvpool.io: driver name taken" in plugin.log()
+
+
+def test_identity_and_node_info(kubelet: CsiClient) -> None:
+    assert kubelet.probe()
+    info = kubelet.identity(
+        "GetPluginInfo", messages.GetPluginInfoRequest(), messages.GetPluginInfoResponse
+    )
+    assert info.name == CSI_DRIVER
+    assert info.vendor_version
+    capabilities = kubelet.identity(
+        "GetPluginCapabilities",
+        messages.GetPluginCapabilitiesRequest(),
+        messages.GetPluginCapabilitiesResponse,
+    )
+    assert list(capabilities.capabilities) == []  # no controller service
+    node_info = kubelet.node(
+        "NodeGetInfo", messages.NodeGetInfoRequest(), messages.NodeGetInfoResponse
+    )
+    assert node_info.node_id == NODE
+    node_capabilities = kubelet.node(
+        "NodeGetCapabilities",
+        messages.NodeGetCapabilitiesRequest(),
+        messages.NodeGetCapabilitiesResponse,
+    )
+    assert list(node_capabilities.capabilities) == []
+
+
+def test_publish_then_unpublish(
+    kubelet: CsiClient, plugin: PluginProcess, node: Node, main_pool: Path
+) -> None:
+    target = target_path(node.kubelet, UID, "kvpool")
+
+    kubelet.publish(target, attributes(), "team-a", "vllm-0", UID)
+
+    mounted = [mount for mount in plugin.mounts() if mount.mount_point == str(target)]
+    assert len(mounted) == 1
+    assert PUBLISHED_OPTIONS | {"rw"} <= mounted[0].options
+    # the pod sees the agent's segment, and what one writes the other reads
+    seen = plugin.inside(READ_AND_WRITE, str(target / "segment"))
+    assert bytes.fromhex(seen) == SEGMENT_BYTES[:15]
+    assert (main_pool / "segment").read_bytes()[:8] == b"from pod"
+    with (main_pool / "segment").open("r+b") as segment:
+        segment.write(b"from the agent!")
+    assert bytes.fromhex(plugin.inside(READ_AND_WRITE, str(target / "segment"))) == (
+        b"from the agent!"
+    )
+    assert str(target) not in host_mount_points()  # the bind mount stays in its namespace
+
+    kubelet.publish(target, attributes(), "team-a", "vllm-0", UID)  # again: nothing changes
+    assert [mount.mount_point for mount in plugin.mounts()].count(str(target)) == 1
+
+    kubelet.unpublish(target, UID)
+    assert str(target) not in {mount.mount_point for mount in plugin.mounts()}
+    assert not target.exists()
+    kubelet.unpublish(target, UID)  # again: OK
+    assert "NodePublishVolume volume=csi-" in plugin.log()
+
+
+def test_unknown_pool(kubelet: CsiClient, node: Node, main_pool: Path) -> None:
+    target = target_path(node.kubelet, UID, "other")
+    error = refused(lambda: kubelet.publish(target, attributes("other"), "team-a", "p", UID))
+
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert error.details() == f"no pool other in namespace {NAMESPACE}"
+    assert not target.exists()
+
+
+def test_namespace_not_admitted(kubelet: CsiClient, node: Node, main_pool: Path) -> None:
+    target = target_path(node.kubelet, UID, "kvpool")
+    error = refused(lambda: kubelet.publish(target, attributes(), "team-b", "p", UID))
+
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert error.details().startswith("namespace team-b is not admitted to pool main")
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "kubelet/elsewhere/volume/mount",
+        "kubelet/pods/mount",
+        "kubelet/pods/uid/volumes/kubernetes.io~csi/../../../../outside/mount",
+        "kubelet/pods/uid/volumes/kubernetes.io~csi/link/mount",
+    ],
+)
+def test_target_outside_the_pods(
+    kubelet: CsiClient, node: Node, main_pool: Path, where: str
+) -> None:
+    link = node.kubelet / "pods" / "uid" / "volumes" / "kubernetes.io~csi" / "link"
+    if not link.is_symlink():
+        (node.root / "outside").mkdir(exist_ok=True)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(node.root / "outside")
+    target = f"{node.root}/{where}"
+    request = messages.NodePublishVolumeRequest(
+        volume_id="csi-1",
+        target_path=target,
+        volume_context={
+            **attributes(),
+            "csi.storage.k8s.io/ephemeral": "true",
+            "csi.storage.k8s.io/pod.namespace": "team-a",
+        },
+    )
+    request.volume_capability.mount.SetInParent()
+    error = refused(
+        lambda: kubelet.node("NodePublishVolume", request, messages.NodePublishVolumeResponse)
+    )
+
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert target in error.details()
+    assert not (node.root / "outside" / "mount").exists()
+
+
+def test_not_ephemeral_and_block(kubelet: CsiClient, node: Node, main_pool: Path) -> None:
+    target = target_path(node.kubelet, UID, "kvpool")
+    error = refused(
+        lambda: kubelet.publish(target, attributes(), "team-a", "p", UID, ephemeral=False)
+    )
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "csi.storage.k8s.io/ephemeral='false'" in error.details()
+
+    error = refused(lambda: kubelet.publish(target, attributes(), "team-a", "p", UID, block=True))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "asks for block access" in error.details()
+
+
+def test_a_pool_directory_that_is_the_shared_memory_itself(
+    kubelet: CsiClient, node: Node, pools: Pools
+) -> None:
+    pools.add("flat", f"{node.shm}/segment", {TEAM_A: "team-a/kvpool-cache"})
+    target = target_path(node.kubelet, UID, "flat")
+    error = refused(lambda: kubelet.publish(target, attributes("flat"), "team-a", "p", UID))
+
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"publishing {node.shm} would expose other files" in error.details()
+
+
+def test_a_pool_whose_agent_has_not_started(kubelet: CsiClient, node: Node, pools: Pools) -> None:
+    pools.add("later", f"{node.shm}/kvpool-later/segment", {TEAM_A: "team-a/kvpool-cache"})
+    target = target_path(node.kubelet, UID, "later")
+    error = refused(lambda: kubelet.publish(target, attributes("later"), "team-a", "p", UID))
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert f"{node.shm}/kvpool-later does not exist" in error.details()
+
+    node.pool_directory("later")  # the agent starts: the kubelet's retry succeeds
+    kubelet.publish(target, attributes("later"), "team-a", "p", UID)
+    kubelet.unpublish(target, UID, "later")
+
+
+def test_a_target_with_another_pool_mounted(
+    kubelet: CsiClient, node: Node, pools: Pools, main_pool: Path
+) -> None:
+    node.pool_directory("second")
+    pools.add("second", f"{node.shm}/kvpool-second/segment", {TEAM_A: "team-a/kvpool-cache"})
+    target = target_path(node.kubelet, UID, "shared")
+    kubelet.publish(target, attributes(), "team-a", "p", UID, volume="shared")
+    try:
+        error = refused(lambda: kubelet.publish(target, attributes("second"), "team-a", "p", UID))
+        assert error.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert f"{target} is already mounted" in error.details()
+    finally:
+        kubelet.unpublish(target, UID, "shared")
+
+
+def test_a_removed_tenant_is_refused(kubelet: CsiClient, node: Node, pools: Pools) -> None:
+    node.pool_directory("revoked")
+    team_c = tenant_id("team-c")
+    segment = f"{node.shm}/kvpool-revoked/segment"
+    pools.add("revoked", segment, {team_c: "team-c/cache", TEAM_A: "team-a/kvpool-cache"})
+    target = target_path(node.kubelet, UID, "revoked")
+    kubelet.publish(target, attributes("revoked"), "team-c", "p", UID, volume="revoked")
+    kubelet.unpublish(target, UID, "revoked")
+
+    pools.drop_tenant("revoked", team_c)
+    error = refused(
+        lambda: kubelet.publish(target, attributes("revoked"), "team-c", "p", UID, volume="revoked")
+    )
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "namespace team-c is not admitted to pool revoked" in error.details()
+
+
+def test_an_api_server_that_fails(
+    kubelet: CsiClient, node: Node, served_api: ServedApi, main_pool: Path
+) -> None:
+    target = target_path(node.kubelet, UID, "kvpool")
+    with served_api.refuse("GET", "services", 500, "etcd is down"):
+        error = refused(lambda: kubelet.publish(target, attributes(), "team-a", "p", UID))
+
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert error.details().startswith(f"cannot read Service {NAMESPACE}/kvpool-main: 500")
+
+
+def test_sigterm_stops_it_and_removes_its_sockets(served_api: ServedApi) -> None:
+    with short_root() as root:
+        plugin = PluginProcess(Node(root), served_api.kubeconfig())
+        assert plugin.node.socket.is_socket() and plugin.registration.is_socket()
+
+        assert plugin.stop() == 0
+        assert not plugin.node.socket.exists()
+        assert not plugin.registration.exists()
+        assert "csi plugin stopped" in plugin.log()
+
+
+def test_bad_flags_in_one_line(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvpool_agent.csi.main", "--endpoint", "/csi.sock"],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)},
+    )
+    assert done.returncode == 2
+    assert done.stderr == (
+        "kvpool-csi: argument --endpoint: expected unix:///ABSOLUTE/PATH, not '/csi.sock' "
+        "(see kvpool-csi --help)\n"
+    )
