@@ -515,9 +515,7 @@ class AgentConfig(BaseSettings):
     @classmethod
     def _check_segment_path(cls, path: Path | None) -> Path | None:
         if path is not None and not (path.is_absolute() and path.name):
-            raise ValueError(
-                "must be an absolute path to a file, such as /dev/shm/kvpool-a/seg"
-            )
+            raise ValueError("must be an absolute path to a file, such as /dev/shm/kvpool-a/seg")
         return path
 
     @model_validator(mode="after")
