@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from tests.support.csi_kubelet import KubeletCsiClient, notify_registered, registration_info
+from tests.support.csi_kubelet import CsiClient, notify, plugin_info, target_path, volume_id
 from tests.support.kube_api import Proxy, ServedApi
 from tests.support.polling import eventually
 
@@ -533,12 +533,12 @@ class Kubelet:
                 ),
             }
         # the kubelet's own path, which the plugin sees at the same place (a hostPath)
-        target = f"{KUBELET_DIR}/pods/{metadata['uid']}/volumes/kubernetes.io~csi/{volume['name']}/mount"
+        target = str(target_path(Path(KUBELET_DIR), metadata["uid"], volume["name"]))
         self.node.host_path(target).parent.mkdir(parents=True)
-        volume_id = f"csi-{metadata['uid']}-{volume['name']}"
+        handle = volume_id(metadata["uid"], volume["name"])
         plugin = self.csi.plugin(driver)
-        plugin.publish(volume_id, target, context, bool(source.get("readOnly")))
-        unpublish.append(lambda: plugin.unpublish(volume_id, target))
+        plugin.publish_volume(handle, target, context, readonly=bool(source.get("readOnly")))
+        unpublish.append(lambda: plugin.unpublish_volume(handle, target))
         return self.node.host_path(target)
 
     def _service_account(self, namespace: str, directory: Path) -> Path:
@@ -677,7 +677,7 @@ class CsiPlugins:
 
     def __init__(self, node: Node) -> None:
         self._node = node
-        self._plugins: dict[str, KubeletCsiClient] = {}
+        self._plugins: dict[str, CsiClient] = {}
 
     def wait_registered(self, driver: str, timeout: float = 30.0) -> dict[str, str]:
         """Register ``driver``'s plugin once its socket answers; what it said of itself."""
@@ -687,16 +687,15 @@ class CsiPlugins:
             sockets = sorted(registry.glob("*.sock")) if registry.is_dir() else []
             assert sockets, f"no registration socket in {registry}"
             for socket_path in sockets:
-                info = registration_info(socket_path)
-                if info["name"] == driver:
-                    endpoint = self._node.host_path(info["endpoint"])
-                    self._plugins[driver] = KubeletCsiClient(endpoint)
-                    notify_registered(socket_path)
-                    return info
+                info = plugin_info(socket_path)
+                if info.name == driver:
+                    self._plugins[driver] = CsiClient(self._node.host_path(info.endpoint))
+                    notify(socket_path, True)
+                    return {"type": info.type, "name": info.name, "endpoint": info.endpoint}
             raise AssertionError(f"no plugin of {driver} registered")
 
         return eventually(registered, timeout, f"the CSI plugin of {driver}")
 
-    def plugin(self, driver: str) -> KubeletCsiClient:
+    def plugin(self, driver: str) -> CsiClient:
         assert driver in self._plugins, f"no CSI plugin of {driver} on {self._node.name}"
         return self._plugins[driver]

@@ -38,6 +38,7 @@ VALUE_SETS: dict[str, tuple[str, ...]] = {
     "defaults": (),
     "s3-nvme": ("s3-nvme.yaml",),
     "monitoring": ("monitoring.yaml",),
+    "csi": ("csi.yaml",),
 }
 NO_OFFICIAL_SCHEMA = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 """Kinds outside Kubernetes (prometheus-operator's); test_service_monitor checks it."""
@@ -127,7 +128,12 @@ def test_the_operator_deployment(rendered: tuple[str, list[Manifest]]) -> None:
     assert container["resources"]["requests"]["cpu"]
     assert container["resources"]["requests"]["memory"]
     assert container["resources"]["limits"]["memory"]
-    assert pod["serviceAccountName"] == one(manifests, "ServiceAccount")["metadata"]["name"]
+    (account,) = [
+        account
+        for account in by_kind(manifests, "ServiceAccount")
+        if account["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"
+    ]
+    assert pod["serviceAccountName"] == account["metadata"]["name"]
     assert deployment["spec"]["selector"]["matchLabels"].items() <= (
         deployment["spec"]["template"]["metadata"]["labels"].items()
     )

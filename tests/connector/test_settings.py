@@ -126,8 +126,11 @@ def test_kubernetes_errors_become_discovery_errors() -> None:
         raise PermissionError("services is forbidden")
 
     settings = ConnectorSettings.load({"pool": "main", "namespace": "ns"}, environ={})
-    with pytest.raises(DiscoveryError, match="cannot read Service ns/kvpool-main: services is"):
+    with pytest.raises(
+        DiscoveryError, match="cannot read Service ns/kvpool-main: services is"
+    ) as e:
         resolve(settings, forbidden)
+    assert "a pod labelled kvpool.io/cache-pool=main is given the agent's address" in str(e.value)
 
 
 def test_the_kubernetes_reader_uses_the_in_cluster_account(

@@ -118,11 +118,23 @@ class CsiClient:
                 SERVICE_ACCOUNT: "default",
             }
         )
+        self.publish_volume(
+            volume_id(pod_uid, volume), str(target), context, readonly=readonly, block=block
+        )
+
+    def publish_volume(
+        self,
+        volume: str,
+        target: str,
+        context: dict[str, str],
+        *,
+        readonly: bool = False,
+        block: bool = False,
+    ) -> None:
+        """NodePublishVolume of the volume id ``volume`` at ``target`` (a path as the plugin
+        sees it), with ``context`` as the volume context, as is."""
         request = messages.NodePublishVolumeRequest(
-            volume_id=volume_id(pod_uid, volume),
-            target_path=str(target),
-            readonly=readonly,
-            volume_context=context,
+            volume_id=volume, target_path=target, readonly=readonly, volume_context=context
         )
         if block:
             request.volume_capability.block.SetInParent()
@@ -132,7 +144,9 @@ class CsiClient:
         self.node("NodePublishVolume", request, messages.NodePublishVolumeResponse)
 
     def unpublish(self, target: Path, pod_uid: str, volume: str = "kvpool") -> None:
-        request = messages.NodeUnpublishVolumeRequest(
-            volume_id=volume_id(pod_uid, volume), target_path=str(target)
-        )
+        self.unpublish_volume(volume_id(pod_uid, volume), str(target))
+
+    def unpublish_volume(self, volume: str, target: str) -> None:
+        """NodeUnpublishVolume of the volume id ``volume`` at ``target``."""
+        request = messages.NodeUnpublishVolumeRequest(volume_id=volume, target_path=target)
         self.node("NodeUnpublishVolume", request, messages.NodeUnpublishVolumeResponse)

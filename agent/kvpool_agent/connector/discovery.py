@@ -25,6 +25,7 @@ from typing import Any
 from kvpool_agent.client import AgentInfo
 from kvpool_agent.connector.settings import ConnectorSettings
 from kvpool_agent.names import (
+    CACHE_POOL_LABEL,
     CHUNK_TOKENS_ANNOTATION,
     PROTOCOL_VERSION_ANNOTATION,
     SEGMENT_PATH_ANNOTATION,
@@ -78,7 +79,12 @@ def resolve(
     except DiscoveryError:
         raise
     except Exception as error:  # the Kubernetes client raises many kinds
-        raise DiscoveryError(f"cannot read Service {namespace}/{name}: {error}") from error
+        raise DiscoveryError(
+            f"cannot read Service {namespace}/{name}: {error} (a pod labelled "
+            f"{CACHE_POOL_LABEL}={settings.pool} is given the agent's address by kvpool's "
+            f"admission webhook and reads nothing; otherwise its service account needs get "
+            f"on that Service)"
+        ) from error
     version = annotations.get(PROTOCOL_VERSION_ANNOTATION)
     if version is not None and version != str(PROTOCOL_VERSION):
         raise ProtocolMismatch(
