@@ -1,18 +1,25 @@
 """``kvpool-operator``: run the operator (kopf) for some namespaces or the whole cluster.
 
 Before kopf starts, what kopf would only log (a traceback, then retries forever) is refused
-in one line, exit 2: no Kubernetes credentials at all, and a liveness port that cannot be
-bound. An API server that is configured but unreachable is not refused: kopf retries.
+in one line, exit 2: no Kubernetes credentials at all, a liveness or webhook port that
+cannot be bound, a webhook certificate directory without its files. An API server that is
+configured but unreachable is not refused: kopf retries.
+
+The admission webhook (:mod:`kvpool_operator.admission`) is off unless a way to reach it is
+given: ``--webhook-url-host`` or ``--webhook-service``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
+import re
 import socket
 import sys
 import urllib.parse
 from collections.abc import Sequence
+from pathlib import Path
 
 import kopf
 import yaml
@@ -23,6 +30,14 @@ from kvpool_agent.config import yaml_problem
 from kvpool_agent.kube.watch import api_configuration
 from kvpool_agent.names import OPERATOR_AGENT_IMAGE_ENV
 from kvpool_agent.problems import ArgumentParser, ConfigError, exit_with, listening, number, show
+from kvpool_operator.admission import certificates
+from kvpool_operator.admission.handlers import register as register_webhook
+from kvpool_operator.admission.server import (
+    DEFAULT_CONFIGURATION,
+    DEFAULT_PORT,
+    ServiceRef,
+    WebhookOptions,
+)
 from kvpool_operator.handlers import registry
 from kvpool_operator.reconcile import Options
 
@@ -37,6 +52,47 @@ def _liveness(text: str) -> str:
     if parsed.scheme != "http" or not parsed.hostname or port is None:
         raise argparse.ArgumentTypeError(f"expected http://HOST:PORT/PATH, not {text!r}")
     return text
+
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_HOST = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?")
+
+
+def _service(text: str) -> tuple[str, str]:
+    """``--webhook-service``: ``NAMESPACE/NAME``, each a DNS label."""
+    namespace, _, name = text.partition("/")
+    if not (_DNS_LABEL.fullmatch(namespace) and _DNS_LABEL.fullmatch(name)):
+        raise argparse.ArgumentTypeError(f"expected NAMESPACE/NAME, not {text!r}")
+    return namespace, name
+
+
+def _host(text: str) -> str:
+    """``--webhook-url-host``: a host name or an IP address (no scheme, port or path)."""
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        pass
+    if len(text) > 253 or not _HOST.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected a host name or an IP address, not {text!r}")
+    return text
+
+
+def _configuration(text: str) -> str:
+    """``--webhook-configuration``: a DNS subdomain of two labels or more (the webhook's
+    name, ``cache-pool.<it>``, must have three)."""
+    labels = text.split(".")
+    if len(text) > 200 or len(labels) < 2 or not all(map(_DNS_LABEL.fullmatch, labels)):
+        raise argparse.ArgumentTypeError(
+            f"expected a DNS name with a dot (e.g. {DEFAULT_CONFIGURATION}), not {text!r}"
+        )
+    return text
+
+
+def _port(text: str) -> int:
+    port = int(number(int)(text))
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port (1 to 65535), not {text}")
+    return port
 
 
 def check_credentials() -> None:
@@ -74,6 +130,95 @@ def check_liveness(url: str) -> None:
     host, port = parsed.hostname or "", parsed.port or 0
     with listening("--liveness", host, port):
         socket.create_server((host, port)).close()
+
+
+def check_webhook(options: WebhookOptions) -> None:
+    """The webhook's port can be bound and its certificate directory has its files:
+    :class:`ConfigError` naming the flag if not."""
+    if options.cert_dir is not None and (problem := certificates.problem(options.cert_dir)):
+        raise ConfigError([f"--webhook-cert-dir {problem}"])
+    with listening("--webhook-port", options.bind, options.port):
+        socket.create_server((options.bind, options.port)).close()
+
+
+def _webhook_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "admission webhook",
+        "Wire the pods labelled kvpool.io/cache-pool to their tenant's pool. Off unless "
+        "--webhook-url-host or --webhook-service says how the API server reaches it.",
+    )
+    reach = group.add_mutually_exclusive_group()
+    reach.add_argument(
+        "--webhook-url-host",
+        type=_host,
+        metavar="HOST",
+        help="serve the webhook; the API server calls https://HOST:PORT/ (out of the cluster)",
+    )
+    reach.add_argument(
+        "--webhook-service",
+        type=_service,
+        metavar="NAMESPACE/NAME",
+        help="serve the webhook; the API server calls it through this Service (in the cluster)",
+    )
+    group.add_argument(
+        "--webhook-service-port",
+        type=_port,
+        metavar="PORT",
+        help="the Service's port (default: 443)",
+    )
+    group.add_argument(
+        "--webhook-port",
+        type=_port,
+        metavar="PORT",
+        help=f"port the webhook listens on (default: {DEFAULT_PORT})",
+    )
+    group.add_argument(
+        "--webhook-bind",
+        metavar="ADDRESS",
+        help="address the webhook listens on (default: 0.0.0.0)",
+    )
+    group.add_argument(
+        "--webhook-cert-dir",
+        type=Path,
+        metavar="DIR",
+        help="serve tls.crt and tls.key of DIR, publish its ca.crt (cert-manager's files); "
+        "default: a CA and a certificate made at start",
+    )
+    group.add_argument(
+        "--webhook-configuration",
+        type=_configuration,
+        metavar="NAME",
+        help="the MutatingWebhookConfiguration the operator keeps "
+        f"(default: {DEFAULT_CONFIGURATION})",
+    )
+
+
+def _webhook(parser: argparse.ArgumentParser, args: argparse.Namespace) -> WebhookOptions | None:
+    """The webhook's options, or None when it is off; refuses its flags without it."""
+    if args.webhook_url_host is None and args.webhook_service is None:
+        given = [
+            flag
+            for flag in ("service_port", "port", "bind", "cert_dir", "configuration")
+            if getattr(args, f"webhook_{flag}") is not None
+        ]
+        if given:
+            flag = "--webhook-" + given[0].replace("_", "-")
+            parser.error(f"{flag} needs --webhook-url-host or --webhook-service")
+        return None
+    if args.webhook_service_port is not None and args.webhook_service is None:
+        parser.error("--webhook-service-port needs --webhook-service")
+    service = None
+    if args.webhook_service is not None:
+        namespace, name = args.webhook_service
+        service = ServiceRef(namespace, name, args.webhook_service_port or 443)
+    return WebhookOptions(
+        bind=args.webhook_bind or "0.0.0.0",
+        port=args.webhook_port or DEFAULT_PORT,
+        url_host=args.webhook_url_host,
+        service=service,
+        cert_dir=args.webhook_cert_dir,
+        configuration=args.webhook_configuration or DEFAULT_CONFIGURATION,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -118,16 +263,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="retries of a deleted KVCacheTenant's clearing while agents fail, before it is "
         "deleted anyway (default: %(default)s)",
     )
+    _webhook_flags(parser)
     parser.add_argument("--log-format", choices=["json", "plain"], default="json")
     parser.add_argument("--verbose", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
     if not args.agent_image:
         parser.error(f"--agent-image or ${OPERATOR_AGENT_IMAGE_ENV} is required")
+    webhook = _webhook(parser, args)
     try:
         check_credentials()
         check_liveness(args.liveness)
+        if webhook is not None:
+            check_webhook(webhook)
     except ConfigError as error:
         return exit_with(parser.prog, error)
+    if webhook is not None:
+        register_webhook(registry, webhook)
     kopf.configure(
         verbose=args.verbose,
         log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL,

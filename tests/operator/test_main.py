@@ -78,6 +78,53 @@ OPERATOR = [
     Mistake(
         "unknown-flag", [*IMAGE, "--frob"], ["kvpool-operator: unrecognized arguments: --frob"]
     ),
+    Mistake(
+        "webhook-flag-alone",
+        [*IMAGE, "--webhook-port", "9443"],
+        ["kvpool-operator: --webhook-port needs --webhook-url-host or --webhook-service"],
+    ),
+    Mistake(
+        "webhook-both-ways",
+        [*IMAGE, "--webhook-url-host", "h", "--webhook-service", "ns/op"],
+        [
+            "kvpool-operator: argument --webhook-service: not allowed with argument "
+            "--webhook-url-host"
+        ],
+    ),
+    Mistake(
+        "webhook-service",
+        [*IMAGE, "--webhook-service", "kvpool-operator"],
+        [
+            "kvpool-operator: argument --webhook-service: expected NAMESPACE/NAME, "
+            "not 'kvpool-operator'"
+        ],
+    ),
+    Mistake(
+        "webhook-url-host",
+        [*IMAGE, "--webhook-url-host", "https://h:9443"],
+        [
+            "kvpool-operator: argument --webhook-url-host: expected a host name or an IP "
+            "address, not 'https://h:9443'"
+        ],
+    ),
+    Mistake(
+        "webhook-service-port-alone",
+        [*IMAGE, "--webhook-url-host", "h", "--webhook-service-port", "443"],
+        ["kvpool-operator: --webhook-service-port needs --webhook-service"],
+    ),
+    Mistake(
+        "webhook-port",
+        [*IMAGE, "--webhook-url-host", "h", "--webhook-port", "70000"],
+        ["kvpool-operator: argument --webhook-port: expected a port (1 to 65535), not 70000"],
+    ),
+    Mistake(
+        "webhook-configuration",
+        [*IMAGE, "--webhook-url-host", "h", "--webhook-configuration", "kvpool"],
+        [
+            "kvpool-operator: argument --webhook-configuration: expected a DNS name with a dot "
+            "(e.g. kvpool-operator.kvpool.io), not 'kvpool'"
+        ],
+    ),
 ]
 
 
@@ -166,3 +213,29 @@ def test_liveness_port_in_use(tmp_path: Path) -> None:
     )
     with held_port() as port:
         feed(f"{BIN}/kvpool-operator", mistake, tmp_path, port=port)
+
+
+WEBHOOK = [*IMAGE, "--liveness", "http://127.0.0.1:0/healthz", "--webhook-url-host", "127.0.0.1"]
+
+
+def test_webhook_port_in_use(tmp_path: Path) -> None:
+    mistake = Mistake(
+        "webhook-port-in-use",
+        [*WEBHOOK, "--webhook-bind", "127.0.0.1", "--webhook-port", "{port}"],
+        ["kvpool-operator: port {port} (--webhook-port) is in use on 127.0.0.1"],
+        env={"KUBECONFIG": "{tmp}/kubeconfig"},
+        files={"kubeconfig": KUBECONFIG},
+    )
+    with held_port() as port:
+        feed(f"{BIN}/kvpool-operator", mistake, tmp_path, port=port)
+
+
+def test_webhook_certificate_directory_without_its_files(tmp_path: Path) -> None:
+    mistake = Mistake(
+        "webhook-cert-dir",
+        [*WEBHOOK, "--webhook-cert-dir", "{tmp}"],
+        ["kvpool-operator: --webhook-cert-dir {tmp}: no tls.crt or tls.key in it"],
+        env={"KUBECONFIG": "{tmp}/kubeconfig"},
+        files={"kubeconfig": KUBECONFIG},
+    )
+    feed(f"{BIN}/kvpool-operator", mistake, tmp_path)

@@ -26,10 +26,26 @@ makes it behave like a real API server wherever kvpool depends on it:
   ``fieldSelector`` on ``metadata.name``/``metadata.namespace`` and equality or
   existence ``labelSelector``s filter lists and watches;
 - watches from a resourceVersion replay the events after it (no burst of ADDED); watches
-  without one start with ADDED for every object; ``timeoutSeconds`` ends a watch.
+  without one start with ADDED for every object; ``timeoutSeconds`` ends a watch;
+- mutating admission (:class:`Admission`): on the creation (POST) of a namespaced object,
+  each webhook of the stored MutatingWebhookConfigurations (by name, then in order) whose
+  ``rules`` (apiGroups, apiVersions, resources, operations, scope; ``*``), ``objectSelector``
+  and ``namespaceSelector`` (the Namespace's labels; absent: every namespace) select it is
+  called: an AdmissionReview (admission.k8s.io/v1) POSTed over HTTPS to
+  ``clientConfig.url``, the server verified with ``clientConfig.caBundle``, within
+  ``timeoutSeconds`` (default 10). The response must be an AdmissionReview that echoes the
+  request's uid; ``allowed: false`` fails the create with the response's status; a JSONPatch
+  is applied; ``warnings`` reach the client as ``Warning: 299 - "<text>"`` headers. A call
+  that fails (refused, TLS, timeout, a bad response) follows ``failurePolicy``: Ignore
+  (logged, recorded in :attr:`ApiServer.admissions`) creates the object unchanged, Fail (the
+  default) fails the create with 500 ``failed calling webhook "<name>": <why>``.
 
 Not emulated: validation against OpenAPI schemas and CEL rules (``test_crd.py`` and
-``test_render.py`` check those offline), defaulting, admission, authentication, RBAC
+``test_render.py`` check those offline), defaulting, validating admission, mutating
+admission of anything but a POST (updates, server-side apply's creates, cluster-scoped
+objects), webhooks reached through a ``service`` clientConfig (such a create fails: there
+is no cluster network to resolve a Service in), reinvocation, ``matchPolicy`` (rules match
+exactly), ``matchConditions``, authentication, RBAC
 (every bearer token may do everything, unless a test denies it a verb: see
 :meth:`ServedApi.deny`), controllers (a test writes a DaemonSet's status as its
 controller would), protobuf bodies (kubectl sends JSON for custom resources and for
@@ -44,10 +60,13 @@ it that a test can cut to make the API server unreachable.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import copy
 import json
+import logging
 import secrets
+import ssl
 import threading
 import uuid
 import warnings
@@ -61,6 +80,7 @@ import aiohttp.web
 import attrs
 import jsonpatch
 import kmock
+import multidict
 import yaml
 from kmock._internal import enums, parsing, rendering
 
@@ -81,6 +101,11 @@ T = TypeVar("T")
 Obj = dict[str, Any]
 Key = tuple[kmock.resource, str | None, str]
 CRDS = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+MUTATING_WEBHOOKS = kmock.resource(
+    "admissionregistration.k8s.io", "v1", "mutatingwebhookconfigurations"
+)
+NAMESPACES = kmock.resource("", "v1", "namespaces")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -135,6 +160,143 @@ def _verb(request: rendering.Request) -> str:
     return _VERBS[request.action] if request.action is not None else ""
 
 
+@dataclass(frozen=True)
+class AdmissionCall:
+    """A webhook the API server called on a create, and what came of it: ``patched``,
+    ``unchanged``, ``denied``, ``ignored: <why>`` (a failed call under failurePolicy Ignore)
+    or ``failed: <why>``."""
+
+    webhook: str
+    namespace: str
+    name: str
+    outcome: str
+    warnings: tuple[str, ...] = ()
+
+
+class NotEmulated(Exception):
+    """What a real API server would do, but the emulator cannot: the create fails (500)."""
+
+
+class CallFailed(Exception):
+    """Calling a webhook failed (the API server's ErrCallingWebhook): failurePolicy applies."""
+
+
+def matches_selector(selector: Mapping[str, Any] | None, labels: Mapping[str, str]) -> bool:
+    """A LabelSelector (matchLabels, matchExpressions In/NotIn/Exists/DoesNotExist) selects
+    ``labels``; absent (None) selects everything, as an empty one does."""
+    if selector is None:
+        return True
+    if any(labels.get(key) != value for key, value in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expression in selector.get("matchExpressions") or ():
+        key, operator = expression["key"], expression["operator"]
+        values = expression.get("values") or ()
+        if operator == "In" and labels.get(key) not in values:
+            return False
+        if operator == "NotIn" and key in labels and labels[key] in values:
+            return False
+        if operator == "Exists" and key not in labels:
+            return False
+        if operator == "DoesNotExist" and key in labels:
+            return False
+        if operator not in ("In", "NotIn", "Exists", "DoesNotExist"):
+            raise ValueError(f"unknown selector operator {operator!r}")
+    return True
+
+
+def matches_rules(
+    rules: list[Mapping[str, Any]], resource: kmock.resource, operation: str, namespaced: bool
+) -> bool:
+    """A webhook's rules (apiGroups, apiVersions, resources, operations, scope; ``*``) match
+    ``operation`` on ``resource``."""
+
+    def among(value: str, allowed: Any) -> bool:
+        return "*" in (allowed or ()) or value in (allowed or ())
+
+    return any(
+        among(resource.group or "", rule.get("apiGroups"))
+        and among(resource.version or "", rule.get("apiVersions"))
+        and (
+            among(str(resource.plural), rule.get("resources"))
+            or "*/*" in (rule.get("resources") or ())
+        )
+        and among(operation, rule.get("operations"))
+        and rule.get("scope", "*") in ("*", "Namespaced" if namespaced else "Cluster")
+        for rule in rules
+    )
+
+
+def review(resource: kmock.resource, info: kmock.ResourceInfo, namespace: str, obj: Obj) -> Obj:
+    """The AdmissionReview (admission.k8s.io/v1) of creating ``obj``."""
+    kind = {"group": resource.group or "", "version": resource.version, "kind": info.kind}
+    plural = {
+        "group": resource.group or "",
+        "version": resource.version,
+        "resource": resource.plural,
+    }
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": str(uuid.uuid4()),
+            "kind": kind,
+            "resource": plural,
+            "requestKind": kind,
+            "requestResource": plural,
+            "name": obj.get("metadata", {}).get("name", ""),
+            "namespace": namespace,
+            "operation": "CREATE",
+            "userInfo": {"username": "test", "groups": ["system:authenticated"]},
+            "object": obj,
+            "oldObject": None,
+            "dryRun": False,
+            "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"},
+        },
+    }
+
+
+async def call_webhook(webhook: Mapping[str, Any], request: Obj) -> Mapping[str, Any]:
+    """POST ``request`` to the webhook; its response (the review's ``response``), or
+    :class:`CallFailed` saying why not."""
+    config = webhook.get("clientConfig") or {}
+    url = config.get("url")
+    if url is None:
+        raise NotEmulated(
+            f"webhook {webhook.get('name')!r}: a 'service' clientConfig is not emulated "
+            "(no cluster network here); use 'url'"
+        )
+    if "v1" not in (webhook.get("admissionReviewVersions") or ()):
+        raise CallFailed("webhook does not accept v1 AdmissionReview")
+    context = ssl.create_default_context()
+    if config.get("caBundle"):
+        context = ssl.create_default_context(
+            cadata=base64.b64decode(config["caBundle"]).decode("ascii")
+        )
+    seconds = webhook.get("timeoutSeconds") or 10
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=seconds)) as session,
+            session.post(f"{url}?timeout={seconds}s", json=request, ssl=context) as response,
+        ):
+            text = await response.text()
+            if response.status != 200:
+                raise CallFailed(f"the server responded {response.status}: {text[:200]}")
+            answer = json.loads(text)
+    except (aiohttp.ClientError, TimeoutError, OSError) as error:
+        why = str(error) or type(error).__name__
+        raise CallFailed(f'failed to call webhook: Post "{url}": {why}') from error
+    except json.JSONDecodeError as error:
+        raise CallFailed(f"the response is not JSON: {error}") from error
+    if (answer.get("apiVersion"), answer.get("kind")) != ("admission.k8s.io/v1", "AdmissionReview"):
+        raise CallFailed("expected webhook response of admission.k8s.io/v1, Kind=AdmissionReview")
+    payload = answer.get("response") or {}
+    if payload.get("uid") != request["request"]["uid"]:
+        raise CallFailed(
+            f"expected response.uid={request['request']['uid']!r}, got {payload.get('uid')!r}"
+        )
+    return payload
+
+
 @attrs.define(kw_only=True)
 class ApiServer(kmock.KubernetesEmulator):
     _version: int = attrs.field(default=0, init=False)
@@ -142,6 +304,8 @@ class ApiServer(kmock.KubernetesEmulator):
     _applied: dict[tuple[Key, str], Obj] = attrs.field(factory=dict, init=False)
     faults: list[Fault] = attrs.field(factory=list, init=False)
     denials: list[Denial] = attrs.field(factory=list, init=False)
+    admissions: list[AdmissionCall] = attrs.field(factory=list, init=False)
+    """Every webhook call, in order."""
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         resource = request.resource
@@ -160,10 +324,17 @@ class ApiServer(kmock.KubernetesEmulator):
                 raise kmock.KubernetesError(
                     status=fault.status, reason="Invalid", message=fault.message
                 )
+        warnings: list[str] = []
+        created: Obj | None = None
+        if request.method == "POST":
+            created, warnings = await self._admit(request, _body(request))
         if request.method in ("POST", "PATCH", "PUT", "DELETE"):
             async with self._lock:
-                obj, status = await self._write(request)
-            return aiohttp.web.json_response(obj, status=status)
+                obj, status = await self._write(request, created)
+            headers = multidict.CIMultiDict(
+                [("Warning", f'299 - "{_header_text(warning)}"') for warning in warnings]
+            )
+            return aiohttp.web.json_response(obj, status=status, headers=headers)
         if request.action == enums.action.FETCH:  # (kmock's own path takes ~20 ms)
             async with self._lock:
                 info = self._info(resource)
@@ -212,15 +383,104 @@ class ApiServer(kmock.KubernetesEmulator):
             ],
         }
 
+    # admission
+
+    async def _admit(self, request: rendering.Request, obj: Obj) -> tuple[Obj, list[str]]:
+        """The object to create, after the mutating webhooks, and their warnings."""
+        resource = request.resource
+        assert resource is not None
+        info = self._info(resource)
+        if not info.namespaced or request.namespace is None:
+            return obj, []
+        namespace = request.namespace
+        obj.setdefault("metadata", {})["namespace"] = namespace
+        async with self._lock:
+            configurations = sorted(
+                (name, copy.deepcopy(stored.raw))
+                for (kind, _, name), stored in self.objects.items()
+                if kind == MUTATING_WEBHOOKS and not stored.deleted
+            )
+            found = self._current((NAMESPACES, None, namespace))
+        namespace_labels = (found or {}).get("metadata", {}).get("labels") or {}
+        warnings: list[str] = []
+        for _, configuration in configurations:
+            for webhook in configuration.get("webhooks") or ():
+                labels = obj["metadata"].get("labels") or {}
+                if not (
+                    matches_rules(webhook.get("rules") or [], resource, "CREATE", True)
+                    and matches_selector(webhook.get("objectSelector"), labels)
+                    and matches_selector(webhook.get("namespaceSelector"), namespace_labels)
+                ):
+                    continue
+                obj = await self._call(webhook, review(resource, info, namespace, obj), warnings)
+        return obj, warnings
+
+    async def _call(self, webhook: Mapping[str, Any], request: Obj, warnings: list[str]) -> Obj:
+        """Call one webhook: the object it leaves (patched or not); its warnings added."""
+        name = str(webhook.get("name"))
+        obj = request["request"]["object"]
+        metadata = obj.get("metadata", {})
+
+        def record(outcome: str, said: tuple[str, ...] = ()) -> None:
+            self.admissions.append(
+                AdmissionCall(name, metadata["namespace"], metadata.get("name", ""), outcome, said)
+            )
+
+        try:
+            response = await call_webhook(webhook, request)
+        except NotEmulated as error:
+            record(f"failed: {error}")
+            raise kmock.KubernetesError(
+                status=500, reason="InternalError", message=f"not emulated: {error}"
+            ) from error
+        except CallFailed as error:
+            if webhook.get("failurePolicy", "Fail") == "Ignore":
+                logger.warning("failed calling webhook %r (ignored): %s", name, error)
+                record(f"ignored: {error}")
+                return obj
+            record(f"failed: {error}")
+            raise kmock.KubernetesError(
+                status=500,
+                reason="InternalError",
+                message=f'Internal error occurred: failed calling webhook "{name}": {error}',
+            ) from error
+        said = tuple(str(warning) for warning in response.get("warnings") or ())
+        warnings += said
+        if not response.get("allowed"):
+            status = response.get("status") or {}
+            record("denied", said)
+            raise kmock.KubernetesError(
+                status=int(status.get("code") or 403),
+                reason=str(status.get("reason") or "Forbidden"),
+                message=f'admission webhook "{name}" denied the request: '
+                f"{status.get('message', '')}",
+            )
+        if not response.get("patch"):
+            record("unchanged", said)
+            return obj
+        try:
+            if response.get("patchType") != "JSONPatch":
+                raise ValueError(f"unsupported patchType {response.get('patchType')!r}")
+            patch = json.loads(base64.b64decode(response["patch"]))
+            patched: Obj = jsonpatch.apply_patch(obj, patch)
+        except (ValueError, jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as error:
+            record(f"failed: {error}", said)
+            raise kmock.KubernetesError(
+                status=500, reason="InternalError", message=f"Internal error occurred: {error}"
+            ) from error
+        record("patched", said)
+        return patched
+
     # writes
 
-    async def _write(self, request: rendering.Request) -> tuple[Obj, int]:
+    async def _write(self, request: rendering.Request, created: Obj | None) -> tuple[Obj, int]:
         resource = request.resource
         assert resource is not None
         info = self._info(resource)
         namespace = request.namespace if info.namespaced else None
         if request.method == "POST":
-            return await self._create(resource, info, namespace, _body(request)), 201
+            body = created if created is not None else _body(request)
+            return await self._create(resource, info, namespace, body), 201
         assert request.name is not None
         key: Key = (resource, namespace, request.name)
         current = self._current(key)
@@ -425,6 +685,12 @@ def _now() -> str:
 
 def _header(request: rendering.Request, name: str) -> str:
     return next((v for k, v in request.headers.items() if k.lower() == name.lower()), "")
+
+
+def _header_text(warning: str) -> str:
+    """A warning as a Warning header's quoted text: printable ASCII, quotes escaped."""
+    text = "".join(c if c.isascii() and c.isprintable() else "?" for c in warning)
+    return text.replace("\\", "\\\\").replace('"', '\\"')
 
 
 def _body(request: rendering.Request) -> Obj:

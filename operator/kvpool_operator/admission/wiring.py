@@ -1,0 +1,224 @@
+"""The pure mutation: a pod labelled ``kvpool.io/cache-pool`` and what the operator knows
+(its namespace's tenants, the pools) in; a JSON patch and warnings out. No I/O.
+
+The patch adds, and replaces nothing:
+
+- the volume ``kvpool-segment``: the pool's segment directory, published by the CSI driver
+  (``csi.kvpool.io``, attributes ``pool`` and ``namespace``);
+- in every container of ``spec.containers`` (init containers are left alone): its mount at
+  ``/var/run/kvpool``, and the connector's environment, each variable unless the container
+  already sets it: ``KVPOOL_ENDPOINT`` (the pool Service's ZMQ port, so that the connector
+  never asks the Kubernetes API), ``KVPOOL_SEGMENT_PATH``, ``KVPOOL_CHUNK_TOKENS``, and
+  ``KVPOOL_TOKEN`` and ``KVPOOL_CACHE_SALT`` from the tenant's Secret ``<tenant>-kvpool``
+  (``optional``: a refused tenant's pod starts, and its connector says why; no
+  ``KVPOOL_TOKEN`` for a container that sets ``KVPOOL_TOKEN_FILE``, which it would beat);
+- the agents' group (10001) in ``spec.securityContext.supplementalGroups``: the segment is
+  0660 in a 0710 directory of that group, so the pod's own (non-root) uid may map it.
+
+Nothing privileged: no hostPath, no capability, no user change. A pod that already has the
+volume is left as it is. A label that names no pool of one tenant of the namespace (none,
+several, a value that is no DNS label, a tenant whose pool is not there) leaves the pod
+unchanged, with one warning line that names the value and the namespace.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool_agent.names import (
+    CACHE_POOL_LABEL,
+    CACHE_SALT_ENV,
+    CONNECTOR_CHUNK_TOKENS_ENV,
+    CONNECTOR_ENDPOINT_ENV,
+    CONNECTOR_SEGMENT_PATH_ENV,
+    CONNECTOR_TOKEN_ENV,
+    CONNECTOR_TOKEN_FILE_ENV,
+    CSI_DRIVER,
+    CSI_NAMESPACE_ATTRIBUTE,
+    CSI_POOL_ATTRIBUTE,
+    SEGMENT_FILE,
+    SEGMENT_MOUNT_DIR,
+    service_name,
+)
+from kvpool_operator.render.pods import AGENT_UID
+from kvpool_operator.tenants import SECRET_SUFFIX
+
+VOLUME = "kvpool-segment"
+"""The name of the segment's volume (and of its mounts)."""
+AGENT_GROUP = AGENT_UID
+"""The agents' group, which owns a pool's segment directory on a node."""
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_DNS_LABEL_MAX = 63
+_UNWIRED = "the pod runs without the cache"
+
+Obj = Mapping[str, Any]
+JsonPatch = list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class PoolFacts:
+    """What a pod needs of its pool: where its Service is, and its chunk size."""
+
+    name: str
+    namespace: str
+    zmq_port: int
+    chunk_tokens: int
+
+
+@dataclass(frozen=True)
+class Binding:
+    """A KVCacheTenant of the pod's namespace that binds a pool of the label's name: the
+    tenant, its pool's namespace, and the pool (None: no such pool, or not a valid one)."""
+
+    tenant: str
+    pool_namespace: str
+    pool: PoolFacts | None
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """The JSON patch (RFC 6902; empty: the pod is admitted as it is) and the warnings."""
+
+    patch: JsonPatch = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def is_pool_name(value: str) -> bool:
+    """A label value that can name a pool: a DNS label."""
+    return len(value) <= _DNS_LABEL_MAX and _DNS_LABEL.fullmatch(value) is not None
+
+
+def _quoted(value: str) -> str:
+    """A label value in a warning: printable ASCII only (warnings travel in HTTP headers)."""
+    text = value if value.isascii() and value.isprintable() else ascii(value)[1:-1]
+    return f"'{text[:80]}'" if not is_pool_name(value) else text
+
+
+def wire(pod: Obj, namespace: str, bindings: Sequence[Binding]) -> Wiring:
+    """The patch for ``pod`` (being created in ``namespace``), given the tenants of the
+    namespace whose ``poolRef.name`` is the value of the pod's label."""
+    value = str((pod.get("metadata") or {}).get("labels", {}).get(CACHE_POOL_LABEL, ""))
+    spec = pod.get("spec") or {}
+    if any(volume.get("name") == VOLUME for volume in spec.get("volumes") or ()):
+        return Wiring()
+    if not is_pool_name(value):
+        return _unwired(
+            f"label {CACHE_POOL_LABEL}={_quoted(value)} in namespace {namespace} is not a "
+            f"pool name (a DNS label)"
+        )
+    if not bindings:
+        return _unwired(f"no KVCacheTenant in namespace {namespace} binds pool {value}")
+    if len(bindings) > 1:
+        names = ", ".join(sorted(binding.tenant for binding in bindings))
+        return _unwired(
+            f"{len(bindings)} KVCacheTenants in namespace {namespace} bind pool {value} "
+            f"({names}); label the pod for one pool of one tenant"
+        )
+    binding = bindings[0]
+    if binding.pool is None:
+        return _unwired(
+            f"KVCacheTenant {namespace}/{binding.tenant} binds pool "
+            f"{binding.pool_namespace}/{value}, which does not exist or is not valid"
+        )
+    return Wiring(patch=_patch(spec, binding.tenant, binding.pool))
+
+
+def _unwired(problem: str) -> Wiring:
+    return Wiring(warnings=[f"kvpool: {problem}; {_UNWIRED}"])
+
+
+def volume(pool: PoolFacts) -> dict[str, Any]:
+    return {
+        "name": VOLUME,
+        "csi": {
+            "driver": CSI_DRIVER,
+            "volumeAttributes": {
+                CSI_POOL_ATTRIBUTE: pool.name,
+                CSI_NAMESPACE_ATTRIBUTE: pool.namespace,
+            },
+        },
+    }
+
+
+def mount() -> dict[str, Any]:
+    return {"name": VOLUME, "mountPath": str(SEGMENT_MOUNT_DIR)}
+
+
+def environment(tenant: str, pool: PoolFacts) -> list[dict[str, Any]]:
+    """The connector's variables, in this order."""
+    secret = f"{tenant}{SECRET_SUFFIX}"
+
+    def from_secret(name: str, key: str) -> dict[str, Any]:
+        ref = {"name": secret, "key": key, "optional": True}
+        return {"name": name, "valueFrom": {"secretKeyRef": ref}}
+
+    endpoint = f"tcp://{service_name(pool.name)}.{pool.namespace}.svc:{pool.zmq_port}"
+    return [
+        {"name": CONNECTOR_ENDPOINT_ENV, "value": endpoint},
+        {"name": CONNECTOR_SEGMENT_PATH_ENV, "value": str(SEGMENT_MOUNT_DIR / SEGMENT_FILE)},
+        {"name": CONNECTOR_CHUNK_TOKENS_ENV, "value": str(pool.chunk_tokens)},
+        from_secret(CONNECTOR_TOKEN_ENV, "token"),
+        from_secret(CACHE_SALT_ENV, "salt"),
+    ]
+
+
+def _patch(spec: Obj, tenant: str, pool: PoolFacts) -> JsonPatch:
+    patch: JsonPatch = []
+    _append(patch, "/spec/volumes", spec.get("volumes"), [volume(pool)])
+    variables = environment(tenant, pool)
+    for number, container in enumerate(spec.get("containers") or ()):
+        path = f"/spec/containers/{number}"
+        _append(patch, f"{path}/volumeMounts", container.get("volumeMounts"), [mount()])
+        own = {variable.get("name") for variable in container.get("env") or ()}
+        if CONNECTOR_TOKEN_FILE_ENV in own:  # its own token file (KVPOOL_TOKEN would win)
+            own.add(CONNECTOR_TOKEN_ENV)
+        added = [variable for variable in variables if variable["name"] not in own]
+        _append(patch, f"{path}/env", container.get("env"), added)
+    context = spec.get("securityContext")
+    if context is None:
+        patch.append(
+            {
+                "op": "add",
+                "path": "/spec/securityContext",
+                "value": {"supplementalGroups": [AGENT_GROUP]},
+            }
+        )
+    else:
+        groups = context.get("supplementalGroups")
+        if AGENT_GROUP not in (groups or ()):
+            _append(patch, "/spec/securityContext/supplementalGroups", groups, [AGENT_GROUP])
+    return patch
+
+
+def _append(patch: JsonPatch, path: str, current: object, items: list[Any]) -> None:
+    """Add ``items`` at the end of the list at ``path`` (``current``: absent, None, or the
+    list there now)."""
+    if not items:
+        return
+    if not current:
+        patch.append({"op": "add", "path": path, "value": items})
+    else:
+        patch += [{"op": "add", "path": f"{path}/-", "value": item} for item in items]
+
+
+def apply(patch: JsonPatch, body: dict[str, Any]) -> None:
+    """Apply the ``add`` operations of :func:`wire`'s patch to ``body`` in place."""
+    for operation in patch:
+        if operation["op"] != "add":
+            raise ValueError(f"only 'add' is applied here, not {operation['op']!r}")
+        *parents, last = operation["path"].removeprefix("/").split("/")
+        target: Any = body
+        for part in parents:
+            target = target[int(part)] if isinstance(target, list) else target[part]
+        value = copy.deepcopy(operation["value"])
+        if isinstance(target, list):
+            if last == "-":
+                target.append(value)
+            else:
+                target.insert(int(last), value)
+        else:
+            target[last] = value

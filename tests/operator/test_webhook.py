@@ -1,0 +1,550 @@
+"""The admission webhook: one label wires a tenant's vLLM pod to its pool.
+
+First the pure mutation (:mod:`kvpool_operator.admission.wiring`) and the emulator's own
+matching; then the real ``kvpool-operator`` (webhook on, reached by URL on 127.0.0.1)
+against the emulated API server, which calls it on every pod creation as kube-apiserver
+does. The pool ``inference/main`` and the tenant ``team-a/vllm`` are made once; each test
+creates pods over HTTP and reads what the API server stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import ssl
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonpatch
+import kmock
+import pytest
+
+from kvpool_operator.admission.certificates import make, write
+from kvpool_operator.admission.server import ServiceRef, Webhook, WebhookOptions
+from kvpool_operator.admission.wiring import (
+    Binding,
+    PoolFacts,
+    apply,
+    wire,
+)
+from tests.support.kube_api import ServedApi, matches_rules, matches_selector
+from tests.support.operator_process import REPO, Kubectl, OperatorProcess
+from tests.support.polling import eventually
+from tests.support.ports import free_port
+
+POOL_NAMESPACE = "inference"
+TEAM = "team-a"
+OTHER_TEAM = "team-b"
+TENANT = "vllm"
+ZMQ_PORT = 7500
+CHUNK_TOKENS = 512
+CONFIGURATION = "kvpool-operator.kvpool.io"
+WEBHOOK = f"cache-pool.{CONFIGURATION}"
+POOL = PoolFacts("main", POOL_NAMESPACE, ZMQ_PORT, CHUNK_TOKENS)
+UNWIRED = "the pod runs without the cache"
+
+
+def _secret_env(name: str, key: str) -> dict[str, Any]:
+    ref = {"name": f"{TENANT}-kvpool", "key": key, "optional": True}
+    return {"name": name, "valueFrom": {"secretKeyRef": ref}}
+
+
+ENV = [
+    {"name": "KVPOOL_ENDPOINT", "value": f"tcp://kvpool-main.inference.svc:{ZMQ_PORT}"},
+    {"name": "KVPOOL_SEGMENT_PATH", "value": "/var/run/kvpool/segment"},
+    {"name": "KVPOOL_CHUNK_TOKENS", "value": str(CHUNK_TOKENS)},
+    _secret_env("KVPOOL_TOKEN", "token"),
+    _secret_env("KVPOOL_CACHE_SALT", "salt"),
+]
+VOLUME = {
+    "name": "kvpool-segment",
+    "csi": {
+        "driver": "csi.kvpool.io",
+        "volumeAttributes": {"pool": "main", "namespace": POOL_NAMESPACE},
+    },
+}
+MOUNT = {"name": "kvpool-segment", "mountPath": "/var/run/kvpool"}
+
+
+def _pod(name: str, labels: dict[str, str] | None = None, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels or {}},
+        "spec": {"containers": [{"name": "vllm", "image": "vllm:test"}], **spec},
+    }
+
+
+LABEL = {"kvpool.io/cache-pool": "main"}
+
+
+# The pure mutation.
+
+
+def test_wires_a_labelled_pod_with_exactly_this_patch() -> None:
+    pod = _pod(
+        "p",
+        LABEL,
+        initContainers=[{"name": "init", "image": "busybox"}],
+        containers=[
+            {"name": "vllm", "image": "vllm:test", "env": [{"name": "HF_HOME", "value": "/h"}]},
+            {
+                "name": "sidecar",
+                "image": "proxy",
+                "volumeMounts": [{"name": "x", "mountPath": "/x"}],
+            },
+        ],
+        volumes=[{"name": "x", "emptyDir": {}}],
+    )
+    wiring = wire(pod, TEAM, [Binding(TENANT, POOL_NAMESPACE, POOL)])
+    assert wiring.warnings == []
+    assert wiring.patch == [
+        {"op": "add", "path": "/spec/volumes/-", "value": VOLUME},
+        {"op": "add", "path": "/spec/containers/0/volumeMounts", "value": [MOUNT]},
+        *({"op": "add", "path": "/spec/containers/0/env/-", "value": env} for env in ENV),
+        {"op": "add", "path": "/spec/containers/1/volumeMounts/-", "value": MOUNT},
+        {"op": "add", "path": "/spec/containers/1/env", "value": ENV},
+        {"op": "add", "path": "/spec/securityContext", "value": {"supplementalGroups": [10001]}},
+    ]
+    apply(wiring.patch, pod)
+    spec = pod["spec"]
+    assert spec["initContainers"] == [{"name": "init", "image": "busybox"}]
+    assert spec["volumes"] == [{"name": "x", "emptyDir": {}}, VOLUME]
+    assert spec["containers"][0]["env"] == [{"name": "HF_HOME", "value": "/h"}, *ENV]
+    assert spec["containers"][1]["volumeMounts"] == [{"name": "x", "mountPath": "/x"}, MOUNT]
+    # what the patch adds is privileged in no way
+    text = str(wiring.patch)
+    for word in ("hostPath", "privileged", "capabilities", "runAsUser", "hostNetwork"):
+        assert word not in text
+
+
+def test_keeps_the_variables_a_container_sets_and_its_groups() -> None:
+    own = [{"name": "KVPOOL_CHUNK_TOKENS", "value": "256"}, {"name": "KVPOOL_TOKEN", "value": "t"}]
+    pod = _pod(
+        "p",
+        LABEL,
+        containers=[{"name": "vllm", "image": "v", "env": [dict(env) for env in own]}],
+        securityContext={"runAsUser": 1000, "supplementalGroups": [5]},
+    )
+    wiring = wire(pod, TEAM, [Binding(TENANT, POOL_NAMESPACE, POOL)])
+    apply(wiring.patch, pod)
+    names = [env["name"] for env in pod["spec"]["containers"][0]["env"]]
+    assert names == [
+        "KVPOOL_CHUNK_TOKENS",
+        "KVPOOL_TOKEN",
+        "KVPOOL_ENDPOINT",
+        "KVPOOL_SEGMENT_PATH",
+        "KVPOOL_CACHE_SALT",
+    ]
+    assert pod["spec"]["containers"][0]["env"][:2] == own
+    assert pod["spec"]["securityContext"] == {"runAsUser": 1000, "supplementalGroups": [5, 10001]}
+
+
+def test_a_container_with_its_own_token_file_keeps_it() -> None:
+    own = [{"name": "KVPOOL_TOKEN_FILE", "value": "/var/run/token"}]
+    pod = _pod("p", LABEL, containers=[{"name": "vllm", "image": "v", "env": own}])
+    apply(wire(pod, TEAM, [Binding(TENANT, POOL_NAMESPACE, POOL)]).patch, pod)
+    names = [env["name"] for env in pod["spec"]["containers"][0]["env"]]
+    assert "KVPOOL_TOKEN" not in names
+    assert "KVPOOL_CACHE_SALT" in names
+
+
+def test_leaves_a_wired_pod_as_it_is() -> None:
+    pod = _pod("p", LABEL)
+    wiring = wire(pod, TEAM, [Binding(TENANT, POOL_NAMESPACE, POOL)])
+    apply(wiring.patch, pod)
+    assert wire(pod, TEAM, [Binding(TENANT, POOL_NAMESPACE, POOL)]).patch == []
+    assert wire(pod, TEAM, []).warnings == []
+
+
+@pytest.mark.parametrize(
+    ("value", "bindings", "problem"),
+    [
+        ("main", [], "no KVCacheTenant in namespace team-a binds pool main"),
+        (
+            "main",
+            [Binding("b", "x", POOL), Binding("a", "y", POOL)],
+            "2 KVCacheTenants in namespace team-a bind pool main (a, b); "
+            "label the pod for one pool of one tenant",
+        ),
+        (
+            "Main_Pool",
+            [],
+            "label kvpool.io/cache-pool='Main_Pool' in namespace team-a is not a pool name "
+            "(a DNS label)",
+        ),
+        (
+            "main",
+            [Binding(TENANT, POOL_NAMESPACE, None)],
+            "KVCacheTenant team-a/vllm binds pool inference/main, which does not exist or is "
+            "not valid",
+        ),
+    ],
+    ids=["no-tenant", "two-tenants", "invalid-value", "no-pool"],
+)
+def test_warns_and_changes_nothing(value: str, bindings: list[Binding], problem: str) -> None:
+    wiring = wire(_pod("p", {"kvpool.io/cache-pool": value}), TEAM, bindings)
+    assert wiring.patch == []
+    assert wiring.warnings == [f"kvpool: {problem}; {UNWIRED}"]
+
+
+def _first_config(options: WebhookOptions, hostname: str) -> dict[str, Any]:
+    """Start the webhook server; its first client configuration, once a TLS client that
+    trusts its caBundle has verified it as ``hostname``."""
+
+    async def fn(*_: Any, **__: Any) -> Any:
+        raise AssertionError("not called")
+
+    async def first() -> dict[str, Any]:
+        async with Webhook(options) as server:
+            async for config in server(fn):
+                ca = base64.b64decode(config["caBundle"] or "").decode()
+                context = ssl.create_default_context(cadata=ca)
+                _, writer = await asyncio.open_connection(
+                    options.bind, options.port, ssl=context, server_hostname=hostname
+                )
+                writer.close()
+                return dict(config)
+        raise AssertionError("no client configuration")
+
+    return asyncio.run(first())
+
+
+def test_through_a_service_the_client_config_names_it() -> None:
+    service = ServiceRef("kvpool-system", "kvpool-operator", 443)
+    options = WebhookOptions(bind="127.0.0.1", port=free_port(), service=service)
+    config = _first_config(options, "kvpool-operator.kvpool-system.svc")
+    assert config["service"] == {
+        "namespace": "kvpool-system",
+        "name": "kvpool-operator",
+        "port": 443,
+    }
+    assert "url" not in config
+
+
+def test_a_certificate_directory_is_served_and_its_ca_published(tmp_path: Path) -> None:
+    made = make(["127.0.0.1"])
+    write(made, tmp_path)
+    options = WebhookOptions(
+        bind="127.0.0.1", port=free_port(), url_host="127.0.0.1", cert_dir=tmp_path
+    )
+    config = _first_config(options, "127.0.0.1")
+    assert base64.b64decode(config["caBundle"]) == made.ca
+    assert config["url"] == f"https://127.0.0.1:{options.port}"
+
+
+# The emulator's matching.
+
+
+@pytest.mark.parametrize(
+    ("selector", "labels", "selected"),
+    [
+        (None, {}, True),
+        ({}, {"a": "1"}, True),
+        ({"matchLabels": {"a": "1"}}, {"a": "1", "b": "2"}, True),
+        ({"matchLabels": {"a": "1"}}, {"a": "2"}, False),
+        ({"matchExpressions": [{"key": "a", "operator": "Exists"}]}, {"a": ""}, True),
+        ({"matchExpressions": [{"key": "a", "operator": "Exists"}]}, {}, False),
+        ({"matchExpressions": [{"key": "a", "operator": "DoesNotExist"}]}, {}, True),
+        (
+            {"matchExpressions": [{"key": "a", "operator": "In", "values": ["1", "2"]}]},
+            {"a": "2"},
+            True,
+        ),
+        ({"matchExpressions": [{"key": "a", "operator": "In", "values": ["1"]}]}, {}, False),
+        ({"matchExpressions": [{"key": "a", "operator": "NotIn", "values": ["1"]}]}, {}, True),
+        (
+            {"matchExpressions": [{"key": "a", "operator": "NotIn", "values": ["1"]}]},
+            {"a": "1"},
+            False,
+        ),
+    ],
+)
+def test_the_emulator_matches_label_selectors(
+    selector: dict[str, Any] | None, labels: dict[str, str], selected: bool
+) -> None:
+    assert matches_selector(selector, labels) is selected
+
+
+def test_the_emulator_matches_rules() -> None:
+    pods = kmock.resource("", "v1", "pods")
+    rule = {
+        "apiGroups": [""],
+        "apiVersions": ["v1"],
+        "resources": ["pods"],
+        "operations": ["CREATE"],
+    }
+    assert matches_rules([rule], pods, "CREATE", True)
+    assert not matches_rules([rule], pods, "UPDATE", True)
+    assert not matches_rules([rule], kmock.resource("apps", "v1", "deployments"), "CREATE", True)
+    assert not matches_rules([{**rule, "scope": "Cluster"}], pods, "CREATE", True)
+    anything = {"apiGroups": ["*"], "apiVersions": ["*"], "resources": ["*"], "operations": ["*"]}
+    assert matches_rules([anything], kmock.resource("apps", "v1", "deployments"), "CREATE", True)
+
+
+# The real operator.
+
+
+def _apply(kubectl: Kubectl, manifest: dict[str, Any]) -> None:
+    kubectl("apply", "--validate=false", "-f", "-", manifest=manifest)
+
+
+def _namespace(name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": name, "labels": labels or {}},
+    }
+
+
+def _conditions(api: ServedApi, plural: str, namespace: str, name: str) -> list[Any]:
+    found = api.objects(plural, namespace).get(name) or {}
+    conditions: list[Any] = (found.get("status") or {}).get("conditions") or []
+    assert conditions, f"{plural} {namespace}/{name}: no conditions yet"
+    return conditions
+
+
+@pytest.fixture(scope="module")
+def operator(
+    served_api: ServedApi, kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    kubectl("apply", "--validate=false", "-f", str(REPO / "crds"))
+    for name in (POOL_NAMESPACE, TEAM, OTHER_TEAM):
+        _apply(kubectl, _namespace(name, {"team": "yes"} if name != POOL_NAMESPACE else {}))
+    pool = {
+        "apiVersion": "kvpool.io/v1alpha1",
+        "kind": "KVCachePool",
+        "metadata": {"name": "main", "namespace": POOL_NAMESPACE},
+        "spec": {
+            "chunkTokens": CHUNK_TOKENS,
+            "ports": {"zmq": ZMQ_PORT},
+            "tenants": {"allowedNamespaces": {"matchLabels": {"team": "yes"}}},
+        },
+    }
+    _apply(kubectl, pool)
+    tenant = {
+        "apiVersion": "kvpool.io/v1alpha1",
+        "kind": "KVCacheTenant",
+        "metadata": {"name": TENANT, "namespace": TEAM},
+        "spec": {"poolRef": {"name": "main", "namespace": POOL_NAMESPACE}, "quota": {"l1": "1Gi"}},
+    }
+    _apply(kubectl, tenant)
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    options = (
+        "--webhook-url-host",
+        "127.0.0.1",
+        "--webhook-bind",
+        "127.0.0.1",
+        "--webhook-port",
+        str(free_port()),
+    )
+    process = OperatorProcess(served_api.kubeconfig(), None, log, options).start()
+    # the webhook is configured, and the operator has seen the pool and the tenant (so
+    # its indices hold them: kopf indexes an object before it handles it)
+    eventually(lambda: _webhook(served_api), timeout=30, what=process.log())
+    eventually(lambda: _conditions(served_api, "kvcachepools", POOL_NAMESPACE, "main"))
+    eventually(lambda: _conditions(served_api, "kvcachetenants", TEAM, TENANT))
+    yield process
+    process.stop()
+
+
+def _webhook(api: ServedApi) -> dict[str, Any]:
+    configuration = api.objects("mutatingwebhookconfigurations").get(CONFIGURATION)
+    assert configuration is not None and configuration.get("webhooks"), configuration
+    (webhook,) = configuration["webhooks"]
+    assert webhook["clientConfig"].get("caBundle")
+    result: dict[str, Any] = webhook
+    return result
+
+
+def _create(
+    api: ServedApi, namespace: str, pod: dict[str, Any]
+) -> tuple[dict[str, Any], list[str]]:
+    """Create the pod over HTTP: the stored pod, and the Warning headers."""
+    response = httpx.post(
+        f"{api.url}/api/v1/namespaces/{namespace}/pods",
+        json=pod,
+        headers={"Authorization": "Bearer test"},
+        timeout=30,
+    )
+    assert response.status_code == 201, response.text
+    stored = api.objects("pods", namespace)[pod["metadata"]["name"]]
+    return stored, response.headers.get_list("Warning")
+
+
+def _calls(api: ServedApi, name: str) -> list[str]:
+    return [call.outcome for call in api.api.admissions if call.name == name]
+
+
+def test_kopf_configures_the_webhook(served_api: ServedApi, operator: OperatorProcess) -> None:
+    webhook = _webhook(served_api)
+    assert webhook["name"] == WEBHOOK
+    assert webhook["failurePolicy"] == "Ignore"
+    assert webhook["sideEffects"] == "None"
+    assert webhook["objectSelector"] == {
+        "matchExpressions": [{"key": "kvpool.io/cache-pool", "operator": "Exists"}]
+    }
+    (rule,) = webhook["rules"]
+    assert (rule["apiGroups"], rule["apiVersions"], rule["resources"], rule["operations"]) == (
+        [""],
+        ["v1"],
+        ["pods"],
+        ["CREATE"],
+    )
+    assert webhook["clientConfig"]["url"].startswith("https://127.0.0.1:")
+    assert webhook["clientConfig"]["url"].endswith("/cache-pool")
+    # kopf keeps a ValidatingWebhookConfiguration of the same name too (no webhooks in it):
+    # the operator's RBAC needs create and patch on both kinds
+    validating = served_api.objects("validatingwebhookconfigurations")[CONFIGURATION]
+    assert not validating.get("webhooks")
+
+
+def test_a_labelled_pod_is_wired(served_api: ServedApi, operator: OperatorProcess) -> None:
+    pod, warnings = _create(served_api, TEAM, _pod("wired", LABEL))
+    assert warnings == []
+    assert pod["spec"] == {
+        "containers": [{"name": "vllm", "image": "vllm:test", "volumeMounts": [MOUNT], "env": ENV}],
+        "volumes": [VOLUME],
+        "securityContext": {"supplementalGroups": [10001]},
+    }
+    assert _calls(served_api, "wired") == ["patched"]
+
+
+def test_a_containers_own_variable_stays(served_api: ServedApi, operator: OperatorProcess) -> None:
+    own = {"name": "KVPOOL_CHUNK_TOKENS", "value": "256"}
+    container = {"name": "vllm", "image": "vllm:test", "env": [own]}
+    pod, _ = _create(served_api, TEAM, _pod("own-env", LABEL, containers=[container]))
+    env = pod["spec"]["containers"][0]["env"]
+    assert env[0] == own
+    assert [variable["name"] for variable in env].count("KVPOOL_CHUNK_TOKENS") == 1
+
+
+def test_an_unlabelled_pod_is_not_even_sent(
+    served_api: ServedApi, operator: OperatorProcess
+) -> None:
+    sent = _pod("plain", {"app": "vllm"})
+    pod, warnings = _create(served_api, TEAM, sent)
+    assert (pod["spec"], warnings) == (sent["spec"], [])
+    assert _calls(served_api, "plain") == []
+
+
+@pytest.mark.parametrize(
+    ("namespace", "value", "problem"),
+    [
+        (TEAM, "other", "no KVCacheTenant in namespace team-a binds pool other"),
+        (OTHER_TEAM, "main", "no KVCacheTenant in namespace team-b binds pool main"),
+        (
+            TEAM,
+            "Main.Pool",
+            "label kvpool.io/cache-pool='Main.Pool' in namespace team-a is not a pool name "
+            "(a DNS label)",
+        ),
+    ],
+    ids=["other-pool", "other-namespace", "invalid-value"],
+)
+def test_a_pod_that_cannot_be_wired_is_created_with_a_warning(
+    served_api: ServedApi, operator: OperatorProcess, namespace: str, value: str, problem: str
+) -> None:
+    name = f"unwired-{uuid.uuid4().hex[:6]}"
+    sent = _pod(name, {"kvpool.io/cache-pool": value})
+    pod, warnings = _create(served_api, namespace, sent)
+    assert pod["spec"] == sent["spec"]
+    assert warnings == [f'299 - "kvpool: {problem}; {UNWIRED}"']
+    assert _calls(served_api, name) == ["unchanged"]
+
+
+def test_the_published_ca_verifies_the_webhook_server(
+    served_api: ServedApi, operator: OperatorProcess
+) -> None:
+    config = _webhook(served_api)["clientConfig"]
+    context = ssl.create_default_context(cadata=base64.b64decode(config["caBundle"]).decode())
+    pod = _pod("direct", LABEL)
+    pod["metadata"]["namespace"] = TEAM
+    uid = str(uuid.uuid4())
+    review = {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": uid,
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "namespace": TEAM,
+            "operation": "CREATE",
+            "userInfo": {"username": "someone"},
+            "object": pod,
+            "dryRun": False,
+        },
+    }
+    response = httpx.post(config["url"], json=review, verify=context, timeout=10)
+    assert response.status_code == 200, response.text
+    answer = response.json()["response"]
+    assert (answer["uid"], answer["allowed"], answer["patchType"]) == (uid, True, "JSONPatch")
+    patched = jsonpatch.apply_patch(pod, json.loads(base64.b64decode(answer["patch"])))
+    assert patched["spec"]["volumes"] == [VOLUME]
+    with pytest.raises(httpx.ConnectError):  # another CA: refused
+        httpx.post(config["url"], json=review, verify=ssl.create_default_context(), timeout=10)
+
+
+def test_a_failing_webhook_under_fail_policy_fails_the_create(
+    served_api: ServedApi, operator: OperatorProcess
+) -> None:
+    url = f"https://127.0.0.1:{free_port()}/x"
+    configuration = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": "strict.example.com"},
+        "webhooks": [
+            {
+                "name": "strict.example.com",
+                "clientConfig": {"url": url},
+                "rules": [
+                    {
+                        "apiGroups": [""],
+                        "apiVersions": ["v1"],
+                        "resources": ["pods"],
+                        "operations": ["CREATE"],
+                    }
+                ],
+                "objectSelector": {"matchLabels": {"strict": "yes"}},
+                "namespaceSelector": {"matchLabels": {"team": "yes"}},
+                "sideEffects": "None",
+                "admissionReviewVersions": ["v1"],
+            }
+        ],
+    }
+    headers = {"Authorization": "Bearer test"}
+    base = f"{served_api.url}/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"
+    assert httpx.post(base, json=configuration, headers=headers).status_code == 201
+    try:
+        pods = f"{served_api.url}/api/v1/namespaces/{TEAM}/pods"
+        refused = httpx.post(pods, json=_pod("strict", {"strict": "yes"}), headers=headers)
+        assert refused.status_code == 500
+        assert refused.json()["message"].startswith(
+            f'Internal error occurred: failed calling webhook "strict.example.com": '
+            f'failed to call webhook: Post "{url}": '
+        )
+        assert "strict" not in served_api.objects("pods", TEAM)
+        # the namespace selector: not a team namespace, not called
+        pods = f"{served_api.url}/api/v1/namespaces/{POOL_NAMESPACE}/pods"
+        created = httpx.post(pods, json=_pod("strict", {"strict": "yes"}), headers=headers)
+        assert created.status_code == 201, created.text
+    finally:
+        httpx.delete(f"{base}/strict.example.com", headers=headers)
+
+
+def test_with_the_operator_down_a_labelled_pod_is_created_as_it_is(
+    served_api: ServedApi, operator: OperatorProcess
+) -> None:
+    """Last: it stops the operator. The webhook stays configured (persistent); its calls
+    fail, and failurePolicy Ignore creates the pod unchanged."""
+    operator.stop()
+    assert _webhook(served_api)
+    sent = _pod("operator-down", LABEL)
+    pod, warnings = _create(served_api, TEAM, sent)
+    assert (pod["spec"], warnings) == (sent["spec"], [])
+    (outcome,) = _calls(served_api, "operator-down")
+    assert outcome.startswith("ignored: failed to call webhook: Post ")
