@@ -347,6 +347,7 @@ class Kubelet:
         self.csi = CsiPlugins(node)
         (node.root / "dev" / "shm").mkdir(parents=True, exist_ok=True)  # every node has one
         self._namespace = NodeNamespace(node.host_path(KUBELET_DIR))
+        node.host_path(f"{KUBELET_DIR}/plugins_registry").mkdir()  # the plugin watcher's
 
     def stop(self) -> None:
         """After its pods: the node's mount namespace goes, and every mount in it."""
@@ -517,7 +518,7 @@ class Kubelet:
         plugin, with the pod's identity if its CSIDriver asks for it (``podInfoOnMount``)."""
         source = volume["csi"]
         driver = source["driver"]
-        found = self._control.get("csidrivers", "", driver)
+        found = self._control.objects("csidrivers").get(driver)
         assert found is not None, f"no CSIDriver {driver}"
         if "Ephemeral" not in found["spec"].get("volumeLifecycleModes", ["Persistent"]):
             raise AssertionError(f"CSIDriver {driver} does not allow inline volumes")

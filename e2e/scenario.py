@@ -56,8 +56,8 @@ from typing import Any
 import httpx
 import yaml
 from pydantic.alias_generators import to_camel
-from tests.support.engines import Result, write_model
 from tests.support import pod_security
+from tests.support.engines import Result, write_model
 from tests.support.operator_process import OperatorProcess
 from tests.support.ports import free_port
 from tests.support.tools import ToolsUnavailable, tools
@@ -276,7 +276,7 @@ class Flow:
     def start_operator(self) -> None:
         self.step("run the operator; wait for the DaemonSet, the Service and the ConfigMaps")
         log = self.workdir / "operator.log"
-        webhook = ["--webhook-host", "127.0.0.1", "--webhook-port", str(free_port())]
+        webhook = ["--webhook-url-host", "127.0.0.1", "--webhook-port", str(free_port())]
         operator = OperatorProcess(self.control.kubeconfig, None, log, webhook).start()
         self.stack.callback(operator.stop)
         self.children = eventually(

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .scenario import MANIFESTS, Unavailable, run
+from .scenario import MANIFESTS, Evidence, Unavailable, run
 
 
 @pytest.mark.e2e
@@ -34,6 +34,8 @@ def test_the_whole_flow(tmp_path: Path) -> None:
     assert evidence.pool_ready["readyNodes"] == 2
     spec = yaml.safe_load((MANIFESTS / "pool.yaml").read_text())["spec"]
     assert evidence.chunk_tokens == spec["chunkTokens"], evidence.discovery
+
+    _assert_wired_by_the_label(evidence)
 
     # the second engine loaded the first one's KV through node-a's agent: same answer
     assert evidence.first is not None and evidence.second is not None
@@ -80,3 +82,21 @@ def test_the_whole_flow(tmp_path: Path) -> None:
     assert evidence.agent_exit_codes == [0, 0]
     assert evidence.index_exit_code == 0
     assert evidence.pool_gone["reason"] == "PoolNotFound"  # team-b's tenant stays, refused
+
+
+def _assert_wired_by_the_label(evidence: Evidence) -> None:
+    """The vLLM pods carry only the label: the webhook wired the segment's CSI volume, the
+    agent's group and the connector's environment from team-a's Secret; the stored pod
+    passes Pod Security "restricted", which team-a's namespace enforces (a hostPath pod is
+    refused); each node's kubelet registered the chart's CSI plugin."""
+    wired = evidence.wired
+    assert [volume["csi"]["driver"] for volume in wired["volumes"]] == ["csi.kvpool.io"]
+    assert wired["mounts"] == [{"name": "kvpool-segment", "mountPath": "/var/run/kvpool"}]
+    assert wired["env"]["KVPOOL_ENDPOINT"] == "tcp://kvpool-main.inference.svc:7400"
+    assert wired["env"]["KVPOOL_SEGMENT_PATH"] == "/var/run/kvpool/segment"
+    assert wired["env"]["KVPOOL_TOKEN"]["secretKeyRef"]["name"] == "kvpool-cache-kvpool"
+    assert wired["supplementalGroups"] == [10001]
+    assert evidence.wired_violations == []
+    assert 'violates PodSecurity "restricted:latest"' in evidence.hostpath_refused
+    assert "hostPath" in evidence.hostpath_refused
+    assert {info["name"] for info in evidence.csi_registered.values()} == {"csi.kvpool.io"}

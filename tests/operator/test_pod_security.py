@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kvpool_operator.admission.wiring import Binding, PoolFacts, apply, wire
 from tests.support.pod_security import restricted
 
 ROOT = Path(__file__).parents[2]
@@ -56,6 +57,18 @@ def test_the_tenant_pods_are_found() -> None:
 @pytest.mark.parametrize("where", sorted(TENANT_PODS))
 def test_every_documented_tenant_pod_is_restricted(where: str) -> None:
     assert restricted(TENANT_PODS[where]) == [], where
+
+
+@pytest.mark.parametrize("where", sorted(TENANT_PODS))
+def test_every_documented_tenant_pod_stays_restricted_once_wired(where: str) -> None:
+    pod = {"metadata": {"labels": {"kvpool.io/cache-pool": "main"}}, "spec": TENANT_PODS[where]}
+    pool = PoolFacts("main", "inference", 7400, 256)
+    wiring = wire(pod, "team-a", [Binding("kvpool-cache", "inference", pool)])
+    assert wiring.patch, wiring
+    wired = copy.deepcopy(pod)
+    apply(wiring.patch, wired)
+    assert any("csi" in volume for volume in wired["spec"]["volumes"])
+    assert restricted(wired["spec"]) == [], where
 
 
 GOOD: Manifest = {

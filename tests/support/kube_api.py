@@ -41,7 +41,10 @@ makes it behave like a real API server wherever kvpool depends on it:
   default) fails the create with 500 ``failed calling webhook "<name>": <why>``.
 
 Not emulated: validation against OpenAPI schemas and CEL rules (``test_crd.py`` and
-``test_render.py`` check those offline), defaulting, validating admission, mutating
+``test_render.py`` check those offline), defaulting, validating admission (but PodSecurity:
+a pod created in a namespace labelled ``pod-security.kubernetes.io/enforce: baseline`` or
+``restricted`` is refused when it breaks that level, checked after the mutating webhooks
+with ``tests/support/pod_security.py``), mutating
 admission of anything but a POST (updates, server-side apply's creates, cluster-scoped
 objects), webhooks reached through a ``service`` clientConfig (such a create fails: there
 is no cluster network to resolve a Service in), reinvocation, ``matchPolicy`` (rules match
@@ -83,6 +86,8 @@ import kmock
 import multidict
 import yaml
 from kmock._internal import enums, parsing, rendering
+
+from tests.support import pod_security
 
 _parse_path = parsing.parse_path
 
@@ -413,6 +418,8 @@ class ApiServer(kmock.KubernetesEmulator):
                 ):
                     continue
                 obj = await self._call(webhook, review(resource, info, namespace, obj), warnings)
+        if resource.plural == "pods":
+            _enforce_pod_security(obj, namespace_labels)
         return obj, warnings
 
     async def _call(self, webhook: Mapping[str, Any], request: Obj, warnings: list[str]) -> Obj:
@@ -677,6 +684,31 @@ class ApiServer(kmock.KubernetesEmulator):
                     yield event
         finally:
             await bus.unmark(mark)
+
+
+POD_SECURITY_LABEL = "pod-security.kubernetes.io/enforce"
+
+
+def _enforce_pod_security(pod: Obj, namespace_labels: Mapping[str, str]) -> None:
+    """PodSecurity admission, after the mutating webhooks: a pod of a namespace labelled
+    ``pod-security.kubernetes.io/enforce: baseline|restricted`` that breaks the level is
+    refused (403), as the API server's built-in admission does."""
+    level = namespace_labels.get(POD_SECURITY_LABEL, "privileged")
+    if level not in ("baseline", "restricted"):
+        return
+    problems = [
+        problem
+        for problem in pod_security.restricted(pod.get("spec") or {})
+        if level == "restricted" or problem.startswith("baseline")
+    ]
+    if problems:
+        name = pod.get("metadata", {}).get("name", "")
+        raise kmock.KubernetesError(
+            status=403,
+            reason="Forbidden",
+            message=f'pods "{name}" is forbidden: violates PodSecurity "{level}:latest": '
+            + "; ".join(problems),
+        )
 
 
 def _now() -> str:

@@ -18,7 +18,7 @@ from kvpool_agent.doctor.fingerprint import EngineModel
 from kvpool_agent.doctor.model import read_model_config
 from kvpool_agent.doctor.report import Check, exit_code
 from kvpool_agent.doctor.run import Options, diagnose
-from kvpool_agent.names import ADMIN_TOKEN_ENV
+from kvpool_agent.names import ADMIN_TOKEN_ENV, CONNECTOR_ENDPOINT_ENV
 from kvpool_agent.problems import ConfigError, exit_with, number, show
 
 PROG = "kvpool doctor"
@@ -105,8 +105,16 @@ def run(args: argparse.Namespace) -> int:
         extra_config["segment_path"] = args.segment_path
     if args.token_file is not None:
         extra_config["token_file"] = args.token_file
+    # --pool asks for the pool's Service to be checked: it wins over a KVPOOL_ENDPOINT that
+    # kvpool's admission webhook put in the pod (the other overrides, such as the segment's
+    # path in the pod, still apply)
+    environ = {
+        name: value
+        for name, value in os.environ.items()
+        if args.endpoint is not None or name != CONNECTOR_ENDPOINT_ENV
+    }
     try:
-        settings = ConnectorSettings.load(extra_config, flags=FLAGS)
+        settings = ConnectorSettings.load(extra_config, environ, flags=FLAGS)
         admin_token = _admin_token(args.admin_token_file)
         model_config = None if args.model_config is None else read_model_config(args.model_config)
     except ConfigError as error:
