@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,10 @@ import yaml
 
 import kvpool_agent.connector
 from kvpool_agent.connector.settings import ConnectorSettings
+from kvpool_agent.csi import main as csi_main
+from kvpool_agent.names import CACHE_POOL_LABEL, CSI_DRIVER
 from kvpool_operator import main as operator_main
+from kvpool_operator.admission.server import DEFAULT_CONFIGURATION, ServiceRef, WebhookOptions
 from kvpool_operator.reconcile import Options
 from kvpool_operator.render import Pool, render
 from kvpool_operator.spec import PoolSpec
@@ -39,6 +43,7 @@ VALUE_SETS: dict[str, tuple[str, ...]] = {
     "s3-nvme": ("s3-nvme.yaml",),
     "monitoring": ("monitoring.yaml",),
     "csi": ("csi.yaml",),
+    "webhook": ("webhook.yaml",),
 }
 NO_OFFICIAL_SCHEMA = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 """Kinds outside Kubernetes (prometheus-operator's); test_service_monitor checks it."""
@@ -50,6 +55,11 @@ BAD_VALUES = {
     "bad-digest.yaml": "/image/digest",
     "bad-resources.yaml": "/operator/resources/limits/memory",
     "bad-example-namespace.yaml": "is not one of operator.watchNamespaces",
+    "bad-webhook-without-csi.yaml": (
+        "the webhook mounts the pool's segment through kvpool's CSI driver: set csi.enabled"
+    ),
+    "bad-webhook-namespaces.yaml": "the webhook needs the operator to watch every namespace",
+    "bad-webhook-port.yaml": "webhook.port 9443 is operator.healthPort's",
 }
 
 
@@ -149,28 +159,55 @@ _KUBECONFIG = {
 }
 
 
-def test_the_operator_accepts_its_arguments(
-    rendered: tuple[str, list[Manifest]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    """kvpool-operator's own parser reads the rendered arguments; the probe hits --liveness.
+@dataclass
+class OperatorRun:
+    """What ``kvpool-operator`` did with the rendered arguments, up to ``kopf.run``."""
 
-    Its credentials are a kubeconfig (in the pod, the service account); the liveness port
-    the pod binds need not be free on the test's machine, so that check only records it.
+    run: dict[str, Any]
+    liveness_checked: list[str]
+    webhook: WebhookOptions | None
+
+
+def _run_operator(args: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> OperatorRun:
+    """kvpool-operator's own parser reads ``args``, stopped at ``kopf.run``.
+
+    Its credentials are a kubeconfig (in the pod, the service account); the liveness and
+    webhook ports the pod binds need not be free on the test's machine, nor the webhook's
+    certificate directory be there, so those checks only record what they were given; the
+    webhook's handlers are recorded, not registered (the registry is the process's).
     """
-    name, manifests = rendered
     calls: list[dict[str, Any]] = []
     checked: list[str] = []
+    webhooks: list[WebhookOptions] = []
+    registered: list[WebhookOptions] = []
     monkeypatch.setattr(kopf, "configure", lambda **_: None)
     monkeypatch.setattr(kopf, "run", lambda **kwargs: calls.append(kwargs))
     monkeypatch.setattr(operator_main, "check_liveness", checked.append)
+    monkeypatch.setattr(operator_main, "check_webhook", webhooks.append)
+    monkeypatch.setattr(
+        operator_main, "register_webhook", lambda _, options: registered.append(options)
+    )
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(json.dumps(_KUBECONFIG))
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-    container = _operator_container(manifests)
-    assert operator_main.main(container["args"]) == 0
+    assert operator_main.main(args) == 0
     (run,) = calls
-    assert checked == [run["liveness_endpoint"]]
+    assert webhooks == registered
+    assert len(registered) <= 1
+    return OperatorRun(run, checked, next(iter(registered), None))
+
+
+def test_the_operator_accepts_its_arguments(
+    rendered: tuple[str, list[Manifest]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """kvpool-operator's own parser reads the rendered arguments; the probe hits --liveness;
+    the webhook listens on the port its Service forwards to, with the certificate mounted."""
+    name, manifests = rendered
+    container = _operator_container(manifests)
+    operator = _run_operator(container["args"], monkeypatch, tmp_path)
+    run = operator.run
+    assert operator.liveness_checked == [run["liveness_endpoint"]]
     values = _values(name)
     watched = values["operator"]["watchNamespaces"]
     assert run["clusterwide"] is (not watched)
@@ -183,6 +220,125 @@ def test_the_operator_accepts_its_arguments(
     probe = container["livenessProbe"]["httpGet"]
     (port,) = [p for p in container["ports"] if p["name"] == probe["port"]]
     assert (port["containerPort"], probe["path"]) == (int(liveness[1]), liveness[2])
+    webhook = operator.webhook
+    if not values["webhook"]["enabled"]:
+        assert webhook is None
+        assert "webhook" not in {p["name"] for p in container["ports"]}
+        assert not _webhook_services(manifests)
+        return
+    assert webhook is not None
+    (service,) = _webhook_services(manifests)
+    (service_port,) = service["spec"]["ports"]
+    assert webhook.service == ServiceRef(
+        service["metadata"]["namespace"], service["metadata"]["name"], service_port["port"]
+    )
+    (port,) = [p for p in container["ports"] if p["name"] == service_port["targetPort"]]
+    assert webhook.port == port["containerPort"] == values["webhook"]["port"]
+    assert webhook.bind == "0.0.0.0"
+    assert webhook.configuration == DEFAULT_CONFIGURATION
+    secret = values["webhook"]["certSecretName"]
+    cert_dir = None if webhook.cert_dir is None else str(webhook.cert_dir)
+    assert cert_dir == _mount_of_secret(manifests, secret)
+
+
+def _webhook_services(manifests: list[Manifest]) -> list[Manifest]:
+    return [
+        service
+        for service in by_kind(manifests, "Service")
+        if service["metadata"]["name"].endswith("-webhook")
+    ]
+
+
+def _mount_of_secret(manifests: list[Manifest], secret: str) -> str | None:
+    """Where the operator's container mounts the Secret ``secret`` (None: nowhere)."""
+    pod = one(manifests, "Deployment")["spec"]["template"]["spec"]
+    volumes = {v["name"] for v in pod["volumes"] if v.get("secret", {}).get("secretName") == secret}
+    (container,) = pod["containers"]
+    mounts = [m for m in container["volumeMounts"] if m["name"] in volumes]
+    assert all(m.get("readOnly") for m in mounts), mounts
+    return mounts[0]["mountPath"] if mounts else None
+
+
+def test_the_webhook_service_reaches_the_operators_pod_only(helm: Helm) -> None:
+    manifests = helm.template("webhook.yaml")
+    (service,) = _webhook_services(manifests)
+    assert service["metadata"]["namespace"] == NAMESPACE
+    assert service["spec"]["ports"] == [
+        {"name": "https", "port": 443, "targetPort": "webhook", "protocol": "TCP"}
+    ]
+    selector = service["spec"]["selector"].items()
+    deployment = one(manifests, "Deployment")
+    assert selector == deployment["spec"]["selector"]["matchLabels"].items()
+    assert selector <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    for daemon_set in by_kind(manifests, "DaemonSet"):  # the CSI plugin's pods
+        assert not selector <= daemon_set["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_the_webhook_makes_its_own_certificate_unless_given_one(
+    helm: Helm, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Without certSecretName: no Secret volume, no --webhook-cert-dir; the operator writes
+    its CA and certificate under /tmp, the pod's writable emptyDir."""
+    manifests = helm.template("webhook.yaml", sets=("webhook.certSecretName=",))
+    container = _operator_container(manifests)
+    assert "--webhook-cert-dir" not in container["args"]
+    pod = one(manifests, "Deployment")["spec"]["template"]["spec"]
+    assert not [volume for volume in pod["volumes"] if "secret" in volume]
+    webhook = _run_operator(container["args"], monkeypatch, tmp_path).webhook
+    assert webhook is not None and webhook.cert_dir is None
+    (tmp,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/tmp"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == tmp["name"]]
+    assert "emptyDir" in volume and not tmp.get("readOnly")
+
+
+def _on_host(pod: dict[str, Any], path: Path) -> Path:
+    """The host's path behind ``path`` of the pod's container (through a hostPath volume)."""
+    (container,) = pod["containers"]
+    for mount in container["volumeMounts"]:
+        if path.is_relative_to(mount["mountPath"]):
+            (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+            return Path(volume["hostPath"]["path"]) / path.relative_to(mount["mountPath"])
+    raise AssertionError(f"{path} is on no volume of the pod")
+
+
+@pytest.mark.parametrize("kubelet", ["/var/lib/kubelet", "/var/lib/k0s/kubelet"])
+def test_the_csi_plugin_accepts_its_arguments_and_mounts_what_they_name(
+    helm: Helm, kubelet: str
+) -> None:
+    """kvpool-csi's own parser reads the DaemonSet's arguments; every path they name is the
+    host's path the kubelet expects, through the plugin's hostPath volumes."""
+    manifests = helm.template("csi.yaml", sets=(f"csi.kubeletDir={kubelet}",))
+    (daemon_set,) = by_kind(manifests, "DaemonSet")
+    pod = daemon_set["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["kvpool-csi"]
+    args = csi_main.parser().parse_args(container["args"])
+    plugin_dir = Path(kubelet) / "plugins" / CSI_DRIVER
+    assert _on_host(pod, args.endpoint) == args.kubelet_endpoint == plugin_dir / "csi.sock"
+    assert args.registration_dir is not None
+    assert _on_host(pod, args.registration_dir) == Path(kubelet) / "plugins_registry"
+    # the kubelet's directory at the same path, so that the targets it names are there
+    assert _on_host(pod, args.kubelet_dir) == args.kubelet_dir == Path(kubelet)
+    (kubelet_mount,) = [
+        m for m in container["volumeMounts"] if Path(m["mountPath"]) == args.kubelet_dir
+    ]
+    assert kubelet_mount["mountPropagation"] == "Bidirectional"
+    assert _on_host(pod, args.shm_dir) == Path("/dev/shm")
+    (node_name,) = [env for env in container["env"] if env["name"] == csi_main.NODE_ENV]
+    assert node_name["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+
+
+def test_the_csi_driver_serves_inline_volumes_with_the_pods_identity(helm: Helm) -> None:
+    manifests = helm.template("csi.yaml")
+    driver = one(manifests, "CSIDriver")
+    assert driver["metadata"]["name"] == CSI_DRIVER
+    assert driver["spec"]["volumeLifecycleModes"] == ["Ephemeral"]
+    assert driver["spec"]["podInfoOnMount"] is True  # the plugin admits by the pod's namespace
+    assert driver["spec"]["attachRequired"] is False
+    for name in ("defaults", "s3-nvme", "monitoring"):
+        manifests = helm.template(*VALUE_SETS[name])
+        assert not by_kind(manifests, "CSIDriver") and not by_kind(manifests, "DaemonSet")
 
 
 def test_the_image_is_pinned_by_digest_when_asked(helm: Helm) -> None:
@@ -281,6 +437,21 @@ def test_the_notes_configure_vllm_with_the_connectors_own_settings(helm: Helm) -
     assert "kvpool-gpu-quotas" in notes
     assert "create secret generic kvpool-gpu-tokens" in notes  # the pool's tokensSecretRef
     assert f"-n {NAMESPACE} rollout status deployment/kvpool-operator" in notes
+    assert "hostPath" in notes and "create role" in notes
+    assert "kvpool.io/cache-pool" not in notes
+
+    # with the webhook: the label and the connector's name, nothing else of kvpool
+    notes = helm.notes("webhook.yaml")
+    quoted = re.search(r"--kv-transfer-config '([^']*)'", notes)
+    assert quoted is not None, notes
+    transfer = json.loads(" ".join(quoted[1].split()))
+    assert transfer["kv_connector"] in kvpool_agent.connector.__all__
+    settings = ConnectorSettings.load(transfer["kv_connector_extra_config"], environ={})
+    assert (settings.pool, settings.namespace) == ("main", NAMESPACE)
+    assert f"labels: {{{CACHE_POOL_LABEL}: main}}" in notes
+    for absent in ("hostPath", "/dev/shm", "create role", "KVPOOL_TOKEN"):
+        assert absent not in notes, absent
+    assert "kvpool tenant-id" in notes
 
 
 def test_the_values_are_documented_field_by_field() -> None:

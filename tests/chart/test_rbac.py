@@ -7,8 +7,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import kopf
 import pytest
 
+from kvpool_operator.admission.handlers import register as register_webhook
+from kvpool_operator.admission.server import DEFAULT_CONFIGURATION, WebhookOptions
 from kvpool_operator.apply import KINDS, kind_of
 from kvpool_operator.handlers import registry
 from kvpool_operator.reconcile import POOLS
@@ -28,6 +31,18 @@ CLUSTER_WIDE: set[Permission] = {
     ("", "namespaces", "watch"),
 }
 """kopf's needs whatever namespaces it serves, and the tenants' namespaces' labels."""
+
+ADMISSION = "admissionregistration.k8s.io"
+WEBHOOK_CONFIGURATIONS = ("mutatingwebhookconfigurations", "validatingwebhookconfigurations")
+NamedPermission = tuple[str, str, str, str]
+"""(API group, resource, verb, the object's name or "*" for any)."""
+WEBHOOK: set[NamedPermission] = {
+    (ADMISSION, resource, verb, name)
+    for resource in WEBHOOK_CONFIGURATIONS
+    for verb, name in (("create", "*"), ("patch", DEFAULT_CONFIGURATION))
+}
+"""kopf keeps its webhook configurations (a mutating one, and an empty validating one):
+creates them if absent (create takes no resourceNames) and patches its own at each start."""
 
 
 def _verbs(group: str, resource: str, *verbs: str) -> set[Permission]:
@@ -101,9 +116,36 @@ def test_the_expected_permissions_follow_the_operators_code() -> None:
     watched = [handler.selector for handler in registry._watching.get_all_handlers()]
     watched += [handler.selector for handler in registry._changing.get_all_handlers()]
     assert watched, "kopf's registry moved: find the operator's watched resources again"
+    # the webhook's registrations (made only when it is on): its indices watch too
+    webhook = _webhook_registry()
+    indices = [handler.selector for handler in webhook._indexing.get_all_handlers()]
+    assert {str(s.any_name) for s in indices if s is not None} == {PLURAL, TENANT_PLURAL}
+    watched += indices
     for selector in watched:
         assert selector is not None and isinstance(selector.any_name, str), selector
         assert _verbs(str(selector.group), selector.any_name, "list", "watch") <= NAMESPACED
+
+
+def _webhook_registry() -> kopf.OperatorRegistry:
+    """A registry with the webhook's registrations alone (the process's stays untouched)."""
+    webhook = kopf.OperatorRegistry()
+    register_webhook(webhook, WebhookOptions(url_host="127.0.0.1"))
+    return webhook
+
+
+def test_the_webhook_asks_for_no_permission_but_its_configurations() -> None:
+    """Its handler reads pods from the admission requests (no watch of pods), its indices
+    what the operator watches already; kopf keeps the configuration the startup names."""
+    webhook = _webhook_registry()
+    for handlers in (webhook._watching, webhook._changing, webhook._spawning):
+        assert not handlers.get_all_handlers()
+    (mutate,) = webhook._webhooks.get_all_handlers()
+    assert mutate.selector is not None and mutate.selector.any_name == "pods"
+    assert mutate.operations == ["CREATE"]
+    settings = kopf.OperatorSettings()
+    (startup,) = webhook._activities.get_all_handlers()
+    startup.fn(settings=settings)
+    assert settings.admission.managed == DEFAULT_CONFIGURATION
 
 
 def test_every_permission_has_a_use() -> None:
@@ -233,3 +275,79 @@ def test_without_rbac_the_chart_makes_none(helm: Helm) -> None:
         "RoleBinding",
         "ServiceAccount",
     }
+
+
+def _named_grants(manifests: list[Manifest]) -> set[NamedPermission]:
+    """The operator's cluster-wide permissions, each with the object it is limited to."""
+    subject = _subject(manifests)
+    roles = {role["metadata"]["name"]: role["rules"] for role in by_kind(manifests, "ClusterRole")}
+    granted: set[NamedPermission] = set()
+    for binding in by_kind(manifests, "ClusterRoleBinding"):
+        if subject in binding["subjects"]:
+            for rule in roles[binding["roleRef"]["name"]]:
+                granted |= {
+                    (group, resource, verb, name)
+                    for group in rule["apiGroups"]
+                    for resource in rule["resources"]
+                    for verb in rule["verbs"]
+                    for name in rule.get("resourceNames", ["*"])
+                }
+    return granted
+
+
+def test_the_webhook_adds_exactly_what_kopf_needs_to_keep_its_configurations(
+    helm: Helm,
+) -> None:
+    """In a ClusterRole and binding of its own: the operator's other roles are the same
+    with the webhook on or off, and off the chart renders none of it."""
+    without = helm.template(sets=("csi.enabled=true",))
+    manifests = helm.template("webhook.yaml")
+    assert _named_grants(manifests) - _named_grants(without) == WEBHOOK
+    assert _named_grants(without) <= _named_grants(manifests)
+    (args,) = [
+        c["args"] for c in one(manifests, "Deployment")["spec"]["template"]["spec"]["containers"]
+    ]
+    assert "--webhook-configuration" not in args, "RBAC names the default configuration"
+    own = [
+        m
+        for m in by_kind(manifests, "ClusterRole") + by_kind(manifests, "ClusterRoleBinding")
+        if m["metadata"]["name"].endswith("-webhook")
+    ]
+    assert sorted(m["kind"] for m in own) == ["ClusterRole", "ClusterRoleBinding"]
+    others = [m for m in by_kind(manifests, "ClusterRole") if m not in own]
+    assert others == by_kind(without, "ClusterRole")
+    for rendered in (without, helm.template("webhook.yaml", sets=("rbac.create=false",))):
+        assert not [
+            m
+            for m in rendered
+            if m["metadata"]["name"].endswith("-webhook") and m["kind"] != "Service"
+        ]
+
+
+@pytest.mark.parametrize("watched", [[], ["inference", "batch"]])
+def test_the_csi_plugin_may_only_get_services_and_configmaps(
+    helm: Helm, watched: list[str]
+) -> None:
+    """A pool's Service and tenants ConfigMap, read at each publish, in the namespaces the
+    operator serves; the plugin's own account, not the operator's."""
+    sets = tuple(f"operator.watchNamespaces[{i}]={name}" for i, name in enumerate(watched))
+    manifests = helm.template("csi.yaml", sets=sets)
+    (daemon_set,) = by_kind(manifests, "DaemonSet")
+    account = daemon_set["spec"]["template"]["spec"]["serviceAccountName"]
+    subject = {"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}
+    assert subject != _subject(manifests)
+    roles = {role["metadata"]["name"]: role["rules"] for role in by_kind(manifests, "ClusterRole")}
+    bindings = [
+        binding
+        for binding in by_kind(manifests, "ClusterRoleBinding") + by_kind(manifests, "RoleBinding")
+        if subject in binding["subjects"]
+    ]
+    assert {binding["kind"] for binding in bindings} == (
+        {"RoleBinding"} if watched else {"ClusterRoleBinding"}
+    )
+    if watched:
+        assert {binding["metadata"]["namespace"] for binding in bindings} == set(watched)
+    for binding in bindings:
+        assert _granted(roles[binding["roleRef"]["name"]]) == (
+            _verbs("", "services", "get") | _verbs("", "configmaps", "get")
+        )

@@ -23,6 +23,17 @@ release name already holds it. */}}
 {{- printf "%s-operator" (include "kvpool.fullname" . | trunc 54 | trimSuffix "-") }}
 {{- end }}
 
+{{/* The webhook's Service (and its RBAC): the operator's name with -webhook (at most 63
+characters, a DNS label as --webhook-service wants). */}}
+{{- define "kvpool.webhookName" -}}
+{{- printf "%s-webhook" (include "kvpool.operatorName" . | trunc 55 | trimSuffix "-") }}
+{{- end }}
+
+{{/* Where the operator's container mounts webhook.certSecretName. */}}
+{{- define "kvpool.webhookCertDir" -}}
+/etc/kvpool/webhook-tls
+{{- end }}
+
 {{/* Labels of every object of the chart (the templates add app.kubernetes.io/component). */}}
 {{- define "kvpool.commonLabels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
