@@ -8,20 +8,28 @@
   in a mount namespace of its own (``sandbox.py``) where its volumes are mounted at the
   paths the spec names: ConfigMaps and Secrets read from the API server and written to
   files, emptyDirs, hostPaths (under the node's root directory, so that two nodes on one
-  machine have two ``/dev/shm``), and the service account's token, CA and namespace at
+  machine have two ``/dev/shm``), inline CSI volumes (published by the driver's node
+  plugin, which the kubelet finds by its registration socket: :class:`CsiPlugins`), and
+  the service account's token, CA and namespace at
   ``/var/run/secrets/kubernetes.io/serviceaccount``. Nothing in the command, args, env or
   files is rewritten, with one exception: pods here share the machine's network, so each
   pod gets a loopback address of its own, and an env value ``0.0.0.0`` (the wildcard of
   the pod's own network) becomes that address.
-- The kubelet's reports: each pod it runs is written to the API server with its labels,
-  node, container ports, IP and phase Running (what the prefix index discovers agents by).
+- A node's mount namespace (:class:`NodeNamespace`): its pods start from it, and its
+  kubelet directory is a shared mount there, so that a pod mounting it with
+  ``mountPropagation: Bidirectional`` (a CSI plugin, privileged) publishes into it.
+- Pod creation: each pod is created through the API server first, as a workload
+  controller creates it (admission webhooks and PodSecurity see it), and the kubelet runs
+  what the API server stored, then reports it Running with its IP (what the prefix index
+  discovers agents by).
 - Cluster DNS and kube-proxy: each pod's ``/etc/hosts`` resolves
   ``<service>.<namespace>.svc`` to the ready pod that the Service selects on the pod's
   own node (``internalTrafficPolicy: Local``, the only policy kvpool uses); a Service
   port must then equal its target port, which this emulation checks.
 
 Not emulated: images (every container runs this machine's Python environment, the
-"image"), users and security contexts (containers run as the caller), resource limits,
+"image"), users and security contexts (containers run as root; PodSecurity admission
+checks the contexts, nothing applies them), resource limits,
 scheduling (a test picks nodes), controllers (a test writes the DaemonSet's status).
 """
 
@@ -69,8 +77,10 @@ class SandboxUnavailable(RuntimeError):
 
 def check_sandbox(scratch: Path) -> None:
     """Run one empty container (an overlay and a bind mount) or raise SandboxUnavailable."""
-    if shutil.which("unshare") is None or shutil.which("mount") is None:
-        raise SandboxUnavailable("unshare(1) and mount(8) are needed to run pods")
+    if not all(shutil.which(tool) for tool in ("unshare", "nsenter", "mount")):
+        raise SandboxUnavailable("unshare(1), nsenter(1) and mount(8) are needed to run pods")
+    if os.geteuid() != 0:
+        raise SandboxUnavailable("a node's mount namespace and its CSI plugin's mounts need root")
     source = scratch / "probe-volume"
     source.mkdir(parents=True, exist_ok=True)
     (source / "probe").write_text("ok")
@@ -99,8 +109,7 @@ def check_sandbox(scratch: Path) -> None:
 
 
 def _unshare(propagation: str = "private") -> list[str]:
-    command = ["unshare", "--mount", "--propagation", propagation]
-    return command + (["--map-root-user"] if os.geteuid() != 0 else [])
+    return ["unshare", "--mount", "--propagation", propagation]
 
 
 class ControlPlane:

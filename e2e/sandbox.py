@@ -2,10 +2,12 @@
 
 Started by :class:`e2e.cluster.Kubelet` as::
 
-    unshare --mount --propagation private [--map-root-user] python e2e/sandbox.py SPEC
+    nsenter --mount=NODE -- unshare --mount --propagation private python e2e/sandbox.py SPEC
 
-in a mount namespace of its own, so that nothing it mounts is seen outside. ``SPEC`` is a
-JSON file: ``mounts`` (``[source, target, read_only]``: a host directory or file shown
+in a mount namespace of its own, made from its node's (``NODE``), so that nothing it
+mounts is seen outside; a CSI plugin's pod starts with ``--propagation unchanged``, so
+that what it mounts under the node's shared kubelet directory reaches the node. ``SPEC``
+is a JSON file: ``mounts`` (``[source, target, read_only]``: a host directory or file shown
 at ``target``), ``argv``, ``env``, ``workdir`` and ``scratch`` (a directory for overlay
 layers). A target that does not exist (``/etc/kvpool/config``) is made inside an overlay
 of its nearest existing ancestor (``/etc``), whose upper layer lives in ``scratch``: the
