@@ -118,6 +118,22 @@ class PluginProcess:
         assert done.returncode == 0, done.stderr
         return done.stdout
 
+    def opens_as(self, uid: int, groups: list[int], path: Path) -> bool:
+        """Whether user ``uid`` with supplementary ``groups`` opens ``path`` read-write (as
+        mapping the segment needs) in the plugin's mount namespace, as a pod's user would."""
+        namespace = f"--mount=/proc/{self.process.pid}/ns/mnt"
+        who = [f"--reuid={uid}", f"--regid={uid}"]
+        who += [f"--groups={','.join(map(str, groups))}"] if groups else ["--clear-groups"]
+        done = subprocess.run(
+            ["nsenter", namespace, "setpriv", *who, "sh", "-c", ': 3<>"$1"', "sh", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+        assert done.returncode == 0 or "Permission denied" in done.stderr, done.stderr
+        return done.returncode == 0
+
     def stop(self) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -174,6 +190,7 @@ def short_root() -> Iterator[Path]:
     """A temporary directory with a short path: a unix socket's path has at most 107
     characters."""
     root = Path(tempfile.mkdtemp(prefix="kvpool-csi-", dir="/tmp"))
+    root.chmod(0o755)  # a pod's non-root user reaches its volume's mount point
     try:
         yield root
     finally:

@@ -4,6 +4,7 @@ unpublished; and every publish it refuses, with the gRPC code and the value name
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,8 @@ from kvpool_agent.csi import messages
 from kvpool_agent.csi.mounts import PUBLISHED_OPTIONS, parse_mountinfo
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.names import CSI_DRIVER, CSI_NAMESPACE_ATTRIBUTE, CSI_POOL_ATTRIBUTE
+from kvpool_operator.admission.wiring import AGENT_GROUP
+from kvpool_operator.render import AGENT_UID
 from tests.support import csi_kubelet
 from tests.support.csi_kubelet import CsiClient, target_path
 from tests.support.kube_api import ServedApi
@@ -132,6 +135,25 @@ def test_publish_then_unpublish(
     assert not target.exists()
     kubelet.unpublish(target, UID)  # again: OK
     assert "NodePublishVolume volume=csi-" in plugin.log()
+
+
+def test_a_non_root_pod_in_the_agents_group_may_map_the_segment(
+    kubelet: CsiClient, plugin: PluginProcess, node: Node, pools: Pools
+) -> None:
+    """The plugin changes no mode: the agent's (a 0710 directory and a 0660 segment of its
+    group) let a pod's own user in through the group the webhook adds, and no other."""
+    directory = node.pool_directory("grouped")
+    for path in (directory, directory / "segment"):
+        os.chown(path, AGENT_UID, AGENT_UID)
+    pools.add("grouped", str(directory / "segment"), {TEAM_A: "team-a/kvpool-cache"})
+    uid = "0f1e2d3c-0000-4000-8000-00000000000b"
+    target = target_path(node.kubelet, uid, "kvpool")
+    kubelet.publish(target, attributes("grouped"), "team-a", "vllm-1", uid)
+    try:
+        assert plugin.opens_as(1000, [AGENT_GROUP], target / "segment")
+        assert not plugin.opens_as(1000, [], target / "segment")
+    finally:
+        kubelet.unpublish(target, uid)
 
 
 def test_unknown_pool(kubelet: CsiClient, node: Node, main_pool: Path) -> None:
