@@ -39,6 +39,8 @@ from tests.support.ports import free_port
 POOL_NAMESPACE = "inference"
 TEAM = "team-a"
 OTHER_TEAM = "team-b"
+CLOSED_TEAM = "team-c"
+"""A namespace the pool does not admit, with a KVCacheTenant of the pool."""
 TENANT = "vllm"
 ZMQ_PORT = 7500
 CHUNK_TOKENS = 512
@@ -183,8 +185,14 @@ def test_leaves_a_wired_pod_as_it_is() -> None:
             "KVCacheTenant team-a/vllm binds pool inference/main, which does not exist or is "
             "not valid",
         ),
+        (
+            "main",
+            [Binding(TENANT, POOL_NAMESPACE, POOL, "NamespaceNotAllowed")],
+            "KVCacheTenant team-a/vllm is not accepted by pool inference/main "
+            "(NamespaceNotAllowed)",
+        ),
     ],
-    ids=["no-tenant", "two-tenants", "invalid-value", "no-pool"],
+    ids=["no-tenant", "two-tenants", "invalid-value", "no-pool", "refused"],
 )
 def test_warns_and_changes_nothing(value: str, bindings: list[Binding], problem: str) -> None:
     wiring = wire(_pod("p", {"kvpool.io/cache-pool": value}), TEAM, bindings)
@@ -313,8 +321,9 @@ def operator(
     served_api: ServedApi, kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OperatorProcess]:
     kubectl("apply", "--validate=false", "-f", str(REPO / "crds"))
-    for name in (POOL_NAMESPACE, TEAM, OTHER_TEAM):
-        _apply(kubectl, _namespace(name, {"team": "yes"} if name != POOL_NAMESPACE else {}))
+    for name in (POOL_NAMESPACE, TEAM, OTHER_TEAM, CLOSED_TEAM):
+        admitted = name in (TEAM, OTHER_TEAM)
+        _apply(kubectl, _namespace(name, {"team": "yes"} if admitted else {}))
     pool = {
         "apiVersion": "kvpool.io/v1alpha1",
         "kind": "KVCachePool",
@@ -333,6 +342,7 @@ def operator(
         "spec": {"poolRef": {"name": "main", "namespace": POOL_NAMESPACE}, "quota": {"l1": "1Gi"}},
     }
     _apply(kubectl, tenant)
+    _apply(kubectl, {**tenant, "metadata": {"name": TENANT, "namespace": CLOSED_TEAM}})
     log = tmp_path_factory.mktemp("operator") / "operator.log"
     options = (
         "--webhook-url-host",
@@ -348,6 +358,7 @@ def operator(
     eventually(lambda: _webhook(served_api), timeout=30, what=process.log())
     eventually(lambda: _conditions(served_api, "kvcachepools", POOL_NAMESPACE, "main"))
     eventually(lambda: _conditions(served_api, "kvcachetenants", TEAM, TENANT))
+    eventually(lambda: _conditions(served_api, "kvcachetenants", CLOSED_TEAM, TENANT))
     yield process
     process.stop()
 
@@ -443,8 +454,14 @@ def test_an_unlabelled_pod_is_not_even_sent(
             "label kvpool.io/cache-pool='Main.Pool' in namespace team-a is not a pool name "
             "(a DNS label)",
         ),
+        (
+            CLOSED_TEAM,
+            "main",
+            "KVCacheTenant team-c/vllm is not accepted by pool inference/main "
+            "(NamespaceNotAllowed)",
+        ),
     ],
-    ids=["other-pool", "other-namespace", "invalid-value"],
+    ids=["other-pool", "other-namespace", "invalid-value", "refused-tenant"],
 )
 def test_a_pod_that_cannot_be_wired_is_created_with_a_warning(
     served_api: ServedApi, operator: OperatorProcess, namespace: str, value: str, problem: str

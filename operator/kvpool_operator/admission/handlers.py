@@ -15,6 +15,7 @@ import kopf
 from kvpool_agent.names import CACHE_POOL_LABEL
 from kvpool_operator.admission.server import Webhook, WebhookOptions
 from kvpool_operator.admission.wiring import Binding, PoolFacts, apply, wire
+from kvpool_operator.reasons import ACCEPTED
 from kvpool_operator.spec import GROUP, PLURAL, TENANT_PLURAL, VERSION, InvalidSpec, PoolSpec
 
 HANDLER = "cache-pool"
@@ -59,11 +60,20 @@ def pool_facts(
 
 
 def tenant_bindings(
-    namespace: str | None, name: str, spec: kopf.Spec, **_: Any
-) -> dict[tuple[str, str], tuple[str, str]]:
-    """(tenant namespace, pool name) -> (tenant, pool namespace), for each tenant."""
+    namespace: str | None, name: str, spec: kopf.Spec, status: kopf.Status, **_: Any
+) -> dict[tuple[str, str], tuple[str, str, str]]:
+    """(tenant namespace, pool name) -> (tenant, pool namespace, why the pool refuses it:
+    its Accepted condition's reason, or empty), for each tenant."""
     ref = spec.get("poolRef") or {}
-    return {(str(namespace), str(ref.get("name"))): (name, str(ref.get("namespace")))}
+    refused = next(
+        (
+            str(condition.get("reason") or "refused")
+            for condition in status.get("conditions") or ()
+            if condition.get("type") == ACCEPTED and condition.get("status") == "False"
+        ),
+        "",
+    )
+    return {(str(namespace), str(ref.get("name"))): (name, str(ref.get("namespace")), refused)}
 
 
 def wire_pod(
@@ -74,13 +84,18 @@ def wire_pod(
     **kwargs: Any,
 ) -> None:
     """A labelled pod being created: wire it to its tenant's pool (or warn, and leave it)."""
-    tenants: kopf.Index[tuple[str, str], tuple[str, str]] = kwargs["tenant_bindings"]
+    tenants: kopf.Index[tuple[str, str], tuple[str, str, str]] = kwargs["tenant_bindings"]
     pools: kopf.Index[tuple[str, str], PoolFacts] = kwargs["pool_facts"]
     value = str(body.metadata.labels.get(CACHE_POOL_LABEL, ""))
     namespace = namespace or ""
     bindings = [
-        Binding(tenant, pool_namespace, next(iter(pools.get((pool_namespace, value), ())), None))
-        for tenant, pool_namespace in tenants.get((namespace, value), ())
+        Binding(
+            tenant,
+            pool_namespace,
+            next(iter(pools.get((pool_namespace, value), ())), None),
+            refused,
+        )
+        for tenant, pool_namespace, refused in tenants.get((namespace, value), ())
     ]
     wiring = wire(body, namespace, bindings)
     warnings.extend(wiring.warnings)

@@ -17,7 +17,8 @@ The patch adds, and replaces nothing:
 
 Nothing privileged: no hostPath, no capability, no user change. A pod that already has the
 volume is left as it is. A label that names no pool of one tenant of the namespace (none,
-several, a value that is no DNS label, a tenant whose pool is not there) leaves the pod
+several, a value that is no DNS label, a tenant whose pool is not there or does not accept
+it) leaves the pod
 unchanged, with one warning line that names the value and the namespace.
 """
 
@@ -77,6 +78,9 @@ class Binding:
     tenant: str
     pool_namespace: str
     pool: PoolFacts | None
+    refused: str = ""
+    """Why the pool does not accept the tenant (its Accepted condition's reason; empty:
+    accepted, or not decided yet)."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,12 @@ def wire(pod: Obj, namespace: str, bindings: Sequence[Binding]) -> Wiring:
         return _unwired(
             f"KVCacheTenant {namespace}/{binding.tenant} binds pool "
             f"{binding.pool_namespace}/{value}, which does not exist or is not valid"
+        )
+    if binding.refused:
+        # its pods would wait for a volume the CSI plugin never publishes to them
+        return _unwired(
+            f"KVCacheTenant {namespace}/{binding.tenant} is not accepted by pool "
+            f"{binding.pool_namespace}/{value} ({binding.refused})"
         )
     return Wiring(patch=_patch(spec, binding.tenant, binding.pool))
 
