@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import datetime
-import ipaddress
 import json
 import os
 import shutil
@@ -55,6 +53,8 @@ from typing import IO, Any, TypeVar
 from tests.support.csi_kubelet import CsiClient, notify, plugin_info, target_path, volume_id
 from tests.support.kube_api import Proxy, ServedApi
 from tests.support.polling import eventually
+
+from kvpool_operator.admission import certificates
 
 SANDBOX = Path(__file__).with_name("sandbox.py")
 KUBELET_DIR = "/var/lib/kubelet"
@@ -191,67 +191,12 @@ class _TlsFront(Proxy):
 
 
 def _tls_context(workdir: Path, ca_path: Path) -> ssl.SSLContext:
-    """A CA (written to ``ca_path``) and a server certificate for 127.0.0.1 signed by it."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvpool-e2e-ca")])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    server = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
-            ),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    ca_path.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    """A CA (written to ``ca_path``) and a server certificate for 127.0.0.1 signed by it,
+    made as the operator's webhook makes its own."""
+    made = certificates.make(["127.0.0.1", "localhost"])
+    ca_path.write_bytes(made.ca)
     chain = workdir / "apiserver.pem"
-    chain.write_bytes(
-        server.public_bytes(serialization.Encoding.PEM)
-        + key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
+    chain.write_bytes(made.cert + made.key)
     chain.chmod(0o600)
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(chain)
