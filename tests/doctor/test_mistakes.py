@@ -27,7 +27,7 @@ DOCTOR = [
     ),
     Mistake(
         "env-endpoint",
-        ["--pool", "main"],
+        ENDPOINT,  # with --pool the doctor reads the pool's Service, whatever the variable
         ["kvpool doctor: KVPOOL_ENDPOINT=localhost:7400: must be tcp://host:port or ipc://path"],
         env={"KVPOOL_ENDPOINT": "localhost:7400"},
     ),
