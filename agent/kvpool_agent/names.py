@@ -14,6 +14,11 @@ from pathlib import Path
 APP = "kvpool"
 """The value of the name label of every object of a pool."""
 
+# The custom resources' API, as the operator serves it and the CSI plugin reads it.
+API_GROUP = "kvpool.io"
+API_VERSION = "v1alpha1"
+POOL_PLURAL = "kvcachepools"
+
 # Labels of a pool's objects and pods.
 NAME_LABEL = "app.kubernetes.io/name"
 INSTANCE_LABEL = "app.kubernetes.io/instance"

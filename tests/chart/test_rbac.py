@@ -325,11 +325,11 @@ def test_the_webhook_adds_exactly_what_kopf_needs_to_keep_its_configurations(
 
 
 @pytest.mark.parametrize("watched", [[], ["inference", "batch"]])
-def test_the_csi_plugin_may_only_get_services_and_configmaps(
+def test_the_csi_plugin_may_only_get_pools_services_and_configmaps(
     helm: Helm, watched: list[str]
 ) -> None:
-    """A pool's Service and tenants ConfigMap, read at each publish, in the namespaces the
-    operator serves; the plugin's own account, not the operator's."""
+    """A KVCachePool, its Service and tenants ConfigMap, read at each publish, in the
+    namespaces the operator serves; the plugin's own account, not the operator's."""
     sets = tuple(f"operator.watchNamespaces[{i}]={name}" for i, name in enumerate(watched))
     manifests = helm.template("csi.yaml", sets=sets)
     (daemon_set,) = by_kind(manifests, "DaemonSet")
@@ -349,5 +349,7 @@ def test_the_csi_plugin_may_only_get_services_and_configmaps(
         assert {binding["metadata"]["namespace"] for binding in bindings} == set(watched)
     for binding in bindings:
         assert _granted(roles[binding["roleRef"]["name"]]) == (
-            _verbs("", "services", "get") | _verbs("", "configmaps", "get")
+            _verbs(GROUP, PLURAL, "get")
+            | _verbs("", "services", "get")
+            | _verbs("", "configmaps", "get")
         )

@@ -17,13 +17,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes import client
 
 from kvpool_agent.csi.mounts import Mount, parse_mountinfo
-from kvpool_agent.names import SEGMENT_FILE, SEGMENT_PATH_ANNOTATION, service_name, tenants_name
+from kvpool_agent.names import (
+    API_GROUP,
+    API_VERSION,
+    POOL_PLURAL,
+    SEGMENT_FILE,
+    SEGMENT_PATH_ANNOTATION,
+    service_name,
+    tenants_name,
+)
 from kvpool_agent.quotas import TierLimits
 from kvpool_agent.tenants_configmap import TenantEntry, digest_token
 from tests.support.csi_kubelet import CsiClient, discover
 from tests.support.kube_api import ServedApi
+from tests.support.operator_process import Kubectl
 from tests.support.polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,11 +155,20 @@ class PluginProcess:
 
 
 def core_api(api: ServedApi) -> Any:
-    from kubernetes import client, config
+    from kubernetes import config
 
     configuration = client.Configuration()
     config.load_kube_config(str(api.kubeconfig()), client_configuration=configuration)
     return client.CoreV1Api(client.ApiClient(configuration))
+
+
+def pool_object(pool: str) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{API_GROUP}/{API_VERSION}",
+        "kind": "KVCachePool",
+        "metadata": {"name": pool},
+        "spec": {},
+    }
 
 
 def tenant_entry(source: str) -> str:
@@ -164,8 +183,12 @@ class Pools:
 
     def __init__(self, api: ServedApi) -> None:
         self.core = core_api(api)
+        self.custom = client.CustomObjectsApi(self.core.api_client)
 
-    def add(self, pool: str, segment: str, tenants: dict[str, str]) -> None:
+    def add(
+        self, pool: str, segment: str, tenants: dict[str, str], *, with_pool: bool = True
+    ) -> None:
+        """The pool's Service and tenants ConfigMap, and (``with_pool``) its KVCachePool."""
         core = self.core
         service = {
             "metadata": {
@@ -178,6 +201,10 @@ class Pools:
             "metadata": {"name": tenants_name(pool)},
             "data": {key: tenant_entry(source) for key, source in tenants.items()},
         }
+        if with_pool:
+            self.custom.create_namespaced_custom_object(
+                API_GROUP, API_VERSION, NAMESPACE, POOL_PLURAL, pool_object(pool)
+            )
         core.create_namespaced_service(NAMESPACE, service)
         core.create_namespaced_config_map(NAMESPACE, config_map)
 
@@ -204,7 +231,8 @@ def node() -> Iterator[Node]:
 
 
 @pytest.fixture(scope="module")
-def pools(served_api: ServedApi) -> Pools:
+def pools(served_api: ServedApi, kubectl: Kubectl) -> Pools:
+    kubectl("apply", "--validate=false", "-f", str(ROOT / "crds"))  # KVCachePools
     pools = Pools(served_api)
     pools.core.create_namespace({"metadata": {"name": NAMESPACE}})
     return pools

@@ -161,7 +161,27 @@ def test_unknown_pool(kubelet: CsiClient, node: Node, main_pool: Path) -> None:
     error = refused(lambda: kubelet.publish(target, attributes("other"), "team-a", "p", UID))
 
     assert error.code() == grpc.StatusCode.NOT_FOUND
-    assert error.details() == f"no pool other in namespace {NAMESPACE}"
+    assert error.details() == f"no KVCachePool other in namespace {NAMESPACE}"
+    assert not target.exists()
+
+
+def test_a_forged_pool_is_refused(
+    kubelet: CsiClient, node: Node, pools: Pools, main_pool: Path
+) -> None:
+    """A namespace's editor can make a Service and a ConfigMap that look like a pool's, and
+    name another pool's directory in the annotation: without its KVCachePool, no publish;
+    with one, still none of another pool's directory."""
+    forged = {TEAM_A: "team-a/kvpool-cache"}
+    pools.add("forged", str(main_pool / "segment"), forged, with_pool=False)
+    target = target_path(node.kubelet, UID, "forged")
+    error = refused(lambda: kubelet.publish(target, attributes("forged"), "team-a", "p", UID))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert error.details() == f"no KVCachePool forged in namespace {NAMESPACE}"
+
+    pools.add("elsewhere", str(main_pool / "segment"), forged)
+    error = refused(lambda: kubelet.publish(target, attributes("elsewhere"), "team-a", "p", UID))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "is not in pool elsewhere's directory" in error.details()
     assert not target.exists()
 
 

@@ -48,18 +48,22 @@ def test_target_paths(tmp_path: Path) -> None:
 
 def test_pool_directories(tmp_path: Path) -> None:
     (tmp_path / "kvpool-a").mkdir()
-    assert pool_directory(f"{tmp_path}/kvpool-a/segment", tmp_path) == tmp_path / "kvpool-a"
+    (tmp_path / "other-app").mkdir()
+    assert pool_directory(f"{tmp_path}/kvpool-a/segment", tmp_path, "a") == tmp_path / "kvpool-a"
     with pytest.raises(FileNotFoundError):
-        pool_directory(f"{tmp_path}/kvpool-b/segment", tmp_path)
-    (tmp_path / "link").symlink_to(tmp_path / "kvpool-a")
-    for bad in (
-        f"{tmp_path}/segment",
-        "/segment",
-        f"{tmp_path.parent}/segment",
-        f"{tmp_path}/kvpool-a/deeper/segment",
-        f"{tmp_path}/link/segment",
-        f"{tmp_path}/../x/segment",
-        "kvpool-a/segment",
+        pool_directory(f"{tmp_path}/kvpool-b/segment", tmp_path, "b")
+    (tmp_path / "kvpool-link").symlink_to(tmp_path / "kvpool-a")
+    for bad, pool in (
+        (f"{tmp_path}/segment", "a"),
+        ("/segment", "a"),
+        (f"{tmp_path.parent}/segment", "a"),
+        (f"{tmp_path}/kvpool-a/deeper/segment", "a"),
+        (f"{tmp_path}/kvpool-link/segment", "link"),
+        (f"{tmp_path}/../x/segment", "a"),
+        ("kvpool-a/segment", "a"),
+        # a Service annotation naming another pool's or another program's directory
+        (f"{tmp_path}/kvpool-a/segment", "victim"),
+        (f"{tmp_path}/other-app/segment", "other-app"),
     ):
         with pytest.raises(ValueError):
-            pool_directory(bad, tmp_path)
+            pool_directory(bad, tmp_path, pool)

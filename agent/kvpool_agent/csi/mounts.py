@@ -83,13 +83,22 @@ def mounted_at(path: Path, mountinfo: Path = MOUNTINFO) -> Mount | None:
 
 
 def bind(source: Path, target: Path, *, readonly: bool) -> None:
-    """Bind ``source`` onto ``target``, then remount it nosuid, nodev, noexec (and ro);
-    OSError if either fails (nothing stays mounted)."""
-    _mount(source, target, MS_BIND)
+    """Bind the directory ``source`` onto ``target``, then remount it nosuid, nodev, noexec
+    (and ro); OSError if either fails (nothing stays mounted). ``source`` is opened without
+    following a symlink and bound through that descriptor: a directory swapped for a
+    symlink after the caller checked it is never bound."""
+    handle = os.open(source, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        _mount(Path(f"/proc/self/fd/{handle}"), target, MS_BIND)
+    finally:
+        os.close(handle)
     try:
         restrict(target, readonly=readonly)
     except OSError:
-        unmount(target)
+        try:
+            unmount(target)
+        except OSError:
+            unmount(target, lazy=True)  # never leave it mounted without its flags
         raise
 
 
@@ -99,8 +108,11 @@ def restrict(target: Path, *, readonly: bool) -> None:
     _mount(None, target, flags)
 
 
-def unmount(target: Path) -> None:
-    if _libc.umount2(os.fsencode(target), 0) != 0:
+MNT_DETACH = 2
+
+
+def unmount(target: Path, *, lazy: bool = False) -> None:
+    if _libc.umount2(os.fsencode(target), MNT_DETACH if lazy else 0) != 0:
         number = ctypes.get_errno()
         raise OSError(number, os.strerror(number), str(target))
 

@@ -105,9 +105,10 @@ class Node:
         target = self._target(request.target_path)
         api = self.options.api()
         timeout = self.options.api_timeout
+        pool_access.check_pool(api, pool, namespace, timeout)
         segment = pool_access.segment_path(api, pool, namespace, timeout)
         pool_access.check_admitted(api, pool, namespace, pod_namespace, timeout)
-        directory = self._directory(segment)
+        directory = self._directory(segment, pool)
         with self._lock:
             _bind(directory, target, readonly=request.readonly)
         return messages.NodePublishVolumeResponse()
@@ -136,9 +137,9 @@ class Node:
         except ValueError as error:
             raise Refusal(_INVALID, str(error)) from error
 
-    def _directory(self, segment: str) -> Path:
+    def _directory(self, segment: str, pool: str) -> Path:
         try:
-            return paths.pool_directory(segment, self.options.shm_dir)
+            return paths.pool_directory(segment, self.options.shm_dir, pool)
         except FileNotFoundError as error:
             raise Refusal(
                 grpc.StatusCode.UNAVAILABLE,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path, PurePosixPath
 
+from kvpool_agent.names import segment_dir
+
 
 def target_path(target: str, kubelet_dir: Path) -> Path:
     """``target`` resolved, which must lie in ``<kubelet_dir>/pods/`` (a pod's volume) and
@@ -25,11 +27,12 @@ def target_path(target: str, kubelet_dir: Path) -> Path:
     return resolved
 
 
-def pool_directory(segment: str, shm_dir: Path) -> Path:
+def pool_directory(segment: str, shm_dir: Path, pool: str) -> Path:
     """The directory of the segment at ``segment`` (the pool Service's annotation), which
-    must be an entry of ``shm_dir`` of its own: ``shm_dir`` itself, ``/`` or a directory
-    elsewhere would publish other files. ValueError if the path is not such a directory;
-    FileNotFoundError if it does not exist (yet)."""
+    must be the pool's own entry of ``shm_dir`` (``kvpool-<pool>``): ``shm_dir`` itself,
+    ``/``, another pool's or another program's directory would publish other files.
+    ValueError if the path is not that directory; FileNotFoundError if it does not exist
+    (yet)."""
     path = PurePosixPath(segment)
     if not path.is_absolute() or ".." in path.parts:
         raise ValueError(f"segment path {segment} must be absolute, without '..'")
@@ -41,6 +44,11 @@ def pool_directory(segment: str, shm_dir: Path) -> Path:
         )
     if directory.parent != shm_dir:
         raise ValueError(f"segment path {segment} is not in a directory of {shm_dir}")
+    if directory.name != segment_dir(pool).name:
+        raise ValueError(
+            f"segment path {segment} is not in pool {pool}'s directory "
+            f"{shm_dir / segment_dir(pool).name}"
+        )
     if directory.is_symlink():
         raise ValueError(f"the pool directory {directory} is a symlink")
     if not directory.exists():

@@ -1,7 +1,8 @@
-"""Who may publish a pool: the pool's Service on the API server names its segment, and
-the pool's tenants ConfigMap the namespaces of its KVCacheTenants (those admitted).
+"""Who may publish a pool: the KVCachePool must exist (a Service and a ConfigMap alone, which
+any namespace's editor can make, name no pool), its Service on the API server names its
+segment, and its tenants ConfigMap the namespaces of its KVCacheTenants (those admitted).
 
-Both are read with one GET each, with a short timeout, at every publish (publishes are
+Each is read with one GET, with a short timeout, at every publish (publishes are
 rare: one a pod start). A refusal is a :class:`~kvpool_agent.csi.rpc.Refusal`.
 """
 
@@ -12,14 +13,34 @@ from typing import Any
 
 import grpc
 import urllib3
-from kubernetes.client import CoreV1Api
+from kubernetes.client import CoreV1Api, CustomObjectsApi
 from kubernetes.client.exceptions import ApiException
 
 from kvpool_agent.csi.rpc import Refusal
-from kvpool_agent.names import SEGMENT_PATH_ANNOTATION, service_name, tenants_name
+from kvpool_agent.names import (
+    API_GROUP,
+    API_VERSION,
+    POOL_PLURAL,
+    SEGMENT_PATH_ANNOTATION,
+    service_name,
+    tenants_name,
+)
 from kvpool_agent.tenants_configmap import parse_tenants
 
 NOT_FOUND = 404
+
+
+def check_pool(api: CoreV1Api, pool: str, namespace: str, timeout: float) -> None:
+    """Refuse unless the KVCachePool ``namespace/pool`` exists."""
+    custom = CustomObjectsApi(api.api_client)
+
+    def read(name: str, space: str, **options: Any) -> Any:
+        return custom.get_namespaced_custom_object(
+            API_GROUP, API_VERSION, space, POOL_PLURAL, name, **options
+        )
+
+    if _get(read, pool, namespace, timeout, f"KVCachePool {namespace}") is None:
+        raise Refusal(grpc.StatusCode.NOT_FOUND, f"no KVCachePool {pool} in namespace {namespace}")
 
 
 def segment_path(api: CoreV1Api, pool: str, namespace: str, timeout: float) -> str:

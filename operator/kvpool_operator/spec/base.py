@@ -15,14 +15,16 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from kvpool_agent.names import API_GROUP, POOL_PLURAL
+from kvpool_agent.names import API_VERSION as GROUP_VERSION
 from kvpool_agent.sizes import UNIT_PATTERN, parse_size
 from kvpool_operator.spec.markers import CustomResource
 
-GROUP = "kvpool.io"
-VERSION = "v1alpha1"
+GROUP = API_GROUP
+VERSION = GROUP_VERSION
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "KVCachePool"
-PLURAL = "kvcachepools"
+PLURAL = POOL_PLURAL
 TENANT_KIND = "KVCacheTenant"
 TENANT_PLURAL = "kvcachetenants"
 
