@@ -55,6 +55,7 @@ from kvpool_agent.problems import (
     describe,
     named,
     show,
+    yaml_problem,
 )
 from kvpool_agent.sizes import Size
 
@@ -84,14 +85,6 @@ def read_config_file(path: str) -> dict[str, Any]:
             [f"{path}: expected a mapping of settings, got a {type(loaded).__name__}"]
         )
     return loaded
-
-
-def yaml_problem(error: yaml.YAMLError) -> str:
-    """Where a YAML file is broken and how, in one line, quoting none of its text."""
-    if isinstance(error, yaml.MarkedYAMLError) and error.problem_mark is not None:
-        mark = error.problem_mark
-        return f"line {mark.line + 1}, column {mark.column + 1}: {error.problem}"
-    return " ".join(str(error).split())
 
 
 class ConfigFileSource(PydanticBaseSettingsSource):

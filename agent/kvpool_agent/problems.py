@@ -416,3 +416,12 @@ def listening(setting: str, host: str, port: int) -> Iterator[None]:
         raise ConfigError(
             [f"cannot listen on {host}:{port} (host, {setting}): {reason}"]
         ) from error
+
+
+def yaml_problem(error: Exception) -> str:
+    """Where a YAML file is broken and how (a ``yaml.YAMLError``), in one line, quoting
+    none of its text. Read by its attributes, so that this module needs no YAML library."""
+    mark = getattr(error, "problem_mark", None)
+    if mark is not None:
+        return f"line {mark.line + 1}, column {mark.column + 1}: {getattr(error, 'problem', '')}"
+    return " ".join(str(error).split())

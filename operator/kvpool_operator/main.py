@@ -22,14 +22,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import kopf
-import yaml
-from kubernetes.config import ConfigException
 
 from kvpool_agent import __version__
-from kvpool_agent.config import yaml_problem
-from kvpool_agent.kube.watch import api_configuration
+from kvpool_agent.kube.watch import checked_api_configuration
 from kvpool_agent.names import OPERATOR_AGENT_IMAGE_ENV
-from kvpool_agent.problems import ArgumentParser, ConfigError, exit_with, listening, number, show
+from kvpool_agent.problems import ArgumentParser, ConfigError, exit_with, listening, number
 from kvpool_operator.admission import certificates
 from kvpool_operator.admission.handlers import register as register_webhook
 from kvpool_operator.admission.server import (
@@ -93,34 +90,6 @@ def _port(text: str) -> int:
     if port > 65535:
         raise argparse.ArgumentTypeError(f"expected a port (1 to 65535), not {text}")
     return port
-
-
-def check_credentials() -> None:
-    """Some Kubernetes credentials are there, as kopf's login and ``Cluster.connect`` read
-    them: in a pod its service account, else the kubeconfig. Nothing is asked of the API
-    server. :class:`ConfigError` naming where they were looked for."""
-    try:
-        api_configuration()
-    except (ConfigException, yaml.YAMLError, OSError) as error:
-        problem = f"{_credentials_source()}: no Kubernetes credentials: {_why(error)}"
-        raise ConfigError([problem]) from error
-
-
-def _credentials_source() -> str:
-    if "KUBERNETES_SERVICE_HOST" in os.environ:
-        host = os.environ["KUBERNETES_SERVICE_HOST"]
-        return f"in-cluster service account (KUBERNETES_SERVICE_HOST={show(host)})"
-    if "KUBECONFIG" in os.environ:
-        return f"KUBECONFIG={show(os.environ['KUBECONFIG'])}"
-    return "KUBECONFIG (not set: ~/.kube/config)"
-
-
-def _why(error: Exception) -> str:
-    if isinstance(error, yaml.YAMLError):
-        return f"not YAML: {yaml_problem(error)}"
-    if isinstance(error, OSError) and error.strerror:
-        return error.strerror
-    return " ".join(str(error).split())
 
 
 def check_liveness(url: str) -> None:
@@ -271,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--agent-image or ${OPERATOR_AGENT_IMAGE_ENV} is required")
     webhook = _webhook(parser, args)
     try:
-        check_credentials()
+        checked_api_configuration()  # credentials, as kopf's login reads them
         check_liveness(args.liveness)
         if webhook is not None:
             check_webhook(webhook)

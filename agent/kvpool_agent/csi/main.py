@@ -18,16 +18,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-import yaml
 from kubernetes.client import ApiClient, CoreV1Api
-from kubernetes.config import ConfigException
 
 from kvpool_agent import __version__
 from kvpool_agent.csi.identity import identity
 from kvpool_agent.csi.node import Node, NodeOptions
 from kvpool_agent.csi.registration import registration, registration_socket
 from kvpool_agent.csi.rpc import serve, stop
-from kvpool_agent.kube.watch import api_configuration
+from kvpool_agent.kube.watch import checked_api_configuration
 from kvpool_agent.names import CSI_DRIVER, SHM_DIR
 from kvpool_agent.problems import (
     ArgumentParser,
@@ -119,11 +117,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.node_id:
         arguments.error(f"--node-id or ${NODE_ENV} is required")
     try:
-        configuration = api_configuration()
-    except (ConfigException, yaml.YAMLError, OSError) as error:
-        where = os.environ.get("KUBECONFIG", "the in-cluster service account or ~/.kube/config")
-        problem = f"no Kubernetes credentials ({where}): {' '.join(str(error).split())}"
-        return exit_with(PROG, ConfigError([problem]))
+        configuration = checked_api_configuration()
+    except ConfigError as error:
+        return exit_with(PROG, error)
     start_logging(args.log_level)
     api = CoreV1Api(ApiClient(configuration))
     node = Node(

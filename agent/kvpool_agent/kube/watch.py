@@ -23,9 +23,12 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import urllib3
+import yaml
 from kubernetes import config as kube_config
 from kubernetes.client import ApiClient, Configuration, CoreV1Api
 from kubernetes.client.exceptions import ApiException
+
+from kvpool_agent.problems import ConfigError, show, yaml_problem
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,34 @@ def api_configuration() -> Configuration:
             os.environ.get("KUBECONFIG"), client_configuration=configuration
         )
     return configuration
+
+
+def checked_api_configuration() -> Configuration:
+    """:func:`api_configuration`, or :class:`ConfigError` in one line naming where the
+    credentials were looked for and why they are unusable. Nothing is asked of the API
+    server: a component refuses to start without credentials, not without an API server."""
+    try:
+        return api_configuration()
+    except (kube_config.ConfigException, yaml.YAMLError, OSError) as error:
+        problem = f"{_credentials_source()}: no Kubernetes credentials: {_why(error)}"
+        raise ConfigError([problem]) from error
+
+
+def _credentials_source() -> str:
+    if "KUBERNETES_SERVICE_HOST" in os.environ:
+        host = os.environ["KUBERNETES_SERVICE_HOST"]
+        return f"in-cluster service account (KUBERNETES_SERVICE_HOST={show(host)})"
+    if "KUBECONFIG" in os.environ:
+        return f"KUBECONFIG={show(os.environ['KUBECONFIG'])}"
+    return "KUBECONFIG (not set: ~/.kube/config)"
+
+
+def _why(error: Exception) -> str:
+    if isinstance(error, yaml.YAMLError):
+        return f"not YAML: {yaml_problem(error)}"
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return " ".join(str(error).split())
 
 
 def connect_config_map(reference: str) -> tuple[CoreV1Api, str, str]:
