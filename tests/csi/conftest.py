@@ -154,14 +154,6 @@ class PluginProcess:
             return self.process.wait(10)
 
 
-def core_api(api: ServedApi) -> Any:
-    from kubernetes import config
-
-    configuration = client.Configuration()
-    config.load_kube_config(str(api.kubeconfig()), client_configuration=configuration)
-    return client.CoreV1Api(client.ApiClient(configuration))
-
-
 def pool_object(pool: str) -> dict[str, Any]:
     return {
         "apiVersion": f"{API_GROUP}/{API_VERSION}",
@@ -182,7 +174,7 @@ class Pools:
     ConfigMap."""
 
     def __init__(self, api: ServedApi) -> None:
-        self.core = core_api(api)
+        self.core = api.core_api()
         self.custom = client.CustomObjectsApi(self.core.api_client)
 
     def add(

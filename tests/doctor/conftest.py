@@ -9,14 +9,11 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
-from kubernetes import client, config
 
 from kvpool_agent.doctor.report import NAME_WIDTH
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
-from tests.support.kube_api import ServedApi
 
 BIN = Path(sys.executable).parent
 CHECK_NAMES = (
@@ -134,9 +131,3 @@ def agent_args(agent: AgentProcess) -> list[str]:
 
 
 ADMIN_ENV = {"KVPOOL_ADMIN_TOKEN": ADMIN_TOKEN}
-
-
-def core_api(api: ServedApi) -> Any:
-    configuration = client.Configuration()
-    config.load_kube_config(str(api.kubeconfig()), client_configuration=configuration)
-    return client.CoreV1Api(client.ApiClient(configuration))

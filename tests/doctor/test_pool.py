@@ -21,7 +21,7 @@ from kvpool_operator.render import Pool, render
 from kvpool_operator.spec import PoolSpec
 from tests.support.kube_api import ServedApi
 
-from .conftest import core_api, run_doctor
+from .conftest import run_doctor
 
 NAMESPACE = "inference"
 POOL = Pool("main", NAMESPACE, "0f1e2d3c-0000-4000-8000-000000000000")
@@ -41,7 +41,7 @@ SPEC = PoolSpec.parse(
 
 @pytest.fixture(scope="module")
 def namespace(served_api: ServedApi) -> Any:
-    core = core_api(served_api)
+    core = served_api.core_api()
     core.create_namespace({"metadata": {"name": NAMESPACE}})
     return core
 

@@ -889,6 +889,14 @@ class ServedApi:
         )
         return path
 
+    def core_api(self) -> Any:
+        """The kubernetes client's CoreV1Api for this server, through its kubeconfig."""
+        from kubernetes import client, config
+
+        configuration = client.Configuration()
+        config.load_kube_config(str(self.kubeconfig()), client_configuration=configuration)
+        return client.CoreV1Api(client.ApiClient(configuration))
+
     @contextlib.contextmanager
     def refuse(self, method: str, plural: str, status: int, message: str) -> Iterator[None]:
         fault = Fault(method, plural, status, message)
