@@ -14,6 +14,21 @@ tenants can reproduce it:
 
 Two salts never share a root, so they never share a key: tenant isolation
 rests on SHA-256 preimage resistance, not on the agent's bookkeeping.
+
+A *structured* salt shares a prompt's first tokens with the other tenants admitted to a
+shared space (:func:`shared_salt`, :func:`plan_salt`)::
+
+    kvpool-share-v1;space=<space salt>;shared=<tokens>;tenant=<tenant salt>
+
+with both salts percent-encoded (RFC 3986: every byte but ``A-Za-z0-9-._~``). With
+``b = shared // chunk_tokens`` (a boundary inside a chunk rounds down), chunks ``[0, b)``
+chain from ``root(space salt)`` under ``tenant_id(space salt)``; the first private chunk
+mixes in the tenant's own root, ``k_b = SHA-256(k_{b-1} || root(tenant salt) ||
+tokens_b)``, and the chain goes on as usual under ``tenant_id(tenant salt)``. With
+``b = 0`` the keys are those of the plain tenant salt. So every private key depends on the
+tenant's salt: no private chunk matches another tenant's, whatever the tokens. A string
+that starts with ``kvpool-share-`` but does not parse is never taken as a plain salt: its
+``tenant=`` alone when that parses, else no cache for the request (:class:`SaltPlan`).
 """
 
 from __future__ import annotations
@@ -21,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import re
 import sys
+import urllib.parse
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -118,12 +134,120 @@ def next_key(previous: bytes, chunk_tokens: Sequence[int]) -> bytes:
     return hasher.digest()
 
 
+SHARE_PREFIX = "kvpool-share-"
+"""What starts every structured salt (of any version): such a string is never a plain salt."""
+SHARE_VERSION = "kvpool-share-v1"
+_SHARE_FIELDS = ("space", "shared", "tenant")
+_DECIMAL = re.compile(r"0|[1-9][0-9]{0,9}")
+
+
+def shared_salt(space_salt: str, shared_tokens: int, tenant_salt: str | None) -> str:
+    """The structured ``cache_salt`` of a request whose first ``shared_tokens`` tokens belong
+    to the shared space of ``space_salt`` and the rest to the tenant of ``tenant_salt``."""
+    if not space_salt:
+        raise ValueError("a shared space's salt must not be empty")
+    if shared_tokens < 0:
+        raise ValueError(f"shared tokens must be 0 or more, not {shared_tokens}")
+    space = urllib.parse.quote(space_salt, safe="")
+    tenant = urllib.parse.quote(tenant_salt or "", safe="")
+    return f"{SHARE_VERSION};space={space};shared={shared_tokens};tenant={tenant}"
+
+
+@dataclass(frozen=True)
+class SaltPlan:
+    """Whose keys a request's chunks are: what its ``cache_salt`` means (:func:`plan_salt`)."""
+
+    tenant_salt: str | None
+    """The salt of the request's own (private) chunks."""
+    space_salt: str | None = None
+    """The shared space's salt: chunks before the boundary are keyed under it."""
+    shared_tokens: int = 0
+    problem: str | None = None
+    """Why a structured salt was not taken as written (the request is then the tenant's
+    alone, or gets no cache when ``cacheable`` is false)."""
+    cacheable: bool = True
+
+    def shared_chunks(self, chunk_tokens: int) -> int:
+        """Chunks keyed under the space (the boundary rounds down to a chunk edge)."""
+        return self.shared_tokens // chunk_tokens if self.space_salt is not None else 0
+
+    def chain(self, fingerprint: ModelFingerprint) -> KeyChain:
+        """The key chain of a request under this plan."""
+        size = fingerprint.chunk_tokens
+        shared = self.shared_chunks(size)
+        tenant_root = root_key(self.tenant_salt, fingerprint)
+        if shared == 0:
+            return KeyChain(tenant_root, size)
+        return KeyChain(root_key(self.space_salt, fingerprint), size, (shared, tenant_root))
+
+
+def plan_salt(salt: str | None) -> SaltPlan:
+    """What a vLLM ``cache_salt`` means for the keys (see the module docstring)."""
+    if salt is None or not salt.startswith(SHARE_PREFIX):
+        return SaltPlan(salt)
+    fields, problem = _share_fields(salt)
+    if problem is None:
+        try:
+            space = _decoded(fields["space"], "space")
+            tenant = _decoded(fields["tenant"], "tenant")
+        except ValueError as error:
+            problem = str(error)
+        else:
+            if not space:
+                problem = "the space's salt is empty"
+            else:
+                return SaltPlan(tenant, space, int(fields["shared"]))
+    try:
+        alone: str | None = _decoded(fields["tenant"], "tenant") if "tenant" in fields else None
+    except ValueError:
+        alone = None
+    if alone is None:
+        return SaltPlan(None, problem=f"{problem}; no tenant= either", cacheable=False)
+    return SaltPlan(alone, problem=problem)
+
+
+def _share_fields(salt: str) -> tuple[dict[str, str], str | None]:
+    """The fields of a structured salt, and what is wrong with it (None: nothing)."""
+    version, _, rest = salt.partition(";")
+    fields: dict[str, str] = {}
+    problem: str | None = None
+    for part in rest.split(";") if rest else []:
+        name, equals, value = part.partition("=")
+        if not equals or name not in _SHARE_FIELDS:
+            problem = problem or f"unknown field {name[:16]!r}; expected {list(_SHARE_FIELDS)}"
+        elif name in fields:
+            problem = problem or f"field {name!r} given twice"
+        else:
+            fields[name] = value
+    if version != SHARE_VERSION:
+        return fields, f"unknown version {version[:24]!r}; this connector reads {SHARE_VERSION}"
+    missing = [name for name in _SHARE_FIELDS if name not in fields]
+    if problem is None and missing:
+        problem = f"missing fields {missing}"
+    if problem is None and not _DECIMAL.fullmatch(fields["shared"]):
+        problem = "shared= must be a decimal token count"
+    return fields, problem
+
+
+def _decoded(value: str, name: str) -> str:
+    """A percent-encoded salt; ValueError unless every reserved character was encoded."""
+    if not re.fullmatch(r"(?:[A-Za-z0-9._~-]|%[0-9A-Fa-f]{2})*", value):
+        raise ValueError(f"{name}= is not percent-encoded")
+    try:
+        return urllib.parse.unquote(value, errors="strict")
+    except UnicodeDecodeError:
+        raise ValueError(f"{name}= is not UTF-8 once decoded") from None
+
+
 def chunk_keys(
     token_ids: Sequence[int], salt: str | None, fingerprint: ModelFingerprint
 ) -> list[bytes]:
-    """Keys of every *full* chunk of ``token_ids``; a trailing partial chunk has no key."""
-    chain = KeyChain(root_key(salt, fingerprint), fingerprint.chunk_tokens)
-    return chain.upto(token_ids, len(token_ids) // fingerprint.chunk_tokens)
+    """Keys of every *full* chunk of ``token_ids``; a trailing partial chunk has no key.
+    ``salt`` may be structured (:func:`plan_salt`); one that does not parse keys nothing."""
+    plan = plan_salt(salt)
+    if not plan.cacheable:
+        return []
+    return plan.chain(fingerprint).upto(token_ids, len(token_ids) // fingerprint.chunk_tokens)
 
 
 class KeyChain:
@@ -134,12 +258,17 @@ class KeyChain:
     hashed once. ``tokens`` may only grow between calls.
     """
 
-    __slots__ = ("_chunk_tokens", "_keys", "_root")
+    __slots__ = ("_chunk_tokens", "_keys", "_mix", "_root")
 
-    def __init__(self, root: bytes, chunk_tokens: int) -> None:
+    def __init__(
+        self, root: bytes, chunk_tokens: int, mix: tuple[int, bytes] | None = None
+    ) -> None:
+        """``mix``: (chunk, material) hashed into that chunk's key between the previous key
+        and the tokens (a structured salt's first private chunk and the tenant's root)."""
         self._root = root
         self._chunk_tokens = chunk_tokens
         self._keys: list[bytes] = []
+        self._mix = mix
 
     @property
     def keys(self) -> Sequence[bytes]:
@@ -157,10 +286,13 @@ class KeyChain:
         keys, size = self._keys, self._chunk_tokens
         end = min(chunks, len(tokens) // size)
         key = keys[-1] if keys else self._root
+        mix_at, mix = self._mix if self._mix is not None else (-1, b"")
         for batch in range(len(keys), end, _PACK_CHUNKS):
             packed = _pack(tokens[batch * size : min(batch + _PACK_CHUNKS, end) * size])
             for start in range(0, len(packed), size):
                 hasher = hashlib.sha256(key)
+                if batch + start // size == mix_at:
+                    hasher.update(mix)
                 hasher.update(packed[start : start + size])
                 key = hasher.digest()
                 keys.append(key)
@@ -174,5 +306,8 @@ class KeyChain:
         return self._keys[:chunks]
 
     def parent(self, chunk: int) -> bytes | None:
-        """The key before chunk ``chunk`` (hashed already), None for the first chunk."""
-        return self._keys[chunk - 1] if chunk > 0 else None
+        """The key before chunk ``chunk`` (hashed already), None for the first chunk and for
+        the first private chunk of a structured salt (its parent is the space's)."""
+        if chunk <= 0 or (self._mix is not None and chunk == self._mix[0]):
+            return None
+        return self._keys[chunk - 1]

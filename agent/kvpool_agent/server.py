@@ -347,7 +347,7 @@ class Agent:
         stack: contextlib.AsyncExitStack,
     ) -> None:
         """The tenants ConfigMap's tokens join the authority, its ceilings the quotas."""
-        from kvpool_agent.tenancy.tenants_watch import grants
+        from kvpool_agent.tenancy.tenants_watch import grants, space_access
 
         def apply(snapshot: TenantsSnapshot) -> None:
             for _, principal in authority.replace_granted(grants(snapshot)):
@@ -356,6 +356,7 @@ class Agent:
                     watch.where,
                     principal,
                 )
+            authority.replace_spaces(space_access(snapshot))
             service.replace_ceilings(snapshot.ceilings())
 
         watch.add_listener(apply)

@@ -8,6 +8,11 @@ codec, used by the writer and the readers. Its ``data``:
 - ``<tenant id>``: ``{"tokens": ["<sha256 hex>", ...], "ceiling": {"l1": <bytes or null>,
   "nvme": <bytes or null>}, "tenant": "<namespace>/<name>"}``: the tenant's bearer tokens
   (digests only) and the most it may set as its own quota per tier (null: no ceiling);
+- ``space.<tenant id>``: ``{"space": "<namespace>/<pool>/<name>", "members": ["<tenant id>",
+  ...], "owners": ["<tenant id>", ...], "pinBudget": <bytes>}``: a shared space of the pool
+  (the key's tenant id is its salt's): the tenants whose tokens may also act for it (read,
+  store and load its chunks), those that may also pin and warm its chunks, and the most of
+  L1 its pinned chunks may hold. Its quota is in the quotas ConfigMap, as any tenant's;
 - ``operator``: ``{"tokens": ["<sha256 hex>"]}``: the operator's admin token;
 - ``index``: ``{"tokens": ["<sha256 hex>"]}``: the token the pool's prefix index follows
   the agents with (snapshots and chunk events only), minted by the operator.
@@ -33,6 +38,7 @@ log = logging.getLogger(__name__)
 
 OPERATOR_KEY = "operator"
 INDEX_KEY = "index"
+SPACE_KEY_PREFIX = "space."
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
@@ -77,6 +83,48 @@ class TenantEntry:
         return cls(_digests(entry.get("tokens")), ceiling, source)
 
 
+def space_key(space: str) -> str:
+    """The ConfigMap key of the shared space whose tenant id is ``space``."""
+    return SPACE_KEY_PREFIX + space
+
+
+@dataclass(frozen=True, slots=True)
+class SpaceEntry:
+    """A shared space: who may use it, who may pin in it, how much of L1 its pins may hold."""
+
+    source: str
+    """The space as ``namespace/pool/name``, for logs and usage."""
+    members: frozenset[str] = frozenset()
+    """Tenant ids whose tokens may act for the space's chunks."""
+    owners: frozenset[str] = frozenset()
+    """Tenant ids whose tokens may also pin and warm the space's chunks."""
+    pin_budget: int = 0
+    """Bytes of L1 the space's pinned chunks may hold (0: none may be pinned)."""
+
+    def encode(self) -> str:
+        return json.dumps(
+            {
+                "space": self.source,
+                "members": sorted(self.members),
+                "owners": sorted(self.owners),
+                "pinBudget": self.pin_budget,
+            },
+            sort_keys=True,
+        )
+
+    @classmethod
+    def decode(cls, value: str) -> SpaceEntry:
+        """Parse a space's ConfigMap value; ValueError naming the field if malformed."""
+        entry = _object(value, {"space", "members", "owners", "pinBudget"})
+        source = entry.get("space", "")
+        if not isinstance(source, str):
+            raise ValueError("'space' is not a string")
+        budget = entry.get("pinBudget", 0)
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+            raise ValueError("'pinBudget' must be a byte count (0 or more)")
+        return cls(source, _tenant_ids(entry, "members"), _tenant_ids(entry, "owners"), budget)
+
+
 def encode_role_entry(tokens: tuple[bytes, ...]) -> str:
     """The value of the ``operator`` or ``index`` key: the digests of that role's tokens."""
     return json.dumps({"tokens": [token.hex() for token in tokens]})
@@ -89,6 +137,8 @@ def decode_role_entry(value: str) -> tuple[bytes, ...]:
 @dataclass(frozen=True, slots=True)
 class TenantsSnapshot:
     tenants: dict[str, TenantEntry] = field(default_factory=dict)
+    spaces: dict[str, SpaceEntry] = field(default_factory=dict)
+    """Shared spaces by their tenant id."""
     operator_tokens: tuple[bytes, ...] = ()
     index_tokens: tuple[bytes, ...] = ()
 
@@ -107,8 +157,12 @@ def parse_tenants(data: Mapping[str, str], where: str) -> TenantsSnapshot:
                 snapshot = replace(snapshot, index_tokens=decode_role_entry(value))
             elif is_tenant_id(key):
                 snapshot.tenants[key] = TenantEntry.decode(value)
+            elif key.startswith(SPACE_KEY_PREFIX) and is_tenant_id(key[len(SPACE_KEY_PREFIX) :]):
+                snapshot.spaces[key[len(SPACE_KEY_PREFIX) :]] = SpaceEntry.decode(value)
             else:
-                raise ValueError("the key is neither a tenant id, 'operator' nor 'index'")
+                raise ValueError(
+                    "the key is neither a tenant id, 'space.<tenant id>', 'operator' nor 'index'"
+                )
         except ValueError as error:
             log.error("%s: entry %s skipped: %s", where, _key_glimpse(key), error)
     return snapshot
@@ -136,8 +190,17 @@ def _digests(value: object) -> tuple[bytes, ...]:
     return tuple(bytes.fromhex(item) for item in value)
 
 
+def _tenant_ids(entry: Mapping[str, object], name: str) -> frozenset[str]:
+    value = entry.get(name, [])
+    if not isinstance(value, list) or not all(
+        isinstance(item, str) and is_tenant_id(item) for item in value
+    ):
+        raise ValueError(f"'{name}' must be a list of tenant ids")
+    return frozenset(value)
+
+
 def _key_glimpse(key: str) -> str:
     """A key, quoted only when it has the shape of a key (tenant id, 'operator')."""
-    if key in (OPERATOR_KEY, INDEX_KEY) or is_tenant_id(key):
+    if key in (OPERATOR_KEY, INDEX_KEY) or is_tenant_id(key.removeprefix(SPACE_KEY_PREFIX)):
         return key
     return f"{key[:2]!r}... ({len(key)} characters)"

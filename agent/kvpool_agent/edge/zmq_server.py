@@ -390,11 +390,14 @@ class ZmqServer:
             return tenant
         if principal.role is Role.TENANT:
             assert principal.tenant is not None
-            if tenant in (principal.tenant, DEFAULT_TENANT):
+            if tenant == DEFAULT_TENANT:
                 return principal.tenant
+            if self._authority.may_use(principal, tenant):
+                return tenant
             raise p.ProtocolError(
                 p.ErrorCode.FORBIDDEN,
-                f"this token acts for tenant {principal.tenant} only, not {tenant[:40]!r}",
+                f"this token acts for tenant {principal.tenant} and its shared spaces only, "
+                f"not {tenant[:40]!r}",
             )
         if principal.role in (Role.ADMIN, Role.ENGINE):
             _check_tenant(tenant)
@@ -602,6 +605,10 @@ class ZmqServer:
         role = session.principal.role
         if request.tenant is not None and (role is Role.TENANT or request.tenant == CANARY_TENANT):
             tenant: str | None = self._tenant(session, request.tenant)
+            if role is Role.TENANT and tenant != session.principal.tenant:
+                raise p.ProtocolError(
+                    p.ErrorCode.FORBIDDEN, "a shared space's chunks are cleared by an admin only"
+                )
         elif role is Role.ADMIN:
             tenant = request.tenant
             if tenant is not None:

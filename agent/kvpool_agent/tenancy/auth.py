@@ -10,11 +10,18 @@ the prefix index alike)::
     engines: [token, ...]          # vLLM engines that serve many tenants' salts
     indexes: [token, ...]          # prefix indexes following the agents
     gateways: [token, ...]         # or a single string: the index's routing API only
+    spaces:                        # shared spaces (by their salt's tenant id)
+      "<tenant-id>": {members: [tenant id, ...], owners: [tenant id, ...]}
 
 Which principal may use which route or operation is the APIs' business (:class:`Principal`
 only says who is calling): the agent's HTTP API refuses gateway, engine and index tokens,
 its ZMQ port gateway tokens (see :mod:`kvpool_agent.edge.zmq_server`), the index tenant
 tokens.
+
+A shared space is a tenant id that other tenants' tokens may act for: its members may
+look up, store and load its chunks, its owners may also pin and warm them
+(:meth:`TokenAuthority.may_use`, :meth:`TokenAuthority.may_pin`); nobody's token is the
+space's own, so only an admin changes its quota or clears it.
 
 Only the SHA-256 digests of the tokens stay in memory, and every check compares
 digests with :func:`hmac.compare_digest` against every known token, so neither
@@ -54,7 +61,7 @@ log = logging.getLogger(__name__)
 
 # Visible ASCII only: what fits in an Authorization header without quoting.
 _TOKEN = re.compile(r"[\x21-\x7e]+")
-_TOP_LEVEL_KEYS = ("admin", "tenants", "engines", "indexes", "gateways")
+_TOP_LEVEL_KEYS = ("admin", "tenants", "engines", "indexes", "gateways", "spaces")
 _KEYS_TEXT = ", ".join(f"'{key}'" for key in _TOP_LEVEL_KEYS)
 TOKEN_FILE_MODE = 0o600
 """A generated token: for the agent's user (and whoever reads it as that user) only."""
@@ -114,6 +121,14 @@ Grant = tuple[bytes, Principal]
 """A token's SHA-256 digest (raw bytes) and the principal it stands for."""
 
 
+@dataclass(frozen=True, slots=True)
+class SpaceAccess:
+    """Who may act for a shared space: its members, and its owners (who may also pin)."""
+
+    members: frozenset[str] = frozenset()
+    owners: frozenset[str] = frozenset()
+
+
 class TokenAuthority:
     """Maps bearer tokens to principals, knowing only the tokens' SHA-256 digests."""
 
@@ -163,6 +178,8 @@ class TokenAuthority:
             raise TokenFileError(f"{source}: defines no tokens; nobody could use the API")
         self._own = tuple(self._entries)
         self._owners = owners
+        self._own_spaces = _spaces(tokens.get("spaces"), source)
+        self._spaces = self._own_spaces
         self._generation = 0
 
     @classmethod
@@ -207,6 +224,35 @@ class TokenAuthority:
     def generation(self) -> int:
         """Grows by one whenever the granted tokens are replaced (a revocation may follow)."""
         return self._generation
+
+    def may_use(self, principal: Principal, tenant: str) -> bool:
+        """Whether a tenant ``principal`` may act for the chunks of ``tenant``: its own, or a
+        shared space it is a member or owner of."""
+        if principal.role is not Role.TENANT:
+            return False
+        if principal.tenant == tenant:
+            return True
+        access = self._spaces.get(tenant)
+        return access is not None and (
+            principal.tenant in access.members or principal.tenant in access.owners
+        )
+
+    def may_pin(self, principal: Principal, tenant: str) -> bool:
+        """Whether ``principal`` may pin and warm ``tenant``'s chunks: an admin, or an owner
+        of the shared space ``tenant``."""
+        if principal.is_admin:
+            return True
+        access = self._spaces.get(tenant)
+        return (
+            principal.role is Role.TENANT
+            and access is not None
+            and (principal.tenant in access.owners)
+        )
+
+    def replace_spaces(self, spaces: Mapping[str, SpaceAccess]) -> None:
+        """Know exactly ``spaces`` beside the file's from now on (one assignment: a request
+        sees the old set or the new one); a member left out may act for the space no more."""
+        self._spaces = {**spaces, **self._own_spaces}
 
     def replace_granted(self, grants: Iterable[Grant]) -> list[Grant]:
         """Accept exactly ``grants`` beside the file's tokens from now on.
@@ -318,6 +364,33 @@ def _token_list(value: object, where: str) -> list[str]:
             )
         tokens.append(item)
     return tokens
+
+
+def _spaces(value: object, source: str) -> dict[str, SpaceAccess]:
+    """The tokens file's ``spaces``: tenant id -> members and owners (tenant ids)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TokenFileError(f"{source}: 'spaces' must map tenant ids to members and owners")
+    found: dict[str, SpaceAccess] = {}
+    for position, (space, entry) in enumerate(value.items(), start=1):
+        if not isinstance(space, str) or not is_tenant_id(space):
+            raise TokenFileError(
+                f"{source}: space #{position} ({_glimpse(space)}): {TENANT_ID_RULE}"
+            )
+        where = f"{source}: space {space}"
+        if not isinstance(entry, Mapping) or set(entry) - {"members", "owners"}:
+            raise TokenFileError(f"{where}: expected a mapping with keys 'members', 'owners'")
+        lists = []
+        for key in ("members", "owners"):
+            ids = entry.get(key) or []
+            if not isinstance(ids, list) or not all(
+                isinstance(item, str) and is_tenant_id(item) for item in ids
+            ):
+                raise TokenFileError(f"{where}: '{key}' must be a list of tenant ids")
+            lists.append(frozenset(ids))
+        found[space] = SpaceAccess(*lists)
+    return found
 
 
 def _glimpse(key: object) -> str:

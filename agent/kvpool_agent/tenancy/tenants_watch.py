@@ -15,7 +15,7 @@ from collections.abc import Callable
 from kubernetes.config import ConfigException
 
 from kvpool_agent.kube.watch import ListWatch, Manifest, connect_config_map, watch_config_map
-from kvpool_agent.tenancy.auth import ADMIN, INDEX, Grant, Principal
+from kvpool_agent.tenancy.auth import ADMIN, INDEX, Grant, Principal, SpaceAccess
 from kvpool_agent.tenants_configmap import TenantsSnapshot, parse_tenants
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,13 @@ def grants(snapshot: TenantsSnapshot) -> list[Grant]:
         principal = Principal.for_tenant(tenant)
         found.extend((digest, principal) for digest in entry.tokens)
     return found
+
+
+def space_access(snapshot: TenantsSnapshot) -> dict[str, SpaceAccess]:
+    """Each shared space's members and owners (tenant ids)."""
+    return {
+        space: SpaceAccess(entry.members, entry.owners) for space, entry in snapshot.spaces.items()
+    }
 
 
 class TenantsWatch:
