@@ -38,7 +38,7 @@ import re
 import sys
 import urllib.parse
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 KEY_BYTES = 32
@@ -171,14 +171,13 @@ class SaltPlan:
         """Chunks keyed under the space (the boundary rounds down to a chunk edge)."""
         return self.shared_tokens // chunk_tokens if self.space_salt is not None else 0
 
-    def chain(self, fingerprint: ModelFingerprint) -> KeyChain:
-        """The key chain of a request under this plan."""
-        size = fingerprint.chunk_tokens
-        shared = self.shared_chunks(size)
-        tenant_root = root_key(self.tenant_salt, fingerprint)
+    def chain(self, chunk_tokens: int, root: Callable[[str | None], bytes]) -> KeyChain:
+        """The key chain of a request under this plan; ``root(salt)``: the chain seed of a
+        salt for the model (:func:`root_key`, maybe memoized)."""
+        shared = self.shared_chunks(chunk_tokens)
         if shared == 0:
-            return KeyChain(tenant_root, size)
-        return KeyChain(root_key(self.space_salt, fingerprint), size, (shared, tenant_root))
+            return KeyChain(root(self.tenant_salt), chunk_tokens)
+        return KeyChain(root(self.space_salt), chunk_tokens, (shared, root(self.tenant_salt)))
 
 
 def plan_salt(salt: str | None) -> SaltPlan:
@@ -247,7 +246,8 @@ def chunk_keys(
     plan = plan_salt(salt)
     if not plan.cacheable:
         return []
-    return plan.chain(fingerprint).upto(token_ids, len(token_ids) // fingerprint.chunk_tokens)
+    chain = plan.chain(fingerprint.chunk_tokens, lambda salt: root_key(salt, fingerprint))
+    return chain.upto(token_ids, len(token_ids) // fingerprint.chunk_tokens)
 
 
 class KeyChain:

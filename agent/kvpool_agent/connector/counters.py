@@ -28,6 +28,7 @@ COUNTERS: dict[str, str] = {
     "agent_failures": "Calls that found the agent unavailable (timeout, refused, unresolvable).",
     "agent_skipped_calls": "Calls skipped while pausing after an agent failure.",
     "agent_restarts_seen": "Times the agent answered with a new identity (it restarted).",
+    "salt_problems": "Requests whose structured cache_salt did not parse (see the log).",
     "preemptions_seen": "Preempted requests seen by the scheduler.",
     "held_requests": "Finished requests whose blocks were held until their stores completed.",
     "scheduler_us": "Microseconds the scheduler spent in lookups and planning.",

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -104,11 +105,26 @@ class RequestView(Protocol):
     def all_token_ids(self) -> Sequence[int]: ...
 
 
+@dataclass(frozen=True)
+class _Span:
+    """Chunks ``[start, stop)`` of a request, keyed under ``tenant``."""
+
+    tenant: str
+    start: int
+    stop: int
+
+
 @dataclass
 class _Request:
     request: RequestView
     tenant: str
+    """The tenant of the request's own chunks."""
     chains: list[keys.KeyChain]
+    space: str = ""
+    """The shared space of chunks ``[0, shared)`` (a structured ``cache_salt``)."""
+    shared: int = 0
+    cacheable: bool = True
+    """False: a structured salt that names no tenant; the request gets no cache."""
     block_ids: list[list[int]] = field(default_factory=list)
     """Per KV cache group, the request's blocks in token order."""
     stored_chunks: int = 0
@@ -128,6 +144,15 @@ class _Request:
     """A per-request load failed: vLLM computes the request anew, without the cache."""
     loaded_from: int = 0
     """The first chunk of the request's load (stored again if that load fails)."""
+
+    def spans(self, first: int, stop: int) -> list[_Span]:
+        """Chunks ``[first, stop)`` split at the shared boundary, each with its tenant."""
+        spans = []
+        if first < self.shared:
+            spans.append(_Span(self.space, first, min(stop, self.shared)))
+        if stop > max(first, self.shared):
+            spans.append(_Span(self.tenant, max(first, self.shared), stop))
+        return spans
 
 
 @dataclass
@@ -188,6 +213,7 @@ class SchedulerHalf:
         self._job_ids = itertools.count(1)
         self._step_asked_s = 0.0
         """Time spent asking the agent in this step."""
+        self._salt_problems_said: set[str | None] = set()
 
     # ------------------------------------------------------------ set-up
 
@@ -255,18 +281,49 @@ class SchedulerHalf:
     def _state(self, request: RequestView) -> _Request:
         state = self._requests.get(request.request_id)
         if state is None:
-            salt = request.cache_salt
+            plan = keys.plan_salt(request.cache_salt)
+            if plan.problem is not None:
+                self._salt_problem(request.request_id, plan)
             chains = [
-                keys.KeyChain(self._root(rank, salt), self.chunk_tokens)
+                plan.chain(self.chunk_tokens, functools.partial(self._root, rank))
                 for rank in range(len(self._roots))
             ]
             # no salt: the default tenant, or the tenant the engine's token acts for
+            salt = plan.tenant_salt
             tenant = (
                 keys.tenant_id(salt) if salt else self._link.bound_tenant or keys.tenant_id(salt)
             )
-            state = _Request(request, tenant, chains)
+            state = _Request(
+                request,
+                tenant,
+                chains,
+                space=keys.tenant_id(plan.space_salt) if plan.space_salt is not None else "",
+                shared=plan.shared_chunks(self.chunk_tokens),
+                cacheable=plan.cacheable,
+            )
             self._requests[request.request_id] = state
         return state
+
+    def _salt_problem(self, req_id: str, plan: keys.SaltPlan) -> None:
+        """Say once per kind of problem why a structured salt was not taken as written (the
+        salt itself is never logged: it is a tenant's secret)."""
+        self.counters.add("salt_problems")
+        if plan.problem in self._salt_problems_said:
+            return
+        if len(self._salt_problems_said) < 64:
+            self._salt_problems_said.add(plan.problem)
+        outcome = (
+            "the request is its tenant's alone (nothing shared)"
+            if plan.cacheable
+            else "the request gets no cache"
+        )
+        log.warning(
+            "kvpool: request %s: a structured cache_salt (%s...) that does not parse: %s; %s",
+            req_id,
+            keys.SHARE_PREFIX,
+            plan.problem,
+            outcome,
+        )
 
     # ------------------------------------------------------------ lookups
 
@@ -285,7 +342,7 @@ class SchedulerHalf:
     def _matched(self, request: RequestView, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._state(request)
         state.planned = None
-        if state.load_failed:
+        if state.load_failed or not state.cacheable:
             return 0, False
         size = self.chunk_tokens
         limit = (request.num_tokens - 1) // size  # vLLM must compute at least one token
@@ -338,17 +395,26 @@ class SchedulerHalf:
             return None
         tokens, end = state.request.all_token_ids, min(limit, first + info.max_keys)
         with self.counters.timed("hash_us"):
-            wanted = [chain.upto(tokens, end)[first:end] for chain in state.chains]
-        hits = min(table.run(state.tenant, rank_keys) for rank_keys in wanted)
+            for chain in state.chains:
+                chain.upto(tokens, end)
+        hits = 0
+        for span in state.spans(first, end):
+            run = min(
+                table.run(span.tenant, chain.keys[span.start : span.stop]) for chain in state.chains
+            )
+            hits += run
+            if run < span.stop - span.start:
+                break
         if hits < end - first and self._prefetch_wait_s > 0 and not state.prefetch_tried:
             return None
         self.counters.add("local_probes")
         if not state.counted:  # the agent counts a request's hits and misses once, as before
             state.counted = True
-            for rank_keys in wanted:
-                self.counters.add("lookups")
-                with contextlib.suppress(LinkDown, AgentError):
-                    self._link.count_lookup(state.tenant, rank_keys)
+            for span in state.spans(first, end):
+                for chain in state.chains:
+                    self.counters.add("lookups")
+                    with contextlib.suppress(LinkDown, AgentError):
+                        self._link.count_lookup(span.tenant, chain.keys[span.start : span.stop])
         return hits
 
     def _table(self, info: AgentInfo) -> ProbeTableReader | None:
@@ -380,26 +446,17 @@ class SchedulerHalf:
             return 0
         prefetch = self._prefetch_wait_s > 0 and not state.prefetch_tried
         state.prefetch_tried = True
-        tokens = state.request.all_token_ids
-        hits = limit - first
+        hits, short = 0, False
         try:
             max_keys = self._link.info().max_keys
             count, state.counted = not state.counted, True
-            for chain in state.chains:
-                with self.counters.timed("hash_us"):
-                    wanted = chain.upto(tokens, first + hits)[first : first + min(hits, max_keys)]
-                self.counters.add("lookups")
-                if prefetch:  # every rank: each loads its own chunks
-                    found, started = self._link.lookup_prefetch(
-                        state.tenant, wanted, chain.parent(first), count=count
-                    )
-                    if started:
-                        state.prefetches.append(started)
-                else:
-                    found = self._link.lookup(state.tenant, wanted, lock=False, count=count)
-                hits = min(hits, found.count)
-                if hits == 0 and not prefetch:
-                    break
+            for span in state.spans(first, limit):
+                run = self._lookup_span(state, span, max_keys, prefetch=prefetch, count=count)
+                if not short:
+                    hits += run
+                short = short or run < span.stop - span.start
+                if short and not prefetch:
+                    break  # with a prefetch, every span starts loading its own chunks
         except LinkDown:
             hits = 0
         except AgentError as error:
@@ -408,6 +465,31 @@ class SchedulerHalf:
         if state.prefetches:
             self.counters.add("prefetches", len(state.prefetches))
             state.prefetch_deadline = self._clock() + self._prefetch_wait_s
+        return hits
+
+    def _lookup_span(
+        self, state: _Request, span: _Span, max_keys: int, *, prefetch: bool, count: bool
+    ) -> int:
+        """The chunks of ``span``, from its start, that every rank finds in a row."""
+        tokens = state.request.all_token_ids
+        hits = span.stop - span.start
+        for chain in state.chains:
+            with self.counters.timed("hash_us"):
+                wanted = chain.upto(tokens, span.start + hits)[
+                    span.start : span.start + min(hits, max_keys)
+                ]
+            self.counters.add("lookups")
+            if prefetch:  # every rank: each loads its own chunks
+                found, started = self._link.lookup_prefetch(
+                    span.tenant, wanted, chain.parent(span.start), count=count
+                )
+                if started:
+                    state.prefetches.append(started)
+            else:
+                found = self._link.lookup(span.tenant, wanted, lock=False, count=count)
+            hits = min(hits, found.count)
+            if hits == 0 and not prefetch:
+                break
         return hits
 
     def _prefetched(self, state: _Request, wait_ms: int = 0) -> bool:
@@ -446,19 +528,22 @@ class SchedulerHalf:
         end = start + min(num_external_tokens, state.planned[1])
         size = self.chunk_tokens
         first_chunk, end_chunk = start // size, -(-end // size)
-        self._loads.append(
-            LoadJob(
-                req_id=request.request_id,
-                tenant=state.tenant,
-                keys=tuple(tuple(chain.keys[first_chunk:end_chunk]) for chain in state.chains),
-                block_ids=tuple(
-                    tuple(ids[start // rule.block_size : end // rule.block_size])
-                    for rule, ids in zip(self._groups, blocks.get_block_ids(), strict=True)
-                ),
-                first_tokens=start % size,
-                per_request=self._loads_per_request,
+        block_ids = blocks.get_block_ids()
+        for span in state.spans(first_chunk, end_chunk):  # a job per tenant
+            begin, stop = max(start, span.start * size), min(end, span.stop * size)
+            self._loads.append(
+                LoadJob(
+                    req_id=request.request_id,
+                    tenant=span.tenant,
+                    keys=tuple(tuple(chain.keys[span.start : span.stop]) for chain in state.chains),
+                    block_ids=tuple(
+                        tuple(ids[begin // rule.block_size : stop // rule.block_size])
+                        for rule, ids in zip(self._groups, block_ids, strict=True)
+                    ),
+                    first_tokens=begin % size,
+                    per_request=self._loads_per_request,
+                )
             )
-        )
         state.loaded_from = first_chunk
         state.stored_chunks = max(state.stored_chunks, end_chunk)
         state.planned = None
@@ -509,7 +594,7 @@ class SchedulerHalf:
     def _plan_store(self, state: _Request, computed_tokens: int, stores: list[StoreJob]) -> None:
         size = self.chunk_tokens
         full = min(computed_tokens, state.request.num_tokens, len(state.request.all_token_ids))
-        if not state.block_ids:
+        if not state.block_ids or not state.cacheable:
             return
         full = min(
             full // size,
@@ -529,22 +614,25 @@ class SchedulerHalf:
             chunk_keys = [chain.upto(tokens, full)[first:full] for chain in state.chains]
         if any(len(rank_keys) != full - first for rank_keys in chunk_keys):
             return  # token ids not known yet (cannot happen with vLLM's accounting)
-        job_id = next(self._job_ids)
-        stores.append(
-            StoreJob(
-                job_id=job_id,
-                req_id=state.request.request_id,
-                tenant=state.tenant,
-                keys=tuple(tuple(rank_keys) for rank_keys in chunk_keys),
-                parents=tuple(chain.parent(first) for chain in state.chains),
-                block_ids=tuple(
-                    tuple(ids[first * per_chunk : full * per_chunk])
-                    for ids, per_chunk in zip(state.block_ids, self._blocks_per_chunk, strict=True)
-                ),
+        for span in state.spans(first, full):  # a job per tenant
+            job_id = next(self._job_ids)
+            stores.append(
+                StoreJob(
+                    job_id=job_id,
+                    req_id=state.request.request_id,
+                    tenant=span.tenant,
+                    keys=tuple(tuple(chain.keys[span.start : span.stop]) for chain in state.chains),
+                    parents=tuple(chain.parent(span.start) for chain in state.chains),
+                    block_ids=tuple(
+                        tuple(ids[span.start * per_chunk : span.stop * per_chunk])
+                        for ids, per_chunk in zip(
+                            state.block_ids, self._blocks_per_chunk, strict=True
+                        )
+                    ),
+                )
             )
-        )
-        self._stores[job_id] = _OpenStore(state.request.request_id, self._tp_size)
-        state.open_stores.add(job_id)
+            self._stores[job_id] = _OpenStore(state.request.request_id, self._tp_size)
+            state.open_stores.add(job_id)
         state.stored_chunks = full
 
     def _storable(self, state: _Request, chunk: int) -> bool:

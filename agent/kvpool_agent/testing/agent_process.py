@@ -31,6 +31,8 @@ class AgentProcess:
     workdir: Path
     settings: dict[str, str] = field(default_factory=dict)
     tenant_tokens: dict[str, str] = field(default_factory=dict)
+    spaces: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    """Shared spaces of the tokens file: space id -> {members: [...], owners: [...]}."""
     zmq: str = ""
     http: str = ""
     events: str = ""
@@ -90,6 +92,7 @@ class AgentProcess:
                     "engines": ENGINE_TOKEN,
                     "indexes": INDEX_TOKEN,
                     "tenants": dict(self.tenant_tokens),
+                    "spaces": dict(self.spaces),
                 }
             )
         )

@@ -21,6 +21,7 @@ from tests.support.chunks import key
 from tests.support.raw_zmq import RawClient
 
 ALICE, BOB = tenant_id("alice-salt"), tenant_id("bob-salt")
+SPACE = tenant_id("space-salt")
 DEFAULT = tenant_id(None)
 ALICE_TOKEN, BOB_TOKEN = "alice-token", "bob-token"
 GATEWAY_TOKEN = "gateway-token"
@@ -29,6 +30,7 @@ GATEWAY_TOKEN = "gateway-token"
 @pytest.fixture
 def agent(agent_process: AgentProcess) -> AgentProcess:
     agent_process.tenant_tokens = {ALICE: ALICE_TOKEN, BOB: BOB_TOKEN}
+    agent_process.spaces = {SPACE: {"members": [ALICE]}}
     return agent_process.start()
 
 
@@ -106,6 +108,20 @@ def test_a_tenants_token_acts_on_its_own_tenant_only(agent: AgentProcess) -> Non
     with AgentClient(agent.zmq, token=ADMIN_TOKEN) as admin:
         assert admin.retrieve_inline(BOB, [key("b")]) == [b"bob's"]
         assert admin.lookup(DEFAULT, [key("unsalted")], lock=False).count == 0
+
+
+def test_a_member_of_a_shared_space_acts_for_its_chunks_and_others_do_not(
+    agent: AgentProcess,
+) -> None:
+    with AgentClient(agent.zmq, token=ALICE_TOKEN) as alice:
+        alice.store(SPACE, [key("shared")], [b"system prompt"])
+        assert alice.retrieve(SPACE, [key("shared")]) == [b"system prompt"]
+        _forbidden(lambda: alice.clear(SPACE))  # an admin's, not a member's
+    with AgentClient(agent.zmq, token=BOB_TOKEN) as bob:  # not admitted
+        _forbidden(lambda: bob.lookup(SPACE, [key("shared")]))
+        _forbidden(lambda: bob.store_inline(SPACE, [key("x")], [b"poison"]))
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as admin:
+        assert admin.clear(SPACE) == 1
 
 
 def test_an_engine_token_serves_any_tenant_but_takes_no_snapshot_and_clears_nothing(

@@ -102,6 +102,21 @@ def test_principals() -> None:
         Principal.for_tenant("alice")
 
 
+def test_a_space_of_the_file_admits_its_members_and_owners(tmp_path: Path) -> None:
+    space = tenant_id("space")
+    authority = TokenAuthority.from_file(
+        write(
+            tmp_path,
+            f"admin: x\nspaces:\n  '{space}': {{members: ['{ALICE}'], owners: ['{BOB}']}}\n",
+        )
+    )
+    alice, bob = Principal.for_tenant(ALICE), Principal.for_tenant(BOB)
+    assert authority.may_use(alice, space) and authority.may_use(bob, space)
+    assert not authority.may_pin(alice, space) and authority.may_pin(bob, space)
+    authority.replace_spaces({})  # the file's spaces stay
+    assert authority.may_use(alice, space)
+
+
 @pytest.mark.parametrize(
     "value",
     ["", "alice", ALICE.upper(), ALICE[:-1], ALICE + "0", "g" * 32, f" {ALICE[1:]}"],
@@ -121,7 +136,7 @@ def test_malformed_tenant_ids(value: str) -> None:
         (
             "admin: x\nusers: {}\n",
             "unknown keys 'us'... (5 characters); "
-            "expected 'admin', 'tenants', 'engines', 'indexes', 'gateways'",
+            "expected 'admin', 'tenants', 'engines', 'indexes', 'gateways', 'spaces'",
         ),
         ("gateways: {a: b}\n", "gateways: expected a token or a list of tokens, got dict"),
         ("gateways: [ok, 7]\n", "gateways: token #2 is a int, not a string"),
@@ -140,6 +155,10 @@ def test_malformed_tenant_ids(value: str) -> None:
         ("admin: []\ntenants: {}\n", "defines no tokens"),
         (f"admin: shared\ntenants:\n  '{ALICE}': shared\n", "also listed for admin"),
         ("admin: [x\n", "not valid YAML or JSON (line 2, column 1)"),
+        ("admin: x\nspaces: [a]\n", "'spaces' must map tenant ids to members and owners"),
+        ("admin: x\nspaces:\n  docs: {}\n", "space #1 ('do'... (4 characters)): tenant id"),
+        (f"admin: x\nspaces:\n  '{ALICE}': [a]\n", "keys 'members', 'owners'"),
+        (f"admin: x\nspaces:\n  '{ALICE}': {{members: [bob]}}\n", "'members' must be a list"),
     ],
 )
 def test_malformed_files(tmp_path: Path, text: str, reason: str) -> None:

@@ -12,8 +12,8 @@ from kvpool_agent.core.quota_book import QuotaBook
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.quotas import TierLimits
 from kvpool_agent.tenancy.auth import ADMIN, Principal, TokenAuthority
-from kvpool_agent.tenancy.tenants_watch import grants
-from kvpool_agent.tenants_configmap import parse_tenants, token_digest
+from kvpool_agent.tenancy.tenants_watch import grants, space_access
+from kvpool_agent.tenants_configmap import SpaceEntry, parse_tenants, space_key, token_digest
 
 ALICE, BOB = tenant_id("alice"), tenant_id("bob")
 WHERE = "ConfigMap ns/kvpool-main-tenants"
@@ -82,3 +82,41 @@ def test_what_a_tenant_may_set_itself_is_its_ceiling_or_else_the_default() -> No
     assert book.own_bound(ALICE) == TierLimits(1 << 20, None)  # a ceiling above the default
     assert book.own_bound(BOB) == TierLimits.both(8192)
     assert QuotaBook().own_bound(BOB) is None  # no default, no ceiling: no bound
+
+
+def test_a_space_entry_lets_its_members_act_for_it_until_it_goes() -> None:
+    space = tenant_id("space")
+    entry = SpaceEntry("ns/main/docs", frozenset({ALICE}), frozenset({BOB}), 1 << 20)
+    snapshot = parse_tenants(
+        {ALICE: _entry("alice-token"), BOB: _entry("bob-token"), space_key(space): entry.encode()},
+        WHERE,
+    )
+    assert snapshot.spaces == {space: entry}
+    authority = TokenAuthority({"admin": "admin-token"})
+    authority.replace_granted(grants(snapshot))
+    authority.replace_spaces(space_access(snapshot))
+    alice, bob = Principal.for_tenant(ALICE), Principal.for_tenant(BOB)
+    carol = Principal.for_tenant(tenant_id("carol"))
+    assert authority.may_use(alice, space) and authority.may_use(bob, space)
+    assert not authority.may_use(carol, space) and not authority.may_use(alice, BOB)
+    assert (authority.may_pin(alice, space), authority.may_pin(bob, space)) == (False, True)
+    assert authority.may_pin(ADMIN, space) and not authority.may_use(ADMIN, space)
+    authority.replace_spaces(space_access(parse_tenants({}, WHERE)))
+    assert not authority.may_use(alice, space) and not authority.may_pin(bob, space)
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ({"space": "a", "members": ["nope"]}, "'members' must be a list of tenant ids"),
+        ({"space": "a", "pinBudget": -1}, "'pinBudget' must be a byte count"),
+        ({"space": "a", "extra": 1}, "unknown fields"),
+    ],
+)
+def test_a_malformed_space_entry_is_skipped(
+    value: object, why: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    key = space_key(tenant_id("space"))
+    with caplog.at_level(logging.ERROR):
+        assert parse_tenants({key: json.dumps(value)}, WHERE).spaces == {}
+    assert f"entry {key} skipped: {why}" in caplog.text
