@@ -8,7 +8,7 @@ import pytest
 
 from kvpool_agent.index.query import Query
 from kvpool_agent.index.tracker import BATCH_KEYS, PrefixMatch, PrefixTracker
-from kvpool_agent.keys import ModelFingerprint
+from kvpool_agent.keys import ModelFingerprint, chunk_keys, shared_salt
 from tests.support.chunks import chain
 
 
@@ -161,6 +161,21 @@ def test_a_miss_hashes_one_key_of_the_prompt() -> None:
     query = Query.of_tokens(list(range(16 * 64)), "salt", fingerprint)
     assert tracker.longest_prefixes(query.keys) == {}
     assert query.keys.hashed == 1  # type: ignore[attr-defined]
+
+
+def test_a_structured_salt_routes_on_the_connectors_keys() -> None:
+    """A node holding one tenant's shared prefix matches another tenant of the space on the
+    shared chunks only; a salt that names no tenant matches nothing."""
+    fingerprint = ModelFingerprint("m", "bfloat16", "NHD", chunk_tokens=16)
+    prompt = list(range(16 * 6))
+    tracker = PrefixTracker()
+    tracker.stored("a", chunk_keys(prompt, shared_salt("space", 16 * 4, "alice"), fingerprint))
+    bob = Query.of_tokens(prompt, shared_salt("space", 16 * 4, "bob"), fingerprint)
+    assert {node: match.chunks for node, match in tracker.longest_prefixes(bob.keys).items()} == {
+        "a": 4
+    }
+    nobody = Query.of_tokens(prompt, "kvpool-share-v1;space=space;shared=64", fingerprint)
+    assert len(nobody.keys) == 0 and tracker.longest_prefixes(nobody.keys) == {}
 
 
 def test_the_cap_must_be_positive() -> None:

@@ -4,7 +4,9 @@ A gateway sends token ids with the request's ``cache_salt`` and the model's
 :class:`~kvpool_agent.keys.ModelFingerprint`; the keys are derived exactly as
 the connector derives them (:mod:`kvpool_agent.keys`), lazily, so a search
 that stops at a miss hashes no further. The salt only seeds the chain and is
-not kept. A caller that already has the keys passes them instead.
+not kept; a structured salt (a shared space's prefix, then the tenant's) keys each
+part as the connector does, and one that gives no tenant matches nothing. A caller
+that already has the keys passes them instead.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpool_agent.index.tracker import KeySequence
-from kvpool_agent.keys import KeyChain, ModelFingerprint, root_key
+from kvpool_agent.keys import ModelFingerprint, plan_salt, root_key
 
 
 class PromptKeys:
@@ -25,9 +27,10 @@ class PromptKeys:
     def __init__(
         self, token_ids: Sequence[int], salt: str | None, fingerprint: ModelFingerprint
     ) -> None:
+        plan = plan_salt(salt)
         self._tokens = token_ids
-        self._length = len(token_ids) // fingerprint.chunk_tokens
-        self._chain = KeyChain(root_key(salt, fingerprint), fingerprint.chunk_tokens)
+        self._length = len(token_ids) // fingerprint.chunk_tokens if plan.cacheable else 0
+        self._chain = plan.chain(fingerprint.chunk_tokens, lambda seed: root_key(seed, fingerprint))
 
     def __len__(self) -> int:
         return self._length
