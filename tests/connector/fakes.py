@@ -45,6 +45,10 @@ class FakeAgent:
     clock: Clock | None = None
     call_seconds: float = 0.0
     """How far each call moves ``clock`` (the agent's answer time)."""
+    bound_tenant: str = ""
+    """The tenant the connector's token acts for ("": an engine's token, any tenant)."""
+    forbidden: set[str] = field(default_factory=set)
+    """Tenants whose chunks the connector's token may not touch (lookups are refused)."""
 
     def put(self, tenant: str, keys: list[bytes]) -> None:
         self.chunks.setdefault(tenant, set()).update(keys)
@@ -74,7 +78,15 @@ class FakeClient:
             raise AgentUnavailable("down")
         self.agent.connects += 1
         self.info = AgentInfo(
-            self.agent.agent_id, 1, Path("/dev/shm/fake"), 4096, 1 << 20, 4096, 1 << 20, 8192, ""
+            self.agent.agent_id,
+            1,
+            Path("/dev/shm/fake"),
+            4096,
+            1 << 20,
+            4096,
+            1 << 20,
+            8192,
+            self.agent.bound_tenant,
         )
         return self.info
 
@@ -83,6 +95,8 @@ class FakeClient:
     ) -> LookupResult:
         self._check()
         self.agent.lookups.append((tenant, list(keys), lock, count))
+        if tenant in self.agent.forbidden:
+            raise AgentError("forbidden", f"this token acts for its tenant only, not {tenant}")
         held = self.agent.chunks.get(tenant, set())
         count = 0
         for key in keys:

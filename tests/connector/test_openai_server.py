@@ -272,6 +272,26 @@ def test_another_salt_and_no_salt_miss(server: Server) -> None:
         assert not result.differences(expected)
 
 
+def test_structured_salts_share_a_spaces_prefix_across_tenants(server: Server) -> None:
+    """A gateway puts a structured ``cache_salt`` in the body (no change to vLLM): the first
+    1124 tokens belong to a shared space (four whole chunks; the boundary rounds down),
+    the rest to each team. Team B hits on team A's shared chunks only."""
+    tokens = prompt(4)
+    team_a, team_b = (keys.shared_salt("openai-space", 1124, team) for team in ("a", "b"))
+    space = agent_usage(server.agent, "openai-space")
+
+    expected, _ = complete(server, tokens, team_a)
+    other, _ = complete(server, tokens, team_b)
+    again, _ = complete(server, tokens, team_a)
+
+    assert cached(expected) == 0, report(server)
+    assert cached(other) == 4 * CHUNK, report(server)  # the space's chunks, not A's own
+    assert cached(again) == EXPECTED_HIT, report(server)
+    assert agent_usage(server.agent, "openai-space") == (space[0] + 8, space[1] + 4)
+    for result in (other, again):
+        assert not result.differences(expected)
+
+
 def test_poisoned_cache_changes_the_served_output(server: Server) -> None:
     """Negative control: the server computes with the bytes it loads from the agent, so
     the comparison the other tests pass would catch wrong KV."""

@@ -7,9 +7,11 @@ import logging
 import pytest
 
 from kvpool_agent import keys
+from kvpool_agent.connector.scheduler import ACCESS_REUSE_S, PROBE_REUSE_S
 
 from .fakes import (
     CHUNK,
+    Clock,
     FakeAgent,
     FakeBlocks,
     FakeRequest,
@@ -169,3 +171,26 @@ def test_a_prefetch_starts_in_every_span() -> None:
     while (found := half.get_num_new_matched_tokens(request, 0))[0] is None:
         pass
     assert found == (4 * CHUNK, False)
+
+
+def test_a_space_the_agent_refuses_is_neither_probed_nor_stored_for_a_while() -> None:
+    agent = FakeAgent(bound_tenant=keys.tenant_id("carol"), forbidden={SPACE})
+    clock = Clock()
+    half = make(agent, clock=clock)
+    prompt = tokens(1100)
+    request = FakeRequest("c", prompt, salt("carol"))
+    assert half.get_num_new_matched_tokens(request, 0) == (0, False)
+    meta = half.build_connector_meta(
+        scheduler_output([new_request("c", list(range(9)), computed=0)], scheduled={"c": 1100})
+    )
+    assert [store.tenant for store in meta.stores] == [keys.tenant_id("carol")]
+    assert half.counters.totals["agent_failures"] == 0  # a refused request: the link stays up
+    asked = len(agent.lookups)
+    clock.now += PROBE_REUSE_S
+    other = FakeRequest("d", prompt, salt("carol"))
+    assert half.get_num_new_matched_tokens(other, 0) == (0, False)
+    assert len(agent.lookups) == asked  # refused a moment ago: not asked again
+    agent.forbidden.clear()  # admitted since
+    clock.now += ACCESS_REUSE_S
+    assert half.get_num_new_matched_tokens(FakeRequest("e", prompt, salt("carol")), 0)[0] == 0
+    assert len(agent.lookups) > asked

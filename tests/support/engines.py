@@ -50,6 +50,16 @@ class Result:
     top: list[list[Candidates]] = field(default_factory=list)
     """Per request, per generated token: the best candidates and their log-probabilities."""
 
+    def only(self, index: int) -> Result:
+        """The result of the ``index``-th request alone."""
+        return Result(
+            [self.tokens[index]],
+            [self.cached[index]],
+            self.seconds,
+            self.counters,
+            self.top[index : index + 1],
+        )
+
     def differences(self, reference: Result) -> list[str]:
         """Why these generations are not the reference's up to numerical noise (see
         :mod:`.greedy`); empty if they are."""

@@ -164,11 +164,18 @@ class AgentLink:
         if not self.usable():
             self._counters.add("agent_skipped_calls")
             raise LinkDown("the kvpool agent is down; pausing before the next try")
+        connected = False
         try:
             client = self._connected()
+            connected = True
             result = operation(client)
         except AgentError as error:
-            if error.code not in _REFUSED_TOKEN:
+            # a token refused at hello, or revoked since, takes the link down; a request
+            # refused for its tenant (a shared space this token is not admitted to) is that
+            # request's refusal only
+            if error.code not in _REFUSED_TOKEN or (
+                connected and error.code == ErrorCode.FORBIDDEN
+            ):
                 raise
             self._client = None
             self._failed(CredentialMissing(f"the agent refused the connector's token ({error})"))

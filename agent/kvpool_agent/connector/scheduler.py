@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from kvpool_agent import keys
+from kvpool_agent import protocol as p
 from kvpool_agent.client import AgentError, AgentInfo
 from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.jobs import LoadJob, StoreJob
@@ -76,6 +77,12 @@ log = logging.getLogger(__name__)
 PREFETCH_PROBE_MS = 2
 """How long the scheduler waits, once, for a fresh prefetch: enough for the agent to
 find that a local tier holds nothing (the usual miss), so a miss costs no step."""
+
+ACCESS_REUSE_S = 30.0
+"""How long the agent's answer stands on whether this engine's token may act for a tenant
+other than its own (a shared space): until then a refused tenant's chunks are neither
+looked up nor stored, and an allowed one's are probed in the table of ready chunks (which
+answers for any tenant, so it is read only for tenants the agent allowed)."""
 
 PROBE_REUSE_S = 1.0
 """How long a probe's answer stands for a request that vLLM asks again (it could not be
@@ -214,6 +221,8 @@ class SchedulerHalf:
         self._step_asked_s = 0.0
         """Time spent asking the agent in this step."""
         self._salt_problems_said: set[str | None] = set()
+        self._access: dict[str, tuple[bool, float]] = {}
+        """Tenant -> (whether the agent let this engine act for it, until when that stands)."""
 
     # ------------------------------------------------------------ set-up
 
@@ -394,11 +403,14 @@ class SchedulerHalf:
         if table is None:
             return None
         tokens, end = state.request.all_token_ids, min(limit, first + info.max_keys)
+        spans = state.spans(first, end)
+        if not all(self._allowed(span.tenant) for span in spans):
+            return None  # the agent says whether this token may act for the tenant
         with self.counters.timed("hash_us"):
             for chain in state.chains:
                 chain.upto(tokens, end)
         hits = 0
-        for span in state.spans(first, end):
+        for span in spans:
             run = min(
                 table.run(span.tenant, chain.keys[span.start : span.stop]) for chain in state.chains
             )
@@ -451,7 +463,7 @@ class SchedulerHalf:
             max_keys = self._link.info().max_keys
             count, state.counted = not state.counted, True
             for span in state.spans(first, limit):
-                run = self._lookup_span(state, span, max_keys, prefetch=prefetch, count=count)
+                run = self._lookup_allowed(state, span, max_keys, prefetch=prefetch, count=count)
                 if not short:
                     hits += run
                 short = short or run < span.stop - span.start
@@ -466,6 +478,43 @@ class SchedulerHalf:
             self.counters.add("prefetches", len(state.prefetches))
             state.prefetch_deadline = self._clock() + self._prefetch_wait_s
         return hits
+
+    def _allowed(self, tenant: str) -> bool | None:
+        """Whether this engine's token may act for ``tenant`` (None: not known now)."""
+        bound = self._link.bound_tenant
+        if not bound or tenant == bound:
+            return True  # an engine's token acts for any tenant; a tenant's for its own
+        allowed, until = self._access.get(tenant, (None, 0.0))
+        return allowed if self._clock() < until else None
+
+    def _lookup_allowed(
+        self, state: _Request, span: _Span, max_keys: int, *, prefetch: bool, count: bool
+    ) -> int:
+        """:meth:`_lookup_span` for a tenant the agent has not refused this token lately;
+        its answer on a tenant not the token's own (a shared space, or another tenant's
+        salt) is remembered for :data:`ACCESS_REUSE_S`."""
+        if self._allowed(span.tenant) is False:
+            return 0
+        until = self._clock() + ACCESS_REUSE_S
+        try:
+            run = self._lookup_span(state, span, max_keys, prefetch=prefetch, count=count)
+        except AgentError as error:
+            if error.code != p.ErrorCode.FORBIDDEN:
+                raise
+            if len(self._access) > 4096:
+                self._access.clear()
+            self._access[span.tenant] = (False, until)
+            log.warning(
+                "kvpool: the agent refused this engine's token tenant %s (%s); "
+                "its chunks are neither loaded nor stored for %d s",
+                span.tenant,
+                error,
+                ACCESS_REUSE_S,
+            )
+            return 0
+        if span.tenant != self._link.bound_tenant and self._link.bound_tenant:
+            self._access[span.tenant] = (True, until)
+        return run
 
     def _lookup_span(
         self, state: _Request, span: _Span, max_keys: int, *, prefetch: bool, count: bool
@@ -615,6 +664,8 @@ class SchedulerHalf:
         if any(len(rank_keys) != full - first for rank_keys in chunk_keys):
             return  # token ids not known yet (cannot happen with vLLM's accounting)
         for span in state.spans(first, full):  # a job per tenant
+            if self._allowed(span.tenant) is False:
+                continue  # a shared space the agent refuses this token: it would refuse these
             job_id = next(self._job_ids)
             stores.append(
                 StoreJob(
