@@ -175,10 +175,10 @@ def compute(engine: StepEngine, request_id: str, seed: int) -> Written:
     return written
 
 
-def store(engine: StepEngine, tokens: list[int], seed: int = 1) -> Written:
+def store(engine: StepEngine, tokens: list[int], seed: int = 1, salt: str = SALT) -> Written:
     """Run a request whose forward writes every group's KV; return what it wrote."""
     written: Written = {}
-    engine.add("first", tokens, SALT)
+    engine.add("first", tokens, salt)
 
     def forward(output: SchedulerOutput) -> None:
         (new,) = output.scheduled_new_reqs
@@ -205,16 +205,19 @@ class Comparison:
     """Per group: the layer and position of each block whose bytes differ."""
 
 
-def compare(engine: StepEngine, request_id: str, expected: Written) -> Comparison:
-    """The bytes in the request's blocks of the whole chunks, group by group, against
-    ``expected``; null blocks (a sliding window's, outside it) are not compared."""
+def compare(
+    engine: StepEngine, request_id: str, expected: Written, blocks: int = FULL_BLOCKS
+) -> Comparison:
+    """The bytes in the request's first ``blocks`` blocks (those of the whole chunks), group
+    by group, against ``expected``; null blocks (a sliding window's, outside it) are not
+    compared."""
     result = Comparison({}, {})
     groups = engine.plan.kv_cache_groups
     for index, (group, block_ids) in enumerate(
         zip(groups, engine.group_block_ids(request_id), strict=True)
     ):
         result.compared[index] = 0
-        for position, block_id in enumerate(block_ids[:FULL_BLOCKS]):
+        for position, block_id in enumerate(block_ids[:blocks]):
             if block_id == 0:
                 continue
             result.compared[index] += 1
@@ -229,8 +232,15 @@ def assert_null_block_untouched(engine: StepEngine) -> None:
         assert not cache[0].any(), f"{name}: the null block (id 0) was written"
 
 
-def load(engine: StepEngine, tokens: list[int], check: Callable[[], None]) -> None:
-    """Run the same prompt, salt and all: a hit; ``check`` the blocks before the forward.
+def load(
+    engine: StepEngine,
+    tokens: list[int],
+    check: Callable[[], None],
+    salt: str = SALT,
+    hit_blocks: int = FULL_BLOCKS,
+) -> None:
+    """Run the same prompt, salt and all: a hit of ``hit_blocks`` blocks; ``check`` the
+    blocks before the forward.
 
     With one full-attention group the load is synchronous: it runs before the request's
     first forward. With several groups, or a window, a failed load must fail the request
@@ -238,14 +248,14 @@ def load(engine: StepEngine, tokens: list[int], check: Callable[[], None]) -> No
     asynchronous to vLLM: one step loads (the request waits for its KV), and the request
     is scheduled in a later step, once the worker reported it received."""
     block = engine.config.cache_config.block_size
-    engine.add("second", tokens, SALT)
+    engine.add("second", tokens, salt)
     seen: list[bool] = []
 
     def forward(output: SchedulerOutput) -> None:
         """The loaded KV is in the blocks before attention reads them (nothing but the
         connector wrote this engine's cache: the bytes came through the agent)."""
         (new,) = output.scheduled_new_reqs
-        assert new.num_computed_tokens == FULL_BLOCKS * block, "no hit through the agent"
+        assert new.num_computed_tokens == hit_blocks * block, "no hit through the agent"
         seen.append(True)
         check()
 
@@ -292,6 +302,35 @@ def test_each_group_loads_what_another_engine_stored(
 
     load(second, tokens, check)
     assert_null_block_untouched(second)
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("mix", ["full", "full+swa", "mla"])
+def test_a_structured_salt_loads_the_spaces_and_the_tenants_chunks_in_each_group(
+    empty_agent: AgentProcess,
+    engines: Callable[[GroupMix, Runner], StepEngine],
+    mix: GroupMix,
+    runner: Runner,
+) -> None:
+    """The first two chunks belong to a shared space, the third to the tenant: the same
+    tenant loads all three (a job per tenant, one request), another tenant of the space
+    the first two only; every group's bytes are the ones stored."""
+    first = engines(mix, runner)
+    chunk_tokens = BLOCKS_PER_CHUNK * first.config.cache_config.block_size
+    tenant_a, tenant_b = (keys.shared_salt("space", 2 * chunk_tokens, t) for t in ("a", "b"))
+    tokens = prompt_of(first)
+    written = store(first, tokens, salt=tenant_a)
+
+    for salt, hit_blocks in ((tenant_a, FULL_BLOCKS), (tenant_b, 2 * BLOCKS_PER_CHUNK)):
+        engine = engines(mix, runner)
+
+        def check(engine: StepEngine = engine, hit_blocks: int = hit_blocks) -> None:
+            comparison = compare(engine, "second", written, hit_blocks)
+            assert not comparison.wrong, f"wrong bytes: {comparison.wrong}"
+            assert all(comparison.compared.values()), comparison.compared
+            assert_null_block_untouched(engine)
+
+        load(engine, tokens, check, salt=salt, hit_blocks=hit_blocks)
 
 
 def poison_group(agent: AgentProcess, engine: StepEngine, tokens: list[int], group: int) -> None:
