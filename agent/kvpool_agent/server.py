@@ -33,7 +33,7 @@ from kvpool_agent.edge.metrics import AgentMetrics
 from kvpool_agent.edge.zmq_server import ZmqServer
 from kvpool_agent.edge.zmtp import listen as listen_zmq
 from kvpool_agent.files import FileRefused, LockFile, Undo
-from kvpool_agent.l2 import L2Adapter
+from kvpool_agent.l2 import L2Adapter, ObjectKey
 from kvpool_agent.l2.nvme import NvmeAdapter
 from kvpool_agent.l2.tiers import open_tiers
 from kvpool_agent.problems import listening
@@ -200,7 +200,7 @@ class Agent:
             check_pinning(config)
             # L2 before L1: a bad NVMe path or key stops the agent before the segment exists
             limits = _NvmeLimits()
-            tiers = open_tiers(config, limits, undo)
+            tiers = open_tiers(config, limits, limits.pinned, undo)
             async with contextlib.AsyncExitStack() as opening:
                 for tier in tiers:
                     opening.push_async_callback(tier.close)
@@ -346,7 +346,9 @@ class Agent:
         service: CacheService,
         stack: contextlib.AsyncExitStack,
     ) -> None:
-        """The tenants ConfigMap's tokens join the authority, its ceilings the quotas."""
+        """The tenants ConfigMap's tokens join the authority, its ceilings the quotas, its
+        shared spaces the authority (who may act for them) and the service (their pin
+        budgets, and usage per space)."""
         from kvpool_agent.tenancy.tenants_watch import grants, space_access
 
         def apply(snapshot: TenantsSnapshot) -> None:
@@ -357,6 +359,7 @@ class Agent:
                     principal,
                 )
             authority.replace_spaces(space_access(snapshot))
+            service.replace_spaces(snapshot.spaces)
             service.replace_ceilings(snapshot.ceilings())
 
         watch.add_listener(apply)
@@ -483,10 +486,13 @@ class _Owned:
 
 
 class _NvmeLimits:
-    """The tenants' NVMe limits, for the L2 tiers, which open before the service exists
-    (nothing is put into them before it does)."""
+    """The tenants' NVMe limits and their pinned chunks, for the L2 tiers, which open before
+    the service exists (nothing is put into them before it does)."""
 
     service: CacheService | None = None
 
     def __call__(self, tenant: str) -> int | None:
         return None if self.service is None else self.service.nvme_quota_limit(tenant)
+
+    def pinned(self, name: ObjectKey) -> bool:
+        return self.service is not None and self.service.is_pinned(name.tenant, name.key)
