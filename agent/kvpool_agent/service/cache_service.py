@@ -14,6 +14,12 @@ for callers that cannot map the segment (and for the prefetch). The L2
 controllers attach through the small protocols below, given at composition
 (:meth:`~CacheService.attach_lower_tiers`): the service imports no L2 code.
 
+Pins and shared spaces: :meth:`~CacheService.put_pin` and the rest keep a tenant's pins
+(:mod:`kvpool_agent.core.l1.pin_sets`); :meth:`~CacheService.replace_spaces` takes the
+tenants ConfigMap's spaces (their pin budgets, and what :meth:`~CacheService.spaces`
+reports); :meth:`~CacheService.warm` loads a prefix from L2 through the prefetch hook and
+waits for it.
+
 One lock: cache operations take microseconds, so it serves them all; bulk
 copies happen outside it while the chunks are write-locked (store) or
 read-locked (retrieve). Quota writes do their I/O outside it (under a lock of
