@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, StringConstraints
 
 from kvpool_agent.quotas import TierLimits
 
@@ -17,6 +17,17 @@ MAX_LIMIT_BYTES = 2**53
 """Largest quota accepted (8 PiB): every integer up to it is exact as a JSON double, so a
 client that holds numbers as doubles (JavaScript, many JSON Schema validators) never sends
 a schema-valid value that rounds past the bound."""
+
+
+MAX_REQUEST_KEYS = 8192
+"""Keys one pin or warm request may name (as many as one ZMQ request)."""
+MAX_WARM_SECONDS = 60.0
+"""The longest a warm request waits for its chunks."""
+PIN_NAME_PATTERN = r"^[a-z0-9]([-._a-z0-9]{0,61}[a-z0-9])?$"
+"""A pin's name: 1 to 63 lowercase letters, digits, '-', '.' and '_', alphanumeric at both ends."""
+
+ChunkKey = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+"""A chunk key as the HTTP API spells it: 32 bytes in 64 lowercase hex characters."""
 
 
 class CacheStatus(BaseModel):
@@ -134,3 +145,85 @@ class Cleared(BaseModel):
         description="With tiers=all: objects deleted from the L2 tiers (this node's NVMe "
         "files and the pool's S3 objects of the tenant); null otherwise.",
     )
+
+
+class PinUpdate(BaseModel):
+    """The keys of a pin, replacing those it had."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    keys: list[ChunkKey] = Field(
+        max_length=MAX_REQUEST_KEYS,
+        description="Chunk keys (64 lowercase hex characters each), a prompt's head first: "
+        "where the pin budget cannot hold every chunk, it holds those pinned first.",
+    )
+
+
+class Pin(BaseModel):
+    name: str = Field(description="The pin's name.")
+    keys: int = Field(description="Keys the pin names.")
+    resident_keys: int = Field(description="Of those, keys whose chunk is in L1 now.")
+    pinned_keys: int = Field(
+        description="Of those, chunks the pin budget holds pinned (the rest are evictable)."
+    )
+    pinned_bytes: int = Field(description="Bytes of the chunks pinned.")
+
+
+class Pins(BaseModel):
+    """A tenant's pins in this agent's L1 (pins live in memory: set them again after a
+    restart)."""
+
+    tenant: str = Field(description="Tenant id.")
+    budget_bytes: int = Field(
+        description="Bytes of L1 the tenant's pinned chunks may hold (its space's pinBudget, "
+        "else the agent's default_pin_budget)."
+    )
+    pinned_bytes: int = Field(description="Bytes of L1 its pinned chunks hold now.")
+    pins: list[Pin] = Field(description="Its pins, in the order they were first set.")
+
+
+class WarmRequest(BaseModel):
+    """Keys to bring from L2 (NVMe, then S3) into this agent's L1."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    keys: list[ChunkKey] = Field(
+        max_length=MAX_REQUEST_KEYS,
+        description="Chunk keys of one prompt prefix, in order (64 lowercase hex characters "
+        "each): loading stops at the first key that no tier holds.",
+    )
+    timeout_s: float = Field(
+        5.0,
+        ge=0,
+        le=MAX_WARM_SECONDS,
+        description="Seconds to wait for the chunks at most; the load goes on past them.",
+    )
+
+
+class Warmed(BaseModel):
+    keys: int = Field(description="Keys asked for.")
+    resident: int = Field(
+        description="Leading keys whose chunks are in L1 now (what a lookup would hit)."
+    )
+    loaded: int = Field(description="Chunks this warm loaded from L2 into L1 before it answered.")
+    missing: int | None = Field(
+        description="Keys from the first that neither L1 nor any L2 tier holds, to the end; "
+        "null if the tiers were not searched within timeout_s."
+    )
+    done: bool = Field(description="False if timeout_s passed first (the load goes on).")
+
+
+class SpaceUsage(BaseModel):
+    space: str = Field(description="The shared space's tenant id.")
+    source: str = Field(description="Its KVCacheSpace, as namespace/pool/name.")
+    members: int = Field(description="Tenants that may use its chunks.")
+    owners: int = Field(description="Tenants that may also pin and warm them.")
+    usage: Usage = Field(description="Its usage, as the tenant usage route gives it.")
+    pinned_bytes: int = Field(description="Bytes of L1 its pinned chunks hold.")
+    pin_budget_bytes: int = Field(description="Bytes of L1 its pinned chunks may hold.")
+
+
+class Spaces(BaseModel):
+    """The shared spaces this agent knows from the pool's tenants ConfigMap."""
+
+    spaces: list[SpaceUsage] = Field(description="One entry per space, in no particular order.")

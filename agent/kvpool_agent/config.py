@@ -367,6 +367,15 @@ class AgentConfig(BaseSettings):
             "the most a tenant's own token may set where no KVCacheTenant ceiling applies."
         ),
     )
+    default_pin_budget: Size = Field(
+        0,
+        description=(
+            "Bytes of L1 a tenant's pinned chunks may hold where no shared space's pinBudget "
+            "(tenants_configmap) sets it; 0 = pinning refused. Admins and shared spaces' "
+            "owners pin through the HTTP API; pins live in memory (the operator sets them "
+            "again after a restart)."
+        ),
+    )
     lease_seconds: float = Field(
         30.0,
         gt=0,

@@ -18,7 +18,7 @@ import logging
 import signal
 import socket
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -33,7 +33,7 @@ from kvpool_agent.edge.metrics import AgentMetrics
 from kvpool_agent.edge.zmq_server import ZmqServer
 from kvpool_agent.edge.zmtp import listen as listen_zmq
 from kvpool_agent.files import FileRefused, LockFile, Undo
-from kvpool_agent.l2 import L2Adapter
+from kvpool_agent.l2 import L2Adapter, ObjectKey
 from kvpool_agent.l2.nvme import NvmeAdapter
 from kvpool_agent.l2.tiers import open_tiers
 from kvpool_agent.problems import listening
@@ -42,7 +42,7 @@ from kvpool_agent.segment import LOCK_MODE, SegmentInUse, lock_path
 from kvpool_agent.service.cache_service import CacheService
 from kvpool_agent.tenancy.auth import GeneratedTokens, TokenAuthority, load_authority
 from kvpool_agent.tenancy.quota_store import FileQuotaStore
-from kvpool_agent.tenants_configmap import TenantsSnapshot
+from kvpool_agent.tenants_configmap import SpaceEntry, TenantsSnapshot
 from kvpool_agent.tiering.prefetch import Prefetcher
 from kvpool_agent.tiering.writeback import WriteBack
 from kvpool_agent.web.connections import HttpRefusals
@@ -200,7 +200,7 @@ class Agent:
             check_pinning(config)
             # L2 before L1: a bad NVMe path or key stops the agent before the segment exists
             limits = _NvmeLimits()
-            tiers = open_tiers(config, limits, undo)
+            tiers = open_tiers(config, limits, limits.pinned, undo)
             async with contextlib.AsyncExitStack() as opening:
                 for tier in tiers:
                     opening.push_async_callback(tier.close)
@@ -211,8 +211,10 @@ class Agent:
             await stack.enter_async_context(closing_tiers)
             service = self._open_service(l1, quota_store, quotas, stack)
             limits.service = service
+            own_spaces = self._file_spaces(authority)
+            service.replace_spaces(own_spaces)
             if tenants is not None:
-                self._follow_tenants(tenants, authority, service, stack)
+                self._follow_tenants(tenants, authority, service, own_spaces, stack)
             metrics = AgentMetrics(
                 CollectorRegistry(),
                 service,
@@ -339,14 +341,26 @@ class Agent:
             stack.callback(store.stop)
         return service
 
+    def _file_spaces(self, authority: TokenAuthority) -> dict[str, SpaceEntry]:
+        """The tokens file's shared spaces, as the service lists them (the configured
+        default pin budget theirs)."""
+        budget = int(self.config.default_pin_budget)
+        return {
+            space: SpaceEntry("tokens file", access.members, access.owners, budget)
+            for space, access in authority.file_spaces.items()
+        }
+
     def _follow_tenants(
         self,
         watch: TenantsWatch,
         authority: TokenAuthority,
         service: CacheService,
+        own_spaces: Mapping[str, SpaceEntry],
         stack: contextlib.AsyncExitStack,
     ) -> None:
-        """The tenants ConfigMap's tokens join the authority, its ceilings the quotas."""
+        """The tenants ConfigMap's tokens join the authority, its ceilings the quotas, its
+        shared spaces the authority (who may act for them) and the service (their pin
+        budgets, and usage per space)."""
         from kvpool_agent.tenancy.tenants_watch import grants, space_access
 
         def apply(snapshot: TenantsSnapshot) -> None:
@@ -357,6 +371,7 @@ class Agent:
                     principal,
                 )
             authority.replace_spaces(space_access(snapshot))
+            service.replace_spaces({**snapshot.spaces, **own_spaces})
             service.replace_ceilings(snapshot.ceilings())
 
         watch.add_listener(apply)
@@ -483,10 +498,13 @@ class _Owned:
 
 
 class _NvmeLimits:
-    """The tenants' NVMe limits, for the L2 tiers, which open before the service exists
-    (nothing is put into them before it does)."""
+    """The tenants' NVMe limits and their pinned chunks, for the L2 tiers, which open before
+    the service exists (nothing is put into them before it does)."""
 
     service: CacheService | None = None
 
     def __call__(self, tenant: str) -> int | None:
         return None if self.service is None else self.service.nvme_quota_limit(tenant)
+
+    def pinned(self, name: ObjectKey) -> bool:
+        return self.service is not None and self.service.is_pinned(name.tenant, name.key)

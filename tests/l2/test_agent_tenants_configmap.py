@@ -229,3 +229,44 @@ def _objects(endpoint: str, bucket: str, tenant: str) -> list[str]:
 
 def _status(response: httpx.Response, expected: int) -> None:
     assert response.status_code == expected, response.text
+
+
+def test_a_space_of_the_configmap_is_listed_with_its_usage_and_its_pin_budget(
+    tenants: Kubectl, agents: Callable[..., AgentProcess]
+) -> None:
+    """The space's owner pins within the space's pinBudget; /v1/spaces and the metrics show
+    the space under its KVCacheSpace's name."""
+    agent = _watching(agents)
+    space, source, budget = tenant_id("shared-prompts"), "team-a/main/prompts", 2 * 60_000
+    _grant(tenants, {"l1": None, "nvme": None})
+    entry = {"space": source, "members": [BOB], "owners": [ALICE], "pinBudget": budget}
+    _patch(tenants, {f"space.{space}": entry})
+    pins = f"{agent.http}/v1/tenants/{space}/pins/head"
+    keys = [key(f"prompt-{n}") for n in range(3)]
+    body = {"keys": [k.hex() for k in keys]}
+    eventually(
+        lambda: _status(httpx.put(pins, json=body, headers=_auth(ALICE_TOKEN)), 200), timeout=10
+    )  # once the agent knows the space and its budget (pinned before the chunks arrive)
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
+        client.store(space, keys, [data(f"prompt-{n}") for n in range(3)])
+        assert client.lookup(space, [*keys, key("absent")], lock=False).count == 3
+    spaces = httpx.get(f"{agent.http}/v1/spaces", headers=_auth(OPERATOR_TOKEN)).json()["spaces"]
+    assert len(spaces) == 1
+    listed = spaces[0]
+    assert (listed["space"], listed["source"], listed["members"], listed["owners"]) == (
+        space,
+        source,
+        1,
+        1,
+    )
+    assert (listed["pinned_bytes"], listed["pin_budget_bytes"]) == (budget, budget)
+    usage = listed["usage"]
+    assert (usage["tenant"], usage["chunks"], usage["used_bytes"]) == (space, 3, 3 * 60_000)
+    assert (usage["hits"], usage["misses"]) == (3, 1)
+    label = f'{{space="{source}"}}'
+    assert metric(agent, f"kvpool_space_used_bytes{label}") == 3 * 60_000
+    assert metric(agent, f"kvpool_space_pinned_bytes{label}") == budget
+    assert metric(agent, f"kvpool_space_pin_budget_bytes{label}") == budget
+    assert metric(agent, f"kvpool_space_hits_total{label}") == 3
+    refused = httpx.get(f"{agent.http}/v1/spaces", headers=_auth(ALICE_TOKEN))
+    assert refused.status_code == 403  # admins only

@@ -109,6 +109,20 @@ async def test_capacity_evicts_least_recently_used_files(tmp_path: Path) -> None
     await adapter.close()
 
 
+async def test_capacity_eviction_skips_the_files_of_chunks_pinned_in_l1(tmp_path: Path) -> None:
+    names = [chunk(i) for i in range(6)]
+    pinned = {names[0], names[1]}
+    codec = object_codec(tmp_path / "keys")
+    config = nvme_config(tmp_path / "l2", capacity=4 * FILE)
+    adapter = NvmeAdapter(config, POOL, lambda tenant: None, codec, pinned.__contains__)
+    await _put(adapter, *names[:4])
+    assert await _put(adapter, *names[4:]) == [True, True]  # 2 and 3 go, not 0 and 1
+    assert await adapter.exists(names) == [True, True, False, False, True, True]
+    pinned.update(names[4:])  # everything pinned: a new file finds no room
+    assert await _put(adapter, chunk(9)) == [False]
+    await adapter.close()
+
+
 async def test_a_tenant_over_its_quota_evicts_only_its_own_files(tmp_path: Path) -> None:
     adapter = _adapter(tmp_path, limits={"small": 2 * FILE}, capacity=100 * FILE)
     big = [chunk(i, "big") for i in range(5)]

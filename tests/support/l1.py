@@ -36,6 +36,7 @@ def make_cache(
     high: float = 0.9,
     low: float = 0.8,
     idle_tenants: int = IDLE_TENANTS,
+    pin_budget: int = 0,
 ) -> L1Cache:
     return L1Cache(
         SegmentLayout(page_size=PAGE, data_offset=PAGE, data_size=PAGE * pages),
@@ -46,6 +47,7 @@ def make_cache(
         lease_seconds=30.0,
         clock=clock or FakeClock(),
         idle_tenants=idle_tenants,
+        pin_budget=pin_budget,
     )
 
 

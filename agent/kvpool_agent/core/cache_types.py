@@ -46,6 +46,12 @@ class LeaseExpired(CacheError):
     code = "lease_expired"
 
 
+class PinRefused(CacheError):
+    """A pin the tenant's pin budget (0: pinning is off) or the bound on pinned keys refuses."""
+
+    code = "pin_refused"
+
+
 @dataclass(frozen=True, slots=True)
 class Placement:
     """Where a chunk's bytes live: an absolute offset into the segment file."""
@@ -97,6 +103,29 @@ class TenantStats:
     misses: int
     stored_chunks: int
     evicted_chunks: int
+
+
+@dataclass(frozen=True, slots=True)
+class PinState:
+    """One named pin of a tenant: how many of its keys L1 holds, and holds pinned."""
+
+    name: str
+    keys: int
+    resident: int
+    """Keys whose chunk is ready in L1."""
+    pinned: int
+    """Of those, the chunks the pin budget holds pinned (the rest stay evictable)."""
+    pinned_bytes: int
+
+
+@dataclass(frozen=True)
+class TenantPins:
+    """A tenant's pins, its pin budget and the bytes of L1 its pinned chunks hold."""
+
+    tenant: str
+    budget_bytes: int
+    pinned_bytes: int
+    pins: list[PinState]
 
 
 @dataclass(frozen=True)

@@ -134,6 +134,7 @@ def open_l1(config: AgentConfig, agent_id: str, undo: Undo | None = None) -> L1T
             lease_seconds=config.lease_seconds,
             journal=journal,
             probe_table=probe_table,
+            pin_budget=int(config.default_pin_budget),
         )
         if recreated_because is None:
             report = cache.restore(journal.committed(), journal.reserved())

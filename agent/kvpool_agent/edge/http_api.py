@@ -1,4 +1,5 @@
-"""The agent's HTTP API: health, cache status, tenant quotas, usage and clearing.
+"""The agent's HTTP API: health, cache status, tenant quotas, usage and clearing, pins and
+warming, and usage per shared space.
 
 :func:`create_app` gets every dependency as an argument; the composition root
 builds the service and the token authority and passes them in.
@@ -7,12 +8,14 @@ Access: ``/healthz``, ``/readyz`` and ``/metrics`` need no token. Every other ro
 takes ``Authorization: Bearer <token>``: an admin token may do anything, a tenant token
 only reads and changes its own tenant's quota (within the ceiling its KVCacheTenant
 sets, or without one the default quota), usage and cache, and a gateway token (the
-prefix index's) nothing here. Tokens come from the tokens file and, with
-``tenants_configmap``, from the pool's KVCacheTenants (the operator's token is an
-admin's). Checks run in this order: a missing or unknown token is 401, a gateway token
-403, a malformed tenant id 422, a tenant touching another tenant or an admin-only route
-403. A request with a body is checked for its size (413) and token before the body is
-read (:class:`~kvpool_agent.web.body_gate.BodyGate`). Every error body is ``{"detail":
+prefix index's) nothing here. Pins and warming take an admin token, or the token of an
+owner of the shared space (:meth:`~kvpool_agent.tenancy.auth.TokenAuthority.may_pin`).
+Tokens come from the tokens file and, with ``tenants_configmap``, from the pool's
+KVCacheTenants (the operator's token is an admin's). Checks run in this order: a missing
+or unknown token is 401, a gateway token 403, a malformed tenant id 422, a tenant touching
+another tenant (or pinning where it owns no space) or an admin-only route 403. A request
+with a body is checked for its size (413) and token before the body is read
+(:class:`~kvpool_agent.web.body_gate.BodyGate`). Every error body is ``{"detail":
 "<reason>"}``.
 
 Handlers that reach the service are plain ``def``: FastAPI runs them in its
@@ -30,19 +33,27 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from kvpool_agent.api_models import (
+    PIN_NAME_PATTERN,
     CacheStatus,
     Cleared,
+    Pin,
+    Pins,
+    PinUpdate,
     Quota,
     QuotaUpdate,
+    Spaces,
+    SpaceUsage,
     TenantUsages,
     Usage,
+    Warmed,
+    WarmRequest,
 )
 from kvpool_agent.config import HttpLimits
-from kvpool_agent.core.cache_types import TenantStats
+from kvpool_agent.core.cache_types import PinRefused, PinState, TenantPins, TenantStats
 from kvpool_agent.keys import TENANT_ID_PATTERN, TENANT_ID_RULE, is_tenant_id
 from kvpool_agent.l2.base import TierUnavailable
 from kvpool_agent.service.cache_service import CacheService
-from kvpool_agent.service.results import AboveCeiling, QuotaView
+from kvpool_agent.service.results import AboveCeiling, QuotaView, WarmRefused
 from kvpool_agent.tenancy.auth import Principal, Role, TokenAuthority
 from kvpool_agent.tenancy.quota_store import QuotaStoreError
 from kvpool_agent.web.body_gate import BodyGate
@@ -77,11 +88,17 @@ _ERRORS: dict[int | str, str] = {
     403: "The token may not use this route (another tenant's, admin-only, or a gateway's).",
     413: "Request body larger than http_limits.max_body_bytes (refused before it is read).",
     422: "Malformed tenant id or request body.",
+    404: "The tenant has no pin of that name.",
+    409: "The tenant's pin budget is 0 bytes (pinning is off for it), or its pins would "
+    "name more keys than one tenant's pins may.",
     503: "The quota store failed; nothing was changed.",
     "ceiling": "The token may not use this route (another tenant's, admin-only, or a "
     "gateway's), or a tenant's own token asked for more than its ceiling (without a "
     "KVCacheTenant ceiling: the default tenant quota; unlimited is more than either).",
     "tiers": "An L2 tier could not finish the drop (L1 is dropped); try again.",
+    "pin": "The token may not pin or warm for this tenant: an admin's, or a token of an "
+    "owner of the shared space, may.",
+    "warm": "Too many loads from L2 are in flight to start one; try again.",
 }
 
 
@@ -119,9 +136,27 @@ class _Guards:
 
     admin: Callable[..., Principal]
     tenant: Callable[..., TenantAccess]
+    pinner: Callable[..., TenantAccess]
+    """Pins and warms: an admin, or an owner of the shared space."""
 
 
-def _guards(auth: BearerAuth) -> _Guards:
+_TenantId = Annotated[
+    str,
+    Path(
+        description=TENANT_ID_DOC,
+        examples=[_EXAMPLE_TENANT],
+        # declared, not enforced by FastAPI: the guards check it after the token
+        json_schema_extra={"pattern": TENANT_ID_PATTERN},
+    ),
+]
+
+
+def _check_tenant_id(tenant_id: str) -> None:
+    if not is_tenant_id(tenant_id):
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, TENANT_ID_RULE)
+
+
+def _guards(auth: BearerAuth, authority: TokenAuthority) -> _Guards:
     authenticate = bearer_principal(
         auth, description="An admin token, or a tenant token for that tenant's own routes."
     )
@@ -132,26 +167,28 @@ def _guards(auth: BearerAuth) -> _Guards:
         return principal
 
     def tenant(
-        tenant_id: Annotated[
-            str,
-            Path(
-                description=TENANT_ID_DOC,
-                examples=[_EXAMPLE_TENANT],
-                # declared, not enforced by FastAPI: the check below runs after the token's
-                json_schema_extra={"pattern": TENANT_ID_PATTERN},
-            ),
-        ],
-        principal: Annotated[Principal, Depends(authenticate)],
+        tenant_id: _TenantId, principal: Annotated[Principal, Depends(authenticate)]
     ) -> TenantAccess:
-        if not is_tenant_id(tenant_id):
-            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, TENANT_ID_RULE)
+        _check_tenant_id(tenant_id)
         if not principal.may_access(tenant_id):
             raise HTTPException(
                 status.HTTP_403_FORBIDDEN, "a tenant token may only access its own tenant"
             )
         return TenantAccess(tenant_id, principal)
 
-    return _Guards(admin, tenant)
+    def pinner(
+        tenant_id: _TenantId, principal: Annotated[Principal, Depends(authenticate)]
+    ) -> TenantAccess:
+        _check_tenant_id(tenant_id)
+        if not authority.may_pin(principal, tenant_id):
+            raise HTTPException(
+                status.HTTP_403_FORBIDDEN,
+                "pinning and warming need an admin token, or a token of an owner of the "
+                "shared space",
+            )
+        return TenantAccess(tenant_id, principal)
+
+    return _Guards(admin, tenant, pinner)
 
 
 # -------------------------------------------------------------------- app
@@ -182,10 +219,11 @@ def create_app(
     app.add_exception_handler(status.HTTP_405_METHOD_NOT_ALLOWED, on_method_not_allowed)
     auth = BearerAuth(authority, realm="kvpool", roles=(Role.ADMIN, Role.TENANT))
     app.add_middleware(BodyGate, auth=auth, limits=limits or HttpLimits())
-    guards = _guards(auth)
+    guards = _guards(auth, authority)
     app.include_router(health_routes(ready or _always, metrics, what="agent"))
     app.include_router(_cache_routes(service, guards))
     app.include_router(_tenant_routes(service, guards))
+    app.include_router(_pin_routes(service, guards))
     return app
 
 
@@ -232,13 +270,34 @@ def _cache_routes(service: CacheService, guards: _Guards) -> APIRouter:
 
     @router.post(
         "/clear",
-        summary="Drop every cached chunk of every tenant (admin).",
+        summary="Drop every cached chunk and every pin of every tenant (admin).",
         response_model_exclude_none=True,
     )
     def clear_all(principal: Admin) -> Cleared:
-        dropped = service.clear()
+        dropped = service.clear(unpin=True)
         log.info("%s cleared the cache: %d chunks dropped", principal, dropped)
         return Cleared(dropped_chunks=dropped)
+
+    @router.get(
+        "/spaces",
+        tags=["tenants"],
+        summary="Every shared space of the tenants ConfigMap: usage and pins (admin).",
+    )
+    def list_spaces(_: Admin) -> Spaces:
+        return Spaces(
+            spaces=[
+                SpaceUsage(
+                    space=space.space,
+                    source=space.source,
+                    members=space.members,
+                    owners=space.owners,
+                    usage=_usage(space.usage, space.nvme_used_bytes),
+                    pinned_bytes=space.pinned_bytes,
+                    pin_budget_bytes=space.pin_budget_bytes,
+                )
+                for space in service.spaces()
+            ]
+        )
 
     return router
 
@@ -288,7 +347,7 @@ def _tenant_routes(service: CacheService, guards: _Guards) -> APIRouter:
     @router.post(
         "/clear",
         summary="Drop a tenant's cached chunks from L1, or with tiers=all from L2 too "
-        "(admin or that tenant).",
+        "(admin or that tenant); an admin's drops its pins too.",
         responses=_error(503, "tiers"),
         response_model_exclude_none=True,
     )
@@ -302,14 +361,15 @@ def _tenant_routes(service: CacheService, guards: _Guards) -> APIRouter:
             ),
         ] = "l1",
     ) -> Cleared:
+        unpin = access.principal.is_admin
         if tiers == "l1":
-            dropped = service.clear(access.tenant)
+            dropped = service.clear(access.tenant, unpin=unpin)
             log.info(
                 "%s cleared tenant %s: %d chunks dropped", access.principal, access.tenant, dropped
             )
             return Cleared(dropped_chunks=dropped)
         try:
-            both = service.drop_tenant(access.tenant)
+            both = service.drop_tenant(access.tenant, unpin=unpin)
         except TierUnavailable as error:
             log.error("%s: dropping tenant %s: %s", access.principal, access.tenant, error)
             raise HTTPException(
@@ -326,6 +386,96 @@ def _tenant_routes(service: CacheService, guards: _Guards) -> APIRouter:
         return Cleared(dropped_chunks=both.l1_chunks, l2_dropped_objects=both.l2_objects)
 
     return router
+
+
+def _pin_routes(service: CacheService, guards: _Guards) -> APIRouter:
+    router = APIRouter(
+        prefix="/v1/tenants/{tenant_id}",
+        tags=["pins"],
+        responses={**_errors(401, 422), **_error(403, "pin")},
+    )
+    Pinner = Annotated[TenantAccess, Depends(guards.pinner)]
+    PinName = Annotated[
+        str, Path(pattern=PIN_NAME_PATTERN, description="The pin's name.", examples=["system"])
+    ]
+
+    @router.get("/pins", summary="A tenant's pins and pin budget (admin or a space's owner).")
+    def get_pins(access: Pinner) -> Pins:
+        return _pins(service.pins(access.tenant))
+
+    @router.put(
+        "/pins/{name}",
+        summary="Pin chunks of a tenant in this agent's L1, whether cached yet or not; the "
+        "same name replaces the pin (admin or a space's owner).",
+        responses=_errors(409, 413),
+    )
+    def put_pin(access: Pinner, name: PinName, update: PinUpdate) -> Pin:
+        try:
+            state = service.put_pin(access.tenant, name, [bytes.fromhex(k) for k in update.keys])
+        except PinRefused as error:
+            raise HTTPException(status.HTTP_409_CONFLICT, str(error)) from None
+        log.info(
+            "%s pinned %d keys of tenant %s as %r",
+            access.principal,
+            state.keys,
+            access.tenant,
+            name,
+        )
+        return _pin(state)
+
+    @router.delete(
+        "/pins/{name}",
+        summary="Drop a pin: its chunks stay, evictable (admin or a space's owner).",
+        responses=_errors(404),
+    )
+    def delete_pin(access: Pinner, name: PinName) -> Pins:
+        if not service.delete_pin(access.tenant, name):
+            raise HTTPException(
+                status.HTTP_404_NOT_FOUND, f"tenant {access.tenant} has no pin {name!r}"
+            )
+        log.info("%s unpinned %r of tenant %s", access.principal, name, access.tenant)
+        return _pins(service.pins(access.tenant))
+
+    @router.post(
+        "/warm",
+        summary="Load a prefix of a tenant's chunks from L2 (NVMe, then S3) into this agent's "
+        "L1, waiting up to timeout_s (admin or a space's owner).",
+        responses={**_errors(413), **_error(503, "warm")},
+    )
+    def warm(access: Pinner, request: WarmRequest) -> Warmed:
+        keys = [bytes.fromhex(k) for k in request.keys]
+        try:
+            warmed = service.warm(access.tenant, keys, request.timeout_s)
+        except WarmRefused as error:
+            raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(error)) from None
+        return Warmed(
+            keys=warmed.keys,
+            resident=warmed.resident,
+            loaded=warmed.loaded,
+            missing=warmed.missing,
+            done=warmed.done,
+        )
+
+    return router
+
+
+def _pin(state: PinState) -> Pin:
+    return Pin(
+        name=state.name,
+        keys=state.keys,
+        resident_keys=state.resident,
+        pinned_keys=state.pinned,
+        pinned_bytes=state.pinned_bytes,
+    )
+
+
+def _pins(pins: TenantPins) -> Pins:
+    return Pins(
+        tenant=pins.tenant,
+        budget_bytes=pins.budget_bytes,
+        pinned_bytes=pins.pinned_bytes,
+        pins=[_pin(state) for state in pins.pins],
+    )
 
 
 def _bytes(limit: int | None) -> str:

@@ -10,13 +10,16 @@ plain integers); request latencies are
 observed by the ZMQ server through :meth:`AgentMetrics.observe_request`.
 Everything lives on an injected :class:`CollectorRegistry`. Tenant labels are
 bounded: the ``top_tenants`` largest tenants by usage get their own label,
-the rest are summed under ``other``. Ranking costs O(tenants) (outside the
+the rest are summed under ``other``; so do the tenants with pins (by pinned bytes) and the
+shared spaces (by usage, labelled with their KVCacheSpace's ``namespace/pool/name``).
+Ranking costs O(tenants) (outside the
 service lock, but in the interpreter the ZMQ thread shares), so it is redone at
 most every ``RANKING_SECONDS``: anyone may poll ``/metrics`` in a loop.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Iterator, Sequence
 
@@ -30,7 +33,7 @@ from kvpool_agent.edge.zmtp import DropReason
 from kvpool_agent.l2.base import L2Adapter
 from kvpool_agent.probe_table import ProbeTableWriter
 from kvpool_agent.service.cache_service import CacheService
-from kvpool_agent.service.results import TenantRanking
+from kvpool_agent.service.results import SpaceUsage, TenantRanking
 from kvpool_agent.tiering.prefetch import Prefetcher
 from kvpool_agent.tiering.writeback import WriteBack
 from kvpool_agent.web.connections import HttpRefusals
@@ -133,6 +136,97 @@ class _CacheCollector(Collector):
         yield used
         yield chunks
         yield quota
+        yield from self._pins()
+        yield from self._spaces()
+        warm = self._service.warm_counts
+        yield CounterMetricFamily(
+            "kvpool_warm_requests", "Warm requests answered.", value=warm.requests
+        )
+        yield CounterMetricFamily(
+            "kvpool_warm_loaded_chunks",
+            "Chunks warm requests loaded from L2 into L1 before they answered.",
+            value=warm.loaded_chunks,
+        )
+
+    def _pins(self) -> Iterator[Metric]:
+        pinned = GaugeMetricFamily(
+            "kvpool_tenant_pinned_bytes",
+            "Bytes of L1 held by pinned chunks, per tenant with pins.",
+            labels=["tenant"],
+        )
+        budget = GaugeMetricFamily(
+            "kvpool_tenant_pin_budget_bytes",
+            "Bytes of L1 pinned chunks may hold, per labelled tenant with pins.",
+            labels=["tenant"],
+        )
+        totals = self._service.pinned_bytes()
+        ranked = heapq.nlargest(self._top, totals.items(), key=lambda item: item[1][0])
+        for tenant, (pinned_bytes, budget_bytes) in ranked:
+            pinned.add_metric([tenant], pinned_bytes)
+            budget.add_metric([tenant], budget_bytes)
+        if len(ranked) < len(totals):
+            rest = sum(n for n, _ in totals.values()) - sum(n for _, (n, _) in ranked)
+            pinned.add_metric([OTHER_TENANTS], rest)
+        yield pinned
+        yield budget
+
+    def _spaces(self) -> Iterator[Metric]:
+        spaces = heapq.nlargest(self._top, self._service.spaces(), key=_space_used_bytes)
+        figures: list[tuple[type[GaugeMetricFamily | CounterMetricFamily], str, str, list[int]]]
+        figures = [
+            (
+                GaugeMetricFamily,
+                "used_bytes",
+                "Bytes of L1 used per shared space.",
+                [space.usage.used_bytes for space in spaces],
+            ),
+            (
+                GaugeMetricFamily,
+                "nvme_used_bytes",
+                "Bytes of this node's NVMe tier used per shared space.",
+                [space.nvme_used_bytes for space in spaces],
+            ),
+            (
+                GaugeMetricFamily,
+                "chunks",
+                "L1 chunks per shared space.",
+                [space.usage.chunks for space in spaces],
+            ),
+            (
+                GaugeMetricFamily,
+                "pinned_bytes",
+                "Bytes of L1 held by pinned chunks per shared space.",
+                [space.pinned_bytes for space in spaces],
+            ),
+            (
+                GaugeMetricFamily,
+                "pin_budget_bytes",
+                "Bytes of L1 pinned chunks may hold per shared space.",
+                [space.pin_budget_bytes for space in spaces],
+            ),
+            (
+                CounterMetricFamily,
+                "hits",
+                "Chunks found per shared space.",
+                [space.usage.hits for space in spaces],
+            ),
+            (
+                CounterMetricFamily,
+                "misses",
+                "Chunks looked up and not found per shared space.",
+                [space.usage.misses for space in spaces],
+            ),
+        ]
+        labels = [[space.source or space.space] for space in spaces]
+        for family, name, documentation, values in figures:
+            metric = family(f"kvpool_space_{name}", documentation, labels=["space"])
+            for label, value in zip(labels, values, strict=True):
+                metric.add_metric(label, value)
+            yield metric
+
+
+def _space_used_bytes(space: SpaceUsage) -> int:
+    return space.usage.used_bytes
 
 
 class _ProbeTableCollector(Collector):

@@ -15,8 +15,9 @@ event loop; file I/O runs on the adapter's own pool of ``max_concurrency`` threa
 disk I/O). Operations on one key are serialized and a put is accounted before its
 bytes land, so ``used_bytes`` never exceeds the capacity and matches the files on
 disk once operations complete. Eviction takes least recently used files that no
-operation is using: anyone's for the capacity, only the tenant's own for its quota.
-After a restart the LRU order is the files' mtime order (a hit touches the mtime).
+operation is using and whose chunks are not pinned in L1 (``pinned``: each tenant's
+pins hold at most its pin budget): anyone's for the capacity, only the tenant's own for its
+quota. After a restart the LRU order is the files' mtime order (a hit touches the mtime).
 
 The tree is the agent's alone: ``<path>/<pool>`` and every directory below it are mode
 :data:`DIRECTORY_MODE` (0700: another user could otherwise list every tenant id and
@@ -76,8 +77,12 @@ class NvmeAdapter:
         pool: str,
         limit_of: Callable[[str], int | None],
         codec: ObjectCodec,
+        pinned: Callable[[ObjectKey], bool] = lambda name: False,
     ) -> None:
-        """Scan ``config.path/pool`` (creating it if needed); removes temp files left by a crash."""
+        """Scan ``config.path/pool`` (creating it if needed); removes temp files left by a crash.
+
+        ``pinned``: whether a chunk is pinned in L1 (its file is never evicted).
+        """
         self.config = config
         self.codec = codec
         self.root = config.path / pool
@@ -85,6 +90,7 @@ class NvmeAdapter:
         self.failures = 0
         """Reads and deletes failed at the filesystem (EIO, ...); puts count in ``stats``."""
         self._limit_of = limit_of
+        self._pinned = pinned
         self._lru: OrderedDict[ObjectKey, int] = OrderedDict()  # file sizes, LRU first
         self._tenants: dict[str, _Tenant] = {}
         self._locks = KeyLocks()
@@ -276,11 +282,12 @@ class NvmeAdapter:
     def _pick(
         self, order: OrderedDict[ObjectKey, int], excess: int, victims: dict[ObjectKey, int]
     ) -> bool:
-        """Add idle files of ``order``, LRU first, to ``victims`` until they free ``excess``."""
+        """Add idle unpinned files of ``order``, LRU first, to ``victims`` until they free
+        ``excess``."""
         for name, size in order.items():
             if excess <= 0:
                 break
-            if name not in victims and not self._locks.busy(name):
+            if name not in victims and not self._locks.busy(name) and not self._pinned(name):
                 victims[name] = size
                 excess -= size
         return excess <= 0

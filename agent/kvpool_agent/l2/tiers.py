@@ -6,17 +6,22 @@ from collections.abc import Callable
 
 from kvpool_agent.config import AgentConfig, make_setting_directory
 from kvpool_agent.files import Undo
-from kvpool_agent.l2 import L2Adapter, adapter_class
+from kvpool_agent.l2 import L2Adapter, ObjectKey, adapter_class
 from kvpool_agent.l2.buffers import BufferPool
 from kvpool_agent.l2.codec import ObjectCodec
 from kvpool_agent.l2.keyring import Keyring, generate_key
 
 
 def open_tiers(
-    config: AgentConfig, limit_of: Callable[[str], int | None], undo: Undo | None = None
+    config: AgentConfig,
+    limit_of: Callable[[str], int | None],
+    pinned: Callable[[ObjectKey], bool],
+    undo: Undo | None = None,
 ) -> list[L2Adapter]:
     """The tiers; :class:`~kvpool_agent.l2.keyring.KeyringError` if the keys are unusable.
-    A key generated here is noted in ``undo``."""
+    ``limit_of`` is each tenant's NVMe quota, ``pinned`` whether a chunk is pinned in L1
+    (NVMe evicts neither past its quota nor pinned). A key generated here is noted in
+    ``undo``."""
     if config.nvme is None and config.s3 is None:
         return []
     # nvme.path is made (or refused) with the agent's lock on its tree, before a key is made
@@ -30,7 +35,7 @@ def open_tiers(
     tiers: list[L2Adapter] = []
     if config.nvme is not None:
         codec = ObjectCodec(keyring, config.pool, seal=config.nvme.encryption, buffers=buffers)
-        tiers.append(adapter_class("nvme")(config.nvme, config.pool, limit_of, codec))  # type: ignore[call-arg]
+        tiers.append(adapter_class("nvme")(config.nvme, config.pool, limit_of, codec, pinned))  # type: ignore[call-arg]
     if config.s3 is not None:
         codec = ObjectCodec(keyring, config.pool, seal=config.s3.encryption, buffers=buffers)
         tiers.append(adapter_class("s3")(config.s3, config.pool, codec))  # type: ignore[call-arg]

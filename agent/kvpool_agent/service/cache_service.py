@@ -14,6 +14,12 @@ for callers that cannot map the segment (and for the prefetch). The L2
 controllers attach through the small protocols below, given at composition
 (:meth:`~CacheService.attach_lower_tiers`): the service imports no L2 code.
 
+Pins and shared spaces: :meth:`~CacheService.put_pin` and the rest keep a tenant's pins
+(:mod:`kvpool_agent.core.l1.pin_sets`); :meth:`~CacheService.replace_spaces` takes the
+tenants ConfigMap's spaces (their pin budgets, and what :meth:`~CacheService.spaces`
+reports); :meth:`~CacheService.warm` loads a prefix from L2 through the prefetch hook and
+waits for it.
+
 One lock: cache operations take microseconds, so it serves them all; bulk
 copies happen outside it while the chunks are write-locked (store) or
 read-locked (retrieve). Quota writes do their I/O outside it (under a lock of
@@ -34,7 +40,9 @@ from operator import attrgetter
 
 from kvpool_agent.core.cache_types import (
     L1Stats,
+    PinState,
     Reservation,
+    TenantPins,
     TenantStats,
     UnknownLease,
 )
@@ -55,10 +63,15 @@ from kvpool_agent.service.results import (
     LookupOutcome,
     QuotaView,
     Snapshot,
+    SpaceUsage,
     StoreResult,
     TenantRanking,
+    WarmCounts,
+    Warmed,
+    WarmRefused,
 )
 from kvpool_agent.tenancy.quota_store import QuotaStore
+from kvpool_agent.tenants_configmap import SpaceEntry
 
 _USED_BYTES = attrgetter("used_bytes")
 
@@ -75,6 +88,8 @@ class CacheService:
         self._prefetch: PrefetchHook | None = None
         self._drop_lower: TenantDrop | None = None
         self._nvme_used: TenantBytes | None = None
+        self._spaces: dict[str, SpaceEntry] = {}
+        self.warm_counts = WarmCounts()
         self.quota_listeners: list[Callable[[str], None]] = []
         """Told (outside the locks) which tenant's quota changed, e.g. to shrink L2 tiers."""
 
@@ -245,6 +260,88 @@ class CacheService:
         with self._lock:
             return [any(map(self._cache.is_quarantined, leases)) for leases in lease_sets]
 
+    def warm(self, tenant: str, keys: Sequence[bytes], timeout: float) -> Warmed:
+        """Load the chunks of ``keys`` (a prefix, in order) that L1 lacks from L2, through a
+        prefetch, waiting up to ``timeout`` seconds (blocks: never on the event loop).
+
+        :class:`WarmRefused` if too many prefetches are in flight to start one.
+        """
+        with self._lock:
+            before = self._cache.lookup(tenant, keys, lock=False, count=False).count
+        loaded, done = 0, True
+        missing: int | None = len(keys) - before
+        prefetch = self._prefetch
+        if before < len(keys) and prefetch is not None:
+            after = keys[before - 1] if before else None
+            prefetch_id = prefetch.begin(tenant, keys[before:], after)
+            progress = prefetch.wait(prefetch_id, timeout) if prefetch_id else None
+            if progress is None:
+                raise WarmRefused("too many loads from L2 in flight; try again")
+            loaded, done = progress.loaded, progress.done
+            found = progress.expected
+            missing = None if found < 0 else len(keys) - before - found
+        with self._lock:
+            resident = self._cache.lookup(tenant, keys, lock=False, count=False).count
+            self.warm_counts.requests += 1
+            self.warm_counts.loaded_chunks += loaded
+        return Warmed(len(keys), resident, loaded, missing, done)
+
+    # ------------------------------------------------------------------- pins
+
+    def put_pin(self, tenant: str, name: str, keys: Sequence[bytes]) -> PinState:
+        """Make the tenant's pin ``name`` exactly ``keys`` (see :meth:`L1Cache.put_pin`)."""
+        with self._lock:
+            return self._cache.put_pin(tenant, name, keys)
+
+    def delete_pin(self, tenant: str, name: str) -> bool:
+        with self._lock:
+            return self._cache.delete_pin(tenant, name)
+
+    def pins(self, tenant: str) -> TenantPins:
+        with self._lock:
+            return self._cache.pins(tenant)
+
+    def pinned_bytes(self) -> dict[str, tuple[int, int]]:
+        """Bytes pinned and pin budget of each tenant that has pins."""
+        with self._lock:
+            pinned = self._cache.pinned_bytes()
+            return {tenant: (n, self._cache.pin_budget(tenant)) for tenant, n in pinned.items()}
+
+    def is_pinned(self, tenant: str, key: bytes) -> bool:
+        """Whether the tenant's chunk ``key`` is pinned in L1, read without the lock (the NVMe
+        tier asks on the event loop; a pin changing meanwhile may be seen a moment late)."""
+        return self._cache.is_pinned(tenant, key)
+
+    def replace_spaces(self, spaces: Mapping[str, SpaceEntry]) -> None:
+        """The shared spaces of the tenants ConfigMap: their pin budgets apply, and
+        :meth:`spaces` lists them."""
+        with self._lock:
+            self._spaces = dict(spaces)
+            budgets = {space: entry.pin_budget for space, entry in spaces.items()}
+            self._cache.replace_pin_budgets(budgets)
+
+    def spaces(self) -> list[SpaceUsage]:
+        """Each shared space known, with its usage and its pins' bytes."""
+        with self._lock:
+            known = [
+                (space, entry, self._cache.tenant_usage(space), self._cache.pin_budget(space))
+                for space, entry in self._spaces.items()
+            ]
+            pinned = self._cache.pinned_bytes()
+        return [
+            SpaceUsage(
+                space,
+                entry.source,
+                len(entry.members),
+                len(entry.owners),
+                usage,
+                self.nvme_used(space),
+                pinned.get(space, 0),
+                budget,
+            )
+            for space, entry, usage, budget in known
+        ]
+
     # ----------------------------------------------------------------- quotas
 
     def quota_limit(self, tenant: str) -> Limit:
@@ -385,17 +482,19 @@ class CacheService:
             rest_count=len(records) - len(largest),
         )
 
-    def clear(self, tenant: str | None = None) -> int:
+    def clear(self, tenant: str | None = None, *, unpin: bool = False) -> int:
+        """Drop every chunk (of one tenant, or all), and with ``unpin`` the pins too."""
         with self._lock:
-            return self._cache.clear(tenant)
+            return self._cache.clear(tenant, unpin=unpin)
 
-    def drop_tenant(self, tenant: str) -> Dropped:
-        """Drop the tenant's chunks from L1, then its objects from every L2 tier.
+    def drop_tenant(self, tenant: str, *, unpin: bool = False) -> Dropped:
+        """Drop the tenant's chunks (and with ``unpin`` its pins) from L1, then its objects
+        from every L2 tier.
 
         L1 first, so the write-back takes no new chunk of the tenant to L2 after the drop
         (a copy already in flight may still land: dropping again removes it).
         """
-        l1_chunks = self.clear(tenant)
+        l1_chunks = self.clear(tenant, unpin=unpin)
         l2_objects = 0 if self._drop_lower is None else self._drop_lower(tenant)
         return Dropped(l1_chunks, l2_objects)
 

@@ -72,6 +72,11 @@ class PrefetchHook(Protocol):
 
     def status(self, prefetch_id: int) -> PrefetchProgress | None: ...
 
+    def wait(self, prefetch_id: int, timeout: float) -> PrefetchProgress | None:
+        """The prefetch's progress once it is done or ``timeout`` seconds passed (blocks: never
+        on the event loop); None for an unknown id."""
+        ...
+
 
 class SequencedListener(ChunkListener, Protocol):
     @property

@@ -65,3 +65,45 @@ class TenantRanking:
     rest_used_bytes: int
     rest_chunks: int
     rest_count: int
+
+
+class WarmRefused(RuntimeError):
+    """A warm could not start loading: too many loads from L2 are in flight."""
+
+
+@dataclass(frozen=True, slots=True)
+class Warmed:
+    """What a warm did: the keys' leading run in L1 now, and what it loaded from L2."""
+
+    keys: int
+    resident: int
+    """Leading keys whose chunks are in L1 now (what a lookup would hit)."""
+    loaded: int
+    """Chunks this warm loaded from L2 into L1 before it answered."""
+    missing: int | None
+    """Keys from the first one that neither L1 nor any L2 tier holds, to the end; None if
+    the tiers were not searched before the timeout."""
+    done: bool
+    """False: the timeout passed first, and the load goes on."""
+
+
+@dataclass
+class WarmCounts:
+    requests: int = 0
+    loaded_chunks: int = 0
+
+
+@dataclass(frozen=True)
+class SpaceUsage:
+    """A shared space this agent knows: its usage as a tenant's, and its pins' bytes."""
+
+    space: str
+    """Its tenant id."""
+    source: str
+    """``namespace/pool/name`` of its KVCacheSpace."""
+    members: int
+    owners: int
+    usage: TenantStats
+    nvme_used_bytes: int
+    pinned_bytes: int
+    pin_budget_bytes: int

@@ -249,6 +249,11 @@ class TokenAuthority:
             and (principal.tenant in access.owners)
         )
 
+    @property
+    def file_spaces(self) -> Mapping[str, SpaceAccess]:
+        """The shared spaces the tokens file declares."""
+        return self._own_spaces
+
     def replace_spaces(self, spaces: Mapping[str, SpaceAccess]) -> None:
         """Know exactly ``spaces`` beside the file's from now on (one assignment: a request
         sees the old set or the new one); a member left out may act for the space no more."""

@@ -70,6 +70,7 @@ class Prefetcher:
         self._tasks: set[asyncio.Task[None]] = set()
         self._listeners: list[Callable[[], None]] = []
         self._guard = threading.Lock()  # begin() runs on the ZMQ thread, the rest on the loop
+        self._finished = threading.Condition(self._guard)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -102,6 +103,15 @@ class Prefetcher:
     def status(self, prefetch_id: int) -> Prefetch | None:
         with self._guard:
             return self._prefetches.get(prefetch_id)
+
+    def wait(self, prefetch_id: int, timeout: float) -> Prefetch | None:
+        """The prefetch once done, or as far as it got in ``timeout`` seconds (blocks: for a
+        warm, on an HTTP handler's thread); None for an unknown id."""
+        with self._finished:
+            prefetch = self._prefetches.get(prefetch_id)
+            if prefetch is not None:
+                self._finished.wait_for(lambda: prefetch.done, timeout)
+            return prefetch
 
     def _spawn(self, prefetch: Prefetch) -> None:
         task = asyncio.create_task(self._run(prefetch), name=f"prefetch-{prefetch.id}")
@@ -138,6 +148,7 @@ class Prefetcher:
             prefetch.done = True
             with self._guard:
                 self.stats.in_flight -= 1
+                self._finished.notify_all()
             self._changed()
 
     async def _locate(self, prefetch: Prefetch) -> list[L2Adapter]:

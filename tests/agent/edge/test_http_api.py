@@ -31,6 +31,7 @@ from tests.support.l1 import PAGE, make_cache, make_service
 ALICE = tenant_id("alice")
 BOB = tenant_id("bob")
 CAROL = tenant_id("carol")  # has no token
+SPACE = tenant_id("shared-space")  # alice owns it, bob is a member
 
 ADMIN_TOKEN = "admin-token-Zq8vN1"
 ALICE_TOKEN = "alice-token-Hx41Lp"
@@ -41,6 +42,7 @@ TOKENS = {
     "admin": ADMIN_TOKEN,
     "tenants": {ALICE: [ALICE_TOKEN], BOB: BOB_TOKEN},
     "gateways": GATEWAY_TOKEN,
+    "spaces": {SPACE: {"members": [BOB], "owners": [ALICE]}},
 }
 
 
@@ -120,9 +122,11 @@ def running(
     quotas: QuotaBook | None = None,
     ready: Callable[[], bool] | None = None,
     metrics: MetricsSource | None = None,
+    pin_budget: int = 0,
 ) -> Iterator[Api]:
     quota_file = quota_file or tmp_path / "q.json"
-    service = make_service(make_cache(pages=100, quotas=quotas), quota_file)
+    cache = make_cache(pages=100, quotas=quotas, pin_budget=pin_budget)
+    service = make_service(cache, quota_file)
     server.mount.app = create_app(service, TokenAuthority(TOKENS), ready=ready, metrics=metrics)
     try:
         yield Api(service, server.http, quota_file)
@@ -144,6 +148,7 @@ ENDPOINTS = [
     ("GET", "/v1/status", None, ADMIN_ONLY),
     ("GET", "/v1/tenants", None, ADMIN_ONLY),
     ("POST", "/v1/clear", None, ADMIN_ONLY),
+    ("GET", "/v1/spaces", None, ADMIN_ONLY),
     ("GET", f"/v1/tenants/{ALICE}/quota", None, OWN_TENANT),
     ("PUT", f"/v1/tenants/{ALICE}/quota", {"limit_bytes": 1 << 20}, OWN_TENANT),
     ("DELETE", f"/v1/tenants/{ALICE}/quota", None, OWN_TENANT),
@@ -469,9 +474,13 @@ def test_openapi_lists_every_endpoint(api: Api) -> None:
         "/v1/status": {"get"},
         "/v1/tenants": {"get"},
         "/v1/clear": {"post"},
+        "/v1/spaces": {"get"},
         f"{tenant}/quota": {"get", "put", "delete"},
         f"{tenant}/usage": {"get"},
         f"{tenant}/clear": {"post"},
+        f"{tenant}/pins": {"get"},
+        f"{tenant}/pins/{{name}}": {"put", "delete"},
+        f"{tenant}/warm": {"post"},
     }
     assert {path: set(operations) for path, operations in paths.items()} == expected
     assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
@@ -526,3 +535,100 @@ def test_tokens_never_reach_the_logs(api: Api, caplog: pytest.LogCaptureFixture)
         assert token not in text
         for record in caplog.records:
             assert token not in repr(record.args)
+
+
+# ------------------------------------------------------------------ pins and warming
+
+PINS = f"/v1/tenants/{SPACE}/pins"
+PIN_ROUTES = [
+    ("PUT", f"{PINS}/prefix", {"keys": [key(0).hex()]}),
+    ("GET", PINS, None),
+    ("POST", f"/v1/tenants/{SPACE}/warm", {"keys": [key(0).hex()]}),
+    ("DELETE", f"{PINS}/prefix", None),
+]
+
+
+def test_pins_and_warming_take_an_admin_or_an_owner_of_the_space(
+    server: Server, tmp_path: Path
+) -> None:
+    with running(server, tmp_path, pin_budget=8 * PAGE) as api:
+        for method, path, body in PIN_ROUTES:
+            assert api.call(method, path, json=body).status_code == 401
+            member = api.call(method, path, BOB_TOKEN, json=body)  # a member, not an owner
+            assert member.status_code == 403
+            assert "owner of the shared space" in member.json()["detail"]
+            assert api.call(method, path, GATEWAY_TOKEN, json=body).status_code == 403
+            owner = api.call(method, path, ALICE_TOKEN, json=body)
+            assert owner.status_code == 200, owner.text
+        own = api.call("GET", f"/v1/tenants/{ALICE}/pins", ALICE_TOKEN)  # not a space
+        assert own.status_code == 403
+        assert api.call("GET", f"/v1/tenants/{CAROL}/pins", ADMIN_TOKEN).status_code == 200
+        bad = api.call("GET", "/v1/tenants/not-an-id/pins", ALICE_TOKEN)
+        assert (bad.status_code, bad.json()["detail"]) == (422, TENANT_ID_RULE)
+
+
+def test_a_pin_reports_its_keys_and_an_unknown_one_is_404(server: Server, tmp_path: Path) -> None:
+    with running(server, tmp_path, pin_budget=2 * PAGE) as api:
+        keys = [key(f"{SPACE}-{n}") for n in range(3)]
+        api.store(SPACE, range(2))
+        put = api.call("PUT", f"{PINS}/prefix", ALICE_TOKEN, json={"keys": [k.hex() for k in keys]})
+        assert put.json() == {
+            "name": "prefix",
+            "keys": 3,
+            "resident_keys": 2,
+            "pinned_keys": 2,
+            "pinned_bytes": 2 * PAGE,
+        }
+        api.store(SPACE, range(2, 3))  # arrives past the budget: resident, not pinned
+        listed = api.call("GET", PINS, ALICE_TOKEN).json()
+        assert listed["budget_bytes"] == listed["pinned_bytes"] == 2 * PAGE
+        assert [(p["name"], p["resident_keys"], p["pinned_keys"]) for p in listed["pins"]] == [
+            ("prefix", 3, 2)
+        ]
+        assert api.call("DELETE", f"{PINS}/prefix", ALICE_TOKEN).json()["pins"] == []
+        gone = api.call("DELETE", f"{PINS}/prefix", ALICE_TOKEN)
+        assert gone.status_code == 404 and "no pin 'prefix'" in gone.json()["detail"]
+
+
+def test_a_budget_of_zero_refuses_a_pin_naming_the_budget(api: Api) -> None:
+    refused = api.call("PUT", f"{PINS}/p", ADMIN_TOKEN, json={"keys": [key(1).hex()]})
+    assert refused.status_code == 409
+    assert "pin budget" in refused.json()["detail"]
+    assert "default_pin_budget" in refused.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "field"),
+    [
+        ("PUT", f"{PINS}/p", {"keys": ["zz"]}, "body.keys.0"),
+        ("PUT", f"{PINS}/p", {"keys": [key(1).hex().upper()]}, "body.keys.0"),
+        ("PUT", f"{PINS}/p", {"keys": [key(1).hex()] * 8193}, "body.keys"),
+        ("PUT", f"{PINS}/p", {"names": []}, "body.keys"),
+        ("PUT", f"{PINS}/Bad_Name", {"keys": []}, "path.name"),
+        ("POST", f"/v1/tenants/{SPACE}/warm", {"keys": [], "timeout_s": 61}, "body.timeout_s"),
+        ("POST", f"/v1/tenants/{SPACE}/warm", {"keys": ["0" * 63]}, "body.keys.0"),
+    ],
+)
+def test_a_malformed_pin_or_warm_is_422_naming_the_field(
+    api: Api, method: str, path: str, body: dict[str, Any], field: str
+) -> None:
+    answer = api.call(method, path, ADMIN_TOKEN, json=body)
+    assert answer.status_code == 422
+    assert answer.json()["detail"].startswith(f"invalid request: {field}: ")
+    assert "\n" not in answer.json()["detail"]
+
+
+def test_warming_without_l2_tiers_reports_what_l1_holds(api: Api) -> None:
+    api.store(SPACE, range(2))
+    keys = [key(f"{SPACE}-{n}").hex() for n in range(3)]
+    warmed = api.call("POST", f"/v1/tenants/{SPACE}/warm", ADMIN_TOKEN, json={"keys": keys})
+    assert warmed.json() == {"keys": 3, "resident": 2, "loaded": 0, "missing": 1, "done": True}
+
+
+def test_an_admins_clear_drops_the_tenants_pins(server: Server, tmp_path: Path) -> None:
+    with running(server, tmp_path, pin_budget=PAGE) as api:
+        api.call("PUT", f"/v1/tenants/{ALICE}/pins/p", ADMIN_TOKEN, json={"keys": []})
+        api.call("POST", f"/v1/tenants/{ALICE}/clear", ALICE_TOKEN)  # her own: pins stay
+        assert len(api.service.pins(ALICE).pins) == 1
+        api.call("POST", f"/v1/tenants/{ALICE}/clear", ADMIN_TOKEN)
+        assert api.service.pins(ALICE).pins == []

@@ -50,6 +50,10 @@ only that tenant's chunks; a tenant never makes room for itself at the expense
 of another). Within a tenant the configured policy orders victims; across
 tenants, the victim whose last use is oldest goes first.
 
+Pins (:mod:`~kvpool_agent.core.l1.pin_sets`): a tenant's named lists of keys whose ready
+chunks no eviction takes (but a quota that shrank below them), up to the tenant's pin
+budget in bytes; the rest of a pin's chunks stay ordinary ones.
+
 Tenant records: tenants choose their ids (a new ``cache_salt`` is a new tenant), so
 a record lives only while it holds something, a chunk (open leases hold chunks) or
 a quota of its own. A record that holds nothing keeps its counters while it is
@@ -71,6 +75,7 @@ The package's parts, each with one job (:class:`L1Cache` puts them together):
 * :mod:`~kvpool_agent.core.l1.chunks`: placing and freeing chunks (index, pages, usage;
   journal, probe table and listener told);
 * :mod:`~kvpool_agent.core.l1.leases`: leases, their expiry, and quarantine;
+* :mod:`~kvpool_agent.core.l1.pin_sets`: the tenants' pins and which chunks they hold;
 * :mod:`~kvpool_agent.core.l1.planner`: which chunks an eviction takes;
 * :mod:`~kvpool_agent.core.l1.eviction`: when eviction happens, and carrying it out;
 * :mod:`~kvpool_agent.core.l1.restore`: the warm restore from the segment's journal;

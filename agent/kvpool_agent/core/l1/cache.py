@@ -15,9 +15,11 @@ from kvpool_agent.core.cache_types import (
     Hit,
     InvalidRequest,
     L1Stats,
+    PinState,
     Placement,
     Reservation,
     RestoreReport,
+    TenantPins,
     TenantRecord,
     TenantStats,
 )
@@ -56,6 +58,7 @@ class L1Cache:
         listener: ChunkListener | None = None,
         idle_tenants: int = IDLE_TENANTS,
         probe_table: ProbeTableWriter | None = None,
+        pin_budget: int = 0,
     ) -> None:
         """``journal``, if given, records committed chunks in the segment for warm restarts.
 
@@ -63,6 +66,7 @@ class L1Cache:
         lease's pages stay quarantined when nobody releases them.
         ``idle_tenants``: how many records of tenants that hold nothing keep their counters.
         ``probe_table``, if given, is kept to the ready chunks for the connectors' schedulers.
+        ``pin_budget``: the pin budget of a tenant without one of its own (0: it may not pin).
         """
         if not 0 < low_watermark < high_watermark <= 1:
             raise ValueError("watermarks must satisfy 0 < low < high <= 1")
@@ -74,6 +78,7 @@ class L1Cache:
             policy,
             quotas,
             idle_tenants=idle_tenants,
+            pin_budget=pin_budget,
             journal=journal,
             probe_table=probe_table,
             listener=listener,
@@ -83,6 +88,7 @@ class L1Cache:
         self._slots = chunks.slots
         self._index = chunks.index
         self._tenants = chunks.tenants
+        self._pins = chunks.pins
         fence = 10 * lease_seconds if fence_seconds is None else fence_seconds
         self._leases = LeaseTable(chunks, clock, lease_seconds, fence)
         self._evictor = Evictor(chunks, int(pages * high_watermark), int(pages * low_watermark))
@@ -208,7 +214,7 @@ class L1Cache:
             raise InvalidRequest(f"cannot commit {count} of {len(reserved)} reserved chunks")
         published: list[int] = []
         state, places, probe_table = slots.state, self._tenants.places, chunks.probe_table
-        traffic = self._traffic
+        traffic, pins = self._traffic, self._pins
         # Tail first, so the head of the run ends up the most recently used.
         for position in range(len(reserved) - 1, -1, -1):
             slot = reserved[position]
@@ -224,6 +230,9 @@ class L1Cache:
             account.stored_chunks += 1
             traffic.written_bytes += slots.nbytes[slot]
             published.append(slot)
+        if pins.by_tenant:
+            for slot in reversed(published):  # head first: a budget holds a prefix
+                pins.arrived(slot, places[slots.tenant[slot]].name)
         if chunks.journal is not None:
             for slot in reversed(published):  # head first: a parent is numbered before its child
                 chunks.journal.record(chunks.record_of(slot))
@@ -359,14 +368,49 @@ class L1Cache:
         self._evictor.enforce_quota(account)
         self._tenants.rest(account)
 
-    def clear(self, tenant: str | None = None) -> int:
-        """Drop every chunk (of one tenant, or all). Locked chunks go when unlocked."""
+    def clear(self, tenant: str | None = None, *, unpin: bool = False) -> int:
+        """Drop every chunk (of one tenant, or all), and with ``unpin`` its pins too.
+        Locked chunks go when unlocked."""
+        if unpin:
+            self._pins.drop(tenant)
         scope = None if tenant is None else self._tenants.by_name.get(tenant)
         if tenant is not None and scope is None:
             return 0
         dropped = self._chunks.clear(scope)
         self._tenants.trim_idle()
         return dropped
+
+    # ------------------------------------------------------------------- pins
+
+    def put_pin(self, tenant: str, name: str, keys: Sequence[bytes]) -> PinState:
+        """Make the tenant's pin ``name`` exactly ``keys`` (see
+        :mod:`~kvpool_agent.core.l1.pin_sets`); :class:`PinRefused` past its budget of 0 or
+        the bound on pinned keys."""
+        _check_keys(keys)
+        return self._pins.put(tenant, name, keys)
+
+    def delete_pin(self, tenant: str, name: str) -> bool:
+        """Drop one of the tenant's pins; whether it had it."""
+        return self._pins.delete(tenant, name)
+
+    def pins(self, tenant: str) -> TenantPins:
+        return self._pins.report(tenant)
+
+    def replace_pin_budgets(self, budgets: Mapping[str, int]) -> None:
+        """The tenants with a pin budget of their own (the rest have the default)."""
+        self._pins.replace_budgets(budgets)
+
+    def pin_budget(self, tenant: str) -> int:
+        return self._pins.budget(tenant)
+
+    def pinned_bytes(self) -> dict[str, int]:
+        """Bytes pinned per tenant that has pins."""
+        return {tenant: pins.pinned_bytes for tenant, pins in self._pins.by_tenant.items()}
+
+    def is_pinned(self, tenant: str, key: bytes) -> bool:
+        """Whether the tenant's chunk ``key`` is pinned in L1 (one set lookup: the NVMe
+        tier asks without the service's lock)."""
+        return self._pins.is_pinned(tenant, key)
 
     def restore(
         self, records: Iterable[ChunkRecord | int], reserved: Iterable[ChunkRecord | int] = ()

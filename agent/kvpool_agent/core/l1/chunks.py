@@ -3,8 +3,8 @@
 A chunk takes a slot (:mod:`~kvpool_agent.core.l1.slots`), a run of pages and, while it
 is being written or ready, the index entry under its key. Placing and freeing one
 keeps its tenant's usage exact and tells the journal (for warm restarts), the
-probe table (for the connectors' schedulers) and the listener (for the pool-wide
-prefix index).
+probe table (for the connectors' schedulers), the listener (for the pool-wide
+prefix index) and, when a ready chunk leaves, the pins (:mod:`~kvpool_agent.core.l1.pin_sets`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from kvpool_agent.core.allocator import ExtentAllocator
 from kvpool_agent.core.cache_types import ChunkListener
 from kvpool_agent.core.journal import RESERVED, ChunkRecord, SegmentJournal
+from kvpool_agent.core.l1.pin_sets import PinSets
 from kvpool_agent.core.l1.slots import NIL, READY, SlotTable, State
 from kvpool_agent.core.l1.tenants import Tenant, TenantTable
 from kvpool_agent.core.policies import PolicyFactory, SlotArena
@@ -30,6 +31,7 @@ class Chunks:
         quotas: QuotaBook,
         *,
         idle_tenants: int,
+        pin_budget: int,
         journal: SegmentJournal | None,
         probe_table: ProbeTableWriter | None,
         listener: ChunkListener | None,
@@ -40,6 +42,7 @@ class Chunks:
         """Key to slot of the chunks being written or ready."""
         self.allocator = ExtentAllocator(layout.pages)
         self.tenants = TenantTable(policy, quotas, SlotArena(layout.pages), idle_tenants)
+        self.pins = PinSets(self.slots, self.index, self.tenants, pin_budget)
         self.journal = journal
         self.probe_table = probe_table
         self.listener = listener
@@ -155,7 +158,9 @@ class Chunks:
         return dropped
 
     def withdraw(self, slot: int) -> None:
-        """The chunk stops being ready: the connectors' schedulers no longer find it."""
+        """The chunk stops being ready: the connectors' schedulers no longer find it, and
+        its pin (if any) lets go of it."""
+        self.pins.left(slot)
         if self.probe_table is not None:
             self.probe_table.withdraw(self.slots.key(slot))
 

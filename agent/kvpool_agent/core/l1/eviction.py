@@ -36,7 +36,7 @@ class Evictor:
         sizes = self._chunks.slots.nbytes
         plan = plan_eviction(self._chunks, excess, sizes, account, protected, required=excess)
         if plan.freed < excess:
-            return f"tenant quota of {limit} bytes is full of locked chunks"
+            return f"tenant quota of {limit} bytes is full of locked or pinned chunks"
         self.apply(plan, EvictionCause.QUOTA)
         return None
 
@@ -71,11 +71,18 @@ class Evictor:
         self.apply(plan, EvictionCause.WATERMARK)
 
     def enforce_quota(self, account: Tenant) -> None:
+        """Evict the tenant's chunks down to its quota: unpinned ones first, then pinned ones
+        (a pin never lets a tenant exceed its quota)."""
         tenants = self._chunks.tenants
         limit = tenants.quotas.limit(account.name)
-        if limit is not None and account.used_bytes > limit:
+        for take_pinned in (False, True):
+            if limit is None or account.used_bytes <= limit:
+                break
             nbytes = self._chunks.slots.nbytes
-            plan = plan_eviction(self._chunks, account.used_bytes - limit, nbytes, account, set())
+            excess = account.used_bytes - limit
+            plan = plan_eviction(
+                self._chunks, excess, nbytes, account, set(), take_pinned=take_pinned
+            )
             self.apply(plan, EvictionCause.QUOTA)
         if limit is not None and account.used_bytes > limit:
             tenants.over_quota.add(account.name)  # its chunks are locked: maintain tries again

@@ -35,6 +35,7 @@ def check_invariants(chunks: Chunks, leases: LeaseTable) -> None:
     _check_records(chunks)
     _check_usage(chunks)
     _check_policies(chunks)
+    _check_pins(chunks)
 
 
 def _check_slots(chunks: Chunks) -> None:
@@ -280,6 +281,40 @@ def _check_policies(chunks: Chunks) -> None:
                 f"record {account.name!r}'s policy orders {victims}, its ready chunks are "
                 f"{sorted(ready.get(account.index, set()))}",
             )
+
+
+def _check_pins(chunks: Chunks) -> None:
+    """Only ready chunks are pinned, each by a pin of its tenant, within the tenant's budget."""
+    slots, pins = chunks.slots, chunks.pins
+    flagged = 0
+    for slot in range(len(slots.keys)):
+        if slots.pinned[slot]:
+            flagged += 1
+            if slots.state[slot] != READY:
+                raise _broken("pins", f"{STATES[slots.state[slot]].name} slot {slot} is pinned")
+    held = 0
+    for tenant, entry in pins.by_tenant.items():
+        named: Counter[bytes] = Counter()
+        for keys in entry.names.values():
+            named.update(keys)
+        if not entry.names or named != entry.wanted:
+            raise _broken("pins", f"tenant {tenant!r}'s wanted keys are not its pins' keys")
+        pinned_bytes = 0
+        for key in entry.pinned:
+            slot = chunks.index.get(key, NIL)
+            owner = chunks.tenants.places[slots.tenant[slot]].name if slot != NIL else None
+            if slot == NIL or not slots.pinned[slot] or owner != tenant or key not in named:
+                raise _broken("pins", f"tenant {tenant!r} counts {key.hex()[:12]} pinned")
+            pinned_bytes += slots.nbytes[slot]
+        if pinned_bytes != entry.pinned_bytes or pinned_bytes > pins.budget(tenant):
+            raise _broken(
+                "pins",
+                f"tenant {tenant!r} counts {entry.pinned_bytes} bytes pinned, holds "
+                f"{pinned_bytes}, budget {pins.budget(tenant)}",
+            )
+        held += len(entry.pinned)
+    if held != flagged:
+        raise _broken("pins", f"{flagged} slots are pinned, the pins count {held}")
 
 
 def _broken(invariant: str, detail: str) -> InvariantError:

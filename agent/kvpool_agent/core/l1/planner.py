@@ -1,7 +1,7 @@
 """The eviction plan: which chunks go to free an amount, chosen without changing anything.
 
 Why only chain tails go, and how tenants and policies order the victims, is told in
-:mod:`kvpool_agent.core.l1`.
+:mod:`kvpool_agent.core.l1`; why pinned chunks stay, in :mod:`~kvpool_agent.core.l1.pin_sets`.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def plan_eviction(
     protected: set[int],
     *,
     required: int = 0,
+    take_pinned: bool = False,
 ) -> EvictionPlan:
     """Choose victims worth ``need`` (in ``measure`` units: bytes or pages of each slot).
 
@@ -48,6 +49,8 @@ def plan_eviction(
     alone free less than that, the chunks passed over go too, oldest first, until it is
     freed: a chain longer than L1 (or its tenant's quota) still reaches L2 whole. The
     rest of ``need`` (a watermark) is only ever met by tails.
+
+    Pinned chunks stay, unless ``take_pinned`` (a quota that shrank below them).
     """
     plan = EvictionPlan()
     slots = chunks.slots
@@ -55,7 +58,7 @@ def plan_eviction(
     for slot in _victim_order(chunks, scope):
         if plan.freed >= need:
             break
-        if not _evictable(slots, slot, protected):
+        if not _evictable(slots, slot, protected, take_pinned):
             continue
         if first_child[slot] != NIL:
             kept = sum(1 for child in slots.children(slot) if child not in plan.victims)
@@ -101,5 +104,10 @@ def _victim_order(chunks: Chunks, scope: Tenant | None) -> Iterator[int]:
     return heapq.merge(*candidates, key=chunks.slots.last_use.__getitem__)
 
 
-def _evictable(slots: SlotTable, slot: int, protected: set[int]) -> bool:
-    return slots.state[slot] == READY and slots.readers[slot] == 0 and slot not in protected
+def _evictable(slots: SlotTable, slot: int, protected: set[int], take_pinned: bool) -> bool:
+    return (
+        slots.state[slot] == READY
+        and slots.readers[slot] == 0
+        and slot not in protected
+        and (take_pinned or not slots.pinned[slot])
+    )

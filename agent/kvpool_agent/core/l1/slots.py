@@ -44,6 +44,8 @@ class SlotTable:
         self.nbytes = array("q", [0]) * pages
         self.tenant = array("i", [NIL]) * pages  # the place of the tenant's record
         self.readers = array("i", [0]) * pages
+        self.pinned = bytearray(pages)
+        """1 for a ready chunk that its tenant's pins hold in L1 (see :mod:`.pin_sets`)."""
         self.last_use = array("q", [0]) * pages
         self.sequence = array("q", [0]) * pages  # commit number, for the journal
         self.parent = array("i", [NIL]) * pages
