@@ -32,7 +32,6 @@ event, a status or a ConfigMap.
 
 from __future__ import annotations
 
-import base64
 import logging
 import threading
 from collections.abc import Mapping
@@ -51,9 +50,11 @@ from kvpool_agent.tenants_configmap import (
     encode_role_entry,
 )
 from kvpool_operator.agents import Agents
-from kvpool_operator.apply import KINDS, SECRETS, TENANTS, ApiError, Cluster
+from kvpool_operator.apply import KINDS, SECRETS, TENANTS, Cluster
+from kvpool_operator.b64 import decoded, encoded
 from kvpool_operator.bearer import OperatorToken, mint
 from kvpool_operator.events import TenantEvents
+from kvpool_operator.pool_maps import PoolMaps
 from kvpool_operator.reasons import (
     ACCEPTED,
     INVALID_SALT,
@@ -85,7 +86,6 @@ from kvpool_operator.status import Assessment, condition
 log = logging.getLogger(__name__)
 
 POOLS = KINDS[API_VERSION, KIND]
-CONFIG_MAPS = KINDS["v1", "ConfigMap"]
 
 SECRET_SUFFIX = "-kvpool"
 SALT_KEY = "salt"
@@ -161,6 +161,7 @@ class TenantReconciler:
         self._events = events
         self._agents = agents
         self._token = token
+        self._maps = PoolMaps(cluster)
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ admission
@@ -194,16 +195,16 @@ class TenantReconciler:
             self._withdraw_entry(admission.pool, previous_id, who, drop_quota=True)
         limits = TierLimits(spec.quota.l1, spec.quota.nvme_bytes)
         ceiling = {"l1": limits.l1, "nvme": limits.nvme}
-        self._set_key(
-            admission.pool.tenants_name,
+        self._maps.set_key(
             admission.pool,
+            admission.pool.tenants_name,
             admission.tenant_id,
             TenantEntry((digest_token(token),), limits, who.ref).encode(),
         )
         if status.get("quota") != ceiling or previous_id != admission.tenant_id:
-            self._set_key(
-                admission.pool.quotas_name,
+            self._maps.set_key(
                 admission.pool,
+                admission.pool.quotas_name,
                 admission.tenant_id,
                 quota_to_configmap(limits),
             )
@@ -250,7 +251,7 @@ class TenantReconciler:
         secret = self._cluster.get(SECRETS, who.namespace, who.secret_name)
         salt, generated = self._salt(who, spec, secret)
         tenant = tenant_id(salt)
-        holder = _holder(self._data(pool, pool.tenants_name) or {}, tenant)
+        holder = _holder(self._maps.data(pool, pool.tenants_name) or {}, tenant)
         if holder is not None and holder != who.ref:
             raise Refused(
                 TENANT_ID_IN_USE,
@@ -267,9 +268,9 @@ class TenantReconciler:
         """The tenant's salt, and whether the operator generated it."""
         ref = spec.salt_secret_ref
         if ref is None:
-            return _decoded(secret).get(SALT_KEY) or mint(), True
+            return decoded(secret).get(SALT_KEY) or mint(), True
         theirs = self._cluster.get(SECRETS, who.namespace, ref.name)
-        values = _decoded(theirs)
+        values = decoded(theirs)
         if ref.key not in values:
             missing = "does not exist" if theirs is None else f"has no key {ref.key}"
             raise Refused(
@@ -285,7 +286,7 @@ class TenantReconciler:
         """Make the tenant's Secret hold what it should; returns its token and whether an
         earlier token was replaced (a rotation)."""
         existing = admission.secret
-        current = _decoded(existing)
+        current = decoded(existing)
         annotations = (existing or {}).get("metadata", {}).get("annotations") or {}
         minted_for = annotations.get(TOKEN_GENERATION_ANNOTATION)
         token = current.get(TOKEN_KEY)
@@ -313,7 +314,7 @@ class TenantReconciler:
                     SECRETS,
                     who.namespace,
                     who.secret_name,
-                    {"metadata": {"annotations": generation}, "data": _encoded(changes)},
+                    {"metadata": {"annotations": generation}, "data": encoded(changes)},
                 )
         return token, rotated
 
@@ -405,7 +406,7 @@ class TenantReconciler:
                 f"(their L1 chunks age out by eviction): {'; '.join(sweep.failed)}",
             )
         with self._lock:
-            self._set_key(pool.quotas_name, pool, tenant_id_, None)
+            self._maps.set_key(pool, pool.quotas_name, tenant_id_, None)
         chunks = sum(answer.dropped_chunks for answer in sweep.answers)
         objects = sum(answer.l2_dropped_objects or 0 for answer in sweep.answers)
         self._events.revoked(
@@ -452,24 +453,24 @@ class TenantReconciler:
         pool's index follows its agents with under ``index`` (minted into the Secret the
         index mounts, once: it outlives operator restarts); without, no ``index`` key, so a
         token left in that Secret works no more."""
-        data = self._data(pool, pool.tenants_name)
+        data = self._maps.data(pool, pool.tenants_name)
         if data is None:
             return  # the pool's reconcile makes it; this runs again after
         operator = encode_role_entry((self._token.digest,))
-        self._patch_key(pool, pool.tenants_name, data, OPERATOR_KEY, operator)
+        self._maps.patch_key(pool, pool.tenants_name, data, OPERATOR_KEY, operator)
         indexes = encode_role_entry((digest_token(self._index_token(pool)),)) if index else None
-        self._patch_key(pool, pool.tenants_name, data, INDEX_KEY, indexes)
+        self._maps.patch_key(pool, pool.tenants_name, data, INDEX_KEY, indexes)
 
     def _index_token(self, pool: Pool) -> str:
         """The index's token for the agents, from its Secret (made with a new one if absent:
         owned by the pool, deleted with it)."""
         name = pool.index_access_name
         found = self._cluster.get(SECRETS, pool.namespace, name)
-        token = _decoded(found).get(AGENT_ACCESS_KEY)
+        token = decoded(found).get(AGENT_ACCESS_KEY)
         if token is None:
             token = mint()
             owner = manifest("v1", "Secret", pool, name, component=INDEX_COMPONENT)
-            secret = {**owner, "type": "Opaque", "data": _encoded({AGENT_ACCESS_KEY: token})}
+            secret = {**owner, "type": "Opaque", "data": encoded({AGENT_ACCESS_KEY: token})}
             if found is None:
                 self._cluster.create(SECRETS, secret)
             else:
@@ -480,35 +481,12 @@ class TenantReconciler:
 
     def _withdraw_entry(self, pool: Pool, tenant: str, who: _Tenant, *, drop_quota: bool) -> bool:
         """Remove the tenant's entry (and quota) if it is this tenant's; says if it was."""
-        if _holder(self._data(pool, pool.tenants_name) or {}, tenant) != who.ref:
+        if _holder(self._maps.data(pool, pool.tenants_name) or {}, tenant) != who.ref:
             return False
-        self._set_key(pool.tenants_name, pool, tenant, None)
+        self._maps.set_key(pool, pool.tenants_name, tenant, None)
         if drop_quota:
-            self._set_key(pool.quotas_name, pool, tenant, None)
+            self._maps.set_key(pool, pool.quotas_name, tenant, None)
         return True
-
-    def _data(self, pool: Pool, config_map: str) -> dict[str, str] | None:
-        """The data of one of the pool's ConfigMaps; None if it does not exist."""
-        found = self._cluster.get(CONFIG_MAPS, pool.namespace, config_map)
-        data: dict[str, str] | None = None if found is None else found.get("data") or {}
-        return data
-
-    def _set_key(self, config_map: str, pool: Pool, key: str, value: str | None) -> None:
-        """One key of one of the pool's ConfigMaps (None removes it), if it differs. A
-        ConfigMap the pool has not made yet is an :class:`ApiError` (retried)."""
-        data = self._data(pool, config_map)
-        if data is None and value is None:
-            return
-        if data is None:
-            raise ApiError(f"the pool's ConfigMap {config_map} does not exist yet", 404)
-        self._patch_key(pool, config_map, data, key, value)
-
-    def _patch_key(
-        self, pool: Pool, config_map: str, data: Mapping[str, str], key: str, value: str | None
-    ) -> None:
-        """One key of a ConfigMap whose ``data`` was just read, if it differs."""
-        if data.get(key) != value:
-            self._cluster.patch(CONFIG_MAPS, pool.namespace, config_map, {"data": {key: value}})
 
 
 def _admits(selector: LabelSelector | None, labels: Mapping[str, str]) -> bool:
@@ -540,18 +518,6 @@ def _holder(data: Mapping[str, str], tenant: str) -> str | None:
         return None
 
 
-def _decoded(secret: Mapping[str, Any] | None) -> dict[str, str]:
-    data = (secret or {}).get("data") or {}
-    return {key: base64.b64decode(value).decode() for key, value in data.items()}
-
-
-def _encoded(values: Mapping[str, str | None]) -> dict[str, str | None]:
-    return {
-        key: None if value is None else base64.b64encode(value.encode()).decode()
-        for key, value in values.items()
-    }
-
-
 def _secret(
     who: _Tenant, values: Mapping[str, str | None], annotations: dict[str, str]
 ) -> dict[str, Any]:
@@ -575,5 +541,5 @@ def _secret(
                 }
             ],
         },
-        "data": {key: value for key, value in _encoded(values).items() if value is not None},
+        "data": {key: value for key, value in encoded(values).items() if value is not None},
     }
