@@ -10,11 +10,14 @@ Entry points, each called by a thin kopf handler (``handlers.py``):
   Secret, or one the operator generates), and no other tenant of the pool has the same
   tenant id. Accepted: the Secret ``<name>-kvpool`` holds the token (minted anew when
   ``spec.tokenGeneration`` changes), the salt (if generated), the tenant id, the pool and
-  its endpoint; the pool's tenants ConfigMap holds the token's digest and the quota ceiling
+  its endpoint, and the salt of each of the pool's shared spaces that admits it
+  (``space-<name>``; :mod:`kvpool_operator.spaces`, whose members follow the tenant's
+  entry); the pool's tenants ConfigMap holds the token's digest and the quota ceiling
   under the tenant id; the pool's quota ConfigMap holds the quota, written when the CR's
   quota changes (between changes, the tenant's own HTTP sets stand). Refused: the entry
-  leaves the tenants ConfigMap and the token leaves the Secret (the Secret, its salt and
-  tenant id stay, so that a tenant accepted again keeps its cache).
+  leaves the tenants ConfigMap (and so the spaces' members), the token and the spaces' salts
+  leave the Secret (the Secret, its salt and tenant id stay, so that a tenant accepted again
+  keeps its cache).
 - :meth:`TenantReconciler.tenant_deleted`: revoke (the entry leaves the tenants ConfigMap:
   the agents drop the token on their next watch event), clear the tenant's chunks on every
   agent (L1, NVMe, S3), drop its quota. Agents that cannot be reached make the caller retry;
@@ -72,6 +75,8 @@ from kvpool_operator.reasons import (
 from kvpool_operator.render import Pool, format_bytes
 from kvpool_operator.render.config import AGENT_ACCESS_KEY
 from kvpool_operator.render.objects import manifest
+from kvpool_operator.spaces import SpaceReconciler
+from kvpool_operator.spaces.handout import handout_changes, salt_key, space_of
 from kvpool_operator.spec import (
     API_VERSION,
     KIND,
@@ -82,6 +87,7 @@ from kvpool_operator.spec import (
     TenantSpec,
 )
 from kvpool_operator.status import Assessment, condition
+from kvpool_operator.usage import usage_summary
 
 log = logging.getLogger(__name__)
 
@@ -155,14 +161,23 @@ class _Tenant:
 
 class TenantReconciler:
     def __init__(
-        self, cluster: Cluster, events: TenantEvents, agents: Agents, token: OperatorToken
+        self,
+        cluster: Cluster,
+        events: TenantEvents,
+        agents: Agents,
+        token: OperatorToken,
+        *,
+        spaces: SpaceReconciler,
+        lock: threading.Lock,
     ) -> None:
+        """``lock``: the one ``spaces`` holds too (both write the tenants ConfigMap)."""
         self._cluster = cluster
         self._events = events
         self._agents = agents
         self._token = token
+        self._spaces = spaces
         self._maps = PoolMaps(cluster)
-        self._lock = threading.Lock()
+        self._lock = lock
 
     # ------------------------------------------------------------ admission
 
@@ -189,7 +204,8 @@ class TenantReconciler:
         except Refused as refusal:
             self._refuse(tenant, spec, refusal)
             return
-        token, rotated = self._write_secret(who, spec, admission)
+        handed = self._spaces.handout(admission.pool, admission.pool_spec, who.namespace)
+        token, rotated = self._write_secret(who, spec, admission, handed)
         previous_id = status.get("tenantId")
         if previous_id and previous_id != admission.tenant_id:
             self._withdraw_entry(admission.pool, previous_id, who, drop_quota=True)
@@ -208,6 +224,7 @@ class TenantReconciler:
                 admission.tenant_id,
                 quota_to_configmap(limits),
             )
+        self._spaces.publish(admission.pool, admission.pool_spec)
         self.publish_pool_tokens(admission.pool, index=admission.pool_spec.index.enabled)
         pool = f"{admission.pool.namespace}/{admission.pool.name}"
         ready: Assessment = (
@@ -216,6 +233,7 @@ class TenantReconciler:
             else (False, POOL_NOT_READY, f"the pool {pool} is not ready")
         )
         accepted: Assessment = (True, ACCEPTED, f"the pool {pool} admits the tenant")
+        spaces = sorted(name for name in map(space_of, handed) if name is not None)
         changed = self._write_status(
             tenant,
             accepted,
@@ -224,11 +242,13 @@ class TenantReconciler:
             secretName=who.secret_name,
             tokenGeneration=spec.token_generation,
             quota=ceiling,
+            sharedSpaces=spaces or None,
         )
         if changed[ACCEPTED]:
             self._events.accepted(tenant, f"{accepted[2]}: tenant id {admission.tenant_id}")
         if rotated:
             self._events.token_rotated(tenant, spec.token_generation)
+        self._spaces_changed(tenant, spaces, pool)
 
     def _admit(self, who: _Tenant, spec: TenantSpec) -> Admission:
         ref = spec.pool_ref
@@ -281,10 +301,11 @@ class TenantReconciler:
         return values[ref.key], False
 
     def _write_secret(
-        self, who: _Tenant, spec: TenantSpec, admission: Admission
+        self, who: _Tenant, spec: TenantSpec, admission: Admission, handed: Mapping[str, str]
     ) -> tuple[str, bool]:
-        """Make the tenant's Secret hold what it should; returns its token and whether an
-        earlier token was replaced (a rotation)."""
+        """Make the tenant's Secret hold what it should (``handed``: the salts of the shared
+        spaces that admit it, by key); returns its token and whether an earlier token was
+        replaced (a rotation)."""
         existing = admission.secret
         current = decoded(existing)
         annotations = (existing or {}).get("metadata", {}).get("annotations") or {}
@@ -303,6 +324,7 @@ class TenantReconciler:
                 f"http://{pool.service_name}.{pool.namespace}.svc:{admission.pool_spec.ports.http}"
             ),
             SALT_KEY: admission.salt if admission.generated else None,
+            **handout_changes(current, handed),
         }
         generation = {TOKEN_GENERATION_ANNOTATION: str(spec.token_generation)}
         if existing is None:
@@ -319,26 +341,59 @@ class TenantReconciler:
         return token, rotated
 
     def _refuse(self, tenant: Mapping[str, Any], spec: TenantSpec | None, refusal: Refused) -> None:
-        """Take back what a refused tenant had: its entry in the pool, its Secret's token."""
+        """Take back what a refused tenant had: its entry in the pool (and so its places in
+        the pool's shared spaces), its Secret's token and the spaces' salts."""
         who = _Tenant.of(tenant)
         previous_id = (tenant.get("status") or {}).get("tenantId")
+        where = "its pool"
         if spec is not None and previous_id:
             ref = spec.pool_ref
+            where = f"{ref.namespace}/{ref.name}"
             pool = self._cluster.get(POOLS, ref.namespace, ref.name)
             if pool is not None:
                 identity = Pool(ref.name, ref.namespace, pool["metadata"]["uid"])
                 self._withdraw_entry(identity, previous_id, who, drop_quota=False)
-        secret = self._cluster.get(SECRETS, who.namespace, who.secret_name)
-        if TOKEN_KEY in ((secret or {}).get("data") or {}):
-            withdrawn = {"data": {TOKEN_KEY: None}}
-            self._cluster.patch(SECRETS, who.namespace, who.secret_name, withdrawn)
+                self._republish_spaces(identity, pool)
+        current = decoded(self._cluster.get(SECRETS, who.namespace, who.secret_name))
+        withdrawn: dict[str, str | None] = {key: None for key in (TOKEN_KEY,) if key in current}
+        withdrawn |= handout_changes(current, {})
+        if withdrawn:
+            self._cluster.patch(SECRETS, who.namespace, who.secret_name, {"data": withdrawn})
         changed = self._write_status(
             tenant,
             (False, refusal.reason, refusal.message),
             (False, NOT_ACCEPTED, f"not accepted: {refusal.message}"),
+            sharedSpaces=None,
         )
         if changed[ACCEPTED]:
             self._events.refused(tenant, refusal.reason, refusal.message)
+        self._spaces_changed(tenant, [], where)
+
+    def _spaces_changed(self, tenant: Mapping[str, Any], spaces: list[str], pool: str) -> None:
+        """Events for the shared spaces the tenant was admitted to or revoked from."""
+        before = set((tenant.get("status") or {}).get("sharedSpaces") or ())
+        added, removed = sorted(set(spaces) - before), sorted(before - set(spaces))
+        if added:
+            secret = _Tenant.of(tenant).secret_name
+            self._events.space_admitted(
+                tenant,
+                f"admitted to the shared spaces {', '.join(added)} of {pool}: the Secret "
+                f"{secret} holds their salts at {', '.join(map(salt_key, added))}",
+            )
+        if removed:
+            self._events.space_revoked(
+                tenant,
+                f"revoked from the shared spaces {', '.join(removed)} of {pool}: the agents "
+                "drop the tenant from them on their next watch event",
+            )
+
+    def _republish_spaces(self, pool: Pool, body: Mapping[str, Any]) -> None:
+        """The pool's shared spaces after a tenant's entry left (their members follow)."""
+        try:
+            spec = PoolSpec.parse(body.get("spec") or {})
+        except InvalidSpec:
+            return  # the pool's reconcile reports it; the tenant's token is revoked anyway
+        self._spaces.publish(pool, spec)
 
     def _write_status(
         self,
@@ -387,6 +442,7 @@ class TenantReconciler:
         pool = Pool(ref.name, ref.namespace, pool_body["metadata"]["uid"])
         with self._lock:
             revoked = self._withdraw_entry(pool, tenant_id_, who, drop_quota=False)
+            self._republish_spaces(pool, pool_body)
         where = f"{ref.namespace}/{ref.name}"
         if revoked:
             self._events.revoked(
@@ -433,15 +489,7 @@ class TenantReconciler:
         sweep = self._agents.usage(pool, port, tenant_id_)
         if sweep.failed:
             log.warning("usage of tenant %s: %s", tenant_id_, "; ".join(sweep.failed))
-        answers = sweep.answers
-        usage = {
-            "l1Bytes": sum(answer.used_bytes for answer in answers),
-            "nvmeBytes": sum(answer.nvme_used_bytes for answer in answers),
-            "hits": sum(answer.hits for answer in answers),
-            "misses": sum(answer.misses for answer in answers),
-            "agents": len(answers),
-            "readAt": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        }
+        usage = usage_summary(sweep.answers)
         who = _Tenant.of(tenant)
         self._cluster.patch_status(TENANTS, who.namespace, who.name, {"usage": usage})
 

@@ -101,6 +101,12 @@ class SharedSpaceStatus(SpecModel):
         description="The KVCacheTenants (namespace/name) admitted to the space.",
         json_schema_extra=ATOMIC,
     )
+    pinned: tuple[str, ...] | None = Field(
+        None,
+        description="The pins the operator holds on the agents for the space: its pinned "
+        "prefixes, and removed ones until every agent has dropped them.",
+        json_schema_extra=ATOMIC,
+    )
     usage: TenantUsage | None = Field(
         None, description="The space's usage summed over the pool's agents, read periodically."
     )
