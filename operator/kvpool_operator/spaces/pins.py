@@ -1,15 +1,16 @@
 """A shared space's pinned prefixes on the pool's agents: their keys, computed as the
 connector computes a structured cache_salt's shared chunks (the space's salt as a plain salt,
 for every tensor-parallel rank of the pool's ``spec.index.fingerprint``), and the calls that
-keep them pinned (``PUT /v1/tenants/{space}/pins/{name}``) and warm
-(``POST /v1/tenants/{space}/warm``) on every agent, or drop a pin no longer declared
-(``DELETE``)."""
+keep them pinned (``PUT /v1/tenants/{space}/pins/{name}``, every rank's keys in one list)
+and warm (``POST /v1/tenants/{space}/warm``, once per rank) on every agent, or drop a pin
+no longer declared (``DELETE``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvpool_agent.api_models import MAX_REQUEST_KEYS
 from kvpool_agent.keys import ModelFingerprint, chunk_keys
 from kvpool_operator.agents import Agents, Done, Sweep
 from kvpool_operator.reasons import PINS_INCOMPLETE, PINS_NEED_FINGERPRINT
@@ -19,24 +20,37 @@ from kvpool_operator.spec import FingerprintSpec, PinnedPrefix, PoolSpec
 from kvpool_operator.status import Problem
 
 
-def pin_keys(
+def rank_chains(
     tokens: Sequence[int], salt: str, fingerprint: FingerprintSpec, chunk_tokens: int
-) -> list[str]:
-    """The keys (hex) of the full chunks of ``tokens`` under the space's ``salt``, for every
-    rank ``0..tpSize-1`` (the fingerprint's ``tpRank`` is the index's, not the pins')."""
+) -> list[list[str]]:
+    """The keys (hex) of the full chunks of ``tokens`` under the space's ``salt``, one chain
+    per rank ``0..tpSize-1`` (the fingerprint's ``tpRank`` is the index's, not the pins')."""
     size = fingerprint.chunk_tokens or chunk_tokens
-    ranks = (
-        ModelFingerprint(
-            fingerprint.model,
-            fingerprint.dtype,
-            fingerprint.kv_layout,
-            rank,
-            fingerprint.tp_size,
-            size,
-        )
+    return [
+        [
+            key.hex()
+            for key in chunk_keys(
+                list(tokens),
+                salt,
+                ModelFingerprint(
+                    fingerprint.model,
+                    fingerprint.dtype,
+                    fingerprint.kv_layout,
+                    rank,
+                    fingerprint.tp_size,
+                    size,
+                ),
+            )
+        ]
         for rank in range(fingerprint.tp_size)
-    )
-    return [key.hex() for model in ranks for key in chunk_keys(list(tokens), salt, model)]
+    ]
+
+
+def pin_keys(chains: Sequence[Sequence[str]]) -> list[str]:
+    """Every rank's keys in one list, chunk by chunk (every rank's first chunk, then every
+    rank's second...): an agent whose pin budget cannot hold them all holds the first ones,
+    and so the same head of the prefix for every rank."""
+    return [key for chunk in zip(*chains, strict=True) for key in chunk]
 
 
 @dataclass
@@ -82,22 +96,28 @@ class SpacePins:
         return self._outcome
 
     def _pin(self, pin: PinnedPrefix, fingerprint: FingerprintSpec) -> None:
+        """Pin one prefix on every agent, then warm it (a chain per rank: warming stops at
+        the first chunk no tier holds)."""
         where, space = f"{pin.name} of the space {self._space.name}", self._space
-        keys = pin_keys(pin.tokens, space.salt, fingerprint, self._spec.chunk_tokens)
-        if not keys:
+        chains = rank_chains(pin.tokens, space.salt, fingerprint, self._spec.chunk_tokens)
+        keys = pin_keys(chains)
+        if not keys or len(keys) > MAX_REQUEST_KEYS:
             size = fingerprint.chunk_tokens or self._spec.chunk_tokens
             self._problem(
                 PINS_INCOMPLETE,
                 f"the pin {where} pins nothing: its {len(pin.tokens)} tokens hold no full "
-                f"chunk of {size}",
+                f"chunk of {size}"
+                if not keys
+                else f"the pin {where} names {len(keys)} keys ({len(chains)} ranks), more "
+                f"than an agent takes ({MAX_REQUEST_KEYS}): shorten it",
             )
             return
         self._outcome.held.append(pin.name)
-        port, pool = self._spec.ports.http, self._pool
-        pinned = self._agents.pin(pool, port, space.tenant_id, pin.name, keys)
-        self._report(f"pinning {where}", pinned)
-        if pin.warm:
-            self._report(f"warming {where}", self._agents.warm(pool, port, space.tenant_id, keys))
+        port, pool, tenant = self._spec.ports.http, self._pool, space.tenant_id
+        self._report(f"pinning {where}", self._agents.pin(pool, port, tenant, pin.name, keys))
+        for rank, chain in enumerate(chains if pin.warm else ()):
+            warmed = self._agents.warm(pool, port, tenant, chain)
+            self._report(f"warming {where} (rank {rank})", warmed)
 
     def _unpin(self, name: str) -> None:
         space = self._space
