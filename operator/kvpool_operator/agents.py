@@ -1,8 +1,7 @@
 """The operator's calls to a pool's agents over their HTTP API, with its admin token.
 
 Answers are parsed with the agent's own response models (``kvpool_agent.edge.http_api``), so
-the field names the operator reads are the ones the agents send; of the answers to a shared
-space's pins and warming it reads nothing (:class:`Done`).
+the field names the operator reads are the ones the agents send.
 
 The agents are the pods the pool's DaemonSet selects that have an address; each is called
 at ``http://<pod IP>:<spec.ports.http>``, all at once, each call bounded by a timeout, so
@@ -19,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import urllib3
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ValidationError
 
-from kvpool_agent.api_models import Cleared, Usage
+from kvpool_agent.api_models import Cleared, Pin, Pins, Usage, Warmed
 from kvpool_operator.apply import PODS, Cluster
 from kvpool_operator.bearer import OperatorToken
 from kvpool_operator.render import Pool
@@ -37,12 +36,6 @@ Answer = TypeVar("Answer", bound=BaseModel)
 
 class AgentError(RuntimeError):
     """An agent could not be reached or refused the call."""
-
-
-class Done(BaseModel):
-    """An answer the operator reads nothing of (2xx, any body)."""
-
-    model_config = ConfigDict(extra="ignore")
 
 
 @dataclass(frozen=True)
@@ -73,22 +66,23 @@ class Agents:
         request = _Request("POST", f"/v1/tenants/{tenant}/clear?tiers=all")
         return self._sweep(pool, port, request, Cleared)
 
-    def pin(
-        self, pool: Pool, port: int, tenant: str, name: str, keys: Sequence[str]
-    ) -> Sweep[Done]:
-        """Pin the chunks of ``keys`` (hex) under the pin ``name``, replacing its keys."""
+    def pin(self, pool: Pool, port: int, tenant: str, name: str, keys: Sequence[str]) -> Sweep[Pin]:
+        """Pin the chunks of ``keys`` (hex, a prompt's head first) under the pin ``name``,
+        replacing its keys."""
         request = _Request("PUT", f"/v1/tenants/{tenant}/pins/{name}", {"keys": list(keys)})
-        return self._sweep(pool, port, request, Done)
+        return self._sweep(pool, port, request, Pin)
 
-    def warm(self, pool: Pool, port: int, tenant: str, keys: Sequence[str]) -> Sweep[Done]:
-        """Load the chunks of ``keys`` (hex) into L1 from the agents' L2 tiers."""
+    def warm(self, pool: Pool, port: int, tenant: str, keys: Sequence[str]) -> Sweep[Warmed]:
+        """Load the chunks of ``keys`` (hex, one chain in order) into L1 from the agents' L2
+        tiers."""
         request = _Request("POST", f"/v1/tenants/{tenant}/warm", {"keys": list(keys)})
-        return self._sweep(pool, port, request, Done)
+        return self._sweep(pool, port, request, Warmed)
 
-    def unpin(self, pool: Pool, port: int, tenant: str, name: str) -> Sweep[Done]:
-        """Drop the pin ``name``; an agent that has no such pin (404) answers as done."""
+    def unpin(self, pool: Pool, port: int, tenant: str, name: str) -> Sweep[Pins]:
+        """Drop the pin ``name``; an agent that has no such pin (404) is done, and is in
+        neither the answers nor the failures."""
         request = _Request("DELETE", f"/v1/tenants/{tenant}/pins/{name}", missing_ok=True)
-        return self._sweep(pool, port, request, Done)
+        return self._sweep(pool, port, request, Pins)
 
     def addresses(self, pool: Pool, port: int) -> list[str]:
         """``host:port`` of every agent of the pool that has an address."""
@@ -110,12 +104,16 @@ class Agents:
             }
         for address, future in futures.items():
             try:
-                sweep.answers.append(future.result())
+                answered = future.result()
             except AgentError as error:
                 sweep.failed.append(f"{address}: {error}")
+                continue
+            if answered is not None:
+                sweep.answers.append(answered)
         return sweep
 
-    def _call(self, address: str, request: _Request, answer: type[Answer]) -> Answer:
+    def _call(self, address: str, request: _Request, answer: type[Answer]) -> Answer | None:
+        """The agent's answer; None for a 404 that the request takes as done."""
         headers = {"Authorization": f"Bearer {self._token.value}", "Accept": "application/json"}
         method, path = request.method, request.path
         try:
@@ -125,11 +123,11 @@ class Agents:
         except urllib3.exceptions.HTTPError as error:
             raise AgentError(f"unreachable: {error}") from error
         if request.missing_ok and response.status == 404:
-            return answer.model_validate({})
-        if not 200 <= response.status < 300:
+            return None
+        if response.status != 200:
             raise AgentError(f"{method} {path} answered {response.status}: {response.data[:200]!r}")
         try:
-            return answer.model_validate(json.loads(response.data or b"{}"))
+            return answer.model_validate(json.loads(response.data))
         except (ValueError, ValidationError) as error:
             raise AgentError(f"{method} {path} answered {error}") from error
 

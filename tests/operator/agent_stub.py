@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from kvpool_agent.api_models import Cleared, Usage
+from kvpool_agent.api_models import Cleared, Pin, Usage, Warmed
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class AgentStub:
         body = json.loads(request.rfile.read(length)) if length else None
         token = request.headers.get("Authorization", "").removeprefix("Bearer ")
         self.calls.append(Call(request.command, request.path, body, token))
-        status, answer = self._reply(request.command, request.path)
+        status, answer = self._reply(request.command, request.path, body)
         data = json.dumps(answer).encode()
         request.send_response(status)
         request.send_header("Content-Type", "application/json")
@@ -66,7 +66,7 @@ class AgentStub:
         request.end_headers()
         request.wfile.write(data)
 
-    def _reply(self, method: str, path: str) -> tuple[int, Any]:
+    def _reply(self, method: str, path: str, body: Any) -> tuple[int, Any]:
         if self.failing:
             return 503, {"detail": "down"}
         tenant = path.split("/")[3]
@@ -87,4 +87,9 @@ class AgentStub:
             return 200, Cleared(dropped_chunks=2, l2_dropped_objects=1).model_dump()
         if method == "DELETE":
             return 404, {"detail": "no such pin"}
-        return 200, {}
+        keys = len(body["keys"])
+        if method == "PUT":
+            name = path.rpartition("/")[2]
+            pin = Pin(name=name, keys=keys, resident_keys=0, pinned_keys=0, pinned_bytes=0)
+            return 200, pin.model_dump()
+        return 200, Warmed(keys=keys, resident=0, loaded=0, missing=keys, done=True).model_dump()

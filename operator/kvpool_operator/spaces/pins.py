@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvpool_agent.api_models import MAX_REQUEST_KEYS
 from kvpool_agent.keys import ModelFingerprint, chunk_keys
-from kvpool_operator.agents import Agents, Done, Sweep
+from kvpool_operator.agents import Agents, Sweep
 from kvpool_operator.reasons import PINS_INCOMPLETE, PINS_NEED_FINGERPRINT
 from kvpool_operator.render import Pool
 from kvpool_operator.spaces.entries import Space
@@ -125,7 +126,7 @@ class SpacePins:
         if not self._report(f"dropping the pin {name} of the space {space.name}", dropped):
             self._outcome.held.append(name)
 
-    def _report(self, what: str, sweep: Sweep[Done]) -> bool:
+    def _report(self, what: str, sweep: Sweep[Any]) -> bool:
         """Whether every agent did ``what``; a problem naming those that failed if not."""
         if sweep.failed:
             failures = "; ".join(sweep.failed)
