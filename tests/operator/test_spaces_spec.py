@@ -33,7 +33,9 @@ def test_a_space_takes_the_defaults() -> None:
     assert admission_errors(_pool({"name": "docs", "quota": QUOTA})) == []
     pin = {"name": "p", "tokens": [1, 2]}
     (pinned,) = (
-        PoolSpec.parse(_pool({"name": "docs", "quota": QUOTA, "pinned": [pin]})["spec"])
+        PoolSpec.parse(
+            _pool({"name": "docs", "quota": QUOTA, "pinBudget": "1Mi", "pinned": [pin]})["spec"]
+        )
         .shared_spaces[0]
         .pinned
     )
@@ -79,6 +81,12 @@ INVALID = [
         id="namespace-not-a-name",
     ),
     pytest.param(
+        {"name": "docs", "quota": QUOTA, "pinned": [{"name": "p", "tokens": [1]}]},
+        "spec.sharedSpaces.0.pinned: Value error, pinned needs a pinBudget above 0",
+        "sharedSpaces[].pinned needs a pinBudget above 0",
+        id="pins-without-budget",
+    ),
+    pytest.param(
         {"name": "docs", "quota": QUOTA, "pinned": [{"name": "p", "tokens": [1 << 32]}]},
         "spec.sharedSpaces.0.pinned.0.tokens.0: Input should be less than or equal to 4294967295",
         "is greater than the maximum of 4294967295",
@@ -108,7 +116,7 @@ def test_names_are_unique_among_spaces_and_among_a_spaces_pins() -> None:
         "spec.sharedSpaces: Value error, names must be unique; docs is given more than once"
     )
     pins = [{"name": "p", "tokens": [1]}, {"name": "p", "tokens": [2]}]
-    assert _refused(_pool({**space, "pinned": pins})["spec"]) == (
+    assert _refused(_pool({**space, "pinBudget": "1Mi", "pinned": pins})["spec"]) == (
         "spec.sharedSpaces.0.pinned: Value error, names must be unique; p is given more than once"
     )
     # the API server keys both lists by name: it refuses a name given twice itself

@@ -20,6 +20,7 @@ from kvpool_operator.spec.tenant import DNS_LABEL, TenantQuota
 MAX_TOKEN_ID = (1 << 32) - 1
 """Keys pack each token id as a uint32."""
 OWNERS_ALLOWED = "owners must each be in allowedNamespaces"
+PINS_NEED_BUDGET = "pinned needs a pinBudget above 0: the agents pin nothing without one"
 
 NamespaceName = Annotated[str, Field(pattern=DNS_LABEL, max_length=63)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
@@ -51,7 +52,12 @@ class SharedSpaceSpec(SpecModel):
                 "!has(self.owners) || self.owners.all(o, has(self.allowedNamespaces) && "
                 "o in self.allowedNamespaces)",
                 f"sharedSpaces[].{OWNERS_ALLOWED}",
-            )
+            ),
+            Rule(
+                "!has(self.pinned) || self.pinned.size() == 0 || "
+                "quantity(self.pinBudget).asInteger() > 0",
+                f"sharedSpaces[].{PINS_NEED_BUDGET}",
+            ),
         )
     )
 
@@ -101,8 +107,12 @@ class SharedSpaceSpec(SpecModel):
 
     @field_validator("pinned")
     @classmethod
-    def _pins_are_unique(cls, pinned: tuple[PinnedPrefix, ...]) -> tuple[PinnedPrefix, ...]:
+    def _pins_are_unique_and_have_a_budget(
+        cls, pinned: tuple[PinnedPrefix, ...], info: ValidationInfo
+    ) -> tuple[PinnedPrefix, ...]:
         unique_names([pin.name for pin in pinned])
+        if pinned and not info.data.get("pin_budget"):
+            raise ValueError(PINS_NEED_BUDGET)
         return pinned
 
 
