@@ -36,6 +36,7 @@ from tests.operator.cluster_view import (
     secret_values,
     status,
 )
+from tests.operator.pool_agents import pool_agents
 from tests.support.chunks import data, key
 from tests.support.kube_api import ServedApi
 from tests.support.metrics import metric
@@ -105,28 +106,9 @@ def agents(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[list[AgentProcess]]:
     """The pool's agents, started once the operator has made the pool's ConfigMaps."""
-    eventually(lambda: _data(served_api, TENANTS_CM))
-    started: list[AgentProcess] = []
-    try:
-        with pytest.MonkeyPatch.context() as env:
-            env.setenv("KUBECONFIG", str(served_api.kubeconfig()))
-            for address in AGENT_ADDRESSES:
-                workdir = tmp_path_factory.mktemp("agent")
-                settings = {
-                    "HOST": address,
-                    "HTTP_PORT": str(http_port),
-                    "L1_SIZE": "16MiB",
-                    "TENANTS_CONFIGMAP": f"{POOL_NAMESPACE}/{TENANTS_CM}",
-                    "QUOTA_CONFIGMAP": f"{POOL_NAMESPACE}/{QUOTAS_CM}",
-                    "NVME__PATH": str(workdir / "nvme"),
-                    "NVME__CAPACITY": "64MiB",
-                }
-                started.append(AgentProcess(workdir, settings))
-                started[-1].start()
+    pool = Pool("shared", POOL_NAMESPACE, "")
+    with pool_agents(served_api, pool, http_port, AGENT_ADDRESSES, tmp_path_factory) as started:
         yield started
-    finally:
-        for process in started:
-            process.cleanup()
 
 
 def _bearer(token: str) -> dict[str, str]:
