@@ -12,14 +12,15 @@ named in :attr:`Sweep.failed`, with why; the others' answers stand.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import urllib3
 from pydantic import BaseModel, ValidationError
 
-from kvpool_agent.api_models import Cleared, Usage
+from kvpool_agent.api_models import Cleared, Pin, Pins, Usage, Warmed
 from kvpool_operator.apply import PODS, Cluster
 from kvpool_operator.bearer import OperatorToken
 from kvpool_operator.render import Pool
@@ -57,12 +58,31 @@ class Agents:
         )
 
     def usage(self, pool: Pool, port: int, tenant: str) -> Sweep[Usage]:
-        return self._sweep(pool, port, "GET", f"/v1/tenants/{tenant}/usage", Usage)
+        return self._sweep(pool, port, _Request("GET", f"/v1/tenants/{tenant}/usage"), Usage)
 
     def clear(self, pool: Pool, port: int, tenant: str) -> Sweep[Cleared]:
         """Drop the tenant's chunks from every tier of every agent (L1, the node's NVMe
         files, the pool's S3 objects: each agent drops the whole S3 prefix, idempotently)."""
-        return self._sweep(pool, port, "POST", f"/v1/tenants/{tenant}/clear?tiers=all", Cleared)
+        request = _Request("POST", f"/v1/tenants/{tenant}/clear?tiers=all")
+        return self._sweep(pool, port, request, Cleared)
+
+    def pin(self, pool: Pool, port: int, tenant: str, name: str, keys: Sequence[str]) -> Sweep[Pin]:
+        """Pin the chunks of ``keys`` (hex, a prompt's head first) under the pin ``name``,
+        replacing its keys."""
+        request = _Request("PUT", f"/v1/tenants/{tenant}/pins/{name}", {"keys": list(keys)})
+        return self._sweep(pool, port, request, Pin)
+
+    def warm(self, pool: Pool, port: int, tenant: str, keys: Sequence[str]) -> Sweep[Warmed]:
+        """Load the chunks of ``keys`` (hex, one chain in order) into L1 from the agents' L2
+        tiers."""
+        request = _Request("POST", f"/v1/tenants/{tenant}/warm", {"keys": list(keys)})
+        return self._sweep(pool, port, request, Warmed)
+
+    def unpin(self, pool: Pool, port: int, tenant: str, name: str) -> Sweep[Pins]:
+        """Drop the pin ``name``; an agent that has no such pin (404) is done, and is in
+        neither the answers nor the failures."""
+        request = _Request("DELETE", f"/v1/tenants/{tenant}/pins/{name}", missing_ok=True)
+        return self._sweep(pool, port, request, Pins)
 
     def addresses(self, pool: Pool, port: int) -> list[str]:
         """``host:port`` of every agent of the pool that has an address."""
@@ -71,7 +91,7 @@ class Agents:
         return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips if ip]
 
     def _sweep(
-        self, pool: Pool, port: int, method: str, path: str, answer: type[Answer]
+        self, pool: Pool, port: int, request: _Request, answer: type[Answer]
     ) -> Sweep[Answer]:
         addresses = self.addresses(pool, port)
         sweep: Sweep[Answer] = Sweep()
@@ -79,25 +99,43 @@ class Agents:
             return sweep
         with ThreadPoolExecutor(min(MAX_PARALLEL, len(addresses))) as threads:
             futures = {
-                address: threads.submit(self._call, method, address, path, answer)
+                address: threads.submit(self._call, address, request, answer)
                 for address in addresses
             }
         for address, future in futures.items():
             try:
-                sweep.answers.append(future.result())
+                answered = future.result()
             except AgentError as error:
                 sweep.failed.append(f"{address}: {error}")
+                continue
+            if answered is not None:
+                sweep.answers.append(answered)
         return sweep
 
-    def _call(self, method: str, address: str, path: str, answer: type[Answer]) -> Answer:
+    def _call(self, address: str, request: _Request, answer: type[Answer]) -> Answer | None:
+        """The agent's answer; None for a 404 that the request takes as done."""
         headers = {"Authorization": f"Bearer {self._token.value}", "Accept": "application/json"}
+        method, path = request.method, request.path
         try:
-            response = self._http.request(method, f"http://{address}{path}", headers=headers)
+            response = self._http.request(
+                method, f"http://{address}{path}", headers=headers, json=request.body
+            )
         except urllib3.exceptions.HTTPError as error:
             raise AgentError(f"unreachable: {error}") from error
+        if request.missing_ok and response.status == 404:
+            return None
         if response.status != 200:
             raise AgentError(f"{method} {path} answered {response.status}: {response.data[:200]!r}")
         try:
             return answer.model_validate(json.loads(response.data))
         except (ValueError, ValidationError) as error:
             raise AgentError(f"{method} {path} answered {error}") from error
+
+
+@dataclass(frozen=True)
+class _Request:
+    method: str
+    path: str
+    body: dict[str, Any] | None = None
+    missing_ok: bool = False
+    """Whether a 404 (nothing there) is as good as done."""

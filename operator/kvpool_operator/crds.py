@@ -56,6 +56,7 @@ _KEYS = (
     "minLength",
     "maxLength",
     "pattern",
+    "minItems",
     "maxItems",
     "maxProperties",
     "description",

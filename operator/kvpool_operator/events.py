@@ -1,5 +1,5 @@
 """Events on a KVCachePool (``kubectl describe kvp``) and a KVCacheTenant (``kubectl describe
-kvt``): what the operator did and what failed.
+kvt``): what the operator did and what failed. None carries a salt or a token.
 
 kopf posts them (queued, in the background, with retries).
 """
@@ -19,6 +19,10 @@ from kvpool_operator.reasons import (
     DRIFT_CORRECTED,
     INVALID_SPEC,
     REVOKED,
+    SPACE_ADMITTED,
+    SPACE_CREATED,
+    SPACE_REMOVED,
+    SPACE_REVOKED,
     TOKEN_ROTATED,
     unavailable,
 )
@@ -53,6 +57,12 @@ class PoolEvents:
             f"(install {provided_by}); no {kind} was made",
         )
 
+    def space_created(self, pool: Mapping[str, Any], message: str) -> None:
+        _post(pool, "Normal", SPACE_CREATED, message)
+
+    def space_removed(self, pool: Mapping[str, Any], message: str) -> None:
+        _post(pool, "Normal", SPACE_REMOVED, message)
+
 
 def _post(pool: Mapping[str, Any], type: str, reason: str, message: str) -> None:
     kopf.event(kopf.Body(cast(kopf.RawBody, pool)), type=type, reason=reason, message=message)
@@ -77,3 +87,9 @@ class TenantEvents:
 
     def clear_incomplete(self, tenant: Mapping[str, Any], message: str) -> None:
         _post(tenant, "Warning", CLEAR_INCOMPLETE, message)
+
+    def space_admitted(self, tenant: Mapping[str, Any], message: str) -> None:
+        _post(tenant, "Normal", SPACE_ADMITTED, message)
+
+    def space_revoked(self, tenant: Mapping[str, Any], message: str) -> None:
+        _post(tenant, "Normal", SPACE_REVOKED, message)

@@ -6,6 +6,9 @@
 - any event on a child (labelled ``kvpool.io/pool``; the agents' DaemonSet, the index's
   Deployment and the NetworkPolicies among them): drift correction and the pool's status,
   :meth:`~kvpool_operator.reconcile.Reconciler.child_changed`;
+- after each pool's reconcile, and every ``--usage-seconds`` (a daemon per pool that has
+  shared spaces, so kopf's finalizer on those pools only): its shared spaces
+  (:mod:`kvpool_operator.spaces`: published, removed ones cleared, pins kept, usage read);
 - a KVCacheTenant is created, changed or found at start, or its pool has an event (created,
   changed, deleted), or every ``--usage-seconds`` (a daemon per tenant: admission again,
   then its usage): :mod:`kvpool_operator.tenants`; its deletion (kopf's finalizer,
@@ -25,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -35,8 +39,10 @@ from kvpool_operator.agents import Agents
 from kvpool_operator.apply import ApiError, Cluster
 from kvpool_operator.bearer import OperatorToken
 from kvpool_operator.events import PoolEvents, TenantEvents
+from kvpool_operator.reasons import SHARED_SPACES
 from kvpool_operator.reconcile import Options, Reconciler
 from kvpool_operator.render import Pool
+from kvpool_operator.spaces import SpaceReconciler
 from kvpool_operator.spec import GROUP, PLURAL, TENANT_PLURAL, VERSION
 from kvpool_operator.tenants import AgentsUnreachable, TenantReconciler
 
@@ -62,9 +68,13 @@ def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     )
     settings.persistence.finalizer = f"{GROUP}/finalizer"
     settings.posting.level = logging.WARNING
-    cluster, token = Cluster.connect(), OperatorToken()
+    cluster, token, lock = Cluster.connect(), OperatorToken(), threading.Lock()
+    agents = Agents(cluster, token)
     memo["reconciler"] = Reconciler(cluster, PoolEvents(), _options(memo))
-    memo["tenants"] = TenantReconciler(cluster, TenantEvents(), Agents(cluster, token), token)
+    memo["spaces"] = spaces = SpaceReconciler(cluster, agents, PoolEvents(), lock)
+    memo["tenants"] = TenantReconciler(
+        cluster, TenantEvents(), agents, token, spaces=spaces, lock=lock
+    )
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
@@ -76,6 +86,37 @@ def pool_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         metadata = body["metadata"]
         pool = Pool(metadata["name"], metadata["namespace"], metadata["uid"])
         _tenants(memo).publish_pool_tokens(pool, index=spec is not None and spec.index.enabled)
+        if spec is not None:
+            _spaces(memo).pool_changed(body, spec)
+
+
+def _has_spaces(spec: kopf.Spec, status: kopf.Status, **_: Any) -> bool:
+    """Whether a pool declares shared spaces or still has some (removed, not cleared yet):
+    only such pools have a daemon, and so kopf's finalizer (it stops the daemon on deletion)."""
+    return bool(spec.get("sharedSpaces") or status.get("sharedSpaces")) or any(
+        condition.get("type") == SHARED_SPACES for condition in status.get("conditions") or ()
+    )
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, registry=registry, cancellation_timeout=5.0, when=_has_spaces)
+async def pool_spaces(
+    stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, **_: Any
+) -> None:
+    """Every ``--usage-seconds``: the pool's shared spaces again (pins on agents that came or
+    restarted, removed spaces that some agent did not clear yet, usage). Async, as
+    :func:`tenant_usage`."""
+    spaces, seconds = _spaces(memo), _options(memo).usage_seconds
+    while not stopped:
+        await stopped.wait(seconds)
+        if not stopped:
+            await asyncio.to_thread(_refresh_spaces, spaces, body)
+
+
+def _refresh_spaces(spaces: SpaceReconciler, body: kopf.Body) -> None:
+    try:
+        spaces.refresh(body)
+    except ApiError as error:
+        logging.getLogger(__name__).warning("shared spaces not refreshed: %s", error)
 
 
 @kopf.index(GROUP, VERSION, TENANT_PLURAL, registry=registry)
@@ -168,6 +209,13 @@ def _options(memo: kopf.Memo) -> Options:
     if not isinstance(options, Options):
         raise TypeError("the operator's memo needs 'options' (kvpool_operator.main sets them)")
     return options
+
+
+def _spaces(memo: kopf.Memo) -> SpaceReconciler:
+    spaces = memo.get("spaces")
+    if not isinstance(spaces, SpaceReconciler):
+        raise TypeError("the operator's memo has no space reconciler (the startup handler)")
+    return spaces
 
 
 def _tenants(memo: kopf.Memo) -> TenantReconciler:

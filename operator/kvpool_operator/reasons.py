@@ -4,10 +4,13 @@ the tenant's; ``kvpool_operator.status`` says when a pool's apply)."""
 
 from __future__ import annotations
 
-# Condition types: a pool's Ready, Progressing and Degraded; a tenant's Accepted and Ready.
+# Condition types: a pool's Ready, Progressing, Degraded and SharedSpaces; a tenant's
+# Accepted and Ready.
 READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
+SHARED_SPACES = "SharedSpaces"
+"""A pool's condition while it declares shared spaces (``kvpool_operator.spaces``)."""
 ACCEPTED = "Accepted"
 """A tenant's condition type, the reason it holds for, and the event that says so."""
 
@@ -51,3 +54,13 @@ POOL_NOT_READY = "PoolNotReady"
 TOKEN_ROTATED = "TokenRotated"
 REVOKED = "Revoked"
 CLEAR_INCOMPLETE = "ClearIncomplete"
+SPACE_ADMITTED = "SpaceAdmitted"
+SPACE_REVOKED = "SpaceRevoked"
+
+# A pool's SharedSpaces condition reasons (and CLEAR_INCOMPLETE); the events on a pool
+# about its spaces
+SPACES_PUBLISHED = "SpacesPublished"
+PINS_NEED_FINGERPRINT = "PinsNeedFingerprint"
+PINS_INCOMPLETE = "PinsIncomplete"
+SPACE_CREATED = "SpaceCreated"
+SPACE_REMOVED = "SpaceRemoved"

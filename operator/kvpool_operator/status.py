@@ -14,7 +14,8 @@ Conditions (each with a CamelCase reason and a message for people):
   otherwise. A problem stays recorded here until the next apply succeeds, so status
   updates driven by the DaemonSet keep it.
 
-A condition's ``lastTransitionTime`` changes only when its status does.
+A condition's ``lastTransitionTime`` changes only when its status does. Conditions of other
+types (``SharedSpaces``, which ``kvpool_operator.spaces`` writes) are kept as they are.
 
 ``index``: the prefix index's replicas (``replicas`` asked for, ``readyReplicas``) while the
 pool has an index Deployment; absent otherwise. The conditions are about the agents only:
@@ -132,14 +133,16 @@ def pool_status(
         else (False, AS_EXPECTED, "nothing stops the operator from making the children")
     )
     earlier = {c.get("type"): c for c in previous.get("conditions", ())}
+    own = (READY, PROGRESSING, DEGRADED)
     status: dict[str, Any] = {
         "desiredNodes": rollout.desired if rollout else 0,
         "readyNodes": rollout.ready if rollout else 0,
         "updatedNodes": rollout.updated if rollout else 0,
         "conditions": [
             condition(kind, value, generation, earlier.get(kind), now)
-            for kind, value in ((READY, ready), (PROGRESSING, progressing), (DEGRADED, degraded))
-        ],
+            for kind, value in zip(own, (ready, progressing, degraded), strict=True)
+        ]
+        + [c for c in previous.get("conditions", ()) if c.get("type") not in own],
         "index": {"replicas": index.replicas, "readyReplicas": index.ready} if index else None,
     }
     if observed_generation is not None:

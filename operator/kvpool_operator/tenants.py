@@ -10,11 +10,14 @@ Entry points, each called by a thin kopf handler (``handlers.py``):
   Secret, or one the operator generates), and no other tenant of the pool has the same
   tenant id. Accepted: the Secret ``<name>-kvpool`` holds the token (minted anew when
   ``spec.tokenGeneration`` changes), the salt (if generated), the tenant id, the pool and
-  its endpoint; the pool's tenants ConfigMap holds the token's digest and the quota ceiling
+  its endpoint, and the salt of each of the pool's shared spaces that admits it
+  (``space-<name>``; :mod:`kvpool_operator.spaces`, whose members follow the tenant's
+  entry); the pool's tenants ConfigMap holds the token's digest and the quota ceiling
   under the tenant id; the pool's quota ConfigMap holds the quota, written when the CR's
   quota changes (between changes, the tenant's own HTTP sets stand). Refused: the entry
-  leaves the tenants ConfigMap and the token leaves the Secret (the Secret, its salt and
-  tenant id stay, so that a tenant accepted again keeps its cache).
+  leaves the tenants ConfigMap (and so the spaces' members), the token and the spaces' salts
+  leave the Secret (the Secret, its salt and tenant id stay, so that a tenant accepted again
+  keeps its cache).
 - :meth:`TenantReconciler.tenant_deleted`: revoke (the entry leaves the tenants ConfigMap:
   the agents drop the token on their next watch event), clear the tenant's chunks on every
   agent (L1, NVMe, S3), drop its quota. Agents that cannot be reached make the caller retry;
@@ -32,7 +35,6 @@ event, a status or a ConfigMap.
 
 from __future__ import annotations
 
-import base64
 import logging
 import threading
 from collections.abc import Mapping
@@ -51,9 +53,11 @@ from kvpool_agent.tenants_configmap import (
     encode_role_entry,
 )
 from kvpool_operator.agents import Agents
-from kvpool_operator.apply import KINDS, SECRETS, TENANTS, ApiError, Cluster
+from kvpool_operator.apply import KINDS, SECRETS, TENANTS, Cluster
+from kvpool_operator.b64 import decoded, encoded
 from kvpool_operator.bearer import OperatorToken, mint
 from kvpool_operator.events import TenantEvents
+from kvpool_operator.pool_maps import PoolMaps
 from kvpool_operator.reasons import (
     ACCEPTED,
     INVALID_SALT,
@@ -71,6 +75,8 @@ from kvpool_operator.reasons import (
 from kvpool_operator.render import Pool, format_bytes
 from kvpool_operator.render.config import AGENT_ACCESS_KEY
 from kvpool_operator.render.objects import manifest
+from kvpool_operator.spaces import SpaceReconciler
+from kvpool_operator.spaces.handout import handout_changes, salt_key, space_of
 from kvpool_operator.spec import (
     API_VERSION,
     KIND,
@@ -81,11 +87,11 @@ from kvpool_operator.spec import (
     TenantSpec,
 )
 from kvpool_operator.status import Assessment, condition
+from kvpool_operator.usage import usage_summary
 
 log = logging.getLogger(__name__)
 
 POOLS = KINDS[API_VERSION, KIND]
-CONFIG_MAPS = KINDS["v1", "ConfigMap"]
 
 SECRET_SUFFIX = "-kvpool"
 SALT_KEY = "salt"
@@ -155,13 +161,23 @@ class _Tenant:
 
 class TenantReconciler:
     def __init__(
-        self, cluster: Cluster, events: TenantEvents, agents: Agents, token: OperatorToken
+        self,
+        cluster: Cluster,
+        events: TenantEvents,
+        agents: Agents,
+        token: OperatorToken,
+        *,
+        spaces: SpaceReconciler,
+        lock: threading.Lock,
     ) -> None:
+        """``lock``: the one ``spaces`` holds too (both write the tenants ConfigMap)."""
         self._cluster = cluster
         self._events = events
         self._agents = agents
         self._token = token
-        self._lock = threading.Lock()
+        self._spaces = spaces
+        self._maps = PoolMaps(cluster)
+        self._lock = lock
 
     # ------------------------------------------------------------ admission
 
@@ -188,25 +204,27 @@ class TenantReconciler:
         except Refused as refusal:
             self._refuse(tenant, spec, refusal)
             return
-        token, rotated = self._write_secret(who, spec, admission)
+        handed = self._spaces.handout(admission.pool, admission.pool_spec, who.namespace)
+        token, rotated = self._write_secret(who, spec, admission, handed)
         previous_id = status.get("tenantId")
         if previous_id and previous_id != admission.tenant_id:
             self._withdraw_entry(admission.pool, previous_id, who, drop_quota=True)
         limits = TierLimits(spec.quota.l1, spec.quota.nvme_bytes)
         ceiling = {"l1": limits.l1, "nvme": limits.nvme}
-        self._set_key(
-            admission.pool.tenants_name,
+        self._maps.set_key(
             admission.pool,
+            admission.pool.tenants_name,
             admission.tenant_id,
             TenantEntry((digest_token(token),), limits, who.ref).encode(),
         )
         if status.get("quota") != ceiling or previous_id != admission.tenant_id:
-            self._set_key(
-                admission.pool.quotas_name,
+            self._maps.set_key(
                 admission.pool,
+                admission.pool.quotas_name,
                 admission.tenant_id,
                 quota_to_configmap(limits),
             )
+        self._spaces.publish(admission.pool, admission.pool_spec)
         self.publish_pool_tokens(admission.pool, index=admission.pool_spec.index.enabled)
         pool = f"{admission.pool.namespace}/{admission.pool.name}"
         ready: Assessment = (
@@ -215,6 +233,7 @@ class TenantReconciler:
             else (False, POOL_NOT_READY, f"the pool {pool} is not ready")
         )
         accepted: Assessment = (True, ACCEPTED, f"the pool {pool} admits the tenant")
+        spaces = sorted(name for name in map(space_of, handed) if name is not None)
         changed = self._write_status(
             tenant,
             accepted,
@@ -223,11 +242,13 @@ class TenantReconciler:
             secretName=who.secret_name,
             tokenGeneration=spec.token_generation,
             quota=ceiling,
+            sharedSpaces=spaces or None,
         )
         if changed[ACCEPTED]:
             self._events.accepted(tenant, f"{accepted[2]}: tenant id {admission.tenant_id}")
         if rotated:
             self._events.token_rotated(tenant, spec.token_generation)
+        self._spaces_changed(tenant, spaces, pool)
 
     def _admit(self, who: _Tenant, spec: TenantSpec) -> Admission:
         ref = spec.pool_ref
@@ -250,7 +271,7 @@ class TenantReconciler:
         secret = self._cluster.get(SECRETS, who.namespace, who.secret_name)
         salt, generated = self._salt(who, spec, secret)
         tenant = tenant_id(salt)
-        holder = _holder(self._data(pool, pool.tenants_name) or {}, tenant)
+        holder = _holder(self._maps.data(pool, pool.tenants_name) or {}, tenant)
         if holder is not None and holder != who.ref:
             raise Refused(
                 TENANT_ID_IN_USE,
@@ -267,9 +288,9 @@ class TenantReconciler:
         """The tenant's salt, and whether the operator generated it."""
         ref = spec.salt_secret_ref
         if ref is None:
-            return _decoded(secret).get(SALT_KEY) or mint(), True
+            return decoded(secret).get(SALT_KEY) or mint(), True
         theirs = self._cluster.get(SECRETS, who.namespace, ref.name)
-        values = _decoded(theirs)
+        values = decoded(theirs)
         if ref.key not in values:
             missing = "does not exist" if theirs is None else f"has no key {ref.key}"
             raise Refused(
@@ -280,12 +301,13 @@ class TenantReconciler:
         return values[ref.key], False
 
     def _write_secret(
-        self, who: _Tenant, spec: TenantSpec, admission: Admission
+        self, who: _Tenant, spec: TenantSpec, admission: Admission, handed: Mapping[str, str]
     ) -> tuple[str, bool]:
-        """Make the tenant's Secret hold what it should; returns its token and whether an
-        earlier token was replaced (a rotation)."""
+        """Make the tenant's Secret hold what it should (``handed``: the salts of the shared
+        spaces that admit it, by key); returns its token and whether an earlier token was
+        replaced (a rotation)."""
         existing = admission.secret
-        current = _decoded(existing)
+        current = decoded(existing)
         annotations = (existing or {}).get("metadata", {}).get("annotations") or {}
         minted_for = annotations.get(TOKEN_GENERATION_ANNOTATION)
         token = current.get(TOKEN_KEY)
@@ -302,6 +324,7 @@ class TenantReconciler:
                 f"http://{pool.service_name}.{pool.namespace}.svc:{admission.pool_spec.ports.http}"
             ),
             SALT_KEY: admission.salt if admission.generated else None,
+            **handout_changes(current, handed),
         }
         generation = {TOKEN_GENERATION_ANNOTATION: str(spec.token_generation)}
         if existing is None:
@@ -313,31 +336,64 @@ class TenantReconciler:
                     SECRETS,
                     who.namespace,
                     who.secret_name,
-                    {"metadata": {"annotations": generation}, "data": _encoded(changes)},
+                    {"metadata": {"annotations": generation}, "data": encoded(changes)},
                 )
         return token, rotated
 
     def _refuse(self, tenant: Mapping[str, Any], spec: TenantSpec | None, refusal: Refused) -> None:
-        """Take back what a refused tenant had: its entry in the pool, its Secret's token."""
+        """Take back what a refused tenant had: its entry in the pool (and so its places in
+        the pool's shared spaces), its Secret's token and the spaces' salts."""
         who = _Tenant.of(tenant)
         previous_id = (tenant.get("status") or {}).get("tenantId")
+        where = "its pool"
         if spec is not None and previous_id:
             ref = spec.pool_ref
+            where = f"{ref.namespace}/{ref.name}"
             pool = self._cluster.get(POOLS, ref.namespace, ref.name)
             if pool is not None:
                 identity = Pool(ref.name, ref.namespace, pool["metadata"]["uid"])
                 self._withdraw_entry(identity, previous_id, who, drop_quota=False)
-        secret = self._cluster.get(SECRETS, who.namespace, who.secret_name)
-        if TOKEN_KEY in ((secret or {}).get("data") or {}):
-            withdrawn = {"data": {TOKEN_KEY: None}}
-            self._cluster.patch(SECRETS, who.namespace, who.secret_name, withdrawn)
+                self._republish_spaces(identity, pool)
+        current = decoded(self._cluster.get(SECRETS, who.namespace, who.secret_name))
+        withdrawn: dict[str, str | None] = {key: None for key in (TOKEN_KEY,) if key in current}
+        withdrawn |= handout_changes(current, {})
+        if withdrawn:
+            self._cluster.patch(SECRETS, who.namespace, who.secret_name, {"data": withdrawn})
         changed = self._write_status(
             tenant,
             (False, refusal.reason, refusal.message),
             (False, NOT_ACCEPTED, f"not accepted: {refusal.message}"),
+            sharedSpaces=None,
         )
         if changed[ACCEPTED]:
             self._events.refused(tenant, refusal.reason, refusal.message)
+        self._spaces_changed(tenant, [], where)
+
+    def _spaces_changed(self, tenant: Mapping[str, Any], spaces: list[str], pool: str) -> None:
+        """Events for the shared spaces the tenant was admitted to or revoked from."""
+        before = set((tenant.get("status") or {}).get("sharedSpaces") or ())
+        added, removed = sorted(set(spaces) - before), sorted(before - set(spaces))
+        if added:
+            secret = _Tenant.of(tenant).secret_name
+            self._events.space_admitted(
+                tenant,
+                f"admitted to the shared spaces {', '.join(added)} of {pool}: the Secret "
+                f"{secret} holds their salts at {', '.join(map(salt_key, added))}",
+            )
+        if removed:
+            self._events.space_revoked(
+                tenant,
+                f"revoked from the shared spaces {', '.join(removed)} of {pool}: the agents "
+                "drop the tenant from them on their next watch event",
+            )
+
+    def _republish_spaces(self, pool: Pool, body: Mapping[str, Any]) -> None:
+        """The pool's shared spaces after a tenant's entry left (their members follow)."""
+        try:
+            spec = PoolSpec.parse(body.get("spec") or {})
+        except InvalidSpec:
+            return  # the pool's reconcile reports it; the tenant's token is revoked anyway
+        self._spaces.publish(pool, spec)
 
     def _write_status(
         self,
@@ -386,6 +442,7 @@ class TenantReconciler:
         pool = Pool(ref.name, ref.namespace, pool_body["metadata"]["uid"])
         with self._lock:
             revoked = self._withdraw_entry(pool, tenant_id_, who, drop_quota=False)
+            self._republish_spaces(pool, pool_body)
         where = f"{ref.namespace}/{ref.name}"
         if revoked:
             self._events.revoked(
@@ -405,7 +462,7 @@ class TenantReconciler:
                 f"(their L1 chunks age out by eviction): {'; '.join(sweep.failed)}",
             )
         with self._lock:
-            self._set_key(pool.quotas_name, pool, tenant_id_, None)
+            self._maps.set_key(pool, pool.quotas_name, tenant_id_, None)
         chunks = sum(answer.dropped_chunks for answer in sweep.answers)
         objects = sum(answer.l2_dropped_objects or 0 for answer in sweep.answers)
         self._events.revoked(
@@ -432,15 +489,7 @@ class TenantReconciler:
         sweep = self._agents.usage(pool, port, tenant_id_)
         if sweep.failed:
             log.warning("usage of tenant %s: %s", tenant_id_, "; ".join(sweep.failed))
-        answers = sweep.answers
-        usage = {
-            "l1Bytes": sum(answer.used_bytes for answer in answers),
-            "nvmeBytes": sum(answer.nvme_used_bytes for answer in answers),
-            "hits": sum(answer.hits for answer in answers),
-            "misses": sum(answer.misses for answer in answers),
-            "agents": len(answers),
-            "readAt": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        }
+        usage = usage_summary(sweep.answers)
         who = _Tenant.of(tenant)
         self._cluster.patch_status(TENANTS, who.namespace, who.name, {"usage": usage})
 
@@ -452,24 +501,24 @@ class TenantReconciler:
         pool's index follows its agents with under ``index`` (minted into the Secret the
         index mounts, once: it outlives operator restarts); without, no ``index`` key, so a
         token left in that Secret works no more."""
-        data = self._data(pool, pool.tenants_name)
+        data = self._maps.data(pool, pool.tenants_name)
         if data is None:
             return  # the pool's reconcile makes it; this runs again after
         operator = encode_role_entry((self._token.digest,))
-        self._patch_key(pool, pool.tenants_name, data, OPERATOR_KEY, operator)
+        self._maps.patch_key(pool, pool.tenants_name, data, OPERATOR_KEY, operator)
         indexes = encode_role_entry((digest_token(self._index_token(pool)),)) if index else None
-        self._patch_key(pool, pool.tenants_name, data, INDEX_KEY, indexes)
+        self._maps.patch_key(pool, pool.tenants_name, data, INDEX_KEY, indexes)
 
     def _index_token(self, pool: Pool) -> str:
         """The index's token for the agents, from its Secret (made with a new one if absent:
         owned by the pool, deleted with it)."""
         name = pool.index_access_name
         found = self._cluster.get(SECRETS, pool.namespace, name)
-        token = _decoded(found).get(AGENT_ACCESS_KEY)
+        token = decoded(found).get(AGENT_ACCESS_KEY)
         if token is None:
             token = mint()
             owner = manifest("v1", "Secret", pool, name, component=INDEX_COMPONENT)
-            secret = {**owner, "type": "Opaque", "data": _encoded({AGENT_ACCESS_KEY: token})}
+            secret = {**owner, "type": "Opaque", "data": encoded({AGENT_ACCESS_KEY: token})}
             if found is None:
                 self._cluster.create(SECRETS, secret)
             else:
@@ -480,35 +529,12 @@ class TenantReconciler:
 
     def _withdraw_entry(self, pool: Pool, tenant: str, who: _Tenant, *, drop_quota: bool) -> bool:
         """Remove the tenant's entry (and quota) if it is this tenant's; says if it was."""
-        if _holder(self._data(pool, pool.tenants_name) or {}, tenant) != who.ref:
+        if _holder(self._maps.data(pool, pool.tenants_name) or {}, tenant) != who.ref:
             return False
-        self._set_key(pool.tenants_name, pool, tenant, None)
+        self._maps.set_key(pool, pool.tenants_name, tenant, None)
         if drop_quota:
-            self._set_key(pool.quotas_name, pool, tenant, None)
+            self._maps.set_key(pool, pool.quotas_name, tenant, None)
         return True
-
-    def _data(self, pool: Pool, config_map: str) -> dict[str, str] | None:
-        """The data of one of the pool's ConfigMaps; None if it does not exist."""
-        found = self._cluster.get(CONFIG_MAPS, pool.namespace, config_map)
-        data: dict[str, str] | None = None if found is None else found.get("data") or {}
-        return data
-
-    def _set_key(self, config_map: str, pool: Pool, key: str, value: str | None) -> None:
-        """One key of one of the pool's ConfigMaps (None removes it), if it differs. A
-        ConfigMap the pool has not made yet is an :class:`ApiError` (retried)."""
-        data = self._data(pool, config_map)
-        if data is None and value is None:
-            return
-        if data is None:
-            raise ApiError(f"the pool's ConfigMap {config_map} does not exist yet", 404)
-        self._patch_key(pool, config_map, data, key, value)
-
-    def _patch_key(
-        self, pool: Pool, config_map: str, data: Mapping[str, str], key: str, value: str | None
-    ) -> None:
-        """One key of a ConfigMap whose ``data`` was just read, if it differs."""
-        if data.get(key) != value:
-            self._cluster.patch(CONFIG_MAPS, pool.namespace, config_map, {"data": {key: value}})
 
 
 def _admits(selector: LabelSelector | None, labels: Mapping[str, str]) -> bool:
@@ -540,18 +566,6 @@ def _holder(data: Mapping[str, str], tenant: str) -> str | None:
         return None
 
 
-def _decoded(secret: Mapping[str, Any] | None) -> dict[str, str]:
-    data = (secret or {}).get("data") or {}
-    return {key: base64.b64decode(value).decode() for key, value in data.items()}
-
-
-def _encoded(values: Mapping[str, str | None]) -> dict[str, str | None]:
-    return {
-        key: None if value is None else base64.b64encode(value.encode()).decode()
-        for key, value in values.items()
-    }
-
-
 def _secret(
     who: _Tenant, values: Mapping[str, str | None], annotations: dict[str, str]
 ) -> dict[str, Any]:
@@ -575,5 +589,5 @@ def _secret(
                 }
             ],
         },
-        "data": {key: value for key, value in _encoded(values).items() if value is not None},
+        "data": {key: value for key, value in encoded(values).items() if value is not None},
     }

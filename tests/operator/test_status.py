@@ -176,3 +176,25 @@ def test_index_replicas_of_a_deployment() -> None:
     assert IndexReplicas.of(deployment) == IndexReplicas(replicas=2, ready=0)  # no status yet
     deployment["status"] = {"replicas": 2, "readyReplicas": 1, "updatedReplicas": 2}
     assert IndexReplicas.of(deployment) == IndexReplicas(replicas=2, ready=1)
+
+
+def test_conditions_of_other_types_are_kept_as_they_are() -> None:
+    """The SharedSpaces condition is kvpool_operator.spaces' to write, not the pool's."""
+    spaces = {
+        "type": "SharedSpaces",
+        "status": "False",
+        "reason": "PinsIncomplete",
+        "message": "pinning p of the space docs failed on 1 agents: 10.0.0.1:7401: unreachable",
+        "observedGeneration": 1,
+        "lastTransitionTime": "2025-12-31T00:00:00Z",
+    }
+    ready = Rollout(desired=1, updated=1, ready=1, observed=True)
+    first = _status(ready, previous={"conditions": [spaces]})
+    assert [c["type"] for c in first["conditions"]] == [
+        "Ready",
+        "Progressing",
+        "Degraded",
+        "SharedSpaces",
+    ]
+    assert first["conditions"][3] == spaces
+    assert _status(ready, previous=first, now=T0 + timedelta(minutes=1)) == first

@@ -26,6 +26,17 @@ from kvpool_agent.quotas import TierLimits, as_limits, quota_from_configmap
 from kvpool_agent.tenants_configmap import token_digest
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from kvpool_operator.render import Pool
+from tests.operator.cluster_view import (
+    agent_pod,
+    apply,
+    condition,
+    config_map,
+    event,
+    namespace,
+    secret_values,
+    status,
+)
+from tests.operator.pool_agents import pool_agents
 from tests.support.chunks import data, key
 from tests.support.kube_api import ServedApi
 from tests.support.metrics import metric
@@ -41,14 +52,6 @@ TENANTS_CM = "kvpool-shared-tenants"
 QUOTAS_CM = "kvpool-shared-quotas"
 GiB = 1 << 30
 AGENT_ADDRESSES = ("127.0.0.1", "127.0.0.2")
-
-
-def _apply(kubectl: Kubectl, manifest: dict[str, Any]) -> None:
-    kubectl("apply", "--validate=false", "-f", "-", manifest=manifest)
-
-
-def _namespace(name: str, labels: dict[str, str]) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}}
 
 
 def _pool(name: str, http_port: int) -> dict[str, Any]:
@@ -80,12 +83,14 @@ def operator(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[OperatorProcess]:
     kubectl("apply", "--validate=false", "-f", str(REPO / "crds"))
-    _apply(kubectl, _namespace(POOL_NAMESPACE, {}))
-    _apply(kubectl, _namespace(TEAM, ACCESS))
-    _apply(kubectl, _namespace(OUTSIDER, {}))
-    _apply(kubectl, _pool("shared", http_port))
+    apply(kubectl, namespace(POOL_NAMESPACE, {}))
+    apply(kubectl, namespace(TEAM, ACCESS))
+    apply(kubectl, namespace(OUTSIDER, {}))
+    apply(kubectl, _pool("shared", http_port))
     for number, address in enumerate(AGENT_ADDRESSES, 1):
-        _agent_pod(kubectl, f"kvpool-shared-agent-x{number}", address)
+        agent_pod(
+            kubectl, Pool("shared", POOL_NAMESPACE, ""), f"kvpool-shared-agent-x{number}", address
+        )
     log = tmp_path_factory.mktemp("operator") / "operator.log"
     options = ("--usage-seconds", "1", "--clear-retries", "1")
     process = OperatorProcess(served_api.kubeconfig(), None, log, options).start()
@@ -101,55 +106,9 @@ def agents(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[list[AgentProcess]]:
     """The pool's agents, started once the operator has made the pool's ConfigMaps."""
-    eventually(lambda: _data(served_api, TENANTS_CM))
-    started: list[AgentProcess] = []
-    try:
-        with pytest.MonkeyPatch.context() as env:
-            env.setenv("KUBECONFIG", str(served_api.kubeconfig()))
-            for address in AGENT_ADDRESSES:
-                workdir = tmp_path_factory.mktemp("agent")
-                settings = {
-                    "HOST": address,
-                    "HTTP_PORT": str(http_port),
-                    "L1_SIZE": "16MiB",
-                    "TENANTS_CONFIGMAP": f"{POOL_NAMESPACE}/{TENANTS_CM}",
-                    "QUOTA_CONFIGMAP": f"{POOL_NAMESPACE}/{QUOTAS_CM}",
-                    "NVME__PATH": str(workdir / "nvme"),
-                    "NVME__CAPACITY": "64MiB",
-                }
-                started.append(AgentProcess(workdir, settings))
-                started[-1].start()
+    pool = Pool("shared", POOL_NAMESPACE, "")
+    with pool_agents(served_api, pool, http_port, AGENT_ADDRESSES, tmp_path_factory) as started:
         yield started
-    finally:
-        for process in started:
-            process.cleanup()
-
-
-def _agent_pod(kubectl: Kubectl, name: str, address: str) -> None:
-    """An agent pod of the pool "shared", with ``address`` as its IP."""
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "namespace": POOL_NAMESPACE,
-            "labels": Pool("shared", POOL_NAMESPACE, "").labels(),
-        },
-        "spec": {"containers": [{"name": "agent", "image": "kvpool:test"}]},
-    }
-    _apply(kubectl, pod)
-    status = {"status": {"podIP": address, "phase": "Running"}}
-    kubectl(
-        "patch",
-        "pod",
-        name,
-        "-n",
-        POOL_NAMESPACE,
-        "--subresource=status",
-        "--type=merge",
-        "-p",
-        json.dumps(status),
-    )
 
 
 def _bearer(token: str) -> dict[str, str]:
@@ -212,7 +171,7 @@ def _tenant(
             **spec,
         },
     }
-    _apply(kubectl, tenant)
+    apply(kubectl, tenant)
     return tenant
 
 
@@ -221,22 +180,8 @@ def _patch(kubectl: Kubectl, namespace: str, name: str, spec: dict[str, Any]) ->
     kubectl("patch", "kvt", name, "-n", namespace, "--type=merge", "-p", patch)
 
 
-def _status(api: ServedApi, namespace: str, name: str) -> dict[str, Any]:
-    tenant = api.objects("kvcachetenants", namespace).get(name)
-    assert tenant is not None, f"no tenant {namespace}/{name}"
-    status: dict[str, Any] = tenant.get("status") or {}
-    return status
-
-
 def _token_generation(api: ServedApi, namespace: str, name: str, generation: int) -> None:
     assert _status(api, namespace, name).get("tokenGeneration") == generation
-
-
-def _condition(api: ServedApi, namespace: str, name: str, kind: str) -> tuple[str, str, str]:
-    for condition in _status(api, namespace, name).get("conditions", ()):
-        if condition["type"] == kind:
-            return condition["status"], condition["reason"], condition["message"]
-    raise AssertionError(f"{namespace}/{name} has no {kind} condition yet")
 
 
 def _accepted(api: ServedApi, namespace: str, name: str, reason: str = "Accepted") -> str:
@@ -246,17 +191,20 @@ def _accepted(api: ServedApi, namespace: str, name: str, reason: str = "Accepted
     return message
 
 
+def _status(api: ServedApi, namespace: str, name: str) -> dict[str, Any]:
+    return status(api, "kvcachetenants", namespace, name)
+
+
+def _condition(api: ServedApi, namespace: str, name: str, kind: str) -> tuple[str, str, str]:
+    return condition(api, "kvcachetenants", namespace, name, kind)
+
+
 def _secret(api: ServedApi, namespace: str, name: str) -> dict[str, str]:
-    secret = api.objects("secrets", namespace).get(f"{name}-kvpool")
-    assert secret is not None, f"no Secret {name}-kvpool"
-    return {key: base64.b64decode(value).decode() for key, value in secret["data"].items()}
+    return secret_values(api, namespace, f"{name}-kvpool")
 
 
-def _data(api: ServedApi, config_map: str) -> dict[str, str]:
-    found = api.objects("configmaps", POOL_NAMESPACE).get(config_map)
-    assert found is not None
-    data: dict[str, str] = found.get("data") or {}
-    return data
+def _data(api: ServedApi, name: str) -> dict[str, str]:
+    return config_map(api, POOL_NAMESPACE, name)
 
 
 def _quota(served_api: ServedApi, tenant: str) -> TierLimits:
@@ -269,17 +217,6 @@ def _entry(api: ServedApi, tenant: str) -> dict[str, Any]:
     assert tenant in data, f"no entry for {tenant}"
     entry: dict[str, Any] = json.loads(data[tenant])
     return entry
-
-
-def _event(api: ServedApi, namespace: str, name: str, kind: str, reason: str) -> str:
-    def posted() -> str:
-        events = [(e["type"], e["reason"], e["message"]) for e in api.events(namespace, name)]
-        for event in events:
-            if event[:2] == (kind, reason):
-                return event[2]
-        raise AssertionError(f"no {kind} {reason} event on {name}: {events}")
-
-    return eventually(posted)
 
 
 def _pool_ready(kubectl: Kubectl, api: ServedApi, pool: str) -> None:
@@ -335,7 +272,7 @@ def test_a_tenant_in_an_allowed_namespace_gets_its_token_quota_and_usage(
         0,
     )
     assert status["observedGeneration"] == 1
-    assert _event(served_api, TEAM, "alpha", "Normal", "Accepted").endswith(tenant)
+    assert event(served_api, TEAM, "alpha", "Normal", "Accepted").endswith(tenant)
     ready = _condition(served_api, TEAM, "alpha", "Ready")
     assert ready[:2] == ("False", "PoolNotReady")  # no agent reported ready yet
 
@@ -384,21 +321,19 @@ def test_a_namespace_the_pool_does_not_select_gets_no_token_until_it_is_labelled
     message = eventually(lambda: _accepted(served_api, OUTSIDER, "beta", "NamespaceNotAllowed"))
     assert "does not admit the namespace team-b" in message
     assert _condition(served_api, OUTSIDER, "beta", "Ready")[:2] == ("False", "NotAccepted")
-    assert "does not admit" in _event(
-        served_api, OUTSIDER, "beta", "Warning", "NamespaceNotAllowed"
-    )
+    assert "does not admit" in event(served_api, OUTSIDER, "beta", "Warning", "NamespaceNotAllowed")
     assert "beta-kvpool" not in served_api.objects("secrets", OUTSIDER)
     holders = [json.loads(value).get("tenant") for value in _data(served_api, TENANTS_CM).values()]
     assert f"{OUTSIDER}/beta" not in holders
 
     # the platform team labels the namespace: the periodic re-check admits it
-    _apply(kubectl, _namespace(OUTSIDER, ACCESS))
+    apply(kubectl, namespace(OUTSIDER, ACCESS))
     eventually(lambda: _accepted(served_api, OUTSIDER, "beta"))
     tenant = _secret(served_api, OUTSIDER, "beta")["tenant-id"]
     assert _entry(served_api, tenant)["tenant"] == f"{OUTSIDER}/beta"
 
     # and unlabels it: the token is withdrawn from the agents and from the Secret
-    _apply(kubectl, _namespace(OUTSIDER, {}))
+    apply(kubectl, namespace(OUTSIDER, {}))
     eventually(lambda: _accepted(served_api, OUTSIDER, "beta", "NamespaceNotAllowed"))
 
     def withdrawn() -> None:
@@ -414,7 +349,7 @@ def test_a_quota_above_the_pools_maximum_is_refused(
     _tenant(kubectl, TEAM, "greedy", l1="32Gi")
     message = eventually(lambda: _accepted(served_api, TEAM, "greedy", "QuotaAboveMaximum"))
     assert message == "quota.l1 32Gi is above the pool's maximum 16Gi (spec.tenants.maxQuota.l1)"
-    assert _event(served_api, TEAM, "greedy", "Warning", "QuotaAboveMaximum") == message
+    assert event(served_api, TEAM, "greedy", "Warning", "QuotaAboveMaximum") == message
     assert "greedy-kvpool" not in served_api.objects("secrets", TEAM)
 
     _patch(kubectl, TEAM, "greedy", {"quota": {"l1": "16Gi", "nvme": "100Gi"}})
@@ -441,7 +376,7 @@ def test_rotating_the_token_revokes_the_old_one(
 
     after = eventually(rotated)
     assert (after["salt"], after["tenant-id"]) == (before["salt"], tenant)  # same cache
-    assert "generation 1" in _event(served_api, TEAM, "rotor", "Normal", "TokenRotated")
+    assert "generation 1" in event(served_api, TEAM, "rotor", "Normal", "TokenRotated")
     eventually(lambda: _every_agent_answers(agents, tenant, before["token"], 401))
     _every_agent_answers(agents, tenant, after["token"], 200)
     time.sleep(1.5)  # re-checks mint nothing more
@@ -492,23 +427,23 @@ def test_a_teams_own_salt_and_a_salt_in_use(
     assert message == "the Secret own-salt does not exist (spec.saltSecretRef)"
 
     salt = "team-a-own-salt-4a1f0c"
-    _apply(kubectl, _salt_secret(TEAM, "own-salt", "salt", ""))
+    apply(kubectl, _salt_secret(TEAM, "own-salt", "salt", ""))
     eventually(lambda: _accepted(served_api, TEAM, "own", "InvalidSalt"))
-    _apply(kubectl, _salt_secret(TEAM, "own-salt", "salt", salt))
+    apply(kubectl, _salt_secret(TEAM, "own-salt", "salt", salt))
     eventually(lambda: _accepted(served_api, TEAM, "own"))
     generated = _secret(served_api, TEAM, "own")
     assert generated["tenant-id"] == tenant_id(salt)
     assert "salt" not in generated  # the team keeps its own
 
     # another tenant of the pool with the same salt gets nothing
-    _apply(kubectl, _salt_secret(OUTSIDER, "copy-salt", "s", salt))
-    _apply(kubectl, _namespace(OUTSIDER, ACCESS))
+    apply(kubectl, _salt_secret(OUTSIDER, "copy-salt", "s", salt))
+    apply(kubectl, namespace(OUTSIDER, ACCESS))
     _tenant(kubectl, OUTSIDER, "copycat", saltSecretRef={"name": "copy-salt", "key": "s"})
     message = eventually(lambda: _accepted(served_api, OUTSIDER, "copycat", "TenantIdInUse"))
     assert f"{TEAM}/own already has tenant id {tenant_id(salt)}" in message
     assert _entry(served_api, tenant_id(salt))["tenant"] == f"{TEAM}/own"
     assert "token" not in _secret_or_empty(served_api, OUTSIDER, "copycat")
-    _apply(kubectl, _namespace(OUTSIDER, {}))
+    apply(kubectl, namespace(OUTSIDER, {}))
 
 
 def _salt_secret(namespace: str, name: str, key: str, salt: str) -> dict[str, Any]:
@@ -609,7 +544,7 @@ def _tenant_gone(api: ServedApi, name: str) -> None:
 def test_deleting_the_pool_marks_its_tenants_pool_not_found(
     served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess, http_port: int
 ) -> None:
-    _apply(kubectl, _pool("doomed", http_port))
+    apply(kubectl, _pool("doomed", http_port))
     _tenant(kubectl, TEAM, "orphan", pool="doomed")
     eventually(lambda: _accepted(served_api, TEAM, "orphan"))
 
@@ -618,7 +553,7 @@ def test_deleting_the_pool_marks_its_tenants_pool_not_found(
     assert message == f"there is no KVCachePool {POOL_NAMESPACE}/doomed"
     assert "orphan" in served_api.objects("kvcachetenants", TEAM)  # not deleted
     assert "token" not in _secret(served_api, TEAM, "orphan")
-    _event(served_api, TEAM, "orphan", "Warning", "PoolNotFound")
+    event(served_api, TEAM, "orphan", "Warning", "PoolNotFound")
 
 
 def test_salts_never_leave_secrets(

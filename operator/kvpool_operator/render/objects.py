@@ -63,6 +63,11 @@ class Pool:
     def index_config_name(self) -> str:
         return names.index_config_map_name(self.name)
 
+    @property
+    def spaces_name(self) -> str:
+        """The Secret of the salts of the pool's shared spaces (the operator's alone)."""
+        return f"kvpool-{self.name}-spaces"
+
     def labels(self, component: str = AGENT_COMPONENT) -> dict[str, str]:
         return {
             NAME_LABEL: APP,

@@ -20,8 +20,9 @@ those the operator needs to stay total.
 - :mod:`~kvpool_operator.spec.base`: names, the model base, byte quantities;
 - :mod:`~kvpool_operator.spec.pool`: :class:`PoolSpec` and :class:`KVCachePool`, with
   :mod:`~kvpool_operator.spec.l2`, :mod:`~kvpool_operator.spec.index`,
-  :mod:`~kvpool_operator.spec.network`, :mod:`~kvpool_operator.spec.workloads` and
-  :mod:`~kvpool_operator.spec.selectors` for its parts;
+  :mod:`~kvpool_operator.spec.network`, :mod:`~kvpool_operator.spec.workloads`,
+  :mod:`~kvpool_operator.spec.spaces` and :mod:`~kvpool_operator.spec.selectors` for its
+  parts;
 - :mod:`~kvpool_operator.spec.tenant`: :class:`TenantSpec` and :class:`KVCacheTenant`;
 - :mod:`~kvpool_operator.spec.status`: both statuses, as the CRDs declare them.
 """
@@ -76,6 +77,7 @@ from kvpool_operator.spec.selectors import (
     LabelSelector,
     LabelSelectorRequirement,
 )
+from kvpool_operator.spec.spaces import PinnedPrefix, SharedSpaceSpec
 from kvpool_operator.spec.tenant import (
     KVCacheTenant,
     PoolRef,
@@ -119,6 +121,7 @@ __all__ = [
     "NetworkPeer",
     "NetworkPolicySpec",
     "NvmeTier",
+    "PinnedPrefix",
     "PoolRef",
     "PoolSpec",
     "PortsSpec",
@@ -129,6 +132,7 @@ __all__ = [
     "SecretKeyRef",
     "SecretRef",
     "ServiceMonitorSpec",
+    "SharedSpaceSpec",
     "TenantQuota",
     "TenantSpec",
     "TenantsSpec",

@@ -7,7 +7,8 @@ What JSON schema cannot say is declared next to the fields it is about, with the
 - CEL rules (``x-kubernetes-validations``): :func:`cel` of :class:`Rule` objects, as a
   model's ``model_config = ConfigDict(json_schema_extra=cel(...))`` (the rule's ``self`` is
   the object) or as a field's ``Field(json_schema_extra=cel(...))`` (``self`` is the value);
-- list semantics: :data:`ATOMIC` and :func:`list_map` in a field's ``json_schema_extra``;
+- list semantics: :data:`ATOMIC`, :data:`SET` and :func:`list_map` in a field's
+  ``json_schema_extra``;
 - a resource's names and ``kubectl get`` columns: a :class:`CustomResource` as the
   resource model's ``crd`` class variable.
 """
@@ -48,6 +49,8 @@ def cel(*rules: Rule) -> JsonDict:
 
 ATOMIC: JsonDict = {"x-kubernetes-list-type": "atomic"}
 """A list that a write replaces whole (server-side apply does not merge its items)."""
+SET: JsonDict = {"x-kubernetes-list-type": "set"}
+"""A list of unique scalars (the API server refuses one given twice)."""
 
 
 def list_map(*keys: str) -> JsonDict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, Self
 
-from pydantic import ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvpool_agent.names import DEFAULT_EVENTS_PORT, DEFAULT_HTTP_PORT, DEFAULT_ZMQ_PORT
 from kvpool_operator.reasons import READY
@@ -22,9 +22,10 @@ from kvpool_operator.spec.base import (
 )
 from kvpool_operator.spec.index import IndexSpec
 from kvpool_operator.spec.l2 import L2Spec
-from kvpool_operator.spec.markers import AGE, CustomResource, PrinterColumn, Rule, cel
+from kvpool_operator.spec.markers import AGE, CustomResource, PrinterColumn, Rule, cel, list_map
 from kvpool_operator.spec.network import NETWORK_POLICY_NEEDS_GATEWAYS, NetworkPolicySpec
 from kvpool_operator.spec.selectors import LabelSelector
+from kvpool_operator.spec.spaces import SharedSpaceSpec, unique_names
 from kvpool_operator.spec.status import PoolStatus
 from kvpool_operator.spec.workloads import AgentSpec
 
@@ -269,6 +270,24 @@ class PoolSpec(SpecModel):
         "(podSelector, in the pool's namespace unless namespaceSelector is set too), "
         "namespaces (namespaceSelector: every pod there), or both, as in a NetworkPolicy.",
     )
+
+    shared_spaces: tuple[SharedSpaceSpec, ...] = Field(
+        (),
+        description="Caches the pool's tenants share, each with a salt the operator mints (kept "
+        "in the Secret kvpool-<pool>-spaces), a tenant id and a quota of its own. Each accepted "
+        "KVCacheTenant in a space's allowedNamespaces gets the space's salt in its Secret "
+        "(key space-<name>) and may then read and store the space's chunks with its own token, "
+        "through a structured cache_salt. Removing a space, or a namespace from it, revokes.",
+        json_schema_extra={"maxItems": 32} | list_map("name"),
+    )
+
+    @field_validator("shared_spaces")
+    @classmethod
+    def _space_names_are_unique(
+        cls, spaces: tuple[SharedSpaceSpec, ...]
+    ) -> tuple[SharedSpaceSpec, ...]:
+        unique_names([space.name for space in spaces])
+        return spaces
 
     @model_validator(mode="after")
     def _index_has_tokens(self) -> Self:

@@ -10,13 +10,13 @@ from typing import Literal
 from pydantic import Field
 
 from kvpool_operator.spec.base import Int64, SpecModel
-from kvpool_operator.spec.markers import list_map
+from kvpool_operator.spec.markers import ATOMIC, list_map
 
 ConditionStatus = Literal["True", "False", "Unknown"]
 
 
 class PoolCondition(SpecModel):
-    type: str = Field(description="Ready, Progressing or Degraded.")
+    type: str = Field(description="Ready, Progressing, Degraded or SharedSpaces.")
     status: ConditionStatus = Field(description="Whether the condition holds.")
     reason: str = Field(description="One-word CamelCase reason.")
     message: str = Field(description="What a person should know.")
@@ -45,9 +45,17 @@ class PoolStatus(SpecModel):
         description="The prefix index's Deployment (kvpool-<pool>-index), while the pool has "
         "one. The pool's Ready condition is about the agents only.",
     )
+    shared_spaces: tuple[SharedSpaceStatus, ...] | None = Field(
+        None,
+        description="The pool's shared spaces (spec.sharedSpaces), while it has some: their "
+        "tenant ids, members and usage.",
+        json_schema_extra=list_map("name"),
+    )
     conditions: tuple[PoolCondition, ...] | None = Field(
         None,
-        description="Ready, Progressing and Degraded, each with a reason and a message.",
+        description="Ready, Progressing and Degraded, each with a reason and a message; "
+        "SharedSpaces while the pool has some (whether every space is published and its "
+        "pinned prefixes are on every agent).",
         json_schema_extra=list_map("type"),
     )
 
@@ -83,6 +91,27 @@ class TenantUsage(SpecModel):
     read_at: datetime | None = Field(None, description="When the usage was read.")
 
 
+class SharedSpaceStatus(SpecModel):
+    name: str = Field(description="The space's name (spec.sharedSpaces[].name).")
+    tenant_id: str | None = Field(
+        None, description="The tenant id the agents keep the space's chunks under."
+    )
+    members: tuple[str, ...] | None = Field(
+        None,
+        description="The KVCacheTenants (namespace/name) admitted to the space.",
+        json_schema_extra=ATOMIC,
+    )
+    pinned: tuple[str, ...] | None = Field(
+        None,
+        description="The pins the operator holds on the agents for the space: its pinned "
+        "prefixes, and removed ones until every agent has dropped them.",
+        json_schema_extra=ATOMIC,
+    )
+    usage: TenantUsage | None = Field(
+        None, description="The space's usage summed over the pool's agents, read periodically."
+    )
+
+
 class TenantStatus(SpecModel):
     observed_generation: Int64 | None = Field(
         None, description="The generation of the spec the conditions are about."
@@ -105,6 +134,12 @@ class TenantStatus(SpecModel):
         None,
         description="The tenant's usage summed over the pool's agents, read periodically (not "
         "on every change); hits and misses count since each agent started.",
+    )
+    shared_spaces: tuple[str, ...] | None = Field(
+        None,
+        description="The pool's shared spaces the tenant is admitted to: its Secret holds each "
+        "one's salt at the key space-<name>.",
+        json_schema_extra=ATOMIC,
     )
     conditions: tuple[TenantCondition, ...] | None = Field(
         None,
