@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpool_agent import problems
+
 RESULT = "@@kvpool-bench "
 NOT_MOUNTED = "/nonexistent/kvpool-segment"
 """The ``inline`` engine's segment path: no such file, so its KV travels in the agent's
@@ -126,6 +128,19 @@ class Engine:
                 self.process.kill()
                 self.process.wait()
         self._log.close()
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The random model's shape (its head size is :data:`HEAD_SIZE`)."""
+    parser.add_argument("--layers", type=problems.number(int), default=8, help="model layers")
+    parser.add_argument(
+        "--hidden", type=problems.number(int), default=512, help="model hidden size"
+    )
+    parser.add_argument(
+        "--heads", type=problems.number(int), default=8, help="attention heads (head size 64)"
+    )
+    parser.add_argument("--kv-heads", type=problems.number(int), default=4, help="KV heads")
+    parser.add_argument("--intermediate", type=problems.number(int), default=1536, help="MLP size")
 
 
 def kv_bytes_per_token(args: argparse.Namespace) -> int:
