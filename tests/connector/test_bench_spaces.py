@@ -63,6 +63,7 @@ def test_report_ratios_to_recompute_no_salt_and_space() -> None:
         system_tokens=512,
         question_tokens=256,
         chunk_tokens=256,
+        recompute=2,
         layers=8,
         hidden=512,
     )
@@ -100,5 +101,6 @@ def test_the_salts_of_each_mode_and_the_flags() -> None:
     parser = ArgumentParser(prog="kvpool bench spaces")
     add_arguments(parser)
     assert parser.parse_args(["--tenants", "1,8,64"]).tenants == [1, 8, 64]
+    assert parser.parse_args(["--tenants", "8,1,8"]).tenants == [8, 1]
     with pytest.raises(SystemExit):
         parser.parse_args(["--tenants", "0,8"])

@@ -70,7 +70,7 @@ MIB = 1 << 20
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tenants",
-        type=problems.numbers(int),
+        type=_counts,
         default=[1, 8, 64],
         help="comma-separated tenant counts, one round each (default: 1,8,64)",
     )
@@ -99,6 +99,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--chunk-tokens", type=problems.number(int), default=256, help="kvpool chunk size"
     )
     add_model_arguments(parser)
+
+
+def _counts(text: str) -> list[int]:
+    """Tenant counts, each once, in the order given."""
+    return list(dict.fromkeys(int(count) for count in problems.numbers(int)(text)))
 
 
 def salt(mode: str, tenant: int, system_tokens: int) -> str | None:
@@ -325,6 +330,10 @@ def report(results: Results, args: argparse.Namespace) -> str:
     lines.append(
         "tenants 1: no other tenant; the reader is tenant 0's second request (another "
         "question, the same salt): vLLM's own prefix cache serves the system prompt"
+    )
+    lines.append(
+        f"recompute: {args.recompute} fresh prompts of {_prompt_tokens(args)} tokens per run "
+        "on an engine with no connector and no prefix cache (its column 'readers': requests)"
     )
     lines += _checks(results, args, shared_chunks)
     return "\n".join(lines)
