@@ -22,9 +22,10 @@ system prompt and its question (the writer), then tenants 1..N-1 send theirs one
 (the readers: their TTFT, ``max_tokens=1``, is the wall time of the request). With N = 1
 there is no other tenant: the reader is tenant 0's second request, with another question
 and the same salt (vLLM's own cache serves it in every mode). Then ``GET /v1/status`` gives
-the bytes stored. vLLM's own prefix cache is not reset between rounds: every round has
-prompts of its own (the same for the three modes of a round, whose salts all differ), so
-that cache can help only within a round. The engines start once for all runs.
+the bytes stored. vLLM's own prefix cache is not reset between rounds: every N of every run
+has prompts of its own (the same for its three modes, whose salts all differ), so that cache
+can help only within a round. The engines start once for all runs, after a warm-up round of
+two tenants in each mode.
 
 vLLM keys its own prefix cache on the whole ``cache_salt``: two tenants' structured salts
 never share a block there. A reader's cached tokens are split into vLLM's own hits and the
