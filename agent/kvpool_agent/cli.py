@@ -19,6 +19,9 @@ BENCHES = {
     "service": "store/retrieve through the ZMQ protocol vs memcpy",
     "connector": "TTFT vs floor, vLLM prefix cache, ExampleConnector, recompute; queued steps",
     "windows": "sliding-window mix vs all full: bytes per chunk, TTFT vs recompute and native",
+    "spaces": (
+        "N tenants sharing a system prompt: stored bytes and reader TTFT, space vs plain salts"
+    ),
     "l2": "NVMe and S3 adapters vs raw file I/O and raw boto3",
     "writeback": "store latency with a saturated write-back queue",
     "restart": "time to adopt a full segment after a restart",

@@ -50,7 +50,13 @@ from pathlib import Path
 
 from kvpool_agent import problems
 from kvpool_agent.bench import connector_queued
-from kvpool_agent.bench.connector_engine import Engine, Sample, kv_bytes_per_token, write_model
+from kvpool_agent.bench.connector_engine import (
+    Engine,
+    Sample,
+    add_model_arguments,
+    kv_bytes_per_token,
+    write_model,
+)
 from kvpool_agent.bench.report import machine, median_spread, table
 from kvpool_agent.testing.agent_process import ENGINE_TOKEN, running_agent
 
@@ -83,15 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=128,
         help="kvpool chunk size (default: one CPU block, the ExampleConnector's granularity)",
     )
-    parser.add_argument("--layers", type=problems.number(int), default=8, help="model layers")
-    parser.add_argument(
-        "--hidden", type=problems.number(int), default=512, help="model hidden size"
-    )
-    parser.add_argument(
-        "--heads", type=problems.number(int), default=8, help="attention heads (head size 64)"
-    )
-    parser.add_argument("--kv-heads", type=problems.number(int), default=4, help="KV heads")
-    parser.add_argument("--intermediate", type=problems.number(int), default=1536, help="MLP size")
+    add_model_arguments(parser)
     parser.add_argument("--endpoint", help="use this running agent instead of a private one")
     parser.add_argument(
         "--queued",

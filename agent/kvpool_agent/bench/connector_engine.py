@@ -1,11 +1,12 @@
 """The engines of ``kvpool bench connector``: one vLLM engine per child process, fed over pipes.
 
-The parent sends one JSON object per line: ``{"prompt": ids}`` (one request,
-``max_tokens=1``, answered with a :class:`Sample`) or ``{"burst": [ids, ...]}``
-(all prompts in one ``generate`` call, answered with a :class:`Burst`). An
-engine started with ``time_steps`` times the connector's scheduler-side calls
-per engine step (:class:`StepTimer`); the engine runs in-process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so its scheduler is in this process.
+The parent sends one JSON object per line: ``{"prompt": ids}`` or ``{"prompt": ids,
+"salt": cache_salt}`` (one request, ``max_tokens=1``, answered with a :class:`Sample`) or
+``{"burst": [ids, ...]}`` (all prompts in one ``generate`` call, answered with a
+:class:`Burst`). An engine started with ``time_steps`` times the connector's scheduler-side
+calls per engine step (:class:`StepTimer`); the engine runs in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so its scheduler is in this process. vLLM's prefix
+cache is on in ``native`` and where the settings' ``prefix_caching`` says so.
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpool_agent import problems
+
 RESULT = "@@kvpool-bench "
 NOT_MOUNTED = "/nonexistent/kvpool-segment"
 """The ``inline`` engine's segment path: no such file, so its KV travels in the agent's
 messages."""
-US_METRIC = "vllm:kvpool_"
-"""The connector's counters in vLLM's metrics: ``vllm:kvpool_<name>_us`` for its own time."""
+KVPOOL_METRIC = "vllm:kvpool_"
+"""The connector's counters in vLLM's metrics: ``vllm:kvpool_<name>_us`` for its own time,
+``vllm:kvpool_hit_tokens`` for the tokens it loaded."""
 HEAD_SIZE = 64
 SCHEDULER_CALLS = (
     "get_num_new_matched_tokens",
@@ -46,6 +50,9 @@ class Sample:
     token: int
     connector_us: dict[str, int]
     """The kvpool connector's own time on the request, per ``vllm:kvpool_<name>_us`` counter."""
+    hit_tokens: int = 0
+    """Of ``cached``, the tokens the kvpool connector loaded (its ``hit_tokens`` counter); the
+    rest came from vLLM's own prefix cache."""
 
     def spent_us(self, name: str) -> int:
         return self.connector_us.get(name, 0)
@@ -110,8 +117,12 @@ class Engine:
     def wait_ready(self) -> None:
         assert self._answer() == "ready"
 
-    def generate(self, prompt: list[int]) -> Sample:
-        return Sample(**self._ask({"prompt": prompt}))
+    def generate(self, prompt: list[int], salt: str | None = None) -> Sample:
+        """One request; ``salt``: its vLLM ``cache_salt`` (none by default)."""
+        command: dict[str, Any] = {"prompt": prompt}
+        if salt is not None:
+            command["salt"] = salt
+        return Sample(**self._ask(command))
 
     def burst(self, prompts: list[list[int]]) -> Burst:
         return Burst(**self._ask({"burst": prompts}))
@@ -126,6 +137,19 @@ class Engine:
                 self.process.kill()
                 self.process.wait()
         self._log.close()
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The random model's shape (its head size is :data:`HEAD_SIZE`)."""
+    parser.add_argument("--layers", type=problems.number(int), default=8, help="model layers")
+    parser.add_argument(
+        "--hidden", type=problems.number(int), default=512, help="model hidden size"
+    )
+    parser.add_argument(
+        "--heads", type=problems.number(int), default=8, help="attention heads (head size 64)"
+    )
+    parser.add_argument("--kv-heads", type=problems.number(int), default=4, help="KV heads")
+    parser.add_argument("--intermediate", type=problems.number(int), default=1536, help="MLP size")
 
 
 def kv_bytes_per_token(args: argparse.Namespace) -> int:
@@ -283,23 +307,24 @@ def build_engine(settings: dict[str, Any]) -> Any:
         max_model_len=length,
         max_num_batched_tokens=max(length, settings.get("batched_tokens", 0)),
         max_num_seqs=settings.get("max_num_seqs", 4),
-        # "native": vLLM's own prefix cache serves the repeated prompt, with no transfer at all
-        enable_prefix_caching=settings["config"] == "native",
+        # "native": vLLM's own prefix cache serves the repeated prompt, with no transfer at all;
+        # the others have it off unless the settings turn it on
+        enable_prefix_caching=settings.get("prefix_caching", settings["config"] == "native"),
         distributed_executor_backend="uni",
         disable_log_stats=False,  # the connector's counters come through vLLM's metrics
         kv_transfer_config=transfer,
     )
 
 
-def _connector_us(llm: Any) -> dict[str, int]:
-    """The kvpool connector's own time so far, per ``vllm:kvpool_<name>_us`` counter."""
-    spent: dict[str, int] = {}
+def _connector_counters(llm: Any) -> dict[str, int]:
+    """The kvpool connector's counters so far, per ``vllm:kvpool_<name>`` metric."""
+    counts: dict[str, int] = {}
     for metric in llm.get_metrics():
         name = getattr(metric, "name", "").removesuffix("_total")
-        if name.startswith(US_METRIC) and name.endswith("_us"):
-            counter = name.removeprefix(US_METRIC)
-            spent[counter] = spent.get(counter, 0) + int(metric.value)
-    return spent
+        if name.startswith(KVPOOL_METRIC):
+            counter = name.removeprefix(KVPOOL_METRIC)
+            counts[counter] = counts.get(counter, 0) + int(metric.value)
+    return counts
 
 
 def _child(settings: dict[str, Any]) -> None:
@@ -313,19 +338,23 @@ def _child(settings: dict[str, Any]) -> None:
     llm = build_engine(settings)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     print(f"{RESULT}ready", flush=True)
-    spent = _connector_us(llm)
+    counts = _connector_counters(llm)
     for line in sys.stdin:
         command = json.loads(line)
-        prompts = command["burst"] if "burst" in command else [command["prompt"]]
+        prompts = [
+            TokensPrompt(prompt_token_ids=ids)
+            for ids in (command["burst"] if "burst" in command else [command["prompt"]])
+        ]
+        if "salt" in command:
+            prompts[0]["cache_salt"] = command["salt"]
         timer.reset()
         started = time.perf_counter()
-        outputs = llm.generate(
-            [TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False
-        )
+        outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - started
         timer.close()
         cached = [int(output.num_cached_tokens or 0) for output in outputs]
-        before, spent = spent, _connector_us(llm)
+        before, counts = counts, _connector_counters(llm)
+        spent = {name: counts[name] - before.get(name, 0) for name in counts}
         if "burst" in command:
             answer: dict[str, Any] = {
                 "seconds": seconds,
@@ -339,7 +368,8 @@ def _child(settings: dict[str, Any]) -> None:
                 "seconds": seconds,
                 "cached": cached[0],
                 "token": outputs[0].outputs[0].token_ids[0],
-                "connector_us": {name: spent[name] - before.get(name, 0) for name in spent},
+                "connector_us": {name: n for name, n in spent.items() if name.endswith("_us")},
+                "hit_tokens": spent.get("hit_tokens", 0),
             }
         print(RESULT + json.dumps(answer), flush=True)
 

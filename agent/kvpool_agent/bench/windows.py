@@ -48,7 +48,7 @@ import httpx
 
 from kvpool_agent import problems
 from kvpool_agent.bench.connector import Run, paired_ratios, ttfts
-from kvpool_agent.bench.connector_engine import Engine
+from kvpool_agent.bench.connector_engine import Engine, add_model_arguments
 from kvpool_agent.bench.report import machine, median_spread, table
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, running_agent
 from kvpool_agent.testing.models import write_model
@@ -92,15 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=2,
         help="every Nth layer of the mix is full attention, the others sliding (Gemma 3: 6)",
     )
-    parser.add_argument("--layers", type=problems.number(int), default=8, help="model layers")
-    parser.add_argument(
-        "--hidden", type=problems.number(int), default=512, help="model hidden size"
-    )
-    parser.add_argument(
-        "--heads", type=problems.number(int), default=8, help="attention heads (head size 64)"
-    )
-    parser.add_argument("--kv-heads", type=problems.number(int), default=4, help="KV heads")
-    parser.add_argument("--intermediate", type=problems.number(int), default=1536, help="MLP size")
+    add_model_arguments(parser)
 
 
 def _full_every(text: str) -> int:
