@@ -10,6 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from tests.support.engines import Result
+
 from .scenario import Evidence, Unavailable, run, workdir_for
 
 
@@ -51,6 +53,9 @@ def summary(evidence: Evidence) -> None:
         f"{evidence.route_other_salt['node']} ({evidence.route_other_salt['reason']}); "
         f"tenant token on the index: HTTP {evidence.tenant_on_index_status}, gateway token on "
         f"an agent: HTTP {evidence.gateway_on_agent_status}",
+        f"space docs: team-b's engine cached {_cached(evidence.shared_other)} tokens of "
+        f"team-a's system prompt, {_cached(evidence.shared_same_tokens)} of team-a's whole "
+        f"prompt; the space's account on node-a: {evidence.space_usage.get('chunks')} chunks",
         f"team-a: Secret {evidence.secret_keys}, tenant Ready={evidence.tenant_ready['status']}; "
         f"team-c: {evidence.refused['reason']}; salt outside Secrets: "
         f"{evidence.salt_outside_secrets or 'nowhere'}",
@@ -70,3 +75,7 @@ def summary(evidence: Evidence) -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _cached(result: Result | None) -> int | None:
+    return result.cached[0] if result is not None else None

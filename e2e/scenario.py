@@ -23,13 +23,17 @@
    index where to send the prompt: node A, which holds its prefix. The pool gets the key
    fingerprint the connector logged (``spec.index.fingerprint``), and ``kvpool doctor
    --pool main`` runs in a pod written as the vLLM pods are, on node A: every check passes.
-7. A pod of team-a mounts its Secret and sets its quota over HTTP with its token through
+7. Team-a and team-b share a system prompt through the pool's shared space ``docs``: a
+   gateway (this flow) builds each request's structured ``cache_salt`` from the team's
+   Secret (its salt and the space's); team-b's engine (node A, team-b's namespace) hits on
+   the system prompt team-a's engine stored, and on none of team-a's own chunks.
+8. A pod of team-a mounts its Secret and sets its quota over HTTP with its token through
    the endpoint the Secret names (node A's agent): A applies it at once (shrinking evicts
    the chunks), B gets it through the pool's quota ConfigMap; above the ceiling it is
    refused, and team-b's token gets 403 on team-a's tenant.
-8. Delete team-a's ``KVCacheTenant``: its token stops working on both agents and its
+9. Delete team-a's ``KVCacheTenant``: its token stops working on both agents and its
    chunks are gone.
-9. Delete the pool: its children go (owner references), the kubelets stop the agents,
+10. Delete the pool: its children go (owner references), the kubelets stop the agents,
    and team-b's tenant reports the pool gone.
 
 :func:`run` does it all and returns the :class:`Evidence`; ``e2e/test_e2e.py`` asserts
@@ -62,6 +66,7 @@ from tests.support.operator_process import OperatorProcess
 from tests.support.ports import free_port
 from tests.support.tools import ToolsUnavailable, tools
 
+from kvpool_agent.keys import shared_salt, tenant_id
 from kvpool_agent.names import quotas_name
 from kvpool_operator.spec import parse_bytes
 
@@ -89,6 +94,11 @@ SYSTEM_NAMESPACE = "kvpool-system"
 """The engines' variable holding team-a's salt, from its Secret (a gateway stamps it)."""
 PROMPT_TOKENS = 1000
 MAX_TOKENS = 16
+SPACE = "docs"
+"""The pool's shared space (``manifests/pool.yaml``); a team's Secret holds its salt."""
+SPACE_KEY = f"space-{SPACE}"
+SYSTEM_TOKENS = 532
+"""The shared system prompt: two whole chunks and a bit (the boundary rounds down)."""
 CLIENT_SIDE = ("--dry-run=client", "--output=yaml")
 CHILD_KINDS = (
     "configmaps",
@@ -153,6 +163,19 @@ class Evidence:
     index_nodes: list[dict[str, Any]] = field(default_factory=list)
     route: dict[str, Any] = field(default_factory=dict)
     route_other_salt: dict[str, Any] = field(default_factory=dict)
+    shared_first: Result | None = None
+    """Team-a's engine: system prompt + team-a's question, structured salt (stores)."""
+    shared_reference: Result | None = None
+    """Team-b's engine: system prompt + team-b's question under its plain salt (computed)."""
+    shared_other: Result | None = None
+    """Team-b's engine: the same prompt, structured salt (hits the space's chunks)."""
+    shared_same_tokens: Result | None = None
+    """Team-b's engine: team-a's whole prompt, team-b's structured salt."""
+    space_tenant: str = ""
+    space_usage: dict[str, Any] = field(default_factory=dict)
+    """The space's account on node-a's agent (admin)."""
+    space_status: list[dict[str, Any]] = field(default_factory=list)
+    """The pool's ``status.sharedSpaces``."""
     fingerprint: dict[str, Any] = field(default_factory=dict)
     doctor: str = ""
     """What ``kvpool doctor`` printed in a vLLM pod on node A (every line PASS)."""
@@ -199,6 +222,7 @@ def run(workdir: Path, say: Say = print) -> Evidence:
         flow.start_engines()
         flow.report_rollout()
         flow.serve()
+        flow.share()
         flow.doctor()
         flow.set_quota()
         flow.delete_tenant()
@@ -365,10 +389,10 @@ class Flow:
         self.index.wait_ready(60)
 
     def start_engines(self) -> None:
-        self.step("start two vLLM engines on node-a: pods labelled for the pool, nothing else")
+        self.step("start vLLM engines on node-a (two of team-a, one of team-b): labelled pods")
         model = write_model(self.workdir / "model")
         extra_config = {"pool": self.pool_name, "namespace": NAMESPACE}
-        for index in (1, 2):
+        for index, team in ((1, TEAMS[0]), (2, TEAMS[0]), (3, TEAMS[1])):
             settings = {"model": str(model), "connector": "kvpool", "extra_config": extra_config}
             log = self.workdir / f"vllm-{index}.log"
             engine = PodEngine(
@@ -376,7 +400,7 @@ class Flow:
                 settings,
                 log,
                 kubelet=self.kubelets[0],
-                namespace=TEAMS[0],
+                namespace=team,
             )
             self.engines.append(engine.start())
             self.stack.callback(engine.stop)
@@ -430,7 +454,7 @@ class Flow:
             engine.wait_ready(300)
         self.step("serve one long prompt on vllm-1, then on vllm-2")
         prompt = [random.Random(7).randrange(3, 2000) for _ in range(PROMPT_TOKENS)]
-        first, second = self.engines
+        first, second = self.engines[:2]
         evidence = self.evidence
         salt = [f"${SALT_ENV}"]  # each engine's pod has team-a's salt from its Secret
         evidence.first = first.generate([prompt], salts=salt, max_tokens=MAX_TOKENS)
@@ -475,6 +499,45 @@ class Flow:
             headers=gateway,
             timeout=10,
         ).status_code
+
+    def share(self) -> None:
+        self.step("team-a and team-b share a system prompt through the space 'docs'")
+        evidence, (team_a, team_b) = self.evidence, (self.teams[team] for team in TEAMS)
+        space_salt = team_a[SPACE_KEY]
+        assert team_b[SPACE_KEY] == space_salt, "both teams hold the space's salt"
+        rng = random.Random(9)
+        system = [rng.randrange(3, 2000) for _ in range(SYSTEM_TOKENS)]
+        ask_a = system + [rng.randrange(3, 2000) for _ in range(300)]
+        ask_b = system + [rng.randrange(3, 2000) for _ in range(300)]
+        # the gateway's part: the structured cache_salt, from each team's Secret
+        salt_a = shared_salt(space_salt, SYSTEM_TOKENS, team_a["salt"])
+        salt_b = shared_salt(space_salt, SYSTEM_TOKENS, team_b["salt"])
+        team_a_engine, team_b_engine = self.engines[0], self.engines[2]
+        evidence.shared_reference = team_b_engine.generate(
+            [ask_b], salts=[team_b["salt"]], max_tokens=MAX_TOKENS
+        )
+        evidence.shared_first = team_a_engine.generate(
+            [ask_a], salts=[salt_a], max_tokens=MAX_TOKENS
+        )
+        evidence.shared_other = team_b_engine.generate(
+            [ask_b], salts=[salt_b], max_tokens=MAX_TOKENS
+        )
+        evidence.shared_same_tokens = team_b_engine.generate(
+            [ask_a], salts=[salt_b], max_tokens=MAX_TOKENS
+        )
+        evidence.space_tenant = tenant_id(space_salt)
+        admin = {"Authorization": f"Bearer {self.tokens['admin']}"}
+        evidence.space_usage = _get(
+            f"{self._http('node-a')}/v1/tenants/{evidence.space_tenant}/usage", admin
+        )
+
+        def reported() -> list[dict[str, Any]]:
+            pool = self.control.get("kvcachepools", NAMESPACE, self.pool_name) or {}
+            spaces: list[dict[str, Any]] = pool.get("status", {}).get("sharedSpaces", [])
+            assert spaces and spaces[0].get("usage", {}).get("l1Bytes"), spaces
+            return spaces
+
+        evidence.space_status = eventually(reported, 60, "the space's usage in the pool status")
 
     def doctor(self) -> None:
         self.step("give the pool the connector's key fingerprint; kvpool doctor in a vLLM pod")

@@ -21,7 +21,9 @@ def test_the_whole_flow(tmp_path: Path) -> None:
     # one kubectl apply per team: a Secret with a generated salt and a minted token, which
     # both agents took; a namespace the pool does not admit got no token
     assert evidence.tenant == evidence.tenant_id_of_salt  # the id is kvpool tenant-id's
-    assert evidence.secret_keys == ["endpoint", "namespace", "pool", "salt", "tenant-id", "token"]
+    assert evidence.secret_keys == [
+        "endpoint", "namespace", "pool", "salt", "space-docs", "tenant-id", "token"
+    ]  # fmt: skip
     assert (evidence.refused["reason"], evidence.refused["secret"]) == (
         "NamespaceNotAllowed",
         False,
@@ -59,6 +61,8 @@ def test_the_whole_flow(tmp_path: Path) -> None:
     # gateways' tokens only: tenants cannot route
     assert evidence.tenant_on_index_status == 401
     assert evidence.gateway_on_agent_status == 403  # gateways cannot touch an agent
+
+    _assert_shared_through_the_space(evidence)
 
     # the chunks are team-a's; its pod set its quota with the token from its Secret, within
     # its ceiling (above it: 403), and the quota applies on both agents
@@ -100,3 +104,21 @@ def _assert_wired_by_the_label(evidence: Evidence) -> None:
     assert 'violates PodSecurity "restricted:latest"' in evidence.hostpath_refused
     assert "hostPath" in evidence.hostpath_refused
     assert {info["name"] for info in evidence.csi_registered.values()} == {"csi.kvpool.io"}
+
+
+def _assert_shared_through_the_space(evidence: Evidence) -> None:
+    """Team-b's engine hit on the system prompt team-a's engine stored in the space 'docs',
+    and on none of team-a's own chunks; the shared chunks are in the space's account."""
+    assert evidence.shared_first is not None and evidence.shared_reference is not None
+    assert evidence.shared_other is not None and evidence.shared_same_tokens is not None
+    shared = 2 * evidence.chunk_tokens  # the boundary (532 tokens) rounds down to two chunks
+    assert evidence.shared_first.cached == [0]
+    assert evidence.shared_reference.cached == [0]
+    assert evidence.shared_other.cached == [shared]
+    assert not evidence.shared_other.differences(evidence.shared_reference)
+    assert evidence.shared_same_tokens.cached == [shared]  # team-a's third chunk stays hers
+    assert not evidence.shared_same_tokens.differences(evidence.shared_first)
+    assert evidence.space_usage["chunks"] == 2
+    (space,) = evidence.space_status
+    assert (space["name"], space["tenantId"]) == ("docs", evidence.space_tenant)
+    assert space["usage"]["l1Bytes"] >= evidence.space_usage["used_bytes"]

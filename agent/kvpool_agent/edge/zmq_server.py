@@ -605,7 +605,7 @@ class ZmqServer:
         role = session.principal.role
         if request.tenant is not None and (role is Role.TENANT or request.tenant == CANARY_TENANT):
             tenant: str | None = self._tenant(session, request.tenant)
-            if role is Role.TENANT and tenant != session.principal.tenant:
+            if role is Role.TENANT and tenant not in (session.principal.tenant, CANARY_TENANT):
                 raise p.ProtocolError(
                     p.ErrorCode.FORBIDDEN, "a shared space's chunks are cleared by an admin only"
                 )

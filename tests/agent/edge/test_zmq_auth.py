@@ -117,6 +117,8 @@ def test_a_member_of_a_shared_space_acts_for_its_chunks_and_others_do_not(
         alice.store(SPACE, [key("shared")], [b"system prompt"])
         assert alice.retrieve(SPACE, [key("shared")]) == [b"system prompt"]
         _forbidden(lambda: alice.clear(SPACE))  # an admin's, not a member's
+        alice.store_inline(CANARY_TENANT, [key("canary")], [b"c"])  # kvpool doctor's
+        assert alice.clear(CANARY_TENANT) == 1
     with AgentClient(agent.zmq, token=BOB_TOKEN) as bob:  # not admitted
         _forbidden(lambda: bob.lookup(SPACE, [key("shared")]))
         _forbidden(lambda: bob.store_inline(SPACE, [key("x")], [b"poison"]))
