@@ -54,7 +54,9 @@ def test_unknown_keys_get_the_nearest_known_one() -> None:
     lines = problems({"l1": {"size": "1Gi"}, "evictoin_policy": "lru", "zzz": 1}, file)
     assert lines[0] == 'a.yaml: l1={"size": "1Gi"}: unknown setting; did you mean l1_size?'
     assert lines[1] == "a.yaml: evictoin_policy=lru: unknown setting; did you mean eviction_policy?"
-    assert lines[2].startswith("a.yaml: zzz=1: unknown setting; known: default_tenant_quota, ")
+    assert lines[2].startswith(
+        "a.yaml: zzz=1: unknown setting; known: default_pin_budget, default_tenant_quota, "
+    )
 
 
 def test_a_rule_over_several_fields_names_those_the_user_set() -> None:

@@ -99,6 +99,7 @@ def test_every_size_field_reads_quantities() -> None:
             "l1_size",
             "page_size",
             "default_tenant_quota",
+            "default_pin_budget",
             "http_limits.max_body_bytes",
             "http_limits.max_head_bytes",
             "max_inline_bytes",
