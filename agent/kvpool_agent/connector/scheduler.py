@@ -422,7 +422,7 @@ class SchedulerHalf:
         self.counters.add("local_probes")
         if not state.counted:  # the agent counts a request's hits and misses once, as before
             state.counted = True
-            for span in state.spans(first, end):
+            for span in spans:
                 for chain in state.chains:
                     self.counters.add("lookups")
                     with contextlib.suppress(LinkDown, AgentError):
@@ -479,11 +479,15 @@ class SchedulerHalf:
             state.prefetch_deadline = self._clock() + self._prefetch_wait_s
         return hits
 
+    def _token_acts_for(self, tenant: str) -> bool:
+        """An engine's token acts for any tenant, a tenant's for its own (no need to ask)."""
+        bound = self._link.bound_tenant
+        return not bound or tenant == bound
+
     def _allowed(self, tenant: str) -> bool | None:
         """Whether this engine's token may act for ``tenant`` (None: not known now)."""
-        bound = self._link.bound_tenant
-        if not bound or tenant == bound:
-            return True  # an engine's token acts for any tenant; a tenant's for its own
+        if self._token_acts_for(tenant):
+            return True
         allowed, until = self._access.get(tenant, (None, 0.0))
         return allowed if self._clock() < until else None
 
@@ -512,7 +516,7 @@ class SchedulerHalf:
                 ACCESS_REUSE_S,
             )
             return 0
-        if span.tenant != self._link.bound_tenant and self._link.bound_tenant:
+        if not self._token_acts_for(span.tenant):
             self._access[span.tenant] = (True, until)
         return run
 
@@ -660,8 +664,8 @@ class SchedulerHalf:
             return
         tokens = state.request.all_token_ids
         with self.counters.timed("hash_us"):
-            chunk_keys = [chain.upto(tokens, full)[first:full] for chain in state.chains]
-        if any(len(rank_keys) != full - first for rank_keys in chunk_keys):
+            hashed = [len(chain.upto(tokens, full)) for chain in state.chains]
+        if any(count != full for count in hashed):
             return  # token ids not known yet (cannot happen with vLLM's accounting)
         for span in state.spans(first, full):  # a job per tenant
             if self._allowed(span.tenant) is False:
