@@ -215,7 +215,10 @@ class Warmed(BaseModel):
 
 class SpaceUsage(BaseModel):
     space: str = Field(description="The shared space's tenant id.")
-    source: str = Field(description="Its KVCacheSpace, as namespace/pool/name.")
+    source: str = Field(
+        description="Where it is declared: namespace/pool/name (a KVCachePool's "
+        "spec.sharedSpaces), or 'tokens file'."
+    )
     members: int = Field(description="Tenants that may use its chunks.")
     owners: int = Field(description="Tenants that may also pin and warm them.")
     usage: Usage = Field(description="Its usage, as the tenant usage route gives it.")
@@ -224,6 +227,7 @@ class SpaceUsage(BaseModel):
 
 
 class Spaces(BaseModel):
-    """The shared spaces this agent knows from the pool's tenants ConfigMap."""
+    """The shared spaces this agent knows, from the pool's tenants ConfigMap and its tokens
+    file."""
 
     spaces: list[SpaceUsage] = Field(description="One entry per space, in no particular order.")

@@ -235,7 +235,7 @@ def test_a_space_of_the_configmap_is_listed_with_its_usage_and_its_pin_budget(
     tenants: Kubectl, agents: Callable[..., AgentProcess]
 ) -> None:
     """The space's owner pins within the space's pinBudget; /v1/spaces and the metrics show
-    the space under its KVCacheSpace's name."""
+    the space under its declared name."""
     agent = _watching(agents)
     space, source, budget = tenant_id("shared-prompts"), "team-a/main/prompts", 2 * 60_000
     _grant(tenants, {"l1": None, "nvme": None})

@@ -11,7 +11,7 @@ observed by the ZMQ server through :meth:`AgentMetrics.observe_request`.
 Everything lives on an injected :class:`CollectorRegistry`. Tenant labels are
 bounded: the ``top_tenants`` largest tenants by usage get their own label,
 the rest are summed under ``other``; so do the tenants with pins (by pinned bytes) and the
-shared spaces (by usage, labelled with their KVCacheSpace's ``namespace/pool/name``).
+shared spaces (by usage, labelled with where they are declared, ``namespace/pool/name``).
 Ranking costs O(tenants) (outside the
 service lock, but in the interpreter the ZMQ thread shares), so it is redone at
 most every ``RANKING_SECONDS``: anyone may poll ``/metrics`` in a loop.

@@ -100,7 +100,8 @@ class SpaceUsage:
     space: str
     """Its tenant id."""
     source: str
-    """``namespace/pool/name`` of its KVCacheSpace."""
+    """Where it is declared: ``namespace/pool/name`` (a pool's ``spec.sharedSpaces``), or
+    ``tokens file``."""
     members: int
     owners: int
     usage: TenantStats
