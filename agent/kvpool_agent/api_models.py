@@ -231,3 +231,37 @@ class Spaces(BaseModel):
     file."""
 
     spaces: list[SpaceUsage] = Field(description="One entry per space, in no particular order.")
+
+
+class PeerState(BaseModel):
+    node: str = Field(description="The peer's node name.")
+    endpoint: str = Field(description="Where it serves peers, host:port.")
+    reachable: bool | None = Field(
+        description="The last connection (or probe) got through and both sides proved the pool's "
+        "credential; null if never tried."
+    )
+    error: str | None = Field(description="Why the last attempt failed, in one line.")
+    rtt_ms: float | None = Field(description="Round trip of the last probe, in milliseconds.")
+    fetched_chunks: int = Field(description="Chunks pulled from this peer into L1.")
+    fetched_bytes: int = Field(description="Their bytes.")
+    failures: int = Field(description="Fetches from this peer that ended in a miss by failure.")
+
+
+class PeerServing(BaseModel):
+    transfers_in_flight: int = Field(description="Transfers being served now.")
+    bytes_in_flight: int = Field(description="Their bytes.")
+    max_transfers: int = Field(description="Transfers served at once at most.")
+    max_bytes_in_flight: int = Field(description="Bytes served at once at most.")
+    bandwidth_bytes_per_second: int = Field(description="The serving cap; 0: none.")
+    served_chunks: int = Field(description="Chunks sent to peers.")
+    served_bytes: int = Field(description="Their bytes.")
+    refused: dict[str, int] = Field(description="Requests refused, by reason.")
+
+
+class Peers(BaseModel):
+    """This agent's peers (the pool's other agents) and what it serves them."""
+
+    node: str = Field(description="This agent's name among its peers.")
+    port: int = Field(description="The port it serves peers on.")
+    peers: list[PeerState] = Field(description="One entry per known peer, by node name.")
+    serving: PeerServing

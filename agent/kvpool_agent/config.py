@@ -37,6 +37,7 @@ from kvpool_agent.names import (
     AGENT_ENV_PREFIX,
     DEFAULT_EVENTS_PORT,
     DEFAULT_HTTP_PORT,
+    DEFAULT_PEER_PORT,
     DEFAULT_POOL,
     DEFAULT_STATE_DIR,
     DEFAULT_ZMQ_PORT,
@@ -322,6 +323,70 @@ class S3TierConfig(BaseModel):
         return self
 
 
+PEER_AGENT = re.compile(r"^([^=\s]+)=([^\s:]+|\[[0-9a-fA-F:.]+\]):([0-9]{1,5})$")
+"""A static peer, ``NODE=HOST:PORT`` (an IPv6 host in brackets)."""
+
+
+class PeersConfig(BaseModel):
+    """The pool's other agents as a tier between NVMe and S3: this agent serves its L1 and
+    NVMe chunks to them on ``port`` and pulls from them what it misses."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    port: int = Field(
+        DEFAULT_PEER_PORT, ge=1, le=65535, description="TCP port this agent serves peers on."
+    )
+    key_dir: Path = Field(
+        description=(
+            "Directory of the pool's peer credential (a mounted Secret the operator makes): "
+            "one file per key, named by its id, as l2_key_dir. Peers prove they hold a common "
+            "key and seal every chunk they send with it; reread every 30 s."
+        )
+    )
+    node: str | None = Field(
+        None,
+        description="This agent's name among its peers; default $NODE_NAME, else the host name.",
+    )
+    discovery: Literal["static", "kubernetes"] = Field(
+        "static",
+        description=(
+            "Where the other agents are: the static list in agents, or the pool's agent pods "
+            "(list and watch pods in namespace)."
+        ),
+    )
+    agents: list[str] = Field(
+        default_factory=list,
+        description="Static peers, NODE=HOST:PORT each (this node's own entry is skipped).",
+    )
+    namespace: str | None = Field(
+        None,
+        description="The pool's namespace, for kubernetes discovery (default: the pod's own).",
+    )
+    max_transfers: int = Field(
+        4, ge=1, description="Chunk transfers this agent serves at once; more are refused (busy)."
+    )
+    max_bytes_in_flight: Size = Field(
+        256 << 20, description="Bytes of chunks being served at once; more are refused (busy)."
+    )
+    bandwidth: Size = Field(
+        0, description="Bytes per second this agent serves to peers at most; 0: no cap."
+    )
+    connect_timeout_seconds: float = Field(1.0, gt=0, description="TCP connect timeout.")
+    io_timeout_seconds: float = Field(
+        5.0, gt=0, description="A peer that sends or takes nothing for this long is cut off."
+    )
+
+    @field_validator("agents")
+    @classmethod
+    def _check_agents(cls, agents: list[str]) -> list[str]:
+        for agent in agents:
+            if not PEER_AGENT.fullmatch(agent):
+                raise ValueError(
+                    f"expected NODE=HOST:PORT (e.g. gpu-2=10.0.0.6:7404), got {agent!r}"
+                )
+        return agents
+
+
 class AgentConfig(BaseSettings):
     """Configuration of one node agent (and the pool it serves)."""
 
@@ -492,6 +557,13 @@ class AgentConfig(BaseSettings):
     )
     nvme: NvmeTierConfig | None = Field(None, description="Local NVMe L2 tier, if any.")
     s3: S3TierConfig | None = Field(None, description="S3 L2 tier, if any.")
+    peers: PeersConfig | None = Field(
+        None,
+        description=(
+            "The pool's other agents as a tier between NVMe and S3 (this agent serves them too); "
+            "none: no peer traffic."
+        ),
+    )
     store_policy: Literal["all", "reused"] = Field(
         "all",
         description="Which chunks go to L2: all, or those hit at least store_min_hits times.",

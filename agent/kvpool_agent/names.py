@@ -79,6 +79,11 @@ DEFAULT_ZMQ_PORT = 7400
 DEFAULT_HTTP_PORT = 7401
 DEFAULT_EVENTS_PORT = 7402
 DEFAULT_INDEX_PORT = 7403
+DEFAULT_PEER_PORT = 7404
+"""Where an agent serves its L1 and NVMe chunks to the pool's other agents."""
+NODE_NAME_ENV = "NODE_NAME"
+"""The node a pod runs on (the downward API's ``spec.nodeName``): the agent's name among its
+peers, and the CSI plugin's node id."""
 
 # Eviction policies: the names a configuration (and the CRD) may give, each the
 # "module:Class" that implements it, imported on first use by

@@ -106,6 +106,8 @@ def test_every_size_field_reads_quantities() -> None:
             "nvme.capacity",
             "s3.multipart_threshold",
             "s3.part_size",
+            "peers.max_bytes_in_flight",
+            "peers.bandwidth",
         ],
         True,
     )

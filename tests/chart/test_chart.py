@@ -19,7 +19,7 @@ import yaml
 import kvpool_agent.connector
 from kvpool_agent.connector.settings import ConnectorSettings
 from kvpool_agent.csi import main as csi_main
-from kvpool_agent.names import CACHE_POOL_LABEL, CSI_DRIVER
+from kvpool_agent.names import CACHE_POOL_LABEL, CSI_DRIVER, NODE_NAME_ENV
 from kvpool_operator import main as operator_main
 from kvpool_operator.admission.server import DEFAULT_CONFIGURATION, ServiceRef, WebhookOptions
 from kvpool_operator.reconcile import Options
@@ -324,7 +324,7 @@ def test_the_csi_plugin_accepts_its_arguments_and_mounts_what_they_name(
     ]
     assert kubelet_mount["mountPropagation"] == "Bidirectional"
     assert _on_host(pod, args.shm_dir) == Path("/dev/shm")
-    (node_name,) = [env for env in container["env"] if env["name"] == csi_main.NODE_ENV]
+    (node_name,) = [env for env in container["env"] if env["name"] == NODE_NAME_ENV]
     assert node_name["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
 

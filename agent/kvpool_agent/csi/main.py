@@ -26,7 +26,7 @@ from kvpool_agent.csi.node import Node, NodeOptions
 from kvpool_agent.csi.registration import registration, registration_socket
 from kvpool_agent.csi.rpc import serve, stop
 from kvpool_agent.kube.watch import checked_api_configuration
-from kvpool_agent.names import CSI_DRIVER, SHM_DIR
+from kvpool_agent.names import CSI_DRIVER, NODE_NAME_ENV, SHM_DIR
 from kvpool_agent.problems import (
     ArgumentParser,
     ConfigError,
@@ -38,7 +38,7 @@ from kvpool_agent.problems import (
 log = logging.getLogger(__name__)
 
 PROG = "kvpool-csi"
-NODE_ENV = "NODE_NAME"
+
 DEFAULT_KUBELET_DIR = Path("/var/lib/kubelet")
 DEFAULT_KUBELET_ENDPOINT = DEFAULT_KUBELET_DIR / "plugins" / CSI_DRIVER / "csi.sock"
 GRACE_SECONDS = 5.0
@@ -98,8 +98,8 @@ def parser() -> ArgumentParser:
     )
     parser.add_argument(
         "--node-id",
-        default=os.environ.get(NODE_ENV, ""),
-        help=f"this node's name, for NodeGetInfo (default: ${NODE_ENV})",
+        default=os.environ.get(NODE_NAME_ENV, ""),
+        help=f"this node's name, for NodeGetInfo (default: ${NODE_NAME_ENV})",
     )
     parser.add_argument(
         "--api-timeout",
@@ -115,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = parser()
     args = arguments.parse_args(argv)
     if not args.node_id:
-        arguments.error(f"--node-id or ${NODE_ENV} is required")
+        arguments.error(f"--node-id or ${NODE_NAME_ENV} is required")
     try:
         configuration = checked_api_configuration()
     except ConfigError as error:
