@@ -137,26 +137,17 @@ def test_a_start_removes_what_a_killed_run_left() -> None:
     gone = subprocess.Popen(["true"])
     gone.wait()
     namespace, bridge = f"kvh-{gone.pid}-0", f"kvh{gone.pid}b"
-    ip("netns", "add", namespace)
-    ip("link", "add", bridge, "type", "bridge")
-    ip(
-        "link",
-        "add",
-        f"kvh{gone.pid}v0",
-        "type",
-        "veth",
-        "peer",
-        "name",
-        "eth0",
-        "netns",
-        namespace,
-    )
-    orphan = subprocess.Popen(["ip", "netns", "exec", namespace, "sleep", "60"])
 
     def inside() -> None:
         assert ip("netns", "pids", namespace).split()
 
-    eventually(inside, timeout=5, what="the orphan inside the dead run's namespace")
+    with hosts_module.locked():  # made whole before any run's sweep sees them
+        ip("netns", "add", namespace)
+        ip("link", "add", bridge, "type", "bridge")
+        pair = ("type", "veth", "peer", "name", "eth0", "netns", namespace)
+        ip("link", "add", f"kvh{gone.pid}v0", *pair)
+        orphan = subprocess.Popen(["ip", "netns", "exec", namespace, "sleep", "60"])
+        eventually(inside, timeout=5, what="the orphan inside the dead run's namespace")
 
     with hosts_or_skip(1):
         assert namespace not in ip("netns", "list")

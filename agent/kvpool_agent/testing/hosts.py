@@ -79,11 +79,11 @@ class Host:
     def link_down(self) -> None:
         """Cut the host off (its cable pulled at the bridge): what it sends or is sent is
         lost, connections in flight stall, new ones time out."""
-        _ip(self.ip, "link", "set", self.link, "down")
+        _ip(self.ip, f"link set {self.link} down")
 
     def link_up(self) -> None:
         """Cable the host again."""
-        _ip(self.ip, "link", "set", self.link, "up")
+        _ip(self.ip, f"link set {self.link} up")
 
 
 class Hosts:
@@ -124,14 +124,14 @@ class Hosts:
             raise HostsUnavailable("no `ip` command (iproute2) on this machine")
         Hosts._live = self._started = True
         try:
-            with _locked():
+            with locked():
                 _remove_stale(self._ip)
                 subnet = _free_subnet(self._ip)
                 self.root_address = str(subnet[ROOT_HOST])
                 bridge = f"{PREFIX}{os.getpid()}b"
-                _ip(self._ip, "link", "add", bridge, "type", "bridge", refused="no bridge")
-                _ip(self._ip, "addr", "add", f"{self.root_address}/24", "dev", bridge)
-                _ip(self._ip, "link", "set", bridge, "up")
+                _ip(self._ip, f"link add {bridge} type bridge", refused="no bridge")
+                _ip(self._ip, f"addr add {self.root_address}/24 dev {bridge}")
+                _ip(self._ip, f"link set {bridge} up")
             for index in range(self.count):
                 self.hosts.append(self._cable(index, str(subnet[index + 1]), bridge))
         except BaseException:
@@ -140,64 +140,54 @@ class Hosts:
         return self
 
     def _cable(self, index: int, address: str, bridge: str) -> Host:
-        host = Host(
-            f"{PREFIX}-{os.getpid()}-{index}", address, f"{PREFIX}{os.getpid()}v{index}", self._ip
-        )
-        ip, inside = self._ip, ("-n", host.name)
-        _ip(ip, "netns", "add", host.name, refused="no network namespace")
-        _ip(
-            ip,
-            "link",
-            "add",
-            host.link,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            DEVICE,
-            "netns",
-            host.name,
-            refused="no veth pair",
-        )
-        _ip(ip, "link", "set", host.link, "master", bridge, "up")
-        _ip(ip, *inside, "addr", "add", f"{address}/24", "dev", DEVICE)
-        _ip(ip, *inside, "link", "set", DEVICE, "up")
-        _ip(ip, *inside, "link", "set", "lo", "up")
+        pid = os.getpid()
+        host = Host(f"{PREFIX}-{pid}-{index}", address, f"{PREFIX}{pid}v{index}", self._ip)
+        ip, inside = self._ip, f"-n {host.name}"
+        _ip(ip, f"netns add {host.name}", refused="no network namespace")
+        pair = f"link add {host.link} type veth peer name {DEVICE} netns {host.name}"
+        _ip(ip, pair, refused="no veth pair")
+        _ip(ip, f"link set {host.link} master {bridge} up")
+        _ip(ip, f"{inside} addr add {address}/24 dev {DEVICE}")
+        _ip(ip, f"{inside} link set {DEVICE} up")
+        _ip(ip, f"{inside} link set lo up")
         return host
 
     def close(self) -> None:
         """Kill every process inside the hosts, remove the hosts and the bridge."""
         if not self._started:
             return
-        _remove_run(self._ip, os.getpid())
         for host in self.hosts:
             for process in host.processes:
-                process.wait()  # killed: reap it
+                process.kill()  # if it runs: it may not have entered the namespace yet
+                process.wait()
+        _remove_run(self._ip, os.getpid())
         self.hosts.clear()
         Hosts._live = self._started = False
 
 
-def _ip(ip: str, *args: str, refused: str = "") -> str:
-    """Run ``ip args``; its output. A failure is HostsUnavailable if ``refused`` names what
-    this machine lacks when that command fails, else RuntimeError."""
-    result = subprocess.run([ip, *args], capture_output=True, text=True, check=False)
+def _ip(ip: str, command: str, refused: str = "") -> str:
+    """Run ``ip`` with the words of ``command`` (names hold no spaces); its output. A failure
+    is HostsUnavailable if ``refused`` names what this machine lacks when that command
+    fails, else RuntimeError."""
+    result = subprocess.run([ip, *command.split()], capture_output=True, text=True, check=False)
     if result.returncode != 0:
         said = (result.stderr.strip().splitlines() or ["(nothing on stderr)"])[0]
         if refused:
-            raise HostsUnavailable(f"{refused}: `ip {' '.join(args)}` failed: {said}")
-        raise RuntimeError(f"`ip {' '.join(args)}` failed: {said}")
+            raise HostsUnavailable(f"{refused}: `ip {command}` failed: {said}")
+        raise RuntimeError(f"`ip {command}` failed: {said}")
     return result.stdout
 
 
 @contextlib.contextmanager
-def _locked() -> Iterator[None]:
+def locked() -> Iterator[None]:
+    """Hold LOCK: no run sweeps stale objects or picks a /24 meanwhile."""
     with LOCK.open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
 
 def _namespaces(ip: str) -> list[str]:
-    return [line.split()[0] for line in _ip(ip, "netns", "list").splitlines() if line.strip()]
+    return [line.split()[0] for line in _ip(ip, "netns list").splitlines() if line.strip()]
 
 
 def _links() -> list[str]:
@@ -215,16 +205,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _owner(name: str) -> int | None:
+    """The pid of the run that made the namespace or interface ``name``; None: no run's."""
+    match = NAMESPACE.match(name) or LINK.match(name)
+    return int(match.group(1)) if match else None
+
+
 def _remove_stale(ip: str) -> None:
     """Remove the objects of every run whose process is gone."""
-    names = [*_namespaces(ip), *_links()]
-    owners = {
-        int(match.group(1))
-        for pattern in (NAMESPACE, LINK)
-        for name in names
-        if (match := pattern.match(name))
-    }
-    for pid in sorted(owners):
+    owners = {_owner(name) for name in [*_namespaces(ip), *_links()]}
+    for pid in sorted(pid for pid in owners if pid is not None):
         if pid != os.getpid() and not _alive(pid):
             _remove_run(ip, pid)
 
@@ -232,18 +222,16 @@ def _remove_stale(ip: str) -> None:
 def _remove_run(ip: str, pid: int) -> None:
     """Kill the processes inside run ``pid``'s namespaces, then remove its interfaces (a veth
     pair goes with its root end) and namespaces."""
-    namespaces = [
-        name for name in _namespaces(ip) if (m := NAMESPACE.match(name)) and int(m.group(1)) == pid
-    ]
+    namespaces = [name for name in _namespaces(ip) if _owner(name) == pid]
     for name in namespaces:
-        for inside in _ip(ip, "netns", "pids", name).split():
+        for inside in _ip(ip, f"netns pids {name}").split():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(inside), signal.SIGKILL)
     for link in _links():
-        if (match := LINK.match(link)) and int(match.group(1)) == pid:
-            _ip(ip, "link", "del", link)
+        if _owner(link) == pid:
+            _ip(ip, f"link del {link}")
     for name in namespaces:
-        _ip(ip, "netns", "del", name)
+        _ip(ip, f"netns del {name}")
 
 
 def _free_subnet(ip: str) -> ipaddress.IPv4Network:
@@ -251,7 +239,7 @@ def _free_subnet(ip: str) -> ipaddress.IPv4Network:
     among them), tried from one the pid picks."""
     routes = [
         ipaddress.ip_network(route["dst"], strict=False)
-        for route in json.loads(_ip(ip, "-j", "-4", "route", "show", "table", "all") or "[]")
+        for route in json.loads(_ip(ip, "-j -4 route show table all") or "[]")
         if route.get("dst", "default") != "default"
     ]
     candidates = list(SUBNETS.subnets(new_prefix=24))
