@@ -3,8 +3,9 @@
 A link keeps a few proven connections to its peer and asks it, on the calling
 thread (the adapter runs links on its own threads, never on the event loop):
 how much of a prefix it holds (:meth:`PeerLink.held`), and for one chunk
-(:meth:`PeerLink.fetch`), received straight into a buffer of its own and opened
-there (:meth:`~kvpool_agent.l2.codec.ObjectCodec.open`, in place). A chunk that
+(:meth:`PeerLink.fetch`), received straight into the memory the caller reserves for
+it (L1 pages) and opened there (:meth:`~kvpool_agent.l2.codec.ObjectCodec.open`, in
+place). A chunk that
 does not open as the tenant's key asked for (another tenant's, flipped bytes, a
 forged peer) is an :class:`~kvpool_agent.l2.codec.IntegrityError`: never bytes.
 Every failure closes the connection it happened on and is counted by reason.
@@ -18,10 +19,10 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
-from kvpool_agent.l2.base import ObjectKey
-from kvpool_agent.l2.buffers import fresh
-from kvpool_agent.l2.codec import HEADER, IntegrityError, ObjectCodec
+from kvpool_agent.l2.base import ObjectKey, Reserve
+from kvpool_agent.l2.codec import HEADER, IntegrityError, ObjectCodec, payload_length
 from kvpool_agent.l2.keyring import Keyring
 from kvpool_agent.peer.handshake import NotProven
 from kvpool_agent.peer.session import open_session
@@ -32,8 +33,15 @@ _IDLE = 8
 """Connections kept open per peer (the prefetch asks for up to 8 chunks at once)."""
 
 
+Fetched = Literal["filled", "missing", "unwanted"]
+
+
 class PeerBusy(Exception):
     """The peer is at its transfer cap: a miss here, not a failure."""
+
+
+class _Unwanted(Exception):
+    """The receiver has no room for the chunk (present already, or refused)."""
 
 
 @dataclass(frozen=True)
@@ -81,29 +89,39 @@ class PeerLink:
                 raise WireError(f"expected have for {len(keys)} keys, got {answer!r}")
             return answer.count
 
-    def fetch(self, name: ObjectKey) -> memoryview | None:
-        """The chunk's payload, None if the peer no longer holds it; :class:`PeerBusy` if it
+    def fetch(self, name: ObjectKey, reserve: Reserve) -> Fetched:
+        """The chunk received into ``reserve(size)`` and opened there: ``filled``; or
+        ``missing`` (the peer no longer holds it), ``unwanted`` (``reserve`` gave no memory:
+        the connection is dropped rather than the body read). :class:`PeerBusy` if the peer
         is at its cap; any other failure raises (and is counted)."""
         settings = self.settings
-        with self._requests, self._channel() as channel:
-            channel.send(Get(name.tenant, name.key))
-            answer, length = channel.receive()
-            if isinstance(answer, Missing | Busy) and not length:
-                if isinstance(answer, Busy):
-                    raise PeerBusy(self.node)
-                return None
-            if not isinstance(answer, Object):
-                raise WireError(f"expected an object, got {type(answer).__name__}")
-            if not HEADER.size <= length <= HEADER.size + settings.max_object_bytes:
-                raise WireError(f"an object of {length} bytes")
-            blob = fresh(length)
-            channel.receive_body(blob)
-            payload = settings.codec.open(
-                name, blob[: HEADER.size], blob[HEADER.size :], in_place=True
-            )
+        try:
+            with self._requests, self._channel() as channel:
+                channel.send(Get(name.tenant, name.key))
+                answer, length = channel.receive()
+                if isinstance(answer, Missing | Busy) and not length:
+                    if isinstance(answer, Busy):
+                        raise PeerBusy(self.node)
+                    return "missing"
+                if not isinstance(answer, Object):
+                    raise WireError(f"expected an object, got {type(answer).__name__}")
+                if length < HEADER.size:
+                    raise WireError(f"an object of {length} bytes: shorter than its header")
+                header = memoryview(bytearray(HEADER.size))
+                channel.receive_body(header)
+                size = length - HEADER.size
+                if size != payload_length(header) or size > settings.max_object_bytes:
+                    raise WireError(f"an object of {length} bytes whose header says otherwise")
+                into = reserve(size)
+                if into is None:
+                    raise _Unwanted
+                channel.receive_body(into)
+                settings.codec.open(name, header, into, in_place=True)
+        except _Unwanted:
+            return "unwanted"
         self.stats.fetched_chunks += 1
-        self.stats.fetched_bytes += len(payload)
-        return memoryview(payload)
+        self.stats.fetched_bytes += size
+        return "filled"
 
     def probe(self) -> None:
         """A fresh connection and handshake now (the doctor's check); its round trip."""
@@ -130,6 +148,10 @@ class PeerLink:
             yield channel
         except PeerBusy:
             self._keep(channel)
+            raise
+        except _Unwanted:
+            if channel is not None:
+                channel.close()  # the body is still on its way
             raise
         except BaseException as error:
             if channel is not None:
