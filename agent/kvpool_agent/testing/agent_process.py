@@ -16,6 +16,8 @@ from pathlib import Path
 
 import yaml
 
+from kvpool_agent.testing.hosts import Host
+
 BIN = Path(sys.executable).parent
 READY = re.compile(r"agent ready pool=\S+ zmq=(\S+) http=(\S+) segment=(\S+) events=(\S+)")
 ADMIN_TOKEN = "admin-token-for-tests"
@@ -41,6 +43,9 @@ class AgentProcess:
     """RLIMIT_NOFILE of the process (soft and hard), if not inherited."""
     umask: int | None = None
     """The process's umask, if not inherited."""
+    host: Host | None = None
+    """The host (network namespace) the agent runs in, serving at the host's address;
+    else this machine's network, at 127.0.0.1. Its files stay in /dev/shm (shared)."""
     generate_tokens: bool = False
     """No tokens file: the agent generates its tokens into its state directory (see
     :attr:`admin_token`)."""
@@ -105,6 +110,8 @@ class AgentProcess:
             "STATE_DIR": str(self.workdir / "state"),
             "TOKENS_FILE": str(tokens),
         }
+        if self.host is not None:
+            defaults["HOST"] = self.host.address
         if self.generate_tokens:
             del defaults["TOKENS_FILE"]
         merged = {**defaults, **self.settings}
@@ -159,9 +166,10 @@ class AgentProcess:
         return status
 
     def _command(self, hold: bool = False) -> list[str]:
+        within = [] if self.host is None else self.host.prefix
         agent = str(BIN / "kvpool-agent")
         if self.file_limit is None and not hold:
-            return [agent]
+            return [*within, agent]
         # set in a launcher that then becomes the agent: preexec_fn is unsafe with threads
         steps = ["import os, resource, sys"]
         if self.file_limit is not None:
@@ -170,7 +178,7 @@ class AgentProcess:
         if hold:
             steps.append("sys.stdin.readline()")
         steps.append("os.execv(sys.argv[1], sys.argv[1:])")
-        return [sys.executable, "-c", "; ".join(steps), agent]
+        return [*within, sys.executable, "-c", "; ".join(steps), agent]
 
     def _read_log(self, process: subprocess.Popen[str], ready: threading.Event) -> None:
         assert process.stderr is not None
