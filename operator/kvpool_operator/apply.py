@@ -152,6 +152,15 @@ class Cluster:
             raise
         return True
 
+    def delete_owned(self, kind: Kind, namespace: str, name: str, owner_uid: str) -> bool:
+        """Delete the object if the object of ``owner_uid`` owns it (someone else's of that
+        name stays); False if none was deleted."""
+        existing = self.get(kind, namespace, name)
+        owners = (existing or {}).get("metadata", {}).get("ownerReferences", ())
+        return any(owner.get("uid") == owner_uid for owner in owners) and self.delete(
+            kind, namespace, name
+        )
+
     def patch_status(self, kind: Kind, namespace: str, name: str, status: Manifest) -> None:
         self._request(
             "PATCH",

@@ -18,6 +18,7 @@ from kvpool_operator.reasons import (
     CLEAR_INCOMPLETE,
     DRIFT_CORRECTED,
     INVALID_SPEC,
+    PEER_KEYS_ROTATED,
     REVOKED,
     SPACE_ADMITTED,
     SPACE_CREATED,
@@ -56,6 +57,9 @@ class PoolEvents:
             f"the pool asks for the {kind} {name} but the cluster has no {kind} resource "
             f"(install {provided_by}); no {kind} was made",
         )
+
+    def peer_keys_rotated(self, pool: Mapping[str, Any], message: str) -> None:
+        _post(pool, "Normal", PEER_KEYS_ROTATED, message)
 
     def space_created(self, pool: Mapping[str, Any], message: str) -> None:
         _post(pool, "Normal", SPACE_CREATED, message)

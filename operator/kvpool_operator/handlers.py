@@ -7,8 +7,11 @@
   Deployment and the NetworkPolicies among them): drift correction and the pool's status,
   :meth:`~kvpool_operator.reconcile.Reconciler.child_changed`;
 - after each pool's reconcile, and every ``--usage-seconds`` (a daemon per pool that has
-  shared spaces, so kopf's finalizer on those pools only): its shared spaces
-  (:mod:`kvpool_operator.spaces`: published, removed ones cleared, pins kept, usage read);
+  shared spaces): its shared spaces (:mod:`kvpool_operator.spaces`: published, removed ones
+  cleared, pins kept, usage read);
+- every ``--usage-seconds`` (a daemon per pool with peers): its peer keys, rotated when due
+  (:mod:`kvpool_operator.peers`; the reconcile makes the Secret and deletes it). The pools
+  with a daemon carry kopf's finalizer, which stops it on deletion;
 - a KVCacheTenant is created, changed or found at start, or its pool has an event (created,
   changed, deleted), or every ``--usage-seconds`` (a daemon per tenant: admission again,
   then its usage): :mod:`kvpool_operator.tenants`; its deletion (kopf's finalizer,
@@ -39,11 +42,12 @@ from kvpool_operator.agents import Agents
 from kvpool_operator.apply import ApiError, Cluster
 from kvpool_operator.bearer import OperatorToken
 from kvpool_operator.events import PoolEvents, TenantEvents
+from kvpool_operator.peers import PeerKeys
 from kvpool_operator.reasons import SHARED_SPACES
 from kvpool_operator.reconcile import Options, Reconciler
 from kvpool_operator.render import Pool
 from kvpool_operator.spaces import SpaceReconciler
-from kvpool_operator.spec import GROUP, PLURAL, TENANT_PLURAL, VERSION
+from kvpool_operator.spec import GROUP, PLURAL, TENANT_PLURAL, VERSION, InvalidSpec, PoolSpec
 from kvpool_operator.tenants import AgentsUnreachable, TenantReconciler
 
 registry = kopf.OperatorRegistry()
@@ -70,7 +74,8 @@ def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.posting.level = logging.WARNING
     cluster, token, lock = Cluster.connect(), OperatorToken(), threading.Lock()
     agents = Agents(cluster, token)
-    memo["reconciler"] = Reconciler(cluster, PoolEvents(), _options(memo))
+    memo["peer_keys"] = peer_keys = PeerKeys(cluster, PoolEvents())
+    memo["reconciler"] = Reconciler(cluster, PoolEvents(), _options(memo), peer_keys)
     memo["spaces"] = spaces = SpaceReconciler(cluster, agents, PoolEvents(), lock)
     memo["tenants"] = TenantReconciler(
         cluster, TenantEvents(), agents, token, spaces=spaces, lock=lock
@@ -117,6 +122,36 @@ def _refresh_spaces(spaces: SpaceReconciler, body: kopf.Body) -> None:
         spaces.refresh(body)
     except ApiError as error:
         logging.getLogger(__name__).warning("shared spaces not refreshed: %s", error)
+
+
+def _has_peers(spec: kopf.Spec, **_: Any) -> bool:
+    """Whether a pool's agents are peers (a pool with an invalid spec has no daemon: its
+    reconcile reports the spec, and its keys stay as they are)."""
+    try:
+        return PoolSpec.parse(spec).peers.enabled
+    except InvalidSpec:
+        return False
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, registry=registry, cancellation_timeout=5.0, when=_has_peers)
+async def pool_peer_keys(
+    stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, **_: Any
+) -> None:
+    """Every ``--usage-seconds``: a key added to the pool's peer Secret when the newest is
+    ``spec.peers.credentialRotation`` old, the oldest dropped. Async, as
+    :func:`tenant_usage`."""
+    keys, seconds = _peer_keys(memo), _options(memo).usage_seconds
+    while not stopped:
+        await stopped.wait(seconds)
+        if not stopped:
+            await asyncio.to_thread(_rotate_peer_keys, keys, body)
+
+
+def _rotate_peer_keys(keys: PeerKeys, body: kopf.Body) -> None:
+    try:
+        keys.refresh(body)
+    except ApiError as error:
+        logging.getLogger(__name__).warning("peer keys not rotated: %s", error)
 
 
 @kopf.index(GROUP, VERSION, TENANT_PLURAL, registry=registry)
@@ -216,6 +251,13 @@ def _spaces(memo: kopf.Memo) -> SpaceReconciler:
     if not isinstance(spaces, SpaceReconciler):
         raise TypeError("the operator's memo has no space reconciler (the startup handler)")
     return spaces
+
+
+def _peer_keys(memo: kopf.Memo) -> PeerKeys:
+    keys = memo.get("peer_keys")
+    if not isinstance(keys, PeerKeys):
+        raise TypeError("the operator's memo has no peer keys (the startup handler)")
+    return keys
 
 
 def _tenants(memo: kopf.Memo) -> TenantReconciler:

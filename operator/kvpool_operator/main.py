@@ -223,7 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--usage-seconds",
         type=number(float),
         default=30.0,
-        help="period of each KVCacheTenant's re-check and usage read (default: %(default)s)",
+        help="period of each KVCacheTenant's re-check and usage read, of each pool's shared "
+        "spaces pass and of its peer key rotation check (default: %(default)s)",
     )
     parser.add_argument(
         "--clear-retries",

@@ -31,6 +31,8 @@ APPLY_FAILED = "ApplyFailed"
 # A pool's event reasons (and INVALID_SPEC, APPLY_FAILED)
 APPLIED = "Applied"
 DRIFT_CORRECTED = "DriftCorrected"
+PEER_KEYS_ROTATED = "PeerKeysRotated"
+"""A key added to (or dropped from) the pool's peer Secret, between changes of the pool."""
 
 
 def unavailable(kind: str) -> str:

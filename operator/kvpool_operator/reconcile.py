@@ -5,7 +5,9 @@ Two idempotent entry points, each called by a thin kopf handler (``handlers.py``
 - :meth:`Reconciler.pool_changed`: the pool was created or changed, or was found when the
   operator started. Render every child, apply each the pool has (server-side apply), delete
   the optional children it no longer has (those it owns: the index, the ServiceMonitor, the
-  NetworkPolicies), write the status, post an event naming what changed. An optional child
+  NetworkPolicies), write the status, post an event naming what changed. With peers, the
+  pool's peer Secret is made (or rotated) before the children, whose agents mount it;
+  without, it is deleted after them (:mod:`kvpool_operator.peers`). An optional child
   of a kind the cluster does not serve (a ServiceMonitor without prometheus-operator) is
   skipped with a Warning event. An invalid spec is reported (status and a Warning event)
   and not retried; a refused or failed write is reported and raised, so that the caller
@@ -26,6 +28,7 @@ from typing import Any
 from kvpool_agent.names import POOL_LABEL
 from kvpool_operator.apply import KINDS, ApiError, Cluster, Kind, kind_of
 from kvpool_operator.events import PoolEvents
+from kvpool_operator.peers import PeerKeys
 from kvpool_operator.reasons import APPLY_FAILED, INVALID_SPEC
 from kvpool_operator.render import ChildRef, Children, Manifest, Pool, render
 from kvpool_operator.spec import API_VERSION, KIND, InvalidSpec, PoolSpec
@@ -51,16 +54,20 @@ class Options:
     """Delay before a pool whose children the API server refused is reconciled again (and
     a tenant whose writes failed, or whose deletion some agents did not clear)."""
     usage_seconds: float = 30.0
-    """Period of each KVCacheTenant's re-check and usage read."""
+    """Period of each KVCacheTenant's re-check and usage read, of each pool's shared spaces
+    pass and of its peer key rotation check."""
     clear_retries: int = 5
     """Retries of a deleted tenant's clearing while agents fail; then it is deleted anyway."""
 
 
 class Reconciler:
-    def __init__(self, cluster: Cluster, events: PoolEvents, options: Options) -> None:
+    def __init__(
+        self, cluster: Cluster, events: PoolEvents, options: Options, peer_keys: PeerKeys
+    ) -> None:
         self._cluster = cluster
         self._events = events
         self._options = options
+        self._peer_keys = peer_keys
 
     def pool_changed(self, pool: Mapping[str, Any]) -> PoolSpec | None:
         """Reconcile the pool; its spec, or None when it is invalid (reported)."""
@@ -74,7 +81,7 @@ class Reconciler:
             self._write_status(pool, generation, Problem(INVALID_SPEC, str(error)), None)
             return None
         try:
-            changes, stored = self._sync_children(pool, children)
+            changes, stored = self._sync_pool(pool, spec, children)
         except ApiError as error:
             self._events.apply_failed(pool, str(error))
             observed = (pool.get("status") or {}).get("observedGeneration")
@@ -122,6 +129,17 @@ class Reconciler:
     def _render(self, pool: Mapping[str, Any], spec: PoolSpec) -> Children:
         return render(_identity(pool), spec, default_image=self._options.agent_image)
 
+    def _sync_pool(
+        self, pool: Mapping[str, Any], spec: PoolSpec, children: Children
+    ) -> tuple[list[str], dict[ChildRef, Manifest]]:
+        """The peer Secret before the children that mount it, or deleted after those that
+        no longer do; the children."""
+        identity, peers = _identity(pool), spec.peers
+        made = self._peer_keys.keep(identity, peers, datetime.now(UTC)) if peers.enabled else []
+        changes, stored = self._sync_children(pool, children)
+        removed = [] if peers.enabled else self._peer_keys.remove(identity)
+        return made + changes + removed, stored
+
     def _sync_children(
         self, pool: Mapping[str, Any], children: Children
     ) -> tuple[list[str], dict[ChildRef, Manifest]]:
@@ -140,7 +158,9 @@ class Reconciler:
             changes += [change] if change else []
         for ref in children.absent:
             kind = KINDS[ref.api_version, ref.kind]
-            if self._missing(kind, served) is None and self._delete_owned(pool, kind, ref.name):
+            if self._missing(kind, served) is None and self._cluster.delete_owned(
+                kind, pool["metadata"]["namespace"], ref.name, pool["metadata"]["uid"]
+            ):
                 changes.append(f"deleted {ref.kind} {ref.name}")
         return changes, stored
 
@@ -163,15 +183,6 @@ class Reconciler:
         if before["metadata"].get("resourceVersion") != after["metadata"].get("resourceVersion"):
             return f"updated {kind.kind} {metadata['name']}", after
         return None, after
-
-    def _delete_owned(self, pool: Mapping[str, Any], kind: Kind, name: str) -> bool:
-        """Delete the object if this pool owns it (someone else's of that name stays)."""
-        namespace, uid = pool["metadata"]["namespace"], pool["metadata"]["uid"]
-        existing = self._cluster.get(kind, namespace, name)
-        owners = (existing or {}).get("metadata", {}).get("ownerReferences", ())
-        return any(owner.get("uid") == uid for owner in owners) and self._cluster.delete(
-            kind, namespace, name
-        )
 
     def _write_status(
         self,

@@ -52,10 +52,12 @@ def _verbs(group: str, resource: str, *verbs: str) -> set[Permission]:
 CHILD_VERBS = ("get", "list", "watch", "create", "patch")
 """Server-side apply of a child (get, create, patch), watched for drift (list, watch)."""
 RBAC = "rbac.authorization.k8s.io"
-SECRET_VERBS: set[Permission] = _verbs("", "secrets", "get", "create", "patch")
+SECRET_VERBS: set[Permission] = _verbs("", "secrets", "get", "create", "patch", "delete")
 """Secrets: the tenant's Secret <name>-kvpool is made, then patched (its token rotated or
 withdrawn), never deleted (the garbage collector takes it with its KVCacheTenant); a team's
-own salt Secret is read. No list or watch: the operator reads only the Secrets it names."""
+own salt Secret is read; a pool's own Secrets are made and patched, and its peer Secret
+kvpool-<pool>-peer (keys rotated) deleted when the pool turns spec.peers off. No list or
+watch: the operator reads only the Secrets it names."""
 NAMESPACED: set[Permission] = (
     _verbs(GROUP, PLURAL, "get", "list", "watch", "patch")
     | _verbs(GROUP, f"{PLURAL}/status", "get", "patch")
@@ -226,8 +228,8 @@ def test_the_operator_gets_exactly_what_it_needs_where_it_works(
             assert verb not in {"escalate", "bind", "impersonate"}
     held = _grants(manifests, (watched or ["inference"])[0])
     assert {p for p in held if p[1] == "secrets"} == SECRET_VERBS, (
-        "Secrets: only the tenants' (made and patched, never listed) and their salt Secrets "
-        "(read); the pools' Secrets are mounted by the agents, never read by the operator"
+        "Secrets: only those the operator names (the tenants', their salt Secrets, the pools' "
+        "own), never listed"
     )
 
 

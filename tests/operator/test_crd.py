@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,7 +16,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from kvpool_agent.config import AgentConfig, NvmeTierConfig, S3TierConfig
+from kvpool_agent.config import AgentConfig, NvmeTierConfig, PeersConfig, S3TierConfig
 from kvpool_agent.index.config import Fingerprint, IndexConfig
 from kvpool_agent.names import POLICY_NAMES
 from kvpool_operator import crds
@@ -27,8 +27,10 @@ from kvpool_operator.spec import (
     NETWORK_POLICY_NEEDS_CLIENTS,
     NETWORK_POLICY_NEEDS_GATEWAYS,
     NVME_ENCRYPTION_NEEDS_KEY,
+    PEER_PORT_TAKEN,
     PEER_SELECTS_NOTHING,
     PLURAL,
+    ROTATION_TOO_SHORT,
     S3_NEEDS_KEY,
     SELECTOR_VALUES,
     SSE_KMS_KEY_NEEDS_KMS,
@@ -241,6 +243,17 @@ L2_KEY_RULES = [
 ]
 """L2 encryption settings the CRD and the operator's model both refuse, with the same
 message."""
+PEER_RULES = [
+    pytest.param({"peers": {"port": 7401}}, PEER_PORT_TAKEN, id="peer-port-is-http"),
+    pytest.param(
+        {"ports": {"events": 7500}, "peers": {"port": 7500}}, PEER_PORT_TAKEN, id="peer-port-taken"
+    ),
+    pytest.param({"peers": {"port": 0}}, "less than", id="peer-port-zero"),
+    pytest.param({"peers": {"credentialRotation": "1d"}}, "does not match", id="rotation-in-days"),
+    pytest.param({"peers": {"credentialRotation": "0h"}}, "does not match", id="rotation-zero"),
+    pytest.param({"peers": {"enable": False}}, "'enable' was unexpected", id="peer-typo"),
+]
+"""Peer settings the CRD and the operator's model both refuse."""
 INVALID_POOLS = [
     *NETWORK_POLICY_RULES,
     *L2_KEY_RULES,
@@ -316,6 +329,14 @@ INVALID_POOLS = [
     ),
     pytest.param({"ports": {"zmq": 7400, "http": 7400}}, "must differ", id="same-ports"),
     pytest.param({"ports": {"events": 7401}}, "must differ", id="events-port-taken"),
+    *PEER_RULES,
+    pytest.param(
+        {"peers": {"credentialRotation": "5m"}}, ROTATION_TOO_SHORT, id="rotation-too-short"
+    ),
+    pytest.param({"peers": {"maxBandwidth": "0"}}, "does not match", id="peer-bandwidth-zero"),
+    pytest.param(
+        {"peers": {"maxTransfers": 0}}, "0 is less than the minimum of 1", id="peer-transfers"
+    ),
     pytest.param({"l3": {}}, "Additional properties are not allowed ('l3'", id="unknown-field"),
     pytest.param(
         {"tenants": {"tokensSecretRef": {"key": "t"}}}, "'name' is a required", id="secret-name"
@@ -396,6 +417,13 @@ def test_defaults_are_the_agents() -> None:
     assert s3["encryption"] == S3TierConfig.model_fields["encryption"].default is True
     assert nvme["encryption"] == NvmeTierConfig.model_fields["encryption"].default is False
     assert "serverSideEncryption" not in s3
+    peers = PeersConfig.model_fields
+    assert spec["peers"] == {
+        "enabled": True,
+        "port": peers["port"].default,
+        "maxTransfers": peers["max_transfers"].default,
+        "credentialRotation": "24h",
+    }
 
 
 def test_an_index_needs_the_pools_tokens_in_the_crd_and_the_model() -> None:
@@ -426,6 +454,37 @@ def test_l2_key_rules_hold_in_the_crd_and_the_model(spec: dict[str, Any], messag
     assert any(message in error for error in admission_errors(_pool(spec))), message
     with pytest.raises(InvalidSpec, match=re.escape(message)):
         PoolSpec.parse(spec)
+
+
+@pytest.mark.parametrize(("spec", "message"), PEER_RULES)
+def test_peer_rules_hold_in_the_crd_and_the_model(spec: dict[str, Any], message: str) -> None:
+    """Refused by both, the model's error on one line naming the field."""
+    assert any(message in error for error in admission_errors(_pool(spec))), message
+    with pytest.raises(InvalidSpec) as refused:
+        PoolSpec.parse(spec)
+    error = str(refused.value)
+    assert "\n" not in error
+    assert error.startswith(("spec.peers.", f"spec: Value error, {PEER_PORT_TAKEN}")), error
+
+
+def test_peer_settings_the_crd_admits() -> None:
+    """A port taken by the agents is free again with peers off; durations in s, m or h; the
+    CRD's floor of credentialRotation is the API server's alone (the operator rotates as
+    often as it is told: its tests rotate in seconds)."""
+    for spec in (
+        {"peers": {"enabled": False, "port": 7401}},
+        {"peers": {"credentialRotation": "600s", "maxBandwidth": "1Gi", "maxTransfers": 16}},
+        {"peers": {"credentialRotation": "10m"}},
+        {"peers": {"credentialRotation": "168h"}},
+    ):
+        assert admission_errors(_pool(spec)) == [], spec
+        PoolSpec.parse(with_defaults(schema(), _pool(spec))["spec"])
+    assert PoolSpec.parse({"peers": {"credentialRotation": "90m"}}).peers.credential_rotation == (
+        timedelta(minutes=90)
+    )
+    assert PoolSpec.parse({"peers": {"credentialRotation": "2s"}}).peers.credential_rotation == (
+        timedelta(seconds=2)
+    )
 
 
 @pytest.mark.parametrize(

@@ -573,12 +573,15 @@ def test_network_policies_follow_the_pool(
     restored = "restored NetworkPolicy kvpool-guarded-agent, deleted outside the operator"
     _event(served_api, "guarded", "Normal", "DriftCorrected", restored)
 
-    # the index turned off: its policy goes, and the agents no longer admit index pods
+    # the index turned off: its policy goes, and the agents no longer admit index pods (only
+    # their clients, and each other on the peer port)
     _patch_pool(kubectl, "guarded", {"spec": {"index": {"enabled": False}}})
     eventually(lambda: _applied(served_api, "guarded", generation=4))
     eventually(lambda: _policies(served_api, "guarded", "kvpool-guarded-agent"))
     agents = _get(served_api, "networkpolicies", "kvpool-guarded-agent")
-    assert agents is not None and [rule["from"] for rule in agents["spec"]["ingress"]] == [team]
+    assert agents is not None
+    peers = [{"podSelector": agents["spec"]["podSelector"]}]
+    assert [rule["from"] for rule in agents["spec"]["ingress"]] == [team, peers]
 
     # turned off: the agents' policy goes too, for good
     _patch_pool(kubectl, "guarded", {"spec": {"networkPolicy": {"enabled": False}}})

@@ -16,7 +16,9 @@ from kvpool_agent.names import (
     AGENT_CONFIG_FILE_ENV,
     COMPONENT_LABEL,
     CONFIG_CHECKSUM_ANNOTATION,
+    DEFAULT_PEER_PORT,
     INDEX_CONFIG_FILE_ENV,
+    NODE_NAME_ENV,
     POOL_LABEL,
 )
 from kvpool_agent.protocol import PROTOCOL_VERSION
@@ -185,6 +187,10 @@ def test_agent_config_is_the_agents_own_model(
     )
     assert str(config.l2_key_dir) == "/etc/kvpool/l2-keys"
     assert (config.store_policy, config.store_min_hits) == ("reused", 2)
+    assert config.peers is not None
+    assert (config.peers.port, str(config.peers.key_dir)) == (7404, "/etc/kvpool/peer-keys")
+    assert (config.peers.discovery, config.peers.namespace) == ("kubernetes", "inference")
+    assert (config.peers.max_transfers, int(config.peers.bandwidth)) == (8, 2 << 30)
     assert config.events_port == 7402
     assert config.quota_configmap == "inference/kvpool-gpu-quotas"
     assert config.tenants_configmap == "inference/kvpool-gpu-tenants"
@@ -293,13 +299,17 @@ def test_agent_pod() -> None:
     (container,) = pod["containers"]
     assert container["command"] == ["kvpool-agent"]
     assert container["image"] == IMAGE
-    env = {e["name"]: e.get("value") for e in container["env"]}
-    assert env == {"KVPOOL_HOST": "0.0.0.0", "KVPOOL_CONFIG_FILE": "/etc/kvpool/config/agent.yaml"}
+    env = {e["name"]: e.get("value") or e["valueFrom"] for e in container["env"]}
+    assert env == {
+        "KVPOOL_HOST": "0.0.0.0",
+        "KVPOOL_CONFIG_FILE": "/etc/kvpool/config/agent.yaml",
+        NODE_NAME_ENV: {"fieldRef": {"fieldPath": "spec.nodeName"}},  # its name among peers
+    }
     assert container["envFrom"] == [{"secretRef": {"name": "kvpool-s3"}}]
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"zmq": 7400, "http": 7401, "events": 7402}
+    assert ports == {"zmq": 7400, "http": 7401, "events": 7402, "peer": 7404}
     # unprivileged, and no host IPC: the segment is shared through a hostPath
     assert "hostIPC" not in pod and "hostNetwork" not in pod and "hostPID" not in pod
     assert container["securityContext"]["privileged"] is False
@@ -331,7 +341,7 @@ def test_a_minimal_pool_sets_no_optional_scheduling() -> None:
     pod = _pod(_children())
     optional = {"initContainers", "nodeSelector", "tolerations", "affinity", "priorityClassName"}
     assert not optional & pod.keys()
-    assert {v["name"] for v in pod["volumes"]} == {"config", "shm", "state"}
+    assert {v["name"] for v in pod["volumes"]} == {"config", "shm", "state", "peer-keys"}
     assert "envFrom" not in pod["containers"][0]
 
 
@@ -370,7 +380,7 @@ def test_a_config_change_rolls_the_agents_and_nothing_else_does() -> None:
 
 
 def test_the_agents_may_use_their_quota_configmap_and_read_their_tenants_only() -> None:
-    children = _children()
+    children = _children(PoolSpec.parse({"peers": {"enabled": False}}))
     assert children.role["rules"] == [
         {
             "apiGroups": [""],
@@ -391,6 +401,65 @@ def test_the_agents_may_use_their_quota_configmap_and_read_their_tenants_only() 
     assert children.role_binding["roleRef"]["name"] == "kvpool-gpu-agent"
     assert "data" not in children.quotas  # the agents own the quotas
     assert "data" not in children.tenants  # written key by key from the KVCacheTenants
+
+
+PEERS_OFF = {"peers": {"enabled": False}}
+
+
+def test_peer_agents_find_each_other_among_their_namespaces_pods() -> None:
+    """With peers the agents' Role also reads and watches pods (their discovery), in the
+    pool's namespace only: a Role, never a ClusterRole."""
+    peers, alone = _children(), _children(PoolSpec.parse(PEERS_OFF))
+    assert peers.role["kind"] == "Role"
+    assert peers.role["metadata"]["namespace"] == "inference"
+    assert peers.role["rules"] == [
+        *alone.role["rules"],
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    ]
+    assert not [rule for rule in alone.role["rules"] if rule["resources"] == ["pods"]]
+
+
+@pytest.mark.parametrize("version", [OLDEST_KUBERNETES, kubernetes_validate.latest_version()])
+def test_peer_agents_serve_the_peer_port_with_the_pools_credential(version: str) -> None:
+    """The port named peer (where the agents' discovery finds it), NODE_NAME from the
+    downward API, the peer Secret read-only for the agent's group, and the peers section
+    naming them, found as the index finds the agents."""
+    spec = PoolSpec.parse(
+        {"peers": {"port": 9404, "maxBandwidth": "500M", "maxTransfers": 2}, "ports": PORTS}
+    )
+    children = _children(spec)
+    kubernetes_validate.validate(children.daemonset, version, strict=True)
+    (container,) = _pod(children)["containers"]
+    assert {"name": "peer", "containerPort": 9404, "protocol": "TCP"} in container["ports"]
+    node = {"name": NODE_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+    assert node in container["env"]
+    volume, mount = _volume_and_mount(children, "peer-keys")
+    assert volume == {
+        "name": "peer-keys",
+        "secret": {"secretName": "kvpool-gpu-peer", "defaultMode": 0o440},
+    }
+    assert mount == {"name": "peer-keys", "mountPath": "/etc/kvpool/peer-keys", "readOnly": True}
+    assert _agent_yaml(children)["peers"] == {
+        "port": 9404,
+        "key_dir": mount["mountPath"],
+        "discovery": "kubernetes",
+        "namespace": "inference",
+        "max_transfers": 2,
+        "bandwidth": 500_000_000,
+    }
+    uncapped = _agent_yaml(_children())["peers"]
+    assert "bandwidth" not in uncapped  # the agent's default: no cap
+    assert (uncapped["port"], uncapped["max_transfers"]) == (DEFAULT_PEER_PORT, 4)
+
+
+def test_a_pool_without_peers_has_no_peer_port_credential_or_section() -> None:
+    children = _children(PoolSpec.parse(PEERS_OFF))
+    (container,) = _pod(children)["containers"]
+    assert "peer" not in {port["name"] for port in container["ports"]}
+    assert NODE_NAME_ENV not in {env["name"] for env in container["env"]}
+    assert _volume_and_mount(children, "peer-keys") == (None, None)
+    assert _agent_yaml(children)["peers"] is None
+    assert "peer-keys" not in yaml.safe_dump(children.daemonset)
 
 
 def test_service_monitor() -> None:
@@ -481,6 +550,10 @@ def test_index_pods_and_agent_pods_are_told_apart() -> None:
     assert index_pod[COMPONENT_LABEL] == "index"
 
 
+DOWNWARD = {"spec.nodeName": "gpu-node-1"}
+"""What the kubelet fills in from the downward API."""
+
+
 def test_each_pod_leads_its_process_to_its_own_configuration(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -500,7 +573,8 @@ def test_each_pod_leads_its_process_to_its_own_configuration(
         assert volume["configMap"]["name"] == config_map["metadata"]["name"]
         with monkeypatch.context() as pod_env:
             for variable in container["env"]:
-                path = Path(variable["value"])
+                field = variable.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+                path = Path(DOWNWARD[field] if field else variable["value"])
                 if path.parent == Path(mount["mountPath"]):  # where the kubelet mounts it
                     (tmp_path / path.name).write_text(config_map["data"][path.name])
                     path = tmp_path / path.name
@@ -744,6 +818,7 @@ NETWORK_POLICY = {
 }
 PORTS = {"zmq": 9000, "http": 9001, "events": 9002}
 INDEX_PORT = 9003
+PEER_PORT = 9004
 SOURCES = {
     "vllm": Pod({"app": "vllm"}, "inference"),
     "vllm-of-team-a": Pod({"client": "yes"}, "team-a", {"team": "a"}),
@@ -758,8 +833,9 @@ SOURCES = {
 }
 
 
-def _protected(policy: dict[str, Any], index: bool = True) -> Children:
+def _protected(policy: dict[str, Any], index: bool = True, peers: bool = True) -> Children:
     spec = {**TOKENS, "ports": PORTS, "networkPolicy": policy}
+    spec |= {"peers": {"enabled": peers, "port": PEER_PORT}}
     spec |= {"index": {"enabled": True, "port": INDEX_PORT}} if index else {}
     return _children(PoolSpec.parse(spec))
 
@@ -775,7 +851,7 @@ def _pods(children: Children) -> dict[str, Pod]:
 
 
 def _admitted(children: Children, target: Pod, source: Pod) -> set[int]:
-    ports = {*PORTS.values(), INDEX_PORT}
+    ports = {*PORTS.values(), INDEX_PORT, PEER_PORT}
     return {port for port in ports if admits(children.network_policies, target, source, port)}
 
 
@@ -822,7 +898,20 @@ def test_the_index_reaches_the_agents_snapshots_and_events() -> None:
     pods = _pods(children)
     assert _admitted(children, pods["agent"], pods["index"]) == {9000, 9002}
     assert _admitted(children, pods["index"], pods["agent"]) == set()
-    assert _admitted(children, pods["agent"], pods["agent"]) == set()  # agents never talk
+
+
+def test_the_agents_reach_each_others_peer_port_only_with_peers() -> None:
+    """The pool's agents admit each other on the peer port, and on nothing else; another
+    pool's agents (another instance label) and the pool's other pods are refused it."""
+    children = _protected(NETWORK_POLICY)
+    agent = _pods(children)["agent"]
+    assert _admitted(children, agent, agent) == {PEER_PORT}
+    other_pool = Pod({**agent.labels, "app.kubernetes.io/instance": "other"}, POOL.namespace)
+    assert _admitted(children, agent, other_pool) == set()
+    for source in ("vllm", "prometheus", "stranger"):
+        assert PEER_PORT not in _admitted(children, agent, SOURCES[source]), source
+    alone = _protected(NETWORK_POLICY, peers=False)
+    assert _admitted(alone, _pods(alone)["agent"], _pods(alone)["agent"]) == set()
 
 
 def test_a_pool_without_the_index_has_the_agents_policy_only() -> None:
@@ -831,8 +920,12 @@ def test_a_pool_without_the_index_has_the_agents_policy_only() -> None:
     (policy,) = children.network_policies
     assert ChildRef.of(policy) == network_policy_refs(POOL)[0]
     assert network_policy_refs(POOL)[1] in children.absent
-    (clients,) = policy["spec"]["ingress"]  # no rule for an index or Prometheus it lacks
+    clients, peers = policy["spec"]["ingress"]  # no rule for an index or Prometheus it lacks
     assert clients["from"] == NETWORK_POLICY["clients"]
+    assert peers == {
+        "from": [{"podSelector": {"matchLabels": policy["spec"]["podSelector"]["matchLabels"]}}],
+        "ports": [{"protocol": "TCP", "port": PEER_PORT}],
+    }
     agent = _pods(children)["agent"]
     assert _admitted(children, agent, SOURCES["vllm"]) == {9000, 9001}
     for source in ("prometheus", "gateway", "stranger"):

@@ -13,10 +13,13 @@ deletes them):
   ceilings; the operator renders only its metadata and writes its data key by key
   (``tenants.py``), the agents watch it;
 - ``kvpool-<pool>-agent``: ServiceAccount, Role and RoleBinding that let the agents read,
-  watch and patch that one quota ConfigMap, and read and watch the tenants ConfigMap
-  (:mod:`.rbac`);
+  watch and patch that one quota ConfigMap, read and watch the tenants ConfigMap and, with
+  peers (``spec.peers``), read and watch the pods of the namespace (:mod:`.rbac`);
 - ``kvpool-<pool>-agent``: DaemonSet of agents, rolled by a checksum of ``agent.yaml``
-  (:mod:`.daemonset`, with :mod:`.pods` for what its pods share with the index's);
+  (:mod:`.daemonset`, with :mod:`.pods` for what its pods share with the index's); with
+  peers, its pods serve the port ``peer`` and mount the pool's peer Secret
+  ``kvpool-<pool>-peer``, which the operator mints and rotates (``kvpool_operator.peers``,
+  not a rendered child: its keys are random);
 - ``kvpool-<pool>``: Service (``internalTrafficPolicy: Local``) whose annotations tell
   the vLLM connector how to reach and use its node's agent (:mod:`.services`);
 - ``kvpool-<pool>``: ServiceMonitor, when the spec asks for one (:mod:`.services`);
@@ -120,7 +123,7 @@ def render(pool: Pool, spec: PoolSpec, *, default_image: str) -> Children:
     its configuration."""
     config = agent_config(pool, spec)
     config_text = settings_file(config)
-    service_account, role, role_binding = agent_rbac(pool)
+    service_account, role, role_binding = agent_rbac(pool, spec)
     index = index_children(pool, spec, default_image) if spec.index.enabled else None
     monitor = service_monitor(pool, spec) if spec.metrics.service_monitor.enabled else None
     policies = network_policies(pool, spec) if spec.network_policy.enabled else ()

@@ -16,7 +16,7 @@ from kvpool_agent.config import AgentConfig
 from kvpool_agent.index.config import IndexConfig
 from kvpool_agent.names import AGENT_COMPONENT, INDEX_COMPONENT
 from kvpool_operator.render.objects import Pool
-from kvpool_operator.spec import InvalidSpec, NvmeTier, PoolSpec, S3Tier, describe
+from kvpool_operator.spec import InvalidSpec, NvmeTier, PeersSpec, PoolSpec, S3Tier, describe
 
 TOKENS_DIR = "/etc/kvpool/tokens"
 TOKENS_FILE = "tokens.yaml"
@@ -28,6 +28,8 @@ AGENT_ACCESS_KEY = "token"
 """That Secret's key (the operator mints it; see kvpool_operator.tenants)."""
 L2_KEYS_DIR = "/etc/kvpool/l2-keys"
 """Where the pool's L2 key Secret is mounted (spec.l2.encryption.keySecretRef)."""
+PEER_KEYS_DIR = "/etc/kvpool/peer-keys"
+"""Where the pool's peer Secret (``kvpool-<pool>-peer``) is mounted (spec.peers)."""
 NODE_KEYS_DIR = ".kvpool-keys"
 """Without a key Secret, each agent keeps its own key under the NVMe tier's hostPath, in
 this directory (a name no pool can have), so that it outlives the pod as the files do."""
@@ -101,6 +103,7 @@ def agent_config(pool: Pool, spec: PoolSpec) -> AgentConfig:
         l2_key_dir=_l2_key_dir(pool, spec),
         nvme=_nvme_config(nvme.nvme) if nvme and nvme.nvme else None,
         s3=_s3_config(s3.s3) if s3 and s3.s3 else None,
+        peers=_peers_config(pool, spec.peers) if spec.peers.enabled else None,
         store_policy=spec.l2.store_policy,
         store_min_hits=spec.l2.store_min_hits,
     )
@@ -146,6 +149,20 @@ def _l2_key_dir(pool: Pool, spec: PoolSpec) -> str | None:
 
 def _nvme_config(tier: NvmeTier) -> dict[str, Any]:
     return {"path": tier.host_path, "capacity": tier.capacity, "encryption": tier.encryption}
+
+
+def _peers_config(pool: Pool, peers: PeersSpec) -> dict[str, Any]:
+    """The pool's other agents, found as the index finds them (their pods' container port
+    named ``peer``), proving the credential mounted at PEER_KEYS_DIR."""
+    capped = {} if peers.max_bandwidth is None else {"bandwidth": peers.max_bandwidth}
+    return {
+        "port": peers.port,
+        "key_dir": PEER_KEYS_DIR,
+        "discovery": "kubernetes",
+        "namespace": pool.namespace,
+        "max_transfers": peers.max_transfers,
+        **capped,
+    }
 
 
 def _s3_config(tier: S3Tier) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The agents' DaemonSet ``kvpool-<pool>-agent``: one agent per selected node, its memory
-sized from L1, its volumes (the node's /dev/shm, the NVMe tier, the tokens and L2 keys
-Secrets), rolled by a checksum of ``agent.yaml``."""
+sized from L1, its volumes (the node's /dev/shm, the NVMe tier, the tokens, L2 keys and
+peer Secrets), with peers its port ``peer`` and its node's name, rolled by a checksum of
+``agent.yaml``."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from kvpool_agent.names import (
     AGENT_CONFIG_FILE_ENV,
     AGENT_CONFIG_KEY,
     AGENT_HOST_ENV,
+    NODE_NAME_ENV,
     SHM_DIR,
 )
-from kvpool_operator.render.config import L2_KEYS_DIR
+from kvpool_operator.render.config import L2_KEYS_DIR, PEER_KEYS_DIR
 from kvpool_operator.render.objects import Manifest, Pool, manifest
 from kvpool_operator.render.pods import (
     AGENT_UID,
@@ -66,6 +68,15 @@ def _l2_keys_volume(spec: PoolSpec) -> list[Volume]:
     return [(volume, {"name": "l2-keys", "mountPath": L2_KEYS_DIR, "readOnly": True})]
 
 
+def _peer_keys_volume(pool: Pool, spec: PoolSpec) -> list[Volume]:
+    """With peers, the pool's peer Secret at PEER_KEYS_DIR, as the L2 keys: the operator's
+    rotations reach the agents with no roll."""
+    if not spec.peers.enabled:
+        return []
+    volume = {"name": "peer-keys", "secret": {"secretName": pool.peer_name, "defaultMode": 0o440}}
+    return [(volume, {"name": "peer-keys", "mountPath": PEER_KEYS_DIR, "readOnly": True})]
+
+
 def _volumes(pool: Pool, spec: PoolSpec, config: AgentConfig) -> list[Volume]:
     """(volume, mount) pairs of the agent pod."""
     # The node's /dev/shm, where the agent creates its pool's directory (mode 0710, its group
@@ -80,6 +91,7 @@ def _volumes(pool: Pool, spec: PoolSpec, config: AgentConfig) -> list[Volume]:
         state_volume(),
         *tokens_volume(spec),
         *_l2_keys_volume(spec),
+        *_peer_keys_volume(pool, spec),
     ]
     nvme = spec.l2.tier("nvme")
     if nvme is not None and nvme.nvme is not None:
@@ -95,16 +107,23 @@ def _volumes(pool: Pool, spec: PoolSpec, config: AgentConfig) -> list[Volume]:
 
 def _container(pool: Pool, spec: PoolSpec, config: AgentConfig, image: str) -> dict[str, Any]:
     memory = format_bytes(agent_memory(spec))
+    ports = [*agent_ports(spec), ("events", spec.ports.events)]
+    env: list[dict[str, Any]] = [
+        {"name": AGENT_HOST_ENV, "value": "0.0.0.0"},
+        {"name": AGENT_CONFIG_FILE_ENV, "value": f"{CONFIG_DIR}/{AGENT_CONFIG_KEY}"},
+    ]
+    if spec.peers.enabled:  # the port its peers find it at, its name among them
+        ports.append(("peer", spec.peers.port))
+        env.append(
+            {"name": NODE_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+        )
     container: dict[str, Any] = {
         "name": "agent",
         "image": image,
         "imagePullPolicy": spec.agent.image_pull_policy,
         "command": ["kvpool-agent"],
-        "env": [
-            {"name": AGENT_HOST_ENV, "value": "0.0.0.0"},
-            {"name": AGENT_CONFIG_FILE_ENV, "value": f"{CONFIG_DIR}/{AGENT_CONFIG_KEY}"},
-        ],
-        "ports": container_ports([*agent_ports(spec), ("events", spec.ports.events)]),
+        "env": env,
+        "ports": container_ports(ports),
         "resources": resources(
             {"cpu": AGENT_CPU_REQUEST, "memory": memory},
             {"memory": memory},

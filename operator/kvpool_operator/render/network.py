@@ -1,6 +1,7 @@
 """The NetworkPolicies ``kvpool-<pool>-agent`` and, with the index, ``kvpool-<pool>-index``
 (when ``spec.networkPolicy.enabled``): they isolate the agent pods and the index pods for
-ingress and admit each peer the spec names to the ports it needs."""
+ingress and admit each peer the spec names to the ports it needs, and the pool's own pods
+to the ports they use (the index to the agents', the agents to each other's peer port)."""
 
 from __future__ import annotations
 
@@ -52,27 +53,31 @@ def _network_policy(
     )
 
 
+def _pool_pods(pool: Pool, component: str, present: bool) -> list[dict[str, Any]]:
+    """The pool's own pods of ``component`` as a peer, where the pool has them."""
+    return [{"podSelector": {"matchLabels": pool.selector(component)}}] if present else []
+
+
 def network_policies(pool: Pool, spec: PoolSpec) -> tuple[Manifest, ...]:
     """Clients reach the agents' ZMQ and HTTP ports, Prometheus their HTTP port (/metrics),
-    the pool's index their ZMQ (snapshots) and events ports; gateways and Prometheus reach
-    the index's port."""
+    the pool's index their ZMQ (snapshots) and events ports, the pool's other agents their
+    peer port (with spec.peers; egress stays open, so they reach it); gateways and
+    Prometheus reach the index's port."""
     policy, ports = spec.network_policy, spec.ports
     prometheus = _peers(policy.prometheus)
-    index = (
-        [{"podSelector": {"matchLabels": pool.selector(INDEX_COMPONENT)}}]
-        if spec.index.enabled
-        else []
-    )
-    agents = _network_policy(
+    index = _pool_pods(pool, INDEX_COMPONENT, spec.index.enabled)
+    agents = _pool_pods(pool, AGENT_COMPONENT, spec.peers.enabled)
+    agents_policy = _network_policy(
         pool,
         AGENT_COMPONENT,
         pool.agent_name,
         _ingress(_peers(policy.clients), [ports.zmq, ports.http])
         + _ingress(index, [ports.zmq, ports.events])
+        + _ingress(agents, [spec.peers.port])
         + _ingress(prometheus, [ports.http]),
     )
     if not spec.index.enabled:
-        return (agents,)
+        return (agents_policy,)
     port = spec.index.port
     ingress = _ingress(_peers(policy.gateways), [port]) + _ingress(prometheus, [port])
-    return agents, _network_policy(pool, INDEX_COMPONENT, pool.index_name, ingress)
+    return agents_policy, _network_policy(pool, INDEX_COMPONENT, pool.index_name, ingress)

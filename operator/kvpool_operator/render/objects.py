@@ -68,6 +68,12 @@ class Pool:
         """The Secret of the salts of the pool's shared spaces (the operator's alone)."""
         return f"kvpool-{self.name}-spaces"
 
+    @property
+    def peer_name(self) -> str:
+        """The Secret of the pool's peer credential (``spec.peers``): the operator mints and
+        rotates its keys, the agents mount it."""
+        return f"kvpool-{self.name}-peer"
+
     def labels(self, component: str = AGENT_COMPONENT) -> dict[str, str]:
         return {
             NAME_LABEL: APP,

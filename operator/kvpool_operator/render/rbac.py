@@ -1,6 +1,6 @@
 """The ServiceAccounts, Roles and RoleBindings of the agents (``kvpool-<pool>-agent``) and
 of the index (``kvpool-<pool>-index``): each may read, and the agents patch, only what it
-needs."""
+needs, in the pool's namespace only (Roles, never ClusterRoles)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 
 from kvpool_agent.names import AGENT_COMPONENT, INDEX_COMPONENT
 from kvpool_operator.render.objects import Manifest, Pool, manifest
+from kvpool_operator.spec import PoolSpec
 
 
 def account_with_role(
@@ -30,9 +31,15 @@ def account_with_role(
     )
 
 
-def agent_rbac(pool: Pool) -> tuple[Manifest, Manifest, Manifest]:
+POD_READER = {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+"""Reading and watching the pods of the Role's namespace (the pool's agents, found by their
+labels)."""
+
+
+def agent_rbac(pool: Pool, spec: PoolSpec) -> tuple[Manifest, Manifest, Manifest]:
     """The agents may read, watch and patch their pool's quota ConfigMap, and read and
-    watch its tenants ConfigMap (only the operator writes that one), nothing else."""
+    watch its tenants ConfigMap (only the operator writes that one) and, with peers, the
+    pods of its namespace (where the other agents are), nothing else."""
     quotas = {
         "apiGroups": [""],
         "resources": ["configmaps"],
@@ -45,10 +52,10 @@ def agent_rbac(pool: Pool) -> tuple[Manifest, Manifest, Manifest]:
         "resourceNames": [pool.tenants_name],
         "verbs": ["get", "list", "watch"],
     }
-    return account_with_role(pool, pool.agent_name, AGENT_COMPONENT, [quotas, tenants])
+    peers = [POD_READER] if spec.peers.enabled else []
+    return account_with_role(pool, pool.agent_name, AGENT_COMPONENT, [quotas, tenants, *peers])
 
 
 def index_rbac(pool: Pool) -> tuple[Manifest, Manifest, Manifest]:
     """The index lists and watches the pods of its namespace (the pool's agents)."""
-    pods = {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
-    return account_with_role(pool, pool.index_name, INDEX_COMPONENT, [pods])
+    return account_with_role(pool, pool.index_name, INDEX_COMPONENT, [POD_READER])

@@ -21,8 +21,8 @@ those the operator needs to stay total.
 - :mod:`~kvpool_operator.spec.pool`: :class:`PoolSpec` and :class:`KVCachePool`, with
   :mod:`~kvpool_operator.spec.l2`, :mod:`~kvpool_operator.spec.index`,
   :mod:`~kvpool_operator.spec.network`, :mod:`~kvpool_operator.spec.workloads`,
-  :mod:`~kvpool_operator.spec.spaces` and :mod:`~kvpool_operator.spec.selectors` for its
-  parts;
+  :mod:`~kvpool_operator.spec.peers`, :mod:`~kvpool_operator.spec.spaces` and
+  :mod:`~kvpool_operator.spec.selectors` for its parts;
 - :mod:`~kvpool_operator.spec.tenant`: :class:`TenantSpec` and :class:`KVCacheTenant`;
 - :mod:`~kvpool_operator.spec.status`: both statuses, as the CRDs declare them.
 """
@@ -59,6 +59,7 @@ from kvpool_operator.spec.network import (
     NetworkPeer,
     NetworkPolicySpec,
 )
+from kvpool_operator.spec.peers import PEER_PORT_TAKEN, ROTATION_TOO_SHORT, PeersSpec
 from kvpool_operator.spec.pool import (
     INDEX_NEEDS_TOKENS,
     EvictionSpec,
@@ -95,8 +96,10 @@ __all__ = [
     "NETWORK_POLICY_NEEDS_CLIENTS",
     "NETWORK_POLICY_NEEDS_GATEWAYS",
     "NVME_ENCRYPTION_NEEDS_KEY",
+    "PEER_PORT_TAKEN",
     "PEER_SELECTS_NOTHING",
     "PLURAL",
+    "ROTATION_TOO_SHORT",
     "S3_NEEDS_KEY",
     "SELECTOR_VALUES",
     "SSE_KMS_KEY_NEEDS_KMS",
@@ -121,6 +124,7 @@ __all__ = [
     "NetworkPeer",
     "NetworkPolicySpec",
     "NvmeTier",
+    "PeersSpec",
     "PinnedPrefix",
     "PoolRef",
     "PoolSpec",

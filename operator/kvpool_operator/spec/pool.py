@@ -24,6 +24,7 @@ from kvpool_operator.spec.index import IndexSpec
 from kvpool_operator.spec.l2 import L2Spec
 from kvpool_operator.spec.markers import AGE, CustomResource, PrinterColumn, Rule, cel, list_map
 from kvpool_operator.spec.network import NETWORK_POLICY_NEEDS_GATEWAYS, NetworkPolicySpec
+from kvpool_operator.spec.peers import PEER_PORT_TAKEN, PeersSpec
 from kvpool_operator.spec.selectors import LabelSelector
 from kvpool_operator.spec.spaces import SharedSpaceSpec, unique_names
 from kvpool_operator.spec.status import PoolStatus
@@ -217,6 +218,11 @@ class PoolSpec(SpecModel):
                 "self.networkPolicy.gateways.size() > 0)",
                 NETWORK_POLICY_NEEDS_GATEWAYS,
             ),
+            Rule(
+                "!self.peers.enabled || !(self.peers.port in "
+                "[self.ports.zmq, self.ports.http, self.ports.events])",
+                PEER_PORT_TAKEN,
+            ),
         )
     )
 
@@ -264,13 +270,21 @@ class PoolSpec(SpecModel):
         "by default; they take effect only where the cluster's network plugin enforces "
         "NetworkPolicy). When enabled the operator makes kvpool-<pool>-agent: the agents' ZMQ "
         "and HTTP ports admit clients, their HTTP port prometheus, their ZMQ and events ports "
-        "the pool's index; and with spec.index kvpool-<pool>-index: the index's port admits "
+        "the pool's index, their peer port the pool's other agents (spec.peers); and with "
+        "spec.index kvpool-<pool>-index: the index's port admits "
         "gateways and prometheus. Anything else is refused, except what the network plugin "
         "lets through from the pod's own node (kubelet probes). A peer selects pods "
         "(podSelector, in the pool's namespace unless namespaceSelector is set too), "
         "namespaces (namespaceSelector: every pod there), or both, as in a NetworkPolicy.",
     )
-
+    peers: PeersSpec = Field(
+        PeersSpec(),
+        description="The peer tier: each agent serves the chunks of its L1 and NVMe to the "
+        "pool's other agents on the peer port, and pulls from them what it misses there before "
+        "it asks S3. Peers prove the pool's credential (the Secret kvpool-<pool>-peer, minted "
+        "and rotated by the operator) and every chunk travels sealed with it. With "
+        "spec.networkPolicy the agents admit each other on the peer port.",
+    )
     shared_spaces: tuple[SharedSpaceSpec, ...] = Field(
         (),
         description="Caches the pool's tenants share, each with a salt the operator mints (kept "
@@ -293,6 +307,13 @@ class PoolSpec(SpecModel):
     def _index_has_tokens(self) -> Self:
         if self.index.enabled and self.tenants.tokens_secret_ref is None:
             raise ValueError(INDEX_NEEDS_TOKENS)
+        return self
+
+    @model_validator(mode="after")
+    def _peer_port_is_free(self) -> Self:
+        ports = self.ports
+        if self.peers.enabled and self.peers.port in (ports.zmq, ports.http, ports.events):
+            raise ValueError(PEER_PORT_TAKEN)
         return self
 
     @model_validator(mode="after")
