@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import statistics
@@ -38,3 +39,17 @@ def machine() -> str:
                 break
     load = " ".join(f"{value:.2f}" for value in os.getloadavg())
     return f"CPU: {cpu}, {os.cpu_count()} CPUs; load average (1, 5, 15 min) at the end: {load}"
+
+
+def command(bench: str, args: argparse.Namespace) -> str:
+    """The command line of this run of ``kvpool bench <bench>``, every setting spelled out
+    (a flag only where it is set)."""
+    words = ["kvpool", "bench", bench]
+    for name, value in vars(args).items():
+        option = f"--{name.replace('_', '-')}"
+        if isinstance(value, bool):
+            words += [option] if value else []
+        else:
+            shown = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+            words += [option, shown]
+    return "command: " + " ".join(words)
