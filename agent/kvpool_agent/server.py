@@ -36,6 +36,7 @@ from kvpool_agent.files import FileRefused, LockFile, Undo
 from kvpool_agent.l2 import L2Adapter, ObjectKey
 from kvpool_agent.l2.nvme import NvmeAdapter
 from kvpool_agent.l2.tiers import open_tiers
+from kvpool_agent.peer.node import PeerTier
 from kvpool_agent.problems import listening
 from kvpool_agent.quotas import Quota
 from kvpool_agent.segment import LOCK_MODE, SegmentInUse, lock_path
@@ -204,10 +205,15 @@ class Agent:
             async with contextlib.AsyncExitStack() as opening:
                 for tier in tiers:
                     opening.push_async_callback(tier.close)
+                peers = None if config.peers is None else PeerTier(config)
+                if peers is not None:
+                    opening.callback(peers.stop)
+                    opening.push_async_callback(peers.adapter.close)
                 l1 = open_l1(config, agent_id, undo)
                 closing_tiers = opening.pop_all()
             stack.callback(l1.close)
-            # the tiers close before L1 is unmapped (a write-back may still hold its memory)
+            # the tiers and peers close before L1 is unmapped (a write-back, or a chunk being
+            # sealed for a peer, may still read its memory)
             await stack.enter_async_context(closing_tiers)
             service = self._open_service(l1, quota_store, quotas, stack)
             limits.service = service
@@ -223,7 +229,7 @@ class Agent:
                 probe_table=l1.probe_table,
             )
             service.publish_events(events)
-            prefetcher = await self._start_l2(l1, service, metrics, tiers, stack)
+            prefetcher = await self._start_l2(l1, service, metrics, tiers, peers=peers, stack=stack)
             zmq_server = ZmqServer(
                 service,
                 l1.segment,
@@ -243,6 +249,7 @@ class Agent:
                 ready=lambda: self._ready,
                 metrics=metrics.exposition,
                 limits=config.http_limits,
+                peers=None if peers is None else peers.state,
             )
             refusals = HttpRefusals()
             metrics.register_http(refusals)
@@ -384,16 +391,25 @@ class Agent:
         service: CacheService,
         metrics: AgentMetrics,
         tiers: list[L2Adapter],
+        *,
+        peers: PeerTier | None,
         stack: contextlib.AsyncExitStack,
     ) -> Prefetcher | None:
-        """The write-back and prefetch of the L2 ``tiers``, attached to the service.
+        """The write-back to the L2 ``tiers`` and the prefetch from them and from ``peers``
+        (between NVMe and S3), attached to the service; this agent serves its peers.
 
-        Returns the prefetcher (None without tiers), whose progress the ZMQ server reports.
+        Returns the prefetcher (None without tiers or peers), whose progress the ZMQ server
+        reports.
         """
         config = self.config
-        if not tiers:
+        if not tiers and peers is None:
             return None
         loop = asyncio.get_running_loop()
+        nvme = next((tier for tier in tiers if isinstance(tier, NvmeAdapter)), None)
+        readable = list(tiers)
+        if peers is not None:
+            readable.insert(0 if nvme is None else 1, peers.adapter)
+            peers.serve(service, l1.segment, nvme, loop)
 
         def shrink_tiers(tenant: str) -> None:  # any thread: HTTP handlers, the quota watch
             for tier in tiers:
@@ -424,16 +440,17 @@ class Agent:
             capacity_bytes=int(config.l1_size) // 4,
             observe=metrics.observe_l2,
         )
-        prefetcher = Prefetcher(service, tiers, observe=metrics.observe_l2)
-        nvme = next((tier for tier in tiers if isinstance(tier, NvmeAdapter)), None)
+        prefetcher = Prefetcher(service, readable, observe=metrics.observe_l2)
         service.attach_lower_tiers(
             writeback, prefetcher, drop_tenant, None if nvme is None else nvme.tenant_used
         )
-        metrics.register_l2(tiers, writeback, prefetcher)
+        metrics.register_l2(readable, writeback, prefetcher)
+        if peers is not None:
+            metrics.register_peers(peers)
         for controller in (writeback, prefetcher):
             await controller.start()
             stack.push_async_callback(controller.stop)
-        log.info("L2 tiers: %s", ", ".join(tier.name for tier in tiers))
+        log.info("L2 tiers: %s", ", ".join(tier.name for tier in readable))
         return prefetcher
 
     @contextlib.asynccontextmanager

@@ -16,7 +16,7 @@ import zmq
 
 from kvpool_agent import protocol as p
 from kvpool_agent.edge.zap import PlainAuthenticator
-from kvpool_agent.index.discovery import AgentEndpoint
+from kvpool_agent.kube.discovery import AgentEndpoint
 from kvpool_agent.protocol import EVENTS_TOPIC, ChunkEvent, encode_event
 from kvpool_agent.tenancy.auth import Role, TokenAuthority
 from kvpool_agent.testing.agent_process import INDEX_TOKEN

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvpool_agent.index.discovery import (
+from kvpool_agent.kube.discovery import (
     AgentEndpoint,
     KubernetesDiscovery,
     StaticDiscovery,
@@ -72,15 +72,15 @@ def test_static_discovery_reports_its_list_once() -> None:
 
 def test_pods_become_endpoints_only_while_they_count() -> None:
     assert pod_endpoint(pod("a")) == AgentEndpoint(
-        "gpu-1", "tcp://10.0.0.5:7400", "tcp://10.0.0.5:7402"
+        "gpu-1", "tcp://10.0.0.5:7400", "tcp://10.0.0.5:7402", "10.0.0.5:7404"
     )
-    custom = pod("a", ports={"zmq": 9000, "events": 9002})
+    custom = pod("a", ports={"zmq": 9000, "events": 9002, "peer": 9004})
     assert pod_endpoint(custom) == AgentEndpoint(
-        "gpu-1", "tcp://10.0.0.5:9000", "tcp://10.0.0.5:9002"
+        "gpu-1", "tcp://10.0.0.5:9000", "tcp://10.0.0.5:9002", "10.0.0.5:9004"
     )
     unnamed = pod("a", ip="fd00::7", ports={})
     assert pod_endpoint(unnamed) == AgentEndpoint(
-        "gpu-1", "tcp://[fd00::7]:7400", "tcp://[fd00::7]:7402"
+        "gpu-1", "tcp://[fd00::7]:7400", "tcp://[fd00::7]:7402", "[fd00::7]:7404"
     )
     for waiting in (
         pod("a", phase="Pending"),

@@ -12,7 +12,6 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
 from kvpool_agent.index.config import Fingerprint
-from kvpool_agent.index.discovery import AgentEndpoint
 from kvpool_agent.index.http_api import create_app
 from kvpool_agent.index.metrics import IndexMetrics
 from kvpool_agent.index.policy import RoutingPolicy
@@ -20,6 +19,7 @@ from kvpool_agent.index.service import IndexService
 from kvpool_agent.index.subscriber import AgentStatus
 from kvpool_agent.index.tracker import PrefixTracker
 from kvpool_agent.keys import chunk_keys, root_key, tenant_id
+from kvpool_agent.kube.discovery import AgentEndpoint
 from kvpool_agent.tenancy.auth import TokenAuthority
 
 GATEWAY = "gateway-token-Qw3"

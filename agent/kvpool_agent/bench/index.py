@@ -36,13 +36,13 @@ from kvpool_agent import problems
 from kvpool_agent import protocol as p
 from kvpool_agent.bench.report import table
 from kvpool_agent.edge.events import EventPublisher
-from kvpool_agent.index.discovery import AgentEndpoint
 from kvpool_agent.index.policy import RoutingPolicy
 from kvpool_agent.index.query import Query
 from kvpool_agent.index.service import IndexService
 from kvpool_agent.index.subscriber import EventSubscriber
 from kvpool_agent.index.tracker import PrefixTracker
 from kvpool_agent.keys import ModelFingerprint, chunk_keys
+from kvpool_agent.kube.discovery import AgentEndpoint
 from kvpool_agent.tenancy.auth import TokenAuthority
 from kvpool_agent.testing.agent_process import INDEX_TOKEN
 

@@ -1,5 +1,5 @@
 """The agent's HTTP API: health, cache status, tenant quotas, usage and clearing, pins and
-warming, and usage per shared space.
+warming, usage per shared space, and the state of this agent's peers.
 
 :func:`create_app` gets every dependency as an argument; the composition root
 builds the service and the token authority and passes them in.
@@ -36,6 +36,7 @@ from kvpool_agent.api_models import (
     PIN_NAME_PATTERN,
     CacheStatus,
     Cleared,
+    Peers,
     Pin,
     Pins,
     PinUpdate,
@@ -99,6 +100,7 @@ _ERRORS: dict[int | str, str] = {
     "pin": "The token may not pin or warm for this tenant: an admin's, or a token of an "
     "owner of the shared space, may.",
     "warm": "Too many loads from L2 are in flight to start one; try again.",
+    "peers": "This agent has no peers (its configuration has no peers section).",
 }
 
 
@@ -201,12 +203,15 @@ def create_app(
     ready: Callable[[], bool] | None = None,
     metrics: MetricsSource | None = None,
     limits: HttpLimits | None = None,
+    peers: Callable[[bool], Peers] | None = None,
 ) -> FastAPI:
     """The HTTP API over ``service``, guarded by ``authority``.
 
     ``ready`` answers ``/readyz`` (default: ready whenever the app serves).
     ``metrics``, if given, is served at ``/metrics`` without a token.
     ``limits`` bound request bodies (:class:`~kvpool_agent.web.body_gate.BodyGate`).
+    ``peers`` answers ``/v1/peers`` (its argument: probe every peer first); without it
+    that route is 404 (no peers configured).
     """
     app = FastAPI(
         title="kvpool agent",
@@ -224,7 +229,33 @@ def create_app(
     app.include_router(_cache_routes(service, guards))
     app.include_router(_tenant_routes(service, guards))
     app.include_router(_pin_routes(service, guards))
+    app.include_router(_peer_routes(peers, guards))
     return app
+
+
+def _peer_routes(peers: Callable[[bool], Peers] | None, guards: _Guards) -> APIRouter:
+    router = APIRouter(
+        prefix="/v1", tags=["peers"], responses={**_errors(401, 403), **_error(404, "peers")}
+    )
+    Admin = Annotated[Principal, Depends(guards.admin)]
+
+    @router.get(
+        "/peers",
+        summary="This agent's peers (the pool's other agents) and what it serves them (admin).",
+    )
+    def peer_state(
+        _: Admin,
+        probe: Annotated[
+            bool, Query(description="Connect to every peer now (kvpool doctor's check).")
+        ] = False,
+    ) -> Peers:
+        if peers is None:
+            raise HTTPException(
+                status.HTTP_404_NOT_FOUND, "this agent has no peers (no peers section)"
+            )
+        return peers(probe)
+
+    return router
 
 
 def _always() -> bool:

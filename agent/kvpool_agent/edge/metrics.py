@@ -29,8 +29,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from kvpool_agent.core.factory import SegmentOrigin
+from kvpool_agent.edge.peer_metrics import PeerCollector
 from kvpool_agent.edge.zmtp import DropReason
 from kvpool_agent.l2.base import L2Adapter
+from kvpool_agent.peer.node import PeerTier
 from kvpool_agent.probe_table import ProbeTableWriter
 from kvpool_agent.service.cache_service import CacheService
 from kvpool_agent.service.results import SpaceUsage, TenantRanking
@@ -277,6 +279,24 @@ class _L2Collector(Collector):
             for tier in self._tiers:
                 metric.add_metric([tier.name], getattr(tier.stats, field))
             yield metric
+        latency = GaugeMetricFamily(
+            "kvpool_tier_latency_seconds",
+            "Measured seconds of a small get, by tier (the prefetch's cost model).",
+            labels=["tier"],
+        )
+        bandwidth = GaugeMetricFamily(
+            "kvpool_tier_bandwidth_bytes_per_second",
+            "Measured bytes per second of a large get, by tier (the prefetch's cost model).",
+            labels=["tier"],
+        )
+        for tier in self._tiers:
+            cost = self._prefetcher.costs.cost(tier.name)
+            if cost.latency is not None:
+                latency.add_metric([tier.name], cost.latency)
+            if cost.bandwidth is not None:
+                bandwidth.add_metric([tier.name], cost.bandwidth)
+        yield latency
+        yield bandwidth
         writeback = self._writeback.stats
         yield CounterMetricFamily(
             "kvpool_writeback_written", "Chunk copies written to L2.", value=writeback.written
@@ -381,6 +401,9 @@ class AgentMetrics:
         self, tiers: Sequence[L2Adapter], writeback: WriteBack, prefetcher: Prefetcher
     ) -> None:
         self.registry.register(_L2Collector(tiers, writeback, prefetcher))
+
+    def register_peers(self, peers: PeerTier) -> None:
+        self.registry.register(PeerCollector(peers))
 
     def observe_l2(self, tier: str, op: str, seconds: float) -> None:
         self._l2_latency.labels(tier, op).observe(seconds)

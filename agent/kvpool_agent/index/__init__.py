@@ -13,7 +13,7 @@ Core (no sockets, no web framework, no metrics library):
 * :mod:`~kvpool_agent.index.service`: lookup and route, timed (the in-process API).
 
 Edges: :mod:`~kvpool_agent.index.subscriber` (ZMQ: events, gaps, resync by snapshot),
-:mod:`~kvpool_agent.index.discovery` (static list, Kubernetes pods),
+:mod:`~kvpool_agent.kube.discovery` (static list, Kubernetes pods),
 :mod:`~kvpool_agent.index.http_api` (FastAPI; gateway and admin tokens of the pool's
 tokens file, :mod:`kvpool_agent.tenancy.auth`), :mod:`~kvpool_agent.index.metrics` (Prometheus),
 :mod:`~kvpool_agent.index.client` (HTTP client for gateways),

@@ -15,9 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvpool_agent.config import POOL_NAME_PATTERN, ConfigFileSource, HttpLimits
-from kvpool_agent.index.discovery import AgentEndpoint
 from kvpool_agent.index.policy import RoutingPolicy
 from kvpool_agent.keys import ModelFingerprint
+from kvpool_agent.kube.discovery import AgentEndpoint
 from kvpool_agent.names import (
     DEFAULT_INDEX_PORT,
     DEFAULT_LOAD_FACTOR,

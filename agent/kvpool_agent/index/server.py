@@ -27,17 +27,17 @@ from kvpool_agent.client import read_token
 from kvpool_agent.config import load_settings
 from kvpool_agent.files import Undo
 from kvpool_agent.index.config import IndexConfig, StaticAgent
-from kvpool_agent.index.discovery import (
-    AgentEndpoint,
-    Discovery,
-    KubernetesDiscovery,
-    StaticDiscovery,
-)
 from kvpool_agent.index.http_api import create_app
 from kvpool_agent.index.metrics import IndexMetrics
 from kvpool_agent.index.service import IndexService
 from kvpool_agent.index.subscriber import EventSubscriber
 from kvpool_agent.index.tracker import PrefixTracker
+from kvpool_agent.kube.discovery import (
+    AgentEndpoint,
+    Discovery,
+    KubernetesDiscovery,
+    StaticDiscovery,
+)
 from kvpool_agent.names import INDEX_CONFIG_FILE_ENV
 from kvpool_agent.problems import (
     ArgumentParser,

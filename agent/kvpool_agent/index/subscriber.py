@@ -49,7 +49,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvpool_agent import protocol as p
-from kvpool_agent.index.discovery import AgentEndpoint
+from kvpool_agent.kube.discovery import AgentEndpoint
 from kvpool_agent.web.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)

@@ -70,15 +70,17 @@ class ObjectCodec:
 
     @contextlib.contextmanager
     def encode(
-        self, name: ObjectKey, payload: bytes | memoryview
+        self, name: ObjectKey, payload: bytes | memoryview, key_id: int | None = None
     ) -> Iterator[tuple[bytes, bytes | memoryview]]:
         """The header and the body of ``payload`` as ``name``, for the block's duration.
 
         The body is the payload itself where the tier does not seal (no copy), its
-        ciphertext in a buffer borrowed from :attr:`buffers` where it does.
+        ciphertext in a buffer borrowed from :attr:`buffers` where it does. ``key_id``: one
+        the reader holds (a peer's), else the active key.
         """
         keys = self.keyring.current()
-        key_id = keys.active_id
+        if key_id is None:
+            key_id = keys.active_id
         nonce = os.urandom(NONCE_SIZE)
         flags = SEALED if self.seal else 0
         associated = HEADER.pack(

@@ -44,7 +44,7 @@ KEY_FILE_MODE = 0o600
 _KEY_FILE_LIMIT = 0o755
 """What a key file may grant at most: never write to the group or other users."""
 _KEY_FILE_RULE = (
-    "an L2 key file must be a regular file of the agent's user or root that neither its "
+    "a key file must be a regular file of the agent's user or root that neither its "
     "group nor other users may write (chmod go-w)"
 )
 
@@ -64,16 +64,19 @@ class Keys:
         return max(self.by_id)
 
 
-def read_keys(directory: Path, warn: Callable[[str], None] | None = log.warning) -> Keys:
+def read_keys(
+    directory: Path, warn: Callable[[str], None] | None = log.warning, what: str = "L2 key"
+) -> Keys:
     """The keys in ``directory``; :class:`KeyringError` if there are none or one is unusable.
 
-    ``warn`` hears of each key file readable by every user (None: nobody does).
+    ``warn`` hears of each key file readable by every user (None: nobody does); ``what``
+    names the keys in messages (the L2 keys, or the peers').
     """
     found: dict[int, bytes] = {}
     try:
         entries = list(os.scandir(directory))
     except OSError as error:
-        raise KeyringError(f"cannot list the L2 key directory {directory}: {error}") from error
+        raise KeyringError(f"cannot list the {what} directory {directory}: {error}") from error
     for entry in entries:
         if not entry.name.isdecimal() or int(entry.name) < 1 or entry.is_dir():
             continue
@@ -81,7 +84,7 @@ def read_keys(directory: Path, warn: Callable[[str], None] | None = log.warning)
         try:
             fd, status = open_verified(
                 path,
-                what="L2 key file",
+                what=f"{what} file",
                 mode=_KEY_FILE_LIMIT,
                 follow_symlinks=True,
                 owners={os.geteuid(), 0},
@@ -90,24 +93,24 @@ def read_keys(directory: Path, warn: Callable[[str], None] | None = log.warning)
         except FileRefused as error:
             raise KeyringError(str(error)) from None
         except OSError as error:
-            raise KeyringError(f"cannot read L2 key {path}: {error.strerror}") from error
+            raise KeyringError(f"cannot read {what} {path}: {error.strerror}") from error
         with os.fdopen(fd, "rb") as handle:
             material = handle.read().strip()
         if status.st_mode & stat.S_IROTH and warn is not None:
             warn(
-                f"L2 key file {path} is readable by every user (owner uid {status.st_uid}, "
+                f"{what} file {path} is readable by every user (owner uid {status.st_uid}, "
                 f"mode {stat.S_IMODE(status.st_mode):04o}): chmod o-r, or mount the Secret "
                 "with defaultMode 0440"
             )
         if len(material) < MIN_KEY_BYTES:
             raise KeyringError(
-                f"L2 key {entry.name} in {directory} has {len(material)} bytes; "
+                f"{what} {entry.name} in {directory} has {len(material)} bytes; "
                 f"a key needs at least {MIN_KEY_BYTES} (e.g. `openssl rand -hex 32`)"
             )
         found[int(entry.name)] = material
     if not found:
         raise KeyringError(
-            f"the L2 key directory {directory} holds no key (a file named by a positive "
+            f"the {what} directory {directory} holds no key (a file named by a positive "
             "integer key id)"
         )
     return Keys(found)
@@ -143,15 +146,19 @@ def generate_key(directory: Path) -> Path | None:
 class Keyring:
     """The current :class:`Keys` of a directory, reread every :data:`RELOAD_SECONDS`."""
 
-    def __init__(self, directory: Path, reload_seconds: float = RELOAD_SECONDS) -> None:
-        """Read ``directory`` now; :class:`KeyringError` if it holds no usable key."""
+    def __init__(
+        self, directory: Path, reload_seconds: float = RELOAD_SECONDS, what: str = "L2 key"
+    ) -> None:
+        """Read ``directory`` now; :class:`KeyringError` if it holds no usable key. ``what``
+        names the keys in messages."""
         self.directory = directory
+        self.what = what
         self._reload_seconds = reload_seconds
         self._warned: set[str] = set()
-        self._keys = read_keys(directory, self._warn)
+        self._keys = read_keys(directory, self._warn, what)
         self._read_at = time.monotonic()
         self._reloading = threading.Lock()
-        log.info("L2 keys %s from %s", sorted(self._keys.by_id), directory)
+        log.info("%ss %s from %s", what, sorted(self._keys.by_id), directory)
 
     def current(self) -> Keys:
         if time.monotonic() - self._read_at >= self._reload_seconds and self._reloading.acquire(
@@ -166,12 +173,12 @@ class Keyring:
     def _reload(self) -> None:
         self._read_at = time.monotonic()
         try:
-            keys = read_keys(self.directory, self._warn)
+            keys = read_keys(self.directory, self._warn, self.what)
         except (KeyringError, OSError) as error:
-            log.warning("L2 keys: keeping keys %s: %s", sorted(self._keys.by_id), error)
+            log.warning("%ss: keeping keys %s: %s", self.what, sorted(self._keys.by_id), error)
             return
         if keys != self._keys:
-            log.info("L2 keys now %s (sealing with %d)", sorted(keys.by_id), keys.active_id)
+            log.info("%ss now %s (active: %d)", self.what, sorted(keys.by_id), keys.active_id)
             self._keys = keys
 
     def _warn(self, message: str) -> None:

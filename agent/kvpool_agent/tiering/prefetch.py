@@ -2,11 +2,13 @@
 
 The cache service's lookup starts a prefetch for the keys after the L1 hits
 (on the ZMQ thread), whose id the client gets at once. On the event loop, the
-prefetch finds how long a run of those keys the tiers hold (in order, fastest
-tier first: ``expected``), then loads them into L1 chunk by chunk through the
-service's store (reserve, copy, commit), so quotas apply and nothing
-half-copied is ever visible (``loaded``).
-It stops at the first chunk it cannot get or place. Listeners (the ZMQ server,
+prefetch finds how long a run of those keys the tiers hold (``expected``), then
+loads them into L1 chunk by chunk through the service's store (reserve, copy,
+commit), so quotas apply and nothing half-copied is ever visible (``loaded``).
+Each chunk comes from the tier holding it that is expected to cost least
+(:mod:`kvpool_agent.tiering.costs`; the fixed order is NVMe, peers, S3), and
+from the next holder where that one fails (a peer that died mid-transfer).
+It stops at the first chunk no tier gives or L1 refuses. Listeners (the ZMQ server,
 to answer parked ``prefetch_status`` requests) hear of every change.
 """
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 
 from kvpool_agent.l2.base import L2Adapter, ObjectKey
 from kvpool_agent.service.cache_service import CacheService
+from kvpool_agent.tiering.costs import TierCosts
 from kvpool_agent.tiering.writeback import LatencyObserver
 from kvpool_agent.web.rate_limited_log import RateLimitedLog
 
@@ -32,6 +35,8 @@ _failures = RateLimitedLog(log)
 
 _REMEMBERED = 4096  # finished prefetches kept for status queries
 _BATCH = 8
+_TYPICAL_CHUNK = 2 << 20
+"""The size the tier costs are compared at before a chunk has been seen."""
 
 
 @dataclass
@@ -61,6 +66,7 @@ class Prefetcher:
     tiers: Sequence[L2Adapter]
     max_in_flight: int = 32
     observe: LatencyObserver | None = None
+    costs: TierCosts = field(default_factory=TierCosts)
     stats: PrefetchStats = field(default_factory=PrefetchStats)
 
     def __post_init__(self) -> None:
@@ -71,6 +77,7 @@ class Prefetcher:
         self._listeners: list[Callable[[], None]] = []
         self._guard = threading.Lock()  # begin() runs on the ZMQ thread, the rest on the loop
         self._finished = threading.Condition(self._guard)
+        self._chunk_bytes = _TYPICAL_CHUNK
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -130,7 +137,7 @@ class Prefetcher:
                     zip(prefetch.keys[start:], holders[start : start + _BATCH], strict=False)
                 )
                 payloads = await asyncio.gather(
-                    *(self._get(tier, prefetch.tenant, key) for key, tier in batch)
+                    *(self._get_any(tiers, prefetch.tenant, key) for key, tiers in batch)
                 )
                 for (key, _), payload in zip(batch, payloads, strict=True):
                     placed = payload is not None and self._place(
@@ -151,23 +158,38 @@ class Prefetcher:
                 self._finished.notify_all()
             self._changed()
 
-    async def _locate(self, prefetch: Prefetch) -> list[L2Adapter]:
-        """The tier holding each key of the leading run the tiers have, fastest tier first."""
+    async def _locate(self, prefetch: Prefetch) -> list[list[L2Adapter]]:
+        """For each key of the leading run the tiers have, the tiers holding it, the one
+        expected to cost least first."""
         names = [ObjectKey(prefetch.tenant, key) for key in prefetch.keys]
         found = await asyncio.gather(*(tier.exists(names) for tier in self.tiers))
-        holders: list[L2Adapter] = []
+        holders: list[list[L2Adapter]] = []
         for index in range(len(names)):
-            holder = next((t for t, has in zip(self.tiers, found, strict=True) if has[index]), None)
-            if holder is None:
+            having = [t for t, has in zip(self.tiers, found, strict=True) if has[index]]
+            if not having:
                 break
-            holders.append(holder)
+            first = self.costs.cheapest([t.name for t in having], self._chunk_bytes)
+            holders.append([having[first], *having[:first], *having[first + 1 :]])
         return holders
+
+    async def _get_any(
+        self, tiers: list[L2Adapter], tenant: str, key: bytes
+    ) -> bytes | memoryview | None:
+        for tier in tiers:
+            payload = await self._get(tier, tenant, key)
+            if payload is not None:
+                return payload
+        return None
 
     async def _get(self, tier: L2Adapter, tenant: str, key: bytes) -> bytes | memoryview | None:
         started = time.perf_counter()
         (payload,) = await tier.get([ObjectKey(tenant, key)])
+        seconds = time.perf_counter() - started
         if self.observe is not None:
-            self.observe(tier.name, "get", time.perf_counter() - started)
+            self.observe(tier.name, "get", seconds)
+        if payload is not None:
+            self._chunk_bytes = len(payload)
+            self.costs.observe(tier.name, seconds, len(payload))
         return payload
 
     def _place(

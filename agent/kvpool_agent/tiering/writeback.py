@@ -128,8 +128,10 @@ class WriteBack:
         self._submit(tenant, qualified, pins)
 
     def _submit(self, tenant: str, keys: Sequence[bytes], pins: Pins) -> None:
-        if not keys or tenant == CANARY_TENANT or self._loop is None or self._queue is None:
-            return  # the doctor's canary stays in L1: it is cleared at once
+        if not keys or not self._tiers or tenant == CANARY_TENANT:
+            return  # nothing keeps copies (peers only); the doctor's canary stays in L1
+        if self._loop is None or self._queue is None:
+            return
         items = []
         stats = self.stats
         with self._pending:

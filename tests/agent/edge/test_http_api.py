@@ -475,6 +475,7 @@ def test_openapi_lists_every_endpoint(api: Api) -> None:
         "/v1/tenants": {"get"},
         "/v1/clear": {"post"},
         "/v1/spaces": {"get"},
+        "/v1/peers": {"get"},
         f"{tenant}/quota": {"get", "put", "delete"},
         f"{tenant}/usage": {"get"},
         f"{tenant}/clear": {"post"},

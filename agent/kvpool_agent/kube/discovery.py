@@ -1,4 +1,5 @@
-"""Where the pool's agents are: a static list, or the pool's agent pods in Kubernetes.
+"""Where the pool's agents are: a static list, or the pool's agent pods in Kubernetes (for
+the prefix index, and for each agent's peers).
 
 A discovery calls ``on_change`` with the complete list of agents whenever it
 changes (:meth:`~kvpool_agent.index.subscriber.EventSubscriber.follow` takes
@@ -10,7 +11,8 @@ and in routing answers.
 (it needs ``get``, ``list`` and ``watch`` on pods there). A pod counts while
 it is running, has an IP and is not being deleted; its endpoints are
 ``tcp://<pod IP>:<port>`` for the container ports named ``zmq`` and
-``events`` (7400 and 7402 when not named). Where two pods sit on one node (a
+``events`` (7400 and 7402 when not named), and ``<pod IP>:<port>`` for ``peer``
+(7404). Where two pods sit on one node (a
 surge during a rollout), the newer one wins. The list and watch are
 :class:`~kvpool_agent.kube.watch.ListWatch`'s.
 """
@@ -27,7 +29,12 @@ from kubernetes.client import ApiClient, CoreV1Api
 from kubernetes.config import ConfigException
 
 from kvpool_agent.kube.watch import ListWatch, api_configuration
-from kvpool_agent.names import DEFAULT_EVENTS_PORT, DEFAULT_ZMQ_PORT, agent_pods_selector
+from kvpool_agent.names import (
+    DEFAULT_EVENTS_PORT,
+    DEFAULT_PEER_PORT,
+    DEFAULT_ZMQ_PORT,
+    agent_pods_selector,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +48,8 @@ class AgentEndpoint:
     """The agent's ZMQ protocol endpoint (snapshots), e.g. ``tcp://10.0.0.5:7400``."""
     events: str
     """Its chunk-event PUB endpoint, e.g. ``tcp://10.0.0.5:7402``."""
+    peer: str | None = None
+    """Where it serves its peers, ``HOST:PORT`` (pods only: the index does not need it)."""
 
     @classmethod
     def parse(cls, text: str) -> AgentEndpoint:
@@ -96,6 +105,7 @@ def pod_endpoint(pod: Mapping[str, Any]) -> AgentEndpoint | None:
         node,
         f"tcp://{host}:{ports.get('zmq') or DEFAULT_ZMQ_PORT}",
         f"tcp://{host}:{ports.get('events') or DEFAULT_EVENTS_PORT}",
+        f"{host}:{ports.get('peer') or DEFAULT_PEER_PORT}",
     )
 
 
@@ -163,7 +173,7 @@ class KubernetesDiscovery:
         """List and watch the agent pods; ``on_change`` runs in the watch thread."""
         self._pods.start(
             lambda pods: self._publish(pods.values(), on_change),
-            thread_name="kvpool-index-discovery",
+            thread_name="kvpool-agents-discovery",
         )
 
     def stop(self) -> None:

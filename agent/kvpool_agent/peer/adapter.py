@@ -1,0 +1,126 @@
+"""The pool's other agents as an L2 tier, read by the prefetch between NVMe and S3.
+
+:meth:`PeerAdapter.exists` asks every peer at once how much of the prefix it
+holds and remembers who holds which chunk; :meth:`PeerAdapter.get` pulls each
+chunk from a peer that holds it, trying the next holder where one fails, is
+busy or no longer has it. Bytes pulled reach L1 through the prefetch's
+placement, so the tenant's quota on this node applies to them as to any store.
+The tier stores nothing of its own: ``put`` refuses (the write-back skips it),
+``delete``, quota and drops have nothing to do (each peer keeps its own).
+
+Links block (sockets), so they run on the adapter's threads: the event loop
+only awaits them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from kvpool_agent.l2.base import AdapterStats, L2Object, ObjectKey
+from kvpool_agent.l2.codec import IntegrityError
+from kvpool_agent.peer.directory import PeerDirectory
+from kvpool_agent.peer.links import PeerBusy, PeerLink
+from kvpool_agent.web.rate_limited_log import RateLimitedLog
+
+log = logging.getLogger(__name__)
+_failures = RateLimitedLog(log)
+
+T = TypeVar("T")
+THREADS = 8
+BUSY_WAITS = (0.005, 0.02, 0.05, 0.0)
+"""Seconds to wait after each busy answer before asking again; then the next holder."""
+_REMEMBERED = 1 << 16
+"""Chunks whose holders are remembered between ``exists`` and ``get``."""
+
+
+class PeerAdapter:
+    name = "peer"
+
+    def __init__(self, directory: PeerDirectory) -> None:
+        self.directory = directory
+        self.stats = AdapterStats()
+        self._holders: OrderedDict[ObjectKey, list[PeerLink]] = OrderedDict()
+        self._threads = ThreadPoolExecutor(THREADS, thread_name_prefix="kvpool-peer-fetch")
+
+    async def put(self, objects: Sequence[L2Object]) -> list[bool]:
+        return [False] * len(objects)
+
+    async def exists(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """The leading run of ``keys`` (one tenant's prefix) that some peer holds."""
+        if not keys:
+            return []
+        tenant = keys[0].tenant
+        run = [key.key for key in keys[: _same_tenant(keys)]]
+        links = self.directory.links()
+        counts = await asyncio.gather(
+            *(self._run(link.held, tenant, run) for link in links), return_exceptions=True
+        )
+        held = {
+            link: count for link, count in zip(links, counts, strict=True) if isinstance(count, int)
+        }
+        best = max(held.values(), default=0)
+        for index in range(best):
+            by_most = sorted((link for link, n in held.items() if n > index), key=held.__getitem__)
+            self._remember(keys[index], by_most[::-1])
+        return [index < best for index in range(len(keys))]
+
+    async def get(self, keys: Sequence[ObjectKey]) -> list[bytes | memoryview | None]:
+        return list(await asyncio.gather(*(self._get(key) for key in keys)))
+
+    async def _get(self, name: ObjectKey) -> memoryview | None:
+        self.stats.gets += 1
+        for link in self._holders.pop(name, None) or self.directory.links():
+            payload = await self._fetch(link, name)
+            if payload is not None:
+                self.stats.hits += 1
+                self.stats.get_bytes += len(payload)
+                return payload
+        return None
+
+    async def _fetch(self, link: PeerLink, name: ObjectKey) -> memoryview | None:
+        """The chunk from ``link``, or None (it failed, or stayed busy, or lost the chunk)."""
+        for wait in BUSY_WAITS:
+            try:
+                return await self._run(link.fetch, name)
+            except PeerBusy:
+                await asyncio.sleep(wait)
+            except IntegrityError as error:
+                self.stats.integrity_failures += 1
+                _failures.warning(f"peer {link.node} sent a chunk that does not open: {error}")
+                return None
+            except (OSError, ValueError) as error:
+                _failures.warning(f"peer {link.node} failed a fetch: {error}")
+                return None
+        return None
+
+    async def delete(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        return [True] * len(keys)
+
+    async def enforce_quota(self, tenant: str) -> int:
+        return 0
+
+    async def drop_tenant(self, tenant: str) -> int:
+        return 0
+
+    async def close(self) -> None:
+        self.directory.stop()
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, call: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._threads, call, *args)
+
+    def _remember(self, name: ObjectKey, links: list[PeerLink]) -> None:
+        self._holders[name] = links
+        self._holders.move_to_end(name)
+        while len(self._holders) > _REMEMBERED:
+            self._holders.popitem(last=False)
+
+
+def _same_tenant(keys: Sequence[ObjectKey]) -> int:
+    tenant = keys[0].tenant
+    return next((i for i, key in enumerate(keys) if key.tenant != tenant), len(keys))

@@ -1,0 +1,242 @@
+"""The serving half: this agent's L1 and NVMe chunks, for the pool's other agents.
+
+One thread accepts, one thread per connection serves it. A connection first
+proves the pool's peer credential (:mod:`kvpool_agent.peer.session`); nothing
+is said before that but the hello. Then each request names a tenant id, and
+only that tenant's chunks answer it (the L1 and the NVMe tier are keyed by
+tenant): :class:`~kvpool_agent.peer.wire.Exists` counts the leading run of the
+keys held in L1, then NVMe; :class:`~kvpool_agent.peer.wire.Get` sends one
+chunk, sealed with the connection's peer key for that tenant.
+
+A chunk in L1 is read under a read lease (its pages cannot be evicted or
+reused meanwhile) held only while it is sealed into a send buffer; the network
+then sends from that buffer, so a slow peer holds no lease. Serving never
+blocks this node's own clients: past ``max_transfers`` transfers or
+``max_bytes_in_flight`` bytes at once a request is answered
+:class:`~kvpool_agent.peer.wire.Busy` (the asking agent goes to its next
+tier), and ``bandwidth`` paces what is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvpool_agent.config import PeersConfig
+from kvpool_agent.l2.base import L2Adapter, ObjectKey
+from kvpool_agent.l2.codec import ObjectCodec
+from kvpool_agent.l2.keyring import Keyring
+from kvpool_agent.peer.handshake import NotProven
+from kvpool_agent.peer.session import accept_session
+from kvpool_agent.peer.transport import PeerChannel, PeerListener
+from kvpool_agent.peer.wire import Busy, Exists, Get, Have, Missing, Object, WireError
+from kvpool_agent.segment import SharedSegment
+from kvpool_agent.service.cache_service import CacheService
+from kvpool_agent.web.rate_limited_log import RateLimitedLog
+
+log = logging.getLogger(__name__)
+_refusals = RateLimitedLog(log)
+
+T = TypeVar("T")
+MAX_CONNECTIONS = 64
+_NVME_SECONDS = 10.0
+
+
+@dataclass
+class ServingStats:
+    served_chunks: int = 0
+    served_bytes: int = 0
+    transfers_in_flight: int = 0
+    bytes_in_flight: int = 0
+    refused: Counter[str] = field(default_factory=Counter)
+    """By reason: busy, unproven (no credential), malformed, connections."""
+
+
+class Pacer:
+    """A byte rate over every connection (``rate`` 0: none): a send waits its turn."""
+
+    def __init__(self, rate: int) -> None:
+        self.rate = rate
+        self._next = time.monotonic()
+        self._lock = threading.Lock()
+
+    def wait(self, nbytes: int) -> None:
+        if not self.rate:
+            return
+        with self._lock:
+            now = time.monotonic()
+            start = max(now, self._next)
+            self._next = start + nbytes / self.rate
+        if start > now:
+            time.sleep(start - now)
+
+
+@dataclass
+class PeerServer:
+    config: PeersConfig
+    pool: str
+    node: str
+    keyring: Keyring
+    codec: ObjectCodec
+    service: CacheService
+    segment: SharedSegment
+    nvme: L2Adapter | None
+    loop: asyncio.AbstractEventLoop
+    listener: PeerListener
+    stats: ServingStats = field(default_factory=ServingStats)
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pacer = Pacer(int(self.config.bandwidth))
+        self._channels: set[PeerChannel] = set()
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
+
+    def start(self) -> None:
+        self._spawn(self._accept, "kvpool-peer-accept")
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.listener.close()
+        with self._lock:
+            channels = list(self._channels)
+        for channel in channels:
+            channel.close()
+        for thread in list(self._threads):
+            thread.join(timeout=5.0)
+
+    def _spawn(self, target: Callable[..., None], name: str, *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        self._threads = [t for t in self._threads if t.is_alive()]
+        self._threads.append(thread)
+        thread.start()
+
+    def _accept(self) -> None:
+        while not self._stopping:
+            try:
+                channel = self.listener.accept()
+            except OSError:
+                return  # closed: the agent is stopping
+            with self._lock:
+                crowded = len(self._channels) >= MAX_CONNECTIONS
+                if not crowded:
+                    self._channels.add(channel)
+            if crowded:
+                self.stats.refused["connections"] += 1
+                channel.close()
+                continue
+            self._spawn(self._serve, f"kvpool-peer-{channel.remote}", channel)
+
+    def _serve(self, channel: PeerChannel) -> None:
+        try:
+            session = accept_session(channel, self.keyring, self.pool, self.node)
+            while not self._stopping:
+                request, body_length = channel.receive()
+                if body_length:
+                    raise WireError("a request with a body")
+                if isinstance(request, Exists):
+                    channel.send(Have(self._held(request.tenant, request.keys)))
+                elif isinstance(request, Get):
+                    self._send(channel, session.key_id, ObjectKey(request.tenant, request.key))
+                else:
+                    raise WireError(f"unexpected {type(request).__name__}")
+        except NotProven as error:
+            self.stats.refused["unproven"] += 1
+            _refusals.warning(f"refused a peer at {channel.remote}: {error}")
+        except WireError as error:
+            self.stats.refused["malformed"] += 1
+            _refusals.warning(f"closed the connection of peer {channel.remote}: {error}")
+        except (OSError, TimeoutError):
+            pass  # the peer went away or stalled: its next request reconnects
+        finally:
+            channel.close()
+            with self._lock:
+                self._channels.discard(channel)
+
+    def _held(self, tenant: str, keys: list[bytes]) -> int:
+        """The leading run of ``keys`` held in L1, then on NVMe."""
+        count = self.service.lookup(tenant, keys, lock=False, count=False).hit.count
+        if count == len(keys) or self.nvme is None:
+            return count
+        rest = [ObjectKey(tenant, key) for key in keys[count:]]
+        found = self._on_loop(self.nvme.exists(rest))
+        return count + next((i for i, has in enumerate(found) if not has), len(found))
+
+    def _send(self, channel: PeerChannel, key_id: int, name: ObjectKey) -> None:
+        with self._transfer() as admitted:
+            if not admitted:
+                channel.send(Busy())
+                return
+            hit = self.service.lookup(name.tenant, [name.key], lock=True, count=False).hit
+            if hit.lease is not None:
+                payload = self.segment.view[hit.offsets[0] : hit.offsets[0] + hit.sizes[0]]
+                self._send_sealed(channel, key_id, name, payload, hit.lease)
+                return
+            (stored,) = [None] if self.nvme is None else self._on_loop(self.nvme.get([name]))
+            if stored is None:
+                channel.send(Missing())
+                return
+            self._send_sealed(channel, key_id, name, stored, None)
+
+    def _send_sealed(
+        self,
+        channel: PeerChannel,
+        key_id: int,
+        name: ObjectKey,
+        payload: bytes | memoryview,
+        lease: int | None,
+    ) -> None:
+        """Seal ``payload`` (ending ``lease`` as soon as it is sealed) and send it."""
+        leases = [] if lease is None else [lease]
+        size = len(payload)
+        try:
+            if not self._claim_bytes(size):
+                channel.send(Busy())
+                return
+            try:
+                with self.codec.encode(name, payload, key_id) as (header, body):
+                    self.service.release_all(leases)  # sealed: the pages may go
+                    leases.clear()
+                    self._pacer.wait(size)
+                    channel.send(Object(), [header, body])
+            finally:
+                with self._lock:
+                    self.stats.bytes_in_flight -= size
+            self.stats.served_chunks += 1
+            self.stats.served_bytes += size
+        finally:
+            self.service.release_all(leases)
+
+    @contextlib.contextmanager
+    def _transfer(self) -> Iterator[bool]:
+        with self._lock:
+            admitted = self.stats.transfers_in_flight < self.config.max_transfers
+            if admitted:
+                self.stats.transfers_in_flight += 1
+            else:
+                self.stats.refused["busy"] += 1
+        try:
+            yield admitted
+        finally:
+            if admitted:
+                with self._lock:
+                    self.stats.transfers_in_flight -= 1
+
+    def _claim_bytes(self, size: int) -> bool:
+        with self._lock:
+            if self.stats.bytes_in_flight + size > self.config.max_bytes_in_flight:
+                self.stats.refused["busy"] += 1
+                return False
+            self.stats.bytes_in_flight += size
+            return True
+
+    def _on_loop(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run an NVMe operation on the agent's event loop (the tier's home) and wait."""
+        return asyncio.run_coroutine_threadsafe(work, self.loop).result(_NVME_SECONDS)
