@@ -21,19 +21,22 @@ def rows_of(output: str) -> list[list[str]]:
     return [re.split(r" {2,}", line.strip()) for line in rows]
 
 
-def test_the_smallest_run_measures_the_link_between_two_hosts() -> None:
+def test_the_smallest_run_pulls_through_the_peer_and_measures_the_link() -> None:
     with hosts_or_skip(1):  # this machine can make hosts
         pass
     command = [str(BIN / "kvpool"), "bench", "peer", "--chunk-mib", "1,2", "--mib", "4"]
-    command += ["--runs", "2", "--skip-peer"]
-    output = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True).stdout
+    command += ["--runs", "2"]
+    output = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True).stdout
 
     rows = rows_of(output)
     assert [row[:2] for row in rows] == [["1 MiB", "4"], ["2 MiB", "2"]], output
+    figures = r"\d+\.\d\d \[\d+\.\d\d-\d+\.\d\d\]"
     for row in rows:
-        assert re.fullmatch(r"\d+\.\d\d \[\d+\.\d\d-\d+\.\d\d\]", row[2]), row
+        assert all(re.fullmatch(figures, cell) for cell in row[2:5]), row
+    assert rows[1][5] == ">= 0.8"
     assert "over veth (MTU " in output
-    assert "command: kvpool bench peer --chunk-mib 1,2 --mib 4 --runs 2 --skip-peer" in output
+    assert "every chunk B pulled was A's, byte for byte: yes" in output
+    assert "command: kvpool bench peer --chunk-mib 1,2 --mib 4 --runs 2\n" in output
     assert "CPU: " in output
 
 
@@ -63,3 +66,11 @@ def test_report_rates_ratios_per_run_and_the_goal() -> None:
     text = report(slower, args, counts, "1500")
     assert "byte for byte: NO" in text
     assert "chunks from 2 MiB: NO" in text
+
+
+def test_report_without_the_peer_has_the_link_alone() -> None:
+    args = argparse.Namespace(chunk_mib=[2], mib=4, runs=1, skip_peer=True)
+    text = report(Results(seconds={(SOCKET, 2 * MiB): [4 * MiB / 2e9]}), args, {2 * MiB: 2}, "1500")
+
+    assert rows_of(text) == [["2 MiB", "2", "2.00"]]
+    assert "peer" not in text
