@@ -1,5 +1,5 @@
-"""``kvpool bench peer``: its smallest run between two hosts prints the table, and its report's
-rates, ratios and checks on made-up seconds."""
+"""``kvpool bench peer``: its smallest runs between two hosts print the transfer table and the
+readers' table, and its reports' rates, ratios and checks on made-up figures."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvpool_agent.bench import peer_ttft
+from kvpool_agent.bench.connector_engine import Sample
 from kvpool_agent.bench.peer import PEER, SOCKET, MiB, Results, report
+from kvpool_agent.bench.peer_ttft import READERS, RECOMPUTE
 from tests.support.hosts import hosts_or_skip
 
 BIN = Path(sys.executable).parent
@@ -25,7 +28,7 @@ def test_the_smallest_run_pulls_through_the_peer_and_measures_the_link() -> None
     with hosts_or_skip(1):  # this machine can make hosts
         pass
     command = [str(BIN / "kvpool"), "bench", "peer", "--chunk-mib", "1,2", "--mib", "4"]
-    command += ["--runs", "2"]
+    command += ["--runs", "2", "--skip-ttft"]
     output = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True).stdout
 
     rows = rows_of(output)
@@ -36,8 +39,28 @@ def test_the_smallest_run_pulls_through_the_peer_and_measures_the_link() -> None
     assert rows[1][5] == ">= 0.8"
     assert "over veth (MTU " in output
     assert "every chunk B pulled was A's, byte for byte: yes" in output
-    assert "command: kvpool bench peer --chunk-mib 1,2 --mib 4 --runs 2\n" in output
+    assert "command: kvpool bench peer --chunk-mib 1,2 --mib 4 --runs 2 " in output
+    assert "--skip-ttft" in output
+    assert "Reader TTFT" not in output
     assert "CPU: " in output
+
+
+def test_the_smallest_readers_run_loads_through_the_peer_and_s3() -> None:
+    with hosts_or_skip(1):
+        pass
+    command = [str(BIN / "kvpool"), "bench", "peer", "--chunk-mib", "1", "--mib", "1"]
+    command += ["--runs", "1", "--skip-peer", "--prompt-tokens", "512"]
+    output = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True).stdout
+
+    (table,) = [block for block in output.split("\n\n") if block.startswith("Reader TTFT")]
+    rows = [re.split(r" {2,}", line.strip()) for line in table.splitlines()[3:6]]
+    assert [row[0] for row in rows] == [*READERS.values(), "recompute (no connector)"], output
+    # one chunk of the 512 tokens loaded (vLLM computes the last token), none recomputed
+    assert [row[-1] for row in rows] == ["256", "256", "0"]
+    for row in rows:
+        assert re.fullmatch(r"\d+\.\d", row[1]), row
+    assert "peer: every reader loaded 256 tokens from the pool: yes" in output
+    assert "S3: every reader loaded 256 tokens from the pool: yes" in output
 
 
 def test_report_rates_ratios_per_run_and_the_goal() -> None:
@@ -74,3 +97,27 @@ def test_report_without_the_peer_has_the_link_alone() -> None:
 
     assert rows_of(text) == [["2 MiB", "2", "2.00"]]
     assert "peer" not in text
+
+
+def test_readers_report_ratios_to_recompute_and_what_each_loaded() -> None:
+    model = {"layers": 8, "hidden": 512, "kv_heads": 4}  # 8 KiB of KV per token
+    args = argparse.Namespace(prompt_tokens=1024, chunk_tokens=256, **model)
+
+    def sample(seconds: float, hit_tokens: int, token: int = 7) -> Sample:
+        return Sample(seconds, hit_tokens, token, connector_us={}, hit_tokens=hit_tokens)
+
+    runs = [
+        {"peer": sample(0.02, 768), "S3": sample(0.05, 768), RECOMPUTE: sample(0.1, 0)},
+        {"peer": sample(0.04, 768), "S3": sample(0.05, 512, 8), RECOMPUTE: sample(0.1, 0)},
+    ]
+    text = peer_ttft.report(runs, args)
+    rows = [re.split(r" {2,}", line.strip()) for line in text.splitlines()[3:6]]
+
+    # reader, TTFT ms [min-max], vs recompute [min-max], pool tokens (median)
+    assert rows[0] == [READERS["peer"], "30.0 [20.0-40.0]", "0.300 [0.200-0.400]", "768"]
+    assert rows[1] == [READERS["S3"], "50.0 [50.0-50.0]", "0.500 [0.500-0.500]", "640"]
+    assert rows[2] == ["recompute (no connector)", "100.0 [100.0-100.0]", "0"]
+    assert "3 chunks of 256 tokens to load, 6 MiB of KV" in text
+    assert "peer: every reader loaded 768 tokens from the pool: yes" in text
+    assert "S3: every reader loaded 768 tokens from the pool: NO" in text
+    assert "first tokens, readers = recompute: 3 of 4" in text

@@ -1,5 +1,7 @@
 """``kvpool bench peer``: chunks moving between two nodes' agents through the peer tier,
-against a plain socket moving the same bytes over the same link.
+against a plain socket moving the same bytes over the same link; and the time to first
+token of a reader whose KV another node's engine stored, through the peer, through S3,
+recomputed.
 
 Two hosts on this machine, A and B (network namespaces cabled by veth pairs to one bridge:
 :mod:`kvpool_agent.testing.hosts`); per chunk size of ``--chunk-mib``, ``--mib`` MiB of
@@ -17,6 +19,9 @@ Each of ``--runs`` runs moves every size once on each side, the side that goes f
 turning with the run, after one untimed warm-up run (connections, page faults). Figures:
 GB/s of each run, median [min-max]; the ratio is peer over plain socket within one run.
 Goal: the peer >= 0.8 of the plain socket from 2 MiB chunks on.
+
+Then (unless ``--skip-ttft``) the readers' table, on the same hosts with agents and vLLM
+engines of its own: :mod:`kvpool_agent.bench.peer_ttft`.
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpool_agent import problems
+from kvpool_agent.bench import peer_ttft
 from kvpool_agent.bench.peer_agents import PeerPair, peer_pair
 from kvpool_agent.bench.peer_socket import PlainLink
-from kvpool_agent.bench.report import command, machine, median_spread, table
+from kvpool_agent.bench.report import command, machine, median_spread, runs_said, table
 from kvpool_agent.testing.hosts import Hosts, HostsUnavailable
 
 MiB = 1 << 20
@@ -60,6 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--skip-peer", action="store_true", help="no agents: the plain socket (the link) alone"
     )
+    peer_ttft.add_arguments(parser)
 
 
 @dataclass
@@ -75,24 +82,37 @@ def run(args: argparse.Namespace) -> None:
         hosts = Hosts(2).start()
     except HostsUnavailable as error:
         raise SystemExit(f"kvpool bench peer needs two hosts on this machine: {error}") from None
-    with (
-        hosts,
-        tempfile.TemporaryDirectory(prefix="kvpool-bench-peer-") as work,
-        contextlib.ExitStack() as stack,
-    ):
-        a, b = hosts.hosts
-        counts = _counts(args)
-        largest = max(size * count for size, count in counts.items())
+    counts = _counts(args)
+    with hosts, tempfile.TemporaryDirectory(prefix="kvpool-bench-peer-") as work:
+        transfers = _transfers(hosts, Path(work) / "transfers", counts, args)
+        readers = None if args.skip_ttft else peer_ttft.measure(hosts, Path(work) / "ttft", args)
+        mtu = Path(f"/sys/class/net/{hosts.hosts[0].link}/mtu").read_text().strip()
+    print(report(transfers, args, counts, mtu), flush=True)
+    if readers is not None:
+        print("\n" + peer_ttft.report(readers, args))
+    print("\n" + command("peer", args))
+    print(machine())
+
+
+def _transfers(
+    hosts: Hosts, workdir: Path, counts: dict[int, int], args: argparse.Namespace
+) -> Results:
+    """The transfer table's runs (the plain link and the agents started here, stopped on
+    return)."""
+    a, b = hosts.hosts
+    largest = max(size * count for size, count in counts.items())
+    with contextlib.ExitStack() as stack:
         link = PlainLink(a, b, largest)
         stack.callback(link.close)
         sides: dict[str, Callable[[int, int], float]] = {SOCKET: link.transfer}
         pair: PeerPair | None = None
         if not args.skip_peer:
+            workdir.mkdir()
             pair = stack.enter_context(
                 peer_pair(
                     a,
                     b,
-                    Path(work),
+                    workdir,
                     holder_l1=_l1_bytes(sum(size * count for size, count in counts.items())),
                     puller_l1=_l1_bytes(largest),
                 )
@@ -100,11 +120,7 @@ def run(args: argparse.Namespace) -> None:
             for size, count in counts.items():
                 pair.hold(size, count)
             sides[PEER] = pair.pull
-        results = measure(sides, counts, args.runs, pair)
-        mtu = Path(f"/sys/class/net/{a.link}/mtu").read_text().strip()
-    print(report(results, args, counts, mtu), flush=True)
-    print("\n" + command("peer", args))
-    print(machine())
+        return measure(sides, counts, args.runs, pair)
 
 
 def _counts(args: argparse.Namespace) -> dict[int, int]:
@@ -155,7 +171,7 @@ def report(results: Results, args: argparse.Namespace, counts: dict[int, int], m
         header += [f"{PEER} GB/s", "peer / socket", "goal"]
     title = (
         f"Host A -> host B over veth (MTU {mtu}) through a bridge, {args.mib} MiB of chunks "
-        f"per transfer; {args.runs} runs: GB/s median [min-max], ratio per run"
+        f"per transfer; {runs_said(args.runs)}: GB/s median [min-max], ratio per run"
     )
     lines = [table(title, header, rows)]
     if peer:

@@ -31,6 +31,9 @@ from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from kvpool_agent.testing.hosts import Host
 
 POOL = "bench-peer"
+HOLDER = "host-a"
+PULLER = "host-b"
+"""The agents' node names."""
 TENANT = tenant_id("bench-peer")
 BATCH = 8
 """Chunks per store on the holder, as a connector stores a step's."""
@@ -103,6 +106,13 @@ class PeerPair:
         )
 
 
+def peers_setting(node: str, nodes: dict[str, Host], key_dir: Path) -> str:
+    """The ``PEERS`` setting (JSON) of agent ``node`` among ``nodes`` (node name: its host),
+    each on the default peer port, under the credential in ``key_dir``."""
+    agents = [f"{name}={host.address}:{DEFAULT_PEER_PORT}" for name, host in nodes.items()]
+    return json.dumps({"key_dir": str(key_dir), "node": node, "agents": agents})
+
+
 @contextlib.contextmanager
 def peer_pair(
     holder: Host, puller: Host, workdir: Path, *, holder_l1: int, puller_l1: int
@@ -110,13 +120,12 @@ def peer_pair(
     """The two agents, started (L1 sizes in bytes), stopped on exit."""
     key_dir = workdir / "peer-keys"
     generate_key(key_dir)
-    nodes = {"host-a": holder, "host-b": puller}
-    agents = [f"{node}={host.address}:{DEFAULT_PEER_PORT}" for node, host in nodes.items()]
+    nodes = {HOLDER: holder, PULLER: puller}
     with contextlib.ExitStack() as stack:
         started: list[AgentProcess] = []
         for (node, host), l1 in zip(nodes.items(), (holder_l1, puller_l1), strict=True):
-            peers = {"key_dir": str(key_dir), "node": node, "agents": agents}
-            settings = {"POOL": POOL, "L1_SIZE": str(l1), "PEERS": json.dumps(peers)}
+            peers = peers_setting(node, nodes, key_dir)
+            settings = {"POOL": POOL, "L1_SIZE": str(l1), "PEERS": peers}
             (workdir / node).mkdir()
             agent = AgentProcess(workdir / node, settings, host=host)
             stack.callback(agent.cleanup)

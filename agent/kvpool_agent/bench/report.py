@@ -29,6 +29,11 @@ def median_spread(values: Sequence[float] | None, form: str, scale: float = 1.0)
     return f"{middle} [{form.format(min(values) * scale)}-{form.format(max(values) * scale)}]"
 
 
+def runs_said(count: int) -> str:
+    """ "1 run", "3 runs": how many runs a table's figures come from."""
+    return f"{count} run{'s' if count > 1 else ''}"
+
+
 def machine() -> str:
     """The CPU and the load average: every bench names the machine its figures came from."""
     cpu = "unknown CPU"
