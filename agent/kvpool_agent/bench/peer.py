@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -69,10 +70,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     peer_ttft.add_arguments(parser)
 
 
+@dataclass(frozen=True)
+class Side:
+    """One way to move chunks from host A to host B: a transfer (``size, count`` -> its
+    seconds), and the processes on A and on B whose CPU it costs."""
+
+    transfer: Callable[[int, int], float]
+    pids: tuple[int, int]
+
+
 @dataclass
 class Results:
     seconds: dict[tuple[str, int], list[float]] = field(default_factory=dict)
     """Per (side, chunk size), the seconds of each timed run."""
+    cpu: dict[tuple[str, int], list[float]] = field(default_factory=dict)
+    """Per (side, chunk size), the CPU seconds of its process on A and on B in all timed
+    runs together."""
     intact: bool = True
     """Every pull of the peer side was the holder's bytes."""
 
@@ -104,7 +117,7 @@ def _transfers(
     with contextlib.ExitStack() as stack:
         link = PlainLink(a, b, largest)
         stack.callback(link.close)
-        sides: dict[str, Callable[[int, int], float]] = {SOCKET: link.transfer}
+        sides = {SOCKET: Side(link.transfer, link.pids)}
         pair: PeerPair | None = None
         if not args.skip_peer:
             workdir.mkdir()
@@ -119,7 +132,7 @@ def _transfers(
             )
             for size, count in counts.items():
                 pair.hold(size, count)
-            sides[PEER] = pair.pull
+            sides[PEER] = Side(pair.pull, pair.pids)
         return measure(sides, counts, args.runs, pair)
 
 
@@ -134,10 +147,7 @@ def _l1_bytes(stored: int) -> int:
 
 
 def measure(
-    sides: dict[str, Callable[[int, int], float]],
-    counts: dict[int, int],
-    runs: int,
-    pair: PeerPair | None,
+    sides: dict[str, Side], counts: dict[int, int], runs: int, pair: PeerPair | None
 ) -> Results:
     results = Results()
     names = list(sides)
@@ -145,12 +155,23 @@ def measure(
         turn = number % len(names)
         for size, count in counts.items():
             for name in names[turn:] + names[:turn]:
-                seconds = sides[name](size, count)
+                side = sides[name]
+                before = [_cpu_seconds(pid) for pid in side.pids]
+                seconds = side.transfer(size, count)
                 if number:
                     results.seconds.setdefault((name, size), []).append(seconds)
+                    cpu = results.cpu.setdefault((name, size), [0.0, 0.0])
+                    for index, pid in enumerate(side.pids):
+                        cpu[index] += _cpu_seconds(pid) - before[index]
                 if name == PEER and pair is not None:
                     results.intact = results.intact and pair.pulled_intact(size, count)
     return results
+
+
+def _cpu_seconds(pid: int) -> float:
+    """The user and system CPU seconds process ``pid`` has used (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def report(results: Results, args: argparse.Namespace, counts: dict[int, int], mtu: str) -> str:
@@ -160,23 +181,32 @@ def report(results: Results, args: argparse.Namespace, counts: dict[int, int], m
         moved = size * count
         plain = [moved / seconds / 1e9 for seconds in results.seconds[(SOCKET, size)]]
         row = [f"{size // MiB} MiB", str(count), median_spread(plain, "{:.2f}")]
+        row.append(_cpu_per_gb(results.cpu[(SOCKET, size)], moved * len(plain)))
         if peer:
             pulled = [moved / seconds / 1e9 for seconds in results.seconds[(PEER, size)]]
             ratios = [p / s for p, s in zip(pulled, plain, strict=True)]
             goal = f">= {GOAL}" if size >= GOAL_FROM else ""
-            row += [median_spread(pulled, "{:.2f}"), median_spread(ratios, "{:.2f}"), goal]
+            cpu = _cpu_per_gb(results.cpu[(PEER, size)], moved * len(pulled))
+            row += [median_spread(pulled, "{:.2f}"), cpu, median_spread(ratios, "{:.2f}"), goal]
         rows.append(row)
-    header = ["chunk", "chunks", f"{SOCKET} GB/s"]
+    header = ["chunk", "chunks", f"{SOCKET} GB/s", "CPU s/GB A / B"]
     if peer:
-        header += [f"{PEER} GB/s", "peer / socket", "goal"]
+        header += [f"{PEER} GB/s", "CPU s/GB A / B", "peer / socket", "goal"]
     title = (
         f"Host A -> host B over veth (MTU {mtu}) through a bridge, {args.mib} MiB of chunks "
-        f"per transfer; {runs_said(args.runs)}: GB/s median [min-max], ratio per run"
+        f"per transfer; {runs_said(args.runs)}: GB/s median [min-max], ratio per run; CPU: "
+        "seconds of the process on A and on B (the sender and the receiver; the agents) per "
+        "GB moved, all runs"
     )
     lines = [table(title, header, rows)]
     if peer:
         lines += _checks(results, counts)
     return "\n".join(lines)
+
+
+def _cpu_per_gb(cpu: list[float], moved: int) -> str:
+    """``A / B``: each side's CPU seconds per GB of ``moved`` bytes."""
+    return " / ".join(f"{seconds / moved * 1e9:.2f}" for seconds in cpu)
 
 
 def _checks(results: Results, counts: dict[int, int]) -> list[str]:

@@ -61,10 +61,11 @@ def _block(size: int) -> bytes:
 
 @dataclass
 class PeerPair:
-    """Clients (admin) of the two agents."""
+    """Clients (admin) of the two agents, and their pids."""
 
     holder: AgentClient
     puller: AgentClient
+    pids: tuple[int, int]
 
     def hold(self, size: int, count: int) -> None:
         """Store ``count`` chunks of ``size`` into the holder's L1, as one prompt's chain."""
@@ -134,4 +135,5 @@ def peer_pair(
         yield PeerPair(
             stack.enter_context(AgentClient(holding.zmq, token=ADMIN_TOKEN, timeout=30)),
             stack.enter_context(AgentClient(pulling.zmq, token=ADMIN_TOKEN, timeout=30)),
+            (holding.pid, pulling.pid),
         )

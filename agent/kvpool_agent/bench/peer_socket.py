@@ -46,6 +46,11 @@ class PlainLink:
         port = self._line()
         self._sender = sender.popen([*program, "send", receiver.address, port, str(total)])
 
+    @property
+    def pids(self) -> tuple[int, int]:
+        """The sender's and the receiver's."""
+        return self._sender.pid, self._receiver.pid
+
     def transfer(self, size: int, count: int) -> float:
         """Seconds to move ``count`` chunks of ``size`` bytes from the sender to the receiver."""
         assert self._receiver.stdin is not None

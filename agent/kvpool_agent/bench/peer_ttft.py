@@ -24,7 +24,6 @@ import math
 import os
 import random
 import re
-import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -181,13 +180,12 @@ def report(runs: Sequence[Run], args: argparse.Namespace) -> str:
     for name, label in [*READERS.items(), (RECOMPUTE, "recompute (no connector)")]:
         seconds = [run[name].seconds for run in runs]
         ratios = [mine / base for mine, base in zip(seconds, recompute, strict=True)]
-        pool = statistics.median(run[name].hit_tokens for run in runs)
         rows.append(
             [
                 label,
                 median_spread(seconds, "{:.1f}", 1000),
                 median_spread(ratios, "{:.3f}") if name != RECOMPUTE else "",
-                f"{pool:.0f}",
+                median_spread([run[name].hit_tokens for run in runs], "{:.0f}"),
             ]
         )
     mib = loaded * kv_bytes_per_token(args) / MiB
