@@ -40,7 +40,11 @@ def open_session(channel: PeerChannel, keyring: Keyring, pool: str, node: str) -
     if not isinstance(hello, Hello):
         raise WireError(f"expected hello, got {type(hello).__name__}")
     keys = keyring.current()
-    key_id = common_key(keys, hello.key_ids)
+    try:
+        key_id = common_key(keys, hello.key_ids)
+    except NotProven as error:
+        channel.send(Refused(str(error)))
+        raise
     ours = nonce()
     nonces, nodes = (hello.nonce, ours), (hello.node, node)
     channel.send(
@@ -66,6 +70,8 @@ def accept_session(channel: PeerChannel, keyring: Keyring, pool: str, node: str)
     ours = nonce()
     channel.send(Hello(VERSION, node, ours, sorted(keys.by_id)))
     prove, _ = channel.receive()
+    if isinstance(prove, Refused):
+        raise NotProven(f"the peer refused the connection: {prove.reason}")
     if not isinstance(prove, Prove):
         raise WireError(f"expected prove, got {type(prove).__name__}")
     nonces, nodes = (ours, prove.nonce), (node, prove.node)

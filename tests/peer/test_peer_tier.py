@@ -1,0 +1,252 @@
+"""The peer tier between real agents on two hosts (network namespaces, over veth): a chunk
+cached on one host is a hit on the other, with no S3; and every fault (no credential, the
+wrong tenant, wrong bytes, a peer that dies, stalls or is cut off, a tenant at its quota, a
+busy or capped peer) is a miss or a slower hit, never wrong bytes."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvpool_agent.client import AgentClient
+from kvpool_agent.keys import tenant_id
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool_agent.testing.hosts import Hosts
+from tests.support.chunks import chain, data
+from tests.support.metrics import metric
+
+from .rogue import Behaviour, RoguePeer
+
+TENANT = tenant_id("peer-tenant")
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+PORT = 7404
+CHUNK = 60_000
+
+Pool = Callable[..., list[AgentProcess]]
+
+
+def write_peer_key(directory: Path, material: str | None = None) -> Path:
+    directory.mkdir(parents=True)
+    key = directory / "1"
+    key.write_text(material or secrets.token_hex(32))
+    key.chmod(0o600)
+    return directory
+
+
+@pytest.fixture
+def pool_key(tmp_path: Path) -> Path:
+    """The pool's peer credential (the Secret every agent of the pool mounts)."""
+    return write_peer_key(tmp_path / "pool-key")
+
+
+@pytest.fixture
+def pool(hosts: Hosts, pool_key: Path, tmp_path: Path) -> Iterator[Pool]:
+    """``pool(*settings, extra=[...])``: one agent per host (``settings[i]`` its extra
+    settings), each listing the others (and ``extra`` peers) as its peers."""
+    started: list[AgentProcess] = []
+
+    def start(*settings: dict[str, str], extra: tuple[str, ...] = ()) -> list[AgentProcess]:
+        entries = [f"host-{i}={host.address}:{PORT}" for i, host in enumerate(hosts.hosts)]
+        agents = []
+        for index, own in enumerate(settings):
+            workdir = tmp_path / f"agent-{index}"
+            workdir.mkdir()
+            agent = AgentProcess(
+                workdir,
+                {
+                    "PEERS__PORT": str(PORT),
+                    "PEERS__KEY_DIR": str(pool_key),
+                    "PEERS__NODE": f"host-{index}",
+                    "PEERS__AGENTS": json.dumps([*entries, *extra]),
+                    "PEERS__IO_TIMEOUT_SECONDS": "2",
+                    "PEERS__CONNECT_TIMEOUT_SECONDS": "1",
+                    **own,
+                },
+                host=hosts.hosts[index],
+            )
+            started.append(agent)
+            agents.append(agent.start())
+        return agents
+
+    yield start
+    for agent in started:
+        agent.cleanup()
+
+
+def store(
+    agent: AgentProcess, keys: list[bytes], chunks: list[bytes], tenant: str = TENANT
+) -> None:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
+        assert client.store(tenant, keys, chunks) == len(keys)
+
+
+def pull(agent: AgentProcess, keys: list[bytes], tenant: str = TENANT) -> int:
+    """A lookup that misses and prefetches, as the connector's; the chunks loaded into L1."""
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
+        hit, prefetch = client.lookup_prefetch(tenant, keys, lock=False)
+        assert hit.count == 0
+        assert prefetch
+        progress = client.prefetch_status(prefetch, wait_ms=20_000)
+        assert progress.done
+        return progress.loaded
+
+
+def held(agent: AgentProcess, keys: list[bytes], tenant: str = TENANT) -> list[bytes]:
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
+        return client.retrieve(tenant, keys)
+
+
+def peers_of(agent: AgentProcess, probe: bool = False) -> dict[str, object]:
+    answer = httpx.get(f"{agent.http}/v1/peers", params={"probe": probe}, headers=ADMIN)
+    assert answer.status_code == 200, answer.text
+    state: dict[str, object] = answer.json()
+    return state
+
+
+def test_a_chunk_stored_on_one_host_is_a_hit_on_the_other(pool: Pool) -> None:
+    first, second = pool({}, {})
+    keys, chunks = chain("prompt", 6), [data(n, CHUNK) for n in range(5)] + [data(5, 3 << 20)]
+    store(first, keys, chunks)
+    assert pull(second, keys) == len(keys)
+    assert held(second, keys) == chunks
+    assert metric(second, 'kvpool_peer_fetched_chunks_total{peer="host-0"}') == len(keys)
+    assert metric(first, "kvpool_peer_served_chunks_total") == len(keys)
+    assert metric(second, 'kvpool_l2_hits_total{tier="peer"}') == len(keys)
+    state = peers_of(second, probe=True)
+    assert state["node"] == "host-1"
+    (peer,) = state["peers"]  # type: ignore[misc]
+    assert peer["node"] == "host-0" and peer["reachable"] is True and peer["rtt_ms"] > 0
+
+
+def test_the_serving_agent_reads_its_nvme_when_l1_no_longer_holds_the_chunk(
+    pool: Pool, tmp_path: Path
+) -> None:
+    nvme = {"NVME__PATH": str(tmp_path / "nvme"), "NVME__CAPACITY": "64Mi"}
+    first, second = pool(nvme, {})
+    keys, chunks = chain("on-disk", 3), [data(n, CHUNK) for n in range(3)]
+    store(first, keys, chunks)
+    deadline = time.monotonic() + 10
+    while metric(first, "kvpool_writeback_written_total") < len(keys):
+        assert time.monotonic() < deadline, "the write-back did not reach NVMe"
+        time.sleep(0.05)
+    cleared = httpx.post(f"{first.http}/v1/tenants/{TENANT}/clear", headers=ADMIN)
+    assert cleared.status_code == 200, cleared.text
+    assert pull(second, keys) == len(keys)
+    assert held(second, keys) == chunks
+
+
+def test_an_agent_without_the_pool_credential_gets_nothing(pool: Pool, tmp_path: Path) -> None:
+    stranger = write_peer_key(tmp_path / "stranger-key")
+    first, second = pool({}, {"PEERS__KEY_DIR": str(stranger)})
+    keys = chain("secret-prompt", 2)
+    store(first, keys, [data(n, CHUNK) for n in range(2)])
+    assert pull(second, keys) == 0
+    assert held(second, keys) == []
+    assert metric(first, 'kvpool_peer_refused_total{reason="unproven"}') >= 1
+    assert metric(first, "kvpool_peer_served_chunks_total") == 0
+    (peer,) = peers_of(second)["peers"]  # type: ignore[misc]
+    assert peer["reachable"] is False and "unproven" in peer["error"]
+
+
+def test_a_peer_serves_a_chunk_only_under_the_tenant_that_stored_it(pool: Pool) -> None:
+    first, second = pool({}, {})
+    keys = chain("tenant-a-prompt", 2)
+    store(first, keys, [data(n, CHUNK) for n in range(2)])
+    other = tenant_id("another-team")
+    assert pull(second, keys, tenant=other) == 0
+    assert held(second, keys, tenant=other) == []
+    assert metric(first, "kvpool_peer_served_chunks_total") == 0
+
+
+def test_a_tenant_at_its_quota_on_the_receiving_host_pulls_no_further(pool: Pool) -> None:
+    first, second = pool({}, {})
+    keys = chain("long-prompt", 8)
+    store(first, keys, [data(n, CHUNK) for n in range(8)])
+    quota = httpx.put(
+        f"{second.http}/v1/tenants/{TENANT}/quota",
+        json={"limit_bytes": 3 * 65536},  # three pages: three chunks
+        headers=ADMIN,
+    )
+    assert quota.status_code == 200, quota.text
+    assert pull(second, keys) == 3
+    usage = httpx.get(f"{second.http}/v1/tenants/{TENANT}/usage", headers=ADMIN).json()
+    assert usage["used_bytes"] <= 3 * 65536
+
+
+@pytest.mark.parametrize("behaviour", ["other-tenant", "flipped", "cut", "stall"])
+def test_wrong_or_missing_bytes_from_a_peer_are_a_miss_never_a_hit(
+    pool: Pool, hosts: Hosts, pool_key: Path, behaviour: Behaviour
+) -> None:
+    keys = chain(f"rogue-{behaviour}", 2)
+    rogue = RoguePeer(behaviour, pool_key, "default", hosts.root_address, data(0, CHUNK))
+    try:
+        (victim,) = pool({"PEERS__AGENTS": json.dumps([rogue.entry])})
+        started = time.monotonic()
+        assert pull(victim, keys) == 0
+        assert time.monotonic() - started < 10  # a stalled peer is cut off (2 s io timeout)
+        assert held(victim, keys) == []
+        assert rogue.gets >= 1
+        failures = 'kvpool_peer_fetch_failures_total{reason="%s"}'
+        if behaviour in ("other-tenant", "flipped"):
+            assert metric(victim, failures % "integrity") >= 1
+        else:
+            reason = "timeout" if behaviour == "stall" else "broken"
+            assert metric(victim, failures % reason) >= 1
+    finally:
+        rogue.close()
+
+
+def test_a_rogue_peer_beside_an_honest_one_costs_a_retry_not_the_hit(
+    pool: Pool, hosts: Hosts, pool_key: Path
+) -> None:
+    keys, chunks = chain("two-holders", 3), [data(n, CHUNK) for n in range(3)]
+    rogue = RoguePeer("flipped", pool_key, "default", hosts.root_address, chunks[0])
+    try:
+        first, second = pool({}, {}, extra=(rogue.entry,))
+        store(first, keys, chunks)
+        assert pull(second, keys) == len(keys)
+        assert held(second, keys) == chunks
+    finally:
+        rogue.close()
+
+
+def test_a_host_cut_off_is_a_miss_and_a_hit_again_once_back(pool: Pool, hosts: Hosts) -> None:
+    first, second = pool({}, {})
+    keys = chain("cut-off", 2)
+    chunks = [data(n, CHUNK) for n in range(2)]
+    store(first, keys, chunks)
+    hosts.hosts[0].link_down()
+    try:
+        started = time.monotonic()
+        assert pull(second, keys) == 0
+        assert time.monotonic() - started < 10
+    finally:
+        hosts.hosts[0].link_up()
+    assert pull(second, keys) == len(keys)
+    assert held(second, keys) == chunks
+
+
+def test_a_busy_peer_refuses_past_its_cap_and_the_puller_waits_its_turn(pool: Pool) -> None:
+    first, second = pool({"PEERS__MAX_TRANSFERS": "1"}, {"PEERS__MAX_TRANSFERS": "8"})
+    keys = chain("many", 16)
+    chunks = [data(n, 1 << 20) for n in range(16)]
+    store(first, keys, chunks)
+    assert pull(second, keys) == len(keys)
+    assert held(second, keys) == chunks
+    assert metric(first, 'kvpool_peer_refused_total{reason="busy"}') >= 1
+
+
+def test_the_bandwidth_cap_paces_what_a_peer_serves(pool: Pool) -> None:
+    first, second = pool({"PEERS__BANDWIDTH": str(4 << 20)}, {})
+    keys = chain("paced", 8)
+    chunks = [data(n, 1 << 20) for n in range(8)]  # 8 MiB at 4 MiB/s: about 2 s
+    store(first, keys, chunks)
+    started = time.monotonic()
+    assert pull(second, keys) == len(keys)
+    assert time.monotonic() - started >= 1.5

@@ -1,0 +1,169 @@
+"""The peer protocol's frames and handshake, over a real socket pair: what a peer that
+breaks the protocol or lacks the pool's credential gets (nothing but an error)."""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpool_agent.l2.keyring import Keyring
+from kvpool_agent.peer.handshake import NotProven
+from kvpool_agent.peer.session import Session, accept_session, open_session
+from kvpool_agent.peer.transport import TcpChannel, TcpTransport
+from kvpool_agent.peer.wire import (
+    FRAME,
+    MAGIC,
+    MAX_META_BYTES,
+    VERSION,
+    Exists,
+    Get,
+    Have,
+    WireError,
+    frame,
+    parse_header,
+    parse_message,
+)
+
+POOL = "pool-a"
+
+
+def keyring(directory: Path, **keys: str) -> Keyring:
+    directory.mkdir()
+    for key_id, material in keys.items():
+        path = directory / key_id.lstrip("k")
+        path.write_text(material)
+        path.chmod(0o600)
+    return Keyring(directory, what="peer key")
+
+
+@pytest.fixture
+def channels() -> Iterator[tuple[TcpChannel, TcpChannel]]:
+    left, right = socket.socketpair()
+    for sock in (left, right):
+        sock.settimeout(5.0)
+    yield TcpChannel(left, "left"), TcpChannel(right, "right")
+    left.close()
+    right.close()
+
+
+def handshake(
+    channels: tuple[TcpChannel, TcpChannel], server_keys: Keyring, client_keys: Keyring
+) -> tuple[Session | Exception, Session | Exception]:
+    """Both halves at once; each side's session or the error it raised."""
+    results: dict[str, Session | Exception] = {}
+
+    def run(side: str, call: Callable[[], Session]) -> None:
+        try:
+            results[side] = call()
+        except (NotProven, WireError) as error:
+            results[side] = error
+
+    server = threading.Thread(
+        target=run,
+        args=("server", lambda: accept_session(channels[0], server_keys, POOL, "node-a")),
+    )
+    server.start()
+    run("client", lambda: open_session(channels[1], client_keys, POOL, "node-b"))
+    server.join(5.0)
+    return results["server"], results["client"]
+
+
+def test_messages_round_trip_through_frames() -> None:
+    request = Exists("tenant", [bytes(32), bytes([1]) * 32])
+    data = frame(request, body_length=7)
+    meta_length, body_length = parse_header(data[: FRAME.size])
+    assert (meta_length, body_length) == (len(data) - FRAME.size, 7)
+    assert parse_message(data[FRAME.size :]) == request
+
+
+@pytest.mark.parametrize(
+    ("header", "reason"),
+    [
+        (FRAME.pack(b"HTTP", VERSION, 10, 0), "not a kvpool peer frame"),
+        (FRAME.pack(MAGIC, VERSION + 1, 10, 0), "peer protocol version 2"),
+        (FRAME.pack(MAGIC, VERSION, MAX_META_BYTES + 1, 0), "at most"),
+    ],
+)
+def test_a_frame_that_is_not_ours_is_refused(header: bytes, reason: str) -> None:
+    with pytest.raises(WireError, match=reason):
+        parse_header(header)
+
+
+@pytest.mark.parametrize(
+    ("meta", "reason"),
+    [
+        (b"\xc1", "malformed message"),
+        (frame(Get("t", b"short"))[FRAME.size :], "not 32 bytes"),
+        (frame(Exists("t", [bytes(32)] * 9000))[FRAME.size :], "9000 keys"),
+    ],
+)
+def test_a_malformed_message_is_refused(meta: bytes, reason: str) -> None:
+    with pytest.raises(WireError, match=reason):
+        parse_message(meta)
+
+
+def test_peers_holding_the_pool_key_agree_on_the_highest_common_id(
+    channels: tuple[TcpChannel, TcpChannel], tmp_path: Path
+) -> None:
+    old, new = secrets.token_hex(32), secrets.token_hex(32)
+    server = keyring(tmp_path / "a", k1=old, k2=new)
+    client = keyring(tmp_path / "b", k1=old)  # has not read the rotated Secret yet
+    server_side, client_side = handshake(channels, server, client)
+    assert server_side == Session("node-b", 1)
+    assert client_side == Session("node-a", 1)
+    channels[1].send(Exists("t", [bytes(32)]))
+    assert channels[0].receive() == (Exists("t", [bytes(32)]), 0)
+    channels[0].send(Have(1))
+    assert channels[1].receive() == (Have(1), 0)
+
+
+def test_a_peer_without_the_pool_key_is_refused_on_both_sides(
+    channels: tuple[TcpChannel, TcpChannel], tmp_path: Path
+) -> None:
+    server = keyring(tmp_path / "a", k1=secrets.token_hex(32))
+    stranger = keyring(tmp_path / "b", k1=secrets.token_hex(32))
+    server_side, client_side = handshake(channels, server, stranger)
+    assert isinstance(server_side, NotProven)
+    assert "does not hold the pool's peer key" in str(server_side)
+    assert isinstance(client_side, NotProven)
+    assert "refused this agent's proof" in str(client_side)
+
+
+def test_peers_with_no_key_id_in_common_never_prove_anything(
+    channels: tuple[TcpChannel, TcpChannel], tmp_path: Path
+) -> None:
+    shared = secrets.token_hex(32)
+    server = keyring(tmp_path / "a", k2=shared)
+    client = keyring(tmp_path / "b", k1=shared)  # the same bytes under another id
+    server_side, client_side = handshake(channels, server, client)
+    for side in (server_side, client_side):
+        assert isinstance(side, NotProven)
+        assert "no peer key in common" in str(side)
+
+
+def test_a_connection_that_ends_mid_frame_is_a_wire_error(
+    channels: tuple[TcpChannel, TcpChannel],
+) -> None:
+    channels[0]._sock.sendall(frame(Have(3))[:5])
+    channels[0].close()
+    with pytest.raises(WireError, match="closed the connection mid-frame"):
+        channels[1].receive()
+
+
+def test_the_tcp_transport_connects_to_its_listener() -> None:
+    transport = TcpTransport()
+    listener = transport.listen("127.0.0.1", 0, io_timeout=5.0)
+    try:
+        client = transport.connect(listener.address, connect_timeout=2.0, io_timeout=5.0)
+        server = listener.accept()
+        client.send(Have(2))
+        assert server.receive() == (Have(2), 0)
+        client.close()
+        server.close()
+    finally:
+        listener.close()
