@@ -12,7 +12,7 @@ incomplete (:class:`TierUnavailable`) to try again.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -84,15 +84,25 @@ class L2Adapter(Protocol):
     async def close(self) -> None: ...
 
 
-Reserve = Callable[[int], memoryview | None]
-"""Where a chunk of ``size`` bytes goes (reserved L1 pages), or None: read it and drop it."""
+class Destination(Protocol):
+    """Where a tier that receives in place puts a chunk (the prefetch's landing)."""
+
+    def wait_turn(self) -> bool:
+        """Block until the chunk may be asked for (the chunk before it holds its place);
+        False: it must not be (that one could not get one)."""
+        ...
+
+    def reserve(self, size: int) -> memoryview | None:
+        """The memory for the chunk's ``size`` bytes; None: read nothing into it."""
+        ...
 
 
 @runtime_checkable
 class ReceivesInPlace(Protocol):
     """A tier that receives a chunk straight into memory it is given (the peer tier)."""
 
-    async def get_into(self, name: ObjectKey, reserve: Reserve) -> bool:
-        """Receive ``name`` into ``reserve(size)`` and verify it there; True if it is there
-        and intact. False: no holder gave it, or ``reserve`` gave no memory."""
+    async def get_into(self, name: ObjectKey, into: Destination) -> bool:
+        """Receive ``name`` into ``into.reserve(size)`` and verify it there, once
+        ``into.wait_turn()``; True if it is there and intact. False: no holder gave it,
+        or ``into`` gave no memory or no turn."""
         ...

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from kvpool_agent.l2.base import AdapterStats, L2Object, ObjectKey, Reserve
+from kvpool_agent.l2.base import AdapterStats, Destination, L2Object, ObjectKey
 from kvpool_agent.l2.buffers import fresh
 from kvpool_agent.l2.codec import IntegrityError
 from kvpool_agent.peer.directory import PeerDirectory
@@ -76,51 +76,42 @@ class PeerAdapter:
         """Each chunk in a buffer of its own (the prefetch uses :meth:`get_into`)."""
 
         async def one(name: ObjectKey) -> memoryview | None:
-            received: list[memoryview] = []
-
-            def into(size: int) -> memoryview:
-                received[:] = [fresh(size)]
-                return received[0]
-
-            return received[0] if await self.get_into(name, into) else None
+            buffer = _Buffer()
+            return buffer.memory if await self.get_into(name, buffer) else None
 
         return list(await asyncio.gather(*(one(name) for name in keys)))
 
-    async def get_into(self, name: ObjectKey, reserve: Reserve) -> bool:
+    async def get_into(self, name: ObjectKey, into: Destination) -> bool:
         """The chunk from a peer that holds it (the next one where one fails or lost it),
-        received into ``reserve(size)``."""
+        received into ``into``'s memory once its turn has come."""
         self.stats.gets += 1
-        sizes: list[int] = []
-
-        def counted(size: int) -> memoryview | None:
-            sizes.append(size)
-            return reserve(size)
-
         for link in self._holders.pop(name, None) or self.directory.links():
-            fetched = await self._fetch(link, name, counted)
+            fetched, size = await self._fetch(link, name, into)
             if fetched == "filled":
                 self.stats.hits += 1
-                self.stats.get_bytes += sizes[-1]
+                self.stats.get_bytes += size
                 return True
             if fetched == "unwanted":
                 return False
         return False
 
-    async def _fetch(self, link: PeerLink, name: ObjectKey, reserve: Reserve) -> Fetched | None:
-        """``link``'s answer; None where it failed or stayed busy."""
+    async def _fetch(
+        self, link: PeerLink, name: ObjectKey, into: Destination
+    ) -> tuple[Fetched | None, int]:
+        """``link``'s answer and the chunk's size; None where it failed or stayed busy."""
         for wait in BUSY_WAITS:
             try:
-                return await self._run(link.fetch, name, reserve)
+                return await self._run(link.fetch, name, into)
             except PeerBusy:
                 await asyncio.sleep(wait)
             except IntegrityError as error:
                 self.stats.integrity_failures += 1
                 _failures.warning(f"peer {link.node} sent a chunk that does not open: {error}")
-                return None
+                break
             except (OSError, ValueError) as error:
                 _failures.warning(f"peer {link.node} failed a fetch: {error}")
-                return None
-        return None
+                break
+        return None, 0
 
     async def delete(self, keys: Sequence[ObjectKey]) -> list[bool]:
         return [True] * len(keys)
@@ -148,3 +139,16 @@ class PeerAdapter:
 def _same_tenant(keys: Sequence[ObjectKey]) -> int:
     tenant = keys[0].tenant
     return next((i for i, key in enumerate(keys) if key.tenant != tenant), len(keys))
+
+
+class _Buffer:
+    """A destination of its own for :meth:`PeerAdapter.get`: no turn to wait for."""
+
+    memory: memoryview | None = None
+
+    def wait_turn(self) -> bool:
+        return True
+
+    def reserve(self, size: int) -> memoryview:
+        self.memory = fresh(size)
+        return self.memory

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
-from kvpool_agent.l2.base import ObjectKey, Reserve
+from kvpool_agent.l2.base import Destination, ObjectKey
 from kvpool_agent.l2.codec import HEADER, IntegrityError, ObjectCodec, payload_length
 from kvpool_agent.l2.keyring import Keyring
 from kvpool_agent.peer.handshake import NotProven
@@ -105,11 +105,13 @@ class PeerLink:
 
         return self._call(ask)
 
-    def fetch(self, name: ObjectKey, reserve: Reserve) -> Fetched:
-        """The chunk received into ``reserve(size)`` and opened there: ``filled``; or
-        ``missing`` (the peer no longer holds it), ``unwanted`` (``reserve`` gave no memory:
-        the connection is dropped rather than the body read). :class:`PeerBusy` if the peer
-        is at its cap; any other failure raises (and is counted)."""
+    def fetch(self, name: ObjectKey, into: Destination) -> tuple[Fetched, int]:
+        """Once ``into``'s turn has come, the chunk received into ``into.reserve(size)`` and
+        opened there: ``filled`` and its size; or ``missing`` (the peer no longer holds it),
+        ``unwanted`` (no turn, or no memory: the connection is dropped rather than the body
+        read). :class:`PeerBusy` if the peer is at its cap; any other failure raises (and
+        is counted). The turn is waited for here, before a request slot is taken and before
+        the peer is asked: a transfer the peer serves never waits on this agent."""
         settings = self.settings
 
         def get(channel: PeerChannel) -> int:
@@ -128,23 +130,25 @@ class PeerLink:
             size = length - HEADER.size
             if size != payload_length(header) or size > settings.max_object_bytes:
                 raise WireError(f"an object of {length} bytes whose header says otherwise")
-            into = reserve(size)
-            if into is None:
+            memory = into.reserve(size)
+            if memory is None:
                 raise _Unwanted
-            channel.receive_body(into)
-            settings.codec.open(name, header, into, in_place=True)
+            channel.receive_body(memory)
+            settings.codec.open(name, header, memory, in_place=True)
             return size
 
+        if not into.wait_turn():
+            return "unwanted", 0
         try:
             with self._requests:
                 size = self._call(get)
         except _Unwanted:
-            return "unwanted"
+            return "unwanted", 0
         if not size:
-            return "missing"
+            return "missing", 0
         self.stats.fetched_chunks += 1
         self.stats.fetched_bytes += size
-        return "filled"
+        return "filled", size
 
     def probe(self) -> None:
         """A fresh connection and handshake now (the doctor's check); its round trip."""

@@ -90,6 +90,11 @@ class ChunkLanding:
             return None
         return self.service.segment_view[place.offset : place.offset + size]
 
+    def wait_turn(self) -> bool:
+        """Block until the chunk before this one holds its place (or gave up): whether it
+        does (this one may then be asked for)."""
+        return self.after is None or self.after.wait_reserved()
+
     def wait_reserved(self) -> bool:
         """Once this landing has reserved or given up: whether it holds its place."""
         return self._decided.wait(TURN_SECONDS) and self.reserved

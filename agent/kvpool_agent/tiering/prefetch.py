@@ -3,7 +3,7 @@
 The cache service's lookup starts a prefetch for the keys after the L1 hits
 (on the ZMQ thread), whose id the client gets at once. On the event loop, the
 prefetch finds how long a run of those keys the tiers hold (``expected``), then
-loads them into L1, a batch at a time, each chunk into pages reserved for it in
+loads them into L1, several at a time, each chunk into pages reserved for it in
 prompt order (:class:`~kvpool_agent.service.landing.ChunkLanding`: the peer tier
 receives straight into them, others copy there), committed in order, so quotas
 apply, a prefix longer than its quota stops at the quota instead of evicting its
@@ -13,7 +13,8 @@ Each chunk comes from the tier holding it that is expected to cost least
 (:mod:`kvpool_agent.tiering.costs`; the fixed order is NVMe, peers, S3), and
 from the next holder where that one fails (a peer that died mid-transfer).
 It stops at the first chunk no tier gives or L1 refuses. Listeners (the ZMQ server,
-to answer parked ``prefetch_status`` requests) hear of every change.
+to answer parked ``prefetch_status`` requests, which wait for the end) hear when the
+run is located and when the prefetch is done.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ _failures = RateLimitedLog(log)
 """Prefetches follow clients' lookups: one that keeps failing logs a traceback a minute."""
 
 _REMEMBERED = 4096  # finished prefetches kept for status queries
-_BATCH = 8
+_WINDOW = 8
+"""Chunks of one prefetch in flight at once."""
 _TYPICAL_CHUNK = 2 << 20
 """The size the tier costs are compared at before a chunk has been seen."""
 
@@ -140,39 +142,7 @@ class Prefetcher:
             holders = await self._locate(prefetch)
             prefetch.expected = len(holders)
             self._changed()
-            loaded: list[bytes] = []
-            landing = None
-            loop = asyncio.get_running_loop()
-            for start in range(0, len(holders), _BATCH):
-                landings = []
-                for offset in range(min(_BATCH, len(holders) - start)):
-                    index = start + offset
-                    parent = prefetch.keys[index - 1] if index else prefetch.parent
-                    decided = asyncio.Event()
-                    landing = self.service.landing(
-                        prefetch.tenant,
-                        prefetch.keys[index],
-                        parent,
-                        loaded,
-                        after=landing,
-                        on_decided=_waker(loop, decided),
-                    )
-                    self._decisions[landing] = decided
-                    landings.append(landing)
-                filled = await asyncio.gather(
-                    *(
-                        self._fetch(tiers, landing)
-                        for tiers, landing in zip(holders[start:], landings, strict=False)
-                    )
-                )
-                for position, (landing, ok) in enumerate(zip(landings, filled, strict=True)):
-                    if not self._commit(landing, ok):
-                        for later in landings[position + 1 :]:
-                            later.finish(False)  # unreachable past the gap: not kept
-                        return
-                    loaded.append(landing.key)
-                    prefetch.loaded += 1
-                self._changed()
+            await self._load(prefetch, holders)
         except Exception as error:
             _failures.exception(f"a prefetch failed: {type(error).__name__}")
         finally:
@@ -182,6 +152,54 @@ class Prefetcher:
                 self._finished.notify_all()
             self._changed()
 
+    async def _load(self, prefetch: Prefetch, holders: list[list[L2Adapter]]) -> None:
+        """Fetch up to :data:`_WINDOW` chunks at once, commit them in prompt order, stop at
+        the first that no tier gives or L1 refuses."""
+        loaded: list[bytes] = []
+        landings = self._landings(prefetch, len(holders), loaded)
+        window = asyncio.Semaphore(_WINDOW)
+
+        async def fetch(tiers: list[L2Adapter], landing: ChunkLanding) -> bool:
+            async with window:
+                return await self._fetch(tiers, landing)
+
+        fetches = [
+            asyncio.ensure_future(fetch(tiers, landing))
+            for tiers, landing in zip(holders, landings, strict=True)
+        ]
+        committed = 0
+        try:
+            for landing, fetched in zip(landings, fetches, strict=True):
+                if not self._commit(landing, await fetched):
+                    break
+                committed += 1
+                loaded.append(landing.key)
+                prefetch.loaded += 1
+        finally:
+            # past a gap nothing is reachable: once every transfer into them has ended
+            # (a thread may still be writing), their pages go back
+            await asyncio.gather(*fetches[committed:], return_exceptions=True)
+            for landing in landings[committed + 1 :]:
+                landing.finish(False)
+
+    def _landings(self, prefetch: Prefetch, count: int, loaded: list[bytes]) -> list[ChunkLanding]:
+        """One landing per chunk, each reserving after the one before."""
+        loop = asyncio.get_running_loop()
+        landings: list[ChunkLanding] = []
+        for index in range(count):
+            decided = asyncio.Event()
+            landing = self.service.landing(
+                prefetch.tenant,
+                prefetch.keys[index],
+                prefetch.keys[index - 1] if index else prefetch.parent,
+                loaded,
+                after=landings[-1] if landings else None,
+                on_decided=_waker(loop, decided),
+            )
+            self._decisions[landing] = decided
+            landings.append(landing)
+        return landings
+
     async def _fetch(self, tiers: list[L2Adapter], landing: ChunkLanding) -> bool:
         """Get one chunk from the first of ``tiers`` that gives it, into its landing's
         pages; whether they hold it now (False also where L1 refused it)."""
@@ -189,12 +207,8 @@ class Prefetcher:
         try:
             for tier in tiers:
                 if isinstance(tier, ReceivesInPlace):
-                    # asked only once the chunk before has its place: the tier's transfer
-                    # must not wait on this loop's turn (a capped peer would starve)
-                    if not await self._turn(landing):
-                        return False
                     started = time.perf_counter()
-                    if await tier.get_into(name, landing.reserve):
+                    if await tier.get_into(name, landing):
                         self._observe(tier, time.perf_counter() - started, landing.size)
                         return True
                 else:
