@@ -31,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _cached(result: Result | None) -> int | None:
+    return result.cached[0] if result is not None else None
+
+
 def summary(evidence: Evidence) -> None:
     assert evidence.first is not None and evidence.second is not None
     lines = [
@@ -47,6 +51,10 @@ def summary(evidence: Evidence) -> None:
         f"{not evidence.second.differences(evidence.first)}",
         f"node-a agent: {evidence.status_a['chunks']} chunks, {evidence.status_a['hits']} hits; "
         f"node-b agent: {evidence.status_b['chunks']} chunks",
+        f"vllm-4 on node-b: {_cached(evidence.on_node_b)} cached tokens through the peer tier "
+        f"(node-b's agent pulled {evidence.peers_b['peers'][0]['fetched_chunks']} chunks from "
+        f"{evidence.peers_b['peers'][0]['node']}), same output up to noise: "
+        f"{evidence.on_node_b is not None and not evidence.on_node_b.differences(evidence.first)}",
         f"index: nodes {[(n['node'], n['chunks']) for n in evidence.index_nodes]}; route "
         f"{evidence.route['node']} ({evidence.route['reason']}, "
         f"{evidence.route['matched_tokens']} tokens cached); another salt: "
@@ -75,7 +83,3 @@ def summary(evidence: Evidence) -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def _cached(result: Result | None) -> int | None:
-    return result.cached[0] if result is not None else None

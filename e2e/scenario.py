@@ -20,7 +20,11 @@
 6. Serve one long prompt (with team-a's salt) on the first engine, then on the second:
    the second loads the prompt's chunks from the agent (external hits) and answers the
    same tokens. Node B's agent holds nothing (agents are node-local). A gateway asks the
-   index where to send the prompt: node A, which holds its prefix. The pool gets the key
+   index where to send the prompt: node A, which holds its prefix. Then a fourth engine
+   (team-a, on node B) serves the same prompt: node B's agent misses, pulls the chunks
+   from node A's agent through the peer tier (the pool's peer credential, the agents'
+   pods found through the API server), and the engine hits with the same answer. The
+   pool gets the key
    fingerprint the connector logged (``spec.index.fingerprint``), and ``kvpool doctor
    --pool main`` runs in a pod written as the vLLM pods are, on node A: every check passes.
 7. Team-a and team-b share a system prompt through the pool's shared space ``docs``: a
@@ -152,6 +156,12 @@ class Evidence:
     """What the API server answered a team-a pod that mounts the node's /dev/shm."""
     first: Result | None = None
     second: Result | None = None
+    on_node_b: Result | None = None
+    """vllm-4 on node-b, the same prompt: hits through node-b's agent, which pulled the
+    chunks from node-a's agent (the peer tier)."""
+    peers_b: dict[str, Any] = field(default_factory=dict)
+    """Node-b's agent's ``GET /v1/peers`` after that (admin)."""
+    peers_a: dict[str, Any] = field(default_factory=dict)
     prompt_chunks: int = 0
     chunk_tokens: int = 0
     status_a: dict[str, Any] = field(default_factory=dict)
@@ -222,6 +232,7 @@ def run(workdir: Path, say: Say = print) -> Evidence:
         flow.start_engines()
         flow.report_rollout()
         flow.serve()
+        flow.pull_through_peer()
         flow.share()
         flow.doctor()
         flow.set_quota()
@@ -240,6 +251,8 @@ class Flow:
         self.say = say
         self.evidence = Evidence()
         self.started = time.monotonic()
+        self.prompt = [random.Random(7).randrange(3, 2000) for _ in range(PROMPT_TOKENS)]
+        """The long prompt team-a's engines serve on node A, then on node B."""
         # the nodes' file systems live in /dev/shm: the L1 segment is shared memory
         self.nodes_root = Path(tempfile.mkdtemp(prefix="kvpool-e2e-", dir="/dev/shm"))
         stack.callback(shutil.rmtree, self.nodes_root, True)
@@ -389,17 +402,25 @@ class Flow:
         self.index.wait_ready(60)
 
     def start_engines(self) -> None:
-        self.step("start vLLM engines on node-a (two of team-a, one of team-b): labelled pods")
+        self.step(
+            "start vLLM engines: on node-a two of team-a and one of team-b, on node-b one of "
+            "team-a: labelled pods"
+        )
         model = write_model(self.workdir / "model")
         extra_config = {"pool": self.pool_name, "namespace": NAMESPACE}
-        for index, team in ((1, TEAMS[0]), (2, TEAMS[0]), (3, TEAMS[1])):
+        for index, team, node in (
+            (1, TEAMS[0], 0),
+            (2, TEAMS[0], 0),
+            (3, TEAMS[1], 0),
+            (4, TEAMS[0], 1),
+        ):
             settings = {"model": str(model), "connector": "kvpool", "extra_config": extra_config}
             log = self.workdir / f"vllm-{index}.log"
             engine = PodEngine(
                 f"vllm-{index}",
                 settings,
                 log,
-                kubelet=self.kubelets[0],
+                kubelet=self.kubelets[node],
                 namespace=team,
             )
             self.engines.append(engine.start())
@@ -453,7 +474,7 @@ class Flow:
         for engine in self.engines:
             engine.wait_ready(300)
         self.step("serve one long prompt on vllm-1, then on vllm-2")
-        prompt = [random.Random(7).randrange(3, 2000) for _ in range(PROMPT_TOKENS)]
+        prompt = self.prompt
         first, second = self.engines[:2]
         evidence = self.evidence
         salt = [f"${SALT_ENV}"]  # each engine's pod has team-a's salt from its Secret
@@ -465,6 +486,17 @@ class Flow:
         evidence.status_a = _get(f"{self._http('node-a')}/v1/status", admin)
         evidence.status_b = _get(f"{self._http('node-b')}/v1/status", admin)
         self.route(prompt)
+
+    def pull_through_peer(self) -> None:
+        self.step("serve the prompt on vllm-4, on node-b: its agent pulls it from node-a's")
+        evidence = self.evidence
+        salt = [f"${SALT_ENV}"]
+        evidence.on_node_b = self.engines[3].generate(
+            [self.prompt], salts=salt, max_tokens=MAX_TOKENS
+        )
+        admin = {"Authorization": f"Bearer {self.tokens['admin']}"}
+        evidence.peers_b = _get(f"{self._http('node-b')}/v1/peers", admin)
+        evidence.peers_a = _get(f"{self._http('node-a')}/v1/peers", admin)
 
     def route(self, prompt: list[int]) -> None:
         self.step("a gateway asks the index where to send the prompt")

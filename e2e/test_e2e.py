@@ -48,6 +48,7 @@ def test_the_whole_flow(tmp_path: Path) -> None:
     assert evidence.status_a["chunks"] >= evidence.prompt_chunks
     assert evidence.status_a["hits"] >= evidence.prompt_chunks
     assert evidence.status_b["chunks"] == 0, "node-b's agent holds nothing: agents are local"
+    _assert_pulled_through_the_peer(evidence)
 
     # the index follows both agents (found through the API server) and routes the prompt
     # to node-a, which holds its prefix; another salt matches nothing (least loaded wins)
@@ -86,6 +87,17 @@ def test_the_whole_flow(tmp_path: Path) -> None:
     assert evidence.agent_exit_codes == [0, 0]
     assert evidence.index_exit_code == 0
     assert evidence.pool_gone["reason"] == "PoolNotFound"  # team-b's tenant stays, refused
+
+
+def _assert_pulled_through_the_peer(evidence: Evidence) -> None:
+    """Until an engine on node-b asks: then its agent pulls the prompt from node-a's."""
+    assert evidence.on_node_b is not None and evidence.first is not None
+    assert evidence.on_node_b.cached == [evidence.prompt_chunks * evidence.chunk_tokens]
+    assert not evidence.on_node_b.differences(evidence.first)
+    (peer,) = evidence.peers_b["peers"]
+    assert peer["node"] == "node-a" and peer["reachable"] is True
+    assert peer["fetched_chunks"] >= evidence.prompt_chunks
+    assert evidence.peers_a["serving"]["served_chunks"] >= evidence.prompt_chunks
 
 
 def _assert_wired_by_the_label(evidence: Evidence) -> None:

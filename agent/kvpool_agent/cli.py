@@ -28,6 +28,7 @@ BENCHES = {
     "tenants": "lookups/s while /metrics is polled, many tenants",
     "index": "prefix index: query latency, events/s, memory",
     "gpu": "copies between GPU KV blocks and the pinned segment vs the raw PCIe copy",
+    "peer": "chunks pulled from another node's agent vs a plain socket over the same link",
 }
 """Each ``kvpool bench NAME`` is the module ``kvpool_agent.bench.NAME``."""
 

@@ -2,12 +2,12 @@
 
 Parts: the owner locks (of the segment, of the pool's state directory and NVMe tree),
 the L1 segment and cache, the quota store and service, the token authority, metrics, the
-ZMQ server (its own thread), the HTTP API (uvicorn on this event loop) and the
-maintenance task. SIGTERM and SIGINT stop it: readiness turns false, new stores are
-refused while those in flight may still commit (up to ``shutdown_grace_seconds``), the
-servers stop, the segment is unmapped, not removed, and the locks are let go last: the
-next agent (one already waiting for them, in a rollout) adopts the segment with every
-committed chunk.
+ZMQ server (its own thread), the HTTP API (uvicorn on this event loop), the L2 tiers and
+the peer tier (its own threads), and the maintenance task. SIGTERM and SIGINT stop it:
+readiness turns false, new stores are refused while those in flight may still commit (up
+to ``shutdown_grace_seconds``), the servers stop, the segment is unmapped, not removed,
+and the locks are let go last: the next agent (one already waiting for them, in a
+rollout) adopts the segment with every committed chunk.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from kvpool_agent.testing.hosts import Hosts
 from tests.support.chunks import chain, data
 from tests.support.metrics import metric
+from tests.support.polling import wait_until
 
 from .rogue import Behaviour, RoguePeer
 
@@ -228,6 +229,8 @@ def test_a_host_cut_off_is_a_miss_and_a_hit_again_once_back(pool: Pool, hosts: H
         assert time.monotonic() - started < 10
     finally:
         hosts.hosts[0].link_up()
+    # back once the link is: the first connection may wait out the neighbour's resolution
+    wait_until(lambda: peers_of(second, probe=True)["peers"][0]["reachable"], timeout=15)  # type: ignore[index]
     assert pull(second, keys) == len(keys)
     assert held(second, keys) == chunks
 

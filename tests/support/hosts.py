@@ -17,5 +17,5 @@ def hosts_or_skip(count: int) -> Iterator[Hosts]:
         made = Hosts(count).start()
     except HostsUnavailable as error:
         pytest.skip(f"no hosts on this machine: {error}")
-    with contextlib.closing(made):
+    with made:
         yield made

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import statistics
@@ -28,6 +29,11 @@ def median_spread(values: Sequence[float] | None, form: str, scale: float = 1.0)
     return f"{middle} [{form.format(min(values) * scale)}-{form.format(max(values) * scale)}]"
 
 
+def runs_said(count: int) -> str:
+    """ "1 run", "3 runs": how many runs a table's figures come from."""
+    return f"{count} run{'s' if count > 1 else ''}"
+
+
 def machine() -> str:
     """The CPU and the load average: every bench names the machine its figures came from."""
     cpu = "unknown CPU"
@@ -38,3 +44,17 @@ def machine() -> str:
                 break
     load = " ".join(f"{value:.2f}" for value in os.getloadavg())
     return f"CPU: {cpu}, {os.cpu_count()} CPUs; load average (1, 5, 15 min) at the end: {load}"
+
+
+def command(bench: str, args: argparse.Namespace) -> str:
+    """The command line of this run of ``kvpool bench <bench>``, every setting spelled out
+    (a flag only where it is set)."""
+    words = ["kvpool", "bench", bench]
+    for name, value in vars(args).items():
+        option = f"--{name.replace('_', '-')}"
+        if isinstance(value, bool):
+            words += [option] if value else []
+        else:
+            shown = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+            words += [option, shown]
+    return "command: " + " ".join(words)

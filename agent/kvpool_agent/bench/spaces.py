@@ -57,7 +57,7 @@ from kvpool_agent.bench.connector_engine import (
     kv_bytes_per_token,
     write_model,
 )
-from kvpool_agent.bench.report import machine, median_spread, table
+from kvpool_agent.bench.report import command, machine, median_spread, table
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, running_agent
 
 MODES = {"plain": "plain salts", "space": "shared space", "none": "no salt"}
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> None:
         recompute.wait_ready()
         results = measure(kvpool, recompute, Admin(agent.http), args)
     print(report(results, args), flush=True)
-    print("\n" + command(args))
+    print("\n" + command("spaces", args))
     print(machine())
 
 
@@ -387,12 +387,3 @@ def _checks(results: Results, args: argparse.Namespace, shared_chunks: int) -> l
         "compute the whole prompt: another kernel path, random weights can flip the argmax)"
     )
     return lines
-
-
-def command(args: argparse.Namespace) -> str:
-    """The command line of this run, every setting spelled out."""
-    words = ["kvpool", "bench", "spaces"]
-    for name, value in vars(args).items():
-        shown = ",".join(map(str, value)) if isinstance(value, list) else str(value)
-        words += [f"--{name.replace('_', '-')}", shown]
-    return "command: " + " ".join(words)

@@ -12,9 +12,9 @@ incomplete (:class:`TierUnavailable`) to try again.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 class TierUnavailable(RuntimeError):
@@ -82,3 +82,17 @@ class L2Adapter(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+Reserve = Callable[[int], memoryview | None]
+"""Where a chunk of ``size`` bytes goes (reserved L1 pages), or None: read it and drop it."""
+
+
+@runtime_checkable
+class ReceivesInPlace(Protocol):
+    """A tier that receives a chunk straight into memory it is given (the peer tier)."""
+
+    async def get_into(self, name: ObjectKey, reserve: Reserve) -> bool:
+        """Receive ``name`` into ``reserve(size)`` and verify it there; True if it is there
+        and intact. False: no holder gave it, or ``reserve`` gave no memory."""
+        ...

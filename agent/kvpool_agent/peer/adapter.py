@@ -9,7 +9,8 @@ The tier stores nothing of its own: ``put`` refuses (the write-back skips it),
 ``delete``, quota and drops have nothing to do (each peer keeps its own).
 
 Links block (sockets), so they run on the adapter's threads: the event loop
-only awaits them.
+only awaits them. :meth:`PeerAdapter.get_into` receives a chunk straight into the L1
+pages the prefetch reserved for it.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from kvpool_agent.l2.base import AdapterStats, L2Object, ObjectKey
+from kvpool_agent.l2.base import AdapterStats, L2Object, ObjectKey, Reserve
+from kvpool_agent.l2.buffers import fresh
 from kvpool_agent.l2.codec import IntegrityError
 from kvpool_agent.peer.directory import PeerDirectory
-from kvpool_agent.peer.links import PeerBusy, PeerLink
+from kvpool_agent.peer.links import Fetched, PeerBusy, PeerLink
 from kvpool_agent.web.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -32,8 +34,9 @@ _failures = RateLimitedLog(log)
 
 T = TypeVar("T")
 THREADS = 8
-BUSY_WAITS = (0.005, 0.02, 0.05, 0.0)
-"""Seconds to wait after each busy answer before asking again; then the next holder."""
+BUSY_WAITS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 0.0)
+"""Seconds to wait after each busy answer before asking again (a transfer takes
+milliseconds; under a second in all); then the next holder."""
 _REMEMBERED = 1 << 16
 """Chunks whose holders are remembered between ``exists`` and ``get``."""
 
@@ -70,23 +73,44 @@ class PeerAdapter:
         return [index < best for index in range(len(keys))]
 
     async def get(self, keys: Sequence[ObjectKey]) -> list[bytes | memoryview | None]:
-        return list(await asyncio.gather(*(self._get(key) for key in keys)))
+        """Each chunk in a buffer of its own (the prefetch uses :meth:`get_into`)."""
 
-    async def _get(self, name: ObjectKey) -> memoryview | None:
+        async def one(name: ObjectKey) -> memoryview | None:
+            received: list[memoryview] = []
+
+            def into(size: int) -> memoryview:
+                received[:] = [fresh(size)]
+                return received[0]
+
+            return received[0] if await self.get_into(name, into) else None
+
+        return list(await asyncio.gather(*(one(name) for name in keys)))
+
+    async def get_into(self, name: ObjectKey, reserve: Reserve) -> bool:
+        """The chunk from a peer that holds it (the next one where one fails or lost it),
+        received into ``reserve(size)``."""
         self.stats.gets += 1
-        for link in self._holders.pop(name, None) or self.directory.links():
-            payload = await self._fetch(link, name)
-            if payload is not None:
-                self.stats.hits += 1
-                self.stats.get_bytes += len(payload)
-                return payload
-        return None
+        sizes: list[int] = []
 
-    async def _fetch(self, link: PeerLink, name: ObjectKey) -> memoryview | None:
-        """The chunk from ``link``, or None (it failed, or stayed busy, or lost the chunk)."""
+        def counted(size: int) -> memoryview | None:
+            sizes.append(size)
+            return reserve(size)
+
+        for link in self._holders.pop(name, None) or self.directory.links():
+            fetched = await self._fetch(link, name, counted)
+            if fetched == "filled":
+                self.stats.hits += 1
+                self.stats.get_bytes += sizes[-1]
+                return True
+            if fetched == "unwanted":
+                return False
+        return False
+
+    async def _fetch(self, link: PeerLink, name: ObjectKey, reserve: Reserve) -> Fetched | None:
+        """``link``'s answer; None where it failed or stayed busy."""
         for wait in BUSY_WAITS:
             try:
-                return await self._run(link.fetch, name)
+                return await self._run(link.fetch, name, reserve)
             except PeerBusy:
                 await asyncio.sleep(wait)
             except IntegrityError as error:

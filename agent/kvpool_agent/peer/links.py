@@ -3,8 +3,9 @@
 A link keeps a few proven connections to its peer and asks it, on the calling
 thread (the adapter runs links on its own threads, never on the event loop):
 how much of a prefix it holds (:meth:`PeerLink.held`), and for one chunk
-(:meth:`PeerLink.fetch`), received straight into a buffer of its own and opened
-there (:meth:`~kvpool_agent.l2.codec.ObjectCodec.open`, in place). A chunk that
+(:meth:`PeerLink.fetch`), received straight into the memory the caller reserves for
+it (L1 pages) and opened there (:meth:`~kvpool_agent.l2.codec.ObjectCodec.open`, in
+place). A chunk that
 does not open as the tenant's key asked for (another tenant's, flipped bytes, a
 forged peer) is an :class:`~kvpool_agent.l2.codec.IntegrityError`: never bytes.
 Every failure closes the connection it happened on and is counted by reason.
@@ -12,28 +13,47 @@ Every failure closes the connection it happened on and is counted by reason.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal, TypeVar
 
-from kvpool_agent.l2.base import ObjectKey
-from kvpool_agent.l2.buffers import fresh
-from kvpool_agent.l2.codec import HEADER, IntegrityError, ObjectCodec
+from kvpool_agent.l2.base import ObjectKey, Reserve
+from kvpool_agent.l2.codec import HEADER, IntegrityError, ObjectCodec, payload_length
 from kvpool_agent.l2.keyring import Keyring
 from kvpool_agent.peer.handshake import NotProven
 from kvpool_agent.peer.session import open_session
 from kvpool_agent.peer.transport import PeerChannel, PeerTransport
-from kvpool_agent.peer.wire import Busy, Exists, Get, Have, Missing, Object, WireError
+from kvpool_agent.peer.wire import (
+    IDLE_SECONDS,
+    Busy,
+    Exists,
+    Get,
+    Have,
+    Missing,
+    Object,
+    WireError,
+)
 
 _IDLE = 8
 """Connections kept open per peer (the prefetch asks for up to 8 chunks at once)."""
+REUSE_SECONDS = IDLE_SECONDS / 2
+"""A kept connection unused for longer is closed, not reused: the peer may have closed it
+(it waits :data:`~kvpool_agent.peer.serving.IDLE_SECONDS` for a request)."""
+T = TypeVar("T")
+
+
+Fetched = Literal["filled", "missing", "unwanted"]
 
 
 class PeerBusy(Exception):
     """The peer is at its transfer cap: a miss here, not a failure."""
+
+
+class _Unwanted(Exception):
+    """The receiver has no room for the chunk (present already, or refused)."""
 
 
 @dataclass(frozen=True)
@@ -68,68 +88,101 @@ class PeerLink:
         self.address = address
         self.settings = settings
         self.stats = LinkStats()
-        self._idle: list[PeerChannel] = []
+        self._idle: list[tuple[PeerChannel, float]] = []
+        """Proven connections, each with the time it was last used."""
         self._lock = threading.Lock()
         self._requests = threading.BoundedSemaphore(settings.max_requests)
 
     def held(self, tenant: str, keys: list[bytes]) -> int:
         """How many of ``keys``, from the first, the peer holds for ``tenant``."""
-        with self._channel() as channel:
+
+        def ask(channel: PeerChannel) -> int:
             channel.send(Exists(tenant, keys))
             answer, length = channel.receive()
             if not isinstance(answer, Have) or length or not 0 <= answer.count <= len(keys):
                 raise WireError(f"expected have for {len(keys)} keys, got {answer!r}")
             return answer.count
 
-    def fetch(self, name: ObjectKey) -> memoryview | None:
-        """The chunk's payload, None if the peer no longer holds it; :class:`PeerBusy` if it
+        return self._call(ask)
+
+    def fetch(self, name: ObjectKey, reserve: Reserve) -> Fetched:
+        """The chunk received into ``reserve(size)`` and opened there: ``filled``; or
+        ``missing`` (the peer no longer holds it), ``unwanted`` (``reserve`` gave no memory:
+        the connection is dropped rather than the body read). :class:`PeerBusy` if the peer
         is at its cap; any other failure raises (and is counted)."""
         settings = self.settings
-        with self._requests, self._channel() as channel:
+
+        def get(channel: PeerChannel) -> int:
             channel.send(Get(name.tenant, name.key))
             answer, length = channel.receive()
             if isinstance(answer, Missing | Busy) and not length:
                 if isinstance(answer, Busy):
                     raise PeerBusy(self.node)
-                return None
+                return 0
             if not isinstance(answer, Object):
                 raise WireError(f"expected an object, got {type(answer).__name__}")
-            if not HEADER.size <= length <= HEADER.size + settings.max_object_bytes:
-                raise WireError(f"an object of {length} bytes")
-            blob = fresh(length)
-            channel.receive_body(blob)
-            payload = settings.codec.open(
-                name, blob[: HEADER.size], blob[HEADER.size :], in_place=True
-            )
+            if length < HEADER.size:
+                raise WireError(f"an object of {length} bytes: shorter than its header")
+            header = memoryview(bytearray(HEADER.size))
+            channel.receive_body(header)
+            size = length - HEADER.size
+            if size != payload_length(header) or size > settings.max_object_bytes:
+                raise WireError(f"an object of {length} bytes whose header says otherwise")
+            into = reserve(size)
+            if into is None:
+                raise _Unwanted
+            channel.receive_body(into)
+            settings.codec.open(name, header, into, in_place=True)
+            return size
+
+        try:
+            with self._requests:
+                size = self._call(get)
+        except _Unwanted:
+            return "unwanted"
+        if not size:
+            return "missing"
         self.stats.fetched_chunks += 1
-        self.stats.fetched_bytes += len(payload)
-        return memoryview(payload)
+        self.stats.fetched_bytes += size
+        return "filled"
 
     def probe(self) -> None:
         """A fresh connection and handshake now (the doctor's check); its round trip."""
         started = time.perf_counter()
-        with self._channel(fresh_connection=True):
-            self.stats.rtt_ms = (time.perf_counter() - started) * 1e3
+        self._call(lambda channel: None, fresh_connection=True)
+        self.stats.rtt_ms = (time.perf_counter() - started) * 1e3
 
     def close(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
-        for channel in idle:
+        for channel, _ in idle:
             channel.close()
 
-    @contextlib.contextmanager
-    def _channel(self, *, fresh_connection: bool = False) -> Iterator[PeerChannel]:
-        """A proven connection, kept for the next request if this one went well."""
-        channel = None
-        with self._lock:
-            if self._idle and not fresh_connection:
-                channel = self._idle.pop()
+    def _call(self, request: Callable[[PeerChannel], T], *, fresh_connection: bool = False) -> T:
+        """``request`` on a proven connection, kept for the next one if it went well.
+
+        A kept connection the peer has closed meanwhile (it restarted, or dropped it idle)
+        fails at once: the request is repeated on a new one (both requests are safe to
+        repeat), so a link that sat idle still pulls."""
+        channel = None if fresh_connection else self._take_idle()
+        reused = channel is not None
         try:
             if channel is None:
                 channel = self._connect()
-            yield channel
+            result = request(channel)
         except PeerBusy:
             self._keep(channel)
+            raise
+        except _Unwanted:
+            if channel is not None:
+                channel.close()  # the body is still on its way
+            raise
+        except (WireError, ConnectionError) as error:
+            if channel is not None:
+                channel.close()
+            if reused and failure_reason(error) == "broken":
+                return self._call(request, fresh_connection=True)
+            self._failed(error)
             raise
         except BaseException as error:
             if channel is not None:
@@ -138,6 +191,20 @@ class PeerLink:
             raise
         self.stats.reachable, self.stats.error = True, None
         self._keep(channel)
+        return result
+
+    def _take_idle(self) -> PeerChannel | None:
+        """The most recently used kept connection, if it was used recently enough that the
+        peer still keeps it open (older ones are closed here)."""
+        now = time.monotonic()
+        with self._lock:
+            recent = [(channel, used) for channel, used in self._idle if now - used < REUSE_SECONDS]
+            stale = [channel for channel, used in self._idle if now - used >= REUSE_SECONDS]
+            found = recent.pop()[0] if recent else None
+            self._idle = recent
+        for channel in stale:
+            channel.close()
+        return found
 
     def _connect(self) -> PeerChannel:
         settings = self.settings
@@ -159,7 +226,7 @@ class PeerLink:
             return
         with self._lock:
             if len(self._idle) < _IDLE:
-                self._idle.append(channel)
+                self._idle.append((channel, time.monotonic()))
                 return
         channel.close()
 

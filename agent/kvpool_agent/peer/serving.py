@@ -36,7 +36,16 @@ from kvpool_agent.l2.keyring import Keyring
 from kvpool_agent.peer.handshake import NotProven
 from kvpool_agent.peer.session import accept_session
 from kvpool_agent.peer.transport import PeerChannel, PeerListener
-from kvpool_agent.peer.wire import Busy, Exists, Get, Have, Missing, Object, WireError
+from kvpool_agent.peer.wire import (
+    IDLE_SECONDS,
+    Busy,
+    Exists,
+    Get,
+    Have,
+    Missing,
+    Object,
+    WireError,
+)
 from kvpool_agent.segment import SharedSegment
 from kvpool_agent.service.cache_service import CacheService
 from kvpool_agent.web.rate_limited_log import RateLimitedLog
@@ -137,7 +146,7 @@ class PeerServer:
     def _serve(self, channel: PeerChannel) -> None:
         try:
             session = accept_session(channel, self.keyring, self.pool, self.node)
-            while not self._stopping:
+            while not self._stopping and channel.wait_readable(IDLE_SECONDS):
                 request, body_length = channel.receive()
                 if body_length:
                     raise WireError("a request with a body")

@@ -18,6 +18,7 @@ connection that ends mid-frame :class:`~kvpool_agent.peer.wire.WireError`.
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 from collections.abc import Sequence
 from typing import Protocol
@@ -41,6 +42,11 @@ class PeerChannel(Protocol):
 
     def receive_body(self, into: memoryview) -> None:
         """Exactly ``len(into)`` bytes of the body into ``into``."""
+        ...
+
+    def wait_readable(self, timeout: float) -> bool:
+        """Whether something (a frame, or the end of the connection) arrives in ``timeout``
+        seconds (an idle connection waits longer than a frame in progress may take)."""
         ...
 
     def close(self) -> None: ...
@@ -94,6 +100,10 @@ class TcpChannel:
 
     def receive_body(self, into: memoryview) -> None:
         self._read_into(into)
+
+    def wait_readable(self, timeout: float) -> bool:
+        readable, _, _ = select.select([self._sock], [], [], timeout)
+        return bool(readable)
 
     def _read_into(self, view: memoryview) -> None:
         while view:

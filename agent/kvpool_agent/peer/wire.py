@@ -14,7 +14,8 @@ time, each answered in order: :class:`Exists` with :class:`Have`; :class:`Get`
 with :class:`Object` (whose body is the chunk sealed by
 :class:`~kvpool_agent.l2.codec.ObjectCodec` under the peer key the handshake
 agreed on), :class:`Missing` or :class:`Busy`. A frame that is malformed, too
-large or unexpected ends the connection: :class:`WireError`.
+large or unexpected ends the connection: :class:`WireError`. Between requests a
+connection may sit idle for :data:`IDLE_SECONDS`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ FRAME = struct.Struct("<4sB3xIQ")
 MAX_META_BYTES = 1 << 20
 """An :class:`Exists` of a few thousand keys fits; a peer claiming more is cut off."""
 MAX_KEYS = 8192
+IDLE_SECONDS = 120.0
+"""How long a server waits for a connection's next request before it closes it (inside a
+frame, the I/O timeout applies); a client reuses a kept connection for half as long."""
 KEY_BYTES = 32
 NONCE_BYTES = 32
 

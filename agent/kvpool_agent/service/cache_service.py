@@ -57,6 +57,7 @@ from kvpool_agent.service.hooks import (
     TenantDrop,
     WriteBackHook,
 )
+from kvpool_agent.service.landing import ChunkLanding
 from kvpool_agent.service.results import (
     AboveCeiling,
     Dropped,
@@ -181,6 +182,30 @@ class CacheService:
             committed = self._cache.commit(lease, count)
             hook.committed(tenant, keys[:count], self._cache)
         return committed
+
+    def commit_loaded(self, lease: int) -> int:
+        """Make reserved chunks that came from L2 ready (they are there already: no
+        write-back)."""
+        return self._commit(lease, None, write_back=False)
+
+    @property
+    def segment_view(self) -> memoryview:
+        """The whole segment, for a tier that writes a reserved chunk in place."""
+        return self._segment.view
+
+    def landing(
+        self,
+        tenant: str,
+        key: bytes,
+        parent: bytes | None,
+        keep: list[bytes],
+        *,
+        after: ChunkLanding | None = None,
+        on_decided: Callable[[], None] | None = None,
+    ) -> ChunkLanding:
+        """A chunk from L2 that a tier receives straight into its reserved pages, reserved
+        after the chunk ``after`` (see :class:`~kvpool_agent.service.landing.ChunkLanding`)."""
+        return ChunkLanding(self, tenant, key, parent, keep, after, on_decided)
 
     def release(self, lease: int) -> None:
         """End a lease (read locks, or an uncommitted reservation); UnknownLease if none."""

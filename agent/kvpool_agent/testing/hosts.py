@@ -103,7 +103,8 @@ class Hosts:
         self._started = False
 
     def __enter__(self) -> Hosts:
-        return self.start()
+        """Start the hosts, unless :meth:`start` did (the caller handled HostsUnavailable)."""
+        return self if self._started else self.start()
 
     def __exit__(
         self,

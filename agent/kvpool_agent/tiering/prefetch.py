@@ -3,8 +3,12 @@
 The cache service's lookup starts a prefetch for the keys after the L1 hits
 (on the ZMQ thread), whose id the client gets at once. On the event loop, the
 prefetch finds how long a run of those keys the tiers hold (``expected``), then
-loads them into L1 chunk by chunk through the service's store (reserve, copy,
-commit), so quotas apply and nothing half-copied is ever visible (``loaded``).
+loads them into L1, a batch at a time, each chunk into pages reserved for it in
+prompt order (:class:`~kvpool_agent.service.landing.ChunkLanding`: the peer tier
+receives straight into them, others copy there), committed in order, so quotas
+apply, a prefix longer than its quota stops at the quota instead of evicting its
+own head, and nothing half-copied is ever visible (``loaded``). A chunk L1 held
+already counts as placed.
 Each chunk comes from the tier holding it that is expected to cost least
 (:mod:`kvpool_agent.tiering.costs`; the fixed order is NVMe, peers, S3), and
 from the next holder where that one fails (a peer that died mid-transfer).
@@ -19,12 +23,14 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvpool_agent.l2.base import L2Adapter, ObjectKey
+from kvpool_agent.l2.base import L2Adapter, ObjectKey, ReceivesInPlace
 from kvpool_agent.service.cache_service import CacheService
+from kvpool_agent.service.landing import ChunkLanding
 from kvpool_agent.tiering.costs import TierCosts
 from kvpool_agent.tiering.writeback import LatencyObserver
 from kvpool_agent.web.rate_limited_log import RateLimitedLog
@@ -78,6 +84,10 @@ class Prefetcher:
         self._guard = threading.Lock()  # begin() runs on the ZMQ thread, the rest on the loop
         self._finished = threading.Condition(self._guard)
         self._chunk_bytes = _TYPICAL_CHUNK
+        self._decisions: weakref.WeakKeyDictionary[ChunkLanding, asyncio.Event] = (
+            weakref.WeakKeyDictionary()
+        )
+        """Each landing's decision, awaitable on the loop (set from any thread)."""
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -130,23 +140,37 @@ class Prefetcher:
             holders = await self._locate(prefetch)
             prefetch.expected = len(holders)
             self._changed()
-            parent = prefetch.parent
             loaded: list[bytes] = []
+            landing = None
+            loop = asyncio.get_running_loop()
             for start in range(0, len(holders), _BATCH):
-                batch = list(
-                    zip(prefetch.keys[start:], holders[start : start + _BATCH], strict=False)
-                )
-                payloads = await asyncio.gather(
-                    *(self._get_any(tiers, prefetch.tenant, key) for key, tiers in batch)
-                )
-                for (key, _), payload in zip(batch, payloads, strict=True):
-                    placed = payload is not None and self._place(
-                        prefetch.tenant, key, payload, parent, loaded
+                landings = []
+                for offset in range(min(_BATCH, len(holders) - start)):
+                    index = start + offset
+                    parent = prefetch.keys[index - 1] if index else prefetch.parent
+                    decided = asyncio.Event()
+                    landing = self.service.landing(
+                        prefetch.tenant,
+                        prefetch.keys[index],
+                        parent,
+                        loaded,
+                        after=landing,
+                        on_decided=_waker(loop, decided),
                     )
-                    if not placed:
+                    self._decisions[landing] = decided
+                    landings.append(landing)
+                filled = await asyncio.gather(
+                    *(
+                        self._fetch(tiers, landing)
+                        for tiers, landing in zip(holders[start:], landings, strict=False)
+                    )
+                )
+                for position, (landing, ok) in enumerate(zip(landings, filled, strict=True)):
+                    if not self._commit(landing, ok):
+                        for later in landings[position + 1 :]:
+                            later.finish(False)  # unreachable past the gap: not kept
                         return
-                    parent = key
-                    loaded.append(key)
+                    loaded.append(landing.key)
                     prefetch.loaded += 1
                 self._changed()
         except Exception as error:
@@ -157,6 +181,62 @@ class Prefetcher:
                 self.stats.in_flight -= 1
                 self._finished.notify_all()
             self._changed()
+
+    async def _fetch(self, tiers: list[L2Adapter], landing: ChunkLanding) -> bool:
+        """Get one chunk from the first of ``tiers`` that gives it, into its landing's
+        pages; whether they hold it now (False also where L1 refused it)."""
+        name = ObjectKey(landing.tenant, landing.key)
+        try:
+            for tier in tiers:
+                if isinstance(tier, ReceivesInPlace):
+                    # asked only once the chunk before has its place: the tier's transfer
+                    # must not wait on this loop's turn (a capped peer would starve)
+                    if not await self._turn(landing):
+                        return False
+                    started = time.perf_counter()
+                    if await tier.get_into(name, landing.reserve):
+                        self._observe(tier, time.perf_counter() - started, landing.size)
+                        return True
+                else:
+                    payload = await self._get(tier, landing.tenant, landing.key)
+                    if payload is not None:
+                        return await self._land(landing, payload)
+                if landing.reservation is not None and not landing.reserved:
+                    return False  # L1 refused it: no other tier changes that
+            return False
+        except Exception as error:
+            _failures.exception(f"a prefetch's chunk failed: {type(error).__name__}")
+            return False
+        finally:
+            landing.give_up()  # whatever happened, the chunks after it stop waiting
+
+    async def _turn(self, landing: ChunkLanding) -> bool:
+        """Once the chunk before ``landing`` has reserved its place (or given up): whether
+        it holds one."""
+        before = landing.after
+        if before is None:
+            return True
+        if not before.decided:
+            await self._decisions[before].wait()
+        return before.reserved
+
+    async def _land(self, landing: ChunkLanding, payload: bytes | memoryview) -> bool:
+        """Copy a chunk a tier returned into its landing's pages, in the prefetch's order."""
+        await self._turn(landing)
+        view = landing.reserve(len(payload))
+        if view is None:
+            return False
+        view[:] = payload
+        return True
+
+    def _commit(self, landing: ChunkLanding, filled: bool) -> bool:
+        """Make a landed chunk ready (a chunk L1 held already counts as placed)."""
+        size = landing.size
+        placed = landing.finish(filled)
+        if placed and filled:
+            self.stats.loaded_chunks += 1
+            self.stats.loaded_bytes += size
+        return placed
 
     async def _locate(self, prefetch: Prefetch) -> list[list[L2Adapter]]:
         """For each key of the leading run the tiers have, the tiers holding it, the one
@@ -184,33 +264,26 @@ class Prefetcher:
     async def _get(self, tier: L2Adapter, tenant: str, key: bytes) -> bytes | memoryview | None:
         started = time.perf_counter()
         (payload,) = await tier.get([ObjectKey(tenant, key)])
-        seconds = time.perf_counter() - started
-        if self.observe is not None:
-            self.observe(tier.name, "get", seconds)
-        if payload is not None:
-            self._chunk_bytes = len(payload)
-            self.costs.observe(tier.name, seconds, len(payload))
+        self._observe(tier, time.perf_counter() - started, 0 if payload is None else len(payload))
         return payload
 
-    def _place(
-        self,
-        tenant: str,
-        key: bytes,
-        payload: bytes | memoryview,
-        parent: bytes | None,
-        loaded: list[bytes],
-    ) -> bool:
-        """Store one chunk into L1; False if L1 refused it.
-
-        The chunks this prefetch loaded are kept: a prefix longer than the quota
-        stops at the quota instead of evicting its own head. Present already (a
-        client or another prefetch stored it meanwhile) counts as placed.
-        """
-        result = self.service.store(tenant, [key], [payload], parent, keep=loaded, write_back=False)
-        self.stats.loaded_chunks += result.stored
-        self.stats.loaded_bytes += result.stored * len(payload)
-        return result.stored + result.present == 1
+    def _observe(self, tier: L2Adapter, seconds: float, size: int) -> None:
+        """A get's latency, for the metrics; and a chunk's (``size`` > 0), for the costs."""
+        if self.observe is not None:
+            self.observe(tier.name, "get", seconds)
+        if size:
+            self._chunk_bytes = size
+            self.costs.observe(tier.name, seconds, size)
 
     def _changed(self) -> None:
         for listener in self._listeners:
             listener()
+
+
+def _waker(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> Callable[[], None]:
+    """Sets ``event`` on ``loop`` from any thread."""
+
+    def wake() -> None:
+        loop.call_soon_threadsafe(event.set)
+
+    return wake
