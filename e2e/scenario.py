@@ -601,7 +601,8 @@ class Flow:
             "--model-config", str(self.workdir / "model"),  # what kvpool caches of each layer
         ]  # fmt: skip
         # in team-a's namespace with its token, as its vLLM pods; the platform team's admin
-        # token only for the hit-rate check (which reads every tenant's usage)
+        # token only for the hit-rate check (which reads every tenant's usage) and the peers
+        # check (node-a's agent connects to node-b's with the pool's peer credential)
         template = vllm_pod(
             [str(BIN / "kvpool"), "doctor", *arguments],
             {"KVPOOL_ADMIN_TOKEN": self.tokens["admin"]},

@@ -28,6 +28,7 @@ CHECK_NAMES = (
     "chunk-size",
     "fingerprint",
     "hit-rate",
+    "peers",
     "model",
 )
 

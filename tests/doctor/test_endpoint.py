@@ -62,6 +62,7 @@ def test_a_healthy_agent_passes_and_the_canary_leaves_nothing(agent: AgentProces
         "chunk-size": "PASS",
         "fingerprint": "SKIP",  # no pool, no index
         "hit-rate": "PASS",
+        "peers": "SKIP",  # an agent without peers
         "model": "SKIP",  # no --model-config
     }, diagnosis.output
     checks = diagnosis.checks

@@ -6,6 +6,7 @@ NetworkPolicy rule, all gone with ``spec.peers.enabled: false``; invalid fields 
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import time
@@ -147,36 +148,45 @@ def test_the_keys_rotate_and_the_oldest_goes(
     made; each rotation is an event naming key ids, never a key."""
     _create(kubectl, "spinning", {"peers": {"credentialRotation": "2s"}})
     seen: dict[str, str] = {}
+    changed: list[str] = []
+    states: list[list[int]] = []
 
-    def keys(expected: list[str]) -> None:
+    def rotated_twice() -> None:
+        """Every state the Secret is seen in, until its newest key is 3 or later."""
         current = _keys(served_api, "spinning")
-        for name, value in current.items():
-            assert seen.setdefault(name, value) == value, f"key {name} changed"
-        assert sorted(current, key=int) == expected
+        changed.extend(
+            name for name, value in current.items() if seen.setdefault(name, value) != value
+        )
+        states.append(sorted(map(int, current)))
+        assert states[-1][-1] >= 3, states[-1]
 
-    eventually(lambda: keys(["1"]))
-    eventually(lambda: keys(["1", "2"]))
-    eventually(lambda: keys(["2", "3"]))
+    eventually(rotated_twice)
+    assert changed == []  # a key never changes once made
+    for ids in states:  # the newest key and at most the one before it
+        assert ids == list(range(ids[0], ids[0] + len(ids))) and len(ids) <= 2, states
+    assert len(states[-1]) == 2, states  # the previous key stays
     secret = _get(served_api, "secrets", "kvpool-spinning-peer")
     created = json.loads(secret["metadata"]["annotations"][CREATED])
-    assert sorted(created, key=int) == ["2", "3"]
+    assert created.keys() == secret["data"].keys()
     rotated = event(served_api, NAMESPACE, "spinning", "Normal", "PeerKeysRotated")
     assert "added peer key" in rotated
+    dropped = "dropped peer key 1 from Secret kvpool-spinning-peer"
+    eventually(lambda: _said(served_api, "spinning", dropped))
     messages = " ".join(e["message"] for e in served_api.events(NAMESPACE, "spinning"))
-    assert "dropped peer key 1 from Secret kvpool-spinning-peer" in messages
     assert not any(value in messages for value in seen.values())
 
     # drift: a deleted Secret is made again on the next pass, a key that is not one goes
+    uid = secret["metadata"]["uid"]
     kubectl("delete", "secret", "kvpool-spinning-peer", "-n", NAMESPACE)
-    eventually(lambda: _get(served_api, "secrets", "kvpool-spinning-peer"))
-    tampered = json.dumps({"stringData": {"99": "not a key"}})
-    kubectl("patch", "secret", "kvpool-spinning-peer", "-n", NAMESPACE, "-p", tampered)
-
-    def repaired() -> None:
-        assert "99" not in secret_values(served_api, NAMESPACE, "kvpool-spinning-peer")
-        _keys(served_api, "spinning")
-
-    eventually(repaired)
+    remade = eventually(lambda: _get(served_api, "secrets", "kvpool-spinning-peer"))
+    assert remade["metadata"]["uid"] != uid
+    tampered = {"data": {"99": base64.b64encode(b"not a key").decode()}}
+    patch = json.dumps(tampered)
+    written = kubectl(
+        "patch", "secret", "kvpool-spinning-peer", "-n", NAMESPACE, "-p", patch, "-o", "json"
+    )
+    assert "99" in json.loads(written)["data"]
+    eventually(lambda: _keys(served_api, "spinning"))  # "99" is gone, every entry a key
 
 
 def test_peers_off_closes_the_port_and_deletes_the_credential(

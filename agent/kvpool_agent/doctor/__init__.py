@@ -14,8 +14,10 @@ there, and its fix. Modules, one check (or family) each:
 * ``chunk_size``, ``fingerprint`` -- chunks of whole vLLM blocks; the index hashes
   prompts as the connector does;
 * ``hit_rate`` -- no tenant keeps missing (the agent's counters, admin token);
+* ``peers`` -- the agent reaches each of its peers (the pool's other agents) and both
+  prove the pool's credential (admin token);
 * ``model`` -- what kvpool caches of each kind of layer of the model (its config.json
   alone, no agent);
 * ``run`` the order and the skips, ``report`` the lines, ``command`` the command line;
-  ``kube`` the Kubernetes reads.
+  ``kube`` the Kubernetes reads, ``agent_http`` the admin reads of the agent's HTTP API.
 """

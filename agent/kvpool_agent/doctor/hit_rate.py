@@ -10,13 +10,9 @@ deployment: its engines never find what they stored. The canary tenant is left o
 
 from __future__ import annotations
 
-import urllib.error
-import urllib.request
-
-from pydantic import ValidationError
-
 from kvpool_agent.api_models import TenantUsages, Usage
-from kvpool_agent.doctor.report import Check, failed, passed, skipped
+from kvpool_agent.doctor.agent_http import admin_get
+from kvpool_agent.doctor.report import Check, failed, passed
 from kvpool_agent.keys import CANARY_TENANT
 
 NAME = "hit-rate"
@@ -28,33 +24,13 @@ SINCE = "counted since the agent started"
 def check_hit_rate(
     http_url: str | None, token: str | None, min_lookups: int, timeout: float
 ) -> Check:
-    if http_url is None:
-        return skipped(NAME, "the agent's HTTP address is unknown (with --endpoint, give --http)")
-    if token is None:
-        return skipped(NAME, "no admin token (--admin-token-file, or KVPOOL_ADMIN_TOKEN)")
-    url = f"{http_url}/v1/tenants"
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            usages = TenantUsages.model_validate_json(response.read()).tenants
-    except urllib.error.HTTPError as error:
-        if error.code in (401, 403):
-            return failed(
-                NAME,
-                f"GET {url}: {error.code}: the agent refused the token",
-                "use an admin token of the pool (the admin: list of its tokens Secret)",
-            )
-        return failed(NAME, f"GET {url}: {error.code} {error.reason}", _SAME_RELEASE)
-    except (urllib.error.URLError, OSError) as error:
-        return failed(
-            NAME,
-            f"cannot reach {url}: {error}",
-            "the Service's kvpool.io/http-port must be the agents' HTTP port (spec.ports.http)",
-        )
-    except ValidationError as error:
-        return failed(NAME, f"GET {url} answered something else: {error}", _SAME_RELEASE)
+    usages = admin_get(
+        NAME, "/v1/tenants", TenantUsages, http_url=http_url, token=token, timeout=timeout
+    )
+    if isinstance(usages, Check):
+        return usages
     tenants = sorted(
-        (usage for usage in usages if usage.tenant != CANARY_TENANT),
+        (usage for usage in usages.tenants if usage.tenant != CANARY_TENANT),
         key=lambda usage: usage.hits + usage.misses,
         reverse=True,
     )
@@ -77,9 +53,6 @@ def check_hit_rate(
         NAME,
         f"{SINCE}: {busiest}{more}; no tenant with {min_lookups}+ chunk lookups and no hit",
     )
-
-
-_SAME_RELEASE = "run a kvpool doctor of the agents' release (the route is GET /v1/tenants)"
 
 
 def _described(usage: Usage) -> str:

@@ -2,7 +2,7 @@
 
 service -> protocol -> annotations -> agent -> segment -> transport -> canary
                                       agent -> shm
-annotations -> chunk-size, fingerprint, hit-rate
+annotations -> chunk-size, fingerprint, hit-rate, peers
 model (the model's config.json alone: it runs whatever the others found)
 """
 
@@ -23,6 +23,7 @@ from kvpool_agent.doctor import (
     fingerprint,
     hit_rate,
     model,
+    peers,
     shared_memory,
     transport,
 )
@@ -56,6 +57,7 @@ AFTER_LOCATE = (
     chunk_size.NAME,
     fingerprint.NAME,
     hit_rate.NAME,
+    peers.NAME,
 )
 
 
@@ -92,6 +94,7 @@ def _deployment(options: Options) -> Iterator[Check]:
     yield hit_rate.check_hit_rate(
         located.http_url, options.admin_token, options.min_lookups, options.timeout
     )
+    yield peers.check_peers(located.http_url, options.admin_token, options.timeout)
 
 
 def _through_the_segment(client: AgentClient, address: AgentAddress) -> Iterator[Check]:
