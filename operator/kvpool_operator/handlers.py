@@ -168,7 +168,8 @@ def pool_seen(namespace: str | None, name: str, memo: kopf.Memo, **kwargs: Any) 
     """A pool's event (a deletion among them): its tenants follow (kopf passes the index
     ``tenants_by_pool`` by its name)."""
     index: kopf.Index[tuple[str, str], tuple[str, str]] = kwargs["tenants_by_pool"]
-    for tenant_namespace, tenant_name in index.get((str(namespace), name), ()):
+    # a copy: kopf updates the index from other handlers' threads meanwhile
+    for tenant_namespace, tenant_name in list(index.get((str(namespace), name), ())):
         try:
             _tenants(memo).refresh(tenant_namespace, tenant_name)
         except ApiError as error:
