@@ -87,9 +87,13 @@ class L2Adapter(Protocol):
 class Destination(Protocol):
     """Where a tier that receives in place puts a chunk (the prefetch's landing)."""
 
+    def turn(self) -> bool | None:
+        """Whether the chunk may be placed now (the chunk before it holds its place): None
+        while that is not decided yet, False if it never will be."""
+        ...
+
     def wait_turn(self) -> bool:
-        """Block until the chunk may be asked for (the chunk before it holds its place);
-        False: it must not be (that one could not get one)."""
+        """:meth:`turn`, once decided (blocks)."""
         ...
 
     def reserve(self, size: int) -> memoryview | None:
@@ -102,7 +106,7 @@ class ReceivesInPlace(Protocol):
     """A tier that receives a chunk straight into memory it is given (the peer tier)."""
 
     async def get_into(self, name: ObjectKey, into: Destination) -> bool:
-        """Receive ``name`` into ``into.reserve(size)`` and verify it there, once
-        ``into.wait_turn()``; True if it is there and intact. False: no holder gave it,
-        or ``into`` gave no memory or no turn."""
+        """Receive ``name`` into ``into.reserve(size)`` and verify it there, in ``into``'s
+        turn; True if it is there and intact. False: no holder gave it, or ``into`` gave no
+        memory or no turn."""
         ...

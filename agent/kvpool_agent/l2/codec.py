@@ -120,12 +120,14 @@ class ObjectCodec:
         body: bytes | memoryview,
         *,
         in_place: bool = False,
+        out: memoryview | None = None,
     ) -> bytes | memoryview:
         """The payload of ``header`` and ``body``, read apart; :class:`IntegrityError` unless
         they open as ``name``.
 
         A plaintext body comes back as it is (no copy). A sealed one is decrypted into new
-        bytes, or with ``in_place`` (a writable body the caller owns) where it lies.
+        bytes, with ``in_place`` (a writable body the caller owns) where it lies, or into
+        ``out`` (as long as the body). With ``out``, a plaintext body is copied there too.
         """
         if len(header) < HEADER.size:
             raise IntegrityError("shorter than the object header")
@@ -147,6 +149,12 @@ class ObjectCodec:
         if not flags & SEALED:
             cipher.authenticate_additional_data(body)
             payload = body
+            if out is not None:
+                out[:] = body
+                payload = out
+        elif out is not None:
+            cipher.update_into(body, out)
+            payload = out
         elif in_place:
             payload = memoryview(body)
             cipher.update_into(payload, payload)

@@ -146,6 +146,9 @@ class _Buffer:
 
     memory: memoryview | None = None
 
+    def turn(self) -> bool:
+        return True
+
     def wait_turn(self) -> bool:
         return True
 

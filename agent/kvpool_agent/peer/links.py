@@ -13,6 +13,7 @@ Every failure closes the connection it happened on and is counted by reason.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter
@@ -50,6 +51,14 @@ Fetched = Literal["filled", "missing", "unwanted"]
 
 class PeerBusy(Exception):
     """The peer is at its transfer cap: a miss here, not a failure."""
+
+
+@dataclass(frozen=True)
+class _Aside:
+    """A chunk received before its turn: its header and its sealed body, in a buffer."""
+
+    header: memoryview
+    body: memoryview
 
 
 class _Unwanted(Exception):
@@ -106,44 +115,60 @@ class PeerLink:
         return self._call(ask)
 
     def fetch(self, name: ObjectKey, into: Destination) -> tuple[Fetched, int]:
-        """Once ``into``'s turn has come, the chunk received into ``into.reserve(size)`` and
-        opened there: ``filled`` and its size; or ``missing`` (the peer no longer holds it),
-        ``unwanted`` (no turn, or no memory: the connection is dropped rather than the body
-        read). :class:`PeerBusy` if the peer is at its cap; any other failure raises (and
-        is counted). The turn is waited for here, before a request slot is taken and before
-        the peer is asked: a transfer the peer serves never waits on this agent."""
+        """The chunk received into ``into.reserve(size)`` in ``into``'s turn and opened
+        there: ``filled`` and its size; or ``missing`` (the peer no longer holds it),
+        ``unwanted`` (no turn, or no memory). :class:`PeerBusy` if the peer is at its cap;
+        any other failure raises (and is counted).
+
+        The peer is asked at once and its answer always read at once: a transfer it serves
+        waits on this agent. Where the chunk's turn has not come when its header arrives
+        (the chunk before it is still on its way), the body is received into a buffer of
+        the pool's (no page to fault in) and decrypted from there into the reserved pages
+        once the turn comes (the same bytes moved as in place); else straight into
+        them."""
         settings = self.settings
+        with contextlib.ExitStack() as buffers:
 
-        def get(channel: PeerChannel) -> int:
-            channel.send(Get(name.tenant, name.key))
-            answer, length = channel.receive()
-            if isinstance(answer, Missing | Busy) and not length:
-                if isinstance(answer, Busy):
-                    raise PeerBusy(self.node)
-                return 0
-            if not isinstance(answer, Object):
-                raise WireError(f"expected an object, got {type(answer).__name__}")
-            if length < HEADER.size:
-                raise WireError(f"an object of {length} bytes: shorter than its header")
-            header = memoryview(bytearray(HEADER.size))
-            channel.receive_body(header)
-            size = length - HEADER.size
-            if size != payload_length(header) or size > settings.max_object_bytes:
-                raise WireError(f"an object of {length} bytes whose header says otherwise")
-            memory = into.reserve(size)
-            if memory is None:
-                raise _Unwanted
-            channel.receive_body(memory)
-            settings.codec.open(name, header, memory, in_place=True)
-            return size
+            def get(channel: PeerChannel) -> int | _Aside:
+                channel.send(Get(name.tenant, name.key))
+                answer, length = channel.receive()
+                if isinstance(answer, Missing | Busy) and not length:
+                    if isinstance(answer, Busy):
+                        raise PeerBusy(self.node)
+                    return 0
+                if not isinstance(answer, Object):
+                    raise WireError(f"expected an object, got {type(answer).__name__}")
+                if length < HEADER.size:
+                    raise WireError(f"an object of {length} bytes: shorter than its header")
+                header = memoryview(bytearray(HEADER.size))
+                channel.receive_body(header)
+                size = length - HEADER.size
+                if size != payload_length(header) or size > settings.max_object_bytes:
+                    raise WireError(f"an object of {length} bytes whose header says otherwise")
+                if into.turn() is None:
+                    aside = buffers.enter_context(settings.codec.buffers.borrow(size))
+                    channel.receive_body(aside)
+                    return _Aside(header, aside)
+                memory = into.reserve(size)
+                if memory is None:
+                    raise _Unwanted  # the body is dropped with the connection
+                channel.receive_body(memory)
+                settings.codec.open(name, header, memory, in_place=True)
+                return size
 
-        if not into.wait_turn():
-            return "unwanted", 0
-        try:
-            with self._requests:
-                size = self._call(get)
-        except _Unwanted:
-            return "unwanted", 0
+            try:
+                with self._requests:
+                    received = self._call(get)
+            except _Unwanted:
+                return "unwanted", 0
+            if isinstance(received, _Aside):  # its turn waited for with no request slot held
+                size = len(received.body)
+                memory = into.reserve(size) if into.wait_turn() else None
+                if memory is None:
+                    return "unwanted", 0
+                settings.codec.open(name, received.header, received.body, out=memory)
+            else:
+                size = received
         if not size:
             return "missing", 0
         self.stats.fetched_chunks += 1

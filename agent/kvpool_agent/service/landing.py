@@ -90,9 +90,17 @@ class ChunkLanding:
             return None
         return self.service.segment_view[place.offset : place.offset + size]
 
+    def turn(self) -> bool | None:
+        """Whether this chunk may reserve now: the one before it holds its place (None: it
+        has not reserved or given up yet)."""
+        before = self.after
+        if before is None:
+            return True
+        return before.reserved if before.decided else None
+
     def wait_turn(self) -> bool:
         """Block until the chunk before this one holds its place (or gave up): whether it
-        does (this one may then be asked for)."""
+        does."""
         return self.after is None or self.after.wait_reserved()
 
     def wait_reserved(self) -> bool:

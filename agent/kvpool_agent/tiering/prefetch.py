@@ -28,6 +28,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from kvpool_agent.l2.base import L2Adapter, ObjectKey, ReceivesInPlace
 from kvpool_agent.service.cache_service import CacheService
@@ -86,6 +87,8 @@ class Prefetcher:
         self._guard = threading.Lock()  # begin() runs on the ZMQ thread, the rest on the loop
         self._finished = threading.Condition(self._guard)
         self._chunk_bytes = _TYPICAL_CHUNK
+        self._in_place = {tier.name for tier in self.tiers if isinstance(tier, ReceivesInPlace)}
+        """The tiers that receive into a landing (a protocol check is too slow per chunk)."""
         self._decisions: weakref.WeakKeyDictionary[ChunkLanding, asyncio.Event] = (
             weakref.WeakKeyDictionary()
         )
@@ -206,9 +209,9 @@ class Prefetcher:
         name = ObjectKey(landing.tenant, landing.key)
         try:
             for tier in tiers:
-                if isinstance(tier, ReceivesInPlace):
+                if tier.name in self._in_place:
                     started = time.perf_counter()
-                    if await tier.get_into(name, landing):
+                    if await cast(ReceivesInPlace, tier).get_into(name, landing):
                         self._observe(tier, time.perf_counter() - started, landing.size)
                         return True
                 else:
