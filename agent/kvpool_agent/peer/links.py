@@ -42,7 +42,7 @@ _IDLE = 8
 """Connections kept open per peer (the prefetch asks for up to 8 chunks at once)."""
 REUSE_SECONDS = IDLE_SECONDS / 2
 """A kept connection unused for longer is closed, not reused: the peer may have closed it
-(it waits :data:`~kvpool_agent.peer.serving.IDLE_SECONDS` for a request)."""
+(it waits :data:`~kvpool_agent.peer.wire.IDLE_SECONDS` for a request)."""
 T = TypeVar("T")
 
 
