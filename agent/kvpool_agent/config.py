@@ -362,6 +362,14 @@ class PeersConfig(BaseModel):
         None,
         description="The pool's namespace, for kubernetes discovery (default: the pod's own).",
     )
+    index_url: str | None = Field(
+        None,
+        description=(
+            "The pool's prefix index (http://HOST:PORT): asked first which peers hold a "
+            "prefix, with a token derived from the peer credential (the index mounts it "
+            "too); without one, or while it fails, every peer is asked."
+        ),
+    )
     max_transfers: int = Field(
         4, ge=1, description="Chunk transfers this agent serves at once; more are refused (busy)."
     )
@@ -375,6 +383,15 @@ class PeersConfig(BaseModel):
     io_timeout_seconds: float = Field(
         5.0, gt=0, description="A peer that sends or takes nothing for this long is cut off."
     )
+
+    @field_validator("index_url")
+    @classmethod
+    def _check_index_url(cls, url: str | None) -> str | None:
+        if url is not None:
+            parts = urlsplit(url)
+            if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
+                raise ValueError("must be http://HOST:PORT, the index's address")
+        return url
 
     @field_validator("agents")
     @classmethod

@@ -653,7 +653,20 @@ def test_index_deployment_and_pod() -> None:
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["name"]: m for m in container["volumeMounts"]}
-    assert volumes.keys() == mounts.keys() == {"config", "state", "tokens", "agent-access"}
+    assert (
+        volumes.keys()
+        == mounts.keys()
+        == {
+            "config",
+            "state",
+            "tokens",
+            "agent-access",
+            "peer-keys",
+        }
+    )
+    # the pool's peer credential, as the agents mount it: it accepts their lookup tokens
+    agent_peer_keys = _volume_and_mount(_children(), "peer-keys")
+    assert (volumes["peer-keys"], mounts["peer-keys"]) == agent_peer_keys
     # the token it follows the agents with: the operator's Secret, read only
     assert volumes["agent-access"]["secret"] == {
         "secretName": "kvpool-gpu-index-access",
@@ -897,7 +910,27 @@ def test_the_index_reaches_the_agents_snapshots_and_events() -> None:
     children = _protected(NETWORK_POLICY)
     pods = _pods(children)
     assert _admitted(children, pods["agent"], pods["index"]) == {9000, 9002}
-    assert _admitted(children, pods["index"], pods["agent"]) == set()
+    # the agents ask the index which peers hold a prefix: with peers only
+    assert _admitted(children, pods["index"], pods["agent"]) == {INDEX_PORT}
+    alone = _protected(NETWORK_POLICY, peers=False)
+    assert _admitted(alone, _pods(alone)["index"], _pods(alone)["agent"]) == set()
+
+
+def test_with_an_index_the_agents_ask_it_which_peers_hold_a_prefix() -> None:
+    """The agents' peers section names the index's Service; the index gets the peer
+    credential's directory (it accepts the lookup tokens the agents derive from it)."""
+    with_index = PoolSpec.parse({**TOKENS, "index": {"enabled": True, "port": 9403}})
+    peers = _agent_yaml(_children(with_index))["peers"]
+    assert peers["index_url"] == "http://kvpool-gpu-index.inference.svc:9403"
+    assert _index_yaml(_index())["peer_key_dir"] == peers["key_dir"]
+    assert _index_yaml(_index(PEERS_OFF))["peer_key_dir"] is None
+    no_index = _agent_yaml(_children(PoolSpec.parse({"index": {"enabled": False}})))["peers"]
+    assert "index_url" not in no_index
+
+
+def _index_yaml(index: IndexChildren) -> dict[str, Any]:
+    rendered: dict[str, Any] = yaml.safe_load(index.config["data"]["index.yaml"])
+    return rendered
 
 
 def test_the_agents_reach_each_others_peer_port_only_with_peers() -> None:

@@ -34,6 +34,8 @@ class RoguePeer:
         self.listener = TcpTransport().listen(host, 0, io_timeout=30.0)
         self.address = self.listener.address
         self.gets = 0
+        self.asked = 0
+        """Exists requests it answered (whether it was asked which chunks it holds)."""
         self._stopped = threading.Event()
         self._channels: list[PeerChannel] = []
         threading.Thread(target=self._accept, daemon=True).start()
@@ -64,6 +66,7 @@ class RoguePeer:
             while True:
                 request, _ = channel.receive()
                 if isinstance(request, Exists):
+                    self.asked += 1
                     channel.send(Have(len(request.keys)))
                 elif isinstance(request, Get):
                     self.gets += 1

@@ -19,8 +19,11 @@ from kvpool_agent.keys import tenant_id
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from kvpool_agent.testing.hosts import Hosts
 from tests.support.chunks import chain, data
+from tests.support.index_process import ADMIN_TOKEN as INDEX_ADMIN
+from tests.support.index_process import IndexProcess
 from tests.support.metrics import metric
 from tests.support.polling import wait_until
+from tests.support.ports import free_port
 
 from .rogue import Behaviour, RoguePeer
 
@@ -253,3 +256,36 @@ def test_the_bandwidth_cap_paces_what_a_peer_serves(pool: Pool) -> None:
     started = time.monotonic()
     assert pull(second, keys) == len(keys)
     assert time.monotonic() - started >= 1.5
+
+
+def test_the_pool_index_says_which_peers_hold_a_prefix_and_failing_every_peer_is_asked(
+    pool: Pool, hosts: Hosts, pool_key: Path, tmp_path: Path
+) -> None:
+    """With an index, only the peers it names are asked (a rogue peer it does not follow is
+    not); while it is down, every peer is asked, and the rogue's bytes cost a retry."""
+    keys, chunks = chain("located", 4), [data(n, CHUNK) for n in range(4)]
+    rogue = RoguePeer("flipped", pool_key, "default", hosts.root_address, chunks[0])
+    port = free_port()
+    index_url = f"http://{hosts.root_address}:{port}"
+    settings = {"PEERS__INDEX_URL": index_url}
+    try:
+        first, second = pool(settings, settings, extra=(rogue.entry,))
+        index = IndexProcess(
+            tmp_path / "index",
+            {"host-0": first, "host-1": second},
+            {"HOST": hosts.root_address, "HTTP_PORT": str(port), "PEER_KEY_DIR": str(pool_key)},
+        )
+        try:
+            store(first, keys, chunks)
+            wait_until(lambda: '"chunks":4' in index.get("/v1/nodes", INDEX_ADMIN), timeout=15)
+            assert pull(second, keys[:2]) == 2
+            assert rogue.asked == 0
+            assert metric(second, 'kvpool_peer_index_lookups_total{result="answered"}') >= 1
+        finally:
+            assert index.stop() == 0
+        assert pull(second, keys[2:]) == 2  # the index is gone: every peer is asked
+        assert rogue.asked >= 1
+        assert metric(second, 'kvpool_peer_index_lookups_total{result="failed"}') >= 1
+        assert held(second, keys) == chunks
+    finally:
+        rogue.close()

@@ -23,6 +23,15 @@ class PeerCollector(Collector):
         server = self._peers.server
         yield from _serving(server.stats if server is not None else ServingStats())
         yield from _fetching(self._peers.directory.links())
+        located = CounterMetricFamily(
+            "kvpool_peer_index_lookups",
+            "Prefixes the pool's index was asked to locate among the peers: answered, or "
+            "failed (every peer was asked instead).",
+            labels=["result"],
+        )
+        for result in ("answered", "failed"):
+            located.add_metric([result], self._peers.adapter.index_lookups[result])
+        yield located
 
 
 def _serving(stats: ServingStats) -> Iterator[Metric]:

@@ -136,6 +136,14 @@ class IndexConfig(BaseSettings):
             "the embedded default generates, <state_dir>/index-token-<pool>."
         ),
     )
+    peer_key_dir: Path | None = Field(
+        None,
+        description=(
+            "The pool's peer credential (the agents' peers.key_dir): the index then also "
+            "accepts, for its lookups, the token each agent derives from it to ask which "
+            "peers hold a prefix (set by the operator)."
+        ),
+    )
     state_dir: Path = Field(
         DEFAULT_STATE_DIR,
         description="Directory of the generated token (index-admin-token-<pool>).",

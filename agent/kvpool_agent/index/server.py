@@ -29,6 +29,7 @@ from kvpool_agent.files import Undo
 from kvpool_agent.index.config import IndexConfig, StaticAgent
 from kvpool_agent.index.http_api import create_app
 from kvpool_agent.index.metrics import IndexMetrics
+from kvpool_agent.index.peer_lookups import PeerLookups
 from kvpool_agent.index.service import IndexService
 from kvpool_agent.index.subscriber import EventSubscriber
 from kvpool_agent.index.tracker import PrefixTracker
@@ -74,10 +75,14 @@ class IndexServer:
         agent_token: str,
         discovery: Discovery,
         generated: GeneratedTokens | None = None,
+        *,
+        peer_lookups: PeerLookups | None = None,
     ) -> None:
         """``agent_token``: what the index follows the agents with (an index token);
-        ``generated``: the authority's tokens, written once the index has started."""
+        ``generated``: the authority's tokens, written once the index has started;
+        ``peer_lookups``: the agents' lookup tokens, with a peer credential."""
         self.config = config
+        self._peer_lookups = peer_lookups
         self._authority = authority
         self._generated = generated
         self._agent_token = agent_token
@@ -142,6 +147,9 @@ class IndexServer:
             with listening("http_port", config.host, config.http_port):
                 listener = listen(config.host, config.http_port)
             stack.callback(listener.close)
+            if self._peer_lookups is not None:
+                granting = asyncio.create_task(self._peer_lookups.follow())
+                stack.callback(granting.cancel)
             subscriber.start()
             stack.callback(subscriber.stop)
             discovery.start(subscriber.follow)
@@ -225,11 +233,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         agent_token = read_token(config.resolved_agent_token_file)
         discovery = make_discovery(config)
+        peer_lookups = None
+        if config.peer_key_dir is not None:  # a key directory without a key: KeyringError
+            peer_lookups = PeerLookups(authority, config.peer_key_dir, config.pool)
     except (TokenFileError, ValueError, OSError) as error:  # a token file's error too
         print(f"{prog}: {error}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(IndexServer(config, authority, agent_token, discovery, generated).run())
+        server = IndexServer(
+            config, authority, agent_token, discovery, generated, peer_lookups=peer_lookups
+        )
+        asyncio.run(server.run())
     except ConfigError as error:  # the port in use
         return exit_with(prog, error)
     except OSError as error:  # the token file refused, or not written

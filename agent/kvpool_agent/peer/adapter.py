@@ -1,10 +1,11 @@
 """The pool's other agents as an L2 tier, read by the prefetch between NVMe and S3.
 
-:meth:`PeerAdapter.exists` asks every peer at once how much of the prefix it
-holds and remembers who holds which chunk; :meth:`PeerAdapter.get` pulls each
-chunk from a peer that holds it, trying the next holder where one fails, is
-busy or no longer has it. Bytes pulled reach L1 through the prefetch's
-placement, so the tenant's quota on this node applies to them as to any store.
+:meth:`PeerAdapter.exists` asks the pool's prefix index (where there is one; while it
+fails, and without one, every peer at once) how much of the prefix each peer holds, and
+remembers who holds which chunk; :meth:`PeerAdapter.get` pulls each chunk from a peer
+that holds it, trying the next holder where one fails, is busy or no longer has it.
+Bytes pulled reach L1 through the prefetch's placement, so the tenant's quota on this
+node applies to them as to any store.
 The tier stores nothing of its own: ``put`` refuses (the write-back skips it),
 ``delete``, quota and drops have nothing to do (each peer keeps its own).
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -26,6 +27,7 @@ from kvpool_agent.l2.base import AdapterStats, Destination, L2Object, ObjectKey
 from kvpool_agent.l2.buffers import fresh
 from kvpool_agent.l2.codec import IntegrityError
 from kvpool_agent.peer.directory import PeerDirectory
+from kvpool_agent.peer.index_lookup import IndexLookup
 from kvpool_agent.peer.links import Fetched, PeerBusy, PeerLink
 from kvpool_agent.web.rate_limited_log import RateLimitedLog
 
@@ -44,9 +46,13 @@ _REMEMBERED = 1 << 16
 class PeerAdapter:
     name = "peer"
 
-    def __init__(self, directory: PeerDirectory) -> None:
+    def __init__(self, directory: PeerDirectory, index: IndexLookup | None = None) -> None:
+        """``index``: the pool's prefix index, asked first which peers hold a prefix."""
         self.directory = directory
+        self.index = index
         self.stats = AdapterStats()
+        self.index_lookups: Counter[str] = Counter()
+        """Prefixes located by the index: answered, or failed (the peers were asked)."""
         self._holders: OrderedDict[ObjectKey, list[PeerLink]] = OrderedDict()
         self._threads = ThreadPoolExecutor(THREADS, thread_name_prefix="kvpool-peer-fetch")
 
@@ -60,17 +66,34 @@ class PeerAdapter:
         tenant = keys[0].tenant
         run = [key.key for key in keys[: _same_tenant(keys)]]
         links = self.directory.links()
-        counts = await asyncio.gather(
-            *(self._run(link.held, tenant, run) for link in links), return_exceptions=True
-        )
-        held = {
-            link: count for link, count in zip(links, counts, strict=True) if isinstance(count, int)
-        }
+        held = await self._held_by_index(run, links) if self.index is not None else None
+        if held is None:
+            counts = await asyncio.gather(
+                *(self._run(link.held, tenant, run) for link in links), return_exceptions=True
+            )
+            held = {
+                link: count
+                for link, count in zip(links, counts, strict=True)
+                if isinstance(count, int)
+            }
         best = max(held.values(), default=0)
         for index in range(best):
             by_most = sorted((link for link, n in held.items() if n > index), key=held.__getitem__)
             self._remember(keys[index], by_most[::-1])
         return [index < best for index in range(len(keys))]
+
+    async def _held_by_index(
+        self, run: list[bytes], links: list[PeerLink]
+    ) -> dict[PeerLink, int] | None:
+        """How much of ``run`` each peer holds, as the index knows (None: it could not say)."""
+        assert self.index is not None
+        if not links:
+            return {}
+        by_node = await self._run(self.index.held, run, [link.node for link in links])
+        self.index_lookups["failed" if by_node is None else "answered"] += 1
+        if by_node is None:
+            return None
+        return {link: by_node[link.node] for link in links if by_node.get(link.node)}
 
     async def get(self, keys: Sequence[ObjectKey]) -> list[bytes | memoryview | None]:
         """Each chunk in a buffer of its own (the prefetch uses :meth:`get_into`)."""

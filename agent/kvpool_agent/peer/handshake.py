@@ -8,6 +8,10 @@ its role first so that a proof cannot be reflected back. The server lists the
 ids it holds in its hello; the client proves with the highest id it holds too,
 so that peers that read a rotated Secret at different times still agree.
 Both nonces are fresh per connection: a recorded exchange proves nothing later.
+
+The same credential gives each agent a token for the pool's prefix index
+(:func:`lookup_token`): the index, which mounts the credential too, accepts it for its
+lookups, so an agent asks the index which peers hold a prefix.
 """
 
 from __future__ import annotations
@@ -63,6 +67,15 @@ def proof(
     fields = [role, pool.encode(), *nonces, *(node.encode() for node in nodes)]
     message = b"".join(len(field).to_bytes(4, "little") + field for field in fields)
     return hmac.new(_auth_key(material, pool.encode()), message, hashlib.sha256).digest()
+
+
+def lookup_token(keys: Keys, key_id: int, pool: str) -> str:
+    """The bearer token with which an agent asks its pool's prefix index which peers hold a
+    prefix: derived from peer key ``key_id``, so the index (which mounts the same Secret)
+    knows it without another credential, and it changes with every rotation."""
+    message = b"kvpool-peer index lookup\0" + pool.encode()
+    mac = hmac.new(_auth_key(keys.by_id[key_id], pool.encode()), message, hashlib.sha256)
+    return mac.hexdigest()
 
 
 def check(expected: bytes, received: bytes) -> None:

@@ -20,6 +20,7 @@ from kvpool_agent.l2.codec import ObjectCodec
 from kvpool_agent.l2.keyring import Keyring
 from kvpool_agent.peer.adapter import PeerAdapter
 from kvpool_agent.peer.directory import PeerDirectory, node_name
+from kvpool_agent.peer.index_lookup import IndexLookup
 from kvpool_agent.peer.links import LinkSettings, PeerLink
 from kvpool_agent.peer.serving import PeerServer
 from kvpool_agent.peer.transport import PeerTransport, TcpTransport
@@ -55,7 +56,13 @@ class PeerTier:
             max_requests=self.config.max_transfers,
         )
         self.directory = PeerDirectory(self.config, settings)
-        self.adapter = PeerAdapter(self.directory)
+        index = self.config.index_url
+        self.adapter = PeerAdapter(
+            self.directory,
+            None
+            if index is None
+            else IndexLookup(index, self.keyring, config.pool, self.config.io_timeout_seconds),
+        )
         self.server: PeerServer | None = None
 
     def serve(

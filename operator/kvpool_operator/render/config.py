@@ -16,7 +16,7 @@ from kvpool_agent.config import AgentConfig
 from kvpool_agent.index.config import IndexConfig
 from kvpool_agent.names import AGENT_COMPONENT, INDEX_COMPONENT
 from kvpool_operator.render.objects import Pool
-from kvpool_operator.spec import InvalidSpec, NvmeTier, PeersSpec, PoolSpec, S3Tier, describe
+from kvpool_operator.spec import InvalidSpec, NvmeTier, PoolSpec, S3Tier, describe
 
 TOKENS_DIR = "/etc/kvpool/tokens"
 TOKENS_FILE = "tokens.yaml"
@@ -103,7 +103,7 @@ def agent_config(pool: Pool, spec: PoolSpec) -> AgentConfig:
         l2_key_dir=_l2_key_dir(pool, spec),
         nvme=_nvme_config(nvme.nvme) if nvme and nvme.nvme else None,
         s3=_s3_config(s3.s3) if s3 and s3.s3 else None,
-        peers=_peers_config(pool, spec.peers) if spec.peers.enabled else None,
+        peers=_peers_config(pool, spec) if spec.peers.enabled else None,
         store_policy=spec.l2.store_policy,
         store_min_hits=spec.l2.store_min_hits,
     )
@@ -132,6 +132,7 @@ def index_config(pool: Pool, spec: PoolSpec) -> IndexConfig:
         },
         tokens_file=TOKENS_PATH,
         agent_token_file=f"{AGENT_ACCESS_DIR}/{AGENT_ACCESS_KEY}",
+        peer_key_dir=PEER_KEYS_DIR if spec.peers.enabled else None,
         state_dir=STATE_DIR,
     )
 
@@ -151,10 +152,17 @@ def _nvme_config(tier: NvmeTier) -> dict[str, Any]:
     return {"path": tier.host_path, "capacity": tier.capacity, "encryption": tier.encryption}
 
 
-def _peers_config(pool: Pool, peers: PeersSpec) -> dict[str, Any]:
+def _peers_config(pool: Pool, spec: PoolSpec) -> dict[str, Any]:
     """The pool's other agents, found as the index finds them (their pods' container port
-    named ``peer``), proving the credential mounted at PEER_KEYS_DIR."""
+    named ``peer``), proving the credential mounted at PEER_KEYS_DIR; with an index, which
+    of them hold a prefix is asked of it (its Service)."""
+    peers = spec.peers
     capped = {} if peers.max_bandwidth is None else {"bandwidth": peers.max_bandwidth}
+    index = (
+        {"index_url": f"http://{pool.index_name}.{pool.namespace}.svc:{spec.index.port}"}
+        if spec.index.enabled
+        else {}
+    )
     return {
         "port": peers.port,
         "key_dir": PEER_KEYS_DIR,
@@ -162,6 +170,7 @@ def _peers_config(pool: Pool, peers: PeersSpec) -> dict[str, Any]:
         "namespace": pool.namespace,
         "max_transfers": peers.max_transfers,
         **capped,
+        **index,
     }
 
 

@@ -16,7 +16,7 @@ from kvpool_agent.names import (
     NODE_NAME_ENV,
     SHM_DIR,
 )
-from kvpool_operator.render.config import L2_KEYS_DIR, PEER_KEYS_DIR
+from kvpool_operator.render.config import L2_KEYS_DIR
 from kvpool_operator.render.objects import Manifest, Pool, manifest
 from kvpool_operator.render.pods import (
     AGENT_UID,
@@ -25,6 +25,7 @@ from kvpool_operator.render.pods import (
     config_volume,
     container_ports,
     container_security,
+    peer_keys_volume,
     pod_security,
     pod_template,
     probes,
@@ -68,15 +69,6 @@ def _l2_keys_volume(spec: PoolSpec) -> list[Volume]:
     return [(volume, {"name": "l2-keys", "mountPath": L2_KEYS_DIR, "readOnly": True})]
 
 
-def _peer_keys_volume(pool: Pool, spec: PoolSpec) -> list[Volume]:
-    """With peers, the pool's peer Secret at PEER_KEYS_DIR, as the L2 keys: the operator's
-    rotations reach the agents with no roll."""
-    if not spec.peers.enabled:
-        return []
-    volume = {"name": "peer-keys", "secret": {"secretName": pool.peer_name, "defaultMode": 0o440}}
-    return [(volume, {"name": "peer-keys", "mountPath": PEER_KEYS_DIR, "readOnly": True})]
-
-
 def _volumes(pool: Pool, spec: PoolSpec, config: AgentConfig) -> list[Volume]:
     """(volume, mount) pairs of the agent pod."""
     # The node's /dev/shm, where the agent creates its pool's directory (mode 0710, its group
@@ -91,7 +83,7 @@ def _volumes(pool: Pool, spec: PoolSpec, config: AgentConfig) -> list[Volume]:
         state_volume(),
         *tokens_volume(spec),
         *_l2_keys_volume(spec),
-        *_peer_keys_volume(pool, spec),
+        *peer_keys_volume(pool, spec),
     ]
     nvme = spec.l2.tier("nvme")
     if nvme is not None and nvme.nvme is not None:

@@ -19,6 +19,7 @@ from kvpool_operator.render.pods import (
     config_volume,
     container_ports,
     container_security,
+    peer_keys_volume,
     pod_security,
     pod_template,
     probes,
@@ -112,6 +113,7 @@ def _index_deployment(pool: Pool, spec: PoolSpec, config_text: str, default_imag
         state_volume(),
         *tokens_volume(spec),
         agent_access_volume(pool),
+        *peer_keys_volume(pool, spec),  # it accepts the agents' lookup tokens derived from it
     ]
     container = {
         "name": "index",

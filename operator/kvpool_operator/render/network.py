@@ -61,8 +61,8 @@ def _pool_pods(pool: Pool, component: str, present: bool) -> list[dict[str, Any]
 def network_policies(pool: Pool, spec: PoolSpec) -> tuple[Manifest, ...]:
     """Clients reach the agents' ZMQ and HTTP ports, Prometheus their HTTP port (/metrics),
     the pool's index their ZMQ (snapshots) and events ports, the pool's other agents their
-    peer port (with spec.peers; egress stays open, so they reach it); gateways and
-    Prometheus reach the index's port."""
+    peer port (with spec.peers; egress stays open, so they reach it); gateways, the
+    agents (with spec.peers: their lookups) and Prometheus reach the index's port."""
     policy, ports = spec.network_policy, spec.ports
     prometheus = _peers(policy.prometheus)
     index = _pool_pods(pool, INDEX_COMPONENT, spec.index.enabled)
@@ -79,5 +79,9 @@ def network_policies(pool: Pool, spec: PoolSpec) -> tuple[Manifest, ...]:
     if not spec.index.enabled:
         return (agents_policy,)
     port = spec.index.port
-    ingress = _ingress(_peers(policy.gateways), [port]) + _ingress(prometheus, [port])
+    ingress = (
+        _ingress(_peers(policy.gateways), [port])
+        + _ingress(agents, [port])  # which peers hold a prefix
+        + _ingress(prometheus, [port])
+    )
     return agents_policy, _network_policy(pool, INDEX_COMPONENT, pool.index_name, ingress)

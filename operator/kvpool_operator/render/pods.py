@@ -8,7 +8,13 @@ import hashlib
 from typing import Any
 
 from kvpool_agent.names import CONFIG_CHECKSUM_ANNOTATION
-from kvpool_operator.render.config import AGENT_ACCESS_DIR, STATE_DIR, TOKENS_DIR, TOKENS_FILE
+from kvpool_operator.render.config import (
+    AGENT_ACCESS_DIR,
+    PEER_KEYS_DIR,
+    STATE_DIR,
+    TOKENS_DIR,
+    TOKENS_FILE,
+)
 from kvpool_operator.render.objects import Pool
 from kvpool_operator.spec import PoolSpec, ResourcesSpec
 
@@ -93,6 +99,16 @@ def tokens_volume(spec: PoolSpec) -> list[Volume]:
         },
     }
     return [(volume, {"name": "tokens", "mountPath": TOKENS_DIR, "readOnly": True})]
+
+
+def peer_keys_volume(pool: Pool, spec: PoolSpec) -> list[Volume]:
+    """With peers, the pool's peer Secret at PEER_KEYS_DIR, as the L2 keys: the operator's
+    rotations reach the agents (and the index, which accepts tokens derived from it) with
+    no roll."""
+    if not spec.peers.enabled:
+        return []
+    volume = {"name": "peer-keys", "secret": {"secretName": pool.peer_name, "defaultMode": 0o440}}
+    return [(volume, {"name": "peer-keys", "mountPath": PEER_KEYS_DIR, "readOnly": True})]
 
 
 def agent_access_volume(pool: Pool) -> Volume:
