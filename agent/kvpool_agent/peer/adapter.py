@@ -76,7 +76,7 @@ class PeerAdapter:
                 for link, count in zip(links, counts, strict=True)
                 if isinstance(count, int)
             }
-        best = max(held.values(), default=0)
+        best = min(max(held.values(), default=0), len(run))  # no peer answers for more
         for index in range(best):
             by_most = sorted((link for link, n in held.items() if n > index), key=held.__getitem__)
             self._remember(keys[index], by_most[::-1])
