@@ -60,7 +60,7 @@ import numpy
 from botocore.config import Config
 
 from kvpool_agent import problems
-from kvpool_agent.bench.report import table
+from kvpool_agent.bench.report import add_chunk_mib, table
 from kvpool_agent.config import NvmeTierConfig, S3TierConfig
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.l2 import layout
@@ -80,12 +80,7 @@ MiB = 1 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--chunk-mib",
-        type=problems.numbers(int),
-        default=[2, 32],
-        help="chunk sizes in MiB, comma-separated (default 2,32)",
-    )
+    add_chunk_mib(parser)
     parser.add_argument(
         "--repeats", type=problems.number(int), default=3, help="runs per figure (best is shown)"
     )

@@ -40,7 +40,14 @@ from kvpool_agent import problems
 from kvpool_agent.bench import peer_ttft
 from kvpool_agent.bench.peer_agents import PeerPair, peer_pair
 from kvpool_agent.bench.peer_socket import PlainLink
-from kvpool_agent.bench.report import command, machine, median_spread, runs_said, table
+from kvpool_agent.bench.report import (
+    add_chunk_mib,
+    command,
+    machine,
+    median_spread,
+    runs_said,
+    table,
+)
 from kvpool_agent.testing.hosts import Hosts, HostsUnavailable
 
 MiB = 1 << 20
@@ -52,12 +59,7 @@ GOAL_FROM = 2 * MiB
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--chunk-mib",
-        type=problems.numbers(int),
-        default=[2, 32],
-        help="chunk sizes in MiB, comma-separated (default 2,32)",
-    )
+    add_chunk_mib(parser)
     parser.add_argument(
         "--mib", type=problems.number(int), default=256, help="MiB moved per transfer"
     )

@@ -9,6 +9,8 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvpool_agent import problems
+
 
 def table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [[str(cell) for cell in row] for row in [header, *rows]]
@@ -44,6 +46,16 @@ def machine() -> str:
                 break
     load = " ".join(f"{value:.2f}" for value in os.getloadavg())
     return f"CPU: {cpu}, {os.cpu_count()} CPUs; load average (1, 5, 15 min) at the end: {load}"
+
+
+def add_chunk_mib(parser: argparse.ArgumentParser) -> None:
+    """``--chunk-mib``: the chunk sizes of a bench that moves whole chunks (L2, peers)."""
+    parser.add_argument(
+        "--chunk-mib",
+        type=problems.numbers(int),
+        default=[2, 32],
+        help="chunk sizes in MiB, comma-separated (default 2,32)",
+    )
 
 
 def command(bench: str, args: argparse.Namespace) -> str:
