@@ -225,24 +225,20 @@ class CacheService:
         keys: Sequence[bytes],
         payloads: Sequence[bytes | memoryview],
         parent: bytes | None = None,
-        *,
-        keep: Sequence[bytes] = (),
-        write_back: bool = True,
     ) -> StoreResult:
         """Reserve, copy ``payloads`` into the segment, commit: the store of a caller
-        that cannot map the segment, and the prefetch's placement.
+        that cannot map the segment (chunks from L2 land through :meth:`landing`).
 
         The copy runs outside the lock (the reserved chunks are write-locked).
-        ``write_back=False`` for chunks that came from L2: they are there already.
         """
-        reservation = self.reserve(tenant, keys, [len(p) for p in payloads], parent, keep=keep)
+        reservation = self.reserve(tenant, keys, [len(p) for p in payloads], parent)
         view = self._segment.view
         for place, payload in zip(reservation.placements, payloads, strict=False):
             if place is not None:
                 view[place.offset : place.offset + place.nbytes] = payload
         stored = 0
         if reservation.lease is not None:
-            stored = self._commit(reservation.lease, None, write_back=write_back)
+            stored = self.commit(reservation.lease)
         present = sum(place is None for place in reservation.placements)
         return StoreResult(stored, present, reservation.refused_reason)
 

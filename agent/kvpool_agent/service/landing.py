@@ -74,8 +74,7 @@ class ChunkLanding:
         before it could not be reserved."""
         with self._lock:
             if self.reservation is None:
-                previous = self.after
-                if previous is not None and not previous.wait_reserved():
+                if not self.wait_turn():
                     self._decide()
                     return None
                 self.reservation = self.service.reserve(

@@ -230,17 +230,14 @@ class Prefetcher:
     async def _turn(self, landing: ChunkLanding) -> bool:
         """Once the chunk before ``landing`` has reserved its place (or given up): whether
         it holds one."""
-        before = landing.after
-        if before is None:
-            return True
-        if not before.decided:
-            await self._decisions[before].wait()
-        return before.reserved
+        if landing.turn() is None:
+            assert landing.after is not None  # only a chunk after another waits
+            await self._decisions[landing.after].wait()
+        return bool(landing.turn())
 
     async def _land(self, landing: ChunkLanding, payload: bytes | memoryview) -> bool:
         """Copy a chunk a tier returned into its landing's pages, in the prefetch's order."""
-        await self._turn(landing)
-        view = landing.reserve(len(payload))
+        view = landing.reserve(len(payload)) if await self._turn(landing) else None
         if view is None:
             return False
         view[:] = payload
@@ -268,15 +265,6 @@ class Prefetcher:
             first = self.costs.cheapest([t.name for t in having], self._chunk_bytes)
             holders.append([having[first], *having[:first], *having[first + 1 :]])
         return holders
-
-    async def _get_any(
-        self, tiers: list[L2Adapter], tenant: str, key: bytes
-    ) -> bytes | memoryview | None:
-        for tier in tiers:
-            payload = await self._get(tier, tenant, key)
-            if payload is not None:
-                return payload
-        return None
 
     async def _get(self, tier: L2Adapter, tenant: str, key: bytes) -> bytes | memoryview | None:
         started = time.perf_counter()

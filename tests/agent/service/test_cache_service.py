@@ -72,15 +72,20 @@ def test_a_commit_tells_the_write_back_of_the_chunks_it_made_ready(tmp_path: Pat
     assert service.stats().open_leases == 0
 
 
-def test_store_copies_the_bytes_in_and_a_store_from_l2_is_not_written_back(
+def test_store_copies_the_bytes_in_and_a_chunk_landed_from_l2_is_not_written_back(
     tmp_path: Path,
 ) -> None:
     service, write_back, _ = attached(tmp_path)
     head, tail = key("head"), key("tail")
     stored = service.store(ALICE, [head], [b"h" * 100])
     assert (stored.stored, stored.present, stored.refused_reason) == (1, 0, None)
-    again = service.store(ALICE, [head, tail], [b"h" * 100, b"t" * 50], write_back=False)
-    assert (again.stored, again.present) == (1, 1)
+    present = service.landing(ALICE, head, None, [])
+    assert present.reserve(100) is None and present.present and present.finish(True)
+    landed = service.landing(ALICE, tail, head, [], after=present)
+    pages = landed.reserve(50)
+    assert pages is not None
+    pages[:] = b"t" * 50
+    assert landed.finish(True)
     assert write_back.committed_keys == [(ALICE, [head])]
     found = service.retrieve(ALICE, [head, tail, key("absent")], max_bytes=150)
     assert found == [b"h" * 100, b"t" * 50]
