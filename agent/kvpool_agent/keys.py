@@ -11,6 +11,9 @@ tenants can reproduce it:
   chunk size (see :class:`ModelFingerprint`).
 * ``k_i = SHA-256(k_{i-1} || tokens_i)`` over the i-th full chunk of token ids,
   each token a little-endian uint32, with ``k_{-1} = root``.
+* ``s_i = SHA-256("kvpool-state-v1\0" || k_i)``: the record of the state that state-space
+  (Mamba) and linear-attention layers have after chunk ``i`` (:func:`state_key`), for
+  models that have such layers; stored under the chunk's tenant, with ``k_i`` as parent.
 
 Two salts never share a root, so they never share a key: tenant isolation
 rests on SHA-256 preimage resistance, not on the agent's bookkeeping.
@@ -46,6 +49,7 @@ TENANT_ID_CHARS = 32
 
 _TENANT_DOMAIN = b"kvpool-tenant-v1\0"
 _ROOT_DOMAIN = b"kvpool-root-v1\0"
+_STATE_DOMAIN = b"kvpool-state-v1\0"
 
 
 CANARY_TENANT = hashlib.sha256(b"kvpool-doctor-canary-v1").hexdigest()[:TENANT_ID_CHARS]
@@ -125,6 +129,11 @@ def root_key(salt: str | None, fingerprint: ModelFingerprint) -> bytes:
     """The chain seed ``k_{-1}`` for one tenant and one model configuration."""
     material = _ROOT_DOMAIN + (salt or "").encode() + b"\0" + fingerprint.encode()
     return hashlib.sha256(material).digest()
+
+
+def state_key(chunk_key: bytes) -> bytes:
+    """``s_i``: the key of the state-space layers' state at the end of the chunk ``k_i``."""
+    return hashlib.sha256(_STATE_DOMAIN + chunk_key).digest()
 
 
 def next_key(previous: bytes, chunk_tokens: Sequence[int]) -> bytes:

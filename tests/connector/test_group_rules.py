@@ -73,10 +73,46 @@ def test_a_window_keeps_the_blocks_a_resumed_token_looks_back_on() -> None:
     )
 
 
-def test_a_state_space_group_is_refused_naming_the_spec_and_a_layer() -> None:
-    mamba = MambaSpec(block_size=BLOCK, shapes=((3, 256),), dtypes=(torch.bfloat16,))
-    with pytest.raises(NotCacheable, match=r"MambaSpec \(layer model.layers.1.attn\)"):
-        cacheable_groups(config(FullAttentionSpec(block_size=BLOCK, **HEADS), mamba))
+def mamba(**fields: Any) -> MambaSpec:
+    return MambaSpec(block_size=BLOCK, shapes=((3, 256),), dtypes=(torch.bfloat16,), **fields)
+
+
+def test_a_state_group_vllm_caches_keeps_one_block_per_state_record() -> None:
+    """In vLLM's "align" mode a state-space (or linear-attention) layer's state is cached
+    where a step ended on a block boundary; kvpool keeps that block, beside the chunk."""
+    full = FullAttentionSpec(block_size=BLOCK, **HEADS)
+    groups = cacheable_groups(config(full, mamba(mamba_cache_mode="align")))
+    assert [group.rule for group in groups] == [GroupRule("full", BLOCK), GroupRule("state", BLOCK)]
+    state = groups[1].rule
+    assert state.is_state and state.name == "state"
+    assert (state.blocks_per_chunk(256), state.kept_blocks(256)) == (1, 1)
+    with pytest.raises(LayoutError, match="not a multiple of vLLM's block size 16"):
+        state.blocks_per_chunk(40)  # a state exists only at a block's end
+    assert loads_per_request(config(full, mamba(mamba_cache_mode="align")), groups)
+
+
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [
+        ({}, r"MambaSpec in mamba_cache_mode 'none' \(vLLM caches no states\)"),
+        (
+            {"mamba_cache_mode": "align", "num_speculative_blocks": 2},
+            "MambaSpec with 2 speculative blocks",
+        ),
+    ],
+)
+def test_a_state_group_vllm_caches_no_states_for_is_refused_naming_a_layer(
+    fields: dict[str, Any], why: str
+) -> None:
+    with pytest.raises(NotCacheable, match=why + r" \(layer model.layers.1.attn\)"):
+        cacheable_groups(config(FullAttentionSpec(block_size=BLOCK, **HEADS), mamba(**fields)))
+
+
+def test_a_model_of_states_only_is_refused() -> None:
+    """A state record hangs off the chunk that ends where it was taken; a model with no
+    attention has no chunk to key its states by."""
+    with pytest.raises(NotCacheable, match="every layer is a state-space"):
+        cacheable_groups(config(mamba(mamba_cache_mode="align")))
 
 
 def test_an_unknown_subclass_is_refused_not_cached_by_its_base() -> None:

@@ -17,8 +17,14 @@ run):
   in each group (the null block aside) holds the bytes the first engine wrote for the
   same tokens; nothing writes the null block;
 * the comparison is not vacuous: noise over one group's part of the stored chunks (a
-  sliding window's blocks, an MLA latent) is loaded wrong in that group, and only there;
-* a Mamba group (a running state, not KV per token) is a miss, logged, never a crash.
+  sliding window's blocks, an MLA latent), or over the stored Mamba state, is loaded wrong
+  in that group, and only there;
+* a Mamba group holds a running state, not KV per token: vLLM ("align" mode) keeps the
+  state where a step ended on a block boundary and hands it to the connector, which stores
+  it beside the chunk that ends there; a hit needs that state, loaded into the one block
+  vLLM gives the group at the hit's end, and a hit whose state is gone fails the request,
+  which vLLM computes anew; a Mamba group vLLM caches no states for is a miss, logged,
+  never a crash.
 """
 
 from __future__ import annotations
@@ -72,11 +78,13 @@ NUM_BLOCKS = 96
 """Blocks of the pool: vLLM admits a config only if one request of the model's length fits
 (a sliding-window group needs blocks for a whole step's tokens too)."""
 
-CACHED_MIXES = [mix for mix in GROUP_MIXES if mix != "full+mamba"]
-"""Mixes whose every group is KV per token, which kvpool can cache by token range."""
+CACHED_MIXES = list(GROUP_MIXES)
+"""Mixes kvpool caches: every one (a Mamba group's state in vLLM's "align" mode)."""
 POISONED: list[tuple[GroupMix, str]] = [
     ("full+swa", "SlidingWindowSpec"),
     ("mla", "MLAAttentionSpec"),
+    ("full+mamba", "FullAttentionSpec"),
+    ("full+mamba", "MambaSpec"),
 ]
 """A mix, and the spec of its group whose stored bytes the poisoned test overwrites."""
 
@@ -333,25 +341,25 @@ def test_a_structured_salt_loads_the_spaces_and_the_tenants_chunks_in_each_group
         load(engine, tokens, check, salt=salt, hit_blocks=hit_blocks)
 
 
-def poison_group(agent: AgentProcess, engine: StepEngine, tokens: list[int], group: int) -> None:
-    """Overwrite group ``group``'s part of each of the prompt's chunks in the agent's segment
-    with noise (the chunk format: :mod:`kvpool_agent.connector.layout`)."""
+def chunk_keys(engine: StepEngine, tokens: list[int]) -> list[bytes]:
+    """The keys of the prompt's chunks, as the engine's connector makes them."""
     scheduler, worker = engine.scheduler_connector, engine.worker
     assert isinstance(scheduler, KvpoolConnector) and isinstance(worker, KvpoolConnector)
-    chunk_format = worker.worker.format
-    assert chunk_format is not None
-    sections = [part.section_bytes for part in chunk_format.groups]
-    start, size = sum(sections[:group]), sections[group]
     chunk_tokens = scheduler.scheduler.chunk_tokens
     handshake = worker.worker.handshake
     assert handshake is not None
     fingerprint = keys.ModelFingerprint(
         str(engine.config.model_config.model), "bfloat16", handshake.kv_layout, 0, 1, chunk_tokens
     )
-    wanted = keys.KeyChain(keys.root_key(SALT, fingerprint), chunk_tokens).upto(tokens, CHUNKS)
+    return keys.KeyChain(keys.root_key(SALT, fingerprint), chunk_tokens).upto(tokens, CHUNKS)
+
+
+def poison(agent: AgentProcess, wanted: list[bytes], start: int, size: int) -> None:
+    """Overwrite bytes ``[start, start + size)`` of each record ``wanted`` in the agent's
+    segment with noise."""
     with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         found = client.lookup(keys.tenant_id(SALT), wanted, lock=False, count=False)
-    assert found.count == CHUNKS, "the fingerprint is not the connector's"
+    assert found.count == len(wanted), "the fingerprint is not the connector's"
     segment = SharedSegment.attach(agent.segment_path)
     try:
         noise = bytes(random.Random(7).randrange(256) for _ in range(size))
@@ -361,10 +369,29 @@ def poison_group(agent: AgentProcess, engine: StepEngine, tokens: list[int], gro
         segment.close()
 
 
+def poison_group(agent: AgentProcess, engine: StepEngine, tokens: list[int], group: int) -> None:
+    """Overwrite group ``group``'s part of each of the prompt's chunks (or, for a state
+    group, of the state record at the end of the prompt's chunks) in the agent's segment
+    with noise (the formats: :mod:`kvpool_agent.connector.layout`)."""
+    worker = engine.worker
+    assert isinstance(worker, KvpoolConnector)
+    is_state = type(engine.plan.kv_cache_groups[group].kv_cache_spec).__name__ == "MambaSpec"
+    wanted = chunk_keys(engine, tokens)
+    record_format = worker.worker.state_format if is_state else worker.worker.format
+    assert record_format is not None
+    if is_state:  # the one state of the prompt: where its prefill ended, a chunk's end
+        wanted = [keys.state_key(wanted[-1])]
+    part = [
+        index
+        for index, spec_group in enumerate(engine.plan.kv_cache_groups)
+        if (type(spec_group.kv_cache_spec).__name__ == "MambaSpec") == is_state
+    ].index(group)
+    sections = [section.section_bytes for section in record_format.groups]
+    poison(agent, wanted, sum(sections[:part]), sections[part])
+
+
 @pytest.mark.parametrize("runner", RUNNERS)
-@pytest.mark.parametrize(
-    ("mix", "kind"), [("full+swa", "SlidingWindowSpec"), ("mla", "MLAAttentionSpec")]
-)
+@pytest.mark.parametrize(("mix", "kind"), POISONED)
 def test_a_poisoned_group_is_loaded_wrong_in_that_group_only(
     empty_agent: AgentProcess,
     engines: Callable[[GroupMix, Runner], StepEngine],
@@ -373,8 +400,9 @@ def test_a_poisoned_group_is_loaded_wrong_in_that_group_only(
     runner: Runner,
 ) -> None:
     """Negative control of the test above: noise in the agent over one group's part of the
-    stored chunks (the sliding window's blocks, or the MLA latent) reaches the second
-    engine's blocks of that group, every one, and no block of another group."""
+    stored chunks (the sliding window's blocks, the MLA latent, a Mamba model's attention),
+    or over the stored Mamba state, reaches the second engine's blocks of that group, every
+    one, and no block of another group."""
     first = engines(mix, runner)
     tokens = prompt_of(first)
     written = store(first, tokens)
@@ -395,25 +423,37 @@ def test_a_poisoned_group_is_loaded_wrong_in_that_group_only(
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
-def test_a_mamba_group_is_a_logged_miss(
+def test_a_mamba_group_without_cached_states_is_a_logged_miss(
+    *,
     empty_agent: AgentProcess,
-    engines: Callable[[GroupMix, Runner], StepEngine],
+    model: Path,
+    token_file: Path,
     runner: Runner,
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A state-space layer's group holds one running state per request, not KV per token:
-    no range of tokens can be loaded into it. kvpool serves no hits for such a model, and
-    says why once (naming the spec), never once per request, and never crashes vLLM."""
+    """Outside vLLM's "align" mode (prefix caching off for the model) vLLM keeps one
+    running state per request and hands none over: nothing can resume it. kvpool serves
+    no hits for such a model, and says why once (naming the spec), never once per request,
+    and never crashes vLLM."""
     ours = logging.getLogger("kvpool_agent")
     monkeypatch.setattr(ours, "propagate", False)  # caplog's handler is added below
     ours.addHandler(caplog.handler)
     caplog.set_level(logging.INFO, logger="kvpool_agent")
+    started: list[StepEngine] = []
+
+    def engine() -> StepEngine:
+        config = group_config(model, token_file, empty_agent)
+        config.cache_config.mamba_cache_mode = "none"
+        plan = kv_cache_config(config, NUM_BLOCKS, "full+mamba")
+        started.append(StepEngine(config, plan, runner, monkeypatch))
+        return started[-1]
+
     try:
-        first = engines("full+mamba", runner)
+        first = engine()
         tokens = prompt_of(first)
         store(first, tokens)
-        second = engines("full+mamba", runner)
+        second = engine()
         # the stored prompt, then another (not the same: vLLM's own prefix cache would hit)
         another = prompt(len(tokens), seed=1)
         for request_id, request_tokens in (("second", tokens), ("another", another)):
@@ -425,6 +465,8 @@ def test_a_mamba_group_is_a_logged_miss(
             second.step()
     finally:
         ours.removeHandler(caplog.handler)
+        for started_engine in started:
+            started_engine.shutdown()
     said = [record.getMessage() for record in caplog.records if "MambaSpec" in record.getMessage()]
     assert said, "kvpool did not say why a Mamba model gets no hits"
     # once per connector (each engine's scheduler and worker) at most, not per request
@@ -432,7 +474,7 @@ def test_a_mamba_group_is_a_logged_miss(
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
-@pytest.mark.parametrize("mix", ["full+swa", "swa"])
+@pytest.mark.parametrize("mix", ["full+swa", "swa", "full+mamba"])
 def test_a_load_that_fails_recomputes_the_request(
     empty_agent: AgentProcess,
     engines: Callable[[GroupMix, Runner], StepEngine],
@@ -474,4 +516,53 @@ def test_a_load_that_fails_recomputes_the_request(
             break
     assert failed == {"second"}
     assert computed == [0], "the request did not start over"
+    assert step.finished == {"second"}
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_a_hit_whose_state_is_gone_recomputes_the_request(
+    empty_agent: AgentProcess,
+    engines: Callable[[GroupMix, Runner], StepEngine],
+    runner: Runner,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Mamba model's hit is its chunks and the state at their end, or nothing: the state
+    vanishes between the probe and the load while the chunks stay. The request must not
+    resume with the attention KV loaded and no state: it fails, and vLLM computes it anew
+    from its first token."""
+    first = engines("full+mamba", runner)
+    tokens = prompt_of(first)
+    store(first, tokens)
+    wanted = chunk_keys(first, tokens)
+    tenant = keys.tenant_id(SALT)
+    with AgentClient(empty_agent.zmq, token=ADMIN_TOKEN) as client:
+        found = client.lookup(tenant, [keys.state_key(wanted[-1])], lock=False, count=False)
+        assert found.count == 1, "the prompt's state was not stored"
+        chunks = client.retrieve(tenant, wanted)
+    second = engines("full+mamba", runner)
+    worker = second.worker
+    load_kv = worker.start_load_kv
+
+    def state_evicted_first(*args: Any, **kwargs: Any) -> None:
+        with AgentClient(empty_agent.zmq, token=ADMIN_TOKEN) as client:
+            client.clear()
+            client.store(tenant, wanted, chunks)  # the chunks again, not the state
+        load_kv(*args, **kwargs)
+
+    monkeypatch.setattr(worker, "start_load_kv", state_evicted_first)
+    second.add("second", tokens, SALT)
+    computed: list[int] = []
+
+    def forward(output: SchedulerOutput) -> None:
+        computed.extend(new.num_computed_tokens for new in output.scheduled_new_reqs)
+
+    failed: set[str] = set()
+    for _ in range(4):
+        step = second.step(forward)
+        if step.kv is not None:
+            failed |= step.kv.failed_recving or set()
+        if step.finished:
+            break
+    assert failed == {"second"}
+    assert computed == [0], "the request resumed without its state"
     assert step.finished == {"second"}

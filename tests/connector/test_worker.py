@@ -238,8 +238,7 @@ def test_a_load_whose_lease_ends_before_its_release_is_recomputed(tmp_path: Path
         source, _ = make_worker(agent, seed=6)
         store(source, 1, KEYS[:2], [0, 1, 2, 3])
         target, _ = make_worker(agent, seed=None)
-        copier = target._copier
-        assert copier is not None
+        copier = target._parts[False].copier  # the chunks' copier
         in_flight: list[InFlight] = []
 
         def load_slowly(*args: object, **options: bool) -> InFlight:
@@ -334,8 +333,7 @@ def test_only_a_load_this_steps_forward_reads_holds_the_forward(agent: AgentProc
 
     def asked(per_request: bool) -> list[bool]:
         target, _ = make_hybrid_worker(agent, seed=None)
-        copier = target._copier
-        assert copier is not None
+        copier = target._parts[False].copier  # the chunks' copier
         load, answers = copier.load, []
 
         def recorded(*args: object, forward_reads: bool = True) -> object:

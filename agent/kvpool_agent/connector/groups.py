@@ -5,13 +5,16 @@ one group per kind of layer (one group for a plain model; several under the hybr
 cache manager: full attention, sliding windows, state-space layers). kvpool caches a
 group when it knows what a request needs of it to resume at a chunk boundary
 (:class:`~kvpool_agent.connector.layout.GroupRule`): full attention and MLA (every
-block), sliding windows (the window's blocks), chunked local attention (every block).
+block), sliding windows (the window's blocks), chunked local attention (every block), and
+state-space (Mamba) and linear-attention layers (``MambaSpec``: the state at the boundary)
+where vLLM caches their states itself ("align" mode: a state per block boundary where a
+step ended) and hands each one to the connector (``kv_connector_block_state``).
 
-Anything else (Mamba and linear-attention state, cross-attention, sinks, vLLM's newer
-sparse kinds) is not cached: :func:`cacheable_groups` says why, naming the spec and a
-layer, and the connector serves that engine no hits and stores nothing. A spec is matched
-by its exact type, so a new subclass vLLM adds (with rules of its own) is refused until
-kvpool knows it, never cached by mistake.
+Anything else (cross-attention, sinks, vLLM's newer sparse kinds, states with speculative
+blocks or outside "align" mode) is not cached: :func:`cacheable_groups` says why, naming
+the spec and a layer, and the connector serves that engine no hits and stores nothing. A
+spec is matched by its exact type, so a new subclass vLLM adds (with rules of its own) is
+refused until kvpool knows it, never cached by mistake.
 
 :func:`cannot_resume` reads what vLLM decided for the engine: an MLA model on a platform
 whose MLA prefill cannot attend over cached context (vLLM's CPU platform without AMX turns
@@ -29,6 +32,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
@@ -43,6 +47,13 @@ except ImportError:
     _WINDOWS = (SlidingWindowSpec,)
 
 _FULL: tuple[type[KVCacheSpec], ...] = (FullAttentionSpec, MLAAttentionSpec)
+
+try:  # the committed Mamba states, handed to a connector with their blocks
+    from vllm.v1.core.sched.output import KVConnectorBlockState  # noqa: F401
+
+    _HANDS_OVER_STATES = True
+except ImportError:
+    _HANDS_OVER_STATES = False
 
 
 class NotCacheable(Exception):
@@ -67,19 +78,44 @@ def cacheable_groups(config: KVCacheConfig) -> list[CachedGroup]:
                 f"({type(spec).__name__}, layer {layer}); this engine gets no hits from "
                 "kvpool and stores nothing"
             )
-        rule = _rule(spec)
+        rule, why = _rule(spec)
         if rule is None:
             raise NotCacheable(
-                f"cannot cache {type(spec).__name__} (layer {layer}); this engine gets "
+                f"cannot cache {type(spec).__name__}{why} (layer {layer}); this engine gets "
                 "no hits from kvpool and stores nothing"
             )
         groups.append(CachedGroup(rule, list(group.layer_names)))
     if not groups:
         raise NotCacheable("vLLM gave kvpool no KV cache group to transfer")
+    if all(group.rule.is_state for group in groups):
+        raise NotCacheable(
+            "does not cache models whose every layer is a state-space or linear-attention "
+            "layer (no attention KV to key the states by); this engine gets no hits from "
+            "kvpool and stores nothing"
+        )
     return groups
 
 
-def _rule(spec: KVCacheSpec) -> GroupRule | None:
+def _rule(spec: KVCacheSpec) -> tuple[GroupRule | None, str]:
+    """The group's rule, or None and what (beyond the spec's type) kvpool cannot cache."""
+    if type(spec) is MambaSpec:
+        return _state_rule(spec)
+    return _attention_rule(spec), ""
+
+
+def _state_rule(spec: MambaSpec) -> tuple[GroupRule | None, str]:
+    """A state is cached where vLLM caches it: "align" mode, each committed state handed over
+    with its block (``SchedulerOutput.kv_connector_block_state``), no speculative blocks."""
+    if spec.mamba_cache_mode != "align":
+        return None, f" in mamba_cache_mode {spec.mamba_cache_mode!r} (vLLM caches no states)"
+    if getattr(spec, "num_speculative_blocks", 0):
+        return None, f" with {spec.num_speculative_blocks} speculative blocks"
+    if not _HANDS_OVER_STATES:
+        return None, " (this vLLM hands a connector no states)"
+    return GroupRule("state", spec.block_size), ""
+
+
+def _attention_rule(spec: KVCacheSpec) -> GroupRule | None:
     kind = type(spec)
     if kind in _FULL:
         return GroupRule("full", spec.block_size)

@@ -9,7 +9,9 @@ tested, below the engine; :mod:`kvpool_agent.connector.metadata` gives these vLL
   for the key fingerprint, the chunk size, whether stores finish within their step).
 
 Keys travel per tensor-parallel rank (``keys[rank][i]``): each rank has its own
-fingerprint, so its own chain. Never the salt: only keys and the tenant id.
+fingerprint, so its own chain. Never the salt: only keys and the tenant id. A job moves
+either chunks (every group but the state groups; ``block_ids`` per such group) or state
+records (``state``: the state groups only, one block each per record).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class LoadJob:
     """Report the load's outcome for the request (vLLM's asynchronous load: finished or
     failed receiving), not failed blocks: an engine of several KV cache groups takes no
     block-level failures."""
+    state: bool = False
+    """A state record (one, :func:`~kvpool_agent.keys.state_key`) into the state groups'
+    blocks, not chunks into the other groups'."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,8 @@ class StoreJob:
     parents: tuple[bytes | None, ...]
     """Per rank: the key of the chunk before the first, so the agent knows the chain."""
     block_ids: GroupBlocks
+    state: bool = False
+    """State records (per key, one block of each state group), not chunks."""
 
 
 @dataclass

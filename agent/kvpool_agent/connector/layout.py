@@ -164,23 +164,33 @@ class GroupRule:
       chunk's start, which earlier kvpool chunks hold only if they kept every block). A
       kvpool chunk must not straddle an attention chunk's edge: vLLM frees the blocks before
       the edge while the request runs, possibly before the kvpool chunk is full and stored.
+    * ``state``: a state-space (Mamba) or linear-attention layer's running state, one block
+      holding the state after a block's last token. Not part of a chunk: the state at a
+      chunk's end is a record of its own (:func:`~kvpool_agent.keys.state_key`), stored where
+      vLLM hands one over (vLLM keeps states only where a step ended); per record, the one
+      block.
     """
 
-    kind: Literal["full", "window", "local"]
+    kind: Literal["full", "window", "local", "state"]
     block_size: int
     tokens: int = 0
 
     @property
     def name(self) -> str:
-        return self.kind if self.kind == "full" else f"{self.kind}{self.tokens}"
+        return self.kind if self.kind in ("full", "state") else f"{self.kind}{self.tokens}"
+
+    @property
+    def is_state(self) -> bool:
+        return self.kind == "state"
 
     def blocks_per_chunk(self, chunk_tokens: int) -> int:
+        """Blocks of a chunk (a state record: its one block, the state at the chunk's end)."""
         if chunk_tokens % self.block_size:
             raise LayoutError(
                 f"chunk_tokens={chunk_tokens} is not a multiple of vLLM's block size "
                 f"{self.block_size}"
             )
-        return chunk_tokens // self.block_size
+        return 1 if self.is_state else chunk_tokens // self.block_size
 
     def kept_blocks(self, chunk_tokens: int) -> int:
         """The chunk's last blocks this group stores (all, but for a window)."""
@@ -285,20 +295,23 @@ class ChunkFormat:
 
     @property
     def frees_blocks(self) -> bool:
-        """Some group lets vLLM free blocks before the request ends (a window): a store must
-        have copied them before the next step."""
+        """Some group lets vLLM free blocks before the request ends (a window, a state): a
+        store must have copied them before the next step."""
         return any(group.rule.kind != FULL_ATTENTION for group in self.groups)
 
-    def descriptor(self) -> str:
+    def descriptor(self, states: ChunkFormat | None = None) -> str:
         """The ``kv_layout`` of the key fingerprint: everything that shapes a chunk's bytes,
-        the groups' structure included. One full-attention group keeps the first format's
-        descriptor (its keys are those kvpool has always made)."""
+        the groups' structure included, and the format of the ``states`` records beside the
+        chunks, if any. One full-attention group keeps the first format's descriptor (its
+        keys are those kvpool has always made)."""
         if len(self.groups) == 1 and self.groups[0].rule.kind == FULL_ATTENTION:
-            return (
-                f"{FORMAT_VERSION};layer-major;{self.groups[0].describe()};content={self.content}"
-            )
-        groups = "|".join(group.describe() for group in self.groups)
-        return f"{GROUPS_FORMAT_VERSION};group-major;{groups};content={self.content}"
+            chunk = f"{FORMAT_VERSION};layer-major;{self.groups[0].describe()}"
+        else:
+            groups = "|".join(group.describe() for group in self.groups)
+            chunk = f"{GROUPS_FORMAT_VERSION};group-major;{groups}"
+        if states is not None:
+            chunk += ";states=" + "|".join(group.describe() for group in states.groups)
+        return f"{chunk};content={self.content}"
 
     def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """A chunk's bytes (a uint8 tensor of ``chunk_bytes``) as one ``[L, kept, *page]``

@@ -84,6 +84,10 @@ other than its own (a shared space): until then a refused tenant's chunks are ne
 looked up nor stored, and an allowed one's are probed in the table of ready chunks (which
 answers for any tenant, so it is read only for tenants the agent allowed)."""
 
+STATE_LOOKUPS = 4
+"""States the scheduler asks the agent about per probe (from the longest run down) where it
+has no table of ready chunks: vLLM keeps a state only where a step ended, a few per prompt."""
+
 PROBE_REUSE_S = 1.0
 """How long a probe's answer stands for a request that vLLM asks again (it could not be
 scheduled yet). The answer is a hint: the worker locks what it loads and reports a chunk
@@ -204,9 +208,14 @@ class SchedulerHalf:
         self._dtype = dtype
         self._tp_size = tp_size
         self._groups = list(groups)
+        self._chunk_groups = [index for index, rule in enumerate(groups) if not rule.is_state]
+        """The groups a chunk holds (vLLM's indices): all but the state groups."""
+        self._state_groups = [index for index, rule in enumerate(groups) if rule.is_state]
+        """State-space and linear-attention groups: a hit also needs their state at its end,
+        a record of its own (:func:`~kvpool_agent.keys.state_key`)."""
         self._blocks_per_chunk: list[int] = []
         self._first_kept: list[int] = []
-        """Per group: blocks per chunk, and the first block of a chunk that the group keeps."""
+        """Per chunk group: blocks per chunk, and the first block of a chunk that it keeps."""
         self._link = link
         self.counters = counters
         self._roots: list[tuple[keys.ModelFingerprint, dict[str, bytes]]] = []
@@ -244,10 +253,13 @@ class SchedulerHalf:
             return
         chunk_tokens = sizes.pop()
         try:
-            self._blocks_per_chunk = [rule.blocks_per_chunk(chunk_tokens) for rule in self._groups]
+            for rule in self._groups:  # every group's blocks end on chunk boundaries
+                rule.blocks_per_chunk(chunk_tokens)
+            rules = [self._groups[index] for index in self._chunk_groups]
+            self._blocks_per_chunk = [rule.blocks_per_chunk(chunk_tokens) for rule in rules]
             self._first_kept = [
                 per_chunk - rule.kept_blocks(chunk_tokens)
-                for rule, per_chunk in zip(self._groups, self._blocks_per_chunk, strict=True)
+                for rule, per_chunk in zip(rules, self._blocks_per_chunk, strict=True)
             ]
         except LayoutError as error:
             log.error("kvpool: %s; cache disabled", error)
@@ -386,8 +398,42 @@ class SchedulerHalf:
                 return None
             hits = self._lookup(state, first, limit)
             self._step_asked_s += self._clock() - now
+        if hits and self._state_groups:
+            hits = self._state_run(state, first, hits)
         state.probe = _Probe((first, limit), hits, now)
         return hits
+
+    def _state_run(self, state: _Request, first: int, hits: int) -> int:
+        """Of the ``hits`` chunks after ``first``, the longest run whose last chunk has its
+        state record on every rank (a model with state-space layers resumes only where it
+        has their state); 0 when none has. The table of ready chunks answers without a round
+        trip; without one, the agent is asked about :data:`STATE_LOOKUPS` states at most."""
+        try:
+            table = self._table(self._link.info()) if self._link.usable() else None
+        except LinkDown:
+            return 0
+        asked = 0
+        for run in range(hits, 0, -1):
+            chunk = first + run - 1
+            tenant = state.spans(chunk, chunk + 1)[0].tenant
+            wanted = [keys.state_key(chain.keys[chunk]) for chain in state.chains]
+            if table is not None and self._allowed(tenant):
+                if all(table.run(tenant, [key]) for key in wanted):
+                    return run
+                continue
+            if asked == STATE_LOOKUPS:
+                break
+            asked += 1
+            try:
+                if all(
+                    self._link.lookup(tenant, [key], lock=False, count=False).count
+                    for key in wanted
+                ):
+                    return run
+            except (LinkDown, AgentError) as error:
+                log.debug("kvpool: state lookup failed: %s", error)
+                break
+        return 0
 
     def _local_run(self, state: _Request, first: int, limit: int) -> int | None:
         """The run of chunks the agent's table of ready chunks shows (no round trip), or None
@@ -591,16 +637,44 @@ class SchedulerHalf:
                     keys=tuple(tuple(chain.keys[span.start : span.stop]) for chain in state.chains),
                     block_ids=tuple(
                         tuple(ids[begin // rule.block_size : stop // rule.block_size])
-                        for rule, ids in zip(self._groups, block_ids, strict=True)
+                        for rule, ids in self._of_groups(self._chunk_groups, block_ids)
                     ),
                     first_tokens=begin % size,
                     per_request=self._loads_per_request,
                 )
             )
+        if self._state_groups:
+            self._loads.append(self._state_load(state, end, block_ids))
         state.loaded_from = first_chunk
         state.stored_chunks = max(state.stored_chunks, end_chunk)
         state.planned = None
         self.counters.add("hit_tokens", end - start)
+
+    def _state_load(self, state: _Request, end: int, block_ids: Sequence[Sequence[int]]) -> LoadJob:
+        """The load of the state at the hit's end, into the one block vLLM gives each state
+        group there (the block of the hit's last token). It shares the request's fate with
+        the chunks' load (per request): one failing fails the request, which vLLM computes
+        anew. A hit that does not end on a chunk boundary (vLLM took fewer tokens than
+        offered) has no state: the null block makes the load fail."""
+        chunk = end // self.chunk_tokens - 1
+        return LoadJob(
+            req_id=state.request.request_id,
+            tenant=state.spans(chunk, chunk + 1)[0].tenant,
+            keys=tuple((keys.state_key(chain.keys[chunk]),) for chain in state.chains),
+            block_ids=tuple(
+                (ids[end // rule.block_size - 1] if end % self.chunk_tokens == 0 else NULL_BLOCK,)
+                for rule, ids in self._of_groups(self._state_groups, block_ids)
+            ),
+            first_tokens=0,
+            per_request=True,
+            state=True,
+        )
+
+    def _of_groups(
+        self, groups: Sequence[int], block_ids: Sequence[Sequence[int]]
+    ) -> list[tuple[GroupRule, Sequence[int]]]:
+        """``(rule, block ids)`` of each group in ``groups`` (vLLM's indices)."""
+        return [(self._groups[index], block_ids[index]) for index in groups]
 
     # ------------------------------------------------------------ each step
 
@@ -633,6 +707,12 @@ class SchedulerHalf:
                 req_id, 0
             )
             self._plan_store(state, computed, stores)
+        handed_over = getattr(output, "kv_connector_block_state", None)
+        if self._state_groups and handed_over is not None:
+            for req_id, states in handed_over.boundary_state_offloads.items():
+                state = self._requests.get(req_id)
+                if state is not None:
+                    self._plan_state_stores(state, states, stores)
         preempted = sorted(output.preempted_req_ids or ())
         for req_id in preempted:
             self.counters.add("preemptions_seen")
@@ -649,11 +729,12 @@ class SchedulerHalf:
         full = min(computed_tokens, state.request.num_tokens, len(state.request.all_token_ids))
         if not state.block_ids or not state.cacheable:
             return
+        chunk_ids = [state.block_ids[index] for index in self._chunk_groups]
         full = min(
             full // size,
             *(
                 len(ids) // per_chunk
-                for ids, per_chunk in zip(state.block_ids, self._blocks_per_chunk, strict=True)
+                for ids, per_chunk in zip(chunk_ids, self._blocks_per_chunk, strict=True)
             ),
         )
         first = state.stored_chunks
@@ -680,9 +761,7 @@ class SchedulerHalf:
                     parents=tuple(chain.parent(span.start) for chain in state.chains),
                     block_ids=tuple(
                         tuple(ids[span.start * per_chunk : span.stop * per_chunk])
-                        for ids, per_chunk in zip(
-                            state.block_ids, self._blocks_per_chunk, strict=True
-                        )
+                        for ids, per_chunk in zip(chunk_ids, self._blocks_per_chunk, strict=True)
                     ),
                 )
             )
@@ -690,11 +769,51 @@ class SchedulerHalf:
             state.open_stores.add(job_id)
         state.stored_chunks = full
 
+    def _plan_state_stores(
+        self, state: _Request, handed_over: Sequence[tuple[int, int, int]], stores: list[StoreJob]
+    ) -> None:
+        """Store the states vLLM hands over (``(group, block, tokens)``: the block holds the
+        group's state after ``tokens`` tokens, written by this step's forward) that end a
+        chunk, every state group's, each under its chunk's key (after the chunks' stores, so
+        the agent has the parent)."""
+        size = self.chunk_tokens
+        by_boundary: dict[int, dict[int, int]] = {}
+        for group, block, tokens in handed_over:
+            if tokens > 0 and tokens % size == 0:
+                by_boundary.setdefault(tokens, {})[group] = block
+        for tokens, blocks in sorted(by_boundary.items()):
+            chunk = tokens // size - 1
+            if not state.cacheable or any(group not in blocks for group in self._state_groups):
+                continue
+            with self.counters.timed("hash_us"):
+                hashed = [
+                    len(chain.upto(state.request.all_token_ids, chunk + 1))
+                    for chain in state.chains
+                ]
+            tenant = state.spans(chunk, chunk + 1)[0].tenant
+            if min(hashed) <= chunk or self._allowed(tenant) is False:
+                continue
+            job_id = next(self._job_ids)
+            stores.append(
+                StoreJob(
+                    job_id=job_id,
+                    req_id=state.request.request_id,
+                    tenant=tenant,
+                    keys=tuple((keys.state_key(chain.keys[chunk]),) for chain in state.chains),
+                    parents=tuple(chain.keys[chunk] for chain in state.chains),
+                    block_ids=tuple((blocks[group],) for group in self._state_groups),
+                    state=True,
+                )
+            )
+            self._stores[job_id] = _OpenStore(state.request.request_id, self._tp_size)
+            state.open_stores.add(job_id)
+
     def _storable(self, state: _Request, chunk: int) -> bool:
         """Every group has the blocks it keeps of ``chunk`` (none is vLLM's null block)."""
-        for ids, per_chunk, first_kept in zip(
-            state.block_ids, self._blocks_per_chunk, self._first_kept, strict=True
+        for index, per_chunk, first_kept in zip(
+            self._chunk_groups, self._blocks_per_chunk, self._first_kept, strict=True
         ):
+            ids = state.block_ids[index]
             start = chunk * per_chunk
             if NULL_BLOCK in ids[start + first_kept : start + per_chunk]:
                 return False

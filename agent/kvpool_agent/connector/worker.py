@@ -5,8 +5,10 @@ nothing about scheduling: it executes the jobs in the step's metadata.
 
 * ``register_kv_caches``: find each layer's blocks by shape and stride
   (:mod:`kvpool_agent.connector.layout`), fix the chunk format (every KV cache group,
-  each keeping what a request needs to resume at a chunk's end), map the segment,
-  and describe the format to the scheduler (the handshake).
+  each keeping what a request needs to resume at a chunk's end) and, for state-space
+  and linear-attention layers, the format of a state record (the state at a chunk's
+  end, one block of each such layer), map the segment, and describe the formats to the
+  scheduler (the handshake). A job moves chunks or state records, each with its format.
 * ``start_load_kv`` (before the forward): for each :class:`LoadJob`, lock the
   chunks (``lookup``), copy them into the blocks, send the release (its answer is
   read after the forward, so the round trip overlaps it). The same lookup covers
@@ -61,6 +63,15 @@ from kvpool_agent.segment import SegmentError
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class _Part:
+    """What a job moves (chunks, or state records): their format and the copier of their
+    groups' layers."""
+
+    format: ChunkFormat
+    copier: BlockCopier
+
+
 @dataclass
 class _PendingStore:
     job: StoreJob
@@ -98,7 +109,12 @@ class WorkerHalf:
         self._segment_path = segment_path
         self._pin_mode = pin_mode
         self.format: ChunkFormat | None = None
-        self._copier: BlockCopier | None = None
+        """The chunks' format (every group but the state groups)."""
+        self.state_format: ChunkFormat | None = None
+        """The state records' format, for a model with state-space or linear-attention
+        layers."""
+        self._parts: dict[bool, _Part] = {}
+        """By :attr:`LoadJob.state`: what the job moves."""
         self._segment: MappedSegment | None = None
         self._inline: int | None = None
         """Without a mapped segment: the agent's ``max_inline_bytes`` when chunks travel
@@ -133,38 +149,73 @@ class WorkerHalf:
         content: str,
     ) -> None:
         """Understand the caches of each group's layers (in this order) and map the segment."""
+        chunk_tokens = self._chunk_tokens()
+        for state in (False, True):
+            chosen = [group for group in groups if group[0].is_state == state]
+            if chosen or not state:
+                self._parts[state] = self._make_part(
+                    kv_caches, chosen, num_blocks, chunk_tokens, content
+                )
+        self.format = self._parts[False].format
+        self.state_format = self._parts[True].format if True in self._parts else None
+        self.handshake = FormatHandshake(
+            self.format.descriptor(self.state_format),
+            chunk_tokens,
+            all(part.copier.synchronous for part in self._parts.values()),
+        )
+        if self.state_format is not None:
+            log.info(
+                "kvpool worker %d: %d bytes per state record (%d state layers)",
+                self._rank,
+                self.state_format.chunk_bytes,
+                self.state_format.layers,
+            )
+        with contextlib.suppress(LinkDown):  # map now, not in the first request
+            self._link.info()
+
+    def _make_part(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        groups: Sequence[tuple[GroupRule, Sequence[str]]],
+        num_blocks: int,
+        chunk_tokens: int,
+        content: str,
+    ) -> _Part:
         tensors = [[kv_caches[name] for name in names] for _, names in groups]
         layouts = [[detect_layout(tensor, num_blocks) for tensor in group] for group in tensors]
-        chunk_tokens = self._chunk_tokens()
-        self.format = ChunkFormat.of(
+        part_format = ChunkFormat.of(
             [(rule, group) for (rule, _), group in zip(groups, layouts, strict=True)],
             chunk_tokens,
             content,
         )
-        self._copier = BlockCopier(
+        copier = BlockCopier(
             [
                 [layout.blocks(tensor) for layout, tensor in zip(group, caches, strict=True)]
                 for group, caches in zip(layouts, tensors, strict=True)
             ],
-            self.format,
-        )
-        self.handshake = FormatHandshake(
-            self.format.descriptor(), chunk_tokens, self._copier.synchronous
+            part_format,
         )
         log.info(
-            "kvpool worker %d: %s, %d bytes per %d-token chunk",
+            "kvpool worker %d: %s, %d bytes per %s",
             self._rank,
             "; ".join(
                 f"{group.rule.name}: {group.layers} layers, {group.kept} of "
                 f"{group.blocks_per_chunk} blocks {layout[0].page_shape} "
                 f"({layout[0].physical_order})"
-                for group, layout in zip(self.format.groups, layouts, strict=True)
+                for group, layout in zip(part_format.groups, layouts, strict=True)
             ),
-            self.format.chunk_bytes,
-            chunk_tokens,
+            part_format.chunk_bytes,
+            "state record" if groups[0][0].is_state else f"{chunk_tokens}-token chunk",
         )
-        with contextlib.suppress(LinkDown):  # map now, not in the first request
-            self._link.info()
+        return _Part(part_format, copier)
+
+    def _flush(self) -> None:
+        for part in self._parts.values():
+            part.copier.flush()
+
+    def _moved(self, job: LoadJob | StoreJob) -> _Part:
+        """The format and copier of what ``job`` moves (chunks or state records)."""
+        return self._parts[job.state]
 
     def on_new_agent(self, info: AgentInfo) -> None:
         """The link met an agent (first or restarted): map its segment unless mapped.
@@ -184,7 +235,7 @@ class WorkerHalf:
         ):
             return
         self._drop_segment()
-        on_gpu = self._copier is not None and self._copier.device.type == "cuda"
+        on_gpu = any(part.copier.device.type == "cuda" for part in self._parts.values())
         try:
             segment = MappedSegment(path, self._pin_mode if on_gpu else "never")
         except SegmentError as error:  # it names the file
@@ -215,9 +266,9 @@ class WorkerHalf:
         """No segment to copy through: move chunks through the agent's protocol if they fit
         in its messages; say which, once. (Before the caches are registered nothing is
         decided: the next load or store maps again.)"""
-        if self.format is None:
+        if not self._parts:
             return
-        size = self.format.chunk_bytes
+        size = max(part.format.chunk_bytes for part in self._parts.values())
         usable = inline.fits(size, info.max_inline_bytes)
         self._inline = info.max_inline_bytes if usable else None
         if self._said_unmapped == (path, reason, usable):
@@ -245,8 +296,7 @@ class WorkerHalf:
     def _drop_segment(self) -> None:
         if self._segment is None:
             return
-        if self._copier is not None:
-            self._copier.flush()
+        self._flush()
         self._settle(wait=True)
         self._segment.close()
         self._segment = None
@@ -264,7 +314,11 @@ class WorkerHalf:
         """The store job of the same request whose chunks follow the loaded ones."""
         last = load.keys[self._rank][-1]
         for store in stores:
-            if store.req_id == load.req_id and store.parents[self._rank] == last:
+            if (
+                store.req_id == load.req_id
+                and store.state == load.state
+                and store.parents[self._rank] == last
+            ):
                 return store
         return None
 
@@ -302,8 +356,7 @@ class WorkerHalf:
     ) -> int:
         """Lock the chunks, copy them out of the segment; the release waits for the copies.
         The same lookup covers the chunks the request stores next."""
-        copier, chunk_format = self._copier, self.format
-        assert copier is not None and chunk_format is not None
+        copier, chunk_format = self._moved(job).copier, self._moved(job).format
         store_keys = list(following.keys[self._rank]) if following is not None else []
         # the scheduler's probe counted these chunks already
         hit = self._link.lookup(job.tenant, keys + store_keys, lock=True, count=False)
@@ -313,7 +366,7 @@ class WorkerHalf:
         written: list[int] = []
         try:
             for index in range(min(hit.count, len(keys))):
-                if not self._expected_size(hit.sizes[index]):
+                if not self._expected_size(hit.sizes[index], chunk_format):
                     break
                 targets = self._load_targets(job, index)
                 if targets is None:
@@ -329,14 +382,14 @@ class WorkerHalf:
 
     def _load_inline(self, job: LoadJob, keys: list[bytes]) -> int:
         """Ask the agent for the chunks' bytes and copy them in (no lease: they are copies)."""
-        copier, chunk_format = self._copier, self.format
-        assert copier is not None and chunk_format is not None and self._inline is not None
+        copier, chunk_format = self._moved(job).copier, self._moved(job).format
+        assert self._inline is not None
         found = inline.retrieve(
             self._link, job.tenant, keys, chunk_format.chunk_bytes, self._inline
         )
         copies: list[Copy] = []
         for index, data in enumerate(found):
-            if not self._expected_size(len(data)):
+            if not self._expected_size(len(data), chunk_format):
                 break
             targets = self._load_targets(job, index)
             if targets is None:
@@ -347,15 +400,14 @@ class WorkerHalf:
             copy.wait()
         return len(copies)
 
-    def _expected_size(self, size: int) -> bool:
-        assert self.format is not None
-        if size == self.format.chunk_bytes:
+    def _expected_size(self, size: int, chunk_format: ChunkFormat) -> bool:
+        if size == chunk_format.chunk_bytes:
             return True
         log.warning(
             "kvpool worker %d: chunk of %d bytes, expected %d; not loaded",
             self._rank,
             size,
-            self.format.chunk_bytes,
+            chunk_format.chunk_bytes,
         )
         return False
 
@@ -365,9 +417,8 @@ class WorkerHalf:
         """Per group, the destination ids of the job's ``index``-th chunk: ``(group, first,
         ids)``, the ids of the chunk's blocks ``first`` (past those vLLM already has) to the
         last, vLLM's null block where the group keeps no KV."""
-        assert self.format is not None
         chunks = []
-        for group, ids in zip(self.format.groups, job.block_ids, strict=True):
+        for group, ids in zip(self._moved(job).format.groups, job.block_ids, strict=True):
             per_chunk, skipped = group.blocks_per_chunk, job.first_tokens // group.rule.block_size
             first = skipped if index == 0 else 0
             start = index * per_chunk - skipped + first
@@ -391,6 +442,8 @@ class WorkerHalf:
         targets: list[tuple[int, list[int]]] = []
         for group, first, ids in self._chunk_ids(job, index):
             real = [position for position, block in enumerate(ids) if block != NULL_BLOCK]
+            if not real and group.rule.is_state:
+                return None  # vLLM gave the state no block (it cannot happen): recompute
             if not real:
                 targets.append((0, []))
                 continue
@@ -438,14 +491,12 @@ class WorkerHalf:
                 self._open_jobs.setdefault(job.req_id, set()).add(job.job_id)
                 self._store(job)
             # vLLM frees a window's blocks while the request runs, without waiting for us
-            self._settle_stores(wait=self.format is not None and self.format.frees_blocks)
+            self._settle_stores(wait=any(part.format.frees_blocks for part in self._parts.values()))
             self._settle_loads(wait=False)
 
     def _store(self, job: StoreJob) -> None:
-        copier, chunk_format = self._copier, self.format
-        assert copier is not None and chunk_format is not None
+        copier, size = self._moved(job).copier, self._moved(job).format.chunk_bytes
         keys = list(job.keys[self._rank])
-        size = chunk_format.chunk_bytes
         present = self._present.pop(job.job_id, 0)
         self.counters.add("present_chunks", present)
         if present == len(keys):
@@ -489,9 +540,9 @@ class WorkerHalf:
         self, job: StoreJob, keys: list[bytes], present: int, parent: bytes | None
     ) -> None:
         """Copy the chunks out into host memory and send them to the agent in its messages."""
-        copier, chunk_format = self._copier, self.format
-        assert copier is not None and chunk_format is not None and self._inline is not None
-        buffers = [torch.empty(chunk_format.chunk_bytes, dtype=torch.uint8) for _ in keys[present:]]
+        copier, size = self._moved(job).copier, self._moved(job).format.chunk_bytes
+        assert self._inline is not None
+        buffers = [torch.empty(size, dtype=torch.uint8) for _ in keys[present:]]
         copies = [
             copier.store(buffer, self._kept_blocks(job, index))
             for index, buffer in enumerate(buffers, start=present)
@@ -515,9 +566,8 @@ class WorkerHalf:
 
     def _kept_blocks(self, job: StoreJob, index: int) -> list[list[int]]:
         """Per group, the blocks it keeps of the job's ``index``-th chunk."""
-        assert self.format is not None
         blocks = []
-        for group, ids in zip(self.format.groups, job.block_ids, strict=True):
+        for group, ids in zip(self._moved(job).format.groups, job.block_ids, strict=True):
             start = index * group.blocks_per_chunk
             blocks.append(list(ids[start + group.first_kept : start + group.blocks_per_chunk]))
         return blocks
@@ -614,8 +664,7 @@ class WorkerHalf:
     def handle_preemptions(self, meta: StepJobs) -> None:
         """Preempted requests' blocks are about to be reused: finish every copy first."""
         if meta.preempted and self._stores:
-            if self._copier is not None:
-                self._copier.flush()
+            self._flush()
             self._settle(wait=True)
 
     # ------------------------------------------------------------ reporting
