@@ -23,6 +23,11 @@ MLA_ON_CPU = (
 )
 NO_HITS = "this engine gets no hits from kvpool (it still serves)"
 KEPT = "(kept: the window's blocks of each chunk)"
+STATE = "state-space (mamba) (kept: the state at a chunk's end)"
+AT_STATES = (
+    "a hit ends where vLLM's prefix caching kept the state-space layers' state (a step's "
+    "end on a chunk boundary; none with speculative decoding)"
+)
 
 GEMMA_3_1B = {
     "architectures": ["Gemma3ForCausalLM"],
@@ -97,6 +102,7 @@ NEMOTRON_H = {
     "mamba_num_heads": 128,
     "ssm_state_size": 128,
 }
+MAMBA2 = {"model_type": "mamba2", "num_hidden_layers": 64, "state_size": 128}
 QWEN3_NEXT = {
     "model_type": "qwen3_next",
     "num_hidden_layers": 48,
@@ -153,11 +159,27 @@ LLAMA_3_8B = {
             {"model_type": "llama", "hidden_size": 4096},
             f"llama: full attention: {CACHED}",
         ),
+        (JAMBA, f"jamba, 32 layers: 28 {STATE}, 4 full attention: {CACHED}; {AT_STATES}"),
+        (
+            NEMOTRON_H,
+            f"nemotron_h, 55 layers: 25 {STATE}, 25 without a KV cache (mlp), 5 full "
+            f"attention: {CACHED}; {AT_STATES}",
+        ),
+        (
+            QWEN3_NEXT,
+            "qwen3_next, 48 layers: 36 state-space (linear attention) (kept: the state at a "
+            f"chunk's end), 12 full attention: {CACHED}; {AT_STATES}",
+        ),
+        (
+            {"model_type": "falcon_h1", "num_hidden_layers": 24, "mamba_d_ssm": 1024},
+            "falcon_h1, 24 layers: attention and state-space (mamba_d_ssm) (kept: the state "
+            f"at a chunk's end): {CACHED}; {AT_STATES}",
+        ),
     ],
     ids=[
         "gemma-3-1b", "gemma-3-4b", "gpt-oss", "mistral-7b-v0.1", "qwen2", "qwen2-window",
         "llama-4", "llama-4-no-rope-layers", "deepseek-v3", "llama-3", "attention-and-mlp",
-        "no-layer-count",
+        "no-layer-count", "jamba", "nemotron-h", "qwen3-next", "falcon-h1",
     ],
 )  # fmt: skip
 def test_what_kvpool_caches(config: dict[str, Any], seen: str) -> None:
@@ -168,7 +190,8 @@ def test_what_kvpool_caches(config: dict[str, Any], seen: str) -> None:
 
 FIX = (
     "serve this model without kvpool, or accept that it gets no hits; kvpool caches "
-    "attention-only models (full, MLA, chunked local) and sliding-window hybrids"
+    "attention models (full, MLA, chunked local), sliding-window hybrids and state-space "
+    "hybrids (state-space beside attention layers)"
 )
 
 
@@ -176,29 +199,16 @@ FIX = (
     ("config", "seen"),
     [
         (
-            JAMBA,
-            "jamba, 32 layers: 28 state-space (mamba), 4 full attention: kvpool cannot cache "
-            f"state-space layers; {NO_HITS}",
+            MAMBA2,
+            "mamba2, 64 layers: state-space (mamba2): kvpool keeps a state-space layer's "
+            "state beside the attention KV of a chunk, and this model has no attention "
+            f"layer; {NO_HITS}",
         ),
         (
-            NEMOTRON_H,
-            f"nemotron_h, 55 layers: 25 state-space (mamba), 25 without a KV cache (mlp), "
-            f"5 full attention: kvpool cannot cache state-space layers; {NO_HITS}",
-        ),
-        (
-            QWEN3_NEXT,
-            "qwen3_next, 48 layers: 36 state-space (linear attention), 12 full attention: "
-            f"kvpool cannot cache state-space layers; {NO_HITS}",
-        ),
-        (
-            {"model_type": "mamba2", "num_hidden_layers": 64, "state_size": 128},
-            f"mamba2, 64 layers: state-space (mamba2): kvpool cannot cache state-space "
-            f"layers; {NO_HITS}",
-        ),
-        (
-            {"model_type": "falcon_h1", "num_hidden_layers": 24, "mamba_d_ssm": 1024},
-            "falcon_h1, 24 layers: state-space (mamba_d_ssm): kvpool cannot cache "
-            f"state-space layers; {NO_HITS}",
+            {"model_type": "nemotron_h", "hybrid_override_pattern": "M-M-"},
+            f"nemotron_h, 4 layers: 2 {STATE}, 2 without a KV cache (mlp): kvpool keeps a "
+            "state-space layer's state beside the attention KV of a chunk, and this model "
+            f"has no attention layer; {NO_HITS}",
         ),
         (
             {
@@ -213,7 +223,7 @@ FIX = (
             f"kvpool cannot cache cross-attention layers; {NO_HITS}",
         ),
     ],
-    ids=["jamba", "nemotron-h", "qwen3-next", "mamba2", "falcon-h1", "mllama"],
+    ids=["mamba2", "nemotron-h-without-attention", "mllama"],
 )
 def test_what_kvpool_cannot_cache(config: dict[str, Any], seen: str) -> None:
     check = check_model(config)
@@ -230,7 +240,7 @@ def test_without_a_model_config_the_check_is_skipped() -> None:
 
 def test_the_doctor_reads_the_model_even_when_discovery_fails(tmp_path: Path) -> None:
     """The model check needs no agent: with no way to the cluster, it still runs."""
-    (tmp_path / "config.json").write_text(json.dumps(JAMBA))
+    (tmp_path / "config.json").write_text(json.dumps(MAMBA2))
     env = {"HOME": str(tmp_path), "KUBECONFIG": str(tmp_path / "absent")}
 
     diagnosis = run_doctor("--pool", "main", "--model-config", str(tmp_path), env=env)
@@ -239,5 +249,5 @@ def test_the_doctor_reads_the_model_even_when_discovery_fails(tmp_path: Path) ->
     assert diagnosis.checks["service"].outcome == "FAIL"
     model = diagnosis.checks["model"]
     assert model.outcome == "FAIL"
-    assert model.seen.startswith("jamba, 32 layers: 28 state-space (mamba), 4 full attention: ")
+    assert model.seen.startswith("mamba2, 64 layers: state-space (mamba2): ")
     assert model.fix == FIX

@@ -3,9 +3,11 @@ config.json alone (no vLLM, no transformers: the doctor runs with the agent inst
 
 The connector caches every KV cache group vLLM gives it when it knows the group's kind
 (:mod:`kvpool_agent.connector.groups`): full attention and MLA (every block of a chunk),
-sliding windows (the window's blocks), chunked local attention (every block). State-space
-layers (Mamba, linear attention, short convolutions), cross-attention and kinds it does not
-know make it serve that engine no hits. This check tells which, before the engine starts.
+sliding windows (the window's blocks), chunked local attention (every block), and the state
+of state-space layers (Mamba, linear attention, short convolutions) beside attention layers,
+where vLLM's prefix caching keeps one. Models of state-space layers alone, cross-attention
+and kinds it does not know make it serve that engine no hits. This check tells which,
+before the engine starts.
 
 The kinds come from the config's fields, not the model's name: ``layer_types``;
 ``hybrid_override_pattern`` (Nemotron-H); ``layers_block_type``; ``attn_layer_period`` and
@@ -32,9 +34,10 @@ from kvpool_agent.problems import ConfigError, show
 NAME = "model"
 FLAG = "--model-config"
 
-Kept = Literal["cached", "no-cache", "refused"]
-"""What kvpool does with a kind: caches it, has nothing to cache (an MLP layer), or
-cannot cache it (and then serves the engine no hits)."""
+Kept = Literal["cached", "state", "no-cache", "refused"]
+"""What kvpool does with a kind: caches it, caches its state beside attention chunks (a
+state-space layer: cached only in a model with attention layers), has nothing to cache (an
+MLP layer), or cannot cache it (and then serves the engine no hits)."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,13 @@ class Kind:
 
 
 FULL = Kind("full attention", "cached", "full attention")
+STATE_SPACE = "state-space"
+NO_HITS = "this engine gets no hits from kvpool (it still serves)"
+FIX = (
+    "serve this model without kvpool, or accept that it gets no hits; kvpool caches "
+    "attention models (full, MLA, chunked local), sliding-window hybrids and state-space "
+    "hybrids (state-space beside attention layers)"
+)
 
 _STATE_SPACE = frozenset(
     {
@@ -56,6 +66,7 @@ _STATE_SPACE = frozenset(
     }
 )  # fmt: skip
 _STATE_SPACE_MODEL_TYPES = ("mamba", "rwkv", "xlstm")
+"""Model types of state-space layers alone (no attention)."""
 _STATE_SPACE_FIELDS = ("mamba_", "ssm_", "linear_")
 """Fields of a model whose layers hold state-space mixers (beside attention, as Falcon-H1's
 do, where no field says which layer has which)."""
@@ -117,10 +128,23 @@ def check_model(config: Mapping[str, Any] | None) -> Check:
     if refused:
         return failed(
             NAME,
-            f"{seen}: kvpool cannot cache {_joined(refused)} layers; this engine gets no hits "
-            "from kvpool (it still serves)",
-            "serve this model without kvpool, or accept that it gets no hits; kvpool caches "
-            "attention-only models (full, MLA, chunked local) and sliding-window hybrids",
+            f"{seen}: kvpool cannot cache {_joined(refused)} layers; {NO_HITS}",
+            FIX,
+        )
+    states = any(kind.group == STATE_SPACE for kind in counts)
+    if states and not any(kind.kept == "cached" for kind in counts):
+        return failed(
+            NAME,
+            f"{seen}: kvpool keeps a state-space layer's state beside the attention KV of a "
+            f"chunk, and this model has no attention layer; {NO_HITS}",
+            FIX,
+        )
+    if states:
+        return passed(
+            NAME,
+            f"{seen}: every layer cached; a hit ends where vLLM's prefix caching kept the "
+            "state-space layers' state (a step's end on a chunk boundary; none with "
+            "speculative decoding)",
         )
     if model.kv_lora_rank is not None:
         return passed(
@@ -203,10 +227,10 @@ def _uniform(config: Mapping[str, Any], model_type: str, full: Kind) -> Kind:
 def _state_space_marker(config: Mapping[str, Any], model_type: str) -> Kind | None:
     """The state-space kind of every layer of a model whose type or fields say it has one."""
     if any(marker in model_type for marker in _STATE_SPACE_MODEL_TYPES):
-        return _state_space(model_type)
+        return Kind(f"state-space ({model_type})", "state", STATE_SPACE)
     field = next((key for key in config if key.startswith(_STATE_SPACE_FIELDS)), None)
-    if field is not None:
-        return Kind(f"state-space ({field})", "refused", "state-space")
+    if field is not None:  # each layer has attention beside its state-space mixer
+        return Kind(f"attention and state-space ({field}){_STATE_KEPT}", "cached", STATE_SPACE)
     return None
 
 
@@ -276,8 +300,11 @@ def _local(chunk: int | None) -> Kind:
     )
 
 
+_STATE_KEPT = " (kept: the state at a chunk's end)"
+
+
 def _state_space(name: str) -> Kind:
-    return Kind(f"state-space ({name.replace('_', ' ')})", "refused", "state-space")
+    return Kind(f"state-space ({name.replace('_', ' ')}){_STATE_KEPT}", "state", STATE_SPACE)
 
 
 def _count(value: object) -> int | None:
