@@ -30,6 +30,7 @@ from kvpool_agent.connector.groups import (
     cacheable_groups,
     cannot_resume,
     loads_per_request,
+    state_block_size,
 )
 from kvpool_agent.connector.layout import GroupRule, LayoutError
 
@@ -94,7 +95,7 @@ def test_a_state_group_vllm_caches_keeps_one_block_per_state_record() -> None:
 @pytest.mark.parametrize(
     ("fields", "why"),
     [
-        ({}, r"MambaSpec in mamba_cache_mode 'none' \(vLLM caches no states\)"),
+        ({}, r"MambaSpec in mamba_cache_mode 'none' \(kvpool caches the states .* 'align' mode"),
         (
             {"mamba_cache_mode": "align", "num_speculative_blocks": 2},
             "MambaSpec with 2 speculative blocks",
@@ -104,8 +105,16 @@ def test_a_state_group_vllm_caches_keeps_one_block_per_state_record() -> None:
 def test_a_state_group_vllm_caches_no_states_for_is_refused_naming_a_layer(
     fields: dict[str, Any], why: str
 ) -> None:
-    with pytest.raises(NotCacheable, match=why + r" \(layer model.layers.1.attn\)"):
+    with pytest.raises(NotCacheable, match=why + r".* \(layer model.layers.1.attn\)"):
         cacheable_groups(config(FullAttentionSpec(block_size=BLOCK, **HEADS), mamba(**fields)))
+
+
+def test_a_model_with_states_takes_chunks_of_one_block() -> None:
+    """vLLM keeps a state only at a block's end: chunks of one block make each usable."""
+    full = FullAttentionSpec(block_size=BLOCK, **HEADS)
+    assert state_block_size(cacheable_groups(config(full))) is None
+    groups = cacheable_groups(config(full, mamba(mamba_cache_mode="align")))
+    assert state_block_size(groups) == BLOCK
 
 
 def test_a_model_of_states_only_is_refused() -> None:

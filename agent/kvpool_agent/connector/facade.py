@@ -52,6 +52,7 @@ from kvpool_agent.connector.groups import (
     cacheable_groups,
     cannot_resume,
     loads_per_request,
+    state_block_size,
 )
 from kvpool_agent.connector.layout import LayoutError
 from kvpool_agent.connector.link import AgentLink
@@ -178,6 +179,14 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
     def _chunk_tokens(self) -> int:
         if self._settings.chunk_tokens is not None:
             return self._settings.chunk_tokens
+        state = state_block_size(self._groups)
+        if state is not None:
+            log.info(
+                "kvpool: %d-token chunks, the block size of this model's state-space layers "
+                "(vLLM keeps their state at a block's end, where a hit must end)",
+                state,
+            )
+            return state
         try:
             advertised = self._resolve().chunk_tokens
         except discovery.DiscoveryError as error:

@@ -23,6 +23,7 @@ prefix caching and chunked prefill off for it) must not be handed KV at all.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -107,7 +108,10 @@ def _state_rule(spec: MambaSpec) -> tuple[GroupRule | None, str]:
     """A state is cached where vLLM caches it: "align" mode, each committed state handed over
     with its block (``SchedulerOutput.kv_connector_block_state``), no speculative blocks."""
     if spec.mamba_cache_mode != "align":
-        return None, f" in mamba_cache_mode {spec.mamba_cache_mode!r} (vLLM caches no states)"
+        return None, (
+            f" in mamba_cache_mode {spec.mamba_cache_mode!r} (kvpool caches the states vLLM "
+            "hands over, in 'align' mode: prefix caching on)"
+        )
     if getattr(spec, "num_speculative_blocks", 0):
         return None, f" with {spec.num_speculative_blocks} speculative blocks"
     if not _HANDS_OVER_STATES:
@@ -166,3 +170,15 @@ def loads_per_request(config: KVCacheConfig, groups: Sequence[CachedGroup]) -> b
     must be computed anew, from its first token.
     """
     return len(config.kv_cache_groups) > 1 or any(group.rule.kind != "full" for group in groups)
+
+
+def state_block_size(groups: Sequence[CachedGroup]) -> int | None:
+    """The chunk size a model with state-space layers needs, or None for one without.
+
+    vLLM keeps such a layer's state only at the end of a block (by default at the last one
+    before the prompt's end), and a hit must end where there is a state: chunks of one block
+    (the common block size of every group) make every kept state usable, where chunks of
+    ``n`` blocks would miss all but one in ``n``."""
+    if not any(group.rule.is_state for group in groups):
+        return None
+    return math.lcm(*(group.rule.block_size for group in groups))

@@ -155,6 +155,9 @@ class _Request:
     """A per-request load failed: vLLM computes the request anew, without the cache."""
     loaded_from: int = 0
     """The first chunk of the request's load (stored again if that load fails)."""
+    loaded_until: int = 0
+    """The chunk after the request's load: vLLM hands over the loaded state as if computed,
+    and the states before it are the agent's already."""
 
     def spans(self, first: int, stop: int) -> list[_Span]:
         """Chunks ``[first, stop)`` split at the shared boundary, each with its tenant."""
@@ -645,7 +648,7 @@ class SchedulerHalf:
             )
         if self._state_groups:
             self._loads.append(self._state_load(state, end, block_ids))
-        state.loaded_from = first_chunk
+        state.loaded_from, state.loaded_until = first_chunk, end_chunk
         state.stored_chunks = max(state.stored_chunks, end_chunk)
         state.planned = None
         self.counters.add("hit_tokens", end - start)
@@ -783,7 +786,11 @@ class SchedulerHalf:
                 by_boundary.setdefault(tokens, {})[group] = block
         for tokens, blocks in sorted(by_boundary.items()):
             chunk = tokens // size - 1
-            if not state.cacheable or any(group not in blocks for group in self._state_groups):
+            if (
+                not state.cacheable
+                or chunk < state.loaded_until
+                or any(group not in blocks for group in self._state_groups)
+            ):
                 continue
             with self.counters.timed("hash_us"):
                 hashed = [
@@ -833,6 +840,7 @@ class SchedulerHalf:
             if failed is not None:
                 failed.load_failed = True
                 failed.stored_chunks = min(failed.stored_chunks, failed.loaded_from)
+                failed.loaded_until = failed.loaded_from
         if worker_meta is not None:
             for job_id, workers in worker_meta.completed_stores.items():
                 store = self._stores.get(job_id)
