@@ -29,9 +29,11 @@ run):
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +45,12 @@ import torch
 from kvpool_agent import keys
 from kvpool_agent.client import AgentClient
 from kvpool_agent.segment import SharedSegment
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
+from kvpool_agent.testing.agent_process import (
+    ADMIN_TOKEN,
+    ENGINE_TOKEN,
+    AgentProcess,
+    running_agent,
+)
 from tests.support.engines import write_model
 
 from .vllm_steps import (
@@ -566,3 +573,65 @@ def test_a_hit_whose_state_is_gone_recomputes_the_request(
     assert failed == {"second"}
     assert computed == [0], "the request resumed without its state"
     assert step.finished == {"second"}
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_a_state_only_in_l2_comes_back_with_the_hit(
+    *,
+    model: Path,
+    token_file: Path,
+    runner: Runner,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A state record is a leaf of its chain, so L1 evicts it first; written back to L2, a
+    reader's probe asks the agent to bring it back (a prefetch, as for chunks) and then
+    hits, every group loaded as stored. Here L1 forgets everything and L2 keeps it all."""
+    nvme = {"path": str(tmp_path / "nvme"), "capacity": "64MiB"}
+    with running_agent({"NVME": json.dumps(nvme)}) as agent:
+        started: list[StepEngine] = []
+
+        def engine() -> StepEngine:
+            config = group_config(model, token_file, agent)
+            config.cache_config.mamba_cache_mode = "align"
+            extra = config.kv_transfer_config.kv_connector_extra_config  # type: ignore[union-attr]
+            extra["prefetch_wait_s"] = 20.0
+            plan = kv_cache_config(config, NUM_BLOCKS, "full+mamba")
+            started.append(StepEngine(config, plan, runner, monkeypatch))
+            return started[-1]
+
+        try:
+            first = engine()
+            tokens = prompt_of(first)
+            written = store(first, tokens)
+            tenant = keys.tenant_id(SALT)
+            tenant_dir = tmp_path / "nvme" / "default" / tenant
+            deadline = time.monotonic() + 20
+            while len(list(tenant_dir.glob("*/" + "[0-9a-f]" * 64))) < CHUNKS + 1:
+                assert time.monotonic() < deadline, "the agent wrote the chunks and state back"
+                time.sleep(0.1)
+            with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
+                client.clear()  # L1 forgets every record; L2 keeps them
+            second = engine()
+            second.add("second", tokens, SALT)
+            comparisons: list[Comparison] = []
+
+            def forward(output: SchedulerOutput) -> None:
+                for new in output.scheduled_new_reqs:
+                    block = second.config.cache_config.block_size
+                    assert new.num_computed_tokens == FULL_BLOCKS * block, "no hit"
+                    comparisons.append(compare(second, "second", written))
+
+            for _ in range(200):  # the prefetch takes some steps
+                step = second.step(forward)
+                if step.kv is not None:
+                    assert not step.kv.failed_recving
+                if step.finished:
+                    break
+                time.sleep(0.01)
+            (comparison,) = comparisons
+            assert not comparison.wrong, comparison.wrong
+            assert all(comparison.compared.values()), comparison.compared
+        finally:
+            for started_engine in started:
+                started_engine.shutdown()

@@ -155,6 +155,8 @@ class _Request:
     """A per-request load failed: vLLM computes the request anew, without the cache."""
     loaded_from: int = 0
     """The first chunk of the request's load (stored again if that load fails)."""
+    states_prefetched: bool = False
+    """The agent was asked to bring the request's states back from L2 (once)."""
     loaded_until: int = 0
     """The chunk after the request's load: vLLM hands over the loaded state as if computed,
     and the states before it are the agent's already."""
@@ -376,10 +378,12 @@ class SchedulerHalf:
         if state.prefetches and not self._prefetched(state):
             return None, False  # the agent is still loading the rest from L2: ask again
         hits = self._probe(state, first, limit)
-        if hits is not None and state.prefetches:  # the probe started one
+        # A probe starts a prefetch once per request (of the chunks, then of their states):
+        # probe again only if it loaded something.
+        while hits is not None and state.prefetches:
             if not self._prefetched(state, wait_ms=PREFETCH_PROBE_MS):
                 return None, False
-            hits = self._probe(state, first, limit)  # again only if the prefetch loaded chunks
+            hits = self._probe(state, first, limit)
         if hits is None:
             return None, False  # this step's time for questions is spent: ask next step
         external = (first + hits) * size - num_computed_tokens
@@ -410,33 +414,52 @@ class SchedulerHalf:
         """Of the ``hits`` chunks after ``first``, the longest run whose last chunk has its
         state record on every rank (a model with state-space layers resumes only where it
         has their state); 0 when none has. The table of ready chunks answers without a round
-        trip; without one, the agent is asked about :data:`STATE_LOOKUPS` states at most."""
+        trip; without one, the agent is asked about :data:`STATE_LOOKUPS` states at most.
+        When none is ready, the agent is asked once per request to bring the states of the
+        longest runs back from L2 (they are leaves of their chains: evicted first)."""
         try:
             table = self._table(self._link.info()) if self._link.usable() else None
         except LinkDown:
             return 0
+        runs = range(hits, 0, -1)
         asked = 0
-        for run in range(hits, 0, -1):
-            chunk = first + run - 1
-            tenant = state.spans(chunk, chunk + 1)[0].tenant
-            wanted = [keys.state_key(chain.keys[chunk]) for chain in state.chains]
-            if table is not None and self._allowed(tenant):
-                if all(table.run(tenant, [key]) for key in wanted):
+        try:
+            for run in runs:
+                tenant, wanted = self._state_keys(state, first + run - 1)
+                if table is not None and self._allowed(tenant):
+                    if all(table.run(tenant, [key]) for key in wanted):
+                        return run
+                    continue
+                if asked == STATE_LOOKUPS:
+                    break
+                asked += 1
+                found = (
+                    self._link.lookup(tenant, [key], lock=False, count=False) for key in wanted
+                )
+                if all(hit.count for hit in found):
                     return run
-                continue
-            if asked == STATE_LOOKUPS:
-                break
-            asked += 1
-            try:
-                if all(
-                    self._link.lookup(tenant, [key], lock=False, count=False).count
-                    for key in wanted
-                ):
-                    return run
-            except (LinkDown, AgentError) as error:
-                log.debug("kvpool: state lookup failed: %s", error)
-                break
+            if self._prefetch_wait_s > 0 and not state.states_prefetched:
+                state.states_prefetched = True
+                for run in runs[:STATE_LOOKUPS]:
+                    self._prefetch_state(state, first + run - 1)
+        except (LinkDown, AgentError) as error:
+            log.debug("kvpool: state lookup failed: %s", error)
         return 0
+
+    def _state_keys(self, state: _Request, chunk: int) -> tuple[str, list[bytes]]:
+        """The tenant and every rank's key of the state at the end of ``chunk``."""
+        tenant = state.spans(chunk, chunk + 1)[0].tenant
+        return tenant, [keys.state_key(chain.keys[chunk]) for chain in state.chains]
+
+    def _prefetch_state(self, state: _Request, chunk: int) -> None:
+        """Ask the agent to load the state at the end of ``chunk`` from L2 (if it has it)."""
+        tenant, wanted = self._state_keys(state, chunk)
+        for chain, key in zip(state.chains, wanted, strict=True):
+            _, started = self._link.lookup_prefetch(tenant, [key], chain.keys[chunk], count=False)
+            if started:
+                state.prefetches.append(started)
+                state.prefetch_deadline = self._clock() + self._prefetch_wait_s
+                self.counters.add("prefetches")
 
     def _local_run(self, state: _Request, first: int, limit: int) -> int | None:
         """The run of chunks the agent's table of ready chunks shows (no round trip), or None
