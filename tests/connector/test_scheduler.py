@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from kvpool_agent import keys
@@ -475,3 +477,100 @@ def test_a_failed_per_request_load_stores_its_chunks_when_recomputed() -> None:
     )
     (store,) = meta.stores  # computed anew: its chunks are stored again
     assert store.keys == (tuple(chain(prompt)[:3]),)
+
+
+MAMBA = (GroupRule("full", BLOCK), GroupRule("state", BLOCK))
+"""A full-attention group and a state-space group (vLLM's "align" mode)."""
+
+
+def with_states(
+    output: object, *states: tuple[str, int, int, int]
+) -> object:  # (req_id, group, block, tokens) as vLLM hands them over
+    handed: dict[str, list[tuple[int, int, int]]] = {}
+    for req_id, group, block, boundary in states:
+        handed.setdefault(req_id, []).append((group, block, boundary))
+    output.kv_connector_block_state = SimpleNamespace(boundary_state_offloads=handed)  # type: ignore[attr-defined]
+    return output
+
+
+def test_a_state_vllm_hands_over_at_a_chunks_end_is_stored_beside_it() -> None:
+    """Only a state that ends a chunk is stored (a hit ends on a chunk); its key is the
+    chunk's state key, its parent the chunk, its block the one vLLM named."""
+    half = make(FakeAgent(), groups=MAMBA)
+    prompt = tokens(1000)
+    full, state = list(range(20, 28)), [0, 0, 0, 0, 0, 0, 47, 0]
+    half.get_num_new_matched_tokens(FakeRequest("r", prompt), 0)
+    output = scheduler_output([new_request("r", full, state, computed=0)], scheduled={"r": 896})
+
+    meta = half.build_connector_meta(
+        with_states(output, ("r", 1, 47, 896), ("r", 1, 45, 768), ("r", 1, 44, 640))
+    )
+
+    chunks, states = meta.stores
+    assert chunks.keys == (tuple(chain(prompt)[:3]),) and not chunks.state
+    assert chunks.block_ids == (tuple(full[:6]),)  # the state group is not in a chunk
+    # 896 and 640 end no chunk: only the state at 768 (the third chunk's end) is stored
+    assert states.state and states.keys == ((keys.state_key(chain(prompt)[2]),),)
+    assert states.parents == (chain(prompt)[2],)
+    assert states.block_ids == ((45,),)
+
+
+def test_a_hit_ends_on_the_last_chunk_with_its_state() -> None:
+    """Chunks without a state at their end cannot be resumed from: the hit stops at the
+    last chunk whose state the agent has, and loads that state into the block vLLM gives
+    the state group at the hit's end, as a job of its own for the same request."""
+    agent = FakeAgent()
+    prompt = tokens(1000)
+    tenant = keys.tenant_id(None)
+    agent.put(tenant, chain(prompt)[:3])
+    agent.put(tenant, [keys.state_key(chain(prompt)[1])])  # the state after two chunks
+    half = SchedulerHalf(
+        model="m",
+        dtype="bfloat16",
+        tp_size=1,
+        groups=MAMBA,
+        link=make_link(agent),
+        counters=Counters(),
+        loads_per_request=True,
+    )
+    half.configure({0: KvpoolHandshake(LAYOUT, CHUNK, True)})
+    request = FakeRequest("r", prompt)
+    assert half.get_num_new_matched_tokens(request, 0) == (2 * CHUNK, True)
+    full, state = list(range(20, 28)), [0, 0, 0, 53, 0, 0, 0, 0]
+    half.update_state_after_alloc(request, FakeBlocks(full, state), 2 * CHUNK)
+
+    chunks, states = half.build_connector_meta(scheduler_output()).loads
+
+    assert chunks.keys == (tuple(chain(prompt)[:2]),) and chunks.block_ids == (tuple(full[:4]),)
+    assert states.state and states.per_request and chunks.per_request
+    assert states.keys == ((keys.state_key(chain(prompt)[1]),),)
+    assert states.block_ids == ((53,),)  # the block of the hit's last token
+
+
+def test_without_a_state_a_state_model_gets_no_hit() -> None:
+    agent = FakeAgent()
+    prompt = tokens(1000)
+    agent.put(keys.tenant_id(None), chain(prompt)[:3])
+    half = make(agent, groups=MAMBA)
+    assert half.get_num_new_matched_tokens(FakeRequest("r", prompt), 0) == (0, False)
+
+
+def test_the_states_of_a_load_are_not_stored_again() -> None:
+    """vLLM hands the state it was loaded into back over as if computed: the agent has it."""
+    agent = FakeAgent()
+    prompt = tokens(1000)
+    tenant = keys.tenant_id(None)
+    agent.put(tenant, [*chain(prompt)[:2], keys.state_key(chain(prompt)[1])])
+    half = make(agent, groups=MAMBA)
+    request = FakeRequest("r", prompt)
+    assert half.get_num_new_matched_tokens(request, 0)[0] == 2 * CHUNK
+    full, state = list(range(20, 28)), [0, 0, 0, 53, 0, 0, 0, 0]
+    half.update_state_after_alloc(request, FakeBlocks(full, state), 2 * CHUNK)
+    half.build_connector_meta(scheduler_output())
+
+    output = scheduler_output(
+        [new_request("r", full, state, computed=2 * CHUNK)], scheduled={"r": 1000 - 512}
+    )
+    meta = half.build_connector_meta(with_states(output, ("r", 1, 53, 2 * CHUNK)))
+
+    assert [store.state for store in meta.stores] == [False]  # the chunks computed, no state
