@@ -451,6 +451,8 @@ def test_a_mamba_group_without_cached_states_is_a_logged_miss(
 
     def engine() -> StepEngine:
         config = group_config(model, token_file, empty_agent)
+        # what vLLM sets for a Mamba model with prefix caching off
+        config.cache_config.enable_prefix_caching = False
         config.cache_config.mamba_cache_mode = "none"
         plan = kv_cache_config(config, NUM_BLOCKS, "full+mamba")
         started.append(StepEngine(config, plan, runner, monkeypatch))

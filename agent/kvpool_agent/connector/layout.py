@@ -28,6 +28,12 @@ retains past the window for speculative decoding). One key holds every
 group, so a hit is all of them or none: a request never resumes with one group loaded
 and another not.
 
+State-space and linear-attention groups (``state``) are not in a chunk: vLLM keeps their
+state only at some block boundaries, so the state at a chunk's end is a *state record* of
+its own, in the same layout with one block per group (``state group 0 | ... ``, each
+``layer 0 | ... | layer L-1`` of one page), under the chunk's state key; the connector
+loads a hit's chunks and its state record together or fails the request.
+
 No padding and no header: ``chunk_bytes = sum(L * kept * prod(page_shape) * itemsize)``.
 The bytes do not depend on the physical order of the tensor (an NHD engine and
 an HND engine of the same model write identical chunks). What a page's bytes

@@ -36,6 +36,12 @@ fingerprint), the request's block ids and a store cursor.
 * ``build_connector_meta``: every chunk that becomes full by the end of this
   step (prompt or generated tokens) and was not loaded from the agent becomes
   part of a :class:`StoreJob`, with the key of the chunk before it as parent.
+* State-space and linear-attention groups (a model such as Jamba or Qwen3-Next): vLLM hands
+  over each state it keeps (at a block boundary where a step ended) with its block; a state
+  that ends a chunk is stored as a record of its own, keyed by that chunk
+  (:func:`~kvpool_agent.keys.state_key`). A hit is the longest run of chunks whose last
+  chunk has its state (brought back from L2 if L1 has lost it), and the state is loaded
+  with the chunks, per request.
 * ``request_finished``: a request whose stores have not finished yet keeps its
   blocks until the worker reports them finished (only when the workers' stores
   are asynchronous, as on CUDA; on CPU they finish within their step).
