@@ -5,10 +5,14 @@ engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni`` executor, so the
 scheduler and the worker share this process and start fast), prints
 ``@@ready``, then answers one JSON request per line with one ``@@result <json>``
 line. Everything else on stdout is vLLM's and is ignored by the driver.
+
+``patches`` in the settings (``"module:function"``, each called before the engine is built)
+work around a vLLM limit in this process only, e.g. :mod:`.cpu_mamba2`.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -104,9 +108,17 @@ def generate(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def patch(settings: dict[str, Any]) -> None:
+    """Call each of the settings' ``patches`` (``"module:function"``)."""
+    for name in settings.get("patches", []):
+        module, _, function = name.partition(":")
+        getattr(importlib.import_module(module), function)()
+
+
 def main() -> None:
     settings = json.loads(sys.argv[1])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    patch(settings)
     llm = build(settings)
     print(f"{MARK}ready", flush=True)
     for line in sys.stdin:

