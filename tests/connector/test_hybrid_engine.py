@@ -19,9 +19,7 @@ CPU with AMX it loads, and the output is the recompute's either way.
 
 from __future__ import annotations
 
-import json
 import random
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -111,7 +109,7 @@ def test_a_reader_loads_every_group_and_answers_as_a_recompute(pair: Pair) -> No
 def test_a_window_group_stores_only_its_window(pair: Pair) -> None:
     """A 128-token window keeps one of a chunk's two 128-token blocks; full layers both."""
     windowed(pair)
-    layout = fingerprint(pair.writer)["kv_layout"]
+    layout = pair.writer.key_fingerprint()["kv_layout"]
     sections = group_sections(layout)
     windows = [kept for name, kept, _ in sections if name == f"window{WINDOW - 1}"]
     assert windows == [1], layout  # ceil((128 - 1) / 128) blocks of 2
@@ -165,13 +163,6 @@ def test_mla_is_loaded_only_where_the_engine_can_use_it(pair: Pair) -> None:
 # ------------------------------------------------------------------ helpers
 
 
-def fingerprint(engine: Engine) -> dict[str, object]:
-    """The key fingerprint the engine's connector logged."""
-    found = re.search(r"key fingerprint for the index: (\{.*\})", engine.log_text())
-    assert found, "the connector logged no fingerprint"
-    return json.loads(found.group(1))  # type: ignore[no-any-return]
-
-
 def group_sections(kv_layout: str) -> list[tuple[str, int, int]]:
     """(kind, kept blocks, bytes) of each group's part of a chunk, from the chunk format's
     descriptor (``kvpool_agent.connector.layout``)."""
@@ -195,7 +186,7 @@ def poison_group(pair: Pair, tokens: list[int], group: str) -> None:
     """Overwrite one group's part of each of the prompt's stored chunks with noise."""
     import torch
 
-    logged = fingerprint(pair.writer)
+    logged = pair.writer.key_fingerprint()
     chain = keys.KeyChain(keys.root_key(SALT, keys.ModelFingerprint(**logged)), CHUNK)  # type: ignore[arg-type]
     wanted = chain.upto(tokens, LENGTH // CHUNK)
     sections = group_sections(str(logged["kv_layout"]))

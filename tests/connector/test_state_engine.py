@@ -30,9 +30,7 @@ the engine process, not part of kvpool (see that module).
 
 from __future__ import annotations
 
-import json
 import random
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -70,20 +68,8 @@ def prompt(seed: int, length: int = LENGTH) -> list[int]:
     return [rng.randrange(3, 2000) for _ in range(length)]
 
 
-def skip_without_states() -> None:
-    """vLLM hands a connector the Mamba states it keeps from 0.32 on (what
-    :mod:`kvpool_agent.connector.groups` looks for); before, kvpool serves such a model no
-    hits, and there is nothing to test."""
-    import vllm
-    from vllm.v1.core.sched import output
-
-    if not hasattr(output, "KVConnectorBlockState"):
-        pytest.skip(f"vLLM {vllm.__version__} hands a connector no Mamba states")
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    skip_without_states()
     work = tmp_path_factory.mktemp("state")
     agent = AgentProcess(work / "agent")
     agent.workdir.mkdir()
@@ -168,13 +154,6 @@ def test_chunks_without_a_state_at_their_end_are_no_hit(pair: Pair) -> None:
 # ------------------------------------------------------------------ helpers
 
 
-def fingerprint(engine: Engine) -> dict[str, object]:
-    """The key fingerprint the engine's connector logged."""
-    found = re.search(r"key fingerprint for the index: (\{.*\})", engine.log_text())
-    assert found, "the connector logged no fingerprint"
-    return json.loads(found.group(1))  # type: ignore[no-any-return]
-
-
 def counters(engine: Engine) -> dict[str, float]:
     """The engine's kvpool counters so far (a one-token request, which kvpool never sees
     as a chunk, reports them)."""
@@ -183,7 +162,7 @@ def counters(engine: Engine) -> dict[str, float]:
 
 def chunk_keys(pair: Pair, tokens: list[int]) -> list[bytes]:
     """The keys of the prompt's whole chunks, as the writer's connector makes them."""
-    logged = fingerprint(pair.writer)
+    logged = pair.writer.key_fingerprint()
     chain = keys.KeyChain(keys.root_key(SALT, keys.ModelFingerprint(**logged)), CHUNK)  # type: ignore[arg-type]
     return chain.upto(tokens, len(tokens) // CHUNK)
 
@@ -233,7 +212,7 @@ def poison_state(pair: Pair, tokens: list[int], chunks: int) -> None:
         found = client.lookup(keys.tenant_id(SALT), [state], lock=False, count=False)
     assert found.count == 1, "the writer stored no state at the chunks' end"
     (offset,), (size,) = found.offsets, found.sizes
-    assert size == state_record_bytes(str(fingerprint(pair.writer)["kv_layout"]))
+    assert size == state_record_bytes(str(pair.writer.key_fingerprint()["kv_layout"]))
     segment = SharedSegment.attach(pair.agent.segment_path)
     try:
         noise = torch.randn(size // 2, generator=torch.Generator().manual_seed(0))

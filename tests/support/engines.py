@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -143,6 +144,12 @@ class Engine:
 
     def log_text(self) -> str:
         return self.log_path.read_text()
+
+    def key_fingerprint(self) -> dict[str, object]:
+        """The key fingerprint the engine's connector logged."""
+        found = re.search(r"key fingerprint for the index: (\{.*\})", self.log_text())
+        assert found, "the connector logged no fingerprint"
+        return json.loads(found.group(1))  # type: ignore[no-any-return]
 
     def stop(self) -> None:
         process = self._process

@@ -49,13 +49,6 @@ except ImportError:
 
 _FULL: tuple[type[KVCacheSpec], ...] = (FullAttentionSpec, MLAAttentionSpec)
 
-try:  # the committed Mamba states, handed to a connector with their blocks
-    from vllm.v1.core.sched.output import KVConnectorBlockState  # noqa: F401
-
-    _HANDS_OVER_STATES = True
-except ImportError:
-    _HANDS_OVER_STATES = False
-
 
 class NotCacheable(Exception):
     """An engine kvpool serves no hits (the message says why, in one line, after
@@ -114,8 +107,6 @@ def _state_rule(spec: MambaSpec) -> tuple[GroupRule | None, str]:
         )
     if getattr(spec, "num_speculative_blocks", 0):
         return None, f" with {spec.num_speculative_blocks} speculative blocks"
-    if not _HANDS_OVER_STATES:
-        return None, " (this vLLM hands a connector no states)"
     return GroupRule("state", spec.block_size), ""
 
 
