@@ -151,6 +151,37 @@ def engines(
         engine.shutdown()
 
 
+@pytest.fixture
+def mamba_engines(
+    model: Path, token_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Callable[..., StepEngine]]:
+    """Start "full+mamba" engines on an agent of the test's own, with prefix caching on
+    (vLLM's "align" mode) or off ("none"), each with its config and plan."""
+    started: list[StepEngine] = []
+
+    def start(
+        agent: AgentProcess,
+        runner: Runner,
+        *,
+        prefix_caching: bool = True,
+        prefetch_wait_s: float = 0.0,
+    ) -> StepEngine:
+        config = group_config(model, token_file, agent)
+        config.cache_config.enable_prefix_caching = prefix_caching
+        # what vLLM sets for a Mamba model with prefix caching on, or off
+        config.cache_config.mamba_cache_mode = "align" if prefix_caching else "none"
+        transfer = config.kv_transfer_config
+        assert transfer is not None
+        transfer.kv_connector_extra_config["prefetch_wait_s"] = prefetch_wait_s
+        plan = kv_cache_config(config, NUM_BLOCKS, "full+mamba")
+        started.append(StepEngine(config, plan, runner, monkeypatch))
+        return started[-1]
+
+    yield start
+    for engine in started:
+        engine.shutdown()
+
+
 def prompt(length: int, seed: int = 0) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 2000) for _ in range(length)]
@@ -431,10 +462,8 @@ def test_a_poisoned_group_is_loaded_wrong_in_that_group_only(
 
 @pytest.mark.parametrize("runner", RUNNERS)
 def test_a_mamba_group_without_cached_states_is_a_logged_miss(
-    *,
     empty_agent: AgentProcess,
-    model: Path,
-    token_file: Path,
+    mamba_engines: Callable[..., StepEngine],
     runner: Runner,
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
@@ -447,22 +476,11 @@ def test_a_mamba_group_without_cached_states_is_a_logged_miss(
     monkeypatch.setattr(ours, "propagate", False)  # caplog's handler is added below
     ours.addHandler(caplog.handler)
     caplog.set_level(logging.INFO, logger="kvpool_agent")
-    started: list[StepEngine] = []
-
-    def engine() -> StepEngine:
-        config = group_config(model, token_file, empty_agent)
-        # what vLLM sets for a Mamba model with prefix caching off
-        config.cache_config.enable_prefix_caching = False
-        config.cache_config.mamba_cache_mode = "none"
-        plan = kv_cache_config(config, NUM_BLOCKS, "full+mamba")
-        started.append(StepEngine(config, plan, runner, monkeypatch))
-        return started[-1]
-
     try:
-        first = engine()
+        first = mamba_engines(empty_agent, runner, prefix_caching=False)
         tokens = prompt_of(first)
         store(first, tokens)
-        second = engine()
+        second = mamba_engines(empty_agent, runner, prefix_caching=False)
         # the stored prompt, then another (not the same: vLLM's own prefix cache would hit)
         another = prompt(len(tokens), seed=1)
         for request_id, request_tokens in (("second", tokens), ("another", another)):
@@ -474,8 +492,6 @@ def test_a_mamba_group_without_cached_states_is_a_logged_miss(
             second.step()
     finally:
         ours.removeHandler(caplog.handler)
-        for started_engine in started:
-            started_engine.shutdown()
     said = [record.getMessage() for record in caplog.records if "MambaSpec" in record.getMessage()]
     assert said, "kvpool did not say why a Mamba model gets no hits"
     # once per connector (each engine's scheduler and worker) at most, not per request
@@ -499,17 +515,34 @@ def test_a_load_that_fails_recomputes_the_request(
     first = engines(mix, runner)
     tokens = prompt_of(first)
     store(first, tokens)
-    second = engines(mix, runner)
-    worker = second.worker
-    load_kv = worker.start_load_kv
 
-    def evicted_first(*args: Any, **kwargs: Any) -> None:
-        with AgentClient(empty_agent.zmq, token=ADMIN_TOKEN) as client:
-            client.clear()
+    failed, computed = load_after_loss(
+        engines(mix, runner), tokens, empty_agent, lambda client: client.clear(), monkeypatch
+    )
+
+    assert failed == {"second"}
+    assert computed == [0], "the request did not start over"
+
+
+def load_after_loss(
+    engine: StepEngine,
+    tokens: list[int],
+    agent: AgentProcess,
+    lose: Callable[[AgentClient], object],
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[set[str], list[int]]:
+    """Run the prompt on ``engine`` (a hit), the agent losing records (``lose``, with an
+    admin's client) between the scheduler's probe and the worker's load; the requests
+    reported failed, and the tokens each scheduled request had computed when it ran."""
+    load_kv = engine.worker.start_load_kv
+
+    def lost_first(*args: Any, **kwargs: Any) -> None:
+        with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
+            lose(client)
         load_kv(*args, **kwargs)
 
-    monkeypatch.setattr(worker, "start_load_kv", evicted_first)
-    second.add("second", tokens, SALT)
+    monkeypatch.setattr(engine.worker, "start_load_kv", lost_first)
+    engine.add("second", tokens, SALT)
     computed: list[int] = []
 
     def forward(output: SchedulerOutput) -> None:
@@ -517,15 +550,14 @@ def test_a_load_that_fails_recomputes_the_request(
 
     failed: set[str] = set()
     for _ in range(4):
-        step = second.step(forward)
+        step = engine.step(forward)
         if step.kv is not None:
             assert step.kv.invalid_block_ids == set()
             failed |= step.kv.failed_recving or set()
         if step.finished:
             break
-    assert failed == {"second"}
-    assert computed == [0], "the request did not start over"
     assert step.finished == {"second"}
+    return failed, computed
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
@@ -548,92 +580,56 @@ def test_a_hit_whose_state_is_gone_recomputes_the_request(
         found = client.lookup(tenant, [keys.state_key(wanted[-1])], lock=False, count=False)
         assert found.count == 1, "the prompt's state was not stored"
         chunks = client.retrieve(tenant, wanted)
-    second = engines("full+mamba", runner)
-    worker = second.worker
-    load_kv = worker.start_load_kv
 
-    def state_evicted_first(*args: Any, **kwargs: Any) -> None:
-        with AgentClient(empty_agent.zmq, token=ADMIN_TOKEN) as client:
-            client.clear()
-            client.store(tenant, wanted, chunks)  # the chunks again, not the state
-        load_kv(*args, **kwargs)
+    def only_the_chunks(client: AgentClient) -> None:
+        client.clear()
+        client.store(tenant, wanted, chunks)  # the chunks again, not the state
 
-    monkeypatch.setattr(worker, "start_load_kv", state_evicted_first)
-    second.add("second", tokens, SALT)
-    computed: list[int] = []
+    failed, computed = load_after_loss(
+        engines("full+mamba", runner), tokens, empty_agent, only_the_chunks, monkeypatch
+    )
 
-    def forward(output: SchedulerOutput) -> None:
-        computed.extend(new.num_computed_tokens for new in output.scheduled_new_reqs)
-
-    failed: set[str] = set()
-    for _ in range(4):
-        step = second.step(forward)
-        if step.kv is not None:
-            failed |= step.kv.failed_recving or set()
-        if step.finished:
-            break
     assert failed == {"second"}
     assert computed == [0], "the request resumed without its state"
-    assert step.finished == {"second"}
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
 def test_a_state_only_in_l2_comes_back_with_the_hit(
-    *,
-    model: Path,
-    token_file: Path,
-    runner: Runner,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    mamba_engines: Callable[..., StepEngine], runner: Runner, tmp_path: Path
 ) -> None:
     """A state record is a leaf of its chain, so L1 evicts it first; written back to L2, a
     reader's probe asks the agent to bring it back (a prefetch, as for chunks) and then
     hits, every group loaded as stored. Here L1 forgets everything and L2 keeps it all."""
     nvme = {"path": str(tmp_path / "nvme"), "capacity": "64MiB"}
     with running_agent({"NVME": json.dumps(nvme)}) as agent:
-        started: list[StepEngine] = []
+        first = mamba_engines(agent, runner, prefetch_wait_s=20.0)
+        tokens = prompt_of(first)
+        written = store(first, tokens)
+        tenant = keys.tenant_id(SALT)
+        tenant_dir = tmp_path / "nvme" / "default" / tenant
+        deadline = time.monotonic() + 20
+        while len(list(tenant_dir.glob("*/" + "[0-9a-f]" * 64))) < CHUNKS + 1:
+            assert time.monotonic() < deadline, "the agent wrote the chunks and state back"
+            time.sleep(0.1)
+        with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
+            client.clear()  # L1 forgets every record; L2 keeps them
+        second = mamba_engines(agent, runner, prefetch_wait_s=20.0)
+        second.add("second", tokens, SALT)
+        comparisons: list[Comparison] = []
 
-        def engine() -> StepEngine:
-            config = group_config(model, token_file, agent)
-            config.cache_config.mamba_cache_mode = "align"
-            extra = config.kv_transfer_config.kv_connector_extra_config  # type: ignore[union-attr]
-            extra["prefetch_wait_s"] = 20.0
-            plan = kv_cache_config(config, NUM_BLOCKS, "full+mamba")
-            started.append(StepEngine(config, plan, runner, monkeypatch))
-            return started[-1]
+        def forward(output: SchedulerOutput) -> None:
+            for new in output.scheduled_new_reqs:
+                block = second.config.cache_config.block_size
+                assert new.num_computed_tokens == FULL_BLOCKS * block, "no hit"
+                comparisons.append(compare(second, "second", written))
 
-        try:
-            first = engine()
-            tokens = prompt_of(first)
-            written = store(first, tokens)
-            tenant = keys.tenant_id(SALT)
-            tenant_dir = tmp_path / "nvme" / "default" / tenant
-            deadline = time.monotonic() + 20
-            while len(list(tenant_dir.glob("*/" + "[0-9a-f]" * 64))) < CHUNKS + 1:
-                assert time.monotonic() < deadline, "the agent wrote the chunks and state back"
-                time.sleep(0.1)
-            with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
-                client.clear()  # L1 forgets every record; L2 keeps them
-            second = engine()
-            second.add("second", tokens, SALT)
-            comparisons: list[Comparison] = []
-
-            def forward(output: SchedulerOutput) -> None:
-                for new in output.scheduled_new_reqs:
-                    block = second.config.cache_config.block_size
-                    assert new.num_computed_tokens == FULL_BLOCKS * block, "no hit"
-                    comparisons.append(compare(second, "second", written))
-
-            for _ in range(200):  # the prefetch takes some steps
-                step = second.step(forward)
-                if step.kv is not None:
-                    assert not step.kv.failed_recving
-                if step.finished:
-                    break
-                time.sleep(0.01)
-            (comparison,) = comparisons
-            assert not comparison.wrong, comparison.wrong
-            assert all(comparison.compared.values()), comparison.compared
-        finally:
-            for started_engine in started:
-                started_engine.shutdown()
+        for _ in range(200):  # the prefetch takes some steps
+            step = second.step(forward)
+            if step.kv is not None:
+                assert not step.kv.failed_recving
+            if step.finished:
+                break
+            time.sleep(0.01)
+        (comparison,) = comparisons
+        assert not comparison.wrong, comparison.wrong
+        assert all(comparison.compared.values()), comparison.compared

@@ -36,6 +36,7 @@ def make(
     stores_complete_in_step: bool = True,
     prefetch_wait_s: float = 0.0,
     clock: Clock | None = None,
+    loads_per_request: bool = False,
 ) -> SchedulerHalf:
     counters = Counters()
     clock = clock or Clock()
@@ -48,6 +49,7 @@ def make(
         counters=counters,
         prefetch_wait_s=prefetch_wait_s,
         clock=clock,
+        loads_per_request=loads_per_request,
     )
     half.configure(
         {rank: KvpoolHandshake(LAYOUT, CHUNK, stores_complete_in_step) for rank in range(tp)}
@@ -452,16 +454,7 @@ def test_a_failed_per_request_load_stores_its_chunks_when_recomputed() -> None:
     agent = FakeAgent()
     prompt = tokens(1000)
     agent.put(keys.tenant_id(None), chain(prompt)[:3])
-    half = SchedulerHalf(
-        model="m",
-        dtype="bfloat16",
-        tp_size=1,
-        groups=HYBRID,
-        link=make_link(agent),
-        counters=Counters(),
-        loads_per_request=True,
-    )
-    half.configure({0: KvpoolHandshake(LAYOUT, CHUNK, True)})
+    half = make(agent, groups=HYBRID, loads_per_request=True)
     request = FakeRequest("r", prompt)
     assert half.get_num_new_matched_tokens(request, 0) == (3 * CHUNK, True)  # asynchronous
     full, window = list(range(20, 28)), list(range(30, 38))
@@ -524,16 +517,7 @@ def test_a_hit_ends_on_the_last_chunk_with_its_state() -> None:
     tenant = keys.tenant_id(None)
     agent.put(tenant, chain(prompt)[:3])
     agent.put(tenant, [keys.state_key(chain(prompt)[1])])  # the state after two chunks
-    half = SchedulerHalf(
-        model="m",
-        dtype="bfloat16",
-        tp_size=1,
-        groups=MAMBA,
-        link=make_link(agent),
-        counters=Counters(),
-        loads_per_request=True,
-    )
-    half.configure({0: KvpoolHandshake(LAYOUT, CHUNK, True)})
+    half = make(agent, groups=MAMBA, loads_per_request=True)
     request = FakeRequest("r", prompt)
     assert half.get_num_new_matched_tokens(request, 0) == (2 * CHUNK, True)
     full, state = list(range(20, 28)), [0, 0, 0, 53, 0, 0, 0, 0]

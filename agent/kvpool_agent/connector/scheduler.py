@@ -688,11 +688,11 @@ class SchedulerHalf:
         the chunks' load (per request): one failing fails the request, which vLLM computes
         anew. A hit that does not end on a chunk boundary (vLLM took fewer tokens than
         offered) has no state: the null block makes the load fail."""
-        chunk = end // self.chunk_tokens - 1
+        tenant, wanted = self._state_keys(state, end // self.chunk_tokens - 1)
         return LoadJob(
             req_id=state.request.request_id,
-            tenant=state.spans(chunk, chunk + 1)[0].tenant,
-            keys=tuple((keys.state_key(chain.keys[chunk]),) for chain in state.chains),
+            tenant=tenant,
+            keys=tuple((key,) for key in wanted),
             block_ids=tuple(
                 (ids[end // rule.block_size - 1] if end % self.chunk_tokens == 0 else NULL_BLOCK,)
                 for rule, ids in self._of_groups(self._state_groups, block_ids)
@@ -826,8 +826,10 @@ class SchedulerHalf:
                     len(chain.upto(state.request.all_token_ids, chunk + 1))
                     for chain in state.chains
                 ]
-            tenant = state.spans(chunk, chunk + 1)[0].tenant
-            if min(hashed) <= chunk or self._allowed(tenant) is False:
+            if min(hashed) <= chunk:
+                continue
+            tenant, wanted = self._state_keys(state, chunk)
+            if self._allowed(tenant) is False:
                 continue
             job_id = next(self._job_ids)
             stores.append(
@@ -835,7 +837,7 @@ class SchedulerHalf:
                     job_id=job_id,
                     req_id=state.request.request_id,
                     tenant=tenant,
-                    keys=tuple((keys.state_key(chain.keys[chunk]),) for chain in state.chains),
+                    keys=tuple((key,) for key in wanted),
                     parents=tuple(chain.keys[chunk] for chain in state.chains),
                     block_ids=tuple((blocks[group],) for group in self._state_groups),
                     state=True,

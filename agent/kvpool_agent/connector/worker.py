@@ -150,26 +150,20 @@ class WorkerHalf:
     ) -> None:
         """Understand the caches of each group's layers (in this order) and map the segment."""
         chunk_tokens = self._chunk_tokens()
-        for state in (False, True):
-            chosen = [group for group in groups if group[0].is_state == state]
-            if chosen or not state:
-                self._parts[state] = self._make_part(
-                    kv_caches, chosen, num_blocks, chunk_tokens, content
-                )
+        chunks = [group for group in groups if not group[0].is_state]
+        states = [group for group in groups if group[0].is_state]
+        self._parts[False] = self._make_part(kv_caches, chunks, num_blocks, chunk_tokens, content)
         self.format = self._parts[False].format
-        self.state_format = self._parts[True].format if True in self._parts else None
+        if states:
+            self._parts[True] = self._make_part(
+                kv_caches, states, num_blocks, chunk_tokens, content
+            )
+            self.state_format = self._parts[True].format
         self.handshake = FormatHandshake(
             self.format.descriptor(self.state_format),
             chunk_tokens,
             all(part.copier.synchronous for part in self._parts.values()),
         )
-        if self.state_format is not None:
-            log.info(
-                "kvpool worker %d: %d bytes per state record (%d state layers)",
-                self._rank,
-                self.state_format.chunk_bytes,
-                self.state_format.layers,
-            )
         with contextlib.suppress(LinkDown):  # map now, not in the first request
             self._link.info()
 
