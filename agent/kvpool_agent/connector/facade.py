@@ -177,16 +177,19 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         return self._address
 
     def _chunk_tokens(self) -> int:
-        if self._settings.chunk_tokens is not None:
-            return self._settings.chunk_tokens
+        """The chunk size: the pool's (the engine's setting, the pool's Service, 256), but
+        one block for a model with state-space layers."""
         state = state_block_size(self._groups)
         if state is not None:
             log.info(
-                "kvpool: %d-token chunks, the block size of this model's state-space layers "
-                "(vLLM keeps their state at a block's end, where a hit must end)",
+                "kvpool: %d-token chunks (one block) for this model, whatever the pool's: "
+                "vLLM keeps a state-space layer's state only at a block's end, where a hit "
+                "must end",
                 state,
             )
             return state
+        if self._settings.chunk_tokens is not None:
+            return self._settings.chunk_tokens
         try:
             advertised = self._resolve().chunk_tokens
         except discovery.DiscoveryError as error:
