@@ -25,8 +25,8 @@ NO_HITS = "this engine gets no hits from kvpool (it still serves)"
 KEPT = "(kept: the window's blocks of each chunk)"
 STATE = "state-space (mamba) (kept: the state at a chunk's end)"
 AT_STATES = (
-    "a hit ends where vLLM's prefix caching kept the state-space layers' state (a step's "
-    "end on a chunk boundary; none with speculative decoding)"
+    "a hit ends where vLLM's prefix caching kept the state-space layers' state (by default "
+    "the last block boundary before a prompt's end; none with speculative decoding)"
 )
 
 GEMMA_3_1B = {

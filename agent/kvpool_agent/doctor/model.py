@@ -143,8 +143,8 @@ def check_model(config: Mapping[str, Any] | None) -> Check:
         return passed(
             NAME,
             f"{seen}: every layer cached; a hit ends where vLLM's prefix caching kept the "
-            "state-space layers' state (a step's end on a chunk boundary; none with "
-            "speculative decoding)",
+            "state-space layers' state (by default the last block boundary before a prompt's "
+            "end; none with speculative decoding)",
         )
     if model.kv_lora_rank is not None:
         return passed(
