@@ -9,6 +9,7 @@ from kvpool_agent.keys import (
     chunk_keys,
     next_key,
     root_key,
+    state_key,
     tenant_id,
 )
 
@@ -29,6 +30,13 @@ def test_the_documented_formula() -> None:
     first = hashlib.sha256(root + b"".join(t.to_bytes(4, "little") for t in range(4))).digest()
     assert root_key("salt", MODEL) == root
     assert chunk_keys(list(range(4)), "salt", MODEL) == [first]
+
+
+def test_a_chunks_state_key_is_the_documented_formula_and_no_chunks_key() -> None:
+    """The state that state-space layers have after chunk ``i``: its own key, from ``k_i``."""
+    first, second = chunk_keys(list(range(8)), "salt", MODEL)
+    assert state_key(first) == hashlib.sha256(b"kvpool-state-v1\0" + first).digest()
+    assert state_key(first) not in (first, second) and state_key(first) != state_key(second)
 
 
 def test_every_kind_of_token_sequence_gives_the_same_keys() -> None:
