@@ -68,7 +68,7 @@ from kvpool_agent import keys
 from kvpool_agent import protocol as p
 from kvpool_agent.client import AgentError, AgentInfo
 from kvpool_agent.connector.counters import Counters
-from kvpool_agent.connector.jobs import LoadJob, StoreJob
+from kvpool_agent.connector.jobs import GroupBlocks, LoadJob, RankKeys, StoreJob
 from kvpool_agent.connector.layout import NULL_BLOCK, GroupRule, LayoutError
 from kvpool_agent.connector.link import AgentLink, LinkDown
 from kvpool_agent.connector.metadata import KvpoolHandshake, KvpoolMetadata, KvpoolWorkerMetadata
@@ -783,23 +783,37 @@ class SchedulerHalf:
         for span in state.spans(first, full):  # a job per tenant
             if self._allowed(span.tenant) is False:
                 continue  # a shared space the agent refuses this token: it would refuse these
-            job_id = next(self._job_ids)
-            stores.append(
-                StoreJob(
-                    job_id=job_id,
-                    req_id=state.request.request_id,
-                    tenant=span.tenant,
-                    keys=tuple(tuple(chain.keys[span.start : span.stop]) for chain in state.chains),
-                    parents=tuple(chain.parent(span.start) for chain in state.chains),
-                    block_ids=tuple(
-                        tuple(ids[span.start * per_chunk : span.stop * per_chunk])
-                        for ids, per_chunk in zip(chunk_ids, self._blocks_per_chunk, strict=True)
-                    ),
-                )
+            self._open_store(
+                state,
+                stores,
+                tenant=span.tenant,
+                keys=tuple(tuple(chain.keys[span.start : span.stop]) for chain in state.chains),
+                parents=tuple(chain.parent(span.start) for chain in state.chains),
+                block_ids=tuple(
+                    tuple(ids[span.start * per_chunk : span.stop * per_chunk])
+                    for ids, per_chunk in zip(chunk_ids, self._blocks_per_chunk, strict=True)
+                ),
             )
-            self._stores[job_id] = _OpenStore(state.request.request_id, self._tp_size)
-            state.open_stores.add(job_id)
         state.stored_chunks = full
+
+    def _open_store(
+        self,
+        state: _Request,
+        stores: list[StoreJob],
+        *,
+        tenant: str,
+        keys: RankKeys,
+        parents: tuple[bytes | None, ...],
+        block_ids: GroupBlocks,
+        is_state: bool = False,
+    ) -> None:
+        """A store job of the request's, added to this step's ``stores`` and followed until
+        every worker has done it."""
+        job_id = next(self._job_ids)
+        req_id = state.request.request_id
+        stores.append(StoreJob(job_id, req_id, tenant, keys, parents, block_ids, state=is_state))
+        self._stores[job_id] = _OpenStore(req_id, self._tp_size)
+        state.open_stores.add(job_id)
 
     def _plan_state_stores(
         self, state: _Request, handed_over: Sequence[tuple[int, int, int]], stores: list[StoreJob]
@@ -831,20 +845,15 @@ class SchedulerHalf:
             tenant, wanted = self._state_keys(state, chunk)
             if self._allowed(tenant) is False:
                 continue
-            job_id = next(self._job_ids)
-            stores.append(
-                StoreJob(
-                    job_id=job_id,
-                    req_id=state.request.request_id,
-                    tenant=tenant,
-                    keys=tuple((key,) for key in wanted),
-                    parents=tuple(chain.keys[chunk] for chain in state.chains),
-                    block_ids=tuple((blocks[group],) for group in self._state_groups),
-                    state=True,
-                )
+            self._open_store(
+                state,
+                stores,
+                tenant=tenant,
+                keys=tuple((key,) for key in wanted),
+                parents=tuple(chain.keys[chunk] for chain in state.chains),
+                block_ids=tuple((blocks[group],) for group in self._state_groups),
+                is_state=True,
             )
-            self._stores[job_id] = _OpenStore(state.request.request_id, self._tp_size)
-            state.open_stores.add(job_id)
 
     def _storable(self, state: _Request, chunk: int) -> bool:
         """Every group has the blocks it keeps of ``chunk`` (none is vLLM's null block)."""

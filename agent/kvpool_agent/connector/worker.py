@@ -108,11 +108,6 @@ class WorkerHalf:
         self._chunk_tokens = chunk_tokens
         self._segment_path = segment_path
         self._pin_mode = pin_mode
-        self.format: ChunkFormat | None = None
-        """The chunks' format (every group but the state groups)."""
-        self.state_format: ChunkFormat | None = None
-        """The state records' format, for a model with state-space or linear-attention
-        layers."""
         self._parts: dict[bool, _Part] = {}
         """By :attr:`LoadJob.state`: what the job moves."""
         self._segment: MappedSegment | None = None
@@ -153,19 +148,30 @@ class WorkerHalf:
         chunks = [group for group in groups if not group[0].is_state]
         states = [group for group in groups if group[0].is_state]
         self._parts[False] = self._make_part(kv_caches, chunks, num_blocks, chunk_tokens, content)
-        self.format = self._parts[False].format
         if states:
             self._parts[True] = self._make_part(
                 kv_caches, states, num_blocks, chunk_tokens, content
             )
-            self.state_format = self._parts[True].format
         self.handshake = FormatHandshake(
-            self.format.descriptor(self.state_format),
+            self._parts[False].format.descriptor(self.state_format),
             chunk_tokens,
             all(part.copier.synchronous for part in self._parts.values()),
         )
         with contextlib.suppress(LinkDown):  # map now, not in the first request
             self._link.info()
+
+    @property
+    def format(self) -> ChunkFormat | None:
+        """The chunks' format (every group but the state groups), once caches are known."""
+        part = self._parts.get(False)
+        return None if part is None else part.format
+
+    @property
+    def state_format(self) -> ChunkFormat | None:
+        """The state records' format, for a model with state-space or linear-attention
+        layers."""
+        part = self._parts.get(True)
+        return None if part is None else part.format
 
     def _make_part(
         self,
@@ -350,7 +356,8 @@ class WorkerHalf:
     ) -> int:
         """Lock the chunks, copy them out of the segment; the release waits for the copies.
         The same lookup covers the chunks the request stores next."""
-        copier, chunk_format = self._moved(job).copier, self._moved(job).format
+        part = self._moved(job)
+        copier, chunk_format = part.copier, part.format
         store_keys = list(following.keys[self._rank]) if following is not None else []
         # the scheduler's probe counted these chunks already
         hit = self._link.lookup(job.tenant, keys + store_keys, lock=True, count=False)
@@ -376,7 +383,8 @@ class WorkerHalf:
 
     def _load_inline(self, job: LoadJob, keys: list[bytes]) -> int:
         """Ask the agent for the chunks' bytes and copy them in (no lease: they are copies)."""
-        copier, chunk_format = self._moved(job).copier, self._moved(job).format
+        part = self._moved(job)
+        copier, chunk_format = part.copier, part.format
         assert self._inline is not None
         found = inline.retrieve(
             self._link, job.tenant, keys, chunk_format.chunk_bytes, self._inline
@@ -484,12 +492,14 @@ class WorkerHalf:
             for job in meta.stores:
                 self._open_jobs.setdefault(job.req_id, set()).add(job.job_id)
                 self._store(job)
-            # vLLM frees a window's blocks while the request runs, without waiting for us
+            # vLLM frees a window's (and a state's) blocks while the request runs, without
+            # waiting for us
             self._settle_stores(wait=any(part.format.frees_blocks for part in self._parts.values()))
             self._settle_loads(wait=False)
 
     def _store(self, job: StoreJob) -> None:
-        copier, size = self._moved(job).copier, self._moved(job).format.chunk_bytes
+        part = self._moved(job)
+        copier, size = part.copier, part.format.chunk_bytes
         keys = list(job.keys[self._rank])
         present = self._present.pop(job.job_id, 0)
         self.counters.add("present_chunks", present)
@@ -534,7 +544,8 @@ class WorkerHalf:
         self, job: StoreJob, keys: list[bytes], present: int, parent: bytes | None
     ) -> None:
         """Copy the chunks out into host memory and send them to the agent in its messages."""
-        copier, size = self._moved(job).copier, self._moved(job).format.chunk_bytes
+        part = self._moved(job)
+        copier, size = part.copier, part.format.chunk_bytes
         assert self._inline is not None
         buffers = [torch.empty(size, dtype=torch.uint8) for _ in keys[present:]]
         copies = [
