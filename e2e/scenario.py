@@ -26,7 +26,9 @@
    pods found through the API server), and the engine hits with the same answer. The
    pool gets the key
    fingerprint the connector logged (``spec.index.fingerprint``), and ``kvpool doctor
-   --pool main`` runs in a pod written as the vLLM pods are, on node A: every check passes.
+   --pool main`` runs in a pod written as the vLLM pods are, on node A: every check passes
+   (but shm, skipped: a tenant's pod maps no segment and moves its KV through the agent's
+   messages).
 7. Team-a and team-b share a system prompt through the pool's shared space ``docs``: a
    gateway (this flow) builds each request's structured ``cache_salt`` from the team's
    Secret (its salt and the space's); team-b's engine (node A, team-b's namespace) hits on
@@ -432,7 +434,7 @@ class Flow:
             "volumes": pod["spec"].get("volumes", []),
             "mounts": container.get("volumeMounts", []),
             "env": {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]},
-            "supplementalGroups": pod["spec"]["securityContext"].get("supplementalGroups"),
+            "supplementalGroups": pod["spec"].get("securityContext", {}).get("supplementalGroups"),
         }
         self.evidence.wired_violations = pod_security.restricted(pod["spec"])
         # what the teams' namespaces refuse: the node's /dev/shm as a hostPath
@@ -613,8 +615,11 @@ class Flow:
         assert pod.log is not None
         output = self.evidence.doctor = pod.log.read_text()
         self.say(output)
+        # a tenant's pod maps no segment (KVPOOL_TRANSPORT=messages): its shm check is skipped
         outcomes = [line[:4] for line in output.splitlines() if not line.startswith(" ")]
-        assert returncode == 0 and set(outcomes) == {"PASS"}, output
+        skipped = [line.split()[1] for line in output.splitlines() if line.startswith("SKIP")]
+        assert returncode == 0 and set(outcomes) <= {"PASS", "SKIP"}, output
+        assert skipped == ["shm"], output
 
     def set_quota(self) -> None:
         self.step("a pod of team-a sets its quota over HTTP with the token from its Secret")

@@ -101,17 +101,18 @@ def _assert_pulled_through_the_peer(evidence: Evidence) -> None:
 
 
 def _assert_wired_by_the_label(evidence: Evidence) -> None:
-    """The vLLM pods carry only the label: the webhook wired the segment's CSI volume, the
-    agent's group and the connector's environment from team-a's Secret; the stored pod
-    passes Pod Security "restricted", which team-a's namespace enforces (a hostPath pod is
-    refused); each node's kubelet registered the chart's CSI plugin."""
+    """The vLLM pods carry only the label: the webhook wired the connector's environment from
+    team-a's Secret, and (a tenant's pod: the node's segment holds every tenant's KV) no
+    segment volume and not the agents' group, so its KV moves through the agent's messages;
+    the stored pod passes Pod Security "restricted", which team-a's namespace enforces (a
+    hostPath pod is refused); each node's kubelet registered the chart's CSI plugin."""
     wired = evidence.wired
-    assert [volume["csi"]["driver"] for volume in wired["volumes"]] == ["csi.kvpool.io"]
-    assert wired["mounts"] == [{"name": "kvpool-segment", "mountPath": "/var/run/kvpool"}]
+    assert wired["volumes"] == [] and wired["mounts"] == []
     assert wired["env"]["KVPOOL_ENDPOINT"] == "tcp://kvpool-main.inference.svc:7400"
-    assert wired["env"]["KVPOOL_SEGMENT_PATH"] == "/var/run/kvpool/segment"
+    assert wired["env"]["KVPOOL_TRANSPORT"] == "messages"
+    assert "KVPOOL_SEGMENT_PATH" not in wired["env"]
     assert wired["env"]["KVPOOL_TOKEN"]["secretKeyRef"]["name"] == "kvpool-cache-kvpool"
-    assert wired["supplementalGroups"] == [10001]
+    assert wired["supplementalGroups"] is None
     assert evidence.wired_violations == []
     assert 'violates PodSecurity "restricted:latest"' in evidence.hostpath_refused
     assert "hostPath" in evidence.hostpath_refused

@@ -327,10 +327,8 @@ def test_the_webhook_adds_exactly_what_kopf_needs_to_keep_its_configurations(
 
 
 @pytest.mark.parametrize("watched", [[], ["inference", "batch"]])
-def test_the_csi_plugin_may_only_get_pools_services_and_configmaps(
-    helm: Helm, watched: list[str]
-) -> None:
-    """A KVCachePool, its Service and tenants ConfigMap, read at each publish, in the
+def test_the_csi_plugin_may_only_get_pools_and_services(helm: Helm, watched: list[str]) -> None:
+    """A KVCachePool and its Service, read at each publish, in the
     namespaces the operator serves; the plugin's own account, not the operator's."""
     sets = tuple(f"operator.watchNamespaces[{i}]={name}" for i, name in enumerate(watched))
     manifests = helm.template("csi.yaml", sets=sets)
@@ -351,7 +349,5 @@ def test_the_csi_plugin_may_only_get_pools_services_and_configmaps(
         assert {binding["metadata"]["namespace"] for binding in bindings} == set(watched)
     for binding in bindings:
         assert _granted(roles[binding["roleRef"]["name"]]) == (
-            _verbs(GROUP, PLURAL, "get")
-            | _verbs("", "services", "get")
-            | _verbs("", "configmaps", "get")
+            _verbs(GROUP, PLURAL, "get") | _verbs("", "services", "get")
         )

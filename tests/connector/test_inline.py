@@ -64,6 +64,25 @@ def test_chunks_travel_through_the_agent_and_match_the_segments(
         assert torch.equal(after[[5, 6]], before[[2, 3]])
 
 
+def test_the_transport_messages_maps_no_segment_even_where_it_could(
+    empty_agent: AgentProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tenant's pod (the webhook sets KVPOOL_TRANSPORT=messages): its chunks travel
+    through the agent, and the agent's segment, which this process could map, is not."""
+    caplog.set_level(logging.INFO)
+    writer, written = make_worker(empty_agent, seed=5, transport="messages")
+    store(writer, 1, KEYS[:2], [3, 4, 5, 6])
+    reader, loaded = load(empty_agent, None, KEYS[:2], [7, 8, 9, 10])
+
+    assert reader.take_load_errors() == set()
+    for before, after in zip(written, loaded, strict=True):
+        assert torch.equal(after[[7, 8, 9, 10]], before[[3, 4, 5, 6]])
+    mapped = [r for r in caplog.records if "mapped segment" in r.getMessage()]
+    assert len(mapped) == 1  # the reader's (the transport "auto"); the writer mapped nothing
+    said = [r for r in caplog.records if "transport=messages" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO
+
+
 def test_a_miss_without_the_segment_is_reported_for_recompute(empty_agent: AgentProcess) -> None:
     writer, _ = make_worker(empty_agent, seed=3, segment=NOWHERE)
     store(writer, 1, KEYS[:1], [3, 4])

@@ -12,9 +12,11 @@ import pytest
 from kvpool_agent import keys
 from kvpool_agent.client import AgentClient
 from kvpool_agent.connector.counters import Counters
+from kvpool_agent.connector.discovery import AgentAddress
 from kvpool_agent.connector.layout import GroupRule
 from kvpool_agent.connector.metadata import KvpoolHandshake
 from kvpool_agent.connector.scheduler import SchedulerHalf
+from kvpool_agent.connector.settings import Transport
 from kvpool_agent.probe_table import table_path
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 
@@ -33,8 +35,11 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
     process.cleanup()
 
 
-def scheduler(agent: AgentProcess, *, prefetch_wait_s: float = 0.0) -> SchedulerHalf:
+def scheduler(
+    agent: AgentProcess, *, prefetch_wait_s: float = 0.0, transport: Transport = "auto"
+) -> SchedulerHalf:
     counters = Counters()
+    address = AgentAddress(agent.zmq, None, CHUNK, transport)
     half = SchedulerHalf(
         model="m",
         dtype="bfloat16",
@@ -43,7 +48,7 @@ def scheduler(agent: AgentProcess, *, prefetch_wait_s: float = 0.0) -> Scheduler
         link=agent_link(agent, counters, "scheduler"),
         counters=counters,
         prefetch_wait_s=prefetch_wait_s,
-        segment_path=lambda info: info.segment_path,
+        segment_path=address.segment_for,
     )
     half.configure({0: KvpoolHandshake(LAYOUT, CHUNK, True)})
     return half
@@ -103,6 +108,19 @@ def test_without_a_table_every_probe_asks_the_agent(agent: AgentProcess) -> None
     assert half.get_num_new_matched_tokens(FakeRequest("r", prompt), 0) == (3 * CHUNK, False)
     assert half.counters.totals["local_probes"] == 0
     assert half.counters.totals["lookups"] == 1
+
+
+def test_a_tenants_pod_reads_no_table_and_asks_the_agent(agent: AgentProcess) -> None:
+    """The transport "messages" (a tenant's pod): the table beside the segment lists every
+    tenant's keys, and such a pod is given neither; every probe is a lookup."""
+    prompt = tokens(1000)
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
+        client.store(TENANT, chain(prompt)[:3], [b"k" * 64] * 3)
+    half = scheduler(agent, transport="messages")
+    for name in ("r", "s"):
+        assert half.get_num_new_matched_tokens(FakeRequest(name, prompt), 0) == (3 * CHUNK, False)
+    assert half.counters.totals["local_probes"] == 0
+    assert half.counters.totals["lookups"] == 2
 
 
 def test_a_dead_agents_table_is_not_read_and_a_restarted_agents_is(agent: AgentProcess) -> None:

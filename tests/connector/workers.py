@@ -10,8 +10,10 @@ import torch
 from kvpool_agent import keys
 from kvpool_agent.client import AgentInfo
 from kvpool_agent.connector.counters import Counters
+from kvpool_agent.connector.discovery import AgentAddress
 from kvpool_agent.connector.jobs import StepJobs, StoreJob
 from kvpool_agent.connector.layout import GroupRule
+from kvpool_agent.connector.settings import Transport
 from kvpool_agent.connector.worker import WorkerHalf
 from kvpool_agent.pinned import PinMode
 from kvpool_agent.testing.agent_process import AgentProcess
@@ -35,9 +37,11 @@ def worker_of(
     content: str = "TEST",
     segment: Path | None = None,
     pin_mode: PinMode = "never",
+    transport: Transport = "auto",
 ) -> WorkerHalf:
     """A worker of ``agent`` with these caches (``layers``: name -> tensor); it maps
-    ``segment`` if given, else the agent's."""
+    ``segment`` if given, else the agent's (with the transport ``messages``, none)."""
+    address = AgentAddress(agent.zmq, segment, chunk_tokens, transport)
     counters = Counters()
     holder: list[WorkerHalf] = []
 
@@ -49,7 +53,7 @@ def worker_of(
         link=agent_link(agent, counters, "worker", on_new_agent),
         counters=counters,
         chunk_tokens=lambda: chunk_tokens,
-        segment_path=lambda info: segment or info.segment_path,
+        segment_path=address.segment_for,
         pin_mode=pin_mode,
     )
     holder.append(worker)
@@ -67,12 +71,17 @@ def cpu_caches(seed: int | None) -> list[torch.Tensor]:
 
 
 def make_worker(
-    agent: AgentProcess, seed: int | None, segment: Path | None = None
+    agent: AgentProcess,
+    seed: int | None,
+    segment: Path | None = None,
+    transport: Transport = "auto",
 ) -> tuple[WorkerHalf, list[torch.Tensor]]:
-    """A worker of one full-attention group; it maps ``segment`` if given, else the agent's."""
+    """A worker of one full-attention group; it maps ``segment`` if given, else the agent's
+    (with the transport ``messages``, none)."""
     caches = cpu_caches(seed)
     layers = dict(zip(LAYERS, caches, strict=True))
-    return worker_of(agent, layers, [(GroupRule("full", 4), LAYERS)], segment=segment), caches
+    groups = [(GroupRule("full", 4), LAYERS)]
+    return worker_of(agent, layers, groups, segment=segment, transport=transport), caches
 
 
 def store(worker: WorkerHalf, job_id: int, chunk_keys: list[bytes], block_ids: list[int]) -> None:

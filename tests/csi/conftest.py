@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,10 +27,7 @@ from kvpool_agent.names import (
     SEGMENT_FILE,
     SEGMENT_PATH_ANNOTATION,
     service_name,
-    tenants_name,
 )
-from kvpool_agent.quotas import TierLimits
-from kvpool_agent.tenants_configmap import TenantEntry, digest_token
 from tests.support.csi_kubelet import CsiClient, discover
 from tests.support.kube_api import ServedApi
 from tests.support.operator_process import Kubectl
@@ -39,6 +36,8 @@ from tests.support.polling import wait_until
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "inference"
 NODE = "node-1"
+ENGINES = "serving"
+"""The pools' engine namespace: its pods may map their segments."""
 SEGMENT_BYTES = b"kvpool segment " * 64
 
 NEEDS_MOUNT_NAMESPACES = pytest.mark.skipif(
@@ -154,34 +153,33 @@ class PluginProcess:
             return self.process.wait(10)
 
 
-def pool_object(pool: str) -> dict[str, Any]:
+def pool_object(pool: str, engines: Sequence[str]) -> dict[str, Any]:
     return {
         "apiVersion": f"{API_GROUP}/{API_VERSION}",
         "kind": "KVCachePool",
         "metadata": {"name": pool},
-        "spec": {},
+        "spec": {"engineNamespaces": list(engines)},
     }
 
 
-def tenant_entry(source: str) -> str:
-    """A tenants ConfigMap value for KVCacheTenant ``source`` (``namespace/name``)."""
-    ceiling = TierLimits(l1=None, nvme=None)
-    return TenantEntry((digest_token(f"token of {source}"),), ceiling, source).encode()
-
-
 class Pools:
-    """Pools on the API server: each a Service with the segment annotation and a tenants
-    ConfigMap."""
+    """Pools on the API server: each a KVCachePool and a Service with the segment
+    annotation."""
 
     def __init__(self, api: ServedApi) -> None:
         self.core = api.core_api()
         self.custom = client.CustomObjectsApi(self.core.api_client)
 
     def add(
-        self, pool: str, segment: str, tenants: dict[str, str], *, with_pool: bool = True
+        self,
+        pool: str,
+        segment: str,
+        engines: Sequence[str] = (ENGINES,),
+        *,
+        with_pool: bool = True,
     ) -> None:
-        """The pool's Service and tenants ConfigMap, and (``with_pool``) its KVCachePool."""
-        core = self.core
+        """The pool's Service and (``with_pool``) its KVCachePool, whose pods of ``engines``
+        may map its segment."""
         service = {
             "metadata": {
                 "name": service_name(pool),
@@ -189,19 +187,17 @@ class Pools:
             },
             "spec": {"ports": [{"name": "zmq", "port": 7400}]},
         }
-        config_map = {
-            "metadata": {"name": tenants_name(pool)},
-            "data": {key: tenant_entry(source) for key, source in tenants.items()},
-        }
         if with_pool:
             self.custom.create_namespaced_custom_object(
-                API_GROUP, API_VERSION, NAMESPACE, POOL_PLURAL, pool_object(pool)
+                API_GROUP, API_VERSION, NAMESPACE, POOL_PLURAL, pool_object(pool, engines)
             )
-        core.create_namespaced_service(NAMESPACE, service)
-        core.create_namespaced_config_map(NAMESPACE, config_map)
+        self.core.create_namespaced_service(NAMESPACE, service)
 
-    def drop_tenant(self, pool: str, key: str) -> None:
-        self.core.patch_namespaced_config_map(tenants_name(pool), NAMESPACE, {"data": {key: None}})
+    def set_engines(self, pool: str, engines: Sequence[str]) -> None:
+        patch = {"spec": {"engineNamespaces": list(engines)}}
+        self.custom.patch_namespaced_custom_object(
+            API_GROUP, API_VERSION, NAMESPACE, POOL_PLURAL, pool, patch
+        )
 
 
 @contextlib.contextmanager

@@ -14,7 +14,6 @@ import pytest
 
 from kvpool_agent.csi import messages
 from kvpool_agent.csi.mounts import PUBLISHED_OPTIONS, parse_mountinfo
-from kvpool_agent.keys import tenant_id
 from kvpool_agent.names import CSI_DRIVER, CSI_NAMESPACE_ATTRIBUTE, CSI_POOL_ATTRIBUTE
 from kvpool_operator.admission.wiring import AGENT_GROUP
 from kvpool_operator.render import AGENT_UID
@@ -23,6 +22,7 @@ from tests.support.csi_kubelet import CsiClient, target_path
 from tests.support.kube_api import ServedApi
 
 from .conftest import (
+    ENGINES,
     NAMESPACE,
     NEEDS_MOUNT_NAMESPACES,
     NODE,
@@ -35,7 +35,6 @@ from .conftest import (
 
 pytestmark = NEEDS_MOUNT_NAMESPACES
 
-TEAM_A = tenant_id("team-a")
 UID = "0f1e2d3c-0000-4000-8000-00000000000a"
 
 READ_AND_WRITE = """
@@ -53,7 +52,7 @@ def attributes(pool: str = "main") -> dict[str, str]:
 @pytest.fixture(scope="module")
 def main_pool(node: Node, pools: Pools) -> Path:
     directory = node.pool_directory("main")
-    pools.add("main", str(directory / "segment"), {TEAM_A: "team-a/kvpool-cache"})
+    pools.add("main", str(directory / "segment"))
     return directory
 
 
@@ -111,7 +110,7 @@ def test_publish_then_unpublish(
 ) -> None:
     target = target_path(node.kubelet, UID, "kvpool")
 
-    kubelet.publish(target, attributes(), "team-a", "vllm-0", UID)
+    kubelet.publish(target, attributes(), ENGINES, "vllm-0", UID)
 
     mounted = [mount for mount in plugin.mounts() if mount.mount_point == str(target)]
     assert len(mounted) == 1
@@ -127,7 +126,7 @@ def test_publish_then_unpublish(
     )
     assert str(target) not in host_mount_points()  # the bind mount stays in its namespace
 
-    kubelet.publish(target, attributes(), "team-a", "vllm-0", UID)  # again: nothing changes
+    kubelet.publish(target, attributes(), ENGINES, "vllm-0", UID)  # again: nothing changes
     assert [mount.mount_point for mount in plugin.mounts()].count(str(target)) == 1
 
     kubelet.unpublish(target, UID)
@@ -145,10 +144,10 @@ def test_a_non_root_pod_in_the_agents_group_may_map_the_segment(
     directory = node.pool_directory("grouped")
     for path in (directory, directory / "segment"):
         os.chown(path, AGENT_UID, AGENT_UID)
-    pools.add("grouped", str(directory / "segment"), {TEAM_A: "team-a/kvpool-cache"})
+    pools.add("grouped", str(directory / "segment"))
     uid = "0f1e2d3c-0000-4000-8000-00000000000b"
     target = target_path(node.kubelet, uid, "kvpool")
-    kubelet.publish(target, attributes("grouped"), "team-a", "vllm-1", uid)
+    kubelet.publish(target, attributes("grouped"), ENGINES, "vllm-1", uid)
     try:
         assert plugin.opens_as(1000, [AGENT_GROUP], target / "segment")
         assert not plugin.opens_as(1000, [], target / "segment")
@@ -158,7 +157,7 @@ def test_a_non_root_pod_in_the_agents_group_may_map_the_segment(
 
 def test_unknown_pool(kubelet: CsiClient, node: Node, main_pool: Path) -> None:
     target = target_path(node.kubelet, UID, "other")
-    error = refused(lambda: kubelet.publish(target, attributes("other"), "team-a", "p", UID))
+    error = refused(lambda: kubelet.publish(target, attributes("other"), ENGINES, "p", UID))
 
     assert error.code() == grpc.StatusCode.NOT_FOUND
     assert error.details() == f"no KVCachePool other in namespace {NAMESPACE}"
@@ -171,26 +170,36 @@ def test_a_forged_pool_is_refused(
     """A namespace's editor can make a Service and a ConfigMap that look like a pool's, and
     name another pool's directory in the annotation: without its KVCachePool, no publish;
     with one, still none of another pool's directory."""
-    forged = {TEAM_A: "team-a/kvpool-cache"}
-    pools.add("forged", str(main_pool / "segment"), forged, with_pool=False)
+    pools.add("forged", str(main_pool / "segment"), with_pool=False)
     target = target_path(node.kubelet, UID, "forged")
-    error = refused(lambda: kubelet.publish(target, attributes("forged"), "team-a", "p", UID))
+    error = refused(lambda: kubelet.publish(target, attributes("forged"), ENGINES, "p", UID))
     assert error.code() == grpc.StatusCode.NOT_FOUND
     assert error.details() == f"no KVCachePool forged in namespace {NAMESPACE}"
 
-    pools.add("elsewhere", str(main_pool / "segment"), forged)
-    error = refused(lambda: kubelet.publish(target, attributes("elsewhere"), "team-a", "p", UID))
+    pools.add("elsewhere", str(main_pool / "segment"))
+    error = refused(lambda: kubelet.publish(target, attributes("elsewhere"), ENGINES, "p", UID))
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "is not in pool elsewhere's directory" in error.details()
     assert not target.exists()
 
 
-def test_namespace_not_admitted(kubelet: CsiClient, node: Node, main_pool: Path) -> None:
+@pytest.mark.parametrize("namespace", ["team-a", NAMESPACE])
+def test_a_namespace_outside_the_engines_is_refused_the_segment(
+    kubelet: CsiClient, node: Node, main_pool: Path, namespace: str
+) -> None:
+    """The segment holds every tenant's KV on the node: a tenant's pod (or any pod outside
+    the pool's engineNamespaces, the pool's own namespace too) that asks for the volume
+    itself gets nothing."""
     target = target_path(node.kubelet, UID, "kvpool")
-    error = refused(lambda: kubelet.publish(target, attributes(), "team-b", "p", UID))
+    error = refused(lambda: kubelet.publish(target, attributes(), namespace, "p", UID))
 
     assert error.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert error.details().startswith("namespace team-b is not admitted to pool main")
+    assert error.details() == (
+        f"namespace {namespace} may not map pool {NAMESPACE}/main's segment: it is not in the "
+        "pool's spec.engineNamespaces (the segment holds every tenant's KV; a tenant's pod "
+        "gets the cache through the agent's messages)"
+    )
+    assert not target.exists()
 
 
 @pytest.mark.parametrize(
@@ -233,12 +242,12 @@ def test_target_outside_the_pods(
 def test_not_ephemeral_and_block(kubelet: CsiClient, node: Node, main_pool: Path) -> None:
     target = target_path(node.kubelet, UID, "kvpool")
     error = refused(
-        lambda: kubelet.publish(target, attributes(), "team-a", "p", UID, ephemeral=False)
+        lambda: kubelet.publish(target, attributes(), ENGINES, "p", UID, ephemeral=False)
     )
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "csi.storage.k8s.io/ephemeral='false'" in error.details()
 
-    error = refused(lambda: kubelet.publish(target, attributes(), "team-a", "p", UID, block=True))
+    error = refused(lambda: kubelet.publish(target, attributes(), ENGINES, "p", UID, block=True))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "asks for block access" in error.details()
 
@@ -246,23 +255,23 @@ def test_not_ephemeral_and_block(kubelet: CsiClient, node: Node, main_pool: Path
 def test_a_pool_directory_that_is_the_shared_memory_itself(
     kubelet: CsiClient, node: Node, pools: Pools
 ) -> None:
-    pools.add("flat", f"{node.shm}/segment", {TEAM_A: "team-a/kvpool-cache"})
+    pools.add("flat", f"{node.shm}/segment")
     target = target_path(node.kubelet, UID, "flat")
-    error = refused(lambda: kubelet.publish(target, attributes("flat"), "team-a", "p", UID))
+    error = refused(lambda: kubelet.publish(target, attributes("flat"), ENGINES, "p", UID))
 
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert f"publishing {node.shm} would expose other files" in error.details()
 
 
 def test_a_pool_whose_agent_has_not_started(kubelet: CsiClient, node: Node, pools: Pools) -> None:
-    pools.add("later", f"{node.shm}/kvpool-later/segment", {TEAM_A: "team-a/kvpool-cache"})
+    pools.add("later", f"{node.shm}/kvpool-later/segment")
     target = target_path(node.kubelet, UID, "later")
-    error = refused(lambda: kubelet.publish(target, attributes("later"), "team-a", "p", UID))
+    error = refused(lambda: kubelet.publish(target, attributes("later"), ENGINES, "p", UID))
     assert error.code() == grpc.StatusCode.UNAVAILABLE
     assert f"{node.shm}/kvpool-later does not exist" in error.details()
 
     node.pool_directory("later")  # the agent starts: the kubelet's retry succeeds
-    kubelet.publish(target, attributes("later"), "team-a", "p", UID)
+    kubelet.publish(target, attributes("later"), ENGINES, "p", UID)
     kubelet.unpublish(target, UID, "later")
 
 
@@ -270,32 +279,32 @@ def test_a_target_with_another_pool_mounted(
     kubelet: CsiClient, node: Node, pools: Pools, main_pool: Path
 ) -> None:
     node.pool_directory("second")
-    pools.add("second", f"{node.shm}/kvpool-second/segment", {TEAM_A: "team-a/kvpool-cache"})
+    pools.add("second", f"{node.shm}/kvpool-second/segment")
     target = target_path(node.kubelet, UID, "shared")
-    kubelet.publish(target, attributes(), "team-a", "p", UID, volume="shared")
+    kubelet.publish(target, attributes(), ENGINES, "p", UID, volume="shared")
     try:
-        error = refused(lambda: kubelet.publish(target, attributes("second"), "team-a", "p", UID))
+        error = refused(lambda: kubelet.publish(target, attributes("second"), ENGINES, "p", UID))
         assert error.code() == grpc.StatusCode.ALREADY_EXISTS
         assert f"{target} is already mounted" in error.details()
     finally:
         kubelet.unpublish(target, UID, "shared")
 
 
-def test_a_removed_tenant_is_refused(kubelet: CsiClient, node: Node, pools: Pools) -> None:
+def test_a_namespace_removed_from_the_engines_is_refused(
+    kubelet: CsiClient, node: Node, pools: Pools
+) -> None:
     node.pool_directory("revoked")
-    team_c = tenant_id("team-c")
-    segment = f"{node.shm}/kvpool-revoked/segment"
-    pools.add("revoked", segment, {team_c: "team-c/cache", TEAM_A: "team-a/kvpool-cache"})
+    pools.add("revoked", f"{node.shm}/kvpool-revoked/segment", [ENGINES, "team-c"])
     target = target_path(node.kubelet, UID, "revoked")
     kubelet.publish(target, attributes("revoked"), "team-c", "p", UID, volume="revoked")
     kubelet.unpublish(target, UID, "revoked")
 
-    pools.drop_tenant("revoked", team_c)
+    pools.set_engines("revoked", [ENGINES])
     error = refused(
         lambda: kubelet.publish(target, attributes("revoked"), "team-c", "p", UID, volume="revoked")
     )
     assert error.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert "namespace team-c is not admitted to pool revoked" in error.details()
+    assert "namespace team-c may not map pool" in error.details()
 
 
 def test_an_api_server_that_fails(
@@ -303,7 +312,7 @@ def test_an_api_server_that_fails(
 ) -> None:
     target = target_path(node.kubelet, UID, "kvpool")
     with served_api.refuse("GET", "services", 500, "etcd is down"):
-        error = refused(lambda: kubelet.publish(target, attributes(), "team-a", "p", UID))
+        error = refused(lambda: kubelet.publish(target, attributes(), ENGINES, "p", UID))
 
     assert error.code() == grpc.StatusCode.UNAVAILABLE
     assert error.details().startswith(f"cannot read Service {NAMESPACE}/kvpool-main: 500")

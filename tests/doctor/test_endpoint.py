@@ -166,6 +166,20 @@ def assert_through_messages(diagnosis: Diagnosis) -> None:
     assert "stored through the agent's messages and read back the same way" in canary_check.seen
 
 
+def test_a_tenants_pod_maps_nothing_and_passes(agent: AgentProcess) -> None:
+    """KVPOOL_TRANSPORT=messages, as the webhook wires a tenant's pod: the segment, which this
+    process could map, is not looked at, and the path the connector takes is checked."""
+    diagnosis = run_doctor(*agent_args(agent), env={"KVPOOL_TRANSPORT": "messages"})
+
+    assert diagnosis.returncode == 0, diagnosis.output
+    segment = diagnosis.checks["segment"]
+    assert segment.outcome == "PASS", diagnosis.output
+    assert segment.seen.startswith("not mapped here (transport=messages)")
+    assert diagnosis.checks["shm"].outcome == "SKIP"
+    assert "it maps no segment" in diagnosis.checks["transport"].seen
+    assert_through_messages(diagnosis)
+
+
 def test_a_pod_without_the_nodes_shm(agent: AgentProcess) -> None:
     """The classic: the pod's /dev/shm is its own small tmpfs, not the node's."""
     diagnosis = run_doctor(*agent_args(agent), own_shm_mib=16)

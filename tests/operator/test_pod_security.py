@@ -59,15 +59,21 @@ def test_every_documented_tenant_pod_is_restricted(where: str) -> None:
     assert restricted(TENANT_PODS[where]) == [], where
 
 
+@pytest.mark.parametrize("namespace", ["team-a", "serving"])
 @pytest.mark.parametrize("where", sorted(TENANT_PODS))
-def test_every_documented_tenant_pod_stays_restricted_once_wired(where: str) -> None:
+def test_every_documented_tenant_pod_stays_restricted_once_wired(
+    where: str, namespace: str
+) -> None:
+    """Wired as a tenant's pod (the agent's messages), or in the pool's engine namespace
+    ("serving": the segment's CSI volume and the agents' group)."""
     pod = {"metadata": {"labels": {"kvpool.io/cache-pool": "main"}}, "spec": TENANT_PODS[where]}
-    pool = PoolFacts("main", "inference", 7400, 256)
-    wiring = wire(pod, "team-a", [Binding("kvpool-cache", "inference", pool)])
+    pool = PoolFacts("main", "inference", 7400, 256, frozenset({"serving"}))
+    wiring = wire(pod, namespace, [Binding("kvpool-cache", "inference", pool)])
     assert wiring.patch, wiring
     wired = copy.deepcopy(pod)
     apply(wiring.patch, wired)
-    assert any("csi" in volume for volume in wired["spec"]["volumes"])
+    volumes = wired["spec"].get("volumes", [])
+    assert any("csi" in volume for volume in volumes) == (namespace == "serving")
     assert restricted(wired["spec"]) == [], where
 
 

@@ -41,12 +41,14 @@ TEAM = "team-a"
 OTHER_TEAM = "team-b"
 CLOSED_TEAM = "team-c"
 """A namespace the pool does not admit, with a KVCacheTenant of the pool."""
+ENGINES = "serving"
+"""The pool's engine namespace (``spec.engineNamespaces``), with a KVCacheTenant of it."""
 TENANT = "vllm"
 ZMQ_PORT = 7500
 CHUNK_TOKENS = 512
 CONFIGURATION = "kvpool-operator.kvpool.io"
 WEBHOOK = f"cache-pool.{CONFIGURATION}"
-POOL = PoolFacts("main", POOL_NAMESPACE, ZMQ_PORT, CHUNK_TOKENS)
+POOL = PoolFacts("main", POOL_NAMESPACE, ZMQ_PORT, CHUNK_TOKENS, frozenset({ENGINES}))
 UNWIRED = "the pod runs without the cache"
 
 
@@ -57,11 +59,18 @@ def _secret_env(name: str, key: str) -> dict[str, Any]:
 
 ENV = [
     {"name": "KVPOOL_ENDPOINT", "value": f"tcp://kvpool-main.inference.svc:{ZMQ_PORT}"},
-    {"name": "KVPOOL_SEGMENT_PATH", "value": "/var/run/kvpool/segment"},
+    {"name": "KVPOOL_TRANSPORT", "value": "messages"},
     {"name": "KVPOOL_CHUNK_TOKENS", "value": str(CHUNK_TOKENS)},
     _secret_env("KVPOOL_TOKEN", "token"),
     _secret_env("KVPOOL_CACHE_SALT", "salt"),
 ]
+"""A tenant's pod: the agent's messages only."""
+ENGINE_ENV = [
+    ENV[0],
+    {"name": "KVPOOL_SEGMENT_PATH", "value": "/var/run/kvpool/segment"},
+    *ENV[2:],
+]
+"""A pod of the pool's engineNamespaces: the segment too."""
 VOLUME = {
     "name": "kvpool-segment",
     "csi": {
@@ -87,8 +96,8 @@ LABEL = {"kvpool.io/cache-pool": "main"}
 # The pure mutation.
 
 
-def test_wires_a_labelled_pod_with_exactly_this_patch() -> None:
-    pod = _pod(
+def _two_containers() -> dict[str, Any]:
+    return _pod(
         "p",
         LABEL,
         initContainers=[{"name": "init", "image": "busybox"}],
@@ -102,21 +111,42 @@ def test_wires_a_labelled_pod_with_exactly_this_patch() -> None:
         ],
         volumes=[{"name": "x", "emptyDir": {}}],
     )
+
+
+def test_wires_a_tenants_pod_to_the_agents_messages_only() -> None:
+    """The segment holds every tenant's KV: a tenant's pod gets no volume, no mount, no
+    segment path and not the agents' group, only its connector's variables."""
+    pod = _two_containers()
     wiring = wire(pod, TEAM, [Binding(TENANT, POOL_NAMESPACE, POOL)])
+    assert wiring.warnings == []
+    assert wiring.patch == [
+        *({"op": "add", "path": "/spec/containers/0/env/-", "value": env} for env in ENV),
+        {"op": "add", "path": "/spec/containers/1/env", "value": ENV},
+    ]
+    apply(wiring.patch, pod)
+    spec = pod["spec"]
+    assert spec["volumes"] == [{"name": "x", "emptyDir": {}}]
+    assert spec["containers"][0]["env"] == [{"name": "HF_HOME", "value": "/h"}, *ENV]
+    assert "securityContext" not in spec
+
+
+def test_wires_an_engine_namespaces_pod_with_exactly_this_patch() -> None:
+    pod = _two_containers()
+    wiring = wire(pod, ENGINES, [Binding(TENANT, POOL_NAMESPACE, POOL)])
     assert wiring.warnings == []
     assert wiring.patch == [
         {"op": "add", "path": "/spec/volumes/-", "value": VOLUME},
         {"op": "add", "path": "/spec/containers/0/volumeMounts", "value": [MOUNT]},
-        *({"op": "add", "path": "/spec/containers/0/env/-", "value": env} for env in ENV),
+        *({"op": "add", "path": "/spec/containers/0/env/-", "value": env} for env in ENGINE_ENV),
         {"op": "add", "path": "/spec/containers/1/volumeMounts/-", "value": MOUNT},
-        {"op": "add", "path": "/spec/containers/1/env", "value": ENV},
+        {"op": "add", "path": "/spec/containers/1/env", "value": ENGINE_ENV},
         {"op": "add", "path": "/spec/securityContext", "value": {"supplementalGroups": [10001]}},
     ]
     apply(wiring.patch, pod)
     spec = pod["spec"]
     assert spec["initContainers"] == [{"name": "init", "image": "busybox"}]
     assert spec["volumes"] == [{"name": "x", "emptyDir": {}}, VOLUME]
-    assert spec["containers"][0]["env"] == [{"name": "HF_HOME", "value": "/h"}, *ENV]
+    assert spec["containers"][0]["env"] == [{"name": "HF_HOME", "value": "/h"}, *ENGINE_ENV]
     assert spec["containers"][1]["volumeMounts"] == [{"name": "x", "mountPath": "/x"}, MOUNT]
     # what the patch adds is privileged in no way
     text = str(wiring.patch)
@@ -132,7 +162,7 @@ def test_keeps_the_variables_a_container_sets_and_its_groups() -> None:
         containers=[{"name": "vllm", "image": "v", "env": [dict(env) for env in own]}],
         securityContext={"runAsUser": 1000, "supplementalGroups": [5]},
     )
-    wiring = wire(pod, TEAM, [Binding(TENANT, POOL_NAMESPACE, POOL)])
+    wiring = wire(pod, ENGINES, [Binding(TENANT, POOL_NAMESPACE, POOL)])
     apply(wiring.patch, pod)
     names = [env["name"] for env in pod["spec"]["containers"][0]["env"]]
     assert names == [
@@ -157,10 +187,10 @@ def test_a_container_with_its_own_token_file_keeps_it() -> None:
 
 def test_leaves_a_wired_pod_as_it_is() -> None:
     pod = _pod("p", LABEL)
-    wiring = wire(pod, TEAM, [Binding(TENANT, POOL_NAMESPACE, POOL)])
+    wiring = wire(pod, ENGINES, [Binding(TENANT, POOL_NAMESPACE, POOL)])
     apply(wiring.patch, pod)
-    assert wire(pod, TEAM, [Binding(TENANT, POOL_NAMESPACE, POOL)]).patch == []
-    assert wire(pod, TEAM, []).warnings == []
+    assert wire(pod, ENGINES, [Binding(TENANT, POOL_NAMESPACE, POOL)]).patch == []
+    assert wire(pod, ENGINES, []).warnings == []
 
 
 @pytest.mark.parametrize(
@@ -321,8 +351,8 @@ def operator(
     served_api: ServedApi, kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OperatorProcess]:
     kubectl("apply", "--validate=false", "-f", str(REPO / "crds"))
-    for name in (POOL_NAMESPACE, TEAM, OTHER_TEAM, CLOSED_TEAM):
-        admitted = name in (TEAM, OTHER_TEAM)
+    for name in (POOL_NAMESPACE, TEAM, OTHER_TEAM, CLOSED_TEAM, ENGINES):
+        admitted = name in (TEAM, OTHER_TEAM, ENGINES)
         _apply(kubectl, _namespace(name, {"team": "yes"} if admitted else {}))
     pool = {
         "apiVersion": "kvpool.io/v1alpha1",
@@ -332,6 +362,7 @@ def operator(
             "chunkTokens": CHUNK_TOKENS,
             "ports": {"zmq": ZMQ_PORT},
             "tenants": {"allowedNamespaces": {"matchLabels": {"team": "yes"}}},
+            "engineNamespaces": [ENGINES],
         },
     }
     _apply(kubectl, pool)
@@ -343,6 +374,7 @@ def operator(
     }
     _apply(kubectl, tenant)
     _apply(kubectl, {**tenant, "metadata": {"name": TENANT, "namespace": CLOSED_TEAM}})
+    _apply(kubectl, {**tenant, "metadata": {"name": TENANT, "namespace": ENGINES}})
     log = tmp_path_factory.mktemp("operator") / "operator.log"
     options = (
         "--webhook-url-host",
@@ -359,6 +391,7 @@ def operator(
     eventually(lambda: _conditions(served_api, "kvcachepools", POOL_NAMESPACE, "main"))
     eventually(lambda: _conditions(served_api, "kvcachetenants", TEAM, TENANT))
     eventually(lambda: _conditions(served_api, "kvcachetenants", CLOSED_TEAM, TENANT))
+    eventually(lambda: _conditions(served_api, "kvcachetenants", ENGINES, TENANT))
     yield process
     process.stop()
 
@@ -417,12 +450,21 @@ def test_kopf_configures_the_webhook(served_api: ServedApi, operator: OperatorPr
 def test_a_labelled_pod_is_wired(served_api: ServedApi, operator: OperatorProcess) -> None:
     pod, warnings = _create(served_api, TEAM, _pod("wired", LABEL))
     assert warnings == []
+    assert pod["spec"] == {"containers": [{"name": "vllm", "image": "vllm:test", "env": ENV}]}
+    assert _calls(served_api, "wired") == ["patched"]
+
+
+def test_a_labelled_pod_of_an_engine_namespace_maps_the_segment(
+    served_api: ServedApi, operator: OperatorProcess
+) -> None:
+    pod, warnings = _create(served_api, ENGINES, _pod("engine", LABEL))
+    assert warnings == []
+    container = {"name": "vllm", "image": "vllm:test", "volumeMounts": [MOUNT], "env": ENGINE_ENV}
     assert pod["spec"] == {
-        "containers": [{"name": "vllm", "image": "vllm:test", "volumeMounts": [MOUNT], "env": ENV}],
+        "containers": [container],
         "volumes": [VOLUME],
         "securityContext": {"supplementalGroups": [10001]},
     }
-    assert _calls(served_api, "wired") == ["patched"]
 
 
 def test_a_containers_own_variable_stays(served_api: ServedApi, operator: OperatorProcess) -> None:
@@ -501,7 +543,7 @@ def test_the_published_ca_verifies_the_webhook_server(
     answer = response.json()["response"]
     assert (answer["uid"], answer["allowed"], answer["patchType"]) == (uid, True, "JSONPatch")
     patched = jsonpatch.apply_patch(pod, json.loads(base64.b64decode(answer["patch"])))
-    assert patched["spec"]["volumes"] == [VOLUME]
+    assert patched["spec"]["containers"][0]["env"] == ENV
     with pytest.raises(httpx.ConnectError):  # another CA: refused
         httpx.post(config["url"], json=review, verify=ssl.create_default_context(), timeout=10)
 

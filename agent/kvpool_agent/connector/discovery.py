@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool_agent.client import AgentInfo
-from kvpool_agent.connector.settings import ConnectorSettings
+from kvpool_agent.connector.settings import ConnectorSettings, Transport
 from kvpool_agent.names import (
     CACHE_POOL_LABEL,
     CHUNK_TOKENS_ANNOTATION,
@@ -56,9 +56,13 @@ class AgentAddress:
     """None: take the path from the agent's hello."""
     chunk_tokens: int | None
     """None: not advertised."""
+    transport: Transport = "auto"
 
-    def segment_for(self, info: AgentInfo) -> Path:
-        """The file to map: this address's path (settings or Service), else the agent's."""
+    def segment_for(self, info: AgentInfo) -> Path | None:
+        """The file to map: this address's path (settings or Service), else the agent's;
+        None with the transport ``messages`` (map nothing)."""
+        if self.transport == "messages":
+            return None
         return self.segment_path or info.segment_path
 
 
@@ -69,7 +73,9 @@ def resolve(
 ) -> AgentAddress:
     """The agent's address; settings (and so the env overrides) win over annotations."""
     if settings.endpoint is not None:
-        return AgentAddress(settings.endpoint, settings.segment_path, settings.chunk_tokens)
+        return AgentAddress(
+            settings.endpoint, settings.segment_path, settings.chunk_tokens, settings.transport
+        )
     assert settings.pool is not None
     namespace = settings.namespace or _own_namespace(namespace_file)
     name = service_name(settings.pool)
@@ -99,7 +105,8 @@ def resolve(
     chunk_tokens = settings.chunk_tokens or int_annotation(
         annotations, CHUNK_TOKENS_ANNOTATION, name
     )
-    return AgentAddress(f"tcp://{name}.{namespace}.svc:{port}", segment, chunk_tokens)
+    endpoint = f"tcp://{name}.{namespace}.svc:{port}"
+    return AgentAddress(endpoint, segment, chunk_tokens, settings.transport)
 
 
 def read_service_annotations(name: str, namespace: str) -> Mapping[str, str]:

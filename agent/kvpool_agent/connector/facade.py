@@ -197,7 +197,7 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
             return DEFAULT_CHUNK_TOKENS
         return advertised or DEFAULT_CHUNK_TOKENS
 
-    def _segment_path(self, info: AgentInfo) -> Path:
+    def _segment_path(self, info: AgentInfo) -> Path | None:
         return self._resolve().segment_for(info)
 
     def _on_new_agent(self, info: AgentInfo) -> None:

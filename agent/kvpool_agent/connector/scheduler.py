@@ -195,14 +195,15 @@ class SchedulerHalf:
         counters: Counters,
         prefetch_wait_s: float = 0.0,
         step_budget_s: float = 0.01,
-        segment_path: Callable[[AgentInfo], Path] | None = None,
+        segment_path: Callable[[AgentInfo], Path | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         disabled: str | None = None,
         loads_per_request: bool = False,
     ) -> None:
         """``groups``: what each of vLLM's KV cache groups keeps of a chunk, in vLLM's order.
         ``segment_path``: where this process sees the agent's segment (its table of ready
-        chunks lies beside it); without it every probe asks the agent. ``disabled``: why this
+        chunks lies beside it); without it, or where it says None (the transport
+        ``messages``), every probe asks the agent. ``disabled``: why this
         engine gets no hits and stores nothing (said once, by the caller).
         ``loads_per_request``: a failed load must fail its whole request (several KV cache
         groups, or a window), so loads are asynchronous to vLLM and their failures reported
@@ -519,12 +520,11 @@ class SchedulerHalf:
         if table is not None:
             table.close()
             self._probe_table = None
-        if self._segment_path is None or self._no_table_for == info.agent_id:
-            return None
+        segment = None if self._segment_path is None else self._segment_path(info)
+        if segment is None or self._no_table_for == info.agent_id:
+            return None  # nothing to read the table beside (the transport "messages")
         try:
-            self._probe_table = ProbeTableReader(
-                table_path(self._segment_path(info)), info.agent_id
-            )
+            self._probe_table = ProbeTableReader(table_path(segment), info.agent_id)
         except (OSError, ValueError) as error:
             self._no_table_for = info.agent_id
             log.info("kvpool: no table of ready chunks (%s); every probe asks the agent", error)

@@ -9,7 +9,8 @@ Two ways to name the agent (exactly one)::
 set it when the pod mounts the segment at another path). With a pool the connector
 reads the pool Service's annotations through the Kubernetes API (see
 :mod:`kvpool_agent.connector.discovery`). ``KVPOOL_ENDPOINT``,
-``KVPOOL_SEGMENT_PATH`` and ``KVPOOL_CHUNK_TOKENS`` override both, for local use.
+``KVPOOL_SEGMENT_PATH``, ``KVPOOL_CHUNK_TOKENS`` and ``KVPOOL_TRANSPORT`` override both (the
+admission webhook sets them in a wired pod).
 The token the connector says hello with comes from ``KVPOOL_TOKEN``, a file, or the
 embedded default's engine token (:mod:`kvpool_agent.connector.identity`).
 """
@@ -27,6 +28,7 @@ from kvpool_agent.names import (
     CONNECTOR_CHUNK_TOKENS_ENV,
     CONNECTOR_ENDPOINT_ENV,
     CONNECTOR_SEGMENT_PATH_ENV,
+    CONNECTOR_TRANSPORT_ENV,
 )
 from kvpool_agent.problems import (
     ConfigError,
@@ -38,10 +40,12 @@ from kvpool_agent.problems import (
 )
 
 EXTRA_CONFIG = "kv_connector_extra_config"
+Transport = Literal["auto", "messages"]
 OVERRIDES = {
     "endpoint": CONNECTOR_ENDPOINT_ENV,
     "segment_path": CONNECTOR_SEGMENT_PATH_ENV,
     "chunk_tokens": CONNECTOR_CHUNK_TOKENS_ENV,
+    "transport": CONNECTOR_TRANSPORT_ENV,
 }
 """The settings an environment variable overrides, and its name."""
 
@@ -54,6 +58,15 @@ class ConnectorSettings(BaseModel):
     endpoint: str | None = Field(None, description="ZMQ address of the agent, tcp://host:port.")
     segment_path: Path | None = Field(
         None, description="Where this pod sees the agent's segment; default: what hello says."
+    )
+    transport: Transport = Field(
+        "auto",
+        description=(
+            "How the worker moves KV: 'auto' through the agent's segment where this pod maps "
+            "it, else through the agent's messages; 'messages' never maps the segment (a "
+            "tenant's pod: the pool gives the segment, which holds every tenant's KV on the "
+            "node, only to its engineNamespaces)."
+        ),
     )
     pool: str | None = Field(None, description="KVCachePool name: discover the agent by Service.")
     namespace: str | None = Field(

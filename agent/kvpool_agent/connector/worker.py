@@ -63,6 +63,9 @@ from kvpool_agent.segment import SegmentError
 log = logging.getLogger(__name__)
 
 
+MESSAGES_ONLY = "transport=messages: KV moves through the agent's messages, no segment is mapped"
+
+
 @dataclass(frozen=True)
 class _Part:
     """What a job moves (chunks, or state records): their format and the copier of their
@@ -99,7 +102,7 @@ class WorkerHalf:
         link: AgentLink,
         counters: Counters,
         chunk_tokens: Callable[[], int],
-        segment_path: Callable[[AgentInfo], Path],
+        segment_path: Callable[[AgentInfo], Path | None],
         pin_mode: PinMode,
     ) -> None:
         self._rank = rank
@@ -114,7 +117,7 @@ class WorkerHalf:
         self._inline: int | None = None
         """Without a mapped segment: the agent's ``max_inline_bytes`` when chunks travel
         through its protocol instead (:mod:`kvpool_agent.connector.inline`), else None."""
-        self._said_unmapped: tuple[Path, str, bool] | None = None
+        self._said_unmapped: tuple[Path | None, str, bool] | None = None
         """Why the segment was last not used, said once (see :meth:`on_new_agent`)."""
         self._failed_blocks: set[int] = set()
         self._received: set[str] = set()
@@ -222,9 +225,13 @@ class WorkerHalf:
 
         A file that is not the one the agent maps (where its hello says which) is not used:
         its bytes are not the agent's, and what is copied into it never reaches the agent.
-        Without the agent's segment, chunks travel through the agent's protocol instead.
+        Without the agent's segment, chunks travel through the agent's protocol instead; with
+        the transport ``messages`` (no path), always.
         """
         path = self._segment_path(info)
+        if path is None:
+            self._without_segment(info, None, MESSAGES_ONLY)
+            return
         agents = info.segment_identity
         mapped = self._segment
         if (
@@ -262,10 +269,11 @@ class WorkerHalf:
             " (pinned)" if self._segment.pinned else "",
         )
 
-    def _without_segment(self, info: AgentInfo, path: Path, reason: str) -> None:
-        """No segment to copy through: move chunks through the agent's protocol if they fit
-        in its messages; say which, once. (Before the caches are registered nothing is
-        decided: the next load or store maps again.)"""
+    def _without_segment(self, info: AgentInfo, path: Path | None, reason: str) -> None:
+        """No segment to copy through (``path`` None: none asked for, the transport
+        ``messages``): move chunks through the agent's protocol if they fit in its messages;
+        say which, once. (Before the caches are registered nothing is decided: the next load
+        or store maps again.)"""
         if not self._parts:
             return
         size = max(part.format.chunk_bytes for part in self._parts.values())
@@ -274,7 +282,9 @@ class WorkerHalf:
         if self._said_unmapped == (path, reason, usable):
             return
         self._said_unmapped = (path, reason, usable)
-        if usable:
+        if usable and path is None:
+            log.info("kvpool worker %d: %s", self._rank, reason)
+        elif usable:
             log.warning(
                 "kvpool worker %d: %s; moving KV through the agent over the network instead "
                 "(slower than the shared segment: mount the node's /dev/shm at the agent's "

@@ -3,9 +3,10 @@ ephemeral volume (a bind mount onto the pod's volume directory), and unpublishes
 
 A publish is checked in order: the request's own fields (an ephemeral mount volume with
 the pool's attributes and the pod's namespace, a target in a pod's volume directory), then
-the pool's Service and tenants ConfigMap (:mod:`~kvpool_agent.csi.pool_access`), then the
-pool's directory on the node. Publishing the same directory to the same target again
-succeeds; unpublishing a target that is not there succeeds.
+the pool (the pod's namespace must be one of its ``engineNamespaces``) and its Service
+(:mod:`~kvpool_agent.csi.pool_access`), then the pool's directory on the node.
+Publishing the same directory to the same target again succeeds; unpublishing a target
+that is not there succeeds.
 """
 
 from __future__ import annotations
@@ -105,9 +106,9 @@ class Node:
         target = self._target(request.target_path)
         api = self.options.api()
         timeout = self.options.api_timeout
-        pool_access.check_pool(api, pool, namespace, timeout)
+        found = pool_access.read_pool(api, pool, namespace, timeout)
+        pool_access.check_engine_namespace(found, pod_namespace)
         segment = pool_access.segment_path(api, pool, namespace, timeout)
-        pool_access.check_admitted(api, pool, namespace, pod_namespace, timeout)
         directory = self._directory(segment, pool)
         with self._lock:
             _bind(directory, target, readonly=request.readonly)

@@ -1,6 +1,7 @@
-"""Who may publish a pool: the KVCachePool must exist (a Service and a ConfigMap alone, which
-any namespace's editor can make, name no pool), its Service on the API server names its
-segment, and its tenants ConfigMap the namespaces of its KVCacheTenants (those admitted).
+"""Who may publish a pool: the KVCachePool must exist (a Service alone, which any
+namespace's editor can make, names no pool) and name the pod's namespace in its
+``spec.engineNamespaces`` (the segment holds every tenant's KV on the node: only engines the
+platform trusts map it), and its Service on the API server names its segment.
 
 Each is read with one GET, with a short timeout, at every publish (publishes are
 rare: one a pod start). A refusal is a :class:`~kvpool_agent.csi.rpc.Refusal`.
@@ -23,15 +24,15 @@ from kvpool_agent.names import (
     POOL_PLURAL,
     SEGMENT_PATH_ANNOTATION,
     service_name,
-    tenants_name,
 )
-from kvpool_agent.tenants_configmap import parse_tenants
+
+ENGINE_NAMESPACES_FIELD = "engineNamespaces"
 
 NOT_FOUND = 404
 
 
-def check_pool(api: CoreV1Api, pool: str, namespace: str, timeout: float) -> None:
-    """Refuse unless the KVCachePool ``namespace/pool`` exists."""
+def read_pool(api: CoreV1Api, pool: str, namespace: str, timeout: float) -> Any:
+    """The KVCachePool ``namespace/pool``; refused if there is none."""
     custom = CustomObjectsApi(api.api_client)
 
     def read(name: str, space: str, **options: Any) -> Any:
@@ -39,8 +40,10 @@ def check_pool(api: CoreV1Api, pool: str, namespace: str, timeout: float) -> Non
             API_GROUP, API_VERSION, space, POOL_PLURAL, name, **options
         )
 
-    if _get(read, pool, namespace, timeout, f"KVCachePool {namespace}") is None:
+    found = _get(read, pool, namespace, timeout, f"KVCachePool {namespace}")
+    if found is None:
         raise Refusal(grpc.StatusCode.NOT_FOUND, f"no KVCachePool {pool} in namespace {namespace}")
+    return found
 
 
 def segment_path(api: CoreV1Api, pool: str, namespace: str, timeout: float) -> str:
@@ -59,20 +62,20 @@ def segment_path(api: CoreV1Api, pool: str, namespace: str, timeout: float) -> s
     return path
 
 
-def check_admitted(
-    api: CoreV1Api, pool: str, namespace: str, pod_namespace: str, timeout: float
-) -> None:
-    """Refuse unless some KVCacheTenant of ``pod_namespace`` is in the pool's tenants."""
-    name = tenants_name(pool)
-    found = _get(api.read_namespaced_config_map, name, namespace, timeout, f"ConfigMap {namespace}")
-    where = f"ConfigMap {namespace}/{name}"
-    tenants = parse_tenants(found.data or {}, where) if found is not None else None
-    sources = [] if tenants is None else [entry.source for entry in tenants.tenants.values()]
-    if not any(source.partition("/")[0] == pod_namespace for source in sources):
+def check_engine_namespace(pool: Any, pod_namespace: str) -> None:
+    """Refuse unless ``pod_namespace`` is one of the pool's ``spec.engineNamespaces``: the
+    segment holds every tenant's KV on the node, so only the engines the platform trusts map
+    it (a tenant's pod gets the cache through the agent's messages)."""
+    spec = pool.get("spec") if isinstance(pool, dict) else None
+    engines = spec.get(ENGINE_NAMESPACES_FIELD) if isinstance(spec, dict) else None
+    if not isinstance(engines, list) or pod_namespace not in engines:
+        metadata = pool.get("metadata") or {}
+        name = f"{metadata.get('namespace', '')}/{metadata.get('name', '')}"
         raise Refusal(
             grpc.StatusCode.PERMISSION_DENIED,
-            f"namespace {pod_namespace} is not admitted to pool {pool} in namespace "
-            f"{namespace}: no KVCacheTenant of it in {where}",
+            f"namespace {pod_namespace} may not map pool {name}'s segment: it is not in the "
+            f"pool's spec.{ENGINE_NAMESPACES_FIELD} (the segment holds every tenant's KV; a "
+            "tenant's pod gets the cache through the agent's messages)",
         )
 
 

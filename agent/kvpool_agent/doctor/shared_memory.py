@@ -18,7 +18,7 @@ import stat
 from pathlib import Path
 
 from kvpool_agent.client import AgentInfo
-from kvpool_agent.doctor.report import Check, failed, passed, size, warned
+from kvpool_agent.doctor.report import Check, failed, passed, size, skipped, warned
 from kvpool_agent.segment import SegmentError, SharedSegment
 
 SEGMENT, SHM = "segment", "shm"
@@ -112,6 +112,19 @@ def _another_file(path: Path, mapped: SharedSegment, info: AgentInfo) -> Check |
 def _file(identity: tuple[int, int]) -> str:
     device, inode = identity
     return f"file {os.major(device)}:{os.minor(device)} inode {inode}"
+
+
+def unmapped() -> list[Check]:
+    """The segment and shm lines of a pod set not to map the segment (the transport
+    ``messages``, as the webhook sets it in a tenant's pod)."""
+    return [
+        passed(
+            SEGMENT,
+            "not mapped here (transport=messages): the pool gives the node's segment, which "
+            "holds every tenant's KV, only to pods of its spec.engineNamespaces",
+        ),
+        skipped(SHM, "no segment is mapped here (transport=messages)"),
+    ]
 
 
 def check_shm(path: Path, info: AgentInfo) -> Check:

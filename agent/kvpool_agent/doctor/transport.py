@@ -16,12 +16,14 @@ from kvpool_agent.segment import SharedSegment
 NAME = "transport"
 
 
-def check_transport(path: Path, mapped: SharedSegment | None, info: AgentInfo) -> Check:
+def check_transport(path: Path | None, mapped: SharedSegment | None, info: AgentInfo) -> Check:
+    """``path``: the segment this pod would map (None: none, the transport ``messages``)."""
     if mapped is not None:
         return passed(NAME, f"the shared segment {path}: KV is copied in this pod's memory")
+    unmapped = "it maps no segment" if path is None else f"it does not map {path}"
     return passed(
         NAME,
-        f"the agent's messages over the network: this pod does not map {path} (the segment "
-        "line says why); slower than the shared segment, and chunks of more than "
+        f"the agent's messages over the network: {unmapped} (the segment line says why); "
+        "slower than the shared segment, and chunks of more than "
         f"{size(info.max_inline_bytes)} (the agent's max_inline_bytes) are not cached",
     )

@@ -55,7 +55,13 @@ def pool_facts(
         parsed = PoolSpec.parse(spec)
     except InvalidSpec:
         return {}
-    facts = PoolFacts(name, str(namespace), parsed.ports.zmq, parsed.chunk_tokens)
+    facts = PoolFacts(
+        name,
+        str(namespace),
+        parsed.ports.zmq,
+        parsed.chunk_tokens,
+        frozenset(parsed.engine_namespaces),
+    )
     return {(str(namespace), name): facts}
 
 

@@ -1,25 +1,29 @@
 """The pure mutation: a pod labelled ``kvpool.io/cache-pool`` and what the operator knows
 (its namespace's tenants, the pools) in; a JSON patch and warnings out. No I/O.
 
-The patch adds, and replaces nothing:
+The patch adds, and replaces nothing, in every container of ``spec.containers`` (init
+containers are left alone), the connector's environment, each variable unless the container
+already sets it: ``KVPOOL_ENDPOINT`` (the pool Service's ZMQ port, so that the connector
+never asks the Kubernetes API), ``KVPOOL_TRANSPORT=messages``, ``KVPOOL_CHUNK_TOKENS``, and
+``KVPOOL_TOKEN`` and ``KVPOOL_CACHE_SALT`` from the tenant's Secret ``<tenant>-kvpool``
+(``optional``: a refused tenant's pod starts, and its connector says why; no
+``KVPOOL_TOKEN`` for a container that sets ``KVPOOL_TOKEN_FILE``, which it would beat).
+Such a pod moves its KV through the agent's messages, which reach its own tenant's chunks
+(and its spaces') only.
 
-- the volume ``kvpool-segment``: the pool's segment directory, published by the CSI driver
-  (``csi.kvpool.io``, attributes ``pool`` and ``namespace``);
-- in every container of ``spec.containers`` (init containers are left alone): its mount at
-  ``/var/run/kvpool``, and the connector's environment, each variable unless the container
-  already sets it: ``KVPOOL_ENDPOINT`` (the pool Service's ZMQ port, so that the connector
-  never asks the Kubernetes API), ``KVPOOL_SEGMENT_PATH``, ``KVPOOL_CHUNK_TOKENS``, and
-  ``KVPOOL_TOKEN`` and ``KVPOOL_CACHE_SALT`` from the tenant's Secret ``<tenant>-kvpool``
-  (``optional``: a refused tenant's pod starts, and its connector says why; no
-  ``KVPOOL_TOKEN`` for a container that sets ``KVPOOL_TOKEN_FILE``, which it would beat);
-- the agents' group (10001) in ``spec.securityContext.supplementalGroups``: the segment is
-  0660 in a 0710 directory of that group, so the pod's own (non-root) uid may map it.
+Only a pod of one of the pool's ``engineNamespaces`` (engines the platform team runs and
+trusts as it trusts the agents) gets the node's segment, which holds every tenant's KV,
+instead of ``KVPOOL_TRANSPORT``: the volume ``kvpool-segment`` (the pool's segment
+directory, published by the CSI driver ``csi.kvpool.io``, attributes ``pool`` and
+``namespace``, which publishes it to those namespaces only) mounted at ``/var/run/kvpool``
+in each container, ``KVPOOL_SEGMENT_PATH``, and the agents' group (10001) in
+``spec.securityContext.supplementalGroups``: the segment is 0660 in a 0710 directory of
+that group, so the pod's own (non-root) uid may map it.
 
 Nothing privileged: no hostPath, no capability, no user change. A pod that already has the
 volume is left as it is. A label that names no pool of one tenant of the namespace (none,
 several, a value that is no DNS label, a tenant whose pool is not there or does not accept
-it) leaves the pod
-unchanged, with one warning line that names the value and the namespace.
+it) leaves the pod unchanged, with one warning line that names the value and the namespace.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from kvpool_agent.names import (
     CONNECTOR_SEGMENT_PATH_ENV,
     CONNECTOR_TOKEN_ENV,
     CONNECTOR_TOKEN_FILE_ENV,
+    CONNECTOR_TRANSPORT_ENV,
     CSI_DRIVER,
     CSI_NAMESPACE_ATTRIBUTE,
     CSI_POOL_ATTRIBUTE,
@@ -68,6 +73,8 @@ class PoolFacts:
     namespace: str
     zmq_port: int
     chunk_tokens: int
+    engine_namespaces: frozenset[str] = frozenset()
+    """Namespaces whose pods map the node's segment (``spec.engineNamespaces``)."""
 
 
 @dataclass(frozen=True)
@@ -134,7 +141,8 @@ def wire(pod: Obj, namespace: str, bindings: Sequence[Binding]) -> Wiring:
             f"KVCacheTenant {namespace}/{binding.tenant} is not accepted by pool "
             f"{binding.pool_namespace}/{value} ({binding.refused})"
         )
-    return Wiring(patch=_patch(spec, binding.tenant, binding.pool))
+    maps_segment = namespace in binding.pool.engine_namespaces
+    return Wiring(patch=_patch(spec, binding.tenant, binding.pool, maps_segment))
 
 
 def _unwired(problem: str) -> Wiring:
@@ -158,8 +166,9 @@ def mount() -> dict[str, Any]:
     return {"name": VOLUME, "mountPath": str(SEGMENT_MOUNT_DIR)}
 
 
-def environment(tenant: str, pool: PoolFacts) -> list[dict[str, Any]]:
-    """The connector's variables, in this order."""
+def environment(tenant: str, pool: PoolFacts, maps_segment: bool) -> list[dict[str, Any]]:
+    """The connector's variables, in this order (``KVPOOL_SEGMENT_PATH`` for a pod that maps
+    the segment, else ``KVPOOL_TRANSPORT=messages``)."""
     secret = f"{tenant}{SECRET_SUFFIX}"
 
     def from_secret(name: str, key: str) -> dict[str, Any]:
@@ -167,41 +176,48 @@ def environment(tenant: str, pool: PoolFacts) -> list[dict[str, Any]]:
         return {"name": name, "valueFrom": {"secretKeyRef": ref}}
 
     endpoint = f"tcp://{service_name(pool.name)}.{pool.namespace}.svc:{pool.zmq_port}"
+    segment = str(SEGMENT_MOUNT_DIR / SEGMENT_FILE)
+    transport = (
+        {"name": CONNECTOR_SEGMENT_PATH_ENV, "value": segment}
+        if maps_segment
+        else {"name": CONNECTOR_TRANSPORT_ENV, "value": "messages"}
+    )
     return [
         {"name": CONNECTOR_ENDPOINT_ENV, "value": endpoint},
-        {"name": CONNECTOR_SEGMENT_PATH_ENV, "value": str(SEGMENT_MOUNT_DIR / SEGMENT_FILE)},
+        transport,
         {"name": CONNECTOR_CHUNK_TOKENS_ENV, "value": str(pool.chunk_tokens)},
         from_secret(CONNECTOR_TOKEN_ENV, "token"),
         from_secret(CACHE_SALT_ENV, "salt"),
     ]
 
 
-def _patch(spec: Obj, tenant: str, pool: PoolFacts) -> JsonPatch:
+def _patch(spec: Obj, tenant: str, pool: PoolFacts, maps_segment: bool) -> JsonPatch:
     patch: JsonPatch = []
-    _append(patch, "/spec/volumes", spec.get("volumes"), [volume(pool)])
-    variables = environment(tenant, pool)
+    if maps_segment:
+        _append(patch, "/spec/volumes", spec.get("volumes"), [volume(pool)])
+    variables = environment(tenant, pool, maps_segment)
     for number, container in enumerate(spec.get("containers") or ()):
         path = f"/spec/containers/{number}"
-        _append(patch, f"{path}/volumeMounts", container.get("volumeMounts"), [mount()])
+        if maps_segment:
+            _append(patch, f"{path}/volumeMounts", container.get("volumeMounts"), [mount()])
         own = {variable.get("name") for variable in container.get("env") or ()}
         if CONNECTOR_TOKEN_FILE_ENV in own:  # its own token file (KVPOOL_TOKEN would win)
             own.add(CONNECTOR_TOKEN_ENV)
         added = [variable for variable in variables if variable["name"] not in own]
         _append(patch, f"{path}/env", container.get("env"), added)
-    context = spec.get("securityContext")
-    if context is None:
-        patch.append(
-            {
-                "op": "add",
-                "path": "/spec/securityContext",
-                "value": {"supplementalGroups": [AGENT_GROUP]},
-            }
-        )
-    else:
-        groups = context.get("supplementalGroups")
-        if AGENT_GROUP not in (groups or ()):
-            _append(patch, "/spec/securityContext/supplementalGroups", groups, [AGENT_GROUP])
+    if maps_segment:
+        _add_agent_group(patch, spec.get("securityContext"))
     return patch
+
+
+def _add_agent_group(patch: JsonPatch, context: Obj | None) -> None:
+    if context is None:
+        value = {"supplementalGroups": [AGENT_GROUP]}
+        patch.append({"op": "add", "path": "/spec/securityContext", "value": value})
+        return
+    groups = context.get("supplementalGroups")
+    if AGENT_GROUP not in (groups or ()):
+        _append(patch, "/spec/securityContext/supplementalGroups", groups, [AGENT_GROUP])
 
 
 def _append(patch: JsonPatch, path: str, current: object, items: list[Any]) -> None:

@@ -22,11 +22,19 @@ from kvpool_operator.spec.base import (
 )
 from kvpool_operator.spec.index import IndexSpec
 from kvpool_operator.spec.l2 import L2Spec
-from kvpool_operator.spec.markers import AGE, CustomResource, PrinterColumn, Rule, cel, list_map
+from kvpool_operator.spec.markers import (
+    AGE,
+    SET,
+    CustomResource,
+    PrinterColumn,
+    Rule,
+    cel,
+    list_map,
+)
 from kvpool_operator.spec.network import NETWORK_POLICY_NEEDS_GATEWAYS, NetworkPolicySpec
 from kvpool_operator.spec.peers import PEER_PORT_TAKEN, PeersSpec
 from kvpool_operator.spec.selectors import LabelSelector
-from kvpool_operator.spec.spaces import SharedSpaceSpec, unique_names
+from kvpool_operator.spec.spaces import NamespaceName, SharedSpaceSpec, unique_names
 from kvpool_operator.spec.status import PoolStatus
 from kvpool_operator.spec.workloads import AgentSpec
 
@@ -284,6 +292,16 @@ class PoolSpec(SpecModel):
         "it asks S3. Peers prove the pool's credential (the Secret kvpool-<pool>-peer, minted "
         "and rotated by the operator) and every chunk travels sealed with it. With "
         "spec.networkPolicy the agents admit each other on the peer port.",
+    )
+    engine_namespaces: tuple[NamespaceName, ...] = Field(
+        (),
+        description="Namespaces (by name) whose pods may map the node's whole L1 segment, "
+        "through the CSI driver csi.kvpool.io: every tenant's KV on the node, read and write. "
+        "Only for engines the platform team runs and trusts as it trusts the agents (an "
+        "engine that serves many tenants, with an engine token). Pods of every other "
+        "namespace, tenants' pods included, are refused the segment: the webhook wires them to "
+        "the agent's messages, which reach their own tenant's chunks only.",
+        json_schema_extra={"maxItems": 64} | SET,
     )
     shared_spaces: tuple[SharedSpaceSpec, ...] = Field(
         (),
