@@ -11,7 +11,7 @@ from kvpool_agent.peer.links import PeerLink
 from kvpool_agent.peer.node import PeerTier
 from kvpool_agent.peer.serving import ServingStats
 
-SERVING_REFUSALS = ("busy", "unproven", "malformed", "connections")
+SERVING_REFUSALS = ("busy", "unproven", "malformed", "timeout", "handshakes", "connections")
 FETCH_FAILURES = ("unreachable", "unproven", "timeout", "broken", "integrity")
 
 
@@ -44,7 +44,9 @@ def _serving(stats: ServingStats) -> Iterator[Metric]:
     refused = CounterMetricFamily(
         "kvpool_peer_refused",
         "Peer requests or connections refused: busy (at max_transfers or max_bytes_in_flight), "
-        "unproven (no pool credential), malformed, connections (too many).",
+        "unproven (no pool credential), malformed, timeout (not proven within the handshake's "
+        "deadline), handshakes (dropped for a newer one: too many in their handshake), "
+        "connections (too many proven).",
         labels=["reason"],
     )
     for reason in SERVING_REFUSALS:

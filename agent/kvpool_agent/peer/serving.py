@@ -2,7 +2,18 @@
 
 One thread accepts, one thread per connection serves it. A connection first
 proves the pool's peer credential (:mod:`kvpool_agent.peer.session`); nothing
-is said before that but the hello. Then each request names a tenant id, and
+is said before that but the hello. Until it has, a connection holds little and
+cannot keep a peer out: the whole handshake has :data:`HANDSHAKE_SECONDS` from
+accept (however its bytes trickle in) and reads at most
+:data:`~kvpool_agent.peer.wire.MAX_HANDSHAKE_BYTES`; at most :data:`MAX_HANDSHAKES`
+connections are in their handshake at once, :data:`MAX_HANDSHAKES_PER_HOST` from one
+address, and a new one past either drops the oldest (from that address first), so
+that connections which never prove anything cannot outlast a peer's handshake,
+which takes one round trip. The :data:`MAX_CONNECTIONS` serving slots are taken
+only by connections that proved the credential. Each handshake runs on its
+connection's thread: none waits on another, nor the accept loop on any.
+
+Then each request names a tenant id, and
 only that tenant's chunks answer it (the L1 and the NVMe tier are keyed by
 tenant): :class:`~kvpool_agent.peer.wire.Exists` counts the leading run of the
 keys held in L1, then NVMe; :class:`~kvpool_agent.peer.wire.Get` sends one
@@ -34,8 +45,8 @@ from kvpool_agent.l2.base import L2Adapter, ObjectKey
 from kvpool_agent.l2.codec import ObjectCodec
 from kvpool_agent.l2.keyring import Keyring
 from kvpool_agent.peer.handshake import NotProven
-from kvpool_agent.peer.session import accept_session
-from kvpool_agent.peer.transport import PeerChannel, PeerListener
+from kvpool_agent.peer.session import Session, accept_session
+from kvpool_agent.peer.transport import PeerChannel, PeerListener, split_address
 from kvpool_agent.peer.wire import (
     IDLE_SECONDS,
     Busy,
@@ -55,7 +66,32 @@ _refusals = RateLimitedLog(log)
 
 T = TypeVar("T")
 MAX_CONNECTIONS = 64
+"""Connections that proved the pool's credential, served at once; a proven peer past these
+is closed (``connections``)."""
+MAX_HANDSHAKES = 128
+"""Connections in their handshake at once; a new one past these drops the oldest."""
+MAX_HANDSHAKES_PER_HOST = 8
+"""Connections in their handshake at once from one address; a new one past these drops that
+address's oldest (a peer opens at most one per request it has in flight: max_transfers, 4 by
+default, and its handshake takes a round trip)."""
+HANDSHAKE_SECONDS = 5.0
+"""From accept to proven, the whole handshake: a connection not proven by then is closed."""
 _NVME_SECONDS = 10.0
+_REFUSALS = {
+    "unproven": "refused a connection on the peer port: it did not prove the pool's credential",
+    "malformed": "closed a connection on the peer port: it broke the peer protocol",
+    "timeout": (
+        "closed a connection on the peer port: not proven within "
+        f"{HANDSHAKE_SECONDS:g} s of its accept"
+    ),
+    "handshakes": (
+        "dropped the oldest connection in its handshake on the peer port for a new one (at "
+        f"most {MAX_HANDSHAKES} at once, {MAX_HANDSHAKES_PER_HOST} from one address)"
+    ),
+    "connections": f"closed a proven peer's connection: {MAX_CONNECTIONS} served at once already",
+}
+"""The log line of each refusal by reason: one each, whoever is refused (who and why at
+DEBUG), so that a flood of them is one line a minute."""
 
 
 @dataclass
@@ -65,7 +101,8 @@ class ServingStats:
     transfers_in_flight: int = 0
     bytes_in_flight: int = 0
     refused: Counter[str] = field(default_factory=Counter)
-    """By reason: busy, unproven (no credential), malformed, connections."""
+    """By reason: busy, unproven (no credential), malformed, timeout (not proven in time),
+    handshakes (dropped for a newer one), connections (too many proven)."""
 
 
 class Pacer:
@@ -104,7 +141,10 @@ class PeerServer:
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._pacer = Pacer(int(self.config.bandwidth))
+        self._handshakes: dict[PeerChannel, str] = {}
+        """Connections in their handshake, oldest first, each with its remote address."""
         self._channels: set[PeerChannel] = set()
+        """Proven connections (each holds one of the :data:`MAX_CONNECTIONS` slots)."""
         self._threads: list[threading.Thread] = []
         self._stopping = False
 
@@ -115,7 +155,7 @@ class PeerServer:
         self._stopping = True
         self.listener.close()
         with self._lock:
-            channels = list(self._channels)
+            channels = [*self._handshakes, *self._channels]
         for channel in channels:
             channel.close()
         for thread in list(self._threads):
@@ -133,19 +173,74 @@ class PeerServer:
                 channel = self.listener.accept()
             except OSError:
                 return  # closed: the agent is stopping
-            with self._lock:
-                crowded = len(self._channels) >= MAX_CONNECTIONS
-                if not crowded:
-                    self._channels.add(channel)
-            if crowded:
-                self.stats.refused["connections"] += 1
-                channel.close()
-                continue
+            channel.set_deadline(time.monotonic() + HANDSHAKE_SECONDS)
+            dropped = self._admit(channel)
+            if dropped is not None:
+                self._refuse("handshakes", dropped, "a newer connection came")
+                dropped.close()
             self._spawn(self._serve, f"kvpool-peer-{channel.remote}", channel)
+
+    def _admit(self, channel: PeerChannel) -> PeerChannel | None:
+        """Count ``channel`` among the handshakes; the one it drops to stay in bounds."""
+        host = split_address(channel.remote)[0]
+        with self._lock:
+            handshakes = self._handshakes
+            same_host = [other for other, address in handshakes.items() if address == host]
+            dropped = None
+            if len(same_host) >= MAX_HANDSHAKES_PER_HOST:
+                dropped = same_host[0]
+            elif len(handshakes) >= MAX_HANDSHAKES:
+                dropped = next(iter(handshakes))
+            if dropped is not None:
+                del handshakes[dropped]
+            handshakes[channel] = host
+            return dropped
 
     def _serve(self, channel: PeerChannel) -> None:
         try:
-            session = accept_session(channel, self.keyring, self.pool, self.node)
+            session = self._handshake(channel)
+            if session is not None and self._take_slot(channel):
+                channel.set_deadline(None)
+                self._answer(channel, session)
+        finally:
+            channel.close()
+            with self._lock:
+                self._handshakes.pop(channel, None)
+                self._channels.discard(channel)
+
+    def _handshake(self, channel: PeerChannel) -> Session | None:
+        """The proven session; None (and the refusal counted) if there is none."""
+        try:
+            return accept_session(channel, self.keyring, self.pool, self.node)
+        except NotProven as error:
+            reason, detail = "unproven", str(error)
+        except WireError as error:
+            reason, detail = "malformed", str(error)
+        except TimeoutError:
+            reason, detail = "timeout", f"{HANDSHAKE_SECONDS:g} s passed"
+        except OSError:
+            return None  # it went away (or was dropped for a newer one: counted then)
+        with self._lock:
+            dropped = channel not in self._handshakes
+        if not dropped:
+            self._refuse(reason, channel, detail)
+        return None
+
+    def _take_slot(self, channel: PeerChannel) -> bool:
+        """Move a proven ``channel`` from the handshakes to a serving slot, if one is free."""
+        with self._lock:
+            if self._handshakes.pop(channel, None) is None:
+                return False  # dropped for a newer one meanwhile (and closed): counted then
+            crowded = len(self._channels) >= MAX_CONNECTIONS
+            if not crowded:
+                self._channels.add(channel)
+        if crowded:
+            self._refuse("connections", channel, "no free slot")
+        return not crowded
+
+    def _answer(self, channel: PeerChannel, session: Session) -> None:
+        """Answer the proven peer's requests until it goes quiet or breaks the protocol."""
+        try:
             while not self._stopping and channel.wait_readable(IDLE_SECONDS):
                 request, body_length = channel.receive()
                 if body_length:
@@ -156,18 +251,18 @@ class PeerServer:
                     self._send(channel, session.key_id, ObjectKey(request.tenant, request.key))
                 else:
                     raise WireError(f"unexpected {type(request).__name__}")
-        except NotProven as error:
-            self.stats.refused["unproven"] += 1
-            _refusals.warning(f"refused a peer at {channel.remote}: {error}")
         except WireError as error:
-            self.stats.refused["malformed"] += 1
-            _refusals.warning(f"closed the connection of peer {channel.remote}: {error}")
-        except (OSError, TimeoutError):
-            pass  # the peer went away or stalled: its next request reconnects
-        finally:
-            channel.close()
             with self._lock:
-                self._channels.discard(channel)
+                self.stats.refused["malformed"] += 1
+            _refusals.warning(f"closed the connection of peer {session.node}: {error}")
+        except OSError:
+            pass  # the peer went away or stalled (TimeoutError): its next request reconnects
+
+    def _refuse(self, reason: str, channel: PeerChannel, detail: str) -> None:
+        with self._lock:
+            self.stats.refused[reason] += 1
+        _refusals.warning(_REFUSALS[reason])
+        log.debug("peer port: %s from %s: %s", reason, channel.remote, detail)
 
     def _held(self, tenant: str, keys: list[bytes]) -> int:
         """The leading run of ``keys`` held in L1, then on NVMe."""

@@ -21,7 +21,15 @@ from kvpool_agent.peer.handshake import (
     proof,
 )
 from kvpool_agent.peer.transport import PeerChannel
-from kvpool_agent.peer.wire import VERSION, Hello, Prove, Refused, Welcome, WireError
+from kvpool_agent.peer.wire import (
+    MAX_HANDSHAKE_BYTES,
+    VERSION,
+    Hello,
+    Prove,
+    Refused,
+    Welcome,
+    WireError,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,11 +73,15 @@ def open_session(channel: PeerChannel, keyring: Keyring, pool: str, node: str) -
 
 
 def accept_session(channel: PeerChannel, keyring: Keyring, pool: str, node: str) -> Session:
-    """The server's half: hello, check the client's proof, prove back (or refuse and raise)."""
+    """The server's half: hello, check the client's proof, prove back (or refuse and raise).
+
+    It reads at most :data:`~kvpool_agent.peer.wire.MAX_HANDSHAKE_BYTES` of the client's
+    (its time the caller bounds: :meth:`~kvpool_agent.peer.transport.PeerChannel.set_deadline`).
+    """
     keys = keyring.current()
     ours = nonce()
     channel.send(Hello(VERSION, node, ours, sorted(keys.by_id)))
-    prove, _ = channel.receive()
+    prove, _ = channel.receive(MAX_HANDSHAKE_BYTES)
     if isinstance(prove, Refused):
         raise NotProven(f"the peer refused the connection: {prove.reason}")
     if not isinstance(prove, Prove):

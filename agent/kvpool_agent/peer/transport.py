@@ -12,7 +12,10 @@ buffers, and carry the messages on its own queue pair (README, "Peers").
 
 Every call is blocking with the timeout given at connect or accept: a peer
 that sends or takes nothing for that long raises :class:`TimeoutError`, and a
-connection that ends mid-frame :class:`~kvpool_agent.peer.wire.WireError`.
+connection that ends mid-frame :class:`~kvpool_agent.peer.wire.WireError`. A
+deadline (:meth:`PeerChannel.set_deadline`) bounds every call together: a peer
+that trickles a byte at a time still raises :class:`TimeoutError` once it
+passes (the server's handshake runs under one).
 """
 
 from __future__ import annotations
@@ -20,10 +23,19 @@ from __future__ import annotations
 import contextlib
 import select
 import socket
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
-from kvpool_agent.peer.wire import FRAME, Message, WireError, frame, parse_header, parse_message
+from kvpool_agent.peer.wire import (
+    FRAME,
+    MAX_META_BYTES,
+    Message,
+    WireError,
+    frame,
+    parse_header,
+    parse_message,
+)
 
 Buffer = bytes | bytearray | memoryview
 
@@ -36,8 +48,9 @@ class PeerChannel(Protocol):
         """One frame: ``message``, then the pieces of ``body`` in order."""
         ...
 
-    def receive(self) -> tuple[Message, int]:
-        """The next message and the length of the body that follows it (read it next)."""
+    def receive(self, max_meta_bytes: int = MAX_META_BYTES) -> tuple[Message, int]:
+        """The next message and the length of the body that follows it (read it next); a
+        message over ``max_meta_bytes`` is a :class:`~kvpool_agent.peer.wire.WireError`."""
         ...
 
     def receive_body(self, into: memoryview) -> None:
@@ -49,7 +62,14 @@ class PeerChannel(Protocol):
         seconds (an idle connection waits longer than a frame in progress may take)."""
         ...
 
-    def close(self) -> None: ...
+    def set_deadline(self, deadline: float | None) -> None:
+        """Until set again, every call raises :class:`TimeoutError` once the monotonic clock
+        passes ``deadline`` (``None``: only the I/O timeout)."""
+        ...
+
+    def close(self) -> None:
+        """Close it; a call blocked on it in another thread returns (with an error)."""
+        ...
 
 
 class PeerListener(Protocol):
@@ -81,8 +101,11 @@ class TcpChannel:
         self._sock = sock
         self.remote = remote
         self._header = bytearray(FRAME.size)
+        self._io_timeout = sock.gettimeout()
+        self._deadline: float | None = None
 
     def send(self, message: Message, body: Sequence[Buffer] = ()) -> None:
+        self._before_call()
         head = frame(message, sum(len(piece) for piece in body))
         if len(body) == 1 and len(body[0]) < 1 << 16:
             self._sock.sendall(head + bytes(body[0]))
@@ -91,9 +114,9 @@ class TcpChannel:
         for piece in body:
             self._sock.sendall(piece)
 
-    def receive(self) -> tuple[Message, int]:
+    def receive(self, max_meta_bytes: int = MAX_META_BYTES) -> tuple[Message, int]:
         self._read_into(memoryview(self._header))
-        meta_length, body_length = parse_header(self._header)
+        meta_length, body_length = parse_header(self._header, max_meta_bytes)
         meta = bytearray(meta_length)
         self._read_into(memoryview(meta))
         return parse_message(meta), body_length
@@ -105,14 +128,32 @@ class TcpChannel:
         readable, _, _ = select.select([self._sock], [], [], timeout)
         return bool(readable)
 
+    def set_deadline(self, deadline: float | None) -> None:
+        self._deadline = deadline
+        if deadline is None:
+            self._sock.settimeout(self._io_timeout)
+
+    def _before_call(self) -> None:
+        """The socket's timeout for the next call: the I/O timeout, or less to the deadline."""
+        if self._deadline is None:
+            return
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{self.remote} is past its deadline")
+        self._sock.settimeout(left if self._io_timeout is None else min(left, self._io_timeout))
+
     def _read_into(self, view: memoryview) -> None:
         while view:
+            self._before_call()
             count = self._sock.recv_into(view)
             if count == 0:
                 raise WireError(f"{self.remote} closed the connection mid-frame")
             view = view[count:]
 
     def close(self) -> None:
+        # shutdown first: it wakes a thread blocked in recv(), which close() alone does not
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
 
 

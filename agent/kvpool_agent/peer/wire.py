@@ -29,6 +29,9 @@ VERSION = 1
 FRAME = struct.Struct("<4sB3xIQ")
 MAX_META_BYTES = 1 << 20
 """An :class:`Exists` of a few thousand keys fits; a peer claiming more is cut off."""
+MAX_HANDSHAKE_BYTES = 4096
+"""A :class:`Prove` fits (a node name is at most 253 characters): before a connection has
+proven the pool's credential, the server reads no larger message."""
 MAX_KEYS = 8192
 IDLE_SECONDS = 120.0
 """How long a server waits for a connection's next request before it closes it (inside a
@@ -103,15 +106,18 @@ def frame(message: Message, body_length: int = 0) -> bytes:
     return FRAME.pack(MAGIC, VERSION, len(meta), body_length) + meta
 
 
-def parse_header(header: bytes | bytearray | memoryview) -> tuple[int, int]:
-    """``(meta length, body length)`` of a frame header; :class:`WireError` if it is not one."""
+def parse_header(
+    header: bytes | bytearray | memoryview, max_meta_bytes: int = MAX_META_BYTES
+) -> tuple[int, int]:
+    """``(meta length, body length)`` of a frame header; :class:`WireError` if it is not one
+    (or its message is over ``max_meta_bytes``)."""
     magic, version, meta_length, body_length = FRAME.unpack(header)
     if magic != MAGIC:
         raise WireError("not a kvpool peer frame")
     if version != VERSION:
         raise WireError(f"peer protocol version {version}; this agent speaks {VERSION}")
-    if meta_length > MAX_META_BYTES:
-        raise WireError(f"a message of {meta_length} bytes (at most {MAX_META_BYTES})")
+    if meta_length > max_meta_bytes:
+        raise WireError(f"a message of {meta_length} bytes (at most {max_meta_bytes})")
     return meta_length, body_length
 
 
