@@ -50,12 +50,26 @@ TENANT_ID_CHARS = 32
 _TENANT_DOMAIN = b"kvpool-tenant-v1\0"
 _ROOT_DOMAIN = b"kvpool-root-v1\0"
 _STATE_DOMAIN = b"kvpool-state-v1\0"
+_CANARY_SCOPE_DOMAIN = b"kvpool-doctor-canary-scope-v1\0"
 
 
 CANARY_TENANT = hashlib.sha256(b"kvpool-doctor-canary-v1").hexdigest()[:TENANT_ID_CHARS]
 """The tenant of ``kvpool doctor``'s canary chunks: a digest in a domain of its own, so no
 salt maps to it (that would take a 128-bit SHA-256 preimage). Its chunks stay in L1 (the
-write-back skips them) and the doctor clears them at once."""
+write-back skips them) and the doctor clears them at once. Every chunk token may use it, so
+it is no store for anyone: its chunks are :data:`CANARY_CHUNK_BYTES` each, its quota is
+:data:`CANARY_QUOTA_BYTES` whatever the pool's, and the agent keeps each session's chunks
+under keys of that session's own (:func:`canary_key`)."""
+CANARY_CHUNK_BYTES = 4096
+"""The size of every canary chunk, the smallest page: a canary chunk holds one page."""
+CANARY_QUOTA_BYTES = 64 * CANARY_CHUNK_BYTES
+"""The canary tenant's fixed quota (256 KiB: 64 chunks, 64 pages of L1)."""
+
+
+def canary_key(scope: bytes, key: bytes) -> bytes:
+    """The key the agent keeps a canary chunk named ``key`` under, in a session's ``scope``
+    (random bytes of its own): a session finds only the canary chunks it stored."""
+    return hashlib.sha256(_CANARY_SCOPE_DOMAIN + scope + key).digest()
 
 
 def tenant_id(salt: str | None) -> str:
