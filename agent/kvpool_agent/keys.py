@@ -32,6 +32,13 @@ tokens_b)``, and the chain goes on as usual under ``tenant_id(tenant salt)``. Wi
 tenant's salt: no private chunk matches another tenant's, whatever the tokens. A string
 that starts with ``kvpool-share-`` but does not parse is never taken as a plain salt: its
 ``tenant=`` alone when that parses, else no cache for the request (:class:`SaltPlan`).
+
+A ``cache_salt``, plain or structured, has at most :data:`MAX_SALT_CHARS` (4096) characters:
+a longer one gets no cache for the request, before any of it is read, so that no request
+stalls the scheduler that parses it for every tenant of the engine (the structured form is
+parsed in one pass). The operator's generated salts have 43; two salts of up to 512 bytes
+each fit in a structured one at any bytes (percent-encoding takes up to 3 characters a
+byte).
 """
 
 from __future__ import annotations
@@ -50,12 +57,26 @@ TENANT_ID_CHARS = 32
 _TENANT_DOMAIN = b"kvpool-tenant-v1\0"
 _ROOT_DOMAIN = b"kvpool-root-v1\0"
 _STATE_DOMAIN = b"kvpool-state-v1\0"
+_CANARY_SCOPE_DOMAIN = b"kvpool-doctor-canary-scope-v1\0"
 
 
 CANARY_TENANT = hashlib.sha256(b"kvpool-doctor-canary-v1").hexdigest()[:TENANT_ID_CHARS]
 """The tenant of ``kvpool doctor``'s canary chunks: a digest in a domain of its own, so no
 salt maps to it (that would take a 128-bit SHA-256 preimage). Its chunks stay in L1 (the
-write-back skips them) and the doctor clears them at once."""
+write-back skips them) and the doctor clears them at once. Every chunk token may use it, so
+it is no store for anyone: its chunks are :data:`CANARY_CHUNK_BYTES` each, its quota is
+:data:`CANARY_QUOTA_BYTES` whatever the pool's, and the agent keeps each session's chunks
+under keys of that session's own (:func:`canary_key`)."""
+CANARY_CHUNK_BYTES = 4096
+"""The size of every canary chunk, the smallest page: a canary chunk holds one page."""
+CANARY_QUOTA_BYTES = 64 * CANARY_CHUNK_BYTES
+"""The canary tenant's fixed quota (256 KiB: 64 chunks, 64 pages of L1)."""
+
+
+def canary_key(scope: bytes, key: bytes) -> bytes:
+    """The key the agent keeps a canary chunk named ``key`` under, in a session's ``scope``
+    (random bytes of its own): a session finds only the canary chunks it stored."""
+    return hashlib.sha256(_CANARY_SCOPE_DOMAIN + scope + key).digest()
 
 
 def tenant_id(salt: str | None) -> str:
@@ -143,11 +164,16 @@ def next_key(previous: bytes, chunk_tokens: Sequence[int]) -> bytes:
     return hasher.digest()
 
 
+MAX_SALT_CHARS = 4096
+"""The longest ``cache_salt`` that keys anything (see the module docstring)."""
+SALT_TOO_LONG = f"cache_salt longer than {MAX_SALT_CHARS} characters, the most one may have"
 SHARE_PREFIX = "kvpool-share-"
 """What starts every structured salt (of any version): such a string is never a plain salt."""
 SHARE_VERSION = "kvpool-share-v1"
 _SHARE_FIELDS = ("space", "shared", "tenant")
 _DECIMAL = re.compile(r"0|[1-9][0-9]{0,9}")
+_PERCENT_ENCODED = re.compile(r"[A-Za-z0-9._~-]*(?:%[0-9A-Fa-f]{2}[A-Za-z0-9._~-]*)*")
+"""Unreserved characters and %XX escapes, matched in one pass (no alternative per character)."""
 
 
 def shared_salt(space_salt: str, shared_tokens: int, tenant_salt: str | None) -> str:
@@ -172,8 +198,9 @@ class SaltPlan:
     """The shared space's salt: chunks before the boundary are keyed under it."""
     shared_tokens: int = 0
     problem: str | None = None
-    """Why a structured salt was not taken as written (the request is then the tenant's
-    alone, or gets no cache when ``cacheable`` is false)."""
+    """Why the salt was not taken as written, a structured one that does not parse or one too
+    long (the request is then the tenant's alone, or gets no cache when ``cacheable`` is
+    false)."""
     cacheable: bool = True
 
     def shared_chunks(self, chunk_tokens: int) -> int:
@@ -191,6 +218,8 @@ class SaltPlan:
 
 def plan_salt(salt: str | None) -> SaltPlan:
     """What a vLLM ``cache_salt`` means for the keys (see the module docstring)."""
+    if salt is not None and len(salt) > MAX_SALT_CHARS:
+        return SaltPlan(None, problem=SALT_TOO_LONG, cacheable=False)
     if salt is None or not salt.startswith(SHARE_PREFIX):
         return SaltPlan(salt)
     fields, problem = _share_fields(salt)
@@ -239,7 +268,7 @@ def _share_fields(salt: str) -> tuple[dict[str, str], str | None]:
 
 def _decoded(value: str, name: str) -> str:
     """A percent-encoded salt; ValueError unless every reserved character was encoded."""
-    if not re.fullmatch(r"(?:[A-Za-z0-9._~-]|%[0-9A-Fa-f]{2})*", value):
+    if not _PERCENT_ENCODED.fullmatch(value):
         raise ValueError(f"{name}= is not percent-encoded")
     try:
         return urllib.parse.unquote(value, errors="strict")

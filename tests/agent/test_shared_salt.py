@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvpool_agent import keys
@@ -115,3 +117,28 @@ def test_a_space_needs_a_salt_and_a_count() -> None:
         keys.shared_salt("", 4, "t")
     with pytest.raises(ValueError, match="0 or more"):
         keys.shared_salt("s", -1, "t")
+
+
+@pytest.mark.parametrize("structured", [True, False])
+def test_a_salt_past_the_cap_gets_no_cache_at_once(structured: bool) -> None:
+    """An 8 MiB salt once took seconds to parse, in the scheduler every tenant waits on."""
+    huge = "a" * (8 << 20)
+    salt = keys.shared_salt(huge, 512, "alice") if structured else huge
+    seconds = []
+    for _ in range(3):  # the best of three: a busy machine may pause any one call
+        started = time.perf_counter()
+        plan = keys.plan_salt(salt)
+        seconds.append(time.perf_counter() - started)
+    assert min(seconds) < 0.010
+    assert plan == keys.SaltPlan(None, problem=keys.SALT_TOO_LONG, cacheable=False)
+    assert "cache_salt longer than 4096 characters" in keys.SALT_TOO_LONG
+    assert keys_of(salt) == []
+
+
+def test_salts_up_to_the_cap_parse() -> None:
+    space, tenant = "é;%" * 128, "%é;" * 128  # 512 bytes each, every one escaped
+    salt = keys.shared_salt(space, 8, tenant)
+    assert len(salt) <= keys.MAX_SALT_CHARS
+    assert keys.plan_salt(salt) == keys.SaltPlan(tenant, space, 8)
+    at_cap = "s" * keys.MAX_SALT_CHARS
+    assert keys.plan_salt(at_cap) == keys.SaltPlan(at_cap)

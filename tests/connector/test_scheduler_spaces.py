@@ -145,6 +145,25 @@ def test_a_malformed_salt_is_said_once_and_the_request_is_the_tenants_alone(
     assert half.counters.totals["salt_problems"] == 2
 
 
+def test_a_salt_past_the_cap_gets_no_cache_and_is_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    agent = FakeAgent()
+    half = make(agent)
+    huge = keys.shared_salt("s" * (8 << 20), 512, "alice")
+    with caplog.at_level(logging.WARNING):
+        for name in ("a", "b"):
+            request = FakeRequest(name, tokens(700), huge)
+            assert half.get_num_new_matched_tokens(request, 0) == (0, False)
+    (said,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "cache_salt longer than 4096 characters" in said and "gets no cache" in said
+    assert "sss" not in said  # a salt is never logged
+    meta = half.build_connector_meta(
+        scheduler_output([new_request("a", list(range(6)), computed=0)], scheduled={"a": 700})
+    )
+    assert (agent.lookups, meta.stores) == ([], [])
+
+
 def test_a_structured_salt_without_a_tenant_gets_no_cache() -> None:
     agent = FakeAgent()
     prompt = tokens(700)

@@ -15,7 +15,10 @@ from tests.support.chunks import data, key
 from tests.support.metrics import metric
 from tests.support.polling import wait_until
 
+from .faults import Fault, FaultProxy
+
 SPACE = tenant_id("warm-space")
+OTHER, THIRD = tenant_id("other"), tenant_id("third")
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 CHUNK = 60_000
 
@@ -67,3 +70,36 @@ def test_a_second_node_warms_a_prefix_from_s3_and_pins_it_on_arrival(
     assert again.json() == {"keys": 6, "resident": 6, "loaded": 0, "missing": 0, "done": True}
     assert metric(second, "kvpool_warm_requests_total") == 2
     assert metric(second, "kvpool_warm_loaded_chunks_total") == len(keys)
+
+
+def test_warms_never_take_the_prefetch_slots_of_another_tenants_lookups(
+    agents: Callable[..., AgentProcess], proxy: FaultProxy, bucket: str
+) -> None:
+    """Against a slow S3 every prefetch holds its slot for as long as S3 takes to answer: 64
+    warms once held all 32 slots, and another tenant's lookups prefetched nothing."""
+    slow = "60"  # seconds: past the test (the agent's stop cancels the waits)
+    agent = agents(
+        "node",
+        S3__BUCKET=bucket,
+        S3__ENDPOINT_URL=proxy.url,
+        S3__REGION="us-east-1",
+        S3__READ_TIMEOUT_SECONDS=slow,
+    )
+    proxy.inject(Fault.SLOW, delay=float(slow))
+    answers = [
+        httpx.post(  # a prefix no tier holds: its prefetch waits for S3 to say so
+            f"{agent.http}/v1/tenants/{SPACE}/warm",
+            json={"keys": [key(f"warm-{n}").hex()], "timeout_s": 0},
+            headers=ADMIN,
+        ).status_code
+        for n in range(64)
+    ]
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
+
+        def prefetches(tenant: str, count: int) -> list[int]:
+            return [client.lookup_prefetch(tenant, [key(f"{tenant}-{n}")])[1] for n in range(count)]
+
+        assert all(prefetches(OTHER, 16)), "a lookup found no prefetch slot"
+        assert answers.count(200) == 8, answers  # warms: a quarter of the 32 slots
+        assert prefetches(OTHER, 1) == [0]  # a tenant: half of them
+        assert all(prefetches(THIRD, 8)) and prefetches(THIRD, 1) == [0]  # the rest

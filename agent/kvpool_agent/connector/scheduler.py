@@ -338,8 +338,8 @@ class SchedulerHalf:
         return state
 
     def _salt_problem(self, req_id: str, plan: keys.SaltPlan) -> None:
-        """Say once per kind of problem why a structured salt was not taken as written (the
-        salt itself is never logged: it is a tenant's secret)."""
+        """Say once per kind of problem why a salt was not taken as written (the salt itself is
+        never logged: it is a tenant's secret)."""
         self.counters.add("salt_problems")
         if plan.problem in self._salt_problems_said:
             return
@@ -351,9 +351,8 @@ class SchedulerHalf:
             else "the request gets no cache"
         )
         log.warning(
-            "kvpool: request %s: a structured cache_salt (%s...) that does not parse: %s; %s",
+            "kvpool: request %s: a cache_salt not taken as written: %s; %s",
             req_id,
-            keys.SHARE_PREFIX,
             plan.problem,
             outcome,
         )

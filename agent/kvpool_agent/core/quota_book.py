@@ -2,7 +2,9 @@
 
 What a tenant is allowed is its own limits if it has them, otherwise the default
 lowered to its ceiling (:mod:`kvpool_agent.quotas` holds the value types). What a tenant
-may set itself is bounded by its ceiling, or without one by the default. Durable
+may set itself is bounded by its ceiling, or without one by the default. ``kvpool doctor``'s
+canary tenant is allowed :data:`~kvpool_agent.keys.CANARY_QUOTA_BYTES` whatever is set: every
+chunk token may store there, so it must be no store for anyone. Durable
 storage of the limits is a service concern; this book only answers "what is tenant T
 allowed".
 """
@@ -11,7 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from kvpool_agent.keys import CANARY_QUOTA_BYTES, CANARY_TENANT
 from kvpool_agent.quotas import UNLIMITED, Limit, Quota, TierLimits, as_limits, check_limit
+
+_CANARY_LIMITS = TierLimits.both(CANARY_QUOTA_BYTES)
 
 
 class QuotaBook:
@@ -28,7 +33,10 @@ class QuotaBook:
             self.set(tenant, limit)
 
     def limits(self, tenant: str) -> TierLimits:
-        """The tenant's limits in force: its own, or the default under its ceiling."""
+        """The tenant's limits in force: its own, or the default under its ceiling (the
+        canary's are fixed)."""
+        if tenant == CANARY_TENANT:
+            return _CANARY_LIMITS
         own = self._limits.get(tenant)
         if own is not None:
             return own

@@ -19,9 +19,12 @@ The chunks are random bytes under a reserved tenant id,
 characters), so the id is one: a SHA-256 digest in a domain of its own
 (``kvpool-doctor-canary-v1``), where a tenant's id is a digest in the ``kvpool-tenant-v1``
 domain. A salt whose id were the canary's would be a 128-bit preimage of SHA-256. The
-agent's write-back skips the canary, so nothing reaches L2. Lookups do not count
-(``count=False``); the agent's inline read counts one hit for the canary tenant, which the
-hit-rate check leaves out.
+agent's write-back skips the canary, so nothing reaches L2. Every chunk token may use the
+canary tenant, so the agent keeps it from being anyone's store: chunks of
+:data:`~kvpool_agent.keys.CANARY_CHUNK_BYTES` only, a fixed quota, and keys scoped to the
+session (the doctor's one session finds its own chunks; another finds none of them).
+Lookups do not count (``count=False``); the agent's inline read counts one hit for the
+canary tenant, which the hit-rate check leaves out.
 """
 
 from __future__ import annotations
@@ -33,11 +36,10 @@ from collections.abc import Callable
 from kvpool_agent.client import AgentClient, AgentError, AgentUnavailable, copy_in, copy_out
 from kvpool_agent.doctor.report import Check, failed, passed, size
 from kvpool_agent.doctor.shared_memory import OTHER_FILE
-from kvpool_agent.keys import CANARY_TENANT
+from kvpool_agent.keys import CANARY_CHUNK_BYTES, CANARY_TENANT
 from kvpool_agent.segment import SharedSegment
 
 NAME = "canary"
-CANARY_BYTES = 4096
 _AGENT_KEY = hashlib.sha256(b"kvpool-doctor-canary-v1\0agent-to-pod").digest()
 _POD_KEY = hashlib.sha256(b"kvpool-doctor-canary-v1\0pod-to-agent").digest()
 
@@ -81,13 +83,13 @@ def _canary(client: AgentClient, run: Callable[[], Failure | None], how: str) ->
         return failed(NAME, left, _AGENT_FAILED)
     return passed(
         NAME,
-        f"{size(CANARY_BYTES)} chunks under the reserved tenant {CANARY_TENANT}: {how}; "
+        f"{size(CANARY_CHUNK_BYTES)} chunks under the reserved tenant {CANARY_TENANT}: {how}; "
         "identical bytes; cleared, nothing left",
     )
 
 
 def _through_messages(client: AgentClient) -> Failure | None:
-    payload = os.urandom(CANARY_BYTES)
+    payload = os.urandom(CANARY_CHUNK_BYTES)
     stored = client.store_inline(CANARY_TENANT, [_POD_KEY], [payload])
     if stored.stored != 1:
         return _refused(stored.refused)
@@ -97,7 +99,7 @@ def _through_messages(client: AgentClient) -> Failure | None:
 
 
 def _agent_to_pod(client: AgentClient, segment: SharedSegment) -> Failure | None:
-    payload = os.urandom(CANARY_BYTES)
+    payload = os.urandom(CANARY_CHUNK_BYTES)
     stored = client.store_inline(CANARY_TENANT, [_AGENT_KEY], [payload])
     if stored.stored != 1:
         return _refused(stored.refused)
@@ -120,7 +122,7 @@ def _agent_to_pod(client: AgentClient, segment: SharedSegment) -> Failure | None
 
 
 def _pod_to_agent(client: AgentClient, segment: SharedSegment) -> Failure | None:
-    payload = os.urandom(CANARY_BYTES)
+    payload = os.urandom(CANARY_CHUNK_BYTES)
     plan = client.prepare_store(CANARY_TENANT, [_POD_KEY], [len(payload)])
     if plan.lease is None:
         return _refused(plan.refused)
@@ -152,10 +154,11 @@ _RERUN = "run it again once the other run has finished"
 
 def _refused(reason: str | None) -> Failure:
     return (
-        f"the agent refused a {size(CANARY_BYTES)} canary: {reason}",
-        "a tenant without a quota of its own gets the pool's default tenant quota "
-        "(spec.tenants.defaultQuota; 0 caches nothing), and a full L1 of locked chunks "
-        "refuses stores (GET /v1/status: open_leases)",
+        f"the agent refused a {size(CANARY_CHUNK_BYTES)} canary: {reason}",
+        "a full L1 of locked chunks refuses stores (GET /v1/status: open_leases), and so "
+        "does a canary tenant whose chunks are all locked; an agent older than the canary's "
+        "fixed quota gives it the pool's default tenant quota (spec.tenants.defaultQuota; "
+        "0 caches nothing)",
     )
 
 

@@ -36,8 +36,12 @@ refused (``unauthenticated``), and nothing else works without a session. A sessi
 
 Every token that touches chunks may also use ``kvpool doctor``'s canary tenant
 (:data:`~kvpool_agent.keys.CANARY_TENANT`: random bytes, cleared at once), so the doctor
-checks a deployment with the engine's own token. Anything else is ``forbidden``; a
-gateway's token is refused at hello. A token revoked while its sessions live (a
+checks a deployment with the engine's own token. So that no one can use it as a store, or
+to pass bytes to another tenant, its chunks are of :data:`~kvpool_agent.keys.CANARY_CHUNK_BYTES`
+only, without a parent, under a fixed quota (:data:`~kvpool_agent.keys.CANARY_QUOTA_BYTES`),
+and each session's keys are its own (:func:`~kvpool_agent.keys.canary_key`): a session
+finds only the canary chunks it stored. Anything else is ``forbidden``; a gateway's token
+is refused at hello. A token revoked while its sessions live (a
 KVCacheTenant deleted) voids them: their next request is ``unauthenticated``, and their
 leases end as a fenced session's do, so a writer still copying harms no one.
 """
@@ -50,7 +54,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -59,7 +63,14 @@ import zmq
 from kvpool_agent import protocol as p
 from kvpool_agent.core.cache_types import CacheError, InvalidRequest, LeaseExpired, UnknownLease
 from kvpool_agent.edge.zmtp import DropReason, Frame, MessageBounds, ZmtpRouter
-from kvpool_agent.keys import CANARY_TENANT, TENANT_ID_RULE, is_tenant_id, tenant_id
+from kvpool_agent.keys import (
+    CANARY_CHUNK_BYTES,
+    CANARY_TENANT,
+    TENANT_ID_RULE,
+    canary_key,
+    is_tenant_id,
+    tenant_id,
+)
 from kvpool_agent.segment import SharedSegment
 from kvpool_agent.service.cache_service import CacheService
 from kvpool_agent.tenancy.auth import Principal, Role, TokenAuthority
@@ -81,6 +92,7 @@ DEFAULT_TENANT = tenant_id(None)
 """The tenant of requests without a ``cache_salt``."""
 _CHUNK_ROLES = frozenset((Role.ADMIN, Role.ENGINE, Role.TENANT))
 """Roles whose tokens touch chunks."""
+_KeyedRequest = p.Lookup | p.PrepareStore | p.StoreInline | p.RetrieveInline
 
 
 class RequestObserver(Protocol):
@@ -110,6 +122,8 @@ class _Session:
     last_seen: float = 0.0
     fenced: bool = False
     revoked: bool = False
+    canary_scope: bytes = field(default_factory=lambda: secrets.token_bytes(16))
+    """What makes this session's canary keys its own (see keys.canary_key)."""
 
 
 class ZmqServer:
@@ -404,6 +418,23 @@ class ZmqServer:
             return tenant
         raise p.ProtocolError(p.ErrorCode.FORBIDDEN, f"{principal} tokens touch no chunk")
 
+    def _keys(
+        self, session: _Session, tenant: str, request: _KeyedRequest, sizes: Iterable[int] = ()
+    ) -> list[bytes]:
+        """The keys ``request`` acts on in ``tenant``: its own; in the canary tenant, their
+        scope in this session, once its chunks (of ``sizes`` bytes) are canary chunks."""
+        if tenant != CANARY_TENANT:
+            return request.keys
+        if getattr(request, "parent", None) is not None:
+            raise InvalidRequest(f"the canary tenant {CANARY_TENANT} takes no parent")
+        wrong = next((size for size in sizes if size != CANARY_CHUNK_BYTES), None)
+        if wrong is not None:
+            raise InvalidRequest(
+                f"the canary tenant {CANARY_TENANT} takes chunks of {CANARY_CHUNK_BYTES} "
+                f"bytes only, not {wrong}"
+            )
+        return [canary_key(session.canary_scope, key) for key in request.keys]
+
     def _check_owner(self, session: _Session, lease: int) -> None:
         if lease not in session.leases:
             raise p.ProtocolError(
@@ -485,7 +516,7 @@ class ZmqServer:
         tenant = self._tenant(session, request.tenant)
         found = self._service.lookup(
             tenant,
-            request.keys,
+            self._keys(session, tenant, request),
             lock=request.lock,
             count=request.count,
             prefetch=request.prefetch,
@@ -543,7 +574,8 @@ class ZmqServer:
         tenant = self._tenant(session, request.tenant)
         if self._draining:
             return p.PrepareStoreReply(request.req, p.NO_LEASE, [], SHUTTING_DOWN), []
-        reservation = self._service.reserve(tenant, request.keys, request.sizes, request.parent)
+        keys = self._keys(session, tenant, request, request.sizes)
+        reservation = self._service.reserve(tenant, keys, request.sizes, request.parent)
         if reservation.lease is not None:
             session.leases.add(reservation.lease)
         offsets = [-1 if place is None else place.offset for place in reservation.placements]
@@ -580,7 +612,8 @@ class ZmqServer:
                 f"inline payload of {size} bytes; at most {self._max_inline}",
                 request.req,
             )
-        result = self._service.store(tenant, request.keys, list(extra), request.parent)
+        keys = self._keys(session, tenant, request, map(len, extra))
+        result = self._service.store(tenant, keys, list(extra), request.parent)
         return p.StoreInlineReply(
             request.req, result.stored, result.present, result.refused_reason
         ), []
@@ -589,7 +622,9 @@ class ZmqServer:
         session = self._session(request.session, peer)
         self._check_keys(request.keys)
         tenant = self._tenant(session, request.tenant)
-        data = self._service.retrieve(tenant, request.keys, self._max_inline)
+        data = self._service.retrieve(
+            tenant, self._keys(session, tenant, request), self._max_inline
+        )
         return p.RetrieveInlineReply(request.req, len(data)), data
 
     def _end_session(self, request: p.EndSession, extra: Frames, peer: Peer) -> Handled:

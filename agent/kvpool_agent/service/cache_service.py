@@ -285,7 +285,8 @@ class CacheService:
         """Load the chunks of ``keys`` (a prefix, in order) that L1 lacks from L2, through a
         prefetch, waiting up to ``timeout`` seconds (blocks: never on the event loop).
 
-        :class:`WarmRefused` if too many prefetches are in flight to start one.
+        :class:`WarmRefused` if no prefetch slot is free for a warm (warms take a share of
+        them only, see :mod:`kvpool_agent.tiering.prefetch`).
         """
         with self._lock:
             before = self._cache.lookup(tenant, keys, lock=False, count=False).count
@@ -294,10 +295,10 @@ class CacheService:
         prefetch = self._prefetch
         if before < len(keys) and prefetch is not None:
             after = keys[before - 1] if before else None
-            prefetch_id = prefetch.begin(tenant, keys[before:], after)
+            prefetch_id = prefetch.begin(tenant, keys[before:], after, warm=True)
             progress = prefetch.wait(prefetch_id, timeout) if prefetch_id else None
             if progress is None:
-                raise WarmRefused("too many loads from L2 in flight; try again")
+                raise WarmRefused("too many loads from L2 in flight for a warm; try again")
             loaded, done = progress.loaded, progress.done
             found = progress.expected
             missing = None if found < 0 else len(keys) - before - found

@@ -66,8 +66,11 @@ class PrefetchProgress(Protocol):
 class PrefetchHook(Protocol):
     """Loads the rest of a prefix from L2 after an L1 miss (called outside the service lock)."""
 
-    def begin(self, tenant: str, keys: Sequence[bytes], parent: bytes | None) -> int:
-        """Start loading ``keys`` (``parent`` precedes the first); its id, or 0 if none."""
+    def begin(
+        self, tenant: str, keys: Sequence[bytes], parent: bytes | None, *, warm: bool = False
+    ) -> int:
+        """Start loading ``keys`` (``parent`` precedes the first; ``warm``: for a warm, not a
+        lookup); its id, or 0 if none."""
         ...
 
     def status(self, prefetch_id: int) -> PrefetchProgress | None: ...

@@ -68,7 +68,7 @@ class TenantRanking:
 
 
 class WarmRefused(RuntimeError):
-    """A warm could not start loading: too many loads from L2 are in flight."""
+    """A warm could not start loading: the prefetch slots warms may take are all busy."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,14 @@ from the next holder where that one fails (a peer that died mid-transfer).
 It stops at the first chunk no tier gives or L1 refuses. Listeners (the ZMQ server,
 to answer parked ``prefetch_status`` requests, which wait for the end) hear when the
 run is located and when the prefetch is done.
+
+Slots: at most ``max_in_flight`` prefetches run at once (32), and they are shared fairly,
+since a slow L2 holds each for as long as it is slow: a tenant holds at most half of them
+(16, each loading 8 chunks at a time), and warms (:meth:`CacheService.warm
+<kvpool_agent.service.cache_service.CacheService.warm>`, which an admin or a space's owner
+may send by the dozen) a quarter of them all together (8), so warms never take the slots
+that lookups need, nor one tenant all of them. A prefetch that finds no slot is refused
+(counted in ``refused``): the lookup is answered from L1 alone, the warm is told to retry.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import logging
 import threading
 import time
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
@@ -54,6 +62,7 @@ class Prefetch:
     tenant: str
     keys: list[bytes]
     parent: bytes | None
+    warm: bool = False
     expected: int = -1
     loaded: int = 0
     done: bool = False
@@ -63,7 +72,7 @@ class Prefetch:
 class PrefetchStats:
     started: int = 0
     refused: int = 0
-    """Not started: too many prefetches in flight."""
+    """Not started: no slot free (for its tenant, or for a warm)."""
     loaded_chunks: int = 0
     loaded_bytes: int = 0
     in_flight: int = 0
@@ -87,6 +96,12 @@ class Prefetcher:
         self._guard = threading.Lock()  # begin() runs on the ZMQ thread, the rest on the loop
         self._finished = threading.Condition(self._guard)
         self._chunk_bytes = _TYPICAL_CHUNK
+        self._tenant_slots = max(1, self.max_in_flight // 2)
+        self._warm_slots = max(1, self.max_in_flight // 4)
+        self._held: Counter[str] = Counter()
+        """Slots held by each tenant with a prefetch in flight."""
+        self._warms = 0
+        """Slots held by warms."""
         self._in_place = {tier.name for tier in self.tiers if isinstance(tier, ReceivesInPlace)}
         """The tiers that receive into a landing (a protocol check is too slow per chunk)."""
         self._decisions: weakref.WeakKeyDictionary[ChunkLanding, asyncio.Event] = (
@@ -105,22 +120,43 @@ class Prefetcher:
     def on_change(self, listener: Callable[[], None]) -> None:
         self._listeners.append(listener)
 
-    def begin(self, tenant: str, keys: Sequence[bytes], parent: bytes | None) -> int:
+    def begin(
+        self, tenant: str, keys: Sequence[bytes], parent: bytes | None, *, warm: bool = False
+    ) -> int:
         """Start loading ``keys`` (thread-safe); 0 if no prefetch was started."""
         if not keys or not self.tiers or self._loop is None:
             return 0
         with self._guard:
-            if self.stats.in_flight >= self.max_in_flight:
+            if not self._slot_free(tenant, warm):
                 self.stats.refused += 1
                 return 0
-            prefetch = Prefetch(next(self._ids), tenant, list(keys), parent)
+            prefetch = Prefetch(next(self._ids), tenant, list(keys), parent, warm)
             self._prefetches[prefetch.id] = prefetch
             while len(self._prefetches) > _REMEMBERED:
                 self._prefetches.popitem(last=False)
             self.stats.started += 1
             self.stats.in_flight += 1
+            self._held[tenant] += 1
+            self._warms += warm
         self._loop.call_soon_threadsafe(self._spawn, prefetch)
         return prefetch.id
+
+    def _slot_free(self, tenant: str, warm: bool) -> bool:
+        """Whether a prefetch may start (under the guard): a slot is free, its tenant holds
+        less than half of them, and a warm finds warms holding less than a quarter."""
+        return (
+            self.stats.in_flight < self.max_in_flight
+            and self._held[tenant] < self._tenant_slots
+            and not (warm and self._warms >= self._warm_slots)
+        )
+
+    def _free_slot(self, prefetch: Prefetch) -> None:
+        """Under the guard: a prefetch ended."""
+        self.stats.in_flight -= 1
+        self._held[prefetch.tenant] -= 1
+        if not self._held[prefetch.tenant]:
+            del self._held[prefetch.tenant]  # tenants come and go: keep only those holding
+        self._warms -= prefetch.warm
 
     def status(self, prefetch_id: int) -> Prefetch | None:
         with self._guard:
@@ -151,7 +187,7 @@ class Prefetcher:
         finally:
             prefetch.done = True
             with self._guard:
-                self.stats.in_flight -= 1
+                self._free_slot(prefetch)
                 self._finished.notify_all()
             self._changed()
 

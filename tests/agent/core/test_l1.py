@@ -376,6 +376,20 @@ def test_over_quota_tenant_evicts_only_its_own_chunks(policy: str) -> None:
     assert cache.stats().evictions["quota"] == 1
 
 
+def test_a_tenant_at_its_quota_makes_no_room_at_others_expense(policy: str) -> None:
+    """Room for a run is made as far as its tenant's quota lets the tenant grow: past that
+    its chunks take its own chunks' place or are refused, and room made for them would only
+    evict other tenants' chunks (a quota of 3 pages once evicted 57 of another's 85)."""
+    cache = make_cache(pages=100, policy=policy, quotas=QuotaBook(limits={"a": 3 * PAGE}))
+    store(cache, "b", list(range(100, 185)))
+    store(cache, "a", [1, 2, 3])  # 88 pages: under the high watermark of 90
+    run = cache.reserve("a", [key(n) for n in range(10, 60)], [PAGE] * 50)
+    assert run.refused_reason is not None and "quota" in run.refused_reason
+    assert sum(place is not None for place in run.placements) == 3  # in place of 1, 2, 3
+    assert hits(cache, "b", list(range(100, 185))) == 85
+    assert cache.stats().evictions["watermark"] == 0
+
+
 def test_quota_full_of_locked_chunks_refuses(policy: str) -> None:
     cache = make_cache(policy=policy, quotas=QuotaBook(limits={"a": 2 * PAGE}))
     store(cache, "a", [1, 2])

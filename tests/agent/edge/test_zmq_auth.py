@@ -10,7 +10,7 @@ import zmq
 
 from kvpool_agent import protocol as p
 from kvpool_agent.client import AgentClient, AgentError
-from kvpool_agent.keys import CANARY_TENANT, tenant_id
+from kvpool_agent.keys import CANARY_CHUNK_BYTES, CANARY_TENANT, tenant_id
 from kvpool_agent.testing.agent_process import (
     ADMIN_TOKEN,
     ENGINE_TOKEN,
@@ -25,6 +25,7 @@ SPACE = tenant_id("space-salt")
 DEFAULT = tenant_id(None)
 ALICE_TOKEN, BOB_TOKEN = "alice-token", "bob-token"
 GATEWAY_TOKEN = "gateway-token"
+CANARY_CHUNK = b"c" * CANARY_CHUNK_BYTES
 
 
 @pytest.fixture
@@ -117,7 +118,7 @@ def test_a_member_of_a_shared_space_acts_for_its_chunks_and_others_do_not(
         alice.store(SPACE, [key("shared")], [b"system prompt"])
         assert alice.retrieve(SPACE, [key("shared")]) == [b"system prompt"]
         _forbidden(lambda: alice.clear(SPACE))  # an admin's, not a member's
-        alice.store_inline(CANARY_TENANT, [key("canary")], [b"c"])  # kvpool doctor's
+        alice.store_inline(CANARY_TENANT, [key("canary")], [CANARY_CHUNK])  # kvpool doctor's
         assert alice.clear(CANARY_TENANT) == 1
     with AgentClient(agent.zmq, token=BOB_TOKEN) as bob:  # not admitted
         _forbidden(lambda: bob.lookup(SPACE, [key("shared")]))
@@ -137,7 +138,7 @@ def test_an_engine_token_serves_any_tenant_but_takes_no_snapshot_and_clears_noth
         _forbidden(engine.snapshot)
         _forbidden(lambda: engine.clear(ALICE))
         _forbidden(engine.clear)
-        engine.store_inline(CANARY_TENANT, [key("canary")], [b"c"])  # kvpool doctor's
+        engine.store_inline(CANARY_TENANT, [key("canary")], [CANARY_CHUNK])  # kvpool doctor's
         assert engine.clear(CANARY_TENANT) == 1
 
 

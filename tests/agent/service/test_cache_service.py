@@ -46,7 +46,9 @@ class Progress:
 class RecordingPrefetch:
     begun: list[tuple[str, list[bytes], bytes | None]] = field(default_factory=list)
 
-    def begin(self, tenant: str, keys: Sequence[bytes], parent: bytes | None) -> int:
+    def begin(
+        self, tenant: str, keys: Sequence[bytes], parent: bytes | None, *, warm: bool = False
+    ) -> int:
         self.begun.append((tenant, list(keys), parent))
         return len(self.begun)
 

@@ -47,7 +47,8 @@ Eviction has three triggers: the high watermark (evict to the low one), an
 allocation that does not fit (evict until it does, so a store fails for lack
 of memory only when nothing is evictable), and a tenant over its quota (evict
 only that tenant's chunks; a tenant never makes room for itself at the expense
-of another). Within a tenant the configured policy orders victims; across
+of another: the room a store makes under the watermarks is what its quota lets its
+tenant grow by, not the whole run). Within a tenant the configured policy orders victims; across
 tenants, the victim whose last use is oldest goes first.
 
 Pins (:mod:`~kvpool_agent.core.l1.pin_sets`): a tenant's named lists of keys whose ready

@@ -33,7 +33,7 @@ from kvpool_agent.core.l1.planner import plan_eviction
 from kvpool_agent.core.l1.reports import Traffic, keys_by_tenant, l1_stats, ready_keys
 from kvpool_agent.core.l1.restore import restore
 from kvpool_agent.core.l1.slots import DOOMED, NIL, READY, State
-from kvpool_agent.core.l1.tenants import IDLE_TENANTS
+from kvpool_agent.core.l1.tenants import IDLE_TENANTS, Tenant
 from kvpool_agent.core.policies import PolicyFactory
 from kvpool_agent.core.quota_book import QuotaBook
 from kvpool_agent.keys import KEY_BYTES
@@ -174,7 +174,7 @@ class L1Cache:
             if not new_slots:
                 # Room for the rest of the run at once: a chain that cannot shrink (its tail
                 # is this run's parent) is then walked once per store, not once per chunk.
-                wanted = self._pages_wanted(keys[position:], sizes[position:])
+                wanted = self._pages_wanted(account, keys[position:], sizes[position:])
                 evictor.to_watermark(extra_pages=wanted, protected=protected)
             pages = chunks.pages_for(nbytes)
             first_page = evictor.allocate(pages, protected)
@@ -191,10 +191,23 @@ class L1Cache:
         self._tenants.rest(account)
         return Reservation(lease, tuple(placements), refused)
 
-    def _pages_wanted(self, keys: Sequence[bytes], sizes: Sequence[int]) -> int:
-        """Pages of the chunks of a run that L1 does not hold yet."""
+    def _pages_wanted(self, account: Tenant, keys: Sequence[bytes], sizes: Sequence[int]) -> int:
+        """Pages of the chunks of a run that L1 does not hold yet, as far as its tenant's
+        quota lets the tenant grow: past that, its chunks take the place of its own (or are
+        refused), and room made for them would only evict other tenants' chunks."""
         cached, pages_for = self._index, self._chunks.pages_for
-        return sum(pages_for(n) for k, n in zip(keys, sizes, strict=True) if k not in cached)
+        limit = self.quotas.limit(account.name)
+        room = None if limit is None else limit - account.used_bytes
+        pages = 0
+        for k, nbytes in zip(keys, sizes, strict=True):
+            if k in cached:
+                continue
+            if room is not None:
+                room -= nbytes
+                if room < 0:
+                    break
+            pages += pages_for(nbytes)
+        return pages
 
     def commit(self, lease: int, count: int | None = None) -> int:
         """Make the first ``count`` (default all) reserved chunks ready; discard the rest.
