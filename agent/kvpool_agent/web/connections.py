@@ -301,7 +301,8 @@ class GuardedConnection(asyncio.Protocol):
         """Idle until the next request head, which must come within the header timeout."""
         self.busy = False
         self._gate._refile(self)
-        self._head_deadline.arm()
+        if self._transport is not None and not self._transport.is_closing():
+            self._head_deadline.arm()  # not for a connection closed meanwhile
 
     def close(self, last_words: bytes = b"") -> None:
         """Close after ``last_words`` and what is still buffered for the client."""

@@ -8,6 +8,7 @@ one, and see what the agent answers before the rest arrives.
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -279,11 +280,15 @@ def test_unread_responses_leave_slots_to_authenticated_clients(crowded: AgentPro
 
 
 def test_responses_left_unread_are_aborted_after_the_send_timeout(agent: AgentProcess) -> None:
-    """Before: the connection stayed, with the buffers of its answers, for ever."""
+    """Before: the connection stayed, with the buffers of its answers, for ever. Nor does
+    the aborted connection time out later waiting for a head (it did once aborted)."""
     counted = metric(agent, refused("send_timeout"))
+    heads_timed_out = metric(agent, refused("head_timeout"))
     with unread_responses(agent.http):
         wait_until(
             lambda: metric(agent, refused("send_timeout")) == counted + 1,
             timeout=10 * TIMEOUT_SECONDS,
             what="the connection aborted",
         )
+    time.sleep(2 * TIMEOUT_SECONDS)  # what is not to happen: a head timeout
+    assert metric(agent, refused("head_timeout")) == heads_timed_out
