@@ -177,9 +177,9 @@ class ConnectionGate:
             self._release(victim)
             victim.abort()
             self._log.warning(
-                f"HTTP: {self.max_connections} connections open: closing the longest idle "
-                "ones to admit new ones, those not authenticated first "
-                "(http_limits.max_connections)"
+                f"HTTP: {self.max_connections} connections open: closing one for each new one "
+                "(not authenticated before authenticated, idle before busy, oldest first; "
+                "http_limits.max_connections)"
             )
         self._open.add(connection)
         return True
