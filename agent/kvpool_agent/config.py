@@ -215,12 +215,22 @@ class HttpLimits(BaseModel):
         gt=0,
         description="A request body not received in full this long after its head: 408, closed.",
     )
+    send_timeout_seconds: float = Field(
+        10.0,
+        gt=0,
+        description=(
+            "A connection whose client leaves its responses unread this long (the server's "
+            "write buffer stays full) is aborted."
+        ),
+    )
     max_connections: int = Field(
         1024,
         ge=1,
         description=(
-            "Open HTTP connections at most; at the bound the longest idle one is closed to admit "
-            "a new one, and a new one is refused (503) if none is idle. Lowered (logged) to half "
+            "Open HTTP connections at most; at the bound one is closed to admit a new one: "
+            "one not authenticated before one that is, idle (between requests) before busy, "
+            "the longest in that state first, never one busy with an authenticated request "
+            "(if only those are open, the new one is refused with 503). Lowered (logged) to half "
             "of the file limit less 256 descriptors if that is smaller (an accept burst may "
             "briefly double the count); the soft file limit is raised to the hard one at start."
         ),

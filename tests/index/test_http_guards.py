@@ -45,6 +45,26 @@ def index(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IndexProcess]:
     process.process.wait()
 
 
+FEW_CONNECTIONS = 4
+
+
+@pytest.fixture(scope="module")
+def crowded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IndexProcess]:
+    """An index of few connections, whose timeouts do not free them during a test."""
+    nowhere = SimpleNamespace(zmq="tcp://127.0.0.1:9", events="tcp://127.0.0.1:9")
+    process = IndexProcess(
+        tmp_path_factory.mktemp("crowded"),
+        {"gpu-1": nowhere},
+        {
+            "HTTP_LIMITS__MAX_CONNECTIONS": str(FEW_CONNECTIONS),
+            "HTTP_LIMITS__HEADER_TIMEOUT_SECONDS": "60",
+        },
+    )
+    yield process
+    process.process.kill()
+    process.process.wait()
+
+
 @pytest.mark.parametrize(
     ("token", "size", "code"),
     [
@@ -98,3 +118,26 @@ def test_a_kept_alive_gateway_connection_answers_at_once(index: IndexProcess) ->
     for path, headers, payload in (("/healthz", {}, b""), ("/v1/route", gateway, body)):
         seconds = kept_alive_seconds(index.url, path, headers, payload)
         assert seconds < KEPT_ALIVE_BOUND, f"{path}: {seconds * 1000:.1f} ms"
+
+
+def test_unauthenticated_connections_leave_a_gateway_connection_open(
+    crowded: IndexProcess,
+) -> None:
+    """Before: at the bound the longest idle connection was closed, whoever held it, so
+    connections sending half a head closed a gateway's kept-alive one."""
+    body = b'{"loads": {"gpu-1": 0}, "chunk_keys": []}'
+    gateway = {"Authorization": f"Bearer {GATEWAY_TOKEN}", **JSON}
+    route = head("POST", "/v1/route", {**gateway, "Content-Length": str(len(body))}) + body
+    with connect(crowded.url, timeout=5) as kept:
+        kept.sendall(route)
+        assert read_answer(kept).status == 200
+        slow = []
+        try:
+            for _ in range(3 * FEW_CONNECTIONS):
+                slow.append(connect(crowded.url, timeout=5))
+                slow[-1].sendall(head("GET", "/healthz", end=False))
+            kept.sendall(route)
+            assert read_answer(kept).status == 200
+        finally:
+            for sock in slow:
+                sock.close()

@@ -131,3 +131,22 @@ def kept_alive_seconds(url: str, path: str, headers: dict[str, str], body: bytes
             if number:  # the first opens the connection
                 times.append(time.perf_counter() - started)
     return sorted(times)[len(times) // 2]
+
+
+def unread_responses(url: str, path: str = "/openapi.json") -> socket.socket:
+    """A connection that pipelines ``GET path`` and reads no answer, until the server stops
+    taking its requests (its responses fill every buffer between the two) or drops the
+    connection; the socket."""
+    parts = urlsplit(url)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window
+    sock.connect((parts.hostname, parts.port))
+    sock.settimeout(0.5)
+    requests = head("GET", path) * 64
+    try:
+        while True:
+            sock.sendall(requests)
+    except TimeoutError:  # nothing taken for half a second: the server is stuck on this one
+        return sock
+    except ConnectionError:  # the server gave up on it already
+        return sock

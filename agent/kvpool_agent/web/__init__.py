@@ -2,8 +2,9 @@
 connection bounds, the body gate, bearer authentication, health routes and error bodies.
 
 - :mod:`~kvpool_agent.web.serving`: uvicorn with bounded connections and read timeouts;
-- :mod:`~kvpool_agent.web.connections`: the connection gate itself (connections, request
-  heads' time, size and fields, TCP_NODELAY) and its counts of refusals;
+- :mod:`~kvpool_agent.web.connections`: the connection gate itself (connections, which
+  it closes unauthenticated first; request heads' time, size and fields; unread responses'
+  time; TCP_NODELAY) and its counts of refusals;
 - :mod:`~kvpool_agent.web.body_gate`: body size and token checked before a body is read;
 - :mod:`~kvpool_agent.web.common`: bearer auth, health routes, error bodies;
 - :mod:`~kvpool_agent.web.refusal_metrics`: what the server refused, as a counter;

@@ -8,9 +8,14 @@ parse) as many bytes as it cares to send. For a request that carries a body (a
 1. a declared ``Content-Length`` above ``max_body_bytes``: 413, body unread;
 2. no token the API accepts: 401 or 403 (:class:`kvpool_agent.web.common.BearerAuth`),
    body unread;
+
+and the connection is closed after the answer, so that the body it announced is not
+read either (the server would otherwise drain it, at whatever rate the client sends, until
+the head timeout: 13 GiB in 10 s over loopback);
 3. while the app reads: more bytes than ``max_body_bytes`` (a chunked or short-declared
    body) is 413, and a body not complete ``body_timeout_seconds`` after the head is 408
-   and the connection is closed. The app then sees a disconnect and its answer is dropped.
+   and the connection is closed (after a 413 too). The app then sees a disconnect and
+   its answer is dropped.
 
 Requests without a body pass untouched (the routes' own dependencies authenticate them).
 """
@@ -44,7 +49,7 @@ class BodyGate:
         headers = {name: value for name, value in scope["headers"]}
         declared = _declared_length(headers.get(b"content-length"))
         if declared is None:
-            await _error(status.HTTP_400_BAD_REQUEST, "malformed Content-Length")(
+            await _error(status.HTTP_400_BAD_REQUEST, "malformed Content-Length", _CLOSE)(
                 scope, receive, send
             )
             return
@@ -54,11 +59,11 @@ class BodyGate:
         if declared > self.max_bytes:
             await self._too_large()(scope, receive, send)
             return
-        authorization = headers.get(b"authorization")
         try:
-            self._auth.principal(None if authorization is None else authorization.decode("latin-1"))
+            self._auth.caller(scope)
         except HTTPException as refusal:
-            await _error(refusal.status_code, refusal.detail, refusal.headers)(scope, receive, send)
+            closing = {**(refusal.headers or {}), **_CLOSE}
+            await _error(refusal.status_code, refusal.detail, closing)(scope, receive, send)
             return
         await _MeteredRequest(self, scope, receive, send).run()
 
@@ -66,6 +71,7 @@ class BodyGate:
         return _error(
             status.HTTP_413_CONTENT_TOO_LARGE,
             f"request body larger than {self.max_bytes} bytes",
+            _CLOSE,
         )
 
 

@@ -7,7 +7,7 @@ is 401, a principal the API does not serve (a gateway on an agent, a tenant on t
 403.
 """
 
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Request, status
@@ -16,9 +16,12 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.security.utils import get_authorization_scheme_param
 from pydantic import BaseModel, Field
+from starlette.datastructures import Headers
 from starlette.routing import Match
+from starlette.types import Scope
 
 from kvpool_agent.tenancy.auth import Principal, Role, TokenAuthority
+from kvpool_agent.web.connections import trust
 
 MetricsSource = Callable[[], tuple[bytes, str]]
 """Renders the metrics exposition: ``(body, content_type)``."""
@@ -116,7 +119,8 @@ class BearerAuth:
 
     Both the routes' dependency (:func:`bearer_principal`) and the body gate
     (:class:`kvpool_agent.web.body_gate.BodyGate`, which must decide before a body is
-    read) ask this one object, so they answer alike.
+    read) ask this one object (:meth:`caller`), so they answer alike, and a connection
+    that authenticates is marked so (:func:`kvpool_agent.web.connections.trust`).
     """
 
     def __init__(self, authority: TokenAuthority, *, realm: str, roles: Collection[Role]) -> None:
@@ -125,6 +129,13 @@ class BearerAuth:
         self._challenge = {"WWW-Authenticate": f'Bearer realm="{realm}"'}
         self._invalid = {"WWW-Authenticate": f'Bearer realm="{realm}", error="invalid_token"'}
         self._allowed = ", ".join(f"{role} tokens" for role in roles)
+
+    def caller(self, scope: Scope) -> Principal:
+        """:meth:`principal` of a request's ``Authorization`` header, marking its connection
+        authenticated; call it on the event loop, where the connection gate lives."""
+        principal = self.principal(Headers(scope=scope).get("authorization"))
+        trust(scope)
+        return principal
 
     def principal(self, authorization: str | None) -> Principal:
         """The caller of an ``Authorization`` header value; HTTPException 401 or 403 if none."""
@@ -146,13 +157,14 @@ class BearerAuth:
         return principal
 
 
-def bearer_principal(auth: BearerAuth, *, description: str) -> Callable[..., Principal]:
-    """A FastAPI dependency: the caller's principal (see :meth:`BearerAuth.principal`)."""
+def bearer_principal(auth: BearerAuth, *, description: str) -> Callable[..., Awaitable[Principal]]:
+    """A FastAPI dependency: the caller's principal (see :meth:`BearerAuth.caller`); async,
+    so that it runs on the event loop (the check is a few hashes)."""
     bearer = HTTPBearer(auto_error=False, description=description)  # declares the scheme
 
-    def authenticate(
+    async def authenticate(
         request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
     ) -> Principal:
-        return auth.principal(request.headers.get("authorization"))
+        return auth.caller(request.scope)
 
     return authenticate

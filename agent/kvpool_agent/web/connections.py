@@ -9,11 +9,16 @@ the ZMQ data path of the same process cannot accept clients either.
 :class:`ConnectionGate` wraps each connection's uvicorn protocol in a
 :class:`GuardedConnection`, which
 
-- is admitted only while fewer than ``max_connections`` are open; at the bound the
-  connection idle longest (waiting for a request head) is closed to make room, as
-  nginx reuses keep-alive connections, and if none is idle the new one gets 503;
+- is admitted only while fewer than ``max_connections`` are open; at the bound one
+  connection is closed to make room, as nginx reuses keep-alive connections: one that
+  has not authenticated before one that has, idle (waiting for a request head) before
+  busy, the longest in that state first, and never one busy with an authenticated
+  client's request: if only those are open, the new one gets 503;
 - gets ``header_timeout`` to send a whole request head after it opens or after its
   last response, else a 408 and the close;
+- is aborted when it leaves its responses unread for ``send_timeout``: the server's
+  write buffer stays full that long (a client that pipelines requests and never reads
+  the answers would otherwise hold its slot, and the socket's buffers, for ever);
 - may send a request head of at most ``max_head_bytes`` and ``max_header_count`` header
   fields, else a 431 and the close (a malformed head: 400 and the close);
 - has ``TCP_NODELAY`` set: a socket made by ``socket.create_server`` has protocol 0, so
@@ -30,7 +35,9 @@ A request's progress reaches its connection through the ASGI scope: the gate han
 each connection's protocol its own copy of the lifespan state holding the connection
 (uvicorn copies that state into every request's ``scope["state"]``), and
 :class:`RequestTracker`, the outermost middleware, reports when a request begins and
-when its response ends. Refusals and timeouts are logged through a
+when its response ends. A request whose bearer token the API accepts marks its connection
+authenticated (:func:`trust`, which :class:`~kvpool_agent.web.common.BearerAuth` calls); it
+stays so for its life. Refusals and timeouts are logged through a
 :class:`~kvpool_agent.web.rate_limited_log.RateLimitedLog`, not once per connection, and
 counted by reason in :class:`HttpRefusals` (the metrics read them).
 """
@@ -43,6 +50,7 @@ import json
 import socket
 from collections import Counter, OrderedDict
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import h11
@@ -57,6 +65,7 @@ CONNECTION_KEY = "kvpool.connection"
 """Where a request's :class:`GuardedConnection` is in ``scope["state"]``."""
 
 ProtocolFactory = Callable[..., asyncio.Protocol]
+_Queue = OrderedDict["GuardedConnection", None]
 
 
 class Refusal(enum.StrEnum):
@@ -71,7 +80,9 @@ class Refusal(enum.StrEnum):
     HEAD_TIMEOUT = "head_timeout"
     """408: no whole request head within ``header_timeout``."""
     CONNECTIONS_FULL = "connections_full"
-    """503: ``max_connections`` open and none idle."""
+    """503: ``max_connections`` open, all busy with authenticated clients' requests."""
+    SEND_TIMEOUT = "send_timeout"
+    """Aborted: responses left unread for ``send_timeout``."""
 
 
 class HttpRefusals:
@@ -100,6 +111,7 @@ class ConnectionGate:
         *,
         max_connections: int,
         header_timeout: float,
+        send_timeout: float,
         max_head_bytes: int,
         max_header_count: int,
         log: RateLimitedLog,
@@ -107,18 +119,25 @@ class ConnectionGate:
     ) -> None:
         self.max_connections = max_connections
         self.header_timeout = header_timeout
+        self.send_timeout = send_timeout
         self.max_head_bytes = max_head_bytes
         self.max_header_count = max_header_count
         self.refusals = refusals or HttpRefusals()
         self._log = log
         self._open: set[GuardedConnection] = set()
-        self._idle: OrderedDict[GuardedConnection, None] = OrderedDict()
+        self._closable: tuple[_Queue, _Queue, _Queue] = (
+            OrderedDict(),
+            OrderedDict(),
+            OrderedDict(),
+        )
+        """Who is closed first at the bound, oldest first: connections not authenticated
+        and idle, then not authenticated and busy, then authenticated and idle."""
         self._timed_out = _canned(
             "408 Request Timeout", f"no complete request head within {header_timeout:g} s"
         )
         self._refused = _canned(
             "503 Service Unavailable",
-            f"{max_connections} HTTP connections are open and busy; try again",
+            f"{max_connections} HTTP connections are busy with authenticated requests; try again",
         )
         self._answers = {
             Refusal.HEAD_TOO_LARGE: _canned(
@@ -145,33 +164,50 @@ class ConnectionGate:
 
     def _admit(self, connection: GuardedConnection) -> bool:
         if len(self._open) >= self.max_connections:
-            if not self._idle:
+            queue = next((queue for queue in self._closable if queue), None)
+            if queue is None:
                 self.refusals.add(Refusal.CONNECTIONS_FULL)
                 self._log.warning(
-                    f"HTTP: {self.max_connections} connections open and none idle: "
-                    "refusing new ones with 503 (http_limits.max_connections)"
+                    f"HTTP: {self.max_connections} connections open, all busy with "
+                    "authenticated requests: refusing new ones with 503 "
+                    "(http_limits.max_connections)"
                 )
                 return False
-            victim, _ = self._idle.popitem(last=False)
-            self._open.discard(victim)
-            victim.close()
+            victim, _ = queue.popitem(last=False)
+            self._release(victim)
+            victim.abort()
             self._log.warning(
-                f"HTTP: {self.max_connections} connections open: closing the longest idle "
-                "ones to admit new ones (http_limits.max_connections)"
+                f"HTTP: {self.max_connections} connections open: closing one for each new one "
+                "(not authenticated before authenticated, idle before busy, oldest first; "
+                "http_limits.max_connections)"
             )
         self._open.add(connection)
         return True
 
     def _release(self, connection: GuardedConnection) -> None:
         self._open.discard(connection)
-        self._idle.pop(connection, None)
+        for queue in self._closable:
+            queue.pop(connection, None)
 
-    def _set_idle(self, connection: GuardedConnection, idle: bool) -> None:
-        if not idle:
-            self._idle.pop(connection, None)
-        elif connection in self._open:
-            self._idle[connection] = None
-            self._idle.move_to_end(connection)
+    def _refile(self, connection: GuardedConnection) -> None:
+        """Put an open connection in the queue of its state (or none: busy, authenticated)."""
+        if connection not in self._open:
+            return
+        for queue in self._closable:
+            queue.pop(connection, None)
+        untrusted_idle, untrusted_busy, trusted_idle = self._closable
+        if not connection.trusted:
+            (untrusted_busy if connection.busy else untrusted_idle)[connection] = None
+        elif not connection.busy:
+            trusted_idle[connection] = None
+
+    def _timed_out_send(self, connection: GuardedConnection) -> None:
+        self.refusals.add(Refusal.SEND_TIMEOUT)
+        self._log.warning(
+            f"HTTP: aborting connections that left their responses unread for "
+            f"{self.send_timeout:g} s (http_limits.send_timeout_seconds)"
+        )
+        connection.abort()
 
     def _timed_out_head(self, connection: GuardedConnection) -> None:
         self.refusals.add(Refusal.HEAD_TIMEOUT)
@@ -204,7 +240,12 @@ class GuardedConnection(asyncio.Protocol):
         self._gate = gate
         self._transport: asyncio.Transport | None = None
         self._admitted = False
-        self._timer: asyncio.TimerHandle | None = None
+        self._head_deadline = _Deadline(gate.header_timeout, partial(gate._timed_out_head, self))
+        self._send_deadline = _Deadline(gate.send_timeout, partial(gate._timed_out_send, self))
+        self.trusted = False
+        """A request on it carried a bearer token the API accepts."""
+        self.busy = False
+        """A request head is in, its response not yet complete."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -228,41 +269,78 @@ class GuardedConnection(asyncio.Protocol):
         return self.inner.eof_received() if self._admitted else None
 
     def pause_writing(self) -> None:
+        """The write buffer is full: the client must take some of it within the send timeout."""
         if self._admitted:
+            self._send_deadline.arm()
             self.inner.pause_writing()
 
     def resume_writing(self) -> None:
         if self._admitted:
+            self._send_deadline.disarm()
             self.inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_timer()
+        self._head_deadline.disarm()
+        self._send_deadline.disarm()
         if self._admitted:
             self._gate._release(self)
             self.inner.connection_lost(exc)
 
+    def trust(self) -> None:
+        """A request on it authenticated: close it only after every unauthenticated one."""
+        self.trusted = True
+        self._gate._refile(self)
+
     def request_started(self) -> None:
         """A request head is in: the head deadline no longer applies."""
-        self._cancel_timer()
-        self._gate._set_idle(self, False)
+        self._head_deadline.disarm()
+        self.busy = True
+        self._gate._refile(self)
 
     def awaiting_request(self) -> None:
         """Idle until the next request head, which must come within the header timeout."""
-        self._cancel_timer()
-        self._gate._set_idle(self, True)
-        loop = asyncio.get_running_loop()
-        self._timer = loop.call_later(self._gate.header_timeout, self._gate._timed_out_head, self)
+        self.busy = False
+        self._gate._refile(self)
+        if self._transport is not None and not self._transport.is_closing():
+            self._head_deadline.arm()  # not for a connection closed meanwhile
 
     def close(self, last_words: bytes = b"") -> None:
+        """Close after ``last_words`` and what is still buffered for the client."""
         if self._transport is not None and not self._transport.is_closing():
             if last_words:
                 self._transport.write(last_words)
             self._transport.close()
 
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+    def abort(self) -> None:
+        """Close now, dropping whatever the client has not taken."""
+        if self._transport is not None:
+            self._transport.abort()
+
+
+class _Deadline:
+    """A call ``seconds`` after :meth:`arm`, unless :meth:`disarm` comes first."""
+
+    def __init__(self, seconds: float, expire: Callable[[], None]) -> None:
+        self._seconds = seconds
+        self._expire = expire
+        self._handle: asyncio.TimerHandle | None = None
+
+    def arm(self) -> None:
+        self.disarm()
+        self._handle = asyncio.get_running_loop().call_later(self._seconds, self._expire)
+
+    def disarm(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
+def trust(scope: Scope) -> None:
+    """The request of ``scope`` authenticated: its connection (if the gate guards it) is
+    closed at the bound only after every unauthenticated one."""
+    connection = scope.get("state", {}).get(CONNECTION_KEY)
+    if isinstance(connection, GuardedConnection):
+        connection.trust()
 
 
 class _BadHead(Exception):

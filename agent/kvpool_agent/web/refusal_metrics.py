@@ -23,7 +23,7 @@ class HttpRefusalsCollector(Collector):
             self._name,
             "Requests and connections the HTTP server answered itself, by reason: "
             "head_too_large and too_many_headers (431), malformed_head (400), head_timeout "
-            "(408), connections_full (503).",
+            "(408), connections_full (503), send_timeout (aborted: responses left unread).",
             labels=["reason"],
         )
         for reason, count in sorted(self._refusals.counts.items()):

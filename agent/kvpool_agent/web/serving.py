@@ -1,9 +1,9 @@
 """Serve an ASGI app with uvicorn inside a process that owns its own signal handling.
 
-The server is guarded against clients that hold connections or descriptors, or send
-endless request heads (:mod:`kvpool_agent.web.connections`, which also sets TCP_NODELAY):
-request bodies are the app's business (:class:`kvpool_agent.web.body_gate.BodyGate`,
-which needs the app's tokens).
+The server is guarded against clients that hold connections or descriptors, send
+endless request heads, or leave their responses unread (:mod:`kvpool_agent.web.connections`,
+which also sets TCP_NODELAY): request bodies are the app's business
+(:class:`kvpool_agent.web.body_gate.BodyGate`, which needs the app's tokens).
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ async def serve_http(
     gate = ConnectionGate(
         max_connections=bound,
         header_timeout=limits.header_timeout_seconds,
+        send_timeout=limits.send_timeout_seconds,
         max_head_bytes=int(limits.max_head_bytes),
         max_header_count=limits.max_header_count,
         log=flood_log,

@@ -1,5 +1,5 @@
 """What one HTTP client may cost a real agent process: heads, bodies, slow clients, idle
-sockets; and what a kept-alive connection costs a well-behaved one.
+sockets, unread responses; and what a kept-alive connection costs a well-behaved one.
 
 Requests go over plain sockets, so a test can send half a request, or only the head of
 one, and see what the agent answers before the rest arrives.
@@ -8,6 +8,7 @@ one, and see what the agent answers before the rest arrives.
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 from kvpool_agent.client import AgentClient
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.metrics import metric
+from tests.support.polling import wait_until
 from tests.support.raw_http import (
     closed_by_peer,
     connect,
@@ -23,6 +25,7 @@ from tests.support.raw_http import (
     head_flood,
     kept_alive_seconds,
     read_answer,
+    unread_responses,
 )
 
 from .body_memory import QUOTA_PATH, body_memory_growth
@@ -50,6 +53,26 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
             "HTTP_LIMITS__MAX_BODY_BYTES": str(MAX_BODY),
             "HTTP_LIMITS__HEADER_TIMEOUT_SECONDS": str(TIMEOUT_SECONDS),
             "HTTP_LIMITS__BODY_TIMEOUT_SECONDS": str(TIMEOUT_SECONDS),
+            "HTTP_LIMITS__SEND_TIMEOUT_SECONDS": str(TIMEOUT_SECONDS),
+        },
+    )
+    process.start()
+    yield process
+    process.cleanup()
+
+
+FEW_CONNECTIONS = 4
+
+
+@pytest.fixture(scope="module")
+def crowded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
+    """An agent of few connections, whose timeouts do not free them during a test."""
+    process = AgentProcess(
+        tmp_path_factory.mktemp("crowded"),
+        settings={
+            "HTTP_LIMITS__MAX_CONNECTIONS": str(FEW_CONNECTIONS),
+            "HTTP_LIMITS__HEADER_TIMEOUT_SECONDS": "60",
+            "HTTP_LIMITS__SEND_TIMEOUT_SECONDS": "60",
         },
     )
     process.start()
@@ -147,7 +170,7 @@ def test_idle_connections_leave_the_zmq_path_and_new_requests_working(tmp_path: 
             sock.sendall(head("GET", "/healthz"))
             assert read_answer(sock).status == 200
         log = "".join(agent.log)
-        assert log.count("closing the longest idle ones") == 1, log[-3000:]
+        assert log.count("closing one for each new one") == 1, log[-3000:]
         assert "Traceback" not in log and "out of system resource" not in log, log[-3000:]
     finally:
         for sock in idle:
@@ -210,3 +233,62 @@ def test_malformed_heads_are_400_and_one_log_line(agent: AgentProcess) -> None:
             assert closed_by_peer(sock)
     assert metric(agent, refused("malformed_head")) == counted + 50
     assert len(agent.log) - logged <= 1, agent.log[logged:]
+
+
+def test_a_body_refused_unread_closes_its_connection(agent: AgentProcess) -> None:
+    """Before: the 401 left the connection open, and the agent read and dropped whatever
+    the client sent until the head timeout (13 GiB in 10 s over loopback), then a 408."""
+    with connect(agent.http, timeout=10 * TIMEOUT_SECONDS) as sock:
+        sock.sendall(head("PUT", QUOTA_PATH, {**JSON, "Transfer-Encoding": "chunked"}))
+        answer = read_answer(sock)
+        assert answer.status == 401
+        assert answer.headers["connection"] == "close"
+        assert sock.recv(65536) == b""  # the end, not a 408 a head timeout later
+
+
+def test_unauthenticated_connections_leave_an_authenticated_one_open(
+    crowded: AgentProcess,
+) -> None:
+    """Before: at the bound the longest idle connection was closed, whoever held it, so
+    connections sending half a head closed an admin's kept-alive one."""
+    with connect(crowded.http, timeout=5) as kept:
+        kept.sendall(head("GET", "/v1/status", ADMIN))
+        assert read_answer(kept).status == 200
+        slow = []
+        try:
+            for _ in range(3 * FEW_CONNECTIONS):
+                slow.append(connect(crowded.http, timeout=5))
+                slow[-1].sendall(head("GET", "/healthz", end=False))
+            kept.sendall(head("GET", "/v1/status", ADMIN))
+            assert read_answer(kept).status == 200
+        finally:
+            for sock in slow:
+                sock.close()
+
+
+def test_unread_responses_leave_slots_to_authenticated_clients(crowded: AgentProcess) -> None:
+    """Before: connections that pipelined unauthenticated requests and read no answer held
+    every slot for ever, and an admin got 503."""
+    readers = [unread_responses(crowded.http) for _ in range(FEW_CONNECTIONS)]
+    try:
+        with connect(crowded.http, timeout=2) as sock:
+            sock.sendall(head("GET", "/v1/status", ADMIN))
+            assert read_answer(sock).status == 200
+    finally:
+        for reader in readers:
+            reader.close()
+
+
+def test_responses_left_unread_are_aborted_after_the_send_timeout(agent: AgentProcess) -> None:
+    """Before: the connection stayed, with the buffers of its answers, for ever. Nor does
+    the aborted connection time out later waiting for a head (it did once aborted)."""
+    counted = metric(agent, refused("send_timeout"))
+    heads_timed_out = metric(agent, refused("head_timeout"))
+    with unread_responses(agent.http):
+        wait_until(
+            lambda: metric(agent, refused("send_timeout")) == counted + 1,
+            timeout=10 * TIMEOUT_SECONDS,
+            what="the connection aborted",
+        )
+    time.sleep(2 * TIMEOUT_SECONDS)  # what is not to happen: a head timeout
+    assert metric(agent, refused("head_timeout")) == heads_timed_out
