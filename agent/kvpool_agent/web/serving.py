@@ -2,7 +2,8 @@
 
 The server is guarded against clients that hold connections or descriptors, send
 endless request heads, or leave their responses unread (:mod:`kvpool_agent.web.connections`,
-which also sets TCP_NODELAY): request bodies are the app's business
+which also sets TCP_NODELAY), and over TLS against clients that hold handshakes
+(:mod:`kvpool_agent.web.tls`): request bodies are the app's business
 (:class:`kvpool_agent.web.body_gate.BodyGate`, which needs the app's tokens).
 """
 
@@ -13,7 +14,8 @@ import contextlib
 import logging
 import resource
 import socket
-from collections.abc import AsyncIterator, Iterator
+import ssl
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -26,6 +28,7 @@ from kvpool_agent.web.connections import (
     RequestTracker,
 )
 from kvpool_agent.web.rate_limited_log import RateLimitedLog
+from kvpool_agent.web.tls import TlsAcceptor
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +56,16 @@ async def serve_http(
     refusals: HttpRefusals | None = None,
     *,
     listener: socket.socket | None = None,
+    tls: Callable[[], ssl.SSLContext] | None = None,
 ) -> AsyncIterator[str]:
     """Serve ``app`` on ``host:port`` (0: a free port), or on ``listener`` (:func:`listen`,
     bound beforehand), on this loop; yields the base URL.
 
     The socket is bound before serving starts, so the URL is known at once and a port in
     use is an error here rather than a log line later. What the connection gate refuses
-    is counted in ``refusals``.
+    is counted in ``refusals``. With ``tls``, HTTPS: each connection's TLS context is
+    ``tls()`` when it is accepted, its handshake bounded by the header timeout and the
+    connection bound (:class:`~kvpool_agent.web.tls.TlsAcceptor`).
     """
     limits = limits or HttpLimits()
     flood_log = RateLimitedLog(log)
@@ -73,13 +79,23 @@ async def serve_http(
         log=flood_log,
         refusals=refusals,
     )
+    # h11, not httptools: h11 bounds an unfinished head (the gate's 431), httptools not
+    protocol: Callable[..., asyncio.BaseProtocol] = gate.protocol_factory(BoundedH11Protocol)
+    acceptor = None
+    if tls is not None:
+        acceptor = TlsAcceptor(
+            tls,
+            handshake_timeout=limits.header_timeout_seconds,
+            max_handshakes=bound,
+            log=flood_log,
+        )
+        protocol = acceptor.protocol_factory(protocol)
     if listener is None:
         listener = listen(host, port)
     bound_host, bound_port = listener.getsockname()[:2]
     config = uvicorn.Config(
         RequestTracker(app),
-        # h11, not httptools: h11 bounds an unfinished head (the gate's 431), httptools not
-        http=gate.protocol_factory(BoundedH11Protocol),  # type: ignore[arg-type]
+        http=protocol,  # type: ignore[arg-type]
         ws="none",
         # asyncio accepts up to `backlog` sockets at once before the gate sees any of them
         backlog=bound,
@@ -91,10 +107,12 @@ async def serve_http(
     with _quiet_accept_failures(flood_log):
         task = asyncio.create_task(server.serve(sockets=[listener]), name="http")
         try:
-            yield f"http://{bound_host}:{bound_port}"
+            yield f"{'http' if tls is None else 'https'}://{bound_host}:{bound_port}"
         finally:
             server.should_exit = True
             await task
+            if acceptor is not None:
+                acceptor.close()
             listener.close()
 
 
