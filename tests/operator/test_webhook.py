@@ -25,7 +25,7 @@ import jsonpatch
 import kmock
 import pytest
 
-from kvpool_operator.admission import server as webhook_server
+from kvpool_operator.admission import server as admission_server
 from kvpool_operator.admission.certificates import make, write
 from kvpool_operator.admission.server import ServiceRef, Webhook, WebhookOptions
 from kvpool_operator.admission.wiring import (
@@ -285,7 +285,7 @@ def test_renewed_tls_files_are_served_and_their_ca_published(
 ) -> None:
     """cert-manager renews the files in place: the next client configuration carries the
     new CA, and a client that trusts only the new CA is served."""
-    monkeypatch.setattr(webhook_server, "RENEWAL_CHECK_SECONDS", 0.05)
+    monkeypatch.setattr(admission_server, "RENEWAL_CHECK_SECONDS", 0.05)
     write(make(["127.0.0.1"]), tmp_path)
     options = WebhookOptions(
         bind="127.0.0.1", port=free_port(), url_host="127.0.0.1", cert_dir=tmp_path
@@ -553,7 +553,7 @@ def test_a_pod_that_cannot_be_wired_is_created_with_a_warning(
     assert _calls(served_api, name) == ["unchanged"]
 
 
-def test_the_published_ca_verifies_the_webhook_server(
+def test_the_published_ca_verifies_the_webhook_address(
     served_api: ServedApi, operator: OperatorProcess
 ) -> None:
     config = _webhook(served_api)["clientConfig"]
@@ -646,7 +646,7 @@ JUNK_MEMORY_BOUND = 16 << 20
 WIRED_WITHIN_SECONDS = 2.0
 
 
-def _webhook_server(api: ServedApi) -> tuple[str, int, ssl.SSLContext]:
+def _webhook_address(api: ServedApi) -> tuple[str, int, ssl.SSLContext]:
     """The webhook's host and port, and a TLS context that trusts its published CA."""
     config = _webhook(api)["clientConfig"]
     parts = urlsplit(config["url"])
@@ -703,7 +703,7 @@ def test_connections_stalled_in_their_request_head_are_closed_within_seconds(
     """200 connections finish TLS, send half a request head and stall: each is closed
     within the head deadline (the oldest at once past the connection bound), the
     operator's memory barely grows, and the API server's calls still get through."""
-    host, port, context = _webhook_server(served_api)
+    host, port, context = _webhook_address(served_api)
 
     async def half_head() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         reader, writer = await asyncio.open_connection(
@@ -722,7 +722,7 @@ def test_connections_that_never_start_tls_are_closed_within_seconds(
 ) -> None:
     """200 TCP connections send nothing: each is closed within the handshake deadline (the
     oldest at once past the bound), and the API server's calls still get through."""
-    host, port, _ = _webhook_server(served_api)
+    host, port, _ = _webhook_address(served_api)
 
     async def silent() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         return await asyncio.open_connection(host, port)
@@ -734,7 +734,7 @@ def test_connections_that_never_start_tls_are_closed_within_seconds(
 def test_a_body_declared_too_large_is_refused_at_once_and_the_connection_closed(
     served_api: ServedApi, operator: OperatorProcess
 ) -> None:
-    host, port, context = _webhook_server(served_api)
+    host, port, context = _webhook_address(served_api)
     declared = {"Content-Type": "application/json", "Content-Length": str(100 << 20)}
 
     async def declare() -> bytes:

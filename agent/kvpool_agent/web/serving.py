@@ -69,7 +69,7 @@ async def serve_http(
     """
     limits = limits or HttpLimits()
     flood_log = RateLimitedLog(log)
-    bound = connection_bound(limits.max_connections)
+    bound = connection_bound(limits.max_connections, copies=2 if tls is None else 3)
     gate = ConnectionGate(
         max_connections=bound,
         header_timeout=limits.header_timeout_seconds,
@@ -121,13 +121,13 @@ def listen(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port))
 
 
-def connection_bound(wanted: int) -> int:
+def connection_bound(wanted: int, copies: int = 2) -> int:
     """``wanted``, or fewer if the descriptor limit would leave the process too few.
 
-    The bound counts twice: asyncio accepts up to a listen backlog (the bound, too) of
-    sockets in one go before the gate can close any. Raises the soft limit to the hard
-    one first (as the Go runtime does): the soft default of many hosts, 1024, is a relic
-    of select().
+    The bound counts ``copies`` times: asyncio accepts up to a listen backlog (the bound,
+    too) of sockets in one go before the gate can close any, and over TLS as many again
+    may be in their handshake. Raises the soft limit to the hard one first (as the Go
+    runtime does): the soft default of many hosts, 1024, is a relic of select().
     """
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
@@ -136,15 +136,17 @@ def connection_bound(wanted: int) -> int:
             soft = hard
     if soft == resource.RLIM_INFINITY:
         return wanted
-    bound = max(1, min(wanted, (soft - RESERVED_DESCRIPTORS) // 2))
+    bound = max(1, min(wanted, (soft - RESERVED_DESCRIPTORS) // copies))
     if bound < wanted:
         log.warning(
             "HTTP: at most %d connections, not %d: the file limit is %d, %d descriptors "
-            "are kept for the rest of the process, and an accept burst may double the count",
+            "are kept for the rest of the process, and accept bursts (and TLS handshakes) "
+            "may make the count %d times the bound",
             bound,
             wanted,
             soft,
             RESERVED_DESCRIPTORS,
+            copies,
         )
     return bound
 
