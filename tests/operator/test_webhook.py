@@ -13,16 +13,19 @@ import asyncio
 import base64
 import json
 import ssl
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import jsonpatch
 import kmock
 import pytest
 
+from kvpool_operator.admission import server as admission_server
 from kvpool_operator.admission.certificates import make, write
 from kvpool_operator.admission.server import ServiceRef, Webhook, WebhookOptions
 from kvpool_operator.admission.wiring import (
@@ -32,9 +35,11 @@ from kvpool_operator.admission.wiring import (
     wire,
 )
 from tests.support.kube_api import ServedApi, matches_rules, matches_selector
+from tests.support.metrics import memory_bytes
 from tests.support.operator_process import REPO, Kubectl, OperatorProcess
 from tests.support.polling import eventually
 from tests.support.ports import free_port
+from tests.support.raw_http import head
 
 POOL_NAMESPACE = "inference"
 TEAM = "team-a"
@@ -273,6 +278,38 @@ def test_a_certificate_directory_is_served_and_its_ca_published(tmp_path: Path) 
     config = _first_config(options, "127.0.0.1")
     assert base64.b64decode(config["caBundle"]) == made.ca
     assert config["url"] == f"https://127.0.0.1:{options.port}"
+
+
+def test_renewed_tls_files_are_served_and_their_ca_published(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cert-manager renews the files in place: the next client configuration carries the
+    new CA, and a client that trusts only the new CA is served."""
+    monkeypatch.setattr(admission_server, "RENEWAL_CHECK_SECONDS", 0.05)
+    write(make(["127.0.0.1"]), tmp_path)
+    options = WebhookOptions(
+        bind="127.0.0.1", port=free_port(), url_host="127.0.0.1", cert_dir=tmp_path
+    )
+
+    async def fn(*_: Any, **__: Any) -> Any:
+        raise AssertionError("not called")
+
+    async def renew() -> None:
+        async with Webhook(options) as server:
+            configs = server(fn)
+            await anext(configs)
+            renewed = make(["127.0.0.1"])
+            write(renewed, tmp_path)
+            config = await asyncio.wait_for(anext(configs), 10)
+            assert base64.b64decode(config["caBundle"]) == renewed.ca
+            context = ssl.create_default_context(cadata=renewed.ca.decode())
+            _, writer = await asyncio.open_connection(
+                options.bind, options.port, ssl=context, server_hostname="127.0.0.1"
+            )
+            writer.close()
+            await configs.aclose()
+
+    asyncio.run(renew())
 
 
 # The emulator's matching.
@@ -516,7 +553,7 @@ def test_a_pod_that_cannot_be_wired_is_created_with_a_warning(
     assert _calls(served_api, name) == ["unchanged"]
 
 
-def test_the_published_ca_verifies_the_webhook_server(
+def test_the_published_ca_verifies_the_webhook_address(
     served_api: ServedApi, operator: OperatorProcess
 ) -> None:
     config = _webhook(served_api)["clientConfig"]
@@ -593,6 +630,127 @@ def test_a_failing_webhook_under_fail_policy_fails_the_create(
         assert created.status_code == 201, created.text
     finally:
         httpx.delete(f"{base}/strict.example.com", headers=headers)
+
+
+# What junk clients may cost the webhook: any pod can reach it, and the API server sends
+# no client certificate, so every connection is a stranger's.
+
+DEADLINE_SECONDS = 5.0
+"""The webhook's TLS handshake deadline, and its request head deadline."""
+SLACK_SECONDS = 3.0
+"""Beyond a deadline, for a loaded machine."""
+JUNK_CONNECTIONS = 200
+JUNK_MEMORY_BOUND = 16 << 20
+"""The operator's RSS growth allowed while 200 junk connections come (before: +206 MiB for
+200 half heads, as many of them held as came, each for ever)."""
+WIRED_WITHIN_SECONDS = 2.0
+
+
+def _webhook_address(api: ServedApi) -> tuple[str, int, ssl.SSLContext]:
+    """The webhook's host and port, and a TLS context that trusts its published CA."""
+    config = _webhook(api)["clientConfig"]
+    parts = urlsplit(config["url"])
+    assert parts.hostname is not None and parts.port is not None
+    context = ssl.create_default_context(cadata=base64.b64decode(config["caBundle"]).decode())
+    return parts.hostname, parts.port, context
+
+
+async def _held_seconds(reader: asyncio.StreamReader, opened: float) -> float:
+    """Seconds from ``opened`` until the server closed the connection (at most a bound)."""
+    try:
+        async with asyncio.timeout(DEADLINE_SECONDS + 2 * SLACK_SECONDS):
+            while await reader.read(65536):
+                pass
+    except TimeoutError:
+        return float("inf")
+    except OSError:  # reset, or TLS cut short: closed too
+        pass
+    return time.monotonic() - opened
+
+
+Junk = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+
+
+def _flood(api: ServedApi, operator: OperatorProcess, junk: Junk, pod: str) -> list[float]:
+    """Open :data:`JUNK_CONNECTIONS` junk connections one after the other, then create a
+    labelled pod through the API server; checks that the operator's memory stayed bounded
+    and the pod was wired in time; how long the server held each junk connection."""
+    before = memory_bytes(operator.pid)
+
+    async def flood() -> list[float]:
+        waits, writers = [], []
+        for _ in range(JUNK_CONNECTIONS):
+            reader, writer = await junk()
+            waits.append(asyncio.create_task(_held_seconds(reader, time.monotonic())))
+            writers.append(writer)
+        growth = memory_bytes(operator.pid) - before
+        assert growth < JUNK_MEMORY_BOUND, f"RSS grew by {growth >> 20} MiB"
+        started = time.monotonic()
+        stored, _ = await asyncio.to_thread(_create, api, TEAM, _pod(pod, LABEL))
+        assert time.monotonic() - started < WIRED_WITHIN_SECONDS
+        assert stored["spec"]["containers"][0]["env"] == ENV
+        held = await asyncio.gather(*waits)
+        for writer in writers:
+            writer.close()
+        return held
+
+    return asyncio.run(flood())
+
+
+def test_connections_stalled_in_their_request_head_are_closed_within_seconds(
+    served_api: ServedApi, operator: OperatorProcess
+) -> None:
+    """200 connections finish TLS, send half a request head and stall: each is closed
+    within the head deadline (the oldest at once past the connection bound), the
+    operator's memory barely grows, and the API server's calls still get through."""
+    host, port, context = _webhook_address(served_api)
+
+    async def half_head() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await asyncio.open_connection(
+            host, port, ssl=context, server_hostname=host
+        )
+        writer.write(head("POST", "/cache-pool", end=False))
+        await writer.drain()
+        return reader, writer
+
+    held = _flood(served_api, operator, half_head, "among-half-heads")
+    assert max(held) < DEADLINE_SECONDS + SLACK_SECONDS, sorted(held)[-5:]
+
+
+def test_connections_that_never_start_tls_are_closed_within_seconds(
+    served_api: ServedApi, operator: OperatorProcess
+) -> None:
+    """200 TCP connections send nothing: each is closed within the handshake deadline (the
+    oldest at once past the bound), and the API server's calls still get through."""
+    host, port, _ = _webhook_address(served_api)
+
+    async def silent() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection(host, port)
+
+    held = _flood(served_api, operator, silent, "among-silent-connections")
+    assert max(held) < DEADLINE_SECONDS + SLACK_SECONDS, sorted(held)[-5:]
+
+
+def test_a_body_declared_too_large_is_refused_at_once_and_the_connection_closed(
+    served_api: ServedApi, operator: OperatorProcess
+) -> None:
+    host, port, context = _webhook_address(served_api)
+    declared = {"Content-Type": "application/json", "Content-Length": str(100 << 20)}
+
+    async def declare() -> bytes:
+        reader, writer = await asyncio.open_connection(
+            host, port, ssl=context, server_hostname=host
+        )
+        writer.write(head("POST", "/cache-pool", declared))  # and not one byte of the body
+        try:
+            async with asyncio.timeout(SLACK_SECONDS):
+                return await reader.read()  # up to the end: the server closes
+        finally:
+            writer.close()
+
+    answer = asyncio.run(declare())
+    assert answer.startswith(b"HTTP/1.1 413 "), answer
+    assert b"request body larger than 1048576 bytes" in answer
 
 
 def test_with_the_operator_down_a_labelled_pod_is_created_as_it_is(

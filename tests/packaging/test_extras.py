@@ -46,13 +46,13 @@ CLEAN = {name: value for name, value in os.environ.items() if name != "PYTHONPAT
 LIBRARIES = {
     # what each extra brings that the others may lack (module names)
     "agent": ("fastapi", "uvicorn", "boto3", "cryptography"),
-    "operator": ("kopf",),
+    "operator": ("kopf", "uvicorn", "starlette"),
     "index": ("fastapi", "uvicorn"),
 }
 NOT_IN = {
     "": ("kopf", "boto3", "fastapi", "uvicorn", "pydantic_settings"),
     "agent": ("kopf",),
-    "operator": ("fastapi", "uvicorn", "starlette", "boto3"),
+    "operator": ("fastapi", "boto3"),
     "index": ("kopf", "boto3"),
 }
 SCRIPTS = {

@@ -72,6 +72,11 @@ class OperatorProcess:
         eventually(self._alive, timeout=30)
         return self
 
+    @property
+    def pid(self) -> int:
+        assert self._process is not None
+        return self._process.pid
+
     def _alive(self) -> None:
         assert self._process is not None and self._process.poll() is None, self.log()
         try:

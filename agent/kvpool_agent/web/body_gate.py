@@ -7,7 +7,7 @@ parse) as many bytes as it cares to send. For a request that carries a body (a
 
 1. a declared ``Content-Length`` above ``max_body_bytes``: 413, body unread;
 2. no token the API accepts: 401 or 403 (:class:`kvpool_agent.web.common.BearerAuth`),
-   body unread;
+   body unread (an API without tokens, the admission webhook, gives no ``auth``);
 
 and the connection is closed after the answer, so that the body it announced is not
 read either (the server would otherwise drain it, at whatever rate the client sends, until
@@ -24,19 +24,27 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+from typing import Protocol
 
-from fastapi import HTTPException, status
+from starlette import status
+from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvpool_agent.config import HttpLimits
-from kvpool_agent.web.common import BearerAuth
 
 _DISCONNECT: Message = {"type": "http.disconnect"}
 
 
+class Authenticator(Protocol):
+    """Who sends a request, or HTTPException: :class:`kvpool_agent.web.common.BearerAuth`
+    (not imported: the operator's webhook uses the gate without FastAPI)."""
+
+    def caller(self, scope: Scope) -> object: ...
+
+
 class BodyGate:
-    def __init__(self, app: ASGIApp, *, auth: BearerAuth, limits: HttpLimits) -> None:
+    def __init__(self, app: ASGIApp, *, auth: Authenticator | None, limits: HttpLimits) -> None:
         self.app = app
         self._auth = auth
         self.max_bytes = int(limits.max_body_bytes)
@@ -60,7 +68,8 @@ class BodyGate:
             await self._too_large()(scope, receive, send)
             return
         try:
-            self._auth.caller(scope)
+            if self._auth is not None:
+                self._auth.caller(scope)
         except HTTPException as refusal:
             closing = {**(refusal.headers or {}), **_CLOSE}
             await _error(refusal.status_code, refusal.detail, closing)(scope, receive, send)

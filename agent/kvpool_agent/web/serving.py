@@ -2,7 +2,8 @@
 
 The server is guarded against clients that hold connections or descriptors, send
 endless request heads, or leave their responses unread (:mod:`kvpool_agent.web.connections`,
-which also sets TCP_NODELAY): request bodies are the app's business
+which also sets TCP_NODELAY), and over TLS against clients that hold handshakes
+(:mod:`kvpool_agent.web.tls`): request bodies are the app's business
 (:class:`kvpool_agent.web.body_gate.BodyGate`, which needs the app's tokens).
 """
 
@@ -13,7 +14,8 @@ import contextlib
 import logging
 import resource
 import socket
-from collections.abc import AsyncIterator, Iterator
+import ssl
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -26,6 +28,7 @@ from kvpool_agent.web.connections import (
     RequestTracker,
 )
 from kvpool_agent.web.rate_limited_log import RateLimitedLog
+from kvpool_agent.web.tls import TlsAcceptor
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +56,20 @@ async def serve_http(
     refusals: HttpRefusals | None = None,
     *,
     listener: socket.socket | None = None,
+    tls: Callable[[], ssl.SSLContext] | None = None,
 ) -> AsyncIterator[str]:
     """Serve ``app`` on ``host:port`` (0: a free port), or on ``listener`` (:func:`listen`,
     bound beforehand), on this loop; yields the base URL.
 
     The socket is bound before serving starts, so the URL is known at once and a port in
     use is an error here rather than a log line later. What the connection gate refuses
-    is counted in ``refusals``.
+    is counted in ``refusals``. With ``tls``, HTTPS: each connection's TLS context is
+    ``tls()`` when it is accepted, its handshake bounded by the header timeout and the
+    connection bound (:class:`~kvpool_agent.web.tls.TlsAcceptor`).
     """
     limits = limits or HttpLimits()
     flood_log = RateLimitedLog(log)
-    bound = connection_bound(limits.max_connections)
+    bound = connection_bound(limits.max_connections, copies=2 if tls is None else 3)
     gate = ConnectionGate(
         max_connections=bound,
         header_timeout=limits.header_timeout_seconds,
@@ -73,13 +79,23 @@ async def serve_http(
         log=flood_log,
         refusals=refusals,
     )
+    # h11, not httptools: h11 bounds an unfinished head (the gate's 431), httptools not
+    protocol: Callable[..., asyncio.BaseProtocol] = gate.protocol_factory(BoundedH11Protocol)
+    acceptor = None
+    if tls is not None:
+        acceptor = TlsAcceptor(
+            tls,
+            handshake_timeout=limits.header_timeout_seconds,
+            max_handshakes=bound,
+            log=flood_log,
+        )
+        protocol = acceptor.protocol_factory(protocol)
     if listener is None:
         listener = listen(host, port)
     bound_host, bound_port = listener.getsockname()[:2]
     config = uvicorn.Config(
         RequestTracker(app),
-        # h11, not httptools: h11 bounds an unfinished head (the gate's 431), httptools not
-        http=gate.protocol_factory(BoundedH11Protocol),  # type: ignore[arg-type]
+        http=protocol,  # type: ignore[arg-type]
         ws="none",
         # asyncio accepts up to `backlog` sockets at once before the gate sees any of them
         backlog=bound,
@@ -91,10 +107,12 @@ async def serve_http(
     with _quiet_accept_failures(flood_log):
         task = asyncio.create_task(server.serve(sockets=[listener]), name="http")
         try:
-            yield f"http://{bound_host}:{bound_port}"
+            yield f"{'http' if tls is None else 'https'}://{bound_host}:{bound_port}"
         finally:
             server.should_exit = True
             await task
+            if acceptor is not None:
+                acceptor.close()
             listener.close()
 
 
@@ -103,13 +121,13 @@ def listen(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port))
 
 
-def connection_bound(wanted: int) -> int:
+def connection_bound(wanted: int, copies: int = 2) -> int:
     """``wanted``, or fewer if the descriptor limit would leave the process too few.
 
-    The bound counts twice: asyncio accepts up to a listen backlog (the bound, too) of
-    sockets in one go before the gate can close any. Raises the soft limit to the hard
-    one first (as the Go runtime does): the soft default of many hosts, 1024, is a relic
-    of select().
+    The bound counts ``copies`` times: asyncio accepts up to a listen backlog (the bound,
+    too) of sockets in one go before the gate can close any, and over TLS as many again
+    may be in their handshake. Raises the soft limit to the hard one first (as the Go
+    runtime does): the soft default of many hosts, 1024, is a relic of select().
     """
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
@@ -118,15 +136,17 @@ def connection_bound(wanted: int) -> int:
             soft = hard
     if soft == resource.RLIM_INFINITY:
         return wanted
-    bound = max(1, min(wanted, (soft - RESERVED_DESCRIPTORS) // 2))
+    bound = max(1, min(wanted, (soft - RESERVED_DESCRIPTORS) // copies))
     if bound < wanted:
         log.warning(
             "HTTP: at most %d connections, not %d: the file limit is %d, %d descriptors "
-            "are kept for the rest of the process, and an accept burst may double the count",
+            "are kept for the rest of the process, and accept bursts (and TLS handshakes) "
+            "may make the count %d times the bound",
             bound,
             wanted,
             soft,
             RESERVED_DESCRIPTORS,
+            copies,
         )
     return bound
 

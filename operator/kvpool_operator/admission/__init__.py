@@ -11,7 +11,7 @@ Ignore, so an operator that is down delays no pod.
 - :mod:`~kvpool_operator.admission.wiring`: the pure mutation (pod and facts in, patch and
   warnings out);
 - :mod:`~kvpool_operator.admission.certificates`: the serving certificate and its CA;
-- :mod:`~kvpool_operator.admission.server`: kopf's webhook server, reached by URL or
+- :mod:`~kvpool_operator.admission.server`: the webhook's bounded HTTPS server, reached by URL or
   through a Service;
 - :mod:`~kvpool_operator.admission.handlers`: the kopf registrations, made when
   ``kvpool-operator`` is started with the webhook.
