@@ -238,6 +238,7 @@ class Agent:
                 agent_id=agent_id,
                 max_inline_bytes=int(config.max_inline_bytes),
                 session_idle_seconds=10 * config.lease_seconds,
+                limits=config.zmq_limits,
                 observer=metrics,
                 listener=zmq_listener,
             )
