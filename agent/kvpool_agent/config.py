@@ -258,7 +258,7 @@ class ZmqLimits(BaseModel):
         gt=0,
         description=(
             "A connection that has not finished its ZMTP handshake and a successful hello this "
-            "long after it opened is closed."
+            "long after it opened is closed (on the events port: its PLAIN handshake)."
         ),
     )
     receive_budget: Size = Field(

@@ -305,7 +305,10 @@ class Agent:
             http_listener = listen_http(config.host, config.http_port)
         stack.callback(http_listener.close)
         events = EventPublisher(
-            f"tcp://{config.host}:{config.events_port or '*'}", agent_id, authority
+            f"tcp://{config.host}:{config.events_port or '*'}",
+            agent_id,
+            authority,
+            handshake_seconds=config.zmq_limits.hello_seconds,
         )
         with listening("events_port", config.host, config.events_port):
             events.start()

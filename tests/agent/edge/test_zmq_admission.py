@@ -1,4 +1,5 @@
-"""What connections may cost a real agent's ZMQ port before and after hello, together.
+"""What connections may cost a real agent's ZMQ port before and after hello, together,
+and its events port before a subscriber's credentials are checked.
 
 Hostile peers speak ZMTP by hand (:class:`~tests.support.raw_zmq.ZmtpPeer`) over real TCP:
 hundreds of them announce the largest message and stall, trickle a hello, send a big one,
@@ -14,11 +15,13 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import zmq
 
 from kvpool_agent import protocol as p
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool_agent.protocol import EVENTS_TOPIC
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN, INDEX_TOKEN, AgentProcess
 from tests.support.chunks import key
 from tests.support.metrics import metric
 from tests.support.polling import wait_until
@@ -212,3 +215,52 @@ def test_unauthenticated_connections_never_lock_a_client_out(agent: AgentProcess
     served(agent)
     for peer in idle:
         peer.close()
+
+
+def plain_peer(endpoint: str) -> socket.socket:
+    """A connection to the events port that has sent a ZMTP greeting for PLAIN and read the
+    agent's: what a subscriber sends before its credentials."""
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    sock.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"PLAIN".ljust(20, b"\0") + bytes(32))
+    greeting = b""
+    while len(greeting) < 64:
+        chunk = sock.recv(64 - len(greeting))
+        assert chunk, "the events port closed during the greeting"
+        greeting += chunk
+    return sock
+
+
+def test_the_events_port_holds_no_large_or_slow_handshake(fresh_agent: AgentProcess) -> None:
+    """Before: libzmq took a PLAIN HELLO of any announced size and held what came of it (here
+    +300 MiB) for its 30 s handshake interval; now 4 KiB at most, for hello_seconds."""
+    subscriber = subscribe(fresh_agent.events)
+    before = fresh_agent.memory_bytes("VmHWM")
+    hello_of_4_mib = b"\x06" + (4 << 20).to_bytes(8, "big") + b"\x05HELLO" + bytes(1 << 20)
+    peers = [plain_peer(fresh_agent.events) for _ in range(STALLERS)]
+    for sock in peers:
+        with contextlib.suppress(OSError):
+            sock.sendall(hello_of_4_mib)
+    grown = fresh_agent.memory_bytes("VmHWM") - before
+    assert grown < MEMORY_BOUND, f"peak RSS grew by {grown / 2**20:.0f} MiB"
+    slow = plain_peer(fresh_agent.events)
+    opened = time.monotonic()
+    assert closed_by_peer(slow, timeout=HELLO_SECONDS + 5)
+    assert time.monotonic() - opened < HELLO_SECONDS + 3
+    for sock in [*peers, slow]:
+        sock.close()
+    with AgentClient(fresh_agent.zmq, token=ADMIN_TOKEN) as client:  # a subscriber still hears
+        while not subscriber.poll(100):
+            client.store(TENANT, [key("heard")], [b"h"])
+    subscriber.close()
+
+
+def subscribe(endpoint: str) -> zmq.Socket[bytes]:
+    """A subscriber as the prefix index connects one: PLAIN, its password an index token."""
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.PLAIN_USERNAME, b"index")
+    sock.setsockopt(zmq.PLAIN_PASSWORD, INDEX_TOKEN.encode())
+    sock.setsockopt(zmq.SUBSCRIBE, EVENTS_TOPIC)
+    sock.connect(endpoint)
+    return sock
