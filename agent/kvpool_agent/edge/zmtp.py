@@ -16,8 +16,9 @@ DEALER's default), and reads each frame's header before its body, so that
 - a frame's body is held as its bytes arrive, never allocated at the size its header
   announces (a buffer allocated from headers let 40 connections that sent 84 KB in all
   grow the agent by 2.6 GB);
-- a peer is read only while none of its messages waits to be served and fewer than
-  ``max_bytes`` of its replies are unsent;
+- a peer is read (and served) only while none of its messages waits to be served and
+  fewer than ``max_bytes`` of its replies are unsent (before hello: the unauthenticated
+  ``max_bytes``, so that a peer that reads no replies cannot pile up error replies);
 - peers are served in turn, one message each (as a ROUTER queues fairly).
 
 Until the server admits a connection (:meth:`~ZmtpRouter.admit`: its hello succeeded), it
@@ -25,8 +26,9 @@ is *unauthenticated*: its messages are bounded by the small ``unauthenticated`` 
 hello is a few dozen bytes), its reads hold at most such a message and 2 KiB, it is closed
 unless admitted ``hello_seconds`` after it opened (ZMTP handshake and hello together), and
 at most ``max_unauthenticated`` such connections are open: a new one closes the oldest.
-They never take what an admitted connection needs: admitted ones are counted apart, up to
-``max_connections`` (past it a new connection is closed at once), and never wait for them.
+They never take what an admitted connection needs: admitted connections are counted
+apart, up to ``max_connections`` (past it a new connection is closed at once), and the
+receive budget below is theirs alone.
 
 An admitted connection's reads hold at most :data:`SMALL_HELD` bytes (a lookup of a few
 hundred keys is some 20 KiB) unless its message outgrows that: it then takes a share of
@@ -112,7 +114,7 @@ _DROPPED = {
     "hello: than a hello)",
     DropReason.PROTOCOL: "send bytes that are not ZMTP 3 from a DEALER",
     DropReason.HANDSHAKE_TIMEOUT: "finish no ZMTP handshake and hello in time",
-    DropReason.MESSAGE_TIMEOUT: "send a large message too slowly",
+    DropReason.MESSAGE_TIMEOUT: "send a large message (or read its replies) too slowly",
     DropReason.UNAUTHENTICATED_EVICTED: "have not said hello when max_unauthenticated newer "
     "ones came",
     DropReason.TOO_MANY_CONNECTIONS: "come or say hello while max_connections have said hello",
@@ -336,7 +338,7 @@ class ZmtpRouter:
             connection = next(iter(self._shared))
             if connection.deadline > now:
                 break
-            if connection.pending:  # it waits for the server, not the server for it
+            if connection.pending and self._may_serve(connection):  # it waits for the server
                 self._renew_share(connection)
             else:
                 self._drop(connection, _Drop(DropReason.MESSAGE_TIMEOUT, "message too slow"))
@@ -389,7 +391,14 @@ class ZmtpRouter:
         self._flush(connection)
 
     def _may_serve(self, connection: _Connection) -> bool:
-        return connection.state is _State.CLOSED or connection.unsent < self.bounds.max_bytes
+        if connection.state is _State.CLOSED:
+            return True
+        return connection.unsent < self._unsent_bound(connection)
+
+    def _unsent_bound(self, connection: _Connection) -> int:
+        """Unsent reply bytes past which a connection is neither served nor read."""
+        bounds = self.bounds if connection.admitted else self.unauthenticated
+        return bounds.max_bytes
 
     def _poll(self, connection: _Connection) -> None:
         """Register the connection for what it may do now: read while :meth:`_read_size`
@@ -408,7 +417,7 @@ class ZmtpRouter:
         while a message of it waits to be served or too many of its replies are unsent,
         else what its allowance leaves. An admitted one whose message outgrew its small
         allowance takes a share of the receive budget, or waits for one."""
-        if connection.pending or connection.unsent >= self.bounds.max_bytes:
+        if connection.pending or connection.unsent >= self._unsent_bound(connection):
             return 0
         if connection.held >= self._allowance(connection) and connection.admitted:
             self._ask_share(connection)
