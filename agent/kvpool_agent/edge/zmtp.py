@@ -67,7 +67,10 @@ Frame = bytes | memoryview
 """One received frame: bytes, or a view of the buffer a big frame was gathered in."""
 
 READ_SIZE = 256 << 10
-"""Most bytes read from a connection at once, and so parsed at once."""
+"""Most bytes read from a connection at once, and so parsed at once..."""
+LARGE_READ = 4 << 20
+"""... unless it holds a share of the receive budget: a large message is read in fewer
+turns of the poll loop."""
 SMALL_FRAME = 1 << 10
 """A frame body up to this size that has not fully arrived waits in the connection's read
 buffer; a bigger one moves to a buffer of its own that grows as its bytes arrive, so a peer
@@ -233,6 +236,9 @@ class ZmtpRouter:
         """Connections waiting for a share, in turn."""
         self._waiting: dict[_Connection, None] = {}
         """Connections with a whole message to serve, in turn."""
+        self._scratch = memoryview(bytearray(LARGE_READ))
+        """Where every read lands before it is added to its connection's buffers (one
+        buffer, reused: a fresh one per read costs the page faults of a fresh mapping)."""
         self._ids = count(1)
         self._poller: zmq.Poller | None = None
         self._accept_resumes: float | None = None
@@ -421,7 +427,8 @@ class ZmtpRouter:
             return 0
         if connection.held >= self._allowance(connection) and connection.admitted:
             self._ask_share(connection)
-        size = min(READ_SIZE, self._allowance(connection) - connection.held)
+        most = LARGE_READ if connection.shared else READ_SIZE
+        size = min(most, self._allowance(connection) - connection.held)
         if connection.big is not None:
             size = min(size, connection.big_size - len(connection.big))
         return max(size, 0)
@@ -494,12 +501,12 @@ class ZmtpRouter:
             self._poll(connection)  # registered before it lost its turn: unregister
             return
         try:
-            data = connection.sock.recv(size)
+            received = connection.sock.recv_into(self._scratch, size)
         except BlockingIOError:
             return
         except OSError:
-            data = b""
-        if not data:
+            received = 0
+        if not received:
             # The peer closed its end (or reset it): serve the whole messages it sent
             # before; a message cut short goes with the connection.
             with contextlib.suppress(_Drop):
@@ -507,17 +514,18 @@ class ZmtpRouter:
             self._close(connection)
             return
         try:
-            if connection.big is not None:
-                self._gather(connection, data)
-            else:
-                connection.inbox += data
+            with self._scratch[:received] as data:
+                if connection.big is not None:
+                    self._gather(connection, data)
+                else:
+                    connection.inbox += data
             self._parse(connection)
         except _Drop as drop:
             self._drop(connection, drop)
             return
         self._poll(connection)
 
-    def _gather(self, connection: _Connection, data: bytes) -> None:
+    def _gather(self, connection: _Connection, data: memoryview) -> None:
         """Add ``data`` to the big frame being read (a read takes no more than it lacks)."""
         assert connection.big is not None
         connection.big += data
