@@ -4,8 +4,9 @@ One thread owns the port and serves one message at a time, one of each peer in t
 The port is framed by :class:`~kvpool_agent.edge.zmtp.ZmtpRouter` rather than a libzmq
 ROUTER, so that a message is bounded while it arrives (:attr:`ZmqServer.bounds`: a
 header frame and a data frame per key, ``max_inline_bytes`` and :data:`HEADER_BYTES` in
-all); a peer that sends more is dropped. Before its hello succeeds a connection may send
-only :data:`HELLO_BOUNDS` and must say hello within ``hello_seconds``, and connections and
+all); a peer that sends more is dropped. Before its hello succeeds the agent holds no more
+of a connection's message than :data:`HELLO_BOUNDS` (a larger one is answered without being
+held) and the connection must say hello within ``hello_seconds``; connections and
 the bytes of large messages are bounded together (:class:`~kvpool_agent.config.ZmqLimits`;
 see :mod:`kvpool_agent.edge.zmtp`). Every operation on the cache is one call of
 :class:`~kvpool_agent.service.cache_service.CacheService`; this module adds the transport's
@@ -62,7 +63,7 @@ import zmq
 from kvpool_agent import protocol as p
 from kvpool_agent.config import ZmqLimits
 from kvpool_agent.core.cache_types import CacheError, InvalidRequest, LeaseExpired, UnknownLease
-from kvpool_agent.edge.zmtp import DropReason, Frame, MessageBounds, ZmtpRouter
+from kvpool_agent.edge.zmtp import DropReason, Frame, MessageBounds, Truncated, ZmtpRouter
 from kvpool_agent.keys import CANARY_TENANT, TENANT_ID_RULE, is_tenant_id, tenant_id
 from kvpool_agent.segment import SharedSegment
 from kvpool_agent.service.cache_service import CacheService
@@ -79,8 +80,10 @@ HEADER_BYTES = 1 << 20
 """What a message may hold beside its inline payload: its header frame (a request of
 8192 keys of 32 bytes is some 300 KiB of msgpack) and the data frames' framing."""
 HELLO_BOUNDS = MessageBounds(max_frames=8, max_bytes=4 << 10)
-"""What a connection may send before its hello succeeds: a hello is a few dozen bytes (a
-64-character token, the client's name); anything else is answered with an error."""
+"""What the agent holds of a message before its connection's hello succeeded: a hello is a
+few dozen bytes (a 64-character token, the client's name). Of a larger message (a request
+of a client whose connection was renewed) the rest is discarded as it arrives, and it is
+answered ``unknown_session`` (a hello: ``too_large``)."""
 Handled = tuple[p.Reply, list[bytes]] | None
 """A reply and its data frames, or None when there is none to send now: the reply is
 parked for later, or the connection is closed."""
@@ -289,6 +292,8 @@ class ZmqServer:
         try:
             if not body:
                 raise p.ProtocolError(p.ErrorCode.MALFORMED, "empty message")
+            if isinstance(body, Truncated):
+                raise _cut_off(body)
             request = p.decode_request(body[0])
             op, req = p.op_name(request), request.req
             self._fence_expired_writers()
@@ -663,6 +668,25 @@ class ZmqServer:
         }
         summary.update({f"evictions_{cause}": count for cause, count in stats.evictions.items()})
         return p.StatsReply(request.req, summary), []
+
+
+def _cut_off(message: Truncated) -> p.ProtocolError:
+    """The answer to a message sent before hello over :data:`HELLO_BOUNDS`, of which only
+    the start was held: a hello is too large; anything else finds no session (so a client
+    whose connection was renewed says hello and sends it again)."""
+    most = HELLO_BOUNDS.max_bytes
+    peeked = p.peek_request(bytes(message[0][:64]))
+    if peeked is None:
+        return p.ProtocolError(p.ErrorCode.MALFORMED, f"not a request, and over {most} bytes")
+    op, req = peeked
+    if op == "hello":
+        return p.ProtocolError(p.ErrorCode.TOO_LARGE, f"a hello holds {most} bytes at most", req)
+    return p.ProtocolError(
+        p.ErrorCode.UNKNOWN_SESSION,
+        f"no session on this connection: send hello (before it a message holds {most} bytes "
+        "at most)",
+        req,
+    )
 
 
 def _check_tenant(tenant: str) -> None:

@@ -22,8 +22,11 @@ DEALER's default), and reads each frame's header before its body, so that
 - peers are served in turn, one message each (as a ROUTER queues fairly).
 
 Until the server admits a connection (:meth:`~ZmtpRouter.admit`: its hello succeeded), it
-is *unauthenticated*: its messages are bounded by the small ``unauthenticated`` bounds (a
-hello is a few dozen bytes), its reads hold at most such a message and 2 KiB, it is closed
+is *unauthenticated*: of a message it holds only what fits the small ``unauthenticated``
+bounds (a hello is a few dozen bytes); the rest of a larger one (up to the bounds above)
+is read and discarded, and the message is handed out as :class:`Truncated`, to be
+answered (a client whose connection was renewed, the agent restarted, sends a request
+before its hello). Its reads hold at most such a message and 2 KiB, it is closed
 unless admitted ``hello_seconds`` after it opened (ZMTP handshake and hello together), and
 at most ``max_unauthenticated`` such connections are open: a new one closes the oldest.
 They never take what an admitted connection needs: admitted connections are counted
@@ -113,8 +116,7 @@ class DropReason(enum.StrEnum):
 
 _DROPPED = {
     DropReason.TOO_MANY_FRAMES: "send a message of more frames than the largest request has",
-    DropReason.MESSAGE_TOO_LARGE: "send a message larger than the largest request (before "
-    "hello: than a hello)",
+    DropReason.MESSAGE_TOO_LARGE: "send a message larger than the largest request",
     DropReason.PROTOCOL: "send bytes that are not ZMTP 3 from a DEALER",
     DropReason.HANDSHAKE_TIMEOUT: "finish no ZMTP handshake and hello in time",
     DropReason.MESSAGE_TIMEOUT: "send a large message (or read its replies) too slowly",
@@ -122,6 +124,11 @@ _DROPPED = {
     "ones came",
     DropReason.TOO_MANY_CONNECTIONS: "come or say hello while max_connections have said hello",
 }
+
+
+class Truncated(list[Frame]):
+    """A message sent before hello over the unauthenticated bounds: the frames held of it
+    (its start, up to those bounds); the rest was read and discarded."""
 
 
 @dataclass(frozen=True)
@@ -166,8 +173,14 @@ class _Connection:
     frames: list[Frame] = field(default_factory=list)
     """The frames of the message being read."""
     frames_bytes: int = 0
+    message_frames: int = 0
     message_bytes: int = 0
-    """The bytes its frames' headers announced, for the bound."""
+    """The frames and bytes its frames' headers announced, for the bounds."""
+    truncated: bool = False
+    """Before hello, the message being read outgrew the unauthenticated bounds."""
+    skip: int = 0
+    """Bytes of the frame being discarded still to come."""
+    skip_more: bool = False
     pending: deque[list[Frame]] = field(default_factory=deque)
     """Whole messages waiting to be served."""
     pending_bytes: int = 0
@@ -560,6 +573,8 @@ class ZmtpRouter:
                 return position
             self._greeting(connection, bytes(view[position : position + _GREETING_SIZE]))
             return position + _GREETING_SIZE
+        if connection.skip:
+            return position + self._discard(connection, end - position)
         if end - position < 2:
             return position
         flags = view[position]
@@ -572,7 +587,7 @@ class ZmtpRouter:
         else:
             size, start = int.from_bytes(view[position + 1 : position + 9], "big"), position + 9
         if flags & _COMMAND:
-            if size > MAX_COMMAND or connection.frames:
+            if size > MAX_COMMAND or connection.message_frames:
                 raise _Drop(DropReason.PROTOCOL, "a command too large or inside a message")
             if end - start < size:
                 return position
@@ -580,31 +595,83 @@ class ZmtpRouter:
             return start + size
         if connection.state is not _State.OPEN:
             raise _Drop(DropReason.PROTOCOL, "a message before the handshake")
-        bounds = self.bounds if connection.admitted else self.unauthenticated
-        if len(connection.frames) >= bounds.max_frames:
+        bounds, more = self.bounds, bool(flags & _MORE)
+        if connection.message_frames >= bounds.max_frames:
             raise _Drop(DropReason.TOO_MANY_FRAMES, f"over {bounds.max_frames} frames")
         if connection.message_bytes + size > bounds.max_bytes:
             raise _Drop(DropReason.MESSAGE_TOO_LARGE, f"over {bounds.max_bytes} bytes")
-        here = end - start
+        here, keep = end - start, self._cut(connection, size)
+        if keep is not None:  # before hello, over its bounds: hold the start, discard the rest
+            if here < keep:
+                return position
+            self._truncate(connection, bytes(view[start : start + keep]), size - keep, more)
+            return start + keep
         if here >= size:
-            connection.message_bytes += size
-            self._frame(connection, bytes(view[start : start + size]), bool(flags & _MORE))
+            self._count(connection, size)
+            self._frame(connection, bytes(view[start : start + size]), more)
             return start + size
         if size <= SMALL_FRAME:
             return position
-        connection.message_bytes += size
+        self._count(connection, size)
         connection.big = bytearray(view[start:end])
-        connection.big_size, connection.big_more = size, bool(flags & _MORE)
+        connection.big_size, connection.big_more = size, more
         return end
+
+    def _cut(self, connection: _Connection, size: int) -> int | None:
+        """None if a frame of ``size`` bytes is held whole (always, once admitted); else
+        the bytes of it held, what the unauthenticated bounds leave of its message."""
+        if connection.admitted:
+            return None
+        bounds = self.unauthenticated
+        if connection.truncated or connection.message_frames >= bounds.max_frames:
+            return 0
+        room = bounds.max_bytes - connection.frames_bytes
+        return None if size <= room else room
+
+    def _count(self, connection: _Connection, size: int) -> None:
+        connection.message_frames += 1
+        connection.message_bytes += size
+
+    def _truncate(self, connection: _Connection, start: bytes, rest: int, more: bool) -> None:
+        """Hold ``start`` of a frame as its message's last kept frame; discard its ``rest``
+        (and the frames after it) as they arrive."""
+        if not connection.truncated:
+            self._log.warning(
+                "ZMQ: read messages over the unauthenticated bound before hello without "
+                "holding them, and answered them (a client whose connection was renewed "
+                "sends one before its hello)"
+            )
+        self._count(connection, len(start) + rest)
+        connection.truncated = True
+        if start:
+            connection.frames.append(start)
+            connection.frames_bytes += len(start)
+        connection.skip, connection.skip_more = rest, more
+        if not rest:
+            self._end_frame(connection, more)
+
+    def _discard(self, connection: _Connection, here: int) -> int:
+        """Discard what is ``here`` of the frame being skipped; the bytes discarded."""
+        discarded = min(here, connection.skip)
+        connection.skip -= discarded
+        if not connection.skip:
+            self._end_frame(connection, connection.skip_more)
+        return discarded
 
     def _frame(self, connection: _Connection, frame: Frame, more: bool) -> None:
         connection.frames.append(frame)
         connection.frames_bytes += len(frame)
-        if not more:
-            connection.pending.append(connection.frames)
-            connection.pending_bytes += connection.frames_bytes
-            connection.frames, connection.frames_bytes, connection.message_bytes = [], 0, 0
-            self._waiting[connection] = None
+        self._end_frame(connection, more)
+
+    def _end_frame(self, connection: _Connection, more: bool) -> None:
+        if more:
+            return
+        frames = connection.frames
+        connection.pending.append(Truncated(frames) if connection.truncated else frames)
+        connection.pending_bytes += connection.frames_bytes
+        connection.frames, connection.frames_bytes, connection.truncated = [], 0, False
+        connection.message_frames, connection.message_bytes = 0, 0
+        self._waiting[connection] = None
 
     def _greeting(self, connection: _Connection, greeting: bytes) -> None:
         if greeting[0] != 0xFF or not greeting[9] & 1 or greeting[10] < 3:
