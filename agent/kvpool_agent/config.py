@@ -237,6 +237,58 @@ class HttpLimits(BaseModel):
     )
 
 
+class ZmqLimits(BaseModel):
+    """What the ZMQ port's clients may cost the agent together: connections, time before
+    hello, and the bytes of large messages being received.
+
+    :class:`kvpool_agent.edge.zmtp.ZmtpRouter` enforces it (see its docstring for what a
+    connection holds before and after hello).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_connections: int = Field(
+        1024,
+        ge=1,
+        description=(
+            "Connections that said hello at most; at the bound a new connection is closed at "
+            "once, and a hello that would pass it closes its connection."
+        ),
+    )
+    max_unauthenticated: int = Field(
+        64,
+        ge=1,
+        description=(
+            "Connections that have not yet said hello at most (each holds a few KiB); at the "
+            "bound the oldest of them is closed to admit a new one."
+        ),
+    )
+    hello_seconds: float = Field(
+        5.0,
+        gt=0,
+        description=(
+            "A connection that has not finished its ZMTP handshake and a successful hello this "
+            "long after it opened is closed (on the events port: its PLAIN handshake)."
+        ),
+    )
+    receive_budget: Size = Field(
+        256 << 20,
+        description=(
+            "Bytes of large messages (over 64 KiB) being received at once, all connections "
+            "together; a connection whose message finds none left is not read until some is "
+            "free. Always room for one largest message (max_inline_bytes and 1 MiB)."
+        ),
+    )
+    message_seconds: float = Field(
+        30.0,
+        gt=0,
+        description=(
+            "A large message not received in full this long after it took its share of "
+            "receive_budget closes its connection."
+        ),
+    )
+
+
 class NvmeTierConfig(BaseModel):
     """A local-disk L2 tier: one file per chunk under ``path/<pool>``."""
 
@@ -517,6 +569,10 @@ class AgentConfig(BaseSettings):
     http_limits: HttpLimits = Field(
         default_factory=HttpLimits,
         description="What one HTTP client may cost: body size, read timeouts, connections.",
+    )
+    zmq_limits: ZmqLimits = Field(
+        default_factory=ZmqLimits,
+        description="What the ZMQ port's clients may cost: connections, hello time, bytes.",
     )
     max_inline_bytes: Size = Field(
         64 << 20,

@@ -370,6 +370,34 @@ def _classify(frame: bytes | memoryview, error: Exception) -> ProtocolError:
     return ProtocolError(ErrorCode.MALFORMED, f"bad {raw[0]} request: {reason}", req)
 
 
+_ARRAY_HEADER = {0xDC: 3, 0xDD: 5} | {fixarray: 1 for fixarray in range(0x90, 0xA0)}
+"""The size of a msgpack array's header, by its first byte."""
+_UINT_SIZE = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
+
+
+def peek_request(start: bytes) -> tuple[str, int] | None:
+    """The op and req of a request of which only ``start`` is known (the agent holds no
+    more than a few KiB of a message sent before hello); None if it starts as none does."""
+    try:
+        position = _ARRAY_HEADER[start[0]]
+        tag = start[position]
+        if 0xA0 <= tag <= 0xBF:
+            size, position = tag & 0x1F, position + 1
+        elif tag == 0xD9:
+            size, position = start[position + 1], position + 2
+        else:
+            return None
+        op, position = start[position : position + size], position + size
+        kind = start[position]
+        width = 0 if kind <= 0x7F else _UINT_SIZE[kind]
+        number = start[position + 1 : position + 1 + width]
+    except (IndexError, KeyError):
+        return None
+    if len(op) != size or len(number) != width:
+        return None
+    return op.decode(errors="replace"), int.from_bytes(number, "big") if width else kind
+
+
 # ---------------------------------------------------------------- the events feed
 # The agent's events port (a ZMQ PUB socket, :mod:`kvpool_agent.edge.events`) publishes
 # what enters and leaves its cache; the prefix index subscribes. Each message is two

@@ -238,6 +238,7 @@ class Agent:
                 agent_id=agent_id,
                 max_inline_bytes=int(config.max_inline_bytes),
                 session_idle_seconds=10 * config.lease_seconds,
+                limits=config.zmq_limits,
                 observer=metrics,
                 listener=zmq_listener,
             )
@@ -304,7 +305,10 @@ class Agent:
             http_listener = listen_http(config.host, config.http_port)
         stack.callback(http_listener.close)
         events = EventPublisher(
-            f"tcp://{config.host}:{config.events_port or '*'}", agent_id, authority
+            f"tcp://{config.host}:{config.events_port or '*'}",
+            agent_id,
+            authority,
+            handshake_seconds=config.zmq_limits.hello_seconds,
         )
         with listening("events_port", config.host, config.events_port):
             events.start()

@@ -10,11 +10,13 @@ import pytest
 import yaml
 
 from kvpool_agent import reference
-from kvpool_agent.config import AgentConfig, NvmeTierConfig, load_settings
+from kvpool_agent.config import AgentConfig, NvmeTierConfig, ZmqLimits, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 EXAMPLE = ROOT / "examples" / "agent.yaml"
+LIMITS = ("http_limits", "zmq_limits")
+"""Settings whose fields have rows of their own (``http_limits.max_body_bytes``...)."""
 
 
 def test_the_readme_reference_is_what_the_models_say() -> None:
@@ -29,13 +31,15 @@ def test_the_readme_reference_is_what_the_models_say() -> None:
 def test_every_setting_is_in_the_reference() -> None:
     section = reference.render()
     for name, field in AgentConfig.model_fields.items():
-        assert f"| `{name}` | `KVPOOL_{name.upper()}`" in section or name == "http_limits"
+        assert f"| `{name}` | `KVPOOL_{name.upper()}`" in section or name in LIMITS
         assert field.description, name
     for name in NvmeTierConfig.model_fields:
         assert f"| `nvme.{name}` | `KVPOOL_NVME__{name.upper()}` |" in section
     for row in ("`events_port`", "`store_policy`", "`store_min_hits`", "`writeback_queue_chunks`"):
         assert f"| {row} |" in section
     assert "| `l1_size` | `KVPOOL_L1_SIZE` | `1Gi` |" in section
+    for name in ZmqLimits.model_fields:
+        assert f"| `zmq_limits.{name}` | `KVPOOL_ZMQ_LIMITS__{name.upper()}` |" in section
     assert (
         "| `http_limits.max_body_bytes` | `KVPOOL_INDEX_HTTP_LIMITS__MAX_BODY_BYTES` | `16Mi` |"
         in section

@@ -73,6 +73,24 @@ class ZmtpPeer:
             return bytes([0x02 | more]) + struct.pack(">Q", len(payload)) + payload
         return bytes([more, len(payload)]) + payload
 
+    def hello(self, token: str, client: str = "raw") -> p.Reply:
+        """Say hello (one frame) and read the reply."""
+        self.sock.sendall(
+            self.frame(p.encode(p.Hello(1, p.PROTOCOL_VERSION, client, token)), more=False)
+        )
+        return p.decode_reply(self.receive()[0])
+
+    def receive(self) -> list[bytes]:
+        """The frames of the next message from the agent."""
+        frames = []
+        while True:
+            flags, size = self._read(2)
+            if flags & 0x02:
+                size = struct.unpack(">Q", bytes([size]) + self._read(7))[0]
+            frames.append(self._read(size))
+            if not flags & 0x01:
+                return frames
+
     def send(self, data: bytes) -> bool:
         """Send raw bytes; False if the agent closed the connection meanwhile."""
         try:

@@ -9,7 +9,12 @@ holds, which carries the ``seq`` it is consistent with. PUB never blocks the
 cache: a subscriber that falls behind loses messages and resynchronises.
 A subscriber connects with ZMQ's PLAIN mechanism, its password an index's (or an admin's)
 token of the pool (:mod:`kvpool_agent.edge.zap`); any other connection is closed during
-its handshake and receives nothing.
+its handshake and receives nothing. Before its credentials are checked a connection may
+send messages of :data:`MAX_SUBSCRIBER_MESSAGE` bytes at most (libzmq would otherwise take a
+PLAIN HELLO of any announced size, and hold what came of it) and is closed unless its
+handshake is over ``handshake_seconds`` after it opened (libzmq's default is 30 s).
+libzmq has no bound on a socket's connections: each one still handshaking holds some
+tens of KiB of libzmq's buffers until then.
 ``time`` is the publisher's Unix time, so a subscriber can measure its lag (as
 well as the nodes' clocks agree); it is the last field, so decoders that predate
 it ignore it and events that predate it decode with 0.
@@ -30,12 +35,21 @@ from kvpool_agent.tenancy.auth import Role, TokenAuthority
 
 log = logging.getLogger(__name__)
 
+MAX_SUBSCRIBER_MESSAGE = 4 << 10
+"""The largest message a subscriber sends: its PLAIN HELLO (a name and a token of at most
+255 bytes each) and its subscriptions (the topic)."""
+
 
 class EventPublisher:
     """A :class:`~kvpool_agent.core.cache_types.ChunkListener` that publishes every change."""
 
     def __init__(
-        self, endpoint: str, agent_id: str, authority: TokenAuthority, tier: str = "l1"
+        self,
+        endpoint: str,
+        agent_id: str,
+        authority: TokenAuthority,
+        tier: str = "l1",
+        handshake_seconds: float = 5.0,
     ) -> None:
         self.agent_id = agent_id
         self._authenticator = PlainAuthenticator(
@@ -43,6 +57,7 @@ class EventPublisher:
         )
         self._endpoint = endpoint
         self._tier = tier
+        self._handshake_seconds = handshake_seconds
         self._lock = threading.Lock()  # L1 calls back from the ZMQ thread and the event loop
         self._socket: zmq.Socket[bytes] | None = None
         self._seq = 0
@@ -55,6 +70,8 @@ class EventPublisher:
         self._authenticator.protect(socket)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, 100_000)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIBER_MESSAGE)
+        socket.setsockopt(zmq.HANDSHAKE_IVL, round(self._handshake_seconds * 1000))
         try:
             socket.bind(self._endpoint)
         except zmq.ZMQError as error:

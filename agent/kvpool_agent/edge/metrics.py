@@ -386,7 +386,8 @@ class AgentMetrics:
         self._dropped_peers = Counter(
             "kvpool_zmq_dropped_peers",
             "ZMQ connections the agent closed, by reason: a message of too many frames or "
-            "bytes, not ZMTP 3 from a DEALER, no handshake in time.",
+            "bytes, not ZMTP 3 from a DEALER, no handshake and hello in time, a large message "
+            "too slow, no hello before newer connections, max_connections reached.",
             ["reason"],
             registry=registry,
         )

@@ -4,7 +4,11 @@ One thread owns the port and serves one message at a time, one of each peer in t
 The port is framed by :class:`~kvpool_agent.edge.zmtp.ZmtpRouter` rather than a libzmq
 ROUTER, so that a message is bounded while it arrives (:attr:`ZmqServer.bounds`: a
 header frame and a data frame per key, ``max_inline_bytes`` and :data:`HEADER_BYTES` in
-all); a peer that sends more is dropped. Every operation on the cache is one call of
+all); a peer that sends more is dropped. Before its hello succeeds the agent holds no more
+of a connection's message than :data:`HELLO_BOUNDS` (a larger one is answered without being
+held) and the connection must say hello within ``hello_seconds``; connections and
+the bytes of large messages are bounded together (:class:`~kvpool_agent.config.ZmqLimits`;
+see :mod:`kvpool_agent.edge.zmtp`). Every operation on the cache is one call of
 :class:`~kvpool_agent.service.cache_service.CacheService`; this module adds the transport's
 own concerns: sessions, lease ownership, limits on a request's size, draining,
 and parked ``prefetch_status`` waits. Any bad input becomes an
@@ -61,8 +65,9 @@ from typing import Protocol
 import zmq
 
 from kvpool_agent import protocol as p
+from kvpool_agent.config import ZmqLimits
 from kvpool_agent.core.cache_types import CacheError, InvalidRequest, LeaseExpired, UnknownLease
-from kvpool_agent.edge.zmtp import DropReason, Frame, MessageBounds, ZmtpRouter
+from kvpool_agent.edge.zmtp import DropReason, Frame, MessageBounds, Truncated, ZmtpRouter
 from kvpool_agent.keys import (
     CANARY_CHUNK_BYTES,
     CANARY_TENANT,
@@ -85,8 +90,14 @@ Peer = bytes
 HEADER_BYTES = 1 << 20
 """What a message may hold beside its inline payload: its header frame (a request of
 8192 keys of 32 bytes is some 300 KiB of msgpack) and the data frames' framing."""
+HELLO_BOUNDS = MessageBounds(max_frames=8, max_bytes=4 << 10)
+"""What the agent holds of a message before its connection's hello succeeded: a hello is a
+few dozen bytes (a 64-character token, the client's name). Of a larger message (a request
+of a client whose connection was renewed) the rest is discarded as it arrives, and it is
+answered ``unknown_session`` (a hello: ``too_large``)."""
 Handled = tuple[p.Reply, list[bytes]] | None
-"""A reply and its data frames, or None when the reply is parked for later."""
+"""A reply and its data frames, or None when there is none to send now: the reply is
+parked for later, or the connection is closed."""
 SHUTTING_DOWN = "the agent is shutting down"
 DEFAULT_TENANT = tenant_id(None)
 """The tenant of requests without a ``cache_salt``."""
@@ -138,6 +149,7 @@ class ZmqServer:
         max_inline_bytes: int,
         max_keys: int = 8192,
         session_idle_seconds: float = 300.0,
+        limits: ZmqLimits | None = None,
         observer: RequestObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         listener: socket.socket | None = None,
@@ -156,6 +168,7 @@ class ZmqServer:
         self._max_inline = max_inline_bytes
         self._max_keys = max_keys
         self._idle = session_idle_seconds
+        self._limits = limits or ZmqLimits()
         self._observer = observer
         self._clock = clock
         self._sessions: dict[int, _Session] = {}
@@ -199,6 +212,8 @@ class ZmqServer:
         router = ZmtpRouter(
             self._endpoint,
             self.bounds,
+            unauthenticated=HELLO_BOUNDS,
+            limits=self._limits,
             log=self._flood_log,
             on_drop=self._dropped_peer,
             listener=self._listener,
@@ -291,6 +306,8 @@ class ZmqServer:
         try:
             if not body:
                 raise p.ProtocolError(p.ErrorCode.MALFORMED, "empty message")
+            if isinstance(body, Truncated):
+                raise _cut_off(body)
             request = p.decode_request(body[0])
             op, req = p.op_name(request), request.req
             self._fence_expired_writers()
@@ -482,6 +499,9 @@ class ZmqServer:
                 "a gateway token is for the prefix index's routing API, not the agent",
                 request.req,
             )
+        assert self._router is not None
+        if not self._router.admit(peer):
+            return None  # closed: max_connections connections have said hello
         session_id = self._new_session_id()
         self._sessions[session_id] = _Session(
             request.client,
@@ -683,6 +703,25 @@ class ZmqServer:
         }
         summary.update({f"evictions_{cause}": count for cause, count in stats.evictions.items()})
         return p.StatsReply(request.req, summary), []
+
+
+def _cut_off(message: Truncated) -> p.ProtocolError:
+    """The answer to a message sent before hello over :data:`HELLO_BOUNDS`, of which only
+    the start was held: a hello is too large; anything else finds no session (so a client
+    whose connection was renewed says hello and sends it again)."""
+    most = HELLO_BOUNDS.max_bytes
+    peeked = p.peek_request(bytes(message[0][:64]))
+    if peeked is None:
+        return p.ProtocolError(p.ErrorCode.MALFORMED, f"not a request, and over {most} bytes")
+    op, req = peeked
+    if op == "hello":
+        return p.ProtocolError(p.ErrorCode.TOO_LARGE, f"a hello holds {most} bytes at most", req)
+    return p.ProtocolError(
+        p.ErrorCode.UNKNOWN_SESSION,
+        f"no session on this connection: send hello (before it a message holds {most} bytes "
+        "at most)",
+        req,
+    )
 
 
 def _check_tenant(tenant: str) -> None:

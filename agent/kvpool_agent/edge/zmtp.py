@@ -13,14 +13,36 @@ DEALER's default), and reads each frame's header before its body, so that
 
 - a message of more than ``max_frames`` frames or ``max_bytes`` bytes drops its peer as
   soon as the header of the frame over the bound arrives, before that frame is allocated;
-- a peer is read only while none of its messages waits to be served and fewer than
-  ``max_bytes`` of its replies are unsent: what one peer has in flight is at most one
-  unfinished message (``max_bytes``), the rest of one read (:data:`READ_SIZE`, parsed
-  :data:`MAX_PENDING` messages at a time), and its unsent replies (``max_bytes`` and one
-  reply);
-- peers are served in turn, one message each (as a ROUTER queues fairly);
-- a connection that has not finished its greeting and handshake ``handshake_seconds``
-  after it opened is closed (libzmq's ``ZMQ_HANDSHAKE_IVL``, 30 s by default).
+- a frame's body is held as its bytes arrive, never allocated at the size its header
+  announces (a buffer allocated from headers let 40 connections that sent 84 KB in all
+  grow the agent by 2.6 GB);
+- a peer is read (and served) only while none of its messages waits to be served and
+  fewer than ``max_bytes`` of its replies are unsent (before hello: the unauthenticated
+  ``max_bytes``, so that a peer that reads no replies cannot pile up error replies);
+- peers are served in turn, one message each (as a ROUTER queues fairly).
+
+Until the server admits a connection (:meth:`~ZmtpRouter.admit`: its hello succeeded), it
+is *unauthenticated*: of a message it holds only what fits the small ``unauthenticated``
+bounds (a hello is a few dozen bytes); the rest of a larger one (up to the bounds above)
+is read and discarded, and the message is handed out as :class:`Truncated`, to be
+answered (a client whose connection was renewed, the agent restarted, sends a request
+before its hello). Its reads hold at most such a message and 2 KiB, it is closed
+unless admitted ``hello_seconds`` after it opened (ZMTP handshake and hello together), and
+at most ``max_unauthenticated`` such connections are open: a new one closes the oldest.
+They never take what an admitted connection needs: admitted connections are counted
+apart, up to ``max_connections`` (past it a new connection is closed at once), and the
+receive budget below is theirs alone.
+
+An admitted connection's reads hold at most :data:`SMALL_HELD` bytes (a lookup of a few
+hundred keys is some 20 KiB) unless its message outgrows that: it then takes a share of
+``receive_budget`` the size of the largest message and one read, and keeps it until its
+messages are served; there are as many shares as the budget holds (at least one). A
+connection whose message finds no share free is not read until one is, so N connections
+cannot multiply the largest message; and a share's message that has not arrived
+``message_seconds`` after it took the share closes its connection, so no peer keeps a
+share by stalling. In all, the port's reads hold at most ``max_unauthenticated`` x (the
+largest unauthenticated message and 2 KiB) + ``max_connections`` x :data:`SMALL_HELD` +
+the shares (a big frame's buffer may be an eighth larger than its bytes, as it grows).
 
 Every connection gets a routing id of its own (8 bytes, never reused); an id a client
 names for itself (``ZMQ_ROUTING_ID``) is ignored, so no connection can take another's.
@@ -41,17 +63,23 @@ from typing import Any
 
 import zmq
 
+from kvpool_agent.config import ZmqLimits
 from kvpool_agent.web.rate_limited_log import RateLimitedLog
 
 Frame = bytes | memoryview
-"""One received frame: bytes, or a view of the buffer a big frame was read into."""
+"""One received frame: bytes, or a view of the buffer a big frame was gathered in."""
 
 READ_SIZE = 256 << 10
-"""Most bytes read from a connection at once, and so parsed at once."""
+"""Most bytes read from a connection at once, and so parsed at once..."""
+LARGE_READ = 4 << 20
+"""... unless it holds a share of the receive budget: a large message is read in fewer
+turns of the poll loop."""
 SMALL_FRAME = 1 << 10
 """A frame body up to this size that has not fully arrived waits in the connection's read
-buffer; a bigger one gets a buffer of its own at once, read into in place, so a peer that
-sends a byte at a time costs a copy of at most this much per read."""
+buffer; a bigger one moves to a buffer of its own that grows as its bytes arrive, so a peer
+that sends a byte at a time costs a copy of at most this much per read."""
+SMALL_HELD = 64 << 10
+"""Most bytes of reads an admitted connection holds without a share of the receive budget."""
 MAX_COMMAND = 4 << 10
 """Largest ZMTP command (READY: socket type and identity, a few dozen bytes)."""
 MAX_PENDING = 64
@@ -81,14 +109,26 @@ class DropReason(enum.StrEnum):
     MESSAGE_TOO_LARGE = "message_too_large"
     PROTOCOL = "protocol"
     HANDSHAKE_TIMEOUT = "handshake_timeout"
+    MESSAGE_TIMEOUT = "message_timeout"
+    UNAUTHENTICATED_EVICTED = "unauthenticated_evicted"
+    TOO_MANY_CONNECTIONS = "too_many_connections"
 
 
 _DROPPED = {
-    DropReason.TOO_MANY_FRAMES: "a message of more frames than the largest request has",
-    DropReason.MESSAGE_TOO_LARGE: "a message larger than the largest request",
-    DropReason.PROTOCOL: "bytes that are not ZMTP 3 from a DEALER",
-    DropReason.HANDSHAKE_TIMEOUT: "no ZMTP greeting and handshake in time",
+    DropReason.TOO_MANY_FRAMES: "send a message of more frames than the largest request has",
+    DropReason.MESSAGE_TOO_LARGE: "send a message larger than the largest request",
+    DropReason.PROTOCOL: "send bytes that are not ZMTP 3 from a DEALER",
+    DropReason.HANDSHAKE_TIMEOUT: "finish no ZMTP handshake and hello in time",
+    DropReason.MESSAGE_TIMEOUT: "send a large message (or read its replies) too slowly",
+    DropReason.UNAUTHENTICATED_EVICTED: "have not said hello when max_unauthenticated newer "
+    "ones came",
+    DropReason.TOO_MANY_CONNECTIONS: "come or say hello while max_connections have said hello",
 }
+
+
+class Truncated(list[Frame]):
+    """A message sent before hello over the unauthenticated bounds: the frames held of it
+    (its start, up to those bounds); the rest was read and discarded."""
 
 
 @dataclass(frozen=True)
@@ -117,19 +157,33 @@ class _Connection:
     sock: socket.socket
     peer: bytes
     deadline: float
-    """When the handshake must be over."""
+    """Unauthenticated: when its hello must be done; holding a share: when its message
+    must have arrived."""
     state: _State = _State.GREETING
+    admitted: bool = False
+    """Its hello succeeded (:meth:`ZmtpRouter.admit`)."""
+    shared: bool = False
+    """It holds a share of the receive budget."""
     inbox: bytearray = field(default_factory=bytearray)
     """Bytes read and not yet parsed: a frame header, or a small frame not all here yet."""
     big: bytearray | None = None
-    """The body of a frame bigger than :data:`SMALL_FRAME`, filled in place as it arrives."""
-    big_filled: int = 0
+    """The body of a frame bigger than :data:`SMALL_FRAME`, gathered as it arrives."""
+    big_size: int = 0
     big_more: bool = False
     frames: list[Frame] = field(default_factory=list)
     """The frames of the message being read."""
+    frames_bytes: int = 0
+    message_frames: int = 0
     message_bytes: int = 0
+    """The frames and bytes its frames' headers announced, for the bounds."""
+    truncated: bool = False
+    """Before hello, the message being read outgrew the unauthenticated bounds."""
+    skip: int = 0
+    """Bytes of the frame being discarded still to come."""
+    skip_more: bool = False
     pending: deque[list[Frame]] = field(default_factory=deque)
     """Whole messages waiting to be served."""
+    pending_bytes: int = 0
     outbox: deque[bytes | memoryview] = field(default_factory=deque)
     unsent: int = 0
     polled: int = 0
@@ -138,13 +192,20 @@ class _Connection:
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    @property
+    def held(self) -> int:
+        """Bytes its reads hold: unparsed, the message being read, the messages waiting."""
+        gathered = 0 if self.big is None else len(self.big)
+        return len(self.inbox) + gathered + self.frames_bytes + self.pending_bytes
+
 
 class ZmtpRouter:
-    """A ROUTER's part of ZMTP over TCP, for DEALER peers, with :class:`MessageBounds`.
+    """A ROUTER's part of ZMTP over TCP, for DEALER peers, with :class:`MessageBounds`
+    (``unauthenticated`` until :meth:`admit`) and :class:`~kvpool_agent.config.ZmqLimits`.
 
     One thread owns it: :meth:`register` puts it on that thread's poller, :meth:`handle`
     takes the poller's events, :meth:`take` hands out whole messages, :meth:`send`
-    answers them.
+    answers them, :meth:`expire` closes what is late.
     """
 
     def __init__(
@@ -152,17 +213,24 @@ class ZmtpRouter:
         endpoint: str,
         bounds: MessageBounds,
         *,
+        unauthenticated: MessageBounds,
+        limits: ZmqLimits,
         log: RateLimitedLog,
         on_drop: Callable[[DropReason], None] | None = None,
-        handshake_seconds: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         listener: socket.socket | None = None,
     ) -> None:
         """Listen on ``endpoint``, or on ``listener`` (:func:`listen`), bound beforehand."""
         self.bounds = bounds
+        self.unauthenticated = unauthenticated
+        self.limits = limits
+        self._share_size = bounds.max_bytes + READ_SIZE
+        """A share holds the largest message and the start of the next."""
+        self.shares = max(1, int(limits.receive_budget) // self._share_size)
+        self._unauthenticated_held = unauthenticated.max_bytes + 2 * SMALL_FRAME
+        """Room for the largest unauthenticated message, a small frame, a frame's header."""
         self._log = log
         self._on_drop = on_drop
-        self._handshake_seconds = handshake_seconds
         self._clock = clock
         self._listener = listen(endpoint) if listener is None else listener
         self._listener.setblocking(False)
@@ -172,10 +240,18 @@ class ZmtpRouter:
         self._connections: dict[bytes, _Connection] = {}
         self._by_fd: dict[int, _Connection] = {}
         """Open connections by descriptor: a poller names a plain socket by its descriptor."""
-        self._handshaking: dict[_Connection, None] = {}
-        """Connections in their handshake, oldest (first deadline) first."""
+        self._unadmitted: dict[_Connection, None] = {}
+        """Open connections not yet admitted, oldest (first deadline) first."""
+        self._admitted = 0
+        self._shared: dict[_Connection, None] = {}
+        """Connections holding a share, first deadline first."""
+        self._share_waiters: dict[_Connection, None] = {}
+        """Connections waiting for a share, in turn."""
         self._waiting: dict[_Connection, None] = {}
         """Connections with a whole message to serve, in turn."""
+        self._scratch = memoryview(bytearray(LARGE_READ))
+        """Where every read lands before it is added to its connection's buffers (one
+        buffer, reused: a fresh one per read costs the page faults of a fresh mapping)."""
         self._ids = count(1)
         self._poller: zmq.Poller | None = None
         self._accept_resumes: float | None = None
@@ -211,7 +287,9 @@ class ZmtpRouter:
         for connection in list(self._waiting):
             if not self._may_serve(connection):
                 continue
-            taken.append((connection.peer, connection.pending.popleft()))
+            message = connection.pending.popleft()
+            connection.pending_bytes -= sum(len(frame) for frame in message)
+            taken.append((connection.peer, message))
             if not connection.pending and connection.inbox:  # parse the rest of its last read
                 try:
                     self._parse(connection)
@@ -220,8 +298,25 @@ class ZmtpRouter:
                     continue
             if not connection.pending:
                 del self._waiting[connection]
+                self._settle_share(connection)
                 self._poll(connection)
         return taken
+
+    def admit(self, peer: bytes) -> bool:
+        """Count ``peer``'s connection as authenticated from now on (its hello succeeded):
+        the full message bounds, no hello deadline. False if it is gone, or if
+        ``max_connections`` are admitted already (it is closed then)."""
+        connection = self._connections.get(peer)
+        if connection is None or connection.admitted:
+            return connection is not None
+        if self._admitted >= self.limits.max_connections:
+            self._drop(connection, _Drop(DropReason.TOO_MANY_CONNECTIONS, "hello past the cap"))
+            return False
+        del self._unadmitted[connection]
+        connection.admitted = True
+        self._admitted += 1
+        self._poll(connection)
+        return True
 
     def send(self, peer: bytes, frames: Sequence[bytes | memoryview]) -> None:
         """Queue a message to ``peer`` and write what the socket takes now; a peer that is
@@ -245,19 +340,27 @@ class ZmtpRouter:
     def next_deadline(self) -> float | None:
         """When :meth:`expire` has something to do next (None: nothing due)."""
         deadlines = [self._accept_resumes] if self._accept_resumes is not None else []
-        for connection in self._handshaking:
-            deadlines.append(connection.deadline)
-            break
+        for connections in (self._unadmitted, self._shared):
+            deadlines.extend(connection.deadline for connection in islice(connections, 1))
         return min(deadlines, default=None)
 
     def expire(self) -> None:
-        """Close connections past their handshake deadline; resume accepting when due."""
+        """Close connections past their hello deadline and those whose large message is
+        late; resume accepting when due."""
         now = self._clock()
-        while self._handshaking:
-            connection = next(iter(self._handshaking))
+        while self._unadmitted:
+            connection = next(iter(self._unadmitted))
             if connection.deadline > now:
                 break
-            self._drop(connection, _Drop(DropReason.HANDSHAKE_TIMEOUT, "handshake timed out"))
+            self._drop(connection, _Drop(DropReason.HANDSHAKE_TIMEOUT, "no hello in time"))
+        while self._shared:
+            connection = next(iter(self._shared))
+            if connection.deadline > now:
+                break
+            if connection.pending and self._may_serve(connection):  # it waits for the server
+                self._renew_share(connection)
+            else:
+                self._drop(connection, _Drop(DropReason.MESSAGE_TIMEOUT, "message too slow"))
         if self._accept_resumes is not None and now >= self._accept_resumes:
             self._accept_resumes = None
             if self._poller is not None:
@@ -285,31 +388,105 @@ class ZmtpRouter:
                     self._poller.unregister(self._listener)
                 self._accept_resumes = self._clock() + ACCEPT_PAUSE_SECONDS
                 return
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            peer = next(self._ids).to_bytes(8, "big")
-            connection = _Connection(sock, peer, self._clock() + self._handshake_seconds)
-            self._connections[peer] = connection
-            self._by_fd[sock.fileno()] = connection
-            self._handshaking[connection] = None
-            connection.outbox.append(_GREETING + _command_frame(_READY))
-            connection.unsent = len(connection.outbox[0])
-            self._flush(connection)
+            if self._admitted >= self.limits.max_connections:
+                self._report(DropReason.TOO_MANY_CONNECTIONS)
+                sock.close()
+                continue
+            if len(self._unadmitted) >= self.limits.max_unauthenticated:
+                oldest = next(iter(self._unadmitted))
+                self._drop(oldest, _Drop(DropReason.UNAUTHENTICATED_EVICTED, "evicted"))
+            self._open(sock)
+
+    def _open(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = next(self._ids).to_bytes(8, "big")
+        connection = _Connection(sock, peer, self._clock() + self.limits.hello_seconds)
+        self._connections[peer] = connection
+        self._by_fd[sock.fileno()] = connection
+        self._unadmitted[connection] = None
+        connection.outbox.append(_GREETING + _command_frame(_READY))
+        connection.unsent = len(connection.outbox[0])
+        self._flush(connection)
 
     def _may_serve(self, connection: _Connection) -> bool:
-        return connection.state is _State.CLOSED or connection.unsent < self.bounds.max_bytes
+        if connection.state is _State.CLOSED:
+            return True
+        return connection.unsent < self._unsent_bound(connection)
+
+    def _unsent_bound(self, connection: _Connection) -> int:
+        """Unsent reply bytes past which a connection is neither served nor read."""
+        bounds = self.bounds if connection.admitted else self.unauthenticated
+        return bounds.max_bytes
 
     def _poll(self, connection: _Connection) -> None:
-        """Register the connection for what it may do now: read unless it has a message
-        waiting or too many unsent reply bytes, write while it has unsent bytes."""
+        """Register the connection for what it may do now: read while :meth:`_read_size`
+        allows, write while it has unsent bytes."""
         if connection.state is _State.CLOSED or self._poller is None:
             return
         wanted = zmq.POLLOUT if connection.outbox else 0
-        if not connection.pending and connection.unsent < self.bounds.max_bytes:
+        if self._read_size(connection):
             wanted |= zmq.POLLIN
         if wanted != connection.polled:
             self._poller.register(connection, wanted)  # 0 unregisters
             connection.polled = wanted
+
+    def _read_size(self, connection: _Connection) -> int:
+        """The most bytes a read of the connection may take now (0: not to be read): none
+        while a message of it waits to be served or too many of its replies are unsent,
+        else what its allowance leaves. An admitted one whose message outgrew its small
+        allowance takes a share of the receive budget, or waits for one."""
+        if connection.pending or connection.unsent >= self._unsent_bound(connection):
+            return 0
+        if connection.held >= self._allowance(connection) and connection.admitted:
+            self._ask_share(connection)
+        most = LARGE_READ if connection.shared else READ_SIZE
+        size = min(most, self._allowance(connection) - connection.held)
+        if connection.big is not None:
+            size = min(size, connection.big_size - len(connection.big))
+        return max(size, 0)
+
+    def _allowance(self, connection: _Connection) -> int:
+        if connection.shared:
+            return self._share_size
+        return SMALL_HELD if connection.admitted else self._unauthenticated_held
+
+    def _ask_share(self, connection: _Connection) -> None:
+        if connection.shared:
+            return
+        if len(self._shared) < self.shares and not self._share_waiters:
+            self._take_share(connection)
+        else:
+            self._share_waiters[connection] = None
+
+    def _take_share(self, connection: _Connection) -> None:
+        connection.shared = True
+        connection.deadline = self._clock() + self.limits.message_seconds
+        self._shared[connection] = None
+
+    def _renew_share(self, connection: _Connection) -> None:
+        """A new deadline for the next message holding the connection's share."""
+        del self._shared[connection]
+        self._take_share(connection)
+
+    def _settle_share(self, connection: _Connection) -> None:
+        """Once a connection's messages are served: its share goes back when its reads fit
+        its small allowance again, else the next message holding it gets its full time."""
+        if not connection.shared:
+            return
+        if connection.held > SMALL_HELD:
+            self._renew_share(connection)
+        else:
+            self._release_share(connection)
+
+    def _release_share(self, connection: _Connection) -> None:
+        connection.shared = False
+        del self._shared[connection]
+        while self._share_waiters and len(self._shared) < self.shares:
+            waiter = next(iter(self._share_waiters))
+            del self._share_waiters[waiter]
+            self._take_share(waiter)
+            self._poll(waiter)
 
     def _flush(self, connection: _Connection) -> None:
         outbox = connection.outbox
@@ -332,38 +509,40 @@ class ZmtpRouter:
         self._poll(connection)
 
     def _read(self, connection: _Connection) -> None:
+        size = self._read_size(connection)
+        if not size:
+            self._poll(connection)  # registered before it lost its turn: unregister
+            return
         try:
-            if connection.big is not None:
-                with memoryview(connection.big) as whole, whole[connection.big_filled :] as rest:
-                    received = connection.sock.recv_into(rest)
-                if received:
-                    self._fill_big(connection, received)
-                    self._poll(connection)
-                    return
-            else:
-                data = connection.sock.recv(READ_SIZE)
-                if data:
-                    connection.inbox += data
-                    self._parse(connection)
-                    self._poll(connection)
-                    return
+            received = connection.sock.recv_into(self._scratch, size)
         except BlockingIOError:
             return
+        except OSError:
+            received = 0
+        if not received:
+            # The peer closed its end (or reset it): serve the whole messages it sent
+            # before; a message cut short goes with the connection.
+            with contextlib.suppress(_Drop):
+                self._parse(connection, everything=True)
+            self._close(connection)
+            return
+        try:
+            with self._scratch[:received] as data:
+                if connection.big is not None:
+                    self._gather(connection, data)
+                else:
+                    connection.inbox += data
+            self._parse(connection)
         except _Drop as drop:
             self._drop(connection, drop)
             return
-        except OSError:
-            pass
-        # The peer closed its end (or reset it): serve the whole messages it sent before;
-        # a message cut short goes with the connection.
-        with contextlib.suppress(_Drop):
-            self._parse(connection, everything=True)
-        self._close(connection)
+        self._poll(connection)
 
-    def _fill_big(self, connection: _Connection, received: int) -> None:
+    def _gather(self, connection: _Connection, data: memoryview) -> None:
+        """Add ``data`` to the big frame being read (a read takes no more than it lacks)."""
         assert connection.big is not None
-        connection.big_filled += received
-        if connection.big_filled == len(connection.big):
+        connection.big += data
+        if len(connection.big) == connection.big_size:
             frame, more = memoryview(connection.big), connection.big_more
             connection.big = None
             self._frame(connection, frame, more)
@@ -394,6 +573,8 @@ class ZmtpRouter:
                 return position
             self._greeting(connection, bytes(view[position : position + _GREETING_SIZE]))
             return position + _GREETING_SIZE
+        if connection.skip:
+            return position + self._discard(connection, end - position)
         if end - position < 2:
             return position
         flags = view[position]
@@ -406,7 +587,7 @@ class ZmtpRouter:
         else:
             size, start = int.from_bytes(view[position + 1 : position + 9], "big"), position + 9
         if flags & _COMMAND:
-            if size > MAX_COMMAND or connection.frames:
+            if size > MAX_COMMAND or connection.message_frames:
                 raise _Drop(DropReason.PROTOCOL, "a command too large or inside a message")
             if end - start < size:
                 return position
@@ -414,30 +595,83 @@ class ZmtpRouter:
             return start + size
         if connection.state is not _State.OPEN:
             raise _Drop(DropReason.PROTOCOL, "a message before the handshake")
-        bounds = self.bounds
-        if len(connection.frames) >= bounds.max_frames:
+        bounds, more = self.bounds, bool(flags & _MORE)
+        if connection.message_frames >= bounds.max_frames:
             raise _Drop(DropReason.TOO_MANY_FRAMES, f"over {bounds.max_frames} frames")
         if connection.message_bytes + size > bounds.max_bytes:
             raise _Drop(DropReason.MESSAGE_TOO_LARGE, f"over {bounds.max_bytes} bytes")
-        here = end - start
+        here, keep = end - start, self._cut(connection, size)
+        if keep is not None:  # before hello, over its bounds: hold the start, discard the rest
+            if here < keep:
+                return position
+            self._truncate(connection, bytes(view[start : start + keep]), size - keep, more)
+            return start + keep
         if here >= size:
-            connection.message_bytes += size
-            self._frame(connection, bytes(view[start : start + size]), bool(flags & _MORE))
+            self._count(connection, size)
+            self._frame(connection, bytes(view[start : start + size]), more)
             return start + size
         if size <= SMALL_FRAME:
             return position
-        connection.message_bytes += size
-        connection.big = bytearray(size)
-        connection.big[:here] = view[start:end]
-        connection.big_filled, connection.big_more = here, bool(flags & _MORE)
+        self._count(connection, size)
+        connection.big = bytearray(view[start:end])
+        connection.big_size, connection.big_more = size, more
         return end
+
+    def _cut(self, connection: _Connection, size: int) -> int | None:
+        """None if a frame of ``size`` bytes is held whole (always, once admitted); else
+        the bytes of it held, what the unauthenticated bounds leave of its message."""
+        if connection.admitted:
+            return None
+        bounds = self.unauthenticated
+        if connection.truncated or connection.message_frames >= bounds.max_frames:
+            return 0
+        room = bounds.max_bytes - connection.frames_bytes
+        return None if size <= room else room
+
+    def _count(self, connection: _Connection, size: int) -> None:
+        connection.message_frames += 1
+        connection.message_bytes += size
+
+    def _truncate(self, connection: _Connection, start: bytes, rest: int, more: bool) -> None:
+        """Hold ``start`` of a frame as its message's last kept frame; discard its ``rest``
+        (and the frames after it) as they arrive."""
+        if not connection.truncated:
+            self._log.warning(
+                "ZMQ: read messages over the unauthenticated bound before hello without "
+                "holding them, and answered them (a client whose connection was renewed "
+                "sends one before its hello)"
+            )
+        self._count(connection, len(start) + rest)
+        connection.truncated = True
+        if start:
+            connection.frames.append(start)
+            connection.frames_bytes += len(start)
+        connection.skip, connection.skip_more = rest, more
+        if not rest:
+            self._end_frame(connection, more)
+
+    def _discard(self, connection: _Connection, here: int) -> int:
+        """Discard what is ``here`` of the frame being skipped; the bytes discarded."""
+        discarded = min(here, connection.skip)
+        connection.skip -= discarded
+        if not connection.skip:
+            self._end_frame(connection, connection.skip_more)
+        return discarded
 
     def _frame(self, connection: _Connection, frame: Frame, more: bool) -> None:
         connection.frames.append(frame)
-        if not more:
-            connection.pending.append(connection.frames)
-            connection.frames, connection.message_bytes = [], 0
-            self._waiting[connection] = None
+        connection.frames_bytes += len(frame)
+        self._end_frame(connection, more)
+
+    def _end_frame(self, connection: _Connection, more: bool) -> None:
+        if more:
+            return
+        frames = connection.frames
+        connection.pending.append(Truncated(frames) if connection.truncated else frames)
+        connection.pending_bytes += connection.frames_bytes
+        connection.frames, connection.frames_bytes, connection.truncated = [], 0, False
+        connection.message_frames, connection.message_bytes = 0, 0
+        self._waiting[connection] = None
 
     def _greeting(self, connection: _Connection, greeting: bytes) -> None:
         if greeting[0] != 0xFF or not greeting[9] & 1 or greeting[10] < 3:
@@ -457,19 +691,19 @@ class ZmtpRouter:
             if socket_type != b"DEALER":
                 raise _Drop(DropReason.PROTOCOL, f"socket type {socket_type!r}, not DEALER")
             connection.state = _State.OPEN
-            self._handshaking.pop(connection, None)
         elif name == b"PING" and len(body) >= 2:  # ZMTP 3.1 heartbeats: answer with the context
             pong = b"\x04PONG" + body[2:18]
             connection.outbox.append(_command_frame(pong))
             connection.unsent += len(connection.outbox[-1])
         # any other command (PONG, ERROR, ...) asks nothing of a NULL-mechanism ROUTER
 
-    def _drop(self, connection: _Connection, drop: _Drop) -> None:
-        self._log.warning(
-            f"ZMQ: closing connections that send {_DROPPED[drop.reason]} ({drop.reason})"
-        )
+    def _report(self, reason: DropReason) -> None:
+        self._log.warning(f"ZMQ: closing connections that {_DROPPED[reason]} ({reason})")
         if self._on_drop is not None:
-            self._on_drop(drop.reason)
+            self._on_drop(reason)
+
+    def _drop(self, connection: _Connection, drop: _Drop) -> None:
+        self._report(drop.reason)
         connection.pending.clear()
         self._waiting.pop(connection, None)
         self._close(connection)
@@ -485,7 +719,12 @@ class ZmtpRouter:
         connection.sock.close()
         connection.state = _State.CLOSED
         self._connections.pop(connection.peer, None)
-        self._handshaking.pop(connection, None)
+        self._unadmitted.pop(connection, None)
+        self._share_waiters.pop(connection, None)
+        if connection.admitted:
+            self._admitted -= 1
+        if connection.shared:
+            self._release_share(connection)
         connection.inbox.clear()
         connection.outbox.clear()
         connection.big, connection.frames, connection.unsent = None, [], 0

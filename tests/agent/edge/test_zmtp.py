@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
+from kvpool_agent.config import ZmqLimits
 from kvpool_agent.edge.zmtp import MAX_PENDING, DropReason, MessageBounds, ZmtpRouter
 from kvpool_agent.web.rate_limited_log import RateLimitedLog
 from tests.support.polling import wait_until
@@ -22,18 +23,25 @@ BOUNDS = MessageBounds(max_frames=8, max_bytes=1 << 20)
 
 class Echo:
     """A router on a thread answering each message with its frames (or ``reply_size``
-    zero bytes), counting messages served and peers dropped."""
+    zero bytes), counting messages served and peers dropped. A peer is admitted by its
+    first message (the agent's by its hello), so that one is bounded by ``unauthenticated``."""
 
-    def __init__(self, handshake_seconds: float = 30.0, reply_size: int | None = None) -> None:
+    def __init__(
+        self,
+        limits: ZmqLimits | None = None,
+        reply_size: int | None = None,
+        unauthenticated: MessageBounds = BOUNDS,
+    ) -> None:
         self.dropped: Counter[DropReason] = Counter()
         self.served = 0
         self.reply_size = reply_size
         self.router = ZmtpRouter(
             "tcp://127.0.0.1:*",
             BOUNDS,
+            unauthenticated=unauthenticated,
+            limits=limits or ZmqLimits(),
             log=RateLimitedLog(logging.getLogger("zmtp-test")),
             on_drop=lambda reason: self.dropped.update([reason]),
-            handshake_seconds=handshake_seconds,
         )
         self._stop = False
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -47,6 +55,7 @@ class Echo:
             self.router.handle(events)
             self.router.expire()
             for peer, frames in self.router.take():
+                self.router.admit(peer)
                 self.served += 1
                 reply = [bytes(self.reply_size)] if self.reply_size is not None else frames
                 self.router.send(peer, reply)
@@ -116,7 +125,7 @@ def test_bytes_that_are_not_zmtp_drop_the_peer(echo: Echo) -> None:
 
 
 def test_a_peer_without_a_handshake_is_closed_at_the_deadline() -> None:
-    echo = Echo(handshake_seconds=0.3)
+    echo = Echo(ZmqLimits(hello_seconds=0.3))
     try:
         host, port = echo.router.bound_endpoint.removeprefix("tcp://").rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=5) as sock:
@@ -124,7 +133,9 @@ def test_a_peer_without_a_handshake_is_closed_at_the_deadline() -> None:
             assert closed_by_peer(sock, timeout=5)
             assert 0.25 < time.monotonic() - started < 2
         assert echo.dropped == {DropReason.HANDSHAKE_TIMEOUT: 1}
-        peer = ZmtpPeer(echo.router.bound_endpoint)  # one that says READY in time stays
+        peer = ZmtpPeer(echo.router.bound_endpoint)  # one admitted in time stays
+        peer.send(ZmtpPeer.frame(b"hello", more=False))
+        assert peer.sock.recv(64) == b"\x00\x05hello"
         time.sleep(0.5)
         peer.send(ZmtpPeer.frame(b"still here", more=False))
         assert peer.sock.recv(64) == b"\x00\x0astill here"
