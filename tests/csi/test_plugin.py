@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from kvpool_agent.csi import messages
 from kvpool_agent.csi.mounts import PUBLISHED_OPTIONS, parse_mountinfo
 from kvpool_agent.names import CSI_DRIVER, CSI_NAMESPACE_ATTRIBUTE, CSI_POOL_ATTRIBUTE
-from kvpool_operator.admission.wiring import AGENT_GROUP
+from kvpool_operator.admission.wiring import AGENT_GROUP, Binding, PoolFacts, apply, wire
 from kvpool_operator.render import AGENT_UID
 from tests.support import csi_kubelet
 from tests.support.csi_kubelet import CsiClient, target_path
@@ -153,6 +154,37 @@ def test_a_non_root_pod_in_the_agents_group_may_map_the_segment(
         assert not plugin.opens_as(1000, [], target / "segment")
     finally:
         kubelet.unpublish(target, uid)
+
+
+def test_a_tenants_wired_pod_reaches_no_segment_however_it_asks(
+    kubelet: CsiClient, plugin: PluginProcess, node: Node, pools: Pools
+) -> None:
+    """The attacker of issue 43: a tenant's pod, as the webhook wires it (no volume, not the
+    agents' group), that then asks for the volume itself. The plugin refuses it: the pod has
+    no path to the segment (only a hostPath would be one, which Pod Security "restricted"
+    forbids), whatever group it gives itself."""
+    directory = node.pool_directory("tenants")
+    for path in (directory, directory / "segment"):
+        os.chown(path, AGENT_UID, AGENT_UID)
+    pools.add("tenants", str(directory / "segment"))
+    facts = PoolFacts("tenants", NAMESPACE, 7400, 256, frozenset({ENGINES}))
+    pod: dict[str, Any] = {
+        "metadata": {"labels": {"kvpool.io/cache-pool": "tenants"}},
+        "spec": {"containers": [{"name": "vllm", "image": "v"}]},
+    }
+    apply(wire(pod, "team-a", [Binding("cache", NAMESPACE, facts)]).patch, pod)
+    assert "volumes" not in pod["spec"] and "securityContext" not in pod["spec"]
+    env = {
+        variable["name"]: variable.get("value") for variable in pod["spec"]["containers"][0]["env"]
+    }
+    assert env["KVPOOL_TRANSPORT"] == "messages" and "KVPOOL_SEGMENT_PATH" not in env
+
+    uid = "0f1e2d3c-0000-4000-8000-00000000000c"
+    target = target_path(node.kubelet, uid, "kvpool")
+    error = refused(lambda: kubelet.publish(target, attributes("tenants"), "team-a", "p", uid))
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert not target.exists()
+    assert not plugin.opens_as(1000, [], directory / "segment")  # nor as wired, by mode
 
 
 def test_unknown_pool(kubelet: CsiClient, node: Node, main_pool: Path) -> None:
