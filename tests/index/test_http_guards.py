@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -29,20 +30,24 @@ KEPT_ALIVE_BOUND = 0.010
 """A request on a kept-alive connection (before TCP_NODELAY: /v1/route took 44 ms)."""
 
 
+def _running(directory: Path, settings: dict[str, str]) -> Iterator[IndexProcess]:
+    """An index of one node whose agent is nowhere, with these settings."""
+    nowhere = SimpleNamespace(zmq="tcp://127.0.0.1:9", events="tcp://127.0.0.1:9")
+    process = IndexProcess(directory, {"gpu-1": nowhere}, settings)
+    yield process
+    process.process.kill()
+    process.process.wait()
+
+
 @pytest.fixture(scope="module")
 def index(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IndexProcess]:
-    nowhere = SimpleNamespace(zmq="tcp://127.0.0.1:9", events="tcp://127.0.0.1:9")
-    process = IndexProcess(
+    yield from _running(
         tmp_path_factory.mktemp("index"),
-        {"gpu-1": nowhere},
         {
             "HTTP_LIMITS__MAX_BODY_BYTES": str(MAX_BODY),
             "HTTP_LIMITS__HEADER_TIMEOUT_SECONDS": str(HEADER_TIMEOUT),
         },
     )
-    yield process
-    process.process.kill()
-    process.process.wait()
 
 
 FEW_CONNECTIONS = 4
@@ -51,18 +56,13 @@ FEW_CONNECTIONS = 4
 @pytest.fixture(scope="module")
 def crowded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IndexProcess]:
     """An index of few connections, whose timeouts do not free them during a test."""
-    nowhere = SimpleNamespace(zmq="tcp://127.0.0.1:9", events="tcp://127.0.0.1:9")
-    process = IndexProcess(
+    yield from _running(
         tmp_path_factory.mktemp("crowded"),
-        {"gpu-1": nowhere},
         {
             "HTTP_LIMITS__MAX_CONNECTIONS": str(FEW_CONNECTIONS),
             "HTTP_LIMITS__HEADER_TIMEOUT_SECONDS": "60",
         },
     )
-    yield process
-    process.process.kill()
-    process.process.wait()
 
 
 @pytest.mark.parametrize(
