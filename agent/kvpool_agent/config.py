@@ -256,11 +256,13 @@ class ZmqLimits(BaseModel):
         ),
     )
     max_unauthenticated: int = Field(
-        64,
+        256,
         ge=1,
         description=(
-            "Connections that have not yet said hello at most (each holds a few KiB); at the "
-            "bound the oldest of them is closed to admit a new one."
+            "Connections that have not yet said hello at most (each holds at most 10 KiB); at "
+            "the bound the oldest of them is closed to admit a new one. Room for every link "
+            "of a node's engines at once: after an agent restart, libzmq reconnects each "
+            "link, which says hello only with its next request."
         ),
     )
     hello_seconds: float = Field(
