@@ -103,6 +103,7 @@ def test_every_size_field_reads_quantities() -> None:
             "http_limits.max_body_bytes",
             "http_limits.max_head_bytes",
             "max_inline_bytes",
+            "zmq_limits.receive_budget",
             "nvme.capacity",
             "s3.multipart_threshold",
             "s3.part_size",

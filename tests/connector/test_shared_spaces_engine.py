@@ -145,7 +145,7 @@ def test_a_malformed_structured_salt_is_the_tenants_own_cache(setup: Setup) -> N
     assert stored.counters["salt_problems"] >= 1
     again = alice.generate([question], salts=[SALTS["alice"]], max_tokens=16)
     assert again.cached == [3 * CHUNK]  # stored under her plain salt: nothing went to the space
-    assert "does not parse: unknown field 'shard'" in alice.log_text()
+    assert "not taken as written: unknown field 'shard'" in alice.log_text()
 
 
 def test_poisoned_shared_chunks_change_the_output(setup: Setup) -> None:
