@@ -231,7 +231,11 @@ def store(engine: StepEngine, tokens: list[int], seed: int = 1, salt: str = SALT
         assert new.num_computed_tokens == 0, "a hit in an empty agent"
         written.update(compute(engine, "first", seed))
 
-    step = engine.step(forward)
+    for _ in range(200):  # a first lookup that asks L2 (prefetch_wait_s) may take steps
+        step = engine.step(forward)
+        if written:
+            break
+        time.sleep(0.01)
     assert written, "vLLM ran no forward"
     assert step.kv is None or step.kv.invalid_block_ids == set()
     assert step.finished == {"first"}
