@@ -13,6 +13,7 @@ from tests.support.metrics import memory_bytes, sample
 from tests.support.raw_http import (
     closed_by_peer,
     connect,
+    half_heads,
     head,
     head_flood,
     kept_alive_seconds,
@@ -131,13 +132,6 @@ def test_unauthenticated_connections_leave_a_gateway_connection_open(
     with connect(crowded.url, timeout=5) as kept:
         kept.sendall(route)
         assert read_answer(kept).status == 200
-        slow = []
-        try:
-            for _ in range(3 * FEW_CONNECTIONS):
-                slow.append(connect(crowded.url, timeout=5))
-                slow[-1].sendall(head("GET", "/healthz", end=False))
+        with half_heads(crowded.url, 3 * FEW_CONNECTIONS):
             kept.sendall(route)
             assert read_answer(kept).status == 200
-        finally:
-            for sock in slow:
-                sock.close()

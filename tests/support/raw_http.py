@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -150,3 +152,18 @@ def unread_responses(url: str, path: str = "/openapi.json") -> socket.socket:
         return sock
     except ConnectionError:  # the server gave up on it already
         return sock
+
+
+@contextlib.contextmanager
+def half_heads(url: str, connections: int) -> Iterator[None]:
+    """``connections`` connections, each with half a request head sent and no more, open
+    while the block runs (clients that never authenticate, holding slots)."""
+    opened: list[socket.socket] = []
+    try:
+        for _ in range(connections):
+            opened.append(connect(url, timeout=5))
+            opened[-1].sendall(head("GET", "/healthz", end=False))
+        yield
+    finally:
+        for sock in opened:
+            sock.close()

@@ -21,6 +21,7 @@ from tests.support.polling import wait_until
 from tests.support.raw_http import (
     closed_by_peer,
     connect,
+    half_heads,
     head,
     head_flood,
     kept_alive_seconds,
@@ -254,16 +255,9 @@ def test_unauthenticated_connections_leave_an_authenticated_one_open(
     with connect(crowded.http, timeout=5) as kept:
         kept.sendall(head("GET", "/v1/status", ADMIN))
         assert read_answer(kept).status == 200
-        slow = []
-        try:
-            for _ in range(3 * FEW_CONNECTIONS):
-                slow.append(connect(crowded.http, timeout=5))
-                slow[-1].sendall(head("GET", "/healthz", end=False))
+        with half_heads(crowded.http, 3 * FEW_CONNECTIONS):
             kept.sendall(head("GET", "/v1/status", ADMIN))
             assert read_answer(kept).status == 200
-        finally:
-            for sock in slow:
-                sock.close()
 
 
 def test_unread_responses_leave_slots_to_authenticated_clients(crowded: AgentProcess) -> None:
