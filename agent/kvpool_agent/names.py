@@ -58,8 +58,10 @@ CONNECTOR_ENDPOINT_ENV = "KVPOOL_ENDPOINT"
 CONNECTOR_SEGMENT_PATH_ENV = "KVPOOL_SEGMENT_PATH"
 CONNECTOR_CHUNK_TOKENS_ENV = "KVPOOL_CHUNK_TOKENS"
 CONNECTOR_TRANSPORT_ENV = "KVPOOL_TRANSPORT"
-"""``messages``: the connector never maps the agent's segment (the webhook sets it in a
-tenant's pod, which the pool does not give the segment)."""
+"""``messages``: the connector maps no chunk file; KV moves through the agent's messages."""
+CONNECTOR_DOOR_PATH_ENV = "KVPOOL_DOOR_PATH"
+"""The agent's door (a Unix socket) where a connector gets the chunk files its token may
+map; the webhook sets it in every wired pod."""
 CONNECTOR_TOKEN_ENV = "KVPOOL_TOKEN"
 """The connector's token for its agent's ZMQ port (a pod sets it from its team's Secret)."""
 CACHE_SALT_ENV = "KVPOOL_CACHE_SALT"
@@ -72,6 +74,11 @@ ADMIN_TOKEN_ENV = "KVPOOL_ADMIN_TOKEN"
 """An admin token of the pool, for ``kvpool doctor``."""
 OPERATOR_AGENT_IMAGE_ENV = "KVPOOL_AGENT_IMAGE"
 """The operator's default agent image (the chart sets it)."""
+
+# The agent's door: a directory beside its segment holding one Unix socket, the only part
+# of the pool's directory a tenant's pod is given.
+DOOR_DIRECTORY = "door"
+DOOR_SOCKET = "agent.sock"
 
 # Configuration files, as the keys of their ConfigMaps.
 AGENT_CONFIG_KEY = "agent.yaml"
