@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, cast
 from prometheus_client import CollectorRegistry
 
 from kvpool_agent.config import AgentConfig, make_setting_directory
-from kvpool_agent.core.factory import L1Tier, check_pinning, claim_segment, open_l1
+from kvpool_agent.core.factory import L1Tier, claim_segment, open_l1
 from kvpool_agent.edge.events import EventPublisher
 from kvpool_agent.edge.http_api import create_app
 from kvpool_agent.edge.metrics import AgentMetrics
@@ -195,10 +195,9 @@ class Agent:
             agent_id = uuid.uuid4().hex
             # the ports, before any file: one in use stops the agent here
             zmq_listener, http_listener, events = self._listen(agent_id, authority, stack)
-            # then what is read or reached, and pinning: none of them fails once files exist
+            # then what is read or reached: none of them fails once files exist
             quota_store, quotas = self._load_quotas()
             tenants = self._connect_tenants()
-            check_pinning(config)
             # L2 before L1: a bad NVMe path or key stops the agent before the segment exists
             limits = _NvmeLimits()
             tiers = open_tiers(config, limits, limits.pinned, undo)
@@ -344,7 +343,7 @@ class Agent:
     ) -> CacheService:
         """The cache behind its lock, with the ``quotas`` loaded from ``store``, which a
         ConfigMap store then keeps up to date."""
-        service = CacheService(l1.cache, l1.segment, store)
+        service = CacheService(l1.cache, l1.files, store)
         where = store.path if isinstance(store, FileQuotaStore) else store.where
         log.info("loaded %d tenant quotas from %s", service.set_quotas(quotas), where)
         if not isinstance(store, FileQuotaStore):
@@ -413,7 +412,7 @@ class Agent:
         readable = list(tiers)
         if peers is not None:
             readable.insert(0 if nvme is None else 1, peers.adapter)
-            peers.serve(service, l1.segment, nvme, loop)
+            peers.serve(service, nvme, loop)
 
         def shrink_tiers(tenant: str) -> None:  # any thread: HTTP handlers, the quota watch
             for tier in tiers:
@@ -436,7 +435,6 @@ class Agent:
 
         writeback = WriteBack(
             service,
-            l1.segment,
             tiers,
             policy=config.store_policy,
             min_hits=config.store_min_hits,

@@ -170,6 +170,29 @@ class ChunkListener(Protocol):
     def removed(self, tenant: str, keys: list[bytes], cause: str) -> None: ...
 
 
+class ChunkBacking(Protocol):
+    """Where chunks' bytes live: memory given to a chunk's account as the chunk is placed,
+    taken back as it is freed (the agent's :class:`~kvpool_agent.chunk_files.ChunkFiles`).
+
+    Called with the cache's lock held.
+    """
+
+    def take(self, owner: str, offset: int, length: int) -> None:
+        """Back ``length`` bytes at ``offset`` for ``owner``; ``OSError`` if out of memory."""
+
+    def give_back(self, owner: str, offset: int, length: int) -> None: ...
+
+    def trim(self, owner: str, kept: list[tuple[int, int]]) -> None:
+        """Free ``owner``'s memory outside the ``kept`` (offset, length) runs, sorted."""
+
+    def owners(self) -> list[str]:
+        """The accounts that have memory (a file)."""
+
+    def strays(self) -> list[str]:
+        """The accounts whose memory exceeds what their chunks were given (a client wrote
+        into holes): :meth:`trim` them."""
+
+
 @dataclass(frozen=True)
 class RestoreReport:
     restored: int

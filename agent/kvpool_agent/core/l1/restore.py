@@ -72,6 +72,7 @@ def restore(
     used = {record.slot for record in kept + held}
     slots.free = array("i", (s for s in range(total - 1, -1, -1) if s not in used))
     chunks.commit_sequence = max((r.sequence for r in kept), default=0)
+    chunks.trim_backing()  # chunks discarded, or pages a client wrote outside its chunks
     return RestoreReport(len(kept), len(discarded), len(held))
 
 
