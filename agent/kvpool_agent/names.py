@@ -75,9 +75,9 @@ ADMIN_TOKEN_ENV = "KVPOOL_ADMIN_TOKEN"
 OPERATOR_AGENT_IMAGE_ENV = "KVPOOL_AGENT_IMAGE"
 """The operator's default agent image (the chart sets it)."""
 
-# The agent's door: a directory beside its segment holding one Unix socket, the only part
-# of the pool's directory a tenant's pod is given.
-DOOR_DIRECTORY = "door"
+# The agent's door: a directory beside its segment (``<segment>.door``) holding one Unix
+# socket, the only part of the pool's directory a tenant's pod is given.
+DOOR_SUFFIX = ".door"
 DOOR_SOCKET = "agent.sock"
 
 # Configuration files, as the keys of their ConfigMaps.
@@ -171,6 +171,8 @@ SHM_DIR = Path("/dev/shm")
 """The node's shared-memory filesystem, where each pool's agent keeps its segment."""
 SEGMENT_FILE = "segment"
 """The segment's name in its pool's directory (beside its lock and probe table)."""
+DOOR_DIRECTORY = SEGMENT_FILE + DOOR_SUFFIX
+"""The door's directory in its pool's directory."""
 
 
 def segment_dir(pool: str) -> Path:

@@ -50,7 +50,7 @@ from kvpool_agent.files import (
     ensure_directory,
     open_verified,
 )
-from kvpool_agent.names import DOOR_DIRECTORY, DOOR_SOCKET
+from kvpool_agent.names import DOOR_SOCKET, DOOR_SUFFIX
 
 MAGIC = b"KVPOOLS1"
 LAYOUT_VERSION = 3
@@ -80,8 +80,8 @@ class SegmentInUse(SegmentError):
 
 def door_path(segment_path: Path) -> Path:
     """The agent's door (:mod:`kvpool_agent.door`) beside its segment:
-    ``<directory>/door/agent.sock``."""
-    return segment_path.parent / DOOR_DIRECTORY / DOOR_SOCKET
+    ``<segment>.door/agent.sock``."""
+    return segment_path.with_name(segment_path.name + DOOR_SUFFIX) / DOOR_SOCKET
 
 
 def lock_path(segment_path: Path) -> Path:
@@ -159,7 +159,7 @@ class SegmentLayout:
 
 
 class SharedSegment:
-    """A mapped segment file. Create it with :meth:`create` (agent) or :meth:`attach` (client)."""
+    """A mapped segment file: :meth:`create` or :meth:`open` (the agent's way in)."""
 
     def __init__(
         self,
@@ -242,18 +242,6 @@ class SharedSegment:
         self.pending = None
 
     @classmethod
-    def attach(cls, path: Path, *, populate: bool = False) -> SharedSegment:
-        """Map an existing segment created by an agent (a client's way in)."""
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as error:
-            raise SegmentError(f"cannot open segment {path}: {error.strerror}") from error
-        try:
-            return cls._map_existing(path, fd, populate)
-        finally:
-            os.close(fd)
-
-    @classmethod
     def open(
         cls, path: Path, data_size: int, page_size: int, *, pending: bool = False
     ) -> tuple[SharedSegment, str | None]:
@@ -306,16 +294,6 @@ class SharedSegment:
         layout = self.layout
         end = layout.table_offset + layout.table_slots * TABLE_RECORD_BYTES
         return self.view[layout.table_offset : end]
-
-    def page_offset(self, page: int) -> int:
-        """Absolute file offset of a data page."""
-        return self.layout.data_offset + page * self.layout.page_size
-
-    def write(self, offset: int, data: bytes | memoryview) -> None:
-        self.view[offset : offset + len(data)] = data
-
-    def read(self, offset: int, length: int) -> bytes:
-        return bytes(self.view[offset : offset + length])
 
     @property
     def mapping(self) -> mmap.mmap:

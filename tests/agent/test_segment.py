@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent.pinned import PinningError, pin
 from kvpool_agent.segment import SEGMENT_MODE, SegmentError, SharedSegment
 
 PAGE = 4096
@@ -168,37 +167,12 @@ def test_an_unwritable_location_is_a_clear_error() -> None:
         SharedSegment.create(Path("/proc/kvpool-cannot-exist"), 16 * PAGE, PAGE)
 
 
-def test_never_pinning_imports_no_torch() -> None:
+
+def test_the_agent_s_l1_imports_no_torch() -> None:
     code = (
-        "import sys, mmap; from kvpool_agent.pinned import pin;"
-        "assert pin(mmap.mmap(-1, 4096), 'never') is None;"
-        "import kvpool_agent.core.l1, kvpool_agent.segment, kvpool_agent.config;"
+        "import sys;"
+        "import kvpool_agent.core.l1, kvpool_agent.segment, kvpool_agent.chunk_files;"
+        "import kvpool_agent.config;"
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
-
-
-@pytest.mark.skipif(_cuda_available(), reason="checks the behaviour without CUDA")
-def test_pinning_without_cuda(segment_path: Path) -> None:
-    segment = SharedSegment.create(segment_path, 16 * PAGE, PAGE)
-    assert pin(segment.mapping, "auto") is None
-    with pytest.raises(PinningError, match="pin_memory=always"):
-        pin(segment.mapping, "always")
-    segment.close()
-
-
-@pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA device")
-def test_pinning_with_cuda(segment_path: Path) -> None:
-    segment = SharedSegment.create(segment_path, 16 * PAGE, PAGE)
-    region = pin(segment.mapping, "always")
-    assert region is not None and region.size == len(segment.mapping)
-    region.release()
-    segment.close()

@@ -267,23 +267,6 @@ def _probe_table_refused(agent: AgentProcess, listener: socket.socket) -> tuple[
     return f"refusing probe table {table}: it is a directory", REFUSED
 
 
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
-
-
-def _pinning_without_cuda(agent: AgentProcess, listener: socket.socket) -> tuple[str, int]:
-    """Refused once the segment and the probe table exist (and the L2 key, and the cache)."""
-    if _cuda_available():
-        pytest.skip("a CUDA device pins the segment")
-    agent.settings["PIN_MEMORY"] = "always"
-    agent.settings["NVME"] = json.dumps({"path": str(agent.workdir / "nvme"), "capacity": "16MiB"})
-    return f"cannot pin segment {agent.segment_path}: pin_memory=always but", REFUSED
-
-
 def _bad_quota_file(agent: AgentProcess, listener: socket.socket) -> tuple[str, int]:
     path = agent.workdir / "quotas.json"
     path.write_text("{bad")
@@ -309,7 +292,6 @@ FAILURES: list[Failure] = [
     _events_port_in_use,
     _bad_nvme_path,
     _probe_table_refused,
-    _pinning_without_cuda,
     _bad_quota_file,
     _quota_configmap_unreachable,
     _tenants_configmap_unreachable,

@@ -6,12 +6,14 @@ import multiprocessing
 import multiprocessing.queues
 import os
 import random
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from kvpool_agent.chunk_files import ChunkFiles, files_directory
 from kvpool_agent.client import AgentClient, AgentError, AgentUnavailable
 from kvpool_agent.core.cache_types import RestoreReport
 from kvpool_agent.core.journal import SegmentJournal
@@ -40,13 +42,18 @@ def segment_path(tmp_path: Path) -> Iterator[Path]:
     yield path
     path.unlink(missing_ok=True)
     table_path(path).unlink(missing_ok=True)  # a node's table that a test did not close
+    shutil.rmtree(files_directory(path), ignore_errors=True)
 
 
 class Node:
-    """An agent's L1 in-process: segment + journal + cache, reopened like a restart."""
+    """An agent's L1 in-process: segment + chunk files + journal + cache, reopened like a
+    restart."""
 
     def __init__(self, path: Path, policy: str = "lru", clock: FakeClock | None = None) -> None:
         self.segment, self.recreated = SharedSegment.open(path, 64 * PAGE, PAGE)
+        self.files = ChunkFiles.open(
+            files_directory(path), self.segment.layout.total_size, adopt=self.recreated is None
+        )
         self.journal = SegmentJournal(self.segment)
         self.probe_table = ProbeTableWriter(table_path(path), self.segment.layout.pages, AGENT_ID)
         self.cache = L1Cache(
@@ -56,6 +63,7 @@ class Node:
             journal=self.journal,
             clock=clock or FakeClock(),
             probe_table=self.probe_table,
+            backing=self.files,
         )
         self.report = (
             None
@@ -73,14 +81,16 @@ class Node:
         )
         for name, place in zip(names, reservation.placements, strict=False):
             if place is not None:
-                self.segment.write(place.offset, payload(name, size))
+                view = self.files.view(tenant)
+                view[place.offset : place.offset + size] = payload(name, size)
         assert reservation.lease is not None
         self.cache.commit(reservation.lease)
         self.cache.check_invariants()
 
     def read(self, tenant: str, names: list[int]) -> list[bytes]:
         hit = self.cache.lookup(tenant, [key(n) for n in names], lock=False)
-        return [self.segment.read(o, s) for o, s in zip(hit.offsets, hit.sizes, strict=True)]
+        view = self.files.view(tenant)
+        return [bytes(view[o : o + s]) for o, s in zip(hit.offsets, hit.sizes, strict=True)]
 
     def probed(self, tenant: str, names: list[int]) -> list[int]:
         """Which of ``names`` the schedulers' probe table offers ``tenant``."""
@@ -93,6 +103,7 @@ class Node:
     def close(self) -> None:
         self.probe_table.close()
         self.journal.close()
+        self.files.close()
         self.segment.close()
 
 
@@ -295,7 +306,9 @@ def _store_until_refused(
             plan = client.prepare_store(TENANT, [key(name)], [50_000])
             if plan.lease is None:
                 break  # refused: the agent is draining
-            client.segment().write(plan.offsets[0], payload(name, 50_000))
+            client.files().chunk(plan.file, plan.offsets[0], 50_000, write=True)[:] = payload(
+                name, 50_000
+            )
             if client.commit_store(plan.lease) == 1:
                 done.put(name)
             name += 1

@@ -71,7 +71,7 @@ class Chunks:
             )
         except OSError as error:
             self.allocator.free(first_page, pages)
-            return str(error)
+            return error.strerror or str(error)
         return None
 
     def place(self, account: Tenant, key: bytes, nbytes: int, first_page: int, pages: int) -> int:
