@@ -116,7 +116,7 @@ def _file(identity: tuple[int, int]) -> str:
 
 def unmapped() -> list[Check]:
     """The segment and shm lines of a pod set not to map the segment (the transport
-    ``messages``, as the webhook sets it in a tenant's pod)."""
+    ``messages``)."""
     return [
         passed(
             SEGMENT,
