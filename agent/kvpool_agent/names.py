@@ -27,7 +27,7 @@ MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 POOL_LABEL = "kvpool.io/pool"
 CACHE_POOL_LABEL = "kvpool.io/cache-pool"
 """On a tenant's pod: the pool whose cache it uses. The operator's admission webhook wires
-every pod so labelled (the segment volume, the connector's environment); see
+every pod so labelled (the pool's volume, the connector's environment); see
 :data:`SEGMENT_MOUNT_DIR`."""
 OPERATOR = "kvpool-operator"
 """The managed-by label of the operator's objects, and its field manager."""
@@ -176,8 +176,9 @@ DOOR_DIRECTORY = SEGMENT_FILE + DOOR_SUFFIX
 
 
 def segment_dir(pool: str) -> Path:
-    """The pool's directory on a node: its segment, lock and probe table, and nothing else,
-    so that it can be published into a pod whole (the CSI plugin bind-mounts it)."""
+    """The pool's directory on a node: its segment, lock and probe table, and its door
+    (:data:`DOOR_DIRECTORY`), and nothing else, so that it can be published into an
+    engine's pod whole (the CSI plugin bind-mounts it; a tenant's pod gets the door only)."""
     return SHM_DIR / f"kvpool-{pool}"
 
 
@@ -187,15 +188,17 @@ def segment_path(pool: str) -> Path:
 
 
 CSI_DRIVER = "csi.kvpool.io"
-"""The CSI driver that publishes a pool's segment directory into a pod (an inline
+"""The CSI driver that publishes a pool's directory, or only its door, into a pod (an inline
 ephemeral volume with the attributes :data:`CSI_POOL_ATTRIBUTE` and
 :data:`CSI_NAMESPACE_ATTRIBUTE`)."""
 CSI_POOL_ATTRIBUTE = "pool"
 CSI_NAMESPACE_ATTRIBUTE = "namespace"
 """The volume attributes that name the pool and the pool's namespace."""
 SEGMENT_MOUNT_DIR = Path("/var/run/kvpool")
-"""Where the webhook mounts the pool's directory in a labelled pod: the connector maps
-``SEGMENT_MOUNT_DIR / SEGMENT_FILE``."""
+"""Where the webhook mounts the pool's volume in a labelled pod: in an engine's pod the
+pool's directory (the connector maps ``SEGMENT_MOUNT_DIR / SEGMENT_FILE``; the door is
+``SEGMENT_MOUNT_DIR / DOOR_DIRECTORY / DOOR_SOCKET``), in a tenant's pod its door directory
+(the door is ``SEGMENT_MOUNT_DIR / DOOR_SOCKET``)."""
 
 
 def agent_pods_selector(pool: str) -> str:

@@ -167,7 +167,7 @@ def assert_through_messages(diagnosis: Diagnosis) -> None:
 
 
 def test_a_tenants_pod_maps_nothing_and_passes(agent: AgentProcess) -> None:
-    """KVPOOL_TRANSPORT=messages, as the webhook wires a tenant's pod: the segment, which this
+    """KVPOOL_TRANSPORT=messages, a pod that maps no segment: the segment, which this
     process could map, is not looked at, and the path the connector takes is checked."""
     diagnosis = run_doctor(*agent_args(agent), env={"KVPOOL_TRANSPORT": "messages"})
 
