@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 from kvpool_agent.config import AgentConfig, make_setting_directory
 from kvpool_agent.core.factory import L1Tier, claim_segment, open_l1
 from kvpool_agent.edge.events import EventPublisher
+from kvpool_agent.edge.door import DoorServer
 from kvpool_agent.edge.http_api import create_app
 from kvpool_agent.edge.metrics import AgentMetrics
 from kvpool_agent.edge.zmq_server import ZmqServer
@@ -39,7 +40,7 @@ from kvpool_agent.l2.tiers import open_tiers
 from kvpool_agent.peer.node import PeerTier
 from kvpool_agent.problems import listening
 from kvpool_agent.quotas import Quota
-from kvpool_agent.segment import LOCK_MODE, SegmentInUse, lock_path
+from kvpool_agent.segment import LOCK_MODE, SegmentInUse, door_path, lock_path
 from kvpool_agent.service.cache_service import CacheService
 from kvpool_agent.tenancy.auth import GeneratedTokens, TokenAuthority, load_authority
 from kvpool_agent.tenancy.quota_store import FileQuotaStore
@@ -270,6 +271,9 @@ class Agent:
             undo.keep()
             zmq_server.start()
             stack.callback(zmq_server.stop)
+            door = DoorServer(door_path(l1.segment.path), authority, l1.files)
+            door.start()
+            stack.callback(door.close)
             await stack.enter_async_context(self._maintain(l1, service))
             self._ready = True
             log.info(
