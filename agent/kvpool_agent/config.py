@@ -662,6 +662,7 @@ class AgentConfig(BaseSettings):
             "write-backs are shed (counted)."
         ),
     )
+
     @field_validator("segment_path")
     @classmethod
     def _check_segment_path(cls, path: Path | None) -> Path | None:

@@ -27,8 +27,8 @@ from prometheus_client import CollectorRegistry
 
 from kvpool_agent.config import AgentConfig, make_setting_directory
 from kvpool_agent.core.factory import L1Tier, claim_segment, open_l1
-from kvpool_agent.edge.events import EventPublisher
 from kvpool_agent.edge.door import DoorServer
+from kvpool_agent.edge.events import EventPublisher
 from kvpool_agent.edge.http_api import create_app
 from kvpool_agent.edge.metrics import AgentMetrics
 from kvpool_agent.edge.zmq_server import ZmqServer
@@ -271,9 +271,7 @@ class Agent:
             undo.keep()
             zmq_server.start()
             stack.callback(zmq_server.stop)
-            door = DoorServer(door_path(l1.segment.path), authority, l1.files)
-            door.start()
-            stack.callback(door.close)
+            stack.callback(self._open_door(l1, authority).close)
             await stack.enter_async_context(self._maintain(l1, service))
             self._ready = True
             log.info(
@@ -294,6 +292,14 @@ class Agent:
                 "agent stopping: %s",
                 "no store in flight" if drained else "grace period over, stores in flight dropped",
             )
+
+    @staticmethod
+    def _open_door(l1: L1Tier, authority: TokenAuthority) -> DoorServer:
+        """The door beside the segment, serving its chunk files to the tokens that may map
+        them."""
+        door = DoorServer(door_path(l1.segment.path), authority, l1.files)
+        door.start()
+        return door
 
     def _listen(
         self, agent_id: str, authority: TokenAuthority, stack: contextlib.AsyncExitStack

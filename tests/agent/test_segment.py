@@ -167,7 +167,6 @@ def test_an_unwritable_location_is_a_clear_error() -> None:
         SharedSegment.create(Path("/proc/kvpool-cannot-exist"), 16 * PAGE, PAGE)
 
 
-
 def test_the_agent_s_l1_imports_no_torch() -> None:
     code = (
         "import sys;"
