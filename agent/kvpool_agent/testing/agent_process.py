@@ -221,10 +221,15 @@ class AgentProcess:
 
 
 @contextlib.contextmanager
-def running_agent(settings: dict[str, str], timeout: float = 60.0) -> Iterator[AgentProcess]:
-    """A started agent with its state in a temporary directory, removed with it on exit."""
+def running_agent(
+    settings: dict[str, str],
+    timeout: float = 60.0,
+    tenant_tokens: dict[str, str] | None = None,
+) -> Iterator[AgentProcess]:
+    """A started agent with its state in a temporary directory, removed with it on exit
+    (``tenant_tokens``: tenant id -> token, in its tokens file)."""
     with tempfile.TemporaryDirectory(prefix="kvpool-agent-") as workdir:
-        agent = AgentProcess(Path(workdir), dict(settings))
+        agent = AgentProcess(Path(workdir), dict(settings), dict(tenant_tokens or {}))
         try:
             yield agent.start(timeout)
         finally:
