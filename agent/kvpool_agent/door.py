@@ -154,19 +154,17 @@ def open_chunk_file(
             _settimeout(sock, deadline)
             sock.connect(os.fsdecode(door))
         except TimeoutError:
-            raise DoorError(
-                f"the agent's door {door} did not answer within {timeout:g} s"
-            ) from None
+            raise _timed_out(door, timeout) from None
         except OSError as error:
             raise DoorError(f"cannot reach the agent's door {door}: {_reason(error)}") from None
         try:
             _settimeout(sock, deadline)
             sock.sendall(line, socket.MSG_NOSIGNAL)
             reply, fds = _receive(sock, deadline)
+        except _Malformed as error:
+            raise _malformed(door, file_id, str(error)) from None
         except TimeoutError:
-            raise DoorError(
-                f"the agent's door {door} did not answer within {timeout:g} s"
-            ) from None
+            raise _timed_out(door, timeout) from None
         except OSError as error:
             raise DoorError(
                 f"the agent's door {door} closed the connection: {_reason(error)}"
@@ -180,8 +178,16 @@ def open_chunk_file(
         raise
 
 
+class _Malformed(Exception):
+    """A reply that breaks the door's protocol (the message says how)."""
+
+
 def _timed_out(door: Path, timeout: float) -> DoorError:
     return DoorError(f"the agent's door {door} did not answer within {timeout:g} s")
+
+
+def _malformed(door: Path, file_id: int, what: str) -> DoorError:
+    return DoorError(f"the agent's door {door} sent a malformed reply for file {file_id}: {what}")
 
 
 def _settimeout(sock: socket.socket, deadline: float) -> None:
@@ -202,14 +208,14 @@ def _receive(sock: socket.socket, deadline: float) -> tuple[bytes, list[int]]:
     try:
         while b"\n" not in data:
             if len(data) >= DOOR_REQUEST_BYTES:
-                raise OSError(f"a reply longer than {DOOR_REQUEST_BYTES} bytes")
+                raise _Malformed(f"longer than {DOOR_REQUEST_BYTES} bytes")
             _settimeout(sock, deadline)
             chunk, ancillary, flags, _ = sock.recvmsg(
                 DOOR_REQUEST_BYTES, socket.CMSG_SPACE(_MAX_FDS * 4), socket.MSG_CMSG_CLOEXEC
             )
             fds.extend(_descriptors(ancillary))
             if flags & socket.MSG_CTRUNC:
-                raise OSError("more descriptors than a reply has")
+                raise _Malformed(f"more than {_MAX_FDS} descriptors")
             if not chunk:
                 raise OSError("no reply")
             data += chunk
@@ -230,34 +236,31 @@ def _descriptors(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
 
 def _granted(door: Path, file_id: int, data: bytes, fds: list[int]) -> ChunkFile:
     """The chunk file of a reply, checked; :class:`DoorError` if refused or malformed."""
-
-    def malformed(what: str) -> DoorError:
-        return DoorError(
-            f"the agent's door {door} sent a malformed reply for file {file_id}: {what}"
-        )
-
     line, _, rest = data.partition(b"\n")
     try:
         reply = json.loads(line)
     except (UnicodeDecodeError, ValueError, RecursionError):
-        raise malformed("not a line of JSON") from None
+        raise _malformed(door, file_id, "not a line of JSON") from None
     if rest or not isinstance(reply, dict):
-        raise malformed("not one JSON object")
+        raise _malformed(door, file_id, "not one JSON object")
     if "error" in reply:
         reason = " ".join(str(reply["error"]).split())[:_ERROR_CHARS]
         raise DoorError(f"the agent's door {door} refused file {file_id}: {reason}")
-    owner, writable = reply.get("owner"), reply.get("writable")
-    if reply.get("file") != file_id or not isinstance(owner, str) or not isinstance(writable, bool):
-        raise malformed("not a grant of this file")
+    granted, owner, writable = reply.get("file"), reply.get("owner"), reply.get("writable")
+    of_this_file = type(granted) is int and granted == file_id
+    if not (of_this_file and isinstance(owner, str) and isinstance(writable, bool)):
+        raise _malformed(door, file_id, "not a grant of this file")
     if len(fds) != 1:
-        raise malformed(f"{len(fds)} descriptors, not one")
+        raise _malformed(door, file_id, f"{len(fds)} descriptors, not one")
     (fd,) = fds
     status = os.fstat(fd)
     if not stat.S_ISREG(status.st_mode) or status.st_ino != file_id:
-        raise malformed(f"the descriptor is not of a regular file with inode {file_id}")
+        raise _malformed(
+            door, file_id, f"the descriptor is not of a regular file with inode {file_id}"
+        )
     access = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
     if access != (os.O_RDWR if writable else os.O_RDONLY):
-        raise malformed("the descriptor is not open as the grant says")
+        raise _malformed(door, file_id, "the descriptor is not open as the grant says")
     return ChunkFile(fd, owner, writable, file_id)
 
 

@@ -546,6 +546,8 @@ def fake_door(path: Path, reply: bytes, fds: list[int]) -> threading.Thread:
     [
         ("another file", "the descriptor is not of a regular file with inode"),
         ("two descriptors", "2 descriptors, not one"),
+        ("five descriptors", "more than 4 descriptors"),
+        ("too long", f"longer than {DOOR_REQUEST_BYTES} bytes"),
         ("no descriptor", "0 descriptors, not one"),
         ("read-only claimed writable", "the descriptor is not open as the grant says"),
         ("another id", "not a grant of this file"),
@@ -561,8 +563,10 @@ def test_the_client_checks_what_it_is_handed(
     reply = grant_line(file_id, ALICE, True)
     if case == "another file":
         fds = [os.open(other, os.O_RDWR)]
-    elif case == "two descriptors":
-        fds = [os.open(path, os.O_RDWR), os.open(path, os.O_RDWR)]
+    elif case in ("two descriptors", "five descriptors"):
+        fds = [os.open(path, os.O_RDWR) for _ in range(2 if case == "two descriptors" else 5)]
+    elif case == "too long":
+        fds, reply = [os.open(path, os.O_RDWR)], b" " * 5000 + reply
     elif case == "no descriptor":
         fds = []
     elif case == "read-only claimed writable":
