@@ -46,8 +46,24 @@ class ChunkFilesFull(OSError):
 
 
 def files_directory(segment_path: Path) -> Path:
-    """The chunk files of a segment: ``<segment>.files``, beside it."""
+    """The chunk files of the segments at ``segment_path``: ``<segment>.files``, beside it,
+    one directory in it per segment (:func:`generation_directory`)."""
     return segment_path.with_name(segment_path.name + ".files")
+
+
+def generation_directory(segment_path: Path, segment_inode: int) -> Path:
+    """The chunk files of one segment: named after its file's inode, which a segment made
+    under a temporary name keeps once it takes its name. A start that makes a new segment
+    and then fails leaves the earlier segment's files as they were."""
+    return files_directory(segment_path) / str(segment_inode)
+
+
+def remove_other_generations(directory: Path) -> None:
+    """Remove the chunk files of every segment but the one of ``directory`` (segments that
+    are no longer at their path)."""
+    for entry in directory.parent.iterdir():
+        if entry != directory and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
 
 
 def file_name(owner: str) -> str:
@@ -89,11 +105,13 @@ class ChunkFiles:
 
     @classmethod
     def open(cls, directory: Path, size: int, *, adopt: bool) -> ChunkFiles:
-        """The files of a segment adopted (``adopt``: keep the files there, the chunks of a
-        warm restart) or new (remove whatever an earlier agent left)."""
+        """The files of a segment (in its :func:`generation_directory`), adopted (``adopt``:
+        keep the files there, the chunks of a warm restart) or new (remove whatever is
+        there)."""
         if not adopt and directory.is_dir() and not directory.is_symlink():
             shutil.rmtree(directory)
-        ensure_directory(directory, what="chunk files directory", mode=DIRECTORY_MODE, own=True)
+        for level in (directory.parent, directory):
+            ensure_directory(level, what="chunk files directory", mode=DIRECTORY_MODE, own=True)
         files = cls(directory, size)
         if adopt:
             for entry in sorted(os.listdir(directory)):

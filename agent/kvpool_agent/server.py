@@ -266,12 +266,13 @@ class Agent:
             )
             if generated is not None:  # last: a failed start replaces no earlier tokens
                 generated.write(undo.file)
+            # before any client is served: a connector's first hello finds its door
+            stack.callback(self._open_door(l1, authority).close)
             # started: a new segment takes its name (before a client is served), and from
             # now on every file stays for the next agent
             undo.keep()
             zmq_server.start()
             stack.callback(zmq_server.stop)
-            stack.callback(self._open_door(l1, authority).close)
             await stack.enter_async_context(self._maintain(l1, service))
             self._ready = True
             log.info(

@@ -297,7 +297,7 @@ FAILURES: list[Failure] = [
     _tenants_configmap_unreachable,
 ]
 FAILURE_SETTINGS = (
-    *("HTTP_PORT", "EVENTS_PORT", "NVME", "PIN_MEMORY"),
+    *("HTTP_PORT", "EVENTS_PORT", "NVME"),
     *("QUOTA_FILE", "QUOTA_CONFIGMAP", "TENANTS_CONFIGMAP"),
 )
 

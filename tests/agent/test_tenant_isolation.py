@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent.chunk_files import file_name, files_directory
+from kvpool_agent.chunk_files import file_name, files_directory, generation_directory
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.probe_table import table_path
@@ -145,7 +145,7 @@ def test_a_tenant_s_pod_maps_its_own_chunks_and_nothing_of_another_tenant(
         segment,
         table_path(segment),
         files_directory(segment),
-        files_directory(segment) / file_name(B),
+        generation_directory(segment, segment.stat().st_ino) / file_name(B),
     ]
     task = {
         "uid": POD_UID,
@@ -172,7 +172,10 @@ def test_a_tenant_s_pod_maps_its_own_chunks_and_nothing_of_another_tenant(
     assert found["space_mapped_for_writing"] is False
     refusals = found["others"]
     assert isinstance(refusals, list) and None not in refusals
-    assert all("may not map" in r or "no chunk file" in r for r in refusals), refusals[:3]
+    assert all(
+        r.endswith(f"this token acts for tenant {A} and may not map file {i}")
+        for r, i in zip(refusals, task["others"], strict=True)
+    ), refusals[:3]
     assert found["paths"] == {str(path): "No such file or directory" for path in paths}
     with AgentClient(agent_process.zmq, token=TOKENS[B]) as b_client:
         assert b_client.retrieve(B, [KEY_B]) == [secret]
@@ -185,7 +188,8 @@ def test_a_local_user_of_the_node_opens_no_chunk_file(agent_process: AgentProces
     agent_process.start()
     with AgentClient(agent_process.zmq, token=TOKENS[B]) as b_client:
         assert b_client.store(B, [KEY_B], [os.urandom(SIZE)]) == 1
-    files = files_directory(agent_process.segment_path)
+    segment = agent_process.segment_path
+    files = generation_directory(segment, segment.stat().st_ino)
     code = (
         "import os, sys\n"
         f"os.setgroups([]); os.setgid({POD_UID}); os.setuid({POD_UID})\n"
@@ -195,7 +199,7 @@ def test_a_local_user_of_the_node_opens_no_chunk_file(agent_process: AgentProces
         "    except OSError as error:\n"
         "        print(error.strerror, path)\n"
     )
-    paths = [agent_process.segment_path, files, files / file_name(B)]
+    paths = [segment, files_directory(segment), files, files / file_name(B)]
     result = subprocess.run(
         [sys.executable, "-c", code, *map(str, paths)],
         capture_output=True,

@@ -74,7 +74,7 @@ ENV = [
 ENGINE_ENV = [
     ENV[0],
     {"name": "KVPOOL_SEGMENT_PATH", "value": "/var/run/kvpool/segment"},
-    {"name": "KVPOOL_DOOR_PATH", "value": "/var/run/kvpool/door/agent.sock"},
+    {"name": "KVPOOL_DOOR_PATH", "value": "/var/run/kvpool/segment.door/agent.sock"},
     *ENV[2:],
 ]
 """A pod of the pool's engineNamespaces: the segment too (the volume is the pool's

@@ -1,24 +1,26 @@
-"""``kvpool bench gpu``: the connector's copies between vLLM's KV cache on a GPU and the node's
-pinned shared segment, against the physical limit measured in the same run.
+"""``kvpool bench gpu``: the connector's copies between vLLM's KV cache on a GPU and the
+agent's chunk files, against a raw copy measured in the same run.
 
-A real ``kvpool-agent`` makes the segment (it never touches CUDA: the report says whether its
-process maps a CUDA library); this process maps it as a vLLM worker does
-(:class:`~kvpool_agent.connector.copier.MappedSegment`, registered with CUDA), reserves chunks
+A real ``kvpool-agent`` makes the chunk files (it never touches CUDA: the report says whether
+its process maps a CUDA library); this process maps them from the agent's door as a vLLM
+worker does (:class:`~kvpool_agent.connector.copier.MappedChunks`: pageable memory, as a
+sparse chunk file is never registered with CUDA whole), reserves chunks
 through the agent's protocol (``prepare_store``, ``commit_store``, ``lookup`` with a lease) and
 copies with the worker's :class:`~kvpool_agent.connector.copier.BlockCopier`. Per KV cache
 layout (:mod:`kvpool_agent.bench.gpu_caches`, random contents, scattered block ids) and chunk
 size, each of ``--runs`` runs times, for a batch of chunks:
 
-* ``kvpool``: the copier's store (GPU blocks -> segment) and load (segment -> other blocks);
+* ``kvpool``: the copier's store (GPU blocks -> chunk file) and load (chunk file -> other
+  blocks);
   the loaded blocks must equal the stored ones byte for byte, or the bench fails;
 * ``raw``: one ``cudaMemcpyAsync`` per chunk between a contiguous GPU buffer of the chunk's
-  size and the chunk's pinned pages: the physical limit;
+  size and the chunk's (pageable) pages: the limit of what the same memory allows;
 * ``per-block``: a naive loop, one copy per block and layer;
 * ``staged``: every layer gathered into a contiguous GPU staging buffer, then one copy (and
   the reverse for a load): the batched alternative, at the cost of a chunk of GPU memory.
 
 GB/s are medians over the runs with their min-max; the ratio is kvpool's to raw's, per run.
-Then, on the Llama-3-8B layout: two processes that map the same segment and copy at once
+Then, on the Llama-3-8B layout: two processes that map the same chunk file and copy at once
 (:mod:`kvpool_agent.bench.gpu_shared`), and the overlap of copies with compute
 (:mod:`kvpool_agent.bench.gpu_overlap`).
 """
@@ -64,7 +66,7 @@ TENANT = keys.tenant_id("gpu-bench")
 BATCH_BYTES = 512 << 20
 """Bytes copied per timed batch (at least one chunk, at most 16)."""
 GOAL = 0.8
-"""Store and load at >= 0.8 x the raw pinned copy, for 2048-token chunks."""
+"""Store and load at >= 0.8 x the raw copy of the same memory, for 2048-token chunks."""
 METHODS = ("kvpool", "raw", "per-block", "per-layer", "staged")
 
 

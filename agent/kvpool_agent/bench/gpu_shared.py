@@ -1,5 +1,5 @@
 """Two processes map the agent's chunk file and copy into it at once (two vLLM pods on one node):
-each registers its own mapping with CUDA and stores and loads its own chunks, reserved through
+each maps it from the agent's door and stores and loads its own chunks, reserved through
 the agent. Reported: each process's rate, and the aggregate over the span of both."""
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ class ConnectorSettings(BaseModel):
         None,
         description=(
             "Where this pod reaches the agent's door, which hands out the chunk files its "
-            "token may map; default: door/agent.sock beside segment_path, else what hello says."
+            "token may map; default: <segment_path>.door/agent.sock, else what hello says."
         ),
     )
     transport: Transport = Field(

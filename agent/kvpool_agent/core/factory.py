@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpool_agent.chunk_files import ChunkFiles, files_directory
+from kvpool_agent.chunk_files import ChunkFiles, generation_directory, remove_other_generations
 from kvpool_agent.config import AgentConfig
 from kvpool_agent.core.journal import SegmentJournal
 from kvpool_agent.core.l1 import L1Cache
@@ -108,14 +108,22 @@ def open_l1(config: AgentConfig, agent_id: str, undo: Undo | None = None) -> L1T
     segment, recreated_because = SharedSegment.open(
         path, int(config.l1_size), int(config.page_size), pending=undo is not None
     )
+    directory = generation_directory(path, segment.identity[1])
+
+    def install() -> None:  # the new segment takes its name: the earlier one's files go
+        segment.install()
+        remove_other_generations(directory)
+
     if segment.pending is not None and undo is not None:
-        undo.pending(segment.pending, segment.install)
+        undo.pending(segment.pending, install)
     with contextlib.ExitStack() as opened:  # if anything below fails, what is open closes
         opened.callback(segment.close)
         files = ChunkFiles.open(
-            files_directory(path), segment.layout.total_size, adopt=recreated_because is None
+            directory, segment.layout.total_size, adopt=recreated_because is None
         )
         opened.callback(files.close)
+        if segment.pending is None:  # adopted, or made and installed at once
+            remove_other_generations(directory)
         probe_table = ProbeTableWriter(table_path(path), segment.layout.pages, agent_id)
         opened.callback(probe_table.close)
         journal = SegmentJournal(segment)

@@ -4,10 +4,11 @@ volume (a bind mount onto the pod's volume directory), and unpublishes it.
 What a pod gets depends on its namespace, as the kubelet names it in the volume context
 (``csi.storage.k8s.io/pod.namespace``, from ``podInfoOnMount``; never an attribute the pod
 sets): a pod of one of the pool's ``engineNamespaces`` gets the pool's whole directory (its
-segment, which holds every tenant's KV on the node, probe table and lock), read-only if the
-kubelet asks; any other pod gets only the directory's ``door/``, always read-only, where the
-agent's door socket hands a connector the chunk files its token may map (connecting to a
-socket needs no write access to its mount, nor any group).
+segment, the probe table that lists every tenant's keys on the node, the lock and the door),
+read-only if the kubelet asks; any other pod gets only the directory's door
+(``segment.door/``), always read-only, where the agent's door socket hands a connector the
+chunk files its token may map (connecting to a socket needs no write access to its mount,
+nor any group).
 
 A publish is checked in order: the request's own fields (an ephemeral mount volume with
 the pool's attributes and the pod's namespace, a target in a pod's volume directory), then

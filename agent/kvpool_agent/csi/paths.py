@@ -61,8 +61,9 @@ def pool_directory(segment: str, shm_dir: Path, pool: str) -> Path:
 
 def door_directory(pool_dir: Path) -> Path:
     """The door of the pool's directory ``pool_dir`` (checked by :func:`pool_directory`):
-    ``<pool_dir>/door``, which holds the agent's door socket and nothing else. ValueError if
-    it is a symlink or not a directory; FileNotFoundError if it does not exist (yet: the
+    ``<pool_dir>/segment.door``, which holds the agent's door socket and nothing else.
+    ValueError if it is a symlink or not a directory; FileNotFoundError if it does not exist
+    (yet: the
     agent makes it when it starts)."""
     door = pool_dir / DOOR_DIRECTORY
     if door.is_symlink():

@@ -37,6 +37,7 @@ from kvpool_agent.client import AgentClient, AgentError, AgentUnavailable, copy_
 from kvpool_agent.doctor.report import Check, failed, passed, size
 from kvpool_agent.doctor.shared_memory import OTHER_FILE
 from kvpool_agent.keys import CANARY_CHUNK_BYTES, CANARY_TENANT
+from kvpool_agent.mapped_files import ChunkFileError
 
 NAME = "canary"
 _AGENT_KEY = hashlib.sha256(b"kvpool-doctor-canary-v1\0agent-to-pod").digest()
@@ -77,6 +78,8 @@ def _canary(client: AgentClient, run: Callable[[], Failure | None], how: str) ->
         failure = run()
     except (AgentError, AgentUnavailable) as error:
         failure = (f"the agent failed the canary: {error}", _AGENT_FAILED)
+    except ChunkFileError as error:
+        failure = (f"this pod cannot map the canary's chunk file: {error}", OTHER_FILE)
     left = _clear(client)
     if failure is not None:
         seen, fix = failure

@@ -6,7 +6,8 @@ token is checked afresh on every request (a revoked token maps nothing more; wha
 stays mapped), and :meth:`~kvpool_agent.tenancy.auth.TokenAuthority.file_access` says how:
 the file is opened ``O_RDWR`` or ``O_RDONLY`` accordingly, never following a link, and
 handed out only if it is still the file of that id (a regular file with that inode). A
-refusal is one line, and never names the owner of a file the token may not map.
+refusal is one line, and never names the owner of a file the token may not map, nor tells
+a file it may not map from an id no file has.
 
 The socket is mode 0666 (any user of a pod may connect: the token is the check) in a
 directory of the agent's (0755). One thread serves it with a :mod:`selectors` loop over
@@ -313,8 +314,8 @@ class DoorServer:
             self._refuse(connection, Refusal.UNAUTHENTICATED, "unknown token")
             return
         found = self._files.chunk_file(file_id)
-        if found is None:
-            self._refuse(connection, Refusal.UNKNOWN_FILE, f"no chunk file {file_id}")
+        if found is None:  # said as for a file it may not map: ids are not a way to probe
+            self._refuse(connection, Refusal.UNKNOWN_FILE, _forbidden(principal, file_id))
             return
         owner, path = found
         access = self._authority.file_access(principal, owner)

@@ -14,15 +14,16 @@ would beat).
 
 What the CSI plugin publishes in that volume depends on the pod's namespace, as the
 kubelet tells it. A tenant's pod (any namespace but the pool's ``engineNamespaces``) gets
-only the pool directory's ``door/``, read-only (the volume and its mounts say ``readOnly``
-too): ``KVPOOL_DOOR_PATH`` is ``/var/run/kvpool/agent.sock``, and the door hands its
+only the pool directory's door (``segment.door/``), read-only (the volume and its mounts
+say ``readOnly`` too): ``KVPOOL_DOOR_PATH`` is ``/var/run/kvpool/agent.sock``, and the door hands its
 connector the chunk files its token may map (its own tenant's, and its spaces'), so it
 needs no group. A pod of one of the pool's ``engineNamespaces`` (engines the platform team
-runs and trusts as it trusts the agents) gets the pool's whole directory, whose segment
-holds every tenant's KV on the node: ``KVPOOL_DOOR_PATH`` is
-``/var/run/kvpool/door/agent.sock``, and it gets ``KVPOOL_SEGMENT_PATH`` and the agents'
-group (10001) in ``spec.securityContext.supplementalGroups`` too: the segment is 0660 in a
-0710 directory of that group, so the pod's own (non-root) uid may map it.
+runs and trusts as it trusts the agents) gets the pool's whole directory, whose probe table
+lists every tenant's keys on the node: ``KVPOOL_DOOR_PATH`` is
+``/var/run/kvpool/segment.door/agent.sock``, and it gets ``KVPOOL_SEGMENT_PATH`` (beside
+which its scheduler reads the probe table) and the agents' group (10001) in
+``spec.securityContext.supplementalGroups`` too: the probe table is 0640 in a 0710
+directory of that group, so the pod's own (non-root) uid may read it.
 
 Nothing privileged: no hostPath, no capability, no user change (Pod Security
 "restricted" allows csi volumes). A pod that already has the volume is left as it is. A

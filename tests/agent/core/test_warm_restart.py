@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpool_agent.chunk_files import ChunkFiles, files_directory
+from kvpool_agent.chunk_files import ChunkFiles, files_directory, generation_directory
 from kvpool_agent.client import AgentClient, AgentError, AgentUnavailable
 from kvpool_agent.core.cache_types import RestoreReport
 from kvpool_agent.core.journal import SegmentJournal
@@ -52,7 +52,9 @@ class Node:
     def __init__(self, path: Path, policy: str = "lru", clock: FakeClock | None = None) -> None:
         self.segment, self.recreated = SharedSegment.open(path, 64 * PAGE, PAGE)
         self.files = ChunkFiles.open(
-            files_directory(path), self.segment.layout.total_size, adopt=self.recreated is None
+            generation_directory(path, self.segment.identity[1]),
+            self.segment.layout.total_size,
+            adopt=self.recreated is None,
         )
         self.journal = SegmentJournal(self.segment)
         self.probe_table = ProbeTableWriter(table_path(path), self.segment.layout.pages, AGENT_ID)

@@ -309,7 +309,8 @@ def test_the_client_names_the_door_and_the_reason(door: DoorServer, files: Chunk
     assert str(caught.value) == (
         f"the agent's door {door.path} refused file {id_of(files, ALICE)}: unknown token"
     )
-    with pytest.raises(DoorError, match=r"refused file 12345: no chunk file 12345$"):
+    # an id no file has is refused in the words of a file the token may not map
+    with pytest.raises(DoorError, match=r"refused file 12345: .* may not map file 12345$"):
         open_chunk_file(door.path, "alice-token", 12345)
     with pytest.raises(DoorError, match="the token is too long"):
         open_chunk_file(door.path, "t" * DOOR_REQUEST_BYTES, 1)
