@@ -15,8 +15,8 @@ would beat).
 What the CSI plugin publishes in that volume depends on the pod's namespace, as the
 kubelet tells it. A tenant's pod (any namespace but the pool's ``engineNamespaces``) gets
 only the pool directory's door (``segment.door/``), read-only (the volume and its mounts
-say ``readOnly`` too): ``KVPOOL_DOOR_PATH`` is ``/var/run/kvpool/agent.sock``, and the door hands its
-connector the chunk files its token may map (its own tenant's, and its spaces'), so it
+say ``readOnly`` too): ``KVPOOL_DOOR_PATH`` is ``/var/run/kvpool/agent.sock``, and the door
+hands its connector the chunk files its token may map (its own tenant's, and its spaces'), so it
 needs no group. A pod of one of the pool's ``engineNamespaces`` (engines the platform team
 runs and trusts as it trusts the agents) gets the pool's whole directory, whose probe table
 lists every tenant's keys on the node: ``KVPOOL_DOOR_PATH`` is
