@@ -267,7 +267,7 @@ class Agent:
             if generated is not None:  # last: a failed start replaces no earlier tokens
                 generated.write(undo.file)
             # before any client is served: a connector's first hello finds its door
-            stack.callback(self._open_door(l1, authority).close)
+            stack.callback(self._open_door(l1, authority, metrics).close)
             # started: a new segment takes its name (before a client is served), and from
             # now on every file stays for the next agent
             undo.keep()
@@ -295,11 +295,12 @@ class Agent:
             )
 
     @staticmethod
-    def _open_door(l1: L1Tier, authority: TokenAuthority) -> DoorServer:
+    def _open_door(l1: L1Tier, authority: TokenAuthority, metrics: AgentMetrics) -> DoorServer:
         """The door beside the segment, serving its chunk files to the tokens that may map
-        them."""
+        them (counted in ``metrics``)."""
         door = DoorServer(door_path(l1.segment.path), authority, l1.files)
         door.start()
+        metrics.register_door(door.stats)
         return door
 
     def _listen(

@@ -19,6 +19,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvpool_agent.chunk_files import file_name, files_directory, generation_directory
@@ -177,6 +178,14 @@ def test_a_tenant_s_pod_maps_its_own_chunks_and_nothing_of_another_tenant(
         for r, i in zip(refusals, task["others"], strict=True)
     ), refusals[:3]
     assert found["paths"] == {str(path): "No such file or directory" for path in paths}
+    metrics = httpx.get(f"{agent_process.http}/metrics").text
+    refused = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("kvpool_door_refused_total{")
+        and ('reason="forbidden"' in line or 'reason="unknown_file"' in line)
+    )
+    assert refused == len(refusals), "every refusal is counted, by reason"
     with AgentClient(agent_process.zmq, token=TOKENS[B]) as b_client:
         assert b_client.retrieve(B, [KEY_B]) == [secret]
     with AgentClient(agent_process.zmq, token=TOKENS[A]) as a_client:
