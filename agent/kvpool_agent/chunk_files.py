@@ -2,17 +2,25 @@
 
 The segment's allocator hands out pages of one address space for every account; a chunk's
 bytes live in its account's file, at the chunk's segment offset. Each file is as long as
-the segment and holds memory only where its account's chunks are: the agent gives the
-pages to a file when it places a chunk (:meth:`ChunkFiles.take`, a ``fallocate``, so a
-full shared-memory filesystem is a refused store and never a ``SIGBUS`` in a writer) and
-takes them back when the chunk goes (:meth:`ChunkFiles.give_back`, a hole punched). Pages
-stay charged once, to the file of the chunk that uses them.
+the segment and holds memory only where it holds pages: each page of the data region is
+held by one file at most (:class:`ChunkFiles` keeps which), so the files hold no more
+memory together than the segment's data region. When the agent places a chunk
+(:meth:`ChunkFiles.take`), the pages its file does not hold yet are taken from the file
+that holds them (a hole punched there: that account's pods no longer see them) and given
+to it (a ``fallocate``, so a full shared-memory filesystem is a refused store and never a
+``SIGBUS`` in a writer). A freed chunk's pages stay with its file: the account's next
+chunk there costs nothing, and its pods keep their mappings of them. Only its own
+account's bytes were ever in them.
 
 No client opens these files by path. The directory (:func:`files_directory`, beside the
 segment) is the agent's alone (mode 0700); a connector gets a descriptor of a file from
 the agent's door (:mod:`kvpool_agent.door`), read-write or read-only as its token may, and
 maps it. So a tenant's pod maps its own tenant's chunks and, read-only, its shared spaces':
 never another tenant's, whose file it cannot name, open or find.
+
+A client that maps its file read-write can fault pages into the file's holes (reads fault
+them in too): they are charged to the client's memory cgroup, and the agent's maintenance
+finds them (:meth:`ChunkFiles.strays`) and punches them (:meth:`ChunkFiles.trim`).
 
 A file is known to clients by its inode number (:meth:`ChunkFiles.file_id`), which the
 agent's replies name beside each offset: a client that holds a descriptor of an earlier
@@ -27,8 +35,8 @@ import errno
 import mmap
 import os
 import shutil
-import stat
 import threading
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,38 +89,52 @@ def owner_of(name: str) -> str | None:
         return None
 
 
+NO_FILE = -1
+"""A page that no file holds."""
+
+
 @dataclass
 class _File:
     owner: str
+    index: int
+    """Its number in :attr:`ChunkFiles._files` (what :attr:`ChunkFiles._holder` names)."""
     path: Path
     fd: int
     file_id: int
     mapping: mmap.mmap
     view: memoryview
+    pages: int = 0
+    """Pages of the data region it holds."""
 
 
 class ChunkFiles:
-    """The chunk files of one segment of ``size`` bytes, created as accounts need them."""
+    """The chunk files of one segment, each ``size`` bytes, created as accounts need them;
+    its data region (``data_offset`` on) is made of pages of ``page_size`` bytes."""
 
-    def __init__(self, directory: Path, size: int) -> None:
+    def __init__(self, directory: Path, size: int, page_size: int, data_offset: int) -> None:
         self.directory = directory
         self.size = size
+        self.page_size = page_size
+        self.data_offset = data_offset
         self._by_owner: dict[str, _File] = {}
         self._by_id: dict[int, _File] = {}
-        self._given: dict[str, int] = {}
-        """Bytes given to each file for its chunks (:meth:`take` less :meth:`give_back`)."""
+        self._files: list[_File] = []
+        self._holder = array("i", [NO_FILE]) * ((size - data_offset) // page_size)
+        """Which file holds each page of the data region."""
         self._making = threading.Lock()
 
     @classmethod
-    def open(cls, directory: Path, size: int, *, adopt: bool) -> ChunkFiles:
+    def open(
+        cls, directory: Path, size: int, page_size: int, data_offset: int, *, adopt: bool
+    ) -> ChunkFiles:
         """The files of a segment (in its :func:`generation_directory`), adopted (``adopt``:
-        keep the files there, the chunks of a warm restart) or new (remove whatever is
-        there)."""
+        keep the files there, the chunks of a warm restart: :meth:`claim` them, then
+        :meth:`trim_all`) or new (remove whatever is there)."""
         if not adopt and directory.is_dir() and not directory.is_symlink():
             shutil.rmtree(directory)
         for level in (directory.parent, directory):
             ensure_directory(level, what="chunk files directory", mode=DIRECTORY_MODE, own=True)
-        files = cls(directory, size)
+        files = cls(directory, size, page_size, data_offset)
         if adopt:
             for entry in sorted(os.listdir(directory)):
                 owner = owner_of(entry)
@@ -144,65 +166,114 @@ class ChunkFiles:
     # ---------------------------------------------------------------- memory
 
     def take(self, owner: str, offset: int, length: int) -> None:
-        """Give ``owner``'s file memory for ``length`` bytes at ``offset`` (a chunk placed):
-        :class:`ChunkFilesFull` if the filesystem has no room."""
-        fd = self._file(owner).fd
-        try:
-            os.posix_fallocate(fd, offset, length)
-        except OSError as error:
-            self._punch(self._by_owner[owner], offset, length)  # what it did take
-            raise ChunkFilesFull(
-                error.errno,
-                f"no room in {self.directory.parent} for {length} bytes of chunks "
-                f"({error.strerror}): is the shared-memory filesystem large enough?",
-            ) from None
-        self._given[owner] = self._given.get(owner, 0) + length
+        """Make ``owner``'s file hold the pages of ``length`` bytes at ``offset`` (a chunk
+        placed there): those it does not hold yet are punched out of the files that hold
+        them and given to it. :class:`ChunkFilesFull` if the filesystem has no room (the
+        pages are then held by no file)."""
+        found = self._file(owner)
+        first, count = self._pages_of(offset, length)
+        holder = self._holder
+        if holder[first : first + count] == array("i", [found.index]) * count:
+            return  # its own already: the common case of an account reusing its pages
+        for start, end, held_by in _runs(holder, first, first + count):
+            if held_by == found.index:
+                continue
+            if held_by != NO_FILE:
+                self._release(self._files[held_by], start, end)
+            try:
+                os.posix_fallocate(found.fd, self._offset(start), (end - start) * self.page_size)
+            except OSError as error:
+                self._punch(found, start, end)  # what it did take
+                raise ChunkFilesFull(
+                    error.errno,
+                    f"no room in {self.directory.parent} for {length} bytes of chunks "
+                    f"({error.strerror}): is the shared-memory filesystem large enough?",
+                ) from None
+            holder[start:end] = array("i", [found.index]) * (end - start)
+            found.pages += end - start
 
-    def give_back(self, owner: str, offset: int, length: int) -> None:
-        """Free the memory of ``length`` bytes at ``offset`` in ``owner``'s file (a hole)."""
-        found = self._by_owner.get(owner)
-        if found is not None:
-            self._punch(found, offset, length)
-            self._given[owner] -= length
+    def claim(self, owner: str, offset: int, length: int) -> None:
+        """Note that ``owner``'s file holds the pages at ``offset`` (a chunk a restarted
+        agent restores: its bytes are there already)."""
+        found = self._file(owner)
+        first, count = self._pages_of(offset, length)
+        for start, end, held_by in _runs(self._holder, first, first + count):
+            if held_by not in (NO_FILE, found.index):
+                self._files[held_by].pages -= end - start
+        found.pages += count - self._holder[first : first + count].count(found.index)
+        self._holder[first : first + count] = array("i", [found.index]) * count
 
     def allocated_bytes(self, owner: str) -> int:
         """The memory ``owner``'s file holds."""
         found = self._by_owner.get(owner)
         return 0 if found is None else os.fstat(found.fd).st_blocks * 512
 
+    def held_bytes(self, owner: str) -> int:
+        """The memory ``owner``'s file holds for its pages (its chunks', and its freed
+        chunks' that no other account took yet)."""
+        found = self._by_owner.get(owner)
+        return 0 if found is None else found.pages * self.page_size
+
     def strays(self) -> list[str]:
-        """The accounts whose files hold more memory than their chunks were given: a client
-        that maps its file read-write can fault pages into its holes (they are charged to
-        its own memory cgroup, and :meth:`trim` gives them back)."""
+        """The accounts whose files hold more memory than their pages: a client that maps
+        its file can fault pages into its holes (they are charged to its own memory cgroup,
+        and :meth:`trim` gives them back)."""
         return [
-            owner
-            for owner in self._by_owner
-            if self.allocated_bytes(owner) > self._given.get(owner, 0)
+            f.owner for f in self._files if self.allocated_bytes(f.owner) > self.held_bytes(f.owner)
         ]
 
-    def trim(self, owner: str, kept: list[tuple[int, int]]) -> None:
-        """Free the memory of ``owner``'s file outside the ``kept`` (offset, length) runs
-        (sorted, not overlapping); from now on they are all it was given."""
+    def trim(self, owner: str) -> None:
+        """Free the memory of ``owner``'s file outside the pages it holds."""
         found = self._by_owner.get(owner)
         if found is None:
             return
-        self._given[owner] = sum(length for _, length in kept)
-        for start, end in _gaps(_data_runs(found.fd), kept):
-            self._punch(found, start, end - start)
+        self._punch_bytes(found, 0, self.data_offset)  # the header's stretch: never a page
+        for run in _data_runs(found.fd):
+            start, end = max(run[0], self.data_offset), run[1]
+            if start >= end:
+                continue
+            first, count = self._pages_of(start, end - start)
+            for run_start, run_end, held_by in _runs(self._holder, first, first + count):
+                if held_by != found.index:
+                    self._punch(found, run_start, run_end)
+
+    def trim_all(self) -> None:
+        """:meth:`trim` every file (after a restart's :meth:`claim` of its chunks)."""
+        for found in self._files:
+            self.trim(found.owner)
+
+    def _release(self, found: _File, start: int, end: int) -> None:
+        """Take the pages [start, end) from ``found``: punched, held by no file."""
+        self._punch(found, start, end)
+        self._holder[start:end] = array("i", [NO_FILE]) * (end - start)
+        found.pages -= end - start
+
+    def _punch(self, found: _File, start: int, end: int) -> None:
+        self._punch_bytes(found, self._offset(start), (end - start) * self.page_size)
 
     @staticmethod
-    def _punch(found: _File, offset: int, length: int) -> None:
+    def _punch_bytes(found: _File, offset: int, length: int) -> None:
         found.mapping.madvise(mmap.MADV_REMOVE, offset, length)
+
+    def _offset(self, page: int) -> int:
+        return self.data_offset + page * self.page_size
+
+    def _pages_of(self, offset: int, length: int) -> tuple[int, int]:
+        """The first page and the number of pages of ``length`` bytes at ``offset``."""
+        first = (offset - self.data_offset) // self.page_size
+        last = -(-(offset + length - self.data_offset) // self.page_size)
+        return first, last - first
 
     # -------------------------------------------------------------- lifetime
 
     def close(self) -> None:
-        for found in self._by_owner.values():
+        for found in self._files:
             found.view.release()
             found.mapping.close()
             os.close(found.fd)
         self._by_owner.clear()
         self._by_id.clear()
+        self._files.clear()
 
     def _file(self, owner: str) -> _File:
         """``owner``'s file: mapped already, or adopted, or made (as long as the segment)."""
@@ -236,7 +307,6 @@ class ChunkFiles:
                 f"refusing chunk file {path}: {status.st_size} bytes, not the segment's "
                 f"{self.size}; remove it"
             )
-        assert stat.S_ISREG(status.st_mode)
         return self._add(owner, path, fd)
 
     def _add(self, owner: str, path: Path, fd: int) -> _File:
@@ -245,10 +315,25 @@ class ChunkFiles:
         except BaseException:
             os.close(fd)
             raise
-        found = _File(owner, path, fd, os.fstat(fd).st_ino, mapping, memoryview(mapping))
+        found = _File(
+            owner, len(self._files), path, fd, os.fstat(fd).st_ino, mapping, memoryview(mapping)
+        )
+        self._files.append(found)
         self._by_owner[owner] = found
         self._by_id[found.file_id] = found
         return found
+
+
+def _runs(holder: array[int], first: int, end: int) -> Iterator[tuple[int, int, int]]:
+    """The maximal [start, end) runs of pages in [first, end) held by one file, and which."""
+    start = first
+    while start < end:
+        held_by = holder[start]
+        stop = start + 1
+        while stop < end and holder[stop] == held_by:
+            stop += 1
+        yield start, stop, held_by
+        start = stop
 
 
 def _data_runs(fd: int) -> list[tuple[int, int]]:
@@ -264,21 +349,3 @@ def _data_runs(fd: int) -> list[tuple[int, int]]:
             raise
         position = os.lseek(fd, start, os.SEEK_HOLE)
         runs.append((start, position))
-
-
-def _gaps(runs: list[tuple[int, int]], kept: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:
-    """The parts of the [start, end) ``runs`` that no (offset, length) run of ``kept``
-    covers; both sorted, in one pass."""
-    first = 0
-    for start, end in runs:
-        while first < len(kept) and sum(kept[first]) <= start:
-            first += 1
-        position, index = start, first
-        while index < len(kept) and kept[index][0] < end:
-            offset, length = kept[index]
-            if offset > position:
-                yield position, offset
-            position = max(position, offset + length)
-            index += 1
-        if position < end:
-            yield position, end

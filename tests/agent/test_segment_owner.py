@@ -39,13 +39,16 @@ def payload(name: int) -> bytes:
 
 
 def fingerprint(path: Path) -> tuple[int, int, str] | None:
-    """Inode, size and content digest of a file ("directory" for one); None if there is none."""
+    """Inode, size and content digest of a file ("directory" or "socket" for one); None if
+    there is none."""
     try:
         status = os.lstat(path)
     except FileNotFoundError:
         return None
     if path.is_dir():
         return status.st_ino, 0, "directory"
+    if path.is_socket():
+        return status.st_ino, 0, "socket"
     return status.st_ino, status.st_size, hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -66,8 +69,9 @@ def shm_names(agent: AgentProcess) -> list[str]:
 
 def everything(agent: AgentProcess) -> dict[str, object]:
     """What a second agent must not change: the first's files in /dev/shm and its state."""
-    return {
-        "shm": {name: fingerprint(Path("/dev/shm") / name) for name in shm_names(agent)},
+    shm = Path("/dev/shm")
+    return {  # the chunk files and the door are directories: what is in them too
+        "shm": {name: (fingerprint(shm / name), listing(shm / name)) for name in shm_names(agent)},
         "state": listing(agent.workdir / "state"),
     }
 
@@ -111,7 +115,7 @@ def test_a_second_agent_on_a_live_segment_refuses_in_one_line_and_changes_nothin
         payload(n) for n in range(CHUNKS)
     ]
     store(first, client, range(CHUNKS, CHUNKS + 4))
-    assert client.segment().read(0, 8) == b"KVPOOLS1"
+    assert first.segment_path.read_bytes()[:8] == b"KVPOOLS1"
     client.close()
 
 
@@ -304,8 +308,9 @@ FAILURE_SETTINGS = (
 
 def snapshot(agent: AgentProcess) -> dict[str, object]:
     """Every file of the agent's in /dev/shm and under its work directory."""
-    return {
-        "shm": {name: fingerprint(Path("/dev/shm") / name) for name in shm_names(agent)},
+    shm = Path("/dev/shm")
+    return {  # the chunk files and the door are directories: what is in them too
+        "shm": {name: (fingerprint(shm / name), listing(shm / name)) for name in shm_names(agent)},
         "work": listing(agent.workdir),
     }
 

@@ -171,26 +171,27 @@ class ChunkListener(Protocol):
 
 
 class ChunkBacking(Protocol):
-    """Where chunks' bytes live: memory given to a chunk's account as the chunk is placed,
-    taken back as it is freed (the agent's :class:`~kvpool_agent.chunk_files.ChunkFiles`).
+    """Where chunks' bytes live: each account's own memory, given to the pages of a chunk
+    as it is placed (the agent's :class:`~kvpool_agent.chunk_files.ChunkFiles`).
 
     Called with the cache's lock held.
     """
 
     def take(self, owner: str, offset: int, length: int) -> None:
-        """Back ``length`` bytes at ``offset`` for ``owner``; ``OSError`` if out of memory."""
+        """Give ``owner`` the memory of ``length`` bytes at ``offset``; ``OSError`` if there
+        is none."""
 
-    def give_back(self, owner: str, offset: int, length: int) -> None: ...
+    def claim(self, owner: str, offset: int, length: int) -> None:
+        """Note that ``owner`` holds those bytes already (a restored chunk)."""
 
-    def trim(self, owner: str, kept: list[tuple[int, int]]) -> None:
-        """Free ``owner``'s memory outside the ``kept`` (offset, length) runs, sorted."""
-
-    def owners(self) -> list[str]:
-        """The accounts that have memory (a file)."""
+    def trim_all(self) -> None:
+        """Free every account's memory outside what it holds (after the restored claims)."""
 
     def strays(self) -> list[str]:
-        """The accounts whose memory exceeds what their chunks were given (a client wrote
-        into holes): :meth:`trim` them."""
+        """The accounts that hold more memory than was given them (a client wrote into
+        holes): :meth:`trim` them."""
+
+    def trim(self, owner: str) -> None: ...
 
 
 @dataclass(frozen=True)

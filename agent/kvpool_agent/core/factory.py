@@ -114,12 +114,19 @@ def open_l1(config: AgentConfig, agent_id: str, undo: Undo | None = None) -> L1T
         segment.install()
         remove_other_generations(directory)
 
-    if segment.pending is not None and undo is not None:
-        undo.pending(segment.pending, install)
+    if undo is not None:
+        undo.directories(directory)  # a failed start leaves no directory it made
+        if segment.pending is not None:
+            undo.pending(segment.pending, install)
     with contextlib.ExitStack() as opened:  # if anything below fails, what is open closes
         opened.callback(segment.close)
+        layout = segment.layout
         files = ChunkFiles.open(
-            directory, segment.layout.total_size, adopt=recreated_because is None
+            directory,
+            layout.total_size,
+            layout.page_size,
+            layout.data_offset,
+            adopt=recreated_because is None,
         )
         opened.callback(files.close)
         if segment.pending is None:  # adopted, or made and installed at once

@@ -51,9 +51,12 @@ class Node:
 
     def __init__(self, path: Path, policy: str = "lru", clock: FakeClock | None = None) -> None:
         self.segment, self.recreated = SharedSegment.open(path, 64 * PAGE, PAGE)
+        layout = self.segment.layout
         self.files = ChunkFiles.open(
             generation_directory(path, self.segment.identity[1]),
-            self.segment.layout.total_size,
+            layout.total_size,
+            layout.page_size,
+            layout.data_offset,
             adopt=self.recreated is None,
         )
         self.journal = SegmentJournal(self.segment)
@@ -247,8 +250,8 @@ def test_damaged_records_are_discarded_never_served(segment_path: Path) -> None:
     for n in range(6):
         node.store(TENANT, [n], PAGE)
     node.close()
+    layout = node.segment.layout
     with segment_path.open("r+b") as handle:  # flip a byte inside slot 0's record (its key)
-        layout = SharedSegment.attach(segment_path).layout
         handle.seek(layout.table_offset + 0 * TABLE_RECORD_BYTES + 10)
         handle.write(b"\xff")
     again = Node(segment_path)
@@ -360,9 +363,9 @@ def test_an_incompatible_segment_is_recreated_with_a_reason(agent_process: Agent
         handle.seek(8)
         handle.write((1).to_bytes(4, "little"))
     agent.start()
-    assert any("from empty: segment layout 1; this build reads 2" in line for line in agent.log)
+    assert any("from empty: segment layout 1; this build reads 3" in line for line in agent.log)
     metrics = httpx.get(f"{agent.http}/metrics").text
-    assert 'kvpool_l1_segment_origin{reason="segment layout 1; this build reads 2"} 1.0' in metrics
+    assert 'kvpool_l1_segment_origin{reason="segment layout 1; this build reads 3"} 1.0' in metrics
     with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         assert client.lookup(TENANT, [key(0)], lock=False).count == 0
         _fill(agent.zmq, TENANT, 8, 1000)  # and it serves

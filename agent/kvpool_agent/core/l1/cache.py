@@ -356,9 +356,8 @@ class L1Cache:
         self._tenants.trim_idle()
         backing = self._chunks.backing
         if backing is not None:
-            strays = backing.strays()
-            if strays:
-                self._chunks.trim_backing(strays)
+            for owner in backing.strays():
+                backing.trim(owner)
 
     def evict(self, pages: int, tenant: str | None = None) -> bool:
         """Free at least ``pages`` pages (of one tenant, or anyone): all or nothing."""

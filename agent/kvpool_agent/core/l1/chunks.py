@@ -124,10 +124,7 @@ class Chunks:
             del self.index[key]
         slots.unlink(slot)
         self.allocator.free(slots.first_page[slot], slots.pages[slot])
-        account = self.tenants.places[slots.tenant[slot]]
-        if self.backing is not None:
-            length = slots.pages[slot] * self.layout.page_size
-            self.backing.give_back(account.name, slots.offsets[slot], length)
+        account = self.tenants.places[slots.tenant[slot]]  # its pages stay with its memory
         nbytes = slots.nbytes[slot]
         account.used_bytes -= nbytes
         account.chunks -= 1
@@ -140,25 +137,6 @@ class Chunks:
         slots.tenant[slot] = NIL
         slots.readers[slot] = 0
         slots.free.append(slot)
-
-    def trim_backing(self, owners: Iterable[str] | None = None) -> None:
-        """Give back the memory of ``owners`` (default: every account with a file) that none
-        of their chunks uses: chunks a restart discarded, or pages a client wrote into the
-        holes of its own file (see :mod:`kvpool_agent.chunk_files`)."""
-        if self.backing is None:
-            return
-        wanted = set(self.backing.owners() if owners is None else owners)
-        if not wanted:
-            return
-        slots, page, places = self.slots, self.layout.page_size, self.tenants.places
-        runs: dict[str, list[tuple[int, int]]] = {owner: [] for owner in wanted}
-        for slot in range(len(slots.state)):
-            if slots.state[slot] != State.FREE:
-                owner = places[slots.tenant[slot]].name
-                if owner in runs:
-                    runs[owner].append((slots.offsets[slot], slots.pages[slot] * page))
-        for owner, kept in runs.items():
-            self.backing.trim(owner, sorted(kept))
 
     def quarantine(self, slots: Iterable[int]) -> None:
         """Make chunks unreachable and unusable; their pages stay allocated."""
