@@ -305,37 +305,48 @@ def test_a_pod_without_the_nodes_shm_warns_and_the_canary_takes_messages(
     assert_through_messages(diagnosis)
 
 
+def test_a_door_nobody_answers_at_warns_and_the_canary_takes_messages(
+    agent: AgentProcess, tmp_path: Path
+) -> None:
+    """A socket file that nobody listens on (an agent that stopped left it): the door check
+    connects, and warns with the fix; the canary goes through the agent's messages."""
+    door = tmp_path / "agent.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+        dead.bind(str(door))
+    diagnosis = run_doctor(*agent_args(agent), env={**ADMIN_ENV, "KVPOOL_DOOR_PATH": str(door)})
+
+    assert diagnosis.returncode == 0, diagnosis.output
+    warning = diagnosis.checks["door"]
+    assert warning.outcome == "WARN", diagnosis.output
+    assert warning.seen == f"{door}: nobody answers there (Connection refused)"
+    assert warning.fix is not None and warning.fix.startswith("the agent that left it")
+    assert_through_messages(diagnosis)
+
+
 @pytest.mark.parametrize(
-    "how", ["another agent's, named by door_path", "another agent's at this one's", "dead"]
+    "how", ["another agent's, named by door_path", "another agent's at this one's"]
 )
 def test_a_door_that_gives_no_chunk_file_fails_the_canary_in_one_line(
     agent: AgentProcess, tmp_path: Path, how: str
 ) -> None:
-    """The door is a socket, so the pod would ask it; but it is another agent's (named by
-    KVPOOL_DOOR_PATH, or moved over this agent's own, as a second agent at the same path
-    would), which has no such file, or nobody serves it. The canary says so in one line,
-    without a traceback, and leaves its tenant cleared."""
+    """The door is a socket someone answers at, so the pod asks it; but it is another
+    agent's (named by KVPOOL_DOOR_PATH, or moved over this agent's own, as a second agent at
+    the same path would), which has no such file. The canary says so in one line, without a
+    traceback, and leaves its tenant cleared."""
     other = AgentProcess(tmp_path / "other")
     other.workdir.mkdir()
     env = dict(ADMIN_ENV)
     try:
-        if how == "dead":
-            door = tmp_path / "agent.sock"
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
-                dead.bind(str(door))  # a socket file nobody listens on any more
+        other.start()
+        if how == "another agent's, named by door_path":
+            door = agent_door(other)
             env["KVPOOL_DOOR_PATH"] = str(door)
-            refused = f"cannot reach the agent's door {door}: Connection refused"
         else:
-            other.start()
-            if how == "another agent's, named by door_path":
-                door = agent_door(other)
-                env["KVPOOL_DOOR_PATH"] = str(door)
-            else:
-                door = agent_door(agent)
-                os.replace(agent_door(other), door)
-            refused = f"the agent's door {door} refused file "
+            door = agent_door(agent)
+            os.replace(agent_door(other), door)
+        refused = f"the agent's door {door} refused file "
         diagnosis = run_doctor(*agent_args(agent), env=env)
-        others = None if how == "dead" else door_counts(other)
+        others = door_counts(other)
     finally:
         other.cleanup()
 
@@ -353,8 +364,8 @@ def test_a_door_that_gives_no_chunk_file_fails_the_canary_in_one_line(
         f"FAIL  canary       {failure.seen}"
     ]  # one line (and its fix): the rest of the checks still ran
     assert diagnosis.checks["hit-rate"].outcome == "PASS", diagnosis.output
-    if others is not None:  # the other agent has no such file, and said so
-        assert (others["unknown_file"], others["granted"]) == (1, 0), others
+    # the other agent has no such file, and said so
+    assert (others["unknown_file"], others["granted"]) == (1, 0), others
     tenants = usage(agent)
     assert (tenants[CANARY_TENANT]["chunks"], tenants[CANARY_TENANT]["used_bytes"]) == (0, 0)
     assert status(agent)["open_leases"] == 0

@@ -9,6 +9,8 @@ names.
 
 from __future__ import annotations
 
+import os
+import socket
 import stat
 from pathlib import Path
 
@@ -20,6 +22,7 @@ OTHER_FILE = (
     "this pod must map the chunk files the agent's door gives it: drop a door_path / "
     "KVPOOL_DOOR_PATH that names another agent's door"
 )
+_CONNECT_SECONDS = 2.0
 _GIVE_THE_DOOR = (
     "label the pod for the pool (kvpool's admission webhook gives it the agent's door, a "
     "CSI volume), or set door_path / KVPOOL_DOOR_PATH where it is mounted"
@@ -27,7 +30,8 @@ _GIVE_THE_DOOR = (
 
 
 def check_door(door: Path | None) -> Check:
-    """Whether ``door`` (None: the transport ``messages``) is a socket this pod reaches."""
+    """Whether ``door`` (None: the transport ``messages``) is a socket this pod reaches and
+    someone answers at (a connection, closed at once: the door asks nothing of it)."""
     if door is None:
         return passed(DOOR, "not used (transport=messages): this pod maps no chunk file")
     try:
@@ -38,4 +42,15 @@ def check_door(door: Path | None) -> Check:
         return warned(
             DOOR, f"{door} is not a socket (mode {stat.filemode(found.st_mode)})", _GIVE_THE_DOOR
         )
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(_CONNECT_SECONDS)
+        try:
+            probe.connect(os.fsdecode(door))
+        except OSError as error:
+            return warned(
+                DOOR,
+                f"{door}: nobody answers there ({error.strerror or error})",
+                "the agent that left it has stopped: start it, or name the running agent's "
+                "door (door_path / KVPOOL_DOOR_PATH)",
+            )
     return passed(DOOR, f"{door}: the agent's door, which gives this pod's token its chunk files")
