@@ -62,8 +62,12 @@ def files_directory(segment_path: Path) -> Path:
 def generation_directory(segment_path: Path, segment_inode: int) -> Path:
     """The chunk files of one segment: named after its file's inode, which a segment made
     under a temporary name keeps once it takes its name. A start that makes a new segment
-    and then fails leaves the earlier segment's files as they were."""
-    return files_directory(segment_path) / str(segment_inode)
+    and then fails leaves the earlier segment's files as they were.
+
+    Checks (or makes) :func:`files_directory`: the agent's own, 0700."""
+    parent = files_directory(segment_path)
+    ensure_directory(parent, what="chunk files directory", mode=DIRECTORY_MODE, own=True)
+    return parent / str(segment_inode)
 
 
 def remove_other_generations(directory: Path) -> None:
@@ -132,8 +136,8 @@ class ChunkFiles:
         :meth:`trim_all`) or new (remove whatever is there)."""
         if not adopt and directory.is_dir() and not directory.is_symlink():
             shutil.rmtree(directory)
-        for level in (directory.parent, directory):
-            ensure_directory(level, what="chunk files directory", mode=DIRECTORY_MODE, own=True)
+        # made with its parents (the agent's 0700) if missing; an existing parent is left
+        ensure_directory(directory, what="chunk files directory", mode=DIRECTORY_MODE, own=True)
         files = cls(directory, size, page_size, data_offset)
         if adopt:
             for entry in sorted(os.listdir(directory)):

@@ -67,7 +67,9 @@ def test_each_page_is_held_by_one_account_s_file_at_most(directory: Path) -> Non
 
 
 def test_files_are_the_agent_s_alone_and_named_after_their_account(directory: Path) -> None:
+    before = stat.S_IMODE(directory.parent.stat().st_mode)
     files = _open(directory, 8 * MIB)
+    assert stat.S_IMODE(directory.parent.stat().st_mode) == before  # not its to change
     files.take("tenant-a", PAGE, PAGE)
     path = directory / file_name("tenant-a")
     status = path.stat()

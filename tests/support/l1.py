@@ -51,18 +51,18 @@ def make_cache(
     )
 
 
-def make_service(cache: L1Cache, quota_file: Path) -> CacheService:
-    """A service over ``cache``, its chunk files beside ``quota_file`` (the cache gives them
-    no memory: their pages come as the service writes them)."""
+def make_service(cache: L1Cache, quota_file: Path, files: Path | None = None) -> CacheService:
+    """A service over ``cache``, its chunk files in ``files`` (default: beside
+    ``quota_file``; the cache gives them no memory: pages come as the service writes them)."""
     layout = cache.layout
-    files = ChunkFiles.open(
-        quota_file.parent / "chunk-files",
+    chunk_files = ChunkFiles.open(
+        files or quota_file.parent / "chunk-files",
         layout.total_size,
         layout.page_size,
         layout.data_offset,
         adopt=False,
     )
-    return CacheService(cache, files, FileQuotaStore(quota_file))
+    return CacheService(cache, chunk_files, FileQuotaStore(quota_file))
 
 
 def store(

@@ -19,7 +19,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpool_agent.chunk_files import ChunkFiles, generation_directory, remove_other_generations
+from kvpool_agent.chunk_files import (
+    ChunkFiles,
+    files_directory,
+    generation_directory,
+    remove_other_generations,
+)
 from kvpool_agent.config import AgentConfig
 from kvpool_agent.core.journal import SegmentJournal
 from kvpool_agent.core.l1 import L1Cache
@@ -108,16 +113,16 @@ def open_l1(config: AgentConfig, agent_id: str, undo: Undo | None = None) -> L1T
     segment, recreated_because = SharedSegment.open(
         path, int(config.l1_size), int(config.page_size), pending=undo is not None
     )
+    if undo is not None:  # a failed start leaves no directory it made
+        undo.directories(files_directory(path) / str(segment.identity[1]))
     directory = generation_directory(path, segment.identity[1])
 
     def install() -> None:  # the new segment takes its name: the earlier one's files go
         segment.install()
         remove_other_generations(directory)
 
-    if undo is not None:
-        undo.directories(directory)  # a failed start leaves no directory it made
-        if segment.pending is not None:
-            undo.pending(segment.pending, install)
+    if undo is not None and segment.pending is not None:
+        undo.pending(segment.pending, install)
     with contextlib.ExitStack() as opened:  # if anything below fails, what is open closes
         opened.callback(segment.close)
         layout = segment.layout
