@@ -39,8 +39,8 @@ class PodEngine(Engine):
 
     def start(self) -> PodEngine:
         assert self.kubelet is not None
-        # labelled for the pool and nothing else: the webhook adds the segment's volume
-        # and the team's token and salt (SALT_ENV, TOKEN_ENV) from its Secret
+        # labelled for the pool and nothing else: the webhook adds the agent's door (a
+        # read-only volume) and the team's token and salt (SALT_ENV, TOKEN_ENV) from its Secret
         template = vllm_pod(
             [sys.executable, str(ENGINE_MAIN), json.dumps(self.settings)], ENGINE_ENV
         )

@@ -64,6 +64,9 @@ def summary(evidence: Evidence) -> None:
         f"space docs: team-b's engine cached {_cached(evidence.shared_other)} tokens of "
         f"team-a's system prompt, {_cached(evidence.shared_same_tokens)} of team-a's whole "
         f"prompt; the space's account on node-a: {evidence.space_usage.get('chunks')} chunks",
+        f"connectors: {evidence.connector_transport}",
+        f"team-b's pod at node-a's door: {evidence.door.get('files')}; its kvpool volume: "
+        f"{evidence.door.get('volume')}",
         f"team-a: Secret {evidence.secret_keys}, tenant Ready={evidence.tenant_ready['status']}; "
         f"team-c: {evidence.refused['reason']}; salt outside Secrets: "
         f"{evidence.salt_outside_secrets or 'nowhere'}",

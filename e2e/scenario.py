@@ -27,12 +27,15 @@
    pool gets the key
    fingerprint the connector logged (``spec.index.fingerprint``), and ``kvpool doctor
    --pool main`` runs in a pod written as the vLLM pods are, on node A: every check passes
-   (but shm, skipped: a tenant's pod maps no segment and moves its KV through the agent's
-   messages).
+   (door, transport and canary through the chunk file the agent's door gives the pod's
+   token, mapped in the pod: a tenant's pod gets the door only, no segment).
 7. Team-a and team-b share a system prompt through the pool's shared space ``docs``: a
    gateway (this flow) builds each request's structured ``cache_salt`` from the team's
    Secret (its salt and the space's); team-b's engine (node A, team-b's namespace) hits on
-   the system prompt team-a's engine stored, and on none of team-a's own chunks.
+   the system prompt team-a's engine stored, and on none of team-a's own chunks. Every
+   engine's connector mapped its chunk files from the door. A pod of team-b, wired by the
+   label, asks node A's door for chunk files: its own (read-write), the space's
+   (read-only), team-a's (refused); its kvpool volume holds the door's socket only.
 8. A pod of team-a mounts its Secret and sets its quota over HTTP with its token through
    the endpoint the Secret names (node A's agent): A applies it at once (shrinking evicts
    the chunks), B gets it through the pool's quota ConfigMap; above the ceiling it is
@@ -72,8 +75,9 @@ from tests.support.operator_process import OperatorProcess
 from tests.support.ports import free_port
 from tests.support.tools import ToolsUnavailable, tools
 
+from kvpool_agent.chunk_files import file_name, files_directory
 from kvpool_agent.keys import shared_salt, tenant_id
-from kvpool_agent.names import quotas_name
+from kvpool_agent.names import quotas_name, segment_path
 from kvpool_operator.spec import parse_bytes
 
 from .cluster import ControlPlane, Kubelet, Manifest, Node, Pod, check_sandbox, eventually
@@ -105,6 +109,8 @@ SPACE = "docs"
 SPACE_KEY = f"space-{SPACE}"
 SYSTEM_TOKENS = 532
 """The shared system prompt: two whole chunks and a bit (the boundary rounds down)."""
+TRANSPORT_WORDS = ("door", "messages", "network")
+"""What the connector's lines on how it moves KV mention (worker.py)."""
 CLIENT_SIDE = ("--dry-run=client", "--output=yaml")
 CHILD_KINDS = (
     "configmaps",
@@ -188,6 +194,13 @@ class Evidence:
     """The space's account on node-a's agent (admin)."""
     space_status: list[dict[str, Any]] = field(default_factory=list)
     """The pool's ``status.sharedSpaces``."""
+    connector_transport: dict[str, list[str]] = field(default_factory=dict)
+    """Per engine, what its connector logged of how it moves KV (chunk files from the
+    agent's door, or the agent's messages)."""
+    door: dict[str, Any] = field(default_factory=dict)
+    """What a pod of team-b got from node-a's door (``door_client.py``): per chunk file
+    (its own, the space's, team-a's) its grant or refusal, and its kvpool volume's files;
+    and whose file each is (``owners``)."""
     fingerprint: dict[str, Any] = field(default_factory=dict)
     doctor: str = ""
     """What ``kvpool doctor`` printed in a vLLM pod on node A (every line PASS)."""
@@ -236,6 +249,7 @@ def run(workdir: Path, say: Say = print) -> Evidence:
         flow.serve()
         flow.pull_through_peer()
         flow.share()
+        flow.door()
         flow.doctor()
         flow.set_quota()
         flow.delete_tenant()
@@ -346,8 +360,8 @@ class Flow:
             self.evidence.csi_registered[kubelet.node.name] = kubelet.csi.wait_registered(
                 self.chart["CSIDriver"]["metadata"]["name"]
             )
-        for agent in self.agents:
-            agent.wait_ready(60)
+        for agent in self.agents:  # a ready agent has opened its door, which the CSI plugin
+            agent.wait_ready(60)  # publishes into tenants' pods (once: the kubelet asks once)
         self.evidence.agents = {agent.node.name: agent.ip for agent in self.agents}
 
     def onboard(self) -> None:
@@ -573,6 +587,36 @@ class Flow:
 
         evidence.space_status = eventually(reported, 60, "the space's usage in the pool status")
 
+    def door(self) -> None:
+        self.step(
+            "a pod of team-b asks node-a's door for chunk files: its own, the space's, team-a's"
+        )
+        evidence = self.evidence
+        for engine in self.engines:  # what each connector said of how it moves KV
+            evidence.connector_transport[engine.name] = [
+                line[line.index("kvpool worker") :]
+                for line in engine.log_path.read_text().splitlines()
+                if "kvpool worker" in line and any(w in line for w in TRANSPORT_WORDS)
+            ]
+        # the files' ids, as the agent's replies name them: their inodes on node-a
+        files = files_directory(self.kubelets[0].node.host_path(str(segment_path(self.pool_name))))
+        owners = {
+            "own": self.teams[TEAMS[1]]["tenant-id"],
+            SPACE: evidence.space_tenant,
+            TEAMS[0]: evidence.tenant,
+        }
+        asked = [
+            f"{name}={(files / file_name(owner)).stat().st_ino}" for name, owner in owners.items()
+        ]
+        client = [sys.executable, str(Path(__file__).with_name("door_client.py")), *asked]
+        pod = self.kubelets[0].run("team-b-door", TEAMS[1], vllm_pod(client, {}))
+        self.stack.callback(pod.stop, 5)
+        returncode = pod.process.wait(60)
+        assert pod.log is not None
+        output = pod.log.read_text()
+        assert returncode == 0, output
+        evidence.door = {**json.loads(output.strip().splitlines()[-1]), "owners": owners}
+
     def doctor(self) -> None:
         self.step("give the pool the connector's key fingerprint; kvpool doctor in a vLLM pod")
         fingerprint = self.evidence.fingerprint
@@ -615,11 +659,10 @@ class Flow:
         assert pod.log is not None
         output = self.evidence.doctor = pod.log.read_text()
         self.say(output)
-        # a tenant's pod maps no segment (KVPOOL_TRANSPORT=messages): its shm check is skipped
+        # a tenant's pod gets the door only: door, transport and canary pass through the
+        # chunk file the door gives its token (e2e/test_e2e.py checks their lines)
         outcomes = [line[:4] for line in output.splitlines() if not line.startswith(" ")]
-        skipped = [line.split()[1] for line in output.splitlines() if line.startswith("SKIP")]
-        assert returncode == 0 and set(outcomes) <= {"PASS", "SKIP"}, output
-        assert skipped == ["shm"], output
+        assert returncode == 0 and set(outcomes) == {"PASS"}, output
 
     def set_quota(self) -> None:
         self.step("a pod of team-a sets its quota over HTTP with the token from its Secret")

@@ -7,7 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .scenario import MANIFESTS, Evidence, Unavailable, run
+from .scenario import MANIFESTS, SPACE, TEAMS, Evidence, Unavailable, run
+
+DOOR = "/var/run/kvpool/agent.sock"
+"""The agent's door in a tenant's pod (the volume holds the door's directory only)."""
 
 
 @pytest.mark.e2e
@@ -64,6 +67,7 @@ def test_the_whole_flow(tmp_path: Path) -> None:
     assert evidence.gateway_on_agent_status == 403  # gateways cannot touch an agent
 
     _assert_shared_through_the_space(evidence)
+    _assert_chunk_files_through_the_door(evidence)
 
     # the chunks are team-a's; its pod set its quota with the token from its Secret, within
     # its ceiling (above it: 403), and the quota applies on both agents
@@ -102,14 +106,25 @@ def _assert_pulled_through_the_peer(evidence: Evidence) -> None:
 
 def _assert_wired_by_the_label(evidence: Evidence) -> None:
     """The vLLM pods carry only the label: the webhook wired the connector's environment from
-    team-a's Secret, and (a tenant's pod: the node's segment holds every tenant's KV) no
-    segment volume and not the agents' group, so its KV moves through the agent's messages;
-    the stored pod passes Pod Security "restricted", which team-a's namespace enforces (a
-    hostPath pod is refused); each node's kubelet registered the chart's CSI plugin."""
+    team-a's Secret and (a tenant's pod: the node's segment holds every tenant's KV) the
+    agent's door only, a read-only CSI volume mounted read-only, and not the agents' group:
+    its connector maps the chunk files the door gives its token; the stored pod passes Pod
+    Security "restricted", which team-a's namespace enforces (a hostPath pod is refused);
+    each node's kubelet registered the chart's CSI plugin."""
     wired = evidence.wired
-    assert wired["volumes"] == [] and wired["mounts"] == []
+    attributes = {"pool": "main", "namespace": "inference"}
+    assert wired["volumes"] == [
+        {
+            "name": "kvpool-segment",
+            "csi": {"driver": "csi.kvpool.io", "volumeAttributes": attributes, "readOnly": True},
+        }
+    ]
+    assert wired["mounts"] == [
+        {"name": "kvpool-segment", "mountPath": "/var/run/kvpool", "readOnly": True}
+    ]
     assert wired["env"]["KVPOOL_ENDPOINT"] == "tcp://kvpool-main.inference.svc:7400"
-    assert wired["env"]["KVPOOL_TRANSPORT"] == "messages"
+    assert wired["env"]["KVPOOL_DOOR_PATH"] == DOOR
+    assert "KVPOOL_TRANSPORT" not in wired["env"]  # auto: chunk files from the door
     assert "KVPOOL_SEGMENT_PATH" not in wired["env"]
     assert wired["env"]["KVPOOL_TOKEN"]["secretKeyRef"]["name"] == "kvpool-cache-kvpool"
     assert wired["supplementalGroups"] is None
@@ -135,3 +150,23 @@ def _assert_shared_through_the_space(evidence: Evidence) -> None:
     (space,) = evidence.space_status
     assert (space["name"], space["tenantId"]) == ("docs", evidence.space_tenant)
     assert space["usage"]["l1Bytes"] >= evidence.space_usage["used_bytes"]
+
+
+def _assert_chunk_files_through_the_door(evidence: Evidence) -> None:
+    """Every engine (a tenant's pod) mapped its chunk files from the agent's door, zero-copy
+    (none fell back to the agent's messages), and so did the doctor's canary; the door gives
+    a team's pod its own file read-write, its space's read-only and another team's not at
+    all, and the pod's volume holds nothing but the door."""
+    expected = [f"kvpool worker 0: maps chunk files from the agent's door {DOOR}"]
+    assert evidence.connector_transport == dict.fromkeys(
+        ("vllm-1", "vllm-2", "vllm-3", "vllm-4"), expected
+    )
+    checks = {line.split()[1]: line for line in evidence.doctor.splitlines() if line[:4] == "PASS"}
+    assert "the agent's door" in checks["door"] and DOOR in checks["door"]
+    assert f"chunk files from the agent's door {DOOR}" in checks["transport"]
+    assert f"through a chunk file from {DOOR}" in checks["canary"]
+    assert evidence.door["volume"] == ["agent.sock"]
+    files, owners = evidence.door["files"], evidence.door["owners"]
+    assert files["own"] == {"owner": owners["own"], "writable": True}, files
+    assert files[SPACE] == {"owner": evidence.space_tenant, "writable": False}, files
+    assert owners[TEAMS[0]] == evidence.tenant and set(files[TEAMS[0]]) == {"refused"}, files

@@ -38,6 +38,6 @@ def test_the_vllm_manifest_is_valid_and_names_the_pool_by_label_only() -> None:
         "pool": ref["name"],
         "namespace": ref["namespace"],
     }
-    # nothing else of kvpool: the webhook adds the volume, the group and the environment
+    # nothing else of kvpool: the webhook adds the door's volume and the environment
     assert "volumes" not in pod and "env" not in container and "volumeMounts" not in container
     assert "serviceAccountName" not in pod  # no Role to bind

@@ -27,7 +27,7 @@ BENCHES = {
     "restart": "time to adopt a full segment after a restart",
     "tenants": "lookups/s while /metrics is polled, many tenants",
     "index": "prefix index: query latency, events/s, memory",
-    "gpu": "copies between GPU KV blocks and the pinned segment vs the raw PCIe copy",
+    "gpu": "copies between GPU KV blocks and the agent's chunk files vs the raw PCIe copy",
     "peer": "chunks pulled from another node's agent vs a plain socket over the same link",
 }
 """Each ``kvpool bench NAME`` is the module ``kvpool_agent.bench.NAME``."""

@@ -13,8 +13,8 @@ that its quarantined pages outlive any copy still running late. A client never
 waits longer than its timeout.
 
 The zero-copy helpers :meth:`AgentClient.store` and :meth:`AgentClient.retrieve`
-map the segment and copy the bytes themselves; the ``*_inline`` methods send
-the bytes over the socket instead.
+map the chunk files the agent names (from its door, :mod:`kvpool_agent.mapped_files`) and
+copy the bytes themselves; the ``*_inline`` methods send the bytes over the socket instead.
 
 Every client says who it is: ``token`` is a bearer token of the pool (an admin's, an
 engine's, an index's or a KVCacheTenant's), sent with each hello. A refused one raises
@@ -35,7 +35,7 @@ import zmq
 import zmq.asyncio
 
 from kvpool_agent import protocol as p
-from kvpool_agent.segment import SharedSegment
+from kvpool_agent.mapped_files import MappedChunkFiles
 
 T = TypeVar("T")
 Payload = bytes | memoryview
@@ -83,7 +83,9 @@ class AgentInfo:
     tenant: str
     """The tenant a KVCacheTenant's token acts for; "" for the other roles."""
     segment_identity: tuple[int, int] = (0, 0)
-    """Device and inode of the file the agent maps; (0, 0) where the agent does not say."""
+    """Device and inode of the agent's segment: new ones mean new chunk files."""
+    door_path: Path | None = None
+    """The agent's door as the agent sees it (None: it does not say)."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,8 @@ class LookupResult:
     lease: int | None
     offsets: list[int]
     sizes: list[int]
+    file: int = 0
+    """The chunk file the hits are in (see :mod:`kvpool_agent.mapped_files`)."""
 
     @property
     def count(self) -> int:
@@ -107,6 +111,8 @@ class StorePlan:
     lease: int | None
     offsets: list[int]
     refused: str | None
+    file: int = 0
+    """The chunk file the offsets are in."""
 
 
 @dataclass(frozen=True)
@@ -156,7 +162,7 @@ def _no_lease(lease: int) -> int | None:
 
 
 def _found(answer: p.LookupReply) -> LookupResult:
-    return LookupResult(_no_lease(answer.lease), answer.offsets, answer.sizes)
+    return LookupResult(_no_lease(answer.lease), answer.offsets, answer.sizes, answer.file)
 
 
 class _Requests:
@@ -203,7 +209,7 @@ class _Requests:
     ) -> _Exchange[StorePlan]:
         def parse(reply: Any, data: list[bytes]) -> StorePlan:
             answer = _expect(p.PrepareStoreReply)(reply, data)
-            return StorePlan(_no_lease(answer.lease), answer.offsets, answer.refused)
+            return StorePlan(_no_lease(answer.lease), answer.offsets, answer.refused, answer.file)
 
         return _Exchange(
             lambda req, s: p.PrepareStore(req, s, tenant, list(keys), list(sizes), parent), parse
@@ -285,18 +291,28 @@ def _info(reply: Any) -> AgentInfo:
         answer.max_keys,
         answer.tenant,
         (answer.segment_device, answer.segment_inode),
+        Path(answer.door_path) if answer.door_path else None,
     )
 
 
 class _ClientBase:
-    def __init__(self, endpoint: str, token: str, client_name: str, timeout: float) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        token: str,
+        client_name: str,
+        timeout: float,
+        door_path: Path | None = None,
+    ) -> None:
         self.endpoint = endpoint
+        self.door_path = door_path
+        """The agent's door here (None: the path the agent names)."""
         self._token = token
         self.client_name = client_name
         self.timeout = timeout
         self.info: AgentInfo | None = None
         self._req = itertools.count(1)
-        self._segment: SharedSegment | None = None
+        self._files: MappedChunkFiles | None = None
 
     def _configure(self, socket: zmq.Socket[Any]) -> None:
         socket.setsockopt(zmq.LINGER, 0)
@@ -326,22 +342,23 @@ class _ClientBase:
                 f"inline payload of {size} bytes; at most {self.info.max_inline_bytes}",
             )
 
-    def segment(self) -> SharedSegment:
-        """The agent's segment, mapped into this process (once).
-
-        The mapping is populated up front: faulting pages in during the first
-        copies would cost more than the copies themselves.
-        """
+    def files(self) -> MappedChunkFiles:
+        """The chunk files this client maps, got from the agent's door with its token."""
         if self.info is None:
             raise AgentUnavailable("not connected: call connect() first")
-        if self._segment is None or self._segment.path != self.info.segment_path:
-            self._segment = SharedSegment.attach(self.info.segment_path, populate=True)
-        return self._segment
+        door = self.door_path or self.info.door_path
+        if door is None:
+            raise AgentUnavailable("the agent names no door and none was given")
+        if self._files is None or self._files.door != door:
+            self.close_files()
+            self._files = MappedChunkFiles(door, self._token, self.timeout)
+        return self._files
 
-    def _close_segment(self) -> None:
-        if self._segment is not None:
-            self._segment.close()
-            self._segment = None
+    def close_files(self) -> None:
+        """Unmap the chunk files (copies out of them must have ended)."""
+        if self._files is not None:
+            self._files.close()
+            self._files = None
 
 
 class AgentClient(_ClientBase):
@@ -354,8 +371,9 @@ class AgentClient(_ClientBase):
         token: str,
         client_name: str = "kvpool-client",
         timeout: float = 5.0,
+        door_path: Path | None = None,
     ) -> None:
-        super().__init__(endpoint, token, client_name, timeout)
+        super().__init__(endpoint, token, client_name, timeout, door_path)
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket: zmq.Socket[bytes] | None = None
         self._awaited: set[int] = set()
@@ -384,7 +402,7 @@ class AgentClient(_ClientBase):
             with contextlib.suppress(AgentUnavailable):
                 self._roundtrip(p.EndSession(next(self._req), self.info.session))
         self._reset()
-        self._close_segment()
+        self.close_files()
 
     def _reset(self) -> None:
         if self._socket is not None:
@@ -539,20 +557,21 @@ class AgentClient(_ClientBase):
         chunks: Sequence[Payload],
         parent: bytes | None = None,
     ) -> int:
-        """Zero-copy store: reserve, copy into the mapped segment, commit. Returns chunks stored."""
+        """Zero-copy store: reserve, copy into the mapped chunk file, commit. Returns chunks
+        stored."""
         plan = self.prepare_store(tenant, keys, [len(chunk) for chunk in chunks], parent)
         if plan.lease is None:
             return 0
-        copy_in(self.segment(), plan.offsets, chunks)
+        copy_in(self.files(), plan, chunks)
         return self.commit_store(plan.lease)
 
     def retrieve(self, tenant: str, keys: Sequence[bytes]) -> list[bytes]:
-        """Zero-copy retrieve: lookup with read locks, copy out of the segment, release."""
+        """Zero-copy retrieve: lookup with read locks, copy out of the chunk file, release."""
         hit = self.lookup(tenant, keys)
         if hit.lease is None:
             return []
         try:
-            return copy_out(self.segment(), hit)
+            return copy_out(self.files(), hit)
         finally:
             self.release(hit.lease)
 
@@ -567,8 +586,9 @@ class AsyncAgentClient(_ClientBase):
         token: str,
         client_name: str = "kvpool-client",
         timeout: float = 5.0,
+        door_path: Path | None = None,
     ) -> None:
-        super().__init__(endpoint, token, client_name, timeout)
+        super().__init__(endpoint, token, client_name, timeout, door_path)
         self._context = zmq.asyncio.Context.instance()
         self._socket: zmq.asyncio.Socket | None = None
         self._busy = asyncio.Lock()
@@ -587,7 +607,7 @@ class AsyncAgentClient(_ClientBase):
             with contextlib.suppress(AgentUnavailable):
                 await self._roundtrip(p.EndSession(next(self._req), self.info.session))
         self._reset()
-        self._close_segment()
+        self.close_files()
 
     def _reset(self) -> None:
         if self._socket is not None:
@@ -698,7 +718,7 @@ class AsyncAgentClient(_ClientBase):
         plan = await self.prepare_store(tenant, keys, [len(chunk) for chunk in chunks], parent)
         if plan.lease is None:
             return 0
-        copy_in(self.segment(), plan.offsets, chunks)
+        copy_in(self.files(), plan, chunks)
         return await self.commit_store(plan.lease)
 
     async def retrieve(self, tenant: str, keys: Sequence[bytes]) -> list[bytes]:
@@ -707,22 +727,20 @@ class AsyncAgentClient(_ClientBase):
         if hit.lease is None:
             return []
         try:
-            return copy_out(self.segment(), hit)
+            return copy_out(self.files(), hit)
         finally:
             await self.release(hit.lease)
 
 
-def copy_in(segment: SharedSegment, offsets: Sequence[int], chunks: Sequence[Payload]) -> None:
+def copy_in(files: MappedChunkFiles, plan: StorePlan, chunks: Sequence[Payload]) -> None:
     """Copy ``chunks`` to their reserved offsets (-1: already cached, skipped)."""
-    view = segment.view
-    for offset, chunk in zip(offsets, chunks, strict=False):
+    for offset, chunk in zip(plan.offsets, chunks, strict=False):
         if offset >= 0:
-            view[offset : offset + len(chunk)] = chunk
+            files.chunk(plan.file, offset, len(chunk), write=True)[:] = chunk
 
 
-def copy_out(segment: SharedSegment, hit: LookupResult) -> list[bytes]:
-    view = segment.view
+def copy_out(files: MappedChunkFiles, hit: LookupResult) -> list[bytes]:
     return [
-        bytes(view[offset : offset + size])
+        bytes(files.chunk(hit.file, offset, size))
         for offset, size in zip(hit.offsets, hit.sizes, strict=True)
     ]

@@ -662,13 +662,6 @@ class AgentConfig(BaseSettings):
             "write-backs are shed (counted)."
         ),
     )
-    pin_memory: Literal["never", "auto", "always"] = Field(
-        "never",
-        description=(
-            "Register the segment as CUDA pinned memory in the agent: never (no CUDA context), "
-            "auto (if CUDA is available) or always (fail without CUDA). Clients pin on their own."
-        ),
-    )
 
     @field_validator("segment_path")
     @classmethod

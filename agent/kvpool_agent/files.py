@@ -124,6 +124,27 @@ def check_replaceable(path: Path, what: str) -> None:
     raise _refuse(what, path, problem, status, rule)
 
 
+def check_socket_replaceable(path: Path, what: str) -> bool:
+    """Before binding a Unix socket at ``path``: whether a socket of the agent's user is there
+    (an earlier process's, for the caller to remove once it knows nobody serves it).
+
+    Absent is fine (False); anything else there is refused, and never opened.
+    """
+    try:
+        status = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISSOCK(status.st_mode) and status.st_uid == os.geteuid():
+        return True
+    problem = (
+        f"it is {_kind(status)}"
+        if not stat.S_ISSOCK(status.st_mode)
+        else "it belongs to another user"
+    )
+    rule = f"the agent replaces only a socket of {_own_user()}: remove it"
+    raise _refuse(what, path, problem, status, rule)
+
+
 def write_file(path: Path, data: bytes, mode: int, *, what: str, replace: bool = True) -> bool:
     """Write ``data`` to a new file with exactly ``mode`` and put it at ``path`` whole.
 

@@ -27,7 +27,7 @@ MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 POOL_LABEL = "kvpool.io/pool"
 CACHE_POOL_LABEL = "kvpool.io/cache-pool"
 """On a tenant's pod: the pool whose cache it uses. The operator's admission webhook wires
-every pod so labelled (the segment volume, the connector's environment); see
+every pod so labelled (the pool's volume, the connector's environment); see
 :data:`SEGMENT_MOUNT_DIR`."""
 OPERATOR = "kvpool-operator"
 """The managed-by label of the operator's objects, and its field manager."""
@@ -75,9 +75,9 @@ ADMIN_TOKEN_ENV = "KVPOOL_ADMIN_TOKEN"
 OPERATOR_AGENT_IMAGE_ENV = "KVPOOL_AGENT_IMAGE"
 """The operator's default agent image (the chart sets it)."""
 
-# The agent's door: a directory beside its segment holding one Unix socket, the only part
-# of the pool's directory a tenant's pod is given.
-DOOR_DIRECTORY = "door"
+# The agent's door: a directory beside its segment (``<segment>.door``) holding one Unix
+# socket, the only part of the pool's directory a tenant's pod is given.
+DOOR_SUFFIX = ".door"
 DOOR_SOCKET = "agent.sock"
 
 # Configuration files, as the keys of their ConfigMaps.
@@ -171,11 +171,14 @@ SHM_DIR = Path("/dev/shm")
 """The node's shared-memory filesystem, where each pool's agent keeps its segment."""
 SEGMENT_FILE = "segment"
 """The segment's name in its pool's directory (beside its lock and probe table)."""
+DOOR_DIRECTORY = SEGMENT_FILE + DOOR_SUFFIX
+"""The door's directory in its pool's directory."""
 
 
 def segment_dir(pool: str) -> Path:
-    """The pool's directory on a node: its segment, lock and probe table, and nothing else,
-    so that it can be published into a pod whole (the CSI plugin bind-mounts it)."""
+    """The pool's directory on a node: its segment, lock and probe table, and its door
+    (:data:`DOOR_DIRECTORY`), and nothing else, so that it can be published into an
+    engine's pod whole (the CSI plugin bind-mounts it; a tenant's pod gets the door only)."""
     return SHM_DIR / f"kvpool-{pool}"
 
 
@@ -185,15 +188,17 @@ def segment_path(pool: str) -> Path:
 
 
 CSI_DRIVER = "csi.kvpool.io"
-"""The CSI driver that publishes a pool's segment directory into a pod (an inline
+"""The CSI driver that publishes a pool's directory, or only its door, into a pod (an inline
 ephemeral volume with the attributes :data:`CSI_POOL_ATTRIBUTE` and
 :data:`CSI_NAMESPACE_ATTRIBUTE`)."""
 CSI_POOL_ATTRIBUTE = "pool"
 CSI_NAMESPACE_ATTRIBUTE = "namespace"
 """The volume attributes that name the pool and the pool's namespace."""
 SEGMENT_MOUNT_DIR = Path("/var/run/kvpool")
-"""Where the webhook mounts the pool's directory in a labelled pod: the connector maps
-``SEGMENT_MOUNT_DIR / SEGMENT_FILE``."""
+"""Where the webhook mounts the pool's volume in a labelled pod: in an engine's pod the
+pool's directory (the connector maps ``SEGMENT_MOUNT_DIR / SEGMENT_FILE``; the door is
+``SEGMENT_MOUNT_DIR / DOOR_DIRECTORY / DOOR_SOCKET``), in a tenant's pod its door directory
+(the door is ``SEGMENT_MOUNT_DIR / DOOR_SOCKET``)."""
 
 
 def agent_pods_selector(pool: str) -> str:

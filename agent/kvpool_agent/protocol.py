@@ -7,16 +7,21 @@ decoded with msgspec), followed by raw data frames for the inline operations
 only. ``req`` is chosen by the client and echoed in the reply, so a client can
 drop stale replies after a timeout.
 
-Zero-copy path (clients that map the segment)::
+Zero-copy path (clients that map chunk files)::
 
     hello ─► lookup (read-locks the hit prefix) ─► client copies out ─► release
           └► prepare_store (write-locks) ─► client copies in ─► commit_store
 
-Inline path (clients that cannot map it): ``store_inline`` carries one data
+A lookup's and a prepare_store's offsets lie in one chunk file, its account's, which the
+reply names by id (``file``); a client gets a descriptor of it from the agent's door
+(:mod:`kvpool_agent.door`, at the hello's ``door_path``) and maps it. A tenant's token
+stores into a shared space inline only (its door gives it the space's file read-only).
+
+Inline path (clients that map nothing): ``store_inline`` carries one data
 frame per key; ``retrieve_inline`` answers with one data frame per hit.
 
 Every failure is an :class:`Error` reply with a stable ``code``; the agent goes
-on serving everyone else. Version 1 clients must send ``hello`` first; a
+on serving everyone else. Clients must send ``hello`` first; a
 different version gets ``unsupported_version``.
 
 Credentials: ``hello`` carries a bearer token (an admin's, an engine's, an index's or a
@@ -33,7 +38,8 @@ from typing import cast
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2: chunks live in chunk files, named by id in replies and handed out by the door."""
 NO_LEASE = 0
 """``lease`` in a reply when nothing was locked."""
 
@@ -224,8 +230,10 @@ class HelloReply(_Message, tag="hello_reply"):
     the other roles."""
     segment_device: int = 0
     segment_inode: int = 0
-    """The file the agent maps (device and inode numbers; 0 from agents that do not say): a
-    client that maps another file at ``segment_path`` sees its numbers differ."""
+    """The agent's segment (device and inode numbers): they change when an agent starts
+    from empty, with new chunk files (a client drops the descriptors it holds)."""
+    door_path: str = ""
+    """Where the agent's door listens, as the agent sees it (a pod's may differ)."""
 
 
 class Pong(_Message, tag="pong"):
@@ -238,6 +246,8 @@ class LookupReply(_Message, tag="lookup_reply"):
     sizes: list[int]
     prefetch: int = 0
     """Id of the prefetch started for the keys after the hits; 0 when none was started."""
+    file: int = 0
+    """The chunk file the hits are in (0: no hit)."""
 
 
 class PrefetchStatusReply(_Message, tag="prefetch_status_reply"):
@@ -254,6 +264,8 @@ class PrepareStoreReply(_Message, tag="prepare_store_reply"):
     lease: int
     offsets: list[int]
     refused: str | None = None
+    file: int = 0
+    """The chunk file the offsets are in (0: nothing reserved)."""
 
 
 class CommitReply(_Message, tag="commit_reply"):

@@ -1,4 +1,4 @@
-"""The L1 shared-memory segment: one file under /dev/shm, mapped by the agent and its clients.
+"""The L1 segment: one file under /dev/shm, the agent's own, that describes L1.
 
 Layout (offsets in bytes)::
 
@@ -6,10 +6,11 @@ Layout (offsets in bytes)::
     table_offset   chunk table: one fixed-size record per page (see journal.py)
     data_offset    data region: ``data_size`` bytes of whole pages, page-aligned
 
-Offsets handed to clients are absolute file offsets, so a client needs only the
-path to map the file and copy at ``offset``. The agent reserves the memory up
-front (``posix_fallocate``): a too-small /dev/shm is a clear error at start,
-not a SIGBUS in the middle of a store.
+The file holds the header and the chunk table only. The data region is an address space:
+its pages are allocated to chunks, and a chunk's bytes live at the chunk's offset in its
+account's chunk file (:mod:`kvpool_agent.chunk_files`), which clients map. Offsets handed
+to clients are these absolute offsets. The agent reserves the table's memory up front
+(``posix_fallocate``): a too-small /dev/shm is a clear error at start.
 
 The file outlives the agent. A restarted agent calls :meth:`SharedSegment.open`,
 which re-adopts a compatible segment (same layout version, size and page size,
@@ -18,21 +19,18 @@ segment under a temporary name and renames it into place only once its start suc
 (:meth:`SharedSegment.install`): a start that fails leaves the earlier segment as it was.
 
 The agent creates the file exclusively (see :mod:`kvpool_agent.files`) with mode
-:data:`SEGMENT_MODE`: read-write for the agent and its group, the connectors of the
-node, which copy KV in and out of it; nothing for other users. It adopts only a
-regular file of its own user whose mode grants no more than that (a narrower one,
-as agents before 0.2 left under a umask, is widened to it); anything else at the
-segment's name is refused at start, as it may be another user's file, mapped by them.
+:data:`SEGMENT_MODE`: the agent's user only (the table names every tenant's keys). It
+adopts only a regular file of its own user whose mode grants no more than that; anything
+else at the segment's name is refused at start, as it may be another user's file.
 
 One agent at a time owns a segment: before it creates or adopts anything, it holds the
 lock of ``<segment>.lock`` (:func:`lock_path`, a :class:`~kvpool_agent.files.LockFile`)
 until it ends. A second agent for the same segment waits for it (a rollout's old pod that
 is still stopping), then adopts the segment, or gives up (:class:`SegmentInUse`).
-Connectors never take the lock: they map the segment whoever owns it.
 
 A segment is known by its file's identity (:attr:`SharedSegment.identity`: device and
-inode), which the agent names in its hello: a client that maps another file at the path
-(another pool's segment, a copy, a file that replaced the agent's) sees it differ.
+inode), which the agent names in its hello: a client sees a segment made anew (its chunk
+files are new too).
 """
 
 from __future__ import annotations
@@ -52,15 +50,20 @@ from kvpool_agent.files import (
     ensure_directory,
     open_verified,
 )
+from kvpool_agent.names import DOOR_SOCKET, DOOR_SUFFIX
 
 MAGIC = b"KVPOOLS1"
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
+"""3: the data lives in the chunk files, not in the segment."""
 # magic, layout version, page size, table offset, table slots, data offset, data size, CRC32
 _HEADER = struct.Struct("<8sIIQQQQI")
 HEADER_BYTES = 4096
 TABLE_RECORD_BYTES = 128
-SEGMENT_MODE = 0o660
-"""The agent and its group (the node's connectors) read and write the segment."""
+SEGMENT_MODE = 0o600
+"""The agent's user only."""
+ADOPTABLE_MODE = 0o660
+"""The widest mode of a segment the agent adopts (and narrows): agents before layout 3 let
+their group, the connectors, map it."""
 LOCK_MODE = 0o600
 """The owner lock: the agent's user only (another agent of that user reads who holds it)."""
 DIRECTORY_MODE = 0o710
@@ -73,6 +76,12 @@ class SegmentError(RuntimeError):
 
 class SegmentInUse(SegmentError):
     """Another live agent owns the segment (holds its lock)."""
+
+
+def door_path(segment_path: Path) -> Path:
+    """The agent's door (:mod:`kvpool_agent.door`) beside its segment:
+    ``<segment>.door/agent.sock``."""
+    return segment_path.with_name(segment_path.name + DOOR_SUFFIX) / DOOR_SOCKET
 
 
 def lock_path(segment_path: Path) -> Path:
@@ -136,7 +145,13 @@ class SegmentLayout:
 
     @property
     def total_size(self) -> int:
+        """The data region's end: how long each chunk file is."""
         return self.data_offset + self.data_size
+
+    @property
+    def file_size(self) -> int:
+        """The segment file's size: the header and the table."""
+        return self.data_offset
 
     @property
     def pages(self) -> int:
@@ -144,7 +159,7 @@ class SegmentLayout:
 
 
 class SharedSegment:
-    """A mapped segment file. Create it with :meth:`create` (agent) or :meth:`attach` (client)."""
+    """A mapped segment file: :meth:`create` or :meth:`open` (the agent's way in)."""
 
     def __init__(
         self,
@@ -190,15 +205,15 @@ class SharedSegment:
             raise SegmentError(f"cannot create segment {path}: {error.strerror}") from error
         try:
             try:
-                os.posix_fallocate(fd, 0, layout.total_size)
+                os.posix_fallocate(fd, 0, layout.file_size)
             except OSError as error:
                 raise SegmentError(
-                    f"cannot reserve {layout.total_size} bytes for {path}: {error.strerror}; "
+                    f"cannot reserve {layout.file_size} bytes for {path}: {error.strerror}; "
                     "is the shared-memory filesystem large enough?"
                 ) from error
             os.pwrite(fd, layout.header(), 0)
             identity = identity_of(os.fstat(fd))
-            segment = cls(path, layout, _map(fd, layout.total_size, populate), identity)
+            segment = cls(path, layout, _map(fd, layout.file_size, populate), identity)
         except BaseException:
             temporary.unlink(missing_ok=True)
             raise
@@ -227,18 +242,6 @@ class SharedSegment:
         self.pending = None
 
     @classmethod
-    def attach(cls, path: Path, *, populate: bool = False) -> SharedSegment:
-        """Map an existing segment created by an agent (a client's way in)."""
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as error:
-            raise SegmentError(f"cannot open segment {path}: {error.strerror}") from error
-        try:
-            return cls._map_existing(path, fd, populate)
-        finally:
-            os.close(fd)
-
-    @classmethod
     def open(
         cls, path: Path, data_size: int, page_size: int, *, pending: bool = False
     ) -> tuple[SharedSegment, str | None]:
@@ -250,7 +253,7 @@ class SharedSegment:
         """
         try:
             check_directory(path)
-            fd, status = open_verified(path, what="segment", mode=SEGMENT_MODE, flags=os.O_RDWR)
+            fd, status = open_verified(path, what="segment", mode=ADOPTABLE_MODE, flags=os.O_RDWR)
         except FileNotFoundError:
             return cls.create(path, data_size, page_size, pending=pending), "no segment yet"
         except FileRefused as error:
@@ -259,7 +262,7 @@ class SharedSegment:
             raise SegmentError(f"cannot open segment {path}: {error.strerror}") from error
         try:
             if stat.S_IMODE(status.st_mode) != SEGMENT_MODE:
-                os.fchmod(fd, SEGMENT_MODE)  # narrower (an older agent's umask): the group maps it
+                os.fchmod(fd, SEGMENT_MODE)  # an older agent's: its group mapped it
             try:
                 segment = cls._map_existing(path, fd, populate=True)
             except SegmentError as error:
@@ -281,9 +284,9 @@ class SharedSegment:
         except SegmentError as error:
             raise SegmentError(f"{path}: {error}") from None
         status = os.fstat(fd)
-        if status.st_size < layout.total_size:
+        if status.st_size < layout.file_size:
             raise SegmentError(f"{path} is shorter than its header says")
-        return cls(path, layout, _map(fd, layout.total_size, populate), identity_of(status))
+        return cls(path, layout, _map(fd, layout.file_size, populate), identity_of(status))
 
     @property
     def table(self) -> memoryview:
@@ -291,16 +294,6 @@ class SharedSegment:
         layout = self.layout
         end = layout.table_offset + layout.table_slots * TABLE_RECORD_BYTES
         return self.view[layout.table_offset : end]
-
-    def page_offset(self, page: int) -> int:
-        """Absolute file offset of a data page."""
-        return self.layout.data_offset + page * self.layout.page_size
-
-    def write(self, offset: int, data: bytes | memoryview) -> None:
-        self.view[offset : offset + len(data)] = data
-
-    def read(self, offset: int, length: int) -> bytes:
-        return bytes(self.view[offset : offset + length])
 
     @property
     def mapping(self) -> mmap.mmap:

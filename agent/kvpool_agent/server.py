@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, cast
 from prometheus_client import CollectorRegistry
 
 from kvpool_agent.config import AgentConfig, make_setting_directory
-from kvpool_agent.core.factory import L1Tier, check_pinning, claim_segment, open_l1
+from kvpool_agent.core.factory import L1Tier, claim_segment, open_l1
+from kvpool_agent.edge.door import DoorServer
 from kvpool_agent.edge.events import EventPublisher
 from kvpool_agent.edge.http_api import create_app
 from kvpool_agent.edge.metrics import AgentMetrics
@@ -39,7 +40,7 @@ from kvpool_agent.l2.tiers import open_tiers
 from kvpool_agent.peer.node import PeerTier
 from kvpool_agent.problems import listening
 from kvpool_agent.quotas import Quota
-from kvpool_agent.segment import LOCK_MODE, SegmentInUse, lock_path
+from kvpool_agent.segment import LOCK_MODE, SegmentInUse, door_path, lock_path
 from kvpool_agent.service.cache_service import CacheService
 from kvpool_agent.tenancy.auth import GeneratedTokens, TokenAuthority, load_authority
 from kvpool_agent.tenancy.quota_store import FileQuotaStore
@@ -195,10 +196,9 @@ class Agent:
             agent_id = uuid.uuid4().hex
             # the ports, before any file: one in use stops the agent here
             zmq_listener, http_listener, events = self._listen(agent_id, authority, stack)
-            # then what is read or reached, and pinning: none of them fails once files exist
+            # then what is read or reached: none of them fails once files exist
             quota_store, quotas = self._load_quotas()
             tenants = self._connect_tenants()
-            check_pinning(config)
             # L2 before L1: a bad NVMe path or key stops the agent before the segment exists
             limits = _NvmeLimits()
             tiers = open_tiers(config, limits, limits.pinned, undo)
@@ -266,6 +266,8 @@ class Agent:
             )
             if generated is not None:  # last: a failed start replaces no earlier tokens
                 generated.write(undo.file)
+            # before any client is served: a connector's first hello finds its door
+            stack.callback(self._open_door(l1, authority, metrics).close)
             # started: a new segment takes its name (before a client is served), and from
             # now on every file stays for the next agent
             undo.keep()
@@ -291,6 +293,15 @@ class Agent:
                 "agent stopping: %s",
                 "no store in flight" if drained else "grace period over, stores in flight dropped",
             )
+
+    @staticmethod
+    def _open_door(l1: L1Tier, authority: TokenAuthority, metrics: AgentMetrics) -> DoorServer:
+        """The door beside the segment, serving its chunk files to the tokens that may map
+        them (counted in ``metrics``)."""
+        door = DoorServer(door_path(l1.segment.path), authority, l1.files)
+        door.start()
+        metrics.register_door(door.stats)
+        return door
 
     def _listen(
         self, agent_id: str, authority: TokenAuthority, stack: contextlib.AsyncExitStack
@@ -344,7 +355,7 @@ class Agent:
     ) -> CacheService:
         """The cache behind its lock, with the ``quotas`` loaded from ``store``, which a
         ConfigMap store then keeps up to date."""
-        service = CacheService(l1.cache, l1.segment, store)
+        service = CacheService(l1.cache, l1.files, store)
         where = store.path if isinstance(store, FileQuotaStore) else store.where
         log.info("loaded %d tenant quotas from %s", service.set_quotas(quotas), where)
         if not isinstance(store, FileQuotaStore):
@@ -413,7 +424,7 @@ class Agent:
         readable = list(tiers)
         if peers is not None:
             readable.insert(0 if nvme is None else 1, peers.adapter)
-            peers.serve(service, l1.segment, nvme, loop)
+            peers.serve(service, nvme, loop)
 
         def shrink_tiers(tenant: str) -> None:  # any thread: HTTP handlers, the quota watch
             for tier in tiers:
@@ -436,7 +447,6 @@ class Agent:
 
         writeback = WriteBack(
             service,
-            l1.segment,
             tiers,
             policy=config.store_policy,
             min_hits=config.store_min_hits,

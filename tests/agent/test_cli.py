@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from kvpool_agent import __version__
 from kvpool_agent.keys import tenant_id
+from kvpool_agent.segment import door_path
 
 BIN = Path(sys.executable).parent
 
@@ -76,18 +81,33 @@ def wait_ready(agent: subprocess.Popen[str], timeout: float = 30.0) -> None:
     raise AssertionError(f"the agent did not get ready: {lines}")
 
 
-def test_agent_starts_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
-    segment = Path("/dev/shm") / f"kvpool-test-cli-{os.getpid()}"
+def pool_directory(name: str) -> Iterator[Path]:
+    """The segment's path in a directory of the test's own in /dev/shm (where the agent
+    keeps its lock, probe table, chunk files and door beside it), removed afterwards."""
+    directory = Path("/dev/shm") / f"kvpool-test-{name}-{os.getpid()}"
+    try:
+        yield directory / "segment"
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def segment() -> Iterator[Path]:
+    yield from pool_directory("cli")
+
+
+def test_agent_starts_serves_and_stops_on_sigterm(tmp_path: Path, segment: Path) -> None:
     env = agent_env(segment, tmp_path)
     agent = subprocess.Popen([BIN / "kvpool-agent"], env=env, stderr=subprocess.PIPE, text=True)
     try:
         wait_ready(agent)
-        assert segment.stat().st_size == 4 * 2**20 + 64 * 2**10
+        # the header and the chunk table of 64 pages: the chunks live in the chunk files
+        assert segment.stat().st_size == 64 * 2**10
+        assert door_path(segment).is_socket()
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=10) == 0
     finally:
         agent.kill()
-        segment.unlink(missing_ok=True)
 
 
 def test_agent_refuses_invalid_configuration() -> None:
@@ -99,31 +119,28 @@ def test_agent_refuses_invalid_configuration() -> None:
     assert "low_watermark (0.95) must be below high_watermark (0.9)" in result.stderr
 
 
-def test_a_broken_tokens_file_is_one_line_and_leaves_no_segment(tmp_path: Path) -> None:
+def test_a_broken_tokens_file_is_one_line_and_leaves_no_segment(
+    tmp_path: Path, segment: Path
+) -> None:
     secret = "pasted-token-0123456789"
     tokens = tmp_path / "tokens.yaml"
     tokens.write_text(f"{secret}: [a]\nadmin: [b]\n")  # a token pasted as a key
-    segment = Path("/dev/shm") / f"kvpool-test-cli-tokens-{os.getpid()}"
     env = agent_env(segment, tmp_path / "state", TOKENS_FILE=str(tokens))
-    try:
-        result = subprocess.run(
-            [BIN / "kvpool-agent"], env=env, capture_output=True, text=True, timeout=60, check=False
-        )
-        assert result.returncode == 2, result.stderr
-        assert "Traceback" not in result.stderr
-        (error,) = [line for line in result.stderr.splitlines() if "kvpool-agent:" in line]
-        assert error.startswith(f"kvpool-agent: KVPOOL_TOKENS_FILE={tokens}: unknown keys")
-        assert secret not in result.stderr
-        assert not segment.exists()
-    finally:
-        segment.unlink(missing_ok=True)
+    result = subprocess.run(
+        [BIN / "kvpool-agent"], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    (error,) = [line for line in result.stderr.splitlines() if "kvpool-agent:" in line]
+    assert error.startswith(f"kvpool-agent: KVPOOL_TOKENS_FILE={tokens}: unknown keys")
+    assert secret not in result.stderr
+    assert not segment.exists()
 
 
-def test_the_state_directory_is_private_whatever_the_umask(tmp_path: Path) -> None:
+def test_the_state_directory_is_private_whatever_the_umask(tmp_path: Path, segment: Path) -> None:
     state = tmp_path / "state"
     tokens = tmp_path / "tokens.yaml"
     tokens.write_text("admin: [an-admin-token]\n")
-    segment = Path("/dev/shm") / f"kvpool-test-cli-state-{os.getpid()}"
     env = agent_env(segment, state, TOKENS_FILE=str(tokens))
     agent = subprocess.Popen(
         [BIN / "kvpool-agent"], env=env, stderr=subprocess.PIPE, text=True, umask=0
@@ -135,7 +152,6 @@ def test_the_state_directory_is_private_whatever_the_umask(tmp_path: Path) -> No
         assert agent.wait(timeout=10) == 0
     finally:
         agent.kill()
-        segment.unlink(missing_ok=True)
 
 
 def test_bench_l1_prints_its_table() -> None:
@@ -147,7 +163,7 @@ def test_bench_l1_prints_its_table() -> None:
         timeout=120,
     )
     assert "prefix lookup with read lock, per chunk" in result.stdout
-    assert "reserve+copy+commit" in result.stdout and "ratio" in result.stdout
+    assert "its own pages" in result.stdout and "pages of another" in result.stdout
 
 
 def test_bench_chains_keeps_the_prefix_that_fits() -> None:

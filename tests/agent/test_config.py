@@ -13,7 +13,6 @@ def test_defaults_are_the_embedded_agent() -> None:
     assert config.l1_size == 1 << 30 and config.page_size == 64 << 10
     assert (config.high_watermark, config.low_watermark) == (0.90, 0.80)
     assert config.resolved_segment_path == Path("/dev/shm/kvpool-default/segment")
-    assert config.pin_memory == "never"
 
 
 def test_sources_file_then_env_then_arguments(

@@ -114,9 +114,9 @@ def test_the_agent_keeps_its_table_to_the_ready_chunks(agent_process: AgentProce
         info = client.info
         assert info is not None
         path = table_path(info.segment_path)
-        # the connectors' group maps the segment read-write and reads the table; the umask
-        # plays no part
-        assert stat.S_IMODE(os.stat(info.segment_path).st_mode) == SEGMENT_MODE == 0o660
+        # the segment is the agent's alone, the table its group's (engines' schedulers) to
+        # read; the umask plays no part
+        assert stat.S_IMODE(os.stat(info.segment_path).st_mode) == SEGMENT_MODE == 0o600
         assert stat.S_IMODE(os.stat(path).st_mode) == TABLE_MODE == 0o640
         reader = ProbeTableReader(path, info.agent_id)
         tenant = tenant_id("probe-tenant")

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent.pinned import PinningError, pin
 from kvpool_agent.segment import SEGMENT_MODE, SegmentError, SharedSegment
 
 PAGE = 4096
@@ -25,65 +24,40 @@ def segment_path(tmp_path: Path) -> Iterator[Path]:
     path.unlink(missing_ok=True)
 
 
-def test_a_client_mapping_sees_the_agents_bytes(segment_path: Path) -> None:
-    agent = SharedSegment.create(segment_path, 16 * PAGE, PAGE)
-    # header page, one 128-byte table record per page, then page-aligned data
-    assert agent.layout.table_offset == 4096 and agent.layout.table_slots == 16
-    assert agent.layout.data_offset == 2 * PAGE and agent.layout.pages == 16
-    offset = agent.page_offset(3)
-    agent.write(offset, b"hello kv")
-    client = SharedSegment.attach(segment_path)
-    assert client.layout == agent.layout
-    assert client.read(offset, 8) == b"hello kv"
-    client.write(offset, b"HELLO")
-    assert agent.read(offset, 8) == b"HELLO kv"
-    client.close()
-    agent.close()
-
-
-def test_another_process_maps_the_same_memory(segment_path: Path) -> None:
+def test_the_segment_file_holds_its_header_and_table_only(segment_path: Path) -> None:
     segment = SharedSegment.create(segment_path, 16 * PAGE, PAGE)
-    code = (
-        "import sys; from pathlib import Path; from kvpool_agent.segment import SharedSegment;"
-        "s = SharedSegment.attach(Path(sys.argv[1])); s.write(s.page_offset(1), b'from child')"
-    )
-    subprocess.run([sys.executable, "-c", code, str(segment_path)], check=True)
-    assert segment.read(segment.page_offset(1), 10) == b"from child"
+    # header page, one 128-byte table record per page, then the page-aligned data region,
+    # whose bytes live in the chunk files (chunk_files.py)
+    assert segment.layout.table_offset == 4096 and segment.layout.table_slots == 16
+    assert segment.layout.data_offset == 2 * PAGE and segment.layout.pages == 16
+    assert segment_path.stat().st_size == segment.layout.file_size == 2 * PAGE
+    assert segment.layout.total_size == 18 * PAGE  # how long each chunk file is
+    assert stat.S_IMODE(segment_path.stat().st_mode) == SEGMENT_MODE == 0o600
     segment.close()
 
 
-def test_attach_refuses_what_is_not_a_segment(segment_path: Path, tmp_path: Path) -> None:
-    with pytest.raises(SegmentError, match="cannot open"):
-        SharedSegment.attach(tmp_path / "missing")
-    segment_path.write_bytes(b"x" * 100)
-    with pytest.raises(SegmentError, match="not a kvpool segment"):
-        SharedSegment.attach(segment_path)
-    segment_path.write_bytes(b"KVPOOLS1" + (1).to_bytes(4, "little") + bytes(60))
-    with pytest.raises(SegmentError, match="segment layout 1; this build reads 2"):
-        SharedSegment.attach(segment_path)
-
-
-def test_open_adopts_a_compatible_segment_and_keeps_its_bytes(segment_path: Path) -> None:
+def test_open_adopts_a_compatible_segment_and_keeps_its_table(segment_path: Path) -> None:
     first, reason = SharedSegment.open(segment_path, 16 * PAGE, PAGE)
     assert reason == "no segment yet"
-    first.write(first.page_offset(2), b"still here")
+    first.table[:10] = b"still here"
     first.close()
     again, reason = SharedSegment.open(segment_path, 16 * PAGE, PAGE)
     assert reason is None
-    assert again.read(again.page_offset(2), 10) == b"still here"
+    assert bytes(again.table[:10]) == b"still here"
     again.close()
 
 
-def test_open_adopts_its_own_segment_left_narrower_and_opens_it_to_the_group(
-    segment_path: Path,
+@pytest.mark.parametrize("mode", [0o660, 0o640])
+def test_open_adopts_an_older_agents_segment_and_keeps_it_to_itself(
+    segment_path: Path, mode: int
 ) -> None:
-    """An earlier agent created its segment under a umask (0640 under 022): the connectors of
-    its group could not write it. It is still the agent's own: adopted, at the agent's mode."""
+    """Agents before chunk files let their group, the connectors, map the segment (0660, or
+    0640 under a umask of 022). It is still the agent's own: adopted, at the agent's mode."""
     SharedSegment.open(segment_path, 16 * PAGE, PAGE)[0].close()
-    segment_path.chmod(0o640)
+    segment_path.chmod(mode)
     segment, reason = SharedSegment.open(segment_path, 16 * PAGE, PAGE)
     assert reason is None
-    assert stat.S_IMODE(segment_path.stat().st_mode) == SEGMENT_MODE == 0o660
+    assert stat.S_IMODE(segment_path.stat().st_mode) == SEGMENT_MODE == 0o600
     segment.close()
 
 
@@ -138,8 +112,10 @@ def test_open_recreates_an_old_or_damaged_segment(
     damage(segment_path)
     segment, why = SharedSegment.open(segment_path, 16 * PAGE, PAGE)
     assert why is not None and reason in why
-    assert SharedSegment.attach(segment_path).layout == segment.layout  # readable again
     segment.close()
+    again, why = SharedSegment.open(segment_path, 16 * PAGE, PAGE)
+    assert why is None and again.layout == segment.layout  # whole again
+    again.close()
 
 
 def test_open_recreates_when_the_configured_size_changed(segment_path: Path) -> None:
@@ -168,37 +144,11 @@ def test_an_unwritable_location_is_a_clear_error() -> None:
         SharedSegment.create(Path("/proc/kvpool-cannot-exist"), 16 * PAGE, PAGE)
 
 
-def test_never_pinning_imports_no_torch() -> None:
+def test_the_agent_s_l1_imports_no_torch() -> None:
     code = (
-        "import sys, mmap; from kvpool_agent.pinned import pin;"
-        "assert pin(mmap.mmap(-1, 4096), 'never') is None;"
-        "import kvpool_agent.core.l1, kvpool_agent.segment, kvpool_agent.config;"
+        "import sys;"
+        "import kvpool_agent.core.l1, kvpool_agent.segment, kvpool_agent.chunk_files;"
+        "import kvpool_agent.config;"
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
-
-
-@pytest.mark.skipif(_cuda_available(), reason="checks the behaviour without CUDA")
-def test_pinning_without_cuda(segment_path: Path) -> None:
-    segment = SharedSegment.create(segment_path, 16 * PAGE, PAGE)
-    assert pin(segment.mapping, "auto") is None
-    with pytest.raises(PinningError, match="pin_memory=always"):
-        pin(segment.mapping, "always")
-    segment.close()
-
-
-@pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA device")
-def test_pinning_with_cuda(segment_path: Path) -> None:
-    segment = SharedSegment.create(segment_path, 16 * PAGE, PAGE)
-    region = pin(segment.mapping, "always")
-    assert region is not None and region.size == len(segment.mapping)
-    region.release()
-    segment.close()

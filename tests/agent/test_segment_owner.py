@@ -39,13 +39,16 @@ def payload(name: int) -> bytes:
 
 
 def fingerprint(path: Path) -> tuple[int, int, str] | None:
-    """Inode, size and content digest of a file ("directory" for one); None if there is none."""
+    """Inode, size and content digest of a file ("directory" or "socket" for one); None if
+    there is none."""
     try:
         status = os.lstat(path)
     except FileNotFoundError:
         return None
     if path.is_dir():
         return status.st_ino, 0, "directory"
+    if path.is_socket():
+        return status.st_ino, 0, "socket"
     return status.st_ino, status.st_size, hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -66,8 +69,9 @@ def shm_names(agent: AgentProcess) -> list[str]:
 
 def everything(agent: AgentProcess) -> dict[str, object]:
     """What a second agent must not change: the first's files in /dev/shm and its state."""
-    return {
-        "shm": {name: fingerprint(Path("/dev/shm") / name) for name in shm_names(agent)},
+    shm = Path("/dev/shm")
+    return {  # the chunk files and the door are directories: what is in them too
+        "shm": {name: (fingerprint(shm / name), listing(shm / name)) for name in shm_names(agent)},
         "state": listing(agent.workdir / "state"),
     }
 
@@ -111,7 +115,7 @@ def test_a_second_agent_on_a_live_segment_refuses_in_one_line_and_changes_nothin
         payload(n) for n in range(CHUNKS)
     ]
     store(first, client, range(CHUNKS, CHUNKS + 4))
-    assert client.segment().read(0, 8) == b"KVPOOLS1"
+    assert first.segment_path.read_bytes()[:8] == b"KVPOOLS1"
     client.close()
 
 
@@ -267,23 +271,6 @@ def _probe_table_refused(agent: AgentProcess, listener: socket.socket) -> tuple[
     return f"refusing probe table {table}: it is a directory", REFUSED
 
 
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
-
-
-def _pinning_without_cuda(agent: AgentProcess, listener: socket.socket) -> tuple[str, int]:
-    """Refused once the segment and the probe table exist (and the L2 key, and the cache)."""
-    if _cuda_available():
-        pytest.skip("a CUDA device pins the segment")
-    agent.settings["PIN_MEMORY"] = "always"
-    agent.settings["NVME"] = json.dumps({"path": str(agent.workdir / "nvme"), "capacity": "16MiB"})
-    return f"cannot pin segment {agent.segment_path}: pin_memory=always but", REFUSED
-
-
 def _bad_quota_file(agent: AgentProcess, listener: socket.socket) -> tuple[str, int]:
     path = agent.workdir / "quotas.json"
     path.write_text("{bad")
@@ -309,21 +296,21 @@ FAILURES: list[Failure] = [
     _events_port_in_use,
     _bad_nvme_path,
     _probe_table_refused,
-    _pinning_without_cuda,
     _bad_quota_file,
     _quota_configmap_unreachable,
     _tenants_configmap_unreachable,
 ]
 FAILURE_SETTINGS = (
-    *("HTTP_PORT", "EVENTS_PORT", "NVME", "PIN_MEMORY"),
+    *("HTTP_PORT", "EVENTS_PORT", "NVME"),
     *("QUOTA_FILE", "QUOTA_CONFIGMAP", "TENANTS_CONFIGMAP"),
 )
 
 
 def snapshot(agent: AgentProcess) -> dict[str, object]:
     """Every file of the agent's in /dev/shm and under its work directory."""
-    return {
-        "shm": {name: fingerprint(Path("/dev/shm") / name) for name in shm_names(agent)},
+    shm = Path("/dev/shm")
+    return {  # the chunk files and the door are directories: what is in them too
+        "shm": {name: (fingerprint(shm / name), listing(shm / name)) for name in shm_names(agent)},
         "work": listing(agent.workdir),
     }
 

@@ -56,7 +56,7 @@ BAD_VALUES = {
     "bad-resources.yaml": "/operator/resources/limits/memory",
     "bad-example-namespace.yaml": "is not one of operator.watchNamespaces",
     "bad-webhook-without-csi.yaml": (
-        "the webhook mounts the pool's segment through kvpool's CSI driver: set csi.enabled"
+        "the webhook mounts the pool's volume through kvpool's CSI driver: set csi.enabled"
     ),
     "bad-webhook-namespaces.yaml": "the webhook needs the operator to watch every namespace",
     "bad-webhook-port.yaml": "webhook.port 9443 is operator.healthPort's",

@@ -28,7 +28,7 @@ def test_bench_gpu_on_cpu_caches_prints_its_tables() -> None:
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, check=True)
 
-    (row,) = rows_of(result.stdout, "copies between GPU blocks and the pinned segment")
+    (row,) = rows_of(result.stdout, "copies between GPU blocks and the agent's chunk files")
     assert row[:3] == ["small-heads", "256", "3.0"]
     assert all(re.fullmatch(r"\d+\.\d+(/\d+\.\d+)?", cell) for cell in row[3:]), row
     shared = rows_of(result.stdout, "processes mapping one segment")

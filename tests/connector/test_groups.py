@@ -44,7 +44,6 @@ import torch
 
 from kvpool_agent import keys
 from kvpool_agent.client import AgentClient
-from kvpool_agent.segment import SharedSegment
 from kvpool_agent.testing.agent_process import (
     ADMIN_TOKEN,
     ENGINE_TOKEN,
@@ -403,14 +402,10 @@ def poison(agent: AgentProcess, wanted: list[bytes], start: int, size: int) -> N
     segment with noise."""
     with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         found = client.lookup(keys.tenant_id(SALT), wanted, lock=False, count=False)
-    assert found.count == len(wanted), "the fingerprint is not the connector's"
-    segment = SharedSegment.attach(agent.segment_path)
-    try:
+        assert found.count == len(wanted), "the fingerprint is not the connector's"
         noise = bytes(random.Random(7).randrange(256) for _ in range(size))
-        for offset in found.offsets:  # from the start of the segment's file
-            segment.view[offset + start : offset + start + size] = noise
-    finally:
-        segment.close()
+        for offset in found.offsets:  # in the tenant's chunk file
+            client.files().chunk(found.file, offset + start, size, write=True)[:] = noise
 
 
 def poison_group(agent: AgentProcess, engine: StepEngine, tokens: list[int], group: int) -> None:

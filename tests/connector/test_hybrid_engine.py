@@ -27,7 +27,6 @@ import pytest
 
 from kvpool_agent import keys
 from kvpool_agent.client import AgentClient
-from kvpool_agent.segment import SharedSegment
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.engines import Engine
 from tests.support.models import WINDOW, write_model
@@ -194,13 +193,8 @@ def poison_group(pair: Pair, tokens: list[int], group: str) -> None:
     size = dict((name, size) for name, _, size in sections)[group]
     with AgentClient(pair.agent.zmq, token=ADMIN_TOKEN) as client:
         found = client.lookup(keys.tenant_id(SALT), wanted, lock=False, count=False)
-    assert found.count == len(wanted), "the writer stored fewer chunks than the prompt has"
-    segment = SharedSegment.attach(pair.agent.segment_path)
-    try:
+        assert found.count == len(wanted), "the writer stored fewer chunks than the prompt has"
         noise = torch.randn(size // 2, generator=torch.Generator().manual_seed(0))
         raw = noise.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
-        for offset in found.offsets:
-            at = offset + start  # offsets count from the start of the segment's file
-            segment.view[at : at + size] = raw
-    finally:
-        segment.close()
+        for offset in found.offsets:  # in the tenant's chunk file
+            client.files().chunk(found.file, offset + start, size, write=True)[:] = raw

@@ -10,12 +10,13 @@ from kvpool_agent.connector import discovery
 from kvpool_agent.connector.discovery import AgentAddress, DiscoveryError, resolve
 from kvpool_agent.connector.settings import ConnectorSettings
 from kvpool_agent.problems import ConfigError
+from kvpool_agent.protocol import PROTOCOL_VERSION
 
 ANNOTATIONS = {
     "kvpool.io/zmq-port": "7400",
     "kvpool.io/segment-path": "/dev/shm/kvpool-main/segment",
     "kvpool.io/chunk-tokens": "512",
-    "kvpool.io/protocol-version": "1",
+    "kvpool.io/protocol-version": str(PROTOCOL_VERSION),
 }
 
 
@@ -36,7 +37,7 @@ def test_unknown_key_names_the_known_ones() -> None:
         ValueError, match="chunk_size=256: unknown setting; did you mean chunk_tokens"
     ):
         ConnectorSettings.load({"endpoint": "tcp://a:1", "chunk_size": 256}, environ={})
-    with pytest.raises(ValueError, match="known: chunk_tokens, endpoint"):
+    with pytest.raises(ValueError, match="known: chunk_tokens, door_path, endpoint"):
         ConnectorSettings.load({"endpoint": "tcp://a:1", "zzz": 1}, environ={})
 
 
@@ -109,7 +110,10 @@ def test_namespace_defaults_to_the_pods_own(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("annotations", "message"),
     [
-        ({**ANNOTATIONS, "kvpool.io/protocol-version": "2"}, "speaks protocol 2"),
+        (
+            {**ANNOTATIONS, "kvpool.io/protocol-version": str(PROTOCOL_VERSION + 1)},
+            f"speaks protocol {PROTOCOL_VERSION + 1}",
+        ),
         ({"kvpool.io/segment-path": "/dev/shm/x"}, "no kvpool.io/zmq-port"),
         ({**ANNOTATIONS, "kvpool.io/zmq-port": "http"}, "is not an integer"),
         ({**ANNOTATIONS, "kvpool.io/chunk-tokens": "-1"}, "must be positive"),

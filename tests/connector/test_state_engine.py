@@ -42,7 +42,6 @@ import pytest
 
 from kvpool_agent import keys
 from kvpool_agent.client import AgentClient
-from kvpool_agent.segment import SharedSegment
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.engines import Engine
 from tests.support.models import write_model
@@ -221,13 +220,9 @@ def poison_state(pair: Pair, tokens: list[int], chunks: int) -> None:
     state = keys.state_key(chunk_keys(pair, tokens)[chunks - 1])
     with AgentClient(pair.agent.zmq, token=ADMIN_TOKEN) as client:
         found = client.lookup(keys.tenant_id(SALT), [state], lock=False, count=False)
-    assert found.count == 1, "the writer stored no state at the chunks' end"
-    (offset,), (size,) = found.offsets, found.sizes
-    assert size == state_record_bytes(str(pair.writer.key_fingerprint()["kv_layout"]))
-    segment = SharedSegment.attach(pair.agent.segment_path)
-    try:
+        assert found.count == 1, "the writer stored no state at the chunks' end"
+        (offset,), (size,) = found.offsets, found.sizes
+        assert size == state_record_bytes(str(pair.writer.key_fingerprint()["kv_layout"]))
         noise = torch.randn(size // 2, generator=torch.Generator().manual_seed(0))
         raw = noise.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
-        segment.view[offset : offset + size] = raw  # from the start of the segment's file
-    finally:
-        segment.close()
+        client.files().chunk(found.file, offset, size, write=True)[:] = raw

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +14,7 @@ from kvpool_agent.client import AgentClient
 from kvpool_agent.connector.jobs import LoadJob, StepJobs, StoreJob
 from kvpool_agent.connector.layout import GroupRule
 from kvpool_agent.connector.worker import WorkerHalf
+from kvpool_agent.segment import door_path
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 
 from .workers import (
@@ -84,32 +82,24 @@ def test_store_then_load_in_another_worker(agent: AgentProcess) -> None:
     assert target.counters.totals["loaded_chunks"] == 2
 
 
-def test_a_worker_never_copies_through_a_file_the_agent_does_not_map(
-    agent: AgentProcess, caplog: pytest.LogCaptureFixture
+def test_a_worker_never_copies_through_another_agent_s_door(
+    agent: AgentProcess, tmp_path: Path
 ) -> None:
-    """A copy of the agent's segment at the path the worker maps (a pod's own /dev/shm, a
-    wrong segment path): the agent's hello names its file, and the worker uses no other; its
-    chunks travel through the agent's protocol instead."""
-    copy = Path("/dev/shm") / f"kvpool-worker-copy-{os.getpid()}"
-    shutil.copyfile(agent.segment_path, copy)
+    """A door path that names another agent's door (a wrong door_path): that door knows none
+    of this agent's chunk files, so nothing is copied anywhere; the stores fail (counted),
+    and neither agent holds a chunk of them."""
+    other = AgentProcess(tmp_path)
+    other.start()
     try:
-        original = hashlib.sha256(copy.read_bytes()).digest()
-        worker, _ = make_worker(agent, seed=1, segment=copy)
+        worker, _ = make_worker(agent, seed=1, door=door_path(other.segment_path))
         store(worker, 1, KEYS[:2], [3, 4, 5, 6])
-        store(worker, 2, KEYS[2:], [7, 8, 9, 10])
-        assert hashlib.sha256(copy.read_bytes()).digest() == original
+        assert worker.counters.totals["stored_chunks"] == 0
+        assert worker.counters.totals["failed_stores"] == 1
+        for each in (agent, other):
+            with AgentClient(each.zmq, token=ADMIN_TOKEN) as client:
+                assert client.lookup(TENANT, KEYS[:2], lock=False).count == 0
     finally:
-        copy.unlink()
-    assert worker.counters.totals["stored_chunks"] == 4
-    assert worker.counters.totals["failed_stores"] == 0
-    said = [
-        r.getMessage() for r in caplog.records if "is not the file the agent maps" in r.getMessage()
-    ]
-    assert len(said) == 1  # said once
-    assert f"({agent.segment_path} is the agent's segment)" in said[0]
-    assert "moving KV through the agent over the network instead" in said[0]
-    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
-        assert client.lookup(TENANT, KEYS, lock=False).count == 4
+        other.cleanup()
 
 
 def test_missing_chunks_are_reported_for_recompute(agent: AgentProcess) -> None:

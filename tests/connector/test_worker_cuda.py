@@ -1,5 +1,6 @@
-"""The worker half on a GPU: vLLM's FlashAttention layout as CUDA tensors, the agent's segment
-mapped and pinned, copies on the copier's side stream, against a real agent process.
+"""The worker half on a GPU: vLLM's FlashAttention layout as CUDA tensors, the agent's chunk
+files mapped from its door (pageable), copies on the copier's side stream, against a real
+agent process.
 
 Skipped without a CUDA device (the same worker code runs on CPU in ``test_worker.py``)."""
 
@@ -13,7 +14,7 @@ import torch
 
 from kvpool_agent import keys
 from kvpool_agent.client import AgentClient
-from kvpool_agent.connector.copier import BlockCopier, MappedSegment
+from kvpool_agent.connector.copier import BlockCopier, MappedChunks
 from kvpool_agent.connector.jobs import LoadJob, StepJobs, StoreJob
 from kvpool_agent.connector.layout import ChunkFormat, GroupRule, detect_layout
 from kvpool_agent.connector.staged import StagedCopies
@@ -51,10 +52,10 @@ def make_worker(
     agent: AgentProcess,
     seed: int | None,
     groups: list[tuple[GroupRule, list[str]]],
-    segment: Path | None = None,
+    door: Path | None = None,
 ) -> tuple[WorkerHalf, list[torch.Tensor]]:
-    """A worker with FlashAttention caches on the GPU; it maps ``segment`` if given, else the
-    agent's."""
+    """A worker with FlashAttention caches on the GPU; it maps chunk files from ``door`` if
+    given, else from the agent's."""
     caches = flash_attention_caches(seed)
     worker = worker_of(
         agent,
@@ -63,8 +64,7 @@ def make_worker(
         num_blocks=BLOCKS,
         chunk_tokens=CHUNK,
         content="FA",
-        segment=segment,
-        pin_mode="always",
+        door=door,
     )
     return worker, caches
 
@@ -74,11 +74,11 @@ STORED_FROM, LOADED_INTO = [7, 3, 12, 40], [50, 9, 21, 33]
 
 
 def load_into_other_blocks(
-    agent: AgentProcess, stored: list[torch.Tensor], segment: Path | None = None
+    agent: AgentProcess, stored: list[torch.Tensor], door: Path | None = None
 ) -> list[torch.Tensor]:
     """A new worker (zeroed caches) loads ``KEYS[:2]`` into :data:`LOADED_INTO`; the forward
     reads them on the compute stream right away and must see the stored blocks. Its caches."""
-    target, loaded = make_worker(agent, seed=None, groups=[(FULL, LAYERS)], segment=segment)
+    target, loaded = make_worker(agent, seed=None, groups=[(FULL, LAYERS)], door=door)
     load = LoadJob("r2", TENANT, (tuple(KEYS[:2]),), (tuple(LOADED_INTO),), first_tokens=0)
     target.start_load(StepJobs(loads=[load]))
     seen = [cache[:, LOADED_INTO].clone() for cache in loaded]
@@ -100,7 +100,7 @@ def test_a_chunk_stored_from_gpu_blocks_loads_into_other_gpu_blocks(
     torch.cuda.synchronize()
     source.get_finished(set())  # commits the stores whose copies have finished
     assert source.counters.totals["stored_chunks"] == 2
-    assert "(pinned)" in caplog.text
+    assert "maps chunk files from the agent's door" in caplog.text
 
     loaded = load_into_other_blocks(empty_agent, stored)
     untouched = [block for block in range(BLOCKS) if block not in LOADED_INTO]
@@ -139,13 +139,13 @@ def test_gpu_blocks_travel_through_the_agents_messages_without_the_segment(
 ) -> None:
     """A pod that mounts nothing: stores copy out to host memory and go in the agent's
     messages; loads come back the same way into other GPU blocks."""
-    nowhere = Path("/nonexistent/kvpool-segment")
-    source, stored = make_worker(empty_agent, seed=5, groups=[(FULL, LAYERS)], segment=nowhere)
+    nowhere = Path("/nonexistent/kvpool-door.sock")
+    source, stored = make_worker(empty_agent, seed=5, groups=[(FULL, LAYERS)], door=nowhere)
     job = StoreJob(1, "r1", TENANT, (tuple(KEYS[:2]),), (None,), (tuple(STORED_FROM),))
     source.save(StepJobs(stores=[job]))
     assert source.counters.totals["stored_chunks"] == 2
 
-    load_into_other_blocks(empty_agent, stored, segment=nowhere)
+    load_into_other_blocks(empty_agent, stored, door=nowhere)
     source.close()
 
 
@@ -168,10 +168,9 @@ def test_a_store_copies_what_the_compute_stream_wrote_before_it(agent: AgentProc
         info = client.connect()
         plan = client.prepare_store(TENANT, [KEYS[3]], [chunk_format.chunk_bytes])
         assert plan.lease is not None and plan.offsets[0] >= 0
-        segment = MappedSegment(Path(info.segment_path), "always")
+        segment = MappedChunks(client.files(), info.segment_identity)
         try:
-            assert segment.pinned
-            chunk = segment.chunk(plan.offsets[0], chunk_format.chunk_bytes)
+            chunk = segment.chunk(plan.file, plan.offsets[0], chunk_format.chunk_bytes, write=True)
             chunk.zero_()
             slow = torch.randn(4096, 4096, device="cuda")
             for _ in range(20):  # keeps the compute stream busy well past the store's issue
@@ -204,9 +203,10 @@ def test_chunks_of_many_slabs_round_trip_through_both_staging_buffers(
         chunk_keys = [bytes([200 + index]) * 32 for index in range(3)]
         plan = client.prepare_store(TENANT, chunk_keys, [chunk_format.chunk_bytes] * 3)
         assert plan.lease is not None and min(plan.offsets) >= 0
-        segment = MappedSegment(Path(info.segment_path), "always")
+        segment = MappedChunks(client.files(), info.segment_identity)
         try:
-            chunks = [segment.chunk(offset, chunk_format.chunk_bytes) for offset in plan.offsets]
+            size = chunk_format.chunk_bytes
+            chunks = [segment.chunk(plan.file, offset, size, write=True) for offset in plan.offsets]
             for chunk, ids in zip(chunks, sources, strict=True):
                 staged.store(chunk, [ids])
             done = [

@@ -15,7 +15,6 @@ from kvpool_agent.connector.jobs import StepJobs, StoreJob
 from kvpool_agent.connector.layout import GroupRule
 from kvpool_agent.connector.settings import Transport
 from kvpool_agent.connector.worker import WorkerHalf
-from kvpool_agent.pinned import PinMode
 from kvpool_agent.testing.agent_process import AgentProcess
 
 from .agent_link import agent_link
@@ -35,13 +34,13 @@ def worker_of(
     num_blocks: int = BLOCKS,
     chunk_tokens: int = CHUNK,
     content: str = "TEST",
-    segment: Path | None = None,
-    pin_mode: PinMode = "never",
+    door: Path | None = None,
     transport: Transport = "auto",
 ) -> WorkerHalf:
-    """A worker of ``agent`` with these caches (``layers``: name -> tensor); it maps
-    ``segment`` if given, else the agent's (with the transport ``messages``, none)."""
-    address = AgentAddress(agent.zmq, segment, chunk_tokens, transport)
+    """A worker of ``agent`` with these caches (``layers``: name -> tensor); it maps chunk
+    files from ``door`` if given, else from the agent's (with the transport ``messages``,
+    none)."""
+    address = AgentAddress(agent.zmq, None, chunk_tokens, transport, door)
     counters = Counters()
     holder: list[WorkerHalf] = []
 
@@ -53,8 +52,7 @@ def worker_of(
         link=agent_link(agent, counters, "worker", on_new_agent),
         counters=counters,
         chunk_tokens=lambda: chunk_tokens,
-        segment_path=address.segment_for,
-        pin_mode=pin_mode,
+        door_path=address.door_for,
     )
     holder.append(worker)
     worker.register_kv_caches(layers, groups, num_blocks, content)
@@ -73,15 +71,15 @@ def cpu_caches(seed: int | None) -> list[torch.Tensor]:
 def make_worker(
     agent: AgentProcess,
     seed: int | None,
-    segment: Path | None = None,
+    door: Path | None = None,
     transport: Transport = "auto",
 ) -> tuple[WorkerHalf, list[torch.Tensor]]:
-    """A worker of one full-attention group; it maps ``segment`` if given, else the agent's
-    (with the transport ``messages``, none)."""
+    """A worker of one full-attention group; it maps chunk files from ``door`` if given,
+    else from the agent's (with the transport ``messages``, none)."""
     caches = cpu_caches(seed)
     layers = dict(zip(LAYERS, caches, strict=True))
     groups = [(GroupRule("full", 4), LAYERS)]
-    return worker_of(agent, layers, groups, segment=segment, transport=transport), caches
+    return worker_of(agent, layers, groups, door=door, transport=transport), caches
 
 
 def store(worker: WorkerHalf, job_id: int, chunk_keys: list[bytes], block_ids: list[int]) -> None:

@@ -1,6 +1,8 @@
 """A real ``kvpool-csi`` process in a mount namespace of its own (``unshare``), so that its
 bind mounts never reach this machine's; the tests look into that namespace with
-``nsenter``. The node's kubelet directory and shared memory are temporary directories."""
+``nsenter``. The node's kubelet directory and shared memory are temporary directories; a
+pool's directory holds what its agent makes there: the segment, its probe table and lock,
+and the door (a listening Unix socket)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,11 +26,15 @@ from kvpool_agent.csi.mounts import Mount, parse_mountinfo
 from kvpool_agent.names import (
     API_GROUP,
     API_VERSION,
+    DOOR_DIRECTORY,
+    DOOR_SOCKET,
     POOL_PLURAL,
     SEGMENT_FILE,
     SEGMENT_PATH_ANNOTATION,
     service_name,
 )
+from kvpool_agent.probe_table import table_path
+from kvpool_agent.segment import lock_path
 from tests.support.csi_kubelet import CsiClient, discover
 from tests.support.kube_api import ServedApi
 from tests.support.operator_process import Kubectl
@@ -46,6 +53,39 @@ NEEDS_MOUNT_NAMESPACES = pytest.mark.skipif(
 )
 
 
+CONNECT = """
+import os, socket, sys
+directory, name = os.path.split(sys.argv[1])
+os.chdir(directory)  # a pod's path is short; a pod volume's path on the node may be too long
+with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as door:
+    door.connect(name)
+    door.sendall(sys.stdin.read().encode())
+"""
+
+
+class Door:
+    """The agent's door: a listening Unix socket (mode 0666) alone in a directory (0755)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir()
+        path.parent.chmod(0o755)
+        self.path = path
+        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.socket.bind(str(path))
+        path.chmod(0o666)
+        self.socket.listen(8)
+        self.socket.settimeout(5)
+
+    def received(self) -> bytes:
+        """What the next connection sent (a pod's connect is queued until accepted here)."""
+        connection, _ = self.socket.accept()
+        with connection:
+            return connection.recv(256)
+
+    def close(self) -> None:
+        self.socket.close()
+
+
 @dataclass
 class Node:
     """The node's directories, as the plugin sees them."""
@@ -55,6 +95,7 @@ class Node:
     shm: Path = field(init=False)
     registry: Path = field(init=False)
     socket: Path = field(init=False)
+    doors: dict[str, Door] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.kubelet = self.root / "kubelet"
@@ -64,14 +105,30 @@ class Node:
         for directory in (self.kubelet / "pods", self.shm, self.registry, self.socket.parent):
             directory.mkdir(parents=True)
 
-    def pool_directory(self, pool: str) -> Path:
-        """The pool's directory with a segment of known bytes, as its agent makes them."""
+    def pool_directory(self, pool: str, *, door: bool = True) -> Path:
+        """The pool's directory as its agent makes it: a segment of known bytes, its probe
+        table and lock, and (``door``) the door."""
         directory = self.shm / f"kvpool-{pool}"
         directory.mkdir(mode=0o710)
         segment = directory / SEGMENT_FILE
         segment.write_bytes(SEGMENT_BYTES)
         segment.chmod(0o660)
+        for beside in (table_path(segment), lock_path(segment)):
+            beside.write_bytes(b"")
+            beside.chmod(0o660)
+        if door:
+            self.open_door(pool)
         return directory
+
+    def open_door(self, pool: str) -> Door:
+        """The pool's door, as its agent opens it at start."""
+        path = self.shm / f"kvpool-{pool}" / DOOR_DIRECTORY / DOOR_SOCKET
+        self.doors[pool] = Door(path)
+        return self.doors[pool]
+
+    def close(self) -> None:
+        for door in self.doors.values():
+            door.close()
 
 
 class PluginProcess:
@@ -142,6 +199,23 @@ class PluginProcess:
         )
         assert done.returncode == 0 or "Permission denied" in done.stderr, done.stderr
         return done.returncode == 0
+
+    def connects_as(self, uid: int, groups: list[int], path: Path, message: str) -> str:
+        """Connect to the Unix socket ``path`` as user ``uid`` with supplementary ``groups``
+        in the plugin's mount namespace, as a pod's user would, and send ``message``; the
+        error's last line, or empty if it was sent."""
+        namespace = f"--mount=/proc/{self.process.pid}/ns/mnt"
+        who = [f"--reuid={uid}", f"--regid={uid}"]
+        who += [f"--groups={','.join(map(str, groups))}"] if groups else ["--clear-groups"]
+        done = subprocess.run(
+            ["nsenter", namespace, "setpriv", *who, sys.executable, "-c", CONNECT, str(path)],
+            input=message,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+        return "" if done.returncode == 0 else done.stderr.strip().splitlines()[-1]
 
     def stop(self) -> int:
         if self.process.poll() is None:
@@ -215,7 +289,9 @@ def short_root() -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def node() -> Iterator[Node]:
     with short_root() as root:
-        yield Node(root)
+        node = Node(root)
+        yield node
+        node.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,12 @@
-"""``kvpool-csi`` as the kubelet drives it: registration, identity, and a pool's segment
-directory published into a pod's volume (in the plugin's own mount namespace), then
-unpublished; and every publish it refuses, with the gRPC code and the value named."""
+"""``kvpool-csi`` as the kubelet drives it: registration, identity, and a pool's directory
+published into a pod's volume (in the plugin's own mount namespace), then unpublished: the
+whole directory (segment, probe table, lock, door) to a pod of the pool's engineNamespaces,
+its door only, read-only, to any other pod; and every publish it refuses, with the gRPC code
+and the value named."""
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -15,7 +18,18 @@ import pytest
 
 from kvpool_agent.csi import messages
 from kvpool_agent.csi.mounts import PUBLISHED_OPTIONS, parse_mountinfo
-from kvpool_agent.names import CSI_DRIVER, CSI_NAMESPACE_ATTRIBUTE, CSI_POOL_ATTRIBUTE
+from kvpool_agent.names import (
+    CONNECTOR_DOOR_PATH_ENV,
+    CONNECTOR_SEGMENT_PATH_ENV,
+    CSI_DRIVER,
+    CSI_NAMESPACE_ATTRIBUTE,
+    CSI_POOL_ATTRIBUTE,
+    DOOR_DIRECTORY,
+    DOOR_SOCKET,
+    SEGMENT_FILE,
+)
+from kvpool_agent.probe_table import table_path
+from kvpool_agent.segment import lock_path
 from kvpool_operator.admission.wiring import AGENT_GROUP, Binding, PoolFacts, apply, wire
 from kvpool_operator.render import AGENT_UID
 from tests.support import csi_kubelet
@@ -46,6 +60,32 @@ with open(sys.argv[1], "r+b") as file, mmap.mmap(file.fileno(), 0) as view:
 """
 
 
+LIST = """
+import os, sys
+print(" ".join(sorted(os.listdir(sys.argv[1]))))
+"""
+WRITE = """
+import os, sys
+target, door = sys.argv[1:]
+attempts = (
+    lambda: open(os.path.join(target, "planted"), "w"),
+    lambda: os.mkdir(os.path.join(target, "planted")),
+    lambda: os.unlink(os.path.join(target, door)),
+    lambda: os.chmod(target, 0o777),
+)
+for attempt in attempts:
+    try:
+        attempt()
+        print("written")
+    except OSError as error:
+        print(error.errno)
+"""
+POOL_FILES = sorted(
+    [SEGMENT_FILE, table_path(Path(SEGMENT_FILE)).name, lock_path(Path(SEGMENT_FILE)).name]
+)
+"""What the agent keeps in a pool's directory beside its door."""
+
+
 def attributes(pool: str = "main") -> dict[str, str]:
     return {CSI_POOL_ATTRIBUTE: pool, CSI_NAMESPACE_ATTRIBUTE: NAMESPACE}
 
@@ -67,6 +107,24 @@ def host_mount_points() -> set[str]:
     return {
         mount.mount_point for mount in parse_mountinfo(Path("/proc/self/mountinfo").read_text())
     }
+
+
+def listed(plugin: PluginProcess, directory: Path) -> list[str]:
+    """The names in ``directory`` as the plugin's mount namespace (a pod) sees it."""
+    return plugin.inside(LIST, str(directory)).split()
+
+
+def assert_door_only(plugin: PluginProcess, node: Node, target: Path, pool: str) -> None:
+    """``target`` holds the pool's door and nothing else of its directory, read-only (a
+    write fails with EROFS, even as root), and a pod's user without the agents' group
+    reaches the agent's socket through it."""
+    (mounted,) = [mount for mount in plugin.mounts() if mount.mount_point == str(target)]
+    assert mounted.root.endswith(f"/kvpool-{pool}/{DOOR_DIRECTORY}"), mounted
+    assert PUBLISHED_OPTIONS | {"ro"} <= mounted.options
+    assert listed(plugin, target) == [DOOR_SOCKET]
+    assert plugin.inside(WRITE, str(target), DOOR_SOCKET).split() == [str(errno.EROFS)] * 4
+    assert plugin.connects_as(1000, [], target / DOOR_SOCKET, "tenant") == ""
+    assert node.doors[pool].received() == b"tenant"
 
 
 def test_registration_names_the_driver_and_the_kubelets_endpoint(plugin: PluginProcess) -> None:
@@ -116,6 +174,10 @@ def test_publish_then_unpublish(
     mounted = [mount for mount in plugin.mounts() if mount.mount_point == str(target)]
     assert len(mounted) == 1
     assert PUBLISHED_OPTIONS | {"rw"} <= mounted[0].options
+    # an engine's pod sees the pool's whole directory, its door too
+    assert listed(plugin, target) == sorted([DOOR_DIRECTORY, *POOL_FILES])
+    assert plugin.connects_as(0, [], target / DOOR_DIRECTORY / DOOR_SOCKET, "engine") == ""
+    assert node.doors["main"].received() == b"engine"
     # the pod sees the agent's segment, and what one writes the other reads
     seen = plugin.inside(READ_AND_WRITE, str(target / "segment"))
     assert bytes.fromhex(seen) == SEGMENT_BYTES[:15]
@@ -152,39 +214,69 @@ def test_a_non_root_pod_in_the_agents_group_may_map_the_segment(
     try:
         assert plugin.opens_as(1000, [AGENT_GROUP], target / "segment")
         assert not plugin.opens_as(1000, [], target / "segment")
+        door = target / DOOR_DIRECTORY / DOOR_SOCKET
+        assert plugin.connects_as(1000, [AGENT_GROUP], door, "grouped") == ""
+        assert node.doors["grouped"].received() == b"grouped"
     finally:
         kubelet.unpublish(target, uid)
 
 
-def test_a_tenants_wired_pod_reaches_no_segment_however_it_asks(
-    kubelet: CsiClient, plugin: PluginProcess, node: Node, pools: Pools
+@pytest.mark.parametrize("namespace", ["team-a", ENGINES])
+def test_a_wired_pods_variables_name_what_the_plugin_publishes(
+    kubelet: CsiClient, plugin: PluginProcess, node: Node, pools: Pools, namespace: str
 ) -> None:
-    """The attacker of issue 43: a tenant's pod, as the webhook wires it (no volume, not the
-    agents' group), that then asks for the volume itself. The plugin refuses it: the pod has
-    no path to the segment (only a hostPath would be one, which Pod Security "restricted"
-    forbids), whatever group it gives itself."""
-    directory = node.pool_directory("tenants")
+    """A pod as the webhook wires it, its volume published as the kubelet asks (readOnly
+    from the volume), its own non-root user with the groups the webhook gave it: its
+    KVPOOL_DOOR_PATH reaches the agent's door, and its KVPOOL_SEGMENT_PATH (an engine's pod
+    only) the segment. A tenant's pod (team-a) gets the door alone, read-only, and reaches
+    no segment however it asks: not through the volume, not by mode (not the agents' group;
+    only a hostPath would be a path, which Pod Security "restricted" forbids)."""
+    pool = f"wired-{namespace}"
+    directory = node.pool_directory(pool)
     for path in (directory, directory / "segment"):
         os.chown(path, AGENT_UID, AGENT_UID)
-    pools.add("tenants", str(directory / "segment"))
-    facts = PoolFacts("tenants", NAMESPACE, 7400, 256, frozenset({ENGINES}))
+    pools.add(pool, str(directory / "segment"))
+    facts = PoolFacts(pool, NAMESPACE, 7400, 256, frozenset({ENGINES}))
     pod: dict[str, Any] = {
-        "metadata": {"labels": {"kvpool.io/cache-pool": "tenants"}},
+        "metadata": {"labels": {"kvpool.io/cache-pool": pool}},
         "spec": {"containers": [{"name": "vllm", "image": "v"}]},
     }
-    apply(wire(pod, "team-a", [Binding("cache", NAMESPACE, facts)]).patch, pod)
-    assert "volumes" not in pod["spec"] and "securityContext" not in pod["spec"]
-    env = {
-        variable["name"]: variable.get("value") for variable in pod["spec"]["containers"][0]["env"]
-    }
-    assert env["KVPOOL_TRANSPORT"] == "messages" and "KVPOOL_SEGMENT_PATH" not in env
+    apply(wire(pod, namespace, [Binding("cache", NAMESPACE, facts)]).patch, pod)
+    (volume,) = pod["spec"]["volumes"]
+    (container,) = pod["spec"]["containers"]
+    (mount,) = container["volumeMounts"]
+    env = {variable["name"]: variable.get("value") for variable in container["env"]}
+    groups = pod["spec"].get("securityContext", {}).get("supplementalGroups", [])
+    uid = f"0f1e2d3c-0000-4000-8000-0000000000{'e' if namespace == ENGINES else 'c'}0"
+    target = target_path(node.kubelet, uid, volume["name"])
 
-    uid = "0f1e2d3c-0000-4000-8000-00000000000c"
-    target = target_path(node.kubelet, uid, "kvpool")
-    error = refused(lambda: kubelet.publish(target, attributes("tenants"), "team-a", "p", uid))
-    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert not target.exists()
-    assert not plugin.opens_as(1000, [], directory / "segment")  # nor as wired, by mode
+    def in_volume(variable: str) -> Path:
+        """Where the pod's path in ``variable`` is on the node."""
+        return target / Path(env[variable]).relative_to(mount["mountPath"])
+
+    readonly = bool(volume["csi"].get("readOnly"))
+    kubelet.publish(
+        target, volume["csi"]["volumeAttributes"], namespace, "p", uid, readonly=readonly
+    )
+    try:
+        door = in_volume(CONNECTOR_DOOR_PATH_ENV)
+        assert plugin.connects_as(1000, groups, door, namespace) == ""
+        assert node.doors[pool].received() == namespace.encode()
+        if namespace == ENGINES:
+            assert plugin.opens_as(1000, groups, in_volume(CONNECTOR_SEGMENT_PATH_ENV))
+        else:
+            assert (readonly, groups, mount.get("readOnly")) == (True, [], True)
+            assert CONNECTOR_SEGMENT_PATH_ENV not in env
+            assert_door_only(plugin, node, target, pool)
+            assert not plugin.opens_as(1000, [], directory / "segment")  # nor by mode
+    finally:
+        kubelet.unpublish(target, uid, volume["name"])
+    if namespace != ENGINES:  # the volume asked for read-write: still the door, read-only
+        kubelet.publish(target, attributes(pool), namespace, "p", uid, volume=volume["name"])
+        try:
+            assert_door_only(plugin, node, target, pool)
+        finally:
+            kubelet.unpublish(target, uid, volume["name"])
 
 
 def test_unknown_pool(kubelet: CsiClient, node: Node, main_pool: Path) -> None:
@@ -216,22 +308,27 @@ def test_a_forged_pool_is_refused(
 
 
 @pytest.mark.parametrize("namespace", ["team-a", NAMESPACE])
-def test_a_namespace_outside_the_engines_is_refused_the_segment(
-    kubelet: CsiClient, node: Node, main_pool: Path, namespace: str
+def test_a_namespace_outside_the_engines_gets_the_door_only(
+    kubelet: CsiClient, plugin: PluginProcess, node: Node, main_pool: Path, namespace: str
 ) -> None:
-    """The segment holds every tenant's KV on the node: a tenant's pod (or any pod outside
-    the pool's engineNamespaces, the pool's own namespace too) that asks for the volume
-    itself gets nothing."""
+    """The segment holds every tenant's KV on the node: a pod outside the pool's
+    engineNamespaces (a tenant's, or one of the pool's own namespace) gets only the
+    agent's door, read-only even when the kubelet asks for read-write; nothing of the
+    segment, its probe table or its lock."""
     target = target_path(node.kubelet, UID, "kvpool")
-    error = refused(lambda: kubelet.publish(target, attributes(), namespace, "p", UID))
-
-    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert error.details() == (
-        f"namespace {namespace} may not map pool {NAMESPACE}/main's segment: it is not in the "
-        "pool's spec.engineNamespaces (the segment holds every tenant's KV; a tenant's pod "
-        "gets the cache through the agent's messages)"
-    )
+    kubelet.publish(target, attributes(), namespace, "p", UID)
+    try:
+        assert_door_only(plugin, node, target, "main")
+        for name in POOL_FILES:
+            assert plugin.inside(
+                "import os, sys; print(os.path.lexists(sys.argv[1]))", str(target / name)
+            ).split() == ["False"]
+        kubelet.publish(target, attributes(), namespace, "p", UID)  # again: nothing changes
+        assert [mount.mount_point for mount in plugin.mounts()].count(str(target)) == 1
+    finally:
+        kubelet.unpublish(target, UID)
     assert not target.exists()
+    assert "the door only, read-only) to a pod of namespace" in plugin.log()
 
 
 @pytest.mark.parametrize(
@@ -295,16 +392,38 @@ def test_a_pool_directory_that_is_the_shared_memory_itself(
     assert f"publishing {node.shm} would expose other files" in error.details()
 
 
-def test_a_pool_whose_agent_has_not_started(kubelet: CsiClient, node: Node, pools: Pools) -> None:
-    pools.add("later", f"{node.shm}/kvpool-later/segment")
-    target = target_path(node.kubelet, UID, "later")
-    error = refused(lambda: kubelet.publish(target, attributes("later"), ENGINES, "p", UID))
+@pytest.mark.parametrize("namespace", [ENGINES, "team-a"])
+def test_a_pool_whose_agent_has_not_started(
+    kubelet: CsiClient, plugin: PluginProcess, node: Node, pools: Pools, namespace: str
+) -> None:
+    """No pool directory yet: UNAVAILABLE, which the kubelet retries. A tenant's pod waits
+    for the door too: a directory without it (an agent starting) is UNAVAILABLE to it, while
+    an engine's pod gets the directory, whose door comes in it once the agent opens it."""
+    pool = f"later-{namespace}"
+    pools.add(pool, f"{node.shm}/kvpool-{pool}/segment")
+    target = target_path(node.kubelet, UID, pool)
+    error = refused(lambda: kubelet.publish(target, attributes(pool), namespace, "p", UID))
     assert error.code() == grpc.StatusCode.UNAVAILABLE
-    assert f"{node.shm}/kvpool-later does not exist" in error.details()
+    assert f"{node.shm}/kvpool-{pool} does not exist" in error.details()
+    assert "the pool's agent has not started on this node yet" in error.details()
 
-    node.pool_directory("later")  # the agent starts: the kubelet's retry succeeds
-    kubelet.publish(target, attributes("later"), ENGINES, "p", UID)
-    kubelet.unpublish(target, UID, "later")
+    node.pool_directory(pool, door=False)  # the agent starts
+    if namespace == ENGINES:
+        kubelet.publish(target, attributes(pool), namespace, "p", UID)
+        node.open_door(pool)
+        assert listed(plugin, target) == sorted([DOOR_DIRECTORY, *POOL_FILES])
+    else:
+        error = refused(lambda: kubelet.publish(target, attributes(pool), namespace, "p", UID))
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert error.details() == (
+            f"the pool's door {node.shm}/kvpool-{pool}/{DOOR_DIRECTORY} does not exist: the "
+            "pool's agent has not started on this node yet"
+        )
+        assert not target.exists()
+        node.open_door(pool)  # the kubelet's retry succeeds
+        kubelet.publish(target, attributes(pool), namespace, "p", UID)
+        assert_door_only(plugin, node, target, pool)
+    kubelet.unpublish(target, UID, pool)
 
 
 def test_a_target_with_another_pool_mounted(
@@ -322,21 +441,24 @@ def test_a_target_with_another_pool_mounted(
         kubelet.unpublish(target, UID, "shared")
 
 
-def test_a_namespace_removed_from_the_engines_is_refused(
-    kubelet: CsiClient, node: Node, pools: Pools
+def test_a_namespace_removed_from_the_engines_gets_the_door_only(
+    kubelet: CsiClient, plugin: PluginProcess, node: Node, pools: Pools
 ) -> None:
+    """The pool is read at every publish: the next pod of a namespace no longer among the
+    engines gets the door only."""
     node.pool_directory("revoked")
     pools.add("revoked", f"{node.shm}/kvpool-revoked/segment", [ENGINES, "team-c"])
     target = target_path(node.kubelet, UID, "revoked")
     kubelet.publish(target, attributes("revoked"), "team-c", "p", UID, volume="revoked")
+    assert listed(plugin, target) == sorted([DOOR_DIRECTORY, *POOL_FILES])
     kubelet.unpublish(target, UID, "revoked")
 
     pools.set_engines("revoked", [ENGINES])
-    error = refused(
-        lambda: kubelet.publish(target, attributes("revoked"), "team-c", "p", UID, volume="revoked")
-    )
-    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert "namespace team-c may not map pool" in error.details()
+    kubelet.publish(target, attributes("revoked"), "team-c", "p", UID, volume="revoked")
+    try:
+        assert_door_only(plugin, node, target, "revoked")
+    finally:
+        kubelet.unpublish(target, UID, "revoked")
 
 
 def test_an_api_server_that_fails(

@@ -1,4 +1,5 @@
-"""The plugin's pure parts: its messages on the wire, mountinfo, and the path checks."""
+"""The plugin's pure parts: its messages on the wire, mountinfo, and the path checks (the
+target, the pool's directory, its door)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 
 from kvpool_agent.csi import messages
 from kvpool_agent.csi.mounts import parse_mountinfo
-from kvpool_agent.csi.paths import pool_directory, target_path
+from kvpool_agent.csi.paths import door_directory, pool_directory, target_path
+from kvpool_agent.names import DOOR_DIRECTORY
 
 
 def test_field_numbers_on_the_wire() -> None:
@@ -67,3 +69,22 @@ def test_pool_directories(tmp_path: Path) -> None:
     ):
         with pytest.raises(ValueError):
             pool_directory(bad, tmp_path, pool)
+
+
+def test_doors(tmp_path: Path) -> None:
+    """A pool's door is its directory's door/ itself: not yet there, a symlink (to the pool
+    directory, which would publish the segment), or a file are not it."""
+    pool = tmp_path / "kvpool-a"
+    pool.mkdir()
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        door_directory(pool)
+    (pool / DOOR_DIRECTORY).symlink_to(pool)
+    with pytest.raises(ValueError, match="is a symlink"):
+        door_directory(pool)
+    (pool / DOOR_DIRECTORY).unlink()
+    (pool / DOOR_DIRECTORY).write_bytes(b"")
+    with pytest.raises(ValueError, match="is not a directory"):
+        door_directory(pool)
+    (pool / DOOR_DIRECTORY).unlink()
+    (pool / DOOR_DIRECTORY).mkdir()
+    assert door_directory(pool) == pool / DOOR_DIRECTORY

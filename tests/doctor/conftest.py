@@ -21,8 +21,7 @@ CHECK_NAMES = (
     "protocol",
     "annotations",
     "agent",
-    "segment",
-    "shm",
+    "door",
     "transport",
     "canary",
     "chunk-size",
@@ -45,6 +44,8 @@ class Diagnosis:
     returncode: int
     output: str
     checks: dict[str, Line]
+    stderr: str = ""
+    """What the doctor wrote besides its lines (a traceback would be there)."""
 
     def outcomes(self) -> dict[str, str]:
         return {name: line.outcome for name, line in self.checks.items()}
@@ -78,7 +79,8 @@ def run_doctor(
     ignore file modes (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH), so that a file's owner and
     mode apply to it as to any uid. Needs setpriv (util-linux) when run as root.
     ``own_shm_mib``: in a mount namespace whose /dev/shm is a tmpfs of its own of that
-    size, as in a pod that does not mount the node's. Needs unshare (util-linux).
+    size, as in a pod that is not given the agent's door (nothing of the node's /dev/shm
+    is there). Needs unshare (util-linux).
     """
     command = [str(BIN / "kvpool"), "doctor", *args]
     if own_shm_mib is not None:
@@ -105,7 +107,7 @@ def run_doctor(
         check=False,
     )
     assert result.returncode in (0, 1), result.stderr
-    return Diagnosis(result.returncode, result.stdout, parse(result.stdout))
+    return Diagnosis(result.returncode, result.stdout, parse(result.stdout), result.stderr)
 
 
 def clean_env() -> dict[str, str]:

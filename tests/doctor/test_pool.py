@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from kubernetes.client.exceptions import ApiException
 
+from kvpool_agent.protocol import PROTOCOL_VERSION
 from kvpool_operator.render import Pool, render
 from kvpool_operator.spec import PoolSpec
 from tests.support.kube_api import ServedApi
@@ -72,7 +73,9 @@ def test_discovery_and_the_fingerprint_through_the_pools_objects(
     checks = diagnosis.checks
     assert checks["service"].outcome == "PASS", diagnosis.output
     assert checks["service"].seen == f"read Service {NAMESPACE}/kvpool-main with the kubeconfig"
-    assert checks["protocol"].seen == "the Service and this client speak protocol 1"
+    assert checks["protocol"].seen == (
+        f"the Service and this client speak protocol {PROTOCOL_VERSION}"
+    )
     assert checks["annotations"].seen == (
         "zmq tcp://kvpool-main.inference.svc:7400, http http://kvpool-main.inference.svc:7401, "
         "segment /dev/shm/kvpool-main/segment, chunk tokens 256"
@@ -82,6 +85,8 @@ def test_discovery_and_the_fingerprint_through_the_pools_objects(
     # outside the cluster the Service's name does not resolve: the agent check says so
     assert checks["agent"].outcome == "FAIL"
     assert "the name kvpool-main.inference.svc does not resolve" in checks["agent"].seen
+    for name in ("door", "transport", "canary"):
+        assert (checks[name].outcome, checks[name].seen) == ("SKIP", "needs an agent that answers")
 
 
 def test_missing_rbac_grant(served_api: ServedApi, pool: dict[str, Any]) -> None:
@@ -118,7 +123,8 @@ def test_missing_rbac_grant(served_api: ServedApi, pool: dict[str, Any]) -> None
 def test_protocol_mismatch_in_the_service(
     served_api: ServedApi, namespace: Any, pool: dict[str, Any]
 ) -> None:
-    annotations = {"kvpool.io/protocol-version": "2"}
+    other = PROTOCOL_VERSION + 1
+    annotations = {"kvpool.io/protocol-version": str(other)}
     namespace.patch_namespaced_service(
         POOL.service_name, NAMESPACE, {"metadata": {"annotations": annotations}}
     )
@@ -130,7 +136,8 @@ def test_protocol_mismatch_in_the_service(
     failure = diagnosis.checks["protocol"]
     assert failure.outcome == "FAIL"
     assert failure.seen == (
-        f"Service {NAMESPACE}/kvpool-main speaks protocol 2; this connector speaks 1"
+        f"Service {NAMESPACE}/kvpool-main speaks protocol {other}; "
+        f"this connector speaks {PROTOCOL_VERSION}"
     )
     assert failure.fix is not None and "one kvpool release" in failure.fix
     assert diagnosis.checks["annotations"].seen == "needs a protocol this client speaks"

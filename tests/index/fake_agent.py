@@ -102,7 +102,7 @@ class FakeAgent:
             agent_id, seq, keys = self.agent_id, self.seq, list(self.keys)
         reply: p.Reply
         if isinstance(request, p.Hello):
-            reply = p.HelloReply(request.req, 1, 7, agent_id, "", 0, 0, 0, 0, 0)
+            reply = p.HelloReply(request.req, p.PROTOCOL_VERSION, 7, agent_id, "", 0, 0, 0, 0, 0)
         elif isinstance(request, p.Snapshot):
             if not self.answering:
                 return

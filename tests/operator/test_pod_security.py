@@ -64,16 +64,19 @@ def test_every_documented_tenant_pod_is_restricted(where: str) -> None:
 def test_every_documented_tenant_pod_stays_restricted_once_wired(
     where: str, namespace: str
 ) -> None:
-    """Wired as a tenant's pod (the agent's messages), or in the pool's engine namespace
-    ("serving": the segment's CSI volume and the agents' group)."""
+    """Wired as a tenant's pod (the pool's CSI volume, read-only: the agent's door), or in
+    the pool's engine namespace ("serving": the same volume, the pool's whole directory,
+    and the agents' group)."""
     pod = {"metadata": {"labels": {"kvpool.io/cache-pool": "main"}}, "spec": TENANT_PODS[where]}
     pool = PoolFacts("main", "inference", 7400, 256, frozenset({"serving"}))
     wiring = wire(pod, namespace, [Binding("kvpool-cache", "inference", pool)])
     assert wiring.patch, wiring
     wired = copy.deepcopy(pod)
     apply(wiring.patch, wired)
-    volumes = wired["spec"].get("volumes", [])
-    assert any("csi" in volume for volume in volumes) == (namespace == "serving")
+    (volume,) = [volume for volume in wired["spec"]["volumes"] if "csi" in volume]
+    assert volume["csi"].get("readOnly", False) == (namespace == "team-a")
+    groups = wired["spec"].get("securityContext", {}).get("supplementalGroups", [])
+    assert (10001 in groups) == (namespace == "serving")
     assert restricted(wired["spec"]) == [], where
 
 

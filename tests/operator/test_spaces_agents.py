@@ -120,10 +120,11 @@ def _pins(agent: AgentProcess, space: str, token: str) -> httpx.Response:
 
 
 def _stores(agent: AgentProcess, token: str, space: str) -> bool:
-    """Whether the token may store a chunk of the space (False: forbidden)."""
+    """Whether the token may store a chunk of the space (False: forbidden); a member stores
+    through the agent's messages (it maps the space's file read-only)."""
     with AgentClient(agent.zmq, token=token) as client:
         try:
-            client.store(space, [b"k" * 32], [b"system prompt"])
+            client.store_inline(space, [b"k" * 32], [b"system prompt"])
         except AgentError as error:
             assert error.code == "forbidden", error
             return False

@@ -31,6 +31,7 @@ from kvpool_operator.admission.server import ServiceRef, Webhook, WebhookOptions
 from kvpool_operator.admission.wiring import (
     Binding,
     PoolFacts,
+    Wiring,
     apply,
     wire,
 )
@@ -64,26 +65,31 @@ def _secret_env(name: str, key: str) -> dict[str, Any]:
 
 ENV = [
     {"name": "KVPOOL_ENDPOINT", "value": f"tcp://kvpool-main.inference.svc:{ZMQ_PORT}"},
-    {"name": "KVPOOL_TRANSPORT", "value": "messages"},
+    {"name": "KVPOOL_DOOR_PATH", "value": "/var/run/kvpool/agent.sock"},
     {"name": "KVPOOL_CHUNK_TOKENS", "value": str(CHUNK_TOKENS)},
     _secret_env("KVPOOL_TOKEN", "token"),
     _secret_env("KVPOOL_CACHE_SALT", "salt"),
 ]
-"""A tenant's pod: the agent's messages only."""
+"""A tenant's pod: the agent's door (the volume is the door directory), no segment."""
 ENGINE_ENV = [
     ENV[0],
     {"name": "KVPOOL_SEGMENT_PATH", "value": "/var/run/kvpool/segment"},
+    {"name": "KVPOOL_DOOR_PATH", "value": "/var/run/kvpool/segment.door/agent.sock"},
     *ENV[2:],
 ]
-"""A pod of the pool's engineNamespaces: the segment too."""
-VOLUME = {
+"""A pod of the pool's engineNamespaces: the segment too (the volume is the pool's
+directory)."""
+ENGINE_VOLUME = {
     "name": "kvpool-segment",
     "csi": {
         "driver": "csi.kvpool.io",
         "volumeAttributes": {"pool": "main", "namespace": POOL_NAMESPACE},
     },
 }
-MOUNT = {"name": "kvpool-segment", "mountPath": "/var/run/kvpool"}
+ENGINE_MOUNT = {"name": "kvpool-segment", "mountPath": "/var/run/kvpool"}
+VOLUME = {"name": "kvpool-segment", "csi": {**ENGINE_VOLUME["csi"], "readOnly": True}}
+MOUNT = {**ENGINE_MOUNT, "readOnly": True}
+"""A tenant's pod: the same volume and mount, read-only (the plugin publishes the door)."""
 
 
 def _pod(name: str, labels: dict[str, str] | None = None, **spec: Any) -> dict[str, Any]:
@@ -118,21 +124,29 @@ def _two_containers() -> dict[str, Any]:
     )
 
 
-def test_wires_a_tenants_pod_to_the_agents_messages_only() -> None:
-    """The segment holds every tenant's KV: a tenant's pod gets no volume, no mount, no
-    segment path and not the agents' group, only its connector's variables."""
+def test_wires_a_tenants_pod_to_the_agents_door_only() -> None:
+    """The segment holds every tenant's KV: a tenant's pod gets the pool's volume read-only
+    (the plugin publishes only the door in it), mounted read-only, and its connector's
+    variables with the door's path, but no segment path, no transport (``auto`` uses the
+    door) and not the agents' group."""
     pod = _two_containers()
     wiring = wire(pod, TEAM, [Binding(TENANT, POOL_NAMESPACE, POOL)])
     assert wiring.warnings == []
     assert wiring.patch == [
+        {"op": "add", "path": "/spec/volumes/-", "value": VOLUME},
+        {"op": "add", "path": "/spec/containers/0/volumeMounts", "value": [MOUNT]},
         *({"op": "add", "path": "/spec/containers/0/env/-", "value": env} for env in ENV),
+        {"op": "add", "path": "/spec/containers/1/volumeMounts/-", "value": MOUNT},
         {"op": "add", "path": "/spec/containers/1/env", "value": ENV},
     ]
     apply(wiring.patch, pod)
     spec = pod["spec"]
-    assert spec["volumes"] == [{"name": "x", "emptyDir": {}}]
+    assert spec["volumes"] == [{"name": "x", "emptyDir": {}}, VOLUME]
     assert spec["containers"][0]["env"] == [{"name": "HF_HOME", "value": "/h"}, *ENV]
+    assert spec["containers"][1]["volumeMounts"] == [{"name": "x", "mountPath": "/x"}, MOUNT]
     assert "securityContext" not in spec
+    names = {env["name"] for env in ENV}
+    assert names.isdisjoint({"KVPOOL_SEGMENT_PATH", "KVPOOL_TRANSPORT"})
 
 
 def test_wires_an_engine_namespaces_pod_with_exactly_this_patch() -> None:
@@ -140,19 +154,22 @@ def test_wires_an_engine_namespaces_pod_with_exactly_this_patch() -> None:
     wiring = wire(pod, ENGINES, [Binding(TENANT, POOL_NAMESPACE, POOL)])
     assert wiring.warnings == []
     assert wiring.patch == [
-        {"op": "add", "path": "/spec/volumes/-", "value": VOLUME},
-        {"op": "add", "path": "/spec/containers/0/volumeMounts", "value": [MOUNT]},
+        {"op": "add", "path": "/spec/volumes/-", "value": ENGINE_VOLUME},
+        {"op": "add", "path": "/spec/containers/0/volumeMounts", "value": [ENGINE_MOUNT]},
         *({"op": "add", "path": "/spec/containers/0/env/-", "value": env} for env in ENGINE_ENV),
-        {"op": "add", "path": "/spec/containers/1/volumeMounts/-", "value": MOUNT},
+        {"op": "add", "path": "/spec/containers/1/volumeMounts/-", "value": ENGINE_MOUNT},
         {"op": "add", "path": "/spec/containers/1/env", "value": ENGINE_ENV},
         {"op": "add", "path": "/spec/securityContext", "value": {"supplementalGroups": [10001]}},
     ]
     apply(wiring.patch, pod)
     spec = pod["spec"]
     assert spec["initContainers"] == [{"name": "init", "image": "busybox"}]
-    assert spec["volumes"] == [{"name": "x", "emptyDir": {}}, VOLUME]
+    assert spec["volumes"] == [{"name": "x", "emptyDir": {}}, ENGINE_VOLUME]
     assert spec["containers"][0]["env"] == [{"name": "HF_HOME", "value": "/h"}, *ENGINE_ENV]
-    assert spec["containers"][1]["volumeMounts"] == [{"name": "x", "mountPath": "/x"}, MOUNT]
+    assert spec["containers"][1]["volumeMounts"] == [
+        {"name": "x", "mountPath": "/x"},
+        ENGINE_MOUNT,
+    ]
     # what the patch adds is privileged in no way
     text = str(wiring.patch)
     for word in ("hostPath", "privileged", "capabilities", "runAsUser", "hostNetwork"):
@@ -175,6 +192,7 @@ def test_keeps_the_variables_a_container_sets_and_its_groups() -> None:
         "KVPOOL_TOKEN",
         "KVPOOL_ENDPOINT",
         "KVPOOL_SEGMENT_PATH",
+        "KVPOOL_DOOR_PATH",
         "KVPOOL_CACHE_SALT",
     ]
     assert pod["spec"]["containers"][0]["env"][:2] == own
@@ -190,12 +208,15 @@ def test_a_container_with_its_own_token_file_keeps_it() -> None:
     assert "KVPOOL_CACHE_SALT" in names
 
 
-def test_leaves_a_wired_pod_as_it_is() -> None:
+@pytest.mark.parametrize("namespace", [TEAM, ENGINES])
+def test_leaves_a_wired_pod_as_it_is(namespace: str) -> None:
+    """A pod is wired once: one that already has the volume (a tenant's, read-only, or an
+    engine's) gets no second volume, mount or variable, and no warning."""
     pod = _pod("p", LABEL)
-    wiring = wire(pod, ENGINES, [Binding(TENANT, POOL_NAMESPACE, POOL)])
-    apply(wiring.patch, pod)
-    assert wire(pod, ENGINES, [Binding(TENANT, POOL_NAMESPACE, POOL)]).patch == []
-    assert wire(pod, ENGINES, []).warnings == []
+    apply(wire(pod, namespace, [Binding(TENANT, POOL_NAMESPACE, POOL)]).patch, pod)
+    assert pod["spec"]["volumes"] == [VOLUME if namespace == TEAM else ENGINE_VOLUME]
+    assert wire(pod, namespace, [Binding(TENANT, POOL_NAMESPACE, POOL)]) == Wiring()
+    assert wire(pod, namespace, []) == Wiring()
 
 
 @pytest.mark.parametrize(
@@ -487,7 +508,8 @@ def test_kopf_configures_the_webhook(served_api: ServedApi, operator: OperatorPr
 def test_a_labelled_pod_is_wired(served_api: ServedApi, operator: OperatorProcess) -> None:
     pod, warnings = _create(served_api, TEAM, _pod("wired", LABEL))
     assert warnings == []
-    assert pod["spec"] == {"containers": [{"name": "vllm", "image": "vllm:test", "env": ENV}]}
+    container = {"name": "vllm", "image": "vllm:test", "volumeMounts": [MOUNT], "env": ENV}
+    assert pod["spec"] == {"containers": [container], "volumes": [VOLUME]}
     assert _calls(served_api, "wired") == ["patched"]
 
 
@@ -496,10 +518,15 @@ def test_a_labelled_pod_of_an_engine_namespace_maps_the_segment(
 ) -> None:
     pod, warnings = _create(served_api, ENGINES, _pod("engine", LABEL))
     assert warnings == []
-    container = {"name": "vllm", "image": "vllm:test", "volumeMounts": [MOUNT], "env": ENGINE_ENV}
+    container = {
+        "name": "vllm",
+        "image": "vllm:test",
+        "volumeMounts": [ENGINE_MOUNT],
+        "env": ENGINE_ENV,
+    }
     assert pod["spec"] == {
         "containers": [container],
-        "volumes": [VOLUME],
+        "volumes": [ENGINE_VOLUME],
         "securityContext": {"supplementalGroups": [10001]},
     }
 

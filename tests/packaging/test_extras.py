@@ -21,9 +21,6 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent.probe_table import table_path
-from kvpool_agent.segment import lock_path
-
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("pyproject.toml", "README.md", "agent", "operator")
 """What the package is built from (the Dockerfile copies the same)."""
@@ -207,7 +204,8 @@ def started(
 @pytest.mark.parametrize("venv", ["agent"], indirect=True)
 def test_the_agent_starts_and_stops_on_its_extra(venv: tuple[str, Path], tmp_path: Path) -> None:
     _, bin_dir = venv
-    segment = Path("/dev/shm") / f"kvpool-packaging-{os.getpid()}"
+    directory = Path("/dev/shm") / f"kvpool-packaging-{os.getpid()}"
+    segment = directory / "segment"  # its lock, table, chunk files and door beside it
     settings = {
         "POOL": "packaging",
         "SEGMENT_PATH": str(segment),
@@ -222,8 +220,7 @@ def test_the_agent_starts_and_stops_on_its_extra(venv: tuple[str, Path], tmp_pat
         with started([bin_dir / "kvpool-agent"], env, r"agent ready pool=packaging ") as found:
             assert f"segment={segment}" in found.string
     finally:
-        for path in (segment, table_path(segment), lock_path(segment)):
-            path.unlink(missing_ok=True)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.mark.parametrize("venv", ["index"], indirect=True)

@@ -26,20 +26,29 @@ MARK = "@@"
 
 
 def poison_segment(path: Path) -> None:
-    """Overwrite every chunk byte of the agent's segment at ``path`` with bf16 noise: the
-    negative control of a test that compares outputs computed from loaded KV."""
+    """Overwrite every chunk byte of the agent of the segment at ``path`` (in every chunk
+    file, where it holds memory) with bf16 noise: the negative control of a test that
+    compares outputs computed from loaded KV."""
     import torch
 
-    from kvpool_agent.segment import SharedSegment
+    from kvpool_agent.chunk_files import files_directory
 
-    segment = SharedSegment.attach(path)
-    try:
-        layout = segment.layout
-        noise = torch.randn(layout.data_size // 2, generator=torch.Generator().manual_seed(0))
-        raw = noise.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
-        segment.view[layout.data_offset : layout.data_offset + layout.data_size] = raw
-    finally:
-        segment.close()
+    noise = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0))
+    raw = noise.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    for file in files_directory(path).glob("*/*.kv"):
+        fd = os.open(file, os.O_RDWR)
+        try:
+            position = 0
+            while True:
+                try:
+                    start = os.lseek(fd, position, os.SEEK_DATA)
+                except OSError:
+                    break  # no memory after position
+                position = os.lseek(fd, start, os.SEEK_HOLE)
+                for at in range(start, position, len(raw)):
+                    os.pwrite(fd, raw[: min(len(raw), position - at)], at)
+        finally:
+            os.close(fd)
 
 
 @dataclass

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import mmap
 from pathlib import Path
 
+from kvpool_agent.chunk_files import ChunkFiles
 from kvpool_agent.core.l1 import IDLE_TENANTS, L1Cache
 from kvpool_agent.core.policies import policy_factory
 from kvpool_agent.core.quota_book import QuotaBook
-from kvpool_agent.segment import SegmentLayout, SharedSegment
+from kvpool_agent.segment import SegmentLayout
 from kvpool_agent.service.cache_service import CacheService
 from kvpool_agent.tenancy.quota_store import FileQuotaStore
 from tests.support.chunks import key
@@ -51,11 +51,18 @@ def make_cache(
     )
 
 
-def make_service(cache: L1Cache, quota_file: Path) -> CacheService:
-    """A service over ``cache``, its segment anonymous memory laid out like the cache's."""
+def make_service(cache: L1Cache, quota_file: Path, files: Path | None = None) -> CacheService:
+    """A service over ``cache``, its chunk files in ``files`` (default: beside
+    ``quota_file``; the cache gives them no memory: pages come as the service writes them)."""
     layout = cache.layout
-    segment = SharedSegment(Path("anonymous"), layout, mmap.mmap(-1, layout.total_size))
-    return CacheService(cache, segment, FileQuotaStore(quota_file))
+    chunk_files = ChunkFiles.open(
+        files or quota_file.parent / "chunk-files",
+        layout.total_size,
+        layout.page_size,
+        layout.data_offset,
+        adopt=False,
+    )
+    return CacheService(cache, chunk_files, FileQuotaStore(quota_file))
 
 
 def store(

@@ -4,8 +4,10 @@ its scheduler-side time per step with many requests queued.
 
 One engine configuration per child process (same model, same engine settings):
 ``none`` (no connector: every prefill is computed), ``kvpool`` (our connector
-and a private ``kvpool-agent``, or ``--endpoint``), ``inline`` (the same with an agent of
-its own, in a process that cannot map the agent's segment: KV travels in the agent's
+and a private ``kvpool-agent``, or ``--endpoint``, with an engine's token and the node's
+pool directory: chunk files from the door, the probe table), ``tenant`` (the same with an
+agent of its own, as a wired tenant's pod: a tenant's token, the door only, no probe
+table), ``inline`` (the same in a process that reaches no door: KV travels in the agent's
 messages; with ``--endpoint`` it shares that agent with ``kvpool``), ``example`` (vLLM's
 built-in ExampleConnector, its disk-based reference, in a temporary directory)
 and ``native`` (no connector, vLLM's own prefix cache on). vLLM's prefix cache
@@ -58,9 +60,14 @@ from kvpool_agent.bench.connector_engine import (
     write_model,
 )
 from kvpool_agent.bench.report import machine, median_spread, table
+from kvpool_agent.keys import tenant_id
+from kvpool_agent.segment import door_path
 from kvpool_agent.testing.agent_process import ENGINE_TOKEN, running_agent
 
-CONFIGS = ("none", "kvpool", "inline", "example", "native")
+CONFIGS = ("none", "kvpool", "tenant", "inline", "example", "native")
+_WITH_AGENT = ("kvpool", "tenant", "inline")
+TENANT_TOKEN = "bench-tenant-token"
+"""The ``tenant`` engine's token: a KVCacheTenant's, of its agent's tokens file."""
 FLOOR = "floor"
 """The row of one-chunk prompts, served by the ``none`` engine."""
 FLOOR_GOAL = 1.25
@@ -111,6 +118,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _token(config: str, endpoint: str | None) -> str | None:
+    """The connector's token: a tenant's for ``tenant``; an engine's for the other private
+    agents (with ``--endpoint``, the one in KVPOOL_TOKEN)."""
+    if config == "tenant":
+        return TENANT_TOKEN
+    return None if endpoint else ENGINE_TOKEN
+
+
 def _configs(text: str) -> list[str]:
     configs = [name.strip() for name in text.split(",") if name.strip()]
     unknown = sorted(set(configs) - set(CONFIGS))
@@ -132,14 +147,18 @@ def run(args: argparse.Namespace) -> None:
         # an agent of its own per kvpool engine, so that neither hits the other's chunks
         # (--endpoint: the one given, with the token from KVPOOL_TOKEN)
         endpoints: dict[str, str] = {}
-        token = None if args.endpoint else ENGINE_TOKEN
-        for config in {"kvpool", "inline"} & set(configs):
-            endpoints[config] = (
-                args.endpoint
-                or agent.enter_context(
-                    running_agent({"POOL": f"bench-{config}", "L1_SIZE": "2Gi"})
-                ).zmq
+        doors: dict[str, str] = {}
+        for config in set(_WITH_AGENT) & set(configs):
+            if args.endpoint and config != "tenant":
+                endpoints[config] = args.endpoint
+                continue
+            started = agent.enter_context(
+                running_agent(
+                    {"POOL": f"bench-{config}", "L1_SIZE": "2Gi"},
+                    tenant_tokens={tenant_id(None): TENANT_TOKEN},
+                )
             )
+            endpoints[config], doors[config] = started.zmq, str(door_path(started.segment_path))
         rng = random.Random(1)
         runs = []
         for _ in range(args.runs):
@@ -152,7 +171,8 @@ def run(args: argparse.Namespace) -> None:
                         "prompt_tokens": args.prompt_tokens,
                         "chunk_tokens": args.chunk_tokens,
                         "endpoint": endpoints.get(config),
-                        "token": token,
+                        "door": doors.get(config),
+                        "token": _token(config, args.endpoint),
                         "storage": str(workdir / "example"),
                     }
                     engines.append(Engine(settings, workdir / f"{config}.log"))
@@ -284,6 +304,12 @@ def report(runs: list[Run], args: argparse.Namespace, copy_rate: float) -> str:
             ],
         )
     ]
+    tenant = paired_ratios(runs, "repeated", "tenant", "kvpool")
+    if tenant is not None:
+        lines.append(
+            "tenant / kvpool (paired: a tenant's pod, door only, against an engine's): "
+            + median_spread(tenant, "{:.3f}")
+        )
     lines += _copy_lines(runs, args, copy_rate)
     lines += ["", _overhead_table(runs, spread)]
     if "kvpool" in runs[0].misses:

@@ -282,10 +282,13 @@ def build_engine(settings: dict[str, Any]) -> Any:
     from vllm.config import KVTransferConfig
 
     transfer = None
-    if settings["config"] in ("kvpool", "inline"):
+    if settings["config"] in ("kvpool", "tenant", "inline"):
         extra = {"endpoint": settings["endpoint"], "chunk_tokens": settings["chunk_tokens"]}
         if settings["config"] == "inline":  # a pod that mounts nothing: KV in the messages
             extra["segment_path"] = NOT_MOUNTED
+        if settings["config"] == "tenant":  # a tenant's pod: the door only, no probe table
+            extra["segment_path"] = NOT_MOUNTED
+            extra["door_path"] = settings["door"]
         transfer = KVTransferConfig(
             kv_connector="KvpoolConnector",
             kv_connector_module_path="kvpool_agent.connector",

@@ -1,24 +1,26 @@
-"""``kvpool bench gpu``: the connector's copies between vLLM's KV cache on a GPU and the node's
-pinned shared segment, against the physical limit measured in the same run.
+"""``kvpool bench gpu``: the connector's copies between vLLM's KV cache on a GPU and the
+agent's chunk files, against a raw copy measured in the same run.
 
-A real ``kvpool-agent`` makes the segment (it never touches CUDA: the report says whether its
-process maps a CUDA library); this process maps it as a vLLM worker does
-(:class:`~kvpool_agent.connector.copier.MappedSegment`, registered with CUDA), reserves chunks
+A real ``kvpool-agent`` makes the chunk files (it never touches CUDA: the report says whether
+its process maps a CUDA library); this process maps them from the agent's door as a vLLM
+worker does (:class:`~kvpool_agent.connector.copier.MappedChunks`: pageable memory, as a
+sparse chunk file is never registered with CUDA whole), reserves chunks
 through the agent's protocol (``prepare_store``, ``commit_store``, ``lookup`` with a lease) and
 copies with the worker's :class:`~kvpool_agent.connector.copier.BlockCopier`. Per KV cache
 layout (:mod:`kvpool_agent.bench.gpu_caches`, random contents, scattered block ids) and chunk
 size, each of ``--runs`` runs times, for a batch of chunks:
 
-* ``kvpool``: the copier's store (GPU blocks -> segment) and load (segment -> other blocks);
+* ``kvpool``: the copier's store (GPU blocks -> chunk file) and load (chunk file -> other
+  blocks);
   the loaded blocks must equal the stored ones byte for byte, or the bench fails;
 * ``raw``: one ``cudaMemcpyAsync`` per chunk between a contiguous GPU buffer of the chunk's
-  size and the chunk's pinned pages: the physical limit;
+  size and the chunk's (pageable) pages: the limit of what the same memory allows;
 * ``per-block``: a naive loop, one copy per block and layer;
 * ``staged``: every layer gathered into a contiguous GPU staging buffer, then one copy (and
   the reverse for a load): the batched alternative, at the cost of a chunk of GPU memory.
 
 GB/s are medians over the runs with their min-max; the ratio is kvpool's to raw's, per run.
-Then, on the Llama-3-8B layout: two processes that map the same segment and copy at once
+Then, on the Llama-3-8B layout: two processes that map the same chunk file and copy at once
 (:mod:`kvpool_agent.bench.gpu_shared`), and the overlap of copies with compute
 (:mod:`kvpool_agent.bench.gpu_overlap`).
 """
@@ -55,7 +57,7 @@ from kvpool_agent.bench.gpu_caches import (
 )
 from kvpool_agent.bench.report import machine, median_spread, table
 from kvpool_agent.client import AgentClient
-from kvpool_agent.connector.copier import MappedSegment
+from kvpool_agent.connector.copier import MappedChunks
 from kvpool_agent.connector.layout import ChunkFormat
 from kvpool_agent.sizes import parse_size
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, running_agent
@@ -64,7 +66,7 @@ TENANT = keys.tenant_id("gpu-bench")
 BATCH_BYTES = 512 << 20
 """Bytes copied per timed batch (at least one chunk, at most 16)."""
 GOAL = 0.8
-"""Store and load at >= 0.8 x the raw pinned copy, for 2048-token chunks."""
+"""Store and load at >= 0.8 x the raw copy of the same memory, for 2048-token chunks."""
 METHODS = ("kvpool", "raw", "per-block", "per-layer", "staged")
 
 
@@ -154,11 +156,11 @@ def run(args: argparse.Namespace) -> None:
     ):
         info = client.connect()
         started = time.perf_counter()
-        segment = MappedSegment(info.segment_path, "always" if device.type == "cuda" else "never")
+        files = MappedChunks(client.files(), info.segment_identity)
         mapped = time.perf_counter() - started
-        rig = Rig(client, segment, device)
+        rig = Rig(client, files, device)
         try:
-            print(_header(device, info.segment_path, segment, mapped))
+            print(_header(device, files, mapped))
             rows = []
             for name in args.models:
                 for tokens in args.chunk_tokens:
@@ -166,7 +168,7 @@ def run(args: argparse.Namespace) -> None:
                     rows.append(_row(name, tokens, measured))
                     print("measured:", "  ".join(str(cell) for cell in rows[-1]), file=sys.stderr)
             print()
-            print(table("copies between GPU blocks and the pinned segment", _HEADER, rows))
+            print(table("copies between GPU blocks and the agent's chunk files", _HEADER, rows))
             print()
             shared = (args.models[0], max(args.chunk_tokens))
             print(gpu_shared.report(rig, shared, args.runs))
@@ -176,7 +178,7 @@ def run(args: argparse.Namespace) -> None:
             print()
             print(_agent_cuda(agent.pid))
         finally:
-            segment.close()
+            files.close()
     print(machine())
 
 
@@ -220,16 +222,15 @@ def _row(name: str, tokens: int, measured: tuple[int, Rates]) -> list[object]:
     ]
 
 
-def _header(device: torch.device, path: Path, segment: MappedSegment, mapped: float) -> str:
+def _header(device: torch.device, files: MappedChunks, mapped: float) -> str:
     if device.type != "cuda":
-        return f"device: CPU caches; segment {path} (not pinned)"
+        return f"device: CPU caches; chunk files from the door {files.files.door}"
     props = torch.cuda.get_device_properties(device)
     link = _nvidia_smi("pcie.link.gen.current,pcie.link.width.current,driver_version")
     return (
         f"device: {props.name}, {props.total_memory / 2**30:.0f} GiB, torch {torch.__version__}"
-        f" (PCIe gen,width,driver: {link}); segment {path}: "
-        f"{segment.bytes.numel() / 2**30:.1f} GiB, {'pinned' if segment.pinned else 'NOT pinned'}"
-        f" (map and register: {mapped:.1f} s)"
+        f" (PCIe gen,width,driver: {link}); chunk files from the door {files.files.door}, "
+        f"not pinned (sparse) (connect: {mapped:.1f} s)"
     )
 
 
@@ -282,7 +283,7 @@ def _run_once(rig: Rig, copies: ChunkCopies, methods: _Methods, rates: Rates | N
 
     keys, plan = reserve(client, TENANT, count, size)
     assert plan.lease is not None
-    stored = [rig.segment.chunk(offset, size) for offset in plan.offsets]
+    stored = [rig.files.chunk(plan.file, offset, size, write=True) for offset in plan.offsets]
     store_rates = rates.store if rates else {}
     load_rates = rates.load if rates else {}
     record(store_rates, "kvpool", timed(device, functools.partial(copies.store, stored)))
@@ -290,7 +291,7 @@ def _run_once(rig: Rig, copies: ChunkCopies, methods: _Methods, rates: Rates | N
     hit = client.lookup(TENANT, keys, lock=True)
     if hit.count != count or hit.lease is None:
         raise SystemExit(f"the agent found {hit.count} of the {count} chunks just stored")
-    chunks = [rig.segment.chunk(offset, size) for offset in hit.offsets]
+    chunks = [rig.files.chunk(hit.file, offset, size) for offset in hit.offsets]
     copies.clear_targets()
     record(load_rates, "kvpool", timed(device, functools.partial(copies.load, chunks)))
     copies.check("kvpool's copier")

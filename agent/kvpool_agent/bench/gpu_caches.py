@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpool_agent.client import AgentClient, StorePlan
-from kvpool_agent.connector.copier import BlockCopier, Copy, MappedSegment
+from kvpool_agent.connector.copier import BlockCopier, Copy, MappedChunks
 from kvpool_agent.connector.layout import (
     NULL_BLOCK,
     BlockLayout,
@@ -188,11 +188,11 @@ def check_round_trip(
 
 @dataclass(frozen=True)
 class Rig:
-    """What every part of the bench copies with: the agent's client, its segment mapped here
-    (pinned on a GPU), and the device of the caches."""
+    """What every part of the bench copies with: the agent's client, its chunk files mapped
+    here (from its door), and the device of the caches."""
 
     client: AgentClient
-    segment: MappedSegment
+    files: MappedChunks
     device: torch.device
 
 

@@ -50,7 +50,7 @@ def report(rig: Rig, shared: tuple[str, int], runs: int) -> str:
     _, plan = reserve(rig.client, TENANT, count, size)
     assert plan.lease is not None
     try:
-        chunks = [rig.segment.chunk(offset, size) for offset in plan.offsets]
+        chunks = [rig.files.chunk(plan.file, offset, size, write=True) for offset in plan.offsets]
         copies = ChunkCopies.make(name, tokens, count, rig.device, seed=20)
         repeats = max(1, COPY_BYTES // (count * size))
         overlap = _overlap(copies, chunks, repeats, rig.device, runs)

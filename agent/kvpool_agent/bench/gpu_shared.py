@@ -1,5 +1,5 @@
-"""Two processes map the agent's segment and copy into it at once (two vLLM pods on one node):
-each registers its own mapping with CUDA and stores and loads its own chunks, reserved through
+"""Two processes map the agent's chunk file and copy into it at once (two vLLM pods on one node):
+each maps it from the agent's door and stores and loads its own chunks, reserved through
 the agent. Reported: each process's rate, and the aggregate over the span of both."""
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import torch
 from kvpool_agent import keys
 from kvpool_agent.bench.gpu_caches import ChunkCopies, Rig, batch_size, chunk_bytes, reserve
 from kvpool_agent.bench.report import table
-from kvpool_agent.connector.copier import MappedSegment
+from kvpool_agent.connector.copier import MappedChunks
+from kvpool_agent.mapped_files import MappedChunkFiles
+from kvpool_agent.testing.agent_process import ADMIN_TOKEN
 
 TENANT = keys.tenant_id("gpu-bench-shared")
 PER_PROCESS_BYTES = 512 << 20
@@ -31,7 +33,8 @@ def report(rig: Rig, shared: tuple[str, int], runs: int) -> str:
         for processes in (1, 2):
             results = _run(
                 processes,
-                path=str(rig.segment.path),
+                door=str(rig.files.files.door),
+                file=plan.file,
                 offsets=plan.offsets,
                 name=name,
                 tokens=tokens,
@@ -63,7 +66,8 @@ def report(rig: Rig, shared: tuple[str, int], runs: int) -> str:
 def _run(
     processes: int,
     *,
-    path: str,
+    door: str,
+    file: int,
     offsets: list[int],
     name: str,
     tokens: int,
@@ -78,7 +82,8 @@ def _run(
         context.Process(
             target=copy_process,
             kwargs={
-                "path": path,
+                "door": door,
+                "file": file,
                 "offsets": offsets[i * half : (i + 1) * half],
                 "name": name,
                 "tokens": tokens,
@@ -106,7 +111,8 @@ def _run(
 
 def copy_process(
     *,
-    path: str,
+    door: str,
+    file: int,
     offsets: list[int],
     name: str,
     tokens: int,
@@ -116,13 +122,14 @@ def copy_process(
     barrier: Any,
     answers: Any,
 ) -> None:
-    """One engine's process: map, pin, then ``runs`` rounds of storing and loading its chunks."""
+    """One engine's process: map its chunk file, then ``runs`` rounds of storing and
+    loading its chunks."""
     try:
         device = torch.device(device_type)
-        segment = MappedSegment(Path(path), "always" if device.type == "cuda" else "never")
+        segment = MappedChunks(MappedChunkFiles(Path(door), ADMIN_TOKEN), (0, 0))
         copies = ChunkCopies.make(name, tokens, len(offsets), device, seed=10 + index)
         size = copies.format.chunk_bytes
-        chunks = [segment.chunk(offset, size) for offset in offsets]
+        chunks = [segment.chunk(file, offset, size, write=True) for offset in offsets]
         for copy in copies.store(chunks) + copies.load(chunks):  # warm up
             copy.wait()
         barrier.wait()

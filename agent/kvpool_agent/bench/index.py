@@ -260,7 +260,9 @@ def _publisher(pipe: Connection, number: int, events: int, keys_per_event: int) 
             request = p.decode_request(body)
             reply: p.Reply
             if isinstance(request, p.Hello):
-                reply = p.HelloReply(request.req, 1, 1, agent_id, "", 0, 0, 0, 0, 0)
+                reply = p.HelloReply(
+                    request.req, p.PROTOCOL_VERSION, 1, agent_id, "", 0, 0, 0, 0, 0
+                )
             else:
                 reply = p.SnapshotReply(request.req, agent_id, publisher.seq, {})
             router.send_multipart([identity, p.encode(reply)])

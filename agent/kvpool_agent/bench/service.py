@@ -103,7 +103,7 @@ def _client(endpoint: str, worker: int, chunk: int, working_set: int, barrier: B
     with AgentClient(
         endpoint, token=ADMIN_TOKEN, client_name=f"bench-{worker}", timeout=60
     ) as client:
-        segment = client.segment()
+        files = client.files()
         barrier.wait()
         started = time.perf_counter()
         # The raw memcpy of the same bytes, chunk by chunk like the workload (one huge
@@ -117,9 +117,7 @@ def _client(endpoint: str, worker: int, chunk: int, working_set: int, barrier: B
         for batch in batches:
             plan = client.prepare_store(TENANT, [keys[i] for i in batch], [chunk] * len(batch))
             assert plan.lease is not None, plan.refused
-            copy_in(
-                segment, plan.offsets, [source_view[i * chunk : (i + 1) * chunk] for i in batch]
-            )
+            copy_in(files, plan, [source_view[i * chunk : (i + 1) * chunk] for i in batch])
             client.commit_store(plan.lease)
         store_seconds = time.perf_counter() - started
 
@@ -130,7 +128,7 @@ def _client(endpoint: str, worker: int, chunk: int, working_set: int, barrier: B
             hit = client.lookup(TENANT, [keys[i] for i in batch])
             assert hit.lease is not None and hit.count == len(batch)
             for i, offset in zip(batch, hit.offsets, strict=True):
-                target_view[i * chunk : (i + 1) * chunk] = segment.view[offset : offset + chunk]
+                target_view[i * chunk : (i + 1) * chunk] = files.chunk(hit.file, offset, chunk)
             client.release(hit.lease)
         retrieve_seconds = time.perf_counter() - started
         mismatches = int(source_view != target_view)
@@ -203,7 +201,7 @@ def _lookup_latency(endpoint: str, lookups: int) -> dict[str, tuple[float, float
         result = {"lookup": _percentiles(lookup, lookups, release)}
         result["ping"] = _percentiles(client.ping, lookups)
         hit = client.lookup(TENANT, keys)
-        assert hit.lease is not None and copy_out(client.segment(), hit)[0] == bytes(4096)
+        assert hit.lease is not None and copy_out(client.files(), hit)[0] == bytes(4096)
         client.release(hit.lease)
     request = p.encode(p.Lookup(1, 1, TENANT, keys))
     reply = p.encode(p.LookupReply(1, hit.lease, hit.offsets, hit.sizes))

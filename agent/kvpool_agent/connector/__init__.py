@@ -13,7 +13,7 @@ Modules, from the edge inwards:
 * ``scheduler`` -- the scheduler half: lookups, load and store planning;
 * ``worker`` -- the worker half: copies between vLLM's blocks and the segment;
 * ``layout`` -- the KV cache understood by shape and stride; the chunk byte format;
-* ``copier`` -- the copy primitive (CPU, and CUDA with a pinned segment);
+* ``copier`` -- the copy primitive (CPU, and CUDA from pageable chunk files);
 * ``staged`` -- the CUDA copies, through staging slabs;
 * ``inline`` -- chunks in the agent's messages, for a pod that cannot map the segment;
 * ``link`` -- the line to the agent: timeouts, pauses, reconnects, warnings;

@@ -1,16 +1,15 @@
-"""The copy primitive: whole blocks between vLLM's KV cache and chunks in the mapped segment.
+"""The copy primitive: whole blocks between vLLM's KV cache and chunks in mapped chunk files.
 
-:class:`MappedSegment` maps the agent's segment into the worker (and, where the
-cache lives on a GPU, registers it as pinned memory). :class:`BlockCopier`
-moves one chunk at a time:
+:class:`MappedChunks` maps the agent's chunk files into the worker, as the agent's door
+gives them. :class:`BlockCopier` moves one chunk at a time:
 
 * ``store``: the blocks each group keeps of the chunk, every layer -> the reserved bytes
-  in the segment;
+  in the chunk file;
 * ``load``: a chunk's bytes -> the blocks (per group, those vLLM allocated real blocks for).
 
 On CPU both are numpy memcpys of whole pages and are finished when they
 return. On CUDA they run on side streams through GPU staging slabs
-(:mod:`kvpool_agent.connector.staged`), the segment being pinned: a store waits for the
+(:mod:`kvpool_agent.connector.staged`), from and to pageable host memory: a store waits for the
 compute stream's work so far (the blocks are computed) and a load makes the compute stream
 wait for it when this step's forward reads the blocks, so neither blocks the host. Each
 returns a :class:`Copy` to poll: the agent's lease is committed or released only when the
@@ -19,9 +18,8 @@ copy has finished.
 
 from __future__ import annotations
 
-import os
+import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -29,8 +27,7 @@ import torch
 
 from kvpool_agent.connector.layout import ChunkFormat, LayoutError
 from kvpool_agent.connector.staged import StagedCopies
-from kvpool_agent.pinned import PinMode, PinnedRegion, pin
-from kvpool_agent.segment import SegmentError, SharedSegment
+from kvpool_agent.mapped_files import MappedChunkFiles
 
 
 class Copy(Protocol):
@@ -63,43 +60,35 @@ class _CudaCopy:
         self._event.synchronize()
 
 
-class MappedSegment:
-    """The agent's segment mapped here, as one uint8 tensor (pinned for a GPU cache)."""
+class MappedChunks:
+    """The agent's chunk files mapped here (:mod:`kvpool_agent.mapped_files`), each as one
+    uint8 tensor.
 
-    def __init__(self, path: Path, pin_mode: PinMode) -> None:
-        self.path = path
-        self._segment = SharedSegment.attach(path, populate=True)
-        self.inode = os.stat(path).st_ino
-        self.bytes = torch.frombuffer(self._segment.mapping, dtype=torch.uint8)
-        self._pinned: PinnedRegion | None = pin(self._segment.mapping, pin_mode)
+    Never pinned: a chunk file is sparse (it holds memory only where its account's chunks
+    are), and registering it whole would give it memory everywhere.
+    """
 
-    @property
-    def pinned(self) -> bool:
-        return self._pinned is not None
+    def __init__(self, files: MappedChunkFiles, identity: tuple[int, int]) -> None:
+        self.files = files
+        self.identity = identity
+        """The agent's segment these files go with (see :class:`~kvpool_agent.client.AgentInfo`)."""
+        self._tensors: dict[int, torch.Tensor] = {}
 
-    @property
-    def identity(self) -> tuple[int, int]:
-        """Device and inode of the file mapped."""
-        return self._segment.identity
-
-    def is_current(self) -> bool:
-        """False when the file at ``path`` was re-created (the agent made a new segment)."""
-        try:
-            return os.stat(self.path).st_ino == self.inode
-        except OSError:
-            return False
-
-    def chunk(self, offset: int, size: int) -> torch.Tensor:
-        if offset < 0 or offset + size > self.bytes.numel():
-            raise SegmentError(f"chunk at {offset}+{size} lies outside the segment {self.path}")
-        return self.bytes[offset : offset + size]
+    def chunk(self, file_id: int, offset: int, size: int, *, write: bool = False) -> torch.Tensor:
+        """``size`` bytes at ``offset`` of the file ``file_id``: :class:`ChunkFileError` if
+        they cannot be had (or written, with ``write``)."""
+        mapped = self.files.check(file_id, offset, size, write=write)
+        tensor = self._tensors.get(file_id)
+        if tensor is None:
+            with warnings.catch_warnings():  # a read-only file is only read
+                warnings.simplefilter("ignore", UserWarning)
+                tensor = torch.frombuffer(mapped.mapping, dtype=torch.uint8)
+            self._tensors[file_id] = tensor
+        return tensor[offset : offset + size]
 
     def close(self) -> None:
-        if self._pinned is not None:
-            self._pinned.release()
-            self._pinned = None
-        del self.bytes  # the mapping cannot close while a tensor exports it
-        self._segment.close()
+        self._tensors.clear()  # the mappings cannot close while a tensor exports them
+        self.files.close()
 
 
 Pages = np.ndarray[Any, np.dtype[np.uint8]]

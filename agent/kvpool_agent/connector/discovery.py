@@ -33,6 +33,7 @@ from kvpool_agent.names import (
     service_name,
 )
 from kvpool_agent.protocol import PROTOCOL_VERSION
+from kvpool_agent.segment import door_path
 
 NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 K8S_TIMEOUT_S = 5.0
@@ -57,13 +58,28 @@ class AgentAddress:
     chunk_tokens: int | None
     """None: not advertised."""
     transport: Transport = "auto"
+    door_path: Path | None = None
+    """None: beside the segment path, else the path the agent's hello names."""
 
     def segment_for(self, info: AgentInfo) -> Path | None:
-        """The file to map: this address's path (settings or Service), else the agent's;
-        None with the transport ``messages`` (map nothing)."""
+        """Where this process sees the agent's segment (beside which its table of ready
+        chunks is): this address's path (settings or Service), else the agent's; None with
+        the transport ``messages``."""
         if self.transport == "messages":
             return None
         return self.segment_path or info.segment_path
+
+    def door_for(self, info: AgentInfo) -> Path | None:
+        """Where this process reaches the agent's door: the settings' path, else the one
+        beside the segment path, else the agent's; None with the transport ``messages``
+        (map nothing)."""
+        if self.transport == "messages":
+            return None
+        if self.door_path is not None:
+            return self.door_path
+        if self.segment_path is not None:
+            return door_path(self.segment_path)
+        return info.door_path
 
 
 def resolve(
@@ -74,7 +90,11 @@ def resolve(
     """The agent's address; settings (and so the env overrides) win over annotations."""
     if settings.endpoint is not None:
         return AgentAddress(
-            settings.endpoint, settings.segment_path, settings.chunk_tokens, settings.transport
+            settings.endpoint,
+            settings.segment_path,
+            settings.chunk_tokens,
+            settings.transport,
+            settings.door_path,
         )
     assert settings.pool is not None
     namespace = settings.namespace or _own_namespace(namespace_file)
@@ -106,7 +126,7 @@ def resolve(
         annotations, CHUNK_TOKENS_ANNOTATION, name
     )
     endpoint = f"tcp://{name}.{namespace}.svc:{port}"
-    return AgentAddress(endpoint, segment, chunk_tokens, settings.transport)
+    return AgentAddress(endpoint, segment, chunk_tokens, settings.transport, settings.door_path)
 
 
 def read_service_annotations(name: str, namespace: str) -> Mapping[str, str]:

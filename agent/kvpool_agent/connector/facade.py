@@ -148,8 +148,7 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
                 link=self._link("worker", settings.transfer_timeout_s, self._on_new_agent),
                 counters=self._counters,
                 chunk_tokens=self._chunk_tokens,
-                segment_path=self._segment_path,
-                pin_mode=settings.pin_memory,
+                door_path=self._door_path,
             )
 
     # ------------------------------------------------------------ wiring
@@ -199,6 +198,9 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
 
     def _segment_path(self, info: AgentInfo) -> Path | None:
         return self._resolve().segment_for(info)
+
+    def _door_path(self, info: AgentInfo) -> Path | None:
+        return self._resolve().door_for(info)
 
     def _on_new_agent(self, info: AgentInfo) -> None:
         assert self._worker is not None

@@ -10,7 +10,7 @@ adds what serving needs around it:
   dead agent costs one timeout per pause rather than one per request;
 * the next call after the pause tries again; the client reconnects and says
   hello by itself, and a restarted agent (new ``agent_id``) is reported to
-  ``on_new_agent`` so the worker can map a re-created segment;
+  ``on_new_agent`` so the worker can map the chunk files of a re-created segment;
 * refusals (:class:`~kvpool_agent.client.AgentError`) are not outages: the agent
   answered, so the caller decides; except a refused token (``unauthenticated``,
   ``forbidden`` at hello) and a missing one, which are: one warning that says where the
@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TypeVar
 
 import zmq
@@ -42,8 +43,8 @@ from kvpool_agent.client import (
 from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.discovery import AgentAddress, DiscoveryError
 from kvpool_agent.connector.identity import Credential, CredentialMissing
+from kvpool_agent.mapped_files import ChunkFileError, MappedChunkFiles
 from kvpool_agent.protocol import ErrorCode, ProtocolError
-from kvpool_agent.segment import SegmentError
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ ClientFactory = Callable[[str, str, float], AgentClient]
 """(endpoint, token, timeout) -> a client."""
 
 
-_OUTAGES = (AgentUnavailable, DiscoveryError, SegmentError, OSError, zmq.ZMQError, ProtocolError)
+_OUTAGES = (AgentUnavailable, DiscoveryError, ChunkFileError, OSError, zmq.ZMQError, ProtocolError)
 """What marks the agent down: no answer, no address, no segment, or an answer that is not one
 (a missing token too: :class:`CredentialMissing` is an OSError)."""
 _REFUSED_TOKEN = frozenset((ErrorCode.UNAUTHENTICATED, ErrorCode.FORBIDDEN))
@@ -196,6 +197,11 @@ class AgentLink:
             self._down_since = None
             self._pause = self._retry_min
         return result
+
+    def chunk_files(self, door: Path) -> MappedChunkFiles:
+        """Chunk files to map from the agent's door at ``door``, asked for with this link's
+        token."""
+        return MappedChunkFiles(door, self._credential(), self._timeout)
 
     def info(self) -> AgentInfo:
         """The agent's hello reply (connecting first if needed)."""

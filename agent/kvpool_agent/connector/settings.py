@@ -5,11 +5,11 @@ Two ways to name the agent (exactly one)::
     {"endpoint": "tcp://127.0.0.1:7400", "segment_path": "/dev/shm/kvpool-default/segment"}
     {"pool": "main", "namespace": "inference"}
 
-``segment_path`` is optional with an endpoint (the agent's hello names its segment;
-set it when the pod mounts the segment at another path). With a pool the connector
-reads the pool Service's annotations through the Kubernetes API (see
-:mod:`kvpool_agent.connector.discovery`). ``KVPOOL_ENDPOINT``,
-``KVPOOL_SEGMENT_PATH``, ``KVPOOL_CHUNK_TOKENS`` and ``KVPOOL_TRANSPORT`` override both (the
+``segment_path`` and ``door_path`` are optional with an endpoint (the agent's hello names
+its segment and its door; set them where the pod sees them at other paths). With a pool the
+connector reads the pool Service's annotations through the Kubernetes API (see
+:mod:`kvpool_agent.connector.discovery`). ``KVPOOL_ENDPOINT``, ``KVPOOL_SEGMENT_PATH``,
+``KVPOOL_DOOR_PATH``, ``KVPOOL_CHUNK_TOKENS`` and ``KVPOOL_TRANSPORT`` override both (the
 admission webhook sets them in a wired pod).
 The token the connector says hello with comes from ``KVPOOL_TOKEN``, a file, or the
 embedded default's engine token (:mod:`kvpool_agent.connector.identity`).
@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvpool_agent.names import (
     CONNECTOR_CHUNK_TOKENS_ENV,
+    CONNECTOR_DOOR_PATH_ENV,
     CONNECTOR_ENDPOINT_ENV,
     CONNECTOR_SEGMENT_PATH_ENV,
     CONNECTOR_TRANSPORT_ENV,
@@ -44,6 +45,7 @@ Transport = Literal["auto", "messages"]
 OVERRIDES = {
     "endpoint": CONNECTOR_ENDPOINT_ENV,
     "segment_path": CONNECTOR_SEGMENT_PATH_ENV,
+    "door_path": CONNECTOR_DOOR_PATH_ENV,
     "chunk_tokens": CONNECTOR_CHUNK_TOKENS_ENV,
     "transport": CONNECTOR_TRANSPORT_ENV,
 }
@@ -57,15 +59,24 @@ class ConnectorSettings(BaseModel):
 
     endpoint: str | None = Field(None, description="ZMQ address of the agent, tcp://host:port.")
     segment_path: Path | None = Field(
-        None, description="Where this pod sees the agent's segment; default: what hello says."
+        None,
+        description=(
+            "Where this pod sees the agent's segment (beside it, the table of ready chunks "
+            "an engine's scheduler reads); default: what hello says."
+        ),
+    )
+    door_path: Path | None = Field(
+        None,
+        description=(
+            "Where this pod reaches the agent's door, which hands out the chunk files its "
+            "token may map; default: <segment_path>.door/agent.sock, else what hello says."
+        ),
     )
     transport: Transport = Field(
         "auto",
         description=(
-            "How the worker moves KV: 'auto' through the agent's segment where this pod maps "
-            "it, else through the agent's messages; 'messages' never maps the segment (a "
-            "tenant's pod: the pool gives the segment, which holds every tenant's KV on the "
-            "node, only to its engineNamespaces)."
+            "How the worker moves KV: 'auto' through the chunk files the agent's door gives "
+            "this pod's token, else through the agent's messages; 'messages' maps nothing."
         ),
     )
     pool: str | None = Field(None, description="KVCachePool name: discover the agent by Service.")
@@ -120,9 +131,6 @@ class ConnectorSettings(BaseModel):
         1.0, gt=0, description="First pause after the agent failed; doubles while it stays down."
     )
     retry_max_s: float = Field(30.0, gt=0, description="Longest pause between reconnect tries.")
-    pin_memory: Literal["auto", "never", "always"] = Field(
-        "auto", description="Register the segment as CUDA pinned memory in the worker."
-    )
 
     @field_validator("endpoint")
     @classmethod

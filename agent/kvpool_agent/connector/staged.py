@@ -1,4 +1,4 @@
-"""Chunk copies between a GPU's KV blocks and pinned host memory, through staging slabs.
+"""Chunk copies between a GPU's KV blocks and host memory, through staging slabs.
 
 A chunk's bytes are layer after layer (:mod:`kvpool_agent.connector.layout`); vLLM's blocks
 are scattered over each layer's cache. Copying each layer's blocks straight to the host costs
@@ -92,7 +92,7 @@ class StagedCopies:
         return self._buffers[turn], self._free[turn]
 
     def store(self, chunk: torch.Tensor, block_ids: Sequence[Sequence[int]]) -> torch.cuda.Event:
-        """Gather the kept blocks (``block_ids[g]``) and copy them into ``chunk`` (pinned); the
+        """Gather the kept blocks (``block_ids[g]``) and copy them into ``chunk`` (host memory); the
         event is recorded when the bytes are there."""
         self.gather.wait_stream(torch.cuda.current_stream(self.device))  # blocks computed
         with torch.cuda.stream(self.gather):
@@ -122,7 +122,7 @@ class StagedCopies:
     def load(
         self, chunk: torch.Tensor, targets: Sequence[tuple[int, Sequence[int]]]
     ) -> torch.cuda.Event:
-        """Copy ``chunk`` (pinned) into the blocks: per group ``(first, block_ids)``, the
+        """Copy ``chunk`` (host memory) into the blocks: per group ``(first, block_ids)``, the
         group's kept blocks from ``first`` on go to ``block_ids``; the event is recorded when
         every block holds its bytes."""
         self.gather.wait_stream(torch.cuda.current_stream(self.device))  # blocks are free

@@ -1,4 +1,4 @@
-"""The worker half: copies between vLLM's KV cache and the agent's segment.
+"""The worker half: copies between vLLM's KV cache and the agent's chunk files.
 
 It runs in each vLLM worker process (one per tensor-parallel rank) and knows
 nothing about scheduling: it executes the jobs in the step's metadata.
@@ -7,7 +7,7 @@ nothing about scheduling: it executes the jobs in the step's metadata.
   (:mod:`kvpool_agent.connector.layout`), fix the chunk format (every KV cache group,
   each keeping what a request needs to resume at a chunk's end) and, for state-space
   and linear-attention layers, the format of a state record (the state at a chunk's
-  end, one block of each such layer), map the segment, and describe the formats to the
+  end, one block of each such layer), map the chunk files, and describe the formats to the
   scheduler (the handshake). A job moves chunks or state records, each with its format.
 * ``start_load_kv`` (before the forward): for each :class:`LoadJob`, lock the
   chunks (``lookup``), copy them into the blocks, send the release (its answer is
@@ -46,7 +46,7 @@ import torch
 
 from kvpool_agent.client import AgentError, AgentInfo
 from kvpool_agent.connector import inline
-from kvpool_agent.connector.copier import BlockCopier, Copy, MappedSegment
+from kvpool_agent.connector.copier import BlockCopier, Copy, MappedChunks
 from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.jobs import FormatHandshake, LoadJob, StepJobs, StoreJob, StoresDone
 from kvpool_agent.connector.layout import (
@@ -57,13 +57,13 @@ from kvpool_agent.connector.layout import (
     detect_layout,
 )
 from kvpool_agent.connector.link import AgentLink, LinkDown
-from kvpool_agent.pinned import PinMode
-from kvpool_agent.segment import SegmentError
+from kvpool_agent.keys import tenant_id
+from kvpool_agent.mapped_files import ChunkFileError
 
 log = logging.getLogger(__name__)
 
 
-MESSAGES_ONLY = "transport=messages: KV moves through the agent's messages, no segment is mapped"
+MESSAGES_ONLY = "transport=messages: KV moves through the agent's messages, no file is mapped"
 
 
 @dataclass(frozen=True)
@@ -102,23 +102,21 @@ class WorkerHalf:
         link: AgentLink,
         counters: Counters,
         chunk_tokens: Callable[[], int],
-        segment_path: Callable[[AgentInfo], Path | None],
-        pin_mode: PinMode,
+        door_path: Callable[[AgentInfo], Path | None],
     ) -> None:
         self._rank = rank
         self._link = link
         self.counters = counters
         self._chunk_tokens = chunk_tokens
-        self._segment_path = segment_path
-        self._pin_mode = pin_mode
+        self._door_path = door_path
         self._parts: dict[bool, _Part] = {}
         """By :attr:`LoadJob.state`: what the job moves."""
-        self._segment: MappedSegment | None = None
+        self._files: MappedChunks | None = None
         self._inline: int | None = None
-        """Without a mapped segment: the agent's ``max_inline_bytes`` when chunks travel
+        """Without chunk files: the agent's ``max_inline_bytes`` when chunks travel
         through its protocol instead (:mod:`kvpool_agent.connector.inline`), else None."""
         self._said_unmapped: tuple[Path | None, str, bool] | None = None
-        """Why the segment was last not used, said once (see :meth:`on_new_agent`)."""
+        """Why chunk files were last not used, said once (see :meth:`on_new_agent`)."""
         self._failed_blocks: set[int] = set()
         self._received: set[str] = set()
         """Requests whose per-request loads are done (loaded or failed): finished receiving."""
@@ -146,7 +144,8 @@ class WorkerHalf:
         num_blocks: int,
         content: str,
     ) -> None:
-        """Understand the caches of each group's layers (in this order) and map the segment."""
+        """Understand the caches of each group's layers (in this order) and map the chunk
+        files."""
         chunk_tokens = self._chunk_tokens()
         chunks = [group for group in groups if not group[0].is_state]
         states = [group for group in groups if group[0].is_state]
@@ -221,56 +220,34 @@ class WorkerHalf:
         return self._parts[job.state]
 
     def on_new_agent(self, info: AgentInfo) -> None:
-        """The link met an agent (first or restarted): map its segment unless mapped.
+        """The link met an agent (first or restarted): map chunk files through its door from
+        now on, unless those mapped go with the same segment (an agent that started from
+        empty has new files).
 
-        A file that is not the one the agent maps (where its hello says which) is not used:
-        its bytes are not the agent's, and what is copied into it never reaches the agent.
-        Without the agent's segment, chunks travel through the agent's protocol instead; with
-        the transport ``messages`` (no path), always.
+        Without the agent's door, chunks travel through the agent's protocol instead; with
+        the transport ``messages`` (no door), always.
         """
-        path = self._segment_path(info)
-        if path is None:
-            self._without_segment(info, None, MESSAGES_ONLY)
+        door = self._door_path(info)
+        if door is None:
+            self._without_files(info, None, MESSAGES_ONLY)
             return
-        agents = info.segment_identity
-        mapped = self._segment
+        mapped = self._files
         if (
             mapped is not None
-            and mapped.path == path
-            and mapped.is_current()
-            and (not any(agents) or mapped.identity == agents)
+            and mapped.files.door == door
+            and mapped.identity == info.segment_identity
         ):
             return
-        self._drop_segment()
-        on_gpu = any(part.copier.device.type == "cuda" for part in self._parts.values())
-        try:
-            segment = MappedSegment(path, self._pin_mode if on_gpu else "never")
-        except SegmentError as error:  # it names the file
-            self._without_segment(info, path, str(error))
-            return
-        except OSError as error:
-            self._without_segment(info, path, f"cannot map {path}: {error}")
-            return
-        if any(agents) and segment.identity != agents:
-            segment.close()
-            self._without_segment(
-                info,
-                path,
-                f"{path} is not the file the agent maps ({info.segment_path} is the agent's "
-                "segment)",
-            )
+        self._drop_files()
+        if not door.is_socket():
+            self._without_files(info, door, f"no agent's door at {door}")
             return
         self._said_unmapped, self._inline = None, None
-        self._segment = segment
-        log.info(
-            "kvpool worker %d: mapped segment %s%s",
-            self._rank,
-            path,
-            " (pinned)" if self._segment.pinned else "",
-        )
+        self._files = MappedChunks(self._link.chunk_files(door), info.segment_identity)
+        log.info("kvpool worker %d: maps chunk files from the agent's door %s", self._rank, door)
 
-    def _without_segment(self, info: AgentInfo, path: Path | None, reason: str) -> None:
-        """No segment to copy through (``path`` None: none asked for, the transport
+    def _without_files(self, info: AgentInfo, path: Path | None, reason: str) -> None:
+        """No chunk files to copy through (``path`` None: none asked for, the transport
         ``messages``): move chunks through the agent's protocol if they fit in its messages;
         say which, once. (Before the caches are registered nothing is decided: the next load
         or store maps again.)"""
@@ -287,8 +264,8 @@ class WorkerHalf:
         elif usable:
             log.warning(
                 "kvpool worker %d: %s; moving KV through the agent over the network instead "
-                "(slower than the shared segment: mount the node's /dev/shm at the agent's "
-                "segment path)",
+                "(slower than mapping its chunk files: give the pod the agent's door, as "
+                "kvpool's admission webhook does)",
                 self._rank,
                 reason,
             )
@@ -303,13 +280,13 @@ class WorkerHalf:
                 info.max_inline_bytes,
             )
 
-    def _drop_segment(self) -> None:
-        if self._segment is None:
+    def _drop_files(self) -> None:
+        if self._files is None:
             return
         self._flush()
         self._settle(wait=True)
-        self._segment.close()
-        self._segment = None
+        self._files.close()
+        self._files = None
 
     # ------------------------------------------------------------ loads
 
@@ -336,12 +313,12 @@ class WorkerHalf:
         keys = list(job.keys[self._rank])
         loaded = 0
         try:
-            segment = self._mapped()
-            if segment is None:
+            files = self._mapped()
+            if files is None:
                 loaded = self._load_inline(job, keys)
             else:
-                loaded = self._load_mapped(job, keys, following, segment)
-        except (LinkDown, SegmentError) as error:
+                loaded = self._load_mapped(job, keys, following, files)
+        except (LinkDown, ChunkFileError) as error:
             log.debug("kvpool worker %d: load of %s failed: %s", self._rank, job.req_id, error)
         except AgentError as error:
             log.warning("kvpool worker %d: load refused: %s", self._rank, error)
@@ -362,9 +339,9 @@ class WorkerHalf:
         job: LoadJob,
         keys: list[bytes],
         following: StoreJob | None,
-        segment: MappedSegment,
+        files: MappedChunks,
     ) -> int:
-        """Lock the chunks, copy them out of the segment; the release waits for the copies.
+        """Lock the chunks, copy them out of their chunk file; the release waits for the copies.
         The same lookup covers the chunks the request stores next."""
         part = self._moved(job)
         copier, chunk_format = part.copier, part.format
@@ -382,7 +359,7 @@ class WorkerHalf:
                 targets = self._load_targets(job, index)
                 if targets is None:
                     break
-                chunk = segment.chunk(hit.offsets[index], chunk_format.chunk_bytes)
+                chunk = files.chunk(hit.file, hit.offsets[index], chunk_format.chunk_bytes)
                 copies.append(copier.load(chunk, targets, forward_reads=not job.per_request))
                 written.extend(block for _, ids in targets for block in ids)
         finally:
@@ -518,13 +495,14 @@ class WorkerHalf:
             return
         parent = keys[present - 1] if present else job.parents[self._rank]
         try:
-            segment = self._mapped()
-            if segment is None:
-                self._store_inline(job, keys, present, parent)
+            files = self._mapped()
+            inline_limit = self._inline_for(job.tenant) if files is not None else self._inline
+            if files is None or inline_limit is not None:
+                self._store_inline(job, keys, present, parent, inline_limit)
                 return
             sizes = [size] * (len(keys) - present)
             plan = self._link.prepare_store(job.tenant, keys[present:], sizes, parent)
-        except (LinkDown, AgentError, SegmentError) as error:
+        except (LinkDown, AgentError, ChunkFileError) as error:
             log.debug("kvpool worker %d: store of %s skipped: %s", self._rank, job.req_id, error)
             self.counters.add("failed_stores")
             self._complete(job)
@@ -537,10 +515,9 @@ class WorkerHalf:
             try:
                 for index, offset in enumerate(offsets, start=present):
                     if offset >= 0:
-                        copies.append(
-                            copier.store(segment.chunk(offset, size), self._kept_blocks(job, index))
-                        )
-            except SegmentError as error:
+                        chunk = files.chunk(plan.file, offset, size, write=True)
+                        copies.append(copier.store(chunk, self._kept_blocks(job, index)))
+            except ChunkFileError as error:
                 log.warning("kvpool worker %d: store not copied: %s", self._rank, error)
                 self.counters.add("failed_stores")
                 self._abandon(plan.lease)
@@ -550,13 +527,26 @@ class WorkerHalf:
         if plan.refused:
             log.debug("kvpool worker %d: agent stored only part: %s", self._rank, plan.refused)
 
+    def _inline_for(self, tenant: str) -> int | None:
+        """Where a tenant's token stores into a shared space (whose file it maps read-only),
+        the agent's ``max_inline_bytes``: those chunks travel through its messages."""
+        bound = self._link.bound_tenant
+        if not bound or tenant in (bound, tenant_id(None)):  # its own (or the default)
+            return None
+        return self._link.info().max_inline_bytes
+
     def _store_inline(
-        self, job: StoreJob, keys: list[bytes], present: int, parent: bytes | None
+        self,
+        job: StoreJob,
+        keys: list[bytes],
+        present: int,
+        parent: bytes | None,
+        max_inline_bytes: int | None,
     ) -> None:
         """Copy the chunks out into host memory and send them to the agent in its messages."""
         part = self._moved(job)
         copier, size = part.copier, part.format.chunk_bytes
-        assert self._inline is not None
+        assert max_inline_bytes is not None
         buffers = [torch.empty(size, dtype=torch.uint8) for _ in keys[present:]]
         copies = [
             copier.store(buffer, self._kept_blocks(job, index))
@@ -570,7 +560,7 @@ class WorkerHalf:
             keys[present:],
             [buffer.numpy().data for buffer in buffers],
             parent=parent,
-            max_inline_bytes=self._inline,
+            max_inline_bytes=max_inline_bytes,
         )
         self.counters.add("stored_chunks", result.stored)
         self.counters.add("present_chunks", result.present)
@@ -702,15 +692,15 @@ class WorkerHalf:
         completed, self._completed = self._completed, {}
         return StoresDone(completed)
 
-    def _mapped(self) -> MappedSegment | None:
-        """The agent's segment, mapped; None when chunks travel through the agent's protocol
-        (the link maps again when it meets a new agent). SegmentError: neither works."""
-        if self._segment is None and self._inline is None:
+    def _mapped(self) -> MappedChunks | None:
+        """The agent's chunk files; None when chunks travel through the agent's protocol
+        (the link maps again when it meets a new agent). ChunkFileError: neither works."""
+        if self._files is None and self._inline is None:
             self.on_new_agent(self._link.info())
-        if self._segment is None and self._inline is None:
-            raise SegmentError("the agent's segment is not mapped")
-        return self._segment
+        if self._files is None and self._inline is None:
+            raise ChunkFileError("the agent's chunk files are not mapped")
+        return self._files
 
     def close(self) -> None:
-        self._drop_segment()
+        self._drop_files()
         self._link.close()

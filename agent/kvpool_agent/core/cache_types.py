@@ -170,6 +170,30 @@ class ChunkListener(Protocol):
     def removed(self, tenant: str, keys: list[bytes], cause: str) -> None: ...
 
 
+class ChunkBacking(Protocol):
+    """Where chunks' bytes live: each account's own memory, given to the pages of a chunk
+    as it is placed (the agent's :class:`~kvpool_agent.chunk_files.ChunkFiles`).
+
+    Called with the cache's lock held.
+    """
+
+    def take(self, owner: str, offset: int, length: int) -> None:
+        """Give ``owner`` the memory of ``length`` bytes at ``offset``; ``OSError`` if there
+        is none."""
+
+    def claim(self, owner: str, offset: int, length: int) -> None:
+        """Note that ``owner`` holds those bytes already (a restored chunk)."""
+
+    def trim_all(self) -> None:
+        """Free every account's memory outside what it holds (after the restored claims)."""
+
+    def strays(self) -> list[str]:
+        """The accounts that hold more memory than was given them (a client wrote into
+        holes): :meth:`trim` them."""
+
+    def trim(self, owner: str) -> None: ...
+
+
 @dataclass(frozen=True)
 class RestoreReport:
     restored: int

@@ -1,8 +1,9 @@
-"""Build the L1 pieces (segment, journal, pinning, index) from the agent's configuration.
+"""Build the L1 pieces (segment, chunk files, journal, index) from the agent's configuration.
 
 A segment left by an earlier agent is adopted when compatible and its index
 rebuilt from the chunk table, so a restart keeps the cache hot; otherwise it is
-recreated from empty, and the reason is logged and kept for metrics. A segment or
+recreated from empty, and the reason is logged and kept for metrics; the chunk files go
+with it (adopted with an adopted segment, made anew with a new one). A segment or
 probe table that is not the agent's own file (another user's, a link, a mode wider
 than the agent's) is refused: the agent does not start (:mod:`kvpool_agent.files`).
 
@@ -18,14 +19,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpool_agent.chunk_files import (
+    ChunkFiles,
+    files_directory,
+    generation_directory,
+    remove_other_generations,
+)
 from kvpool_agent.config import AgentConfig
 from kvpool_agent.core.journal import SegmentJournal
 from kvpool_agent.core.l1 import L1Cache
 from kvpool_agent.core.policies import policy_factory
 from kvpool_agent.core.quota_book import QuotaBook
 from kvpool_agent.files import FileRefused, LockFile, Undo
-from kvpool_agent.pinned import PinnedRegion, PinningError, pin
-from kvpool_agent.pinned import check as check_pin
 from kvpool_agent.probe_table import ProbeTableWriter, table_kept, table_path
 from kvpool_agent.segment import (
     LOCK_MODE,
@@ -52,13 +57,14 @@ class SegmentOrigin:
 
 @dataclass
 class L1Tier:
-    """The mapped segment and the cache that manages it; ``close`` undoes ``open_l1``."""
+    """The mapped segment, the chunk files and the cache that manages them; ``close`` undoes
+    ``open_l1``."""
 
     segment: SharedSegment
+    files: ChunkFiles
     journal: SegmentJournal
     probe_table: ProbeTableWriter
     cache: L1Cache
-    pinned: PinnedRegion | None
     origin: SegmentOrigin
 
     def displaced(self) -> list[Path]:
@@ -68,9 +74,8 @@ class L1Tier:
         return [file.path for file in files if not file.is_at_path()]
 
     def close(self) -> None:
-        if self.pinned is not None:
-            self.pinned.release()
         self.probe_table.close()
+        self.files.close()
         self.journal.close()
         self.segment.close()
 
@@ -96,15 +101,6 @@ def claim_segment(path: Path) -> LockFile | str:
     return held
 
 
-def check_pinning(config: AgentConfig) -> None:
-    """Before the segment is opened: :class:`SegmentError` if ``pin_memory`` requires pinning
-    that cannot be done here."""
-    try:
-        check_pin(config.pin_memory)
-    except PinningError as error:
-        raise SegmentError(f"cannot pin segment {config.resolved_segment_path}: {error}") from None
-
-
 def open_l1(config: AgentConfig, agent_id: str, undo: Undo | None = None) -> L1Tier:
     """The agent's L1 (the segment's owner lock must be held, see :func:`claim_segment`).
 
@@ -117,10 +113,29 @@ def open_l1(config: AgentConfig, agent_id: str, undo: Undo | None = None) -> L1T
     segment, recreated_because = SharedSegment.open(
         path, int(config.l1_size), int(config.page_size), pending=undo is not None
     )
-    if segment.pending is not None and undo is not None:
-        undo.pending(segment.pending, segment.install)
+    if undo is not None:  # a failed start leaves no directory it made
+        undo.directories(files_directory(path) / str(segment.identity[1]))
+    directory = generation_directory(path, segment.identity[1])
+
+    def install() -> None:  # the new segment takes its name: the earlier one's files go
+        segment.install()
+        remove_other_generations(directory)
+
+    if undo is not None and segment.pending is not None:
+        undo.pending(segment.pending, install)
     with contextlib.ExitStack() as opened:  # if anything below fails, what is open closes
         opened.callback(segment.close)
+        layout = segment.layout
+        files = ChunkFiles.open(
+            directory,
+            layout.total_size,
+            layout.page_size,
+            layout.data_offset,
+            adopt=recreated_because is None,
+        )
+        opened.callback(files.close)
+        if segment.pending is None:  # adopted, or made and installed at once
+            remove_other_generations(directory)
         probe_table = ProbeTableWriter(table_path(path), segment.layout.pages, agent_id)
         opened.callback(probe_table.close)
         journal = SegmentJournal(segment)
@@ -135,6 +150,7 @@ def open_l1(config: AgentConfig, agent_id: str, undo: Undo | None = None) -> L1T
             journal=journal,
             probe_table=probe_table,
             pin_budget=int(config.default_pin_budget),
+            backing=files,
         )
         if recreated_because is None:
             report = cache.restore(journal.committed(), journal.reserved())
@@ -155,20 +171,15 @@ def open_l1(config: AgentConfig, agent_id: str, undo: Undo | None = None) -> L1T
             origin = SegmentOrigin(False, recreated_because, 0, 0, time.perf_counter() - started)
             level = logging.INFO if recreated_because == "no segment yet" else logging.WARNING
             log.log(level, "created segment %s from empty: %s", path, recreated_because)
-        try:
-            pinned = pin(segment.mapping, config.pin_memory)
-        except PinningError as error:
-            raise SegmentError(f"cannot pin segment {path}: {error}") from None
         opened.pop_all()
     log.info(
-        "L1 segment %s: %d pages of %d bytes, policy %s, pinned %s",
+        "L1 segment %s: %d pages of %d bytes, policy %s",
         path,
         segment.layout.pages,
         segment.layout.page_size,
         config.eviction_policy,
-        pinned is not None,
     )
-    return L1Tier(segment, journal, probe_table, cache, pinned, origin)
+    return L1Tier(segment, files, journal, probe_table, cache, origin)
 
 
 def _limit(value: int | None) -> int | None:

@@ -1,12 +1,21 @@
-"""The CSI Node service: publishes a pool's segment directory into a pod as an inline
-ephemeral volume (a bind mount onto the pod's volume directory), and unpublishes it.
+"""The CSI Node service: publishes a pool's directory into a pod as an inline ephemeral
+volume (a bind mount onto the pod's volume directory), and unpublishes it.
+
+What a pod gets depends on its namespace, as the kubelet names it in the volume context
+(``csi.storage.k8s.io/pod.namespace``, from ``podInfoOnMount``; never an attribute the pod
+sets): a pod of one of the pool's ``engineNamespaces`` gets the pool's whole directory (its
+segment, the probe table that lists every tenant's keys on the node, the lock and the door),
+read-only if the kubelet asks; any other pod gets only the directory's door
+(``segment.door/``), always read-only, where the agent's door socket hands a connector the
+chunk files its token may map (connecting to a socket needs no write access to its mount,
+nor any group).
 
 A publish is checked in order: the request's own fields (an ephemeral mount volume with
 the pool's attributes and the pod's namespace, a target in a pod's volume directory), then
-the pool (the pod's namespace must be one of its ``engineNamespaces``) and its Service
-(:mod:`~kvpool_agent.csi.pool_access`), then the pool's directory on the node.
-Publishing the same directory to the same target again succeeds; unpublishing a target
-that is not there succeeds.
+the pool and its Service (:mod:`~kvpool_agent.csi.pool_access`), then the pool's directory
+(and door) on the node: one that does not exist yet (the agent has not started) is
+UNAVAILABLE, which the kubelet retries. Publishing the same directory to the same target
+again succeeds; unpublishing a target that is not there succeeds.
 """
 
 from __future__ import annotations
@@ -107,11 +116,20 @@ class Node:
         api = self.options.api()
         timeout = self.options.api_timeout
         found = pool_access.read_pool(api, pool, namespace, timeout)
-        pool_access.check_engine_namespace(found, pod_namespace)
+        engine = pool_access.is_engine_namespace(found, pod_namespace)
         segment = pool_access.segment_path(api, pool, namespace, timeout)
-        directory = self._directory(segment, pool)
+        directory = self._directory(segment, pool, whole=engine)
+        readonly = request.readonly or not engine
         with self._lock:
-            _bind(directory, target, readonly=request.readonly)
+            _bind(directory, target, readonly=readonly)
+        log.info(
+            "published %s at %s (%s, %s) to a pod of namespace %s",
+            directory,
+            target,
+            "the pool's directory: an engine namespace" if engine else "the door only",
+            "read-only" if readonly else "read-write",
+            pod_namespace,
+        )
         return messages.NodePublishVolumeResponse()
 
     def unpublish(self, request: Any) -> Any:
@@ -138,9 +156,11 @@ class Node:
         except ValueError as error:
             raise Refusal(_INVALID, str(error)) from error
 
-    def _directory(self, segment: str, pool: str) -> Path:
+    def _directory(self, segment: str, pool: str, *, whole: bool) -> Path:
+        """The pool's directory (``whole``), else its door only."""
         try:
-            return paths.pool_directory(segment, self.options.shm_dir, pool)
+            directory = paths.pool_directory(segment, self.options.shm_dir, pool)
+            return directory if whole else paths.door_directory(directory)
         except FileNotFoundError as error:
             raise Refusal(
                 grpc.StatusCode.UNAVAILABLE,

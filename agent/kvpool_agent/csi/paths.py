@@ -1,5 +1,6 @@
-"""Which paths a publish may touch: the target inside the kubelet's pods directory, and
-the pool's own directory in the node's shared memory.
+"""Which paths a publish may touch: the target inside the kubelet's pods directory, the
+pool's own directory in the node's shared memory, and its door (the subdirectory that holds
+the agent's door socket only).
 
 Each check returns the resolved path or raises ValueError with one line naming the value.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path, PurePosixPath
 
-from kvpool_agent.names import segment_dir
+from kvpool_agent.names import DOOR_DIRECTORY, segment_dir
 
 
 def target_path(target: str, kubelet_dir: Path) -> Path:
@@ -56,3 +57,19 @@ def pool_directory(segment: str, shm_dir: Path, pool: str) -> Path:
     if not directory.is_dir():
         raise ValueError(f"the pool directory {directory} is not a directory")
     return directory
+
+
+def door_directory(pool_dir: Path) -> Path:
+    """The door of the pool's directory ``pool_dir`` (checked by :func:`pool_directory`):
+    ``<pool_dir>/segment.door``, which holds the agent's door socket and nothing else.
+    ValueError if it is a symlink or not a directory; FileNotFoundError if it does not exist
+    (yet: the
+    agent makes it when it starts)."""
+    door = pool_dir / DOOR_DIRECTORY
+    if door.is_symlink():
+        raise ValueError(f"the pool's door {door} is a symlink")
+    if not door.exists():
+        raise FileNotFoundError(f"the pool's door {door} does not exist")
+    if not door.is_dir():
+        raise ValueError(f"the pool's door {door} is not a directory")
+    return door

@@ -1,7 +1,8 @@
-"""Who may publish a pool: the KVCachePool must exist (a Service alone, which any
-namespace's editor can make, names no pool) and name the pod's namespace in its
-``spec.engineNamespaces`` (the segment holds every tenant's KV on the node: only engines the
-platform trusts map it), and its Service on the API server names its segment.
+"""What a publish learns of a pool: the KVCachePool must exist (a Service alone, which any
+namespace's editor can make, names no pool), its ``spec.engineNamespaces`` say whether the
+pod's namespace gets the pool's whole directory or its door only (the segment holds every
+tenant's KV on the node: only engines the platform trusts map it), and its Service on the
+API server names its segment.
 
 Each is read with one GET, with a short timeout, at every publish (publishes are
 rare: one a pod start). A refusal is a :class:`~kvpool_agent.csi.rpc.Refusal`.
@@ -62,21 +63,14 @@ def segment_path(api: CoreV1Api, pool: str, namespace: str, timeout: float) -> s
     return path
 
 
-def check_engine_namespace(pool: Any, pod_namespace: str) -> None:
-    """Refuse unless ``pod_namespace`` is one of the pool's ``spec.engineNamespaces``: the
-    segment holds every tenant's KV on the node, so only the engines the platform trusts map
-    it (a tenant's pod gets the cache through the agent's messages)."""
+def is_engine_namespace(pool: Any, pod_namespace: str) -> bool:
+    """Whether ``pod_namespace`` is one of the pool's ``spec.engineNamespaces``, whose pods
+    map the node's segment (it holds every tenant's KV, so only the engines the platform
+    trusts); any other pod gets the agent's door only, which hands it the chunk files its
+    token may map."""
     spec = pool.get("spec") if isinstance(pool, dict) else None
     engines = spec.get(ENGINE_NAMESPACES_FIELD) if isinstance(spec, dict) else None
-    if not isinstance(engines, list) or pod_namespace not in engines:
-        metadata = pool.get("metadata") or {}
-        name = f"{metadata.get('namespace', '')}/{metadata.get('name', '')}"
-        raise Refusal(
-            grpc.StatusCode.PERMISSION_DENIED,
-            f"namespace {pod_namespace} may not map pool {name}'s segment: it is not in the "
-            f"pool's spec.{ENGINE_NAMESPACES_FIELD} (the segment holds every tenant's KV; a "
-            "tenant's pod gets the cache through the agent's messages)",
-        )
+    return isinstance(engines, list) and pod_namespace in engines
 
 
 def _get(

@@ -2,15 +2,15 @@
 
 1. Clear the canary tenant (what a run that died half-way left behind).
 2. Agent to pod: the agent stores a chunk itself (``store_inline``); this pod looks it
-   up (read-locked), copies it out of *its* mapping of the segment and releases it. Other
-   bytes mean this pod maps another file than the agent, and nothing is ever written
-   into that file (it may be another pool's segment).
+   up (read-locked), copies it out of *its* mapping of the canary's chunk file (from the
+   agent's door) and releases it. Other bytes mean this pod maps another file than the
+   agent writes.
 3. Pod to agent, the connector's store and load: ``prepare_store``, copy into the mapped
-   segment, ``commit_store``; a locked ``lookup``, copy out, ``release``; and the agent's
+   chunk file, ``commit_store``; a locked ``lookup``, copy out, ``release``; and the agent's
    own view of the same chunk (``retrieve_inline``). Every copy must be the bytes stored.
 4. Clear the canary tenant, and look again: nothing is left in L1.
 
-A pod that cannot map the segment moves KV through the agent's messages (the connector's
+A pod that cannot reach the door moves KV through the agent's messages (the connector's
 inline transport): its canary stores a chunk with ``store_inline`` and reads it back with
 ``retrieve_inline`` instead of steps 2 and 3.
 
@@ -37,7 +37,7 @@ from kvpool_agent.client import AgentClient, AgentError, AgentUnavailable, copy_
 from kvpool_agent.doctor.report import Check, failed, passed, size
 from kvpool_agent.doctor.shared_memory import OTHER_FILE
 from kvpool_agent.keys import CANARY_CHUNK_BYTES, CANARY_TENANT
-from kvpool_agent.segment import SharedSegment
+from kvpool_agent.mapped_files import ChunkFileError
 
 NAME = "canary"
 _AGENT_KEY = hashlib.sha256(b"kvpool-doctor-canary-v1\0agent-to-pod").digest()
@@ -49,18 +49,21 @@ Failure = tuple[str, str]
 _AGENT_FAILED = "the agent's log says why (kubectl logs, or the kvpool-agent process's stderr)"
 
 
-def check_canary(client: AgentClient, segment: SharedSegment) -> Check:
-    """The canary through this pod's mapping of the segment."""
-    return _canary(
-        client,
-        lambda: _agent_to_pod(client, segment) or _pod_to_agent(client, segment),
-        "stored by the agent and read here, stored here and read by the agent, loaded back "
-        f"through {segment.path}",
-    )
+def check_canary(client: AgentClient) -> Check:
+    """The canary through this pod's mapping of its chunk file (from the client's door)."""
+    try:
+        return _canary(
+            client,
+            lambda: _agent_to_pod(client) or _pod_to_agent(client),
+            "stored by the agent and read here, stored here and read by the agent, loaded "
+            f"back through a chunk file from {client.door_path}",
+        )
+    finally:
+        client.close_files()
 
 
 def check_canary_inline(client: AgentClient) -> Check:
-    """The canary through the agent's messages (no segment mapped here)."""
+    """The canary through the agent's messages (no chunk file mapped here)."""
     return _canary(
         client,
         lambda: _through_messages(client),
@@ -75,6 +78,8 @@ def _canary(client: AgentClient, run: Callable[[], Failure | None], how: str) ->
         failure = run()
     except (AgentError, AgentUnavailable) as error:
         failure = (f"the agent failed the canary: {error}", _AGENT_FAILED)
+    except ChunkFileError as error:
+        failure = (f"this pod cannot map the canary's chunk file: {error}", OTHER_FILE)
     left = _clear(client)
     if failure is not None:
         seen, fix = failure
@@ -98,7 +103,7 @@ def _through_messages(client: AgentClient) -> Failure | None:
     return None
 
 
-def _agent_to_pod(client: AgentClient, segment: SharedSegment) -> Failure | None:
+def _agent_to_pod(client: AgentClient) -> Failure | None:
     payload = os.urandom(CANARY_CHUNK_BYTES)
     stored = client.store_inline(CANARY_TENANT, [_AGENT_KEY], [payload])
     if stored.stored != 1:
@@ -107,35 +112,33 @@ def _agent_to_pod(client: AgentClient, segment: SharedSegment) -> Failure | None
     if hit.lease is None:
         return ("the agent stored the canary, then its lookup missed it", _AGENT_FAILED)
     try:
-        (seen,) = copy_out(segment, hit)
+        (seen,) = copy_out(client.files(), hit)
     finally:
         client.release(hit.lease)
     if seen != payload:
-        assert client.info is not None
         return (
             f"canary mismatch: the agent wrote the canary at offset {hit.offsets[0]} of its "
-            f"segment {client.info.segment_path}; this pod's {segment.path} holds other bytes "
-            "there: they are different files",
+            f"chunk file {hit.file}; this pod's mapping of it holds other bytes there",
             OTHER_FILE,
         )
     return None
 
 
-def _pod_to_agent(client: AgentClient, segment: SharedSegment) -> Failure | None:
+def _pod_to_agent(client: AgentClient) -> Failure | None:
     payload = os.urandom(CANARY_CHUNK_BYTES)
     plan = client.prepare_store(CANARY_TENANT, [_POD_KEY], [len(payload)])
     if plan.lease is None:
         return _refused(plan.refused)
     if plan.offsets[0] < 0:
         return ("the canary was cached already: is another kvpool doctor running?", _RERUN)
-    copy_in(segment, plan.offsets, [payload])
+    copy_in(client.files(), plan, [payload])
     if client.commit_store(plan.lease) != 1:
         return ("the agent did not commit the canary this pod stored", _AGENT_FAILED)
     hit = client.lookup(CANARY_TENANT, [_POD_KEY], count=False)
     if hit.lease is None:
         return ("the agent committed the canary, then its lookup missed it", _AGENT_FAILED)
     try:
-        (loaded,) = copy_out(segment, hit)
+        (loaded,) = copy_out(client.files(), hit)
     finally:
         client.release(hit.lease)
     agent_view = client.retrieve_inline(CANARY_TENANT, [_POD_KEY])

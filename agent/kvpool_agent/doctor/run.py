@@ -1,7 +1,6 @@
 """The checks in order, each skipped with the reason when one it depends on failed.
 
-service -> protocol -> annotations -> agent -> segment -> transport -> canary
-                                      agent -> shm
+service -> protocol -> annotations -> agent -> door -> transport -> canary
 annotations -> chunk-size, fingerprint, hit-rate, peers
 model (the model's config.json alone: it runs whatever the others found)
 """
@@ -28,7 +27,7 @@ from kvpool_agent.doctor import (
     transport,
 )
 from kvpool_agent.doctor.address import locate
-from kvpool_agent.doctor.report import Check, skipped_all
+from kvpool_agent.doctor.report import Check, Outcome, skipped_all
 
 
 @dataclass(frozen=True)
@@ -50,8 +49,7 @@ class Options:
 
 AFTER_LOCATE = (
     agent.NAME,
-    shared_memory.SEGMENT,
-    shared_memory.SHM,
+    shared_memory.DOOR,
     transport.NAME,
     canary.NAME,
     chunk_size.NAME,
@@ -79,12 +77,12 @@ def _deployment(options: Options) -> Iterator[Check]:
     yield check
     if client is None:
         yield from skipped_all(
-            (shared_memory.SEGMENT, shared_memory.SHM, transport.NAME, canary.NAME),
+            (shared_memory.DOOR, transport.NAME, canary.NAME),
             "needs an agent that answers",
         )
     else:
         try:
-            yield from _through_the_segment(client, address)
+            yield from _through_the_door(client, address)
         finally:
             client.close()
     yield chunk_size.check_chunk_size(address.chunk_tokens, options.block_size)
@@ -97,22 +95,15 @@ def _deployment(options: Options) -> Iterator[Check]:
     yield peers.check_peers(located.http_url, options.admin_token, options.timeout)
 
 
-def _through_the_segment(client: AgentClient, address: AgentAddress) -> Iterator[Check]:
+def _through_the_door(client: AgentClient, address: AgentAddress) -> Iterator[Check]:
     assert client.info is not None
-    path = address.segment_for(client.info)
-    if path is None:  # the transport "messages": this pod maps nothing
-        yield from shared_memory.unmapped()
-        yield transport.check_transport(path, None, client.info)
-        yield canary.check_canary_inline(client)
-        return
-    check, mapped = shared_memory.check_segment(path, client.info)
+    door = address.door_for(client.info)
+    check = shared_memory.check_door(door)
     yield check
-    yield shared_memory.check_shm(path, client.info)
-    yield transport.check_transport(path, mapped, client.info)
-    if mapped is None:
+    mapped = door is not None and check.outcome is Outcome.PASS
+    yield transport.check_transport(door, mapped, client.info)
+    if not mapped:
         yield canary.check_canary_inline(client)
         return
-    try:
-        yield canary.check_canary(client, mapped)
-    finally:
-        mapped.close()
+    client.door_path = door
+    yield canary.check_canary(client)

@@ -3,6 +3,7 @@
 - :mod:`~kvpool_agent.edge.zmq_server`: the data plane (ZMQ requests; sessions, leases);
 - :mod:`~kvpool_agent.edge.zmtp`: its port, ZMTP framed with bounded messages (a ROUTER's part);
 - :mod:`~kvpool_agent.edge.http_api`: the control API (FastAPI; quotas, usage, clearing);
+- :mod:`~kvpool_agent.edge.door`: the door (a Unix socket) that hands out chunk files;
 - :mod:`~kvpool_agent.edge.events`: the chunk events feed (ZMQ PUB) for the prefix index;
 - :mod:`~kvpool_agent.edge.metrics`: the Prometheus collector.
 """

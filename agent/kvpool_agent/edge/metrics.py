@@ -29,6 +29,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from kvpool_agent.core.factory import SegmentOrigin
+from kvpool_agent.edge.door import DoorStats, Refusal
 from kvpool_agent.edge.peer_metrics import PeerCollector
 from kvpool_agent.edge.zmtp import DropReason
 from kvpool_agent.l2.base import L2Adapter
@@ -244,6 +245,29 @@ class _ProbeTableCollector(Collector):
         )
 
 
+class _DoorCollector(Collector):
+    """The door's grants and refusals (:class:`~kvpool_agent.edge.door.DoorStats`)."""
+
+    def __init__(self, stats: DoorStats) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "kvpool_door_granted",
+            "Chunk files the agent's door handed to a token that may map them.",
+            value=self._stats.granted,
+        )
+        refused = CounterMetricFamily(
+            "kvpool_door_refused",
+            "Connections the agent's door closed without a chunk file, by reason.",
+            labels=["reason"],
+        )
+        counts = dict(self._stats.refused)  # a copy: the door's thread adds to it
+        for reason in Refusal:
+            refused.add_metric([reason.value], counts.get(reason, 0))
+        yield refused
+
+
 class _L2Collector(Collector):
     def __init__(
         self, tiers: Sequence[L2Adapter], writeback: WriteBack, prefetcher: Prefetcher
@@ -397,6 +421,9 @@ class AgentMetrics:
     def register_http(self, refusals: HttpRefusals) -> None:
         """Count what the HTTP server refuses (see :func:`~kvpool_agent.web.serving.serve_http`)."""
         self.registry.register(HttpRefusalsCollector(refusals, "kvpool_http_refused"))
+
+    def register_door(self, stats: DoorStats) -> None:
+        self.registry.register(_DoorCollector(stats))
 
     def register_l2(
         self, tiers: Sequence[L2Adapter], writeback: WriteBack, prefetcher: Prefetcher

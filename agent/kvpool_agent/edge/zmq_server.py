@@ -76,7 +76,7 @@ from kvpool_agent.keys import (
     is_tenant_id,
     tenant_id,
 )
-from kvpool_agent.segment import SharedSegment
+from kvpool_agent.segment import SharedSegment, door_path
 from kvpool_agent.service.cache_service import CacheService
 from kvpool_agent.tenancy.auth import Principal, Role, TokenAuthority
 from kvpool_agent.tenants_configmap import digest_token
@@ -524,6 +524,7 @@ class ZmqServer:
             self._max_keys,
             principal.tenant or "",
             *self._segment.identity,
+            str(door_path(self._segment.path)),
         ), []
 
     def _ping(self, request: p.Ping, extra: Frames, peer: Peer) -> Handled:
@@ -545,8 +546,9 @@ class ZmqServer:
         hit = found.hit
         if hit.lease is not None:
             session.leases.add(hit.lease)
+        file = self._service.file_id(tenant) if hit.count else 0
         return p.LookupReply(
-            request.req, hit.lease or p.NO_LEASE, hit.offsets, hit.sizes, found.prefetch
+            request.req, hit.lease or p.NO_LEASE, hit.offsets, hit.sizes, found.prefetch, file
         ), []
 
     def _prefetch_status(
@@ -592,6 +594,13 @@ class ZmqServer:
         session = self._session(request.session, peer)
         self._check_keys(request.keys)
         tenant = self._tenant(session, request.tenant)
+        principal = session.principal
+        if principal.role is Role.TENANT and tenant not in (principal.tenant, CANARY_TENANT):
+            raise p.ProtocolError(
+                p.ErrorCode.FORBIDDEN,
+                f"a tenant's token stores into the shared space {tenant} with store_inline "
+                "(it maps the space's chunks read-only)",
+            )
         if self._draining:
             return p.PrepareStoreReply(request.req, p.NO_LEASE, [], SHUTTING_DOWN), []
         keys = self._keys(session, tenant, request, request.sizes)
@@ -599,8 +608,13 @@ class ZmqServer:
         if reservation.lease is not None:
             session.leases.add(reservation.lease)
         offsets = [-1 if place is None else place.offset for place in reservation.placements]
+        file = self._service.file_id(tenant) if reservation.lease is not None else 0
         return p.PrepareStoreReply(
-            request.req, reservation.lease or p.NO_LEASE, offsets, reservation.refused_reason
+            request.req,
+            reservation.lease or p.NO_LEASE,
+            offsets,
+            reservation.refused_reason,
+            file,
         ), []
 
     def _commit_store(self, request: p.CommitStore, extra: Frames, peer: Peer) -> Handled:

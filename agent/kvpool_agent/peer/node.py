@@ -25,7 +25,6 @@ from kvpool_agent.peer.links import LinkSettings, PeerLink
 from kvpool_agent.peer.serving import PeerServer
 from kvpool_agent.peer.transport import PeerTransport, TcpTransport
 from kvpool_agent.problems import listening
-from kvpool_agent.segment import SharedSegment
 from kvpool_agent.service.cache_service import CacheService
 
 
@@ -68,7 +67,6 @@ class PeerTier:
     def serve(
         self,
         service: CacheService,
-        segment: SharedSegment,
         nvme: L2Adapter | None,
         loop: asyncio.AbstractEventLoop,
     ) -> None:
@@ -80,7 +78,6 @@ class PeerTier:
             self.keyring,
             self.codec,
             service,
-            segment,
             nvme,
             loop,
             self.listener,

@@ -57,7 +57,6 @@ from kvpool_agent.peer.wire import (
     Object,
     WireError,
 )
-from kvpool_agent.segment import SharedSegment
 from kvpool_agent.service.cache_service import CacheService
 from kvpool_agent.web.rate_limited_log import RateLimitedLog
 
@@ -132,7 +131,6 @@ class PeerServer:
     keyring: Keyring
     codec: ObjectCodec
     service: CacheService
-    segment: SharedSegment
     nvme: L2Adapter | None
     loop: asyncio.AbstractEventLoop
     listener: PeerListener
@@ -280,7 +278,8 @@ class PeerServer:
                 return
             hit = self.service.lookup(name.tenant, [name.key], lock=True, count=False).hit
             if hit.lease is not None:
-                payload = self.segment.view[hit.offsets[0] : hit.offsets[0] + hit.sizes[0]]
+                view = self.service.chunk_view(name.tenant)
+                payload = view[hit.offsets[0] : hit.offsets[0] + hit.sizes[0]]
                 self._send_sealed(channel, key_id, name, payload, hit.lease)
                 return
             (stored,) = [None] if self.nvme is None else self._on_loop(self.nvme.get([name]))

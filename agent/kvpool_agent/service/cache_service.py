@@ -38,6 +38,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from operator import attrgetter
 
+from kvpool_agent.chunk_files import ChunkFiles
 from kvpool_agent.core.cache_types import (
     L1Stats,
     PinState,
@@ -48,7 +49,6 @@ from kvpool_agent.core.cache_types import (
 )
 from kvpool_agent.core.l1 import L1Cache
 from kvpool_agent.quotas import Limit, Quota, TierLimits, as_limits
-from kvpool_agent.segment import SharedSegment
 from kvpool_agent.service.hooks import (
     PrefetchHook,
     PrefetchProgress,
@@ -78,9 +78,9 @@ _USED_BYTES = attrgetter("used_bytes")
 
 
 class CacheService:
-    def __init__(self, cache: L1Cache, segment: SharedSegment, quota_store: QuotaStore) -> None:
+    def __init__(self, cache: L1Cache, files: ChunkFiles, quota_store: QuotaStore) -> None:
         self._cache = cache
-        self._segment = segment
+        self._files = files
         self._lock = threading.Lock()
         self._quota_store = quota_store
         self._quota_writes = threading.Lock()
@@ -188,10 +188,14 @@ class CacheService:
         write-back)."""
         return self._commit(lease, None, write_back=False)
 
-    @property
-    def segment_view(self) -> memoryview:
-        """The whole segment, for a tier that writes a reserved chunk in place."""
-        return self._segment.view
+    def chunk_view(self, tenant: str) -> memoryview:
+        """The chunk file of ``tenant`` (an L1 account) mapped: its chunks' bytes at their
+        offsets, for a tier that reads a chunk or writes a reserved one in place."""
+        return self._files.view(tenant)
+
+    def file_id(self, tenant: str) -> int:
+        """The id of ``tenant``'s chunk file that clients map (0: it has none)."""
+        return self._files.file_id(tenant)
 
     def landing(
         self,
@@ -226,13 +230,13 @@ class CacheService:
         payloads: Sequence[bytes | memoryview],
         parent: bytes | None = None,
     ) -> StoreResult:
-        """Reserve, copy ``payloads`` into the segment, commit: the store of a caller
-        that cannot map the segment (chunks from L2 land through :meth:`landing`).
+        """Reserve, copy ``payloads`` into the tenant's chunk file, commit: the store of a
+        caller that does not map it (chunks from L2 land through :meth:`landing`).
 
         The copy runs outside the lock (the reserved chunks are write-locked).
         """
         reservation = self.reserve(tenant, keys, [len(p) for p in payloads], parent)
-        view = self._segment.view
+        view = self.chunk_view(tenant)
         for place, payload in zip(reservation.placements, payloads, strict=False):
             if place is not None:
                 view[place.offset : place.offset + place.nbytes] = payload
@@ -250,7 +254,7 @@ class CacheService:
         if hit.lease is None:
             return []
         try:
-            view, found, total = self._segment.view, [], 0
+            view, found, total = self.chunk_view(tenant), [], 0
             for offset, size in zip(hit.offsets, hit.sizes, strict=True):
                 total += size
                 if total > max_bytes:

@@ -87,7 +87,7 @@ class ChunkLanding:
         place = reservation.placements[0]
         if place is None or place.nbytes != size:
             return None
-        return self.service.segment_view[place.offset : place.offset + size]
+        return self.service.chunk_view(self.tenant)[place.offset : place.offset + size]
 
     def turn(self) -> bool | None:
         """Whether this chunk may reserve now: the one before it holds its place (None: it

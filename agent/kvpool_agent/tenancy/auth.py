@@ -21,7 +21,9 @@ tokens.
 A shared space is a tenant id that other tenants' tokens may act for: its members may
 look up, store and load its chunks, its owners may also pin and warm them
 (:meth:`TokenAuthority.may_use`, :meth:`TokenAuthority.may_pin`); nobody's token is the
-space's own, so only an admin changes its quota or clears it.
+space's own, so only an admin changes its quota or clears it. Of the agent's chunk files,
+handed out by its door (:mod:`kvpool_agent.edge.door`), a member maps a space's read-only
+(:meth:`TokenAuthority.file_access`).
 
 Only the SHA-256 digests of the tokens stay in memory, and every check compares
 digests with :func:`hmac.compare_digest` against every known token, so neither
@@ -54,7 +56,7 @@ from pathlib import Path
 import yaml
 
 from kvpool_agent.files import check_replaceable, ensure_directory, write_file
-from kvpool_agent.keys import TENANT_ID_RULE, check_tenant_id, is_tenant_id
+from kvpool_agent.keys import CANARY_TENANT, TENANT_ID_RULE, check_tenant_id, is_tenant_id
 from kvpool_agent.tenants_configmap import digest_token
 
 log = logging.getLogger(__name__)
@@ -119,6 +121,13 @@ _SHARED_ROLES = (("engines", ENGINE), ("indexes", INDEX), ("gateways", GATEWAY))
 
 Grant = tuple[bytes, Principal]
 """A token's SHA-256 digest (raw bytes) and the principal it stands for."""
+
+
+class FileAccess(enum.StrEnum):
+    """How a principal may map an L1 account's chunk file (:meth:`TokenAuthority.file_access`)."""
+
+    READ_WRITE = "read-write"
+    READ_ONLY = "read-only"
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,6 +257,22 @@ class TokenAuthority:
             and access is not None
             and (principal.tenant in access.owners)
         )
+
+    def file_access(self, principal: Principal, owner: str) -> FileAccess | None:
+        """How ``principal`` may map the chunk file of ``owner`` (an L1 account): None if not.
+
+        An admin or an engine: any file, read-write. A tenant: its own file and the doctor's
+        canary tenant's (:data:`~kvpool_agent.keys.CANARY_TENANT`) read-write, a shared
+        space's it :meth:`may_use` read-only (its stores into a space go through the agent's
+        messages, which check them). An index or a gateway: none.
+        """
+        if principal.role in (Role.ADMIN, Role.ENGINE):
+            return FileAccess.READ_WRITE
+        if principal.role is not Role.TENANT:
+            return None
+        if owner in (principal.tenant, CANARY_TENANT):
+            return FileAccess.READ_WRITE
+        return FileAccess.READ_ONLY if self.may_use(principal, owner) else None
 
     @property
     def file_spaces(self) -> Mapping[str, SpaceAccess]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from kvpool_agent.names import DOOR_SUFFIX
 from kvpool_agent.testing.hosts import Host
 
 BIN = Path(sys.executable).parent
@@ -63,9 +65,11 @@ class AgentProcess:
 
     @property
     def files(self) -> list[Path]:
-        """The agent's files in /dev/shm: the segment, its probe table and its owner lock."""
+        """The agent's files in /dev/shm: the segment, its probe table, its owner lock, and
+        the directories of its chunk files and of its door."""
         segment = self.segment_path
-        return [segment, *(segment.with_name(segment.name + end) for end in (".probe", ".lock"))]
+        ends = (".probe", ".lock", ".files", DOOR_SUFFIX)
+        return [segment, *(segment.with_name(segment.name + end) for end in ends)]
 
     @property
     def admin_token(self) -> str:
@@ -210,14 +214,22 @@ class AgentProcess:
         """Kill the agent and remove its files in /dev/shm (a killed agent leaves them all)."""
         self.kill()
         for path in self.files:
-            path.unlink(missing_ok=True)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
-def running_agent(settings: dict[str, str], timeout: float = 60.0) -> Iterator[AgentProcess]:
-    """A started agent with its state in a temporary directory, removed with it on exit."""
+def running_agent(
+    settings: dict[str, str],
+    timeout: float = 60.0,
+    tenant_tokens: dict[str, str] | None = None,
+) -> Iterator[AgentProcess]:
+    """A started agent with its state in a temporary directory, removed with it on exit
+    (``tenant_tokens``: tenant id -> token, in its tokens file)."""
     with tempfile.TemporaryDirectory(prefix="kvpool-agent-") as workdir:
-        agent = AgentProcess(Path(workdir), dict(settings))
+        agent = AgentProcess(Path(workdir), dict(settings), dict(tenant_tokens or {}))
         try:
             yield agent.start(timeout)
         finally:

@@ -24,7 +24,6 @@ from typing import Literal
 
 from kvpool_agent.keys import CANARY_TENANT
 from kvpool_agent.l2.base import L2Adapter, L2Object, ObjectKey
-from kvpool_agent.segment import SharedSegment
 from kvpool_agent.service.cache_service import CacheService
 from kvpool_agent.service.hooks import Pins
 
@@ -60,7 +59,6 @@ class WriteBack:
     def __init__(
         self,
         service: CacheService,
-        segment: SharedSegment,
         tiers: Sequence[L2Adapter],
         *,
         policy: Literal["all", "reused"],
@@ -71,7 +69,6 @@ class WriteBack:
         observe: LatencyObserver | None = None,
     ) -> None:
         self._service = service
-        self._segment = segment
         self._tiers = list(tiers)
         self._policy = policy
         self._min_hits = min_hits
@@ -169,7 +166,8 @@ class WriteBack:
             try:
                 # Pinned, so the bytes stay put: hand the tiers a view, not a copy (a copy on
                 # the event loop would hold the GIL against the ZMQ thread's stores).
-                payload = self._segment.view[item.offset : item.offset + item.size]
+                view = self._service.chunk_view(item.name.tenant)
+                payload = view[item.offset : item.offset + item.size]
                 for tier, stored in zip(
                     self._tiers,
                     await asyncio.gather(*(self._put(t, item, payload) for t in self._tiers)),

@@ -32,6 +32,9 @@ class RateLimitedLog:
         self._clock = clock
         self._seen: dict[str, _Seen] = {}
 
+    def info(self, event: str) -> None:
+        self._log(logging.INFO, event)
+
     def warning(self, event: str) -> None:
         self._log(logging.WARNING, event)
 

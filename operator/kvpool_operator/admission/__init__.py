@@ -3,10 +3,12 @@ pool.
 
 A team labels its pod ``kvpool.io/cache-pool: <pool>``; on the pod's creation the API
 server calls the operator, which finds the namespace's KVCacheTenant of that pool (kopf
-indices, no API call) and answers with a JSON patch: the segment's CSI volume and mount,
-the connector's environment, the agents' supplemental group. It never refuses a pod: one
-it cannot wire is admitted as it is, with a warning; and the webhook's failure policy is
-Ignore, so an operator that is down delays no pod.
+indices, no API call) and answers with a JSON patch: the pool's CSI volume and mount (the
+agent's door, read-only, for a tenant's pod; the pool's directory with its segment, and the
+agents' supplemental group, for a pod of the pool's engineNamespaces) and the connector's
+environment. It never refuses a pod: one it cannot wire is admitted as it is, with a
+warning; and the webhook's failure policy is Ignore, so an operator that is down delays no
+pod.
 
 - :mod:`~kvpool_operator.admission.wiring`: the pure mutation (pod and facts in, patch and
   warnings out);

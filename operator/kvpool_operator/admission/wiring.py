@@ -1,29 +1,35 @@
 """The pure mutation: a pod labelled ``kvpool.io/cache-pool`` and what the operator knows
 (its namespace's tenants, the pools) in; a JSON patch and warnings out. No I/O.
 
-The patch adds, and replaces nothing, in every container of ``spec.containers`` (init
-containers are left alone), the connector's environment, each variable unless the container
+The patch adds, and replaces nothing: the volume ``kvpool-segment`` (an inline volume of
+the CSI driver ``csi.kvpool.io``, attributes ``pool`` and ``namespace``), and in every
+container of ``spec.containers`` (init containers are left alone) its mount at
+``/var/run/kvpool`` and the connector's environment, each variable unless the container
 already sets it: ``KVPOOL_ENDPOINT`` (the pool Service's ZMQ port, so that the connector
-never asks the Kubernetes API), ``KVPOOL_TRANSPORT=messages``, ``KVPOOL_CHUNK_TOKENS``, and
-``KVPOOL_TOKEN`` and ``KVPOOL_CACHE_SALT`` from the tenant's Secret ``<tenant>-kvpool``
-(``optional``: a refused tenant's pod starts, and its connector says why; no
-``KVPOOL_TOKEN`` for a container that sets ``KVPOOL_TOKEN_FILE``, which it would beat).
-Such a pod moves its KV through the agent's messages, which reach its own tenant's chunks
-(and its spaces') only.
+never asks the Kubernetes API), ``KVPOOL_DOOR_PATH`` (the agent's door, a Unix socket),
+``KVPOOL_CHUNK_TOKENS``, and ``KVPOOL_TOKEN`` and ``KVPOOL_CACHE_SALT`` from the tenant's
+Secret ``<tenant>-kvpool`` (``optional``: a refused tenant's pod starts, and its connector
+says why; no ``KVPOOL_TOKEN`` for a container that sets ``KVPOOL_TOKEN_FILE``, which it
+would beat).
 
-Only a pod of one of the pool's ``engineNamespaces`` (engines the platform team runs and
-trusts as it trusts the agents) gets the node's segment, which holds every tenant's KV,
-instead of ``KVPOOL_TRANSPORT``: the volume ``kvpool-segment`` (the pool's segment
-directory, published by the CSI driver ``csi.kvpool.io``, attributes ``pool`` and
-``namespace``, which publishes it to those namespaces only) mounted at ``/var/run/kvpool``
-in each container, ``KVPOOL_SEGMENT_PATH``, and the agents' group (10001) in
-``spec.securityContext.supplementalGroups``: the segment is 0660 in a 0710 directory of
-that group, so the pod's own (non-root) uid may map it.
+What the CSI plugin publishes in that volume depends on the pod's namespace, as the
+kubelet tells it. A tenant's pod (any namespace but the pool's ``engineNamespaces``) gets
+only the pool directory's door (``segment.door/``), read-only (the volume and its mounts
+say ``readOnly`` too): ``KVPOOL_DOOR_PATH`` is ``/var/run/kvpool/agent.sock``, and the door
+hands its connector the chunk files its token may map (its own tenant's, and its spaces'), so it
+needs no group. A pod of one of the pool's ``engineNamespaces`` (engines the platform team
+runs and trusts as it trusts the agents) gets the pool's whole directory, whose probe table
+lists every tenant's keys on the node: ``KVPOOL_DOOR_PATH`` is
+``/var/run/kvpool/segment.door/agent.sock``, and it gets ``KVPOOL_SEGMENT_PATH`` (beside
+which its scheduler reads the probe table) and the agents' group (10001) in
+``spec.securityContext.supplementalGroups`` too: the probe table is 0640 in a 0710
+directory of that group, so the pod's own (non-root) uid may read it.
 
-Nothing privileged: no hostPath, no capability, no user change. A pod that already has the
-volume is left as it is. A label that names no pool of one tenant of the namespace (none,
-several, a value that is no DNS label, a tenant whose pool is not there or does not accept
-it) leaves the pod unchanged, with one warning line that names the value and the namespace.
+Nothing privileged: no hostPath, no capability, no user change (Pod Security
+"restricted" allows csi volumes). A pod that already has the volume is left as it is. A
+label that names no pool of one tenant of the namespace (none, several, a value that is no
+DNS label, a tenant whose pool is not there or does not accept it) leaves the pod
+unchanged, with one warning line that names the value and the namespace.
 """
 
 from __future__ import annotations
@@ -38,14 +44,16 @@ from kvpool_agent.names import (
     CACHE_POOL_LABEL,
     CACHE_SALT_ENV,
     CONNECTOR_CHUNK_TOKENS_ENV,
+    CONNECTOR_DOOR_PATH_ENV,
     CONNECTOR_ENDPOINT_ENV,
     CONNECTOR_SEGMENT_PATH_ENV,
     CONNECTOR_TOKEN_ENV,
     CONNECTOR_TOKEN_FILE_ENV,
-    CONNECTOR_TRANSPORT_ENV,
     CSI_DRIVER,
     CSI_NAMESPACE_ATTRIBUTE,
     CSI_POOL_ATTRIBUTE,
+    DOOR_DIRECTORY,
+    DOOR_SOCKET,
     SEGMENT_FILE,
     SEGMENT_MOUNT_DIR,
     service_name,
@@ -54,7 +62,8 @@ from kvpool_operator.render.pods import AGENT_UID
 from kvpool_operator.tenants import SECRET_SUFFIX
 
 VOLUME = "kvpool-segment"
-"""The name of the segment's volume (and of its mounts)."""
+"""The name of the pool's volume (and of its mounts): the pool's directory in an engine's
+pod, its door in a tenant's."""
 AGENT_GROUP = AGENT_UID
 """The agents' group, which owns a pool's segment directory on a node."""
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -136,7 +145,7 @@ def wire(pod: Obj, namespace: str, bindings: Sequence[Binding]) -> Wiring:
             f"{binding.pool_namespace}/{value}, which does not exist or is not valid"
         )
     if binding.refused:
-        # its pods would wait for a volume the CSI plugin never publishes to them
+        # the agents refuse its token (its messages and its door alike): say why here
         return _unwired(
             f"KVCacheTenant {namespace}/{binding.tenant} is not accepted by pool "
             f"{binding.pool_namespace}/{value} ({binding.refused})"
@@ -149,26 +158,32 @@ def _unwired(problem: str) -> Wiring:
     return Wiring(warnings=[f"kvpool: {problem}; {_UNWIRED}"])
 
 
-def volume(pool: PoolFacts) -> dict[str, Any]:
-    return {
-        "name": VOLUME,
-        "csi": {
-            "driver": CSI_DRIVER,
-            "volumeAttributes": {
-                CSI_POOL_ATTRIBUTE: pool.name,
-                CSI_NAMESPACE_ATTRIBUTE: pool.namespace,
-            },
+def volume(pool: PoolFacts, maps_segment: bool) -> dict[str, Any]:
+    """The pool's CSI volume: read-only in a tenant's pod (the plugin publishes it so
+    anyway)."""
+    source: dict[str, Any] = {
+        "driver": CSI_DRIVER,
+        "volumeAttributes": {
+            CSI_POOL_ATTRIBUTE: pool.name,
+            CSI_NAMESPACE_ATTRIBUTE: pool.namespace,
         },
     }
+    if not maps_segment:
+        source["readOnly"] = True
+    return {"name": VOLUME, "csi": source}
 
 
-def mount() -> dict[str, Any]:
-    return {"name": VOLUME, "mountPath": str(SEGMENT_MOUNT_DIR)}
+def mount(maps_segment: bool) -> dict[str, Any]:
+    """The volume's mount in each container: read-only in a tenant's pod."""
+    found = {"name": VOLUME, "mountPath": str(SEGMENT_MOUNT_DIR)}
+    return found if maps_segment else {**found, "readOnly": True}
 
 
 def environment(tenant: str, pool: PoolFacts, maps_segment: bool) -> list[dict[str, Any]]:
-    """The connector's variables, in this order (``KVPOOL_SEGMENT_PATH`` for a pod that maps
-    the segment, else ``KVPOOL_TRANSPORT=messages``)."""
+    """The connector's variables, in this order (``KVPOOL_SEGMENT_PATH`` only for a pod that
+    maps the segment). ``KVPOOL_DOOR_PATH`` is the door socket in the volume: in the
+    ``door/`` of the pool's directory that an engine's pod gets, at the top of the door that
+    a tenant's pod gets."""
     secret = f"{tenant}{SECRET_SUFFIX}"
 
     def from_secret(name: str, key: str) -> dict[str, Any]:
@@ -176,15 +191,15 @@ def environment(tenant: str, pool: PoolFacts, maps_segment: bool) -> list[dict[s
         return {"name": name, "valueFrom": {"secretKeyRef": ref}}
 
     endpoint = f"tcp://{service_name(pool.name)}.{pool.namespace}.svc:{pool.zmq_port}"
-    segment = str(SEGMENT_MOUNT_DIR / SEGMENT_FILE)
-    transport = (
-        {"name": CONNECTOR_SEGMENT_PATH_ENV, "value": segment}
-        if maps_segment
-        else {"name": CONNECTOR_TRANSPORT_ENV, "value": "messages"}
-    )
+    variables = [{"name": CONNECTOR_ENDPOINT_ENV, "value": endpoint}]
+    door = SEGMENT_MOUNT_DIR / DOOR_SOCKET  # the volume is the door
+    if maps_segment:  # the volume is the pool's directory
+        segment = SEGMENT_MOUNT_DIR / SEGMENT_FILE
+        variables.append({"name": CONNECTOR_SEGMENT_PATH_ENV, "value": str(segment)})
+        door = SEGMENT_MOUNT_DIR / DOOR_DIRECTORY / DOOR_SOCKET
     return [
-        {"name": CONNECTOR_ENDPOINT_ENV, "value": endpoint},
-        transport,
+        *variables,
+        {"name": CONNECTOR_DOOR_PATH_ENV, "value": str(door)},
         {"name": CONNECTOR_CHUNK_TOKENS_ENV, "value": str(pool.chunk_tokens)},
         from_secret(CONNECTOR_TOKEN_ENV, "token"),
         from_secret(CACHE_SALT_ENV, "salt"),
@@ -193,13 +208,11 @@ def environment(tenant: str, pool: PoolFacts, maps_segment: bool) -> list[dict[s
 
 def _patch(spec: Obj, tenant: str, pool: PoolFacts, maps_segment: bool) -> JsonPatch:
     patch: JsonPatch = []
-    if maps_segment:
-        _append(patch, "/spec/volumes", spec.get("volumes"), [volume(pool)])
+    _append(patch, "/spec/volumes", spec.get("volumes"), [volume(pool, maps_segment)])
     variables = environment(tenant, pool, maps_segment)
     for number, container in enumerate(spec.get("containers") or ()):
         path = f"/spec/containers/{number}"
-        if maps_segment:
-            _append(patch, f"{path}/volumeMounts", container.get("volumeMounts"), [mount()])
+        _append(patch, f"{path}/volumeMounts", container.get("volumeMounts"), [mount(maps_segment)])
         own = {variable.get("name") for variable in container.get("env") or ()}
         if CONNECTOR_TOKEN_FILE_ENV in own:  # its own token file (KVPOOL_TOKEN would win)
             own.add(CONNECTOR_TOKEN_ENV)

@@ -295,12 +295,14 @@ class PoolSpec(SpecModel):
     )
     engine_namespaces: tuple[NamespaceName, ...] = Field(
         (),
-        description="Namespaces (by name) whose pods may map the node's whole L1 segment, "
-        "through the CSI driver csi.kvpool.io: every tenant's KV on the node, read and write. "
-        "Only for engines the platform team runs and trusts as it trusts the agents (an "
-        "engine that serves many tenants, with an engine token). Pods of every other "
-        "namespace, tenants' pods included, are refused the segment: the webhook wires them to "
-        "the agent's messages, which reach their own tenant's chunks only.",
+        description="Namespaces (by name) whose pods get the pool's whole directory on the "
+        "node through the CSI driver csi.kvpool.io (the agent's door, and the table of ready "
+        "chunks that lists every tenant's keys), and the agents' group. Only for engines "
+        "the platform team runs and trusts as it trusts the agents (an engine that serves "
+        "many tenants, whose engine token maps every tenant's chunk file). Pods of every other "
+        "namespace, tenants' pods included, get only the agent's door through that driver "
+        "(read-only): a socket that hands a connector the chunk files its token may map, its "
+        "own tenant's and its spaces'.",
         json_schema_extra={"maxItems": 64} | SET,
     )
     shared_spaces: tuple[SharedSpaceSpec, ...] = Field(

@@ -6,12 +6,14 @@ import multiprocessing
 import multiprocessing.queues
 import os
 import random
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from kvpool_agent.chunk_files import ChunkFiles, files_directory, generation_directory
 from kvpool_agent.client import AgentClient, AgentError, AgentUnavailable
 from kvpool_agent.core.cache_types import RestoreReport
 from kvpool_agent.core.journal import SegmentJournal
@@ -40,13 +42,23 @@ def segment_path(tmp_path: Path) -> Iterator[Path]:
     yield path
     path.unlink(missing_ok=True)
     table_path(path).unlink(missing_ok=True)  # a node's table that a test did not close
+    shutil.rmtree(files_directory(path), ignore_errors=True)
 
 
 class Node:
-    """An agent's L1 in-process: segment + journal + cache, reopened like a restart."""
+    """An agent's L1 in-process: segment + chunk files + journal + cache, reopened like a
+    restart."""
 
     def __init__(self, path: Path, policy: str = "lru", clock: FakeClock | None = None) -> None:
         self.segment, self.recreated = SharedSegment.open(path, 64 * PAGE, PAGE)
+        layout = self.segment.layout
+        self.files = ChunkFiles.open(
+            generation_directory(path, self.segment.identity[1]),
+            layout.total_size,
+            layout.page_size,
+            layout.data_offset,
+            adopt=self.recreated is None,
+        )
         self.journal = SegmentJournal(self.segment)
         self.probe_table = ProbeTableWriter(table_path(path), self.segment.layout.pages, AGENT_ID)
         self.cache = L1Cache(
@@ -56,6 +68,7 @@ class Node:
             journal=self.journal,
             clock=clock or FakeClock(),
             probe_table=self.probe_table,
+            backing=self.files,
         )
         self.report = (
             None
@@ -73,14 +86,16 @@ class Node:
         )
         for name, place in zip(names, reservation.placements, strict=False):
             if place is not None:
-                self.segment.write(place.offset, payload(name, size))
+                view = self.files.view(tenant)
+                view[place.offset : place.offset + size] = payload(name, size)
         assert reservation.lease is not None
         self.cache.commit(reservation.lease)
         self.cache.check_invariants()
 
     def read(self, tenant: str, names: list[int]) -> list[bytes]:
         hit = self.cache.lookup(tenant, [key(n) for n in names], lock=False)
-        return [self.segment.read(o, s) for o, s in zip(hit.offsets, hit.sizes, strict=True)]
+        view = self.files.view(tenant)
+        return [bytes(view[o : o + s]) for o, s in zip(hit.offsets, hit.sizes, strict=True)]
 
     def probed(self, tenant: str, names: list[int]) -> list[int]:
         """Which of ``names`` the schedulers' probe table offers ``tenant``."""
@@ -93,6 +108,7 @@ class Node:
     def close(self) -> None:
         self.probe_table.close()
         self.journal.close()
+        self.files.close()
         self.segment.close()
 
 
@@ -234,8 +250,8 @@ def test_damaged_records_are_discarded_never_served(segment_path: Path) -> None:
     for n in range(6):
         node.store(TENANT, [n], PAGE)
     node.close()
+    layout = node.segment.layout
     with segment_path.open("r+b") as handle:  # flip a byte inside slot 0's record (its key)
-        layout = SharedSegment.attach(segment_path).layout
         handle.seek(layout.table_offset + 0 * TABLE_RECORD_BYTES + 10)
         handle.write(b"\xff")
     again = Node(segment_path)
@@ -295,7 +311,9 @@ def _store_until_refused(
             plan = client.prepare_store(TENANT, [key(name)], [50_000])
             if plan.lease is None:
                 break  # refused: the agent is draining
-            client.segment().write(plan.offsets[0], payload(name, 50_000))
+            client.files().chunk(plan.file, plan.offsets[0], 50_000, write=True)[:] = payload(
+                name, 50_000
+            )
             if client.commit_store(plan.lease) == 1:
                 done.put(name)
             name += 1
@@ -345,9 +363,9 @@ def test_an_incompatible_segment_is_recreated_with_a_reason(agent_process: Agent
         handle.seek(8)
         handle.write((1).to_bytes(4, "little"))
     agent.start()
-    assert any("from empty: segment layout 1; this build reads 2" in line for line in agent.log)
+    assert any("from empty: segment layout 1; this build reads 3" in line for line in agent.log)
     metrics = httpx.get(f"{agent.http}/metrics").text
-    assert 'kvpool_l1_segment_origin{reason="segment layout 1; this build reads 2"} 1.0' in metrics
+    assert 'kvpool_l1_segment_origin{reason="segment layout 1; this build reads 3"} 1.0' in metrics
     with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         assert client.lookup(TENANT, [key(0)], lock=False).count == 0
         _fill(agent.zmq, TENANT, 8, 1000)  # and it serves

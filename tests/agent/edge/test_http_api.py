@@ -126,7 +126,7 @@ def running(
 ) -> Iterator[Api]:
     quota_file = quota_file or tmp_path / "q.json"
     cache = make_cache(pages=100, quotas=quotas, pin_budget=pin_budget)
-    service = make_service(cache, quota_file)
+    service = make_service(cache, quota_file, tmp_path / "chunk-files")
     server.mount.app = create_app(service, TokenAuthority(TOKENS), ready=ready, metrics=metrics)
     try:
         yield Api(service, server.http, quota_file)

@@ -37,7 +37,7 @@ def test_a_writer_stalled_past_its_lease_corrupts_no_other_tenant(agent: AgentPr
         # The stall, made deterministic: the writer copies nothing until its lease expired.
         wait_until(lambda: other.stats()["lock_expiries"] == 1)
         assert other.store(OTHER, [key(2)], [data(2, SIZE)]) == 1
-        copy_in(stalled.segment(), plan.offsets, [data(1, SIZE)])  # the late write
+        copy_in(stalled.files(), plan, [data(1, SIZE)])  # the late write
         assert other.retrieve(OTHER, [key(2)]) == [data(2, SIZE)]
         with pytest.raises(AgentError) as late_commit:
             stalled.commit_store(plan.lease)

@@ -115,7 +115,10 @@ def test_a_member_of_a_shared_space_acts_for_its_chunks_and_others_do_not(
     agent: AgentProcess,
 ) -> None:
     with AgentClient(agent.zmq, token=ALICE_TOKEN) as alice:
-        alice.store(SPACE, [key("shared")], [b"system prompt"])
+        # a member stores into a space through the agent (its file is read-only to it) ...
+        _forbidden(lambda: alice.store(SPACE, [key("shared")], [b"system prompt"]))
+        assert alice.store_inline(SPACE, [key("shared")], [b"system prompt"]).stored == 1
+        # ... and reads it zero-copy from the space's file
         assert alice.retrieve(SPACE, [key("shared")]) == [b"system prompt"]
         _forbidden(lambda: alice.clear(SPACE))  # an admin's, not a member's
         alice.store_inline(CANARY_TENANT, [key("canary")], [CANARY_CHUNK])  # kvpool doctor's

@@ -11,13 +11,17 @@ import pytest
 
 from kvpool_agent import files
 from kvpool_agent.files import Undo
-from kvpool_agent.keys import TENANT_ID_RULE, check_tenant_id, tenant_id
+from kvpool_agent.keys import CANARY_TENANT, TENANT_ID_RULE, check_tenant_id, tenant_id
 from kvpool_agent.tenancy import auth
 from kvpool_agent.tenancy.auth import (
     ADMIN,
+    ENGINE,
     GATEWAY,
+    INDEX,
+    FileAccess,
     Principal,
     Role,
+    SpaceAccess,
     TokenAuthority,
     TokenFileError,
     load_authority,
@@ -115,6 +119,31 @@ def test_a_space_of_the_file_admits_its_members_and_owners(tmp_path: Path) -> No
     assert not authority.may_pin(alice, space) and authority.may_pin(bob, space)
     authority.replace_spaces({})  # the file's spaces stay
     assert authority.may_use(alice, space)
+
+
+def test_who_maps_which_chunk_file() -> None:
+    space, carol = tenant_id("space"), tenant_id("carol")
+    authority = TokenAuthority(
+        {"admin": "x", "spaces": {space: {"members": [ALICE], "owners": [BOB]}}}
+    )
+    alice, bob = Principal.for_tenant(ALICE), Principal.for_tenant(BOB)
+    carol_ = Principal.for_tenant(carol)
+    rw, ro = FileAccess.READ_WRITE, FileAccess.READ_ONLY
+    expected = {
+        # owner:        admin, engine, alice, bob,  carol, index, gateway
+        ALICE: (rw, rw, rw, None, None, None, None),
+        BOB: (rw, rw, None, rw, None, None, None),
+        space: (rw, rw, ro, ro, None, None, None),
+        CANARY_TENANT: (rw, rw, rw, rw, rw, None, None),
+    }
+    principals = (ADMIN, ENGINE, alice, bob, carol_, INDEX, GATEWAY)
+    for owner, accesses in expected.items():
+        found = tuple(authority.file_access(principal, owner) for principal in principals)
+        assert found == accesses, owner
+    assert rw == "read-write" and ro == "read-only"
+    authority.replace_spaces({carol: SpaceAccess(members=frozenset({ALICE}))})
+    assert authority.file_access(alice, carol) is ro  # a space granted at run time
+    assert authority.file_access(carol_, carol) is rw  # its own id: the tenant's own file
 
 
 @pytest.mark.parametrize(

@@ -187,7 +187,7 @@ def test_service_writes_through_before_applying(tmp_path: Path) -> None:
 def test_failed_store_leaves_the_quota_unchanged(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
-    service = make_service(make_cache(), blocker / "q.json")
+    service = make_service(make_cache(), blocker / "q.json", tmp_path / "chunk-files")
     with pytest.raises(QuotaStoreError):
         service.set_quota(ALICE, 0)
     assert not service.quota(ALICE).explicit

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from kvpool_agent.core.cache_types import (
+    ChunkBacking,
     ChunkListener,
     EvictionCause,
     Hit,
@@ -59,6 +60,7 @@ class L1Cache:
         idle_tenants: int = IDLE_TENANTS,
         probe_table: ProbeTableWriter | None = None,
         pin_budget: int = 0,
+        backing: ChunkBacking | None = None,
     ) -> None:
         """``journal``, if given, records committed chunks in the segment for warm restarts.
 
@@ -67,6 +69,7 @@ class L1Cache:
         ``idle_tenants``: how many records of tenants that hold nothing keep their counters.
         ``probe_table``, if given, is kept to the ready chunks for the connectors' schedulers.
         ``pin_budget``: the pin budget of a tenant without one of its own (0: it may not pin).
+        ``backing``, if given, holds the chunks' bytes: each account's own memory.
         """
         if not 0 < low_watermark < high_watermark <= 1:
             raise ValueError("watermarks must satisfy 0 < low < high <= 1")
@@ -82,6 +85,7 @@ class L1Cache:
             journal=journal,
             probe_table=probe_table,
             listener=listener,
+            backing=backing,
         )
         self._chunks = chunks
         # Bound once: the slot table, the index and the records are never replaced.
@@ -180,6 +184,9 @@ class L1Cache:
             first_page = evictor.allocate(pages, protected)
             if first_page is None:
                 refused = "no evictable memory left in the L1 segment"
+                break
+            refused = chunks.back(account, first_page, pages)
+            if refused is not None:
                 break
             slot = chunks.place(account, key, nbytes, first_page, pages)
             self._slots.link(slot, previous)
@@ -341,11 +348,16 @@ class L1Cache:
         return self._leases.expire()
 
     def maintain(self) -> None:
-        """The periodic check: expire leases, restore the watermark, enforce shrunken quotas."""
+        """The periodic check: expire leases, restore the watermark, enforce shrunken quotas,
+        give back memory that clients wrote outside their chunks."""
         self.expire_leases()
         self._evictor.to_watermark(extra_pages=0, protected=set())
         self._evictor.enforce_quotas()
         self._tenants.trim_idle()
+        backing = self._chunks.backing
+        if backing is not None:
+            for owner in backing.strays():
+                backing.trim(owner)
 
     def evict(self, pages: int, tenant: str | None = None) -> bool:
         """Free at least ``pages`` pages (of one tenant, or anyone): all or nothing."""

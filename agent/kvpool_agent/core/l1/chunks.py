@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvpool_agent.core.allocator import ExtentAllocator
-from kvpool_agent.core.cache_types import ChunkListener
+from kvpool_agent.core.cache_types import ChunkBacking, ChunkListener
 from kvpool_agent.core.journal import RESERVED, ChunkRecord, SegmentJournal
 from kvpool_agent.core.l1.pin_sets import PinSets
 from kvpool_agent.core.l1.slots import NIL, READY, SlotTable, State
@@ -35,6 +35,7 @@ class Chunks:
         journal: SegmentJournal | None,
         probe_table: ProbeTableWriter | None,
         listener: ChunkListener | None,
+        backing: ChunkBacking | None,
     ) -> None:
         self.layout = layout
         self.slots = SlotTable(layout.pages)
@@ -46,6 +47,7 @@ class Chunks:
         self.journal = journal
         self.probe_table = probe_table
         self.listener = listener
+        self.backing = backing
         self.lower_tier = False
         """L2 tiers are configured: a prefix that L1 lacks can come back by prefetch."""
         self.stored_bytes = 0
@@ -57,6 +59,20 @@ class Chunks:
 
     def offset_of(self, first_page: int) -> int:
         return self.layout.data_offset + first_page * self.layout.page_size
+
+    def back(self, account: Tenant, first_page: int, pages: int) -> str | None:
+        """Give the account's memory to pages just allocated for one of its chunks; why not
+        (the pages are free again) when there is no memory for them."""
+        if self.backing is None:
+            return None
+        try:
+            self.backing.take(
+                account.name, self.offset_of(first_page), pages * self.layout.page_size
+            )
+        except OSError as error:
+            self.allocator.free(first_page, pages)
+            return error.strerror or str(error)
+        return None
 
     def place(self, account: Tenant, key: bytes, nbytes: int, first_page: int, pages: int) -> int:
         """Put a chunk being written on pages allocated for it; its slot, linked to nothing."""
@@ -108,7 +124,7 @@ class Chunks:
             del self.index[key]
         slots.unlink(slot)
         self.allocator.free(slots.first_page[slot], slots.pages[slot])
-        account = self.tenants.places[slots.tenant[slot]]
+        account = self.tenants.places[slots.tenant[slot]]  # its pages stay with its memory
         nbytes = slots.nbytes[slot]
         account.used_bytes -= nbytes
         account.chunks -= 1

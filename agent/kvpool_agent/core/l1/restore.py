@@ -72,6 +72,11 @@ def restore(
     used = {record.slot for record in kept + held}
     slots.free = array("i", (s for s in range(total - 1, -1, -1) if s not in used))
     chunks.commit_sequence = max((r.sequence for r in kept), default=0)
+    if chunks.backing is not None:  # each chunk's bytes are in its account's memory already
+        for record in kept + held:
+            offset = chunks.offset_of(record.first_page)
+            chunks.backing.claim(record.tenant, offset, record.pages * chunks.layout.page_size)
+        chunks.backing.trim_all()  # chunks discarded, pages of none, or written by clients
     return RestoreReport(len(kept), len(discarded), len(held))
 
 
