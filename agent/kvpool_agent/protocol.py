@@ -34,7 +34,6 @@ The events feed (:data:`EVENTS_TOPIC`) takes the same token as a ZMQ PLAIN passw
 from __future__ import annotations
 
 import enum
-from typing import cast
 
 import msgspec
 
@@ -351,17 +350,19 @@ _TOO_DEEP = "frame is msgpack nested too deeply"
 
 def decode_request(frame: bytes | memoryview) -> Request:
     try:
-        return cast(Request, _request_decoder.decode(frame))
+        request: Request = _request_decoder.decode(frame)  # typed by msgspec 0.23 on
     except _UNDECODABLE as error:
         raise _classify(frame, error) from None
+    return request
 
 
 def decode_reply(frame: bytes | memoryview) -> Reply:
     try:
-        return cast(Reply, _reply_decoder.decode(frame))
+        reply: Reply = _reply_decoder.decode(frame)
     except _UNDECODABLE as error:
         reason = _TOO_DEEP if isinstance(error, RecursionError) else error
         raise ProtocolError(ErrorCode.MALFORMED, f"malformed reply: {reason}") from None
+    return reply
 
 
 def _classify(frame: bytes | memoryview, error: Exception) -> ProtocolError:
