@@ -598,8 +598,10 @@ class Flow:
                 for line in engine.log_path.read_text().splitlines()
                 if "kvpool worker" in line and any(w in line for w in TRANSPORT_WORDS)
             ]
-        # the files' ids, as the agent's replies name them: their inodes on node-a
-        files = files_directory(self.kubelets[0].node.host_path(str(segment_path(self.pool_name))))
+        # the files' ids, as the agent's replies name them: their inodes on node-a (in the
+        # directory of the agent's segment: files_directory/<segment inode>/)
+        segment = self.kubelets[0].node.host_path(str(segment_path(self.pool_name)))
+        files = files_directory(segment) / str(segment.stat().st_ino)
         owners = {
             "own": self.teams[TEAMS[1]]["tenant-id"],
             SPACE: evidence.space_tenant,
