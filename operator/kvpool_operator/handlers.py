@@ -210,8 +210,7 @@ async def tenant_usage(
 
 def _recheck(tenants: TenantReconciler, body: kopf.Body) -> None:
     try:
-        tenants.tenant_changed(body)
-        tenants.read_usage(body)
+        tenants.recheck(str(body.metadata.namespace), str(body.metadata.name))
     except ApiError as error:
         logging.getLogger(__name__).warning("tenant not re-checked: %s", error)
 

@@ -185,11 +185,17 @@ class TenantReconciler:
         with self._lock:
             self._reconcile(tenant)
 
-    def refresh(self, namespace: str, name: str) -> None:
-        """Reconcile the tenant as stored now (its pool changed)."""
-        tenant = self._cluster.get(TENANTS, namespace, name)
-        if tenant is not None and not tenant["metadata"].get("deletionTimestamp"):
-            self.tenant_changed(tenant)
+    def refresh(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+        """Reconcile the tenant as stored now (its pool changed; the periodic re-check) and
+        return it; nothing where it is gone or being deleted. Read under the lock that the
+        deletion withdraws the token under, so that a re-check racing a deletion never
+        publishes the token again after the deletion took it back."""
+        with self._lock:
+            tenant = self._cluster.get(TENANTS, namespace, name)
+            if tenant is None or tenant["metadata"].get("deletionTimestamp"):
+                return None
+            self._reconcile(tenant)
+            return tenant
 
     def _reconcile(self, tenant: Mapping[str, Any]) -> None:
         who = _Tenant.of(tenant)
@@ -472,6 +478,15 @@ class TenantReconciler:
         )
 
     # ---------------------------------------------------------------- usage
+
+    def recheck(self, namespace: str, name: str) -> None:
+        """The periodic pass: admission again, then usage, of the tenant as stored now. The
+        pass runs in a thread that may outlive its daemon (kopf cannot cancel a thread), so it
+        takes names, never the body the daemon started with: from such a body, a pass that
+        went on after the deletion published the deleted tenant's token again."""
+        tenant = self.refresh(namespace, name)
+        if tenant is not None:
+            self.read_usage(tenant)
 
     def read_usage(self, tenant: Mapping[str, Any]) -> None:
         status = tenant.get("status") or {}
