@@ -662,7 +662,7 @@ class AgentConfig(BaseSettings):
     tokens_file: Path | None = Field(
         None,
         description=(
-            "YAML/JSON file of bearer tokens {admin: [...], tenants: {tenant-id: [...]}, "
+            "YAML/JSON file of bearer tokens {admins: [...], tenants: {tenant-id: [...]}, "
             "engines: [...], indexes: [...]}; without one, an admin, an engine and an index "
             "token are generated into state_dir at start (<role>-token-<pool>, mode 0600)."
         ),
@@ -792,7 +792,7 @@ class AgentConfig(BaseSettings):
         generates at start (keys as in a tokens file)."""
         return {
             key: generated_token_path(self.state_dir, role, self.pool)
-            for key, role in (("admin", "admin"), ("engines", "engine"), ("indexes", "index"))
+            for key, role in (("admins", "admin"), ("engines", "engine"), ("indexes", "index"))
         }
 
     @classmethod

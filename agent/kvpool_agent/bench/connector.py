@@ -66,7 +66,7 @@ from kvpool_agent.testing.agent_process import ENGINE_TOKEN, running_agent
 
 CONFIGS = ("none", "kvpool", "tenant", "inline", "example", "native")
 _WITH_AGENT = ("kvpool", "tenant", "inline")
-TENANT_TOKEN = "bench-tenant-token"
+TENANT_TOKEN = "bench-tenant-token-6a2f9d14e8c07b35"
 """The ``tenant`` engine's token: a KVCacheTenant's, of its agent's tokens file."""
 FLOOR = "floor"
 """The row of one-chunk prompts, served by the ``none`` engine."""
