@@ -55,7 +55,7 @@ import hmac
 import logging
 import re
 import secrets
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -464,7 +464,7 @@ def _glimpse(key: object) -> str:
     return f"{text[:2]!r}... ({len(text)} characters)"
 
 
-def _unknown_keys(keys: list[object]) -> str:
+def _unknown_keys(keys: Sequence[object]) -> str:
     """``unknown key 'admn' (did you mean 'admins'?)``; keys named by :func:`_glimpse`."""
     named = ", ".join(_glimpse(key) for key in keys)
     if len(keys) > 1:
