@@ -54,6 +54,7 @@ def test_a_missed_goal_is_marked() -> None:
     assert report.goal("<= 1 us", 1.5, 1) == "<= 1 us MISSED"
     assert report.goal(">= 0.8", 0.9, 0.8, at_least=True) == ">= 0.8"
     assert report.goal(">= 0.8", 0.7, 0.8, at_least=True) == ">= 0.8 MISSED"
+    assert report.goal("<= 2%", (0.153 - 0.150) / 0.150, 0.02) == "<= 2%"  # 0.0200...04
     with report.recording() as tables:
         report.table("t", ["measure", "goal"], [["a", report.goal("<= 1", 2, 1)]])
     assert tables == [{"title": "t", "header": ["measure", "goal"], "rows": [["a", "<= 1 MISSED"]]}]
