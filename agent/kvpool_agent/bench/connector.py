@@ -59,7 +59,7 @@ from kvpool_agent.bench.connector_engine import (
     kv_bytes_per_token,
     write_model,
 )
-from kvpool_agent.bench.report import goal, machine, median_spread, table
+from kvpool_agent.bench.report import goal, machine, median_spread, progress, table
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.segment import door_path
 from kvpool_agent.testing.agent_process import ENGINE_TOKEN, running_agent
@@ -161,7 +161,8 @@ def run(args: argparse.Namespace) -> None:
             endpoints[config], doors[config] = started.zmq, str(door_path(started.segment_path))
         rng = random.Random(1)
         runs = []
-        for _ in range(args.runs):
+        for number in range(args.runs):
+            progress(f"run {number + 1} of {args.runs}: {len(configs)} engines")
             engines: list[Engine] = []
             try:
                 for config in configs:
