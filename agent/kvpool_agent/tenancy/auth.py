@@ -78,7 +78,7 @@ MIN_TOKEN_CHARS = 32
 kvpool's own are longer (``secrets.token_urlsafe(32)``: 43 characters)."""
 MIN_DISTINCT_CHARS = 8
 """Different characters a file's token needs at least: ``aaaa...`` is long, not random (32
-random hex digits show 8 or fewer with a chance below one in a million)."""
+random hex digits show fewer with a chance of 4 in 100 million)."""
 TOKEN_FILE_MODE = 0o600
 """A generated token: for the agent's user (and whoever reads it as that user) only."""
 
