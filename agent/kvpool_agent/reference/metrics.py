@@ -2,9 +2,11 @@
 connector's counters in vLLM's ``/metrics``.
 
 The agent's families are read from a real agent (an NVMe tier and a peer configured, so that
-their families show), started for the page on free ports in a temporary directory and
-stopped after one scrape; the index's from its metrics registry, built in-process; the
-connector's from :data:`~kvpool_agent.connector.counters.COUNTERS`.
+their families show), started for the page on free ports in a temporary directory, sent a
+store and a retrieve for one tenant (so that the per-tenant and per-operation families show
+their labels), and stopped after one scrape; the index's from its metrics registry, built
+in-process with one node followed; the connector's from
+:data:`~kvpool_agent.connector.counters.COUNTERS`.
 """
 
 from __future__ import annotations
@@ -25,13 +27,17 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from kvpool_agent.client import AgentClient
 from kvpool_agent.connector.counters import COUNTERS
 from kvpool_agent.index.metrics import IndexMetrics
+from kvpool_agent.index.subscriber import AgentStatus
 from kvpool_agent.index.tracker import PrefixTracker
+from kvpool_agent.keys import ModelFingerprint, chunk_keys, tenant_id
+from kvpool_agent.kube.discovery import AgentEndpoint
 from kvpool_agent.reference.commands import script
 from kvpool_agent.web.connections import HttpRefusals
 
-_READY = re.compile(r"agent ready .* http=(\S+)")
+_READY = re.compile(r"agent ready .* zmq=(\S+) http=(\S+)")
 
 
 @dataclass
@@ -67,7 +73,15 @@ def families(text: str) -> list[Family]:
                 owner.labels |= {
                     label for label in re.findall(r'([a-zA-Z_]+)="', sample[3]) if label != "le"
                 }
-    return sorted(found.values(), key=lambda family: family.name)
+    created = [
+        name
+        for name in found
+        if name.endswith("_created") and {name[:-8], name[:-8] + "_total"} & found.keys()
+    ]
+    return sorted(
+        (family for name, family in found.items() if name not in created),
+        key=lambda family: family.name,
+    )
 
 
 def _owner(sample: str, found: dict[str, Family]) -> Family | None:
@@ -123,9 +137,9 @@ def agent_exposition(timeout: float = 60.0) -> str:
             text=True,
         )
         try:
-            http = _wait_ready(process, timeout)
-            with urllib.request.urlopen(f"{http}/metrics", timeout=timeout) as answer:
-                return str(answer.read().decode())
+            zmq, http = _wait_ready(process, timeout)
+            _traffic(zmq, (root / "state" / "engine-token-reference").read_text().strip())
+            return _scrape_after_writeback(f"{http}/metrics", timeout)
         finally:
             process.terminate()
             try:
@@ -135,8 +149,32 @@ def agent_exposition(timeout: float = 60.0) -> str:
                 process.wait()
 
 
-def _wait_ready(process: subprocess.Popen[str], timeout: float) -> str:
-    found: list[str] = []
+def _traffic(endpoint: str, token: str) -> None:
+    """A store and a retrieve of two chunks for one tenant."""
+    tenant = tenant_id("reference")
+    model = ModelFingerprint("reference", "bfloat16", "nhd", chunk_tokens=4)
+    keys = chunk_keys(list(range(8)), "reference", model)
+    with AgentClient(endpoint, token=token) as client:
+        client.store_inline(tenant, keys, [b"first chunk", b"second chunk"])
+        client.retrieve_inline(tenant, keys)
+
+
+def _scrape_after_writeback(url: str, timeout: float) -> str:
+    """The exposition once the stored chunks' write-back to NVMe shows (so that the page
+    does not depend on whether it finished first)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(url, timeout=timeout) as answer:
+            text = str(answer.read().decode())
+        if "kvpool_l2_seconds_count{" in text:
+            return text
+        if time.monotonic() > deadline:
+            raise RuntimeError("the agent wrote nothing back to its NVMe tier in time")
+        time.sleep(0.1)
+
+
+def _wait_ready(process: subprocess.Popen[str], timeout: float) -> tuple[str, str]:
+    found: list[tuple[str, str]] = []
     log: list[str] = []
 
     def read() -> None:
@@ -145,7 +183,7 @@ def _wait_ready(process: subprocess.Popen[str], timeout: float) -> str:
             log.append(line)
             ready = _READY.search(line)
             if ready and not found:
-                found.append(ready[1])
+                found.append((ready[1], ready[2]))
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
@@ -158,9 +196,26 @@ def _wait_ready(process: subprocess.Popen[str], timeout: float) -> str:
 
 
 def index_exposition() -> str:
+    """The index's metrics, following one node that sent one event, after one route."""
+    node = AgentEndpoint("node-a", "tcp://127.0.0.1:7400", "tcp://127.0.0.1:7402")
+    status = AgentStatus(
+        endpoint=node,
+        agent_id="reference",
+        seq=1,
+        synced=True,
+        connected=True,
+        events=1,
+        resyncs={"connected": 1},
+        snapshot_failures=0,
+        last_event=0.0,
+        event_lag=0.0,
+    )
+    tracker = PrefixTracker()
+    tracker.stored(node.node, [bytes(32)])
     registry = CollectorRegistry()
-    metrics = IndexMetrics(registry, PrefixTracker(), list)
+    metrics = IndexMetrics(registry, tracker, lambda: [status], clock=lambda: 0.0)
     metrics.register_http(HttpRefusals())
+    metrics.observe_query("route", 0.001)
     return generate_latest(registry).decode()
 
 
