@@ -29,7 +29,7 @@ from kvpool_agent.config import AgentConfig
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.tenancy.auth import TokenAuthority
 from kvpool_agent.testing.agent_process import ENGINE_TOKEN, AgentProcess
-from tests.docs.examples import ROOT, Example, all_examples
+from tests.docs.examples import DOCUMENTS, ROOT, Example, all_examples, examples
 from tests.support.crd_schema import (
     CRD_PATH,
     OLDEST_KUBERNETES,
@@ -63,8 +63,6 @@ def _id(example: Example) -> str:
 
 
 def test_every_block_is_of_a_known_language_and_marker() -> None:
-    from tests.docs.examples import DOCUMENTS, examples
-
     for path in DOCUMENTS:
         for example in examples(path):
             assert example.language in LANGUAGES, f"{example.where}: ```{example.language}"

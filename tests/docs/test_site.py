@@ -4,13 +4,14 @@ left out of the navigation or a missing anchor fails it), and every page is in i
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
 
-from tests.docs.examples import DOCS, ROOT
+from tests.docs.examples import DOCS, ROOT, examples
 
 
 def test_the_site_builds_strict(tmp_path: Path) -> None:
@@ -50,3 +51,11 @@ def test_every_page_is_in_the_navigation() -> None:
     pages = {str(path.relative_to(DOCS)) for path in DOCS.rglob("*.md")}
     assert pages - listed == set(), "pages missing from mkdocs.yml's nav"
     assert listed - pages == set(), "nav entries without a page"
+
+
+def test_the_readme_has_the_two_setup_commands_and_links_that_resolve() -> None:
+    readme = ROOT / "README.md"
+    commands = [example.code for example in examples(readme) if example.language == "sh"]
+    assert commands == ["make agent\n", "make test\n"]
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme.read_text()):
+        assert (ROOT / target).exists(), f"README.md links to {target}, which does not exist"
