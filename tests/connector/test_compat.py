@@ -1,4 +1,4 @@
-"""The supported vLLM versions: the start-up check, and the README and Makefile that state them."""
+"""The supported vLLM versions: the start-up check, and the docs page and Makefile stating them."""
 
 from __future__ import annotations
 
@@ -50,9 +50,8 @@ def test_a_supported_vllm_is_logged_without_a_warning(caplog: pytest.LogCaptureF
     assert [r.levelno for r in caplog.records] == [logging.INFO]
 
 
-def test_the_readme_table_states_what_is_tested() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Supported vLLM versions", 1)[1].split("\n## ", 1)[0]
+def test_the_docs_table_states_what_is_tested() -> None:
+    section = (ROOT / "docs" / "vllm" / "versions.md").read_text()
     rows = re.findall(r"^\| ([\w.]+) \| ([\w.]+) \| ([^|]+?) \|", section, re.MULTILINE)
     stated = {vllm: how for kvpool, vllm, how in rows if kvpool != "kvpool"}
     assert {kvpool for kvpool, _, _ in rows if kvpool != "kvpool"} == {version("kvpool")}

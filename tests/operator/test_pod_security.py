@@ -16,8 +16,12 @@ from kvpool_operator.admission.wiring import Binding, PoolFacts, apply, wire
 from tests.support.pod_security import restricted
 
 ROOT = Path(__file__).parents[2]
-TENANT_DOCUMENTS = (ROOT / "README.md", ROOT / "crds" / "README.md")
-"""Documents whose YAML blocks show tenants' pods."""
+TENANT_DOCUMENTS = (
+    ROOT / "README.md",
+    ROOT / "crds" / "README.md",
+    *sorted((ROOT / "docs").rglob("*.md")),
+)
+"""Documents whose YAML blocks show tenants' pods: the README, the CRDs' and the docs' pages."""
 VLLM_MANIFEST = ROOT / "e2e" / "manifests" / "vllm.yaml"
 Manifest = dict[str, Any]
 
@@ -50,8 +54,8 @@ TENANT_PODS = tenant_pods()
 
 def test_the_tenant_pods_are_found() -> None:
     assert any(where.startswith("e2e/") for where in TENANT_PODS), TENANT_PODS
-    assert any(where.startswith("README.md") for where in TENANT_PODS), TENANT_PODS
-    assert any(where.startswith("crds/") for where in TENANT_PODS), TENANT_PODS
+    assert any(where.startswith("docs/vllm/") for where in TENANT_PODS), TENANT_PODS
+    assert any(where.startswith("docs/platform/") for where in TENANT_PODS), TENANT_PODS
 
 
 @pytest.mark.parametrize("where", sorted(TENANT_PODS))

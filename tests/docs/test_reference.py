@@ -1,5 +1,6 @@
-"""The README's configuration reference is generated from the models, and the example
-configuration is one the agent takes."""
+"""The reference pages under ``docs/reference/`` are what the code generates
+(``python -m kvpool_agent.reference``), and the settings page holds every setting; the
+example agent configuration is one the agent takes."""
 
 from __future__ import annotations
 
@@ -9,27 +10,39 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvpool_agent import reference
 from kvpool_agent.config import AgentConfig, NvmeTierConfig, ZmqLimits, load_settings
+from kvpool_agent.reference import settings
+from kvpool_agent.reference.__main__ import main
+from kvpool_agent.reference.pages import PAGES, Page
+from tests.docs.examples import DOCS, ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
 EXAMPLE = ROOT / "examples" / "agent.yaml"
 LIMITS = ("http_limits", "zmq_limits")
 """Settings whose fields have rows of their own (``http_limits.max_body_bytes``...)."""
 
 
-def test_the_readme_reference_is_what_the_models_say() -> None:
-    written = reference.section(README.read_text())
-    assert written, f"{README} has no section between the markers {reference.BEGIN!r}"
-    assert written == reference.render(), (
-        "the README's configuration reference differs from the models: run "
-        "python -m kvpool_agent.reference"
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.path)
+def test_the_page_is_what_the_code_says(page: Page) -> None:
+    written = DOCS / page.path
+    assert written.exists(), f"{written} is missing: run python -m kvpool_agent.reference"
+    assert written.read_text() == page.text(), (
+        f"{written} differs from what the code generates: run python -m kvpool_agent.reference"
     )
 
 
+def test_check_fails_on_a_stale_page_and_writing_fixes_it(tmp_path: Path) -> None:
+    page = "reference/settings.md"
+    stale = tmp_path / page
+    stale.parent.mkdir()
+    stale.write_text((DOCS / page).read_text().replace("| `l1_size` |", "| `l1.size` |"))
+    assert main(["--docs", str(tmp_path), "--check", page]) == 1
+    assert main(["--docs", str(tmp_path), page]) == 0
+    assert main(["--docs", str(tmp_path), "--check", page]) == 0
+    assert stale.read_text() == (DOCS / page).read_text()
+
+
 def test_every_setting_is_in_the_reference() -> None:
-    section = reference.render()
+    section = settings.render()
     for name, field in AgentConfig.model_fields.items():
         assert f"| `{name}` | `KVPOOL_{name.upper()}`" in section or name in LIMITS
         assert field.description, name
@@ -44,15 +57,6 @@ def test_every_setting_is_in_the_reference() -> None:
         "| `http_limits.max_body_bytes` | `KVPOOL_INDEX_HTTP_LIMITS__MAX_BODY_BYTES` | `16Mi` |"
         in section
     )
-
-
-def test_check_fails_on_a_stale_readme(tmp_path: Path) -> None:
-    stale = tmp_path / "README.md"
-    stale.write_text(README.read_text().replace("| `l1_size` |", "| `l1.size` |"))
-    assert reference.main([str(stale), "--check"]) == 1
-    assert reference.main([str(stale)]) == 0
-    assert reference.main([str(stale), "--check"]) == 0
-    assert stale.read_text() == README.read_text()
 
 
 def test_the_example_configuration_loads(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,20 +1,17 @@
-"""The README's configuration reference, generated from the configuration models.
+"""The settings page: every setting of the agent, the prefix index and the vLLM connector,
+generated from their configuration models.
 
-Every setting of the agent (:class:`~kvpool_agent.config.AgentConfig`), the prefix index
-(:class:`~kvpool_agent.index.config.IndexConfig`) and the vLLM connector
-(:class:`~kvpool_agent.connector.settings.ConnectorSettings`): its name as a configuration
-file spells it (nested ones as ``nvme.path``), its environment variable, its default and
-its description. The models are the one source: ``python -m kvpool_agent.reference``
-rewrites the README's section between the markers, ``--check`` fails where it differs
-(``tests/agent/test_reference.py`` runs the check).
+Each row is a setting as a configuration file spells it (nested ones as ``nvme.path``), its
+environment variable, its default and its description
+(:class:`~kvpool_agent.config.AgentConfig`, :class:`~kvpool_agent.index.config.IndexConfig`,
+:class:`~kvpool_agent.connector.settings.ConnectorSettings`).
 """
 
 from __future__ import annotations
 
 import re
-import sys
 import typing
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 
@@ -25,11 +22,9 @@ from pydantic_settings import BaseSettings
 from kvpool_agent.config import AgentConfig
 from kvpool_agent.connector.settings import EXTRA_CONFIG, OVERRIDES, ConnectorSettings
 from kvpool_agent.index.config import IndexConfig
-from kvpool_agent.problems import ArgumentParser, nested_model
+from kvpool_agent.problems import nested_model
 from kvpool_agent.sizes import format_size, is_size
 
-BEGIN = "<!-- BEGIN the configuration reference: python -m kvpool_agent.reference -->"
-END = "<!-- END the configuration reference -->"
 NONE = "—"
 """An environment column's cell where no variable sets the field on its own."""
 
@@ -148,69 +143,29 @@ def _table(lines: Iterator[Row]) -> str:
 
 
 def render() -> str:
-    """The README's section between :data:`BEGIN` and :data:`END`, markers included."""
+    """The page's tables, one section per process."""
 
     def connector_variable(loc: tuple[str, ...]) -> str | None:
         return OVERRIDES.get(loc[0]) if len(loc) == 1 else None
 
     parts = [
-        BEGIN,
-        "",
-        "### The agent (`kvpool-agent`)",
+        "## The agent (`kvpool-agent`)",
         "",
         "`kvpool_agent.config.AgentConfig`; the file: `--config` or `KVPOOL_CONFIG_FILE`.",
         "",
         _table(rows(AgentConfig, settings_variable(AgentConfig))),
         "",
-        "### The prefix index (`kvpool index`)",
+        "## The prefix index (`kvpool index`)",
         "",
         "`kvpool_agent.index.config.IndexConfig`; the file: `--config` or "
         "`KVPOOL_INDEX_CONFIG_FILE`; `--agent` adds to `agents` (and sets `discovery: static`).",
         "",
         _table(rows(IndexConfig, settings_variable(IndexConfig))),
         "",
-        f"### The vLLM connector (`{EXTRA_CONFIG}`)",
+        f"## The vLLM connector (`{EXTRA_CONFIG}`)",
         "",
         "`kvpool_agent.connector.settings.ConnectorSettings`; a variable overrides its key.",
         "",
         _table(rows(ConnectorSettings, connector_variable)),
-        "",
-        END,
     ]
     return "\n".join(parts)
-
-
-def section(text: str) -> str:
-    """The generated section of a README's ``text`` (empty if it has none)."""
-    begin, end = text.find(BEGIN), text.find(END)
-    if begin < 0 or end < begin:
-        return ""
-    return text[begin : end + len(END)]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = ArgumentParser(prog="python -m kvpool_agent.reference", description=__doc__)
-    parser.add_argument("readme", nargs="?", default="README.md", type=Path)
-    parser.add_argument("--check", action="store_true", help="fail if the README differs")
-    args = parser.parse_args(argv)
-    text = args.readme.read_text()
-    old = section(text)
-    if not old:
-        print(f"{args.readme}: no section between {BEGIN} and {END}", file=sys.stderr)
-        return 2
-    new = render()
-    if args.check:
-        if old != new:
-            print(
-                f"{args.readme}: the configuration reference differs from the models; run "
-                "python -m kvpool_agent.reference",
-                file=sys.stderr,
-            )
-            return 1
-        return 0
-    args.readme.write_text(text.replace(old, new))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
