@@ -312,7 +312,7 @@ class Flow:
             control.kubectl("label", "namespace", team, RESTRICTED_LABEL)
         tokens_file = self.workdir / "tokens.yaml"
         tokens_file.write_text(
-            yaml.safe_dump({"admin": [self.tokens["admin"]], "gateways": [self.tokens["gateway"]]})
+            yaml.safe_dump({"admins": [self.tokens["admin"]], "gateways": [self.tokens["gateway"]]})
         )
         secret = control.kubectl(
             "create", "secret", "generic", self.pool["spec"]["tenants"]["tokensSecretRef"]["name"],

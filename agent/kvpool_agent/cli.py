@@ -4,9 +4,13 @@ benchmarks)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
+import json
 import sys
 from collections.abc import Sequence
+from typing import TextIO
 
 from kvpool_agent import __version__
 from kvpool_agent.keys import tenant_id
@@ -92,10 +96,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.bench == "index":
         require_extra("index", command)
     module = importlib.import_module(f"kvpool_agent.bench.{args.bench}")
+    from kvpool_agent.bench import report
+
     tool = ArgumentParser(prog=command, description=BENCHES[args.bench])
+    tool.add_argument(
+        "--json",
+        action="store_true",
+        help="print the result as one JSON object on standard output: its tables (cells as "
+        "shown) and its whole text, which goes to standard error",
+    )
     module.add_arguments(tool)
-    module.run(tool.parse_args(rest))
+    options = tool.parse_args(rest)
+    report.progress(f"{command}: running; each table is printed when it is done")
+    if not options.json:
+        module.run(options)
+        return 0
+    text = io.StringIO()
+    with report.recording() as tables, contextlib.redirect_stdout(_Tee(sys.stderr, text)):
+        module.run(options)
+    ran = " ".join([command, *rest])
+    print(json.dumps({"command": ran, "tables": tables, "text": text.getvalue()}))
     return 0
+
+
+class _Tee(io.TextIOBase):
+    """Writes to each of ``streams``."""
+
+    def __init__(self, *streams: TextIO) -> None:
+        self._streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self._streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for stream in self._streams:
+            stream.flush()
 
 
 if __name__ == "__main__":

@@ -7,8 +7,11 @@ operator renders this model into a ConfigMap and mounts it there).
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+import types
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Self, TypeVar
@@ -41,7 +44,9 @@ from kvpool_agent.names import (
     DEFAULT_POOL,
     DEFAULT_STATE_DIR,
     DEFAULT_ZMQ_PORT,
+    INDEX_ENV_PREFIX,
     POLICY_NAMES,
+    SHARED_VARIABLES,
     generated_token_path,
     segment_path,
 )
@@ -117,6 +122,9 @@ def load_settings(
     wrote it: a flag (``flags``: where each of ``values`` came from on the command line), an
     environment variable, or a key of the configuration file; and its value.
     """
+    unknown = unknown_variables(model, os.environ)
+    if unknown:
+        raise ConfigError(unknown)
     try:
         return model(**values)
     except ValidationError as error:
@@ -128,6 +136,72 @@ def load_settings(
         found = _environment(model).find((match["field"],))
         where = match["field"] if found is None else f"{found.name}={show(found.value)}"
         raise ConfigError([f"{where}: not valid JSON ({error.__cause__})"]) from None
+
+
+def variables(model: type[BaseSettings]) -> set[str]:
+    """Every environment variable ``model`` reads, in upper case: its prefix and each
+    field's name, a nested model's fields after the delimiter too (``KVPOOL_NVME``,
+    ``KVPOOL_NVME__PATH``); its configuration file's variable, and the ``other_variables``
+    it takes as known."""
+    config = model.model_config
+    prefix, delimiter = config.get("env_prefix") or "", config.get("env_nested_delimiter")
+    names = {getattr(model, "config_file_env", prefix), *getattr(model, "other_variables", ())}
+
+    def add(fields: type[BaseModel], stem: str) -> None:
+        for name, field in fields.model_fields.items():
+            variable = f"{stem}{name}".upper()
+            names.add(variable)
+            inner = _inner_model(field.annotation)
+            if inner is not None and delimiter:
+                add(inner, variable + delimiter)
+
+    add(model, prefix)
+    return names
+
+
+def _inner_model(annotation: object) -> type[BaseModel] | None:
+    """The model of a field that is one (``NvmeTierConfig | None``), whose fields a variable
+    each may set; not a list's."""
+    arguments = typing.get_args(annotation) if typing.get_origin(annotation) in _UNIONS else ()
+    for candidate in (annotation, *arguments):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+_UNIONS = (typing.Union, types.UnionType)
+
+
+def unknown_variables(model: type[BaseSettings], environ: Mapping[str, str]) -> list[str]:
+    """One line per variable of ``environ`` under ``model``'s prefix that no part of kvpool
+    reads (a misspelled ``KVPOOL_L1SIZE`` would leave ``l1_size`` at its default), with the
+    closest known name. Any case, as pydantic-settings reads them; the values are not
+    shown (a misspelled token variable holds a secret). Variables under one of the model's
+    ``foreign_prefixes`` are another process's to check (``KVPOOL_INDEX_`` the index's)."""
+    prefix = (model.model_config.get("env_prefix") or "").upper()
+    foreign = tuple(other.upper() for other in getattr(model, "foreign_prefixes", ()))
+    known = variables(model)
+    services = _service_links(environ)
+    suffixes = sorted(name.removeprefix(prefix) for name in known if name.startswith(prefix))
+    lines = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if not prefix or not upper.startswith(prefix) or upper in known:
+            continue
+        if (foreign and upper.startswith(foreign)) or (services and upper.startswith(services)):
+            continue
+        close = difflib.get_close_matches(upper.removeprefix(prefix), suffixes, n=1)
+        hint = f"did you mean {prefix}{close[0]}?" if close else "see the configuration reference"
+        lines.append(f"{name}: unknown setting, no part of kvpool reads it; {hint}")
+    return lines
+
+
+def _service_links(environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The prefixes of the variables Kubernetes sets in a pod for each Service of its
+    namespace (``KVPOOL_MAIN_SERVICE_HOST``, ``KVPOOL_MAIN_PORT_7400_TCP``... for the
+    Service ``kvpool-main``): a Service with a cluster IP always has ``<NAME>_SERVICE_HOST``."""
+    stems = [name[: -len("_SERVICE_HOST")] for name in environ if name.endswith("_SERVICE_HOST")]
+    return tuple(f"{stem}{part}".upper() for stem in stems for part in ("_SERVICE_", "_PORT"))
 
 
 def setting(model: type[BaseSettings], loc: Loc, value: object) -> str:
@@ -475,6 +549,8 @@ class AgentConfig(BaseSettings):
         env_prefix=AGENT_ENV_PREFIX, env_nested_delimiter="__", frozen=True, extra="forbid"
     )
     config_file_env: ClassVar[str] = AGENT_CONFIG_FILE_ENV
+    other_variables: ClassVar[tuple[str, ...]] = SHARED_VARIABLES
+    foreign_prefixes: ClassVar[tuple[str, ...]] = (INDEX_ENV_PREFIX,)
 
     pool: str = Field(
         DEFAULT_POOL,
@@ -586,7 +662,7 @@ class AgentConfig(BaseSettings):
     tokens_file: Path | None = Field(
         None,
         description=(
-            "YAML/JSON file of bearer tokens {admin: [...], tenants: {tenant-id: [...]}, "
+            "YAML/JSON file of bearer tokens {admins: [...], tenants: {tenant-id: [...]}, "
             "engines: [...], indexes: [...]}; without one, an admin, an engine and an index "
             "token are generated into state_dir at start (<role>-token-<pool>, mode 0600)."
         ),
@@ -716,7 +792,7 @@ class AgentConfig(BaseSettings):
         generates at start (keys as in a tokens file)."""
         return {
             key: generated_token_path(self.state_dir, role, self.pool)
-            for key, role in (("admin", "admin"), ("engines", "engine"), ("indexes", "index"))
+            for key, role in (("admins", "admin"), ("engines", "engine"), ("indexes", "index"))
         }
 
     @classmethod

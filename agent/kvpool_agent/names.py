@@ -74,6 +74,21 @@ ADMIN_TOKEN_ENV = "KVPOOL_ADMIN_TOKEN"
 """An admin token of the pool, for ``kvpool doctor``."""
 OPERATOR_AGENT_IMAGE_ENV = "KVPOOL_AGENT_IMAGE"
 """The operator's default agent image (the chart sets it)."""
+SHARED_VARIABLES = (
+    CONNECTOR_ENDPOINT_ENV,
+    CONNECTOR_SEGMENT_PATH_ENV,
+    CONNECTOR_CHUNK_TOKENS_ENV,
+    CONNECTOR_TRANSPORT_ENV,
+    CONNECTOR_DOOR_PATH_ENV,
+    CONNECTOR_TOKEN_ENV,
+    CACHE_SALT_ENV,
+    CONNECTOR_TOKEN_FILE_ENV,
+    ADMIN_TOKEN_ENV,
+    OPERATOR_AGENT_IMAGE_ENV,
+)
+"""The ``KVPOOL_`` variables of the connector, the tools and the operator, which no settings
+model holds: the agent and the index take them as known (one shell or pod may set them for
+another part), and refuse any other ``KVPOOL_`` variable that is not a setting of theirs."""
 
 # The agent's door: a directory beside its segment (``<segment>.door``) holding one Unix
 # socket, the only part of the pool's directory a tenant's pod is given.

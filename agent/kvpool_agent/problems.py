@@ -20,6 +20,7 @@ import errno
 import json
 import logging
 import os
+import re
 import sys
 import types
 import typing
@@ -345,9 +346,24 @@ def exit_with(prog: str, error: ConfigError) -> int:
     return EXIT_USAGE
 
 
+_ROLE = re.compile(r":[a-z]+:`~?(?:[\w.]*\.)?([^`]+)`")
+"""A Sphinx role in a docstring: ``:class:`~kvpool_agent.x.Name``` (shown: ``Name``)."""
+
+
+def plain(text: str) -> str:
+    """``text`` (a docstring used as help) without its reStructuredText markup: inline
+    literals and roles become their words, a ``::`` that opens a literal block a ``:``."""
+    text = _ROLE.sub(r"\1", text)
+    return text.replace("``", "").replace("::\n", ":\n")
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, with a mistake on the command line in one line (not the usage, then the
-    error): ``kvpool-operator: argument --retry-seconds: invalid float value: 'x'``."""
+    error): ``kvpool-operator: argument --retry-seconds: invalid float value: 'x'``; and a
+    help text without the markup of the docstrings it shows (:func:`plain`)."""
+
+    def format_help(self) -> str:
+        return plain(super().format_help())
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")

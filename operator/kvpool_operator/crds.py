@@ -3,6 +3,11 @@
     python -m kvpool_operator.crds          # writes crds/*.yaml and charts/kvpool/crds/*.yaml
     python -m kvpool_operator.crds --check  # exits 1, naming each file that differs
 
+It also writes the schema of the chart's ``examplePool.spec`` (in
+``charts/kvpool/values.schema.json``): the KVCachePool spec's, as JSON Schema
+(:func:`values_schema`), so that ``helm lint`` and ``helm template`` refuse what the API
+server would (``l1.sise``, ``size: 1GB``), CEL rules aside.
+
 A resource model's JSON schema (pydantic's, with the models' CEL rules and list markers
 in it) becomes the structural schema an API server takes:
 
@@ -24,6 +29,7 @@ Any other JSON schema construct (``const``, ``oneOf``, ...) is an error, not a g
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -145,6 +151,50 @@ def _union(branches: list[Schema], defs: Mapping[str, Schema]) -> Schema:
     raise ValueError(f"no structural schema for a union of {branches}")
 
 
+VALUES_SCHEMA = Path("charts/kvpool/values.schema.json")
+"""The chart's values schema, written by hand but for ``examplePool.spec``."""
+_OPENAPI_ONLY = ("x-kubernetes-validations", "x-kubernetes-list-type", "x-kubernetes-list-map-keys")
+"""What JSON Schema has no keyword for: CEL rules (the API server's), list markers."""
+
+
+def json_schema(structural: Schema) -> Schema:
+    """A structural (OpenAPI 3.0) schema as JSON Schema (draft 7), as helm checks values:
+    an object takes no field it does not name (the API server would drop it, silently),
+    ``int-or-string`` is either type, an exclusive bound is a number; CEL rules and list
+    markers go."""
+    schema = {key: value for key, value in structural.items() if key not in _OPENAPI_ONLY}
+    if schema.pop("x-kubernetes-int-or-string", False):
+        schema = {"type": ["integer", "string"], **schema}
+    for exclusive, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if schema.pop(exclusive, False):
+            schema[exclusive] = schema.pop(bound)
+    if "properties" in schema:
+        schema["properties"] = {
+            name: json_schema(child) for name, child in schema["properties"].items()
+        }
+    if "items" in schema:
+        schema["items"] = json_schema(schema["items"])
+    if isinstance(schema.get("additionalProperties"), dict):
+        schema["additionalProperties"] = json_schema(schema["additionalProperties"])
+    if schema.pop("x-kubernetes-preserve-unknown-fields", False):
+        schema["additionalProperties"] = True
+    elif schema.get("type") == "object" and "additionalProperties" not in schema:
+        schema["additionalProperties"] = False
+    return schema
+
+
+def values_schema(written: str) -> str:
+    """The chart's values schema ``written``, with ``examplePool.spec`` the KVCachePool
+    spec's schema."""
+    values = json.loads(written)
+    spec = json_schema(openapi_schema(KVCachePool)["properties"]["spec"])
+    spec["description"] = (
+        "The KVCachePool spec; its schema is the CRD's (python -m kvpool_operator.crds)."
+    )
+    values["properties"]["examplePool"]["properties"]["spec"] = spec
+    return json.dumps(values, indent=2, ensure_ascii=False) + "\n"
+
+
 def definition(resource: type[Resource]) -> dict[str, Any]:
     """The CustomResourceDefinition of ``resource``."""
     crd = resource.crd
@@ -224,6 +274,8 @@ def files(root: Path) -> dict[Path, str]:
         text = manifest(resource)
         for target in TARGETS:
             generated[root / target / f"{resource.crd.plural}.{GROUP}.yaml"] = text
+    values = root / VALUES_SCHEMA
+    generated[values] = values_schema(values.read_text())
     return generated
 
 

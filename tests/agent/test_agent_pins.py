@@ -16,7 +16,8 @@ from tests.support.metrics import metric
 
 SPACE = tenant_id("shared-system-prompt")
 OWNER, MEMBER = tenant_id("owner-team"), tenant_id("member-team")
-OWNER_TOKEN, MEMBER_TOKEN = "owner-token-for-tests", "member-token-for-tests"
+OWNER_TOKEN = "owner-token-for-tests-5e0a3d9c7b14f268"
+MEMBER_TOKEN = "member-token-for-tests-c3b8f16a2d0e9547"
 PAGE = 64 << 10
 CHUNK = 60_000  # one page each
 PINNED = 12
@@ -33,7 +34,7 @@ def _tokens_file(workdir: Path) -> Path:
     path.write_text(
         yaml.safe_dump(
             {
-                "admin": ADMIN_TOKEN,
+                "admins": ADMIN_TOKEN,
                 "engines": ENGINE_TOKEN,
                 "tenants": {OWNER: OWNER_TOKEN, MEMBER: MEMBER_TOKEN},
                 "spaces": {SPACE: {"members": [MEMBER], "owners": [OWNER]}},

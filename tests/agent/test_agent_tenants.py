@@ -63,10 +63,10 @@ def test_a_tenant_without_a_ceiling_cannot_raise_itself_above_the_default(
     grew past the default (2 MiB) as far as the cache let it."""
     alice = tenant_id("alice-salt")
     agent_process.settings["DEFAULT_TENANT_QUOTA"] = str(DEFAULT_QUOTA)
-    agent_process.tenant_tokens = {alice: "alice-token"}
+    agent_process.tenant_tokens = {alice: "alice-token-4c8e1f7a93b05d26e7a1"}
     agent = agent_process.start()
     quota = f"{agent.http}/v1/tenants/{alice}/quota"
-    own = {"Authorization": "Bearer alice-token"}
+    own = {"Authorization": "Bearer alice-token-4c8e1f7a93b05d26e7a1"}
     for above in (
         {"limit_bytes": None},
         {"limit_bytes": DEFAULT_QUOTA + 1},

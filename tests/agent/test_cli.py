@@ -122,9 +122,9 @@ def test_agent_refuses_invalid_configuration() -> None:
 def test_a_broken_tokens_file_is_one_line_and_leaves_no_segment(
     tmp_path: Path, segment: Path
 ) -> None:
-    secret = "pasted-token-0123456789"
+    secret = "pasted-token-0123456789abcdef0123456789"
     tokens = tmp_path / "tokens.yaml"
-    tokens.write_text(f"{secret}: [a]\nadmin: [b]\n")  # a token pasted as a key
+    tokens.write_text(f"{secret}: [a]\nadmins: [b]\n")  # a token pasted as a key
     env = agent_env(segment, tmp_path / "state", TOKENS_FILE=str(tokens))
     result = subprocess.run(
         [BIN / "kvpool-agent"], env=env, capture_output=True, text=True, timeout=60, check=False
@@ -132,7 +132,7 @@ def test_a_broken_tokens_file_is_one_line_and_leaves_no_segment(
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     (error,) = [line for line in result.stderr.splitlines() if "kvpool-agent:" in line]
-    assert error.startswith(f"kvpool-agent: KVPOOL_TOKENS_FILE={tokens}: unknown keys")
+    assert error.startswith(f"kvpool-agent: KVPOOL_TOKENS_FILE={tokens}: unknown key")
     assert secret not in result.stderr
     assert not segment.exists()
 
@@ -140,7 +140,7 @@ def test_a_broken_tokens_file_is_one_line_and_leaves_no_segment(
 def test_the_state_directory_is_private_whatever_the_umask(tmp_path: Path, segment: Path) -> None:
     state = tmp_path / "state"
     tokens = tmp_path / "tokens.yaml"
-    tokens.write_text("admin: [an-admin-token]\n")
+    tokens.write_text("admins: [an-admin-token-9f3c0e7a5d1b8264c0e7]\n")
     env = agent_env(segment, state, TOKENS_FILE=str(tokens))
     agent = subprocess.Popen(
         [BIN / "kvpool-agent"], env=env, stderr=subprocess.PIPE, text=True, umask=0

@@ -36,7 +36,7 @@ pytestmark = pytest.mark.skipif(
 
 POD_UID = 1000
 A, B, SPACE = tenant_id("isolation-a"), tenant_id("isolation-b"), tenant_id("isolation-space")
-TOKENS = {A: "token-of-a", B: "token-of-b"}
+TOKENS = {A: "token-of-a-6f1e09c3d8b5a2743e1f0c", B: "token-of-b-2a7d4e8c0f9b1635d27c4e"}
 KEY_A, KEY_B, KEY_SPACE = b"a" * 32, b"b" * 32, b"s" * 32
 SIZE = 256 << 10
 

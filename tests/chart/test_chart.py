@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import kopf
 import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
@@ -20,11 +21,13 @@ import kvpool_agent.connector
 from kvpool_agent.connector.settings import ConnectorSettings
 from kvpool_agent.csi import main as csi_main
 from kvpool_agent.names import CACHE_POOL_LABEL, CSI_DRIVER, NODE_NAME_ENV
+from kvpool_operator import crds
 from kvpool_operator import main as operator_main
 from kvpool_operator.admission.server import DEFAULT_CONFIGURATION, ServiceRef, WebhookOptions
+from kvpool_operator.crds import openapi_schema
 from kvpool_operator.reconcile import Options
 from kvpool_operator.render import Pool, render
-from kvpool_operator.spec import PoolSpec
+from kvpool_operator.spec import KVCachePool, PoolSpec
 from tests.support.crd_schema import (
     CRD_PATH,
     TENANT_CRD_PATH,
@@ -60,6 +63,8 @@ BAD_VALUES = {
     ),
     "bad-webhook-namespaces.yaml": "the webhook needs the operator to watch every namespace",
     "bad-webhook-port.yaml": "webhook.port 9443 is operator.healthPort's",
+    "bad-example-spec-field.yaml": "at '/examplePool/spec/l1': additional properties 'sise'",
+    "bad-example-spec-size.yaml": "at '/examplePool/spec/l1/size': '1GB' does not match pattern",
 }
 
 
@@ -505,3 +510,51 @@ def test_chart_metadata() -> None:
     version = re.search(r'^version = "([^"]+)"', pyproject, re.MULTILINE)
     assert version is not None
     assert chart["appVersion"] == version[1], "the chart installs the package's version"
+
+
+def test_the_example_pools_schema_is_the_crds() -> None:
+    """``examplePool.spec`` is checked against the KVCachePool spec's schema (generated:
+    ``python -m kvpool_operator.crds``), as JSON Schema: what it refuses, helm refuses."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    spec = schema["properties"]["examplePool"]["properties"]["spec"]
+    assert (
+        spec["properties"].keys()
+        == openapi_schema(KVCachePool)["properties"]["spec"]["properties"].keys()
+    )
+    check = jsonschema.Draft7Validator(spec)
+    assert not list(
+        check.iter_errors(
+            yaml.safe_load((VALUES / "s3-nvme.yaml").read_text())["examplePool"]["spec"]
+        )
+    )
+    refused = {
+        "an unknown field": {"l1": {"sise": "64Gi"}},
+        "a size that is no quantity": {"l1": {"size": "1GB"}},
+        "a bound the CRD makes exclusive": {"l1": {"leaseSeconds": 0}},
+        "a list where a number is": {"chunkTokens": [256]},
+    }
+    for what, value in refused.items():
+        assert list(check.iter_errors(value)), what
+
+
+def test_json_schema_says_what_a_structural_schema_does() -> None:
+    structural = {
+        "type": "object",
+        "x-kubernetes-validations": [{"rule": "self.a > 0"}],
+        "properties": {
+            "a": {"type": "number", "minimum": 0, "exclusiveMinimum": True},
+            "b": {"x-kubernetes-int-or-string": True, "pattern": "^[0-9]+Gi$"},
+            "c": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+            "d": {"type": "array", "x-kubernetes-list-type": "set", "items": {"type": "string"}},
+        },
+    }
+    assert crds.json_schema(structural) == {
+        "type": "object",
+        "properties": {
+            "a": {"type": "number", "exclusiveMinimum": 0},
+            "b": {"type": ["integer", "string"], "pattern": "^[0-9]+Gi$"},
+            "c": {"type": "object", "additionalProperties": True},
+            "d": {"type": "array", "items": {"type": "string"}},
+        },
+        "additionalProperties": False,
+    }

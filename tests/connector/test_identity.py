@@ -99,9 +99,9 @@ def test_an_engines_token_works_and_a_teams_binds_its_unsalted_requests(
     agent_process: AgentProcess,
 ) -> None:
     alice = tenant_id("alice")
-    agent_process.tenant_tokens = {alice: "alice-token"}
+    agent_process.tenant_tokens = {alice: "alice-token-4c8e1f7a93b05d26e7a1"}
     agent = agent_process.start()
-    engine, team = _link(agent, ENGINE_TOKEN), _link(agent, "alice-token")
+    engine, team = _link(agent, ENGINE_TOKEN), _link(agent, "alice-token-4c8e1f7a93b05d26e7a1")
     assert engine.lookup(tenant_id(None), [key(1)], lock=False, count=True).count == 0
     assert engine.bound_tenant == ""
     team.lookup(tenant_id(None), [key(1)], lock=False, count=True)

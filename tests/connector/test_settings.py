@@ -63,6 +63,37 @@ def test_bad_values_are_refused() -> None:
         ConnectorSettings.load({"endpoint": "tcp://a:1", "chunk_tokens": 0}, environ={})
 
 
+def test_in_an_engine_a_malformed_endpoint_is_one_line_not_a_refusal() -> None:
+    settings, why = ConnectorSettings.for_engine(
+        {"endpoint": "127.0.0.1:7400", "chunk_tokens": "512"}, environ={}
+    )
+    assert why == (
+        "kv_connector_extra_config: endpoint=127.0.0.1:7400: must be tcp://host:port or "
+        "ipc://path; did you mean tcp://127.0.0.1:7400? (vLLM goes on without the cache)"
+    )
+    assert settings.endpoint is None and settings.pool is None
+    assert settings.chunk_tokens == 512  # the others validated as ever
+    _, why = ConnectorSettings.for_engine(
+        {"pool": "main"}, environ={"KVPOOL_ENDPOINT": "ftp://agent:7400"}
+    )
+    assert why == (
+        "KVPOOL_ENDPOINT=ftp://agent:7400: must be tcp://host:port or ipc://path "
+        "(vLLM goes on without the cache)"
+    )
+
+
+def test_in_an_engine_other_mistakes_still_refuse() -> None:
+    good, why = ConnectorSettings.for_engine({"endpoint": "tcp://a:1"}, environ={})
+    assert why is None and good.endpoint == "tcp://a:1"
+    with pytest.raises(ConfigError) as refused:  # malformed, and another mistake
+        ConnectorSettings.for_engine({"endpoint": "a:1", "chunk_tokens": 0}, environ={})
+    assert len(refused.value.problems) == 2
+    with pytest.raises(ConfigError, match="exactly one of"):
+        ConnectorSettings.for_engine({}, environ={})
+    with pytest.raises(ConfigError, match="tcp://host:port"):  # elsewhere: refused, as ever
+        ConnectorSettings.load({"endpoint": "a:1"}, environ={})
+
+
 def test_environment_overrides_everything() -> None:
     environ = {
         "KVPOOL_ENDPOINT": "tcp://127.0.0.1:9000",

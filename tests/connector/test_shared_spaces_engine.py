@@ -54,7 +54,9 @@ class Setup:
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     work = tmp_path_factory.mktemp("spaces")
     agent = AgentProcess(work / "agent")
-    agent.tenant_tokens = {keys.tenant_id(s): f"{name}-token" for name, s in SALTS.items()}
+    agent.tenant_tokens = {
+        keys.tenant_id(s): f"{name}-token-for-tests-4c8e1f7a93b0" for name, s in SALTS.items()
+    }
     agent.spaces = {
         SPACE: {"members": [keys.tenant_id(SALTS["alice"]), keys.tenant_id(SALTS["bob"])]}
     }
@@ -68,7 +70,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             name,
             {"model": model, "connector": "kvpool", "extra_config": extra, "prefix_caching": False},
             work / f"{name}.log",
-            env={"KVPOOL_TOKEN": f"{name}-token"},
+            env={"KVPOOL_TOKEN": f"{name}-token-for-tests-4c8e1f7a93b0"},
         )
         for name in SALTS
     }

@@ -261,7 +261,7 @@ def test_a_pod_on_the_messages_transport_asks_no_door_and_passes(
 def test_a_tenants_token_maps_the_canarys_chunk_file_through_its_door(tmp_path: Path) -> None:
     """A team's engine holds its tenant's token: the door gives it the canary tenant's
     chunk file too, so its canary runs through the mapped file, as its connector would."""
-    token = "tenant-a-token-for-tests"
+    token = "tenant-a-token-for-tests-8b5d03f7a2c961e4"
     agent = AgentProcess(tmp_path, tenant_tokens={TENANT: token}).start()
     try:
         counts = door_counts(agent)

@@ -194,7 +194,7 @@ def test_prefetched_chunks_count_against_the_tenant_quota(
         store_chain(client, list(range(10)))
         wait_until(lambda: metric(agent, "kvpool_writeback_written_total") >= 10)
         client.clear(TENANT)
-    admin = {"Authorization": "Bearer admin-token-for-tests"}
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     limit = 4 * (CHUNK + HEADER.size) + 100  # 4 chunks and their NVMe files' headers
     quota = httpx.put(
         f"{agent.http}/v1/tenants/{TENANT}/quota", json={"limit_bytes": limit}, headers=admin

@@ -6,6 +6,7 @@ operator needs it, by its model too."""
 from __future__ import annotations
 
 import re
+import shutil
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -75,7 +76,10 @@ def test_the_committed_crds_are_generated_from_the_models() -> None:
     """kubectl's and the chart's copies: python -m kvpool_operator.crds writes them."""
     generated = crds.files(ROOT)
     assert sorted(generated) == sorted(
-        ROOT / target / path.name for target in crds.TARGETS for path in (CRD_PATH, TENANT_CRD_PATH)
+        [
+            *(ROOT / t / path.name for t in crds.TARGETS for path in (CRD_PATH, TENANT_CRD_PATH)),
+            ROOT / crds.VALUES_SCHEMA,
+        ]
     )
     stale = [str(path) for path, text in generated.items() if path.read_text() != text]
     assert stale == [], "run python -m kvpool_operator.crds"
@@ -86,6 +90,7 @@ def test_check_names_each_stale_file_and_writing_fixes_it(
 ) -> None:
     for target in crds.TARGETS:
         (tmp_path / target).mkdir(parents=True)
+    shutil.copy(ROOT / crds.VALUES_SCHEMA, tmp_path / crds.VALUES_SCHEMA)  # up to date
     assert crds.main(["--check", "--root", str(tmp_path)]) == 1
     assert len(capsys.readouterr().out.splitlines()) == 4  # two CRDs, two places, all missing
     assert crds.main(["--root", str(tmp_path)]) == 0

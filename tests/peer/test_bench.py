@@ -37,7 +37,7 @@ def test_the_smallest_run_pulls_through_the_peer_and_measures_the_link() -> None
     for row in rows:  # GB/s and CPU of the socket, of the peer, then the ratio
         assert all(re.fullmatch(figures, row[column]) for column in (2, 4, 6)), row
         assert all(re.fullmatch(cpu, row[column]) for column in (3, 5)), row
-    assert rows[1][7] == ">= 0.8"
+    assert rows[1][7] in (">= 0.8", ">= 0.8 MISSED")  # marked where this machine missed it
     assert "over veth (MTU " in output
     assert "every chunk B pulled was A's, byte for byte: yes" in output
     assert "command: kvpool bench peer --chunk-mib 1,2 --mib 4 --runs 2 " in output
@@ -98,6 +98,7 @@ def test_report_rates_ratios_per_run_and_the_goal() -> None:
     slower = Results(seconds=seconds, cpu=results.cpu, intact=False)
     text = report(slower, args, counts, "1500")
     assert "byte for byte: NO" in text
+    assert rows_of(text)[1][7] == ">= 0.8 MISSED"  # ratios 0.5 and 0.5
     assert "chunks from 2 MiB: NO" in text
 
 

@@ -22,9 +22,9 @@ from kvpool_agent.testing.agent_process import INDEX_TOKEN
 
 BIN = Path(sys.executable).parent
 READY = re.compile(r"index ready pool=\S+ http=(\S+)")
-GATEWAY_TOKEN = "gateway-token-for-tests"
-ADMIN_TOKEN = "index-admin-token-for-tests"
-TENANT_TOKEN = "tenant-token-for-tests"
+GATEWAY_TOKEN = "gateway-token-for-tests-7e3a91c4f05b2d68"
+ADMIN_TOKEN = "index-admin-token-for-tests-c28f4b61e9a703d5"
+TENANT_TOKEN = "tenant-token-for-tests-19d6e2a8b47f0c53"
 FINGERPRINT = ModelFingerprint("test-model", "bfloat16", "NHD", chunk_tokens=16)
 SALT = "alice-salt"
 
@@ -50,7 +50,7 @@ class IndexProcess:
         tokens.write_text(
             yaml.safe_dump(
                 {
-                    "admin": [ADMIN_TOKEN],
+                    "admins": [ADMIN_TOKEN],
                     "gateways": [GATEWAY_TOKEN],
                     "tenants": {tenant_id(SALT): TENANT_TOKEN},
                 }

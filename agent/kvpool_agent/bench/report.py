@@ -1,19 +1,60 @@
-"""Plain-text tables for benchmark output, and the figures every table shares."""
+"""Plain-text tables for benchmark output, and the figures every table shares.
+
+Every table a bench makes is also kept, as data, while :func:`recording` runs (``kvpool
+bench NAME --json`` prints them as JSON); a goal a figure missed is marked in its cell
+(:func:`goal`); :func:`progress` tells standard error what a bench is doing.
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import statistics
-from collections.abc import Sequence
+import sys
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from kvpool_agent import problems
+
+MISSED = "MISSED"
+"""Beside a goal a figure did not reach, in its table."""
+_recorded: list[list[dict[str, Any]]] = []
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[dict[str, Any]]]:
+    """Keep every table made in the block, as ``{"title", "header", "rows"}`` (cells as
+    shown)."""
+    tables: list[dict[str, Any]] = []
+    _recorded.append(tables)
+    try:
+        yield tables
+    finally:
+        _recorded.remove(tables)
+
+
+def progress(message: str) -> None:
+    """One line on standard error: what the bench does now (its tables come at the end)."""
+    print(f"{time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
+
+
+def goal(shown: str, value: float, bound: float, *, at_least: bool = False) -> str:
+    """A goal's cell: ``shown`` (``<= 1 us``), and :data:`MISSED` after it where ``value``
+    is past ``bound`` (above it; below it with ``at_least``); at the bound, up to a ratio's
+    rounding error, it is met."""
+    past = value < bound if at_least else value > bound
+    missed = past and not math.isclose(value, bound, rel_tol=1e-9)
+    return f"{shown} {MISSED}" if missed else shown
 
 
 def table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [[str(cell) for cell in row] for row in [header, *rows]]
+    for tables in _recorded:
+        tables.append({"title": title, "header": cells[0], "rows": cells[1:]})
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     lines = [title, "  ".join(h.ljust(w) for h, w in zip(cells[0], widths, strict=True))]
     lines.append("  ".join("-" * w for w in widths))

@@ -41,13 +41,18 @@ import zmq
 
 from kvpool_agent import problems
 from kvpool_agent import protocol as p
-from kvpool_agent.bench.report import table
+from kvpool_agent.bench.report import goal, table
 from kvpool_agent.client import AgentClient, LookupResult, copy_in, copy_out
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, running_agent
 
 TENANT = tenant_id("bench")
 BATCH_BYTES = 64 << 20
+OURS = "kvpool agent"
+RATIO_GOAL, RATIO_GOAL_FROM = 0.8, 2 << 20
+"""kvpool's store and retrieve move >= RATIO_GOAL of memcpy's GB/s from chunks of 2 MiB."""
+LOOKUP_GOAL_US = 100
+"""kvpool's locked lookup round trip: p50 at most this."""
 LOOKUP_CHUNKS = 64
 
 
@@ -268,7 +273,7 @@ def _ours(chunks: list[int], clients: list[int], working_set: int, lookups: int)
         latency = _lookup_latency(agent.zmq, lookups)
     p50, p99 = latency["lookup"]
     return {
-        "system": "kvpool agent",
+        "system": OURS,
         "throughput": results,
         "lookup_us": {"p50": p50, "p99": p99},
         "also_us": {
@@ -305,10 +310,18 @@ def _listed(values: list[int]) -> str:
     return ",".join(map(str, values))
 
 
+def _ratio(ratio: float, held: bool) -> str:
+    """A ratio to memcpy; marked where it misses the goal it is ``held`` to."""
+    shown = f"{ratio:.2f}"
+    return goal(shown, ratio, RATIO_GOAL, at_least=True) if held else shown
+
+
 def _rows(result: dict[str, Any]) -> list[list[str]]:
+    """Throughput rows; kvpool's ratios to memcpy marked where they miss the goal."""
     rows = []
     for entry in result["throughput"]:
         memcpy = entry["memcpy_gbps"]
+        held = result["system"] == OURS and entry["chunk_bytes"] >= RATIO_GOAL_FROM
         rows.append(
             [
                 result["system"],
@@ -316,9 +329,9 @@ def _rows(result: dict[str, Any]) -> list[list[str]]:
                 str(entry["clients"]),
                 f"{memcpy:.2f}",
                 f"{entry['store_gbps']:.2f}",
-                f"{entry['store_gbps'] / memcpy:.2f}",
+                _ratio(entry["store_gbps"] / memcpy, held),
                 f"{entry['retrieve_gbps']:.2f}",
-                f"{entry['retrieve_gbps'] / memcpy:.2f}",
+                _ratio(entry["retrieve_gbps"] / memcpy, held),
             ]
         )
     return rows
@@ -339,7 +352,8 @@ def run(args: argparse.Namespace) -> None:
     rows = [row for result in results for row in _rows(result)]
     print(
         table(
-            f"Store/retrieve through the protocol vs raw memcpy (goal ratio >= 0.8 at >= 2 MiB), "
+            f"Store/retrieve through the protocol vs raw memcpy (goal ratio >= {RATIO_GOAL} at "
+            f">= {RATIO_GOAL_FROM >> 20} MiB), "
             f"{args.working_set_mib} MiB per client",
             header,
             rows,
@@ -348,7 +362,12 @@ def run(args: argparse.Namespace) -> None:
     print()
     floor = results[0]["also_us"]["bare pyzmq: same bytes each way (floor)"][0]
     latency_rows = [
-        [name, f"{p50:.0f}", f"{p99:.0f}", f"{p50 / floor:.2f}"]
+        [
+            name,
+            goal(f"{p50:.0f}", p50, LOOKUP_GOAL_US) if name == OURS else f"{p50:.0f}",
+            f"{p99:.0f}",
+            f"{p50 / floor:.2f}",
+        ]
         for name, (p50, p99) in [
             *((r["system"], (r["lookup_us"]["p50"], r["lookup_us"]["p99"])) for r in results),
             *results[0]["also_us"].items(),
@@ -356,7 +375,8 @@ def run(args: argparse.Namespace) -> None:
     ]
     print(
         table(
-            f"Locked lookup round trip, {LOOKUP_CHUNKS}-chunk cached prefix (goal p50 <= 100 us)",
+            f"Locked lookup round trip, {LOOKUP_CHUNKS}-chunk cached prefix "
+            f"(goal p50 <= {LOOKUP_GOAL_US} us)",
             ["system", "p50 us", "p99 us", "p50 / floor"],
             latency_rows,
         )

@@ -57,7 +57,7 @@ from kvpool_agent.bench.connector_engine import (
     kv_bytes_per_token,
     write_model,
 )
-from kvpool_agent.bench.report import command, machine, median_spread, table
+from kvpool_agent.bench.report import command, machine, median_spread, progress, table
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, running_agent
 
 MODES = {"plain": "plain salts", "space": "shared space", "none": "no salt"}
@@ -220,6 +220,7 @@ def measure(kvpool: Engine, recompute: Engine, admin: Admin, args: argparse.Name
         recompute.generate(prompt(_prompt_tokens(args)))
     results = Results()
     for number in range(args.runs):
+        progress(f"run {number + 1} of {args.runs}")
         results.recompute.append(
             [recompute.generate(prompt(_prompt_tokens(args))) for _ in range(args.recompute)]
         )

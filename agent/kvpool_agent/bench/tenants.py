@@ -26,7 +26,7 @@ import time
 import httpx
 
 from kvpool_agent import problems
-from kvpool_agent.bench.report import table
+from kvpool_agent.bench.report import progress, table
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess, running_agent
@@ -146,7 +146,8 @@ def run(args: argparse.Namespace) -> None:
         populate_seconds = time.perf_counter() - started
         rates: dict[str, list[float]] = {name: [] for name in SETUPS}
         polls: dict[str, list[float]] = {name: [] for name in SETUPS}
-        for _ in range(args.runs):
+        for number in range(args.runs):
+            progress(f"run {number + 1} of {args.runs}")
             for name, paths in SETUPS.items():
                 if paths:
                     rate, poll = _polled_lookups(context, agent, paths, args.tenants, args.seconds)

@@ -49,7 +49,7 @@ import httpx
 from kvpool_agent import problems
 from kvpool_agent.bench.connector import Run, paired_ratios, ttfts
 from kvpool_agent.bench.connector_engine import Engine, add_model_arguments
-from kvpool_agent.bench.report import machine, median_spread, table
+from kvpool_agent.bench.report import machine, median_spread, progress, table
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, running_agent
 from kvpool_agent.testing.models import write_model
 
@@ -146,7 +146,8 @@ def run(args: argparse.Namespace) -> None:
         rng = random.Random(1)
         runs: dict[str, list[Run]] = {model: [] for model in MODELS}
         logged: dict[str, Logged | None] = {}
-        for _ in range(args.runs):
+        for number in range(args.runs):
+            progress(f"run {number + 1} of {args.runs}")
             engines: list[tuple[str, Engine]] = []
             try:
                 for model in MODELS:

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from kvpool_agent import problems
-from kvpool_agent.bench.report import table
+from kvpool_agent.bench.report import goal, table
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, running_agent
@@ -92,4 +92,5 @@ def run(args: argparse.Namespace) -> None:
             rows,
         )
     )
-    print(f"\np99 saturated / idle = {saturated[1] / idle[1]:.2f} (goal <= 1.2)")
+    ratio = saturated[1] / idle[1]
+    print(f"\np99 saturated / idle = {ratio:.2f} ({goal('goal <= 1.2', ratio, 1.2)})")

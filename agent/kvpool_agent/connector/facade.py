@@ -114,14 +114,17 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         super().__init__(vllm_config, role, kv_cache_config)
         _log_with_vllm()
         check_vllm_version(vllm.__version__)
-        settings = ConnectorSettings.load(self._kv_transfer_config.kv_connector_extra_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        settings, no_agent = ConnectorSettings.for_engine(extra)
         self._settings = settings
         self._credential = identity.credential(settings)
         self._counters = Counters()
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         self._address: discovery.AgentAddress | None = None
-        self._groups, disabled = _groups(vllm_config, kv_cache_config)
+        self._groups, disabled = (
+            _groups(vllm_config, kv_cache_config) if no_agent is None else ([], no_agent)
+        )
         if disabled is not None and role == KVConnectorRole.SCHEDULER:
             log.warning("kvpool: %s", disabled)  # once per engine: the scheduler's
         if role == KVConnectorRole.SCHEDULER:

@@ -22,7 +22,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from kvpool_agent.names import (
     CONNECTOR_CHUNK_TOKENS_ENV,
@@ -36,6 +44,7 @@ from kvpool_agent.problems import (
     FlagOrigin,
     Loc,
     MappingOrigin,
+    Origin,
     SettingError,
     describe,
 )
@@ -50,6 +59,13 @@ OVERRIDES = {
     "transport": CONNECTOR_TRANSPORT_ENV,
 }
 """The settings an environment variable overrides, and its name."""
+_NO_AGENT: dict[str, bool] = {"no agent": True}
+"""The validation context of :meth:`ConnectorSettings.for_engine`'s settings without an
+endpoint: the one object, told apart by identity."""
+
+
+class NotAZmqAddress(ValueError):
+    """An endpoint that is not ``tcp://host:port`` or ``ipc://path``."""
 
 
 class ConnectorSettings(BaseModel):
@@ -137,11 +153,13 @@ class ConnectorSettings(BaseModel):
     def _zmq_address(cls, endpoint: str | None) -> str | None:
         if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://")):
             guess = "" if "://" in endpoint else f"; did you mean tcp://{endpoint}?"
-            raise ValueError(f"must be tcp://host:port or ipc://path{guess}")
+            raise NotAZmqAddress(f"must be tcp://host:port or ipc://path{guess}")
         return endpoint
 
     @model_validator(mode="after")
-    def _one_target(self) -> Self:
+    def _one_target(self, info: ValidationInfo) -> Self:
+        if info.context is _NO_AGENT:
+            return self  # for_engine: the endpoint was malformed; nothing is asked of it
         if (self.endpoint is None) == (self.pool is None):
             raise SettingError(
                 f"{EXTRA_CONFIG} needs exactly one of 'endpoint' (with an optional "
@@ -173,6 +191,47 @@ class ConnectorSettings(BaseModel):
         value; vLLM shows it at start. ``flags``: ``extra_config`` came from a command line
         (``kvpool doctor``), and these are the flags of its keys.
         """
+        values, origins = cls._values(extra_config, environ, flags)
+        try:
+            return cls.model_validate(values)
+        except ValidationError as error:
+            raise ConfigError(describe(error, origins, cls)) from None
+
+    @classmethod
+    def for_engine(
+        cls, extra_config: Mapping[str, Any], environ: Mapping[str, str] | None = None
+    ) -> tuple[ConnectorSettings, str | None]:
+        """:meth:`load`'s settings for the connector inside vLLM, and why it goes on without
+        the cache (None: it does not).
+
+        An endpoint that is no ZMQ address (``127.0.0.1:7400``, without ``tcp://``) does
+        not stop vLLM: as with an agent it cannot reach, vLLM serves without the cache, and
+        the line names the setting and its value. The settings are then the others, without
+        an agent's address (nothing may ask for one). Any other mistake raises as in
+        :meth:`load`.
+        """
+        values, origins = cls._values(extra_config, environ, None)
+        try:
+            return cls.model_validate(values), None
+        except ValidationError as error:
+            lines = describe(error, origins, cls)
+            causes = [problem.get("ctx", {}).get("error") for problem in error.errors()]
+            if not all(isinstance(cause, NotAZmqAddress) for cause in causes):
+                raise ConfigError(lines) from None
+        others = {key: value for key, value in values.items() if key != "endpoint"}
+        return cls.model_validate(
+            others, context=_NO_AGENT
+        ), f"{lines[0]} (vLLM goes on without the cache)"
+
+    @classmethod
+    def _values(
+        cls,
+        extra_config: Mapping[str, Any],
+        environ: Mapping[str, str] | None,
+        flags: Mapping[str, str] | None,
+    ) -> tuple[dict[str, Any], list[Origin]]:
+        """The values to validate (``extra_config`` with the ``KVPOOL_*`` overrides), and
+        where each came from, highest precedence first."""
         env = os.environ if environ is None else environ
         values = dict(extra_config)
         overridden: dict[Loc, tuple[str, object]] = {}
@@ -183,15 +242,11 @@ class ConnectorSettings(BaseModel):
         if env.get(CONNECTOR_ENDPOINT_ENV):
             values.pop("pool", None)
             values.pop("namespace", None)
-        try:
-            return cls.model_validate(values)
-        except ValidationError as error:
-            given = (
-                FlagOrigin(
-                    {(key,): (flags.get(key, key), value) for key, value in extra_config.items()}
-                )
-                if flags is not None
-                else MappingOrigin(EXTRA_CONFIG, extra_config)
+        given = (
+            FlagOrigin(
+                {(key,): (flags.get(key, key), value) for key, value in extra_config.items()}
             )
-            origins = [FlagOrigin(overridden, joiner="="), given]
-            raise ConfigError(describe(error, origins, cls)) from None
+            if flags is not None
+            else MappingOrigin(EXTRA_CONFIG, extra_config)
+        )
+        return values, [FlagOrigin(overridden, joiner="="), given]

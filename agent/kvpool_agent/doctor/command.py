@@ -1,13 +1,18 @@
 """``kvpool doctor``: check a deployment end to end, as a vLLM pod's connector sees it.
 
-Prints one line per check, ``PASS|FAIL|SKIP  <check>  <what was seen>``, and under a
-FAIL the fix; exits 1 if any check failed, else 0.
+Prints one line per check, ``PASS|WARN|FAIL|SKIP  <check>  <what was seen>``, and under
+a WARN or FAIL the fix; exits 1 if any check failed, else 0. With ``--json`` those lines go
+to standard error as the checks run, and standard output gets one JSON object at the end:
+``{"checks": [{"name", "outcome", "seen", "fix"}, ...], "failed": true|false}``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
+import sys
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -93,6 +98,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout", type=number(float), default=3.0, help="seconds per request (default 3)"
     )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the result as one JSON object on standard output (each check's lines go "
+        "to standard error as it runs)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -133,8 +144,11 @@ def run(args: argparse.Namespace) -> int:
     checks: list[Check] = []
     for check in diagnose(options):
         checks.append(check)
-        print("\n".join(check.lines()), flush=True)
-    return exit_code(checks)
+        print("\n".join(check.lines()), file=sys.stderr if args.json else sys.stdout, flush=True)
+    code = exit_code(checks)
+    if args.json:
+        print(json.dumps({"checks": [dataclasses.asdict(c) for c in checks], "failed": code == 1}))
+    return code
 
 
 def _admin_token(path: Path | None) -> str | None:

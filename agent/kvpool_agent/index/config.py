@@ -123,7 +123,7 @@ class IndexConfig(BaseSettings):
     tokens_file: Path | None = Field(
         None,
         description=(
-            "The pool's tokens file (kvpool_agent.tenancy.auth): its admin and gateways "
+            "The pool's tokens file (kvpool_agent.tenancy.auth): its admins and gateways "
             "tokens may ask; without one, an admin token is generated into state_dir once "
             "the index listens (a failed start writes none)."
         ),

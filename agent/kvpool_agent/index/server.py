@@ -229,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_with(prog, error)
     try:
         authority, generated = load_authority(
-            config.tokens_file, {"admin": config.generated_token_file}
+            config.tokens_file, {"admins": config.generated_token_file}
         )
         agent_token = read_token(config.resolved_agent_token_file)
         discovery = make_discovery(config)

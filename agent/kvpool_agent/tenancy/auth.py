@@ -4,7 +4,7 @@ or a gateway.
 Tokens come from a YAML or JSON file (the pool's Secret, mounted by the agents and by
 the prefix index alike)::
 
-    admin: [token, ...]            # or a single string: everything, on every API
+    admins: [token, ...]           # or a single string: everything, on every API
     tenants:
       "<tenant-id>": [token, ...]  # or a single string; quote ids in YAML
     engines: [token, ...]          # vLLM engines that serve many tenants' salts
@@ -25,6 +25,11 @@ space's own, so only an admin changes its quota or clears it. Of the agent's chu
 handed out by its door (:mod:`kvpool_agent.edge.door`), a member maps a space's read-only
 (:meth:`TokenAuthority.file_access`).
 
+A file's tokens must be hard to guess (:data:`MIN_TOKEN_CHARS` characters, of
+:data:`MIN_DISTINCT_CHARS` different ones, as ``openssl rand -hex 24`` makes them): an API
+that a weak admin token opens is open to whoever can reach it and try.
+``admin`` is the old name of ``admins`` (every other key is plural): read, with a warning.
+
 Only the SHA-256 digests of the tokens stay in memory, and every check compares
 digests with :func:`hmac.compare_digest` against every known token, so neither
 a memory dump nor response timing gives a token away. Error messages name the
@@ -44,12 +49,13 @@ and a digest left out stops working at once.
 
 from __future__ import annotations
 
+import difflib
 import enum
 import hmac
 import logging
 import re
 import secrets
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,8 +69,16 @@ log = logging.getLogger(__name__)
 
 # Visible ASCII only: what fits in an Authorization header without quoting.
 _TOKEN = re.compile(r"[\x21-\x7e]+")
-_TOP_LEVEL_KEYS = ("admin", "tenants", "engines", "indexes", "gateways", "spaces")
+_TOP_LEVEL_KEYS = ("admins", "tenants", "engines", "indexes", "gateways", "spaces")
 _KEYS_TEXT = ", ".join(f"'{key}'" for key in _TOP_LEVEL_KEYS)
+_OLD_KEYS = {"admin": "admins"}
+"""Keys of earlier releases, still read (with a warning), and their names now."""
+MIN_TOKEN_CHARS = 32
+"""The shortest token a tokens file may hold: 128 bits as hex (``openssl rand -hex 16``);
+kvpool's own are longer (``secrets.token_urlsafe(32)``: 43 characters)."""
+MIN_DISTINCT_CHARS = 8
+"""Different characters a file's token needs at least: ``aaaa...`` is long, not random (32
+random hex digits show fewer with a chance of 4 in 100 million)."""
 TOKEN_FILE_MODE = 0o600
 """A generated token: for the agent's user (and whoever reads it as that user) only."""
 
@@ -141,25 +155,29 @@ class SpaceAccess:
 class TokenAuthority:
     """Maps bearer tokens to principals, knowing only the tokens' SHA-256 digests."""
 
-    def __init__(self, tokens: Mapping[str, object], *, source: str = "tokens") -> None:
-        """Build from the parsed mapping ``{admin: ..., tenants: {id: ...}, gateways: ...}``.
+    def __init__(
+        self, tokens: Mapping[str, object], *, source: str = "tokens", strong_only: bool = False
+    ) -> None:
+        """Build from the parsed mapping ``{admins: ..., tenants: {id: ...}, gateways: ...}``.
 
         ``source`` names the mapping in error messages (the file path, usually).
-        Raises :class:`TokenFileError` on a malformed mapping.
+        ``strong_only``: refuse a token that is easy to guess (a file's, which a person
+        wrote; not the tokens a program made for itself). Raises :class:`TokenFileError` on
+        a malformed mapping.
         """
         if not isinstance(tokens, Mapping):
             raise TokenFileError(
                 f"{source}: expected a mapping with keys {_KEYS_TEXT}, got {type(tokens).__name__}"
             )
-        unknown = [_glimpse(key) for key in tokens if key not in _TOP_LEVEL_KEYS]
+        unknown = [key for key in tokens if key not in _TOP_LEVEL_KEYS and key not in _OLD_KEYS]
         if unknown:
-            raise TokenFileError(
-                f"{source}: unknown keys {', '.join(unknown)}; expected {_KEYS_TEXT}"
-            )
+            raise TokenFileError(f"{source}: {_unknown_keys(unknown)}; expected {_KEYS_TEXT}")
+        tokens = _renamed(tokens, source)
         self._entries: list[Grant] = []
         owners: dict[bytes, Principal] = {}
-        for token in _token_list(tokens.get("admin"), f"{source}: admin"):
-            self._add(owners, token, ADMIN, f"{source}: admin")
+        self._strong_only = strong_only
+        for token in self._token_list(tokens.get("admins"), f"{source}: admins"):
+            self._add(owners, token, ADMIN, f"{source}: admins")
         tenants = tokens.get("tenants")
         if tenants is None:
             tenants = {}
@@ -178,10 +196,10 @@ class TokenAuthority:
                     f"{source}: tenant #{position} ({_glimpse(tenant)}): {TENANT_ID_RULE}"
                 )
             where = f"{source}: tenant {tenant}"
-            for token in _token_list(value, where):
+            for token in self._token_list(value, where):
                 self._add(owners, token, Principal(Role.TENANT, tenant), where)
         for key, principal in _SHARED_ROLES:
-            for token in _token_list(tokens.get(key), f"{source}: {key}"):
+            for token in self._token_list(tokens.get(key), f"{source}: {key}"):
                 self._add(owners, token, principal, f"{source}: {key}")
         if not self._entries:
             raise TokenFileError(f"{source}: defines no tokens; nobody could use the API")
@@ -208,7 +226,7 @@ class TokenAuthority:
             raise TokenFileError(f"{path}: not valid YAML or JSON{_position(error)}") from None
         if parsed is None:
             raise TokenFileError(f"{path}: the file is empty; it defines no tokens")
-        return cls(parsed, source=str(path))
+        return cls(parsed, source=str(path), strong_only=True)
 
     def authenticate(self, token: str) -> Principal | None:
         """The principal of ``token``, or None if it is unknown.
@@ -310,6 +328,20 @@ class TokenAuthority:
 
     def __repr__(self) -> str:
         return f"<TokenAuthority of {len(self._entries)} tokens>"
+
+    def _token_list(self, value: object, where: str) -> list[str]:
+        tokens = _token_list(value, where)
+        for position, token in enumerate(tokens, start=1):
+            if self._strong_only and (
+                len(token) < MIN_TOKEN_CHARS or len(set(token)) < MIN_DISTINCT_CHARS
+            ):
+                raise TokenFileError(
+                    f"{where}: token #{position} is too easy to guess ({len(token)} characters, "
+                    f"{len(set(token))} different); a token needs {MIN_TOKEN_CHARS} characters "
+                    f"or more, of {MIN_DISTINCT_CHARS} different ones at least: make one with "
+                    "`openssl rand -hex 24`"
+                )
+        return tokens
 
     def _add(
         self, owners: dict[bytes, Principal], token: str, principal: Principal, where: str
@@ -424,9 +456,40 @@ def _spaces(value: object, source: str) -> dict[str, SpaceAccess]:
 
 
 def _glimpse(key: object) -> str:
-    """A malformed key, described but not quoted: it may be a token pasted in the wrong place."""
+    """A malformed key: quoted whole if it is too short to be a token a file may hold, else
+    described but not quoted (it may be a token pasted in the wrong place)."""
     text = str(key)
+    if len(text) < MIN_TOKEN_CHARS:
+        return repr(text)
     return f"{text[:2]!r}... ({len(text)} characters)"
+
+
+def _unknown_keys(keys: Sequence[object]) -> str:
+    """``unknown key 'admn' (did you mean 'admins'?)``; keys named by :func:`_glimpse`."""
+    named = ", ".join(_glimpse(key) for key in keys)
+    if len(keys) > 1:
+        return f"unknown keys {named}"
+    text = str(keys[0])
+    close = difflib.get_close_matches(text, [*_TOP_LEVEL_KEYS, *_OLD_KEYS], n=1)
+    if not close or len(text) >= MIN_TOKEN_CHARS:
+        return f"unknown key {named}"
+    return f"unknown key {named} (did you mean '{_OLD_KEYS.get(close[0], close[0])}'?)"
+
+
+def _renamed(tokens: Mapping[str, object], source: str) -> Mapping[str, object]:
+    """``tokens`` with the keys of earlier releases under their names now, with a warning
+    each; an old key beside its new name is refused (which did the writer mean?)."""
+    old = [key for key in _OLD_KEYS if key in tokens]
+    if not old:
+        return tokens
+    renamed = dict(tokens)
+    for key in old:
+        new = _OLD_KEYS[key]
+        if new in renamed:
+            raise TokenFileError(f"{source}: both '{key}' and '{new}' (its new name): keep '{new}'")
+        log.warning("%s: the key '%s' is now '%s'; rename it (read as '%s')", source, key, new, new)
+        renamed[new] = renamed.pop(key)
+    return renamed
 
 
 def _position(error: yaml.YAMLError) -> str:

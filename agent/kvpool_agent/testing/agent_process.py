@@ -22,9 +22,9 @@ from kvpool_agent.testing.hosts import Host
 
 BIN = Path(sys.executable).parent
 READY = re.compile(r"agent ready pool=\S+ zmq=(\S+) http=(\S+) segment=(\S+) events=(\S+)")
-ADMIN_TOKEN = "admin-token-for-tests"
-ENGINE_TOKEN = "engine-token-for-tests"
-INDEX_TOKEN = "index-token-for-tests"
+ADMIN_TOKEN = "admin-token-for-tests-3f9c1a7e5b2d8064"
+ENGINE_TOKEN = "engine-token-for-tests-a41e7c09d53b62f8"
+INDEX_TOKEN = "index-token-for-tests-5d27b8e14c90fa36"
 """The tokens of every harness agent's tokens file (with its tenants' own)."""
 
 
@@ -97,7 +97,7 @@ class AgentProcess:
         tokens.write_text(
             yaml.safe_dump(
                 {
-                    "admin": ADMIN_TOKEN,
+                    "admins": ADMIN_TOKEN,
                     "engines": ENGINE_TOKEN,
                     "indexes": INDEX_TOKEN,
                     "tenants": dict(self.tenant_tokens),

@@ -128,7 +128,7 @@ class TenantsSpec(SpecModel):
     tokens_secret_ref: SecretKeyRef | None = Field(
         None,
         description="Secret with the bearer tokens of the agents' HTTP API and of the prefix "
-        "index, a YAML document {admin: [tokens], gateways: [tokens], tenants: {tenant-id: "
+        "index, a YAML document {admins: [tokens], gateways: [tokens], tenants: {tenant-id: "
         "[tokens]}} (gateways: tokens call the index only). Without it each agent generates an "
         "admin token of its own, and spec.index cannot be enabled.",
     )

@@ -23,8 +23,9 @@ from tests.support.raw_zmq import RawClient
 ALICE, BOB = tenant_id("alice-salt"), tenant_id("bob-salt")
 SPACE = tenant_id("space-salt")
 DEFAULT = tenant_id(None)
-ALICE_TOKEN, BOB_TOKEN = "alice-token", "bob-token"
-GATEWAY_TOKEN = "gateway-token"
+ALICE_TOKEN = "alice-token-4c8e1f7a93b05d26e7a1"
+BOB_TOKEN = "bob-token-0e6d9b3a51f8c2470a9e5c"
+GATEWAY_TOKEN = "gateway-token-d91c5a2e8f0b7463a0e5"
 CANARY_CHUNK = b"c" * CANARY_CHUNK_BYTES
 
 
@@ -71,7 +72,7 @@ def test_without_a_known_token_nothing_but_hellos_refusal(agent: AgentProcess) -
 def test_a_gateway_token_is_refused_at_hello(agent_process: AgentProcess) -> None:
     agent_process.settings["TOKENS_FILE"] = str(agent_process.workdir / "gateway-tokens.yaml")
     (agent_process.workdir / "gateway-tokens.yaml").write_text(
-        f"admin: {ADMIN_TOKEN}\ngateways: {GATEWAY_TOKEN}\n"
+        f"admins: {ADMIN_TOKEN}\ngateways: {GATEWAY_TOKEN}\n"
     )
     agent = agent_process.start()
     with pytest.raises(AgentError) as refused:

@@ -15,7 +15,8 @@ from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentP
 from tests.support.chunks import chain, data, key
 
 ALICE, MALLORY = tenant_id("alice-salt"), tenant_id("mallory-salt")
-ALICE_TOKEN, MALLORY_TOKEN = "alice-token", "mallory-token"
+ALICE_TOKEN = "alice-token-4c8e1f7a93b05d26e7a1"
+MALLORY_TOKEN = "mallory-token-b7f2a60d4e9c13587cd0"
 CANARY_CHUNK = b"c" * CANARY_CHUNK_BYTES
 
 

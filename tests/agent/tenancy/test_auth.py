@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
+import secrets
 import stat
 from pathlib import Path
 
@@ -32,6 +35,15 @@ ALICE = tenant_id("alice")
 BOB = tenant_id("bob")
 
 
+def strong(name: str) -> str:
+    """A token a tokens file takes (32 characters or more, of many different ones), still
+    readable in a failure: ``root-1-<32 hex digits>``."""
+    return f"{name}-{hashlib.sha256(name.encode()).hexdigest()[:32]}"
+
+
+ROOT, GATE, TEAM = strong("root"), strong("gw"), strong("alice")
+
+
 def generate(files: dict[str, Path]) -> TokenAuthority:
     """Fresh tokens for ``files``, written at once."""
     authority, generated = load_authority(None, files)
@@ -47,34 +59,37 @@ def write(tmp_path: Path, text: str, name: str = "tokens.yaml") -> Path:
 
 
 def test_yaml_with_lists(tmp_path: Path) -> None:
+    root_1, root_2, alice_1, alice_2, bob_1 = map(strong, ("r1", "r2", "a1", "a2", "b1"))
     path = write(
         tmp_path,
-        f"admin: [root-1, root-2]\ntenants:\n  '{ALICE}': [alice-1, alice-2]\n  '{BOB}': [bob-1]\n",
+        f"admins: [{root_1}, {root_2}]\n"
+        f"tenants:\n  '{ALICE}': [{alice_1}, {alice_2}]\n  '{BOB}': [{bob_1}]\n",
     )
     authority = TokenAuthority.from_file(path)
     assert authority.token_count == 5
-    assert authority.authenticate("root-1") == ADMIN
-    assert authority.authenticate("root-2") == ADMIN
-    assert authority.authenticate("alice-2") == Principal(Role.TENANT, ALICE)
-    assert authority.authenticate("bob-1") == Principal(Role.TENANT, BOB)
+    assert authority.authenticate(root_1) == ADMIN
+    assert authority.authenticate(root_2) == ADMIN
+    assert authority.authenticate(alice_2) == Principal(Role.TENANT, ALICE)
+    assert authority.authenticate(bob_1) == Principal(Role.TENANT, BOB)
     assert authority.authenticate("nobody") is None
     assert authority.authenticate("") is None
 
 
 def test_json_with_single_strings(tmp_path: Path) -> None:
-    path = write(
-        tmp_path, json.dumps({"admin": "root", "tenants": {ALICE: "alice"}}), "tokens.json"
-    )
+    path = write(tmp_path, json.dumps({"admins": ROOT, "tenants": {ALICE: TEAM}}), "tokens.json")
     authority = TokenAuthority.from_file(path)
-    assert authority.authenticate("root") == ADMIN
-    assert authority.authenticate("alice") == Principal(Role.TENANT, ALICE)
+    assert authority.authenticate(ROOT) == ADMIN
+    assert authority.authenticate(TEAM) == Principal(Role.TENANT, ALICE)
 
 
 def test_gateway_tokens(tmp_path: Path) -> None:
-    path = write(tmp_path, f"admin: root\ngateways: [gw-1, gw-2]\ntenants: {{'{ALICE}': a}}\n")
+    path = write(
+        tmp_path,
+        f"admins: {ROOT}\ngateways: [{GATE}, gw-2{GATE}]\ntenants: {{'{ALICE}': {TEAM}}}\n",
+    )
     authority = TokenAuthority.from_file(path)
-    assert authority.authenticate("gw-2") == GATEWAY
-    assert authority.authenticate("a") == Principal(Role.TENANT, ALICE)
+    assert authority.authenticate(f"gw-2{GATE}") == GATEWAY
+    assert authority.authenticate(TEAM) == Principal(Role.TENANT, ALICE)
     assert TokenAuthority({"gateways": "gw"}).authenticate("gw") == GATEWAY
     assert not GATEWAY.is_admin and not GATEWAY.may_access(ALICE) and str(GATEWAY) == "gateway"
 
@@ -111,7 +126,7 @@ def test_a_space_of_the_file_admits_its_members_and_owners(tmp_path: Path) -> No
     authority = TokenAuthority.from_file(
         write(
             tmp_path,
-            f"admin: x\nspaces:\n  '{space}': {{members: ['{ALICE}'], owners: ['{BOB}']}}\n",
+            f"admins: {ROOT}\nspaces:\n  '{space}': {{members: ['{ALICE}'], owners: ['{BOB}']}}\n",
         )
     )
     alice, bob = Principal.for_tenant(ALICE), Principal.for_tenant(BOB)
@@ -163,31 +178,38 @@ def test_malformed_tenant_ids(value: str) -> None:
         ("", "empty"),
         ("- a\n- b\n", "expected a mapping"),
         (
-            "admin: x\nusers: {}\n",
-            "unknown keys 'us'... (5 characters); "
-            "expected 'admin', 'tenants', 'engines', 'indexes', 'gateways', 'spaces'",
+            f"admins: {ROOT}\nusers: {{}}\n",
+            "unknown key 'users'; "
+            "expected 'admins', 'tenants', 'engines', 'indexes', 'gateways', 'spaces'",
         ),
+        (f"admn: {ROOT}\n", "unknown key 'admn' (did you mean 'admins'?);"),
+        (f"gateway: {ROOT}\n", "unknown key 'gateway' (did you mean 'gateways'?);"),
+        (f"admins: {ROOT}\nusers: {{}}\nx: 1\n", "unknown keys 'users', 'x';"),
+        (f"admin: {ROOT}\nadmins: {GATE}\n", "both 'admin' and 'admins' (its new name)"),
         ("gateways: {a: b}\n", "gateways: expected a token or a list of tokens, got dict"),
-        ("gateways: [ok, 7]\n", "gateways: token #2 is a int, not a string"),
-        (f"gateways: shared\ntenants:\n  '{ALICE}': shared\n", "also listed for tenant"),
-        ("admin: 5\n", "admin: expected a token or a list of tokens, got int"),
-        ("admin: {a: b}\n", "expected a token or a list of tokens, got dict"),
-        ("admin: [ok, 7]\n", "admin: token #2 is a int, not a string"),
-        ("admin: ['']\n", "token #1 is empty"),
-        ("admin: ['two words']\n", "whitespace"),
-        ("admin: x\ntenants: [a, b]\n", "'tenants' must map tenant ids to tokens"),
-        ("tenants:\n  alice: tok\n", "tenant #1 ('al'... (5 characters)): tenant id must be 32"),
+        (f"gateways: [{GATE}, 7]\n", "gateways: token #2 is a int, not a string"),
+        (f"gateways: {GATE}\ntenants:\n  '{ALICE}': {GATE}\n", "also listed for tenant"),
+        ("admins: 5\n", "admins: expected a token or a list of tokens, got int"),
+        ("admins: {a: b}\n", "expected a token or a list of tokens, got dict"),
+        (f"admins: [{ROOT}, 7]\n", "admins: token #2 is a int, not a string"),
+        ("admins: ['']\n", "token #1 is empty"),
+        ("admins: ['two words']\n", "whitespace"),
+        (f"admins: {ROOT}\ntenants: [a, b]\n", "'tenants' must map tenant ids to tokens"),
+        (f"tenants:\n  alice: {TEAM}\n", "tenant #1 ('alice'): tenant id must be 32"),
         (
-            "tenants:\n  12345678901234567890123456789012: tok\n",
+            f"tenants:\n  12345678901234567890123456789012: {TEAM}\n",
             "is a int, not a string (quote tenant ids in YAML)",
         ),
-        ("admin: []\ntenants: {}\n", "defines no tokens"),
-        (f"admin: shared\ntenants:\n  '{ALICE}': shared\n", "also listed for admin"),
-        ("admin: [x\n", "not valid YAML or JSON (line 2, column 1)"),
-        ("admin: x\nspaces: [a]\n", "'spaces' must map tenant ids to members and owners"),
-        ("admin: x\nspaces:\n  docs: {}\n", "space #1 ('do'... (4 characters)): tenant id"),
-        (f"admin: x\nspaces:\n  '{ALICE}': [a]\n", "keys 'members', 'owners'"),
-        (f"admin: x\nspaces:\n  '{ALICE}': {{members: [bob]}}\n", "'members' must be a list"),
+        ("admins: []\ntenants: {}\n", "defines no tokens"),
+        (f"admins: {ROOT}\ntenants:\n  '{ALICE}': {ROOT}\n", "also listed for admin"),
+        ("admins: [x\n", "not valid YAML or JSON (line 2, column 1)"),
+        (f"admins: {ROOT}\nspaces: [a]\n", "'spaces' must map tenant ids to members and owners"),
+        (f"admins: {ROOT}\nspaces:\n  docs: {{}}\n", "space #1 ('docs'): tenant id"),
+        (f"admins: {ROOT}\nspaces:\n  '{ALICE}': [a]\n", "keys 'members', 'owners'"),
+        (
+            f"admins: {ROOT}\nspaces:\n  '{ALICE}': {{members: [bob]}}\n",
+            "'members' must be a list",
+        ),
     ],
 )
 def test_malformed_files(tmp_path: Path, text: str, reason: str) -> None:
@@ -200,19 +222,66 @@ def test_malformed_files(tmp_path: Path, text: str, reason: str) -> None:
 
 
 def test_errors_never_quote_a_token(tmp_path: Path) -> None:
-    secret = "s3cr3t-token"
+    secret = strong("s3cr3t-token")
     cases = [
-        f"admin: [{secret}, '{secret} with space']\n",
-        f"admin: {secret}\ntenants:\n  '{ALICE}': {secret}\n",
-        f"admin: [{secret}\n  tenants: {{{{\n",  # broken YAML that quotes the line
-        f"{secret}: [a]\nadmin: [b]\n",  # a token pasted as a key
-        f"admin: [b]\ntenants:\n  {secret}: [a]\n",  # ... or as a tenant id
+        f"admins: [{secret}, '{secret} with space']\n",
+        f"admins: {secret}\ntenants:\n  '{ALICE}': {secret}\n",
+        f"admins: [{secret}\n  tenants: {{{{\n",  # broken YAML that quotes the line
+        f"{secret}: [a]\nadmins: [b]\n",  # a token pasted as a key
+        f"admins: [b]\ntenants:\n  {secret}: [a]\n",  # ... or as a tenant id
+        f"admins: {secret[:31]}\n",  # a token too short
     ]
     for text in cases:
         with pytest.raises(TokenFileError) as caught:
             TokenAuthority.from_file(write(tmp_path, text))
         assert secret not in str(caught.value)
         assert caught.value.__cause__ is None or secret not in str(caught.value.__cause__)
+
+
+@pytest.mark.parametrize(
+    ("token", "why"),
+    [
+        ("abc", "3 characters, 3 different"),
+        ("a" * 64, "64 characters, 1 different"),
+        ("ab" * 20, "40 characters, 2 different"),
+        ("abcdefg" * 5, "35 characters, 7 different"),
+        ("0123456789abcdefghijklmnopqrstu", "31 characters, 31 different"),
+    ],
+)
+@pytest.mark.parametrize("key", ["admins", "engines", "indexes", "gateways", "tenant"])
+def test_a_weak_token_is_refused(tmp_path: Path, token: str, why: str, key: str) -> None:
+    """A brute-forcer's first guesses: short, or long of few characters."""
+    text = f"tenants:\n  '{ALICE}': {token}\n" if key == "tenant" else f"{key}: [{token}]\n"
+    path = write(tmp_path, text)
+    with pytest.raises(TokenFileError) as caught:
+        TokenAuthority.from_file(path)
+    where = f"tenant {ALICE}" if key == "tenant" else key
+    assert str(caught.value) == (
+        f"{path}: {where}: token #1 is too easy to guess ({why}); a token needs 32 "
+        "characters or more, of 8 different ones at least: make one with `openssl rand -hex 24`"
+    )
+    assert token not in str(caught.value).removeprefix(str(path))
+
+
+def test_what_kvpool_and_its_docs_make_is_strong(tmp_path: Path) -> None:
+    """The agent's and the operator's generated tokens (``token_urlsafe(32)``), the README's
+    ``openssl rand -hex 24``, the e2e's ``token_urlsafe(24)``, a hex 128-bit key."""
+    made = [secrets.token_urlsafe(32), secrets.token_hex(24), secrets.token_urlsafe(24)]
+    made.append(secrets.token_hex(16))
+    path = write(tmp_path, "admins: [" + ", ".join(made) + "]\n")
+    assert TokenAuthority.from_file(path).token_count == 4
+
+
+def test_the_old_admin_key_is_read_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = write(tmp_path, f"admin: {ROOT}\n")
+    with caplog.at_level(logging.WARNING, logger=auth.__name__):
+        authority = TokenAuthority.from_file(path)
+    assert authority.authenticate(ROOT) == ADMIN
+    assert [record.getMessage() for record in caplog.records] == [
+        f"{path}: the key 'admin' is now 'admins'; rename it (read as 'admins')"
+    ]
 
 
 def test_missing_file(tmp_path: Path) -> None:
@@ -227,7 +296,7 @@ def test_same_token_twice_for_one_principal_is_harmless() -> None:
 
 def test_generated_admin_token(tmp_path: Path) -> None:
     path = tmp_path / "state" / "admin-token-default"
-    authority = generate({"admin": path})
+    authority = generate({"admins": path})
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     token = path.read_text().strip()
     assert len(token) >= 40  # token_urlsafe(32): 43 characters
@@ -236,7 +305,7 @@ def test_generated_admin_token(tmp_path: Path) -> None:
     assert token not in repr(vars(authority))
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left
 
-    again = generate({"admin": path})
+    again = generate({"admins": path})
     fresh = path.read_text().strip()
     assert fresh != token
     assert again.authenticate(fresh) == ADMIN
@@ -248,7 +317,7 @@ def test_generated_token_replaces_a_world_readable_file(tmp_path: Path) -> None:
     path = tmp_path / "admin-token"
     path.write_text("old\n")
     path.chmod(0o644)
-    generate({"admin": path})
+    generate({"admins": path})
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
@@ -269,7 +338,7 @@ def test_the_generated_token_never_goes_where_another_user_points(
         os.chown(path, NOBODY, NOBODY)
     before = os.lstat(path)
     with pytest.raises(OSError) as refused:
-        generate({"admin": path})
+        generate({"admins": path})
     message = str(refused.value)
     assert message.startswith(f"refusing token file {path}:") and "\n" not in message
     assert f"owner uid {before.st_uid}, mode {stat.S_IMODE(before.st_mode):04o}" in message
@@ -279,12 +348,12 @@ def test_the_generated_token_never_goes_where_another_user_points(
 
 
 def test_load_authority(tmp_path: Path) -> None:
-    tokens = write(tmp_path, "admin: configured\n")
+    tokens = write(tmp_path, f"admins: {ROOT}\n")
     path = tmp_path / "state" / "admin-token-pool"
-    authority, generated = load_authority(tokens, {"admin": path})
-    assert authority.authenticate("configured") == ADMIN
+    authority, generated = load_authority(tokens, {"admins": path})
+    assert authority.authenticate(ROOT) == ADMIN
     assert generated is None
-    authority, generated = load_authority(None, {"admin": path})
+    authority, generated = load_authority(None, {"admins": path})
     assert generated is not None
     assert not path.parent.exists()  # nothing written before the caller has started
     generated.write()
@@ -298,7 +367,7 @@ def test_a_token_file_not_written_is_undone(
     the first, and the directories noted before, not what was there."""
     state = tmp_path / "state" / "deeper"
     first, second = state / "admin-token", tmp_path / "engine-token"
-    _, generated = load_authority(None, {"admin": first, "engines": second})
+    _, generated = load_authority(None, {"admins": first, "engines": second})
     assert generated is not None
 
     def write_file(path: Path, data: bytes, mode: int, *, what: str) -> bool:
