@@ -9,7 +9,10 @@ import pytest
 from kvpool_agent import keys
 from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.layout import GroupRule
-from kvpool_agent.connector.metadata import KvpoolHandshake, KvpoolWorkerMetadata
+from kvpool_agent.connector.metadata import (
+    KVPoolConnectorHandshakeMetadata,
+    KVPoolConnectorWorkerMetadata,
+)
 from kvpool_agent.connector.scheduler import PROBE_REUSE_S, SchedulerHalf
 
 from .fakes import (
@@ -52,7 +55,10 @@ def make(
         loads_per_request=loads_per_request,
     )
     half.configure(
-        {rank: KvpoolHandshake(LAYOUT, CHUNK, stores_complete_in_step) for rank in range(tp)}
+        {
+            rank: KVPoolConnectorHandshakeMetadata(LAYOUT, CHUNK, stores_complete_in_step)
+            for rank in range(tp)
+        }
     )
     return half
 
@@ -264,7 +270,7 @@ def test_finished_requests_keep_blocks_only_while_stores_are_in_flight() -> None
         assert half.has_pending_work() is not in_step
         meta = half.build_connector_meta(scheduler_output())
         assert meta.held == ([] if in_step else ["r"])
-        half.update_connector_output(KvpoolWorkerMetadata({store.job_id: 1}), {"r"} - {""})
+        half.update_connector_output(KVPoolConnectorWorkerMetadata({store.job_id: 1}), {"r"} - {""})
         assert not half.has_pending_work()
         assert half.tracked_requests == 0
 
@@ -276,7 +282,7 @@ def test_confirmed_stores_release_nothing_twice() -> None:
     (store,) = half.build_connector_meta(
         scheduler_output([new_request("r", list(range(5)), computed=0)], scheduled={"r": 600})
     ).stores
-    half.update_connector_output(KvpoolWorkerMetadata({store.job_id: 1}), set())
+    half.update_connector_output(KVPoolConnectorWorkerMetadata({store.job_id: 1}), set())
     assert half.request_finished(request) is False  # confirmed before it finished
     assert half.tracked_requests == 0
 
@@ -292,10 +298,17 @@ def test_inconsistent_workers_disable_the_cache(ranks: object) -> None:
         counters=Counters(),
     )
     if isinstance(ranks, set):
-        half.configure({rank: KvpoolHandshake(LAYOUT, CHUNK, True) for rank in ranks})
+        half.configure(
+            {rank: KVPoolConnectorHandshakeMetadata(LAYOUT, CHUNK, True) for rank in ranks}
+        )
     else:
         assert isinstance(ranks, dict)
-        half.configure({rank: KvpoolHandshake(LAYOUT, size, True) for rank, size in ranks.items()})
+        half.configure(
+            {
+                rank: KVPoolConnectorHandshakeMetadata(LAYOUT, size, True)
+                for rank, size in ranks.items()
+            }
+        )
     assert not half.ready
 
 
@@ -441,7 +454,7 @@ def test_an_engine_kvpool_cannot_cache_gets_no_hits_and_asks_nothing() -> None:
         counters=Counters(),
         disabled="kvpool cannot cache MambaSpec (layer model.layers.1.mixer)",
     )
-    half.configure({0: KvpoolHandshake(LAYOUT, CHUNK, True)})
+    half.configure({0: KVPoolConnectorHandshakeMetadata(LAYOUT, CHUNK, True)})
     request = FakeRequest("r", prompt)
     assert half.get_num_new_matched_tokens(request, 0) == (0, False)
     meta = half.build_connector_meta(

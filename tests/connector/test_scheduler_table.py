@@ -14,7 +14,7 @@ from kvpool_agent.client import AgentClient
 from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.discovery import AgentAddress
 from kvpool_agent.connector.layout import GroupRule
-from kvpool_agent.connector.metadata import KvpoolHandshake
+from kvpool_agent.connector.metadata import KVPoolConnectorHandshakeMetadata
 from kvpool_agent.connector.scheduler import SchedulerHalf
 from kvpool_agent.connector.settings import Transport
 from kvpool_agent.probe_table import table_path
@@ -50,7 +50,7 @@ def scheduler(
         prefetch_wait_s=prefetch_wait_s,
         segment_path=address.segment_for,
     )
-    half.configure({0: KvpoolHandshake(LAYOUT, CHUNK, True)})
+    half.configure({0: KVPoolConnectorHandshakeMetadata(LAYOUT, CHUNK, True)})
     return half
 
 

@@ -56,8 +56,12 @@ from kvpool_agent.connector.groups import (
 )
 from kvpool_agent.connector.layout import LayoutError
 from kvpool_agent.connector.link import AgentLink
-from kvpool_agent.connector.metadata import KvpoolHandshake, KvpoolMetadata, KvpoolWorkerMetadata
-from kvpool_agent.connector.metrics import KvpoolPromMetrics, KvpoolStats
+from kvpool_agent.connector.metadata import (
+    KVPoolConnectorHandshakeMetadata,
+    KVPoolConnectorMetadata,
+    KVPoolConnectorWorkerMetadata,
+)
+from kvpool_agent.connector.metrics import KVPoolConnectorPromMetrics, KVPoolConnectorStats
 from kvpool_agent.connector.scheduler import SchedulerHalf
 from kvpool_agent.connector.settings import ConnectorSettings
 from kvpool_agent.connector.worker import WorkerHalf
@@ -230,9 +234,9 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
     def requires_kv_delivery(self) -> bool:
         return False  # a lost store is a future miss, nothing more
 
-    def _metadata(self) -> KvpoolMetadata:
+    def _metadata(self) -> KVPoolConnectorMetadata:
         meta = self._get_connector_metadata()
-        assert isinstance(meta, KvpoolMetadata)
+        assert isinstance(meta, KVPoolConnectorMetadata)
         return meta
 
     # ------------------------------------------------------------ worker side
@@ -256,10 +260,14 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         handshake = self.worker.handshake
-        return None if handshake is None else KvpoolHandshake(**dataclasses.asdict(handshake))
+        return (
+            None
+            if handshake is None
+            else KVPoolConnectorHandshakeMetadata(**dataclasses.asdict(handshake))
+        )
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        assert isinstance(kv_connector_metadata, KvpoolMetadata)
+        assert isinstance(kv_connector_metadata, KVPoolConnectorMetadata)
         self.worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -297,7 +305,7 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         done = self.worker.build_worker_meta()
-        return None if done is None else KvpoolWorkerMetadata(done.completed_stores)
+        return None if done is None else KVPoolConnectorWorkerMetadata(done.completed_stores)
 
     # ------------------------------------------------------------ scheduler side
 
@@ -305,7 +313,9 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:
         handshakes = {
-            rank: meta for rank, meta in metadata.items() if isinstance(meta, KvpoolHandshake)
+            rank: meta
+            for rank, meta in metadata.items()
+            if isinstance(meta, KVPoolConnectorHandshakeMetadata)
         }
         self.scheduler.configure(handshakes)
 
@@ -328,7 +338,7 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         self.scheduler.update_connector_output(
-            meta if isinstance(meta, KvpoolWorkerMetadata) else None,
+            meta if isinstance(meta, KVPoolConnectorWorkerMetadata) else None,
             set(connector_output.finished_sending or ()),
             set(getattr(connector_output, "failed_recving", None) or ()),
         )
@@ -350,13 +360,13 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         counts = self._counters.take()
-        return KvpoolStats(data=counts) if counts else None
+        return KVPoolConnectorStats(data=counts) if counts else None
 
     @classmethod
     def build_kv_connector_stats(
         cls, data: dict[str, Any] | None = None
     ) -> KVConnectorStats | None:
-        return KvpoolStats(data=dict(data or {}))
+        return KVPoolConnectorStats(data=dict(data or {}))
 
     @classmethod
     def build_prom_metrics(
@@ -366,7 +376,9 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
-        return KvpoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        return KVPoolConnectorPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
 
     def shutdown(self) -> None:
         if self._worker is not None:

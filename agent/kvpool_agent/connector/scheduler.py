@@ -71,7 +71,11 @@ from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.jobs import GroupBlocks, LoadJob, RankKeys, StoreJob
 from kvpool_agent.connector.layout import NULL_BLOCK, GroupRule, LayoutError
 from kvpool_agent.connector.link import AgentLink, LinkDown
-from kvpool_agent.connector.metadata import KvpoolHandshake, KvpoolMetadata, KvpoolWorkerMetadata
+from kvpool_agent.connector.metadata import (
+    KVPoolConnectorHandshakeMetadata,
+    KVPoolConnectorMetadata,
+    KVPoolConnectorWorkerMetadata,
+)
 from kvpool_agent.probe_table import ProbeTableReader, table_path
 
 if TYPE_CHECKING:
@@ -251,7 +255,7 @@ class SchedulerHalf:
     def ready(self) -> bool:
         return bool(self._roots)
 
-    def configure(self, handshakes: Mapping[int, KvpoolHandshake]) -> None:
+    def configure(self, handshakes: Mapping[int, KVPoolConnectorHandshakeMetadata]) -> None:
         """Take every rank's chunk format; the fingerprints follow from it."""
         if self._disabled is not None:
             return
@@ -709,11 +713,11 @@ class SchedulerHalf:
 
     # ------------------------------------------------------------ each step
 
-    def build_connector_meta(self, output: SchedulerOutput) -> KvpoolMetadata:
+    def build_connector_meta(self, output: SchedulerOutput) -> KVPoolConnectorMetadata:
         with self.counters.timed("scheduler_us"):
             return self._build(output)
 
-    def _build(self, output: SchedulerOutput) -> KvpoolMetadata:
+    def _build(self, output: SchedulerOutput) -> KVPoolConnectorMetadata:
         self._step_asked_s = 0.0  # once per schedule(): a new step
         stores: list[StoreJob] = []
         for new in output.scheduled_new_reqs:
@@ -751,7 +755,7 @@ class SchedulerHalf:
             if state is not None:
                 state.block_ids = []
                 state.probe = None  # it stored chunks since: look again when it resumes
-        meta = KvpoolMetadata(self._loads, stores, self._newly_held, preempted)
+        meta = KVPoolConnectorMetadata(self._loads, stores, self._newly_held, preempted)
         self._loads, self._newly_held = [], []
         return meta
 
@@ -867,7 +871,7 @@ class SchedulerHalf:
 
     def update_connector_output(
         self,
-        worker_meta: KvpoolWorkerMetadata | None,
+        worker_meta: KVPoolConnectorWorkerMetadata | None,
         finished_sending: set[str],
         failed_receiving: Collection[str] = (),
     ) -> None:
