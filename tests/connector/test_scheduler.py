@@ -13,7 +13,8 @@ from kvpool_agent.connector.metadata import (
     KVPoolConnectorHandshakeMetadata,
     KVPoolConnectorWorkerMetadata,
 )
-from kvpool_agent.connector.scheduler import PROBE_REUSE_S, SchedulerHalf
+from kvpool_agent.connector.scheduler import KVPoolConnectorScheduler
+from kvpool_agent.connector.scheduler_lookups import PROBE_REUSE_S
 
 from .fakes import (
     BLOCK,
@@ -40,10 +41,10 @@ def make(
     prefetch_wait_s: float = 0.0,
     clock: Clock | None = None,
     loads_per_request: bool = False,
-) -> SchedulerHalf:
+) -> KVPoolConnectorScheduler:
     counters = Counters()
     clock = clock or Clock()
-    half = SchedulerHalf(
+    half = KVPoolConnectorScheduler(
         model="m",
         dtype="bfloat16",
         tp_size=tp,
@@ -65,7 +66,7 @@ def make(
 
 def test_nothing_happens_before_the_workers_describe_their_chunks() -> None:
     agent = FakeAgent()
-    half = SchedulerHalf(
+    half = KVPoolConnectorScheduler(
         model="m",
         dtype="bfloat16",
         tp_size=1,
@@ -289,7 +290,7 @@ def test_confirmed_stores_release_nothing_twice() -> None:
 
 @pytest.mark.parametrize("ranks", [{1}, {0: 128, 1: 256}])
 def test_inconsistent_workers_disable_the_cache(ranks: object) -> None:
-    half = SchedulerHalf(
+    half = KVPoolConnectorScheduler(
         model="m",
         dtype="bfloat16",
         tp_size=2,
@@ -445,7 +446,7 @@ def test_an_engine_kvpool_cannot_cache_gets_no_hits_and_asks_nothing() -> None:
     agent = FakeAgent()
     prompt = tokens(1000)
     agent.put(keys.tenant_id(None), chain(prompt))
-    half = SchedulerHalf(
+    half = KVPoolConnectorScheduler(
         model="m",
         dtype="bfloat16",
         tp_size=1,

@@ -1,7 +1,7 @@
 """``KvpoolConnector``: the class vLLM loads; it only wires the settings and delegates.
 
 vLLM builds one instance per role: in the scheduler process it drives a
-:class:`~kvpool_agent.connector.scheduler.SchedulerHalf`, in each worker a
+:class:`~kvpool_agent.connector.scheduler.KVPoolConnectorScheduler`, in each worker a
 :class:`~kvpool_agent.connector.worker.WorkerHalf`. Each half has its own
 :class:`~kvpool_agent.connector.link.AgentLink` (the scheduler's with the short
 ``lookup_timeout_s``) and its own counters.
@@ -62,7 +62,7 @@ from kvpool_agent.connector.metadata import (
     KVPoolConnectorWorkerMetadata,
 )
 from kvpool_agent.connector.metrics import KVPoolConnectorPromMetrics, KVPoolConnectorStats
-from kvpool_agent.connector.scheduler import SchedulerHalf
+from kvpool_agent.connector.scheduler import KVPoolConnectorScheduler
 from kvpool_agent.connector.settings import ConnectorSettings
 from kvpool_agent.connector.worker import WorkerHalf
 
@@ -122,7 +122,7 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         self._settings = settings
         self._credential = identity.credential(settings)
         self._counters = Counters()
-        self._scheduler: SchedulerHalf | None = None
+        self._scheduler: KVPoolConnectorScheduler | None = None
         self._worker: WorkerHalf | None = None
         self._address: discovery.AgentAddress | None = None
         self._groups, disabled = _groups(vllm_config, kv_cache_config)
@@ -131,7 +131,7 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             self._require_recompute()
             model = vllm_config.model_config
-            self._scheduler = SchedulerHalf(
+            self._scheduler = KVPoolConnectorScheduler(
                 model=_model_identity(settings.model_name or model.model, vllm_config),
                 dtype=str(model.dtype).removeprefix("torch."),
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
@@ -221,7 +221,7 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
             config.kv_load_failure_policy = "recompute"
 
     @property
-    def scheduler(self) -> SchedulerHalf:
+    def scheduler(self) -> KVPoolConnectorScheduler:
         assert self._scheduler is not None, "a scheduler method called on a worker connector"
         return self._scheduler
 
