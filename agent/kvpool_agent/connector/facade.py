@@ -2,7 +2,7 @@
 
 vLLM builds one instance per role: in the scheduler process it drives a
 :class:`~kvpool_agent.connector.scheduler.KVPoolConnectorScheduler`, in each worker a
-:class:`~kvpool_agent.connector.worker.WorkerHalf`. Each half has its own
+:class:`~kvpool_agent.connector.worker.KVPoolConnectorWorker`. Each half has its own
 :class:`~kvpool_agent.connector.link.AgentLink` (the scheduler's with the short
 ``lookup_timeout_s``) and its own counters.
 
@@ -64,7 +64,7 @@ from kvpool_agent.connector.metadata import (
 from kvpool_agent.connector.metrics import KVPoolConnectorPromMetrics, KVPoolConnectorStats
 from kvpool_agent.connector.scheduler import KVPoolConnectorScheduler
 from kvpool_agent.connector.settings import ConnectorSettings
-from kvpool_agent.connector.worker import WorkerHalf
+from kvpool_agent.connector.worker import KVPoolConnectorWorker
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -123,7 +123,7 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         self._credential = identity.credential(settings)
         self._counters = Counters()
         self._scheduler: KVPoolConnectorScheduler | None = None
-        self._worker: WorkerHalf | None = None
+        self._worker: KVPoolConnectorWorker | None = None
         self._address: discovery.AgentAddress | None = None
         self._groups, disabled = _groups(vllm_config, kv_cache_config)
         if disabled is not None and role == KVConnectorRole.SCHEDULER:
@@ -147,7 +147,7 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            self._worker = WorkerHalf(
+            self._worker = KVPoolConnectorWorker(
                 rank=get_tensor_model_parallel_rank(),
                 link=self._link("worker", settings.transfer_timeout_s, self._on_new_agent),
                 counters=self._counters,
@@ -226,7 +226,7 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         return self._scheduler
 
     @property
-    def worker(self) -> WorkerHalf:
+    def worker(self) -> KVPoolConnectorWorker:
         assert self._worker is not None, "a worker method called on a scheduler connector"
         return self._worker
 
