@@ -36,6 +36,7 @@ import zmq.asyncio
 
 from kvpool_agent import protocol as p
 from kvpool_agent.mapped_files import MappedChunkFiles
+from kvpool_agent.transfer_results import LookupResult, StorePlan
 
 T = TypeVar("T")
 Payload = bytes | memoryview
@@ -86,33 +87,6 @@ class AgentInfo:
     """Device and inode of the agent's segment: new ones mean new chunk files."""
     door_path: Path | None = None
     """The agent's door as the agent sees it (None: it does not say)."""
-
-
-@dataclass(frozen=True)
-class LookupResult:
-    """The leading run of the keys that the agent holds: ``offsets[i]`` and ``sizes[i]``
-    locate the i-th; ``lease`` holds them read-locked (None: nothing locked)."""
-
-    lease: int | None
-    offsets: list[int]
-    sizes: list[int]
-    file: int = 0
-    """The chunk file the hits are in (see :mod:`kvpool_agent.mapped_files`)."""
-
-    @property
-    def count(self) -> int:
-        return len(self.offsets)
-
-
-@dataclass(frozen=True)
-class StorePlan:
-    """Where to write each key: ``offsets[i]`` or -1 when the agent already has it."""
-
-    lease: int | None
-    offsets: list[int]
-    refused: str | None
-    file: int = 0
-    """The chunk file the offsets are in."""
 
 
 @dataclass(frozen=True)

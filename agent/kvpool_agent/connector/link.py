@@ -35,16 +35,15 @@ from kvpool_agent.client import (
     AgentInfo,
     AgentUnavailable,
     InlineStoreResult,
-    LookupResult,
     Payload,
     PrefetchProgress,
-    StorePlan,
 )
 from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.discovery import AgentAddress, DiscoveryError
 from kvpool_agent.connector.identity import Credential, CredentialMissing
 from kvpool_agent.mapped_files import ChunkFileError, MappedChunkFiles
 from kvpool_agent.protocol import ErrorCode, ProtocolError
+from kvpool_agent.transfer_results import LookupResult, StorePlan
 
 log = logging.getLogger(__name__)
 

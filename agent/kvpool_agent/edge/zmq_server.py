@@ -543,12 +543,12 @@ class ZmqServer:
             prefetch=request.prefetch,
             parent=request.parent,
         )
-        hit = found.hit
+        hit = found
         if hit.lease is not None:
             session.leases.add(hit.lease)
         file = self._service.file_id(tenant) if hit.count else 0
         return p.LookupReply(
-            request.req, hit.lease or p.NO_LEASE, hit.offsets, hit.sizes, found.prefetch, file
+            request.req, hit.lease or p.NO_LEASE, hit.offsets, hit.sizes, hit.prefetch, file
         ), []
 
     def _prefetch_status(

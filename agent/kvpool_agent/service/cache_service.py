@@ -33,6 +33,7 @@ stall the data path.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import heapq
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -61,9 +62,8 @@ from kvpool_agent.service.landing import ChunkLanding
 from kvpool_agent.service.results import (
     AboveCeiling,
     Dropped,
-    LookupOutcome,
     QuotaView,
-    Snapshot,
+    SnapshotResult,
     SpaceUsage,
     StoreResult,
     TenantRanking,
@@ -73,6 +73,7 @@ from kvpool_agent.service.results import (
 )
 from kvpool_agent.tenancy.quota_store import QuotaStore
 from kvpool_agent.tenants_configmap import SpaceEntry
+from kvpool_agent.transfer_results import LookupResult
 
 _USED_BYTES = attrgetter("used_bytes")
 
@@ -134,7 +135,7 @@ class CacheService:
         count: bool = True,
         prefetch: bool = False,
         parent: bytes | None = None,
-    ) -> LookupOutcome:
+    ) -> LookupResult:
         """The leading run of ready chunks of ``keys`` (see :meth:`L1Cache.lookup`).
 
         Counted hits tell the write-back (a ``reused`` policy counts them). With
@@ -150,7 +151,7 @@ class CacheService:
         if prefetch and self._prefetch is not None and hit.count < len(keys):
             after = keys[hit.count - 1] if hit.count else parent
             prefetch_id = self._prefetch.begin(tenant, keys[hit.count :], after)
-        return LookupOutcome(hit, prefetch_id)
+        return dataclasses.replace(hit, prefetch=prefetch_id) if prefetch_id else hit
 
     def prefetch_status(self, prefetch_id: int) -> PrefetchProgress | None:
         """None for an id never given or long finished (or without L2 tiers)."""
@@ -264,11 +265,11 @@ class CacheService:
         finally:
             self.release(hit.lease)
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self) -> SnapshotResult:
         """Every tenant's keys, and the event sequence number they are consistent with."""
         with self._lock:  # events are published under this lock
             seq = 0 if self._events is None else self._events.seq
-            return Snapshot(seq, self._cache.keys_by_tenant())
+            return SnapshotResult(seq, self._cache.keys_by_tenant())
 
     @property
     def open_write_leases(self) -> int:

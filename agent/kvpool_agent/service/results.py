@@ -4,15 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpool_agent.core.cache_types import Hit, TenantStats
+from kvpool_agent.core.cache_types import TenantStats
 from kvpool_agent.quotas import Limit, TierLimits
-
-
-@dataclass(frozen=True, slots=True)
-class LookupOutcome:
-    hit: Hit
-    prefetch: int
-    """The prefetch loading the keys after the hits from L2, or 0 (none started)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +19,10 @@ class StoreResult:
 
 
 @dataclass(frozen=True, slots=True)
-class Snapshot:
+class SnapshotResult:
+    """Every ready key by tenant (the answer to the wire's :class:`~kvpool_agent.protocol.Snapshot`
+    request)."""
+
     seq: int
     """The last chunk event published when the keys were read (0 without events)."""
     keys_by_tenant: dict[str, list[bytes]]
