@@ -57,7 +57,7 @@ from kvpool_agent.peer.wire import (
     Object,
     WireError,
 )
-from kvpool_agent.service.cache_service import CacheService
+from kvpool_agent.service.data_service import DataService
 from kvpool_agent.web.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class PeerServer:
     node: str
     keyring: Keyring
     codec: ObjectCodec
-    service: CacheService
+    service: DataService
     nvme: L2Adapter | None
     loop: asyncio.AbstractEventLoop
     listener: PeerListener
