@@ -5,7 +5,8 @@ edges and the client all hold a lookup's answer as a :class:`LookupResult` (the 
 carries it as :class:`~kvpool_agent.protocol.LookupReply`), and a client holds the agent's
 plan for a store as a :class:`StorePlan` (on the wire a
 :class:`~kvpool_agent.protocol.PrepareStoreReply`; inside the cache, the slots it reserved
-are a :class:`~kvpool_agent.core.cache_types.Reservation`).
+are a :class:`~kvpool_agent.core.cache_types.Reservation`), and what a store of bytes did
+as a :class:`StoreResult` (on the wire a :class:`~kvpool_agent.protocol.StoreInlineReply`).
 """
 
 from __future__ import annotations
@@ -43,3 +44,15 @@ class StorePlan:
     refused: str | None
     file: int = 0
     """The chunk file the offsets are in."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreResult:
+    """What a store of bytes did (the chunks sent with the request, not written in place)."""
+
+    stored: int
+    """Chunks copied and made ready."""
+    present: int
+    """Chunks that were cached already (nothing copied)."""
+    refused: str | None
+    """Why the tail of the keys was refused, if it was."""

@@ -199,9 +199,7 @@ class ZmqHandlers:
             )
         keys = self._sessions.keys(session, tenant, request, map(len, extra))
         result = self._service.store(tenant, keys, list(extra), request.parent)
-        return p.StoreInlineReply(
-            request.req, result.stored, result.present, result.refused_reason
-        ), []
+        return p.StoreInlineReply(request.req, result.stored, result.present, result.refused), []
 
     def retrieve_inline(self, request: p.RetrieveInline, extra: Frames, peer: Peer) -> Handled:
         session = self._sessions.get(request.session, peer)

@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterable, Sequence
 from kvpool_agent.core.cache_types import Reservation, UnknownLease
 from kvpool_agent.service.hooks import PrefetchProgress
 from kvpool_agent.service.landing import ChunkLanding
-from kvpool_agent.service.results import Dropped, SnapshotResult, StoreResult
+from kvpool_agent.service.results import Dropped, SnapshotResult
 from kvpool_agent.service.state import ServiceState
-from kvpool_agent.transfer_results import LookupResult
+from kvpool_agent.transfer_results import LookupResult, StoreResult
 
 
 class DataService(ServiceState):

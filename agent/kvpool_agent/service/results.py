@@ -9,16 +9,6 @@ from kvpool_agent.quotas import Limit, TierLimits
 
 
 @dataclass(frozen=True, slots=True)
-class StoreResult:
-    stored: int
-    """Chunks copied and made ready."""
-    present: int
-    """Chunks that were cached already (nothing copied)."""
-    refused_reason: str | None
-    """Why the tail of the keys was refused, if it was."""
-
-
-@dataclass(frozen=True, slots=True)
 class SnapshotResult:
     """Every ready key by tenant (the answer to the wire's :class:`~kvpool_agent.protocol.Snapshot`
     request)."""

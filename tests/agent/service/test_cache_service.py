@@ -80,7 +80,7 @@ def test_store_copies_the_bytes_in_and_a_chunk_landed_from_l2_is_not_written_bac
     service, write_back, _ = attached(tmp_path)
     head, tail = key("head"), key("tail")
     stored = service.store(ALICE, [head], [b"h" * 100])
-    assert (stored.stored, stored.present, stored.refused_reason) == (1, 0, None)
+    assert (stored.stored, stored.present, stored.refused) == (1, 0, None)
     present = service.landing(ALICE, head, None, [])
     assert present.reserve(100) is None and present.present and present.finish(True)
     landed = service.landing(ALICE, tail, head, [], after=present)
