@@ -16,8 +16,8 @@ fingerprint), the request's block ids and a store cursor.
   is "not yet" (``None``) and vLLM asks again at its next step, until the
   prefetch is done or ``prefetch_wait_s`` has passed.
 * Requests vLLM cannot schedule yet are asked again at every step. A probe's
-  answer stands for :data:`PROBE_REUSE_S` (it is a hint: the worker locks what it
-  loads), and all questions to the agent in one step (new requests' probes,
+  answer stands for :data:`~kvpool_agent.connector.scheduler_lookups.PROBE_REUSE_S` (it
+  is a hint: the worker locks what it loads), and all questions to the agent in one step (new requests' probes,
   prefetch status) stop at ``step_budget_s``: a request that would need one more
   answers "not yet" and is asked in the next step. Prefetch questions get half of
   it, so the probes of new requests (which start their prefetches) always get

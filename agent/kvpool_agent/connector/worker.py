@@ -56,11 +56,11 @@ from kvpool_agent.connector.layout import ChunkFormat, GroupRule, detect_layout
 from kvpool_agent.connector.link import AgentLink, LinkDown
 from kvpool_agent.connector.worker_loads import LoadRunner
 from kvpool_agent.connector.worker_stores import StoreRunner
-from kvpool_agent.connector.worker_transport import MESSAGES_ONLY, ChunkTransport, Part
+from kvpool_agent.connector.worker_transport import ChunkTransport, Part
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MESSAGES_ONLY", "KVPoolConnectorWorker"]
+__all__ = ["KVPoolConnectorWorker"]
 
 
 class KVPoolConnectorWorker:
