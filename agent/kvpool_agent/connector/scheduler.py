@@ -15,15 +15,14 @@ fingerprint), the request's block ids and a store cursor.
   prefetch is given a couple of milliseconds; if it is still loading, the answer
   is "not yet" (``None``) and vLLM asks again at its next step, until the
   prefetch is done or ``prefetch_wait_s`` has passed.
-* Requests vLLM cannot schedule yet are asked again at every step. A probe's
-  answer stands for :data:`~kvpool_agent.connector.scheduler_lookups.PROBE_REUSE_S` (it
-  is a hint: the worker locks what it loads), and all questions to the agent in one step (new requests' probes,
-  prefetch status) stop at ``step_budget_s``: a request that would need one more
-  answers "not yet" and is asked in the next step. Prefetch questions get half of
-  it, so the probes of new requests (which start their prefetches) always get
-  the other half. vLLM walks its waiting queue
-  in admission order and keeps skipped requests at its head, so the budget goes
-  to the oldest requests, and a burst or a queue of any length delays a step by
+* Requests vLLM cannot schedule yet are asked again at every step. A probe's answer stands
+  for :data:`~kvpool_agent.connector.scheduler_lookups.PROBE_REUSE_S` (it is a hint: the
+  worker locks what it loads), and all questions to the agent in one step (new requests'
+  probes, prefetch status) stop at ``step_budget_s``: a request that would need one more
+  answers "not yet" and is asked in the next step. Prefetch questions get half of it, so the
+  probes of new requests (which start their prefetches) always get the other half. vLLM
+  walks its waiting queue in admission order and keeps skipped requests at its head, so the
+  budget goes to the oldest requests, and a burst or a queue of any length delays a step by
   at most the budget (plus the one question in flight).
 * ``update_state_after_alloc``: turn the hit into a :class:`LoadJob` on the
   blocks vLLM allocated (every KV cache group's). The worker locks the chunks when it
