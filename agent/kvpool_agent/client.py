@@ -36,6 +36,7 @@ import zmq.asyncio
 
 from kvpool_agent import protocol as p
 from kvpool_agent.mapped_files import MappedChunkFiles
+from kvpool_agent.transfer_results import LookupResult, StorePlan, StoreResult
 
 T = TypeVar("T")
 Payload = bytes | memoryview
@@ -89,46 +90,12 @@ class AgentInfo:
 
 
 @dataclass(frozen=True)
-class LookupResult:
-    """The leading run of the keys that the agent holds: ``offsets[i]`` and ``sizes[i]``
-    locate the i-th; ``lease`` holds them read-locked (None: nothing locked)."""
-
-    lease: int | None
-    offsets: list[int]
-    sizes: list[int]
-    file: int = 0
-    """The chunk file the hits are in (see :mod:`kvpool_agent.mapped_files`)."""
-
-    @property
-    def count(self) -> int:
-        return len(self.offsets)
-
-
-@dataclass(frozen=True)
-class StorePlan:
-    """Where to write each key: ``offsets[i]`` or -1 when the agent already has it."""
-
-    lease: int | None
-    offsets: list[int]
-    refused: str | None
-    file: int = 0
-    """The chunk file the offsets are in."""
-
-
-@dataclass(frozen=True)
 class PrefetchProgress:
     """See :class:`~kvpool_agent.protocol.PrefetchStatusReply`."""
 
     done: bool
     expected: int
     loaded: int
-
-
-@dataclass(frozen=True)
-class InlineStoreResult:
-    stored: int
-    present: int
-    refused: str | None
 
 
 @dataclass(frozen=True)
@@ -234,10 +201,10 @@ class _Requests:
     @staticmethod
     def store_inline(
         tenant: str, keys: Sequence[bytes], chunks: Sequence[Payload], parent: bytes | None
-    ) -> _Exchange[InlineStoreResult]:
-        def parse(reply: Any, data: list[bytes]) -> InlineStoreResult:
+    ) -> _Exchange[StoreResult]:
+        def parse(reply: Any, data: list[bytes]) -> StoreResult:
             answer = _expect(p.StoreInlineReply)(reply, data)
-            return InlineStoreResult(answer.stored, answer.present, answer.refused)
+            return StoreResult(answer.stored, answer.present, answer.refused)
 
         return _Exchange(
             lambda req, s: p.StoreInline(req, s, tenant, list(keys), parent), parse, chunks
@@ -534,7 +501,7 @@ class AgentClient(_ClientBase):
         keys: Sequence[bytes],
         chunks: Sequence[Payload],
         parent: bytes | None = None,
-    ) -> InlineStoreResult:
+    ) -> StoreResult:
         return self._call(_Requests.store_inline(tenant, keys, chunks, parent))
 
     def retrieve_inline(self, tenant: str, keys: Sequence[bytes]) -> list[bytes]:
@@ -692,7 +659,7 @@ class AsyncAgentClient(_ClientBase):
         keys: Sequence[bytes],
         chunks: Sequence[Payload],
         parent: bytes | None = None,
-    ) -> InlineStoreResult:
+    ) -> StoreResult:
         return await self._call(_Requests.store_inline(tenant, keys, chunks, parent))
 
     async def retrieve_inline(self, tenant: str, keys: Sequence[bytes]) -> list[bytes]:

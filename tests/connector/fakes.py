@@ -14,13 +14,12 @@ from kvpool_agent.client import (
     AgentError,
     AgentInfo,
     AgentUnavailable,
-    LookupResult,
     PrefetchProgress,
-    StorePlan,
 )
 from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.discovery import AgentAddress
 from kvpool_agent.connector.link import AgentLink
+from kvpool_agent.transfer_results import LookupResult, StorePlan
 
 CHUNK_BYTES = 4096
 

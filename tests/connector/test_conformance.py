@@ -49,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from kvpool_agent.connector.facade import KvpoolConnector
-from kvpool_agent.connector.metadata import KvpoolMetadata, KvpoolWorkerMetadata
+from kvpool_agent.connector.metadata import KVPoolConnectorMetadata, KVPoolConnectorWorkerMetadata
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -363,13 +363,13 @@ def compute_and_store(engine: StepEngine, tokens: list[int]) -> dict[str, torch.
 
     step = engine.step(forward)
     assert block_ids, "vLLM ran no forward"
-    assert isinstance(step.output.kv_connector_metadata, KvpoolMetadata)
+    assert isinstance(step.output.kv_connector_metadata, KVPoolConnectorMetadata)
     (store,) = step.output.kv_connector_metadata.stores
     assert store.block_ids == (tuple(block_ids[:full_blocks]),)
     stored = worker.worker.counters.totals["stored_chunks"]
     assert stored == CHUNKS, f"{stored} chunks stored: did vLLM call wait_for_save?"
     assert step.kv is not None and step.kv.invalid_block_ids == set()
-    assert isinstance(step.kv.kv_connector_worker_meta, KvpoolWorkerMetadata)
+    assert isinstance(step.kv.kv_connector_worker_meta, KVPoolConnectorWorkerMetadata)
     assert step.finished == {"first"}
     engine.step()  # the finished request reaches the worker's get_finished
     assert not scheduler.has_pending_push_work()

@@ -12,7 +12,7 @@ import torch
 
 from kvpool_agent.client import AgentClient
 from kvpool_agent.connector.jobs import LoadJob, StepJobs
-from kvpool_agent.connector.worker import WorkerHalf
+from kvpool_agent.connector.worker import KVPoolConnectorWorker
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.metrics import metric
 
@@ -26,7 +26,7 @@ CHUNK_BYTES = 512
 
 def load(
     target_agent: AgentProcess, door: Path | None, keys: list[bytes], blocks: list[int]
-) -> tuple[WorkerHalf, list[torch.Tensor]]:
+) -> tuple[KVPoolConnectorWorker, list[torch.Tensor]]:
     """A new worker (zeroed caches) that loads ``keys`` into ``blocks``."""
     worker, caches = make_worker(target_agent, seed=None, door=door)
     job = LoadJob("reader", TENANT, (tuple(keys),), (tuple(blocks),), first_tokens=0)

@@ -9,8 +9,12 @@ import pytest
 from kvpool_agent import keys
 from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.layout import GroupRule
-from kvpool_agent.connector.metadata import KvpoolHandshake, KvpoolWorkerMetadata
-from kvpool_agent.connector.scheduler import PROBE_REUSE_S, SchedulerHalf
+from kvpool_agent.connector.metadata import (
+    KVPoolConnectorHandshakeMetadata,
+    KVPoolConnectorWorkerMetadata,
+)
+from kvpool_agent.connector.scheduler import KVPoolConnectorScheduler
+from kvpool_agent.connector.scheduler_lookups import PROBE_REUSE_S
 
 from .fakes import (
     BLOCK,
@@ -37,10 +41,10 @@ def make(
     prefetch_wait_s: float = 0.0,
     clock: Clock | None = None,
     loads_per_request: bool = False,
-) -> SchedulerHalf:
+) -> KVPoolConnectorScheduler:
     counters = Counters()
     clock = clock or Clock()
-    half = SchedulerHalf(
+    half = KVPoolConnectorScheduler(
         model="m",
         dtype="bfloat16",
         tp_size=tp,
@@ -52,14 +56,17 @@ def make(
         loads_per_request=loads_per_request,
     )
     half.configure(
-        {rank: KvpoolHandshake(LAYOUT, CHUNK, stores_complete_in_step) for rank in range(tp)}
+        {
+            rank: KVPoolConnectorHandshakeMetadata(LAYOUT, CHUNK, stores_complete_in_step)
+            for rank in range(tp)
+        }
     )
     return half
 
 
 def test_nothing_happens_before_the_workers_describe_their_chunks() -> None:
     agent = FakeAgent()
-    half = SchedulerHalf(
+    half = KVPoolConnectorScheduler(
         model="m",
         dtype="bfloat16",
         tp_size=1,
@@ -264,7 +271,7 @@ def test_finished_requests_keep_blocks_only_while_stores_are_in_flight() -> None
         assert half.has_pending_work() is not in_step
         meta = half.build_connector_meta(scheduler_output())
         assert meta.held == ([] if in_step else ["r"])
-        half.update_connector_output(KvpoolWorkerMetadata({store.job_id: 1}), {"r"} - {""})
+        half.update_connector_output(KVPoolConnectorWorkerMetadata({store.job_id: 1}), {"r"} - {""})
         assert not half.has_pending_work()
         assert half.tracked_requests == 0
 
@@ -276,14 +283,14 @@ def test_confirmed_stores_release_nothing_twice() -> None:
     (store,) = half.build_connector_meta(
         scheduler_output([new_request("r", list(range(5)), computed=0)], scheduled={"r": 600})
     ).stores
-    half.update_connector_output(KvpoolWorkerMetadata({store.job_id: 1}), set())
+    half.update_connector_output(KVPoolConnectorWorkerMetadata({store.job_id: 1}), set())
     assert half.request_finished(request) is False  # confirmed before it finished
     assert half.tracked_requests == 0
 
 
 @pytest.mark.parametrize("ranks", [{1}, {0: 128, 1: 256}])
 def test_inconsistent_workers_disable_the_cache(ranks: object) -> None:
-    half = SchedulerHalf(
+    half = KVPoolConnectorScheduler(
         model="m",
         dtype="bfloat16",
         tp_size=2,
@@ -292,10 +299,17 @@ def test_inconsistent_workers_disable_the_cache(ranks: object) -> None:
         counters=Counters(),
     )
     if isinstance(ranks, set):
-        half.configure({rank: KvpoolHandshake(LAYOUT, CHUNK, True) for rank in ranks})
+        half.configure(
+            {rank: KVPoolConnectorHandshakeMetadata(LAYOUT, CHUNK, True) for rank in ranks}
+        )
     else:
         assert isinstance(ranks, dict)
-        half.configure({rank: KvpoolHandshake(LAYOUT, size, True) for rank, size in ranks.items()})
+        half.configure(
+            {
+                rank: KVPoolConnectorHandshakeMetadata(LAYOUT, size, True)
+                for rank, size in ranks.items()
+            }
+        )
     assert not half.ready
 
 
@@ -432,7 +446,7 @@ def test_an_engine_kvpool_cannot_cache_gets_no_hits_and_asks_nothing() -> None:
     agent = FakeAgent()
     prompt = tokens(1000)
     agent.put(keys.tenant_id(None), chain(prompt))
-    half = SchedulerHalf(
+    half = KVPoolConnectorScheduler(
         model="m",
         dtype="bfloat16",
         tp_size=1,
@@ -441,7 +455,7 @@ def test_an_engine_kvpool_cannot_cache_gets_no_hits_and_asks_nothing() -> None:
         counters=Counters(),
         disabled="kvpool cannot cache MambaSpec (layer model.layers.1.mixer)",
     )
-    half.configure({0: KvpoolHandshake(LAYOUT, CHUNK, True)})
+    half.configure({0: KVPoolConnectorHandshakeMetadata(LAYOUT, CHUNK, True)})
     request = FakeRequest("r", prompt)
     assert half.get_num_new_matched_tokens(request, 0) == (0, False)
     meta = half.build_connector_meta(

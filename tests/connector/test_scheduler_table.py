@@ -14,8 +14,8 @@ from kvpool_agent.client import AgentClient
 from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.discovery import AgentAddress
 from kvpool_agent.connector.layout import GroupRule
-from kvpool_agent.connector.metadata import KvpoolHandshake
-from kvpool_agent.connector.scheduler import SchedulerHalf
+from kvpool_agent.connector.metadata import KVPoolConnectorHandshakeMetadata
+from kvpool_agent.connector.scheduler import KVPoolConnectorScheduler
 from kvpool_agent.connector.settings import Transport
 from kvpool_agent.probe_table import table_path
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
@@ -37,10 +37,10 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
 
 def scheduler(
     agent: AgentProcess, *, prefetch_wait_s: float = 0.0, transport: Transport = "auto"
-) -> SchedulerHalf:
+) -> KVPoolConnectorScheduler:
     counters = Counters()
     address = AgentAddress(agent.zmq, None, CHUNK, transport)
-    half = SchedulerHalf(
+    half = KVPoolConnectorScheduler(
         model="m",
         dtype="bfloat16",
         tp_size=1,
@@ -50,7 +50,7 @@ def scheduler(
         prefetch_wait_s=prefetch_wait_s,
         segment_path=address.segment_for,
     )
-    half.configure({0: KvpoolHandshake(LAYOUT, CHUNK, True)})
+    half.configure({0: KVPoolConnectorHandshakeMetadata(LAYOUT, CHUNK, True)})
     return half
 
 

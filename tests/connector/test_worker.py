@@ -13,7 +13,7 @@ import torch
 from kvpool_agent.client import AgentClient
 from kvpool_agent.connector.jobs import LoadJob, StepJobs, StoreJob
 from kvpool_agent.connector.layout import GroupRule
-from kvpool_agent.connector.worker import WorkerHalf
+from kvpool_agent.connector.worker import KVPoolConnectorWorker
 from kvpool_agent.segment import door_path
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 
@@ -261,7 +261,7 @@ WINDOW = GroupRule("window", BLOCK_TOKENS, BLOCK_TOKENS - 1)
 
 def make_hybrid_worker(
     agent: AgentProcess, seed: int | None
-) -> tuple[WorkerHalf, list[torch.Tensor]]:
+) -> tuple[KVPoolConnectorWorker, list[torch.Tensor]]:
     """A worker whose layer 0 is full attention and layer 1 a sliding window (two groups)."""
     caches = cpu_caches(seed)
     groups = [(GroupRule("full", BLOCK_TOKENS), LAYERS[:1]), (WINDOW, LAYERS[1:])]

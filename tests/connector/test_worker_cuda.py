@@ -18,7 +18,7 @@ from kvpool_agent.connector.copier import BlockCopier, MappedChunks
 from kvpool_agent.connector.jobs import LoadJob, StepJobs, StoreJob
 from kvpool_agent.connector.layout import ChunkFormat, GroupRule, detect_layout
 from kvpool_agent.connector.staged import StagedCopies
-from kvpool_agent.connector.worker import WorkerHalf
+from kvpool_agent.connector.worker import KVPoolConnectorWorker
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 
 from .workers import worker_of
@@ -53,7 +53,7 @@ def make_worker(
     seed: int | None,
     groups: list[tuple[GroupRule, list[str]]],
     door: Path | None = None,
-) -> tuple[WorkerHalf, list[torch.Tensor]]:
+) -> tuple[KVPoolConnectorWorker, list[torch.Tensor]]:
     """A worker with FlashAttention caches on the GPU; it maps chunk files from ``door`` if
     given, else from the agent's."""
     caches = flash_attention_caches(seed)

@@ -14,7 +14,7 @@ from kvpool_agent.connector.discovery import AgentAddress
 from kvpool_agent.connector.jobs import StepJobs, StoreJob
 from kvpool_agent.connector.layout import GroupRule
 from kvpool_agent.connector.settings import Transport
-from kvpool_agent.connector.worker import WorkerHalf
+from kvpool_agent.connector.worker import KVPoolConnectorWorker
 from kvpool_agent.testing.agent_process import AgentProcess
 
 from .agent_link import agent_link
@@ -36,18 +36,18 @@ def worker_of(
     content: str = "TEST",
     door: Path | None = None,
     transport: Transport = "auto",
-) -> WorkerHalf:
+) -> KVPoolConnectorWorker:
     """A worker of ``agent`` with these caches (``layers``: name -> tensor); it maps chunk
     files from ``door`` if given, else from the agent's (with the transport ``messages``,
     none)."""
     address = AgentAddress(agent.zmq, None, chunk_tokens, transport, door)
     counters = Counters()
-    holder: list[WorkerHalf] = []
+    holder: list[KVPoolConnectorWorker] = []
 
     def on_new_agent(info: AgentInfo) -> None:
         holder[0].on_new_agent(info)
 
-    worker = WorkerHalf(
+    worker = KVPoolConnectorWorker(
         rank=0,
         link=agent_link(agent, counters, "worker", on_new_agent),
         counters=counters,
@@ -73,7 +73,7 @@ def make_worker(
     seed: int | None,
     door: Path | None = None,
     transport: Transport = "auto",
-) -> tuple[WorkerHalf, list[torch.Tensor]]:
+) -> tuple[KVPoolConnectorWorker, list[torch.Tensor]]:
     """A worker of one full-attention group; it maps chunk files from ``door`` if given,
     else from the agent's (with the transport ``messages``, none)."""
     caches = cpu_caches(seed)
@@ -82,6 +82,8 @@ def make_worker(
     return worker_of(agent, layers, groups, door=door, transport=transport), caches
 
 
-def store(worker: WorkerHalf, job_id: int, chunk_keys: list[bytes], block_ids: list[int]) -> None:
+def store(
+    worker: KVPoolConnectorWorker, job_id: int, chunk_keys: list[bytes], block_ids: list[int]
+) -> None:
     job = StoreJob(job_id, f"r{job_id}", TENANT, (tuple(chunk_keys),), (None,), (tuple(block_ids),))
     worker.save(StepJobs(stores=[job]))

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpool_agent.client import AgentClient, StorePlan
+from kvpool_agent.client import AgentClient
 from kvpool_agent.connector.copier import BlockCopier, Copy, MappedChunks
 from kvpool_agent.connector.layout import (
     NULL_BLOCK,
@@ -37,6 +37,7 @@ from kvpool_agent.connector.layout import (
     GroupRule,
     detect_layout,
 )
+from kvpool_agent.transfer_results import StorePlan
 
 BLOCK_TOKENS = 16
 """vLLM's default block size on GPUs."""

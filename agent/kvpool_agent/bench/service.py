@@ -42,9 +42,10 @@ import zmq
 from kvpool_agent import problems
 from kvpool_agent import protocol as p
 from kvpool_agent.bench.report import goal, table
-from kvpool_agent.client import AgentClient, LookupResult, copy_in, copy_out
+from kvpool_agent.client import AgentClient, copy_in, copy_out
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, running_agent
+from kvpool_agent.transfer_results import LookupResult
 
 TENANT = tenant_id("bench")
 BATCH_BYTES = 64 << 20

@@ -10,15 +10,20 @@ Use it with::
 Modules, from the edge inwards:
 
 * ``facade`` -- ``KvpoolConnector``, the class vLLM loads; delegates only;
-* ``scheduler`` -- the scheduler half: lookups, load and store planning;
-* ``worker`` -- the worker half: copies between vLLM's blocks and the segment;
+* ``scheduler`` -- ``KVPoolConnectorScheduler``, the scheduler side, composed of
+  ``scheduler_requests`` (the request tracker), ``scheduler_lookups`` (lookups and
+  prefetches), ``scheduler_loads`` (the load of a hit), ``scheduler_stores`` (store
+  planning) and ``scheduler_access`` (the tenants the engine's token may act for);
+* ``worker`` -- ``KVPoolConnectorWorker``, the worker side, composed of ``worker_transport``
+  (chunk files or messages), ``worker_loads`` and ``worker_stores`` (the copies);
 * ``layout`` -- the KV cache understood by shape and stride; the chunk byte format;
 * ``copier`` -- the copy primitive (CPU, and CUDA from pageable chunk files);
 * ``staged`` -- the CUDA copies, through staging slabs;
 * ``inline`` -- chunks in the agent's messages, for a pod that cannot map the segment;
 * ``link`` -- the line to the agent: timeouts, pauses, reconnects, warnings;
 * ``discovery``, ``settings`` -- where the agent is and how to talk to it;
-* ``jobs`` -- what the halves exchange, as plain data; ``metadata`` -- the same as vLLM's types;
+* ``jobs`` -- what the halves exchange, as plain data; ``metadata`` -- the same as vLLM's types
+  (``KVPoolConnectorMetadata`` and its kin);
 * ``counters``, ``metrics`` -- what the halves count.
 
 Importing this package does not import vLLM; ``KvpoolConnector`` does, on first use.

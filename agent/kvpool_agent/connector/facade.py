@@ -1,8 +1,8 @@
 """``KvpoolConnector``: the class vLLM loads; it only wires the settings and delegates.
 
 vLLM builds one instance per role: in the scheduler process it drives a
-:class:`~kvpool_agent.connector.scheduler.SchedulerHalf`, in each worker a
-:class:`~kvpool_agent.connector.worker.WorkerHalf`. Each half has its own
+:class:`~kvpool_agent.connector.scheduler.KVPoolConnectorScheduler`, in each worker a
+:class:`~kvpool_agent.connector.worker.KVPoolConnectorWorker`. Each half has its own
 :class:`~kvpool_agent.connector.link.AgentLink` (the scheduler's with the short
 ``lookup_timeout_s``) and its own counters.
 
@@ -56,11 +56,15 @@ from kvpool_agent.connector.groups import (
 )
 from kvpool_agent.connector.layout import LayoutError
 from kvpool_agent.connector.link import AgentLink
-from kvpool_agent.connector.metadata import KvpoolHandshake, KvpoolMetadata, KvpoolWorkerMetadata
-from kvpool_agent.connector.metrics import KvpoolPromMetrics, KvpoolStats
-from kvpool_agent.connector.scheduler import SchedulerHalf
+from kvpool_agent.connector.metadata import (
+    KVPoolConnectorHandshakeMetadata,
+    KVPoolConnectorMetadata,
+    KVPoolConnectorWorkerMetadata,
+)
+from kvpool_agent.connector.metrics import KVPoolConnectorPromMetrics, KVPoolConnectorStats
+from kvpool_agent.connector.scheduler import KVPoolConnectorScheduler
 from kvpool_agent.connector.settings import ConnectorSettings
-from kvpool_agent.connector.worker import WorkerHalf
+from kvpool_agent.connector.worker import KVPoolConnectorWorker
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -119,8 +123,8 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         self._settings = settings
         self._credential = identity.credential(settings)
         self._counters = Counters()
-        self._scheduler: SchedulerHalf | None = None
-        self._worker: WorkerHalf | None = None
+        self._scheduler: KVPoolConnectorScheduler | None = None
+        self._worker: KVPoolConnectorWorker | None = None
         self._address: discovery.AgentAddress | None = None
         self._groups, disabled = (
             _groups(vllm_config, kv_cache_config) if no_agent is None else ([], no_agent)
@@ -130,7 +134,7 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             self._require_recompute()
             model = vllm_config.model_config
-            self._scheduler = SchedulerHalf(
+            self._scheduler = KVPoolConnectorScheduler(
                 model=_model_identity(settings.model_name or model.model, vllm_config),
                 dtype=str(model.dtype).removeprefix("torch."),
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
@@ -146,7 +150,7 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            self._worker = WorkerHalf(
+            self._worker = KVPoolConnectorWorker(
                 rank=get_tensor_model_parallel_rank(),
                 link=self._link("worker", settings.transfer_timeout_s, self._on_new_agent),
                 counters=self._counters,
@@ -220,12 +224,12 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
             config.kv_load_failure_policy = "recompute"
 
     @property
-    def scheduler(self) -> SchedulerHalf:
+    def scheduler(self) -> KVPoolConnectorScheduler:
         assert self._scheduler is not None, "a scheduler method called on a worker connector"
         return self._scheduler
 
     @property
-    def worker(self) -> WorkerHalf:
+    def worker(self) -> KVPoolConnectorWorker:
         assert self._worker is not None, "a worker method called on a scheduler connector"
         return self._worker
 
@@ -233,9 +237,9 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
     def requires_kv_delivery(self) -> bool:
         return False  # a lost store is a future miss, nothing more
 
-    def _metadata(self) -> KvpoolMetadata:
+    def _metadata(self) -> KVPoolConnectorMetadata:
         meta = self._get_connector_metadata()
-        assert isinstance(meta, KvpoolMetadata)
+        assert isinstance(meta, KVPoolConnectorMetadata)
         return meta
 
     # ------------------------------------------------------------ worker side
@@ -259,10 +263,14 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         handshake = self.worker.handshake
-        return None if handshake is None else KvpoolHandshake(**dataclasses.asdict(handshake))
+        return (
+            None
+            if handshake is None
+            else KVPoolConnectorHandshakeMetadata(**dataclasses.asdict(handshake))
+        )
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        assert isinstance(kv_connector_metadata, KvpoolMetadata)
+        assert isinstance(kv_connector_metadata, KVPoolConnectorMetadata)
         self.worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -300,7 +308,7 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         done = self.worker.build_worker_meta()
-        return None if done is None else KvpoolWorkerMetadata(done.completed_stores)
+        return None if done is None else KVPoolConnectorWorkerMetadata(done.completed_stores)
 
     # ------------------------------------------------------------ scheduler side
 
@@ -308,7 +316,9 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:
         handshakes = {
-            rank: meta for rank, meta in metadata.items() if isinstance(meta, KvpoolHandshake)
+            rank: meta
+            for rank, meta in metadata.items()
+            if isinstance(meta, KVPoolConnectorHandshakeMetadata)
         }
         self.scheduler.configure(handshakes)
 
@@ -331,7 +341,7 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         self.scheduler.update_connector_output(
-            meta if isinstance(meta, KvpoolWorkerMetadata) else None,
+            meta if isinstance(meta, KVPoolConnectorWorkerMetadata) else None,
             set(connector_output.finished_sending or ()),
             set(getattr(connector_output, "failed_recving", None) or ()),
         )
@@ -353,13 +363,13 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         counts = self._counters.take()
-        return KvpoolStats(data=counts) if counts else None
+        return KVPoolConnectorStats(data=counts) if counts else None
 
     @classmethod
     def build_kv_connector_stats(
         cls, data: dict[str, Any] | None = None
     ) -> KVConnectorStats | None:
-        return KvpoolStats(data=dict(data or {}))
+        return KVPoolConnectorStats(data=dict(data or {}))
 
     @classmethod
     def build_prom_metrics(
@@ -369,7 +379,9 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
-        return KvpoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        return KVPoolConnectorPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -14,10 +14,10 @@ of whole chunks; a chunk larger than that cannot travel this way at all (:func:`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from kvpool_agent.client import Payload
 from kvpool_agent.connector.link import AgentLink
+from kvpool_agent.transfer_results import StoreResult
 
 
 def fits(chunk_bytes: int, max_inline_bytes: int) -> bool:
@@ -43,14 +43,6 @@ def retrieve(
     return found
 
 
-@dataclass(frozen=True)
-class Stored:
-    stored: int
-    present: int
-    refused: str | None
-    """Why the agent stopped storing (quota, memory), if it did: the rest was not sent."""
-
-
 def store(
     link: AgentLink,
     tenant: str,
@@ -59,7 +51,7 @@ def store(
     *,
     parent: bytes | None,
     max_inline_bytes: int,
-) -> Stored:
+) -> StoreResult:
     """Store ``chunks`` under ``keys`` (the chain continues ``parent``), batch by batch."""
     stored = present = 0
     chunk_bytes = len(chunks[0]) if chunks else 0
@@ -70,6 +62,6 @@ def store(
         stored += result.stored
         present += result.present
         if result.refused:
-            return Stored(stored, present, result.refused)
+            return StoreResult(stored, present, result.refused)
         parent = keys[batch[-1]]
-    return Stored(stored, present, None)
+    return StoreResult(stored, present, None)

@@ -34,17 +34,15 @@ from kvpool_agent.client import (
     AgentError,
     AgentInfo,
     AgentUnavailable,
-    InlineStoreResult,
-    LookupResult,
     Payload,
     PrefetchProgress,
-    StorePlan,
 )
 from kvpool_agent.connector.counters import Counters
 from kvpool_agent.connector.discovery import AgentAddress, DiscoveryError
 from kvpool_agent.connector.identity import Credential, CredentialMissing
 from kvpool_agent.mapped_files import ChunkFileError, MappedChunkFiles
 from kvpool_agent.protocol import ErrorCode, ProtocolError
+from kvpool_agent.transfer_results import LookupResult, StorePlan, StoreResult
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +149,7 @@ class AgentLink:
         keys: Sequence[bytes],
         chunks: Sequence[Payload],
         parent: bytes | None,
-    ) -> InlineStoreResult:
+    ) -> StoreResult:
         return self._call(lambda client: client.store_inline(tenant, keys, chunks, parent))
 
     def release_later(self, lease: int) -> Callable[[], None]:

@@ -15,19 +15,19 @@ from kvpool_agent.connector.jobs import FormatHandshake, StepJobs, StoresDone
 
 
 @dataclass
-class KvpoolMetadata(StepJobs, KVConnectorMetadata):
+class KVPoolConnectorMetadata(StepJobs, KVConnectorMetadata):
     """Scheduler -> workers, every step."""
 
 
 @dataclass
-class KvpoolWorkerMetadata(StoresDone, KVConnectorWorkerMetadata):
+class KVPoolConnectorWorkerMetadata(StoresDone, KVConnectorWorkerMetadata):
     """Workers -> scheduler, every step."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        assert isinstance(other, KvpoolWorkerMetadata)
-        return KvpoolWorkerMetadata(self.merged(other))
+        assert isinstance(other, KVPoolConnectorWorkerMetadata)
+        return KVPoolConnectorWorkerMetadata(self.merged(other))
 
 
 @dataclass
-class KvpoolHandshake(FormatHandshake, KVConnectorHandshakeMetadata):
+class KVPoolConnectorHandshakeMetadata(FormatHandshake, KVConnectorHandshakeMetadata):
     """Each worker -> the scheduler, once."""

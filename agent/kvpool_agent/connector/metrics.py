@@ -1,8 +1,8 @@
 """Counters at vLLM's edge: ``KVConnectorStats`` for its logs, Prometheus for ``/metrics``.
 
 vLLM sums the stats of the scheduler and of every worker each step
-(:meth:`KvpoolStats.aggregate`), logs them, and hands them to
-:class:`KvpoolPromMetrics`, which owns the ``vllm:kvpool_<name>_total`` counters
+(:meth:`KVPoolConnectorStats.aggregate`), logs them, and hands them to
+:class:`KVPoolConnectorPromMetrics`, which owns the ``vllm:kvpool_<name>_total`` counters
 (one per :data:`~kvpool_agent.connector.counters.COUNTERS` entry, labelled like
 vLLM's other metrics).
 """
@@ -28,7 +28,7 @@ METRIC_PREFIX = "vllm:kvpool_"
 
 
 @dataclass
-class KvpoolStats(KVConnectorStats):
+class KVPoolConnectorStats(KVConnectorStats):
     """``data`` maps counter names to counts since the last report."""
 
     def reset(self) -> None:
@@ -46,7 +46,7 @@ class KvpoolStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-class KvpoolPromMetrics(KVConnectorPromMetrics):
+class KVPoolConnectorPromMetrics(KVConnectorPromMetrics):
     def __init__(
         self,
         vllm_config: VllmConfig,

@@ -76,23 +76,6 @@ class Reservation:
     refused_reason: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Hit:
-    """Result of :meth:`~kvpool_agent.core.l1.L1Cache.lookup`: the leading run of ready chunks,
-    read-locked.
-
-    ``offsets[i]`` and ``sizes[i]`` locate the i-th hit; ``len(offsets)`` is the hit count.
-    """
-
-    lease: int | None
-    offsets: list[int]
-    sizes: list[int]
-
-    @property
-    def count(self) -> int:
-        return len(self.offsets)
-
-
 @dataclass(frozen=True)
 class TenantStats:
     tenant: str

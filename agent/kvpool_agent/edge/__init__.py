@@ -1,6 +1,8 @@
 """The agent's edges: each decodes a request, calls the service and encodes the answer.
 
-- :mod:`~kvpool_agent.edge.zmq_server`: the data plane (ZMQ requests; sessions, leases);
+- :mod:`~kvpool_agent.edge.zmq_server`: the data plane (ZMQ requests, leases): its loop,
+  its handlers in :mod:`~kvpool_agent.edge.zmq_handlers`, its sessions in
+  :mod:`~kvpool_agent.edge.zmq_sessions`;
 - :mod:`~kvpool_agent.edge.zmtp`: its port, ZMTP framed with bounded messages (a ROUTER's part);
 - :mod:`~kvpool_agent.edge.http_api`: the control API (FastAPI; quotas, usage, clearing);
 - :mod:`~kvpool_agent.edge.door`: the door (a Unix socket) that hands out chunk files;

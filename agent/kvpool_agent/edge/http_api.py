@@ -54,6 +54,7 @@ from kvpool_agent.core.cache_types import PinRefused, PinState, TenantPins, Tena
 from kvpool_agent.keys import TENANT_ID_PATTERN, TENANT_ID_RULE, is_tenant_id
 from kvpool_agent.l2.base import TierUnavailable
 from kvpool_agent.service.cache_service import CacheService
+from kvpool_agent.service.pin_service import PinService
 from kvpool_agent.service.results import AboveCeiling, QuotaView, WarmRefused
 from kvpool_agent.tenancy.auth import Principal, Role, TokenAuthority
 from kvpool_agent.tenancy.quota_store import QuotaStoreError
@@ -419,7 +420,7 @@ def _tenant_routes(service: CacheService, guards: _Guards) -> APIRouter:
     return router
 
 
-def _pin_routes(service: CacheService, guards: _Guards) -> APIRouter:
+def _pin_routes(service: PinService, guards: _Guards) -> APIRouter:
     router = APIRouter(
         prefix="/v1/tenants/{tenant_id}",
         tags=["pins"],

@@ -9,9 +9,10 @@ of a connection's message than :data:`HELLO_BOUNDS` (a larger one is answered wi
 held) and the connection must say hello within ``hello_seconds``; connections and
 the bytes of large messages are bounded together (:class:`~kvpool_agent.config.ZmqLimits`;
 see :mod:`kvpool_agent.edge.zmtp`). Every operation on the cache is one call of
-:class:`~kvpool_agent.service.cache_service.CacheService`; this module adds the transport's
-own concerns: sessions, lease ownership, limits on a request's size, draining,
-and parked ``prefetch_status`` waits. Any bad input becomes an
+:class:`~kvpool_agent.service.cache_service.CacheService`, made by a handler of
+:mod:`~kvpool_agent.edge.zmq_handlers`; sessions and lease ownership are
+:mod:`~kvpool_agent.edge.zmq_sessions`; this module adds the loop, limits on a request's
+size, draining, and parked ``prefetch_status`` waits. Any bad input becomes an
 :class:`~kvpool_agent.protocol.Error` reply; nothing a client sends can stop
 the loop, and an unexpected failure logs one traceback a minute, however often it recurs.
 
@@ -54,39 +55,28 @@ from __future__ import annotations
 
 import logging
 import math
-import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import zmq
 
 from kvpool_agent import protocol as p
 from kvpool_agent.config import ZmqLimits
-from kvpool_agent.core.cache_types import CacheError, InvalidRequest, LeaseExpired, UnknownLease
-from kvpool_agent.edge.zmtp import DropReason, Frame, MessageBounds, Truncated, ZmtpRouter
-from kvpool_agent.keys import (
-    CANARY_CHUNK_BYTES,
-    CANARY_TENANT,
-    TENANT_ID_RULE,
-    canary_key,
-    is_tenant_id,
-    tenant_id,
-)
-from kvpool_agent.segment import SharedSegment, door_path
+from kvpool_agent.core.cache_types import CacheError, LeaseExpired, UnknownLease
+from kvpool_agent.edge.zmq_handlers import Frames, Handled, ZmqHandlers
+from kvpool_agent.edge.zmq_sessions import Peer, SessionTable
+from kvpool_agent.edge.zmtp import DropReason, MessageBounds, Truncated, ZmtpRouter
+from kvpool_agent.segment import SharedSegment
 from kvpool_agent.service.cache_service import CacheService
-from kvpool_agent.tenancy.auth import Principal, Role, TokenAuthority
-from kvpool_agent.tenants_configmap import digest_token
+from kvpool_agent.tenancy.auth import TokenAuthority
 from kvpool_agent.web.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
-Frames = Sequence[Frame]
-Peer = bytes
-"""The routing identity of the connection a request came on."""
 HEADER_BYTES = 1 << 20
 """What a message may hold beside its inline payload: its header frame (a request of
 8192 keys of 32 bytes is some 300 KiB of msgpack) and the data frames' framing."""
@@ -95,15 +85,6 @@ HELLO_BOUNDS = MessageBounds(max_frames=8, max_bytes=4 << 10)
 few dozen bytes (a 64-character token, the client's name). Of a larger message (a request
 of a client whose connection was renewed) the rest is discarded as it arrives, and it is
 answered ``unknown_session`` (a hello: ``too_large``)."""
-Handled = tuple[p.Reply, list[bytes]] | None
-"""A reply and its data frames, or None when there is none to send now: the reply is
-parked for later, or the connection is closed."""
-SHUTTING_DOWN = "the agent is shutting down"
-DEFAULT_TENANT = tenant_id(None)
-"""The tenant of requests without a ``cache_salt``."""
-_CHUNK_ROLES = frozenset((Role.ADMIN, Role.ENGINE, Role.TENANT))
-"""Roles whose tokens touch chunks."""
-_KeyedRequest = p.Lookup | p.PrepareStore | p.StoreInline | p.RetrieveInline
 
 
 class RequestObserver(Protocol):
@@ -120,21 +101,6 @@ class _Parked:
     request: p.PrefetchStatus
     deadline: float
     op_started: float
-
-
-@dataclass
-class _Session:
-    client: str
-    peer: Peer
-    principal: Principal
-    digest: bytes
-    """Of the token that opened it: checked again when the granted tokens change."""
-    leases: set[int] = field(default_factory=set)
-    last_seen: float = 0.0
-    fenced: bool = False
-    revoked: bool = False
-    canary_scope: bytes = field(default_factory=lambda: secrets.token_bytes(16))
-    """What makes this session's canary keys its own (see keys.canary_key)."""
 
 
 class ZmqServer:
@@ -163,7 +129,6 @@ class ZmqServer:
         self._service = service
         self._segment = segment
         self._authority = authority
-        self._generation_seen = authority.generation
         self._endpoint = endpoint
         self._max_inline = max_inline_bytes
         self._max_keys = max_keys
@@ -171,9 +136,9 @@ class ZmqServer:
         self._limits = limits or ZmqLimits()
         self._observer = observer
         self._clock = clock
-        self._sessions: dict[int, _Session] = {}
-        self._quarantines_seen = 0
-        self._fenced_sessions = 0
+        self._sessions = SessionTable(
+            service, authority, agent_id=agent_id, idle_seconds=session_idle_seconds, clock=clock
+        )
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._router: ZmtpRouter | None = None
         self._flood_log = RateLimitedLog(log)
@@ -183,20 +148,17 @@ class ZmqServer:
         self._draining = False
         self.drained = threading.Event()
         """Set once draining and no store is in flight (see :meth:`drain`)."""
-        self._handlers: dict[type, Callable[[p.Request, Frames, Peer], Handled]] = {
-            p.Hello: self._hello,  # type: ignore[dict-item]
-            p.Ping: self._ping,  # type: ignore[dict-item]
-            p.Lookup: self._lookup,  # type: ignore[dict-item]
-            p.PrepareStore: self._prepare_store,  # type: ignore[dict-item]
-            p.CommitStore: self._commit_store,  # type: ignore[dict-item]
-            p.Release: self._release,  # type: ignore[dict-item]
-            p.StoreInline: self._store_inline,  # type: ignore[dict-item]
-            p.RetrieveInline: self._retrieve_inline,  # type: ignore[dict-item]
-            p.EndSession: self._end_session,  # type: ignore[dict-item]
-            p.Clear: self._clear,  # type: ignore[dict-item]
-            p.Stats: self._stats,  # type: ignore[dict-item]
-            p.Snapshot: self._snapshot,  # type: ignore[dict-item]
-        }
+        self._handlers = ZmqHandlers(
+            service,
+            self._sessions,
+            segment,
+            authority=authority,
+            agent_id=agent_id,
+            max_inline_bytes=max_inline_bytes,
+            max_keys=max_keys,
+            admit=self._admit,
+            draining=lambda: self._draining,
+        ).by_request()
 
     # ---------------------------------------------------------------- running
 
@@ -262,6 +224,10 @@ class ZmqServer:
         if self._draining and self._service.open_write_leases == 0:
             self.drained.set()
 
+    def _admit(self, peer: Peer) -> bool:
+        assert self._router is not None
+        return self._router.admit(peer)
+
     def _dropped_peer(self, reason: DropReason) -> None:
         if self._observer is not None:
             self._observer.observe_dropped_peer(reason)
@@ -292,7 +258,7 @@ class ZmqServer:
                 for identity, body in router.take():
                     self._serve_one(identity, body)
                 if self._clock() >= next_sweep:  # on time even while requests keep coming
-                    self._drop_idle_sessions()
+                    self._sessions.drop_idle()
                     next_sweep = self._clock() + sweep_period
                 self._answer_parked()
                 self._check_drained()
@@ -310,8 +276,8 @@ class ZmqServer:
                 raise _cut_off(body)
             request = p.decode_request(body[0])
             op, req = p.op_name(request), request.req
-            self._fence_expired_writers()
-            self._void_revoked_sessions()
+            self._sessions.fence_expired_writers()
+            self._sessions.void_revoked()
             if isinstance(request, p.PrefetchStatus):
                 handled = self._prefetch_status(request, identity, started)
             else:
@@ -345,216 +311,12 @@ class ZmqServer:
             error_code = reply.code if isinstance(reply, p.Error) else None
             self._observer.observe_request(op, time.perf_counter() - started, error_code)
 
-    # ------------------------------------------------------------- sessions
-
-    def _session(self, session_id: int, peer: Peer) -> _Session:
-        """The caller's live session; fenced ones are refused without refreshing ``last_seen``,
-        so they are swept (and their quarantined pages freed) ``session_idle`` after."""
-        session = self._sessions.get(session_id)
-        if session is None or session.peer != peer:
-            raise p.ProtocolError(
-                p.ErrorCode.UNKNOWN_SESSION,
-                f"session {session_id} is unknown on this connection "
-                f"(agent {self.agent_id} restarted?); send hello",
-            )
-        if session.revoked:
-            raise p.ProtocolError(
-                p.ErrorCode.UNAUTHENTICATED,
-                f"the token of session {session_id} was revoked; its leases are void",
-            )
-        if session.fenced:
-            raise p.ProtocolError(
-                p.ErrorCode.SESSION_FENCED,
-                f"session {session_id} held a write lease that expired before its commit; "
-                "its leases are void; send hello for a new session",
-            )
-        session.last_seen = self._clock()
-        return session
-
-    def _new_session_id(self) -> int:
-        while True:
-            session_id = secrets.randbits(64)
-            if session_id not in self._sessions:
-                return session_id
-
-    def _fence_expired_writers(self) -> None:
-        """Fence the sessions whose write leases were quarantined since the last look.
-
-        The count is read without the lock: the common case costs one compare.
-        """
-        quarantines = self._service.quarantined_leases
-        if quarantines == self._quarantines_seen:
-            return
-        self._quarantines_seen = quarantines
-        live = [session for session in self._sessions.values() if not session.fenced]
-        held = self._service.holding_quarantined([session.leases for session in live])
-        for session, quarantined in zip(live, held, strict=True):
-            if quarantined:
-                session.fenced = True
-                self._fenced_sessions += 1
-                log.warning(  # not the session id: it is the session's credential
-                    "a session of client %r held a write lease that expired before its "
-                    "commit: session fenced, its pages quarantined",
-                    session.client,
-                )
-
-    def _void_revoked_sessions(self) -> None:
-        """Void the sessions whose token is no longer granted (one compare when nothing
-        changed). Their leases are left to the idle sweep, as a fenced session's."""
-        generation = self._authority.generation
-        if generation == self._generation_seen:
-            return
-        self._generation_seen = generation
-        for session in self._sessions.values():
-            if not session.revoked and not self._authority.holds(session.digest, session.principal):
-                session.revoked = True
-                log.warning(
-                    "a session of client %r lost its token (%s revoked): session voided",
-                    session.client,
-                    session.principal,
-                )
-
-    def _tenant(self, session: _Session, tenant: str) -> str:
-        """The tenant a request of ``session`` naming ``tenant`` acts on, if it may."""
-        principal = session.principal
-        if tenant == CANARY_TENANT and principal.role in _CHUNK_ROLES:
-            return tenant
-        if principal.role is Role.TENANT:
-            assert principal.tenant is not None
-            if tenant == DEFAULT_TENANT:
-                return principal.tenant
-            if self._authority.may_use(principal, tenant):
-                return tenant
-            raise p.ProtocolError(
-                p.ErrorCode.FORBIDDEN,
-                f"this token acts for tenant {principal.tenant} and its shared spaces only, "
-                f"not {tenant[:40]!r}",
-            )
-        if principal.role in (Role.ADMIN, Role.ENGINE):
-            _check_tenant(tenant)
-            return tenant
-        raise p.ProtocolError(p.ErrorCode.FORBIDDEN, f"{principal} tokens touch no chunk")
-
-    def _keys(
-        self, session: _Session, tenant: str, request: _KeyedRequest, sizes: Iterable[int] = ()
-    ) -> list[bytes]:
-        """The keys ``request`` acts on in ``tenant``: its own; in the canary tenant, their
-        scope in this session, once its chunks (of ``sizes`` bytes) are canary chunks."""
-        if tenant != CANARY_TENANT:
-            return request.keys
-        if getattr(request, "parent", None) is not None:
-            raise InvalidRequest(f"the canary tenant {CANARY_TENANT} takes no parent")
-        wrong = next((size for size in sizes if size != CANARY_CHUNK_BYTES), None)
-        if wrong is not None:
-            raise InvalidRequest(
-                f"the canary tenant {CANARY_TENANT} takes chunks of {CANARY_CHUNK_BYTES} "
-                f"bytes only, not {wrong}"
-            )
-        return [canary_key(session.canary_scope, key) for key in request.keys]
-
-    def _check_owner(self, session: _Session, lease: int) -> None:
-        if lease not in session.leases:
-            raise p.ProtocolError(
-                p.ErrorCode.NOT_YOUR_LEASE, f"lease {lease} was not granted to this session"
-            )
-
-    def _end_leases(self, leases: set[int]) -> None:
-        self._service.release_all(leases)
-        leases.clear()
-
-    def _drop_idle_sessions(self) -> None:
-        cutoff = self._clock() - self._idle
-        for session_id, session in list(self._sessions.items()):
-            if session.last_seen < cutoff:
-                self._end_leases(session.leases)
-                del self._sessions[session_id]
-
-    def _check_keys(self, keys: list[bytes]) -> None:
-        if len(keys) > self._max_keys:
-            raise p.ProtocolError(
-                p.ErrorCode.TOO_LARGE, f"{len(keys)} keys; at most {self._max_keys} per request"
-            )
-
     # ------------------------------------------------------------- handlers
-
-    def _hello(self, request: p.Hello, extra: Frames, peer: Peer) -> Handled:
-        if request.version != p.PROTOCOL_VERSION:
-            raise p.ProtocolError(
-                p.ErrorCode.UNSUPPORTED_VERSION,
-                f"unsupported protocol version {request.version}; "
-                f"this agent speaks version {p.PROTOCOL_VERSION}",
-                request.req,
-            )
-        principal = self._authority.authenticate(request.token) if request.token else None
-        if principal is None:
-            raise p.ProtocolError(
-                p.ErrorCode.UNAUTHENTICATED,
-                "hello needs a token of this pool (a KVCacheTenant's, an engine's or an "
-                + ("admin's); this one is unknown" if request.token else "admin's); none given"),
-                request.req,
-            )
-        if principal.role is Role.GATEWAY:
-            raise p.ProtocolError(
-                p.ErrorCode.FORBIDDEN,
-                "a gateway token is for the prefix index's routing API, not the agent",
-                request.req,
-            )
-        assert self._router is not None
-        if not self._router.admit(peer):
-            return None  # closed: max_connections connections have said hello
-        session_id = self._new_session_id()
-        self._sessions[session_id] = _Session(
-            request.client,
-            peer,
-            principal,
-            digest_token(request.token),
-            last_seen=self._clock(),
-        )
-        layout = self._segment.layout
-        return p.HelloReply(
-            request.req,
-            p.PROTOCOL_VERSION,
-            session_id,
-            self.agent_id,
-            str(self._segment.path),
-            layout.data_offset,
-            layout.data_size,
-            layout.page_size,
-            self._max_inline,
-            self._max_keys,
-            principal.tenant or "",
-            *self._segment.identity,
-            str(door_path(self._segment.path)),
-        ), []
-
-    def _ping(self, request: p.Ping, extra: Frames, peer: Peer) -> Handled:
-        self._session(request.session, peer)
-        return p.Pong(request.req, self.agent_id), []
-
-    def _lookup(self, request: p.Lookup, extra: Frames, peer: Peer) -> Handled:
-        session = self._session(request.session, peer)
-        self._check_keys(request.keys)
-        tenant = self._tenant(session, request.tenant)
-        found = self._service.lookup(
-            tenant,
-            self._keys(session, tenant, request),
-            lock=request.lock,
-            count=request.count,
-            prefetch=request.prefetch,
-            parent=request.parent,
-        )
-        hit = found.hit
-        if hit.lease is not None:
-            session.leases.add(hit.lease)
-        file = self._service.file_id(tenant) if hit.count else 0
-        return p.LookupReply(
-            request.req, hit.lease or p.NO_LEASE, hit.offsets, hit.sizes, found.prefetch, file
-        ), []
 
     def _prefetch_status(
         self, request: p.PrefetchStatus, identity: bytes, started: float
     ) -> Handled:
-        self._session(request.session, identity)
+        self._sessions.get(request.session, identity)
         prefetch = self._service.prefetch_status(request.prefetch)
         if prefetch is None:
             raise p.ProtocolError(
@@ -590,134 +352,6 @@ class ZmqServer:
                 waiting.append(parked)
         self._parked = waiting
 
-    def _prepare_store(self, request: p.PrepareStore, extra: Frames, peer: Peer) -> Handled:
-        session = self._session(request.session, peer)
-        self._check_keys(request.keys)
-        tenant = self._tenant(session, request.tenant)
-        principal = session.principal
-        if principal.role is Role.TENANT and tenant not in (principal.tenant, CANARY_TENANT):
-            raise p.ProtocolError(
-                p.ErrorCode.FORBIDDEN,
-                f"a tenant's token stores into the shared space {tenant} with store_inline "
-                "(it maps the space's chunks read-only)",
-            )
-        if self._draining:
-            return p.PrepareStoreReply(request.req, p.NO_LEASE, [], SHUTTING_DOWN), []
-        keys = self._keys(session, tenant, request, request.sizes)
-        reservation = self._service.reserve(tenant, keys, request.sizes, request.parent)
-        if reservation.lease is not None:
-            session.leases.add(reservation.lease)
-        offsets = [-1 if place is None else place.offset for place in reservation.placements]
-        file = self._service.file_id(tenant) if reservation.lease is not None else 0
-        return p.PrepareStoreReply(
-            request.req,
-            reservation.lease or p.NO_LEASE,
-            offsets,
-            reservation.refused_reason,
-            file,
-        ), []
-
-    def _commit_store(self, request: p.CommitStore, extra: Frames, peer: Peer) -> Handled:
-        session = self._session(request.session, peer)
-        self._check_owner(session, request.lease)
-        committed = self._service.commit(request.lease, request.count)
-        session.leases.discard(request.lease)
-        return p.CommitReply(request.req, committed), []
-
-    def _release(self, request: p.Release, extra: Frames, peer: Peer) -> Handled:
-        session = self._session(request.session, peer)
-        self._check_owner(session, request.lease)
-        session.leases.discard(request.lease)
-        self._service.release(request.lease)
-        return p.Ok(request.req), []
-
-    def _store_inline(self, request: p.StoreInline, extra: Frames, peer: Peer) -> Handled:
-        session = self._session(request.session, peer)
-        self._check_keys(request.keys)
-        tenant = self._tenant(session, request.tenant)
-        if len(extra) != len(request.keys):
-            raise InvalidRequest(f"{len(request.keys)} keys but {len(extra)} data frames")
-        if self._draining:
-            return p.StoreInlineReply(request.req, 0, 0, SHUTTING_DOWN), []
-        size = sum(len(frame) for frame in extra)
-        if size > self._max_inline:
-            raise p.ProtocolError(
-                p.ErrorCode.TOO_LARGE,
-                f"inline payload of {size} bytes; at most {self._max_inline}",
-                request.req,
-            )
-        keys = self._keys(session, tenant, request, map(len, extra))
-        result = self._service.store(tenant, keys, list(extra), request.parent)
-        return p.StoreInlineReply(
-            request.req, result.stored, result.present, result.refused_reason
-        ), []
-
-    def _retrieve_inline(self, request: p.RetrieveInline, extra: Frames, peer: Peer) -> Handled:
-        session = self._session(request.session, peer)
-        self._check_keys(request.keys)
-        tenant = self._tenant(session, request.tenant)
-        data = self._service.retrieve(
-            tenant, self._keys(session, tenant, request), self._max_inline
-        )
-        return p.RetrieveInlineReply(request.req, len(data)), data
-
-    def _end_session(self, request: p.EndSession, extra: Frames, peer: Peer) -> Handled:
-        session = self._session(request.session, peer)
-        self._end_leases(session.leases)
-        del self._sessions[request.session]
-        return p.Ok(request.req), []
-
-    def _clear(self, request: p.Clear, extra: Frames, peer: Peer) -> Handled:
-        """An admin clears any tenant or all; a tenant's token its own chunks only (and every
-        chunk token the doctor's canary)."""
-        session = self._session(request.session, peer)
-        role = session.principal.role
-        if request.tenant is not None and (role is Role.TENANT or request.tenant == CANARY_TENANT):
-            tenant: str | None = self._tenant(session, request.tenant)
-            if role is Role.TENANT and tenant not in (session.principal.tenant, CANARY_TENANT):
-                raise p.ProtocolError(
-                    p.ErrorCode.FORBIDDEN, "a shared space's chunks are cleared by an admin only"
-                )
-        elif role is Role.ADMIN:
-            tenant = request.tenant
-            if tenant is not None:
-                _check_tenant(tenant)
-        else:
-            raise p.ProtocolError(p.ErrorCode.FORBIDDEN, f"{session.principal} may not clear")
-        return p.ClearReply(request.req, self._service.clear(tenant)), []
-
-    def _snapshot(self, request: p.Snapshot, extra: Frames, peer: Peer) -> Handled:
-        session = self._session(request.session, peer)
-        if session.principal.role not in (Role.ADMIN, Role.INDEX):
-            raise p.ProtocolError(
-                p.ErrorCode.FORBIDDEN, "the snapshot is for a prefix index's (or an admin's) token"
-            )
-        snapshot = self._service.snapshot()
-        return p.SnapshotReply(
-            request.req, self.agent_id, snapshot.seq, snapshot.keys_by_tenant
-        ), []
-
-    def _stats(self, request: p.Stats, extra: Frames, peer: Peer) -> Handled:
-        self._session(request.session, peer)
-        stats = self._service.stats()
-        summary: dict[str, int | float] = {
-            "capacity_bytes": stats.capacity_bytes,
-            "allocated_bytes": stats.allocated_bytes,
-            "stored_bytes": stats.stored_bytes,
-            "chunks": stats.chunks,
-            "hits": stats.hits,
-            "misses": stats.misses,
-            "lock_expiries": stats.lock_expiries,
-            "open_leases": stats.open_leases,
-            "quarantined_leases": stats.quarantined_leases,
-            "quarantined_bytes": stats.quarantined_bytes,
-            "fenced_sessions": self._fenced_sessions,
-            "fragmentation": stats.fragmentation,
-            "sessions": len(self._sessions),
-        }
-        summary.update({f"evictions_{cause}": count for cause, count in stats.evictions.items()})
-        return p.StatsReply(request.req, summary), []
-
 
 def _cut_off(message: Truncated) -> p.ProtocolError:
     """The answer to a message sent before hello over :data:`HELLO_BOUNDS`, of which only
@@ -736,10 +370,3 @@ def _cut_off(message: Truncated) -> p.ProtocolError:
         "at most)",
         req,
     )
-
-
-def _check_tenant(tenant: str) -> None:
-    """Every operation names a tenant id (see keys.tenant_id), never anything else: a lookup
-    with a 10 MiB name would otherwise cost the agent a tenant record of that size."""
-    if not is_tenant_id(tenant):
-        raise InvalidRequest(TENANT_ID_RULE)

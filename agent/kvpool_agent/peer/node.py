@@ -25,7 +25,7 @@ from kvpool_agent.peer.links import LinkSettings, PeerLink
 from kvpool_agent.peer.serving import PeerServer
 from kvpool_agent.peer.transport import PeerTransport, TcpTransport
 from kvpool_agent.problems import listening
-from kvpool_agent.service.cache_service import CacheService
+from kvpool_agent.service.data_service import DataService
 
 
 class PeerTier:
@@ -66,7 +66,7 @@ class PeerTier:
 
     def serve(
         self,
-        service: CacheService,
+        service: DataService,
         nvme: L2Adapter | None,
         loop: asyncio.AbstractEventLoop,
     ) -> None:

@@ -57,7 +57,7 @@ from kvpool_agent.peer.wire import (
     Object,
     WireError,
 )
-from kvpool_agent.service.cache_service import CacheService
+from kvpool_agent.service.data_service import DataService
 from kvpool_agent.web.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class PeerServer:
     node: str
     keyring: Keyring
     codec: ObjectCodec
-    service: CacheService
+    service: DataService
     nvme: L2Adapter | None
     loop: asyncio.AbstractEventLoop
     listener: PeerListener
@@ -264,7 +264,7 @@ class PeerServer:
 
     def _held(self, tenant: str, keys: list[bytes]) -> int:
         """The leading run of ``keys`` held in L1, then on NVMe."""
-        count = self.service.lookup(tenant, keys, lock=False, count=False).hit.count
+        count = self.service.lookup(tenant, keys, lock=False, count=False).count
         if count == len(keys) or self.nvme is None:
             return count
         rest = [ObjectKey(tenant, key) for key in keys[count:]]
@@ -276,7 +276,7 @@ class PeerServer:
             if not admitted:
                 channel.send(Busy())
                 return
-            hit = self.service.lookup(name.tenant, [name.key], lock=True, count=False).hit
+            hit = self.service.lookup(name.tenant, [name.key], lock=True, count=False)
             if hit.lease is not None:
                 view = self.service.chunk_view(name.tenant)
                 payload = view[hit.offsets[0] : hit.offsets[0] + hit.sizes[0]]

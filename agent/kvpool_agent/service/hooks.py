@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from kvpool_agent.core.cache_types import ChunkListener, Hit
+from kvpool_agent.core.cache_types import ChunkListener
+from kvpool_agent.transfer_results import LookupResult
 
 
 class Pins(Protocol):
@@ -19,7 +20,7 @@ class Pins(Protocol):
     valid only during that call.
     """
 
-    def pin(self, tenant: str, key: bytes) -> Hit: ...
+    def pin(self, tenant: str, key: bytes) -> LookupResult: ...
 
     def release(self, lease: int) -> None: ...
 

@@ -15,22 +15,40 @@ load would, instead of placing later chunks no lookup could reach.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvpool_agent.core.cache_types import Reservation
-
-if TYPE_CHECKING:
-    from kvpool_agent.service.cache_service import CacheService
 
 TURN_SECONDS = 60.0
 """The longest a landing waits for the one before it (each tier times its own I/O)."""
 
 
+class LandingSite(Protocol):
+    """What a landing needs of the cache (the service's data operations implement it; kept
+    here so that this module imports nothing of the service above it)."""
+
+    def reserve(
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        parent: bytes | None = None,
+        *,
+        keep: Sequence[bytes] = (),
+    ) -> Reservation: ...
+
+    def chunk_view(self, tenant: str) -> memoryview: ...
+
+    def commit_loaded(self, lease: int) -> int: ...
+
+    def release_all(self, leases: Iterable[int]) -> None: ...
+
+
 @dataclass(eq=False)
 class ChunkLanding:
-    service: CacheService
+    service: LandingSite
     tenant: str
     key: bytes
     parent: bytes | None

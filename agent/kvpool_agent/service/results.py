@@ -4,29 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpool_agent.core.cache_types import Hit, TenantStats
+from kvpool_agent.core.cache_types import TenantStats
 from kvpool_agent.quotas import Limit, TierLimits
 
 
 @dataclass(frozen=True, slots=True)
-class LookupOutcome:
-    hit: Hit
-    prefetch: int
-    """The prefetch loading the keys after the hits from L2, or 0 (none started)."""
+class SnapshotResult:
+    """Every ready key by tenant (the answer to the wire's :class:`~kvpool_agent.protocol.Snapshot`
+    request)."""
 
-
-@dataclass(frozen=True, slots=True)
-class StoreResult:
-    stored: int
-    """Chunks copied and made ready."""
-    present: int
-    """Chunks that were cached already (nothing copied)."""
-    refused_reason: str | None
-    """Why the tail of the keys was refused, if it was."""
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
     seq: int
     """The last chunk event published when the keys were read (0 without events)."""
     keys_by_tenant: dict[str, list[bytes]]

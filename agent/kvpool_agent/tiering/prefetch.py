@@ -18,8 +18,8 @@ run is located and when the prefetch is done.
 
 Slots: at most ``max_in_flight`` prefetches run at once (32), and they are shared fairly,
 since a slow L2 holds each for as long as it is slow: a tenant holds at most half of them
-(16, each loading 8 chunks at a time), and warms (:meth:`CacheService.warm
-<kvpool_agent.service.cache_service.CacheService.warm>`, which an admin or a space's owner
+(16, each loading 8 chunks at a time), and warms (:meth:`PinService.warm
+<kvpool_agent.service.pin_service.PinService.warm>`, which an admin or a space's owner
 may send by the dozen) a quarter of them all together (8), so warms never take the slots
 that lookups need, nor one tenant all of them. A prefetch that finds no slot is refused
 (counted in ``refused``): the lookup is answered from L1 alone, the warm is told to retry.
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from kvpool_agent.l2.base import L2Adapter, ObjectKey, ReceivesInPlace
-from kvpool_agent.service.cache_service import CacheService
+from kvpool_agent.service.data_service import DataService
 from kvpool_agent.service.landing import ChunkLanding
 from kvpool_agent.tiering.costs import TierCosts
 from kvpool_agent.tiering.writeback import LatencyObserver
@@ -80,7 +80,7 @@ class PrefetchStats:
 
 @dataclass
 class Prefetcher:
-    service: CacheService
+    service: DataService
     tiers: Sequence[L2Adapter]
     max_in_flight: int = 32
     observe: LatencyObserver | None = None

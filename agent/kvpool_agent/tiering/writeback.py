@@ -24,7 +24,7 @@ from typing import Literal
 
 from kvpool_agent.keys import CANARY_TENANT
 from kvpool_agent.l2.base import L2Adapter, L2Object, ObjectKey
-from kvpool_agent.service.cache_service import CacheService
+from kvpool_agent.service.data_service import DataService
 from kvpool_agent.service.hooks import Pins
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class _Item:
 class WriteBack:
     def __init__(
         self,
-        service: CacheService,
+        service: DataService,
         tiers: Sequence[L2Adapter],
         *,
         policy: Literal["all", "reused"],

@@ -80,7 +80,7 @@ def test_store_copies_the_bytes_in_and_a_chunk_landed_from_l2_is_not_written_bac
     service, write_back, _ = attached(tmp_path)
     head, tail = key("head"), key("tail")
     stored = service.store(ALICE, [head], [b"h" * 100])
-    assert (stored.stored, stored.present, stored.refused_reason) == (1, 0, None)
+    assert (stored.stored, stored.present, stored.refused) == (1, 0, None)
     present = service.landing(ALICE, head, None, [])
     assert present.reserve(100) is None and present.present and present.finish(True)
     landed = service.landing(ALICE, tail, head, [], after=present)
@@ -101,13 +101,13 @@ def test_a_lookup_tells_the_hits_and_prefetches_what_follows_them(tmp_path: Path
     keys = [key(n) for n in range(4)]
     service.store(ALICE, keys[:2], [b"x"] * 2)
     found = service.lookup(ALICE, keys, lock=False, prefetch=True, parent=key("before"))
-    assert (found.hit.count, found.prefetch) == (2, 1)
+    assert (found.count, found.prefetch) == (2, 1)
     assert write_back.hit_keys == [(ALICE, keys[:2])]
     assert prefetch.begun == [(ALICE, keys[2:], keys[1])]  # after the last hit
     assert service.prefetch_status(found.prefetch) == Progress()
 
     missed = service.lookup(ALICE, [key("x")], count=False, prefetch=True, parent=key("p"))
-    assert missed.hit.lease is None
+    assert missed.lease is None
     assert prefetch.begun[-1] == (ALICE, [key("x")], key("p"))  # no hit: after the parent
     assert len(write_back.hit_keys) == 1  # an uncounted look tells no hits
     assert service.lookup(ALICE, keys[:2], lock=False).prefetch == 0  # all hit: nothing to load

@@ -13,7 +13,6 @@ from kvpool_agent.core.cache_types import (
     ChunkBacking,
     ChunkListener,
     EvictionCause,
-    Hit,
     InvalidRequest,
     L1Stats,
     PinState,
@@ -41,6 +40,7 @@ from kvpool_agent.keys import KEY_BYTES
 from kvpool_agent.probe_table import ProbeTableWriter
 from kvpool_agent.quotas import Quota, TierLimits
 from kvpool_agent.segment import SegmentLayout
+from kvpool_agent.transfer_results import LookupResult
 
 
 class L1Cache:
@@ -265,7 +265,7 @@ class L1Cache:
 
     def lookup(
         self, tenant: str, keys: Sequence[bytes], *, lock: bool = True, count: bool = True
-    ) -> Hit:
+    ) -> LookupResult:
         """The leading run of ready chunks of ``keys`` (read-locked under a lease if ``lock``).
 
         ``count``: add the hits and misses to the statistics (a repeated look does not).
@@ -306,7 +306,7 @@ class L1Cache:
         if lock and hit_count:
             lease = self._leases.open(writing=False, slots=slots)
             self._traffic.read_bytes += sum(sizes)
-        return Hit(lease, offsets, sizes)
+        return LookupResult(lease, offsets, sizes)
 
     def release(self, lease: int) -> None:
         """End a lease: drop read locks, or abandon an uncommitted reservation.
@@ -329,7 +329,7 @@ class L1Cache:
         """Tenant and keys of a store lease's chunks, in order (for the write-back)."""
         return self._leases.chunks_of(lease)
 
-    def pin(self, tenant: str, key: bytes) -> Hit:
+    def pin(self, tenant: str, key: bytes) -> LookupResult:
         """Read-lock one ready chunk with a lease that never expires, for the L2 write-back.
 
         Unlike :meth:`lookup` it counts no hit and changes no recency. The pin holds

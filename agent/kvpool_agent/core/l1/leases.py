@@ -11,9 +11,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvpool_agent.core.cache_types import Hit, LeaseExpired, UnknownLease
+from kvpool_agent.core.cache_types import LeaseExpired, UnknownLease
 from kvpool_agent.core.l1.chunks import Chunks
 from kvpool_agent.core.l1.slots import DOOMED, NIL, State
+from kvpool_agent.transfer_results import LookupResult
 
 
 @dataclass
@@ -117,7 +118,7 @@ class LeaseTable:
             self._end_quarantine(lease)
         return expired
 
-    def pin(self, tenant: str, key: bytes) -> Hit:
+    def pin(self, tenant: str, key: bytes) -> LookupResult:
         """Read-lock one ready chunk of the tenant's with a lease that never expires."""
         chunks, slots = self._chunks, self._chunks.slots
         slot = chunks.index.get(key, NIL)
@@ -128,10 +129,10 @@ class LeaseTable:
             or slots.state[slot] != State.READY
             or slots.tenant[slot] != account.index
         ):
-            return Hit(None, [], [])
+            return LookupResult(None, [], [])
         slots.readers[slot] += 1
         lease = self.open(writing=False, slots=[slot], expires=math.inf)
-        return Hit(lease, [slots.offsets[slot]], [slots.nbytes[slot]])
+        return LookupResult(lease, [slots.offsets[slot]], [slots.nbytes[slot]])
 
     def chunks_of(self, lease: int) -> tuple[str, list[bytes]]:
         """Tenant and keys of an open write lease's chunks, in order; nothing for others."""
