@@ -10,6 +10,8 @@ import pytest
 
 from tests.support.mistakes import BIN, Mistake, feed, held_port
 
+pytestmark = pytest.mark.process
+
 FILE = ["--config", "{tmp}/agent.yaml"]
 STARTS = {
     "KVPOOL_POOL": "mistakes",

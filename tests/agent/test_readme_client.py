@@ -6,7 +6,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from kvpool_agent.testing.agent_process import ENGINE_TOKEN, AgentProcess
+
+pytestmark = pytest.mark.process
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

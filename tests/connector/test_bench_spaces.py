@@ -17,6 +17,8 @@ from kvpool_agent.bench.spaces import MIB, Results, Round, add_arguments, report
 from kvpool_agent.keys import plan_salt
 from kvpool_agent.problems import ArgumentParser
 
+pytestmark = pytest.mark.process
+
 BIN = Path(sys.executable).parent
 MODES = ["plain salts", "shared space", "no salt"]
 

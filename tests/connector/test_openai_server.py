@@ -47,7 +47,7 @@ from tests.support.engines import Result, poison_segment, write_model
 from tests.support.http_process import HttpProcess
 from tests.support.ports import free_port
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.process, pytest.mark.engine, pytest.mark.timeout(600)]
 
 CHUNK = 256  # two CPU blocks of 128 tokens
 PROMPT = 2048

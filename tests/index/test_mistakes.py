@@ -13,6 +13,8 @@ import pytest
 from tests.support.index_process import IndexProcess
 from tests.support.mistakes import BIN, Mistake, feed, held_port
 
+pytestmark = pytest.mark.process
+
 AGENT = ["--agent", "gpu-1=tcp://127.0.0.1:1,tcp://127.0.0.1:2"]
 FILE = ["--config", "{tmp}/index.yaml"]
 

@@ -22,6 +22,8 @@ from tests.support.polling import wait_until
 
 from .faults import Fault, FaultProxy
 
+pytestmark = pytest.mark.process
+
 TENANT = tenant_id("l2-tenant")
 CHUNK = 60_000  # one 64 KiB page each
 

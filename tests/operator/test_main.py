@@ -9,6 +9,8 @@ import pytest
 from kvpool_operator.main import main
 from tests.support.mistakes import BIN, Mistake, feed, held_port
 
+pytestmark = pytest.mark.process
+
 
 @pytest.mark.parametrize(
     ("argv", "message"),

@@ -21,6 +21,8 @@ from tests.support.kube_api import ServedApi
 from tests.support.operator_process import REPO, Kubectl, OperatorProcess
 from tests.support.polling import eventually
 
+pytestmark = pytest.mark.process
+
 NAMESPACE = "inference"
 CHILDREN = [
     ("configmaps", "kvpool-{}-config"),

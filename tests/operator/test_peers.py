@@ -22,6 +22,8 @@ from tests.support.kube_api import ServedApi
 from tests.support.operator_process import REPO, Kubectl, OperatorProcess
 from tests.support.polling import eventually
 
+pytestmark = pytest.mark.process
+
 NAMESPACE = "mesh"
 CREATED = "kvpool.io/peer-keys-created"
 CLIENTS = [{"podSelector": {"matchLabels": {"kvpool.io/client": "vllm"}}}]

@@ -35,6 +35,8 @@ from tests.support.operator_process import REPO, Kubectl, OperatorProcess
 from tests.support.polling import eventually
 from tests.support.ports import free_port
 
+pytestmark = pytest.mark.process
+
 POOL_NAMESPACE = "inference"
 POOL = Pool("shared", POOL_NAMESPACE, "")
 TEAMS = ("team-a", "team-b", "team-c")
