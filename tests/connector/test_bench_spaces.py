@@ -16,6 +16,7 @@ from kvpool_agent.bench.connector_engine import Sample
 from kvpool_agent.bench.spaces import MIB, Results, Round, add_arguments, report, salt
 from kvpool_agent.keys import plan_salt
 from kvpool_agent.problems import ArgumentParser
+from tests.support.engines import needs_fast_bf16
 
 BIN = Path(sys.executable).parent
 MODES = ["plain salts", "shared space", "no salt"]
@@ -31,6 +32,7 @@ def rows_of(output: str) -> list[list[str]]:
 
 @pytest.mark.process
 @pytest.mark.engine
+@needs_fast_bf16
 def test_the_smallest_run_shares_the_system_prompt_through_the_pool() -> None:
     command = [
         *(str(BIN / "kvpool"), "bench", "spaces", "--tenants", "2", "--layers", "2"),

@@ -90,6 +90,8 @@ def server_command(model: str, port: int, transfer: dict[str, Any]) -> list[str]
         str(port),
         "--skip-tokenizer-init",  # token-id prompts; the random model has no tokenizer
         "--enforce-eager",
+        "--dtype",  # as tests.support.engine_main: fast on any x86 CPU, bf16 only with AVX-512
+        "float32",
         "--seed",
         "0",
         "--max-model-len",

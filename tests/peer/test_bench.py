@@ -15,6 +15,7 @@ from kvpool_agent.bench import peer_ttft
 from kvpool_agent.bench.connector_engine import Sample
 from kvpool_agent.bench.peer import PEER, SOCKET, MiB, Results, report
 from kvpool_agent.bench.peer_ttft import READERS, RECOMPUTE
+from tests.support.engines import needs_fast_bf16
 from tests.support.hosts import hosts_or_skip
 
 BIN = Path(sys.executable).parent
@@ -52,8 +53,10 @@ def test_the_smallest_run_pulls_through_the_peer_and_measures_the_link() -> None
 
 
 @pytest.mark.process
+@pytest.mark.engine
 @pytest.mark.root
 @pytest.mark.netns
+@needs_fast_bf16
 def test_the_smallest_readers_run_loads_through_the_peer_and_s3() -> None:
     with hosts_or_skip(1):
         pass
