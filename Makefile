@@ -23,10 +23,18 @@ vllm_tests = $(if $(filter $(1),$(VLLM_API)),tests/connector/test_conformance.py
 	tests/connector/test_group_rules.py \
 	tests/connector/test_compat.py,tests/connector)
 
-.PHONY: test deps lint agent test-vllm test-matrix
+# The suite's tiers (pyproject's markers): `make test-fast`, for the edit loop (a few minutes),
+# leaves out every test that starts a process, runs a vLLM engine, needs root or makes
+# network namespaces; `make test` runs them all, and names its 25 slowest.
+FAST := not process and not engine and not root and not netns
+
+.PHONY: test test-fast deps lint agent test-vllm test-matrix
 
 test: deps lint
-	$(BIN)/pytest
+	$(BIN)/pytest --durations=25
+
+test-fast: deps
+	$(BIN)/pytest -m "$(FAST)"
 
 deps: $(VENV)/.deps-installed
 

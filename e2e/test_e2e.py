@@ -9,6 +9,8 @@ import yaml
 
 from .scenario import MANIFESTS, SPACE, TEAMS, Evidence, Unavailable, run
 
+pytestmark = [pytest.mark.process, pytest.mark.engine, pytest.mark.root, pytest.mark.netns]
+
 DOOR = "/var/run/kvpool/agent.sock"
 """The agent's door in a tenant's pod (the volume holds the door's directory only)."""
 

@@ -1,12 +1,13 @@
 """Fixtures every test folder may use: a real agent process, the Kubernetes API server
-emulator and kubectl."""
+emulator and kubectl; and the guard that keeps the ``process`` marker true."""
 
 from __future__ import annotations
 
 import os
 import re
 import shutil
-from collections.abc import Iterator
+import sys
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,31 @@ if TYPE_CHECKING:  # imported by the fixtures: the GPU machine has no Kubernetes
     from tests.support.operator_process import Kubectl
 
 SHARED_MEMORY = Path("/dev/shm")
+
+# The test now running (its fixtures' setup and teardown included), for the audit hook below.
+_running: list[pytest.Item] = []
+_STARTS_A_PROCESS = frozenset({"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn"})
+
+
+def _only_process_tests_start_processes(event: str, _args: tuple[object, ...]) -> None:
+    """``make test-fast`` leaves out the tests marked ``process``: one that starts a process
+    without the mark fails here, naming the mark it lacks."""
+    if event in _STARTS_A_PROCESS and _running and not _running[-1].get_closest_marker("process"):
+        raise RuntimeError(
+            f"{_running[-1].nodeid} starts a process ({event}) but is not marked `process`"
+        )
+
+
+sys.addaudithook(_only_process_tests_start_processes)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
+    _running.append(item)
+    try:
+        yield
+    finally:
+        _running.pop()
 
 
 def _left_in_shared_memory() -> list[Path]:

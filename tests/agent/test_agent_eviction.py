@@ -5,10 +5,14 @@ from __future__ import annotations
 import random
 import time
 
+import pytest
+
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import key
+
+pytestmark = pytest.mark.process
 
 TENANT = tenant_id("salt-a")
 PAGE = 64 << 10  # the agent's default page size

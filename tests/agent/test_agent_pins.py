@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 
 from kvpool_agent.client import AgentClient
@@ -13,6 +14,8 @@ from kvpool_agent.keys import tenant_id
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 from tests.support.chunks import data, key
 from tests.support.metrics import metric
+
+pytestmark = pytest.mark.process
 
 SPACE = tenant_id("shared-system-prompt")
 OWNER, MEMBER = tenant_id("owner-team"), tenant_id("member-team")

@@ -8,6 +8,8 @@ import pytest
 
 from kvpool_agent.testing.agent_process import AgentProcess
 
+pytestmark = pytest.mark.process
+
 
 def test_an_agent_that_exits_at_start_is_an_error_with_its_log(tmp_path: Path) -> None:
     """Not an agent without endpoints: a bench or test would go on with an empty address."""

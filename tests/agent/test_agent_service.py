@@ -19,6 +19,8 @@ from tests.support.chunks import key
 from tests.support.polling import wait_until
 from tests.support.raw_zmq import RawClient
 
+pytestmark = pytest.mark.process
+
 TENANT = tenant_id("salt-a")
 OTHER = tenant_id("salt-b")
 

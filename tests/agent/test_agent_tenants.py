@@ -4,12 +4,15 @@ own token sets its quota within the default."""
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from kvpool_agent.client import AgentClient
 from kvpool_agent.core.l1 import IDLE_TENANTS
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import key
+
+pytestmark = pytest.mark.process
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 DEFAULT_QUOTA = 2 << 20

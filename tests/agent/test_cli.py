@@ -18,6 +18,8 @@ from kvpool_agent import __version__
 from kvpool_agent.keys import tenant_id
 from kvpool_agent.segment import door_path
 
+pytestmark = pytest.mark.process
+
 BIN = Path(sys.executable).parent
 
 

@@ -1,5 +1,7 @@
 """``kvpool-agent`` and ``kvpool`` (tenant-id, bench) given broken inputs: one line per
-problem, naming the file, the setting or variable as written and the value; exit 2."""
+problem, naming the file, the setting or variable as written and the value; exit 2. The
+tables run through each script's ``main(argv)``; a row of each and the ports held run the
+scripts as processes."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.mistakes import BIN, Mistake, feed, held_port
+from kvpool_agent import cli
+from kvpool_agent import main as agent
+from tests.support.mistakes import BIN, Mistake, feed, held_port, refuse
 
 FILE = ["--config", "{tmp}/agent.yaml"]
 STARTS = {
@@ -249,10 +253,11 @@ AGENT = [
 
 
 @pytest.mark.parametrize("mistake", AGENT, ids=str)
-def test_agent(mistake: Mistake, tmp_path: Path) -> None:
-    feed(f"{BIN}/kvpool-agent", mistake, tmp_path)
+def test_agent(mistake: Mistake, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    refuse(agent.main, mistake, tmp_path, capsys)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("setting", ["zmq_port", "events_port", "http_port"])
 def test_agent_port_in_use(setting: str, tmp_path: Path) -> None:
     segment = Path("/dev/shm") / f"kvpool-test-mistakes-{os.getpid()}"
@@ -323,5 +328,13 @@ KVPOOL += [
 
 
 @pytest.mark.parametrize("mistake", KVPOOL, ids=str)
-def test_kvpool(mistake: Mistake, tmp_path: Path) -> None:
-    feed(f"{BIN}/kvpool", mistake, tmp_path)
+def test_kvpool(mistake: Mistake, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    refuse(cli.main, mistake, tmp_path, capsys)
+
+
+@pytest.mark.process
+@pytest.mark.parametrize(
+    ("script", "mistake"), [("kvpool-agent", AGENT[0]), ("kvpool", KVPOOL[4])], ids=str
+)
+def test_the_scripts_refuse_in_one_line(script: str, mistake: Mistake, tmp_path: Path) -> None:
+    feed(f"{BIN}/{script}", mistake, tmp_path)

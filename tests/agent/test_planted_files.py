@@ -33,7 +33,7 @@ from tests.support.local_user import (
     root_secret,
 )
 
-pytestmark = needs_another_user
+pytestmark = [pytest.mark.process, pytest.mark.root, needs_another_user]
 
 PAGE = 4096
 SETTINGS = {"L1_SIZE": "1MiB", "PAGE_SIZE": str(PAGE)}

@@ -31,6 +31,8 @@ from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import key
 from tests.support.metrics import metric
 
+pytestmark = pytest.mark.process
+
 AGENT_ID = "a" * 32
 
 

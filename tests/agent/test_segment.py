@@ -11,6 +11,8 @@ import pytest
 
 from kvpool_agent.segment import SEGMENT_MODE, SegmentError, SharedSegment
 
+pytestmark = pytest.mark.process
+
 PAGE = 4096
 
 

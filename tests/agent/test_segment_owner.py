@@ -28,6 +28,8 @@ from kvpool_agent.keys import tenant_id
 from kvpool_agent.testing.agent_process import AgentProcess
 from tests.support.chunks import key
 
+pytestmark = pytest.mark.process
+
 TENANT = tenant_id("owner-a")
 CHUNKS = 16
 SIZE = 10_000

@@ -29,10 +29,14 @@ from kvpool_agent.probe_table import table_path
 from kvpool_agent.segment import door_path
 from kvpool_agent.testing.agent_process import AgentProcess
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("unshare") is None,
-    reason="needs root and unshare (util-linux) to make a pod's mount namespace and uid",
-)
+pytestmark = [
+    pytest.mark.process,
+    pytest.mark.root,
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("unshare") is None,
+        reason="needs root and unshare (util-linux) to make a pod's mount namespace and uid",
+    ),
+]
 
 POD_UID = 1000
 A, B, SPACE = tenant_id("isolation-a"), tenant_id("isolation-b"), tenant_id("isolation-space")

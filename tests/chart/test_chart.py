@@ -39,6 +39,8 @@ from tests.support.tools import KUBERNETES_VERSION
 
 from .conftest import CHART, NAMESPACE, VALUES, Helm, Manifest, by_kind, one
 
+pytestmark = pytest.mark.process
+
 OLDEST_KUBERNETES = "1.29.0"
 """Chart.yaml's kubeVersion floor (the CRD's CEL rules)."""
 VALUE_SETS: dict[str, tuple[str, ...]] = {

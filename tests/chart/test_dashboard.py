@@ -17,6 +17,8 @@ from tests.support.index_process import IndexProcess
 
 from .conftest import CHART
 
+pytestmark = pytest.mark.process
+
 DASHBOARD = CHART / "dashboards" / "kvpool-agents.json"
 _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
 

@@ -207,6 +207,7 @@ def _grants(manifests: list[Manifest], namespace: str | None) -> set[Permission]
     return granted
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("watched", [[], ["inference", "batch"]])
 def test_the_operator_gets_exactly_what_it_needs_where_it_works(
     helm: Helm, watched: list[str]
@@ -233,6 +234,7 @@ def test_the_operator_gets_exactly_what_it_needs_where_it_works(
     )
 
 
+@pytest.mark.process
 def test_tenant_teams_may_edit_their_kvcachetenants_through_edit_and_admin(helm: Helm) -> None:
     """Aggregated into the built-in edit and admin roles (as cert-manager does); the
     status is the operator's; Secrets are covered by edit itself."""
@@ -250,6 +252,7 @@ def test_tenant_teams_may_edit_their_kvcachetenants_through_edit_and_admin(helm:
     assert role["metadata"]["name"] not in bound
 
 
+@pytest.mark.process
 def test_the_operator_may_hand_the_agents_and_the_index_their_roles(helm: Helm) -> None:
     """Kubernetes lets a subject create a Role only with permissions it holds itself."""
     children = _render(EVERYTHING)
@@ -267,6 +270,7 @@ def test_the_operator_may_hand_the_agents_and_the_index_their_roles(helm: Helm) 
     )
 
 
+@pytest.mark.process
 def test_without_rbac_the_chart_makes_none(helm: Helm) -> None:
     manifests = helm.template(sets=("rbac.create=false", "serviceAccount.create=false"))
     kinds = {manifest["kind"] for manifest in manifests}
@@ -297,6 +301,7 @@ def _named_grants(manifests: list[Manifest]) -> set[NamedPermission]:
     return granted
 
 
+@pytest.mark.process
 def test_the_webhook_adds_exactly_what_kopf_needs_to_keep_its_configurations(
     helm: Helm,
 ) -> None:
@@ -326,6 +331,7 @@ def test_the_webhook_adds_exactly_what_kopf_needs_to_keep_its_configurations(
         ]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("watched", [[], ["inference", "batch"]])
 def test_the_csi_plugin_may_only_get_pools_and_services(helm: Helm, watched: list[str]) -> None:
     """A KVCachePool and its Service, read at each publish, in the

@@ -13,6 +13,8 @@ import torch
 
 from kvpool_agent.bench.gpu_caches import ChunkCopies
 
+pytestmark = pytest.mark.process
+
 BIN = Path(sys.executable).parent
 
 

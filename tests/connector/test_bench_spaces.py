@@ -1,6 +1,6 @@
 """``kvpool bench spaces``: its smallest run on the real engine (a shared space stores less
 than plain salts, and its reader loads the system prompt from the pool, not from vLLM's own
-cache), and its report's ratios on made-up samples."""
+cache), and its report's layout and ratios on made-up samples."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from kvpool_agent.bench.connector_engine import Sample
 from kvpool_agent.bench.spaces import MIB, Results, Round, add_arguments, report, salt
 from kvpool_agent.keys import plan_salt
 from kvpool_agent.problems import ArgumentParser
+from tests.support.engines import needs_fast_bf16
 
 BIN = Path(sys.executable).parent
 MODES = ["plain salts", "shared space", "no salt"]
@@ -29,17 +30,19 @@ def rows_of(output: str) -> list[list[str]]:
     return [re.split(r" {2,}", line.strip()) for line in lines[start : end + 1]]
 
 
+@pytest.mark.process
+@pytest.mark.engine
+@needs_fast_bf16
 def test_the_smallest_run_shares_the_system_prompt_through_the_pool() -> None:
     command = [
-        *(str(BIN / "kvpool"), "bench", "spaces", "--tenants", "1,2"),
+        *(str(BIN / "kvpool"), "bench", "spaces", "--tenants", "2", "--layers", "2"),
         *("--system-tokens", "512", "--runs", "1", "--recompute", "1"),
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, check=True)
 
     rows = rows_of(result.stdout)
-    assert [row[:2] for row in rows[:-1]] == [[mode, n] for n in ("1", "2") for mode in MODES]
-    assert rows[-1][:2] == ["recompute", "1"]  # one request, no tenants
-    by_mode = {row[0]: row for row in rows[3:6]}  # 2 tenants
+    assert [row[:2] for row in rows] == [*([mode, "2"] for mode in MODES), ["recompute", "1"]]
+    by_mode = {row[0]: row for row in rows[:3]}
     stored = {mode: float(row[7]) for mode, row in by_mode.items()}
     # 512 + 256 tokens: 3 chunks each with plain salts, the space's 2 and a question each
     assert stored["shared space"] < stored["plain salts"]
@@ -49,12 +52,38 @@ def test_the_smallest_run_shares_the_system_prompt_through_the_pool() -> None:
     assert by_mode["no salt"][9] == "512 / 0"  # vLLM's own cache, no isolation
     assert "every reader loaded the system prompt's 2 chunks from the pool: yes" in result.stdout
     assert "no reader hit vLLM's own prefix cache (other tenants' salts): yes" in result.stdout
-    assert "command: kvpool bench spaces --tenants 1,2 --system-tokens 512" in result.stdout
+    assert "command: kvpool bench spaces --tenants 2 --system-tokens 512" in result.stdout
+    assert "--layers 2 " in result.stdout
     assert "CPU: " in result.stdout
 
 
 def sample(seconds: float, cached: int = 0, hit_tokens: int = 0) -> Sample:
     return Sample(seconds, cached, token=7, connector_us={}, hit_tokens=hit_tokens)
+
+
+def test_the_table_has_every_mode_for_each_tenant_count_then_recompute() -> None:
+    args = argparse.Namespace(
+        tenants=[1, 2],
+        system_tokens=512,
+        question_tokens=256,
+        chunk_tokens=256,
+        recompute=1,
+        layers=8,
+        hidden=512,
+    )
+    results = Results(
+        rounds={
+            (mode, n): [Round(sample(0.5), [sample(0.1, 512, 512)] * n, MIB)]
+            for mode in ("plain", "space", "none")
+            for n in (1, 2)
+        },
+        recompute=[[sample(0.5)]],
+    )
+    rows = rows_of(report(results, args))
+    assert [row[:3] for row in rows] == [
+        *([mode, n, n] for n in ("1", "2") for mode in MODES),
+        ["recompute", "1", "500.0"],  # one request, no tenants
+    ]
 
 
 def test_report_ratios_to_recompute_no_salt_and_space() -> None:

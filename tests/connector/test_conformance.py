@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.process, pytest.mark.timeout(300)]
 
 BASE = KVConnectorBase_V1
 VLLM = f"vLLM {vllm.__version__}"

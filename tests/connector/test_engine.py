@@ -37,7 +37,7 @@ from kvpool_agent.connector import compat
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.engines import Engine, poison_segment, write_model
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.process, pytest.mark.engine, pytest.mark.timeout(600)]
 
 CHUNK = 256  # two CPU blocks of 128 tokens
 B_BLOCKS = 24  # B's KV cache: 3072 tokens, so four long requests preempt each other

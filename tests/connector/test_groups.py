@@ -72,7 +72,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.process, pytest.mark.timeout(300)]
 
 SALT = "groups"
 BLOCKS_PER_CHUNK = 2

@@ -31,7 +31,7 @@ from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.engines import Engine
 from tests.support.models import WINDOW, write_model
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.process, pytest.mark.engine, pytest.mark.timeout(600)]
 
 CHUNK = 256  # two CPU blocks of 128 tokens
 LENGTH = 1000  # three whole chunks, then 232 tokens the reader computes

@@ -17,6 +17,8 @@ from kvpool_agent.keys import tenant_id
 from kvpool_agent.testing.agent_process import ENGINE_TOKEN, AgentProcess
 from tests.support.chunks import key
 
+pytestmark = pytest.mark.process
+
 SETTINGS = ConnectorSettings.load({"endpoint": "tcp://127.0.0.1:7400"}, environ={})
 
 

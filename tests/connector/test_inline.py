@@ -18,6 +18,8 @@ from tests.support.metrics import metric
 
 from .workers import KEYS, TENANT, make_worker, store
 
+pytestmark = pytest.mark.process
+
 NOWHERE = Path("/nonexistent/kvpool-door.sock")
 """A door path this pod does not have (nothing mounted)."""
 CHUNK_BYTES = 512

@@ -12,7 +12,11 @@ import pkgutil
 import subprocess
 import sys
 
+import pytest
+
 from kvpool_agent import connector
+
+pytestmark = pytest.mark.process
 
 AGENT_INTERNALS = (
     "kvpool_agent.core.l1",

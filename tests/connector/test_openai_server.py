@@ -47,7 +47,7 @@ from tests.support.engines import Result, poison_segment, write_model
 from tests.support.http_process import HttpProcess
 from tests.support.ports import free_port
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.process, pytest.mark.engine, pytest.mark.timeout(600)]
 
 CHUNK = 256  # two CPU blocks of 128 tokens
 PROMPT = 2048
@@ -90,6 +90,8 @@ def server_command(model: str, port: int, transfer: dict[str, Any]) -> list[str]
         str(port),
         "--skip-tokenizer-init",  # token-id prompts; the random model has no tokenizer
         "--enforce-eager",
+        "--dtype",  # as tests.support.engine_main: fast on any x86 CPU, bf16 only with AVX-512
+        "float32",
         "--seed",
         "0",
         "--max-model-len",

@@ -23,6 +23,8 @@ from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from .agent_link import agent_link
 from .fakes import BLOCK, CHUNK, LAYOUT, FakeRequest, chain, tokens
 
+pytestmark = pytest.mark.process
+
 TENANT = keys.tenant_id(None)
 
 

@@ -24,7 +24,7 @@ from kvpool_agent.client import AgentClient
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.engines import Engine, poison_segment, write_model
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.process, pytest.mark.engine, pytest.mark.timeout(600)]
 
 CHUNK = 256
 SPACE_SALT = "docs-space-salt"

@@ -46,7 +46,7 @@ from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.engines import Engine
 from tests.support.models import write_model
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.process, pytest.mark.engine, pytest.mark.timeout(600)]
 
 POOL_CHUNK = 256
 """The pool's chunk size, which a model with state-space layers does not take."""

@@ -31,6 +31,8 @@ from .workers import (
     worker_of,
 )
 
+pytestmark = pytest.mark.process
+
 
 def _agent(workdir: Path) -> Iterator[AgentProcess]:
     process = AgentProcess(workdir)

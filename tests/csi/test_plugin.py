@@ -48,7 +48,7 @@ from .conftest import (
     short_root,
 )
 
-pytestmark = NEEDS_MOUNT_NAMESPACES
+pytestmark = [pytest.mark.process, pytest.mark.root, NEEDS_MOUNT_NAMESPACES]
 
 UID = "0f1e2d3c-0000-4000-8000-00000000000a"
 

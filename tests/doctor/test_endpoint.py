@@ -27,6 +27,8 @@ from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentP
 
 from .conftest import ADMIN_ENV, Diagnosis, agent_args, parse, run_doctor
 
+pytestmark = pytest.mark.process
+
 TENANT = tenant_id("team-a-cache-salt")
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 

@@ -9,6 +9,8 @@ import pytest
 
 from tests.support.mistakes import BIN, Mistake, feed
 
+pytestmark = pytest.mark.process
+
 ENDPOINT = ["--endpoint", "tcp://127.0.0.1:7400"]
 
 DOCTOR = [

@@ -15,6 +15,8 @@ from kvpool_agent.doctor.model import check_model
 from kvpool_agent.doctor.report import Outcome
 from tests.doctor.conftest import run_doctor
 
+pytestmark = pytest.mark.process
+
 CACHED = "every layer cached"
 LOCAL_8192 = "chunked local attention 8192 (cached if chunk_tokens divides it)"
 MLA_ON_CPU = (

@@ -18,6 +18,8 @@ from tests.support.ports import free_port
 
 from .conftest import ADMIN_ENV, agent_args, run_doctor
 
+pytestmark = pytest.mark.process
+
 Start = Callable[..., AgentProcess]
 
 

@@ -24,6 +24,8 @@ from tests.support.kube_api import ServedApi
 
 from .conftest import run_doctor
 
+pytestmark = pytest.mark.process
+
 NAMESPACE = "inference"
 POOL = Pool("main", NAMESPACE, "0f1e2d3c-0000-4000-8000-000000000000")
 FINGERPRINT = {"model": "org/model@rev", "dtype": "bfloat16", "kvLayout": "kvpool-chunk-v1;x"}

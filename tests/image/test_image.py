@@ -17,6 +17,8 @@ from kvpool_operator.spec import PoolSpec, PortsSpec
 
 from .dockerfile import DockerIgnore, Stage, copy_sources, parse
 
+pytestmark = pytest.mark.process
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 STAGES = parse((ROOT / "Dockerfile").read_text())

@@ -23,6 +23,8 @@ from tests.support.ports import free_port
 from .conftest import start_all
 from .proxy import TcpProxy
 
+pytestmark = pytest.mark.process
+
 TENANT = tenant_id("follow")
 Agents = Callable[..., list[AgentProcess]]
 

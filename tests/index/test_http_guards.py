@@ -20,6 +20,8 @@ from tests.support.raw_http import (
     read_answer,
 )
 
+pytestmark = pytest.mark.process
+
 MAX_BODY = 4096
 HEADER_TIMEOUT = 1.0
 JSON = {"Content-Type": "application/json"}

@@ -25,6 +25,8 @@ from tests.support.polling import wait_until
 
 from .conftest import start_all
 
+pytestmark = pytest.mark.process
+
 PROMPT = list(range(1000, 1101))  # six full chunks of 16 tokens, and 5 tokens more
 
 

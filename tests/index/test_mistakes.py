@@ -1,17 +1,20 @@
 """``kvpool index`` given broken inputs: one line per problem, naming the file, the flag,
-setting or variable as written and the value; exit 2."""
+setting or variable as written and the value; exit 2. The table runs through ``main(argv)``;
+a row of it, a port held and a second index run ``kvpool index`` as a process."""
 
 from __future__ import annotations
 
 import os
 import urllib.parse
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from kvpool_agent.cli import main
 from tests.support.index_process import IndexProcess
-from tests.support.mistakes import BIN, Mistake, feed, held_port
+from tests.support.mistakes import BIN, Mistake, feed, held_port, refuse
 
 AGENT = ["--agent", "gpu-1=tcp://127.0.0.1:1,tcp://127.0.0.1:2"]
 FILE = ["--config", "{tmp}/index.yaml"]
@@ -85,9 +88,18 @@ INDEX = [
 ]
 
 
+def index(argv: Sequence[str]) -> object:
+    return main(["index", *argv])
+
+
 @pytest.mark.parametrize("mistake", INDEX, ids=str)
-def test_index(mistake: Mistake, tmp_path: Path) -> None:
-    feed(f"{BIN}/kvpool index", mistake, tmp_path)
+def test_index(mistake: Mistake, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    refuse(index, mistake, tmp_path, capsys)
+
+
+@pytest.mark.process
+def test_the_script_refuses_in_one_line(tmp_path: Path) -> None:
+    feed(f"{BIN}/kvpool index", INDEX[0], tmp_path)
 
 
 def port_in_use(state_dir: str) -> Mistake:
@@ -105,6 +117,7 @@ def port_in_use(state_dir: str) -> Mistake:
     )
 
 
+@pytest.mark.process
 def test_index_port_in_use(tmp_path: Path) -> None:
     """Refused before anything is written: no state directory, no generated token."""
     with held_port() as port:
@@ -112,6 +125,7 @@ def test_index_port_in_use(tmp_path: Path) -> None:
     assert sorted(path.name for path in tmp_path.iterdir()) == ["index-token"]
 
 
+@pytest.mark.process
 def test_a_second_index_leaves_the_first_ones_token(tmp_path: Path) -> None:
     """A second index on a running one's port and state directory: refused in one line;
     the first one's generated admin token stays, and still works."""

@@ -25,6 +25,8 @@ from tests.support.polling import eventually, wait_until
 
 from .conftest import raw_client
 
+pytestmark = pytest.mark.process
+
 NAMESPACE = "inference"
 NAME = "kvpool-main-tenants"
 ALICE, BOB = tenant_id("alice"), tenant_id("bob")

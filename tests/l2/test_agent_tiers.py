@@ -22,6 +22,8 @@ from tests.support.polling import wait_until
 
 from .faults import Fault, FaultProxy
 
+pytestmark = pytest.mark.process
+
 TENANT = tenant_id("l2-tenant")
 CHUNK = 60_000  # one 64 KiB page each
 
@@ -106,9 +108,13 @@ def test_a_chain_longer_than_l1_reaches_nvme_whole_and_its_head_comes_back_first
 
     Every chunk still reaches NVMe, and loading the prompt's first 60 chunks back keeps
     all of them (the prefetch takes tails of the chain to make room, never its head).
+
+    The stores alone make room: a periodic watermark check between two of them would take
+    the chain's tails down to the low watermark, and the stores would never run short (so
+    the head stayed whenever a loaded machine paced the stores slower than its period).
     """
     nvme = {"NVME__PATH": str(tmp_path / "nvme"), "NVME__CAPACITY": "64MiB"}
-    agent = agents("a", L1_SIZE="8MiB", **nvme)
+    agent = agents("a", L1_SIZE="8MiB", MAINTENANCE_INTERVAL_SECONDS="3600", **nvme)
     chain = list(range(160))
     with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
         for first in range(0, len(chain), 8):  # paced so that write-back sheds nothing

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 
 from kvpool_agent.client import AgentClient
 from kvpool_agent.keys import tenant_id
@@ -16,6 +17,8 @@ from tests.support.metrics import metric
 from tests.support.polling import wait_until
 
 from .faults import Fault, FaultProxy
+
+pytestmark = pytest.mark.process
 
 SPACE = tenant_id("warm-space")
 OTHER, THIRD = tenant_id("other"), tenant_id("third")

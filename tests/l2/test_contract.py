@@ -86,7 +86,11 @@ def _s3(request: pytest.FixtureRequest, tmp_path: Path, seal: bool) -> Tier:
 
 
 @pytest_asyncio.fixture(
-    params=[(name, seal) for name in (*ADAPTER_NAMES, "faulty") for seal in (False, True)],
+    params=[
+        pytest.param((name, seal), marks=pytest.mark.process if name == "s3" else ())
+        for name in (*ADAPTER_NAMES, "faulty")
+        for seal in (False, True)
+    ],
     ids=lambda param: f"{param[0]}-{'sealed' if param[1] else 'plain'}",
 )
 async def tier(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Tier]:

@@ -68,6 +68,7 @@ def test_a_key_file_others_may_write_is_refused(tmp_path: Path, mode: int) -> No
     assert "chmod go-w" in message
 
 
+@pytest.mark.root
 @needs_root
 def test_a_key_file_of_another_user_is_refused(tmp_path: Path) -> None:
     write_key(tmp_path, 1, KEY_1)

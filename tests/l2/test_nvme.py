@@ -320,6 +320,7 @@ async def test_wider_directories_an_older_agent_left_are_narrowed_at_start(
     await second.close()
 
 
+@pytest.mark.root
 @needs_root
 async def test_a_tree_of_another_user_is_refused(tmp_path: Path) -> None:
     root = tmp_path / POOL
@@ -332,6 +333,7 @@ async def test_a_tree_of_another_user_is_refused(tmp_path: Path) -> None:
     assert f"(owner uid {NOBODY}, mode {stat.S_IMODE(root.stat().st_mode):04o})" in message
 
 
+@pytest.mark.root
 @needs_root
 async def test_what_another_user_put_in_the_tree_is_never_served_or_written_into(
     tmp_path: Path,

@@ -20,7 +20,7 @@ from kvpool_agent.l2.s3 import S3Adapter
 from .conftest import POOL, MiB, chunk, object_codec, payload, raw_client, s3_config
 from .faults import Fault, FaultProxy
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.process, pytest.mark.asyncio]
 
 Factory = Callable[..., S3Adapter]
 

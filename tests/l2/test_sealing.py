@@ -63,6 +63,7 @@ def stored_object(adapter: S3Adapter, endpoint: str, name: ObjectKey) -> bytes:
 
 
 @pytest.mark.parametrize("seal", [True, False], ids=["sealed", "plain"])
+@pytest.mark.process
 async def test_the_bucket_holds_no_plaintext_of_a_sealed_tier(
     s3: S3Factory, s3_endpoint: str, tmp_path: Path, seal: bool
 ) -> None:
@@ -80,6 +81,7 @@ async def test_the_bucket_holds_no_plaintext_of_a_sealed_tier(
     assert await adapter.get(names) == data
 
 
+@pytest.mark.process
 async def test_server_side_encryption_reaches_every_put(
     s3: S3Factory, s3_endpoint: str, tmp_path: Path
 ) -> None:
@@ -100,6 +102,7 @@ async def test_server_side_encryption_reaches_every_put(
             assert {field: head.get(field) for field in expected} == expected
 
 
+@pytest.mark.process
 async def test_another_pool_or_master_key_opens_nothing(s3: S3Factory, tmp_path: Path) -> None:
     """Same bucket, prefix, tenant and chunk key: only the pool (or the key) differs."""
     write_key(tmp_path / "keys", 1, KEY_1)

@@ -1,4 +1,5 @@
-"""The ``kvpool-operator`` command line."""
+"""The ``kvpool-operator`` command line: its tables of mistakes through ``main(argv)``, and
+as a process, a row of each and what only a process shows (ports held)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvpool_operator.main import main
-from tests.support.mistakes import BIN, Mistake, feed, held_port
+from tests.support.mistakes import BIN, Mistake, feed, held_port, refuse
 
 
 @pytest.mark.parametrize(
@@ -192,17 +193,28 @@ CREDENTIALS = [
 
 
 @pytest.mark.parametrize("mistake", OPERATOR, ids=str)
-def test_broken_command_lines_are_one_line_each(mistake: Mistake, tmp_path: Path) -> None:
-    feed(f"{BIN}/kvpool-operator", mistake, tmp_path)
+def test_broken_command_lines_are_one_line_each(
+    mistake: Mistake, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    refuse(main, mistake, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("mistake", CREDENTIALS, ids=str)
-def test_what_kopf_would_retry_forever_is_one_line(mistake: Mistake, tmp_path: Path) -> None:
+def test_what_kopf_would_retry_forever_is_one_line(
+    mistake: Mistake, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """No credentials at all, or a liveness address the host lacks: refused before kopf
     runs (which would log a traceback and retry every minute)."""
+    refuse(main, mistake, tmp_path, capsys)
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("mistake", [OPERATOR[3], CREDENTIALS[0]], ids=str)
+def test_the_script_refuses_in_one_line(mistake: Mistake, tmp_path: Path) -> None:
     feed(f"{BIN}/kvpool-operator", mistake, tmp_path)
 
 
+@pytest.mark.process
 def test_liveness_port_in_use(tmp_path: Path) -> None:
     mistake = Mistake(
         "liveness-port",
@@ -218,6 +230,7 @@ def test_liveness_port_in_use(tmp_path: Path) -> None:
 WEBHOOK = [*IMAGE, "--liveness", "http://127.0.0.1:0/healthz", "--webhook-url-host", "127.0.0.1"]
 
 
+@pytest.mark.process
 def test_webhook_port_in_use(tmp_path: Path) -> None:
     mistake = Mistake(
         "webhook-port-in-use",
@@ -230,6 +243,7 @@ def test_webhook_port_in_use(tmp_path: Path) -> None:
         feed(f"{BIN}/kvpool-operator", mistake, tmp_path, port=port)
 
 
+@pytest.mark.process
 def test_webhook_certificate_directory_without_its_files(tmp_path: Path) -> None:
     mistake = Mistake(
         "webhook-cert-dir",

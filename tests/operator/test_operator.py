@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +19,8 @@ from kvpool_agent.tenants_configmap import digest_token, parse_tenants
 from tests.support.kube_api import ServedApi
 from tests.support.operator_process import REPO, Kubectl, OperatorProcess
 from tests.support.polling import eventually
+
+pytestmark = pytest.mark.process
 
 NAMESPACE = "inference"
 CHILDREN = [
@@ -44,6 +45,18 @@ POLICIES = [
     ("networkpolicies", "kvpool-{}-agent"),
     ("networkpolicies", "kvpool-{}-index"),
 ]
+KINDS = {
+    "configmaps": "ConfigMap",
+    "daemonsets": "DaemonSet",
+    "deployments": "Deployment",
+    "networkpolicies": "NetworkPolicy",
+    "rolebindings": "RoleBinding",
+    "roles": "Role",
+    "serviceaccounts": "ServiceAccount",
+    "services": "Service",
+}
+CHILD_HANDLED = "Handler 'child_changed' succeeded."
+"""What kopf logs once the operator handled an event of a child (its deletion, say)."""
 TOKENS = {"tenants": {"tokensSecretRef": {"name": "kvpool-tokens"}}}
 SERVICE_MONITOR_CRD = {
     "apiVersion": "apiextensions.k8s.io/v1",
@@ -142,6 +155,20 @@ def _event(api: ServedApi, name: str, kind: str, reason: str, text: str = "") ->
         raise AssertionError(f"no {kind} {reason} event with {text!r}: {_events(api, name)}")
 
     return eventually(posted)
+
+
+def _deletions_handled(
+    operator: OperatorProcess, pool: str, children: list[tuple[str, str]], since: int
+) -> None:
+    """The operator handled an event of each of the pool's ``children`` that came after the
+    first ``since`` records of its log: their deletion, the last event a deleted child has.
+    Whatever the operator does about a deletion is done then: what is still gone stays so."""
+    waiting = [
+        f"{plural}/{name.format(pool)}"
+        for plural, name in children
+        if not operator.handled(CHILD_HANDLED, KINDS[plural], name.format(pool), since)
+    ]
+    assert not waiting, f"no deletion handled yet of {waiting}"
 
 
 def _children_of(
@@ -482,6 +509,7 @@ def test_the_index_follows_the_pool(
     assert _status(served_api, "routed")["index"] == {"replicas": 2, "readyReplicas": 1}
 
     # turned off: every index child goes, the agents' stay, status.index goes
+    since = len(operator.records())
     _patch_pool(kubectl, "routed", {"spec": {"index": {"enabled": False}}})
     eventually(lambda: _applied(served_api, "routed", generation=3))
 
@@ -495,8 +523,8 @@ def test_the_index_follows_the_pool(
     assert all(_children_of(served_api, "routed").values())
     deleted = _event(served_api, "routed", "Normal", "Applied", "deleted Deployment")
     assert "deleted ConfigMap kvpool-routed-index-config" in deleted
-    time.sleep(1)  # and the operator does not bring them back
-    index_gone()
+    eventually(lambda: _deletions_handled(operator, "routed", INDEX_CHILDREN, since))
+    index_gone()  # and the operator did not bring them back
 
 
 def _index_access(api: ServedApi, pool: str, uid: str) -> str:
@@ -584,13 +612,14 @@ def test_network_policies_follow_the_pool(
     assert [rule["from"] for rule in agents["spec"]["ingress"]] == [team, peers]
 
     # turned off: the agents' policy goes too, for good
+    since = len(operator.records())
     _patch_pool(kubectl, "guarded", {"spec": {"networkPolicy": {"enabled": False}}})
     eventually(lambda: _applied(served_api, "guarded", generation=5))
     deleted = "deleted NetworkPolicy kvpool-guarded-agent"
     _event(served_api, "guarded", "Normal", "Applied", deleted)
     _policies(served_api, "guarded")
-    time.sleep(1)  # and the operator does not bring it back
-    _policies(served_api, "guarded")
+    eventually(lambda: _deletions_handled(operator, "guarded", POLICIES[:1], since))
+    _policies(served_api, "guarded")  # and the operator did not bring it back
 
     # on again, then the pool deleted: the garbage collector takes the policy with it
     _patch_pool(kubectl, "guarded", {"spec": {"networkPolicy": {"enabled": True}}})
@@ -623,14 +652,15 @@ def test_deleting_a_pool_deletes_its_children(
     eventually(lambda: _applied(served_api, "doomed"))
     assert all(_children_of(served_api, "doomed").values())
 
+    since = len(operator.records())
     kubectl("delete", "kvp", "doomed", "-n", NAMESPACE)
 
     def all_gone() -> None:
         assert [where for where, c in _children_of(served_api, "doomed").items() if c] == []
 
     eventually(all_gone)
-    time.sleep(1)  # and the operator does not bring them back
-    all_gone()
+    eventually(lambda: _deletions_handled(operator, "doomed", CHILDREN, since))
+    all_gone()  # and the operator did not bring them back
 
 
 def test_logs_are_structured(

@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import json
 import re
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,10 +21,14 @@ from tests.support.kube_api import ServedApi
 from tests.support.operator_process import REPO, Kubectl, OperatorProcess
 from tests.support.polling import eventually
 
+pytestmark = pytest.mark.process
+
 NAMESPACE = "mesh"
 CREATED = "kvpool.io/peer-keys-created"
 CLIENTS = [{"podSelector": {"matchLabels": {"kvpool.io/client": "vllm"}}}]
 PODS_RULE = {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+ROTATION_STOPPED = "Daemon 'pool_peer_keys' has exited on request"
+"""kopf's word (with --verbose) that a pool's key rotation stopped: it no longer has peers."""
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +38,9 @@ def operator(
     kubectl("apply", "--validate=false", "-f", str(REPO / "crds"))
     apply(kubectl, namespace(NAMESPACE, {}))
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    process = OperatorProcess(served_api.kubeconfig(), NAMESPACE, log, ("--usage-seconds", "1"))
+    # --verbose: kopf logs when it stops a pool's key rotation (a debug record)
+    options = ("--usage-seconds", "1", "--verbose")
+    process = OperatorProcess(served_api.kubeconfig(), NAMESPACE, log, options)
     yield process.start()
     process.stop()
 
@@ -199,6 +204,7 @@ def test_peers_off_closes_the_port_and_deletes_the_credential(
     assert rule["ports"] == [{"protocol": "TCP", "port": 7404}]
     first = eventually(lambda: _keys(served_api, "solo"))
 
+    since = len(operator.records())
     _patch(kubectl, "solo", {"peers": {"enabled": False}})
     eventually(lambda: _applied(served_api, "solo", 2))
     eventually(lambda: _said(served_api, "solo", "deleted Secret kvpool-solo-peer"))
@@ -211,7 +217,11 @@ def test_peers_off_closes_the_port_and_deletes_the_credential(
     assert _peers_config(served_api, "solo") is None
     assert PODS_RULE not in _get(served_api, "roles", "kvpool-solo-agent")["rules"]
     assert _peer_rules(served_api, "solo") == []
-    time.sleep(2.5)  # no rotation brings it back (a period was 1 s)
+
+    def rotation_stopped() -> None:  # it rotated every second: no pass of it is left to run
+        assert operator.handled(ROTATION_STOPPED, "KVCachePool", "solo", since) == 1
+
+    eventually(rotation_stopped)
     assert "kvpool-solo-peer" not in served_api.objects("secrets", NAMESPACE)
 
     _patch(kubectl, "solo", {"peers": {"enabled": True}})

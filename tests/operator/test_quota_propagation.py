@@ -16,6 +16,8 @@ from tests.support.kube_api import ServedApi
 from tests.support.operator_process import Kubectl
 from tests.support.polling import eventually
 
+pytestmark = pytest.mark.process
+
 NAMESPACE = "inference"
 NAME = "kvpool-main-quotas"
 ALICE = tenant_id("alice")

@@ -622,11 +622,11 @@ def test_index_config_defaults_and_fingerprint_chunks() -> None:
         loaded: dict[str, Any] = yaml.safe_load(_index(spec, index).config["data"]["index.yaml"])
         return loaded
 
-    defaults = IndexConfig.model_fields
     plain = config({}, {})
     assert plain["fingerprint"] is None
-    assert plain["max_chunks_per_node"] == defaults["max_chunks_per_node"].default
-    assert plain["load_factor"] == defaults["load_factor"].default
+    assert plain["max_chunks_per_node"] == 1_000_000
+    routing = (plain["load_factor"], plain["load_slack"], plain["min_match_ratio"])
+    assert routing == (1.5, 0.0, 0.3)
     fingerprint = {"model": "m", "dtype": "fp8", "kvLayout": "hnd"}
     pools = config({"chunkTokens": 512}, {"fingerprint": fingerprint})
     assert pools["fingerprint"]["chunk_tokens"] == 512  # the pool's, by default

@@ -35,6 +35,8 @@ from tests.support.operator_process import REPO, Kubectl, OperatorProcess
 from tests.support.polling import eventually
 from tests.support.ports import free_port
 
+pytestmark = pytest.mark.process
+
 POOL_NAMESPACE = "inference"
 POOL = Pool("shared", POOL_NAMESPACE, "")
 TEAMS = ("team-a", "team-b", "team-c")
@@ -428,7 +430,11 @@ def test_space_salts_never_leave_secrets(
             logged = [event for resource, event in api._log if resource.plural != "secrets"]
         return json.dumps([stored, logged], default=dict)
 
-    text = served_api.call(everything_but_secrets())
-    assert tenant_id(salt) in text and "sharedSpaces" in text
+    def published() -> str:  # the space's tenant id, in the tenants ConfigMap and statuses
+        text = served_api.call(everything_but_secrets())
+        assert tenant_id(salt) in text and "sharedSpaces" in text
+        return text
+
+    text = eventually(published)
     assert salt not in text
     assert salt not in operator.log()

@@ -23,6 +23,8 @@ from tests.support.operator_process import REPO, Kubectl, OperatorProcess
 from tests.support.polling import eventually
 from tests.support.ports import free_port
 
+pytestmark = pytest.mark.process
+
 POOL_NAMESPACE = "inference"
 POOL = Pool("shared", POOL_NAMESPACE, "")
 ACCESS = {"kvpool.io/team-access": "shared"}

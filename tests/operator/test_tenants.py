@@ -51,6 +51,8 @@ from tests.support.operator_process import REPO, Kubectl, OperatorProcess
 from tests.support.polling import eventually
 from tests.support.ports import free_port
 
+pytestmark = pytest.mark.process
+
 POOL_NAMESPACE = "inference"
 TEAM = "team-a"
 OUTSIDER = "team-b"
@@ -159,6 +161,34 @@ def _store(agents: list[AgentProcess], tenant: str, chunks: int) -> None:
             stored = client.store(tenant, [key(n) for n in names], [data(n) for n in names])
             assert stored == chunks
     eventually(lambda: _written_back(agents))
+
+
+def _rechecked(served_api: ServedApi, agents: list[AgentProcess], name: str, tenant: str) -> None:
+    """Two periodic re-checks of the team's tenant ``name`` ran since the call, the second
+    wholly after it: each counts in the tenant's ``status.usage`` a chunk stored for it after
+    the one before (a tenant's passes run one at a time, admission first)."""
+    _recheck_counts_a_new_chunk(served_api, agents, name, tenant)
+    _recheck_counts_a_new_chunk(served_api, agents, name, tenant)
+
+
+def _recheck_counts_a_new_chunk(
+    served_api: ServedApi, agents: list[AgentProcess], name: str, tenant: str
+) -> None:
+    """Store a chunk of the tenant on the first agent; return once a re-check counted it."""
+
+    def l1_bytes() -> int:
+        counted: int = _status(served_api, TEAM, name).get("usage", {}).get("l1Bytes", 0)
+        return counted
+
+    before = l1_bytes()
+    chunk = f"{tenant}-recheck-{before}"
+    with AgentClient(agents[0].zmq, token=ADMIN_TOKEN) as client:
+        assert client.store(tenant, [key(chunk)], [data(chunk)]) == 1
+
+    def counted() -> None:
+        assert l1_bytes() > before
+
+    eventually(counted)
 
 
 def _written_back(agents: list[AgentProcess]) -> None:
@@ -386,8 +416,8 @@ def test_rotating_the_token_revokes_the_old_one(
     assert "generation 1" in event(served_api, TEAM, "rotor", "Normal", "TokenRotated")
     eventually(lambda: _every_agent_answers(agents, tenant, before["token"], 401))
     _every_agent_answers(agents, tenant, after["token"], 200)
-    time.sleep(1.5)  # re-checks mint nothing more
-    assert _secret(served_api, TEAM, "rotor")["token"] == after["token"]
+    _rechecked(served_api, agents, "rotor", tenant)
+    assert _secret(served_api, TEAM, "rotor")["token"] == after["token"]  # nothing more minted
 
 
 def test_the_crs_quota_is_written_when_it_changes_and_http_sets_stand_in_between(
@@ -406,7 +436,7 @@ def test_the_crs_quota_is_written_when_it_changes_and_http_sets_stand_in_between
 
     _patch(kubectl, TEAM, "quota", {"tokenGeneration": 1})  # not a quota change
     eventually(lambda: _token_generation(served_api, TEAM, "quota", 1))
-    time.sleep(1.5)
+    _rechecked(served_api, agents, "quota", tenant)
     assert _quota(served_api, tenant) == TierLimits(lower["l1"], lower["nvme"])
 
     _patch(kubectl, TEAM, "quota", {"quota": {"l1": "4Gi"}})
@@ -554,10 +584,14 @@ def test_apply_to_a_working_token_and_delete_to_401(
         strict=True,
     )
     for what, seconds in (("apply to a working token", to_working), ("delete to 401", to_revoked)):
-        print(
+        figures = (
             f"{what}: median {statistics.median(seconds):.2f} s, "
             f"range {min(seconds):.2f}-{max(seconds):.2f} s over {len(seconds)} runs"
         )
+        print(figures)
+        # The README: well under a second, one watch event (medians 0.2-0.3 s). Ten times
+        # that is a bound a loaded machine keeps; past it, the figures are a regression.
+        assert max(seconds) < 5.0, figures
 
 
 def _apply_and_delete(

@@ -42,6 +42,8 @@ from tests.support.polling import eventually
 from tests.support.ports import free_port
 from tests.support.raw_http import head
 
+pytestmark = pytest.mark.process
+
 POOL_NAMESPACE = "inference"
 TEAM = "team-a"
 OTHER_TEAM = "team-b"

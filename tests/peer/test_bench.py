@@ -9,10 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvpool_agent.bench import peer_ttft
 from kvpool_agent.bench.connector_engine import Sample
 from kvpool_agent.bench.peer import PEER, SOCKET, MiB, Results, report
 from kvpool_agent.bench.peer_ttft import READERS, RECOMPUTE
+from tests.support.engines import needs_fast_bf16
 from tests.support.hosts import hosts_or_skip
 
 BIN = Path(sys.executable).parent
@@ -24,6 +27,9 @@ def rows_of(output: str) -> list[list[str]]:
     return [re.split(r" {2,}", line.strip()) for line in rows]
 
 
+@pytest.mark.process
+@pytest.mark.root
+@pytest.mark.netns
 def test_the_smallest_run_pulls_through_the_peer_and_measures_the_link() -> None:
     with hosts_or_skip(1):  # this machine can make hosts
         pass
@@ -46,6 +52,11 @@ def test_the_smallest_run_pulls_through_the_peer_and_measures_the_link() -> None
     assert "CPU: " in output
 
 
+@pytest.mark.process
+@pytest.mark.engine
+@pytest.mark.root
+@pytest.mark.netns
+@needs_fast_bf16
 def test_the_smallest_readers_run_loads_through_the_peer_and_s3() -> None:
     with hosts_or_skip(1):
         pass

@@ -19,6 +19,8 @@ from kvpool_agent.testing.hosts import Host, Hosts, HostsUnavailable
 from tests.support.hosts import hosts_or_skip
 from tests.support.polling import eventually
 
+pytestmark = [pytest.mark.process, pytest.mark.root, pytest.mark.netns]
+
 SERVE = """
 import socket, sys
 server = socket.create_server((sys.argv[1], 0))

@@ -22,7 +22,13 @@ from tests.support.engines import Engine, poison_segment, write_model
 from tests.support.hosts import hosts_or_skip
 from tests.support.metrics import metric
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [
+    pytest.mark.process,
+    pytest.mark.engine,
+    pytest.mark.root,
+    pytest.mark.netns,
+    pytest.mark.timeout(600),
+]
 
 CHUNK = 256
 PORT = 7404

@@ -27,6 +27,8 @@ from tests.support.ports import free_port
 
 from .test_peer_tier import peers_of, pull, store, write_peer_key
 
+pytestmark = pytest.mark.process
+
 ATTACKER = "127.0.0.2"
 TRICKLE = FRAME.pack(MAGIC, VERSION, MAX_META_BYTES, 0) + bytes(MAX_META_BYTES)
 """What a trickling connection sends, a byte at a time: a frame header announcing the

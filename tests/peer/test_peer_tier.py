@@ -27,6 +27,8 @@ from tests.support.ports import free_port
 
 from .rogue import Behaviour, RoguePeer
 
+pytestmark = [pytest.mark.process, pytest.mark.root, pytest.mark.netns]
+
 TENANT = tenant_id("peer-tenant")
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 PORT = 7404

@@ -13,16 +13,36 @@ from pathlib import Path
 from queue import Empty, Queue
 from typing import Any
 
+import pytest
+
 from kvpool_agent.testing.agent_process import ENGINE_TOKEN
 
 from .greedy import Candidates, problems
 from .models import TINY_LLAMA, write_model
 
-__all__ = ["TINY_LLAMA", "Engine", "Result", "poison_segment", "write_model"]
+__all__ = ["TINY_LLAMA", "Engine", "Result", "needs_fast_bf16", "poison_segment", "write_model"]
 
 MAIN = Path(__file__).with_name("engine_main.py")
 ROOT = Path(__file__).resolve().parents[2]
 MARK = "@@"
+
+
+def _fast_bf16() -> bool:
+    """Whether this CPU computes bf16 at speed (AVX-512 bf16 or AMX instructions)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return re.search(r"\b(avx512_bf16|amx_bf16)\b", flags) is not None
+
+
+needs_fast_bf16 = pytest.mark.skipif(
+    not _fast_bf16(),
+    reason="runs a bench's bf16 model, and this CPU has no AVX-512 bf16 or AMX instructions "
+    "(vLLM's CPU engine computes bf16 about 30 times slower without)",
+)
+"""For a test of ``kvpool bench`` that runs vLLM (its models are bf16, as the benched ones):
+the engine tests' own models run in float32 (:mod:`.engine_main`), fast on any x86 CPU."""
 
 
 def poison_segment(path: Path) -> None:

@@ -1,9 +1,13 @@
-"""Broken inputs fed to a console script, as a user runs it: a real process, its stderr.
+"""Broken inputs fed to a console script, and its one-line refusals on stderr.
 
 Each :class:`Mistake` is one row of a script's table: the command line, environment
 variables and files, and the lines the script must print on stderr, one per problem. The
 script must exit 2 and print exactly those lines (each line starts with the expected text;
 the rest is pydantic's or the OS's wording), no traceback, nothing else.
+
+:func:`refuse` runs a row through the script's ``main(argv)`` in the test's process (a
+table's rows cost milliseconds each); :func:`feed` runs it as a user does, a real process
+(a few rows per script, and what only a process shows: a port held, a second instance).
 """
 
 from __future__ import annotations
@@ -12,10 +16,13 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from unittest import mock
+
+import pytest
 
 BIN = Path(sys.executable).parent
 
@@ -63,12 +70,7 @@ def feed(
     port: int = 0,
 ) -> list[str]:
     """Run ``script`` with ``mistake``; assert its one-line refusals; return its stderr lines."""
-
-    def fill(text: str) -> str:
-        return text.replace("{tmp}", str(tmp_path)).replace("{port}", str(port))
-
-    for name, content in mistake.files.items():
-        (tmp_path / name).write_bytes(fill(content).encode("utf-8", "surrogateescape"))
+    fill = _written(mistake, tmp_path, port)
     environment = {
         **clean_environment(tmp_path),
         **(env or {}),
@@ -82,11 +84,52 @@ def feed(
         timeout=120,
         check=False,
     )
-    lines = result.stderr.splitlines()
-    expected = [fill(line) for line in mistake.lines]
-    assert "Traceback" not in result.stderr, result.stderr
-    assert result.returncode == 2, result.stderr
-    assert len(lines) == len(expected), result.stderr
+    return _refused(result.stderr, result.returncode, [fill(line) for line in mistake.lines])
+
+
+def refuse(
+    main: Callable[[Sequence[str]], object],
+    mistake: Mistake,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> list[str]:
+    """:func:`feed` in this process: ``main(argv)`` of the script's module, with the same
+    environment (``os.environ`` as it was once it returns) and files."""
+    fill = _written(mistake, tmp_path, 0)
+    environment = {
+        **clean_environment(tmp_path),
+        **{name: fill(value) for name, value in mistake.env.items()},
+    }
+    capsys.readouterr()
+    code: object
+    with mock.patch.dict(os.environ, environment, clear=True):
+        try:
+            code = main([fill(argument) for argument in mistake.argv])
+        except SystemExit as exit:
+            code = exit.code
+    stderr = capsys.readouterr().err
+    if isinstance(code, str):  # what the interpreter does with SystemExit("...")
+        stderr, code = f"{stderr}{code}\n", 1
+    return _refused(stderr, code, [fill(line) for line in mistake.lines])
+
+
+def _written(mistake: Mistake, tmp_path: Path, port: int) -> Callable[[str], str]:
+    """Write the mistake's files; return how its texts are filled in."""
+
+    def fill(text: str) -> str:
+        return text.replace("{tmp}", str(tmp_path)).replace("{port}", str(port))
+
+    for name, content in mistake.files.items():
+        (tmp_path / name).write_bytes(fill(content).encode("utf-8", "surrogateescape"))
+    return fill
+
+
+def _refused(stderr: str, code: object, expected: list[str]) -> list[str]:
+    """Exit status 2 and exactly the ``expected`` lines on stderr, no traceback."""
+    lines = stderr.splitlines()
+    assert "Traceback" not in stderr, stderr
+    assert code == 2, stderr
+    assert len(lines) == len(expected), stderr
     for line, start in zip(lines, expected, strict=True):
         assert line.startswith(start), f"{line!r} does not start with {start!r}"
     return lines

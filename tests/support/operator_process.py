@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -96,3 +97,18 @@ class OperatorProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def records(self) -> list[dict[str, Any]]:
+        """The log's records (``--log-format json``: one object a line)."""
+        return [json.loads(line) for line in self.log().splitlines() if line.startswith("{")]
+
+    def handled(self, message: str, kind: str, name: str, since: int = 0) -> int:
+        """How many records from the ``since``-th on say ``message`` about the object ``kind``
+        ``name``: the operator's own word that it handled an event, or stopped a daemon."""
+        return sum(
+            1
+            for record in self.records()[since:]
+            if record["message"].startswith(message)
+            and (record.get("object") or {}).get("kind") == kind
+            and record["object"].get("name") == name
+        )

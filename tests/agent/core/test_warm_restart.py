@@ -27,6 +27,8 @@ from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import key
 from tests.support.l1 import FakeClock
 
+pytestmark = pytest.mark.process
+
 PAGE = 4096
 TENANT, OTHER = tenant_id("warm-a"), tenant_id("warm-b")
 AGENT_ID = "b" * 32

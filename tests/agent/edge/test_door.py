@@ -490,6 +490,7 @@ def test_a_served_socket_is_not_taken_over(
     open_chunk_file(door.path, "alice-token", id_of(files, ALICE)).close()
 
 
+@pytest.mark.root
 @needs_root
 def test_another_users_socket_is_refused(
     tmp_path: Path, authority: TokenAuthority, files: ChunkFiles

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import msgspec
+import pytest
 import zmq
 
 from kvpool_agent import protocol as p
@@ -13,6 +14,8 @@ from kvpool_agent.keys import tenant_id
 from kvpool_agent.protocol import EVENTS_TOPIC, ChunkEvent, decode_event
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, INDEX_TOKEN, AgentProcess
 from tests.support.chunks import key
+
+pytestmark = pytest.mark.process
 
 TENANT = tenant_id("events")
 

@@ -19,6 +19,8 @@ from hypothesis import HealthCheck, given, settings
 
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
 
+pytestmark = pytest.mark.process
+
 EXAMPLES_PER_OPERATION = 30
 
 

@@ -14,6 +14,8 @@ from tests.support.chunks import data, key
 from tests.support.polling import wait_until
 from tests.support.raw_zmq import RawClient
 
+pytestmark = pytest.mark.process
+
 TENANT = tenant_id("salt-a")
 OTHER = tenant_id("salt-b")
 SIZE = 100_000

@@ -27,6 +27,8 @@ from tests.support.metrics import metric
 from tests.support.polling import wait_until
 from tests.support.raw_zmq import ZmtpPeer, closed_by_peer
 
+pytestmark = pytest.mark.process
+
 MAX_INLINE = 4 << 20
 MESSAGE_BOUND = MAX_INLINE + (1 << 20)
 """The largest message an admitted peer may send: max_inline_bytes and its header."""

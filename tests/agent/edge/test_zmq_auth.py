@@ -20,6 +20,8 @@ from kvpool_agent.testing.agent_process import (
 from tests.support.chunks import key
 from tests.support.raw_zmq import RawClient
 
+pytestmark = pytest.mark.process
+
 ALICE, BOB = tenant_id("alice-salt"), tenant_id("bob-salt")
 SPACE = tenant_id("space-salt")
 DEFAULT = tenant_id(None)

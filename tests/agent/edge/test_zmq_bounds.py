@@ -21,6 +21,8 @@ from tests.support.chunks import key
 from tests.support.metrics import metric
 from tests.support.raw_zmq import RawClient, ZmtpPeer
 
+pytestmark = pytest.mark.process
+
 MAX_INLINE = 4 << 20
 MESSAGE_BOUND = MAX_INLINE + (1 << 20)
 """The largest message the agent takes: an inline store of max_inline_bytes and its header."""

@@ -14,6 +14,8 @@ from kvpool_agent.keys import CANARY_CHUNK_BYTES, CANARY_QUOTA_BYTES, CANARY_TEN
 from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 from tests.support.chunks import chain, data, key
 
+pytestmark = pytest.mark.process
+
 ALICE, MALLORY = tenant_id("alice-salt"), tenant_id("mallory-salt")
 ALICE_TOKEN = "alice-token-4c8e1f7a93b05d26e7a1"
 MALLORY_TOKEN = "mallory-token-b7f2a60d4e9c13587cd0"

@@ -321,7 +321,9 @@ def test_generated_token_replaces_a_world_readable_file(tmp_path: Path) -> None:
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
-@pytest.mark.parametrize("planted", ["link", pytest.param("another user's file", marks=needs_root)])
+@pytest.mark.parametrize(
+    "planted", ["link", pytest.param("another user's file", marks=[pytest.mark.root, needs_root])]
+)
 def test_the_generated_token_never_goes_where_another_user_points(
     tmp_path: Path, planted: str
 ) -> None:

@@ -21,6 +21,8 @@ from kvpool_agent.tenancy.quota_store import QuotaStoreError
 from tests.support.kube_api import Proxy, ServedApi
 from tests.support.operator_process import Kubectl
 
+pytestmark = pytest.mark.process
+
 NAMESPACE = "quotas"
 NAME = "kvpool-main-quotas"
 ALICE = tenant_id("alice")

@@ -114,7 +114,7 @@ def test_unwritable_location(tmp_path: Path) -> None:
     [
         "a file others may write",
         "a link to root's file",
-        pytest.param("another user's file", marks=needs_root),
+        pytest.param("another user's file", marks=[pytest.mark.root, needs_root]),
     ],
 )
 def test_a_quota_file_that_is_not_the_agents_own_is_refused(tmp_path: Path, planted: str) -> None:

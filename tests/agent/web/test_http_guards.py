@@ -30,6 +30,8 @@ from tests.support.raw_http import (
 
 from .body_memory import QUOTA_PATH, body_memory_growth
 
+pytestmark = pytest.mark.process
+
 MAX_BODY = 4096
 MAX_HEAD = 16 << 10
 """The default of http_limits.max_head_bytes."""
