@@ -18,6 +18,7 @@ L1 = ["bench", "l1", "--chunks", "6400", "--lookups", "50", "--copy-mib", "32"]
 """A short ``kvpool bench l1`` (a second or so)."""
 
 
+@pytest.mark.process
 def test_bench_json_is_the_tables_and_progress_goes_to_stderr() -> None:
     run = subprocess.run(
         [BIN / "kvpool", *L1, "--json"], capture_output=True, text=True, timeout=300, check=True
@@ -40,6 +41,7 @@ def test_bench_json_is_the_tables_and_progress_goes_to_stderr() -> None:
     assert result["text"].startswith(index["title"])
 
 
+@pytest.mark.process
 def test_bench_without_json_prints_tables_on_stdout_and_progress_on_stderr() -> None:
     run = subprocess.run(
         [BIN / "kvpool", *L1], capture_output=True, text=True, timeout=300, check=True

@@ -120,6 +120,7 @@ def test_the_processes_exit_2_with_one_line(
     assert line.startswith(f"{prog}: {misspelled}: unknown setting, no part of kvpool reads it")
 
 
+@pytest.mark.process
 def test_kvpool_agent_refuses_a_misspelled_variable(tmp_path: Path) -> None:
     """Smoke test: the real ``kvpool-agent`` process, as the newcomer ran it."""
     env = {

@@ -6,9 +6,12 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.support.mistakes import BIN, clean_environment
 
 
+@pytest.mark.process
 def test_kvpool_agent_refuses_a_weak_admin_token(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens.yaml"
     tokens.write_text('admins: "abc"\n')

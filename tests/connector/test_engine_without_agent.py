@@ -15,6 +15,8 @@ pytestmark = pytest.mark.timeout(600)
 MALFORMED = "127.0.0.1:7400"  # without tcp://
 
 
+@pytest.mark.process
+@pytest.mark.engine
 def test_a_malformed_endpoint_warns_once_and_vllm_serves_without_the_cache(
     tmp_path: Path,
 ) -> None:

@@ -87,6 +87,7 @@ def test_python_example_runs(example: Example) -> None:
     exec(compiled, {"__name__": "__docs__"})
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("example", [e for e in PYTHON if e.marker == "agent"], ids=_id)
 def test_python_example_runs_against_an_agent(
     example: Example, agent_process: AgentProcess
@@ -129,6 +130,7 @@ def _commands(code: str) -> list[str]:
     return found
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("example", SHELL, ids=_id)
 def test_shell_example_parses_and_runs_known_commands(example: Example) -> None:
     _skip(example)

@@ -21,6 +21,7 @@ LIMITS = ("http_limits", "zmq_limits")
 """Settings whose fields have rows of their own (``http_limits.max_body_bytes``...)."""
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: page.path)
 def test_the_page_is_what_the_code_says(page: Page) -> None:
     written = DOCS / page.path

@@ -9,11 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.docs.examples import DOCS, ROOT, examples
 
 
+@pytest.mark.process
 def test_the_site_builds_strict(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],

@@ -7,10 +7,13 @@ import json
 import socket
 import subprocess
 
+import pytest
+
 from tests.doctor.conftest import clean_env, run_doctor
 from tests.support.mistakes import BIN
 
 
+@pytest.mark.process
 def test_json_holds_every_check_and_the_lines_go_to_stderr() -> None:
     with socket.socket() as closed:  # a port nothing listens on
         closed.bind(("127.0.0.1", 0))
