@@ -1,9 +1,9 @@
-# The one test command (README, .ci/run): `make test` creates .venv, installs the test
+# The one test command (README.md, .ci/run): `make test` creates .venv, installs the test
 # dependencies (torch first: its local CPU build, never the CUDA wheels; then vLLM's CPU
 # build; kvpool last, changing nothing vLLM installed) and runs ruff, mypy, the import
 # contracts (pyproject's [tool.importlinter], lint-imports) and the suite.
 #
-# The vLLM matrix (README "Supported vLLM versions"; kvpool_agent/connector/compat.py):
+# The vLLM matrix (docs/vllm/versions.md; kvpool/connector/compat.py):
 # `make test-vllm VLLM=0.31.0` runs the connector's tests on one more release in a venv of
 # its own (.venv-vllm-0.31.0), kept for the next run; `make test-matrix` runs every release
 # but the default.
@@ -42,11 +42,12 @@ $(VENV)/.deps-installed: pyproject.toml tests/vllm_venv.sh
 	PYTHON=$(PYTHON) tests/vllm_venv.sh $(VENV) $(VLLM_DEFAULT) engine
 
 lint: deps
-	$(BIN)/ruff check agent operator tests e2e benchmarks
-	$(BIN)/ruff format --check agent operator tests e2e benchmarks
+	$(BIN)/ruff check src tests e2e benchmarks
+	$(BIN)/ruff format --check src tests e2e benchmarks
 	$(BIN)/mypy
 	$(BIN)/lint-imports
-	$(BIN)/python -m kvpool_operator.crds --check
+	$(BIN)/python -m kvpool.operator.crds --check
+	$(BIN)/python -m tests.support.architecture --check
 
 .venv-vllm-%/.deps-installed: pyproject.toml tests/vllm_venv.sh
 	PYTHON=$(PYTHON) tests/vllm_venv.sh .venv-vllm-$* $* $(call vllm_mode,$*)

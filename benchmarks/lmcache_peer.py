@@ -2,7 +2,7 @@
 
 This file is a standalone script for the interpreter of a separate virtual
 environment that holds ``lmcache==0.5.6``; it is never imported by
-``kvpool_agent`` (it imports nothing from it, and only the standard library at
+``kvpool`` (it imports nothing from it, and only the standard library at
 module level)::
 
     python3 -m venv ../lmcache-venv          # beside the checkout, outside the repository

@@ -20,10 +20,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import profile_connector_hit as hit
-from kvpool_agent import keys
-from kvpool_agent.client import AgentClient
-from kvpool_agent.probe_table import ProbeTableReader, table_path
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, running_agent
+from kvpool.client import AgentClient
+from kvpool.common import keys
+from kvpool.common.probe_table import ProbeTableReader, table_path
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, running_agent
 
 CHUNK_BYTES = 524288  # the bench model's 128-token chunk
 

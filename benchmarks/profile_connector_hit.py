@@ -81,8 +81,9 @@ def instrument() -> None:
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from kvpool_agent import client, keys
-    from kvpool_agent.connector import copier, facade
+    from kvpool import client
+    from kvpool.common import keys
+    from kvpool.connector import copier, facade
 
     _wrap(EngineCore, "step", "vllm EngineCore.step")
     _wrap(Scheduler, "schedule", "vllm Scheduler.schedule")
@@ -147,8 +148,8 @@ def main() -> None:
         intermediate=1536,
         prompt_tokens=max(args.prompt_tokens, 2048),
     )
-    from kvpool_agent.bench.connector_engine import build_engine, write_model
-    from kvpool_agent.testing.agent_process import running_agent
+    from kvpool.tools.bench.connector_engine import build_engine, write_model
+    from kvpool.tools.bench.harness.agent_process import running_agent
 
     instrument()
     if args.vllm_prefix_cache:
@@ -248,8 +249,8 @@ def run(llm: Any, args: argparse.Namespace, endpoint: str | None) -> None:  # no
             calls = statistics.median(row[4].get(label, 0) for row in rows)
             print(f"  {label:<60} {statistics.median(values):8.3f} {min(values):8.3f} {calls:6.0f}")
     if endpoint is not None:
-        from kvpool_agent.client import AgentClient
-        from kvpool_agent.testing.agent_process import ADMIN_TOKEN
+        from kvpool.client import AgentClient
+        from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN
 
         client = AgentClient(endpoint, token=ADMIN_TOKEN, client_name="prof", timeout=5)
         with contextlib.closing(client):
@@ -273,7 +274,7 @@ def run(llm: Any, args: argparse.Namespace, endpoint: str | None) -> None:  # no
             stats = pstats.Stats(profile, stream=out)
             stats.sort_stats("cumulative").print_stats(30)
             stats.sort_stats("tottime").print_stats(25)
-            stats.sort_stats("cumulative").print_stats("kvpool_agent", 40)
+            stats.sort_stats("cumulative").print_stats("kvpool", 40)
             print(
                 f"\ncProfile of {kind}, {args.requests} requests ({path}; totals, divide by that):"
             )

@@ -54,7 +54,7 @@ from tests.support.csi_kubelet import CsiClient, notify, plugin_info, target_pat
 from tests.support.kube_api import Proxy, ServedApi
 from tests.support.polling import eventually
 
-from kvpool_operator.admission import certificates
+from kvpool.operator.admission import certificates
 
 SANDBOX = Path(__file__).with_name("sandbox.py")
 KUBELET_DIR = "/var/lib/kubelet"

@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvpool_agent.door import DoorError, open_chunk_file
+from kvpool.common.door import DoorError, open_chunk_file
 
 
 def main() -> None:

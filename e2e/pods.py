@@ -66,8 +66,8 @@ ENGINE_ENV = {
 
 
 def vllm_pod(command: list[str], env: dict[str, str]) -> Manifest:
-    """The pod of ``manifests/vllm.yaml``, the one the README tells a team to write (its
-    label, its restricted security context), running ``command`` with ``env``."""
+    """The pod of ``manifests/vllm.yaml``, the one docs/platform/try-it.md tells a team to
+    write (its label, its restricted security context), running ``command`` with ``env``."""
     documents = yaml.safe_load_all((MANIFESTS / "vllm.yaml").read_text())
     (deployment,) = [doc for doc in documents if doc and doc["kind"] == "Deployment"]
     template: Manifest = deployment["spec"]["template"]

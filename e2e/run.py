@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # the test environment's, checked for at run time
     from .scenario import Evidence
 
 PROG = "python -m e2e.run"
-NEEDS = ("kvpool_agent", "kvpool_operator", "vllm", "torch", "kopf", "kmock")
+NEEDS = ("kvpool", "kvpool.operator", "vllm", "torch", "kopf", "kmock")
 """What the flow imports that only the test environment has."""
 TAKES = "about 2.5 minutes on 2 cores with AVX-512 bf16, up to 10 without"
 

@@ -75,10 +75,10 @@ from tests.support.operator_process import OperatorProcess
 from tests.support.ports import free_port
 from tests.support.tools import ToolsUnavailable, tools
 
-from kvpool_agent.chunk_files import file_name, files_directory
-from kvpool_agent.keys import shared_salt, tenant_id
-from kvpool_agent.names import quotas_name, segment_path
-from kvpool_operator.spec import parse_bytes
+from kvpool.common.chunk_files import file_name, files_directory
+from kvpool.common.keys import shared_salt, tenant_id
+from kvpool.common.names import quotas_name, segment_path
+from kvpool.operator.spec import parse_bytes
 
 from .cluster import ControlPlane, Kubelet, Manifest, Node, Pod, check_sandbox, eventually
 from .pods import BIN, SALT_ENV, PodEngine, image_env, restricted, vllm_pod
@@ -622,7 +622,7 @@ class Flow:
     def doctor(self) -> None:
         self.step("give the pool the connector's key fingerprint; kvpool doctor in a vLLM pod")
         fingerprint = self.evidence.fingerprint
-        # what the README tells a user: the fingerprint the connector logged, in the pool
+        # what the docs tell a user: the fingerprint the connector logged, in the pool
         patch = {
             "spec": {"index": {"fingerprint": {to_camel(k): v for k, v in fingerprint.items()}}}
         }

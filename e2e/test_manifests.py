@@ -1,4 +1,4 @@
-"""The manifests the README's "Try it" applies are valid Kubernetes objects, and the vLLM one
+"""The manifests docs/platform/try-it.md applies are valid Kubernetes objects, and the vLLM one
 names the team's pool by its label and nothing else of kvpool (a rename breaks this test)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import kubernetes_validate
 import yaml
 
-from kvpool_agent.names import CACHE_POOL_LABEL
+from kvpool.common.names import CACHE_POOL_LABEL
 
 MANIFESTS = Path(__file__).with_name("manifests")
 

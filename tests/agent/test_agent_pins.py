@@ -9,9 +9,9 @@ import httpx
 import pytest
 import yaml
 
-from kvpool_agent.client import AgentClient
-from kvpool_agent.keys import tenant_id
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
+from kvpool.client import AgentClient
+from kvpool.common.keys import tenant_id
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 from tests.support.chunks import data, key
 from tests.support.metrics import metric
 

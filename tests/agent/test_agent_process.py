@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent.testing.agent_process import AgentProcess
+from kvpool.tools.bench.harness.agent_process import AgentProcess
 
 pytestmark = pytest.mark.process
 

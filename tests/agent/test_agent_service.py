@@ -11,10 +11,10 @@ import time
 import httpx
 import pytest
 
-from kvpool_agent import protocol as p
-from kvpool_agent.client import AgentClient, AgentError, AgentUnavailable, AsyncAgentClient
-from kvpool_agent.keys import tenant_id
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool.client import AgentClient, AgentError, AgentUnavailable, AsyncAgentClient
+from kvpool.common import protocol as p
+from kvpool.common.keys import tenant_id
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import key
 from tests.support.polling import wait_until
 from tests.support.raw_zmq import RawClient

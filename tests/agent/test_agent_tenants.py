@@ -6,10 +6,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvpool_agent.client import AgentClient
-from kvpool_agent.core.l1 import IDLE_TENANTS
-from kvpool_agent.keys import tenant_id
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool.agent.core.l1 import IDLE_TENANTS
+from kvpool.client import AgentClient
+from kvpool.common.keys import tenant_id
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import key
 
 pytestmark = pytest.mark.process

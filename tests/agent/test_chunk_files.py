@@ -9,17 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent.chunk_files import (
+from kvpool.agent.core.l1 import L1Cache
+from kvpool.agent.core.policies import policy_factory
+from kvpool.agent.core.quota_book import QuotaBook
+from kvpool.common.chunk_files import (
     ChunkFiles,
     ChunkFilesFull,
     file_name,
     files_directory,
     owner_of,
 )
-from kvpool_agent.core.l1 import L1Cache
-from kvpool_agent.core.policies import policy_factory
-from kvpool_agent.core.quota_book import QuotaBook
-from kvpool_agent.segment import SegmentLayout
+from kvpool.common.segment import SegmentLayout
 
 MIB = 1 << 20
 PAGE = 64 << 10

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent import __version__
-from kvpool_agent.keys import tenant_id
-from kvpool_agent.segment import door_path
+from kvpool import __version__
+from kvpool.common.keys import tenant_id
+from kvpool.common.segment import door_path
 
 pytestmark = pytest.mark.process
 
@@ -40,7 +40,7 @@ HEAVY = ("boto3", "zmq", "fastapi", "uvicorn", "kopf", "kubernetes", "torch")
 
 def test_tenant_id_imports_no_library_of_another_part() -> None:
     run = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "kvpool_agent.cli", "tenant-id", "x"],
+        [sys.executable, "-X", "importtime", "-m", "kvpool.tools.cli", "tenant-id", "x"],
         capture_output=True,
         text=True,
         check=True,
@@ -52,7 +52,7 @@ def test_tenant_id_imports_no_library_of_another_part() -> None:
         for line in run.stderr.splitlines()
         if line.startswith("import time:") and "|" in line
     }
-    assert "kvpool_agent" in imported
+    assert "kvpool" in imported
     assert sorted(imported.intersection(HEAVY)) == []
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from kvpool_agent.config import AgentConfig
+from kvpool.common.config import AgentConfig
 
 
 def test_defaults_are_the_embedded_agent() -> None:

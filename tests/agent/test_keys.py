@@ -3,7 +3,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 
-from kvpool_agent.keys import (
+from kvpool.common.keys import (
     KeyChain,
     ModelFingerprint,
     chunk_keys,

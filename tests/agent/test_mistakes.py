@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent import cli
-from kvpool_agent import main as agent
+from kvpool.agent import main as agent
+from kvpool.tools import cli
 from tests.support.mistakes import BIN, Mistake, feed, held_port, refuse
 
 FILE = ["--config", "{tmp}/agent.yaml"]

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent.client import AgentClient
-from kvpool_agent.keys import tenant_id
-from kvpool_agent.probe_table import TABLE_MODE, table_path
-from kvpool_agent.segment import SEGMENT_MODE, SegmentLayout
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool.client import AgentClient
+from kvpool.common.keys import tenant_id
+from kvpool.common.probe_table import TABLE_MODE, table_path
+from kvpool.common.segment import SEGMENT_MODE, SegmentLayout
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import key
 from tests.support.local_user import (
     NOBODY,

@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpool_agent.client import AgentClient
-from kvpool_agent.keys import tenant_id
-from kvpool_agent.probe_table import (
+from kvpool.client import AgentClient
+from kvpool.common.keys import tenant_id
+from kvpool.common.probe_table import (
     BUCKET_BYTES,
     HEADER_BYTES,
     MAX_PROBE,
@@ -26,8 +26,8 @@ from kvpool_agent.probe_table import (
     ProbeTableWriter,
     table_path,
 )
-from kvpool_agent.segment import SEGMENT_MODE
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool.common.segment import SEGMENT_MODE
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import key
 from tests.support.metrics import metric
 

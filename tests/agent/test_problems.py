@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from kvpool_agent.config import AgentConfig, load_settings
-from kvpool_agent.problems import (
+from kvpool.common.config import AgentConfig, load_settings
+from kvpool.common.problems import (
     ConfigError,
     EnvironmentOrigin,
     FlagOrigin,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent.segment import SEGMENT_MODE, SegmentError, SharedSegment
+from kvpool.common.segment import SEGMENT_MODE, SegmentError, SharedSegment
 
 pytestmark = pytest.mark.process
 
@@ -149,8 +149,8 @@ def test_an_unwritable_location_is_a_clear_error() -> None:
 def test_the_agent_s_l1_imports_no_torch() -> None:
     code = (
         "import sys;"
-        "import kvpool_agent.core.l1, kvpool_agent.segment, kvpool_agent.chunk_files;"
-        "import kvpool_agent.config;"
+        "import kvpool.agent.core.l1, kvpool.common.segment, kvpool.common.chunk_files;"
+        "import kvpool.common.config;"
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

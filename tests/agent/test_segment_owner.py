@@ -23,9 +23,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpool_agent.client import AgentClient
-from kvpool_agent.keys import tenant_id
-from kvpool_agent.testing.agent_process import AgentProcess
+from kvpool.client import AgentClient
+from kvpool.common.keys import tenant_id
+from kvpool.tools.bench.harness.agent_process import AgentProcess
 from tests.support.chunks import key
 
 pytestmark = pytest.mark.process

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from kvpool_agent import keys
+from kvpool.common import keys
 
 CHUNK = 4
 FINGERPRINT = keys.ModelFingerprint("m", "bfloat16", "layout", chunk_tokens=CHUNK)

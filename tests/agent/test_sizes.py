@@ -7,12 +7,12 @@ import re
 import pytest
 from pydantic import BaseModel, ByteSize
 
-from kvpool_agent.config import AgentConfig
-from kvpool_agent.connector.settings import ConnectorSettings
-from kvpool_agent.index.config import IndexConfig
-from kvpool_agent.problems import nested_model
-from kvpool_agent.sizes import SizeError, format_size, is_size, parse_size
-from kvpool_operator.spec import parse_bytes
+from kvpool.common.config import AgentConfig
+from kvpool.common.index_config import IndexConfig
+from kvpool.common.problems import nested_model
+from kvpool.common.sizes import SizeError, format_size, is_size, parse_size
+from kvpool.connector.settings import ConnectorSettings
+from kvpool.operator.spec import parse_bytes
 
 
 @pytest.mark.parametrize(

@@ -22,12 +22,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpool_agent.chunk_files import file_name, files_directory, generation_directory
-from kvpool_agent.client import AgentClient
-from kvpool_agent.keys import tenant_id
-from kvpool_agent.probe_table import table_path
-from kvpool_agent.segment import door_path
-from kvpool_agent.testing.agent_process import AgentProcess
+from kvpool.client import AgentClient
+from kvpool.common.chunk_files import file_name, files_directory, generation_directory
+from kvpool.common.keys import tenant_id
+from kvpool.common.probe_table import table_path
+from kvpool.common.segment import door_path
+from kvpool.tools.bench.harness.agent_process import AgentProcess
 
 pytestmark = [
     pytest.mark.process,
@@ -46,7 +46,7 @@ SIZE = 256 << 10
 
 POD = r"""
 import json, mmap, os, sys
-from kvpool_agent.door import DoorError, open_chunk_file
+from kvpool.common.door import DoorError, open_chunk_file
 
 task = json.loads(sys.argv[1])
 os.setgroups([])
@@ -112,7 +112,7 @@ def _run_pod(door_directory: Path, mount: Path, task: dict[str, object]) -> dict
         'mount --bind "$1" "$2" && mount -o remount,bind,ro "$2" '
         '&& mount -t tmpfs tmpfs /dev/shm && exec "$3" -c "$4" "$5"'
     )
-    environment = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "agent")}
+    environment = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
     result = subprocess.run(
         [
             *("unshare", "--mount", "--propagation", "private", "sh", "-c", shell, "sh"),

@@ -9,9 +9,9 @@ import subprocess
 
 import pytest
 
-from kvpool_agent import cli
-from kvpool_agent.bench import report
-from kvpool_agent.problems import plain
+from kvpool.common.problems import plain
+from kvpool.tools import cli
+from kvpool.tools.bench import report
 from tests.support.mistakes import BIN
 
 L1 = ["bench", "l1", "--chunks", "6400", "--lookups", "50", "--copy-mib", "32"]
@@ -77,7 +77,7 @@ def test_help_shows_no_markup(command: list[str], capsys: pytest.CaptureFixture[
 
 
 def test_plain() -> None:
-    assert plain("``kvpool doctor``: see :class:`~kvpool_agent.x.Check` and :mod:`json`") == (
+    assert plain("``kvpool doctor``: see :class:`~kvpool.x.Check` and :mod:`json`") == (
         "kvpool doctor: see Check and json"
     )
     assert plain("as follows::\n\n    x\n") == "as follows:\n\n    x\n"

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent import main as agent_main
-from kvpool_agent.config import AgentConfig, load_settings, unknown_variables, variables
-from kvpool_agent.index import server as index_main
-from kvpool_agent.index.config import IndexConfig
-from kvpool_agent.names import SHARED_VARIABLES
+from kvpool.agent import main as agent_main
+from kvpool.common.config import AgentConfig, load_settings, unknown_variables, variables
+from kvpool.common.index_config import IndexConfig
+from kvpool.common.names import SHARED_VARIABLES
+from kvpool.index import server as index_main
 from tests.support.mistakes import BIN, clean_environment
 
 
@@ -95,7 +95,7 @@ def test_load_settings_refuses_before_validating(monkeypatch: pytest.MonkeyPatch
 
 PROCESSES = {
     "kvpool-agent": (agent_main.main, {"KVPOOL_L1SIZE": "64Mi", "KVPOOL_L1_SIZE": "1"}),
-    "kvpool index": (
+    "kvpool-index": (
         index_main.main,
         {"KVPOOL_INDEX_POLL": "main", "KVPOOL_INDEX_HTTP_PORT": "-1"},
     ),

@@ -17,17 +17,17 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-import kvpool_agent.connector
-from kvpool_agent.connector.settings import ConnectorSettings
-from kvpool_agent.csi import main as csi_main
-from kvpool_agent.names import CACHE_POOL_LABEL, CSI_DRIVER, NODE_NAME_ENV
-from kvpool_operator import crds
-from kvpool_operator import main as operator_main
-from kvpool_operator.admission.server import DEFAULT_CONFIGURATION, ServiceRef, WebhookOptions
-from kvpool_operator.crds import openapi_schema
-from kvpool_operator.reconcile import Options
-from kvpool_operator.render import Pool, render
-from kvpool_operator.spec import KVCachePool, PoolSpec
+import kvpool.connector
+from kvpool.common.names import CACHE_POOL_LABEL, CSI_DRIVER, NODE_NAME_ENV
+from kvpool.connector.settings import ConnectorSettings
+from kvpool.csi import main as csi_main
+from kvpool.operator import crds
+from kvpool.operator import main as operator_main
+from kvpool.operator.admission.server import DEFAULT_CONFIGURATION, ServiceRef, WebhookOptions
+from kvpool.operator.crds import openapi_schema
+from kvpool.operator.reconcile import Options
+from kvpool.operator.render import Pool, render
+from kvpool.operator.spec import KVCachePool, PoolSpec
 from tests.support.crd_schema import (
     CRD_PATH,
     TENANT_CRD_PATH,
@@ -120,7 +120,7 @@ def test_the_chart_installs_the_crds_of_crds(helm: Helm) -> None:
     assert copies == sorted(source.name for source in sources)
     for source in sources:
         assert (CHART / "crds" / source.name).read_bytes() == source.read_bytes(), (
-            f"the chart's CRD differs from {source}: run python -m kvpool_operator.crds"
+            f"the chart's CRD differs from {source}: run python -m kvpool.operator.crds"
         )
     crds = by_kind(helm.template(), "CustomResourceDefinition")
     assert sorted(crds, key=lambda crd: crd["metadata"]["name"]) == [
@@ -435,8 +435,8 @@ def test_the_notes_configure_vllm_with_the_connectors_own_settings(helm: Helm) -
     quoted = re.search(r"--kv-transfer-config '([^']*)'", notes)
     assert quoted is not None, notes
     transfer = json.loads(" ".join(quoted[1].split()))
-    assert transfer["kv_connector"] in kvpool_agent.connector.__all__
-    assert transfer["kv_connector_module_path"] == kvpool_agent.connector.__name__
+    assert transfer["kv_connector"] in kvpool.connector.__all__
+    assert transfer["kv_connector_module_path"] == kvpool.connector.__name__
     settings = ConnectorSettings.load(transfer["kv_connector_extra_config"], environ={})
     assert (settings.pool, settings.namespace) == ("gpu", "inference")
     assert "kvpool tenant-id" in notes
@@ -452,7 +452,7 @@ def test_the_notes_configure_vllm_with_the_connectors_own_settings(helm: Helm) -
     quoted = re.search(r"--kv-transfer-config '([^']*)'", notes)
     assert quoted is not None, notes
     transfer = json.loads(" ".join(quoted[1].split()))
-    assert transfer["kv_connector"] in kvpool_agent.connector.__all__
+    assert transfer["kv_connector"] in kvpool.connector.__all__
     settings = ConnectorSettings.load(transfer["kv_connector_extra_config"], environ={})
     assert (settings.pool, settings.namespace) == ("main", NAMESPACE)
     assert f"labels: {{{CACHE_POOL_LABEL}: main}}" in notes
@@ -516,7 +516,7 @@ def test_chart_metadata() -> None:
 
 def test_the_example_pools_schema_is_the_crds() -> None:
     """``examplePool.spec`` is checked against the KVCachePool spec's schema (generated:
-    ``python -m kvpool_operator.crds``), as JSON Schema: what it refuses, helm refuses."""
+    ``python -m kvpool.operator.crds``), as JSON Schema: what it refuses, helm refuses."""
     schema = json.loads((CHART / "values.schema.json").read_text())
     spec = schema["properties"]["examplePool"]["properties"]["spec"]
     assert (

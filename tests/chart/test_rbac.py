@@ -10,13 +10,13 @@ from typing import Any
 import kopf
 import pytest
 
-from kvpool_operator.admission.handlers import register as register_webhook
-from kvpool_operator.admission.server import DEFAULT_CONFIGURATION, WebhookOptions
-from kvpool_operator.apply import KINDS, kind_of
-from kvpool_operator.handlers import registry
-from kvpool_operator.reconcile import POOLS
-from kvpool_operator.render import Children, Pool, render
-from kvpool_operator.spec import GROUP, PLURAL, TENANT_PLURAL, PoolSpec
+from kvpool.operator.admission.handlers import register as register_webhook
+from kvpool.operator.admission.server import DEFAULT_CONFIGURATION, WebhookOptions
+from kvpool.operator.apply import KINDS, kind_of
+from kvpool.operator.handlers import registry
+from kvpool.operator.reconcile import POOLS
+from kvpool.operator.render import Children, Pool, render
+from kvpool.operator.spec import GROUP, PLURAL, TENANT_PLURAL, PoolSpec
 
 from .conftest import NAMESPACE, Helm, Manifest, by_kind, one
 

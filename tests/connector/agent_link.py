@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvpool_agent.client import AgentInfo
-from kvpool_agent.connector.counters import Counters
-from kvpool_agent.connector.discovery import AgentAddress
-from kvpool_agent.connector.link import AgentLink
-from kvpool_agent.testing.agent_process import ENGINE_TOKEN, AgentProcess
+from kvpool.client import AgentInfo
+from kvpool.connector.counters import Counters
+from kvpool.connector.discovery import AgentAddress
+from kvpool.connector.link import AgentLink
+from kvpool.tools.bench.harness.agent_process import ENGINE_TOKEN, AgentProcess
 
 
 def agent_link(

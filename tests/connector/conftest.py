@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpool_agent.client import AgentClient
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool.client import AgentClient
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
 
 
 @pytest.fixture(scope="module")

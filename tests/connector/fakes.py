@@ -9,17 +9,17 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from kvpool_agent import keys
-from kvpool_agent.client import (
+from kvpool.client import (
     AgentError,
     AgentInfo,
     AgentUnavailable,
     PrefetchProgress,
 )
-from kvpool_agent.connector.counters import Counters
-from kvpool_agent.connector.discovery import AgentAddress
-from kvpool_agent.connector.link import AgentLink
-from kvpool_agent.transfer_results import LookupResult, StorePlan
+from kvpool.common import keys
+from kvpool.common.transfer_results import LookupResult, StorePlan
+from kvpool.connector.counters import Counters
+from kvpool.connector.discovery import AgentAddress
+from kvpool.connector.link import AgentLink
 
 CHUNK_BYTES = 4096
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpool_agent.bench.gpu_caches import ChunkCopies
+from kvpool.tools.bench.gpu_caches import ChunkCopies
 
 pytestmark = pytest.mark.process
 

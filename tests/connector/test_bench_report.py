@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from kvpool_agent.bench.connector import Run, report
-from kvpool_agent.bench.connector_engine import Sample
+from kvpool.tools.bench.connector import Run, report
+from kvpool.tools.bench.connector_engine import Sample
 
 ARGS = argparse.Namespace(
     layers=4, hidden=512, prompt_tokens=2048, chunk_tokens=128, requests=2, kv_heads=4

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent.bench.connector_engine import Sample
-from kvpool_agent.bench.spaces import MIB, Results, Round, add_arguments, report, salt
-from kvpool_agent.keys import plan_salt
-from kvpool_agent.problems import ArgumentParser
+from kvpool.common.keys import plan_salt
+from kvpool.common.problems import ArgumentParser
+from kvpool.tools.bench.connector_engine import Sample
+from kvpool.tools.bench.spaces import MIB, Results, Round, add_arguments, report, salt
 from tests.support.engines import needs_fast_bf16
 
 BIN = Path(sys.executable).parent

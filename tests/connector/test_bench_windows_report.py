@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent.bench.connector import Run
-from kvpool_agent.bench.connector_engine import Sample
-from kvpool_agent.bench.windows import Logged, Stored, add_arguments, layer_types, read_log, report
-from kvpool_agent.problems import ArgumentParser
+from kvpool.common.problems import ArgumentParser
+from kvpool.tools.bench.connector import Run
+from kvpool.tools.bench.connector_engine import Sample
+from kvpool.tools.bench.windows import Logged, Stored, add_arguments, layer_types, read_log, report
 
 ARGS = argparse.Namespace(
     layers=8,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent.connector import compat
+from kvpool.connector import compat
 
 ROOT = Path(__file__).resolve().parents[2]
 HOW = {"engine": "real engine", "api": "API only"}

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
-from kvpool_agent.testing.agent_process import ENGINE_TOKEN, AgentProcess
+from kvpool.tools.bench.harness.agent_process import ENGINE_TOKEN, AgentProcess
 from tests.support.engines import write_model
 
 from .vllm_steps import RUNNERS, Runner, StepEngine, agent_config, cpu_platform_env, kv_cache_config
@@ -48,8 +48,8 @@ import vllm
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
-from kvpool_agent.connector.facade import KvpoolConnector
-from kvpool_agent.connector.metadata import KVPoolConnectorMetadata, KVPoolConnectorWorkerMetadata
+from kvpool.connector.facade import KvpoolConnector
+from kvpool.connector.metadata import KVPoolConnectorMetadata, KVPoolConnectorWorkerMetadata
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -210,7 +210,7 @@ def test_the_connector_loads_as_vllm_loads_it() -> None:
 
     config = KVTransferConfig(
         kv_connector="KvpoolConnector",
-        kv_connector_module_path="kvpool_agent.connector",
+        kv_connector_module_path="kvpool.connector",
         kv_role="kv_both",
     )
     loaded = KVConnectorFactory.get_connector_class(config)
@@ -227,7 +227,7 @@ def test_the_connector_keeps_the_hybrid_kv_cache_manager_on() -> None:
     assert HMA, f"{VLLM} has no SupportsHMA: update the connector's HMA import"
     config = KVTransferConfig(
         kv_connector="KvpoolConnector",
-        kv_connector_module_path="kvpool_agent.connector",
+        kv_connector_module_path="kvpool.connector",
         kv_role="kv_both",
     )
     assert KVConnectorFactory.supports_hma_config(config)

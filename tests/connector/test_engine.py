@@ -31,10 +31,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpool_agent import keys
-from kvpool_agent.client import AgentClient
-from kvpool_agent.connector import compat
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool.client import AgentClient
+from kvpool.common import keys
+from kvpool.connector import compat
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.engines import Engine, poison_segment, write_model
 
 pytestmark = [pytest.mark.process, pytest.mark.engine, pytest.mark.timeout(600)]

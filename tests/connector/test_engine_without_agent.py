@@ -46,5 +46,5 @@ def test_a_malformed_endpoint_warns_once_and_vllm_serves_without_the_cache(
         f"did you mean tcp://{MALFORMED}? (vLLM goes on without the cache)"
     )
     assert log.count("must be tcp://host:port") == 1  # not again in stack traces
-    assert "kvpool_agent/connector" not in log  # no frame of the connector's in any
+    assert "kvpool/connector" not in log  # no frame of the connector's in any
     assert "agent unavailable" not in log  # nothing dialled the malformed address

@@ -1,5 +1,5 @@
 """Which of vLLM's KV cache groups kvpool caches, and what it keeps of each (with vLLM's
-real spec types; :mod:`kvpool_agent.connector.groups`)."""
+real spec types; :mod:`kvpool.connector.groups`)."""
 
 from __future__ import annotations
 
@@ -25,14 +25,14 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from kvpool_agent.connector.groups import (
+from kvpool.connector.groups import (
     NotCacheable,
     cacheable_groups,
     cannot_resume,
     loads_per_request,
     state_block_size,
 )
-from kvpool_agent.connector.layout import GroupRule, LayoutError
+from kvpool.connector.layout import GroupRule, LayoutError
 
 BLOCK = 16
 HEADS: dict[str, Any] = {"num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}

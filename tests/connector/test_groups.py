@@ -42,9 +42,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
-from kvpool_agent import keys
-from kvpool_agent.client import AgentClient
-from kvpool_agent.testing.agent_process import (
+from kvpool.client import AgentClient
+from kvpool.common import keys
+from kvpool.tools.bench.harness.agent_process import (
     ADMIN_TOKEN,
     ENGINE_TOKEN,
     AgentProcess,
@@ -65,7 +65,7 @@ from .vllm_steps import (
 
 os.environ.update(cpu_platform_env())  # before vLLM's first import picks its platform
 
-from kvpool_agent.connector.facade import KvpoolConnector
+from kvpool.connector.facade import KvpoolConnector
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -411,7 +411,7 @@ def poison(agent: AgentProcess, wanted: list[bytes], start: int, size: int) -> N
 def poison_group(agent: AgentProcess, engine: StepEngine, tokens: list[int], group: int) -> None:
     """Overwrite group ``group``'s part of each of the prompt's chunks (or, for a state
     group, of the state record at the end of the prompt's chunks) in the agent's segment
-    with noise (the formats: :mod:`kvpool_agent.connector.layout`)."""
+    with noise (the formats: :mod:`kvpool.connector.layout`)."""
     worker = engine.worker
     assert isinstance(worker, KvpoolConnector)
     is_state = type(engine.plan.kv_cache_groups[group].kv_cache_spec).__name__ == "MambaSpec"
@@ -473,10 +473,10 @@ def test_a_mamba_group_without_cached_states_is_a_logged_miss(
     running state per request and hands none over: nothing can resume it. kvpool serves
     no hits for such a model, and says why once (naming the spec), never once per request,
     and never crashes vLLM."""
-    ours = logging.getLogger("kvpool_agent")
+    ours = logging.getLogger("kvpool")
     monkeypatch.setattr(ours, "propagate", False)  # caplog's handler is added below
     ours.addHandler(caplog.handler)
-    caplog.set_level(logging.INFO, logger="kvpool_agent")
+    caplog.set_level(logging.INFO, logger="kvpool")
     try:
         first = mamba_engines(empty_agent, runner, prefix_caching=False)
         tokens = prompt_of(first)

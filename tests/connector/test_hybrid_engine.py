@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvpool_agent import keys
-from kvpool_agent.client import AgentClient
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool.client import AgentClient
+from kvpool.common import keys
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.engines import Engine
 from tests.support.models import WINDOW, write_model
 
@@ -164,7 +164,7 @@ def test_mla_is_loaded_only_where_the_engine_can_use_it(pair: Pair) -> None:
 
 def group_sections(kv_layout: str) -> list[tuple[str, int, int]]:
     """(kind, kept blocks, bytes) of each group's part of a chunk, from the chunk format's
-    descriptor (``kvpool_agent.connector.layout``)."""
+    descriptor (``kvpool.connector.layout``)."""
     itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}
     body = kv_layout.split(";", 2)[2].rsplit(";content=", 1)[0]
     sections = []

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent.connector.counters import Counters
-from kvpool_agent.connector.discovery import AgentAddress
-from kvpool_agent.connector.identity import CredentialMissing, credential
-from kvpool_agent.connector.link import AgentLink, LinkDown
-from kvpool_agent.connector.settings import ConnectorSettings
-from kvpool_agent.keys import tenant_id
-from kvpool_agent.testing.agent_process import ENGINE_TOKEN, AgentProcess
+from kvpool.common.keys import tenant_id
+from kvpool.connector.counters import Counters
+from kvpool.connector.discovery import AgentAddress
+from kvpool.connector.identity import CredentialMissing, credential
+from kvpool.connector.link import AgentLink, LinkDown
+from kvpool.connector.settings import ConnectorSettings
+from kvpool.tools.bench.harness.agent_process import ENGINE_TOKEN, AgentProcess
 from tests.support.chunks import key
 
 pytestmark = pytest.mark.process
@@ -88,7 +88,7 @@ def test_a_missing_or_refused_token_is_one_warning_and_no_cache(
 ) -> None:
     agent = agent_process.start()
     link = _link(agent, token)
-    with caplog.at_level(logging.WARNING, logger="kvpool_agent.connector.link"):
+    with caplog.at_level(logging.WARNING, logger="kvpool.connector.link"):
         for _ in range(3):  # vLLM goes on: every call says "no cache", none raises else
             with pytest.raises(LinkDown):
                 link.lookup(tenant_id(None), [key(1)], lock=False, count=True)

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpool_agent.client import AgentClient
-from kvpool_agent.connector.jobs import LoadJob, StepJobs
-from kvpool_agent.connector.worker import KVPoolConnectorWorker
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool.client import AgentClient
+from kvpool.connector.jobs import LoadJob, StepJobs
+from kvpool.connector.worker import KVPoolConnectorWorker
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.metrics import metric
 
 from .workers import KEYS, TENANT, make_worker, store

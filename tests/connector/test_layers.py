@@ -14,18 +14,18 @@ import sys
 
 import pytest
 
-from kvpool_agent import connector
+from kvpool import connector
 
 pytestmark = pytest.mark.process
 
 AGENT_INTERNALS = (
-    "kvpool_agent.core.l1",
-    "kvpool_agent.core.allocator",
-    "kvpool_agent.core.journal",
-    "kvpool_agent.core.policies",
-    "kvpool_agent.service.cache_service",
-    "kvpool_agent.edge.zmq_server",
-    "kvpool_agent.server",
+    "kvpool.agent.core.l1",
+    "kvpool.agent.core.allocator",
+    "kvpool.agent.core.journal",
+    "kvpool.agent.core.policies",
+    "kvpool.agent.service.cache_service",
+    "kvpool.agent.edge.zmq_server",
+    "kvpool.agent.server",
 )
 
 _REPORT_LOADED = (

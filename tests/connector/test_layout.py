@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpool_agent.connector.copier import BlockCopier
-from kvpool_agent.connector.layout import ChunkFormat, GroupRule, LayoutError, detect_layout
+from kvpool.connector.copier import BlockCopier
+from kvpool.connector.layout import ChunkFormat, GroupRule, LayoutError, detect_layout
 
 BLOCKS, HEADS, TOKENS, CONTENT = 12, 4, 16, 8  # logical [B, H, N, C] per layer
 FULL = GroupRule("full", TOKENS)

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool_agent.client import AgentError, AgentInfo
-from kvpool_agent.connector.counters import Counters
-from kvpool_agent.connector.link import LinkDown
+from kvpool.client import AgentError, AgentInfo
+from kvpool.connector.counters import Counters
+from kvpool.connector.link import LinkDown
 
 from .fakes import Clock, FakeAgent, make_link
 

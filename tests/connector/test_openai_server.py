@@ -39,9 +39,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpool_agent import keys
-from kvpool_agent.client import AgentClient
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
+from kvpool.client import AgentClient
+from kvpool.common import keys
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 from tests.support.engine_main import TOP_LOGPROBS
 from tests.support.engines import Result, poison_segment, write_model
 from tests.support.http_process import HttpProcess
@@ -114,7 +114,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         model = str(write_model(work / "model"))
         transfer = {
             "kv_connector": "KvpoolConnector",
-            "kv_connector_module_path": "kvpool_agent.connector",
+            "kv_connector_module_path": "kvpool.connector",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {
                 "endpoint": agent.zmq,

@@ -6,15 +6,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvpool_agent import keys
-from kvpool_agent.connector.counters import Counters
-from kvpool_agent.connector.layout import GroupRule
-from kvpool_agent.connector.metadata import (
+from kvpool.common import keys
+from kvpool.connector.counters import Counters
+from kvpool.connector.layout import GroupRule
+from kvpool.connector.metadata import (
     KVPoolConnectorHandshakeMetadata,
     KVPoolConnectorWorkerMetadata,
 )
-from kvpool_agent.connector.scheduler import KVPoolConnectorScheduler
-from kvpool_agent.connector.scheduler_lookups import PROBE_REUSE_S
+from kvpool.connector.scheduler import KVPoolConnectorScheduler
+from kvpool.connector.scheduler_lookups import PROBE_REUSE_S
 
 from .fakes import (
     BLOCK,

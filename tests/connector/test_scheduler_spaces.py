@@ -6,9 +6,9 @@ import logging
 
 import pytest
 
-from kvpool_agent import keys
-from kvpool_agent.connector.scheduler_access import ACCESS_REUSE_S
-from kvpool_agent.connector.scheduler_lookups import PROBE_REUSE_S
+from kvpool.common import keys
+from kvpool.connector.scheduler_access import ACCESS_REUSE_S
+from kvpool.connector.scheduler_lookups import PROBE_REUSE_S
 
 from .fakes import (
     CHUNK,

@@ -9,16 +9,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpool_agent import keys
-from kvpool_agent.client import AgentClient
-from kvpool_agent.connector.counters import Counters
-from kvpool_agent.connector.discovery import AgentAddress
-from kvpool_agent.connector.layout import GroupRule
-from kvpool_agent.connector.metadata import KVPoolConnectorHandshakeMetadata
-from kvpool_agent.connector.scheduler import KVPoolConnectorScheduler
-from kvpool_agent.connector.settings import Transport
-from kvpool_agent.probe_table import table_path
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool.client import AgentClient
+from kvpool.common import keys
+from kvpool.common.probe_table import table_path
+from kvpool.connector.counters import Counters
+from kvpool.connector.discovery import AgentAddress
+from kvpool.connector.layout import GroupRule
+from kvpool.connector.metadata import KVPoolConnectorHandshakeMetadata
+from kvpool.connector.scheduler import KVPoolConnectorScheduler
+from kvpool.connector.settings import Transport
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
 
 from .agent_link import agent_link
 from .fakes import BLOCK, CHUNK, LAYOUT, FakeRequest, chain, tokens

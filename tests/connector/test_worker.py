@@ -10,12 +10,12 @@ import httpx
 import pytest
 import torch
 
-from kvpool_agent.client import AgentClient
-from kvpool_agent.connector.jobs import LoadJob, StepJobs, StoreJob
-from kvpool_agent.connector.layout import GroupRule
-from kvpool_agent.connector.worker import KVPoolConnectorWorker
-from kvpool_agent.segment import door_path
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool.client import AgentClient
+from kvpool.common.segment import door_path
+from kvpool.connector.jobs import LoadJob, StepJobs, StoreJob
+from kvpool.connector.layout import GroupRule
+from kvpool.connector.worker import KVPoolConnectorWorker
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
 
 from .workers import (
     BLOCK_TOKENS,

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpool_agent import keys
-from kvpool_agent.client import AgentClient
-from kvpool_agent.connector.copier import BlockCopier, MappedChunks
-from kvpool_agent.connector.jobs import LoadJob, StepJobs, StoreJob
-from kvpool_agent.connector.layout import ChunkFormat, GroupRule, detect_layout
-from kvpool_agent.connector.staged import StagedCopies
-from kvpool_agent.connector.worker import KVPoolConnectorWorker
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool.client import AgentClient
+from kvpool.common import keys
+from kvpool.connector.copier import BlockCopier, MappedChunks
+from kvpool.connector.jobs import LoadJob, StepJobs, StoreJob
+from kvpool.connector.layout import ChunkFormat, GroupRule, detect_layout
+from kvpool.connector.staged import StagedCopies
+from kvpool.connector.worker import KVPoolConnectorWorker
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
 
 from .workers import worker_of
 
@@ -92,7 +92,7 @@ def load_into_other_blocks(
 def test_a_chunk_stored_from_gpu_blocks_loads_into_other_gpu_blocks(
     empty_agent: AgentProcess, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="kvpool_agent.connector.worker")
+    caplog.set_level(logging.INFO, logger="kvpool.connector.worker")
     source, stored = make_worker(empty_agent, seed=1, groups=[(FULL, LAYERS)])
     assert source.handshake is not None and not source.handshake.stores_complete_in_step
     job = StoreJob(1, "r1", TENANT, (tuple(KEYS[:2]),), (None,), (tuple(STORED_FROM),))

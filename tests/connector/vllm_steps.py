@@ -81,7 +81,7 @@ def vllm_config(model: Path, extra_config: dict[str, Any]) -> VllmConfig:
 
     transfer = KVTransferConfig(
         kv_connector="KvpoolConnector",
-        kv_connector_module_path="kvpool_agent.connector",
+        kv_connector_module_path="kvpool.connector",
         kv_role="kv_both",
         kv_connector_extra_config=extra_config,
     )

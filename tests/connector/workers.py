@@ -7,15 +7,15 @@ from pathlib import Path
 
 import torch
 
-from kvpool_agent import keys
-from kvpool_agent.client import AgentInfo
-from kvpool_agent.connector.counters import Counters
-from kvpool_agent.connector.discovery import AgentAddress
-from kvpool_agent.connector.jobs import StepJobs, StoreJob
-from kvpool_agent.connector.layout import GroupRule
-from kvpool_agent.connector.settings import Transport
-from kvpool_agent.connector.worker import KVPoolConnectorWorker
-from kvpool_agent.testing.agent_process import AgentProcess
+from kvpool.client import AgentInfo
+from kvpool.common import keys
+from kvpool.connector.counters import Counters
+from kvpool.connector.discovery import AgentAddress
+from kvpool.connector.jobs import StepJobs, StoreJob
+from kvpool.connector.layout import GroupRule
+from kvpool.connector.settings import Transport
+from kvpool.connector.worker import KVPoolConnectorWorker
+from kvpool.tools.bench.harness.agent_process import AgentProcess
 
 from .agent_link import agent_link
 

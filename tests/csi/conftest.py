@@ -22,8 +22,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from kvpool_agent.csi.mounts import Mount, parse_mountinfo
-from kvpool_agent.names import (
+from kvpool.common.names import (
     API_GROUP,
     API_VERSION,
     DOOR_DIRECTORY,
@@ -33,8 +32,9 @@ from kvpool_agent.names import (
     SEGMENT_PATH_ANNOTATION,
     service_name,
 )
-from kvpool_agent.probe_table import table_path
-from kvpool_agent.segment import lock_path
+from kvpool.common.probe_table import table_path
+from kvpool.common.segment import lock_path
+from kvpool.csi.mounts import Mount, parse_mountinfo
 from tests.support.csi_kubelet import CsiClient, discover
 from tests.support.kube_api import ServedApi
 from tests.support.operator_process import Kubectl
@@ -136,13 +136,13 @@ class PluginProcess:
         self.node = node
         self.log_path = node.root / "plugin.log"
         env = dict(os.environ, KUBECONFIG=str(kubeconfig), NODE_NAME=NODE)
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "agent"), str(ROOT / "operator")])
+        env["PYTHONPATH"] = str(ROOT / "src")
         env.pop("KUBERNETES_SERVICE_HOST", None)
         with self.log_path.open("w") as log:
             self.process = subprocess.Popen(
                 [
                     *("unshare", "--mount", "--propagation", "private"),
-                    *(sys.executable, "-m", "kvpool_agent.csi.main"),
+                    *(sys.executable, "-m", "kvpool.csi.main"),
                     f"--endpoint=unix://{node.socket}",
                     f"--registration-dir={node.registry}",
                     f"--kubelet-endpoint={node.socket}",

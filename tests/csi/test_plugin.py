@@ -16,9 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
-from kvpool_agent.csi import messages
-from kvpool_agent.csi.mounts import PUBLISHED_OPTIONS, parse_mountinfo
-from kvpool_agent.names import (
+from kvpool.common.names import (
     CONNECTOR_DOOR_PATH_ENV,
     CONNECTOR_SEGMENT_PATH_ENV,
     CSI_DRIVER,
@@ -28,10 +26,12 @@ from kvpool_agent.names import (
     DOOR_SOCKET,
     SEGMENT_FILE,
 )
-from kvpool_agent.probe_table import table_path
-from kvpool_agent.segment import lock_path
-from kvpool_operator.admission.wiring import AGENT_GROUP, Binding, PoolFacts, apply, wire
-from kvpool_operator.render import AGENT_UID
+from kvpool.common.probe_table import table_path
+from kvpool.common.segment import lock_path
+from kvpool.csi import messages
+from kvpool.csi.mounts import PUBLISHED_OPTIONS, parse_mountinfo
+from kvpool.operator.admission.wiring import AGENT_GROUP, Binding, PoolFacts, apply, wire
+from kvpool.operator.render import AGENT_UID
 from tests.support import csi_kubelet
 from tests.support.csi_kubelet import CsiClient, target_path
 from tests.support.kube_api import ServedApi
@@ -485,7 +485,7 @@ def test_sigterm_stops_it_and_removes_its_sockets(served_api: ServedApi) -> None
 
 def test_bad_flags_in_one_line(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "kvpool_agent.csi.main", "--endpoint", "/csi.sock"],
+        [sys.executable, "-m", "kvpool.csi.main", "--endpoint", "/csi.sock"],
         capture_output=True,
         text=True,
         check=False,

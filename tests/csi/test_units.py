@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent.csi import messages
-from kvpool_agent.csi.mounts import parse_mountinfo
-from kvpool_agent.csi.paths import door_directory, pool_directory, target_path
-from kvpool_agent.names import DOOR_DIRECTORY
+from kvpool.common.names import DOOR_DIRECTORY
+from kvpool.csi import messages
+from kvpool.csi.mounts import parse_mountinfo
+from kvpool.csi.paths import door_directory, pool_directory, target_path
 
 
 def test_field_numbers_on_the_wire() -> None:

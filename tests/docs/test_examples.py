@@ -25,10 +25,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvpool_agent.config import AgentConfig
-from kvpool_agent.keys import tenant_id
-from kvpool_agent.tenancy.auth import TokenAuthority
-from kvpool_agent.testing.agent_process import ENGINE_TOKEN, AgentProcess
+from kvpool.common.auth import TokenAuthority
+from kvpool.common.config import AgentConfig
+from kvpool.common.keys import tenant_id
+from kvpool.tools.bench.harness.agent_process import ENGINE_TOKEN, AgentProcess
 from tests.docs.examples import DOCUMENTS, ROOT, Example, all_examples, examples
 from tests.support.crd_schema import (
     CRD_PATH,

@@ -1,5 +1,5 @@
 """The reference pages under ``docs/reference/`` are what the code generates
-(``python -m kvpool_agent.reference``), and the settings page holds every setting; the
+(``python -m kvpool.tools.reference``), and the settings page holds every setting; the
 example agent configuration is one the agent takes."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvpool_agent.config import AgentConfig, NvmeTierConfig, ZmqLimits, load_settings
-from kvpool_agent.reference import settings
-from kvpool_agent.reference.__main__ import main
-from kvpool_agent.reference.pages import PAGES, Page
+from kvpool.common.config import AgentConfig, NvmeTierConfig, ZmqLimits, load_settings
+from kvpool.tools.reference import settings
+from kvpool.tools.reference.__main__ import main
+from kvpool.tools.reference.pages import PAGES, Page
 from tests.docs.examples import DOCS, ROOT
 
 EXAMPLE = ROOT / "examples" / "agent.yaml"
@@ -25,9 +25,9 @@ LIMITS = ("http_limits", "zmq_limits")
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: page.path)
 def test_the_page_is_what_the_code_says(page: Page) -> None:
     written = DOCS / page.path
-    assert written.exists(), f"{written} is missing: run python -m kvpool_agent.reference"
+    assert written.exists(), f"{written} is missing: run python -m kvpool.tools.reference"
     assert written.read_text() == page.text(), (
-        f"{written} differs from what the code generates: run python -m kvpool_agent.reference"
+        f"{written} differs from what the code generates: run python -m kvpool.tools.reference"
     )
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent.doctor.report import NAME_WIDTH
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
+from kvpool.tools.doctor.report import NAME_WIDTH
 
 BIN = Path(sys.executable).parent
 CHECK_NAMES = (

@@ -17,13 +17,14 @@ from typing import Any
 import httpx
 import pytest
 
-from kvpool_agent import cli, protocol
-from kvpool_agent.client import AgentClient
-from kvpool_agent.doctor import canary, shared_memory
-from kvpool_agent.door import ChunkFile, open_chunk_file
-from kvpool_agent.keys import CANARY_TENANT, tenant_id
-from kvpool_agent.segment import door_path
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
+from kvpool.client import AgentClient
+from kvpool.common import protocol
+from kvpool.common.door import ChunkFile, open_chunk_file
+from kvpool.common.keys import CANARY_TENANT, tenant_id
+from kvpool.common.segment import door_path
+from kvpool.tools import cli
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
+from kvpool.tools.doctor import canary, shared_memory
 
 from .conftest import ADMIN_ENV, Diagnosis, agent_args, parse, run_doctor
 
@@ -395,7 +396,7 @@ def test_the_canary_tells_a_mapping_that_holds_other_bytes(
         return ChunkFile(other, real.owner, real.writable, file_id)
 
     # where the client's chunk files ask the door
-    monkeypatch.setattr("kvpool_agent.mapped_files.open_chunk_file", another_file)
+    monkeypatch.setattr("kvpool.client.mapped_files.open_chunk_file", another_file)
     with AgentClient(agent.zmq, token=ENGINE_TOKEN, door_path=agent_door(agent)) as client:
         check = canary.check_canary(client)
 

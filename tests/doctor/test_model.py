@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from kvpool_agent.doctor.model import check_model
-from kvpool_agent.doctor.report import Outcome
+from kvpool.tools.doctor.model import check_model
+from kvpool.tools.doctor.report import Outcome
 from tests.doctor.conftest import run_doctor
 
 pytestmark = pytest.mark.process

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from kvpool_agent.protocol import PROTOCOL_VERSION
-from kvpool_operator.render import Pool, render
-from kvpool_operator.spec import PoolSpec
+from kvpool.common.protocol import PROTOCOL_VERSION
+from kvpool.operator.render import Pool, render
+from kvpool.operator.spec import PoolSpec
 from tests.support.kube_api import ServedApi
 
 from .conftest import run_doctor

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvpool_operator.render import AGENT_UID, Pool, render
-from kvpool_operator.spec import PoolSpec, PortsSpec
+from kvpool.operator.render import AGENT_UID, Pool, render
+from kvpool.operator.spec import PoolSpec, PortsSpec
 
 from .dockerfile import DockerIgnore, Stage, copy_sources, parse
 
@@ -42,7 +42,7 @@ NOT_IN_CONTEXT = [
     "agent/.env",
     "tokens.yaml",
     "tokens-prod.yaml",
-    "agent/kvpool_agent/tokens.yaml",
+    "src/kvpool/tokens.yaml",
     "operator/kubeconfig",
     "kubeconfig.yaml",
     "server.pem",
@@ -53,7 +53,7 @@ NOT_IN_CONTEXT = [
     ".docker/config.json",
     ".netrc",
     "my-secret.json",
-    "agent/kvpool_agent/__pycache__/keys.cpython-311.pyc",
+    "src/kvpool/__pycache__/keys.cpython-311.pyc",
     "kvpool.egg-info/PKG-INFO",
     ".pytest_cache/kvpool-tools/helm",
     ".mypy_cache/3.11/x.json",
@@ -196,7 +196,7 @@ def test_the_real_context_is_the_package_and_nothing_secret() -> None:
         ("*.pem", "agent/server.pem", False),  # '*' stays within the top directory
         ("**/*.pem", "agent/x/server.pem", True),
         ("tests", "tests/agent/test_keys.py", True),  # a parent directory matches
-        ("*\n!agent", "agent/kvpool_agent/keys.py", False),
+        ("*\n!agent", "src/kvpool/common/keys.py", False),
         ("*\n!agent\n**/__pycache__", "agent/a/__pycache__/b.pyc", True),
         ("*\n!agent\n**/__pycache__", "agent/a/b.py", False),
         ("/secrets/", "secrets/key", True),  # cleaned: leading and trailing '/'

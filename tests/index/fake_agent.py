@@ -14,12 +14,12 @@ import uuid
 
 import zmq
 
-from kvpool_agent import protocol as p
-from kvpool_agent.edge.zap import PlainAuthenticator
-from kvpool_agent.kube.discovery import AgentEndpoint
-from kvpool_agent.protocol import EVENTS_TOPIC, ChunkEvent, encode_event
-from kvpool_agent.tenancy.auth import Role, TokenAuthority
-from kvpool_agent.testing.agent_process import INDEX_TOKEN
+from kvpool.agent.edge.zap import PlainAuthenticator
+from kvpool.common import protocol as p
+from kvpool.common.auth import Role, TokenAuthority
+from kvpool.common.kube.discovery import AgentEndpoint
+from kvpool.common.protocol import EVENTS_TOPIC, ChunkEvent, encode_event
+from kvpool.tools.bench.harness.agent_process import INDEX_TOKEN
 
 TENANT = "0123456789abcdef0123456789abcdef"
 

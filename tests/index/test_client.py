@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvpool_agent.index.client import IndexClient, IndexRequestError, IndexUnavailable
+from kvpool.index.client import IndexClient, IndexRequestError, IndexUnavailable
 
 ROUTE = {
     "node": "n1",

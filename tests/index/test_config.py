@@ -8,10 +8,10 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from kvpool_agent.index.config import IndexConfig, StaticAgent
-from kvpool_agent.index.policy import RoutingPolicy
-from kvpool_agent.index.server import main, make_discovery
-from kvpool_agent.kube.discovery import AgentEndpoint, KubernetesDiscovery
+from kvpool.common.index_config import IndexConfig, StaticAgent
+from kvpool.common.kube.discovery import AgentEndpoint, KubernetesDiscovery
+from kvpool.common.routing import RoutingPolicy
+from kvpool.index.server import main, make_discovery
 
 AGENT = {"node": "gpu-1", "zmq": "tcp://10.0.0.5:7400", "events": "tcp://10.0.0.5:7402"}
 

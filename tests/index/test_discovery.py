@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 
-from kvpool_agent.kube.discovery import (
+from kvpool.common.kube.discovery import (
     AgentEndpoint,
     KubernetesDiscovery,
     StaticDiscovery,
     endpoints_of,
     pod_endpoint,
 )
-from kvpool_agent.names import agent_pods_selector
+from kvpool.common.names import agent_pods_selector
 from tests.support.polling import wait_until
 
 

@@ -10,12 +10,12 @@ from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
-from kvpool_agent.client import AgentClient
-from kvpool_agent.index.subscriber import AgentStatus, EventSubscriber
-from kvpool_agent.index.tracker import PrefixTracker
-from kvpool_agent.keys import tenant_id
-from kvpool_agent.kube.discovery import AgentEndpoint
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, INDEX_TOKEN, AgentProcess
+from kvpool.client import AgentClient
+from kvpool.common.keys import tenant_id
+from kvpool.common.kube.discovery import AgentEndpoint
+from kvpool.index.subscriber import AgentStatus, EventSubscriber
+from kvpool.index.tracker import PrefixTracker
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, INDEX_TOKEN, AgentProcess
 from tests.support.chunks import chain
 from tests.support.polling import wait_until
 from tests.support.ports import free_port

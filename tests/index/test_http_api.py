@@ -11,16 +11,16 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
-from kvpool_agent.index.config import Fingerprint
-from kvpool_agent.index.http_api import create_app
-from kvpool_agent.index.metrics import IndexMetrics
-from kvpool_agent.index.policy import RoutingPolicy
-from kvpool_agent.index.service import IndexService
-from kvpool_agent.index.subscriber import AgentStatus
-from kvpool_agent.index.tracker import PrefixTracker
-from kvpool_agent.keys import chunk_keys, root_key, tenant_id
-from kvpool_agent.kube.discovery import AgentEndpoint
-from kvpool_agent.tenancy.auth import TokenAuthority
+from kvpool.common.auth import TokenAuthority
+from kvpool.common.index_config import Fingerprint
+from kvpool.common.keys import chunk_keys, root_key, tenant_id
+from kvpool.common.kube.discovery import AgentEndpoint
+from kvpool.common.routing import RoutingPolicy
+from kvpool.index.http_api import create_app
+from kvpool.index.metrics import IndexMetrics
+from kvpool.index.service import IndexService
+from kvpool.index.subscriber import AgentStatus
+from kvpool.index.tracker import PrefixTracker
 
 GATEWAY = "gateway-token-Qw3"
 ADMIN = "admin-token-Zx9"

@@ -1,4 +1,4 @@
-"""The index process has the agent's HTTP guards (one implementation: kvpool_agent.http_*)."""
+"""The index process has the agent's HTTP guards (one implementation: kvpool.http_*)."""
 
 from __future__ import annotations
 

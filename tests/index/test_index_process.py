@@ -1,4 +1,4 @@
-"""``kvpool index`` as a user runs it: a real process over real agents, asked by IndexClient."""
+"""``kvpool-index`` as a user runs it: a real process over real agents, asked by IndexClient."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvpool_agent.client import AgentClient
-from kvpool_agent.index.client import IndexClient, IndexRequestError
-from kvpool_agent.keys import chunk_keys, tenant_id
-from kvpool_agent.testing.agent_process import ENGINE_TOKEN, AgentProcess
+from kvpool.client import AgentClient
+from kvpool.common.keys import chunk_keys, tenant_id
+from kvpool.index.client import IndexClient, IndexRequestError
+from kvpool.tools.bench.harness.agent_process import ENGINE_TOKEN, AgentProcess
 from tests.support.index_process import (
     ADMIN_TOKEN,
     FINGERPRINT,

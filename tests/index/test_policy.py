@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool_agent.index.policy import Decision, Reason, RoutingPolicy
-from kvpool_agent.index.query import Query
-from kvpool_agent.index.service import IndexService
-from kvpool_agent.index.tracker import PrefixTracker
+from kvpool.common.routing import Decision, Reason, RoutingPolicy
+from kvpool.index.query import Query
+from kvpool.index.service import IndexService
+from kvpool.index.tracker import PrefixTracker
 from tests.support.chunks import chain
 
 DEFAULT = RoutingPolicy()

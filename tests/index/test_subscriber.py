@@ -6,9 +6,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvpool_agent.index.subscriber import AgentStatus, EventSubscriber
-from kvpool_agent.index.tracker import PrefixTracker
-from kvpool_agent.testing.agent_process import INDEX_TOKEN
+from kvpool.index.subscriber import AgentStatus, EventSubscriber
+from kvpool.index.tracker import PrefixTracker
+from kvpool.tools.bench.harness.agent_process import INDEX_TOKEN
 from tests.support.chunks import chain
 from tests.support.polling import wait_until
 

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from kvpool_agent.index.query import Query
-from kvpool_agent.index.tracker import BATCH_KEYS, PrefixMatch, PrefixTracker
-from kvpool_agent.keys import ModelFingerprint, chunk_keys, shared_salt
+from kvpool.common.keys import ModelFingerprint, chunk_keys, shared_salt
+from kvpool.index.query import Query
+from kvpool.index.tracker import BATCH_KEYS, PrefixMatch, PrefixTracker
 from tests.support.chunks import chain
 
 

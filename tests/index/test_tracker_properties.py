@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool_agent.index.tracker import PrefixTracker
+from kvpool.index.tracker import PrefixTracker
 
 NODES = ("a", "b")
 DEPTH = 12

@@ -18,13 +18,13 @@ from urllib.parse import urlsplit
 import boto3
 import pytest
 
-from kvpool_agent.config import NvmeTierConfig, S3TierConfig
-from kvpool_agent.l2 import ObjectKey
-from kvpool_agent.l2.buffers import BufferPool
-from kvpool_agent.l2.codec import ObjectCodec
-from kvpool_agent.l2.keyring import RELOAD_SECONDS, Keyring, generate_key
-from kvpool_agent.testing.agent_process import AgentProcess
-from kvpool_agent.testing.s3_server import moto_server
+from kvpool.agent.l2 import ObjectKey
+from kvpool.agent.l2.buffers import BufferPool
+from kvpool.agent.l2.codec import ObjectCodec
+from kvpool.common.config import NvmeTierConfig, S3TierConfig
+from kvpool.common.keyring import RELOAD_SECONDS, Keyring, generate_key
+from kvpool.tools.bench.harness.agent_process import AgentProcess
+from kvpool.tools.bench.harness.s3_server import moto_server
 
 from .faults import FaultProxy
 

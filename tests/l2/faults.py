@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from kvpool_agent.l2 import L2Adapter, L2Object, ObjectKey
-from kvpool_agent.l2.base import AdapterStats
+from kvpool.agent.l2 import L2Adapter, L2Object, ObjectKey
+from kvpool.agent.l2.base import AdapterStats
 
 _HOP_BY_HOP = frozenset(
     {"connection", "keep-alive", "expect", "transfer-encoding", "proxy-connection", "te"}

@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
-from kvpool_agent.client import AgentClient, AgentError
-from kvpool_agent.keys import tenant_id
-from kvpool_agent.tenants_configmap import token_digest
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool.client import AgentClient, AgentError
+from kvpool.common.keys import tenant_id
+from kvpool.common.tenants_configmap import token_digest
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import data, key
 from tests.support.kube_api import ServedApi
 from tests.support.metrics import metric

@@ -12,10 +12,10 @@ import boto3
 import httpx
 import pytest
 
-from kvpool_agent.client import AgentClient
-from kvpool_agent.keys import tenant_id
-from kvpool_agent.l2.codec import HEADER
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool.agent.l2.codec import HEADER
+from kvpool.client import AgentClient
+from kvpool.common.keys import tenant_id
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import data, key
 from tests.support.metrics import metric
 from tests.support.polling import wait_until

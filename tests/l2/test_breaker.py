@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpool_agent.l2.breaker import BreakerState, CircuitBreaker
+from kvpool.agent.l2.breaker import BreakerState, CircuitBreaker
 
 
 class Clock:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpool_agent.l2.buffers import BufferPool
+from kvpool.agent.l2.buffers import BufferPool
 
 
 def test_a_returned_buffer_is_lent_again_and_the_idle_bound_holds() -> None:

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from kvpool_agent.l2 import ADAPTER_NAMES, L2Adapter, L2Object, ObjectKey, adapter_class
-from kvpool_agent.l2.codec import HEADER
-from kvpool_agent.l2.nvme import NvmeAdapter
+from kvpool.agent.l2 import ADAPTER_NAMES, L2Adapter, L2Object, ObjectKey, adapter_class
+from kvpool.agent.l2.codec import HEADER
+from kvpool.agent.l2.nvme import NvmeAdapter
 
 from .conftest import POOL, MiB, chunk, nvme_config, object_codec, payload, raw_client, s3_config
 from .faults import FaultyAdapter

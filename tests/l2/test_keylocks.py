@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvpool_agent.l2.keylocks import KeyLocks
+from kvpool.agent.l2.keylocks import KeyLocks
 
 pytestmark = pytest.mark.asyncio
 

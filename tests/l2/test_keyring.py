@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent.l2.keyring import Keyring, KeyringError, generate_key, read_keys
+from kvpool.common.keyring import Keyring, KeyringError, generate_key, read_keys
 from tests.support.local_user import NOBODY, needs_root
 
 from .conftest import write_key
@@ -83,7 +83,7 @@ def test_a_key_file_every_user_may_read_is_used_with_one_warning(
     write_key(tmp_path, 1, KEY_1)
     path = tmp_path / "1"
     path.chmod(0o644)
-    with caplog.at_level(logging.WARNING, logger="kvpool_agent.l2.keyring"):
+    with caplog.at_level(logging.WARNING, logger="kvpool.common.keyring"):
         keyring = Keyring(tmp_path, reload_seconds=0)
         assert keyring.current().by_id == {1: KEY_1}  # reread: warned once
     (warning,) = [record.getMessage() for record in caplog.records]
@@ -91,7 +91,7 @@ def test_a_key_file_every_user_may_read_is_used_with_one_warning(
     assert "mode 0644" in warning
     caplog.clear()
     path.chmod(0o440)  # a Secret's defaultMode: the pod's group only
-    with caplog.at_level(logging.WARNING, logger="kvpool_agent.l2.keyring"):
+    with caplog.at_level(logging.WARNING, logger="kvpool.common.keyring"):
         assert Keyring(tmp_path).current().by_id == {1: KEY_1}
     assert caplog.records == []
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from kvpool_agent.files import FileRefused
-from kvpool_agent.l2 import L2Object, ObjectKey
-from kvpool_agent.l2.codec import HEADER
-from kvpool_agent.l2.nvme import BLOCK, NvmeAdapter
+from kvpool.agent.l2 import L2Object, ObjectKey
+from kvpool.agent.l2.codec import HEADER
+from kvpool.agent.l2.nvme import BLOCK, NvmeAdapter
+from kvpool.common.files import FileRefused
 from tests.support.local_user import NOBODY, needs_root
 
 from .conftest import POOL, MiB, chunk, nvme_config, object_codec, payload
@@ -273,7 +273,7 @@ async def test_direct_io_falls_back_where_the_filesystem_refuses_it(
         return real_open(path, flag, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", refusing_open)
-    with caplog.at_level(logging.WARNING, logger="kvpool_agent.l2.nvme"):
+    with caplog.at_level(logging.WARNING, logger="kvpool.agent.l2.nvme"):
         adapter = _adapter(tmp_path, direct_io=True)
     assert not adapter.direct_io
     assert "refuses O_DIRECT (Invalid argument)" in caplog.text

@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 
-from kvpool_agent.l2 import ADAPTER_NAMES, L2Adapter, adapter_class
+from kvpool.agent.l2 import ADAPTER_NAMES, L2Adapter, adapter_class
 
 
 @pytest.mark.parametrize("name", ADAPTER_NAMES)

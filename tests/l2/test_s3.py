@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from kvpool_agent.l2 import L2Object
-from kvpool_agent.l2.base import TierUnavailable
-from kvpool_agent.l2.breaker import BreakerState
-from kvpool_agent.l2.codec import HEADER, MAGIC
-from kvpool_agent.l2.s3 import S3Adapter
+from kvpool.agent.l2 import L2Object
+from kvpool.agent.l2.base import TierUnavailable
+from kvpool.agent.l2.breaker import BreakerState
+from kvpool.agent.l2.codec import HEADER, MAGIC
+from kvpool.agent.l2.s3 import S3Adapter
 
 from .conftest import POOL, MiB, chunk, object_codec, payload, raw_client, s3_config
 from .faults import Fault, FaultProxy
@@ -164,7 +164,7 @@ async def test_the_breaker_turns_a_dead_backend_into_immediate_misses(
 async def test_drop_tenant_pages_through_batches_and_reports_a_failure(
     make: Factory, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("kvpool_agent.l2.s3._BATCH", 3)  # 8 objects: 3 lists and deletes
+    monkeypatch.setattr("kvpool.agent.l2.s3._BATCH", 3)  # 8 objects: 3 lists and deletes
     adapter = make(proxy.url, max_attempts=2)
     names = [chunk(i, "tenant-a") for i in range(8)]
     await adapter.put([L2Object(n, payload(100, i)) for i, n in enumerate(names)])

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from kvpool_agent.l2 import L2Object, ObjectKey
-from kvpool_agent.l2.codec import HEADER, NONCE_SIZE, IntegrityError, ObjectCodec
-from kvpool_agent.l2.nvme import NvmeAdapter
-from kvpool_agent.l2.s3 import S3Adapter
+from kvpool.agent.l2 import L2Object, ObjectKey
+from kvpool.agent.l2.codec import HEADER, NONCE_SIZE, IntegrityError, ObjectCodec
+from kvpool.agent.l2.nvme import NvmeAdapter
+from kvpool.agent.l2.s3 import S3Adapter
 
 from .conftest import (
     POOL,

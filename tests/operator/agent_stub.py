@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from kvpool_agent.api_models import Cleared, Pin, Usage, Warmed
+from kvpool.common.api_models import Cleared, Pin, Usage, Warmed
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import base64
 import json
 from typing import Any
 
-from kvpool_operator.render import Pool
+from kvpool.operator.render import Pool
 from tests.support.kube_api import ServedApi
 from tests.support.operator_process import Kubectl
 from tests.support.polling import eventually

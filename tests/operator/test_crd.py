@@ -17,11 +17,11 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from kvpool_agent.config import AgentConfig, NvmeTierConfig, PeersConfig, S3TierConfig
-from kvpool_agent.index.config import Fingerprint, IndexConfig
-from kvpool_agent.names import POLICY_NAMES
-from kvpool_operator import crds
-from kvpool_operator.spec import (
+from kvpool.common.config import AgentConfig, NvmeTierConfig, PeersConfig, S3TierConfig
+from kvpool.common.index_config import Fingerprint, IndexConfig
+from kvpool.common.names import POLICY_NAMES
+from kvpool.operator import crds
+from kvpool.operator.spec import (
     API_VERSION,
     INDEX_NEEDS_TOKENS,
     KIND,
@@ -43,7 +43,7 @@ from kvpool_operator.spec import (
     TenantSpec,
     parse_bytes,
 )
-from kvpool_operator.status import IndexReplicas, Rollout, pool_status
+from kvpool.operator.status import IndexReplicas, Rollout, pool_status
 from tests.support.crd_schema import (
     CRD_PATH,
     EXAMPLES,
@@ -73,7 +73,7 @@ ROOT = CRD_PATH.parents[1]
 
 
 def test_the_committed_crds_are_generated_from_the_models() -> None:
-    """kubectl's and the chart's copies: python -m kvpool_operator.crds writes them."""
+    """kubectl's and the chart's copies: python -m kvpool.operator.crds writes them."""
     generated = crds.files(ROOT)
     assert sorted(generated) == sorted(
         [
@@ -82,7 +82,7 @@ def test_the_committed_crds_are_generated_from_the_models() -> None:
         ]
     )
     stale = [str(path) for path, text in generated.items() if path.read_text() != text]
-    assert stale == [], "run python -m kvpool_operator.crds"
+    assert stale == [], "run python -m kvpool.operator.crds"
 
 
 def test_check_names_each_stale_file_and_writing_fixes_it(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_operator.main import main
+from kvpool.operator.main import main
 from tests.support.mistakes import BIN, Mistake, feed, held_port, refuse
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvpool_agent.tenants_configmap import digest_token, parse_tenants
+from kvpool.common.tenants_configmap import digest_token, parse_tenants
 from tests.support.kube_api import ServedApi
 from tests.support.operator_process import REPO, Kubectl, OperatorProcess
 from tests.support.polling import eventually
@@ -457,7 +457,7 @@ def test_the_index_follows_the_pool(
     checksum = hashlib.sha256(config["data"]["index.yaml"].encode()).hexdigest()
     assert template["metadata"]["annotations"]["kvpool.io/config-checksum"] == checksum
     assert template["metadata"]["labels"]["app.kubernetes.io/component"] == "index"
-    assert template["spec"]["containers"][0]["command"] == ["kvpool", "index"]
+    assert template["spec"]["containers"][0]["command"] == ["kvpool-index"]
     assert _status(served_api, "routed")["index"] == {"replicas": 1, "readyReplicas": 0}
     _event(served_api, "routed", "Normal", "Applied", "created Deployment kvpool-routed-index")
     # the index's token for the agents: minted into the Secret its pods mount, owned by the

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent.l2.keyring import read_keys
-from kvpool_operator.peers.rotation import PeerKeyring
+from kvpool.common.keyring import read_keys
+from kvpool.operator.peers.rotation import PeerKeyring
 
 T0 = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)
 DAY = timedelta(hours=24)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvpool_operator.spec import PEER_PORT_TAKEN
+from kvpool.operator.spec import PEER_PORT_TAKEN
 from tests.operator.cluster_view import apply, condition, event, namespace, secret_values
 from tests.support.kube_api import ServedApi
 from tests.support.operator_process import REPO, Kubectl, OperatorProcess

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvpool_operator.admission.wiring import Binding, PoolFacts, apply, wire
+from kvpool.operator.admission.wiring import Binding, PoolFacts, apply, wire
 from tests.support.pod_security import restricted
 
 ROOT = Path(__file__).parents[2]

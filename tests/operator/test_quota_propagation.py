@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvpool_agent.keys import tenant_id
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool.common.keys import tenant_id
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.kube_api import ServedApi
 from tests.support.operator_process import Kubectl
 from tests.support.polling import eventually

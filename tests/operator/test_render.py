@@ -10,9 +10,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvpool_agent.config import AgentConfig
-from kvpool_agent.index.config import IndexConfig
-from kvpool_agent.names import (
+from kvpool.common.config import AgentConfig
+from kvpool.common.index_config import IndexConfig
+from kvpool.common.names import (
     AGENT_CONFIG_FILE_ENV,
     COMPONENT_LABEL,
     CONFIG_CHECKSUM_ANNOTATION,
@@ -21,8 +21,8 @@ from kvpool_agent.names import (
     NODE_NAME_ENV,
     POOL_LABEL,
 )
-from kvpool_agent.protocol import PROTOCOL_VERSION
-from kvpool_operator.render import (
+from kvpool.common.protocol import PROTOCOL_VERSION
+from kvpool.operator.render import (
     ChildRef,
     Children,
     IndexChildren,
@@ -34,7 +34,7 @@ from kvpool_operator.render import (
     render,
     service_monitor_refs,
 )
-from kvpool_operator.spec import InvalidSpec, PoolSpec
+from kvpool.operator.spec import InvalidSpec, PoolSpec
 from tests.support.crd_schema import EXAMPLES, GPU_EXAMPLE, OLDEST_KUBERNETES
 
 from .network_policy import Pod, admits
@@ -597,7 +597,7 @@ def test_index_config_is_the_indexs_own_model(
     assert yaml.safe_load(text)["load_slack"] == 4
     (tmp_path / "index.yaml").write_text(text)
     monkeypatch.setenv(INDEX_CONFIG_FILE_ENV, str(tmp_path / "index.yaml"))
-    config = IndexConfig()  # what `kvpool index` reads from the mounted ConfigMap
+    config = IndexConfig()  # what `kvpool-index` reads from the mounted ConfigMap
     assert (config.pool, config.discovery, config.namespace) == ("gpu", "kubernetes", "inference")
     assert (config.host, config.http_port) == ("0.0.0.0", 7403)
     assert str(config.tokens_file) == "/etc/kvpool/tokens/tokens.yaml"
@@ -642,7 +642,7 @@ def test_index_deployment_and_pod() -> None:
     assert deployment["spec"]["replicas"] == 1
     pod = _index_pod(index)
     (container,) = pod["containers"]
-    assert container["command"] == ["kvpool", "index"]
+    assert container["command"] == ["kvpool-index"]
     assert container["image"] == IMAGE
     assert container["env"] == [
         {"name": "KVPOOL_INDEX_CONFIG_FILE", "value": "/etc/kvpool/config/index.yaml"}

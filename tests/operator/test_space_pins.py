@@ -3,9 +3,9 @@ shared chunks of a structured cache_salt."""
 
 from __future__ import annotations
 
-from kvpool_agent.keys import ModelFingerprint, chunk_keys, shared_salt
-from kvpool_operator.spaces.pins import pin_keys, rank_chains
-from kvpool_operator.spec import FingerprintSpec
+from kvpool.common.keys import ModelFingerprint, chunk_keys, shared_salt
+from kvpool.operator.spaces.pins import pin_keys, rank_chains
+from kvpool.operator.spec import FingerprintSpec
 
 FINGERPRINT = FingerprintSpec(model="m", dtype="bfloat16", kv_layout="nhd", tp_size=2)
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from kvpool_agent.keys import ModelFingerprint, chunk_keys, tenant_id
-from kvpool_agent.quotas import TierLimits, as_limits, quota_from_configmap
-from kvpool_agent.tenants_configmap import SpaceEntry, space_key, token_digest
-from kvpool_operator.render import Pool
+from kvpool.common.keys import ModelFingerprint, chunk_keys, tenant_id
+from kvpool.common.quotas import TierLimits, as_limits, quota_from_configmap
+from kvpool.common.tenants_configmap import SpaceEntry, space_key, token_digest
+from kvpool.operator.render import Pool
 from tests.operator.agent_stub import AgentStub, Call
 from tests.operator.cluster_view import (
     agent_pod,

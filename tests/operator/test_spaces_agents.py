@@ -12,10 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
-from kvpool_agent.client import AgentClient, AgentError
-from kvpool_agent.keys import ModelFingerprint, chunk_keys, shared_salt, tenant_id
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
-from kvpool_operator.render import Pool
+from kvpool.client import AgentClient, AgentError
+from kvpool.common.keys import ModelFingerprint, chunk_keys, shared_salt, tenant_id
+from kvpool.operator.render import Pool
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.operator.cluster_view import agent_pod, apply, namespace, secret_values
 from tests.operator.pool_agents import pool_agents
 from tests.support.kube_api import ServedApi

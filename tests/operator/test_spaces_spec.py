@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvpool_operator.spec import API_VERSION, KIND, InvalidSpec, PoolSpec
+from kvpool.operator.spec import API_VERSION, KIND, InvalidSpec, PoolSpec
 from tests.support.crd_schema import admission_errors, schema
 
 QUOTA = {"l1": "1Gi"}

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvpool_operator.status import IndexReplicas, Problem, Rollout, pool_status
+from kvpool.operator.status import IndexReplicas, Problem, Rollout, pool_status
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -179,7 +179,7 @@ def test_index_replicas_of_a_deployment() -> None:
 
 
 def test_conditions_of_other_types_are_kept_as_they_are() -> None:
-    """The SharedSpaces condition is kvpool_operator.spaces' to write, not the pool's."""
+    """The SharedSpaces condition is kvpool.operator.spaces' to write, not the pool's."""
     spaces = {
         "type": "SharedSpaces",
         "status": "False",

@@ -21,18 +21,18 @@ from typing import Any
 import httpx
 import pytest
 
-from kvpool_agent.client import AgentClient
-from kvpool_agent.keys import tenant_id
-from kvpool_agent.quotas import TierLimits, as_limits, quota_from_configmap
-from kvpool_agent.tenants_configmap import token_digest
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
-from kvpool_operator.agents import Agents
-from kvpool_operator.apply import Cluster
-from kvpool_operator.bearer import OperatorToken
-from kvpool_operator.events import PoolEvents, TenantEvents
-from kvpool_operator.render import Pool
-from kvpool_operator.spaces import SpaceReconciler
-from kvpool_operator.tenants import TenantReconciler
+from kvpool.client import AgentClient
+from kvpool.common.keys import tenant_id
+from kvpool.common.quotas import TierLimits, as_limits, quota_from_configmap
+from kvpool.common.tenants_configmap import token_digest
+from kvpool.operator.agents import Agents
+from kvpool.operator.apply import Cluster
+from kvpool.operator.bearer import OperatorToken
+from kvpool.operator.events import PoolEvents, TenantEvents
+from kvpool.operator.render import Pool
+from kvpool.operator.spaces import SpaceReconciler
+from kvpool.operator.tenants import TenantReconciler
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.operator.cluster_view import (
     agent_pod,
     apply,

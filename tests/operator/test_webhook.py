@@ -1,6 +1,6 @@
 """The admission webhook: one label wires a tenant's vLLM pod to its pool.
 
-First the pure mutation (:mod:`kvpool_operator.admission.wiring`) and the emulator's own
+First the pure mutation (:mod:`kvpool.operator.admission.wiring`) and the emulator's own
 matching; then the real ``kvpool-operator`` (webhook on, reached by URL on 127.0.0.1)
 against the emulated API server, which calls it on every pod creation as kube-apiserver
 does. The pool ``inference/main`` and the tenant ``team-a/vllm`` are made once; each test
@@ -25,10 +25,10 @@ import jsonpatch
 import kmock
 import pytest
 
-from kvpool_operator.admission import server as admission_server
-from kvpool_operator.admission.certificates import make, write
-from kvpool_operator.admission.server import ServiceRef, Webhook, WebhookOptions
-from kvpool_operator.admission.wiring import (
+from kvpool.operator.admission import server as admission_server
+from kvpool.operator.admission.certificates import make, write
+from kvpool.operator.admission.server import ServiceRef, Webhook, WebhookOptions
+from kvpool.operator.admission.wiring import (
     Binding,
     PoolFacts,
     Wiring,

@@ -24,28 +24,28 @@ import pytest
 pytestmark = pytest.mark.process
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ("pyproject.toml", "README.md", "agent", "operator")
+SOURCES = ("pyproject.toml", "README.md", "src")
 """What the package is built from (the Dockerfile copies the same)."""
-BASE_MODULES = ("kvpool_agent.client", "kvpool_agent.keys", "kvpool_agent.protocol")
+BASE_MODULES = ("kvpool.client", "kvpool.common.keys", "kvpool.common.protocol")
 CONNECTOR_NEEDS_VLLM = {
     # vLLM (and torch) come with the engine's image, not with kvpool: these import them
     # at module level, so a venv without vLLM cannot import them.
-    "kvpool_agent.connector.facade": "vllm (the KVConnectorBase_V1 that vLLM loads)",
-    "kvpool_agent.connector.groups": "vllm (its KV cache spec types)",
-    "kvpool_agent.connector.metadata": "vllm (KVConnectorMetadata)",
-    "kvpool_agent.connector.metrics": "vllm (KVConnectorPromMetrics)",
-    "kvpool_agent.connector.scheduler": "vllm, through metadata",
-    "kvpool_agent.connector.scheduler_requests": "torch, through layout",
-    "kvpool_agent.connector.scheduler_lookups": "torch, through scheduler_requests",
-    "kvpool_agent.connector.scheduler_loads": "torch, through layout",
-    "kvpool_agent.connector.scheduler_stores": "torch, through scheduler_requests",
-    "kvpool_agent.connector.worker": "torch (vLLM's KV tensors)",
-    "kvpool_agent.connector.worker_transport": "torch, through copier",
-    "kvpool_agent.connector.worker_loads": "torch (the loads' tensors)",
-    "kvpool_agent.connector.worker_stores": "torch (the stores' tensors)",
-    "kvpool_agent.connector.copier": "torch (the copy primitive)",
-    "kvpool_agent.connector.staged": "torch (the GPU copies)",
-    "kvpool_agent.connector.layout": "torch (shapes and strides of vLLM's KV cache)",
+    "kvpool.connector.facade": "vllm (the KVConnectorBase_V1 that vLLM loads)",
+    "kvpool.connector.groups": "vllm (its KV cache spec types)",
+    "kvpool.connector.metadata": "vllm (KVConnectorMetadata)",
+    "kvpool.connector.metrics": "vllm (KVConnectorPromMetrics)",
+    "kvpool.connector.scheduler": "vllm, through metadata",
+    "kvpool.connector.scheduler_requests": "torch, through layout",
+    "kvpool.connector.scheduler_lookups": "torch, through scheduler_requests",
+    "kvpool.connector.scheduler_loads": "torch, through layout",
+    "kvpool.connector.scheduler_stores": "torch, through scheduler_requests",
+    "kvpool.connector.worker": "torch (vLLM's KV tensors)",
+    "kvpool.connector.worker_transport": "torch, through copier",
+    "kvpool.connector.worker_loads": "torch (the loads' tensors)",
+    "kvpool.connector.worker_stores": "torch (the stores' tensors)",
+    "kvpool.connector.copier": "torch (the copy primitive)",
+    "kvpool.connector.staged": "torch (the GPU copies)",
+    "kvpool.connector.layout": "torch (shapes and strides of vLLM's KV cache)",
 }
 CLEAN = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
 """The venv's own packages only, not a source tree on the path."""
@@ -66,18 +66,24 @@ SCRIPTS = {
     ("kvpool-agent",): "agent",
     ("kvpool-operator",): "operator",
     ("kvpool", "index"): "index",
+    ("kvpool-index",): "index",
     ("kvpool", "doctor"): "agent",
-    ("kvpool", "bench", "l1"): "agent",
+    ("kvpool", "bench", "l1"): "bench",
 }
 EXTRAS = ("", "agent", "operator", "index")
-RUNS = {"": (), "agent": ("agent", "index"), "operator": ("operator",), "index": ("index",)}
+RUNS = {
+    "": (),
+    "agent": ("agent", "index", "bench"),
+    "operator": ("operator",),
+    "index": ("index",),
+}
 """The extras whose scripts run in each venv (the agent's libraries include the index's)."""
 
 IMPORT_ALL = """
 import importlib, json, pkgutil, sys
-import kvpool_agent.connector as connector
+import kvpool.connector as connector
 excluded = set(sys.argv[1].split(","))
-names = [f"kvpool_agent.connector.{m.name}" for m in pkgutil.iter_modules(connector.__path__)]
+names = [f"kvpool.connector.{m.name}" for m in pkgutil.iter_modules(connector.__path__)]
 for name in [*sys.argv[2].split(","), *names]:
     if name not in excluded:
         importlib.import_module(name)
@@ -246,7 +252,7 @@ def test_the_index_starts_and_answers_on_its_extra(venv: tuple[str, Path], tmp_p
     agent = "--agent=node-1=tcp://127.0.0.1:9,tcp://127.0.0.1:9"  # never answers: fine
     with (
         started(
-            [bin_dir / "kvpool", "index", agent], env, r"index ready pool=\S+ http=(\S+)"
+            [bin_dir / "kvpool-index", agent], env, r"index ready pool=\S+ http=(\S+)"
         ) as found,
         urllib.request.urlopen(f"{found.group(1)}/healthz", timeout=5) as answer,
     ):

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpool_agent.testing.hosts import Hosts
+from kvpool.tools.bench.harness.hosts import Hosts
 from tests.support.hosts import hosts_or_skip
 
 

@@ -9,13 +9,13 @@ import threading
 from pathlib import Path
 from typing import Literal
 
-from kvpool_agent.l2.base import ObjectKey
-from kvpool_agent.l2.buffers import BufferPool
-from kvpool_agent.l2.codec import ObjectCodec
-from kvpool_agent.l2.keyring import Keyring
-from kvpool_agent.peer.session import accept_session
-from kvpool_agent.peer.transport import PeerChannel, TcpChannel, TcpTransport
-from kvpool_agent.peer.wire import Exists, Get, Have, Object, WireError, frame
+from kvpool.agent.l2.base import ObjectKey
+from kvpool.agent.l2.buffers import BufferPool
+from kvpool.agent.l2.codec import ObjectCodec
+from kvpool.agent.peer.session import accept_session
+from kvpool.agent.peer.transport import PeerChannel, TcpChannel, TcpTransport
+from kvpool.agent.peer.wire import Exists, Get, Have, Object, WireError, frame
+from kvpool.common.keyring import Keyring
 
 Behaviour = Literal["other-tenant", "flipped", "cut", "stall"]
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent.bench import peer_ttft
-from kvpool_agent.bench.connector_engine import Sample
-from kvpool_agent.bench.peer import PEER, SOCKET, MiB, Results, report
-from kvpool_agent.bench.peer_ttft import READERS, RECOMPUTE
+from kvpool.tools.bench import peer_ttft
+from kvpool.tools.bench.connector_engine import Sample
+from kvpool.tools.bench.peer import PEER, SOCKET, MiB, Results, report
+from kvpool.tools.bench.peer_ttft import READERS, RECOMPUTE
 from tests.support.engines import needs_fast_bf16
 from tests.support.hosts import hosts_or_skip
 

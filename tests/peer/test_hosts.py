@@ -13,9 +13,9 @@ import time
 import httpx
 import pytest
 
-from kvpool_agent.testing import hosts as hosts_module
-from kvpool_agent.testing.agent_process import AgentProcess
-from kvpool_agent.testing.hosts import Host, Hosts, HostsUnavailable
+from kvpool.tools.bench.harness import hosts as hosts_module
+from kvpool.tools.bench.harness.agent_process import AgentProcess
+from kvpool.tools.bench.harness.hosts import Host, Hosts, HostsUnavailable
 from tests.support.hosts import hosts_or_skip
 from tests.support.polling import eventually
 

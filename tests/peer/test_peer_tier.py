@@ -14,10 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpool_agent.client import AgentClient
-from kvpool_agent.keys import tenant_id
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
-from kvpool_agent.testing.hosts import Hosts
+from kvpool.client import AgentClient
+from kvpool.common.keys import tenant_id
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool.tools.bench.harness.hosts import Hosts
 from tests.support.chunks import chain, data
 from tests.support.index_process import ADMIN_TOKEN as INDEX_ADMIN
 from tests.support.index_process import IndexProcess

@@ -11,11 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent.l2.keyring import Keyring
-from kvpool_agent.peer.handshake import NotProven
-from kvpool_agent.peer.session import Session, accept_session, open_session
-from kvpool_agent.peer.transport import TcpChannel, TcpTransport
-from kvpool_agent.peer.wire import (
+from kvpool.agent.peer.session import Session, accept_session, open_session
+from kvpool.agent.peer.transport import TcpChannel, TcpTransport
+from kvpool.agent.peer.wire import (
     FRAME,
     MAGIC,
     MAX_META_BYTES,
@@ -28,6 +26,8 @@ from kvpool_agent.peer.wire import (
     parse_header,
     parse_message,
 )
+from kvpool.common.handshake import NotProven
+from kvpool.common.keyring import Keyring
 
 POOL = "pool-a"
 

@@ -16,5 +16,5 @@
   :mod:`~tests.support.polling`, :mod:`~tests.support.ports`: keys and bytes, one agent
   metric, bounded waiting, free loopback ports.
 
-Real agent processes come from :mod:`kvpool_agent.testing` (the benchmarks use them too).
+Real agent processes come from :mod:`kvpool.tools.bench.harness` (the benchmarks use them too).
 """

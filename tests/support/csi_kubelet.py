@@ -13,8 +13,8 @@ from typing import Any
 
 import grpc
 
-from kvpool_agent.csi import messages
-from kvpool_agent.csi.node import EPHEMERAL, POD_NAME, POD_NAMESPACE, POD_UID
+from kvpool.csi import messages
+from kvpool.csi.node import EPHEMERAL, POD_NAME, POD_NAMESPACE, POD_UID
 
 REGISTRATION = "pluginregistration.Registration"
 IDENTITY = "csi.v1.Identity"

@@ -32,7 +32,7 @@ def build(settings: dict[str, Any]) -> Any:
     if settings.get("connector") == "kvpool":
         transfer = KVTransferConfig(
             kv_connector="KvpoolConnector",
-            kv_connector_module_path="kvpool_agent.connector",
+            kv_connector_module_path="kvpool.connector",
             kv_role="kv_both",
             kv_connector_extra_config=settings["extra_config"],
         )

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvpool_agent.testing.agent_process import ENGINE_TOKEN
+from kvpool.tools.bench.harness.agent_process import ENGINE_TOKEN
 
 from .greedy import Candidates, problems
 from .models import TINY_LLAMA, write_model
@@ -51,7 +51,7 @@ def poison_segment(path: Path) -> None:
     compares outputs computed from loaded KV."""
     import torch
 
-    from kvpool_agent.chunk_files import files_directory
+    from kvpool.common.chunk_files import files_directory
 
     noise = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0))
     raw = noise.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpool_agent.testing.hosts import Hosts, HostsUnavailable
+from kvpool.tools.bench.harness.hosts import Hosts, HostsUnavailable
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Run a real ``kvpool index`` process for tests: static agents, a tokens file, its URL."""
+"""Run a real ``kvpool-index`` process for tests: static agents, a tokens file, its URL."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from typing import Protocol
 
 import yaml
 
-from kvpool_agent.keys import ModelFingerprint, tenant_id
-from kvpool_agent.testing.agent_process import INDEX_TOKEN
+from kvpool.common.keys import ModelFingerprint, tenant_id
+from kvpool.tools.bench.harness.agent_process import INDEX_TOKEN
 
 BIN = Path(sys.executable).parent
 READY = re.compile(r"index ready pool=\S+ http=(\S+)")
@@ -74,7 +74,7 @@ class IndexProcess:
         self.log: list[str] = []
         self.url = ""
         self.process = subprocess.Popen(
-            [BIN / "kvpool", "index", *arguments],
+            [BIN / "kvpool-index", *arguments],
             env=environment,
             stderr=subprocess.PIPE,
             text=True,

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvpool_agent.chunk_files import ChunkFiles
-from kvpool_agent.core.l1 import IDLE_TENANTS, L1Cache
-from kvpool_agent.core.policies import policy_factory
-from kvpool_agent.core.quota_book import QuotaBook
-from kvpool_agent.segment import SegmentLayout
-from kvpool_agent.service.cache_service import CacheService
-from kvpool_agent.tenancy.quota_store import FileQuotaStore
+from kvpool.agent.core.l1 import IDLE_TENANTS, L1Cache
+from kvpool.agent.core.policies import policy_factory
+from kvpool.agent.core.quota_book import QuotaBook
+from kvpool.agent.service.cache_service import CacheService
+from kvpool.agent.tenancy.quota_store import FileQuotaStore
+from kvpool.common.chunk_files import ChunkFiles
+from kvpool.common.segment import SegmentLayout
 from tests.support.chunks import key
 
 PAGE = 4096

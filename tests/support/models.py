@@ -1,7 +1,8 @@
-"""The tiny random-weight models of the real-engine tests: see :mod:`kvpool_agent.testing.models`
+"""The tiny random-weight models of the real-engine tests: see
+:mod:`kvpool.tools.bench.harness.models`
 (shipped with the package, because ``kvpool bench windows`` writes them too)."""
 
-from kvpool_agent.testing.models import (
+from kvpool.tools.bench.harness.models import (
     FAMILIES,
     TINY_DEEPSEEK,
     TINY_GEMMA3,

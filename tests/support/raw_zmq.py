@@ -7,7 +7,7 @@ import struct
 
 import zmq
 
-from kvpool_agent import protocol as p
+from kvpool.common import protocol as p
 
 
 class RawClient:

@@ -16,7 +16,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvpool_agent.core.allocator import SUBBINS, ExtentAllocator, _bin_of, _first_bin_that_fits
+from kvpool.agent.core.allocator import SUBBINS, ExtentAllocator, _bin_of, _first_bin_that_fits
 
 # Sizes around the bin boundaries matter most: below SUBBINS every size has its
 # own bin, above it a bin spans a range and good-fit rounding kicks in.

@@ -6,10 +6,10 @@ import itertools
 
 import pytest
 
-from kvpool_agent.core.cache_types import InvalidRequest, LeaseExpired, Reservation, UnknownLease
-from kvpool_agent.core.l1 import L1Cache
-from kvpool_agent.core.policies import POLICY_NAMES
-from kvpool_agent.core.quota_book import QuotaBook
+from kvpool.agent.core.cache_types import InvalidRequest, LeaseExpired, Reservation, UnknownLease
+from kvpool.agent.core.l1 import L1Cache
+from kvpool.agent.core.policies import POLICY_NAMES
+from kvpool.agent.core.quota_book import QuotaBook
 from tests.support.chunks import key
 from tests.support.l1 import PAGE, FakeClock, hits, make_cache, store
 

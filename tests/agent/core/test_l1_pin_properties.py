@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from kvpool_agent.core.cache_types import PinRefused
-from kvpool_agent.core.policies import POLICY_NAMES
-from kvpool_agent.core.quota_book import QuotaBook
+from kvpool.agent.core.cache_types import PinRefused
+from kvpool.agent.core.policies import POLICY_NAMES
+from kvpool.agent.core.quota_book import QuotaBook
 from tests.support.chunks import key
 from tests.support.l1 import PAGE, make_cache
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool_agent.core.cache_types import InvalidRequest, PinRefused
-from kvpool_agent.core.quota_book import QuotaBook
+from kvpool.agent.core.cache_types import InvalidRequest, PinRefused
+from kvpool.agent.core.quota_book import QuotaBook
 from tests.support.chunks import key
 from tests.support.l1 import PAGE, hits, make_cache, store
 

@@ -32,20 +32,20 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvpool_agent.core.cache_types import (
+from kvpool.agent.core.cache_types import (
     CacheError,
     InvalidRequest,
     LeaseExpired,
     RestoreReport,
     UnknownLease,
 )
-from kvpool_agent.core.journal import SegmentJournal
-from kvpool_agent.core.l1 import NIL, L1Cache, L1DebugView, SlotView, State
-from kvpool_agent.core.policies import POLICY_NAMES, policy_factory
-from kvpool_agent.core.quota_book import QuotaBook
-from kvpool_agent.probe_table import ProbeTableReader, ProbeTableWriter
-from kvpool_agent.quotas import Limit
-from kvpool_agent.segment import SegmentLayout, SharedSegment
+from kvpool.agent.core.journal import SegmentJournal
+from kvpool.agent.core.l1 import NIL, L1Cache, L1DebugView, SlotView, State
+from kvpool.agent.core.policies import POLICY_NAMES, policy_factory
+from kvpool.agent.core.quota_book import QuotaBook
+from kvpool.common.probe_table import ProbeTableReader, ProbeTableWriter
+from kvpool.common.quotas import Limit
+from kvpool.common.segment import SegmentLayout, SharedSegment
 
 PAGE = 4096
 PAGES = 64

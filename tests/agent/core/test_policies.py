@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool_agent.core.policies import POLICY_NAMES, SlotArena, policy_factory
+from kvpool.agent.core.policies import POLICY_NAMES, SlotArena, policy_factory
 from tests.support.chunks import key
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool_agent.core.l1 import L1Cache
-from kvpool_agent.core.policies import POLICY_NAMES
-from kvpool_agent.core.quota_book import QuotaBook
+from kvpool.agent.core.l1 import L1Cache
+from kvpool.agent.core.policies import POLICY_NAMES
+from kvpool.agent.core.quota_book import QuotaBook
 from tests.support.chunks import key
 from tests.support.l1 import PAGE, hits, make_cache, store
 

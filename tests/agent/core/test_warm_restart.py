@@ -13,17 +13,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpool_agent.chunk_files import ChunkFiles, files_directory, generation_directory
-from kvpool_agent.client import AgentClient, AgentError, AgentUnavailable
-from kvpool_agent.core.cache_types import RestoreReport
-from kvpool_agent.core.journal import SegmentJournal
-from kvpool_agent.core.l1 import L1Cache
-from kvpool_agent.core.policies import policy_factory
-from kvpool_agent.core.quota_book import QuotaBook
-from kvpool_agent.keys import tenant_id
-from kvpool_agent.probe_table import ProbeTableReader, ProbeTableWriter, table_path
-from kvpool_agent.segment import TABLE_RECORD_BYTES, SharedSegment
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool.agent.core.cache_types import RestoreReport
+from kvpool.agent.core.journal import SegmentJournal
+from kvpool.agent.core.l1 import L1Cache
+from kvpool.agent.core.policies import policy_factory
+from kvpool.agent.core.quota_book import QuotaBook
+from kvpool.client import AgentClient, AgentError, AgentUnavailable
+from kvpool.common.chunk_files import ChunkFiles, files_directory, generation_directory
+from kvpool.common.keys import tenant_id
+from kvpool.common.probe_table import ProbeTableReader, ProbeTableWriter, table_path
+from kvpool.common.segment import TABLE_RECORD_BYTES, SharedSegment
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import key
 from tests.support.l1 import FakeClock
 

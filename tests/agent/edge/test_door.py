@@ -1,7 +1,7 @@
 """The agent's door: real Unix sockets, real files, a real token authority.
 
-Each test serves a door (:class:`~kvpool_agent.edge.door.DoorServer`) over a few chunk
-files in ``tmp_path`` and asks it as a connector does (:func:`~kvpool_agent.door.open_chunk_file`)
+Each test serves a door (:class:`~kvpool.agent.edge.door.DoorServer`) over a few chunk
+files in ``tmp_path`` and asks it as a connector does (:func:`~kvpool.common.door.open_chunk_file`)
 or byte by byte (:func:`exchange`): who gets which file, read-write or read-only; what
 each refusal says; that no descriptor leaks; and what stalled strangers cost a real client.
 """
@@ -24,7 +24,9 @@ from typing import Any
 
 import pytest
 
-from kvpool_agent.door import (
+from kvpool.agent.edge.door import DoorServer, Refusal
+from kvpool.common.auth import Principal, TokenAuthority
+from kvpool.common.door import (
     DOOR_REQUEST_BYTES,
     ChunkFile,
     DoorError,
@@ -32,12 +34,10 @@ from kvpool_agent.door import (
     open_chunk_file,
     request_line,
 )
-from kvpool_agent.edge.door import DoorServer, Refusal
-from kvpool_agent.files import FileRefused
-from kvpool_agent.keys import CANARY_TENANT, tenant_id
-from kvpool_agent.names import DOOR_DIRECTORY, DOOR_SOCKET
-from kvpool_agent.tenancy.auth import Principal, TokenAuthority
-from kvpool_agent.tenants_configmap import digest_token
+from kvpool.common.files import FileRefused
+from kvpool.common.keys import CANARY_TENANT, tenant_id
+from kvpool.common.names import DOOR_DIRECTORY, DOOR_SOCKET
+from kvpool.common.tenants_configmap import digest_token
 from tests.support.local_user import NOBODY, needs_root
 from tests.support.polling import wait_until
 
@@ -56,7 +56,7 @@ CLIENT_BOUND = 1.0
 
 
 class ChunkFiles:
-    """A :class:`~kvpool_agent.edge.door.ChunkFileSource` over files in a directory."""
+    """A :class:`~kvpool.agent.edge.door.ChunkFileSource` over files in a directory."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -342,14 +342,14 @@ def test_a_file_no_longer_at_its_path_is_gone(
 def test_a_flood_of_refusals_is_one_log_line_a_kind(
     door: DoorServer, files: ChunkFiles, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="kvpool_agent.edge.door"):
+    with caplog.at_level(logging.INFO, logger="kvpool.agent.edge.door"):
         for _ in range(50):
             with pytest.raises(DoorError):
                 open_chunk_file(door.path, "secret-token-1", id_of(files, ALICE))
             with pytest.raises(DoorError):
                 open_chunk_file(door.path, "bob-token", id_of(files, ALICE))
         wait_until(lambda: sum(door.stats.refused.values()) == 100)
-    lines = [record for record in caplog.records if record.name == "kvpool_agent.edge.door"]
+    lines = [record for record in caplog.records if record.name == "kvpool.agent.edge.door"]
     assert [record.getMessage() for record in lines] == [
         "door: refused a request with an unknown token",
         "door: refused a token a chunk file it may not map",

@@ -19,12 +19,12 @@ import pytest
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvpool_agent.core.quota_book import QuotaBook
-from kvpool_agent.edge.http_api import MetricsSource, create_app
-from kvpool_agent.keys import TENANT_ID_PATTERN, TENANT_ID_RULE, tenant_id
-from kvpool_agent.service.cache_service import CacheService
-from kvpool_agent.tenancy.auth import TokenAuthority
-from kvpool_agent.tenancy.quota_store import FileQuotaStore
+from kvpool.agent.core.quota_book import QuotaBook
+from kvpool.agent.edge.http_api import MetricsSource, create_app
+from kvpool.agent.service.cache_service import CacheService
+from kvpool.agent.tenancy.quota_store import FileQuotaStore
+from kvpool.common.auth import TokenAuthority
+from kvpool.common.keys import TENANT_ID_PATTERN, TENANT_ID_RULE, tenant_id
 from tests.support.chunks import key
 from tests.support.l1 import PAGE, make_cache, make_service
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvpool_agent import protocol as p
-from kvpool_agent.client import AgentClient, AgentError, copy_in
-from kvpool_agent.keys import tenant_id
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool.client import AgentClient, AgentError, copy_in
+from kvpool.common import protocol as p
+from kvpool.common.keys import tenant_id
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import data, key
 from tests.support.polling import wait_until
 from tests.support.raw_zmq import RawClient

@@ -17,11 +17,11 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from kvpool_agent import protocol as p
-from kvpool_agent.client import AgentClient
-from kvpool_agent.keys import tenant_id
-from kvpool_agent.protocol import EVENTS_TOPIC
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, INDEX_TOKEN, AgentProcess
+from kvpool.client import AgentClient
+from kvpool.common import protocol as p
+from kvpool.common.keys import tenant_id
+from kvpool.common.protocol import EVENTS_TOPIC
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, INDEX_TOKEN, AgentProcess
 from tests.support.chunks import key
 from tests.support.metrics import metric
 from tests.support.polling import wait_until

@@ -13,10 +13,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpool_agent import protocol as p
-from kvpool_agent.client import AgentClient, AgentError
-from kvpool_agent.keys import tenant_id
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool.client import AgentClient, AgentError
+from kvpool.common import protocol as p
+from kvpool.common.keys import tenant_id
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import key
 from tests.support.metrics import metric
 from tests.support.raw_zmq import RawClient, ZmtpPeer

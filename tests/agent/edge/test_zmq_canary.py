@@ -8,10 +8,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvpool_agent import protocol as p
-from kvpool_agent.client import AgentClient, AgentError
-from kvpool_agent.keys import CANARY_CHUNK_BYTES, CANARY_QUOTA_BYTES, CANARY_TENANT, tenant_id
-from kvpool_agent.testing.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
+from kvpool.client import AgentClient, AgentError
+from kvpool.common import protocol as p
+from kvpool.common.keys import CANARY_CHUNK_BYTES, CANARY_QUOTA_BYTES, CANARY_TENANT, tenant_id
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 from tests.support.chunks import chain, data, key
 
 pytestmark = pytest.mark.process

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from kvpool_agent.config import ZmqLimits
-from kvpool_agent.edge.zmtp import MAX_PENDING, DropReason, MessageBounds, ZmtpRouter
-from kvpool_agent.web.rate_limited_log import RateLimitedLog
+from kvpool.agent.edge.zmtp import MAX_PENDING, DropReason, MessageBounds, ZmtpRouter
+from kvpool.common.config import ZmqLimits
+from kvpool.common.web.rate_limited_log import RateLimitedLog
 from tests.support.polling import wait_until
 from tests.support.raw_zmq import ZmtpPeer, closed_by_peer
 

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvpool_agent.service.cache_service import CacheService
-from kvpool_agent.service.hooks import Pins
+from kvpool.agent.service.cache_service import CacheService
+from kvpool.agent.service.hooks import Pins
 from tests.support.chunks import key
 from tests.support.l1 import PAGE, make_cache, make_service
 

@@ -9,8 +9,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from kvpool_agent.core.factory import SegmentOrigin
-from kvpool_agent.edge.metrics import AgentMetrics
+from kvpool.agent.core.factory import SegmentOrigin
+from kvpool.agent.edge.metrics import AgentMetrics
 from tests.support.chunks import key
 from tests.support.l1 import PAGE, make_cache, make_service
 

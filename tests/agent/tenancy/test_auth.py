@@ -12,11 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent import files
-from kvpool_agent.files import Undo
-from kvpool_agent.keys import CANARY_TENANT, TENANT_ID_RULE, check_tenant_id, tenant_id
-from kvpool_agent.tenancy import auth
-from kvpool_agent.tenancy.auth import (
+from kvpool.common import auth, files
+from kvpool.common.auth import (
     ADMIN,
     ENGINE,
     GATEWAY,
@@ -29,6 +26,8 @@ from kvpool_agent.tenancy.auth import (
     TokenFileError,
     load_authority,
 )
+from kvpool.common.files import Undo
+from kvpool.common.keys import CANARY_TENANT, TENANT_ID_RULE, check_tenant_id, tenant_id
 from tests.support.local_user import NOBODY, needs_root
 
 ALICE = tenant_id("alice")

@@ -14,10 +14,10 @@ import pytest
 from kubernetes import config as kube_config
 from kubernetes.client import CoreV1Api
 
-from kvpool_agent.keys import tenant_id
-from kvpool_agent.quotas import Limit
-from kvpool_agent.tenancy.kube_quota_store import KubernetesQuotaStore
-from kvpool_agent.tenancy.quota_store import QuotaStoreError
+from kvpool.agent.tenancy.kube_quota_store import KubernetesQuotaStore
+from kvpool.agent.tenancy.quota_store import QuotaStoreError
+from kvpool.common.keys import tenant_id
+from kvpool.common.quotas import Limit
 from tests.support.kube_api import Proxy, ServedApi
 from tests.support.operator_process import Kubectl
 

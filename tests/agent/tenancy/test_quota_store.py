@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent.keys import tenant_id
-from kvpool_agent.quotas import TierLimits
-from kvpool_agent.tenancy.quota_store import FileQuotaStore, QuotaStoreError
+from kvpool.agent.tenancy.quota_store import FileQuotaStore, QuotaStoreError
+from kvpool.common.keys import tenant_id
+from kvpool.common.quotas import TierLimits
 from tests.support.chunks import key
 from tests.support.l1 import PAGE, make_cache, make_service
 from tests.support.local_user import NOBODY, needs_root

@@ -8,12 +8,12 @@ import logging
 
 import pytest
 
-from kvpool_agent.core.quota_book import QuotaBook
-from kvpool_agent.keys import tenant_id
-from kvpool_agent.quotas import TierLimits
-from kvpool_agent.tenancy.auth import ADMIN, Principal, TokenAuthority
-from kvpool_agent.tenancy.tenants_watch import grants, space_access
-from kvpool_agent.tenants_configmap import SpaceEntry, parse_tenants, space_key, token_digest
+from kvpool.agent.core.quota_book import QuotaBook
+from kvpool.agent.tenancy.tenants_watch import grants, space_access
+from kvpool.common.auth import ADMIN, Principal, TokenAuthority
+from kvpool.common.keys import tenant_id
+from kvpool.common.quotas import TierLimits
+from kvpool.common.tenants_configmap import SpaceEntry, parse_tenants, space_key, token_digest
 
 ALICE, BOB = tenant_id("alice"), tenant_id("bob")
 WHERE = "ConfigMap ns/kvpool-main-tenants"

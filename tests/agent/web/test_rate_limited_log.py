@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from kvpool_agent.web.rate_limited_log import RateLimitedLog
+from kvpool.common.web.rate_limited_log import RateLimitedLog
 from tests.support.l1 import FakeClock
 
 

@@ -1,0 +1,180 @@
+"""The pool's other agents as an L2 tier, read by the prefetch between NVMe and S3.
+
+:meth:`PeerAdapter.exists` asks the pool's prefix index (where there is one; while it
+fails, and without one, every peer at once) how much of the prefix each peer holds, and
+remembers who holds which chunk; :meth:`PeerAdapter.get` pulls each chunk from a peer
+that holds it, trying the next holder where one fails, is busy or no longer has it.
+Bytes pulled reach L1 through the prefetch's placement, so the tenant's quota on this
+node applies to them as to any store.
+The tier stores nothing of its own: ``put`` refuses (the write-back skips it),
+``delete``, quota and drops have nothing to do (each peer keeps its own).
+
+Links block (sockets), so they run on the adapter's threads: the event loop
+only awaits them. :meth:`PeerAdapter.get_into` receives a chunk straight into the L1
+pages the prefetch reserved for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from kvpool.agent.l2.base import AdapterStats, Destination, L2Object, ObjectKey
+from kvpool.agent.l2.buffers import fresh
+from kvpool.agent.l2.codec import IntegrityError
+from kvpool.agent.peer.directory import PeerDirectory
+from kvpool.agent.peer.index_lookup import IndexLookup
+from kvpool.agent.peer.links import Fetched, PeerBusy, PeerLink
+from kvpool.common.web.rate_limited_log import RateLimitedLog
+
+log = logging.getLogger(__name__)
+_failures = RateLimitedLog(log)
+
+T = TypeVar("T")
+THREADS = 8
+BUSY_WAITS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 0.0)
+"""Seconds to wait after each busy answer before asking again (a transfer takes
+milliseconds; under a second in all); then the next holder."""
+_REMEMBERED = 1 << 16
+"""Chunks whose holders are remembered between ``exists`` and ``get``."""
+
+
+class PeerAdapter:
+    name = "peer"
+
+    def __init__(self, directory: PeerDirectory, index: IndexLookup | None = None) -> None:
+        """``index``: the pool's prefix index, asked first which peers hold a prefix."""
+        self.directory = directory
+        self.index = index
+        self.stats = AdapterStats()
+        self.index_lookups: Counter[str] = Counter()
+        """Prefixes located by the index: answered, or failed (the peers were asked)."""
+        self._holders: OrderedDict[ObjectKey, list[PeerLink]] = OrderedDict()
+        self._threads = ThreadPoolExecutor(THREADS, thread_name_prefix="kvpool-peer-fetch")
+
+    async def put(self, objects: Sequence[L2Object]) -> list[bool]:
+        return [False] * len(objects)
+
+    async def exists(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """The leading run of ``keys`` (one tenant's prefix) that some peer holds."""
+        if not keys:
+            return []
+        tenant = keys[0].tenant
+        run = [key.key for key in keys[: _same_tenant(keys)]]
+        links = self.directory.links()
+        held = await self._held_by_index(run, links) if self.index is not None else None
+        if held is None:
+            counts = await asyncio.gather(
+                *(self._run(link.held, tenant, run) for link in links), return_exceptions=True
+            )
+            held = {
+                link: count
+                for link, count in zip(links, counts, strict=True)
+                if isinstance(count, int)
+            }
+        best = min(max(held.values(), default=0), len(run))  # no peer answers for more
+        for index in range(best):
+            by_most = sorted((link for link, n in held.items() if n > index), key=held.__getitem__)
+            self._remember(keys[index], by_most[::-1])
+        return [index < best for index in range(len(keys))]
+
+    async def _held_by_index(
+        self, run: list[bytes], links: list[PeerLink]
+    ) -> dict[PeerLink, int] | None:
+        """How much of ``run`` each peer holds, as the index knows (None: it could not say)."""
+        assert self.index is not None
+        if not links:
+            return {}
+        by_node = await self._run(self.index.held, run, [link.node for link in links])
+        self.index_lookups["failed" if by_node is None else "answered"] += 1
+        if by_node is None:
+            return None
+        return {link: by_node[link.node] for link in links if by_node.get(link.node)}
+
+    async def get(self, keys: Sequence[ObjectKey]) -> list[bytes | memoryview | None]:
+        """Each chunk in a buffer of its own (the prefetch uses :meth:`get_into`)."""
+
+        async def one(name: ObjectKey) -> memoryview | None:
+            buffer = _Buffer()
+            return buffer.memory if await self.get_into(name, buffer) else None
+
+        return list(await asyncio.gather(*(one(name) for name in keys)))
+
+    async def get_into(self, name: ObjectKey, into: Destination) -> bool:
+        """The chunk from a peer that holds it (the next one where one fails or lost it),
+        received into ``into``'s memory once its turn has come."""
+        self.stats.gets += 1
+        for link in self._holders.pop(name, None) or self.directory.links():
+            fetched, size = await self._fetch(link, name, into)
+            if fetched == "filled":
+                self.stats.hits += 1
+                self.stats.get_bytes += size
+                return True
+            if fetched == "unwanted":
+                return False
+        return False
+
+    async def _fetch(
+        self, link: PeerLink, name: ObjectKey, into: Destination
+    ) -> tuple[Fetched | None, int]:
+        """``link``'s answer and the chunk's size; None where it failed or stayed busy."""
+        for wait in BUSY_WAITS:
+            try:
+                return await self._run(link.fetch, name, into)
+            except PeerBusy:
+                await asyncio.sleep(wait)
+            except IntegrityError as error:
+                self.stats.integrity_failures += 1
+                _failures.warning(f"peer {link.node} sent a chunk that does not open: {error}")
+                break
+            except (OSError, ValueError) as error:
+                _failures.warning(f"peer {link.node} failed a fetch: {error}")
+                break
+        return None, 0
+
+    async def delete(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        return [True] * len(keys)
+
+    async def enforce_quota(self, tenant: str) -> int:
+        return 0
+
+    async def drop_tenant(self, tenant: str) -> int:
+        return 0
+
+    async def close(self) -> None:
+        self.directory.stop()
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, call: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._threads, call, *args)
+
+    def _remember(self, name: ObjectKey, links: list[PeerLink]) -> None:
+        self._holders[name] = links
+        self._holders.move_to_end(name)
+        while len(self._holders) > _REMEMBERED:
+            self._holders.popitem(last=False)
+
+
+def _same_tenant(keys: Sequence[ObjectKey]) -> int:
+    tenant = keys[0].tenant
+    return next((i for i, key in enumerate(keys) if key.tenant != tenant), len(keys))
+
+
+class _Buffer:
+    """A destination of its own for :meth:`PeerAdapter.get`: no turn to wait for."""
+
+    memory: memoryview | None = None
+
+    def turn(self) -> bool:
+        return True
+
+    def wait_turn(self) -> bool:
+        return True
+
+    def reserve(self, size: int) -> memoryview:
+        self.memory = fresh(size)
+        return self.memory

@@ -1,0 +1,286 @@
+"""The asking half: one :class:`PeerLink` per other agent of the pool.
+
+A link keeps a few proven connections to its peer and asks it, on the calling
+thread (the adapter runs links on its own threads, never on the event loop):
+how much of a prefix it holds (:meth:`PeerLink.held`), and for one chunk
+(:meth:`PeerLink.fetch`), received straight into the memory the caller reserves for
+it (L1 pages) and opened there (:meth:`~kvpool.agent.l2.codec.ObjectCodec.open`, in
+place). A chunk that
+does not open as the tenant's key asked for (another tenant's, flipped bytes, a
+forged peer) is an :class:`~kvpool.agent.l2.codec.IntegrityError`: never bytes.
+Every failure closes the connection it happened on and is counted by reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal, TypeVar
+
+from kvpool.agent.l2.base import Destination, ObjectKey
+from kvpool.agent.l2.codec import HEADER, IntegrityError, ObjectCodec, payload_length
+from kvpool.agent.peer.session import open_session
+from kvpool.agent.peer.transport import PeerChannel, PeerTransport
+from kvpool.agent.peer.wire import (
+    IDLE_SECONDS,
+    Busy,
+    Exists,
+    Get,
+    Have,
+    Missing,
+    Object,
+    WireError,
+)
+from kvpool.common.handshake import NotProven
+from kvpool.common.keyring import Keyring
+
+_IDLE = 8
+"""Connections kept open per peer (the prefetch asks for up to 8 chunks at once)."""
+REUSE_SECONDS = IDLE_SECONDS / 2
+"""A kept connection unused for longer is closed, not reused: the peer may have closed it
+(it waits :data:`~kvpool.agent.peer.wire.IDLE_SECONDS` for a request)."""
+T = TypeVar("T")
+
+
+Fetched = Literal["filled", "missing", "unwanted"]
+
+
+class PeerBusy(Exception):
+    """The peer is at its transfer cap: a miss here, not a failure."""
+
+
+@dataclass(frozen=True)
+class _Aside:
+    """A chunk received before its turn: its header and its sealed body, in a buffer."""
+
+    header: memoryview
+    body: memoryview
+
+
+class _Unwanted(Exception):
+    """The receiver has no room for the chunk (present already, or refused)."""
+
+
+@dataclass(frozen=True)
+class LinkSettings:
+    pool: str
+    node: str
+    """This agent's node name."""
+    keyring: Keyring
+    codec: ObjectCodec
+    transport: PeerTransport
+    connect_timeout: float
+    io_timeout: float
+    max_object_bytes: int
+    max_requests: int
+    """Requests to one peer at once (the pool's max_transfers: more would be refused)."""
+
+
+@dataclass
+class LinkStats:
+    fetched_chunks: int = 0
+    fetched_bytes: int = 0
+    failures: Counter[str] = field(default_factory=Counter)
+    """By reason: unreachable, unproven, timeout, broken, integrity."""
+    reachable: bool | None = None
+    error: str | None = None
+    rtt_ms: float | None = None
+
+
+class PeerLink:
+    def __init__(self, node: str, address: str, settings: LinkSettings) -> None:
+        self.node = node
+        self.address = address
+        self.settings = settings
+        self.stats = LinkStats()
+        self._idle: list[tuple[PeerChannel, float]] = []
+        """Proven connections, each with the time it was last used."""
+        self._lock = threading.Lock()
+        self._requests = threading.BoundedSemaphore(settings.max_requests)
+
+    def held(self, tenant: str, keys: list[bytes]) -> int:
+        """How many of ``keys``, from the first, the peer holds for ``tenant``."""
+
+        def ask(channel: PeerChannel) -> int:
+            channel.send(Exists(tenant, keys))
+            answer, length = channel.receive()
+            if not isinstance(answer, Have) or length or not 0 <= answer.count <= len(keys):
+                raise WireError(f"expected have for {len(keys)} keys, got {answer!r}")
+            return answer.count
+
+        return self._call(ask)
+
+    def fetch(self, name: ObjectKey, into: Destination) -> tuple[Fetched, int]:
+        """The chunk received into ``into.reserve(size)`` in ``into``'s turn and opened
+        there: ``filled`` and its size; or ``missing`` (the peer no longer holds it),
+        ``unwanted`` (no turn, or no memory). :class:`PeerBusy` if the peer is at its cap;
+        any other failure raises (and is counted).
+
+        The peer is asked at once and its answer always read at once: a transfer it serves
+        waits on this agent. Where the chunk's turn has not come when its header arrives
+        (the chunk before it is still on its way), the body is received into a buffer of
+        the pool's (no page to fault in) and decrypted from there into the reserved pages
+        once the turn comes (the same bytes moved as in place); else straight into
+        them."""
+        settings = self.settings
+        with contextlib.ExitStack() as buffers:
+
+            def get(channel: PeerChannel) -> int | _Aside:
+                channel.send(Get(name.tenant, name.key))
+                answer, length = channel.receive()
+                if isinstance(answer, Missing | Busy) and not length:
+                    if isinstance(answer, Busy):
+                        raise PeerBusy(self.node)
+                    return 0
+                if not isinstance(answer, Object):
+                    raise WireError(f"expected an object, got {type(answer).__name__}")
+                if length < HEADER.size:
+                    raise WireError(f"an object of {length} bytes: shorter than its header")
+                header = memoryview(bytearray(HEADER.size))
+                channel.receive_body(header)
+                size = length - HEADER.size
+                if size != payload_length(header) or size > settings.max_object_bytes:
+                    raise WireError(f"an object of {length} bytes whose header says otherwise")
+                if into.turn() is None:
+                    aside = buffers.enter_context(settings.codec.buffers.borrow(size))
+                    channel.receive_body(aside)
+                    return _Aside(header, aside)
+                memory = into.reserve(size)
+                if memory is None:
+                    raise _Unwanted  # the body is dropped with the connection
+                channel.receive_body(memory)
+                settings.codec.open(name, header, memory, in_place=True)
+                return size
+
+            try:
+                with self._requests:
+                    received = self._call(get)
+            except _Unwanted:
+                return "unwanted", 0
+            if isinstance(received, _Aside):  # its turn waited for with no request slot held
+                size = len(received.body)
+                memory = into.reserve(size) if into.wait_turn() else None
+                if memory is None:
+                    return "unwanted", 0
+                settings.codec.open(name, received.header, received.body, out=memory)
+            else:
+                size = received
+        if not size:
+            return "missing", 0
+        self.stats.fetched_chunks += 1
+        self.stats.fetched_bytes += size
+        return "filled", size
+
+    def probe(self) -> None:
+        """A fresh connection and handshake now (the doctor's check); its round trip."""
+        started = time.perf_counter()
+        self._call(lambda channel: None, fresh_connection=True)
+        self.stats.rtt_ms = (time.perf_counter() - started) * 1e3
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for channel, _ in idle:
+            channel.close()
+
+    def _call(self, request: Callable[[PeerChannel], T], *, fresh_connection: bool = False) -> T:
+        """``request`` on a proven connection, kept for the next one if it went well.
+
+        A kept connection the peer has closed meanwhile (it restarted, or dropped it idle)
+        fails at once: the request is repeated on a new one (both requests are safe to
+        repeat), so a link that sat idle still pulls."""
+        channel = None if fresh_connection else self._take_idle()
+        reused = channel is not None
+        try:
+            if channel is None:
+                channel = self._connect()
+            result = request(channel)
+        except PeerBusy:
+            self._keep(channel)
+            raise
+        except _Unwanted:
+            if channel is not None:
+                channel.close()  # the body is still on its way
+            raise
+        except (WireError, ConnectionError) as error:
+            if channel is not None:
+                channel.close()
+            if reused and failure_reason(error) == "broken":
+                return self._call(request, fresh_connection=True)
+            self._failed(error)
+            raise
+        except BaseException as error:
+            if channel is not None:
+                channel.close()
+            self._failed(error)
+            raise
+        self.stats.reachable, self.stats.error = True, None
+        self._keep(channel)
+        return result
+
+    def _take_idle(self) -> PeerChannel | None:
+        """The most recently used kept connection, if it was used recently enough that the
+        peer still keeps it open (older ones are closed here)."""
+        now = time.monotonic()
+        with self._lock:
+            recent = [(channel, used) for channel, used in self._idle if now - used < REUSE_SECONDS]
+            stale = [channel for channel, used in self._idle if now - used >= REUSE_SECONDS]
+            found = recent.pop()[0] if recent else None
+            self._idle = recent
+        for channel in stale:
+            channel.close()
+        return found
+
+    def _connect(self) -> PeerChannel:
+        settings = self.settings
+        channel = settings.transport.connect(
+            self.address, settings.connect_timeout, settings.io_timeout
+        )
+        try:
+            session = open_session(channel, settings.keyring, settings.pool, settings.node)
+        except BaseException:
+            channel.close()
+            raise
+        if session.node != self.node:
+            channel.close()
+            raise WireError(f"{self.address} is agent {session.node!r}, not {self.node!r}")
+        return channel
+
+    def _keep(self, channel: PeerChannel | None) -> None:
+        if channel is None:
+            return
+        with self._lock:
+            if len(self._idle) < _IDLE:
+                self._idle.append((channel, time.monotonic()))
+                return
+        channel.close()
+
+    def _failed(self, error: BaseException) -> None:
+        reason = failure_reason(error)
+        if reason is None:
+            return
+        self.stats.failures[reason] += 1
+        self.stats.error = f"{reason}: {error}"
+        if reason != "integrity":
+            self.stats.reachable = False
+
+
+def failure_reason(error: BaseException) -> str | None:
+    """The metrics' reason for a failed request (None: not the peer's failure)."""
+    if isinstance(error, IntegrityError):
+        return "integrity"
+    if isinstance(error, NotProven):
+        return "unproven"
+    if isinstance(error, TimeoutError):
+        return "timeout"
+    if isinstance(error, ConnectionRefusedError):
+        return "unreachable"
+    if isinstance(error, WireError | ConnectionError):
+        return "broken"
+    if isinstance(error, OSError):
+        return "unreachable"
+    return None

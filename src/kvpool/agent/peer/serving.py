@@ -1,0 +1,345 @@
+"""The serving half: this agent's L1 and NVMe chunks, for the pool's other agents.
+
+One thread accepts, one thread per connection serves it. A connection first
+proves the pool's peer credential (:mod:`kvpool.agent.peer.session`); nothing
+is said before that but the hello. Until it has, a connection holds little and
+cannot keep a peer out: the whole handshake has :data:`HANDSHAKE_SECONDS` from
+accept (however its bytes trickle in) and reads at most
+:data:`~kvpool.agent.peer.wire.MAX_HANDSHAKE_BYTES`; at most :data:`MAX_HANDSHAKES`
+connections are in their handshake at once, :data:`MAX_HANDSHAKES_PER_HOST` from one
+address, and a new one past either drops the oldest (from that address first), so
+that connections which never prove anything cannot outlast a peer's handshake,
+which takes one round trip. The :data:`MAX_CONNECTIONS` serving slots are taken
+only by connections that proved the credential. Each handshake runs on its
+connection's thread: none waits on another, nor the accept loop on any.
+
+Then each request names a tenant id, and
+only that tenant's chunks answer it (the L1 and the NVMe tier are keyed by
+tenant): :class:`~kvpool.agent.peer.wire.Exists` counts the leading run of the
+keys held in L1, then NVMe; :class:`~kvpool.agent.peer.wire.Get` sends one
+chunk, sealed with the connection's peer key for that tenant.
+
+A chunk in L1 is read under a read lease (its pages cannot be evicted or
+reused meanwhile) held only while it is sealed into a send buffer; the network
+then sends from that buffer, so a slow peer holds no lease. Serving never
+blocks this node's own clients: past ``max_transfers`` transfers or
+``max_bytes_in_flight`` bytes at once a request is answered
+:class:`~kvpool.agent.peer.wire.Busy` (the asking agent goes to its next
+tier), and ``bandwidth`` paces what is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvpool.agent.l2.base import L2Adapter, ObjectKey
+from kvpool.agent.l2.codec import ObjectCodec
+from kvpool.agent.peer.session import Session, accept_session
+from kvpool.agent.peer.transport import PeerChannel, PeerListener, split_address
+from kvpool.agent.peer.wire import (
+    IDLE_SECONDS,
+    Busy,
+    Exists,
+    Get,
+    Have,
+    Missing,
+    Object,
+    WireError,
+)
+from kvpool.agent.service.data_service import DataService
+from kvpool.common.config import PeersConfig
+from kvpool.common.handshake import NotProven
+from kvpool.common.keyring import Keyring
+from kvpool.common.web.rate_limited_log import RateLimitedLog
+
+log = logging.getLogger(__name__)
+_refusals = RateLimitedLog(log)
+
+T = TypeVar("T")
+MAX_CONNECTIONS = 64
+"""Connections that proved the pool's credential, served at once; a proven peer past these
+is closed (``connections``)."""
+MAX_HANDSHAKES = 128
+"""Connections in their handshake at once; a new one past these drops the oldest."""
+MAX_HANDSHAKES_PER_HOST = 8
+"""Connections in their handshake at once from one address; a new one past these drops that
+address's oldest (a peer opens at most one per request it has in flight: max_transfers, 4 by
+default, and its handshake takes a round trip)."""
+HANDSHAKE_SECONDS = 5.0
+"""From accept to proven, the whole handshake: a connection not proven by then is closed."""
+_NVME_SECONDS = 10.0
+_REFUSALS = {
+    "unproven": "refused a connection on the peer port: it did not prove the pool's credential",
+    "malformed": "closed a connection on the peer port: it broke the peer protocol",
+    "timeout": (
+        "closed a connection on the peer port: not proven within "
+        f"{HANDSHAKE_SECONDS:g} s of its accept"
+    ),
+    "handshakes": (
+        "dropped the oldest connection in its handshake on the peer port for a new one (at "
+        f"most {MAX_HANDSHAKES} at once, {MAX_HANDSHAKES_PER_HOST} from one address)"
+    ),
+    "connections": f"closed a proven peer's connection: {MAX_CONNECTIONS} served at once already",
+}
+"""The log line of each refusal by reason: one each, whoever is refused (who and why at
+DEBUG), so that a flood of them is one line a minute."""
+
+
+@dataclass
+class ServingStats:
+    served_chunks: int = 0
+    served_bytes: int = 0
+    transfers_in_flight: int = 0
+    bytes_in_flight: int = 0
+    refused: Counter[str] = field(default_factory=Counter)
+    """By reason: busy, unproven (no credential), malformed, timeout (not proven in time),
+    handshakes (dropped for a newer one), connections (too many proven)."""
+
+
+class Pacer:
+    """A byte rate over every connection (``rate`` 0: none): a send waits its turn."""
+
+    def __init__(self, rate: int) -> None:
+        self.rate = rate
+        self._next = time.monotonic()
+        self._lock = threading.Lock()
+
+    def wait(self, nbytes: int) -> None:
+        if not self.rate:
+            return
+        with self._lock:
+            now = time.monotonic()
+            start = max(now, self._next)
+            self._next = start + nbytes / self.rate
+        if start > now:
+            time.sleep(start - now)
+
+
+@dataclass
+class PeerServer:
+    config: PeersConfig
+    pool: str
+    node: str
+    keyring: Keyring
+    codec: ObjectCodec
+    service: DataService
+    nvme: L2Adapter | None
+    loop: asyncio.AbstractEventLoop
+    listener: PeerListener
+    stats: ServingStats = field(default_factory=ServingStats)
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pacer = Pacer(int(self.config.bandwidth))
+        self._handshakes: dict[PeerChannel, str] = {}
+        """Connections in their handshake, oldest first, each with its remote address."""
+        self._channels: set[PeerChannel] = set()
+        """Proven connections (each holds one of the :data:`MAX_CONNECTIONS` slots)."""
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
+
+    def start(self) -> None:
+        self._spawn(self._accept, "kvpool-peer-accept")
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.listener.close()
+        with self._lock:
+            channels = [*self._handshakes, *self._channels]
+        for channel in channels:
+            channel.close()
+        for thread in list(self._threads):
+            thread.join(timeout=5.0)
+
+    def _spawn(self, target: Callable[..., None], name: str, *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        self._threads = [t for t in self._threads if t.is_alive()]
+        self._threads.append(thread)
+        thread.start()
+
+    def _accept(self) -> None:
+        while not self._stopping:
+            try:
+                channel = self.listener.accept()
+            except OSError:
+                return  # closed: the agent is stopping
+            channel.set_deadline(time.monotonic() + HANDSHAKE_SECONDS)
+            dropped = self._admit(channel)
+            if dropped is not None:
+                self._refuse("handshakes", dropped, "a newer connection came")
+                dropped.close()
+            self._spawn(self._serve, f"kvpool-peer-{channel.remote}", channel)
+
+    def _admit(self, channel: PeerChannel) -> PeerChannel | None:
+        """Count ``channel`` among the handshakes; the one it drops to stay in bounds."""
+        host = split_address(channel.remote)[0]
+        with self._lock:
+            handshakes = self._handshakes
+            same_host = [other for other, address in handshakes.items() if address == host]
+            dropped = None
+            if len(same_host) >= MAX_HANDSHAKES_PER_HOST:
+                dropped = same_host[0]
+            elif len(handshakes) >= MAX_HANDSHAKES:
+                dropped = next(iter(handshakes))
+            if dropped is not None:
+                del handshakes[dropped]
+            handshakes[channel] = host
+            return dropped
+
+    def _serve(self, channel: PeerChannel) -> None:
+        try:
+            session = self._handshake(channel)
+            if session is not None and self._take_slot(channel):
+                channel.set_deadline(None)
+                self._answer(channel, session)
+        finally:
+            channel.close()
+            with self._lock:
+                self._handshakes.pop(channel, None)
+                self._channels.discard(channel)
+
+    def _handshake(self, channel: PeerChannel) -> Session | None:
+        """The proven session; None (and the refusal counted) if there is none."""
+        try:
+            return accept_session(channel, self.keyring, self.pool, self.node)
+        except NotProven as error:
+            reason, detail = "unproven", str(error)
+        except WireError as error:
+            reason, detail = "malformed", str(error)
+        except TimeoutError:
+            reason, detail = "timeout", f"{HANDSHAKE_SECONDS:g} s passed"
+        except OSError:
+            return None  # it went away (or was dropped for a newer one: counted then)
+        with self._lock:
+            dropped = channel not in self._handshakes
+        if not dropped:
+            self._refuse(reason, channel, detail)
+        return None
+
+    def _take_slot(self, channel: PeerChannel) -> bool:
+        """Move a proven ``channel`` from the handshakes to a serving slot, if one is free."""
+        with self._lock:
+            if self._handshakes.pop(channel, None) is None:
+                return False  # dropped for a newer one meanwhile (and closed): counted then
+            crowded = len(self._channels) >= MAX_CONNECTIONS
+            if not crowded:
+                self._channels.add(channel)
+        if crowded:
+            self._refuse("connections", channel, "no free slot")
+        return not crowded
+
+    def _answer(self, channel: PeerChannel, session: Session) -> None:
+        """Answer the proven peer's requests until it goes quiet or breaks the protocol."""
+        try:
+            while not self._stopping and channel.wait_readable(IDLE_SECONDS):
+                request, body_length = channel.receive()
+                if body_length:
+                    raise WireError("a request with a body")
+                if isinstance(request, Exists):
+                    channel.send(Have(self._held(request.tenant, request.keys)))
+                elif isinstance(request, Get):
+                    self._send(channel, session.key_id, ObjectKey(request.tenant, request.key))
+                else:
+                    raise WireError(f"unexpected {type(request).__name__}")
+        except WireError as error:
+            with self._lock:
+                self.stats.refused["malformed"] += 1
+            _refusals.warning(f"closed the connection of peer {session.node}: {error}")
+        except OSError:
+            pass  # the peer went away or stalled (TimeoutError): its next request reconnects
+
+    def _refuse(self, reason: str, channel: PeerChannel, detail: str) -> None:
+        with self._lock:
+            self.stats.refused[reason] += 1
+        _refusals.warning(_REFUSALS[reason])
+        log.debug("peer port: %s from %s: %s", reason, channel.remote, detail)
+
+    def _held(self, tenant: str, keys: list[bytes]) -> int:
+        """The leading run of ``keys`` held in L1, then on NVMe."""
+        count = self.service.lookup(tenant, keys, lock=False, count=False).count
+        if count == len(keys) or self.nvme is None:
+            return count
+        rest = [ObjectKey(tenant, key) for key in keys[count:]]
+        found = self._on_loop(self.nvme.exists(rest))
+        return count + next((i for i, has in enumerate(found) if not has), len(found))
+
+    def _send(self, channel: PeerChannel, key_id: int, name: ObjectKey) -> None:
+        with self._transfer() as admitted:
+            if not admitted:
+                channel.send(Busy())
+                return
+            hit = self.service.lookup(name.tenant, [name.key], lock=True, count=False)
+            if hit.lease is not None:
+                view = self.service.chunk_view(name.tenant)
+                payload = view[hit.offsets[0] : hit.offsets[0] + hit.sizes[0]]
+                self._send_sealed(channel, key_id, name, payload, hit.lease)
+                return
+            (stored,) = [None] if self.nvme is None else self._on_loop(self.nvme.get([name]))
+            if stored is None:
+                channel.send(Missing())
+                return
+            self._send_sealed(channel, key_id, name, stored, None)
+
+    def _send_sealed(
+        self,
+        channel: PeerChannel,
+        key_id: int,
+        name: ObjectKey,
+        payload: bytes | memoryview,
+        lease: int | None,
+    ) -> None:
+        """Seal ``payload`` (ending ``lease`` as soon as it is sealed) and send it."""
+        leases = [] if lease is None else [lease]
+        size = len(payload)
+        try:
+            if not self._claim_bytes(size):
+                channel.send(Busy())
+                return
+            try:
+                with self.codec.encode(name, payload, key_id) as (header, body):
+                    self.service.release_all(leases)  # sealed: the pages may go
+                    leases.clear()
+                    self._pacer.wait(size)
+                    channel.send(Object(), [header, body])
+            finally:
+                with self._lock:
+                    self.stats.bytes_in_flight -= size
+            self.stats.served_chunks += 1
+            self.stats.served_bytes += size
+        finally:
+            self.service.release_all(leases)
+
+    @contextlib.contextmanager
+    def _transfer(self) -> Iterator[bool]:
+        with self._lock:
+            admitted = self.stats.transfers_in_flight < self.config.max_transfers
+            if admitted:
+                self.stats.transfers_in_flight += 1
+            else:
+                self.stats.refused["busy"] += 1
+        try:
+            yield admitted
+        finally:
+            if admitted:
+                with self._lock:
+                    self.stats.transfers_in_flight -= 1
+
+    def _claim_bytes(self, size: int) -> bool:
+        with self._lock:
+            if self.stats.bytes_in_flight + size > self.config.max_bytes_in_flight:
+                self.stats.refused["busy"] += 1
+                return False
+            self.stats.bytes_in_flight += size
+            return True
+
+    def _on_loop(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run an NVMe operation on the agent's event loop (the tier's home) and wait."""
+        return asyncio.run_coroutine_threadsafe(work, self.loop).result(_NVME_SECONDS)

@@ -1,0 +1,198 @@
+"""How peer frames move: the interface a transport implements, and TCP's.
+
+The rest of the peer code sees only :class:`PeerChannel` (a connection that
+sends and receives frames, with the body of a chunk apart, so that it can come
+from and go into memory the caller owns) and :class:`PeerTransport` (connect
+and listen). TCP, the transport here, sends with ``sendall`` straight from the
+caller's buffers (the sealed chunk is never joined to its header) and receives
+with ``recv_into`` straight into the caller's buffer: the kernel's copy is the
+only one. An RDMA transport (NIXL, UCX) implements the same two classes: its
+channel would post the body as a one-sided read or write between registered
+buffers, and carry the messages on its own queue pair (docs/platform/peers.md).
+
+Every call is blocking with the timeout given at connect or accept: a peer
+that sends or takes nothing for that long raises :class:`TimeoutError`, and a
+connection that ends mid-frame :class:`~kvpool.agent.peer.wire.WireError`. A
+deadline (:meth:`PeerChannel.set_deadline`) bounds every call together: a peer
+that trickles a byte at a time still raises :class:`TimeoutError` once it
+passes (the server's handshake runs under one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvpool.agent.peer.wire import (
+    FRAME,
+    MAX_META_BYTES,
+    Message,
+    WireError,
+    frame,
+    parse_header,
+    parse_message,
+)
+
+Buffer = bytes | bytearray | memoryview
+
+
+class PeerChannel(Protocol):
+    remote: str
+    """The other side's address, ``HOST:PORT``."""
+
+    def send(self, message: Message, body: Sequence[Buffer] = ()) -> None:
+        """One frame: ``message``, then the pieces of ``body`` in order."""
+        ...
+
+    def receive(self, max_meta_bytes: int = MAX_META_BYTES) -> tuple[Message, int]:
+        """The next message and the length of the body that follows it (read it next); a
+        message over ``max_meta_bytes`` is a :class:`~kvpool.agent.peer.wire.WireError`."""
+        ...
+
+    def receive_body(self, into: memoryview) -> None:
+        """Exactly ``len(into)`` bytes of the body into ``into``."""
+        ...
+
+    def wait_readable(self, timeout: float) -> bool:
+        """Whether something (a frame, or the end of the connection) arrives in ``timeout``
+        seconds (an idle connection waits longer than a frame in progress may take)."""
+        ...
+
+    def set_deadline(self, deadline: float | None) -> None:
+        """Until set again, every call raises :class:`TimeoutError` once the monotonic clock
+        passes ``deadline`` (``None``: only the I/O timeout)."""
+        ...
+
+    def close(self) -> None:
+        """Close it; a call blocked on it in another thread returns (with an error)."""
+        ...
+
+
+class PeerListener(Protocol):
+    address: str
+
+    def accept(self) -> PeerChannel:
+        """The next connection; :class:`OSError` once closed."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class PeerTransport(Protocol):
+    def connect(self, address: str, connect_timeout: float, io_timeout: float) -> PeerChannel:
+        """A channel to ``HOST:PORT``; :class:`OSError` if it cannot be had in time."""
+        ...
+
+    def listen(self, host: str, port: int, io_timeout: float) -> PeerListener: ...
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` (an IPv6 host in brackets) as ``(host, port)``."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+class TcpChannel:
+    def __init__(self, sock: socket.socket, remote: str) -> None:
+        self._sock = sock
+        self.remote = remote
+        self._header = bytearray(FRAME.size)
+        self._io_timeout = sock.gettimeout()
+        self._deadline: float | None = None
+
+    def send(self, message: Message, body: Sequence[Buffer] = ()) -> None:
+        self._before_call()
+        head = frame(message, sum(len(piece) for piece in body))
+        if len(body) == 1 and len(body[0]) < 1 << 16:
+            self._sock.sendall(head + bytes(body[0]))
+            return
+        self._sock.sendall(head)
+        for piece in body:
+            self._sock.sendall(piece)
+
+    def receive(self, max_meta_bytes: int = MAX_META_BYTES) -> tuple[Message, int]:
+        self._read_into(memoryview(self._header))
+        meta_length, body_length = parse_header(self._header, max_meta_bytes)
+        meta = bytearray(meta_length)
+        self._read_into(memoryview(meta))
+        return parse_message(meta), body_length
+
+    def receive_body(self, into: memoryview) -> None:
+        self._read_into(into)
+
+    def wait_readable(self, timeout: float) -> bool:
+        readable, _, _ = select.select([self._sock], [], [], timeout)
+        return bool(readable)
+
+    def set_deadline(self, deadline: float | None) -> None:
+        self._deadline = deadline
+        if deadline is None:
+            self._sock.settimeout(self._io_timeout)
+
+    def _before_call(self) -> None:
+        """The socket's timeout for the next call: the I/O timeout, or less to the deadline."""
+        if self._deadline is None:
+            return
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{self.remote} is past its deadline")
+        self._sock.settimeout(left if self._io_timeout is None else min(left, self._io_timeout))
+
+    def _read_into(self, view: memoryview) -> None:
+        while view:
+            self._before_call()
+            count = self._sock.recv_into(view)
+            if count == 0:
+                raise WireError(f"{self.remote} closed the connection mid-frame")
+            view = view[count:]
+
+    def close(self) -> None:
+        # shutdown first: it wakes a thread blocked in recv(), which close() alone does not
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+
+class TcpListener:
+    def __init__(self, sock: socket.socket, io_timeout: float) -> None:
+        self._sock = sock
+        self._io_timeout = io_timeout
+        host, port = sock.getsockname()[:2]
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def accept(self) -> PeerChannel:
+        sock, remote = self._sock.accept()
+        sock.settimeout(self._io_timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        host, port = remote[:2]
+        return TcpChannel(sock, f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+
+    def close(self) -> None:
+        # shutdown first: it wakes a thread blocked in accept(), which close() alone does not
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+
+class TcpTransport:
+    def connect(self, address: str, connect_timeout: float, io_timeout: float) -> PeerChannel:
+        sock = socket.create_connection(split_address(address), timeout=connect_timeout)
+        sock.settimeout(io_timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return TcpChannel(sock, address)
+
+    def listen(self, host: str, port: int, io_timeout: float) -> PeerListener:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(64)
+        except OSError:
+            sock.close()
+            raise
+        return TcpListener(sock, io_timeout)

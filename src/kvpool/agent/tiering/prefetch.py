@@ -1,0 +1,330 @@
+"""Prefetch: a lookup that misses in L1 loads the rest of the prefix from L2, asynchronously.
+
+The cache service's lookup starts a prefetch for the keys after the L1 hits
+(on the ZMQ thread), whose id the client gets at once. On the event loop, the
+prefetch finds how long a run of those keys the tiers hold (``expected``), then
+loads them into L1, several at a time, each chunk into pages reserved for it in
+prompt order (:class:`~kvpool.agent.service.landing.ChunkLanding`: the peer tier
+receives straight into them, others copy there), committed in order, so quotas
+apply, a prefix longer than its quota stops at the quota instead of evicting its
+own head, and nothing half-copied is ever visible (``loaded``). A chunk L1 held
+already counts as placed.
+Each chunk comes from the tier holding it that is expected to cost least
+(:mod:`kvpool.agent.tiering.costs`; the fixed order is NVMe, peers, S3), and
+from the next holder where that one fails (a peer that died mid-transfer).
+It stops at the first chunk no tier gives or L1 refuses. Listeners (the ZMQ server,
+to answer parked ``prefetch_status`` requests, which wait for the end) hear when the
+run is located and when the prefetch is done.
+
+Slots: at most ``max_in_flight`` prefetches run at once (32), and they are shared fairly,
+since a slow L2 holds each for as long as it is slow: a tenant holds at most half of them
+(16, each loading 8 chunks at a time), and warms (:meth:`PinService.warm
+<kvpool.agent.service.pin_service.PinService.warm>`, which an admin or a space's owner
+may send by the dozen) a quarter of them all together (8), so warms never take the slots
+that lookups need, nor one tenant all of them. A prefetch that finds no slot is refused
+(counted in ``refused``): the lookup is answered from L1 alone, the warm is told to retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+import weakref
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import cast
+
+from kvpool.agent.l2.base import L2Adapter, ObjectKey, ReceivesInPlace
+from kvpool.agent.service.data_service import DataService
+from kvpool.agent.service.landing import ChunkLanding
+from kvpool.agent.tiering.costs import TierCosts
+from kvpool.agent.tiering.writeback import LatencyObserver
+from kvpool.common.web.rate_limited_log import RateLimitedLog
+
+log = logging.getLogger(__name__)
+_failures = RateLimitedLog(log)
+"""Prefetches follow clients' lookups: one that keeps failing logs a traceback a minute."""
+
+_REMEMBERED = 4096  # finished prefetches kept for status queries
+_WINDOW = 8
+"""Chunks of one prefetch in flight at once."""
+_TYPICAL_CHUNK = 2 << 20
+"""The size the tier costs are compared at before a chunk has been seen."""
+
+
+@dataclass
+class Prefetch:
+    id: int
+    tenant: str
+    keys: list[bytes]
+    parent: bytes | None
+    warm: bool = False
+    expected: int = -1
+    loaded: int = 0
+    done: bool = False
+
+
+@dataclass
+class PrefetchStats:
+    started: int = 0
+    refused: int = 0
+    """Not started: no slot free (for its tenant, or for a warm)."""
+    loaded_chunks: int = 0
+    loaded_bytes: int = 0
+    in_flight: int = 0
+
+
+@dataclass
+class Prefetcher:
+    service: DataService
+    tiers: Sequence[L2Adapter]
+    max_in_flight: int = 32
+    observe: LatencyObserver | None = None
+    costs: TierCosts = field(default_factory=TierCosts)
+    stats: PrefetchStats = field(default_factory=PrefetchStats)
+
+    def __post_init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._prefetches: OrderedDict[int, Prefetch] = OrderedDict()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._listeners: list[Callable[[], None]] = []
+        self._guard = threading.Lock()  # begin() runs on the ZMQ thread, the rest on the loop
+        self._finished = threading.Condition(self._guard)
+        self._chunk_bytes = _TYPICAL_CHUNK
+        self._tenant_slots = max(1, self.max_in_flight // 2)
+        self._warm_slots = max(1, self.max_in_flight // 4)
+        self._held: Counter[str] = Counter()
+        """Slots held by each tenant with a prefetch in flight."""
+        self._warms = 0
+        """Slots held by warms."""
+        self._in_place = {tier.name for tier in self.tiers if isinstance(tier, ReceivesInPlace)}
+        """The tiers that receive into a landing (a protocol check is too slow per chunk)."""
+        self._decisions: weakref.WeakKeyDictionary[ChunkLanding, asyncio.Event] = (
+            weakref.WeakKeyDictionary()
+        )
+        """Each landing's decision, awaitable on the loop (set from any thread)."""
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
+
+    def begin(
+        self, tenant: str, keys: Sequence[bytes], parent: bytes | None, *, warm: bool = False
+    ) -> int:
+        """Start loading ``keys`` (thread-safe); 0 if no prefetch was started."""
+        if not keys or not self.tiers or self._loop is None:
+            return 0
+        with self._guard:
+            if not self._slot_free(tenant, warm):
+                self.stats.refused += 1
+                return 0
+            prefetch = Prefetch(next(self._ids), tenant, list(keys), parent, warm)
+            self._prefetches[prefetch.id] = prefetch
+            while len(self._prefetches) > _REMEMBERED:
+                self._prefetches.popitem(last=False)
+            self.stats.started += 1
+            self.stats.in_flight += 1
+            self._held[tenant] += 1
+            self._warms += warm
+        self._loop.call_soon_threadsafe(self._spawn, prefetch)
+        return prefetch.id
+
+    def _slot_free(self, tenant: str, warm: bool) -> bool:
+        """Whether a prefetch may start (under the guard): a slot is free, its tenant holds
+        less than half of them, and a warm finds warms holding less than a quarter."""
+        return (
+            self.stats.in_flight < self.max_in_flight
+            and self._held[tenant] < self._tenant_slots
+            and not (warm and self._warms >= self._warm_slots)
+        )
+
+    def _free_slot(self, prefetch: Prefetch) -> None:
+        """Under the guard: a prefetch ended."""
+        self.stats.in_flight -= 1
+        self._held[prefetch.tenant] -= 1
+        if not self._held[prefetch.tenant]:
+            del self._held[prefetch.tenant]  # tenants come and go: keep only those holding
+        self._warms -= prefetch.warm
+
+    def status(self, prefetch_id: int) -> Prefetch | None:
+        with self._guard:
+            return self._prefetches.get(prefetch_id)
+
+    def wait(self, prefetch_id: int, timeout: float) -> Prefetch | None:
+        """The prefetch once done, or as far as it got in ``timeout`` seconds (blocks: for a
+        warm, on an HTTP handler's thread); None for an unknown id."""
+        with self._finished:
+            prefetch = self._prefetches.get(prefetch_id)
+            if prefetch is not None:
+                self._finished.wait_for(lambda: prefetch.done, timeout)
+            return prefetch
+
+    def _spawn(self, prefetch: Prefetch) -> None:
+        task = asyncio.create_task(self._run(prefetch), name=f"prefetch-{prefetch.id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, prefetch: Prefetch) -> None:
+        try:
+            holders = await self._locate(prefetch)
+            prefetch.expected = len(holders)
+            self._changed()
+            await self._load(prefetch, holders)
+        except Exception as error:
+            _failures.exception(f"a prefetch failed: {type(error).__name__}")
+        finally:
+            prefetch.done = True
+            with self._guard:
+                self._free_slot(prefetch)
+                self._finished.notify_all()
+            self._changed()
+
+    async def _load(self, prefetch: Prefetch, holders: list[list[L2Adapter]]) -> None:
+        """Fetch up to :data:`_WINDOW` chunks at once, commit them in prompt order, stop at
+        the first that no tier gives or L1 refuses."""
+        loaded: list[bytes] = []
+        landings = self._landings(prefetch, len(holders), loaded)
+        window = asyncio.Semaphore(_WINDOW)
+
+        async def fetch(tiers: list[L2Adapter], landing: ChunkLanding) -> bool:
+            async with window:
+                return await self._fetch(tiers, landing)
+
+        fetches = [
+            asyncio.ensure_future(fetch(tiers, landing))
+            for tiers, landing in zip(holders, landings, strict=True)
+        ]
+        committed = 0
+        try:
+            for landing, fetched in zip(landings, fetches, strict=True):
+                if not self._commit(landing, await fetched):
+                    break
+                committed += 1
+                loaded.append(landing.key)
+                prefetch.loaded += 1
+        finally:
+            # past a gap nothing is reachable: once every transfer into them has ended
+            # (a thread may still be writing), their pages go back
+            await asyncio.gather(*fetches[committed:], return_exceptions=True)
+            for landing in landings[committed + 1 :]:
+                landing.finish(False)
+
+    def _landings(self, prefetch: Prefetch, count: int, loaded: list[bytes]) -> list[ChunkLanding]:
+        """One landing per chunk, each reserving after the one before."""
+        loop = asyncio.get_running_loop()
+        landings: list[ChunkLanding] = []
+        for index in range(count):
+            decided = asyncio.Event()
+            landing = self.service.landing(
+                prefetch.tenant,
+                prefetch.keys[index],
+                prefetch.keys[index - 1] if index else prefetch.parent,
+                loaded,
+                after=landings[-1] if landings else None,
+                on_decided=_waker(loop, decided),
+            )
+            self._decisions[landing] = decided
+            landings.append(landing)
+        return landings
+
+    async def _fetch(self, tiers: list[L2Adapter], landing: ChunkLanding) -> bool:
+        """Get one chunk from the first of ``tiers`` that gives it, into its landing's
+        pages; whether they hold it now (False also where L1 refused it)."""
+        name = ObjectKey(landing.tenant, landing.key)
+        try:
+            for tier in tiers:
+                if tier.name in self._in_place:
+                    started = time.perf_counter()
+                    if await cast(ReceivesInPlace, tier).get_into(name, landing):
+                        self._observe(tier, time.perf_counter() - started, landing.size)
+                        return True
+                else:
+                    payload = await self._get(tier, landing.tenant, landing.key)
+                    if payload is not None:
+                        return await self._land(landing, payload)
+                if landing.reservation is not None and not landing.reserved:
+                    return False  # L1 refused it: no other tier changes that
+            return False
+        except Exception as error:
+            _failures.exception(f"a prefetch's chunk failed: {type(error).__name__}")
+            return False
+        finally:
+            landing.give_up()  # whatever happened, the chunks after it stop waiting
+
+    async def _turn(self, landing: ChunkLanding) -> bool:
+        """Once the chunk before ``landing`` has reserved its place (or given up): whether
+        it holds one."""
+        if landing.turn() is None:
+            assert landing.after is not None  # only a chunk after another waits
+            await self._decisions[landing.after].wait()
+        return bool(landing.turn())
+
+    async def _land(self, landing: ChunkLanding, payload: bytes | memoryview) -> bool:
+        """Copy a chunk a tier returned into its landing's pages, in the prefetch's order."""
+        view = landing.reserve(len(payload)) if await self._turn(landing) else None
+        if view is None:
+            return False
+        view[:] = payload
+        return True
+
+    def _commit(self, landing: ChunkLanding, filled: bool) -> bool:
+        """Make a landed chunk ready (a chunk L1 held already counts as placed)."""
+        size = landing.size
+        placed = landing.finish(filled)
+        if placed and filled:
+            self.stats.loaded_chunks += 1
+            self.stats.loaded_bytes += size
+        return placed
+
+    async def _locate(self, prefetch: Prefetch) -> list[list[L2Adapter]]:
+        """For each key of the leading run the tiers have, the tiers holding it, the one
+        expected to cost least first."""
+        names = [ObjectKey(prefetch.tenant, key) for key in prefetch.keys]
+        found = await asyncio.gather(*(tier.exists(names) for tier in self.tiers))
+        holders: list[list[L2Adapter]] = []
+        for index in range(len(names)):
+            having = [t for t, has in zip(self.tiers, found, strict=True) if has[index]]
+            if not having:
+                break
+            first = self.costs.cheapest([t.name for t in having], self._chunk_bytes)
+            holders.append([having[first], *having[:first], *having[first + 1 :]])
+        return holders
+
+    async def _get(self, tier: L2Adapter, tenant: str, key: bytes) -> bytes | memoryview | None:
+        started = time.perf_counter()
+        (payload,) = await tier.get([ObjectKey(tenant, key)])
+        self._observe(tier, time.perf_counter() - started, 0 if payload is None else len(payload))
+        return payload
+
+    def _observe(self, tier: L2Adapter, seconds: float, size: int) -> None:
+        """A get's latency, for the metrics; and a chunk's (``size`` > 0), for the costs."""
+        if self.observe is not None:
+            self.observe(tier.name, "get", seconds)
+        if size:
+            self._chunk_bytes = size
+            self.costs.observe(tier.name, seconds, size)
+
+    def _changed(self) -> None:
+        for listener in self._listeners:
+            listener()
+
+
+def _waker(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> Callable[[], None]:
+    """Sets ``event`` on ``loop`` from any thread."""
+
+    def wake() -> None:
+        loop.call_soon_threadsafe(event.set)
+
+    return wake

@@ -1,0 +1,206 @@
+"""The ``kvpool-index`` configuration: one typed model, validated once.
+
+Sources, highest precedence first: keyword arguments (``kvpool-index --agent``),
+``KVPOOL_INDEX_*`` environment variables (nested fields with ``__``, lists as
+JSON), then the YAML or JSON file named by ``--config`` or
+``KVPOOL_INDEX_CONFIG_FILE``, then the defaults.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from kvpool.common.config import POOL_NAME_PATTERN, ConfigFileSource, HttpLimits
+from kvpool.common.keys import ModelFingerprint
+from kvpool.common.kube.discovery import AgentEndpoint
+from kvpool.common.names import (
+    DEFAULT_INDEX_PORT,
+    DEFAULT_LOAD_FACTOR,
+    DEFAULT_LOAD_SLACK,
+    DEFAULT_MAX_CHUNKS_PER_NODE,
+    DEFAULT_MIN_MATCH_RATIO,
+    DEFAULT_STATE_DIR,
+    INDEX_CONFIG_FILE_ENV,
+    INDEX_ENV_PREFIX,
+    generated_token_path,
+)
+from kvpool.common.problems import SettingError
+from kvpool.common.routing import RoutingPolicy
+
+DEFAULT_MAX_BODY_BYTES = 16 << 20
+"""A route or lookup body: token ids of a prompt of ~2M tokens as JSON."""
+
+
+class Fingerprint(BaseModel):
+    """The model configuration the keys were made for (see ``kvpool.common.keys``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field(description="Model name, as vLLM serves it.")
+    dtype: str = Field(description="KV cache dtype, e.g. bfloat16.")
+    kv_layout: str = Field(description="KV layout the connector reports for the engine.")
+    tp_rank: int = Field(0, ge=0, description="Tensor-parallel rank whose keys to match.")
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel size.")
+    chunk_tokens: int = Field(256, ge=1, description="Tokens per chunk.")
+
+    def fingerprint(self) -> ModelFingerprint:
+        return ModelFingerprint(
+            self.model, self.dtype, self.kv_layout, self.tp_rank, self.tp_size, self.chunk_tokens
+        )
+
+
+class StaticAgent(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    node: str = Field(description="Node name: how routing answers name this agent.")
+    zmq: str = Field(description="The agent's ZMQ endpoint, e.g. tcp://10.0.0.5:7400.")
+    events: str = Field(description="Its chunk-event endpoint, e.g. tcp://10.0.0.5:7402.")
+
+    def endpoint(self) -> AgentEndpoint:
+        return AgentEndpoint(self.node, self.zmq, self.events)
+
+
+class IndexConfig(BaseSettings):
+    """Configuration of one prefix index process (one pool)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=INDEX_ENV_PREFIX, env_nested_delimiter="__", frozen=True, extra="forbid"
+    )
+    config_file_env: ClassVar[str] = INDEX_CONFIG_FILE_ENV
+
+    pool: str = Field(
+        "default",
+        pattern=POOL_NAME_PATTERN,
+        description="Pool whose agents to follow (the kvpool.io/pool label of their pods).",
+    )
+    discovery: Literal["static", "kubernetes"] = Field(
+        "static",
+        description="static: the agents listed in `agents`; kubernetes: the pool's agent pods.",
+    )
+    agents: list[StaticAgent] = Field(
+        default_factory=list, description="The agents to follow (static discovery)."
+    )
+    namespace: str | None = Field(
+        None, description="Namespace of the agent pods (kubernetes); default: the index's own."
+    )
+    host: str = Field("127.0.0.1", description="Address of the HTTP API (0.0.0.0 in a pod).")
+    http_port: int = Field(
+        DEFAULT_INDEX_PORT,
+        ge=0,
+        le=65535,
+        description="Port of the HTTP API and /metrics (0 picks a free one).",
+    )
+    http_limits: HttpLimits = Field(
+        default_factory=lambda: HttpLimits(max_body_bytes=DEFAULT_MAX_BODY_BYTES),
+        description="What one HTTP client may cost: body size, read timeouts, connections.",
+    )
+    max_chunks_per_node: int = Field(
+        DEFAULT_MAX_CHUNKS_PER_NODE,
+        ge=1,
+        description="Chunks tracked per node at most; the oldest go first.",
+    )
+    load_factor: float = Field(
+        DEFAULT_LOAD_FACTOR,
+        ge=1,
+        description="Routing: a node is overloaded above load_factor x average load + load_slack.",
+    )
+    load_slack: float = Field(
+        DEFAULT_LOAD_SLACK, ge=0, description="Routing: absolute margin of the load bound."
+    )
+    min_match_ratio: float = Field(
+        DEFAULT_MIN_MATCH_RATIO,
+        ge=0,
+        le=1,
+        description="Routing: matched share of the prompt below which affinity is ignored.",
+    )
+    fingerprint: Fingerprint | None = Field(
+        None, description="Model of queries that send token ids without a fingerprint."
+    )
+    tokens_file: Path | None = Field(
+        None,
+        description=(
+            "The pool's tokens file (kvpool.common.auth): its admins and gateways "
+            "tokens may ask; without one, an admin token is generated into state_dir once "
+            "the index listens (a failed start writes none)."
+        ),
+    )
+    agent_token_file: Path | None = Field(
+        None,
+        description=(
+            "File of the token the index follows the agents with (an index token of the "
+            "pool: snapshots and chunk events); default: the index token that an agent of "
+            "the embedded default generates, <state_dir>/index-token-<pool>."
+        ),
+    )
+    peer_key_dir: Path | None = Field(
+        None,
+        description=(
+            "The pool's peer credential (the agents' peers.key_dir): the index then also "
+            "accepts, for its lookups, the token each agent derives from it to ask which "
+            "peers hold a prefix (set by the operator)."
+        ),
+    )
+    state_dir: Path = Field(
+        DEFAULT_STATE_DIR,
+        description="Directory of the generated token (index-admin-token-<pool>).",
+    )
+    warmup_seconds: float = Field(
+        30.0,
+        ge=0,
+        description=(
+            "Readiness waits until every discovered agent is synchronised, at most this long "
+            "(so that a new replica does not answer routes from an empty index)."
+        ),
+    )
+    snapshot_timeout_seconds: float = Field(
+        10.0, gt=0, description="How long a resync waits for an agent's snapshot."
+    )
+    receive_hwm: int = Field(
+        100_000,
+        ge=1,
+        description="Events queued per agent before ZMQ drops them (a drop causes a resync).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.discovery == "static" and not self.agents:
+            raise SettingError(
+                "static discovery needs agents: --agent NODE=ZMQ,EVENTS, agents in the "
+                "configuration file, or discovery kubernetes",
+                agents=self.agents,
+            )
+        nodes = [agent.node for agent in self.agents]
+        again = {n: node for n, node in enumerate(nodes) if node in nodes[:n]}
+        if again:
+            raise SettingError(
+                f"each node may be listed once: {', '.join(sorted(set(again.values())))} "
+                "more than once",
+                at={("agents", n, "node"): node for n, node in again.items()},
+            )
+        return self
+
+    def routing_policy(self) -> RoutingPolicy:
+        return RoutingPolicy(self.load_factor, self.min_match_ratio, self.load_slack)
+
+    @property
+    def resolved_agent_token_file(self) -> Path:
+        return self.agent_token_file or generated_token_path(self.state_dir, "index", self.pool)
+
+    @property
+    def generated_token_file(self) -> Path:
+        return self.state_dir / f"index-admin-token-{self.pool}"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, ConfigFileSource(settings_cls, cls.config_file_env))

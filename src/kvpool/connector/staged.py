@@ -1,0 +1,161 @@
+"""Chunk copies between a GPU's KV blocks and host memory, through staging slabs.
+
+A chunk's bytes are layer after layer (:mod:`kvpool.connector.layout`); vLLM's blocks
+are scattered over each layer's cache. Copying each layer's blocks straight to the host costs
+one DMA per layer, each waiting for its gather, and the copy engine idles in between (measured
+on an H200, Llama-3-8B layout: 0.83 x the raw PCIe copy for 2048-token chunks, 0.41 for
+256-token ones). Here a chunk moves as *slabs*: runs of whole layers of at most ``SLAB_BYTES``
+(at least one layer). On the *gather* stream each layer's blocks are gathered into a slab
+buffer on the GPU (one ``index_select`` per layer, at device-memory speed); on the *DMA*
+stream the slab goes to the host in one copy, while the next slab is being gathered into the
+other buffer. A load runs the other way (DMA into a slab, then one ``index_copy_`` per layer).
+Two buffers of ``SLAB_BYTES`` (or one layer, if larger) are the GPU memory this costs.
+
+Events order the two streams: a gather waits until the DMA that last read its buffer has
+finished, a DMA waits for its gather (and a load's scatter for its DMA, the next DMA into the
+buffer for that scatter). Only the caller's streams are synchronised with the outside:
+a store's gathers start after the compute stream's work so far (the blocks are computed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvpool.connector.layout import ChunkFormat
+
+SLAB_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class Slab:
+    """A run of whole layers of one group: bytes ``offset`` to ``offset + size`` of a chunk."""
+
+    group: int
+    layers: range
+    offset: int
+    size: int
+
+
+def slabs(chunk_format: ChunkFormat, limit: int = SLAB_BYTES) -> list[Slab]:
+    """The chunk's layers in runs of at most ``limit`` bytes (a larger layer runs alone)."""
+    result: list[Slab] = []
+    offset = 0
+    for index, group in enumerate(chunk_format.groups):
+        layer_bytes = group.kept * group.page_bytes
+        per_slab = max(1, limit // layer_bytes) if layer_bytes else group.layers
+        for first in range(0, group.layers, per_slab):
+            layers = range(first, min(first + per_slab, group.layers))
+            result.append(Slab(index, layers, offset, len(layers) * layer_bytes))
+            offset += len(layers) * layer_bytes
+    return result
+
+
+class StagedCopies:
+    """Pipelined store and load of chunks for one set of caches on one CUDA device."""
+
+    def __init__(
+        self,
+        caches: Sequence[Sequence[torch.Tensor]],
+        chunk_format: ChunkFormat,
+        slab_bytes: int = SLAB_BYTES,
+    ) -> None:
+        self._caches = caches
+        self._format = chunk_format
+        self._slabs = slabs(chunk_format, slab_bytes)
+        self.device = caches[0][0].device
+        self.dma = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        self.gather = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        """Where a store's gathers and a load's scatters run."""
+        size = max(slab.size for slab in self._slabs)
+        self._buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        self._free = [torch.cuda.Event() for _ in range(2)]  # type: ignore[no-untyped-call]
+        """Recorded when the last user of each buffer is done with it."""
+        self._turn = 0
+
+    def _pages(self, buffer: torch.Tensor, slab: Slab) -> list[torch.Tensor]:
+        """The slab's layers in ``buffer``, each ``[kept, *page]``."""
+        group = self._format.groups[slab.group]
+        layer_bytes = group.kept * group.page_bytes
+        return [
+            buffer[i * layer_bytes : (i + 1) * layer_bytes]
+            .view(group.dtype)
+            .view(group.kept, *group.page_shape)
+            for i in range(len(slab.layers))
+        ]
+
+    def _next_buffer(self) -> tuple[torch.Tensor, torch.cuda.Event]:
+        turn = self._turn
+        self._turn ^= 1
+        return self._buffers[turn], self._free[turn]
+
+    def store(self, chunk: torch.Tensor, block_ids: Sequence[Sequence[int]]) -> torch.cuda.Event:
+        """Gather the kept blocks (``block_ids[g]``) and copy them into ``chunk`` (host memory); the
+        event is recorded when the bytes are there."""
+        self.gather.wait_stream(torch.cuda.current_stream(self.device))  # blocks computed
+        with torch.cuda.stream(self.gather):
+            indexes = [
+                torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+                for ids in block_ids
+            ]
+        for slab in self._slabs:
+            buffer, free = self._next_buffer()
+            self.gather.wait_event(free)
+            with torch.cuda.stream(self.gather):
+                for layer, pages in zip(slab.layers, self._pages(buffer, slab), strict=True):
+                    cache = self._caches[slab.group][layer]
+                    torch.index_select(cache, 0, indexes[slab.group], out=pages)
+            gathered = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            gathered.record(self.gather)
+            self.dma.wait_event(gathered)
+            with torch.cuda.stream(self.dma):
+                chunk[slab.offset : slab.offset + slab.size].copy_(
+                    buffer[: slab.size], non_blocking=True
+                )
+            free.record(self.dma)
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record(self.dma)
+        return done
+
+    def load(
+        self, chunk: torch.Tensor, targets: Sequence[tuple[int, Sequence[int]]]
+    ) -> torch.cuda.Event:
+        """Copy ``chunk`` (host memory) into the blocks: per group ``(first, block_ids)``, the
+        group's kept blocks from ``first`` on go to ``block_ids``; the event is recorded when
+        every block holds its bytes."""
+        self.gather.wait_stream(torch.cuda.current_stream(self.device))  # blocks are free
+        with torch.cuda.stream(self.gather):
+            indexes = [
+                torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+                if ids
+                else None
+                for _, ids in targets
+            ]
+        for slab in self._slabs:
+            first, ids = targets[slab.group]
+            index = indexes[slab.group]
+            if index is None:
+                continue  # vLLM wants none of this group's blocks
+            buffer, free = self._next_buffer()
+            self.dma.wait_event(free)
+            with torch.cuda.stream(self.dma):
+                buffer[: slab.size].copy_(
+                    chunk[slab.offset : slab.offset + slab.size], non_blocking=True
+                )
+            arrived = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            arrived.record(self.dma)
+            self.gather.wait_event(arrived)
+            with torch.cuda.stream(self.gather):
+                for layer, pages in zip(slab.layers, self._pages(buffer, slab), strict=True):
+                    cache = self._caches[slab.group][layer]
+                    cache.index_copy_(0, index, pages[first : first + len(ids)])
+            free.record(self.gather)
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record(self.gather)
+        return done
+
+    def synchronize(self) -> None:
+        self.dma.synchronize()
+        self.gather.synchronize()

@@ -1,0 +1,161 @@
+"""Prometheus metrics of the index: the only index module that touches prometheus_client.
+
+Per node (label ``node``; a pool has one agent per node, so the label is
+bounded by the cluster): chunks tracked, chunks dropped by the cap, events
+applied, resyncs by reason, failed snapshot requests, whether the node is
+synchronised and connected, the lag of its last event (receive time minus
+the agent's publish time; as exact as the nodes' clocks agree) and the age of
+its last event (a quiet agent grows it, a late stream grows the lag). These are
+read from the tracker and the subscriber at scrape time. Queries are timed by
+:class:`~kvpool.index.service.IndexService` through
+:meth:`IndexMetrics.observe_query`; routing decisions are counted by reason.
+A gap in sequence numbers (counted as a ``gap`` resync) is the certain sign of
+lost events.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from kvpool.common.routing import Decision
+from kvpool.common.web.connections import HttpRefusals
+from kvpool.common.web.refusal_metrics import HttpRefusalsCollector
+from kvpool.index.subscriber import AgentStatus
+from kvpool.index.tracker import PrefixTracker
+
+_QUERY_BUCKETS = (
+    0.00005,
+    0.0001,
+    0.0002,
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.05,
+    0.25,
+)
+
+
+class _IndexCollector(Collector):
+    def __init__(
+        self,
+        tracker: PrefixTracker,
+        agents: Callable[[], list[AgentStatus]],
+        clock: Callable[[], float],
+    ) -> None:
+        self._tracker = tracker
+        self._agents = agents
+        self._clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        chunks = GaugeMetricFamily(
+            "kvpool_index_chunks", "Chunks tracked, by node.", labels=["node"]
+        )
+        evicted = CounterMetricFamily(
+            "kvpool_index_cap_evicted",
+            "Chunks dropped because the node was over max_chunks_per_node, by node.",
+            labels=["node"],
+        )
+        for node, counts in sorted(self._tracker.counts().items()):
+            chunks.add_metric([node], counts.chunks)
+            evicted.add_metric([node], counts.cap_evicted)
+        yield chunks
+        yield evicted
+
+        events = CounterMetricFamily(
+            "kvpool_index_events", "Chunk events applied, by node.", labels=["node"]
+        )
+        resyncs = CounterMetricFamily(
+            "kvpool_index_resyncs",
+            "Resynchronisations from a snapshot, by node and reason (connected, restart, gap).",
+            labels=["node", "reason"],
+        )
+        failures = CounterMetricFamily(
+            "kvpool_index_snapshot_failures",
+            "Snapshot requests that failed or timed out (retried), by node.",
+            labels=["node"],
+        )
+        synced = GaugeMetricFamily(
+            "kvpool_index_agent_synced",
+            "1 while the node's keys are a snapshot plus every later event.",
+            labels=["node"],
+        )
+        connected = GaugeMetricFamily(
+            "kvpool_index_agent_connected",
+            "1 while the index is connected to the node's event socket.",
+            labels=["node"],
+        )
+        age = GaugeMetricFamily(
+            "kvpool_index_last_event_age_seconds",
+            "Seconds since the node's last chunk event (absent before the first).",
+            labels=["node"],
+        )
+        lag = GaugeMetricFamily(
+            "kvpool_index_event_lag_seconds",
+            "Receive time minus publish time of the node's last chunk event.",
+            labels=["node"],
+        )
+        now = self._clock()
+        for agent in sorted(self._agents(), key=lambda status: status.endpoint.node):
+            node = agent.endpoint.node
+            events.add_metric([node], agent.events)
+            for reason, count in agent.resyncs.items():
+                resyncs.add_metric([node, reason], count)
+            failures.add_metric([node], agent.snapshot_failures)
+            synced.add_metric([node], int(agent.synced))
+            connected.add_metric([node], int(agent.connected))
+            if agent.last_event is not None:
+                age.add_metric([node], max(0.0, now - agent.last_event))
+            if agent.event_lag is not None:
+                lag.add_metric([node], agent.event_lag)
+        yield from (events, resyncs, failures, synced, connected, age, lag)
+
+
+class IndexMetrics:
+    """The :class:`~kvpool.index.service.QueryObserver` of the index process."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        tracker: PrefixTracker,
+        agents: Callable[[], list[AgentStatus]],
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.registry = registry
+        registry.register(_IndexCollector(tracker, agents, clock))
+        self._latency = Histogram(
+            "kvpool_index_query_seconds",
+            "Time to answer a lookup or route in the index, key hashing included, by operation.",
+            ["op"],
+            buckets=_QUERY_BUCKETS,
+            registry=registry,
+        )
+        self._decisions = Counter(
+            "kvpool_index_route_decisions",
+            "Routing decisions, by reason (longest_match, overloaded, low_match).",
+            ["reason"],
+            registry=registry,
+        )
+
+    def register_http(self, refusals: HttpRefusals) -> None:
+        """Count what the HTTP server refuses (see
+        :func:`~kvpool.common.web.serving.serve_http`)."""
+        self.registry.register(HttpRefusalsCollector(refusals, "kvpool_index_http_refused"))
+
+    def observe_query(self, op: str, seconds: float) -> None:
+        self._latency.labels(op).observe(seconds)
+
+    def observe_decision(self, decision: Decision) -> None:
+        self._decisions.labels(decision.reason.value).inc()
+
+    def exposition(self) -> tuple[bytes, str]:
+        """The text format body and its content type, for GET /metrics."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,471 @@
+"""Follow the chunk events of many agents and keep the tracker in step with each of them.
+
+One thread serves every agent: a SUB socket on the agent's event endpoint
+(:mod:`kvpool.agent.edge.events`) and, while resynchronising, a DEALER on its ZMQ
+protocol endpoint. Per agent the subscriber is in one of two states::
+
+    following ──(gap | new agent id | (re)connected)──► resyncing
+        ▲                                                   │ hello → snapshot
+        └──────────── snapshot applied, buffered events ◄───┘ (retried with backoff)
+
+* **following**: an event with ``seq == last + 1`` from the same agent id is
+  applied; an older ``seq`` is already reflected and skipped.
+* **resync** starts when ``seq`` jumps (the subscriber fell behind and PUB
+  dropped messages, or the connection was down), when the agent id changes
+  (the agent restarted), and whenever the SUB socket (re)connects (a restarted
+  or unreachable agent that publishes nothing is still caught up). The
+  subscriber says ``hello`` and asks for a ``snapshot`` (after a (re)connection,
+  ``settle`` seconds later, so that the agent has the subscription before it
+  takes the snapshot); events that arrive meanwhile are buffered (bounded; what
+  overflows shows up as a gap later).
+  The snapshot replaces the node's keys in the tracker; buffered events of the
+  same agent with a later ``seq`` are then applied in order.
+* While resynchronising, queries still see the node's previous keys: stale
+  for a moment, never empty.
+
+Both connections carry the index's token (an index's or an admin's token of the pool):
+in ``hello``, and as the PLAIN password of the SUB socket; an agent that refuses it is
+logged once per connection attempt's failure and retried like an unreachable one.
+
+Only L1 events are tracked: routing is about what a node can serve from its
+segment. Agents leave through :meth:`EventSubscriber.follow` (discovery says
+the pod is gone): their keys are dropped from the tracker.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import msgspec
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvpool.common import protocol as p
+from kvpool.common.kube.discovery import AgentEndpoint
+from kvpool.common.web.rate_limited_log import RateLimitedLog
+
+log = logging.getLogger(__name__)
+_failures = RateLimitedLog(log)
+"""A failure that recurs on every poll logs one traceback a minute per node."""
+
+TRACKED_TIER = "l1"
+CLIENT_NAME = "kvpool-index"
+_DRAIN_BATCH = 1024
+"""Events taken from one agent per loop turn, so one busy agent cannot starve the others."""
+
+
+class IndexSink(Protocol):
+    """Where the subscriber writes (:class:`~kvpool.index.tracker.PrefixTracker`)."""
+
+    def stored(self, node: str, keys: Sequence[bytes]) -> None: ...
+
+    def removed(self, node: str, keys: Iterable[bytes]) -> None: ...
+
+    def replace(self, node: str, keys: Iterable[bytes]) -> None: ...
+
+    def drop_node(self, node: str) -> None: ...
+
+
+class ResyncReason(enum.StrEnum):
+    CONNECTED = "connected"
+    """The event socket connected: first contact, or back after a disconnection."""
+    RESTART = "restart"
+    """An event came from a new agent id."""
+    GAP = "gap"
+    """Sequence numbers skipped: events were lost."""
+
+
+@dataclass(frozen=True)
+class AgentStatus:
+    endpoint: AgentEndpoint
+    agent_id: str | None
+    seq: int
+    """The last event applied (or the snapshot's)."""
+    synced: bool
+    """The tracker holds a snapshot of this agent plus every later event."""
+    connected: bool
+    events: int
+    """Events applied since the agent was first followed."""
+    resyncs: dict[str, int]
+    """Resynchronisations started, by :class:`ResyncReason`."""
+    snapshot_failures: int
+    """Hello or snapshot requests that failed or timed out (each is retried)."""
+    last_event: float | None
+    """Unix time of the last event received."""
+    event_lag: float | None = None
+    """Receive time minus publish time of the last event that carried one."""
+
+
+@dataclass(eq=False)
+class _Follower:
+    endpoint: AgentEndpoint
+    sub: zmq.Socket[bytes]
+    monitor: zmq.Socket[bytes]
+    dealer: zmq.Socket[bytes] | None = None
+    session: int | None = None
+    deadline: float = 0.0
+    """Monotonic time a request in flight times out, or a failed one is retried."""
+    backoff: float = 0.0
+    resyncing: bool = False
+    buffer: list[p.ChunkEvent] = field(default_factory=list)
+    agent_id: str | None = None
+    seq: int = 0
+    synced: bool = False
+    connected: bool = False
+    refused: bool = False
+    """The agent's events port refused the index's token (logged once until it accepts)."""
+    events: int = 0
+    resyncs: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ResyncReason, 0))
+    snapshot_failures: int = 0
+    last_event: float | None = None
+    event_lag: float | None = None
+
+    def status(self) -> AgentStatus:
+        return AgentStatus(
+            self.endpoint,
+            self.agent_id,
+            self.seq,
+            self.synced,
+            self.connected,
+            self.events,
+            dict(self.resyncs),
+            self.snapshot_failures,
+            self.last_event,
+            self.event_lag,
+        )
+
+
+class EventSubscriber:
+    def __init__(
+        self,
+        sink: IndexSink,
+        *,
+        token: str,
+        snapshot_timeout: float = 10.0,
+        max_backoff: float = 30.0,
+        settle: float = 0.2,
+        receive_hwm: int = 100_000,
+        max_buffered_events: int = 100_000,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._sink = sink
+        self._token = token
+        self._snapshot_timeout = snapshot_timeout
+        self._max_backoff = max_backoff
+        self._settle = settle
+        self._receive_hwm = receive_hwm
+        self._max_buffered = max_buffered_events
+        self._clock = clock
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._wake_endpoint = f"inproc://kvpool-index-{uuid.uuid4().hex}"
+        self._lock = threading.Lock()
+        self._wanted: dict[str, AgentEndpoint] | None = None
+        """Agents named by follow() and not yet applied by the loop thread."""
+        self._followed = False
+        """The loop thread has applied a follow() (set after it replaced the followers)."""
+        self._followers: dict[str, _Follower] = {}
+        """Replaced, never mutated, by the loop thread: other threads read a consistent copy."""
+        self._requests = itertools.count(1)
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------- interface
+
+    def start(self) -> None:
+        wake = self._context.socket(zmq.PULL)
+        wake.bind(self._wake_endpoint)
+        self._thread = threading.Thread(
+            target=self._run, args=(wake,), name="kvpool-index-events", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._signal(b"stop")
+        self._thread.join()
+        self._thread = None
+
+    def follow(self, endpoints: Iterable[AgentEndpoint]) -> None:
+        """Follow exactly these agents from now on (any thread; discovery calls this).
+
+        One agent per node: of two endpoints for one node, the last one counts.
+        """
+        wanted = {endpoint.node: endpoint for endpoint in endpoints}
+        with self._lock:
+            self._wanted = wanted
+        self._signal(b"follow")
+
+    def caught_up(self) -> bool:
+        """Whether the agents to follow have been named (by discovery) and the index holds a
+        synchronised copy of every one of them."""
+        with self._lock:
+            applied = self._followed and self._wanted is None
+        return applied and all(follower.synced for follower in self._followers.values())
+
+    def status(self) -> list[AgentStatus]:
+        return [follower.status() for follower in self._followers.values()]
+
+    def _signal(self, command: bytes) -> None:
+        waker = self._context.socket(zmq.PUSH)
+        waker.connect(self._wake_endpoint)
+        waker.send(command)
+        waker.close(linger=1000)
+
+    # ------------------------------------------------------------------ loop
+
+    def _run(self, wake: zmq.Socket[bytes]) -> None:
+        self._apply_wanted()  # agents named before start()
+        try:
+            while True:
+                poller = zmq.Poller()
+                poller.register(wake, zmq.POLLIN)
+                for follower in self._followers.values():
+                    poller.register(follower.sub, zmq.POLLIN)
+                    poller.register(follower.monitor, zmq.POLLIN)
+                    if follower.dealer is not None:
+                        poller.register(follower.dealer, zmq.POLLIN)
+                ready = dict(poller.poll(self._poll_timeout_ms()))
+                if wake in ready:
+                    if wake.recv() == b"stop":
+                        return
+                    self._apply_wanted()
+                for follower in list(self._followers.values()):
+                    try:
+                        self._serve(follower, ready)
+                    except Exception:  # one agent's bug must not stop following the others
+                        _failures.exception(
+                            f"node {follower.endpoint.node}: failed to handle its sockets"
+                        )
+                self._check_deadlines()
+        finally:
+            for follower in self._followers.values():
+                self._close(follower)
+            self._followers = {}
+            wake.close()
+
+    def _serve(self, follower: _Follower, ready: dict[zmq.Socket[bytes], int]) -> None:
+        if follower.monitor in ready:
+            self._on_monitor(follower)
+        if follower.sub in ready:
+            self._drain(follower)
+        if follower.dealer is not None and follower.dealer in ready:
+            self._on_reply(follower)
+
+    def _poll_timeout_ms(self) -> int:
+        waiting = [f.deadline for f in self._followers.values() if f.resyncing]
+        if not waiting:
+            return -1
+        return max(0, int((min(waiting) - time.monotonic()) * 1000) + 1)
+
+    def _apply_wanted(self) -> None:
+        with self._lock:
+            wanted, self._wanted = self._wanted, None
+        if wanted is None:
+            return
+        followers = dict(self._followers)
+        for node, follower in list(followers.items()):
+            if wanted.get(node) != follower.endpoint:
+                self._close(follower)
+                del followers[node]
+                if node not in wanted:
+                    self._sink.drop_node(node)
+                    log.info("agent of node %s is gone; its chunks are dropped", node)
+        for node, endpoint in wanted.items():
+            if node not in followers:
+                followers[node] = self._open(endpoint)
+                log.info("following agent of node %s at %s", node, endpoint.events)
+        self._followers = followers
+        with self._lock:
+            self._followed = True
+
+    def _open(self, endpoint: AgentEndpoint) -> _Follower:
+        sub = self._context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, self._receive_hwm)
+        sub.setsockopt(zmq.RECONNECT_IVL, 100)
+        sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        sub.setsockopt(zmq.SUBSCRIBE, p.EVENTS_TOPIC)
+        sub.setsockopt(zmq.PLAIN_USERNAME, CLIENT_NAME.encode())
+        sub.setsockopt(zmq.PLAIN_PASSWORD, self._token.encode())
+        monitor = sub.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        )
+        sub.connect(endpoint.events)
+        return _Follower(endpoint, sub, monitor)
+
+    def _close(self, follower: _Follower) -> None:
+        self._end_request(follower)
+        follower.sub.disable_monitor()
+        follower.monitor.close(linger=0)
+        follower.sub.close(linger=0)
+
+    # ---------------------------------------------------------------- events
+
+    def _on_monitor(self, follower: _Follower) -> None:
+        while follower.monitor.poll(0):
+            event = recv_monitor_message(follower.monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                follower.connected, follower.refused = True, False
+                self._resync(follower, ResyncReason.CONNECTED)
+            elif event == zmq.EVENT_DISCONNECTED:
+                follower.connected = False
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and not follower.refused:
+                follower.refused = True  # logged once, until a handshake succeeds
+                log.error(
+                    "node %s refused the index's token on its events port %s: give the index "
+                    "an index token of the pool (agent_token_file)",
+                    follower.endpoint.node,
+                    follower.endpoint.events,
+                )
+
+    def _drain(self, follower: _Follower) -> None:
+        for _ in range(_DRAIN_BATCH):
+            try:
+                topic, body = follower.sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:
+                log.warning("node %s: an event not in two frames, ignored", follower.endpoint.node)
+                continue
+            if topic != p.EVENTS_TOPIC:
+                continue
+            try:
+                event = p.decode_event(body)
+            except msgspec.MsgspecError as error:
+                log.warning("node %s: undecodable event ignored: %s", follower.endpoint.node, error)
+                continue
+            follower.last_event = now = self._clock()
+            if event.time:
+                follower.event_lag = max(0.0, now - event.time)
+            self._on_event(follower, event)
+
+    def _on_event(self, follower: _Follower, event: p.ChunkEvent) -> None:
+        if follower.resyncing:
+            if len(follower.buffer) < self._max_buffered:
+                follower.buffer.append(event)
+            return
+        if event.agent != follower.agent_id:
+            first = follower.agent_id is None
+            self._resync(follower, ResyncReason.CONNECTED if first else ResyncReason.RESTART)
+            follower.buffer.append(event)
+        elif event.seq > follower.seq + 1:
+            self._resync(follower, ResyncReason.GAP)
+            follower.buffer.append(event)
+        elif event.seq == follower.seq + 1:
+            self._apply(follower, event)
+
+    def _apply(self, follower: _Follower, event: p.ChunkEvent) -> None:
+        follower.seq = event.seq
+        follower.events += 1
+        if event.tier != TRACKED_TIER:
+            return
+        if event.kind == "stored":
+            self._sink.stored(follower.endpoint.node, event.keys)
+        elif event.kind == "removed":
+            self._sink.removed(follower.endpoint.node, event.keys)
+        else:
+            log.warning(
+                "node %s: unknown event kind %r ignored", follower.endpoint.node, event.kind
+            )
+
+    # ---------------------------------------------------------------- resync
+
+    def _resync(self, follower: _Follower, reason: ResyncReason) -> None:
+        if follower.resyncing:
+            return
+        log.info("resynchronising with node %s: %s", follower.endpoint.node, reason)
+        follower.resyncs[reason] += 1
+        follower.resyncing = True
+        follower.synced = False
+        follower.buffer = []
+        follower.backoff = 0.0
+        if reason == ResyncReason.CONNECTED:
+            # The subscription travels after the connection: a snapshot taken before the
+            # agent has it could miss the events in between, unnoticed while the agent is quiet.
+            follower.deadline = time.monotonic() + self._settle
+        else:
+            self._send_hello(follower)
+
+    def _send_hello(self, follower: _Follower) -> None:
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(follower.endpoint.zmq)
+        dealer.send(
+            p.encode(p.Hello(next(self._requests), p.PROTOCOL_VERSION, CLIENT_NAME, self._token))
+        )
+        follower.dealer = dealer
+        follower.session = None
+        follower.deadline = time.monotonic() + self._snapshot_timeout
+
+    def _on_reply(self, follower: _Follower) -> None:
+        assert follower.dealer is not None
+        try:
+            reply = p.decode_reply(follower.dealer.recv())
+        except p.ProtocolError as error:
+            self._failed(follower, str(error))
+            return
+        if isinstance(reply, p.HelloReply) and follower.session is None:
+            follower.session = reply.session
+            follower.dealer.send(p.encode(p.Snapshot(next(self._requests), reply.session)))
+            follower.deadline = time.monotonic() + self._snapshot_timeout
+        elif isinstance(reply, p.SnapshotReply) and follower.session is not None:
+            self._end_request(follower)
+            self._synced(follower, reply)
+        elif isinstance(reply, p.Error):
+            self._failed(follower, f"{reply.code}: {reply.message}")
+        else:
+            self._failed(follower, f"unexpected reply {type(reply).__name__}")
+
+    def _synced(self, follower: _Follower, snapshot: p.SnapshotReply) -> None:
+        node = follower.endpoint.node
+        self._sink.replace(node, itertools.chain.from_iterable(snapshot.tenants.values()))
+        log.info(
+            "node %s synchronised: agent %s, %d chunks at event %d",
+            node,
+            snapshot.agent,
+            sum(len(keys) for keys in snapshot.tenants.values()),
+            snapshot.seq,
+        )
+        follower.agent_id = snapshot.agent
+        follower.seq = snapshot.seq
+        follower.resyncing = False
+        follower.synced = True
+        buffered, follower.buffer = follower.buffer, []
+        for event in buffered:
+            if event.agent == snapshot.agent:  # others predate the agent that answered
+                self._on_event(follower, event)
+
+    def _failed(self, follower: _Follower, why: str) -> None:
+        follower.snapshot_failures += 1
+        self._end_request(follower)
+        follower.backoff = min(self._max_backoff, max(0.5, follower.backoff * 2))
+        follower.deadline = time.monotonic() + follower.backoff
+        log.warning(
+            "node %s: snapshot failed (%s); retrying in %.1fs",
+            follower.endpoint.node,
+            why,
+            follower.backoff,
+        )
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        for follower in self._followers.values():
+            if not follower.resyncing or follower.deadline > now:
+                continue
+            if follower.dealer is not None:
+                self._failed(follower, f"no answer within {self._snapshot_timeout}s")
+            else:
+                self._send_hello(follower)
+
+    def _end_request(self, follower: _Follower) -> None:
+        if follower.dealer is not None:
+            follower.dealer.close(linger=0)
+            follower.dealer = None

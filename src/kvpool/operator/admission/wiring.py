@@ -1,0 +1,263 @@
+"""The pure mutation: a pod labelled ``kvpool.io/cache-pool`` and what the operator knows
+(its namespace's tenants, the pools) in; a JSON patch and warnings out. No I/O.
+
+The patch adds, and replaces nothing: the volume ``kvpool-segment`` (an inline volume of
+the CSI driver ``csi.kvpool.io``, attributes ``pool`` and ``namespace``), and in every
+container of ``spec.containers`` (init containers are left alone) its mount at
+``/var/run/kvpool`` and the connector's environment, each variable unless the container
+already sets it: ``KVPOOL_ENDPOINT`` (the pool Service's ZMQ port, so that the connector
+never asks the Kubernetes API), ``KVPOOL_DOOR_PATH`` (the agent's door, a Unix socket),
+``KVPOOL_CHUNK_TOKENS``, and ``KVPOOL_TOKEN`` and ``KVPOOL_CACHE_SALT`` from the tenant's
+Secret ``<tenant>-kvpool`` (``optional``: a refused tenant's pod starts, and its connector
+says why; no ``KVPOOL_TOKEN`` for a container that sets ``KVPOOL_TOKEN_FILE``, which it
+would beat).
+
+What the CSI plugin publishes in that volume depends on the pod's namespace, as the
+kubelet tells it. A tenant's pod (any namespace but the pool's ``engineNamespaces``) gets
+only the pool directory's door (``segment.door/``), read-only (the volume and its mounts
+say ``readOnly`` too): ``KVPOOL_DOOR_PATH`` is ``/var/run/kvpool/agent.sock``, and the door
+hands its connector the chunk files its token may map (its own tenant's, and its spaces'), so it
+needs no group. A pod of one of the pool's ``engineNamespaces`` (engines the platform team
+runs and trusts as it trusts the agents) gets the pool's whole directory, whose probe table
+lists every tenant's keys on the node: ``KVPOOL_DOOR_PATH`` is
+``/var/run/kvpool/segment.door/agent.sock``, and it gets ``KVPOOL_SEGMENT_PATH`` (beside
+which its scheduler reads the probe table) and the agents' group (10001) in
+``spec.securityContext.supplementalGroups`` too: the probe table is 0640 in a 0710
+directory of that group, so the pod's own (non-root) uid may read it.
+
+Nothing privileged: no hostPath, no capability, no user change (Pod Security
+"restricted" allows csi volumes). A pod that already has the volume is left as it is. A
+label that names no pool of one tenant of the namespace (none, several, a value that is no
+DNS label, a tenant whose pool is not there or does not accept it) leaves the pod
+unchanged, with one warning line that names the value and the namespace.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool.common.names import (
+    CACHE_POOL_LABEL,
+    CACHE_SALT_ENV,
+    CONNECTOR_CHUNK_TOKENS_ENV,
+    CONNECTOR_DOOR_PATH_ENV,
+    CONNECTOR_ENDPOINT_ENV,
+    CONNECTOR_SEGMENT_PATH_ENV,
+    CONNECTOR_TOKEN_ENV,
+    CONNECTOR_TOKEN_FILE_ENV,
+    CSI_DRIVER,
+    CSI_NAMESPACE_ATTRIBUTE,
+    CSI_POOL_ATTRIBUTE,
+    DOOR_DIRECTORY,
+    DOOR_SOCKET,
+    SEGMENT_FILE,
+    SEGMENT_MOUNT_DIR,
+    service_name,
+)
+from kvpool.operator.render.pods import AGENT_UID
+from kvpool.operator.tenants import SECRET_SUFFIX
+
+VOLUME = "kvpool-segment"
+"""The name of the pool's volume (and of its mounts): the pool's directory in an engine's
+pod, its door in a tenant's."""
+AGENT_GROUP = AGENT_UID
+"""The agents' group, which owns a pool's segment directory on a node."""
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_DNS_LABEL_MAX = 63
+_UNWIRED = "the pod runs without the cache"
+
+Obj = Mapping[str, Any]
+JsonPatch = list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class PoolFacts:
+    """What a pod needs of its pool: where its Service is, and its chunk size."""
+
+    name: str
+    namespace: str
+    zmq_port: int
+    chunk_tokens: int
+    engine_namespaces: frozenset[str] = frozenset()
+    """Namespaces whose pods map the node's segment (``spec.engineNamespaces``)."""
+
+
+@dataclass(frozen=True)
+class Binding:
+    """A KVCacheTenant of the pod's namespace that binds a pool of the label's name: the
+    tenant, its pool's namespace, and the pool (None: no such pool, or not a valid one)."""
+
+    tenant: str
+    pool_namespace: str
+    pool: PoolFacts | None
+    refused: str = ""
+    """Why the pool does not accept the tenant (its Accepted condition's reason; empty:
+    accepted, or not decided yet)."""
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """The JSON patch (RFC 6902; empty: the pod is admitted as it is) and the warnings."""
+
+    patch: JsonPatch = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def is_pool_name(value: str) -> bool:
+    """A label value that can name a pool: a DNS label."""
+    return len(value) <= _DNS_LABEL_MAX and _DNS_LABEL.fullmatch(value) is not None
+
+
+def _quoted(value: str) -> str:
+    """A label value in a warning: printable ASCII only (warnings travel in HTTP headers)."""
+    text = value if value.isascii() and value.isprintable() else ascii(value)[1:-1]
+    return f"'{text[:80]}'" if not is_pool_name(value) else text
+
+
+def wire(pod: Obj, namespace: str, bindings: Sequence[Binding]) -> Wiring:
+    """The patch for ``pod`` (being created in ``namespace``), given the tenants of the
+    namespace whose ``poolRef.name`` is the value of the pod's label."""
+    value = str((pod.get("metadata") or {}).get("labels", {}).get(CACHE_POOL_LABEL, ""))
+    spec = pod.get("spec") or {}
+    if any(volume.get("name") == VOLUME for volume in spec.get("volumes") or ()):
+        return Wiring()
+    if not is_pool_name(value):
+        return _unwired(
+            f"label {CACHE_POOL_LABEL}={_quoted(value)} in namespace {namespace} is not a "
+            f"pool name (a DNS label)"
+        )
+    if not bindings:
+        return _unwired(f"no KVCacheTenant in namespace {namespace} binds pool {value}")
+    if len(bindings) > 1:
+        names = ", ".join(sorted(binding.tenant for binding in bindings))
+        return _unwired(
+            f"{len(bindings)} KVCacheTenants in namespace {namespace} bind pool {value} "
+            f"({names}); label the pod for one pool of one tenant"
+        )
+    binding = bindings[0]
+    if binding.pool is None:
+        return _unwired(
+            f"KVCacheTenant {namespace}/{binding.tenant} binds pool "
+            f"{binding.pool_namespace}/{value}, which does not exist or is not valid"
+        )
+    if binding.refused:
+        # the agents refuse its token (its messages and its door alike): say why here
+        return _unwired(
+            f"KVCacheTenant {namespace}/{binding.tenant} is not accepted by pool "
+            f"{binding.pool_namespace}/{value} ({binding.refused})"
+        )
+    maps_segment = namespace in binding.pool.engine_namespaces
+    return Wiring(patch=_patch(spec, binding.tenant, binding.pool, maps_segment))
+
+
+def _unwired(problem: str) -> Wiring:
+    return Wiring(warnings=[f"kvpool: {problem}; {_UNWIRED}"])
+
+
+def volume(pool: PoolFacts, maps_segment: bool) -> dict[str, Any]:
+    """The pool's CSI volume: read-only in a tenant's pod (the plugin publishes it so
+    anyway)."""
+    source: dict[str, Any] = {
+        "driver": CSI_DRIVER,
+        "volumeAttributes": {
+            CSI_POOL_ATTRIBUTE: pool.name,
+            CSI_NAMESPACE_ATTRIBUTE: pool.namespace,
+        },
+    }
+    if not maps_segment:
+        source["readOnly"] = True
+    return {"name": VOLUME, "csi": source}
+
+
+def mount(maps_segment: bool) -> dict[str, Any]:
+    """The volume's mount in each container: read-only in a tenant's pod."""
+    found = {"name": VOLUME, "mountPath": str(SEGMENT_MOUNT_DIR)}
+    return found if maps_segment else {**found, "readOnly": True}
+
+
+def environment(tenant: str, pool: PoolFacts, maps_segment: bool) -> list[dict[str, Any]]:
+    """The connector's variables, in this order (``KVPOOL_SEGMENT_PATH`` only for a pod that
+    maps the segment). ``KVPOOL_DOOR_PATH`` is the door socket in the volume: in the
+    ``door/`` of the pool's directory that an engine's pod gets, at the top of the door that
+    a tenant's pod gets."""
+    secret = f"{tenant}{SECRET_SUFFIX}"
+
+    def from_secret(name: str, key: str) -> dict[str, Any]:
+        ref = {"name": secret, "key": key, "optional": True}
+        return {"name": name, "valueFrom": {"secretKeyRef": ref}}
+
+    endpoint = f"tcp://{service_name(pool.name)}.{pool.namespace}.svc:{pool.zmq_port}"
+    variables = [{"name": CONNECTOR_ENDPOINT_ENV, "value": endpoint}]
+    door = SEGMENT_MOUNT_DIR / DOOR_SOCKET  # the volume is the door
+    if maps_segment:  # the volume is the pool's directory
+        segment = SEGMENT_MOUNT_DIR / SEGMENT_FILE
+        variables.append({"name": CONNECTOR_SEGMENT_PATH_ENV, "value": str(segment)})
+        door = SEGMENT_MOUNT_DIR / DOOR_DIRECTORY / DOOR_SOCKET
+    return [
+        *variables,
+        {"name": CONNECTOR_DOOR_PATH_ENV, "value": str(door)},
+        {"name": CONNECTOR_CHUNK_TOKENS_ENV, "value": str(pool.chunk_tokens)},
+        from_secret(CONNECTOR_TOKEN_ENV, "token"),
+        from_secret(CACHE_SALT_ENV, "salt"),
+    ]
+
+
+def _patch(spec: Obj, tenant: str, pool: PoolFacts, maps_segment: bool) -> JsonPatch:
+    patch: JsonPatch = []
+    _append(patch, "/spec/volumes", spec.get("volumes"), [volume(pool, maps_segment)])
+    variables = environment(tenant, pool, maps_segment)
+    for number, container in enumerate(spec.get("containers") or ()):
+        path = f"/spec/containers/{number}"
+        _append(patch, f"{path}/volumeMounts", container.get("volumeMounts"), [mount(maps_segment)])
+        own = {variable.get("name") for variable in container.get("env") or ()}
+        if CONNECTOR_TOKEN_FILE_ENV in own:  # its own token file (KVPOOL_TOKEN would win)
+            own.add(CONNECTOR_TOKEN_ENV)
+        added = [variable for variable in variables if variable["name"] not in own]
+        _append(patch, f"{path}/env", container.get("env"), added)
+    if maps_segment:
+        _add_agent_group(patch, spec.get("securityContext"))
+    return patch
+
+
+def _add_agent_group(patch: JsonPatch, context: Obj | None) -> None:
+    if context is None:
+        value = {"supplementalGroups": [AGENT_GROUP]}
+        patch.append({"op": "add", "path": "/spec/securityContext", "value": value})
+        return
+    groups = context.get("supplementalGroups")
+    if AGENT_GROUP not in (groups or ()):
+        _append(patch, "/spec/securityContext/supplementalGroups", groups, [AGENT_GROUP])
+
+
+def _append(patch: JsonPatch, path: str, current: object, items: list[Any]) -> None:
+    """Add ``items`` at the end of the list at ``path`` (``current``: absent, None, or the
+    list there now)."""
+    if not items:
+        return
+    if not current:
+        patch.append({"op": "add", "path": path, "value": items})
+    else:
+        patch += [{"op": "add", "path": f"{path}/-", "value": item} for item in items]
+
+
+def apply(patch: JsonPatch, body: dict[str, Any]) -> None:
+    """Apply the ``add`` operations of :func:`wire`'s patch to ``body`` in place."""
+    for operation in patch:
+        if operation["op"] != "add":
+            raise ValueError(f"only 'add' is applied here, not {operation['op']!r}")
+        *parents, last = operation["path"].removeprefix("/").split("/")
+        target: Any = body
+        for part in parents:
+            target = target[int(part)] if isinstance(target, list) else target[part]
+        value = copy.deepcopy(operation["value"])
+        if isinstance(target, list):
+            if last == "-":
+                target.append(value)
+            else:
+                target.insert(int(last), value)
+        else:
+            target[last] = value

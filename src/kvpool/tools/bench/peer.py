@@ -1,0 +1,239 @@
+"""``kvpool bench peer``: chunks moving between two nodes' agents through the peer tier,
+against a plain socket moving the same bytes over the same link; and the time to first
+token of a reader whose KV another node's engine stored, through the peer, through S3,
+recomputed.
+
+Two hosts on this machine, A and B (network namespaces cabled by veth pairs to one bridge:
+:mod:`kvpool.tools.bench.harness.hosts`); per chunk size of ``--chunk-mib``, ``--mib`` MiB of
+chunks move from A to B:
+
+* plain socket: one Python TCP connection from a sender in A to a receiver in B,
+  ``sendall`` of memoryviews into ``recv_into`` a touched buffer, no framing and no
+  request per chunk: the most this link carries (:mod:`kvpool.tools.bench.peer_socket`);
+* peer: agent A holds the chunks in its L1; agent B, whose only lower tier is A, pulls
+  them on a lookup with prefetch, timed until every chunk is loaded into its L1
+  (:mod:`kvpool.tools.bench.peer_agents`). Every pull is then checked byte for byte
+  (untimed). ``--skip-peer`` measures the link alone.
+
+Each of ``--runs`` runs moves every size once on each side, the side that goes first
+turning with the run, after one untimed warm-up run (connections, page faults). Figures:
+GB/s of each run, median [min-max]; the ratio is peer over plain socket within one run.
+Goal: the peer >= 0.8 of the plain socket from 2 MiB chunks on.
+
+Then (unless ``--skip-ttft``) the readers' table, on the same hosts with agents and vLLM
+engines of its own: :mod:`kvpool.tools.bench.peer_ttft`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import statistics
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvpool.common import problems
+from kvpool.tools.bench import peer_ttft
+from kvpool.tools.bench.harness.hosts import Hosts, HostsUnavailable
+from kvpool.tools.bench.peer_agents import PeerPair, peer_pair
+from kvpool.tools.bench.peer_socket import PlainLink
+from kvpool.tools.bench.report import (
+    add_chunk_mib,
+    command,
+    goal,
+    machine,
+    median_spread,
+    runs_said,
+    table,
+)
+
+MiB = 1 << 20
+SOCKET = "plain socket"
+PEER = "peer"
+GOAL = 0.8
+GOAL_FROM = 2 * MiB
+"""The peer moves >= GOAL of the plain socket's GB/s for chunks of GOAL_FROM bytes and up."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_chunk_mib(parser)
+    parser.add_argument(
+        "--mib", type=problems.number(int), default=256, help="MiB moved per transfer"
+    )
+    parser.add_argument(
+        "--runs", type=problems.number(int), default=5, help="timed runs of every size and side"
+    )
+    parser.add_argument(
+        "--skip-peer", action="store_true", help="no agents: the plain socket (the link) alone"
+    )
+    peer_ttft.add_arguments(parser)
+
+
+@dataclass(frozen=True)
+class Side:
+    """One way to move chunks from host A to host B: a transfer (``size, count`` -> its
+    seconds), and the processes on A and on B whose CPU it costs."""
+
+    transfer: Callable[[int, int], float]
+    pids: tuple[int, int]
+
+
+@dataclass
+class Results:
+    seconds: dict[tuple[str, int], list[float]] = field(default_factory=dict)
+    """Per (side, chunk size), the seconds of each timed run."""
+    cpu: dict[tuple[str, int], list[float]] = field(default_factory=dict)
+    """Per (side, chunk size), the CPU seconds of its process on A and on B in all timed
+    runs together."""
+    intact: bool = True
+    """Every pull of the peer side was the holder's bytes."""
+
+
+def run(args: argparse.Namespace) -> None:
+    try:
+        hosts = Hosts(2).start()
+    except HostsUnavailable as error:
+        raise SystemExit(f"kvpool bench peer needs two hosts on this machine: {error}") from None
+    counts = _counts(args)
+    with hosts, tempfile.TemporaryDirectory(prefix="kvpool-bench-peer-") as work:
+        transfers = _transfers(hosts, Path(work) / "transfers", counts, args)
+        readers = None if args.skip_ttft else peer_ttft.measure(hosts, Path(work) / "ttft", args)
+        mtu = Path(f"/sys/class/net/{hosts.hosts[0].link}/mtu").read_text().strip()
+    print(report(transfers, args, counts, mtu), flush=True)
+    if readers is not None:
+        print("\n" + peer_ttft.report(readers, args))
+    print("\n" + command("peer", args))
+    print(machine())
+
+
+def _transfers(
+    hosts: Hosts, workdir: Path, counts: dict[int, int], args: argparse.Namespace
+) -> Results:
+    """The transfer table's runs (the plain link and the agents started here, stopped on
+    return)."""
+    a, b = hosts.hosts
+    largest = max(size * count for size, count in counts.items())
+    with contextlib.ExitStack() as stack:
+        link = PlainLink(a, b, largest)
+        stack.callback(link.close)
+        sides = {SOCKET: Side(link.transfer, link.pids)}
+        pair: PeerPair | None = None
+        if not args.skip_peer:
+            workdir.mkdir()
+            pair = stack.enter_context(
+                peer_pair(
+                    a,
+                    b,
+                    workdir,
+                    holder_l1=_l1_bytes(sum(size * count for size, count in counts.items())),
+                    puller_l1=_l1_bytes(largest),
+                )
+            )
+            for size, count in counts.items():
+                pair.hold(size, count)
+            sides[PEER] = Side(pair.pull, pair.pids)
+        return measure(sides, counts, args.runs, pair)
+
+
+def _counts(args: argparse.Namespace) -> dict[int, int]:
+    """Chunks per transfer, by chunk size in bytes: ``--mib``'s worth, at least one."""
+    return {mib * MiB: max(1, args.mib // mib) for mib in args.chunk_mib}
+
+
+def _l1_bytes(stored: int) -> int:
+    """An L1 that holds ``stored`` bytes below the agent's low watermark: nothing evicted."""
+    return math.ceil(stored / 0.75 / MiB) * MiB + 64 * MiB
+
+
+def measure(
+    sides: dict[str, Side], counts: dict[int, int], runs: int, pair: PeerPair | None
+) -> Results:
+    results = Results()
+    names = list(sides)
+    for number in range(runs + 1):  # run 0: the warm-up
+        turn = number % len(names)
+        for size, count in counts.items():
+            for name in names[turn:] + names[:turn]:
+                side = sides[name]
+                before = [_cpu_seconds(pid) for pid in side.pids]
+                seconds = side.transfer(size, count)
+                if number:
+                    results.seconds.setdefault((name, size), []).append(seconds)
+                    cpu = results.cpu.setdefault((name, size), [0.0, 0.0])
+                    for index, pid in enumerate(side.pids):
+                        cpu[index] += _cpu_seconds(pid) - before[index]
+                if name == PEER and pair is not None:
+                    results.intact = results.intact and pair.pulled_intact(size, count)
+    return results
+
+
+def _cpu_seconds(pid: int) -> float:
+    """The user and system CPU seconds process ``pid`` has used (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def report(results: Results, args: argparse.Namespace, counts: dict[int, int], mtu: str) -> str:
+    peer = not args.skip_peer
+    rows = []
+    for size, count in counts.items():
+        moved = size * count
+        plain = [moved / seconds / 1e9 for seconds in results.seconds[(SOCKET, size)]]
+        row = [f"{size // MiB} MiB", str(count), median_spread(plain, "{:.2f}")]
+        row.append(_cpu_per_gb(results.cpu[(SOCKET, size)], moved * len(plain)))
+        if peer:
+            pulled = [moved / seconds / 1e9 for seconds in results.seconds[(PEER, size)]]
+            ratios = [p / s for p, s in zip(pulled, plain, strict=True)]
+            target = goal(f">= {GOAL}", statistics.median(ratios), GOAL, at_least=True)
+            wanted = target if size >= GOAL_FROM else ""
+            cpu = _cpu_per_gb(results.cpu[(PEER, size)], moved * len(pulled))
+            row += [median_spread(pulled, "{:.2f}"), cpu, median_spread(ratios, "{:.2f}"), wanted]
+        rows.append(row)
+    header = ["chunk", "chunks", f"{SOCKET} GB/s", "CPU s/GB A / B"]
+    if peer:
+        header += [f"{PEER} GB/s", "CPU s/GB A / B", "peer / socket", "goal"]
+    title = (
+        f"Host A -> host B over veth (MTU {mtu}) through a bridge, {args.mib} MiB of chunks "
+        f"per transfer; {runs_said(args.runs)}: GB/s median [min-max], ratio per run; CPU: "
+        "seconds of the process on A and on B (the sender and the receiver; the agents) per "
+        "GB moved, all runs"
+    )
+    lines = [table(title, header, rows)]
+    if peer:
+        lines += _checks(results, counts)
+    return "\n".join(lines)
+
+
+def _cpu_per_gb(cpu: list[float], moved: int) -> str:
+    """``A / B``: each side's CPU seconds per GB of ``moved`` bytes."""
+    return " / ".join(f"{seconds / moved * 1e9:.2f}" for seconds in cpu)
+
+
+def _checks(results: Results, counts: dict[int, int]) -> list[str]:
+    """What the table should show, said in words: yes, or NO where it does not."""
+
+    def said(claim: str, holds: bool) -> str:
+        return f"{claim}: {'yes' if holds else 'NO'}"
+
+    meeting = [
+        statistics.median(
+            plain / pulled  # seconds: the ratio of GB/s the other way round
+            for plain, pulled in zip(
+                results.seconds[(SOCKET, size)], results.seconds[(PEER, size)], strict=True
+            )
+        )
+        >= GOAL
+        for size in counts
+        if size >= GOAL_FROM
+    ]
+    return [
+        said("every chunk B pulled was A's, byte for byte", results.intact),
+        said(
+            f"peer >= {GOAL} x plain socket (median ratio), chunks from {GOAL_FROM // MiB} MiB",
+            all(meeting),
+        ),
+    ]

@@ -1,0 +1,139 @@
+"""The peer side of ``kvpool bench peer``: two agents on two hosts, the holder (host A) with a
+tenant's chunks in its L1 and the puller (host B) whose only lower tier is the holder, and
+the time the puller takes to pull them.
+
+Both agents are configured as a pool's agents are (the agent's ``peers:`` section): static
+discovery of both, each skipping its own entry; one key directory both read, standing for
+the pool's peer credential; the default peer port on each host's own address. The chunks
+reach the holder as an engine's would, stored through the client with the admin token. A
+pull is what a connector's lookup does on a miss: ``lookup_prefetch`` of the keys on the
+puller, timed until the prefetch reports every chunk loaded into its L1. Before each pull
+the puller's L1 drops the tenant's chunks (untimed), the holder's keeps them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvpool.client import AgentClient
+from kvpool.common.keyring import generate_key
+from kvpool.common.keys import tenant_id
+from kvpool.common.names import DEFAULT_PEER_PORT
+from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool.tools.bench.harness.hosts import Host
+
+POOL = "bench-peer"
+HOLDER = "host-a"
+PULLER = "host-b"
+"""The agents' node names."""
+TENANT = tenant_id("bench-peer")
+BATCH = 8
+"""Chunks per store on the holder, as a connector stores a step's."""
+PULL_SECONDS = 300.0
+"""A pull not done by then is an error (the prefetch stalled)."""
+
+
+def keys(size: int, count: int) -> list[bytes]:
+    """The keys of ``count`` chunks of ``size`` bytes (other sizes, other keys)."""
+    return [hashlib.sha256(b"%d-%d" % (size, index)).digest() for index in range(count)]
+
+
+def chunk(size: int, index: int) -> bytes:
+    """Chunk ``index`` of ``size`` bytes: distinct chunks, cheap to make again for the
+    check (rotations of one random block)."""
+    block = _block(size)
+    turn = index % size
+    return block[turn:] + block[:turn]
+
+
+@functools.cache
+def _block(size: int) -> bytes:
+    return random.Random(size).randbytes(size)
+
+
+@dataclass
+class PeerPair:
+    """Clients (admin) of the two agents, and their pids."""
+
+    holder: AgentClient
+    puller: AgentClient
+    pids: tuple[int, int]
+
+    def hold(self, size: int, count: int) -> None:
+        """Store ``count`` chunks of ``size`` into the holder's L1, as one prompt's chain."""
+        names = keys(size, count)
+        for start in range(0, count, BATCH):
+            batch = range(start, min(start + BATCH, count))
+            stored = self.holder.store(
+                TENANT,
+                [names[index] for index in batch],
+                [chunk(size, index) for index in batch],
+                names[start - 1] if start else None,
+            )
+            if stored != len(batch):
+                raise SystemExit(f"the holder (host A) stored {stored} of {len(batch)} chunks")
+
+    def pull(self, size: int, count: int) -> float:
+        """Seconds from the puller's lookup to its prefetch done, every chunk loaded."""
+        names = keys(size, count)
+        self.puller.clear(TENANT)
+        started = time.perf_counter()
+        hit, prefetch = self.puller.lookup_prefetch(TENANT, names, lock=False)
+        loaded, done = 0, False
+        while prefetch and not done and time.perf_counter() - started < PULL_SECONDS:
+            progress = self.puller.prefetch_status(prefetch, wait_ms=4000)
+            loaded, done = progress.loaded, progress.done
+        seconds = time.perf_counter() - started
+        if hit.count or loaded != count:
+            raise SystemExit(
+                f"the puller (host B) hit {hit.count} and loaded {loaded} of {count} chunks "
+                f"of {size} bytes" + ("" if prefetch else ": it started no prefetch")
+            )
+        return seconds
+
+    def pulled_intact(self, size: int, count: int) -> bool:
+        """Whether the chunks in the puller's L1 are the holder's, byte for byte."""
+        got = self.puller.retrieve(TENANT, keys(size, count))
+        return len(got) == count and all(
+            data == chunk(size, index) for index, data in enumerate(got)
+        )
+
+
+def peers_setting(node: str, nodes: dict[str, Host], key_dir: Path) -> str:
+    """The ``PEERS`` setting (JSON) of agent ``node`` among ``nodes`` (node name: its host),
+    each on the default peer port, under the credential in ``key_dir``."""
+    agents = [f"{name}={host.address}:{DEFAULT_PEER_PORT}" for name, host in nodes.items()]
+    return json.dumps({"key_dir": str(key_dir), "node": node, "agents": agents})
+
+
+@contextlib.contextmanager
+def peer_pair(
+    holder: Host, puller: Host, workdir: Path, *, holder_l1: int, puller_l1: int
+) -> Iterator[PeerPair]:
+    """The two agents, started (L1 sizes in bytes), stopped on exit."""
+    key_dir = workdir / "peer-keys"
+    generate_key(key_dir)
+    nodes = {HOLDER: holder, PULLER: puller}
+    with contextlib.ExitStack() as stack:
+        started: list[AgentProcess] = []
+        for (node, host), l1 in zip(nodes.items(), (holder_l1, puller_l1), strict=True):
+            peers = peers_setting(node, nodes, key_dir)
+            settings = {"POOL": POOL, "L1_SIZE": str(l1), "PEERS": peers}
+            (workdir / node).mkdir()
+            agent = AgentProcess(workdir / node, settings, host=host)
+            stack.callback(agent.cleanup)
+            started.append(agent.start())
+        holding, pulling = started
+        yield PeerPair(
+            stack.enter_context(AgentClient(holding.zmq, token=ADMIN_TOKEN, timeout=30)),
+            stack.enter_context(AgentClient(pulling.zmq, token=ADMIN_TOKEN, timeout=30)),
+            (holding.pid, pulling.pid),
+        )

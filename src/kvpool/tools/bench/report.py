@@ -1,0 +1,113 @@
+"""Plain-text tables for benchmark output, and the figures every table shares.
+
+Every table a bench makes is also kept, as data, while :func:`recording` runs (``kvpool
+bench NAME --json`` prints them as JSON); a goal a figure missed is marked in its cell
+(:func:`goal`); :func:`progress` tells standard error what a bench is doing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvpool.common import problems
+
+MISSED = "MISSED"
+"""Beside a goal a figure did not reach, in its table."""
+_recorded: list[list[dict[str, Any]]] = []
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[dict[str, Any]]]:
+    """Keep every table made in the block, as ``{"title", "header", "rows"}`` (cells as
+    shown)."""
+    tables: list[dict[str, Any]] = []
+    _recorded.append(tables)
+    try:
+        yield tables
+    finally:
+        _recorded.remove(tables)
+
+
+def progress(message: str) -> None:
+    """One line on standard error: what the bench does now (its tables come at the end)."""
+    print(f"{time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
+
+
+def goal(shown: str, value: float, bound: float, *, at_least: bool = False) -> str:
+    """A goal's cell: ``shown`` (``<= 1 us``), and :data:`MISSED` after it where ``value``
+    is past ``bound`` (above it; below it with ``at_least``); at the bound, up to a ratio's
+    rounding error, it is met."""
+    past = value < bound if at_least else value > bound
+    missed = past and not math.isclose(value, bound, rel_tol=1e-9)
+    return f"{shown} {MISSED}" if missed else shown
+
+
+def table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[str(cell) for cell in row] for row in [header, *rows]]
+    for tables in _recorded:
+        tables.append({"title": title, "header": cells[0], "rows": cells[1:]})
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = [title, "  ".join(h.ljust(w) for h, w in zip(cells[0], widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells[1:]]
+    return "\n".join(lines)
+
+
+def median_spread(values: Sequence[float] | None, form: str, scale: float = 1.0) -> str:
+    """The median of per-run figures, with their min-max when there are several runs."""
+    if not values:
+        return ""
+    middle = form.format(statistics.median(values) * scale)
+    if len(values) == 1:
+        return middle
+    return f"{middle} [{form.format(min(values) * scale)}-{form.format(max(values) * scale)}]"
+
+
+def runs_said(count: int) -> str:
+    """ "1 run", "3 runs": how many runs a table's figures come from."""
+    return f"{count} run{'s' if count > 1 else ''}"
+
+
+def machine() -> str:
+    """The CPU and the load average: every bench names the machine its figures came from."""
+    cpu = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    load = " ".join(f"{value:.2f}" for value in os.getloadavg())
+    return f"CPU: {cpu}, {os.cpu_count()} CPUs; load average (1, 5, 15 min) at the end: {load}"
+
+
+def add_chunk_mib(parser: argparse.ArgumentParser) -> None:
+    """``--chunk-mib``: the chunk sizes of a bench that moves whole chunks (L2, peers)."""
+    parser.add_argument(
+        "--chunk-mib",
+        type=problems.numbers(int),
+        default=[2, 32],
+        help="chunk sizes in MiB, comma-separated (default 2,32)",
+    )
+
+
+def command(bench: str, args: argparse.Namespace) -> str:
+    """The command line of this run of ``kvpool bench <bench>``, every setting spelled out
+    (a flag only where it is set)."""
+    words = ["kvpool", "bench", bench]
+    for name, value in vars(args).items():
+        option = f"--{name.replace('_', '-')}"
+        if isinstance(value, bool):
+            words += [option] if value else []
+        else:
+            shown = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+            words += [option, shown]
+    return "command: " + " ".join(words)

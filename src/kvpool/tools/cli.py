@@ -1,0 +1,139 @@
+"""``kvpool``: tools for operators and tenants (tenant ids, the doctor, the prefix index,
+benchmarks)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import io
+import json
+import sys
+from collections.abc import Sequence
+from typing import TextIO
+
+from kvpool import __version__
+from kvpool.common.extras import require_extra
+from kvpool.common.keys import tenant_id
+from kvpool.common.problems import ArgumentParser
+
+BENCHES = {
+    "l1": "L1 index and copy costs, in-process",
+    "chains": "reachable prefix of a long prompt stored in steps",
+    "service": "store/retrieve through the ZMQ protocol vs memcpy",
+    "connector": "TTFT vs floor, vLLM prefix cache, ExampleConnector, recompute; queued steps",
+    "windows": "sliding-window mix vs all full: bytes per chunk, TTFT vs recompute and native",
+    "spaces": (
+        "N tenants sharing a system prompt: stored bytes and reader TTFT, space vs plain salts"
+    ),
+    "l2": "NVMe and S3 adapters vs raw file I/O and raw boto3",
+    "writeback": "store latency with a saturated write-back queue",
+    "restart": "time to adopt a full segment after a restart",
+    "tenants": "lookups/s while /metrics is polled, many tenants",
+    "index": "prefix index: query latency, events/s, memory",
+    "gpu": "copies between GPU KV blocks and the agent's chunk files vs the raw PCIe copy",
+    "peer": "chunks pulled from another node's agent vs a plain socket over the same link",
+}
+"""Each ``kvpool bench NAME`` is the module ``kvpool.tools.bench.NAME``."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = ArgumentParser(prog="kvpool", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    tenant = commands.add_parser(
+        "tenant-id",
+        help="print the tenant id of a cache salt",
+        description=(
+            "Print the tenant id that kvpool derives from a vLLM cache_salt. The salt is read "
+            "from standard input unless given (an argument shows up in shell history)."
+        ),
+    )
+    tenant.add_argument("salt", nargs="?", help="the cache_salt; default: read standard input")
+
+    # The tools below import their modules (and their extra's libraries) only when they run,
+    # so `kvpool tenant-id` loads none of them: each parses the rest of the command line with
+    # a parser of its own, --help included.
+    commands.add_parser(
+        "doctor", add_help=False, help="check a deployment end to end, as a vLLM pod sees it"
+    )
+    commands.add_parser(
+        "index",
+        add_help=False,
+        help="run the pool-wide prefix index (cache-aware routing for gateways)",
+    )
+    bench = commands.add_parser("bench", help="run a benchmark and print its table")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    for name, summary in BENCHES.items():
+        benches.add_parser(name, add_help=False, help=summary)
+
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "tenant-id":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        salt = args.salt if args.salt is not None else sys.stdin.readline().rstrip("\n")
+        print(tenant_id(salt))
+        return 0
+    if args.command == "index":
+        require_extra("index", "kvpool-index")
+        from kvpool.index import server as index_server
+
+        return index_server.main(rest)
+    if args.command == "doctor":
+        require_extra("agent", "kvpool doctor")
+        from kvpool.tools.doctor import command as doctor
+
+        tool = ArgumentParser(
+            prog="kvpool doctor",
+            description=doctor.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        doctor.add_arguments(tool)
+        return doctor.run(tool.parse_args(rest))
+    command = f"kvpool bench {args.bench}"
+    require_extra("bench", command)
+    if args.bench == "index":
+        require_extra("index", command)
+    module = importlib.import_module(f"kvpool.tools.bench.{args.bench}")
+    from kvpool.tools.bench import report
+
+    tool = ArgumentParser(prog=command, description=BENCHES[args.bench])
+    tool.add_argument(
+        "--json",
+        action="store_true",
+        help="print the result as one JSON object on standard output: its tables (cells as "
+        "shown) and its whole text, which goes to standard error",
+    )
+    module.add_arguments(tool)
+    options = tool.parse_args(rest)
+    report.progress(f"{command}: running; each table is printed when it is done")
+    if not options.json:
+        module.run(options)
+        return 0
+    text = io.StringIO()
+    with report.recording() as tables, contextlib.redirect_stdout(_Tee(sys.stderr, text)):
+        module.run(options)
+    ran = " ".join([command, *rest])
+    print(json.dumps({"command": ran, "tables": tables, "text": text.getvalue()}))
+    return 0
+
+
+class _Tee(io.TextIOBase):
+    """Writes to each of ``streams``."""
+
+    def __init__(self, *streams: TextIO) -> None:
+        self._streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self._streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for stream in self._streams:
+            stream.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
