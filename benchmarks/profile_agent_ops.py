@@ -5,7 +5,7 @@ busy engine): ping, the scheduler's unlocked lookup, the worker's locked lookup 
 the no-op ``prepare_store`` a hit made for its one computed chunk, and the scheduler's probe of
 the agent's table of ready chunks that replaces the unlocked lookup.
 
-    PYTHONPATH=agent:operator .venv/bin/python benchmarks/profile_agent_ops.py
+    .venv/bin/python benchmarks/profile_agent_ops.py
 """
 
 from __future__ import annotations

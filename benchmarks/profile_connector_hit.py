@@ -7,7 +7,7 @@ and model runner with wall-clock timers, and reports per request (median over
 ``--requests``): the TTFT, where it went, and the ZMQ round trips by kind. Then the
 same requests again under cProfile (``--cprofile FILE``) for the function-level view.
 
-    PYTHONPATH=agent:operator .venv/bin/python benchmarks/profile_connector_hit.py \
+    .venv/bin/python benchmarks/profile_connector_hit.py \
         --config kvpool --requests 20 --cprofile /tmp/hit.prof
 
 ``--config none`` gives the same figures for the engine without a connector (the

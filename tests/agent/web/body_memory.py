@@ -1,6 +1,6 @@
 """How much a big request body without a token grows a real agent's memory.
 
-    PYTHONPATH=agent:operator python -m tests.agent.web.body_memory --megabytes 400
+    .venv/bin/python -m tests.agent.web.body_memory --megabytes 400
 
 starts an agent, sends ``PUT /v1/tenants/<id>/quota`` with a body of that size and no
 token, and prints the agent's peak resident memory (VmHWM) before and after.
