@@ -39,16 +39,16 @@ NOT_IN_CONTEXT = [
     ".venv/lib/python3.11/site-packages/torch/__init__.py",
     ".env",
     ".env.local",
-    "agent/.env",
+    "src/.env",
     "tokens.yaml",
     "tokens-prod.yaml",
     "src/kvpool/tokens.yaml",
-    "operator/kubeconfig",
+    "src/kvpool/operator/kubeconfig",
     "kubeconfig.yaml",
     "server.pem",
-    "agent/server.key",
+    "src/kvpool/agent/server.key",
     "id_rsa",
-    "operator/id_ed25519.pub",
+    "src/kvpool/operator/id_ed25519.pub",
     ".aws/credentials",
     ".docker/config.json",
     ".netrc",
@@ -163,7 +163,7 @@ def test_what_the_build_copies_is_in_the_context() -> None:
 
 def test_the_package_sources_are_all_in_the_context() -> None:
     listed = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "agent", "operator"],
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "src"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -184,7 +184,7 @@ def test_the_real_context_is_the_package_and_nothing_secret() -> None:
     files = IGNORE.context(ROOT)
     assert "pyproject.toml" in files
     outside = [f for f in files if f not in ("pyproject.toml", "README.md")]
-    assert all(f.startswith(("agent/", "operator/")) for f in outside), outside
+    assert all(f.startswith("src/") for f in outside), outside
     assert [f for f in files if SECRET_LIKE.search(f)] == []
     assert [f for f in files if "__pycache__" in f or f.endswith(".pyc")] == []
 
@@ -196,7 +196,7 @@ def test_the_real_context_is_the_package_and_nothing_secret() -> None:
         ("*.pem", "agent/server.pem", False),  # '*' stays within the top directory
         ("**/*.pem", "agent/x/server.pem", True),
         ("tests", "tests/agent/test_keys.py", True),  # a parent directory matches
-        ("*\n!agent", "src/kvpool/common/keys.py", False),
+        ("*\n!src", "src/kvpool/common/keys.py", False),
         ("*\n!agent\n**/__pycache__", "agent/a/__pycache__/b.pyc", True),
         ("*\n!agent\n**/__pycache__", "agent/a/b.py", False),
         ("/secrets/", "secrets/key", True),  # cleaned: leading and trailing '/'
