@@ -39,12 +39,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from packaging.version import Version
+from vllm import __version__ as vllm_version
 
 from kvpool.client import AgentClient
 from kvpool.common import keys
 from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.engines import Engine
 from tests.support.models import write_model
+
+# vLLM 0.30's CPU build has no float32 kernel for causal_conv1d, the state-space layers'
+# convolution ("not implemented for 'Float'"; 0.31 has one): there the model runs in bf16
+DTYPE = "bfloat16" if Version(vllm_version) < Version("0.31") else "float32"
 
 pytestmark = [pytest.mark.process, pytest.mark.engine, pytest.mark.timeout(600)]
 
@@ -83,7 +89,13 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     agent.start()
     model = str(write_model(work / "model", family="nemotron_h"))
     extra = {"endpoint": agent.zmq, "chunk_tokens": POOL_CHUNK, "transfer_timeout_s": 5.0}
-    settings = {"model": model, "connector": "kvpool", "extra_config": extra, "patches": PATCHES}
+    settings = {
+        "model": model,
+        "connector": "kvpool",
+        "extra_config": extra,
+        "patches": PATCHES,
+        "dtype": DTYPE,
+    }
     writer = Engine("writer", settings, work / "w.log")
     reader = Engine("reader", settings, work / "r.log")
     try:
