@@ -108,6 +108,24 @@ class ConfigFileSource(PydanticBaseSettingsSource):
         return dict(self._values)
 
 
+class FileSettings(BaseSettings):
+    """Settings of a process from its arguments, then ``KVPOOL_*`` variables, then the
+    YAML/JSON file that the variable ``config_file_env`` names (the agent's, the index's)."""
+
+    config_file_env: ClassVar[str]
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, ConfigFileSource(settings_cls, cls.config_file_env))
+
+
 _Settings = TypeVar("_Settings", bound=BaseSettings)
 _UNREADABLE = re.compile(
     r'error parsing value for field "(?P<field>[^"]+)" from source "(?P<source>\w+)"'
@@ -542,7 +560,7 @@ class PeersConfig(BaseModel):
         return agents
 
 
-class AgentConfig(BaseSettings):
+class AgentConfig(FileSettings):
     """Configuration of one node agent (and the pool it serves)."""
 
     model_config = SettingsConfigDict(
@@ -794,14 +812,3 @@ class AgentConfig(BaseSettings):
             key: generated_token_path(self.state_dir, role, self.pool)
             for key, role in (("admins", "admin"), ("engines", "engine"), ("indexes", "index"))
         }
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, ConfigFileSource(settings_cls, cls.config_file_env))

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
-from kvpool.common.config import POOL_NAME_PATTERN, ConfigFileSource, HttpLimits
+from kvpool.common.config import POOL_NAME_PATTERN, FileSettings, HttpLimits
 from kvpool.common.keys import ModelFingerprint
 from kvpool.common.kube.discovery import AgentEndpoint
 from kvpool.common.names import (
@@ -64,7 +64,7 @@ class StaticAgent(BaseModel):
         return AgentEndpoint(self.node, self.zmq, self.events)
 
 
-class IndexConfig(BaseSettings):
+class IndexConfig(FileSettings):
     """Configuration of one prefix index process (one pool)."""
 
     model_config = SettingsConfigDict(
@@ -193,14 +193,3 @@ class IndexConfig(BaseSettings):
     @property
     def generated_token_file(self) -> Path:
         return self.state_dir / f"index-admin-token-{self.pool}"
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, ConfigFileSource(settings_cls, cls.config_file_env))
