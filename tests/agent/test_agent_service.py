@@ -320,6 +320,27 @@ def test_client_gives_up_quickly_when_no_agent_answers() -> None:
     client.close()
 
 
+def test_closing_a_client_of_a_dead_agent_takes_a_second_not_its_timeout(
+    agent_process: AgentProcess,
+) -> None:
+    """Close says goodbye (EndSession) but never waits a request's timeout for it: a vLLM
+    engine shutting down beside a dead agent once hung 20 s per connector half."""
+    agent = agent_process.start()
+
+    async def scenario() -> float:
+        client = AgentClient(agent.zmq, token=ADMIN_TOKEN, timeout=20.0)
+        client.connect()
+        later = AsyncAgentClient(agent.zmq, token=ADMIN_TOKEN, timeout=20.0)
+        await later.connect()
+        assert agent.stop() == 0
+        started = time.monotonic()
+        client.close()
+        await later.close()
+        return time.monotonic() - started
+
+    assert asyncio.run(scenario()) < 4  # two goodbyes of a second each, at most
+
+
 def test_quotas_set_over_http_survive_a_restart(agent_process: AgentProcess) -> None:
     agent = agent_process.start()
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}

@@ -122,6 +122,8 @@ def _acknowledged(reply: Any, data: list[bytes]) -> None:
 
 _SESSION_LOST = frozenset((p.ErrorCode.UNKNOWN_SESSION, p.ErrorCode.SESSION_FENCED))
 """Replies after which the client says hello again (and resends what is safe to resend)."""
+_GOODBYE_TIMEOUT_S = 1.0
+"""The longest :meth:`AgentClient.close` waits for the agent (see ``_goodbye_timeout``)."""
 
 
 def _no_lease(lease: int) -> int | None:
@@ -281,6 +283,12 @@ class _ClientBase:
         self._req = itertools.count(1)
         self._files: MappedChunkFiles | None = None
 
+    def _goodbye_timeout(self) -> float:
+        """How long :meth:`close` waits for the agent to end the session: not a request's
+        whole timeout, since the agent sweeps sessions it stops hearing from anyway (a
+        vLLM engine shutting down beside a dead agent must not hang)."""
+        return min(self.timeout, _GOODBYE_TIMEOUT_S)
+
     def _configure(self, socket: zmq.Socket[Any]) -> None:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RECONNECT_IVL, 100)
@@ -367,7 +375,8 @@ class AgentClient(_ClientBase):
     def close(self) -> None:
         if self._socket is not None and self.info is not None:
             with contextlib.suppress(AgentUnavailable):
-                self._roundtrip(p.EndSession(next(self._req), self.info.session))
+                goodbye = p.EndSession(next(self._req), self.info.session)
+                self._roundtrip(goodbye, timeout=self._goodbye_timeout())
         self._reset()
         self.close_files()
 
@@ -379,13 +388,15 @@ class AgentClient(_ClientBase):
         self._awaited.clear()
         self._arrived.clear()
 
-    def _roundtrip(self, request: Any, frames: Sequence[Payload] = ()) -> tuple[Any, list[bytes]]:
+    def _roundtrip(
+        self, request: Any, frames: Sequence[Payload] = (), *, timeout: float | None = None
+    ) -> tuple[Any, list[bytes]]:
         socket = self._socket
         assert socket is not None
         socket.send_multipart([p.encode(request), *frames], copy=len(frames) == 0)
-        return self._reply(request.req)
+        return self._reply(request.req, timeout)
 
-    def _reply(self, req: int) -> tuple[Any, list[bytes]]:
+    def _reply(self, req: int, timeout: float | None = None) -> tuple[Any, list[bytes]]:
         """Wait for the reply to request ``req``, keeping those of requests sent ahead."""
         arrived = self._arrived.pop(req, None)
         if arrived is not None:
@@ -393,8 +404,8 @@ class AgentClient(_ClientBase):
         socket = self._socket
         if socket is None:
             raise AgentUnavailable(f"the connection to {self.endpoint} was reset; no reply")
-        deadline_ms = int(self.timeout * 1000)
-        while socket.poll(deadline_ms):
+        timeout = self.timeout if timeout is None else timeout
+        while socket.poll(int(timeout * 1000)):
             message = socket.recv_multipart()
             reply = p.decode_reply(message[0])
             if reply.req == req:
@@ -402,7 +413,7 @@ class AgentClient(_ClientBase):
             if reply.req in self._awaited:
                 self._arrived[reply.req] = (reply, message[1:])
         self._reset()
-        raise AgentUnavailable(f"no reply from the agent at {self.endpoint} in {self.timeout} s")
+        raise AgentUnavailable(f"no reply from the agent at {self.endpoint} in {timeout} s")
 
     def _call(self, exchange: _Exchange[T]) -> T:
         if self.info is None:
@@ -572,7 +583,8 @@ class AsyncAgentClient(_ClientBase):
     async def close(self) -> None:
         if self._socket is not None and self.info is not None:
             with contextlib.suppress(AgentUnavailable):
-                await self._roundtrip(p.EndSession(next(self._req), self.info.session))
+                goodbye = p.EndSession(next(self._req), self.info.session)
+                await self._roundtrip(goodbye, timeout=self._goodbye_timeout())
         self._reset()
         self.close_files()
 
@@ -583,22 +595,20 @@ class AsyncAgentClient(_ClientBase):
         self.info = None
 
     async def _roundtrip(
-        self, request: Any, frames: Sequence[Payload] = ()
+        self, request: Any, frames: Sequence[Payload] = (), *, timeout: float | None = None
     ) -> tuple[Any, list[bytes]]:
+        timeout = self.timeout if timeout is None else timeout
         async with self._busy:
             socket = self._socket
             assert socket is not None
             await socket.send_multipart([p.encode(request), *frames])
-            deadline_ms = int(self.timeout * 1000)
-            while await socket.poll(deadline_ms):
+            while await socket.poll(int(timeout * 1000)):
                 message = await socket.recv_multipart()
                 reply = p.decode_reply(message[0])
                 if reply.req == request.req:
                     return reply, message[1:]
             self._reset()
-            raise AgentUnavailable(
-                f"no reply from the agent at {self.endpoint} in {self.timeout} s"
-            )
+            raise AgentUnavailable(f"no reply from the agent at {self.endpoint} in {timeout} s")
 
     async def _call(self, exchange: _Exchange[T]) -> T:
         if self.info is None:
