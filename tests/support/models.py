@@ -1,8 +1,8 @@
 """The tiny random-weight models of the real-engine tests: see
-:mod:`kvpool.tools.bench.harness.models`
+:mod:`kvpool.tools.bench.local.models`
 (shipped with the package, because ``kvpool bench windows`` writes them too)."""
 
-from kvpool.tools.bench.harness.models import (
+from kvpool.tools.bench.local.models import (
     FAMILIES,
     TINY_DEEPSEEK,
     TINY_GEMMA3,

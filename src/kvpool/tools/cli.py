@@ -4,13 +4,9 @@ benchmarks)."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
-import io
-import json
 import sys
 from collections.abc import Sequence
-from typing import TextIO
 
 from kvpool import __version__
 from kvpool.common.extras import require_extra
@@ -32,7 +28,6 @@ BENCHES = {
     "tenants": "lookups/s while /metrics is polled, many tenants",
     "index": "prefix index: query latency, events/s, memory",
     "gpu": "copies between GPU KV blocks and the agent's chunk files vs the raw PCIe copy",
-    "peer": "chunks pulled from another node's agent vs a plain socket over the same link",
 }
 """Each ``kvpool bench NAME`` is the module ``kvpool.tools.bench.NAME``."""
 
@@ -98,41 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     module = importlib.import_module(f"kvpool.tools.bench.{args.bench}")
     from kvpool.tools.bench import report
 
-    tool = ArgumentParser(prog=command, description=BENCHES[args.bench])
-    tool.add_argument(
-        "--json",
-        action="store_true",
-        help="print the result as one JSON object on standard output: its tables (cells as "
-        "shown) and its whole text, which goes to standard error",
-    )
-    module.add_arguments(tool)
-    options = tool.parse_args(rest)
-    report.progress(f"{command}: running; each table is printed when it is done")
-    if not options.json:
-        module.run(options)
-        return 0
-    text = io.StringIO()
-    with report.recording() as tables, contextlib.redirect_stdout(_Tee(sys.stderr, text)):
-        module.run(options)
-    ran = " ".join([command, *rest])
-    print(json.dumps({"command": ran, "tables": tables, "text": text.getvalue()}))
-    return 0
-
-
-class _Tee(io.TextIOBase):
-    """Writes to each of ``streams``."""
-
-    def __init__(self, *streams: TextIO) -> None:
-        self._streams = streams
-
-    def write(self, text: str) -> int:
-        for stream in self._streams:
-            stream.write(text)
-        return len(text)
-
-    def flush(self) -> None:
-        for stream in self._streams:
-            stream.flush()
+    return report.main(command, BENCHES[args.bench], module.add_arguments, module.run, rest)
 
 
 if __name__ == "__main__":
