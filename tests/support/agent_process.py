@@ -2,7 +2,8 @@
 (:mod:`kvpool.tools.bench.local.agent_process`) with what only tests ask of it: shared
 spaces in its tokens file, tokens it generates itself, a file limit and a umask, a start
 held until the test knows its PID, a start that must fail, a network namespace
-(:mod:`tests.support.hosts`), its memory, its ports kept across a restart."""
+(:mod:`tests.support.hosts`), its memory, its ports kept across a restart. ``running_agent``
+is the benches' own, for a test that asks nothing more of its agent."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ from kvpool.tools.bench.local.agent_process import (
     BIN,
     ENGINE_TOKEN,
     INDEX_TOKEN,
+    running_agent,
 )
 from kvpool.tools.bench.local.agent_process import AgentProcess as BenchAgent
 from tests.support.hosts import Host
 from tests.support.metrics import memory_bytes
 
-__all__ = ["ADMIN_TOKEN", "ENGINE_TOKEN", "INDEX_TOKEN", "AgentProcess"]
+__all__ = ["ADMIN_TOKEN", "ENGINE_TOKEN", "INDEX_TOKEN", "AgentProcess", "running_agent"]
 
 
 @dataclass
