@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
 from tests.support.engines import MAIN as ENGINE_MAIN
 from tests.support.engines import Engine
 

@@ -14,7 +14,7 @@ from kvpool.connector.discovery import AgentAddress
 from kvpool.connector.identity import CredentialMissing, credential
 from kvpool.connector.link import AgentLink, LinkDown
 from kvpool.connector.settings import ConnectorSettings
-from kvpool.tools.bench.harness.agent_process import ENGINE_TOKEN, AgentProcess
+from tests.support.agent_process import ENGINE_TOKEN, AgentProcess
 from tests.support.chunks import key
 
 pytestmark = pytest.mark.process

@@ -41,7 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.client import AgentClient
 from kvpool.common import keys
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
+from tests.support.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 from tests.support.engine_main import TOP_LOGPROBS
 from tests.support.engines import Result, poison_segment, write_model
 from tests.support.http_process import HttpProcess

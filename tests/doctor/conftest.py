@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 from kvpool.tools.doctor.report import NAME_WIDTH
+from tests.support.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 
 BIN = Path(sys.executable).parent
 CHECK_NAMES = (

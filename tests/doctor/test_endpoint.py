@@ -23,8 +23,8 @@ from kvpool.common.door import ChunkFile, open_chunk_file
 from kvpool.common.keys import CANARY_TENANT, tenant_id
 from kvpool.common.segment import door_path
 from kvpool.tools import cli
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 from kvpool.tools.doctor import canary, shared_memory
+from tests.support.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 
 from .conftest import ADMIN_ENV, Diagnosis, agent_args, parse, run_doctor
 

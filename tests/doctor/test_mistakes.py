@@ -1,15 +1,16 @@
 """``kvpool doctor`` given broken inputs: one line per problem, naming the flag or variable
-as written and its value; exit 2."""
+as written and its value; exit 2. The table runs through ``kvpool``'s ``main(argv)`` in the
+test's process; one row also as a user runs it, a real process."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from tests.support.mistakes import BIN, Mistake, feed
-
-pytestmark = pytest.mark.process
+from kvpool.tools import cli
+from tests.support.mistakes import BIN, Mistake, feed, refuse
 
 ENDPOINT = ["--endpoint", "tcp://127.0.0.1:7400"]
 
@@ -96,6 +97,16 @@ DOCTOR = [
 ]
 
 
+def doctor(argv: Sequence[str]) -> int:
+    """``kvpool doctor ARGV``, in this process."""
+    return cli.main(["doctor", *argv])
+
+
 @pytest.mark.parametrize("mistake", DOCTOR, ids=str)
-def test_doctor(mistake: Mistake, tmp_path: Path) -> None:
-    feed(f"{BIN}/kvpool doctor", mistake, tmp_path)
+def test_doctor(mistake: Mistake, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    refuse(doctor, mistake, tmp_path, capsys)
+
+
+@pytest.mark.process
+def test_the_script_refuses_in_one_line(tmp_path: Path) -> None:
+    feed(f"{BIN}/kvpool doctor", DOCTOR[2], tmp_path)  # a variable's value: read at start

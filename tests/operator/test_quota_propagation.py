@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from kvpool.common.keys import tenant_id
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.kube_api import ServedApi
 from tests.support.operator_process import Kubectl
 from tests.support.polling import eventually

@@ -15,9 +15,9 @@ import pytest
 from kvpool.client import AgentClient, AgentError
 from kvpool.common.keys import ModelFingerprint, chunk_keys, shared_salt, tenant_id
 from kvpool.operator.render import Pool
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.operator.cluster_view import agent_pod, apply, namespace, secret_values
 from tests.operator.pool_agents import pool_agents
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.kube_api import ServedApi
 from tests.support.operator_process import REPO, Kubectl, OperatorProcess
 from tests.support.polling import eventually

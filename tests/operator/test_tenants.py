@@ -32,7 +32,6 @@ from kvpool.operator.events import PoolEvents, TenantEvents
 from kvpool.operator.render import Pool
 from kvpool.operator.spaces import SpaceReconciler
 from kvpool.operator.tenants import TenantReconciler
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.operator.cluster_view import (
     agent_pod,
     apply,
@@ -44,6 +43,7 @@ from tests.operator.cluster_view import (
     status,
 )
 from tests.operator.pool_agents import pool_agents
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import data, key
 from tests.support.kube_api import ServedApi
 from tests.support.metrics import metric

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvpool.tools.bench.harness.agent_process import ENGINE_TOKEN
+from tests.support.agent_process import ENGINE_TOKEN
 
 from .greedy import Candidates, problems
 from .models import TINY_LLAMA, write_model

@@ -61,7 +61,7 @@ from kvpool.tools.bench.connector_engine import (
     kv_bytes_per_token,
     write_model,
 )
-from kvpool.tools.bench.harness.agent_process import ENGINE_TOKEN, running_agent
+from kvpool.tools.bench.local.agent_process import ENGINE_TOKEN, running_agent
 from kvpool.tools.bench.report import goal, machine, median_spread, progress, table
 
 CONFIGS = ("none", "kvpool", "tenant", "inline", "example", "native")

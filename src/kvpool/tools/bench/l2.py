@@ -69,7 +69,7 @@ from kvpool.common import problems
 from kvpool.common.config import NvmeTierConfig, S3TierConfig
 from kvpool.common.keyring import Keyring, generate_key
 from kvpool.common.keys import tenant_id
-from kvpool.tools.bench.harness.s3_server import moto_server
+from kvpool.tools.bench.local.s3_server import moto_server
 from kvpool.tools.bench.report import add_chunk_mib, goal, table
 
 if TYPE_CHECKING:
