@@ -6,8 +6,8 @@ with ``valueFrom.secretKeyRef``), the file ``KVPOOL_CONNECTOR_TOKEN_FILE`` names
 running the embedded default, the engine token its agent generated
 (``~/.local/state/kvpool/engine-token-<pool>``). A file is read at every (re)connection,
 so a rotated Secret takes effect without restarting vLLM. The variables' old names
-(``KVPOOL_TOKEN``, ``KVPOOL_TOKEN_FILE``) are read as :func:`~kvpool.connector.settings.variables`
-says.
+(``KVPOOL_TOKEN``, ``KVPOOL_TOKEN_FILE``) are read as
+:func:`~kvpool.connector.settings.variables` says.
 
 Without any, :class:`CredentialMissing` says where to put one, in one line; the link
 treats it as an outage (vLLM goes on without the cache) and tries again later.

@@ -15,8 +15,9 @@ admission webhook sets them in a wired pod).
 The token the connector says hello with comes from ``KVPOOL_CONNECTOR_TOKEN``, a file, or
 the embedded default's engine token (:mod:`kvpool.connector.identity`).
 
-Each variable's old name (``KVPOOL_ENDPOINT`` ..., :data:`~kvpool.common.names.CONNECTOR_OLD_NAMES`)
-is read still, with one warning line per process (:func:`variables`).
+Each variable's old name (``KVPOOL_ENDPOINT`` ...,
+:data:`~kvpool.common.names.CONNECTOR_OLD_NAMES`) is read still, with one warning line per
+process (:func:`variables`).
 """
 
 from __future__ import annotations
