@@ -100,7 +100,7 @@ def run_doctor(
         command = [setpriv, f"--bounding-set={drop}", "--inh-caps=-all", *command]
     result = subprocess.run(
         command,
-        env={**clean_env(), "KVPOOL_TOKEN": ENGINE_TOKEN, **(env or {})},
+        env={**clean_env(), "KVPOOL_CONNECTOR_TOKEN": ENGINE_TOKEN, **(env or {})},
         capture_output=True,
         text=True,
         timeout=60,

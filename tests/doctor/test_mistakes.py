@@ -31,14 +31,16 @@ DOCTOR = [
     Mistake(
         "env-endpoint",
         ENDPOINT,  # with --pool the doctor reads the pool's Service, whatever the variable
-        ["kvpool doctor: KVPOOL_ENDPOINT=localhost:7400: must be tcp://host:port or ipc://path"],
-        env={"KVPOOL_ENDPOINT": "localhost:7400"},
+        [
+            "kvpool doctor: KVPOOL_CONNECTOR_ENDPOINT=localhost:7400: must be tcp://host:port or ipc://path"
+        ],
+        env={"KVPOOL_CONNECTOR_ENDPOINT": "localhost:7400"},
     ),
     Mistake(
         "env-chunk-tokens",
         ENDPOINT,
-        ["kvpool doctor: KVPOOL_CHUNK_TOKENS=many: input should be a valid integer"],
-        env={"KVPOOL_CHUNK_TOKENS": "many"},
+        ["kvpool doctor: KVPOOL_CONNECTOR_CHUNK_TOKENS=many: input should be a valid integer"],
+        env={"KVPOOL_CONNECTOR_CHUNK_TOKENS": "many"},
     ),
     Mistake(
         "timeout",

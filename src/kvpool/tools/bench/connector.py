@@ -120,7 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _token(config: str, endpoint: str | None) -> str | None:
     """The connector's token: a tenant's for ``tenant``; an engine's for the other private
-    agents (with ``--endpoint``, the one in KVPOOL_TOKEN)."""
+    agents (with ``--endpoint``, the one in KVPOOL_CONNECTOR_TOKEN)."""
     if config == "tenant":
         return TENANT_TOKEN
     return None if endpoint else ENGINE_TOKEN
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> None:
         model = workdir / "model"
         write_model(model, args)
         # an agent of its own per kvpool engine, so that neither hits the other's chunks
-        # (--endpoint: the one given, with the token from KVPOOL_TOKEN)
+        # (--endpoint: the one given, with the token from KVPOOL_CONNECTOR_TOKEN)
         endpoints: dict[str, str] = {}
         doors: dict[str, str] = {}
         for config in set(_WITH_AGENT) & set(configs):
