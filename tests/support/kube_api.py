@@ -12,7 +12,8 @@ makes it behave like a real API server wherever kvpool depends on it:
 - metadata: ``uid``, ``creationTimestamp``, ``resourceVersion`` (one counter for every
   object), ``generation`` (bumped when anything but metadata and status changes),
   ``generateName``;
-- writes: JSON merge patch (RFC 7386) and JSON patch as specified; a strategic merge
+- writes: JSON merge patch (RFC 7386) and JSON patch as specified (one that does not apply,
+  a failed ``test`` among them, is refused with 422); a strategic merge
   patch is served as a merge patch (lists are replaced, not merged by key); server-side
   apply creates a missing object and removes the fields that the same field manager
   applied before and applies no longer (lists are atomic; no conflicts, as with
@@ -518,7 +519,15 @@ class ApiServer(kmock.KubernetesEmulator):
         elif request.method == "PUT":
             new = _body(request)
         elif "json-patch" in content_type:
-            new = jsonpatch.apply_patch(current, request.data)
+            try:
+                new = jsonpatch.apply_patch(current, request.data)
+            except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as error:
+                # as kube-apiserver answers a patch that does not apply (a failed "test" op,
+                # kopf's guard on resourceVersion, among them): 422, which a client does not
+                # retry as it would a 500
+                raise kmock.KubernetesError(
+                    status=422, reason="Invalid", message=str(error)
+                ) from error
         else:
             new = _merge_patch(current, _body(request))
         return await self._update(key, info, current, new, request.subresource), 200
