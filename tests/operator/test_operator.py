@@ -11,6 +11,7 @@ import base64
 import hashlib
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -720,3 +721,42 @@ def test_a_restarted_operator_catches_up(
         assert service["metadata"]["annotations"]["kvpool.io/chunk-tokens"] == "512"
 
     eventually(caught_up)
+
+
+def test_an_operator_of_one_namespace_serves_that_one(tmp_path: Path) -> None:
+    """``--namespace``, which the shared operator (every namespace) does not run with: an
+    operator of its own, on an API server of its own, applies the pool of its namespace and
+    not the one of another namespace, both there before it started (an operator of every
+    namespace lists both at once)."""
+    api = ServedApi(tmp_path).start()
+    try:
+        kubectl = Kubectl(api.kubeconfig())
+        kubectl("apply", "--validate=false", "-f", str(REPO / "crds"))
+        for namespace, pool in (("served", "here"), ("other", "elsewhere")):
+            manifest = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+            kubectl("apply", "--validate=false", "-f", "-", manifest=manifest)
+            manifest = {
+                "apiVersion": "kvpool.io/v1alpha1",
+                "kind": "KVCachePool",
+                "metadata": {"name": pool, "namespace": namespace},
+                "spec": {},
+            }
+            kubectl("apply", "--validate=false", "-f", "-", manifest=manifest)
+        operator = OperatorProcess(api.kubeconfig(), "served", tmp_path / "operator.log")
+        operator.start()
+        try:
+
+            def applied() -> None:
+                pool = api.objects("kvcachepools", "served")["here"]
+                assert (pool.get("status") or {}).get("observedGeneration") == 1
+
+            eventually(applied)
+            assert "kvpool-here-agent" in api.objects("daemonsets", "served")
+            assert api.objects("daemonsets", "other") == {}
+            assert "status" not in api.objects("kvcachepools", "other")["elsewhere"]
+            about = {(r.get("object") or {}).get("namespace") for r in operator.records()}
+            assert "other" not in about
+        finally:
+            operator.stop()
+    finally:
+        api.stop()
