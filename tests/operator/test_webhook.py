@@ -3,8 +3,9 @@
 First the pure mutation (:mod:`kvpool.operator.admission.wiring`) and the emulator's own
 matching; then the real ``kvpool-operator`` (webhook on, reached by URL on 127.0.0.1)
 against the emulated API server, which calls it on every pod creation as kube-apiserver
-does. The pool ``inference/main`` and the tenant ``team-a/vllm`` are made once; each test
-creates pods over HTTP and reads what the API server stored.
+does (the operator and the API server every module shares: ``conftest.py``). The pool
+``inference/main`` and the tenant ``team-a/vllm`` are made once; each test creates pods over
+HTTP and reads what the API server stored.
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ from kvpool.operator.admission.wiring import (
     apply,
     wire,
 )
+from tests.operator.shared_operator import running
 from tests.support.kube_api import ServedApi, matches_rules, matches_selector
 from tests.support.metrics import memory_bytes
-from tests.support.operator_process import REPO, Kubectl, OperatorProcess
+from tests.support.operator_process import Kubectl, OperatorProcess
 from tests.support.polling import eventually
 from tests.support.ports import free_port
 from tests.support.raw_http import head
@@ -477,10 +479,13 @@ def _conditions(api: ServedApi, plural: str, namespace: str, name: str) -> list[
 
 
 @pytest.fixture(scope="module")
-def operator(
-    served_api: ServedApi, kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[OperatorProcess]:
-    kubectl("apply", "--validate=false", "-f", str(REPO / "crds"))
+def wired_cluster(
+    served_api: ServedApi, kubectl: Kubectl, operator_process: OperatorProcess
+) -> Iterator[None]:
+    """The module's namespaces, pool and tenants, on the operator that every module shares
+    (``conftest.py``): these namespaces' names are theirs alone (the other modules' names
+    carry a number), and they are removed after the module."""
+    operator = running(operator_process, served_api)
     for name in (POOL_NAMESPACE, TEAM, OTHER_TEAM, CLOSED_TEAM, ENGINES):
         admitted = name in (TEAM, OTHER_TEAM, ENGINES)
         _apply(kubectl, _namespace(name, {"team": "yes"} if admitted else {}))
@@ -505,25 +510,22 @@ def operator(
     _apply(kubectl, tenant)
     _apply(kubectl, {**tenant, "metadata": {"name": TENANT, "namespace": CLOSED_TEAM}})
     _apply(kubectl, {**tenant, "metadata": {"name": TENANT, "namespace": ENGINES}})
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
-    options = (
-        "--webhook-url-host",
-        "127.0.0.1",
-        "--webhook-bind",
-        "127.0.0.1",
-        "--webhook-port",
-        str(free_port()),
-    )
-    process = OperatorProcess(served_api.kubeconfig(), None, log, options).start()
     # the webhook is configured, and the operator has seen the pool and the tenant (so
     # its indices hold them: kopf indexes an object before it handles it)
-    eventually(lambda: _webhook(served_api), timeout=30, what=process.log())
+    eventually(lambda: _webhook(served_api), timeout=30, what=operator.log(operator.startup[0]))
     eventually(lambda: _conditions(served_api, "kvcachepools", POOL_NAMESPACE, "main"))
     eventually(lambda: _conditions(served_api, "kvcachetenants", TEAM, TENANT))
     eventually(lambda: _conditions(served_api, "kvcachetenants", CLOSED_TEAM, TENANT))
     eventually(lambda: _conditions(served_api, "kvcachetenants", ENGINES, TENANT))
-    yield process
-    process.stop()
+    yield
+    for name in (POOL_NAMESPACE, TEAM, OTHER_TEAM, CLOSED_TEAM, ENGINES):
+        served_api.remove_namespace(name)
+
+
+@pytest.fixture
+def operator(operator: OperatorProcess, wired_cluster: None) -> OperatorProcess:
+    """The shared operator (running), once the module's pool and tenants are made."""
+    return operator
 
 
 def _webhook(api: ServedApi) -> dict[str, Any]:
