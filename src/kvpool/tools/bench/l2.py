@@ -63,7 +63,8 @@ from kvpool.agent.l2 import layout
 from kvpool.agent.l2.base import L2Object, ObjectKey
 from kvpool.agent.l2.buffers import BufferPool
 from kvpool.agent.l2.codec import ObjectCodec
-from kvpool.agent.l2.nvme import BLOCK, NvmeAdapter
+from kvpool.agent.l2.nvme import NvmeAdapter
+from kvpool.agent.l2.nvme_files import BLOCK
 from kvpool.agent.l2.s3 import S3Adapter
 from kvpool.common import problems
 from kvpool.common.config import NvmeTierConfig, S3TierConfig
