@@ -34,7 +34,7 @@ FAST := not process and not engine and not root and not netns
 JOBS ?= 2
 PYTEST_JOBS := -n $(JOBS) --dist loadscope
 
-.PHONY: test test-fast deps lint agent test-vllm test-matrix
+.PHONY: test test-fast deps lint agent test-vllm test-matrix matrix-head
 
 test: deps lint
 	$(BIN)/pytest $(PYTEST_JOBS) --durations=25
@@ -61,10 +61,14 @@ lint: deps
 test-vllm: .venv-vllm-$(VLLM)/.deps-installed
 	.venv-vllm-$(VLLM)/bin/pytest $(PYTEST_JOBS) -p no:cacheprovider $(call vllm_tests,$(VLLM))
 
-# One venv at a time, each removed after its run: CI's disk need not hold them all.
+# Every release but the default, each venv removed after its run, the next one built while
+# this one's tests run (tests/vllm_matrix.sh); matrix-head builds the first one alone.
+MATRIX := $(filter-out $(VLLM_DEFAULT),$(VLLM_ENGINE) $(VLLM_API))
+
 test-matrix:
-	set -e; for version in $(filter-out $(VLLM_DEFAULT),$(VLLM_ENGINE) $(VLLM_API)); do \
-		$(MAKE) --no-print-directory test-vllm VLLM=$$version; rm -rf .venv-vllm-$$version; done
+	tests/vllm_matrix.sh $(MATRIX)
+
+matrix-head: .venv-vllm-$(firstword $(MATRIX))/.deps-installed
 
 agent:
 	$(PYTHON) -m pip install '.[agent]' && kvpool-agent
