@@ -23,7 +23,7 @@ import profile_connector_hit as hit
 from kvpool.client import AgentClient
 from kvpool.common import keys
 from kvpool.common.probe_table import ProbeTableReader, table_path
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, running_agent
+from kvpool.tools.bench.local.agent_process import ADMIN_TOKEN, running_agent
 
 CHUNK_BYTES = 524288  # the bench model's 128-token chunk
 

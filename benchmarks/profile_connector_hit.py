@@ -149,7 +149,7 @@ def main() -> None:
         prompt_tokens=max(args.prompt_tokens, 2048),
     )
     from kvpool.tools.bench.connector_engine import build_engine, write_model
-    from kvpool.tools.bench.harness.agent_process import running_agent
+    from kvpool.tools.bench.local.agent_process import running_agent
 
     instrument()
     if args.vllm_prefix_cache:
@@ -250,7 +250,7 @@ def run(llm: Any, args: argparse.Namespace, endpoint: str | None) -> None:  # no
             print(f"  {label:<60} {statistics.median(values):8.3f} {min(values):8.3f} {calls:6.0f}")
     if endpoint is not None:
         from kvpool.client import AgentClient
-        from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN
+        from kvpool.tools.bench.local.agent_process import ADMIN_TOKEN
 
         client = AgentClient(endpoint, token=ADMIN_TOKEN, client_name="prof", timeout=5)
         with contextlib.closing(client):

@@ -50,11 +50,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
+from kvpool.operator.admission import certificates
 from tests.support.csi_kubelet import CsiClient, notify, plugin_info, target_path, volume_id
 from tests.support.kube_api import Proxy, ServedApi
 from tests.support.polling import eventually
-
-from kvpool.operator.admission import certificates
 
 SANDBOX = Path(__file__).with_name("sandbox.py")
 KUBELET_DIR = "/var/lib/kubelet"

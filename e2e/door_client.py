@@ -1,7 +1,7 @@
 """What a team's pod reaches of the agent's door, wired by the label: ``argv[1:]`` are
 ``name=file id`` pairs (chunk files of the node's agent); for each, what the door at
-``KVPOOL_DOOR_PATH`` gives this pod's token (``KVPOOL_TOKEN``, from its team's Secret),
-and what the pod's kvpool volume holds, printed as JSON."""
+``KVPOOL_CONNECTOR_DOOR_PATH`` gives this pod's token (``KVPOOL_CONNECTOR_TOKEN``, from its
+team's Secret), and what the pod's kvpool volume holds, printed as JSON."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from kvpool.common.door import DoorError, open_chunk_file
 
 
 def main() -> None:
-    door = Path(os.environ["KVPOOL_DOOR_PATH"])
-    token = os.environ["KVPOOL_TOKEN"]
+    door = Path(os.environ["KVPOOL_CONNECTOR_DOOR_PATH"])
+    token = os.environ["KVPOOL_CONNECTOR_TOKEN"]
     answers: dict[str, dict[str, object]] = {}
     for pair in sys.argv[1:]:
         name, file_id = pair.split("=")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
 from tests.support.engines import MAIN as ENGINE_MAIN
 from tests.support.engines import Engine
 
@@ -21,7 +22,7 @@ MANIFESTS = Path(__file__).with_name("manifests")
 
 BIN = Path(sys.executable).parent
 SALT_ENV = "KVPOOL_CACHE_SALT"
-TOKEN_ENV = "KVPOOL_TOKEN"
+TOKEN_ENV = "KVPOOL_CONNECTOR_TOKEN"
 
 
 def from_secret(name: str, secret: str, key: str) -> dict[str, object]:

@@ -69,16 +69,16 @@ from typing import Any
 import httpx
 import yaml
 from pydantic.alias_generators import to_camel
-from tests.support import pod_security
-from tests.support.engines import Result, write_model
-from tests.support.operator_process import OperatorProcess
-from tests.support.ports import free_port
-from tests.support.tools import ToolsUnavailable, tools
 
 from kvpool.common.chunk_files import file_name, files_directory
 from kvpool.common.keys import shared_salt, tenant_id
 from kvpool.common.names import quotas_name, segment_path
 from kvpool.operator.spec import parse_bytes
+from tests.support import pod_security
+from tests.support.engines import Result, write_model
+from tests.support.operator_process import OperatorProcess
+from tests.support.ports import free_port
+from tests.support.tools import ToolsUnavailable, tools
 
 from .cluster import ControlPlane, Kubelet, Manifest, Node, Pod, check_sandbox, eventually
 from .pods import BIN, SALT_ENV, PodEngine, image_env, restricted, vllm_pod

@@ -124,11 +124,11 @@ def _assert_wired_by_the_label(evidence: Evidence) -> None:
     assert wired["mounts"] == [
         {"name": "kvpool-segment", "mountPath": "/var/run/kvpool", "readOnly": True}
     ]
-    assert wired["env"]["KVPOOL_ENDPOINT"] == "tcp://kvpool-main.inference.svc:7400"
-    assert wired["env"]["KVPOOL_DOOR_PATH"] == DOOR
-    assert "KVPOOL_TRANSPORT" not in wired["env"]  # auto: chunk files from the door
-    assert "KVPOOL_SEGMENT_PATH" not in wired["env"]
-    assert wired["env"]["KVPOOL_TOKEN"]["secretKeyRef"]["name"] == "kvpool-cache-kvpool"
+    assert wired["env"]["KVPOOL_CONNECTOR_ENDPOINT"] == "tcp://kvpool-main.inference.svc:7400"
+    assert wired["env"]["KVPOOL_CONNECTOR_DOOR_PATH"] == DOOR
+    assert "KVPOOL_CONNECTOR_TRANSPORT" not in wired["env"]  # auto: chunk files from the door
+    assert "KVPOOL_CONNECTOR_SEGMENT_PATH" not in wired["env"]
+    assert wired["env"]["KVPOOL_CONNECTOR_TOKEN"]["secretKeyRef"]["name"] == "kvpool-cache-kvpool"
     assert wired["supplementalGroups"] is None
     assert evidence.wired_violations == []
     assert 'violates PodSecurity "restricted:latest"' in evidence.hostpath_refused

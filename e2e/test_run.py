@@ -7,6 +7,7 @@ import importlib.util
 from importlib.machinery import ModuleSpec
 
 import pytest
+
 from tests.support.engines import Result
 
 from . import run

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from kvpool.tools.bench.harness.agent_process import AgentProcess
+from tests.support.agent_process import AgentProcess
 
 if TYPE_CHECKING:  # imported by the fixtures: the GPU machine has no Kubernetes test stack
     from tests.support.kube_api import ServedApi

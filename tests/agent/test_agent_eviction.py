@@ -9,7 +9,7 @@ import pytest
 
 from kvpool.client import AgentClient
 from kvpool.common.keys import tenant_id
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import key
 
 pytestmark = pytest.mark.process

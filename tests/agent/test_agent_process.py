@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.tools.bench.harness.agent_process import AgentProcess
+from tests.support.agent_process import AgentProcess
 
 pytestmark = pytest.mark.process
 

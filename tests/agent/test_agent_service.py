@@ -14,7 +14,7 @@ import pytest
 from kvpool.client import AgentClient, AgentError, AgentUnavailable, AsyncAgentClient
 from kvpool.common import protocol as p
 from kvpool.common.keys import tenant_id
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import key
 from tests.support.polling import wait_until
 from tests.support.raw_zmq import RawClient

@@ -21,7 +21,7 @@ from kvpool.client import AgentClient
 from kvpool.common.keys import tenant_id
 from kvpool.common.probe_table import TABLE_MODE, table_path
 from kvpool.common.segment import SEGMENT_MODE, SegmentLayout
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import key
 from tests.support.local_user import (
     NOBODY,

@@ -27,7 +27,7 @@ from kvpool.common.probe_table import (
     table_path,
 )
 from kvpool.common.segment import SEGMENT_MODE
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import key
 from tests.support.metrics import metric
 

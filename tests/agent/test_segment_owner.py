@@ -25,7 +25,7 @@ import pytest
 
 from kvpool.client import AgentClient
 from kvpool.common.keys import tenant_id
-from kvpool.tools.bench.harness.agent_process import AgentProcess
+from tests.support.agent_process import AgentProcess
 from tests.support.chunks import key
 
 pytestmark = pytest.mark.process

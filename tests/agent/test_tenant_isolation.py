@@ -27,7 +27,7 @@ from kvpool.common.chunk_files import file_name, files_directory, generation_dir
 from kvpool.common.keys import tenant_id
 from kvpool.common.probe_table import table_path
 from kvpool.common.segment import door_path
-from kvpool.tools.bench.harness.agent_process import AgentProcess
+from tests.support.agent_process import AgentProcess
 
 pytestmark = [
     pytest.mark.process,

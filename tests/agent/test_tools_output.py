@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 
 import pytest
 
@@ -63,6 +64,35 @@ def test_a_missed_goal_is_marked() -> None:
 
 
 HELPS = [[], ["tenant-id"], ["doctor"], ["index"], ["bench"], *(["bench", b] for b in cli.BENCHES)]
+LOADED = """
+import sys
+from kvpool.tools import cli
+try:
+    cli.main(["bench", "--help"])
+finally:
+    heavy = ("kvpool.tools.bench", "torch", "vllm", "boto3", "moto")
+    print(sorted({m for m in sys.modules if m.split(".")[0] in heavy or m.startswith(heavy)}),
+          file=sys.stderr)
+"""
+"""``kvpool bench --help`` in a fresh interpreter; then what it loaded of the benches and of
+their heavy libraries, on standard error."""
+
+
+@pytest.mark.process
+def test_bench_help_lists_every_bench_and_loads_none() -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", LOADED], capture_output=True, text=True, timeout=60, check=True
+    )
+    listed = run.stdout.split("positional arguments:")[1]
+    for name, (summary, _) in cli.BENCHES.items():
+        assert f"    {name} " in listed and summary.split()[0] in listed, name
+    assert run.stderr.strip() == "[]"
+
+
+@pytest.mark.parametrize("name", cli.BENCHES)
+def test_each_bench_runs_its_own_module(name: str) -> None:
+    _, load = cli.BENCHES[name]
+    assert (load().__doc__ or "").startswith(f"``kvpool bench {name}``: ")
 
 
 @pytest.mark.parametrize("command", HELPS, ids=lambda words: " ".join(["kvpool", *words]))

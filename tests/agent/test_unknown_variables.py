@@ -55,6 +55,26 @@ def test_every_setting_and_every_other_part_s_variable_is_known() -> None:
     assert not any(name.startswith("KVPOOL_PEERS__AGENTS__") for name in variables(AgentConfig))
 
 
+CONNECTOR = {
+    f"KVPOOL_CONNECTOR_{name}": "x"
+    for name in ("ENDPOINT", "SEGMENT_PATH", "DOOR_PATH", "CHUNK_TOKENS", "TRANSPORT", "TOKEN")
+} | {"KVPOOL_CONNECTOR_TOKEN_FILE": "x"}
+"""The connector's variables (a vLLM's), by their names..."""
+OLD_CONNECTOR = {name.replace("CONNECTOR_", ""): value for name, value in CONNECTOR.items()}
+"""...and by their old names, which connectors still read (``KVPOOL_SEGMENT_PATH`` is the
+agent's own setting too)."""
+
+
+def test_the_connector_s_variables_are_known_by_either_name() -> None:
+    """A shell (or a pod) that runs an agent and a vLLM holds both parts' variables."""
+    assert refused(AgentConfig, KVPOOL_L1_SIZE="64Mi", **CONNECTOR, **OLD_CONNECTOR) == []
+    assert refused(IndexConfig, **CONNECTOR, **OLD_CONNECTOR) == []
+    assert refused(AgentConfig, KVPOOL_CONNECTOR_ENDPIONT="x") == [
+        "KVPOOL_CONNECTOR_ENDPIONT: unknown setting, no part of kvpool reads it; "
+        "did you mean KVPOOL_CONNECTOR_ENDPOINT?"
+    ]
+
+
 def test_the_index_checks_its_own_prefix_and_the_agent_leaves_it_alone() -> None:
     assert refused(AgentConfig, KVPOOL_INDEX_HTTP_PORTT="1") == []
     assert refused(IndexConfig, KVPOOL_L1SIZE="1", KVPOOL_INDEX_CONFIG_FILE="/x") == []
@@ -87,7 +107,7 @@ def test_kubernetes_service_links_are_not_settings() -> None:
 
 def test_load_settings_refuses_before_validating(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVPOOL_L1SIZE", "64Mi")
-    monkeypatch.setenv("KVPOOL_TOKEN", "an engine's, for the vLLM of this shell")
+    monkeypatch.setenv("KVPOOL_CONNECTOR_TOKEN", "an engine's, for the vLLM of this shell")
     with pytest.raises(ValueError, match=r"^KVPOOL_L1SIZE: unknown setting") as error:
         load_settings(AgentConfig)
     assert str(error.value).count("\n") == 0
@@ -125,6 +145,8 @@ def test_kvpool_agent_refuses_a_misspelled_variable(tmp_path: Path) -> None:
     """Smoke test: the real ``kvpool-agent`` process, as the newcomer ran it."""
     env = {
         **clean_environment(tmp_path),
+        **CONNECTOR,  # a vLLM's, in the same shell: not named
+        **OLD_CONNECTOR,  # (its KVPOOL_SEGMENT_PATH is the agent's, below)
         "KVPOOL_L1SIZE": "64Mi",
         "KVPOOL_SEGMENT_PATH": str(tmp_path / "segment"),  # where an agent that starts
         **{f"KVPOOL_{port}_PORT": "0" for port in ("ZMQ", "HTTP", "EVENTS")},  # would go

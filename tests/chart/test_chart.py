@@ -456,7 +456,7 @@ def test_the_notes_configure_vllm_with_the_connectors_own_settings(helm: Helm) -
     settings = ConnectorSettings.load(transfer["kv_connector_extra_config"], environ={})
     assert (settings.pool, settings.namespace) == ("main", NAMESPACE)
     assert f"labels: {{{CACHE_POOL_LABEL}: main}}" in notes
-    for absent in ("hostPath", "/dev/shm", "create role", "KVPOOL_TOKEN"):
+    for absent in ("hostPath", "/dev/shm", "create role", "KVPOOL_CONNECTOR_TOKEN"):
         assert absent not in notes, absent
     assert "kvpool tenant-id" in notes
 

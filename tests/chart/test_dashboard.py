@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvpool.tools.bench.harness.agent_process import AgentProcess
+from tests.support.agent_process import AgentProcess
 from tests.support.index_process import IndexProcess
 
 from .conftest import CHART

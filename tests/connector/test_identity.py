@@ -14,7 +14,7 @@ from kvpool.connector.discovery import AgentAddress
 from kvpool.connector.identity import CredentialMissing, credential
 from kvpool.connector.link import AgentLink, LinkDown
 from kvpool.connector.settings import ConnectorSettings
-from kvpool.tools.bench.harness.agent_process import ENGINE_TOKEN, AgentProcess
+from tests.support.agent_process import ENGINE_TOKEN, AgentProcess
 from tests.support.chunks import key
 
 pytestmark = pytest.mark.process
@@ -40,29 +40,29 @@ def test_the_token_is_found_in_order(tmp_path: Path) -> None:
     def found(settings: ConnectorSettings, environ: dict[str, str]) -> str:
         return credential(settings, environ, state)()
 
-    assert found(configured, {"KVPOOL_TOKEN": "from-env"}) == "from-env"
-    assert found(configured, {"KVPOOL_TOKEN_FILE": env_file}) == "from-the-env-file"
+    assert found(configured, {"KVPOOL_CONNECTOR_TOKEN": "from-env"}) == "from-env"
+    assert found(configured, {"KVPOOL_CONNECTOR_TOKEN_FILE": env_file}) == "from-the-env-file"
     assert found(configured, {}) == "from-a-secret"
     assert found(pool, {}) == "from-the-embedded-default"
     with pytest.raises(CredentialMissing) as nowhere:
         credential(pool, {}, tmp_path / "no-agent-here")()
-    assert "no token for the kvpool agent: set KVPOOL_TOKEN" in str(nowhere.value)
+    assert "no token for the kvpool agent: set KVPOOL_CONNECTOR_TOKEN" in str(nowhere.value)
 
 
 def test_a_missing_or_unreadable_token_says_where_to_put_one(tmp_path: Path) -> None:
     with pytest.raises(CredentialMissing) as missing:
-        credential(SETTINGS, {"KVPOOL_TOKEN_FILE": str(tmp_path / "absent")})()
+        credential(SETTINGS, {"KVPOOL_CONNECTOR_TOKEN_FILE": str(tmp_path / "absent")})()
     assert str(missing.value).startswith(f"cannot read the token file {tmp_path / 'absent'}")
     two_lines = _file(tmp_path, "bad", "one\ntwo\n")
     with pytest.raises(CredentialMissing) as bad:
-        credential(SETTINGS, {"KVPOOL_TOKEN_FILE": str(two_lines)})()
+        credential(SETTINGS, {"KVPOOL_CONNECTOR_TOKEN_FILE": str(two_lines)})()
     assert str(bad.value) == f"{two_lines}: expected one token on one line"
 
 
 def _link(agent: AgentProcess, token: str | None) -> AgentLink:
     def source() -> str:
         if token is None:
-            raise CredentialMissing("no token for the kvpool agent: set KVPOOL_TOKEN")
+            raise CredentialMissing("no token for the kvpool agent: set KVPOOL_CONNECTOR_TOKEN")
         return token
 
     return AgentLink(

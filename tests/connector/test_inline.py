@@ -13,7 +13,7 @@ import torch
 from kvpool.client import AgentClient
 from kvpool.connector.jobs import LoadJob, StepJobs
 from kvpool.connector.worker import KVPoolConnectorWorker
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.metrics import metric
 
 from .workers import KEYS, TENANT, make_worker, store

@@ -41,7 +41,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.client import AgentClient
 from kvpool.common import keys
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
+from kvpool.common.names import CONNECTOR_OLD_NAMES
+from tests.support.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 from tests.support.engine_main import TOP_LOGPROBS
 from tests.support.engines import Result, poison_segment, write_model
 from tests.support.http_process import HttpProcess
@@ -126,10 +127,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         environment: dict[str, str | None] = {
             "VLLM_CPU_KVCACHE_SPACE": "1",
             # the extra config names the agent; nothing from the caller's shell overrides it
-            "KVPOOL_ENDPOINT": None,
-            "KVPOOL_SEGMENT_PATH": None,
-            "KVPOOL_CHUNK_TOKENS": None,
-            "KVPOOL_TOKEN": ENGINE_TOKEN,
+            **{name: None for pair in CONNECTOR_OLD_NAMES.items() for name in pair},
+            "KVPOOL_CONNECTOR_TOKEN": ENGINE_TOKEN,
         }
         vllm = HttpProcess(
             "vLLM's OpenAI server",

@@ -18,7 +18,7 @@ from kvpool.connector.layout import GroupRule
 from kvpool.connector.metadata import KVPoolConnectorHandshakeMetadata
 from kvpool.connector.scheduler import KVPoolConnectorScheduler
 from kvpool.connector.settings import Transport
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 
 from .agent_link import agent_link
 from .fakes import BLOCK, CHUNK, LAYOUT, FakeRequest, chain, tokens

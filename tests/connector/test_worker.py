@@ -15,7 +15,7 @@ from kvpool.common.segment import door_path
 from kvpool.connector.jobs import LoadJob, StepJobs, StoreJob
 from kvpool.connector.layout import GroupRule
 from kvpool.connector.worker import KVPoolConnectorWorker
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 
 from .workers import (
     BLOCK_TOKENS,

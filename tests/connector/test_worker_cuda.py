@@ -19,7 +19,7 @@ from kvpool.connector.jobs import LoadJob, StepJobs, StoreJob
 from kvpool.connector.layout import ChunkFormat, GroupRule, detect_layout
 from kvpool.connector.staged import StagedCopies
 from kvpool.connector.worker import KVPoolConnectorWorker
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 
 from .workers import worker_of
 

@@ -15,7 +15,7 @@ from kvpool.connector.jobs import StepJobs, StoreJob
 from kvpool.connector.layout import GroupRule
 from kvpool.connector.settings import Transport
 from kvpool.connector.worker import KVPoolConnectorWorker
-from kvpool.tools.bench.harness.agent_process import AgentProcess
+from tests.support.agent_process import AgentProcess
 
 from .agent_link import agent_link
 

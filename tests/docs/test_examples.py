@@ -28,8 +28,8 @@ import yaml
 from kvpool.common.auth import TokenAuthority
 from kvpool.common.config import AgentConfig
 from kvpool.common.keys import tenant_id
-from kvpool.tools.bench.harness.agent_process import ENGINE_TOKEN, AgentProcess
 from tests.docs.examples import DOCUMENTS, ROOT, Example, all_examples, examples
+from tests.support.agent_process import ENGINE_TOKEN, AgentProcess
 from tests.support.crd_schema import (
     CRD_PATH,
     OLDEST_KUBERNETES,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 from kvpool.tools.doctor.report import NAME_WIDTH
+from tests.support.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 
 BIN = Path(sys.executable).parent
 CHECK_NAMES = (
@@ -100,7 +100,7 @@ def run_doctor(
         command = [setpriv, f"--bounding-set={drop}", "--inh-caps=-all", *command]
     result = subprocess.run(
         command,
-        env={**clean_env(), "KVPOOL_TOKEN": ENGINE_TOKEN, **(env or {})},
+        env={**clean_env(), "KVPOOL_CONNECTOR_TOKEN": ENGINE_TOKEN, **(env or {})},
         capture_output=True,
         text=True,
         timeout=60,

@@ -23,8 +23,8 @@ from kvpool.common.door import ChunkFile, open_chunk_file
 from kvpool.common.keys import CANARY_TENANT, tenant_id
 from kvpool.common.segment import door_path
 from kvpool.tools import cli
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 from kvpool.tools.doctor import canary, shared_memory
+from tests.support.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 
 from .conftest import ADMIN_ENV, Diagnosis, agent_args, parse, run_doctor
 
@@ -84,7 +84,10 @@ def test_a_healthy_agent_passes_and_the_canary_leaves_nothing(agent: AgentProces
     before, counts = usage(agent)[TENANT], door_counts(agent)
 
     diagnosis = run_doctor(
-        *agent_args(agent), "--block-size", "128", env={**ADMIN_ENV, "KVPOOL_CHUNK_TOKENS": "256"}
+        *agent_args(agent),
+        "--block-size",
+        "128",
+        env={**ADMIN_ENV, "KVPOOL_CONNECTOR_CHUNK_TOKENS": "256"},
     )
 
     assert diagnosis.returncode == 0, diagnosis.output
@@ -201,7 +204,7 @@ def test_a_door_this_pod_does_not_reach_warns_and_the_canary_takes_messages(
         private.chmod(0o700 if os.geteuid() == 0 else 0)
         expected = f"{door}: Permission denied in this pod"
     if how != "beside another segment path":
-        env["KVPOOL_DOOR_PATH"] = str(door)
+        env["KVPOOL_CONNECTOR_DOOR_PATH"] = str(door)
     granted = door_counts(agent)["granted"]
     try:
         diagnosis = run_doctor(*arguments, env=env, as_a_pod=True)
@@ -222,7 +225,7 @@ def test_a_door_this_pod_does_not_reach_warns_and_the_canary_takes_messages(
     assert warning.seen.startswith(expected), warning.seen
     assert warning.fix is not None
     assert warning.fix.startswith("label the pod for the pool (kvpool's admission webhook")
-    assert "KVPOOL_DOOR_PATH" in warning.fix
+    assert "KVPOOL_CONNECTOR_DOOR_PATH" in warning.fix
     assert_through_messages(diagnosis)
     assert f"it does not reach {door} (the door line says why)" in (
         diagnosis.checks["transport"].seen
@@ -243,10 +246,13 @@ def assert_through_messages(diagnosis: Diagnosis) -> None:
 def test_a_pod_on_the_messages_transport_asks_no_door_and_passes(
     agent: AgentProcess, tmp_path: Path
 ) -> None:
-    """KVPOOL_TRANSPORT=messages, a pod that maps nothing: the door is not looked at (not
+    """KVPOOL_CONNECTOR_TRANSPORT=messages, a pod that maps nothing: the door is not looked at (not
     even one its settings name), and the path the connector takes is checked."""
     granted = door_counts(agent)["granted"]
-    env = {"KVPOOL_TRANSPORT": "messages", "KVPOOL_DOOR_PATH": str(tmp_path / "absent.sock")}
+    env = {
+        "KVPOOL_CONNECTOR_TRANSPORT": "messages",
+        "KVPOOL_CONNECTOR_DOOR_PATH": str(tmp_path / "absent.sock"),
+    }
 
     diagnosis = run_doctor(*agent_args(agent), env=env)
 
@@ -268,7 +274,7 @@ def test_a_tenants_token_maps_the_canarys_chunk_file_through_its_door(tmp_path: 
     agent = AgentProcess(tmp_path, tenant_tokens={TENANT: token}).start()
     try:
         counts = door_counts(agent)
-        diagnosis = run_doctor(*agent_args(agent), env={"KVPOOL_TOKEN": token})
+        diagnosis = run_doctor(*agent_args(agent), env={"KVPOOL_CONNECTOR_TOKEN": token})
         after = door_counts(agent)
         tenants = usage(agent)
     finally:
@@ -316,7 +322,9 @@ def test_a_door_nobody_answers_at_warns_and_the_canary_takes_messages(
     door = tmp_path / "agent.sock"
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
         dead.bind(str(door))
-    diagnosis = run_doctor(*agent_args(agent), env={**ADMIN_ENV, "KVPOOL_DOOR_PATH": str(door)})
+    diagnosis = run_doctor(
+        *agent_args(agent), env={**ADMIN_ENV, "KVPOOL_CONNECTOR_DOOR_PATH": str(door)}
+    )
 
     assert diagnosis.returncode == 0, diagnosis.output
     warning = diagnosis.checks["door"]
@@ -333,9 +341,9 @@ def test_a_door_that_gives_no_chunk_file_fails_the_canary_in_one_line(
     agent: AgentProcess, tmp_path: Path, how: str
 ) -> None:
     """The door is a socket someone answers at, so the pod asks it; but it is another
-    agent's (named by KVPOOL_DOOR_PATH, or moved over this agent's own, as a second agent at
-    the same path would), which has no such file. The canary says so in one line, without a
-    traceback, and leaves its tenant cleared."""
+    agent's (named by KVPOOL_CONNECTOR_DOOR_PATH, or moved over this agent's own, as a second
+    agent at the same path would), which has no such file. The canary says so in one line,
+    without a traceback, and leaves its tenant cleared."""
     other = AgentProcess(tmp_path / "other")
     other.workdir.mkdir()
     env = dict(ADMIN_ENV)
@@ -343,7 +351,7 @@ def test_a_door_that_gives_no_chunk_file_fails_the_canary_in_one_line(
         other.start()
         if how == "another agent's, named by door_path":
             door = agent_door(other)
-            env["KVPOOL_DOOR_PATH"] = str(door)
+            env["KVPOOL_CONNECTOR_DOOR_PATH"] = str(door)
         else:
             door = agent_door(agent)
             os.replace(agent_door(other), door)
@@ -420,7 +428,7 @@ def test_an_agent_that_refuses_the_protocol(
 ) -> None:
     """A client of another protocol version: the real agent answers unsupported_version."""
     monkeypatch.setattr(protocol, "PROTOCOL_VERSION", protocol.PROTOCOL_VERSION + 1)
-    monkeypatch.setenv("KVPOOL_TOKEN", ENGINE_TOKEN)
+    monkeypatch.setenv("KVPOOL_CONNECTOR_TOKEN", ENGINE_TOKEN)
 
     returncode = cli.main(["doctor", "--endpoint", agent.zmq])
 
@@ -487,7 +495,7 @@ def test_the_canary_never_reaches_l2(tmp_path: Path) -> None:
 
 def test_chunks_of_partial_blocks_are_named(agent: AgentProcess) -> None:
     diagnosis = run_doctor(
-        *agent_args(agent), "--block-size", "96", env={"KVPOOL_CHUNK_TOKENS": "256"}
+        *agent_args(agent), "--block-size", "96", env={"KVPOOL_CONNECTOR_CHUNK_TOKENS": "256"}
     )
 
     assert diagnosis.returncode == 1
@@ -500,8 +508,14 @@ def test_a_missing_or_refused_token_is_one_fail_line_with_the_fix(
 ) -> None:
     """As the connector: no token anywhere, then a token the agent does not know."""
     for env, seen in (
-        ({"KVPOOL_TOKEN": "", "HOME": str(tmp_path)}, "no token for the kvpool agent: set"),
-        ({"KVPOOL_TOKEN": "not-a-token-of-this-pool"}, f"the agent at {agent.zmq} refused"),
+        (
+            {"KVPOOL_CONNECTOR_TOKEN": "", "HOME": str(tmp_path)},
+            "no token for the kvpool agent: set",
+        ),
+        (
+            {"KVPOOL_CONNECTOR_TOKEN": "not-a-token-of-this-pool"},
+            f"the agent at {agent.zmq} refused",
+        ),
     ):
         diagnosis = run_doctor(*agent_args(agent), env=env)
         assert diagnosis.returncode == 1

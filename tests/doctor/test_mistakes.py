@@ -1,15 +1,16 @@
 """``kvpool doctor`` given broken inputs: one line per problem, naming the flag or variable
-as written and its value; exit 2."""
+as written and its value; exit 2. The table runs through ``kvpool``'s ``main(argv)`` in the
+test's process; one row also as a user runs it, a real process."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from tests.support.mistakes import BIN, Mistake, feed
-
-pytestmark = pytest.mark.process
+from kvpool.tools import cli
+from tests.support.mistakes import BIN, Mistake, feed, refuse
 
 ENDPOINT = ["--endpoint", "tcp://127.0.0.1:7400"]
 
@@ -30,14 +31,16 @@ DOCTOR = [
     Mistake(
         "env-endpoint",
         ENDPOINT,  # with --pool the doctor reads the pool's Service, whatever the variable
-        ["kvpool doctor: KVPOOL_ENDPOINT=localhost:7400: must be tcp://host:port or ipc://path"],
-        env={"KVPOOL_ENDPOINT": "localhost:7400"},
+        [
+            "kvpool doctor: KVPOOL_CONNECTOR_ENDPOINT=localhost:7400: must be tcp://host:port or ipc://path"
+        ],
+        env={"KVPOOL_CONNECTOR_ENDPOINT": "localhost:7400"},
     ),
     Mistake(
         "env-chunk-tokens",
         ENDPOINT,
-        ["kvpool doctor: KVPOOL_CHUNK_TOKENS=many: input should be a valid integer"],
-        env={"KVPOOL_CHUNK_TOKENS": "many"},
+        ["kvpool doctor: KVPOOL_CONNECTOR_CHUNK_TOKENS=many: input should be a valid integer"],
+        env={"KVPOOL_CONNECTOR_CHUNK_TOKENS": "many"},
     ),
     Mistake(
         "timeout",
@@ -96,6 +99,16 @@ DOCTOR = [
 ]
 
 
+def doctor(argv: Sequence[str]) -> int:
+    """``kvpool doctor ARGV``, in this process."""
+    return cli.main(["doctor", *argv])
+
+
 @pytest.mark.parametrize("mistake", DOCTOR, ids=str)
-def test_doctor(mistake: Mistake, tmp_path: Path) -> None:
-    feed(f"{BIN}/kvpool doctor", mistake, tmp_path)
+def test_doctor(mistake: Mistake, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    refuse(doctor, mistake, tmp_path, capsys)
+
+
+@pytest.mark.process
+def test_the_script_refuses_in_one_line(tmp_path: Path) -> None:
+    feed(f"{BIN}/kvpool doctor", DOCTOR[2], tmp_path)  # a variable's value: read at start

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.tools.bench.harness.agent_process import AgentProcess
 from kvpool.tools.doctor import peers
+from tests.support.agent_process import AgentProcess
 from tests.support.ports import free_port
 
 from .conftest import ADMIN_ENV, agent_args, run_doctor

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.tools.bench.harness.agent_process import AgentProcess
+from tests.support.agent_process import AgentProcess
 
 
 def start_all(processes: list[AgentProcess]) -> None:

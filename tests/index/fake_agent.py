@@ -19,7 +19,7 @@ from kvpool.common import protocol as p
 from kvpool.common.auth import Role, TokenAuthority
 from kvpool.common.kube.discovery import AgentEndpoint
 from kvpool.common.protocol import EVENTS_TOPIC, ChunkEvent, encode_event
-from kvpool.tools.bench.harness.agent_process import INDEX_TOKEN
+from tests.support.agent_process import INDEX_TOKEN
 
 TENANT = "0123456789abcdef0123456789abcdef"
 

@@ -15,7 +15,7 @@ from kvpool.common.keys import tenant_id
 from kvpool.common.kube.discovery import AgentEndpoint
 from kvpool.index.subscriber import AgentStatus, EventSubscriber
 from kvpool.index.tracker import PrefixTracker
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, INDEX_TOKEN, AgentProcess
+from tests.support.agent_process import ADMIN_TOKEN, INDEX_TOKEN, AgentProcess
 from tests.support.chunks import chain
 from tests.support.polling import wait_until
 from tests.support.ports import free_port

@@ -12,7 +12,7 @@ import pytest
 from kvpool.client import AgentClient
 from kvpool.common.keys import chunk_keys, tenant_id
 from kvpool.index.client import IndexClient, IndexRequestError
-from kvpool.tools.bench.harness.agent_process import ENGINE_TOKEN, AgentProcess
+from tests.support.agent_process import ENGINE_TOKEN, AgentProcess
 from tests.support.index_process import (
     ADMIN_TOKEN,
     FINGERPRINT,

@@ -8,7 +8,7 @@ import pytest
 
 from kvpool.index.subscriber import AgentStatus, EventSubscriber
 from kvpool.index.tracker import PrefixTracker
-from kvpool.tools.bench.harness.agent_process import INDEX_TOKEN
+from tests.support.agent_process import INDEX_TOKEN
 from tests.support.chunks import chain
 from tests.support.polling import wait_until
 

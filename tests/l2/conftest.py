@@ -23,8 +23,8 @@ from kvpool.agent.l2.buffers import BufferPool
 from kvpool.agent.l2.codec import ObjectCodec
 from kvpool.common.config import NvmeTierConfig, S3TierConfig
 from kvpool.common.keyring import RELOAD_SECONDS, Keyring, generate_key
-from kvpool.tools.bench.harness.agent_process import AgentProcess
-from kvpool.tools.bench.harness.s3_server import moto_server
+from kvpool.tools.bench.local.s3_server import moto_server
+from tests.support.agent_process import AgentProcess
 
 from .faults import FaultProxy
 

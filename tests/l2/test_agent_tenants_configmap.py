@@ -16,7 +16,7 @@ import pytest
 from kvpool.client import AgentClient, AgentError
 from kvpool.common.keys import tenant_id
 from kvpool.common.tenants_configmap import token_digest
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import data, key
 from tests.support.kube_api import ServedApi
 from tests.support.metrics import metric

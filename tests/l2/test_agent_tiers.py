@@ -15,7 +15,7 @@ import pytest
 from kvpool.agent.l2.codec import HEADER
 from kvpool.client import AgentClient
 from kvpool.common.keys import tenant_id
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import data, key
 from tests.support.metrics import metric
 from tests.support.polling import wait_until

@@ -16,7 +16,8 @@ import pytest
 
 from kvpool.agent.l2 import L2Object, ObjectKey
 from kvpool.agent.l2.codec import HEADER
-from kvpool.agent.l2.nvme import BLOCK, NvmeAdapter
+from kvpool.agent.l2.nvme import NvmeAdapter
+from kvpool.agent.l2.nvme_files import BLOCK
 from kvpool.common.files import FileRefused
 from tests.support.local_user import NOBODY, needs_root
 

@@ -9,8 +9,8 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from kvpool.operator.render import Pool
-from kvpool.tools.bench.harness.agent_process import AgentProcess
 from tests.operator.cluster_view import config_map
+from tests.support.agent_process import AgentProcess
 from tests.support.kube_api import ServedApi
 from tests.support.polling import eventually
 

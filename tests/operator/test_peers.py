@@ -1,5 +1,6 @@
 """Peers through the real operator (``kvpool-operator`` in a subprocess, checking every
-``--usage-seconds 1``) against the emulated API server: the pool's peer Secret minted before
+``--usage-seconds 1``, shared with the other modules: ``conftest.py``) against the emulated
+API server, each test in a namespace of its own: the pool's peer Secret minted before
 the agents that mount it and rotated, the agents' peer port, node name, credential, Role and
 NetworkPolicy rule, all gone with ``spec.peers.enabled: false``; invalid fields reported.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ import yaml
 from kvpool.operator.spec import PEER_PORT_TAKEN
 from tests.operator.cluster_view import apply, condition, event, namespace, secret_values
 from tests.support.kube_api import ServedApi
-from tests.support.operator_process import REPO, Kubectl, OperatorProcess
+from tests.support.operator_process import Kubectl, OperatorProcess
 from tests.support.polling import eventually
 
 pytestmark = pytest.mark.process
@@ -31,18 +32,15 @@ ROTATION_STOPPED = "Daemon 'pool_peer_keys' has exited on request"
 """kopf's word (with --verbose) that a pool's key rotation stopped: it no longer has peers."""
 
 
-@pytest.fixture(scope="module")
-def operator(
-    served_api: ServedApi, kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[OperatorProcess]:
-    kubectl("apply", "--validate=false", "-f", str(REPO / "crds"))
-    apply(kubectl, namespace(NAMESPACE, {}))
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
-    # --verbose: kopf logs when it stops a pool's key rotation (a debug record)
-    options = ("--usage-seconds", "1", "--verbose")
-    process = OperatorProcess(served_api.kubeconfig(), NAMESPACE, log, options)
-    yield process.start()
-    process.stop()
+@pytest.fixture(autouse=True)
+def _own_namespace(
+    namespaces: Callable[[str], str], kubectl: Kubectl, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each test works in a namespace of its own: NAMESPACE (read by the helpers below) names
+    it while the test runs."""
+    name = namespaces("mesh")
+    apply(kubectl, namespace(name, {}))
+    monkeypatch.setitem(globals(), "NAMESPACE", name)
 
 
 def _create(kubectl: Kubectl, name: str, spec: dict[str, Any]) -> None:
@@ -219,7 +217,8 @@ def test_peers_off_closes_the_port_and_deletes_the_credential(
     assert _peer_rules(served_api, "solo") == []
 
     def rotation_stopped() -> None:  # it rotated every second: no pass of it is left to run
-        assert operator.handled(ROTATION_STOPPED, "KVCachePool", "solo", since) == 1
+        stopped = operator.handled(ROTATION_STOPPED, "KVCachePool", "solo", since, NAMESPACE)
+        assert stopped == 1
 
     eventually(rotation_stopped)
     assert "kvpool-solo-peer" not in served_api.objects("secrets", NAMESPACE)

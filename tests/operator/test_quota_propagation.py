@@ -3,7 +3,7 @@ another agent of the pool, through the pool's quota ConfigMap on the emulated AP
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,14 +11,13 @@ import httpx
 import pytest
 
 from kvpool.common.keys import tenant_id
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.kube_api import ServedApi
 from tests.support.operator_process import Kubectl
 from tests.support.polling import eventually
 
 pytestmark = pytest.mark.process
 
-NAMESPACE = "inference"
 NAME = "kvpool-main-quotas"
 ALICE = tenant_id("alice")
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -26,16 +25,22 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 @pytest.fixture
 def agents(
-    served_api: ServedApi, kubectl: Kubectl, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    served_api: ServedApi,
+    kubectl: Kubectl,
+    namespaces: Callable[[str], str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[list[AgentProcess]]:
+    """Two agents of a pool in a namespace of the test's own."""
+    namespace = namespaces("inference")
     manifest = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": NAME}}
-    kubectl("apply", "--validate=false", "-n", NAMESPACE, "-f", "-", manifest=manifest)
+    kubectl("apply", "--validate=false", "-n", namespace, "-f", "-", manifest=manifest)
     monkeypatch.setenv("KUBECONFIG", str(served_api.kubeconfig()))
     processes = []
     for index in range(2):
         workdir = tmp_path / f"agent-{index}"
         workdir.mkdir()
-        processes.append(AgentProcess(workdir, {"QUOTA_CONFIGMAP": f"{NAMESPACE}/{NAME}"}))
+        processes.append(AgentProcess(workdir, {"QUOTA_CONFIGMAP": f"{namespace}/{NAME}"}))
     try:
         yield [process.start() for process in processes]
     finally:

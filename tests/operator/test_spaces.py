@@ -1,8 +1,10 @@
 """Shared spaces through the real operator (``kvpool-operator`` for every namespace, in a
-subprocess) against the emulated API server, driven with kubectl as a platform team would.
+subprocess, shared with the other modules: ``conftest.py``) against the emulated API server,
+driven with kubectl as a platform team would.
 
-One pool, ``inference/shared``, admits the namespaces labelled ``kvpool.io/team-access:
-shared``; its spaces admit some of them by name. Its two agents are stand-ins
+Each test has its own pool, ``inference-<n>/shared``, in namespaces of its own: it admits
+the namespaces labelled ``kvpool.io/team-access: shared``; its spaces admit some of them by
+name. Its two agents are stand-ins
 (:class:`~tests.operator.agent_stub.AgentStub`, on 127.0.0.1 and 127.0.0.2 at the pool's
 http port) that record the operator's calls: usage, clearing, pins and warming.
 """
@@ -10,7 +12,7 @@ http port) that record the operator's calls: usage, clearing, pins and warming.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -31,7 +33,7 @@ from tests.operator.cluster_view import (
     status,
 )
 from tests.support.kube_api import ServedApi
-from tests.support.operator_process import REPO, Kubectl, OperatorProcess
+from tests.support.operator_process import Kubectl, OperatorProcess
 from tests.support.polling import eventually
 from tests.support.ports import free_port
 
@@ -47,13 +49,21 @@ SPACES_SECRET = "kvpool-shared-spaces"
 AGENT_ADDRESSES = ("127.0.0.1", "127.0.0.2")
 GiB = 1 << 30
 FINGERPRINT = {"model": "m", "dtype": "bfloat16", "kvLayout": "nhd", "tpSize": 2}
-DOCS = {
-    "name": "docs",
-    "quota": {"l1": "2Gi", "nvme": "4Gi"},
-    "pinBudget": "1Gi",
-    "allowedNamespaces": ["team-a", "team-b"],
-    "owners": ["team-a"],
-}
+
+
+def _docs(teams: tuple[str, ...]) -> dict[str, Any]:
+    """The space of the first two teams, owned by the first."""
+    return {
+        "name": "docs",
+        "quota": {"l1": "2Gi", "nvme": "4Gi"},
+        "pinBudget": "1Gi",
+        "allowedNamespaces": list(teams[:2]),
+        "owners": [teams[0]],
+    }
+
+
+DOCS = _docs(TEAMS)
+"""The pool namespace, the teams, the pool and this space: each test's own (``_own_pool``)."""
 
 
 def _pool(name: str, http_port: int, **spec: Any) -> dict[str, Any]:
@@ -71,12 +81,12 @@ def _pool(name: str, http_port: int, **spec: Any) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def http_port() -> int:
     return free_port()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def agents(http_port: int) -> Iterator[list[AgentStub]]:
     stubs = [AgentStub(address, http_port).start() for address in AGENT_ADDRESSES]
     yield stubs
@@ -84,28 +94,39 @@ def agents(http_port: int) -> Iterator[list[AgentStub]]:
         stub.stop()
 
 
-@pytest.fixture(scope="module")
-def operator(
-    served_api: ServedApi,
+@pytest.fixture(autouse=True)
+def _own_namespaces(namespaces: Callable[[str], str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test's own namespaces (POOL_NAMESPACE and TEAMS, read by the helpers), and its
+    space DOCS of them."""
+    pool_namespace = namespaces("inference")
+    teams = tuple(namespaces(team) for team in ("team-a", "team-b", "team-c"))
+    for name, value in (
+        ("POOL_NAMESPACE", pool_namespace),
+        ("POOL", Pool("shared", pool_namespace, "")),
+        ("TEAMS", teams),
+        ("DOCS", _docs(teams)),
+    ):
+        monkeypatch.setitem(globals(), name, value)
+
+
+@pytest.fixture(autouse=True)
+def _own_pool(
+    _own_namespaces: None,
     kubectl: Kubectl,
+    operator: OperatorProcess,
     http_port: int,
     agents: list[AgentStub],
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[OperatorProcess]:
-    kubectl("apply", "--validate=false", "-f", str(REPO / "crds"))
+) -> None:
+    """Each test's pool with the space DOCS, its two agents (stand-ins) and a tenant of each
+    team."""
     apply(kubectl, namespace(POOL_NAMESPACE, {}))
     for team in TEAMS:
         apply(kubectl, namespace(team, ACCESS))
     apply(kubectl, _pool("shared", http_port, sharedSpaces=[DOCS]))
     for number, address in enumerate(AGENT_ADDRESSES, 1):
         agent_pod(kubectl, POOL, f"kvpool-shared-agent-x{number}", address)
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
-    options = ("--usage-seconds", "1", "--clear-retries", "1")
-    process = OperatorProcess(served_api.kubeconfig(), None, log, options).start()
     for team, name in zip(TEAMS, ("alpha", "beta", "gamma"), strict=True):
         _tenant(kubectl, team, name)
-    yield process
-    process.stop()
 
 
 def _tenant(kubectl: Kubectl, team: str, name: str) -> None:
@@ -168,15 +189,15 @@ def test_a_space_gets_a_salt_and_the_tenants_it_admits_get_it(
     assert [owner["kind"] for owner in secret["metadata"]["ownerReferences"]] == ["KVCachePool"]
 
     def handed_out() -> tuple[str, str]:
-        alpha = _tenant_secret(served_api, "team-a", "alpha")
-        beta = _tenant_secret(served_api, "team-b", "beta")
+        alpha = _tenant_secret(served_api, TEAMS[0], "alpha")
+        beta = _tenant_secret(served_api, TEAMS[1], "beta")
         assert alpha.get("space-docs") == beta.get("space-docs") == salt
         return alpha["tenant-id"], beta["tenant-id"]
 
     alpha, beta = eventually(handed_out)
-    gamma = eventually(lambda: _tenant_secret(served_api, "team-c", "gamma")["tenant-id"])
-    assert "space-docs" not in _tenant_secret(served_api, "team-c", "gamma")
-    assert {"salt", "token", "tenant-id"} <= set(_tenant_secret(served_api, "team-a", "alpha"))
+    gamma = eventually(lambda: _tenant_secret(served_api, TEAMS[2], "gamma")["tenant-id"])
+    assert "space-docs" not in _tenant_secret(served_api, TEAMS[2], "gamma")
+    assert {"salt", "token", "tenant-id"} <= set(_tenant_secret(served_api, TEAMS[0], "alpha"))
 
     def published() -> None:
         assert _space_entry(served_api, space) == SpaceEntry(
@@ -188,13 +209,16 @@ def test_a_space_gets_a_salt_and_the_tenants_it_admits_get_it(
     assert as_limits(quota_from_configmap(quota)) == TierLimits(2 * GiB, 4 * GiB)
     assert gamma not in _space_entry(served_api, space).members
 
-    eventually(lambda: _admitted_to(served_api, "team-a", "alpha") == ["docs"] or _no())
-    assert _admitted_to(served_api, "team-c", "gamma") == []
-    assert "space-docs" in event(served_api, "team-a", "alpha", "Normal", "SpaceAdmitted")
+    eventually(lambda: _admitted_to(served_api, TEAMS[0], "alpha") == ["docs"] or _no())
+    assert _admitted_to(served_api, TEAMS[2], "gamma") == []
+    assert "space-docs" in event(served_api, TEAMS[0], "alpha", "Normal", "SpaceAdmitted")
 
     def reported() -> None:
         docs = _pool_spaces(served_api)["docs"]
-        assert (docs["tenantId"], docs["members"]) == (space, ["team-a/alpha", "team-b/beta"])
+        assert (docs["tenantId"], docs["members"]) == (
+            space,
+            [f"{TEAMS[0]}/alpha", f"{TEAMS[1]}/beta"],
+        )
         assert (docs["usage"]["l1Bytes"], docs["usage"]["agents"]) == (2 * 4096, 2)
         assert _spaces_condition(served_api)[:2] == ("True", "SpacesPublished")
 
@@ -210,19 +234,19 @@ def test_a_namespace_removed_from_a_space_is_revoked(
     served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
 ) -> None:
     space = tenant_id(eventually(lambda: _salt(served_api)))
-    beta = eventually(lambda: _tenant_secret(served_api, "team-b", "beta")["tenant-id"])
+    beta = eventually(lambda: _tenant_secret(served_api, TEAMS[1], "beta")["tenant-id"])
     eventually(lambda: beta in _space_entry(served_api, space).members or _no())
 
-    _spaces(kubectl, {**DOCS, "allowedNamespaces": ["team-a"]})
+    _spaces(kubectl, {**DOCS, "allowedNamespaces": [TEAMS[0]]})
 
     def revoked() -> None:
         assert beta not in _space_entry(served_api, space).members
-        assert "space-docs" not in _tenant_secret(served_api, "team-b", "beta")
-        assert _admitted_to(served_api, "team-b", "beta") == []
+        assert "space-docs" not in _tenant_secret(served_api, TEAMS[1], "beta")
+        assert _admitted_to(served_api, TEAMS[1], "beta") == []
 
     eventually(revoked)
-    assert "docs" in event(served_api, "team-b", "beta", "Normal", "SpaceRevoked")
-    assert _tenant_secret(served_api, "team-a", "alpha")["space-docs"] == _salt(served_api)
+    assert "docs" in event(served_api, TEAMS[1], "beta", "Normal", "SpaceRevoked")
+    assert _tenant_secret(served_api, TEAMS[0], "alpha")["space-docs"] == _salt(served_api)
 
     _spaces(kubectl, DOCS)
     eventually(lambda: beta in _space_entry(served_api, space).members or _no())
@@ -232,21 +256,21 @@ def test_a_refused_or_deleted_tenant_leaves_the_space(
     served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
 ) -> None:
     space = tenant_id(eventually(lambda: _salt(served_api)))
-    _tenant(kubectl, "team-b", "delta")
-    delta = eventually(lambda: _tenant_secret(served_api, "team-b", "delta")["tenant-id"])
+    _tenant(kubectl, TEAMS[1], "delta")
+    delta = eventually(lambda: _tenant_secret(served_api, TEAMS[1], "delta")["tenant-id"])
     eventually(lambda: delta in _space_entry(served_api, space).members or _no())
 
-    apply(kubectl, namespace("team-b", {}))  # the pool admits team-b no more: refused
+    apply(kubectl, namespace(TEAMS[1], {}))  # the pool admits the team no more: refused
 
     def refused() -> None:
         assert delta not in _space_entry(served_api, space).members
-        assert "space-docs" not in _tenant_secret(served_api, "team-b", "delta")
+        assert "space-docs" not in _tenant_secret(served_api, TEAMS[1], "delta")
 
     eventually(refused)
-    apply(kubectl, namespace("team-b", ACCESS))
+    apply(kubectl, namespace(TEAMS[1], ACCESS))
     eventually(lambda: delta in _space_entry(served_api, space).members or _no())
 
-    kubectl("delete", "kvt", "delta", "-n", "team-b", "--wait=false")
+    kubectl("delete", "kvt", "delta", "-n", TEAMS[1], "--wait=false")
     eventually(lambda: delta not in _space_entry(served_api, space).members or _no())
 
 
@@ -332,9 +356,12 @@ def test_pinned_prefixes_are_pinned_and_warmed_on_every_agent(
 
 
 def test_an_agent_that_fails_is_named_in_the_condition(
-    served_api: ServedApi, agents: list[AgentStub]
+    served_api: ServedApi, kubectl: Kubectl, agents: list[AgentStub]
 ) -> None:
+    prompt = [{"name": "prompt", "tokens": list(range(1000, 1040))}]
+    _spaces(kubectl, {**DOCS, "pinned": prompt}, index={"fingerprint": FINGERPRINT})
     eventually(lambda: _pool_spaces(served_api)["docs"]["pinned"] == ["prompt"] or _no())
+    eventually(lambda: _spaces_condition(served_api)[:2] == ("True", "SpacesPublished") or _no())
     agents[1].failing = True
     try:
 
@@ -360,7 +387,7 @@ def test_deleting_a_space_revokes_it_and_clears_its_chunks(
 ) -> None:
     salt = eventually(lambda: _salt(served_api))
     space = tenant_id(salt)
-    eventually(lambda: "space-docs" in _tenant_secret(served_api, "team-a", "alpha") or _no())
+    eventually(lambda: "space-docs" in _tenant_secret(served_api, TEAMS[0], "alpha") or _no())
 
     _spaces(kubectl)
 
@@ -369,8 +396,8 @@ def test_deleting_a_space_revokes_it_and_clears_its_chunks(
         assert space_key(space) not in data
         assert space not in config_map(served_api, POOL_NAMESPACE, QUOTAS_CM)
         assert "docs" not in secret_values(served_api, POOL_NAMESPACE, SPACES_SECRET)
-        assert "space-docs" not in _tenant_secret(served_api, "team-a", "alpha")
-        assert _admitted_to(served_api, "team-a", "alpha") == []
+        assert "space-docs" not in _tenant_secret(served_api, TEAMS[0], "alpha")
+        assert _admitted_to(served_api, TEAMS[0], "alpha") == []
         for agent in agents:
             assert agent.made("POST", f"/v1/tenants/{space}/clear?tiers=all")
         pool = status(served_api, "kvcachepools", POOL_NAMESPACE, "shared")
@@ -383,13 +410,13 @@ def test_deleting_a_space_revokes_it_and_clears_its_chunks(
         f"removed the shared space docs (tenant id {space}): its members are revoked, 4 chunks "
         "dropped from L1 and 2 objects from L2 by 2 agents, its quota dropped"
     )
-    assert "docs" in event(served_api, "team-a", "alpha", "Normal", "SpaceRevoked")
+    assert "docs" in event(served_api, TEAMS[0], "alpha", "Normal", "SpaceRevoked")
 
 
 def test_an_invalid_space_is_reported_on_one_line(
     served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess, http_port: int
 ) -> None:
-    space = {**DOCS, "owners": ["team-c"]}
+    space = {**DOCS, "owners": [TEAMS[2]]}
     apply(kubectl, _pool("odd", http_port, sharedSpaces=[space]))
 
     def reported() -> str:
@@ -401,7 +428,7 @@ def test_an_invalid_space_is_reported_on_one_line(
 
     assert eventually(reported) == (
         "spec.sharedSpaces.0.owners: Value error, owners must each be in allowedNamespaces; "
-        "team-c is not"
+        f"{TEAMS[2]} is not"
     )
     assert SPACES_SECRET.replace("shared", "odd") not in served_api.objects(
         "secrets", POOL_NAMESPACE
@@ -416,7 +443,7 @@ def test_space_salts_never_leave_secrets(
     _spaces(kubectl, {**DOCS, "name": "notes"})
     salt = eventually(lambda: _salt(served_api, "notes"))
     eventually(
-        lambda: _tenant_secret(served_api, "team-a", "alpha").get("space-notes") == salt or _no()
+        lambda: _tenant_secret(served_api, TEAMS[0], "alpha").get("space-notes") == salt or _no()
     )
 
     async def everything_but_secrets() -> str:

@@ -2,7 +2,8 @@
 ``kvpool-agent`` processes on the emulated API server. What the operator writes is what the
 agents act on: members' tokens reach the space's chunks over ZMQ, owners' may also read its
 pins, the operator's pins land in L1 within the space's budget, and un-admitting a namespace
-or removing the space takes all of it back."""
+or removing the space takes all of it back. The operator is the one every module shares
+(``conftest.py``); the pool and its teams are in namespaces of the test's own."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ import pytest
 from kvpool.client import AgentClient, AgentError
 from kvpool.common.keys import ModelFingerprint, chunk_keys, shared_salt, tenant_id
 from kvpool.operator.render import Pool
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.operator.cluster_view import agent_pod, apply, namespace, secret_values
 from tests.operator.pool_agents import pool_agents
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.kube_api import ServedApi
-from tests.support.operator_process import REPO, Kubectl, OperatorProcess
+from tests.support.operator_process import Kubectl, OperatorProcess
 from tests.support.polling import eventually
 from tests.support.ports import free_port
 
@@ -27,18 +28,24 @@ pytestmark = pytest.mark.process
 
 POOL_NAMESPACE = "inference"
 POOL = Pool("shared", POOL_NAMESPACE, "")
+TEAMS = ("team-a", "team-b", "team-c")
+"""The namespaces of the pool and of its teams: each test's own (``_own_namespaces``)."""
 ACCESS = {"kvpool.io/team-access": "shared"}
 AGENT_ADDRESSES = ("127.0.0.1", "127.0.0.2")
 PROMPT = list(range(500, 532))  # two chunks of 16
 FINGERPRINT = {"model": "m", "dtype": "bfloat16", "kvLayout": "nhd"}
-DOCS = {
-    "name": "docs",
-    "quota": {"l1": "4Mi"},
-    "pinBudget": "1Mi",
-    "allowedNamespaces": ["team-a", "team-b"],
-    "owners": ["team-a"],
-    "pinned": [{"name": "prompt", "tokens": PROMPT}],
-}
+
+
+def _docs() -> dict[str, Any]:
+    """The space of the first two teams, owned by the first."""
+    return {
+        "name": "docs",
+        "quota": {"l1": "4Mi"},
+        "pinBudget": "1Mi",
+        "allowedNamespaces": list(TEAMS[:2]),
+        "owners": [TEAMS[0]],
+        "pinned": [{"name": "prompt", "tokens": PROMPT}],
+    }
 
 
 def _pool(http_port: int, *spaces: dict[str, Any]) -> dict[str, Any]:
@@ -57,39 +64,36 @@ def _pool(http_port: int, *spaces: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def http_port() -> int:
     return free_port()
 
 
-@pytest.fixture(scope="module")
-def operator(
-    served_api: ServedApi,
-    kubectl: Kubectl,
-    http_port: int,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[OperatorProcess]:
-    kubectl("apply", "--validate=false", "-f", str(REPO / "crds"))
-    apply(kubectl, namespace(POOL_NAMESPACE, {}))
-    for team in ("team-a", "team-b", "team-c"):
-        apply(kubectl, namespace(team, ACCESS))
-    apply(kubectl, _pool(http_port, DOCS))
-    for number, address in enumerate(AGENT_ADDRESSES, 1):
-        agent_pod(kubectl, POOL, f"kvpool-shared-agent-x{number}", address)
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
-    options = ("--usage-seconds", "1", "--clear-retries", "1")
-    process = OperatorProcess(served_api.kubeconfig(), None, log, options).start()
-    yield process
-    process.stop()
+@pytest.fixture(autouse=True)
+def _own_namespaces(namespaces: Callable[[str], str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test's own namespaces, as POOL_NAMESPACE and TEAMS (read by the helpers)."""
+    pool_namespace = namespaces("inference")
+    monkeypatch.setitem(globals(), "POOL_NAMESPACE", pool_namespace)
+    monkeypatch.setitem(globals(), "POOL", Pool("shared", pool_namespace, ""))
+    teams = tuple(namespaces(team) for team in ("team-a", "team-b", "team-c"))
+    monkeypatch.setitem(globals(), "TEAMS", teams)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def agents(
     served_api: ServedApi,
+    kubectl: Kubectl,
     operator: OperatorProcess,
     http_port: int,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[list[AgentProcess]]:
+    """The pool (with the space ``docs``), its namespaces and its agents."""
+    apply(kubectl, namespace(POOL_NAMESPACE, {}))
+    for team in TEAMS:
+        apply(kubectl, namespace(team, ACCESS))
+    apply(kubectl, _pool(http_port, _docs()))
+    for number, address in enumerate(AGENT_ADDRESSES, 1):
+        agent_pod(kubectl, POOL, f"kvpool-shared-agent-x{number}", address)
     with pool_agents(served_api, POOL, http_port, AGENT_ADDRESSES, tmp_path_factory) as started:
         yield started
 
@@ -141,13 +145,14 @@ def _on_every_agent(agents: list[AgentProcess], check: Callable[[AgentProcess], 
 def test_members_owners_and_pins_on_real_agents_and_their_revocation(
     served_api: ServedApi, kubectl: Kubectl, http_port: int, agents: list[AgentProcess]
 ) -> None:
-    for team, name in (("team-a", "alpha"), ("team-b", "beta"), ("team-c", "gamma")):
+    tenants = list(zip(TEAMS, ("alpha", "beta", "gamma"), strict=True))
+    for team, name in tenants:
         _tenant(kubectl, team, name)
     alpha, beta, gamma = (
         eventually(lambda team=team, name=name: _secret(served_api, team, name))
-        for team, name in (("team-a", "alpha"), ("team-b", "beta"), ("team-c", "gamma"))
+        for team, name in tenants
     )
-    salt = eventually(lambda: _secret(served_api, "team-a", "alpha")["space-docs"])
+    salt = eventually(lambda: _secret(served_api, TEAMS[0], "alpha")["space-docs"])
     space = tenant_id(salt)
 
     def admitted(agent: AgentProcess) -> None:
@@ -170,7 +175,7 @@ def test_members_owners_and_pins_on_real_agents_and_their_revocation(
 
     eventually(lambda: _on_every_agent(agents, pinned))
 
-    apply(kubectl, _pool(http_port, {**DOCS, "allowedNamespaces": ["team-a"]}))
+    apply(kubectl, _pool(http_port, {**_docs(), "allowedNamespaces": [TEAMS[0]]}))
 
     def beta_revoked(agent: AgentProcess) -> None:
         assert not _stores(agent, beta["token"], space)
@@ -183,6 +188,6 @@ def test_members_owners_and_pins_on_real_agents_and_their_revocation(
     def removed(agent: AgentProcess) -> None:
         assert not _stores(agent, alpha["token"], space)
         assert _pins(agent, space, ADMIN_TOKEN).json()["pins"] == []
-        assert "space-docs" not in secret_values(served_api, "team-a", "alpha-kvpool")
+        assert "space-docs" not in secret_values(served_api, TEAMS[0], "alpha-kvpool")
 
     eventually(lambda: _on_every_agent(agents, removed))

@@ -1,7 +1,8 @@
 """KVCacheTenants through the real operator (``kvpool-operator`` for every namespace, in a
-subprocess) against the emulated API server, driven with kubectl as a team would.
+subprocess, shared with the other modules: ``conftest.py``) against the emulated API server,
+driven with kubectl as a team would. Each test's tenants are in namespaces of its own.
 
-One pool, ``inference/shared``, admits the namespaces labelled ``kvpool.io/team-access:
+The module's pool, ``inference-<n>/shared``, admits the namespaces labelled ``kvpool.io/team-access:
 shared`` with at most 16Gi of L1 per tenant. Its agents are two real ``kvpool-agent``
 processes (on 127.0.0.1 and 127.0.0.2, each with an NVMe tier, at the pool's http port),
 watching the pool's tenants and quota ConfigMaps on the same API server; two agent pods
@@ -15,7 +16,7 @@ import json
 import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -32,7 +33,6 @@ from kvpool.operator.events import PoolEvents, TenantEvents
 from kvpool.operator.render import Pool
 from kvpool.operator.spaces import SpaceReconciler
 from kvpool.operator.tenants import TenantReconciler
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.operator.cluster_view import (
     agent_pod,
     apply,
@@ -44,10 +44,12 @@ from tests.operator.cluster_view import (
     status,
 )
 from tests.operator.pool_agents import pool_agents
+from tests.operator.shared_operator import running, unique
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import data, key
 from tests.support.kube_api import ServedApi
 from tests.support.metrics import metric
-from tests.support.operator_process import REPO, Kubectl, OperatorProcess
+from tests.support.operator_process import Kubectl, OperatorProcess
 from tests.support.polling import eventually
 from tests.support.ports import free_port
 
@@ -85,37 +87,49 @@ def http_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def operator(
+def pool(
     served_api: ServedApi,
     kubectl: Kubectl,
+    operator_process: OperatorProcess,
     http_port: int,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[OperatorProcess]:
-    kubectl("apply", "--validate=false", "-f", str(REPO / "crds"))
-    apply(kubectl, namespace(POOL_NAMESPACE, {}))
+) -> Iterator[Pool]:
+    """The module's pool, ``inference-<n>/shared`` (POOL_NAMESPACE while the module runs), and
+    its two agent pods, on the operator that every module shares (``conftest.py``)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(globals(), "POOL_NAMESPACE", unique("inference"))
+        running(operator_process, served_api)
+        apply(kubectl, namespace(POOL_NAMESPACE, {}))
+        apply(kubectl, _pool("shared", http_port))
+        made = Pool("shared", POOL_NAMESPACE, "")
+        for number, address in enumerate(AGENT_ADDRESSES, 1):
+            agent_pod(kubectl, made, f"kvpool-shared-agent-x{number}", address)
+        yield made
+        served_api.remove_namespace(POOL_NAMESPACE)
+
+
+@pytest.fixture(autouse=True)
+def _own_namespaces(
+    pool: Pool,
+    operator: OperatorProcess,
+    kubectl: Kubectl,
+    namespaces: Callable[[str], str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each test's own namespaces: TEAM (the pool admits it) and OUTSIDER (not yet)."""
+    monkeypatch.setitem(globals(), "TEAM", namespaces("team-a"))
+    monkeypatch.setitem(globals(), "OUTSIDER", namespaces("team-b"))
     apply(kubectl, namespace(TEAM, ACCESS))
     apply(kubectl, namespace(OUTSIDER, {}))
-    apply(kubectl, _pool("shared", http_port))
-    for number, address in enumerate(AGENT_ADDRESSES, 1):
-        agent_pod(
-            kubectl, Pool("shared", POOL_NAMESPACE, ""), f"kvpool-shared-agent-x{number}", address
-        )
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
-    options = ("--usage-seconds", "1", "--clear-retries", "1")
-    process = OperatorProcess(served_api.kubeconfig(), None, log, options).start()
-    yield process
-    process.stop()
 
 
 @pytest.fixture(scope="module")
 def agents(
     served_api: ServedApi,
-    operator: OperatorProcess,
+    pool: Pool,
     http_port: int,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[list[AgentProcess]]:
     """The pool's agents, started once the operator has made the pool's ConfigMaps."""
-    pool = Pool("shared", POOL_NAMESPACE, "")
     with pool_agents(served_api, pool, http_port, AGENT_ADDRESSES, tmp_path_factory) as started:
         yield started
 
@@ -356,7 +370,7 @@ def test_a_namespace_the_pool_does_not_select_gets_no_token_until_it_is_labelled
 ) -> None:
     _tenant(kubectl, OUTSIDER, "beta")
     message = eventually(lambda: _accepted(served_api, OUTSIDER, "beta", "NamespaceNotAllowed"))
-    assert "does not admit the namespace team-b" in message
+    assert f"does not admit the namespace {OUTSIDER}" in message
     assert _condition(served_api, OUTSIDER, "beta", "Ready")[:2] == ("False", "NotAccepted")
     assert "does not admit" in event(served_api, OUTSIDER, "beta", "Warning", "NamespaceNotAllowed")
     assert "beta-kvpool" not in served_api.objects("secrets", OUTSIDER)
@@ -463,7 +477,7 @@ def test_a_teams_own_salt_and_a_salt_in_use(
     message = eventually(lambda: _accepted(served_api, TEAM, "own", "SaltSecretMissing"))
     assert message == "the Secret own-salt does not exist (spec.saltSecretRef)"
 
-    salt = "team-a-own-salt-4a1f0c"
+    salt = f"{TEAM}-own-salt-4a1f0c"
     apply(kubectl, _salt_secret(TEAM, "own-salt", "salt", ""))
     eventually(lambda: _accepted(served_api, TEAM, "own", "InvalidSalt"))
     apply(kubectl, _salt_secret(TEAM, "own-salt", "salt", salt))
@@ -481,6 +495,10 @@ def test_a_teams_own_salt_and_a_salt_in_use(
     assert _entry(served_api, tenant_id(salt))["tenant"] == f"{TEAM}/own"
     assert "token" not in _secret_or_empty(served_api, OUTSIDER, "copycat")
     apply(kubectl, namespace(OUTSIDER, {}))
+
+
+def _fail() -> bool:
+    raise AssertionError("not yet")
 
 
 def _salt_secret(namespace: str, name: str, key: str, salt: str) -> dict[str, Any]:
@@ -526,7 +544,8 @@ def test_deleting_a_tenant_revokes_its_token_and_frees_its_space(
     messages = [
         e["message"] for e in served_api.events(TEAM, "leaving") if e["reason"] == "Revoked"
     ]
-    assert any("revoked the token on every agent of inference/shared" in m for m in messages)
+    revoked = f"revoked the token on every agent of {POOL_NAMESPACE}/shared"
+    assert any(revoked in m for m in messages)
     freed_message = "6 chunks dropped from L1 and 6 objects from L2 by 2 agents"
     assert any(freed_message in m for m in messages), messages
     print(f"delete to 401 on both agents: {revocation:.2f} s; to the tenant gone: {freed:.2f} s")
@@ -640,22 +659,31 @@ def test_deleting_the_pool_marks_its_tenants_pool_not_found(
 
 
 def test_salts_never_leave_secrets(
-    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
+    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess, agents: list[AgentProcess]
 ) -> None:
-    """Every salt of the tests above, generated or the team's, is in no object but Secrets
+    """The salts of this test's tenants, generated or the team's (one of a tenant kept, one
+    rotated, one deleted, a team's own and its copy refused), are in no object but Secrets
     (nor in any earlier version of one, nor in a watch event) and not in the operator's log."""
-    salts = [
-        values["salt"]
-        for secret in served_api.objects("secrets").values()
-        if (values := {k: base64.b64decode(v).decode() for k, v in secret["data"].items()})
-        and "salt" in values
-        and values["salt"]
-    ] + [
-        base64.b64decode(secret["data"]["s"]).decode()
-        for secret in served_api.objects("secrets").values()
-        if "s" in (secret.get("data") or {})
-    ]
-    assert len(salts) >= 5, salts
+    kept, rotated, deleted = (
+        _admitted(served_api, kubectl, agents, name) for name in ("kept", "rotated", "deleted")
+    )
+    _patch(kubectl, TEAM, "rotated", {"tokenGeneration": 1})
+    eventually(lambda: _token_generation(served_api, TEAM, "rotated", 1))
+    kubectl("delete", "kvt", "deleted", "-n", TEAM, "--wait=false")
+    gone = deleted["tenant-id"]
+    eventually(lambda: _every_agent_answers(agents, gone, deleted["token"], 401))
+    eventually(lambda: gone not in _data(served_api, TENANTS_CM) or _fail())
+    eventually(lambda: gone not in _data(served_api, QUOTAS_CM) or _fail())
+    own = f"{TEAM}-own-salt-9c2e71"
+    apply(kubectl, _salt_secret(TEAM, "own-salt", "salt", own))
+    _tenant(kubectl, TEAM, "own", saltSecretRef={"name": "own-salt"})
+    eventually(lambda: _accepted(served_api, TEAM, "own"))
+    apply(kubectl, _salt_secret(OUTSIDER, "copy-salt", "s", own))
+    apply(kubectl, namespace(OUTSIDER, ACCESS))
+    _tenant(kubectl, OUTSIDER, "copycat", saltSecretRef={"name": "copy-salt", "key": "s"})
+    eventually(lambda: _accepted(served_api, OUTSIDER, "copycat", "TenantIdInUse"))
+    salts = [kept["salt"], _secret(served_api, TEAM, "rotated")["salt"], deleted["salt"], own]
+    assert rotated["salt"] == salts[1] and len(set(salts)) == 4, salts
 
     async def everything_but_secrets() -> str:
         api = served_api.api

@@ -3,8 +3,9 @@
 First the pure mutation (:mod:`kvpool.operator.admission.wiring`) and the emulator's own
 matching; then the real ``kvpool-operator`` (webhook on, reached by URL on 127.0.0.1)
 against the emulated API server, which calls it on every pod creation as kube-apiserver
-does. The pool ``inference/main`` and the tenant ``team-a/vllm`` are made once; each test
-creates pods over HTTP and reads what the API server stored.
+does (the operator and the API server every module shares: ``conftest.py``). The pool
+``inference/main`` and the tenant ``team-a/vllm`` are made once; each test creates pods over
+HTTP and reads what the API server stored.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import ssl
 import time
 import uuid
@@ -25,6 +27,10 @@ import jsonpatch
 import kmock
 import pytest
 
+from kvpool.common.names import CONNECTOR_OLD_NAMES
+from kvpool.connector import settings as connector_settings
+from kvpool.connector.identity import credential
+from kvpool.connector.settings import ConnectorSettings
 from kvpool.operator.admission import server as admission_server
 from kvpool.operator.admission.certificates import make, write
 from kvpool.operator.admission.server import ServiceRef, Webhook, WebhookOptions
@@ -35,9 +41,10 @@ from kvpool.operator.admission.wiring import (
     apply,
     wire,
 )
+from tests.operator.shared_operator import running
 from tests.support.kube_api import ServedApi, matches_rules, matches_selector
 from tests.support.metrics import memory_bytes
-from tests.support.operator_process import REPO, Kubectl, OperatorProcess
+from tests.support.operator_process import Kubectl, OperatorProcess
 from tests.support.polling import eventually
 from tests.support.ports import free_port
 from tests.support.raw_http import head
@@ -58,6 +65,8 @@ CONFIGURATION = "kvpool-operator.kvpool.io"
 WEBHOOK = f"cache-pool.{CONFIGURATION}"
 POOL = PoolFacts("main", POOL_NAMESPACE, ZMQ_PORT, CHUNK_TOKENS, frozenset({ENGINES}))
 UNWIRED = "the pod runs without the cache"
+OLD_NAMES = frozenset(CONNECTOR_OLD_NAMES.values())
+ENDPOINT_NAMES = ("KVPOOL_CONNECTOR_ENDPOINT", "KVPOOL_ENDPOINT")
 
 
 def _secret_env(name: str, key: str) -> dict[str, Any]:
@@ -66,18 +75,28 @@ def _secret_env(name: str, key: str) -> dict[str, Any]:
 
 
 ENV = [
+    {"name": "KVPOOL_CONNECTOR_ENDPOINT", "value": f"tcp://kvpool-main.inference.svc:{ZMQ_PORT}"},
+    {"name": "KVPOOL_CONNECTOR_DOOR_PATH", "value": "/var/run/kvpool/agent.sock"},
+    {"name": "KVPOOL_CONNECTOR_CHUNK_TOKENS", "value": str(CHUNK_TOKENS)},
+    _secret_env("KVPOOL_CONNECTOR_TOKEN", "token"),
+    _secret_env("KVPOOL_CACHE_SALT", "salt"),
     {"name": "KVPOOL_ENDPOINT", "value": f"tcp://kvpool-main.inference.svc:{ZMQ_PORT}"},
     {"name": "KVPOOL_DOOR_PATH", "value": "/var/run/kvpool/agent.sock"},
     {"name": "KVPOOL_CHUNK_TOKENS", "value": str(CHUNK_TOKENS)},
     _secret_env("KVPOOL_TOKEN", "token"),
-    _secret_env("KVPOOL_CACHE_SALT", "salt"),
 ]
-"""A tenant's pod: the agent's door (the volume is the door directory), no segment."""
+"""A tenant's pod: the agent's door (the volume is the door directory), no segment; then
+the connector's variables again by their old names, for a connector from before the
+rename."""
 ENGINE_ENV = [
     ENV[0],
+    {"name": "KVPOOL_CONNECTOR_SEGMENT_PATH", "value": "/var/run/kvpool/segment"},
+    {"name": "KVPOOL_CONNECTOR_DOOR_PATH", "value": "/var/run/kvpool/segment.door/agent.sock"},
+    *ENV[2:5],
+    ENV[5],
     {"name": "KVPOOL_SEGMENT_PATH", "value": "/var/run/kvpool/segment"},
     {"name": "KVPOOL_DOOR_PATH", "value": "/var/run/kvpool/segment.door/agent.sock"},
-    *ENV[2:],
+    *ENV[7:],
 ]
 """A pod of the pool's engineNamespaces: the segment too (the volume is the pool's
 directory)."""
@@ -148,6 +167,7 @@ def test_wires_a_tenants_pod_to_the_agents_door_only() -> None:
     assert spec["containers"][1]["volumeMounts"] == [{"name": "x", "mountPath": "/x"}, MOUNT]
     assert "securityContext" not in spec
     names = {env["name"] for env in ENV}
+    assert names.isdisjoint({"KVPOOL_CONNECTOR_SEGMENT_PATH", "KVPOOL_CONNECTOR_TRANSPORT"})
     assert names.isdisjoint({"KVPOOL_SEGMENT_PATH", "KVPOOL_TRANSPORT"})
 
 
@@ -189,13 +209,16 @@ def test_keeps_the_variables_a_container_sets_and_its_groups() -> None:
     wiring = wire(pod, ENGINES, [Binding(TENANT, POOL_NAMESPACE, POOL)])
     apply(wiring.patch, pod)
     names = [env["name"] for env in pod["spec"]["containers"][0]["env"]]
-    assert names == [
+    assert names == [  # set by their old names: neither name added
         "KVPOOL_CHUNK_TOKENS",
         "KVPOOL_TOKEN",
+        "KVPOOL_CONNECTOR_ENDPOINT",
+        "KVPOOL_CONNECTOR_SEGMENT_PATH",
+        "KVPOOL_CONNECTOR_DOOR_PATH",
+        "KVPOOL_CACHE_SALT",
         "KVPOOL_ENDPOINT",
         "KVPOOL_SEGMENT_PATH",
         "KVPOOL_DOOR_PATH",
-        "KVPOOL_CACHE_SALT",
     ]
     assert pod["spec"]["containers"][0]["env"][:2] == own
     assert pod["spec"]["securityContext"] == {"runAsUser": 1000, "supplementalGroups": [5, 10001]}
@@ -207,7 +230,56 @@ def test_a_container_with_its_own_token_file_keeps_it() -> None:
     apply(wire(pod, TEAM, [Binding(TENANT, POOL_NAMESPACE, POOL)]).patch, pod)
     names = [env["name"] for env in pod["spec"]["containers"][0]["env"]]
     assert "KVPOOL_TOKEN" not in names
+    assert "KVPOOL_CONNECTOR_TOKEN" not in names
     assert "KVPOOL_CACHE_SALT" in names
+
+
+def test_a_variable_a_container_sets_by_its_new_name_gets_neither_name() -> None:
+    own = [
+        {"name": "KVPOOL_CONNECTOR_CHUNK_TOKENS", "value": "256"},
+        {"name": "KVPOOL_CONNECTOR_TOKEN_FILE", "value": "/var/run/token"},
+    ]
+    pod = _pod("p", LABEL, containers=[{"name": "vllm", "image": "v", "env": own}])
+    apply(wire(pod, TEAM, [Binding(TENANT, POOL_NAMESPACE, POOL)]).patch, pod)
+    names = [env["name"] for env in pod["spec"]["containers"][0]["env"]]
+    assert names == [
+        "KVPOOL_CONNECTOR_CHUNK_TOKENS",
+        "KVPOOL_CONNECTOR_TOKEN_FILE",
+        "KVPOOL_CONNECTOR_ENDPOINT",
+        "KVPOOL_CONNECTOR_DOOR_PATH",
+        "KVPOOL_CACHE_SALT",
+        "KVPOOL_ENDPOINT",
+        "KVPOOL_DOOR_PATH",
+    ]
+
+
+def _environ(env: list[dict[str, Any]], secret: dict[str, str]) -> dict[str, str]:
+    """The environment the kubelet gives a container of ``env`` (``secret``: the tenant's
+    Secret's data)."""
+    return {
+        variable["name"]: variable.get("value")
+        or secret[variable["valueFrom"]["secretKeyRef"]["key"]]
+        for variable in env
+    }
+
+
+@pytest.mark.parametrize("env", [ENV, ENGINE_ENV], ids=["tenant", "engine"])
+def test_connectors_old_and_new_read_the_wired_pod_alike_and_the_new_without_a_word(
+    env: list[dict[str, Any]], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the webhook writes, read by a connector of today (every name) and one from
+    before the rename (the old names only): the same settings and token, and no warning and
+    no refusal from today's, which would otherwise fill every wired engine's log."""
+    environ = _environ(env, {"token": "the-team-s-token", "salt": "the-team-s-salt"})
+    caplog.set_level(logging.WARNING, logger="kvpool.connector.settings")
+    monkeypatch.setattr(connector_settings, "_warned", set())  # no old name read before
+    settings = ConnectorSettings.load({}, environ)
+    assert settings.endpoint == f"tcp://kvpool-main.inference.svc:{ZMQ_PORT}"
+    assert credential(settings, environ)() == "the-team-s-token"
+    assert caplog.records == []
+    old = {name: value for name, value in environ.items() if name in OLD_NAMES}
+    assert ConnectorSettings.load({}, old) == settings
+    assert credential(settings, old)() == "the-team-s-token"
 
 
 @pytest.mark.parametrize("namespace", [TEAM, ENGINES])
@@ -407,10 +479,13 @@ def _conditions(api: ServedApi, plural: str, namespace: str, name: str) -> list[
 
 
 @pytest.fixture(scope="module")
-def operator(
-    served_api: ServedApi, kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[OperatorProcess]:
-    kubectl("apply", "--validate=false", "-f", str(REPO / "crds"))
+def wired_cluster(
+    served_api: ServedApi, kubectl: Kubectl, operator_process: OperatorProcess
+) -> Iterator[None]:
+    """The module's namespaces, pool and tenants, on the operator that every module shares
+    (``conftest.py``): these namespaces' names are theirs alone (the other modules' names
+    carry a number), and they are removed after the module."""
+    operator = running(operator_process, served_api)
     for name in (POOL_NAMESPACE, TEAM, OTHER_TEAM, CLOSED_TEAM, ENGINES):
         admitted = name in (TEAM, OTHER_TEAM, ENGINES)
         _apply(kubectl, _namespace(name, {"team": "yes"} if admitted else {}))
@@ -435,25 +510,22 @@ def operator(
     _apply(kubectl, tenant)
     _apply(kubectl, {**tenant, "metadata": {"name": TENANT, "namespace": CLOSED_TEAM}})
     _apply(kubectl, {**tenant, "metadata": {"name": TENANT, "namespace": ENGINES}})
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
-    options = (
-        "--webhook-url-host",
-        "127.0.0.1",
-        "--webhook-bind",
-        "127.0.0.1",
-        "--webhook-port",
-        str(free_port()),
-    )
-    process = OperatorProcess(served_api.kubeconfig(), None, log, options).start()
     # the webhook is configured, and the operator has seen the pool and the tenant (so
     # its indices hold them: kopf indexes an object before it handles it)
-    eventually(lambda: _webhook(served_api), timeout=30, what=process.log())
+    eventually(lambda: _webhook(served_api), timeout=30, what=operator.log(operator.startup[0]))
     eventually(lambda: _conditions(served_api, "kvcachepools", POOL_NAMESPACE, "main"))
     eventually(lambda: _conditions(served_api, "kvcachetenants", TEAM, TENANT))
     eventually(lambda: _conditions(served_api, "kvcachetenants", CLOSED_TEAM, TENANT))
     eventually(lambda: _conditions(served_api, "kvcachetenants", ENGINES, TENANT))
-    yield process
-    process.stop()
+    yield
+    for name in (POOL_NAMESPACE, TEAM, OTHER_TEAM, CLOSED_TEAM, ENGINES):
+        served_api.remove_namespace(name)
+
+
+@pytest.fixture
+def operator(operator: OperatorProcess, wired_cluster: None) -> OperatorProcess:
+    """The shared operator (running), once the module's pool and tenants are made."""
+    return operator
 
 
 def _webhook(api: ServedApi) -> dict[str, Any]:
@@ -540,6 +612,21 @@ def test_a_containers_own_variable_stays(served_api: ServedApi, operator: Operat
     env = pod["spec"]["containers"][0]["env"]
     assert env[0] == own
     assert [variable["name"] for variable in env].count("KVPOOL_CHUNK_TOKENS") == 1
+
+
+def test_a_containers_own_variable_by_its_old_name_gets_neither_name(
+    served_api: ServedApi, operator: OperatorProcess
+) -> None:
+    """A pod that names its agent itself, by the old name, keeps it: the webhook writes the
+    endpoint by neither name, so its connector reads the pod's own, as before the rename
+    (and is not refused for two endpoints)."""
+    own = {"name": "KVPOOL_ENDPOINT", "value": "tcp://own-agent.team-a.svc:7400"}
+    container = {"name": "vllm", "image": "vllm:test", "env": [own]}
+    pod, _ = _create(served_api, TEAM, _pod("own-old-env", LABEL, containers=[container]))
+    env = pod["spec"]["containers"][0]["env"]
+    assert env == [own, *(v for v in ENV if v["name"] not in ENDPOINT_NAMES)]
+    environ = _environ(env, {"token": "t", "salt": "s"})
+    assert ConnectorSettings.load({}, environ).endpoint == "tcp://own-agent.team-a.svc:7400"
 
 
 def test_an_unlabelled_pod_is_not_even_sent(

@@ -23,9 +23,6 @@ import pytest
 
 pytestmark = pytest.mark.process
 
-ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ("pyproject.toml", "README.md", "src")
-"""What the package is built from (the Dockerfile copies the same)."""
 BASE_MODULES = ("kvpool.client", "kvpool.common.keys", "kvpool.common.protocol")
 CONNECTOR_NEEDS_VLLM = {
     # vLLM (and torch) come with the engine's image, not with kvpool: these import them
@@ -90,29 +87,6 @@ for name in [*sys.argv[2].split(","), *names]:
 found = [n for n in sys.argv[3].split(",") if importlib.util.find_spec(n) is not None]
 print(json.dumps({"connector": names, "found": found}))
 """
-
-
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """kvpool's wheel, built once from a copy of what the Dockerfile copies (a build in the
-    tree would leave build/ behind)."""
-    work = tmp_path_factory.mktemp("wheel")
-    source = work / "src"
-    source.mkdir()
-    for name in SOURCES:
-        if (ROOT / name).is_dir():
-            ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
-            shutil.copytree(ROOT / name, source / name, ignore=ignore)
-        else:
-            shutil.copy(ROOT / name, source / name)
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", work, source],
-        check=True,
-        capture_output=True,
-        env=CLEAN,
-    )
-    (built,) = work.glob("kvpool-*.whl")
-    return built
 
 
 @pytest.fixture(scope="module", params=EXTRAS, ids=lambda extra: extra or "base")

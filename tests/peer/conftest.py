@@ -6,8 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpool.tools.bench.harness.hosts import Hosts
-from tests.support.hosts import hosts_or_skip
+from tests.support.hosts import Hosts, hosts_or_skip
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""``kvpool bench peer``: its smallest runs between two hosts print the transfer table and the
-readers' table, and its reports' rates, ratios and checks on made-up figures."""
+"""The peer bench (``python -m benchmarks.peer``, not shipped): its smallest runs between two
+hosts print the transfer table and the readers' table, and its reports' rates, ratios and
+checks on made-up figures."""
 
 from __future__ import annotations
 
@@ -11,14 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.tools.bench import peer_ttft
+from benchmarks import peer_ttft
+from benchmarks.peer import PEER, SOCKET, MiB, Results, report
+from benchmarks.peer_ttft import READERS, RECOMPUTE
 from kvpool.tools.bench.connector_engine import Sample
-from kvpool.tools.bench.peer import PEER, SOCKET, MiB, Results, report
-from kvpool.tools.bench.peer_ttft import READERS, RECOMPUTE
 from tests.support.engines import needs_fast_bf16
 from tests.support.hosts import hosts_or_skip
 
-BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = [sys.executable, "-m", "benchmarks.peer"]
+"""The bench, run from the checkout's root."""
 
 
 def rows_of(output: str) -> list[list[str]]:
@@ -33,9 +36,10 @@ def rows_of(output: str) -> list[list[str]]:
 def test_the_smallest_run_pulls_through_the_peer_and_measures_the_link() -> None:
     with hosts_or_skip(1):  # this machine can make hosts
         pass
-    command = [str(BIN / "kvpool"), "bench", "peer", "--chunk-mib", "1,2", "--mib", "4"]
-    command += ["--runs", "2", "--skip-ttft"]
-    output = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True).stdout
+    command = [*BENCH, "--chunk-mib", "1,2", "--mib", "4", "--runs", "2", "--skip-ttft"]
+    output = subprocess.run(
+        command, capture_output=True, text=True, timeout=120, check=True, cwd=ROOT
+    ).stdout
 
     rows = rows_of(output)
     assert [row[:2] for row in rows] == [["1 MiB", "4"], ["2 MiB", "2"]], output
@@ -46,7 +50,7 @@ def test_the_smallest_run_pulls_through_the_peer_and_measures_the_link() -> None
     assert rows[1][7] in (">= 0.8", ">= 0.8 MISSED")  # marked where this machine missed it
     assert "over veth (MTU " in output
     assert "every chunk B pulled was A's, byte for byte: yes" in output
-    assert "command: kvpool bench peer --chunk-mib 1,2 --mib 4 --runs 2 " in output
+    assert "command: python -m benchmarks.peer --chunk-mib 1,2 --mib 4 --runs 2 " in output
     assert "--skip-ttft" in output
     assert "Reader TTFT" not in output
     assert "CPU: " in output
@@ -60,9 +64,11 @@ def test_the_smallest_run_pulls_through_the_peer_and_measures_the_link() -> None
 def test_the_smallest_readers_run_loads_through_the_peer_and_s3() -> None:
     with hosts_or_skip(1):
         pass
-    command = [str(BIN / "kvpool"), "bench", "peer", "--chunk-mib", "1", "--mib", "1"]
-    command += ["--runs", "1", "--skip-peer", "--prompt-tokens", "512"]
-    output = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True).stdout
+    command = [*BENCH, "--chunk-mib", "1", "--mib", "1", "--runs", "1", "--skip-peer"]
+    command += ["--prompt-tokens", "512"]
+    output = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, check=True, cwd=ROOT
+    ).stdout
 
     (table,) = [block for block in output.split("\n\n") if block.startswith("Reader TTFT")]
     rows = [re.split(r" {2,}", line.strip()) for line in table.splitlines()[3:6]]

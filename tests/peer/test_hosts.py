@@ -13,10 +13,9 @@ import time
 import httpx
 import pytest
 
-from kvpool.tools.bench.harness import hosts as hosts_module
-from kvpool.tools.bench.harness.agent_process import AgentProcess
-from kvpool.tools.bench.harness.hosts import Host, Hosts, HostsUnavailable
-from tests.support.hosts import hosts_or_skip
+from tests.support import hosts as hosts_module
+from tests.support.agent_process import AgentProcess
+from tests.support.hosts import Host, Hosts, HostsUnavailable, hosts_or_skip
 from tests.support.polling import eventually
 
 pytestmark = [pytest.mark.process, pytest.mark.root, pytest.mark.netns]

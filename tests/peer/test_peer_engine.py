@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 
 from kvpool.client import AgentClient
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.engines import Engine, poison_segment, write_model
 from tests.support.hosts import hosts_or_skip
 from tests.support.metrics import metric

@@ -16,9 +16,9 @@ import pytest
 
 from kvpool.client import AgentClient
 from kvpool.common.keys import tenant_id
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
-from kvpool.tools.bench.harness.hosts import Hosts
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import chain, data
+from tests.support.hosts import Hosts
 from tests.support.index_process import ADMIN_TOKEN as INDEX_ADMIN
 from tests.support.index_process import IndexProcess
 from tests.support.metrics import metric

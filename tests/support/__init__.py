@@ -16,5 +16,8 @@
   :mod:`~tests.support.polling`, :mod:`~tests.support.ports`: keys and bytes, one agent
   metric, bounded waiting, free loopback ports.
 
-Real agent processes come from :mod:`kvpool.tools.bench.harness` (the benchmarks use them too).
+Real agent processes: :mod:`~tests.support.agent_process`, the benches' agent
+(:mod:`kvpool.tools.bench.local.agent_process`) with what only tests ask of it; hosts in
+network namespaces (root only): :mod:`~tests.support.hosts`. Neither is shipped; the
+repository's ``benchmarks/peer.py`` uses both.
 """

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from kvpool.tools.bench.harness.agent_process import ENGINE_TOKEN
+from kvpool.common.names import CONNECTOR_OLD_NAMES, CONNECTOR_TOKEN_ENV
+from tests.support.agent_process import ENGINE_TOKEN
 
 from .greedy import Candidates, problems
 from .models import TINY_LLAMA, write_model
@@ -114,12 +115,13 @@ class Engine:
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # stdout carries the results
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-            "KVPOOL_TOKEN": ENGINE_TOKEN,  # every harness agent's engine token
+            CONNECTOR_TOKEN_ENV: ENGINE_TOKEN,  # every harness agent's engine token
             **self.env,
         }
-        for name in ("KVPOOL_ENDPOINT", "KVPOOL_SEGMENT_PATH", "KVPOOL_CHUNK_TOKENS"):
-            if name not in self.env:
-                environment.pop(name, None)
+        for new, old in CONNECTOR_OLD_NAMES.items():  # the shell's, by either name
+            for name in (new, old) if new != CONNECTOR_TOKEN_ENV else (old,):
+                if name not in self.env:
+                    environment.pop(name, None)
         log = self.log_path.open("w")
         self._process = subprocess.Popen(
             [sys.executable, str(MAIN), json.dumps(self.settings)],

@@ -18,7 +18,7 @@ from typing import Protocol
 import yaml
 
 from kvpool.common.keys import ModelFingerprint, tenant_id
-from kvpool.tools.bench.harness.agent_process import INDEX_TOKEN
+from tests.support.agent_process import INDEX_TOKEN
 
 BIN = Path(sys.executable).parent
 READY = re.compile(r"index ready pool=\S+ http=(\S+)")

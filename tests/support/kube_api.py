@@ -22,7 +22,7 @@ makes it behave like a real API server wherever kvpool depends on it:
   ``/status`` change only the status;
 - deletion: an object with finalizers gets a deletionTimestamp; the garbage collector
   deletes, after their owner, the objects whose ownerReferences name its uid
-  (background propagation, recursively);
+  (background propagation, recursively); a deleted CRD's resources are no longer served;
 - lists carry ``kind`` (``<Kind>List``), ``apiVersion`` and the current resourceVersion;
   ``fieldSelector`` on ``metadata.name``/``metadata.namespace`` and equality or
   existence ``labelSelector``s filter lists and watches;
@@ -389,6 +389,15 @@ class ApiServer(kmock.KubernetesEmulator):
             ],
         }
 
+    def _unregister(self, crd: Obj) -> None:
+        """A deleted CRD's resources are served no more (its objects stay stored here, where
+        a real API server deletes them first)."""
+        spec = crd["spec"]
+        for version in spec["versions"]:
+            resource = kmock.resource(spec["group"], version["name"], spec["names"]["plural"])
+            if resource in self.resources:
+                del self.resources[resource]
+
     # admission
 
     async def _admit(self, request: rendering.Request, obj: Obj) -> tuple[Obj, list[str]]:
@@ -611,6 +620,8 @@ class ApiServer(kmock.KubernetesEmulator):
 
     async def _remove(self, key: Key, obj: Obj) -> None:
         self.objects[key].delete()
+        if key[0] == CRDS:
+            self._unregister(obj)
         gone = {**obj, "metadata": {**obj["metadata"], "resourceVersion": self._next_version()}}
         await self._publish(key[0], "DELETED", gone)
         uid = obj["metadata"]["uid"]
@@ -925,6 +936,23 @@ class ServedApi:
             yield
         finally:
             self.api.denials.remove(denial)
+
+    def remove_namespace(self, namespace: str) -> None:
+        """Remove the namespace and every object in it at once, finalizers or not: where a
+        namespace's deletion ends, for a test's cleanup. Watchers see each object DELETED
+        with a deletionTimestamp, as after a real deletion (kopf stops its daemons on it)."""
+
+        async def remove() -> None:
+            async with self.api._lock:
+                for key, obj in list(self.api.objects.items()):
+                    if not obj.deleted and (
+                        key[1] == namespace or (key[2] == namespace and key[0] == NAMESPACES)
+                    ):
+                        body = copy.deepcopy(obj.raw)
+                        body["metadata"].setdefault("deletionTimestamp", _now())
+                        await self.api._remove(key, body)
+
+        self.call(remove())
 
     def proxy(self) -> Proxy:
         host, port = self.url.removeprefix("http://").rsplit(":", 1)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from kvpool.tools.bench.harness.agent_process import AgentProcess
+from kvpool.tools.bench.local.agent_process import AgentProcess
 
 
 def metric(agent: AgentProcess, name: str) -> float:

@@ -1,5 +1,6 @@
 """Client library for the agent's ZMQ protocol: :class:`AgentClient` (blocking) and
-:class:`AsyncAgentClient` (asyncio), with the same methods.
+:class:`AsyncAgentClient` (asyncio), with the same methods. Public surface: those two,
+:class:`AgentError`, :class:`AgentUnavailable` and :func:`read_token`.
 
 Both speak through one DEALER socket, time every request out, and recover by
 themselves: a request that times out closes the socket (so nothing stale is

@@ -1,6 +1,7 @@
 """The contracts every part of kvpool shares: the agent, the connector, the client, the
 index, the CSI plugin, the operator and the tools all import from here, and this package
-imports none of them.
+imports none of them. Not an API for programs outside kvpool (docs/architecture.md,
+"Public surfaces").
 
 * ``config`` -- the agent's settings (the operator renders them); ``index_config`` and
   ``routing`` -- the prefix index's settings and routing policy (the operator renders them);

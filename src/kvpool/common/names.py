@@ -54,41 +54,53 @@ AGENT_HOST_ENV = f"{AGENT_ENV_PREFIX}HOST"
 INDEX_ENV_PREFIX = "KVPOOL_INDEX_"
 INDEX_CONFIG_FILE_ENV = "KVPOOL_INDEX_CONFIG_FILE"
 """The index's configuration file."""
-CONNECTOR_ENDPOINT_ENV = "KVPOOL_ENDPOINT"
-CONNECTOR_SEGMENT_PATH_ENV = "KVPOOL_SEGMENT_PATH"
-CONNECTOR_CHUNK_TOKENS_ENV = "KVPOOL_CHUNK_TOKENS"
-CONNECTOR_TRANSPORT_ENV = "KVPOOL_TRANSPORT"
+CONNECTOR_ENV_PREFIX = "KVPOOL_CONNECTOR_"
+"""Of the connector's variables (inside vLLM, and ``kvpool doctor`` as a connector): its
+overrides of ``kv_connector_extra_config`` and its token."""
+CONNECTOR_ENDPOINT_ENV = f"{CONNECTOR_ENV_PREFIX}ENDPOINT"
+CONNECTOR_SEGMENT_PATH_ENV = f"{CONNECTOR_ENV_PREFIX}SEGMENT_PATH"
+"""Where this pod sees the agent's segment (the agent's own is ``KVPOOL_SEGMENT_PATH``)."""
+CONNECTOR_CHUNK_TOKENS_ENV = f"{CONNECTOR_ENV_PREFIX}CHUNK_TOKENS"
+CONNECTOR_TRANSPORT_ENV = f"{CONNECTOR_ENV_PREFIX}TRANSPORT"
 """``messages``: the connector maps no chunk file; KV moves through the agent's messages."""
-CONNECTOR_DOOR_PATH_ENV = "KVPOOL_DOOR_PATH"
+CONNECTOR_DOOR_PATH_ENV = f"{CONNECTOR_ENV_PREFIX}DOOR_PATH"
 """The agent's door (a Unix socket) where a connector gets the chunk files its token may
 map; the webhook sets it in every wired pod."""
-CONNECTOR_TOKEN_ENV = "KVPOOL_TOKEN"
+CONNECTOR_TOKEN_ENV = f"{CONNECTOR_ENV_PREFIX}TOKEN"
 """The connector's token for its agent's ZMQ port (a pod sets it from its team's Secret)."""
+CONNECTOR_TOKEN_FILE_ENV = f"{CONNECTOR_ENV_PREFIX}TOKEN_FILE"
+"""Or the file that holds it."""
+CONNECTOR_OLD_NAMES = {
+    CONNECTOR_ENDPOINT_ENV: "KVPOOL_ENDPOINT",
+    CONNECTOR_SEGMENT_PATH_ENV: "KVPOOL_SEGMENT_PATH",
+    CONNECTOR_CHUNK_TOKENS_ENV: "KVPOOL_CHUNK_TOKENS",
+    CONNECTOR_TRANSPORT_ENV: "KVPOOL_TRANSPORT",
+    CONNECTOR_DOOR_PATH_ENV: "KVPOOL_DOOR_PATH",
+    CONNECTOR_TOKEN_ENV: "KVPOOL_TOKEN",
+    CONNECTOR_TOKEN_FILE_ENV: "KVPOOL_TOKEN_FILE",
+}
+"""Each connector variable's old name, from before the connector's variables had a prefix
+of their own (``KVPOOL_SEGMENT_PATH`` named the agent's segment too): the connector still
+reads it, with one warning per process, and the webhook writes it beside the new one for
+the connectors that know only the old names."""
 CACHE_SALT_ENV = "KVPOOL_CACHE_SALT"
 """The team's cache salt (a pod sets it from its team's Secret), for its requests'
-``cache_salt``."""
-CONNECTOR_TOKEN_FILE_ENV = "KVPOOL_TOKEN_FILE"
-"""Or the file that holds it."""
-"""The connector's overrides of its ``kv_connector_extra_config`` (and the doctor's)."""
+``cache_salt``: the application's, not the connector's."""
 ADMIN_TOKEN_ENV = "KVPOOL_ADMIN_TOKEN"
 """An admin token of the pool, for ``kvpool doctor``."""
 OPERATOR_AGENT_IMAGE_ENV = "KVPOOL_AGENT_IMAGE"
 """The operator's default agent image (the chart sets it)."""
 SHARED_VARIABLES = (
-    CONNECTOR_ENDPOINT_ENV,
-    CONNECTOR_SEGMENT_PATH_ENV,
-    CONNECTOR_CHUNK_TOKENS_ENV,
-    CONNECTOR_TRANSPORT_ENV,
-    CONNECTOR_DOOR_PATH_ENV,
-    CONNECTOR_TOKEN_ENV,
+    *CONNECTOR_OLD_NAMES,
+    *CONNECTOR_OLD_NAMES.values(),
     CACHE_SALT_ENV,
-    CONNECTOR_TOKEN_FILE_ENV,
     ADMIN_TOKEN_ENV,
     OPERATOR_AGENT_IMAGE_ENV,
 )
-"""The ``KVPOOL_`` variables of the connector, the tools and the operator, which no settings
-model holds: the agent and the index take them as known (one shell or pod may set them for
-another part), and refuse any other ``KVPOOL_`` variable that is not a setting of theirs."""
+"""The ``KVPOOL_`` variables of the connector (by their new and old names), the tools and
+the operator, which no settings model holds (but the agent's ``KVPOOL_SEGMENT_PATH``): the
+agent and the index take them as known (one shell or pod may set them for another part),
+and refuse any other ``KVPOOL_`` variable that is not a setting of theirs."""
 
 # The agent's door: a directory beside its segment (``<segment>.door``) holding one Unix
 # socket, the only part of the pool's directory a tenant's pod is given.

@@ -26,6 +26,9 @@ Modules, from the edge inwards:
   (``KVPoolConnectorMetadata`` and its kin);
 * ``counters``, ``metrics`` -- what the halves count.
 
+Public surface: ``KvpoolConnector`` and its settings (``settings``); every other module is
+the connector's own (docs/architecture.md, "Public surfaces").
+
 Importing this package does not import vLLM; ``KvpoolConnector`` does, on first use.
 Configurations that name the old path, ``kvpool_agent.connector``, load the same class.
 """

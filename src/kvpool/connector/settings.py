@@ -8,15 +8,21 @@ Two ways to name the agent (exactly one)::
 ``segment_path`` and ``door_path`` are optional with an endpoint (the agent's hello names
 its segment and its door; set them where the pod sees them at other paths). With a pool the
 connector reads the pool Service's annotations through the Kubernetes API (see
-:mod:`kvpool.connector.discovery`). ``KVPOOL_ENDPOINT``, ``KVPOOL_SEGMENT_PATH``,
-``KVPOOL_DOOR_PATH``, ``KVPOOL_CHUNK_TOKENS`` and ``KVPOOL_TRANSPORT`` override both (the
+:mod:`kvpool.connector.discovery`). ``KVPOOL_CONNECTOR_ENDPOINT``,
+``KVPOOL_CONNECTOR_SEGMENT_PATH``, ``KVPOOL_CONNECTOR_DOOR_PATH``,
+``KVPOOL_CONNECTOR_CHUNK_TOKENS`` and ``KVPOOL_CONNECTOR_TRANSPORT`` override both (the
 admission webhook sets them in a wired pod).
-The token the connector says hello with comes from ``KVPOOL_TOKEN``, a file, or the
-embedded default's engine token (:mod:`kvpool.connector.identity`).
+The token the connector says hello with comes from ``KVPOOL_CONNECTOR_TOKEN``, a file, or
+the embedded default's engine token (:mod:`kvpool.connector.identity`).
+
+Each variable's old name (``KVPOOL_ENDPOINT`` ...,
+:data:`~kvpool.common.names.CONNECTOR_OLD_NAMES`) is read still, with one warning line per
+process (:func:`variables`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,7 +42,9 @@ from kvpool.common.names import (
     CONNECTOR_CHUNK_TOKENS_ENV,
     CONNECTOR_DOOR_PATH_ENV,
     CONNECTOR_ENDPOINT_ENV,
+    CONNECTOR_OLD_NAMES,
     CONNECTOR_SEGMENT_PATH_ENV,
+    CONNECTOR_TOKEN_ENV,
     CONNECTOR_TRANSPORT_ENV,
 )
 from kvpool.common.problems import (
@@ -59,9 +67,44 @@ OVERRIDES = {
     "transport": CONNECTOR_TRANSPORT_ENV,
 }
 """The settings an environment variable overrides, and its name."""
+_warned: set[str] = set()
+"""The old names of variables this process has read (and warned about, once)."""
+log = logging.getLogger(__name__)
 _NO_AGENT: dict[str, bool] = {"no agent": True}
 """The validation context of :meth:`ConnectorSettings.for_engine`'s settings without an
 endpoint: the one object, told apart by identity."""
+
+
+def variables(environ: Mapping[str, str] | None = None) -> dict[str, tuple[str, str]]:
+    """The connector's variables that are set (not empty) in ``environ`` (default: the
+    process's), by their names: the name it was set by and its value.
+
+    An old name (:data:`~kvpool.common.names.CONNECTOR_OLD_NAMES`) is read as the new one,
+    with one warning line per process naming each old name and its new one. Both names set
+    to the same value (the webhook writes both) is the new one, without a word; to different
+    values, a :class:`~kvpool.common.problems.ConfigError`, one line per variable (a
+    token's values unshown)."""
+    env = os.environ if environ is None else environ
+    found: dict[str, tuple[str, str]] = {}
+    conflicts: list[str] = []
+    for new, old in CONNECTOR_OLD_NAMES.items():
+        value, old_value = env.get(new), env.get(old)
+        if value and old_value and old_value != value:
+            secret = new == CONNECTOR_TOKEN_ENV
+            both = f"{new} and {old}" if secret else f"{new}={value} and {old}={old_value}"
+            conflicts.append(f"{both} (its old name) differ: set {new} only")
+        elif value:
+            found[new] = (new, value)
+        elif old_value:
+            found[new] = (old, old_value)
+    if conflicts:
+        raise ConfigError(conflicts)
+    unwarned = [(name, new) for new, (name, _) in found.items() if name not in (new, *_warned)]
+    if unwarned:
+        _warned.update(old for old, _ in unwarned)
+        pairs = ", ".join(f"{old} -> {new}" for old, new in unwarned)
+        log.warning("kvpool: deprecated variable names, read for now: %s; set the new ones", pairs)
+    return found
 
 
 class NotAZmqAddress(ValueError):
@@ -102,8 +145,8 @@ class ConnectorSettings(BaseModel):
     token_file: Path | None = Field(
         None,
         description=(
-            "File of the token for the agent (a mounted Secret's 'token'); KVPOOL_TOKEN and "
-            "KVPOOL_TOKEN_FILE take precedence."
+            "File of the token for the agent (a mounted Secret's 'token'); "
+            "KVPOOL_CONNECTOR_TOKEN and KVPOOL_CONNECTOR_TOKEN_FILE take precedence."
         ),
     )
     chunk_tokens: int | None = Field(
@@ -232,14 +275,15 @@ class ConnectorSettings(BaseModel):
     ) -> tuple[dict[str, Any], list[Origin]]:
         """The values to validate (``extra_config`` with the ``KVPOOL_*`` overrides), and
         where each came from, highest precedence first."""
-        env = os.environ if environ is None else environ
+        env = variables(environ)
         values = dict(extra_config)
         overridden: dict[Loc, tuple[str, object]] = {}
         for field, variable in OVERRIDES.items():
-            if env.get(variable):
-                values[field] = env[variable]
-                overridden[(field,)] = (variable, env[variable])
-        if env.get(CONNECTOR_ENDPOINT_ENV):
+            if variable in env:
+                name, value = env[variable]
+                values[field] = value
+                overridden[(field,)] = (name, value)
+        if CONNECTOR_ENDPOINT_ENV in env:
             values.pop("pool", None)
             values.pop("namespace", None)
         given = (

@@ -2,7 +2,9 @@
 
 Every agent publishes the chunks entering and leaving its L1 (``kvpool.agent.edge.events``);
 the index follows them all and answers gateways: the nodes ranked by the cached
-prefix of a prompt, and where to send it within a load bound.
+prefix of a prompt, and where to send it within a load bound. Public surface: the
+``kvpool-index`` command, its settings and HTTP API, and :mod:`~kvpool.index.client` for
+gateways.
 
 Core (no sockets, no web framework, no metrics library):
 

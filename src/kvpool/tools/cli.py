@@ -4,37 +4,124 @@ benchmarks)."""
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
-import io
-import json
 import sys
-from collections.abc import Sequence
-from typing import TextIO
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from kvpool import __version__
 from kvpool.common.extras import require_extra
 from kvpool.common.keys import tenant_id
 from kvpool.common.problems import ArgumentParser
 
-BENCHES = {
-    "l1": "L1 index and copy costs, in-process",
-    "chains": "reachable prefix of a long prompt stored in steps",
-    "service": "store/retrieve through the ZMQ protocol vs memcpy",
-    "connector": "TTFT vs floor, vLLM prefix cache, ExampleConnector, recompute; queued steps",
-    "windows": "sliding-window mix vs all full: bytes per chunk, TTFT vs recompute and native",
-    "spaces": (
-        "N tenants sharing a system prompt: stored bytes and reader TTFT, space vs plain salts"
+
+class Bench(Protocol):
+    """A bench's module: its flags, and the bench itself."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> None: ...
+
+
+# Each bench's module imports torch, vLLM or boto3 as it loads: imported only when it runs.
+def _l1() -> Bench:
+    from kvpool.tools.bench import l1
+
+    return l1
+
+
+def _chains() -> Bench:
+    from kvpool.tools.bench import chains
+
+    return chains
+
+
+def _service() -> Bench:
+    from kvpool.tools.bench import service
+
+    return service
+
+
+def _connector() -> Bench:
+    from kvpool.tools.bench import connector
+
+    return connector
+
+
+def _windows() -> Bench:
+    from kvpool.tools.bench import windows
+
+    return windows
+
+
+def _spaces() -> Bench:
+    from kvpool.tools.bench import spaces
+
+    return spaces
+
+
+def _l2() -> Bench:
+    from kvpool.tools.bench import l2
+
+    return l2
+
+
+def _writeback() -> Bench:
+    from kvpool.tools.bench import writeback
+
+    return writeback
+
+
+def _restart() -> Bench:
+    from kvpool.tools.bench import restart
+
+    return restart
+
+
+def _tenants() -> Bench:
+    from kvpool.tools.bench import tenants
+
+    return tenants
+
+
+def _index() -> Bench:
+    from kvpool.tools.bench import index
+
+    return index
+
+
+def _gpu() -> Bench:
+    from kvpool.tools.bench import gpu
+
+    return gpu
+
+
+BENCHES: dict[str, tuple[str, Callable[[], Bench]]] = {
+    "l1": ("L1 index and copy costs, in-process", _l1),
+    "chains": ("reachable prefix of a long prompt stored in steps", _chains),
+    "service": ("store/retrieve through the ZMQ protocol vs memcpy", _service),
+    "connector": (
+        "TTFT vs floor, vLLM prefix cache, ExampleConnector, recompute; queued steps",
+        _connector,
     ),
-    "l2": "NVMe and S3 adapters vs raw file I/O and raw boto3",
-    "writeback": "store latency with a saturated write-back queue",
-    "restart": "time to adopt a full segment after a restart",
-    "tenants": "lookups/s while /metrics is polled, many tenants",
-    "index": "prefix index: query latency, events/s, memory",
-    "gpu": "copies between GPU KV blocks and the agent's chunk files vs the raw PCIe copy",
-    "peer": "chunks pulled from another node's agent vs a plain socket over the same link",
+    "windows": (
+        "sliding-window mix vs all full: bytes per chunk, TTFT vs recompute and native",
+        _windows,
+    ),
+    "spaces": (
+        "N tenants sharing a system prompt: stored bytes and reader TTFT, space vs plain salts",
+        _spaces,
+    ),
+    "l2": ("NVMe and S3 adapters vs raw file I/O and raw boto3", _l2),
+    "writeback": ("store latency with a saturated write-back queue", _writeback),
+    "restart": ("time to adopt a full segment after a restart", _restart),
+    "tenants": ("lookups/s while /metrics is polled, many tenants", _tenants),
+    "index": ("prefix index: query latency, events/s, memory", _index),
+    "gpu": (
+        "copies between GPU KV blocks and the agent's chunk files vs the raw PCIe copy",
+        _gpu,
+    ),
 }
-"""Each ``kvpool bench NAME`` is the module ``kvpool.tools.bench.NAME``."""
+"""Each ``kvpool bench NAME``: its summary, and its module's import."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -65,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     bench = commands.add_parser("bench", help="run a benchmark and print its table")
     benches = bench.add_subparsers(dest="bench", required=True)
-    for name, summary in BENCHES.items():
+    for name, (summary, _) in BENCHES.items():
         benches.add_parser(name, add_help=False, help=summary)
 
     args, rest = parser.parse_known_args(argv)
@@ -95,44 +182,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     require_extra("bench", command)
     if args.bench == "index":
         require_extra("index", command)
-    module = importlib.import_module(f"kvpool.tools.bench.{args.bench}")
+    summary, load = BENCHES[args.bench]
+    bench_module = load()
     from kvpool.tools.bench import report
 
-    tool = ArgumentParser(prog=command, description=BENCHES[args.bench])
-    tool.add_argument(
-        "--json",
-        action="store_true",
-        help="print the result as one JSON object on standard output: its tables (cells as "
-        "shown) and its whole text, which goes to standard error",
-    )
-    module.add_arguments(tool)
-    options = tool.parse_args(rest)
-    report.progress(f"{command}: running; each table is printed when it is done")
-    if not options.json:
-        module.run(options)
-        return 0
-    text = io.StringIO()
-    with report.recording() as tables, contextlib.redirect_stdout(_Tee(sys.stderr, text)):
-        module.run(options)
-    ran = " ".join([command, *rest])
-    print(json.dumps({"command": ran, "tables": tables, "text": text.getvalue()}))
-    return 0
-
-
-class _Tee(io.TextIOBase):
-    """Writes to each of ``streams``."""
-
-    def __init__(self, *streams: TextIO) -> None:
-        self._streams = streams
-
-    def write(self, text: str) -> int:
-        for stream in self._streams:
-            stream.write(text)
-        return len(text)
-
-    def flush(self) -> None:
-        for stream in self._streams:
-            stream.flush()
+    return report.main(command, summary, bench_module.add_arguments, bench_module.run, rest)
 
 
 if __name__ == "__main__":

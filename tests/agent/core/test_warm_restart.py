@@ -23,7 +23,7 @@ from kvpool.common.chunk_files import ChunkFiles, files_directory, generation_di
 from kvpool.common.keys import tenant_id
 from kvpool.common.probe_table import ProbeTableReader, ProbeTableWriter, table_path
 from kvpool.common.segment import TABLE_RECORD_BYTES, SharedSegment
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import key
 from tests.support.l1 import FakeClock
 

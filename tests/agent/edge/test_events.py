@@ -12,7 +12,7 @@ from kvpool.client import AgentClient
 from kvpool.common import protocol as p
 from kvpool.common.keys import tenant_id
 from kvpool.common.protocol import EVENTS_TOPIC, ChunkEvent, decode_event
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, INDEX_TOKEN, AgentProcess
+from tests.support.agent_process import ADMIN_TOKEN, INDEX_TOKEN, AgentProcess
 from tests.support.chunks import key
 
 pytestmark = pytest.mark.process

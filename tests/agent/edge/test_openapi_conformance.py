@@ -17,7 +17,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 
 pytestmark = pytest.mark.process
 

@@ -21,7 +21,7 @@ from kvpool.client import AgentClient
 from kvpool.common import protocol as p
 from kvpool.common.keys import tenant_id
 from kvpool.common.protocol import EVENTS_TOPIC
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, INDEX_TOKEN, AgentProcess
+from tests.support.agent_process import ADMIN_TOKEN, INDEX_TOKEN, AgentProcess
 from tests.support.chunks import key
 from tests.support.metrics import metric
 from tests.support.polling import wait_until

@@ -11,7 +11,7 @@ import pytest
 from kvpool.client import AgentClient, AgentError
 from kvpool.common import protocol as p
 from kvpool.common.keys import CANARY_CHUNK_BYTES, CANARY_QUOTA_BYTES, CANARY_TENANT, tenant_id
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
+from tests.support.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 from tests.support.chunks import chain, data, key
 
 pytestmark = pytest.mark.process

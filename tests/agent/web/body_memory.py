@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 from kvpool.common.keys import tenant_id
-from kvpool.tools.bench.harness.agent_process import AgentProcess
+from tests.support.agent_process import AgentProcess
 from tests.support.raw_http import Answer, connect, head, read_answer
 
 QUOTA_PATH = f"/v1/tenants/{tenant_id('alice')}/quota"

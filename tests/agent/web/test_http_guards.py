@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.client import AgentClient
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.metrics import metric
 from tests.support.polling import wait_until
 from tests.support.raw_http import (

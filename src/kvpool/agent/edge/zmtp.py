@@ -205,7 +205,9 @@ class ZmtpRouter:
 
     One thread owns it: :meth:`register` puts it on that thread's poller, :meth:`handle`
     takes the poller's events, :meth:`take` hands out whole messages, :meth:`send`
-    answers them, :meth:`expire` closes what is late.
+    answers them, :meth:`expire` closes what is late. It owns the connections and their
+    reads and writes; a :class:`_FrameReader` turns what they read into messages, and a
+    :class:`_ReceiveBudget` deals out the shares of the receive budget.
     """
 
     def __init__(
@@ -224,11 +226,6 @@ class ZmtpRouter:
         self.bounds = bounds
         self.unauthenticated = unauthenticated
         self.limits = limits
-        self._share_size = bounds.max_bytes + READ_SIZE
-        """A share holds the largest message and the start of the next."""
-        self.shares = max(1, int(limits.receive_budget) // self._share_size)
-        self._unauthenticated_held = unauthenticated.max_bytes + 2 * SMALL_FRAME
-        """Room for the largest unauthenticated message, a small frame, a frame's header."""
         self._log = log
         self._on_drop = on_drop
         self._clock = clock
@@ -243,12 +240,11 @@ class ZmtpRouter:
         self._unadmitted: dict[_Connection, None] = {}
         """Open connections not yet admitted, oldest (first deadline) first."""
         self._admitted = 0
-        self._shared: dict[_Connection, None] = {}
-        """Connections holding a share, first deadline first."""
-        self._share_waiters: dict[_Connection, None] = {}
-        """Connections waiting for a share, in turn."""
         self._waiting: dict[_Connection, None] = {}
         """Connections with a whole message to serve, in turn."""
+        self._budget = _ReceiveBudget(bounds, unauthenticated, limits, clock, self._poll)
+        self.shares = self._budget.shares
+        self._reader = _FrameReader(bounds, unauthenticated, log, self._waiting)
         self._scratch = memoryview(bytearray(LARGE_READ))
         """Where every read lands before it is added to its connection's buffers (one
         buffer, reused: a fresh one per read costs the page faults of a fresh mapping)."""
@@ -292,13 +288,13 @@ class ZmtpRouter:
             taken.append((connection.peer, message))
             if not connection.pending and connection.inbox:  # parse the rest of its last read
                 try:
-                    self._parse(connection)
+                    self._reader.parse(connection)
                 except _Drop as drop:
                     self._drop(connection, drop)
                     continue
             if not connection.pending:
                 del self._waiting[connection]
-                self._settle_share(connection)
+                self._budget.settle(connection)
                 self._poll(connection)
         return taken
 
@@ -340,7 +336,7 @@ class ZmtpRouter:
     def next_deadline(self) -> float | None:
         """When :meth:`expire` has something to do next (None: nothing due)."""
         deadlines = [self._accept_resumes] if self._accept_resumes is not None else []
-        for connections in (self._unadmitted, self._shared):
+        for connections in (self._unadmitted, self._budget.holders):
             deadlines.extend(connection.deadline for connection in islice(connections, 1))
         return min(deadlines, default=None)
 
@@ -353,12 +349,12 @@ class ZmtpRouter:
             if connection.deadline > now:
                 break
             self._drop(connection, _Drop(DropReason.HANDSHAKE_TIMEOUT, "no hello in time"))
-        while self._shared:
-            connection = next(iter(self._shared))
+        while self._budget.holders:
+            connection = next(iter(self._budget.holders))
             if connection.deadline > now:
                 break
             if connection.pending and self._may_serve(connection):  # it waits for the server
-                self._renew_share(connection)
+                self._budget.renew(connection)
             else:
                 self._drop(connection, _Drop(DropReason.MESSAGE_TIMEOUT, "message too slow"))
         if self._accept_resumes is not None and now >= self._accept_resumes:
@@ -438,55 +434,15 @@ class ZmtpRouter:
         allowance takes a share of the receive budget, or waits for one."""
         if connection.pending or connection.unsent >= self._unsent_bound(connection):
             return 0
-        if connection.held >= self._allowance(connection) and connection.admitted:
-            self._ask_share(connection)
+        allowance = self._budget.allowance(connection)
+        if connection.held >= allowance and connection.admitted:
+            self._budget.ask(connection)
+            allowance = self._budget.allowance(connection)
         most = LARGE_READ if connection.shared else READ_SIZE
-        size = min(most, self._allowance(connection) - connection.held)
+        size = min(most, allowance - connection.held)
         if connection.big is not None:
             size = min(size, connection.big_size - len(connection.big))
         return max(size, 0)
-
-    def _allowance(self, connection: _Connection) -> int:
-        if connection.shared:
-            return self._share_size
-        return SMALL_HELD if connection.admitted else self._unauthenticated_held
-
-    def _ask_share(self, connection: _Connection) -> None:
-        if connection.shared:
-            return
-        if len(self._shared) < self.shares and not self._share_waiters:
-            self._take_share(connection)
-        else:
-            self._share_waiters[connection] = None
-
-    def _take_share(self, connection: _Connection) -> None:
-        connection.shared = True
-        connection.deadline = self._clock() + self.limits.message_seconds
-        self._shared[connection] = None
-
-    def _renew_share(self, connection: _Connection) -> None:
-        """A new deadline for the next message holding the connection's share."""
-        del self._shared[connection]
-        self._take_share(connection)
-
-    def _settle_share(self, connection: _Connection) -> None:
-        """Once a connection's messages are served: its share goes back when its reads fit
-        its small allowance again, else the next message holding it gets its full time."""
-        if not connection.shared:
-            return
-        if connection.held > SMALL_HELD:
-            self._renew_share(connection)
-        else:
-            self._release_share(connection)
-
-    def _release_share(self, connection: _Connection) -> None:
-        connection.shared = False
-        del self._shared[connection]
-        while self._share_waiters and len(self._shared) < self.shares:
-            waiter = next(iter(self._share_waiters))
-            del self._share_waiters[waiter]
-            self._take_share(waiter)
-            self._poll(waiter)
 
     def _flush(self, connection: _Connection) -> None:
         outbox = connection.outbox
@@ -523,22 +479,146 @@ class ZmtpRouter:
             # The peer closed its end (or reset it): serve the whole messages it sent
             # before; a message cut short goes with the connection.
             with contextlib.suppress(_Drop):
-                self._parse(connection, everything=True)
+                self._reader.parse(connection, everything=True)
             self._close(connection)
             return
         try:
             with self._scratch[:received] as data:
                 if connection.big is not None:
-                    self._gather(connection, data)
+                    self._reader.gather(connection, data)
                 else:
                     connection.inbox += data
-            self._parse(connection)
+            self._reader.parse(connection)
         except _Drop as drop:
             self._drop(connection, drop)
             return
         self._poll(connection)
 
-    def _gather(self, connection: _Connection, data: memoryview) -> None:
+    def _report(self, reason: DropReason) -> None:
+        self._log.warning(f"ZMQ: closing connections that {_DROPPED[reason]} ({reason})")
+        if self._on_drop is not None:
+            self._on_drop(reason)
+
+    def _drop(self, connection: _Connection, drop: _Drop) -> None:
+        self._report(drop.reason)
+        connection.pending.clear()
+        self._waiting.pop(connection, None)
+        self._close(connection)
+
+    def _close(self, connection: _Connection) -> None:
+        """Close the socket; whole messages already read are still served (replies to them
+        are dropped), as a ROUTER delivers what a peer sent before it went away."""
+        if connection.state is _State.CLOSED:
+            return
+        if connection.polled and self._poller is not None:
+            self._poller.unregister(connection)
+        self._by_fd.pop(connection.sock.fileno(), None)
+        connection.sock.close()
+        connection.state = _State.CLOSED
+        self._connections.pop(connection.peer, None)
+        self._unadmitted.pop(connection, None)
+        self._budget.waiters.pop(connection, None)
+        if connection.admitted:
+            self._admitted -= 1
+        if connection.shared:
+            self._budget.release(connection)
+        connection.inbox.clear()
+        connection.outbox.clear()
+        connection.big, connection.frames, connection.unsent = None, [], 0
+        if not connection.pending:
+            self._waiting.pop(connection, None)
+
+
+class _ReceiveBudget:
+    """The receive budget's shares: which admitted connections hold one (and until when
+    their message must have arrived), which wait for one, and what each connection's reads
+    may hold (see the module's docstring)."""
+
+    def __init__(
+        self,
+        bounds: MessageBounds,
+        unauthenticated: MessageBounds,
+        limits: ZmqLimits,
+        clock: Callable[[], float],
+        poll: Callable[[_Connection], None],
+    ) -> None:
+        """``poll``: registers a connection that just took a share for what it may do now."""
+        self._unauthenticated_held = unauthenticated.max_bytes + 2 * SMALL_FRAME
+        """Room for the largest unauthenticated message, a small frame, a frame's header."""
+        self.share_size = bounds.max_bytes + READ_SIZE
+        """A share holds the largest message and the start of the next."""
+        self.shares = max(1, int(limits.receive_budget) // self.share_size)
+        self._message_seconds = limits.message_seconds
+        self._clock = clock
+        self._poll = poll
+        self.holders: dict[_Connection, None] = {}
+        """Connections holding a share, first deadline first."""
+        self.waiters: dict[_Connection, None] = {}
+        """Connections waiting for a share, in turn."""
+
+    def allowance(self, connection: _Connection) -> int:
+        """The most bytes the connection's reads may hold now."""
+        if connection.shared:
+            return self.share_size
+        return SMALL_HELD if connection.admitted else self._unauthenticated_held
+
+    def ask(self, connection: _Connection) -> None:
+        if connection.shared:
+            return
+        if len(self.holders) < self.shares and not self.waiters:
+            self._take(connection)
+        else:
+            self.waiters[connection] = None
+
+    def _take(self, connection: _Connection) -> None:
+        connection.shared = True
+        connection.deadline = self._clock() + self._message_seconds
+        self.holders[connection] = None
+
+    def renew(self, connection: _Connection) -> None:
+        """A new deadline for the next message holding the connection's share."""
+        del self.holders[connection]
+        self._take(connection)
+
+    def settle(self, connection: _Connection) -> None:
+        """Once a connection's messages are served: its share goes back when its reads fit
+        its small allowance again, else the next message holding it gets its full time."""
+        if not connection.shared:
+            return
+        if connection.held > SMALL_HELD:
+            self.renew(connection)
+        else:
+            self.release(connection)
+
+    def release(self, connection: _Connection) -> None:
+        connection.shared = False
+        del self.holders[connection]
+        while self.waiters and len(self.holders) < self.shares:
+            waiter = next(iter(self.waiters))
+            del self.waiters[waiter]
+            self._take(waiter)
+            self._poll(waiter)
+
+
+class _FrameReader:
+    """Turns the bytes read from a connection into its messages, within the bounds: the
+    greeting and the handshake's commands, frames held whole or (big ones) gathered as they
+    arrive, and before hello, messages over the unauthenticated bounds truncated. A
+    connection with a whole message joins ``waiting``; a breach raises :class:`_Drop`."""
+
+    def __init__(
+        self,
+        bounds: MessageBounds,
+        unauthenticated: MessageBounds,
+        log: RateLimitedLog,
+        waiting: dict[_Connection, None],
+    ) -> None:
+        self.bounds = bounds
+        self.unauthenticated = unauthenticated
+        self._log = log
+        self._waiting = waiting
+
+    def gather(self, connection: _Connection, data: memoryview) -> None:
         """Add ``data`` to the big frame being read (a read takes no more than it lacks)."""
         assert connection.big is not None
         connection.big += data
@@ -547,7 +627,7 @@ class ZmtpRouter:
             connection.big = None
             self._frame(connection, frame, more)
 
-    def _parse(self, connection: _Connection, *, everything: bool = False) -> None:
+    def parse(self, connection: _Connection, *, everything: bool = False) -> None:
         """Take whole frames (and the start of a big one) out of the read buffer, until
         :data:`MAX_PENDING` messages wait to be served (``everything``: no such stop)."""
         inbox = connection.inbox
@@ -696,40 +776,6 @@ class ZmtpRouter:
             connection.outbox.append(_command_frame(pong))
             connection.unsent += len(connection.outbox[-1])
         # any other command (PONG, ERROR, ...) asks nothing of a NULL-mechanism ROUTER
-
-    def _report(self, reason: DropReason) -> None:
-        self._log.warning(f"ZMQ: closing connections that {_DROPPED[reason]} ({reason})")
-        if self._on_drop is not None:
-            self._on_drop(reason)
-
-    def _drop(self, connection: _Connection, drop: _Drop) -> None:
-        self._report(drop.reason)
-        connection.pending.clear()
-        self._waiting.pop(connection, None)
-        self._close(connection)
-
-    def _close(self, connection: _Connection) -> None:
-        """Close the socket; whole messages already read are still served (replies to them
-        are dropped), as a ROUTER delivers what a peer sent before it went away."""
-        if connection.state is _State.CLOSED:
-            return
-        if connection.polled and self._poller is not None:
-            self._poller.unregister(connection)
-        self._by_fd.pop(connection.sock.fileno(), None)
-        connection.sock.close()
-        connection.state = _State.CLOSED
-        self._connections.pop(connection.peer, None)
-        self._unadmitted.pop(connection, None)
-        self._share_waiters.pop(connection, None)
-        if connection.admitted:
-            self._admitted -= 1
-        if connection.shared:
-            self._release_share(connection)
-        connection.inbox.clear()
-        connection.outbox.clear()
-        connection.big, connection.frames, connection.unsent = None, [], 0
-        if not connection.pending:
-            self._waiting.pop(connection, None)
 
 
 def _command_frame(command: bytes) -> bytes:

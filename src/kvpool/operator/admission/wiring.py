@@ -4,26 +4,32 @@
 The patch adds, and replaces nothing: the volume ``kvpool-segment`` (an inline volume of
 the CSI driver ``csi.kvpool.io``, attributes ``pool`` and ``namespace``), and in every
 container of ``spec.containers`` (init containers are left alone) its mount at
-``/var/run/kvpool`` and the connector's environment, each variable unless the container
-already sets it: ``KVPOOL_ENDPOINT`` (the pool Service's ZMQ port, so that the connector
-never asks the Kubernetes API), ``KVPOOL_DOOR_PATH`` (the agent's door, a Unix socket),
-``KVPOOL_CHUNK_TOKENS``, and ``KVPOOL_TOKEN`` and ``KVPOOL_CACHE_SALT`` from the tenant's
-Secret ``<tenant>-kvpool`` (``optional``: a refused tenant's pod starts, and its connector
-says why; no ``KVPOOL_TOKEN`` for a container that sets ``KVPOOL_TOKEN_FILE``, which it
-would beat).
+``/var/run/kvpool`` and the connector's environment: ``KVPOOL_CONNECTOR_ENDPOINT`` (the
+pool Service's ZMQ port, so that the connector never asks the Kubernetes API),
+``KVPOOL_CONNECTOR_DOOR_PATH`` (the agent's door, a Unix socket),
+``KVPOOL_CONNECTOR_CHUNK_TOKENS``, ``KVPOOL_CONNECTOR_TOKEN`` and ``KVPOOL_CACHE_SALT`` from
+the tenant's Secret ``<tenant>-kvpool`` (``optional``: a refused tenant's pod starts, and
+its connector says why), then the connector variables again by their old names
+(``KVPOOL_ENDPOINT`` ..., :data:`~kvpool.common.names.CONNECTOR_OLD_NAMES`) with the same
+values: a pod whose image holds a connector from before the rename finds its variables,
+and a newer connector reads the new names without a warning (both names, one value). Each
+variable is added unless the container already sets it by either name, so that the
+container's own value is the one its connector reads, as before the rename; no token for a
+container that sets its own token file (by either name), which the token would beat.
 
 What the CSI plugin publishes in that volume depends on the pod's namespace, as the
 kubelet tells it. A tenant's pod (any namespace but the pool's ``engineNamespaces``) gets
 only the pool directory's door (``segment.door/``), read-only (the volume and its mounts
-say ``readOnly`` too): ``KVPOOL_DOOR_PATH`` is ``/var/run/kvpool/agent.sock``, and the door
-hands its connector the chunk files its token may map (its own tenant's, and its spaces'), so it
-needs no group. A pod of one of the pool's ``engineNamespaces`` (engines the platform team
-runs and trusts as it trusts the agents) gets the pool's whole directory, whose probe table
-lists every tenant's keys on the node: ``KVPOOL_DOOR_PATH`` is
-``/var/run/kvpool/segment.door/agent.sock``, and it gets ``KVPOOL_SEGMENT_PATH`` (beside
-which its scheduler reads the probe table) and the agents' group (10001) in
-``spec.securityContext.supplementalGroups`` too: the probe table is 0640 in a 0710
-directory of that group, so the pod's own (non-root) uid may read it.
+say ``readOnly`` too): ``KVPOOL_CONNECTOR_DOOR_PATH`` is ``/var/run/kvpool/agent.sock``,
+and the door hands its connector the chunk files its token may map (its own tenant's, and
+its spaces'), so it needs no group. A pod of one of the pool's ``engineNamespaces``
+(engines the platform team runs and trusts as it trusts the agents) gets the pool's whole
+directory, whose probe table lists every tenant's keys on the node:
+``KVPOOL_CONNECTOR_DOOR_PATH`` is ``/var/run/kvpool/segment.door/agent.sock``, and it gets
+``KVPOOL_CONNECTOR_SEGMENT_PATH`` (beside which its scheduler reads the probe table) and
+the agents' group (10001) in ``spec.securityContext.supplementalGroups`` too: the probe
+table is 0640 in a 0710 directory of that group, so the pod's own (non-root) uid may read
+it.
 
 Nothing privileged: no hostPath, no capability, no user change (Pod Security
 "restricted" allows csi volumes). A pod that already has the volume is left as it is. A
@@ -46,6 +52,7 @@ from kvpool.common.names import (
     CONNECTOR_CHUNK_TOKENS_ENV,
     CONNECTOR_DOOR_PATH_ENV,
     CONNECTOR_ENDPOINT_ENV,
+    CONNECTOR_OLD_NAMES,
     CONNECTOR_SEGMENT_PATH_ENV,
     CONNECTOR_TOKEN_ENV,
     CONNECTOR_TOKEN_FILE_ENV,
@@ -69,6 +76,7 @@ AGENT_GROUP = AGENT_UID
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _DNS_LABEL_MAX = 63
 _UNWIRED = "the pod runs without the cache"
+_NEW_NAMES = {old: new for new, old in CONNECTOR_OLD_NAMES.items()}
 
 Obj = Mapping[str, Any]
 JsonPatch = list[dict[str, Any]]
@@ -180,10 +188,11 @@ def mount(maps_segment: bool) -> dict[str, Any]:
 
 
 def environment(tenant: str, pool: PoolFacts, maps_segment: bool) -> list[dict[str, Any]]:
-    """The connector's variables, in this order (``KVPOOL_SEGMENT_PATH`` only for a pod that
-    maps the segment). ``KVPOOL_DOOR_PATH`` is the door socket in the volume: in the
-    ``door/`` of the pool's directory that an engine's pod gets, at the top of the door that
-    a tenant's pod gets."""
+    """The connector's variables, in this order (``KVPOOL_CONNECTOR_SEGMENT_PATH`` only for a
+    pod that maps the segment), then those of them that had another name before, by that
+    name, in the same order. ``KVPOOL_CONNECTOR_DOOR_PATH`` is the door socket in the volume:
+    in the ``door/`` of the pool's directory that an engine's pod gets, at the top of the
+    door that a tenant's pod gets."""
     secret = f"{tenant}{SECRET_SUFFIX}"
 
     def from_secret(name: str, key: str) -> dict[str, Any]:
@@ -197,13 +206,18 @@ def environment(tenant: str, pool: PoolFacts, maps_segment: bool) -> list[dict[s
         segment = SEGMENT_MOUNT_DIR / SEGMENT_FILE
         variables.append({"name": CONNECTOR_SEGMENT_PATH_ENV, "value": str(segment)})
         door = SEGMENT_MOUNT_DIR / DOOR_DIRECTORY / DOOR_SOCKET
-    return [
-        *variables,
+    variables += [
         {"name": CONNECTOR_DOOR_PATH_ENV, "value": str(door)},
         {"name": CONNECTOR_CHUNK_TOKENS_ENV, "value": str(pool.chunk_tokens)},
         from_secret(CONNECTOR_TOKEN_ENV, "token"),
         from_secret(CACHE_SALT_ENV, "salt"),
     ]
+    old = [
+        {**variable, "name": CONNECTOR_OLD_NAMES[variable["name"]]}
+        for variable in variables
+        if variable["name"] in CONNECTOR_OLD_NAMES
+    ]
+    return [*variables, *old]
 
 
 def _patch(spec: Obj, tenant: str, pool: PoolFacts, maps_segment: bool) -> JsonPatch:
@@ -213,14 +227,20 @@ def _patch(spec: Obj, tenant: str, pool: PoolFacts, maps_segment: bool) -> JsonP
     for number, container in enumerate(spec.get("containers") or ()):
         path = f"/spec/containers/{number}"
         _append(patch, f"{path}/volumeMounts", container.get("volumeMounts"), [mount(maps_segment)])
-        own = {variable.get("name") for variable in container.get("env") or ()}
-        if CONNECTOR_TOKEN_FILE_ENV in own:  # its own token file (KVPOOL_TOKEN would win)
+        own = {_new_name(str(variable.get("name"))) for variable in container.get("env") or ()}
+        if CONNECTOR_TOKEN_FILE_ENV in own:  # its own token file (a token would win)
             own.add(CONNECTOR_TOKEN_ENV)
-        added = [variable for variable in variables if variable["name"] not in own]
+        added = [variable for variable in variables if _new_name(variable["name"]) not in own]
         _append(patch, f"{path}/env", container.get("env"), added)
     if maps_segment:
         _add_agent_group(patch, spec.get("securityContext"))
     return patch
+
+
+def _new_name(name: str) -> str:
+    """A connector variable's new name, whichever name it has: a container that sets a
+    variable by either name keeps it, and gets neither name from the webhook."""
+    return _NEW_NAMES.get(name, name)
 
 
 def _add_agent_group(patch: JsonPatch, context: Obj | None) -> None:

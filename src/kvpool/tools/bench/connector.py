@@ -61,7 +61,7 @@ from kvpool.tools.bench.connector_engine import (
     kv_bytes_per_token,
     write_model,
 )
-from kvpool.tools.bench.harness.agent_process import ENGINE_TOKEN, running_agent
+from kvpool.tools.bench.local.agent_process import ENGINE_TOKEN, running_agent
 from kvpool.tools.bench.report import goal, machine, median_spread, progress, table
 
 CONFIGS = ("none", "kvpool", "tenant", "inline", "example", "native")
@@ -120,7 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _token(config: str, endpoint: str | None) -> str | None:
     """The connector's token: a tenant's for ``tenant``; an engine's for the other private
-    agents (with ``--endpoint``, the one in KVPOOL_TOKEN)."""
+    agents (with ``--endpoint``, the one in KVPOOL_CONNECTOR_TOKEN)."""
     if config == "tenant":
         return TENANT_TOKEN
     return None if endpoint else ENGINE_TOKEN
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> None:
         model = workdir / "model"
         write_model(model, args)
         # an agent of its own per kvpool engine, so that neither hits the other's chunks
-        # (--endpoint: the one given, with the token from KVPOOL_TOKEN)
+        # (--endpoint: the one given, with the token from KVPOOL_CONNECTOR_TOKEN)
         endpoints: dict[str, str] = {}
         doors: dict[str, str] = {}
         for config in set(_WITH_AGENT) & set(configs):

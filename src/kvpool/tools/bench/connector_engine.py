@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.common import problems
+from kvpool.common.names import CONNECTOR_OLD_NAMES, CONNECTOR_TOKEN_ENV
 
 RESULT = "@@kvpool-bench "
 NOT_MOUNTED = "/nonexistent/kvpool-segment"
@@ -75,8 +76,8 @@ class Engine:
 
     def __init__(self, settings: dict[str, Any], log_path: Path) -> None:
         """``settings``: the engine's (see :func:`build_engine`); ``token``, if given, is
-        the kvpool connector's token for its agent (as ``KVPOOL_TOKEN``, not on the command
-        line)."""
+        the kvpool connector's token for its agent (as ``KVPOOL_CONNECTOR_TOKEN``, not on
+        the command line)."""
         settings = dict(settings)
         token = settings.pop("token", None)
         self.config = str(settings["config"])
@@ -89,7 +90,8 @@ class Engine:
             "VLLM_LOGGING_STREAM": os.environ.get("VLLM_LOGGING_STREAM", "ext://sys.stderr"),
         }
         if token:
-            env["KVPOOL_TOKEN"] = str(token)
+            env.pop(CONNECTOR_OLD_NAMES[CONNECTOR_TOKEN_ENV], None)  # not the caller's
+            env[CONNECTOR_TOKEN_ENV] = str(token)
         self._log = log_path.open("w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", __name__, json.dumps(settings)],

@@ -32,8 +32,8 @@ import httpx
 
 from kvpool.client import AgentClient
 from kvpool.tools.bench.connector_engine import Burst, Engine, kv_bytes_per_token
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, running_agent
 from kvpool.tools.bench.l2 import drop_page_cache
+from kvpool.tools.bench.local.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, running_agent
 from kvpool.tools.bench.report import table
 
 WRITEBACK_TIMEOUT_S = 120.0

@@ -59,7 +59,7 @@ from kvpool.tools.bench.gpu_caches import (
     reserve,
     timed,
 )
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, running_agent
+from kvpool.tools.bench.local.agent_process import ADMIN_TOKEN, running_agent
 from kvpool.tools.bench.report import machine, median_spread, table
 
 TENANT = keys.tenant_id("gpu-bench")

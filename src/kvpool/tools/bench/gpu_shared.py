@@ -15,7 +15,7 @@ from kvpool.client.mapped_files import MappedChunkFiles
 from kvpool.common import keys
 from kvpool.connector.copier import MappedChunks
 from kvpool.tools.bench.gpu_caches import ChunkCopies, Rig, batch_size, chunk_bytes, reserve
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN
+from kvpool.tools.bench.local.agent_process import ADMIN_TOKEN
 from kvpool.tools.bench.report import table
 
 TENANT = keys.tenant_id("gpu-bench-shared")

@@ -43,7 +43,7 @@ from kvpool.index.query import Query
 from kvpool.index.service import IndexService
 from kvpool.index.subscriber import EventSubscriber
 from kvpool.index.tracker import PrefixTracker
-from kvpool.tools.bench.harness.agent_process import INDEX_TOKEN
+from kvpool.tools.bench.local.agent_process import INDEX_TOKEN
 from kvpool.tools.bench.report import goal, table
 
 T = TypeVar("T")

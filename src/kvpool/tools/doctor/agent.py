@@ -12,6 +12,7 @@ import socket
 import zmq
 
 from kvpool.client import AgentClient, AgentError, AgentUnavailable
+from kvpool.common.names import CONNECTOR_TOKEN_ENV
 from kvpool.common.protocol import PROTOCOL_VERSION, ErrorCode
 from kvpool.connector.identity import Credential, CredentialMissing
 from kvpool.tools.doctor.report import Check, failed, passed, size
@@ -61,7 +62,8 @@ def reach(
 
 _TOKEN_FIX = (
     "give the connector (and the doctor) a token of the pool: a team's engine takes its "
-    "KVCacheTenant's Secret (key 'token') as KVPOOL_TOKEN; a shared engine an engine token of "
+    f"KVCacheTenant's Secret (key 'token') as {CONNECTOR_TOKEN_ENV}; a shared engine an "
+    "engine token of "
     "the pool's tokens file; on the embedded default, the agent writes one to "
     "~/.local/state/kvpool/engine-token-<pool>"
 )

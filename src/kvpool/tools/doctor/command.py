@@ -17,7 +17,13 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from kvpool.common.names import ADMIN_TOKEN_ENV, CONNECTOR_ENDPOINT_ENV
+from kvpool.common.names import (
+    ADMIN_TOKEN_ENV,
+    CONNECTOR_ENDPOINT_ENV,
+    CONNECTOR_OLD_NAMES,
+    CONNECTOR_TOKEN_ENV,
+    CONNECTOR_TOKEN_FILE_ENV,
+)
 from kvpool.common.problems import ConfigError, exit_with, number, show
 from kvpool.connector.identity import credential
 from kvpool.connector.settings import ConnectorSettings
@@ -81,8 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token-file",
         type=Path,
-        help="a file holding the token the connector uses (or set KVPOOL_TOKEN or "
-        "KVPOOL_TOKEN_FILE, as for the connector)",
+        help=f"a file holding the token the connector uses (or set {CONNECTOR_TOKEN_ENV} or "
+        f"{CONNECTOR_TOKEN_FILE_ENV}, as for the connector)",
     )
     parser.add_argument(
         "--admin-token-file",
@@ -116,13 +122,14 @@ def run(args: argparse.Namespace) -> int:
         extra_config["segment_path"] = args.segment_path
     if args.token_file is not None:
         extra_config["token_file"] = args.token_file
-    # --pool asks for the pool's Service to be checked: it wins over a KVPOOL_ENDPOINT that
-    # kvpool's admission webhook put in the pod (the other overrides, such as the segment's
-    # path in the pod, still apply)
+    # --pool asks for the pool's Service to be checked: it wins over a
+    # KVPOOL_CONNECTOR_ENDPOINT (or its old name) that kvpool's admission webhook put in the
+    # pod (the other overrides, such as the segment's path in the pod, still apply)
+    endpoint = (CONNECTOR_ENDPOINT_ENV, CONNECTOR_OLD_NAMES[CONNECTOR_ENDPOINT_ENV])
     environ = {
         name: value
         for name, value in os.environ.items()
-        if args.endpoint is not None or name != CONNECTOR_ENDPOINT_ENV
+        if args.endpoint is not None or name not in endpoint
     }
     try:
         settings = ConnectorSettings.load(extra_config, environ, flags=FLAGS)
@@ -132,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         return exit_with(PROG, error)
     options = Options(
         settings=settings,
-        credential=credential(settings),
+        credential=credential(settings, environ),
         http_url=args.http,
         admin_token=admin_token,
         block_size=args.block_size,

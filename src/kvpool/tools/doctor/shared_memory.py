@@ -14,18 +14,19 @@ import socket
 import stat
 from pathlib import Path
 
+from kvpool.common.names import CONNECTOR_DOOR_PATH_ENV
 from kvpool.tools.doctor.report import Check, passed, warned
 
 DOOR = "door"
 
 OTHER_FILE = (
     "this pod must map the chunk files the agent's door gives it: drop a door_path / "
-    "KVPOOL_DOOR_PATH that names another agent's door"
+    f"{CONNECTOR_DOOR_PATH_ENV} that names another agent's door"
 )
 _CONNECT_SECONDS = 2.0
 _GIVE_THE_DOOR = (
     "label the pod for the pool (kvpool's admission webhook gives it the agent's door, a "
-    "CSI volume), or set door_path / KVPOOL_DOOR_PATH where it is mounted"
+    f"CSI volume), or set door_path / {CONNECTOR_DOOR_PATH_ENV} where it is mounted"
 )
 
 
@@ -51,6 +52,6 @@ def check_door(door: Path | None) -> Check:
                 DOOR,
                 f"{door}: nobody answers there ({error.strerror or error})",
                 "the agent that left it has stopped: start it, or name the running agent's "
-                "door (door_path / KVPOOL_DOOR_PATH)",
+                f"door (door_path / {CONNECTOR_DOOR_PATH_ENV})",
             )
     return passed(DOOR, f"{door}: the agent's door, which gives this pod's token its chunk files")

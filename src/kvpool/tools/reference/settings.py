@@ -164,7 +164,9 @@ def render() -> str:
         "",
         f"## The vLLM connector (`{EXTRA_CONFIG}`)",
         "",
-        "`kvpool.connector.settings.ConnectorSettings`; a variable overrides its key.",
+        "`kvpool.connector.settings.ConnectorSettings`; a variable overrides its key. Its old "
+        "name, without `CONNECTOR_` (`KVPOOL_ENDPOINT` ...), is still read, with a warning "
+        "([The connector's variables](../vllm/connector.md#the-connectors-variables)).",
         "",
         _table(rows(ConnectorSettings, connector_variable)),
     ]

@@ -79,9 +79,14 @@ The package's parts, each with one job (:class:`L1Cache` puts them together):
 * :mod:`~kvpool.agent.core.l1.pin_sets`: the tenants' pins and which chunks they hold;
 * :mod:`~kvpool.agent.core.l1.planner`: which chunks an eviction takes;
 * :mod:`~kvpool.agent.core.l1.eviction`: when eviction happens, and carrying it out;
+* :mod:`~kvpool.agent.core.l1.cycle`: the reserve/commit/lookup cycle, the hot path;
+* :mod:`~kvpool.agent.core.l1.accounting`: the tenants' quotas and usage, as callers see them;
+* :mod:`~kvpool.agent.core.l1.maintenance`: the periodic check, and evicting and clearing
+  on request;
 * :mod:`~kvpool.agent.core.l1.restore`: the warm restore from the segment's journal;
-* :mod:`~kvpool.agent.core.l1.cache`: :class:`L1Cache`, the reserve/commit/lookup cycle;
 * :mod:`~kvpool.agent.core.l1.reports`: its statistics and listings of its keys;
+* :mod:`~kvpool.agent.core.l1.cache`: :class:`L1Cache`, the facade that builds the parts
+  and hands each call to one of them;
 * :mod:`~kvpool.agent.core.l1.debug` and :mod:`~kvpool.agent.core.l1.invariants`: a copy of the
   bookkeeping and the check of its rules, for tests and debugging.
 """

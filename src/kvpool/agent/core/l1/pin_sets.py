@@ -146,6 +146,10 @@ class PinSets:
         entry.pinned.discard(slots.key(slot))
         entry.pinned_bytes -= slots.nbytes[slot]
 
+    def pinned_bytes(self) -> dict[str, int]:
+        """Bytes pinned per tenant that has pins."""
+        return {tenant: entry.pinned_bytes for tenant, entry in self.by_tenant.items()}
+
     def is_pinned(self, tenant: str, key: bytes) -> bool:
         entry = self.by_tenant.get(tenant)
         return entry is not None and key in entry.pinned

@@ -1,5 +1,6 @@
-"""The plain-socket side of ``kvpool bench peer``: the most one plain Python TCP connection
-moves between two hosts, the reference for the peer transfer over the same link.
+"""The plain-socket side of the peer bench (:mod:`benchmarks.peer`): the most one plain
+Python TCP connection moves between two hosts, the reference for the peer transfer over the
+same link.
 
 A sender in host A holds the bytes of every chunk in one buffer (each page its own, as in
 a segment) and sends each chunk with one ``sendall`` of a memoryview of it; a receiver in
@@ -8,8 +9,8 @@ host B reads each chunk with ``recv_into`` into its place in a buffer it touched
 the same bytes in the same chunk sizes, at the link's limit.
 
 Both are this module run as a program inside its host (``python -m
-kvpool.tools.bench.peer_socket receive|send ...``); :class:`PlainLink` starts them and
-times transfers. A transfer: the receiver asks the sender for ``count`` chunks of
+benchmarks.peer_socket receive|send ...``, from the checkout's root); :class:`PlainLink`
+starts them and times transfers. A transfer: the receiver asks the sender for ``count`` chunks of
 ``size`` bytes and times from asking to the last byte.
 """
 
@@ -23,9 +24,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
-from kvpool.tools.bench.harness.hosts import Host
+from tests.support.hosts import Host
 
+ROOT = Path(__file__).resolve().parents[1]
+"""The checkout's root, where ``benchmarks`` and ``tests`` are packages."""
 ASK = struct.Struct("!QQ")
 """What the receiver asks the sender for: chunk size, chunk count."""
 MiB = 1 << 20
@@ -42,9 +46,11 @@ class PlainLink:
             [*program, "receive", receiver.address, str(total)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            cwd=ROOT,
         )
         port = self._line()
-        self._sender = sender.popen([*program, "send", receiver.address, port, str(total)])
+        sending = [*program, "send", receiver.address, port, str(total)]
+        self._sender = sender.popen(sending, cwd=ROOT)
 
     @property
     def pids(self) -> tuple[int, int]:

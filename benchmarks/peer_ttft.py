@@ -1,5 +1,6 @@
-"""The readers of ``kvpool bench peer``: time to first token on host B of a prompt that host
-A's engine stored, its KV loaded through the peer tier, through S3, or recomputed.
+"""The readers of the peer bench (:mod:`benchmarks.peer`): time to first token on host B of
+a prompt that host A's engine stored, its KV loaded through the peer tier, through S3, or
+recomputed.
 
 Agents: A on host A, with the peer tier and an S3 tier (it writes every chunk back to a
 moto server listening at the root namespace's address, over A's link); on host B, one
@@ -31,6 +32,7 @@ from pathlib import Path
 import boto3
 import httpx
 
+from benchmarks.peer_agents import HOLDER, POOL, PULLER, peers_setting
 from kvpool.common import problems
 from kvpool.common.keyring import generate_key
 from kvpool.tools.bench.connector_engine import (
@@ -40,11 +42,10 @@ from kvpool.tools.bench.connector_engine import (
     kv_bytes_per_token,
     write_model,
 )
-from kvpool.tools.bench.harness.agent_process import ENGINE_TOKEN, AgentProcess
-from kvpool.tools.bench.harness.hosts import Hosts
-from kvpool.tools.bench.harness.s3_server import moto_server
-from kvpool.tools.bench.peer_agents import HOLDER, POOL, PULLER, peers_setting
+from kvpool.tools.bench.local.s3_server import moto_server
 from kvpool.tools.bench.report import median_spread, runs_said, table
+from tests.support.agent_process import ENGINE_TOKEN, AgentProcess
+from tests.support.hosts import Hosts
 
 WRITER = "writer"
 READERS = {"peer": "peer (A's L1, over the link)", "S3": "S3 (moto, root namespace)"}

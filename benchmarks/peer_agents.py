@@ -1,6 +1,6 @@
-"""The peer side of ``kvpool bench peer``: two agents on two hosts, the holder (host A) with a
-tenant's chunks in its L1 and the puller (host B) whose only lower tier is the holder, and
-the time the puller takes to pull them.
+"""The peer side of the peer bench (:mod:`benchmarks.peer`): two agents on two hosts, the
+holder (host A) with a tenant's chunks in its L1 and the puller (host B) whose only lower
+tier is the holder, and the time the puller takes to pull them.
 
 Both agents are configured as a pool's agents are (the agent's ``peers:`` section): static
 discovery of both, each skipping its own entry; one key directory both read, standing for
@@ -27,8 +27,8 @@ from kvpool.client import AgentClient
 from kvpool.common.keyring import generate_key
 from kvpool.common.keys import tenant_id
 from kvpool.common.names import DEFAULT_PEER_PORT
-from kvpool.tools.bench.harness.agent_process import ADMIN_TOKEN, AgentProcess
-from kvpool.tools.bench.harness.hosts import Host
+from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
+from tests.support.hosts import Host
 
 POOL = "bench-peer"
 HOLDER = "host-a"

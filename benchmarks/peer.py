@@ -1,18 +1,23 @@
-"""``kvpool bench peer``: chunks moving between two nodes' agents through the peer tier,
-against a plain socket moving the same bytes over the same link; and the time to first
-token of a reader whose KV another node's engine stored, through the peer, through S3,
-recomputed.
+"""The peer bench: chunks moving between two nodes' agents through the peer tier, against a
+plain socket moving the same bytes over the same link; and the time to first token of a
+reader whose KV another node's engine stored, through the peer, through S3, recomputed.
+
+As root, from a checkout's root (the repository's test venv: it needs network namespaces,
+which only the tests' :mod:`tests.support.hosts` makes, so it is not a shipped ``kvpool
+bench``)::
+
+    sudo .venv/bin/python -m benchmarks.peer [--chunk-mib 2,32 --mib 256 --runs 5 ...]
 
 Two hosts on this machine, A and B (network namespaces cabled by veth pairs to one bridge:
-:mod:`kvpool.tools.bench.harness.hosts`); per chunk size of ``--chunk-mib``, ``--mib`` MiB of
+:mod:`tests.support.hosts`); per chunk size of ``--chunk-mib``, ``--mib`` MiB of
 chunks move from A to B:
 
 * plain socket: one Python TCP connection from a sender in A to a receiver in B,
   ``sendall`` of memoryviews into ``recv_into`` a touched buffer, no framing and no
-  request per chunk: the most this link carries (:mod:`kvpool.tools.bench.peer_socket`);
+  request per chunk: the most this link carries (:mod:`benchmarks.peer_socket`);
 * peer: agent A holds the chunks in its L1; agent B, whose only lower tier is A, pulls
   them on a lookup with prefetch, timed until every chunk is loaded into its L1
-  (:mod:`kvpool.tools.bench.peer_agents`). Every pull is then checked byte for byte
+  (:mod:`benchmarks.peer_agents`). Every pull is then checked byte for byte
   (untimed). ``--skip-peer`` measures the link alone.
 
 Each of ``--runs`` runs moves every size once on each side, the side that goes first
@@ -21,7 +26,7 @@ GB/s of each run, median [min-max]; the ratio is peer over plain socket within o
 Goal: the peer >= 0.8 of the plain socket from 2 MiB chunks on.
 
 Then (unless ``--skip-ttft``) the readers' table, on the same hosts with agents and vLLM
-engines of its own: :mod:`kvpool.tools.bench.peer_ttft`.
+engines of its own: :mod:`benchmarks.peer_ttft`.
 """
 
 from __future__ import annotations
@@ -31,16 +36,17 @@ import contextlib
 import math
 import os
 import statistics
+import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks import peer_ttft
+from benchmarks.peer_agents import PeerPair, peer_pair
+from benchmarks.peer_socket import PlainLink
 from kvpool.common import problems
-from kvpool.tools.bench import peer_ttft
-from kvpool.tools.bench.harness.hosts import Hosts, HostsUnavailable
-from kvpool.tools.bench.peer_agents import PeerPair, peer_pair
-from kvpool.tools.bench.peer_socket import PlainLink
+from kvpool.tools.bench import report as reports
 from kvpool.tools.bench.report import (
     add_chunk_mib,
     command,
@@ -50,6 +56,9 @@ from kvpool.tools.bench.report import (
     runs_said,
     table,
 )
+from tests.support.hosts import Hosts, HostsUnavailable
+
+PROGRAM = "python -m benchmarks.peer"
 
 MiB = 1 << 20
 SOCKET = "plain socket"
@@ -97,7 +106,7 @@ def run(args: argparse.Namespace) -> None:
     try:
         hosts = Hosts(2).start()
     except HostsUnavailable as error:
-        raise SystemExit(f"kvpool bench peer needs two hosts on this machine: {error}") from None
+        raise SystemExit(f"{PROGRAM} needs two hosts on this machine: {error}") from None
     counts = _counts(args)
     with hosts, tempfile.TemporaryDirectory(prefix="kvpool-bench-peer-") as work:
         transfers = _transfers(hosts, Path(work) / "transfers", counts, args)
@@ -106,7 +115,7 @@ def run(args: argparse.Namespace) -> None:
     print(report(transfers, args, counts, mtu), flush=True)
     if readers is not None:
         print("\n" + peer_ttft.report(readers, args))
-    print("\n" + command("peer", args))
+    print("\n" + command(PROGRAM, args))
     print(machine())
 
 
@@ -237,3 +246,13 @@ def _checks(results: Results, counts: dict[int, int]) -> list[str]:
             all(meeting),
         ),
     ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    summary = "chunks pulled from another node's agent vs a plain socket over the same link"
+    arguments = sys.argv[1:] if argv is None else argv
+    return reports.main(PROGRAM, summary, add_arguments, run, arguments)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

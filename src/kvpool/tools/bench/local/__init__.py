@@ -1,0 +1,8 @@
+"""What a bench runs on this machine (``pip install 'kvpool[bench]'``): a private agent
+process (:mod:`.agent_process`), a local S3 server (:mod:`.s3_server`, moto), tiny models
+with random weights (:mod:`.models`, which also give the connector a model to try it with).
+No component imports it (the import contracts say so).
+
+The repository's tests build on these (``tests/support``) with what only tests need; the
+network-namespace hosts of the peer tests and of the peer bench are there too, not here.
+"""
