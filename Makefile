@@ -34,7 +34,7 @@ FAST := not process and not engine and not root and not netns
 JOBS ?= 2
 PYTEST_JOBS := -n $(JOBS) --dist loadscope
 
-.PHONY: test test-fast deps lint agent test-vllm test-matrix matrix-head
+.PHONY: test test-fast deps lint agent test-vllm test-matrix
 
 test: deps lint
 	$(BIN)/pytest $(PYTEST_JOBS) --durations=25
@@ -62,13 +62,12 @@ test-vllm: .venv-vllm-$(VLLM)/.deps-installed
 	.venv-vllm-$(VLLM)/bin/pytest $(PYTEST_JOBS) -p no:cacheprovider $(call vllm_tests,$(VLLM))
 
 # Every release but the default, each venv removed after its run, the next one built while
-# this one's tests run (tests/vllm_matrix.sh); matrix-head builds the first one alone.
+# this one's tests run (tests/vllm_matrix.sh); BESIDE: a command to run while the first one
+# is built (.ci/run: `make test`).
 MATRIX := $(filter-out $(VLLM_DEFAULT),$(VLLM_ENGINE) $(VLLM_API))
 
 test-matrix:
-	tests/vllm_matrix.sh $(MATRIX)
-
-matrix-head: .venv-vllm-$(firstword $(MATRIX))/.deps-installed
+	tests/vllm_matrix.sh $(if $(BESIDE),--beside "$(BESIDE)") $(MATRIX)
 
 agent:
 	$(PYTHON) -m pip install '.[agent]' && kvpool-agent

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The connector's tests on every supported vLLM release but the default, each in a venv of
 # its own (`make .venv-vllm-X/.deps-installed`, tests/vllm_venv.sh), removed after its run:
-#   tests/vllm_matrix.sh VERSION...
+#   tests/vllm_matrix.sh [--beside COMMAND] VERSION...
 #
 # The next release's venv is built while this one's tests run (a build waits on pip and the
-# disk, the tests on the engines), so at most two venvs are on the disk at once. A venv
-# built before, and still newer than what makes it, is used as it is: .ci/run builds the
-# first one while `make test` runs.
+# disk, the tests on the engines), so at most two venvs are on the disk at once; the first
+# one while COMMAND runs, if given (.ci/run: `make test`). A venv built before, and still
+# newer than what makes it, is used as it is.
 set -euo pipefail
 builder="" building=""
 
@@ -28,8 +28,14 @@ finish_build() {
 }
 
 trap '[[ -z $builder ]] || kill -- "-$builder" 2>/dev/null || true' EXIT
+beside=""
+if [[ ${1:-} == --beside ]]; then
+    beside=$2
+    shift 2
+fi
 versions=("$@")
 start_build "${versions[0]}"
+[[ -z $beside ]] || $beside
 for index in "${!versions[@]}"; do
     version=${versions[$index]}
     finish_build
