@@ -14,7 +14,7 @@ from typing import ClassVar, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from kvpool.common.config import POOL_NAME_PATTERN, FileSettings, HttpLimits
+from kvpool.common.config import POOL_NAME_PATTERN, FileSettings, HttpLimits, Size
 from kvpool.common.keys import ModelFingerprint
 from kvpool.common.kube.discovery import AgentEndpoint
 from kvpool.common.names import (
@@ -23,6 +23,7 @@ from kvpool.common.names import (
     DEFAULT_LOAD_SLACK,
     DEFAULT_MAX_CHUNKS_PER_NODE,
     DEFAULT_MIN_MATCH_RATIO,
+    DEFAULT_PICKER_PORT,
     DEFAULT_STATE_DIR,
     INDEX_CONFIG_FILE_ENV,
     INDEX_ENV_PREFIX,
@@ -62,6 +63,87 @@ class StaticAgent(BaseModel):
 
     def endpoint(self) -> AgentEndpoint:
         return AgentEndpoint(self.node, self.zmq, self.events)
+
+
+class ModelServer(BaseModel):
+    """One vLLM server the picker may send requests to (static discovery)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    address: str = Field(
+        pattern=r"^[^\s:,]+:[0-9]{1,5}$",
+        description="ip:port of its OpenAI server, as the gateway reaches it.",
+    )
+    node: str = Field(description="The node it runs on: the node name of that node's agent.")
+    kv_events: str | None = Field(
+        None,
+        description="Its vLLM KV-events endpoint (tcp://ip:port); none: no GPU tier.",
+    )
+
+
+class TierCosts(BaseModel):
+    """Seconds per thousand prompt tokens to have them from each place, for the picker's
+    estimate of a request's time to first token on each endpoint."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    gpu: float = Field(0.0, ge=0, description="Already in the endpoint's GPU prefix cache.")
+    l1: float = Field(0.002, ge=0, description="Loaded from its node's L1 (shared memory).")
+    nvme: float = Field(0.01, ge=0, description="Loaded from its node's NVMe.")
+    peer: float = Field(0.02, ge=0, description="Fetched from another node's agent.")
+    s3: float = Field(0.05, ge=0, description="Fetched from the pool's S3 bucket.")
+    compute: float = Field(0.2, gt=0, description="Computed (prefill): no tier holds it.")
+
+
+class PickerConfig(BaseModel):
+    """The endpoint picker: a Gateway API Inference Extension EPP (Envoy ext_proc over gRPC)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = Field(False, description="Serve the endpoint picker on `port`.")
+    port: int = Field(
+        DEFAULT_PICKER_PORT, ge=0, le=65535, description="gRPC port (0 picks a free one)."
+    )
+    discovery: Literal["static", "kubernetes"] = Field(
+        "static",
+        description=(
+            "static: the servers in `servers`; kubernetes: the pods `selector` names, in the "
+            "index's namespace (an InferencePool's selector and target port)."
+        ),
+    )
+    servers: list[ModelServer] = Field(
+        default_factory=list, description="The model servers to pick from (static discovery)."
+    )
+    selector: dict[str, str] = Field(
+        default_factory=dict, description="Labels of the model server pods (kubernetes)."
+    )
+    target_port: int = Field(8000, ge=1, le=65535, description="Their OpenAI port (kubernetes).")
+    kv_events_port: int | None = Field(
+        None, ge=1, le=65535, description="Their vLLM KV-events port (kubernetes); none: none."
+    )
+    tokenizer: Path | None = Field(
+        None,
+        description=(
+            "Directory of the served model's tokenizer.json and chat template "
+            "(tokenizer_config.json or chat_template.jinja), for prompts sent as text; "
+            "without one, only token-id prompts are scored (text is routed by load)."
+        ),
+    )
+    deadline_ms: float = Field(
+        50.0,
+        gt=0,
+        description="A decision not made within this is made by load alone (fail open).",
+    )
+    max_body_bytes: Size = Field(
+        4 << 20, description="Largest request body the picker reads; a larger one gets 413."
+    )
+    max_prompt_tokens: int = Field(
+        1 << 20, ge=1, description="Longest prompt the picker scores; a longer one gets 413."
+    )
+    load_interval_seconds: float = Field(
+        0.5, gt=0, description="How often each server's /metrics is read for its load."
+    )
+    tier_costs: TierCosts = Field(default_factory=TierCosts, description="The picker's estimate.")
 
 
 class IndexConfig(FileSettings):
@@ -163,6 +245,10 @@ class IndexConfig(FileSettings):
         100_000,
         ge=1,
         description="Events queued per agent before ZMQ drops them (a drop causes a resync).",
+    )
+    picker: PickerConfig = Field(
+        default_factory=PickerConfig,
+        description="The endpoint picker for Gateway API Inference Extension gateways.",
     )
 
     @model_validator(mode="after")

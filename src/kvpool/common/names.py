@@ -117,6 +117,8 @@ DEFAULT_HTTP_PORT = 7401
 DEFAULT_EVENTS_PORT = 7402
 DEFAULT_INDEX_PORT = 7403
 DEFAULT_PEER_PORT = 7404
+DEFAULT_PICKER_PORT = 7405
+"""The endpoint picker's gRPC port (Envoy's external processing; the GAIE's charts use 9002)."""
 """Where an agent serves its L1 and NVMe chunks to the pool's other agents."""
 NODE_NAME_ENV = "NODE_NAME"
 """The node a pod runs on (the downward API's ``spec.nodeName``): the agent's name among its
