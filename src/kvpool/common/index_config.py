@@ -14,7 +14,7 @@ from typing import ClassVar, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from kvpool.common.config import POOL_NAME_PATTERN, FileSettings, HttpLimits, Size
+from kvpool.common.config import POOL_NAME_PATTERN, FileSettings, HttpLimits
 from kvpool.common.keys import ModelFingerprint
 from kvpool.common.kube.discovery import AgentEndpoint
 from kvpool.common.names import (
@@ -31,6 +31,7 @@ from kvpool.common.names import (
 )
 from kvpool.common.problems import SettingError
 from kvpool.common.routing import RoutingPolicy
+from kvpool.common.sizes import Size
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 """A route or lookup body: token ids of a prompt of ~2M tokens as JSON."""
