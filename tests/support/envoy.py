@@ -22,14 +22,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from tests.support.http_process import HttpProcess
 from tests.support.ports import free_port
 
 DESTINATION = "x-gateway-destination-endpoint"
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 _base_ids = itertools.count(1)
 _TYPE = "type.googleapis.com/envoy."
 _HTTP_OPTIONS = _TYPE + "extensions.upstreams.http.v3.HttpProtocolOptions"
-_HEADER_MUTATION = _TYPE + "extensions.filters.http.header_mutation.v3.HeaderMutation"
+_EARLY_MUTATION = _TYPE + "extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"
 _SET_METADATA = _TYPE + "extensions.filters.http.set_metadata.v3.Config"
 _EXT_PROC = _TYPE + "extensions.filters.http.ext_proc.v3.ExternalProcessor"
 _HCM = _TYPE + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
@@ -90,6 +93,8 @@ class Envoy:
     request_body_mode: str = "FULL_DUPLEX_STREAMED"
     response_body_mode: str = "FULL_DUPLEX_STREAMED"
     message_timeout: str = "10s"
+    log_level: str = "warning"
+    """Envoy's ``-l``; ``debug`` shows each stream's ext_proc exchange in the log."""
     port: int = 0
     admin_port: int = 0
     _process: HttpProcess | None = None
@@ -99,15 +104,7 @@ class Envoy:
         return f"http://127.0.0.1:{self.port}"
 
     def config(self) -> dict[str, Any]:
-        filters: list[dict[str, Any]] = [
-            {
-                "name": "envoy.filters.http.header_mutation",
-                "typed_config": {
-                    "@type": _HEADER_MUTATION,
-                    "mutations": {"request_mutations": [{"remove": DESTINATION}]},
-                },
-            }
-        ]
+        filters: list[dict[str, Any]] = []
         if self.subset is not None:
             filters.append(
                 {
@@ -170,7 +167,7 @@ class Envoy:
                     "http_header_name": DESTINATION,
                 },
             },
-            _static_cluster("ext_proc", [self.epp], http2=True),
+            self._ext_proc_cluster(),
         ]
         if self.fallback:
             routes.append(
@@ -192,6 +189,9 @@ class Envoy:
                                         "typed_config": {
                                             "@type": _HCM,
                                             "stat_prefix": "gateway",
+                                            "early_header_mutation_extensions": [
+                                                self._remove_client_destination()
+                                            ],
                                             "route_config": {
                                                 "name": "routes",
                                                 "virtual_hosts": [
@@ -214,6 +214,50 @@ class Envoy:
             },
         }
 
+    @staticmethod
+    def _remove_client_destination() -> dict[str, Any]:
+        """Drop a client's own destination header before routing (a filter that removes it
+        later leaves the route chosen with it cached: a fail-open request would then go
+        where its client asked, or nowhere)."""
+        return {
+            "name": "envoy.http.early_header_mutation.header_mutation",
+            "typed_config": {
+                "@type": _EARLY_MUTATION,
+                "mutations": [{"remove": DESTINATION}],
+            },
+        }
+
+    def _ext_proc_cluster(self) -> dict[str, Any]:
+        """The picker's cluster, health-checked over gRPC health as GAIE's gateways do.
+
+        The check matters for FailOpen: in FULL_DUPLEX_STREAMED mode Envoy hands the body
+        to the ext_proc stream as it arrives, so a stream that fails only once the
+        connection is refused (the picker just went away) has taken the body with it and
+        the request fails (500) even with failure_mode_allow. With the picker's host
+        marked unhealthy (and no panic routing) the stream fails at once, before any
+        body, and the request takes the fallback route.
+        """
+        cluster = _static_cluster("ext_proc", [self.epp], http2=True)
+        cluster["health_checks"] = [
+            {
+                "timeout": "1s",
+                "interval": "0.5s",
+                "no_traffic_interval": "0.5s",
+                "unhealthy_threshold": 1,
+                "healthy_threshold": 1,
+                "grpc_health_check": {"service_name": EXT_PROC_SERVICE},
+            }
+        ]
+        cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}
+        return cluster
+
+    def picker_healthy(self) -> bool:
+        """Whether Envoy's health check sees the picker up (admin /clusters)."""
+        answer = httpx.get(f"http://127.0.0.1:{self.admin_port}/clusters", timeout=5)
+        lines = [line for line in answer.text.splitlines() if line.startswith("ext_proc::")]
+        flags = [line for line in lines if "::health_flags::" in line]
+        return bool(flags) and all(line.endswith("::healthy") for line in flags)
+
     def start(self, timeout: float = 20.0) -> Envoy:
         self.port = self.port or free_port()
         self.admin_port = self.admin_port or free_port()
@@ -232,7 +276,7 @@ class Envoy:
                 "--base-id",
                 str(base_id),
                 "-l",
-                "warning",
+                self.log_level,
             ],
             health_url=f"http://127.0.0.1:{self.admin_port}/ready",
             log_path=self.workdir / f"envoy-{self.port}.log",

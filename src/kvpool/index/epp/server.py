@@ -160,7 +160,10 @@ class EppServer:
             health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         address = f"[{self.host}]" if ":" in self.host else self.host
-        port = int(server.add_insecure_port(f"{address}:{self.config.port}"))
+        try:
+            port = int(server.add_insecure_port(f"{address}:{self.config.port}"))
+        except RuntimeError:  # grpcio's "Failed to bind" (taken, or no such address)
+            port = 0
         if port == 0:
             raise OSError(f"the endpoint picker cannot listen on {address}:{self.config.port}")
         self.watchdog.start()
