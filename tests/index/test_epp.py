@@ -451,3 +451,139 @@ def test_start_binds_a_free_port_and_refuses_a_taken_one(picker: PortPicker) -> 
             taken.start()
     finally:
         first.stop()
+
+
+def _headers(end_of_stream: bool = False, **metadata: Any) -> Any:
+    from envoy.config.core.v3 import base_pb2
+
+    request = pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[
+                    base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
+                    base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions"),
+                ]
+            ),
+            end_of_stream=end_of_stream,
+        )
+    )
+    for namespace, value in metadata.items():
+        request.metadata_context.filter_metadata[namespace].update(value)
+    return request
+
+
+def test_odd_streams_end_quietly_and_the_picker_serves_on(
+    epp: tuple[EppServer, int], picker: PortPicker, seen: list[PickRequest]
+) -> None:
+    """Anything a peer on the network can send: messages out of order, a body mode the
+    edge does not speak, a malformed subset hint. Each stream ends (OK, or a refusal),
+    none takes the server down."""
+    body = pb.ProcessingRequest(request_body=pb.HttpBody(body=b"{}", end_of_stream=True))
+    response = pb.ProcessingRequest(response_body=pb.HttpBody(body=b"x", end_of_stream=True))
+    streamed = _headers()
+    streamed.protocol_config.request_body_mode = 1  # STREAMED
+    hint = "envoy.lb.subset_hint"
+    sequences = {
+        "response first": [response],
+        "body first": [body],
+        "headers twice": [_headers(), _headers()],
+        "streamed mode": [streamed],
+        "subset a number": [_headers(True, **{hint: {"x-gateway-destination-endpoint-subset": 5}})],
+        "subset a string": [
+            _headers(True, **{hint: {"x-gateway-destination-endpoint-subset": "127.0.0.1:1, b"}})
+        ],
+    }
+    answered = {}
+    with grpc.insecure_channel(f"127.0.0.1:{epp[1]}") as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        for name, messages in sequences.items():
+            answers = list(stub.Process(iter(messages), timeout=10))
+            answered[name] = [
+                (a.WhichOneof("response"), a.immediate_response.status.code) for a in answers
+            ]
+    assert answered["response first"] == []
+    assert answered["body first"] == []
+    assert answered["headers twice"] == []
+    assert answered["streamed mode"] == [("immediate_response", 500)]
+    assert answered["subset a number"] == [("immediate_response", 503)]
+    assert answered["subset a string"] == [("immediate_response", 503)]  # none of those
+    assert seen[-1].subset == frozenset({"127.0.0.1:1", "b"})
+
+
+def test_the_body_comes_back_in_chunks_of_at_most_62000_bytes(
+    epp: tuple[EppServer, int], backends: list[Backend]
+) -> None:
+    body = json.dumps({"prompt": [backends[0].port, *range(30_000)]}).encode()
+    halves = [body[: len(body) // 2], body[len(body) // 2 :]]
+    messages = [
+        _headers(),
+        *(
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=half, end_of_stream=last))
+            for half, last in zip(halves, [False, True], strict=True)
+        ),
+    ]
+    with grpc.insecure_channel(f"127.0.0.1:{epp[1]}") as channel:
+        answers = list(pb_grpc.ExternalProcessorStub(channel).Process(iter(messages), timeout=10))
+    route, *chunks = answers
+    mutation = route.request_headers.response.header_mutation.set_headers[0].header
+    assert (mutation.key, mutation.raw_value) == (
+        "x-gateway-destination-endpoint",
+        backends[0].endpoint.encode(),
+    )
+    lb = route.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    assert lb["x-gateway-destination-endpoint"].string_value == backends[0].endpoint
+    streamed = [c.request_body.response.body_mutation.streamed_response for c in chunks]
+    assert all(len(s.body) <= 62_000 for s in streamed) and len(streamed) == 4
+    assert [s.end_of_stream for s in streamed] == [False, False, False, True]
+    assert b"".join(s.body for s in streamed) == body
+
+
+class _Feed:
+    """A raw ext_proc stream whose messages the test sends one by one."""
+
+    def __init__(self, port: int) -> None:
+        import queue
+
+        self.channel = grpc.insecure_channel(
+            f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)]
+        )
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self.call = pb_grpc.ExternalProcessorStub(self.channel).Process(
+            iter(self._queue.get, None), timeout=30
+        )
+
+    def send(self, message: Any) -> None:
+        self._queue.put(message)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self.channel.close()
+
+
+def test_bodies_share_a_memory_budget_and_routed_streams_an_idle_limit(
+    picker: PortPicker,
+) -> None:
+    server = _server(picker, body_budget_bytes=100_000, idle_seconds=1.0)
+    port = server.start()
+    feeds = [_Feed(port) for _ in range(3)]
+    try:
+        chunk = pb.ProcessingRequest(request_body=pb.HttpBody(body=b" " * 60_000))
+        for feed in feeds[:2]:
+            feed.send(_headers())
+            feed.send(chunk)
+        busy = next(feeds[1].call)  # the second 60 kB does not fit beside the first
+        assert busy.immediate_response.status.code == 503
+        assert busy.immediate_response.body == b"the picker holds too many bodies now\n"
+        assert server.answers.snapshot()[(503, "busy")] == 1
+        # a routed stream that then says nothing is cancelled after idle_seconds
+        feeds[2].send(_headers(end_of_stream=True))
+        assert next(feeds[2].call).HasField("request_headers")
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as caught:
+            next(feeds[2].call)
+        assert caught.value.code() == grpc.StatusCode.CANCELLED
+        assert 0.5 < time.monotonic() - started < 3
+    finally:
+        for feed in feeds:
+            feed.close()
+        server.stop()
