@@ -39,6 +39,11 @@ _SPECIAL_TOKENS = (
     "cls_token",
     "mask_token",
 )
+_RESERVED_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "continue_final_message", "tokenize"}
+)
+"""Template variables a request's ``chat_template_kwargs`` cannot set (vLLM's own fields
+win, or it refuses the request)."""
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 """What transformers appends to the final message to find where it ends once rendered."""
 
@@ -123,6 +128,8 @@ class Prompts:
             tokenizer = Tokenizer.from_file(str(tokenizer_file))
         except Exception as error:
             raise PromptsError(f"{tokenizer_file}: not a tokenizer: {_one_line(error)}") from None
+        tokenizer.no_truncation()  # vLLM asks for whole prompts (and refuses long ones)
+        tokenizer.no_padding()
         config_file = directory / CONFIG_FILE
         config: dict[str, Any] = {}
         if config_file.exists():
@@ -167,7 +174,8 @@ class Prompts:
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The conversation as the template renders it for the engine; :class:`ChatError`
-        when it cannot."""
+        when it cannot. ``template_kwargs`` are more template variables (a request's
+        ``chat_template_kwargs``, ``documents``, ``reasoning_effort``...)."""
         if self._template is None:
             raise ChatError("the tokenizer has no chat template")
         conversation = [self._message(message) for message in messages]
@@ -176,13 +184,18 @@ class Prompts:
             final_text = self._tag_final(conversation)
         variables = {
             **self._special_tokens,
-            **{key: value for key, value in (template_kwargs or {}).items() if key != "tokenize"},
+            **{
+                key: value
+                for key, value in (template_kwargs or {}).items()
+                if key not in _RESERVED_VARIABLES
+            },
         }
+        documents = variables.pop("documents", None)
         try:
             rendered = self._template.render(
                 messages=conversation,
                 tools=tools,
-                documents=None,
+                documents=documents,
                 add_generation_prompt=add_generation_prompt,
                 **variables,
             )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,10 +93,17 @@ def _flag(body: dict[str, Any], field: str, default: bool) -> bool:
     return value
 
 
+MAX_TOKEN_ID = (1 << 32) - 1
+"""Larger than any vocabulary; bounds what the picker's core hashes."""
+
+
 def _token_ids(values: list[Any], field: str) -> list[int]:
     for value in values:
-        if type(value) is not int or value < 0:
-            raise _bad(f"{field} must hold token ids (integers >= 0), not {str(value)[:40]!r}")
+        if type(value) is not int or not 0 <= value <= MAX_TOKEN_ID:
+            raise _bad(
+                f"{field} must hold token ids (integers from 0 to {MAX_TOKEN_ID}), "
+                f"not {str(value)[:40]!r}"
+            )
     return values
 
 
@@ -108,6 +115,10 @@ def _completion_ids(body: dict[str, Any], prompts: Prompts | None) -> list[int]:
     prompt = body["prompt"]
     add_special_tokens = _flag(body, "add_special_tokens", True)
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if not all(isinstance(each, str) for each in prompt) and not all(
+            isinstance(each, list) and each for each in prompt
+        ):
+            raise _bad("prompt must be a batch of strings or of token id lists, not both")
         prompt = prompt[0]
     if isinstance(prompt, str):
         return _tokenized(prompts, lambda p: p.encode(prompt, add_special_tokens))
@@ -129,6 +140,7 @@ def _chat_ids(body: dict[str, Any], prompts: Prompts | None) -> list[int]:
     extra = body.get("chat_template_kwargs") or {}
     if not isinstance(extra, dict):
         raise _bad("chat_template_kwargs must be an object")
+    extra = {**extra, **_request_variables(body, extra)}
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise _bad("tools must be a list")
@@ -145,13 +157,24 @@ def _chat_ids(body: dict[str, Any], prompts: Prompts | None) -> list[int]:
     )
 
 
-def _tokenized(prompts: Prompts | None, tokenize: Any) -> list[int]:
+def _request_variables(body: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """The request fields vLLM hands the template over ``chat_template_kwargs`` (those
+    that are set: vLLM drops a ``None``)."""
+    variables = {
+        name: body[name] for name in ("documents", "reasoning_effort") if body.get(name) is not None
+    }
+    if "reasoning_effort" in variables and "enable_thinking" not in extra:
+        variables["enable_thinking"] = variables["reasoning_effort"] != "none"
+    return variables
+
+
+def _tokenized(prompts: Prompts | None, tokenize: Callable[[Prompts], list[int]]) -> list[int]:
     """The ids ``tokenize(prompts)`` gives; none (route by load) without a tokenizer or
     when it fails: the engine answers the client for a prompt it cannot render."""
     if prompts is None:
         return []
     try:
-        ids: list[int] = tokenize(prompts)
+        ids = tokenize(prompts)
     except Exception as error:  # a template's raise_exception, images, odd content
         _rare.info(f"a prompt routed by load: not tokenized: {type(error).__name__}")
         return []

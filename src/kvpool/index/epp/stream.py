@@ -68,6 +68,12 @@ class BodyBudget:
             self._held += size
             return True
 
+    @property
+    def held(self) -> int:
+        """Bytes held now."""
+        with self._lock:
+            return self._held
+
     def give(self, size: int) -> None:
         with self._lock:
             self._held -= size
