@@ -12,6 +12,13 @@ NetworkPolicy says who can connect), so what one peer can hold is bounded:
 - a stream must finish its request (headers and body) within ``request_seconds`` of
   opening, and once routed may stay silent at most ``idle_seconds`` between messages
   (a response the engine takes that long to start), or it is cancelled.
+
+What one peer can cost, then: all ``max_streams`` threads (other streams are refused
+until its streams end or time out: the picker's own denial of service, hence the
+NetworkPolicy), ``body_budget_bytes`` of bodies the edge holds, and what gRPC buffers
+of messages not yet delivered (bounded by HTTP/2 flow control and, per message, by the
+receive limit). A pick's own time is the picker core's deadline; tokenizing a text
+prompt is bounded by ``max_body_bytes`` of text.
 """
 
 from __future__ import annotations
