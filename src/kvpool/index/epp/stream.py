@@ -242,7 +242,8 @@ class Stream:
         try:
             pick = self._picker.pick(request)
         except NoEndpoint as error:
-            return self._refuse(Refused(503, "no_endpoint", f"no endpoint: {error}"[:200]))
+            reason = " ".join(f"no endpoint: {error}".split())[:200]
+            return self._refuse(Refused(503, "no_endpoint", reason))
         except Exception:
             _rare.exception("the picker failed; answered 503")
             return self._refuse(Refused(503, "picker_error", "the endpoint picker failed"))
