@@ -23,11 +23,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpool.common.index_config import PickerConfig
 from kvpool.index.epp import EppServer
+from kvpool.index.epp.answers import PICK_HEADER
 from kvpool.index.epp.server import HEALTH_SERVICES
 from kvpool.index.picking import NoEndpoint, Pick, PickReason, PickRequest
 from kvpool.index.prompts import Prompts
 from tests.index.test_prompts import write_tokenizer
-from tests.support.envoy import Envoy
+from tests.support.envoy import SERVED_BY, Envoy
 from tests.support.polling import wait_until
 
 pytestmark = pytest.mark.process  # Envoy
@@ -198,6 +199,8 @@ def test_a_completion_reaches_the_picked_backend_with_its_body(
         assert got["destination"] == backend.endpoint
         assert got["sha256"] == hashlib.sha256(body).hexdigest()
         assert seen[-1] == PickRequest((backend.port, 7, 8), "tenant-a", "m", None)
+        assert answer.headers[SERVED_BY] == backend.endpoint
+        assert answer.headers[PICK_HEADER] == "prefix; cached_tokens=3"  # the picker's answer
 
 
 def test_a_large_body_is_streamed_to_the_backend_intact(

@@ -29,6 +29,9 @@ from tests.support.ports import free_port
 
 DESTINATION = "x-gateway-destination-endpoint"
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+SERVED_BY = "x-served-by"
+"""A response header Envoy adds: the upstream that answered (which server a pick sent to)."""
+SERVED_BY_HEADER = {"header": {"key": SERVED_BY, "value": "%UPSTREAM_HOST%"}}
 _base_ids = itertools.count(1)
 _TYPE = "type.googleapis.com/envoy."
 _HTTP_OPTIONS = _TYPE + "extensions.upstreams.http.v3.HttpProtocolOptions"
@@ -199,6 +202,9 @@ class Envoy:
                                                         "name": "all",
                                                         "domains": ["*"],
                                                         "routes": routes,
+                                                        "response_headers_to_add": [
+                                                            SERVED_BY_HEADER
+                                                        ],
                                                     }
                                                 ],
                                             },

@@ -88,6 +88,23 @@ def carry_on(kind: str) -> Any:
     return pb.ProcessingResponse(**{kind: pb.TrailersResponse()})
 
 
+PICK_HEADER = "x-kvpool-pick"
+"""The response header that says why the picker chose the endpoint, and how much of the
+prompt it expected the endpoint to load: ``prefix; cached_tokens=1792``. It tells the
+client only of its own prompt's chunks (its salt's), as ``usage.cached_tokens`` does."""
+
+
+def pick_header(value: str) -> Any:
+    """The answer to the response's headers: they go on, with :data:`PICK_HEADER` added."""
+    header = base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=PICK_HEADER, raw_value=value.encode())
+    )
+    mutation = pb.HeaderMutation(set_headers=[header])
+    return pb.ProcessingResponse(
+        response_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation))
+    )
+
+
 def immediate(status: int, reason: str) -> Any:
     """Envoy answers the client itself: ``status`` with ``reason`` as a one-line text body."""
     header = base_pb2.HeaderValueOption(

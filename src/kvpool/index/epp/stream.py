@@ -120,6 +120,7 @@ class Stream:
         self._held = 0
         self._buffered = False
         self._echo_response = True
+        self._pick_header = ""
 
     @property
     def finished(self) -> bool:
@@ -140,6 +141,8 @@ class Stream:
             return self._request_body(request.request_body)
         if kind == "request_trailers":
             return self._request_trailers()
+        if self.phase is Phase.PICKED and kind == "response_headers":
+            return [answers.pick_header(self._pick_header)]
         if self.phase is Phase.PICKED and kind == "response_body" and self._echo_response:
             body = request.response_body
             return [answers.streamed_response_body(body.body, body.end_of_stream)]
@@ -249,6 +252,7 @@ class Stream:
             return self._refuse(Refused(503, "picker_error", "the endpoint picker failed"))
         self.phase = Phase.PICKED
         self._tally.count(200, str(pick.reason))
+        self._pick_header = f"{pick.reason}; cached_tokens={pick.cached_tokens}"
         return [routed(pick.endpoint)]
 
     def _refuse(self, refused: Refused) -> Iterable[Any]:
