@@ -204,19 +204,18 @@ def parse_load(text: str) -> Load:
     for line in text.splitlines():
         if not line.startswith("vllm:"):
             continue
-        end = len(line)
-        for mark in ("{", " "):
-            at = line.find(mark)
-            if 0 <= at < end:
-                end = at
-        values = found.get(line[:end])
+        brace, space = line.find("{"), line.find(" ")
+        if brace >= 0 and (space < 0 or brace < space):  # name{labels} value [timestamp]
+            name, rest = line[:brace], line[line.rfind("}") + 1 :] if "}" in line else ""
+        else:  # name value [timestamp]
+            name, _, rest = line.partition(" ")
+        values = found.get(name)
         if values is None:
             continue
-        rest = line[line.rindex("}") + 1 :] if line[end] == "{" else line[end:]
         fields = rest.split()
         value = float(fields[0]) if fields else math.nan
         if not value >= 0:  # NaN too
-            raise ValueError(f"{line[:end]} is {fields[0] if fields else 'missing'}")
+            raise ValueError(f"{name} is {fields[0] if fields else 'missing'}")
         values.append(value)
     for name in (WAITING, RUNNING):
         if not found[name]:
