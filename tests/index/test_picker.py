@@ -303,6 +303,13 @@ def test_a_failing_tier_fails_open_and_never_raises(make_picker: MakePicker) -> 
     assert picker.pick(PickRequest(prompt(64), "t")) == Pick("10.0.0.2:8000", PickReason.FAIL_OPEN)
 
 
+def test_a_closed_picker_still_answers_by_load(make_picker: MakePicker) -> None:
+    servers = [server("10.0.0.1:8000", "n1", waiting=1), server("10.0.0.2:8000", "n2")]
+    picker = make_picker(servers, Tiers(l1=PrefixTracker()))
+    picker.close()
+    assert picker.pick(PickRequest(prompt(64), "t")) == Pick("10.0.0.2:8000", PickReason.FAIL_OPEN)
+
+
 def test_an_empty_index_routes_by_load(make_picker: MakePicker) -> None:
     servers = [server("10.0.0.1:8000", "n1", running=3), server("10.0.0.2:8000", "n2", running=1)]
     for tiers in (Tiers(), Tiers(l1=PrefixTracker(), nvme=PrefixTracker())):

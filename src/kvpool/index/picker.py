@@ -83,7 +83,8 @@ class Tiers:
     l1: PrefixTracker | None = None
     """Per node (agent's node name): its L1, the index's tracker of the agents' events."""
     gpu: PrefixTracker | None = None
-    """Per model server (its address): vLLM's own prefix cache, from its KV events."""
+    """Per model server (its address): vLLM's own prefix cache, from its KV events, in
+    kvpool's chunk keys."""
     nvme: PrefixTracker | None = None
     """Per node: the agent's NVMe tier."""
     s3: PrefixTracker | None = None
@@ -247,7 +248,11 @@ class EndpointPicker:
             if self._pending >= self._max_pending:
                 return None
             self._pending += 1
-        future = self._pool.submit(self._decide, request, candidates, deadline)
+        try:
+            future = self._pool.submit(self._decide, request, candidates, deadline)
+        except RuntimeError:  # closed: the server is stopping
+            self._finished(None)
+            return None
         future.add_done_callback(self._finished)
         try:
             best = future.result(timeout=max(0.0, deadline - self._clock()))
@@ -261,7 +266,7 @@ class EndpointPicker:
         reason = PickReason.PREFIX if best.cached_tokens else PickReason.LOAD
         return Pick(best.address, reason, best.cached_tokens)
 
-    def _finished(self, _future: Future[Estimate]) -> None:
+    def _finished(self, _future: Future[Estimate] | None) -> None:
         with self._lock:
             self._pending -= 1
 
