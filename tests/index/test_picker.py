@@ -340,21 +340,35 @@ def test_picks_from_many_threads_at_once(make_picker: MakePicker) -> None:
 # ------------------------------------------------------------------------------ attacker
 
 
+class HashesOutside(PrefixTracker):
+    """Checks that nothing is hashed while the tracker's lock would be held."""
+
+    keys: PromptKeys
+
+    def longest_prefixes(self, keys: KeySequence, nodes: object = None) -> dict[str, PrefixMatch]:
+        before = self.keys.hashed
+        found = super().longest_prefixes(keys, nodes)  # type: ignore[arg-type]
+        assert self.keys.hashed == before
+        return found
+
+
 def test_a_huge_prompt_hashes_one_key_per_miss_and_twice_the_run_at_most(
     make_picker: MakePicker,
 ) -> None:
     tokens = prompt(1_000_000)  # 62500 chunks
-    l1 = PrefixTracker()
-    picker = make_picker([server("10.0.0.1:8000", "n1")], Tiers(l1=l1, nvme=PrefixTracker()))
+    l1, nvme = HashesOutside(), HashesOutside()
+    candidates = [server("10.0.0.1:8000", "n1")]
+    picker = make_picker(candidates, Tiers(l1=l1, nvme=nvme))
     request = PickRequest(tokens, "t")
-    keys = PromptKeys(tokens, "t", FINGERPRINT)
-    assert picker.estimates(request, [server("10.0.0.1:8000", "n1")], keys)[0].cached_tokens == 0
+    l1.keys = nvme.keys = keys = PromptKeys(tokens, "t", FINGERPRINT)
+    assert picker.estimates(request, candidates, keys)[0].cached_tokens == 0
     assert keys.hashed == 1
     store(l1, "n1", tokens, "t", 100)
-    keys = PromptKeys(tokens, "t", FINGERPRINT)
-    (estimate,) = picker.estimates(request, [server("10.0.0.1:8000", "n1")], keys)
-    assert estimate.cached_tokens == 100 * CHUNK
-    assert keys.hashed <= 2 * 100 + 1  # galloping overshoots the run by less than its length
+    store(nvme, "n2", tokens, "t", 1000)
+    l1.keys = nvme.keys = keys = PromptKeys(tokens, "t", FINGERPRINT)
+    (estimate,) = picker.estimates(request, candidates, keys)
+    assert estimate.cached_tokens == 1000 * CHUNK  # 100 from L1, 900 more from n2 as a peer
+    assert keys.hashed < 2 * 1000
 
 
 def test_hashing_a_long_held_prompt_stops_at_the_deadline(make_picker: MakePicker) -> None:

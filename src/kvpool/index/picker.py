@@ -111,6 +111,9 @@ class Runs:
     s3: int
     """The longest of any writer's."""
 
+    def longest(self) -> int:
+        return max([*self.gpu.values(), *self.l1.values(), *self.nvme.values(), self.s3])
+
     def peer(self, node: str) -> int:
         """The longest run another node's L1 or NVMe holds."""
         return max(
@@ -165,9 +168,43 @@ class _BoundedKeys:
             step += HASH_STEP
 
 
-def tier_runs(tiers: Tiers, keys: KeySequence, addresses: Collection[str]) -> Runs:
-    """Each tier's leading runs of ``keys`` (GPU runs of ``addresses`` only)."""
+class _Head:
+    """The first ``length`` keys of a prompt, hashed already: a tracker reads them under its
+    lock without hashing (the lock is the one the index's event subscriber takes)."""
 
+    __slots__ = ("_keys", "_length")
+
+    def __init__(self, keys: KeySequence, length: int) -> None:
+        self._keys = keys
+        self._length = length
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, position: int) -> bytes:
+        if not 0 <= position < self._length:
+            raise IndexError(f"chunk {position} of a window of {self._length}")
+        return self._keys[position]
+
+
+def tier_runs(tiers: Tiers, keys: KeySequence, addresses: Collection[str]) -> Runs:
+    """Each tier's leading runs of ``keys`` (GPU runs of ``addresses`` only).
+
+    The keys are hashed here, outside the trackers' locks: a window of the first keys,
+    doubled while some tier holds all of it. A prompt no tier holds costs one hash; one
+    whose longest held run is ``r`` chunks, fewer than ``2r``."""
+    window = 1
+    while True:
+        length = min(window, len(keys))
+        if length:
+            keys[length - 1]  # hashes the window (a chain is hashed in order)
+        runs = _runs_of(tiers, _Head(keys, length), addresses)
+        if length == len(keys) or runs.longest() < length:
+            return runs
+        window *= 2
+
+
+def _runs_of(tiers: Tiers, keys: KeySequence, addresses: Collection[str]) -> Runs:
     def runs(tracker: PrefixTracker | None, names: Collection[str] | None) -> dict[str, int]:
         if tracker is None:
             return {}
