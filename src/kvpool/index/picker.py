@@ -111,9 +111,6 @@ class Runs:
     s3: int
     """The longest of any writer's."""
 
-    def longest(self) -> int:
-        return max([*self.gpu.values(), *self.l1.values(), *self.nvme.values(), self.s3])
-
     def peer(self, node: str) -> int:
         """The longest run another node's L1 or NVMe holds."""
         return max(
@@ -143,31 +140,6 @@ class _TooLate(Exception):
     """The estimate's deadline passed while hashing the prompt's keys."""
 
 
-class _BoundedKeys:
-    """A prompt's keys that stop being hashed at a deadline (:class:`_TooLate`)."""
-
-    __slots__ = ("_clock", "_deadline", "_keys")
-
-    def __init__(self, keys: PromptKeys, deadline: float, clock: Callable[[], float]) -> None:
-        self._keys = keys
-        self._deadline = deadline
-        self._clock = clock
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def __getitem__(self, position: int) -> bytes:
-        keys = self._keys
-        step = keys.hashed + HASH_STEP
-        while True:
-            if self._clock() > self._deadline:
-                raise _TooLate
-            if step >= position:
-                return keys[position]
-            keys[step]  # hash up to here, then look at the clock again
-            step += HASH_STEP
-
-
 class _Head:
     """The first ``length`` keys of a prompt, hashed already: a tracker reads them under its
     lock without hashing (the lock is the one the index's event subscriber takes)."""
@@ -187,35 +159,42 @@ class _Head:
         return self._keys[position]
 
 
-def tier_runs(tiers: Tiers, keys: KeySequence, addresses: Collection[str]) -> Runs:
-    """Each tier's leading runs of ``keys`` (GPU runs of ``addresses`` only).
+def tier_runs(
+    tiers: Tiers,
+    keys: KeySequence,
+    addresses: Collection[str],
+    late: Callable[[], bool] = lambda: False,
+) -> Runs:
+    """Each tier's leading runs of ``keys`` (GPU runs of ``addresses`` only); :class:`_TooLate`
+    once ``late()`` while hashing.
 
     The keys are hashed here, outside the trackers' locks: a window of the first keys,
-    doubled while some tier holds all of it. A prompt no tier holds costs one hash; one
-    whose longest held run is ``r`` chunks, fewer than ``2r``."""
-    window = 1
-    while True:
-        length = min(window, len(keys))
-        if length:
-            keys[length - 1]  # hashes the window (a chain is hashed in order)
-        runs = _runs_of(tiers, _Head(keys, length), addresses)
-        if length == len(keys) or runs.longest() < length:
-            return runs
+    doubled while some node holds all of it; each round asks only those nodes again. A
+    prompt no tier holds costs one hash; one whose longest held run is ``r`` chunks, fewer
+    than ``2r``."""
+    asked = [tiers.gpu, tiers.l1, tiers.nvme, tiers.s3]
+    found: list[dict[str, int]] = [{} for _ in asked]
+    names: list[Collection[str] | None] = [list(addresses), None, None, None]
+    window, length = 1, 0
+    while any(tracker is not None for tracker in asked):
+        hashed, length = length, min(window, len(keys))
+        ends = [*range(hashed + HASH_STEP, length, HASH_STEP), length] if length > hashed else []
+        for position in ends:
+            if late():
+                raise _TooLate
+            keys[position - 1]  # hashes up to there (a chain is hashed in order)
+        head = _Head(keys, length)
+        for tier, tracker in enumerate(asked):
+            if tracker is None:
+                continue
+            matches = tracker.longest_prefixes(head, names[tier])
+            found[tier].update((name, match.chunks) for name, match in matches.items())
+            names[tier] = [name for name, match in matches.items() if match.chunks == length]
+            if not names[tier] or length == len(keys):
+                asked[tier] = None  # every run of this tier is known
         window *= 2
-
-
-def _runs_of(tiers: Tiers, keys: KeySequence, addresses: Collection[str]) -> Runs:
-    def runs(tracker: PrefixTracker | None, names: Collection[str] | None) -> dict[str, int]:
-        if tracker is None:
-            return {}
-        return {name: m.chunks for name, m in tracker.longest_prefixes(keys, names).items()}
-
-    return Runs(
-        runs(tiers.gpu, addresses),
-        runs(tiers.l1, None),
-        runs(tiers.nvme, None),
-        max(runs(tiers.s3, None).values(), default=0),
-    )
+    gpu, l1, nvme, s3 = found
+    return Runs(gpu, l1, nvme, max(s3.values(), default=0))
 
 
 class EndpointPicker:
@@ -311,8 +290,8 @@ class EndpointPicker:
         self, request: PickRequest, candidates: list[ServerState], deadline: float
     ) -> Estimate:
         keys = PromptKeys(request.token_ids, request.cache_salt, self.fingerprint)
-        bounded = _BoundedKeys(keys, deadline, self._clock)
-        best = min(self.estimates(request, candidates, bounded), key=Estimate.rank)
+        late = lambda: self._clock() > deadline  # noqa: E731
+        best = min(self.estimates(request, candidates, keys, late), key=Estimate.rank)
         with self._lock:
             mean = self._mean_prompt
             self._mean_prompt = (
@@ -333,12 +312,13 @@ class EndpointPicker:
         request: PickRequest,
         candidates: Sequence[ServerState],
         keys: KeySequence | None = None,
+        late: Callable[[], bool] = lambda: False,
     ) -> list[Estimate]:
         """Every candidate's estimate for the request (``keys``: its chunk keys, when the
-        caller has them already)."""
+        caller has them already; :class:`_TooLate` once ``late()`` while hashing them)."""
         if keys is None:
             keys = PromptKeys(request.token_ids, request.cache_salt, self.fingerprint)
-        runs = tier_runs(self.tiers, keys, [s.address for s in candidates])
+        runs = tier_runs(self.tiers, keys, [s.address for s in candidates], late)
         tokens = len(request.token_ids)
         mean = self._mean_prompt_seconds(tokens)
         return [self._estimate(server, runs, tokens, mean) for server in candidates]
