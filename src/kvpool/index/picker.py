@@ -1,7 +1,8 @@
 """The endpoint picker's core: which model server a request goes to, and why.
 
-For each candidate (the known, ready model servers, within the proxy's subset) the picker
-estimates the request's time to first token, and picks the lowest:
+For each candidate (the known, ready model servers, within the proxy's subset; all the
+known ones there when none is ready, by prompt alone) the picker estimates the request's
+time to first token, and picks the lowest:
 
 * **prompt time**: each chunk of the prompt from the cheapest place that holds it for that
   server (:class:`~kvpool.common.index_config.TierCosts`, seconds per 1000 tokens): its own
@@ -29,7 +30,8 @@ matches nothing. Nothing here looks chunks up by token ids alone.
 **Deadline.** A pick returns within ``deadline``: the load-only choice (no keys, no index)
 is made first, then the full estimate runs in a bounded worker pool; if it has not finished
 in time (a tracker's lock held, a long hash), or failed, the load-only choice is answered
-with reason ``fail_open``. The worker stops hashing at the deadline; when every worker is
+with reason ``fail_open``. Keys are hashed outside the trackers' locks (which the event
+subscribers take), and the worker stops hashing at the deadline; when every worker is
 busy and :data:`MAX_PENDING_PER_WORKER` more wait, new picks fail open at once. An index
 that knows nothing (agents down, not yet synchronised) just matches nothing: ``load``.
 
