@@ -274,3 +274,5 @@ def test_a_kubernetes_discovery_needs_a_selector_and_a_namespace(
     )
     assert isinstance(static, StaticServers)
     assert static.servers == [ServerEndpoint("10.0.0.1:8000", "n1")]
+    configured = ModelServers.of_config(PickerConfig(load_interval_seconds=2), None)
+    assert configured.interval == 2
