@@ -375,8 +375,16 @@ def test_hashing_a_long_held_prompt_stops_at_the_deadline(make_picker: MakePicke
     chunks = 200_000
     tokens = prompt(chunks * CHUNK)
     l1 = PrefixTracker(max_chunks_per_node=chunks)
-    store(l1, "n1", tokens, "t", chunks)  # hashing it all takes a few tenths of a second
-    picker = make_picker([server("10.0.0.1:8000", "n1")], Tiers(l1=l1), deadline_ms=40, workers=1)
+    store(l1, "n1", tokens, "t", chunks)
+    started = time.perf_counter()
+    PromptKeys(tokens, "t", FINGERPRINT)[chunks - 1]
+    hashing = time.perf_counter() - started  # what hashing it all takes on this machine now
+    picker = make_picker(
+        [server("10.0.0.1:8000", "n1")], Tiers(l1=l1), deadline_ms=hashing / 10 * 1000, workers=1
+    )
     assert picker.pick(PickRequest(tokens, "t")).reason == PickReason.FAIL_OPEN
-    time.sleep(0.1)  # the worker gave up at the deadline: it is free again
+    time.sleep(hashing / 10)
+    picker.deadline = hashing  # a worker still hashing would hold the next pick that long
+    started = time.perf_counter()
     assert picker.pick(PickRequest(prompt(CHUNK, seed=1), "t")).reason == PickReason.LOAD
+    assert time.perf_counter() - started < hashing / 2  # the worker gave up at the deadline
