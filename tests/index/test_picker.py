@@ -14,11 +14,19 @@ import pytest
 
 from kvpool.common.index_config import TierCosts
 from kvpool.common.keys import ModelFingerprint, shared_salt
-from kvpool.index.model_servers import Load, ServerState
+from kvpool.index.model_servers import (
+    Load,
+    ModelServers,
+    ServerEndpoint,
+    ServerState,
+    StaticServers,
+)
 from kvpool.index.picker import EndpointPicker, Tiers
 from kvpool.index.picking import NoEndpoint, Pick, PickReason, PickRequest
 from kvpool.index.query import PromptKeys
 from kvpool.index.tracker import KeySequence, PrefixMatch, PrefixTracker
+from tests.support.polling import wait_until
+from tests.support.vllm_metrics import MetricsServer, vllm_metrics
 
 CHUNK = 16
 FINGERPRINT = ModelFingerprint("m", "bfloat16", "layout", chunk_tokens=CHUNK)
@@ -388,3 +396,29 @@ def test_hashing_a_long_held_prompt_stops_at_the_deadline(make_picker: MakePicke
     started = time.perf_counter()
     assert picker.pick(PickRequest(prompt(CHUNK, seed=1), "t")).reason == PickReason.LOAD
     assert time.perf_counter() - started < hashing / 2  # the worker gave up at the deadline
+
+
+# ----------------------------------------------------------------- with real model servers
+
+
+def test_loads_read_from_real_servers_steer_picks_that_never_wait_for_them() -> None:
+    busy, idle, slow = MetricsServer(), MetricsServer(), MetricsServer()
+    busy.body = vllm_metrics([(4, 8, 0.5)])
+    idle.body = vllm_metrics([(0, 1, 0.1)])
+    slow.drip = 0.01  # the reader spends its whole timeout on this one, every round
+    endpoints = [ServerEndpoint(s.address, f"n{i}") for i, s in enumerate((busy, idle, slow))]
+    servers = ModelServers(StaticServers(endpoints), interval=0.05, timeout=1.0)
+    picker = EndpointPicker(servers.snapshot, Tiers(), FINGERPRINT, COSTS, deadline_ms=50)
+    servers.start()
+    try:
+        wait_until(lambda: sum(s.ready for s in servers.snapshot()) == 2)
+        for _ in range(20):
+            started = time.perf_counter()
+            pick = picker.pick(PickRequest(prompt(64), "t"))
+            assert pick == Pick(idle.address, PickReason.LOAD)
+            assert time.perf_counter() - started < 0.05
+    finally:
+        picker.close()
+        servers.stop()
+        for served in (busy, idle, slow):
+            served.close()
