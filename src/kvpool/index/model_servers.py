@@ -250,10 +250,6 @@ def read_load(address: str, timeout: float, max_bytes: int) -> Load:
         connection.close()
 
 
-LoadReader = Callable[[str], Load]
-"""Reads one server's load by address; raises OSError, HTTPException or ValueError."""
-
-
 class ModelServers:
     """The servers a discovery names, with their loads, read in one background thread."""
 
@@ -264,13 +260,13 @@ class ModelServers:
         interval: float,
         timeout: float = 1.0,
         max_bytes: int = 4 << 20,
-        read: LoadReader | None = None,
     ) -> None:
         """``timeout`` bounds one server's read; ``max_bytes`` its /metrics (vLLM's is
-        tens of kilobytes); ``read`` replaces :func:`read_load` (tests, benches)."""
+        tens of kilobytes)."""
         self.interval = interval
+        self.timeout = timeout
+        self.max_bytes = max_bytes
         self._discovery = discovery
-        self._read: LoadReader = read or (lambda address: read_load(address, timeout, max_bytes))
         self._lock = threading.Lock()
         self._states: dict[str, ServerState] = {}
         self._published: tuple[ServerState, ...] = ()
@@ -302,12 +298,11 @@ class ModelServers:
         with self._lock:
             previous = self._states
             self._states = {
-                s.address: previous.get(s.address, ServerState(s.address, s.node)) for s in servers
+                s.address: replace(previous[s.address], node=s.node)
+                if s.address in previous
+                else ServerState(s.address, s.node)
+                for s in servers
             }
-            for server in servers:  # a pod moved to another node keeps its address's load
-                state = self._states[server.address]
-                if state.node != server.node:
-                    self._states[server.address] = replace(state, node=server.node)
             self._publish()
         self._wake.set()  # read the new ones now
 
@@ -321,7 +316,7 @@ class ModelServers:
                 if self._stopping.is_set():
                     return
                 try:
-                    load: Load | None = self._read(address)
+                    load: Load | None = read_load(address, self.timeout, self.max_bytes)
                 except (OSError, http.client.HTTPException, ValueError) as error:
                     _failures.warning(f"model server {address}: no load from /metrics: {error}")
                     load = None
