@@ -260,6 +260,12 @@ class IndexConfig(FileSettings):
                 "configuration file, or discovery kubernetes",
                 agents=self.agents,
             )
+        if self.picker.enabled and self.fingerprint is None:
+            raise SettingError(
+                "the endpoint picker keys prompts with the model's fingerprint: set "
+                "fingerprint too",
+                fingerprint=self.fingerprint,
+            )
         nodes = [agent.node for agent in self.agents]
         again = {n: node for n, node in enumerate(nodes) if node in nodes[:n]}
         if again:

@@ -51,9 +51,11 @@ from kvpool.common.problems import (
 )
 from kvpool.common.web.connections import HttpRefusals
 from kvpool.common.web.serving import listen, serve_http
+from kvpool.index.endpoint_picker import EndpointPickerService
 from kvpool.index.http_api import create_app
 from kvpool.index.metrics import IndexMetrics
 from kvpool.index.peer_lookups import PeerLookups
+from kvpool.index.picker import Tiers
 from kvpool.index.service import IndexService
 from kvpool.index.subscriber import EventSubscriber
 from kvpool.index.tracker import PrefixTracker
@@ -143,10 +145,17 @@ class IndexServer:
             metrics=metrics.exposition,
             limits=config.http_limits,
         )
+        picking = None
+        if config.picker.enabled:
+            picking = EndpointPickerService(config, Tiers(l1=tracker), metrics)
         async with contextlib.AsyncExitStack() as stack:
             with listening("http_port", config.host, config.http_port):
                 listener = listen(config.host, config.http_port)
             stack.callback(listener.close)
+            picker_port = None
+            if picking is not None:
+                picker_port = picking.start()  # OSError naming picker.port: nothing started
+                stack.callback(picking.stop)
             if self._peer_lookups is not None:
                 granting = asyncio.create_task(self._peer_lookups.follow())
                 stack.callback(granting.cancel)
@@ -168,10 +177,11 @@ class IndexServer:
                 self._write_tokens(self._generated)
             self._ready = True
             log.info(
-                "index ready pool=%s http=%s discovery=%s",
+                "index ready pool=%s http=%s discovery=%s picker=%s",
                 config.pool,
                 http_url,
                 config.discovery,
+                f"{config.host}:{picker_port}" if picker_port is not None else "off",
             )
             await self._stopping.wait()
             self._ready = False

@@ -172,7 +172,10 @@ class EppServer:
         except RuntimeError:  # grpcio's "Failed to bind" (taken, or no such address)
             port = 0
         if port == 0:
-            raise OSError(f"the endpoint picker cannot listen on {address}:{self.config.port}")
+            raise OSError(
+                f"the endpoint picker cannot listen on {address}:{self.config.port} "
+                "(picker.port): in use, or not an address of this host"
+            )
         self.watchdog.start()
         server.start()
         self._server = server
