@@ -1,0 +1,84 @@
+"""The GPU tier against a real vLLM engine: its KV events, followed, give kvpool's keys."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvpool.common.index_config import ModelServer
+from kvpool.common.keys import ModelFingerprint, chunk_keys
+from kvpool.index.engine_events import EngineEvents
+from kvpool.index.query import PromptKeys
+from kvpool.index.tracker import PrefixTracker
+from tests.support.engines import Engine, write_model
+from tests.support.polling import wait_until
+from tests.support.ports import free_port
+
+pytestmark = [pytest.mark.process, pytest.mark.engine]
+
+BLOCK = 32  # the CPU attention backend takes multiples of 32
+FINGERPRINT = ModelFingerprint("tiny", "float32", "test", chunk_tokens=2 * BLOCK)
+ADDRESS = "127.0.0.1:8000"
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, int]]:
+    work = tmp_path_factory.mktemp("engine-events")
+    port = free_port()
+    settings = {
+        "model": str(write_model(work / "model")),
+        "block_size": BLOCK,
+        "kv_events": {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{port}",  # vLLM binds only a wildcard endpoint
+            "topic": f"kv@{ADDRESS}@tiny",
+        },
+    }
+    started = Engine("events", settings, work / "engine.log").start()
+    try:
+        started.wait_ready()
+        yield started, port
+    finally:
+        started.stop()
+
+
+def held(events: EngineEvents[PrefixTracker], tokens: list[int], salt: str | None) -> int:
+    match = events.tracker.longest_prefixes(PromptKeys(tokens, salt, FINGERPRINT), [ADDRESS])
+    return match[ADDRESS].chunks if ADDRESS in match else 0
+
+
+def test_the_tracker_holds_the_full_chunks_a_salted_prompt_left_in_the_gpu_cache(
+    engine: tuple[Engine, int],
+) -> None:
+    llm, port = engine
+    events = EngineEvents(FINGERPRINT, PrefixTracker())
+    events.follow([ModelServer(address=ADDRESS, node="n", kv_events=f"tcp://127.0.0.1:{port}")])
+    events.start()
+    try:
+        wait_until(lambda: events.status() and events.status()[0].connected, what="connected")
+        time.sleep(0.3)  # the subscription travels after the connection
+        prompt = [(7 * i + 3) % 500 + 1 for i in range(5 * FINGERPRINT.chunk_tokens + 7)]
+        llm.generate([prompt], salts=["tenant-a"], max_tokens=1)
+        wait_until(lambda: held(events, prompt, "tenant-a") == 5, what="5 chunks held")
+
+        expected = chunk_keys(prompt, "tenant-a", FINGERPRINT)
+        assert len(expected) == 5
+        assert events.tracker.counts()[ADDRESS].chunks == 5
+        assert all(ADDRESS in events.tracker.holders(key) for key in expected)
+        assert held(events, prompt, "tenant-b") == 0  # another tenant's keys: none
+        assert held(events, prompt, None) == 0
+        status = events.status()[0]
+        assert (status.blocks, status.chunks, status.undecodable, status.unplaced) == (10, 5, 0, 0)
+
+        # A second prompt shares the first two chunks: vLLM stores only its new blocks, under
+        # the shared blocks as parents, and the tracker follows the chain across them.
+        other = prompt[: 2 * FINGERPRINT.chunk_tokens] + [9] * (2 * FINGERPRINT.chunk_tokens)
+        llm.generate([other], salts=["tenant-a"], max_tokens=1)
+        wait_until(lambda: held(events, other, "tenant-a") == 4, what="the branch held")
+        assert held(events, prompt, "tenant-a") == 5
+        assert events.status()[0].chunks == 7
+    finally:
+        events.stop()
