@@ -9,11 +9,11 @@ from collections.abc import Callable, Iterator, Sequence
 
 import msgspec
 import pytest
-import zmq
+from prometheus_client import CollectorRegistry, generate_latest
 
 from kvpool.common.index_config import ModelServer
 from kvpool.common.keys import ModelFingerprint, chunk_keys, shared_salt
-from kvpool.index.engine_events import EngineEvents, EngineStatus
+from kvpool.index.engine_events import EngineEvents, EngineEventsCollector, EngineStatus
 from kvpool.index.query import PromptKeys
 from kvpool.index.tracker import PrefixTracker
 from tests.support.polling import wait_until
@@ -141,6 +141,7 @@ def test_all_blocks_cleared_empties_the_server(publisher: Publisher, follower: F
     follower.settle(lambda: follower.held("a") == 2, "held")
     publisher.publish(AllBlocksCleared())
     follower.settle(lambda: follower.held("a") == 0, "cleared")
+    assert follower.status().clears == 1
     assert follower.events.tracker.counts().get(follower.address) is None
     assert follower.status().blocks == 0
 
@@ -215,6 +216,31 @@ def test_a_replay_that_does_not_reach_back_drops_the_server() -> None:
         publisher.close()
 
 
+def test_a_replay_that_brings_nothing_drops_the_server_once() -> None:
+    publisher = Publisher(replay=True)
+    follower = Follower(publisher)
+    try:
+        hashes, tokens = blocks(0, 3)
+        publisher.publish(stored(hashes, None, tokens, block_size=BLOCK, salt="a"))
+        follower.settle(lambda: follower.held("a") == 2, "held")
+        publisher.publish(BlockRemoved(block_hashes=[1], medium="GPU"), send=False)
+        seq = publisher.publish(
+            stored([60, 61], None, TOKENS[:CHUNK], block_size=BLOCK, salt="b"), send=False
+        )
+        payload = publisher.history[-1][1]
+        publisher.history.clear()  # vLLM's buffer holds nothing from the gap on
+        publisher.raw([TOPIC, seq.to_bytes(8, "big"), payload])
+        follower.settle(lambda: follower.held("b") == 1, "the live message after the gap")
+        time.sleep(0.3)
+        assert publisher.replay_requests == [1]  # asked once, not again and again
+        status = follower.status()
+        assert (status.gaps, status.replays, status.drops) == (1, 0, 1)
+        assert follower.held("a") == 0
+    finally:
+        follower.events.stop()
+        publisher.close()
+
+
 def test_blocks_under_an_unknown_parent_are_counted_and_not_placed(
     publisher: Publisher, follower: Follower
 ) -> None:
@@ -234,10 +260,10 @@ def test_lora_multimodal_other_groups_and_media_are_not_followed(
         stored(hashes, None, tokens, block_size=BLOCK, extra_keys=[("mm-1", 0), None]),
         stored(hashes, None, tokens, block_size=BLOCK, group_idx=1),
         stored(hashes, None, tokens, block_size=BLOCK, medium="CPU"),
-        stored(hashes, None, tokens, block_size=3 * BLOCK // 2 * 0 + 3, extra_keys=None),
+        stored(hashes, None, TOKENS[:6], block_size=3),  # blocks that do not divide a chunk
     )
     follower.after(0)
-    assert follower.status().skipped == 8 + 2  # four events of two blocks; 3-token blocks: 2
+    assert follower.status().skipped == 5 * 2
     assert follower.held(None) == 0
 
 
@@ -385,5 +411,21 @@ def test_a_bad_endpoint_is_logged_and_not_followed(caplog: pytest.LogCaptureFixt
         events.stop()
 
 
-def test_zmq_maxmsgsize_is_what_bounds_a_message() -> None:
-    assert zmq.MAXMSGSIZE  # the option the follower relies on exists in this pyzmq
+def test_the_metrics_say_what_the_status_says(publisher: Publisher, follower: Follower) -> None:
+    hashes, tokens = blocks(0, 3)
+    publisher.publish(stored(hashes, None, tokens, block_size=BLOCK, salt="a"))
+    publisher.publish(stored([7], 70, TOKENS[:BLOCK], block_size=BLOCK))  # unknown parent
+    follower.after(1)
+    registry = CollectorRegistry()
+    registry.register(EngineEventsCollector(follower.events.status))
+    text = generate_latest(registry).decode()
+    server = f'server="{follower.address}"'
+    for line in (
+        f"kvpool_index_gpu_connected{{{server}}} 1.0",
+        f"kvpool_index_gpu_blocks{{{server}}} 4.0",
+        f"kvpool_index_gpu_chunks{{{server}}} 2.0",
+        f"kvpool_index_gpu_last_seq{{{server}}} 1.0",
+        f"kvpool_index_gpu_events_total{{{server}}} 2.0",
+        f'kvpool_index_gpu_blocks_not_followed_total{{reason="unplaced",{server}}} 1.0',
+    ):
+        assert line in text, line

@@ -2,11 +2,12 @@
 
 :mod:`.wire` decodes vLLM's messages, :mod:`.chains` turns one server's block chains into
 kvpool chunk keys (the design is in its docstring), :mod:`.follower` follows every server
-in one thread and writes a :class:`~kvpool.index.tracker.PrefixTracker` whose nodes are the
-servers' addresses, so the picker asks it ``longest_prefixes(prompt_keys, servers)`` as it
-asks the L1 tracker.
+in one thread and writes a :class:`~kvpool.index.tracker.PrefixTracker` whose nodes are
+the servers' addresses, so the picker asks it ``longest_prefixes(prompt_keys, servers)``
+as it asks the L1 tracker; :mod:`.metrics` exports the follower's numbers.
 """
 
 from kvpool.index.engine_events.follower import EngineEvents, EngineStatus
+from kvpool.index.engine_events.metrics import EngineEventsCollector
 
-__all__ = ["EngineEvents", "EngineStatus"]
+__all__ = ["EngineEvents", "EngineEventsCollector", "EngineStatus"]

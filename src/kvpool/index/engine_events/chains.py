@@ -104,8 +104,6 @@ class _Skip(Enum):
 
 @dataclass
 class ChainCounts:
-    stored_blocks: int = 0
-    removed_blocks: int = 0
     unplaced: int = 0
     """Blocks whose parent is unknown."""
     skipped: int = 0
@@ -114,6 +112,7 @@ class ChainCounts:
     capped: int = 0
     """Blocks forgotten because the server was over its cap."""
     clears: int = 0
+    """``AllBlocksCleared`` events (vLLM's prefix cache was reset)."""
 
 
 class ServerChains:
@@ -189,7 +188,6 @@ class ServerChains:
         newly: list[bytes] = []
         parent = event.parent_block_hash
         for index, block_hash in enumerate(event.block_hashes):
-            self.counts.stored_blocks += 1
             placed = self._place(
                 block_hash, parent, tokens[index * size : (index + 1) * size], extras[index]
             )
@@ -315,7 +313,6 @@ class ServerChains:
             block = self._blocks.get(block_hash)
             if block is None or not block.present:
                 continue
-            self.counts.removed_blocks += 1
             block.present = False
             self._present -= 1
             gone.extend(self._release(block))

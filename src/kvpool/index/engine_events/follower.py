@@ -110,6 +110,8 @@ class EngineStatus:
     """Blocks not followed (LoRA, multimodal, another group or medium, ...)."""
     capped: int
     """Blocks forgotten because the server was over its cap."""
+    clears: int
+    """Resets of vLLM's prefix cache (``AllBlocksCleared``)."""
 
 
 @dataclass(eq=False)
@@ -160,6 +162,7 @@ class _Server:
             counts.unplaced,
             counts.skipped,
             counts.capped,
+            counts.clears,
         )
 
 
@@ -475,6 +478,11 @@ class EngineEvents(Generic[Sink]):
             self._apply(server, seq, frames[3])
 
     def _replay_done(self, server: _Server) -> None:
+        last = server.last_seq
+        if last is None or (server.waiting and server.waiting[0][0] > last + 1):
+            # vLLM no longer has what was lost: asking again would get the same answer
+            self._replay_failed(server, "the replay ended before the gap was filled")
+            return
         server.replays += 1
         self._end_replay(server)
         self._flush(server)
