@@ -429,3 +429,16 @@ def test_the_metrics_say_what_the_status_says(publisher: Publisher, follower: Fo
         f'kvpool_index_gpu_blocks_not_followed_total{{reason="unplaced",{server}}} 1.0',
     ):
         assert line in text, line
+
+
+def test_a_chain_whose_blocks_do_not_line_up_with_chunks_holds_nothing(
+    publisher: Publisher, follower: Follower
+) -> None:
+    """Block sizes that change mid-chain make blocks straddle a chunk's start: no key is
+    made from tokens that are not exactly the chunk's."""
+    publisher.publish(stored([1], None, TOKENS[:4], block_size=4, salt="a"))
+    publisher.publish(stored([2], 1, TOKENS[4:12], block_size=8))
+    publisher.publish(stored([3], 2, TOKENS[12:16], block_size=4))
+    follower.after(2)
+    status = follower.status()
+    assert (status.blocks, status.chunks) == (3, 0)

@@ -274,7 +274,8 @@ class ServerChains:
         return held
 
     def _members(self, end: _Block) -> list[_Block] | None:
-        """The blocks of the chunk ``end`` ends, first to last; None if one is forgotten."""
+        """The blocks of the chunk ``end`` ends, first to last; None if one is forgotten or
+        they do not start where the chunk starts."""
         start = end.end - self._chunk_tokens
         members = [end]
         block = end
@@ -286,6 +287,8 @@ class ServerChains:
                 return None
             members.append(parent)
             block = parent
+        if block.end - len(block.tokens) != start:
+            return None  # a block straddles the chunk's start (block sizes changed mid-chain)
         members.reverse()
         return members
 
