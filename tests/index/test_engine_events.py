@@ -4,12 +4,15 @@ cannot do with what it sends."""
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import msgspec
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
 
 from kvpool.common.index_config import ModelServer
 from kvpool.common.keys import ModelFingerprint, chunk_keys, shared_salt
@@ -35,7 +38,9 @@ def blocks(first: int, last: int) -> tuple[list[int], list[int]]:
 class Follower:
     """One EngineEvents following one publisher, and ways to look at what it holds."""
 
-    def __init__(self, publisher: Publisher, **options: object) -> None:
+    def __init__(
+        self, publisher: Publisher, *, replay_endpoint: str | None = None, **options: object
+    ) -> None:
         self.publisher = publisher
         self.address = "10.0.0.1:8000"
         self.events = EngineEvents(FINGERPRINT, PrefixTracker(), **options)  # type: ignore[arg-type]
@@ -43,7 +48,7 @@ class Follower:
             address=self.address,
             node="node-a",
             kv_events=publisher.endpoint,
-            kv_events_replay=publisher.replay_endpoint,
+            kv_events_replay=replay_endpoint or publisher.replay_endpoint,
         )
         self.events.follow([self.server])
         self.events.start()
@@ -442,3 +447,44 @@ def test_a_chain_whose_blocks_do_not_line_up_with_chunks_holds_nothing(
     follower.after(2)
     status = follower.status()
     assert (status.blocks, status.chunks) == (3, 0)
+
+
+def test_a_gap_is_filled_by_the_replay_of_vllm_s_own_publisher() -> None:
+    """vLLM's ZmqEventPublisher answers the replay (its ROUTER, its framing); the live
+    stream is a stand-in that skips the middle batches."""
+    with tempfile.TemporaryDirectory(prefix="kv") as short:  # ipc paths: 107 bytes at most
+        replay_from_vllm(Path(short))
+
+
+def replay_from_vllm(directory: Path) -> None:
+    hashes, tokens = blocks(0, 7)
+    batches = [
+        stored(hashes[:2], None, tokens[: 2 * BLOCK], block_size=BLOCK, salt="a"),
+        *(
+            stored(
+                [hashes[i]], hashes[i - 1], tokens[i * BLOCK : (i + 1) * BLOCK], block_size=BLOCK
+            )
+            for i in range(2, 8)
+        ),
+    ]
+    vllm = ZmqEventPublisher(
+        0, endpoint=f"ipc://{directory}/live", replay_endpoint=f"ipc://{directory}/replay"
+    )
+    live = Publisher()
+    try:
+        for event in batches:
+            vllm.publish(KVEventBatch(ts=time.time(), events=[event]))
+        # its publishing thread buffers them for replay (a private deque: no other way to know)
+        wait_until(lambda: len(vllm._buffer) == len(batches), what="vLLM buffered them")
+        follower = Follower(live, replay_endpoint=f"ipc://{directory}/replay")
+        try:
+            live.publish(batches[0])
+            live.publish(batches[-1], seq=len(batches) - 1)  # 1 to 5 lost on the way
+            follower.settle(lambda: follower.held("a") == 4, "replayed from vLLM")
+            status = follower.status()
+            assert (status.gaps, status.replays, status.drops) == (1, 1, 0)
+        finally:
+            follower.events.stop()
+    finally:
+        live.close()
+        vllm.shutdown()
