@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -14,7 +15,6 @@ from kvpool.index.query import PromptKeys
 from kvpool.index.tracker import PrefixTracker
 from tests.support.engines import Engine, write_model
 from tests.support.polling import wait_until
-from tests.support.ports import free_port
 
 pytestmark = [pytest.mark.process, pytest.mark.engine]
 
@@ -24,25 +24,28 @@ ADDRESS = "127.0.0.1:8000"
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, int]]:
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, str]]:
+    """A vLLM engine publishing its KV events on a socket of its own (an ipc:// one: vLLM
+    binds it, as it binds tcp://*:port in a pod, without listening on the network)."""
     work = tmp_path_factory.mktemp("engine-events")
-    port = free_port()
-    settings = {
-        "model": str(write_model(work / "model")),
-        "block_size": BLOCK,
-        "kv_events": {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://*:{port}",  # vLLM binds only a wildcard endpoint
-            "topic": f"kv@{ADDRESS}@tiny",
-        },
-    }
-    started = Engine("events", settings, work / "engine.log").start()
-    try:
-        started.wait_ready()
-        yield started, port
-    finally:
-        started.stop()
+    with tempfile.TemporaryDirectory(prefix="kv") as short:  # ipc paths: 107 bytes at most
+        endpoint = f"ipc://{short}/events"
+        settings = {
+            "model": str(write_model(work / "model")),
+            "block_size": BLOCK,
+            "kv_events": {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": endpoint,
+                "topic": f"kv@{ADDRESS}@tiny",
+            },
+        }
+        started = Engine("events", settings, work / "engine.log").start()
+        try:
+            started.wait_ready()
+            yield started, endpoint
+        finally:
+            started.stop()
 
 
 def held(events: EngineEvents[PrefixTracker], tokens: list[int], salt: str | None) -> int:
@@ -51,11 +54,11 @@ def held(events: EngineEvents[PrefixTracker], tokens: list[int], salt: str | Non
 
 
 def test_the_tracker_holds_the_full_chunks_a_salted_prompt_left_in_the_gpu_cache(
-    engine: tuple[Engine, int],
+    engine: tuple[Engine, str],
 ) -> None:
-    llm, port = engine
+    llm, endpoint = engine
     events = EngineEvents(FINGERPRINT, PrefixTracker())
-    events.follow([ModelServer(address=ADDRESS, node="n", kv_events=f"tcp://127.0.0.1:{port}")])
+    events.follow([ModelServer(address=ADDRESS, node="n", kv_events=endpoint)])
     events.start()
     try:
         wait_until(lambda: events.status() and events.status()[0].connected, what="connected")
