@@ -12,13 +12,22 @@ chunk's key with :class:`~kvpool.common.keys.KeyChain`, seeded as
 the block size (events of blocks that do not divide it are skipped).
 
 **What is kept per block** (never the salt): its parent's hash, where it ends (tokens from
-the request's start), its tokens (packed, needed until every chunk through it is hashed:
-a chunk's key needs all of its blocks' tokens, and blocks branch), the chain's seed (the
-root and the structured salt's mix, shared by every block of the chain), the key of the
-chunk before its own, the key it completes (if it ends a chunk), and which chunk ends
-depend on it. A chunk is *held* while every one of its blocks is stored; a server holds a
-key while at least one of its block paths holds it (two tenants of one shared space give
-the same space keys from different vLLM blocks: vLLM hashes the whole salt string).
+the request's start), its tokens (packed uint32s: a chunk's key needs all of its blocks'
+tokens, and a chain can branch inside a chunk, so a block keeps them while it is
+remembered), the chain's seed (the root and the structured salt's mix, derived once from
+the first block's salt and shared by every block of the chain), the key of the chunk
+before its own, the key it completes (if it ends a chunk), and which chunk ends depend on
+it: about 300 bytes a block at vLLM's 16-token blocks. A chunk is *held* while every one
+of its blocks is stored; a server holds a key while at least one of its block paths
+holds it.
+
+**Tenants.** The keys derive from the salt, so a request with another salt never matches
+a server's blocks of this one. vLLM hashes the whole ``cache_salt`` string, while kvpool
+keys a shared space's chunks (a structured salt, :func:`~kvpool.common.keys.plan_salt`)
+under the space: two tenants of one space give the same space keys from different vLLM
+blocks, and a server holding the space's prefix for tenant A counts for tenant B too.
+vLLM itself would recompute that prefix for B (its hashes differ), but the node's L1 has
+it: the picker's estimate is off by the GPU-versus-L1 cost, never a tenant boundary.
 
 **Removal.** ``BlockRemoved`` marks a block absent and releases every chunk through it;
 the block is kept as a ghost (its tokens and key state), so that a chain whose middle was
@@ -31,7 +40,8 @@ back from a later ``BlockRemoved`` is dropped rather than left stale).
 parent was capped out), LoRA blocks (``lora_name``/``lora_id``: the adapter is another
 model identity than the fingerprint), multimodal or prompt-embedding blocks (their tokens
 are placeholders, kvpool keys token ids only), blocks of KV-cache groups other than 0
-(hybrid models report one group per attention kind; group 0 is the one to follow),
+(hybrid models report one group per attention kind; only group 0 is followed, so for
+them the GPU tier may promise more than vLLM reuses, which needs every group to hit),
 media other than the GPU (vLLM's offloading connectors report CPU/STORAGE copies), and a
 first block whose salt kvpool would not key (too long, or a malformed structured salt).
 
