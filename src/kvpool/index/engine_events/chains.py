@@ -17,9 +17,9 @@ tokens, and a chain can branch inside a chunk, so a block keeps them while it is
 remembered), the chain's seed (the root and the structured salt's mix, derived once from
 the first block's salt and shared by every block of the chain), the key of the chunk
 before its own, the key it completes (if it ends a chunk), and which chunk ends depend on
-it: about 300 bytes a block at vLLM's 16-token blocks. A chunk is *held* while every one
-of its blocks is stored; a server holds a key while at least one of its block paths
-holds it.
+it: about 500 bytes a block at vLLM's 16-token blocks, the tracker's entries included.
+A chunk is *held* while every one of its blocks is stored; a server holds a key while at
+least one of its block paths holds it.
 
 **Tenants.** The keys derive from the salt, so a request with another salt never matches
 a server's blocks of this one. vLLM hashes the whole ``cache_salt`` string, while kvpool
@@ -60,8 +60,10 @@ from typing import Any, Protocol
 from kvpool.common.keys import KeyChain, ModelFingerprint, plan_salt, root_key
 from kvpool.index.engine_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
-DEFAULT_MAX_BLOCKS = 200_000
-"""Blocks remembered per server: more than a large GPU holds at vLLM's 16-token blocks."""
+DEFAULT_MAX_BLOCKS = 100_000
+"""Blocks remembered per server (about 50 MB): 1.6M tokens at vLLM's 16-token blocks, more
+than most GPUs hold; a server that holds more is under-reported (its oldest blocks go),
+never over-reported."""
 GPU_MEDIA = (None, "GPU", "gpu")
 
 Hash = int | bytes
