@@ -311,7 +311,7 @@ def test_legacy_array_events_are_read(publisher: Publisher, follower: Follower) 
 
 
 def test_malformed_messages_are_counted_and_following_goes_on(
-    publisher: Publisher, follower: Follower
+    publisher: Publisher, follower: Follower, caplog: pytest.LogCaptureFixture
 ) -> None:
     hashes, tokens = blocks(0, 1)
     good = msgspec.msgpack.encode(
@@ -319,6 +319,8 @@ def test_malformed_messages_are_counted_and_following_goes_on(
                 "token_ids": tokens, "block_size": BLOCK, "extra_keys": [["a"], None]}], None]
     )  # fmt: skip
     publisher.raw([TOPIC, b"\x00" * 8])  # two frames
+    for frames in range(4, 40):  # a flood, each different: logged once, with a fixed text
+        publisher.raw([TOPIC] * frames)
     publisher.raw([TOPIC, b"\x01", good])  # a short sequence number
     publisher.raw([TOPIC, (0).to_bytes(8, "big"), b"\xc1garbage"])  # not msgpack
     publisher.raw([TOPIC, (1).to_bytes(8, "big"), msgspec.msgpack.encode({"a": 1})])
@@ -329,8 +331,10 @@ def test_malformed_messages_are_counted_and_following_goes_on(
     publisher.raw([TOPIC, (2).to_bytes(8, "big"), msgspec.msgpack.encode(batch)])
     follower.settle(lambda: follower.held("a") == 1, "the good event applied")
     status = follower.status()
-    assert status.undecodable == 6
+    assert status.undecodable == 6 + 36
     assert status.events == 1
+    floods = [r for r in caplog.records if "a message not of 3 frames" in r.getMessage()]
+    assert len(floods) == 1
 
 
 def test_an_oversized_message_is_refused_and_the_follower_goes_on() -> None:

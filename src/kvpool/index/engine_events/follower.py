@@ -278,7 +278,7 @@ class EngineEvents(Generic[Sink]):
             self._drain(server)
         now = time.monotonic()
         if server.dealer is not None and now > server.replay_deadline:
-            self._replay_failed(server, f"no replay within {self._replay_timeout}s")
+            self._replay_failed(server, "no answer in time")
         if server.reconnect_at is not None and now >= server.reconnect_at:
             server.reconnect_at = None
             with contextlib.suppress(zmq.ZMQError):  # not connected now: connect below
@@ -364,29 +364,27 @@ class EngineEvents(Generic[Sink]):
             except zmq.Again:
                 return
             if len(frames) != 3:
-                self._undecodable(server, f"a message of {len(frames)} frames, not 3")
+                self._undecodable(server, "a message not of 3 frames", f"{len(frames)} frames")
                 continue
             try:
                 seq = decode_seq(frames[1])
             except WireError as error:
-                self._undecodable(server, str(error))
+                self._undecodable(server, "a bad sequence number", str(error))
                 continue
             if server.dealer is None:
                 self._on_message(server, seq, frames[2])
                 continue
             server.waiting.append((seq, frames[2]))
             if len(server.waiting) > MAX_WAITING:
-                self._replay_failed(server, f"more than {MAX_WAITING} messages meanwhile")
+                self._replay_failed(server, "too many live messages meanwhile")
 
     def _on_message(self, server: _Server, seq: int, payload: bytes) -> None:
         last = server.last_seq
         if last is not None and seq <= last:
             server.resets += 1
-            log.info(
-                "model server %s restarted (event %d after %d): following it anew",
-                server.address,
-                seq,
-                last,
+            _problems.info(
+                f"model server {server.address} restarted (its event numbers started over): "
+                "following it anew"
             )
             self._drop(server)
             last = server.last_seq = -1  # the new process's first message is 0
@@ -408,21 +406,24 @@ class EngineEvents(Generic[Sink]):
         try:
             events = decode_batch(payload)
         except WireError as error:
-            self._undecodable(server, str(error))
+            self._undecodable(server, "a batch that did not decode", str(error))
             self._drop(server)  # what it said is unknown: start over
             server.last_seq = seq
             return
         server.messages += 1
         for event in events:
             if isinstance(event, UndecodableEvent):
-                self._undecodable(server, f"an event that did not decode: {event.error}")
+                self._undecodable(server, "an event that did not decode", event.error)
                 continue
             server.events += 1
             server.chains.apply(event)
 
-    def _undecodable(self, server: _Server, why: str) -> None:
+    def _undecodable(self, server: _Server, kind: str, detail: str) -> None:
+        """Count and log (one line a minute per server and ``kind``: a fixed text, so that a
+        pod cannot grow the log's memory of what it logged; the detail is logged at DEBUG)."""
         server.undecodable += 1
-        _problems.warning(f"model server {server.address}: {why[:200]}; ignored")
+        _problems.warning(f"model server {server.address}: {kind}; ignored")
+        log.debug("model server %s: %s: %s", server.address, kind, detail[:500])
 
     def _drop(self, server: _Server) -> None:
         """Forget the server's state: follow it anew from its next message."""
@@ -461,7 +462,7 @@ class EngineEvents(Generic[Sink]):
             except zmq.Again:
                 return
             if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != SEQ_BYTES:
-                self._replay_failed(server, f"a replay message of {len(frames)} frames")
+                self._replay_failed(server, "a malformed replay message")
                 return
             if frames[2] == _END_SEQ:
                 self._replay_done(server)
@@ -473,7 +474,7 @@ class EngineEvents(Generic[Sink]):
             if seq <= last:
                 continue
             if seq > last + 1:
-                self._replay_failed(server, f"the replay starts at {seq}, after {last + 1}")
+                self._replay_failed(server, "the replay does not reach back to the gap")
                 return
             self._apply(server, seq, frames[3])
 
