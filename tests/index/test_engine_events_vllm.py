@@ -21,6 +21,8 @@ pytestmark = [pytest.mark.process, pytest.mark.engine]
 BLOCK = 32  # the CPU attention backend takes multiples of 32
 FINGERPRINT = ModelFingerprint("tiny", "float32", "test", chunk_tokens=2 * BLOCK)
 ADDRESS = "127.0.0.1:8000"
+NUM_BLOCKS = 32
+CHUNK = FINGERPRINT.chunk_tokens
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +35,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, s
         settings = {
             "model": str(write_model(work / "model")),
             "block_size": BLOCK,
+            "num_blocks": NUM_BLOCKS,  # small, so that a few prompts evict older ones
+            "max_model_len": 512,
+            "max_num_batched_tokens": 512,
             "kv_events": {
                 "enable_kv_cache_events": True,
                 "publisher": "zmq",
@@ -83,5 +88,38 @@ def test_the_tracker_holds_the_full_chunks_a_salted_prompt_left_in_the_gpu_cache
         wait_until(lambda: held(events, other, "tenant-a") == 4, what="the branch held")
         assert held(events, prompt, "tenant-a") == 5
         assert events.status()[0].chunks == 7
+    finally:
+        events.stop()
+
+
+def test_what_the_tracker_says_a_server_holds_is_what_vllm_then_reuses(
+    engine: tuple[Engine, str],
+) -> None:
+    """Prompts that evict each other's blocks from a small GPU cache: the tracker follows
+    the removals, and its count for a prompt is the prefix vLLM then serves from cache."""
+    llm, endpoint = engine
+    events = EngineEvents(FINGERPRINT, PrefixTracker())
+    events.follow([ModelServer(address=ADDRESS, node="n", kv_events=endpoint)])
+    events.start()
+    try:
+        wait_until(lambda: events.status() and events.status()[0].connected, what="connected")
+        time.sleep(0.3)
+
+        def run(n: int, chunks: int) -> None:
+            prompt = [(11 * i + 5 * n) % 900 + 1 for i in range(chunks * CHUNK + 7)]
+            llm.generate([prompt], salts=["t"], max_tokens=1)
+            wait_until(lambda: held(events, prompt, "t") == chunks, what=f"prompt {n} held")
+
+        first = [(11 * i + 5) % 900 + 1 for i in range(5 * CHUNK + 7)]
+        run(1, 5)
+        for n in range(2, 20):  # newer prompts until they evict some of the first one's tail
+            run(n, 5 if n < 4 else 1)
+            if held(events, first, "t") < 5:
+                break
+        predicted = held(events, first, "t")
+        assert 0 < predicted < 5, f"the first prompt should be partly evicted: {predicted}"
+        assert events.status()[0].unplaced == 0
+        reused = llm.generate([first], salts=["t"], max_tokens=1).cached[0]
+        assert reused // CHUNK == predicted, (reused, predicted)
     finally:
         events.stop()
