@@ -14,9 +14,15 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
 
-from kvpool.common.index_config import ModelServer
+from kvpool.common.index_config import ModelServer, PickerConfig
 from kvpool.common.keys import ModelFingerprint, chunk_keys, shared_salt
-from kvpool.index.engine_events import EngineEvents, EngineEventsCollector, EngineStatus
+from kvpool.index.engine_events import (
+    EngineEvents,
+    EngineEventsCollector,
+    EngineStatus,
+    EventEndpoint,
+    event_endpoints,
+)
 from kvpool.index.query import PromptKeys
 from kvpool.index.tracker import PrefixTracker
 from tests.support.polling import wait_until
@@ -44,11 +50,8 @@ class Follower:
         self.publisher = publisher
         self.address = "10.0.0.1:8000"
         self.events = EngineEvents(FINGERPRINT, PrefixTracker(), **options)  # type: ignore[arg-type]
-        self.server = ModelServer(
-            address=self.address,
-            node="node-a",
-            kv_events=publisher.endpoint,
-            kv_events_replay=replay_endpoint or publisher.replay_endpoint,
+        self.server = EventEndpoint(
+            self.address, publisher.endpoint, replay_endpoint or publisher.replay_endpoint
         )
         self.events.follow([self.server])
         self.events.start()
@@ -386,8 +389,8 @@ def test_a_server_that_publishes_only_its_own_gpu_cannot_touch_another_server() 
     events = EngineEvents(FINGERPRINT, PrefixTracker())
     events.follow(
         [
-            ModelServer(address="10.0.0.1:8000", node="a", kv_events=honest.endpoint),
-            ModelServer(address="10.0.0.2:8000", node="b", kv_events=liar.endpoint),
+            EventEndpoint("10.0.0.1:8000", honest.endpoint),
+            EventEndpoint("10.0.0.2:8000", liar.endpoint),
         ]
     )
     events.start()
@@ -411,7 +414,7 @@ def test_a_server_that_publishes_only_its_own_gpu_cannot_touch_another_server() 
 
 def test_a_bad_endpoint_is_logged_and_not_followed(caplog: pytest.LogCaptureFixture) -> None:
     events = EngineEvents(FINGERPRINT, PrefixTracker())
-    events.follow([ModelServer(address="10.0.0.1:8000", node="a", kv_events="nonsense")])
+    events.follow([EventEndpoint("10.0.0.1:8000", "nonsense")])
     events.start()
     try:
         wait_until(lambda: "kv_events 'nonsense' is not a ZMQ endpoint" in caplog.text)
@@ -492,3 +495,30 @@ def replay_from_vllm(directory: Path) -> None:
     finally:
         live.close()
         vllm.shutdown()
+
+
+def test_the_event_endpoints_of_discovered_servers() -> None:
+    static = PickerConfig(
+        servers=[
+            ModelServer(address="10.0.0.1:8000", node="a", kv_events="tcp://10.0.0.1:5557"),
+            ModelServer(
+                address="10.0.0.2:8000",
+                node="b",
+                kv_events="tcp://10.0.0.2:5557",
+                kv_events_replay="tcp://10.0.0.2:5558",
+            ),
+            ModelServer(address="10.0.0.3:8000", node="c"),  # no KV events: no GPU tier
+        ]
+    )
+    found = event_endpoints(["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"], static)
+    assert found == [
+        EventEndpoint("10.0.0.1:8000", "tcp://10.0.0.1:5557"),
+        EventEndpoint("10.0.0.2:8000", "tcp://10.0.0.2:5557", "tcp://10.0.0.2:5558"),
+    ]
+    assert event_endpoints(["10.0.0.9:8000"], static) == []  # not listed
+    pods = PickerConfig(discovery="kubernetes", kv_events_port=5557, kv_events_replay_port=5558)
+    assert event_endpoints(["10.1.0.4:8000", "[fd00::4]:8000"], pods) == [
+        EventEndpoint("10.1.0.4:8000", "tcp://10.1.0.4:5557", "tcp://10.1.0.4:5558"),
+        EventEndpoint("[fd00::4]:8000", "tcp://[fd00::4]:5557", "tcp://[fd00::4]:5558"),
+    ]
+    assert event_endpoints(["10.1.0.4:8000"], PickerConfig(discovery="kubernetes")) == []

@@ -8,9 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpool.common.index_config import ModelServer
 from kvpool.common.keys import ModelFingerprint, chunk_keys
-from kvpool.index.engine_events import EngineEvents
+from kvpool.index.engine_events import EngineEvents, EventEndpoint
 from kvpool.index.query import PromptKeys
 from kvpool.index.tracker import PrefixTracker
 from tests.support.engines import Engine, write_model
@@ -63,7 +62,7 @@ def test_the_tracker_holds_the_full_chunks_a_salted_prompt_left_in_the_gpu_cache
 ) -> None:
     llm, endpoint = engine
     events = EngineEvents(FINGERPRINT, PrefixTracker())
-    events.follow([ModelServer(address=ADDRESS, node="n", kv_events=endpoint)])
+    events.follow([EventEndpoint(ADDRESS, endpoint)])
     events.start()
     try:
         wait_until(lambda: events.status() and events.status()[0].connected, what="connected")
@@ -99,7 +98,7 @@ def test_what_the_tracker_says_a_server_holds_is_what_vllm_then_reuses(
     the removals, and its count for a prompt is the prefix vLLM then serves from cache."""
     llm, endpoint = engine
     events = EngineEvents(FINGERPRINT, PrefixTracker())
-    events.follow([ModelServer(address=ADDRESS, node="n", kv_events=endpoint)])
+    events.follow([EventEndpoint(ADDRESS, endpoint)])
     events.start()
     try:
         wait_until(lambda: events.status() and events.status()[0].connected, what="connected")

@@ -7,7 +7,18 @@ the servers' addresses, so the picker asks it ``longest_prefixes(prompt_keys, se
 as it asks the L1 tracker; :mod:`.metrics` exports the follower's numbers.
 """
 
-from kvpool.index.engine_events.follower import EngineEvents, EngineStatus
+from kvpool.index.engine_events.follower import (
+    EngineEvents,
+    EngineStatus,
+    EventEndpoint,
+    event_endpoints,
+)
 from kvpool.index.engine_events.metrics import EngineEventsCollector
 
-__all__ = ["EngineEvents", "EngineEventsCollector", "EngineStatus"]
+__all__ = [
+    "EngineEvents",
+    "EngineEventsCollector",
+    "EngineStatus",
+    "EventEndpoint",
+    "event_endpoints",
+]

@@ -1,9 +1,9 @@
 """Follow every model server's vLLM KV-events stream, in one thread.
 
 vLLM's publisher binds a PUB socket (``--kv-events-config '{"endpoint": "tcp://*:5557"}'``)
-and the index connects a SUB to each server's ``kv_events`` endpoint
-(:class:`~kvpool.common.index_config.ModelServer`), subscribed to every topic (each socket
-reaches one server). Each message's sequence number is checked per server:
+and the index connects a SUB to each server's endpoint (``picker.servers[].kv_events``, or
+``picker.kv_events_port`` of each discovered pod: :func:`event_endpoints`), subscribed to
+every topic (each socket reaches one server). Each message's sequence number is checked per server:
 
 * the next one: its events are applied (:class:`.chains.ServerChains`);
 * one not above the last (vLLM restarted: its counter starts at 0 again, and a restart
@@ -45,7 +45,7 @@ from typing import Generic, TypeVar
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvpool.common.index_config import ModelServer
+from kvpool.common.index_config import PickerConfig
 from kvpool.common.keys import ModelFingerprint
 from kvpool.common.web.rate_limited_log import RateLimitedLog
 from kvpool.index.engine_events.chains import DEFAULT_MAX_BLOCKS, ChunkSink, ServerChains
@@ -75,6 +75,46 @@ _DRAIN = 256
 _END_SEQ = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
 
 Sink = TypeVar("Sink", bound=ChunkSink)
+
+
+@dataclass(frozen=True)
+class EventEndpoint:
+    """Where one model server publishes its KV events."""
+
+    address: str
+    """Its OpenAI server's ``ip:port``: its node name in the tracker, as the picker names it."""
+    events: str
+    """vLLM's KV-events endpoint (``tcp://ip:port``)."""
+    replay: str | None = None
+    """vLLM's replay endpoint, if it has one."""
+
+
+def event_endpoints(addresses: Iterable[str], picker: PickerConfig) -> list[EventEndpoint]:
+    """The KV-event endpoints of the servers at ``addresses`` (those discovery found): as
+    ``picker.servers`` lists them (static), or ``picker.kv_events_port`` (and
+    ``kv_events_replay_port``) of each address's host (kubernetes). Servers without one are
+    left out: they have no GPU tier."""
+    if picker.discovery == "static":
+        listed = {server.address: server for server in picker.servers}
+        return [
+            EventEndpoint(address, server.kv_events, server.kv_events_replay)
+            for address in addresses
+            if (server := listed.get(address)) is not None and server.kv_events
+        ]
+    if picker.kv_events_port is None:
+        return []
+    found = []
+    for address in addresses:
+        host = address.rpartition(":")[0]  # [v6] keeps its brackets, as ZMQ wants them
+        replay = picker.kv_events_replay_port
+        found.append(
+            EventEndpoint(
+                address,
+                f"tcp://{host}:{picker.kv_events_port}",
+                None if replay is None else f"tcp://{host}:{replay}",
+            )
+        )
+    return found
 
 
 @dataclass(frozen=True)
@@ -116,9 +156,7 @@ class EngineStatus:
 
 @dataclass(eq=False)
 class _Server:
-    config: ModelServer
-    endpoint: str
-    replay_endpoint: str | None
+    config: EventEndpoint
     sub: zmq.Socket[bytes]
     monitor: zmq.Socket[bytes]
     chains: ServerChains
@@ -142,6 +180,14 @@ class _Server:
     @property
     def address(self) -> str:
         return self.config.address
+
+    @property
+    def endpoint(self) -> str:
+        return self.config.events
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        return self.config.replay
 
     def status(self) -> EngineStatus:
         counts = self.chains.counts
@@ -192,7 +238,7 @@ class EngineEvents(Generic[Sink]):
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._wake_endpoint = f"inproc://kvpool-engine-events-{uuid.uuid4().hex}"
         self._lock = threading.Lock()
-        self._wanted: dict[str, ModelServer] | None = None
+        self._wanted: dict[str, EventEndpoint] | None = None
         self._servers: dict[str, _Server] = {}
         """Replaced, never mutated, by the loop thread: other threads read a consistent copy."""
         self._thread: threading.Thread | None = None
@@ -214,10 +260,11 @@ class EngineEvents(Generic[Sink]):
         self._thread.join()
         self._thread = None
 
-    def follow(self, servers: Iterable[ModelServer]) -> None:
-        """Follow exactly these servers from now on (any thread): those with a
-        ``kv_events`` endpoint; a server no longer named has its chunks dropped."""
-        wanted = {server.address: server for server in servers if server.kv_events}
+    def follow(self, servers: Iterable[EventEndpoint]) -> None:
+        """Follow exactly these servers from now on (any thread; discovery calls it with
+        :func:`event_endpoints`): a server no longer named has its chunks dropped, one
+        whose endpoints changed is followed anew."""
+        wanted = {server.address: server for server in servers}
         with self._lock:
             self._wanted = wanted
         if self._thread is not None:
@@ -304,8 +351,7 @@ class EngineEvents(Generic[Sink]):
                     servers[address] = opened
         self._servers = servers
 
-    def _open(self, config: ModelServer) -> _Server | None:
-        assert config.kv_events is not None
+    def _open(self, config: EventEndpoint) -> _Server | None:
         sub = self._context.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self._receive_hwm)
@@ -313,28 +359,27 @@ class EngineEvents(Generic[Sink]):
         sub.setsockopt(zmq.RECONNECT_IVL, 100)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.IPV6, 1)  # a pod's IPv6 address too
         monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         try:
-            sub.connect(config.kv_events)
+            sub.connect(config.events)
         except zmq.ZMQError as error:
             log.error(
                 "model server %s: kv_events %r is not a ZMQ endpoint (%s); its GPU tier is "
                 "not followed",
                 config.address,
-                config.kv_events,
+                config.events,
                 error,
             )
             sub.disable_monitor()
             monitor.close(linger=0)
             sub.close(linger=0)
             return None
-        log.info(
-            "following the KV events of model server %s at %s", config.address, config.kv_events
-        )
+        log.info("following the KV events of model server %s at %s", config.address, config.events)
         chains = ServerChains(
             config.address, self.fingerprint, self.tracker, max_blocks=self._max_blocks
         )
-        return _Server(config, config.kv_events, config.kv_events_replay, sub, monitor, chains)
+        return _Server(config, sub, monitor, chains)
 
     def _close(self, server: _Server) -> None:
         self._end_replay(server)
@@ -438,6 +483,7 @@ class EngineEvents(Generic[Sink]):
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
+        dealer.setsockopt(zmq.IPV6, 1)
         try:
             dealer.connect(server.replay_endpoint)
         except zmq.ZMQError as error:
