@@ -80,6 +80,13 @@ class ModelServer(BaseModel):
         None,
         description="Its vLLM KV-events endpoint (tcp://ip:port); none: no GPU tier.",
     )
+    kv_events_replay: str | None = Field(
+        None,
+        description=(
+            "Its vLLM KV-events replay endpoint (tcp://ip:port, vLLM's replay_endpoint): "
+            "lost events are asked for again; none: a loss drops its GPU tier until refilled."
+        ),
+    )
 
 
 class TierCosts(BaseModel):
@@ -121,6 +128,12 @@ class PickerConfig(BaseModel):
     target_port: int = Field(8000, ge=1, le=65535, description="Their OpenAI port (kubernetes).")
     kv_events_port: int | None = Field(
         None, ge=1, le=65535, description="Their vLLM KV-events port (kubernetes); none: none."
+    )
+    kv_events_replay_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Their vLLM KV-events replay port (kubernetes); none: no replay.",
     )
     tokenizer: Path | None = Field(
         None,
