@@ -12,20 +12,27 @@ cache is down.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from kvpool.common.index_config import IndexConfig
 from kvpool.common.problems import ConfigError
+from kvpool.index.engine_events import EngineEvents, EngineEventsCollector, event_endpoints
 from kvpool.index.epp import EppServer
 from kvpool.index.metrics import IndexMetrics
-from kvpool.index.model_servers import ModelServers
+from kvpool.index.model_servers import ModelServers, ServerEndpoint
 from kvpool.index.picker import EndpointPicker, Tiers
 from kvpool.index.prompts import Prompts, PromptsError
+from kvpool.index.tracker import PrefixTracker
 
 log = logging.getLogger(__name__)
 
 
 class EndpointPickerService:
-    """Start and stop the picker's parts together; built only with ``picker.enabled``."""
+    """Start and stop the picker's parts together; built only with ``picker.enabled``.
+
+    The model servers' discovery drives whom the GPU tier follows: each server's vLLM KV
+    events (:mod:`~kvpool.index.engine_events`) fill a tracker of its own, keyed by the
+    server's address, that joins the index's node tiers in :class:`Tiers`."""
 
     def __init__(self, config: IndexConfig, tiers: Tiers, metrics: IndexMetrics) -> None:
         """``ConfigError`` (one line) when the tokenizer directory does not load."""
@@ -37,11 +44,17 @@ class EndpointPickerService:
                 prompts = Prompts.load(picker_config.tokenizer)
             except PromptsError as error:
                 raise ConfigError([f"picker.tokenizer: {error}"]) from None
-        self.servers = ModelServers.of_config(picker_config, config.namespace)
+        fingerprint = config.fingerprint.fingerprint()
+        self.engine_events = EngineEvents(fingerprint, PrefixTracker(config.max_chunks_per_node))
+        metrics.registry.register(EngineEventsCollector(self.engine_events.status))
+        self.servers = ModelServers.of_config(
+            picker_config, config.namespace, on_change=self._servers_changed
+        )
+        self._picker_config = picker_config
         self.picker = EndpointPicker(
             self.servers.snapshot,
-            tiers,
-            config.fingerprint.fingerprint(),
+            replace(tiers, gpu=self.engine_events.tracker),
+            fingerprint,
             picker_config.tier_costs,
             deadline_ms=picker_config.deadline_ms,
             observer=metrics,
@@ -52,11 +65,13 @@ class EndpointPickerService:
 
     def start(self) -> int:
         """Serve; the bound gRPC port. ``OSError`` naming the address if it is taken."""
+        self.engine_events.start()
         self.servers.start()
         try:
             self.port = self.edge.start()
         except BaseException:
             self.servers.stop()
+            self.engine_events.stop()
             raise
         return self.port
 
@@ -64,3 +79,8 @@ class EndpointPickerService:
         self.edge.stop()
         self.picker.close()
         self.servers.stop()
+        self.engine_events.stop()
+
+    def _servers_changed(self, servers: list[ServerEndpoint]) -> None:
+        addresses = (server.address for server in servers)
+        self.engine_events.follow(event_endpoints(addresses, self._picker_config))

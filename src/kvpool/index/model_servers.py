@@ -260,13 +260,15 @@ class ModelServers:
         interval: float,
         timeout: float = 1.0,
         max_bytes: int = 4 << 20,
+        on_change: ServersListener | None = None,
     ) -> None:
         """``timeout`` bounds one server's read; ``max_bytes`` its /metrics (vLLM's is
-        tens of kilobytes)."""
+        tens of kilobytes); ``on_change`` hears every set of servers discovery finds."""
         self.interval = interval
         self.timeout = timeout
         self.max_bytes = max_bytes
         self._discovery = discovery
+        self._on_change = on_change
         self._lock = threading.Lock()
         self._states: dict[str, ServerState] = {}
         self._published: tuple[ServerState, ...] = ()
@@ -275,8 +277,17 @@ class ModelServers:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def of_config(cls, config: PickerConfig, namespace: str | None) -> ModelServers:
-        return cls(discovery_of(config, namespace), interval=config.load_interval_seconds)
+    def of_config(
+        cls,
+        config: PickerConfig,
+        namespace: str | None,
+        on_change: ServersListener | None = None,
+    ) -> ModelServers:
+        return cls(
+            discovery_of(config, namespace),
+            interval=config.load_interval_seconds,
+            on_change=on_change,
+        )
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvpool-server-loads", daemon=True)
@@ -305,6 +316,8 @@ class ModelServers:
             }
             self._publish()
         self._wake.set()  # read the new ones now
+        if self._on_change is not None:
+            self._on_change(list(servers))
 
     def _publish(self) -> None:
         self._published = tuple(self._states[a] for a in sorted(self._states))
