@@ -56,7 +56,7 @@ from kvpool.index.metrics import IndexMetrics
 from kvpool.index.peer_lookups import PeerLookups
 from kvpool.index.service import IndexService
 from kvpool.index.subscriber import EventSubscriber
-from kvpool.index.tracker import PrefixTracker
+from kvpool.index.tracker import TierTrackers
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,9 @@ class IndexServer:
         self._ready = False
         self._warm_by = time.monotonic() + config.warmup_seconds
         self._warmed = False
+        self.trackers = TierTrackers.create(config.max_chunks_per_node)
+        """What each node holds, tier by tier (the subscriber fills them; lookups and
+        routes answer from ``l1``)."""
 
     def _warm(self, subscriber: EventSubscriber) -> bool:
         """Whether the index has caught up with every agent once, or stopped waiting to."""
@@ -123,9 +126,11 @@ class IndexServer:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.stop)
         config, discovery = self.config, self._discovery
-        tracker = PrefixTracker(config.max_chunks_per_node)
+        trackers = self.trackers
+        tracker = trackers.l1
         subscriber = EventSubscriber(
             tracker,
+            tiers=trackers.lower(),
             token=self._agent_token,
             snapshot_timeout=config.snapshot_timeout_seconds,
             receive_hwm=config.receive_hwm,

@@ -273,3 +273,28 @@ class PrefixTracker:
                 name: NodeCounts(len(state.where), state.cap_evicted)
                 for name, state in self._nodes.items()
             }
+
+
+@dataclass(frozen=True)
+class TierTrackers:
+    """One tracker per tier the index follows (see :mod:`kvpool.index.subscriber`), each
+    keyed by node: ``l1`` (the segments: lookups and routes answer from it), ``nvme`` (the
+    nodes' NVMe files) and ``s3`` (chunks the node's agent wrote back to the pool's bucket,
+    which any node can load). Each is bounded by ``max_chunks_per_node`` per node."""
+
+    l1: PrefixTracker
+    nvme: PrefixTracker
+    s3: PrefixTracker
+
+    @classmethod
+    def create(
+        cls,
+        max_chunks_per_node: int = DEFAULT_MAX_CHUNKS_PER_NODE,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> TierTrackers:
+        return cls(*(PrefixTracker(max_chunks_per_node, clock=clock) for _ in range(3)))
+
+    def lower(self) -> dict[str, PrefixTracker]:
+        """The lower tiers' trackers by tier name: the subscriber's ``tiers``."""
+        return {"nvme": self.nvme, "s3": self.s3}

@@ -240,9 +240,14 @@ class ZmqHandlers:
             raise p.ProtocolError(
                 p.ErrorCode.FORBIDDEN, "the snapshot is for a prefix index's (or an admin's) token"
             )
-        snapshot = self._service.snapshot()
+        if len(request.tiers) > len(p.TIERS):
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_REQUEST,
+                f"snapshot: tiers names {len(request.tiers)} tiers; there are {len(p.TIERS)}",
+            )
+        snapshot = self._service.snapshot(request.tiers)
         return p.SnapshotReply(
-            request.req, self.agent_id, snapshot.seq, snapshot.keys_by_tenant
+            request.req, self.agent_id, snapshot.seq, snapshot.keys_by_tenant, snapshot.tiers
         ), []
 
     def stats(self, request: p.Stats, extra: Frames, peer: Peer) -> Handled:
