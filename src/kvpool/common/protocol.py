@@ -161,8 +161,8 @@ class Snapshot(_Message, tag="snapshot"):
 
     session: int
     tiers: list[str] = []
-    """Lower tiers whose keys the reply should carry too (:data:`TIER_NVME`); an agent that
-    predates the field ignores it and answers L1 only, as it does for a request without it."""
+    """Lower tiers whose keys the reply should carry too ("nvme"); an agent that predates
+    the field ignores it and answers L1 only, as it does for a request without it."""
 
 
 class PrefetchStatus(_Message, tag="prefetch_status"):
@@ -305,9 +305,10 @@ class SnapshotReply(_Message, tag="snapshot_reply"):
     tenants: dict[str, list[bytes]]
     """L1's keys by tenant."""
     tiers: dict[str, dict[str, list[bytes]]] = {}
-    """Of the tiers the request named, those whose every key this agent knows, by tenant
-    (consistent with ``seq``, see docs/clients/protocol.md). A tier named but
-    absent is one the agent does not list (S3: its events are all there is)."""
+    """Of the tiers the request named, those whose every key this agent knows: their keys by
+    tenant, as of ``seq`` or a little later (replaying the events after ``seq`` on them is
+    harmless). A tier named but absent is one the agent does not list: "s3" (its events are
+    all there is), or any tier for an agent that predates the field."""
 
 
 class Error(_Message, tag="error"):
@@ -441,8 +442,8 @@ class ChunkEvent(msgspec.Struct, array_like=True, frozen=True):
     kind: str
     """"stored" or "removed"."""
     tier: str
-    """One of :data:`TIERS`; a subscriber skips (but counts in ``seq``) a tier it does not
-    follow, so one sequence covers every tier of the agent."""
+    """"l1", "nvme" or "s3"; one sequence covers every tier of an agent, so a
+    subscriber skips a tier it does not follow but counts its events in ``seq``."""
     tenant: str
     keys: list[bytes]
     cause: str = ""
