@@ -1,7 +1,7 @@
 """``kvpool-index``: the prefix index process. Composition root: builds every part,
 starts them, stops them in reverse.
 
-Parts: the gateway token authority, the tracker, the event subscriber (its own
+Parts: the gateway token authority, the trackers (one per tier), the event subscriber (its own
 thread), the discovery (static, or a Kubernetes watch thread), metrics, and
 the HTTP API (uvicorn on this event loop). It is ready (``/readyz``) once it
 holds a synchronised copy of every agent discovery named, or after
