@@ -1,7 +1,7 @@
 """``kvpool-index``: the prefix index process. Composition root: builds every part,
 starts them, stops them in reverse.
 
-Parts: the gateway token authority, the tracker, the event subscriber (its own
+Parts: the gateway token authority, the trackers (one per tier), the event subscriber (its own
 thread), the discovery (static, or a Kubernetes watch thread), metrics, and
 the HTTP API (uvicorn on this event loop). It is ready (``/readyz``) once it
 holds a synchronised copy of every agent discovery named, or after
@@ -58,7 +58,7 @@ from kvpool.index.peer_lookups import PeerLookups
 from kvpool.index.picker import Tiers
 from kvpool.index.service import IndexService
 from kvpool.index.subscriber import EventSubscriber
-from kvpool.index.tracker import PrefixTracker
+from kvpool.index.tracker import TierTrackers
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,9 @@ class IndexServer:
         self._ready = False
         self._warm_by = time.monotonic() + config.warmup_seconds
         self._warmed = False
+        self.trackers = TierTrackers.create(config.max_chunks_per_node)
+        """What each node holds, tier by tier (the subscriber fills them; lookups and
+        routes answer from ``l1``)."""
 
     def _warm(self, subscriber: EventSubscriber) -> bool:
         """Whether the index has caught up with every agent once, or stopped waiting to."""
@@ -125,9 +128,11 @@ class IndexServer:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.stop)
         config, discovery = self.config, self._discovery
-        tracker = PrefixTracker(config.max_chunks_per_node)
+        trackers = self.trackers
+        tracker = trackers.l1
         subscriber = EventSubscriber(
             tracker,
+            tiers=trackers.lower(),
             token=self._agent_token,
             snapshot_timeout=config.snapshot_timeout_seconds,
             receive_hwm=config.receive_hwm,
