@@ -152,7 +152,8 @@ class IndexServer:
         )
         picking = None
         if config.picker.enabled:
-            picking = EndpointPickerService(config, Tiers(l1=tracker), metrics)
+            tiers = Tiers(l1=tracker, nvme=trackers.nvme, s3=trackers.s3)
+            picking = EndpointPickerService(config, tiers, metrics)
         async with contextlib.AsyncExitStack() as stack:
             with listening("http_port", config.host, config.http_port):
                 listener = listen(config.host, config.http_port)
