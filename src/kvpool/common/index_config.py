@@ -158,6 +158,26 @@ class PickerConfig(BaseModel):
         0.5, gt=0, description="How often each server's /metrics is read for its load."
     )
     tier_costs: TierCosts = Field(default_factory=TierCosts, description="The picker's estimate.")
+    placement_events: str | None = Field(
+        None,
+        description=(
+            "Publish what each model server can load from kvpool as vLLM KV events (ZMQ "
+            "PUB, e.g. tcp://*:7406), for routers that read vLLM's; none: not published."
+        ),
+    )
+    placement_events_connect: bool = Field(
+        False,
+        description="Connect to placement_events (a router's bound SUB) instead of binding it.",
+    )
+    placement_events_replay: str | None = Field(
+        None,
+        description="ROUTER endpoint for replays from a seq and snapshots (e.g. tcp://*:7407).",
+    )
+    served_model_name: str | None = Field(
+        None,
+        description="The model name of the placement events' topics (kv@<pod ip>@<model>); "
+        "default: the fingerprint's model.",
+    )
 
 
 class IndexConfig(FileSettings):

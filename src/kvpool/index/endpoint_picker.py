@@ -21,10 +21,28 @@ from kvpool.index.epp import EppServer
 from kvpool.index.metrics import IndexMetrics
 from kvpool.index.model_servers import ModelServers, ServerEndpoint
 from kvpool.index.picker import EndpointPicker, Tiers
+from kvpool.index.placement_events import PlacementPublisher
+from kvpool.index.placements import PlacementFeed
 from kvpool.index.prompts import Prompts, PromptsError
-from kvpool.index.tracker import PrefixTracker
+from kvpool.index.tracker import PrefixTracker, TierTrackers
 
 log = logging.getLogger(__name__)
+
+
+def placement_feed(config: IndexConfig, trackers: TierTrackers) -> PlacementFeed | None:
+    """The placement events' feed, where ``picker.placement_events`` asks for them (its
+    tier sinks go between the agents' subscriber and the trackers)."""
+    picker = config.picker
+    if not picker.enabled or picker.placement_events is None:
+        return None
+    assert config.fingerprint is not None  # IndexConfig refuses a picker without one
+    publisher = PlacementPublisher(
+        picker.placement_events,
+        picker.placement_events_replay,
+        connect=picker.placement_events_connect,
+    )
+    model = picker.served_model_name or config.fingerprint.model
+    return PlacementFeed(publisher, {"l1": trackers.l1, **trackers.lower()}, model)
 
 
 class EndpointPickerService:
@@ -34,7 +52,13 @@ class EndpointPickerService:
     events (:mod:`~kvpool.index.engine_events`) fill a tracker of its own, keyed by the
     server's address, that joins the index's node tiers in :class:`Tiers`."""
 
-    def __init__(self, config: IndexConfig, tiers: Tiers, metrics: IndexMetrics) -> None:
+    def __init__(
+        self,
+        config: IndexConfig,
+        tiers: Tiers,
+        metrics: IndexMetrics,
+        feed: PlacementFeed | None = None,
+    ) -> None:
         """``ConfigError`` (one line) when the tokenizer directory does not load."""
         picker_config = config.picker
         assert config.fingerprint is not None  # IndexConfig refuses a picker without one
@@ -45,7 +69,12 @@ class EndpointPickerService:
             except PromptsError as error:
                 raise ConfigError([f"picker.tokenizer: {error}"]) from None
         fingerprint = config.fingerprint.fingerprint()
-        self.engine_events = EngineEvents(fingerprint, PrefixTracker(config.max_chunks_per_node))
+        self.feed = feed
+        self.engine_events = EngineEvents(
+            fingerprint,
+            PrefixTracker(config.max_chunks_per_node),
+            on_chunk=feed.chunk_blocks if feed is not None else None,
+        )
         metrics.registry.register(EngineEventsCollector(self.engine_events.status))
         self.servers = ModelServers.of_config(
             picker_config, config.namespace, on_change=self._servers_changed
@@ -64,23 +93,32 @@ class EndpointPickerService:
         self.port = 0
 
     def start(self) -> int:
-        """Serve; the bound gRPC port. ``OSError`` naming the address if it is taken."""
+        """Serve; the bound gRPC port. ``OSError`` naming the address if it is taken (or
+        the placement events' endpoints)."""
+        if self.feed is not None:
+            self.feed.publisher.start()
         self.engine_events.start()
         self.servers.start()
         try:
             self.port = self.edge.start()
         except BaseException:
-            self.servers.stop()
-            self.engine_events.stop()
+            self._stop_followers()
             raise
         return self.port
 
     def stop(self) -> None:
         self.edge.stop()
         self.picker.close()
+        self._stop_followers()
+
+    def _stop_followers(self) -> None:
         self.servers.stop()
         self.engine_events.stop()
+        if self.feed is not None:
+            self.feed.publisher.stop()
 
     def _servers_changed(self, servers: list[ServerEndpoint]) -> None:
         addresses = (server.address for server in servers)
         self.engine_events.follow(event_endpoints(addresses, self._picker_config))
+        if self.feed is not None:
+            self.feed.servers(servers)

@@ -148,12 +148,23 @@ class _PickerCollector(Collector):
             "Requests waiting in the model server, as it last said.",
             labels=["server"],
         )
+        running = GaugeMetricFamily(
+            "kvpool_index_model_server_running",
+            "Requests running in the model server, as it last said.",
+            labels=["server"],
+        )
+        usage = GaugeMetricFamily(
+            "kvpool_index_model_server_kv_cache_usage",
+            "Share of the model server's KV cache in use (0 to 1), as it last said.",
+            labels=["server"],
+        )
         for server in self._servers():
             ready.add_metric([server.address, server.node], int(server.ready))
             if server.load is not None:
                 waiting.add_metric([server.address], server.load.waiting)
-        yield ready
-        yield waiting
+                running.add_metric([server.address], server.load.running)
+                usage.add_metric([server.address], server.load.kv_cache_usage)
+        yield from (ready, waiting, running, usage)
 
 
 class IndexMetrics:

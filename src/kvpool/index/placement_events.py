@@ -65,9 +65,13 @@ class Medium(enum.StrEnum):
     """The pool's S3 bucket (every server can load it)."""
 
 
+Hash = int | bytes
+"""A vLLM block hash as the engines publish it: an int (their default) or bytes."""
+
+
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True):
-    block_hashes: list[int]
-    parent_block_hash: int | None
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
@@ -76,7 +80,7 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True):
 
 
 class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True):
-    block_hashes: list[int]
+    block_hashes: list[Hash]
     medium: str | None
 
 
@@ -96,8 +100,8 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
 class Block:
     """One vLLM block a server can load: its hash, its parent's, its size in tokens."""
 
-    block_hash: int
-    parent: int | None
+    block_hash: Hash
+    parent: Hash | None
     block_size: int
 
 
@@ -110,7 +114,7 @@ class _Placements:
     """What each topic holds now, per medium, in the order it was stored (parents first)."""
 
     def __init__(self) -> None:
-        self.topics: dict[bytes, dict[str, dict[int, Block]]] = {}
+        self.topics: dict[bytes, dict[str, dict[Hash, Block]]] = {}
 
     def store(self, topic: bytes, medium: str, blocks: Sequence[Block]) -> list[Block]:
         held = self.topics.setdefault(topic, {}).setdefault(medium, {})
@@ -119,7 +123,7 @@ class _Placements:
             held[block.block_hash] = block
         return new
 
-    def remove(self, topic: bytes, medium: str, hashes: Iterable[int]) -> list[int]:
+    def remove(self, topic: bytes, medium: str, hashes: Iterable[Hash]) -> list[Hash]:
         held = self.topics.get(topic, {}).get(medium, {})
         return [block_hash for block_hash in hashes if held.pop(block_hash, None) is not None]
 
@@ -220,11 +224,24 @@ class PlacementPublisher:
             if new:
                 self._enqueue(topic, [_stored(medium, run) for run in _runs(new)])
 
-    def removed(self, topic: bytes, medium: Medium, block_hashes: Iterable[int]) -> None:
+    def removed(self, topic: bytes, medium: Medium, block_hashes: Iterable[Hash]) -> None:
         with self._lock:
             gone = self._placements.remove(topic, medium, block_hashes)
             if gone:
                 self._enqueue(topic, [BlockRemoved(gone, str(medium))])
+
+    def replace(self, topic: bytes, medium: Medium, blocks: Sequence[Block]) -> None:
+        """``topic``'s server can load exactly ``blocks`` from ``medium`` now: what went is
+        removed, what is new stored."""
+        with self._lock:
+            held = self._placements.topics.get(topic, {}).get(medium, {})
+            wanted = {block.block_hash for block in blocks}
+            gone = self._placements.remove(topic, medium, [h for h in held if h not in wanted])
+            new = self._placements.store(topic, medium, blocks)
+            events: list[Event] = [BlockRemoved(gone, str(medium))] if gone else []
+            events.extend(_stored(medium, run) for run in _runs(new))
+            if events:
+                self._enqueue(topic, events)
 
     def cleared(self, topic: bytes) -> None:
         """``topic``'s server can load nothing from kvpool (it left, or its node did)."""

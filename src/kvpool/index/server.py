@@ -51,13 +51,14 @@ from kvpool.common.problems import (
 )
 from kvpool.common.web.connections import HttpRefusals
 from kvpool.common.web.serving import listen, serve_http
-from kvpool.index.endpoint_picker import EndpointPickerService
+from kvpool.index.endpoint_picker import EndpointPickerService, placement_feed
 from kvpool.index.http_api import create_app
 from kvpool.index.metrics import IndexMetrics
 from kvpool.index.peer_lookups import PeerLookups
 from kvpool.index.picker import Tiers
+from kvpool.index.placements import TierFeed
 from kvpool.index.service import IndexService
-from kvpool.index.subscriber import EventSubscriber
+from kvpool.index.subscriber import EventSubscriber, IndexSink
 from kvpool.index.tracker import TierTrackers
 
 log = logging.getLogger(__name__)
@@ -130,9 +131,14 @@ class IndexServer:
         config, discovery = self.config, self._discovery
         trackers = self.trackers
         tracker = trackers.l1
+        feed = placement_feed(config, trackers)
+        tiers_by_name = {"l1": tracker, **trackers.lower()}
+        sinks: dict[str, IndexSink] = dict(tiers_by_name)
+        if feed is not None:
+            sinks = {tier: TierFeed(tier, kept, feed) for tier, kept in tiers_by_name.items()}
         subscriber = EventSubscriber(
-            tracker,
-            tiers=trackers.lower(),
+            sinks.pop("l1"),
+            tiers=sinks,
             token=self._agent_token,
             snapshot_timeout=config.snapshot_timeout_seconds,
             receive_hwm=config.receive_hwm,
@@ -153,7 +159,7 @@ class IndexServer:
         picking = None
         if config.picker.enabled:
             tiers = Tiers(l1=tracker, nvme=trackers.nvme, s3=trackers.s3)
-            picking = EndpointPickerService(config, tiers, metrics)
+            picking = EndpointPickerService(config, tiers, metrics, feed)
         async with contextlib.AsyncExitStack() as stack:
             with listening("http_port", config.host, config.http_port):
                 listener = listen(config.host, config.http_port)

@@ -295,6 +295,12 @@ class PrefixTracker:
                         found[name] = PrefixMatch(run, where[keys[run - 1]].seen)
         return found
 
+    def keys_of(self, node: str) -> list[bytes]:
+        """The keys tracked for ``node`` now."""
+        with self._lock:
+            state = self._nodes.get(node)
+            return list(state.where) if state is not None else []
+
     def holders(self, key: bytes) -> dict[str, float]:
         """``{node: last seen}`` of one key."""
         with self._lock:

@@ -69,6 +69,11 @@ GPU_MEDIA = (None, "GPU", "gpu")
 Hash = int | bytes
 
 
+ChunkBlocks = Callable[[bytes, Sequence[Hash], "Hash | None", int], None]
+"""Told a chunk's vLLM blocks once its key is known: ``(key, block hashes first to last,
+the first one's parent, block size)`` (the placement events name chunks by them)."""
+
+
 class ChunkSink(Protocol):
     """Where held chunks go (:class:`~kvpool.index.tracker.PrefixTracker`)."""
 
@@ -139,6 +144,7 @@ class ServerChains:
         *,
         max_blocks: int = DEFAULT_MAX_BLOCKS,
         root: Callable[[str | None], bytes] | None = None,
+        on_chunk: ChunkBlocks | None = None,
     ) -> None:
         if max_blocks < 1:
             raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
@@ -146,6 +152,7 @@ class ServerChains:
         self._chunk_tokens = fingerprint.chunk_tokens
         self._root = root or (lambda salt: root_key(salt, fingerprint))
         self._sink = sink
+        self._on_chunk = on_chunk
         self._max_blocks = max_blocks
         self._blocks: OrderedDict[Hash, _Block] = OrderedDict()
         self._held: dict[bytes, int] = {}
@@ -278,6 +285,14 @@ class ServerChains:
                 for member in members:
                     if end_hash not in member.ends:
                         member.ends.append(end_hash)
+                if self._on_chunk is not None:
+                    hashes = [member.parent for member in members[1:]]
+                    self._on_chunk(
+                        end.key,
+                        [*(h for h in hashes if h is not None), end_hash],
+                        members[0].parent,
+                        len(end.tokens),
+                    )
             if not all(member.present for member in members):
                 continue
             end.whole = True

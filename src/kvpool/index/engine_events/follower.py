@@ -48,7 +48,12 @@ from zmq.utils.monitor import recv_monitor_message
 from kvpool.common.index_config import PickerConfig
 from kvpool.common.keys import ModelFingerprint
 from kvpool.common.web.rate_limited_log import RateLimitedLog
-from kvpool.index.engine_events.chains import DEFAULT_MAX_BLOCKS, ChunkSink, ServerChains
+from kvpool.index.engine_events.chains import (
+    DEFAULT_MAX_BLOCKS,
+    ChunkBlocks,
+    ChunkSink,
+    ServerChains,
+)
 from kvpool.index.engine_events.wire import (
     SEQ_BYTES,
     UndecodableEvent,
@@ -227,8 +232,11 @@ class EngineEvents(Generic[Sink]):
         receive_hwm: int = DEFAULT_RECEIVE_HWM,
         replay_timeout: float = REPLAY_TIMEOUT,
         reconnect_delay: float = RECONNECT_DELAY,
+        on_chunk: ChunkBlocks | None = None,
     ) -> None:
+        """``on_chunk`` hears each chunk's vLLM blocks (from the events thread)."""
         self.fingerprint = fingerprint
+        self._on_chunk = on_chunk
         self.tracker = tracker
         self._max_blocks = max_blocks_per_server
         self._max_message_bytes = max_message_bytes
@@ -377,7 +385,11 @@ class EngineEvents(Generic[Sink]):
             return None
         log.info("following the KV events of model server %s at %s", config.address, config.events)
         chains = ServerChains(
-            config.address, self.fingerprint, self.tracker, max_blocks=self._max_blocks
+            config.address,
+            self.fingerprint,
+            self.tracker,
+            max_blocks=self._max_blocks,
+            on_chunk=self._on_chunk,
         )
         return _Server(config, sub, monitor, chains)
 
