@@ -21,6 +21,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvpool.common.auth import TokenAuthority
 from kvpool.common.index_config import PickerConfig
 from kvpool.index.epp import EppServer
 from kvpool.index.epp.answers import PICK_HEADER
@@ -633,3 +634,35 @@ def test_trailers_end_a_body_without_end_of_stream(
     assert (streamed.body, streamed.end_of_stream) == (body, False)
     header = answers[0].request_headers.response.header_mutation.set_headers[0].header
     assert header.raw_value == backends[1].endpoint.encode()
+
+
+def test_with_a_token_required_only_a_gateways_stream_is_read(
+    picker: PortPicker, backends: list[Backend], tmp_path: Path
+) -> None:
+    gateway, tenant = "gateway-token-for-epp-tests-9b3d0e71c2a5", "tenant-token-for-epp-5c1e8a70d4"
+    authority = TokenAuthority({"gateways": [gateway], "tenants": {"a" * 32: tenant}})
+    server = _server(picker, authority=authority)
+    port = server.start()
+    try:
+        for token in (None, tenant):  # no token; a tenant's
+            metadata = [] if token is None else [("authorization", f"Bearer {token}")]
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = pb_grpc.ExternalProcessorStub(channel).Process(
+                    iter([_headers(end_of_stream=True)]), metadata=metadata, timeout=10
+                )
+                with pytest.raises(grpc.RpcError) as refused:
+                    list(call)
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert server.answers.snapshot()[(401, "unauthenticated")] == 2
+        body = {"prompt": [backends[0].port, 1], "cache_salt": "s"}
+        with_token = Envoy(f"127.0.0.1:{port}", tmp_path / "with", token=gateway).start()
+        without = Envoy(f"127.0.0.1:{port}", tmp_path / "without").start()
+        try:
+            assert httpx.post(f"{with_token.url}/v1/completions", json=body).status_code == 200
+            # FailClose: a gateway the picker refuses answers 5xx, and the picker read nothing
+            assert httpx.post(f"{without.url}/v1/completions", json=body).status_code >= 500
+        finally:
+            with_token.stop()
+            without.stop()
+    finally:
+        server.stop()

@@ -96,6 +96,8 @@ class Envoy:
     request_body_mode: str = "FULL_DUPLEX_STREAMED"
     response_body_mode: str = "FULL_DUPLEX_STREAMED"
     message_timeout: str = "10s"
+    token: str | None = None
+    """The gateway token Envoy sends the picker (the gRPC service's initial metadata)."""
     log_level: str = "warning"
     """Envoy's ``-l``; ``debug`` shows each stream's ext_proc exchange in the log."""
     port: int = 0
@@ -129,7 +131,7 @@ class Envoy:
                 "name": "envoy.filters.http.ext_proc",
                 "typed_config": {
                     "@type": _EXT_PROC,
-                    "grpc_service": {"envoy_grpc": {"cluster_name": "ext_proc"}, "timeout": "10s"},
+                    "grpc_service": self._grpc_service(),
                     "processing_mode": {
                         "request_header_mode": "SEND",
                         "response_header_mode": "SEND",
@@ -233,6 +235,14 @@ class Envoy:
             },
         }
 
+    def _grpc_service(self) -> dict[str, Any]:
+        service: dict[str, Any] = {"envoy_grpc": {"cluster_name": "ext_proc"}, "timeout": "10s"}
+        if self.token is not None:
+            service["initial_metadata"] = [
+                {"key": "authorization", "value": f"Bearer {self.token}"}
+            ]
+        return service
+
     def _ext_proc_cluster(self) -> dict[str, Any]:
         """The picker's cluster, health-checked over gRPC health as GAIE's gateways do.
 
@@ -254,7 +264,11 @@ class Envoy:
                 "grpc_health_check": {"service_name": EXT_PROC_SERVICE},
             }
         ]
-        cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}
+        # no panic routing to an unhealthy picker, and no second of it still routable
+        cluster["common_lb_config"] = {
+            "healthy_panic_threshold": {"value": 0},
+            "update_merge_window": "0s",
+        }
         return cluster
 
     def picker_healthy(self) -> bool:

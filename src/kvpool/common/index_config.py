@@ -143,6 +143,14 @@ class PickerConfig(BaseModel):
             "without one, only token-id prompts are scored (text is routed by load)."
         ),
     )
+    require_token: bool = Field(
+        True,
+        description=(
+            "Streams must carry a gateway or admin token of the pool (Envoy: the ext_proc "
+            "grpc_service's initial_metadata authorization: Bearer ...). Turn off only for a "
+            "gateway that cannot send one, with a NetworkPolicy that admits only it."
+        ),
+    )
     deadline_ms: float = Field(
         50.0,
         gt=0,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+from kvpool.common.auth import TokenAuthority
 from kvpool.common.index_config import IndexConfig
 from kvpool.common.problems import ConfigError
 from kvpool.index.engine_events import EngineEvents, EngineEventsCollector, event_endpoints
@@ -58,6 +59,8 @@ class EndpointPickerService:
         tiers: Tiers,
         metrics: IndexMetrics,
         feed: PlacementFeed | None = None,
+        *,
+        authority: TokenAuthority | None = None,
     ) -> None:
         """``ConfigError`` (one line) when the tokenizer directory does not load."""
         picker_config = config.picker
@@ -88,7 +91,13 @@ class EndpointPickerService:
             deadline_ms=picker_config.deadline_ms,
             observer=metrics,
         )
-        self.edge = EppServer(self.picker, picker_config, config.host, prompts)
+        self.edge = EppServer(
+            self.picker,
+            picker_config,
+            config.host,
+            prompts,
+            authority=authority if picker_config.require_token else None,
+        )
         metrics.register_picker(self.edge.answers.snapshot, self.servers.snapshot)
         self.port = 0
 

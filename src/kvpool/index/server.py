@@ -159,7 +159,7 @@ class IndexServer:
         picking = None
         if config.picker.enabled:
             tiers = Tiers(l1=tracker, nvme=trackers.nvme, s3=trackers.s3)
-            picking = EndpointPickerService(config, tiers, metrics, feed)
+            picking = EndpointPickerService(config, tiers, metrics, feed, authority=self._authority)
         async with contextlib.AsyncExitStack() as stack:
             with listening("http_port", config.host, config.http_port):
                 listener = listen(config.host, config.http_port)

@@ -35,6 +35,7 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvpool.common.auth import Role, TokenAuthority
 from kvpool.common.index_config import PickerConfig
 from kvpool.common.web.rate_limited_log import RateLimitedLog
 from kvpool.index.epp.stream import Answers, BodyBudget, Limits, Phase, Stream
@@ -98,6 +99,13 @@ class _ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
 
     def Process(self, requests: Iterator[Any], context: Any) -> Iterator[Any]:
         server = self._server
+        if server.authority is not None and not _gateway(server.authority, context):
+            server.answers.count(401, "unauthenticated")
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "the endpoint picker takes a gateway or admin token of the pool "
+                "(authorization: Bearer ... in the gRPC service's initial metadata)",
+            )
         stream = Stream(server.picker, server.prompts, server.limits, server.answers, server.budget)
         key = id(stream)
         server.watchdog.watch(key, context, time.monotonic() + server.request_seconds)
@@ -117,6 +125,15 @@ class _ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
             stream.close()
 
 
+def _gateway(authority: TokenAuthority, context: Any) -> bool:
+    """Whether the stream's metadata carries a gateway's or an admin's bearer token."""
+    for key, value in context.invocation_metadata():
+        if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+            principal = authority.authenticate(value.removeprefix("Bearer ").strip())
+            return principal is not None and principal.role in (Role.GATEWAY, Role.ADMIN)
+    return False
+
+
 class EppServer:
     """Envoy's external processor in front of ``picker``, and gRPC health, on
     ``host``:``config.port``."""
@@ -132,8 +149,12 @@ class EppServer:
         body_budget_bytes: int = 256 << 20,
         request_seconds: float = 60.0,
         idle_seconds: float = 3600.0,
+        authority: TokenAuthority | None = None,
     ) -> None:
+        """``authority``: streams must carry one of its gateway or admin tokens (checked
+        before anything of the stream is read); None: no token asked."""
         self.picker = picker
+        self.authority = authority
         self.prompts = prompts
         self.config = config
         self.host = host
