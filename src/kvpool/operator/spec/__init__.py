@@ -41,7 +41,16 @@ from kvpool.operator.spec.base import (
     describe,
     parse_bytes,
 )
-from kvpool.operator.spec.index import FingerprintSpec, IndexSpec, RoutingSpec
+from kvpool.operator.spec.index import (
+    PICKER_NEEDS_SELECTOR,
+    PICKER_PORT_TAKEN,
+    TOKENIZER_SUB_PATH,
+    FingerprintSpec,
+    IndexSpec,
+    PickerSpec,
+    RoutingSpec,
+    TokenizerSpec,
+)
 from kvpool.operator.spec.l2 import (
     NVME_ENCRYPTION_NEEDS_KEY,
     S3_NEEDS_KEY,
@@ -55,6 +64,7 @@ from kvpool.operator.spec.l2 import (
 from kvpool.operator.spec.network import (
     NETWORK_POLICY_NEEDS_CLIENTS,
     NETWORK_POLICY_NEEDS_GATEWAYS,
+    NETWORK_POLICY_NEEDS_PICKER_CLIENTS,
     PEER_SELECTS_NOTHING,
     NetworkPeer,
     NetworkPolicySpec,
@@ -95,9 +105,12 @@ __all__ = [
     "KIND",
     "NETWORK_POLICY_NEEDS_CLIENTS",
     "NETWORK_POLICY_NEEDS_GATEWAYS",
+    "NETWORK_POLICY_NEEDS_PICKER_CLIENTS",
     "NVME_ENCRYPTION_NEEDS_KEY",
     "PEER_PORT_TAKEN",
     "PEER_SELECTS_NOTHING",
+    "PICKER_NEEDS_SELECTOR",
+    "PICKER_PORT_TAKEN",
     "PLURAL",
     "ROTATION_TOO_SHORT",
     "S3_NEEDS_KEY",
@@ -105,6 +118,7 @@ __all__ = [
     "SSE_KMS_KEY_NEEDS_KMS",
     "TENANT_KIND",
     "TENANT_PLURAL",
+    "TOKENIZER_SUB_PATH",
     "VERSION",
     "AgentSpec",
     "Bytes",
@@ -125,6 +139,7 @@ __all__ = [
     "NetworkPolicySpec",
     "NvmeTier",
     "PeersSpec",
+    "PickerSpec",
     "PinnedPrefix",
     "PoolRef",
     "PoolSpec",
@@ -141,6 +156,7 @@ __all__ = [
     "TenantSpec",
     "TenantsSpec",
     "TierQuota",
+    "TokenizerSpec",
     "UpdateStrategySpec",
     "describe",
     "parse_bytes",
