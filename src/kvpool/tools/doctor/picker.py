@@ -61,7 +61,7 @@ def probe(target: str, timeout: float) -> Check:
     install (kvpool[index]); where the doctor runs without it, the check is skipped."""
     try:
         import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
+        from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped,unused-ignore]
     except ImportError as missing:
         return skipped(NAME, f"no gRPC here ({missing.name}): pip install 'kvpool[index]'")
     request = health_pb2.HealthCheckRequest(service=EXT_PROC_SERVICE)
