@@ -797,8 +797,9 @@ def _merge_patch(current: Obj, patch: Obj) -> Obj:
     for key, value in patch.items():
         if value is None:
             merged.pop(key, None)
-        elif isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge_patch(merged[key], value)
+        elif isinstance(value, dict):  # into {} where there is no object: nulls go
+            target = merged.get(key)
+            merged[key] = _merge_patch(target if isinstance(target, dict) else {}, value)
         else:
             merged[key] = copy.deepcopy(value)
     return merged

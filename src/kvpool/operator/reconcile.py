@@ -37,6 +37,7 @@ from kvpool.operator.status import (
     Problem,
     Rollout,
     pool_status,
+    written,
 )
 
 POOLS = KINDS[API_VERSION, KIND]
@@ -216,7 +217,7 @@ class Reconciler:
             if deployment is not None
             else None,
         )
-        if {key: previous.get(key) for key in status} != status:
+        if not written(status, previous):
             self._cluster.patch_status(POOLS, namespace, name, status)
 
 

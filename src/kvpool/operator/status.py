@@ -129,9 +129,32 @@ class IndexReplicas:
             picker[0] if picker else None,
         )
 
-    def status(self) -> dict[str, int]:
-        picker = {} if self.picker_port is None else {"pickerPort": self.picker_port}
-        return {"replicas": self.replicas, "readyReplicas": self.ready, **picker}
+    def status(self) -> dict[str, int | None]:
+        """``status.index``; ``pickerPort`` None (no picker) as null, which a merge patch
+        of the status removes."""
+        return {
+            "replicas": self.replicas,
+            "readyReplicas": self.ready,
+            "pickerPort": self.picker_port,
+        }
+
+
+def written(status: Mapping[str, Any], previous: Mapping[str, Any]) -> bool:
+    """Whether ``previous`` already says what the merge patch ``status`` would: a null says
+    "absent" (at any depth), as the patch makes it."""
+    return all(_same(value, previous.get(key)) for key, value in status.items())
+
+
+def _same(patch: Any, current: Any) -> bool:
+    if patch is None:
+        return current is None
+    if isinstance(patch, Mapping):
+        return (
+            isinstance(current, Mapping)
+            and written(patch, current)
+            and all(key in patch for key in current)
+        )
+    return bool(patch == current)
 
 
 def pool_status(
