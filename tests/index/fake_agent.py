@@ -42,6 +42,9 @@ class FakeAgent:
         self.agent_id = uuid.uuid4().hex
         self.seq = 0
         self.keys: list[bytes] = []
+        self.nvme: list[bytes] = []
+        """The NVMe tier's keys, listed by snapshots that ask for them (when ``lists_nvme``)."""
+        self.lists_nvme = True
         self.answering = True
         self.snapshot_delay = 0.0
         self.snapshots = 0
@@ -66,11 +69,12 @@ class FakeAgent:
         """Change the keys and publish the event; ``lost``: the event never reaches anyone."""
         with self._lock:
             self.seq += 1
-            if tier == "l1":
+            held = {"l1": self.keys, "nvme": self.nvme}.get(tier)
+            if held is not None:
                 if kind == "stored":
-                    self.keys += [k for k in keys if k not in self.keys]
+                    held += [k for k in keys if k not in held]
                 else:
-                    self.keys = [k for k in self.keys if k not in keys]
+                    held[:] = [k for k in held if k not in keys]
             event = ChunkEvent(self.seq, self.agent_id, kind, tier, TENANT, keys)
         if not lost:
             self._pub.send_multipart([EVENTS_TOPIC, encode_event(event)])
@@ -80,7 +84,7 @@ class FakeAgent:
             self.agent_id = uuid.uuid4().hex
             self.seq = 0
             if not keep_keys:
-                self.keys = []
+                self.keys, self.nvme = [], []
 
     def close(self) -> None:
         self._stopping.set()
@@ -99,7 +103,7 @@ class FakeAgent:
     def _answer(self, identity: bytes, body: bytes) -> None:
         request = p.decode_request(body)
         with self._lock:
-            agent_id, seq, keys = self.agent_id, self.seq, list(self.keys)
+            agent_id, seq, keys, nvme = self.agent_id, self.seq, list(self.keys), list(self.nvme)
         reply: p.Reply
         if isinstance(request, p.Hello):
             reply = p.HelloReply(request.req, p.PROTOCOL_VERSION, 7, agent_id, "", 0, 0, 0, 0, 0)
@@ -108,7 +112,8 @@ class FakeAgent:
                 return
             self.snapshots += 1
             time.sleep(self.snapshot_delay)  # the state is the one at the request
-            reply = p.SnapshotReply(request.req, agent_id, seq, {TENANT: keys})
+            listed = {"nvme": {TENANT: nvme}} if "nvme" in request.tiers and self.lists_nvme else {}
+            reply = p.SnapshotReply(request.req, agent_id, seq, {TENANT: keys}, listed)
         else:
             reply = p.Error(request.req, p.ErrorCode.UNKNOWN_OP, "not faked")
         self._router.send_multipart([identity, p.encode(reply)])

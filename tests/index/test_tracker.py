@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import tracemalloc
 
 import pytest
 
 from kvpool.common.keys import ModelFingerprint, chunk_keys, shared_salt
 from kvpool.index.query import Query
-from kvpool.index.tracker import BATCH_KEYS, PrefixMatch, PrefixTracker
+from kvpool.index.tracker import BATCH_KEYS, NodeCounts, PrefixMatch, PrefixTracker
 from tests.support.chunks import chain
 
 
@@ -181,3 +182,40 @@ def test_a_structured_salt_routes_on_the_connectors_keys() -> None:
 def test_the_cap_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_chunks_per_node"):
         PrefixTracker(max_chunks_per_node=0)
+
+
+def test_single_keys_share_loose_batches_that_vouch_for_nothing() -> None:
+    """A lower tier's chunks arrive one by one, tail first (the write-back's order)."""
+    clock = Clock()
+    tracker = PrefixTracker(max_chunks_per_node=BATCH_KEYS + 10, clock=clock)
+    prompt = chain("written-back", BATCH_KEYS + 6)
+    for key in reversed(prompt):
+        tracker.stored("a", [key])
+    assert runs(tracker, prompt) == {"a": BATCH_KEYS + 6}
+    # The run ends in the first loose batch (the tail's 64 keys): seen when its newest came.
+    assert tracker.longest_prefixes(prompt)["a"].last_seen == 1000.0 + BATCH_KEYS
+    tracker.removed("a", [prompt[3]])
+    assert runs(tracker, prompt) == {"a": 3}  # a loose batch never vouches across the hole
+    tracker.stored("a", [prompt[3]])  # stored again
+    assert runs(tracker, prompt) == {"a": BATCH_KEYS + 6}
+    # Loose batches are batches to the cap: the oldest (the chain's tail, a full batch) goes.
+    tracker.stored("a", chain("other", 10))
+    assert tracker.counts()["a"] == NodeCounts(6 + 10, BATCH_KEYS)
+    assert runs(tracker, prompt) == {"a": 6}
+
+
+def test_single_keys_cost_about_what_keys_of_full_batches_do() -> None:
+    keys = chain("memory", 20 * BATCH_KEYS)
+
+    def bytes_per_key(batch: int) -> float:
+        tracker = PrefixTracker()
+        tracemalloc.start()
+        try:
+            for start in range(0, len(keys), batch):
+                tracker.stored("a", keys[start : start + batch])
+            return tracemalloc.get_traced_memory()[0] / len(keys)
+        finally:
+            tracemalloc.stop()
+
+    # A batch of its own for each key would be some three times as much.
+    assert bytes_per_key(1) < 1.5 * bytes_per_key(BATCH_KEYS)

@@ -45,6 +45,12 @@ def build(settings: dict[str, Any]) -> Any:
     extra: dict[str, Any] = {}
     if settings.get("num_blocks"):
         extra["num_gpu_blocks_override"] = settings["num_blocks"]
+    if settings.get("kv_events"):  # vLLM's KVEventsConfig fields (its ZMQ KV-event publisher)
+        from vllm.config import KVEventsConfig
+
+        extra["kv_events_config"] = KVEventsConfig(**settings["kv_events"])
+    if settings.get("block_size"):
+        extra["block_size"] = settings["block_size"]
     return LLM(
         model=settings["model"],
         # float32 unless a test asks for another: vLLM's CPU engine runs the models' bf16 at

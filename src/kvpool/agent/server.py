@@ -37,6 +37,7 @@ from kvpool.agent.l2.nvme import NvmeAdapter
 from kvpool.agent.l2.tiers import open_tiers
 from kvpool.agent.peer.node import PeerTier
 from kvpool.agent.service.cache_service import CacheService
+from kvpool.agent.service.hooks import TierKeys
 from kvpool.agent.tenancy.quota_store import FileQuotaStore
 from kvpool.agent.tiering.prefetch import Prefetcher
 from kvpool.agent.tiering.writeback import WriteBack
@@ -44,6 +45,7 @@ from kvpool.common.auth import GeneratedTokens, TokenAuthority, load_authority
 from kvpool.common.config import AgentConfig, make_setting_directory
 from kvpool.common.files import FileRefused, LockFile, Undo
 from kvpool.common.problems import listening
+from kvpool.common.protocol import TIER_NVME, TIER_S3
 from kvpool.common.quotas import Quota
 from kvpool.common.segment import LOCK_MODE, SegmentInUse, door_path, lock_path
 from kvpool.common.tenants_configmap import SpaceEntry, TenantsSnapshot
@@ -52,6 +54,7 @@ from kvpool.common.web.serving import listen as listen_http
 from kvpool.common.web.serving import serve_http
 
 if TYPE_CHECKING:
+    from kvpool.agent.l2.s3 import S3Adapter  # boto3: imported only with an S3 tier
     from kvpool.agent.tenancy.kube_quota_store import KubernetesQuotaStore
     from kvpool.agent.tenancy.tenants_watch import TenantsWatch
 
@@ -228,7 +231,7 @@ class Agent:
                 l1.origin,
                 probe_table=l1.probe_table,
             )
-            service.publish_events(events)
+            service.publish_events(events, self._tier_events(events, tiers))
             prefetcher = await self._start_l2(l1, service, metrics, tiers, peers=peers, stack=stack)
             zmq_server = ZmqServer(
                 service,
@@ -325,6 +328,23 @@ class Agent:
             events.start()
         stack.callback(events.stop)
         return zmq_listener, http_listener, events
+
+    @staticmethod
+    def _tier_events(events: EventPublisher, tiers: list[L2Adapter]) -> dict[str, TierKeys]:
+        """The L2 tiers publish into the events' sequence (tier ``nvme``, ``s3``); the
+        tiers a snapshot lists, by name: NVMe's keys (none without an NVMe tier, so that an
+        index forgets what an earlier agent of the node held). S3 is not listed: the agent
+        keeps no list of the bucket (listing it would cost a request per 1000 objects of
+        the whole pool's bucket, at every resync), so an index learns it from events only.
+        """
+        listed: dict[str, TierKeys] = {TIER_NVME: dict}
+        for tier in tiers:
+            if isinstance(tier, NvmeAdapter):
+                tier.listener = events.tier(TIER_NVME)
+                listed[TIER_NVME] = tier.keys_by_tenant
+            elif tier.name == TIER_S3:
+                cast("S3Adapter", tier).listener = events.tier(TIER_S3)
+        return listed
 
     def _load_quotas(self) -> tuple[FileQuotaStore | KubernetesQuotaStore, dict[str, Quota]]:
         """The pool's quota store (its ConfigMap, or a local file) and the quotas it holds."""

@@ -80,6 +80,13 @@ class ModelServer(BaseModel):
         None,
         description="Its vLLM KV-events endpoint (tcp://ip:port); none: no GPU tier.",
     )
+    kv_events_replay: str | None = Field(
+        None,
+        description=(
+            "Its vLLM KV-events replay endpoint (tcp://ip:port, vLLM's replay_endpoint): "
+            "lost events are asked for again; none: a loss drops its GPU tier until refilled."
+        ),
+    )
 
 
 class TierCosts(BaseModel):
@@ -121,6 +128,12 @@ class PickerConfig(BaseModel):
     target_port: int = Field(8000, ge=1, le=65535, description="Their OpenAI port (kubernetes).")
     kv_events_port: int | None = Field(
         None, ge=1, le=65535, description="Their vLLM KV-events port (kubernetes); none: none."
+    )
+    kv_events_replay_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Their vLLM KV-events replay port (kubernetes); none: no replay.",
     )
     tokenizer: Path | None = Field(
         None,
@@ -259,6 +272,12 @@ class IndexConfig(FileSettings):
                 "static discovery needs agents: --agent NODE=ZMQ,EVENTS, agents in the "
                 "configuration file, or discovery kubernetes",
                 agents=self.agents,
+            )
+        if self.picker.enabled and self.fingerprint is None:
+            raise SettingError(
+                "the endpoint picker keys prompts with the model's fingerprint: set "
+                "fingerprint too",
+                fingerprint=self.fingerprint,
             )
         nodes = [agent.node for agent in self.agents]
         again = {n: node for n, node in enumerate(nodes) if node in nodes[:n]}

@@ -210,10 +210,19 @@ class SaltPlan:
     def chain(self, chunk_tokens: int, root: Callable[[str | None], bytes]) -> KeyChain:
         """The key chain of a request under this plan; ``root(salt)``: the chain seed of a
         salt for the model (:func:`root_key`, maybe memoized)."""
+        return KeyChain(*self.seed(chunk_tokens, root))
+
+    def seed(
+        self, chunk_tokens: int, root: Callable[[str | None], bytes]
+    ) -> tuple[bytes, int, tuple[int, bytes] | None]:
+        """What :meth:`chain` builds its :class:`KeyChain` from: the chain's root, the chunk
+        size and the mix (a structured salt's first private chunk and the tenant's root).
+        Enough to go on hashing a chain without keeping the salt (the index's follower of
+        vLLM's KV events keeps this per block chain)."""
         shared = self.shared_chunks(chunk_tokens)
         if shared == 0:
-            return KeyChain(root(self.tenant_salt), chunk_tokens)
-        return KeyChain(root(self.space_salt), chunk_tokens, (shared, root(self.tenant_salt)))
+            return root(self.tenant_salt), chunk_tokens, None
+        return root(self.space_salt), chunk_tokens, (shared, root(self.tenant_salt))
 
 
 def plan_salt(salt: str | None) -> SaltPlan:

@@ -160,6 +160,9 @@ class Snapshot(_Message, tag="snapshot"):
     """Every ready key by tenant, for a prefix index resynchronising with the chunk events."""
 
     session: int
+    tiers: list[str] = []
+    """Lower tiers whose keys the reply should carry too ("nvme"); an agent that predates
+    the field ignores it and answers L1 only, as it does for a request without it."""
 
 
 class PrefetchStatus(_Message, tag="prefetch_status"):
@@ -300,6 +303,12 @@ class SnapshotReply(_Message, tag="snapshot_reply"):
     seq: int
     """The last chunk event this snapshot includes; apply only later events to it."""
     tenants: dict[str, list[bytes]]
+    """L1's keys by tenant."""
+    tiers: dict[str, dict[str, list[bytes]]] = {}
+    """Of the tiers the request named, those whose every key this agent knows: their keys by
+    tenant, as of ``seq`` or a little later (replaying the events after ``seq`` on them is
+    harmless). A tier named but absent is one the agent does not list: "s3" (its events are
+    all there is), or any tier for an agent that predates the field."""
 
 
 class Error(_Message, tag="error"):
@@ -418,6 +427,14 @@ def peek_request(start: bytes) -> tuple[str, int] | None:
 
 EVENTS_TOPIC = b"kvpool.chunks"
 
+TIER_L1 = "l1"
+"""The agent's shared-memory segment: what it serves at once."""
+TIER_NVME = "nvme"
+"""The agent's NVMe files: what it loads into L1 from its own disk."""
+TIER_S3 = "s3"
+"""The pool's bucket, written back by this agent: what any agent of the pool can load."""
+TIERS = (TIER_L1, TIER_NVME, TIER_S3)
+
 
 class ChunkEvent(msgspec.Struct, array_like=True, frozen=True):
     seq: int
@@ -425,10 +442,13 @@ class ChunkEvent(msgspec.Struct, array_like=True, frozen=True):
     kind: str
     """"stored" or "removed"."""
     tier: str
+    """"l1", "nvme" or "s3"; one sequence covers every tier of an agent, so a
+    subscriber skips a tier it does not follow but counts its events in ``seq``."""
     tenant: str
     keys: list[bytes]
     cause: str = ""
-    """For removals: watermark, pressure, quota or cleared."""
+    """For removals: watermark, pressure, quota or cleared (L1); pressure, quota, deleted,
+    corrupt, missing or failed (NVMe); deleted (S3)."""
     time: float = 0.0
     """Unix time the agent published the event (0: unknown)."""
 

@@ -16,7 +16,7 @@ lost events.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -26,6 +26,8 @@ from prometheus_client.registry import Collector
 from kvpool.common.routing import Decision
 from kvpool.common.web.connections import HttpRefusals
 from kvpool.common.web.refusal_metrics import HttpRefusalsCollector
+from kvpool.index.model_servers import ServerState
+from kvpool.index.picking import PickReason
 from kvpool.index.subscriber import AgentStatus
 from kvpool.index.tracker import PrefixTracker
 
@@ -118,6 +120,42 @@ class _IndexCollector(Collector):
         yield from (events, resyncs, failures, synced, connected, age, lag)
 
 
+class _PickerCollector(Collector):
+    def __init__(
+        self,
+        answers: Callable[[], dict[tuple[int, str], int]],
+        servers: Callable[[], Sequence[ServerState]],
+    ) -> None:
+        self._answers = answers
+        self._servers = servers
+
+    def collect(self) -> Iterator[Metric]:
+        answers = CounterMetricFamily(
+            "kvpool_index_picker_answers",
+            "What the endpoint picker answered the gateway, by HTTP status and reason.",
+            labels=["status", "reason"],
+        )
+        for (status, reason), count in sorted(self._answers().items()):
+            answers.add_metric([str(status), reason], count)
+        yield answers
+        ready = GaugeMetricFamily(
+            "kvpool_index_model_server_ready",
+            "1 while the model server's /metrics answers (it is then a candidate).",
+            labels=["server", "node"],
+        )
+        waiting = GaugeMetricFamily(
+            "kvpool_index_model_server_waiting",
+            "Requests waiting in the model server, as it last said.",
+            labels=["server"],
+        )
+        for server in self._servers():
+            ready.add_metric([server.address, server.node], int(server.ready))
+            if server.load is not None:
+                waiting.add_metric([server.address], server.load.waiting)
+        yield ready
+        yield waiting
+
+
 class IndexMetrics:
     """The :class:`~kvpool.index.service.QueryObserver` of the index process."""
 
@@ -144,6 +182,33 @@ class IndexMetrics:
             ["reason"],
             registry=registry,
         )
+
+    def register_picker(
+        self,
+        answers: Callable[[], dict[tuple[int, str], int]],
+        servers: Callable[[], Sequence[ServerState]],
+    ) -> None:
+        """The endpoint picker's numbers: its answers by status and reason, its picks by
+        reason and their time (:meth:`observe_pick`), each model server's load."""
+        self.registry.register(_PickerCollector(answers, servers))
+        self._picks = Counter(
+            "kvpool_index_picks",
+            "Endpoint picks, by reason (prefix, load, fail_open, no_endpoint).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self._pick_latency = Histogram(
+            "kvpool_index_pick_seconds",
+            "Time to pick an endpoint, prompt key hashing included.",
+            buckets=_QUERY_BUCKETS,
+            registry=self.registry,
+        )
+
+    def observe_pick(self, reason: PickReason | None, seconds: float) -> None:
+        """A :class:`~kvpool.index.picker.PickObserver`: ``None`` is a request no endpoint
+        could take."""
+        self._picks.labels(reason.value if reason is not None else "no_endpoint").inc()
+        self._pick_latency.observe(seconds)
 
     def register_http(self, refusals: HttpRefusals) -> None:
         """Count what the HTTP server refuses (see

@@ -1,7 +1,7 @@
 """``kvpool-index``: the prefix index process. Composition root: builds every part,
 starts them, stops them in reverse.
 
-Parts: the gateway token authority, the tracker, the event subscriber (its own
+Parts: the gateway token authority, the trackers (one per tier), the event subscriber (its own
 thread), the discovery (static, or a Kubernetes watch thread), metrics, and
 the HTTP API (uvicorn on this event loop). It is ready (``/readyz``) once it
 holds a synchronised copy of every agent discovery named, or after
@@ -51,12 +51,14 @@ from kvpool.common.problems import (
 )
 from kvpool.common.web.connections import HttpRefusals
 from kvpool.common.web.serving import listen, serve_http
+from kvpool.index.endpoint_picker import EndpointPickerService
 from kvpool.index.http_api import create_app
 from kvpool.index.metrics import IndexMetrics
 from kvpool.index.peer_lookups import PeerLookups
+from kvpool.index.picker import Tiers
 from kvpool.index.service import IndexService
 from kvpool.index.subscriber import EventSubscriber
-from kvpool.index.tracker import PrefixTracker
+from kvpool.index.tracker import TierTrackers
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,9 @@ class IndexServer:
         self._ready = False
         self._warm_by = time.monotonic() + config.warmup_seconds
         self._warmed = False
+        self.trackers = TierTrackers.create(config.max_chunks_per_node)
+        """What each node holds, tier by tier (the subscriber fills them; lookups and
+        routes answer from ``l1``)."""
 
     def _warm(self, subscriber: EventSubscriber) -> bool:
         """Whether the index has caught up with every agent once, or stopped waiting to."""
@@ -123,9 +128,11 @@ class IndexServer:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.stop)
         config, discovery = self.config, self._discovery
-        tracker = PrefixTracker(config.max_chunks_per_node)
+        trackers = self.trackers
+        tracker = trackers.l1
         subscriber = EventSubscriber(
             tracker,
+            tiers=trackers.lower(),
             token=self._agent_token,
             snapshot_timeout=config.snapshot_timeout_seconds,
             receive_hwm=config.receive_hwm,
@@ -143,10 +150,18 @@ class IndexServer:
             metrics=metrics.exposition,
             limits=config.http_limits,
         )
+        picking = None
+        if config.picker.enabled:
+            tiers = Tiers(l1=tracker, nvme=trackers.nvme, s3=trackers.s3)
+            picking = EndpointPickerService(config, tiers, metrics)
         async with contextlib.AsyncExitStack() as stack:
             with listening("http_port", config.host, config.http_port):
                 listener = listen(config.host, config.http_port)
             stack.callback(listener.close)
+            picker_port = None
+            if picking is not None:
+                picker_port = picking.start()  # OSError naming picker.port: nothing started
+                stack.callback(picking.stop)
             if self._peer_lookups is not None:
                 granting = asyncio.create_task(self._peer_lookups.follow())
                 stack.callback(granting.cancel)
@@ -168,10 +183,11 @@ class IndexServer:
                 self._write_tokens(self._generated)
             self._ready = True
             log.info(
-                "index ready pool=%s http=%s discovery=%s",
+                "index ready pool=%s http=%s discovery=%s picker=%s",
                 config.pool,
                 http_url,
                 config.discovery,
+                f"{config.host}:{picker_port}" if picker_port is not None else "off",
             )
             await self._stopping.wait()
             self._ready = False

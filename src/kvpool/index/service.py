@@ -13,6 +13,9 @@ Embedding the index in a Python gateway instead of running ``kvpool-index``::
     discovery.start(subscriber.follow)
     service = IndexService(tracker, RoutingPolicy())
     route = service.route(Query.of_tokens(token_ids, salt, fingerprint), loads)
+
+To follow the lower tiers too (NVMe, S3: the endpoint picker's), build ``trackers =
+TierTrackers.create()`` and ``EventSubscriber(trackers.l1, tiers=trackers.lower(), ...)``.
 """
 
 from __future__ import annotations

@@ -27,9 +27,21 @@ Both connections carry the index's token (an index's or an admin's token of the 
 in ``hello``, and as the PLAIN password of the SUB socket; an agent that refuses it is
 logged once per connection attempt's failure and retried like an unreachable one.
 
-Only L1 events are tracked: routing is about what a node can serve from its
-segment. Agents leave through :meth:`EventSubscriber.follow` (discovery says
-the pod is gone): their keys are dropped from the tracker.
+Events are routed by their ``tier`` into one sink per tier followed: ``sink`` for L1 (what
+a node serves from its segment: the lookups and routes), and ``tiers`` for the lower ones,
+each keyed by the node whose agent published it:
+
+* ``nvme``: what the node's NVMe files hold. The snapshot lists them (an agent that
+  predates tier events lists none and publishes none: its NVMe stays unknown, empty).
+* ``s3``: what the node's agent wrote back to the pool's bucket (which any node can load).
+  Agents keep no list of the bucket, so the snapshot has none: a resync keeps what the
+  events taught (the objects outlive gaps and agent restarts), and an index that restarts
+  learns S3 again from new write-backs. A removal from S3 (a delete, a tenant's drop by
+  any agent) removes the keys from every node's entry: the bucket is one.
+
+Tiers not followed are skipped but still count in the sequence. Agents leave through
+:meth:`EventSubscriber.follow` (discovery says the pod is gone): their keys are dropped
+from every tier's sink.
 """
 
 from __future__ import annotations
@@ -40,7 +52,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -56,7 +68,12 @@ log = logging.getLogger(__name__)
 _failures = RateLimitedLog(log)
 """A failure that recurs on every poll logs one traceback a minute per node."""
 
-TRACKED_TIER = "l1"
+TRACKED_TIER = p.TIER_L1
+"""The tier of ``sink``, which lookups and routes answer from."""
+LISTED_TIERS = frozenset({p.TIER_NVME})
+"""Lower tiers whose keys a snapshot carries (others are learned from events only)."""
+SHARED_TIERS = frozenset({p.TIER_S3})
+"""Lower tiers that every node shares: a removal there is a removal for every node."""
 CLIENT_NAME = "kvpool-index"
 _DRAIN_BATCH = 1024
 """Events taken from one agent per loop turn, so one busy agent cannot starve the others."""
@@ -149,6 +166,7 @@ class EventSubscriber:
         sink: IndexSink,
         *,
         token: str,
+        tiers: Mapping[str, IndexSink] | None = None,
         snapshot_timeout: float = 10.0,
         max_backoff: float = 30.0,
         settle: float = 0.2,
@@ -156,7 +174,18 @@ class EventSubscriber:
         max_buffered_events: int = 100_000,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        """``sink`` follows L1; ``tiers`` the lower tiers by name (``nvme``, ``s3``), if any."""
+        lower = dict(tiers or {})
+        unknown = sorted(set(lower) - set(p.TIERS) | set(lower) & {TRACKED_TIER})
+        if unknown:
+            raise ValueError(
+                f"tiers: {', '.join(map(repr, unknown))} is not a lower tier; "
+                f"they are {', '.join(t for t in p.TIERS if t != TRACKED_TIER)}"
+            )
         self._sink = sink
+        self._sinks: dict[str, IndexSink] = {TRACKED_TIER: sink, **lower}
+        self._listed = sorted(LISTED_TIERS & set(lower))
+        """The tiers a snapshot is asked to list."""
         self._token = token
         self._snapshot_timeout = snapshot_timeout
         self._max_backoff = max_backoff
@@ -276,7 +305,8 @@ class EventSubscriber:
                 self._close(follower)
                 del followers[node]
                 if node not in wanted:
-                    self._sink.drop_node(node)
+                    for sink in self._sinks.values():
+                        sink.drop_node(node)
                     log.info("agent of node %s is gone; its chunks are dropped", node)
         for node, endpoint in wanted.items():
             if node not in followers:
@@ -365,12 +395,16 @@ class EventSubscriber:
     def _apply(self, follower: _Follower, event: p.ChunkEvent) -> None:
         follower.seq = event.seq
         follower.events += 1
-        if event.tier != TRACKED_TIER:
+        sink = self._sinks.get(event.tier)
+        if sink is None:
             return
         if event.kind == "stored":
-            self._sink.stored(follower.endpoint.node, event.keys)
+            sink.stored(follower.endpoint.node, event.keys)
+        elif event.kind == "removed" and event.tier in SHARED_TIERS:
+            for node in self._followers:
+                sink.removed(node, event.keys)
         elif event.kind == "removed":
-            self._sink.removed(follower.endpoint.node, event.keys)
+            sink.removed(follower.endpoint.node, event.keys)
         else:
             log.warning(
                 "node %s: unknown event kind %r ignored", follower.endpoint.node, event.kind
@@ -414,7 +448,8 @@ class EventSubscriber:
             return
         if isinstance(reply, p.HelloReply) and follower.session is None:
             follower.session = reply.session
-            follower.dealer.send(p.encode(p.Snapshot(next(self._requests), reply.session)))
+            request = p.Snapshot(next(self._requests), reply.session, self._listed)
+            follower.dealer.send(p.encode(request))
             follower.deadline = time.monotonic() + self._snapshot_timeout
         elif isinstance(reply, p.SnapshotReply) and follower.session is not None:
             self._end_request(follower)
@@ -427,12 +462,19 @@ class EventSubscriber:
     def _synced(self, follower: _Follower, snapshot: p.SnapshotReply) -> None:
         node = follower.endpoint.node
         self._sink.replace(node, itertools.chain.from_iterable(snapshot.tenants.values()))
+        listed = {tier: snapshot.tiers[tier] for tier in self._listed if tier in snapshot.tiers}
+        for tier, by_tenant in listed.items():  # a tier not listed keeps what events taught
+            self._sinks[tier].replace(node, itertools.chain.from_iterable(by_tenant.values()))
         log.info(
-            "node %s synchronised: agent %s, %d chunks at event %d",
+            "node %s synchronised: agent %s, %d chunks at event %d%s",
             node,
             snapshot.agent,
             sum(len(keys) for keys in snapshot.tenants.values()),
             snapshot.seq,
+            "".join(
+                f", {tier} {sum(len(keys) for keys in by_tenant.values())}"
+                for tier, by_tenant in listed.items()
+            ),
         )
         follower.agent_id = snapshot.agent
         follower.seq = snapshot.seq

@@ -8,6 +8,12 @@ whole node at a time after a snapshot) and read by queries. Per node it keeps
   keys (at most :data:`BATCH_KEYS` per record), stamped with its arrival time:
   the *last seen* of its keys.
 
+**Single keys.** The lower tiers publish a chunk at a time (the write-back puts chunk by
+chunk, tail first). Stored one by one, each would be a batch of its own, three times the
+memory of a key in a full batch; instead consecutive single keys of a node share a *loose*
+batch (up to :data:`BATCH_KEYS`, unordered like a snapshot's, so it vouches for nothing),
+whose last seen is its newest key's.
+
 **Bounds.** A node holds at most ``max_chunks_per_node`` keys; past that its
 oldest batches go, whole (so a node may fall up to one batch below the cap).
 Removing a node (its agent went away) drops all of its keys at once.
@@ -77,6 +83,7 @@ class NodeCounts:
 
 class _Batch:
     __slots__ = ("keys", "live", "ordered", "seen")
+    keys: tuple[bytes, ...]
 
     def __init__(self, keys: tuple[bytes, ...], ordered: bool, seen: float) -> None:
         self.keys = keys
@@ -91,7 +98,7 @@ class _Batch:
 
 
 class _Node:
-    __slots__ = ("batches", "cap_evicted", "dead", "where")
+    __slots__ = ("batches", "cap_evicted", "dead", "loose", "where")
 
     def __init__(self) -> None:
         self.where: dict[bytes, _Batch] = {}
@@ -99,6 +106,33 @@ class _Node:
         self.dead = 0
         """Batches in ``batches`` with no live member left (dropped when they dominate)."""
         self.cap_evicted = 0
+        self.loose: _Batch | None = None
+        """The batch single keys join while it is the newest and not full."""
+
+    def add_single(self, key: bytes, seen: float) -> None:
+        """Add one key to the loose batch (a new one unless the newest batch is it)."""
+        batch = self.loose
+        joinable = (
+            batch is not None
+            and batch.live
+            and len(batch.keys) < BATCH_KEYS
+            and bool(self.batches)
+            and self.batches[-1] is batch
+        )
+        if batch is None or not joinable:
+            self.loose = _Batch((key,), False, seen)
+            self.add(self.loose)
+            return
+        previous = self.where.get(key)
+        if previous is batch:
+            batch.seen = seen
+            return
+        if previous is not None:
+            self.release(previous)
+        batch.keys += (key,)
+        batch.live += 1
+        batch.seen = seen
+        self.where[key] = batch
 
     def add(self, batch: _Batch) -> None:
         where = self.where
@@ -208,8 +242,11 @@ class PrefixTracker:
             state = self._nodes.get(node)
             if state is None:
                 state = self._nodes[node] = _Node()
-            for start in range(0, len(keys), BATCH_KEYS):
-                state.add(_Batch(tuple(keys[start : start + BATCH_KEYS]), True, seen))
+            if len(keys) == 1:
+                state.add_single(keys[0], seen)
+            else:
+                for start in range(0, len(keys), BATCH_KEYS):
+                    state.add(_Batch(tuple(keys[start : start + BATCH_KEYS]), True, seen))
             state.trim(self.max_chunks_per_node)
 
     def removed(self, node: str, keys: Iterable[bytes]) -> None:
@@ -273,3 +310,28 @@ class PrefixTracker:
                 name: NodeCounts(len(state.where), state.cap_evicted)
                 for name, state in self._nodes.items()
             }
+
+
+@dataclass(frozen=True)
+class TierTrackers:
+    """One tracker per tier the index follows (see :mod:`kvpool.index.subscriber`), each
+    keyed by node: ``l1`` (the segments: lookups and routes answer from it), ``nvme`` (the
+    nodes' NVMe files) and ``s3`` (chunks the node's agent wrote back to the pool's bucket,
+    which any node can load). Each is bounded by ``max_chunks_per_node`` per node."""
+
+    l1: PrefixTracker
+    nvme: PrefixTracker
+    s3: PrefixTracker
+
+    @classmethod
+    def create(
+        cls,
+        max_chunks_per_node: int = DEFAULT_MAX_CHUNKS_PER_NODE,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> TierTrackers:
+        return cls(*(PrefixTracker(max_chunks_per_node, clock=clock) for _ in range(3)))
+
+    def lower(self) -> dict[str, PrefixTracker]:
+        """The lower tiers' trackers by tier name: the subscriber's ``tiers``."""
+        return {"nvme": self.nvme, "s3": self.s3}

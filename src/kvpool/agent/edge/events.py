@@ -15,6 +15,11 @@ PLAIN HELLO of any announced size, and hold what came of it) and is closed unles
 handshake is over ``handshake_seconds`` after it opened (libzmq's default is 30 s).
 libzmq has no bound on a socket's connections: each one still handshaking holds some
 tens of KiB of libzmq's buffers until then.
+One sequence covers every tier of the agent: L1's events (the cache's listener), and
+those of its NVMe files and of its write-backs to S3 (:meth:`EventPublisher.tier`, the L2
+adapters' listeners), each tagged with its ``tier``; a subscriber that follows L1 only
+skips the others and still sees every gap. Tier events say no more than L1's did: keys and
+tenant ids, never a salt or a byte of a chunk.
 ``time`` is the publisher's Unix time, so a subscriber can measure its lag (as
 well as the nodes' clocks agree); it is the last field, so decoders that predate
 it ignore it and events that predate it decode with 0.
@@ -31,7 +36,7 @@ import zmq
 
 from kvpool.agent.edge.zap import PlainAuthenticator
 from kvpool.common.auth import Role, TokenAuthority
-from kvpool.common.protocol import EVENTS_TOPIC, ChunkEvent, encode_event
+from kvpool.common.protocol import EVENTS_TOPIC, TIER_L1, ChunkEvent, encode_event
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +53,7 @@ class EventPublisher:
         endpoint: str,
         agent_id: str,
         authority: TokenAuthority,
-        tier: str = "l1",
+        tier: str = TIER_L1,
         handshake_seconds: float = 5.0,
     ) -> None:
         self.agent_id = agent_id
@@ -95,19 +100,43 @@ class EventPublisher:
         return self._seq
 
     def stored(self, tenant: str, keys: list[bytes]) -> None:
-        self._publish("stored", tenant, keys, "")
+        self.publish(self._tier, "stored", tenant, keys, "")
 
     def removed(self, tenant: str, keys: list[bytes], cause: str) -> None:
-        self._publish("removed", tenant, keys, cause)
+        self.publish(self._tier, "removed", tenant, keys, cause)
 
-    def _publish(self, kind: str, tenant: str, keys: list[bytes], cause: str) -> None:
+    def tier(self, tier: str) -> TierEvents:
+        """A listener whose events are ``tier``'s, in this publisher's sequence."""
+        return TierEvents(self, tier)
+
+    def publish(self, tier: str, kind: str, tenant: str, keys: list[bytes], cause: str) -> None:
+        """Send one event now, or drop it (past the high-water mark, or stopped): never waits."""
         with self._lock:
             if self._socket is None:
                 return
             self._seq += 1
             event = ChunkEvent(
-                self._seq, self.agent_id, kind, self._tier, tenant, keys, cause, time.time()
+                self._seq, self.agent_id, kind, tier, tenant, keys, cause, time.time()
             )
             # Past the high-water mark the message is dropped: subscribers see the gap and resync.
             with contextlib.suppress(zmq.Again):
                 self._socket.send_multipart([EVENTS_TOPIC, encode_event(event)], zmq.NOBLOCK)
+
+
+class TierEvents:
+    """A :class:`~kvpool.agent.core.cache_types.ChunkListener` for one lower tier (NVMe,
+    S3): its changes go out in its publisher's sequence, tagged with the tier.
+
+    Called from the event loop (the adapters' bookkeeping): each call is one encode and a
+    non-blocking send under the publisher's lock, which L1's callers hold as briefly.
+    """
+
+    def __init__(self, publisher: EventPublisher, tier: str) -> None:
+        self._publisher = publisher
+        self.tier = tier
+
+    def stored(self, tenant: str, keys: list[bytes]) -> None:
+        self._publisher.publish(self.tier, "stored", tenant, keys, "")
+
+    def removed(self, tenant: str, keys: list[bytes], cause: str) -> None:
+        self._publisher.publish(self.tier, "removed", tenant, keys, cause)

@@ -57,7 +57,8 @@ class ZmqHandlers:
 
     def by_request(self) -> dict[type, Handler]:
         """The handler of each request type (but ``prefetch_status``, which the server
-        parks)."""
+        parks, and ``snapshot``, which it lists on a thread of its own:
+        :meth:`check_snapshot`, :meth:`snapshot_reply`)."""
         return {
             p.Hello: self.hello,  # type: ignore[dict-item]
             p.Ping: self.ping,  # type: ignore[dict-item]
@@ -70,7 +71,6 @@ class ZmqHandlers:
             p.EndSession: self.end_session,  # type: ignore[dict-item]
             p.Clear: self.clear,  # type: ignore[dict-item]
             p.Stats: self.stats,  # type: ignore[dict-item]
-            p.Snapshot: self.snapshot,  # type: ignore[dict-item]
         }
 
     def hello(self, request: p.Hello, extra: Frames, peer: Peer) -> Handled:
@@ -234,16 +234,25 @@ class ZmqHandlers:
             raise p.ProtocolError(p.ErrorCode.FORBIDDEN, f"{session.principal} may not clear")
         return p.ClearReply(request.req, self._service.clear(tenant)), []
 
-    def snapshot(self, request: p.Snapshot, extra: Frames, peer: Peer) -> Handled:
+    def check_snapshot(self, request: p.Snapshot, peer: Peer) -> None:
+        """Raise what a snapshot request gets instead of its keys (the server's thread)."""
         session = self._sessions.get(request.session, peer)
         if session.principal.role not in (Role.ADMIN, Role.INDEX):
             raise p.ProtocolError(
                 p.ErrorCode.FORBIDDEN, "the snapshot is for a prefix index's (or an admin's) token"
             )
-        snapshot = self._service.snapshot()
+        if len(request.tiers) > len(p.TIERS):
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_REQUEST,
+                f"snapshot: tiers names {len(request.tiers)} tiers; there are {len(p.TIERS)}",
+            )
+
+    def snapshot_reply(self, request: p.Snapshot) -> p.SnapshotReply:
+        """The keys of a checked snapshot request (any thread: the service locks)."""
+        snapshot = self._service.snapshot(request.tiers)
         return p.SnapshotReply(
-            request.req, self.agent_id, snapshot.seq, snapshot.keys_by_tenant
-        ), []
+            request.req, self.agent_id, snapshot.seq, snapshot.keys_by_tenant, snapshot.tiers
+        )
 
     def stats(self, request: p.Stats, extra: Frames, peer: Peer) -> Handled:
         self._sessions.get(request.session, peer)

@@ -12,7 +12,10 @@ see :mod:`kvpool.agent.edge.zmtp`). Every operation on the cache is one call of
 :class:`~kvpool.agent.service.cache_service.CacheService`, made by a handler of
 :mod:`~kvpool.agent.edge.zmq_handlers`; sessions and lease ownership are
 :mod:`~kvpool.agent.edge.zmq_sessions`; this module adds the loop, limits on a request's
-size, draining, and parked ``prefetch_status`` waits. Any bad input becomes an
+size, draining, parked ``prefetch_status`` waits, and snapshots listed and encoded on a
+thread of their own (:data:`MAX_SNAPSHOTS` at most in its queue), so that a large one (an
+NVMe tier of a million chunks is some 35 MB of keys) does not stall every client's
+requests while it is made. Any bad input becomes an
 :class:`~kvpool.common.protocol.Error` reply; nothing a client sends can stop
 the loop, and an unexpected failure logs one traceback a minute, however often it recurs.
 
@@ -55,10 +58,12 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
 import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -87,10 +92,25 @@ of a client whose connection was renewed) the rest is discarded as it arrives, a
 answered ``unknown_session`` (a hello: ``too_large``)."""
 
 
+MAX_SNAPSHOTS = 4
+"""Snapshot requests being listed or waiting to be, at most; more are refused at once
+(``invalid_request``, asked again later: an index retries with backoff)."""
+
+
 class RequestObserver(Protocol):
     def observe_request(self, op: str, seconds: float, error: str | None) -> None: ...
 
     def observe_dropped_peer(self, reason: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Listed:
+    """A snapshot's reply, encoded on the snapshot thread, waiting to be sent."""
+
+    identity: bytes
+    frame: bytes
+    started: float
+    error: str | None
 
 
 @dataclass
@@ -148,7 +168,11 @@ class ZmqServer:
         self._draining = False
         self.drained = threading.Event()
         """Set once draining and no store is in flight (see :meth:`drain`)."""
-        self._handlers = ZmqHandlers(
+        self._snapshots = ThreadPoolExecutor(1, thread_name_prefix="kvpool-zmq-snapshot")
+        self._listing = 0
+        """Snapshot requests submitted to the snapshot thread and not yet sent."""
+        self._listed: queue.SimpleQueue[_Listed] = queue.SimpleQueue()
+        self._handler = ZmqHandlers(
             service,
             self._sessions,
             segment,
@@ -158,7 +182,8 @@ class ZmqServer:
             max_keys=max_keys,
             admit=self._admit,
             draining=lambda: self._draining,
-        ).by_request()
+        )
+        self._handlers = self._handler.by_request()
 
     # ---------------------------------------------------------------- running
 
@@ -204,6 +229,7 @@ class ZmqServer:
         self._signal(b"stop")
         self._thread.join()
         self._thread = None
+        self._snapshots.shutdown(cancel_futures=True)  # waits for one being listed
         if self._notifier is not None:
             self._notifier.close(linger=0)
 
@@ -261,6 +287,7 @@ class ZmqServer:
                     self._sessions.drop_idle()
                     next_sweep = self._clock() + sweep_period
                 self._answer_parked()
+                self._send_listed()
                 self._check_drained()
         finally:
             router.close()
@@ -280,10 +307,12 @@ class ZmqServer:
             self._sessions.void_revoked()
             if isinstance(request, p.PrefetchStatus):
                 handled = self._prefetch_status(request, identity, started)
+            elif isinstance(request, p.Snapshot):
+                handled = self._snapshot(request, identity, started)
             else:
                 handled = self._handlers[type(request)](request, body[1:], identity)
             if handled is None:
-                return  # parked: answered when the prefetch moves or the wait is over
+                return  # parked (answered when the prefetch moves), or being listed
             reply, data = handled
         except p.ProtocolError as error:
             req = error.req or req
@@ -305,11 +334,53 @@ class ZmqServer:
     def _send(
         self, identity: bytes, reply: p.Reply, data: list[bytes], *, op: str, started: float
     ) -> None:
+        error_code = reply.code if isinstance(reply, p.Error) else None
+        self._send_frames(identity, [p.encode(reply), *data], op, started, error_code)
+
+    def _send_frames(
+        self, identity: bytes, frames: list[bytes], op: str, started: float, error: str | None
+    ) -> None:
         assert self._router is not None
-        self._router.send(identity, [p.encode(reply), *data])
+        self._router.send(identity, frames)
         if self._observer is not None:
-            error_code = reply.code if isinstance(reply, p.Error) else None
-            self._observer.observe_request(op, time.perf_counter() - started, error_code)
+            self._observer.observe_request(op, time.perf_counter() - started, error)
+
+    # ------------------------------------------------------------- snapshots
+
+    def _snapshot(self, request: p.Snapshot, identity: bytes, started: float) -> Handled:
+        """Check it here, list and encode it on the snapshot thread; the loop sends it."""
+        self._handler.check_snapshot(request, identity)
+        if self._listing >= MAX_SNAPSHOTS:
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_REQUEST,
+                f"{MAX_SNAPSHOTS} snapshots are being listed already: ask again later",
+            )
+        self._listing += 1
+        self._snapshots.submit(self._list, request, identity, started)
+        return None
+
+    def _list(self, request: p.Snapshot, identity: bytes, started: float) -> None:
+        """The snapshot thread: the reply, encoded, for the loop to send."""
+        reply: p.Reply
+        try:
+            reply = self._handler.snapshot_reply(request)
+        except Exception as error:
+            self._flood_log.exception(f"internal error serving snapshot: {type(error).__name__}")
+            reply = p.Error(request.req, p.ErrorCode.INTERNAL, "internal error; see the agent log")
+        error_code = reply.code if isinstance(reply, p.Error) else None
+        self._listed.put(_Listed(identity, p.encode(reply), started, error_code))
+        self._signal(b"listed")
+
+    def _send_listed(self) -> None:
+        while True:
+            try:
+                listed = self._listed.get_nowait()
+            except queue.Empty:
+                return
+            self._listing -= 1
+            self._send_frames(
+                listed.identity, [listed.frame], "snapshot", listed.started, listed.error
+            )
 
     # ------------------------------------------------------------- handlers
 

@@ -13,17 +13,25 @@ accounted before its bytes land, so ``used_bytes`` never exceeds the capacity an
 matches the files on disk once operations complete. A file that does not open as its
 chunk (tampered, truncated, renamed, or under a key this agent no longer holds) is a
 miss and is deleted: no other agent reads this disk.
+
+``listener`` (the agent's events, tier ``nvme``) hears of each file once it is written
+(``stored``) and of each file the index let go (``removed``: its cause ``pressure`` for a
+put's room, ``quota``, ``deleted``, ``corrupt``, ``missing``, or ``failed`` for a put
+whose write failed). Each is told after the index changed, so a snapshot of
+:meth:`NvmeAdapter.keys_by_tenant` taken after an event's ``seq`` was read reflects it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar, TypeVarTuple
 
+from kvpool.agent.core.cache_types import ChunkListener
 from kvpool.agent.l2 import layout
 from kvpool.agent.l2.base import AdapterStats, L2Object, ObjectKey, TierUnavailable
 from kvpool.agent.l2.codec import IntegrityError, ObjectCodec
@@ -59,6 +67,8 @@ class NvmeAdapter:
         self.stats = AdapterStats()
         self.failures = 0
         """Reads and deletes failed at the filesystem (EIO, ...); puts count in ``stats``."""
+        self.listener: ChunkListener | None = None
+        """Told of files written and let go (the agent's events); set before the first put."""
         self._locks = KeyLocks()
         self._executor = ThreadPoolExecutor(
             config.max_concurrency, thread_name_prefix=f"kvpool-nvme-{pool}"
@@ -80,6 +90,10 @@ class NvmeAdapter:
 
     def path_of(self, name: ObjectKey) -> Path:
         return self._files.path_of(name)
+
+    def keys_by_tenant(self) -> dict[str, list[bytes]]:
+        """Every chunk the tier holds, by tenant (any thread: a prefix index's snapshot)."""
+        return self._space.keys_by_tenant()
 
     def tenant_used(self, tenant: str) -> int:
         """Bytes of the tenant's files in this tier."""
@@ -117,16 +131,18 @@ class NvmeAdapter:
                 return False
             self._space.add(name, size)
             try:
-                await self._unlink_claimed(victims)
+                await self._unlink_claimed(victims, "pressure")
                 await self._run(self._files.write, name, obj.payload)
             except OSError as error:
-                self._space.remove(name)
+                self._forget([name], "failed")
                 self.stats.put_failures += 1
                 log.warning("NVMe tier: writing %s failed: %s", self.path_of(name), error)
                 return False
             except BaseException:
-                self._space.remove(name)
+                self._forget([name], "failed")
                 raise
+            if self.listener is not None:  # under the key's lock: before any later removal
+                self.listener.stored(name.tenant, [name.key])
         self.stats.puts += 1
         self.stats.put_bytes += len(obj.payload)
         return True
@@ -143,10 +159,10 @@ class NvmeAdapter:
             except IntegrityError as error:
                 self.stats.integrity_failures += 1
                 log.warning("NVMe tier: %s is corrupt (%s); deleted", self.path_of(name), error)
-                await self._drop(name)
+                await self._drop(name, "corrupt")
                 return None
             except FileNotFoundError:  # removed behind the agent's back
-                self._space.remove(name)
+                self._forget([name], "missing")
                 return None
             except OSError as error:
                 self.failures += 1
@@ -165,9 +181,9 @@ class NvmeAdapter:
         if not layout.is_valid(name):
             return True
         async with self._locks.hold(name):
-            return name not in self._space or await self._drop(name)
+            return name not in self._space or await self._drop(name, "deleted")
 
-    async def _drop(self, name: ObjectKey) -> bool:
+    async def _drop(self, name: ObjectKey, cause: str) -> bool:
         """Unlink an indexed file (its key held by the caller) and forget it."""
         try:
             await self._run(self._files.delete, name)
@@ -175,8 +191,24 @@ class NvmeAdapter:
             self.failures += 1
             log.warning("NVMe tier: deleting %s failed: %s", self.path_of(name), error)
             return False
-        self._space.remove(name)
+        self._forget([name], cause)
         return True
+
+    def _forget(self, names: list[ObjectKey], cause: str) -> None:
+        """Unindex ``names`` and tell the listener."""
+        for name in names:
+            self._space.remove(name)
+        self._tell_removed(names, cause)
+
+    def _tell_removed(self, names: Iterable[ObjectKey], cause: str) -> None:
+        """One event per tenant of ``names`` (already unindexed)."""
+        if self.listener is None:
+            return
+        by_tenant: defaultdict[str, list[bytes]] = defaultdict(list)
+        for name in names:
+            by_tenant[name.tenant].append(name.key)
+        for tenant, keys in by_tenant.items():
+            self.listener.removed(tenant, keys, cause)
 
     async def enforce_quota(self, tenant: str) -> int:
         """Evict the tenant's own LRU files down to its (shrunken) quota; returns how many.
@@ -184,7 +216,7 @@ class NvmeAdapter:
         Files in use are skipped; the rest of the excess goes at the tenant's next put.
         """
         victims = self._space.take_over_quota(tenant)
-        await self._unlink_claimed(victims)
+        await self._unlink_claimed(victims, "quota")
         return len(victims)
 
     async def drop_tenant(self, tenant: str) -> int:
@@ -208,8 +240,13 @@ class NvmeAdapter:
         await self._run(self._files.remove_empty_tenant_dirs, tenant)
         return len(names)
 
-    async def _unlink_claimed(self, victims: list[ObjectKey]) -> None:
-        """Unlink the files of victims claimed and unindexed by the space, then release them."""
+    async def _unlink_claimed(self, victims: list[ObjectKey], cause: str) -> None:
+        """Unlink the files of victims claimed and unindexed by the space, then release them.
+
+        The listener hears of them first, while their keys are still claimed: a later put of
+        one of them is told after this removal.
+        """
+        self._tell_removed(victims, cause)
         try:
             results = await asyncio.gather(
                 *(self._run(self._files.delete, victim) for victim in victims),

@@ -19,6 +19,12 @@ Requests time out, retry with exponential backoff and jitter (botocore's
 the cache immediate misses. Blocking boto3 calls run on the adapter's own
 threads, at most ``max_concurrency`` at once; nothing raises for a backend
 failure: those are per-key ``None``/``False``, counted.
+
+``listener`` (the agent's events, tier ``s3``) hears of each object this agent put
+(``stored``) and of each one it deleted (``removed``, cause ``deleted``: a delete, or a
+tenant's drop, page by page). The adapter keeps no list of what the bucket holds: objects
+other agents wrote, and objects that go by other means (a lifecycle rule, another agent's
+delete), are never told here.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 from botocore.response import StreamingBody
 
+from kvpool.agent.core.cache_types import ChunkListener
 from kvpool.agent.l2 import buffers, layout
 from kvpool.agent.l2.base import AdapterStats, L2Object, ObjectKey, TierUnavailable
 from kvpool.agent.l2.breaker import CircuitBreaker
@@ -78,6 +85,8 @@ class S3Adapter:
         self.failures = 0
         """Gets, exists and deletes that failed at the backend (puts: ``stats.put_failures``)."""
         self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_reset_seconds)
+        self.listener: ChunkListener | None = None
+        """Told of objects put and deleted (the agent's events); set before the first put."""
         self._prefix = "/".join(part for part in (config.prefix.strip("/"), pool) if part)
         self._threshold = int(config.multipart_threshold)
         self._part_size = int(config.part_size)
@@ -139,6 +148,8 @@ class S3Adapter:
             while keys := await self._call(self._list_blocking, prefix):
                 await self._call(self._delete_many_blocking, keys)
                 dropped += len(keys)
+                if self.listener is not None:
+                    self.listener.removed(tenant, _chunk_keys(keys), "deleted")
         except (_Refused, *BACKEND_ERRORS) as error:
             self.failures += 1
             raise TierUnavailable(
@@ -165,6 +176,8 @@ class S3Adapter:
             self.stats.put_failures += 1
             self._log_failure("put", obj.name, error)
             return False
+        if self.listener is not None:
+            self.listener.stored(obj.name.tenant, [obj.name.key])
         self.stats.puts += 1
         self.stats.put_bytes += len(obj.payload)
         return True
@@ -207,6 +220,8 @@ class S3Adapter:
             self.failures += 1
             self._log_failure("delete", name, error)
             return False
+        if self.listener is not None:
+            self.listener.removed(name.tenant, [name.key], "deleted")
         return True
 
     async def _call(self, fn: Callable[[*_Ts], _T], *args: *_Ts) -> _T:
@@ -326,6 +341,18 @@ class S3Adapter:
                 {"Error": {"Code": first.get("Code", ""), "Message": first.get("Message", "")}},
                 f"DeleteObjects ({len(errors)} of {len(keys)} keys failed)",
             )
+
+
+def _chunk_keys(object_keys: list[str]) -> list[bytes]:
+    """The chunk keys of a tenant's listed objects (their names' last part, in hex); a name
+    the layout never gives is skipped."""
+    found = []
+    for object_key in object_keys:
+        try:
+            found.append(bytes.fromhex(object_key.rpartition("/")[2]))
+        except ValueError:
+            continue
+    return found
 
 
 def _read_into(stream: StreamingBody, view: memoryview) -> int:

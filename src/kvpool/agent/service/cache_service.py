@@ -40,12 +40,15 @@ stall the data path.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from kvpool.agent.service.data_service import DataService
 from kvpool.agent.service.hooks import (
     PrefetchHook,
     SequencedListener,
     TenantBytes,
     TenantDrop,
+    TierKeys,
     WriteBackHook,
 )
 from kvpool.agent.service.pin_service import PinService
@@ -58,10 +61,17 @@ class CacheService(DataService, PinService, QuotaService, ReportService):
 
     # ------------------------------------------------------------ composition
 
-    def publish_events(self, events: SequencedListener) -> None:
-        """Tell ``events`` of every chunk stored or removed from now on (under the lock)."""
+    def publish_events(
+        self, events: SequencedListener, listed_tiers: Mapping[str, TierKeys] | None = None
+    ) -> None:
+        """Tell ``events`` of every chunk stored or removed from now on (under the lock).
+
+        ``listed_tiers``: the lower tiers that publish into the same sequence and whose keys
+        a :meth:`snapshot` can list, by tier name.
+        """
         with self._lock:
             self._events = events
+            self._listed_tiers = dict(listed_tiers or {})
             self._cache.listener = events
 
     def attach_lower_tiers(

@@ -162,11 +162,22 @@ class DataService(ServiceState):
         finally:
             self.release(hit.lease)
 
-    def snapshot(self) -> SnapshotResult:
-        """Every tenant's keys, and the event sequence number they are consistent with."""
-        with self._lock:  # events are published under this lock
+    def snapshot(self, tiers: Iterable[str] = ()) -> SnapshotResult:
+        """Every tenant's keys, and the event sequence number they are consistent with; with
+        them the keys of the listed lower ``tiers`` asked for (others are left out).
+
+        L1's keys are read with ``seq`` under the lock (L1's events are published under it).
+        A lower tier's are read after, outside it, so that a large NVMe tier never holds up
+        L1: they reflect every event up to ``seq`` and maybe some after it, which the
+        subscriber applies again. That is harmless, as each event sets its keys' presence
+        (stored: there, removed: gone) and the last one for a key wins either way.
+        """
+        with self._lock:  # L1's events are published under this lock
             seq = 0 if self._events is None else self._events.seq
-            return SnapshotResult(seq, self._cache.keys_by_tenant())
+            l1 = self._cache.keys_by_tenant()
+            listed = self._listed_tiers
+        lower = {tier: listed[tier]() for tier in dict.fromkeys(tiers) if tier in listed}
+        return SnapshotResult(seq, l1, lower)
 
     @property
     def open_write_leases(self) -> int:

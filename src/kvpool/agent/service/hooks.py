@@ -36,6 +36,12 @@ class WriteBackHook(Protocol):
     def hit(self, tenant: str, keys: Sequence[bytes], pins: Pins) -> None: ...
 
 
+class TierKeys(Protocol):
+    """Every key a lower tier holds now, by tenant (the NVMe tier's index); any thread."""
+
+    def __call__(self) -> dict[str, list[bytes]]: ...
+
+
 class TenantDrop(Protocol):
     def __call__(self, tenant: str) -> int:
         """Delete the tenant's objects from every L2 tier (blocking); how many went.

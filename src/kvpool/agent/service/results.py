@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpool.agent.core.cache_types import TenantStats
 from kvpool.common.quotas import Limit, TierLimits
@@ -16,6 +16,9 @@ class SnapshotResult:
     seq: int
     """The last chunk event published when the keys were read (0 without events)."""
     keys_by_tenant: dict[str, list[bytes]]
+    """L1's keys."""
+    tiers: dict[str, dict[str, list[bytes]]] = field(default_factory=dict)
+    """The keys of the lower tiers asked for and listed, by tier name, then by tenant."""
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from kvpool.agent.service.hooks import (
     SequencedListener,
     TenantBytes,
     TenantDrop,
+    TierKeys,
     WriteBackHook,
 )
 from kvpool.agent.service.results import WarmCounts
@@ -35,6 +36,8 @@ class ServiceState:
         self._quota_store = quota_store
         self._quota_writes = threading.Lock()
         self._events: SequencedListener | None = None
+        self._listed_tiers: dict[str, TierKeys] = {}
+        """The lower tiers a snapshot can list, by tier name."""
         self._write_back: WriteBackHook | None = None
         self._prefetch: PrefetchHook | None = None
         self._drop_lower: TenantDrop | None = None

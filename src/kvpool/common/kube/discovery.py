@@ -22,13 +22,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
-from kubernetes.client import ApiClient, CoreV1Api
-from kubernetes.config import ConfigException
-
-from kvpool.common.kube.watch import ListWatch, api_configuration
+from kvpool.common.kube.pods import created, namespace_or_own, placement, pod_lister
+from kvpool.common.kube.watch import ListWatch
 from kvpool.common.names import (
     DEFAULT_EVENTS_PORT,
     DEFAULT_PEER_PORT,
@@ -37,8 +34,6 @@ from kvpool.common.names import (
 )
 
 log = logging.getLogger(__name__)
-
-NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
 @dataclass(frozen=True, order=True)
@@ -89,20 +84,17 @@ class StaticDiscovery:
 
 def pod_endpoint(pod: Mapping[str, Any]) -> AgentEndpoint | None:
     """The endpoints of one agent pod (the API's JSON form), or None while it does not count."""
-    metadata = pod.get("metadata") or {}
-    spec = pod.get("spec") or {}
-    status = pod.get("status") or {}
-    ip, node = status.get("podIP"), spec.get("nodeName")
-    if status.get("phase") != "Running" or not ip or not node or metadata.get("deletionTimestamp"):
+    where = placement(pod)
+    if where is None:
         return None
     ports = {
         port.get("name"): port.get("containerPort")
-        for container in spec.get("containers") or []
+        for container in (pod.get("spec") or {}).get("containers") or []
         for port in container.get("ports") or []
     }
-    host = f"[{ip}]" if ":" in ip else ip
+    host = where.host
     return AgentEndpoint(
-        node,
+        where.node,
         f"tcp://{host}:{ports.get('zmq') or DEFAULT_ZMQ_PORT}",
         f"tcp://{host}:{ports.get('events') or DEFAULT_EVENTS_PORT}",
         f"{host}:{ports.get('peer') or DEFAULT_PEER_PORT}",
@@ -111,7 +103,7 @@ def pod_endpoint(pod: Mapping[str, Any]) -> AgentEndpoint | None:
 
 def endpoints_of(pods: Iterable[Mapping[str, Any]]) -> list[AgentEndpoint]:
     """One endpoint per node, from the newest pod that counts there."""
-    newest = sorted(pods, key=lambda pod: (pod.get("metadata") or {}).get("creationTimestamp", ""))
+    newest = sorted(pods, key=created)
     by_node = {
         endpoint.node: endpoint
         for endpoint in (pod_endpoint(pod) for pod in newest)
@@ -151,19 +143,8 @@ class KubernetesDiscovery:
     def connect(cls, pool: str, namespace: str | None = None) -> KubernetesDiscovery:
         """Through this pod's service account (in a pod) or the kubeconfig (elsewhere);
         ``namespace`` defaults to this pod's own."""
-        try:
-            configuration = api_configuration()
-        except ConfigException as error:
-            raise ValueError(f"no Kubernetes API to discover agents with: {error}") from error
-        if namespace is None:
-            try:
-                namespace = NAMESPACE_FILE.read_text().strip()
-            except OSError as error:
-                raise ValueError(
-                    f"no namespace configured and {NAMESPACE_FILE} is unreadable "
-                    f"({error.strerror}): set the index's namespace"
-                ) from error
-        return cls(CoreV1Api(ApiClient(configuration)).list_namespaced_pod, namespace, pool)
+        list_pods = pod_lister("discover agents with")
+        return cls(list_pods, namespace_or_own(namespace, "the index's"), pool)
 
     @property
     def where(self) -> str:

@@ -1,0 +1,86 @@
+"""The endpoint picker in the index process: its model servers, its core, its gRPC edge.
+
+It runs in ``kvpool-index`` (when ``picker.enabled``), not beside it: a decision reads the
+index's trackers in process, so it costs the prompt's key hashing and a few dictionary
+probes, no round trip; and the picker needs everything the index follows anyway. When the
+index cannot answer in time (its trackers busy, a huge prompt) the core picks by load
+alone (:mod:`~kvpool.index.picker`); when the whole process is gone, the gateway fails open
+(the InferencePool's ``failureMode: FailOpen``), so a gateway never answers 5xx because the
+cache is down.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from kvpool.common.index_config import IndexConfig
+from kvpool.common.problems import ConfigError
+from kvpool.index.engine_events import EngineEvents, EngineEventsCollector, event_endpoints
+from kvpool.index.epp import EppServer
+from kvpool.index.metrics import IndexMetrics
+from kvpool.index.model_servers import ModelServers, ServerEndpoint
+from kvpool.index.picker import EndpointPicker, Tiers
+from kvpool.index.prompts import Prompts, PromptsError
+from kvpool.index.tracker import PrefixTracker
+
+log = logging.getLogger(__name__)
+
+
+class EndpointPickerService:
+    """Start and stop the picker's parts together; built only with ``picker.enabled``.
+
+    The model servers' discovery drives whom the GPU tier follows: each server's vLLM KV
+    events (:mod:`~kvpool.index.engine_events`) fill a tracker of its own, keyed by the
+    server's address, that joins the index's node tiers in :class:`Tiers`."""
+
+    def __init__(self, config: IndexConfig, tiers: Tiers, metrics: IndexMetrics) -> None:
+        """``ConfigError`` (one line) when the tokenizer directory does not load."""
+        picker_config = config.picker
+        assert config.fingerprint is not None  # IndexConfig refuses a picker without one
+        prompts = None
+        if picker_config.tokenizer is not None:
+            try:
+                prompts = Prompts.load(picker_config.tokenizer)
+            except PromptsError as error:
+                raise ConfigError([f"picker.tokenizer: {error}"]) from None
+        fingerprint = config.fingerprint.fingerprint()
+        self.engine_events = EngineEvents(fingerprint, PrefixTracker(config.max_chunks_per_node))
+        metrics.registry.register(EngineEventsCollector(self.engine_events.status))
+        self.servers = ModelServers.of_config(
+            picker_config, config.namespace, on_change=self._servers_changed
+        )
+        self._picker_config = picker_config
+        self.picker = EndpointPicker(
+            self.servers.snapshot,
+            replace(tiers, gpu=self.engine_events.tracker),
+            fingerprint,
+            picker_config.tier_costs,
+            deadline_ms=picker_config.deadline_ms,
+            observer=metrics,
+        )
+        self.edge = EppServer(self.picker, picker_config, config.host, prompts)
+        metrics.register_picker(self.edge.answers.snapshot, self.servers.snapshot)
+        self.port = 0
+
+    def start(self) -> int:
+        """Serve; the bound gRPC port. ``OSError`` naming the address if it is taken."""
+        self.engine_events.start()
+        self.servers.start()
+        try:
+            self.port = self.edge.start()
+        except BaseException:
+            self.servers.stop()
+            self.engine_events.stop()
+            raise
+        return self.port
+
+    def stop(self) -> None:
+        self.edge.stop()
+        self.picker.close()
+        self.servers.stop()
+        self.engine_events.stop()
+
+    def _servers_changed(self, servers: list[ServerEndpoint]) -> None:
+        addresses = (server.address for server in servers)
+        self.engine_events.follow(event_endpoints(addresses, self._picker_config))

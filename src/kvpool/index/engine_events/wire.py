@@ -1,0 +1,126 @@
+"""vLLM's KV-event messages, decoded without vLLM (the index image has none).
+
+A message is three ZMQ frames ``[topic, seq, batch]``: ``seq`` an 8-byte big-endian
+counter per publisher process (0 after a restart), ``batch`` msgpack ``[ts, events,
+dp_rank]`` (vLLM's ``KVEventBatch``, an array). Each event is a msgpack map tagged by
+``"type"`` (vLLM 0.30 on, PR #42892) or, from older engines, a positional array whose
+first element is the tag: both are read. Fields this index does not use are ignored, so
+newer engines that add fields still decode; an event of an unknown type is one
+:class:`UndecodableEvent` and the rest of its batch still counts.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+SEQ_BYTES = 8
+BlockHash = int | Annotated[bytes, msgspec.Meta(max_length=64)]
+"""vLLM's external block hash: the low 64 bits of the digest as an int (its default), or
+the digest's bytes (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``). msgpack's integers are
+64-bit at most: no bound needed for ints."""
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+
+
+class BlockStored(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[TokenId]
+    block_size: Annotated[int, msgspec.Meta(ge=1)]
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    """Per block: None, or what the block's hash mixed in besides its tokens (LoRA name,
+    multimodal ``[identifier, offset]`` pairs, the request's ``cache_salt`` on its first
+    block, prompt-embedding digests), untagged."""
+    group_idx: int | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    pass
+
+
+class _LegacyBlockStored(msgspec.Struct, array_like=True, tag="BlockStored", frozen=True):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[TokenId]
+    block_size: Annotated[int, msgspec.Meta(ge=1)]
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+
+
+class _LegacyBlockRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved", frozen=True):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _LegacyAllBlocksCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared", frozen=True):
+    pass
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class _Batch(msgspec.Struct, array_like=True, frozen=True):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+class UndecodableEvent(msgspec.Struct, frozen=True):
+    """One event of a batch that did not decode (kept so that the batch's others count)."""
+
+    error: str
+
+
+_batch = msgspec.msgpack.Decoder(_Batch)
+_event = msgspec.msgpack.Decoder(Event)
+_legacy = msgspec.msgpack.Decoder(
+    _LegacyBlockStored | _LegacyBlockRemoved | _LegacyAllBlocksCleared
+)
+
+
+class WireError(ValueError):
+    """A message that is not a vLLM KV-event batch."""
+
+
+def decode_seq(frame: bytes) -> int:
+    if len(frame) != SEQ_BYTES:
+        raise WireError(f"sequence frame of {len(frame)} bytes, not {SEQ_BYTES}")
+    return int.from_bytes(frame, "big")
+
+
+def decode_batch(payload: bytes) -> list[Event | UndecodableEvent]:
+    """The events of one batch, in order; WireError if it is not a batch at all."""
+    try:
+        batch = _batch.decode(payload)
+    except msgspec.MsgspecError as error:
+        raise WireError(f"not a KV-event batch: {error}") from None
+    return [_decode_event(raw) for raw in batch.events]
+
+
+def _decode_event(raw: msgspec.Raw) -> Event | UndecodableEvent:
+    try:
+        return _event.decode(raw)
+    except msgspec.MsgspecError as error:
+        try:
+            legacy = _legacy.decode(raw)
+        except msgspec.MsgspecError:
+            return UndecodableEvent(str(error))
+    if isinstance(legacy, _LegacyBlockStored):
+        return BlockStored(**msgspec.structs.asdict(legacy))
+    if isinstance(legacy, _LegacyBlockRemoved):
+        return BlockRemoved(**msgspec.structs.asdict(legacy))
+    return AllBlocksCleared()

@@ -1,0 +1,377 @@
+"""The endpoint picker's core: which model server a request goes to, and why.
+
+For each candidate (the known, ready model servers, within the proxy's subset; all the
+known ones there when none is ready, by prompt alone) the picker estimates the request's
+time to first token, and picks the lowest:
+
+* **prompt time**: each chunk of the prompt from the cheapest place that holds it for that
+  server (:class:`~kvpool.common.index_config.TierCosts`, seconds per 1000 tokens): its own
+  GPU prefix cache, its node's L1, its node's NVMe, another node's agent (``peer``: that
+  node's L1 or NVMe), the pool's S3 bucket; the rest, and the tokens after the last full
+  chunk, computed. Each tier gives the *leading run* of the prompt's chunks it holds
+  (:meth:`~kvpool.index.tracker.PrefixTracker.longest_prefixes`), so chunk ``i`` is in a
+  tier iff ``i`` is below its run.
+* **queue time**: ``(waiting + RUNNING_SHARE x running + kv penalty) x`` the mean prompt
+  time of recent requests (an EWMA of the winners' estimates): a waiting request is
+  prefilled before this one (vLLM schedules first come, first served); running ones mostly
+  decode, and share each step with this prefill, so they count for a fraction. A server
+  whose KV cache is nearly full (above :data:`KV_FULL`) would evict or preempt: each point
+  above counts as :data:`KV_FULL_REQUESTS` / 100 more waiting requests.
+
+Ties go to fewer waiting requests, then the address. The answer's reason is ``prefix``
+when the winner loads some of the prompt rather than computing it, else ``load``.
+
+**Keys, and the tenant guarantee.** The prompt's chunk keys are the connector's
+(:class:`~kvpool.index.query.PromptKeys`: the request's ``cache_salt`` seeds the chain, a
+shared space's structured salt keys its shared part with the space's salt), so a decision
+only ever sees the chunks of that salt: another tenant's identical prompt has other keys and
+matches nothing. Nothing here looks chunks up by token ids alone.
+
+**Deadline.** A pick returns within ``deadline``: the load-only choice (no keys, no index)
+is made first, then the full estimate runs in a bounded worker pool; if it has not finished
+in time (a tracker's lock held, a long hash), or failed, the load-only choice is answered
+with reason ``fail_open``. Keys are hashed outside the trackers' locks (which the event
+subscribers take), and the worker stops hashing at the deadline; when every worker is
+busy and :data:`MAX_PENDING_PER_WORKER` more wait, new picks fail open at once. An index
+that knows nothing (agents down, not yet synchronised) just matches nothing: ``load``.
+
+**Benches.** :meth:`EndpointPicker.estimates` is the decision without the pool or the
+deadline, on given candidates; ``servers`` is any callable returning server states, so a
+bench can time :meth:`EndpointPicker.pick` over fixed loads and filled trackers against
+hashing the same prompt alone (``PromptKeys(...)[n - 1]``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvpool.common.index_config import TierCosts
+from kvpool.common.keys import ModelFingerprint
+from kvpool.common.web.rate_limited_log import RateLimitedLog
+from kvpool.index.model_servers import ServerState
+from kvpool.index.picking import NoEndpoint, Pick, PickReason, PickRequest
+from kvpool.index.query import PromptKeys
+from kvpool.index.tracker import KeySequence, PrefixTracker
+
+log = logging.getLogger(__name__)
+_failures = RateLimitedLog(log)
+
+RUNNING_SHARE = 0.25
+"""How much of a waiting request one running request costs this request's start."""
+KV_FULL = 0.9
+"""KV-cache usage above which a server is penalised."""
+KV_FULL_REQUESTS = 50.0
+"""Waiting requests a server's KV usage counts for per unit above :data:`KV_FULL` (5 when
+full)."""
+MEAN_WEIGHT = 0.1
+"""Weight of the newest request in the mean prompt time (about the last ten count)."""
+MAX_PENDING_PER_WORKER = 4
+"""Estimates that may wait per worker before new picks fail open without queueing."""
+HASH_STEP = 1024
+"""Keys hashed between two looks at the deadline."""
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """Where chunks may be, each a tracker that exists or not (None: that tier is off)."""
+
+    l1: PrefixTracker | None = None
+    """Per node (agent's node name): its L1, the index's tracker of the agents' events."""
+    gpu: PrefixTracker | None = None
+    """Per model server (its address): vLLM's own prefix cache, from its KV events, in
+    kvpool's chunk keys."""
+    nvme: PrefixTracker | None = None
+    """Per node: the agent's NVMe tier."""
+    s3: PrefixTracker | None = None
+    """Per agent that wrote it (node name): the pool's bucket; any writer's run counts for
+    every server."""
+
+
+class PickObserver(Protocol):
+    def observe_pick(self, reason: PickReason | None, seconds: float) -> None:
+        """One decision and how long it took; ``reason`` None: :class:`NoEndpoint`."""
+        ...
+
+
+@dataclass(frozen=True)
+class Runs:
+    """The leading run of a prompt's chunks in each tier."""
+
+    gpu: Mapping[str, int]
+    """By server address."""
+    l1: Mapping[str, int]
+    """By node."""
+    nvme: Mapping[str, int]
+    """By node."""
+    s3: int
+    """The longest of any writer's."""
+
+    def peer(self, node: str) -> int:
+        """The longest run another node's L1 or NVMe holds."""
+        return max(
+            (max(self.l1.get(n, 0), self.nvme.get(n, 0)) for n in {*self.l1, *self.nvme} - {node}),
+            default=0,
+        )
+
+
+@dataclass(frozen=True)
+class Estimate:
+    address: str
+    waiting: float
+    prompt_seconds: float
+    queue_seconds: float
+    cached_tokens: int
+    """Tokens of the prompt loaded (from a tier cheaper than computing), not computed."""
+
+    @property
+    def seconds(self) -> float:
+        return self.prompt_seconds + self.queue_seconds
+
+    def rank(self) -> tuple[float, float, str]:
+        return (self.seconds, self.waiting, self.address)
+
+
+class _TooLate(Exception):
+    """The estimate's deadline passed while hashing the prompt's keys."""
+
+
+class _Head:
+    """The first ``length`` keys of a prompt, hashed already: a tracker reads them under its
+    lock without hashing (the lock is the one the index's event subscriber takes)."""
+
+    __slots__ = ("_keys", "_length")
+
+    def __init__(self, keys: KeySequence, length: int) -> None:
+        self._keys = keys
+        self._length = length
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, position: int) -> bytes:
+        if not 0 <= position < self._length:
+            raise IndexError(f"chunk {position} of a window of {self._length}")
+        return self._keys[position]
+
+
+def tier_runs(
+    tiers: Tiers,
+    keys: KeySequence,
+    addresses: Collection[str],
+    late: Callable[[], bool] = lambda: False,
+) -> Runs:
+    """Each tier's leading runs of ``keys`` (GPU runs of ``addresses`` only); :class:`_TooLate`
+    once ``late()`` while hashing.
+
+    The keys are hashed here, outside the trackers' locks: a window of the first keys,
+    doubled while some node holds all of it; each round asks only those nodes again. A
+    prompt no tier holds costs one hash; one whose longest held run is ``r`` chunks, fewer
+    than ``2r``."""
+    asked = [tiers.gpu, tiers.l1, tiers.nvme, tiers.s3]
+    found: list[dict[str, int]] = [{} for _ in asked]
+    names: list[Collection[str] | None] = [list(addresses), None, None, None]
+    window, length = 1, 0
+    while any(tracker is not None for tracker in asked):
+        hashed, length = length, min(window, len(keys))
+        ends = [*range(hashed + HASH_STEP, length, HASH_STEP), length] if length > hashed else []
+        for position in ends:
+            if late():
+                raise _TooLate
+            keys[position - 1]  # hashes up to there (a chain is hashed in order)
+        head = _Head(keys, length)
+        for tier, tracker in enumerate(asked):
+            if tracker is None:
+                continue
+            matches = tracker.longest_prefixes(head, names[tier])
+            found[tier].update((name, match.chunks) for name, match in matches.items())
+            names[tier] = [name for name, match in matches.items() if match.chunks == length]
+            if not names[tier] or length == len(keys):
+                asked[tier] = None  # every run of this tier is known
+        window *= 2
+    gpu, l1, nvme, s3 = found
+    return Runs(gpu, l1, nvme, max(s3.values(), default=0))
+
+
+class EndpointPicker:
+    """:class:`~kvpool.index.picking.Picker` over model servers and the index's tiers."""
+
+    def __init__(
+        self,
+        servers: Callable[[], Sequence[ServerState]],
+        tiers: Tiers,
+        fingerprint: ModelFingerprint,
+        costs: TierCosts,
+        *,
+        deadline_ms: float,
+        workers: int | None = None,
+        observer: PickObserver | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        """``servers``: the known servers and their loads (``ModelServers.snapshot``)."""
+        self.tiers = tiers
+        self.fingerprint = fingerprint
+        self.costs = costs
+        self.deadline = deadline_ms / 1000
+        self._servers = servers
+        self._observer = observer
+        self._clock = clock
+        workers = workers or min(4, os.cpu_count() or 1)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvpool-picker")
+        self._max_pending = workers * (1 + MAX_PENDING_PER_WORKER)
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._mean_prompt: float | None = None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ pick
+
+    def pick(self, request: PickRequest) -> Pick:
+        started = self._clock()
+        try:
+            candidates = self.candidates(request.subset)
+        except NoEndpoint:
+            self._observe(None, started)
+            raise
+        fallback = self._by_load(candidates, len(request.token_ids))
+        pick = self._estimated(request, candidates, started + self.deadline)
+        if pick is None:
+            pick = Pick(fallback.address, PickReason.FAIL_OPEN)
+        self._observe(pick.reason, started)
+        return pick
+
+    def candidates(self, subset: frozenset[str] | None) -> list[ServerState]:
+        """The servers a request may go to: the ready ones (all, when none is ready),
+        within ``subset``; :class:`NoEndpoint` when there are none."""
+        known = [s for s in self._servers() if subset is None or s.address in subset]
+        if not known:
+            where = "in the subset" if subset is not None else "known"
+            raise NoEndpoint(f"no model server {where}")
+        ready = [s for s in known if s.ready]
+        return ready or known
+
+    def _estimated(
+        self, request: PickRequest, candidates: list[ServerState], deadline: float
+    ) -> Pick | None:
+        """The full estimate's pick, or None if it was not made in time."""
+        with self._lock:
+            if self._pending >= self._max_pending:
+                return None
+            self._pending += 1
+        try:
+            future = self._pool.submit(self._decide, request, candidates, deadline)
+        except RuntimeError:  # closed: the server is stopping
+            self._finished(None)
+            return None
+        future.add_done_callback(self._finished)
+        try:
+            best = future.result(timeout=max(0.0, deadline - self._clock()))
+        except TimeoutError:
+            future.cancel()
+            return None
+        except Exception as error:  # the index's trouble must not fail the request
+            if not isinstance(error, _TooLate):
+                _failures.exception(f"picking by prefix failed, picked by load: {error}")
+            return None
+        reason = PickReason.PREFIX if best.cached_tokens else PickReason.LOAD
+        return Pick(best.address, reason, best.cached_tokens)
+
+    def _finished(self, _future: Future[Estimate] | None) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def _decide(
+        self, request: PickRequest, candidates: list[ServerState], deadline: float
+    ) -> Estimate:
+        keys = PromptKeys(request.token_ids, request.cache_salt, self.fingerprint)
+        late = lambda: self._clock() > deadline  # noqa: E731
+        best = min(self.estimates(request, candidates, keys, late), key=Estimate.rank)
+        with self._lock:
+            mean = self._mean_prompt
+            self._mean_prompt = (
+                best.prompt_seconds
+                if mean is None
+                else (mean + MEAN_WEIGHT * (best.prompt_seconds - mean))
+            )
+        return best
+
+    def _observe(self, reason: PickReason | None, started: float) -> None:
+        if self._observer is not None:
+            self._observer.observe_pick(reason, self._clock() - started)
+
+    # ------------------------------------------------------------- estimate
+
+    def estimates(
+        self,
+        request: PickRequest,
+        candidates: Sequence[ServerState],
+        keys: KeySequence | None = None,
+        late: Callable[[], bool] = lambda: False,
+    ) -> list[Estimate]:
+        """Every candidate's estimate for the request (``keys``: its chunk keys, when the
+        caller has them already; :class:`_TooLate` once ``late()`` while hashing them)."""
+        if keys is None:
+            keys = PromptKeys(request.token_ids, request.cache_salt, self.fingerprint)
+        runs = tier_runs(self.tiers, keys, [s.address for s in candidates], late)
+        tokens = len(request.token_ids)
+        mean = self._mean_prompt_seconds(tokens)
+        return [self._estimate(server, runs, tokens, mean) for server in candidates]
+
+    def _mean_prompt_seconds(self, tokens: int) -> float:
+        """The mean prompt time of recent requests (before the first: this one's, computed)."""
+        mean = self._mean_prompt
+        return tokens / 1000 * self.costs.compute if mean is None else mean
+
+    def _queue_seconds(self, server: ServerState, mean: float) -> float:
+        load = server.load
+        if load is None:
+            return 0.0
+        full = max(0.0, load.kv_cache_usage - KV_FULL) * KV_FULL_REQUESTS
+        return (load.waiting + RUNNING_SHARE * load.running + full) * mean
+
+    def _by_load(self, candidates: Sequence[ServerState], tokens: int) -> ServerState:
+        """The candidate with the shortest queue (ties: fewer waiting, then the address)."""
+        mean = self._mean_prompt_seconds(tokens)
+        return min(
+            candidates,
+            key=lambda s: (
+                self._queue_seconds(s, mean),
+                s.load.waiting if s.load else 0.0,
+                s.address,
+            ),
+        )
+
+    def _estimate(self, server: ServerState, runs: Runs, tokens: int, mean: float) -> Estimate:
+        costs = self.costs
+        chunk = self.fingerprint.chunk_tokens
+        held = [
+            (costs.gpu, runs.gpu.get(server.address, 0)),
+            (costs.l1, runs.l1.get(server.node, 0)),
+            (costs.nvme, runs.nvme.get(server.node, 0)),
+            (costs.peer, runs.peer(server.node)),
+            (costs.s3, runs.s3),
+        ]
+        covered = 0
+        seconds = 0.0
+        for cost, run in sorted(held):
+            if cost >= costs.compute:
+                break
+            if run > covered:
+                seconds += (run - covered) * chunk / 1000 * cost
+                covered = run
+        seconds += (tokens - covered * chunk) / 1000 * costs.compute
+        return Estimate(
+            server.address,
+            server.load.waiting if server.load else 0.0,
+            seconds,
+            self._queue_seconds(server, mean),
+            covered * chunk,
+        )
