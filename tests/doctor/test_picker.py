@@ -27,6 +27,7 @@ from .conftest import run_doctor
 NAMESPACE = "inference"
 POOL = Pool("main", NAMESPACE, "0f1e2d3c-0000-4000-8000-000000000001")
 TOKENS = {"tenants": {"tokensSecretRef": {"name": "kvpool-main-tokens"}}}
+FINGERPRINT = {"model": "m", "dtype": "bfloat16", "kvLayout": "nhd"}
 
 
 @contextlib.contextmanager
@@ -119,7 +120,8 @@ def index_config(served_api: ServedApi) -> Iterator[Any]:
         core.create_namespace({"metadata": {"name": NAMESPACE}})
 
     def store(picker: dict[str, Any]) -> None:
-        spec = PoolSpec.parse({**TOKENS, "index": {"enabled": True, "picker": picker}})
+        index = {"enabled": True, "fingerprint": FINGERPRINT, "picker": picker}
+        spec = PoolSpec.parse({**TOKENS, "index": index})
         children = render(POOL, spec, default_image="kvpool:test")
         assert children.index is not None
         core.create_namespaced_service(NAMESPACE, children.service)

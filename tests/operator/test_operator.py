@@ -100,7 +100,9 @@ def test_the_picker_follows_the_pool(
     reports it in status.index.pickerPort; a picker without a selector (which the CRD's
     rule refuses; the emulator has none) is reported invalid and not applied."""
     picker = {"enabled": True, "selector": {"app": "vllm"}}
-    _create(kubectl, served_api, "picked", {**TOKENS, "index": {"enabled": True, "picker": picker}})
+    fingerprint = {"model": "m", "dtype": "bfloat16", "kvLayout": "nhd"}
+    index = {"enabled": True, "fingerprint": fingerprint, "picker": picker}
+    _create(kubectl, served_api, "picked", {**TOKENS, "index": index})
     eventually(lambda: _applied(served_api, "picked"))
 
     def service_ports() -> dict[str, dict[str, Any]]:

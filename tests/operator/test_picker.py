@@ -19,6 +19,7 @@ from kvpool.operator.spec import (
     API_VERSION,
     KIND,
     NETWORK_POLICY_NEEDS_PICKER_CLIENTS,
+    PICKER_NEEDS_FINGERPRINT,
     PICKER_NEEDS_SELECTOR,
     PICKER_PORT_TAKEN,
     TOKENIZER_SUB_PATH,
@@ -50,8 +51,12 @@ def _pool(spec: dict[str, Any]) -> dict[str, Any]:
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "gpu"}, "spec": spec}
 
 
+FINGERPRINT = {"model": "Qwen/Qwen3-0.6B", "dtype": "bfloat16", "kvLayout": "nhd"}
+
+
 def _spec(picker: dict[str, Any], **pool: Any) -> dict[str, Any]:
-    return {**TOKENS, "index": {"enabled": True, "picker": picker}, **pool}
+    index = {"enabled": True, "fingerprint": FINGERPRINT, "picker": picker}
+    return {**TOKENS, "index": index, **pool}
 
 
 def _children(spec: dict[str, Any]) -> Children:
@@ -89,6 +94,7 @@ def test_the_index_runs_the_picker_it_is_configured_with() -> None:
         "port": 9002,
         "targetPort": 8080,
         "kvEventsPort": 5557,
+        "kvEventsReplayPort": 5558,
         "tokenizer": TOKENIZER,
         "deadlineMs": 20,
         "maxPromptTokens": 32768,
@@ -102,6 +108,7 @@ def test_the_index_runs_the_picker_it_is_configured_with() -> None:
         selector=SELECTOR,
         target_port=8080,
         kv_events_port=5557,
+        kv_events_replay_port=5558,
         tokenizer=TOKENIZER_DIR,
         deadline_ms=20,
         max_prompt_tokens=32768,
@@ -130,9 +137,9 @@ def test_defaults_are_the_pickers() -> None:
     assert defaulted["targetPort"] == fields["target_port"].default
     assert defaulted["deadlineMs"] == fields["deadline_ms"].default
     assert defaulted["maxPromptTokens"] == fields["max_prompt_tokens"].default
-    assert "kvEventsPort" not in defaulted and "tokenizer" not in defaulted
+    assert not {"kvEventsPort", "kvEventsReplayPort", "tokenizer"} & defaulted.keys()
     config = _index_config(_index(PICKER)).picker
-    assert (config.kv_events_port, config.tokenizer) == (None, None)
+    assert (config.kv_events_port, config.kv_events_replay_port, config.tokenizer) == (None,) * 3
 
 
 def test_without_the_picker_nothing_of_it_is_rendered() -> None:
@@ -218,6 +225,11 @@ def test_a_disabled_picker_admits_nobody_to_its_port() -> None:
 
 PICKER_RULES = [
     pytest.param(_spec({"enabled": True}), PICKER_NEEDS_SELECTOR, id="no-selector"),
+    pytest.param(
+        {**TOKENS, "index": {"enabled": True, "picker": PICKER}},
+        PICKER_NEEDS_FINGERPRINT,
+        id="no-fingerprint",
+    ),
     pytest.param(_spec({**PICKER, "port": 7403}), PICKER_PORT_TAKEN, id="port-of-the-index"),
     pytest.param(
         _spec({**PICKER, "tokenizer": {"claimName": "m", "subPath": "../etc"}}),
@@ -276,6 +288,7 @@ def test_pickers_the_crd_admits() -> None:
         _spec(PICKER, networkPolicy=POLICY),
         _spec({"enabled": False}, networkPolicy={**POLICY, "pickerClients": []}),
         _spec({}),
+        {**TOKENS, "index": {"enabled": True, "picker": {"enabled": False}}},
     ):
         assert admission_errors(_pool(spec)) == [], spec
         PoolSpec.parse(spec)

@@ -188,7 +188,9 @@ def test_the_picker_port_is_reported_from_the_rendered_deployment() -> None:
     InferencePool's endpointPickerRef names), absent when they serve none."""
     tokens = {"tenants": {"tokensSecretRef": {"name": "t"}}}
     picker = {"enabled": True, "port": 9002, "selector": {"app": "vllm"}}
-    for index, port in (({"enabled": True}, None), ({"enabled": True, "picker": picker}, 9002)):
+    fingerprint = {"model": "m", "dtype": "bfloat16", "kvLayout": "nhd"}
+    serving = {"enabled": True, "fingerprint": fingerprint, "picker": picker}
+    for index, port in (({"enabled": True}, None), (serving, 9002)):
         children = render(POOL, PoolSpec.parse({**tokens, "index": index}), default_image="i")
         assert children.index is not None
         replicas = IndexReplicas.of(children.index.deployment, PICKER_PORT_NAME)

@@ -147,6 +147,7 @@ def _picker_config(spec: PoolSpec) -> dict[str, Any]:
     picker = spec.index.picker
     optional = {
         "kv_events_port": picker.kv_events_port,
+        "kv_events_replay_port": picker.kv_events_replay_port,
         "tokenizer": TOKENIZER_DIR if picker.tokenizer else None,
     }
     return {

@@ -42,6 +42,7 @@ from kvpool.operator.spec.base import (
     parse_bytes,
 )
 from kvpool.operator.spec.index import (
+    PICKER_NEEDS_FINGERPRINT,
     PICKER_NEEDS_SELECTOR,
     PICKER_PORT_TAKEN,
     TOKENIZER_SUB_PATH,
@@ -109,6 +110,7 @@ __all__ = [
     "NVME_ENCRYPTION_NEEDS_KEY",
     "PEER_PORT_TAKEN",
     "PEER_SELECTS_NOTHING",
+    "PICKER_NEEDS_FINGERPRINT",
     "PICKER_NEEDS_SELECTOR",
     "PICKER_PORT_TAKEN",
     "PLURAL",

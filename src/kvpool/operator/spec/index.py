@@ -25,6 +25,10 @@ PICKER_NEEDS_SELECTOR = (
     "server pods"
 )
 PICKER_PORT_TAKEN = "spec.index.picker.port must differ from spec.index.port"
+PICKER_NEEDS_FINGERPRINT = (
+    "spec.index.picker.enabled needs spec.index.fingerprint: the picker keys prompts with "
+    "the model's fingerprint"
+)
 TOKENIZER_SUB_PATH = (
     "spec.index.picker.tokenizer.subPath must be a relative path without '..' segments"
 )
@@ -165,6 +169,14 @@ class PickerSpec(SpecModel):
         description="Their vLLM KV-events port (--kv-events-config endpoint tcp://*:<port>), "
         "for their GPU prefix caches; absent: the picker knows the pool's tiers only.",
     )
+    kv_events_replay_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Their vLLM KV-events replay port (--kv-events-config replay_endpoint "
+        "tcp://*:<port>): events lost on the way are asked for again; absent: a loss drops "
+        "a server's GPU tier until it is refilled.",
+    )
     tokenizer: TokenizerSpec | None = Field(
         None,
         description="The served model's tokenizer, for prompts sent as text; absent: only "
@@ -196,7 +208,11 @@ class IndexSpec(SpecModel):
             Rule(
                 "!has(self.picker) || !self.picker.enabled || self.picker.port != self.port",
                 PICKER_PORT_TAKEN,
-            )
+            ),
+            Rule(
+                "!has(self.picker) || !self.picker.enabled || has(self.fingerprint)",
+                PICKER_NEEDS_FINGERPRINT,
+            ),
         )
     )
 
@@ -260,12 +276,14 @@ class IndexSpec(SpecModel):
         PickerSpec(),
         description="The endpoint picker for Gateway API Inference Extension gateways "
         "(an InferencePool's endpointPickerRef: the index Service kvpool-<pool>-index, "
-        "port picker.port). Tier costs, body limits and the load interval keep the index's "
-        "defaults.",
+        "port picker.port). It needs fingerprint (the model's keys). Tier costs, body limits "
+        "and the load interval keep the index's defaults.",
     )
 
     @model_validator(mode="after")
-    def _picker_port_is_free(self) -> Self:
+    def _picker_fits(self) -> Self:
         if self.picker.enabled and self.picker.port == self.port:
             raise ValueError(PICKER_PORT_TAKEN)
+        if self.picker.enabled and self.fingerprint is None:
+            raise ValueError(PICKER_NEEDS_FINGERPRINT)
         return self
