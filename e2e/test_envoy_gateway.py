@@ -1,9 +1,9 @@
 """The README's plain-Envoy gateway, run: a real Envoy with the README's configuration
 (only its addresses, and the health checks' pace, changed for loopback and a test's
-patience), two model servers, and an endpoint picker that always picks the second one
-(a stand-in for kvpool's: what is tested is the gateway's configuration, which routes
-where the picker says, falls back when the picker is down (FailOpen), and never lets a
-client choose its own destination)."""
+patience), two model servers, and kvpool's endpoint picker edge (its ext_proc gRPC server
+and health service) over a core that picks a fixed server: what is tested is the
+gateway's configuration, which routes where the picker says, falls back when the picker
+is down (FailOpen), and never lets a client choose its own destination."""
 
 from __future__ import annotations
 
@@ -15,22 +15,22 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 import yaml
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvpool.common.index_config import PickerConfig
+from kvpool.index.epp.server import EppServer
+from kvpool.index.picking import Pick, PickReason, PickRequest
 from tests.docs.examples import ROOT, examples
 from tests.support.ports import free_port
 
 pytestmark = pytest.mark.process
 
 DESTINATION = "x-gateway-destination-endpoint"
-EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 
 def readme_envoy_config() -> dict[str, Any]:
@@ -97,70 +97,27 @@ def backend() -> Iterator[int]:
         server.server_close()
 
 
-def _picker_servicer(destination: str) -> Any:
-    """An ext_proc servicer, FULL_DUPLEX_STREAMED, that routes every request to
-    ``destination`` (without asking Envoy to clear its route cache: the README's
-    ``route_cache_action: CLEAR`` does) and echoes the bodies."""
-    from envoy.config.core.v3 import base_pb2
-    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
+@dataclass(frozen=True)
+class _Fixed:
+    """A picker core that picks ``endpoint`` for every request (the edge in front of it,
+    kvpool's ext_proc server, is the real one)."""
 
-    def route() -> Any:
-        header = base_pb2.HeaderValue(key=DESTINATION, raw_value=destination.encode())
-        mutation = pb.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(header=header)])
-        return pb.ProcessingResponse(
-            request_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation))
-        )
+    endpoint: str
 
-    def echo(body: bytes, end: bool) -> Any:
-        streamed = pb.StreamedBodyResponse(body=body, end_of_stream=end)
-        return pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=streamed))
-
-    class Picker(pbg.ExternalProcessorServicer):  # type: ignore[misc]
-        def Process(self, requests: Iterator[Any], context: Any) -> Iterator[Any]:
-            body = b""
-            for request in requests:
-                kind = request.WhichOneof("request")
-                if kind == "request_headers" and request.request_headers.end_of_stream:
-                    yield route()
-                elif kind == "request_body":
-                    body += request.request_body.body
-                    if request.request_body.end_of_stream:
-                        yield route()
-                        yield pb.ProcessingResponse(
-                            request_body=pb.BodyResponse(response=echo(body, True))
-                        )
-                elif kind == "response_headers":
-                    yield pb.ProcessingResponse(
-                        response_headers=pb.HeadersResponse(response=pb.CommonResponse())
-                    )
-                elif kind == "response_body":
-                    chunk = request.response_body
-                    yield pb.ProcessingResponse(
-                        response_body=pb.BodyResponse(
-                            response=echo(chunk.body, chunk.end_of_stream)
-                        )
-                    )
-                elif kind in ("request_trailers", "response_trailers"):
-                    yield pb.ProcessingResponse(**{kind: pb.TrailersResponse()})
-
-    return Picker(), pbg.add_ExternalProcessorServicer_to_server
+    def pick(self, request: PickRequest) -> Pick:
+        return Pick(self.endpoint, PickReason.PREFIX, len(request.token_ids))
 
 
 @contextlib.contextmanager
 def picker(port: int, destination: str) -> Iterator[None]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    servicer, add = _picker_servicer(destination)
-    add(servicer, server)
-    checks = health.HealthServicer()
-    checks.set(EXT_PROC_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    """kvpool's endpoint picker edge (ext_proc and gRPC health) on ``port``, picking
+    ``destination`` for every request."""
+    server = EppServer(_Fixed(destination), PickerConfig(port=port), "127.0.0.1", None)
     server.start()
     try:
         yield
     finally:
-        server.stop(grace=None)
+        server.stop(grace=0)
 
 
 def envoy_binary() -> str:
@@ -200,7 +157,7 @@ def until_picker_down(admin: int) -> None:
 
 
 def complete(port: int, headers: dict[str, str] | None = None) -> dict[str, Any]:
-    body = json.dumps({"model": "qwen3", "prompt": "Hello", "max_tokens": 1}).encode()
+    body = json.dumps({"model": "qwen3", "prompt": [1, 2, 3], "max_tokens": 1}).encode()
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/completions",
         data=body,

@@ -16,6 +16,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvpool.common.index_config import PickerConfig
+from kvpool.index.epp.server import EppServer
+from kvpool.index.picking import Pick, PickRequest
 from kvpool.operator.render import Pool, render
 from kvpool.operator.spec import PoolSpec
 from kvpool.tools.doctor.picker import EXT_PROC_SERVICE, NAME, probe
@@ -68,6 +71,24 @@ def test_a_serving_picker_passes() -> None:
         check = probe(address, timeout=2)
     assert (check.name, check.outcome) == (NAME, Outcome.PASS)
     assert address in check.seen and "SERVING" in check.seen
+
+
+def test_kvpools_picker_server_passes() -> None:
+    """The check asks what kvpool's own picker edge (EppServer) answers."""
+    server = EppServer(_Unused(), PickerConfig(port=0), "127.0.0.1", None)
+    port = server.start()
+    try:
+        check = probe(f"127.0.0.1:{port}", timeout=2)
+    finally:
+        server.stop(grace=0)
+    assert check.outcome is Outcome.PASS, check
+
+
+class _Unused:
+    """A picker core the health check never reaches."""
+
+    def pick(self, request: PickRequest) -> Pick:
+        raise AssertionError("a health check picks nothing")
 
 
 def test_a_picker_that_is_not_serving_fails_saying_so() -> None:
