@@ -30,8 +30,10 @@ from kvpool.operator.render import Pool, render
 from kvpool.operator.spec import KVCachePool, PoolSpec
 from tests.support.crd_schema import (
     CRD_PATH,
+    GAIE_CRD_PATH,
     TENANT_CRD_PATH,
     admission_errors,
+    object_errors,
     schema,
     with_defaults,
 )
@@ -49,6 +51,7 @@ VALUE_SETS: dict[str, tuple[str, ...]] = {
     "monitoring": ("monitoring.yaml",),
     "csi": ("csi.yaml",),
     "webhook": ("webhook.yaml",),
+    "inference-gateway": ("inference-gateway.yaml",),
 }
 NO_OFFICIAL_SCHEMA = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 """Kinds outside Kubernetes (prometheus-operator's); test_service_monitor checks it."""
@@ -67,6 +70,9 @@ BAD_VALUES = {
     "bad-webhook-port.yaml": "webhook.port 9443 is operator.healthPort's",
     "bad-example-spec-field.yaml": "at '/examplePool/spec/l1': additional properties 'sise'",
     "bad-example-spec-size.yaml": "at '/examplePool/spec/l1/size': '1GB' does not match pattern",
+    "bad-inference-pool-without-picker.yaml": (
+        "examplePool.inferencePool needs the example pool's endpoint picker"
+    ),
 }
 
 
@@ -106,6 +112,9 @@ def test_every_object_is_valid(rendered: tuple[str, list[Manifest]], version: st
         if manifest["kind"] == "KVCachePool":
             # a custom resource: the CRD's schema and CEL rules, as the API server applies them
             assert admission_errors(manifest) == []
+            continue
+        if manifest["kind"] == "InferencePool":  # the Gateway API Inference Extension's CRD
+            assert object_errors(schema(GAIE_CRD_PATH), manifest) == []
             continue
         try:
             kubernetes_validate.validate(manifest, version, strict=True)
@@ -374,6 +383,33 @@ def test_the_example_pool_is_one_the_operator_renders(helm: Helm) -> None:
     assert children.index is not None
     assert children.index.deployment["spec"]["replicas"] == 2
     assert not by_kind(helm.template(), "KVCachePool"), "no example pool unless asked"
+
+
+def test_the_inference_pool_names_the_example_pools_picker(helm: Helm) -> None:
+    """The InferencePool's endpoint picker is the index Service's picker port (HTTP/2)
+    that the operator renders for the example pool, and its pods are the picker's."""
+    manifests = helm.template("inference-gateway.yaml")
+    pool, inference_pool = one(manifests, "KVCachePool"), one(manifests, "InferencePool")
+    spec = PoolSpec.parse(with_defaults(schema(), pool)["spec"])
+    children = render(Pool("main", "inference", "uid"), spec, default_image="kvpool:test")
+    assert children.index is not None
+    service = children.index.service
+    assert inference_pool["metadata"] == {
+        "name": "qwen3",
+        "namespace": service["metadata"]["namespace"],
+        "labels": inference_pool["metadata"]["labels"],
+    }
+    ref = inference_pool["spec"]["endpointPickerRef"]
+    assert (ref["kind"], ref["name"], ref["failureMode"]) == (
+        "Service",
+        service["metadata"]["name"],
+        "FailOpen",
+    )
+    (port,) = [p for p in service["spec"]["ports"] if p["port"] == ref["port"]["number"]]
+    assert (port["port"], port["appProtocol"]) == (9002, "kubernetes.io/h2c")
+    assert inference_pool["spec"]["selector"] == {"matchLabels": {"app": "vllm-qwen3"}}
+    assert inference_pool["spec"]["targetPorts"] == [{"number": 8080}]
+    assert not by_kind(helm.template("s3-nvme.yaml"), "InferencePool"), "only when asked"
 
 
 def test_the_service_monitor_scrapes_the_agents_and_index_services(helm: Helm) -> None:

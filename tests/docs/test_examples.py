@@ -32,8 +32,10 @@ from tests.docs.examples import DOCUMENTS, ROOT, Example, all_examples, examples
 from tests.support.agent_process import ENGINE_TOKEN, AgentProcess
 from tests.support.crd_schema import (
     CRD_PATH,
+    GAIE_CRD_PATH,
     OLDEST_KUBERNETES,
     TENANT_CRD_PATH,
+    object_errors,
     rule_errors,
     schema,
     schema_errors,
@@ -54,6 +56,8 @@ KNOWN_COMMANDS = {
     "curl", "openssl", "printf", "cat", "base64", "jq", "export", ".", "source",
 }  # fmt: skip
 CRDS = {"KVCachePool": CRD_PATH, "KVCacheTenant": TENANT_CRD_PATH}
+INFERENCE_POOLS = "inference.networking.k8s.io/v1"
+"""The Gateway API Inference Extension's InferencePools, checked against its CRD."""
 BASE_POOL = ROOT / "e2e" / "manifests" / "pool.yaml"
 """The pool a ``pool-fragment`` block is merged over."""
 
@@ -174,6 +178,8 @@ def _resource_errors(document: dict[str, Any]) -> list[str]:
     if document.get("apiVersion", "").startswith("kvpool.io/") and path is not None:
         defaulted = with_defaults(schema(path), document)
         return schema_errors(defaulted, path) + rule_errors(defaulted, path)
+    if document.get("apiVersion") == INFERENCE_POOLS:
+        return object_errors(schema(GAIE_CRD_PATH), document)
     try:
         kubernetes_validate.validate(document, OLDEST_KUBERNETES, strict=True)
     except kubernetes_validate.ValidationError as error:

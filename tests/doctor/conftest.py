@@ -28,6 +28,7 @@ CHECK_NAMES = (
     "fingerprint",
     "hit-rate",
     "peers",
+    "picker",
     "model",
 )
 

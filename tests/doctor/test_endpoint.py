@@ -103,6 +103,7 @@ def test_a_healthy_agent_passes_and_the_canary_leaves_nothing(agent: AgentProces
         "fingerprint": "SKIP",  # no pool, no index
         "hit-rate": "PASS",
         "peers": "SKIP",  # an agent without peers
+        "picker": "SKIP",  # no pool, no index
         "model": "SKIP",  # no --model-config
     }, diagnosis.output
     checks, door = diagnosis.checks, agent_door(agent)

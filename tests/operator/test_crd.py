@@ -175,8 +175,9 @@ def test_the_status_the_operator_writes_fits_the_crd() -> None:
         rollout=Rollout(desired=2, updated=2, ready=1, observed=True),
         previous={},
         now=datetime(2026, 1, 1, tzinfo=UTC),
-        index=IndexReplicas(replicas=2, ready=1),
+        index=IndexReplicas(replicas=2, ready=1, picker_port=7405),
     )
+    assert status["index"]["pickerPort"] == 7405
     assert schema_errors(with_defaults(schema(), {**_pool(VALID), "status": status})) == []
 
 
@@ -522,7 +523,13 @@ def test_network_policy_peers_as_a_networkpolicy_takes_them() -> None:
     assert PoolSpec.parse(spec).network_policy.enabled
     assert admission_errors(_pool({"networkPolicy": {"clients": [ANY_POD]}})) == []
     defaulted = with_defaults(schema(), _pool({}))["spec"]["networkPolicy"]
-    assert defaulted == {"enabled": False, "clients": [], "gateways": [], "prometheus": []}
+    assert defaulted == {
+        "enabled": False,
+        "clients": [],
+        "gateways": [],
+        "pickerClients": [],
+        "prometheus": [],
+    }
 
 
 def test_index_defaults_are_the_indexs() -> None:

@@ -93,6 +93,42 @@ SERVICE_MONITOR_CRD = {
 }
 
 
+def test_the_picker_follows_the_pool(
+    served_api: ServedApi, kubectl: Kubectl, operator: OperatorProcess
+) -> None:
+    """spec.index.picker: the operator serves the picker's port on the index Service and
+    reports it in status.index.pickerPort; a picker without a selector (which the CRD's
+    rule refuses; the emulator has none) is reported invalid and not applied."""
+    picker = {"enabled": True, "selector": {"app": "vllm"}}
+    fingerprint = {"model": "m", "dtype": "bfloat16", "kvLayout": "nhd"}
+    index = {"enabled": True, "fingerprint": fingerprint, "picker": picker}
+    _create(kubectl, served_api, "picked", {**TOKENS, "index": index})
+    eventually(lambda: _applied(served_api, "picked"))
+
+    def service_ports() -> dict[str, dict[str, Any]]:
+        service = _get(served_api, "services", "kvpool-picked-index")
+        assert service is not None
+        return {port["name"]: port for port in service["spec"]["ports"]}
+
+    assert service_ports()["grpc-picker"]["appProtocol"] == "kubernetes.io/h2c"
+    assert _status(served_api, "picked")["index"]["pickerPort"] == 7405
+    config = _get(served_api, "configmaps", "kvpool-picked-index-config")
+    assert config is not None
+    assert yaml.safe_load(config["data"]["index.yaml"])["picker"]["selector"] == {"app": "vllm"}
+
+    _patch_pool(kubectl, "picked", {"spec": {"index": {"picker": {"selector": None}}}})
+    eventually(lambda: _applied(served_api, "picked", generation=2))
+    degraded = _condition(served_api, "picked", "Degraded")
+    assert degraded[:2] == ("True", "InvalidSpec")
+    assert "spec.index.picker.enabled needs spec.index.picker.selector" in degraded[2]
+    assert "grpc-picker" in service_ports()  # what was applied stays
+
+    _patch_pool(kubectl, "picked", {"spec": {"index": {"picker": {"enabled": False}}}})
+    eventually(lambda: _applied(served_api, "picked", generation=3))
+    assert list(service_ports()) == ["http"]
+    assert "pickerPort" not in _status(served_api, "picked")["index"]
+
+
 @pytest.fixture(autouse=True)
 def _own_namespace(
     namespaces: Callable[[str], str], kubectl: Kubectl, monkeypatch: pytest.MonkeyPatch

@@ -7,7 +7,11 @@ from typing import Any
 
 import pytest
 
-from kvpool.operator.status import IndexReplicas, Problem, Rollout, pool_status
+from kvpool.operator.render import PICKER_PORT_NAME, Pool, render
+from kvpool.operator.spec import PoolSpec
+from kvpool.operator.status import IndexReplicas, Problem, Rollout, pool_status, written
+
+POOL = Pool("gpu", "inference", "0d3c5e9a-1f2b-4c6d-8e9f-0a1b2c3d4e5f")
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -164,7 +168,7 @@ def test_rollout_of_a_daemonset() -> None:
 def test_the_index_is_reported_beside_the_agents() -> None:
     agents_ready = Rollout(3, 3, 3, True)
     status = _status(agents_ready, index=IndexReplicas(replicas=2, ready=0))
-    assert status["index"] == {"replicas": 2, "readyReplicas": 0}
+    assert status["index"] == {"replicas": 2, "readyReplicas": 0, "pickerPort": None}
     # the conditions are about the agents: an index that is not ready leaves the pool Ready
     assert _conditions(status)["Ready"] == ("True", "AgentsReady")
     # without an index, a merge patch removes status.index
@@ -173,9 +177,46 @@ def test_the_index_is_reported_beside_the_agents() -> None:
 
 def test_index_replicas_of_a_deployment() -> None:
     deployment: dict[str, Any] = {"metadata": {"generation": 1}, "spec": {"replicas": 2}}
-    assert IndexReplicas.of(deployment) == IndexReplicas(replicas=2, ready=0)  # no status yet
+    of = IndexReplicas.of(deployment, PICKER_PORT_NAME)
+    assert of == IndexReplicas(replicas=2, ready=0)  # no status yet
     deployment["status"] = {"replicas": 2, "readyReplicas": 1, "updatedReplicas": 2}
-    assert IndexReplicas.of(deployment) == IndexReplicas(replicas=2, ready=1)
+    assert IndexReplicas.of(deployment, PICKER_PORT_NAME) == IndexReplicas(replicas=2, ready=1)
+
+
+def test_the_picker_port_is_reported_from_the_rendered_deployment() -> None:
+    """status.index.pickerPort is the port the index pods serve the picker on (what an
+    InferencePool's endpointPickerRef names), absent when they serve none."""
+    tokens = {"tenants": {"tokensSecretRef": {"name": "t"}}}
+    picker = {"enabled": True, "port": 9002, "selector": {"app": "vllm"}}
+    fingerprint = {"model": "m", "dtype": "bfloat16", "kvLayout": "nhd"}
+    serving = {"enabled": True, "fingerprint": fingerprint, "picker": picker}
+    for index, port in (({"enabled": True}, None), (serving, 9002)):
+        children = render(POOL, PoolSpec.parse({**tokens, "index": index}), default_image="i")
+        assert children.index is not None
+        replicas = IndexReplicas.of(children.index.deployment, PICKER_PORT_NAME)
+        assert replicas.picker_port == port
+        assert replicas.status() == {"replicas": 1, "readyReplicas": 0, "pickerPort": port}
+
+
+@pytest.mark.parametrize(
+    ("status", "previous", "same"),
+    [
+        ({"index": None}, {}, True),
+        ({"index": None}, {"index": {"replicas": 1}}, False),
+        ({"index": {"replicas": 1, "pickerPort": None}}, {"index": {"replicas": 1}}, True),
+        (
+            {"index": {"replicas": 1, "pickerPort": None}},
+            {"index": {"replicas": 1, "pickerPort": 7405}},
+            False,  # the picker was turned off: the null removes the port
+        ),
+        ({"index": {"replicas": 1}}, {"index": {"replicas": 1, "pickerPort": 7405}}, False),
+        ({"readyNodes": 2}, {"readyNodes": 2, "sharedSpaces": []}, True),  # others' fields
+    ],
+)
+def test_a_status_is_written_only_when_it_says_something_new(
+    status: dict[str, Any], previous: dict[str, Any], same: bool
+) -> None:
+    assert written(status, previous) is same
 
 
 def test_conditions_of_other_types_are_kept_as_they_are() -> None:

@@ -1,5 +1,5 @@
-"""kvpool's CRDs' schemas (the pool's by default), applied as an API server applies them,
-without one.
+"""kvpool's CRDs' schemas (the pool's by default), and any CRD's (:func:`object_errors`),
+applied as an API server applies them, without one.
 
 - Structural defaulting: a ``default`` fills an absent property, and the defaults inside
   it apply in turn (so ``default: {}`` on an object defaults its fields).
@@ -35,6 +35,8 @@ OLDEST_KUBERNETES = "1.29"
 """The oldest Kubernetes with everything the CRD uses (CEL rules, the quantity library)."""
 CRD_PATH = Path(__file__).parents[2] / "crds" / "kvcachepools.kvpool.io.yaml"
 TENANT_CRD_PATH = CRD_PATH.parent / "kvcachetenants.kvpool.io.yaml"
+GAIE_CRD_PATH = Path(__file__).with_name("gaie") / "inference.networking.k8s.io_inferencepools.yaml"
+"""The Gateway API Inference Extension's InferencePool CRD (v1.5.0), as its project ships it."""
 EXAMPLES = sorted((CRD_PATH.parent / "examples").glob("*.yaml"))
 GPU_EXAMPLE = CRD_PATH.parent / "examples" / "gpu-nodes.yaml"
 """The example that sets (nearly) every field."""
@@ -87,7 +89,11 @@ def _strict(node: Schema) -> Schema:
 
 def schema_errors(obj: dict[str, Any], path: Path = CRD_PATH) -> list[str]:
     """OpenAPI problems of a defaulted object, as ``path: message``."""
-    validator = jsonschema.Draft4Validator(_strict(schema(path)))
+    return _schema_errors(schema(path), obj)
+
+
+def _schema_errors(node: Schema, obj: dict[str, Any]) -> list[str]:
+    validator = jsonschema.Draft4Validator(_strict(node))
     return [
         f"{'.'.join(str(part) for part in error.absolute_path)}: {error.message}"
         for error in validator.iter_errors(obj)
@@ -156,5 +162,11 @@ def _rule_errors(node: Schema, value: Any, path: str) -> list[str]:
 
 def admission_errors(obj: dict[str, Any], path: Path = CRD_PATH) -> list[str]:
     """What an API server would refuse ``obj`` for: schema problems, then failed rules."""
-    defaulted = with_defaults(schema(path), obj)
-    return schema_errors(defaulted, path) or rule_errors(defaulted, path)
+    return object_errors(schema(path), obj)
+
+
+def object_errors(node: Schema, obj: dict[str, Any]) -> list[str]:
+    """What an API server would refuse ``obj`` for against the openAPIV3Schema ``node`` (a
+    CRD version's): its defaulted copy's schema problems, then its failed rules."""
+    defaulted = with_defaults(node, obj)
+    return _schema_errors(node, defaulted) or _rule_errors(node, defaulted, "")

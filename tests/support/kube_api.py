@@ -39,10 +39,15 @@ makes it behave like a real API server wherever kvpool depends on it:
   is applied; ``warnings`` reach the client as ``Warning: 299 - "<text>"`` headers. A call
   that fails (refused, TLS, timeout, a bad response) follows ``failurePolicy``: Ignore
   (logged, recorded in :attr:`ApiServer.admissions`) creates the object unchanged, Fail (the
-  default) fails the create with 500 ``failed calling webhook "<name>": <why>``.
+  default) fails the create with 500 ``failed calling webhook "<name>": <why>``;
+- validation of the objects of the Gateway API Inference Extension's CRDs (InferencePool,
+  ``inference.networking.k8s.io``; the CRD is in ``tests/support/gaie/``) against the
+  created CRD's OpenAPI schema and CEL rules (``tests/support/crd_schema.py``), on create
+  and on every write: a 422 Invalid that names each broken field or rule.
 
-Not emulated: validation against OpenAPI schemas and CEL rules (``test_crd.py`` and
-``test_render.py`` check those offline), defaulting, validating admission (but PodSecurity:
+Not emulated: validation of other objects against OpenAPI schemas and CEL rules
+(``test_crd.py`` and ``test_render.py`` check kvpool's offline), defaulting, validating
+admission (but PodSecurity:
 a pod created in a namespace labelled ``pod-security.kubernetes.io/enforce: baseline`` or
 ``restricted`` is refused when it breaks that level, checked after the mutating webhooks
 with ``tests/support/pod_security.py``), mutating
@@ -89,6 +94,7 @@ import yaml
 from kmock._internal import enums, parsing, rendering
 
 from tests.support import pod_security
+from tests.support.crd_schema import object_errors
 
 _parse_path = parsing.parse_path
 
@@ -107,6 +113,11 @@ T = TypeVar("T")
 Obj = dict[str, Any]
 Key = tuple[kmock.resource, str | None, str]
 CRDS = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+VALIDATED_GROUPS = frozenset({"inference.networking.k8s.io"})
+"""The API groups whose objects are validated against their CRD's schema here: the Gateway
+API Inference Extension's (InferencePool), a third party's, which kvpool's documents and
+examples write and no other test checks. kvpool's own CRDs are checked offline
+(``tests/operator/test_crd.py``, the same checker), and the operator repeats their rules."""
 MUTATING_WEBHOOKS = kmock.resource(
     "admissionregistration.k8s.io", "v1", "mutatingwebhookconfigurations"
 )
@@ -312,6 +323,8 @@ class ApiServer(kmock.KubernetesEmulator):
     denials: list[Denial] = attrs.field(factory=list, init=False)
     admissions: list[AdmissionCall] = attrs.field(factory=list, init=False)
     """Every webhook call, in order."""
+    _schemas: dict[kmock.resource, dict[str, Any]] = attrs.field(factory=dict, init=False)
+    """The openAPIV3Schema of each served version of a CRD of VALIDATED_GROUPS."""
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         resource = request.resource
@@ -381,6 +394,9 @@ class ApiServer(kmock.KubernetesEmulator):
                         verbs={"create", "delete", "get", "list", "patch", "update", "watch"},
                     )
                 )
+                if spec["group"] in VALIDATED_GROUPS:
+                    resource = kmock.resource(spec["group"], version["name"], names["plural"])
+                    self._schemas[resource] = version["schema"]["openAPIV3Schema"]
         crd["status"] = {
             "acceptedNames": names,
             "conditions": [
@@ -397,6 +413,23 @@ class ApiServer(kmock.KubernetesEmulator):
             resource = kmock.resource(spec["group"], version["name"], spec["names"]["plural"])
             if resource in self.resources:
                 del self.resources[resource]
+            self._schemas.pop(resource, None)
+
+    def _validate(self, resource: kmock.resource, obj: Obj) -> None:
+        """Refuse (422 Invalid, as an API server words it) an object of a validated CRD
+        that breaks its schema or a CEL rule (checked on a defaulted copy; the stored object
+        is not defaulted)."""
+        if resource not in self._schemas:
+            return
+        errors = object_errors(self._schemas[resource], obj)
+        if errors:
+            kind = self.resources[resource].kind
+            name = obj.get("metadata", {}).get("name", "")
+            raise kmock.KubernetesError(
+                status=422,
+                reason="Invalid",
+                message=f'{kind}.{resource.group} "{name}" is invalid: ' + "; ".join(errors),
+            )
 
     # admission
 
@@ -557,6 +590,7 @@ class ApiServer(kmock.KubernetesEmulator):
         key: Key = (resource, namespace, metadata["name"])
         if self._current(key) is not None:
             raise kmock.KubernetesError(status=409, reason="AlreadyExists", message="exists")
+        self._validate(resource, obj)
         metadata.update(
             uid=str(uuid.uuid4()),
             creationTimestamp=_now(),
@@ -598,6 +632,7 @@ class ApiServer(kmock.KubernetesEmulator):
         }
         if new == current:
             return current
+        self._validate(key[0], new)
         if _spec_of(new) != _spec_of(current):
             new["metadata"]["generation"] = current["metadata"].get("generation", 1) + 1
         new["metadata"]["resourceVersion"] = self._next_version()
@@ -762,8 +797,9 @@ def _merge_patch(current: Obj, patch: Obj) -> Obj:
     for key, value in patch.items():
         if value is None:
             merged.pop(key, None)
-        elif isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge_patch(merged[key], value)
+        elif isinstance(value, dict):  # into {} where there is no object: nulls go
+            target = merged.get(key)
+            merged[key] = _merge_patch(target if isinstance(target, dict) else {}, value)
         else:
             merged[key] = copy.deepcopy(value)
     return merged

@@ -30,13 +30,14 @@ from kvpool.operator.apply import KINDS, ApiError, Cluster, Kind, kind_of
 from kvpool.operator.events import PoolEvents
 from kvpool.operator.peers import PeerKeys
 from kvpool.operator.reasons import APPLY_FAILED, INVALID_SPEC
-from kvpool.operator.render import ChildRef, Children, Manifest, Pool, render
+from kvpool.operator.render import PICKER_PORT_NAME, ChildRef, Children, Manifest, Pool, render
 from kvpool.operator.spec import API_VERSION, KIND, InvalidSpec, PoolSpec
 from kvpool.operator.status import (
     IndexReplicas,
     Problem,
     Rollout,
     pool_status,
+    written,
 )
 
 POOLS = KINDS[API_VERSION, KIND]
@@ -212,9 +213,11 @@ class Reconciler:
             rollout=Rollout.of(daemonset),
             previous=previous,
             now=datetime.now(UTC),
-            index=IndexReplicas.of(deployment) if deployment is not None else None,
+            index=IndexReplicas.of(deployment, PICKER_PORT_NAME)
+            if deployment is not None
+            else None,
         )
-        if {key: previous.get(key) for key in status} != status:
+        if not written(status, previous):
             self._cluster.patch_status(POOLS, namespace, name, status)
 
 

@@ -17,8 +17,9 @@ Conditions (each with a CamelCase reason and a message for people):
 A condition's ``lastTransitionTime`` changes only when its status does. Conditions of other
 types (``SharedSpaces``, which ``kvpool.operator.spaces`` writes) are kept as they are.
 
-``index``: the prefix index's replicas (``replicas`` asked for, ``readyReplicas``) while the
-pool has an index Deployment; absent otherwise. The conditions are about the agents only:
+``index``: the prefix index's replicas (``replicas`` asked for, ``readyReplicas``) and the
+endpoint picker's port (``pickerPort``, where its pods serve one) while the pool has an
+index Deployment; absent otherwise. The conditions are about the agents only:
 the cache works without the index (gateways that cannot reach it route without affinity),
 so an index that is not ready does not make the pool unready.
 """
@@ -107,11 +108,53 @@ class IndexReplicas:
 
     replicas: int
     ready: int
+    picker_port: int | None = None
+    """The endpoint picker's port (the container port ``grpc-picker``), if it serves one."""
 
     @classmethod
-    def of(cls, deployment: Mapping[str, Any]) -> IndexReplicas:
+    def of(cls, deployment: Mapping[str, Any], picker_port_name: str) -> IndexReplicas:
+        """From the Deployment: its replicas, and the picker's container port (by its
+        name) that its pods serve, as rendered."""
         spec, status = deployment.get("spec") or {}, deployment.get("status") or {}
-        return cls(int(spec.get("replicas", 1)), int(status.get("readyReplicas", 0)))
+        containers = (spec.get("template") or {}).get("spec", {}).get("containers") or ()
+        picker = [
+            int(port["containerPort"])
+            for container in containers
+            for port in container.get("ports") or ()
+            if port.get("name") == picker_port_name
+        ]
+        return cls(
+            int(spec.get("replicas", 1)),
+            int(status.get("readyReplicas", 0)),
+            picker[0] if picker else None,
+        )
+
+    def status(self) -> dict[str, int | None]:
+        """``status.index``; ``pickerPort`` None (no picker) as null, which a merge patch
+        of the status removes."""
+        return {
+            "replicas": self.replicas,
+            "readyReplicas": self.ready,
+            "pickerPort": self.picker_port,
+        }
+
+
+def written(status: Mapping[str, Any], previous: Mapping[str, Any]) -> bool:
+    """Whether ``previous`` already says what the merge patch ``status`` would: a null says
+    "absent" (at any depth), as the patch makes it."""
+    return all(_same(value, previous.get(key)) for key, value in status.items())
+
+
+def _same(patch: Any, current: Any) -> bool:
+    if patch is None:
+        return current is None
+    if isinstance(patch, Mapping):
+        return (
+            isinstance(current, Mapping)
+            and written(patch, current)
+            and all(key in patch for key in current)
+        )
+    return bool(patch == current)
 
 
 def pool_status(
@@ -143,7 +186,7 @@ def pool_status(
             for kind, value in zip(own, (ready, progressing, degraded), strict=True)
         ]
         + [c for c in previous.get("conditions", ()) if c.get("type") not in own],
-        "index": {"replicas": index.replicas, "readyReplicas": index.ready} if index else None,
+        "index": index.status() if index else None,
     }
     if observed_generation is not None:
         status["observedGeneration"] = observed_generation

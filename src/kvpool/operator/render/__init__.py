@@ -50,7 +50,12 @@ from dataclasses import dataclass
 from kvpool.common.names import AGENT_CONFIG_KEY
 from kvpool.operator.render.config import agent_config, index_config, settings_file
 from kvpool.operator.render.daemonset import agent_memory, daemonset, format_bytes
-from kvpool.operator.render.index import IndexChildren, index_children, index_refs
+from kvpool.operator.render.index import (
+    PICKER_PORT_NAME,
+    IndexChildren,
+    index_children,
+    index_refs,
+)
 from kvpool.operator.render.network import network_policies, network_policy_refs
 from kvpool.operator.render.objects import ChildRef, Manifest, Pool, manifest
 from kvpool.operator.render.pods import AGENT_UID
@@ -60,6 +65,7 @@ from kvpool.operator.spec import PoolSpec
 
 __all__ = [
     "AGENT_UID",
+    "PICKER_PORT_NAME",
     "ChildRef",
     "Children",
     "IndexChildren",

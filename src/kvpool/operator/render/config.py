@@ -30,6 +30,8 @@ L2_KEYS_DIR = "/etc/kvpool/l2-keys"
 """Where the pool's L2 key Secret is mounted (spec.l2.encryption.keySecretRef)."""
 PEER_KEYS_DIR = "/etc/kvpool/peer-keys"
 """Where the pool's peer Secret (``kvpool-<pool>-peer``) is mounted (spec.peers)."""
+TOKENIZER_DIR = "/etc/kvpool/tokenizer"
+"""Where the index mounts the picker's tokenizer (spec.index.picker.tokenizer), read-only."""
 NODE_KEYS_DIR = ".kvpool-keys"
 """Without a key Secret, each agent keeps its own key under the NVMe tier's hostPath, in
 this directory (a name no pool can have), so that it outlives the pod as the files do."""
@@ -134,7 +136,30 @@ def index_config(pool: Pool, spec: PoolSpec) -> IndexConfig:
         agent_token_file=f"{AGENT_ACCESS_DIR}/{AGENT_ACCESS_KEY}",
         peer_key_dir=PEER_KEYS_DIR if spec.peers.enabled else None,
         state_dir=STATE_DIR,
+        **({"picker": _picker_config(spec)} if index.picker.enabled else {}),
     )
+
+
+def _picker_config(spec: PoolSpec) -> dict[str, Any]:
+    """The endpoint picker of every index replica: the model server pods of the pool's
+    namespace that the selector names (the index's own, as an InferencePool's are), its
+    tokenizer where the Deployment mounts it."""
+    picker = spec.index.picker
+    optional = {
+        "kv_events_port": picker.kv_events_port,
+        "kv_events_replay_port": picker.kv_events_replay_port,
+        "tokenizer": TOKENIZER_DIR if picker.tokenizer else None,
+    }
+    return {
+        "enabled": True,
+        "port": picker.port,
+        "discovery": "kubernetes",
+        "selector": picker.selector,
+        "target_port": picker.target_port,
+        "deadline_ms": picker.deadline_ms,
+        "max_prompt_tokens": picker.max_prompt_tokens,
+        **{name: value for name, value in optional.items() if value is not None},
+    }
 
 
 def _l2_key_dir(pool: Pool, spec: PoolSpec) -> str | None:

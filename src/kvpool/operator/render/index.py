@@ -3,7 +3,13 @@
 its pods, nor the index's discovery, which follows ``component: agent`` pods):
 ``kvpool-<pool>-index-config`` (ConfigMap, ``index.yaml``), and ``kvpool-<pool>-index``:
 ServiceAccount, Role and RoleBinding to read and watch the pool's pods, a Deployment of
-``spec.index.replicas`` independent indexes, and a ClusterIP Service for gateways."""
+``spec.index.replicas`` independent indexes, and a ClusterIP Service for gateways.
+
+With ``spec.index.picker`` each replica also serves the endpoint picker (gRPC, the
+container and Service port ``grpc-picker``, ``appProtocol: kubernetes.io/h2c``) that an
+InferencePool's ``endpointPickerRef`` names; it finds the model server pods with the same
+Role (they are in the pool's namespace, as the InferencePool that selects them). Readiness
+stays the index's HTTP ``/readyz``; a gateway health-checks the picker over gRPC."""
 
 from __future__ import annotations
 
@@ -25,12 +31,15 @@ from kvpool.operator.render.pods import (
     probes,
     resources,
     state_volume,
+    tokenizer_volume,
     tokens_volume,
 )
 from kvpool.operator.render.rbac import index_rbac
-from kvpool.operator.render.services import service_ports
+from kvpool.operator.render.services import H2C, service_ports
 from kvpool.operator.spec import PoolSpec
 
+PICKER_PORT_NAME = "grpc-picker"
+"""The picker's container and Service port (an InferencePool names it by number)."""
 INDEX_CPU_REQUEST = "100m"
 INDEX_MEMORY_REQUEST = "512Mi"
 INDEX_MEMORY_LIMIT = "2Gi"
@@ -77,7 +86,6 @@ def index_refs(pool: Pool) -> tuple[ChildRef, ...]:
 def index_children(pool: Pool, spec: PoolSpec, default_image: str) -> IndexChildren:
     config_text = settings_file(index_config(pool, spec))
     service_account, role, role_binding = index_rbac(pool)
-    port = [("http", spec.index.port)]
     return IndexChildren(
         config=manifest(
             "v1",
@@ -99,10 +107,18 @@ def index_children(pool: Pool, spec: PoolSpec, default_image: str) -> IndexChild
             spec={
                 "type": "ClusterIP",
                 "selector": pool.selector(INDEX_COMPONENT),
-                "ports": service_ports(port),
+                "ports": service_ports(index_ports(spec), {PICKER_PORT_NAME: H2C}),
             },
         ),
         deployment=_index_deployment(pool, spec, config_text, default_image),
+    )
+
+
+def index_ports(spec: PoolSpec) -> list[tuple[str, int]]:
+    """The index's HTTP port, and the picker's where it has one."""
+    picker = spec.index.picker
+    return [("http", spec.index.port)] + (
+        [(PICKER_PORT_NAME, picker.port)] if picker.enabled else []
     )
 
 
@@ -114,6 +130,7 @@ def _index_deployment(pool: Pool, spec: PoolSpec, config_text: str, default_imag
         *tokens_volume(spec),
         agent_access_volume(pool),
         *peer_keys_volume(pool, spec),  # it accepts the agents' lookup tokens derived from it
+        *tokenizer_volume(spec),
     ]
     container = {
         "name": "index",
@@ -121,7 +138,7 @@ def _index_deployment(pool: Pool, spec: PoolSpec, config_text: str, default_imag
         "imagePullPolicy": spec.agent.image_pull_policy,
         "command": ["kvpool-index"],
         "env": [{"name": INDEX_CONFIG_FILE_ENV, "value": f"{CONFIG_DIR}/{INDEX_CONFIG_KEY}"}],
-        "ports": container_ports([("http", index.port)]),
+        "ports": container_ports(index_ports(spec)),
         "resources": resources(
             {"cpu": INDEX_CPU_REQUEST, "memory": INDEX_MEMORY_REQUEST},
             {"memory": INDEX_MEMORY_LIMIT},

@@ -62,7 +62,9 @@ def network_policies(pool: Pool, spec: PoolSpec) -> tuple[Manifest, ...]:
     """Clients reach the agents' ZMQ and HTTP ports, Prometheus their HTTP port (/metrics),
     the pool's index their ZMQ (snapshots) and events ports, the pool's other agents their
     peer port (with spec.peers; egress stays open, so they reach it); gateways, the
-    agents (with spec.peers: their lookups) and Prometheus reach the index's port."""
+    agents (with spec.peers: their lookups) and Prometheus reach the index's port, and the
+    picker's clients (a gateway's proxies) the picker's port (spec.index.picker), which
+    nobody else reaches: the picker takes no token."""
     policy, ports = spec.network_policy, spec.ports
     prometheus = _peers(policy.prometheus)
     index = _pool_pods(pool, INDEX_COMPONENT, spec.index.enabled)
@@ -84,4 +86,6 @@ def network_policies(pool: Pool, spec: PoolSpec) -> tuple[Manifest, ...]:
         + _ingress(agents, [port])  # which peers hold a prefix
         + _ingress(prometheus, [port])
     )
+    if spec.index.picker.enabled:
+        ingress += _ingress(_peers(policy.picker_clients), [spec.index.picker.port])
     return agents_policy, _network_policy(pool, INDEX_COMPONENT, pool.index_name, ingress)

@@ -12,6 +12,7 @@ from kvpool.operator.render.config import (
     AGENT_ACCESS_DIR,
     PEER_KEYS_DIR,
     STATE_DIR,
+    TOKENIZER_DIR,
     TOKENS_DIR,
     TOKENS_FILE,
 )
@@ -118,6 +119,21 @@ def agent_access_volume(pool: Pool) -> Volume:
         "secret": {"secretName": pool.index_access_name, "defaultMode": 0o440},
     }
     return volume, {"name": "agent-access", "mountPath": AGENT_ACCESS_DIR, "readOnly": True}
+
+
+def tokenizer_volume(spec: PoolSpec) -> list[Volume]:
+    """With the picker's tokenizer, its claim at TOKENIZER_DIR, read-only both in the volume
+    and the mount (a persistentVolumeClaim volume is allowed under Pod Security
+    "restricted"; the picker only reads it)."""
+    tokenizer = spec.index.picker.tokenizer
+    if not spec.index.picker.enabled or tokenizer is None:
+        return []
+    volume = {
+        "name": "tokenizer",
+        "persistentVolumeClaim": {"claimName": tokenizer.claim_name, "readOnly": True},
+    }
+    mount = {"name": "tokenizer", "mountPath": TOKENIZER_DIR, "readOnly": True}
+    return [(volume, mount | ({"subPath": tokenizer.sub_path} if tokenizer.sub_path else {}))]
 
 
 def container_ports(ports: list[tuple[str, int]]) -> list[dict[str, Any]]:

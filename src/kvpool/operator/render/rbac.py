@@ -57,5 +57,8 @@ def agent_rbac(pool: Pool, spec: PoolSpec) -> tuple[Manifest, Manifest, Manifest
 
 
 def index_rbac(pool: Pool) -> tuple[Manifest, Manifest, Manifest]:
-    """The index lists and watches the pods of its namespace (the pool's agents)."""
+    """The index lists and watches the pods of its namespace: the pool's agents and, with
+    spec.index.picker, the model server pods it picks from (an InferencePool selects pods of
+    its own namespace, and its endpointPickerRef is a Service of that namespace: the
+    pool's). Nothing more: no Secrets, no other namespace."""
     return account_with_role(pool, pool.index_name, INDEX_COMPONENT, [POD_READER])

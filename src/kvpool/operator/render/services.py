@@ -27,9 +27,20 @@ def agent_ports(spec: PoolSpec) -> list[tuple[str, int]]:
     return [("zmq", spec.ports.zmq), ("http", spec.ports.http)]
 
 
-def service_ports(ports: list[tuple[str, int]]) -> list[dict[str, Any]]:
+H2C = "kubernetes.io/h2c"
+"""The appProtocol of a port that speaks HTTP/2 over cleartext (gRPC without TLS)."""
+
+
+def service_ports(
+    ports: list[tuple[str, int]], app_protocols: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """Service ports that target the container ports of the same names, each with its
+    ``appProtocol`` from ``app_protocols`` (by name) where it has one."""
+    protocols = app_protocols or {}
     return [
-        {"name": name, "port": port, "targetPort": name, "protocol": "TCP"} for name, port in ports
+        {"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
+        | ({"appProtocol": protocols[name]} if name in protocols else {})
+        for name, port in ports
     ]
 
 

@@ -3,7 +3,9 @@ prompt's longest cached prefix is."""
 
 from __future__ import annotations
 
-from pydantic import ConfigDict, Field
+from typing import Self
+
+from pydantic import ConfigDict, Field, model_validator
 
 from kvpool.common.names import (
     DEFAULT_INDEX_PORT,
@@ -11,10 +13,25 @@ from kvpool.common.names import (
     DEFAULT_LOAD_SLACK,
     DEFAULT_MAX_CHUNKS_PER_NODE,
     DEFAULT_MIN_MATCH_RATIO,
+    DEFAULT_PICKER_PORT,
 )
 from kvpool.operator.spec.base import SpecModel
 from kvpool.operator.spec.markers import Rule, cel
+from kvpool.operator.spec.selectors import LabelValue
 from kvpool.operator.spec.workloads import ResourcesSpec, Tolerations
+
+PICKER_NEEDS_SELECTOR = (
+    "spec.index.picker.enabled needs spec.index.picker.selector: the labels of the model "
+    "server pods"
+)
+PICKER_PORT_TAKEN = "spec.index.picker.port must differ from spec.index.port"
+PICKER_NEEDS_FINGERPRINT = (
+    "spec.index.picker.enabled needs spec.index.fingerprint: the picker keys prompts with "
+    "the model's fingerprint"
+)
+TOKENIZER_SUB_PATH = (
+    "spec.index.picker.tokenizer.subPath must be a relative path without '..' segments"
+)
 
 
 class RoutingSpec(SpecModel):
@@ -70,7 +87,135 @@ class FingerprintSpec(SpecModel):
     )
 
 
+class TokenizerSpec(SpecModel):
+    """The served model's tokenizer: a directory on a PersistentVolumeClaim, mounted
+    read-only (a ConfigMap holds at most 1 MiB; a tokenizer.json is often several)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            Rule(
+                "!self.subPath.matches('^/|(^|/)[.][.](/|$)')",
+                TOKENIZER_SUB_PATH,
+            )
+        )
+    )
+
+    claim_name: str = Field(
+        description="PersistentVolumeClaim in the pool's namespace that holds the tokenizer "
+        "(e.g. the model cache the vLLM pods mount; ReadOnlyMany or ReadWriteMany when the "
+        "index has replicas on several nodes). Its files must be readable by the index's "
+        "user 10001 or group 10001.",
+        json_schema_extra={
+            "minLength": 1,
+            "maxLength": 253,
+            "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        },
+    )
+    sub_path: str = Field(
+        "",
+        description="Directory in the claim of tokenizer.json and the chat template "
+        "(tokenizer_config.json or chat_template.jinja); empty: its root.",
+        json_schema_extra={"maxLength": 1024},
+    )
+
+    @model_validator(mode="after")
+    def _relative(self) -> Self:
+        if self.sub_path.startswith("/") or ".." in self.sub_path.split("/"):
+            raise ValueError(TOKENIZER_SUB_PATH)
+        return self
+
+
+class PickerSpec(SpecModel):
+    """The endpoint picker of Gateway API Inference Extension gateways (an InferencePool's
+    endpointPickerRef): an Envoy ext_proc gRPC server in each index replica that picks the
+    model server whose caches hold most of a request's prompt."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            Rule("!self.enabled || self.selector.size() > 0", PICKER_NEEDS_SELECTOR)
+        )
+    )
+
+    enabled: bool = Field(
+        False,
+        description="Serve the picker on port, and the port on the index Service (named "
+        "grpc-picker, appProtocol kubernetes.io/h2c).",
+    )
+    port: int = Field(
+        DEFAULT_PICKER_PORT,
+        ge=1,
+        le=65535,
+        description="gRPC port of the picker (ext_proc and grpc.health.v1) and of the index "
+        "Service: an InferencePool's endpointPickerRef.port.number.",
+    )
+    selector: dict[str, LabelValue] = Field(
+        {},
+        description="Labels of the model server (vLLM) pods, as the InferencePool's "
+        "selector.matchLabels: pods of the pool's namespace (an InferencePool, its pods and "
+        "its endpointPickerRef Service share one namespace). The index reads their IP, node "
+        "and readiness. Required when enabled.",
+        json_schema_extra={"maxProperties": 64},
+    )
+    target_port: int = Field(
+        8000,
+        ge=1,
+        le=65535,
+        description="Their OpenAI port, as the InferencePool's targetPorts[0].number.",
+    )
+    kv_events_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Their vLLM KV-events port (--kv-events-config endpoint tcp://*:<port>), "
+        "for their GPU prefix caches; absent: the picker knows the pool's tiers only.",
+    )
+    kv_events_replay_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Their vLLM KV-events replay port (--kv-events-config replay_endpoint "
+        "tcp://*:<port>): events lost on the way are asked for again; absent: a loss drops "
+        "a server's GPU tier until it is refilled.",
+    )
+    tokenizer: TokenizerSpec | None = Field(
+        None,
+        description="The served model's tokenizer, for prompts sent as text; absent: only "
+        "token-id prompts are scored by cache, text is routed by load.",
+    )
+    deadline_ms: int = Field(
+        50,
+        ge=1,
+        description="A pick not made within this many milliseconds is made by load alone.",
+        json_schema_extra={"maximum": 10000},
+    )
+    max_prompt_tokens: int = Field(
+        1 << 20,
+        ge=1,
+        description="Longest prompt the picker scores; a longer one is answered 413.",
+        json_schema_extra={"maximum": 1 << 24},
+    )
+
+    @model_validator(mode="after")
+    def _selects(self) -> Self:
+        if self.enabled and not self.selector:
+            raise ValueError(PICKER_NEEDS_SELECTOR)
+        return self
+
+
 class IndexSpec(SpecModel):
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            Rule(
+                "!has(self.picker) || !self.picker.enabled || self.picker.port != self.port",
+                PICKER_PORT_TAKEN,
+            ),
+            Rule(
+                "!has(self.picker) || !self.picker.enabled || has(self.fingerprint)",
+                PICKER_NEEDS_FINGERPRINT,
+            ),
+        )
+    )
+
     enabled: bool = Field(
         False,
         description="Run the index. Turning it off deletes its Deployment, Service, ConfigMap "
@@ -127,3 +272,18 @@ class IndexSpec(SpecModel):
     tolerations: Tolerations = Field(
         (), description="Tolerations of the index pods (core/v1 Toleration)."
     )
+    picker: PickerSpec = Field(
+        PickerSpec(),
+        description="The endpoint picker for Gateway API Inference Extension gateways "
+        "(an InferencePool's endpointPickerRef: the index Service kvpool-<pool>-index, "
+        "port picker.port). It needs fingerprint (the model's keys). Tier costs, body limits "
+        "and the load interval keep the index's defaults.",
+    )
+
+    @model_validator(mode="after")
+    def _picker_fits(self) -> Self:
+        if self.picker.enabled and self.picker.port == self.port:
+            raise ValueError(PICKER_PORT_TAKEN)
+        if self.picker.enabled and self.fingerprint is None:
+            raise ValueError(PICKER_NEEDS_FINGERPRINT)
+        return self

@@ -19,6 +19,10 @@ NETWORK_POLICY_NEEDS_GATEWAYS = (
     "spec.networkPolicy.enabled with spec.index.enabled needs spec.networkPolicy.gateways: "
     "the pods that call the index"
 )
+NETWORK_POLICY_NEEDS_PICKER_CLIENTS = (
+    "spec.networkPolicy.enabled with spec.index.picker.enabled needs "
+    "spec.networkPolicy.pickerClients: the gateway pods that call the endpoint picker"
+)
 _SELECTOR = (
     "A label selector ({} selects everything): matchLabels and matchExpressions must all hold."
 )
@@ -69,6 +73,15 @@ class NetworkPolicySpec(SpecModel):
         json_schema_extra={"maxItems": 16} | ATOMIC,
         description="Peers admitted to the index's port (spec.index): the gateways that ask it "
         "for routes. Required when both spec.index and networkPolicy are enabled.",
+    )
+    picker_clients: Peers = Field(
+        (),
+        json_schema_extra={"maxItems": 16} | ATOMIC,
+        description="Peers admitted to the endpoint picker's port (spec.index.picker): the "
+        "gateway's proxy pods (Envoy) that call it, e.g. a namespaceSelector of the gateway's "
+        "namespace with a podSelector of its proxies. The picker takes no token: only this "
+        "says who may ask it. Required when networkPolicy, spec.index and its picker are "
+        "enabled; nobody else is admitted (not the gateways peers).",
     )
     prometheus: Peers = Field(
         (),

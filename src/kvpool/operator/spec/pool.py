@@ -31,7 +31,11 @@ from kvpool.operator.spec.markers import (
     cel,
     list_map,
 )
-from kvpool.operator.spec.network import NETWORK_POLICY_NEEDS_GATEWAYS, NetworkPolicySpec
+from kvpool.operator.spec.network import (
+    NETWORK_POLICY_NEEDS_GATEWAYS,
+    NETWORK_POLICY_NEEDS_PICKER_CLIENTS,
+    NetworkPolicySpec,
+)
 from kvpool.operator.spec.peers import PEER_PORT_TAKEN, PeersSpec
 from kvpool.operator.spec.selectors import LabelSelector
 from kvpool.operator.spec.spaces import NamespaceName, SharedSpaceSpec, unique_names
@@ -227,6 +231,15 @@ class PoolSpec(SpecModel):
                 NETWORK_POLICY_NEEDS_GATEWAYS,
             ),
             Rule(
+                "!has(self.networkPolicy) || !has(self.networkPolicy.enabled) || "
+                "!self.networkPolicy.enabled || !has(self.index) || !has(self.index.enabled) || "
+                "!self.index.enabled || !has(self.index.picker) || "
+                "!has(self.index.picker.enabled) || !self.index.picker.enabled || "
+                "(has(self.networkPolicy.pickerClients) && "
+                "self.networkPolicy.pickerClients.size() > 0)",
+                NETWORK_POLICY_NEEDS_PICKER_CLIENTS,
+            ),
+            Rule(
                 "!self.peers.enabled || !(self.peers.port in "
                 "[self.ports.zmq, self.ports.http, self.ports.events])",
                 PEER_PORT_TAKEN,
@@ -280,7 +293,8 @@ class PoolSpec(SpecModel):
         "and HTTP ports admit clients, their HTTP port prometheus, their ZMQ and events ports "
         "the pool's index, their peer port the pool's other agents (spec.peers); and with "
         "spec.index kvpool-<pool>-index: the index's port admits "
-        "gateways and prometheus. Anything else is refused, except what the network plugin "
+        "gateways and prometheus, and the picker's port (spec.index.picker) pickerClients. "
+        "Anything else is refused, except what the network plugin "
         "lets through from the pod's own node (kubelet probes). A peer selects pods "
         "(podSelector, in the pool's namespace unless namespaceSelector is set too), "
         "namespaces (namespaceSelector: every pod there), or both, as in a NetworkPolicy.",
@@ -341,6 +355,9 @@ class PoolSpec(SpecModel):
         policy = self.network_policy
         if policy.enabled and self.index.enabled and not policy.gateways:
             raise ValueError(NETWORK_POLICY_NEEDS_GATEWAYS)
+        picker = self.index.enabled and self.index.picker.enabled
+        if policy.enabled and picker and not policy.picker_clients:
+            raise ValueError(NETWORK_POLICY_NEEDS_PICKER_CLIENTS)
         return self
 
     @classmethod

@@ -29,6 +29,11 @@ class PoolCondition(SpecModel):
 class IndexStatus(SpecModel):
     replicas: int | None = Field(None, description="Index replicas the pool asks for.")
     ready_replicas: int | None = Field(None, description="Index replicas that are ready.")
+    picker_port: int | None = Field(
+        None,
+        description="The endpoint picker's port on the index Service (spec.index.picker), "
+        "for an InferencePool's endpointPickerRef; absent while the index serves none.",
+    )
 
 
 class PoolStatus(SpecModel):

@@ -52,6 +52,13 @@ def _http_url(text: str) -> str:
     return text.rstrip("/")
 
 
+def _grpc_address(text: str) -> str:
+    host, colon, port = text.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, not {text!r}")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument(
@@ -68,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--http", type=_http_url, help="the agent's HTTP API with --endpoint, http://HOST:PORT"
+    )
+    parser.add_argument(
+        "--picker",
+        type=_grpc_address,
+        help="the endpoint picker's gRPC address, HOST:PORT, if not the index Service's "
+        "(e.g. kubectl port-forward svc/kvpool-POOL-index 7405)",
     )
     parser.add_argument("--block-size", type=number(int), help="vLLM's block size (tokens)")
     parser.add_argument(
@@ -141,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
         settings=settings,
         credential=credential(settings, environ),
         http_url=args.http,
+        picker=args.picker,
         admin_token=admin_token,
         block_size=args.block_size,
         engine=EngineModel(args.model, args.dtype, args.kv_layout, args.tp_size),

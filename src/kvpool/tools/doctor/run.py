@@ -1,7 +1,7 @@
 """The checks in order, each skipped with the reason when one it depends on failed.
 
 service -> protocol -> annotations -> agent -> door -> transport -> canary
-annotations -> chunk-size, fingerprint, hit-rate, peers
+annotations -> chunk-size, fingerprint, hit-rate, peers, picker
 model (the model's config.json alone: it runs whatever the others found)
 """
 
@@ -23,6 +23,7 @@ from kvpool.tools.doctor import (
     hit_rate,
     model,
     peers,
+    picker,
     shared_memory,
     transport,
 )
@@ -38,6 +39,8 @@ class Options:
     """The token the connector would say hello with."""
     http_url: str | None
     """The agent's HTTP API, when not found through the pool's Service."""
+    picker: str | None
+    """The endpoint picker's gRPC address, when not the index Service's."""
     admin_token: str | None
     block_size: int | None
     engine: fingerprint.EngineModel
@@ -56,6 +59,7 @@ AFTER_LOCATE = (
     fingerprint.NAME,
     hit_rate.NAME,
     peers.NAME,
+    picker.NAME,
 )
 
 
@@ -93,6 +97,9 @@ def _deployment(options: Options) -> Iterator[Check]:
         located.http_url, options.admin_token, options.min_lookups, options.timeout
     )
     yield peers.check_peers(located.http_url, options.admin_token, options.timeout)
+    yield picker.check_picker(
+        located.kube, located.pool, located.namespace, options.picker, options.timeout
+    )
 
 
 def _through_the_door(client: AgentClient, address: AgentAddress) -> Iterator[Check]:
