@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kvpool.common.auth import TokenAuthority
 from kvpool.common.index_config import PickerConfig
 from kvpool.index.epp.server import EppServer
 from kvpool.index.picking import Pick, PickReason, PickRequest
@@ -31,6 +32,8 @@ from tests.support.ports import free_port
 pytestmark = pytest.mark.process
 
 DESTINATION = "x-gateway-destination-endpoint"
+GATEWAY_TOKEN = "gateway-token-for-the-readme-envoy-6d1f93a0b7c2"
+"""Put for the README's ``<gateway token>``: the picker reads no stream without it."""
 
 
 def readme_envoy_config() -> dict[str, Any]:
@@ -60,7 +63,17 @@ def _on_loopback(config: dict[str, Any], ports: dict[str, int]) -> dict[str, Any
         for check in cluster.get("health_checks", ()):
             check.update(interval="0.3s", no_traffic_interval="0.3s")
     config["admin"] = {"address": _socket(ports["admin"])}
+    for http_filter in _http_filters(listener):
+        service = http_filter["typed_config"].get("grpc_service", {})
+        for entry in service.get("initial_metadata", ()):
+            entry["value"] = entry["value"].replace("<gateway token>", GATEWAY_TOKEN)
     return config
+
+
+def _http_filters(listener: dict[str, Any]) -> list[dict[str, Any]]:
+    (chain,) = listener["filter_chains"]
+    (manager,) = chain["filters"]
+    return list(manager["typed_config"]["http_filters"])
 
 
 class _Backend(http.server.BaseHTTPRequestHandler):
@@ -112,7 +125,13 @@ class _Fixed:
 def picker(port: int, destination: str) -> Iterator[None]:
     """kvpool's endpoint picker edge (ext_proc and gRPC health) on ``port``, picking
     ``destination`` for every request."""
-    server = EppServer(_Fixed(destination), PickerConfig(port=port), "127.0.0.1", None)
+    server = EppServer(
+        _Fixed(destination),
+        PickerConfig(port=port),
+        "127.0.0.1",
+        None,
+        authority=TokenAuthority({"gateways": [GATEWAY_TOKEN]}),
+    )
     server.start()
     try:
         yield

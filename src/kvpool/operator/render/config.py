@@ -156,6 +156,7 @@ def _picker_config(spec: PoolSpec) -> dict[str, Any]:
         "discovery": "kubernetes",
         "selector": picker.selector,
         "target_port": picker.target_port,
+        "require_token": picker.require_token,
         "deadline_ms": picker.deadline_ms,
         "max_prompt_tokens": picker.max_prompt_tokens,
         **{name: value for name, value in optional.items() if value is not None},

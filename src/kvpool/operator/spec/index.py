@@ -162,6 +162,13 @@ class PickerSpec(SpecModel):
         le=65535,
         description="Their OpenAI port, as the InferencePool's targetPorts[0].number.",
     )
+    require_token: bool = Field(
+        True,
+        description="Streams must carry a gateways: token of the pool's Secret (Envoy: the "
+        "ext_proc grpc_service's initial_metadata, authorization: Bearer <token>). False only "
+        "for a gateway that cannot send one, with networkPolicy.pickerClients admitting only "
+        "it.",
+    )
     kv_events_port: int | None = Field(
         None,
         ge=1,
