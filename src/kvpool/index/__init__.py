@@ -1,4 +1,5 @@
-"""The pool-wide prefix index: which node holds which prompt prefix, for cache-aware routing.
+"""The pool-wide prefix index and endpoint picker: which node holds which prompt prefix, for
+cache-aware routing.
 
 Every agent publishes the chunks entering and leaving its L1 (``kvpool.agent.edge.events``);
 the index follows them all and answers gateways: the nodes ranked by the cached
@@ -13,6 +14,16 @@ Core (no sockets, no web framework, no metrics library):
 * :mod:`~kvpool.index.query`: a prompt's keys (hashed lazily) and matches;
 * :mod:`~kvpool.common.routing`: the routing policy and its defaults;
 * :mod:`~kvpool.index.service`: lookup and route, timed (the in-process API).
+
+The endpoint picker (with ``picker.enabled``; :mod:`~kvpool.index.endpoint_picker`
+starts its parts): :mod:`~kvpool.index.picking` (its request and answer),
+:mod:`~kvpool.index.picker` (the estimate over the tiers and the servers' loads),
+:mod:`~kvpool.index.model_servers` (the candidates and their vLLM metrics),
+:mod:`~kvpool.index.engine_events` (each server's GPU prefix cache from its vLLM KV
+events), :mod:`~kvpool.index.prompts` (text to token ids), :mod:`~kvpool.index.epp`
+(Envoy's ext_proc over gRPC), :mod:`~kvpool.index.placements` and
+:mod:`~kvpool.index.placement_events` (what each server can load from kvpool, as vLLM KV
+events).
 
 Edges: :mod:`~kvpool.index.subscriber` (ZMQ: events, gaps, resync by snapshot),
 :mod:`~kvpool.common.kube.discovery` (static list, Kubernetes pods),
