@@ -82,7 +82,9 @@ def _index_config(index: IndexChildren) -> IndexConfig:
 
 @pytest.mark.parametrize("version", [OLDEST_KUBERNETES, kubernetes_validate.latest_version()])
 def test_picker_children_are_valid_kubernetes_objects(version: str) -> None:
-    children = _children(_spec({**PICKER, "tokenizer": TOKENIZER}, networkPolicy=POLICY))
+    picker = {**PICKER, "tokenizer": TOKENIZER, "placementEventsPort": 7406}
+    policy = {**POLICY, "routers": [{"podSelector": {"matchLabels": {"app": "llm-d"}}}]}
+    children = _children(_spec(picker, networkPolicy=policy))
     assert children.index is not None
     for child in [*children.index.manifests(), *children.network_policies]:
         kubernetes_validate.validate(child, version, strict=True)
@@ -212,6 +214,44 @@ def test_only_the_picker_clients_reach_the_picker_port(source: str, ports: set[i
         if admits(children.network_policies, target, SOURCES[source], port)
     }
     assert admitted == ports
+
+
+LLM_D = {"podSelector": {"matchLabels": {"app": "llm-d-router"}}}
+PLACEMENTS = {**PICKER, "placementEventsPort": 7406, "placementEventsReplayPort": 7407}
+
+
+def test_placement_events_are_published_on_their_ports() -> None:
+    index = _index(PLACEMENTS)
+    config = _index_config(index).picker
+    assert config.placement_events == "tcp://*:7406"
+    assert config.placement_events_replay == "tcp://*:7407"
+    assert config.served_model_name is None  # the topics name the fingerprint's model
+    service = {port["name"]: port["port"] for port in index.service["spec"]["ports"]}
+    assert service["kv-events"] == 7406 and service["kv-replay"] == 7407
+    assert {port["containerPort"] for port in _container(index)["ports"]} >= {7406, 7407}
+    none = _index_config(_index(PICKER)).picker
+    assert none.placement_events is None and none.placement_events_replay is None
+
+
+@pytest.mark.parametrize(
+    ("source", "ports"),
+    [("llm-d", {7406, 7407}), ("envoy", {7405}), ("stranger-in-pool-namespace", set())],
+)
+def test_only_the_routers_reach_the_placement_events(source: str, ports: set[int]) -> None:
+    policy = {**POLICY, "routers": [LLM_D]}
+    children = _children(_spec(PLACEMENTS, networkPolicy=policy))
+    assert children.index is not None
+    target = Pod(children.index.deployment["spec"]["template"]["metadata"]["labels"], "inference")
+    sources = {**SOURCES, "llm-d": Pod({"app": "llm-d-router"}, POOL.namespace)}
+    admitted = {
+        port
+        for port in (7403, 7405, 7406, 7407)
+        if admits(children.network_policies, target, sources[source], port)
+    }
+    assert admitted == ports
+    # without routers, nobody: never a rule without ports (which would admit every port)
+    (_, index_policy) = _children(_spec(PLACEMENTS, networkPolicy=POLICY)).network_policies
+    assert all(rule["ports"] for rule in index_policy["spec"]["ingress"])
 
 
 def test_a_disabled_picker_admits_nobody_to_its_port() -> None:

@@ -149,6 +149,8 @@ def _picker_config(spec: PoolSpec) -> dict[str, Any]:
         "kv_events_port": picker.kv_events_port,
         "kv_events_replay_port": picker.kv_events_replay_port,
         "tokenizer": TOKENIZER_DIR if picker.tokenizer else None,
+        "placement_events": _bound(picker.placement_events_port),
+        "placement_events_replay": _bound(picker.placement_events_replay_port),
     }
     return {
         "enabled": True,
@@ -161,6 +163,11 @@ def _picker_config(spec: PoolSpec) -> dict[str, Any]:
         "max_prompt_tokens": picker.max_prompt_tokens,
         **{name: value for name, value in optional.items() if value is not None},
     }
+
+
+def _bound(port: int | None) -> str | None:
+    """A ZMQ endpoint the index binds on every address of its pod."""
+    return None if port is None else f"tcp://*:{port}"
 
 
 def _l2_key_dir(pool: Pool, spec: PoolSpec) -> str | None:

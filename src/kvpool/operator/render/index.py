@@ -40,6 +40,9 @@ from kvpool.operator.spec import PoolSpec
 
 PICKER_PORT_NAME = "grpc-picker"
 """The picker's container and Service port (an InferencePool names it by number)."""
+PLACEMENT_EVENTS_PORT_NAME = "kv-events"
+PLACEMENT_REPLAY_PORT_NAME = "kv-replay"
+"""The placement events' ports (ZMQ, for routers that read vLLM's KV events)."""
 INDEX_CPU_REQUEST = "100m"
 INDEX_MEMORY_REQUEST = "512Mi"
 INDEX_MEMORY_LIMIT = "2Gi"
@@ -115,11 +118,18 @@ def index_children(pool: Pool, spec: PoolSpec, default_image: str) -> IndexChild
 
 
 def index_ports(spec: PoolSpec) -> list[tuple[str, int]]:
-    """The index's HTTP port, and the picker's where it has one."""
+    """The index's HTTP port, and the picker's and its placement events' where it has
+    them."""
     picker = spec.index.picker
-    return [("http", spec.index.port)] + (
-        [(PICKER_PORT_NAME, picker.port)] if picker.enabled else []
-    )
+    if not picker.enabled:
+        return [("http", spec.index.port)]
+    optional = [
+        (PLACEMENT_EVENTS_PORT_NAME, picker.placement_events_port),
+        (PLACEMENT_REPLAY_PORT_NAME, picker.placement_events_replay_port),
+    ]
+    return [("http", spec.index.port), (PICKER_PORT_NAME, picker.port)] + [
+        (name, port) for name, port in optional if port is not None
+    ]
 
 
 def _index_deployment(pool: Pool, spec: PoolSpec, config_text: str, default_image: str) -> Manifest:

@@ -64,7 +64,7 @@ def network_policies(pool: Pool, spec: PoolSpec) -> tuple[Manifest, ...]:
     peer port (with spec.peers; egress stays open, so they reach it); gateways, the
     agents (with spec.peers: their lookups) and Prometheus reach the index's port, and the
     picker's clients (a gateway's proxies) the picker's port (spec.index.picker), which
-    nobody else reaches: the picker takes no token."""
+    nobody else reaches, and the routers its placement events' ports."""
     policy, ports = spec.network_policy, spec.ports
     prometheus = _peers(policy.prometheus)
     index = _pool_pods(pool, INDEX_COMPONENT, spec.index.enabled)
@@ -86,6 +86,10 @@ def network_policies(pool: Pool, spec: PoolSpec) -> tuple[Manifest, ...]:
         + _ingress(agents, [port])  # which peers hold a prefix
         + _ingress(prometheus, [port])
     )
-    if spec.index.picker.enabled:
-        ingress += _ingress(_peers(policy.picker_clients), [spec.index.picker.port])
+    picker = spec.index.picker
+    if picker.enabled:
+        ingress += _ingress(_peers(policy.picker_clients), [picker.port])
+        placements = [picker.placement_events_port, picker.placement_events_replay_port]
+        if routed := [port for port in placements if port is not None]:  # no ports: all
+            ingress += _ingress(_peers(policy.routers), routed)
     return agents_policy, _network_policy(pool, INDEX_COMPONENT, pool.index_name, ingress)

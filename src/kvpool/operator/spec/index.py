@@ -162,6 +162,21 @@ class PickerSpec(SpecModel):
         le=65535,
         description="Their OpenAI port, as the InferencePool's targetPorts[0].number.",
     )
+    placement_events_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Publish what each model server can load from kvpool as vLLM KV events "
+        "(ZMQ PUB on this port, topic kv@<pod ip>@<fingerprint.model>), for routers that read "
+        "vLLM's events (llm-d, Dynamo); absent: not published. The Service port kv-events.",
+    )
+    placement_events_replay_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Their replay and snapshot port (ZMQ ROUTER; Service port kv-replay), "
+        "for a restarted router.",
+    )
     require_token: bool = Field(
         True,
         description="Streams must carry a gateways: token of the pool's Secret (Envoy: the "

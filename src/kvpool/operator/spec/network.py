@@ -83,6 +83,13 @@ class NetworkPolicySpec(SpecModel):
         "says who may ask it. Required when networkPolicy, spec.index and its picker are "
         "enabled; nobody else is admitted (not the gateways peers).",
     )
+    routers: Peers = Field(
+        (),
+        json_schema_extra={"maxItems": 16} | ATOMIC,
+        description="Peers admitted to the placement events' ports "
+        "(spec.index.picker.placementEventsPort and its replay port): routers that read "
+        "vLLM's KV events (llm-d, Dynamo). Empty: nobody reaches them.",
+    )
     prometheus: Peers = Field(
         (),
         json_schema_extra={"maxItems": 16} | ATOMIC,
