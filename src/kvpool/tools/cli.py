@@ -89,6 +89,12 @@ def _index() -> Bench:
     return index
 
 
+def _route() -> Bench:
+    from kvpool.tools.bench import route
+
+    return route
+
+
 def _gpu() -> Bench:
     from kvpool.tools.bench import gpu
 
@@ -116,6 +122,10 @@ BENCHES: dict[str, tuple[str, Callable[[], Bench]]] = {
     "restart": ("time to adopt a full segment after a restart", _restart),
     "tenants": ("lookups/s while /metrics is polled, many tenants", _tenants),
     "index": ("prefix index: query latency, events/s, memory", _index),
+    "route": (
+        "endpoint picker: decision time vs key hashing, latency it adds to Envoy",
+        _route,
+    ),
     "gpu": (
         "copies between GPU KV blocks and the agent's chunk files vs the raw PCIe copy",
         _gpu,
@@ -180,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return doctor.run(tool.parse_args(rest))
     command = f"kvpool bench {args.bench}"
     require_extra("bench", command)
-    if args.bench == "index":
+    if args.bench in {"index", "route"}:
         require_extra("index", command)
     summary, load = BENCHES[args.bench]
     bench_module = load()

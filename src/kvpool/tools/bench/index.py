@@ -21,13 +21,10 @@ import argparse
 import hashlib
 import multiprocessing
 import os
-import random
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TypeVar
 
 import msgspec
 import zmq
@@ -36,22 +33,24 @@ from kvpool.agent.edge.events import EventPublisher
 from kvpool.common import problems
 from kvpool.common import protocol as p
 from kvpool.common.auth import TokenAuthority
-from kvpool.common.keys import ModelFingerprint, chunk_keys
+from kvpool.common.keys import chunk_keys
 from kvpool.common.kube.discovery import AgentEndpoint
 from kvpool.common.routing import RoutingPolicy
 from kvpool.index.query import Query
 from kvpool.index.service import IndexService
 from kvpool.index.subscriber import EventSubscriber
 from kvpool.index.tracker import PrefixTracker
+from kvpool.tools.bench.index_data import (
+    TENANT,
+    fill,
+    fingerprint,
+    percentiles,
+    store_prompts,
+    time_each,
+    tracked,
+)
 from kvpool.tools.bench.local.agent_process import INDEX_TOKEN
 from kvpool.tools.bench.report import goal, table
-
-T = TypeVar("T")
-VOCABULARY = 128_000
-FAMILIES = 64
-MEMBERS = 4
-"""Prompts per family: they share the first half (a system prompt), on MEMBERS nodes."""
-TENANT = "bench"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,70 +91,6 @@ def run(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------ queries
 
 
-@dataclass(frozen=True)
-class _Prompts:
-    full: list[list[int]]
-    """Stored whole on one node (its first half on MEMBERS nodes)."""
-    half: list[list[int]]
-    """A stored first half, then tokens never seen."""
-    miss: list[list[int]]
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _tokens(rng: random.Random, count: int) -> list[int]:
-    return [rng.randrange(VOCABULARY) for _ in range(count)]
-
-
-def _store_prompts(
-    tracker: PrefixTracker, fingerprint: ModelFingerprint, nodes: int, tokens: int
-) -> _Prompts:
-    """Store the keys of FAMILIES x MEMBERS real prompts; return prompts to query with."""
-    rng = random.Random(11)
-    half = tokens // 2
-    prompts = _Prompts([], [], [])
-    for family in range(FAMILIES):
-        shared = _tokens(rng, half)
-        for member in range(MEMBERS):
-            prompt = shared + _tokens(rng, tokens - half)
-            node = f"node-{(family + member) % nodes}"
-            tracker.stored(node, chunk_keys(prompt, TENANT, fingerprint))
-            prompts.full.append(prompt)
-        prompts.half.append(shared + _tokens(rng, tokens - half))
-        prompts.miss.append(_tokens(rng, tokens))
-    return prompts
-
-
-@dataclass(frozen=True)
-class _Fill:
-    chunks: int
-    seconds: float
-    """Time spent in ``PrefixTracker.stored`` alone."""
-    rss_bytes: int
-    """RSS growth while filling, the keys' own objects included."""
-
-
-def _tracked(tracker: PrefixTracker) -> int:
-    return sum(counts.chunks for counts in tracker.counts().values())
-
-
-def _fill(tracker: PrefixTracker, chunks: int, nodes: int, chain: int) -> _Fill:
-    """Synthetic prompt chains (``chain`` keys each, round robin over nodes) up to ``chunks``."""
-    before = _tracked(tracker)
-    rss_before = _rss_bytes()
-    seconds = 0.0
-    clock = time.perf_counter
-    for number in range(before, chunks, chain):
-        keys = [hashlib.sha256(b"%d" % (number + i)).digest() for i in range(chain)]
-        started = clock()
-        tracker.stored(f"node-{(number // chain) % nodes}", keys)
-        seconds += clock() - started
-    return _Fill(_tracked(tracker) - before, seconds, _rss_bytes() - rss_before)
-
-
 def _route_goal(name: str, samples: list[float]) -> str:
     """A route's goal (p50 <= 200 us), marked where missed; none for the other measures."""
     if not name.startswith("route"):
@@ -163,61 +98,43 @@ def _route_goal(name: str, samples: list[float]) -> str:
     return goal("p50 <= 200 us", sorted(samples)[len(samples) // 2] * 1e6, 200)
 
 
-def _percentiles(samples: list[float]) -> tuple[str, str]:
-    ordered = sorted(samples)
-    p50 = ordered[len(ordered) // 2]
-    p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
-    return f"{p50 * 1e6:.0f} us", f"{p99 * 1e6:.0f} us"
-
-
-def _time_each(action: Callable[[T], object], inputs: Sequence[T], count: int) -> list[float]:
-    samples = []
-    clock = time.perf_counter
-    for number in range(count):
-        argument = inputs[number % len(inputs)]
-        started = clock()
-        action(argument)
-        samples.append(clock() - started)
-    return samples
-
-
 def query_report(chunks: int, nodes: int, tokens: int, chunk_tokens: int, queries: int) -> str:
-    fingerprint = ModelFingerprint("bench-model", "bfloat16", "NHD", chunk_tokens=chunk_tokens)
+    model = fingerprint(chunk_tokens)
     tracker = PrefixTracker(max_chunks_per_node=chunks)
-    prompts = _store_prompts(tracker, fingerprint, nodes, tokens)
-    fill = _fill(tracker, chunks, nodes, tokens // chunk_tokens)
+    prompts = store_prompts(tracker, model, nodes, tokens)
+    filled = fill(tracker, chunks, nodes, tokens // chunk_tokens)
     service = IndexService(tracker, RoutingPolicy())
     loads = {f"node-{n}": float(n % 4) for n in range(nodes)}
 
     def route(prompt: list[int]) -> object:
-        return service.route(Query.of_tokens(prompt, TENANT, fingerprint), loads)
+        return service.route(Query.of_tokens(prompt, TENANT, model), loads)
 
     def lookup_keys(keys: list[bytes]) -> object:
         return service.lookup(Query.of_keys(keys, chunk_tokens))
 
     def hash_only(prompt: list[int]) -> object:
-        return chunk_keys(prompt, TENANT, fingerprint)
+        return chunk_keys(prompt, TENANT, model)
 
-    whole = service.lookup(Query.of_tokens(prompts.full[0], TENANT, fingerprint))
+    whole = service.lookup(Query.of_tokens(prompts.full[0], TENANT, model))
     assert whole[0].tokens == tokens - tokens % chunk_tokens, "a stored prompt did not match"
-    precomputed = [chunk_keys(prompt, TENANT, fingerprint) for prompt in prompts.full]
+    precomputed = [chunk_keys(prompt, TENANT, model) for prompt in prompts.full]
     cases = [
-        ("route, whole prompt cached", _time_each(route, prompts.full, queries)),
-        ("route, first half cached", _time_each(route, prompts.half, queries)),
-        ("route, nothing cached", _time_each(route, prompts.miss, queries)),
+        ("route, whole prompt cached", time_each(route, prompts.full, queries)),
+        ("route, first half cached", time_each(route, prompts.half, queries)),
+        ("route, nothing cached", time_each(route, prompts.miss, queries)),
         (
             "lookup, precomputed keys, whole prompt cached",
-            _time_each(lookup_keys, precomputed, queries),
+            time_each(lookup_keys, precomputed, queries),
         ),
-        ("key hashing alone, whole prompt", _time_each(hash_only, prompts.full, queries)),
+        ("key hashing alone, whole prompt", time_each(hash_only, prompts.full, queries)),
     ]
     rows: list[Sequence[object]] = [
-        [name, *_percentiles(samples), _route_goal(name, samples)] for name, samples in cases
+        [name, *percentiles(samples), _route_goal(name, samples)] for name, samples in cases
     ]
     rows.append(
         [
             "memory per tracked chunk (RSS growth, keys included)",
-            f"{fill.rss_bytes / fill.chunks:.0f} B",
+            f"{filled.rss_bytes / filled.chunks:.0f} B",
             "",
             "",
         ]
@@ -225,13 +142,13 @@ def query_report(chunks: int, nodes: int, tokens: int, chunk_tokens: int, querie
     rows.append(
         [
             f"stored events of {tokens // chunk_tokens} keys, applied",
-            f"{fill.chunks / fill.seconds:,.0f} chunks/s",
+            f"{filled.chunks / filled.seconds:,.0f} chunks/s",
             "",
             "",
         ]
     )
     return table(
-        f"Prefix index: {_tracked(tracker):,} chunks on {nodes} nodes, {tokens}-token prompts, "
+        f"Prefix index: {tracked(tracker):,} chunks on {nodes} nodes, {tokens}-token prompts, "
         f"{chunk_tokens}-token chunks",
         ["measure", "p50", "p99", "goal"],
         rows,
