@@ -76,6 +76,9 @@ MAX_PENDING_PER_WORKER = 4
 """Estimates that may wait per worker before new picks fail open without queueing."""
 HASH_STEP = 1024
 """Keys hashed between two looks at the deadline."""
+WINDOW_GROWTH = 8
+"""How much longer each round's window of hashed keys is: fewer rounds of lookups (each
+asks every tier), against keys hashed past the longest held run."""
 
 
 @dataclass(frozen=True)
@@ -112,13 +115,22 @@ class Runs:
     """By node."""
     s3: int
     """The longest of any writer's."""
+    _best: tuple[tuple[int, str], ...] = ()
+    """The two longest node runs (L1 or NVMe) and their nodes, longest first."""
+
+    def __post_init__(self) -> None:
+        nodes = {*self.l1, *self.nvme}
+        runs = sorted(
+            ((max(self.l1.get(n, 0), self.nvme.get(n, 0)), n) for n in nodes), reverse=True
+        )
+        object.__setattr__(self, "_best", tuple(runs[:2]))
 
     def peer(self, node: str) -> int:
         """The longest run another node's L1 or NVMe holds."""
-        return max(
-            (max(self.l1.get(n, 0), self.nvme.get(n, 0)) for n in {*self.l1, *self.nvme} - {node}),
-            default=0,
-        )
+        for run, holder in self._best:
+            if holder != node:
+                return run
+        return 0
 
 
 @dataclass(frozen=True)
@@ -171,9 +183,10 @@ def tier_runs(
     once ``late()`` while hashing.
 
     The keys are hashed here, outside the trackers' locks: a window of the first keys,
-    doubled while some node holds all of it; each round asks only those nodes again. A
-    prompt no tier holds costs one hash; one whose longest held run is ``r`` chunks, fewer
-    than ``2r``."""
+    :data:`WINDOW_GROWTH` times longer while some node holds all of it; each round asks
+    only those nodes again. A prompt no tier holds costs one hash; one whose longest held
+    run is ``r`` chunks, fewer than ``WINDOW_GROWTH x r`` (and a 32-chunk prompt, three
+    rounds), with a look at the deadline every :data:`HASH_STEP` keys."""
     asked = [tiers.gpu, tiers.l1, tiers.nvme, tiers.s3]
     found: list[dict[str, int]] = [{} for _ in asked]
     names: list[Collection[str] | None] = [list(addresses), None, None, None]
@@ -185,7 +198,7 @@ def tier_runs(
             if late():
                 raise _TooLate
             keys[position - 1]  # hashes up to there (a chain is hashed in order)
-        head = _Head(keys, length)
+        head = keys.head(length) if isinstance(keys, PromptKeys) else _Head(keys, length)
         for tier, tracker in enumerate(asked):
             if tracker is None:
                 continue
@@ -194,7 +207,7 @@ def tier_runs(
             names[tier] = [name for name, match in matches.items() if match.chunks == length]
             if not names[tier] or length == len(keys):
                 asked[tier] = None  # every run of this tier is known
-        window *= 2
+        window *= WINDOW_GROWTH
     gpu, l1, nvme, s3 = found
     return Runs(gpu, l1, nvme, max(s3.values(), default=0))
 
@@ -228,6 +241,17 @@ class EndpointPicker:
         self._lock = threading.Lock()
         self._pending = 0
         self._mean_prompt: float | None = None
+        self._cheapest_first = sorted(
+            (cost, tier)
+            for tier, cost in (
+                ("gpu", costs.gpu),
+                ("l1", costs.l1),
+                ("nvme", costs.nvme),
+                ("peer", costs.peer),
+                ("s3", costs.s3),
+            )
+            if cost < costs.compute  # a tier that costs as much as computing is no gain
+        )
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -350,24 +374,15 @@ class EndpointPicker:
         )
 
     def _estimate(self, server: ServerState, runs: Runs, tokens: int, mean: float) -> Estimate:
-        costs = self.costs
         chunk = self.fingerprint.chunk_tokens
-        held = [
-            (costs.gpu, runs.gpu.get(server.address, 0)),
-            (costs.l1, runs.l1.get(server.node, 0)),
-            (costs.nvme, runs.nvme.get(server.node, 0)),
-            (costs.peer, runs.peer(server.node)),
-            (costs.s3, runs.s3),
-        ]
         covered = 0
         seconds = 0.0
-        for cost, run in sorted(held):
-            if cost >= costs.compute:
-                break
+        for cost, tier in self._cheapest_first:
+            run = _run(tier, runs, server)
             if run > covered:
                 seconds += (run - covered) * chunk / 1000 * cost
                 covered = run
-        seconds += (tokens - covered * chunk) / 1000 * costs.compute
+        seconds += (tokens - covered * chunk) / 1000 * self.costs.compute
         return Estimate(
             server.address,
             server.load.waiting if server.load else 0.0,
@@ -375,3 +390,16 @@ class EndpointPicker:
             self._queue_seconds(server, mean),
             covered * chunk,
         )
+
+
+def _run(tier: str, runs: Runs, server: ServerState) -> int:
+    """The leading run of the prompt ``server`` can have from ``tier``."""
+    if tier == "gpu":
+        return runs.gpu.get(server.address, 0)
+    if tier == "l1":
+        return runs.l1.get(server.node, 0)
+    if tier == "nvme":
+        return runs.nvme.get(server.node, 0)
+    if tier == "peer":
+        return runs.peer(server.node)
+    return runs.s3

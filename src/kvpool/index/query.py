@@ -43,6 +43,12 @@ class PromptKeys:
             self._chain.extend(self._tokens, position + 1)
         return keys[position]
 
+    def head(self, length: int) -> list[bytes]:
+        """The first ``length`` keys, hashed, as a list (what a tracker reads fastest)."""
+        if length > 0:
+            self[length - 1]
+        return list(self._chain.keys[:length])
+
     @property
     def hashed(self) -> int:
         """Keys computed so far."""
