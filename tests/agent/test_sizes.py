@@ -113,7 +113,7 @@ def test_every_size_field_reads_quantities() -> None:
         True,
     )
     assert _size_fields(IndexConfig) == dict.fromkeys(
-        ["http_limits.max_body_bytes", "http_limits.max_head_bytes"], True
+        ["http_limits.max_body_bytes", "http_limits.max_head_bytes", "picker.max_body_bytes"], True
     )
     assert _size_fields(ConnectorSettings) == {}
     config = AgentConfig(

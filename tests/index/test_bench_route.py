@@ -76,12 +76,9 @@ def test_the_picker_the_bench_times_routes_by_prefix() -> None:
     index = route.build(2000, 4, 2048, 256)
     addresses = [f"10.0.0.{n}:8000" for n in range(4)]
     picker = index.picker(addresses)
-    try:
-        stored = picker.pick(PickRequest(index.prompts.full[1], TENANT, route.MODEL))
-        half = picker.pick(PickRequest(index.prompts.half[1], TENANT, route.MODEL))
-        never = picker.pick(PickRequest(index.prompts.miss[1], TENANT, route.MODEL))
-    finally:
-        picker.close()
+    stored = picker.pick(PickRequest(index.prompts.full[1], TENANT, route.MODEL))
+    half = picker.pick(PickRequest(index.prompts.half[1], TENANT, route.MODEL))
+    never = picker.pick(PickRequest(index.prompts.miss[1], TENANT, route.MODEL))
     assert stored.reason is PickReason.PREFIX and stored.cached_tokens == 2048
     assert half.reason is PickReason.PREFIX and half.cached_tokens == 1024
     assert never.reason is PickReason.LOAD and never.cached_tokens == 0

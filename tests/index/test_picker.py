@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -21,7 +21,7 @@ from kvpool.index.model_servers import (
     ServerState,
     StaticServers,
 )
-from kvpool.index.picker import WINDOW_GROWTH, EndpointPicker, Tiers
+from kvpool.index.picker import FIRST_WINDOW, WINDOW_GROWTH, EndpointPicker, Tiers
 from kvpool.index.picking import NoEndpoint, Pick, PickReason, PickRequest
 from kvpool.index.query import PromptKeys
 from kvpool.index.tracker import KeySequence, PrefixMatch, PrefixTracker
@@ -58,19 +58,14 @@ MakePicker = Callable[..., EndpointPicker]
 
 
 @pytest.fixture
-def make_picker() -> Iterator[MakePicker]:
-    """``make_picker(servers, tiers, **options)``: a picker over fixed loads, closed after."""
-    made: list[EndpointPicker] = []
+def make_picker() -> MakePicker:
+    """``make_picker(servers, tiers, **options)``: a picker over fixed loads."""
 
     def make(servers: Sequence[ServerState], tiers: Tiers, **options: float) -> EndpointPicker:
         options.setdefault("deadline_ms", 2000.0)
-        picker = EndpointPicker(lambda: servers, tiers, FINGERPRINT, COSTS, **options)  # type: ignore[arg-type]
-        made.append(picker)
-        return picker
+        return EndpointPicker(lambda: servers, tiers, FINGERPRINT, COSTS, **options)  # type: ignore[arg-type]
 
-    yield make
-    for picker in made:
-        picker.close()
+    return make
 
 
 def warm(picker: EndpointPicker, tokens: int = 1024) -> None:
@@ -279,42 +274,40 @@ def test_a_blocked_tier_fails_open_within_the_deadline(make_picker: MakePicker) 
     assert picker.pick(PickRequest(tokens, "t")) == Pick("10.0.0.1:8000", PickReason.PREFIX, 128)
 
 
-def test_waiting_estimates_are_bounded_and_later_picks_fail_open_at_once(
+def test_picks_behind_a_blocked_tracker_each_fail_open_at_their_own_deadline(
     make_picker: MakePicker,
 ) -> None:
     l1 = PrefixTracker()
     store(l1, "n1", prompt(CHUNK), "t", 1)
-    picker = make_picker([server("10.0.0.1:8000", "n1")], Tiers(l1=l1), deadline_ms=500, workers=1)
+    picker = make_picker([server("10.0.0.1:8000", "n1")], Tiers(l1=l1), deadline_ms=200)
     request = PickRequest(prompt(CHUNK), "t")
-    with l1._lock:
-        # one estimate blocked in the worker, four queued behind it
-        waiting = [threading.Thread(target=picker.pick, args=(request,)) for _ in range(5)]
-        for thread in waiting:
-            thread.start()
-        time.sleep(0.1)
+    answers: list[tuple[Pick, float]] = []
+
+    def timed() -> None:
         started = time.perf_counter()
-        assert picker.pick(request).reason == PickReason.FAIL_OPEN
-        assert time.perf_counter() - started < 0.05  # not queued: answered at once
-    for thread in waiting:
-        thread.join()
-    assert picker.pick(PickRequest(prompt(CHUNK), "t")).reason == PickReason.PREFIX
+        answers.append((picker.pick(request), time.perf_counter() - started))
+
+    with l1._lock:  # its writer holds it: five streams pick at once, none waits for another
+        threads = [threading.Thread(target=timed) for _ in range(5)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert [pick.reason for pick, _ in answers] == [PickReason.FAIL_OPEN] * 5
+    assert all(0.15 < took < 0.5 for _, took in answers), answers
+    assert picker.pick(request).reason == PickReason.PREFIX
 
 
 class Broken(PrefixTracker):
-    def longest_prefixes(self, keys: KeySequence, nodes: object = None) -> dict[str, PrefixMatch]:
+    def longest_prefixes(
+        self, keys: KeySequence, nodes: object = None, *, wait: float = -1
+    ) -> dict[str, PrefixMatch]:
         raise RuntimeError("the index is broken")
 
 
 def test_a_failing_tier_fails_open_and_never_raises(make_picker: MakePicker) -> None:
     servers = [server("10.0.0.1:8000", "n1", waiting=1), server("10.0.0.2:8000", "n2")]
     picker = make_picker(servers, Tiers(l1=PrefixTracker(), s3=Broken()))
-    assert picker.pick(PickRequest(prompt(64), "t")) == Pick("10.0.0.2:8000", PickReason.FAIL_OPEN)
-
-
-def test_a_closed_picker_still_answers_by_load(make_picker: MakePicker) -> None:
-    servers = [server("10.0.0.1:8000", "n1", waiting=1), server("10.0.0.2:8000", "n2")]
-    picker = make_picker(servers, Tiers(l1=PrefixTracker()))
-    picker.close()
     assert picker.pick(PickRequest(prompt(64), "t")) == Pick("10.0.0.2:8000", PickReason.FAIL_OPEN)
 
 
@@ -353,14 +346,16 @@ class HashesOutside(PrefixTracker):
 
     keys: PromptKeys
 
-    def longest_prefixes(self, keys: KeySequence, nodes: object = None) -> dict[str, PrefixMatch]:
+    def longest_prefixes(
+        self, keys: KeySequence, nodes: object = None, *, wait: float = -1
+    ) -> dict[str, PrefixMatch]:
         before = self.keys.hashed
-        found = super().longest_prefixes(keys, nodes)  # type: ignore[arg-type]
+        found = super().longest_prefixes(keys, nodes, wait=wait)  # type: ignore[arg-type]
         assert self.keys.hashed == before
         return found
 
 
-def test_a_huge_prompt_hashes_one_key_per_miss_and_a_few_times_the_run_at_most(
+def test_a_huge_prompt_hashes_a_few_keys_per_miss_and_a_few_times_the_run_at_most(
     make_picker: MakePicker,
 ) -> None:
     tokens = prompt(1_000_000)  # 62500 chunks
@@ -370,7 +365,7 @@ def test_a_huge_prompt_hashes_one_key_per_miss_and_a_few_times_the_run_at_most(
     request = PickRequest(tokens, "t")
     l1.keys = nvme.keys = keys = PromptKeys(tokens, "t", FINGERPRINT)
     assert picker.estimates(request, candidates, keys)[0].cached_tokens == 0
-    assert keys.hashed == 1
+    assert keys.hashed == FIRST_WINDOW
     store(l1, "n1", tokens, "t", 100)
     store(nvme, "n2", tokens, "t", 1000)
     l1.keys = nvme.keys = keys = PromptKeys(tokens, "t", FINGERPRINT)
@@ -388,14 +383,11 @@ def test_hashing_a_long_held_prompt_stops_at_the_deadline(make_picker: MakePicke
     PromptKeys(tokens, "t", FINGERPRINT)[chunks - 1]
     hashing = time.perf_counter() - started  # what hashing it all takes on this machine now
     picker = make_picker(
-        [server("10.0.0.1:8000", "n1")], Tiers(l1=l1), deadline_ms=hashing / 10 * 1000, workers=1
+        [server("10.0.0.1:8000", "n1")], Tiers(l1=l1), deadline_ms=hashing / 10 * 1000
     )
-    assert picker.pick(PickRequest(tokens, "t")).reason == PickReason.FAIL_OPEN
-    time.sleep(hashing / 10)
-    picker.deadline = hashing  # a worker still hashing would hold the next pick that long
     started = time.perf_counter()
-    assert picker.pick(PickRequest(prompt(CHUNK, seed=1), "t")).reason == PickReason.LOAD
-    assert time.perf_counter() - started < hashing / 2  # the worker gave up at the deadline
+    assert picker.pick(PickRequest(tokens, "t")).reason == PickReason.FAIL_OPEN
+    assert time.perf_counter() - started < hashing / 2  # it gave up at the deadline
 
 
 # ----------------------------------------------------------------- with real model servers
@@ -418,7 +410,6 @@ def test_loads_read_from_real_servers_steer_picks_that_never_wait_for_them() -> 
             assert pick == Pick(idle.address, PickReason.LOAD)
             assert time.perf_counter() - started < 0.05
     finally:
-        picker.close()
         servers.stop()
         for served in (busy, idle, slow):
             served.close()

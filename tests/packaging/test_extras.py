@@ -70,11 +70,12 @@ SCRIPTS = {
 EXTRAS = ("", "agent", "operator", "index")
 RUNS = {
     "": (),
-    "agent": ("agent", "index", "bench"),
+    "agent": ("agent", "bench"),
     "operator": ("operator",),
     "index": ("index",),
 }
-"""The extras whose scripts run in each venv (the agent's libraries include the index's)."""
+"""The extras whose scripts run in each venv (the index's endpoint picker needs gRPC,
+Envoy's ext_proc stubs and tokenizers, which the agent does not)."""
 
 IMPORT_ALL = """
 import importlib, json, pkgutil, sys

@@ -117,7 +117,6 @@ class EndpointPickerService:
 
     def stop(self) -> None:
         self.edge.stop()
-        self.picker.close()
         self._stop_followers()
 
     def _stop_followers(self) -> None:

@@ -27,30 +27,30 @@ shared space's structured salt keys its shared part with the space's salt), so a
 only ever sees the chunks of that salt: another tenant's identical prompt has other keys and
 matches nothing. Nothing here looks chunks up by token ids alone.
 
-**Deadline.** A pick returns within ``deadline``: the load-only choice (no keys, no index)
-is made first, then the full estimate runs in a bounded worker pool; if it has not finished
-in time (a tracker's lock held, a long hash), or failed, the load-only choice is answered
-with reason ``fail_open``. Keys are hashed outside the trackers' locks (which the event
-subscribers take), and the worker stops hashing at the deadline; when every worker is
-busy and :data:`MAX_PENDING_PER_WORKER` more wait, new picks fail open at once. An index
-that knows nothing (agents down, not yet synchronised) just matches nothing: ``load``.
+**Deadline.** A pick returns within ``deadline``, in the caller's thread (a gRPC stream's:
+their number is the edge's bound): the estimate looks at the time left between steps,
+hashes the keys outside the trackers' locks (which the event subscribers take) with a look
+every :data:`HASH_STEP` keys, and waits for a tracker's lock no longer than the time left.
+When the time runs out (a tracker's lock held by its writer, a huge prompt), or the
+estimate fails, the server with the shortest queue is answered with reason ``fail_open``.
+An index that knows nothing (agents down, not yet synchronised) just matches nothing:
+``load``.
 
-**Benches.** :meth:`EndpointPicker.estimates` is the decision without the pool or the
-deadline, on given candidates; ``servers`` is any callable returning server states, so a
-bench can time :meth:`EndpointPicker.pick` over fixed loads and filled trackers against
-hashing the same prompt alone (``PromptKeys(...)[n - 1]``).
+**Benches.** :meth:`EndpointPicker.estimates` is the decision without the deadline, on
+given candidates; ``servers`` is any callable returning server states, so a bench can time
+:meth:`EndpointPicker.pick` over fixed loads and filled trackers against hashing the same
+prompt alone (``PromptKeys(...)[n - 1]``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
+import math
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from kvpool.common.index_config import TierCosts
 from kvpool.common.keys import ModelFingerprint
@@ -72,10 +72,14 @@ KV_FULL_REQUESTS = 50.0
 full)."""
 MEAN_WEIGHT = 0.1
 """Weight of the newest request in the mean prompt time (about the last ten count)."""
-MAX_PENDING_PER_WORKER = 4
-"""Estimates that may wait per worker before new picks fail open without queueing."""
 HASH_STEP = 1024
 """Keys hashed between two looks at the deadline."""
+WHOLE_PROMPT_CHUNKS = 64
+"""A prompt of at most this many chunks is hashed whole and looked up in one round: one
+round of lookups costs about as much as hashing a dozen keys, so for a prompt this short a
+miss found after the first keys saves less than a second round costs."""
+FIRST_WINDOW = 4
+"""Keys hashed for the first round of a longer prompt: a miss costs this many hashes."""
 WINDOW_GROWTH = 8
 """How much longer each round's window of hashed keys is: fewer rounds of lookups (each
 asks every tier), against keys hashed past the longest held run."""
@@ -125,6 +129,14 @@ class Runs:
         )
         object.__setattr__(self, "_best", tuple(runs[:2]))
 
+    def any(self, tier: str) -> bool:
+        """Whether ``tier`` (gpu, l1, nvme, peer, s3) holds some of the prompt anywhere."""
+        if tier == "s3":
+            return self.s3 > 0
+        if tier == "peer":
+            return bool(self._best) and self._best[0][0] > 0
+        return any(getattr(self, tier).values())
+
     def peer(self, node: str) -> int:
         """The longest run another node's L1 or NVMe holds."""
         for run, holder in self._best:
@@ -133,21 +145,18 @@ class Runs:
         return 0
 
 
-@dataclass(frozen=True)
-class Estimate:
-    address: str
+class Estimate(NamedTuple):
+    """One candidate's estimate. A tuple (one is made per candidate per pick) whose order is
+    the ranking: the lowest is picked (ties: fewer waiting, then the address)."""
+
+    seconds: float
+    """Queue and prompt time."""
     waiting: float
+    address: str
     prompt_seconds: float
     queue_seconds: float
     cached_tokens: int
     """Tokens of the prompt loaded (from a tier cheaper than computing), not computed."""
-
-    @property
-    def seconds(self) -> float:
-        return self.prompt_seconds + self.queue_seconds
-
-    def rank(self) -> tuple[float, float, str]:
-        return (self.seconds, self.waiting, self.address)
 
 
 class _TooLate(Exception):
@@ -177,10 +186,11 @@ def tier_runs(
     tiers: Tiers,
     keys: KeySequence,
     addresses: Collection[str],
-    late: Callable[[], bool] = lambda: False,
+    left: Callable[[], float] = lambda: math.inf,
 ) -> Runs:
     """Each tier's leading runs of ``keys`` (GPU runs of ``addresses`` only); :class:`_TooLate`
-    once ``late()`` while hashing.
+    once ``left()`` (the seconds left) runs out while hashing, or ``TimeoutError`` while a
+    tracker's lock is held that long.
 
     The keys are hashed here, outside the trackers' locks: a window of the first keys,
     :data:`WINDOW_GROWTH` times longer while some node holds all of it; each round asks
@@ -190,19 +200,25 @@ def tier_runs(
     asked = [tiers.gpu, tiers.l1, tiers.nvme, tiers.s3]
     found: list[dict[str, int]] = [{} for _ in asked]
     names: list[Collection[str] | None] = [list(addresses), None, None, None]
-    window, length = 1, 0
+    window = len(keys) if len(keys) <= WHOLE_PROMPT_CHUNKS else FIRST_WINDOW
+    length = 0
     while any(tracker is not None for tracker in asked):
         hashed, length = length, min(window, len(keys))
         ends = [*range(hashed + HASH_STEP, length, HASH_STEP), length] if length > hashed else []
         for position in ends:
-            if late():
+            if left() <= 0:
                 raise _TooLate
             keys[position - 1]  # hashes up to there (a chain is hashed in order)
         head = keys.head(length) if isinstance(keys, PromptKeys) else _Head(keys, length)
         for tier, tracker in enumerate(asked):
             if tracker is None:
                 continue
-            matches = tracker.longest_prefixes(head, names[tier])
+            wait = left()  # a tracker's lock held by its writer: no longer than that
+            if wait <= 0:
+                raise _TooLate
+            matches = tracker.longest_prefixes(
+                head, names[tier], wait=-1 if wait == math.inf else wait
+            )
             found[tier].update((name, match.chunks) for name, match in matches.items())
             names[tier] = [name for name, match in matches.items() if match.chunks == length]
             if not names[tier] or length == len(keys):
@@ -223,7 +239,6 @@ class EndpointPicker:
         costs: TierCosts,
         *,
         deadline_ms: float,
-        workers: int | None = None,
         observer: PickObserver | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -235,11 +250,7 @@ class EndpointPicker:
         self._servers = servers
         self._observer = observer
         self._clock = clock
-        workers = workers or min(4, os.cpu_count() or 1)
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvpool-picker")
-        self._max_pending = workers * (1 + MAX_PENDING_PER_WORKER)
         self._lock = threading.Lock()
-        self._pending = 0
         self._mean_prompt: float | None = None
         self._cheapest_first = sorted(
             (cost, tier)
@@ -253,9 +264,6 @@ class EndpointPicker:
             if cost < costs.compute  # a tier that costs as much as computing is no gain
         )
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
     # ------------------------------------------------------------------ pick
 
     def pick(self, request: PickRequest) -> Pick:
@@ -265,12 +273,20 @@ class EndpointPicker:
         except NoEndpoint:
             self._observe(None, started)
             raise
-        fallback = self._by_load(candidates, len(request.token_ids))
-        pick = self._estimated(request, candidates, started + self.deadline)
-        if pick is None:
-            pick = Pick(fallback.address, PickReason.FAIL_OPEN)
+        try:
+            best = self._decide(request, candidates, started + self.deadline)
+            reason = PickReason.PREFIX if best.cached_tokens else PickReason.LOAD
+            pick = Pick(best.address, reason, best.cached_tokens)
+        except (_TooLate, TimeoutError):
+            pick = self._fail_open(candidates, request)
+        except Exception as error:  # the index's trouble must not fail the request
+            _failures.exception(f"picking by prefix failed, picked by load: {error}")
+            pick = self._fail_open(candidates, request)
         self._observe(pick.reason, started)
         return pick
+
+    def _fail_open(self, candidates: Sequence[ServerState], request: PickRequest) -> Pick:
+        return Pick(self._by_load(candidates, len(request.token_ids)).address, PickReason.FAIL_OPEN)
 
     def candidates(self, subset: frozenset[str] | None) -> list[ServerState]:
         """The servers a request may go to: the ready ones (all, when none is ready),
@@ -282,42 +298,12 @@ class EndpointPicker:
         ready = [s for s in known if s.ready]
         return ready or known
 
-    def _estimated(
-        self, request: PickRequest, candidates: list[ServerState], deadline: float
-    ) -> Pick | None:
-        """The full estimate's pick, or None if it was not made in time."""
-        with self._lock:
-            if self._pending >= self._max_pending:
-                return None
-            self._pending += 1
-        try:
-            future = self._pool.submit(self._decide, request, candidates, deadline)
-        except RuntimeError:  # closed: the server is stopping
-            self._finished(None)
-            return None
-        future.add_done_callback(self._finished)
-        try:
-            best = future.result(timeout=max(0.0, deadline - self._clock()))
-        except TimeoutError:
-            future.cancel()
-            return None
-        except Exception as error:  # the index's trouble must not fail the request
-            if not isinstance(error, _TooLate):
-                _failures.exception(f"picking by prefix failed, picked by load: {error}")
-            return None
-        reason = PickReason.PREFIX if best.cached_tokens else PickReason.LOAD
-        return Pick(best.address, reason, best.cached_tokens)
-
-    def _finished(self, _future: Future[Estimate] | None) -> None:
-        with self._lock:
-            self._pending -= 1
-
     def _decide(
         self, request: PickRequest, candidates: list[ServerState], deadline: float
     ) -> Estimate:
         keys = PromptKeys(request.token_ids, request.cache_salt, self.fingerprint)
-        late = lambda: self._clock() > deadline  # noqa: E731
-        best = min(self.estimates(request, candidates, keys, late), key=Estimate.rank)
+        left = lambda: deadline - self._clock()  # noqa: E731
+        best = min(self.estimates(request, candidates, keys, left))
         with self._lock:
             mean = self._mean_prompt
             self._mean_prompt = (
@@ -338,28 +324,38 @@ class EndpointPicker:
         request: PickRequest,
         candidates: Sequence[ServerState],
         keys: KeySequence | None = None,
-        late: Callable[[], bool] = lambda: False,
+        left: Callable[[], float] = lambda: math.inf,
     ) -> list[Estimate]:
         """Every candidate's estimate for the request (``keys``: its chunk keys, when the
-        caller has them already; :class:`_TooLate` once ``late()`` while hashing them)."""
+        caller has them already; :class:`_TooLate` or ``TimeoutError`` once ``left()``, the
+        seconds left, runs out)."""
         if keys is None:
             keys = PromptKeys(request.token_ids, request.cache_salt, self.fingerprint)
-        runs = tier_runs(self.tiers, keys, [s.address for s in candidates], late)
+        runs = tier_runs(self.tiers, keys, [s.address for s in candidates], left)
         tokens = len(request.token_ids)
         mean = self._mean_prompt_seconds(tokens)
-        return [self._estimate(server, runs, tokens, mean) for server in candidates]
+        chunk = self.fingerprint.chunk_tokens
+        held = [
+            (cost * chunk / 1000, tier) for cost, tier in self._cheapest_first if runs.any(tier)
+        ]
+        compute = self.costs.compute / 1000
+        return [
+            _estimate(
+                server,
+                runs,
+                held=held,
+                tokens=tokens,
+                chunk_tokens=chunk,
+                compute=compute,
+                mean=mean,
+            )
+            for server in candidates
+        ]
 
     def _mean_prompt_seconds(self, tokens: int) -> float:
         """The mean prompt time of recent requests (before the first: this one's, computed)."""
         mean = self._mean_prompt
         return tokens / 1000 * self.costs.compute if mean is None else mean
-
-    def _queue_seconds(self, server: ServerState, mean: float) -> float:
-        load = server.load
-        if load is None:
-            return 0.0
-        full = max(0.0, load.kv_cache_usage - KV_FULL) * KV_FULL_REQUESTS
-        return (load.waiting + RUNNING_SHARE * load.running + full) * mean
 
     def _by_load(self, candidates: Sequence[ServerState], tokens: int) -> ServerState:
         """The candidate with the shortest queue (ties: fewer waiting, then the address)."""
@@ -367,39 +363,52 @@ class EndpointPicker:
         return min(
             candidates,
             key=lambda s: (
-                self._queue_seconds(s, mean),
+                _queue_seconds(s, mean),
                 s.load.waiting if s.load else 0.0,
                 s.address,
             ),
         )
 
-    def _estimate(self, server: ServerState, runs: Runs, tokens: int, mean: float) -> Estimate:
-        chunk = self.fingerprint.chunk_tokens
-        covered = 0
-        seconds = 0.0
-        for cost, tier in self._cheapest_first:
-            run = _run(tier, runs, server)
-            if run > covered:
-                seconds += (run - covered) * chunk / 1000 * cost
-                covered = run
-        seconds += (tokens - covered * chunk) / 1000 * self.costs.compute
-        return Estimate(
-            server.address,
-            server.load.waiting if server.load else 0.0,
-            seconds,
-            self._queue_seconds(server, mean),
-            covered * chunk,
-        )
+
+def _queue_seconds(server: ServerState, mean: float) -> float:
+    """The time the server's queue makes a request wait (its last load; none: no wait)."""
+    load = server.load
+    if load is None:
+        return 0.0
+    full = max(0.0, load.kv_cache_usage - KV_FULL) * KV_FULL_REQUESTS
+    return (load.waiting + RUNNING_SHARE * load.running + full) * mean
 
 
-def _run(tier: str, runs: Runs, server: ServerState) -> int:
-    """The leading run of the prompt ``server`` can have from ``tier``."""
-    if tier == "gpu":
-        return runs.gpu.get(server.address, 0)
-    if tier == "l1":
-        return runs.l1.get(server.node, 0)
-    if tier == "nvme":
-        return runs.nvme.get(server.node, 0)
-    if tier == "peer":
-        return runs.peer(server.node)
-    return runs.s3
+def _estimate(
+    server: ServerState,
+    runs: Runs,
+    *,
+    held: Sequence[tuple[float, str]],
+    tokens: int,
+    chunk_tokens: int,
+    compute: float,
+    mean: float,
+) -> Estimate:
+    """One candidate's estimate. ``held``: the tiers that hold some of the prompt, cheapest
+    first, each with its seconds per chunk; ``compute``: seconds per token computed."""
+    covered = 0
+    seconds = 0.0
+    for cost, tier in held:
+        if tier == "l1":
+            run = runs.l1.get(server.node, 0)
+        elif tier == "peer":
+            run = runs.peer(server.node)
+        elif tier == "gpu":
+            run = runs.gpu.get(server.address, 0)
+        elif tier == "nvme":
+            run = runs.nvme.get(server.node, 0)
+        else:
+            run = runs.s3
+        if run > covered:
+            seconds += (run - covered) * cost
+            covered = run
+    cached = covered * chunk_tokens
+    seconds += (tokens - cached) * compute
+    queue = _queue_seconds(server, mean)
+    waiting = server.load.waiting if server.load is not None else 0.0
+    return Estimate(seconds + queue, waiting, server.address, seconds, queue, cached)

@@ -277,15 +277,19 @@ class PrefixTracker:
     # ---------------------------------------------------------------- queries
 
     def longest_prefixes(
-        self, keys: KeySequence, nodes: Iterable[str] | None = None
+        self, keys: KeySequence, nodes: Iterable[str] | None = None, *, wait: float = -1
     ) -> dict[str, PrefixMatch]:
         """Per node (all nodes, or those of ``nodes`` that are tracked) with a match: its
-        leading run of ``keys``. Nodes that hold not even ``keys[0]`` are left out."""
+        leading run of ``keys``. Nodes that hold not even ``keys[0]`` are left out.
+        ``wait``: seconds to wait at most for the lock (-1: as long as it takes), then
+        ``TimeoutError``."""
         found: dict[str, PrefixMatch] = {}
         if len(keys) == 0:
             return found
         first = keys[0]
-        with self._lock:
+        if not self._lock.acquire(timeout=wait):
+            raise TimeoutError("the tracker is busy")
+        try:
             names = self._nodes if nodes is None else [n for n in nodes if n in self._nodes]
             for name in names:
                 where = self._nodes[name].where
@@ -293,6 +297,8 @@ class PrefixTracker:
                     run = _leading_run(where, keys)
                     if run:
                         found[name] = PrefixMatch(run, where[keys[run - 1]].seen)
+        finally:
+            self._lock.release()
         return found
 
     def keys_of(self, node: str) -> list[bytes]:

