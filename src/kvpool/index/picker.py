@@ -107,27 +107,27 @@ class PickObserver(Protocol):
         ...
 
 
-@dataclass(frozen=True)
 class Runs:
-    """The leading run of a prompt's chunks in each tier."""
+    """The leading run of a prompt's chunks in each tier (made once per pick: a plain
+    class, its node runs ranked once for :meth:`peer`)."""
 
-    gpu: Mapping[str, int]
-    """By server address."""
-    l1: Mapping[str, int]
-    """By node."""
-    nvme: Mapping[str, int]
-    """By node."""
-    s3: int
-    """The longest of any writer's."""
-    _best: tuple[tuple[int, str], ...] = ()
-    """The two longest node runs (L1 or NVMe) and their nodes, longest first."""
+    __slots__ = ("_best", "gpu", "l1", "nvme", "s3")
 
-    def __post_init__(self) -> None:
-        nodes = {*self.l1, *self.nvme}
-        runs = sorted(
-            ((max(self.l1.get(n, 0), self.nvme.get(n, 0)), n) for n in nodes), reverse=True
-        )
-        object.__setattr__(self, "_best", tuple(runs[:2]))
+    def __init__(
+        self, gpu: Mapping[str, int], l1: Mapping[str, int], nvme: Mapping[str, int], s3: int
+    ) -> None:
+        self.gpu = gpu
+        """By server address."""
+        self.l1 = l1
+        """By node."""
+        self.nvme = nvme
+        """By node."""
+        self.s3 = s3
+        """The longest of any writer's."""
+        nodes = {*l1, *nvme} if nvme else l1
+        runs = sorted(((max(l1.get(n, 0), nvme.get(n, 0)), n) for n in nodes), reverse=True)
+        self._best = runs[:2]
+        """The two longest node runs (L1 or NVMe) and their nodes, longest first."""
 
     def any(self, tier: str) -> bool:
         """Whether ``tier`` (gpu, l1, nvme, peer, s3) holds some of the prompt anywhere."""
@@ -192,14 +192,15 @@ def tier_runs(
     once ``left()`` (the seconds left) runs out while hashing, or ``TimeoutError`` while a
     tracker's lock is held that long.
 
-    The keys are hashed here, outside the trackers' locks: a window of the first keys,
-    :data:`WINDOW_GROWTH` times longer while some node holds all of it; each round asks
-    only those nodes again. A prompt no tier holds costs one hash; one whose longest held
-    run is ``r`` chunks, fewer than ``WINDOW_GROWTH x r`` (and a 32-chunk prompt, three
-    rounds), with a look at the deadline every :data:`HASH_STEP` keys."""
+    The keys are hashed here, outside the trackers' locks: a prompt of up to
+    :data:`WHOLE_PROMPT_CHUNKS` chunks whole, in one round; a longer one in a window of the
+    first keys, :data:`WINDOW_GROWTH` times longer while some node holds all of it, each
+    round asking only those nodes again: no tier holding it costs :data:`FIRST_WINDOW`
+    hashes, a longest held run of ``r`` chunks fewer than ``WINDOW_GROWTH x r``. The
+    deadline is looked at every :data:`HASH_STEP` keys."""
     asked = [tiers.gpu, tiers.l1, tiers.nvme, tiers.s3]
     found: list[dict[str, int]] = [{} for _ in asked]
-    names: list[Collection[str] | None] = [list(addresses), None, None, None]
+    names: list[Collection[str] | None] = [addresses, None, None, None]
     window = len(keys) if len(keys) <= WHOLE_PROMPT_CHUNKS else FIRST_WINDOW
     length = 0
     while any(tracker is not None for tracker in asked):
@@ -331,7 +332,8 @@ class EndpointPicker:
         seconds left, runs out)."""
         if keys is None:
             keys = PromptKeys(request.token_ids, request.cache_salt, self.fingerprint)
-        runs = tier_runs(self.tiers, keys, [s.address for s in candidates], left)
+        addresses = [s.address for s in candidates] if self.tiers.gpu is not None else []
+        runs = tier_runs(self.tiers, keys, addresses, left)
         tokens = len(request.token_ids)
         mean = self._mean_prompt_seconds(tokens)
         chunk = self.fingerprint.chunk_tokens
@@ -339,18 +341,8 @@ class EndpointPicker:
             (cost * chunk / 1000, tier) for cost, tier in self._cheapest_first if runs.any(tier)
         ]
         compute = self.costs.compute / 1000
-        return [
-            _estimate(
-                server,
-                runs,
-                held=held,
-                tokens=tokens,
-                chunk_tokens=chunk,
-                compute=compute,
-                mean=mean,
-            )
-            for server in candidates
-        ]
+        prices = _Prices(held, tokens, chunk, compute, mean)
+        return [_estimate(server, runs, prices) for server in candidates]
 
     def _mean_prompt_seconds(self, tokens: int) -> float:
         """The mean prompt time of recent requests (before the first: this one's, computed)."""
@@ -379,18 +371,23 @@ def _queue_seconds(server: ServerState, mean: float) -> float:
     return (load.waiting + RUNNING_SHARE * load.running + full) * mean
 
 
-def _estimate(
-    server: ServerState,
-    runs: Runs,
-    *,
-    held: Sequence[tuple[float, str]],
-    tokens: int,
-    chunk_tokens: int,
-    compute: float,
-    mean: float,
-) -> Estimate:
-    """One candidate's estimate. ``held``: the tiers that hold some of the prompt, cheapest
-    first, each with its seconds per chunk; ``compute``: seconds per token computed."""
+class _Prices(NamedTuple):
+    """What one pick's estimates share."""
+
+    held: Sequence[tuple[float, str]]
+    """The tiers that hold some of the prompt, cheapest first, each with its seconds per
+    chunk."""
+    tokens: int
+    chunk_tokens: int
+    compute: float
+    """Seconds per token computed."""
+    mean: float
+    """The mean prompt time of recent requests (a waiting request's cost)."""
+
+
+def _estimate(server: ServerState, runs: Runs, prices: _Prices) -> Estimate:
+    """One candidate's estimate."""
+    held, tokens, chunk_tokens, compute, mean = prices
     covered = 0
     seconds = 0.0
     for cost, tier in held:

@@ -49,7 +49,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from kvpool.common.names import DEFAULT_MAX_CHUNKS_PER_NODE
 
@@ -65,8 +65,7 @@ class KeySequence(Protocol):
     def __getitem__(self, position: int) -> bytes: ...
 
 
-@dataclass(frozen=True, slots=True)
-class PrefixMatch:
+class PrefixMatch(NamedTuple):  # a tuple: made per node per lookup, on the picker's path
     chunks: int
     """Length of the leading run of the chain that the node holds."""
     last_seen: float
