@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -251,7 +250,6 @@ class EndpointPicker:
         self._servers = servers
         self._observer = observer
         self._clock = clock
-        self._lock = threading.Lock()
         self._mean_prompt: float | None = None
         self._cheapest_first = sorted(
             (cost, tier)
@@ -305,13 +303,14 @@ class EndpointPicker:
         keys = PromptKeys(request.token_ids, request.cache_salt, self.fingerprint)
         left = lambda: deadline - self._clock()  # noqa: E731
         best = min(self.estimates(request, candidates, keys, left))
-        with self._lock:
-            mean = self._mean_prompt
-            self._mean_prompt = (
-                best.prompt_seconds
-                if mean is None
-                else (mean + MEAN_WEIGHT * (best.prompt_seconds - mean))
-            )
+        # no lock: two picks at once may lose one of their updates, which a mean forgets
+        # anyway; each assignment is whole
+        mean = self._mean_prompt
+        self._mean_prompt = (
+            best.prompt_seconds
+            if mean is None
+            else mean + MEAN_WEIGHT * (best.prompt_seconds - mean)
+        )
         return best
 
     def _observe(self, reason: PickReason | None, started: float) -> None:

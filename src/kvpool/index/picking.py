@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,7 @@ class PickReason(enum.StrEnum):
     """The index did not answer within the deadline: the least loaded, by load alone."""
 
 
-@dataclass(frozen=True)
-class Pick:
+class Pick(NamedTuple):  # a tuple: one per request, on the picker's path
     endpoint: str
     """``ip:port`` of the chosen model server."""
     reason: PickReason

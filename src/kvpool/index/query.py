@@ -47,7 +47,7 @@ class PromptKeys:
         """The first ``length`` keys, hashed, as a list (what a tracker reads fastest)."""
         if length > 0:
             self[length - 1]
-        return list(self._chain.keys[:length])
+        return self._chain.keys[:length]  # type: ignore[return-value]  # a list's slice
 
     @property
     def hashed(self) -> int:
