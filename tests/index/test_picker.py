@@ -6,6 +6,7 @@ Trackers are real :class:`PrefixTracker` s filled with the connector's keys
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -413,3 +414,27 @@ def test_loads_read_from_real_servers_steer_picks_that_never_wait_for_them() -> 
         servers.stop()
         for served in (busy, idle, slow):
             served.close()
+
+
+def test_picking_among_contenders_only_picks_as_over_every_candidate(
+    make_picker: MakePicker,
+) -> None:
+    """Servers whose node and GPU hold nothing of the prompt all take the same prompt time:
+    the pick estimates only the one of them with the shortest queue, and must choose what
+    estimating every candidate chooses."""
+    rng = random.Random(5)
+    tokens = prompt(12 * CHUNK)
+    for _ in range(50):
+        l1, nvme, gpu = PrefixTracker(), PrefixTracker(), PrefixTracker()
+        servers = [
+            server(f"10.0.0.{n}:8000", f"n{n % 6}", rng.choice([0, 0, 1, 3]), rng.randrange(4))
+            for n in range(12)
+        ]
+        for tracker, names in ((l1, "n1 n2"), (nvme, "n3"), (gpu, "10.0.0.5:8000")):
+            for name in names.split():
+                if rng.random() < 0.7:
+                    store(tracker, name, tokens, "t", rng.randrange(1, 13))
+        picker = make_picker(servers, Tiers(l1=l1, gpu=gpu, nvme=nvme))
+        request = PickRequest(tokens, "t")
+        every = min(picker.estimates(request, servers))
+        assert min(picker.estimates(request, servers, contenders=True)) == every

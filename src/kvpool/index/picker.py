@@ -302,7 +302,7 @@ class EndpointPicker:
     ) -> Estimate:
         keys = PromptKeys(request.token_ids, request.cache_salt, self.fingerprint)
         left = lambda: deadline - self._clock()  # noqa: E731
-        best = min(self.estimates(request, candidates, keys, left))
+        best = min(self.estimates(request, candidates, keys, left, contenders=True))
         # no lock: two picks at once may lose one of their updates, which a mean forgets
         # anyway; each assignment is whole
         mean = self._mean_prompt
@@ -325,10 +325,15 @@ class EndpointPicker:
         candidates: Sequence[ServerState],
         keys: KeySequence | None = None,
         left: Callable[[], float] = lambda: math.inf,
+        *,
+        contenders: bool = False,
     ) -> list[Estimate]:
         """Every candidate's estimate for the request (``keys``: its chunk keys, when the
         caller has them already; :class:`_TooLate` or ``TimeoutError`` once ``left()``, the
-        seconds left, runs out)."""
+        seconds left, runs out). ``contenders``: only of the candidates that may win, which
+        are those whose own node or GPU holds some of the prompt, and of the rest (whose
+        prompt times are all the same: every chunk from a peer, S3 or computed) the one
+        with the shortest queue."""
         if keys is None:
             keys = PromptKeys(request.token_ids, request.cache_salt, self.fingerprint)
         addresses = [s.address for s in candidates] if self.tiers.gpu is not None else []
@@ -341,6 +346,8 @@ class EndpointPicker:
         ]
         compute = self.costs.compute / 1000
         prices = _Prices(held, tokens, chunk, compute, mean)
+        if contenders:
+            candidates = _contenders(candidates, runs, mean)
         return [_estimate(server, runs, prices) for server in candidates]
 
     def _mean_prompt_seconds(self, tokens: int) -> float:
@@ -351,14 +358,33 @@ class EndpointPicker:
     def _by_load(self, candidates: Sequence[ServerState], tokens: int) -> ServerState:
         """The candidate with the shortest queue (ties: fewer waiting, then the address)."""
         mean = self._mean_prompt_seconds(tokens)
-        return min(
-            candidates,
-            key=lambda s: (
-                _queue_seconds(s, mean),
-                s.load.waiting if s.load else 0.0,
-                s.address,
-            ),
-        )
+        return min(candidates, key=lambda s: _queue_rank(s, mean))
+
+
+def _contenders(
+    candidates: Sequence[ServerState], runs: Runs, mean: float
+) -> Sequence[ServerState]:
+    """The candidates that hold some of the prompt on their node or GPU, and the one of the
+    others with the shortest queue (ties: fewer waiting, then the address)."""
+    holding: list[ServerState] = []
+    plain: list[ServerState] = []
+    for server in candidates:
+        node = server.node
+        if node in runs.l1 or node in runs.nvme or server.address in runs.gpu:
+            holding.append(server)
+        else:
+            plain.append(server)
+    if plain:
+        holding.append(min(plain, key=lambda s: _queue_rank(s, mean)))
+    return holding
+
+
+def _queue_rank(server: ServerState, mean: float) -> tuple[float, float, str]:
+    return (
+        _queue_seconds(server, mean),
+        server.load.waiting if server.load is not None else 0.0,
+        server.address,
+    )
 
 
 def _queue_seconds(server: ServerState, mean: float) -> float:

@@ -172,9 +172,20 @@ class _Node:
             batch.live = 0
 
 
-def _leading_run(where: dict[bytes, _Batch], keys: KeySequence) -> int:
-    """How many keys of ``keys``, from the first, ``where`` holds without a gap."""
+def _leading_run(where: dict[bytes, _Batch], keys: KeySequence, hint: int = 0) -> int:
+    """How many keys of ``keys``, from the first, ``where`` holds without a gap.
+
+    ``hint``: a run another node was found to hold (nodes that share a prompt's prefix
+    often end at the same chunk); where this node's boundary is there too, two probes and
+    the verification find it, with no search."""
     limit = len(keys)
+    if (
+        0 < hint <= limit
+        and keys[hint - 1] in where
+        and (hint == limit or keys[hint] not in where)
+        and _first_hole(where, keys, hint - 1) < 0
+    ):
+        return hint
     while limit > 0 and keys[0] in where:
         # Gallop (1, 3, 7, ...) to bracket the boundary, so short matches hash few keys...
         held, step = 0, 1
@@ -290,10 +301,11 @@ class PrefixTracker:
             raise TimeoutError("the tracker is busy")
         try:
             names = self._nodes if nodes is None else [n for n in nodes if n in self._nodes]
+            run = 0
             for name in names:
                 where = self._nodes[name].where
                 if first in where:
-                    run = _leading_run(where, keys)
+                    run = _leading_run(where, keys, run)
                     if run:
                         found[name] = PrefixMatch(run, where[keys[run - 1]].seen)
         finally:
