@@ -665,9 +665,7 @@ class Flow:
         # chunk file the door gives its token (e2e/test_e2e.py checks their lines)
         # (the e2e pool runs its index without the endpoint picker: that check skips)
         outcomes = [
-            line[:4]
-            for line in output.splitlines()
-            if not line.startswith((" ", "SKIP  picker "))
+            line[:4] for line in output.splitlines() if not line.startswith((" ", "SKIP  picker "))
         ]
         assert returncode == 0 and set(outcomes) == {"PASS"}, output
 

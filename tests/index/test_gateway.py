@@ -327,6 +327,15 @@ def indexed(gateway: Gateway, tokens: list[int], salt: str, server: Server) -> N
         time.sleep(0.2)
 
 
+def waiting(gateway: Gateway, server: Server) -> float:
+    """The requests waiting in ``server``, as the picker last read them."""
+    name = f'kvpool_index_model_server_waiting{{server="{server.address}"}}'
+    for line in httpx.get(f"{gateway.index.url}/metrics").text.splitlines():
+        if line.startswith(name):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def idle(gateway: Gateway) -> None:
     """Wait until the picker sees every server idle (nothing waiting or running): vLLM's
     gauges lag its last step by a moment, and a request just served would otherwise count
@@ -399,16 +408,18 @@ def test_a_long_queue_and_a_small_gain_send_the_request_elsewhere(gateway: Gatew
     place(gateway, busy, stored, SALTS["alice"])
     with ThreadPoolExecutor(6) as pool:
         long = [
-            pool.submit(complete, busy.url, prompt(510 + n, 64), SALTS["bob"], 400)
+            pool.submit(complete, busy.url, prompt(510 + n, 64), SALTS["bob"], 1000)
             for n in range(6)
         ]
-        time.sleep(3)  # the picker reads the servers' metrics every 0.2 s
+        deadline = time.monotonic() + 30
+        while waiting(gateway, busy) < 2:  # what the picker sees (it reads every 0.2 s)
+            assert time.monotonic() < deadline, "the busy server never had a queue"
+            time.sleep(0.1)
         follow_up = stored + prompt(501, PROMPT - CHUNK - 1)
         answer = complete(gateway.envoy.url, follow_up, SALTS["alice"])
         assert answer.status == 200
-        assert answer.served_by == idle.address
-        for future in long:
-            future.cancel()
+        assert answer.served_by == idle.address, diagnose(gateway, answer)
+    assert all(future.result().status == 200 for future in long)  # the queue is served
 
 
 def test_the_subset_hint_restricts_the_pick(gateway: Gateway) -> None:
