@@ -528,6 +528,7 @@ def test_network_policy_peers_as_a_networkpolicy_takes_them() -> None:
         "clients": [],
         "gateways": [],
         "pickerClients": [],
+        "routers": [],
         "prometheus": [],
     }
 
