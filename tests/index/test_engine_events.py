@@ -56,6 +56,8 @@ class Follower:
         self.events.follow([self.server])
         self.events.start()
         publisher.wait_subscribed()
+        # The socket subscribes a moment before the loop lists the server in its status.
+        wait_until(lambda: len(self.events.status()) == 1, timeout=10, what="followed")
 
     def status(self) -> EngineStatus:
         return self.events.status()[0]
