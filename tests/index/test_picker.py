@@ -320,6 +320,19 @@ def test_an_empty_index_routes_by_load(make_picker: MakePicker) -> None:
         )
 
 
+def test_each_new_snapshot_of_the_loads_is_ranked_anew() -> None:
+    """The candidates are ranked once per snapshot the servers callable returns: a new one
+    (``ModelServers`` publishes one on every change) is seen by the next pick."""
+    first = [server("10.0.0.1:8000", "n1"), server("10.0.0.2:8000", "n2", waiting=3)]
+    snapshots = [first]
+    picker = EndpointPicker(lambda: snapshots[-1], Tiers(), FINGERPRINT, COSTS, deadline_ms=2000)
+    request = PickRequest(prompt(64), "t")
+    assert picker.pick(request) == Pick("10.0.0.1:8000", PickReason.LOAD)
+    snapshots.append([server("10.0.0.1:8000", "n1", waiting=3), server("10.0.0.2:8000", "n2")])
+    assert picker.pick(request) == Pick("10.0.0.2:8000", PickReason.LOAD)
+    assert picker.candidates(frozenset({"10.0.0.1:8000"})).servers == [snapshots[-1][0]]
+
+
 def test_picks_from_many_threads_at_once(make_picker: MakePicker) -> None:
     l1 = PrefixTracker()
     tokens = prompt(16 * CHUNK)

@@ -37,7 +37,8 @@ An index that knows nothing (agents down, not yet synchronised) just matches not
 ``load``.
 
 **Benches.** :meth:`EndpointPicker.estimates` is the decision without the deadline, on
-given candidates; ``servers`` is any callable returning server states, so a bench can time
+given candidates; ``servers`` is any callable returning server states (ranked once per
+object it returns), so a bench can time
 :meth:`EndpointPicker.pick` over fixed loads and filled trackers against hashing the same
 prompt alone (``PromptKeys(...)[n - 1]``).
 """
@@ -47,14 +48,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from kvpool.common.index_config import TierCosts
 from kvpool.common.keys import ModelFingerprint
 from kvpool.common.web.rate_limited_log import RateLimitedLog
-from kvpool.index.model_servers import ServerState
+from kvpool.index.model_servers import Load, ServerState
 from kvpool.index.picking import NoEndpoint, Pick, PickReason, PickRequest
 from kvpool.index.query import PromptKeys
 from kvpool.index.tracker import KeySequence, PrefixTracker
@@ -123,9 +124,13 @@ class Runs:
         """By node."""
         self.s3 = s3
         """The longest of any writer's."""
-        nodes = {*l1, *nvme} if nvme else l1
-        runs = sorted(((max(l1.get(n, 0), nvme.get(n, 0)), n) for n in nodes), reverse=True)
-        self._best = runs[:2]
+        nodes = l1
+        if nvme:
+            nodes = dict(l1)
+            for node, run in nvme.items():
+                if run > nodes.get(node, 0):
+                    nodes[node] = run
+        self._best = sorted(zip(nodes.values(), nodes, strict=True), reverse=True)[:2]
         """The two longest node runs (L1 or NVMe) and their nodes, longest first."""
 
     def any(self, tier: str) -> bool:
@@ -156,6 +161,23 @@ class Estimate(NamedTuple):
     queue_seconds: float
     cached_tokens: int
     """Tokens of the prompt loaded (from a tier cheaper than computing), not computed."""
+
+
+class Candidates:
+    """The servers a pick may choose from, shortest queue first (ties: fewer waiting, then
+    the address), each with its queue: made once per snapshot of the servers' loads, not per
+    pick."""
+
+    __slots__ = ("queues", "servers")
+
+    def __init__(self, servers: Iterable[ServerState]) -> None:
+        ranked = sorted((_queue_requests(s.load), _waiting(s.load), s.address, s) for s in servers)
+        self.servers = [server for *_, server in ranked]
+        self.queues = [queue for queue, *_ in ranked]
+        """Each one's requests ahead of a new one (:func:`_queue_requests`)."""
+
+    def __len__(self) -> int:
+        return len(self.servers)
 
 
 class _TooLate(Exception):
@@ -197,32 +219,38 @@ def tier_runs(
     round asking only those nodes again: no tier holding it costs :data:`FIRST_WINDOW`
     hashes, a longest held run of ``r`` chunks fewer than ``WINDOW_GROWTH x r``. The
     deadline is looked at every :data:`HASH_STEP` keys."""
-    asked = [tiers.gpu, tiers.l1, tiers.nvme, tiers.s3]
-    found: list[dict[str, int]] = [{} for _ in asked]
-    names: list[Collection[str] | None] = [addresses, None, None, None]
-    window = len(keys) if len(keys) <= WHOLE_PROMPT_CHUNKS else FIRST_WINDOW
+    found: list[dict[str, int]] = [{}, {}, {}, {}]
+    asked: Sequence[tuple[dict[str, int], PrefixTracker, Collection[str] | None]] = [
+        (runs, tracker, addresses if tier == 0 else None)
+        for tier, (runs, tracker) in enumerate(
+            zip(found, (tiers.gpu, tiers.l1, tiers.nvme, tiers.s3), strict=True)
+        )
+        if tracker is not None
+    ]
+    count = len(keys)
+    window = count if count <= WHOLE_PROMPT_CHUNKS else FIRST_WINDOW
     length = 0
-    while any(tracker is not None for tracker in asked):
-        hashed, length = length, min(window, len(keys))
-        ends = [*range(hashed + HASH_STEP, length, HASH_STEP), length] if length > hashed else []
-        for position in ends:
+    while asked:
+        hashed, length = length, min(window, count)
+        for end in range(hashed + HASH_STEP, length + HASH_STEP, HASH_STEP):
             if left() <= 0:
                 raise _TooLate
-            keys[position - 1]  # hashes up to there (a chain is hashed in order)
+            keys[min(end, length) - 1]  # hashes up to there (a chain is hashed in order)
         head = keys.head(length) if isinstance(keys, PromptKeys) else _Head(keys, length)
-        for tier, tracker in enumerate(asked):
-            if tracker is None:
-                continue
+        again = []
+        for runs, tracker, names in asked:
             wait = left()  # a tracker's lock held by its writer: no longer than that
             if wait <= 0:
                 raise _TooLate
-            matches = tracker.longest_prefixes(
-                head, names[tier], wait=-1 if wait == math.inf else wait
-            )
-            found[tier].update((name, match.chunks) for name, match in matches.items())
-            names[tier] = [name for name, match in matches.items() if match.chunks == length]
-            if not names[tier] or length == len(keys):
-                asked[tier] = None  # every run of this tier is known
+            matches = tracker.longest_prefixes(head, names, wait=-1 if wait == math.inf else wait)
+            whole = []  # the nodes that hold all of the window: asked again with a longer one
+            for name, (chunks, _) in matches.items():
+                runs[name] = chunks
+                if chunks == length:
+                    whole.append(name)
+            if whole and length < count:
+                again.append((runs, tracker, whole))
+        asked = again
         window *= WINDOW_GROWTH
     gpu, l1, nvme, s3 = found
     return Runs(gpu, l1, nvme, max(s3.values(), default=0))
@@ -242,7 +270,8 @@ class EndpointPicker:
         observer: PickObserver | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        """``servers``: the known servers and their loads (``ModelServers.snapshot``)."""
+        """``servers``: the known servers and their loads (``ModelServers.snapshot``), the
+        same object while nothing changed: they are ranked by queue once per object."""
         self.tiers = tiers
         self.fingerprint = fingerprint
         self.costs = costs
@@ -251,6 +280,8 @@ class EndpointPicker:
         self._observer = observer
         self._clock = clock
         self._mean_prompt: float | None = None
+        self._ranked: tuple[Sequence[ServerState], Candidates] | None = None
+        """The last snapshot of every server and its candidates (whole: read without a lock)."""
         self._cheapest_first = sorted(
             (cost, tier)
             for tier, cost in (
@@ -277,29 +308,29 @@ class EndpointPicker:
             reason = PickReason.PREFIX if best.cached_tokens else PickReason.LOAD
             pick = Pick(best.address, reason, best.cached_tokens)
         except (_TooLate, TimeoutError):
-            pick = self._fail_open(candidates, request)
+            pick = Pick(candidates.servers[0].address, PickReason.FAIL_OPEN)
         except Exception as error:  # the index's trouble must not fail the request
             _failures.exception(f"picking by prefix failed, picked by load: {error}")
-            pick = self._fail_open(candidates, request)
+            pick = Pick(candidates.servers[0].address, PickReason.FAIL_OPEN)
         self._observe(pick.reason, started)
         return pick
 
-    def _fail_open(self, candidates: Sequence[ServerState], request: PickRequest) -> Pick:
-        return Pick(self._by_load(candidates, len(request.token_ids)).address, PickReason.FAIL_OPEN)
-
-    def candidates(self, subset: frozenset[str] | None) -> list[ServerState]:
+    def candidates(self, subset: frozenset[str] | None) -> Candidates:
         """The servers a request may go to: the ready ones (all, when none is ready),
         within ``subset``; :class:`NoEndpoint` when there are none."""
-        known = [s for s in self._servers() if subset is None or s.address in subset]
+        snapshot = self._servers()
+        if subset is None and (ranked := self._ranked) is not None and ranked[0] is snapshot:
+            return ranked[1]
+        known = [s for s in snapshot if subset is None or s.address in subset]
         if not known:
             where = "in the subset" if subset is not None else "known"
             raise NoEndpoint(f"no model server {where}")
-        ready = [s for s in known if s.ready]
-        return ready or known
+        candidates = Candidates([s for s in known if s.ready] or known)
+        if subset is None:
+            self._ranked = (snapshot, candidates)
+        return candidates
 
-    def _decide(
-        self, request: PickRequest, candidates: list[ServerState], deadline: float
-    ) -> Estimate:
+    def _decide(self, request: PickRequest, candidates: Candidates, deadline: float) -> Estimate:
         keys = PromptKeys(request.token_ids, request.cache_salt, self.fingerprint)
         left = lambda: deadline - self._clock()  # noqa: E731
         best = min(self.estimates(request, candidates, keys, left, contenders=True))
@@ -322,7 +353,7 @@ class EndpointPicker:
     def estimates(
         self,
         request: PickRequest,
-        candidates: Sequence[ServerState],
+        candidates: Candidates | Sequence[ServerState],
         keys: KeySequence | None = None,
         left: Callable[[], float] = lambda: math.inf,
         *,
@@ -334,9 +365,11 @@ class EndpointPicker:
         are those whose own node or GPU holds some of the prompt, and of the rest (whose
         prompt times are all the same: every chunk from a peer, S3 or computed) the one
         with the shortest queue."""
+        if not isinstance(candidates, Candidates):
+            candidates = Candidates(candidates)
         if keys is None:
             keys = PromptKeys(request.token_ids, request.cache_salt, self.fingerprint)
-        addresses = [s.address for s in candidates] if self.tiers.gpu is not None else []
+        addresses = [s.address for s in candidates.servers] if self.tiers.gpu is not None else []
         runs = tier_runs(self.tiers, keys, addresses, left)
         tokens = len(request.token_ids)
         mean = self._mean_prompt_seconds(tokens)
@@ -346,54 +379,48 @@ class EndpointPicker:
         ]
         compute = self.costs.compute / 1000
         prices = _Prices(held, tokens, chunk, compute, mean)
-        if contenders:
-            candidates = _contenders(candidates, runs, mean)
-        return [_estimate(server, runs, prices) for server in candidates]
+        chosen = (
+            _contenders(candidates, runs)
+            if contenders
+            else zip(candidates.servers, candidates.queues, strict=True)
+        )
+        return [_estimate(server, queue, runs, prices) for server, queue in chosen]
 
     def _mean_prompt_seconds(self, tokens: int) -> float:
         """The mean prompt time of recent requests (before the first: this one's, computed)."""
         mean = self._mean_prompt
         return tokens / 1000 * self.costs.compute if mean is None else mean
 
-    def _by_load(self, candidates: Sequence[ServerState], tokens: int) -> ServerState:
-        """The candidate with the shortest queue (ties: fewer waiting, then the address)."""
-        mean = self._mean_prompt_seconds(tokens)
-        return min(candidates, key=lambda s: _queue_rank(s, mean))
+
+def _contenders(candidates: Candidates, runs: Runs) -> list[tuple[ServerState, float]]:
+    """The candidates (and their queues) that hold some of the prompt on their node or GPU,
+    and the first of the others: the one with the shortest queue."""
+    servers, queues = candidates.servers, candidates.queues
+    l1, nvme, gpu = runs.l1, runs.nvme, runs.gpu
+    if not (l1 or nvme or gpu):
+        return [(servers[0], queues[0])]
+    chosen = []
+    plain = True  # none of the others chosen yet
+    for server, queue in zip(servers, queues, strict=True):
+        if server.node in l1 or server.node in nvme or server.address in gpu:
+            chosen.append((server, queue))
+        elif plain:
+            chosen.append((server, queue))
+            plain = False
+    return chosen
 
 
-def _contenders(
-    candidates: Sequence[ServerState], runs: Runs, mean: float
-) -> Sequence[ServerState]:
-    """The candidates that hold some of the prompt on their node or GPU, and the one of the
-    others with the shortest queue (ties: fewer waiting, then the address)."""
-    holding: list[ServerState] = []
-    plain: list[ServerState] = []
-    for server in candidates:
-        node = server.node
-        if node in runs.l1 or node in runs.nvme or server.address in runs.gpu:
-            holding.append(server)
-        else:
-            plain.append(server)
-    if plain:
-        holding.append(min(plain, key=lambda s: _queue_rank(s, mean)))
-    return holding
-
-
-def _queue_rank(server: ServerState, mean: float) -> tuple[float, float, str]:
-    return (
-        _queue_seconds(server, mean),
-        server.load.waiting if server.load is not None else 0.0,
-        server.address,
-    )
-
-
-def _queue_seconds(server: ServerState, mean: float) -> float:
-    """The time the server's queue makes a request wait (its last load; none: no wait)."""
-    load = server.load
+def _queue_requests(load: Load | None) -> float:
+    """The requests a server's queue puts before a new one (its last load; none: none); times
+    the mean prompt time, the time it makes the request wait."""
     if load is None:
         return 0.0
     full = max(0.0, load.kv_cache_usage - KV_FULL) * KV_FULL_REQUESTS
-    return (load.waiting + RUNNING_SHARE * load.running + full) * mean
+    return load.waiting + RUNNING_SHARE * load.running + full
+
+
+def _waiting(load: Load | None) -> float:
+    return load.waiting if load is not None else 0.0
 
 
 class _Prices(NamedTuple):
@@ -410,7 +437,7 @@ class _Prices(NamedTuple):
     """The mean prompt time of recent requests (a waiting request's cost)."""
 
 
-def _estimate(server: ServerState, runs: Runs, prices: _Prices) -> Estimate:
+def _estimate(server: ServerState, queue_requests: float, runs: Runs, prices: _Prices) -> Estimate:
     """One candidate's estimate."""
     held, tokens, chunk_tokens, compute, mean = prices
     covered = 0
@@ -431,6 +458,5 @@ def _estimate(server: ServerState, runs: Runs, prices: _Prices) -> Estimate:
             covered = run
     cached = covered * chunk_tokens
     seconds += (tokens - cached) * compute
-    queue = _queue_seconds(server, mean)
-    waiting = server.load.waiting if server.load is not None else 0.0
-    return Estimate(seconds + queue, waiting, server.address, seconds, queue, cached)
+    queue = queue_requests * mean
+    return Estimate(seconds + queue, _waiting(server.load), server.address, seconds, queue, cached)
