@@ -37,7 +37,7 @@ import pytest
 import zmq
 
 from kvpool.common import keys
-from kvpool.index.placement_events import END_SEQ
+from kvpool.index.vllm_events import END_SEQ
 from tests.support.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 from tests.support.engines import write_model
 from tests.support.envoy import Envoy

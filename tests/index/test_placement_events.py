@@ -15,7 +15,6 @@ import pytest
 import zmq
 
 from kvpool.index.placement_events import (
-    END_SEQ,
     SNAPSHOT_BATCH_EVENTS,
     SNAPSHOT_REQUEST,
     Block,
@@ -23,6 +22,7 @@ from kvpool.index.placement_events import (
     PlacementPublisher,
     topic_of,
 )
+from kvpool.index.vllm_events import END_SEQ
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 decoder = msgspec.msgpack.Decoder(type=kv_events.KVEventBatch)

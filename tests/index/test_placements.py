@@ -14,9 +14,10 @@ import pytest
 import zmq
 
 from kvpool.index.model_servers import ServerEndpoint
-from kvpool.index.placement_events import END_SEQ, PlacementPublisher, topic_of
+from kvpool.index.placement_events import PlacementPublisher, topic_of
 from kvpool.index.placements import PlacementFeed, TierFeed
 from kvpool.index.tracker import PrefixTracker
+from kvpool.index.vllm_events import END_SEQ
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 decoder = msgspec.msgpack.Decoder(type=kv_events.KVEventBatch)

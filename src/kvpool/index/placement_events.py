@@ -8,7 +8,8 @@ go, each with a ``medium`` that names the tier (:class:`Medium`). Block hashes a
 own (the engines' events name them), so a router joins these with the GPU events it already
 has; ``token_ids`` is empty, which such routers read as "a tier of blocks you know".
 
-The wire, as vLLM 0.30 to 0.33 publish it (``vllm.distributed.kv_events``):
+The wire, as vLLM 0.30 to 0.33 publish it (``vllm.distributed.kv_events``; written with
+:mod:`kvpool.index.vllm_events`):
 
 * PUB, three frames: the topic, ``seq`` as 8 bytes big-endian (one counter for the whole
   publisher, +1 per batch), and a msgpack ``KVEventBatch``: an array ``[ts, events]``
@@ -46,9 +47,19 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from kvpool.index.vllm_events import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    EventBatch,
+    encode_seq,
+)
+
 log = logging.getLogger(__name__)
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 SNAPSHOT_REQUEST = b"snapshot"
 SNAPSHOT_BATCH_EVENTS = 1024
 """Placements per batch of a snapshot, so that no message grows with the pool."""
@@ -65,43 +76,12 @@ class Medium(enum.StrEnum):
     """The pool's S3 bucket (every server can load it)."""
 
 
-Hash = int | bytes
-"""A vLLM block hash as the engines publish it: an int (their default) or bytes."""
-
-
-class BlockStored(msgspec.Struct, tag=True, omit_defaults=True):
-    block_hashes: list[Hash]
-    parent_block_hash: Hash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-
-
-class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True):
-    block_hashes: list[Hash]
-    medium: str | None
-
-
-class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True):
-    pass
-
-
-Event = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
-    ts: float
-    events: list[Event]
-
-
 @dataclass(frozen=True, slots=True)
 class Block:
     """One vLLM block a server can load: its hash, its parent's, its size in tokens."""
 
-    block_hash: Hash
-    parent: Hash | None
+    block_hash: BlockHash
+    parent: BlockHash | None
     block_size: int
 
 
@@ -114,7 +94,7 @@ class _Placements:
     """What each topic holds now, per medium, in the order it was stored (parents first)."""
 
     def __init__(self) -> None:
-        self.topics: dict[bytes, dict[str, dict[Hash, Block]]] = {}
+        self.topics: dict[bytes, dict[str, dict[BlockHash, Block]]] = {}
 
     def store(self, topic: bytes, medium: str, blocks: Sequence[Block]) -> list[Block]:
         held = self.topics.setdefault(topic, {}).setdefault(medium, {})
@@ -123,7 +103,7 @@ class _Placements:
             held[block.block_hash] = block
         return new
 
-    def remove(self, topic: bytes, medium: str, hashes: Iterable[Hash]) -> list[Hash]:
+    def remove(self, topic: bytes, medium: str, hashes: Iterable[BlockHash]) -> list[BlockHash]:
         held = self.topics.get(topic, {}).get(medium, {})
         return [block_hash for block_hash in hashes if held.pop(block_hash, None) is not None]
 
@@ -224,7 +204,7 @@ class PlacementPublisher:
             if new:
                 self._enqueue(topic, [_stored(medium, run) for run in _runs(new)])
 
-    def removed(self, topic: bytes, medium: Medium, block_hashes: Iterable[Hash]) -> None:
+    def removed(self, topic: bytes, medium: Medium, block_hashes: Iterable[BlockHash]) -> None:
         with self._lock:
             gone = self._placements.remove(topic, medium, block_hashes)
             if gone:
@@ -261,7 +241,7 @@ class PlacementPublisher:
         """Under the lock: number, buffer and queue one batch for the thread to send (the
         lock also serialises the wake socket's senders)."""
         payload = self._encoder.encode(EventBatch(time.time(), events))
-        seq = self._seq.to_bytes(8, "big")
+        seq = encode_seq(self._seq)
         self._buffer.append((self._seq, topic, payload))
         self._seq += 1
         self._outbox.append((topic, seq, payload))
@@ -327,12 +307,12 @@ class PlacementPublisher:
             if request == SNAPSHOT_REQUEST:
                 with self._lock:
                     resume, batches = self._snapshot()
-                framed = [(topic, resume.to_bytes(8, "big"), data) for topic, data in batches]
+                framed = [(topic, encode_seq(resume), data) for topic, data in batches]
             elif len(request) == 8:
                 start = int.from_bytes(request, "big")
                 with self._lock:
                     framed = [
-                        (topic, seq.to_bytes(8, "big"), data)
+                        (topic, encode_seq(seq), data)
                         for seq, topic, data in self._buffer
                         if seq >= start
                     ]

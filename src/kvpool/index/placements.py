@@ -27,8 +27,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 
 from kvpool.index.model_servers import ServerEndpoint
-from kvpool.index.placement_events import Block, Hash, Medium, PlacementPublisher, topic_of
+from kvpool.index.placement_events import Block, Medium, PlacementPublisher, topic_of
 from kvpool.index.tracker import PrefixTracker
+from kvpool.index.vllm_events import BlockHash
 
 MEDIA = {"l1": Medium.L1, "nvme": Medium.NVME, "s3": Medium.S3}
 POOL_WIDE = frozenset({"s3"})
@@ -65,7 +66,7 @@ class PlacementFeed:
     # ------------------------------------------------------------- the engines
 
     def chunk_blocks(
-        self, key: bytes, hashes: Sequence[Hash], parent: Hash | None, size: int
+        self, key: bytes, hashes: Sequence[BlockHash], parent: BlockHash | None, size: int
     ) -> None:
         """An engine's events named the blocks of chunk ``key`` (an
         :data:`~kvpool.index.engine_events.chains.ChunkBlocks`)."""

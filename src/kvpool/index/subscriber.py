@@ -49,9 +49,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
-import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -63,6 +61,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvpool.common import protocol as p
 from kvpool.common.kube.discovery import AgentEndpoint
 from kvpool.common.web.rate_limited_log import RateLimitedLog
+from kvpool.index.follow_loop import FollowLoop
 
 log = logging.getLogger(__name__)
 _failures = RateLimitedLog(log)
@@ -160,7 +159,7 @@ class _Follower:
         )
 
 
-class EventSubscriber:
+class EventSubscriber(FollowLoop[AgentEndpoint, _Follower]):
     def __init__(
         self,
         sink: IndexSink,
@@ -175,6 +174,7 @@ class EventSubscriber:
         clock: Callable[[], float] = time.time,
     ) -> None:
         """``sink`` follows L1; ``tiers`` the lower tiers by name (``nvme``, ``s3``), if any."""
+        super().__init__("kvpool-index-events")
         lower = dict(tiers or {})
         unknown = sorted(set(lower) - set(p.TIERS) | set(lower) & {TRACKED_TIER})
         if unknown:
@@ -193,92 +193,42 @@ class EventSubscriber:
         self._receive_hwm = receive_hwm
         self._max_buffered = max_buffered_events
         self._clock = clock
-        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._wake_endpoint = f"inproc://kvpool-index-{uuid.uuid4().hex}"
-        self._lock = threading.Lock()
-        self._wanted: dict[str, AgentEndpoint] | None = None
-        """Agents named by follow() and not yet applied by the loop thread."""
-        self._followed = False
-        """The loop thread has applied a follow() (set after it replaced the followers)."""
-        self._followers: dict[str, _Follower] = {}
-        """Replaced, never mutated, by the loop thread: other threads read a consistent copy."""
         self._requests = itertools.count(1)
-        self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------- interface
-
-    def start(self) -> None:
-        wake = self._context.socket(zmq.PULL)
-        wake.bind(self._wake_endpoint)
-        self._thread = threading.Thread(
-            target=self._run, args=(wake,), name="kvpool-index-events", daemon=True
-        )
-        self._thread.start()
-
-    def stop(self) -> None:
-        if self._thread is None:
-            return
-        self._signal(b"stop")
-        self._thread.join()
-        self._thread = None
 
     def follow(self, endpoints: Iterable[AgentEndpoint]) -> None:
         """Follow exactly these agents from now on (any thread; discovery calls this).
 
         One agent per node: of two endpoints for one node, the last one counts.
         """
-        wanted = {endpoint.node: endpoint for endpoint in endpoints}
-        with self._lock:
-            self._wanted = wanted
-        self._signal(b"follow")
+        self._want({endpoint.node: endpoint for endpoint in endpoints})
 
     def caught_up(self) -> bool:
         """Whether the agents to follow have been named (by discovery) and the index holds a
         synchronised copy of every one of them."""
-        with self._lock:
-            applied = self._followed and self._wanted is None
-        return applied and all(follower.synced for follower in self._followers.values())
+        return self._all_applied() and all(f.synced for f in self._followed.values())
 
     def status(self) -> list[AgentStatus]:
-        return [follower.status() for follower in self._followers.values()]
-
-    def _signal(self, command: bytes) -> None:
-        waker = self._context.socket(zmq.PUSH)
-        waker.connect(self._wake_endpoint)
-        waker.send(command)
-        waker.close(linger=1000)
+        return [follower.status() for follower in self._followed.values()]
 
     # ------------------------------------------------------------------ loop
 
-    def _run(self, wake: zmq.Socket[bytes]) -> None:
-        self._apply_wanted()  # agents named before start()
-        try:
-            while True:
-                poller = zmq.Poller()
-                poller.register(wake, zmq.POLLIN)
-                for follower in self._followers.values():
-                    poller.register(follower.sub, zmq.POLLIN)
-                    poller.register(follower.monitor, zmq.POLLIN)
-                    if follower.dealer is not None:
-                        poller.register(follower.dealer, zmq.POLLIN)
-                ready = dict(poller.poll(self._poll_timeout_ms()))
-                if wake in ready:
-                    if wake.recv() == b"stop":
-                        return
-                    self._apply_wanted()
-                for follower in list(self._followers.values()):
-                    try:
-                        self._serve(follower, ready)
-                    except Exception:  # one agent's bug must not stop following the others
-                        _failures.exception(
-                            f"node {follower.endpoint.node}: failed to handle its sockets"
-                        )
-                self._check_deadlines()
-        finally:
-            for follower in self._followers.values():
-                self._close(follower)
-            self._followers = {}
-            wake.close()
+    def _config(self, state: _Follower) -> AgentEndpoint:
+        return state.endpoint
+
+    def _deadlines(self, state: _Follower) -> list[float]:
+        return [state.deadline] if state.resyncing else []
+
+    def _serve_failed(self, name: str, state: _Follower) -> None:
+        _failures.exception(f"node {name}: failed to handle its sockets")
+
+    def _forget(self, name: str, *, still_named: bool) -> None:
+        if still_named:
+            return  # its new endpoint's snapshot replaces its chunks
+        for sink in self._sinks.values():
+            sink.drop_node(name)
+        log.info("agent of node %s is gone; its chunks are dropped", name)
 
     def _serve(self, follower: _Follower, ready: dict[zmq.Socket[bytes], int]) -> None:
         if follower.monitor in ready:
@@ -287,34 +237,11 @@ class EventSubscriber:
             self._drain(follower)
         if follower.dealer is not None and follower.dealer in ready:
             self._on_reply(follower)
-
-    def _poll_timeout_ms(self) -> int:
-        waiting = [f.deadline for f in self._followers.values() if f.resyncing]
-        if not waiting:
-            return -1
-        return max(0, int((min(waiting) - time.monotonic()) * 1000) + 1)
-
-    def _apply_wanted(self) -> None:
-        with self._lock:
-            wanted, self._wanted = self._wanted, None
-        if wanted is None:
-            return
-        followers = dict(self._followers)
-        for node, follower in list(followers.items()):
-            if wanted.get(node) != follower.endpoint:
-                self._close(follower)
-                del followers[node]
-                if node not in wanted:
-                    for sink in self._sinks.values():
-                        sink.drop_node(node)
-                    log.info("agent of node %s is gone; its chunks are dropped", node)
-        for node, endpoint in wanted.items():
-            if node not in followers:
-                followers[node] = self._open(endpoint)
-                log.info("following agent of node %s at %s", node, endpoint.events)
-        self._followers = followers
-        with self._lock:
-            self._followed = True
+        if follower.resyncing and follower.deadline <= time.monotonic():
+            if follower.dealer is not None:
+                self._failed(follower, f"no answer within {self._snapshot_timeout}s")
+            else:
+                self._send_hello(follower)
 
     def _open(self, endpoint: AgentEndpoint) -> _Follower:
         sub = self._context.socket(zmq.SUB)
@@ -329,6 +256,7 @@ class EventSubscriber:
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
         )
         sub.connect(endpoint.events)
+        log.info("following agent of node %s at %s", endpoint.node, endpoint.events)
         return _Follower(endpoint, sub, monitor)
 
     def _close(self, follower: _Follower) -> None:
@@ -401,7 +329,7 @@ class EventSubscriber:
         if event.kind == "stored":
             sink.stored(follower.endpoint.node, event.keys)
         elif event.kind == "removed" and event.tier in SHARED_TIERS:
-            for node in self._followers:
+            for node in self._followed:
                 sink.removed(node, event.keys)
         elif event.kind == "removed":
             sink.removed(follower.endpoint.node, event.keys)
@@ -496,16 +424,6 @@ class EventSubscriber:
             why,
             follower.backoff,
         )
-
-    def _check_deadlines(self) -> None:
-        now = time.monotonic()
-        for follower in self._followers.values():
-            if not follower.resyncing or follower.deadline > now:
-                continue
-            if follower.dealer is not None:
-                self._failed(follower, f"no answer within {self._snapshot_timeout}s")
-            else:
-                self._send_hello(follower)
 
     def _end_request(self, follower: _Follower) -> None:
         if follower.dealer is not None:

@@ -58,7 +58,7 @@ from enum import Enum
 from typing import Any, Protocol
 
 from kvpool.common.keys import KeyChain, ModelFingerprint, plan_salt, root_key
-from kvpool.index.engine_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from kvpool.index.vllm_events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 DEFAULT_MAX_BLOCKS = 100_000
 """Blocks remembered per server (about 50 MB): 1.6M tokens at vLLM's 16-token blocks, more

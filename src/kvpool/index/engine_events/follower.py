@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -54,7 +52,9 @@ from kvpool.index.engine_events.chains import (
     ChunkSink,
     ServerChains,
 )
-from kvpool.index.engine_events.wire import (
+from kvpool.index.follow_loop import FollowLoop
+from kvpool.index.vllm_events import (
+    END_SEQ,
     SEQ_BYTES,
     UndecodableEvent,
     WireError,
@@ -77,7 +77,6 @@ MAX_WAITING = 10_000
 """Live messages kept per server while a replay runs; past that, the replay is given up."""
 _DRAIN = 256
 """Messages taken from one socket per loop turn, so one busy server cannot starve others."""
-_END_SEQ = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
 
 Sink = TypeVar("Sink", bound=ChunkSink)
 
@@ -217,7 +216,7 @@ class _Server:
         )
 
 
-class EngineEvents(Generic[Sink]):
+class EngineEvents(FollowLoop[EventEndpoint, _Server], Generic[Sink]):
     """Keeps ``tracker`` (a :class:`~kvpool.index.tracker.PrefixTracker` of its own, whose
     nodes are the servers' addresses) in step with each followed server's GPU prefix
     cache, in kvpool chunk keys of ``fingerprint``."""
@@ -235,6 +234,7 @@ class EngineEvents(Generic[Sink]):
         on_chunk: ChunkBlocks | None = None,
     ) -> None:
         """``on_chunk`` hears each chunk's vLLM blocks (from the events thread)."""
+        super().__init__("kvpool-engine-events")
         self.fingerprint = fingerprint
         self._on_chunk = on_chunk
         self.tracker = tracker
@@ -243,86 +243,36 @@ class EngineEvents(Generic[Sink]):
         self._receive_hwm = receive_hwm
         self._replay_timeout = replay_timeout
         self._reconnect_delay = reconnect_delay
-        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._wake_endpoint = f"inproc://kvpool-engine-events-{uuid.uuid4().hex}"
-        self._lock = threading.Lock()
-        self._wanted: dict[str, EventEndpoint] | None = None
-        self._servers: dict[str, _Server] = {}
-        """Replaced, never mutated, by the loop thread: other threads read a consistent copy."""
-        self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------- interface
-
-    def start(self) -> None:
-        wake = self._context.socket(zmq.PULL)
-        wake.bind(self._wake_endpoint)
-        self._thread = threading.Thread(
-            target=self._run, args=(wake,), name="kvpool-engine-events", daemon=True
-        )
-        self._thread.start()
-
-    def stop(self) -> None:
-        if self._thread is None:
-            return
-        self._signal(b"stop")
-        self._thread.join()
-        self._thread = None
 
     def follow(self, servers: Iterable[EventEndpoint]) -> None:
         """Follow exactly these servers from now on (any thread; discovery calls it with
         :func:`event_endpoints`): a server no longer named has its chunks dropped, one
         whose endpoints changed is followed anew."""
-        wanted = {server.address: server for server in servers}
-        with self._lock:
-            self._wanted = wanted
-        if self._thread is not None:
-            self._signal(b"follow")
+        self._want({server.address: server for server in servers})
 
     def status(self) -> list[EngineStatus]:
-        return [server.status() for server in self._servers.values()]
-
-    def _signal(self, command: bytes) -> None:
-        waker = self._context.socket(zmq.PUSH)
-        waker.connect(self._wake_endpoint)
-        waker.send(command)
-        waker.close(linger=1000)
+        return [server.status() for server in self._followed.values()]
 
     # ------------------------------------------------------------------ loop
 
-    def _run(self, wake: zmq.Socket[bytes]) -> None:
-        self._apply_wanted()  # servers named before start()
-        try:
-            while True:
-                poller = zmq.Poller()
-                poller.register(wake, zmq.POLLIN)
-                for server in self._servers.values():
-                    poller.register(server.sub, zmq.POLLIN)
-                    poller.register(server.monitor, zmq.POLLIN)
-                    if server.dealer is not None:
-                        poller.register(server.dealer, zmq.POLLIN)
-                ready = dict(poller.poll(self._poll_timeout_ms()))
-                if wake in ready:
-                    if wake.recv() == b"stop":
-                        return
-                    self._apply_wanted()
-                for server in list(self._servers.values()):
-                    try:
-                        self._serve(server, ready)
-                    except Exception:  # one server's bug must not stop following the others
-                        _problems.exception(f"model server {server.address}: failed to follow")
-                        self._drop(server)
-        finally:
-            for server in self._servers.values():
-                self._close(server)
-            self._servers = {}
-            wake.close()
+    def _config(self, state: _Server) -> EventEndpoint:
+        return state.config
 
-    def _poll_timeout_ms(self) -> int:
-        waiting = [s.replay_deadline for s in self._servers.values() if s.dealer is not None]
-        waiting += [s.reconnect_at for s in self._servers.values() if s.reconnect_at is not None]
-        if not waiting:
-            return -1
-        return max(0, int((min(waiting) - time.monotonic()) * 1000) + 1)
+    def _deadlines(self, state: _Server) -> list[float]:
+        deadlines = [state.replay_deadline] if state.dealer is not None else []
+        if state.reconnect_at is not None:
+            deadlines.append(state.reconnect_at)
+        return deadlines
+
+    def _serve_failed(self, name: str, state: _Server) -> None:
+        _problems.exception(f"model server {name}: failed to follow")
+        self._drop(state)
+
+    def _forget(self, name: str, *, still_named: bool) -> None:
+        self.tracker.drop_node(name)  # reopened elsewhere too: a new server, known anew
+        log.info("no longer following the KV events of model server %s", name)
 
     def _serve(self, server: _Server, ready: dict[zmq.Socket[bytes], int]) -> None:
         if server.monitor in ready:
@@ -339,25 +289,6 @@ class EngineEvents(Generic[Sink]):
             with contextlib.suppress(zmq.ZMQError):  # not connected now: connect below
                 server.sub.disconnect(server.endpoint)
             server.sub.connect(server.endpoint)
-
-    def _apply_wanted(self) -> None:
-        with self._lock:
-            wanted, self._wanted = self._wanted, None
-        if wanted is None:
-            return
-        servers = dict(self._servers)
-        for address, server in list(servers.items()):
-            if wanted.get(address) != server.config:
-                self._close(server)
-                self.tracker.drop_node(address)
-                del servers[address]
-                log.info("no longer following the KV events of model server %s", address)
-        for address, config in wanted.items():
-            if address not in servers:
-                opened = self._open(config)
-                if opened is not None:
-                    servers[address] = opened
-        self._servers = servers
 
     def _open(self, config: EventEndpoint) -> _Server | None:
         sub = self._context.socket(zmq.SUB)
@@ -522,7 +453,7 @@ class EngineEvents(Generic[Sink]):
             if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != SEQ_BYTES:
                 self._replay_failed(server, "a malformed replay message")
                 return
-            if frames[2] == _END_SEQ:
+            if frames[2] == END_SEQ:
                 self._replay_done(server)
                 return
             seq = int.from_bytes(frames[2], "big")

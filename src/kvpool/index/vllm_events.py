@@ -1,4 +1,4 @@
-"""vLLM's KV-event messages, decoded without vLLM (the index image has none).
+"""vLLM's KV-event messages, decoded and encoded without vLLM (the index image has none).
 
 A message is three ZMQ frames ``[topic, seq, batch]``: ``seq`` an 8-byte big-endian
 counter per publisher process (0 after a restart), ``batch`` msgpack ``[ts, events,
@@ -7,6 +7,10 @@ dp_rank]`` (vLLM's ``KVEventBatch``, an array). Each event is a msgpack map tagg
 first element is the tag: both are read. Fields this index does not use are ignored, so
 newer engines that add fields still decode; an event of an unknown type is one
 :class:`UndecodableEvent` and the rest of its batch still counts.
+
+The index writes the same wire (:mod:`kvpool.index.placement_events`): maps tagged
+``"type"`` with every field, and batches ``[ts, events]``, which vLLM 0.30 to 0.33's own
+``KVEventBatch`` decodes (tested).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from typing import Annotated, Any
 import msgspec
 
 SEQ_BYTES = 8
+END_SEQ = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
+"""The sequence frame that ends a replay."""
 BlockHash = int | Annotated[bytes, msgspec.Meta(max_length=64)]
 """vLLM's external block hash: the low 64 bits of the digest as an int (its default), or
 the digest's bytes (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``). msgpack's integers are
@@ -73,6 +79,14 @@ class _LegacyAllBlocksCleared(msgspec.Struct, array_like=True, tag="AllBlocksCle
 Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """A batch to encode (one publisher's, so no data-parallel rank)."""
+
+    ts: float
+    events: list[Event]
+    data_parallel_rank: int | None = None
+
+
 class _Batch(msgspec.Struct, array_like=True, frozen=True):
     ts: float
     events: list[msgspec.Raw]
@@ -94,6 +108,10 @@ _legacy = msgspec.msgpack.Decoder(
 
 class WireError(ValueError):
     """A message that is not a vLLM KV-event batch."""
+
+
+def encode_seq(seq: int) -> bytes:
+    return seq.to_bytes(SEQ_BYTES, "big")
 
 
 def decode_seq(frame: bytes) -> int:
