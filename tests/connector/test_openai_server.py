@@ -27,9 +27,7 @@ so passing it is evidence.
 
 from __future__ import annotations
 
-import json
 import random
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,6 +44,7 @@ from tests.support.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 from tests.support.engine_main import TOP_LOGPROBS
 from tests.support.engines import Result, poison_segment, write_model
 from tests.support.http_process import HttpProcess
+from tests.support.openai_server import openai_server_command
 from tests.support.ports import free_port
 
 pytestmark = [pytest.mark.process, pytest.mark.engine, pytest.mark.timeout(600)]
@@ -76,34 +75,6 @@ def prompt(seed: int) -> list[int]:
     return [rng.randrange(3, 2000) for _ in range(PROMPT)]
 
 
-def server_command(model: str, port: int, transfer: dict[str, Any]) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        model,
-        "--served-model-name",
-        MODEL_NAME,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--skip-tokenizer-init",  # token-id prompts; the random model has no tokenizer
-        "--enforce-eager",
-        "--dtype",  # as tests.support.engine_main: fast on any x86 CPU, bf16 only with AVX-512
-        "float32",
-        "--seed",
-        "0",
-        "--max-model-len",
-        "4096",
-        "--no-enable-prefix-caching",  # every cached token came through the agent
-        "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens
-        "--kv-transfer-config",
-        json.dumps(transfer),
-    ]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     work = tmp_path_factory.mktemp("openai")
@@ -132,7 +103,15 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         }
         vllm = HttpProcess(
             "vLLM's OpenAI server",
-            server_command(model, port, transfer),
+            openai_server_command(
+                model,
+                served_model_name=MODEL_NAME,
+                host="127.0.0.1",
+                port=port,
+                max_model_len=4096,
+                transfer=transfer,
+                more=("--no-enable-prefix-caching",),  # every cached token came through the agent
+            ),
             f"http://127.0.0.1:{port}/health",
             work / "server.log",
             environment,

@@ -5,8 +5,6 @@ and why; an agent without peers, or that knows none, says so."""
 
 from __future__ import annotations
 
-import json
-import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import pytest
 
 from kvpool.tools.doctor import peers
 from tests.support.agent_process import AgentProcess
+from tests.support.peers import peer_settings, write_peer_key
 from tests.support.ports import free_port
 
 from .conftest import ADMIN_ENV, agent_args, run_doctor
@@ -21,14 +20,6 @@ from .conftest import ADMIN_ENV, agent_args, run_doctor
 pytestmark = pytest.mark.process
 
 Start = Callable[..., AgentProcess]
-
-
-def _key_dir(directory: Path) -> Path:
-    """A peer credential of one key, as the operator's Secret holds it."""
-    directory.mkdir()
-    (directory / "1").write_text(secrets.token_hex(32))
-    (directory / "1").chmod(0o600)
-    return directory
 
 
 @pytest.fixture
@@ -41,17 +32,15 @@ def start(tmp_path: Path) -> Iterator[Start]:
         workdir = tmp_path / node
         workdir.mkdir()
         entries = [f"{name}=127.0.0.1:{peer_port}" for name, peer_port in others.items()]
-        agent = AgentProcess(
-            workdir,
-            {
-                "PEERS__PORT": str(port),
-                "PEERS__KEY_DIR": str(key_dir),
-                "PEERS__NODE": node,
-                "PEERS__AGENTS": json.dumps(entries),
-                "PEERS__CONNECT_TIMEOUT_SECONDS": "1",
-                "PEERS__IO_TIMEOUT_SECONDS": "2",
-            },
+        settings = peer_settings(
+            node,
+            port,
+            key_dir,
+            entries,
+            PEERS__CONNECT_TIMEOUT_SECONDS="1",
+            PEERS__IO_TIMEOUT_SECONDS="2",
         )
+        agent = AgentProcess(workdir, settings)
         started.append(agent)
         return agent.start()
 
@@ -61,7 +50,7 @@ def start(tmp_path: Path) -> Iterator[Start]:
 
 
 def test_an_agent_that_reaches_every_peer_passes(start: Start, tmp_path: Path) -> None:
-    pool_key = _key_dir(tmp_path / "pool-key")
+    pool_key = write_peer_key(tmp_path / "pool-key")
     port_a, port_b = free_port(), free_port()
     agent = start("node-a", port_a, pool_key, {"node-b": port_b})
     start("node-b", port_b, pool_key, {"node-a": port_a})
@@ -83,9 +72,12 @@ def test_each_unreachable_peer_is_a_warning_naming_it_and_why(start: Start, tmp_
     with its error; the node still works (a WARN: exit status 0)."""
     port_a, port_b, port_c = free_port(), free_port(), free_port()
     agent = start(
-        "node-a", port_a, _key_dir(tmp_path / "pool-key"), {"node-b": port_b, "node-c": port_c}
+        "node-a",
+        port_a,
+        write_peer_key(tmp_path / "pool-key"),
+        {"node-b": port_b, "node-c": port_c},
     )
-    start("node-b", port_b, _key_dir(tmp_path / "other-key"), {"node-a": port_a})
+    start("node-b", port_b, write_peer_key(tmp_path / "other-key"), {"node-a": port_a})
 
     diagnosis = run_doctor(*agent_args(agent), env=ADMIN_ENV)
 
@@ -108,7 +100,7 @@ def test_each_unreachable_peer_is_a_warning_naming_it_and_why(start: Start, tmp_
 
 
 def test_an_agent_that_knows_no_other_agent_says_so(start: Start, tmp_path: Path) -> None:
-    agent = start("alone", free_port(), _key_dir(tmp_path / "pool-key"), {})
+    agent = start("alone", free_port(), write_peer_key(tmp_path / "pool-key"), {})
     check = run_doctor(*agent_args(agent), env=ADMIN_ENV).checks["peers"]
     assert check.outcome == "PASS"
     assert check.seen.startswith("alone (peer port ") and "knows no other agent" in check.seen

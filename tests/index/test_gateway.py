@@ -23,8 +23,6 @@ from __future__ import annotations
 import json
 import random
 import re
-import secrets
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +42,8 @@ from tests.support.envoy import Envoy
 from tests.support.hosts import Host, hosts_or_skip
 from tests.support.http_process import HttpProcess
 from tests.support.index_process import GATEWAY_TOKEN, IndexProcess
+from tests.support.openai_server import openai_server_command
+from tests.support.peers import host_agents
 from tests.support.ports import free_port
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
@@ -125,34 +125,23 @@ def server_command(host: Host, model: str, agent: AgentProcess) -> list[str]:
         "endpoint": f"tcp://*:{EVENTS_PORT}",  # vLLM binds an endpoint with a wildcard
         "topic": f"kv@{host.address}@{MODEL}",
     }
-    return [
-        *host.prefix,
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        model,
-        "--served-model-name",
-        MODEL,
-        "--host",
-        host.address,
-        "--port",
-        str(VLLM_PORT),
-        "--skip-tokenizer-init",
-        "--enforce-eager",
-        "--dtype",
-        "float32",
-        "--seed",
-        "0",
-        "--max-model-len",
-        str(MAX_PROMPT_TOKENS + 512),
+    more = (
         "--max-num-seqs",
         "2",  # a few long requests make a queue (the load test)
-        "--enable-prompt-tokens-details",
-        "--kv-transfer-config",
-        json.dumps(transfer),
         "--kv-events-config",
         json.dumps(events),
+    )
+    return [
+        *host.prefix,
+        *openai_server_command(
+            model,
+            served_model_name=MODEL,
+            host=host.address,
+            port=VLLM_PORT,
+            max_model_len=MAX_PROMPT_TOKENS + 512,
+            transfer=transfer,
+            more=more,
+        ),
     ]
 
 
@@ -165,30 +154,16 @@ def fingerprint_of(server: Server) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     work = tmp_path_factory.mktemp("gateway")
-    key_dir = work / "pool-key"
-    key_dir.mkdir()
-    (key_dir / "1").write_text(secrets.token_hex(32))
-    (key_dir / "1").chmod(0o600)
     tenants = {
         keys.tenant_id(salt): f"{name}-token-e2e-5b1f0c7a9d3e2f41a8b6"
         for name, salt in SALTS.items()
     }
     spaces = {SPACE: {"members": [keys.tenant_id(SALTS["alice"]), keys.tenant_id(SALTS["bob"])]}}
     with hosts_or_skip(2) as hosts:
-        peers = [f"host-{i}={host.address}:{PEER_PORT}" for i, host in enumerate(hosts.hosts)]
-        agents = []
-        for index, host in enumerate(hosts.hosts):
-            settings = {
-                "PEERS__PORT": str(PEER_PORT),
-                "PEERS__KEY_DIR": str(key_dir),
-                "PEERS__NODE": f"host-{index}",
-                "PEERS__AGENTS": json.dumps(peers),
-            }
-            (work / f"agent-{index}").mkdir()
-            agent = AgentProcess(work / f"agent-{index}", settings, host=host)
+        agents = host_agents(work, hosts.hosts, PEER_PORT)
+        for agent in agents:
             agent.tenant_tokens = dict(tenants)
             agent.spaces = spaces
-            agents.append(agent)
         model = str(write_model(work / "model"))
         servers: list[Server] = []
         index_process: IndexProcess | None = None

@@ -7,9 +7,7 @@ fails when the bytes that travel are wrong."""
 
 from __future__ import annotations
 
-import json
 import random
-import secrets
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +19,7 @@ from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.engines import Engine, poison_segment, write_model
 from tests.support.hosts import hosts_or_skip
 from tests.support.metrics import metric
+from tests.support.peers import host_agents
 
 pytestmark = [
     pytest.mark.process,
@@ -51,22 +50,8 @@ class Setup:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     work = tmp_path_factory.mktemp("peer-engines")
-    key_dir = work / "pool-key"
-    key_dir.mkdir()
-    (key_dir / "1").write_text(secrets.token_hex(32))
-    (key_dir / "1").chmod(0o600)
     with hosts_or_skip(2) as hosts:
-        entries = [f"host-{i}={host.address}:{PORT}" for i, host in enumerate(hosts.hosts)]
-        agents = []
-        for index, host in enumerate(hosts.hosts):
-            settings = {
-                "PEERS__PORT": str(PORT),
-                "PEERS__KEY_DIR": str(key_dir),
-                "PEERS__NODE": f"host-{index}",
-                "PEERS__AGENTS": json.dumps(entries),
-            }
-            (work / f"agent-{index}").mkdir()
-            agents.append(AgentProcess(work / f"agent-{index}", settings, host=host))
+        agents = host_agents(work, hosts.hosts, PORT)
         model = str(write_model(work / "model"))
         ref = Engine("ref", {"model": model}, work / "ref.log", env=OTHER_KERNELS)
         engines = [

@@ -6,7 +6,6 @@ and the pool's own agents are served meanwhile, every request."""
 
 from __future__ import annotations
 
-import json
 import selectors
 import socket
 import threading
@@ -22,10 +21,11 @@ from kvpool.agent.peer.wire import FRAME, MAGIC, MAX_META_BYTES, VERSION
 from tests.support.agent_process import AgentProcess
 from tests.support.chunks import chain, data
 from tests.support.metrics import metric
+from tests.support.peers import peer_settings, write_peer_key
 from tests.support.polling import wait_until
 from tests.support.ports import free_port
 
-from .test_peer_tier import peers_of, pull, store, write_peer_key
+from .test_peer_tier import peers_of, pull, store
 
 pytestmark = pytest.mark.process
 
@@ -141,18 +141,8 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
         workdir = tmp_path / node
         workdir.mkdir()
         others = [f"{name}=127.0.0.1:{other}" for name, other in ports.items() if name != node]
-        agents.append(
-            AgentProcess(
-                workdir,
-                {
-                    "PEERS__PORT": str(port),
-                    "PEERS__KEY_DIR": str(key_dir),
-                    "PEERS__NODE": node,
-                    "PEERS__AGENTS": json.dumps(others),
-                    "PEERS__CONNECT_TIMEOUT_SECONDS": "1",
-                },
-            )
-        )
+        settings = peer_settings(node, port, key_dir, others, PEERS__CONNECT_TIMEOUT_SECONDS="1")
+        agents.append(AgentProcess(workdir, settings))
     try:
         for agent in agents:
             agent.start()

@@ -6,7 +6,6 @@ busy or capped peer) is a miss or a slower hit, never wrong bytes."""
 from __future__ import annotations
 
 import json
-import secrets
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ from tests.support.hosts import Hosts
 from tests.support.index_process import ADMIN_TOKEN as INDEX_ADMIN
 from tests.support.index_process import IndexProcess
 from tests.support.metrics import metric
+from tests.support.peers import peer_settings, write_peer_key
 from tests.support.polling import wait_until
 from tests.support.ports import free_port
 
@@ -35,14 +35,6 @@ PORT = 7404
 CHUNK = 60_000
 
 Pool = Callable[..., list[AgentProcess]]
-
-
-def write_peer_key(directory: Path, material: str | None = None) -> Path:
-    directory.mkdir(parents=True)
-    key = directory / "1"
-    key.write_text(material or secrets.token_hex(32))
-    key.chmod(0o600)
-    return directory
 
 
 @pytest.fixture
@@ -63,19 +55,15 @@ def pool(hosts: Hosts, pool_key: Path, tmp_path: Path) -> Iterator[Pool]:
         for index, own in enumerate(settings):
             workdir = tmp_path / f"agent-{index}"
             workdir.mkdir()
-            agent = AgentProcess(
-                workdir,
-                {
-                    "PEERS__PORT": str(PORT),
-                    "PEERS__KEY_DIR": str(pool_key),
-                    "PEERS__NODE": f"host-{index}",
-                    "PEERS__AGENTS": json.dumps([*entries, *extra]),
-                    "PEERS__IO_TIMEOUT_SECONDS": "2",
-                    "PEERS__CONNECT_TIMEOUT_SECONDS": "1",
-                    **own,
-                },
-                host=hosts.hosts[index],
+            settings = peer_settings(
+                f"host-{index}",
+                PORT,
+                pool_key,
+                [*entries, *extra],
+                PEERS__IO_TIMEOUT_SECONDS="2",
+                PEERS__CONNECT_TIMEOUT_SECONDS="1",
             )
+            agent = AgentProcess(workdir, {**settings, **own}, host=hosts.hosts[index])
             started.append(agent)
             agents.append(agent.start())
         return agents

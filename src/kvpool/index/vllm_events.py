@@ -15,7 +15,7 @@ The index writes the same wire (:mod:`kvpool.index.placement_events`): maps tagg
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Union
 
 import msgspec
 
@@ -54,29 +54,23 @@ class AllBlocksCleared(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     pass
 
 
-class _LegacyBlockStored(msgspec.Struct, array_like=True, tag="BlockStored", frozen=True):
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
-    token_ids: list[TokenId]
-    block_size: Annotated[int, msgspec.Meta(ge=1)]
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-
-
-class _LegacyBlockRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved", frozen=True):
-    block_hashes: list[BlockHash]
-    medium: str | None = None
-    group_idx: int | None = None
-
-
-class _LegacyAllBlocksCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared", frozen=True):
-    pass
-
-
 Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def _positional(event: type[msgspec.Struct]) -> type[msgspec.Struct]:
+    """``event`` as older engines send it: a positional array whose first element is the tag."""
+    fields = [
+        (f.name, f.type) if f.required else (f.name, f.type, f.default)
+        for f in msgspec.structs.fields(event)
+    ]
+    return msgspec.defstruct(
+        f"Positional{event.__name__}", fields, array_like=True, tag=event.__name__, frozen=True
+    )
+
+
+_FROM_POSITIONAL = {
+    _positional(event): event for event in (BlockStored, BlockRemoved, AllBlocksCleared)
+}
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
@@ -101,9 +95,7 @@ class UndecodableEvent(msgspec.Struct, frozen=True):
 
 _batch = msgspec.msgpack.Decoder(_Batch)
 _event = msgspec.msgpack.Decoder(Event)
-_legacy = msgspec.msgpack.Decoder(
-    _LegacyBlockStored | _LegacyBlockRemoved | _LegacyAllBlocksCleared
-)
+_positional_event = msgspec.msgpack.Decoder(Union[tuple(_FROM_POSITIONAL)])  # noqa: UP007
 
 
 class WireError(ValueError):
@@ -134,11 +126,8 @@ def _decode_event(raw: msgspec.Raw) -> Event | UndecodableEvent:
         return _event.decode(raw)
     except msgspec.MsgspecError as error:
         try:
-            legacy = _legacy.decode(raw)
+            positional = _positional_event.decode(raw)
         except msgspec.MsgspecError:
             return UndecodableEvent(str(error))
-    if isinstance(legacy, _LegacyBlockStored):
-        return BlockStored(**msgspec.structs.asdict(legacy))
-    if isinstance(legacy, _LegacyBlockRemoved):
-        return BlockRemoved(**msgspec.structs.asdict(legacy))
-    return AllBlocksCleared()
+    event: Event = _FROM_POSITIONAL[type(positional)](**msgspec.structs.asdict(positional))
+    return event
