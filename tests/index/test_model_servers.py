@@ -17,6 +17,7 @@ import pytest
 from kvpool.common.index_config import ModelServer, PickerConfig
 from kvpool.common.kube import pods
 from kvpool.index.model_servers import (
+    SLOW_READS_KEPT,
     KubernetesServers,
     Load,
     ModelServers,
@@ -124,6 +125,33 @@ def test_servers_are_ready_while_their_metrics_answer(metrics_servers: list[Metr
         good.status = 500  # fails: not ready, at the next read
         bad.status = 200  # recovers
         wait_until(lambda: {s.address for s in servers.snapshot() if s.ready} == {bad.address})
+    finally:
+        servers.stop()
+
+
+def test_a_slow_read_keeps_the_last_load_a_while_and_then_not_ready(
+    metrics_servers: list[MetricsServer],
+) -> None:
+    """A busy vLLM can be slow to answer /metrics: its last load is kept through
+    SLOW_READS_KEPT slow reads in a row, not one more; a fast read makes it ready again."""
+    served, _ = metrics_servers
+    served.body = vllm_metrics([(3, 1, 0.2)])
+    servers = ModelServers(
+        StaticServers([ServerEndpoint(served.address, "n1")]), interval=0.01, timeout=0.5
+    )
+    servers.start()
+    try:
+        wait_until(lambda: all(s.ready for s in servers.snapshot()))
+        before = served.reads
+        served.drip = 0.01  # the whole body takes seconds: every read times out (0.5 s)
+        while served.reads < before + SLOW_READS_KEPT + 1:  # the last kept one may run
+            assert servers.snapshot()[0].load == Load(3, 1, 0.2)
+            time.sleep(0.005)
+        assert servers.snapshot()[0].ready  # the next slow read has only begun
+        wait_until(lambda: not servers.snapshot()[0].ready)
+        assert served.reads >= before + SLOW_READS_KEPT + 1
+        served.drip = 0.0
+        wait_until(lambda: servers.snapshot()[0].load == Load(3, 1, 0.2))
     finally:
         servers.stop()
 

@@ -744,7 +744,8 @@ def test_a_restarted_operator_catches_up(
         assert pool is not None and LAST_HANDLED in pool["metadata"]["annotations"]
 
     eventually(idle)
-    assert operator.stop() == 0
+    log_from = operator.log_size()
+    assert operator.stop() == 0, operator.log(log_from)[-4000:]  # why it did not exit clean
 
     kubectl("delete", "service", "kvpool-resumed", "-n", NAMESPACE)
     _patch_pool(kubectl, "resumed", {"spec": {"chunkTokens": 512}})

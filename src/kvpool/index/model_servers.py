@@ -15,10 +15,14 @@ model-server protocol gauges as vLLM names them (``vllm/v1/metrics/loggers.py``)
 data-parallel server) and ``vllm:kv_cache_usage_perc`` (a fraction, 1 = full; the highest
 engine's). A new server is read as soon as it is discovered.
 
-**Readiness.** A server is *ready* while its last read succeeded. One never read, or whose
-last read failed (refused, slow, too large, without the two request gauges), has no load
-and is not ready: the picker leaves it out while any other is ready, and falls back to the
-known servers by prompt alone when none is (a broken metrics port must not turn into 503s).
+**Readiness.** A server is *ready* while its last read succeeded, or only timed out, at most
+:data:`SLOW_READS_KEPT` times in a row since (its last load is kept meanwhile: a vLLM
+server's API process, busy streaming tokens, can be slow to answer ``/metrics`` for a
+moment, and a pick should not turn away from it, or from everything else, on one slow
+read). One never read, whose read failed otherwise (refused, an error status, too large,
+without the two request gauges), or slow once more, has no load and is not ready: the
+picker leaves it out while any other is ready, and falls back to the known servers by
+prompt alone when none is (a broken metrics port must not turn into 503s).
 Nothing here blocks a pick: :meth:`ModelServers.snapshot` returns the last published tuple.
 """
 
@@ -45,6 +49,8 @@ WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
 KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
 
+SLOW_READS_KEPT = 2
+"""Reads in a row that may time out before a server's last load is dropped (not ready)."""
 MAX_REQUESTS = 1e6
 """A gauge above this is taken as this: a confused server must not make the arithmetic
 overflow (it is already the least attractive server by far)."""
@@ -271,6 +277,8 @@ class ModelServers:
         self._on_change = on_change
         self._lock = threading.Lock()
         self._states: dict[str, ServerState] = {}
+        self._slow_reads: dict[str, int] = {}
+        """Reads in a row that timed out, by address (the reader thread's alone)."""
         self._published: tuple[ServerState, ...] = ()
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -325,11 +333,23 @@ class ModelServers:
     def _run(self) -> None:
         while not self._stopping.is_set():
             self._wake.clear()
-            for address in [s.address for s in self._published]:
+            addresses = [s.address for s in self._published]
+            for gone in self._slow_reads.keys() - set(addresses):
+                del self._slow_reads[gone]
+            for address in addresses:
                 if self._stopping.is_set():
                     return
+                slow = self._slow_reads.pop(address, 0)
                 try:
                     load: Load | None = read_load(address, self.timeout, self.max_bytes)
+                except TimeoutError as error:
+                    self._slow_reads[address] = slow = slow + 1
+                    kept = slow <= SLOW_READS_KEPT
+                    said = "its last load kept" if kept else "not ready"
+                    _failures.warning(f"model server {address}: /metrics slow ({error}); {said}")
+                    if kept:
+                        continue
+                    load = None
                 except (OSError, http.client.HTTPException, ValueError) as error:
                     _failures.warning(f"model server {address}: no load from /metrics: {error}")
                     load = None
