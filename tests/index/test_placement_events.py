@@ -13,7 +13,10 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 import zmq
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
+from kvpool.index.metrics import IndexMetrics
 from kvpool.index.placement_events import (
     SNAPSHOT_BATCH_EVENTS,
     SNAPSHOT_REQUEST,
@@ -22,7 +25,9 @@ from kvpool.index.placement_events import (
     PlacementPublisher,
     topic_of,
 )
+from kvpool.index.tracker import PrefixTracker
 from kvpool.index.vllm_events import END_SEQ
+from tests.support.polling import wait_until
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 decoder = msgspec.msgpack.Decoder(type=kv_events.KVEventBatch)
@@ -210,6 +215,34 @@ def test_malformed_requests_are_ignored_and_the_publisher_keeps_serving(
     publisher.stored(TOPIC, Medium.L1, [Block(7, None, 16)])
     answers = ask(publisher, (0).to_bytes(8, "big"))
     assert [batch.events[0].block_hashes for _, _, batch in answers] == [[7]]
+    # the oversized one never reached the publisher (ZMQ dropped the connection)
+    wait_until(lambda: publisher.status().requests["malformed"] == 2)
+    assert publisher.status().requests == {"replay": 1, "snapshot": 0, "malformed": 2}
+
+
+def test_the_index_metrics_count_batches_requests_and_placements(
+    publisher: PlacementPublisher,
+) -> None:
+    metrics = IndexMetrics(CollectorRegistry(), PrefixTracker(), lambda: [])
+    metrics.register_placements(publisher.status)
+    publisher.stored(TOPIC, Medium.L1, chain(100, 3))
+    publisher.stored(OTHER, Medium.NVME, chain(200, 2))
+    publisher.removed(TOPIC, Medium.L1, [102])
+    assert len(ask(publisher, SNAPSHOT_REQUEST)) == 2  # a batch per topic
+    scraped = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(metrics.exposition()[0].decode())
+        for sample in family.samples
+    }
+    assert scraped[("kvpool_index_placement_event_batches_total", ())] == 3
+    assert scraped[("kvpool_index_placement_event_batches_dropped_total", ())] == 0
+    requests = "kvpool_index_placement_event_requests_total"
+    assert scraped[(requests, (("kind", "snapshot"),))] == 1
+    assert scraped[(requests, (("kind", "replay"),))] == 0
+    assert scraped[("kvpool_index_placements", (("medium", "KVPOOL_L1"),))] == 2
+    assert scraped[("kvpool_index_placements", (("medium", "KVPOOL_NVME"),))] == 2
+    assert scraped[("kvpool_index_placements", (("medium", "KVPOOL_S3"),))] == 0
+    assert scraped[("kvpool_index_placement_topics", ())] == 2
 
 
 def test_a_publisher_connects_to_a_router_that_binds_its_sub() -> None:

@@ -73,6 +73,8 @@ class EndpointPickerService:
                 raise ConfigError([f"picker.tokenizer: {error}"]) from None
         fingerprint = config.fingerprint.fingerprint()
         self.feed = feed
+        if feed is not None:
+            metrics.register_placements(feed.publisher.status)
         self.engine_events = EngineEvents(
             fingerprint,
             PrefixTracker(config.max_chunks_per_node),

@@ -10,7 +10,8 @@ read from the tracker and the subscriber at scrape time. Queries are timed by
 :class:`~kvpool.index.service.IndexService` through
 :meth:`IndexMetrics.observe_query`; routing decisions are counted by reason.
 A gap in sequence numbers (counted as a ``gap`` resync) is the certain sign of
-lost events.
+lost events. With the picker: its answers, the model servers' loads, and the placement
+events' publisher (batches, drops, recovery requests, placements held by medium).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kvpool.common.web.connections import HttpRefusals
 from kvpool.common.web.refusal_metrics import HttpRefusalsCollector
 from kvpool.index.model_servers import ServerState
 from kvpool.index.picking import PickReason
+from kvpool.index.placement_events import PublisherStatus
 from kvpool.index.subscriber import AgentStatus
 from kvpool.index.tracker import PrefixTracker
 
@@ -167,6 +169,45 @@ class _PickerCollector(Collector):
         yield from (ready, waiting, running, usage)
 
 
+class _PlacementsCollector(Collector):
+    def __init__(self, status: Callable[[], PublisherStatus]) -> None:
+        self._status = status
+
+    def collect(self) -> Iterator[Metric]:
+        status = self._status()
+        yield CounterMetricFamily(
+            "kvpool_index_placement_event_batches",
+            "Batches of placement events published (the next batch's seq).",
+            value=status.seq,
+        )
+        yield CounterMetricFamily(
+            "kvpool_index_placement_event_batches_dropped",
+            "Batches of placement events not sent: the PUB socket was at its high-water mark.",
+            value=status.dropped,
+        )
+        requests = CounterMetricFamily(
+            "kvpool_index_placement_event_requests",
+            "Recovery requests on the replay port, by kind (replay, snapshot, malformed).",
+            labels=["kind"],
+        )
+        for kind, count in sorted(status.requests.items()):
+            requests.add_metric([kind], count)
+        yield requests
+        held = GaugeMetricFamily(
+            "kvpool_index_placements",
+            "Placements published and not removed, by medium (what a snapshot lists).",
+            labels=["medium"],
+        )
+        for medium, count in sorted(status.placements.items()):
+            held.add_metric([medium], count)
+        yield held
+        yield GaugeMetricFamily(
+            "kvpool_index_placement_topics",
+            "Model servers (topics) with some placement.",
+            value=status.topics,
+        )
+
+
 class IndexMetrics:
     """The :class:`~kvpool.index.service.QueryObserver` of the index process."""
 
@@ -193,6 +234,10 @@ class IndexMetrics:
             ["reason"],
             registry=registry,
         )
+
+    def register_placements(self, status: Callable[[], PublisherStatus]) -> None:
+        """The placement events' publisher's counters (with ``picker.placement_events``)."""
+        self.registry.register(_PlacementsCollector(status))
 
     def register_picker(
         self,

@@ -35,7 +35,6 @@ token ids, salts or tenant ids.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
 import threading
@@ -83,6 +82,23 @@ class Block:
     block_hash: BlockHash
     parent: BlockHash | None
     block_size: int
+
+
+@dataclass(frozen=True)
+class PublisherStatus:
+    """The publisher's counters, for the index's metrics."""
+
+    seq: int
+    """The seq of the next batch: the batches published since the publisher started."""
+    dropped: int
+    """Batches not sent because the PUB socket was at its high-water mark (consumers see a
+    gap, and may ask for a replay)."""
+    requests: dict[str, int]
+    """Recovery requests answered (``replay``, ``snapshot``) and ignored (``malformed``)."""
+    placements: dict[str, int]
+    """Placements held now, by medium (what a snapshot would list)."""
+    topics: int
+    """Model servers with some placement."""
 
 
 def topic_of(server_ip: str, model: str) -> bytes:
@@ -138,6 +154,8 @@ class PlacementPublisher:
         self._outbox: deque[tuple[bytes, bytes, bytes]] = deque()
         self._seq = 0
         """The seq of the next batch."""
+        self._dropped = 0
+        self._requests = dict.fromkeys(("replay", "snapshot", "malformed"), 0)
         self._encoder = msgspec.msgpack.Encoder()
         self._wake_endpoint = f"inproc://kvpool-placements-{id(self):x}"
         self._thread: threading.Thread | None = None
@@ -229,6 +247,20 @@ class PlacementPublisher:
             if self._placements.clear(topic):
                 self._enqueue(topic, [AllBlocksCleared()])
 
+    def status(self) -> PublisherStatus:
+        with self._lock:
+            placements: dict[str, int] = dict.fromkeys(map(str, Medium), 0)
+            for media in self._placements.topics.values():
+                for medium, held in media.items():
+                    placements[medium] = placements.get(medium, 0) + len(held)
+            return PublisherStatus(
+                self._seq,
+                self._dropped,
+                dict(self._requests),
+                placements,
+                len(self._placements.topics),
+            )
+
     @property
     def seq(self) -> int:
         """The seq of the next batch."""
@@ -291,8 +323,11 @@ class PlacementPublisher:
                     return
                 frames = self._outbox.popleft()
             # past the high-water mark the batch is dropped: consumers see the gap
-            with contextlib.suppress(zmq.Again):
+            try:
                 pub.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:
+                with self._lock:
+                    self._dropped += 1
 
     def _serve(self, replay: zmq.Socket[bytes]) -> None:
         while True:
@@ -302,13 +337,16 @@ class PlacementPublisher:
                 return
             if len(frames) != 3 or frames[1] != b"":
                 log.warning("placement events: a replay request of %d frames ignored", len(frames))
+                self._count("malformed")
                 continue
             client, request = frames[0], frames[2]
             if request == SNAPSHOT_REQUEST:
+                self._count("snapshot")
                 with self._lock:
                     resume, batches = self._snapshot()
                 framed = [(topic, encode_seq(resume), data) for topic, data in batches]
             elif len(request) == 8:
+                self._count("replay")
                 start = int.from_bytes(request, "big")
                 with self._lock:
                     framed = [
@@ -318,10 +356,15 @@ class PlacementPublisher:
                     ]
             else:
                 log.warning("placement events: a replay request of %d bytes ignored", len(request))
+                self._count("malformed")
                 continue
             for topic, seq_bytes, data in framed:
                 replay.send_multipart((client, b"", topic, seq_bytes, data))
             replay.send_multipart((client, b"", b"", END_SEQ, b""))
+
+    def _count(self, request: str) -> None:
+        with self._lock:
+            self._requests[request] += 1
 
 
 def _drain(socket: zmq.Socket[bytes]) -> list[bytes]:
