@@ -4,7 +4,8 @@
 # contracts (pyproject's [tool.importlinter], lint-imports) and the suite.
 #
 # The vLLM matrix (docs/vllm/versions.md; kvpool/connector/compat.py):
-# `make test-vllm VLLM=0.31.0` runs the connector's tests on one more release in a venv of
+# `make test-vllm VLLM=0.31.0` runs the connector's tests (and the index's vLLM KV-event wire,
+# tests/index/test_vllm_wire.py) on one more release in a venv of
 # its own (.venv-vllm-0.31.0), kept for the next run; `make test-matrix` runs every release
 # but the default.
 PYTHON ?= python3
@@ -21,7 +22,7 @@ VLLM ?= $(VLLM_DEFAULT)
 vllm_mode = $(if $(filter $(1),$(VLLM_API)),api,engine)
 vllm_tests = $(if $(filter $(1),$(VLLM_API)),tests/connector/test_conformance.py tests/connector/test_groups.py \
 	tests/connector/test_group_rules.py \
-	tests/connector/test_compat.py,tests/connector)
+	tests/connector/test_compat.py,tests/connector) tests/index/test_vllm_wire.py
 
 # The suite's tiers (pyproject's markers): `make test-fast`, for the edit loop (a few minutes),
 # leaves out every test that starts a process, runs a vLLM engine, needs root or makes

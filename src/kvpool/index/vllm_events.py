@@ -10,7 +10,8 @@ newer engines that add fields still decode; an event of an unknown type is one
 
 The index writes the same wire (:mod:`kvpool.index.placement_events`): maps tagged
 ``"type"`` with every field, and batches ``[ts, events]``, which vLLM 0.30 to 0.33's own
-``KVEventBatch`` decodes (tested).
+``KVEventBatch`` decodes (``tests/index/test_vllm_wire.py``, on every release of the vLLM
+matrix, checks both directions).
 """
 
 from __future__ import annotations
