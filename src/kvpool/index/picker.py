@@ -168,16 +168,15 @@ class Candidates:
     the address), each with its queue: made once per snapshot of the servers' loads, not per
     pick."""
 
-    __slots__ = ("queues", "servers")
+    __slots__ = ("addresses", "queues", "servers")
 
     def __init__(self, servers: Iterable[ServerState]) -> None:
         ranked = sorted((_queue_requests(s.load), _waiting(s.load), s.address, s) for s in servers)
         self.servers = [server for *_, server in ranked]
         self.queues = [queue for queue, *_ in ranked]
         """Each one's requests ahead of a new one (:func:`_queue_requests`)."""
-
-    def __len__(self) -> int:
-        return len(self.servers)
+        self.addresses = [server.address for server in self.servers]
+        """The names the GPU tier knows them by."""
 
 
 class _TooLate(Exception):
@@ -369,7 +368,7 @@ class EndpointPicker:
             candidates = Candidates(candidates)
         if keys is None:
             keys = PromptKeys(request.token_ids, request.cache_salt, self.fingerprint)
-        addresses = [s.address for s in candidates.servers] if self.tiers.gpu is not None else []
+        addresses = candidates.addresses if self.tiers.gpu is not None else []
         runs = tier_runs(self.tiers, keys, addresses, left)
         tokens = len(request.token_ids)
         mean = self._mean_prompt_seconds(tokens)
