@@ -2,14 +2,13 @@
 plain socket moving the same bytes over the same link; and the time to first token of a
 reader whose KV another node's engine stored, through the peer, through S3, recomputed.
 
-As root, from a checkout's root (the repository's test venv: it needs network namespaces,
-which only the tests' :mod:`tests.support.hosts` makes, so it is not a shipped ``kvpool
-bench``)::
+As root, from a checkout's root (the repository's test venv: it builds on the tests'
+agents, so it is not a shipped ``kvpool bench``)::
 
     sudo .venv/bin/python -m benchmarks.peer [--chunk-mib 2,32 --mib 256 --runs 5 ...]
 
 Two hosts on this machine, A and B (network namespaces cabled by veth pairs to one bridge:
-:mod:`tests.support.hosts`); per chunk size of ``--chunk-mib``, ``--mib`` MiB of
+:mod:`kvpool.tools.bench.local.hosts`); per chunk size of ``--chunk-mib``, ``--mib`` MiB of
 chunks move from A to B:
 
 * plain socket: one Python TCP connection from a sender in A to a receiver in B,
@@ -47,6 +46,7 @@ from benchmarks.peer_agents import PeerPair, peer_pair
 from benchmarks.peer_socket import PlainLink
 from kvpool.common import problems
 from kvpool.tools.bench import report as reports
+from kvpool.tools.bench.local.hosts import Hosts, HostsUnavailable
 from kvpool.tools.bench.report import (
     add_chunk_mib,
     command,
@@ -56,7 +56,6 @@ from kvpool.tools.bench.report import (
     runs_said,
     table,
 )
-from tests.support.hosts import Hosts, HostsUnavailable
 
 PROGRAM = "python -m benchmarks.peer"
 

@@ -27,8 +27,8 @@ from kvpool.client import AgentClient
 from kvpool.common.keyring import generate_key
 from kvpool.common.keys import tenant_id
 from kvpool.common.names import DEFAULT_PEER_PORT
+from kvpool.tools.bench.local.hosts import Host
 from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
-from tests.support.hosts import Host
 
 POOL = "bench-peer"
 HOLDER = "host-a"

@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tests.support.hosts import Host
+from kvpool.tools.bench.local.hosts import Host
 
 ROOT = Path(__file__).resolve().parents[1]
 """The checkout's root, where ``benchmarks`` and ``tests`` are packages."""

@@ -42,10 +42,10 @@ from kvpool.tools.bench.connector_engine import (
     kv_bytes_per_token,
     write_model,
 )
+from kvpool.tools.bench.local.hosts import Hosts
 from kvpool.tools.bench.local.s3_server import moto_server
 from kvpool.tools.bench.report import median_spread, runs_said, table
 from tests.support.agent_process import ENGINE_TOKEN, AgentProcess
-from tests.support.hosts import Hosts
 
 WRITER = "writer"
 READERS = {"peer": "peer (A's L1, over the link)", "S3": "S3 (moto, root namespace)"}

@@ -40,11 +40,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpool.client import AgentClient
 from kvpool.common import keys
 from kvpool.common.names import CONNECTOR_OLD_NAMES
+from kvpool.tools.bench.local.http_process import HttpProcess
+from kvpool.tools.bench.local.vllm_server import openai_server_command
 from tests.support.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 from tests.support.engine_main import TOP_LOGPROBS
 from tests.support.engines import Result, poison_segment, write_model
-from tests.support.http_process import HttpProcess
-from tests.support.openai_server import openai_server_command
 from tests.support.ports import free_port
 
 pytestmark = [pytest.mark.process, pytest.mark.engine, pytest.mark.timeout(600)]

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.tools.bench.local.peers import peer_settings, write_peer_key
 from kvpool.tools.doctor import peers
 from tests.support.agent_process import AgentProcess
-from tests.support.peers import peer_settings, write_peer_key
 from tests.support.ports import free_port
 
 from .conftest import ADMIN_ENV, agent_args, run_doctor

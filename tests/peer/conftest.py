@@ -6,7 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.hosts import Hosts, hosts_or_skip
+from kvpool.tools.bench.local.hosts import Hosts
+from tests.support.hosts import hosts_or_skip
 
 
 @pytest.fixture

@@ -13,9 +13,10 @@ import time
 import httpx
 import pytest
 
-from tests.support import hosts as hosts_module
+from kvpool.tools.bench.local import hosts as hosts_module
+from kvpool.tools.bench.local.hosts import Host, Hosts, HostsUnavailable
 from tests.support.agent_process import AgentProcess
-from tests.support.hosts import Host, Hosts, HostsUnavailable, hosts_or_skip
+from tests.support.hosts import hosts_or_skip
 from tests.support.polling import eventually
 
 pytestmark = [pytest.mark.process, pytest.mark.root, pytest.mark.netns]

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import pytest
 
 from kvpool.client import AgentClient
+from kvpool.tools.bench.local.peers import host_agents
 from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.engines import Engine, poison_segment, write_model
 from tests.support.hosts import hosts_or_skip
 from tests.support.metrics import metric
-from tests.support.peers import host_agents
 
 pytestmark = [
     pytest.mark.process,

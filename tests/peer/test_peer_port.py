@@ -18,10 +18,10 @@ import pytest
 
 from kvpool.agent.peer.serving import HANDSHAKE_SECONDS
 from kvpool.agent.peer.wire import FRAME, MAGIC, MAX_META_BYTES, VERSION
+from kvpool.tools.bench.local.peers import peer_settings, write_peer_key
 from tests.support.agent_process import AgentProcess
 from tests.support.chunks import chain, data
 from tests.support.metrics import metric
-from tests.support.peers import peer_settings, write_peer_key
 from tests.support.polling import wait_until
 from tests.support.ports import free_port
 

@@ -15,13 +15,13 @@ import pytest
 
 from kvpool.client import AgentClient
 from kvpool.common.keys import tenant_id
+from kvpool.tools.bench.local.hosts import Hosts
+from kvpool.tools.bench.local.peers import peer_settings, write_peer_key
 from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import chain, data
-from tests.support.hosts import Hosts
 from tests.support.index_process import ADMIN_TOKEN as INDEX_ADMIN
 from tests.support.index_process import IndexProcess
 from tests.support.metrics import metric
-from tests.support.peers import peer_settings, write_peer_key
 from tests.support.polling import wait_until
 from tests.support.ports import free_port
 

@@ -7,8 +7,7 @@
 - :mod:`~tests.support.tools`: kubectl and helm from their PyPI package;
 - :mod:`~tests.support.engines`, :mod:`~tests.support.engine_main`,
   :mod:`~tests.support.greedy`: real vLLM CPU engines and greedy output compared up to noise;
-- :mod:`~tests.support.http_process`, :mod:`~tests.support.index_process`: server
-  processes started and stopped with their health checks;
+- :mod:`~tests.support.index_process`: a real ``kvpool-index`` with the tests' tokens;
 - :mod:`~tests.support.raw_http`, :mod:`~tests.support.raw_zmq`: HTTP and the agent's ZMQ
   protocol spoken by hand (for what well-behaved clients never send);
 - :mod:`~tests.support.l1`: in-process L1 caches and services, and a clock to move;
@@ -18,6 +17,7 @@
 
 Real agent processes: :mod:`~tests.support.agent_process`, the benches' agent
 (:mod:`kvpool.tools.bench.local.agent_process`) with what only tests ask of it; hosts in
-network namespaces (root only): :mod:`~tests.support.hosts`. Neither is shipped; the
-repository's ``benchmarks/peer.py`` uses both.
+network namespaces (root only; :mod:`kvpool.tools.bench.local.hosts`), or the test skipped:
+:mod:`~tests.support.hosts`. Server processes with health checks, vLLM's OpenAI server and
+peers' settings are the benches' too (:mod:`kvpool.tools.bench.local`).
 """

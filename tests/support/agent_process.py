@@ -1,15 +1,14 @@
 """A real ``kvpool-agent`` process for a test: the benches' agent
-(:mod:`kvpool.tools.bench.local.agent_process`) with what only tests ask of it: shared
-spaces in its tokens file, tokens it generates itself, a file limit and a umask, a start
-held until the test knows its PID, a start that must fail, a network namespace
-(:mod:`tests.support.hosts`), its memory, its ports kept across a restart. ``running_agent``
-is the benches' own, for a test that asks nothing more of its agent."""
+(:mod:`kvpool.tools.bench.local.agent_process`) with what only tests ask of it: tokens
+it generates itself, a file limit and a umask, a start held until the test knows its PID,
+a start that must fail, its memory, its ports kept across a restart. ``running_agent`` is
+the benches' own, for a test that asks nothing more of its agent."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvpool.tools.bench.local.agent_process import (
@@ -20,7 +19,6 @@ from kvpool.tools.bench.local.agent_process import (
     running_agent,
 )
 from kvpool.tools.bench.local.agent_process import AgentProcess as BenchAgent
-from tests.support.hosts import Host
 from tests.support.metrics import memory_bytes
 
 __all__ = ["ADMIN_TOKEN", "ENGINE_TOKEN", "INDEX_TOKEN", "AgentProcess", "running_agent"]
@@ -30,15 +28,10 @@ __all__ = ["ADMIN_TOKEN", "ENGINE_TOKEN", "INDEX_TOKEN", "AgentProcess", "runnin
 class AgentProcess(BenchAgent):
     """One agent; ``settings`` become KVPOOL_* environment variables."""
 
-    spaces: dict[str, dict[str, list[str]]] = field(default_factory=dict)
-    """Shared spaces of the tokens file: space id -> {members: [...], owners: [...]}."""
     file_limit: int | None = None
     """RLIMIT_NOFILE of the process (soft and hard), if not inherited."""
     umask: int | None = None
     """The process's umask, if not inherited."""
-    host: Host | None = None
-    """The host (network namespace) the agent runs in, serving at the host's address;
-    else this machine's network, at 127.0.0.1. Its files stay in /dev/shm (shared)."""
     generate_tokens: bool = False
     """No tokens file: the agent generates its tokens into its state directory (see
     :attr:`admin_token`)."""
@@ -55,13 +48,8 @@ class AgentProcess(BenchAgent):
         """``VmRSS`` (resident now) or ``VmHWM`` (the peak resident) of the agent, in bytes."""
         return memory_bytes(self.pid, field)
 
-    def tokens(self) -> dict[str, object]:
-        return {**super().tokens(), "spaces": dict(self.spaces)}
-
     def defaults(self) -> dict[str, str]:
         defaults = super().defaults()
-        if self.host is not None:
-            defaults["HOST"] = self.host.address
         if self.generate_tokens:
             del defaults["TOKENS_FILE"]
         return defaults
@@ -69,7 +57,7 @@ class AgentProcess(BenchAgent):
     def launch(self, *, hold: bool = False) -> int:
         """Start the process without waiting for it; its PID. With ``hold``, it waits for
         :meth:`release` before it becomes the agent (same PID): the PID is known first."""
-        within = [] if self.host is None else self.host.prefix
+        within = self.within
         agent = str(BIN / "kvpool-agent")
         umask = -1 if self.umask is None else self.umask
         if self.file_limit is None and not hold:

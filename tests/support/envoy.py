@@ -15,7 +15,7 @@ import httpx
 
 from kvpool.tools.bench.local import envoy as local
 from kvpool.tools.bench.local.envoy import DESTINATION, EXT_PROC_SERVICE, SERVED_BY
-from tests.support.http_process import HttpProcess
+from kvpool.tools.bench.local.http_process import HttpProcess
 from tests.support.ports import free_port
 
 __all__ = ["DESTINATION", "EXT_PROC_SERVICE", "SERVED_BY", "Envoy", "envoy_binary"]

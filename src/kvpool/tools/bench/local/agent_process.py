@@ -1,8 +1,9 @@
 """Run a real ``kvpool-agent`` process for a bench: start, read its endpoints, stop, kill.
 
-A private agent of this machine: ports the kernel picks on 127.0.0.1, its segment and
-state of its own, a tokens file with the tokens below. The repository's tests extend it
-(``tests/support/agent_process.py``: limits, umask, a refused start, a network namespace).
+A private agent of this machine: ports the kernel picks on 127.0.0.1 (or on its host's
+address, :mod:`.hosts`), its segment and state of its own, a tokens file with the tokens
+below and its tenants and shared spaces. The repository's tests extend it
+(``tests/support/agent_process.py``: limits, umask, a refused start).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any, Self
 import yaml
 
 from kvpool.common.names import DOOR_SUFFIX
+from kvpool.tools.bench.local.hosts import Host
 
 BIN = Path(sys.executable).parent
 READY = re.compile(r"agent ready pool=\S+ zmq=(\S+) http=(\S+) segment=(\S+) events=(\S+)")
@@ -41,6 +43,11 @@ class AgentProcess:
     workdir: Path
     settings: dict[str, str] = field(default_factory=dict)
     tenant_tokens: dict[str, str] = field(default_factory=dict)
+    spaces: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    """Shared spaces of the tokens file: space id -> {members: [...], owners: [...]}."""
+    host: Host | None = None
+    """The host (network namespace) the agent runs in, serving at the host's address;
+    else this machine's network, at 127.0.0.1. Its files stay in /dev/shm (shared)."""
     zmq: str = ""
     http: str = ""
     events: str = ""
@@ -77,6 +84,7 @@ class AgentProcess:
             "engines": ENGINE_TOKEN,
             "indexes": INDEX_TOKEN,
             "tenants": dict(self.tenant_tokens),
+            "spaces": dict(self.spaces),
         }
 
     def defaults(self) -> dict[str, str]:
@@ -84,7 +92,9 @@ class AgentProcess:
         written)."""
         tokens = self.workdir / "tokens.yaml"
         tokens.write_text(yaml.safe_dump(self.tokens()))
+        host = {} if self.host is None else {"HOST": self.host.address}
         return {
+            **host,
             "SEGMENT_PATH": str(self.segment_path),
             "L1_SIZE": "64Mi",
             "ZMQ_PORT": "0",
@@ -104,7 +114,12 @@ class AgentProcess:
 
     def launch(self) -> int:
         """Start the process without waiting for it; its PID."""
-        return self.spawn([str(BIN / "kvpool-agent")])
+        return self.spawn([*self.within, str(BIN / "kvpool-agent")])
+
+    @property
+    def within(self) -> list[str]:
+        """The command prefix that runs a program in the agent's host (none: here)."""
+        return [] if self.host is None else self.host.prefix
 
     def spawn(self, command: list[str], **options: Any) -> int:
         """Start ``command`` (the agent, or what becomes it), reading its log; its PID.

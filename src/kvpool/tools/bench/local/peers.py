@@ -8,8 +8,8 @@ import secrets
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from tests.support.agent_process import AgentProcess
-from tests.support.hosts import Host
+from kvpool.tools.bench.local.agent_process import AgentProcess
+from kvpool.tools.bench.local.hosts import Host
 
 
 def write_peer_key(directory: Path, material: str | None = None) -> Path:
