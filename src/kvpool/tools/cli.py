@@ -95,6 +95,12 @@ def _route() -> Bench:
     return route
 
 
+def _cluster() -> Bench:
+    from kvpool.tools.bench.cluster import bench
+
+    return bench
+
+
 def _gpu() -> Bench:
     from kvpool.tools.bench import gpu
 
@@ -125,6 +131,10 @@ BENCHES: dict[str, tuple[str, Callable[[], Bench]]] = {
     "route": (
         "endpoint picker: decision time vs key hashing, latency it adds to Envoy",
         _route,
+    ),
+    "cluster": (
+        "the whole system on two hosts under a multi-tenant workload vs round robin, LMCache",
+        _cluster,
     ),
     "gpu": (
         "copies between GPU KV blocks and the agent's chunk files vs the raw PCIe copy",
@@ -190,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return doctor.run(tool.parse_args(rest))
     command = f"kvpool bench {args.bench}"
     require_extra("bench", command)
-    if args.bench in {"index", "route"}:
+    if args.bench in {"index", "route", "cluster"}:
         require_extra("index", command)
     summary, load = BENCHES[args.bench]
     bench_module = load()

@@ -16,13 +16,16 @@ def openai_server_command(
     host: str,
     port: int,
     max_model_len: int,
-    transfer: dict[str, Any],
+    transfer: dict[str, Any] | None,
     more: tuple[str, ...] = (),
+    python: str = sys.executable,
 ) -> list[str]:
     """``python -m vllm.entrypoints.openai.api_server`` on ``host:port`` with the connector
-    configured by ``transfer`` (``--kv-transfer-config``), then ``more`` arguments."""
+    configured by ``transfer`` (``--kv-transfer-config``; None: no connector), then ``more``
+    arguments; ``python``: the interpreter of the venv vLLM is installed in."""
+    connector = [] if transfer is None else ["--kv-transfer-config", json.dumps(transfer)]
     return [
-        sys.executable,
+        python,
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--model",
@@ -42,7 +45,6 @@ def openai_server_command(
         "--max-model-len",
         str(max_model_len),
         "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens
-        "--kv-transfer-config",
-        json.dumps(transfer),
+        *connector,
         *more,
     ]

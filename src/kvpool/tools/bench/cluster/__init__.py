@@ -1,0 +1,1 @@
+"""kvpool bench cluster: the whole system under a realistic workload."""
