@@ -39,6 +39,7 @@ from pathlib import Path
 import httpx
 
 from kvpool.common import problems
+from kvpool.common.sizes import SizeError, parse_size
 from kvpool.tools.bench.cluster import plot, tables, workload
 from kvpool.tools.bench.cluster.cluster import CHUNK_TOKENS, Cluster, Flavor, Server, Settings
 from kvpool.tools.bench.cluster.configs import CONFIGS, Config, names
@@ -70,9 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rates",
         type=problems.numbers(float),
-        default=[1.0, 2.0, 3.0, 4.0],
+        default=[1.0, 2.0, 4.0, 8.0],
         help="the quiet tenants' request rates, per second, comma-separated (default "
-        "1,2,3,4: up to past where the baseline saturates on two cores)",
+        "1,2,4,8: up to past where the baseline saturates with four servers on two cores)",
     )
     parser.add_argument(
         "--isolation-rate",
@@ -89,10 +90,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--vllm-blocks",
         type=int,
-        default=128,
-        help="each vLLM server's KV cache in blocks of 128 tokens (default 128)",
+        default=64,
+        help="each vLLM server's KV cache in blocks of 128 tokens (default 64: less than the "
+        "default workload's prompts hold, as a busy GPU's memory is)",
     )
-    parser.add_argument("--l1", default="512Mi", help="each agent's L1 (default 512Mi)")
+    parser.add_argument(
+        "--l1",
+        default="256Mi",
+        help="each agent's L1 (default 256Mi: more than the quiet tenants' prompts hold, "
+        "less than with the flood's)",
+    )
     parser.add_argument(
         "--quota-share",
         type=float,
@@ -118,6 +125,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    check(args)
     if importlib.util.find_spec("vllm") is None:
         raise SystemExit("kvpool bench cluster runs vLLM's OpenAI servers: pip install vllm")
     if envoy.envoy_binary() is None:
@@ -126,7 +134,10 @@ def run(args: argparse.Namespace) -> None:
     out = args.out or Path(f"kvpool-bench-cluster-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     if args.replay is not None:
-        load = workload.read_replay(args.replay)
+        try:
+            load = workload.read_replay(args.replay)
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"kvpool bench cluster --replay: {error}") from None
     else:
         load = workload.generate(workload.PRESETS[args.workload], args.seed)
     workload.write_replay(load, out / "workload.jsonl")
@@ -160,6 +171,26 @@ def run(args: argparse.Namespace) -> None:
         print("plot: not drawn, it needs matplotlib (pip install matplotlib)")
     else:
         print(f"plot: {plot.draw(bench.segments, names(), out / 'cluster.png')}")
+
+
+def check(args: argparse.Namespace) -> None:
+    """Exit with one line naming the option whose value this bench cannot run with."""
+    wrong = [
+        ("--rates", args.rates, not args.rates or min(args.rates) <= 0),
+        ("--isolation-rate", args.isolation_rate, (args.isolation_rate or 1) <= 0),
+        ("--configs", args.configs, not set(args.configs) <= {c.number for c in CONFIGS}),
+        ("--servers-per-host", args.servers_per_host, not 1 <= args.servers_per_host <= 8),
+        ("--vllm-blocks", args.vllm_blocks, args.vllm_blocks < 16),
+        ("--quota-share", args.quota_share, not 0 < args.quota_share <= 1),
+        ("--runs", args.runs, args.runs < 1),
+    ]
+    for option, value, bad in wrong:
+        if bad:
+            raise SystemExit(f"kvpool bench cluster {option}: {value} is out of range (--help)")
+    try:
+        parse_size(args.l1)
+    except SizeError as error:
+        raise SystemExit(f"kvpool bench cluster --l1: {error}") from None
 
 
 class _Bench:
@@ -232,7 +263,7 @@ class _Bench:
         cluster = self.cluster
         cluster.reset(servers, config.flavor)
         if quotas:
-            cluster.set_quotas(int(self.args.quota_share * _bytes(self.args.l1)))
+            cluster.set_quotas(int(self.args.quota_share * parse_size(self.args.l1)))
         endpoints = {f"vllm-{s.address}": s.url for s in servers}
         endpoints.update({f"agent-host-{n}": a.http for n, a in enumerate(cluster.agents)})
         before = scrape(endpoints, self.out / "metrics" / name / "before")
@@ -297,11 +328,3 @@ def _write_answers(path: Path, answers: Sequence[Answer]) -> None:
     with path.open("w") as file:
         for answer in answers:
             file.write(json.dumps(dataclasses.asdict(answer)) + "\n")
-
-
-def _bytes(size: str) -> int:
-    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
-    for unit, scale in units.items():
-        if size.endswith(unit):
-            return int(float(size[: -len(unit)]) * scale)
-    return int(size)

@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 
 from kvpool.common.keys import ModelFingerprint
+from kvpool.common.sizes import parse_size
 from kvpool.tools.bench.local import envoy
 from kvpool.tools.bench.local.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
 from kvpool.tools.bench.local.hosts import Host, Hosts
@@ -276,7 +277,7 @@ class Cluster:
             f"--http-port={LMCACHE_PORT + 1}",
             f"--chunk-size={CHUNK_TOKENS}",
             "--supported-transfer-mode=engine_driven",
-            f"--l1-size-gb={_gib(self.settings.l1_size)}",
+            f"--l1-size-gb={parse_size(self.settings.l1_size) / (1 << 30)}",
             "--no-l1-use-lazy",
             "--eviction-policy=LRU",
             "--max-workers=1",
@@ -388,15 +389,6 @@ def _reset_prefix_cache(server: Server) -> None:
             return
         time.sleep(0.2)
     raise RuntimeError(f"{server.address} never reset its prefix cache: {answer.text[:200]}")
-
-
-def _gib(size: str) -> float:
-    """``512Mi``, ``1Gi`` as GiB."""
-    units = {"Mi": 1 / 1024, "Gi": 1.0}
-    for unit, scale in units.items():
-        if size.endswith(unit):
-            return float(size[: -len(unit)]) * scale
-    raise ValueError(f"--l1: {size!r} is not a size in Mi or Gi")
 
 
 def _free_port() -> int:

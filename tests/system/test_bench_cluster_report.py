@@ -1,11 +1,15 @@
 """The figures and tables of ``kvpool bench cluster`` from made-up answers: percentiles,
 medians over runs with their range, ratios to configuration 1, the checks of answers
-against the servers' counters, and the token split from ``/metrics`` texts."""
+against the servers' counters, the token split from ``/metrics`` texts; and the options
+the bench refuses, each in one line."""
 
 from __future__ import annotations
 
 import argparse
 
+import pytest
+
+from kvpool.tools.bench.cluster import bench
 from kvpool.tools.bench.cluster.configs import CONFIGS
 from kvpool.tools.bench.cluster.driver import Answer
 from kvpool.tools.bench.cluster.results import Segment, checks, figures, quantile, segment
@@ -109,3 +113,29 @@ def test_the_isolation_table_compares_the_flood_with_the_same_configuration_alon
 def test_the_command_line_leaves_unset_options_out() -> None:
     args = argparse.Namespace(rates=[1.0, 2.0], replay=None, json=False)
     assert command("kvpool bench cluster", args) == "command: kvpool bench cluster --rates 1.0,2.0"
+
+
+def options(**changes: object) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return argparse.Namespace(**{**vars(parser.parse_args([])), **changes})
+
+
+@pytest.mark.parametrize(
+    ("changes", "said"),
+    [
+        ({"rates": [1.0, 0.0]}, "kvpool bench cluster --rates: [1.0, 0.0] is out of range"),
+        ({"configs": [1, 6]}, "kvpool bench cluster --configs: [1, 6] is out of range"),
+        ({"quota_share": 1.5}, "kvpool bench cluster --quota-share: 1.5 is out of range"),
+        ({"servers_per_host": 0}, "kvpool bench cluster --servers-per-host: 0 is out of range"),
+        ({"l1": "lots"}, "kvpool bench cluster --l1: "),
+    ],
+)
+def test_a_value_the_bench_cannot_run_with_is_named_in_one_line(
+    changes: dict[str, object], said: str
+) -> None:
+    bench.check(options())  # the defaults run
+    with pytest.raises(SystemExit) as stopped:
+        bench.check(options(**changes))
+    message = str(stopped.value)
+    assert message.startswith(said) and "\n" not in message
