@@ -20,9 +20,13 @@ VLLM_API := 0.33.0
 VLLM ?= $(VLLM_DEFAULT)
 
 vllm_mode = $(if $(filter $(1),$(VLLM_API)),api,engine)
+# the benches' tests (tests/connector/test_bench_*) run on the default release only: they
+# check the benches' runs and tables; the connector's paths they drive are tested on every
+# release by the rest of tests/connector
 vllm_tests = $(if $(filter $(1),$(VLLM_API)),tests/connector/test_conformance.py tests/connector/test_groups.py \
 	tests/connector/test_group_rules.py \
-	tests/connector/test_compat.py,tests/connector) tests/index/test_vllm_wire.py
+	tests/connector/test_compat.py,tests/connector --ignore-glob='tests/connector/test_bench_*') \
+	tests/index/test_vllm_wire.py
 
 # The suite's tiers (pyproject's markers): `make test-fast`, for the edit loop (a few minutes),
 # leaves out every test that starts a process, runs a vLLM engine, needs root or makes

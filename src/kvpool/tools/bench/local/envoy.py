@@ -40,6 +40,7 @@ FULL_DUPLEX = "FULL_DUPLEX_STREAMED"
 _base_ids = itertools.count(1)
 _TYPE = "type.googleapis.com/envoy."
 _HTTP_OPTIONS = _TYPE + "extensions.upstreams.http.v3.HttpProtocolOptions"
+UPSTREAM_IDLE_TIMEOUT = "3s"
 _EARLY_MUTATION = _TYPE + "extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"
 _SET_METADATA = _TYPE + "extensions.filters.http.set_metadata.v3.Config"
 _EXT_PROC = _TYPE + "extensions.filters.http.ext_proc.v3.ExternalProcessor"
@@ -98,7 +99,22 @@ def static_cluster(name: str, endpoints: Sequence[str], *, http2: bool = False) 
                 "explicit_http_config": {"http2_protocol_options": {}},
             }
         }
+    else:
+        cluster["typed_extension_protocol_options"] = _model_server_options()
     return cluster
+
+
+def _model_server_options() -> dict[str, Any]:
+    """HTTP/1.1 to model servers, an idle connection closed after UPSTREAM_IDLE_TIMEOUT:
+    before vLLM closes it (its keep-alive is 5 s), else a request may go out on a connection
+    the server has just closed and fail (503, "connection termination")."""
+    return {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": _HTTP_OPTIONS,
+            "common_http_protocol_options": {"idle_timeout": UPSTREAM_IDLE_TIMEOUT},
+            "explicit_http_config": {"http_protocol_options": {}},
+        }
+    }
 
 
 def _listener_config(
@@ -219,6 +235,7 @@ def gateway_config(
             "lb_policy": "CLUSTER_PROVIDED",
             "connect_timeout": "2s",
             "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION},
+            "typed_extension_protocol_options": _model_server_options(),
         },
         _ext_proc_cluster(epp),
     ]
