@@ -141,7 +141,10 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
         workdir = tmp_path / node
         workdir.mkdir()
         others = [f"{name}=127.0.0.1:{other}" for name, other in ports.items() if name != node]
-        settings = peer_settings(node, port, key_dir, others, PEERS__CONNECT_TIMEOUT_SECONDS="1")
+        # the agents' own probes and pulls connect within 3 s, not the default 1 s: once,
+        # under a CI run's other worker (the cluster bench's servers), a probe's connect took
+        # over a second with the machine's two cores busy, not with the trickling held up
+        settings = peer_settings(node, port, key_dir, others, PEERS__CONNECT_TIMEOUT_SECONDS="3")
         agents.append(AgentProcess(workdir, settings))
     try:
         for agent in agents:
