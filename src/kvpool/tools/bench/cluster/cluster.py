@@ -47,6 +47,10 @@ FIRST_EVENTS_PORT = 5557
 PEER_PORT = 7404
 STARTUP_S = 600.0
 """Time for a set of servers to start: four at once on two cores take about 80 s."""
+LMCACHE_PORT = 6555
+LMCACHE_HTTP_PORT = LMCACHE_PORT + 1
+LMCACHE_ENVIRONMENT = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 FINGERPRINT = re.compile(r"key fingerprint for the index: (\{.*\})")
 
 
@@ -274,7 +278,7 @@ class Cluster:
             f"--host={host.address}",
             f"--port={LMCACHE_PORT}",
             f"--http-host={host.address}",
-            f"--http-port={LMCACHE_PORT + 1}",
+            f"--http-port={LMCACHE_HTTP_PORT}",
             f"--chunk-size={CHUNK_TOKENS}",
             "--supported-transfer-mode=engine_driven",
             f"--l1-size-gb={parse_size(self.settings.l1_size) / (1 << 30)}",
@@ -287,7 +291,7 @@ class Cluster:
         process = HttpProcess(
             f"lmcache server on {host.name}",
             [*host.prefix, *command],
-            f"http://{host.address}:{LMCACHE_PORT + 1}/healthcheck",
+            f"http://{host.address}:{LMCACHE_HTTP_PORT}/healthcheck",
             self.work / f"lmcache-{host.name}.log",
             LMCACHE_ENVIRONMENT,
         )
@@ -340,27 +344,23 @@ class Cluster:
             _reset_prefix_cache(server)
         if flavor is Flavor.LMCACHE:
             for host in self.hosts:
-                cleared = httpx.post(f"http://{host.address}:{LMCACHE_PORT + 1}/cache/clear")
+                cleared = httpx.post(f"http://{host.address}:{LMCACHE_HTTP_PORT}/cache/clear")
                 cleared.raise_for_status()
-        admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
         for agent in self.agents:
-            httpx.post(f"{agent.http}/v1/clear", headers=admin, timeout=30).raise_for_status()
-            for tenant in self.tenants:
-                quota = f"{agent.http}/v1/tenants/{tenant}/quota"
-                httpx.delete(quota, headers=admin, timeout=10).raise_for_status()
+            httpx.post(f"{agent.http}/v1/clear", headers=ADMIN, timeout=30).raise_for_status()
+        self.set_quotas(None)
 
-    def set_quotas(self, limit_bytes: int) -> None:
-        """Every tenant's quota on every agent: ``limit_bytes`` of L1."""
-        admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    def set_quotas(self, limit_bytes: int | None) -> None:
+        """Every tenant's quota on every agent: ``limit_bytes`` of L1; None: lifted."""
         for agent in self.agents:
             for tenant in self.tenants:
                 quota = f"{agent.http}/v1/tenants/{tenant}/quota"
-                body = {"limit_bytes": limit_bytes}
-                httpx.put(quota, json=body, headers=admin, timeout=10).raise_for_status()
-
-
-LMCACHE_PORT = 6555
-LMCACHE_ENVIRONMENT = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
+                if limit_bytes is None:
+                    answer = httpx.delete(quota, headers=ADMIN, timeout=10)
+                else:
+                    body = {"limit_bytes": limit_bytes}
+                    answer = httpx.put(quota, json=body, headers=ADMIN, timeout=10)
+                answer.raise_for_status()
 
 
 def _fingerprint(flavor: Flavor, servers: Sequence[Server], model: Path) -> dict[str, Any]:
