@@ -182,10 +182,17 @@ class FakeRequest:
     request_id: str
     tokens: list[int]
     cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    prompt_tokens: int | None = None
+    """The prompt's length (default: every token is the prompt's)."""
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.tokens) if self.prompt_tokens is None else self.prompt_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

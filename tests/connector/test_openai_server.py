@@ -39,6 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.client import AgentClient
 from kvpool.common import keys
+from kvpool.common.disagg import DecodeParams, PrefillParams
 from kvpool.common.names import CONNECTOR_OLD_NAMES
 from kvpool.tools.bench.local.http_process import HttpProcess
 from kvpool.tools.bench.local.vllm_server import openai_server_command
@@ -124,13 +125,21 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         agent.cleanup()
 
 
-def complete(server: Server, tokens: list[int], salt: str | None) -> tuple[Result, dict[str, Any]]:
-    """``POST /v1/completions``, greedy; the generation as a :class:`Result` (one request,
-    token ids from ``return_token_ids``, candidates from ``logprobs``) and the raw usage."""
+def complete(
+    server: Server,
+    tokens: list[int],
+    salt: str | None,
+    *,
+    params: dict[str, Any] | None = None,
+    max_tokens: int = 16,
+) -> tuple[Result, dict[str, Any]]:
+    """``POST /v1/completions``, greedy, with ``params`` as its ``kv_transfer_params``; the
+    generation as a :class:`Result` (one request, token ids from ``return_token_ids``,
+    candidates from ``logprobs``) and the raw reply."""
     body: dict[str, Any] = {
         "model": MODEL_NAME,
         "prompt": tokens,
-        "max_tokens": 16,
+        "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
         "return_token_ids": True,  # the generated ids (there is no tokenizer to decode)
@@ -139,6 +148,8 @@ def complete(server: Server, tokens: list[int], salt: str | None) -> tuple[Resul
     }
     if salt is not None:
         body["cache_salt"] = salt
+    if params is not None:
+        body["kv_transfer_params"] = params
     started = time.perf_counter()
     try:
         answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=REQUEST_S)
@@ -164,7 +175,7 @@ def complete(server: Server, tokens: list[int], salt: str | None) -> tuple[Resul
         counters={},
         top=[top],
     )
-    return result, usage
+    return result, reply
 
 
 def cached(result: Result) -> int:
@@ -215,9 +226,9 @@ def test_second_request_is_served_from_the_agent(server: Server) -> None:
     hits, misses = agent_usage(server.agent, "team-a")
     before = kvpool_counters(server)
 
-    first, usage = complete(server, salted, "team-a")
+    first, reply = complete(server, salted, "team-a")
 
-    assert usage["prompt_tokens"] == PROMPT
+    assert reply["usage"]["prompt_tokens"] == PROMPT
     assert cached(first) == 0, report(server)
     assert agent_usage(server.agent, "team-a") == (hits, misses + 7)  # seven chunks probed
 
@@ -286,3 +297,62 @@ def test_poisoned_cache_changes_the_served_output(server: Server) -> None:
 
     assert cached(poisoned) == EXPECTED_HIT, report(server)
     assert poisoned.differences(expected)
+
+
+PD_PROMPT = 7 * CHUNK + 208  # seven full chunks and a tail
+PD_WAIT_MS = 1500
+
+
+def disaggregated(server: Server, tokens: list[int], salt: str) -> dict[str, Any]:
+    """The prefill half of a disaggregated request (as the decode pod's sidecar sends it:
+    one token, kvpool's prefill params); what its decode needs."""
+    _, reply = complete(server, tokens, salt, params=PrefillParams().to_json(), max_tokens=1)
+    assert reply["kv_transfer_params"] == DecodeParams(PD_PROMPT, tail=True).to_json(), reply
+    return dict(DecodeParams(PD_PROMPT, tail=True, wait_ms=PD_WAIT_MS).to_json())
+
+
+def test_a_disaggregated_decode_loads_the_prompt_but_its_last_token(server: Server) -> None:
+    """A prefill stores the whole prompt, its tail too; the decode (here on the same
+    engine, whose role ``kv_both`` does both) loads all but the last token, and generates
+    what a run from scratch generates (the reference: a salt nothing is stored under)."""
+    tokens = prompt(40)[:PD_PROMPT]
+    expected, _ = complete(server, tokens, "pd-reference")
+    params = disaggregated(server, tokens, "team-pd")
+
+    decoded, _ = complete(server, tokens, "team-pd", params=params)
+
+    assert cached(expected) == 0, report(server)
+    assert cached(decoded) == PD_PROMPT - 1, report(server)
+    assert not decoded.differences(expected)
+    counters = counters_after(server, "pd_full_hits", 1)
+    assert counters["pd_tails"] >= 1 and counters["pd_full_hits"] >= 1, report(server)
+
+
+def test_a_poisoned_tail_changes_the_decoded_output(server: Server) -> None:
+    """Negative control for the disaggregated comparison: the decode computes with the
+    loaded bytes (the chunks and the tail)."""
+    tokens = prompt(41)[:PD_PROMPT]
+    expected, _ = complete(server, tokens, "pd-reference")
+    params = disaggregated(server, tokens, "team-pd")
+    poison_segment(server.agent.segment_path)
+    try:
+        poisoned, _ = complete(server, tokens, "team-pd", params=params)
+    finally:
+        with AgentClient(server.agent.zmq, token=ADMIN_TOKEN) as client:
+            client.clear()
+    assert cached(poisoned) == PD_PROMPT - 1, report(server)
+    assert poisoned.differences(expected)
+
+
+def test_decode_params_give_another_tenant_nothing_and_wait_boundedly(server: Server) -> None:
+    """Params carry no keys: another tenant's decode with them finds nothing, waits at most
+    their wait, and computes the prompt."""
+    tokens = prompt(42)[:PD_PROMPT]
+    params = disaggregated(server, tokens, "team-pd")
+    expected, _ = complete(server, tokens, "pd-reference")
+
+    other, _ = complete(server, tokens, "team-other", params=params)
+
+    assert cached(other) == 0, report(server)
+    assert PD_WAIT_MS / 1000 <= other.seconds < PD_WAIT_MS / 1000 + REQUEST_S / 4
+    assert not other.differences(expected)

@@ -41,6 +41,8 @@ def make(
     prefetch_wait_s: float = 0.0,
     clock: Clock | None = None,
     loads_per_request: bool = False,
+    kv_role: str = "kv_both",
+    decode_wait_s: float = 0.0,
 ) -> KVPoolConnectorScheduler:
     counters = Counters()
     clock = clock or Clock()
@@ -54,6 +56,8 @@ def make(
         prefetch_wait_s=prefetch_wait_s,
         clock=clock,
         loads_per_request=loads_per_request,
+        kv_role=kv_role,
+        decode_wait_s=decode_wait_s,
     )
     half.configure(
         {
@@ -265,9 +269,10 @@ def test_finished_requests_keep_blocks_only_while_stores_are_in_flight() -> None
             scheduler_output([new_request("r", list(range(5)), computed=0)], scheduled={"r": 600})
         ).stores
 
-        held = half.request_finished(request)
+        held, params = half.request_finished(request)
 
         assert held is not in_step
+        assert params is None  # not a prefill of a disaggregated request
         assert half.has_pending_work() is not in_step
         meta = half.build_connector_meta(scheduler_output())
         assert meta.held == ([] if in_step else ["r"])
@@ -284,7 +289,7 @@ def test_confirmed_stores_release_nothing_twice() -> None:
         scheduler_output([new_request("r", list(range(5)), computed=0)], scheduled={"r": 600})
     ).stores
     half.update_connector_output(KVPoolConnectorWorkerMetadata({store.job_id: 1}), set())
-    assert half.request_finished(request) is False  # confirmed before it finished
+    assert half.request_finished(request) == (False, None)  # confirmed before it finished
     assert half.tracked_requests == 0
 
 

@@ -40,7 +40,7 @@ def test_unknown_key_names_the_known_ones() -> None:
         ValueError, match="chunk_size=256: unknown setting; did you mean chunk_tokens"
     ):
         ConnectorSettings.load({"endpoint": "tcp://a:1", "chunk_size": 256}, environ={})
-    with pytest.raises(ValueError, match="known: chunk_tokens, door_path, endpoint"):
+    with pytest.raises(ValueError, match="known: chunk_tokens, decode_wait_s, door_path, endpoint"):
         ConnectorSettings.load({"endpoint": "tcp://a:1", "zzz": 1}, environ={})
 
 

@@ -57,6 +57,7 @@ TENANT_ID_CHARS = 32
 _TENANT_DOMAIN = b"kvpool-tenant-v1\0"
 _ROOT_DOMAIN = b"kvpool-root-v1\0"
 _STATE_DOMAIN = b"kvpool-state-v1\0"
+_TAIL_DOMAIN = b"kvpool-tail-v1\0"
 _CANARY_SCOPE_DOMAIN = b"kvpool-doctor-canary-scope-v1\0"
 
 
@@ -155,6 +156,16 @@ def root_key(salt: str | None, fingerprint: ModelFingerprint) -> bytes:
 def state_key(chunk_key: bytes) -> bytes:
     """``s_i``: the key of the state-space layers' state at the end of the chunk ``k_i``."""
     return hashlib.sha256(_STATE_DOMAIN + chunk_key).digest()
+
+
+def tail_key(previous: bytes, tail_tokens: Sequence[int]) -> bytes:
+    """``t = H("tail" || k_{F-1} || tokens[F*C:N])``: the key of a prompt's last partial
+    chunk (the tokens after its ``F`` full chunks), chained on the last full chunk's key (the
+    root's, for a prompt shorter than a chunk), so it keeps the chain's salt and model
+    separation, and two prompts that differ anywhere have different tails."""
+    hasher = hashlib.sha256(_TAIL_DOMAIN + previous)
+    hasher.update(_pack(tail_tokens))
+    return hasher.digest()
 
 
 def next_key(previous: bytes, chunk_tokens: Sequence[int]) -> bytes:
@@ -316,6 +327,10 @@ class KeyChain:
         self._chunk_tokens = chunk_tokens
         self._keys: list[bytes] = []
         self._mix = mix
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self._chunk_tokens
 
     @property
     def keys(self) -> Sequence[bytes]:

@@ -146,6 +146,8 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
                 segment_path=self._segment_path,
                 disabled=disabled,
                 loads_per_request=loads_per_request(kv_cache_config, self._groups),
+                kv_role=self._kv_transfer_config.kv_role or "kv_both",
+                decode_wait_s=settings.decode_wait_s,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -349,12 +351,12 @@ class KvpoolConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request), None
+        return self.scheduler.request_finished(request)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request), None
+        return self.scheduler.request_finished(request)
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler.has_pending_work()

@@ -44,7 +44,11 @@ fingerprint), the request's block ids and a store cursor.
   with the chunks, per request.
 * ``request_finished``: a request whose stores have not finished yet keeps its
   blocks until the worker reports them finished (only when the workers' stores
-  are asynchronous, as on CUDA; on CPU they finish within their step).
+  are asynchronous, as on CUDA; on CPU they finish within their step). A prefill of a
+  disaggregated request returns what its decode needs (:mod:`kvpool.common.disagg`).
+* vLLM's ``kv_role``: ``kv_both`` loads and stores; ``kv_producer`` also stores every
+  prompt's tail (each of its requests is a prefill); ``kv_consumer`` loads and never
+  stores.
 
 Until the workers' handshake arrives (the chunk format fixes the fingerprint)
 the scheduler answers "no hits" and plans nothing.
@@ -75,6 +79,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.client import AgentInfo
 from kvpool.common import keys
+from kvpool.common.disagg import DecodeParams
 from kvpool.connector.counters import Counters
 from kvpool.connector.jobs import LoadJob, StoreJob
 from kvpool.connector.layout import GroupRule, LayoutError
@@ -125,6 +130,8 @@ class KVPoolConnectorScheduler:
         clock: Callable[[], float] = time.monotonic,
         disabled: str | None = None,
         loads_per_request: bool = False,
+        kv_role: str = "kv_both",
+        decode_wait_s: float = 0.0,
     ) -> None:
         """``groups``: what each of vLLM's KV cache groups keeps of a chunk, in vLLM's order.
         ``segment_path``: where this process sees the agent's segment (its table of ready
@@ -133,7 +140,15 @@ class KVPoolConnectorScheduler:
         engine gets no hits and stores nothing (said once, by the caller).
         ``loads_per_request``: a failed load must fail its whole request (several KV cache
         groups, or a window), so loads are asynchronous to vLLM and their failures reported
-        per request (vLLM then computes the request anew)."""
+        per request (vLLM then computes the request anew). ``kv_role``: vLLM's
+        (``kv_both``, ``kv_producer``, ``kv_consumer``). ``decode_wait_s``: the most a decode
+        of a disaggregated request waits for its prompt's chunks."""
+        if kv_role not in ("kv_both", "kv_producer", "kv_consumer"):
+            raise ValueError(
+                f"kv_role: expected kv_both, kv_producer or kv_consumer, got {kv_role!r}"
+            )
+        self._kv_role = kv_role
+        self._decode_wait_s = decode_wait_s
         self._disabled = disabled
         self._loads_per_request = loads_per_request
         self._prefetch_wait_s = prefetch_wait_s
@@ -188,7 +203,9 @@ class KVPoolConnectorScheduler:
             for rank in range(self._tp_size)
         ]
         self._planners = _Planners(
-            requests=RequestTracker(fingerprints, chunk_tokens, self.counters),
+            requests=RequestTracker(
+                fingerprints, chunk_tokens, self.counters, tails=self._kv_role == "kv_producer"
+            ),
             lookups=LookupPlanner(
                 geometry=geometry,
                 link=self._link,
@@ -199,6 +216,7 @@ class KVPoolConnectorScheduler:
                 prefetch_wait_s=self._prefetch_wait_s,
                 step_budget_s=self._step_budget_s,
                 loads_per_request=self._loads_per_request,
+                decode_wait_s=self._decode_wait_s,
             ),
             loads=LoadPlanner(
                 geometry=geometry,
@@ -215,7 +233,7 @@ class KVPoolConnectorScheduler:
                 ),
             ),
         )
-        log.info("kvpool: caching %d-token chunks", chunk_tokens)
+        log.info("kvpool: caching %d-token chunks as %s", chunk_tokens, self._kv_role)
         # What a prefix index needs to hash a gateway's token ids as this engine does
         # (its `fingerprint` setting, the pool's spec.index.fingerprint).
         log.info(
@@ -280,7 +298,9 @@ class KVPoolConnectorScheduler:
         stores: list[StoreJob] = []
         held: list[str] = []
         if self._planners is not None:
-            self._plan_stores(self._planners, output, stores)
+            self._planners.lookups.new_step()  # once per schedule(): a new step
+            if self._kv_role != "kv_consumer":
+                self._plan_stores(self._planners, output, stores)
             held = self._planners.stores.take_newly_held()
         preempted = sorted(output.preempted_req_ids or ())
         for req_id in preempted:
@@ -297,7 +317,6 @@ class KVPoolConnectorScheduler:
         self, planners: _Planners, output: SchedulerOutput, stores: list[StoreJob]
     ) -> None:
         """Follow the requests' blocks through the step and plan the stores of its chunks."""
-        planners.lookups.new_step()  # once per schedule(): a new step
         requests, planner = planners.requests, planners.stores
         for new in output.scheduled_new_reqs:
             new_state = requests.get(new.req_id)
@@ -349,16 +368,21 @@ class KVPoolConnectorScheduler:
         for req_id in planners.stores.released(finished_sending):
             planners.requests.forget(req_id)
 
-    def request_finished(self, request: RequestView) -> bool:
-        """True: hold the request's blocks until the worker reports its stores finished."""
+    def request_finished(self, request: RequestView) -> tuple[bool, dict[str, object] | None]:
+        """Whether to hold the request's blocks until the worker reports its stores finished,
+        and the ``kv_transfer_params`` of its answer: a prefill's, what its decode needs."""
         planners = self._planners
         state = None if planners is None else planners.requests.get(request.request_id)
         if planners is None or state is None:
-            return False
+            return False, None
+        params = None
+        if state.stores_tail and self._kv_role != "kv_consumer":
+            prefilled = DecodeParams(tokens=request.num_prompt_tokens, tail=bool(state.tail_stored))
+            params = prefilled.to_json()
         if planners.stores.hold(state):
-            return True
+            return True, params
         planners.requests.forget(request.request_id)
-        return False
+        return False, params
 
     def has_pending_work(self) -> bool:
         """Keep vLLM stepping while blocks are held, so the worker can report them."""

@@ -5,6 +5,9 @@ blocks and vLLM recomputes them. vLLM takes no failed blocks from an engine of s
 groups (block ids are not unique across groups), and a window group cannot resume at a
 failed block, so there the load is per request (``loads_per_request``): the request waits
 one step for its KV, and a failed load is reported for the request.
+
+A decode's hit may end inside the prompt's last chunk (its tail record, loaded into the
+blocks that hold the tail's tokens: the last block only partly, vLLM computes the rest).
 """
 
 from __future__ import annotations
@@ -44,9 +47,9 @@ class LoadPlanner:
                 LoadJob(
                     req_id=state.request.request_id,
                     tenant=span.tenant,
-                    keys=tuple(tuple(chain.keys[span.start : span.stop]) for chain in state.chains),
+                    keys=state.record_keys(span.start, span.stop),
                     block_ids=tuple(
-                        tuple(ids[begin // rule.block_size : stop // rule.block_size])
+                        tuple(ids[begin // rule.block_size : -(-stop // rule.block_size)])
                         for rule, ids in geometry.of_groups(geometry.chunk_groups, block_ids)
                     ),
                     first_tokens=begin % size,
@@ -56,7 +59,7 @@ class LoadPlanner:
         if geometry.state_groups:
             loads.append(self._state_load(state, end, block_ids))
         state.loaded_from, state.loaded_until = first_chunk, end_chunk
-        state.stored_chunks = max(state.stored_chunks, end_chunk)
+        state.stored_chunks = max(state.stored_chunks, end // size)  # a partial one: stored full
         state.planned = None
         self.counters.add("hit_tokens", end - start)
         return loads

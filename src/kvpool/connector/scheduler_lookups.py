@@ -6,6 +6,12 @@ asking the agent, which also starts loading the chunks after the run from L2 (on
 request). A probe's answer stands for :data:`PROBE_REUSE_S`; the questions of one step
 stop at its budget (prefetch questions get half of it). The hit is then planned as loads
 (:mod:`~kvpool.connector.scheduler_loads`).
+
+A decode of a disaggregated request (its params name the prompt another pod prefilled)
+waits, bounded, for the whole prompt: while chunks or the tail record are missing it
+answers "not yet", re-probing every :data:`DECODE_PROBE_REUSE_S`, until its deadline (the
+engine's ``decode_wait_s``, or less if the params ask); then it loads what is there and
+vLLM computes the rest. With the tail its hit is the prompt but its last token.
 """
 
 from __future__ import annotations
@@ -38,6 +44,12 @@ PROBE_REUSE_S = 1.0
 scheduled yet). The answer is a hint: the worker locks what it loads and reports a chunk
 that is gone by then for recompute, so a stale answer costs at most a few chunks computed
 instead of loaded; asking again would cost a round trip per waiting request per step."""
+
+
+DECODE_PROBE_REUSE_S = 0.02
+"""How long a probe's answer stands for a decode waiting for its prompt's chunks: vLLM asks
+at every step (about every millisecond while nothing else runs), and the chunks land as
+the prefill's agent sends them."""
 
 
 class ProbeTables:
@@ -90,6 +102,7 @@ class LookupPlanner:
         prefetch_wait_s: float,
         step_budget_s: float,
         loads_per_request: bool,
+        decode_wait_s: float,
     ) -> None:
         self._geometry = geometry
         self._link = link
@@ -100,6 +113,7 @@ class LookupPlanner:
         self._prefetch_wait_s = prefetch_wait_s
         self._step_budget_s = step_budget_s
         self._loads_per_request = loads_per_request
+        self._decode_wait_s = decode_wait_s
         self._step_asked_s = 0.0
         """Time spent asking the agent in this step."""
 
@@ -111,6 +125,8 @@ class LookupPlanner:
         state.planned = None
         if state.load_failed or not state.cacheable:
             return 0, False
+        if state.decode is not None and self._geometry.tails:
+            return self._decode_matched(state, num_computed_tokens)
         size = self._geometry.chunk_tokens
         limit = (state.request.num_tokens - 1) // size  # vLLM must compute at least one token
         first = num_computed_tokens // size
@@ -133,12 +149,78 @@ class LookupPlanner:
         state.planned = (num_computed_tokens, external)
         return external, self._loads_per_request
 
-    def _probe(self, state: TrackedRequest, first: int, limit: int) -> int | None:
+    def _decode_matched(
+        self, state: TrackedRequest, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """:meth:`matched` for a decode of a prompt another pod prefilled: the prompt but its
+        last token once its full chunks and tail are here; "not yet" while they are not and
+        its wait lasts; then the leading run of chunks there is."""
+        assert state.decode is not None
+        now = self._clock()
+        if state.wait_until is None:
+            asked = state.decode.wait_ms
+            wait_s = (
+                self._decode_wait_s if asked is None else min(self._decode_wait_s, asked / 1000)
+            )
+            state.decode_since, state.wait_until = now, now + wait_s
+        waiting = now < state.wait_until
+        size, prompt = self._geometry.chunk_tokens, state.request.num_prompt_tokens
+        full, first = state.full_chunks, num_computed_tokens // size
+        if state.prefetches and not self._prefetched(state) and waiting:
+            return None, False
+        hits = self._probe(state, first, full, reuse_s=DECODE_PROBE_REUSE_S) if first < full else 0
+        if hits is None:
+            return None, False
+        whole = first + hits == full and self._tail_here(state)
+        if not whole and waiting:
+            return None, False
+        if not state.decided:  # vLLM may ask again (no free blocks): count the request once
+            state.decided = True
+            self.counters.add("pd_full_hits" if whole else "pd_partial_hits")
+            self.counters.add("pd_wait_ms", round(1000 * max(0.0, now - state.decode_since)))
+        end = prompt - 1 if whole else min((first + hits) * size, prompt - 1)
+        external = end - num_computed_tokens
+        if external <= 0:
+            return 0, False
+        state.planned = (num_computed_tokens, external)
+        return external, self._loads_per_request
+
+    def _tail_here(self, state: TrackedRequest) -> bool:
+        """The prompt needs no tail (it ends on a chunk boundary), or every rank finds it."""
+        assert state.decode is not None
+        tail = state.tail()
+        if tail is None:
+            return True
+        if not state.decode.tail:
+            return False  # the prefill stored none: the full chunks are all there is
+        tenant, wanted = tail
+        asked = self._clock()
+        try:
+            if not self._link.usable():
+                return False
+            table = self._tables.of(self._link.info())
+            if table is not None and self._access.allowed(tenant):
+                return all(table.run(tenant, [key]) for key in wanted)
+            if self._step_asked_s >= self._step_budget_s:
+                return False  # this step's time for questions is spent: ask next step
+            return all(
+                self._link.lookup(tenant, [key], lock=False, count=False).count for key in wanted
+            )
+        except (LinkDown, AgentError) as error:
+            log.debug("kvpool: tail lookup failed: %s", error)
+            return False
+        finally:
+            self._step_asked_s += self._clock() - asked
+
+    def _probe(
+        self, state: TrackedRequest, first: int, limit: int, reuse_s: float = PROBE_REUSE_S
+    ) -> int | None:
         """Chunks ``first, first+1, ...`` (up to ``limit``) that every rank finds, in a row;
-        None when that takes a question and this step has no time left for one."""
+        None when that takes a question and this step has no time left for one. An answer
+        stands for ``reuse_s``."""
         now = self._clock()
         probe = state.probe
-        if probe is not None and probe.span == (first, limit) and now - probe.at < PROBE_REUSE_S:
+        if probe is not None and probe.span == (first, limit) and now - probe.at < reuse_s:
             return probe.hits
         hits = self._local_run(state, first, limit)
         if hits is None:

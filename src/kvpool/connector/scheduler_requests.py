@@ -4,20 +4,23 @@ A request is tracked from its first lookup (or ``on_new_request``) until it fini
 ``cache_salt`` is read once (:func:`~kvpool.common.keys.plan_salt`): the tenant of its own
 chunks, the shared space of its first chunks, whether it is cached at all. Its key chains
 (one per tensor-parallel rank, each from that rank's fingerprint) grow as the scheduler
-hashes its tokens. The planners (:mod:`~kvpool.connector.scheduler_lookups`,
-:mod:`~kvpool.connector.scheduler_stores`) read and update the records; only the
-tracker creates and forgets them.
+hashes its tokens. Its ``kv_transfer_params`` say whether it is half of a disaggregated
+request (:mod:`kvpool.common.disagg`): a prefill, which stores its prompt's last partial
+chunk too (a *tail* record), or a decode of a prompt another pod prefilled. The planners
+(:mod:`~kvpool.connector.scheduler_lookups`, :mod:`~kvpool.connector.scheduler_stores`)
+read and update the records; only the tracker creates and forgets them.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
-from kvpool.common import keys
+from kvpool.common import disagg, keys
+from kvpool.common.disagg import DecodeParams, PrefillParams
 from kvpool.connector.counters import Counters
 from kvpool.connector.layout import NULL_BLOCK, GroupRule
 
@@ -34,7 +37,11 @@ class RequestView(Protocol):
     @property
     def num_tokens(self) -> int: ...
     @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
     def all_token_ids(self) -> Sequence[int]: ...
+    @property
+    def kv_transfer_params(self) -> Mapping[str, Any] | None: ...
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,13 @@ class ChunkGeometry:
     blocks_per_chunk: list[int]
     first_kept: list[int]
     """Per chunk group: blocks per chunk, and the first block of a chunk that it keeps."""
+
+    @property
+    def tails(self) -> bool:
+        """A prompt's last partial chunk can be a record of its own: every group keeps all of
+        a chunk's blocks (full attention or MLA; a window's tail would need the blocks
+        before it, a state-space layer its state mid-chunk)."""
+        return not self.state_groups and not any(self.first_kept)
 
     def of_groups(
         self, groups: Sequence[int], block_ids: Sequence[Sequence[int]]
@@ -124,6 +138,47 @@ class TrackedRequest:
     loaded_until: int = 0
     """The chunk after the request's load: vLLM hands over the loaded state as if computed,
     and the states before it are the agent's already."""
+    stores_tail: bool = False
+    """Store the prompt's last partial chunk (a prefill of a disaggregated request)."""
+    tail_stored: bool | None = None
+    """Its tail's store is planned (True), or the tail was considered and has none (False:
+    the prompt ends on a chunk boundary, or the agent refuses the tenant); None: not yet."""
+    decode: DecodeParams | None = None
+    """A decode of a prompt another pod prefilled (its params match this prompt)."""
+    decode_since: float = 0.0
+    wait_until: float | None = None
+    """When a decode started and stops waiting for the prompt's chunks (its first lookup)."""
+    decided: bool = False
+    """The decode's hit is decided (counted once)."""
+
+    @property
+    def full_chunks(self) -> int:
+        return self.request.num_prompt_tokens // self.chains[0].chunk_tokens
+
+    def tail(self) -> tuple[str, list[bytes]] | None:
+        """The tenant and every rank's key of the prompt's last partial chunk (the tokens
+        after its full chunks; :func:`~kvpool.common.keys.tail_key`); None when the prompt
+        ends on a chunk boundary or is shorter than one chunk."""
+        full, prompt = self.full_chunks, self.request.num_prompt_tokens
+        size = self.chains[0].chunk_tokens
+        if full == 0 or prompt == full * size:
+            return None
+        tokens = self.request.all_token_ids
+        rest = tokens[full * size : prompt]
+        tails = [keys.tail_key(chain.upto(tokens, full)[full - 1], rest) for chain in self.chains]
+        return self.spans(full, full + 1)[0].tenant, tails
+
+    def record_keys(self, start: int, stop: int) -> tuple[tuple[bytes, ...], ...]:
+        """Per rank, the keys of chunks ``[start, stop)``: the prompt's partial last chunk is
+        its tail record (hashed already)."""
+        full = self.full_chunks
+        if stop <= full:
+            return tuple(tuple(chain.keys[start:stop]) for chain in self.chains)
+        tail = self.tail()
+        assert tail is not None and stop == full + 1, "chunks past the prompt have no records"
+        return tuple(
+            (*chain.keys[start:full], key) for chain, key in zip(self.chains, tail[1], strict=True)
+        )
 
     def spans(self, first: int, stop: int) -> list[Span]:
         """Chunks ``[first, stop)`` split at the shared boundary, each with its tenant."""
@@ -155,15 +210,21 @@ class RequestTracker:
         fingerprints: Sequence[keys.ModelFingerprint],
         chunk_tokens: int,
         counters: Counters,
+        *,
+        tails: bool = False,
     ) -> None:
-        """``fingerprints``: per tensor-parallel rank."""
+        """``fingerprints``: per tensor-parallel rank. ``tails``: store every prompt's tail
+        (a ``kv_producer``: each request is the prefill of a disaggregated one); otherwise
+        only a request whose params say it is a prefill stores its tail."""
         self._roots: list[tuple[keys.ModelFingerprint, dict[str, bytes]]] = [
             (fingerprint, {}) for fingerprint in fingerprints
         ]
         self._chunk_tokens = chunk_tokens
         self._counters = counters
+        self._tails = tails
         self._requests: dict[str, TrackedRequest] = {}
-        self._salt_problems_said: set[str | None] = set()
+        self._salt_problems_said: set[str] = set()
+        self._params_problems_said: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -197,8 +258,31 @@ class RequestTracker:
                 shared=plan.shared_chunks(self._chunk_tokens),
                 cacheable=plan.cacheable,
             )
+            self._disaggregated(state)
             self._requests[request.request_id] = state
         return state
+
+    def _disaggregated(self, state: TrackedRequest) -> None:
+        """Read the request's part in a disaggregated request from its params."""
+        request = state.request
+        try:
+            params = disagg.read_params(request.kv_transfer_params)
+        except disagg.ParamsError as error:
+            self._counters.add("pd_bad_params")
+            self._say_once(self._params_problems_said, str(error), request.request_id)
+            return
+        state.stores_tail = self._tails or isinstance(params, PrefillParams)
+        if isinstance(params, DecodeParams):
+            if params.tokens == request.num_prompt_tokens:
+                state.decode = params
+            else:  # another tokenization (a template), or params of another request
+                self._counters.add("pd_mismatched")
+                self._say_once(
+                    self._params_problems_said,
+                    f"kv_transfer_params.kvpool.tokens is {params.tokens}, the prompt has "
+                    f"{request.num_prompt_tokens}; looked up as any request",
+                    request.request_id,
+                )
 
     def _root(self, rank: int, salt: str | None) -> bytes:
         fingerprint, roots = self._roots[rank]
@@ -209,22 +293,26 @@ class RequestTracker:
             cached = roots[salt or ""] = keys.root_key(salt, fingerprint)
         return cached
 
+    @staticmethod
+    def _say_once(said: set[str], problem: str, req_id: str) -> None:
+        """Log a request's problem once per kind (a bounded memo)."""
+        if problem in said:
+            return
+        if len(said) < 64:
+            said.add(problem)
+        log.warning("kvpool: request %s: %s", req_id, problem)
+
     def _salt_problem(self, req_id: str, plan: keys.SaltPlan) -> None:
         """Say once per kind of problem why a salt was not taken as written (the salt itself is
         never logged: it is a tenant's secret)."""
         self._counters.add("salt_problems")
-        if plan.problem in self._salt_problems_said:
-            return
-        if len(self._salt_problems_said) < 64:
-            self._salt_problems_said.add(plan.problem)
         outcome = (
             "the request is its tenant's alone (nothing shared)"
             if plan.cacheable
             else "the request gets no cache"
         )
-        log.warning(
-            "kvpool: request %s: a cache_salt not taken as written: %s; %s",
+        self._say_once(
+            self._salt_problems_said,
+            f"a cache_salt not taken as written: {plan.problem}; {outcome}",
             req_id,
-            plan.problem,
-            outcome,
         )

@@ -4,9 +4,14 @@ finished request's blocks may go.
 Every chunk that becomes full by the end of a step (prompt or generated tokens) and was
 not loaded from the agent becomes part of a :class:`~kvpool.connector.jobs.StoreJob`,
 with the key of the chunk before it as parent; a state vLLM hands over at a chunk's end
-becomes one of its own. A store job is followed until every tensor-parallel worker has
-done it; a finished request whose stores have not finished yet keeps its blocks (only
-where the workers' stores are asynchronous, as on CUDA).
+becomes one of its own. A prefill of a disaggregated request also stores the tokens after
+its prompt's last full chunk, once the prompt is computed: a *tail* record, a chunk-sized
+record keyed by :func:`~kvpool.common.keys.tail_key` that holds the blocks of those tokens
+(the rest of the record repeats the last of them, the request's own KV: never stale bytes),
+so that the decode computes one token instead of up to a chunk. A store job is followed
+until every tensor-parallel worker has done it; a finished request whose stores have not
+finished yet keeps its blocks (only where the workers' stores are asynchronous, as on
+CUDA).
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ class StorePlanner:
             first += 1  # a window's blocks vLLM did not keep (before its own prefix hit)
         state.stored_chunks = max(state.stored_chunks, first)
         if full <= first:
+            self._plan_tail(state, computed_tokens, stores)
             return
         tokens = state.request.all_token_ids
         with self.counters.timed("hash_us"):
@@ -92,6 +98,45 @@ class StorePlanner:
                 ),
             )
         state.stored_chunks = full
+        self._plan_tail(state, computed_tokens, stores)
+
+    def _plan_tail(
+        self, state: TrackedRequest, computed_tokens: int, stores: list[StoreJob]
+    ) -> None:
+        """Store the prompt's tail (after its full chunks' job, its parent) once the prompt is
+        computed, if the request stores one and the chunk format can hold it."""
+        geometry = self._geometry
+        if (
+            not state.stores_tail
+            or state.tail_stored is not None
+            or not geometry.tails
+            or computed_tokens < state.request.num_prompt_tokens
+            or state.stored_chunks < state.full_chunks
+        ):
+            return
+        state.tail_stored = False
+        tail = state.tail()
+        if tail is None or self._allowed(tail[0]) is False:
+            return
+        tenant, tail_keys = tail
+        full, rest = state.full_chunks, state.request.num_prompt_tokens % geometry.chunk_tokens
+        block_ids = []
+        for index, per_chunk in zip(geometry.chunk_groups, geometry.blocks_per_chunk, strict=True):
+            ids = state.block_ids[index][full * per_chunk :]
+            used = -(-rest // geometry.groups[index].block_size)
+            if len(ids) < used:
+                return  # vLLM has not allocated them (cannot happen once the prompt is computed)
+            block_ids.append(tuple(ids[:used]) + (ids[used - 1],) * (per_chunk - used))
+        state.tail_stored = True
+        self._open(
+            state,
+            stores,
+            tenant=tenant,
+            keys=tuple((key,) for key in tail_keys),
+            parents=tuple(chain.keys[full - 1] for chain in state.chains),
+            block_ids=tuple(block_ids),
+        )
+        self.counters.add("pd_tails")
 
     def plan_states(
         self,

@@ -178,6 +178,15 @@ class ConnectorSettings(BaseModel):
             "(0: never ask for a prefetch)."
         ),
     )
+    decode_wait_s: float = Field(
+        2.0,
+        ge=0,
+        description=(
+            "Most time the decode of a disaggregated request waits for the chunks its prefill "
+            "stored (its kv_transfer_params may ask for less); then it loads what is there "
+            "and computes the rest."
+        ),
+    )
     step_budget_ms: float = Field(
         10.0,
         gt=0,
