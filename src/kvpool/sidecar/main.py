@@ -170,6 +170,9 @@ async def serve(settings: SidecarSettings, host: str, port: int, limits: HttpLim
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     start_logging(args.log_level)
+    # httpx logs each request at INFO: a line per request of every client is an access
+    # log, which the gateway keeps (with the result header), not the sidecar
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         chosen = settings(args)
         limits = HttpLimits(max_body_bytes=args.max_body_bytes)

@@ -31,7 +31,7 @@ HOP_BY_HOP = frozenset(
         b"upgrade",
     }
 )
-_NOT_FORWARDED = HOP_BY_HOP | {b"host"}
+_NOT_FORWARDED = HOP_BY_HOP | {b"host", b"expect"}
 _NOT_RETURNED = HOP_BY_HOP | {b"date", b"server"}
 
 
