@@ -8,6 +8,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
@@ -61,7 +63,9 @@ def prefill_answer(**extra: object) -> Reply:
     return Reply(body=body)
 
 
-def post(sidecar: Sidecar, body: object, headers: dict[str, str], path: str = "/v1/completions"):
+def post(
+    sidecar: Sidecar, body: object, headers: dict[str, str], path: str = "/v1/completions"
+) -> httpx.Response:
     return httpx.post(f"{sidecar.url}{path}", json=body, headers=headers, timeout=10)
 
 
@@ -103,7 +107,10 @@ def test_other_paths_and_methods_pass_through(signed: Sidecar, decode: FakeVllm)
     ],
 )
 def test_a_header_that_fails_verification_is_stripped_and_not_followed(
-    signed: Sidecar, decode: FakeVllm, prefill: FakeVllm, value
+    signed: Sidecar,
+    decode: FakeVllm,
+    prefill: FakeVllm,
+    value: Callable[[str], str],
 ) -> None:
     answer = post(signed, COMPLETION, {PREFILL_HEADER: value(prefill.address)})
     assert answer.status_code == 200
@@ -284,7 +291,7 @@ def test_without_a_key_signed_headers_are_stripped_and_llmds_followed_if_asked(
     assert "node" not in decoded["kv_transfer_params"]["kvpool"]  # llm-d's names no node
 
 
-def test_a_start_with_an_unusable_key_file_is_one_line_and_exit_2(tmp_path) -> None:
+def test_a_start_with_an_unusable_key_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
     short = tmp_path / "key"
     short.write_text("short")
     done = subprocess.run(
