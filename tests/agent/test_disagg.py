@@ -90,6 +90,22 @@ def test_only_addresses_are_signed() -> None:
         disagg.sign_prefill(KEY, PrefillTarget("http://evil/x;y", "n", 1))
 
 
+@pytest.mark.parametrize(
+    ("value", "address"),
+    [
+        ("10.0.0.7:8000", True),
+        ("prefill-0.pods.svc:8000", True),
+        ("[fd00::7]:8000", True),
+        ("10.0.0.7", False),
+        ("http://10.0.0.7:8000", False),
+        ("10.0.0.7:8000/x", False),
+        ("evil@10.0.0.7:8000", False),
+    ],
+)
+def test_an_unsigned_address_is_held_to_the_signed_form(value: str, address: bool) -> None:
+    assert disagg.is_address(value) is address
+
+
 def test_a_short_key_file_is_refused_naming_it(tmp_path: Path) -> None:
     short = tmp_path / "pd.key"
     short.write_bytes(b"abc\n")

@@ -200,5 +200,11 @@ def verify_prefill(key: bytes, value: str, now: float) -> PrefillTarget:
     return PrefillTarget(address, node, int(expires))
 
 
+def is_address(value: str) -> bool:
+    """Whether ``value`` is a prefill pod's ``host:port`` (``[v6]:port``) as a signed header
+    may name it: what an unsigned header (llm-d's) is held to as well."""
+    return _ADDRESS.fullmatch(value) is not None
+
+
 def _signature(key: bytes, body: str) -> str:
     return hmac.new(key, _SIGNATURE_DOMAIN + body.encode(), hashlib.sha256).hexdigest()

@@ -10,7 +10,14 @@ import sys
 from importlib.metadata import entry_points
 
 DISTRIBUTION = "kvpool"
-SCRIPTS = ("kvpool-agent", "kvpool-operator", "kvpool-csi", "kvpool-index", "kvpool")
+SCRIPTS = (
+    "kvpool-agent",
+    "kvpool-operator",
+    "kvpool-csi",
+    "kvpool-index",
+    "kvpool-pd-sidecar",
+    "kvpool",
+)
 """The console scripts, in the page's order (each one of pyproject's [project.scripts])."""
 _CHOICES = re.compile(r"^  \{([a-z0-9,-]+)\}", re.MULTILINE)
 
