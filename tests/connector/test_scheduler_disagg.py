@@ -82,6 +82,7 @@ def test_the_tail_waits_for_the_last_prompt_step() -> None:
     assert len(chunks.keys[0]) == 2
     rest = scheduler_output(cached=[("p", None, 512)], scheduled={"p": PROMPT - 512})
     chunk, tail = half.build_connector_meta(rest).stores
+    assert chunk.keys == (tuple(chain(request.tokens)[2:3]),)
     assert tail.keys == ((tail_key(request.tokens),),)
     # generated tokens later store nothing more of the tail
     request.tokens.append(5)
