@@ -78,6 +78,7 @@ class ServerEndpoint:
     node: str
     """The node it runs on: its agent's node name in the index's trackers."""
     role: ServerRole = "both"
+    """What it may be given under prefill/decode disaggregation (see the module's roles)."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class ServerState:
     load: Load | None = None
     """Its last read load; None: never read, or the last read failed (not ready)."""
     role: ServerRole = "both"
+    """Its endpoint's role."""
 
     @property
     def ready(self) -> bool:

@@ -42,8 +42,10 @@ class PrefillHeaders:
         self._key = key
         self._ttl = config.header_ttl_seconds
         self._clock = clock
-        self._names = (PREFILL_HEADER, LLMD_HEADER) if config.llmd_header else (PREFILL_HEADER,)
-        self._colocated = HeaderChanges(remove=self._names)
+        self._llmd = config.llmd_header
+        self._colocated = HeaderChanges(
+            remove=(PREFILL_HEADER, LLMD_HEADER) if self._llmd else (PREFILL_HEADER,)
+        )
 
     def route(self, pick: Pick) -> tuple[Pick, HeaderChanges]:
         """The pick as routed, and its request's header changes. A prefill pod that cannot
@@ -52,13 +54,14 @@ class PrefillHeaders:
         prefill = pick.prefill
         if prefill is None:
             return pick, self._colocated
-        expires = int(self._clock()) + self._ttl
+        target = PrefillTarget(prefill.address, prefill.node, int(self._clock()) + self._ttl)
         try:
             if self._key is None:
-                raise ValueError("no disaggregation key")
-            signed = sign_prefill(self._key, PrefillTarget(prefill.address, prefill.node, expires))
+                raise ValueError("the edge has no disaggregation key")
+            headers = [(PREFILL_HEADER, sign_prefill(self._key, target))]
         except ValueError as error:
             _rare.warning(f"prefill pod {prefill.address} not named to the decode pod: {error}")
             return Pick(pick.endpoint, PickReason.FAIL_OPEN), self._colocated
-        values = (signed, prefill.address)
-        return pick, HeaderChanges(set=list(zip(self._names, values, strict=False)))
+        if self._llmd:
+            headers.append((LLMD_HEADER, prefill.address))
+        return pick, HeaderChanges(set=headers)
