@@ -192,7 +192,7 @@ class Candidates:
     the address), each with its queue: made once per snapshot of the servers' loads, not per
     pick."""
 
-    __slots__ = ("addresses", "queues", "servers")
+    __slots__ = ("addresses", "queues", "ranked", "servers")
 
     def __init__(self, servers: Iterable[ServerState]) -> None:
         ranked = sorted((_queue_requests(s.load), _waiting(s.load), s.address, s) for s in servers)
@@ -201,10 +201,8 @@ class Candidates:
         """Each one's requests ahead of a new one (:func:`_queue_requests`)."""
         self.addresses = [server.address for server in self.servers]
         """The names the GPU tier knows them by."""
-
-    def ranked(self) -> list[tuple[ServerState, float]]:
-        """Each server with its queue, shortest queue first."""
-        return list(zip(self.servers, self.queues, strict=True))
+        self.ranked = list(zip(self.servers, self.queues, strict=True))
+        """Each server with its queue, in order."""
 
 
 class _Ranking(NamedTuple):
@@ -389,7 +387,7 @@ class EndpointPicker:
         left = lambda: deadline - self._clock()  # noqa: E731
         runs = tier_runs(self.tiers, keys, ranking.addresses, left)
         prices = self._prices(request, runs)
-        ranked = ranking.destinations.ranked()
+        ranked = ranking.destinations.ranked
         best, server = _best(_contenders(ranked, runs), runs, prices)
         # no lock: two picks at once may lose one of their updates, which a mean forgets
         # anyway; each assignment is whole
@@ -408,7 +406,7 @@ class EndpointPicker:
             return whole, Disaggregation.SHORT
         if not server.decodes:  # none that decodes is ready: there is no decode pod
             return whole, Disaggregation.NO_DECODE_READY
-        others = [(s, q) for s, q in ranking.prefill.ranked() if s.address != best.address]
+        others = [(s, q) for s, q in ranking.prefill.ranked if s.address != best.address]
         if not others:
             return whole, Disaggregation.NO_PREFILL_READY
         free = [(s, q) for s, q in others if _waiting(s.load) <= pd.max_prefill_waiting]
@@ -449,7 +447,7 @@ class EndpointPicker:
             keys = PromptKeys(request.token_ids, request.cache_salt, self.fingerprint)
         runs = tier_runs(self.tiers, keys, candidates.addresses, left)
         prices = self._prices(request, runs)
-        ranked = candidates.ranked()
+        ranked = candidates.ranked
         chosen = _contenders(ranked, runs) if contenders else ranked
         return [_estimate(server, queue, runs, prices) for server, queue in chosen]
 
