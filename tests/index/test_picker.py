@@ -23,7 +23,7 @@ from kvpool.index.model_servers import (
     StaticServers,
 )
 from kvpool.index.picker import FIRST_WINDOW, WINDOW_GROWTH, EndpointPicker, Tiers
-from kvpool.index.picking import NoEndpoint, Pick, PickReason, PickRequest
+from kvpool.index.picking import Disaggregation, NoEndpoint, Pick, PickReason, PickRequest
 from kvpool.index.query import PromptKeys
 from kvpool.index.tracker import KeySequence, PrefixMatch, PrefixTracker
 from tests.support.polling import wait_until
@@ -50,9 +50,13 @@ def server(address: str, node: str, waiting: float = 0, running: float = 0, kv: 
 class Decisions:
     def __init__(self) -> None:
         self.seen: list[tuple[PickReason | None, float]] = []
+        self.disaggregations: list[Disaggregation | None] = []
 
-    def observe_pick(self, reason: PickReason | None, seconds: float) -> None:
+    def observe_pick(
+        self, reason: PickReason | None, seconds: float, disaggregation: Disaggregation | None
+    ) -> None:
         self.seen.append((reason, seconds))
+        self.disaggregations.append(disaggregation)
 
 
 MakePicker = Callable[..., EndpointPicker]
@@ -209,6 +213,7 @@ def test_decisions_are_counted_by_reason_with_their_time(make_picker: MakePicker
     picker.pick(PickRequest(tokens, "t"))
     picker.pick(PickRequest(tokens, "other"))
     assert [reason for reason, _ in decisions.seen] == [PickReason.PREFIX, PickReason.LOAD]
+    assert decisions.disaggregations == [Disaggregation.DISABLED] * 2
     assert all(0 < seconds < 2 for _, seconds in decisions.seen)
 
 

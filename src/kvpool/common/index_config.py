@@ -36,6 +36,11 @@ from kvpool.common.sizes import Size
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 """A route or lookup body: token ids of a prompt of ~2M tokens as JSON."""
 
+ServerRole = Literal["both", "prefill", "decode"]
+"""What a model server may be given under prefill/decode disaggregation: whole requests
+and prefills (``both``), only prefills (``prefill``), or whole requests and decodes
+(``decode``)."""
+
 
 class Fingerprint(BaseModel):
     """The model configuration the keys were made for (see ``kvpool.common.keys``)."""
@@ -87,6 +92,14 @@ class ModelServer(BaseModel):
             "lost events are asked for again; none: a loss drops its GPU tier until refilled."
         ),
     )
+    role: ServerRole = Field(
+        "both",
+        description=(
+            "both: whole requests and prefills; prefill: only the prefills of disaggregated "
+            "requests (while a decode-capable server is ready); decode: whole requests and "
+            "the decodes of disaggregated ones, never a prefill for another (picker.pd)."
+        ),
+    )
 
 
 class TierCosts(BaseModel):
@@ -101,6 +114,70 @@ class TierCosts(BaseModel):
     peer: float = Field(0.02, ge=0, description="Fetched from another node's agent.")
     s3: float = Field(0.05, ge=0, description="Fetched from the pool's S3 bucket.")
     compute: float = Field(0.2, gt=0, description="Computed (prefill): no tier holds it.")
+
+
+class PrefillDecode(BaseModel):
+    """Prefill/decode disaggregation: the picker decides per request whether another pod
+    prefills the prompt for the decode pod it routes to (the decode pod's kvpool sidecar
+    follows its signed choice)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = Field(
+        False,
+        description=(
+            "Disaggregate requests whose uncached part is long (see threshold_tokens); off: "
+            "every request is served whole by one decode-capable server."
+        ),
+    )
+    threshold_tokens: int = Field(
+        512,
+        ge=1,
+        description=(
+            "Disaggregate when the prompt tokens that the best decode-capable server cannot "
+            "load from any tier are at least this many (tokens, not characters): a shorter "
+            "prefill costs the decode pod less than the handover does."
+        ),
+    )
+    max_prefill_waiting: int = Field(
+        4,
+        ge=0,
+        description=(
+            "A prefill-capable server with more requests waiting than this is not given "
+            "prefills: a prefill that queues serves the request later than the decode pod "
+            "computing it would."
+        ),
+    )
+    key_file: Path | None = Field(
+        None,
+        description=(
+            "The pool's disaggregation key (at least 32 bytes, e.g. openssl rand -hex 32), "
+            "which the decode pods' sidecars mount too: the picker signs its choice of a "
+            "prefill pod with it. Required when enabled."
+        ),
+    )
+    header_ttl_seconds: int = Field(
+        30,
+        ge=1,
+        description="How long a sidecar follows the signed prefill header after the pick.",
+    )
+    llmd_header: bool = Field(
+        False,
+        description=(
+            "Also name the prefill pod in llm-d's unsigned x-prefiller-host-port header, for "
+            "decode pods that run llm-d's routing sidecar instead of kvpool's."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.enabled and self.key_file is None:
+            raise SettingError(
+                "disaggregation signs its prefill header: set key_file to the pool's "
+                "disaggregation key",
+                key_file=self.key_file,
+            )
+        return self
 
 
 class PickerConfig(BaseModel):
@@ -185,6 +262,10 @@ class PickerConfig(BaseModel):
         None,
         description="The model name of the placement events' topics (kv@<pod ip>@<model>); "
         "default: the fingerprint's model.",
+    )
+    pd: PrefillDecode = Field(
+        default_factory=PrefillDecode,
+        description="Prefill/decode disaggregation: a prefill pod chosen per request.",
     )
 
 

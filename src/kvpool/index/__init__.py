@@ -17,7 +17,8 @@ Core (no sockets, no web framework, no metrics library):
 
 The endpoint picker (with ``picker.enabled``; :mod:`~kvpool.index.endpoint_picker`
 starts its parts): :mod:`~kvpool.index.picking` (its request and answer),
-:mod:`~kvpool.index.picker` (the estimate over the tiers and the servers' loads),
+:mod:`~kvpool.index.picker` (the estimate over the tiers and the servers' loads, and
+whether to disaggregate prefill from decode),
 :mod:`~kvpool.index.model_servers` (the candidates and their vLLM metrics),
 :mod:`~kvpool.index.engine_events` (each server's GPU prefix cache from its vLLM KV
 events), :mod:`~kvpool.index.prompts` (text to token ids), :mod:`~kvpool.index.epp`

@@ -15,6 +15,7 @@ import logging
 from dataclasses import replace
 
 from kvpool.common.auth import TokenAuthority
+from kvpool.common.disagg import read_key
 from kvpool.common.index_config import IndexConfig
 from kvpool.common.problems import ConfigError
 from kvpool.index.engine_events import EngineEvents, EngineEventsCollector, event_endpoints
@@ -62,7 +63,8 @@ class EndpointPickerService:
         *,
         authority: TokenAuthority | None = None,
     ) -> None:
-        """``ConfigError`` (one line) when the tokenizer directory does not load."""
+        """``ConfigError`` (one line) when the tokenizer directory or the disaggregation key
+        does not load."""
         picker_config = config.picker
         assert config.fingerprint is not None  # IndexConfig refuses a picker without one
         prompts = None
@@ -71,6 +73,14 @@ class EndpointPickerService:
                 prompts = Prompts.load(picker_config.tokenizer)
             except PromptsError as error:
                 raise ConfigError([f"picker.tokenizer: {error}"]) from None
+        prefill_key = None
+        if picker_config.pd.enabled:
+            key_file = picker_config.pd.key_file
+            assert key_file is not None  # PrefillDecode refuses pd without one
+            try:
+                prefill_key = read_key(key_file)
+            except (OSError, ValueError) as error:
+                raise ConfigError([f"picker.pd.key_file: {error}"]) from None
         fingerprint = config.fingerprint.fingerprint()
         self.feed = feed
         if feed is not None:
@@ -91,6 +101,7 @@ class EndpointPickerService:
             fingerprint,
             picker_config.tier_costs,
             deadline_ms=picker_config.deadline_ms,
+            pd=picker_config.pd,
             observer=metrics,
         )
         self.edge = EppServer(
@@ -99,6 +110,7 @@ class EndpointPickerService:
             config.host,
             prompts,
             authority=authority if picker_config.require_token else None,
+            prefill_key=prefill_key,
         )
         metrics.register_picker(self.edge.answers.snapshot, self.servers.snapshot)
         self.port = 0

@@ -10,7 +10,8 @@ read from the tracker and the subscriber at scrape time. Queries are timed by
 :class:`~kvpool.index.service.IndexService` through
 :meth:`IndexMetrics.observe_query`; routing decisions are counted by reason.
 A gap in sequence numbers (counted as a ``gap`` resync) is the certain sign of
-lost events. With the picker: its answers, the model servers' loads, and the placement
+lost events. With the picker: its answers, its picks by reason and whether each
+disaggregated prefill from decode (or why not), the model servers' loads, and the placement
 events' publisher (batches, drops, recovery requests, placements held by medium).
 """
 
@@ -28,7 +29,7 @@ from kvpool.common.routing import Decision
 from kvpool.common.web.connections import HttpRefusals
 from kvpool.common.web.refusal_metrics import HttpRefusalsCollector
 from kvpool.index.model_servers import ServerState
-from kvpool.index.picking import PickReason
+from kvpool.index.picking import Disaggregation, PickReason
 from kvpool.index.placement_events import PublisherStatus
 from kvpool.index.subscriber import AgentStatus
 from kvpool.index.tracker import PrefixTracker
@@ -245,12 +246,19 @@ class IndexMetrics:
         servers: Callable[[], Sequence[ServerState]],
     ) -> None:
         """The endpoint picker's numbers: its answers by status and reason, its picks by
-        reason and their time (:meth:`observe_pick`), each model server's load."""
+        reason, disaggregation and time (:meth:`observe_pick`), each model server's load."""
         self.registry.register(_PickerCollector(answers, servers))
         self._picks = Counter(
             "kvpool_index_picks",
-            "Endpoint picks, by reason (prefix, load, fail_open, no_endpoint).",
+            "Endpoint picks, by reason (prefix, load, pd, fail_open, no_endpoint).",
             ["reason"],
+            registry=self.registry,
+        )
+        self._disaggregations = Counter(
+            "kvpool_index_pick_disaggregation",
+            "Endpoint picks by whether they disaggregated prefill from decode (disaggregated) "
+            "or why not (disabled, short, no_decode_ready, no_prefill_ready, prefill_busy).",
+            ["outcome"],
             registry=self.registry,
         )
         self._pick_latency = Histogram(
@@ -260,11 +268,15 @@ class IndexMetrics:
             registry=self.registry,
         )
 
-    def observe_pick(self, reason: PickReason | None, seconds: float) -> None:
-        """A :class:`~kvpool.index.picker.PickObserver`: ``None`` is a request no endpoint
-        could take."""
+    def observe_pick(
+        self, reason: PickReason | None, seconds: float, disaggregation: Disaggregation | None
+    ) -> None:
+        """A :class:`~kvpool.index.picker.PickObserver`: ``reason`` None is a request no
+        endpoint could take."""
         self._picks.labels(reason.value if reason is not None else "no_endpoint").inc()
         self._pick_latency.observe(seconds)
+        if disaggregation is not None:
+            self._disaggregations.labels(disaggregation.value).inc()
 
     def register_http(self, refusals: HttpRefusals) -> None:
         """Count what the HTTP server refuses (see

@@ -7,6 +7,13 @@
 being deleted) *and* its ``Ready`` condition is true (vLLM's readiness probe passes once the
 model is loaded); its address is ``podIP:target_port``, its node ``spec.nodeName``.
 
+**Roles** (prefill/decode disaggregation): a static server's ``role``; a pod's label
+``kvpool.io/role`` (``prefill``, ``decode``, ``both``) or else llm-d's ``llm-d.ai/role``
+(``prefill``, ``decode``, ``prefill-decode`` or ``both``), so that pods deployed for
+llm-d's P/D keep their roles. Without either, or with another value (logged, at most once
+a minute per pod and value), a server does ``both``: a typo must not take a server out of
+every pick.
+
 **Their load.** One background thread reads each server's Prometheus ``/metrics`` every
 ``load_interval_seconds``, one server after another, each read bounded in time (``timeout``
 for the whole exchange) and size (``max_bytes``): the Gateway API Inference Extension's
@@ -37,7 +44,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from kvpool.common.index_config import PickerConfig
+from kvpool.common.index_config import PickerConfig, ServerRole
 from kvpool.common.kube.pods import created, is_ready, namespace_or_own, placement, pod_lister
 from kvpool.common.kube.watch import ListWatch
 from kvpool.common.web.rate_limited_log import RateLimitedLog
@@ -54,6 +61,14 @@ SLOW_READS_KEPT = 2
 MAX_REQUESTS = 1e6
 """A gauge above this is taken as this: a confused server must not make the arithmetic
 overflow (it is already the least attractive server by far)."""
+ROLE_LABELS: tuple[tuple[str, Mapping[str, ServerRole]], ...] = (
+    ("kvpool.io/role", {"prefill": "prefill", "decode": "decode", "both": "both"}),
+    (
+        "llm-d.ai/role",
+        {"prefill": "prefill", "decode": "decode", "prefill-decode": "both", "both": "both"},
+    ),
+)
+"""The pod labels that give a server's role, the first one set winning, and their values."""
 
 
 @dataclass(frozen=True, order=True)
@@ -62,6 +77,8 @@ class ServerEndpoint:
     """``ip:port`` (``[v6]:port``) of its OpenAI server: what the gateway is told to use."""
     node: str
     """The node it runs on: its agent's node name in the index's trackers."""
+    role: ServerRole = "both"
+    """What it may be given under prefill/decode disaggregation (see the module's roles)."""
 
 
 @dataclass(frozen=True)
@@ -80,10 +97,22 @@ class ServerState:
     node: str
     load: Load | None = None
     """Its last read load; None: never read, or the last read failed (not ready)."""
+    role: ServerRole = "both"
+    """Its endpoint's role."""
 
     @property
     def ready(self) -> bool:
         return self.load is not None
+
+    @property
+    def decodes(self) -> bool:
+        """Whether it may be given whole requests and decodes (role ``decode`` or ``both``)."""
+        return self.role != "prefill"
+
+    @property
+    def prefills(self) -> bool:
+        """Whether it may prefill for another server (role ``prefill`` or ``both``)."""
+        return self.role != "decode"
 
 
 ServersListener = Callable[[list[ServerEndpoint]], None]
@@ -114,7 +143,27 @@ def server_of(pod: Mapping[str, Any], target_port: int) -> ServerEndpoint | None
     where = placement(pod)
     if where is None or not is_ready(pod):
         return None
-    return ServerEndpoint(f"{where.host}:{target_port}", where.node)
+    return ServerEndpoint(f"{where.host}:{target_port}", where.node, role_of(pod))
+
+
+def role_of(pod: Mapping[str, Any]) -> ServerRole:
+    """The role a pod's labels give it (:data:`ROLE_LABELS`); ``both`` without one, or
+    with a value they do not know (logged)."""
+    metadata = pod.get("metadata") or {}
+    labels = metadata.get("labels") or {}
+    for label, roles in ROLE_LABELS:
+        value = labels.get(label)
+        if value is None:
+            continue
+        role = roles.get(value)
+        if role is None:
+            _failures.warning(
+                f"model server pod {metadata.get('name')}: {label}={value} is not one of "
+                f"{', '.join(roles)}; taken as both"
+            )
+            return "both"
+        return role
+    return "both"
 
 
 def servers_of(pods: Iterable[Mapping[str, Any]], target_port: int) -> list[ServerEndpoint]:
@@ -197,7 +246,7 @@ def discovery_of(config: PickerConfig, namespace: str | None) -> ServerDiscovery
     """The discovery ``config`` asks for (``namespace``: the index's, for kubernetes)."""
     if config.discovery == "kubernetes":
         return KubernetesServers.connect(config.selector, namespace, config.target_port)
-    return StaticServers(ServerEndpoint(s.address, s.node) for s in config.servers)
+    return StaticServers(ServerEndpoint(s.address, s.node, s.role) for s in config.servers)
 
 
 # ------------------------------------------------------------------------------ load
@@ -317,9 +366,9 @@ class ModelServers:
         with self._lock:
             previous = self._states
             self._states = {
-                s.address: replace(previous[s.address], node=s.node)
+                s.address: replace(previous[s.address], node=s.node, role=s.role)
                 if s.address in previous
-                else ServerState(s.address, s.node)
+                else ServerState(s.address, s.node, role=s.role)
                 for s in servers
             }
             self._publish()

@@ -21,6 +21,20 @@ time to first token, and picks the lowest:
 Ties go to fewer waiting requests, then the address. The answer's reason is ``prefix``
 when the winner loads some of the prompt rather than computing it, else ``load``.
 
+**Roles.** A whole request goes to a decode-capable server (role ``decode`` or ``both``);
+a ``prefill`` server only while none of those is ready (a misdeployed pool still serves).
+
+**Prefill/decode disaggregation** (``picker.pd``). Let ``d`` be the winner above. The
+request is disaggregated when the part of its prompt ``d`` cannot load from any tier is at
+least ``threshold_tokens`` (below that, the handover costs more than ``d`` computing it),
+and some ready prefill-capable server (``prefill`` or ``both``) other than ``d`` has at
+most ``max_prefill_waiting`` requests waiting (Dynamo's rule: a queued prefill starts no
+sooner than ``d`` would). The prefill pod ``p`` is the one of those with the lowest
+estimate (it may hold some of the prompt). The decode pod is then chosen by load alone,
+its prompt's KV being on its way: the decode-capable server other than ``p`` with the
+shortest queue, among equal queues one on ``p``'s node (no transfer between nodes). Each
+pick's outcome (:class:`~kvpool.index.picking.Disaggregation`) goes to the observer.
+
 **Keys, and the tenant guarantee.** The prompt's chunk keys are the connector's
 (:class:`~kvpool.index.query.PromptKeys`: the request's ``cache_salt`` seeds the chain, a
 shared space's structured salt keys its shared part with the space's salt), so a decision
@@ -52,11 +66,18 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from kvpool.common.index_config import TierCosts
+from kvpool.common.index_config import PrefillDecode, TierCosts
 from kvpool.common.keys import ModelFingerprint
 from kvpool.common.web.rate_limited_log import RateLimitedLog
 from kvpool.index.model_servers import Load, ServerState
-from kvpool.index.picking import NoEndpoint, Pick, PickReason, PickRequest
+from kvpool.index.picking import (
+    Disaggregation,
+    NoEndpoint,
+    Pick,
+    PickReason,
+    PickRequest,
+    PrefillPod,
+)
 from kvpool.index.query import PromptKeys
 from kvpool.index.tracker import KeySequence, PrefixTracker
 
@@ -102,8 +123,11 @@ class Tiers:
 
 
 class PickObserver(Protocol):
-    def observe_pick(self, reason: PickReason | None, seconds: float) -> None:
-        """One decision and how long it took; ``reason`` None: :class:`NoEndpoint`."""
+    def observe_pick(
+        self, reason: PickReason | None, seconds: float, disaggregation: Disaggregation | None
+    ) -> None:
+        """One decision and how long it took; ``reason`` None: :class:`NoEndpoint`;
+        ``disaggregation`` None: no decision was made (no endpoint, or failed open)."""
         ...
 
 
@@ -168,7 +192,7 @@ class Candidates:
     the address), each with its queue: made once per snapshot of the servers' loads, not per
     pick."""
 
-    __slots__ = ("addresses", "queues", "servers")
+    __slots__ = ("addresses", "queues", "ranked", "servers")
 
     def __init__(self, servers: Iterable[ServerState]) -> None:
         ranked = sorted((_queue_requests(s.load), _waiting(s.load), s.address, s) for s in servers)
@@ -177,6 +201,19 @@ class Candidates:
         """Each one's requests ahead of a new one (:func:`_queue_requests`)."""
         self.addresses = [server.address for server in self.servers]
         """The names the GPU tier knows them by."""
+        self.ranked = list(zip(self.servers, self.queues, strict=True))
+        """Each server with its queue, in order."""
+
+
+class _Ranking(NamedTuple):
+    """A snapshot's candidates for one subset."""
+
+    destinations: Candidates
+    """Where a request may go whole, or be decoded."""
+    prefill: Candidates
+    """The ready prefill-capable servers (none without ``picker.pd``)."""
+    addresses: Collection[str]
+    """Both's addresses: the GPU tier's runs to look up."""
 
 
 class _TooLate(Exception):
@@ -266,20 +303,23 @@ class EndpointPicker:
         costs: TierCosts,
         *,
         deadline_ms: float,
+        pd: PrefillDecode | None = None,
         observer: PickObserver | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         """``servers``: the known servers and their loads (``ModelServers.snapshot``), the
-        same object while nothing changed: they are ranked by queue once per object."""
+        same object while nothing changed: they are ranked by queue once per object.
+        ``pd``: when to disaggregate (None: never)."""
         self.tiers = tiers
         self.fingerprint = fingerprint
         self.costs = costs
         self.deadline = deadline_ms / 1000
+        self.pd = pd if pd is not None and pd.enabled else None
         self._servers = servers
         self._observer = observer
         self._clock = clock
         self._mean_prompt: float | None = None
-        self._ranked: tuple[Sequence[ServerState], Candidates] | None = None
+        self._ranked: tuple[Sequence[ServerState], _Ranking] | None = None
         """The last snapshot of every server and its candidates (whole: read without a lock)."""
         self._cheapest_first = sorted(
             (cost, tier)
@@ -298,25 +338,29 @@ class EndpointPicker:
     def pick(self, request: PickRequest) -> Pick:
         started = self._clock()
         try:
-            candidates = self.candidates(request.subset)
+            ranking = self._ranking(request.subset)
         except NoEndpoint:
-            self._observe(None, started)
+            self._observe(None, None, started)
             raise
+        disaggregation = None
+        first = ranking.destinations.servers[0].address
         try:
-            best = self._decide(request, candidates, started + self.deadline)
-            reason = PickReason.PREFIX if best.cached_tokens else PickReason.LOAD
-            pick = Pick(best.address, reason, best.cached_tokens)
+            pick, disaggregation = self._decide(request, ranking, started + self.deadline)
         except (_TooLate, TimeoutError):
-            pick = Pick(candidates.servers[0].address, PickReason.FAIL_OPEN)
+            pick = Pick(first, PickReason.FAIL_OPEN)
         except Exception as error:  # the index's trouble must not fail the request
             _failures.exception(f"picking by prefix failed, picked by load: {error}")
-            pick = Pick(candidates.servers[0].address, PickReason.FAIL_OPEN)
-        self._observe(pick.reason, started)
+            pick = Pick(first, PickReason.FAIL_OPEN)
+        self._observe(pick.reason, disaggregation, started)
         return pick
 
     def candidates(self, subset: frozenset[str] | None) -> Candidates:
-        """The servers a request may go to: the ready ones (all, when none is ready),
-        within ``subset``; :class:`NoEndpoint` when there are none."""
+        """The servers a request may go to whole: the ready ones (all, when none is ready),
+        within ``subset``, the decode-capable of those (all of them, when none is);
+        :class:`NoEndpoint` when there are none."""
+        return self._ranking(subset).destinations
+
+    def _ranking(self, subset: frozenset[str] | None) -> _Ranking:
         snapshot = self._servers()
         if subset is None and (ranked := self._ranked) is not None and ranked[0] is snapshot:
             return ranked[1]
@@ -324,15 +368,27 @@ class EndpointPicker:
         if not known:
             where = "in the subset" if subset is not None else "known"
             raise NoEndpoint(f"no model server {where}")
-        candidates = Candidates([s for s in known if s.ready] or known)
+        ready = [s for s in known if s.ready]
+        chosen = ready or known
+        destinations = Candidates([s for s in chosen if s.decodes] or chosen)
+        prefill = Candidates([s for s in ready if s.prefills] if self.pd is not None else [])
+        addresses = destinations.addresses
+        if prefill.addresses:
+            addresses = sorted(set(addresses).union(prefill.addresses))
+        ranking = _Ranking(destinations, prefill, addresses)
         if subset is None:
-            self._ranked = (snapshot, candidates)
-        return candidates
+            self._ranked = (snapshot, ranking)
+        return ranking
 
-    def _decide(self, request: PickRequest, candidates: Candidates, deadline: float) -> Estimate:
+    def _decide(
+        self, request: PickRequest, ranking: _Ranking, deadline: float
+    ) -> tuple[Pick, Disaggregation]:
         keys = PromptKeys(request.token_ids, request.cache_salt, self.fingerprint)
         left = lambda: deadline - self._clock()  # noqa: E731
-        best = min(self.estimates(request, candidates, keys, left, contenders=True))
+        runs = tier_runs(self.tiers, keys, ranking.addresses, left)
+        prices = self._prices(request, runs)
+        ranked = ranking.destinations.ranked
+        best, server = _best(_contenders(ranked, runs), runs, prices)
         # no lock: two picks at once may lose one of their updates, which a mean forgets
         # anyway; each assignment is whole
         mean = self._mean_prompt
@@ -341,11 +397,32 @@ class EndpointPicker:
             if mean is None
             else mean + MEAN_WEIGHT * (best.prompt_seconds - mean)
         )
-        return best
+        reason = PickReason.PREFIX if best.cached_tokens else PickReason.LOAD
+        whole = Pick(best.address, reason, best.cached_tokens)
+        pd = self.pd
+        if pd is None:
+            return whole, Disaggregation.DISABLED
+        if len(request.token_ids) - best.cached_tokens < pd.threshold_tokens:
+            return whole, Disaggregation.SHORT
+        if not server.decodes:  # none that decodes is ready: there is no decode pod
+            return whole, Disaggregation.NO_DECODE_READY
+        others = [(s, q) for s, q in ranking.prefill.ranked if s.address != best.address]
+        if not others:
+            return whole, Disaggregation.NO_PREFILL_READY
+        free = [(s, q) for s, q in others if _waiting(s.load) <= pd.max_prefill_waiting]
+        if not free:
+            return whole, Disaggregation.PREFILL_BUSY
+        prefill, filler = _best(_contenders(free, runs), runs, prices)
+        decode = _decode_pod(ranked, filler)
+        pod = PrefillPod(filler.address, filler.node)
+        pick = Pick(decode.address, PickReason.PD, prefill.cached_tokens, pod)
+        return pick, Disaggregation.DISAGGREGATED
 
-    def _observe(self, reason: PickReason | None, started: float) -> None:
+    def _observe(
+        self, reason: PickReason | None, disaggregation: Disaggregation | None, started: float
+    ) -> None:
         if self._observer is not None:
-            self._observer.observe_pick(reason, self._clock() - started)
+            self._observer.observe_pick(reason, self._clock() - started, disaggregation)
 
     # ------------------------------------------------------------- estimate
 
@@ -368,22 +445,21 @@ class EndpointPicker:
             candidates = Candidates(candidates)
         if keys is None:
             keys = PromptKeys(request.token_ids, request.cache_salt, self.fingerprint)
-        addresses = candidates.addresses if self.tiers.gpu is not None else []
-        runs = tier_runs(self.tiers, keys, addresses, left)
+        runs = tier_runs(self.tiers, keys, candidates.addresses, left)
+        prices = self._prices(request, runs)
+        ranked = candidates.ranked
+        chosen = _contenders(ranked, runs) if contenders else ranked
+        return [_estimate(server, queue, runs, prices) for server, queue in chosen]
+
+    def _prices(self, request: PickRequest, runs: Runs) -> _Prices:
+        """What the estimates of one pick share."""
         tokens = len(request.token_ids)
-        mean = self._mean_prompt_seconds(tokens)
         chunk = self.fingerprint.chunk_tokens
         held = [
             (cost * chunk / 1000, tier) for cost, tier in self._cheapest_first if runs.any(tier)
         ]
         compute = self.costs.compute / 1000
-        prices = _Prices(held, tokens, chunk, compute, mean)
-        chosen = (
-            _contenders(candidates, runs)
-            if contenders
-            else zip(candidates.servers, candidates.queues, strict=True)
-        )
-        return [_estimate(server, queue, runs, prices) for server, queue in chosen]
+        return _Prices(held, tokens, chunk, compute, self._mean_prompt_seconds(tokens))
 
     def _mean_prompt_seconds(self, tokens: int) -> float:
         """The mean prompt time of recent requests (before the first: this one's, computed)."""
@@ -391,22 +467,42 @@ class EndpointPicker:
         return tokens / 1000 * self.costs.compute if mean is None else mean
 
 
-def _contenders(candidates: Candidates, runs: Runs) -> list[tuple[ServerState, float]]:
-    """The candidates (and their queues) that hold some of the prompt on their node or GPU,
-    and the first of the others: the one with the shortest queue."""
-    servers, queues = candidates.servers, candidates.queues
+def _contenders(
+    ranked: Sequence[tuple[ServerState, float]], runs: Runs
+) -> Sequence[tuple[ServerState, float]]:
+    """The candidates (and their queues, shortest first) that hold some of the prompt on
+    their node or GPU, and the first of the others: the one with the shortest queue."""
     l1, nvme, gpu = runs.l1, runs.nvme, runs.gpu
     if not (l1 or nvme or gpu):
-        return [(servers[0], queues[0])]
+        return ranked[:1]
     chosen = []
     plain = True  # none of the others chosen yet
-    for server, queue in zip(servers, queues, strict=True):
+    for server, queue in ranked:
         if server.node in l1 or server.node in nvme or server.address in gpu:
             chosen.append((server, queue))
         elif plain:
             chosen.append((server, queue))
             plain = False
     return chosen
+
+
+def _best(
+    chosen: Iterable[tuple[ServerState, float]], runs: Runs, prices: _Prices
+) -> tuple[Estimate, ServerState]:
+    """The lowest estimate of ``chosen`` (not empty), and its server."""
+    return min(
+        ((_estimate(server, queue, runs, prices), server) for server, queue in chosen),
+        key=lambda estimated: estimated[0],
+    )
+
+
+def _decode_pod(ranked: Sequence[tuple[ServerState, float]], prefill: ServerState) -> ServerState:
+    """The decode pod of a request ``prefill`` prefills: of ``ranked`` (shortest queue
+    first) other than it, the shortest queue; among equal queues, one on its node."""
+    others = [(server, queue) for server, queue in ranked if server.address != prefill.address]
+    shortest = others[0][1]
+    tied = [server for server, queue in others if queue == shortest]
+    return next((server for server in tied if server.node == prefill.node), tied[0])
 
 
 def _queue_requests(load: Load | None) -> float:

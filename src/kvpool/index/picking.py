@@ -34,14 +34,45 @@ class PickReason(enum.StrEnum):
     """No endpoint holds enough of the prompt to matter: the least loaded."""
     FAIL_OPEN = "fail_open"
     """The index did not answer within the deadline: the least loaded, by load alone."""
+    PD = "pd"
+    """Disaggregated: another pod prefills the prompt; the endpoint, the least loaded
+    decode-capable server, decodes."""
+
+
+class Disaggregation(enum.StrEnum):
+    """Whether a pick disaggregated prefill from decode, or why not."""
+
+    DISAGGREGATED = "disaggregated"
+    DISABLED = "disabled"
+    """``picker.pd.enabled`` is off."""
+    SHORT = "short"
+    """The part of the prompt the decode pod cannot load is below the threshold."""
+    NO_DECODE_READY = "no_decode_ready"
+    """No decode-capable server is ready: a prefill server takes the request whole."""
+    NO_PREFILL_READY = "no_prefill_ready"
+    """No ready prefill-capable server other than the decode pod."""
+    PREFILL_BUSY = "prefill_busy"
+    """Every such server has more requests waiting than ``max_prefill_waiting``."""
+
+
+class PrefillPod(NamedTuple):
+    """The server that prefills a disaggregated request's prompt."""
+
+    address: str
+    """``ip:port`` of its OpenAI server."""
+    node: str
+    """The node it runs on (where the decode pod's agent finds the prompt's chunks)."""
 
 
 class Pick(NamedTuple):  # a tuple: one per request, on the picker's path
     endpoint: str
-    """``ip:port`` of the chosen model server."""
+    """``ip:port`` of the chosen model server (the decode pod, when disaggregated)."""
     reason: PickReason
     cached_tokens: int = 0
-    """Tokens of the prompt the chosen endpoint can load rather than compute."""
+    """Tokens of the prompt the chosen endpoint (the prefill pod, when disaggregated) can
+    load rather than compute."""
+    prefill: PrefillPod | None = None
+    """The prefill pod, when the pick disaggregated (reason ``pd``)."""
 
 
 class NoEndpoint(Exception):

@@ -7,8 +7,8 @@ cluster); the Gateway API Inference Extension's protocol asks for the same value
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -24,13 +24,29 @@ BODY_CHUNK_BYTES = 62000
 """Largest body chunk sent back in one message (the protocol's and GAIE's limit)."""
 
 
-def _route_common(endpoint: str) -> Any:
-    header = base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=DESTINATION, raw_value=endpoint.encode())
-    )
-    return pb.CommonResponse(
-        clear_route_cache=True, header_mutation=pb.HeaderMutation(set_headers=[header])
-    )
+class HeaderChanges(NamedTuple):
+    """Request headers a route sets besides the destination, and those it removes."""
+
+    set: Sequence[tuple[str, str]] = ()
+    """Each replaces whatever the client sent under its name."""
+    remove: Sequence[str] = ()
+
+
+def _route_common(endpoint: str, changes: HeaderChanges) -> Any:
+    headers = [
+        base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key=DESTINATION, raw_value=endpoint.encode())
+        ),
+        *(
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+            )
+            for key, value in changes.set
+        ),
+    ]
+    mutation = pb.HeaderMutation(set_headers=headers, remove_headers=list(changes.remove))
+    return pb.CommonResponse(clear_route_cache=True, header_mutation=mutation)
 
 
 def _metadata(endpoint: str) -> Any:
@@ -39,19 +55,19 @@ def _metadata(endpoint: str) -> Any:
     return metadata
 
 
-def route_headers(endpoint: str) -> Any:
+def route_headers(endpoint: str, changes: HeaderChanges) -> Any:
     """The request headers' answer that sends the request to ``endpoint``."""
     return pb.ProcessingResponse(
-        request_headers=pb.HeadersResponse(response=_route_common(endpoint)),
+        request_headers=pb.HeadersResponse(response=_route_common(endpoint, changes)),
         dynamic_metadata=_metadata(endpoint),
     )
 
 
-def route_buffered_body(endpoint: str) -> Any:
+def route_buffered_body(endpoint: str, changes: HeaderChanges) -> Any:
     """The answer to a buffered request body that sends the request to ``endpoint`` (in
     BUFFERED mode Envoy holds the headers until the body's answer, which may mutate them)."""
     return pb.ProcessingResponse(
-        request_body=pb.BodyResponse(response=_route_common(endpoint)),
+        request_body=pb.BodyResponse(response=_route_common(endpoint, changes)),
         dynamic_metadata=_metadata(endpoint),
     )
 

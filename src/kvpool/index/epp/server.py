@@ -38,6 +38,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvpool.common.auth import Role, TokenAuthority
 from kvpool.common.index_config import PickerConfig
 from kvpool.common.web.rate_limited_log import RateLimitedLog
+from kvpool.index.epp.prefill import PrefillHeaders
 from kvpool.index.epp.stream import Answers, BodyBudget, Limits, Phase, Stream
 from kvpool.index.picking import Picker
 from kvpool.index.prompts import Prompts
@@ -106,7 +107,14 @@ class _ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
                 "the endpoint picker takes a gateway or admin token of the pool "
                 "(authorization: Bearer ... in the gRPC service's initial metadata)",
             )
-        stream = Stream(server.picker, server.prompts, server.limits, server.answers, server.budget)
+        stream = Stream(
+            server.picker,
+            server.prompts,
+            server.limits,
+            server.answers,
+            server.budget,
+            prefill=server.prefill,
+        )
         key = id(stream)
         server.watchdog.watch(key, context, time.monotonic() + server.request_seconds)
         try:
@@ -150,9 +158,11 @@ class EppServer:
         request_seconds: float = 60.0,
         idle_seconds: float = 3600.0,
         authority: TokenAuthority | None = None,
+        prefill_key: bytes | None = None,
     ) -> None:
         """``authority``: streams must carry one of its gateway or admin tokens (checked
-        before anything of the stream is read); None: no token asked."""
+        before anything of the stream is read); None: no token asked. ``prefill_key``: the
+        pool's disaggregation key (``picker.pd``), which signs the prefill pods picked."""
         self.picker = picker
         self.authority = authority
         self.prompts = prompts
@@ -162,6 +172,7 @@ class EppServer:
         self.answers = Answers()
         """The edge's answers by status and reason (for the index's metrics)."""
         self.budget = BodyBudget(body_budget_bytes)
+        self.prefill = PrefillHeaders(prefill_key, config.pd)
         self.request_seconds = request_seconds
         self.idle_seconds = idle_seconds
         self.max_streams = max_streams

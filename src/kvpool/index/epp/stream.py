@@ -6,7 +6,8 @@ nothing reaches the upstream or the client unless the picker sends it back. So t
 headers are held until the body has been read and picked for; then the headers' answer
 (the destination) goes out, followed by the body in chunks; response chunks are echoed.
 In BUFFERED mode (Envoy's own buffering) the headers are answered at once and the
-destination rides on the body's answer.
+destination rides on the body's answer. The prefill headers
+(:class:`~kvpool.index.epp.prefill.PrefillHeaders`) ride with the destination.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from kvpool.common.web.rate_limited_log import RateLimitedLog
 from kvpool.index.epp import answers
 from kvpool.index.epp.bodies import Refused, Wanted, read_body
+from kvpool.index.epp.prefill import PrefillHeaders
 from kvpool.index.picking import NoEndpoint, Picker, PickRequest
 from kvpool.index.prompts import Prompts
 
@@ -106,8 +108,11 @@ class Stream:
         limits: Limits,
         tally: Answers,
         budget: BodyBudget,
+        *,
+        prefill: PrefillHeaders,
     ) -> None:
         self._picker = picker
+        self._prefill = prefill
         self._prompts = prompts
         self._limits = limits
         self._tally = tally
@@ -250,10 +255,12 @@ class Stream:
         except Exception:
             _rare.exception("the picker failed; answered 503")
             return self._refuse(Refused(503, "picker_error", "the endpoint picker failed"))
+        pick, changes = self._prefill.route(pick)
         self.phase = Phase.PICKED
         self._tally.count(200, str(pick.reason))
-        self._pick_header = f"{pick.reason}; cached_tokens={pick.cached_tokens}"
-        return [routed(pick.endpoint)]
+        prefill = f"prefill={pick.prefill.address}; " if pick.prefill is not None else ""
+        self._pick_header = f"{pick.reason}; {prefill}cached_tokens={pick.cached_tokens}"
+        return [routed(pick.endpoint, changes)]
 
     def _refuse(self, refused: Refused) -> Iterable[Any]:
         self.phase = Phase.DONE
