@@ -48,6 +48,8 @@ class FakeAgent:
     """The tenant the connector's token acts for ("": an engine's token, any tenant)."""
     forbidden: set[str] = field(default_factory=set)
     """Tenants whose chunks the connector's token may not touch (lookups are refused)."""
+    pushes: list[tuple[str, list[bytes], str, bytes | None]] = field(default_factory=list)
+    """(tenant, keys, node, parent) of every push."""
 
     def put(self, tenant: str, keys: list[bytes]) -> None:
         self.chunks.setdefault(tenant, set()).update(keys)
@@ -138,6 +140,13 @@ class FakeClient:
     def release(self, lease: int) -> None:
         self._check()
         self.agent.released.append(lease)
+
+    def push(
+        self, tenant: str, keys: list[bytes], node: str, parent: bytes | None = None
+    ) -> str | None:
+        self._check()
+        self.agent.pushes.append((tenant, list(keys), node, parent))
+        return None
 
     def prepare_store(
         self, tenant: str, keys: list[bytes], sizes: list[int], parent: bytes | None = None

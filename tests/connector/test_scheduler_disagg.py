@@ -10,6 +10,7 @@ import pytest
 from kvpool.common import keys
 from kvpool.common.disagg import DecodeParams, PrefillParams
 from kvpool.connector.layout import GroupRule
+from kvpool.connector.metadata import KVPoolConnectorWorkerMetadata
 from kvpool.connector.scheduler import KVPoolConnectorScheduler
 
 from .fakes import (
@@ -99,6 +100,56 @@ def test_both_stores_a_tail_only_for_a_prefill() -> None:
     asked = FakeRequest("b", tokens(PROMPT, seed=1), kv_transfer_params=PrefillParams().to_json())
     assert len(prefill(half, asked)) == 2
     assert half.request_finished(asked)[1] == DecodeParams(tokens=PROMPT, tail=True).to_json()
+
+
+def test_a_finished_prefill_offers_its_prompt_to_the_decodes_node() -> None:
+    agent = FakeAgent()
+    half = make(agent)
+    prompt = tokens(PROMPT)
+    request = FakeRequest("p", prompt, kv_transfer_params=PrefillParams("node-b").to_json())
+    prefill(half, request)
+    assert agent.pushes == []  # once the request is done (its stores committed)
+
+    half.request_finished(request)
+
+    assert agent.pushes == [(DEFAULT, [*chain(prompt)[:3], tail_key(prompt)], "node-b", None)]
+    assert half.counters.totals["pd_pushes"] == 1
+
+
+def test_a_prefill_whose_stores_are_in_flight_offers_once_they_are_done() -> None:
+    agent = FakeAgent()
+    half = make(agent, stores_complete_in_step=False)  # as on CUDA
+    request = FakeRequest("p", tokens(PROMPT), kv_transfer_params=PrefillParams("b").to_json())
+    jobs = prefill(half, request)
+    assert half.request_finished(request)[0] is True  # held
+    assert agent.pushes == []
+    done = KVPoolConnectorWorkerMetadata({job.job_id: 1 for job in jobs})
+    half.update_connector_output(done, {"p"})
+    assert len(agent.pushes) == 1
+
+
+def test_a_prefill_in_a_shared_space_offers_a_run_per_tenant() -> None:
+    agent = FakeAgent()
+    half = make(agent)
+    prompt = tokens(PROMPT)
+    salt = keys.shared_salt("space", 2 * CHUNK, "team")
+    params = PrefillParams("node-b").to_json()
+    request = FakeRequest("p", prompt, cache_salt=salt, kv_transfer_params=params)
+    prefill(half, request)
+    half.request_finished(request)
+    space, own = agent.pushes
+    assert (space[0], len(space[1]), space[3]) == (keys.tenant_id("space"), 2, None)
+    assert (own[0], len(own[1])) == (keys.tenant_id("team"), 2)  # its last chunk and tail
+
+
+def test_no_push_without_a_node_or_from_a_consumer() -> None:
+    for role, params in (("kv_producer", PrefillParams()), ("kv_consumer", PrefillParams("b"))):
+        agent = FakeAgent()
+        half = make(agent, kv_role=role)
+        request = FakeRequest("p", tokens(PROMPT), kv_transfer_params=params.to_json())
+        prefill(half, request)
+        half.request_finished(request)
+        assert agent.pushes == []
 
 
 def test_a_prompt_on_a_chunk_boundary_has_no_tail() -> None:

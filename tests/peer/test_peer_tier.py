@@ -22,7 +22,7 @@ from tests.support.chunks import chain, data
 from tests.support.index_process import ADMIN_TOKEN as INDEX_ADMIN
 from tests.support.index_process import IndexProcess
 from tests.support.metrics import metric
-from tests.support.polling import wait_until
+from tests.support.polling import eventually, wait_until
 from tests.support.ports import free_port
 
 from .rogue import Behaviour, RoguePeer
@@ -279,3 +279,88 @@ def test_the_pool_index_says_which_peers_hold_a_prefix_and_failing_every_peer_is
         assert held(second, keys) == chunks
     finally:
         rogue.close()
+
+
+def push(agent: AgentProcess, keys: list[bytes], node: str, tenant: str = TENANT) -> str | None:
+    """What a disaggregated prefill's connector asks of its agent once the prompt is stored."""
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
+        return client.push(tenant, keys, node)
+
+
+def test_a_prefill_pushed_to_its_decodes_host_lands_there_unasked(pool: Pool) -> None:
+    """The prefill's agent offers the prompt; the decode's agent pulls it into its L1 before
+    any lookup there, and a lookup meanwhile joins the pull instead of starting its own."""
+    first, second = pool({"PEERS__BANDWIDTH": str(1 << 20)}, {})  # 360 KB: about 0.35 s
+    keys, chunks = chain("pushed", 6), [data(n, CHUNK) for n in range(6)]
+    store(first, keys, chunks)
+
+    assert push(first, keys, "host-1") is None
+    with AgentClient(second.zmq, token=ADMIN_TOKEN) as decode:  # the decode's lookup
+        hit, prefetch = decode.lookup_prefetch(TENANT, keys, lock=False)
+        assert hit.count < len(keys) and prefetch
+        assert decode.prefetch_status(prefetch, wait_ms=20_000).done
+
+    eventually(lambda: _holds(second, keys, chunks), what="the pushed prompt on the decode host")
+    assert metric(second, "kvpool_prefetch_started_total") == 1
+    assert metric(second, "kvpool_prefetch_joined_total") == 1
+    assert metric(first, 'kvpool_peer_offers_sent_total{outcome="accepted"}') == 1
+    assert metric(second, 'kvpool_peer_offers_received_total{outcome="accepted"}') == 1
+    assert metric(second, 'kvpool_peer_fetched_chunks_total{peer="host-0"}') == len(keys)
+    assert push(first, keys, "host-1") is None  # offered again: nothing moves twice
+    eventually(lambda: _offers_received(second, "present", 1))
+    assert metric(second, 'kvpool_peer_fetched_chunks_total{peer="host-0"}') == len(keys)
+
+
+def _holds(agent: AgentProcess, keys: list[bytes], chunks: list[bytes]) -> None:
+    assert held(agent, keys) == chunks
+
+
+def _offers_received(agent: AgentProcess, outcome: str, count: int) -> None:
+    assert metric(agent, f'kvpool_peer_offers_received_total{{outcome="{outcome}"}}') == count
+
+
+def test_a_pushed_prompt_lands_within_the_tenants_quota_on_the_decode_host(pool: Pool) -> None:
+    first, second = pool({}, {})
+    keys = chain("pushed-long", 8)
+    chunks = [data(n, CHUNK) for n in range(8)]
+    store(first, keys, chunks)
+    quota = httpx.put(
+        f"{second.http}/v1/tenants/{TENANT}/quota",
+        json={"limit_bytes": 3 * 65536},  # three pages: three chunks
+        headers=ADMIN,
+    )
+    assert quota.status_code == 200, quota.text
+
+    assert push(first, keys, "host-1") is None
+
+    eventually(lambda: _holds(second, keys[:3], chunks[:3]), what="the quota's worth")
+    time.sleep(0.5)  # the pull stopped at the quota: nothing more comes
+    assert held(second, keys) == chunks[:3]
+    usage = httpx.get(f"{second.http}/v1/tenants/{TENANT}/usage", headers=ADMIN).json()
+    assert usage["used_bytes"] <= 3 * 65536
+
+
+def test_a_push_to_no_peer_or_a_dead_one_is_lost_never_wrong(pool: Pool, hosts: Hosts) -> None:
+    """An unknown node is said at once; a peer that is down costs the offer (counted), and
+    the decode's own lookup pulls later, as without offers."""
+    first, second = pool({}, {})
+    keys, chunks = chain("pushed-nowhere", 2), [data(n, CHUNK) for n in range(2)]
+    store(first, keys, chunks)
+    assert push(first, keys, "host-9") == "no peer on node 'host-9'"
+    assert push(first, keys, "host-0") == "the decode runs on this agent's node: nothing to send"
+    assert push(first, chain("never-stored", 2), "host-1") == "none of the chunks is here"
+    hosts.hosts[1].link_down()
+    try:
+        assert push(first, keys, "host-1") is None  # sent in the background
+        eventually(
+            lambda: _offers_sent(first, "failed", 1), timeout=10, what="the failed offer counted"
+        )
+    finally:
+        hosts.hosts[1].link_up()
+    assert held(second, keys) == []
+    wait_until(lambda: peers_of(second, probe=True)["peers"][0]["reachable"], timeout=15)  # type: ignore[index]
+    assert pull(second, keys) == len(keys)
+
+
+def _offers_sent(agent: AgentProcess, outcome: str, count: int) -> None:
+    assert metric(agent, f'kvpool_peer_offers_sent_total{{outcome="{outcome}"}}') == count

@@ -21,6 +21,7 @@ from kvpool.agent.peer.wire import (
     Exists,
     Get,
     Have,
+    Offer,
     WireError,
     frame,
     parse_header,
@@ -79,6 +80,8 @@ def test_messages_round_trip_through_frames() -> None:
     meta_length, body_length = parse_header(data[: FRAME.size])
     assert (meta_length, body_length) == (len(data) - FRAME.size, 7)
     assert parse_message(data[FRAME.size :]) == request
+    offer = Offer("tenant", [bytes(32)], bytes([2]) * 32)
+    assert parse_message(frame(offer)[FRAME.size :]) == offer
 
 
 @pytest.mark.parametrize(
@@ -100,6 +103,9 @@ def test_a_frame_that_is_not_ours_is_refused(header: bytes, reason: str) -> None
         (b"\xc1", "malformed message"),
         (frame(Get("t", b"short"))[FRAME.size :], "not 32 bytes"),
         (frame(Exists("t", [bytes(32)] * 9000))[FRAME.size :], "9000 keys"),
+        (frame(Offer("t", [bytes(32)] * 9000))[FRAME.size :], "9000 keys"),
+        (frame(Offer("t", [bytes(32)], b"short"))[FRAME.size :], "not 32 bytes"),
+        (frame(Offer("t", [b"short"]))[FRAME.size :], "not 32 bytes"),
     ],
 )
 def test_a_malformed_message_is_refused(meta: bytes, reason: str) -> None:

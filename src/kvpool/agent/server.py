@@ -244,6 +244,7 @@ class Agent:
                 limits=config.zmq_limits,
                 observer=metrics,
                 listener=zmq_listener,
+                offer=None if peers is None else peers.offers.offer,
             )
             if prefetcher is not None:
                 prefetcher.on_change(zmq_server.prefetch_changed)

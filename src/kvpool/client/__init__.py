@@ -231,6 +231,15 @@ class _Requests:
         )
 
     @staticmethod
+    def push(
+        tenant: str, keys: Sequence[bytes], node: str, parent: bytes | None
+    ) -> _Exchange[str | None]:
+        return _Exchange(
+            lambda req, s: p.Push(req, s, tenant, list(keys), node, parent),
+            lambda reply, data: _expect(p.PushReply)(reply, data).unsent,
+        )
+
+    @staticmethod
     def snapshot() -> _Exchange[dict[str, list[bytes]]]:
         return _Exchange(
             p.Snapshot, lambda reply, data: _expect(p.SnapshotReply)(reply, data).tenants
@@ -524,6 +533,14 @@ class AgentClient(_ClientBase):
 
     def stats(self) -> dict[str, int | float]:
         return self._call(_Requests.stats())
+
+    def push(
+        self, tenant: str, keys: Sequence[bytes], node: str, parent: bytes | None = None
+    ) -> str | None:
+        """Offer the leading run of ``keys`` the agent holds to the agent of ``node``, which
+        pulls them (a disaggregated prefill's, for its decode); why it was not sent, or
+        None."""
+        return self._call(_Requests.push(tenant, keys, node, parent))
 
     def snapshot(self) -> dict[str, list[bytes]]:
         """Every ready key by tenant (an index's or an admin's token)."""

@@ -17,6 +17,10 @@ reply names by id (``file``); a client gets a descriptor of it from the agent's 
 (:mod:`kvpool.common.door`, at the hello's ``door_path``) and maps it. A tenant's token
 stores into a shared space inline only (its door gives it the space's file read-only).
 
+Push (a disaggregated prefill's connector, once its prompt's chunks are committed):
+``push`` asks the agent to offer them to the agent of the decode's node, which pulls
+them (:mod:`kvpool.agent.peer.offers`); an agent that predates it answers ``unknown_op``.
+
 Inline path (clients that map nothing): ``store_inline`` carries one data
 frame per key; ``retrieve_inline`` answers with one data frame per hit.
 
@@ -173,6 +177,17 @@ class PrefetchStatus(_Message, tag="prefetch_status"):
     wait_ms: int = 0
 
 
+class Push(_Message, tag="push"):
+    """Offer ``keys`` (``tenant``'s, committed here; ``parent`` before them) to the agent of
+    ``node``, which pulls those it lacks. Best effort: the reply says whether it was sent."""
+
+    session: int
+    tenant: str
+    keys: list[bytes]
+    node: str
+    parent: bytes | None = None
+
+
 Request = (
     Hello
     | Ping
@@ -187,6 +202,7 @@ Request = (
     | Stats
     | PrefetchStatus
     | Snapshot
+    | Push
 )
 REQUEST_TYPES: tuple[type[_Message], ...] = (
     Hello,
@@ -202,6 +218,7 @@ REQUEST_TYPES: tuple[type[_Message], ...] = (
     Stats,
     PrefetchStatus,
     Snapshot,
+    Push,
 )
 
 
@@ -311,6 +328,12 @@ class SnapshotReply(_Message, tag="snapshot_reply"):
     all there is), or any tier for an agent that predates the field."""
 
 
+class PushReply(_Message, tag="push_reply"):
+    unsent: str | None = None
+    """Why the offer was not sent (no peers, an unknown node, this agent's own); None: it
+    is on its way (the receiver may still be busy: the decode's lookup pulls then)."""
+
+
 class Error(_Message, tag="error"):
     code: str
     message: str
@@ -329,6 +352,7 @@ Reply = (
     | ClearReply
     | StatsReply
     | SnapshotReply
+    | PushReply
     | Error
 )
 

@@ -31,6 +31,8 @@ COUNTERS: dict[str, str] = {
     "salt_problems": "Requests whose structured cache_salt did not parse (see the log).",
     "preemptions_seen": "Preempted requests seen by the scheduler.",
     "pd_tails": "Prompt tails (the tokens after the last full chunk) a prefill stored.",
+    "pd_pushes": "Runs of a prefill's chunks the agent offered to its decode's node.",
+    "pd_pushes_unsent": "Runs not offered (no peers, an unknown node, an older agent).",
     "pd_full_hits": "Decodes of disaggregated requests that found the whole prompt.",
     "pd_partial_hits": "Decodes that stopped waiting and loaded only part of the prompt.",
     "pd_wait_ms": "Milliseconds decodes waited for their prompts' chunks.",

@@ -126,6 +126,12 @@ class AgentLink:
         """Send a counted, unlocked lookup without waiting for its answer."""
         self._call(lambda client: client.count_lookup(tenant, keys))
 
+    def push(
+        self, tenant: str, keys: Sequence[bytes], node: str, parent: bytes | None
+    ) -> str | None:
+        """Have the agent offer ``keys`` to the agent of ``node`` (why not, or None)."""
+        return self._call(lambda client: client.push(tenant, keys, node, parent))
+
     def prefetch_status(self, prefetch: int, *, wait_ms: int) -> PrefetchProgress:
         return self._call(lambda client: client.prefetch_status(prefetch, wait_ms=wait_ms))
 

@@ -45,7 +45,10 @@ fingerprint), the request's block ids and a store cursor.
 * ``request_finished``: a request whose stores have not finished yet keeps its
   blocks until the worker reports them finished (only when the workers' stores
   are asynchronous, as on CUDA; on CPU they finish within their step). A prefill of a
-  disaggregated request returns what its decode needs (:mod:`kvpool.common.disagg`).
+  disaggregated request returns what its decode needs (:mod:`kvpool.common.disagg`), and
+  once its stores are done asks the agent to offer the prompt's records to the agent of
+  its decode's node (``push_to``), which pulls them; the decode's own lookup pulls
+  whatever does not arrive.
 * vLLM's ``kv_role``: ``kv_both`` loads and stores; ``kv_producer`` also stores every
   prompt's tail (each of its requests is a prefill); ``kv_consumer`` loads and never
   stores.
@@ -77,13 +80,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvpool.client import AgentInfo
+from kvpool.client import AgentError, AgentInfo
 from kvpool.common import keys
 from kvpool.common.disagg import DecodeParams
+from kvpool.common.web.rate_limited_log import RateLimitedLog
 from kvpool.connector.counters import Counters
 from kvpool.connector.jobs import LoadJob, StoreJob
 from kvpool.connector.layout import GroupRule, LayoutError
-from kvpool.connector.link import AgentLink
+from kvpool.connector.link import AgentLink, LinkDown
 from kvpool.connector.metadata import (
     KVPoolConnectorHandshakeMetadata,
     KVPoolConnectorMetadata,
@@ -92,7 +96,12 @@ from kvpool.connector.metadata import (
 from kvpool.connector.scheduler_access import TenantAccess
 from kvpool.connector.scheduler_loads import LoadPlanner
 from kvpool.connector.scheduler_lookups import LookupPlanner, ProbeTables
-from kvpool.connector.scheduler_requests import ChunkGeometry, RequestTracker, RequestView
+from kvpool.connector.scheduler_requests import (
+    ChunkGeometry,
+    RequestTracker,
+    RequestView,
+    TrackedRequest,
+)
 from kvpool.connector.scheduler_stores import StorePlanner
 
 if TYPE_CHECKING:
@@ -100,6 +109,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
 
 log = logging.getLogger(__name__)
+_unsent = RateLimitedLog(log)
 
 __all__ = ["KVPoolConnectorScheduler", "RequestView"]
 
@@ -366,6 +376,9 @@ class KVPoolConnectorScheduler:
         if worker_meta is not None:
             planners.stores.completed(worker_meta.completed_stores, planners.requests.get)
         for req_id in planners.stores.released(finished_sending):
+            released = planners.requests.get(req_id)
+            if released is not None:
+                self._push(released)
             planners.requests.forget(req_id)
 
     def request_finished(self, request: RequestView) -> tuple[bool, dict[str, object] | None]:
@@ -381,8 +394,25 @@ class KVPoolConnectorScheduler:
             params = prefilled.to_json()
         if planners.stores.hold(state):
             return True, params
+        self._push(state)
         planners.requests.forget(request.request_id)
         return False, params
+
+    def _push(self, state: TrackedRequest) -> None:
+        """Offer a finished prefill's prompt to its decode's node, a run per tenant and rank
+        (best effort: whatever is not sent, the decode's lookup pulls)."""
+        node = state.push_to
+        if node is None or self._kv_role == "kv_consumer":
+            return
+        for tenant, per_rank, parents in state.prompt_records():
+            for rank_keys, parent in zip(per_rank, parents, strict=True):
+                try:
+                    unsent = self._link.push(tenant, rank_keys, node, parent)
+                except (LinkDown, AgentError) as error:
+                    unsent = str(error)
+                self.counters.add("pd_pushes" if unsent is None else "pd_pushes_unsent")
+                if unsent is not None:
+                    _unsent.warning(f"kvpool: a prefill's chunks not offered to {node}: {unsent}")
 
     def has_pending_work(self) -> bool:
         """Keep vLLM stepping while blocks are held, so the worker can report them."""

@@ -140,6 +140,8 @@ class TrackedRequest:
     and the states before it are the agent's already."""
     stores_tail: bool = False
     """Store the prompt's last partial chunk (a prefill of a disaggregated request)."""
+    push_to: str | None = None
+    """The node of the prefill's decode, whose agent is offered the prompt's chunks."""
     tail_stored: bool | None = None
     """Its tail's store is planned (True), or the tail was considered and has none (False:
     the prompt ends on a chunk boundary, or the agent refuses the tenant); None: not yet."""
@@ -167,6 +169,23 @@ class TrackedRequest:
         rest = tokens[full * size : prompt]
         tails = [keys.tail_key(chain.upto(tokens, full)[full - 1], rest) for chain in self.chains]
         return self.spans(full, full + 1)[0].tenant, tails
+
+    def prompt_records(self) -> list[tuple[str, list[list[bytes]], list[bytes | None]]]:
+        """The prompt's records as its stores keyed them, a run per tenant: ``(tenant, keys
+        per rank, parent per rank)``; its tail last, where it stored one."""
+        full = self.full_chunks
+        stop = full + (1 if self.tail_stored else 0)
+        tokens = self.request.all_token_ids
+        for chain in self.chains:
+            chain.upto(tokens, full)
+        return [
+            (
+                span.tenant,
+                [list(keys) for keys in self.record_keys(span.start, span.stop)],
+                [chain.parent(span.start) for chain in self.chains],
+            )
+            for span in self.spans(0, stop)
+        ]
 
     def record_keys(self, start: int, stop: int) -> tuple[tuple[bytes, ...], ...]:
         """Per rank, the keys of chunks ``[start, stop)``: the prompt's partial last chunk is
@@ -272,6 +291,8 @@ class RequestTracker:
             self._say_once(self._params_problems_said, str(error), request.request_id)
             return
         state.stores_tail = self._tails or isinstance(params, PrefillParams)
+        if isinstance(params, PrefillParams):
+            state.push_to = params.push_to
         if isinstance(params, DecodeParams):
             if params.tokens == request.num_prompt_tokens:
                 state.decode = params

@@ -52,6 +52,7 @@ def _every_operation(session: int) -> list[p.Request]:
         p.Clear(11, session, None),
         p.Snapshot(12, session),
         p.PrefetchStatus(13, session, 1),
+        p.Push(14, session, ALICE, [key(1)], "node-b"),
     ]
 
 
@@ -194,3 +195,26 @@ def test_the_events_feed_admits_only_an_index_or_admin_token(agent: AgentProcess
     finally:
         for socket in sockets.values():
             socket.close()
+
+
+def test_a_push_offers_only_chunks_the_token_may_use_and_this_agent_holds(
+    agent: AgentProcess,
+) -> None:
+    """A prefill's connector asks its agent to offer the prompt to the decode's node: never
+    another tenant's chunks (the receiver would pull them under that tenant), never the
+    doctor's canary; an agent without peers, or without the chunks, sends nothing."""
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as admin:
+        admin.store(BOB, [key("pb")], [b"bob's"])
+    with AgentClient(agent.zmq, token=ALICE_TOKEN) as alice:
+        alice.store(ALICE, [key("pa")], [b"alice's"])
+        _forbidden(lambda: alice.push(BOB, [key("pb")], "node-b"))
+        _forbidden(lambda: alice.push(CANARY_TENANT, [key("pa")], "node-b"))
+        assert alice.push(ALICE, [key("pa")], "node-b") == "this agent has no peers"
+    with AgentClient(agent.zmq, token=INDEX_TOKEN) as index:
+        _forbidden(lambda: index.push(BOB, [key("pb")], "node-b"))
+    with AgentClient(agent.zmq, token=ENGINE_TOKEN) as engine:
+        assert engine.push(BOB, [key("pb")], "node-b") == "this agent has no peers"
+        for keys, parent in (([b"short"], None), ([key("pb")], b"short")):
+            with pytest.raises(AgentError) as malformed:
+                engine.push(BOB, keys, "node-b", parent)
+            assert malformed.value.code == p.ErrorCode.INVALID_REQUEST

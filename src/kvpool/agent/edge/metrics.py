@@ -342,6 +342,11 @@ class _L2Collector(Collector):
             "kvpool_prefetch_refused", "Prefetches not started (too many).", value=prefetch.refused
         )
         yield CounterMetricFamily(
+            "kvpool_prefetch_joined",
+            "Prefetches not started: a running one loads the same keys already.",
+            value=prefetch.joined,
+        )
+        yield CounterMetricFamily(
             "kvpool_prefetch_loaded_chunks",
             "Chunks loaded from L2 into L1.",
             value=prefetch.loaded_chunks,

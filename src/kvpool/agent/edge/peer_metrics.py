@@ -1,4 +1,5 @@
-"""The peer tier's metrics: what this agent serves its peers, and what it pulls from each."""
+"""The peer tier's metrics: what this agent serves its peers, what it pulls from each, and
+the offers it sends and receives."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from kvpool.agent.peer.serving import ServingStats
 
 SERVING_REFUSALS = ("busy", "unproven", "malformed", "timeout", "handshakes", "connections")
 FETCH_FAILURES = ("unreachable", "unproven", "timeout", "broken", "integrity")
+OFFERS_SENT = ("accepted", "busy", "failed", "dropped", "unknown")
+OFFERS_RECEIVED = ("accepted", "present", "busy")
 
 
 class PeerCollector(Collector):
@@ -23,6 +26,26 @@ class PeerCollector(Collector):
         server = self._peers.server
         yield from _serving(server.stats if server is not None else ServingStats())
         yield from _fetching(self._peers.directory.links())
+        sent = CounterMetricFamily(
+            "kvpool_peer_offers_sent",
+            "Offers of a disaggregated prefill's chunks to its decode's node, by outcome: "
+            "accepted (the peer pulls them), busy, failed, dropped (too many in flight "
+            "here), unknown (no peer on that node).",
+            labels=["outcome"],
+        )
+        for outcome in OFFERS_SENT:
+            sent.add_metric([outcome], self._peers.offers.stats.sent[outcome])
+        yield sent
+        received = CounterMetricFamily(
+            "kvpool_peer_offers_received",
+            "Offers from peers, by outcome: accepted (a pull started), present (L1 held "
+            "them all), busy (no prefetch slot).",
+            labels=["outcome"],
+        )
+        stats = server.stats if server is not None else ServingStats()
+        for outcome in OFFERS_RECEIVED:
+            received.add_metric([outcome], stats.offers[outcome])
+        yield received
         located = CounterMetricFamily(
             "kvpool_peer_index_lookups",
             "Prefixes the pool's index was asked to locate among the peers: answered, or "

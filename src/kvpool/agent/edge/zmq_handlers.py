@@ -17,7 +17,7 @@ from kvpool.agent.edge.zmtp import Frame
 from kvpool.agent.service.cache_service import CacheService
 from kvpool.common import protocol as p
 from kvpool.common.auth import Role, TokenAuthority
-from kvpool.common.keys import CANARY_TENANT
+from kvpool.common.keys import CANARY_TENANT, KEY_BYTES
 from kvpool.common.segment import SharedSegment, door_path
 from kvpool.common.tenants_configmap import digest_token
 
@@ -26,6 +26,9 @@ Handled = tuple[p.Reply, list[bytes]] | None
 """A reply and its data frames, or None when there is none to send now: the reply is
 parked for later, or the connection is closed."""
 Handler = Callable[[p.Request, Frames, Peer], Handled]
+Offer = Callable[[str, str, list[bytes], bytes | None], str | None]
+"""Offer a tenant's chunks to a node's agent (node, tenant, keys, parent): why it was not
+sent, or None."""
 SHUTTING_DOWN = "the agent is shutting down"
 
 
@@ -42,9 +45,11 @@ class ZmqHandlers:
         max_keys: int,
         admit: Callable[[Peer], bool],
         draining: Callable[[], bool],
+        offer: Offer | None = None,
     ) -> None:
         """``admit``: whether the connection of a hello may stay (False: it was closed);
-        ``draining``: whether new stores are refused."""
+        ``draining``: whether new stores are refused; ``offer``: the peer tier's offers
+        (None: this agent has no peers)."""
         self._service = service
         self._sessions = sessions
         self._segment = segment
@@ -54,6 +59,7 @@ class ZmqHandlers:
         self._max_keys = max_keys
         self._admit = admit
         self._draining = draining
+        self._offer = offer
 
     def by_request(self) -> dict[type, Handler]:
         """The handler of each request type (but ``prefetch_status``, which the server
@@ -71,6 +77,7 @@ class ZmqHandlers:
             p.EndSession: self.end_session,  # type: ignore[dict-item]
             p.Clear: self.clear,  # type: ignore[dict-item]
             p.Stats: self.stats,  # type: ignore[dict-item]
+            p.Push: self.push,  # type: ignore[dict-item]
         }
 
     def hello(self, request: p.Hello, extra: Frames, peer: Peer) -> Handled:
@@ -174,6 +181,29 @@ class ZmqHandlers:
         committed = self._service.commit(request.lease, request.count)
         session.leases.discard(request.lease)
         return p.CommitReply(request.req, committed), []
+
+    def push(self, request: p.Push, extra: Frames, peer: Peer) -> Handled:
+        """Offer the leading run of ``keys`` this agent holds to another node's agent: only
+        a tenant this session may act for (the receiver pulls them under that tenant,
+        within its quota there)."""
+        session = self._sessions.get(request.session, peer)
+        self.check_keys(request.keys)
+        if any(
+            len(key) != KEY_BYTES for key in (*request.keys, request.parent or bytes(KEY_BYTES))
+        ):
+            raise InvalidRequest(f"keys are {KEY_BYTES} bytes")
+        tenant = self._sessions.tenant(session, request.tenant)
+        if tenant == CANARY_TENANT:
+            raise p.ProtocolError(p.ErrorCode.FORBIDDEN, "the canary tenant is never pushed")
+        held = self._service.lookup(tenant, request.keys, lock=False, count=False).count
+        unsent: str | None
+        if self._offer is None:
+            unsent = "this agent has no peers"
+        elif not held:
+            unsent = "none of the chunks is here"
+        else:
+            unsent = self._offer(request.node, tenant, request.keys[:held], request.parent)
+        return p.PushReply(request.req, unsent), []
 
     def release(self, request: p.Release, extra: Frames, peer: Peer) -> Handled:
         session = self._sessions.get(request.session, peer)

@@ -70,7 +70,7 @@ from typing import Protocol
 import zmq
 
 from kvpool.agent.core.cache_types import CacheError, LeaseExpired, UnknownLease
-from kvpool.agent.edge.zmq_handlers import Frames, Handled, ZmqHandlers
+from kvpool.agent.edge.zmq_handlers import Frames, Handled, Offer, ZmqHandlers
 from kvpool.agent.edge.zmq_sessions import Peer, SessionTable
 from kvpool.agent.edge.zmtp import DropReason, MessageBounds, Truncated, ZmtpRouter
 from kvpool.agent.service.cache_service import CacheService
@@ -139,9 +139,10 @@ class ZmqServer:
         observer: RequestObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         listener: socket.socket | None = None,
+        offer: Offer | None = None,
     ) -> None:
         """Serves on ``endpoint``, or on ``listener`` (:func:`~kvpool.agent.edge.zmtp.listen`)
-        bound beforehand."""
+        bound beforehand; ``offer``: the peer tier's offers (``push``; None: no peers)."""
         self.agent_id = agent_id
         self._listener = listener
         self._parked: list[_Parked] = []
@@ -182,6 +183,7 @@ class ZmqServer:
             max_keys=max_keys,
             admit=self._admit,
             draining=lambda: self._draining,
+            offer=offer,
         )
         self._handlers = self._handler.by_request()
 

@@ -5,7 +5,8 @@ thread (the adapter runs links on its own threads, never on the event loop):
 how much of a prefix it holds (:meth:`PeerLink.held`), and for one chunk
 (:meth:`PeerLink.fetch`), received straight into the memory the caller reserves for
 it (L1 pages) and opened there (:meth:`~kvpool.agent.l2.codec.ObjectCodec.open`, in
-place). A chunk that
+place); and it offers the peer a prefix this agent holds (:meth:`PeerLink.offer`: a
+disaggregated prefill's, for its decode's node). A chunk that
 does not open as the tenant's key asked for (another tenant's, flipped bytes, a
 forged peer) is an :class:`~kvpool.agent.l2.codec.IntegrityError`: never bytes.
 Every failure closes the connection it happened on and is counted by reason.
@@ -27,12 +28,14 @@ from kvpool.agent.peer.session import open_session
 from kvpool.agent.peer.transport import PeerChannel, PeerTransport
 from kvpool.agent.peer.wire import (
     IDLE_SECONDS,
+    Accepted,
     Busy,
     Exists,
     Get,
     Have,
     Missing,
     Object,
+    Offer,
     WireError,
 )
 from kvpool.common.handshake import NotProven
@@ -111,6 +114,19 @@ class PeerLink:
             if not isinstance(answer, Have) or length or not 0 <= answer.count <= len(keys):
                 raise WireError(f"expected have for {len(keys)} keys, got {answer!r}")
             return answer.count
+
+        return self._call(ask)
+
+    def offer(self, tenant: str, keys: list[bytes], parent: bytes | None) -> bool:
+        """Tell the peer this agent holds ``keys`` of ``tenant``'s (``parent`` before them):
+        True once it pulls them, False when it is busy."""
+
+        def ask(channel: PeerChannel) -> bool:
+            channel.send(Offer(tenant, keys, parent))
+            answer, length = channel.receive()
+            if not isinstance(answer, Accepted | Busy) or length:
+                raise WireError(f"expected accepted or busy, got {answer!r}")
+            return isinstance(answer, Accepted)
 
         return self._call(ask)
 

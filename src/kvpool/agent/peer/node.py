@@ -4,7 +4,8 @@
 that a missing key or a port in use stops the agent at start, naming the
 setting); :meth:`PeerTier.serve` starts serving once L1 exists and starts
 following the peers. Its :attr:`PeerTier.adapter` is the tier the prefetch
-reads between NVMe and S3.
+reads between NVMe and S3; its :attr:`PeerTier.offers` offer a disaggregated prefill's
+chunks to the decode's node.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kvpool.agent.peer.adapter import PeerAdapter
 from kvpool.agent.peer.directory import PeerDirectory, node_name
 from kvpool.agent.peer.index_lookup import IndexLookup
 from kvpool.agent.peer.links import LinkSettings, PeerLink
+from kvpool.agent.peer.offers import Offers
 from kvpool.agent.peer.serving import PeerServer
 from kvpool.agent.peer.transport import PeerTransport, TcpTransport
 from kvpool.agent.service.data_service import DataService
@@ -62,6 +64,7 @@ class PeerTier:
             if index is None
             else IndexLookup(index, self.keyring, config.pool, self.config.io_timeout_seconds),
         )
+        self.offers = Offers(self.directory)
         self.server: PeerServer | None = None
 
     def serve(
@@ -86,7 +89,9 @@ class PeerTier:
         self.directory.start()
 
     def stop(self) -> None:
-        """Stop serving (before L1 goes); the adapter closes with the other tiers."""
+        """Stop serving and offering (before L1 goes); the adapter closes with the other
+        tiers."""
+        self.offers.close()
         if self.server is not None:
             self.server.stop()
         else:

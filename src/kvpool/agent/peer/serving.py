@@ -17,7 +17,13 @@ Then each request names a tenant id, and
 only that tenant's chunks answer it (the L1 and the NVMe tier are keyed by
 tenant): :class:`~kvpool.agent.peer.wire.Exists` counts the leading run of the
 keys held in L1, then NVMe; :class:`~kvpool.agent.peer.wire.Get` sends one
-chunk, sealed with the connection's peer key for that tenant.
+chunk, sealed with the connection's peer key for that tenant;
+:class:`~kvpool.agent.peer.wire.Offer` (a peer holds a prefix a request here is about
+to want) starts pulling the chunks L1 lacks, exactly as a lookup's prefetch: the
+pulled bytes are checked against the tenant and key, land within the tenant's quota on
+this node, and commit in prompt order; a peer only says where to look, never what to
+store. At most ``max_transfers`` offers pull at once from one connection's requests
+(the prefetch's own slots bound them further: a tenant holds at most half).
 
 A chunk in L1 is read under a read lease (its pages cannot be evicted or
 reused meanwhile) held only while it is sealed into a send buffer; the network
@@ -46,12 +52,14 @@ from kvpool.agent.peer.session import Session, accept_session
 from kvpool.agent.peer.transport import PeerChannel, PeerListener, split_address
 from kvpool.agent.peer.wire import (
     IDLE_SECONDS,
+    Accepted,
     Busy,
     Exists,
     Get,
     Have,
     Missing,
     Object,
+    Offer,
     WireError,
 )
 from kvpool.agent.service.data_service import DataService
@@ -97,6 +105,9 @@ DEBUG), so that a flood of them is one line a minute."""
 class ServingStats:
     served_chunks: int = 0
     served_bytes: int = 0
+    offers: Counter[str] = field(default_factory=Counter)
+    """Offers from peers by outcome: accepted (a pull started), present (L1 holds them
+    all), busy (no prefetch slot)."""
     transfers_in_flight: int = 0
     bytes_in_flight: int = 0
     refused: Counter[str] = field(default_factory=Counter)
@@ -247,6 +258,8 @@ class PeerServer:
                     channel.send(Have(self._held(request.tenant, request.keys)))
                 elif isinstance(request, Get):
                     self._send(channel, session.key_id, ObjectKey(request.tenant, request.key))
+                elif isinstance(request, Offer):
+                    channel.send(self._pull(request))
                 else:
                     raise WireError(f"unexpected {type(request).__name__}")
         except WireError as error:
@@ -261,6 +274,19 @@ class PeerServer:
             self.stats.refused[reason] += 1
         _refusals.warning(_REFUSALS[reason])
         log.debug("peer port: %s from %s: %s", reason, channel.remote, detail)
+
+    def _pull(self, offer: Offer) -> Accepted | Busy:
+        """Start pulling the offered chunks L1 lacks (a lookup's prefetch: the peer tier
+        finds who holds them, the offering peer among them)."""
+        hit = self.service.lookup(
+            offer.tenant, offer.keys, lock=False, count=False, prefetch=True, parent=offer.parent
+        )
+        outcome = (
+            "present" if hit.count == len(offer.keys) else "accepted" if hit.prefetch else "busy"
+        )
+        with self._lock:
+            self.stats.offers[outcome] += 1
+        return Busy() if outcome == "busy" else Accepted()
 
     def _held(self, tenant: str, keys: list[bytes]) -> int:
         """The leading run of ``keys`` held in L1, then on NVMe."""

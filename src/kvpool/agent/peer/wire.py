@@ -13,7 +13,11 @@ refuses (:class:`Refused`) and closes. Then the client asks, one request at a
 time, each answered in order: :class:`Exists` with :class:`Have`; :class:`Get`
 with :class:`Object` (whose body is the chunk sealed by
 :class:`~kvpool.agent.l2.codec.ObjectCodec` under the peer key the handshake
-agreed on), :class:`Missing` or :class:`Busy`. A frame that is malformed, too
+agreed on), :class:`Missing` or :class:`Busy`; :class:`Offer` (the asking agent
+holds a tenant's prefix that a request on the server's node is about to want: a
+disaggregated prefill's) with :class:`Accepted` (the server pulls it, as it would
+for a lookup of its own) or :class:`Busy`. An agent that predates offers closes the
+connection on one: the offer is lost, and the pull is the fallback. A frame that is malformed, too
 large or unexpected ends the connection: :class:`WireError`. Between requests a
 connection may sit idle for :data:`IDLE_SECONDS`.
 """
@@ -95,7 +99,32 @@ class Busy(msgspec.Struct, tag="busy", frozen=True):
     """Too many transfers in flight: try another tier."""
 
 
-Message = Hello | Prove | Welcome | Refused | Exists | Have | Get | Object | Missing | Busy
+class Offer(msgspec.Struct, tag="offer", frozen=True):
+    """The asking agent holds ``keys`` (a prefix of ``tenant``'s, ``parent`` before it)."""
+
+    tenant: str
+    keys: list[bytes]
+    parent: bytes | None = None
+
+
+class Accepted(msgspec.Struct, tag="accepted", frozen=True):
+    """The server is pulling the offered chunks (those it lacks) into its L1."""
+
+
+Message = (
+    Hello
+    | Prove
+    | Welcome
+    | Refused
+    | Exists
+    | Have
+    | Get
+    | Object
+    | Missing
+    | Busy
+    | Offer
+    | Accepted
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -133,10 +162,12 @@ def parse_message(meta: bytes | bytearray | memoryview) -> Message:
 
 def _check(message: Message) -> None:
     keys: list[bytes] = []
-    if isinstance(message, Exists):
+    if isinstance(message, Exists | Offer):
         if len(message.keys) > MAX_KEYS:
             raise WireError(f"{len(message.keys)} keys in one request (at most {MAX_KEYS})")
         keys = message.keys
+        if isinstance(message, Offer) and message.parent is not None:
+            keys = [*keys, message.parent]
     elif isinstance(message, Get):
         keys = [message.key]
     if any(len(key) != KEY_BYTES for key in keys):

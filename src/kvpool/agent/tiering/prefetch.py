@@ -23,6 +23,10 @@ since a slow L2 holds each for as long as it is slow: a tenant holds at most hal
 may send by the dozen) a quarter of them all together (8), so warms never take the slots
 that lookups need, nor one tenant all of them. A prefetch that finds no slot is refused
 (counted in ``refused``): the lookup is answered from L1 alone, the warm is told to retry.
+
+A prefetch of keys that a running one of the same tenant loads already (a decode's lookup
+while a peer's offer of the same prompt lands: :mod:`kvpool.agent.peer.offers`) joins it:
+its id is the running one's, and nothing is fetched twice (counted in ``joined``).
 """
 
 from __future__ import annotations
@@ -73,6 +77,8 @@ class PrefetchStats:
     started: int = 0
     refused: int = 0
     """Not started: no slot free (for its tenant, or for a warm)."""
+    joined: int = 0
+    """Not started: a running prefetch loads the same keys already."""
     loaded_chunks: int = 0
     loaded_bytes: int = 0
     in_flight: int = 0
@@ -102,6 +108,8 @@ class Prefetcher:
         """Slots held by each tenant with a prefetch in flight."""
         self._warms = 0
         """Slots held by warms."""
+        self._loading: dict[tuple[str, bytes], tuple[Prefetch, int]] = {}
+        """Each key a running prefetch loads (by tenant), with its position there."""
         self._in_place = {tier.name for tier in self.tiers if isinstance(tier, ReceivesInPlace)}
         """The tiers that receive into a landing (a protocol check is too slow per chunk)."""
         self._decisions: weakref.WeakKeyDictionary[ChunkLanding, asyncio.Event] = (
@@ -127,10 +135,16 @@ class Prefetcher:
         if not keys or not self.tiers or self._loop is None:
             return 0
         with self._guard:
+            running = self._running(tenant, keys)
+            if running is not None:
+                self.stats.joined += 1
+                return running
             if not self._slot_free(tenant, warm):
                 self.stats.refused += 1
                 return 0
             prefetch = Prefetch(next(self._ids), tenant, list(keys), parent, warm)
+            for position, key in enumerate(prefetch.keys):
+                self._loading.setdefault((tenant, key), (prefetch, position))
             self._prefetches[prefetch.id] = prefetch
             while len(self._prefetches) > _REMEMBERED:
                 self._prefetches.popitem(last=False)
@@ -139,6 +153,17 @@ class Prefetcher:
             self._held[tenant] += 1
             self._warms += warm
         self._loop.call_soon_threadsafe(self._spawn, prefetch)
+        return prefetch.id
+
+    def _running(self, tenant: str, keys: Sequence[bytes]) -> int | None:
+        """Under the guard: the id of a running prefetch of ``tenant`` that loads ``keys``,
+        in order, from one of its positions on (None: there is none)."""
+        found = self._loading.get((tenant, keys[0]))
+        if found is None:
+            return None
+        prefetch, position = found
+        if prefetch.keys[position : position + len(keys)] != list(keys):
+            return None
         return prefetch.id
 
     def _slot_free(self, tenant: str, warm: bool) -> bool:
@@ -152,6 +177,9 @@ class Prefetcher:
 
     def _free_slot(self, prefetch: Prefetch) -> None:
         """Under the guard: a prefetch ended."""
+        for key in prefetch.keys:
+            if self._loading.get((prefetch.tenant, key), (None, 0))[0] is prefetch:
+                del self._loading[(prefetch.tenant, key)]
         self.stats.in_flight -= 1
         self._held[prefetch.tenant] -= 1
         if not self._held[prefetch.tenant]:
