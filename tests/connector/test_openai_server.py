@@ -43,8 +43,8 @@ from kvpool.common.disagg import DecodeParams, PrefillParams
 from kvpool.common.names import CONNECTOR_OLD_NAMES
 from kvpool.tools.bench.local.http_process import HttpProcess
 from kvpool.tools.bench.local.vllm_server import openai_server_command
+from tests.support import completions
 from tests.support.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
-from tests.support.engine_main import TOP_LOGPROBS
 from tests.support.engines import Result, poison_segment, write_model
 from tests.support.ports import free_port
 
@@ -133,49 +133,19 @@ def complete(
     params: dict[str, Any] | None = None,
     max_tokens: int = 16,
 ) -> tuple[Result, dict[str, Any]]:
-    """``POST /v1/completions``, greedy, with ``params`` as its ``kv_transfer_params``; the
-    generation as a :class:`Result` (one request, token ids from ``return_token_ids``,
-    candidates from ``logprobs``) and the raw reply."""
-    body: dict[str, Any] = {
-        "model": MODEL_NAME,
-        "prompt": tokens,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,  # the generated ids (there is no tokenizer to decode)
-        "logprobs": TOP_LOGPROBS,
-        "return_tokens_as_token_ids": True,  # candidates as "token_id:<id>"
-    }
-    if salt is not None:
-        body["cache_salt"] = salt
-    if params is not None:
-        body["kv_transfer_params"] = params
-    started = time.perf_counter()
-    try:
-        answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=REQUEST_S)
-    except httpx.HTTPError as error:
-        pytest.fail(f"no answer ({error!r}); server log:\n{server.vllm.log_tail()}")
-    seconds = time.perf_counter() - started
-    if answer.status_code != 200:
-        pytest.fail(f"{answer.status_code} {answer.text}; server log:\n{server.vllm.log_tail()}")
-    reply = answer.json()
-    choice = reply["choices"][0]
-    top = [
-        sorted(
-            ((int(name.removeprefix("token_id:")), logprob) for name, logprob in position.items()),
-            key=lambda candidate: -candidate[1],
-        )
-        for position in choice["logprobs"]["top_logprobs"]
-    ]
-    usage = reply["usage"]
-    result = Result(
-        tokens=[choice["token_ids"]],
-        cached=[usage["prompt_tokens_details"]["cached_tokens"]],
-        seconds=seconds,
-        counters={},
-        top=[top],
+    """``POST /v1/completions``, greedy, with ``params`` as its ``kv_transfer_params``: the
+    generation as a :class:`Result` and the raw reply."""
+    done = completions.complete(
+        server.url,
+        MODEL_NAME,
+        tokens,
+        salt,
+        params=params,
+        max_tokens=max_tokens,
+        timeout=REQUEST_S,
+        log_tail=server.vllm.log_tail,
     )
-    return result, reply
+    return done.result, done.reply
 
 
 def cached(result: Result) -> int:

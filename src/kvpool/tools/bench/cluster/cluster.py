@@ -8,7 +8,9 @@ endpoint picker (ext_proc, as the Gateway API Inference Extension configures it)
 back to round robin. The vLLM servers come in sets (:class:`Flavor`), one set up at a time
 (each server holds over a GiB): ``servers_per_host`` on each host at fixed addresses, so
 both gateways serve every set. The index, with its picker, is started with each set, since
-a set's fingerprint is its own.
+a set's fingerprint is its own. In the disaggregated set, host 0's servers prefill and host
+1's decode, each decode server behind the P/D sidecar on the address the gateways target
+(its vLLM on another port), and the picker splits a request whose uncached part is long.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import re
 import secrets
 import socket
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +46,8 @@ MODEL = "tiny-llama"
 """The served model's name."""
 CHUNK_TOKENS = 256
 FIRST_VLLM_PORT = 8000
+FIRST_SIDECAR_VLLM_PORT = 8200
+"""A decode server's vLLM, behind its sidecar (which takes the port the gateways target)."""
 FIRST_EVENTS_PORT = 5557
 PEER_PORT = 7404
 STARTUP_S = 600.0
@@ -64,6 +69,9 @@ class Flavor(enum.Enum):
     """The host's agent (KvpoolConnector)."""
     LMCACHE = "lmcache"
     """The host's ``lmcache server`` (LMCache's multiprocess connector)."""
+    DISAGG = "disagg"
+    """The host's agent, host 0's servers prefilling (``kv_producer``) and host 1's decoding
+    (``kv_consumer``, each behind the P/D sidecar); the picker splits long prompts."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,10 @@ class Settings:
     max_num_seqs: int
     lmcache_python: str | None
     """The interpreter of a venv with ``lmcache`` and vLLM; None: no LMCache set."""
+    pd_threshold_tokens: int = 512
+    """The disaggregated set's picker splits a request whose uncached part is this long."""
+    decode_wait_ms: int = 2000
+    """How long a disaggregated decode waits for its prompt's chunks."""
 
 
 @dataclass
@@ -88,8 +100,15 @@ class Server:
     host_index: int
     host: Host
     port: int
+    """The port the gateways target: vLLM's, or its sidecar's."""
     events_port: int
     process: HttpProcess
+    """vLLM's OpenAI server."""
+    role: str = "both"
+    """The picker's role of the server: both, prefill or decode."""
+    sidecar: HttpProcess | None = None
+    """A decode server's P/D sidecar, on ``port`` (vLLM behind it on ``vllm_port``)."""
+    vllm_port: int = 0
 
     @property
     def address(self) -> str:
@@ -102,6 +121,21 @@ class Server:
     @property
     def node(self) -> str:
         return f"host-{self.host_index}"
+
+    @property
+    def vllm_url(self) -> str:
+        """vLLM itself (behind a sidecar: past it)."""
+        return f"http://{self.host.address}:{self.vllm_port or self.port}"
+
+    def start(self) -> None:
+        self.process.start(STARTUP_S)
+        if self.sidecar is not None:
+            self.sidecar.start(60.0)
+
+    def stop(self) -> None:
+        if self.sidecar is not None:
+            self.sidecar.stop()
+        self.process.stop()
 
 
 class Cluster:
@@ -124,6 +158,8 @@ class Cluster:
         self.tenants = tenants
         self.spaces = spaces
         self.gateway_token = secrets.token_hex(16)
+        self.pd_key = work / "pd.key"
+        """The pool's disaggregation key: the picker signs prefill headers, sidecars check."""
         self.agents: list[AgentProcess] = []
         self.hosts: list[Host] = []
         self.round_robin_url = ""
@@ -144,6 +180,8 @@ class Cluster:
         self._stack.close()
 
     def _start(self) -> None:
+        self.pd_key.write_text(secrets.token_hex(32))
+        self.pd_key.chmod(0o600)
         hosts = self._stack.enter_context(Hosts(2))
         self.hosts = hosts.hosts
         self.agents = host_agents(self.work, self.hosts, PEER_PORT)
@@ -193,25 +231,29 @@ class Cluster:
                 for slot in range(self.settings.servers_per_host)
             ]
             for server in made:
-                stack.callback(server.process.stop)
+                stack.callback(server.stop)
             with ThreadPoolExecutor(len(made)) as pool:
-                list(pool.map(lambda server: server.process.start(STARTUP_S), made))
+                list(pool.map(Server.start, made))
             self.index = self._index(flavor, made)
             stack.callback(self._stop_index)
             yield made
 
     def _server(self, flavor: Flavor, index: int, host: Host, slot: int) -> Server:
         port, events_port = FIRST_VLLM_PORT + slot, FIRST_EVENTS_PORT + slot
+        role = "both" if flavor is not Flavor.DISAGG else ("prefill", "decode")[index % 2]
+        vllm_port = FIRST_SIDECAR_VLLM_PORT + slot if role == "decode" else port
         transfer: dict[str, Any] | None = None
         python = None
-        if flavor is Flavor.KVPOOL:
+        if flavor in (Flavor.KVPOOL, Flavor.DISAGG):
+            kv_role = {"both": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}
             transfer = {
                 "kv_connector": "KvpoolConnector",
                 "kv_connector_module_path": "kvpool.connector",
-                "kv_role": "kv_both",
+                "kv_role": kv_role[role],
                 "kv_connector_extra_config": {
                     "endpoint": self.agents[index].zmq,
                     "chunk_tokens": CHUNK_TOKENS,
+                    "decode_wait_s": self.settings.decode_wait_ms / 1000,
                 },
             }
         elif flavor is Flavor.LMCACHE:
@@ -243,7 +285,7 @@ class Cluster:
             str(self.model),
             served_model_name=MODEL,
             host=host.address,
-            port=port,
+            port=vllm_port,
             max_model_len=self.settings.max_model_len,
             transfer=transfer,
             more=more,
@@ -256,15 +298,37 @@ class Cluster:
             "KVPOOL_CONNECTOR_TOKEN": ENGINE_TOKEN,
             **LMCACHE_ENVIRONMENT,
         }
-        name = f"vllm-{flavor.value}-{host.name}-{port}"
+        name = f"vllm-{flavor.value}-{host.name}-{vllm_port}"
         process = HttpProcess(
-            f"vLLM's OpenAI server {host.address}:{port} ({flavor.value})",
+            f"vLLM's OpenAI server {host.address}:{vllm_port} ({flavor.value})",
             [*host.prefix, *command],
-            f"http://{host.address}:{port}/health",
+            f"http://{host.address}:{vllm_port}/health",
             self.work / f"{name}.log",
             environment,
         )
-        return Server(index, host, port, events_port, process)
+        sidecar = self._sidecar(index, host, port, vllm_port) if role == "decode" else None
+        return Server(index, host, port, events_port, process, role, sidecar, vllm_port)
+
+    def _sidecar(self, index: int, host: Host, port: int, vllm_port: int) -> HttpProcess:
+        """The P/D sidecar of a decode server: on ``port``, its vLLM on ``vllm_port``."""
+        command = [
+            sys.executable,
+            "-m",
+            "kvpool.sidecar",
+            f"--host={host.address}",
+            f"--port={port}",
+            f"--vllm=http://{host.address}:{vllm_port}",
+            f"--key-file={self.pd_key}",
+            f"--node=host-{index}",
+            f"--decode-wait-ms={self.settings.decode_wait_ms}",
+        ]
+        return HttpProcess(
+            f"P/D sidecar {host.address}:{port}",
+            [*host.prefix, *command],
+            f"http://{host.address}:{port}/health",
+            self.work / f"sidecar-{host.name}-{port}.log",
+            {},
+        )
 
     @contextlib.contextmanager
     def _lmcache(self, index: int, host: Host) -> Iterator[None]:
@@ -310,9 +374,19 @@ class Cluster:
                 "address": server.address,
                 "node": server.node,
                 "kv_events": f"tcp://{server.host.address}:{server.events_port}",
+                "role": server.role,
             }
             for server in servers
         ]
+        disaggregation = (
+            {
+                "PICKER__PD__ENABLED": "true",
+                "PICKER__PD__KEY_FILE": str(self.pd_key),
+                "PICKER__PD__THRESHOLD_TOKENS": str(self.settings.pd_threshold_tokens),
+            }
+            if flavor is Flavor.DISAGG
+            else {}
+        )
         return IndexProcess(
             self.work / f"index-{flavor.value}",
             {f"host-{n}": agent for n, agent in enumerate(self.agents)},
@@ -329,6 +403,7 @@ class Cluster:
                 # measures the decision's time)
                 "PICKER__DEADLINE_MS": "2000",
                 "PICKER__SERVED_MODEL_NAME": MODEL,
+                **disaggregation,
             },
         )
 
@@ -367,7 +442,7 @@ def _fingerprint(flavor: Flavor, servers: Sequence[Server], model: Path) -> dict
     """The key fingerprint of the set: the one its connector logged (kvpool), else one of the
     bench's own, since the picker then only compares keys it hashes itself from the
     servers' KV events with those of the prompts."""
-    if flavor is Flavor.KVPOOL:
+    if flavor in (Flavor.KVPOOL, Flavor.DISAGG):
         found = FINGERPRINT.search(servers[0].process.log_text())
         if found is None:
             raise RuntimeError(f"{servers[0].process.name} logged no key fingerprint")

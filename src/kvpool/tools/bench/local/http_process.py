@@ -62,6 +62,12 @@ class HttpProcess:
                 raise StartupError(self._failure(f"{self.name} was not healthy in {timeout:.0f} s"))
             time.sleep(0.5)
 
+    @property
+    def pid(self) -> int:
+        """The process's id, which is also its session's and process group's."""
+        assert self._process is not None, f"{self.name} was never started"
+        return self._process.pid
+
     def environment(self) -> dict[str, str]:
         environment = dict(os.environ)
         for name, value in self.env.items():

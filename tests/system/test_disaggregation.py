@@ -1,0 +1,204 @@
+"""Prefill on one host, decode on another, through the endpoint picker and real Envoy.
+
+Two hosts (network namespaces), each with an agent whose peer is the other's, built by
+``kvpool bench cluster``'s own :class:`~kvpool.tools.bench.cluster.cluster.Cluster`: host
+A runs a vLLM CPU server as ``kv_producer``, host B one as ``kv_consumer`` behind the P/D
+sidecar; the index's picker (roles, a 512-token threshold, the pool's disaggregation key)
+and Envoy run in this machine's namespace. A long prompt through Envoy is split: the
+picker names A for the prefill in a signed header and routes to B; B's sidecar sends A the
+prefill, A's agent offers the prompt to B's agent, which pulls it, and B's decode loads
+all but the last token and generates.
+
+The reference for every comparison is B's own vLLM computing the prompt from scratch (a
+salt nothing is stored under; B never stores). Outputs are compared up to noise
+(:mod:`tests.support.greedy`), with a poisoned-cache control beside.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from kvpool.common.disagg import DecodeParams, PrefillParams
+from kvpool.tools.bench.cluster.cluster import MODEL, Cluster, Flavor, Server, Settings
+from kvpool.tools.bench.local.agent_process import ADMIN_TOKEN, AgentProcess
+from kvpool.tools.bench.local.models import write_model
+from tests.support.completions import Completion, complete
+from tests.support.engines import poison_segment
+from tests.support.hosts import hosts_or_skip
+from tests.support.metrics import metric
+from tests.support.polling import eventually
+
+pytest.importorskip("vllm")
+
+pytestmark = [
+    pytest.mark.process,
+    pytest.mark.engine,
+    pytest.mark.root,
+    pytest.mark.netns,
+    pytest.mark.timeout(900),
+]
+
+CHUNK = 256
+PROMPT = 7 * CHUNK + 208  # seven full chunks and a tail: past the picker's 512 tokens
+WAIT_MS = 3000
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+@dataclass(frozen=True)
+class Pair:
+    cluster: Cluster
+    prefill: Server
+    decode: Server
+
+    @property
+    def decode_agent(self) -> AgentProcess:
+        return self.cluster.agents[1]
+
+    def reference(self, tokens: list[int]) -> Completion:
+        """The decode server computing ``tokens`` from scratch."""
+        done = complete(self.decode.vllm_url, MODEL, tokens, "pd-reference", log_tail=self.logs)
+        assert done.cached == 0
+        return done
+
+    def logs(self) -> str:
+        servers = (self.prefill, self.decode)
+        tails = [server.process.log_tail(30) for server in servers]
+        if self.decode.sidecar is not None:
+            tails.append(self.decode.sidecar.log_tail(30))
+        return "\n----\n".join(tails)
+
+
+def prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 2000) for _ in range(PROMPT)]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    work = tmp_path_factory.mktemp("disaggregation")
+    with hosts_or_skip(1):  # this machine can make hosts (the cluster makes its own)
+        pass
+    settings = Settings(
+        servers_per_host=1,
+        vllm_blocks=64,
+        l1_size="256Mi",
+        max_model_len=4096,
+        max_num_seqs=4,
+        lmcache_python=None,
+        decode_wait_ms=WAIT_MS,
+    )
+    model = write_model(work / "model")
+    with (
+        Cluster(work, settings, model, {}, {}) as cluster,
+        cluster.servers(Flavor.DISAGG) as servers,
+    ):
+        prefill, decode = servers
+        assert (prefill.role, decode.role) == ("prefill", "decode")
+        made = Pair(cluster, prefill, decode)
+        eventually(lambda: _picked(made), timeout=60, what="the picker routing through Envoy")
+        yield made
+
+
+def _picked(pair: Pair) -> None:
+    """A short prompt goes through Envoy whole, to the decode server, by the picker."""
+    done = complete(pair.cluster.picker_url, MODEL, prompt(0)[:64], "warm-up", max_tokens=1)
+    assert done.headers.get("x-kvpool-pick", "fail_open").split(";")[0] != "fail_open"
+
+
+def test_a_long_prompt_is_prefilled_on_one_host_and_decoded_on_the_other(pair: Pair) -> None:
+    tokens = prompt(1)
+    reference = pair.reference(tokens)
+    offers = metric(pair.decode_agent, 'kvpool_peer_offers_received_total{outcome="accepted"}')
+    pulled = metric(pair.decode_agent, 'kvpool_peer_fetched_chunks_total{peer="host-0"}')
+
+    done = complete(pair.cluster.picker_url, MODEL, tokens, "team-a", log_tail=pair.logs)
+
+    pick, sidecar = done.headers["x-kvpool-pick"], done.headers["x-kvpool-pd"]
+    assert pick.startswith(f"pd; prefill={pair.prefill.address};"), pick
+    assert "status=ok" in sidecar, sidecar
+    assert done.cached == PROMPT - 1, pair.logs()
+    assert not done.result.differences(reference.result)
+    # the prompt came from host A's agent, offered to host B's: seven chunks and the tail
+    assert (
+        metric(pair.decode_agent, 'kvpool_peer_offers_received_total{outcome="accepted"}')
+        == offers + 1
+    )
+    assert (
+        metric(pair.decode_agent, 'kvpool_peer_fetched_chunks_total{peer="host-0"}') == pulled + 8
+    )
+
+
+def test_a_short_prompt_is_served_whole_by_the_decode_host(pair: Pair) -> None:
+    done = complete(pair.cluster.picker_url, MODEL, prompt(2)[:300], "team-a")
+    assert not done.headers["x-kvpool-pick"].startswith("pd"), done.headers["x-kvpool-pick"]
+    assert "status=passthrough" in done.headers["x-kvpool-pd"]
+
+
+def test_a_poisoned_pushed_prompt_fails_the_comparison(pair: Pair) -> None:
+    """Negative control: the decode computes with the bytes that were pushed to its host."""
+    tokens = prompt(3)
+    reference = pair.reference(tokens)
+    agent = pair.decode_agent
+    landed = metric(agent, "kvpool_prefetch_loaded_chunks_total")
+    prefilled = complete(
+        pair.prefill.url,
+        MODEL,
+        tokens,
+        "team-a",
+        params=PrefillParams(push_to=pair.decode.node).to_json(),
+        max_tokens=1,
+        log_tail=pair.logs,
+    )
+    assert prefilled.reply["kv_transfer_params"] == DecodeParams(PROMPT, tail=True).to_json()
+    eventually(
+        lambda: _at_least(agent, "kvpool_prefetch_loaded_chunks_total", landed + 8),
+        what="the pushed prompt on the decode host",
+    )
+    poison_segment(agent.segment_path)
+    try:
+        params = DecodeParams(PROMPT, tail=True, node=pair.prefill.node, wait_ms=WAIT_MS)
+        poisoned = complete(pair.decode.vllm_url, MODEL, tokens, "team-a", params=params.to_json())
+    finally:
+        httpx.post(f"{agent.http}/v1/clear", headers=ADMIN, timeout=30).raise_for_status()
+    assert poisoned.cached == PROMPT - 1, pair.logs()
+    assert poisoned.result.differences(reference.result)
+
+
+def _at_least(agent: AgentProcess, name: str, value: float) -> None:
+    assert metric(agent, name) >= value
+
+
+def test_a_prefill_host_killed_mid_request_still_yields_the_right_answer(pair: Pair) -> None:
+    """Last: the prefill server is frozen once it has the request, then killed; the sidecar
+    falls back to computing the prompt on the decode host, within its deadline."""
+    tokens = prompt(4)
+    reference = pair.reference(tokens)
+    group = pair.prefill.process.pid
+    os.killpg(group, signal.SIGSTOP)
+    answers: list[Completion] = []
+    client = threading.Thread(
+        target=lambda: answers.append(
+            complete(pair.cluster.picker_url, MODEL, tokens, "team-b", log_tail=pair.logs)
+        )
+    )
+    started = time.monotonic()
+    client.start()
+    time.sleep(2.0)  # the sidecar has sent the prefill: it waits on the frozen server
+    os.killpg(group, signal.SIGKILL)
+    client.join(120)
+    assert answers, "no answer"
+    (done,) = answers
+    assert done.headers["x-kvpool-pick"].startswith("pd"), done.headers["x-kvpool-pick"]
+    assert "status=fallback" in done.headers["x-kvpool-pd"], done.headers["x-kvpool-pd"]
+    assert done.cached % CHUNK == 0  # what the prefill committed before it died, or nothing
+    assert not done.result.differences(reference.result)
+    assert time.monotonic() - started < 60
