@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
+from kvpool.common.disagg import DecodeParams, PrefillParams
 from tests.support.agent_process import ENGINE_TOKEN, AgentProcess
 from tests.support.engines import write_model
 
@@ -413,6 +414,54 @@ def test_a_store_in_one_engine_is_a_load_in_another(
     assert step.kv is not None and step.kv.invalid_block_ids == set()
     assert step.finished == {"second"}
     assert worker.worker.counters.totals["loaded_chunks"] == CHUNKS
+    second.step()
+
+
+def test_a_disaggregated_prefill_is_a_decode_of_all_but_the_last_token(
+    empty_agent: AgentProcess, engines: Callable[[Runner], StepEngine]
+) -> None:
+    """Through vLLM's own scheduler: a prefill (kvpool's prefill params) stores its prompt's
+    tail and returns what the decode needs in its output's ``kv_transfer_params``; another
+    engine's decode with them takes a hit that ends inside a block (the prompt but its last
+    token), loads the tail's bytes, and computes one token."""
+    first = engines("v1")
+    block = first.config.cache_config.block_size
+    tokens = prompt(CHUNKS * BLOCKS_PER_CHUNK * block + block + 5)  # a tail of two blocks
+    first.add("prefill", tokens, SALT, PrefillParams().to_json())
+    written: list[int] = []
+    computed: dict[str, torch.Tensor] = {}
+
+    def forward(output: SchedulerOutput) -> None:
+        written.extend(first.block_ids("prefill"))
+        generator = torch.Generator().manual_seed(2)
+        for name, cache in first.caches.items():
+            cache[written] = torch.randn(cache[written].shape, generator=generator).to(cache.dtype)
+            computed[name] = cache[written].clone()
+
+    step = first.step(forward)
+    assert isinstance(step.output.kv_connector_metadata, KVPoolConnectorMetadata)
+    chunks, tail = step.output.kv_connector_metadata.stores
+    assert len(chunks.keys[0]) == CHUNKS and len(tail.keys[0]) == 1
+    assert step.transfer_params == {"prefill": DecodeParams(len(tokens), tail=True).to_json()}
+    first.step()
+
+    second = engines("v1")
+    params = DecodeParams(len(tokens), tail=True, wait_ms=0).to_json()
+    second.add("decode", tokens, SALT, params)
+    seen: list[int] = []
+
+    def check(output: SchedulerOutput) -> None:
+        (new,) = output.scheduled_new_reqs
+        assert new.num_computed_tokens == len(tokens) - 1, "not a hit of all but one token"
+        assert output.num_scheduled_tokens["decode"] == 1
+        seen.extend(second.block_ids("decode"))
+        for name, cache in second.caches.items():
+            assert torch.equal(cache[seen], computed[name]), f"{name}: wrong bytes"
+
+    step = second.step(check)
+    assert seen, "vLLM ran no forward"
+    assert step.kv is not None and step.kv.invalid_block_ids == set()
+    assert step.transfer_params == {}  # a decode returns nothing
     second.step()
 
 

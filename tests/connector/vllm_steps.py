@@ -277,6 +277,9 @@ class Step:
     output: SchedulerOutput
     kv: KVConnectorOutput | None
     finished: set[str]
+    transfer_params: dict[str, Any] = field(default_factory=dict)
+    """The ``kv_transfer_params`` of each finished request's output (as the OpenAI server
+    returns them), by request id, where the connector returned any."""
 
 
 @dataclass
@@ -361,15 +364,24 @@ class StepEngine:
         assert connector is not None
         return connector
 
-    def add(self, request_id: str, prompt: list[int], salt: str | None = None) -> Request:
-        """A request as the engine core makes it: vLLM's ``Request`` with its hasher."""
+    def add(
+        self,
+        request_id: str,
+        prompt: list[int],
+        salt: str | None = None,
+        transfer_params: dict[str, Any] | None = None,
+    ) -> Request:
+        """A request as the engine core makes it: vLLM's ``Request`` with its hasher, and
+        ``transfer_params`` as the OpenAI server passes a body's ``kv_transfer_params``."""
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
+        extra = None if transfer_params is None else {"kv_transfer_params": transfer_params}
+        sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, extra_args=extra)
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt),
-            sampling_params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+            sampling_params=sampling,
             pooling_params=None,
             cache_salt=salt,
             block_hasher=self._hasher,
@@ -406,13 +418,14 @@ class StepEngine:
             kv_connector_output=kv,
         )
         outputs = self.scheduler.update_from_output(output, runner_output)
-        finished = {
-            out.request_id
+        done = [
+            out
             for engine_outputs in outputs.values()
             for out in engine_outputs.outputs
             if out.finished
-        }
-        return Step(output, kv, finished)
+        ]
+        params = {out.request_id: out.kv_transfer_params for out in done if out.kv_transfer_params}
+        return Step(output, kv, {out.request_id for out in done}, params)
 
     def _worker_step(
         self, output: SchedulerOutput, forward: Callable[[SchedulerOutput], None]
