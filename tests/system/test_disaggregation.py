@@ -177,6 +177,20 @@ def _at_least(agent: AgentProcess, name: str, value: float) -> None:
     assert metric(agent, name) >= value
 
 
+def test_a_stalled_push_costs_the_decode_its_wait_never_the_answer(pair: Pair) -> None:
+    """The decode host's link crawls (8 Mbit/s: the prompt's 8 MiB take about 8 s): the
+    decode waits its deadline, loads the whole chunks that arrived, and computes the rest."""
+    tokens = prompt(5)
+    reference = pair.reference(tokens)
+    with pair.cluster.hosts[1].throttled("8mbit"):
+        done = complete(pair.cluster.picker_url, MODEL, tokens, "team-c", log_tail=pair.logs)
+    assert done.headers["x-kvpool-pick"].startswith("pd"), done.headers["x-kvpool-pick"]
+    assert "status=ok" in done.headers["x-kvpool-pd"], done.headers["x-kvpool-pd"]
+    assert done.cached % CHUNK == 0 and done.cached < PROMPT - 1, pair.logs()
+    assert not done.result.differences(reference.result)
+    assert done.result.seconds < WAIT_MS / 1000 + 30
+
+
 def test_a_prefill_host_killed_mid_request_still_yields_the_right_answer(pair: Pair) -> None:
     """Last: the prefill server is frozen once it has the request, then killed; the sidecar
     falls back to computing the prompt on the decode host, within its deadline."""

@@ -86,6 +86,21 @@ class Host:
         """Cable the host again."""
         _ip(self.ip, f"link set {self.link} up")
 
+    @contextlib.contextmanager
+    def throttled(self, rate: str) -> Iterator[None]:
+        """While the block runs, what is sent to the host crawls at ``rate`` (``tc``'s
+        units, e.g. ``8mbit``: a token bucket at the bridge's end of its cable; this
+        kernel may lack ``netem``, so there is no added latency)."""
+        tc = shutil.which("tc")
+        if tc is None:
+            raise HostsUnavailable("no tc (iproute2) to shape a host's link")
+        shape = f"qdisc replace dev {self.link} root tbf rate {rate} burst 32kbit latency 2s"
+        subprocess.run([tc, *shape.split()], check=True, capture_output=True)
+        try:
+            yield
+        finally:
+            subprocess.run([tc, "qdisc", "del", "dev", self.link, "root"], check=False)
+
 
 class Hosts:
     """``count`` hosts on one bridge, made by :meth:`start` (or ``with``), removed by
