@@ -41,6 +41,11 @@ from kvpool.operator.spec.base import (
     describe,
     parse_bytes,
 )
+from kvpool.operator.spec.disaggregation import (
+    DISAGGREGATION_NEEDS_PICKER,
+    VLLM_PORT_TAKEN,
+    DisaggregationSpec,
+)
 from kvpool.operator.spec.index import (
     PICKER_NEEDS_FINGERPRINT,
     PICKER_NEEDS_SELECTOR,
@@ -101,6 +106,7 @@ from kvpool.operator.spec.workloads import AgentSpec, ResourcesSpec, UpdateStrat
 
 __all__ = [
     "API_VERSION",
+    "DISAGGREGATION_NEEDS_PICKER",
     "GROUP",
     "INDEX_NEEDS_TOKENS",
     "KIND",
@@ -122,8 +128,10 @@ __all__ = [
     "TENANT_PLURAL",
     "TOKENIZER_SUB_PATH",
     "VERSION",
+    "VLLM_PORT_TAKEN",
     "AgentSpec",
     "Bytes",
+    "DisaggregationSpec",
     "EvictionSpec",
     "FingerprintSpec",
     "IndexSpec",
