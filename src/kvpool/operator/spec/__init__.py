@@ -19,8 +19,9 @@ those the operator needs to stay total.
 
 - :mod:`~kvpool.operator.spec.base`: names, the model base, byte quantities;
 - :mod:`~kvpool.operator.spec.pool`: :class:`PoolSpec` and :class:`KVCachePool`, with
-  :mod:`~kvpool.operator.spec.l2`, :mod:`~kvpool.operator.spec.index`,
-  :mod:`~kvpool.operator.spec.network`, :mod:`~kvpool.operator.spec.workloads`,
+  :mod:`~kvpool.operator.spec.l2`, :mod:`~kvpool.operator.spec.index` (its picker's
+  :mod:`~kvpool.operator.spec.disaggregation`), :mod:`~kvpool.operator.spec.network`,
+  :mod:`~kvpool.operator.spec.workloads`,
   :mod:`~kvpool.operator.spec.peers`, :mod:`~kvpool.operator.spec.spaces` and
   :mod:`~kvpool.operator.spec.selectors` for its parts;
 - :mod:`~kvpool.operator.spec.tenant`: :class:`TenantSpec` and :class:`KVCacheTenant`;
