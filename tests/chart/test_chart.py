@@ -24,6 +24,7 @@ from kvpool.csi import main as csi_main
 from kvpool.operator import crds
 from kvpool.operator import main as operator_main
 from kvpool.operator.admission.server import DEFAULT_CONFIGURATION, ServiceRef, WebhookOptions
+from kvpool.operator.admission.sidecar import DecodeSidecar
 from kvpool.operator.crds import openapi_schema
 from kvpool.operator.reconcile import Options
 from kvpool.operator.render import Pool, render
@@ -52,6 +53,7 @@ VALUE_SETS: dict[str, tuple[str, ...]] = {
     "csi": ("csi.yaml",),
     "webhook": ("webhook.yaml",),
     "inference-gateway": ("inference-gateway.yaml",),
+    "prefill-decode": ("prefill-decode.yaml",),
 }
 NO_OFFICIAL_SCHEMA = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 """Kinds outside Kubernetes (prometheus-operator's); test_service_monitor checks it."""
@@ -70,6 +72,9 @@ BAD_VALUES = {
     "bad-webhook-port.yaml": "webhook.port 9443 is operator.healthPort's",
     "bad-example-spec-field.yaml": "at '/examplePool/spec/l1': additional properties 'sise'",
     "bad-example-spec-size.yaml": "at '/examplePool/spec/l1/size': '1GB' does not match pattern",
+    "bad-example-spec-disaggregation.yaml": (
+        "at '/examplePool/spec/index/picker/disaggregation': additional properties 'thresholdToken'"
+    ),
     "bad-inference-pool-without-picker.yaml": (
         "examplePool.inferencePool needs the example pool's endpoint picker"
     ),
@@ -410,6 +415,41 @@ def test_the_inference_pool_names_the_example_pools_picker(helm: Helm) -> None:
     assert inference_pool["spec"]["selector"] == {"matchLabels": {"app": "vllm-qwen3"}}
     assert inference_pool["spec"]["targetPorts"] == [{"number": 8080}]
     assert not by_kind(helm.template("s3-nvme.yaml"), "InferencePool"), "only when asked"
+
+
+def test_the_example_pool_disaggregates_behind_its_inference_pool(helm: Helm) -> None:
+    """The operator renders the example pool's picker.pd with the key it mounts, and the
+    webhook's decode sidecar listens on the port the InferencePool targets, forwarding to
+    the pod's vLLM on vllmPort, in the image the chart gives the operator."""
+    manifests = helm.template("prefill-decode.yaml")
+    pool, inference_pool = one(manifests, "KVCachePool"), one(manifests, "InferencePool")
+    spec = PoolSpec.parse(with_defaults(schema(), pool)["spec"])
+    identity = Pool("main", "inference", "uid")
+    image = _operator_container(manifests)["image"]
+    children = render(identity, spec, default_image=image)
+    assert children.index is not None
+    config = yaml.safe_load(children.index.config["data"]["index.yaml"])
+    assert config["picker"]["pd"] == {
+        "enabled": True,
+        "threshold_tokens": 1024,
+        "max_prefill_waiting": 4,
+        "key_file": "/etc/kvpool/pd-key/key",
+        "header_ttl_seconds": 30,
+        "llmd_header": False,
+    }
+    volumes = children.index.deployment["spec"]["template"]["spec"]["volumes"]
+    assert {"secretName": identity.pd_key_name, "defaultMode": 0o444} in [
+        volume.get("secret") for volume in volumes
+    ]
+    sidecar = DecodeSidecar.of(identity, spec, image)
+    assert sidecar is not None
+    container = sidecar.container()
+    (target,) = inference_pool["spec"]["targetPorts"]
+    assert f"--port={target['number']}" in container["args"]
+    assert "--vllm=http://127.0.0.1:8200" in container["args"]
+    assert "--decode-wait-ms=3000" in container["args"]
+    assert container["image"] == image
+    assert DecodeSidecar.of(identity, PoolSpec.parse({}), image) is None  # off by default
 
 
 def test_the_service_monitor_scrapes_the_agents_and_index_services(helm: Helm) -> None:

@@ -7,6 +7,8 @@ import base64
 import json
 from typing import Any
 
+import httpx
+
 from kvpool.operator.render import Pool
 from tests.support.kube_api import ServedApi
 from tests.support.operator_process import Kubectl
@@ -42,6 +44,22 @@ def agent_pod(kubectl: Kubectl, pool: Pool, name: str, address: str) -> None:
         "-p",
         json.dumps(status),
     )
+
+
+def create_pod(
+    api: ServedApi, namespace: str, pod: dict[str, Any]
+) -> tuple[dict[str, Any], list[str]]:
+    """Create the pod over HTTP, as a client does (the admission webhook is called): the
+    stored pod, and the Warning headers."""
+    response = httpx.post(
+        f"{api.url}/api/v1/namespaces/{namespace}/pods",
+        json=pod,
+        headers={"Authorization": "Bearer test"},
+        timeout=30,
+    )
+    assert response.status_code == 201, response.text
+    stored = api.objects("pods", namespace)[pod["metadata"]["name"]]
+    return stored, response.headers.get_list("Warning")
 
 
 def status(api: ServedApi, plural: str, namespace: str, name: str) -> dict[str, Any]:

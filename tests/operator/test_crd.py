@@ -18,11 +18,12 @@ import yaml
 from pydantic import BaseModel
 
 from kvpool.common.config import AgentConfig, NvmeTierConfig, PeersConfig, S3TierConfig
-from kvpool.common.index_config import Fingerprint, IndexConfig
+from kvpool.common.index_config import Fingerprint, IndexConfig, PrefillDecode
 from kvpool.common.names import POLICY_NAMES
 from kvpool.operator import crds
 from kvpool.operator.spec import (
     API_VERSION,
+    DISAGGREGATION_NEEDS_PICKER,
     INDEX_NEEDS_TOKENS,
     KIND,
     NETWORK_POLICY_NEEDS_CLIENTS,
@@ -37,6 +38,7 @@ from kvpool.operator.spec import (
     SSE_KMS_KEY_NEEDS_KMS,
     TENANT_KIND,
     TENANT_PLURAL,
+    VLLM_PORT_TAKEN,
     InvalidSpec,
     LabelSelector,
     PoolSpec,
@@ -44,6 +46,7 @@ from kvpool.operator.spec import (
     parse_bytes,
 )
 from kvpool.operator.status import IndexReplicas, Rollout, pool_status
+from kvpool.sidecar import main as sidecar_main
 from tests.support.crd_schema import (
     CRD_PATH,
     EXAMPLES,
@@ -260,6 +263,24 @@ PEER_RULES = [
     pytest.param({"peers": {"enable": False}}, "'enable' was unexpected", id="peer-typo"),
 ]
 """Peer settings the CRD and the operator's model both refuse."""
+
+
+def _picker(picker: dict[str, Any], **disaggregation: Any) -> dict[str, Any]:
+    index = {"enabled": True, "fingerprint": FINGERPRINT}
+    picker = {**picker, "disaggregation": {"enabled": True, **disaggregation}}
+    return {**TOKENS, "index": {**index, "picker": picker}}
+
+
+PICKER = {"enabled": True, "selector": {"app": "vllm"}}
+DISAGGREGATION_RULES = [
+    pytest.param(_picker({"enabled": False}), DISAGGREGATION_NEEDS_PICKER, id="pd-without-picker"),
+    pytest.param(_picker({}), DISAGGREGATION_NEEDS_PICKER, id="pd-picker-defaulted-off"),
+    pytest.param(_picker(PICKER, vllmPort=8000), VLLM_PORT_TAKEN, id="vllm-port-is-target"),
+    pytest.param(
+        _picker({**PICKER, "targetPort": 8200}), VLLM_PORT_TAKEN, id="target-is-vllm-port"
+    ),
+]
+"""Disaggregation settings the CRD and the operator's model both refuse, with one line."""
 INVALID_POOLS = [
     *NETWORK_POLICY_RULES,
     *L2_KEY_RULES,
@@ -471,6 +492,50 @@ def test_peer_rules_hold_in_the_crd_and_the_model(spec: dict[str, Any], message:
     error = str(refused.value)
     assert "\n" not in error
     assert error.startswith(("spec.peers.", f"spec: Value error, {PEER_PORT_TAKEN}")), error
+
+
+@pytest.mark.parametrize(("spec", "message"), DISAGGREGATION_RULES)
+def test_disaggregation_rules_hold_in_the_crd_and_the_model(
+    spec: dict[str, Any], message: str
+) -> None:
+    """Refused by both, the model's error on one line naming the field."""
+    assert any(message in error for error in admission_errors(_pool(spec))), message
+    with pytest.raises(InvalidSpec) as refused:
+        PoolSpec.parse(spec)
+    error = str(refused.value)
+    assert "\n" not in error and message in error, error
+
+
+@pytest.mark.parametrize(
+    "disaggregation",
+    [
+        {"enabled": False, "vllmPort": 8000},  # off: its fields are not checked
+        {"enabled": True, "keyGeneration": 3, "resources": {"limits": {"memory": "2Gi"}}},
+    ],
+)
+def test_disaggregation_settings_the_rules_admit(disaggregation: dict[str, Any]) -> None:
+    spec = _picker(PICKER)
+    spec["index"]["picker"]["disaggregation"] = disaggregation
+    assert admission_errors(_pool(spec)) == []
+    PoolSpec.parse(spec)
+
+
+def test_disaggregation_defaults_are_the_pickers() -> None:
+    """A pool's picker disaggregates with the index's own defaults (picker.pd)."""
+    spec = with_defaults(schema(), _pool(_picker(PICKER)))["spec"]
+    pd, config = spec["index"]["picker"]["disaggregation"], PrefillDecode.model_fields
+    assert (pd["thresholdTokens"], pd["maxPrefillWaiting"], pd["headerTtlSeconds"]) == (
+        config["threshold_tokens"].default,
+        config["max_prefill_waiting"].default,
+        config["header_ttl_seconds"].default,
+    )
+    assert (pd["llmdHeader"], pd["keyGeneration"], pd["resources"]) == (False, 0, {})
+    flags = sidecar_main.parser().parse_args([])  # and the sidecar's
+    assert (pd["decodeWaitMs"], pd["prefillTimeoutSeconds"]) == (
+        flags.decode_wait_ms,
+        flags.prefill_timeout_s,
+    )
+    assert flags.vllm == f"http://127.0.0.1:{pd['vllmPort']}"
 
 
 def test_peer_settings_the_crd_admits() -> None:

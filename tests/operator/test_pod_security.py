@@ -12,7 +12,10 @@ from typing import Any
 import pytest
 import yaml
 
+from kvpool.operator.admission.sidecar import DecodeSidecar
 from kvpool.operator.admission.wiring import Binding, PoolFacts, apply, wire
+from kvpool.operator.render import Pool
+from kvpool.operator.spec import PoolSpec
 from tests.support.pod_security import restricted
 
 ROOT = Path(__file__).parents[2]
@@ -82,6 +85,38 @@ def test_every_documented_tenant_pod_stays_restricted_once_wired(
     groups = wired["spec"].get("securityContext", {}).get("supplementalGroups", [])
     assert (10001 in groups) == (namespace == "serving")
     assert restricted(wired["spec"]) == [], where
+
+
+PD_SPEC = {
+    "tenants": {"tokensSecretRef": {"name": "tokens"}},
+    "index": {
+        "enabled": True,
+        "fingerprint": {"model": "m", "dtype": "bfloat16", "kvLayout": "nhd"},
+        "picker": {
+            "enabled": True,
+            "selector": {"app": "vllm"},
+            "disaggregation": {"enabled": True},
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("where", sorted(TENANT_PODS))
+def test_every_documented_tenant_pod_stays_restricted_with_the_decode_sidecar(where: str) -> None:
+    """Wired as a decode pod of a pool that disaggregates: the sidecar is "restricted" on
+    its own (its security context says all of it, whatever the pod's says)."""
+    labels = {"kvpool.io/cache-pool": "main", "kvpool.io/role": "decode"}
+    pod = {"metadata": {"labels": labels}, "spec": TENANT_PODS[where]}
+    pool_spec = PoolSpec.parse(PD_SPEC)
+    sidecar = DecodeSidecar.of(Pool("main", "inference", "uid"), pool_spec, "kvpool:test")
+    pool = PoolFacts("main", "inference", 7400, 256, decode_sidecar=sidecar)
+    wiring = wire(pod, "inference", [Binding("kvpool-cache", "inference", pool)])
+    wired = copy.deepcopy(pod)
+    apply(wiring.patch, wired)
+    assert [c["name"] for c in wired["spec"]["initContainers"]][-1] == "kvpool-pd-sidecar"
+    assert restricted(wired["spec"]) == [], where
+    bare = {"containers": [], "initContainers": wired["spec"]["initContainers"][-1:]}
+    assert restricted(bare) == []  # without the pod's own securityContext
 
 
 GOOD: Manifest = {

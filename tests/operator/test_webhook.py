@@ -34,6 +34,7 @@ from kvpool.connector.settings import ConnectorSettings
 from kvpool.operator.admission import server as admission_server
 from kvpool.operator.admission.certificates import make, write
 from kvpool.operator.admission.server import ServiceRef, Webhook, WebhookOptions
+from kvpool.operator.admission.sidecar import DecodeSidecar
 from kvpool.operator.admission.wiring import (
     Binding,
     PoolFacts,
@@ -41,6 +42,7 @@ from kvpool.operator.admission.wiring import (
     apply,
     wire,
 )
+from tests.operator.cluster_view import create_pod
 from tests.operator.shared_operator import running
 from tests.support.kube_api import ServedApi, matches_rules, matches_selector
 from tests.support.metrics import memory_bytes
@@ -251,6 +253,129 @@ def test_a_variable_a_container_sets_by_its_new_name_gets_neither_name() -> None
         "KVPOOL_ENDPOINT",
         "KVPOOL_DOOR_PATH",
     ]
+
+
+SIDECAR = DecodeSidecar(
+    image="kvpool:1",
+    image_pull_policy="IfNotPresent",
+    port=8000,
+    vllm_port=8200,
+    key_secret="kvpool-main-pd-key",
+    decode_wait_ms=2000,
+    prefill_timeout_seconds=30,
+    resources={"requests": {"cpu": "100m"}},
+)
+PD_POOL = PoolFacts("main", POOL_NAMESPACE, ZMQ_PORT, CHUNK_TOKENS, decode_sidecar=SIDECAR)
+"""A pool whose picker disaggregates."""
+KEY_VOLUME = {
+    "name": "kvpool-pd-key",
+    "secret": {"secretName": "kvpool-main-pd-key", "defaultMode": 0o444},
+}
+
+
+def _decode_pod(role: str | None, **spec: Any) -> dict[str, Any]:
+    return _pod("p", LABEL | ({"kvpool.io/role": role} if role else {}), **spec)
+
+
+def test_a_decode_pod_gets_the_sidecar_after_its_init_containers() -> None:
+    """A native sidecar (an init container that keeps running), after the pod's own init
+    containers (a model download, say), the key mounted into it alone."""
+    pod = _decode_pod("decode", **_two_containers()["spec"])
+    wiring = wire(pod, POOL_NAMESPACE, [Binding(TENANT, POOL_NAMESPACE, PD_POOL)])
+    assert wiring.warnings == []
+    apply(wiring.patch, pod)
+    init, sidecar = pod["spec"]["initContainers"]
+    assert init == {"name": "init", "image": "busybox"}
+    assert sidecar == {
+        "name": "kvpool-pd-sidecar",
+        "image": "kvpool:1",
+        "imagePullPolicy": "IfNotPresent",
+        "restartPolicy": "Always",
+        "command": ["kvpool-pd-sidecar"],
+        "args": [
+            "--port=8000",
+            "--vllm=http://127.0.0.1:8200",
+            "--key-file=/etc/kvpool/pd-key/key",
+            "--decode-wait-ms=2000",
+            "--prefill-timeout-s=30",
+        ],
+        "env": [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
+        "resources": {"requests": {"cpu": "100m"}},
+        "securityContext": {
+            "privileged": False,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+            "runAsUser": 10001,
+            "runAsGroup": 10001,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "volumeMounts": [
+            {"name": "kvpool-pd-key", "mountPath": "/etc/kvpool/pd-key", "readOnly": True}
+        ],
+    }
+    assert pod["spec"]["volumes"] == [{"name": "x", "emptyDir": {}}, VOLUME, KEY_VOLUME]
+    for container in pod["spec"]["containers"]:
+        assert KEY_VOLUME["name"] not in {m["name"] for m in container["volumeMounts"]}
+    assert wire(pod, POOL_NAMESPACE, [Binding(TENANT, POOL_NAMESPACE, PD_POOL)]) == Wiring()
+
+
+@pytest.mark.parametrize(
+    ("role", "namespace", "pool", "sidecar", "warning"),
+    [
+        ("decode", POOL_NAMESPACE, PD_POOL, True, ""),
+        ("both", POOL_NAMESPACE, PD_POOL, True, ""),
+        ("prefill", POOL_NAMESPACE, PD_POOL, False, ""),
+        (None, POOL_NAMESPACE, PD_POOL, False, ""),
+        ("llm-d", POOL_NAMESPACE, PD_POOL, False, ""),
+        ("decode", POOL_NAMESPACE, POOL, False, ""),
+        (
+            "decode",
+            TEAM,
+            PD_POOL,
+            False,
+            "kvpool: label kvpool.io/role=decode in namespace team-a: the picker of pool "
+            "inference/main routes only pods of inference; the pod runs without the decode "
+            "sidecar",
+        ),
+    ],
+    ids=["decode", "both", "prefill", "unlabelled", "other-value", "no-pd", "tenant-namespace"],
+)
+def test_which_pods_get_the_sidecar(
+    role: str | None, namespace: str, pool: PoolFacts, sidecar: bool, warning: str
+) -> None:
+    """Only decode-capable pods the picker routes (the pool's namespace's) of a pool that
+    disaggregates; every one of them is wired to the cache all the same."""
+    wiring = wire(_decode_pod(role), namespace, [Binding(TENANT, POOL_NAMESPACE, pool)])
+    paths = {operation["path"] for operation in wiring.patch}
+    assert ("/spec/initContainers" in paths) == sidecar
+    assert "/spec/volumes" in paths
+    assert wiring.warnings == ([warning] if warning else [])
+
+
+def test_a_container_on_the_sidecars_port_is_warned_about() -> None:
+    """The sidecar takes the target port: a vLLM container declaring it would not bind."""
+    containers = [{"name": "vllm", "image": "v", "ports": [{"containerPort": 8000}]}]
+    wiring = wire(
+        _decode_pod("decode", containers=containers),
+        POOL_NAMESPACE,
+        [Binding(TENANT, POOL_NAMESPACE, PD_POOL)],
+    )
+    assert any(operation["path"] == "/spec/initContainers" for operation in wiring.patch)
+    assert wiring.warnings == [
+        "kvpool: container vllm declares port 8000, where the decode sidecar listens: serve "
+        "its vLLM on port 8200 (spec.index.picker.disaggregation.vllmPort)"
+    ]
+
+
+def test_a_pod_with_a_sidecar_of_that_name_keeps_its_own() -> None:
+    own = [{"name": "kvpool-pd-sidecar", "image": "mine", "restartPolicy": "Always"}]
+    pod = _decode_pod("decode", initContainers=own)
+    wiring = wire(pod, POOL_NAMESPACE, [Binding(TENANT, POOL_NAMESPACE, PD_POOL)])
+    assert all(operation["path"] != "/spec/initContainers/-" for operation in wiring.patch)
+    apply(wiring.patch, pod)
+    assert pod["spec"]["initContainers"] == own and pod["spec"]["volumes"] == [VOLUME]
 
 
 def _environ(env: list[dict[str, Any]], secret: dict[str, str]) -> dict[str, str]:
@@ -537,21 +662,6 @@ def _webhook(api: ServedApi) -> dict[str, Any]:
     return result
 
 
-def _create(
-    api: ServedApi, namespace: str, pod: dict[str, Any]
-) -> tuple[dict[str, Any], list[str]]:
-    """Create the pod over HTTP: the stored pod, and the Warning headers."""
-    response = httpx.post(
-        f"{api.url}/api/v1/namespaces/{namespace}/pods",
-        json=pod,
-        headers={"Authorization": "Bearer test"},
-        timeout=30,
-    )
-    assert response.status_code == 201, response.text
-    stored = api.objects("pods", namespace)[pod["metadata"]["name"]]
-    return stored, response.headers.get_list("Warning")
-
-
 def _calls(api: ServedApi, name: str) -> list[str]:
     return [call.outcome for call in api.api.admissions if call.name == name]
 
@@ -580,7 +690,7 @@ def test_kopf_configures_the_webhook(served_api: ServedApi, operator: OperatorPr
 
 
 def test_a_labelled_pod_is_wired(served_api: ServedApi, operator: OperatorProcess) -> None:
-    pod, warnings = _create(served_api, TEAM, _pod("wired", LABEL))
+    pod, warnings = create_pod(served_api, TEAM, _pod("wired", LABEL))
     assert warnings == []
     container = {"name": "vllm", "image": "vllm:test", "volumeMounts": [MOUNT], "env": ENV}
     assert pod["spec"] == {"containers": [container], "volumes": [VOLUME]}
@@ -590,7 +700,7 @@ def test_a_labelled_pod_is_wired(served_api: ServedApi, operator: OperatorProces
 def test_a_labelled_pod_of_an_engine_namespace_maps_the_segment(
     served_api: ServedApi, operator: OperatorProcess
 ) -> None:
-    pod, warnings = _create(served_api, ENGINES, _pod("engine", LABEL))
+    pod, warnings = create_pod(served_api, ENGINES, _pod("engine", LABEL))
     assert warnings == []
     container = {
         "name": "vllm",
@@ -608,7 +718,7 @@ def test_a_labelled_pod_of_an_engine_namespace_maps_the_segment(
 def test_a_containers_own_variable_stays(served_api: ServedApi, operator: OperatorProcess) -> None:
     own = {"name": "KVPOOL_CHUNK_TOKENS", "value": "256"}
     container = {"name": "vllm", "image": "vllm:test", "env": [own]}
-    pod, _ = _create(served_api, TEAM, _pod("own-env", LABEL, containers=[container]))
+    pod, _ = create_pod(served_api, TEAM, _pod("own-env", LABEL, containers=[container]))
     env = pod["spec"]["containers"][0]["env"]
     assert env[0] == own
     assert [variable["name"] for variable in env].count("KVPOOL_CHUNK_TOKENS") == 1
@@ -622,7 +732,7 @@ def test_a_containers_own_variable_by_its_old_name_gets_neither_name(
     (and is not refused for two endpoints)."""
     own = {"name": "KVPOOL_ENDPOINT", "value": "tcp://own-agent.team-a.svc:7400"}
     container = {"name": "vllm", "image": "vllm:test", "env": [own]}
-    pod, _ = _create(served_api, TEAM, _pod("own-old-env", LABEL, containers=[container]))
+    pod, _ = create_pod(served_api, TEAM, _pod("own-old-env", LABEL, containers=[container]))
     env = pod["spec"]["containers"][0]["env"]
     assert env == [own, *(v for v in ENV if v["name"] not in ENDPOINT_NAMES)]
     environ = _environ(env, {"token": "t", "salt": "s"})
@@ -633,7 +743,7 @@ def test_an_unlabelled_pod_is_not_even_sent(
     served_api: ServedApi, operator: OperatorProcess
 ) -> None:
     sent = _pod("plain", {"app": "vllm"})
-    pod, warnings = _create(served_api, TEAM, sent)
+    pod, warnings = create_pod(served_api, TEAM, sent)
     assert (pod["spec"], warnings) == (sent["spec"], [])
     assert _calls(served_api, "plain") == []
 
@@ -663,7 +773,7 @@ def test_a_pod_that_cannot_be_wired_is_created_with_a_warning(
 ) -> None:
     name = f"unwired-{uuid.uuid4().hex[:6]}"
     sent = _pod(name, {"kvpool.io/cache-pool": value})
-    pod, warnings = _create(served_api, namespace, sent)
+    pod, warnings = create_pod(served_api, namespace, sent)
     assert pod["spec"] == sent["spec"]
     assert warnings == [f'299 - "kvpool: {problem}; {UNWIRED}"']
     assert _calls(served_api, name) == ["unchanged"]
@@ -701,7 +811,7 @@ def test_the_published_ca_verifies_the_webhook_address(
         httpx.post(config["url"], json=review, verify=ssl.create_default_context(), timeout=10)
 
 
-def test_a_failing_webhook_under_fail_policy_fails_the_create(
+def test_a_failing_webhook_under_fail_policy_fails_thecreate_pod(
     served_api: ServedApi, operator: OperatorProcess
 ) -> None:
     url = f"https://127.0.0.1:{free_port()}/x"
@@ -802,7 +912,7 @@ def _flood(api: ServedApi, operator: OperatorProcess, junk: Junk, pod: str) -> l
         growth = memory_bytes(operator.pid) - before
         assert growth < JUNK_MEMORY_BOUND, f"RSS grew by {growth >> 20} MiB"
         started = time.monotonic()
-        stored, _ = await asyncio.to_thread(_create, api, TEAM, _pod(pod, LABEL))
+        stored, _ = await asyncio.to_thread(create_pod, api, TEAM, _pod(pod, LABEL))
         assert time.monotonic() - started < WIRED_WITHIN_SECONDS
         assert stored["spec"]["containers"][0]["env"] == ENV
         held = await asyncio.gather(*waits)
@@ -877,7 +987,7 @@ def test_with_the_operator_down_a_labelled_pod_is_created_as_it_is(
     operator.stop()
     assert _webhook(served_api)
     sent = _pod("operator-down", LABEL)
-    pod, warnings = _create(served_api, TEAM, sent)
+    pod, warnings = create_pod(served_api, TEAM, sent)
     assert (pod["spec"], warnings) == (sent["spec"], [])
     (outcome,) = _calls(served_api, "operator-down")
     assert outcome.startswith("ignored: failed to call webhook: Post ")

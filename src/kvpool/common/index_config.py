@@ -23,6 +23,9 @@ from kvpool.common.names import (
     DEFAULT_LOAD_SLACK,
     DEFAULT_MAX_CHUNKS_PER_NODE,
     DEFAULT_MIN_MATCH_RATIO,
+    DEFAULT_PD_HEADER_TTL_SECONDS,
+    DEFAULT_PD_MAX_PREFILL_WAITING,
+    DEFAULT_PD_THRESHOLD_TOKENS,
     DEFAULT_PICKER_PORT,
     DEFAULT_STATE_DIR,
     INDEX_CONFIG_FILE_ENV,
@@ -131,7 +134,7 @@ class PrefillDecode(BaseModel):
         ),
     )
     threshold_tokens: int = Field(
-        512,
+        DEFAULT_PD_THRESHOLD_TOKENS,
         ge=1,
         description=(
             "Disaggregate when the prompt tokens that the best decode-capable server cannot "
@@ -140,7 +143,7 @@ class PrefillDecode(BaseModel):
         ),
     )
     max_prefill_waiting: int = Field(
-        4,
+        DEFAULT_PD_MAX_PREFILL_WAITING,
         ge=0,
         description=(
             "A prefill-capable server with more requests waiting than this is not given "
@@ -157,7 +160,7 @@ class PrefillDecode(BaseModel):
         ),
     )
     header_ttl_seconds: int = Field(
-        30,
+        DEFAULT_PD_HEADER_TTL_SECONDS,
         ge=1,
         description="How long a sidecar follows the signed prefill header after the pick.",
     )

@@ -29,6 +29,10 @@ CACHE_POOL_LABEL = "kvpool.io/cache-pool"
 """On a tenant's pod: the pool whose cache it uses. The operator's admission webhook wires
 every pod so labelled (the pool's volume, the connector's environment); see
 :data:`SEGMENT_MOUNT_DIR`."""
+ROLE_LABEL = "kvpool.io/role"
+"""On a model server pod: what the endpoint picker may give it under prefill/decode
+disaggregation (``prefill``, ``decode`` or ``both``); the admission webhook gives a pod of a
+pool that disaggregates, labelled ``decode`` or ``both``, the decode sidecar."""
 OPERATOR = "kvpool-operator"
 """The managed-by label of the operator's objects, and its field manager."""
 AGENT_COMPONENT = "agent"
@@ -134,6 +138,18 @@ DEFAULT_LOAD_FACTOR = 1.5
 DEFAULT_MIN_MATCH_RATIO = 0.3
 DEFAULT_LOAD_SLACK = 0.0
 DEFAULT_MAX_CHUNKS_PER_NODE = 1_000_000
+
+# Prefill/decode disaggregation's defaults: the picker's (picker.pd) and the decode
+# sidecar's (kvpool-pd-sidecar), which the CRD's defaults come from
+# (kvpool.operator.spec.disaggregation).
+DEFAULT_PD_THRESHOLD_TOKENS = 512
+DEFAULT_PD_MAX_PREFILL_WAITING = 4
+DEFAULT_PD_HEADER_TTL_SECONDS = 30
+DEFAULT_PD_PREFILL_TIMEOUT_SECONDS = 30
+DEFAULT_PD_DECODE_WAIT_MS = 2000
+DEFAULT_PD_VLLM_PORT = 8200
+"""The decode pod's vLLM, behind its sidecar (which takes the port the InferencePool
+targets)."""
 
 
 def service_name(pool: str) -> str:

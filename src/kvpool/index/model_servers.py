@@ -47,6 +47,7 @@ from typing import Any, Protocol
 from kvpool.common.index_config import PickerConfig, ServerRole
 from kvpool.common.kube.pods import created, is_ready, namespace_or_own, placement, pod_lister
 from kvpool.common.kube.watch import ListWatch
+from kvpool.common.names import ROLE_LABEL
 from kvpool.common.web.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ MAX_REQUESTS = 1e6
 """A gauge above this is taken as this: a confused server must not make the arithmetic
 overflow (it is already the least attractive server by far)."""
 ROLE_LABELS: tuple[tuple[str, Mapping[str, ServerRole]], ...] = (
-    ("kvpool.io/role", {"prefill": "prefill", "decode": "decode", "both": "both"}),
+    (ROLE_LABEL, {"prefill": "prefill", "decode": "decode", "both": "both"}),
     (
         "llm-d.ai/role",
         {"prefill": "prefill", "decode": "decode", "prefill-decode": "both", "both": "both"},

@@ -75,7 +75,7 @@ def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     cluster, token, lock = Cluster.connect(), OperatorToken(), threading.Lock()
     agents = Agents(cluster, token)
     memo["peer_keys"] = peer_keys = PeerKeys(cluster, PoolEvents())
-    memo["reconciler"] = Reconciler(cluster, PoolEvents(), _options(memo), peer_keys)
+    memo["reconciler"] = Reconciler(cluster, PoolEvents(), Options.of(memo), peer_keys)
     memo["spaces"] = spaces = SpaceReconciler(cluster, agents, PoolEvents(), lock)
     memo["tenants"] = TenantReconciler(
         cluster, TenantEvents(), agents, token, spaces=spaces, lock=lock
@@ -110,7 +110,7 @@ async def pool_spaces(
     """Every ``--usage-seconds``: the pool's shared spaces again (pins on agents that came or
     restarted, removed spaces that some agent did not clear yet, usage). Async, as
     :func:`tenant_usage`."""
-    spaces, seconds = _spaces(memo), _options(memo).usage_seconds
+    spaces, seconds = _spaces(memo), Options.of(memo).usage_seconds
     while not stopped:
         await stopped.wait(seconds)
         if not stopped:
@@ -140,7 +140,7 @@ async def pool_peer_keys(
     """Every ``--usage-seconds``: a key added to the pool's peer Secret when the newest is
     ``spec.peers.credentialRotation`` old, the oldest dropped. Async, as
     :func:`tenant_usage`."""
-    keys, seconds = _peer_keys(memo), _options(memo).usage_seconds
+    keys, seconds = _peer_keys(memo), Options.of(memo).usage_seconds
     while not stopped:
         await stopped.wait(seconds)
         if not stopped:
@@ -188,7 +188,7 @@ def tenant_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 
 @kopf.on.delete(GROUP, VERSION, TENANT_PLURAL, registry=registry)
 def tenant_deleted(body: kopf.Body, retry: int, memo: kopf.Memo, **_: Any) -> None:
-    last_attempt = retry >= _options(memo).clear_retries
+    last_attempt = retry >= Options.of(memo).clear_retries
     with _retried(memo, ApiError, AgentsUnreachable):
         _tenants(memo).tenant_deleted(body, last_attempt=last_attempt)
 
@@ -201,7 +201,7 @@ async def tenant_usage(
     changed), then the tenant's usage from the agents. Async, so that waiting holds no
     thread (a sync daemon per tenant would hold one of kopf's few threads each, and starve
     the handlers); each pass runs in a thread for as long as it takes."""
-    tenants, seconds = _tenants(memo), _options(memo).usage_seconds
+    tenants, seconds = _tenants(memo), Options.of(memo).usage_seconds
     while not stopped:
         await stopped.wait(seconds)
         if not stopped:
@@ -236,14 +236,7 @@ def _retried(memo: kopf.Memo, *errors: type[Exception]) -> Iterator[None]:
     try:
         yield
     except errors as error:
-        raise kopf.TemporaryError(str(error), delay=_options(memo).retry_seconds) from error
-
-
-def _options(memo: kopf.Memo) -> Options:
-    options = memo.get("options")
-    if not isinstance(options, Options):
-        raise TypeError("the operator's memo needs 'options' (kvpool.operator.main sets them)")
-    return options
+        raise kopf.TemporaryError(str(error), delay=Options.of(memo).retry_seconds) from error
 
 
 def _spaces(memo: kopf.Memo) -> SpaceReconciler:

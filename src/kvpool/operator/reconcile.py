@@ -7,7 +7,9 @@ Two idempotent entry points, each called by a thin kopf handler (``handlers.py``
   the optional children it no longer has (those it owns: the index, the ServiceMonitor, the
   NetworkPolicies), write the status, post an event naming what changed. With peers, the
   pool's peer Secret is made (or rotated) before the children, whose agents mount it;
-  without, it is deleted after them (:mod:`kvpool.operator.peers`). An optional child
+  without, it is deleted after them (:mod:`kvpool.operator.peers`); the same for the
+  disaggregation key Secret of a pool whose picker disaggregates
+  (:mod:`kvpool.operator.disagg_key`), which its index and decode pods mount. An optional child
   of a kind the cluster does not serve (a ServiceMonitor without prometheus-operator) is
   skipped with a Warning event. An invalid spec is reported (status and a Warning event)
   and not retried; a refused or failed write is reported and raised, so that the caller
@@ -27,6 +29,7 @@ from typing import Any
 
 from kvpool.common.names import POOL_LABEL
 from kvpool.operator.apply import KINDS, ApiError, Cluster, Kind, kind_of
+from kvpool.operator.disagg_key import DisaggregationKey
 from kvpool.operator.events import PoolEvents
 from kvpool.operator.peers import PeerKeys
 from kvpool.operator.reasons import APPLY_FAILED, INVALID_SPEC
@@ -60,6 +63,15 @@ class Options:
     clear_retries: int = 5
     """Retries of a deleted tenant's clearing while agents fail; then it is deleted anyway."""
 
+    @classmethod
+    def of(cls, memo: Mapping[str, Any]) -> Options:
+        """The options in kopf's memo (``kvpool.operator.main`` puts them there), which
+        the pools' handlers and the webhook's index read."""
+        options = memo.get("options")
+        if not isinstance(options, cls):
+            raise TypeError("the operator's memo needs 'options' (kvpool.operator.main sets them)")
+        return options
+
 
 class Reconciler:
     def __init__(
@@ -69,6 +81,7 @@ class Reconciler:
         self._events = events
         self._options = options
         self._peer_keys = peer_keys
+        self._pd_key = DisaggregationKey(cluster)
 
     def pool_changed(self, pool: Mapping[str, Any]) -> PoolSpec | None:
         """Reconcile the pool; its spec, or None when it is invalid (reported)."""
@@ -133,12 +146,16 @@ class Reconciler:
     def _sync_pool(
         self, pool: Mapping[str, Any], spec: PoolSpec, children: Children
     ) -> tuple[list[str], dict[ChildRef, Manifest]]:
-        """The peer Secret before the children that mount it, or deleted after those that
-        no longer do; the children."""
-        identity, peers = _identity(pool), spec.peers
+        """The peer and disaggregation key Secrets before the children that mount them, or
+        deleted after those that no longer do; the children."""
+        identity, peers, index = _identity(pool), spec.peers, spec.index
         made = self._peer_keys.keep(identity, peers, datetime.now(UTC)) if peers.enabled else []
+        if index.disaggregates:
+            generation = index.picker.disaggregation.key_generation
+            made += self._pd_key.keep(identity, generation)
         changes, stored = self._sync_children(pool, children)
         removed = [] if peers.enabled else self._peer_keys.remove(identity)
+        removed += [] if index.disaggregates else self._pd_key.remove(identity)
         return made + changes + removed, stored
 
     def _sync_children(

@@ -23,7 +23,12 @@ import httpx
 from kvpool import __version__
 from kvpool.common.config import HttpLimits
 from kvpool.common.disagg import PREFILL_HEADER, read_key
-from kvpool.common.names import NODE_NAME_ENV
+from kvpool.common.names import (
+    DEFAULT_PD_DECODE_WAIT_MS,
+    DEFAULT_PD_PREFILL_TIMEOUT_SECONDS,
+    DEFAULT_PD_VLLM_PORT,
+    NODE_NAME_ENV,
+)
 from kvpool.common.problems import (
     ArgumentParser,
     ConfigError,
@@ -74,7 +79,7 @@ def parser() -> ArgumentParser:
     parser.add_argument(
         "--vllm",
         type=http_url,
-        default="http://127.0.0.1:8200",
+        default=f"http://127.0.0.1:{DEFAULT_PD_VLLM_PORT}",
         help="the local vLLM OpenAI server (default: %(default)s)",
     )
     parser.add_argument(
@@ -92,14 +97,14 @@ def parser() -> ArgumentParser:
     parser.add_argument(
         "--prefill-timeout-s",
         type=number(float),
-        default=30.0,
+        default=float(DEFAULT_PD_PREFILL_TIMEOUT_SECONDS),
         help="a prefill not answered within this many seconds is computed here instead "
         "(default: %(default)s)",
     )
     parser.add_argument(
         "--decode-wait-ms",
         type=number(int, zero=True),
-        default=2000,
+        default=DEFAULT_PD_DECODE_WAIT_MS,
         help="how long the decode may wait for the prefill's chunks (default: %(default)s)",
     )
     parser.add_argument(

@@ -14,8 +14,11 @@ import kopf
 
 from kvpool.common.names import CACHE_POOL_LABEL
 from kvpool.operator.admission.server import Webhook, WebhookOptions
+from kvpool.operator.admission.sidecar import DecodeSidecar
 from kvpool.operator.admission.wiring import Binding, PoolFacts, apply, wire
 from kvpool.operator.reasons import ACCEPTED
+from kvpool.operator.reconcile import Options
+from kvpool.operator.render import Pool
 from kvpool.operator.spec import GROUP, PLURAL, TENANT_PLURAL, VERSION, InvalidSpec, PoolSpec
 
 HANDLER = "cache-pool"
@@ -48,19 +51,21 @@ def register(registry: kopf.OperatorRegistry, options: WebhookOptions) -> None:
 
 
 def pool_facts(
-    namespace: str | None, name: str, spec: kopf.Spec, **_: Any
+    namespace: str | None, name: str, uid: str | None, spec: kopf.Spec, memo: kopf.Memo, **_: Any
 ) -> dict[tuple[str, str], PoolFacts]:
     """(namespace, name) -> what a pod needs of the pool; an invalid pool is left out."""
     try:
         parsed = PoolSpec.parse(spec)
     except InvalidSpec:
         return {}
+    pool = Pool(name, str(namespace), str(uid))
     facts = PoolFacts(
         name,
         str(namespace),
         parsed.ports.zmq,
         parsed.chunk_tokens,
         frozenset(parsed.engine_namespaces),
+        DecodeSidecar.of(pool, parsed, Options.of(memo).agent_image),
     )
     return {(str(namespace), name): facts}
 

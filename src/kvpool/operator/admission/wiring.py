@@ -31,6 +31,11 @@ the agents' group (10001) in ``spec.securityContext.supplementalGroups`` too: th
 table is 0640 in a 0710 directory of that group, so the pod's own (non-root) uid may read
 it.
 
+A pod of the pool's namespace labelled ``kvpool.io/role: decode`` or ``both``, of a pool
+whose picker disaggregates prefill from decode, gets the decode sidecar too
+(:mod:`~kvpool.operator.admission.sidecar`): an init container that keeps running, and the
+pool's key Secret as a volume that only it mounts.
+
 Nothing privileged: no hostPath, no capability, no user change (Pod Security
 "restricted" allows csi volumes). A pod that already has the volume is left as it is. A
 label that names no pool of one tenant of the namespace (none, several, a value that is no
@@ -65,6 +70,7 @@ from kvpool.common.names import (
     SEGMENT_MOUNT_DIR,
     service_name,
 )
+from kvpool.operator.admission.sidecar import DecodeSidecar, Injection, inject
 from kvpool.operator.render.pods import AGENT_UID
 from kvpool.operator.tenants import SECRET_SUFFIX
 
@@ -92,6 +98,8 @@ class PoolFacts:
     chunk_tokens: int
     engine_namespaces: frozenset[str] = frozenset()
     """Namespaces whose pods map the node's segment (``spec.engineNamespaces``)."""
+    decode_sidecar: DecodeSidecar | None = None
+    """The decode pods' sidecar (None: the pool does not disaggregate)."""
 
 
 @dataclass(frozen=True)
@@ -158,8 +166,11 @@ def wire(pod: Obj, namespace: str, bindings: Sequence[Binding]) -> Wiring:
             f"KVCacheTenant {namespace}/{binding.tenant} is not accepted by pool "
             f"{binding.pool_namespace}/{value} ({binding.refused})"
         )
-    maps_segment = namespace in binding.pool.engine_namespaces
-    return Wiring(patch=_patch(spec, binding.tenant, binding.pool, maps_segment))
+    pool = binding.pool
+    maps_segment = namespace in pool.engine_namespaces
+    sidecar = inject(pod, namespace, pool.name, pool.namespace, pool.decode_sidecar)
+    patch = _patch(spec, binding.tenant, pool, maps_segment, sidecar)
+    return Wiring(patch=patch, warnings=sidecar.warnings)
 
 
 def _unwired(problem: str) -> Wiring:
@@ -220,9 +231,13 @@ def environment(tenant: str, pool: PoolFacts, maps_segment: bool) -> list[dict[s
     return [*variables, *old]
 
 
-def _patch(spec: Obj, tenant: str, pool: PoolFacts, maps_segment: bool) -> JsonPatch:
+def _patch(
+    spec: Obj, tenant: str, pool: PoolFacts, maps_segment: bool, sidecar: Injection
+) -> JsonPatch:
     patch: JsonPatch = []
-    _append(patch, "/spec/volumes", spec.get("volumes"), [volume(pool, maps_segment)])
+    volumes = [volume(pool, maps_segment), *sidecar.volumes]
+    _append(patch, "/spec/volumes", spec.get("volumes"), volumes)
+    _append(patch, "/spec/initContainers", spec.get("initContainers"), sidecar.init_containers)
     variables = environment(tenant, pool, maps_segment)
     for number, container in enumerate(spec.get("containers") or ()):
         path = f"/spec/containers/{number}"

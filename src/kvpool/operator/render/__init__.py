@@ -35,7 +35,9 @@ deletes them):
   :class:`~kvpool.common.index_config.IndexConfig`; ``kvpool-<pool>-index``: ServiceAccount,
   Role and RoleBinding that let it read and watch the pool's pods, a Deployment of
   ``spec.index.replicas`` independent indexes, and a ClusterIP Service for gateways
-  (:mod:`.index`).
+  (:mod:`.index`); with ``spec.index.picker.disaggregation`` its pods mount the pool's
+  disaggregation key Secret ``kvpool-<pool>-pd-key``, which the operator makes
+  (``kvpool.operator.disagg_key``, not a rendered child: its key is random).
 
 The NetworkPolicies, the ServiceMonitor and the index are optional children:
 :class:`Children` lists those the spec asks for next to the required ones, and names

@@ -32,6 +32,15 @@ PEER_KEYS_DIR = "/etc/kvpool/peer-keys"
 """Where the pool's peer Secret (``kvpool-<pool>-peer``) is mounted (spec.peers)."""
 TOKENIZER_DIR = "/etc/kvpool/tokenizer"
 """Where the index mounts the picker's tokenizer (spec.index.picker.tokenizer), read-only."""
+PD_KEY_DIR = "/etc/kvpool/pd-key"
+"""Where the index and the decode pods' sidecars mount the pool's disaggregation key Secret
+(``kvpool-<pool>-pd-key``), read-only."""
+PD_KEY = "key"
+"""That Secret's key: the key itself, 64 hex characters."""
+PD_KEY_PATH = f"{PD_KEY_DIR}/{PD_KEY}"
+PD_KEY_GENERATION_ANNOTATION = "kvpool.io/pd-key-generation"
+"""On the key Secret: the ``keyGeneration`` its key was made for; on the index's pod
+template: the one its pods must sign with (a change rolls them onto the new key)."""
 NODE_KEYS_DIR = ".kvpool-keys"
 """Without a key Secret, each agent keeps its own key under the NVMe tier's hostPath, in
 this directory (a name no pool can have), so that it outlives the pod as the files do."""
@@ -162,6 +171,21 @@ def _picker_config(spec: PoolSpec) -> dict[str, Any]:
         "deadline_ms": picker.deadline_ms,
         "max_prompt_tokens": picker.max_prompt_tokens,
         **{name: value for name, value in optional.items() if value is not None},
+        **({"pd": _pd_config(spec)} if spec.index.disaggregates else {}),
+    }
+
+
+def _pd_config(spec: PoolSpec) -> dict[str, Any]:
+    """The picker's prefill/decode disaggregation, signing with the key Secret mounted at
+    PD_KEY_PATH."""
+    pd = spec.index.picker.disaggregation
+    return {
+        "enabled": True,
+        "threshold_tokens": pd.threshold_tokens,
+        "max_prefill_waiting": pd.max_prefill_waiting,
+        "key_file": PD_KEY_PATH,
+        "header_ttl_seconds": pd.header_ttl_seconds,
+        "llmd_header": pd.llmd_header,
     }
 
 

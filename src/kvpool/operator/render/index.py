@@ -9,7 +9,12 @@ With ``spec.index.picker`` each replica also serves the endpoint picker (gRPC, t
 container and Service port ``grpc-picker``, ``appProtocol: kubernetes.io/h2c``) that an
 InferencePool's ``endpointPickerRef`` names; it finds the model server pods with the same
 Role (they are in the pool's namespace, as the InferencePool that selects them). Readiness
-stays the index's HTTP ``/readyz``; a gateway health-checks the picker over gRPC."""
+stays the index's HTTP ``/readyz``; a gateway health-checks the picker over gRPC.
+
+With ``spec.index.picker.disaggregation`` each replica mounts the pool's disaggregation key
+Secret (``kvpool-<pool>-pd-key``, made by the operator before the Deployment) and signs its
+prefill headers with it; the pod template carries the key's generation, so that a new key
+rolls the replicas."""
 
 from __future__ import annotations
 
@@ -17,7 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.common.names import INDEX_COMPONENT, INDEX_CONFIG_FILE_ENV, INDEX_CONFIG_KEY
-from kvpool.operator.render.config import index_config, settings_file
+from kvpool.operator.render.config import (
+    PD_KEY_GENERATION_ANNOTATION,
+    index_config,
+    settings_file,
+)
 from kvpool.operator.render.objects import ChildRef, Manifest, Pool, manifest
 from kvpool.operator.render.pods import (
     CONFIG_DIR,
@@ -25,6 +34,7 @@ from kvpool.operator.render.pods import (
     config_volume,
     container_ports,
     container_security,
+    pd_key_volume,
     peer_keys_volume,
     pod_security,
     pod_template,
@@ -132,6 +142,12 @@ def index_ports(spec: PoolSpec) -> list[tuple[str, int]]:
     ]
 
 
+def index_image(spec: PoolSpec, default_image: str) -> str:
+    """The index's image (the decode pods' sidecar runs it too): ``spec.index.image``, else
+    the agents'."""
+    return spec.index.image or spec.agent.image or default_image
+
+
 def _index_deployment(pool: Pool, spec: PoolSpec, config_text: str, default_image: str) -> Manifest:
     index = spec.index
     volumes = [
@@ -141,10 +157,11 @@ def _index_deployment(pool: Pool, spec: PoolSpec, config_text: str, default_imag
         agent_access_volume(pool),
         *peer_keys_volume(pool, spec),  # it accepts the agents' lookup tokens derived from it
         *tokenizer_volume(spec),
+        *([pd_key_volume(pool.pd_key_name)] if index.disaggregates else []),
     ]
     container = {
         "name": "index",
-        "image": index.image or spec.agent.image or default_image,
+        "image": index_image(spec, default_image),
         "imagePullPolicy": spec.agent.image_pull_policy,
         "command": ["kvpool-index"],
         "env": [{"name": INDEX_CONFIG_FILE_ENV, "value": f"{CONFIG_DIR}/{INDEX_CONFIG_KEY}"}],
@@ -185,6 +202,10 @@ def _index_deployment(pool: Pool, spec: PoolSpec, config_text: str, default_imag
         "containers": [container],
         "volumes": [volume for volume, _ in volumes],
     }
+    template = pod_template(pool, INDEX_COMPONENT, config_text, pod_spec)
+    if index.disaggregates:  # a new key rolls the replicas (they read it at start)
+        generation = str(index.picker.disaggregation.key_generation)
+        template["metadata"]["annotations"][PD_KEY_GENERATION_ANNOTATION] = generation
     return manifest(
         "apps/v1",
         "Deployment",
@@ -194,6 +215,6 @@ def _index_deployment(pool: Pool, spec: PoolSpec, config_text: str, default_imag
         spec={
             "replicas": index.replicas,
             "selector": {"matchLabels": pool.selector(INDEX_COMPONENT)},
-            "template": pod_template(pool, INDEX_COMPONENT, config_text, pod_spec),
+            "template": template,
         },
     )

@@ -74,6 +74,12 @@ class Pool:
         rotates its keys, the agents mount it."""
         return f"kvpool-{self.name}-peer"
 
+    @property
+    def pd_key_name(self) -> str:
+        """The Secret of the pool's disaggregation key (``spec.index.picker.disaggregation``):
+        the operator makes it, the index signs with it, the decode pods' sidecars verify."""
+        return f"kvpool-{self.name}-pd-key"
+
     def labels(self, component: str = AGENT_COMPONENT) -> dict[str, str]:
         return {
             NAME_LABEL: APP,

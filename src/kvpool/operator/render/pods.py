@@ -10,6 +10,7 @@ from typing import Any
 from kvpool.common.names import CONFIG_CHECKSUM_ANNOTATION
 from kvpool.operator.render.config import (
     AGENT_ACCESS_DIR,
+    PD_KEY_DIR,
     PEER_KEYS_DIR,
     STATE_DIR,
     TOKENIZER_DIR,
@@ -73,6 +74,8 @@ def pod_security() -> dict[str, Any]:
 
 Volume = tuple[dict[str, Any], dict[str, Any]]
 """A pod's volume and its container's mount of it."""
+PD_KEY_VOLUME = "kvpool-pd-key"
+"""Prefixed: the admission webhook adds it to vLLM pods, whose own volumes have any names."""
 
 
 def config_volume(config_map: str) -> Volume:
@@ -110,6 +113,15 @@ def peer_keys_volume(pool: Pool, spec: PoolSpec) -> list[Volume]:
         return []
     volume = {"name": "peer-keys", "secret": {"secretName": pool.peer_name, "defaultMode": 0o440}}
     return [(volume, {"name": "peer-keys", "mountPath": PEER_KEYS_DIR, "readOnly": True})]
+
+
+def pd_key_volume(secret: str) -> Volume:
+    """The pool's disaggregation key Secret at PD_KEY_DIR, read-only: the index signs its
+    prefill headers with it, the decode pods' sidecars verify them (both read it at start;
+    ``defaultMode`` 0444 because a vLLM pod's sidecar runs as a user of its own, without
+    the pod's fsGroup that the index's 0440 relies on)."""
+    volume = {"name": PD_KEY_VOLUME, "secret": {"secretName": secret, "defaultMode": 0o444}}
+    return volume, {"name": PD_KEY_VOLUME, "mountPath": PD_KEY_DIR, "readOnly": True}
 
 
 def agent_access_volume(pool: Pool) -> Volume:

@@ -19,8 +19,9 @@ those the operator needs to stay total.
 
 - :mod:`~kvpool.operator.spec.base`: names, the model base, byte quantities;
 - :mod:`~kvpool.operator.spec.pool`: :class:`PoolSpec` and :class:`KVCachePool`, with
-  :mod:`~kvpool.operator.spec.l2`, :mod:`~kvpool.operator.spec.index`,
-  :mod:`~kvpool.operator.spec.network`, :mod:`~kvpool.operator.spec.workloads`,
+  :mod:`~kvpool.operator.spec.l2`, :mod:`~kvpool.operator.spec.index` (its picker's
+  :mod:`~kvpool.operator.spec.disaggregation`), :mod:`~kvpool.operator.spec.network`,
+  :mod:`~kvpool.operator.spec.workloads`,
   :mod:`~kvpool.operator.spec.peers`, :mod:`~kvpool.operator.spec.spaces` and
   :mod:`~kvpool.operator.spec.selectors` for its parts;
 - :mod:`~kvpool.operator.spec.tenant`: :class:`TenantSpec` and :class:`KVCacheTenant`;
@@ -40,6 +41,11 @@ from kvpool.operator.spec.base import (
     SecretRef,
     describe,
     parse_bytes,
+)
+from kvpool.operator.spec.disaggregation import (
+    DISAGGREGATION_NEEDS_PICKER,
+    VLLM_PORT_TAKEN,
+    DisaggregationSpec,
 )
 from kvpool.operator.spec.index import (
     PICKER_NEEDS_FINGERPRINT,
@@ -101,6 +107,7 @@ from kvpool.operator.spec.workloads import AgentSpec, ResourcesSpec, UpdateStrat
 
 __all__ = [
     "API_VERSION",
+    "DISAGGREGATION_NEEDS_PICKER",
     "GROUP",
     "INDEX_NEEDS_TOKENS",
     "KIND",
@@ -122,8 +129,10 @@ __all__ = [
     "TENANT_PLURAL",
     "TOKENIZER_SUB_PATH",
     "VERSION",
+    "VLLM_PORT_TAKEN",
     "AgentSpec",
     "Bytes",
+    "DisaggregationSpec",
     "EvictionSpec",
     "FingerprintSpec",
     "IndexSpec",

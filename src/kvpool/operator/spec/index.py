@@ -16,6 +16,11 @@ from kvpool.common.names import (
     DEFAULT_PICKER_PORT,
 )
 from kvpool.operator.spec.base import SpecModel
+from kvpool.operator.spec.disaggregation import (
+    DISAGGREGATION_NEEDS_PICKER,
+    VLLM_PORT_TAKEN,
+    DisaggregationSpec,
+)
 from kvpool.operator.spec.markers import Rule, cel
 from kvpool.operator.spec.selectors import LabelValue
 from kvpool.operator.spec.workloads import ResourcesSpec, Tolerations
@@ -132,7 +137,16 @@ class PickerSpec(SpecModel):
 
     model_config = ConfigDict(
         json_schema_extra=cel(
-            Rule("!self.enabled || self.selector.size() > 0", PICKER_NEEDS_SELECTOR)
+            Rule("!self.enabled || self.selector.size() > 0", PICKER_NEEDS_SELECTOR),
+            Rule(
+                "!has(self.disaggregation) || !self.disaggregation.enabled || self.enabled",
+                DISAGGREGATION_NEEDS_PICKER,
+            ),
+            Rule(
+                "!has(self.disaggregation) || !self.disaggregation.enabled || "
+                "self.disaggregation.vllmPort != self.targetPort",
+                VLLM_PORT_TAKEN,
+            ),
         )
     )
 
@@ -216,11 +230,23 @@ class PickerSpec(SpecModel):
         description="Longest prompt the picker scores; a longer one is answered 413.",
         json_schema_extra={"maximum": 1 << 24},
     )
+    disaggregation: DisaggregationSpec = Field(
+        DisaggregationSpec(),
+        description="Prefill/decode disaggregation: the picker hands a long prompt's "
+        "prefill to a pod labelled kvpool.io/role: prefill (or both), and the decode pod's "
+        "sidecar (injected by the admission webhook) runs it there and decodes with the "
+        "prompt's KV from kvpool.",
+    )
 
     @model_validator(mode="after")
     def _selects(self) -> Self:
         if self.enabled and not self.selector:
             raise ValueError(PICKER_NEEDS_SELECTOR)
+        pd = self.disaggregation
+        if pd.enabled and not self.enabled:
+            raise ValueError(DISAGGREGATION_NEEDS_PICKER)
+        if pd.enabled and pd.vllm_port == self.target_port:
+            raise ValueError(VLLM_PORT_TAKEN)
         return self
 
 
@@ -301,6 +327,12 @@ class IndexSpec(SpecModel):
         "port picker.port). It needs fingerprint (the model's keys). Tier costs, body limits "
         "and the load interval keep the index's defaults.",
     )
+
+    @property
+    def disaggregates(self) -> bool:
+        """Whether the pool runs prefill/decode disaggregation: its index, and the picker's
+        ``disaggregation`` (which needs the picker)."""
+        return self.enabled and self.picker.disaggregation.enabled
 
     @model_validator(mode="after")
     def _picker_fits(self) -> Self:
