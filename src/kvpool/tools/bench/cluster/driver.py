@@ -44,6 +44,9 @@ class Answer:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     tokens: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    """Seconds from the send to each generated token's arrival (a chunk's tokens share its
+    time): the gaps between them are the inter-token latencies a user sees."""
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     """Each generated position's best candidates: (token id, log-probability)."""
     served_by: str = ""
@@ -101,6 +104,7 @@ def _take(chunk: dict[str, Any], answer: Answer, elapsed: float) -> None:
         if ids and answer.ttft is None:
             answer.ttft = elapsed
         answer.tokens.extend(int(token) for token in ids)
+        answer.token_times.extend([elapsed] * len(ids))
         for position in (choice.get("logprobs") or {}).get("top_logprobs") or ():
             candidates = sorted(position.items(), key=lambda item: -item[1])
             answer.top.append([(int(name.split(":", 1)[1]), value) for name, value in candidates])
