@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from kvpool.common.disagg import RESULT_HEADER
 from kvpool.tools.bench.cluster.cluster import MODEL
 from kvpool.tools.bench.cluster.workload import Request
 
@@ -51,6 +52,8 @@ class Answer:
     """Each generated position's best candidates: (token id, log-probability)."""
     served_by: str = ""
     pick: str = ""
+    disaggregated: str = ""
+    """The P/D sidecar's account (``prefill=<address>; status=ok; prefill_ms=<n>``)."""
 
     @property
     def ok(self) -> bool:
@@ -87,6 +90,7 @@ async def _send(client: httpx.AsyncClient, url: str, request: Request, answer: A
         answer.status = response.status_code
         answer.served_by = response.headers.get("x-served-by", "")
         answer.pick = response.headers.get("x-kvpool-pick", "")
+        answer.disaggregated = response.headers.get(RESULT_HEADER, "")
         if response.status_code != 200:
             answer.error = (await response.aread()).decode(errors="replace")[:300]
             return
