@@ -173,9 +173,11 @@ def pd_answers(stall: float) -> list[Answer]:
     ]
 
 
-def test_gaps_are_between_streamed_chunks_in_the_segments_time() -> None:
-    answer = streamed(0, "decode", 2.0, [0.5, 0.6, 0.6, 0.9])  # two tokens in one chunk
-    assert gaps(answer) == [(2.5, 2.6), (2.6, 2.9)]
+def test_gaps_are_between_reads_in_the_segments_time() -> None:
+    assert gaps(streamed(0, "decode", 2.0, [0.5, 1.0])) == [(2.5, 3.0)]
+    # two tokens in one chunk, then a chunk read with them: one arrival
+    answer = streamed(0, "decode", 0.0, [0.5, 0.75, 0.75, 0.7505, 1.0])
+    assert gaps(answer) == [(0.5, 0.75), (0.7505, 1.0)]
 
 
 def test_only_the_gaps_that_overlap_a_long_prefill_count_as_during_it() -> None:

@@ -25,6 +25,11 @@ DECODE = "decode"
 
 Span = tuple[float, float]
 """Seconds from the segment's start: (from, to)."""
+READ_S = 0.001
+"""Chunks that arrive closer together than this came in one read: the client was behind,
+not the server that fast (a decode step of the bench's model takes milliseconds, and this
+machine's cores run the load, Envoy and the sidecar too). Counted as one arrival, or the
+bursts would put the median gap at zero."""
 
 
 @dataclass(frozen=True)
@@ -47,9 +52,9 @@ class Interference:
 
 
 def gaps(answer: Answer) -> list[Span]:
-    """The gaps between the chunks ``answer`` streamed after its first token."""
+    """The gaps between the reads that brought ``answer``'s chunks after its first token."""
     times = [answer.sent + t for t in answer.token_times]
-    return [(a, b) for a, b in itertools.pairwise(times) if b > a]
+    return [(a, b) for a, b in itertools.pairwise(times) if b - a >= READ_S]
 
 
 def prefill_windows(answers: Sequence[Answer]) -> list[Span]:
