@@ -39,10 +39,18 @@ BLOCK = 16
 TINY_REQUESTS = 7
 """The tiny preset's quiet requests: 2 groups of 2 prompts, and 1 conversation of 3 turns."""
 TINY_FLOOD = 3
+PD = sorted(name for name, params in PRESETS.items() if params.long_prompts)
+"""The presets for prefill/decode disaggregation: long and decode-heavy prompts only."""
+SHAPED = sorted(set(PRESETS) - set(PD))
 
 
-@pytest.fixture(scope="module", params=sorted(PRESETS))
+@pytest.fixture(scope="module", params=SHAPED)
 def workload(request: pytest.FixtureRequest) -> Workload:
+    return generate(PRESETS[request.param], SEED)
+
+
+@pytest.fixture(scope="module", params=PD)
+def pd_workload(request: pytest.FixtureRequest) -> Workload:
     return generate(PRESETS[request.param], SEED)
 
 
@@ -256,7 +264,9 @@ def test_poisson_offsets_are_vllms_rescaled_gamma_intervals() -> None:
     assert poisson_offsets(0, 1.0, random.Random(1)) == []
 
 
-def test_a_replay_file_keeps_the_workload_exactly(workload: Workload, tmp_path: Path) -> None:
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_a_replay_file_keeps_the_workload_exactly(preset: str, tmp_path: Path) -> None:
+    workload = generate(PRESETS[preset], SEED)
     path = tmp_path / "workload.jsonl"
     write_replay(workload, path)
     assert read_replay(path) == workload
@@ -265,7 +275,7 @@ def test_a_replay_file_keeps_the_workload_exactly(workload: Workload, tmp_path: 
     assert header["format"] == FORMAT and header["digest"] == workload.digest()
     assert len(lines) == 1 + len(workload.requests) + len(workload.flood)
     tokens = sum(len(r.prompt) for r in (*workload.requests, *workload.flood))
-    assert path.stat().st_size < 2048 + 400 * len(lines) < tokens  # segments, not token ids
+    assert path.stat().st_size < min(2048 + 400 * len(lines), 4 * tokens)  # segments, not ids
 
 
 def _edit_line(path: Path, number: int, edit: Callable[[dict[str, Any]], object]) -> None:
@@ -343,9 +353,50 @@ def test_a_line_that_is_not_json_is_named(tmp_path: Path) -> None:
         {"turns": (4, 3)},
         {"context_max": 4096},  # a first turn could exceed max_prompt_tokens
         {"flood_tokens": 5000},
+        {"long_prompts": 1, "long_tokens": 5000},
+        {"decode_prompts": -1},
+        {"decode_output_tokens": 0},
         {"burstiness": 0.0},
     ],
 )
 def test_parameters_that_cannot_make_a_workload_are_refused(wrong: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=r"^workload parameters: "):
         WorkloadParams(**wrong)
+
+
+def test_the_pd_presets_have_their_sizes() -> None:
+    assert PD == ["pd", "tiny-pd"]
+    for name, longs, decodes in [("pd", 12, 24), ("tiny-pd", 2, 4)]:
+        requests = generate(PRESETS[name], SEED).requests
+        assert Counter(r.kind for r in requests) == {"long": longs, "decode": decodes}, name
+
+
+def test_pd_prompts_are_unique_long_or_decode_heavy_and_mixed(pd_workload: Workload) -> None:
+    params, requests = pd_workload.params, pd_workload.requests
+    assert pd_workload.flood == ()
+    shapes = {
+        "long": (params.long_tokens, params.long_output_tokens),
+        "decode": (params.decode_tokens, params.decode_output_tokens),
+    }
+    for request in requests:
+        assert (len(request.prompt), request.max_tokens) == shapes[request.kind]
+        assert request.parent is None and request.group is None
+        assert request.salt == pd_workload.tenant(request.tenant).salt
+        assert all(FIRST_ID <= token < END_ID for token in request.prompt)
+    assert len({r.prompt[:BLOCK] for r in requests}) == len(requests)  # nothing is cached
+    for kind in shapes:  # each kind's prompts go to the tenants in turn
+        tenants = Counter(r.tenant for r in requests if r.kind == kind)
+        assert max(tenants.values()) - min(tenants.values()) <= 1
+    kinds = [r.kind for r in requests]  # long prompts arrive among the decode-heavy ones
+    assert sum(a != b for a, b in itertools.pairwise(kinds)) >= len(kinds) // 4
+    _assert_arrivals(requests)
+
+
+def test_a_pd_replay_line_with_another_output_length_fails_its_check(tmp_path: Path) -> None:
+    load = generate(PRESETS["tiny-pd"], SEED)
+    path = tmp_path / "workload.jsonl"
+    write_replay(load, path)
+    number = 2 + next(r.id for r in load.requests if r.kind == "long")
+    _edit_line(path, number, lambda f: f.update(max_tokens=f["max_tokens"] - 1))
+    with pytest.raises(ValueError, match=f"line {number}: .*does not match its check"):
+        read_replay(path)

@@ -13,15 +13,20 @@ shared space), multi-turn conversations, Poisson arrivals; written to ``--out`` 
 3. the picker over vLLM's own caches (prefix-aware routing, which llm-d's router gives);
 4. the picker with the pool: the product;
 5. round robin with LMCache's multiprocess server, one per host (``--lmcache-python``: a
-   venv with lmcache and vLLM), where it runs.
+   venv with lmcache and vLLM), where it runs;
+6. prefill/decode disaggregation: host 0's servers prefill, host 1's decode, the picker
+   splits long prompts; against 4, the same servers colocated. Only with a workload of long
+   prompts (``--workload pd``, :mod:`.interference`), and only when asked (``--configs 4,6``).
 
 Each configuration runs the workload at each ``--rates`` (after every cache is emptied),
-then once more at the isolation rate with a flood of long unique prompts from a noisy
-tenant, and for kvpool's configurations once more with every tenant's quota set to
-``--quota-share`` of the L1. Tables: TTFT p50/p90/p99, inter-token latency, throughput and
-where the prompt tokens came from, each figure with its ratio to configuration 1; the
-quiet tenants beside the noisy one; a PNG (``cluster.png``). Raw answers and every
-endpoint's ``/metrics`` before and after each segment stay in ``--out``.
+then, where the workload has a flood, once more at the isolation rate with a flood of long
+unique prompts from a noisy tenant, and for kvpool's configurations once more with every
+tenant's quota set to ``--quota-share`` of the L1. Tables: TTFT p50/p90/p99, inter-token
+latency, throughput and where the prompt tokens came from, each figure with its ratio to
+configuration 1; the quiet tenants beside the noisy one; the decode-heavy requests'
+inter-token gaps while long prompts are prefilled, P/D against colocated; a PNG
+(``cluster.png``). Raw answers and every endpoint's ``/metrics`` before and after each
+segment stay in ``--out``.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from kvpool.tools.bench.cluster.cluster import CHUNK_TOKENS, Cluster, Flavor, Se
 from kvpool.tools.bench.cluster.configs import CONFIGS, Config, names
 from kvpool.tools.bench.cluster.driver import Answer, Planned, Progress, drive, planned
 from kvpool.tools.bench.cluster.driver import body as driver_body
+from kvpool.tools.bench.cluster.interference import LONG
 from kvpool.tools.bench.cluster.results import Segment, seconds, segment, segment_name
 from kvpool.tools.bench.cluster.scrape import scrape, split
 from kvpool.tools.bench.local import envoy
@@ -84,7 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--configs",
         type=problems.numbers(int),
         default=[1, 2, 3, 4, 5],
-        help="the configurations to run, comma-separated (default all: 1,2,3,4,5)",
+        help="the configurations to run, comma-separated (default 1,2,3,4,5; 6, P/D, needs "
+        "long prompts: --workload pd --configs 4,6)",
     )
     parser.add_argument("--servers-per-host", type=int, default=2, help="default 2")
     parser.add_argument(
@@ -140,8 +147,9 @@ def run(args: argparse.Namespace) -> None:
             raise SystemExit(f"kvpool bench cluster --replay: {error}") from None
     else:
         load = workload.generate(workload.PRESETS[args.workload], args.seed)
-    workload.write_replay(load, out / "workload.jsonl")
     configs = [config for config in CONFIGS if config.number in args.configs]
+    check_workload(configs, load)
+    workload.write_replay(load, out / "workload.jsonl")
     isolation_rate = args.isolation_rate or args.rates[min(1, len(args.rates) - 1)]
     progress(
         f"workload {load.digest()[:12]}: {len(load.requests)} requests of "
@@ -193,6 +201,18 @@ def check(args: argparse.Namespace) -> None:
         raise SystemExit(f"kvpool bench cluster --l1: {error}") from None
 
 
+def check_workload(configs: Sequence[Config], load: workload.Workload) -> None:
+    """Exit with one line where a configuration has nothing to do in the workload: P/D
+    splits only long prompts, and without them it is configuration 4 on half the servers."""
+    if any(c.flavor is Flavor.DISAGG for c in configs) and not any(
+        r.kind == LONG for r in load.requests
+    ):
+        raise SystemExit(
+            "kvpool bench cluster --configs: P/D (6) needs a workload of long prompts "
+            "(--workload pd or tiny-pd)"
+        )
+
+
 class _Bench:
     """The cluster and the segments run on it so far."""
 
@@ -204,12 +224,12 @@ class _Bench:
         self.load = load
         self.isolation_rate = isolation_rate
         self.segments: list[Segment] = []
-        longest = max(len(r.prompt) for r in [*load.requests, *load.flood])
+        longest = max(len(r.prompt) + r.max_tokens for r in [*load.requests, *load.flood])
         settings = Settings(
             servers_per_host=args.servers_per_host,
             vllm_blocks=args.vllm_blocks,
             l1_size=args.l1,
-            max_model_len=longest + load.params.output_tokens + 16,
+            max_model_len=longest + 16,
             max_num_seqs=8,
             lmcache_python=args.lmcache_python,
         )
@@ -231,6 +251,8 @@ class _Bench:
                     for rate in self.args.rates:
                         plan = planned(self.load.requests, rate)
                         self.run(config, servers, "sweep", rate, plan, run=run)
+                    if not self.load.flood:
+                        continue
                     self.isolation(config, servers, quotas=False, run=run)
                     if flavor is Flavor.KVPOOL:
                         self.isolation(config, servers, quotas=True, run=run)
@@ -264,7 +286,7 @@ class _Bench:
         cluster.reset(servers, config.flavor)
         if quotas:
             cluster.set_quotas(int(self.args.quota_share * parse_size(self.args.l1)))
-        endpoints = {f"vllm-{s.address}": s.url for s in servers}
+        endpoints = {f"{_client_view(s)}-{s.address}": s.vllm_url for s in servers}
         endpoints.update({f"agent-host-{n}": a.http for n, a in enumerate(cluster.agents)})
         before = scrape(endpoints, self.out / "metrics" / name / "before")
         url = cluster.picker_url if config.picker else cluster.round_robin_url
@@ -318,6 +340,12 @@ def warm_up(servers: Sequence[Server]) -> None:
         answer = httpx.post(f"{server.url}/v1/completions", json=driver_body(prompt), timeout=300)
         if answer.status_code != 200:
             raise RuntimeError(f"{server.address} failed its first request: {answer.text[:300]}")
+
+
+def _client_view(server: Server) -> str:
+    """``vllm``: the server answered the client, its counters are the answers'; ``prefill``:
+    a P/D prefill server, whose prompts the decode servers answered again."""
+    return "prefill" if server.role == "prefill" else "vllm"
 
 
 def _stop(signum: int, _: object) -> None:

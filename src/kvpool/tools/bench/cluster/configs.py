@@ -21,7 +21,11 @@ CONFIGS = (
     Config(3, "kvpool picker, vLLM prefix cache", Flavor.PLAIN, picker=True),
     Config(4, "kvpool picker + pool", Flavor.KVPOOL, picker=True),
     Config(5, "round robin + LMCache server", Flavor.LMCACHE, picker=False),
+    Config(6, "kvpool picker + pool, P/D", Flavor.DISAGG, picker=True),
 )
+COLOCATED = 4
+"""Configuration 6's own servers colocated (the same count, each prefilling and decoding):
+the P/D table's ratios are to it."""
 
 
 def names() -> dict[int, str]:

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from kvpool.common.disagg import RESULT_HEADER
 from kvpool.tools.bench.cluster.cluster import MODEL
 from kvpool.tools.bench.cluster.workload import Request
 
@@ -44,10 +45,15 @@ class Answer:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     tokens: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    """Seconds from the send to each generated token's arrival (a chunk's tokens share its
+    time): the gaps between them are the inter-token latencies a user sees."""
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     """Each generated position's best candidates: (token id, log-probability)."""
     served_by: str = ""
     pick: str = ""
+    disaggregated: str = ""
+    """The P/D sidecar's account (``prefill=<address>; status=ok; prefill_ms=<n>``)."""
 
     @property
     def ok(self) -> bool:
@@ -84,6 +90,7 @@ async def _send(client: httpx.AsyncClient, url: str, request: Request, answer: A
         answer.status = response.status_code
         answer.served_by = response.headers.get("x-served-by", "")
         answer.pick = response.headers.get("x-kvpool-pick", "")
+        answer.disaggregated = response.headers.get(RESULT_HEADER, "")
         if response.status_code != 200:
             answer.error = (await response.aread()).decode(errors="replace")[:300]
             return
@@ -101,6 +108,7 @@ def _take(chunk: dict[str, Any], answer: Answer, elapsed: float) -> None:
         if ids and answer.ttft is None:
             answer.ttft = elapsed
         answer.tokens.extend(int(token) for token in ids)
+        answer.token_times.extend([elapsed] * len(ids))
         for position in (choice.get("logprobs") or {}).get("top_logprobs") or ():
             candidates = sorted(position.items(), key=lambda item: -item[1])
             answer.top.append([(int(name.split(":", 1)[1]), value) for name, value in candidates])

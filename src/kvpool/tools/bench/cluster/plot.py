@@ -1,14 +1,19 @@
 """The bench's figure: TTFT p50 against the request rate per configuration, and the quiet
-tenants' TTFT alone, beside a flood, and beside it with quotas; medians of the runs.
+tenants' TTFT alone, beside a flood, and beside it with quotas (left blank without a flood:
+the P/D figures are in the tables only); medians of the runs.
 Drawn with matplotlib (``kvpool[bench]``)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvpool.tools.bench.cluster.results import Segment
 from kvpool.tools.bench.cluster.tables import runs
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 PHASES = ("sweep", "flood", "flood+quotas")
 LABELS = {"sweep": "alone", "flood": "flood", "flood+quotas": "flood, quotas"}
@@ -44,12 +49,29 @@ def draw(segments: Sequence[Segment], names: Mapping[int, str], path: Path) -> P
     sweep.legend(fontsize=9)
 
     rate = next((s.rate for s in segments if s.phase != "sweep"), None)  # isolation
+    if rate is None:  # a workload without a flood (P/D): its figures are in the tables
+        isolation.set_axis_off()
+    else:
+        _isolation(isolation, segments, configs, names, rate)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def _isolation(
+    isolation: Axes,
+    segments: Sequence[Segment],
+    configs: Sequence[int],
+    names: Mapping[int, str],
+    rate: float,
+) -> None:
     width = 0.8 / len(PHASES)
     for offset, phase in enumerate(PHASES):
         heights: list[float] = []
         positions: list[float] = []
         for position, config in enumerate(configs):
-            found = runs(segments, config, phase, rate) if rate is not None else None
+            found = runs(segments, config, phase, rate)
             ttft = found.median(lambda s: s.quiet.ttft_p50) if found else None
             if ttft is not None:
                 heights.append(ttft)
@@ -62,7 +84,3 @@ def draw(segments: Sequence[Segment], names: Mapping[int, str], path: Path) -> P
     isolation.set_ylabel("quiet tenants' TTFT p50 (s)")
     isolation.set_title(f"A noisy tenant's flood beside quiet tenants at {rate} req/s")
     isolation.legend(fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path

@@ -3,7 +3,6 @@ beside its ratio to the baseline (configuration 1) at the same rate."""
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections import Counter
 from collections.abc import Sequence
@@ -11,6 +10,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvpool.tools.bench.cluster.driver import Answer
+from kvpool.tools.bench.cluster.interference import Interference, interference
+from kvpool.tools.bench.cluster.quantiles import quantile
 from kvpool.tools.bench.cluster.scrape import Split
 
 
@@ -26,15 +27,6 @@ class Figures:
     itl_p50: float | None
     hit_rate: float
     """Prompt tokens the servers loaded rather than computed (``cached_tokens``), of all."""
-
-
-def quantile(values: Sequence[float], q: float) -> float | None:
-    """The ``q`` quantile by nearest rank (the least value with at least ``q`` of the values
-    at or below it), None of nothing."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def figures(answers: Sequence[Answer]) -> Figures:
@@ -78,6 +70,8 @@ class Segment:
     first_error: str = ""
     checks: list[str] = field(default_factory=list)
     """What disagreed between the answers and the servers' counters (empty: nothing)."""
+    interference: Interference | None = None
+    """The P/D figures, of a workload with long and decode-heavy requests."""
 
     @property
     def name(self) -> str:
@@ -127,6 +121,7 @@ def segment(
         picks=dict(Counter(answer.pick.split(";", 1)[0] for answer in done if answer.pick)),
         first_error=failures[0] if failures else "",
         checks=checks(answers, split),
+        interference=interference(answers),
     )
 
 

@@ -46,7 +46,8 @@ def total(samples: Samples, name: str, **labels: str) -> float:
 @dataclass(frozen=True)
 class Snapshot:
     """Every scraped endpoint's samples, by its name (``vllm-10.200.3.1:8000``,
-    ``agent-host-0``)."""
+    ``agent-host-0``; a disaggregated set's prefill servers ``prefill-10.200.3.1:8000``,
+    outside the client's view)."""
 
     endpoints: dict[str, Samples]
 
@@ -84,6 +85,10 @@ class Split:
     recomputed: int
     requests: int
     """Requests vLLM counted as finished."""
+    prefilled: int = 0
+    """Prompt tokens the prefill servers of the disaggregated set took (``prefill-``
+    endpoints), not in ``prompt``: the decode servers then took the same prompts, loading
+    them."""
 
     def share(self, part: int) -> float:
         return part / self.prompt if self.prompt else 0.0
@@ -106,4 +111,5 @@ def split(before: Snapshot, after: Snapshot, chunk_tokens: int) -> Split:
         peer=peer,
         recomputed=computed,
         requests=delta("vllm-", "vllm:request_success_total"),
+        prefilled=delta("prefill-", BY_SOURCE),
     )

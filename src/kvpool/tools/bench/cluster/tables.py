@@ -1,8 +1,9 @@
-"""The tables of ``kvpool bench cluster``: per rate, the isolation runs, per tenant.
+"""The tables of ``kvpool bench cluster``: per rate, the isolation runs, per tenant, and P/D.
 
 A figure is the median of its segment's runs (TTFT p50 with their range where there are
-several), then its ratio to configuration 1's at the same rate: below 1 is faster for
-latencies, above 1 is more for throughput.
+several), then its ratio to configuration 1's at the same rate (the P/D table's: to
+configuration 4's, the same servers colocated): below 1 is faster for latencies, above 1
+is more for throughput.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvpool.tools.bench.cluster.cluster import Flavor
-from kvpool.tools.bench.cluster.configs import Config, names
+from kvpool.tools.bench.cluster.configs import COLOCATED, Config, names
+from kvpool.tools.bench.cluster.interference import Interference
 from kvpool.tools.bench.cluster.results import Figures, Segment, percent, ratio, seconds
 from kvpool.tools.bench.cluster.workload import NOISY
 from kvpool.tools.bench.report import table
@@ -75,6 +77,14 @@ def _percent(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f} ms"
+
+
+def _pd(figure: Callable[[Interference], float | None]) -> Figure:
+    return lambda s: figure(s.interference) if s.interference else None
+
+
 def _quiet(figure: Callable[[Figures], float | None]) -> Figure:
     return lambda s: figure(s.quiet)
 
@@ -107,7 +117,7 @@ def sweep_rows(
             why = not_run.get(config.number, "not run")
             rows.append([config.number, config.name, why, *[""] * (len(SWEEP_HEADER) - 3)])
             continue
-        kvpool = config.flavor is Flavor.KVPOOL
+        kvpool = config.flavor in (Flavor.KVPOOL, Flavor.DISAGG)  # agents that are peers
         rows.append(
             [
                 config.number,
@@ -216,6 +226,54 @@ def tenant_rows(
     return rows
 
 
+PD_HEADER = [
+    "#",
+    "configuration",
+    "decode ITL p50 in prefills",
+    "decode ITL p99 in prefills",
+    "decode ITL p99",
+    "long TTFT p50",
+    "long TTFT p99",
+    "TTFT p50",
+    "TTFT p99",
+    "out tok/s",
+    "split",
+    "failed",
+]
+
+
+def pd_rows(
+    segments: Sequence[Segment], configs: Sequence[Config], rate: float
+) -> list[list[object]]:
+    """Each configuration run on a P/D workload: the decode-heavy requests' gaps during long
+    prefills and in all, TTFT, throughput; ``split``: long prompts the picker disaggregated,
+    of all, over every run."""
+    base = runs(segments, COLOCATED, "sweep", rate)
+    rows: list[list[object]] = []
+    for config in configs:
+        found = runs(segments, config.number, "sweep", rate)
+        if found is None or not any(s.interference for s in found.segments):
+            continue
+        longs = found.total(lambda s: s.interference.long_requests if s.interference else 0)
+        rows.append(
+            [
+                config.number,
+                config.name,
+                found.cell(_pd(lambda f: f.itl_p50_during), base, _ms),
+                found.cell(_pd(lambda f: f.itl_p99_during), base, _ms, spread=True),
+                found.cell(_pd(lambda f: f.itl_p99), base, _ms),
+                found.cell(_pd(lambda f: f.long_ttft_p50), base, spread=True),
+                found.cell(_pd(lambda f: f.long_ttft_p99), base),
+                found.cell(lambda s: s.all.ttft_p50, base),
+                found.cell(lambda s: s.all.ttft_p99, base),
+                found.cell(lambda s: s.output_tokens_per_s, base, _tokens, spread=True),
+                f"{found.total(lambda s: s.picks.get('pd', 0))}/{longs}",
+                found.total(lambda s: s.all.failed),
+            ]
+        )
+    return rows
+
+
 def report(
     segments: Sequence[Segment],
     configs: Sequence[Config],
@@ -228,8 +286,18 @@ def report(
         rows = sweep_rows(segments, configs, rate, not_run)
         print(table(f"Rate {rate:g} req/s (ratio to configuration 1)", SWEEP_HEADER, rows))
         print()
-    title = f"Isolation: quiet tenants at {isolation_rate:g} req/s, a noisy tenant floods"
-    print(table(title, ISOLATION_HEADER, isolation_rows(segments, configs, isolation_rate, {})))
+    for rate in rates:
+        if rows := pd_rows(segments, configs, rate):
+            title = (
+                f"P/D at {rate:g} req/s: decode-heavy requests' inter-token gaps while long "
+                f"prompts are prefilled (ratio to configuration {COLOCATED}, colocated)"
+            )
+            print(table(title, PD_HEADER, rows))
+            print()
+    if any(s.phase != "sweep" for s in segments):
+        title = f"Isolation: quiet tenants at {isolation_rate:g} req/s, a noisy tenant floods"
+        rows = isolation_rows(segments, configs, isolation_rate, {})
+        print(table(title, ISOLATION_HEADER, rows))
     for number, why in not_run.items():
         print(f"  {number}. {names()[number]}: {why}")
     print()

@@ -10,7 +10,11 @@ Its shapes follow the public benchmarks:
 - **turns** of conversations, as vLLM's multi-turn benchmark makes them: turn 1 is the
   tenant's common prefix + the conversation's own context + a user message, and each later
   turn is the previous turn's prompt + an answer + a new user message;
-- a **flood** of long unique prompts from the tenant ``noisy``, for the isolation phase only.
+- a **flood** of long unique prompts from the tenant ``noisy``, for the isolation phase only;
+- for prefill/decode disaggregation (the ``pd`` presets), **long** unique prompts with long
+  outputs among a steady stream of **decode**-heavy ones (a short unique prompt, a long
+  output): the long prompts' prefills land on servers busy decoding, the interference that
+  disaggregation removes. Nothing in them is shared, so each prefill is all the work.
 
 The answers in a conversation's history are placeholder ids drawn from the seed, not the
 server's answers: every configuration then sends identical prompts, and a replay file is
@@ -81,6 +85,14 @@ class WorkloadParams:
     """A conversation stops when its next prompt would be longer."""
     flood_prompts: int = 24
     flood_tokens: int = 3584
+    long_prompts: int = 0
+    """Long unique prompts among the quiet tenants' requests (kind ``long``)."""
+    long_tokens: int = 3072
+    long_output_tokens: int = 128
+    decode_prompts: int = 0
+    """Short unique prompts with long outputs among them (kind ``decode``)."""
+    decode_tokens: int = 64
+    decode_output_tokens: int = 256
     burstiness: float = 1.0
     """The gamma shape of the arrival intervals (1: Poisson)."""
     think_s: float = 0.2
@@ -88,6 +100,8 @@ class WorkloadParams:
 
     def __post_init__(self) -> None:
         first_turn = self.common_prefix_tokens + self.context_max + self.user_tokens[1]
+        sent = [(self.long_prompts, self.long_tokens), (self.decode_prompts, self.decode_tokens)]
+        single = max((length for count, length in sent if count > 0), default=0)
         for wrong, problem in [
             (self.quiet_tenants < 1, "quiet_tenants must be 1 or more"),
             (not 0 <= self.space_members <= self.quiet_tenants, "space_members > quiet_tenants"),
@@ -100,6 +114,10 @@ class WorkloadParams:
             (first_turn > self.max_prompt_tokens, "a first turn may exceed max_prompt_tokens"),
             (self.system_tokens + self.question_tokens > self.max_prompt_tokens, "long groups"),
             (self.flood_tokens > self.max_prompt_tokens, "flood_tokens > max_prompt_tokens"),
+            (single > self.max_prompt_tokens, "long or decode_tokens > max_prompt_tokens"),
+            (min(self.long_prompts, self.decode_prompts) < 0, "a negative count of prompts"),
+            (min(self.long_tokens, self.decode_tokens) < 1, "empty part"),
+            (min(self.long_output_tokens, self.decode_output_tokens) < 1, "no output"),
             (self.burstiness <= 0, "burstiness must be positive"),
         ]:
             if wrong:
@@ -116,8 +134,20 @@ PRESETS: dict[str, WorkloadParams] = {
         answer_tokens=(32, 32), output_tokens=4, max_prompt_tokens=2048, flood_prompts=3,
         flood_tokens=1024,
     ),
+    "pd": WorkloadParams(
+        space_members=0, groups=0, space_groups=0, conversations=0, flood_prompts=0,
+        long_prompts=12, long_tokens=3072, long_output_tokens=128, decode_prompts=24,
+        decode_tokens=64, decode_output_tokens=256,
+    ),
+    "tiny-pd": WorkloadParams(
+        quiet_tenants=2, space_members=0, groups=0, space_groups=0, conversations=0,
+        flood_prompts=0, long_prompts=2, long_tokens=1024, long_output_tokens=16,
+        decode_prompts=4, decode_tokens=64, decode_output_tokens=32,
+    ),
 }  # fmt: skip
-"""``default`` (about 100 requests), ``quick`` (about half) and ``tiny`` (for CI)."""
+"""``default`` (about 100 requests), ``quick`` (about half) and ``tiny`` (for CI); ``pd``
+(36 requests: 12 long prompts among 24 decode-heavy ones) and ``tiny-pd`` (for CI), for
+prefill/decode disaggregation."""
 
 
 @dataclass(frozen=True)
@@ -150,7 +180,7 @@ class Request:
     """Its position in :attr:`Workload.requests`, or in :attr:`Workload.flood`."""
     tenant: str
     kind: str
-    """``group``, ``turn`` or ``flood``."""
+    """``group``, ``turn``, ``flood``, ``long`` or ``decode``."""
     salt: str
     """The ``cache_salt`` to send: the tenant's, or the shared salt of a space's group."""
     prompt: tuple[int, ...]
@@ -235,7 +265,7 @@ def generate(params: WorkloadParams, seed: int) -> Workload:
     quiet = [_tenant(seed, f"tenant-{i}", quiet=True) for i in range(params.quiet_tenants)]
     noisy = _tenant(seed, NOISY, quiet=False)
     space_salt, members = f"bench-{seed}-space", quiet[: params.space_members]
-    groups = _groups(params, quiet, members, space_salt, ids)
+    groups = _groups(params, quiet, members, space_salt, ids) + _singles(params, quiet, ids)
     rng = random.Random(f"{seed}-order")
     rng.shuffle(groups)
     conversations = _conversations(params, quiet, ids, random.Random(f"{seed}-conversations"))
@@ -288,6 +318,25 @@ def _groups(
                     None, group=group, segments=segments)
         )  # fmt: skip
     return groups
+
+
+def _singles(params: WorkloadParams, quiet: Sequence[Tenant], ids: _Ids) -> list[Request]:
+    """The long and the decode-heavy prompts, not yet placed: each unique, its tenant's in
+    turn. They are shuffled with the group prompts, so they arrive mixed."""
+    kinds = [
+        ("long", params.long_prompts, params.long_tokens, params.long_output_tokens),
+        ("decode", params.decode_prompts, params.decode_tokens, params.decode_output_tokens),
+    ]
+    singles = []
+    for kind, count, length, output in kinds:
+        for number in range(count):
+            tenant = quiet[number % len(quiet)]
+            segments = (Segment(f"{kind}-{number}", length),)
+            singles.append(
+                Request(-1, tenant.name, kind, tenant.salt, ids(segments), output, 0.0, None,
+                        segments=segments)
+            )  # fmt: skip
+    return singles
 
 
 def _conversations(
