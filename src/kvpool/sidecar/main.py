@@ -48,6 +48,8 @@ PROG = "kvpool-pd-sidecar"
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 """Chat requests carry images as base64: a few MiB is an ordinary body."""
 CONNECT_TIMEOUT_S = 5.0
+KEEPALIVE_S = 3.0
+"""How long an idle connection to vLLM (or a prefill pod) is kept for the next request."""
 
 
 def http_url(text: str) -> str:
@@ -154,7 +156,13 @@ async def serve(settings: SidecarSettings, host: str, port: int, limits: HttpLim
     client = httpx.AsyncClient(
         # no read timeout: a decode streams for as long as it generates
         timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=limits.max_connections),
+        limits=httpx.Limits(
+            max_connections=None,
+            max_keepalive_connections=limits.max_connections,
+            # an idle connection goes before vLLM closes it (its keep-alive is 5 s): else a
+            # request may go out on one the server is closing, and fail (a 502)
+            keepalive_expiry=KEEPALIVE_S,
+        ),
         trust_env=False,  # an HTTP_PROXY of the pod's must not take the local vLLM's traffic
     )
     app = BodyGate(Sidecar(settings, client), auth=None, limits=limits)
