@@ -21,6 +21,7 @@ RUN python -m venv /opt/kvpool \
  && /opt/kvpool/bin/kvpool-operator --help > /dev/null \
  && /opt/kvpool/bin/kvpool-csi --help > /dev/null \
  && /opt/kvpool/bin/kvpool-index --help > /dev/null \
+ && /opt/kvpool/bin/kvpool-pd-sidecar --help > /dev/null \
  && /opt/kvpool/bin/kvpool --help > /dev/null
 
 FROM python:3.11.7-slim-bookworm@sha256:d11b9bd5e49ea7401753d78f4d3b56f3aec952b85b49bcae88981f0452818e0b AS runtime

@@ -3,6 +3,7 @@ server); another, whose L1 is empty, warms it over HTTP and then hits it over ZM
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -98,9 +99,13 @@ def test_warms_never_take_the_prefetch_slots_of_another_tenants_lookups(
         for n in range(64)
     ]
     with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
+        asked = itertools.count()
 
         def prefetches(tenant: str, count: int) -> list[int]:
-            return [client.lookup_prefetch(tenant, [key(f"{tenant}-{n}")])[1] for n in range(count)]
+            """Lookups of prefixes not asked before (one of the same keys would join the
+            running prefetch instead of taking a slot)."""
+            names = [key(f"{tenant}-{next(asked)}") for _ in range(count)]
+            return [client.lookup_prefetch(tenant, [name])[1] for name in names]
 
         assert all(prefetches(OTHER, 16)), "a lookup found no prefetch slot"
         assert answers.count(200) == 8, answers  # warms: a quarter of the 32 slots

@@ -102,6 +102,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "default workload's prompts hold, as a busy GPU's memory is)",
     )
     parser.add_argument(
+        "--decode-wait-ms",
+        type=int,
+        default=2000,
+        help="how long a disaggregated decode (configuration 6) waits for its prompt's "
+        "chunks before it computes what has not arrived (default 2000: the connector's)",
+    )
+    parser.add_argument(
         "--l1",
         default="256Mi",
         help="each agent's L1 (default 256Mi: more than the quiet tenants' prompts hold, "
@@ -189,6 +196,7 @@ def check(args: argparse.Namespace) -> None:
         ("--configs", args.configs, not set(args.configs) <= {c.number for c in CONFIGS}),
         ("--servers-per-host", args.servers_per_host, not 1 <= args.servers_per_host <= 8),
         ("--vllm-blocks", args.vllm_blocks, args.vllm_blocks < 16),
+        ("--decode-wait-ms", args.decode_wait_ms, not 0 <= args.decode_wait_ms <= 600_000),
         ("--quota-share", args.quota_share, not 0 < args.quota_share <= 1),
         ("--runs", args.runs, args.runs < 1),
     ]
@@ -232,6 +240,7 @@ class _Bench:
             max_model_len=longest + 16,
             max_num_seqs=8,
             lmcache_python=args.lmcache_python,
+            decode_wait_ms=args.decode_wait_ms,
         )
         tenants = {t.id: secrets.token_hex(24) for t in load.tenants}
         members = [load.tenant(name).id for name in load.space_members]
