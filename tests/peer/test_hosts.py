@@ -53,6 +53,16 @@ def ask(address: str, port: int, timeout: float = 5.0) -> str:
         return client.recv(64).decode()
 
 
+def answered(address: str, port: int) -> str:
+    """:func:`ask` once; a connection that fails is an AssertionError, which
+    :func:`eventually` retries (a link just up may first time out while the neighbours are
+    resolved again, the longer on a loaded machine)."""
+    try:
+        return ask(address, port, timeout=0.5)
+    except OSError as error:
+        raise AssertionError(f"{address}:{port} not reachable yet: {error}") from error
+
+
 def ask_from(host: Host, address: str, port: int, timeout: float = 5.0) -> str:
     """ASK from inside ``host``; "" if it could not connect."""
     client = host.popen(
@@ -95,7 +105,7 @@ def test_a_link_down_cuts_the_host_off_until_it_is_up_again(hosts: Hosts) -> Non
     assert ask_from(a, b.address, port, timeout=0.5) == ""
 
     b.link_up()
-    assert eventually(lambda: ask(b.address, port, timeout=0.5), timeout=5, what="link up")
+    assert eventually(lambda: answered(b.address, port), timeout=15, what="link up")
     assert ask_from(a, b.address, port) == a.address
 
 

@@ -112,7 +112,7 @@ async def pool_spaces(
     :func:`tenant_usage`."""
     spaces, seconds = _spaces(memo), Options.of(memo).usage_seconds
     while not stopped:
-        await _pause(stopped, seconds)
+        await stopped.wait(seconds)
         if not stopped:
             await asyncio.to_thread(_refresh_spaces, spaces, body)
 
@@ -142,20 +142,9 @@ async def pool_peer_keys(
     :func:`tenant_usage`."""
     keys, seconds = _peer_keys(memo), Options.of(memo).usage_seconds
     while not stopped:
-        await _pause(stopped, seconds)
+        await stopped.wait(seconds)
         if not stopped:
             await asyncio.to_thread(_rotate_peer_keys, keys, body)
-
-
-async def _pause(stopped: kopf.DaemonStopped, seconds: float) -> None:
-    """Sleep ``seconds``, or until the daemon is stopped, a second at a time. Not kopf's own
-    ``stopped.wait(seconds)``: that runs a task of its own, which can outlive a daemon that
-    kopf spawns as its shutdown begins and then cancels, and whose timeout then fails
-    ``kopf.run`` (the operator exited 1 on SIGTERM); a plain sleep ends with its daemon."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
-    while not stopped and (left := deadline - loop.time()) > 0:
-        await asyncio.sleep(min(left, 1.0))
 
 
 def _rotate_peer_keys(keys: PeerKeys, body: kopf.Body) -> None:
@@ -214,7 +203,7 @@ async def tenant_usage(
     the handlers); each pass runs in a thread for as long as it takes."""
     tenants, seconds = _tenants(memo), Options.of(memo).usage_seconds
     while not stopped:
-        await _pause(stopped, seconds)
+        await stopped.wait(seconds)
         if not stopped:
             await asyncio.to_thread(_recheck, tenants, body)
 
