@@ -74,7 +74,18 @@ class Pair:
         tails = [server.process.log_tail(30) for server in servers]
         if self.decode.sidecar is not None:
             tails.append(self.decode.sidecar.log_tail(30))
+        if self.cluster.index is not None:
+            tails.append("".join(self.cluster.index.log[-30:]))
         return "\n----\n".join(tails)
+
+    def picker_sees_both_ready(self) -> None:
+        """The picker's last reads of both servers' loads succeeded (or were only slow)."""
+        assert self.cluster.index is not None
+        samples = self.cluster.index.get("/metrics").splitlines()
+        ready = [s for s in samples if s.startswith("kvpool_index_model_server_ready{")]
+        for server in (self.prefill, self.decode):
+            label = f'server="{server.address}"'
+            assert any(label in s and s.endswith(" 1.0") for s in ready), (label, ready)
 
 
 def prompt(seed: int) -> list[int]:
@@ -193,9 +204,14 @@ def test_a_stalled_push_costs_the_decode_its_wait_never_the_answer(pair: Pair) -
 
 def test_a_prefill_host_killed_mid_request_still_yields_the_right_answer(pair: Pair) -> None:
     """Last: the prefill server is frozen once it has the request, then killed; the sidecar
-    falls back to computing the prompt on the decode host, within its deadline."""
+    falls back to computing the prompt on the decode host, within its deadline.
+
+    The picker must see both servers ready when it picks: a decode server whose loads it
+    cannot read (busy with a reference on a loaded machine) would leave the frozen prefill
+    server the only ready one, which takes the request whole (the pool still serves), and
+    dies with it. So the reference is computed afterwards, on an idle decode server."""
     tokens = prompt(4)
-    reference = pair.reference(tokens)
+    eventually(pair.picker_sees_both_ready, timeout=30, what="the picker reading both loads")
     group = pair.prefill.process.pid
     os.killpg(group, signal.SIGSTOP)
     answers: list[Completion] = []
@@ -211,6 +227,7 @@ def test_a_prefill_host_killed_mid_request_still_yields_the_right_answer(pair: P
     client.join(120)
     assert answers, "no answer"
     (done,) = answers
+    reference = pair.reference(tokens)
     assert done.headers["x-kvpool-pick"].startswith("pd"), done.headers["x-kvpool-pick"]
     assert "status=fallback" in done.headers["x-kvpool-pd"], done.headers["x-kvpool-pd"]
     assert done.cached % CHUNK == 0  # what the prefill committed before it died, or nothing
