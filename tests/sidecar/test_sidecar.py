@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from kvpool.common.disagg import PREFILL_HEADER, RESULT_HEADER, PrefillTarget, sign_prefill
+from kvpool.common.names import MAX_PD_DECODE_WAIT_MS
 from tests.sidecar.conftest import (
     DECODE_WAIT_MS,
     KEY,
@@ -304,3 +305,18 @@ def test_a_start_with_an_unusable_key_file_is_one_line_and_exit_2(tmp_path: Path
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1
     assert "needs at least 32 bytes" in done.stderr
+
+
+def test_a_decode_wait_above_the_connectors_ceiling_is_refused_at_start() -> None:
+    """The connector would reject the decode's params as malformed and look up as usual:
+    the sidecar refuses the flag instead, in one line naming it."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kvpool.sidecar", f"--decode-wait-ms={MAX_PD_DECODE_WAIT_MS + 1}"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "--decode-wait-ms" in done.stderr.splitlines()[-1]
+    assert f"at most {MAX_PD_DECODE_WAIT_MS}" in done.stderr

@@ -35,6 +35,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpool.common.names import MAX_PD_DECODE_WAIT_MS
+
 PARAMS_KEY = "kvpool"
 PARAMS_VERSION = 1
 PREFILL_HEADER = "x-kvpool-prefill"
@@ -45,7 +47,6 @@ MIN_KEY_BYTES = 32
 _SIGNATURE_DOMAIN = b"kvpool-prefill-v1\0"
 _ADDRESS = re.compile(r"[A-Za-z0-9._-]{1,253}:[0-9]{1,5}|\[[0-9A-Fa-f:.]{2,45}\]:[0-9]{1,5}")
 _NODE = re.compile(r"[A-Za-z0-9._-]{0,253}")
-_MAX_WAIT_MS = 600_000
 _MAX_TOKENS = 10_000_000
 
 
@@ -134,7 +135,9 @@ def read_params(params: object) -> PrefillParams | DecodeParams | None:
         tokens=_count(inner.get("tokens"), f"{where}.tokens", 1, _MAX_TOKENS),
         tail=tail,
         node=_node(inner.get("node"), f"{where}.node"),
-        wait_ms=None if wait_ms is None else _count(wait_ms, f"{where}.wait_ms", 0, _MAX_WAIT_MS),
+        wait_ms=None
+        if wait_ms is None
+        else _count(wait_ms, f"{where}.wait_ms", 0, MAX_PD_DECODE_WAIT_MS),
     )
 
 

@@ -147,6 +147,8 @@ DEFAULT_PD_MAX_PREFILL_WAITING = 4
 DEFAULT_PD_HEADER_TTL_SECONDS = 30
 DEFAULT_PD_PREFILL_TIMEOUT_SECONDS = 30
 DEFAULT_PD_DECODE_WAIT_MS = 2000
+MAX_PD_DECODE_WAIT_MS = 600_000
+"""The longest wait a decode's params, the sidecar or the CRD may ask for."""
 DEFAULT_PD_VLLM_PORT = 8200
 """The decode pod's vLLM, behind its sidecar (which takes the port the InferencePool
 targets)."""

@@ -388,8 +388,11 @@ def start_logging(level: str) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def number(kind: type[int] | type[float], *, zero: bool = False) -> Callable[[str], float]:
-    """An argparse type: a number of ``kind`` above 0 (or 0 too, with ``zero``)."""
+def number(
+    kind: type[int] | type[float], *, zero: bool = False, most: float | None = None
+) -> Callable[[str], float]:
+    """An argparse type: a number of ``kind`` above 0 (or 0 too, with ``zero``), and at
+    most ``most`` if given."""
 
     def parse(text: str) -> float:
         try:
@@ -401,6 +404,8 @@ def number(kind: type[int] | type[float], *, zero: bool = False) -> Callable[[st
             raise argparse.ArgumentTypeError(
                 f"expected a number {'of 0 or more' if zero else 'above 0'}, not {text}"
             )
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"expected a number of at most {most}, not {text}")
         return value
 
     return parse

@@ -46,6 +46,7 @@ from kvpool.common.names import (
     CONNECTOR_SEGMENT_PATH_ENV,
     CONNECTOR_TOKEN_ENV,
     CONNECTOR_TRANSPORT_ENV,
+    DEFAULT_PD_DECODE_WAIT_MS,
 )
 from kvpool.common.problems import (
     ConfigError,
@@ -179,7 +180,7 @@ class ConnectorSettings(BaseModel):
         ),
     )
     decode_wait_s: float = Field(
-        2.0,
+        DEFAULT_PD_DECODE_WAIT_MS / 1000,
         ge=0,
         description=(
             "Most time the decode of a disaggregated request waits for the chunks its prefill "

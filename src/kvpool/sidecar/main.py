@@ -27,6 +27,7 @@ from kvpool.common.names import (
     DEFAULT_PD_DECODE_WAIT_MS,
     DEFAULT_PD_PREFILL_TIMEOUT_SECONDS,
     DEFAULT_PD_VLLM_PORT,
+    MAX_PD_DECODE_WAIT_MS,
     NODE_NAME_ENV,
 )
 from kvpool.common.problems import (
@@ -105,7 +106,7 @@ def parser() -> ArgumentParser:
     )
     parser.add_argument(
         "--decode-wait-ms",
-        type=number(int, zero=True),
+        type=number(int, zero=True, most=MAX_PD_DECODE_WAIT_MS),
         default=DEFAULT_PD_DECODE_WAIT_MS,
         help="how long the decode may wait for the prefill's chunks (default: %(default)s)",
     )

@@ -18,6 +18,7 @@ from kvpool.common.names import (
     DEFAULT_PD_PREFILL_TIMEOUT_SECONDS,
     DEFAULT_PD_THRESHOLD_TOKENS,
     DEFAULT_PD_VLLM_PORT,
+    MAX_PD_DECODE_WAIT_MS,
 )
 from kvpool.operator.spec.base import Int64, SpecModel
 from kvpool.operator.spec.workloads import ResourcesSpec
@@ -83,7 +84,7 @@ class DisaggregationSpec(SpecModel):
         ge=0,
         description="How long a decode may wait for the prefill's chunks (the sidecar's "
         "--decode-wait-ms; the connector caps it).",
-        json_schema_extra={"maximum": 600000},
+        json_schema_extra={"maximum": MAX_PD_DECODE_WAIT_MS},
     )
     prefill_timeout_seconds: int = Field(
         DEFAULT_PD_PREFILL_TIMEOUT_SECONDS,

@@ -44,6 +44,7 @@ from pathlib import Path
 import httpx
 
 from kvpool.common import problems
+from kvpool.common.names import DEFAULT_PD_DECODE_WAIT_MS, MAX_PD_DECODE_WAIT_MS
 from kvpool.common.sizes import SizeError, parse_size
 from kvpool.tools.bench.cluster import plot, tables, workload
 from kvpool.tools.bench.cluster.cluster import CHUNK_TOKENS, Cluster, Flavor, Server, Settings
@@ -103,10 +104,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--decode-wait-ms",
-        type=int,
-        default=2000,
+        type=problems.number(int, zero=True, most=MAX_PD_DECODE_WAIT_MS),
+        default=DEFAULT_PD_DECODE_WAIT_MS,
         help="how long a disaggregated decode (configuration 6) waits for its prompt's "
-        "chunks before it computes what has not arrived (default 2000: the connector's)",
+        "chunks before it computes what has not arrived (default %(default)s: the "
+        "connector's)",
     )
     parser.add_argument(
         "--l1",
@@ -196,7 +198,6 @@ def check(args: argparse.Namespace) -> None:
         ("--configs", args.configs, not set(args.configs) <= {c.number for c in CONFIGS}),
         ("--servers-per-host", args.servers_per_host, not 1 <= args.servers_per_host <= 8),
         ("--vllm-blocks", args.vllm_blocks, args.vllm_blocks < 16),
-        ("--decode-wait-ms", args.decode_wait_ms, not 0 <= args.decode_wait_ms <= 600_000),
         ("--quota-share", args.quota_share, not 0 < args.quota_share <= 1),
         ("--runs", args.runs, args.runs < 1),
     ]

@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from kvpool.common.keys import ModelFingerprint
+from kvpool.common.names import DEFAULT_PD_DECODE_WAIT_MS
 from kvpool.common.sizes import parse_size
 from kvpool.tools.bench.local import envoy
 from kvpool.tools.bench.local.agent_process import ADMIN_TOKEN, ENGINE_TOKEN, AgentProcess
@@ -90,7 +91,7 @@ class Settings:
     """The interpreter of a venv with ``lmcache`` and vLLM; None: no LMCache set."""
     pd_threshold_tokens: int = 512
     """The disaggregated set's picker splits a request whose uncached part is this long."""
-    decode_wait_ms: int = 2000
+    decode_wait_ms: int = DEFAULT_PD_DECODE_WAIT_MS
     """How long a disaggregated decode waits for its prompt's chunks."""
 
 
