@@ -28,7 +28,6 @@ Events on the pool, next to those the operator words itself (``events.py``).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import threading
@@ -41,6 +40,7 @@ from kvpool.common.names import APP, NAME_LABEL, POOL_LABEL
 from kvpool.operator.agents import Agents
 from kvpool.operator.apply import ApiError, Cluster
 from kvpool.operator.bearer import OperatorToken
+from kvpool.operator.daemons import every
 from kvpool.operator.events import PoolEvents, TenantEvents
 from kvpool.operator.peers import PeerKeys
 from kvpool.operator.reasons import SHARED_SPACES
@@ -110,11 +110,8 @@ async def pool_spaces(
     """Every ``--usage-seconds``: the pool's shared spaces again (pins on agents that came or
     restarted, removed spaces that some agent did not clear yet, usage). Async, as
     :func:`tenant_usage`."""
-    spaces, seconds = _spaces(memo), Options.of(memo).usage_seconds
-    while not stopped:
-        await stopped.wait(seconds)
-        if not stopped:
-            await asyncio.to_thread(_refresh_spaces, spaces, body)
+    spaces = _spaces(memo)
+    await every(stopped, Options.of(memo).usage_seconds, lambda: _refresh_spaces(spaces, body))
 
 
 def _refresh_spaces(spaces: SpaceReconciler, body: kopf.Body) -> None:
@@ -140,11 +137,8 @@ async def pool_peer_keys(
     """Every ``--usage-seconds``: a key added to the pool's peer Secret when the newest is
     ``spec.peers.credentialRotation`` old, the oldest dropped. Async, as
     :func:`tenant_usage`."""
-    keys, seconds = _peer_keys(memo), Options.of(memo).usage_seconds
-    while not stopped:
-        await stopped.wait(seconds)
-        if not stopped:
-            await asyncio.to_thread(_rotate_peer_keys, keys, body)
+    keys = _peer_keys(memo)
+    await every(stopped, Options.of(memo).usage_seconds, lambda: _rotate_peer_keys(keys, body))
 
 
 def _rotate_peer_keys(keys: PeerKeys, body: kopf.Body) -> None:
@@ -201,11 +195,8 @@ async def tenant_usage(
     changed), then the tenant's usage from the agents. Async, so that waiting holds no
     thread (a sync daemon per tenant would hold one of kopf's few threads each, and starve
     the handlers); each pass runs in a thread for as long as it takes."""
-    tenants, seconds = _tenants(memo), Options.of(memo).usage_seconds
-    while not stopped:
-        await stopped.wait(seconds)
-        if not stopped:
-            await asyncio.to_thread(_recheck, tenants, body)
+    tenants = _tenants(memo)
+    await every(stopped, Options.of(memo).usage_seconds, lambda: _recheck(tenants, body))
 
 
 def _recheck(tenants: TenantReconciler, body: kopf.Body) -> None:
