@@ -14,15 +14,18 @@ chunks move from A to B:
 * plain socket: one Python TCP connection from a sender in A to a receiver in B,
   ``sendall`` of memoryviews into ``recv_into`` a touched buffer, no framing and no
   request per chunk: the most this link carries (:mod:`benchmarks.peer_socket`);
-* peer: agent A holds the chunks in its L1; agent B, whose only lower tier is A, pulls
-  them on a lookup with prefetch, timed until every chunk is loaded into its L1
-  (:mod:`benchmarks.peer_agents`). Every pull is then checked byte for byte
-  (untimed). ``--skip-peer`` measures the link alone.
+* peer, for each wire protection of ``--wire`` (``sealed``: AES-256-GCM ciphertext;
+  ``integrity``: the plaintext under its tag; ``peers.wire_protection``): agent A holds the
+  chunks in its L1; agent B, whose only lower tier is A, pulls them on a lookup with
+  prefetch, timed until every chunk is loaded into its L1 (:mod:`benchmarks.peer_agents`;
+  one pair of agents per protection, on peer ports of their own). Every pull is then
+  checked byte for byte (untimed). ``--skip-peer`` measures the link alone.
 
 Each of ``--runs`` runs moves every size once on each side, the side that goes first
 turning with the run, after one untimed warm-up run (connections, page faults). Figures:
-GB/s of each run, median [min-max]; the ratio is peer over plain socket within one run.
-Goal: the peer >= 0.8 of the plain socket from 2 MiB chunks on.
+GB/s of each run, median [min-max]; the ratio is a side over the plain socket within one
+run. Goals, from 2 MiB chunks on: sealed >= 0.8 of the plain socket; integrity >= 0.9 (the
+link's rate with the cipher's pass gone).
 
 Then (unless ``--skip-ttft``) the readers' table, on the same hosts with agents and vLLM
 engines of its own: :mod:`benchmarks.peer_ttft`.
@@ -45,6 +48,7 @@ from benchmarks import peer_ttft
 from benchmarks.peer_agents import PeerPair, peer_pair
 from benchmarks.peer_socket import PlainLink
 from kvpool.common import problems
+from kvpool.common.names import DEFAULT_PEER_PORT
 from kvpool.tools.bench import report as reports
 from kvpool.tools.bench.local.hosts import Hosts, HostsUnavailable
 from kvpool.tools.bench.report import (
@@ -61,10 +65,15 @@ PROGRAM = "python -m benchmarks.peer"
 
 MiB = 1 << 20
 SOCKET = "plain socket"
-PEER = "peer"
-GOAL = 0.8
+PROTECTIONS = ("sealed", "integrity")
+GOALS = {"sealed": 0.8, "integrity": 0.9}
+"""Each protection's side moves at least this share of the plain socket's GB/s, for chunks
+of GOAL_FROM bytes and up."""
 GOAL_FROM = 2 * MiB
-"""The peer moves >= GOAL of the plain socket's GB/s for chunks of GOAL_FROM bytes and up."""
+
+
+def side_name(protection: str) -> str:
+    return f"peer, {protection}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +87,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--skip-peer", action="store_true", help="no agents: the plain socket (the link) alone"
     )
+    parser.add_argument(
+        "--wire",
+        type=_protections,
+        default=list(PROTECTIONS),
+        help="the agents' wire protections, each a side of its own (default: sealed,integrity)",
+    )
     peer_ttft.add_arguments(parser)
+
+
+def _protections(text: str) -> list[str]:
+    chosen = [item.strip() for item in text.split(",")]
+    wrong = [item for item in chosen if item not in PROTECTIONS]
+    if wrong or not chosen:
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(PROTECTIONS)}, not {text!r}")
+    return list(dict.fromkeys(chosen))
 
 
 @dataclass(frozen=True)
@@ -98,7 +121,7 @@ class Results:
     """Per (side, chunk size), the CPU seconds of its process on A and on B in all timed
     runs together."""
     intact: bool = True
-    """Every pull of the peer side was the holder's bytes."""
+    """Every pull of the peer sides was the holder's bytes."""
 
 
 def run(args: argparse.Namespace) -> None:
@@ -129,22 +152,24 @@ def _transfers(
         link = PlainLink(a, b, largest)
         stack.callback(link.close)
         sides = {SOCKET: Side(link.transfer, link.pids)}
-        pair: PeerPair | None = None
-        if not args.skip_peer:
-            workdir.mkdir()
+        pairs: dict[str, PeerPair] = {}
+        for number, protection in enumerate([] if args.skip_peer else args.wire):
             pair = stack.enter_context(
                 peer_pair(
                     a,
                     b,
-                    workdir,
+                    workdir / protection,
                     holder_l1=_l1_bytes(sum(size * count for size, count in counts.items())),
                     puller_l1=_l1_bytes(largest),
+                    port=DEFAULT_PEER_PORT + number,
+                    wire_protection=protection,
                 )
             )
             for size, count in counts.items():
                 pair.hold(size, count)
-            sides[PEER] = Side(pair.pull, pair.pids)
-        return measure(sides, counts, args.runs, pair)
+            pairs[side_name(protection)] = pair
+            sides[side_name(protection)] = Side(pair.pull, pair.pids)
+        return measure(sides, counts, args.runs, pairs)
 
 
 def _counts(args: argparse.Namespace) -> dict[int, int]:
@@ -158,7 +183,7 @@ def _l1_bytes(stored: int) -> int:
 
 
 def measure(
-    sides: dict[str, Side], counts: dict[int, int], runs: int, pair: PeerPair | None
+    sides: dict[str, Side], counts: dict[int, int], runs: int, pairs: dict[str, PeerPair]
 ) -> Results:
     results = Results()
     names = list(sides)
@@ -174,8 +199,8 @@ def measure(
                     cpu = results.cpu.setdefault((name, size), [0.0, 0.0])
                     for index, pid in enumerate(side.pids):
                         cpu[index] += _cpu_seconds(pid) - before[index]
-                if name == PEER and pair is not None:
-                    results.intact = results.intact and pair.pulled_intact(size, count)
+                if name in pairs:
+                    results.intact = results.intact and pairs[name].pulled_intact(size, count)
     return results
 
 
@@ -186,33 +211,33 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def report(results: Results, args: argparse.Namespace, counts: dict[int, int], mtu: str) -> str:
-    peer = not args.skip_peer
+    protections = [] if args.skip_peer else list(args.wire)
     rows = []
     for size, count in counts.items():
         moved = size * count
         plain = [moved / seconds / 1e9 for seconds in results.seconds[(SOCKET, size)]]
-        row = [f"{size // MiB} MiB", str(count), median_spread(plain, "{:.2f}")]
-        row.append(_cpu_per_gb(results.cpu[(SOCKET, size)], moved * len(plain)))
-        if peer:
-            pulled = [moved / seconds / 1e9 for seconds in results.seconds[(PEER, size)]]
+        cpu = _cpu_per_gb(results.cpu[(SOCKET, size)], moved * len(plain))
+        rows.append([f"{size // MiB} MiB", str(count), SOCKET, median_spread(plain, "{:.2f}")])
+        rows[-1] += [cpu, "", ""]
+        for protection in protections:
+            name = side_name(protection)
+            pulled = [moved / seconds / 1e9 for seconds in results.seconds[(name, size)]]
             ratios = [p / s for p, s in zip(pulled, plain, strict=True)]
-            target = goal(f">= {GOAL}", statistics.median(ratios), GOAL, at_least=True)
-            wanted = target if size >= GOAL_FROM else ""
-            cpu = _cpu_per_gb(results.cpu[(PEER, size)], moved * len(pulled))
-            row += [median_spread(pulled, "{:.2f}"), cpu, median_spread(ratios, "{:.2f}"), wanted]
-        rows.append(row)
-    header = ["chunk", "chunks", f"{SOCKET} GB/s", "CPU s/GB A / B"]
-    if peer:
-        header += [f"{PEER} GB/s", "CPU s/GB A / B", "peer / socket", "goal"]
+            bound = GOALS[protection]
+            target = goal(f">= {bound}", statistics.median(ratios), bound, at_least=True)
+            cpu = _cpu_per_gb(results.cpu[(name, size)], moved * len(pulled))
+            rows.append(["", "", name, median_spread(pulled, "{:.2f}"), cpu])
+            rows[-1] += [median_spread(ratios, "{:.2f}"), target if size >= GOAL_FROM else ""]
+    header = ["chunk", "chunks", "side", "GB/s", "CPU s/GB A / B", "/ socket", "goal"]
     title = (
         f"Host A -> host B over veth (MTU {mtu}) through a bridge, {args.mib} MiB of chunks "
-        f"per transfer; {runs_said(args.runs)}: GB/s median [min-max], ratio per run; CPU: "
-        "seconds of the process on A and on B (the sender and the receiver; the agents) per "
-        "GB moved, all runs"
+        f"per transfer; {runs_said(args.runs)}: GB/s median [min-max], ratio to the plain "
+        "socket per run; CPU: seconds of the process on A and on B (the sender and the "
+        "receiver; the agents) per GB moved, all runs"
     )
     lines = [table(title, header, rows)]
-    if peer:
-        lines += _checks(results, counts)
+    if protections:
+        lines += _checks(results, counts, protections)
     return "\n".join(lines)
 
 
@@ -221,30 +246,35 @@ def _cpu_per_gb(cpu: list[float], moved: int) -> str:
     return " / ".join(f"{seconds / moved * 1e9:.2f}" for seconds in cpu)
 
 
-def _checks(results: Results, counts: dict[int, int]) -> list[str]:
+def _checks(results: Results, counts: dict[int, int], protections: Sequence[str]) -> list[str]:
     """What the table should show, said in words: yes, or NO where it does not."""
 
     def said(claim: str, holds: bool) -> str:
         return f"{claim}: {'yes' if holds else 'NO'}"
 
-    meeting = [
-        statistics.median(
-            plain / pulled  # seconds: the ratio of GB/s the other way round
-            for plain, pulled in zip(
-                results.seconds[(SOCKET, size)], results.seconds[(PEER, size)], strict=True
+    def meets(protection: str) -> bool:
+        return all(
+            statistics.median(
+                plain / pulled  # seconds: the ratio of GB/s the other way round
+                for plain, pulled in zip(
+                    results.seconds[(SOCKET, size)],
+                    results.seconds[(side_name(protection), size)],
+                    strict=True,
+                )
             )
+            >= GOALS[protection]
+            for size in counts
+            if size >= GOAL_FROM
         )
-        >= GOAL
-        for size in counts
-        if size >= GOAL_FROM
-    ]
-    return [
-        said("every chunk B pulled was A's, byte for byte", results.intact),
-        said(
-            f"peer >= {GOAL} x plain socket (median ratio), chunks from {GOAL_FROM // MiB} MiB",
-            all(meeting),
-        ),
-    ]
+
+    lines = [said("every chunk B pulled was A's, byte for byte", results.intact)]
+    for protection in protections:
+        claim = (
+            f"{side_name(protection)} >= {GOALS[protection]} x plain socket (median ratio), "
+            f"chunks from {GOAL_FROM // MiB} MiB"
+        )
+        lines.append(said(claim, meets(protection)))
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -107,28 +107,52 @@ class PeerPair:
         )
 
 
-def peers_setting(node: str, nodes: dict[str, Host], key_dir: Path) -> str:
+def peers_setting(
+    node: str,
+    nodes: dict[str, Host],
+    key_dir: Path,
+    port: int = DEFAULT_PEER_PORT,
+    wire_protection: str = "sealed",
+) -> str:
     """The ``PEERS`` setting (JSON) of agent ``node`` among ``nodes`` (node name: its host),
-    each on the default peer port, under the credential in ``key_dir``."""
-    agents = [f"{name}={host.address}:{DEFAULT_PEER_PORT}" for name, host in nodes.items()]
-    return json.dumps({"key_dir": str(key_dir), "node": node, "agents": agents})
+    each on peer port ``port``, under the credential in ``key_dir``."""
+    agents = [f"{name}={host.address}:{port}" for name, host in nodes.items()]
+    return json.dumps(
+        {
+            "key_dir": str(key_dir),
+            "node": node,
+            "agents": agents,
+            "port": port,
+            "wire_protection": wire_protection,
+        }
+    )
 
 
 @contextlib.contextmanager
 def peer_pair(
-    holder: Host, puller: Host, workdir: Path, *, holder_l1: int, puller_l1: int
+    holder: Host,
+    puller: Host,
+    workdir: Path,
+    *,
+    holder_l1: int,
+    puller_l1: int,
+    port: int = DEFAULT_PEER_PORT,
+    wire_protection: str = "sealed",
 ) -> Iterator[PeerPair]:
-    """The two agents, started (L1 sizes in bytes), stopped on exit."""
+    """The two agents, started (L1 sizes in bytes) on peer port ``port``, sending chunks
+    with ``wire_protection``; stopped on exit."""
+    workdir.mkdir(parents=True)
     key_dir = workdir / "peer-keys"
     generate_key(key_dir)
     nodes = {HOLDER: holder, PULLER: puller}
     with contextlib.ExitStack() as stack:
         started: list[AgentProcess] = []
         for (node, host), l1 in zip(nodes.items(), (holder_l1, puller_l1), strict=True):
-            peers = peers_setting(node, nodes, key_dir)
+            peers = peers_setting(node, nodes, key_dir, port, wire_protection)
             settings = {"POOL": POOL, "L1_SIZE": str(l1), "PEERS": peers}
-            (workdir / node).mkdir()
-            agent = AgentProcess(workdir / node, settings, host=host)
+            home = workdir / f"{node}-{wire_protection}"  # segments are named after it
+            home.mkdir()
+            agent = AgentProcess(home, settings, host=host)
             stack.callback(agent.cleanup)
             started.append(agent.start())
         holding, pulling = started

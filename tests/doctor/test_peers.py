@@ -28,7 +28,9 @@ def start(tmp_path: Path) -> Iterator[Start]:
     ``port`` with the credential in ``key_dir``, ``peers`` (node: port) its peers."""
     started: list[AgentProcess] = []
 
-    def run(node: str, port: int, key_dir: Path, others: dict[str, int]) -> AgentProcess:
+    def run(
+        node: str, port: int, key_dir: Path, others: dict[str, int], **more: str
+    ) -> AgentProcess:
         workdir = tmp_path / node
         workdir.mkdir()
         entries = [f"{name}=127.0.0.1:{peer_port}" for name, peer_port in others.items()]
@@ -39,6 +41,7 @@ def start(tmp_path: Path) -> Iterator[Start]:
             entries,
             PEERS__CONNECT_TIMEOUT_SECONDS="1",
             PEERS__IO_TIMEOUT_SECONDS="2",
+            **more,
         )
         agent = AgentProcess(workdir, settings)
         started.append(agent)
@@ -49,11 +52,16 @@ def start(tmp_path: Path) -> Iterator[Start]:
         agent.cleanup()
 
 
-def test_an_agent_that_reaches_every_peer_passes(start: Start, tmp_path: Path) -> None:
+@pytest.mark.parametrize("protection", ["sealed", "integrity"])
+def test_an_agent_that_reaches_every_peer_passes(
+    start: Start, tmp_path: Path, protection: str
+) -> None:
+    """The check says what the chunks the agent sends carry (spec.peers.wireProtection)."""
     pool_key = write_peer_key(tmp_path / "pool-key")
     port_a, port_b = free_port(), free_port()
-    agent = start("node-a", port_a, pool_key, {"node-b": port_b})
-    start("node-b", port_b, pool_key, {"node-a": port_a})
+    mode = {"PEERS__WIRE_PROTECTION": protection}
+    agent = start("node-a", port_a, pool_key, {"node-b": port_b}, **mode)
+    start("node-b", port_b, pool_key, {"node-a": port_a}, **mode)
 
     diagnosis = run_doctor(*agent_args(agent), env=ADMIN_ENV)
 
@@ -61,7 +69,8 @@ def test_an_agent_that_reaches_every_peer_passes(start: Start, tmp_path: Path) -
     check = diagnosis.checks["peers"]
     assert check.outcome == "PASS", diagnosis.output
     assert check.seen.startswith(
-        f"node-a (peer port {port_a}) reaches its 1 peer, credential proven: "
+        f"node-a (peer port {port_a}, {peers.WIRE[protection]}) reaches its 1 peer, "
+        "credential proven: "
         f"node-b at 127.0.0.1:{port_b} ("
     )
     assert check.seen.endswith(" ms)")
@@ -84,7 +93,9 @@ def test_each_unreachable_peer_is_a_warning_naming_it_and_why(start: Start, tmp_
     assert diagnosis.returncode == 0, diagnosis.output
     check = diagnosis.checks["peers"]
     assert check.outcome == "WARN", diagnosis.output
-    assert check.seen.startswith(f"node-a (peer port {port_a}) reaches 0 of its 2 peers; ")
+    assert check.seen.startswith(
+        f"node-a (peer port {port_a}, chunks sent sealed) reaches 0 of its 2 peers; "
+    )
     unreachable = dict(
         part.split(": ", 1) for part in check.seen.split("; ")[1:]
     )  # "node-b at HOST:PORT: why"

@@ -364,6 +364,9 @@ INVALID_POOLS = [
     pytest.param(
         {"peers": {"maxTransfers": 0}}, "0 is less than the minimum of 1", id="peer-transfers"
     ),
+    pytest.param(
+        {"peers": {"wireProtection": "none"}}, "'none' is not one of", id="wire-protection"
+    ),
     pytest.param({"l3": {}}, "Additional properties are not allowed ('l3'", id="unknown-field"),
     pytest.param(
         {"tenants": {"tokensSecretRef": {"key": "t"}}}, "'name' is a required", id="secret-name"
@@ -449,6 +452,7 @@ def test_defaults_are_the_agents() -> None:
         "enabled": True,
         "port": peers["port"].default,
         "maxTransfers": peers["max_transfers"].default,
+        "wireProtection": peers["wire_protection"].default,
         "credentialRotation": "24h",
     }
 
@@ -547,6 +551,7 @@ def test_peer_settings_the_crd_admits() -> None:
         {"peers": {"credentialRotation": "600s", "maxBandwidth": "1Gi", "maxTransfers": 16}},
         {"peers": {"credentialRotation": "10m"}},
         {"peers": {"credentialRotation": "168h"}},
+        {"peers": {"wireProtection": "integrity"}},
     ):
         assert admission_errors(_pool(spec)) == [], spec
         PoolSpec.parse(with_defaults(schema(), _pool(spec))["spec"])

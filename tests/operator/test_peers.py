@@ -138,6 +138,7 @@ def test_a_pool_with_peers_gets_its_credential_before_its_agents(
         "discovery": "kubernetes",
         "namespace": NAMESPACE,
         "max_transfers": 4,
+        "wire_protection": "sealed",
         "bandwidth": 1 << 30,
     }
     assert PODS_RULE in _get(served_api, "roles", "kvpool-mesh-agent")["rules"]

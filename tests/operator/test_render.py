@@ -425,7 +425,15 @@ def test_peer_agents_serve_the_peer_port_with_the_pools_credential(version: str)
     downward API, the peer Secret read-only for the agent's group, and the peers section
     naming them, found as the index finds the agents."""
     spec = PoolSpec.parse(
-        {"peers": {"port": 9404, "maxBandwidth": "500M", "maxTransfers": 2}, "ports": PORTS}
+        {
+            "peers": {
+                "port": 9404,
+                "maxBandwidth": "500M",
+                "maxTransfers": 2,
+                "wireProtection": "integrity",
+            },
+            "ports": PORTS,
+        }
     )
     children = _children(spec)
     kubernetes_validate.validate(children.daemonset, version, strict=True)
@@ -445,11 +453,13 @@ def test_peer_agents_serve_the_peer_port_with_the_pools_credential(version: str)
         "discovery": "kubernetes",
         "namespace": "inference",
         "max_transfers": 2,
+        "wire_protection": "integrity",
         "bandwidth": 500_000_000,
     }
     uncapped = _agent_yaml(_children())["peers"]
     assert "bandwidth" not in uncapped  # the agent's default: no cap
     assert (uncapped["port"], uncapped["max_transfers"]) == (DEFAULT_PEER_PORT, 4)
+    assert uncapped["wire_protection"] == "sealed"
 
 
 def test_a_pool_without_peers_has_no_peer_port_credential_or_section() -> None:

@@ -1,6 +1,7 @@
 """A peer that proves the pool's credential and then misbehaves, as the agent under test
 sees it over a real connection: it claims every chunk, then answers a get with another
-tenant's chunk, flipped bytes, half a body before it dies, or nothing at all."""
+tenant's chunk, flipped bytes, half a body before it dies, or nothing at all; sealed, or,
+for the ``-plaintext`` behaviours, as a pool that protects integrity only sends."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from kvpool.agent.peer.transport import PeerChannel, TcpChannel, TcpTransport
 from kvpool.agent.peer.wire import Exists, Get, Have, Object, WireError, frame
 from kvpool.common.keyring import Keyring
 
-Behaviour = Literal["other-tenant", "flipped", "cut", "stall"]
+Behaviour = Literal[
+    "other-tenant", "flipped", "other-tenant-plaintext", "flipped-plaintext", "cut", "stall"
+]
 
 
 class RoguePeer:
@@ -30,7 +33,8 @@ class RoguePeer:
         self.chunk = chunk
         """What it seals for any key (the real chunk's bytes, where the test wants them)."""
         self.keyring = Keyring(key_dir, what="peer key")
-        self.codec = ObjectCodec(self.keyring, pool, seal=True, buffers=BufferPool())
+        sealed = not behaviour.endswith("-plaintext")
+        self.codec = ObjectCodec(self.keyring, pool, seal=sealed, buffers=BufferPool())
         self.listener = TcpTransport().listen(host, 0, io_timeout=30.0)
         self.address = self.listener.address
         self.gets = 0
@@ -74,11 +78,13 @@ class RoguePeer:
 
     def _answer(self, channel: PeerChannel, key_id: int, name: ObjectKey) -> None:
         sealed_as = (
-            ObjectKey("another-tenant", name.key) if self.behaviour == "other-tenant" else name
+            ObjectKey("another-tenant", name.key)
+            if self.behaviour.startswith("other-tenant")
+            else name
         )
         with self.codec.encode(sealed_as, self.chunk, key_id) as (header, body):
             sealed = bytearray(header + bytes(body))
-        if self.behaviour == "flipped":
+        if self.behaviour.startswith("flipped"):
             sealed[-1] ^= 0x01
         if self.behaviour == "stall":
             self._stopped.wait()

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks import peer_ttft
-from benchmarks.peer import PEER, SOCKET, MiB, Results, report
+from benchmarks.peer import SOCKET, MiB, Results, main, report, side_name
 from benchmarks.peer_ttft import READERS, RECOMPUTE
 from kvpool.tools.bench.connector_engine import Sample
+from kvpool.tools.bench.report import recording
 from tests.support.engines import needs_fast_bf16
 from tests.support.hosts import hosts_or_skip
 
@@ -25,9 +26,17 @@ BENCH = [sys.executable, "-m", "benchmarks.peer"]
 
 
 def rows_of(output: str) -> list[list[str]]:
-    """The table's rows (a chunk size first), split on runs of two spaces or more."""
-    rows = [line for line in output.splitlines() if re.match(r" *\d+ MiB  ", line)]
-    return [re.split(r" {2,}", line.strip()) for line in rows]
+    """The transfer table's rows, each cell as shown (stripped; the columns' spans are the
+    runs of dashes under the header)."""
+    lines = output.splitlines()
+    (rule,) = [n for n, line in enumerate(lines) if line.startswith("-----  ------")]
+    spans = [match.span() for match in re.finditer(r"-+", lines[rule])]
+    rows = []
+    for line in lines[rule + 1 :]:
+        if not line.startswith((" ", *"0123456789")):
+            break
+        rows.append([line[start:end].strip() for start, end in spans])
+    return rows
 
 
 @pytest.mark.process
@@ -42,15 +51,27 @@ def test_the_smallest_run_pulls_through_the_peer_and_measures_the_link() -> None
     ).stdout
 
     rows = rows_of(output)
-    assert [row[:2] for row in rows] == [["1 MiB", "4"], ["2 MiB", "2"]], output
+    sides = ["plain socket", "peer, sealed", "peer, integrity"]
+    assert [row[:3] for row in rows] == [
+        ["1 MiB", "4", sides[0]],
+        ["", "", sides[1]],
+        ["", "", sides[2]],
+        ["2 MiB", "2", sides[0]],
+        ["", "", sides[1]],
+        ["", "", sides[2]],
+    ], output
     figures, cpu = r"\d+\.\d\d \[\d+\.\d\d-\d+\.\d\d\]", r"\d+\.\d\d / \d+\.\d\d"
-    for row in rows:  # GB/s and CPU of the socket, of the peer, then the ratio
-        assert all(re.fullmatch(figures, row[column]) for column in (2, 4, 6)), row
-        assert all(re.fullmatch(cpu, row[column]) for column in (3, 5)), row
-    assert rows[1][7] in (">= 0.8", ">= 0.8 MISSED")  # marked where this machine missed it
+    for row in rows:  # GB/s and CPU of each side
+        assert re.fullmatch(figures, row[3]) and re.fullmatch(cpu, row[4]), row
+    for row in rows:  # the agents' ratio to the socket in the same run
+        assert re.fullmatch(figures, row[5]) if row[2] != sides[0] else row[5] == "", row
+    # goals from 2 MiB on, marked where this machine missed them
+    assert [row[6] for row in rows[:4]] == ["", "", "", ""]
+    assert rows[4][6] in (">= 0.8", ">= 0.8 MISSED") and rows[5][6] in (">= 0.9", ">= 0.9 MISSED")
     assert "over veth (MTU " in output
     assert "every chunk B pulled was A's, byte for byte: yes" in output
     assert "command: python -m benchmarks.peer --chunk-mib 1,2 --mib 4 --runs 2 " in output
+    assert "--wire sealed,integrity" in output
     assert "--skip-ttft" in output
     assert "Reader TTFT" not in output
     assert "CPU: " in output
@@ -81,51 +102,73 @@ def test_the_smallest_readers_run_loads_through_the_peer_and_s3() -> None:
     assert "S3: every reader loaded 256 tokens from the pool: yes" in output
 
 
-def test_report_rates_ratios_per_run_and_the_goal() -> None:
-    args = argparse.Namespace(chunk_mib=[1, 2], mib=4, runs=2, skip_peer=False)
+def test_report_rates_ratios_per_run_and_the_goals() -> None:
+    args = argparse.Namespace(
+        chunk_mib=[1, 2], mib=4, runs=2, skip_peer=False, wire=["sealed", "integrity"]
+    )
     counts = {MiB: 4, 2 * MiB: 2}
     moved = 4 * MiB
     gb = 2 * moved / 1e9  # both runs
+    sealed, integrity = side_name("sealed"), side_name("integrity")
     results = Results(
         seconds={
             (SOCKET, MiB): [moved / 2e9, moved / 4e9],  # 2 and 4 GB/s
-            (PEER, MiB): [moved / 1e9, moved / 1e9],  # ratios 0.5 and 0.25
+            (sealed, MiB): [moved / 1e9, moved / 1e9],  # ratios 0.5 and 0.25
+            (integrity, MiB): [moved / 2e9, moved / 2e9],  # ratios 1 and 0.5
             (SOCKET, 2 * MiB): [moved / 2e9, moved / 2e9],
-            (PEER, 2 * MiB): [moved / 1.8e9, moved / 1.6e9],  # ratios 0.9 and 0.8
+            (sealed, 2 * MiB): [moved / 1.8e9, moved / 1.6e9],  # ratios 0.9 and 0.8
+            (integrity, 2 * MiB): [moved / 1.9e9, moved / 1.7e9],  # ratios 0.95 and 0.85
         },
         cpu={
             (SOCKET, MiB): [0.1 * gb, 0.2 * gb],
-            (PEER, MiB): [0.3 * gb, 0.5 * gb],
+            (sealed, MiB): [0.3 * gb, 0.5 * gb],
+            (integrity, MiB): [0.2 * gb, 0.3 * gb],
             (SOCKET, 2 * MiB): [0.1 * gb, 0.1 * gb],
-            (PEER, 2 * MiB): [0.25 * gb, 0.4 * gb],
+            (sealed, 2 * MiB): [0.25 * gb, 0.4 * gb],
+            (integrity, 2 * MiB): [0.15 * gb, 0.2 * gb],
         },
     )
-    text = report(results, args, counts, "1500")
-    rows = rows_of(text)
-
-    # chunk, chunks, socket GB/s, its CPU s/GB A / B, peer GB/s, its CPU, peer / socket, goal
-    socket, peer = ["3.00 [2.00-4.00]", "0.10 / 0.20"], ["1.00 [1.00-1.00]", "0.30 / 0.50"]
-    assert rows[0] == ["1 MiB", "4", *socket, *peer, "0.38 [0.25-0.50]"]
-    socket, peer = ["2.00 [2.00-2.00]", "0.10 / 0.10"], ["1.70 [1.60-1.80]", "0.25 / 0.40"]
-    assert rows[1] == ["2 MiB", "2", *socket, *peer, "0.85 [0.80-0.90]", ">= 0.8"]
+    with recording() as tables:
+        text = report(results, args, counts, "1500")
+    # chunk, chunks, side, GB/s, CPU s/GB A / B, / socket, goal
+    assert tables[0]["rows"] == [
+        ["1 MiB", "4", SOCKET, "3.00 [2.00-4.00]", "0.10 / 0.20", "", ""],
+        ["", "", sealed, "1.00 [1.00-1.00]", "0.30 / 0.50", "0.38 [0.25-0.50]", ""],
+        ["", "", integrity, "2.00 [2.00-2.00]", "0.20 / 0.30", "0.75 [0.50-1.00]", ""],
+        ["2 MiB", "2", SOCKET, "2.00 [2.00-2.00]", "0.10 / 0.10", "", ""],
+        ["", "", sealed, "1.70 [1.60-1.80]", "0.25 / 0.40", "0.85 [0.80-0.90]", ">= 0.8"],
+        ["", "", integrity, "1.80 [1.70-1.90]", "0.15 / 0.20", "0.90 [0.85-0.95]", ">= 0.9"],
+    ]
     assert "every chunk B pulled was A's, byte for byte: yes" in text
-    assert "peer >= 0.8 x plain socket (median ratio), chunks from 2 MiB: yes" in text
+    assert "peer, sealed >= 0.8 x plain socket (median ratio), chunks from 2 MiB: yes" in text
+    assert "peer, integrity >= 0.9 x plain socket (median ratio), chunks from 2 MiB: yes" in text
 
-    seconds = {**results.seconds, (PEER, 2 * MiB): [moved / 1e9] * 2}
+    seconds = {**results.seconds, (sealed, 2 * MiB): [moved / 1e9] * 2}
     slower = Results(seconds=seconds, cpu=results.cpu, intact=False)
-    text = report(slower, args, counts, "1500")
+    with recording() as tables:
+        text = report(slower, args, counts, "1500")
     assert "byte for byte: NO" in text
-    assert rows_of(text)[1][7] == ">= 0.8 MISSED"  # ratios 0.5 and 0.5
-    assert "chunks from 2 MiB: NO" in text
+    assert tables[0]["rows"][4][6] == ">= 0.8 MISSED"  # ratios 0.5 and 0.5
+    assert "peer, sealed >= 0.8 x plain socket (median ratio), chunks from 2 MiB: NO" in text
+    assert "peer, integrity >= 0.9 x plain socket (median ratio), chunks from 2 MiB: yes" in text
 
 
 def test_report_without_the_peer_has_the_link_alone() -> None:
-    args = argparse.Namespace(chunk_mib=[2], mib=4, runs=1, skip_peer=True)
+    args = argparse.Namespace(chunk_mib=[2], mib=4, runs=1, skip_peer=True, wire=["sealed"])
     link = Results(seconds={(SOCKET, 2 * MiB): [4 * MiB / 2e9]}, cpu={(SOCKET, 2 * MiB): [0, 0]})
     text = report(link, args, {2 * MiB: 2}, "1500")
 
-    assert rows_of(text) == [["2 MiB", "2", "2.00", "0.00 / 0.00"]]
+    assert rows_of(text) == [["2 MiB", "2", SOCKET, "2.00", "0.00 / 0.00", "", ""]]
     assert "peer" not in text
+
+
+def test_a_wire_protection_the_agents_do_not_have_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--wire", "sealed,none"])
+    assert exited.value.code == 2
+    assert "--wire: expected some of sealed,integrity, not 'sealed,none'" in capsys.readouterr().err
 
 
 def test_readers_report_ratios_to_recompute_and_what_each_loaded() -> None:

@@ -13,7 +13,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvpool.agent.l2.base import ObjectKey
+from kvpool.agent.l2.buffers import BufferPool
+from kvpool.agent.l2.codec import HEADER, SEALED, ObjectCodec
+from kvpool.agent.peer.session import open_session
+from kvpool.agent.peer.transport import TcpTransport
+from kvpool.agent.peer.wire import Get, Object
 from kvpool.client import AgentClient
+from kvpool.common.keyring import Keyring
 from kvpool.common.keys import tenant_id
 from kvpool.tools.bench.local.hosts import Hosts
 from kvpool.tools.bench.local.peers import peer_settings, write_peer_key
@@ -118,6 +125,70 @@ def test_a_chunk_stored_on_one_host_is_a_hit_on_the_other(pool: Pool) -> None:
     assert peer["node"] == "host-0" and peer["reachable"] is True and peer["rtt_ms"] > 0
 
 
+@pytest.mark.parametrize("protection", ["sealed", "integrity"])
+def test_what_crosses_the_link_is_what_the_pool_protects(
+    pool: Pool, hosts: Hosts, pool_key: Path, protection: str
+) -> None:
+    """``peers.wire_protection`` of the sending agent: a proven peer asking for a chunk gets
+    ciphertext (sealed) or the plaintext under its tag (integrity); the pulling agent opens
+    both as the holder's bytes, checked against the tenant and key either way."""
+    first, second = pool({"PEERS__WIRE_PROTECTION": protection}, {})
+    keys, chunks = chain(f"wire-{protection}", 2), [data(n, CHUNK) for n in range(2)]
+    store(first, keys, chunks)
+    assert pull(second, keys) == len(keys)
+    assert held(second, keys) == chunks
+    header, body = _get_as_a_peer(f"{hosts.hosts[0].address}:{PORT}", pool_key, keys[0])
+    assert bool(HEADER.unpack_from(header)[2] & SEALED) is (protection == "sealed")
+    assert (body == chunks[0]) is (protection == "integrity")
+    assert peers_of(first)["serving"]["wire_protection"] == protection  # type: ignore[index]
+
+
+def _get_as_a_peer(
+    address: str, key_dir: Path, key: bytes, meanwhile: Callable[[], None] = lambda: None
+) -> tuple[bytes, bytes]:
+    """The header and body of a chunk as the agent at ``address`` sends it to a peer that
+    proved the pool's credential (what a reader of the link sees); ``meanwhile`` runs once
+    the answer's first bytes are here, before the body is read."""
+    channel = TcpTransport().connect(address, connect_timeout=2, io_timeout=10)
+    try:
+        open_session(channel, Keyring(key_dir, what="peer key"), "default", "wire-reader")
+        channel.send(Get(TENANT, key))
+        answer, length = channel.receive()
+        assert isinstance(answer, Object), answer
+        meanwhile()
+        blob = bytearray(length)
+        channel.receive_body(memoryview(blob))
+    finally:
+        channel.close()
+    return bytes(blob[: HEADER.size]), bytes(blob[HEADER.size :])
+
+
+def test_a_slow_peer_gets_the_plaintext_it_asked_for_while_the_pages_go(
+    pool: Pool, hosts: Hosts, pool_key: Path
+) -> None:
+    """Under integrity, the chunk goes out as plaintext: it is copied out of L1 before its
+    read lease ends, so that a peer that takes its time (here: reads nothing while the
+    tenant's chunks are dropped and others take their pages) still gets the chunk it asked
+    for, whole, under its tag."""
+    (holder,) = pool({"PEERS__WIRE_PROTECTION": "integrity", "L1_SIZE": "128Mi"})
+    key, chunk = chain("slow-reader", 1)[0], data(7, 24 << 20)  # more than the link buffers
+    store(holder, [key], [chunk])
+
+    def churn() -> None:
+        time.sleep(0.5)  # the holder is blocked in its send by now
+        answer = httpx.post(f"{holder.http}/v1/clear", headers=ADMIN, timeout=30)
+        assert answer.status_code == 200, answer.text
+        store(holder, chain("churn", 2), [data(8, 24 << 20), data(9, 24 << 20)])
+
+    address = f"{hosts.hosts[0].address}:{PORT}"
+    header, body = _get_as_a_peer(address, pool_key, key, meanwhile=churn)
+    codec = ObjectCodec(
+        Keyring(pool_key, what="peer key"), "default", seal=False, buffers=BufferPool()
+    )
+    assert bytes(codec.open(ObjectKey(TENANT, key), header, body)) == chunk
+    assert held(holder, [key]) == []  # it was dropped while the peer read
+
+
 def test_the_serving_agent_reads_its_nvme_when_l1_no_longer_holds_the_chunk(
     pool: Pool, tmp_path: Path
 ) -> None:
@@ -173,7 +244,10 @@ def test_a_tenant_at_its_quota_on_the_receiving_host_pulls_no_further(pool: Pool
     assert usage["used_bytes"] <= 3 * 65536
 
 
-@pytest.mark.parametrize("behaviour", ["other-tenant", "flipped", "cut", "stall"])
+@pytest.mark.parametrize(
+    "behaviour",
+    ["other-tenant", "flipped", "other-tenant-plaintext", "flipped-plaintext", "cut", "stall"],
+)
 def test_wrong_or_missing_bytes_from_a_peer_are_a_miss_never_a_hit(
     pool: Pool, hosts: Hosts, pool_key: Path, behaviour: Behaviour
 ) -> None:
@@ -187,7 +261,7 @@ def test_wrong_or_missing_bytes_from_a_peer_are_a_miss_never_a_hit(
         assert held(victim, keys) == []
         assert rogue.gets >= 1
         failures = 'kvpool_peer_fetch_failures_total{reason="%s"}'
-        if behaviour in ("other-tenant", "flipped"):
+        if behaviour.startswith(("other-tenant", "flipped")):
             assert metric(victim, failures % "integrity") >= 1
         else:
             reason = "timeout" if behaviour == "stall" else "broken"

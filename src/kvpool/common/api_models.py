@@ -7,7 +7,7 @@ module imports no web framework.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, StringConstraints
 
@@ -248,6 +248,10 @@ class PeerState(BaseModel):
 
 
 class PeerServing(BaseModel):
+    wire_protection: Literal["sealed", "integrity"] = Field(
+        description="What the chunks sent to peers carry: sealed (ciphertext) or integrity "
+        "(plaintext under its authentication tag)."
+    )
     transfers_in_flight: int = Field(description="Transfers being served now.")
     bytes_in_flight: int = Field(description="Their bytes.")
     max_transfers: int = Field(description="Transfers served at once at most.")

@@ -496,8 +496,18 @@ class PeersConfig(BaseModel):
         description=(
             "Directory of the pool's peer credential (a mounted Secret the operator makes): "
             "one file per key, named by its id, as l2_key_dir. Peers prove they hold a common "
-            "key and seal every chunk they send with it; reread every 30 s."
+            "key and seal or authenticate every chunk they send with it; reread every 30 s."
         )
+    )
+    wire_protection: Literal["sealed", "integrity"] = Field(
+        "sealed",
+        description=(
+            "What the chunks this agent sends its peers carry: sealed, AES-256-GCM "
+            "ciphertext (the link learns nothing); integrity, the plaintext under the same "
+            "authentication tag (the link may read chunks, never alter or misroute one "
+            "unseen), for trusted fabrics where the cipher's pass costs the rate. Either way "
+            "the receiver opens a chunk only as its tenant and key."
+        ),
     )
     node: str | None = Field(
         None,

@@ -39,7 +39,8 @@ class PeerTier:
         self.pool = config.pool
         self.node = node_name(self.config)
         self.keyring = Keyring(self.config.key_dir, what="peer key")
-        self.codec = ObjectCodec(self.keyring, config.pool, seal=True, buffers=BufferPool())
+        sealed = self.config.wire_protection == "sealed"
+        self.codec = ObjectCodec(self.keyring, config.pool, seal=sealed, buffers=BufferPool())
         self.transport = transport or TcpTransport()
         with listening("peers.port", config.host, self.config.port):
             self.listener = self.transport.listen(
@@ -110,6 +111,7 @@ class PeerTier:
             port=self.config.port,
             peers=[_peer_state(link) for link in links],
             serving=PeerServing(
+                wire_protection=self.config.wire_protection,
                 transfers_in_flight=stats.transfers_in_flight if stats else 0,
                 bytes_in_flight=stats.bytes_in_flight if stats else 0,
                 max_transfers=self.config.max_transfers,

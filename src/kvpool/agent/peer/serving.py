@@ -17,7 +17,8 @@ Then each request names a tenant id, and
 only that tenant's chunks answer it (the L1 and the NVMe tier are keyed by
 tenant): :class:`~kvpool.agent.peer.wire.Exists` counts the leading run of the
 keys held in L1, then NVMe; :class:`~kvpool.agent.peer.wire.Get` sends one
-chunk, sealed with the connection's peer key for that tenant;
+chunk, sealed with the connection's peer key for that tenant (or, with
+``wire_protection: integrity``, authenticated with it: plaintext under its tag);
 :class:`~kvpool.agent.peer.wire.Offer` (a peer holds a prefix a request here is about
 to want) starts pulling the chunks L1 lacks, exactly as a lookup's prefetch: the
 pulled bytes are checked against the tenant and key, land within the tenant's quota on
@@ -26,8 +27,8 @@ store. At most ``max_transfers`` offers pull at once from one connection's reque
 (the prefetch's own slots bound them further: a tenant holds at most half).
 
 A chunk in L1 is read under a read lease (its pages cannot be evicted or
-reused meanwhile) held only while it is sealed into a send buffer; the network
-then sends from that buffer, so a slow peer holds no lease. Serving never
+reused meanwhile) held only while it is sealed (or, as plaintext, copied) into a
+send buffer; the network then sends from that buffer, so a slow peer holds no lease. Serving never
 blocks this node's own clients: past ``max_transfers`` transfers or
 ``max_bytes_in_flight`` bytes at once a request is answered
 :class:`~kvpool.agent.peer.wire.Busy` (the asking agent goes to its next
@@ -306,15 +307,15 @@ class PeerServer:
             if hit.lease is not None:
                 view = self.service.chunk_view(name.tenant)
                 payload = view[hit.offsets[0] : hit.offsets[0] + hit.sizes[0]]
-                self._send_sealed(channel, key_id, name, payload, hit.lease)
+                self._send_object(channel, key_id, name, payload, hit.lease)
                 return
             (stored,) = [None] if self.nvme is None else self._on_loop(self.nvme.get([name]))
             if stored is None:
                 channel.send(Missing())
                 return
-            self._send_sealed(channel, key_id, name, stored, None)
+            self._send_object(channel, key_id, name, stored, None)
 
-    def _send_sealed(
+    def _send_object(
         self,
         channel: PeerChannel,
         key_id: int,
@@ -322,7 +323,8 @@ class PeerServer:
         payload: bytes | memoryview,
         lease: int | None,
     ) -> None:
-        """Seal ``payload`` (ending ``lease`` as soon as it is sealed) and send it."""
+        """Seal or authenticate ``payload`` into a buffer of its own, ending ``lease`` as soon
+        as it is there, and send it (a slow peer holds no lease)."""
         leases = [] if lease is None else [lease]
         size = len(payload)
         try:
@@ -330,11 +332,16 @@ class PeerServer:
                 channel.send(Busy())
                 return
             try:
-                with self.codec.encode(name, payload, key_id) as (header, body):
-                    self.service.release_all(leases)  # sealed: the pages may go
-                    leases.clear()
-                    self._pacer.wait(size)
-                    channel.send(Object(), [header, body])
+                with contextlib.ExitStack() as detached:
+                    if leases and not self.codec.seal:  # plaintext goes out as it lies: copy it
+                        copy = detached.enter_context(self.codec.buffers.borrow(size))
+                        copy[:] = payload
+                        payload = copy
+                    with self.codec.encode(name, payload, key_id) as (header, body):
+                        self.service.release_all(leases)  # out of the pages: they may go
+                        leases.clear()
+                        self._pacer.wait(size)
+                        channel.send(Object(), [header, body])
             finally:
                 with self._lock:
                     self.stats.bytes_in_flight -= size

@@ -226,6 +226,7 @@ def _peers_config(pool: Pool, spec: PoolSpec) -> dict[str, Any]:
         "discovery": "kubernetes",
         "namespace": pool.namespace,
         "max_transfers": peers.max_transfers,
+        "wire_protection": peers.wire_protection,
         **capped,
         **index,
     }

@@ -1,11 +1,12 @@
 """A pool's peer tier (``spec.peers``): its agents pull KV chunks from each other over TCP,
-proving the pool's peer credential (a Secret the operator mints and rotates)."""
+proving the pool's peer credential (a Secret the operator mints and rotates), each chunk
+sealed or authenticated with it (``wireProtection``)."""
 
 from __future__ import annotations
 
 import re
 from datetime import timedelta
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, WithJsonSchema
 
@@ -66,6 +67,14 @@ class PeersSpec(SpecModel):
         None,
         description="Bytes per second each agent serves to its peers at most (a quantity, "
         "e.g. 2Gi). Absent: no cap.",
+    )
+    wire_protection: Literal["sealed", "integrity"] = Field(
+        "sealed",
+        description="What the chunks the agents send each other carry: sealed, AES-256-GCM "
+        "ciphertext (whoever reads the link learns nothing), or integrity, the plaintext under "
+        "the same authentication tag (whoever reads the link reads chunks, but no one can "
+        "alter, forge or misroute one unseen), for a trusted fabric where the cipher's pass "
+        "would cost the transfer rate. Either way a chunk opens only as its tenant's and key's.",
     )
     max_transfers: int = Field(
         4,

@@ -29,6 +29,11 @@ UNREACHABLE_FIX = (
     "kvpool-<pool>-peer (a rotated key reaches every agent within about a minute and a half)?"
 )
 
+WIRE = {
+    "sealed": "chunks sent sealed",
+    "integrity": "chunks sent as plaintext under their tag: spec.peers.wireProtection integrity",
+}
+
 
 def check_peers(http_url: str | None, token: str | None, timeout: float) -> Check:
     peers = admin_get(
@@ -42,7 +47,7 @@ def check_peers(http_url: str | None, token: str | None, timeout: float) -> Chec
     )
     if isinstance(peers, Check):
         return peers
-    me = f"{peers.node} (peer port {peers.port})"
+    me = f"{peers.node} (peer port {peers.port}, {WIRE[peers.serving.wire_protection]})"
     if not peers.peers:
         return passed(
             NAME,
