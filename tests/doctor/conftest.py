@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,12 +114,21 @@ def run_doctor(
 
 
 def clean_env() -> dict[str, str]:
-    """This environment without a cluster's or kvpool's settings."""
+    """This environment without a cluster's or kvpool's settings, and with a home of its own
+    (empty): an agent another test runs on the embedded default writes its tokens into
+    ``~/.local/state/kvpool`` meanwhile, where the doctor would find them."""
     return {
-        key: value
-        for key, value in os.environ.items()
-        if not key.startswith(("KVPOOL_", "KUBERNETES_")) and key != "KUBECONFIG"
+        **{
+            key: value
+            for key, value in os.environ.items()
+            if not key.startswith(("KVPOOL_", "KUBERNETES_")) and key != "KUBECONFIG"
+        },
+        "HOME": str(_EMPTY_HOME),
     }
+
+
+_EMPTY_HOME = Path(tempfile.mkdtemp(prefix="kvpool-doctor-home-"))
+atexit.register(shutil.rmtree, _EMPTY_HOME, ignore_errors=True)
 
 
 @pytest.fixture

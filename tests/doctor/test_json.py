@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 from tests.doctor.conftest import clean_env, run_doctor
+from tests.support.agent_process import ENGINE_TOKEN
 from tests.support.mistakes import BIN
 
 
@@ -22,7 +23,7 @@ def test_json_holds_every_check_and_the_lines_go_to_stderr() -> None:
     text = run_doctor(*args)
     as_json = subprocess.run(
         [BIN / "kvpool", "doctor", *args, "--json"],
-        env=clean_env(),
+        env={**clean_env(), "KVPOOL_CONNECTOR_TOKEN": ENGINE_TOKEN},  # as run_doctor's
         capture_output=True,
         text=True,
         timeout=60,
