@@ -14,6 +14,9 @@ chunks move from A to B:
 * plain socket: one Python TCP connection from a sender in A to a receiver in B,
   ``sendall`` of memoryviews into ``recv_into`` a touched buffer, no framing and no
   request per chunk: the most this link carries (:mod:`benchmarks.peer_socket`);
+* NIXL raw, where NIXL is installed: the transfer engine the field's peer tiers run on
+  (UCX held to TCP) writing the same chunks from A into B with no kvpool code, one NIXL
+  request per transfer (:mod:`benchmarks.peer_nixl`): the engine's raw rate over this link;
 * peer, for each wire protection of ``--wire`` (``sealed``: AES-256-GCM ciphertext;
   ``integrity``: the plaintext under its tag; ``peers.wire_protection``): agent A holds the
   chunks in its L1; agent B, whose only lower tier is A, pulls them on a lookup with
@@ -44,9 +47,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks import peer_ttft
+from benchmarks import peer_nixl, peer_ttft
 from benchmarks.peer_agents import PeerPair, peer_pair
-from benchmarks.peer_socket import PlainLink
+from benchmarks.peer_socket import plain_link
 from kvpool.common import problems
 from kvpool.common.names import DEFAULT_PEER_PORT
 from kvpool.tools.bench import report as reports
@@ -122,6 +125,8 @@ class Results:
     runs together."""
     intact: bool = True
     """Every pull of the peer sides was the holder's bytes."""
+    unmeasured: dict[str, str] = field(default_factory=dict)
+    """Sides not measured on this machine, and why."""
 
 
 def run(args: argparse.Namespace) -> None:
@@ -149,9 +154,16 @@ def _transfers(
     a, b = hosts.hosts
     largest = max(size * count for size, count in counts.items())
     with contextlib.ExitStack() as stack:
-        link = PlainLink(a, b, largest)
+        link = plain_link(a, b, largest)
         stack.callback(link.close)
         sides = {SOCKET: Side(link.transfer, link.pids)}
+        unmeasured = {}
+        if (missing := peer_nixl.available()) is None:
+            raw = peer_nixl.nixl_link(a, b, largest)
+            stack.callback(raw.close)
+            sides[peer_nixl.NAME] = Side(raw.transfer, raw.pids)
+        else:
+            unmeasured[peer_nixl.NAME] = missing
         pairs: dict[str, PeerPair] = {}
         for number, protection in enumerate([] if args.skip_peer else args.wire):
             pair = stack.enter_context(
@@ -169,7 +181,9 @@ def _transfers(
                 pair.hold(size, count)
             pairs[side_name(protection)] = pair
             sides[side_name(protection)] = Side(pair.pull, pair.pids)
-        return measure(sides, counts, args.runs, pairs)
+        results = measure(sides, counts, args.runs, pairs)
+        results.unmeasured = unmeasured
+        return results
 
 
 def _counts(args: argparse.Namespace) -> dict[int, int]:
@@ -219,6 +233,12 @@ def report(results: Results, args: argparse.Namespace, counts: dict[int, int], m
         cpu = _cpu_per_gb(results.cpu[(SOCKET, size)], moved * len(plain))
         rows.append([f"{size // MiB} MiB", str(count), SOCKET, median_spread(plain, "{:.2f}")])
         rows[-1] += [cpu, "", ""]
+        if (peer_nixl.NAME, size) in results.seconds:
+            raw = [moved / seconds / 1e9 for seconds in results.seconds[(peer_nixl.NAME, size)]]
+            ratios = [r / s for r, s in zip(raw, plain, strict=True)]
+            cpu = _cpu_per_gb(results.cpu[(peer_nixl.NAME, size)], moved * len(raw))
+            rows.append(["", "", peer_nixl.NAME, median_spread(raw, "{:.2f}"), cpu])
+            rows[-1] += [median_spread(ratios, "{:.2f}"), ""]
         for protection in protections:
             name = side_name(protection)
             pulled = [moved / seconds / 1e9 for seconds in results.seconds[(name, size)]]
@@ -236,6 +256,7 @@ def report(results: Results, args: argparse.Namespace, counts: dict[int, int], m
         "receiver; the agents) per GB moved, all runs"
     )
     lines = [table(title, header, rows)]
+    lines += [f"{side}: not measured: {why}" for side, why in results.unmeasured.items()]
     if protections:
         lines += _checks(results, counts, protections)
     return "\n".join(lines)

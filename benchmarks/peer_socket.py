@@ -9,9 +9,10 @@ host B reads each chunk with ``recv_into`` into its place in a buffer it touched
 the same bytes in the same chunk sizes, at the link's limit.
 
 Both are this module run as a program inside its host (``python -m
-benchmarks.peer_socket receive|send ...``, from the checkout's root); :class:`PlainLink`
-starts them and times transfers. A transfer: the receiver asks the sender for ``count`` chunks of
-``size`` bytes and times from asking to the last byte.
+benchmarks.peer_socket receive|send ...``, from the checkout's root); :class:`Link`
+starts them and times transfers (the NIXL side's too, :mod:`benchmarks.peer_nixl`). A
+transfer: the receiver asks the sender for ``count`` chunks of ``size`` bytes and times
+from asking to the last byte.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from kvpool.tools.bench.local.hosts import Host
@@ -36,21 +37,32 @@ MiB = 1 << 20
 PAGE = 4096
 
 
-class PlainLink:
-    """A receiver inside ``receiver`` and a sender inside ``sender``, connected; the
+class Link:
+    """A receiver inside ``receiver`` and a sender inside ``sender`` (the sides of module
+    ``program``, run as a program in each host with ``environment`` added), connected; the
     buffers hold ``total`` bytes (a multiple of 1 MiB), the most one transfer moves."""
 
-    def __init__(self, sender: Host, receiver: Host, total: int) -> None:
-        program = [sys.executable, "-m", __name__]
+    def __init__(
+        self,
+        program: str,
+        sender: Host,
+        receiver: Host,
+        total: int,
+        environment: Mapping[str, str] | None = None,
+    ) -> None:
+        self._program = program
+        command = [sys.executable, "-m", program]
+        env = {**os.environ, **(environment or {})}
         self._receiver = receiver.popen(
-            [*program, "receive", receiver.address, str(total)],
+            [*command, "receive", receiver.address, str(total)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             cwd=ROOT,
+            env=env,
         )
         port = self._line()
-        sending = [*program, "send", receiver.address, port, str(total)]
-        self._sender = sender.popen(sending, cwd=ROOT)
+        sending = [*command, "send", receiver.address, port, str(total)]
+        self._sender = sender.popen(sending, cwd=ROOT, env=env)
 
     @property
     def pids(self) -> tuple[int, int]:
@@ -75,8 +87,13 @@ class PlainLink:
         assert self._receiver.stdout is not None
         line = self._receiver.stdout.readline()
         if not line:
-            raise RuntimeError(f"the plain-socket receiver exited ({self._receiver.poll()})")
+            raise RuntimeError(f"{self._program}'s receiver exited ({self._receiver.poll()})")
         return line.strip()
+
+
+def plain_link(sender: Host, receiver: Host, total: int) -> Link:
+    """The plain socket's sender and receiver."""
+    return Link(__name__, sender, receiver, total)
 
 
 def receive(address: str, total: int) -> None:
@@ -96,7 +113,7 @@ def receive(address: str, total: int) -> None:
             started = time.perf_counter()
             connection.sendall(ASK.pack(size, count))
             for index in range(count):
-                _receive_into(connection, buffer[index * size : (index + 1) * size])
+                receive_into(connection, buffer[index * size : (index + 1) * size])
             print(time.perf_counter() - started, flush=True)
 
 
@@ -105,13 +122,13 @@ def send(address: str, port: int, total: int) -> None:
     buffer = memoryview(os.urandom(MiB) * (total // MiB))
     ask = memoryview(bytearray(ASK.size))
     with socket.create_connection((address, port)) as connection:
-        while _receive_into(connection, ask, eof_ok=True):
+        while receive_into(connection, ask, eof_ok=True):
             size, count = ASK.unpack(ask)
             for index in range(count):
                 connection.sendall(buffer[index * size : (index + 1) * size])
 
 
-def _receive_into(connection: socket.socket, into: memoryview, *, eof_ok: bool = False) -> bool:
+def receive_into(connection: socket.socket, into: memoryview, *, eof_ok: bool = False) -> bool:
     """Fill ``into``; False at the end of the connection before any byte, if ``eof_ok``."""
     got = 0
     while got < len(into):
@@ -125,20 +142,32 @@ def _receive_into(connection: socket.socket, into: memoryview, *, eof_ok: bool =
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog=f"python -m {__name__}", description=__doc__)
+    run_side(__name__, __doc__, receive, send, argv)
+
+
+def run_side(
+    program: str,
+    about: str | None,
+    receiving: Callable[[str, int], None],
+    sending: Callable[[str, int, int], None],
+    argv: Sequence[str] | None,
+) -> None:
+    """A link module run as a program: ``receive ADDRESS TOTAL`` or ``send ADDRESS PORT
+    TOTAL`` (:class:`Link` starts them)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {program}", description=about)
     sides = parser.add_subparsers(dest="side", required=True)
-    receiving = sides.add_parser("receive")
-    receiving.add_argument("address")
-    receiving.add_argument("total", type=int)
-    sending = sides.add_parser("send")
-    sending.add_argument("address")
-    sending.add_argument("port", type=int)
-    sending.add_argument("total", type=int)
+    receiver = sides.add_parser("receive")
+    receiver.add_argument("address")
+    receiver.add_argument("total", type=int)
+    sender = sides.add_parser("send")
+    sender.add_argument("address")
+    sender.add_argument("port", type=int)
+    sender.add_argument("total", type=int)
     args = parser.parse_args(argv)
     if args.side == "receive":
-        receive(args.address, args.total)
+        receiving(args.address, args.total)
     else:
-        send(args.address, args.port, args.total)
+        sending(args.address, args.port, args.total)
 
 
 if __name__ == "__main__":
