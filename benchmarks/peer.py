@@ -56,6 +56,8 @@ from kvpool.tools.bench import report as reports
 from kvpool.tools.bench.local.hosts import Hosts, HostsUnavailable
 from kvpool.tools.bench.report import (
     add_chunk_mib,
+    chunk_bytes,
+    chunk_label,
     command,
     goal,
     machine,
@@ -188,7 +190,8 @@ def _transfers(
 
 def _counts(args: argparse.Namespace) -> dict[int, int]:
     """Chunks per transfer, by chunk size in bytes: ``--mib``'s worth, at least one."""
-    return {mib * MiB: max(1, args.mib // mib) for mib in args.chunk_mib}
+    sizes = [chunk_bytes(mib) for mib in args.chunk_mib]
+    return {size: max(1, args.mib * MiB // size) for size in sizes}
 
 
 def _l1_bytes(stored: int) -> int:
@@ -231,7 +234,7 @@ def report(results: Results, args: argparse.Namespace, counts: dict[int, int], m
         moved = size * count
         plain = [moved / seconds / 1e9 for seconds in results.seconds[(SOCKET, size)]]
         cpu = _cpu_per_gb(results.cpu[(SOCKET, size)], moved * len(plain))
-        rows.append([f"{size // MiB} MiB", str(count), SOCKET, median_spread(plain, "{:.2f}")])
+        rows.append([chunk_label(size), str(count), SOCKET, median_spread(plain, "{:.2f}")])
         rows[-1] += [cpu, "", ""]
         if (peer_nixl.NAME, size) in results.seconds:
             raw = [moved / seconds / 1e9 for seconds in results.seconds[(peer_nixl.NAME, size)]]

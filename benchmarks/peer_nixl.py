@@ -102,7 +102,7 @@ def receive(address: str, total: int) -> None:
 def send(address: str, port: int, total: int) -> None:
     """Connect to the receiver, load its metadata, and write what it asks for, until it
     closes the connection."""
-    buffer = numpy.frombuffer(os.urandom(MiB) * (total // MiB), numpy.uint8).copy()
+    buffer = numpy.frombuffer(os.urandom(MiB) * -(-total // MiB), numpy.uint8).copy()
     agent = _agent("sender", buffer)
     ask = memoryview(bytearray(ASK.size))
     with socket.create_connection((address, port)) as connection:

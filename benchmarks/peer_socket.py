@@ -40,7 +40,8 @@ PAGE = 4096
 class Link:
     """A receiver inside ``receiver`` and a sender inside ``sender`` (the sides of module
     ``program``, run as a program in each host with ``environment`` added), connected; the
-    buffers hold ``total`` bytes (a multiple of 1 MiB), the most one transfer moves."""
+    buffers hold ``total`` bytes (the sender's rounded up to whole MiB), the most one transfer
+    moves."""
 
     def __init__(
         self,
@@ -119,7 +120,7 @@ def receive(address: str, total: int) -> None:
 
 def send(address: str, port: int, total: int) -> None:
     """Connect to the receiver and send what it asks for, until it closes the connection."""
-    buffer = memoryview(os.urandom(MiB) * (total // MiB))
+    buffer = memoryview(os.urandom(MiB) * -(-total // MiB))
     ask = memoryview(bytearray(ASK.size))
     with socket.create_connection((address, port)) as connection:
         while receive_into(connection, ask, eof_ok=True):

@@ -16,7 +16,7 @@ from benchmarks import peer_nixl, peer_ttft
 from benchmarks.peer import SOCKET, MiB, Results, main, report, side_name
 from benchmarks.peer_ttft import READERS, RECOMPUTE
 from kvpool.tools.bench.connector_engine import Sample
-from kvpool.tools.bench.report import recording
+from kvpool.tools.bench.report import add_chunk_mib, chunk_bytes, chunk_label, command, recording
 from tests.support.engines import needs_fast_bf16
 from tests.support.hosts import hosts_or_skip
 
@@ -205,3 +205,17 @@ def test_readers_report_ratios_to_recompute_and_what_each_loaded() -> None:
     assert "peer: every reader loaded 768 tokens from the pool: yes" in text
     assert "S3: every reader loaded 768 tokens from the pool: NO" in text
     assert "first tokens, readers = recompute: 3 of 4" in text
+
+
+def test_chunk_sizes_under_a_mib_are_fractions_and_read_as_kib() -> None:
+    parser = argparse.ArgumentParser()
+    add_chunk_mib(parser)
+    args = parser.parse_args(["--chunk-mib", "0.25,2,32"])
+    assert args.chunk_mib == [0.25, 2, 32]  # whole numbers stay whole: the command reads as typed
+    assert [chunk_bytes(mib) for mib in args.chunk_mib] == [256 << 10, 2 * MiB, 32 * MiB]
+    assert [chunk_label(chunk_bytes(mib)) for mib in args.chunk_mib] == [
+        "256 KiB",
+        "2 MiB",
+        "32 MiB",
+    ]
+    assert "--chunk-mib 0.25,2,32" in command("python -m benchmarks.peer", args)

@@ -71,7 +71,7 @@ from kvpool.common.config import NvmeTierConfig, S3TierConfig
 from kvpool.common.keyring import Keyring, generate_key
 from kvpool.common.keys import tenant_id
 from kvpool.tools.bench.local.s3_server import moto_server
-from kvpool.tools.bench.report import add_chunk_mib, goal, table
+from kvpool.tools.bench.report import add_chunk_mib, chunk_bytes, chunk_label, goal, table
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -113,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    sizes = [mib * MiB for mib in args.chunk_mib]
+    sizes = [chunk_bytes(mib) for mib in args.chunk_mib]
     if not args.skip_codec:
         print(asyncio.run(codec_report(args, sizes)))
         print()
@@ -223,7 +223,7 @@ def _rows(
     gigabytes = work.nbytes / 1e9
     return [
         [
-            f"{work.size // MiB} MiB",
+            chunk_label(work.size),
             operation,
             f"{gigabytes / base_seconds:.2f} GB/s",
             f"{gigabytes / other_seconds:.2f} GB/s",

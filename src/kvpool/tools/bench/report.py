@@ -93,13 +93,33 @@ def machine() -> str:
 
 
 def add_chunk_mib(parser: argparse.ArgumentParser) -> None:
-    """``--chunk-mib``: the chunk sizes of a bench that moves whole chunks (L2, peers)."""
+    """``--chunk-mib``: the chunk sizes of a bench that moves whole chunks (L2, peers), in
+    MiB, a fraction for chunks under one (``0.25``: 256 KiB); read them with
+    :func:`chunk_bytes`."""
     parser.add_argument(
         "--chunk-mib",
-        type=problems.numbers(int),
+        type=_mebibytes,
         default=[2, 32],
-        help="chunk sizes in MiB, comma-separated (default 2,32)",
+        help="chunk sizes in MiB, comma-separated, 0.25 for 256 KiB (default 2,32)",
     )
+
+
+def _mebibytes(text: str) -> list[float]:
+    """Whole numbers stay ints (so that the command line reads as typed)."""
+    return [int(value) if value.is_integer() else value for value in _sizes(text)]
+
+
+_sizes = problems.numbers(float)
+
+
+def chunk_bytes(mebibytes: float) -> int:
+    """A ``--chunk-mib`` value in bytes (whole KiB)."""
+    return round(mebibytes * 1024) << 10
+
+
+def chunk_label(size: int) -> str:
+    """``2 MiB``, ``256 KiB``: a chunk size as the tables show it."""
+    return f"{size >> 20} MiB" if size % (1 << 20) == 0 else f"{size >> 10} KiB"
 
 
 def command(program: str, args: argparse.Namespace) -> str:
