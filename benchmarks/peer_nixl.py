@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy
 
-from benchmarks.peer_socket import PAGE, Link, MiB, receive_into, run_side
+from benchmarks.peer_socket import PAGE, Link, MiB, accept_sender, receive_into, run_side
 from kvpool.tools.bench.local.hosts import Host
 
 ASK = struct.Struct("!QQ")
@@ -80,12 +80,7 @@ def receive(address: str, total: int) -> None:
     buffer = numpy.zeros(total, numpy.uint8)
     buffer[::PAGE] = 1  # touched: the pages exist before any transfer
     agent = _agent("receiver", buffer)
-    with socket.create_server((address, 0)) as server:
-        print(server.getsockname()[1], flush=True)
-        server.settimeout(30)  # a sender that never comes: an error, not a hang
-        connection, _ = server.accept()
-        connection.settimeout(None)
-    with connection:
+    with accept_sender(address) as connection:
         _send_blob(connection, pickle.dumps((agent.get_agent_metadata(), buffer.ctypes.data)))
         done = memoryview(bytearray(1))
         for line in sys.stdin:

@@ -103,12 +103,7 @@ def receive(address: str, total: int) -> None:
     buffer = memoryview(bytearray(total))
     for offset in range(0, total, PAGE):  # touched: the pages exist before any transfer
         buffer[offset] = 1
-    with socket.create_server((address, 0)) as server:
-        print(server.getsockname()[1], flush=True)
-        server.settimeout(30)  # a sender that never comes: an error, not a hang
-        connection, _ = server.accept()
-        connection.settimeout(None)
-    with connection:
+    with accept_sender(address) as connection:
         for line in sys.stdin:
             size, count = map(int, line.split())
             started = time.perf_counter()
@@ -116,6 +111,17 @@ def receive(address: str, total: int) -> None:
             for index in range(count):
                 receive_into(connection, buffer[index * size : (index + 1) * size])
             print(time.perf_counter() - started, flush=True)
+
+
+def accept_sender(address: str) -> socket.socket:
+    """Listen on ``address``, say the port on stdout (where :class:`Link` reads it), and
+    return the sender's connection (within 30 s: a sender that never comes is an error)."""
+    with socket.create_server((address, 0)) as server:
+        print(server.getsockname()[1], flush=True)
+        server.settimeout(30)
+        connection, _ = server.accept()
+    connection.settimeout(None)
+    return connection
 
 
 def send(address: str, port: int, total: int) -> None:

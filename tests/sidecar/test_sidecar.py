@@ -295,13 +295,7 @@ def test_without_a_key_signed_headers_are_stripped_and_llmds_followed_if_asked(
 def test_a_start_with_an_unusable_key_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
     short = tmp_path / "key"
     short.write_text("short")
-    done = subprocess.run(
-        [sys.executable, "-m", "kvpool.sidecar", f"--key-file={short}"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    done = _start(f"--key-file={short}")
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1
     assert "needs at least 32 bytes" in done.stderr
@@ -310,13 +304,18 @@ def test_a_start_with_an_unusable_key_file_is_one_line_and_exit_2(tmp_path: Path
 def test_a_decode_wait_above_the_connectors_ceiling_is_refused_at_start() -> None:
     """The connector would reject the decode's params as malformed and look up as usual:
     the sidecar refuses the flag instead, in one line naming it."""
-    done = subprocess.run(
-        [sys.executable, "-m", "kvpool.sidecar", f"--decode-wait-ms={MAX_PD_DECODE_WAIT_MS + 1}"],
+    done = _start(f"--decode-wait-ms={MAX_PD_DECODE_WAIT_MS + 1}")
+    assert done.returncode == 2
+    assert "--decode-wait-ms" in done.stderr.splitlines()[-1]
+    assert f"at most {MAX_PD_DECODE_WAIT_MS}" in done.stderr
+
+
+def _start(*flags: str) -> subprocess.CompletedProcess[str]:
+    """The sidecar started with ``flags``, as far as it gets (these refuse to start)."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvpool.sidecar", *flags],
         capture_output=True,
         text=True,
         timeout=30,
         check=False,
     )
-    assert done.returncode == 2
-    assert "--decode-wait-ms" in done.stderr.splitlines()[-1]
-    assert f"at most {MAX_PD_DECODE_WAIT_MS}" in done.stderr
