@@ -28,6 +28,7 @@ from kvpool.common.keyring import generate_key
 from kvpool.common.keys import tenant_id
 from kvpool.common.names import DEFAULT_PEER_PORT
 from kvpool.tools.bench.local.hosts import Host
+from kvpool.tools.bench.local.peers import LINK_ENVIRONMENT
 from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 
 POOL = "bench-peer"
@@ -111,11 +112,13 @@ def peers_setting(
     node: str,
     nodes: dict[str, Host],
     key_dir: Path,
+    *,
     port: int = DEFAULT_PEER_PORT,
     wire_protection: str = "sealed",
+    transport: str = "tcp",
 ) -> str:
     """The ``PEERS`` setting (JSON) of agent ``node`` among ``nodes`` (node name: its host),
-    each on peer port ``port``, under the credential in ``key_dir``."""
+    each on peer port ``port`` over ``transport``, under the credential in ``key_dir``."""
     agents = [f"{name}={host.address}:{port}" for name, host in nodes.items()]
     return json.dumps(
         {
@@ -124,6 +127,7 @@ def peers_setting(
             "agents": agents,
             "port": port,
             "wire_protection": wire_protection,
+            "transport": transport,
         }
     )
 
@@ -138,9 +142,10 @@ def peer_pair(
     puller_l1: int,
     port: int = DEFAULT_PEER_PORT,
     wire_protection: str = "sealed",
+    transport: str = "tcp",
 ) -> Iterator[PeerPair]:
     """The two agents, started (L1 sizes in bytes) on peer port ``port``, sending chunks
-    with ``wire_protection``; stopped on exit."""
+    with ``wire_protection`` over ``transport``; stopped on exit."""
     workdir.mkdir(parents=True)
     key_dir = workdir / "peer-keys"
     generate_key(key_dir)
@@ -148,11 +153,18 @@ def peer_pair(
     with contextlib.ExitStack() as stack:
         started: list[AgentProcess] = []
         for (node, host), l1 in zip(nodes.items(), (holder_l1, puller_l1), strict=True):
-            peers = peers_setting(node, nodes, key_dir, port, wire_protection)
+            peers = peers_setting(
+                node,
+                nodes,
+                key_dir,
+                port=port,
+                wire_protection=wire_protection,
+                transport=transport,
+            )
             settings = {"POOL": POOL, "L1_SIZE": str(l1), "PEERS": peers}
-            home = workdir / f"{node}-{wire_protection}"  # segments are named after it
+            home = workdir / f"{node}-{transport}-{wire_protection}"  # segments: named after it
             home.mkdir()
-            agent = AgentProcess(home, settings, host=host)
+            agent = AgentProcess(home, settings, host=host, environment=LINK_ENVIRONMENT)
             stack.callback(agent.cleanup)
             started.append(agent.start())
         holding, pulling = started

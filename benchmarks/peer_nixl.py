@@ -1,10 +1,12 @@
 """The transfer engine's side of the peer bench (:mod:`benchmarks.peer`): what NIXL moves
-between two hosts with no kvpool code at all, the raw rate the engine reaches over the same
-link (the limit a peer transport on NIXL would be held to).
+between two hosts with none of kvpool's code on the way, the raw rate the engine reaches
+over the same link (the limit a peer transport on NIXL is held to).
 
 NIXL (PyPI ``nixl-cu12``, imported as ``nixl_cu12``) with its UCX backend, held to TCP
 (``UCX_TLS=tcp``: two network namespaces of one machine could otherwise share memory,
-which is not the link). A receiver in host B registers one buffer with its NIXL agent
+which is not the link), its agents configured as kvpool's agents configure theirs
+(:func:`~kvpool.agent.peer.transport_nixl.start_agent`: the same engine, so that the two
+differ in kvpool's code alone). A receiver in host B registers one buffer with its NIXL agent
 (touched first, as a peer's reserved pages are) and sends the sender, over a TCP control
 connection, its agent's metadata and the buffer's descriptor; the sender in host A
 registers a buffer of its own (each page its own, random bytes) and loads the receiver's
@@ -33,14 +35,13 @@ from typing import Any
 import numpy
 
 from benchmarks.peer_socket import PAGE, Link, MiB, accept_sender, receive_into, run_side
+from kvpool.agent.peer.transport_nixl import start_agent
 from kvpool.tools.bench.local.hosts import Host
+from kvpool.tools.bench.local.peers import LINK_ENVIRONMENT
 
 ASK = struct.Struct("!QQ")
 """What the receiver asks the sender for: chunk size, chunk count."""
 LENGTH = struct.Struct("!Q")
-ENVIRONMENT = {"UCX_TLS": "tcp", "UCX_WARN_UNUSED_ENV_VARS": "n", "NIXL_LOG_LEVEL": "WARN"}
-"""UCX held to TCP: the link between the hosts, not the machine's shared memory; NIXL's
-warnings only."""
 MEMORY = "DRAM"
 NAME = "NIXL (UCX over TCP), raw"
 """The side's name in the bench's table."""
@@ -58,17 +59,17 @@ def available() -> str | None:
 def nixl_link(sender: Host, receiver: Host, total: int) -> Link:
     """NIXL's sender and receiver, each with an agent, the sender holding the receiver's
     metadata."""
-    return Link(__name__, sender, receiver, total, ENVIRONMENT)
+    return Link(__name__, sender, receiver, total, LINK_ENVIRONMENT)
 
 
 def _agent(name: str, buffer: numpy.ndarray[Any, Any]) -> Any:
-    """A NIXL agent with the UCX backend and ``buffer`` registered."""
-    from nixl_cu12 import nixl_agent, nixl_agent_config
-
+    """A NIXL agent with the UCX backend, configured as the agents configure theirs (its
+    progress thread waiting between rounds, not spinning a core), and ``buffer``
+    registered."""
     for handler in logging.getLogger("nixl").handlers:  # stdout is the link's protocol
         if isinstance(handler, logging.StreamHandler):
             handler.setStream(sys.stderr)
-    agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    agent = start_agent(name)
     agent.register_memory([(buffer.ctypes.data, buffer.nbytes, 0, "")], MEMORY)
     return agent
 

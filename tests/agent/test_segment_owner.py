@@ -342,7 +342,7 @@ def test_a_failed_start_leaves_no_file_it_made(
     agent.settings["L1_SIZE"] = "4MiB"
     with socket.create_server(("127.0.0.1", 0)) as listener:
         expected, status = failure(agent, listener)
-        agent.environment()  # the harness writes its tokens file at launch
+        agent.process_environment()  # the harness writes its tokens file at launch
         before = snapshot(agent)
         agent.launch()
         assert agent.wait_refused() == status

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.tools.bench.local.peers import peer_settings, write_peer_key
+from kvpool.tools.bench.local.peers import LINK_ENVIRONMENT, peer_settings, write_peer_key
 from kvpool.tools.doctor import peers
 from tests.support.agent_process import AgentProcess
 from tests.support.ports import free_port
@@ -25,11 +25,17 @@ Start = Callable[..., AgentProcess]
 @pytest.fixture
 def start(tmp_path: Path) -> Iterator[Start]:
     """``start(node, port, key_dir, peers)``: an agent named ``node`` serving its peers on
-    ``port`` with the credential in ``key_dir``, ``peers`` (node: port) its peers."""
+    ``port`` with the credential in ``key_dir``, ``peers`` (node: port) its peers
+    (``environment``: more of its environment)."""
     started: list[AgentProcess] = []
 
     def run(
-        node: str, port: int, key_dir: Path, others: dict[str, int], **more: str
+        node: str,
+        port: int,
+        key_dir: Path,
+        others: dict[str, int],
+        environment: dict[str, str] | None = None,
+        **more: str,
     ) -> AgentProcess:
         workdir = tmp_path / node
         workdir.mkdir()
@@ -43,7 +49,9 @@ def start(tmp_path: Path) -> Iterator[Start]:
             PEERS__IO_TIMEOUT_SECONDS="2",
             **more,
         )
-        agent = AgentProcess(workdir, settings)
+        agent = AgentProcess(
+            workdir, settings, environment={**LINK_ENVIRONMENT, **(environment or {})}
+        )
         started.append(agent)
         return agent.start()
 
@@ -52,15 +60,30 @@ def start(tmp_path: Path) -> Iterator[Start]:
         agent.cleanup()
 
 
-@pytest.mark.parametrize("protection", ["sealed", "integrity"])
+NO_NIXL = {"NIXL_PLUGIN_DIR": "/nonexistent"}
+"""An environment where NIXL cannot start: no plugin."""
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("sealed", "tcp", {}, "bodies over tcp", "tcp"),
+        ("integrity", "nixl", {}, "bodies over nixl", "nixl"),
+        ("sealed", "nixl", NO_NIXL, "bodies over tcp: NIXL did not start (", "tcp"),
+    ],
+    ids=["tcp", "nixl", "nixl-failed"],
+)
 def test_an_agent_that_reaches_every_peer_passes(
-    start: Start, tmp_path: Path, protection: str
+    start: Start, tmp_path: Path, case: tuple[str, str, dict[str, str], str, str]
 ) -> None:
-    """The check says what the chunks the agent sends carry (spec.peers.wireProtection)."""
+    """The check says what the chunks the agent sends carry (spec.peers.wireProtection) and
+    what carries them (spec.peers.transport; where NIXL did not start, why), for the agent
+    and for each link to a peer."""
+    protection, transport, environment, moved, link = case
     pool_key = write_peer_key(tmp_path / "pool-key")
     port_a, port_b = free_port(), free_port()
-    mode = {"PEERS__WIRE_PROTECTION": protection}
-    agent = start("node-a", port_a, pool_key, {"node-b": port_b}, **mode)
+    mode = {"PEERS__WIRE_PROTECTION": protection, "PEERS__TRANSPORT": transport}
+    agent = start("node-a", port_a, pool_key, {"node-b": port_b}, environment, **mode)
     start("node-b", port_b, pool_key, {"node-a": port_a}, **mode)
 
     diagnosis = run_doctor(*agent_args(agent), env=ADMIN_ENV)
@@ -69,11 +92,12 @@ def test_an_agent_that_reaches_every_peer_passes(
     check = diagnosis.checks["peers"]
     assert check.outcome == "PASS", diagnosis.output
     assert check.seen.startswith(
-        f"node-a (peer port {port_a}, {peers.WIRE[protection]}) reaches its 1 peer, "
-        "credential proven: "
-        f"node-b at 127.0.0.1:{port_b} ("
+        f"node-a (peer port {port_a}, {peers.WIRE[protection]}, {moved}"
+    ), check.seen
+    assert f") reaches its 1 peer, credential proven: node-b at 127.0.0.1:{port_b} (" in (
+        check.seen
     )
-    assert check.seen.endswith(" ms)")
+    assert check.seen.endswith(f" ms, {link})"), check.seen
 
 
 def test_each_unreachable_peer_is_a_warning_naming_it_and_why(start: Start, tmp_path: Path) -> None:
@@ -94,7 +118,8 @@ def test_each_unreachable_peer_is_a_warning_naming_it_and_why(start: Start, tmp_
     check = diagnosis.checks["peers"]
     assert check.outcome == "WARN", diagnosis.output
     assert check.seen.startswith(
-        f"node-a (peer port {port_a}, chunks sent sealed) reaches 0 of its 2 peers; "
+        f"node-a (peer port {port_a}, chunks sent sealed, bodies over tcp) reaches 0 of its "
+        "2 peers; "
     )
     unreachable = dict(
         part.split(": ", 1) for part in check.seen.split("; ")[1:]

@@ -2,8 +2,9 @@
 (kubernetes.io/docs/concepts/services-networking/network-policies): a pod that no policy
 selects admits everything; a pod that some policies select for ingress admits a connection
 to a port if one of their rules lists the port and a peer that matches the source. Only what
-the operator renders is evaluated: pod and namespace selectors, numeric TCP ports (a rule
-without ``from`` or ``ports`` admits every source or port, as specified).
+the operator renders is evaluated: pod and namespace selectors, numeric TCP ports and port
+ranges (``endPort``; a rule without ``from`` or ``ports`` admits every source or port, as
+specified).
 """
 
 from __future__ import annotations
@@ -65,9 +66,14 @@ def admits(policies: Iterable[Manifest], target: Pod, source: Pod, port: int) ->
     )
 
 
+def _port_matches(listed: Mapping[str, Any], port: int) -> bool:
+    first = listed["port"]
+    return listed["protocol"] == "TCP" and first <= port <= listed.get("endPort", first)
+
+
 def _rule_admits(rule: Mapping[str, Any], namespace: str, source: Pod, port: int) -> bool:
     """A rule without ports admits every port, one without peers every source."""
     ports, peers = rule.get("ports"), rule.get("from")
-    return (not ports or {"protocol": "TCP", "port": port} in ports) and (
+    return (not ports or any(_port_matches(listed, port) for listed in ports)) and (
         not peers or any(_peer_matches(peer, namespace, source) for peer in peers)
     )

@@ -28,6 +28,7 @@ from kvpool.operator.spec import (
     KIND,
     NETWORK_POLICY_NEEDS_CLIENTS,
     NETWORK_POLICY_NEEDS_GATEWAYS,
+    NIXL_PORTS_BACKWARDS,
     NVME_ENCRYPTION_NEEDS_KEY,
     PEER_PORT_TAKEN,
     PEER_SELECTS_NOTHING,
@@ -38,6 +39,7 @@ from kvpool.operator.spec import (
     SSE_KMS_KEY_NEEDS_KMS,
     TENANT_KIND,
     TENANT_PLURAL,
+    UCX_NAMES,
     VLLM_PORT_TAKEN,
     InvalidSpec,
     LabelSelector,
@@ -261,6 +263,15 @@ PEER_RULES = [
     pytest.param({"peers": {"credentialRotation": "1d"}}, "does not match", id="rotation-in-days"),
     pytest.param({"peers": {"credentialRotation": "0h"}}, "does not match", id="rotation-zero"),
     pytest.param({"peers": {"enable": False}}, "'enable' was unexpected", id="peer-typo"),
+    pytest.param({"peers": {"transport": "rdma"}}, "'rdma' is not one of", id="transport"),
+    pytest.param(
+        {"peers": {"nixl": {"tcpPorts": {"first": 9000, "last": 8999}}}},
+        NIXL_PORTS_BACKWARDS,
+        id="nixl-ports-backwards",
+    ),
+    pytest.param(
+        {"peers": {"nixl": {"ucx": {"LD_PRELOAD": "/x.so"}}}}, UCX_NAMES, id="ucx-not-ucx"
+    ),
 ]
 """Peer settings the CRD and the operator's model both refuse."""
 
@@ -453,6 +464,8 @@ def test_defaults_are_the_agents() -> None:
         "port": peers["port"].default,
         "maxTransfers": peers["max_transfers"].default,
         "wireProtection": peers["wire_protection"].default,
+        "transport": peers["transport"].default,
+        "nixl": {"tcpPorts": {"first": 7410, "last": 7441}, "lockMemory": False},
         "credentialRotation": "24h",
     }
 
@@ -552,6 +565,7 @@ def test_peer_settings_the_crd_admits() -> None:
         {"peers": {"credentialRotation": "10m"}},
         {"peers": {"credentialRotation": "168h"}},
         {"peers": {"wireProtection": "integrity"}},
+        {"peers": {"transport": "nixl", "nixl": {"ucx": {"UCX_TLS": "rc,cuda_copy"}}}},
     ):
         assert admission_errors(_pool(spec)) == [], spec
         PoolSpec.parse(with_defaults(schema(), _pool(spec))["spec"])

@@ -454,6 +454,7 @@ def test_peer_agents_serve_the_peer_port_with_the_pools_credential(version: str)
         "namespace": "inference",
         "max_transfers": 2,
         "wire_protection": "integrity",
+        "transport": "tcp",
         "bandwidth": 500_000_000,
     }
     uncapped = _agent_yaml(_children())["peers"]
@@ -856,9 +857,11 @@ SOURCES = {
 }
 
 
-def _protected(policy: dict[str, Any], index: bool = True, peers: bool = True) -> Children:
+def _protected(
+    policy: dict[str, Any], index: bool = True, peers: bool = True, **more_peers: Any
+) -> Children:
     spec = {**TOKENS, "ports": PORTS, "networkPolicy": policy}
-    spec |= {"peers": {"enabled": peers, "port": PEER_PORT}}
+    spec |= {"peers": {"enabled": peers, "port": PEER_PORT, **more_peers}}
     spec |= {"index": {"enabled": True, "port": INDEX_PORT}} if index else {}
     return _children(PoolSpec.parse(spec))
 
@@ -955,6 +958,49 @@ def test_the_agents_reach_each_others_peer_port_only_with_peers() -> None:
         assert PEER_PORT not in _admitted(children, agent, SOURCES[source]), source
     alone = _protected(NETWORK_POLICY, peers=False)
     assert _admitted(alone, _pods(alone)["agent"], _pods(alone)["agent"]) == set()
+
+
+UCX_PORTS = {"first": 9010, "last": 9013}
+
+
+def test_with_nixl_the_agents_reach_each_others_ucx_ports_too() -> None:
+    """UCX listens in the spec's range (UCX_TCP_PORT_RANGE): the pool's agents, and nobody
+    else, are admitted to it, as to the peer port; the TCP transport opens no range."""
+    children = _protected(NETWORK_POLICY, transport="nixl", nixl={"tcpPorts": UCX_PORTS})
+    agent = _pods(children)["agent"]
+    ucx = set(range(9008, 9016))
+    admitted = {port for port in ucx if admits(children.network_policies, agent, agent, port)}
+    assert admitted == {9010, 9011, 9012, 9013}
+    for source in ("vllm", "prometheus", "stranger"):
+        assert not [
+            port for port in ucx if admits(children.network_policies, agent, SOURCES[source], port)
+        ], source
+    tcp = _protected(NETWORK_POLICY, nixl={"tcpPorts": UCX_PORTS})
+    agent = _pods(tcp)["agent"]
+    assert not [port for port in ucx if admits(tcp.network_policies, agent, agent, port)]
+    for version in (OLDEST_KUBERNETES, kubernetes_validate.latest_version()):
+        for policy in children.network_policies:
+            kubernetes_validate.validate(policy, version, strict=True)
+
+
+def test_nixl_agents_get_ucxs_ports_variables_and_memory_locking_as_the_spec_says() -> None:
+    """The agents' section says transport nixl; their environment holds the UCX port range
+    and the spec's UCX variables; IPC_LOCK is added only when asked (RDMA's pinning)."""
+    nixl = {"tcpPorts": UCX_PORTS, "ucx": {"UCX_NET_DEVICES": "mlx5_0:1"}}
+    children = _children(PoolSpec.parse({"peers": {"transport": "nixl", "nixl": nixl}}))
+    (container,) = _pod(children)["containers"]
+    assert {"name": "UCX_TCP_PORT_RANGE", "value": "9010-9013"} in container["env"]
+    assert {"name": "UCX_NET_DEVICES", "value": "mlx5_0:1"} in container["env"]
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert _agent_yaml(children)["peers"]["transport"] == "nixl"
+    locked = {"transport": "nixl", "nixl": {**nixl, "lockMemory": True}}
+    (container,) = _pod(_children(PoolSpec.parse({"peers": locked})))["containers"]
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    tcp = _children(PoolSpec.parse({"peers": {"nixl": {**nixl, "lockMemory": True}}}))
+    (container,) = _pod(tcp)["containers"]
+    assert not [env for env in container["env"] if env["name"].startswith("UCX_")]
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert _agent_yaml(tcp)["peers"]["transport"] == "tcp"
 
 
 def test_a_pool_without_the_index_has_the_agents_policy_only() -> None:

@@ -12,10 +12,11 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import httpx
 import pytest
 
 from kvpool.client import AgentClient
-from kvpool.tools.bench.local.peers import host_agents
+from kvpool.tools.bench.local.peers import TRANSPORTS, host_agents
 from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.engines import Engine, poison_segment, write_model
 from tests.support.hosts import hosts_or_skip
@@ -29,6 +30,7 @@ pytestmark = [
     pytest.mark.timeout(600),
 ]
 
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 CHUNK = 256
 PORT = 7404
 OTHER_KERNELS = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
@@ -47,11 +49,14 @@ class Setup:
     """The engine of host A, then host B's."""
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def setup(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Setup]:
+    """The engines and agents, on each peer transport."""
     work = tmp_path_factory.mktemp("peer-engines")
     with hosts_or_skip(2) as hosts:
-        agents = host_agents(work, hosts.hosts, PORT)
+        agents = host_agents(work, hosts.hosts, PORT, transport=request.param)
         model = str(write_model(work / "model"))
         ref = Engine("ref", {"model": model}, work / "ref.log", env=OTHER_KERNELS)
         engines = [
@@ -95,6 +100,8 @@ def test_a_prompt_stored_on_host_a_is_a_hit_on_host_b_through_the_peer(setup: Se
     serving, pulling = setup.agents
     assert metric(pulling, 'kvpool_peer_fetched_chunks_total{peer="host-0"}') >= 3
     assert metric(serving, "kvpool_peer_served_chunks_total") >= 3
+    (peer,) = httpx.get(f"{pulling.http}/v1/peers", headers=ADMIN).json()["peers"]
+    assert peer["transport"] == pulling.settings["PEERS__TRANSPORT"]
 
 
 def test_poisoned_chunks_on_the_serving_host_change_the_output(setup: Setup) -> None:

@@ -6,6 +6,9 @@ busy or capped peer) is a miss or a slower hit, never wrong bytes."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,14 +19,16 @@ import pytest
 from kvpool.agent.l2.base import ObjectKey
 from kvpool.agent.l2.buffers import BufferPool
 from kvpool.agent.l2.codec import HEADER, SEALED, ObjectCodec
-from kvpool.agent.peer.session import open_session
-from kvpool.agent.peer.transport import TcpTransport
-from kvpool.agent.peer.wire import Get, Object
 from kvpool.client import AgentClient
 from kvpool.common.keyring import Keyring
 from kvpool.common.keys import tenant_id
 from kvpool.tools.bench.local.hosts import Hosts
-from kvpool.tools.bench.local.peers import peer_settings, write_peer_key
+from kvpool.tools.bench.local.peers import (
+    LINK_ENVIRONMENT,
+    TRANSPORTS,
+    peer_settings,
+    write_peer_key,
+)
 from tests.support.agent_process import ADMIN_TOKEN, AgentProcess
 from tests.support.chunks import chain, data
 from tests.support.index_process import ADMIN_TOKEN as INDEX_ADMIN
@@ -33,6 +38,7 @@ from tests.support.polling import eventually, wait_until
 from tests.support.ports import free_port
 
 from .rogue import Behaviour, RoguePeer
+from .wire_reader import get_as_a_peer
 
 pytestmark = [pytest.mark.process, pytest.mark.root, pytest.mark.netns]
 
@@ -50,13 +56,25 @@ def pool_key(tmp_path: Path) -> Path:
     return write_peer_key(tmp_path / "pool-key")
 
 
+@pytest.fixture(params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> str:
+    """Every test here runs on each peer transport."""
+    name: str = request.param
+    return name
+
+
 @pytest.fixture
-def pool(hosts: Hosts, pool_key: Path, tmp_path: Path) -> Iterator[Pool]:
-    """``pool(*settings, extra=[...])``: one agent per host (``settings[i]`` its extra
-    settings), each listing the others (and ``extra`` peers) as its peers."""
+def pool(hosts: Hosts, pool_key: Path, tmp_path: Path, transport: str) -> Iterator[Pool]:
+    """``pool(*settings, extra=[...], environments=[...])``: one agent per host
+    (``settings[i]`` its extra settings, ``environments[i]`` more of its environment) on
+    ``transport``, each listing the others (and ``extra`` peers) as its peers."""
     started: list[AgentProcess] = []
 
-    def start(*settings: dict[str, str], extra: tuple[str, ...] = ()) -> list[AgentProcess]:
+    def start(
+        *settings: dict[str, str],
+        extra: tuple[str, ...] = (),
+        environments: tuple[dict[str, str], ...] = (),
+    ) -> list[AgentProcess]:
         entries = [f"host-{i}={host.address}:{PORT}" for i, host in enumerate(hosts.hosts)]
         agents = []
         for index, own in enumerate(settings):
@@ -69,8 +87,14 @@ def pool(hosts: Hosts, pool_key: Path, tmp_path: Path) -> Iterator[Pool]:
                 [*entries, *extra],
                 PEERS__IO_TIMEOUT_SECONDS="2",
                 PEERS__CONNECT_TIMEOUT_SECONDS="1",
+                PEERS__TRANSPORT=transport,
             )
-            agent = AgentProcess(workdir, {**settings, **own}, host=hosts.hosts[index])
+            agent = AgentProcess(
+                workdir,
+                {**settings, **own},
+                host=hosts.hosts[index],
+                environment={**LINK_ENVIRONMENT, **dict(enumerate(environments)).get(index, {})},
+            )
             started.append(agent)
             agents.append(agent.start())
         return agents
@@ -110,7 +134,7 @@ def peers_of(agent: AgentProcess, probe: bool = False) -> dict[str, object]:
     return state
 
 
-def test_a_chunk_stored_on_one_host_is_a_hit_on_the_other(pool: Pool) -> None:
+def test_a_chunk_stored_on_one_host_is_a_hit_on_the_other(pool: Pool, transport: str) -> None:
     first, second = pool({}, {})
     keys, chunks = chain("prompt", 6), [data(n, CHUNK) for n in range(5)] + [data(5, 3 << 20)]
     store(first, keys, chunks)
@@ -123,11 +147,37 @@ def test_a_chunk_stored_on_one_host_is_a_hit_on_the_other(pool: Pool) -> None:
     assert state["node"] == "host-1"
     (peer,) = state["peers"]  # type: ignore[misc]
     assert peer["node"] == "host-0" and peer["reachable"] is True and peer["rtt_ms"] > 0
+    assert peer["transport"] == state["serving"]["transport"] == transport  # type: ignore[index]
+
+
+def test_an_agent_whose_nixl_cannot_start_moves_chunks_over_tcp_and_says_why(
+    pool: Pool, transport: str
+) -> None:
+    """NIXL that fails to start (here: no plugin) is TCP's transport on that agent, named
+    with the reason in ``/v1/peers``; its peers, on NIXL, still pull from it and serve it
+    (their bodies cross the connection: it lends no landing and its hello offers none)."""
+    if transport == "tcp":
+        pytest.skip("a fallback from NIXL")
+    first, second = pool({}, {}, environments=({"NIXL_PLUGIN_DIR": "/nonexistent"},))
+    keys, chunks = chain("fallback", 2), [data(n, CHUNK) for n in range(2)]
+    store(first, keys, chunks)
+    assert pull(second, keys) == len(keys)
+    back = chain("fallback-back", 1)
+    store(second, back, chunks[:1])
+    assert pull(first, back) == 1
+    assert held(second, keys) == chunks and held(first, back) == chunks[:1]
+    serving = peers_of(first)["serving"]
+    assert serving["transport"] == "tcp"  # type: ignore[index]
+    assert "NIXL did not start" in serving["transport_fallback"]  # type: ignore[index]
+    assert peers_of(second)["serving"]["transport"] == "nixl"  # type: ignore[index]
+    for agent in (first, second):
+        assert peers_of(agent)["peers"][0]["transport"] == "tcp"  # type: ignore[index]
+    assert any("peers.transport nixl: NIXL did not start" in line for line in first.log)
 
 
 @pytest.mark.parametrize("protection", ["sealed", "integrity"])
 def test_what_crosses_the_link_is_what_the_pool_protects(
-    pool: Pool, hosts: Hosts, pool_key: Path, protection: str
+    pool: Pool, hosts: Hosts, pool_key: Path, protection: str, transport: str
 ) -> None:
     """``peers.wire_protection`` of the sending agent: a proven peer asking for a chunk gets
     ciphertext (sealed) or the plaintext under its tag (integrity); the pulling agent opens
@@ -137,30 +187,35 @@ def test_what_crosses_the_link_is_what_the_pool_protects(
     store(first, keys, chunks)
     assert pull(second, keys) == len(keys)
     assert held(second, keys) == chunks
-    header, body = _get_as_a_peer(f"{hosts.hosts[0].address}:{PORT}", pool_key, keys[0])
+    address = f"{hosts.hosts[0].address}:{PORT}"
+    header, body = _read_from_another_host(hosts, address, pool_key, keys[0], transport)
     assert bool(HEADER.unpack_from(header)[2] & SEALED) is (protection == "sealed")
     assert (body == chunks[0]) is (protection == "integrity")
     assert peers_of(first)["serving"]["wire_protection"] == protection  # type: ignore[index]
 
 
-def _get_as_a_peer(
-    address: str, key_dir: Path, key: bytes, meanwhile: Callable[[], None] = lambda: None
+def _read_from_another_host(
+    hosts: Hosts, address: str, key_dir: Path, key: bytes, transport: str
 ) -> tuple[bytes, bytes]:
-    """The header and body of a chunk as the agent at ``address`` sends it to a peer that
-    proved the pool's credential (what a reader of the link sees); ``meanwhile`` runs once
-    the answer's first bytes are here, before the body is read."""
-    channel = TcpTransport().connect(address, connect_timeout=2, io_timeout=10)
-    try:
-        open_session(channel, Keyring(key_dir, what="peer key"), "default", "wire-reader")
-        channel.send(Get(TENANT, key))
-        answer, length = channel.receive()
-        assert isinstance(answer, Object), answer
-        meanwhile()
-        blob = bytearray(length)
-        channel.receive_body(memoryview(blob))
-    finally:
-        channel.close()
-    return bytes(blob[: HEADER.size]), bytes(blob[HEADER.size :])
+    """:func:`~tests.peer.wire_reader.get_as_a_peer` run in the second host."""
+    reader = hosts.hosts[1].popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.peer.wire_reader",
+            address,
+            str(key_dir),
+            TENANT,
+            *[key.hex(), transport],
+        ],
+        env={**os.environ, **LINK_ENVIRONMENT},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    out, err = reader.communicate(timeout=60)
+    assert reader.returncode == 0, err
+    header, body = out.split()
+    return bytes.fromhex(header), bytes.fromhex(body)
 
 
 def test_a_slow_peer_gets_the_plaintext_it_asked_for_while_the_pages_go(
@@ -181,7 +236,7 @@ def test_a_slow_peer_gets_the_plaintext_it_asked_for_while_the_pages_go(
         store(holder, chain("churn", 2), [data(8, 24 << 20), data(9, 24 << 20)])
 
     address = f"{hosts.hosts[0].address}:{PORT}"
-    header, body = _get_as_a_peer(address, pool_key, key, meanwhile=churn)
+    header, body = get_as_a_peer(address, pool_key, TENANT, key, meanwhile=churn)
     codec = ObjectCodec(
         Keyring(pool_key, what="peer key"), "default", seal=False, buffers=BufferPool()
     )
@@ -246,13 +301,30 @@ def test_a_tenant_at_its_quota_on_the_receiving_host_pulls_no_further(pool: Pool
 
 @pytest.mark.parametrize(
     "behaviour",
-    ["other-tenant", "flipped", "other-tenant-plaintext", "flipped-plaintext", "cut", "stall"],
+    [
+        "other-tenant",
+        "flipped",
+        "other-tenant-plaintext",
+        "flipped-plaintext",
+        "cut",
+        "stall",
+        "unwritten",
+    ],
 )
 def test_wrong_or_missing_bytes_from_a_peer_are_a_miss_never_a_hit(
-    pool: Pool, hosts: Hosts, pool_key: Path, behaviour: Behaviour
+    pool: Pool, hosts: Hosts, pool_key: Path, behaviour: Behaviour, transport: str
 ) -> None:
+    if behaviour == "unwritten" and transport == "tcp":
+        pytest.skip("a lie about a landing: the TCP transport has none")
     keys = chain(f"rogue-{behaviour}", 2)
-    rogue = RoguePeer(behaviour, pool_key, "default", hosts.root_address, data(0, CHUNK))
+    rogue = RoguePeer(
+        behaviour,
+        pool_key,
+        hosts.hosts[1],
+        data(0, CHUNK),
+        pool_key.parent / "rogue",
+        transport=transport,
+    )
     try:
         (victim,) = pool({"PEERS__AGENTS": json.dumps([rogue.entry])})
         started = time.monotonic()
@@ -263,6 +335,9 @@ def test_wrong_or_missing_bytes_from_a_peer_are_a_miss_never_a_hit(
         failures = 'kvpool_peer_fetch_failures_total{reason="%s"}'
         if behaviour.startswith(("other-tenant", "flipped")):
             assert metric(victim, failures % "integrity") >= 1
+        elif behaviour == "unwritten":  # what the landing held: no chunk, or another one
+            opened = metric(victim, failures % "integrity") + metric(victim, failures % "broken")
+            assert opened >= 1
         else:
             reason = "timeout" if behaviour == "stall" else "broken"
             assert metric(victim, failures % reason) >= 1
@@ -271,10 +346,12 @@ def test_wrong_or_missing_bytes_from_a_peer_are_a_miss_never_a_hit(
 
 
 def test_a_rogue_peer_beside_an_honest_one_costs_a_retry_not_the_hit(
-    pool: Pool, hosts: Hosts, pool_key: Path
+    pool: Pool, hosts: Hosts, pool_key: Path, tmp_path: Path, transport: str
 ) -> None:
     keys, chunks = chain("two-holders", 3), [data(n, CHUNK) for n in range(3)]
-    rogue = RoguePeer("flipped", pool_key, "default", hosts.root_address, chunks[0])
+    rogue = RoguePeer(
+        "flipped", pool_key, hosts.hosts[1], chunks[0], tmp_path / "rogue", transport=transport
+    )
     try:
         first, second = pool({}, {}, extra=(rogue.entry,))
         store(first, keys, chunks)
@@ -328,7 +405,7 @@ def test_the_pool_index_says_which_peers_hold_a_prefix_and_failing_every_peer_is
     """With an index, only the peers it names are asked (a rogue peer it does not follow is
     not); while it is down, every peer is asked, and the rogue's bytes cost a retry."""
     keys, chunks = chain("located", 4), [data(n, CHUNK) for n in range(4)]
-    rogue = RoguePeer("flipped", pool_key, "default", hosts.root_address, chunks[0])
+    rogue = RoguePeer("flipped", pool_key, hosts.hosts[1], chunks[0], tmp_path / "rogue")
     port = free_port()
     index_url = f"http://{hosts.root_address}:{port}"
     settings = {"PEERS__INDEX_URL": index_url}

@@ -245,12 +245,23 @@ class PeerState(BaseModel):
     fetched_chunks: int = Field(description="Chunks pulled from this peer into L1.")
     fetched_bytes: int = Field(description="Their bytes.")
     failures: int = Field(description="Fetches from this peer that ended in a miss by failure.")
+    transport: Literal["tcp", "nixl"] | None = Field(
+        description="What carried the last request's chunk bodies: tcp, or nixl (the transfer "
+        "engine, into a landing of this agent's); null if never connected."
+    )
 
 
 class PeerServing(BaseModel):
     wire_protection: Literal["sealed", "integrity"] = Field(
         description="What the chunks sent to peers carry: sealed (ciphertext) or integrity "
         "(plaintext under its authentication tag)."
+    )
+    transport: Literal["tcp", "nixl"] = Field(
+        description="What carries the chunk bodies this agent sends and receives: tcp, or "
+        "nixl (the transfer engine)."
+    )
+    transport_fallback: str | None = Field(
+        description="Why it is tcp though peers.transport says nixl (NIXL did not start)."
     )
     transfers_in_flight: int = Field(description="Transfers being served now.")
     bytes_in_flight: int = Field(description="Their bytes.")

@@ -509,6 +509,16 @@ class PeersConfig(BaseModel):
             "the receiver opens a chunk only as its tenant and key."
         ),
     )
+    transport: Literal["tcp", "nixl"] = Field(
+        "tcp",
+        description=(
+            "What carries chunk bodies between agents: tcp, the peer port's connection; nixl, "
+            "the NIXL transfer engine (UCX: RDMA or NVLink where the hardware has them, else "
+            "TCP or shared memory), its control frames still on the peer port. An agent whose "
+            "NIXL cannot start uses tcp and says why; either way only proven peers learn a "
+            "landing's descriptor and every chunk opens only as its tenant's and key's."
+        ),
+    )
     node: str | None = Field(
         None,
         description="This agent's name among its peers; default $NODE_NAME, else the host name.",

@@ -92,6 +92,8 @@ class LinkStats:
     reachable: bool | None = None
     error: str | None = None
     rtt_ms: float | None = None
+    transport: Literal["tcp", "nixl"] | None = None
+    """What carried the last request's bodies."""
 
 
 class PeerLink:
@@ -235,6 +237,7 @@ class PeerLink:
             self._failed(error)
             raise
         self.stats.reachable, self.stats.error = True, None
+        self.stats.transport = "nixl" if channel.transport == "nixl" else "tcp"
         self._keep(channel)
         return result
 

@@ -23,6 +23,7 @@ from kvpool.agent.peer.links import LinkSettings, PeerLink
 from kvpool.agent.peer.offers import Offers
 from kvpool.agent.peer.serving import PeerServer
 from kvpool.agent.peer.transport import PeerTransport, TcpTransport
+from kvpool.agent.peer.transport_nixl import NixlTransport
 from kvpool.agent.service.data_service import DataService
 from kvpool.common.api_models import Peers, PeerServing, PeerState
 from kvpool.common.config import AgentConfig, PeersConfig
@@ -41,7 +42,9 @@ class PeerTier:
         self.keyring = Keyring(self.config.key_dir, what="peer key")
         sealed = self.config.wire_protection == "sealed"
         self.codec = ObjectCodec(self.keyring, config.pool, seal=sealed, buffers=BufferPool())
-        self.transport = transport or TcpTransport()
+        self.transport = transport or (
+            NixlTransport(self.node) if self.config.transport == "nixl" else TcpTransport()
+        )
         with listening("peers.port", config.host, self.config.port):
             self.listener = self.transport.listen(
                 config.host, self.config.port, self.config.io_timeout_seconds
@@ -112,6 +115,8 @@ class PeerTier:
             peers=[_peer_state(link) for link in links],
             serving=PeerServing(
                 wire_protection=self.config.wire_protection,
+                transport=self.transport.name,
+                transport_fallback=self.transport.fallback,
                 transfers_in_flight=stats.transfers_in_flight if stats else 0,
                 bytes_in_flight=stats.bytes_in_flight if stats else 0,
                 max_transfers=self.config.max_transfers,
@@ -135,4 +140,5 @@ def _peer_state(link: PeerLink) -> PeerState:
         fetched_chunks=stats.fetched_chunks,
         fetched_bytes=stats.fetched_bytes,
         failures=sum(stats.failures.values()),
+        transport=stats.transport,
     )

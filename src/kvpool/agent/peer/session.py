@@ -69,6 +69,7 @@ def open_session(channel: PeerChannel, keyring: Keyring, pool: str, node: str) -
     if not isinstance(answer, Welcome):
         raise WireError(f"expected welcome, got {type(answer).__name__}")
     check(proof(keys, key_id, pool=pool, role=SERVER, nonces=nonces, nodes=nodes), answer.proof)
+    channel.proven(hello.node, hello.lands)
     return Session(hello.node, key_id)
 
 
@@ -80,7 +81,7 @@ def accept_session(channel: PeerChannel, keyring: Keyring, pool: str, node: str)
     """
     keys = keyring.current()
     ours = nonce()
-    channel.send(Hello(VERSION, node, ours, sorted(keys.by_id)))
+    channel.send(Hello(VERSION, node, ours, sorted(keys.by_id), lands=channel.lands))
     prove, _ = channel.receive(MAX_HANDSHAKE_BYTES)
     if isinstance(prove, Refused):
         raise NotProven(f"the peer refused the connection: {prove.reason}")
@@ -98,4 +99,5 @@ def accept_session(channel: PeerChannel, keyring: Keyring, pool: str, node: str)
     channel.send(
         Welcome(proof(keys, prove.key_id, pool=pool, role=SERVER, nonces=nonces, nodes=nodes))
     )
+    channel.proven(prove.node, False)
     return Session(prove.node, prove.key_id)

@@ -25,7 +25,7 @@ import select
 import socket
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Literal, Protocol
 
 from kvpool.agent.peer.wire import (
     FRAME,
@@ -43,6 +43,16 @@ Buffer = bytes | bytearray | memoryview
 class PeerChannel(Protocol):
     remote: str
     """The other side's address, ``HOST:PORT``."""
+    transport: str
+    """What carries chunk bodies on it now: ``tcp``, or ``nixl`` once a landing is agreed."""
+    lands: bool
+    """A server's: it can write bodies into the client's landing (its hello says so)."""
+
+    def proven(self, node: str, peer_lands: bool) -> None:
+        """Both sides proved the pool's credential (``node``: the other side's name;
+        ``peer_lands``: a client's server said it lands): what the transport exchanges
+        beyond frames may begin, never before."""
+        ...
 
     def send(self, message: Message, body: Sequence[Buffer] = ()) -> None:
         """One frame: ``message``, then the pieces of ``body`` in order."""
@@ -83,6 +93,16 @@ class PeerListener(Protocol):
 
 
 class PeerTransport(Protocol):
+    @property
+    def name(self) -> Literal["tcp", "nixl"]:
+        """What carries chunk bodies."""
+        ...
+
+    @property
+    def fallback(self) -> str | None:
+        """Why it is ``tcp`` where ``nixl`` was asked for."""
+        ...
+
     def connect(self, address: str, connect_timeout: float, io_timeout: float) -> PeerChannel:
         """A channel to ``HOST:PORT``; :class:`OSError` if it cannot be had in time."""
         ...
@@ -97,12 +117,18 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 class TcpChannel:
+    transport = "tcp"
+    lands = False
+
     def __init__(self, sock: socket.socket, remote: str) -> None:
         self._sock = sock
         self.remote = remote
         self._header = bytearray(FRAME.size)
         self._io_timeout = sock.gettimeout()
         self._deadline: float | None = None
+
+    def proven(self, node: str, peer_lands: bool) -> None:
+        pass  # bodies follow their frames on this connection
 
     def send(self, message: Message, body: Sequence[Buffer] = ()) -> None:
         self._before_call()
@@ -179,6 +205,9 @@ class TcpListener:
 
 
 class TcpTransport:
+    name: Literal["tcp", "nixl"] = "tcp"
+    fallback: str | None = None
+
     def connect(self, address: str, connect_timeout: float, io_timeout: float) -> PeerChannel:
         sock = socket.create_connection(split_address(address), timeout=connect_timeout)
         sock.settimeout(io_timeout)

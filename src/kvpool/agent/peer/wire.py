@@ -16,9 +16,14 @@ with :class:`Object` (whose body is the chunk sealed by
 agreed on), :class:`Missing` or :class:`Busy`; :class:`Offer` (the asking agent
 holds a tenant's prefix that a request on the server's node is about to want: a
 disaggregated prefill's) with :class:`Accepted` (the server pulls it, as it would
-for a lookup of its own) or :class:`Busy`. An agent that predates offers closes the
-connection on one: the offer is lost, and the pull is the fallback. A frame that is malformed, too
-large or unexpected ends the connection: :class:`WireError`. Between requests a
+for a lookup of its own) or :class:`Busy`. On the NIXL transport
+(:mod:`kvpool.agent.peer.transport_nixl`) a client whose server's hello says it lands
+sends :class:`Landing` once proven, and the server answers a :class:`Get` with
+:class:`Written` instead of :class:`Object`: the body went through the transfer engine
+into the landing, and only the control frames cross this connection. An agent that
+predates offers closes the connection on one: the offer is lost, and the pull is the
+fallback. A frame that is malformed, too large or unexpected ends the connection:
+:class:`WireError`. Between requests a
 connection may sit idle for :data:`IDLE_SECONDS`.
 """
 
@@ -55,6 +60,9 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     nonce: bytes
     key_ids: list[int]
     """The peer key ids the server holds: the client proves with the highest it holds too."""
+    lands: bool = False
+    """The server writes a chunk's body into the client's landing through the transfer
+    engine (NIXL) once the client sends one (:class:`Landing`)."""
 
 
 class Prove(msgspec.Struct, tag="prove", frozen=True):
@@ -111,6 +119,25 @@ class Accepted(msgspec.Struct, tag="accepted", frozen=True):
     """The server is pulling the offered chunks (those it lacks) into its L1."""
 
 
+class Landing(msgspec.Struct, tag="landing", frozen=True):
+    """Where the server writes the bodies of this connection's chunks from now on: ``length``
+    bytes at ``address`` in the client's transfer-engine agent ``agent``, whose metadata
+    (connection and the landing's registration, nothing else) is ``metadata``. Sent only
+    after the handshake, to a server whose hello said it lands; never answered."""
+
+    agent: str
+    metadata: bytes
+    address: int
+    length: int
+
+
+class Written(msgspec.Struct, tag="written", frozen=True):
+    """An :class:`Object` whose ``length`` bytes of body the server wrote into the
+    connection's landing before sending this (no body follows on the connection)."""
+
+    length: int
+
+
 Message = (
     Hello
     | Prove
@@ -124,6 +151,8 @@ Message = (
     | Busy
     | Offer
     | Accepted
+    | Landing
+    | Written
 )
 
 _encoder = msgspec.msgpack.Encoder()

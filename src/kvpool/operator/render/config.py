@@ -227,6 +227,7 @@ def _peers_config(pool: Pool, spec: PoolSpec) -> dict[str, Any]:
         "namespace": pool.namespace,
         "max_transfers": peers.max_transfers,
         "wire_protection": peers.wire_protection,
+        "transport": peers.transport,
         **capped,
         **index,
     }

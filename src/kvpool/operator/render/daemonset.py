@@ -104,11 +104,16 @@ def _container(pool: Pool, spec: PoolSpec, config: AgentConfig, image: str) -> d
         {"name": AGENT_HOST_ENV, "value": "0.0.0.0"},
         {"name": AGENT_CONFIG_FILE_ENV, "value": f"{CONFIG_DIR}/{AGENT_CONFIG_KEY}"},
     ]
+    security = container_security()
     if spec.peers.enabled:  # the port its peers find it at, its name among them
         ports.append(("peer", spec.peers.port))
         env.append(
             {"name": NODE_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
         )
+    if spec.peers.enabled and spec.peers.transport == "nixl":
+        env += [{"name": name, "value": value} for name, value in _ucx_environment(spec)]
+        if spec.peers.nixl.lock_memory:
+            security["capabilities"]["add"] = ["IPC_LOCK"]
     container: dict[str, Any] = {
         "name": "agent",
         "image": image,
@@ -123,13 +128,20 @@ def _container(pool: Pool, spec: PoolSpec, config: AgentConfig, image: str) -> d
         ),
         # The segment is reserved up front: a large L1 may take a while to map at start.
         **probes(startup_failures=150),
-        "securityContext": container_security(),
+        "securityContext": security,
         "volumeMounts": [mount for _, mount in _volumes(pool, spec, config)],
     }
     s3 = spec.l2.tier("s3")
     if s3 is not None and s3.s3 is not None and s3.s3.credentials_secret_ref is not None:
         container["envFrom"] = [{"secretRef": {"name": s3.s3.credentials_secret_ref.name}}]
     return container
+
+
+def _ucx_environment(spec: PoolSpec) -> list[tuple[str, str]]:
+    """UCX's TCP ports (those the NetworkPolicy opens), then the spec's UCX variables."""
+    nixl = spec.peers.nixl
+    ports = {"UCX_TCP_PORT_RANGE": f"{nixl.tcp_ports.first}-{nixl.tcp_ports.last}"}
+    return sorted({**ports, **nixl.ucx}.items())
 
 
 def _init_containers(spec: PoolSpec, image: str) -> list[dict[str, Any]]:

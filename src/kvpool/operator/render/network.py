@@ -1,10 +1,12 @@
 """The NetworkPolicies ``kvpool-<pool>-agent`` and, with the index, ``kvpool-<pool>-index``
 (when ``spec.networkPolicy.enabled``): they isolate the agent pods and the index pods for
 ingress and admit each peer the spec names to the ports it needs, and the pool's own pods
-to the ports they use (the index to the agents', the agents to each other's peer port)."""
+to the ports they use (the index to the agents', the agents to each other's peer port and,
+with NIXL, UCX's TCP ports)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from kvpool.common.names import AGENT_COMPONENT, INDEX_COMPONENT
@@ -27,12 +29,20 @@ def _peers(peers: tuple[NetworkPeer, ...]) -> list[dict[str, Any]]:
     return [peer.model_dump(mode="json", by_alias=True, exclude_defaults=True) for peer in peers]
 
 
-def _ingress(peers: list[dict[str, Any]], ports: list[int]) -> list[dict[str, Any]]:
-    """One ingress rule admitting ``peers`` to ``ports``; none without peers (a rule without
-    ``from`` would admit every source)."""
+def _ingress(
+    peers: list[dict[str, Any]], ports: Sequence[int | tuple[int, int]]
+) -> list[dict[str, Any]]:
+    """One ingress rule admitting ``peers`` to ``ports`` (each a port, or a range: first,
+    last); none without peers (a rule without ``from`` would admit every source)."""
     if not peers:
         return []
-    return [{"from": peers, "ports": [{"protocol": "TCP", "port": port} for port in ports]}]
+    return [{"from": peers, "ports": [_port(port) for port in ports]}]
+
+
+def _port(port: int | tuple[int, int]) -> dict[str, Any]:
+    if isinstance(port, int):
+        return {"protocol": "TCP", "port": port}
+    return {"protocol": "TCP", "port": port[0], "endPort": port[1]}
 
 
 def _network_policy(
@@ -58,6 +68,14 @@ def _pool_pods(pool: Pool, component: str, present: bool) -> list[dict[str, Any]
     return [{"podSelector": {"matchLabels": pool.selector(component)}}] if present else []
 
 
+def _peer_ports(spec: PoolSpec) -> list[int | tuple[int, int]]:
+    """The peer port, and with NIXL the range UCX listens in over TCP."""
+    peers = spec.peers
+    if peers.transport != "nixl":
+        return [peers.port]
+    return [peers.port, (peers.nixl.tcp_ports.first, peers.nixl.tcp_ports.last)]
+
+
 def network_policies(pool: Pool, spec: PoolSpec) -> tuple[Manifest, ...]:
     """Clients reach the agents' ZMQ and HTTP ports, Prometheus their HTTP port (/metrics),
     the pool's index their ZMQ (snapshots) and events ports, the pool's other agents their
@@ -75,7 +93,7 @@ def network_policies(pool: Pool, spec: PoolSpec) -> tuple[Manifest, ...]:
         pool.agent_name,
         _ingress(_peers(policy.clients), [ports.zmq, ports.http])
         + _ingress(index, [ports.zmq, ports.events])
-        + _ingress(agents, [spec.peers.port])
+        + _ingress(agents, _peer_ports(spec))
         + _ingress(prometheus, [ports.http]),
     )
     if not spec.index.enabled:

@@ -76,7 +76,13 @@ from kvpool.operator.spec.network import (
     NetworkPeer,
     NetworkPolicySpec,
 )
-from kvpool.operator.spec.peers import PEER_PORT_TAKEN, ROTATION_TOO_SHORT, PeersSpec
+from kvpool.operator.spec.peers import (
+    NIXL_PORTS_BACKWARDS,
+    PEER_PORT_TAKEN,
+    ROTATION_TOO_SHORT,
+    UCX_NAMES,
+    PeersSpec,
+)
 from kvpool.operator.spec.pool import (
     INDEX_NEEDS_TOKENS,
     EvictionSpec,
@@ -114,6 +120,7 @@ __all__ = [
     "NETWORK_POLICY_NEEDS_CLIENTS",
     "NETWORK_POLICY_NEEDS_GATEWAYS",
     "NETWORK_POLICY_NEEDS_PICKER_CLIENTS",
+    "NIXL_PORTS_BACKWARDS",
     "NVME_ENCRYPTION_NEEDS_KEY",
     "PEER_PORT_TAKEN",
     "PEER_SELECTS_NOTHING",
@@ -128,6 +135,7 @@ __all__ = [
     "TENANT_KIND",
     "TENANT_PLURAL",
     "TOKENIZER_SUB_PATH",
+    "UCX_NAMES",
     "VERSION",
     "VLLM_PORT_TAKEN",
     "AgentSpec",

@@ -1,6 +1,6 @@
-"""A pool's peer tier (``spec.peers``): its agents pull KV chunks from each other over TCP,
-proving the pool's peer credential (a Secret the operator mints and rotates), each chunk
-sealed or authenticated with it (``wireProtection``)."""
+"""A pool's peer tier (``spec.peers``): its agents pull KV chunks from each other over TCP
+or NIXL (``transport``), proving the pool's peer credential (a Secret the operator mints
+and rotates), each chunk sealed or authenticated with it (``wireProtection``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 from datetime import timedelta
 from typing import Annotated, Literal
 
-from pydantic import BeforeValidator, Field, WithJsonSchema
+from pydantic import BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
 from kvpool.common.names import DEFAULT_PEER_PORT
 from kvpool.operator.spec.base import PositiveBytes, SpecModel
@@ -49,6 +49,57 @@ Duration = Annotated[
 """A whole number of seconds, minutes or hours (``30s``, ``90m``, ``24h``)."""
 
 
+NIXL_PORTS_BACKWARDS = "peers.nixl.tcpPorts: first must not be above last"
+UCX_NAMES = "peers.nixl.ucx: every name is a UCX variable (UCX_ and capitals, digits, _)"
+UCX_NAME_PATTERN = "^UCX_[A-Z0-9_]+$"
+
+
+class NixlTcpPorts(SpecModel):
+    model_config = ConfigDict(
+        json_schema_extra=cel(Rule("self.first <= self.last", NIXL_PORTS_BACKWARDS))
+    )
+
+    first: int = Field(7410, ge=1, le=65535, description="The first port of the range.")
+    last: int = Field(7441, ge=1, le=65535, description="The last port of the range.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> NixlTcpPorts:
+        if self.first > self.last:
+            raise ValueError(NIXL_PORTS_BACKWARDS)
+        return self
+
+
+class NixlSpec(SpecModel):
+    tcp_ports: NixlTcpPorts = Field(
+        NixlTcpPorts(),
+        description="Where UCX listens when it moves chunks over TCP (UCX_TCP_PORT_RANGE): "
+        "the pool's NetworkPolicy admits the pool's agents to these ports alone. Keep them "
+        "clear of the agents' other ports.",
+    )
+    ucx: dict[str, str] = Field(
+        default_factory=dict,
+        description="More UCX variables for the agents, as is: UCX_NET_DEVICES (say "
+        "mlx5_0:1) and UCX_TLS pick the RDMA devices and transports; UCX picks on its own "
+        "without them.",
+        json_schema_extra=cel(
+            Rule(f"self.all(name, name.matches('{UCX_NAME_PATTERN}'))", UCX_NAMES)
+        )
+        | {"maxProperties": 32},
+    )
+    lock_memory: bool = Field(
+        False,
+        description="Give the agents the IPC_LOCK capability, which RDMA needs to pin the "
+        "buffers it registers (the landings): their namespace must then admit it (Pod "
+        "Security privileged; restricted and baseline forbid it).",
+    )
+
+    @model_validator(mode="after")
+    def _ucx_names(self) -> NixlSpec:
+        if any(re.fullmatch(UCX_NAME_PATTERN, name) is None for name in self.ucx):
+            raise ValueError(UCX_NAMES)
+        return self
+
+
 class PeersSpec(SpecModel):
     enabled: bool = Field(
         True,
@@ -75,6 +126,19 @@ class PeersSpec(SpecModel):
         "the same authentication tag (whoever reads the link reads chunks, but no one can "
         "alter, forge or misroute one unseen), for a trusted fabric where the cipher's pass "
         "would cost the transfer rate. Either way a chunk opens only as its tenant's and key's.",
+    )
+    transport: Literal["tcp", "nixl"] = Field(
+        "tcp",
+        description="What carries chunk bodies between the agents: tcp, the peer port's "
+        "connection (needs nothing), or nixl, the NIXL transfer engine the cluster's engines "
+        "use (UCX picks RDMA or NVLink where the nodes have them: see the README for what "
+        "RDMA needs). Requests, answers and the credential's proof stay on the peer port "
+        "either way; an agent whose NIXL cannot start falls back to tcp and says so.",
+    )
+    nixl: NixlSpec = Field(
+        NixlSpec(),
+        description="How the agents run NIXL, with transport nixl: UCX's TCP ports, its "
+        "variables, and the memory locking RDMA needs.",
     )
     max_transfers: int = Field(
         4,

@@ -47,7 +47,8 @@ def check_peers(http_url: str | None, token: str | None, timeout: float) -> Chec
     )
     if isinstance(peers, Check):
         return peers
-    me = f"{peers.node} (peer port {peers.port}, {WIRE[peers.serving.wire_protection]})"
+    serving = peers.serving
+    me = f"{peers.node} (peer port {peers.port}, {WIRE[serving.wire_protection]}, {_moved(peers)})"
     if not peers.peers:
         return passed(
             NAME,
@@ -63,8 +64,19 @@ def check_peers(http_url: str | None, token: str | None, timeout: float) -> Chec
             + "; ".join(f"{_where(peer)}: {peer.error or 'not reached'}" for peer in unreachable),
             UNREACHABLE_FIX,
         )
-    rtts = ", ".join(f"{_where(peer)} ({peer.rtt_ms or 0:.1f} ms)" for peer in peers.peers)
+    rtts = ", ".join(
+        f"{_where(peer)} ({peer.rtt_ms or 0:.1f} ms, {peer.transport or 'not connected'})"
+        for peer in peers.peers
+    )
     return passed(NAME, f"{me} reaches its {_peers(len(peers.peers))}, credential proven: {rtts}")
+
+
+def _moved(peers: Peers) -> str:
+    """What carries its chunk bodies, and why not NIXL where it was asked for."""
+    serving = peers.serving
+    if serving.transport_fallback:
+        return f"bodies over tcp: {serving.transport_fallback}"
+    return f"bodies over {serving.transport}"
 
 
 def _where(peer: PeerState) -> str:

@@ -48,6 +48,8 @@ class AgentProcess:
     host: Host | None = None
     """The host (network namespace) the agent runs in, serving at the host's address;
     else this machine's network, at 127.0.0.1. Its files stay in /dev/shm (shared)."""
+    environment: dict[str, str] = field(default_factory=dict)
+    """More of its environment, as is (not settings: the transfer engine's, say)."""
     zmq: str = ""
     http: str = ""
     events: str = ""
@@ -104,9 +106,10 @@ class AgentProcess:
             "TOKENS_FILE": str(tokens),
         }
 
-    def environment(self) -> dict[str, str]:
+    def process_environment(self) -> dict[str, str]:
         merged = {**self.defaults(), **self.settings}
-        return {**os.environ, **{f"KVPOOL_{name}": value for name, value in merged.items()}}
+        settings = {f"KVPOOL_{name}": value for name, value in merged.items()}
+        return {**os.environ, **self.environment, **settings}
 
     def start(self, timeout: float = 30.0) -> Self:
         self.launch()
@@ -126,7 +129,7 @@ class AgentProcess:
         ``options`` go to ``subprocess.Popen``."""
         self._ready, self._started = threading.Event(), False
         self._process = subprocess.Popen(
-            command, env=self.environment(), stderr=subprocess.PIPE, text=True, **options
+            command, env=self.process_environment(), stderr=subprocess.PIPE, text=True, **options
         )
         self._reader = threading.Thread(
             target=self._read_log, args=(self._process, self._ready), daemon=True

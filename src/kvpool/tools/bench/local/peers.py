@@ -35,15 +35,26 @@ def peer_settings(
     }
 
 
-def host_agents(work: Path, hosts: Sequence[Host], port: int) -> list[AgentProcess]:
+TRANSPORTS = ("tcp", "nixl")
+LINK_ENVIRONMENT = {"UCX_TLS": "tcp", "UCX_WARN_UNUSED_ENV_VARS": "n", "NIXL_LOG_LEVEL": "WARN"}
+"""The environment of a process on a host of these (network namespaces of one machine):
+NIXL's UCX held to TCP, the link between the hosts (they could otherwise share memory,
+which is not the link), and NIXL's warnings only."""
+
+
+def host_agents(
+    work: Path, hosts: Sequence[Host], port: int, transport: str = "tcp"
+) -> list[AgentProcess]:
     """One agent per host (not started), ``host-<i>``, each with every host as a peer on
-    ``port``, sharing a new credential in ``work``."""
+    ``port`` over ``transport``, sharing a new credential in ``work``."""
     key_dir = write_peer_key(work / "pool-key")
     entries = [f"host-{i}={host.address}:{port}" for i, host in enumerate(hosts)]
     agents = []
     for index, host in enumerate(hosts):
         workdir = work / f"agent-{index}"
         workdir.mkdir()
-        settings = peer_settings(f"host-{index}", port, key_dir, entries)
-        agents.append(AgentProcess(workdir, settings, host=host))
+        settings = peer_settings(
+            f"host-{index}", port, key_dir, entries, PEERS__TRANSPORT=transport
+        )
+        agents.append(AgentProcess(workdir, settings, host=host, environment=LINK_ENVIRONMENT))
     return agents

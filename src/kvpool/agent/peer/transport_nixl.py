@@ -1,0 +1,377 @@
+"""The peer transport on NIXL: frames over TCP, chunk bodies through the transfer engine.
+
+A connection is a :class:`~kvpool.agent.peer.transport.TcpChannel` first: the
+handshake, every request and every answer cross it as on the TCP transport. Once
+both sides proved the pool's credential, and only then, the asking agent (the
+client) lends the connection a *landing*: a buffer of its own registered with its
+NIXL agent, and sends the server (:class:`~kvpool.agent.peer.wire.Landing`) its
+agent's metadata for that buffer alone (connection and that one registration, not
+the agent's other buffers). The server answers a ``Get`` by copying the sealed (or
+authenticated) chunk into a registered send buffer of its own, writing it into the
+landing with one NIXL WRITE, and then saying so on the connection
+(:class:`~kvpool.agent.peer.wire.Written`). The client copies the body out of the
+landing into the pages it reserved and opens it there, against the tenant and key
+it asked for, exactly as a body received on TCP: a server (or anyone) writing into
+the landing at another time makes a chunk that does not open, a miss.
+
+Staged, not one-sided into L1: the segment holds every tenant's pages, so no peer
+learns a descriptor of it; it learns one landing, written only in answer to a request
+on its connection. Landings and send buffers are never freed while the agent runs
+(a write a peer started before the connection closed may still arrive): they go back
+to a free list, by size, for the next connection. Each is a whole number of MiB, the
+smallest that held the largest chunk seen yet (a chunk larger than a connection's
+landing crosses TCP once, and the next connection's landing is larger).
+
+The client's agent name is ``NODE/RANDOM``: a server loads a landing only from the node
+that proved itself on that connection, and a restarted agent is a new name, so no
+peer ever writes through a previous process's descriptors. If NIXL cannot start (not
+installed, no UCX plugin), the transport is TCP's, and says why once
+(:attr:`NixlTransport.fallback`); a write that fails or outlasts the I/O timeout
+ends the connection (the asker's fetch fails: a miss), as a broken TCP connection does.
+
+UCX picks the link: TCP or shared memory between two hosts of one machine, RDMA or
+NVLink where the hardware has them (``UCX_TLS``, ``UCX_NET_DEVICES``). On TCP and shared
+memory UCX checks no memory keys: a peer that holds the pool's credential could write
+anywhere in this agent's memory through its own UCX, where on RDMA the NIC confines it to
+the landings it was given. The pool trusts its credential's holders that far already (they
+hold the key every chunk is sealed with); keep the agents' ports, UCX's among them,
+closed to everything else (the operator's NetworkPolicy admits only the pool's agents).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import logging
+import mmap
+import secrets
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvpool.agent.peer.transport import Buffer, PeerChannel, PeerListener, TcpTransport
+from kvpool.agent.peer.wire import (
+    IDLE_SECONDS,
+    MAX_META_BYTES,
+    Landing,
+    Message,
+    Object,
+    WireError,
+    Written,
+)
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+LANDING_BYTES = 4 * MiB
+"""A new landing's size before any chunk was seen."""
+MAX_LANDING_BYTES = 256 * MiB
+"""A chunk larger than this crosses the connection instead."""
+PROGRESS_DELAY_US = 1000
+"""How long NIXL's progress thread waits for the link between rounds, in microseconds
+(nixl_cu12's Python agent sets 0: a core spinning per agent, idle or not)."""
+POLL_SECONDS = 50e-6
+"""Between two looks at a write in flight."""
+MEMORY = "DRAM"
+_config_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class _Region:
+    """A buffer registered with this agent's NIXL agent (never freed: see the module)."""
+
+    memory: mmap.mmap
+    address: int
+    descriptors: Any
+
+    @property
+    def view(self) -> memoryview:
+        return memoryview(self.memory)
+
+
+class NixlEngine:
+    """This agent's NIXL agent, its registered buffers, and the peers' agents it writes to."""
+
+    def __init__(self, node: str) -> None:
+        self.name = f"{node}/{secrets.token_hex(6)}"
+        self._agent = start_agent(self.name)
+        self._lock = threading.Lock()
+        self._free: dict[int, list[_Region]] = {}
+        self._loaded: Counter[str] = Counter()
+        self.landing_bytes = LANDING_BYTES
+
+    def region(self, length: int) -> _Region:
+        """A registered buffer of at least ``length`` bytes (a whole number of MiB)."""
+        length = -(-length // MiB) * MiB
+        with self._lock:
+            free = self._free.get(length)
+            if free:
+                return free.pop()
+        memory = mmap.mmap(-1, length)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+        descriptors = self._agent.register_memory([(address, length, 0, "")], MEMORY)
+        return _Region(memory, address, descriptors)
+
+    def give_back(self, region: _Region) -> None:
+        with self._lock:
+            self._free.setdefault(len(region.memory), []).append(region)
+
+    def grow_landings(self, length: int) -> None:
+        """A chunk of ``length`` bytes came that no landing held: later ones hold it."""
+        with self._lock:
+            self.landing_bytes = min(max(self.landing_bytes, length), MAX_LANDING_BYTES)
+
+    def describe(self, region: _Region) -> bytes:
+        """This agent's metadata for ``region`` alone (with how to connect to it)."""
+        metadata: bytes = self._agent.get_partial_agent_metadata(region.descriptors, True)
+        return metadata
+
+    def load(self, agent: str, metadata: bytes) -> None:
+        """Load a peer's agent (once per connection that lends a landing of its)."""
+        loaded = self._agent.add_remote_agent(metadata)
+        name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        with self._lock:
+            self._loaded[name] += 1
+        if name != agent:
+            self.unload(name)
+            raise WireError(f"a landing of agent {name!r} said to be {agent!r}")
+
+    def unload(self, agent: str) -> None:
+        """A connection that loaded ``agent`` ended: forget it once none uses it."""
+        with self._lock:
+            self._loaded[agent] -= 1
+            last = self._loaded[agent] <= 0
+            if last:
+                del self._loaded[agent]
+        if last:
+            with contextlib.suppress(Exception):
+                self._agent.remove_remote_agent(agent)
+
+    def write(
+        self, source: _Region, length: int, agent: str, address: int, deadline: float
+    ) -> None:
+        """``length`` bytes of ``source`` into ``address`` of ``agent``'s, one WRITE;
+        :class:`WireError` if it fails, :class:`TimeoutError` past ``deadline``."""
+        nixl = self._agent
+        local = nixl.get_xfer_descs([(source.address, length, 0)], MEMORY)
+        remote = nixl.get_xfer_descs([(address, length, 0)], MEMORY)
+        try:
+            handle = nixl.initialize_xfer("WRITE", local, remote, agent)
+        except Exception as error:  # NIXL's own errors name no common base
+            raise WireError(f"NIXL could not write to {agent}: {error}") from None
+        try:
+            state = nixl.transfer(handle)
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"NIXL's write to {agent} outlasted the I/O timeout")
+                time.sleep(POLL_SECONDS)
+                state = nixl.check_xfer_state(handle)
+            if state != "DONE":
+                raise WireError(f"NIXL's write to {agent} ended {state}")
+        finally:
+            with contextlib.suppress(Exception):
+                nixl.release_xfer_handle(handle)
+
+
+def start_agent(name: str) -> Any:
+    """A NIXL agent with the UCX backend, safe to call from several threads, whose progress
+    thread waits :data:`PROGRESS_DELAY_US` between rounds."""
+    from nixl_cu12 import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+    bindings: Any = importlib.import_module("nixl_cu12._bindings")
+
+    base = bindings.nixlAgentConfig
+
+    class _Config(base):  # type: ignore[misc,valid-type]
+        """The binding's config, but with the progress thread's delay ours."""
+
+        pthrDelay = property(
+            base.pthrDelay.__get__,
+            lambda self, _: base.pthrDelay.__set__(self, PROGRESS_DELAY_US),
+        )
+
+    config = nixl_agent_config(
+        backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+    )
+    with _config_lock:
+        bindings.nixlAgentConfig = _Config
+        try:
+            agent = nixl_agent(name, config)
+        finally:
+            bindings.nixlAgentConfig = base
+    if "UCX" not in agent.backends:
+        raise RuntimeError("NIXL has no UCX backend here")
+    return agent
+
+
+class NixlChannel:
+    """A TCP channel whose chunk bodies the server writes into the client's landing."""
+
+    def __init__(self, tcp: PeerChannel, engine: NixlEngine, io_timeout: float) -> None:
+        self._tcp = tcp
+        self._engine = engine
+        self._io_timeout = io_timeout
+        self.remote = tcp.remote
+        self.transport = "tcp"
+        self.lands = True
+        self._peer: str | None = None
+        """The other side's node, once proven."""
+        self._landing: _Region | None = None
+        """A client's landing, lent to the server."""
+        self._landed: memoryview | None = None
+        """A client's: what of the last body written into the landing is still unread."""
+        self._target: Landing | None = None
+        """A server's: the client's landing."""
+        self._outbox: _Region | None = None
+        """A server's registered send buffer."""
+
+    def proven(self, node: str, peer_lands: bool) -> None:
+        self._peer = node
+        if peer_lands:
+            self._lend_landing()
+
+    def send(self, message: Message, body: Sequence[Buffer] = ()) -> None:
+        length = sum(len(piece) for piece in body)
+        target = self._target
+        if isinstance(message, Object) and target is not None and length <= target.length:
+            self._write(body, length, target)
+            self._tcp.send(Written(length))
+            return
+        if self._landing is not None and len(self._landing.memory) < self._engine.landing_bytes:
+            self._lend_landing()  # a larger one, before the next request
+        self._tcp.send(message, body)
+
+    def receive(self, max_meta_bytes: int = MAX_META_BYTES) -> tuple[Message, int]:
+        while True:
+            message, length = self._tcp.receive(max_meta_bytes)
+            if not isinstance(message, Landing):
+                break
+            if self._peer is None or length:
+                raise WireError("a landing before the handshake")
+            self._take_landing(message)
+            if not self._tcp.wait_readable(IDLE_SECONDS):
+                raise TimeoutError(f"{self.remote} sent no request after its landing")
+        if isinstance(message, Written):
+            landing = self._landing
+            if landing is None or length or not 0 < message.length <= len(landing.memory):
+                raise WireError(f"written {message.length} bytes into no landing of that size")
+            self._landed = landing.view[: message.length]
+            return Object(), message.length
+        if isinstance(message, Object) and self._landing is not None:
+            self._engine.grow_landings(length)
+        return message, length
+
+    def receive_body(self, into: memoryview) -> None:
+        landed = self._landed
+        if landed is None:
+            self._tcp.receive_body(into)
+            return
+        if len(into) > len(landed):
+            raise WireError("a body read past what was written")
+        into[:] = landed[: len(into)]
+        self._landed = landed[len(into) :] if len(into) < len(landed) else None
+
+    def wait_readable(self, timeout: float) -> bool:
+        return self._tcp.wait_readable(timeout)
+
+    def set_deadline(self, deadline: float | None) -> None:
+        self._tcp.set_deadline(deadline)
+
+    def close(self) -> None:
+        self._tcp.close()
+        engine = self._engine
+        for region in (self._landing, self._outbox):
+            if region is not None:
+                engine.give_back(region)
+        self._landing = self._outbox = None
+        if self._target is not None:
+            engine.unload(self._target.agent)
+            self._target = None
+
+    def _lend_landing(self) -> None:
+        engine = self._engine
+        if self._landing is not None:
+            engine.give_back(self._landing)
+        self._landing = landing = engine.region(engine.landing_bytes)
+        self._tcp.send(
+            Landing(engine.name, engine.describe(landing), landing.address, len(landing.memory))
+        )
+        self.transport = "nixl"
+
+    def _take_landing(self, landing: Landing) -> None:
+        if not landing.agent.startswith(f"{self._peer}/"):
+            raise WireError(f"a landing of agent {landing.agent!r} from node {self._peer!r}")
+        previous = self._target
+        self._target = None
+        if previous is not None:
+            self._engine.unload(previous.agent)
+        try:
+            self._engine.load(landing.agent, landing.metadata)
+        except WireError:
+            raise
+        except Exception as error:  # NIXL's own errors name no common base
+            raise WireError(f"a landing NIXL could not load: {error}") from None
+        self._target = landing
+        self.transport = "nixl"
+
+    def _write(self, body: Sequence[Buffer], length: int, target: Landing) -> None:
+        engine = self._engine
+        outbox = self._outbox
+        if outbox is None or len(outbox.memory) < length:
+            if outbox is not None:
+                engine.give_back(outbox)
+            self._outbox = outbox = engine.region(length)
+        at = 0
+        for piece in body:
+            outbox.memory[at : at + len(piece)] = piece
+            at += len(piece)
+        deadline = time.monotonic() + self._io_timeout
+        engine.write(outbox, length, target.agent, target.address, deadline)
+
+
+class NixlListener:
+    def __init__(self, tcp: PeerListener, engine: NixlEngine, io_timeout: float) -> None:
+        self._tcp = tcp
+        self._engine = engine
+        self._io_timeout = io_timeout
+        self.address = tcp.address
+
+    def accept(self) -> PeerChannel:
+        return NixlChannel(self._tcp.accept(), self._engine, self._io_timeout)
+
+    def close(self) -> None:
+        self._tcp.close()
+
+
+class NixlTransport:
+    """NIXL where it starts; else TCP's transport, with :attr:`fallback` saying why."""
+
+    def __init__(self, node: str) -> None:
+        self._tcp = TcpTransport()
+        self.engine: NixlEngine | None = None
+        self.fallback: str | None = None
+        try:
+            self.engine = NixlEngine(node)
+        except Exception as error:  # an import, a plugin, UCX: any of them means TCP
+            self.fallback = f"NIXL did not start ({type(error).__name__}: {error}); peers use TCP"
+            log.warning("peers.transport nixl: %s", self.fallback)
+
+    @property
+    def name(self) -> Literal["tcp", "nixl"]:
+        return "tcp" if self.engine is None else "nixl"
+
+    def connect(self, address: str, connect_timeout: float, io_timeout: float) -> PeerChannel:
+        channel = self._tcp.connect(address, connect_timeout, io_timeout)
+        if self.engine is None:
+            return channel
+        return NixlChannel(channel, self.engine, io_timeout)
+
+    def listen(self, host: str, port: int, io_timeout: float) -> PeerListener:
+        listener = self._tcp.listen(host, port, io_timeout)
+        if self.engine is None:
+            return listener
+        return NixlListener(listener, self.engine, io_timeout)
