@@ -93,6 +93,17 @@ class _Region:
         return memoryview(self.memory)
 
 
+@dataclass(frozen=True)
+class _Write:
+    """A prepared WRITE (NIXL posts one again and again)."""
+
+    source: _Region
+    length: int
+    agent: str
+    address: int
+    handle: Any
+
+
 class NixlEngine:
     """This agent's NIXL agent, its registered buffers, and the peers' agents it writes to."""
 
@@ -151,11 +162,9 @@ class NixlEngine:
             with contextlib.suppress(Exception):
                 self._agent.remove_remote_agent(agent)
 
-    def write(
-        self, source: _Region, length: int, agent: str, address: int, deadline: float
-    ) -> None:
-        """``length`` bytes of ``source`` into ``address`` of ``agent``'s, one WRITE;
-        :class:`WireError` if it fails, :class:`TimeoutError` past ``deadline``."""
+    def prepare(self, source: _Region, length: int, agent: str, address: int) -> _Write:
+        """A WRITE of ``length`` bytes of ``source`` into ``address`` of ``agent``'s, to
+        post as often as wanted (:meth:`write`) and :meth:`release` once done with."""
         nixl = self._agent
         local = nixl.get_xfer_descs([(source.address, length, 0)], MEMORY)
         remote = nixl.get_xfer_descs([(address, length, 0)], MEMORY)
@@ -163,18 +172,24 @@ class NixlEngine:
             handle = nixl.initialize_xfer("WRITE", local, remote, agent)
         except Exception as error:  # NIXL's own errors name no common base
             raise WireError(f"NIXL could not write to {agent}: {error}") from None
-        try:
-            state = nixl.transfer(handle)
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"NIXL's write to {agent} outlasted the I/O timeout")
-                time.sleep(POLL_SECONDS)
-                state = nixl.check_xfer_state(handle)
-            if state != "DONE":
-                raise WireError(f"NIXL's write to {agent} ended {state}")
-        finally:
-            with contextlib.suppress(Exception):
-                nixl.release_xfer_handle(handle)
+        return _Write(source, length, agent, address, handle)
+
+    def write(self, prepared: _Write, deadline: float) -> None:
+        """Post ``prepared`` and wait until it is done: :class:`WireError` if it fails,
+        :class:`TimeoutError` past ``deadline`` (release it then: it may still run)."""
+        nixl = self._agent
+        state = nixl.transfer(prepared.handle)
+        while state == "PROC":
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"NIXL's write to {prepared.agent} outlasted the I/O timeout")
+            time.sleep(POLL_SECONDS)
+            state = nixl.check_xfer_state(prepared.handle)
+        if state != "DONE":
+            raise WireError(f"NIXL's write to {prepared.agent} ended {state}")
+
+    def release(self, prepared: _Write) -> None:
+        with contextlib.suppress(Exception):  # a write in flight is aborted: nothing to add
+            self._agent.release_xfer_handle(prepared.handle)
 
 
 def start_agent(name: str) -> Any:
@@ -228,6 +243,8 @@ class NixlChannel:
         """A server's: the client's landing."""
         self._outbox: _Region | None = None
         """A server's registered send buffer."""
+        self._prepared: _Write | None = None
+        """A server's last WRITE, posted again for a chunk of the same length."""
 
     def proven(self, node: str, peer_lands: bool) -> None:
         self._peer = node
@@ -284,6 +301,9 @@ class NixlChannel:
     def close(self) -> None:
         self._tcp.close()
         engine = self._engine
+        if self._prepared is not None:
+            engine.release(self._prepared)
+            self._prepared = None
         for region in (self._landing, self._outbox):
             if region is not None:
                 engine.give_back(region)
@@ -307,6 +327,9 @@ class NixlChannel:
             raise WireError(f"a landing of agent {landing.agent!r} from node {self._peer!r}")
         previous = self._target
         self._target = None
+        if self._prepared is not None:
+            self._engine.release(self._prepared)
+            self._prepared = None
         if previous is not None:
             self._engine.unload(previous.agent)
         try:
@@ -322,6 +345,9 @@ class NixlChannel:
         engine = self._engine
         outbox = self._outbox
         if outbox is None or len(outbox.memory) < length:
+            if self._prepared is not None:
+                engine.release(self._prepared)
+                self._prepared = None
             if outbox is not None:
                 engine.give_back(outbox)
             self._outbox = outbox = engine.region(length)
@@ -329,8 +355,14 @@ class NixlChannel:
         for piece in body:
             outbox.memory[at : at + len(piece)] = piece
             at += len(piece)
-        deadline = time.monotonic() + self._io_timeout
-        engine.write(outbox, length, target.agent, target.address, deadline)
+        prepared = self._prepared
+        if prepared is None or prepared.length != length:
+            if prepared is not None:
+                engine.release(prepared)
+                self._prepared = None
+            prepared = engine.prepare(outbox, length, target.agent, target.address)
+            self._prepared = prepared
+        engine.write(prepared, time.monotonic() + self._io_timeout)
 
 
 class NixlListener:
