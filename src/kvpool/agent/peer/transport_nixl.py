@@ -224,15 +224,18 @@ def start_agent(name: str) -> Any:
 
 
 class NixlChannel:
-    """A TCP channel whose chunk bodies the server writes into the client's landing."""
+    """A TCP channel whose chunk bodies the server writes into the client's landing
+    (``serving``: this is the server's end, the one that takes a landing and writes)."""
 
-    def __init__(self, tcp: PeerChannel, engine: NixlEngine, io_timeout: float) -> None:
+    def __init__(
+        self, tcp: PeerChannel, engine: NixlEngine, io_timeout: float, *, serving: bool
+    ) -> None:
         self._tcp = tcp
         self._engine = engine
         self._io_timeout = io_timeout
         self.remote = tcp.remote
         self.transport = "tcp"
-        self.lands = True
+        self.lands = serving
         self._peer: str | None = None
         """The other side's node, once proven."""
         self._landing: _Region | None = None
@@ -267,8 +270,8 @@ class NixlChannel:
             message, length = self._tcp.receive(max_meta_bytes)
             if not isinstance(message, Landing):
                 break
-            if self._peer is None or length:
-                raise WireError("a landing before the handshake")
+            if not self.lands or self._peer is None or length:
+                raise WireError("a landing from a server, or before the handshake")
             self._take_landing(message)
             if not self._tcp.wait_readable(IDLE_SECONDS):
                 raise TimeoutError(f"{self.remote} sent no request after its landing")
@@ -373,7 +376,7 @@ class NixlListener:
         self.address = tcp.address
 
     def accept(self) -> PeerChannel:
-        return NixlChannel(self._tcp.accept(), self._engine, self._io_timeout)
+        return NixlChannel(self._tcp.accept(), self._engine, self._io_timeout, serving=True)
 
     def close(self) -> None:
         self._tcp.close()
@@ -400,7 +403,7 @@ class NixlTransport:
         channel = self._tcp.connect(address, connect_timeout, io_timeout)
         if self.engine is None:
             return channel
-        return NixlChannel(channel, self.engine, io_timeout)
+        return NixlChannel(channel, self.engine, io_timeout, serving=False)
 
     def listen(self, host: str, port: int, io_timeout: float) -> PeerListener:
         listener = self._tcp.listen(host, port, io_timeout)

@@ -1,0 +1,149 @@
+"""The NIXL transport's channels, two NIXL agents of this process over loopback (UCX held to
+TCP): bodies land where the client lent, a chunk larger than a landing crosses the
+connection once and the next landing holds it, and a landing is taken only by a server,
+after the handshake, from the node that proved itself."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvpool.agent.peer.transport import PeerChannel
+from kvpool.agent.peer.transport_nixl import LANDING_BYTES, NixlChannel, NixlTransport
+from kvpool.agent.peer.wire import Get, Landing, Object, WireError
+from kvpool.tools.bench.local.peers import LINK_ENVIRONMENT
+
+KEY = b"k" * 32
+
+
+@pytest.fixture(autouse=True)
+def _link(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in LINK_ENVIRONMENT.items():
+        monkeypatch.setenv(name, value)
+
+
+Answer = Callable[[PeerChannel], None]
+
+
+class Loopback:
+    """A NIXL server on loopback; :meth:`connect` gives a client channel to it, whose
+    accepted channel ``answer`` runs on (its failures kept in :attr:`errors`)."""
+
+    def __init__(self) -> None:
+        server, self.client = NixlTransport("server"), NixlTransport("client")
+        assert server.name == self.client.name == "nixl", server.fallback or self.client.fallback
+        self.listener = server.listen("127.0.0.1", 0, io_timeout=5.0)
+        self.threads: list[threading.Thread] = []
+        self.errors: list[BaseException] = []
+
+    def connect(self, answer: Answer) -> PeerChannel:
+        thread = threading.Thread(target=self._serve, args=(answer,), daemon=True)
+        thread.start()
+        self.threads.append(thread)
+        return self.client.connect(self.listener.address, connect_timeout=2, io_timeout=5)
+
+    def _serve(self, answer: Answer) -> None:
+        channel = self.listener.accept()
+        try:
+            answer(channel)
+        except BaseException as error:  # the test reads it
+            self.errors.append(error)
+        finally:
+            channel.close()
+
+    def close(self) -> None:
+        self.listener.close()
+        for thread in self.threads:
+            thread.join(timeout=10)
+
+
+@pytest.fixture
+def loopback() -> Iterator[Loopback]:
+    made = Loopback()
+    yield made
+    made.close()
+
+
+def _read(channel: PeerChannel) -> bytes:
+    channel.send(Get("tenant", KEY))
+    answer, length = channel.receive()
+    assert isinstance(answer, Object), answer
+    body = bytearray(length)
+    channel.receive_body(memoryview(body)[:10])
+    channel.receive_body(memoryview(body)[10:])
+    return bytes(body)
+
+
+def test_bodies_land_where_the_client_lent_and_a_larger_chunk_grows_the_landing(
+    loopback: Loopback,
+) -> None:
+    sizes = [1000, LANDING_BYTES + 5, LANDING_BYTES + 5]
+    bodies = [os.urandom(size) for size in sizes]
+
+    def answer(channel: PeerChannel) -> None:
+        channel.proven("client", False)
+        for body in bodies:
+            channel.receive()
+            channel.send(Object(), [body[:7], body[7:]])
+
+    client = loopback.connect(answer)
+    client.proven("server", True)
+    assert client.transport == "nixl"
+    for body in bodies:  # the second crosses TCP (larger than the landing), the third lands
+        assert _read(client) == body
+    assert isinstance(client, NixlChannel)
+    landing = client._landing  # lent anew before the third request, to hold it
+    assert landing is not None and len(landing.memory) >= LANDING_BYTES + 5
+    client.close()
+    loopback.close()
+    assert not loopback.errors
+
+
+def test_a_landing_before_the_handshake_is_refused(loopback: Loopback) -> None:
+    outcome: list[BaseException] = []
+
+    def answer(channel: PeerChannel) -> None:
+        with pytest.raises(WireError, match="before the handshake") as refused:
+            channel.receive()
+        outcome.append(refused.value)
+
+    client = loopback.connect(answer)
+    client.send(Landing("client/x", b"metadata", 4096, 4096))
+    client.wait_readable(5)  # the server closes it
+    client.close()
+    loopback.close()
+    assert outcome and not loopback.errors
+
+
+def test_a_landing_of_another_nodes_agent_is_refused(loopback: Loopback) -> None:
+    outcome: list[BaseException] = []
+
+    def answer(channel: PeerChannel) -> None:
+        channel.proven("client", False)
+        with pytest.raises(WireError, match="of agent 'other/x' from node 'client'") as refused:
+            channel.receive()
+        outcome.append(refused.value)
+
+    client = loopback.connect(answer)
+    client.send(Landing("other/x", b"metadata", 4096, 4096))
+    client.wait_readable(5)
+    client.close()
+    loopback.close()
+    assert outcome and not loopback.errors
+
+
+def test_a_client_takes_no_landing_from_its_server(loopback: Loopback) -> None:
+    def answer(channel: PeerChannel) -> None:
+        channel.proven("client", False)
+        channel.receive()
+        channel.send(Landing("server/x", b"metadata", 4096, 4096))
+
+    client = loopback.connect(answer)
+    client.proven("server", False)
+    client.send(Get("tenant", KEY))
+    with pytest.raises(WireError, match="a landing from a server"):
+        client.receive()
+    client.close()
