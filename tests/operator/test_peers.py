@@ -139,6 +139,7 @@ def test_a_pool_with_peers_gets_its_credential_before_its_agents(
         "namespace": NAMESPACE,
         "max_transfers": 4,
         "wire_protection": "sealed",
+        "transport": "tcp",
         "bandwidth": 1 << 30,
     }
     assert PODS_RULE in _get(served_api, "roles", "kvpool-mesh-agent")["rules"]
