@@ -78,6 +78,15 @@ class Pair:
             tails.append("".join(self.cluster.index.log[-30:]))
         return "\n----\n".join(tails)
 
+    def offers(self) -> str:
+        """What each agent says of the offers it sent and received, and of its prefetches."""
+        wanted = ("kvpool_peer_offers_", "kvpool_prefetch_", "kvpool_peer_fetch")
+        lines = []
+        for host, agent in enumerate(self.cluster.agents):
+            samples = httpx.get(f"{agent.http}/metrics", timeout=10).text.splitlines()
+            lines += [f"host {host}: {s}" for s in samples if s.startswith(wanted)]
+        return "\n".join(lines)
+
     def picker_sees_both_ready(self) -> None:
         """The picker's last reads of both servers' loads succeeded (or were only slow)."""
         assert self.cluster.index is not None
@@ -170,10 +179,13 @@ def test_a_poisoned_pushed_prompt_fails_the_comparison(pair: Pair) -> None:
         log_tail=pair.logs,
     )
     assert prefilled.reply["kv_transfer_params"] == DecodeParams(PROMPT, tail=True).to_json()
-    eventually(
-        lambda: _at_least(agent, "kvpool_prefetch_loaded_chunks_total", landed + 8),
-        what="the pushed prompt on the decode host",
-    )
+    try:
+        eventually(
+            lambda: _at_least(agent, "kvpool_prefetch_loaded_chunks_total", landed + 8),
+            what="the pushed prompt on the decode host",
+        )
+    except AssertionError as error:
+        raise AssertionError(f"{error}\n{pair.offers()}\n{pair.logs()}") from error
     poison_segment(agent.segment_path)
     try:
         params = DecodeParams(PROMPT, tail=True, node=pair.prefill.node, wait_ms=WAIT_MS)
@@ -192,9 +204,10 @@ def test_a_stalled_push_costs_the_decode_its_wait_never_the_answer(pair: Pair) -
     """The decode host's link crawls (8 Mbit/s: the prompt's 8 MiB take about 8 s): the
     decode waits its deadline, loads the whole chunks that arrived, and computes the rest."""
     tokens = prompt(5)
-    reference = pair.reference(tokens)
+    eventually(pair.picker_sees_both_ready, timeout=30, what="the picker reading both loads")
     with pair.cluster.hosts[1].throttled("8mbit"):
         done = complete(pair.cluster.picker_url, MODEL, tokens, "team-c", log_tail=pair.logs)
+    reference = pair.reference(tokens)  # after: a decode server busy with it could read unready
     assert done.headers["x-kvpool-pick"].startswith("pd"), done.headers["x-kvpool-pick"]
     assert "status=ok" in done.headers["x-kvpool-pd"], done.headers["x-kvpool-pd"]
     assert done.cached % CHUNK == 0 and done.cached < PROMPT - 1, pair.logs()
