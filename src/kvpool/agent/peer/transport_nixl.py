@@ -304,9 +304,7 @@ class NixlChannel:
     def close(self) -> None:
         self._tcp.close()
         engine = self._engine
-        if self._prepared is not None:
-            engine.release(self._prepared)
-            self._prepared = None
+        self._forget_write()
         for region in (self._landing, self._outbox):
             if region is not None:
                 engine.give_back(region)
@@ -330,9 +328,7 @@ class NixlChannel:
             raise WireError(f"a landing of agent {landing.agent!r} from node {self._peer!r}")
         previous = self._target
         self._target = None
-        if self._prepared is not None:
-            self._engine.release(self._prepared)
-            self._prepared = None
+        self._forget_write()
         if previous is not None:
             self._engine.unload(previous.agent)
         try:
@@ -348,9 +344,7 @@ class NixlChannel:
         engine = self._engine
         outbox = self._outbox
         if outbox is None or len(outbox.memory) < length:
-            if self._prepared is not None:
-                engine.release(self._prepared)
-                self._prepared = None
+            self._forget_write()
             if outbox is not None:
                 engine.give_back(outbox)
             self._outbox = outbox = engine.region(length)
@@ -360,12 +354,16 @@ class NixlChannel:
             at += len(piece)
         prepared = self._prepared
         if prepared is None or prepared.length != length:
-            if prepared is not None:
-                engine.release(prepared)
-                self._prepared = None
+            self._forget_write()
             prepared = engine.prepare(outbox, length, target.agent, target.address)
             self._prepared = prepared
         engine.write(prepared, time.monotonic() + self._io_timeout)
+
+    def _forget_write(self) -> None:
+        """Release the prepared WRITE: its buffer, length or landing changes (or the end)."""
+        if self._prepared is not None:
+            self._engine.release(self._prepared)
+            self._prepared = None
 
 
 class NixlListener:
