@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvpool.agent.peer.transport import PeerChannel
-from kvpool.agent.peer.transport_nixl import LANDING_BYTES, NixlChannel, NixlTransport
-from kvpool.agent.peer.wire import Get, Landing, Object, WireError
+from kvpool.agent.peer.transport_nixl import MAX_SLOTS, SLOT_BYTES, NixlChannel, NixlTransport
+from kvpool.agent.peer.wire import Get, Landing, Object, WireError, Written
 from kvpool.tools.bench.local.peers import LINK_ENVIRONMENT
 
 KEY = b"k" * 32
@@ -80,7 +80,7 @@ def _read(channel: PeerChannel) -> bytes:
 def test_bodies_land_where_the_client_lent_and_a_larger_chunk_grows_the_landing(
     loopback: Loopback,
 ) -> None:
-    sizes = [1000, LANDING_BYTES + 5, LANDING_BYTES + 5]
+    sizes = [1000, SLOT_BYTES + 5, SLOT_BYTES + 5]
     bodies = [os.urandom(size) for size in sizes]
 
     def answer(channel: PeerChannel) -> None:
@@ -92,11 +92,11 @@ def test_bodies_land_where_the_client_lent_and_a_larger_chunk_grows_the_landing(
     client = loopback.connect(answer)
     client.proven("server", True)
     assert client.transport == "nixl"
-    for body in bodies:  # the second crosses TCP (larger than the landing), the third lands
+    for body in bodies:  # the second crosses TCP (larger than a slot), the third lands
         assert _read(client) == body
     assert isinstance(client, NixlChannel)
     landing = client._landing  # lent anew before the third request, to hold it
-    assert landing is not None and len(landing.memory) >= LANDING_BYTES + 5
+    assert landing is not None and len(landing.memory) >= SLOT_BYTES + 5
     client.close()
     loopback.close()
     assert not loopback.errors
@@ -147,3 +147,67 @@ def test_a_client_takes_no_landing_from_its_server(loopback: Loopback) -> None:
     with pytest.raises(WireError, match="a landing from a server"):
         client.receive()
     client.close()
+
+
+def test_requests_in_flight_land_in_slots_of_their_own(loopback: Loopback) -> None:
+    """A client asks as many chunks at once as its landing has slots; each body lands in a
+    slot of its own, none overwritten before it was read."""
+    bodies = [os.urandom(100_000 + index) for index in range(20)]
+
+    def answer(channel: PeerChannel) -> None:
+        channel.proven("client", False)
+        for body in bodies:
+            channel.receive()
+            channel.send(Object(), [body])
+
+    client = loopback.connect(answer)
+    client.proven("server", True)
+    assert client.depth > 1
+    asked = 0
+    for index, body in enumerate(bodies):
+        while asked < len(bodies) and asked < index + client.depth:
+            client.send(Get("tenant", KEY))
+            asked += 1
+        answer_, length = client.receive()
+        assert isinstance(answer_, Object) and length == len(body)
+        received = bytearray(length)
+        client.receive_body(memoryview(received))
+        assert received == body
+    client.close()
+    loopback.close()
+    assert not loopback.errors
+
+
+def test_a_body_said_to_be_written_outside_its_slot_is_refused(loopback: Loopback) -> None:
+    def answer(channel: PeerChannel) -> None:
+        channel.proven("client", False)
+        channel.receive()
+        assert isinstance(channel, NixlChannel)
+        channel._tcp.send(Written(1000, SLOT_BYTES))  # the second slot, for the first body
+
+    client = loopback.connect(answer)
+    client.proven("server", True)
+    client.send(Get("tenant", KEY))
+    with pytest.raises(WireError, match="of no landing's slot"):
+        client.receive()
+    client.close()
+    loopback.close()
+    assert not loopback.errors
+
+
+@pytest.mark.parametrize("slots", [0, MAX_SLOTS + 1])
+def test_a_landing_of_no_slots_or_too_many_is_refused(loopback: Loopback, slots: int) -> None:
+    outcome: list[BaseException] = []
+
+    def answer(channel: PeerChannel) -> None:
+        channel.proven("client", False)
+        with pytest.raises(WireError, match=f"in {slots} slots") as refused:
+            channel.receive()
+        outcome.append(refused.value)
+
+    client = loopback.connect(answer)
+    client.send(Landing("client/x", b"metadata", 1 << 20, 1 << 20, slots))
+    client.wait_readable(5)
+    client.close()
+    loopback.close()
+    assert outcome and not loopback.errors

@@ -110,3 +110,9 @@ class ReceivesInPlace(Protocol):
         turn; True if it is there and intact. False: no holder gave it, or ``into`` gave no
         memory or no turn."""
         ...
+
+    async def get_run_into(self, names: Sequence[ObjectKey], into: Sequence[Destination]) -> int:
+        """Consecutive chunks of one prefix, each as :meth:`get_into` receives it, in one go
+        where the tier can: how many of them, from the first, are there. It stops at the
+        first it could not give; those after it are left to :meth:`get_into`."""
+        ...

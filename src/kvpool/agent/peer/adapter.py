@@ -28,7 +28,7 @@ from kvpool.agent.l2.buffers import fresh
 from kvpool.agent.l2.codec import IntegrityError
 from kvpool.agent.peer.directory import PeerDirectory
 from kvpool.agent.peer.index_lookup import IndexLookup
-from kvpool.agent.peer.links import Fetched, PeerBusy, PeerLink
+from kvpool.agent.peer.links import Fetched, PeerBusy, PeerLink, StopReason
 from kvpool.common.web.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,58 @@ class PeerAdapter:
         """The chunk from a peer that holds it (the next one where one fails or lost it),
         received into ``into``'s memory once its turn has come."""
         self.stats.gets += 1
-        for link in self._holders.pop(name, None) or self.directory.links():
+        return await self._get_into(name, into)
+
+    async def get_run_into(self, names: Sequence[ObjectKey], into: Sequence[Destination]) -> int:
+        """Consecutive chunks of a prefix, each into its ``into``: how many leading chunks
+        are there. Each stretch of them that one peer holds first comes in one pipelined
+        request (:meth:`PeerLink.fetch_run`). The chunks after the first that did not come
+        are untouched but for that one, whose reservation a second holder reuses, and whose
+        peer is not asked for it again where it lost the chunk or failed it
+        (:meth:`get_into` asks the others)."""
+        self.stats.gets += len(names)
+        start = 0
+        while start < len(names):
+            holders = self._holders.get(names[start]) or self.directory.links()
+            if not holders:
+                break
+            link, end = holders[0], start + 1
+            while end < len(names) and self._first_holder(names[end]) is link:
+                end += 1
+            filled, nbytes, stopped = await self._run(
+                link.fetch_run, names[start:end], into[start:end]
+            )
+            self.stats.hits += filled
+            self.stats.get_bytes += nbytes
+            for name in names[start : start + filled]:
+                self._holders.pop(name, None)
+            start += filled
+            if stopped is not None:
+                self._stopped(link, names[start], holders, stopped)
+                break
+        return start
+
+    def _first_holder(self, name: ObjectKey) -> PeerLink | None:
+        holders = self._holders.get(name) or self.directory.links()
+        return holders[0] if holders else None
+
+    def _stopped(
+        self, link: PeerLink, name: ObjectKey, holders: list[PeerLink], stopped: StopReason
+    ) -> None:
+        """A run from ``link`` stopped at ``name``: where the peer lost or failed it, the
+        other holders are the ones asked for it next (none: no peer is)."""
+        if stopped in ("busy", "unwanted"):
+            return
+        self._remember(name, [other for other in holders if other is not link])
+        if stopped == "integrity":
+            self.stats.integrity_failures += 1
+            _failures.warning(f"peer {link.node} sent a chunk that does not open")
+        elif stopped == "failed":
+            _failures.warning(f"peer {link.node} failed a fetch: {link.stats.error}")
+
+    async def _get_into(self, name: ObjectKey, into: Destination) -> bool:
+        links = self._holders.pop(name, None)
+        for link in self.directory.links() if links is None else links:
             fetched, size = await self._fetch(link, name, into)
             if fetched == "filled":
                 self.stats.hits += 1

@@ -18,9 +18,9 @@ import contextlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import Literal, NamedTuple, TypeVar
 
 from kvpool.agent.l2.base import Destination, ObjectKey
 from kvpool.agent.l2.codec import HEADER, IntegrityError, ObjectCodec, payload_length
@@ -66,6 +66,34 @@ class _Aside:
 
 class _Unwanted(Exception):
     """The receiver has no room for the chunk (present already, or refused)."""
+
+
+StopReason = Literal["missing", "busy", "unwanted", "integrity", "failed"]
+
+
+class RunStop(NamedTuple):
+    """How a pipelined run (:meth:`PeerLink.fetch_run`) ended: the leading chunks it filled
+    and their bytes, and why it stopped before the next (None: it filled them all)."""
+
+    filled: int
+    nbytes: int
+    reason: StopReason | None
+
+
+class _Abandoned(Exception):
+    """A run stopped (``reason``) with answers to its later requests still on their way:
+    the connection goes."""
+
+    def __init__(self, reason: StopReason) -> None:
+        super().__init__(reason)
+        self.reason: StopReason = reason
+
+
+def _stop(reason: StopReason, pending: bool) -> StopReason:
+    """A run stops for ``reason``: the connection goes if answers are ``pending``."""
+    if pending:
+        raise _Abandoned(reason)
+    return reason
 
 
 @dataclass(frozen=True)
@@ -144,54 +172,168 @@ class PeerLink:
         the pool's (no page to fault in) and decrypted from there into the reserved pages
         once the turn comes (the same bytes moved as in place); else straight into
         them."""
-        settings = self.settings
         with contextlib.ExitStack() as buffers:
 
             def get(channel: PeerChannel) -> int | _Aside:
                 channel.send(Get(name.tenant, name.key))
-                answer, length = channel.receive()
-                if isinstance(answer, Missing | Busy) and not length:
-                    if isinstance(answer, Busy):
-                        raise PeerBusy(self.node)
-                    return 0
-                if not isinstance(answer, Object):
-                    raise WireError(f"expected an object, got {type(answer).__name__}")
-                if length < HEADER.size:
-                    raise WireError(f"an object of {length} bytes: shorter than its header")
-                header = memoryview(bytearray(HEADER.size))
-                channel.receive_body(header)
-                size = length - HEADER.size
-                if size != payload_length(header) or size > settings.max_object_bytes:
-                    raise WireError(f"an object of {length} bytes whose header says otherwise")
-                if into.turn() is None:
-                    aside = buffers.enter_context(settings.codec.buffers.borrow(size))
-                    channel.receive_body(aside)
-                    return _Aside(header, aside)
-                memory = into.reserve(size)
-                if memory is None:
-                    raise _Unwanted  # the body is dropped with the connection
-                channel.receive_body(memory)
-                settings.codec.open(name, header, memory, in_place=True)
-                return size
+                return self._receive(channel, name, into, buffers)
 
             try:
                 with self._requests:
                     received = self._call(get)
             except _Unwanted:
                 return "unwanted", 0
-            if isinstance(received, _Aside):  # its turn waited for with no request slot held
-                size = len(received.body)
-                memory = into.reserve(size) if into.wait_turn() else None
-                if memory is None:
-                    return "unwanted", 0
-                settings.codec.open(name, received.header, received.body, out=memory)
-            else:
-                size = received
+            # an aside's turn is waited for with no request slot held
+            size = (
+                self._land_aside(name, into, received) if isinstance(received, _Aside) else received
+            )
+            if size is None:
+                return "unwanted", 0
         if not size:
             return "missing", 0
-        self.stats.fetched_chunks += 1
-        self.stats.fetched_bytes += size
+        self._count([size])
         return "filled", size
+
+    def fetch_run(self, names: Sequence[ObjectKey], into: Sequence[Destination]) -> RunStop:
+        """Chunks of one prefix in one pipelined request on one connection: up to the
+        channel's :attr:`~kvpool.agent.peer.transport.PeerChannel.depth` ``Get`` s ahead of
+        the answer being read, each chunk received as :meth:`fetch` receives it. Stops at
+        the first chunk not filled: how many were filled, and why it stopped (the
+        connection closes where answers are still on their way). A busy peer and a missing
+        chunk stop the run; any other failure is counted (as :meth:`fetch` counts it) and
+        stops it: ``integrity`` where the chunk did not open, else ``failed``.
+
+        Until the first chunk's turn comes, the chunks are received into buffers of the
+        pool's; once it has, they are placed and the rest received in place. A run whose
+        turn has not come when its last chunk arrived waits for it with no connection and
+        no request slot held (those are the earlier chunks' to take).
+
+        One request and one thread for the run: a chunk costs this agent a read of its
+        answer, not a request, a thread's wake-up and an answer's wait each."""
+        sizes: list[int] = []
+        asides: list[_Aside] = []
+        """The leading chunks not placed yet (their turn had not come)."""
+        with contextlib.ExitStack() as buffers:
+
+            def get_run(channel: PeerChannel) -> StopReason | None:
+                sizes.clear()
+                asides.clear()
+                asked = 0
+                for index, name in enumerate(names):
+                    while asked < len(names) and asked < index + channel.depth:
+                        channel.send(Get(names[asked].tenant, names[asked].key))
+                        asked += 1
+                    if asides and into[len(sizes)].turn() is not None:
+                        self._place(names, into, sizes, asides, wait=False)
+                    pending = asked > index + 1
+                    try:
+                        received = self._receive(channel, name, into[index], buffers)
+                    except PeerBusy:
+                        return _stop("busy", pending)
+                    if isinstance(received, _Aside):
+                        asides.append(received)
+                    elif not received:
+                        return _stop("missing", pending)
+                    else:
+                        sizes.append(received)
+                return None
+
+            stopped: StopReason | None
+            try:
+                with self._requests:
+                    stopped = self._call(get_run)
+            except _Abandoned as abandoned:
+                stopped = abandoned.reason
+            except _Unwanted:
+                stopped = "unwanted"
+            except IntegrityError:  # counted in _call, as any failure below
+                stopped = "integrity"  # of the first chunk aside, if any
+            except (WireError, OSError, ValueError):
+                stopped = "failed"
+            if asides and stopped not in ("unwanted", "integrity"):
+                try:
+                    self._place(names, into, sizes, asides, wait=True)
+                except _Unwanted:
+                    stopped = "unwanted"
+                except IntegrityError as error:
+                    self._failed(error)
+                    stopped = "integrity"
+        self._count(sizes)
+        return RunStop(len(sizes), sum(sizes), stopped)
+
+    def _place(
+        self,
+        names: Sequence[ObjectKey],
+        into: Sequence[Destination],
+        sizes: list[int],
+        asides: list[_Aside],
+        *,
+        wait: bool,
+    ) -> None:
+        """Place the run's chunks received aside (the next ``len(asides)`` after ``sizes``)
+        in their reserved pages, once their turn came (``wait``: waiting for it; else it
+        has): their sizes join ``sizes``. :class:`_Unwanted` where one is given no memory."""
+        while asides:
+            index = len(sizes)
+            landed = self._land_aside(names[index], into[index], asides[0], wait=wait)
+            if landed is None:
+                raise _Unwanted
+            asides.pop(0)
+            sizes.append(landed)
+
+    def _receive(
+        self,
+        channel: PeerChannel,
+        name: ObjectKey,
+        into: Destination,
+        buffers: contextlib.ExitStack,
+    ) -> int | _Aside:
+        """The answer to a ``Get`` of ``name``: the size received into ``into`` and opened
+        there (0: missing), or the chunk in a buffer of ``buffers`` when its turn has not
+        come yet. :class:`PeerBusy`, :class:`_Unwanted`, or any failure."""
+        settings = self.settings
+        answer, length = channel.receive()
+        if isinstance(answer, Missing | Busy) and not length:
+            if isinstance(answer, Busy):
+                raise PeerBusy(self.node)
+            return 0
+        if not isinstance(answer, Object):
+            raise WireError(f"expected an object, got {type(answer).__name__}")
+        if length < HEADER.size:
+            raise WireError(f"an object of {length} bytes: shorter than its header")
+        header = memoryview(bytearray(HEADER.size))
+        channel.receive_body(header)
+        size = length - HEADER.size
+        if size != payload_length(header) or size > settings.max_object_bytes:
+            raise WireError(f"an object of {length} bytes whose header says otherwise")
+        if into.turn() is None:
+            aside = buffers.enter_context(settings.codec.buffers.borrow(size))
+            channel.receive_body(aside)
+            return _Aside(header, aside)
+        memory = into.reserve(size)
+        if memory is None:
+            raise _Unwanted  # the body is dropped with the connection
+        channel.receive_body(memory)
+        settings.codec.open(name, header, memory, in_place=True)
+        return size
+
+    def _land_aside(
+        self, name: ObjectKey, into: Destination, aside: _Aside, *, wait: bool = True
+    ) -> int | None:
+        """A chunk received before its turn, opened into its reserved pages once the turn
+        comes (``wait``: waiting for it; else it has): its size; None where it gets no turn
+        or no memory."""
+        size = len(aside.body)
+        turn = into.wait_turn() if wait else into.turn()
+        memory = into.reserve(size) if turn else None
+        if memory is None:
+            return None
+        self.settings.codec.open(name, aside.header, aside.body, out=memory)
+        return size
+
+    def _count(self, sizes: Sequence[int]) -> None:
+        self.stats.fetched_chunks += len(sizes)
+        self.stats.fetched_bytes += sum(sizes)
 
     def probe(self) -> None:
         """A fresh connection and handshake now (the doctor's check); its round trip."""
@@ -220,9 +362,9 @@ class PeerLink:
         except PeerBusy:
             self._keep(channel)
             raise
-        except _Unwanted:
+        except (_Unwanted, _Abandoned):
             if channel is not None:
-                channel.close()  # the body is still on its way
+                channel.close()  # a body (or an answer) is still on its way
             raise
         except (WireError, ConnectionError) as error:
             if channel is not None:

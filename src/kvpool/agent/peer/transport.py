@@ -48,6 +48,12 @@ class PeerChannel(Protocol):
     lands: bool
     """A server's: it can write bodies into the client's landing (its hello says so)."""
 
+    @property
+    def depth(self) -> int:
+        """Requests the asking side may have on it at once, their answers not read yet (a
+        pipelined run: :meth:`~kvpool.agent.peer.links.PeerLink.fetch_run`)."""
+        ...
+
     def proven(self, node: str, peer_lands: bool) -> None:
         """Both sides proved the pool's credential (``node``: the other side's name;
         ``peer_lands``: a client's server said it lands): what the transport exchanges
@@ -116,9 +122,15 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+DEPTH = 8
+"""Requests in flight on a TCP connection: the answers queue in the socket's buffers, and
+the server always has the next request when it has sent an answer."""
+
+
 class TcpChannel:
     transport = "tcp"
     lands = False
+    depth = DEPTH
 
     def __init__(self, sock: socket.socket, remote: str) -> None:
         self._sock = sock

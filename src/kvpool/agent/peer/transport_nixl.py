@@ -53,7 +53,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvpool.agent.peer.transport import Buffer, PeerChannel, PeerListener, TcpTransport
+from kvpool.agent.peer.transport import DEPTH, Buffer, PeerChannel, PeerListener, TcpTransport
 from kvpool.agent.peer.wire import (
     IDLE_SECONDS,
     MAX_META_BYTES,
@@ -67,10 +67,15 @@ from kvpool.agent.peer.wire import (
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-LANDING_BYTES = 4 * MiB
-"""A new landing's size before any chunk was seen."""
-MAX_LANDING_BYTES = 256 * MiB
+SLOT_BYTES = 4 * MiB
+"""A new landing's slot size before any larger chunk was seen."""
+MAX_SLOT_BYTES = 256 * MiB
 """A chunk larger than this crosses the connection instead."""
+LANDING_BUDGET = 16 * MiB
+"""A landing has as many slots (up to :data:`~kvpool.agent.peer.transport.DEPTH`, at least
+one) as fit in this: the requests a client pipelines on the connection."""
+MAX_SLOTS = 64
+"""A landing of more slots than this is refused (a server keeps a prepared write per slot)."""
 PROGRESS_DELAY_US = 1000
 """How long NIXL's progress thread waits for the link between rounds, in microseconds
 (nixl_cu12's Python agent sets 0: a core spinning per agent, idle or not)."""
@@ -113,7 +118,8 @@ class NixlEngine:
         self._lock = threading.Lock()
         self._free: dict[int, list[_Region]] = {}
         self._loaded: Counter[str] = Counter()
-        self.landing_bytes = LANDING_BYTES
+        self.slot_bytes = SLOT_BYTES
+        """The size of a new landing's slots: the largest chunk seen (at least the default)."""
 
     def region(self, length: int) -> _Region:
         """A registered buffer of at least ``length`` bytes (a whole number of MiB)."""
@@ -131,10 +137,10 @@ class NixlEngine:
         with self._lock:
             self._free.setdefault(len(region.memory), []).append(region)
 
-    def grow_landings(self, length: int) -> None:
-        """A chunk of ``length`` bytes came that no landing held: later ones hold it."""
+    def grow_slots(self, length: int) -> None:
+        """A chunk of ``length`` bytes came that no landing's slot held: later ones hold it."""
         with self._lock:
-            self.landing_bytes = min(max(self.landing_bytes, length), MAX_LANDING_BYTES)
+            self.slot_bytes = min(max(self.slot_bytes, length), MAX_SLOT_BYTES)
 
     def describe(self, region: _Region) -> bytes:
         """This agent's metadata for ``region`` alone (with how to connect to it)."""
@@ -240,14 +246,27 @@ class NixlChannel:
         """The other side's node, once proven."""
         self._landing: _Region | None = None
         """A client's landing, lent to the server."""
+        self._slots = 1
+        self._slot_bytes = 0
+        """The slots of the landing (a client's, lent; a server's, taken)."""
+        self._bodies = 0
+        """Bodies written into the landing: the next goes into slot ``_bodies % _slots``."""
+        self._in_flight = 0
+        """A client's: requests sent whose answers it has not read."""
         self._landed: memoryview | None = None
         """A client's: what of the last body written into the landing is still unread."""
         self._target: Landing | None = None
         """A server's: the client's landing."""
         self._outbox: _Region | None = None
         """A server's registered send buffer."""
-        self._prepared: _Write | None = None
-        """A server's last WRITE, posted again for a chunk of the same length."""
+        self._prepared: dict[int, _Write] = {}
+        """A server's prepared WRITE into each slot (by its offset), posted again for each
+        chunk of the same length."""
+
+    @property
+    def depth(self) -> int:
+        """A client's requests in flight at once: one per slot of its landing."""
+        return self._slots if self._landing is not None else DEPTH
 
     def proven(self, node: str, peer_lands: bool) -> None:
         self._peer = node
@@ -257,13 +276,24 @@ class NixlChannel:
     def send(self, message: Message, body: Sequence[Buffer] = ()) -> None:
         length = sum(len(piece) for piece in body)
         target = self._target
-        if isinstance(message, Object) and target is not None and length <= target.length:
-            self._write(body, length, target)
-            self._tcp.send(Written(length))
+        if isinstance(message, Object) and target is not None and length <= self._slot_bytes:
+            offset = self._bodies % self._slots * self._slot_bytes
+            self._write(body, length, target, offset)
+            self._bodies += 1
+            self._tcp.send(Written(length, offset))
             return
-        if self._landing is not None and len(self._landing.memory) < self._engine.landing_bytes:
-            self._lend_landing()  # a larger one, before the next request
+        if self.lands:
+            self._tcp.send(message, body)
+            return
+        landing = self._landing
+        if (
+            landing is not None
+            and not self._in_flight
+            and self._slot_bytes < self._engine.slot_bytes
+        ):
+            self._lend_landing()  # larger slots, before the next request (none in flight)
         self._tcp.send(message, body)
+        self._in_flight += 1
 
     def receive(self, max_meta_bytes: int = MAX_META_BYTES) -> tuple[Message, int]:
         while True:
@@ -275,14 +305,13 @@ class NixlChannel:
             self._take_landing(message)
             if not self._tcp.wait_readable(IDLE_SECONDS):
                 raise TimeoutError(f"{self.remote} sent no request after its landing")
+        if self.lands:
+            return message, length
+        self._in_flight -= 1
         if isinstance(message, Written):
-            landing = self._landing
-            if landing is None or length or not 0 < message.length <= len(landing.memory):
-                raise WireError(f"written {message.length} bytes into no landing of that size")
-            self._landed = landing.view[: message.length]
-            return Object(), message.length
+            return self._landed_object(message, length)
         if isinstance(message, Object) and self._landing is not None:
-            self._engine.grow_landings(length)
+            self._engine.grow_slots(length)
         return message, length
 
     def receive_body(self, into: memoryview) -> None:
@@ -304,7 +333,7 @@ class NixlChannel:
     def close(self) -> None:
         self._tcp.close()
         engine = self._engine
-        self._forget_write()
+        self._forget_writes()
         for region in (self._landing, self._outbox):
             if region is not None:
                 engine.give_back(region)
@@ -313,22 +342,47 @@ class NixlChannel:
             engine.unload(self._target.agent)
             self._target = None
 
+    def _landed_object(self, written: Written, length: int) -> tuple[Message, int]:
+        """A client's: the body the server says it wrote, where it must have written it."""
+        landing = self._landing
+        offset = self._bodies % self._slots * self._slot_bytes
+        if (
+            landing is None
+            or length
+            or written.offset != offset
+            or not 0 < written.length <= self._slot_bytes
+        ):
+            raise WireError(
+                f"written {written.length} bytes at {written.offset} of no landing's slot "
+                f"(the next is {self._slot_bytes} bytes at {offset})"
+            )
+        self._bodies += 1
+        self._landed = landing.view[offset : offset + written.length]
+        return Object(), written.length
+
     def _lend_landing(self) -> None:
         engine = self._engine
         if self._landing is not None:
             engine.give_back(self._landing)
-        self._landing = landing = engine.region(engine.landing_bytes)
+        slot_bytes = engine.slot_bytes
+        slots = max(1, min(DEPTH, LANDING_BUDGET // slot_bytes))
+        self._landing = landing = engine.region(slots * slot_bytes)
+        self._slots, self._slot_bytes, self._bodies = slots, slot_bytes, 0
         self._tcp.send(
-            Landing(engine.name, engine.describe(landing), landing.address, len(landing.memory))
+            Landing(
+                engine.name, engine.describe(landing), landing.address, slots * slot_bytes, slots
+            )
         )
         self.transport = "nixl"
 
     def _take_landing(self, landing: Landing) -> None:
         if not landing.agent.startswith(f"{self._peer}/"):
             raise WireError(f"a landing of agent {landing.agent!r} from node {self._peer!r}")
+        if not 0 < landing.slots <= MAX_SLOTS or landing.length < landing.slots:
+            raise WireError(f"a landing of {landing.length} bytes in {landing.slots} slots")
         previous = self._target
         self._target = None
-        self._forget_write()
+        self._forget_writes()
         if previous is not None:
             self._engine.unload(previous.agent)
         try:
@@ -338,13 +392,18 @@ class NixlChannel:
         except Exception as error:  # NIXL's own errors name no common base
             raise WireError(f"a landing NIXL could not load: {error}") from None
         self._target = landing
+        self._slots, self._slot_bytes, self._bodies = (
+            landing.slots,
+            landing.length // landing.slots,
+            0,
+        )
         self.transport = "nixl"
 
-    def _write(self, body: Sequence[Buffer], length: int, target: Landing) -> None:
+    def _write(self, body: Sequence[Buffer], length: int, target: Landing, offset: int) -> None:
         engine = self._engine
         outbox = self._outbox
         if outbox is None or len(outbox.memory) < length:
-            self._forget_write()
+            self._forget_writes()
             if outbox is not None:
                 engine.give_back(outbox)
             self._outbox = outbox = engine.region(length)
@@ -352,18 +411,19 @@ class NixlChannel:
         for piece in body:
             outbox.memory[at : at + len(piece)] = piece
             at += len(piece)
-        prepared = self._prepared
+        prepared = self._prepared.get(offset)
         if prepared is None or prepared.length != length:
-            self._forget_write()
-            prepared = engine.prepare(outbox, length, target.agent, target.address)
-            self._prepared = prepared
+            if prepared is not None:
+                engine.release(prepared)
+            prepared = engine.prepare(outbox, length, target.agent, target.address + offset)
+            self._prepared[offset] = prepared
         engine.write(prepared, time.monotonic() + self._io_timeout)
 
-    def _forget_write(self) -> None:
-        """Release the prepared WRITE: its buffer, length or landing changes (or the end)."""
-        if self._prepared is not None:
-            self._engine.release(self._prepared)
-            self._prepared = None
+    def _forget_writes(self) -> None:
+        """Release the prepared WRITEs: their buffer or landing changes (or the end)."""
+        for prepared in self._prepared.values():
+            self._engine.release(prepared)
+        self._prepared.clear()
 
 
 class NixlListener:

@@ -122,20 +122,25 @@ class Accepted(msgspec.Struct, tag="accepted", frozen=True):
 class Landing(msgspec.Struct, tag="landing", frozen=True):
     """Where the server writes the bodies of this connection's chunks from now on: ``length``
     bytes at ``address`` in the client's transfer-engine agent ``agent``, whose metadata
-    (connection and the landing's registration, nothing else) is ``metadata``. Sent only
-    after the handshake, to a server whose hello said it lands; never answered."""
+    (connection and the landing's registration, nothing else) is ``metadata``, in ``slots``
+    equal slots: the n-th body written goes into slot n modulo ``slots`` (the client has at
+    most that many requests in flight). Sent only after the handshake, with no request in
+    flight, to a server whose hello said it lands; never answered."""
 
     agent: str
     metadata: bytes
     address: int
     length: int
+    slots: int = 1
 
 
 class Written(msgspec.Struct, tag="written", frozen=True):
     """An :class:`Object` whose ``length`` bytes of body the server wrote into the
-    connection's landing before sending this (no body follows on the connection)."""
+    connection's landing before sending this, at ``offset`` (the start of its slot; no body
+    follows on the connection)."""
 
     length: int
+    offset: int = 0
 
 
 Message = (

@@ -55,7 +55,12 @@ _failures = RateLimitedLog(log)
 
 _REMEMBERED = 4096  # finished prefetches kept for status queries
 _WINDOW = 8
-"""Chunks of one prefetch in flight at once."""
+"""Runs of chunks of one prefetch in flight at once (a chunk is a run of its own but from
+the peer tier)."""
+_RUN_BYTES = 16 << 20
+_RUN_CHUNKS = 16
+"""A run of chunks from the peer tier: one pipelined request for this many chunks (of the
+size last seen), up to this many bytes."""
 _TYPICAL_CHUNK = 2 << 20
 """The size the tier costs are compared at before a chunk has been seen."""
 
@@ -220,34 +225,84 @@ class Prefetcher:
             self._changed()
 
     async def _load(self, prefetch: Prefetch, holders: list[list[L2Adapter]]) -> None:
-        """Fetch up to :data:`_WINDOW` chunks at once, commit them in prompt order, stop at
-        the first that no tier gives or L1 refuses."""
+        """Fetch up to :data:`_WINDOW` runs of chunks at once, commit them in prompt order,
+        stop at the first chunk that no tier gives or L1 refuses."""
         loaded: list[bytes] = []
         landings = self._landings(prefetch, len(holders), loaded)
         window = asyncio.Semaphore(_WINDOW)
+        runs = self._runs(holders)
 
-        async def fetch(tiers: list[L2Adapter], landing: ChunkLanding) -> bool:
+        async def fetch(run: slice) -> list[bool]:
             async with window:
-                return await self._fetch(tiers, landing)
+                return await self._fetch_run(holders[run], landings[run])
 
-        fetches = [
-            asyncio.ensure_future(fetch(tiers, landing))
-            for tiers, landing in zip(holders, landings, strict=True)
-        ]
+        fetches = [asyncio.ensure_future(fetch(run)) for run in runs]
         committed = 0
         try:
-            for landing, fetched in zip(landings, fetches, strict=True):
-                if not self._commit(landing, await fetched):
-                    break
-                committed += 1
-                loaded.append(landing.key)
-                prefetch.loaded += 1
+            for run, fetched in zip(runs, fetches, strict=True):
+                for landing, filled in zip(landings[run], await fetched, strict=True):
+                    if not self._commit(landing, filled):
+                        return
+                    committed += 1
+                    loaded.append(landing.key)
+                    prefetch.loaded += 1
         finally:
             # past a gap nothing is reachable: once every transfer into them has ended
             # (a thread may still be writing), their pages go back
-            await asyncio.gather(*fetches[committed:], return_exceptions=True)
+            await asyncio.gather(*fetches, return_exceptions=True)
             for landing in landings[committed + 1 :]:
                 landing.finish(False)
+
+    def _runs(self, holders: list[list[L2Adapter]]) -> list[slice]:
+        """The chunks in runs: consecutive chunks held by the same tiers, whose first
+        receives runs in place (the peer tier), up to :data:`_RUN_BYTES` of chunks the
+        size of the last seen; every other chunk a run of its own."""
+        longest = max(1, min(_RUN_CHUNKS, _RUN_BYTES // self._chunk_bytes))
+        runs: list[slice] = []
+        start = 0
+        while start < len(holders):
+            end = start + 1
+            if holders[start][0].name in self._in_place:
+                while (
+                    end < len(holders) and end - start < longest and holders[end] == holders[start]
+                ):
+                    end += 1
+            runs.append(slice(start, end))
+            start = end
+        return runs
+
+    async def _fetch_run(
+        self, tiers: list[list[L2Adapter]], landings: list[ChunkLanding]
+    ) -> list[bool]:
+        """A run's chunks into their landings' pages: whether each holds its chunk now. The
+        first tier gives what it can in one go; the chunks after the first it did not give
+        are fetched one by one (:meth:`_fetch`: the next holder, the next tier)."""
+        first = tiers[0][0]
+        if len(landings) == 1 or first.name not in self._in_place:
+            return [await self._fetch(tiers[0], landings[0])]
+        names = [ObjectKey(landing.tenant, landing.key) for landing in landings]
+        filled = 0
+        try:
+            started = time.perf_counter()
+            filled = await cast(ReceivesInPlace, first).get_run_into(names, landings)
+            if filled:
+                per_chunk = (time.perf_counter() - started) / filled
+                self._observe(first, per_chunk, landings[0].size)
+        except Exception as error:
+            _failures.exception(f"a prefetch's run failed: {type(error).__name__}")
+        stopped = landings[filled:]
+        if stopped and stopped[0].turn() is not False and not _refused(stopped[0]):
+            rest = await asyncio.gather(
+                *(
+                    self._fetch(t, landing)
+                    for t, landing in zip(tiers[filled:], stopped, strict=True)
+                )
+            )
+        else:
+            rest = [False] * len(stopped)
+        for landing in landings:
+            landing.give_up()  # whatever happened, the chunks after it stop waiting
+        return [True] * filled + rest
 
     def _landings(self, prefetch: Prefetch, count: int, loaded: list[bytes]) -> list[ChunkLanding]:
         """One landing per chunk, each reserving after the one before."""
@@ -282,7 +337,7 @@ class Prefetcher:
                     payload = await self._get(tier, landing.tenant, landing.key)
                     if payload is not None:
                         return await self._land(landing, payload)
-                if landing.reservation is not None and not landing.reserved:
+                if _refused(landing):
                     return False  # L1 refused it: no other tier changes that
             return False
         except Exception as error:
@@ -347,6 +402,11 @@ class Prefetcher:
     def _changed(self) -> None:
         for listener in self._listeners:
             listener()
+
+
+def _refused(landing: ChunkLanding) -> bool:
+    """L1 refused the chunk its place (quota, full): no tier changes that."""
+    return landing.reservation is not None and not landing.reserved
 
 
 def _waker(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> Callable[[], None]:

@@ -9,6 +9,7 @@ in :mod:`kvpool.agent.core.l1`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain, repeat
 from dataclasses import dataclass
 
 from kvpool.agent.core.cache_types import InvalidRequest, Placement, Reservation
@@ -75,8 +76,10 @@ class ChunkCycle:
         if previous != NIL and owner[previous] != account.index:
             previous = NIL  # never link across tenants
         protected: set[int] = {previous} if previous != NIL else set()
-        # The run's own cached chunks too: the room made for the run must not evict them.
-        protected.update(slot for slot in map(self._index.get, (*keep, *keys)) if slot is not None)
+        # The run's own cached chunks too: the room made for the run must not evict them
+        # (``keep`` grows with a prefetch's prefix: mapped in C, not a Python loop).
+        protected.update(map(self._index.get, chain(keep, keys), repeat(NIL)))
+        protected.discard(NIL)
         placements: list[Placement | None] = []
         new_slots: list[int] = []
         refused: str | None = None
