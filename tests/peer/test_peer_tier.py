@@ -393,13 +393,31 @@ def test_a_host_cut_off_is_a_miss_and_a_hit_again_once_back(pool: Pool, hosts: H
 
 
 def test_a_busy_peer_refuses_past_its_cap_and_the_puller_waits_its_turn(pool: Pool) -> None:
+    """48 chunks: the first, then 3 runs of 16 asked at once (each on a connection of its
+    own), of a peer that serves one transfer at a time."""
     first, second = pool({"PEERS__MAX_TRANSFERS": "1"}, {"PEERS__MAX_TRANSFERS": "8"})
-    keys = chain("many", 16)
-    chunks = [data(n, 1 << 20) for n in range(16)]
-    store(first, keys, chunks)
+    keys = chain("many", 48)
+    chunks = [data(n, 1 << 20) for n in range(48)]
+    for start in range(0, 48, 16):
+        store(first, keys[start : start + 16], chunks[start : start + 16])
     assert pull(second, keys) == len(keys)
     assert held(second, keys) == chunks
     assert metric(first, 'kvpool_peer_refused_total{reason="busy"}') >= 1
+
+
+def test_a_long_prefix_comes_whole_in_more_runs_than_the_puller_asks_at_once(
+    pool: Pool,
+) -> None:
+    """20 pipelined runs of 8 chunks, at most 2 asked of the peer at once: a run whose turn
+    has not come waits for it with no request slot held, so no run waits on one behind it
+    (which would stall the prefix until the turn's timeout, past the pull's)."""
+    first, second = pool({}, {"PEERS__MAX_TRANSFERS": "2"})
+    keys = chain("long", 160)
+    chunks = [data(n, 64 << 10) for n in range(160)]
+    store(first, keys, chunks)
+    assert pull(second, keys) == len(keys)
+    assert held(second, keys) == chunks
+    assert metric(second, 'kvpool_peer_fetched_chunks_total{peer="host-0"}') == len(keys)
 
 
 def test_the_bandwidth_cap_paces_what_a_peer_serves(pool: Pool) -> None:

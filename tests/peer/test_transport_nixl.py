@@ -102,51 +102,63 @@ def test_bodies_land_where_the_client_lent_and_a_larger_chunk_grows_the_landing(
     assert not loopback.errors
 
 
-def test_a_landing_before_the_handshake_is_refused(loopback: Loopback) -> None:
+@pytest.mark.parametrize(
+    ("proven", "landing", "refusal"),
+    [
+        (False, Landing("client/x", b"metadata", 4096, 4096), "before the handshake"),
+        (True, Landing("other/x", b"metadata", 4096, 4096), "of agent 'other/x' from node"),
+        (True, Landing("client/x", b"metadata", 1 << 20, 1 << 20, 0), "in 0 slots"),
+        (True, Landing("client/x", b"metadata", 1 << 20, 1 << 20, MAX_SLOTS + 1), "slots"),
+    ],
+    ids=["before-the-handshake", "another-nodes-agent", "no-slots", "too-many-slots"],
+)
+def test_a_landing_the_server_must_not_take_is_refused(
+    loopback: Loopback, proven: bool, landing: Landing, refusal: str
+) -> None:
+    """Before the handshake, of an agent not named after the node that proved itself, or in
+    no slots or more than a server keeps writes for: the connection ends."""
     outcome: list[BaseException] = []
 
     def answer(channel: PeerChannel) -> None:
-        with pytest.raises(WireError, match="before the handshake") as refused:
+        if proven:
+            channel.proven("client", False)
+        with pytest.raises(WireError, match=refusal) as refused:
             channel.receive()
         outcome.append(refused.value)
 
     client = loopback.connect(answer)
-    client.send(Landing("client/x", b"metadata", 4096, 4096))
+    client.send(landing)
     client.wait_readable(5)  # the server closes it
     client.close()
     loopback.close()
     assert outcome and not loopback.errors
 
 
-def test_a_landing_of_another_nodes_agent_is_refused(loopback: Loopback) -> None:
-    outcome: list[BaseException] = []
-
-    def answer(channel: PeerChannel) -> None:
-        channel.proven("client", False)
-        with pytest.raises(WireError, match="of agent 'other/x' from node 'client'") as refused:
-            channel.receive()
-        outcome.append(refused.value)
-
-    client = loopback.connect(answer)
-    client.send(Landing("other/x", b"metadata", 4096, 4096))
-    client.wait_readable(5)
-    client.close()
-    loopback.close()
-    assert outcome and not loopback.errors
-
-
-def test_a_client_takes_no_landing_from_its_server(loopback: Loopback) -> None:
+@pytest.mark.parametrize(
+    ("lent", "sent", "refusal"),
+    [
+        (False, Landing("server/x", b"metadata", 4096, 4096), "a landing from a server"),
+        (True, Written(1000, SLOT_BYTES), "of no landing's slot"),  # the first body's slot is 0
+    ],
+    ids=["a-landing", "a-body-outside-its-slot"],
+)
+def test_a_client_refuses_what_its_server_may_not_say(
+    loopback: Loopback, lent: bool, sent: Landing | Written, refusal: str
+) -> None:
     def answer(channel: PeerChannel) -> None:
         channel.proven("client", False)
         channel.receive()
-        channel.send(Landing("server/x", b"metadata", 4096, 4096))
+        assert isinstance(channel, NixlChannel)
+        channel._tcp.send(sent)
 
     client = loopback.connect(answer)
-    client.proven("server", False)
+    client.proven("server", lent)
     client.send(Get("tenant", KEY))
-    with pytest.raises(WireError, match="a landing from a server"):
+    with pytest.raises(WireError, match=refusal):
         client.receive()
     client.close()
+    loopback.close()
+    assert not loopback.errors
 
 
 def test_requests_in_flight_land_in_slots_of_their_own(loopback: Loopback) -> None:
@@ -176,38 +188,3 @@ def test_requests_in_flight_land_in_slots_of_their_own(loopback: Loopback) -> No
     client.close()
     loopback.close()
     assert not loopback.errors
-
-
-def test_a_body_said_to_be_written_outside_its_slot_is_refused(loopback: Loopback) -> None:
-    def answer(channel: PeerChannel) -> None:
-        channel.proven("client", False)
-        channel.receive()
-        assert isinstance(channel, NixlChannel)
-        channel._tcp.send(Written(1000, SLOT_BYTES))  # the second slot, for the first body
-
-    client = loopback.connect(answer)
-    client.proven("server", True)
-    client.send(Get("tenant", KEY))
-    with pytest.raises(WireError, match="of no landing's slot"):
-        client.receive()
-    client.close()
-    loopback.close()
-    assert not loopback.errors
-
-
-@pytest.mark.parametrize("slots", [0, MAX_SLOTS + 1])
-def test_a_landing_of_no_slots_or_too_many_is_refused(loopback: Loopback, slots: int) -> None:
-    outcome: list[BaseException] = []
-
-    def answer(channel: PeerChannel) -> None:
-        channel.proven("client", False)
-        with pytest.raises(WireError, match=f"in {slots} slots") as refused:
-            channel.receive()
-        outcome.append(refused.value)
-
-    client = loopback.connect(answer)
-    client.send(Landing("client/x", b"metadata", 1 << 20, 1 << 20, slots))
-    client.wait_readable(5)
-    client.close()
-    loopback.close()
-    assert outcome and not loopback.errors

@@ -113,12 +113,13 @@ class PeerAdapter:
     async def get_run_into(self, names: Sequence[ObjectKey], into: Sequence[Destination]) -> int:
         """Consecutive chunks of a prefix, each into its ``into``: how many leading chunks
         are there. Each stretch of them that one peer holds first comes in one pipelined
-        request (:meth:`PeerLink.fetch_run`). The chunks after the first that did not come
-        are untouched but for that one, whose reservation a second holder reuses, and whose
-        peer is not asked for it again where it lost the chunk or failed it
+        request (:meth:`PeerLink.fetch_run`); a busy peer is asked for the rest of its run
+        again after the waits :meth:`get_into` makes. The chunks after the first that did
+        not come are untouched but for that one, whose reservation a second holder reuses,
+        and whose peer is not asked for it again where it lost the chunk or failed it
         (:meth:`get_into` asks the others)."""
         self.stats.gets += len(names)
-        start = 0
+        start, busy = 0, iter(BUSY_WAITS)
         while start < len(names):
             holders = self._holders.get(names[start]) or self.directory.links()
             if not holders:
@@ -134,7 +135,12 @@ class PeerAdapter:
             for name in names[start : start + filled]:
                 self._holders.pop(name, None)
             start += filled
-            if stopped is not None:
+            if filled:
+                busy = iter(BUSY_WAITS)
+            wait = next(busy, None) if stopped == "busy" else None
+            if wait is not None:  # the rest of the run, from there, once the peer has room
+                await asyncio.sleep(wait)
+            elif stopped is not None:
                 self._stopped(link, names[start], holders, stopped)
                 break
         return start

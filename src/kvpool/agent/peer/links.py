@@ -3,8 +3,9 @@
 A link keeps a few proven connections to its peer and asks it, on the calling
 thread (the adapter runs links on its own threads, never on the event loop):
 how much of a prefix it holds (:meth:`PeerLink.held`), and for one chunk
-(:meth:`PeerLink.fetch`), received straight into the memory the caller reserves for
-it (L1 pages) and opened there (:meth:`~kvpool.agent.l2.codec.ObjectCodec.open`, in
+(:meth:`PeerLink.fetch`) or a run of a prefix's chunks in one pipelined request
+(:meth:`PeerLink.fetch_run`), each received straight into the memory the caller reserves
+for it (L1 pages) and opened there (:meth:`~kvpool.agent.l2.codec.ObjectCodec.open`, in
 place); and it offers the peer a prefix this agent holds (:meth:`PeerLink.offer`: a
 disaggregated prefill's, for its decode's node). A chunk that
 does not open as the tenant's key asked for (another tenant's, flipped bytes, a
@@ -42,7 +43,7 @@ from kvpool.common.handshake import NotProven
 from kvpool.common.keyring import Keyring
 
 _IDLE = 8
-"""Connections kept open per peer (the prefetch asks for up to 8 chunks at once)."""
+"""Connections kept open per peer (the prefetch asks for up to 8 runs of chunks at once)."""
 REUSE_SECONDS = IDLE_SECONDS / 2
 """A kept connection unused for longer is closed, not reused: the peer may have closed it
 (it waits :data:`~kvpool.agent.peer.wire.IDLE_SECONDS` for a request)."""

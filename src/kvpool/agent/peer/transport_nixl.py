@@ -4,12 +4,14 @@ A connection is a :class:`~kvpool.agent.peer.transport.TcpChannel` first: the
 handshake, every request and every answer cross it as on the TCP transport. Once
 both sides proved the pool's credential, and only then, the asking agent (the
 client) lends the connection a *landing*: a buffer of its own registered with its
-NIXL agent, and sends the server (:class:`~kvpool.agent.peer.wire.Landing`) its
-agent's metadata for that buffer alone (connection and that one registration, not
+NIXL agent, in equal slots, and sends the server (:class:`~kvpool.agent.peer.wire.Landing`)
+its agent's metadata for that buffer alone (connection and that one registration, not
 the agent's other buffers). The server answers a ``Get`` by copying the sealed (or
 authenticated) chunk into a registered send buffer of its own, writing it into the
-landing with one NIXL WRITE, and then saying so on the connection
-(:class:`~kvpool.agent.peer.wire.Written`). The client copies the body out of the
+landing's next slot with one NIXL WRITE, and then saying so on the connection
+(:class:`~kvpool.agent.peer.wire.Written`, with the slot's offset). The client has at
+most one request per slot in flight (its :attr:`NixlChannel.depth`: a pipelined run's),
+so no body lands on one it has not read yet. The client copies the body out of the
 landing into the pages it reserved and opens it there, against the tenant and key
 it asked for, exactly as a body received on TCP: a server (or anyone) writing into
 the landing at another time makes a chunk that does not open, a miss.
@@ -18,9 +20,10 @@ Staged, not one-sided into L1: the segment holds every tenant's pages, so no pee
 learns a descriptor of it; it learns one landing, written only in answer to a request
 on its connection. Landings and send buffers are never freed while the agent runs
 (a write a peer started before the connection closed may still arrive): they go back
-to a free list, by size, for the next connection. Each is a whole number of MiB, the
-smallest that held the largest chunk seen yet (a chunk larger than a connection's
-landing crosses TCP once, and the next connection's landing is larger).
+to a free list, by size, for the next connection. A slot holds the largest chunk seen
+yet (a chunk larger than a slot crosses TCP once, and the next landing, lent once no
+request is in flight, has larger slots); a landing has as many as fit in
+:data:`LANDING_BUDGET`.
 
 The client's agent name is ``NODE/RANDOM``: a server loads a landing only from the node
 that proved itself on that connection, and a restarted agent is a new name, so no

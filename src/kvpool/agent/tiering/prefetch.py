@@ -12,13 +12,17 @@ already counts as placed.
 Each chunk comes from the tier holding it that is expected to cost least
 (:mod:`kvpool.agent.tiering.costs`; the fixed order is NVMe, peers, S3), and
 from the next holder where that one fails (a peer that died mid-transfer).
+The first chunk comes alone; after it, consecutive chunks whose cheapest tier receives in
+place (the peer tier) come in runs sized by the first chunk, one pipelined request each
+(:meth:`~kvpool.agent.l2.base.ReceivesInPlace.get_run_into`); the chunks after the first
+a run did not give go one by one.
 It stops at the first chunk no tier gives or L1 refuses. Listeners (the ZMQ server,
 to answer parked ``prefetch_status`` requests, which wait for the end) hear when the
 run is located and when the prefetch is done.
 
 Slots: at most ``max_in_flight`` prefetches run at once (32), and they are shared fairly,
 since a slow L2 holds each for as long as it is slow: a tenant holds at most half of them
-(16, each loading 8 chunks at a time), and warms (:meth:`PinService.warm
+(16, each loading 8 runs of chunks at a time), and warms (:meth:`PinService.warm
 <kvpool.agent.service.pin_service.PinService.warm>`, which an admin or a space's owner
 may send by the dozen) a quarter of them all together (8), so warms never take the slots
 that lookups need, nor one tenant all of them. A prefetch that finds no slot is refused
@@ -60,7 +64,7 @@ the peer tier)."""
 _RUN_BYTES = 16 << 20
 _RUN_CHUNKS = 16
 """A run of chunks from the peer tier: one pipelined request for this many chunks (of the
-size last seen), up to this many bytes."""
+size of the prefix's first), up to this many bytes."""
 _TYPICAL_CHUNK = 2 << 20
 """The size the tier costs are compared at before a chunk has been seen."""
 
@@ -117,10 +121,10 @@ class Prefetcher:
         """Each key a running prefetch loads (by tenant), with its position there."""
         self._in_place = {tier.name for tier in self.tiers if isinstance(tier, ReceivesInPlace)}
         """The tiers that receive into a landing (a protocol check is too slow per chunk)."""
-        self._decisions: weakref.WeakKeyDictionary[ChunkLanding, asyncio.Event] = (
+        self._decisions: weakref.WeakKeyDictionary[ChunkLanding, _Decision] = (
             weakref.WeakKeyDictionary()
         )
-        """Each landing's decision, awaitable on the loop (set from any thread)."""
+        """Each landing's decision, awaitable on the loop (made from any thread)."""
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -225,20 +229,24 @@ class Prefetcher:
             self._changed()
 
     async def _load(self, prefetch: Prefetch, holders: list[list[L2Adapter]]) -> None:
-        """Fetch up to :data:`_WINDOW` runs of chunks at once, commit them in prompt order,
-        stop at the first chunk that no tier gives or L1 refuses."""
+        """Fetch the first chunk, then up to :data:`_WINDOW` runs of the rest at once (runs
+        of chunks the first one's size); commit them in prompt order, stop at the first
+        chunk that no tier gives or L1 refuses."""
         loaded: list[bytes] = []
         landings = self._landings(prefetch, len(holders), loaded)
         window = asyncio.Semaphore(_WINDOW)
-        runs = self._runs(holders)
 
         async def fetch(run: slice) -> list[bool]:
             async with window:
                 return await self._fetch_run(holders[run], landings[run])
 
-        fetches = [asyncio.ensure_future(fetch(run)) for run in runs]
+        runs = [slice(0, 1)]
+        fetches = [asyncio.ensure_future(fetch(runs[0]))]
         committed = 0
         try:
+            if (await fetches[0])[0] or landings[0].present:  # else none after it lands
+                runs += self._runs(holders, landings[0].size or self._chunk_bytes)
+                fetches += [asyncio.ensure_future(fetch(run)) for run in runs[1:]]
             for run, fetched in zip(runs, fetches, strict=True):
                 for landing, filled in zip(landings[run], await fetched, strict=True):
                     if not self._commit(landing, filled):
@@ -253,13 +261,13 @@ class Prefetcher:
             for landing in landings[committed + 1 :]:
                 landing.finish(False)
 
-    def _runs(self, holders: list[list[L2Adapter]]) -> list[slice]:
-        """The chunks in runs: consecutive chunks held by the same tiers, whose first
-        receives runs in place (the peer tier), up to :data:`_RUN_BYTES` of chunks the
-        size of the last seen; every other chunk a run of its own."""
-        longest = max(1, min(_RUN_CHUNKS, _RUN_BYTES // self._chunk_bytes))
+    def _runs(self, holders: list[list[L2Adapter]], chunk_bytes: int) -> list[slice]:
+        """The chunks after the first in runs: consecutive chunks held by the same tiers,
+        whose first receives runs in place (the peer tier), up to :data:`_RUN_BYTES` of
+        chunks of ``chunk_bytes``; every other chunk a run of its own."""
+        longest = max(1, min(_RUN_CHUNKS, _RUN_BYTES // max(1, chunk_bytes)))
         runs: list[slice] = []
-        start = 0
+        start = 1
         while start < len(holders):
             end = start + 1
             if holders[start][0].name in self._in_place:
@@ -309,14 +317,14 @@ class Prefetcher:
         loop = asyncio.get_running_loop()
         landings: list[ChunkLanding] = []
         for index in range(count):
-            decided = asyncio.Event()
+            decided = _Decision(loop)
             landing = self.service.landing(
                 prefetch.tenant,
                 prefetch.keys[index],
                 prefetch.keys[index - 1] if index else prefetch.parent,
                 loaded,
                 after=landings[-1] if landings else None,
-                on_decided=_waker(loop, decided),
+                on_decided=decided.wake,
             )
             self._decisions[landing] = decided
             landings.append(landing)
@@ -351,7 +359,7 @@ class Prefetcher:
         it holds one."""
         if landing.turn() is None:
             assert landing.after is not None  # only a chunk after another waits
-            await self._decisions[landing.after].wait()
+            await self._decisions[landing.after].wait(landing.after)
         return bool(landing.turn())
 
     async def _land(self, landing: ChunkLanding, payload: bytes | memoryview) -> bool:
@@ -409,10 +417,21 @@ def _refused(landing: ChunkLanding) -> bool:
     return landing.reservation is not None and not landing.reserved
 
 
-def _waker(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> Callable[[], None]:
-    """Sets ``event`` on ``loop`` from any thread."""
+class _Decision:
+    """A landing's decision, awaitable on ``loop``: the loop is woken (from any thread) only
+    where a coroutine awaits it (the peer tier's chunks wait on their threads instead)."""
 
-    def wake() -> None:
-        loop.call_soon_threadsafe(event.set)
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._event = asyncio.Event()
+        self._awaited = False
 
-    return wake
+    def wake(self) -> None:
+        if self._awaited:
+            self._loop.call_soon_threadsafe(self._event.set)
+
+    async def wait(self, landing: ChunkLanding) -> None:
+        """Until ``landing`` (this decision's) has reserved or given up."""
+        self._awaited = True  # before the look: a decision made after it wakes this
+        if not landing.decided:
+            await self._event.wait()

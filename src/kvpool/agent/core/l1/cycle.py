@@ -8,9 +8,9 @@ in :mod:`kvpool.agent.core.l1`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from itertools import chain, repeat
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import chain, repeat
 
 from kvpool.agent.core.cache_types import InvalidRequest, Placement, Reservation
 from kvpool.agent.core.l1.chunks import Chunks
@@ -76,10 +76,8 @@ class ChunkCycle:
         if previous != NIL and owner[previous] != account.index:
             previous = NIL  # never link across tenants
         protected: set[int] = {previous} if previous != NIL else set()
-        # The run's own cached chunks too: the room made for the run must not evict them
-        # (``keep`` grows with a prefetch's prefix: mapped in C, not a Python loop).
-        protected.update(map(self._index.get, chain(keep, keys), repeat(NIL)))
-        protected.discard(NIL)
+        # The run's own cached chunks too: the room made for the run must not evict them.
+        protected.update(self._cached_slots(chain(keep, keys)))
         placements: list[Placement | None] = []
         new_slots: list[int] = []
         refused: str | None = None
@@ -120,6 +118,13 @@ class ChunkCycle:
         lease = self._leases.open(writing=True, slots=new_slots) if new_slots else None
         self._tenants.rest(account)
         return Reservation(lease, tuple(placements), refused)
+
+    def _cached_slots(self, keys: Iterable[bytes]) -> set[int]:
+        """The slots of those of ``keys`` that L1 holds (a prefetch's kept keys grow with its
+        prefix: mapped in C, not in a Python loop)."""
+        slots = set(map(self._index.get, keys, repeat(NIL)))
+        slots.discard(NIL)
+        return slots
 
     def _pages_wanted(self, account: Tenant, keys: Sequence[bytes], sizes: Sequence[int]) -> int:
         """Pages of the chunks of a run that L1 does not hold yet, as far as its tenant's
