@@ -12,8 +12,8 @@ already counts as placed.
 Each chunk comes from the tier holding it that is expected to cost least
 (:mod:`kvpool.agent.tiering.costs`; the fixed order is NVMe, peers, S3), and
 from the next holder where that one fails (a peer that died mid-transfer).
-The first chunk comes alone; after it, consecutive chunks whose cheapest tier receives in
-place (the peer tier) come in runs sized by the first chunk, one pipelined request each
+The first chunk is asked alone; once its size is known, consecutive chunks whose cheapest
+tier receives in place (the peer tier) come in runs sized by it, one pipelined request each
 (:meth:`~kvpool.agent.l2.base.ReceivesInPlace.get_run_into`); the chunks after the first
 a run did not give go one by one.
 It stops at the first chunk no tier gives or L1 refuses. Listeners (the ZMQ server,
@@ -229,9 +229,9 @@ class Prefetcher:
             self._changed()
 
     async def _load(self, prefetch: Prefetch, holders: list[list[L2Adapter]]) -> None:
-        """Fetch the first chunk, then up to :data:`_WINDOW` runs of the rest at once (runs
-        of chunks the first one's size); commit them in prompt order, stop at the first
-        chunk that no tier gives or L1 refuses."""
+        """Fetch the first chunk and, once its size is known (its pages reserved), up to
+        :data:`_WINDOW` runs of the rest at once (runs of chunks its size); commit them in
+        prompt order, stop at the first chunk that no tier gives or L1 refuses."""
         loaded: list[bytes] = []
         landings = self._landings(prefetch, len(holders), loaded)
         window = asyncio.Semaphore(_WINDOW)
@@ -244,8 +244,10 @@ class Prefetcher:
         fetches = [asyncio.ensure_future(fetch(runs[0]))]
         committed = 0
         try:
-            if (await fetches[0])[0] or landings[0].present:  # else none after it lands
-                runs += self._runs(holders, landings[0].size or self._chunk_bytes)
+            first = landings[0]
+            await self._decisions[first].wait(first)  # its size known (or none: it failed)
+            if first.reserved:  # else none after it lands
+                runs += self._runs(holders, first.size or self._chunk_bytes)
                 fetches += [asyncio.ensure_future(fetch(run)) for run in runs[1:]]
             for run, fetched in zip(runs, fetches, strict=True):
                 for landing, filled in zip(landings[run], await fetched, strict=True):
