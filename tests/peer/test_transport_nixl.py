@@ -5,6 +5,7 @@ after the handshake, from the node that proved itself."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -186,5 +187,41 @@ def test_requests_in_flight_land_in_slots_of_their_own(loopback: Loopback) -> No
         client.receive_body(memoryview(received))
         assert received == body
     client.close()
+    loopback.close()
+    assert not loopback.errors
+
+
+def test_a_landing_closed_with_answers_on_their_way_is_not_lent_again_at_once(
+    loopback: Loopback,
+) -> None:
+    """A connection closed while its server may still write answers into its landing (a run
+    cut short): the next connection gets another landing; one closed with nothing in flight
+    gives the next connection its own."""
+    served = threading.Event()
+
+    def answer(channel: PeerChannel) -> None:
+        channel.proven("client", False)
+        with contextlib.suppress(WireError):  # a client that closes before asking
+            channel.receive()  # the landing comes with the first request
+            served.set()
+
+    def landing_of(channel: PeerChannel) -> int:
+        assert isinstance(channel, NixlChannel) and channel._landing is not None
+        return channel._landing.address
+
+    quiet = loopback.connect(answer)
+    quiet.proven("server", True)
+    quiet_landing = landing_of(quiet)
+    quiet.close()
+    asking = loopback.connect(answer)
+    asking.proven("server", True)
+    assert landing_of(asking) == quiet_landing  # nothing was on its way: lent again
+    asking.send(Get("tenant", KEY))
+    assert served.wait(5)
+    asking.close()  # its answer still due
+    after = loopback.connect(answer)
+    after.proven("server", True)
+    assert landing_of(after) != quiet_landing
+    after.close()
     loopback.close()
     assert not loopback.errors

@@ -20,7 +20,9 @@ Staged, not one-sided into L1: the segment holds every tenant's pages, so no pee
 learns a descriptor of it; it learns one landing, written only in answer to a request
 on its connection. Landings and send buffers are never freed while the agent runs
 (a write a peer started before the connection closed may still arrive): they go back
-to a free list, by size, for the next connection. A slot holds the largest chunk seen
+to a free list, by size, for the next connection; a landing whose connection closed with
+answers on their way (a run cut short, a timeout) rests first, for as long as the server
+may take to write them. A slot holds the largest chunk seen
 yet (a chunk larger than a slot crosses TCP once, and the next landing, lent once no
 request is in flight, has larger slots); a landing has as many as fit in
 :data:`LANDING_BUDGET`.
@@ -120,6 +122,8 @@ class NixlEngine:
         self._agent = start_agent(self.name)
         self._lock = threading.Lock()
         self._free: dict[int, list[_Region]] = {}
+        self._resting: list[tuple[float, _Region]] = []
+        """Landings not lent again before a time (see :meth:`give_back`)."""
         self._loaded: Counter[str] = Counter()
         self.slot_bytes = SLOT_BYTES
         """The size of a new landing's slots: the largest chunk seen (at least the default)."""
@@ -128,6 +132,10 @@ class NixlEngine:
         """A registered buffer of at least ``length`` bytes (a whole number of MiB)."""
         length = -(-length // MiB) * MiB
         with self._lock:
+            now = time.monotonic()
+            for rested in [entry for entry in self._resting if entry[0] <= now]:
+                self._resting.remove(rested)
+                self._free.setdefault(len(rested[1].memory), []).append(rested[1])
             free = self._free.get(length)
             if free:
                 return free.pop()
@@ -136,9 +144,14 @@ class NixlEngine:
         descriptors = self._agent.register_memory([(address, length, 0, "")], MEMORY)
         return _Region(memory, address, descriptors)
 
-    def give_back(self, region: _Region) -> None:
+    def give_back(self, region: _Region, rest_until: float | None = None) -> None:
+        """``region`` is free again, or from the monotonic time ``rest_until`` on (a landing
+        whose connection closed with answers on their way: a peer may still write them)."""
         with self._lock:
-            self._free.setdefault(len(region.memory), []).append(region)
+            if rest_until is None:
+                self._free.setdefault(len(region.memory), []).append(region)
+            else:
+                self._resting.append((rest_until, region))
 
     def grow_slots(self, length: int) -> None:
         """A chunk of ``length`` bytes came that no landing's slot held: later ones hold it."""
@@ -337,9 +350,12 @@ class NixlChannel:
         self._tcp.close()
         engine = self._engine
         self._forget_writes()
-        for region in (self._landing, self._outbox):
-            if region is not None:
-                engine.give_back(region)
+        if self._outbox is not None:
+            engine.give_back(self._outbox)
+        if self._landing is not None:
+            # each answer still on its way may be written within the server's I/O timeout
+            rest = (self._in_flight + 1) * self._io_timeout if self._in_flight > 0 else None
+            engine.give_back(self._landing, None if rest is None else time.monotonic() + rest)
         self._landing = self._outbox = None
         if self._target is not None:
             engine.unload(self._target.agent)
