@@ -232,6 +232,8 @@ class Prefetcher:
         """Fetch the first chunk and, once its size is known (its pages reserved), up to
         :data:`_WINDOW` runs of the rest at once (runs of chunks its size); commit them in
         prompt order, stop at the first chunk that no tier gives or L1 refuses."""
+        if not holders:
+            return  # no tier holds the first chunk: nothing to load
         loaded: list[bytes] = []
         landings = self._landings(prefetch, len(holders), loaded)
         window = asyncio.Semaphore(_WINDOW)
