@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.agent.peer.links import failure_reason
 from kvpool.agent.peer.session import Session, accept_session, open_session
 from kvpool.agent.peer.transport import TcpChannel, TcpTransport
 from kvpool.agent.peer.wire import (
@@ -22,6 +23,7 @@ from kvpool.agent.peer.wire import (
     Get,
     Have,
     Offer,
+    PeerClosed,
     WireError,
     frame,
     parse_header,
@@ -159,6 +161,20 @@ def test_a_connection_that_ends_mid_frame_is_a_wire_error(
     channels[0].close()
     with pytest.raises(WireError, match="closed the connection mid-frame"):
         channels[1].receive()
+
+
+def test_a_connection_closed_between_frames_is_its_end_not_a_broken_protocol(
+    channels: tuple[TcpChannel, TcpChannel],
+) -> None:
+    """A client that stops closes its kept connections between two requests: the server's
+    reader ends there, counting nothing as malformed (it catches a ``ConnectionError`` as
+    the peer gone), and a client's reused connection is asked again on a fresh one."""
+    channels[0].send(Have(3))
+    channels[0].close()
+    assert channels[1].receive() == (Have(3), 0)
+    with pytest.raises(PeerClosed, match=r"closed the connection$"):
+        channels[1].receive()
+    assert not issubclass(PeerClosed, WireError) and failure_reason(PeerClosed()) == "broken"
 
 
 def test_the_tcp_transport_connects_to_its_listener() -> None:

@@ -11,8 +11,9 @@ channel would post the body as a one-sided read or write between registered
 buffers, and carry the messages on its own queue pair (docs/platform/peers.md).
 
 Every call is blocking with the timeout given at connect or accept: a peer
-that sends or takes nothing for that long raises :class:`TimeoutError`, and a
-connection that ends mid-frame :class:`~kvpool.agent.peer.wire.WireError`. A
+that sends or takes nothing for that long raises :class:`TimeoutError`, a
+connection that ends mid-frame :class:`~kvpool.agent.peer.wire.WireError`, and one
+that ends between frames :class:`~kvpool.agent.peer.wire.PeerClosed`. A
 deadline (:meth:`PeerChannel.set_deadline`) bounds every call together: a peer
 that trickles a byte at a time still raises :class:`TimeoutError` once it
 passes (the server's handshake runs under one).
@@ -31,6 +32,7 @@ from kvpool.agent.peer.wire import (
     FRAME,
     MAX_META_BYTES,
     Message,
+    PeerClosed,
     WireError,
     frame,
     parse_header,
@@ -153,7 +155,7 @@ class TcpChannel:
             self._sock.sendall(piece)
 
     def receive(self, max_meta_bytes: int = MAX_META_BYTES) -> tuple[Message, int]:
-        self._read_into(memoryview(self._header))
+        self._read_into(memoryview(self._header), between_frames=True)
         meta_length, body_length = parse_header(self._header, max_meta_bytes)
         meta = bytearray(meta_length)
         self._read_into(memoryview(meta))
@@ -180,11 +182,17 @@ class TcpChannel:
             raise TimeoutError(f"{self.remote} is past its deadline")
         self._sock.settimeout(left if self._io_timeout is None else min(left, self._io_timeout))
 
-    def _read_into(self, view: memoryview) -> None:
+    def _read_into(self, view: memoryview, *, between_frames: bool = False) -> None:
+        """Exactly ``len(view)`` bytes; :class:`PeerClosed` where the connection ends before
+        the first of them and ``between_frames`` (they start a frame), else a
+        :class:`WireError`."""
+        wanted = len(view)
         while view:
             self._before_call()
             count = self._sock.recv_into(view)
             if count == 0:
+                if between_frames and len(view) == wanted:
+                    raise PeerClosed(f"{self.remote} closed the connection")
                 raise WireError(f"{self.remote} closed the connection mid-frame")
             view = view[count:]
 

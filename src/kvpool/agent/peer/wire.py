@@ -54,6 +54,11 @@ class WireError(ValueError):
     """The peer broke the protocol (or the connection ended mid-frame): close it."""
 
 
+class PeerClosed(ConnectionError):
+    """The other side closed the connection between two frames: the end of its requests
+    (a client that stopped, or dropped a kept connection), not a broken protocol."""
+
+
 class Hello(msgspec.Struct, tag="hello", frozen=True):
     version: int
     node: str
