@@ -69,6 +69,22 @@ def test_chunks_pushed_out_of_l1_come_back_from_nvme(
     assert metric(agent, 'kvpool_l2_hits_total{tier="nvme"}') >= 20
 
 
+def test_a_prefetch_of_a_prefix_no_tier_holds_ends_at_once_and_quietly(
+    agents: Callable[..., AgentProcess], tmp_path: Path
+) -> None:
+    """The usual miss of a new prompt: the prefetch finds nothing in L2, loads nothing, and
+    is not a failure (no traceback, no "a prefetch failed" line)."""
+    agent = agents("a", NVME__PATH=str(tmp_path / "nvme"), NVME__CAPACITY="64MiB")
+    with AgentClient(agent.zmq, token=ADMIN_TOKEN) as client:
+        hit, prefetch = client.lookup_prefetch(TENANT, [key(n) for n in range(4)])
+        assert hit.count == 0 and prefetch
+        progress = client.prefetch_status(prefetch, wait_ms=4000)
+        assert progress.done and progress.expected == 0 and progress.loaded == 0, progress
+    assert metric(agent, "kvpool_prefetch_loaded_chunks_total") == 0
+    log = "".join(agent.log)
+    assert "prefetch failed" not in log and "Traceback" not in log, log
+
+
 def test_a_chain_that_fits_in_l1_keeps_its_whole_prefix_with_an_nvme_tier(
     agents: Callable[..., AgentProcess], tmp_path: Path
 ) -> None:
