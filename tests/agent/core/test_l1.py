@@ -67,6 +67,22 @@ def test_commit_of_a_prefix_discards_the_rest(policy: str) -> None:
         cache.commit(reservation.lease)
 
 
+def test_a_trimmed_reservation_keeps_its_head_and_frees_its_keys_after(policy: str) -> None:
+    cache = make_cache(policy=policy)
+    reservation = cache.reserve("t", [key(1), key(2), key(3)], [PAGE] * 3)
+    assert reservation.lease is not None
+    cache.trim(reservation.lease, 1)
+    assert cache.stats().allocated_bytes == PAGE
+    again = cache.reserve("t", [key(2), key(3)], [PAGE // 2] * 2, key(1))  # free to reserve
+    assert again.lease is not None and None not in again.placements
+    assert cache.commit(reservation.lease) == 1 and cache.commit(again.lease) == 2
+    assert hits(cache, "t", [1, 2, 3]) == 3
+    lookup = cache.lookup("t", [key(1), key(2), key(3)], lock=False)
+    assert lookup.sizes == [PAGE, PAGE // 2, PAGE // 2]
+    with pytest.raises(UnknownLease):
+        cache.trim(lookup.lease or 12345, 0)
+
+
 def test_release_of_a_reservation_frees_it(policy: str) -> None:
     cache = make_cache(policy=policy)
     reservation = cache.reserve("t", [key(1)], [PAGE])

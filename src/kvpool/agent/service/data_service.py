@@ -81,10 +81,15 @@ class DataService(ServiceState):
             hook.committed(tenant, keys[:count], self._cache)
         return committed
 
-    def commit_loaded(self, lease: int) -> int:
-        """Make reserved chunks that came from L2 ready (they are there already: no
-        write-back)."""
-        return self._commit(lease, None, write_back=False)
+    def commit_loaded(self, lease: int, count: int | None = None) -> int:
+        """Make the first ``count`` (default all) reserved chunks that came from L2 ready
+        (they are there already: no write-back); discard the rest."""
+        return self._commit(lease, count, write_back=False)
+
+    def trim(self, lease: int, count: int) -> None:
+        """Keep the first ``count`` chunks of a reservation; free the rest."""
+        with self._lock:
+            self._cache.trim(lease, count)
 
     def chunk_view(self, tenant: str) -> memoryview:
         """The chunk file of ``tenant`` (an L1 account) mapped: its chunks' bytes at their

@@ -14,8 +14,10 @@ Each chunk comes from the tier holding it that is expected to cost least
 from the next holder where that one fails (a peer that died mid-transfer).
 The first chunk is asked alone; once its size is known, consecutive chunks whose cheapest
 tier receives in place (the peer tier) come in runs sized by it, one pipelined request each
-(:meth:`~kvpool.agent.l2.base.ReceivesInPlace.get_run_into`); the chunks after the first
-a run did not give go one by one.
+(:meth:`~kvpool.agent.l2.base.ReceivesInPlace.get_run_into`), whose pages are reserved in
+one call to L1 and committed in one
+(:class:`~kvpool.agent.service.landing.RunReservation`); the chunks after the first a run
+did not give go one by one.
 It stops at the first chunk no tier gives or L1 refuses. Listeners (the ZMQ server,
 to answer parked ``prefetch_status`` requests, which wait for the end) hear when the
 run is located and when the prefetch is done.
@@ -48,7 +50,7 @@ from typing import cast
 
 from kvpool.agent.l2.base import L2Adapter, ObjectKey, ReceivesInPlace
 from kvpool.agent.service.data_service import DataService
-from kvpool.agent.service.landing import ChunkLanding
+from kvpool.agent.service.landing import ChunkLanding, RunReservation, finish_in_order
 from kvpool.agent.tiering.costs import TierCosts
 from kvpool.agent.tiering.writeback import LatencyObserver
 from kvpool.common.web.rate_limited_log import RateLimitedLog
@@ -244,26 +246,50 @@ class Prefetcher:
 
         runs = [slice(0, 1)]
         fetches = [asyncio.ensure_future(fetch(runs[0]))]
-        committed = 0
+        finished = 0
         try:
             first = landings[0]
             await self._decisions[first].wait(first)  # its size known (or none: it failed)
             if first.reserved:  # else none after it lands
                 runs += self._runs(holders, first.size or self._chunk_bytes)
+                for run in runs[1:]:
+                    self._reserve_together(landings[run])
                 fetches += [asyncio.ensure_future(fetch(run)) for run in runs[1:]]
             for run, fetched in zip(runs, fetches, strict=True):
-                for landing, filled in zip(landings[run], await fetched, strict=True):
-                    if not self._commit(landing, filled):
-                        return
-                    committed += 1
-                    loaded.append(landing.key)
-                    prefetch.loaded += 1
+                filled = await fetched
+                placed = finish_in_order(landings[run], filled)
+                finished = run.stop
+                self._placed(landings[run][:placed], filled, loaded, prefetch)
+                if placed < len(filled):
+                    return
         finally:
             # past a gap nothing is reachable: once every transfer into them has ended
             # (a thread may still be writing), their pages go back
             await asyncio.gather(*fetches, return_exceptions=True)
-            for landing in landings[committed + 1 :]:
+            for landing in landings[finished:]:
                 landing.finish(False)
+
+    def _reserve_together(self, run: list[ChunkLanding]) -> None:
+        """A run of chunks (from a tier that receives in place) reserves its pages at once."""
+        if len(run) > 1:
+            together = RunReservation(self.service, [landing.key for landing in run])
+            for position, landing in enumerate(run):
+                landing.run, landing.position = together, position
+
+    def _placed(
+        self,
+        landings: list[ChunkLanding],
+        filled: list[bool],
+        loaded: list[bytes],
+        prefetch: Prefetch,
+    ) -> None:
+        """``landings``, in L1 now: counted (those that came from a tier), and kept."""
+        for landing, came in zip(landings, filled, strict=False):
+            if came:
+                self.stats.loaded_chunks += 1
+                self.stats.loaded_bytes += landing.size
+            loaded.append(landing.key)
+        prefetch.loaded += len(landings)
 
     def _runs(self, holders: list[list[L2Adapter]], chunk_bytes: int) -> list[slice]:
         """The chunks after the first in runs: consecutive chunks held by the same tiers,
@@ -373,15 +399,6 @@ class Prefetcher:
             return False
         view[:] = payload
         return True
-
-    def _commit(self, landing: ChunkLanding, filled: bool) -> bool:
-        """Make a landed chunk ready (a chunk L1 held already counts as placed)."""
-        size = landing.size
-        placed = landing.finish(filled)
-        if placed and filled:
-            self.stats.loaded_chunks += 1
-            self.stats.loaded_bytes += size
-        return placed
 
     async def _locate(self, prefetch: Prefetch) -> list[list[L2Adapter]]:
         """For each key of the leading run the tiers have, the tiers holding it, the one

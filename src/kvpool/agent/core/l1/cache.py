@@ -174,6 +174,11 @@ class L1Cache:
         """
         self._leases.release(lease)
 
+    def trim(self, lease: int, count: int) -> None:
+        """Keep the first ``count`` chunks of an uncommitted reservation; free the rest (their
+        keys are free to reserve again)."""
+        self._leases.trim(lease, count)
+
     def is_quarantined(self, lease: int) -> bool:
         """Whether ``lease`` is a write lease that expired and whose pages are still held."""
         return lease in self._leases.quarantine.leases

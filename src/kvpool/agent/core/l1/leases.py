@@ -84,6 +84,15 @@ class LeaseTable:
         self.active[lease] = record
         self.write_leases += record.writing
 
+    def trim(self, lease: int, count: int) -> None:
+        """Keep the first ``count`` chunks of an open write lease reserved; free the rest."""
+        record = self.active.get(lease)
+        if record is None or not record.writing:
+            raise UnknownLease(f"lease {lease} is not an open reservation")
+        for slot in record.slots[count:]:
+            self._chunks.free(slot)
+        del record.slots[count:]
+
     def release(self, lease: int) -> None:
         """End a lease: free its reservation, or drop its read locks, or its quarantine."""
         if lease in self.quarantine.leases:
