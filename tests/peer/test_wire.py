@@ -13,7 +13,7 @@ import pytest
 
 from kvpool.agent.peer.links import failure_reason
 from kvpool.agent.peer.session import Session, accept_session, open_session
-from kvpool.agent.peer.transport import TcpChannel, TcpTransport
+from kvpool.agent.peer.transport import READ_AHEAD, TcpChannel, TcpTransport
 from kvpool.agent.peer.wire import (
     FRAME,
     MAGIC,
@@ -161,6 +161,25 @@ def test_a_connection_that_ends_mid_frame_is_a_wire_error(
     channels[0].close()
     with pytest.raises(WireError, match="closed the connection mid-frame"):
         channels[1].receive()
+
+
+def test_frames_sent_back_to_back_are_read_ahead_and_come_apart_whole(
+    channels: tuple[TcpChannel, TcpChannel],
+) -> None:
+    """A pipelined run's answers arrive together: one read brings a frame's header, its
+    message and part of its body (and the next frame's), and each comes out whole."""
+    small, large = bytes(range(200)), secrets.token_bytes(3 * READ_AHEAD)
+    channels[0].send(Have(1), [small])
+    channels[0].send(Have(2), [large])
+    channels[0].send(Have(3))
+    received: list[tuple[object, bytes]] = []
+    for _ in range(3):
+        message, length = channels[1].receive()
+        body = memoryview(bytearray(length))
+        channels[1].receive_body(body)
+        received.append((message, bytes(body)))
+        assert channels[1].wait_readable(0) == (len(received) < 3)
+    assert received == [(Have(1), small), (Have(2), large), (Have(3), b"")]
 
 
 def test_a_connection_closed_between_frames_is_its_end_not_a_broken_protocol(

@@ -129,6 +129,12 @@ DEPTH = 8
 the server always has the next request when it has sent an answer."""
 
 
+READ_AHEAD = 4096
+"""Bytes a TCP channel reads at once while it waits for a frame's header and message: one
+``recv`` brings them (and a small chunk's own header), where reading each exactly would
+take one each; a body is received straight into its memory, but for what came along."""
+
+
 class TcpChannel:
     transport = "tcp"
     lands = False
@@ -137,7 +143,9 @@ class TcpChannel:
     def __init__(self, sock: socket.socket, remote: str) -> None:
         self._sock = sock
         self.remote = remote
-        self._header = bytearray(FRAME.size)
+        self._ahead = bytearray(READ_AHEAD)
+        self._start = self._end = 0
+        """What was read ahead and not taken yet: ``_ahead[_start:_end]``."""
         self._io_timeout = sock.gettimeout()
         self._deadline: float | None = None
 
@@ -155,16 +163,25 @@ class TcpChannel:
             self._sock.sendall(piece)
 
     def receive(self, max_meta_bytes: int = MAX_META_BYTES) -> tuple[Message, int]:
-        self._read_into(memoryview(self._header), between_frames=True)
-        meta_length, body_length = parse_header(self._header, max_meta_bytes)
-        meta = bytearray(meta_length)
-        self._read_into(memoryview(meta))
+        meta_length, body_length = parse_header(
+            self._take(FRAME.size, between_frames=True), max_meta_bytes
+        )
+        if meta_length <= READ_AHEAD:
+            return parse_message(self._take(meta_length)), body_length
+        meta = memoryview(bytearray(meta_length))
+        self.receive_body(meta)
         return parse_message(meta), body_length
 
     def receive_body(self, into: memoryview) -> None:
-        self._read_into(into)
+        ready = min(len(into), self._end - self._start)
+        if ready:
+            into[:ready] = self._ahead[self._start : self._start + ready]
+            self._start += ready
+        self._read_into(into[ready:])
 
     def wait_readable(self, timeout: float) -> bool:
+        if self._end > self._start:
+            return True
         readable, _, _ = select.select([self._sock], [], [], timeout)
         return bool(readable)
 
@@ -182,17 +199,33 @@ class TcpChannel:
             raise TimeoutError(f"{self.remote} is past its deadline")
         self._sock.settimeout(left if self._io_timeout is None else min(left, self._io_timeout))
 
-    def _read_into(self, view: memoryview, *, between_frames: bool = False) -> None:
-        """Exactly ``len(view)`` bytes; :class:`PeerClosed` where the connection ends before
-        the first of them and ``between_frames`` (they start a frame), else a
-        :class:`WireError`."""
-        wanted = len(view)
+    def _take(self, count: int, *, between_frames: bool = False) -> bytes:
+        """The next ``count`` bytes (at most :data:`READ_AHEAD`), reading ahead as much as
+        has arrived: :class:`PeerClosed` where the connection ends before the first of them
+        and ``between_frames`` (they start a frame), else a :class:`WireError`."""
+        if self._end - self._start < count:
+            ahead = self._ahead
+            ahead[: self._end - self._start] = ahead[self._start : self._end]
+            self._end -= self._start
+            self._start = 0
+            view = memoryview(ahead)
+            while self._end < count:
+                self._before_call()
+                got = self._sock.recv_into(view[self._end :])
+                if got == 0:
+                    if between_frames and self._end == 0:
+                        raise PeerClosed(f"{self.remote} closed the connection")
+                    raise WireError(f"{self.remote} closed the connection mid-frame")
+                self._end += got
+        taken = bytes(self._ahead[self._start : self._start + count])
+        self._start += count
+        return taken
+
+    def _read_into(self, view: memoryview) -> None:
         while view:
             self._before_call()
             count = self._sock.recv_into(view)
             if count == 0:
-                if between_frames and len(view) == wanted:
-                    raise PeerClosed(f"{self.remote} closed the connection")
                 raise WireError(f"{self.remote} closed the connection mid-frame")
             view = view[count:]
 
