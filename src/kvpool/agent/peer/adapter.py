@@ -121,7 +121,7 @@ class PeerAdapter:
         self.stats.gets += len(names)
         start, busy = 0, iter(BUSY_WAITS)
         while start < len(names):
-            holders = self._holders.get(names[start]) or self.directory.links()
+            holders = self._holders_of(names[start])
             if not holders:
                 break
             link, end = holders[0], start + 1
@@ -146,8 +146,14 @@ class PeerAdapter:
         return start
 
     def _first_holder(self, name: ObjectKey) -> PeerLink | None:
-        holders = self._holders.get(name) or self.directory.links()
+        holders = self._holders_of(name)
         return holders[0] if holders else None
+
+    def _holders_of(self, name: ObjectKey) -> list[PeerLink]:
+        """The peers to ask for ``name``: those remembered (none, where every holder lost or
+        failed it), else every peer."""
+        remembered = self._holders.get(name)
+        return self.directory.links() if remembered is None else remembered
 
     def _stopped(
         self, link: PeerLink, name: ObjectKey, holders: list[PeerLink], stopped: StopReason
