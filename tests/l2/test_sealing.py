@@ -173,3 +173,23 @@ async def test_a_header_field_changed_by_one_bit_does_not_open(tmp_path: Path) -
             tenant = forged[43:75].rstrip(b"\0").decode(errors="replace")
             with pytest.raises(IntegrityError):
                 sealer.open(ObjectKey(tenant, bytes(forged[11:43])), bytes(forged), body)
+
+
+@pytest.mark.parametrize("seal", [True, False], ids=["sealed", "integrity"])
+async def test_an_object_built_in_place_opens_as_one_built_apart(
+    tmp_path: Path, seal: bool
+) -> None:
+    """The peer server builds an object straight into NIXL's send buffer (encode_into):
+    the same format as encode, and a flipped byte anywhere in it does not open."""
+    write_key(tmp_path / "keys", 1, KEY_1)
+    sealer = codec(tmp_path / "keys", seal=seal)
+    name, data = chunk(0), payload(1000)
+    built = memoryview(bytearray(HEADER.size + len(data)))
+    sealer.encode_into(name, data, built, 1)
+    assert sealer.decode(name, bytes(built)) == data
+    assert (bytes(built[HEADER.size :]) == data) == (not seal)  # sealed: no plaintext
+    for index in (0, HEADER.size - 1, HEADER.size, len(built) - 1):
+        forged = bytearray(built)
+        forged[index] ^= 0x01
+        with pytest.raises(IntegrityError):
+            sealer.decode(name, bytes(forged))

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import threading
 from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvpool.agent.peer.transport import PeerChannel
+from kvpool.agent.peer.transport import PeerChannel, TcpChannel
 from kvpool.agent.peer.transport_nixl import MAX_SLOTS, SLOT_BYTES, NixlChannel, NixlTransport
 from kvpool.agent.peer.wire import Get, Landing, Object, PeerClosed, WireError, Written
 from kvpool.tools.bench.local.peers import LINK_ENVIRONMENT
@@ -101,6 +102,35 @@ def test_bodies_land_where_the_client_lent_and_a_larger_chunk_grows_the_landing(
     client.close()
     loopback.close()
     assert not loopback.errors
+
+
+def test_a_body_built_in_the_send_buffer_lands_as_it_was_built(loopback: Loopback) -> None:
+    """A server builds (seals) a body where NIXL sends it from, and sends it as it lies:
+    only where the client's landing takes it; on TCP there is no such memory."""
+    bodies = [os.urandom(size) for size in (1000, 5000)]
+    offered: list[bool] = []
+
+    def answer(channel: PeerChannel) -> None:
+        channel.proven("client", False)
+        offered.append(channel.body_memory(10) is not None)  # no landing yet: none
+        for body in bodies:
+            channel.receive()
+            built = channel.body_memory(len(body))
+            assert built is not None and channel.body_memory(SLOT_BYTES + 1) is None
+            built = channel.body_memory(len(body))  # the last one handed out is the one sent
+            assert built is not None
+            built[:] = body
+            channel.send(Object(), [built])
+
+    client = loopback.connect(answer)
+    client.proven("server", True)
+    assert [_read(client) for _ in bodies] == bodies
+    client.close()
+    loopback.close()
+    assert not loopback.errors and offered == [False]
+    left, right = socket.socketpair()
+    with left, right:
+        assert TcpChannel(left, "left").body_memory(10) is None
 
 
 @pytest.mark.parametrize(

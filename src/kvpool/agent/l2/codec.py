@@ -32,7 +32,7 @@ from collections.abc import Iterator
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers import AEADEncryptionContext, Cipher, algorithms, modes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF, HKDFExpand
 
 from kvpool.agent.l2.base import ObjectKey
@@ -78,6 +78,38 @@ class ObjectCodec:
         ciphertext in a buffer borrowed from :attr:`buffers` where it does. ``key_id``: one
         the reader holds (a peer's), else the active key.
         """
+        associated, cipher = self._encryptor(name, len(payload), key_id)
+        if not self.seal:
+            cipher.authenticate_additional_data(payload)
+            cipher.finalize()
+            yield associated + cipher.tag, payload
+            return
+        with self.buffers.borrow(len(payload)) as body:
+            cipher.update_into(payload, body)
+            cipher.finalize()
+            yield associated + cipher.tag, body
+
+    def encode_into(
+        self, name: ObjectKey, payload: bytes | memoryview, out: memoryview, key_id: int
+    ) -> None:
+        """The object of ``payload`` as ``name`` (its header, then its body) into ``out``,
+        ``HEADER.size`` bytes longer than the payload: sealed from the payload into it, or
+        copied there and authenticated where it lies."""
+        associated, cipher = self._encryptor(name, len(payload), key_id)
+        body = out[HEADER.size :]
+        if self.seal:
+            cipher.update_into(payload, body)
+        else:
+            body[:] = payload
+            cipher.authenticate_additional_data(body)
+        cipher.finalize()
+        out[: HEADER.size] = associated + cipher.tag
+
+    def _encryptor(
+        self, name: ObjectKey, length: int, key_id: int | None
+    ) -> tuple[bytes, AEADEncryptionContext]:
+        """A new object's associated data (its header without the tag) and its cipher, the
+        associated data authenticated."""
         keys = self.keyring.current()
         if key_id is None:
             key_id = keys.active_id
@@ -90,21 +122,13 @@ class ObjectCodec:
             key_id,
             name.key,
             name.tenant.encode(),
-            len(payload),
+            length,
             nonce,
             bytes(TAG_SIZE),
         )[:_ASSOCIATED]
         cipher = self._cipher(keys.by_id[key_id], name.tenant, nonce, None).encryptor()
         cipher.authenticate_additional_data(associated)
-        if not self.seal:
-            cipher.authenticate_additional_data(payload)
-            cipher.finalize()
-            yield associated + cipher.tag, payload
-            return
-        with self.buffers.borrow(len(payload)) as body:
-            cipher.update_into(payload, body)
-            cipher.finalize()
-            yield associated + cipher.tag, body
+        return associated, cipher
 
     def decode(
         self, name: ObjectKey, blob: bytes | memoryview, *, in_place: bool = False

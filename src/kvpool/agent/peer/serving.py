@@ -48,9 +48,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvpool.agent.l2.base import L2Adapter, ObjectKey
-from kvpool.agent.l2.codec import ObjectCodec
+from kvpool.agent.l2.codec import HEADER, ObjectCodec
 from kvpool.agent.peer.session import Session, accept_session
-from kvpool.agent.peer.transport import PeerChannel, PeerListener, split_address
+from kvpool.agent.peer.transport import Buffer, PeerChannel, PeerListener, split_address
 from kvpool.agent.peer.wire import (
     IDLE_SECONDS,
     Accepted,
@@ -323,8 +323,9 @@ class PeerServer:
         payload: bytes | memoryview,
         lease: int | None,
     ) -> None:
-        """Seal or authenticate ``payload`` into a buffer of its own, ending ``lease`` as soon
-        as it is there, and send it (a slow peer holds no lease)."""
+        """Seal or authenticate ``payload`` into a buffer of its own (the channel's send
+        buffer where it has one), ending ``lease`` as soon as it is there, and send it (a
+        slow peer holds no lease)."""
         leases = [] if lease is None else [lease]
         size = len(payload)
         try:
@@ -332,16 +333,12 @@ class PeerServer:
                 channel.send(Busy())
                 return
             try:
-                with contextlib.ExitStack() as detached:
-                    if leases and not self.codec.seal:  # plaintext goes out as it lies: copy it
-                        copy = detached.enter_context(self.codec.buffers.borrow(size))
-                        copy[:] = payload
-                        payload = copy
-                    with self.codec.encode(name, payload, key_id) as (header, body):
-                        self.service.release_all(leases)  # out of the pages: they may go
-                        leases.clear()
-                        self._pacer.wait(size)
-                        channel.send(Object(), [header, body])
+                built = channel.body_memory(HEADER.size + size)
+                if built is not None:  # the object made where it is sent from: no copy
+                    self.codec.encode_into(name, payload, built, key_id)
+                    self._send_detached(channel, [built], size, leases)
+                else:
+                    self._send_apart(channel, key_id, name, payload, leases)
             finally:
                 with self._lock:
                     self.stats.bytes_in_flight -= size
@@ -349,6 +346,34 @@ class PeerServer:
             self.stats.served_bytes += size
         finally:
             self.service.release_all(leases)
+
+    def _send_apart(
+        self,
+        channel: PeerChannel,
+        key_id: int,
+        name: ObjectKey,
+        payload: bytes | memoryview,
+        leases: list[int],
+    ) -> None:
+        """Seal or authenticate ``payload`` into a buffer of the pool's (plaintext copied
+        there first where it lies in L1) and send it."""
+        size = len(payload)
+        with contextlib.ExitStack() as detached:
+            if leases and not self.codec.seal:  # plaintext goes out as it lies: copy it
+                copy = detached.enter_context(self.codec.buffers.borrow(size))
+                copy[:] = payload
+                payload = copy
+            with self.codec.encode(name, payload, key_id) as (header, body):
+                self._send_detached(channel, [header, body], size, leases)
+
+    def _send_detached(
+        self, channel: PeerChannel, body: list[Buffer], size: int, leases: list[int]
+    ) -> None:
+        """Send an object whose ``body`` no longer lies in L1: ``leases`` end first."""
+        self.service.release_all(leases)  # out of the pages: they may go
+        leases.clear()
+        self._pacer.wait(size)
+        channel.send(Object(), body)
 
     @contextlib.contextmanager
     def _transfer(self) -> Iterator[bool]:

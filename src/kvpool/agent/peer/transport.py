@@ -66,6 +66,12 @@ class PeerChannel(Protocol):
         """One frame: ``message``, then the pieces of ``body`` in order."""
         ...
 
+    def body_memory(self, length: int) -> memoryview | None:
+        """A server's: memory to build the next answer's body of ``length`` bytes in, which
+        :meth:`send` then sends as it lies, with no copy, when it is the body's one piece
+        (a NIXL channel's registered send buffer); None: build it anywhere."""
+        ...
+
     def receive(self, max_meta_bytes: int = MAX_META_BYTES) -> tuple[Message, int]:
         """The next message and the length of the body that follows it (read it next); a
         message over ``max_meta_bytes`` is a :class:`~kvpool.agent.peer.wire.WireError`."""
@@ -161,6 +167,9 @@ class TcpChannel:
         self._sock.sendall(head)
         for piece in body:
             self._sock.sendall(piece)
+
+    def body_memory(self, length: int) -> memoryview | None:
+        return None  # sendall copies from anywhere
 
     def receive(self, max_meta_bytes: int = MAX_META_BYTES) -> tuple[Message, int]:
         meta_length, body_length = parse_header(

@@ -278,6 +278,8 @@ class NixlChannel:
         self._prepared: dict[int, _Write] = {}
         """A server's prepared WRITE into each slot (by its offset), posted again for each
         chunk of the same length."""
+        self._built: memoryview | None = None
+        """A server's: the body memory last handed out (:meth:`body_memory`), if not sent."""
 
     @property
     def depth(self) -> int:
@@ -288,6 +290,14 @@ class NixlChannel:
         self._peer = node
         if peer_lands:
             self._lend_landing()
+
+    def body_memory(self, length: int) -> memoryview | None:
+        """The head of the registered send buffer, where the client's landing takes a body
+        of ``length`` bytes."""
+        if not self.lands or self._target is None or length > self._slot_bytes:
+            return None
+        self._built = self._outbox_for(length).view[:length]
+        return self._built
 
     def send(self, message: Message, body: Sequence[Buffer] = ()) -> None:
         length = sum(len(piece) for piece in body)
@@ -420,16 +430,13 @@ class NixlChannel:
 
     def _write(self, body: Sequence[Buffer], length: int, target: Landing, offset: int) -> None:
         engine = self._engine
-        outbox = self._outbox
-        if outbox is None or len(outbox.memory) < length:
-            self._forget_writes()
-            if outbox is not None:
-                engine.give_back(outbox)
-            self._outbox = outbox = engine.region(length)
-        at = 0
-        for piece in body:
-            outbox.memory[at : at + len(piece)] = piece
-            at += len(piece)
+        outbox = self._outbox_for(length)
+        built, self._built = self._built, None
+        if not (len(body) == 1 and body[0] is built):  # else it lies there already
+            at = 0
+            for piece in body:
+                outbox.memory[at : at + len(piece)] = piece
+                at += len(piece)
         prepared = self._prepared.get(offset)
         if prepared is None or prepared.length != length:
             if prepared is not None:
@@ -437,6 +444,17 @@ class NixlChannel:
             prepared = engine.prepare(outbox, length, target.agent, target.address + offset)
             self._prepared[offset] = prepared
         engine.write(prepared, time.monotonic() + self._io_timeout)
+
+    def _outbox_for(self, length: int) -> _Region:
+        """The registered send buffer, replaced by a larger one where it is shorter than
+        ``length``."""
+        outbox = self._outbox
+        if outbox is None or len(outbox.memory) < length:
+            self._forget_writes()
+            if outbox is not None:
+                self._engine.give_back(outbox)
+            self._outbox = outbox = self._engine.region(length)
+        return outbox
 
     def _forget_writes(self) -> None:
         """Release the prepared WRITEs: their buffer or landing changes (or the end)."""
