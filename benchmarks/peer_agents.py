@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
 from kvpool.client import AgentClient
 from kvpool.common.keyring import generate_key
 from kvpool.common.keys import tenant_id
@@ -38,6 +40,7 @@ PULLER = "host-b"
 TENANT = tenant_id("bench-peer")
 BATCH = 8
 """Chunks per store on the holder, as a connector stores a step's."""
+_ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 PULL_SECONDS = 300.0
 """A pull not done by then is an error (the prefetch stalled)."""
 
@@ -67,6 +70,8 @@ class PeerPair:
     holder: AgentClient
     puller: AgentClient
     pids: tuple[int, int]
+    urls: tuple[str, str]
+    """Their HTTP APIs."""
 
     def hold(self, size: int, count: int) -> None:
         """Store ``count`` chunks of ``size`` into the holder's L1, as one prompt's chain."""
@@ -96,9 +101,22 @@ class PeerPair:
         if hit.count or loaded != count:
             raise SystemExit(
                 f"the puller (host B) hit {hit.count} and loaded {loaded} of {count} chunks "
-                f"of {size} bytes" + ("" if prefetch else ": it started no prefetch")
+                f"of {size} bytes"
+                + ("" if prefetch else ": it started no prefetch")
+                + f"; what the agents say of their peers: {self._peers()}"
             )
         return seconds
+
+    def _peers(self) -> str:
+        """Both agents' ``GET /v1/peers`` (what failed, what was refused), for an error."""
+        said = {}
+        for who, url in zip(("holder", "puller"), self.urls, strict=True):
+            try:
+                answer = httpx.get(f"{url}/v1/peers", headers=_ADMIN, timeout=5)
+                said[who] = answer.json()
+            except (httpx.HTTPError, ValueError) as error:
+                said[who] = f"unreadable: {error}"
+        return json.dumps(said)
 
     def pulled_intact(self, size: int, count: int) -> bool:
         """Whether the chunks in the puller's L1 are the holder's, byte for byte."""
@@ -172,4 +190,5 @@ def peer_pair(
             stack.enter_context(AgentClient(holding.zmq, token=ADMIN_TOKEN, timeout=30)),
             stack.enter_context(AgentClient(pulling.zmq, token=ADMIN_TOKEN, timeout=30)),
             (holding.pid, pulling.pid),
+            (holding.http, pulling.http),
         )
