@@ -148,6 +148,9 @@ def test_the_pd_table_and_figures(run: Run) -> None:
     for config in (4, 6):
         figures = run.segments[config]["interference"]
         assert (figures["long_requests"], figures["decode_requests"]) == (2, 4)
-        assert figures["gaps"] > 0 and figures["long_ttft_p50"] > 0
+        # the gaps count only where the client kept up with the stream (a starved client
+        # reads a whole answer at once: none); their logic is tested on fixed answers in
+        # test_bench_cluster_report.py
+        assert 0 <= figures["gaps_during"] <= figures["gaps"] and figures["long_ttft_p50"] > 0
     assert not any(t["title"].startswith("Isolation") for t in run.printed["tables"])
     assert "counters vs answers: agree in every segment" in run.printed["text"]
