@@ -312,6 +312,12 @@ def waiting(gateway: Gateway, server: Server) -> float:
     return picker_gauge(gateway, "waiting", server)
 
 
+def in_time(gateway: Gateway, server: Server) -> bool:
+    """The picker's last read of ``server``'s load succeeded, and was not slow."""
+    ready = picker_gauge(gateway, "ready", server)
+    return bool(ready) and not picker_gauge(gateway, "slow_reads", server)
+
+
 def picker_gauge(gateway: Gateway, gauge: str, server: Server) -> float:
     """The picker's gauge ``kvpool_index_model_server_<gauge>`` of ``server`` (0: none)."""
     name, label = f"kvpool_index_model_server_{gauge}{{", f'server="{server.address}"'
@@ -397,9 +403,10 @@ def test_a_long_queue_and_a_small_gain_send_the_request_elsewhere(gateway: Gatew
             for n in range(6)
         ]
         deadline = time.monotonic() + 30
-        # what the picker sees (it reads every 0.2 s): the queue, and the idle server ready
-        # (on two loaded cores its /metrics may be slow enough to leave it out for a while)
-        while waiting(gateway, busy) < 2 or not picker_gauge(gateway, "ready", idle):
+        # what the picker sees (it reads every 0.2 s): the queue, and the idle server ready,
+        # its last read in time (on two loaded cores its /metrics may be slow enough to
+        # leave it out for a while)
+        while waiting(gateway, busy) < 2 or not in_time(gateway, idle):
             assert time.monotonic() < deadline, picker_view(gateway)
             time.sleep(0.1)
         follow_up = stored + prompt(501, PROMPT - CHUNK - 1)

@@ -133,7 +133,8 @@ def test_a_slow_read_keeps_the_last_load_a_while_and_then_not_ready(
     metrics_servers: list[MetricsServer],
 ) -> None:
     """A busy vLLM can be slow to answer /metrics: its last load is kept through
-    SLOW_READS_KEPT slow reads in a row, not one more; a fast read makes it ready again."""
+    SLOW_READS_KEPT slow reads in a row, not one more; a fast read makes it ready again.
+    The slow reads in a row are published with the state."""
     served, _ = metrics_servers
     served.body = vllm_metrics([(3, 1, 0.2)])
     servers = ModelServers(
@@ -144,14 +145,21 @@ def test_a_slow_read_keeps_the_last_load_a_while_and_then_not_ready(
         wait_until(lambda: all(s.ready for s in servers.snapshot()))
         before = served.reads
         served.drip = 0.01  # the whole body takes seconds: every read times out (0.5 s)
+        counted = set()
         while served.reads < before + SLOW_READS_KEPT + 1:  # the last kept one may run
-            assert servers.snapshot()[0].load == Load(3, 1, 0.2)
+            state = servers.snapshot()[0]
+            assert state.load == Load(3, 1, 0.2)
+            counted.add(state.slow_reads)
             time.sleep(0.005)
         assert servers.snapshot()[0].ready  # the next slow read has only begun
+        counted.add(servers.snapshot()[0].slow_reads)
+        assert counted == set(range(SLOW_READS_KEPT + 1))
         wait_until(lambda: not servers.snapshot()[0].ready)
         assert served.reads >= before + SLOW_READS_KEPT + 1
+        assert servers.snapshot()[0].slow_reads == SLOW_READS_KEPT + 1
         served.drip = 0.0
         wait_until(lambda: servers.snapshot()[0].load == Load(3, 1, 0.2))
+        assert servers.snapshot()[0].slow_reads == 0
     finally:
         servers.stop()
 
@@ -242,5 +250,7 @@ def test_a_kubernetes_discovery_needs_a_selector_and_a_namespace(
     )
     assert isinstance(static, StaticServers)
     assert static.servers == [ServerEndpoint("10.0.0.1:8000", "n1")]
-    configured = ModelServers.of_config(PickerConfig(load_interval_seconds=2), None)
-    assert configured.interval == 2
+    configured = ModelServers.of_config(
+        PickerConfig(load_interval_seconds=2, load_timeout_seconds=3), None
+    )
+    assert (configured.interval, configured.timeout) == (2, 3)

@@ -245,6 +245,14 @@ class PickerConfig(BaseModel):
     load_interval_seconds: float = Field(
         0.5, gt=0, description="How often each server's /metrics is read for its load."
     )
+    load_timeout_seconds: float = Field(
+        1.0,
+        gt=0,
+        description=(
+            "Longest read of one server's /metrics. A read that takes longer keeps the "
+            "server's last load, twice in a row; the third makes it not ready."
+        ),
+    )
     tier_costs: TierCosts = Field(default_factory=TierCosts, description="The picker's estimate.")
     placement_events: str | None = Field(
         None,

@@ -146,6 +146,12 @@ class _PickerCollector(Collector):
             "1 while the model server's /metrics answers (it is then a candidate).",
             labels=["server", "node"],
         )
+        slow = GaugeMetricFamily(
+            "kvpool_index_model_server_slow_reads",
+            "Reads of the model server's /metrics in a row that outlasted "
+            "picker.load_timeout_seconds (its last load is kept through two).",
+            labels=["server"],
+        )
         waiting = GaugeMetricFamily(
             "kvpool_index_model_server_waiting",
             "Requests waiting in the model server, as it last said.",
@@ -163,11 +169,12 @@ class _PickerCollector(Collector):
         )
         for server in self._servers():
             ready.add_metric([server.address, server.node], int(server.ready))
+            slow.add_metric([server.address], server.slow_reads)
             if server.load is not None:
                 waiting.add_metric([server.address], server.load.waiting)
                 running.add_metric([server.address], server.load.running)
                 usage.add_metric([server.address], server.load.kv_cache_usage)
-        yield from (ready, waiting, running, usage)
+        yield from (ready, slow, waiting, running, usage)
 
 
 class _PlacementsCollector(Collector):

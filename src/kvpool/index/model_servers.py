@@ -15,21 +15,23 @@ a minute per pod and value), a server does ``both``: a typo must not take a serv
 every pick.
 
 **Their load.** One background thread reads each server's Prometheus ``/metrics`` every
-``load_interval_seconds``, one server after another, each read bounded in time (``timeout``
-for the whole exchange) and size (``max_bytes``): the Gateway API Inference Extension's
-model-server protocol gauges as vLLM names them (``vllm/v1/metrics/loggers.py``):
-``vllm:num_requests_waiting``, ``vllm:num_requests_running`` (summed over engines, for a
-data-parallel server) and ``vllm:kv_cache_usage_perc`` (a fraction, 1 = full; the highest
-engine's). A new server is read as soon as it is discovered.
+``load_interval_seconds``, one server after another, each read bounded in time
+(``load_timeout_seconds`` for the whole exchange) and size (``max_bytes``): the Gateway
+API Inference Extension's model-server protocol gauges as vLLM names them
+(``vllm/v1/metrics/loggers.py``): ``vllm:num_requests_waiting``,
+``vllm:num_requests_running`` (summed over engines, for a data-parallel server) and
+``vllm:kv_cache_usage_perc`` (a fraction, 1 = full; the highest engine's). A new server is
+read as soon as it is discovered.
 
 **Readiness.** A server is *ready* while its last read succeeded, or only timed out, at most
 :data:`SLOW_READS_KEPT` times in a row since (its last load is kept meanwhile: a vLLM
 server's API process, busy streaming tokens, can be slow to answer ``/metrics`` for a
 moment, and a pick should not turn away from it, or from everything else, on one slow
-read). One never read, whose read failed otherwise (refused, an error status, too large,
-without the two request gauges), or slow once more, has no load and is not ready: the
-picker leaves it out while any other is ready, and falls back to the known servers by
-prompt alone when none is (a broken metrics port must not turn into 503s).
+read; :attr:`ServerState.slow_reads` counts them). One never read, whose read failed
+otherwise (refused, an error status, too large, without the two request gauges), or slow
+once more, has no load and is not ready: the picker leaves it out while any other is
+ready, and falls back to the known servers by prompt alone when none is (a broken metrics
+port must not turn into 503s).
 Nothing here blocks a pick: :meth:`ModelServers.snapshot` returns the last published tuple.
 """
 
@@ -100,6 +102,9 @@ class ServerState:
     """Its last read load; None: never read, or the last read failed (not ready)."""
     role: ServerRole = "both"
     """Its endpoint's role."""
+    slow_reads: int = 0
+    """Reads of its /metrics in a row that timed out (its load is kept through
+    :data:`SLOW_READS_KEPT` of them)."""
 
     @property
     def ready(self) -> bool:
@@ -327,8 +332,6 @@ class ModelServers:
         self._on_change = on_change
         self._lock = threading.Lock()
         self._states: dict[str, ServerState] = {}
-        self._slow_reads: dict[str, int] = {}
-        """Reads in a row that timed out, by address (the reader thread's alone)."""
         self._published: tuple[ServerState, ...] = ()
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -344,6 +347,7 @@ class ModelServers:
         return cls(
             discovery_of(config, namespace),
             interval=config.load_interval_seconds,
+            timeout=config.load_timeout_seconds,
             on_change=on_change,
         )
 
@@ -383,29 +387,29 @@ class ModelServers:
     def _run(self) -> None:
         while not self._stopping.is_set():
             self._wake.clear()
-            addresses = [s.address for s in self._published]
-            for gone in self._slow_reads.keys() - set(addresses):
-                del self._slow_reads[gone]
-            for address in addresses:
+            for server in self._published:
                 if self._stopping.is_set():
                     return
-                slow = self._slow_reads.pop(address, 0)
-                try:
-                    load: Load | None = read_load(address, self.timeout, self.max_bytes)
-                except TimeoutError as error:
-                    self._slow_reads[address] = slow = slow + 1
-                    kept = slow <= SLOW_READS_KEPT
-                    said = "its last load kept" if kept else "not ready"
-                    _failures.warning(f"model server {address}: /metrics slow ({error}); {said}")
-                    if kept:
-                        continue
-                    load = None
-                except (OSError, http.client.HTTPException, ValueError) as error:
-                    _failures.warning(f"model server {address}: no load from /metrics: {error}")
-                    load = None
-                with self._lock:
-                    state = self._states.get(address)
-                    if state is not None:
-                        self._states[address] = replace(state, load=load)
-                        self._publish()
+                self._read(server)
             self._wake.wait(self.interval)
+
+    def _read(self, server: ServerState) -> None:
+        """Read ``server``'s load and publish it (its last one, after a slow read kept)."""
+        address, load, slow = server.address, server.load, 0
+        try:
+            load = read_load(address, self.timeout, self.max_bytes)
+        except TimeoutError as error:
+            slow = server.slow_reads + 1
+            kept = slow <= SLOW_READS_KEPT
+            said = "its last load kept" if kept else "not ready"
+            _failures.warning(f"model server {address}: /metrics slow ({error}); {said}")
+            if not kept:
+                load = None
+        except (OSError, http.client.HTTPException, ValueError) as error:
+            _failures.warning(f"model server {address}: no load from /metrics: {error}")
+            load = None
+        with self._lock:
+            state = self._states.get(address)
+            if state is not None:
+                self._states[address] = replace(state, load=load, slow_reads=slow)
+                self._publish()
