@@ -1,22 +1,20 @@
 """A real Envoy in front of an endpoint picker, as a Gateway API Inference Extension
 gateway configures it (:func:`kvpool.tools.bench.local.envoy.gateway_config`, which the
-route bench uses too), started as a test's :class:`HttpProcess`; ``picker_healthy`` reads
-Envoy's view of the picker.
+route bench uses too), started as the benches start theirs
+(:func:`kvpool.tools.bench.local.envoy.running`: on ports Envoy picks as it binds);
+``picker_healthy`` reads Envoy's view of the picker.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 from kvpool.tools.bench.local import envoy as local
 from kvpool.tools.bench.local.envoy import DESTINATION, EXT_PROC_SERVICE, SERVED_BY
-from kvpool.tools.bench.local.http_process import HttpProcess
-from tests.support.ports import free_port
 
 __all__ = ["DESTINATION", "EXT_PROC_SERVICE", "SERVED_BY", "Envoy", "envoy_binary"]
 
@@ -46,26 +44,13 @@ class Envoy:
     log_level: str = "warning"
     """Envoy's ``-l``; ``debug`` shows each stream's ext_proc exchange in the log."""
     port: int = 0
+    """Its listener's, once started."""
     admin_port: int = 0
-    _process: HttpProcess | None = None
+    _running: contextlib.ExitStack | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    def config(self) -> dict[str, Any]:
-        return local.gateway_config(
-            self.port,
-            self.admin_port,
-            self.epp,
-            failure_mode_allow=self.failure_mode_allow,
-            subset=self.subset,
-            fallback=self.fallback,
-            request_body_mode=self.request_body_mode,
-            response_body_mode=self.response_body_mode,
-            message_timeout=self.message_timeout,
-            token=self.token,
-        )
 
     def picker_healthy(self) -> bool:
         """Whether Envoy's health check sees the picker up (admin /clusters)."""
@@ -75,24 +60,27 @@ class Envoy:
         return bool(flags) and all(line.endswith("::healthy") for line in flags)
 
     def start(self, timeout: float = 20.0) -> Envoy:
-        self.port = self.port or free_port()
-        self.admin_port = self.admin_port or free_port()
         self.workdir.mkdir(parents=True, exist_ok=True)
-        config_path = self.workdir / f"envoy-{self.port}.json"
-        config_path.write_text(json.dumps(self.config(), indent=1))
-        self._process = HttpProcess(
-            name="envoy",
-            command=local.command(envoy_binary(), config_path, self.log_level),
-            health_url=f"http://127.0.0.1:{self.admin_port}/ready",
-            log_path=self.workdir / f"envoy-{self.port}.log",
+        running = contextlib.ExitStack()
+        config = local.gateway_config(
+            0,
+            0,
+            self.epp,
+            failure_mode_allow=self.failure_mode_allow,
+            subset=self.subset,
+            fallback=self.fallback,
+            request_body_mode=self.request_body_mode,
+            response_body_mode=self.response_body_mode,
+            message_timeout=self.message_timeout,
+            token=self.token,
         )
-        self._process.start(timeout)
+        bound = running.enter_context(
+            local.running(envoy_binary(), config, self.workdir, timeout, self.log_level)
+        )
+        self.port, self.admin_port, self._running = bound.port, bound.admin_port, running
         return self
 
-    def log_tail(self) -> str:
-        return self._process.log_tail() if self._process else ""
-
     def stop(self) -> None:
-        if self._process is not None:
-            self._process.stop(timeout=5)
-            self._process = None
+        if self._running is not None:
+            self._running.close()
+            self._running = None

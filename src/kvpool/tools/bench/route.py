@@ -24,7 +24,6 @@ import contextlib
 import http.client
 import http.server
 import json
-import socket
 import statistics
 import tempfile
 import threading
@@ -308,12 +307,6 @@ def backends(count: int) -> Iterator[list[str]]:
 # ------------------------------------------------------------------- gateway
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _bodies(index: Index, count: int) -> list[bytes]:
     """``count`` completion bodies, whole, half and not cached prompts in turn."""
     cases = [prompts for _, prompts in index.cases()]
@@ -372,16 +365,14 @@ def gateway_report(
     bodies = _bodies(index, requests)
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as workdir:
         stack.callback(server.stop)
-        picked_port, plain_port = _free_port(), _free_port()
         configs = [
-            envoy.gateway_config(
-                picked_port, _free_port(), f"127.0.0.1:{epp_port}", token=GATEWAY_TOKEN
-            ),
-            envoy.round_robin_config(plain_port, _free_port(), addresses),
+            envoy.gateway_config(0, 0, f"127.0.0.1:{epp_port}", token=GATEWAY_TOKEN),
+            envoy.round_robin_config(0, 0, addresses),
         ]
-        for config in configs:
-            stack.enter_context(envoy.running(binary, config, Path(workdir)))
-        picked, plain = _Client(picked_port), _Client(plain_port)
+        picked, plain = [
+            _Client(stack.enter_context(envoy.running(binary, config, Path(workdir))).port)
+            for config in configs
+        ]
         stack.callback(picked.close)
         stack.callback(plain.close)
         _wait_for_picker(picked, bodies[0])

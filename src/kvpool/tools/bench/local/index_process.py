@@ -18,7 +18,7 @@ import yaml
 
 from kvpool.tools.bench.local.agent_process import BIN, INDEX_TOKEN
 
-READY = re.compile(r"index ready pool=\S+ http=(\S+)")
+READY = re.compile(r"index ready pool=\S+ http=(\S+) discovery=\S+ picker=(\S+)")
 
 
 class Endpoints(Protocol):
@@ -60,6 +60,8 @@ class IndexProcess:
         arguments = [f"--agent={node}={a.zmq},{a.events}" for node, a in agents.items()]
         self.log: list[str] = []
         self.url = ""
+        self.picker = ""
+        """``host:port`` of its endpoint picker (``off``: none)."""
         self.process = subprocess.Popen(
             [BIN / "kvpool-index", *arguments],
             env=environment,
@@ -77,7 +79,7 @@ class IndexProcess:
         for line in self.process.stderr:
             self.log.append(line)
             if match := READY.search(line):
-                self.url = match.group(1)
+                self.url, self.picker = match.group(1), match.group(2)
                 ready.set()
         ready.set()
 
