@@ -72,6 +72,8 @@ class PeerPair:
     pids: tuple[int, int]
     urls: tuple[str, str]
     """Their HTTP APIs."""
+    logs: tuple[list[str], list[str]]
+    """Their logs' lines so far."""
 
     def hold(self, size: int, count: int) -> None:
         """Store ``count`` chunks of ``size`` into the holder's L1, as one prompt's chain."""
@@ -104,6 +106,7 @@ class PeerPair:
                 f"of {size} bytes"
                 + ("" if prefetch else ": it started no prefetch")
                 + f"; what the agents say of their peers: {self._peers()}"
+                + f"; what they logged of it: {self._warnings()}"
             )
         return seconds
 
@@ -117,6 +120,13 @@ class PeerPair:
             except (httpx.HTTPError, ValueError) as error:
                 said[who] = f"unreadable: {error}"
         return json.dumps(said)
+
+    def _warnings(self) -> str:
+        """The last warnings and errors both agents logged, for an error."""
+        said = {}
+        for who, log in zip(("holder", "puller"), self.logs, strict=True):
+            said[who] = [line.strip() for line in log if " WARNING " in line or " ERROR " in line]
+        return json.dumps({who: lines[-10:] for who, lines in said.items()})
 
     def pulled_intact(self, size: int, count: int) -> bool:
         """Whether the chunks in the puller's L1 are the holder's, byte for byte."""
@@ -191,4 +201,5 @@ def peer_pair(
             stack.enter_context(AgentClient(pulling.zmq, token=ADMIN_TOKEN, timeout=30)),
             (holding.pid, pulling.pid),
             (holding.http, pulling.http),
+            (holding.log, pulling.log),
         )
