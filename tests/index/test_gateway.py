@@ -313,9 +313,11 @@ def waiting(gateway: Gateway, server: Server) -> float:
 
 
 def in_time(gateway: Gateway, server: Server) -> bool:
-    """The picker's last read of ``server``'s load succeeded, and was not slow."""
+    """The picker sees ``server`` ready, at most one read slow in a row: it takes two more
+    slow reads, over a second, to leave it out, so a pick made now still counts it (two
+    slow reads may be one away from it; none at all may not come while a queue lasts)."""
     ready = picker_gauge(gateway, "ready", server)
-    return bool(ready) and not picker_gauge(gateway, "slow_reads", server)
+    return bool(ready) and picker_gauge(gateway, "slow_reads", server) <= 1
 
 
 def picker_gauge(gateway: Gateway, gauge: str, server: Server) -> float:
@@ -403,9 +405,9 @@ def test_a_long_queue_and_a_small_gain_send_the_request_elsewhere(gateway: Gatew
             for n in range(6)
         ]
         deadline = time.monotonic() + 30
-        # what the picker sees (it reads every 0.2 s): the queue, and the idle server ready,
-        # its last read in time (on two loaded cores its /metrics may be slow enough to
-        # leave it out for a while)
+        # what the picker sees (it reads every 0.2 s): the queue, and the idle server ready
+        # for a while yet (on two loaded cores its /metrics may be slow enough to leave it
+        # out)
         while waiting(gateway, busy) < 2 or not in_time(gateway, idle):
             assert time.monotonic() < deadline, picker_view(gateway)
             time.sleep(0.1)
