@@ -1,7 +1,8 @@
 """The NIXL transport's channels, two NIXL agents of this process over loopback (UCX held to
 TCP): bodies land where the client lent, a chunk larger than a landing crosses the
-connection once and the next landing holds it, and a landing is taken only by a server,
-after the handshake, from the node that proved itself."""
+connection once and the next landing holds it (lent anew only with no answer on its way),
+and a landing is taken only by a server, after the handshake, from the node that proved
+itself."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
+from kvpool.agent.peer.session import accept_session, open_session
 from kvpool.agent.peer.transport import PeerChannel, TcpChannel
 from kvpool.agent.peer.transport_nixl import MAX_SLOTS, SLOT_BYTES, NixlChannel, NixlTransport
 from kvpool.agent.peer.wire import Get, Landing, Object, PeerClosed, WireError, Written
+from kvpool.common.keyring import Keyring, generate_key
 from kvpool.tools.bench.local.peers import LINK_ENVIRONMENT
 
 KEY = b"k" * 32
@@ -67,6 +71,12 @@ def loopback() -> Iterator[Loopback]:
     made = Loopback()
     yield made
     made.close()
+
+
+@pytest.fixture
+def keyring(tmp_path: Path) -> Keyring:
+    generate_key(tmp_path)
+    return Keyring(tmp_path, what="peer key")
 
 
 def _read(channel: PeerChannel) -> bytes:
@@ -222,15 +232,16 @@ def test_requests_in_flight_land_in_slots_of_their_own(loopback: Loopback) -> No
 
 
 def test_a_landing_closed_with_answers_on_their_way_is_not_lent_again_at_once(
-    loopback: Loopback,
+    loopback: Loopback, keyring: Keyring
 ) -> None:
     """A connection closed while its server may still write answers into its landing (a run
     cut short): the next connection gets another landing; one closed with nothing in flight
-    gives the next connection its own."""
+    gives the next connection its own. Through the real handshake: its messages are no
+    answers on their way."""
     served = threading.Event()
 
     def answer(channel: PeerChannel) -> None:
-        channel.proven("client", False)
+        accept_session(channel, keyring, "pool", "server")
         with contextlib.suppress(PeerClosed):  # a client that closes before asking
             channel.receive()  # the landing comes with the first request
             served.set()
@@ -240,18 +251,54 @@ def test_a_landing_closed_with_answers_on_their_way_is_not_lent_again_at_once(
         return channel._landing.address
 
     quiet = loopback.connect(answer)
-    quiet.proven("server", True)
+    open_session(quiet, keyring, "pool", "client")
     quiet_landing = landing_of(quiet)
     quiet.close()
     asking = loopback.connect(answer)
-    asking.proven("server", True)
+    open_session(asking, keyring, "pool", "client")
     assert landing_of(asking) == quiet_landing  # nothing was on its way: lent again
     asking.send(Get("tenant", KEY))
     assert served.wait(5)
     asking.close()  # its answer still due
     after = loopback.connect(answer)
-    after.proven("server", True)
+    open_session(after, keyring, "pool", "client")
     assert landing_of(after) != quiet_landing
     after.close()
+    loopback.close()
+    assert not loopback.errors
+
+
+def test_after_the_handshake_a_landing_is_lent_anew_only_with_no_answer_on_its_way(
+    loopback: Loopback, keyring: Keyring
+) -> None:
+    """Through the real handshake (whose messages are no requests): another connection saw
+    a larger chunk, and this one asks two chunks at once. Its landing is lent anew before
+    the first request, not between the two, so each body is read where the server wrote it,
+    even when both were written before the client reads either."""
+    bodies = [os.urandom(100_000), os.urandom(100_001)]
+    both_written = threading.Event()
+
+    def answer(channel: PeerChannel) -> None:
+        accept_session(channel, keyring, "pool", "server")
+        for body in bodies:
+            channel.receive()
+            channel.send(Object(), [body])
+        both_written.set()
+
+    client = loopback.connect(answer)
+    open_session(client, keyring, "pool", "client")
+    assert isinstance(client, NixlChannel) and client.depth >= len(bodies)
+    client._engine.grow_slots(SLOT_BYTES + 5)
+    for _ in bodies:
+        client.send(Get("tenant", KEY))
+    assert both_written.wait(5)
+    for body in bodies:
+        answer_, length = client.receive()
+        assert isinstance(answer_, Object) and length == len(body)
+        received = bytearray(length)
+        client.receive_body(memoryview(received))
+        assert received == body
+    assert client._slot_bytes > SLOT_BYTES
+    client.close()
     loopback.close()
     assert not loopback.errors

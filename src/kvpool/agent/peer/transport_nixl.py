@@ -288,6 +288,7 @@ class NixlChannel:
 
     def proven(self, node: str, peer_lands: bool) -> None:
         self._peer = node
+        self._in_flight = 0  # the handshake's messages were no requests (one more came)
         if peer_lands:
             self._lend_landing()
 
