@@ -45,6 +45,7 @@ from tests.support.engines import write_model
 from tests.support.envoy import Envoy
 from tests.support.hosts import hosts_or_skip
 from tests.support.index_process import GATEWAY_TOKEN, IndexProcess
+from tests.support.metrics import picker_gauge, stays_in_the_pick
 from tests.support.ports import free_port
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
@@ -309,24 +310,7 @@ def indexed(gateway: Gateway, tokens: list[int], salt: str, server: Server) -> N
 
 def waiting(gateway: Gateway, server: Server) -> float:
     """The requests waiting in ``server``, as the picker last read them."""
-    return picker_gauge(gateway, "waiting", server)
-
-
-def in_time(gateway: Gateway, server: Server) -> bool:
-    """The picker sees ``server`` ready, at most one read slow in a row: it takes two more
-    slow reads, over a second, to leave it out, so a pick made now still counts it (two
-    slow reads may be one away from it; none at all may not come while a queue lasts)."""
-    ready = picker_gauge(gateway, "ready", server)
-    return bool(ready) and picker_gauge(gateway, "slow_reads", server) <= 1
-
-
-def picker_gauge(gateway: Gateway, gauge: str, server: Server) -> float:
-    """The picker's gauge ``kvpool_index_model_server_<gauge>`` of ``server`` (0: none)."""
-    name, label = f"kvpool_index_model_server_{gauge}{{", f'server="{server.address}"'
-    for line in httpx.get(f"{gateway.index.url}/metrics").text.splitlines():
-        if line.startswith(name) and label in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return picker_gauge(gateway.index.url, "waiting", server.address)
 
 
 def idle(gateway: Gateway) -> None:
@@ -408,7 +392,7 @@ def test_a_long_queue_and_a_small_gain_send_the_request_elsewhere(gateway: Gatew
         # what the picker sees (it reads every 0.2 s): the queue, and the idle server ready
         # for a while yet (on two loaded cores its /metrics may be slow enough to leave it
         # out)
-        while waiting(gateway, busy) < 2 or not in_time(gateway, idle):
+        while waiting(gateway, busy) < 2 or not stays_in_the_pick(gateway.index.url, idle.address):
             assert time.monotonic() < deadline, picker_view(gateway)
             time.sleep(0.1)
         follow_up = stored + prompt(501, PROMPT - CHUNK - 1)

@@ -114,6 +114,7 @@ def test_servers_are_ready_while_their_metrics_answer(metrics_servers: list[Metr
     servers = ModelServers(
         StaticServers([ServerEndpoint(good.address, "n1"), ServerEndpoint(bad.address, "n2")]),
         interval=0.05,
+        timeout=1.0,
     )
     servers.start()
     try:
@@ -178,7 +179,9 @@ def test_a_new_server_is_read_at_once_and_a_gone_one_forgotten(
             """Nothing runs."""
 
     discovery = Changing()
-    servers = ModelServers(discovery, interval=60)  # only a change can cause a second read
+    servers = ModelServers(
+        discovery, interval=60, timeout=1.0
+    )  # only a change can cause a second read
     servers.start()
     try:
         wait_until(lambda: all(s.ready for s in servers.snapshot()))

@@ -1,4 +1,5 @@
-"""Reading one sample of a real agent's (or index's) ``/metrics``, and a process's memory."""
+"""Reading one sample of a real agent's (or index's) ``/metrics``, the picker's view of a model
+server, and a process's memory."""
 
 from __future__ import annotations
 
@@ -20,6 +21,28 @@ def sample(url: str, name: str) -> float:
     text = httpx.get(f"{url}/metrics").text
     match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
     return float(match.group(1)) if match else 0.0
+
+
+def picker_gauge(index: str, gauge: str, server: str) -> float:
+    """The picker's gauge ``kvpool_index_model_server_<gauge>`` of the model server at the
+    address ``server``, on the index at the URL ``index`` (0: none)."""
+    name, label = f"kvpool_index_model_server_{gauge}{{", f'server="{server}"'
+    for line in httpx.get(f"{index}/metrics").text.splitlines():
+        if line.startswith(name) and label in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def stays_in_the_pick(index: str, server: str) -> bool:
+    """The picker of the index at ``index`` sees the model server ``server`` ready, with at
+    most one slow read in a row. A server stays ready until its third slow read in a row:
+    one seen ready after two can drop out a moment later (on two loaded cores, a server busy
+    with a long prompt reads slowly); after one, it takes two more reads, over a second,
+    which a pick made right after this check does not wait for. (Asking for no slow read
+    at all may never come true while a queue lasts.)"""
+    return picker_gauge(index, "ready", server) == 1 and (
+        picker_gauge(index, "slow_reads", server) <= 1
+    )
 
 
 def memory_bytes(pid: int, field: str = "VmRSS") -> int:

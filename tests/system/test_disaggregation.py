@@ -34,7 +34,7 @@ from kvpool.tools.bench.local.models import write_model
 from tests.support.completions import Completion, complete
 from tests.support.engines import poison_segment
 from tests.support.hosts import hosts_or_skip
-from tests.support.metrics import metric
+from tests.support.metrics import metric, stays_in_the_pick
 from tests.support.polling import eventually
 
 pytest.importorskip("vllm")
@@ -88,22 +88,10 @@ class Pair:
         return "\n".join(lines)
 
     def picker_sees_both_ready(self) -> None:
-        """The picker sees both servers ready, each with at most one slow read in a row.
-        Slow reads keep a server ready until the third in a row: a server busy with a long
-        prompt on two loaded cores, seen ready after two, can drop out a moment after this
-        check; after one, it takes two more reads, over a second, which the pick made
-        right after does not wait for."""
+        """The picker sees both servers ready, neither about to drop out."""
         assert self.cluster.index is not None
-        samples = self.cluster.index.get("/metrics").splitlines()
         for server in (self.prefill, self.decode):
-            label = f'server="{server.address}"'
-            gauges = {
-                name.split("{")[0]: float(value)
-                for name, value in (s.rsplit(" ", 1) for s in samples if label in s)
-            }
-            ready = gauges.get("kvpool_index_model_server_ready")
-            slow = gauges.get("kvpool_index_model_server_slow_reads")
-            assert ready == 1 and slow is not None and slow <= 1, (label, ready, slow)
+            assert stays_in_the_pick(self.cluster.index.url, server.address), server.address
 
 
 def prompt(seed: int) -> list[int]:

@@ -319,7 +319,7 @@ class ModelServers:
         discovery: ServerDiscovery,
         *,
         interval: float,
-        timeout: float = 1.0,
+        timeout: float,
         max_bytes: int = 4 << 20,
         on_change: ServersListener | None = None,
     ) -> None:

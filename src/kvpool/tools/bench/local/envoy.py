@@ -301,15 +301,10 @@ def _ext_proc_cluster(epp: str) -> dict[str, Any]:
     return cluster
 
 
-def command(
-    binary: str,
-    config_path: Path,
-    log_level: str = "warning",
-    admin_address_path: Path | None = None,
-) -> list[str]:
+def _command(binary: str, config_path: Path, admin_address_path: Path, log_level: str) -> list[str]:
     """Envoy's command line: one worker thread, a base id of its own; ``admin_address_path``:
     where Envoy writes its admin's address once it listens."""
-    line = [
+    return [
         binary,
         "-c",
         str(config_path),
@@ -319,10 +314,9 @@ def command(
         str(next_base_id()),
         "-l",
         log_level,
+        "--admin-address-path",
+        str(admin_address_path),
     ]
-    if admin_address_path is not None:
-        line += ["--admin-address-path", str(admin_address_path)]
-    return line
 
 
 @dataclass(frozen=True)
@@ -373,7 +367,7 @@ def running(
     log_path = workdir / f"{name}.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            command(binary, config_path, log_level, admin_address_path),
+            _command(binary, config_path, admin_address_path, log_level),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
