@@ -179,9 +179,8 @@ def test_a_new_server_is_read_at_once_and_a_gone_one_forgotten(
             """Nothing runs."""
 
     discovery = Changing()
-    servers = ModelServers(
-        discovery, interval=60, timeout=1.0
-    )  # only a change can cause a second read
+    # only a change can cause a second read
+    servers = ModelServers(discovery, interval=60, timeout=1.0)
     servers.start()
     try:
         wait_until(lambda: all(s.ready for s in servers.snapshot()))

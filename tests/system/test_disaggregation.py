@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import httpx
 import pytest
@@ -166,16 +167,7 @@ def test_a_poisoned_pushed_prompt_fails_the_comparison(pair: Pair) -> None:
     reference = pair.reference(tokens)
     agent = pair.decode_agent
     landed = metric(agent, "kvpool_prefetch_loaded_chunks_total")
-    prefilled = complete(
-        pair.prefill.url,
-        MODEL,
-        tokens,
-        "team-a",
-        params=PrefillParams(push_to=pair.decode.node).to_json(),
-        max_tokens=1,
-        log_tail=pair.logs,
-    )
-    assert prefilled.reply["kv_transfer_params"] == DecodeParams(PROMPT, tail=True).to_json()
+    _push(pair, tokens)
     try:
         eventually(
             lambda: _at_least(agent, "kvpool_prefetch_loaded_chunks_total", landed + 8),
@@ -191,6 +183,33 @@ def test_a_poisoned_pushed_prompt_fails_the_comparison(pair: Pair) -> None:
         httpx.post(f"{agent.http}/v1/clear", headers=ADMIN, timeout=30).raise_for_status()
     assert poisoned.cached == PROMPT - 1, pair.logs()
     assert poisoned.result.differences(reference.result)
+
+
+def _push(pair: Pair, tokens: list[int], tries: int = 3) -> None:
+    """Prefill ``tokens`` on host A, pushed to host B, until A's agent says B accepted the
+    offer. An offer is best effort (one that finds B busy, or fails on a loaded machine, is
+    not sent again: B's own lookup pulls instead); the push itself is proven by the test of
+    the long prompt, and this control only needs the pushed bytes there."""
+    accepted = 'kvpool_peer_offers_sent_total{outcome="accepted"}'
+    prefill_agent = pair.cluster.agents[0]
+    for _ in range(tries):
+        before = metric(prefill_agent, accepted)
+        prefilled = complete(
+            pair.prefill.url,
+            MODEL,
+            tokens,
+            "team-a",
+            params=PrefillParams(push_to=pair.decode.node).to_json(),
+            max_tokens=1,
+            log_tail=pair.logs,
+        )
+        assert prefilled.reply["kv_transfer_params"] == DecodeParams(PROMPT, tail=True).to_json()
+        try:
+            eventually(partial(_at_least, prefill_agent, accepted, before + 1), timeout=10)
+            return
+        except AssertionError:
+            continue
+    raise AssertionError(f"no offer accepted in {tries} pushes\n{pair.offers()}")
 
 
 def _at_least(agent: AgentProcess, name: str, value: float) -> None:
