@@ -45,7 +45,7 @@ from tests.support.engines import write_model
 from tests.support.envoy import Envoy
 from tests.support.hosts import hosts_or_skip
 from tests.support.index_process import GATEWAY_TOKEN, IndexProcess
-from tests.support.metrics import picker_gauge, stays_in_the_pick
+from tests.support.metrics import picker_gauges, stays_in_the_pick
 from tests.support.ports import free_port
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
@@ -310,7 +310,7 @@ def indexed(gateway: Gateway, tokens: list[int], salt: str, server: Server) -> N
 
 def waiting(gateway: Gateway, server: Server) -> float:
     """The requests waiting in ``server``, as the picker last read them."""
-    return picker_gauge(gateway.index.url, "waiting", server.address)
+    return picker_gauges(gateway.index.url, server.address).get("waiting", 0.0)
 
 
 def idle(gateway: Gateway) -> None:

@@ -23,14 +23,16 @@ def sample(url: str, name: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def picker_gauge(index: str, gauge: str, server: str) -> float:
-    """The picker's gauge ``kvpool_index_model_server_<gauge>`` of the model server at the
-    address ``server``, on the index at the URL ``index`` (0: none)."""
-    name, label = f"kvpool_index_model_server_{gauge}{{", f'server="{server}"'
+def picker_gauges(index: str, server: str) -> dict[str, float]:
+    """The picker's gauges ``kvpool_index_model_server_<name>`` of the model server at the
+    address ``server``, by name, from one read of the index's ``/metrics`` at the URL
+    ``index``."""
+    prefix, label = "kvpool_index_model_server_", f'server="{server}"'
+    gauges = {}
     for line in httpx.get(f"{index}/metrics").text.splitlines():
-        if line.startswith(name) and label in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+        if line.startswith(prefix) and label in line:
+            gauges[line[len(prefix) :].split("{", 1)[0]] = float(line.rsplit(" ", 1)[1])
+    return gauges
 
 
 def stays_in_the_pick(index: str, server: str) -> bool:
@@ -40,9 +42,8 @@ def stays_in_the_pick(index: str, server: str) -> bool:
     with a long prompt reads slowly); after one, it takes two more reads, over a second,
     which a pick made right after this check does not wait for. (Asking for no slow read
     at all may never come true while a queue lasts.)"""
-    return picker_gauge(index, "ready", server) == 1 and (
-        picker_gauge(index, "slow_reads", server) <= 1
-    )
+    gauges = picker_gauges(index, server)
+    return gauges.get("ready") == 1 and gauges.get("slow_reads", 0.0) <= 1
 
 
 def memory_bytes(pid: int, field: str = "VmRSS") -> int:
