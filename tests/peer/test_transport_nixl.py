@@ -16,9 +16,14 @@ from pathlib import Path
 import pytest
 
 from kvpool.agent.peer.session import accept_session, open_session
-from kvpool.agent.peer.transport import PeerChannel, TcpChannel
-from kvpool.agent.peer.transport_nixl import MAX_SLOTS, SLOT_BYTES, NixlChannel, NixlTransport
-from kvpool.agent.peer.wire import Get, Landing, Object, PeerClosed, WireError, Written
+from kvpool.agent.peer.transport import DEPTH, PeerChannel, TcpChannel
+from kvpool.agent.peer.transport_nixl import (
+    LANDING_BUDGET,
+    SLOT_BYTES,
+    NixlChannel,
+    NixlTransport,
+)
+from kvpool.agent.peer.wire import Get, Landing, Missing, Object, PeerClosed, WireError, Written
 from kvpool.common.keyring import Keyring, generate_key
 from kvpool.tools.bench.local.peers import LINK_ENVIRONMENT
 
@@ -55,6 +60,7 @@ class Loopback:
         channel = self.listener.accept()
         try:
             answer(channel)
+            channel.wait_readable(5)  # its answers are said as their writes end: until it goes
         except BaseException as error:  # the test reads it
             self.errors.append(error)
         finally:
@@ -81,6 +87,23 @@ def keyring(tmp_path: Path) -> Keyring:
 
 def _read(channel: PeerChannel) -> bytes:
     channel.send(Get("tenant", KEY))
+    return _answered(channel)
+
+
+def _answering(bodies: list[bytes]) -> Answer:
+    """A server's end that answers each request with the next of ``bodies``."""
+
+    def answer(channel: PeerChannel) -> None:
+        channel.proven("client", False)
+        for body in bodies:
+            channel.receive()
+            channel.send(Object(), [body])
+
+    return answer
+
+
+def _answered(channel: PeerChannel) -> bytes:
+    """The body of the next answer, which must be a chunk (read in two pieces)."""
     answer, length = channel.receive()
     assert isinstance(answer, Object), answer
     body = bytearray(length)
@@ -143,21 +166,42 @@ def test_a_body_built_in_the_send_buffer_lands_as_it_was_built(loopback: Loopbac
         assert TcpChannel(left, "left").body_memory(10) is None
 
 
+def test_a_connection_whose_chunks_got_smaller_lends_a_landing_of_more_slots(
+    loopback: Loopback,
+) -> None:
+    """Chunks that fill a landing leave it one slot; once smaller ones come again, the next
+    landing has as many slots as before (a pool of two models does not lose its depth)."""
+    bodies = [os.urandom(LANDING_BUDGET), os.urandom(1000), os.urandom(1000)]
+
+    client = loopback.connect(_answering(bodies))
+    client.proven("server", True)
+    depths = []
+    for body in bodies:
+        assert _read(client) == body
+        depths.append(client.depth)  # the landing its request was sent with
+    assert depths == [DEPTH, 1, DEPTH]
+    client.close()
+    loopback.close()
+    assert not loopback.errors
+
+
 @pytest.mark.parametrize(
     ("proven", "landing", "refusal"),
     [
         (False, Landing("client/x", b"metadata", 4096, 4096), "before the handshake"),
         (True, Landing("other/x", b"metadata", 4096, 4096), "of agent 'other/x' from node"),
         (True, Landing("client/x", b"metadata", 1 << 20, 1 << 20, 0), "in 0 slots"),
-        (True, Landing("client/x", b"metadata", 1 << 20, 1 << 20, MAX_SLOTS + 1), "slots"),
+        (True, Landing("client/x", b"metadata", 1 << 20, 1 << 20, DEPTH + 1), "slots"),
+        (True, Landing("client/x", b"metadata", 1 << 20, LANDING_BUDGET + 2, 2), "slots"),
     ],
-    ids=["before-the-handshake", "another-nodes-agent", "no-slots", "too-many-slots"],
+    ids=["before-the-handshake", "another-nodes-agent", "no-slots", "too-many-slots", "too-large"],
 )
 def test_a_landing_the_server_must_not_take_is_refused(
     loopback: Loopback, proven: bool, landing: Landing, refusal: str
 ) -> None:
     """Before the handshake, of an agent not named after the node that proved itself, or in
-    no slots or more than a server keeps writes for: the connection ends."""
+    no slots, more than an asker lends, or more bytes than it lends in several: the
+    connection ends."""
     outcome: list[BaseException] = []
 
     def answer(channel: PeerChannel) -> None:
@@ -207,13 +251,7 @@ def test_requests_in_flight_land_in_slots_of_their_own(loopback: Loopback) -> No
     slot of its own, none overwritten before it was read."""
     bodies = [os.urandom(100_000 + index) for index in range(20)]
 
-    def answer(channel: PeerChannel) -> None:
-        channel.proven("client", False)
-        for body in bodies:
-            channel.receive()
-            channel.send(Object(), [body])
-
-    client = loopback.connect(answer)
+    client = loopback.connect(_answering(bodies))
     client.proven("server", True)
     assert client.depth > 1
     asked = 0
@@ -221,11 +259,7 @@ def test_requests_in_flight_land_in_slots_of_their_own(loopback: Loopback) -> No
         while asked < len(bodies) and asked < index + client.depth:
             client.send(Get("tenant", KEY))
             asked += 1
-        answer_, length = client.receive()
-        assert isinstance(answer_, Object) and length == len(body)
-        received = bytearray(length)
-        client.receive_body(memoryview(received))
-        assert received == body
+        assert _answered(client) == body
     client.close()
     loopback.close()
     assert not loopback.errors
@@ -271,11 +305,11 @@ def test_a_landing_closed_with_answers_on_their_way_is_not_lent_again_at_once(
 def test_after_the_handshake_a_landing_is_lent_anew_only_with_no_answer_on_its_way(
     loopback: Loopback, keyring: Keyring
 ) -> None:
-    """Through the real handshake (whose messages are no requests): another connection saw
-    a larger chunk, and this one asks two chunks at once. Its landing is lent anew before
-    the first request, not between the two, so each body is read where the server wrote it,
-    even when both were written before the client reads either."""
-    bodies = [os.urandom(100_000), os.urandom(100_001)]
+    """Through the real handshake (whose messages are no requests): a chunk larger than the
+    landing's slots crosses the connection, and then the client asks two chunks at once. Its
+    landing is lent anew before the first of them, not between the two, so each body is read
+    where the server wrote it, even when both were written before the client reads either."""
+    bodies = [os.urandom(SLOT_BYTES + 5), os.urandom(100_000), os.urandom(100_001)]
     both_written = threading.Event()
 
     def answer(channel: PeerChannel) -> None:
@@ -287,18 +321,118 @@ def test_after_the_handshake_a_landing_is_lent_anew_only_with_no_answer_on_its_w
 
     client = loopback.connect(answer)
     open_session(client, keyring, "pool", "client")
-    assert isinstance(client, NixlChannel) and client.depth >= len(bodies)
-    client._engine.grow_slots(SLOT_BYTES + 5)
-    for _ in bodies:
+    assert isinstance(client, NixlChannel) and client.depth >= len(bodies) - 1
+    assert _read(client) == bodies[0]  # over TCP: larger than a slot
+    for _ in bodies[1:]:
         client.send(Get("tenant", KEY))
     assert both_written.wait(5)
-    for body in bodies:
-        answer_, length = client.receive()
-        assert isinstance(answer_, Object) and length == len(body)
-        received = bytearray(length)
-        client.receive_body(memoryview(received))
-        assert received == body
+    for body in bodies[1:]:
+        assert _answered(client) == body
     assert client._slot_bytes > SLOT_BYTES
     client.close()
     loopback.close()
     assert not loopback.errors
+
+
+def _hold_writes(channel: PeerChannel, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The server ``channel``'s WRITEs are not done (as on a slow link) until the event
+    returned is set."""
+    assert isinstance(channel, NixlChannel)
+    engine = channel._engine
+    done = engine.done
+    let_go = threading.Event()
+    monkeypatch.setattr(engine, "done", lambda prepared: let_go.is_set() and done(prepared))
+    return let_go
+
+
+def test_a_server_reads_the_next_request_while_a_write_is_on_its_way(
+    loopback: Loopback, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server posts an answer's WRITE and goes on to the next request before it is
+    done; the client learns of each answer only once its WRITE is done, in the order
+    asked."""
+    bodies = [os.urandom(100_000), os.urandom(100_001)]
+    both_posted = threading.Event()
+    writes_held: list[threading.Event] = []
+
+    def answer(channel: PeerChannel) -> None:
+        channel.proven("client", False)
+        writes_held.append(_hold_writes(channel, monkeypatch))
+        for body in bodies:
+            channel.receive()
+            channel.send(Object(), [body])
+        both_posted.set()
+
+    client = loopback.connect(answer)
+    client.proven("server", True)
+    for _ in bodies:
+        client.send(Get("tenant", KEY))
+    assert both_posted.wait(5)  # neither WRITE was done
+    assert not client.wait_readable(0.3)  # so nothing is said yet
+    writes_held[0].set()
+    for body in bodies:
+        assert _answered(client) == body
+    client.close()
+    loopback.close()
+    assert not loopback.errors
+
+
+def test_an_answer_without_a_body_comes_after_the_answers_written_before_it(
+    loopback: Loopback, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk the server no longer holds, asked after one whose WRITE is on its way: the
+    client reads the chunk, then the miss."""
+    body = os.urandom(100_000)
+
+    def answer(channel: PeerChannel) -> None:
+        channel.proven("client", False)
+        let_go = _hold_writes(channel, monkeypatch)
+        channel.receive()
+        channel.send(Object(), [body])
+        channel.receive()
+        threading.Timer(0.3, let_go.set).start()
+        channel.send(Missing())
+
+    client = loopback.connect(answer)
+    client.proven("server", True)
+    client.send(Get("tenant", KEY))
+    client.send(Get("tenant", KEY))
+    assert _answered(client) == body
+    assert client.receive() == (Missing(), 0)
+    client.close()
+    loopback.close()
+    assert not loopback.errors
+
+
+def test_a_send_buffer_closed_with_a_write_on_its_way_rests(
+    loopback: Loopback, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server's connection that ends while a WRITE from its send buffer may still read it:
+    the buffer is not lent to the next connection at once; one that ends with every WRITE
+    done is."""
+    outboxes: list[int] = []
+    held: list[threading.Event] = []
+
+    def answer(channel: PeerChannel) -> None:
+        channel.proven("client", False)
+        assert isinstance(channel, NixlChannel)
+        if not held:
+            held.append(_hold_writes(channel, monkeypatch))
+        channel.receive()
+        channel.send(Object(), [b"x" * 1000])
+        assert channel._outbox is not None
+        outboxes.append(channel._outbox.address)
+
+    for turn in range(3):
+        client = loopback.connect(answer)
+        client.proven("server", True)
+        if turn:
+            assert _read(client) == b"x" * 1000
+        else:
+            client.send(Get("tenant", KEY))  # and goes before its answer is said
+        client.close()
+        loopback.threads[-1].join(10)  # the server closed its end
+        held[0].set()
+    loopback.close()
+    assert not loopback.errors
+    assert outboxes[1] != outboxes[0] and outboxes[2] == outboxes[1]

@@ -6,15 +6,17 @@ both sides proved the pool's credential, and only then, the asking agent (the
 client) lends the connection a *landing*: a buffer of its own registered with its
 NIXL agent, in equal slots, and sends the server (:class:`~kvpool.agent.peer.wire.Landing`)
 its agent's metadata for that buffer alone (connection and that one registration, not
-the agent's other buffers). The server answers a ``Get`` by copying the sealed (or
-authenticated) chunk into a registered send buffer of its own, writing it into the
-landing's next slot with one NIXL WRITE, and then saying so on the connection
-(:class:`~kvpool.agent.peer.wire.Written`, with the slot's offset). The client has at
+the agent's other buffers). The server answers a ``Get`` by sealing (or authenticating)
+the chunk into the section of a registered send buffer of its own that the landing's next
+slot has, and posting one NIXL WRITE of it into that slot; it says so on the connection
+(:class:`~kvpool.agent.peer.wire.Written`, with the slot's offset) once the WRITE is done,
+in the order of the requests, and meanwhile goes on to the next request. The client has at
 most one request per slot in flight (its :attr:`NixlChannel.depth`: a pipelined run's),
-so no body lands on one it has not read yet. The client copies the body out of the
-landing into the pages it reserved and opens it there, against the tenant and key
-it asked for, exactly as a body received on TCP: a server (or anyone) writing into
-the landing at another time makes a chunk that does not open, a miss.
+so no body lands on one it has not read yet, and no section is built while its last
+WRITE may still read it. The client copies the body out of the landing into the pages it
+reserved and opens it there, against the tenant and key it asked for, exactly as a body
+received on TCP: a server (or anyone) writing into the landing at another time makes a
+chunk that does not open, a miss.
 
 Staged, not one-sided into L1: the segment holds every tenant's pages, so no peer
 learns a descriptor of it; it learns one landing, written only in answer to a request
@@ -22,10 +24,11 @@ on its connection. Landings and send buffers are never freed while the agent run
 (a write a peer started before the connection closed may still arrive): they go back
 to a free list, by size, for the next connection; a landing whose connection closed with
 answers on their way (a run cut short, a timeout) rests first, for as long as the server
-may take to write them. A slot holds the largest chunk seen
-yet (a chunk larger than a slot crosses TCP once, and the next landing, lent once no
-request is in flight, has larger slots); a landing has as many as fit in
-:data:`LANDING_BUDGET`.
+may take to write them, and so does a send buffer whose WRITEs were not done. A landing's
+slots hold the last chunk its connection received (at least :data:`SLOT_BYTES`), and it has
+as many as fit in :data:`LANDING_BUDGET`: a chunk larger than a slot crosses TCP, and a
+connection whose chunks changed size (larger than a slot, or small enough for more slots)
+lends a landing for them before its next request with none in flight.
 
 The client's agent name is ``NODE/RANDOM``: a server loads a landing only from the node
 that proved itself on that connection, and a restarted agent is a new name, so no
@@ -53,11 +56,12 @@ import mmap
 import secrets
 import threading
 import time
-from collections import Counter
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvpool.agent.l2.codec import HEADER
 from kvpool.agent.peer.transport import DEPTH, Buffer, PeerChannel, PeerListener, TcpTransport
 from kvpool.agent.peer.wire import (
     IDLE_SECONDS,
@@ -72,20 +76,22 @@ from kvpool.agent.peer.wire import (
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-SLOT_BYTES = 4 * MiB
-"""A new landing's slot size before any larger chunk was seen."""
+SLOT_BYTES = 2 * MiB + HEADER.size
+"""A new landing's slot size before any larger chunk was seen: a 2 MiB chunk's object."""
 MAX_SLOT_BYTES = 256 * MiB
 """A chunk larger than this crosses the connection instead."""
-LANDING_BUDGET = 16 * MiB
+LANDING_BUDGET = DEPTH * SLOT_BYTES
 """A landing has as many slots (up to :data:`~kvpool.agent.peer.transport.DEPTH`, at least
-one) as fit in this: the requests a client pipelines on the connection."""
-MAX_SLOTS = 64
-"""A landing of more slots than this is refused (a server keeps a prepared write per slot)."""
+one) as fit in this: the requests a client pipelines on the connection. A server refuses a
+landing of more (:func:`landing_fits`): it keeps a section of its send buffer per slot."""
 PROGRESS_DELAY_US = 1000
 """How long NIXL's progress thread waits for the link between rounds, in microseconds
 (nixl_cu12's Python agent sets 0: a core spinning per agent, idle or not)."""
 POLL_SECONDS = 50e-6
 """Between two looks at a write in flight."""
+SECTION_ALIGN = 64 << 10
+"""A server's send buffer has a section per slot: the largest body yet, rounded up to this
+(at most a slot)."""
 MEMORY = "DRAM"
 _config_lock = threading.Lock()
 
@@ -107,11 +113,19 @@ class _Region:
 class _Write:
     """A prepared WRITE (NIXL posts one again and again)."""
 
-    source: _Region
     length: int
     agent: str
-    address: int
     handle: Any
+
+
+@dataclass(frozen=True)
+class _Posted:
+    """A server's WRITE into the client's landing, posted, whose ``Written`` is not said yet."""
+
+    write: _Write
+    said: Written
+    deadline: float
+    """Past this (monotonic) time it has outlasted the I/O timeout."""
 
 
 class NixlEngine:
@@ -125,8 +139,6 @@ class NixlEngine:
         self._resting: list[tuple[float, _Region]] = []
         """Landings not lent again before a time (see :meth:`give_back`)."""
         self._loaded: Counter[str] = Counter()
-        self.slot_bytes = SLOT_BYTES
-        """The size of a new landing's slots: the largest chunk seen (at least the default)."""
 
     def region(self, length: int) -> _Region:
         """A registered buffer of at least ``length`` bytes (a whole number of MiB)."""
@@ -152,11 +164,6 @@ class NixlEngine:
                 self._free.setdefault(len(region.memory), []).append(region)
             else:
                 self._resting.append((rest_until, region))
-
-    def grow_slots(self, length: int) -> None:
-        """A chunk of ``length`` bytes came that no landing's slot held: later ones hold it."""
-        with self._lock:
-            self.slot_bytes = min(max(self.slot_bytes, length), MAX_SLOT_BYTES)
 
     def describe(self, region: _Region) -> bytes:
         """This agent's metadata for ``region`` alone (with how to connect to it)."""
@@ -184,30 +191,37 @@ class NixlEngine:
             with contextlib.suppress(Exception):
                 self._agent.remove_remote_agent(agent)
 
-    def prepare(self, source: _Region, length: int, agent: str, address: int) -> _Write:
-        """A WRITE of ``length`` bytes of ``source`` into ``address`` of ``agent``'s, to
-        post as often as wanted (:meth:`write`) and :meth:`release` once done with."""
+    def prepare(self, source: _Region, at: int, length: int, agent: str, address: int) -> _Write:
+        """A WRITE of ``length`` bytes of ``source`` from ``at`` into ``address`` of
+        ``agent``'s, to post as often as wanted (:meth:`post`) and :meth:`release` once done
+        with."""
         nixl = self._agent
-        local = nixl.get_xfer_descs([(source.address, length, 0)], MEMORY)
+        local = nixl.get_xfer_descs([(source.address + at, length, 0)], MEMORY)
         remote = nixl.get_xfer_descs([(address, length, 0)], MEMORY)
         try:
             handle = nixl.initialize_xfer("WRITE", local, remote, agent)
         except Exception as error:  # NIXL's own errors name no common base
             raise WireError(f"NIXL could not write to {agent}: {error}") from None
-        return _Write(source, length, agent, address, handle)
+        return _Write(length, agent, handle)
 
-    def write(self, prepared: _Write, deadline: float) -> None:
-        """Post ``prepared`` and wait until it is done: :class:`WireError` if it fails,
-        :class:`TimeoutError` past ``deadline`` (release it then: it may still run)."""
-        nixl = self._agent
-        state = nixl.transfer(prepared.handle)
-        while state == "PROC":
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"NIXL's write to {prepared.agent} outlasted the I/O timeout")
-            time.sleep(POLL_SECONDS)
-            state = nixl.check_xfer_state(prepared.handle)
-        if state != "DONE":
+    def post(self, prepared: _Write) -> None:
+        """Post ``prepared`` (:meth:`done` says when it is done); :class:`WireError` if it
+        failed."""
+        self._settled(prepared, lambda: self._agent.transfer(prepared.handle))
+
+    def done(self, prepared: _Write) -> bool:
+        """Whether ``prepared``, posted, is done; :class:`WireError` if it failed."""
+        return self._settled(prepared, lambda: self._agent.check_xfer_state(prepared.handle))
+
+    @staticmethod
+    def _settled(prepared: _Write, state_of: Callable[[], str]) -> bool:
+        try:
+            state = state_of()
+        except Exception as error:  # NIXL's own errors name no common base
+            raise WireError(f"NIXL's write to {prepared.agent} failed: {error}") from None
+        if state not in ("PROC", "DONE"):
             raise WireError(f"NIXL's write to {prepared.agent} ended {state}")
+        return state == "DONE"
 
     def release(self, prepared: _Write) -> None:
         with contextlib.suppress(Exception):  # a write in flight is aborted: nothing to add
@@ -247,7 +261,13 @@ def start_agent(name: str) -> Any:
 
 class NixlChannel:
     """A TCP channel whose chunk bodies the server writes into the client's landing
-    (``serving``: this is the server's end, the one that takes a landing and writes)."""
+    (``serving``: this is the server's end, the one that takes a landing and writes).
+
+    A server posts each answer's WRITE and goes on to the next request: it says the
+    answer (``Written``) once its WRITE is done, in the order of the requests, while it
+    waits for the next request (:meth:`wait_readable`, :meth:`receive`) or before any
+    other answer (:meth:`send`). Each slot of the landing has a section of the send
+    buffer of its own, so the server builds the next body while earlier ones travel."""
 
     def __init__(
         self, tcp: PeerChannel, engine: NixlEngine, io_timeout: float, *, serving: bool
@@ -269,15 +289,21 @@ class NixlChannel:
         """Bodies written into the landing: the next goes into slot ``_bodies % _slots``."""
         self._in_flight = 0
         """A client's: requests sent whose answers it has not read."""
+        self._last_body = 0
+        """A client's: the length of the last body it received (its landing follows it)."""
         self._landed: memoryview | None = None
         """A client's: what of the last body written into the landing is still unread."""
         self._target: Landing | None = None
         """A server's: the client's landing."""
         self._outbox: _Region | None = None
-        """A server's registered send buffer."""
+        """A server's registered send buffer: a section per slot."""
+        self._section = 0
+        """The bytes of each section of the send buffer: the largest body yet."""
         self._prepared: dict[int, _Write] = {}
-        """A server's prepared WRITE into each slot (by its offset), posted again for each
-        chunk of the same length."""
+        """A server's prepared WRITE from each slot's section into the slot (by the slot's
+        index), posted again for each chunk of the same length."""
+        self._posted: deque[_Posted] = deque()
+        """A server's WRITEs posted, oldest first, whose ``Written`` is not said yet."""
         self._built: memoryview | None = None
         """A server's: the body memory last handed out (:meth:`body_memory`), if not sent."""
 
@@ -293,36 +319,31 @@ class NixlChannel:
             self._lend_landing()
 
     def body_memory(self, length: int) -> memoryview | None:
-        """The head of the registered send buffer, where the client's landing takes a body
-        of ``length`` bytes."""
+        """The next slot's section of the registered send buffer, where the client's landing
+        takes a body of ``length`` bytes."""
         if not self.lands or self._target is None or length > self._slot_bytes:
             return None
-        self._built = self._outbox_for(length).view[:length]
+        self._built = self._next_section(length)
         return self._built
 
     def send(self, message: Message, body: Sequence[Buffer] = ()) -> None:
         length = sum(len(piece) for piece in body)
         target = self._target
         if isinstance(message, Object) and target is not None and length <= self._slot_bytes:
-            offset = self._bodies % self._slots * self._slot_bytes
-            self._write(body, length, target, offset)
-            self._bodies += 1
-            self._tcp.send(Written(length, offset))
+            self._post(body, length, target)
             return
         if self.lands:
+            self._settle(0)  # the answers before this one are said first
             self._tcp.send(message, body)
             return
-        landing = self._landing
-        if (
-            landing is not None
-            and not self._in_flight
-            and self._slot_bytes < self._engine.slot_bytes
-        ):
-            self._lend_landing()  # larger slots, before the next request (none in flight)
+        if self._landing is not None and not self._in_flight and self._lend_anew():
+            self._lend_landing()  # before the next request (none in flight)
         self._tcp.send(message, body)
         self._in_flight += 1
 
     def receive(self, max_meta_bytes: int = MAX_META_BYTES) -> tuple[Message, int]:
+        if self._posted:
+            self._say_until_readable(self._io_timeout)
         while True:
             message, length = self._tcp.receive(max_meta_bytes)
             if not isinstance(message, Landing):
@@ -337,8 +358,8 @@ class NixlChannel:
         self._in_flight -= 1
         if isinstance(message, Written):
             return self._landed_object(message, length)
-        if isinstance(message, Object) and self._landing is not None:
-            self._engine.grow_slots(length)
+        if isinstance(message, Object):
+            self._last_body = length  # it did not fit a slot
         return message, length
 
     def receive_body(self, into: memoryview) -> None:
@@ -352,21 +373,27 @@ class NixlChannel:
         self._landed = landed[len(into) :] if len(into) < len(landed) else None
 
     def wait_readable(self, timeout: float) -> bool:
+        if self._posted:
+            return self._say_until_readable(timeout)
         return self._tcp.wait_readable(timeout)
 
     def set_deadline(self, deadline: float | None) -> None:
         self._tcp.set_deadline(deadline)
 
     def close(self) -> None:
+        """Close it; a server's answers whose WRITEs are not done are not said (their send
+        buffer rests, as a landing does: NIXL may still read it)."""
         self._tcp.close()
         engine = self._engine
+        now = time.monotonic()
+        writing = bool(self._posted)
         self._forget_writes()
         if self._outbox is not None:
-            engine.give_back(self._outbox)
+            engine.give_back(self._outbox, now + self._io_timeout if writing else None)
         if self._landing is not None:
             # each answer still on its way may be written within the server's I/O timeout
             rest = (self._in_flight + 1) * self._io_timeout if self._in_flight > 0 else None
-            engine.give_back(self._landing, None if rest is None else time.monotonic() + rest)
+            engine.give_back(self._landing, None if rest is None else now + rest)
         self._landing = self._outbox = None
         if self._target is not None:
             engine.unload(self._target.agent)
@@ -387,6 +414,7 @@ class NixlChannel:
                 f"(the next is {self._slot_bytes} bytes at {offset})"
             )
         self._bodies += 1
+        self._last_body = written.length
         self._landed = landing.view[offset : offset + written.length]
         return Object(), written.length
 
@@ -394,8 +422,7 @@ class NixlChannel:
         engine = self._engine
         if self._landing is not None:
             engine.give_back(self._landing)
-        slot_bytes = engine.slot_bytes
-        slots = max(1, min(DEPTH, LANDING_BUDGET // slot_bytes))
+        slots, slot_bytes = landing_slots(self._last_body)
         self._landing = landing = engine.region(slots * slot_bytes)
         self._slots, self._slot_bytes, self._bodies = slots, slot_bytes, 0
         self._tcp.send(
@@ -405,14 +432,20 @@ class NixlChannel:
         )
         self.transport = "nixl"
 
+    def _lend_anew(self) -> bool:
+        """A client's: whether the last body did not fit a slot of its landing, or a landing
+        for it would have more slots (the chunks it asks for changed size)."""
+        slots, slot_bytes = landing_slots(self._last_body)
+        return slot_bytes > self._slot_bytes or slots > self._slots
+
     def _take_landing(self, landing: Landing) -> None:
         if not landing.agent.startswith(f"{self._peer}/"):
             raise WireError(f"a landing of agent {landing.agent!r} from node {self._peer!r}")
-        if not 0 < landing.slots <= MAX_SLOTS or landing.length < landing.slots:
+        if not landing_fits(landing.length, landing.slots):
             raise WireError(f"a landing of {landing.length} bytes in {landing.slots} slots")
+        self._stop_writing()  # into the landing it had
         previous = self._target
         self._target = None
-        self._forget_writes()
         if previous is not None:
             self._engine.unload(previous.agent)
         try:
@@ -429,39 +462,117 @@ class NixlChannel:
         )
         self.transport = "nixl"
 
-    def _write(self, body: Sequence[Buffer], length: int, target: Landing, offset: int) -> None:
-        engine = self._engine
-        outbox = self._outbox_for(length)
+    def _post(self, body: Sequence[Buffer], length: int, target: Landing) -> None:
+        """Post the WRITE of ``body`` into the landing's next slot (its ``Written`` is said
+        once it is done)."""
         built, self._built = self._built, None
+        section = self._next_section(length)
         if not (len(body) == 1 and body[0] is built):  # else it lies there already
             at = 0
             for piece in body:
-                outbox.memory[at : at + len(piece)] = piece
+                section[at : at + len(piece)] = piece
                 at += len(piece)
-        prepared = self._prepared.get(offset)
+        index = self._bodies % self._slots
+        prepared = self._prepared.get(index)
         if prepared is None or prepared.length != length:
             if prepared is not None:
-                engine.release(prepared)
-            prepared = engine.prepare(outbox, length, target.agent, target.address + offset)
-            self._prepared[offset] = prepared
-        engine.write(prepared, time.monotonic() + self._io_timeout)
+                self._engine.release(prepared)
+            assert self._outbox is not None  # made by _next_section
+            prepared = self._engine.prepare(
+                self._outbox,
+                index * self._section,
+                length,
+                target.agent,
+                target.address + index * self._slot_bytes,
+            )
+            self._prepared[index] = prepared
+        self._engine.post(prepared)
+        self._posted.append(
+            _Posted(
+                prepared,
+                Written(length, index * self._slot_bytes),
+                time.monotonic() + self._io_timeout,
+            )
+        )
+        self._bodies += 1
+        self._say_written()
 
-    def _outbox_for(self, length: int) -> _Region:
-        """The registered send buffer, replaced by a larger one where it is shorter than
-        ``length``."""
-        outbox = self._outbox
-        if outbox is None or len(outbox.memory) < length:
-            self._forget_writes()
-            if outbox is not None:
-                self._engine.give_back(outbox)
-            self._outbox = outbox = self._engine.region(length)
-        return outbox
+    def _next_section(self, length: int) -> memoryview:
+        """The next slot's section of the send buffer, free (its last WRITE done), for a
+        body of ``length`` bytes: the buffer is replaced by one of larger sections (its
+        WRITEs done first) where the sections are shorter."""
+        self._settle(self._slots - 1)
+        if self._outbox is None or self._section < length:
+            self._stop_writing()
+            self._section = min(-(-length // SECTION_ALIGN) * SECTION_ALIGN, self._slot_bytes)
+            self._outbox = self._engine.region(self._slots * self._section)
+        at = self._bodies % self._slots * self._section
+        return self._outbox.view[at : at + length]
+
+    def _stop_writing(self) -> None:
+        """Wait for the WRITEs posted, then release the prepared ones and the send buffer:
+        the landing or the sections change."""
+        self._settle(0)
+        self._forget_writes()
+        if self._outbox is not None:
+            self._engine.give_back(self._outbox)
+            self._outbox = None
+
+    def _say_written(self) -> None:
+        """Say the answers whose WRITEs are done, oldest first, up to the first not done
+        (:class:`TimeoutError` if it outlasted the I/O timeout)."""
+        posted = self._posted
+        while posted:
+            oldest = posted[0]
+            if not self._engine.done(oldest.write):
+                if time.monotonic() > oldest.deadline:
+                    raise TimeoutError(
+                        f"NIXL's write to {oldest.write.agent} outlasted the I/O timeout"
+                    )
+                return
+            posted.popleft()
+            self._tcp.send(oldest.said)
+
+    def _settle(self, keep: int) -> None:
+        """Wait until at most ``keep`` answers' WRITEs are still posted, saying the others."""
+        while True:
+            self._say_written()
+            if len(self._posted) <= keep:
+                return
+            time.sleep(POLL_SECONDS)
+
+    def _say_until_readable(self, timeout: float) -> bool:
+        """Say answers as their WRITEs are done until the client sends something: whether it
+        did within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while self._posted:
+            self._say_written()
+            if self._posted and self._tcp.wait_readable(POLL_SECONDS):
+                return True
+            if time.monotonic() > deadline:
+                return False
+        return self._tcp.wait_readable(max(0.0, deadline - time.monotonic()))
 
     def _forget_writes(self) -> None:
         """Release the prepared WRITEs: their buffer or landing changes (or the end)."""
         for prepared in self._prepared.values():
             self._engine.release(prepared)
         self._prepared.clear()
+
+
+def landing_slots(body: int) -> tuple[int, int]:
+    """The slots of a landing for bodies of ``body`` bytes, and their bytes."""
+    slot_bytes = min(max(SLOT_BYTES, body), MAX_SLOT_BYTES)
+    return max(1, min(DEPTH, LANDING_BUDGET // slot_bytes)), slot_bytes
+
+
+def landing_fits(length: int, slots: int) -> bool:
+    """Whether a landing of ``length`` bytes in ``slots`` is one an asker lends
+    (:func:`landing_slots`): a server's send buffer, a section per slot, is at most as
+    large."""
+    if not 0 < slots <= DEPTH or length < slots or length // slots > MAX_SLOT_BYTES:
+        return False
+    return slots == 1 or length <= LANDING_BUDGET
 
 
 class NixlListener:
