@@ -269,9 +269,16 @@ def measure(
 
 
 def _cpu_seconds(pid: int) -> float:
-    """The user and system CPU seconds process ``pid`` has used (``/proc/PID/stat``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """The user and system CPU seconds process ``pid`` has used."""
+    return sum(cpu_times(Path(f"/proc/{pid}/stat")))
+
+
+def cpu_times(stat: Path) -> tuple[float, float]:
+    """The user and the system CPU seconds in ``stat`` (``/proc/PID/stat``, or a thread's
+    ``/proc/PID/task/TID/stat``)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def report(results: Results, args: argparse.Namespace, counts: dict[int, int], mtu: str) -> str:

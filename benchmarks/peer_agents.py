@@ -144,20 +144,23 @@ def peers_setting(
     port: int = DEFAULT_PEER_PORT,
     wire_protection: str = "sealed",
     transport: str = "tcp",
+    max_transfers: int | None = None,
 ) -> str:
     """The ``PEERS`` setting (JSON) of agent ``node`` among ``nodes`` (node name: its host),
-    each on peer port ``port`` over ``transport``, under the credential in ``key_dir``."""
+    each on peer port ``port`` over ``transport``, under the credential in ``key_dir``
+    (``max_transfers``: the agent's default where None)."""
     agents = [f"{name}={host.address}:{port}" for name, host in nodes.items()]
-    return json.dumps(
-        {
-            "key_dir": str(key_dir),
-            "node": node,
-            "agents": agents,
-            "port": port,
-            "wire_protection": wire_protection,
-            "transport": transport,
-        }
-    )
+    setting = {
+        "key_dir": str(key_dir),
+        "node": node,
+        "agents": agents,
+        "port": port,
+        "wire_protection": wire_protection,
+        "transport": transport,
+    }
+    if max_transfers is not None:
+        setting["max_transfers"] = max_transfers
+    return json.dumps(setting)
 
 
 @contextlib.contextmanager
@@ -171,9 +174,11 @@ def peer_pair(
     port: int = DEFAULT_PEER_PORT,
     wire_protection: str = "sealed",
     transport: str = "tcp",
+    max_transfers: int | None = None,
 ) -> Iterator[PeerPair]:
     """The two agents, started (L1 sizes in bytes) on peer port ``port``, sending chunks
-    with ``wire_protection`` over ``transport``; stopped on exit."""
+    with ``wire_protection`` over ``transport``, each serving ``max_transfers`` at once
+    (None: the default); stopped on exit."""
     workdir.mkdir(parents=True)
     key_dir = workdir / "peer-keys"
     generate_key(key_dir)
@@ -188,6 +193,7 @@ def peer_pair(
                 port=port,
                 wire_protection=wire_protection,
                 transport=transport,
+                max_transfers=max_transfers,
             )
             settings = {"POOL": POOL, "L1_SIZE": str(l1), "PEERS": peers}
             home = workdir / f"{node}-{transport}-{wire_protection}"  # segments: named after it

@@ -84,6 +84,33 @@ def test_the_smallest_run_pulls_through_the_peer_and_measures_the_link() -> None
 
 
 @pytest.mark.process
+@pytest.mark.root
+@pytest.mark.netns
+def test_the_pull_profile_pulls_with_each_max_transfers_and_shows_the_cpu_and_idle() -> None:
+    """``benchmarks.peer_pull_profile``: a pair of agents per ``--max-transfers``, each row
+    the pulls' rate, both agents' CPU per GB, their busiest threads and the idle cores."""
+    with hosts_or_skip(1):
+        pass
+    command = [sys.executable, "-m", "benchmarks.peer_pull_profile", "--chunk-mib", "1"]
+    command += ["--mib", "4", "--pulls", "2", "--max-transfers", "1,2"]
+    output = subprocess.run(
+        command, capture_output=True, text=True, timeout=120, check=True, cwd=ROOT
+    ).stdout
+
+    rows = rows_of(output)
+    assert [row[:2] for row in rows] == [["1 MiB", "1"], ["1 MiB", "2"]], output
+    number, cpu = r"\d+\.\d\d", r"\d+\.\d\d / \d+\.\d\d"
+    threads = r"\d+\.\d\d( \d+\.\d\d){0,3}"
+    for row in rows:
+        assert re.fullmatch(number, row[2]) and float(row[2]) > 0, row
+        assert all(re.fullmatch(cpu, cell) for cell in row[3:5]), row
+        assert all(re.fullmatch(threads, cell) for cell in row[5:7]), row
+        assert re.fullmatch(number, row[7]), row
+    assert "command: python -m benchmarks.peer_pull_profile --chunk-mib 1 --mib 4 " in output
+    assert "CPU: " in output
+
+
+@pytest.mark.process
 @pytest.mark.engine
 @pytest.mark.root
 @pytest.mark.netns
