@@ -196,6 +196,18 @@ def test_a_connection_closed_between_frames_is_its_end_not_a_broken_protocol(
     assert not issubclass(PeerClosed, WireError) and failure_reason(PeerClosed()) == "broken"
 
 
+def test_a_channel_closed_under_its_reader_says_its_end_has_come(
+    channels: tuple[TcpChannel, TcpChannel],
+) -> None:
+    """The agent stops: it closes a connection whose serving thread is about to wait for the
+    next request. The wait says something came, and reading it raises an ``OSError`` (which
+    ends the thread quietly), not a ``ValueError`` out of ``select``."""
+    channels[1].close()
+    assert channels[1].wait_readable(0)
+    with pytest.raises(OSError):
+        channels[1].receive()
+
+
 def test_the_tcp_transport_connects_to_its_listener() -> None:
     transport = TcpTransport()
     listener = transport.listen("127.0.0.1", 0, io_timeout=5.0)

@@ -191,7 +191,10 @@ class TcpChannel:
     def wait_readable(self, timeout: float) -> bool:
         if self._end > self._start:
             return True
-        readable, _, _ = select.select([self._sock], [], [], timeout)
+        try:
+            readable, _, _ = select.select([self._sock], [], [], timeout)
+        except ValueError:  # closed (by another thread: the agent stops): its end has come
+            return True
         return bool(readable)
 
     def set_deadline(self, deadline: float | None) -> None:
