@@ -1,7 +1,9 @@
 """Where a peer pull's time goes: the peer bench's two agents (:mod:`benchmarks.peer_agents`),
-pulls and nothing else, for each ``--max-transfers`` (the connections a puller uses at once,
-and a holder serves): the rate; each agent's user and system CPU seconds per GB; the
-share of a core its busiest threads used; and the cores the machine left idle meanwhile.
+pulls and nothing else, for each ``--max-transfers`` (the transfers an agent serves at once,
+and the requests a puller makes at once, each on a connection of its own): the rate (of
+the pulls' own seconds, as :mod:`benchmarks.peer` times them); each agent's user and
+system CPU seconds per GB; the share of a core its busiest threads used; and the cores the
+machine (``/proc/stat``, every CPU it has) left idle meanwhile.
 Where the machine idles while no thread is busy, the pull waits on something other than
 the CPU (docs/platform/peers.md, "Figures").
 
@@ -92,10 +94,14 @@ def _threads(pid: int) -> dict[str, float]:
     return spent
 
 
-def row(size: int, transfers: int, moved: float, before: Snapshot, after: Snapshot) -> list[str]:
-    """The table's row of ``moved`` GB of chunks of ``size`` pulled between two snapshots."""
+def row(
+    size: int, transfers: int, moved: float, pulling: float, snapshots: tuple[Snapshot, Snapshot]
+) -> list[str]:
+    """The table's row of ``moved`` GB of chunks of ``size`` pulled in ``pulling`` seconds,
+    between the two ``snapshots``."""
+    before, after = snapshots
     seconds = after.at - before.at
-    cells = [chunk_label(size), str(transfers), f"{moved / seconds:.2f}"]
+    cells = [chunk_label(size), str(transfers), f"{moved / pulling:.2f}"]
     for was, now in zip(before.agents, after.agents, strict=True):
         user, system = ((spent - had) / moved for had, spent in zip(was, now, strict=True))
         cells.append(f"{user:.2f} / {system:.2f}")
@@ -115,8 +121,8 @@ def run(args: argparse.Namespace) -> None:
     rows = []
     with hosts, tempfile.TemporaryDirectory(prefix="kvpool-bench-pull-") as work:
         holder, puller = hosts.hosts
+        held = sum(size * max(1, args.mib * MiB // size) for size in sizes)
         for transfers in args.max_transfers:
-            held = sum(size * max(1, args.mib * MiB // size) for size in sizes)
             with peer_pair(
                 holder,
                 puller,
@@ -132,18 +138,17 @@ def run(args: argparse.Namespace) -> None:
                     pair.hold(size, count)
                     pair.pull(size, count)  # the warm-up: connections, page faults
                     before = Snapshot.take(pair.pids)
-                    for _ in range(args.pulls):
-                        pair.pull(size, count)
+                    pulling = sum(pair.pull(size, count) for _ in range(args.pulls))
                     after = Snapshot.take(pair.pids)
                     moved = args.pulls * count * size / 1e9
-                    rows.append(row(size, transfers, moved, before, after))
+                    rows.append(row(size, transfers, moved, pulling, (before, after)))
     header = [
         "chunk",
         "max transfers",
         "GB/s",
         *(f"{side} user / sys s/GB" for side in SIDES),
         *(f"{side}'s busiest threads, cores" for side in SIDES),
-        "machine idle, cores",
+        f"machine idle, cores of {os.cpu_count()}",
     ]
     title = (
         f"Peer pulls alone, {args.transport} {args.wire}, {args.mib} MiB each, "

@@ -10,18 +10,23 @@ import contextlib
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from kvpool.agent.l2.codec import HEADER
 from kvpool.agent.peer.session import accept_session, open_session
 from kvpool.agent.peer.transport import DEPTH, PeerChannel, TcpChannel
 from kvpool.agent.peer.transport_nixl import (
     LANDING_BUDGET,
+    RECENT_BODIES,
     SLOT_BYTES,
+    MiB,
     NixlChannel,
     NixlTransport,
+    landing_slots,
 )
 from kvpool.agent.peer.wire import Get, Landing, Missing, Object, PeerClosed, WireError, Written
 from kvpool.common.keyring import Keyring, generate_key
@@ -60,7 +65,8 @@ class Loopback:
         channel = self.listener.accept()
         try:
             answer(channel)
-            channel.wait_readable(5)  # its answers are said as their writes end: until it goes
+            if isinstance(channel, NixlChannel) and channel._posted:
+                channel.wait_readable(5)  # its answers are said as their writes end
         except BaseException as error:  # the test reads it
             self.errors.append(error)
         finally:
@@ -169,9 +175,11 @@ def test_a_body_built_in_the_send_buffer_lands_as_it_was_built(loopback: Loopbac
 def test_a_connection_whose_chunks_got_smaller_lends_a_landing_of_more_slots(
     loopback: Loopback,
 ) -> None:
-    """Chunks that fill a landing leave it one slot; once smaller ones come again, the next
-    landing has as many slots as before (a pool of two models does not lose its depth)."""
-    bodies = [os.urandom(LANDING_BUDGET), os.urandom(1000), os.urandom(1000)]
+    """Chunks that fill a landing leave it one slot, and a smaller record among them does not
+    change that; once only smaller chunks came for a while, the next landing has as many
+    slots as before (a pool of two models does not lose its depth)."""
+    large, small = os.urandom(LANDING_BUDGET), os.urandom(1000)
+    bodies = [large, small, large, *[small] * RECENT_BODIES, small]
 
     client = loopback.connect(_answering(bodies))
     client.proven("server", True)
@@ -179,7 +187,8 @@ def test_a_connection_whose_chunks_got_smaller_lends_a_landing_of_more_slots(
     for body in bodies:
         assert _read(client) == body
         depths.append(client.depth)  # the landing its request was sent with
-    assert depths == [DEPTH, 1, DEPTH]
+    assert depths == [DEPTH, 1, 1, *[1] * RECENT_BODIES, DEPTH], depths
+    assert landing_slots(2 * MiB + HEADER.size) == (DEPTH, SLOT_BYTES)  # a 2 MiB chunk's
     client.close()
     loopback.close()
     assert not loopback.errors
@@ -192,7 +201,7 @@ def test_a_connection_whose_chunks_got_smaller_lends_a_landing_of_more_slots(
         (True, Landing("other/x", b"metadata", 4096, 4096), "of agent 'other/x' from node"),
         (True, Landing("client/x", b"metadata", 1 << 20, 1 << 20, 0), "in 0 slots"),
         (True, Landing("client/x", b"metadata", 1 << 20, 1 << 20, DEPTH + 1), "slots"),
-        (True, Landing("client/x", b"metadata", 1 << 20, LANDING_BUDGET + 2, 2), "slots"),
+        (True, Landing("client/x", b"metadata", 1 << 20, LANDING_BUDGET + 2, 2), "in 2 slots"),
     ],
     ids=["before-the-handshake", "another-nodes-agent", "no-slots", "too-many-slots", "too-large"],
 )
@@ -213,7 +222,7 @@ def test_a_landing_the_server_must_not_take_is_refused(
 
     client = loopback.connect(answer)
     client.send(landing)
-    client.wait_readable(5)  # the server closes it
+    assert client.wait_readable(5)  # the server closes it
     client.close()
     loopback.close()
     assert outcome and not loopback.errors
@@ -308,16 +317,16 @@ def test_after_the_handshake_a_landing_is_lent_anew_only_with_no_answer_on_its_w
     """Through the real handshake (whose messages are no requests): a chunk larger than the
     landing's slots crosses the connection, and then the client asks two chunks at once. Its
     landing is lent anew before the first of them, not between the two, so each body is read
-    where the server wrote it, even when both were written before the client reads either."""
+    where the server wrote it, even when both were posted before the client reads either."""
     bodies = [os.urandom(SLOT_BYTES + 5), os.urandom(100_000), os.urandom(100_001)]
-    both_written = threading.Event()
+    both_posted = threading.Event()
 
     def answer(channel: PeerChannel) -> None:
         accept_session(channel, keyring, "pool", "server")
         for body in bodies:
             channel.receive()
             channel.send(Object(), [body])
-        both_written.set()
+        both_posted.set()
 
     client = loopback.connect(answer)
     open_session(client, keyring, "pool", "client")
@@ -325,7 +334,7 @@ def test_after_the_handshake_a_landing_is_lent_anew_only_with_no_answer_on_its_w
     assert _read(client) == bodies[0]  # over TCP: larger than a slot
     for _ in bodies[1:]:
         client.send(Get("tenant", KEY))
-    assert both_written.wait(5)
+    assert both_posted.wait(5)
     for body in bodies[1:]:
         assert _answered(client) == body
     assert client._slot_bytes > SLOT_BYTES
@@ -436,3 +445,43 @@ def test_a_send_buffer_closed_with_a_write_on_its_way_rests(
     loopback.close()
     assert not loopback.errors
     assert outboxes[1] != outboxes[0] and outboxes[2] == outboxes[1]
+
+
+def test_a_server_builds_in_no_section_whose_last_write_is_on_its_way(
+    loopback: Loopback, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that asks more chunks at once than its landing has slots (a rogue one): the
+    server builds the next body in a section of its send buffer only once the WRITE that
+    last read that section is done."""
+    body = os.urandom(LANDING_BUDGET // 2)  # two slots of it
+    posted: list[int] = []
+    held: list[threading.Event] = []
+
+    def answer(channel: PeerChannel) -> None:
+        channel.proven("client", False)
+        channel.receive()
+        channel.send(Object(), [body])  # larger than a slot: over TCP, and then two slots
+        held.append(_hold_writes(channel, monkeypatch))
+        for count in range(1, 4):
+            channel.receive()
+            channel.send(Object(), [body])
+            posted.append(count)
+
+    client = loopback.connect(answer)
+    client.proven("server", True)
+    assert _read(client) == body
+    for _ in range(3):
+        client.send(Get("tenant", KEY))
+    assert isinstance(client, NixlChannel) and client.depth == 2
+    deadline = time.monotonic() + 5
+    while len(posted) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert posted == [1, 2]  # the third waits for the first's section
+    held[0].set()
+    while len(posted) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert posted == [1, 2, 3]
+    client.close()
+    loopback.close()
+    assert not loopback.errors

@@ -25,10 +25,11 @@ on its connection. Landings and send buffers are never freed while the agent run
 to a free list, by size, for the next connection; a landing whose connection closed with
 answers on their way (a run cut short, a timeout) rests first, for as long as the server
 may take to write them, and so does a send buffer whose WRITEs were not done. A landing's
-slots hold the last chunk its connection received (at least :data:`SLOT_BYTES`), and it has
-as many as fit in :data:`LANDING_BUDGET`: a chunk larger than a slot crosses TCP, and a
-connection whose chunks changed size (larger than a slot, or small enough for more slots)
-lends a landing for them before its next request with none in flight.
+slots hold the largest of the last :data:`RECENT_BODIES` chunks its connection received (at
+least :data:`SLOT_BYTES`), and it has as many as fit in :data:`LANDING_BUDGET`: a chunk
+larger than a slot crosses TCP, and a connection whose chunks changed size (larger than a
+slot, or small enough for more slots) lends a landing for them before its next request
+with none in flight.
 
 The client's agent name is ``NODE/RANDOM``: a server loads a landing only from the node
 that proved itself on that connection, and a restarted agent is a new name, so no
@@ -57,11 +58,10 @@ import secrets
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvpool.agent.l2.codec import HEADER
 from kvpool.agent.peer.transport import DEPTH, Buffer, PeerChannel, PeerListener, TcpTransport
 from kvpool.agent.peer.wire import (
     IDLE_SECONDS,
@@ -76,8 +76,11 @@ from kvpool.agent.peer.wire import (
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-SLOT_BYTES = 2 * MiB + HEADER.size
-"""A new landing's slot size before any larger chunk was seen: a 2 MiB chunk's object."""
+ALIGN = 64 << 10
+"""Slots, and a server's sections of its send buffer, are whole numbers of these."""
+SLOT_BYTES = 2 * MiB + ALIGN
+"""A new landing's slot size before any larger chunk was seen: a 2 MiB chunk's object (its
+header is :data:`~kvpool.agent.l2.codec.HEADER`), aligned."""
 MAX_SLOT_BYTES = 256 * MiB
 """A chunk larger than this crosses the connection instead."""
 LANDING_BUDGET = DEPTH * SLOT_BYTES
@@ -89,9 +92,10 @@ PROGRESS_DELAY_US = 1000
 (nixl_cu12's Python agent sets 0: a core spinning per agent, idle or not)."""
 POLL_SECONDS = 50e-6
 """Between two looks at a write in flight."""
-SECTION_ALIGN = 64 << 10
-"""A server's send buffer has a section per slot: the largest body yet, rounded up to this
-(at most a slot)."""
+RECENT_BODIES = 16
+"""A client's landing holds the largest of the last this many bodies its connection
+received: a smaller record among large chunks (a state record, a tail) lends no landing of
+small slots, and a run of smaller chunks does after this many."""
 MEMORY = "DRAM"
 _config_lock = threading.Lock()
 
@@ -289,8 +293,9 @@ class NixlChannel:
         """Bodies written into the landing: the next goes into slot ``_bodies % _slots``."""
         self._in_flight = 0
         """A client's: requests sent whose answers it has not read."""
-        self._last_body = 0
-        """A client's: the length of the last body it received (its landing follows it)."""
+        self._recent: deque[int] = deque(maxlen=RECENT_BODIES)
+        """A client's: the lengths of the last bodies it received (its landing follows the
+        largest)."""
         self._landed: memoryview | None = None
         """A client's: what of the last body written into the landing is still unread."""
         self._target: Landing | None = None
@@ -306,6 +311,10 @@ class NixlChannel:
         """A server's WRITEs posted, oldest first, whose ``Written`` is not said yet."""
         self._built: memoryview | None = None
         """A server's: the body memory last handed out (:meth:`body_memory`), if not sent."""
+        self._guard = threading.RLock()
+        self._closed = False
+        """Closed (maybe by another thread: the agent stops): its NIXL handles and buffers
+        are let go, and a server's WRITEs are neither posted nor looked at any more."""
 
     @property
     def depth(self) -> int:
@@ -323,8 +332,7 @@ class NixlChannel:
         takes a body of ``length`` bytes."""
         if not self.lands or self._target is None or length > self._slot_bytes:
             return None
-        self._built = self._next_section(length)
-        return self._built
+        return self._next_section(length)
 
     def send(self, message: Message, body: Sequence[Buffer] = ()) -> None:
         length = sum(len(piece) for piece in body)
@@ -359,7 +367,7 @@ class NixlChannel:
         if isinstance(message, Written):
             return self._landed_object(message, length)
         if isinstance(message, Object):
-            self._last_body = length  # it did not fit a slot
+            self._recent.append(length)  # it did not fit a slot
         return message, length
 
     def receive_body(self, into: memoryview) -> None:
@@ -382,14 +390,25 @@ class NixlChannel:
 
     def close(self) -> None:
         """Close it; a server's answers whose WRITEs are not done are not said (their send
-        buffer rests, as a landing does: NIXL may still read it)."""
+        buffer rests, as a landing does: NIXL may still read it, or the thread that serves
+        the connection still build in it)."""
         self._tcp.close()
+        with self._guard:
+            if self._closed:
+                return
+            self._closed = True
+            self._let_go()
+
+    def _let_go(self) -> None:
+        """Give back what the connection held: a buffer NIXL may still read or write rests."""
         engine = self._engine
         now = time.monotonic()
-        writing = bool(self._posted)
+        in_use = self._built is not None or not all(
+            self._done_or_failed(posted.write) for posted in self._posted
+        )
         self._forget_writes()
         if self._outbox is not None:
-            engine.give_back(self._outbox, now + self._io_timeout if writing else None)
+            engine.give_back(self._outbox, now + self._io_timeout if in_use else None)
         if self._landing is not None:
             # each answer still on its way may be written within the server's I/O timeout
             rest = (self._in_flight + 1) * self._io_timeout if self._in_flight > 0 else None
@@ -414,7 +433,7 @@ class NixlChannel:
                 f"(the next is {self._slot_bytes} bytes at {offset})"
             )
         self._bodies += 1
-        self._last_body = written.length
+        self._recent.append(written.length)
         self._landed = landing.view[offset : offset + written.length]
         return Object(), written.length
 
@@ -422,7 +441,7 @@ class NixlChannel:
         engine = self._engine
         if self._landing is not None:
             engine.give_back(self._landing)
-        slots, slot_bytes = landing_slots(self._last_body)
+        slots, slot_bytes = landing_slots(max(self._recent, default=0))
         self._landing = landing = engine.region(slots * slot_bytes)
         self._slots, self._slot_bytes, self._bodies = slots, slot_bytes, 0
         self._tcp.send(
@@ -433,9 +452,9 @@ class NixlChannel:
         self.transport = "nixl"
 
     def _lend_anew(self) -> bool:
-        """A client's: whether the last body did not fit a slot of its landing, or a landing
-        for it would have more slots (the chunks it asks for changed size)."""
-        slots, slot_bytes = landing_slots(self._last_body)
+        """A client's: whether a recent body did not fit a slot of its landing, or a landing
+        for the recent ones would have more slots (the chunks it asks for changed size)."""
+        slots, slot_bytes = landing_slots(max(self._recent, default=0))
         return slot_bytes > self._slot_bytes or slots > self._slots
 
     def _take_landing(self, landing: Landing) -> None:
@@ -444,83 +463,108 @@ class NixlChannel:
         if not landing_fits(landing.length, landing.slots):
             raise WireError(f"a landing of {landing.length} bytes in {landing.slots} slots")
         self._stop_writing()  # into the landing it had
-        previous = self._target
-        self._target = None
-        if previous is not None:
-            self._engine.unload(previous.agent)
-        try:
-            self._engine.load(landing.agent, landing.metadata)
-        except WireError:
-            raise
-        except Exception as error:  # NIXL's own errors name no common base
-            raise WireError(f"a landing NIXL could not load: {error}") from None
-        self._target = landing
-        self._slots, self._slot_bytes, self._bodies = (
-            landing.slots,
-            landing.length // landing.slots,
-            0,
-        )
-        self.transport = "nixl"
+        with self._open():
+            previous = self._target
+            self._target = None
+            if previous is not None:
+                self._engine.unload(previous.agent)
+            try:
+                self._engine.load(landing.agent, landing.metadata)
+            except WireError:
+                raise
+            except Exception as error:  # NIXL's own errors name no common base
+                raise WireError(f"a landing NIXL could not load: {error}") from None
+            self._target = landing
+            self._slots, self._slot_bytes, self._bodies = (
+                landing.slots,
+                landing.length // landing.slots,
+                0,
+            )
+            self.transport = "nixl"
 
     def _post(self, body: Sequence[Buffer], length: int, target: Landing) -> None:
         """Post the WRITE of ``body`` into the landing's next slot (its ``Written`` is said
         once it is done)."""
-        built, self._built = self._built, None
-        section = self._next_section(length)
+        built = self._built
         if not (len(body) == 1 and body[0] is built):  # else it lies there already
+            section = self._next_section(length)
             at = 0
             for piece in body:
                 section[at : at + len(piece)] = piece
                 at += len(piece)
-        index = self._bodies % self._slots
-        prepared = self._prepared.get(index)
-        if prepared is None or prepared.length != length:
-            if prepared is not None:
-                self._engine.release(prepared)
-            assert self._outbox is not None  # made by _next_section
-            prepared = self._engine.prepare(
-                self._outbox,
-                index * self._section,
-                length,
-                target.agent,
-                target.address + index * self._slot_bytes,
+        with self._open():
+            index = self._bodies % self._slots
+            prepared = self._prepared.get(index)
+            if prepared is None or prepared.length != length:
+                if prepared is not None:
+                    self._engine.release(prepared)
+                assert self._outbox is not None  # made by _next_section
+                prepared = self._engine.prepare(
+                    self._outbox,
+                    index * self._section,
+                    length,
+                    target.agent,
+                    target.address + index * self._slot_bytes,
+                )
+                self._prepared[index] = prepared
+            self._engine.post(prepared)
+            self._built = None
+            deadline = time.monotonic() + self._io_timeout
+            self._posted.append(
+                _Posted(prepared, Written(length, index * self._slot_bytes), deadline)
             )
-            self._prepared[index] = prepared
-        self._engine.post(prepared)
-        self._posted.append(
-            _Posted(
-                prepared,
-                Written(length, index * self._slot_bytes),
-                time.monotonic() + self._io_timeout,
-            )
-        )
-        self._bodies += 1
-        self._say_written()
+            self._bodies += 1
+            self._say_done()
 
     def _next_section(self, length: int) -> memoryview:
         """The next slot's section of the send buffer, free (its last WRITE done), for a
-        body of ``length`` bytes: the buffer is replaced by one of larger sections (its
-        WRITEs done first) where the sections are shorter."""
-        self._settle(self._slots - 1)
-        if self._outbox is None or self._section < length:
+        body of ``length`` bytes, handed out (:attr:`_built`) until the body is posted: the
+        buffer is replaced by one of larger sections (its WRITEs done first) where the
+        sections are shorter."""
+        if self._outbox is not None and self._section < length:
             self._stop_writing()
-            self._section = min(-(-length // SECTION_ALIGN) * SECTION_ALIGN, self._slot_bytes)
-            self._outbox = self._engine.region(self._slots * self._section)
-        at = self._bodies % self._slots * self._section
-        return self._outbox.view[at : at + length]
+        self._settle(self._slots - 1)
+        with self._open():
+            if self._outbox is None:
+                self._section = min(aligned(length), self._slot_bytes)
+                self._outbox = self._engine.region(self._slots * self._section)
+            at = self._bodies % self._slots * self._section
+            self._built = self._outbox.view[at : at + length]
+            return self._built
 
     def _stop_writing(self) -> None:
         """Wait for the WRITEs posted, then release the prepared ones and the send buffer:
         the landing or the sections change."""
         self._settle(0)
-        self._forget_writes()
-        if self._outbox is not None:
-            self._engine.give_back(self._outbox)
-            self._outbox = None
+        with self._open():
+            self._forget_writes()
+            if self._outbox is not None:
+                self._engine.give_back(self._outbox)
+                self._outbox = None
+
+    def _done_or_failed(self, prepared: _Write) -> bool:
+        """Whether ``prepared``, posted, no longer runs."""
+        try:
+            return self._engine.done(prepared)
+        except WireError:
+            return True
+
+    @contextlib.contextmanager
+    def _open(self) -> Iterator[None]:
+        """Hold the channel's NIXL state, which :meth:`close` may let go from another thread:
+        :class:`OSError` once it has."""
+        with self._guard:
+            if self._closed:
+                raise OSError(f"the connection to {self.remote} was closed")
+            yield
 
     def _say_written(self) -> None:
         """Say the answers whose WRITEs are done, oldest first, up to the first not done
         (:class:`TimeoutError` if it outlasted the I/O timeout)."""
+        with self._open():
+            self._say_done()
+
+    def _say_done(self) -> None:
         posted = self._posted
         while posted:
             oldest = posted[0]
@@ -562,8 +606,13 @@ class NixlChannel:
 
 def landing_slots(body: int) -> tuple[int, int]:
     """The slots of a landing for bodies of ``body`` bytes, and their bytes."""
-    slot_bytes = min(max(SLOT_BYTES, body), MAX_SLOT_BYTES)
+    slot_bytes = min(aligned(max(SLOT_BYTES, body)), MAX_SLOT_BYTES)
     return max(1, min(DEPTH, LANDING_BUDGET // slot_bytes)), slot_bytes
+
+
+def aligned(length: int) -> int:
+    """``length`` rounded up to a whole number of :data:`ALIGN`."""
+    return -(-length // ALIGN) * ALIGN
 
 
 def landing_fits(length: int, slots: int) -> bool:
