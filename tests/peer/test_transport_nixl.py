@@ -65,7 +65,7 @@ class Loopback:
         channel = self.listener.accept()
         try:
             answer(channel)
-            if isinstance(channel, NixlChannel) and channel._posted:
+            if isinstance(channel, NixlChannel) and channel._posted and not channel._closed:
                 channel.wait_readable(5)  # its answers are said as their writes end
         except BaseException as error:  # the test reads it
             self.errors.append(error)
@@ -485,3 +485,45 @@ def test_a_server_builds_in_no_section_whose_last_write_is_on_its_way(
     client.close()
     loopback.close()
     assert not loopback.errors
+
+
+def test_a_server_closed_by_another_thread_ends_its_serving_with_an_os_error(
+    loopback: Loopback, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent stops: it closes a connection while the thread serving it has a WRITE on its
+    way. Whatever that thread does next (say its answers, build and post the next one) ends
+    with an ``OSError`` (which the serving loop takes for the peer gone), touching no NIXL
+    state that was let go, and the send buffer the WRITE may still read rests."""
+    posted, closed = threading.Event(), threading.Event()
+    served: list[NixlChannel] = []
+    ended: list[str] = []
+
+    def answer(channel: PeerChannel) -> None:
+        channel.proven("client", False)
+        assert isinstance(channel, NixlChannel)
+        let_go = _hold_writes(channel, monkeypatch)
+        channel.receive()
+        channel.send(Object(), [b"x" * 1000])
+        served.append(channel)
+        posted.set()
+        assert closed.wait(5)
+        let_go.set()  # its WRITE's state may be looked at again: not after the close
+        for step in (lambda: channel.wait_readable(0), lambda: channel.send(Object(), [b"y"])):
+            with pytest.raises(OSError) as raised:
+                step()
+            ended.append(str(raised.value))
+
+    client = loopback.connect(answer)
+    client.proven("server", True)
+    client.send(Get("tenant", KEY))
+    assert posted.wait(5)
+    (channel,) = served
+    outbox = channel._outbox
+    channel.close()
+    closed.set()
+    loopback.threads[-1].join(10)
+    assert len(ended) == 2 and not loopback.errors, (ended, loopback.errors)
+    assert all("was closed" in said for said in ended), ended
+    assert outbox is not None and outbox in [region for _, region in channel._engine._resting]
+    client.close()
+    loopback.close()

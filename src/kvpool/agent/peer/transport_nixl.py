@@ -58,7 +58,7 @@ import secrets
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -463,7 +463,8 @@ class NixlChannel:
         if not landing_fits(landing.length, landing.slots):
             raise WireError(f"a landing of {landing.length} bytes in {landing.slots} slots")
         self._stop_writing()  # into the landing it had
-        with self._open():
+        with self._guard:
+            self._still_open()
             previous = self._target
             self._target = None
             if previous is not None:
@@ -492,7 +493,8 @@ class NixlChannel:
             for piece in body:
                 section[at : at + len(piece)] = piece
                 at += len(piece)
-        with self._open():
+        with self._guard:
+            self._still_open()
             index = self._bodies % self._slots
             prepared = self._prepared.get(index)
             if prepared is None or prepared.length != length:
@@ -524,7 +526,8 @@ class NixlChannel:
         if self._outbox is not None and self._section < length:
             self._stop_writing()
         self._settle(self._slots - 1)
-        with self._open():
+        with self._guard:
+            self._still_open()
             if self._outbox is None:
                 self._section = min(aligned(length), self._slot_bytes)
                 self._outbox = self._engine.region(self._slots * self._section)
@@ -536,7 +539,8 @@ class NixlChannel:
         """Wait for the WRITEs posted, then release the prepared ones and the send buffer:
         the landing or the sections change."""
         self._settle(0)
-        with self._open():
+        with self._guard:
+            self._still_open()
             self._forget_writes()
             if self._outbox is not None:
                 self._engine.give_back(self._outbox)
@@ -549,19 +553,17 @@ class NixlChannel:
         except WireError:
             return True
 
-    @contextlib.contextmanager
-    def _open(self) -> Iterator[None]:
-        """Hold the channel's NIXL state, which :meth:`close` may let go from another thread:
-        :class:`OSError` once it has."""
-        with self._guard:
-            if self._closed:
-                raise OSError(f"the connection to {self.remote} was closed")
-            yield
+    def _still_open(self) -> None:
+        """:class:`OSError` if :meth:`close` let the channel's NIXL state go (maybe from
+        another thread); call it holding :attr:`_guard`, which keeps it until released."""
+        if self._closed:
+            raise OSError(f"the connection to {self.remote} was closed")
 
     def _say_written(self) -> None:
         """Say the answers whose WRITEs are done, oldest first, up to the first not done
         (:class:`TimeoutError` if it outlasted the I/O timeout)."""
-        with self._open():
+        with self._guard:
+            self._still_open()
             self._say_done()
 
     def _say_done(self) -> None:
