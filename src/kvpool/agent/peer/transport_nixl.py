@@ -325,7 +325,7 @@ class NixlChannel:
         self._peer = node
         self._in_flight = 0  # the handshake's messages were no requests (one more came)
         if peer_lands:
-            self._lend_landing()
+            self._lend_landing(*landing_slots(0))
 
     def body_memory(self, length: int) -> memoryview | None:
         """The next slot's section of the registered send buffer, where the client's landing
@@ -344,8 +344,10 @@ class NixlChannel:
             self._settle(0)  # the answers before this one are said first
             self._tcp.send(message, body)
             return
-        if self._landing is not None and not self._in_flight and self._lend_anew():
-            self._lend_landing()  # before the next request (none in flight)
+        if self._landing is not None and not self._in_flight:
+            wanted = self._landing_anew()
+            if wanted is not None:
+                self._lend_landing(*wanted)  # before the next request (none in flight)
         self._tcp.send(message, body)
         self._in_flight += 1
 
@@ -437,11 +439,10 @@ class NixlChannel:
         self._landed = landing.view[offset : offset + written.length]
         return Object(), written.length
 
-    def _lend_landing(self) -> None:
+    def _lend_landing(self, slots: int, slot_bytes: int) -> None:
         engine = self._engine
         if self._landing is not None:
             engine.give_back(self._landing)
-        slots, slot_bytes = landing_slots(max(self._recent, default=0))
         self._landing = landing = engine.region(slots * slot_bytes)
         self._slots, self._slot_bytes, self._bodies = slots, slot_bytes, 0
         self._tcp.send(
@@ -451,11 +452,12 @@ class NixlChannel:
         )
         self.transport = "nixl"
 
-    def _lend_anew(self) -> bool:
-        """A client's: whether a recent body did not fit a slot of its landing, or a landing
-        for the recent ones would have more slots (the chunks it asks for changed size)."""
+    def _landing_anew(self) -> tuple[int, int] | None:
+        """A client's: the slots, and their bytes, of a landing for its recent bodies, where
+        one did not fit a slot of the landing it has, or where there would be more slots
+        (the chunks it asks for changed size); None: keep the one it has."""
         slots, slot_bytes = landing_slots(max(self._recent, default=0))
-        return slot_bytes > self._slot_bytes or slots > self._slots
+        return (slots, slot_bytes) if slot_bytes > self._slot_bytes or slots > self._slots else None
 
     def _take_landing(self, landing: Landing) -> None:
         if not landing.agent.startswith(f"{self._peer}/"):
