@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> None:
         hosts = Hosts(2).start()
     except HostsUnavailable as error:
         raise SystemExit(f"{PROGRAM} needs two hosts on this machine: {error}") from None
-    counts = _counts(args)
+    counts = chunk_counts(args)
     with hosts, tempfile.TemporaryDirectory(prefix="kvpool-bench-peer-") as work:
         transfers = _transfers(hosts, Path(work) / "transfers", counts, args)
         readers = None if args.skip_ttft else peer_ttft.measure(hosts, Path(work) / "ttft", args)
@@ -212,8 +212,8 @@ def _transfers(
                     a,
                     b,
                     workdir / f"{transport}-{protection}",
-                    holder_l1=_l1_bytes(sum(size * count for size, count in counts.items())),
-                    puller_l1=_l1_bytes(largest),
+                    holder_l1=l1_bytes(sum(size * count for size, count in counts.items())),
+                    puller_l1=l1_bytes(largest),
                     port=DEFAULT_PEER_PORT + number,
                     wire_protection=protection,
                     transport=transport,
@@ -235,13 +235,13 @@ def _peer_sides(args: argparse.Namespace) -> list[tuple[str, str]]:
     return [(transport, protection) for transport in args.transport for protection in args.wire]
 
 
-def _counts(args: argparse.Namespace) -> dict[int, int]:
+def chunk_counts(args: argparse.Namespace) -> dict[int, int]:
     """Chunks per transfer, by chunk size in bytes: ``--mib``'s worth, at least one."""
     sizes = [chunk_bytes(mib) for mib in args.chunk_mib]
     return {size: max(1, args.mib * MiB // size) for size in sizes}
 
 
-def _l1_bytes(stored: int) -> int:
+def l1_bytes(stored: int) -> int:
     """An L1 that holds ``stored`` bytes below the agent's low watermark: nothing evicted."""
     return math.ceil(stored / 0.75 / MiB) * MiB + 64 * MiB
 

@@ -24,16 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.peer import PROGRAM as PEER_BENCH
-from benchmarks.peer import PROTECTIONS, cpu_times
+from benchmarks.peer import PROTECTIONS, chunk_counts, cpu_times, l1_bytes
 from benchmarks.peer_agents import peer_pair
 from kvpool.common import problems
 from kvpool.tools.bench import report as reports
 from kvpool.tools.bench.local.hosts import Hosts, HostsUnavailable
 from kvpool.tools.bench.local.peers import TRANSPORTS
-from kvpool.tools.bench.report import add_chunk_mib, chunk_bytes, chunk_label, command, machine
+from kvpool.tools.bench.report import add_chunk_mib, chunk_label, command, machine
 
 PROGRAM = "python -m benchmarks.peer_pull_profile"
-MiB = 1 << 20
 BUSIEST = 4
 """Threads shown per agent, busiest first."""
 SIDES = ("holder", "puller")
@@ -117,24 +116,22 @@ def run(args: argparse.Namespace) -> None:
         hosts = Hosts(2).start()
     except HostsUnavailable as error:
         raise SystemExit(f"{PROGRAM} needs two hosts on this machine: {error}") from None
-    sizes = [chunk_bytes(mib) for mib in args.chunk_mib]
+    counts = chunk_counts(args)
     rows = []
     with hosts, tempfile.TemporaryDirectory(prefix="kvpool-bench-pull-") as work:
         holder, puller = hosts.hosts
-        held = sum(size * max(1, args.mib * MiB // size) for size in sizes)
         for transfers in args.max_transfers:
             with peer_pair(
                 holder,
                 puller,
                 Path(work) / f"max-transfers-{transfers}",
-                holder_l1=2 * held + 64 * MiB,
-                puller_l1=2 * args.mib * MiB + 64 * MiB,
+                holder_l1=l1_bytes(sum(size * count for size, count in counts.items())),
+                puller_l1=l1_bytes(max(size * count for size, count in counts.items())),
                 wire_protection=args.wire,
                 transport=args.transport,
                 max_transfers=transfers,
             ) as pair:
-                for size in sizes:
-                    count = max(1, args.mib * MiB // size)
+                for size, count in counts.items():
                     pair.hold(size, count)
                     pair.pull(size, count)  # the warm-up: connections, page faults
                     before = Snapshot.take(pair.pids)
