@@ -10,9 +10,10 @@ import contextlib
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,6 +32,7 @@ from kvpool.agent.peer.transport_nixl import (
 from kvpool.agent.peer.wire import Get, Landing, Missing, Object, PeerClosed, WireError, Written
 from kvpool.common.keyring import Keyring, generate_key
 from kvpool.tools.bench.local.peers import LINK_ENVIRONMENT
+from tests.support.polling import wait_until
 
 KEY = b"k" * 32
 
@@ -343,15 +345,37 @@ def test_after_the_handshake_a_landing_is_lent_anew_only_with_no_answer_on_its_w
     assert not loopback.errors
 
 
-def _hold_writes(channel: PeerChannel, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """The server ``channel``'s WRITEs are not done (as on a slow link) until the event
-    returned is set."""
+@dataclass
+class _Held:
+    """A server's WRITEs, not done (as on a slow link) until :attr:`let_go` is set."""
+
+    let_go: threading.Event = field(default_factory=threading.Event)
+    looked: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
+    """Released each time the server looks at a WRITE held."""
+
+    def next_look(self) -> bool:
+        """Whether the server looks at a WRITE held again, from now, within 5 s: it is
+        waiting for one."""
+        while self.looked.acquire(blocking=False):
+            pass
+        return self.looked.acquire(timeout=5)
+
+
+def _hold_writes(channel: PeerChannel, monkeypatch: pytest.MonkeyPatch) -> _Held:
+    """The server ``channel``'s WRITEs, held."""
     assert isinstance(channel, NixlChannel)
     engine = channel._engine
     done = engine.done
-    let_go = threading.Event()
-    monkeypatch.setattr(engine, "done", lambda prepared: let_go.is_set() and done(prepared))
-    return let_go
+    held = _Held()
+
+    def looked_at(prepared: Any) -> bool:
+        if held.let_go.is_set():
+            return done(prepared)
+        held.looked.release()
+        return False
+
+    monkeypatch.setattr(engine, "done", looked_at)
+    return held
 
 
 def test_a_server_reads_the_next_request_while_a_write_is_on_its_way(
@@ -362,7 +386,7 @@ def test_a_server_reads_the_next_request_while_a_write_is_on_its_way(
     asked."""
     bodies = [os.urandom(100_000), os.urandom(100_001)]
     both_posted = threading.Event()
-    writes_held: list[threading.Event] = []
+    writes_held: list[_Held] = []
 
     def answer(channel: PeerChannel) -> None:
         channel.proven("client", False)
@@ -377,8 +401,9 @@ def test_a_server_reads_the_next_request_while_a_write_is_on_its_way(
     for _ in bodies:
         client.send(Get("tenant", KEY))
     assert both_posted.wait(5)  # neither WRITE was done
-    assert not client.wait_readable(0.3)  # so nothing is said yet
-    writes_held[0].set()
+    assert writes_held[0].next_look()  # the server waits for them
+    assert not client.wait_readable(0)  # and has said nothing yet
+    writes_held[0].let_go.set()
     for body in bodies:
         assert _answered(client) == body
     client.close()
@@ -395,11 +420,11 @@ def test_an_answer_without_a_body_comes_after_the_answers_written_before_it(
 
     def answer(channel: PeerChannel) -> None:
         channel.proven("client", False)
-        let_go = _hold_writes(channel, monkeypatch)
+        held = _hold_writes(channel, monkeypatch)
         channel.receive()
         channel.send(Object(), [body])
         channel.receive()
-        threading.Timer(0.3, let_go.set).start()
+        threading.Timer(0.3, held.let_go.set).start()
         channel.send(Missing())
 
     client = loopback.connect(answer)
@@ -420,7 +445,7 @@ def test_a_send_buffer_closed_with_a_write_on_its_way_rests(
     the buffer is not lent to the next connection at once; one that ends with every WRITE
     done is."""
     outboxes: list[int] = []
-    held: list[threading.Event] = []
+    held: list[_Held] = []
 
     def answer(channel: PeerChannel) -> None:
         channel.proven("client", False)
@@ -441,7 +466,7 @@ def test_a_send_buffer_closed_with_a_write_on_its_way_rests(
             client.send(Get("tenant", KEY))  # and goes before its answer is said
         client.close()
         loopback.threads[-1].join(10)  # the server closed its end
-        held[0].set()
+        held[0].let_go.set()
     loopback.close()
     assert not loopback.errors
     assert outboxes[1] != outboxes[0] and outboxes[2] == outboxes[1]
@@ -454,8 +479,9 @@ def test_a_server_builds_in_no_section_whose_last_write_is_on_its_way(
     server builds the next body in a section of its send buffer only once the WRITE that
     last read that section is done."""
     body = os.urandom(LANDING_BUDGET // 2)  # two slots of it
+    received: list[int] = []
     posted: list[int] = []
-    held: list[threading.Event] = []
+    held: list[_Held] = []
 
     def answer(channel: PeerChannel) -> None:
         channel.proven("client", False)
@@ -464,6 +490,7 @@ def test_a_server_builds_in_no_section_whose_last_write_is_on_its_way(
         held.append(_hold_writes(channel, monkeypatch))
         for count in range(1, 4):
             channel.receive()
+            received.append(count)
             channel.send(Object(), [body])
             posted.append(count)
 
@@ -473,15 +500,11 @@ def test_a_server_builds_in_no_section_whose_last_write_is_on_its_way(
     for _ in range(3):
         client.send(Get("tenant", KEY))
     assert isinstance(client, NixlChannel) and client.depth == 2
-    deadline = time.monotonic() + 5
-    while len(posted) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.3)
-    assert posted == [1, 2]  # the third waits for the first's section
-    held[0].set()
-    while len(posted) < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert posted == [1, 2, 3]
+    wait_until(lambda: len(received) == 3, what="the third request read")
+    assert held[0].next_look()  # sending the third, the server waits for a WRITE
+    assert posted == [1, 2]  # the first's, whose section the third would take
+    held[0].let_go.set()
+    wait_until(lambda: len(posted) == 3, what="the third answer posted")
     client.close()
     loopback.close()
     assert not loopback.errors
@@ -501,13 +524,13 @@ def test_a_server_closed_by_another_thread_ends_its_serving_with_an_os_error(
     def answer(channel: PeerChannel) -> None:
         channel.proven("client", False)
         assert isinstance(channel, NixlChannel)
-        let_go = _hold_writes(channel, monkeypatch)
+        held = _hold_writes(channel, monkeypatch)
         channel.receive()
         channel.send(Object(), [b"x" * 1000])
         served.append(channel)
         posted.set()
         assert closed.wait(5)
-        let_go.set()  # its WRITE's state may be looked at again: not after the close
+        held.let_go.set()  # its WRITE's state may be looked at again: not after the close
         for step in (lambda: channel.wait_readable(0), lambda: channel.send(Object(), [b"y"])):
             with pytest.raises(OSError) as raised:
                 step()
