@@ -57,6 +57,7 @@ from benchmarks.peer_agents import PeerPair, peer_pair
 from benchmarks.peer_socket import plain_link
 from kvpool.common import problems
 from kvpool.common.names import DEFAULT_PEER_PORT
+from kvpool.tools.bench import cpu_features
 from kvpool.tools.bench import report as reports
 from kvpool.tools.bench.local.hosts import Hosts, HostsUnavailable
 from kvpool.tools.bench.local.peers import TRANSPORTS
@@ -123,6 +124,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the agents' peer transports, each with every protection (default: tcp,nixl)",
     )
     peer_ttft.add_arguments(parser)
+    cpu_features.add_as_avx2(parser)
 
 
 def _some_of(choices: Sequence[str]) -> Callable[[str], list[str]]:
@@ -167,6 +169,7 @@ class Results:
 
 
 def run(args: argparse.Namespace) -> None:
+    cpu_features.take(args)
     try:
         hosts = Hosts(2).start()
     except HostsUnavailable as error:

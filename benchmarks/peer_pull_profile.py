@@ -27,6 +27,7 @@ from benchmarks.peer import PROGRAM as PEER_BENCH
 from benchmarks.peer import PROTECTIONS, chunk_counts, cpu_times, l1_bytes
 from benchmarks.peer_agents import peer_pair
 from kvpool.common import problems
+from kvpool.tools.bench import cpu_features
 from kvpool.tools.bench import report as reports
 from kvpool.tools.bench.local.hosts import Hosts, HostsUnavailable
 from kvpool.tools.bench.local.peers import TRANSPORTS
@@ -52,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[4],
         help="the agents' peers.max_transfers, comma-separated: a pair of agents each",
     )
+    cpu_features.add_as_avx2(parser)
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,7 @@ def row(
 
 
 def run(args: argparse.Namespace) -> None:
+    cpu_features.take(args)
     try:
         hosts = Hosts(2).start()
     except HostsUnavailable as error:

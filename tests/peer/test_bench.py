@@ -5,6 +5,7 @@ checks on made-up figures."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -16,8 +17,16 @@ from benchmarks import peer_nixl, peer_ttft
 from benchmarks.peer import PROTECTIONS, SOCKET, MiB, Results, main, report, side_name
 from benchmarks.peer_ttft import READERS, RECOMPUTE
 from kvpool.tools.bench.connector_engine import Sample
+from kvpool.tools.bench.cpu_features import AVX2_ONLY, take
 from kvpool.tools.bench.local.peers import TRANSPORTS
-from kvpool.tools.bench.report import add_chunk_mib, chunk_bytes, chunk_label, command, recording
+from kvpool.tools.bench.report import (
+    add_chunk_mib,
+    chunk_bytes,
+    chunk_label,
+    command,
+    machine,
+    recording,
+)
 from tests.support.engines import needs_fast_bf16
 from tests.support.hosts import hosts_or_skip
 
@@ -92,7 +101,7 @@ def test_the_pull_profile_pulls_with_each_max_transfers_and_shows_the_cpu_and_id
     with hosts_or_skip(1):
         pass
     command = [sys.executable, "-m", "benchmarks.peer_pull_profile", "--chunk-mib", "1"]
-    command += ["--mib", "4", "--pulls", "2", "--max-transfers", "1,2"]
+    command += ["--mib", "4", "--pulls", "2", "--max-transfers", "1,2", "--as-avx2"]
     output = subprocess.run(
         command, capture_output=True, text=True, timeout=120, check=True, cwd=ROOT
     ).stdout
@@ -108,6 +117,56 @@ def test_the_pull_profile_pulls_with_each_max_transfers_and_shows_the_cpu_and_id
         assert re.fullmatch(number, row[7]), row
     assert "command: python -m benchmarks.peer_pull_profile --chunk-mib 1 --mib 4 " in output
     assert "CPU: " in output
+    assert f"CPU features masked: OPENSSL_ia32cap={AVX2_ONLY['OPENSSL_ia32cap']} " in output
+
+
+_AES_GCM_RATE = """
+import os, time
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+cipher, data, best = AESGCM(os.urandom(32)), os.urandom(4 << 20), float("inf")
+for _ in range(7):
+    started = time.perf_counter()
+    cipher.encrypt(os.urandom(12), data, None)
+    best = min(best, time.perf_counter() - started)
+print(len(data) / best)
+"""
+
+
+def _aes_gcm_rate(environment: dict[str, str]) -> float:
+    """Bytes a second a fresh process seals with AES-GCM (OpenSSL's, as the agents')."""
+    return float(
+        subprocess.run(
+            [sys.executable, "-c", _AES_GCM_RATE],
+            env={**os.environ, **environment},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+    )
+
+
+@pytest.mark.process
+@pytest.mark.skipif(
+    not {"vaes", "vpclmulqdq"} <= set(Path("/proc/cpuinfo").read_text().split()),
+    reason="this CPU has no VAES and VPCLMULQDQ to hide",
+)
+def test_as_avx2_hides_from_openssl_what_an_avx2_cpu_lacks() -> None:
+    """``--as-avx2`` (on a CPU with VAES and VPCLMULQDQ): the processes a bench starts seal
+    at an AVX2-only CPU's rate (AES-NI and PCLMULQDQ alone: about a quarter), and every
+    bench's machine line says so."""
+    assert _aes_gcm_rate(AVX2_ONLY) < 0.6 * _aes_gcm_rate({})
+    args = argparse.Namespace(as_avx2=True)
+    with pytest.MonkeyPatch.context() as patch:
+        for name in AVX2_ONLY:
+            patch.delenv(name, raising=False)
+        assert "masked" not in machine()
+        take(args)
+        assert all(os.environ[name] == value for name, value in AVX2_ONLY.items())
+        assert machine().endswith(
+            f"; CPU features masked: OPENSSL_ia32cap={AVX2_ONLY['OPENSSL_ia32cap']} "
+            f"GLIBC_TUNABLES={AVX2_ONLY['GLIBC_TUNABLES']}"
+        )
 
 
 @pytest.mark.process

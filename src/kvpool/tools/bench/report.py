@@ -80,8 +80,14 @@ def runs_said(count: int) -> str:
     return f"{count} run{'s' if count > 1 else ''}"
 
 
+CPU_MASKS = ("OPENSSL_ia32cap", "GLIBC_TUNABLES")
+"""Variables that hide CPU features from OpenSSL and glibc (a bench's ``--as-avx2``:
+:mod:`kvpool.tools.bench.cpu_features`): the machine line names them where they are set."""
+
+
 def machine() -> str:
-    """The CPU and the load average: every bench names the machine its figures came from."""
+    """The CPU and the load average: every bench names the machine its figures came from
+    (and any CPU features it was told to do without)."""
     cpu = "unknown CPU"
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -89,7 +95,9 @@ def machine() -> str:
                 cpu = line.split(":", 1)[1].strip()
                 break
     load = " ".join(f"{value:.2f}" for value in os.getloadavg())
-    return f"CPU: {cpu}, {os.cpu_count()} CPUs; load average (1, 5, 15 min) at the end: {load}"
+    line = f"CPU: {cpu}, {os.cpu_count()} CPUs; load average (1, 5, 15 min) at the end: {load}"
+    masks = [f"{name}={os.environ[name]}" for name in CPU_MASKS if os.environ.get(name)]
+    return line + (f"; CPU features masked: {' '.join(masks)}" if masks else "")
 
 
 def add_chunk_mib(parser: argparse.ArgumentParser) -> None:
