@@ -1,8 +1,8 @@
 """An AVX-512 machine measuring what an x86 CPU with AVX2 and no more would (``--as-avx2``).
 
-What the peer tier costs beyond the link is mostly the cipher's (docs/platform/peers.md):
-OpenSSL's AES-GCM runs about four times faster with AVX-512, VAES and VPCLMULQDQ than with
-AES-NI, PCLMULQDQ and AVX2 alone, and a pool's nodes have either kind of CPU. A bench told
+The peer tier seals and opens every chunk with OpenSSL's AES-GCM, which runs about four
+times slower on AES-NI, PCLMULQDQ and AVX2 alone than with AVX-512, VAES and VPCLMULQDQ
+(docs/platform/peers.md, "Figures"), and a pool's nodes have either kind of CPU. A bench told
 ``--as-avx2`` starts every process it measures (the agents and what they are compared
 with: the plain socket, NIXL raw) with OpenSSL told those features are absent
 (``OPENSSL_ia32cap``), and glibc's string functions too (``GLIBC_TUNABLES``), so that one
