@@ -208,6 +208,55 @@ def test_a_channel_closed_under_its_reader_says_its_end_has_come(
         channels[1].receive()
 
 
+def test_a_peer_that_says_nothing_is_a_timeout_the_kernel_keeps() -> None:
+    """Without a deadline the socket blocks and the kernel keeps its timeout (no ``poll``
+    before each call): a silent peer is a :class:`TimeoutError` (counted as ``timeout``),
+    between frames, mid-body and on a send it does not take, as with Python's timeout."""
+    left, right = socket.socketpair()
+    right.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
+    for sock in (left, right):
+        sock.settimeout(0.3)
+    quiet, asking = TcpChannel(left, "quiet"), TcpChannel(right, "asking")
+    try:
+        assert right.gettimeout() is None
+        with pytest.raises(TimeoutError) as silent:
+            asking.receive()
+        assert failure_reason(silent.value) == "timeout"
+        quiet._sock.sendall(frame(Have(1), 1000) + bytes(10))
+        assert asking.receive() == (Have(1), 1000)
+        with pytest.raises(TimeoutError):
+            asking.receive_body(memoryview(bytearray(1000)))
+        with pytest.raises(TimeoutError):
+            asking.send(Have(2), [bytes(8 << 20)])
+    finally:
+        left.close()
+        right.close()
+
+
+def test_a_frame_in_pieces_goes_out_whole_past_partial_sends() -> None:
+    """A frame is one ``sendmsg`` of its pieces; where the reader is slower than the send's
+    timeout the kernel takes part of them per call, and the rest follow in order."""
+    left, right = socket.socketpair()
+    right.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
+    left.settimeout(2.0)
+    right.settimeout(0.2)  # a send that waits longer returns what it has sent
+    reader, sender = TcpChannel(left, "reader"), TcpChannel(right, "sender")
+    header, body = secrets.token_bytes(100), secrets.token_bytes(3 << 20)
+    sending = threading.Thread(target=sender.send, args=(Have(7), [header, body]))
+    try:
+        sending.start()
+        assert reader.receive() == (Have(7), len(header) + len(body))
+        received = memoryview(bytearray(len(header) + len(body)))
+        for start in range(0, len(received), 1 << 20):
+            threading.Event().wait(0.3)  # slower than the send's timeout
+            reader.receive_body(received[start : start + (1 << 20)])
+        assert bytes(received) == header + body
+    finally:
+        sending.join(5.0)
+        left.close()
+        right.close()
+
+
 def test_the_tcp_transport_connects_to_its_listener() -> None:
     transport = TcpTransport()
     listener = transport.listen("127.0.0.1", 0, io_timeout=5.0)

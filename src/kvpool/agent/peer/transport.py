@@ -3,12 +3,14 @@
 The rest of the peer code sees only :class:`PeerChannel` (a connection that
 sends and receives frames, with the body of a chunk apart, so that it can come
 from and go into memory the caller owns) and :class:`PeerTransport` (connect
-and listen). TCP, the transport here, sends with ``sendall`` straight from the
-caller's buffers (the sealed chunk is never joined to its header) and receives
-with ``recv_into`` straight into the caller's buffer: the kernel's copy is the
-only one. An RDMA transport (NIXL, UCX) implements the same two classes: its
-channel would post the body as a one-sided read or write between registered
-buffers, and carry the messages on its own queue pair (docs/platform/peers.md).
+and listen). TCP, the transport here, sends a frame with one ``sendmsg`` straight
+from the caller's buffers (the kernel gathers the frame, the chunk's header and its
+sealed body into full segments; they are never joined in memory) and receives with
+``recv_into`` straight into the caller's buffer, a body in one call
+(``MSG_WAITALL``): the kernel's copy is the only one. An RDMA transport (NIXL,
+UCX) implements the same two classes: its channel would post the body as a
+one-sided read or write between registered buffers, and carry the messages on
+its own queue pair (docs/platform/peers.md).
 
 Every call is blocking with the timeout given at connect or accept: a peer
 that sends or takes nothing for that long raises :class:`TimeoutError`, a
@@ -16,7 +18,10 @@ connection that ends mid-frame :class:`~kvpool.agent.peer.wire.WireError`, and o
 that ends between frames :class:`~kvpool.agent.peer.wire.PeerClosed`. A
 deadline (:meth:`PeerChannel.set_deadline`) bounds every call together: a peer
 that trickles a byte at a time still raises :class:`TimeoutError` once it
-passes (the server's handshake runs under one).
+passes (the server's handshake runs under one). Without a deadline the kernel
+keeps the timeout (``SO_RCVTIMEO``, ``SO_SNDTIMEO``) and each call is one system
+call; Python's own timeout would add a ``poll`` before each, and each system call
+hands the interpreter lock to another thread and back (docs/platform/peers.md).
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from __future__ import annotations
 import contextlib
 import select
 import socket
+import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Literal, Protocol
 
 from kvpool.agent.peer.wire import (
@@ -154,19 +160,22 @@ class TcpChannel:
         """What was read ahead and not taken yet: ``_ahead[_start:_end]``."""
         self._io_timeout = sock.gettimeout()
         self._deadline: float | None = None
+        _kernel_timeouts(sock, self._io_timeout)
 
     def proven(self, node: str, peer_lands: bool) -> None:
         pass  # bodies follow their frames on this connection
 
     def send(self, message: Message, body: Sequence[Buffer] = ()) -> None:
-        self._before_call()
         head = frame(message, sum(len(piece) for piece in body))
-        if len(body) == 1 and len(body[0]) < 1 << 16:
-            self._sock.sendall(head + bytes(body[0]))
-            return
-        self._sock.sendall(head)
-        for piece in body:
-            self._sock.sendall(piece)
+        pieces = [memoryview(piece).cast("B") for piece in (head, *body) if len(piece)]
+        while pieces:
+            self._before_call()
+            with self._timing():
+                sent = self._sock.sendmsg(pieces)
+            while pieces and sent >= len(pieces[0]):
+                sent -= len(pieces.pop(0))
+            if sent:
+                pieces[0] = pieces[0][sent:]
 
     def body_memory(self, length: int) -> memoryview | None:
         return None  # sendall copies from anywhere
@@ -200,7 +209,7 @@ class TcpChannel:
     def set_deadline(self, deadline: float | None) -> None:
         self._deadline = deadline
         if deadline is None:
-            self._sock.settimeout(self._io_timeout)
+            _kernel_timeouts(self._sock, self._io_timeout)
 
     def _before_call(self) -> None:
         """The socket's timeout for the next call: the I/O timeout, or less to the deadline."""
@@ -223,7 +232,8 @@ class TcpChannel:
             view = memoryview(ahead)
             while self._end < count:
                 self._before_call()
-                got = self._sock.recv_into(view[self._end :])
+                with self._timing():
+                    got = self._sock.recv_into(view[self._end :])
                 if got == 0:
                     if between_frames and self._end == 0:
                         raise PeerClosed(f"{self.remote} closed the connection")
@@ -236,16 +246,35 @@ class TcpChannel:
     def _read_into(self, view: memoryview) -> None:
         while view:
             self._before_call()
-            count = self._sock.recv_into(view)
+            with self._timing():
+                count = self._sock.recv_into(view, 0, socket.MSG_WAITALL)
             if count == 0:
                 raise WireError(f"{self.remote} closed the connection mid-frame")
             view = view[count:]
+
+    @contextlib.contextmanager
+    def _timing(self) -> Iterator[None]:
+        """A call's timeout kept by the kernel (it fails with ``EAGAIN``) as Python's."""
+        try:
+            yield
+        except BlockingIOError:
+            raise TimeoutError(f"{self.remote} did not answer in {self._io_timeout} s") from None
 
     def close(self) -> None:
         # shutdown first: it wakes a thread blocked in recv(), which close() alone does not
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
+
+
+def _kernel_timeouts(sock: socket.socket, seconds: float | None) -> None:
+    """``sock`` blocking, with ``seconds`` (None: no limit) for each call kept by the
+    kernel: a call that times out fails with ``EAGAIN``."""
+    sock.settimeout(None)
+    whole = int(seconds or 0)
+    limit = struct.pack("@ll", whole, int(((seconds or 0) - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
 
 
 class TcpListener:
