@@ -19,16 +19,20 @@ ALICE = "a" * 32
 
 
 def run_of(
-    service: CacheService, names: list[str], parent: bytes | None = None
+    service: CacheService,
+    names: list[str],
+    parent: bytes | None = None,
+    after: ChunkLanding | None = None,
 ) -> list[ChunkLanding]:
-    """Landings of ``names``, each after the one before, sharing one run's reservation."""
+    """Landings of ``names``, each after the one before (the first after ``after``), sharing
+    one run's reservation."""
     landings: list[ChunkLanding] = []
     keep: list[bytes] = []
     together = RunReservation(service, [key(name) for name in names])
     for position, name in enumerate(names):
         before = landings[-1].key if landings else parent
         landing = service.landing(
-            ALICE, key(name), before, keep, after=landings[-1] if landings else None
+            ALICE, key(name), before, keep, after=landings[-1] if landings else after
         )
         landing.run, landing.position = together, position
         landings.append(landing)
@@ -121,3 +125,38 @@ def test_a_run_given_up_gives_all_its_pages_back(tmp_path: Path) -> None:
         assert not landing.finish(False)
     assert service.open_write_leases == 0 and service.stats().chunks == 0
     assert service.lookup(ALICE, [key("a")], lock=False).count == 0
+
+
+def test_a_chunk_its_run_holds_pages_for_lets_the_next_run_reserve_before_it_comes(
+    tmp_path: Path,
+) -> None:
+    """What lets the prefetch reserve a prefix's runs before asking for them: a chunk's turn
+    comes once the chunk before it holds pages, its own or its run's."""
+    service = make_service(make_cache(pages=20), tmp_path / "q.json")
+    first = run_of(service, ["a", "b"])
+    second = run_of(service, ["c", "d"], parent=key("b"), after=first[-1])
+    assert second[0].turn() is None  # "b" has no pages yet
+    land(first[0], PAGE, b"a")  # the run reserves "a" and "b"
+    assert second[0].turn() is True
+    land(second[0], PAGE, b"c")  # "c" and "d" come before "b"
+    land(second[1], PAGE, b"d")
+    land(first[1], PAGE, b"b")
+    assert finish_in_order(first + second, [True] * 4) == 4
+    names = [key(name) for name in "abcd"]
+    assert service.lookup(ALICE, names, lock=False).count == 4
+    assert service.open_write_leases == 0
+
+
+def test_a_chunk_its_run_was_refused_pages_for_gives_the_next_run_no_turn(
+    tmp_path: Path,
+) -> None:
+    cache = make_cache(pages=20, quotas=QuotaBook(limits={ALICE: PAGE}))
+    service = make_service(cache, tmp_path / "q.json")
+    first = run_of(service, ["a", "b"])
+    second = run_of(service, ["c", "d"], parent=key("b"), after=first[-1])
+    land(first[0], PAGE, b"a")  # the quota leaves "b" out of the run's pages
+    assert second[0].turn() is None  # until "b" asks and is refused
+    assert first[1].reserve(PAGE) is None
+    assert second[0].turn() is False and not second[0].wait_turn()
+    assert finish_in_order(first + second, [True, False, False, False]) == 1
+    assert service.open_write_leases == 0 and service.stats().chunks == 1

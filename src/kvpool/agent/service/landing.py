@@ -17,7 +17,9 @@ and every chunk after it in the run at once, each of its size (a prefix's chunks
 size), in one call to L1 (one quota check, one pass of eviction), and the run commits
 with one call (one KV event, one lock); a chunk of another size (a prefix's shorter last
 one) gives the run's pages back from it on, and it and the chunks after it reserve
-alone.
+alone. A chunk whose run holds pages for it holds its place: the chunk after it may
+reserve before it has come (so the prefetch reserves a prefix's runs one after the other
+before asking for them, and every chunk lands in its pages as it comes).
 """
 
 from __future__ import annotations
@@ -124,17 +126,24 @@ class ChunkLanding:
         return self.service.chunk_view(self.tenant)[place.offset : place.offset + size]
 
     def turn(self) -> bool | None:
-        """Whether this chunk may reserve now: the one before it holds its place (None: it
-        has not reserved or given up yet)."""
+        """Whether this chunk may reserve now: the one before it holds its place, reserved
+        by itself or by its run (None: it has not reserved nor given up yet, nor has its
+        run reserved for it)."""
         before = self.after
         if before is None:
             return True
-        return before.reserved if before.decided else None
+        if before.decided:
+            return before.reserved
+        return True if before.run is not None and before.run.holds(before) else None
 
     def wait_turn(self) -> bool:
         """Block until the chunk before this one holds its place (or gave up): whether it
         does."""
-        return self.after is None or self.after.wait_reserved()
+        turn = self.turn()
+        if turn is None:
+            assert self.after is not None  # only a chunk after another waits
+            return self.after.wait_reserved()
+        return turn
 
     def wait_reserved(self) -> bool:
         """Once this landing has reserved or given up: whether it holds its place."""
@@ -247,9 +256,16 @@ class RunReservation:
             return Reservation(reservation.lease, (place,))
 
     def holds(self, landing: ChunkLanding) -> bool:
-        """Whether ``landing`` holds pages of the run's reservation, not committed yet."""
+        """Whether ``landing`` holds pages of the run's reservation (or L1 had its chunk), not
+        committed yet: False where L1 refused it (quota, full)."""
         with self._lock:
-            return self._open and self._first <= landing.position < self._shared
+            reservation = self._reservation
+            return (
+                self._open
+                and reservation is not None
+                and self._first <= landing.position < self._shared
+                and landing.position - self._first < len(reservation.placements)
+            )
 
     def commit(self, landings: Sequence[ChunkLanding], filled: Sequence[bool]) -> int:
         """Commit the leading ``landings`` (those that hold the run's pages, from the first)

@@ -254,6 +254,7 @@ class Prefetcher:
                 runs += self._runs(holders, first.size or self._chunk_bytes)
                 for run in runs[1:]:
                     self._reserve_together(landings[run])
+                self._reserve_ahead([landings[run] for run in runs[1:]], first.size)
                 fetches += [asyncio.ensure_future(fetch(run)) for run in runs[1:]]
             for run, fetched in zip(runs, fetches, strict=True):
                 filled = await fetched
@@ -275,6 +276,23 @@ class Prefetcher:
             together = RunReservation(self.service, [landing.key for landing in run])
             for position, landing in enumerate(run):
                 landing.run, landing.position = together, position
+
+    @staticmethod
+    def _reserve_ahead(runs: list[list[ChunkLanding]], size: int) -> None:
+        """Reserve the pages of ``runs`` (for chunks of the first's ``size``), one run after
+        the other, before any of their chunks is asked for, up to the first run that is not
+        received in place or that L1 refuses (those from there reserve as their chunks come,
+        and give up after a refusal).
+
+        Each chunk then lands in its pages as it comes: none is received into a buffer to
+        wait for the chunk before it to reserve (its turn), then copied (docs/platform/peers.md,
+        "Figures")."""
+        if not size:
+            return  # L1 held the first chunk: the size is the tier's to tell
+        for run in runs:
+            lead = run[0]
+            if lead.run is None or lead.turn() is not True or lead.reserve(size) is None:
+                return
 
     def _placed(
         self,
