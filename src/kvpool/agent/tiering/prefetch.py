@@ -16,8 +16,9 @@ The first chunk is asked alone; once its size is known, consecutive chunks whose
 tier receives in place (the peer tier) come in runs sized by it, one pipelined request each
 (:meth:`~kvpool.agent.l2.base.ReceivesInPlace.get_run_into`), whose pages are reserved in
 one call to L1 and committed in one
-(:class:`~kvpool.agent.service.landing.RunReservation`); the chunks after the first a run
-did not give go one by one.
+(:class:`~kvpool.agent.service.landing.RunReservation`), every run's reserved in prompt
+order before any is asked for, so that each chunk lands in its pages as it comes; the
+chunks after the first a run did not give go one by one.
 It stops at the first chunk no tier gives or L1 refuses. Listeners (the ZMQ server,
 to answer parked ``prefetch_status`` requests, which wait for the end) hear when the
 run is located and when the prefetch is done.
