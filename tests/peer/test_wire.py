@@ -3,9 +3,11 @@ breaks the protocol or lacks the pool's credential gets (nothing but an error)."
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -208,17 +210,32 @@ def test_a_channel_closed_under_its_reader_says_its_end_has_come(
         channels[1].receive()
 
 
+@contextlib.contextmanager
+def tcp_pair(
+    reader_timeout: float, sender_timeout: float
+) -> Iterator[tuple[TcpChannel, TcpChannel]]:
+    """A reader's and a sender's channel over loopback TCP (what the kernel's timeouts do
+    differs between TCP and a socket pair's Unix sockets), the sender's buffer small."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        sender = socket.create_connection(listener.getsockname())
+        reader, _ = listener.accept()
+    sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+    reader.settimeout(reader_timeout)
+    sender.settimeout(sender_timeout)
+    try:
+        yield TcpChannel(reader, "reader"), TcpChannel(sender, "sender")
+    finally:
+        reader.close()
+        sender.close()
+
+
 def test_a_peer_that_says_nothing_is_a_timeout_the_kernel_keeps() -> None:
     """Without a deadline the socket blocks and the kernel keeps its timeout (no ``poll``
     before each call): a silent peer is a :class:`TimeoutError` (counted as ``timeout``),
     between frames, mid-body and on a send it does not take, as with Python's timeout."""
-    left, right = socket.socketpair()
-    right.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
-    for sock in (left, right):
-        sock.settimeout(0.3)
-    quiet, asking = TcpChannel(left, "quiet"), TcpChannel(right, "asking")
-    try:
-        assert right.gettimeout() is None
+    with tcp_pair(0.3, 0.3) as (quiet, asking):
+        assert asking._sock.gettimeout() is None
         with pytest.raises(TimeoutError) as silent:
             asking.receive()
         assert failure_reason(silent.value) == "timeout"
@@ -228,33 +245,40 @@ def test_a_peer_that_says_nothing_is_a_timeout_the_kernel_keeps() -> None:
             asking.receive_body(memoryview(bytearray(1000)))
         with pytest.raises(TimeoutError):
             asking.send(Have(2), [bytes(8 << 20)])
-    finally:
-        left.close()
-        right.close()
 
 
 def test_a_frame_in_pieces_goes_out_whole_past_partial_sends() -> None:
-    """A frame is one ``sendmsg`` of its pieces; where the reader is slower than the send's
-    timeout the kernel takes part of them per call, and the rest follow in order."""
-    left, right = socket.socketpair()
-    right.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
-    left.settimeout(2.0)
-    right.settimeout(0.2)  # a send that waits longer returns what it has sent
-    reader, sender = TcpChannel(left, "reader"), TcpChannel(right, "sender")
-    header, body = secrets.token_bytes(100), secrets.token_bytes(3 << 20)
-    sending = threading.Thread(target=sender.send, args=(Have(7), [header, body]))
-    try:
+    """A frame is one ``sendmsg`` of its pieces; where the kernel takes only part of them
+    (under a deadline each call sends what the socket's buffer holds) the rest follow."""
+    with tcp_pair(2.0, 2.0) as (reader, sender):
+        sender.set_deadline(time.monotonic() + 5.0)
+        header, body = secrets.token_bytes(100), secrets.token_bytes(3 << 20)
+        sending = threading.Thread(target=sender.send, args=(Have(7), [header, body]))
         sending.start()
         assert reader.receive() == (Have(7), len(header) + len(body))
         received = memoryview(bytearray(len(header) + len(body)))
         for start in range(0, len(received), 1 << 20):
-            threading.Event().wait(0.3)  # slower than the send's timeout
+            threading.Event().wait(0.1)
             reader.receive_body(received[start : start + (1 << 20)])
-        assert bytes(received) == header + body
-    finally:
         sending.join(5.0)
-        left.close()
-        right.close()
+        assert bytes(received) == header + body
+
+
+def test_a_peer_that_takes_a_frame_slowly_gets_all_of_it() -> None:
+    """On TCP the kernel ends a send that waited its whole timeout with what it sent; a peer
+    that takes some of the frame within each timeout is not cut off (``io_timeout_seconds``:
+    one that takes *nothing* for that long is), and the rest follows in order."""
+    with tcp_pair(5.0, 0.3) as (reader, sender):
+        body = secrets.token_bytes(2 << 20)
+        sending = threading.Thread(target=sender.send, args=(Have(7), [body]))
+        sending.start()
+        assert reader.receive() == (Have(7), len(body))
+        received = memoryview(bytearray(len(body)))
+        for start in range(0, len(received), 64 << 10):  # 1.6 s in all: several timeouts
+            threading.Event().wait(0.05)
+            reader.receive_body(received[start : start + (64 << 10)])
+        sending.join(5.0)
+        assert bytes(received) == body
 
 
 def test_the_tcp_transport_connects_to_its_listener() -> None:

@@ -166,6 +166,9 @@ class TcpChannel:
         pass  # bodies follow their frames on this connection
 
     def send(self, message: Message, body: Sequence[Buffer] = ()) -> None:
+        """The frame, as long as the peer takes some of it within each I/O timeout (the
+        setting's "takes nothing for this long"): a call that times out having sent part
+        of it returns that part, and the rest follows."""
         head = frame(message, sum(len(piece) for piece in body))
         pieces = [memoryview(piece).cast("B") for piece in (head, *body) if len(piece)]
         while pieces:
