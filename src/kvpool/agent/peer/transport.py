@@ -181,7 +181,7 @@ class TcpChannel:
                 pieces[0] = pieces[0][sent:]
 
     def body_memory(self, length: int) -> memoryview | None:
-        return None  # sendall copies from anywhere
+        return None  # sendmsg copies from anywhere
 
     def receive(self, max_meta_bytes: int = MAX_META_BYTES) -> tuple[Message, int]:
         meta_length, body_length = parse_header(
