@@ -410,7 +410,9 @@ def test_a_long_prefix_comes_whole_in_more_runs_than_the_puller_asks_at_once(
 ) -> None:
     """20 pipelined runs of 8 chunks, at most 2 asked of the peer at once: a run whose turn
     has not come waits for it with no request slot held, so no run waits on one behind it
-    (which would stall the prefix until the turn's timeout, past the pull's)."""
+    (which would stall the prefix until the turn's timeout, past the pull's). The server
+    answers the requests that came together together, and counts their bytes out of flight
+    once sent."""
     first, second = pool({}, {"PEERS__MAX_TRANSFERS": "2"})
     keys = chain("long", 160)
     chunks = [data(n, 64 << 10) for n in range(160)]
@@ -418,6 +420,11 @@ def test_a_long_prefix_comes_whole_in_more_runs_than_the_puller_asks_at_once(
     assert pull(second, keys) == len(keys)
     assert held(second, keys) == chunks
     assert metric(second, 'kvpool_peer_fetched_chunks_total{peer="host-0"}') == len(keys)
+
+    def none_in_flight() -> None:
+        assert metric(first, "kvpool_peer_bytes_in_flight") == 0
+
+    eventually(none_in_flight, timeout=5.0)
 
 
 def test_the_bandwidth_cap_paces_what_a_peer_serves(pool: Pool) -> None:

@@ -35,6 +35,7 @@ from kvpool.common.handshake import NotProven
 from kvpool.common.keyring import Keyring
 
 POOL = "pool-a"
+KEY = bytes(32)
 
 
 def keyring(directory: Path, **keys: str) -> Keyring:
@@ -182,6 +183,32 @@ def test_frames_sent_back_to_back_are_read_ahead_and_come_apart_whole(
         received.append((message, bytes(body)))
         assert channels[1].wait_readable(0) == (len(received) < 3)
     assert received == [(Have(1), small), (Have(2), large), (Have(3), b"")]
+
+
+def test_a_frame_that_came_with_the_one_before_is_ready_to_be_read(
+    channels: tuple[TcpChannel, TcpChannel],
+) -> None:
+    """Frames sent together (one ``send_frames``: a run's requests) come apart whole, and
+    the reader knows while the next one is here whole (a server keeps its answers to send
+    them together while it is); a frame only partly here is not ready."""
+    sender, reader = channels
+    body = secrets.token_bytes(100)
+    sender.send_frames([(Get("t", KEY), ()), (Get("t", KEY), ()), (Have(3), [body])])
+    assert reader.receive() == (Get("t", KEY), 0)
+    assert reader.frame_ready()
+    assert reader.receive() == (Get("t", KEY), 0)
+    assert reader.frame_ready()
+    assert reader.receive() == (Have(3), len(body))
+    received = memoryview(bytearray(len(body)))
+    reader.receive_body(received)
+    assert bytes(received) == body
+    assert not reader.frame_ready()
+    whole, part = frame(Have(4)), frame(Have(5))
+    sender._sock.sendall(whole + part[: FRAME.size + 1])
+    assert reader.receive() == (Have(4), 0)
+    assert not reader.frame_ready()  # its header came, not all of its message
+    sender._sock.sendall(part[FRAME.size + 1 :])
+    assert reader.receive() == (Have(5), 0)
 
 
 def test_a_connection_closed_between_frames_is_its_end_not_a_broken_protocol(

@@ -11,12 +11,14 @@ between its pages and a buffer.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from kvpool.agent.core.quota_book import QuotaBook
 from kvpool.agent.l2.base import Destination, ObjectKey
 from kvpool.agent.service.cache_service import CacheService
+from kvpool.agent.service.landing import ChunkLanding
 from kvpool.agent.tiering.prefetch import Prefetcher
 from tests.support.chunks import key
 from tests.support.l1 import PAGE, make_cache, make_service
@@ -31,10 +33,13 @@ class ReversedRunsTier:
 
     name = "peer"
 
-    def __init__(self, chunks: dict[bytes, bytes]) -> None:
+    def __init__(self, chunks: dict[bytes, bytes], landings: Callable[[], int]) -> None:
         self.chunks = chunks
         self.turns: list[bool | None] = []
         """Each chunk's turn when it arrived, in the order they arrived."""
+        self.landings = landings
+        self.made: list[int] = []
+        """The landings the prefetch had made when each run was asked for."""
         self._runs = 0
 
     async def exists(self, names: Sequence[ObjectKey]) -> list[bool]:
@@ -48,6 +53,7 @@ class ReversedRunsTier:
 
     async def get_run_into(self, names: Sequence[ObjectKey], into: Sequence[Destination]) -> int:
         self._runs += 1
+        self.made.append(self.landings())
         await asyncio.sleep(0.2 / self._runs)  # the later a run is asked, the sooner it comes
         filled = 0
         for name, destination in zip(names, into, strict=True):
@@ -85,17 +91,31 @@ def pull(service: CacheService, tier: ReversedRunsTier, keys: list[bytes]) -> in
     return asyncio.run(prefetch())
 
 
-def prefix() -> tuple[list[bytes], dict[bytes, bytes]]:
-    keys = [key(f"chunk-{index}") for index in range(CHUNKS)]
-    return keys, {name: bytes([index]) * PAGE for index, name in enumerate(keys)}
+def prefix(count: int = CHUNKS) -> tuple[list[bytes], dict[bytes, bytes]]:
+    keys = [key(f"chunk-{index}") for index in range(count)]
+    return keys, {name: bytes([index % 256]) * PAGE for index, name in enumerate(keys)}
+
+
+def tier(service: CacheService, chunks: dict[bytes, bytes]) -> ReversedRunsTier:
+    """The stand-in tier over ``chunks``, counting the landings ``service`` makes."""
+    made = 0
+    landing = service.landing
+
+    def counted(*args: Any, **kwargs: Any) -> ChunkLanding:
+        nonlocal made
+        made += 1
+        return landing(*args, **kwargs)
+
+    service.landing = counted  # type: ignore[method-assign]
+    return ReversedRunsTier(chunks, lambda: made)
 
 
 def test_every_chunk_of_a_prefix_lands_in_its_pages_as_it_comes(tmp_path: Path) -> None:
     service = make_service(make_cache(pages=CHUNKS * 2), tmp_path / "q.json")
     keys, chunks = prefix()
-    tier = ReversedRunsTier(chunks)
-    assert pull(service, tier, keys) == CHUNKS
-    assert tier.turns[1:] == [True] * (CHUNKS - 1)  # none waited for the chunk before it
+    stand_in = tier(service, chunks)
+    assert pull(service, stand_in, keys) == CHUNKS
+    assert stand_in.turns[1:] == [True] * (CHUNKS - 1)  # none waited for the chunk before it
     assert service.retrieve(ALICE, keys, max_bytes=CHUNKS * PAGE) == [chunks[k] for k in keys]
     assert service.open_write_leases == 0
 
@@ -107,6 +127,22 @@ def test_runs_reserved_ahead_stop_at_the_tenants_quota(tmp_path: Path) -> None:
     cache = make_cache(pages=CHUNKS * 2, quotas=QuotaBook(limits={ALICE: quota * PAGE}))
     service = make_service(cache, tmp_path / "q.json")
     keys, chunks = prefix()
-    assert pull(service, ReversedRunsTier(chunks), keys) == quota
+    assert pull(service, tier(service, chunks), keys) == quota
     assert service.lookup(ALICE, keys, lock=False).count == quota
     assert service.open_write_leases == 0 and service.stats().chunks == quota
+
+
+def test_a_run_past_the_window_gets_its_landings_as_it_takes_its_place(tmp_path: Path) -> None:
+    """A prefix of 12 runs (8 in flight at once): the first run is asked for with its own
+    landings made, not the prefix's (the work of a long prefix's chunks is spread over its
+    transfer instead of coming before it), and every chunk still lands in its pages."""
+    count = 1 + 12 * 16
+    service = make_service(make_cache(pages=count * 2), tmp_path / "q.json")
+    keys, chunks = prefix(count)
+    stand_in = tier(service, chunks)
+    assert pull(service, stand_in, keys) == count
+    assert stand_in.made[0] == 1 + 16  # the first chunk's and the first run's
+    assert stand_in.made == sorted(stand_in.made) and stand_in.made[-1] == count
+    assert stand_in.turns[1:] == [True] * (count - 1)
+    assert service.retrieve(ALICE, keys, max_bytes=count * PAGE) == [chunks[k] for k in keys]
+    assert service.open_write_leases == 0

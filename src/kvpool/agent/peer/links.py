@@ -198,7 +198,10 @@ class PeerLink:
     def fetch_run(self, names: Sequence[ObjectKey], into: Sequence[Destination]) -> RunStop:
         """Chunks of one prefix in one pipelined request on one connection: up to the
         channel's :attr:`~kvpool.agent.peer.transport.PeerChannel.depth` ``Get`` s ahead of
-        the answer being read, each chunk received as :meth:`fetch` receives it. Stops at
+        the answer being read, sent a few at a time (the depth at once, then half of it
+        each time half of them are answered: the server answers those that come together
+        together, :mod:`~kvpool.agent.peer.answers`), each chunk received as :meth:`fetch`
+        receives it. Stops at
         the first chunk not filled: how many were filled, and why it stopped (the
         connection closes where answers are still on their way). A busy peer and a missing
         chunk stop the run; any other failure is counted (as :meth:`fetch` counts it) and
@@ -221,9 +224,12 @@ class PeerLink:
                 asides.clear()
                 asked = 0
                 for index, name in enumerate(names):
-                    while asked < len(names) and asked < index + channel.depth:
-                        channel.send(Get(names[asked].tenant, names[asked].key))
-                        asked += 1
+                    if asked < len(names) and asked - index <= channel.depth // 2:
+                        ahead = names[asked : index + channel.depth]
+                        channel.send_frames(
+                            [(Get(wanted.tenant, wanted.key), ()) for wanted in ahead]
+                        )
+                        asked += len(ahead)
                     if asides and into[len(sizes)].turn() is not None:
                         self._place(names, into, sizes, asides, wait=False)
                     pending = asked > index + 1

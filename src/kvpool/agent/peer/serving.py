@@ -49,6 +49,7 @@ from typing import Any, TypeVar
 
 from kvpool.agent.l2.base import L2Adapter, ObjectKey
 from kvpool.agent.l2.codec import HEADER, ObjectCodec
+from kvpool.agent.peer.answers import Answers
 from kvpool.agent.peer.session import Session, accept_session
 from kvpool.agent.peer.transport import Buffer, PeerChannel, PeerListener, split_address
 from kvpool.agent.peer.wire import (
@@ -249,18 +250,20 @@ class PeerServer:
         return not crowded
 
     def _answer(self, channel: PeerChannel, session: Session) -> None:
-        """Answer the proven peer's requests until it goes quiet or breaks the protocol."""
+        """Answer the proven peer's requests until it goes quiet or breaks the protocol
+        (those that came together, together: :mod:`~kvpool.agent.peer.answers`)."""
+        answers = Answers(channel)
         try:
             while not self._stopping and channel.wait_readable(IDLE_SECONDS):
                 request, body_length = channel.receive()
                 if body_length:
                     raise WireError("a request with a body")
                 if isinstance(request, Exists):
-                    channel.send(Have(self._held(request.tenant, request.keys)))
+                    answers.add(Have(self._held(request.tenant, request.keys)))
                 elif isinstance(request, Get):
-                    self._send(channel, session.key_id, ObjectKey(request.tenant, request.key))
+                    self._send(answers, session.key_id, ObjectKey(request.tenant, request.key))
                 elif isinstance(request, Offer):
-                    channel.send(self._pull(request))
+                    answers.add(self._pull(request))
                 else:
                     raise WireError(f"unexpected {type(request).__name__}")
         except WireError as error:
@@ -269,6 +272,8 @@ class PeerServer:
             _refusals.warning(f"closed the connection of peer {session.node}: {error}")
         except OSError:
             pass  # the peer went away or stalled (TimeoutError): its next request reconnects
+        finally:
+            answers.drop()
 
     def _refuse(self, reason: str, channel: PeerChannel, detail: str) -> None:
         with self._lock:
@@ -298,26 +303,26 @@ class PeerServer:
         found = self._on_loop(self.nvme.exists(rest))
         return count + next((i for i, has in enumerate(found) if not has), len(found))
 
-    def _send(self, channel: PeerChannel, key_id: int, name: ObjectKey) -> None:
+    def _send(self, answers: Answers, key_id: int, name: ObjectKey) -> None:
         with self._transfer() as admitted:
             if not admitted:
-                channel.send(Busy())
+                answers.add(Busy())
                 return
             hit = self.service.lookup(name.tenant, [name.key], lock=True, count=False)
             if hit.lease is not None:
                 view = self.service.chunk_view(name.tenant)
                 payload = view[hit.offsets[0] : hit.offsets[0] + hit.sizes[0]]
-                self._send_object(channel, key_id, name, payload, hit.lease)
+                self._send_object(answers, key_id, name, payload, hit.lease)
                 return
             (stored,) = [None] if self.nvme is None else self._on_loop(self.nvme.get([name]))
             if stored is None:
-                channel.send(Missing())
+                answers.add(Missing())
                 return
-            self._send_object(channel, key_id, name, stored, None)
+            self._send_object(answers, key_id, name, stored, None)
 
     def _send_object(
         self,
-        channel: PeerChannel,
+        answers: Answers,
         key_id: int,
         name: ObjectKey,
         payload: bytes | memoryview,
@@ -325,23 +330,20 @@ class PeerServer:
     ) -> None:
         """Seal or authenticate ``payload`` into a buffer of its own (the channel's send
         buffer where it has one), ending ``lease`` as soon as it is there, and send it (a
-        slow peer holds no lease)."""
+        slow peer holds no lease); its bytes count in flight until it is sent."""
         leases = [] if lease is None else [lease]
         size = len(payload)
         try:
             if not self._claim_bytes(size):
-                channel.send(Busy())
+                answers.add(Busy())
                 return
-            try:
-                built = channel.body_memory(HEADER.size + size)
-                if built is not None:  # the object made where it is sent from: no copy
-                    self.codec.encode_into(name, payload, built, key_id)
-                    self._send_detached(channel, [built], size, leases)
-                else:
-                    self._send_apart(channel, key_id, name, payload, leases)
-            finally:
-                with self._lock:
-                    self.stats.bytes_in_flight -= size
+            answers.once_sent(lambda: self._sent_bytes(size))
+            built = answers.channel.body_memory(HEADER.size + size)
+            if built is not None:  # the object made where it is sent from: no copy
+                self.codec.encode_into(name, payload, built, key_id)
+                self._send_detached(answers, [built], size, leases)
+            else:
+                self._send_apart(answers, key_id, name, payload, leases)
             self.stats.served_chunks += 1
             self.stats.served_bytes += size
         finally:
@@ -349,7 +351,7 @@ class PeerServer:
 
     def _send_apart(
         self,
-        channel: PeerChannel,
+        answers: Answers,
         key_id: int,
         name: ObjectKey,
         payload: bytes | memoryview,
@@ -358,22 +360,25 @@ class PeerServer:
         """Seal or authenticate ``payload`` into a buffer of the pool's (plaintext copied
         there first where it lies in L1) and send it."""
         size = len(payload)
-        with contextlib.ExitStack() as detached:
-            if leases and not self.codec.seal:  # plaintext goes out as it lies: copy it
-                copy = detached.enter_context(self.codec.buffers.borrow(size))
-                copy[:] = payload
-                payload = copy
-            with self.codec.encode(name, payload, key_id) as (header, body):
-                self._send_detached(channel, [header, body], size, leases)
+        if leases and not self.codec.seal:  # plaintext goes out as it lies: copy it
+            copy = answers.hold(self.codec.buffers.borrow(size))
+            copy[:] = payload
+            payload = copy
+        header, body = answers.hold(self.codec.encode(name, payload, key_id))
+        self._send_detached(answers, [header, body], size, leases)
 
     def _send_detached(
-        self, channel: PeerChannel, body: list[Buffer], size: int, leases: list[int]
+        self, answers: Answers, body: list[Buffer], size: int, leases: list[int]
     ) -> None:
         """Send an object whose ``body`` no longer lies in L1: ``leases`` end first."""
         self.service.release_all(leases)  # out of the pages: they may go
         leases.clear()
         self._pacer.wait(size)
-        channel.send(Object(), body)
+        answers.add(Object(), body)
+
+    def _sent_bytes(self, size: int) -> None:
+        with self._lock:
+            self.stats.bytes_in_flight -= size
 
     @contextlib.contextmanager
     def _transfer(self) -> Iterator[bool]:

@@ -3,9 +3,10 @@
 The rest of the peer code sees only :class:`PeerChannel` (a connection that
 sends and receives frames, with the body of a chunk apart, so that it can come
 from and go into memory the caller owns) and :class:`PeerTransport` (connect
-and listen). TCP, the transport here, sends a frame with one ``sendmsg`` straight
-from the caller's buffers (the kernel gathers the frame, the chunk's header and its
-sealed body into full segments; they are never joined in memory) and receives with
+and listen). TCP, the transport here, sends a frame (or several: a run's requests, the
+answers to them) with one ``sendmsg`` straight from the caller's buffers (the kernel
+gathers the frame, the chunk's header and its sealed body into full segments; they are
+never joined in memory) and receives with
 ``recv_into`` straight into the caller's buffer, a body in one call
 (``MSG_WAITALL``): the kernel's copy is the only one. An RDMA transport (NIXL,
 UCX) implements the same two classes: its channel would post the body as a
@@ -46,6 +47,8 @@ from kvpool.agent.peer.wire import (
 )
 
 Buffer = bytes | bytearray | memoryview
+Frame = tuple[Message, Sequence[Buffer]]
+"""A message and the pieces of its body."""
 
 
 class PeerChannel(Protocol):
@@ -70,6 +73,15 @@ class PeerChannel(Protocol):
 
     def send(self, message: Message, body: Sequence[Buffer] = ()) -> None:
         """One frame: ``message``, then the pieces of ``body`` in order."""
+        ...
+
+    def send_frames(self, frames: Sequence[Frame]) -> None:
+        """Several frames, in order, as :meth:`send` sends each (TCP: in one system call)."""
+        ...
+
+    def frame_ready(self) -> bool:
+        """Whether a whole frame's header and message have arrived already: the next
+        :meth:`receive` returns at once (a pipelined request that came with the one before)."""
         ...
 
     def body_memory(self, length: int) -> memoryview | None:
@@ -166,11 +178,18 @@ class TcpChannel:
         pass  # bodies follow their frames on this connection
 
     def send(self, message: Message, body: Sequence[Buffer] = ()) -> None:
-        """The frame, as long as the peer takes some of it within each I/O timeout (the
+        self.send_frames([(message, body)])
+
+    def send_frames(self, frames: Sequence[Frame]) -> None:
+        """The frames, as long as the peer takes some of them within each I/O timeout (the
         setting's "takes nothing for this long"): a call that times out having sent part
-        of it returns that part, and the rest follows."""
-        head = frame(message, sum(len(piece) for piece in body))
-        pieces = [memoryview(piece).cast("B") for piece in (head, *body) if len(piece)]
+        of them returns that part, and the rest follows."""
+        pieces = [
+            memoryview(piece).cast("B")
+            for message, body in frames
+            for piece in (frame(message, sum(len(piece) for piece in body)), *body)
+            if len(piece)
+        ]
         while pieces:
             self._before_call()
             with self._timing():
@@ -199,6 +218,13 @@ class TcpChannel:
             into[:ready] = self._ahead[self._start : self._start + ready]
             self._start += ready
         self._read_into(into[ready:])
+
+    def frame_ready(self) -> bool:
+        ready = self._end - self._start
+        if ready < FRAME.size:
+            return False
+        meta_length = parse_header(self._ahead[self._start : self._start + FRAME.size])[0]
+        return ready >= FRAME.size + meta_length
 
     def wait_readable(self, timeout: float) -> bool:
         if self._end > self._start:

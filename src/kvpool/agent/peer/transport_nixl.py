@@ -62,7 +62,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvpool.agent.peer.transport import DEPTH, Buffer, PeerChannel, PeerListener, TcpTransport
+from kvpool.agent.peer.transport import (
+    DEPTH,
+    Buffer,
+    Frame,
+    PeerChannel,
+    PeerListener,
+    TcpTransport,
+)
 from kvpool.agent.peer.wire import (
     IDLE_SECONDS,
     MAX_META_BYTES,
@@ -350,6 +357,13 @@ class NixlChannel:
                 self._lend_landing(*wanted)  # before the next request (none in flight)
         self._tcp.send(message, body)
         self._in_flight += 1
+
+    def send_frames(self, frames: Sequence[Frame]) -> None:
+        for message, body in frames:
+            self.send(message, body)
+
+    def frame_ready(self) -> bool:
+        return False  # a server's writes are said between its answers: one at a time
 
     def receive(self, max_meta_bytes: int = MAX_META_BYTES) -> tuple[Message, int]:
         if self._posted:

@@ -234,28 +234,39 @@ class Prefetcher:
     async def _load(self, prefetch: Prefetch, holders: list[list[L2Adapter]]) -> None:
         """Fetch the first chunk and, once its size is known (its pages reserved), up to
         :data:`_WINDOW` runs of the rest at once (runs of chunks its size); commit them in
-        prompt order, stop at the first chunk that no tier gives or L1 refuses."""
+        prompt order, stop at the first chunk that no tier gives or L1 refuses.
+
+        A run's landings are made, and its pages reserved ahead, as it takes its place in
+        the window (the runs take it in prompt order): the first runs are asked for before
+        the last have landings, and the work of a prefix's thousand chunks is spread over its
+        transfer instead of coming before it."""
         if not holders:
             return  # no tier holds the first chunk: nothing to load
         loaded: list[bytes] = []
-        landings = self._landings(prefetch, len(holders), loaded)
+        landings: list[ChunkLanding] = []
         window = asyncio.Semaphore(_WINDOW)
+        ahead = 0
+        """The size the next run reserves its pages ahead for (0: it reserves as they come)."""
 
         async def fetch(run: slice) -> list[bool]:
-            async with window:
+            nonlocal ahead
+            async with window:  # taken in the runs' order
+                self._landings(prefetch, run.stop, loaded, landings)
+                if run.start:
+                    self._reserve_together(landings[run])
+                if ahead and not self._reserve_ahead(landings[run], ahead):
+                    ahead = 0  # the runs after it reserve as their chunks come
                 return await self._fetch_run(holders[run], landings[run])
 
+        first = self._landings(prefetch, 1, loaded, landings)[0]
         runs = [slice(0, 1)]
         fetches = [asyncio.ensure_future(fetch(runs[0]))]
         finished = 0
         try:
-            first = landings[0]
             await self._decisions[first].wait(first)  # its size known (or none: it failed)
             if first.reserved:  # else none after it lands
                 runs += self._runs(holders, first.size or self._chunk_bytes)
-                for run in runs[1:]:
-                    self._reserve_together(landings[run])
-                self._reserve_ahead([landings[run] for run in runs[1:]], first.size)
+                ahead = first.size  # 0 where L1 held the first chunk: the tier tells the size
                 fetches += [asyncio.ensure_future(fetch(run)) for run in runs[1:]]
             for run, fetched in zip(runs, fetches, strict=True):
                 filled = await fetched
@@ -279,21 +290,17 @@ class Prefetcher:
                 landing.run, landing.position = together, position
 
     @staticmethod
-    def _reserve_ahead(runs: list[list[ChunkLanding]], size: int) -> None:
-        """Reserve the pages of ``runs`` (for chunks of the first's ``size``), one run after
-        the other, before any of their chunks is asked for, up to the first run that is not
-        received in place or that L1 refuses (those from there reserve as their chunks come,
+    def _reserve_ahead(run: list[ChunkLanding], size: int) -> bool:
+        """Reserve the pages of ``run`` (for chunks of ``size``) before any of its chunks is
+        asked for: whether it did (not where the run is not received in place, the run before
+        it holds no pages, or L1 refuses it: those from there reserve as their chunks come,
         and give up after a refusal).
 
         Each chunk then lands in its pages as it comes: none is received into a buffer to
         wait for the chunk before it to reserve (its turn), then copied (docs/platform/peers.md,
         "Figures")."""
-        if not size:
-            return  # L1 held the first chunk: the size is the tier's to tell
-        for run in runs:
-            lead = run[0]
-            if lead.run is None or lead.turn() is not True or lead.reserve(size) is None:
-                return
+        lead = run[0]
+        return lead.run is not None and lead.turn() is True and lead.reserve(size) is not None
 
     def _placed(
         self,
@@ -361,11 +368,13 @@ class Prefetcher:
             landing.give_up()  # whatever happened, the chunks after it stop waiting
         return [True] * filled + rest
 
-    def _landings(self, prefetch: Prefetch, count: int, loaded: list[bytes]) -> list[ChunkLanding]:
-        """One landing per chunk, each reserving after the one before."""
+    def _landings(
+        self, prefetch: Prefetch, count: int, loaded: list[bytes], landings: list[ChunkLanding]
+    ) -> list[ChunkLanding]:
+        """``landings`` made up to ``count``, one per chunk, each reserving after the one
+        before."""
         loop = asyncio.get_running_loop()
-        landings: list[ChunkLanding] = []
-        for index in range(count):
+        for index in range(len(landings), count):
             decided = _Decision(loop)
             landing = self.service.landing(
                 prefetch.tenant,

@@ -1,0 +1,66 @@
+"""A serving connection's answers, sent together where their requests came together.
+
+A client asks for a run's chunks a few at a time (its ``Get`` s in one system call:
+:meth:`~kvpool.agent.peer.links.PeerLink.fetch_run`). The server answers each in order,
+and while the next request has arrived already it keeps the answers it has made, up to
+:data:`BATCH_BYTES`, and sends them in one system call
+(:meth:`~kvpool.agent.peer.transport.PeerChannel.send_frames`): a 256 KiB chunk costs
+the two agents a quarter of the calls, and of the interpreter lock's hand-offs between
+their threads, that it did one answer at a time (docs/platform/peers.md). An answer is
+sent as soon as no request is waiting behind it, so a lone request waits for nothing.
+
+What an answer's body lies in (a sealed chunk's buffer) is held until it is sent, and
+the work to do once it is (the bytes in flight counted down) is done then, or when the
+connection ends with the answer unsent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from kvpool.agent.peer.transport import Buffer, Frame, PeerChannel
+from kvpool.agent.peer.wire import Message
+
+T = TypeVar("T")
+BATCH_BYTES = 1 << 20
+"""Answers kept for one send at most (a chunk this large or larger goes alone): enough to
+send four 256 KiB chunks at once, little enough that the first of them is not held long."""
+
+
+class Answers:
+    def __init__(self, channel: PeerChannel) -> None:
+        self.channel = channel
+        self._frames: list[Frame] = []
+        self._bytes = 0
+        self._held = contextlib.ExitStack()
+
+    def hold(self, context: contextlib.AbstractContextManager[T]) -> T:
+        """``context`` entered until the answers made so far are sent (or dropped): what an
+        answer's body lies in."""
+        return self._held.enter_context(context)
+
+    def once_sent(self, callback: Callable[[], None]) -> None:
+        """``callback`` once the answers made so far are sent (or dropped)."""
+        self._held.callback(callback)
+
+    def add(self, message: Message, body: Sequence[Buffer] = ()) -> None:
+        """The next answer: sent now, with those kept before it, unless the next request is
+        here already and they stay under :data:`BATCH_BYTES`."""
+        self._frames.append((message, body))
+        self._bytes += sum(len(piece) for piece in body)
+        if self._bytes >= BATCH_BYTES or not self.channel.frame_ready():
+            self.send()
+
+    def send(self) -> None:
+        frames, self._frames, self._bytes = self._frames, [], 0
+        held, self._held = self._held, contextlib.ExitStack()
+        with held:
+            if frames:
+                self.channel.send_frames(frames)
+
+    def drop(self) -> None:
+        """The connection ends: answers not sent are not, and what they held is let go."""
+        self._frames, self._bytes = [], 0
+        self._held.close()
