@@ -33,6 +33,10 @@ from kvpool.agent.core.cache_types import Reservation
 
 TURN_SECONDS = 60.0
 """The longest a landing waits for the one before it (each tier times its own I/O)."""
+_DECIDING = threading.Lock()
+"""Guards every landing's decision and its waiters' event (a few instructions each time:
+one lock for all, where an event of each landing's own would cost a few microseconds to
+make for every chunk of a prefix, and few are ever waited for)."""
 
 
 class LandingSite(Protocol):
@@ -76,7 +80,9 @@ class ChunkLanding:
     position: int = 0
     """Its place in that run."""
     reservation: Reservation | None = None
-    _decided: threading.Event = field(default_factory=threading.Event)
+    _decided: bool = False
+    _waiting: threading.Event | None = None
+    """Made by the first thread that waits for the decision."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -147,17 +153,28 @@ class ChunkLanding:
 
     def wait_reserved(self) -> bool:
         """Once this landing has reserved or given up: whether it holds its place."""
-        return self._decided.wait(TURN_SECONDS) and self.reserved
+        with _DECIDING:
+            waiting = None if self._decided else self._waiting
+            if waiting is None and not self._decided:
+                waiting = self._waiting = threading.Event()
+        if waiting is not None and not waiting.wait(TURN_SECONDS):
+            return False
+        return self.reserved
 
     def _decide(self) -> None:
-        if not self._decided.is_set():
-            self._decided.set()
-            if self.on_decided is not None:
-                self.on_decided()
+        with _DECIDING:
+            if self._decided:
+                return
+            self._decided = True
+            waiting = self._waiting
+        if waiting is not None:
+            waiting.set()
+        if self.on_decided is not None:
+            self.on_decided()
 
     @property
     def decided(self) -> bool:
-        return self._decided.is_set()
+        return self._decided
 
     def give_up(self) -> None:
         """Done trying (reserved or not): the chunks after it stop waiting for its turn."""
