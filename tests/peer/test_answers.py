@@ -10,7 +10,7 @@ import contextlib
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -36,7 +36,7 @@ class CountedSends:
         """The frames of each send, in order."""
         real = channel.send_frames
 
-        def send_frames(frames: list[Frame]) -> None:
+        def send_frames(frames: Sequence[Frame]) -> None:
             self.sends.append(len(frames))
             real(frames)
 

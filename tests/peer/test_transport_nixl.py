@@ -184,11 +184,12 @@ def test_a_connection_whose_chunks_got_smaller_lends_a_landing_of_more_slots(
     bodies = [large, small, large, *[small] * RECENT_BODIES, small]
 
     client = loopback.connect(_answering(bodies))
+    assert isinstance(client, NixlChannel)
     client.proven("server", True)
     depths = []
     for body in bodies:
         assert _read(client) == body
-        depths.append(client.depth)  # the landing its request was sent with
+        depths.append(client._slots)  # the landing its request was sent with
     assert depths == [DEPTH, 1, 1, *[1] * RECENT_BODIES, DEPTH], depths
     assert landing_slots(2 * MiB + HEADER.size) == (DEPTH, SLOT_BYTES)  # a 2 MiB chunk's
     client.close()
@@ -271,6 +272,34 @@ def test_requests_in_flight_land_in_slots_of_their_own(loopback: Loopback) -> No
             client.send(Get("tenant", KEY))
             asked += 1
         assert _answered(client) == body
+    client.close()
+    loopback.close()
+    assert not loopback.errors
+
+
+def test_a_run_sent_at_once_after_larger_chunks_fits_the_landing_it_lends(
+    loopback: Loopback,
+) -> None:
+    """A chunk larger than a slot came: the next request, with none in flight, lends a
+    landing of larger and fewer slots. The depth the client reads before it is already that
+    landing's, so a run that sends that many requests in one go (as a pipelined run does)
+    never has two bodies on their way to one slot."""
+    size = 3 * MiB
+    bodies = [os.urandom(size)] + [os.urandom(size - index) for index in range(1, 13)]
+    client = loopback.connect(_answering(bodies))
+    client.proven("server", True)
+    assert client.depth == DEPTH
+    assert _read(client) == bodies[0]  # larger than a slot: it crossed the connection
+    slots = landing_slots(size)[0]
+    assert client.depth == slots < DEPTH
+    asked = 1
+    for index, body in enumerate(bodies[1:], start=1):
+        if asked < len(bodies) and asked - index <= client.depth // 2:
+            ahead = min(len(bodies), index + client.depth) - asked
+            client.send_frames([(Get("tenant", KEY), ())] * ahead)
+            asked += ahead
+        assert _answered(client) == body
+    assert isinstance(client, NixlChannel) and client._slots == slots
     client.close()
     loopback.close()
     assert not loopback.errors

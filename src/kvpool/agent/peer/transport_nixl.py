@@ -325,8 +325,13 @@ class NixlChannel:
 
     @property
     def depth(self) -> int:
-        """A client's requests in flight at once: one per slot of its landing."""
-        return self._slots if self._landing is not None else DEPTH
+        """A client's requests in flight at once: one per slot of its landing, or of the
+        landing its next request lends (with none in flight, for chunks of a new size), so
+        that a run may send that many at once."""
+        if self._landing is None:
+            return DEPTH
+        wanted = None if self._in_flight else self._landing_anew()
+        return self._slots if wanted is None else wanted[0]
 
     def proven(self, node: str, peer_lands: bool) -> None:
         self._peer = node
