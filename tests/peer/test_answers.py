@@ -150,8 +150,8 @@ class Memory:
 
 
 def test_a_run_asks_for_its_chunks_a_few_at_a_time(tmp_path: Path) -> None:
-    """A pipelined run's ``Get`` s go out together, as many as the channel's depth first,
-    then half a depth each time half of them are answered: the server finds them together
+    """A pipelined run's ``Get`` s go out together on TCP, as many as the channel's depth
+    first, then half a depth each time half of them are answered: the server finds them together
     (and answers them together), and each chunk comes whole, in order."""
     ring = keyring(tmp_path / "keys", k1="the pool's peer key material, 32+ bytes")
     codec = ObjectCodec(ring, POOL, seal=True, buffers=BufferPool())

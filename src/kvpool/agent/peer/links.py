@@ -198,10 +198,11 @@ class PeerLink:
     def fetch_run(self, names: Sequence[ObjectKey], into: Sequence[Destination]) -> RunStop:
         """Chunks of one prefix in one pipelined request on one connection: up to the
         channel's :attr:`~kvpool.agent.peer.transport.PeerChannel.depth` ``Get`` s ahead of
-        the answer being read, sent a few at a time (the depth at once, then half of it
-        each time half of them are answered: the server answers those that come together
-        together, :mod:`~kvpool.agent.peer.answers`), each chunk received as :meth:`fetch`
-        receives it. Stops at
+        the answer being read, sent a few at a time (the depth at once, then the channel's
+        :attr:`~kvpool.agent.peer.transport.PeerChannel.asks_together` each time as many
+        are answered: a TCP server answers those that come together together,
+        :mod:`~kvpool.agent.peer.answers`), each chunk received as :meth:`fetch` receives
+        it. Stops at
         the first chunk not filled: how many were filled, and why it stopped (the
         connection closes where answers are still on their way). A busy peer and a missing
         chunk stop the run; any other failure is counted (as :meth:`fetch` counts it) and
@@ -224,7 +225,8 @@ class PeerLink:
                 asides.clear()
                 asked = 0
                 for index, name in enumerate(names):
-                    if asked < len(names) and asked - index <= channel.depth // 2:
+                    waiting = asked - index  # asked for, not read yet
+                    if asked < len(names) and waiting <= channel.depth - channel.asks_together:
                         ahead = names[asked : index + channel.depth]
                         channel.send_frames(
                             [(Get(wanted.tenant, wanted.key), ()) for wanted in ahead]

@@ -65,6 +65,14 @@ class PeerChannel(Protocol):
         pipelined run: :meth:`~kvpool.agent.peer.links.PeerLink.fetch_run`)."""
         ...
 
+    @property
+    def asks_together(self) -> int:
+        """Requests of a pipelined run sent together, once that many of its answers were read
+        (TCP: half its depth, so that the server finds them together and answers them
+        together; NIXL: one, a slot asked for again as soon as it is read, so that the
+        server's writes never wait for a request)."""
+        ...
+
     def proven(self, node: str, peer_lands: bool) -> None:
         """Both sides proved the pool's credential (``node``: the other side's name;
         ``peer_lands``: a client's server said it lands): what the transport exchanges
@@ -163,6 +171,7 @@ class TcpChannel:
     transport = "tcp"
     lands = False
     depth = DEPTH
+    asks_together = DEPTH // 2
 
     def __init__(self, sock: socket.socket, remote: str) -> None:
         self._sock = sock

@@ -333,6 +333,8 @@ class NixlChannel:
         wanted = None if self._in_flight else self._landing_anew()
         return self._slots if wanted is None else wanted[0]
 
+    asks_together = 1
+
     def proven(self, node: str, peer_lands: bool) -> None:
         self._peer = node
         self._in_flight = 0  # the handshake's messages were no requests (one more came)
