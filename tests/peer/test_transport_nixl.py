@@ -293,8 +293,8 @@ def test_a_run_sent_at_once_after_larger_chunks_fits_the_landing_it_lends(
     slots = landing_slots(size)[0]
     assert client.depth == slots < DEPTH
     asked = 1
-    for index, body in enumerate(bodies[1:], start=1):
-        if asked < len(bodies) and asked - index <= client.depth // 2:
+    for index, body in enumerate(bodies[1:], start=1):  # as a pipelined run asks
+        if asked < len(bodies) and asked - index <= client.depth - client.asks_together:
             ahead = min(len(bodies), index + client.depth) - asked
             client.send_frames([(Get("tenant", KEY), ())] * ahead)
             asked += ahead

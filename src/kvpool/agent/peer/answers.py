@@ -2,12 +2,14 @@
 
 A client asks for a run's chunks a few at a time (its ``Get`` s in one system call:
 :meth:`~kvpool.agent.peer.links.PeerLink.fetch_run`). The server answers each in order,
-and while the next request has arrived already it keeps the answers it has made, up to
-:data:`BATCH_BYTES`, and sends them in one system call
+and while the next request has arrived already it keeps the answers it has made, until
+they pass :data:`BATCH_BYTES`, and sends them in one system call
 (:meth:`~kvpool.agent.peer.transport.PeerChannel.send_frames`): a 256 KiB chunk costs
 the two agents a quarter of the calls, and of the interpreter lock's hand-offs between
 their threads, that it did one answer at a time (docs/platform/peers.md). An answer is
-sent as soon as no request is waiting behind it, so a lone request waits for nothing.
+sent as soon as no request is waiting behind it, so a lone request waits for nothing; the
+server sends what it holds before it blocks on anything else (a read from disk, the pace
+of a bandwidth cap), and before it answers "busy" for want of the bytes they count.
 
 What an answer's body lies in (a sealed chunk's buffer) is held until it is sent, and
 the work to do once it is (the bytes in flight counted down) is done then, or when the
@@ -25,8 +27,9 @@ from kvpool.agent.peer.wire import Message
 
 T = TypeVar("T")
 BATCH_BYTES = 1 << 20
-"""Answers kept for one send at most (a chunk this large or larger goes alone): enough to
-send four 256 KiB chunks at once, little enough that the first of them is not held long."""
+"""Answers are kept while they total less (the one that passes it goes with them; a chunk
+this large goes alone where none is kept): four 256 KiB chunks in one send, and the first
+of them not held long."""
 
 
 class Answers:
@@ -44,6 +47,11 @@ class Answers:
     def once_sent(self, callback: Callable[[], None]) -> None:
         """``callback`` once the answers made so far are sent (or dropped)."""
         self._held.callback(callback)
+
+    @property
+    def holding(self) -> bool:
+        """Whether answers are kept, not sent yet."""
+        return bool(self._frames)
 
     def add(self, message: Message, body: Sequence[Buffer] = ()) -> None:
         """The next answer: sent now, with those kept before it, unless the next request is

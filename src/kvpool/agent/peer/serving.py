@@ -314,6 +314,8 @@ class PeerServer:
                 payload = view[hit.offsets[0] : hit.offsets[0] + hit.sizes[0]]
                 self._send_object(answers, key_id, name, payload, hit.lease)
                 return
+            if self.nvme is not None:
+                answers.send()  # the answers it holds go before the disk is read
             (stored,) = [None] if self.nvme is None else self._on_loop(self.nvme.get([name]))
             if stored is None:
                 answers.add(Missing())
@@ -334,9 +336,17 @@ class PeerServer:
         leases = [] if lease is None else [lease]
         size = len(payload)
         try:
-            if not self._claim_bytes(size):
+            claimed = self._claim_bytes(size)
+            if not claimed and answers.holding:
+                answers.send()  # what it holds counts in flight until sent
+                claimed = self._claim_bytes(size)
+            if not claimed:
+                with self._lock:
+                    self.stats.refused["busy"] += 1
                 answers.add(Busy())
                 return
+            if self._pacer.rate:
+                answers.send()  # a paced answer waits its turn with none kept before it
             answers.once_sent(lambda: self._sent_bytes(size))
             built = answers.channel.body_memory(HEADER.size + size)
             if built is not None:  # the object made where it is sent from: no copy
@@ -398,7 +408,6 @@ class PeerServer:
     def _claim_bytes(self, size: int) -> bool:
         with self._lock:
             if self.stats.bytes_in_flight + size > self.config.max_bytes_in_flight:
-                self.stats.refused["busy"] += 1
                 return False
             self.stats.bytes_in_flight += size
             return True

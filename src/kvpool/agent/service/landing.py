@@ -108,13 +108,17 @@ class ChunkLanding:
         reservation = self.reservation
         return self.present or (reservation is not None and reservation.lease is not None)
 
-    def reserve(self, size: int) -> memoryview | None:
+    def reserve(self, size: int, *, wait: bool = True) -> memoryview | None:
         """The reserved pages for ``size`` bytes (the same ones on a second call of the same
         size); None if L1 holds the chunk already or refuses it (quota, full), or the chunk
-        before it could not be reserved."""
+        before it could not be reserved. Without ``wait``, None also (and nothing decided)
+        where the chunk before it has not decided yet: its turn has not come."""
         with self._lock:
             if self.reservation is None:
-                if not self.wait_turn():
+                turn = self.wait_turn() if wait else self.turn()
+                if turn is None:
+                    return None
+                if not turn:
                     self._decide()
                     return None
                 run = self.run

@@ -251,11 +251,16 @@ class Prefetcher:
         async def fetch(run: slice) -> list[bool]:
             nonlocal ahead
             async with window:  # taken in the runs' order
-                self._landings(prefetch, run.stop, loaded, landings)
-                if run.start:
-                    self._reserve_together(landings[run])
-                if ahead and not self._reserve_ahead(landings[run], ahead):
-                    ahead = 0  # the runs after it reserve as their chunks come
+                try:
+                    self._landings(prefetch, run.stop, loaded, landings)
+                    if run.start:
+                        self._reserve_together(landings[run])
+                    if ahead and not self._reserve_ahead(landings[run], ahead):
+                        ahead = 0  # the runs after it reserve as their chunks come
+                except BaseException:
+                    for landing in landings[run]:
+                        landing.give_up()  # the chunks after them stop waiting
+                    raise
                 return await self._fetch_run(holders[run], landings[run])
 
         first = self._landings(prefetch, 1, loaded, landings)[0]
@@ -292,15 +297,16 @@ class Prefetcher:
     @staticmethod
     def _reserve_ahead(run: list[ChunkLanding], size: int) -> bool:
         """Reserve the pages of ``run`` (for chunks of ``size``) before any of its chunks is
-        asked for: whether it did (not where the run is not received in place, the run before
-        it holds no pages, or L1 refuses it: those from there reserve as their chunks come,
-        and give up after a refusal).
+        asked for, never waiting (the event loop runs it while earlier runs land): whether
+        it did (not where the run is not received in place, the run before it holds no pages,
+        or L1 refuses it: those from there reserve as their chunks come, and give up after a
+        refusal).
 
         Each chunk then lands in its pages as it comes: none is received into a buffer to
         wait for the chunk before it to reserve (its turn), then copied (docs/platform/peers.md,
         "Figures")."""
         lead = run[0]
-        return lead.run is not None and lead.turn() is True and lead.reserve(size) is not None
+        return lead.run is not None and lead.reserve(size, wait=False) is not None
 
     def _placed(
         self,
