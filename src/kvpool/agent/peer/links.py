@@ -226,8 +226,9 @@ class PeerLink:
                 asked = 0
                 for index, name in enumerate(names):
                     waiting = asked - index  # asked for, not read yet
-                    if asked < len(names) and waiting <= channel.depth - channel.asks_together:
-                        ahead = names[asked : index + channel.depth]
+                    depth = channel.depth
+                    if asked < len(names) and waiting <= depth - channel.asks_together:
+                        ahead = names[asked : index + depth]
                         channel.send_frames(
                             [(Get(wanted.tenant, wanted.key), ()) for wanted in ahead]
                         )

@@ -314,9 +314,11 @@ class PeerServer:
                 payload = view[hit.offsets[0] : hit.offsets[0] + hit.sizes[0]]
                 self._send_object(answers, key_id, name, payload, hit.lease)
                 return
-            if self.nvme is not None:
-                answers.send()  # the answers it holds go before the disk is read
-            (stored,) = [None] if self.nvme is None else self._on_loop(self.nvme.get([name]))
+            if self.nvme is None:
+                answers.add(Missing())
+                return
+            answers.send()  # the answers it holds go before the disk is read
+            (stored,) = self._on_loop(self.nvme.get([name]))
             if stored is None:
                 answers.add(Missing())
                 return

@@ -158,9 +158,10 @@ class ChunkLanding:
     def wait_reserved(self) -> bool:
         """Once this landing has reserved or given up: whether it holds its place."""
         with _DECIDING:
-            waiting = None if self._decided else self._waiting
-            if waiting is None and not self._decided:
-                waiting = self._waiting = threading.Event()
+            if self._decided:
+                waiting = None
+            else:
+                waiting = self._waiting = self._waiting or threading.Event()
         if waiting is not None and not waiting.wait(TURN_SECONDS):
             return False
         return self.reserved
