@@ -1,6 +1,7 @@
 """The prefetch's runs from a tier that receives in place (the peer tier's way), on a real
 L1: a prefix's runs reserve their pages one after the other before their chunks are asked
-for, so that every chunk lands in its pages as it comes, whichever run's comes first.
+for, so that every chunk lands in its pages as it comes, whichever run's comes first; a run
+that fails before it is asked for holds up none after it.
 
 The tier here is a stand-in for the peer tier (its own tests run it between agents): it
 receives each run's chunks in reverse order of the runs, the later runs first, and notes
@@ -11,6 +12,7 @@ between its pages and a buffer.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ from typing import Any
 from kvpool.agent.core.quota_book import QuotaBook
 from kvpool.agent.l2.base import Destination, ObjectKey
 from kvpool.agent.service.cache_service import CacheService
-from kvpool.agent.service.landing import ChunkLanding
+from kvpool.agent.service.landing import TURN_SECONDS, ChunkLanding
 from kvpool.agent.tiering.prefetch import Prefetcher
 from tests.support.chunks import key
 from tests.support.l1 import PAGE, make_cache, make_service
@@ -145,4 +147,31 @@ def test_a_run_past_the_window_gets_its_landings_as_it_takes_its_place(tmp_path:
     assert stand_in.made == sorted(stand_in.made) and stand_in.made[-1] == count
     assert stand_in.turns[1:] == [True] * (count - 1)
     assert service.retrieve(ALICE, keys, max_bytes=count * PAGE) == [chunks[k] for k in keys]
+    assert service.open_write_leases == 0
+
+
+def test_a_run_that_fails_before_it_is_asked_for_holds_up_no_run_after_it(
+    tmp_path: Path,
+) -> None:
+    """L1 fails the second run's reservation (an error, not a refusal): the prefix stops
+    before that run, and the runs after it, waiting for its turn, hear at once that it
+    gave up instead of waiting out a turn's whole time (a minute)."""
+    count = 1 + 4 * 16
+    service = make_service(make_cache(pages=count * 2), tmp_path / "q.json")
+    keys, chunks = prefix(count)
+    reserve = service.reserve
+    reservations = 0
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        nonlocal reservations
+        reservations += 1
+        if reservations == 3:  # the first chunk's, the first run's, then the second run's
+            raise RuntimeError("L1 failed")
+        return reserve(*args, **kwargs)
+
+    service.reserve = failing  # type: ignore[method-assign]
+    started = time.monotonic()
+    assert pull(service, tier(service, chunks), keys) == 1 + 16
+    assert time.monotonic() - started < TURN_SECONDS / 4
+    assert service.lookup(ALICE, keys, lock=False).count == 1 + 16
     assert service.open_write_leases == 0

@@ -1,0 +1,177 @@
+"""A serving connection's answers, between a real peer server (its real L1 service and codec,
+no agent around them) and a client speaking the wire over loopback TCP: answers to
+requests that came together go in one send; answers kept for the request behind them are
+sent, not refused as busy, where the bytes they hold are all the connection may have in
+flight; and they go before the server reads its NVMe for the next.
+
+The peer tier's tests between agents catch a wrong or missing chunk; these catch the
+grouping itself, which those would not see."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from kvpool.agent.l2.base import ObjectKey
+from kvpool.agent.l2.buffers import BufferPool
+from kvpool.agent.l2.codec import ObjectCodec
+from kvpool.agent.peer.serving import PeerServer
+from kvpool.agent.peer.session import Session
+from kvpool.agent.peer.transport import TcpChannel, TcpTransport
+from kvpool.agent.peer.wire import Busy, Get, Object
+from kvpool.agent.service.cache_service import CacheService
+from kvpool.common.config import PeersConfig
+from tests.peer.test_answers import CountedSends
+from tests.peer.test_wire import POOL, keyring, tcp_pair
+from tests.support.chunks import key
+from tests.support.l1 import PAGE, make_cache, make_service
+
+ALICE = "a" * 32
+CHUNK = 16 * PAGE
+"""A chunk of 64 KiB: four of them stay under a batch's byte bound."""
+
+
+class Disk:
+    """The serving agent's NVMe tier, holding ``chunks``; it notes what the client had been
+    sent when each read began."""
+
+    name = "nvme"
+
+    def __init__(self, chunks: dict[bytes, bytes], sends: list[int]) -> None:
+        self.chunks = chunks
+        self.sends = sends
+        self.sent_before_reads: list[list[int]] = []
+
+    async def exists(self, names: Sequence[ObjectKey]) -> list[bool]:
+        return [name.key in self.chunks for name in names]
+
+    async def get(self, names: Sequence[ObjectKey]) -> list[bytes | None]:
+        self.sent_before_reads.append(list(self.sends))
+        return [self.chunks.get(name.key) for name in names]
+
+
+@contextlib.contextmanager
+def event_loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """The agent's event loop, on a thread of its own (the NVMe tier's home)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield loop
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5.0)
+        loop.close()
+
+
+class Served:
+    """A peer server over a real L1 holding ``count`` chunks, and a proven client's channel."""
+
+    def __init__(
+        self,
+        tmp_path: Path,
+        service: CacheService,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        max_bytes_in_flight: int = 256 << 20,
+        on_disk: dict[bytes, bytes] | None = None,
+    ) -> None:
+        key_dir = tmp_path / "keys"
+        ring = keyring(key_dir, k1="the pool's peer key material, 32+ bytes")
+        self.codec = ObjectCodec(ring, POOL, seal=True, buffers=BufferPool())
+        config = PeersConfig(key_dir=key_dir, max_bytes_in_flight=max_bytes_in_flight)
+        listener = TcpTransport().listen("127.0.0.1", 0, 5.0)
+        self.disk = None
+        self.sends: list[int] = []
+        if on_disk is not None:
+            self.disk = Disk(on_disk, self.sends)
+        self.server = PeerServer(
+            config,
+            POOL,
+            "holder",
+            ring,
+            self.codec,
+            service,
+            self.disk,  # type: ignore[arg-type]  # the two methods the server calls
+            loop,
+            listener,
+        )
+        listener.close()  # the connection below is made apart from it
+
+    def answer(self, names: list[ObjectKey]) -> list[bytes | None]:
+        """Send a ``Get`` for each of ``names`` at once from a client, serve them on the
+        server's end, and read the answers: each chunk opened, or None for a busy one."""
+        with tcp_pair(5.0, 5.0) as (server_end, client):
+            counted = CountedSends(server_end)
+            counted.sends = self.sends  # the disk sees them as they are made
+            client.send_frames([(Get(name.tenant, name.key), ()) for name in names])
+            serving = threading.Thread(
+                target=self.server._answer, args=(server_end, Session("asker", 1)), daemon=True
+            )
+            serving.start()
+            answers = [self._read(client, name) for name in names]
+            client.close()  # the server's connection ends: it stops answering
+            serving.join(10.0)
+        assert not serving.is_alive()
+        return answers
+
+    def _read(self, client: TcpChannel, name: ObjectKey) -> bytes | None:
+        message, length = client.receive()
+        if isinstance(message, Busy):
+            return None
+        assert isinstance(message, Object), message
+        body = memoryview(bytearray(length))
+        client.receive_body(body)
+        return bytes(self.codec.decode(name, body))
+
+
+def stored(service: CacheService, count: int) -> tuple[list[ObjectKey], list[bytes]]:
+    names = [ObjectKey(ALICE, key(f"chunk-{index}")) for index in range(count)]
+    chunks = [secrets.token_bytes(CHUNK) for _ in names]
+    result = service.store(ALICE, [name.key for name in names], chunks)
+    assert result.stored == count
+    return names, chunks
+
+
+def test_answers_to_requests_that_came_together_go_in_one_send(tmp_path: Path) -> None:
+    service = make_service(make_cache(pages=64), tmp_path / "q.json")
+    names, chunks = stored(service, 4)
+    with event_loop() as loop:
+        served = Served(tmp_path, service, loop)
+        assert served.answer(names) == chunks
+    assert served.sends == [4]
+    assert served.server.stats.bytes_in_flight == 0
+
+
+def test_kept_answers_are_sent_rather_than_the_next_refused_for_the_bytes_they_hold(
+    tmp_path: Path,
+) -> None:
+    """The connection may have one chunk in flight: the answer kept for the request behind
+    it is sent, and that request is served, not refused as busy."""
+    service = make_service(make_cache(pages=64), tmp_path / "q.json")
+    names, chunks = stored(service, 2)
+    with event_loop() as loop:
+        served = Served(tmp_path, service, loop, max_bytes_in_flight=CHUNK)
+        assert served.answer(names) == chunks
+    assert served.sends == [1, 1]
+    assert served.server.stats.refused["busy"] == 0
+    assert served.server.stats.bytes_in_flight == 0
+
+
+def test_kept_answers_go_before_the_server_reads_its_disk(tmp_path: Path) -> None:
+    """The second chunk is on NVMe only: the first chunk's answer, kept for the request
+    behind it, is sent before the disk is read (a read may take longer than the client
+    waits for an answer)."""
+    service = make_service(make_cache(pages=64), tmp_path / "q.json")
+    names, chunks = stored(service, 1)
+    on_disk = ObjectKey(ALICE, key("on-disk"))
+    chunk = secrets.token_bytes(CHUNK)
+    with event_loop() as loop:
+        served = Served(tmp_path, service, loop, on_disk={on_disk.key: chunk})
+        assert served.answer([*names, on_disk]) == [*chunks, chunk]
+    assert served.disk is not None and served.disk.sent_before_reads == [[1]]
+    assert served.sends == [1, 1]
