@@ -408,11 +408,11 @@ def test_a_busy_peer_refuses_past_its_cap_and_the_puller_waits_its_turn(pool: Po
 def test_a_long_prefix_comes_whole_in_more_runs_than_the_puller_asks_at_once(
     pool: Pool,
 ) -> None:
-    """20 pipelined runs of 8 chunks, at most 2 asked of the peer at once: a run whose turn
-    has not come waits for it with no request slot held, so no run waits on one behind it
-    (which would stall the prefix until the turn's timeout, past the pull's). The server
-    answers the requests that came together together, and counts their bytes out of flight
-    once sent."""
+    """160 chunks of 64 KiB: the first, then 3 pipelined runs (of 64, 64 and 31 chunks), at
+    most 2 asked of the peer at once: a run whose turn has not come waits for it with no
+    request slot held, so no run waits on one behind it (which would stall the prefix until
+    the turn's timeout, past the pull's). The server answers the requests that came
+    together together, and counts their bytes out of flight once sent."""
     first, second = pool({}, {"PEERS__MAX_TRANSFERS": "2"})
     keys = chain("long", 160)
     chunks = [data(n, 64 << 10) for n in range(160)]

@@ -21,13 +21,14 @@ from kvpool.agent.core.quota_book import QuotaBook
 from kvpool.agent.l2.base import Destination, ObjectKey
 from kvpool.agent.service.cache_service import CacheService
 from kvpool.agent.service.landing import TURN_SECONDS, ChunkLanding
-from kvpool.agent.tiering.prefetch import Prefetcher
+from kvpool.agent.tiering.prefetch import RUN_CHUNKS, Prefetcher
 from tests.support.chunks import key
 from tests.support.l1 import PAGE, make_cache, make_service
 
 ALICE = "a" * 32
-CHUNKS = 40
-"""Chunks of one page: the first alone, then runs of 16 (the prefetch's), 8 at once."""
+RUN = RUN_CHUNKS
+CHUNKS = 1 + 2 * RUN + RUN // 2
+"""Chunks of one page: the first alone, then runs of the prefetch's, 8 at once."""
 
 
 class ReversedRunsTier:
@@ -125,7 +126,7 @@ def test_every_chunk_of_a_prefix_lands_in_its_pages_as_it_comes(tmp_path: Path) 
 def test_runs_reserved_ahead_stop_at_the_tenants_quota(tmp_path: Path) -> None:
     """The run the quota refuses, and every run after it, give their pages back: the prefix
     stops at the quota, and nothing waits on the refused run."""
-    quota = 24
+    quota = 1 + RUN + RUN // 2
     cache = make_cache(pages=CHUNKS * 2, quotas=QuotaBook(limits={ALICE: quota * PAGE}))
     service = make_service(cache, tmp_path / "q.json")
     keys, chunks = prefix()
@@ -138,12 +139,12 @@ def test_a_run_past_the_window_gets_its_landings_as_it_takes_its_place(tmp_path:
     """A prefix of 12 runs (8 in flight at once): the first run is asked for with its own
     landings made, not the prefix's (the work of a long prefix's chunks is spread over its
     transfer instead of coming before it), and every chunk still lands in its pages."""
-    count = 1 + 12 * 16
+    count = 1 + 12 * RUN
     service = make_service(make_cache(pages=count * 2), tmp_path / "q.json")
     keys, chunks = prefix(count)
     stand_in = tier(service, chunks)
     assert pull(service, stand_in, keys) == count
-    assert stand_in.made[0] == 1 + 16  # the first chunk's and the first run's
+    assert stand_in.made[0] == 1 + RUN  # the first chunk's and the first run's
     assert stand_in.made == sorted(stand_in.made) and stand_in.made[-1] == count
     assert stand_in.turns[1:] == [True] * (count - 1)
     assert service.retrieve(ALICE, keys, max_bytes=count * PAGE) == [chunks[k] for k in keys]
@@ -156,7 +157,7 @@ def test_a_run_that_fails_before_it_is_asked_for_holds_up_no_run_after_it(
     """L1 fails the second run's reservation (an error, not a refusal): the prefix stops
     before that run, and the runs after it, waiting for its turn, hear at once that it
     gave up instead of waiting out a turn's whole time (a minute)."""
-    count = 1 + 4 * 16
+    count = 1 + 4 * RUN
     service = make_service(make_cache(pages=count * 2), tmp_path / "q.json")
     keys, chunks = prefix(count)
     reserve = service.reserve
@@ -171,7 +172,7 @@ def test_a_run_that_fails_before_it_is_asked_for_holds_up_no_run_after_it(
 
     service.reserve = failing  # type: ignore[method-assign]
     started = time.monotonic()
-    assert pull(service, tier(service, chunks), keys) == 1 + 16
+    assert pull(service, tier(service, chunks), keys) == 1 + RUN
     assert time.monotonic() - started < TURN_SECONDS / 4
-    assert service.lookup(ALICE, keys, lock=False).count == 1 + 16
+    assert service.lookup(ALICE, keys, lock=False).count == 1 + RUN
     assert service.open_write_leases == 0
