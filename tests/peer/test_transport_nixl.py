@@ -10,7 +10,7 @@ import contextlib
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 
 from kvpool.agent.l2.codec import HEADER
+from kvpool.agent.peer.answers import Answers
 from kvpool.agent.peer.session import accept_session, open_session
-from kvpool.agent.peer.transport import DEPTH, PeerChannel, TcpChannel
+from kvpool.agent.peer.transport import DEPTH, Frame, PeerChannel, TcpChannel
 from kvpool.agent.peer.transport_nixl import (
     LANDING_BUDGET,
     RECENT_BODIES,
@@ -579,3 +580,37 @@ def test_a_server_closed_by_another_thread_ends_its_serving_with_an_os_error(
     assert outbox is not None and outbox in [region for _, region in channel._engine._resting]
     client.close()
     loopback.close()
+
+
+def test_with_no_landing_requests_and_answers_go_together_as_on_tcp(loopback: Loopback) -> None:
+    """A NIXL agent facing one that receives over TCP (a rollout): no landing is lent, so a
+    run's requests go a few at a time in one send, and the server answers those that came
+    together in one send, as a TCP channel does."""
+    bodies = [os.urandom(1000 + index) for index in range(DEPTH // 2)]
+    sends: list[int] = []
+
+    def answer(channel: PeerChannel) -> None:
+        assert isinstance(channel, NixlChannel)
+        channel.proven("client", False)
+        tcp = channel._tcp
+        send_frames = tcp.send_frames
+
+        def counted(frames: Sequence[Frame]) -> None:
+            sends.append(len(frames))
+            send_frames(frames)
+
+        tcp.send_frames = counted  # type: ignore[method-assign]
+        answers = Answers(channel)
+        for body in bodies:
+            assert channel.receive() == (Get("tenant", KEY), 0)
+            answers.add(Object(), [body])
+
+    client = loopback.connect(answer)
+    client.proven("server", False)
+    assert isinstance(client, NixlChannel) and client.asks_together == DEPTH // 2
+    client.send_frames([(Get("tenant", KEY), ()) for _ in bodies])
+    assert [_answered(client) for _ in bodies] == bodies
+    client.close()
+    loopback.close()
+    assert not loopback.errors
+    assert sends == [len(bodies)]

@@ -68,6 +68,7 @@ from kvpool.agent.peer.transport import (
     Frame,
     PeerChannel,
     PeerListener,
+    TcpChannel,
     TcpTransport,
 )
 from kvpool.agent.peer.wire import (
@@ -333,7 +334,17 @@ class NixlChannel:
         wanted = None if self._in_flight else self._landing_anew()
         return self._slots if wanted is None else wanted[0]
 
-    asks_together = 1
+    @property
+    def asks_together(self) -> int:
+        """One on a landing (the server's writes wait for no request between groups); as
+        on TCP where no landing is lent (the server, a TCP agent, answers them together)."""
+        return TcpChannel.asks_together if self._plain else 1
+
+    @property
+    def _plain(self) -> bool:
+        """No landing lent or taken on this connection (the other agent receives over TCP,
+        or sends that way): every body crosses the TCP connection, as a TCP channel's."""
+        return self._landing is None and self._target is None
 
     def proven(self, node: str, peer_lands: bool) -> None:
         self._peer = node
@@ -366,11 +377,18 @@ class NixlChannel:
         self._in_flight += 1
 
     def send_frames(self, frames: Sequence[Frame]) -> None:
+        if self._plain:  # in one system call, as a TCP channel sends them
+            self._tcp.send_frames(frames)
+            if not self.lands:
+                self._in_flight += len(frames)
+            return
         for message, body in frames:
             self.send(message, body)
 
     def frame_ready(self) -> bool:
-        return False  # a server's writes are said between its answers: one at a time
+        """Where no landing is taken, as on TCP; else False: a server's writes are said
+        between its answers, one at a time."""
+        return self._plain and self._tcp.frame_ready()
 
     def receive(self, max_meta_bytes: int = MAX_META_BYTES) -> tuple[Message, int]:
         if self._posted:
