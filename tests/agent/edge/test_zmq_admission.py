@@ -183,7 +183,9 @@ def test_a_hello_trickled_byte_by_byte_is_cut_off_at_the_deadline(agent: AgentPr
             break
         time.sleep(10 / len(hello))
     assert peer.dropped(timeout=5), "the trickled hello was served"
-    assert time.monotonic() - opened < HELLO_SECONDS + 3
+    # cut off long before the hello is whole (10 s): once, under a CI run's other worker,
+    # the cut came 6.3 s after the connection opened, the agent's deadline being 3 s
+    assert time.monotonic() - opened < HELLO_SECONDS + 5
     peer.close()
     assert metric(agent, dropped("handshake_timeout")) == timeouts + 1
 
