@@ -69,7 +69,8 @@ def event_loop() -> Iterator[asyncio.AbstractEventLoop]:
 
 
 class Served:
-    """A peer server over a real L1 holding ``count`` chunks, and a proven client's channel."""
+    """A peer server over ``service`` (a real L1), answering each connection :meth:`answer`
+    makes as a proven peer's; :attr:`sends` counts the frames of each of its sends."""
 
     def __init__(
         self,

@@ -10,7 +10,7 @@ import contextlib
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ import pytest
 from kvpool.agent.l2.codec import HEADER
 from kvpool.agent.peer.answers import Answers
 from kvpool.agent.peer.session import accept_session, open_session
-from kvpool.agent.peer.transport import DEPTH, Frame, PeerChannel, TcpChannel
+from kvpool.agent.peer.transport import DEPTH, PeerChannel, TcpChannel
 from kvpool.agent.peer.transport_nixl import (
     LANDING_BUDGET,
     RECENT_BODIES,
@@ -33,6 +33,7 @@ from kvpool.agent.peer.transport_nixl import (
 from kvpool.agent.peer.wire import Get, Landing, Missing, Object, PeerClosed, WireError, Written
 from kvpool.common.keyring import Keyring, generate_key
 from kvpool.tools.bench.local.peers import LINK_ENVIRONMENT
+from tests.peer.test_answers import CountedSends
 from tests.support.polling import wait_until
 
 KEY = b"k" * 32
@@ -587,19 +588,12 @@ def test_with_no_landing_requests_and_answers_go_together_as_on_tcp(loopback: Lo
     run's requests go a few at a time in one send, and the server answers those that came
     together in one send, as a TCP channel does."""
     bodies = [os.urandom(1000 + index) for index in range(DEPTH // 2)]
-    sends: list[int] = []
+    counted: list[CountedSends] = []
 
     def answer(channel: PeerChannel) -> None:
-        assert isinstance(channel, NixlChannel)
+        assert isinstance(channel, NixlChannel) and isinstance(channel._tcp, TcpChannel)
         channel.proven("client", False)
-        tcp = channel._tcp
-        send_frames = tcp.send_frames
-
-        def counted(frames: Sequence[Frame]) -> None:
-            sends.append(len(frames))
-            send_frames(frames)
-
-        tcp.send_frames = counted  # type: ignore[method-assign]
+        counted.append(CountedSends(channel._tcp))
         answers = Answers(channel)
         for body in bodies:
             assert channel.receive() == (Get("tenant", KEY), 0)
@@ -613,4 +607,4 @@ def test_with_no_landing_requests_and_answers_go_together_as_on_tcp(loopback: Lo
     client.close()
     loopback.close()
     assert not loopback.errors
-    assert sends == [len(bodies)]
+    assert counted[0].sends == [len(bodies)]
