@@ -158,9 +158,8 @@ def test_a_body_built_in_the_send_buffer_lands_as_it_was_built(loopback: Loopbac
         offered.append(channel.body_memory(10) is not None)  # no landing yet: none
         for body in bodies:
             channel.receive()
+            assert channel.body_memory(SLOT_BYTES + 1) is None  # it would cross TCP
             built = channel.body_memory(len(body))
-            assert built is not None and channel.body_memory(SLOT_BYTES + 1) is None
-            built = channel.body_memory(len(body))  # the last one handed out is the one sent
             assert built is not None
             built[:] = body
             channel.send(Object(), [built])
@@ -294,6 +293,7 @@ def test_a_run_sent_at_once_after_larger_chunks_fits_the_landing_it_lends(
     assert _read(client) == bodies[0]  # larger than a slot: it crossed the connection
     slots = landing_slots(size)[0]
     assert client.depth == slots < DEPTH
+    assert client.asks_together == 1  # answered one at a time: each slot asked for as read
     asked = 1
     for index, body in enumerate(bodies[1:], start=1):  # as a pipelined run asks
         if asked < len(bodies) and asked - index <= client.depth - client.asks_together:
@@ -607,4 +607,45 @@ def test_with_no_landing_requests_and_answers_go_together_as_on_tcp(loopback: Lo
     client.close()
     loopback.close()
     assert not loopback.errors
+    assert counted[0].sends == [len(bodies)]
+
+
+def test_requests_that_come_together_are_asked_and_answered_together_on_a_landing(
+    loopback: Loopback, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a landing too, a run's requests go a few at a time in one send; the server builds
+    the answers to those that came together in the sections of their slots, posts their
+    WRITEs one after another, and says those done together in one send."""
+    bodies = [os.urandom(100_000 + index) for index in range(DEPTH // 2)]
+    counted: list[CountedSends] = []
+    built: list[int] = []
+
+    def answer(channel: PeerChannel) -> None:
+        assert isinstance(channel, NixlChannel) and isinstance(channel._tcp, TcpChannel)
+        channel.proven("client", False)
+        counted.append(CountedSends(channel._tcp))
+        held = _hold_writes(channel, monkeypatch)
+        answers = Answers(channel)
+        for body in bodies:
+            assert channel.receive() == (Get("tenant", KEY), 0)
+            section = channel.body_memory(len(body))
+            assert section is not None
+            section[:] = body
+            built.append(len(channel._posted))
+            answers.add(Object(), [section])
+        assert len(channel._posted) == len(bodies)  # all posted, none said yet
+        held.let_go.set()  # and then said together, as the server waits for a request
+
+    client = loopback.connect(answer)
+    client.proven("server", True)
+    assert isinstance(client, NixlChannel) and client.asks_together == DEPTH // 2
+    asked = CountedSends(client._tcp)  # type: ignore[arg-type]
+    client.send_frames([(Get("tenant", KEY), ()) for _ in bodies])
+    assert [_answered(client) for _ in bodies] == bodies
+    assert client.asks_together == DEPTH // 2  # as many as the server answers in a batch
+    client.close()
+    loopback.close()
+    assert not loopback.errors
+    assert asked.sends == [len(bodies)]
+    assert built == [0] * len(bodies)  # each built before any was posted
     assert counted[0].sends == [len(bodies)]

@@ -10,7 +10,10 @@ the agent's other buffers). The server answers a ``Get`` by sealing (or authenti
 the chunk into the section of a registered send buffer of its own that the landing's next
 slot has, and posting one NIXL WRITE of it into that slot; it says so on the connection
 (:class:`~kvpool.agent.peer.wire.Written`, with the slot's offset) once the WRITE is done,
-in the order of the requests, and meanwhile goes on to the next request. The client has at
+in the order of the requests, and meanwhile goes on to the next request. A client asks a
+few chunks in one send, and the server answers those that came together together: their
+WRITEs posted one after another, their ``Written`` s said in one send (at 256 KiB a small
+message on each side per chunk costs as much CPU as the chunk's WRITE). The client has at
 most one request per slot in flight (its :attr:`NixlChannel.depth`: a pipelined run's),
 so no body lands on one it has not read yet, and no section is built while its last
 WRITE may still read it. The client copies the body out of the landing into the pages it
@@ -62,6 +65,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvpool.agent.peer.answers import BATCH_BYTES
 from kvpool.agent.peer.transport import (
     DEPTH,
     Buffer,
@@ -276,10 +280,13 @@ class NixlChannel:
     (``serving``: this is the server's end, the one that takes a landing and writes).
 
     A server posts each answer's WRITE and goes on to the next request: it says the
-    answer (``Written``) once its WRITE is done, in the order of the requests, while it
-    waits for the next request (:meth:`wait_readable`, :meth:`receive`) or before any
-    other answer (:meth:`send`). Each slot of the landing has a section of the send
-    buffer of its own, so the server builds the next body while earlier ones travel."""
+    answers (``Written``) whose WRITEs are done, in the order of the requests and those
+    done together in one send, after it posts answers, while it waits for the next request
+    (:meth:`wait_readable`, :meth:`receive`), and before any other answer. Answers to
+    requests that came together come together (:mod:`~kvpool.agent.peer.answers`): their
+    bodies are built one after another in the sections of the slots they go into, and
+    posted together. Each slot of the landing has a section of the send buffer of its own,
+    so the server builds the next bodies while earlier ones travel."""
 
     def __init__(
         self, tcp: PeerChannel, engine: NixlEngine, io_timeout: float, *, serving: bool
@@ -317,8 +324,10 @@ class NixlChannel:
         index), posted again for each chunk of the same length."""
         self._posted: deque[_Posted] = deque()
         """A server's WRITEs posted, oldest first, whose ``Written`` is not said yet."""
-        self._built: memoryview | None = None
-        """A server's: the body memory last handed out (:meth:`body_memory`), if not sent."""
+        self._pending: list[memoryview | None] = []
+        """A server's: the bodies for the landing's next slots, in order, handed out
+        (:meth:`body_memory`) and not posted yet: a section of the send buffer each, or None
+        for one made elsewhere (copied into its section when it is posted)."""
         self._guard = threading.RLock()
         self._closed = False
         """Closed (maybe by another thread: the agent stops): its NIXL handles and buffers
@@ -336,15 +345,15 @@ class NixlChannel:
 
     @property
     def asks_together(self) -> int:
-        """One on a landing (the server's writes wait for no request between groups); as
-        on TCP where no landing is lent (the server, a TCP agent, answers them together)."""
-        return TcpChannel.asks_together if self._plain else 1
-
-    @property
-    def _plain(self) -> bool:
-        """No landing lent or taken on this connection (the other agent receives over TCP,
-        or sends that way): every body crosses the TCP connection, as a TCP channel's."""
-        return self._landing is None and self._target is None
+        """As on TCP where the server answers that many of the chunks asked for in one batch
+        (:data:`~kvpool.agent.peer.answers.BATCH_BYTES`: their WRITEs posted one after
+        another, their ``Written`` s said in one send); one on a landing for larger chunks,
+        whose answers go one at a time anyway: each slot is asked for again as soon as it
+        is read, and the server's writes wait for no request."""
+        together = TcpChannel.asks_together
+        if self._landing is None or (together - 1) * max(self._recent, default=0) < BATCH_BYTES:
+            return together
+        return 1
 
     def proven(self, node: str, peer_lands: bool) -> None:
         self._peer = node
@@ -353,42 +362,55 @@ class NixlChannel:
             self._lend_landing(*landing_slots(0))
 
     def body_memory(self, length: int) -> memoryview | None:
-        """The next slot's section of the registered send buffer, where the client's landing
-        takes a body of ``length`` bytes."""
+        """The section of the registered send buffer of the slot the next chunk answered goes
+        into, where the client's landing takes a body of ``length`` bytes: each call is for
+        the answer after the last one's, until they are sent. None also where that slot's
+        section is taken by one handed out and not sent yet, or is too short for
+        ``length`` while one is (the body is copied there when it is sent)."""
         if not self.lands or self._target is None or length > self._slot_bytes:
             return None
-        return self._next_section(length)
+        pending = self._pending
+        if pending and (
+            pending[-1] is None or len(pending) >= self._slots or self._section < length
+        ):
+            pending.append(None)  # copied into its section once those before it are posted
+            return None
+        section = self._next_section(length, ahead=len(pending))
+        pending.append(section)
+        return section
 
     def send(self, message: Message, body: Sequence[Buffer] = ()) -> None:
-        length = sum(len(piece) for piece in body)
-        target = self._target
-        if isinstance(message, Object) and target is not None and length <= self._slot_bytes:
-            self._post(body, length, target)
-            return
-        if self.lands:
-            self._settle(0)  # the answers before this one are said first
-            self._tcp.send(message, body)
-            return
-        if self._landing is not None and not self._in_flight:
-            wanted = self._landing_anew()
-            if wanted is not None:
-                self._lend_landing(*wanted)  # before the next request (none in flight)
-        self._tcp.send(message, body)
-        self._in_flight += 1
+        self.send_frames([(message, body)])
 
     def send_frames(self, frames: Sequence[Frame]) -> None:
-        if self._plain:  # in one system call, as a TCP channel sends them
+        """A client's requests, in one system call (a landing lent anew first, where its
+        chunks changed size and none is in flight); a server's answers, each chunk that fits
+        a slot posted as a WRITE, and the ``Written`` s of those done said in one send."""
+        if not self.lands:
+            if self._landing is not None and not self._in_flight:
+                wanted = self._landing_anew()
+                if wanted is not None:
+                    self._lend_landing(*wanted)  # before the next request (none in flight)
             self._tcp.send_frames(frames)
-            if not self.lands:
-                self._in_flight += len(frames)
+            self._in_flight += len(frames)
+            return
+        with self._guard:
+            self._still_open()
+            target = self._target
+        if target is None:
+            self._tcp.send_frames(frames)
             return
         for message, body in frames:
-            self.send(message, body)
+            length = sum(len(piece) for piece in body)
+            if isinstance(message, Object) and length <= self._slot_bytes:
+                self._post(body, length, target)
+            else:
+                self._settle(0)  # the answers before this one are said first
+                self._tcp.send(message, body)
+        self._say_written()
 
     def frame_ready(self) -> bool:
-        """Where no landing is taken, as on TCP; else False: a server's writes are said
-        between its answers, one at a time."""
-        return self._plain and self._tcp.frame_ready()
+        return self._tcp.frame_ready()
 
     def receive(self, max_meta_bytes: int = MAX_META_BYTES) -> tuple[Message, int]:
         if self._posted:
@@ -444,7 +466,7 @@ class NixlChannel:
         """Give back what the connection held: a buffer NIXL may still read or write rests."""
         engine = self._engine
         now = time.monotonic()
-        in_use = self._built is not None or not all(
+        in_use = bool(self._pending) or not all(
             self._done_or_failed(posted.write) for posted in self._posted
         )
         self._forget_writes()
@@ -527,13 +549,15 @@ class NixlChannel:
     def _post(self, body: Sequence[Buffer], length: int, target: Landing) -> None:
         """Post the WRITE of ``body`` into the landing's next slot (its ``Written`` is said
         once it is done)."""
-        built = self._built
-        if not (len(body) == 1 and body[0] is built):  # else it lies there already
-            section = self._next_section(length)
+        built = self._pending.pop(0) if self._pending else None
+        if built is None:
+            section = self._next_section(length, ahead=0)
             at = 0
             for piece in body:
                 section[at : at + len(piece)] = piece
                 at += len(piece)
+        elif not (len(body) == 1 and body[0] is built):
+            raise RuntimeError("a body posted is not the one its section was handed out for")
         with self._guard:
             self._still_open()
             index = self._bodies % self._slots
@@ -551,30 +575,27 @@ class NixlChannel:
                 )
                 self._prepared[index] = prepared
             self._engine.post(prepared)
-            self._built = None
             deadline = time.monotonic() + self._io_timeout
             self._posted.append(
                 _Posted(prepared, Written(length, index * self._slot_bytes), deadline)
             )
             self._bodies += 1
-            self._say_done()
 
-    def _next_section(self, length: int) -> memoryview:
-        """The next slot's section of the send buffer, free (its last WRITE done), for a
-        body of ``length`` bytes, handed out (:attr:`_built`) until the body is posted: the
-        buffer is replaced by one of larger sections (its WRITEs done first) where the
-        sections are shorter."""
+    def _next_section(self, length: int, ahead: int) -> memoryview:
+        """The section of the send buffer of the slot ``ahead`` slots after the next one,
+        free (its last WRITE done), for a body of ``length`` bytes: the buffer is replaced
+        by one of larger sections (its WRITEs done first) where the sections are shorter
+        (with no section handed out before it: ``ahead`` is 0)."""
         if self._outbox is not None and self._section < length:
             self._stop_writing()
-        self._settle(self._slots - 1)
+        self._settle(self._slots - 1 - ahead)
         with self._guard:
             self._still_open()
             if self._outbox is None:
                 self._section = min(aligned(length), self._slot_bytes)
                 self._outbox = self._engine.region(self._slots * self._section)
-            at = self._bodies % self._slots * self._section
-            self._built = self._outbox.view[at : at + length]
-            return self._built
+            at = (self._bodies + ahead) % self._slots * self._section
+            return self._outbox.view[at : at + length]
 
     def _stop_writing(self) -> None:
         """Wait for the WRITEs posted, then release the prepared ones and the send buffer:
@@ -609,16 +630,21 @@ class NixlChannel:
 
     def _say_done(self) -> None:
         posted = self._posted
-        while posted:
-            oldest = posted[0]
-            if not self._engine.done(oldest.write):
-                if time.monotonic() > oldest.deadline:
-                    raise TimeoutError(
-                        f"NIXL's write to {oldest.write.agent} outlasted the I/O timeout"
-                    )
-                return
-            posted.popleft()
-            self._tcp.send(oldest.said)
+        said: list[Frame] = []
+        try:
+            while posted:
+                oldest = posted[0]
+                if not self._engine.done(oldest.write):
+                    if time.monotonic() > oldest.deadline:
+                        raise TimeoutError(
+                            f"NIXL's write to {oldest.write.agent} outlasted the I/O timeout"
+                        )
+                    return
+                posted.popleft()
+                said.append((oldest.said, ()))
+        finally:
+            if said:
+                self._tcp.send_frames(said)
 
     def _settle(self, keep: int) -> None:
         """Wait until at most ``keep`` answers' WRITEs are still posted, saying the others."""
