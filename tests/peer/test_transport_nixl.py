@@ -610,15 +610,16 @@ def test_with_no_landing_requests_and_answers_go_together_as_on_tcp(loopback: Lo
     assert counted[0].sends == [len(bodies)]
 
 
-def test_requests_that_come_together_are_asked_and_answered_together_on_a_landing(
+def test_chunks_asked_together_are_written_together_into_one_slot(
     loopback: Loopback, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On a landing too, a run's requests go a few at a time in one send; the server builds
-    the answers to those that came together in the sections of their slots, posts their
-    WRITEs one after another, and says those done together in one send."""
+    """On a landing too, a run's small chunks are asked a few at a time in one send. The
+    server builds the answers to those that came together one after another in one section
+    of its send buffer, posts one WRITE of them into one slot, and says them in one send;
+    the client reads each where it lies, after the one before."""
     bodies = [os.urandom(100_000 + index) for index in range(DEPTH // 2)]
     counted: list[CountedSends] = []
-    built: list[int] = []
+    posted: list[int] = []
 
     def answer(channel: PeerChannel) -> None:
         assert isinstance(channel, NixlChannel) and isinstance(channel._tcp, TcpChannel)
@@ -631,10 +632,11 @@ def test_requests_that_come_together_are_asked_and_answered_together_on_a_landin
             section = channel.body_memory(len(body))
             assert section is not None
             section[:] = body
-            built.append(len(channel._posted))
+            posted.append(len(channel._posted))
             answers.add(Object(), [section])
-        assert len(channel._posted) == len(bodies)  # all posted, none said yet
-        held.let_go.set()  # and then said together, as the server waits for a request
+        (write,) = channel._posted  # one WRITE of them all, not said yet
+        assert [written.length for written in write.said] == [len(body) for body in bodies]
+        held.let_go.set()  # and then they are said together, as the server waits
 
     client = loopback.connect(answer)
     client.proven("server", True)
@@ -642,10 +644,59 @@ def test_requests_that_come_together_are_asked_and_answered_together_on_a_landin
     asked = CountedSends(client._tcp)  # type: ignore[arg-type]
     client.send_frames([(Get("tenant", KEY), ()) for _ in bodies])
     assert [_answered(client) for _ in bodies] == bodies
+    assert client._writes == 1  # one slot
     assert client.asks_together == DEPTH // 2  # as many as the server answers in a batch
     client.close()
     loopback.close()
     assert not loopback.errors
     assert asked.sends == [len(bodies)]
-    assert built == [0] * len(bodies)  # each built before any was posted
+    assert posted == [0] * len(bodies)  # each built before any was posted
     assert counted[0].sends == [len(bodies)]
+
+
+def _asked_twice(loopback: Loopback, first: Written, second: Written) -> PeerChannel:
+    """A client on a landing that asked two chunks of a server that says ``first`` and
+    ``second`` (whatever it wrote)."""
+
+    def answer(channel: PeerChannel) -> None:
+        channel.proven("client", False)
+        assert isinstance(channel, NixlChannel)
+        channel.receive()
+        channel.receive()
+        channel._tcp.send_frames([(first, ()), (second, ())])
+
+    client = loopback.connect(answer)
+    client.proven("server", True)
+    client.send_frames([(Get("tenant", KEY), ())] * 2)
+    return client
+
+
+@pytest.mark.parametrize(
+    ("second", "refusal"),
+    [
+        (Written(SLOT_BYTES - 999, 1000), "past its slot"),  # follows, one byte too long
+        (Written(1000, 2000), "of no landing's slot"),  # neither follows nor a slot's start
+    ],
+    ids=["past-its-slot", "a-gap"],
+)
+def test_a_body_said_to_follow_another_must_follow_it_within_its_slot(
+    loopback: Loopback, second: Written, refusal: str
+) -> None:
+    client = _asked_twice(loopback, Written(1000, 0), second)
+    assert len(_answered(client)) == 1000
+    with pytest.raises(WireError, match=refusal):
+        client.receive()
+    client.close()
+    loopback.close()
+    assert not loopback.errors
+
+
+def test_after_a_body_that_fills_its_slot_the_next_one_starts_the_next_slot(
+    loopback: Loopback,
+) -> None:
+    client = _asked_twice(loopback, Written(SLOT_BYTES, 0), Written(1000, SLOT_BYTES))
+    assert [len(_answered(client)) for _ in range(2)] == [SLOT_BYTES, 1000]
+    assert isinstance(client, NixlChannel) and client._writes == 2
+    client.close()
+    loopback.close()
+    assert not loopback.errors

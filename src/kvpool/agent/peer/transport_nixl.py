@@ -9,17 +9,19 @@ its agent's metadata for that buffer alone (connection and that one registration
 the agent's other buffers). The server answers a ``Get`` by sealing (or authenticating)
 the chunk into the section of a registered send buffer of its own that the landing's next
 slot has, and posting one NIXL WRITE of it into that slot; it says so on the connection
-(:class:`~kvpool.agent.peer.wire.Written`, with the slot's offset) once the WRITE is done,
-in the order of the requests, and meanwhile goes on to the next request. A client asks a
-few chunks in one send, and the server answers those that came together together: their
-WRITEs posted one after another, their ``Written`` s said in one send (at 256 KiB a small
-message on each side per chunk costs as much CPU as the chunk's WRITE). The client has at
-most one request per slot in flight (its :attr:`NixlChannel.depth`: a pipelined run's),
-so no body lands on one it has not read yet, and no section is built while its last
-WRITE may still read it. The client copies the body out of the landing into the pages it
-reserved and opens it there, against the tenant and key it asked for, exactly as a body
-received on TCP: a server (or anyone) writing into the landing at another time makes a
-chunk that does not open, a miss.
+(:class:`~kvpool.agent.peer.wire.Written`, with where in the landing) once the WRITE is
+done, in the order of the requests, and meanwhile goes on to the next request. A client
+asks small chunks a few in one send, and the server answers those that came together
+together: built one after another in one section, written in one WRITE into one slot, their
+``Written`` s said in one send (at 256 KiB a WRITE and a small message on each side per
+chunk cost more CPU than the chunk's bytes). The client takes a body only at the start of
+the next slot or right after the one it read before, in that one's slot. It has at most
+one request per slot in flight (its :attr:`NixlChannel.depth`: a pipelined run's), and a
+WRITE answers one or more, so no body lands on one it has not read yet, and no section is
+built while its last WRITE may still read it. The client copies the body out of the landing
+into the pages it reserved and opens it there, against the tenant and key it asked for,
+exactly as a body received on TCP: a server (or anyone) writing into the landing at
+another time makes a chunk that does not open, a miss.
 
 Staged, not one-sided into L1: the segment holds every tenant's pages, so no peer
 learns a descriptor of it; it learns one landing, written only in answer to a request
@@ -136,10 +138,11 @@ class _Write:
 
 @dataclass(frozen=True)
 class _Posted:
-    """A server's WRITE into the client's landing, posted, whose ``Written`` is not said yet."""
+    """A server's WRITE into the client's landing, posted, whose ``Written`` s (one per body
+    it holds) are not said yet."""
 
     write: _Write
-    said: Written
+    said: tuple[Written, ...]
     deadline: float
     """Past this (monotonic) time it has outlasted the I/O timeout."""
 
@@ -284,9 +287,9 @@ class NixlChannel:
     done together in one send, after it posts answers, while it waits for the next request
     (:meth:`wait_readable`, :meth:`receive`), and before any other answer. Answers to
     requests that came together come together (:mod:`~kvpool.agent.peer.answers`): their
-    bodies are built one after another in the sections of the slots they go into, and
-    posted together. Each slot of the landing has a section of the send buffer of its own,
-    so the server builds the next bodies while earlier ones travel."""
+    bodies are built one after another in the section of the slot they go into, and
+    posted in one WRITE. Each slot of the landing has a section of the send buffer of its
+    own, so the server builds the next bodies while earlier ones travel."""
 
     def __init__(
         self, tcp: PeerChannel, engine: NixlEngine, io_timeout: float, *, serving: bool
@@ -304,8 +307,12 @@ class NixlChannel:
         self._slots = 1
         self._slot_bytes = 0
         """The slots of the landing (a client's, lent; a server's, taken)."""
-        self._bodies = 0
-        """Bodies written into the landing: the next goes into slot ``_bodies % _slots``."""
+        self._writes = 0
+        """WRITEs into the landing: the next goes into slot ``_writes % _slots``."""
+        self._cursor: int | None = None
+        """A client's: where the last body it read in the landing ends (a body written with it
+        may follow it), until :attr:`_slot_end`."""
+        self._slot_end = 0
         self._in_flight = 0
         """A client's: requests sent whose answers it has not read."""
         self._recent: deque[int] = deque(maxlen=RECENT_BODIES)
@@ -318,16 +325,25 @@ class NixlChannel:
         self._outbox: _Region | None = None
         """A server's registered send buffer: a section per slot."""
         self._section = 0
-        """The bytes of each section of the send buffer: the largest body yet."""
+        """The bytes of each section of the send buffer: room for a batch of answers
+        (:data:`~kvpool.agent.peer.answers.BATCH_BYTES`) and the largest body yet, at most
+        a slot."""
         self._prepared: dict[int, _Write] = {}
         """A server's prepared WRITE from each slot's section into the slot (by the slot's
-        index), posted again for each chunk of the same length."""
+        index), posted again for each WRITE of the same length."""
         self._posted: deque[_Posted] = deque()
         """A server's WRITEs posted, oldest first, whose ``Written`` is not said yet."""
-        self._pending: list[memoryview | None] = []
-        """A server's: the bodies for the landing's next slots, in order, handed out
-        (:meth:`body_memory`) and not posted yet: a section of the send buffer each, or None
-        for one made elsewhere (copied into its section when it is posted)."""
+        self._pending: deque[tuple[memoryview, int] | None] = deque()
+        """A server's: the bodies of the answers to come, in order, handed out
+        (:meth:`body_memory`) and not sent yet: each where it lies in the next WRITE's
+        section, or None for one made elsewhere (copied there, or into the section of the
+        WRITE after, when it is sent), with where in the section it lies."""
+        self._open: int | None = None
+        """A server's: where the section of the next WRITE begins in the send buffer, once
+        a body is in it or handed out there (:attr:`_fill` bytes of it, from its start)."""
+        self._fill = 0
+        self._group: list[Written] = []
+        """A server's: the bodies in the next WRITE's section, sent and not posted yet."""
         self._guard = threading.RLock()
         self._closed = False
         """Closed (maybe by another thread: the agent stops): its NIXL handles and buffers
@@ -346,8 +362,8 @@ class NixlChannel:
     @property
     def asks_together(self) -> int:
         """As on TCP where the server answers that many of the chunks asked for in one batch
-        (:data:`~kvpool.agent.peer.answers.BATCH_BYTES`: their WRITEs posted one after
-        another, their ``Written`` s said in one send); one on a landing for larger chunks,
+        (:data:`~kvpool.agent.peer.answers.BATCH_BYTES`: written into one slot in one WRITE,
+        their ``Written`` s said in one send); one on a landing for larger chunks,
         whose answers go one at a time anyway: each slot is asked for again as soon as it
         is read, and the server's writes wait for no request."""
         together = TcpChannel.asks_together
@@ -362,22 +378,25 @@ class NixlChannel:
             self._lend_landing(*landing_slots(0))
 
     def body_memory(self, length: int) -> memoryview | None:
-        """The section of the registered send buffer of the slot the next chunk answered goes
-        into, where the client's landing takes a body of ``length`` bytes: each call is for
-        the answer after the last one's, until they are sent. None also where that slot's
-        section is taken by one handed out and not sent yet, or is too short for
-        ``length`` while one is (the body is copied there when it is sent)."""
+        """Where the next chunk answered lies in the section of the registered send buffer
+        that its WRITE goes from, after the bodies handed out before it (each call is for
+        the answer after the last one's, until they are sent), where the client's landing
+        takes a body of ``length`` bytes. None also where the section has no room left for
+        it (the body is copied into the next WRITE's when it is sent)."""
         if not self.lands or self._target is None or length > self._slot_bytes:
             return None
         pending = self._pending
-        if pending and (
-            pending[-1] is None or len(pending) >= self._slots or self._section < length
-        ):
-            pending.append(None)  # copied into its section once those before it are posted
+        if pending and (pending[-1] is None or self._fill + length > self._section):
+            pending.append(None)
             return None
-        section = self._next_section(length, ahead=len(pending))
-        pending.append(section)
-        return section
+        if not pending:
+            self._open_section(length)
+        assert self._outbox is not None and self._open is not None
+        at = self._fill
+        self._fill = at + length
+        built = self._outbox.view[self._open + at : self._open + self._fill]
+        pending.append((built, at))
+        return built
 
     def send(self, message: Message, body: Sequence[Buffer] = ()) -> None:
         self.send_frames([(message, body)])
@@ -403,10 +422,12 @@ class NixlChannel:
         for message, body in frames:
             length = sum(len(piece) for piece in body)
             if isinstance(message, Object) and length <= self._slot_bytes:
-                self._post(body, length, target)
+                self._place(body, length, target)
             else:
+                self._post(target)
                 self._settle(0)  # the answers before this one are said first
                 self._tcp.send(message, body)
+        self._post(target)
         self._say_written()
 
     def frame_ready(self) -> bool:
@@ -466,7 +487,7 @@ class NixlChannel:
         """Give back what the connection held: a buffer NIXL may still read or write rests."""
         engine = self._engine
         now = time.monotonic()
-        in_use = bool(self._pending) or not all(
+        in_use = bool(self._pending or self._group) or not all(
             self._done_or_failed(posted.write) for posted in self._posted
         )
         self._forget_writes()
@@ -482,22 +503,27 @@ class NixlChannel:
             self._target = None
 
     def _landed_object(self, written: Written, length: int) -> tuple[Message, int]:
-        """A client's: the body the server says it wrote, where it must have written it."""
+        """A client's: the body the server says it wrote, where it must have written it:
+        right after the last body it read, in that body's slot (written with it), or at the
+        start of the next slot."""
         landing = self._landing
-        offset = self._bodies % self._slots * self._slot_bytes
-        if (
-            landing is None
-            or length
-            or written.offset != offset
-            or not 0 < written.length <= self._slot_bytes
-        ):
+        offset, cursor = written.offset, self._cursor
+        following = cursor is not None and offset == cursor < self._slot_end
+        room = self._slot_end - offset if following else self._slot_bytes
+        start = self._writes % self._slots * self._slot_bytes
+        if landing is None or length or not (following or offset == start):
             raise WireError(
-                f"written {written.length} bytes at {written.offset} of no landing's slot "
-                f"(the next is {self._slot_bytes} bytes at {offset})"
+                f"written {written.length} bytes at {offset} of no landing's slot "
+                f"(the next is {self._slot_bytes} bytes at {start}, or follows at {cursor})"
             )
-        self._bodies += 1
+        if not 0 < written.length <= room:
+            raise WireError(f"written {written.length} bytes at {offset}: past its slot")
+        if not following:
+            self._writes += 1
+            self._slot_end = start + self._slot_bytes
+        self._cursor = offset + written.length
         self._recent.append(written.length)
-        self._landed = landing.view[offset : offset + written.length]
+        self._landed = landing.view[offset : self._cursor]
         return Object(), written.length
 
     def _lend_landing(self, slots: int, slot_bytes: int) -> None:
@@ -505,7 +531,7 @@ class NixlChannel:
         if self._landing is not None:
             engine.give_back(self._landing)
         self._landing = landing = engine.region(slots * slot_bytes)
-        self._slots, self._slot_bytes, self._bodies = slots, slot_bytes, 0
+        self._slots, self._slot_bytes, self._writes, self._cursor = slots, slot_bytes, 0, None
         self._tcp.send(
             Landing(
                 engine.name, engine.describe(landing), landing.address, slots * slot_bytes, slots
@@ -539,36 +565,59 @@ class NixlChannel:
             except Exception as error:  # NIXL's own errors name no common base
                 raise WireError(f"a landing NIXL could not load: {error}") from None
             self._target = landing
-            self._slots, self._slot_bytes, self._bodies = (
+            self._slots, self._slot_bytes, self._writes = (
                 landing.slots,
                 landing.length // landing.slots,
                 0,
             )
             self.transport = "nixl"
 
-    def _post(self, body: Sequence[Buffer], length: int, target: Landing) -> None:
-        """Post the WRITE of ``body`` into the landing's next slot (its ``Written`` is said
-        once it is done)."""
-        built = self._pending.pop(0) if self._pending else None
-        if built is None:
-            section = self._next_section(length, ahead=0)
-            at = 0
-            for piece in body:
-                section[at : at + len(piece)] = piece
-                at += len(piece)
-        elif not (len(body) == 1 and body[0] is built):
-            raise RuntimeError("a body posted is not the one its section was handed out for")
+    def _place(self, body: Sequence[Buffer], length: int, target: Landing) -> None:
+        """Put ``body`` in the next WRITE's section (where it was handed out, or copied after
+        the bodies there), or in the section of the WRITE after it where it has no room
+        (the next one posted first)."""
+        pending = self._pending
+        handed = pending.popleft() if pending else None
+        if handed is not None:
+            built, at = handed
+            if not (len(body) == 1 and body[0] is built):
+                raise RuntimeError("a body sent is not the one its memory was handed out for")
+            self._group.append(Written(length, self._slot_of(at)))
+            return
+        if self._open is None or self._fill + length > self._section:
+            self._post(target)
+            self._open_section(length)
+        assert self._outbox is not None and self._open is not None
+        at = self._fill
+        copied = self._outbox.view[self._open + at : self._open + at + length]
+        for piece in body:
+            copied[: len(piece)] = piece
+            copied = copied[len(piece) :]
+        self._fill = at + length
+        self._group.append(Written(length, self._slot_of(at)))
+
+    def _slot_of(self, at: int) -> int:
+        """Where ``at`` bytes into the next WRITE's section lands in the client's landing."""
+        return self._writes % self._slots * self._slot_bytes + at
+
+    def _post(self, target: Landing) -> None:
+        """Post the WRITE of the bodies placed in the next WRITE's section into the
+        landing's next slot (their ``Written`` s are said once it is done)."""
+        if not self._group:
+            return
+        if self._pending:
+            raise RuntimeError("a WRITE posted before a body handed out in it was sent")
         with self._guard:
             self._still_open()
-            index = self._bodies % self._slots
+            assert self._outbox is not None and self._open is not None
+            index, length = self._writes % self._slots, self._fill
             prepared = self._prepared.get(index)
             if prepared is None or prepared.length != length:
                 if prepared is not None:
                     self._engine.release(prepared)
-                assert self._outbox is not None  # made by _next_section
                 prepared = self._engine.prepare(
                     self._outbox,
-                    index * self._section,
+                    self._open,
                     length,
                     target.agent,
                     target.address + index * self._slot_bytes,
@@ -576,26 +625,24 @@ class NixlChannel:
                 self._prepared[index] = prepared
             self._engine.post(prepared)
             deadline = time.monotonic() + self._io_timeout
-            self._posted.append(
-                _Posted(prepared, Written(length, index * self._slot_bytes), deadline)
-            )
-            self._bodies += 1
+            self._posted.append(_Posted(prepared, tuple(self._group), deadline))
+            self._writes += 1
+            self._group.clear()
+            self._open, self._fill = None, 0
 
-    def _next_section(self, length: int, ahead: int) -> memoryview:
-        """The section of the send buffer of the slot ``ahead`` slots after the next one,
-        free (its last WRITE done), for a body of ``length`` bytes: the buffer is replaced
-        by one of larger sections (its WRITEs done first) where the sections are shorter
-        (with no section handed out before it: ``ahead`` is 0)."""
+    def _open_section(self, length: int) -> None:
+        """Open the next WRITE's section of the send buffer, free (its last WRITE done), for
+        bodies the first of which is ``length`` bytes: the buffer is replaced by one of larger
+        sections (its WRITEs done first) where the sections are shorter."""
         if self._outbox is not None and self._section < length:
             self._stop_writing()
-        self._settle(self._slots - 1 - ahead)
+        self._settle(self._slots - 1)
         with self._guard:
             self._still_open()
             if self._outbox is None:
-                self._section = min(aligned(length), self._slot_bytes)
+                self._section = min(aligned(BATCH_BYTES + length), self._slot_bytes)
                 self._outbox = self._engine.region(self._slots * self._section)
-            at = (self._bodies + ahead) % self._slots * self._section
-            return self._outbox.view[at : at + length]
+            self._open, self._fill = self._writes % self._slots * self._section, 0
 
     def _stop_writing(self) -> None:
         """Wait for the WRITEs posted, then release the prepared ones and the send buffer:
@@ -641,7 +688,7 @@ class NixlChannel:
                         )
                     return
                 posted.popleft()
-                said.append((oldest.said, ()))
+                said += [(written, ()) for written in oldest.said]
         finally:
             if said:
                 self._tcp.send_frames(said)
