@@ -232,6 +232,40 @@ def test_a_landing_the_server_must_not_take_is_refused(
     assert outcome and not loopback.errors
 
 
+def test_a_landing_while_answers_are_being_made_is_refused(loopback: Loopback) -> None:
+    """A client lends a landing anew only with no answer on its way; one that sends a landing
+    right behind its requests (a rogue one) ends the connection, and the section the
+    answers were built in is not lent to the next connection at once."""
+    refused: list[str] = []
+    outboxes: list[object] = []
+
+    def answer(channel: PeerChannel) -> None:
+        channel.proven("client", False)
+        assert isinstance(channel, NixlChannel)
+        answers = Answers(channel)
+        for _ in range(2):
+            assert channel.receive() == (Get("tenant", KEY), 0)
+            section = channel.body_memory(1000)
+            assert section is not None
+            answers.add(Object(), [section])  # kept: the next frame is here already
+        with pytest.raises(WireError, match="while answers") as raised:
+            channel.receive()
+        refused.append(str(raised.value))
+        outboxes.append(channel._outbox)
+        channel.close()
+        resting = [region for _, region in channel._engine._resting]
+        assert channel._outbox is None and outboxes[0] in resting
+
+    client = loopback.connect(answer)
+    client.proven("server", True)
+    late = Landing("client/x", b"metadata", 1 << 20, 1 << 20)
+    client.send_frames([(Get("tenant", KEY), ()), (Get("tenant", KEY), ()), (late, ())])
+    assert client.wait_readable(5)  # the server closes it
+    client.close()
+    loopback.close()
+    assert refused and not loopback.errors
+
+
 @pytest.mark.parametrize(
     ("lent", "sent", "refusal"),
     [

@@ -403,8 +403,9 @@ class NixlChannel:
 
     def send_frames(self, frames: Sequence[Frame]) -> None:
         """A client's requests, in one system call (a landing lent anew first, where its
-        chunks changed size and none is in flight); a server's answers, each chunk that fits
-        a slot posted as a WRITE, and the ``Written`` s of those done said in one send."""
+        chunks changed size and none is in flight); a server's answers: the chunks that fit
+        a slot placed in WRITEs (those sent together in one, as room allows), and the
+        ``Written`` s of those done said in one send."""
         if not self.lands:
             if self._landing is not None and not self._in_flight:
                 wanted = self._landing_anew()
@@ -551,6 +552,8 @@ class NixlChannel:
             raise WireError(f"a landing of agent {landing.agent!r} from node {self._peer!r}")
         if not landing_fits(landing.length, landing.slots):
             raise WireError(f"a landing of {landing.length} bytes in {landing.slots} slots")
+        if self._pending or self._group:  # an asker lends one with no answer on its way
+            raise WireError("a landing while answers to earlier requests are being made")
         self._stop_writing()  # into the landing it had
         with self._guard:
             self._still_open()

@@ -141,8 +141,9 @@ class Landing(msgspec.Struct, tag="landing", frozen=True):
 
 class Written(msgspec.Struct, tag="written", frozen=True):
     """An :class:`Object` whose ``length`` bytes of body the server wrote into the
-    connection's landing before sending this, at ``offset`` (the start of its slot; no body
-    follows on the connection)."""
+    connection's landing before sending this, at ``offset`` (the start of the next slot, or
+    right after the body said before it, in that body's slot; no body follows on the
+    connection)."""
 
     length: int
     offset: int = 0
