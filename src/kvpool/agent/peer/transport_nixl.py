@@ -386,15 +386,12 @@ class NixlChannel:
         if not self.lands or self._target is None or length > self._slot_bytes:
             return None
         pending = self._pending
-        if pending and (pending[-1] is None or self._fill + length > self._section):
+        if pending and (pending[-1] is None or not self._has_room(length)):
             pending.append(None)
             return None
         if not pending:
             self._open_section(length)
-        assert self._outbox is not None and self._open is not None
-        at = self._fill
-        self._fill = at + length
-        built = self._outbox.view[self._open + at : self._open + self._fill]
+        built, at = self._take_room(length)
         pending.append((built, at))
         return built
 
@@ -587,17 +584,25 @@ class NixlChannel:
                 raise RuntimeError("a body sent is not the one its memory was handed out for")
             self._group.append(Written(length, self._slot_of(at)))
             return
-        if self._open is None or self._fill + length > self._section:
+        if not self._has_room(length):
             self._post(target)
             self._open_section(length)
-        assert self._outbox is not None and self._open is not None
-        at = self._fill
-        copied = self._outbox.view[self._open + at : self._open + at + length]
+        copied, at = self._take_room(length)
         for piece in body:
             copied[: len(piece)] = piece
             copied = copied[len(piece) :]
-        self._fill = at + length
         self._group.append(Written(length, self._slot_of(at)))
+
+    def _has_room(self, length: int) -> bool:
+        """Whether the next WRITE's section is open and has ``length`` bytes left."""
+        return self._open is not None and self._fill + length <= self._section
+
+    def _take_room(self, length: int) -> tuple[memoryview, int]:
+        """The next ``length`` bytes of the open section, and where in it they lie."""
+        assert self._outbox is not None and self._open is not None
+        at = self._fill
+        self._fill = at + length
+        return self._outbox.view[self._open + at : self._open + self._fill], at
 
     def _slot_of(self, at: int) -> int:
         """Where ``at`` bytes into the next WRITE's section lands in the client's landing."""
