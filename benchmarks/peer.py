@@ -52,7 +52,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks import peer_nixl, peer_ttft
+from benchmarks import peer_nixl, peer_passes, peer_ttft
 from benchmarks.peer_agents import PeerPair, peer_pair
 from benchmarks.peer_socket import plain_link
 from kvpool.common import problems
@@ -160,12 +160,37 @@ class Results:
     """Every pull of the peer sides was the holder's bytes."""
     unmeasured: dict[str, str] = field(default_factory=dict)
     """Sides not measured on this machine, and why."""
+    passes: dict[int, peer_passes.Passes] = field(default_factory=dict)
+    """Per chunk size, the CPU each pass over a chunk costs, measured alone."""
 
     def ratios(self, side: str, reference: str, size: int) -> list[float]:
         """``side``'s GB/s over ``reference``'s moving chunks of ``size``, run by run (the
         same bytes: the ratio of their seconds the other way round)."""
         pairs = zip(self.seconds[(reference, size)], self.seconds[(side, size)], strict=True)
         return [theirs / ours for theirs, ours in pairs]
+
+    def rates(self, side: str, size: int, count: int) -> list[float]:
+        """``side``'s GB/s moving chunks of ``size``, run by run."""
+        return [size * count / seconds / 1e9 for seconds in self.seconds[(side, size)]]
+
+    def carried(self, transport: str, protection: str, size: int, count: int) -> float:
+        """The GB/s this machine's cores carry, all busy, for a peer side of ``transport``
+        and ``protection``: both hosts share them, at the CPU per GB of the transport's raw
+        side (A and B together, all runs) plus the passes over each chunk that the
+        protection needs."""
+        raw = raw_side(transport)
+        moved = size * count * len(self.seconds[(raw, size)])
+        per_gb = sum(self.cpu[(raw, size)]) / moved * 1e9
+        per_gb += self.passes[size].per_gb(transport, protection)
+        return (os.cpu_count() or 1) / per_gb
+
+    def bound_ratios(self, transport: str, protection: str, size: int, count: int) -> list[float]:
+        """The peer side's GB/s over its bound, run by run: the least of its transport's raw
+        rate in that run and what the cores carry (:meth:`carried`)."""
+        carried = self.carried(transport, protection, size, count)
+        raw = self.rates(raw_side(transport), size, count)
+        ours = self.rates(side_name(transport, protection), size, count)
+        return [rate / min(limit, carried) for rate, limit in zip(ours, raw, strict=True)]
 
 
 def run(args: argparse.Namespace) -> None:
@@ -228,6 +253,8 @@ def _transfers(
             sides[name] = Side(pair.pull, pair.pids)
         results = measure(sides, counts, args.runs, pairs)
         results.unmeasured = unmeasured
+        if pairs:
+            results.passes = peer_passes.measure(list(counts))
         return results
 
 
@@ -296,7 +323,9 @@ def report(results: Results, args: argparse.Namespace, counts: dict[int, int], m
         for name in [SOCKET, peer_nixl.NAME]:
             if (name, size) in results.seconds:
                 ratio = "" if name == SOCKET else _spread(results.ratios(name, SOCKET, size))
-                rows.append([*first, name, *_figures(results, name, size, count), ratio, "", ""])
+                rows.append(
+                    [*first, name, *_figures(results, name, size, count), ratio, "", "", ""]
+                )
                 first = ["", ""]
         for transport, protection in peers:
             name = side_name(transport, protection)
@@ -309,8 +338,10 @@ def report(results: Results, args: argparse.Namespace, counts: dict[int, int], m
             target = f">= {bound} {'socket' if reference == SOCKET else 'raw'}"
             rows.append(["", "", name, *_figures(results, name, size, count)])
             rows[-1] += [_spread(versus[SOCKET]), _spread(versus["raw"])]
+            rows[-1] += [_spread(results.bound_ratios(transport, protection, size, count))]
             rows[-1] += [target + ("" if met else " MISSED")]
-    header = ["chunk", "chunks", "side", "GB/s", "CPU s/GB A / B", "/ socket", "/ raw", "goal"]
+    header = ["chunk", "chunks", "side", "GB/s", "CPU s/GB A / B", "/ socket", "/ raw"]
+    header += ["/ bound", "goal"]
     title = (
         f"Host A -> host B over veth (MTU {mtu}) through a bridge, {args.mib} MiB of chunks "
         f"per transfer; {runs_said(args.runs)}: GB/s median [min-max], ratios per run to the "
@@ -321,8 +352,35 @@ def report(results: Results, args: argparse.Namespace, counts: dict[int, int], m
     lines = [table(title, header, rows)]
     lines += [f"{side}: not measured: {why}" for side, why in results.unmeasured.items()]
     if peers:
+        lines += _bounds(results, counts, peers)
         lines += _checks(results, counts, peers)
     return "\n".join(lines)
+
+
+def _bounds(
+    results: Results, counts: dict[int, int], peers: Sequence[tuple[str, str]]
+) -> list[str]:
+    """What the bound of each peer side is made of, said in words."""
+    cores = os.cpu_count() or 1
+    lines = [
+        f"/ bound: over the least of the transport's raw rate in that run and what the {cores} "
+        "cores both hosts share carry, all busy, at the raw side's CPU per GB plus the passes "
+        "over each chunk its protection needs (sender: seal, or copy and tag; receiver: open, "
+        "or tag; nixl: and the copy out of the landing), each measured alone on one thread "
+        "(benchmarks/peer_passes.py), CPU s/GB:"
+    ]
+    for size, count in counts.items():
+        passes = results.passes[size]
+        carried = ", ".join(
+            f"{transport} {protection} {results.carried(transport, protection, size, count):.2f}"
+            for transport, protection in peers
+        )
+        lines.append(
+            f"  {chunk_label(size)}: seal {passes.seal:.2f}, copy and tag {passes.copy_tag:.2f}, "
+            f"open {passes.open_sealed:.2f}, tag {passes.check_tag:.2f}, copy {passes.copy:.2f}; "
+            f"the cores carry (GB/s) {carried}"
+        )
+    return lines
 
 
 def _spread(values: list[float]) -> str:

@@ -15,6 +15,7 @@ import pytest
 
 from benchmarks import peer_nixl, peer_ttft
 from benchmarks.peer import PROTECTIONS, SOCKET, MiB, Results, main, report, side_name
+from benchmarks.peer_passes import Passes, passes_of
 from benchmarks.peer_ttft import READERS, RECOMPUTE
 from kvpool.tools.bench.connector_engine import Sample
 from kvpool.tools.bench.cpu_features import AVX2_ONLY, take
@@ -74,15 +75,21 @@ def test_the_smallest_run_pulls_through_the_peer_and_measures_the_link() -> None
     figures, cpu = r"\d+\.\d\d \[\d+\.\d\d-\d+\.\d\d\]", r"\d+\.\d\d / \d+\.\d\d"
     for row in rows:  # GB/s and CPU of each side
         assert re.fullmatch(figures, row[3]) and re.fullmatch(cpu, row[4]), row
-    for row in rows:  # ratios to the socket (all but the socket), to the raw rate (the agents)
+    for row in rows:  # ratios to the socket (all but the socket); to the raw rate, the bound
         assert re.fullmatch(figures, row[5]) if row[2] != SOCKET else row[5] == "", row
         assert re.fullmatch(figures, row[6]) if row[2] in peers else row[6] == "", row
+        assert re.fullmatch(figures, row[7]) if row[2] in peers else row[7] == "", row
     # every agent's goal, marked where this machine missed it
-    goals = [row[7].removesuffix(" MISSED") for row in rows]
+    goals = [row[8].removesuffix(" MISSED") for row in rows]
     small, large = [">= 0.6 raw"] * 4, [">= 0.8 socket", ">= 0.9 raw"] * 2
     assert goals == ["", "", *small, "", "", *large], output
     assert "not measured" not in output
     assert "over veth (MTU " in output
+    # the bound's passes, measured per chunk size
+    carried = r"the cores carry \(GB/s\)( (tcp|nixl) (sealed|integrity) \d+\.\d\d,?){4}"
+    passes = r"seal \d\.\d\d, copy and tag \d\.\d\d, open \d\.\d\d, tag \d\.\d\d, copy \d\.\d\d"
+    for size in ("1 MiB", "2 MiB"):
+        assert re.search(rf"\n  {size}: {passes}; {carried}\n", output), output
     assert "every chunk B pulled was A's, byte for byte: yes" in output
     assert "command: python -m benchmarks.peer --chunk-mib 1,2 --mib 4 --runs 2 " in output
     assert "--wire sealed,integrity" in output
@@ -194,7 +201,10 @@ def test_the_smallest_readers_run_loads_through_the_peer_and_s3() -> None:
     assert "S3: every reader loaded 256 tokens from the pool: yes" in output
 
 
-def test_report_rates_ratios_per_run_and_the_goals() -> None:
+def test_report_rates_ratios_per_run_the_bound_and_the_goals(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
     args = argparse.Namespace(
         chunk_mib=[1, 2],
         mib=4,
@@ -218,18 +228,22 @@ def test_report_rates_ratios_per_run_and_the_goals() -> None:
         (tcp, 2 * MiB): [1.9, 1.7],  # / socket (its raw) 0.95 and 0.85
         (nixl, 2 * MiB): [1.8, 1.4],  # / socket 0.9 and 0.7
     }
+    # the raw sides' 0.3 s/GB and the passes: the cores (2) carry tcp integrity at
+    # 2 / (0.3 + 0.3 + 0.2) = 2.5 GB/s and nixl sealed at 2 / (0.3 + 0.4 + 0.4 + 0.1) = 1.67
+    passes = Passes(seal=0.4, copy_tag=0.3, open_sealed=0.4, check_tag=0.2, copy=0.1)
     results = Results(
         seconds={key: [moved / (rate * 1e9) for rate in runs] for key, runs in rates.items()},
         cpu={key: [0.1 * gb, 0.2 * gb] for key in rates},
+        passes={MiB: passes, 2 * MiB: passes},
     )
     # of the four sides the arguments name, this made-up run has tcp integrity and nixl sealed
     with recording() as tables:
         text = report(results, args, counts, "1500")
     cpu = "0.10 / 0.20"
-    # chunk, chunks, side, GB/s, CPU s/GB A / B, / socket, / raw, goal
+    # chunk, chunks, side, GB/s, CPU s/GB A / B, / socket, / raw, / bound, goal
     assert tables[0]["rows"] == [
-        ["1 MiB", "4", SOCKET, "3.00 [2.00-4.00]", cpu, "", "", ""],
-        ["", "", peer_nixl.NAME, "3.10 [3.00-3.20]", cpu, "1.15 [0.80-1.50]", "", ""],
+        ["1 MiB", "4", SOCKET, "3.00 [2.00-4.00]", cpu, "", "", "", ""],
+        ["", "", peer_nixl.NAME, "3.10 [3.00-3.20]", cpu, "1.15 [0.80-1.50]", "", "", ""],
         [
             "",
             "",
@@ -238,6 +252,7 @@ def test_report_rates_ratios_per_run_and_the_goals() -> None:
             cpu,
             "0.60 [0.50-0.70]",
             "0.60 [0.50-0.70]",
+            "0.75 [0.70-0.80]",  # over 2 and 2.5 (the cores)
             ">= 0.6 raw",
         ],
         [
@@ -248,10 +263,11 @@ def test_report_rates_ratios_per_run_and_the_goals() -> None:
             cpu,
             "0.73 [0.40-1.05]",
             "0.60 [0.50-0.70]",
+            "1.11 [0.96-1.26]",  # over 1.67 (the cores) in both runs
             ">= 0.6 raw",
         ],
-        ["2 MiB", "2", SOCKET, "2.00 [2.00-2.00]", cpu, "", "", ""],
-        ["", "", peer_nixl.NAME, "2.10 [2.00-2.20]", cpu, "1.05 [1.00-1.10]", "", ""],
+        ["2 MiB", "2", SOCKET, "2.00 [2.00-2.00]", cpu, "", "", "", ""],
+        ["", "", peer_nixl.NAME, "2.10 [2.00-2.20]", cpu, "1.05 [1.00-1.10]", "", "", ""],
         [
             "",
             "",
@@ -260,6 +276,7 @@ def test_report_rates_ratios_per_run_and_the_goals() -> None:
             cpu,
             "0.90 [0.85-0.95]",
             "0.90 [0.85-0.95]",
+            "0.90 [0.85-0.95]",  # over the socket's 2
             ">= 0.9 raw",
         ],
         [
@@ -270,9 +287,12 @@ def test_report_rates_ratios_per_run_and_the_goals() -> None:
             cpu,
             "0.80 [0.70-0.90]",
             "0.76 [0.70-0.82]",
+            "0.96 [0.84-1.08]",
             ">= 0.8 socket",
         ],
     ]
+    assert "1 MiB: seal 0.40, copy and tag 0.30, open 0.40, tag 0.20, copy 0.10;" in text
+    assert "the cores carry (GB/s) tcp integrity 2.50, nixl sealed 1.67" in text
     assert "every chunk B pulled was A's, byte for byte: yes" in text
     assert f"{tcp} >= 0.6 x {SOCKET} (median ratio), chunks under 2 MiB: yes" in text
     assert f"{tcp} >= 0.9 x {SOCKET} (median ratio), chunks from 2 MiB: yes" in text
@@ -282,15 +302,32 @@ def test_report_rates_ratios_per_run_and_the_goals() -> None:
 
     seconds = {**results.seconds, (nixl, 2 * MiB): [moved / 1e9] * 2}  # 1 GB/s: 0.5 x socket
     slower = Results(
-        seconds=seconds, cpu=results.cpu, intact=False, unmeasured={"something": "why"}
+        seconds=seconds,
+        cpu=results.cpu,
+        intact=False,
+        unmeasured={"something": "why"},
+        passes=results.passes,
     )
     with recording() as tables:
         text = report(slower, args, counts, "1500")
     assert "byte for byte: NO" in text
-    assert tables[0]["rows"][7][7] == ">= 0.8 socket MISSED"
+    assert tables[0]["rows"][7][8] == ">= 0.8 socket MISSED"
     assert "something: not measured: why" in text
     assert f"{nixl} >= 0.8 x {SOCKET} (median ratio), chunks from 2 MiB: NO" in text
     assert f"{tcp} >= 0.9 x {SOCKET} (median ratio), chunks from 2 MiB: yes" in text
+
+
+def test_the_passes_are_each_measured_and_summed_by_side() -> None:
+    """The bound's passes: each one's CPU per GB, the agents' own code on one thread; a
+    side's are its sender's and its receiver's (and NIXL's copy out of the landing)."""
+    passes = passes_of(MiB)
+    figures = [passes.seal, passes.copy_tag, passes.open_sealed, passes.check_tag, passes.copy]
+    assert all(0 < figure < 60 for figure in figures), passes  # under a minute a GB
+    made_up = Passes(seal=0.4, copy_tag=0.3, open_sealed=0.5, check_tag=0.2, copy=0.1)
+    assert made_up.per_gb("tcp", "sealed") == pytest.approx(0.9)
+    assert made_up.per_gb("tcp", "integrity") == pytest.approx(0.5)
+    assert made_up.per_gb("nixl", "sealed") == pytest.approx(1.0)
+    assert made_up.per_gb("nixl", "integrity") == pytest.approx(0.6)
 
 
 def test_report_without_the_peer_has_the_link_alone() -> None:
@@ -300,7 +337,7 @@ def test_report_without_the_peer_has_the_link_alone() -> None:
     link = Results(seconds={(SOCKET, 2 * MiB): [4 * MiB / 2e9]}, cpu={(SOCKET, 2 * MiB): [0, 0]})
     text = report(link, args, {2 * MiB: 2}, "1500")
 
-    assert rows_of(text) == [["2 MiB", "2", SOCKET, "2.00", "0.00 / 0.00", "", "", ""]]
+    assert rows_of(text) == [["2 MiB", "2", SOCKET, "2.00", "0.00 / 0.00", "", "", "", ""]]
     assert "peer" not in text
 
 

@@ -1,0 +1,120 @@
+"""What a chunk's protection costs the CPU, each pass measured alone: the part of the peer
+bench's bound (:mod:`benchmarks.peer`) that the link's own figures do not hold.
+
+A peer side moves a chunk at the CPU cost of its transport's raw rate (the plain socket's,
+or NIXL raw's) plus the passes over the chunk that its protection needs, and no fewer:
+
+* the sender: ``seal`` (sealed: the chunk encrypted into the send buffer) or ``copy_tag``
+  (integrity: the chunk copied into the send buffer and its tag computed over the copy);
+* the receiver: ``open_sealed`` (decrypted where it was received) or ``check_tag``
+  (its tag computed where it lies); on NIXL also ``copy`` (out of the landing first).
+
+Each is the agents' own code (:class:`~kvpool.agent.l2.codec.ObjectCodec`) on one thread,
+timed by that thread's CPU clock over buffers that do not fit the caches together (as a
+chunk comes: from memory), median of several rounds. Run as a program (``python -m
+benchmarks.peer_passes SIZE...``, printing JSON) so that it sees the CPU the agents see,
+``--as-avx2`` included.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kvpool.agent.l2.base import ObjectKey
+from kvpool.agent.l2.buffers import BufferPool
+from kvpool.agent.l2.codec import HEADER, ObjectCodec
+from kvpool.common.keyring import Keyring, generate_key
+
+COLD_BYTES = 192 << 20
+"""Buffers of at least this many bytes in all, taken in turn: more than a server's caches."""
+ROUNDS = 5
+TENANT = "bench-passes"
+
+
+@dataclass(frozen=True)
+class Passes:
+    """CPU seconds per GB of each pass over a chunk of one size."""
+
+    seal: float
+    copy_tag: float
+    open_sealed: float
+    check_tag: float
+    copy: float
+
+    def per_gb(self, transport: str, protection: str) -> float:
+        """Both sides' passes together, for a side of ``transport`` and ``protection``."""
+        sealed = protection == "sealed"
+        sender = self.seal if sealed else self.copy_tag
+        receiver = self.open_sealed if sealed else self.check_tag
+        return sender + receiver + (self.copy if transport == "nixl" else 0.0)
+
+
+def measure(sizes: Sequence[int]) -> dict[int, Passes]:
+    """Each size's passes, measured in a process of their own (started with this one's
+    environment)."""
+    command = [sys.executable, "-m", "benchmarks.peer_passes", *map(str, sizes)]
+    output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    return {int(size): Passes(**fields) for size, fields in json.loads(output).items()}
+
+
+def passes_of(size: int) -> Passes:
+    """The passes over chunks of ``size`` bytes, on this thread."""
+    with tempfile.TemporaryDirectory(prefix="kvpool-passes-") as keys:
+        generate_key(Path(keys))
+        keyring = Keyring(Path(keys), reload_seconds=math.inf)
+    codecs = {
+        seal: ObjectCodec(keyring, "bench", seal=seal, buffers=BufferPool())
+        for seal in (True, False)
+    }
+    key_id = keyring.current().active_id
+    count = max(2, math.ceil(COLD_BYTES / 3 / size))
+    chunks = [memoryview(os.urandom(size)) for _ in range(count)]
+    sent = [memoryview(bytearray(HEADER.size + size)) for _ in range(count)]
+    landed = [memoryview(bytearray(size)) for _ in range(count)]
+    names = [ObjectKey(TENANT, hashlib.sha256(b"%d" % n).digest()) for n in range(count)]
+    seconds: dict[str, list[float]] = {field: [] for field in Passes.__dataclass_fields__}
+
+    def timed(field: str, step: Callable[[int], object]) -> None:
+        started = time.thread_time()
+        for n in range(count):
+            step(n)
+        seconds[field].append((time.thread_time() - started) / (count * size) * 1e9)
+
+    def encoding(codec: ObjectCodec) -> Callable[[int], None]:
+        return lambda n: codec.encode_into(names[n], chunks[n], sent[n], key_id)
+
+    def opening(codec: ObjectCodec) -> Callable[[int], object]:
+        return lambda n: codec.open(names[n], sent[n][: HEADER.size], landed[n], in_place=True)
+
+    def copy(n: int) -> None:
+        landed[n][:] = sent[n][HEADER.size :]
+
+    for _ in range(ROUNDS):
+        for seal, encoded, opened in (
+            (True, "seal", "open_sealed"),
+            (False, "copy_tag", "check_tag"),
+        ):
+            timed(encoded, encoding(codecs[seal]))
+            timed("copy", copy)
+            timed(opened, opening(codecs[seal]))
+    return Passes(**{field: statistics.median(values) for field, values in seconds.items()})
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    sizes = [int(size) for size in (sys.argv[1:] if argv is None else argv)]
+    print(json.dumps({size: asdict(passes_of(size)) for size in sizes}))
+
+
+if __name__ == "__main__":
+    main()
