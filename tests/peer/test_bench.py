@@ -21,6 +21,7 @@ from kvpool.tools.bench.connector_engine import Sample
 from kvpool.tools.bench.cpu_features import AVX2_ONLY, take
 from kvpool.tools.bench.local.peers import TRANSPORTS
 from kvpool.tools.bench.report import (
+    CIPHER_FEATURES,
     add_chunk_mib,
     chunk_bytes,
     chunk_label,
@@ -174,6 +175,22 @@ def test_as_avx2_hides_from_openssl_what_an_avx2_cpu_lacks() -> None:
             f"; CPU features masked: OPENSSL_ia32cap={AVX2_ONLY['OPENSSL_ia32cap']} "
             f"GLIBC_TUNABLES={AVX2_ONLY['GLIBC_TUNABLES']}"
         )
+
+
+def test_the_machine_line_names_the_features_the_cipher_runs_on() -> None:
+    """AES-GCM's speed, and so every figure of the peer bench, depends on them."""
+    flags = next(
+        set(line.split(":", 1)[1].split())
+        for line in Path("/proc/cpuinfo").read_text().splitlines()
+        if line.startswith("flags")
+    )
+    if "aes" not in flags:
+        pytest.skip("no AES-NI on this CPU: the line names no cipher features")
+    has = " ".join(name for name in CIPHER_FEATURES if name in flags)
+    lacks = " ".join(name for name in CIPHER_FEATURES if name not in flags)
+    said = re.search(r"^CPU: .* \(([^;)]*)(?:; no ([^)]*))?\), \d+ CPUs;", machine())
+    assert said is not None, machine()
+    assert said.group(1) == (has or "no AVX2") and (said.group(2) or "") == lacks, machine()
 
 
 @pytest.mark.process

@@ -85,15 +85,25 @@ CPU_MASKS = ("OPENSSL_ia32cap", "GLIBC_TUNABLES")
 :mod:`kvpool.tools.bench.cpu_features`): the machine line names them where they are set."""
 
 
+CIPHER_FEATURES = ("avx2", "avx512f", "vaes", "vpclmulqdq")
+"""The x86 features that set the cipher's speed (AES-GCM is about four times faster with the
+last three): the machine line says which of them the CPU has."""
+
+
 def machine() -> str:
     """The CPU and the load average: every bench names the machine its figures came from
-    (and any CPU features it was told to do without)."""
-    cpu = "unknown CPU"
+    (the x86 features its cipher runs on, and any CPU features it was told to do without)."""
+    cpu, flags = "unknown CPU", None
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu == "unknown CPU":
                 cpu = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags") and flags is None:
+                flags = set(line.split(":", 1)[1].split())
+    if flags is not None and "aes" in flags:
+        has = [name for name in CIPHER_FEATURES if name in flags]
+        lacks = [name for name in CIPHER_FEATURES if name not in flags]
+        cpu += f" ({' '.join(has) or 'no AVX2'}{'; no ' + ' '.join(lacks) if lacks else ''})"
     load = " ".join(f"{value:.2f}" for value in os.getloadavg())
     line = f"CPU: {cpu}, {os.cpu_count()} CPUs; load average (1, 5, 15 min) at the end: {load}"
     masks = [f"{name}={os.environ[name]}" for name in CPU_MASKS if os.environ.get(name)]
