@@ -20,7 +20,7 @@ chunks move from A to B:
   (:mod:`benchmarks.peer_nixl`): the engine's raw rate over this link;
 * peer, for each transport of ``--transport`` (``tcp``; ``nixl``: the frames on the peer
   port, the bodies written by NIXL into a landing of B's; ``peers.transport``) and each wire
-  protection of ``--wire`` (``sealed``: AES-256-GCM ciphertext; ``integrity``: the
+  protection of ``--wire`` (``sealed``: AEGIS-128L ciphertext; ``integrity``: the
   plaintext under its tag; ``peers.wire_protection``): agent A holds the chunks in its L1;
   agent B, whose only lower tier is A, pulls them on a lookup with prefetch, timed until
   every chunk is loaded into its L1 (:mod:`benchmarks.peer_agents`; one pair of agents per

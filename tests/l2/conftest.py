@@ -50,12 +50,17 @@ def write_key(directory: Path, key_id: int, material: bytes) -> None:
 
 
 def object_codec(
-    keys: Path, pool: str = POOL, *, seal: bool = False, reload_seconds: float = RELOAD_SECONDS
+    keys: Path,
+    pool: str = POOL,
+    *,
+    seal: bool = False,
+    reload_seconds: float = RELOAD_SECONDS,
+    aegis: bool = False,
 ) -> ObjectCodec:
     """A codec under the master keys in ``keys`` (key 1 generated there if it holds none)."""
     generate_key(keys)
     keyring = Keyring(keys, reload_seconds=reload_seconds)
-    return ObjectCodec(keyring, pool, seal=seal, buffers=BufferPool())
+    return ObjectCodec(keyring, pool, seal=seal, buffers=BufferPool(), aegis=aegis)
 
 
 def nvme_config(path: Path, **overrides: Any) -> NvmeTierConfig:

@@ -14,7 +14,18 @@ import pytest
 import pytest_asyncio
 
 from kvpool.agent.l2 import L2Object, ObjectKey
-from kvpool.agent.l2.codec import HEADER, NONCE_SIZE, IntegrityError, ObjectCodec
+from kvpool.agent.l2 import aegis as aegis_128l
+from kvpool.agent.l2.codec import (
+    AEGIS_FORMAT_VERSION,
+    AEGIS_HEADER,
+    FORMAT_VERSION,
+    HEADER,
+    NONCE_SIZE,
+    IntegrityError,
+    ObjectCodec,
+    header_size,
+    payload_length,
+)
 from kvpool.agent.l2.nvme import NvmeAdapter
 from kvpool.agent.l2.s3 import S3Adapter
 
@@ -35,9 +46,17 @@ pytestmark = pytest.mark.asyncio
 KEY_1, KEY_2 = b"1" * 64, b"2" * 64
 
 
-def codec(keys: Path, pool: str = POOL, *, seal: bool = True) -> ObjectCodec:
+def codec(keys: Path, pool: str = POOL, *, seal: bool = True, aegis: bool = False) -> ObjectCodec:
     """A sealing codec that rereads its keys at every use (rotation takes effect at once)."""
-    return object_codec(keys, pool, seal=seal, reload_seconds=0)
+    return object_codec(keys, pool, seal=seal, reload_seconds=0, aegis=aegis)
+
+
+FORMATS = pytest.mark.parametrize(
+    ("seal", "aegis"),
+    [(True, False), (False, False), (True, True), (False, True)],
+    ids=["sealed", "integrity", "aegis-sealed", "aegis-integrity"],
+)
+"""Format 2 (AES-GCM) and format 3 (AEGIS-128L), each sealed and authenticated."""
 
 
 S3Factory = Callable[..., S3Adapter]
@@ -144,15 +163,17 @@ def _key_id(blob: bytes) -> int:
     return int(HEADER.unpack_from(blob)[3])
 
 
-async def test_each_object_has_its_own_nonce(tmp_path: Path) -> None:
+@pytest.mark.parametrize("aegis", [False, True], ids=["aes-gcm", "aegis"])
+async def test_each_object_has_its_own_nonce(tmp_path: Path, aegis: bool) -> None:
     write_key(tmp_path / "keys", 1, KEY_1)
-    sealer = codec(tmp_path / "keys")
+    sealer = codec(tmp_path / "keys", aegis=aegis)
     name, data = chunk(0), payload(1000)
     with sealer.encode(name, data) as (head_1, body):
         body_1 = bytes(body)
     with sealer.encode(name, data) as (head_2, body):
         body_2 = bytes(body)
-    nonce = slice(HEADER.size - 16 - NONCE_SIZE, HEADER.size - 16)
+    nonce = slice(*((99, 115) if aegis else (83, 83 + NONCE_SIZE)))
+    assert len(head_1) == sealer.header_size == (AEGIS_HEADER if aegis else HEADER).size
     assert head_1[nonce] != head_2[nonce] and body_1 != body_2
     assert sealer.open(name, head_1, body_1) == sealer.open(name, head_2, body_2) == data
 
@@ -161,8 +182,8 @@ async def test_a_header_field_changed_by_one_bit_does_not_open(tmp_path: Path) -
     """Every header byte is covered: format, flags, key id, key, tenant, length, nonce, tag."""
     write_key(tmp_path / "keys", 1, KEY_1)
     write_key(tmp_path / "keys", 2, KEY_2)
-    for seal in (True, False):
-        sealer = codec(tmp_path / "keys", seal=seal)
+    for seal, aegis in ((True, False), (False, False), (True, True), (False, True)):
+        sealer = codec(tmp_path / "keys", seal=seal, aegis=aegis)
         name, data = ObjectKey("t", bytes(32)), payload(300)
         with sealer.encode(name, data) as (header, sealed):
             body = bytes(sealed)
@@ -175,21 +196,68 @@ async def test_a_header_field_changed_by_one_bit_does_not_open(tmp_path: Path) -
                 sealer.open(ObjectKey(tenant, bytes(forged[11:43])), bytes(forged), body)
 
 
-@pytest.mark.parametrize("seal", [True, False], ids=["sealed", "integrity"])
+@FORMATS
 async def test_an_object_built_in_place_opens_as_one_built_apart(
-    tmp_path: Path, seal: bool
+    tmp_path: Path, seal: bool, aegis: bool
 ) -> None:
     """The peer server builds an object straight into NIXL's send buffer (encode_into):
     the same format as encode, and a flipped byte anywhere in it does not open."""
     write_key(tmp_path / "keys", 1, KEY_1)
-    sealer = codec(tmp_path / "keys", seal=seal)
+    sealer = codec(tmp_path / "keys", seal=seal, aegis=aegis)
     name, data = chunk(0), payload(1000)
-    built = memoryview(bytearray(HEADER.size + len(data)))
+    header = sealer.header_size
+    built = memoryview(bytearray(header + len(data)))
     sealer.encode_into(name, data, built, 1)
     assert sealer.decode(name, bytes(built)) == data
-    assert (bytes(built[HEADER.size :]) == data) == (not seal)  # sealed: no plaintext
-    for index in (0, HEADER.size - 1, HEADER.size, len(built) - 1):
+    with sealer.encode(name, data, 1) as (apart, body):
+        assert apart[:6] == built[:6] and len(apart) == header
+        assert sealer.open(name, apart, bytes(body)) == data
+    assert (bytes(built[header:]) == data) == (not seal)  # sealed: no plaintext
+    for index in (0, header - 1, header, len(built) - 1):
         forged = bytearray(built)
         forged[index] ^= 0x01
         with pytest.raises(IntegrityError):
             sealer.decode(name, bytes(forged))
+
+
+@FORMATS
+@pytest.mark.parametrize("where", ["in_place", "out", "new"])
+async def test_every_format_opens_in_every_codec_of_the_pool(
+    tmp_path: Path, seal: bool, aegis: bool, where: str
+) -> None:
+    """A reader opens format 2 and format 3 whatever it writes (a peer of the other
+    build in a rollout), in place, into pages of its own, or into new bytes."""
+    write_key(tmp_path / "keys", 1, KEY_1)
+    writer = codec(tmp_path / "keys", seal=seal, aegis=aegis)
+    name, data = chunk(0), payload(5000)
+    with writer.encode(name, data) as (header, body):
+        sent = bytes(body)
+    assert header[5] == (AEGIS_FORMAT_VERSION if aegis else FORMAT_VERSION)
+    assert header_size(header[:6]) == len(header) and payload_length(header) == len(data)
+    for reader in (codec(tmp_path / "keys", seal=False), codec(tmp_path / "keys", aegis=True)):
+        landing = bytearray(sent)
+        out = memoryview(bytearray(len(data))) if where == "out" else None
+        opened = reader.open(name, header, landing, in_place=where == "in_place", out=out)
+        assert bytes(opened) == data
+
+
+async def test_aegis_is_the_cfrg_drafts_aegis_128l() -> None:
+    """The draft's test vector 2 (draft-irtf-cfrg-aegis-aead): a 16-byte message, no
+    associated data, the 256-bit tag; and a flipped tag bit does not open."""
+    key = bytes.fromhex("10010000000000000000000000000000")
+    nonce = bytes.fromhex("10000200000000000000000000000000")
+    ciphertext, tag = bytearray(16), bytearray(aegis_128l.TAG_SIZE)
+    aegis_128l.seal_into(key, nonce, b"", bytes(16), out=ciphertext, tag=tag)
+    assert ciphertext.hex() == "c1c0e58bd913006feba00f4b3cc3594e"
+    assert tag.hex() == "25835bfbb21632176cf03840687cb968cace4617af1bd0f7d064c639a5c79ee4"
+    # the same as a tag alone: the message's 16 zero bytes as associated data, where
+    # encrypting them went before (draft test vector 1's shape)
+    alone = bytearray(aegis_128l.TAG_SIZE)
+    aegis_128l.tag_into(key, nonce, bytes(16), tag=alone)
+    assert aegis_128l.tag_matches(key, nonce, bytes(16), bytes(alone)) and alone != tag
+    assert not aegis_128l.tag_matches(key, nonce, bytes(15) + b"\1", bytes(alone))
+    opened = bytearray(16)
+    assert aegis_128l.open_into(key, nonce, b"", ciphertext, bytes(tag), out=opened)
+    assert opened == bytes(16)
+    tag[31] ^= 1
+    assert not aegis_128l.open_into(key, nonce, b"", ciphertext, bytes(tag), out=opened)

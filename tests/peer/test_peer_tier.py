@@ -19,7 +19,7 @@ import pytest
 
 from kvpool.agent.l2.base import ObjectKey
 from kvpool.agent.l2.buffers import BufferPool
-from kvpool.agent.l2.codec import HEADER, SEALED, ObjectCodec
+from kvpool.agent.l2.codec import SEALED, ObjectCodec
 from kvpool.client import AgentClient
 from kvpool.common.keyring import Keyring
 from kvpool.common.keys import tenant_id
@@ -196,22 +196,31 @@ def test_what_crosses_the_link_is_what_the_pool_protects(
     pool: Pool, hosts: Hosts, pool_key: Path, protection: str, transport: str
 ) -> None:
     """``peers.wire_protection`` of the sending agent: a proven peer asking for a chunk gets
-    ciphertext (sealed) or the plaintext under its tag (integrity); the pulling agent opens
-    both as the holder's bytes, checked against the tenant and key either way."""
+    ciphertext (sealed) or the plaintext under its tag (integrity), in format 3 (AEGIS-128L)
+    for a peer that opens it and in format 2 (AES-GCM) for one of an older build; the
+    pulling agent opens each as the holder's bytes, checked against the tenant and key."""
     first, second = pool({"PEERS__WIRE_PROTECTION": protection}, {})
     keys, chunks = chain(f"wire-{protection}", 2), [data(n, CHUNK) for n in range(2)]
     store(first, keys, chunks)
     assert pull(second, keys) == len(keys)
     assert held(second, keys) == chunks
     address = f"{hosts.hosts[0].address}:{PORT}"
-    header, body = _read_from_another_host(hosts, address, pool_key, keys[0], transport)
-    assert bool(HEADER.unpack_from(header)[2] & SEALED) is (protection == "sealed")
-    assert (body == chunks[0]) is (protection == "integrity")
+    sealed = protection == "sealed"
+    codec = ObjectCodec(
+        Keyring(pool_key, what="peer key"), "default", seal=False, buffers=BufferPool()
+    )
+    for formats, format_version in (("3", 3), ("none", 2)):
+        header, body = _read_from_another_host(
+            hosts, address, pool_key, keys[0], transport=transport, formats=formats
+        )
+        assert header[5] == format_version and bool(header[6] & SEALED) is sealed
+        assert (body == chunks[0]) is not sealed
+        assert bytes(codec.open(ObjectKey(TENANT, keys[0]), header, body)) == chunks[0]
     assert peers_of(first)["serving"]["wire_protection"] == protection  # type: ignore[index]
 
 
 def _read_from_another_host(
-    hosts: Hosts, address: str, key_dir: Path, key: bytes, transport: str
+    hosts: Hosts, address: str, key_dir: Path, key: bytes, *, transport: str, formats: str
 ) -> tuple[bytes, bytes]:
     """:func:`~tests.peer.wire_reader.get_as_a_peer` run in the second host."""
     reader = hosts.hosts[1].popen(
@@ -222,7 +231,7 @@ def _read_from_another_host(
             address,
             str(key_dir),
             TENANT,
-            *[key.hex(), transport],
+            *[key.hex(), transport, formats],
         ],
         env={**os.environ, **LINK_ENVIRONMENT},
         stdout=subprocess.PIPE,

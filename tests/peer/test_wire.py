@@ -11,8 +11,10 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
+from kvpool.agent.l2.codec import AEGIS_FORMAT_VERSION
 from kvpool.agent.peer.links import failure_reason
 from kvpool.agent.peer.session import Session, accept_session, open_session
 from kvpool.agent.peer.transport import READ_AHEAD, TcpChannel, TcpTransport
@@ -26,6 +28,7 @@ from kvpool.agent.peer.wire import (
     Have,
     Offer,
     PeerClosed,
+    Prove,
     WireError,
     frame,
     parse_header,
@@ -58,9 +61,13 @@ def channels() -> Iterator[tuple[TcpChannel, TcpChannel]]:
 
 
 def handshake(
-    channels: tuple[TcpChannel, TcpChannel], server_keys: Keyring, client_keys: Keyring
+    channels: tuple[TcpChannel, TcpChannel],
+    server_keys: Keyring,
+    client_keys: Keyring,
+    formats: tuple[int, ...] = (AEGIS_FORMAT_VERSION,),
 ) -> tuple[Session | Exception, Session | Exception]:
-    """Both halves at once; each side's session or the error it raised."""
+    """Both halves at once (the client opening ``formats``); each side's session or the
+    error it raised."""
     results: dict[str, Session | Exception] = {}
 
     def run(side: str, call: Callable[[], Session]) -> None:
@@ -74,7 +81,10 @@ def handshake(
         args=("server", lambda: accept_session(channels[0], server_keys, POOL, "node-a")),
     )
     server.start()
-    run("client", lambda: open_session(channels[1], client_keys, POOL, "node-b"))
+    run(
+        "client",
+        lambda: open_session(channels[1], client_keys, POOL, "node-b", formats=formats),
+    )
     server.join(5.0)
     return results["server"], results["client"]
 
@@ -125,7 +135,7 @@ def test_peers_holding_the_pool_key_agree_on_the_highest_common_id(
     server = keyring(tmp_path / "a", k1=old, k2=new)
     client = keyring(tmp_path / "b", k1=old)  # has not read the rotated Secret yet
     server_side, client_side = handshake(channels, server, client)
-    assert server_side == Session("node-b", 1)
+    assert server_side == Session("node-b", 1, opens_aegis=True)
     assert client_side == Session("node-a", 1)
     channels[1].send(Exists("t", [bytes(32)]))
     assert channels[0].receive() == (Exists("t", [bytes(32)]), 0)
@@ -320,3 +330,28 @@ def test_the_tcp_transport_connects_to_its_listener() -> None:
         server.close()
     finally:
         listener.close()
+
+
+class _ProveOfAnOlderBuild(msgspec.Struct, tag="prove", frozen=True):
+    """:class:`~kvpool.agent.peer.wire.Prove` as builds before object format 3 sent it."""
+
+    node: str
+    nonce: bytes
+    key_id: int
+    proof: bytes
+
+
+def test_a_server_seals_in_format_3_only_for_a_client_that_opens_it(
+    channels: tuple[TcpChannel, TcpChannel], tmp_path: Path
+) -> None:
+    """In a rolling upgrade each side of a connection may be of either build: a proof
+    without the formats (an older client's) decodes as opening format 2 alone, and an
+    older server reads a newer client's proof (msgspec skips the field it does not know)."""
+    key = secrets.token_hex(32)
+    server, client = keyring(tmp_path / "a", k1=key), keyring(tmp_path / "b", k1=key)
+    server_side, _ = handshake(channels, server, client, formats=())
+    assert server_side == Session("node-b", 1, opens_aegis=False)
+    older = msgspec.msgpack.encode(_ProveOfAnOlderBuild("n", bytes(32), 1, bytes(32)))
+    assert parse_message(older) == Prove("n", bytes(32), 1, bytes(32), formats=[])
+    newer = frame(Prove("n", bytes(32), 1, bytes(32), [AEGIS_FORMAT_VERSION]))[FRAME.size :]
+    assert msgspec.msgpack.decode(newer, type=_ProveOfAnOlderBuild).node == "n"

@@ -502,11 +502,11 @@ class PeersConfig(BaseModel):
     wire_protection: Literal["sealed", "integrity"] = Field(
         "sealed",
         description=(
-            "What the chunks this agent sends its peers carry: sealed, AES-256-GCM "
-            "ciphertext (the link learns nothing); integrity, the plaintext under the same "
-            "authentication tag (the link may read chunks, never alter or misroute one "
-            "unseen), for trusted fabrics where the cipher's pass costs the rate. Either way "
-            "the receiver opens a chunk only as its tenant and key."
+            "What the chunks this agent sends its peers carry: sealed, AEGIS-128L "
+            "ciphertext (AES-256-GCM to agents of an older build; the link learns nothing); "
+            "integrity, the plaintext under an authentication tag (the link may read chunks, "
+            "never alter or misroute one unseen), for trusted fabrics where the cipher's pass "
+            "costs the rate. Either way the receiver opens a chunk only as its tenant and key."
         ),
     )
     transport: Literal["tcp", "nixl"] = Field(

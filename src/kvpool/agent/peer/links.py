@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, TypeVar
 
 from kvpool.agent.l2.base import Destination, ObjectKey
-from kvpool.agent.l2.codec import HEADER, IntegrityError, ObjectCodec, payload_length
+from kvpool.agent.l2.codec import (
+    MAX_HEADER_SIZE,
+    PREFIX_SIZE,
+    IntegrityError,
+    ObjectCodec,
+    header_size,
+    payload_length,
+)
 from kvpool.agent.peer.session import open_session
 from kvpool.agent.peer.transport import PeerChannel, PeerTransport
 from kvpool.agent.peer.wire import (
@@ -309,11 +316,15 @@ class PeerLink:
             return 0
         if not isinstance(answer, Object):
             raise WireError(f"expected an object, got {type(answer).__name__}")
-        if length < HEADER.size:
+        if length < PREFIX_SIZE:
             raise WireError(f"an object of {length} bytes: shorter than its header")
-        header = memoryview(bytearray(HEADER.size))
-        channel.receive_body(header)
-        size = length - HEADER.size
+        header = memoryview(bytearray(MAX_HEADER_SIZE))
+        channel.receive_body(header[:PREFIX_SIZE])
+        header = header[: header_size(header)]
+        if length < len(header):
+            raise WireError(f"an object of {length} bytes: shorter than its header")
+        channel.receive_body(header[PREFIX_SIZE:])
+        size = length - len(header)
         if size != payload_length(header) or size > settings.max_object_bytes:
             raise WireError(f"an object of {length} bytes whose header says otherwise")
         if into.turn() is None:

@@ -41,7 +41,9 @@ class PeerTier:
         self.node = node_name(self.config)
         self.keyring = Keyring(self.config.key_dir, what="peer key")
         sealed = self.config.wire_protection == "sealed"
-        self.codec = ObjectCodec(self.keyring, config.pool, seal=sealed, buffers=BufferPool())
+        self.codec = ObjectCodec(
+            self.keyring, config.pool, seal=sealed, buffers=BufferPool(), aegis=True
+        )
         self.transport = transport or (
             NixlTransport(self.node) if self.config.transport == "nixl" else TcpTransport()
         )

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvpool.agent.l2.base import L2Adapter, ObjectKey
-from kvpool.agent.l2.codec import HEADER, ObjectCodec
+from kvpool.agent.l2.codec import ObjectCodec
 from kvpool.agent.peer.answers import Answers
 from kvpool.agent.peer.session import Session, accept_session
 from kvpool.agent.peer.transport import Buffer, PeerChannel, PeerListener, split_address
@@ -143,6 +143,7 @@ class PeerServer:
     node: str
     keyring: Keyring
     codec: ObjectCodec
+    """What it seals with for clients that open all it writes (AEGIS-128L where sealed)."""
     service: DataService
     nvme: L2Adapter | None
     loop: asyncio.AbstractEventLoop
@@ -151,6 +152,11 @@ class PeerServer:
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
+        codec = self.codec
+        self._format_2 = ObjectCodec(
+            self.keyring, self.pool, seal=codec.seal, buffers=codec.buffers
+        )
+        """For clients that open only format 2 (agents of an older build, in a rollout)."""
         self._pacer = Pacer(int(self.config.bandwidth))
         self._handshakes: dict[PeerChannel, str] = {}
         """Connections in their handshake, oldest first, each with its remote address."""
@@ -261,7 +267,10 @@ class PeerServer:
                 if isinstance(request, Exists):
                     answers.add(Have(self._held(request.tenant, request.keys)))
                 elif isinstance(request, Get):
-                    self._send(answers, session.key_id, ObjectKey(request.tenant, request.key))
+                    codec = self.codec if session.opens_aegis else self._format_2
+                    self._send(
+                        answers, codec, session.key_id, ObjectKey(request.tenant, request.key)
+                    )
                 elif isinstance(request, Offer):
                     answers.add(self._pull(request))
                 else:
@@ -303,7 +312,7 @@ class PeerServer:
         found = self._on_loop(self.nvme.exists(rest))
         return count + next((i for i, has in enumerate(found) if not has), len(found))
 
-    def _send(self, answers: Answers, key_id: int, name: ObjectKey) -> None:
+    def _send(self, answers: Answers, codec: ObjectCodec, key_id: int, name: ObjectKey) -> None:
         with self._transfer() as admitted:
             if not admitted:
                 answers.add(Busy())
@@ -312,7 +321,7 @@ class PeerServer:
             if hit.lease is not None:
                 view = self.service.chunk_view(name.tenant)
                 payload = view[hit.offsets[0] : hit.offsets[0] + hit.sizes[0]]
-                self._send_object(answers, key_id, name, payload, hit.lease)
+                self._send_object(answers, codec, key_id, name, payload, lease=hit.lease)
                 return
             if self.nvme is None:
                 answers.add(Missing())
@@ -322,14 +331,16 @@ class PeerServer:
             if stored is None:
                 answers.add(Missing())
                 return
-            self._send_object(answers, key_id, name, stored, None)
+            self._send_object(answers, codec, key_id, name, stored, lease=None)
 
     def _send_object(
         self,
         answers: Answers,
+        codec: ObjectCodec,
         key_id: int,
         name: ObjectKey,
         payload: bytes | memoryview,
+        *,
         lease: int | None,
     ) -> None:
         """Seal or authenticate ``payload`` into a buffer of its own (the channel's send
@@ -350,12 +361,12 @@ class PeerServer:
             if self._pacer.rate:
                 answers.send()  # a paced answer waits its turn with none kept before it
             answers.once_sent(lambda: self._sent_bytes(size))
-            built = answers.channel.body_memory(HEADER.size + size)
+            built = answers.channel.body_memory(codec.header_size + size)
             if built is not None:  # the object made where it is sent from: no copy
-                self.codec.encode_into(name, payload, built, key_id)
+                codec.encode_into(name, payload, built, key_id)
                 self._send_detached(answers, [built], size, leases)
             else:
-                self._send_apart(answers, key_id, name, payload, leases)
+                self._send_apart(answers, codec, key_id, name, payload, leases=leases)
             self.stats.served_chunks += 1
             self.stats.served_bytes += size
         finally:
@@ -364,19 +375,21 @@ class PeerServer:
     def _send_apart(
         self,
         answers: Answers,
+        codec: ObjectCodec,
         key_id: int,
         name: ObjectKey,
         payload: bytes | memoryview,
+        *,
         leases: list[int],
     ) -> None:
         """Seal or authenticate ``payload`` into a buffer of the pool's (plaintext copied
         there first where it lies in L1) and send it."""
         size = len(payload)
-        if leases and not self.codec.seal:  # plaintext goes out as it lies: copy it
-            copy = answers.hold(self.codec.buffers.borrow(size))
+        if leases and not codec.seal:  # plaintext goes out as it lies: copy it
+            copy = answers.hold(codec.buffers.borrow(size))
             copy[:] = payload
             payload = copy
-        header, body = answers.hold(self.codec.encode(name, payload, key_id))
+        header, body = answers.hold(codec.encode(name, payload, key_id))
         self._send_detached(answers, [header, body], size, leases)
 
     def _send_detached(

@@ -8,8 +8,10 @@ where it broke the protocol.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvpool.agent.l2.codec import AEGIS_FORMAT_VERSION
 from kvpool.agent.peer.transport import PeerChannel
 from kvpool.agent.peer.wire import (
     MAX_HANDSHAKE_BYTES,
@@ -38,10 +40,20 @@ class Session:
     """The other side's node name."""
     key_id: int
     """The peer key chunks are sealed with on this connection."""
+    opens_aegis: bool = False
+    """A server's: the client opens objects sealed with AEGIS-128L (format 3)."""
 
 
-def open_session(channel: PeerChannel, keyring: Keyring, pool: str, node: str) -> Session:
-    """The client's half: prove, then check the server's proof."""
+def open_session(
+    channel: PeerChannel,
+    keyring: Keyring,
+    pool: str,
+    node: str,
+    *,
+    formats: Sequence[int] = (AEGIS_FORMAT_VERSION,),
+) -> Session:
+    """The client's half: prove, then check the server's proof. ``formats``: the object
+    formats it opens besides format 2 (an agent opens all this build reads)."""
     hello, _ = channel.receive()
     if isinstance(hello, Refused):
         raise NotProven(f"the peer refused the connection: {hello.reason}")
@@ -61,6 +73,7 @@ def open_session(channel: PeerChannel, keyring: Keyring, pool: str, node: str) -
             ours,
             key_id,
             proof(keys, key_id, pool=pool, role=CLIENT, nonces=nonces, nodes=nodes),
+            list(formats),
         )
     )
     answer, _ = channel.receive()
@@ -100,4 +113,4 @@ def accept_session(channel: PeerChannel, keyring: Keyring, pool: str, node: str)
         Welcome(proof(keys, prove.key_id, pool=pool, role=SERVER, nonces=nonces, nodes=nodes))
     )
     channel.proven(prove.node, False)
-    return Session(prove.node, prove.key_id)
+    return Session(prove.node, prove.key_id, AEGIS_FORMAT_VERSION in prove.formats)

@@ -75,6 +75,9 @@ class Prove(msgspec.Struct, tag="prove", frozen=True):
     nonce: bytes
     key_id: int
     proof: bytes
+    formats: list[int] = msgspec.field(default_factory=list)
+    """The object formats the client opens besides format 2 (AES-GCM), which every agent
+    opens: a server seals in the newest of them it writes (an older client sends none)."""
 
 
 class Welcome(msgspec.Struct, tag="welcome", frozen=True):

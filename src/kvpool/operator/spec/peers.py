@@ -121,11 +121,12 @@ class PeersSpec(SpecModel):
     )
     wire_protection: Literal["sealed", "integrity"] = Field(
         "sealed",
-        description="What the chunks the agents send each other carry: sealed, AES-256-GCM "
-        "ciphertext (whoever reads the link learns nothing), or integrity, the plaintext under "
-        "the same authentication tag (whoever reads the link reads chunks, but no one can "
-        "alter, forge or misroute one unseen), for a trusted fabric where the cipher's pass "
-        "would cost the transfer rate. Either way a chunk opens only as its tenant's and key's.",
+        description="What the chunks the agents send each other carry: sealed, AEGIS-128L "
+        "ciphertext (AES-256-GCM to agents of an older build; whoever reads the link learns "
+        "nothing), or integrity, the plaintext under an authentication tag (whoever reads the "
+        "link reads chunks, but no one can alter, forge or misroute one unseen), for a trusted "
+        "fabric where the cipher's pass would cost the transfer rate. Either way a chunk opens "
+        "only as its tenant's and key's.",
     )
     transport: Literal["tcp", "nixl"] = Field(
         "tcp",

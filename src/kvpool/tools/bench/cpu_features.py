@@ -1,8 +1,10 @@
 """An AVX-512 machine measuring what an x86 CPU with AVX2 and no more would (``--as-avx2``).
 
-The peer tier seals and opens every chunk with OpenSSL's AES-GCM, which runs about four
-times slower on AES-NI, PCLMULQDQ and AVX2 alone than with AVX-512, VAES and VPCLMULQDQ
-(docs/platform/peers.md, "Figures"), and a pool's nodes have either kind of CPU. A bench told
+L2's objects, and the peer tier's chunks to agents of older builds, are sealed with
+OpenSSL's AES-GCM, which runs about four times slower on AES-NI, PCLMULQDQ and AVX2 alone
+than with AVX-512, VAES and VPCLMULQDQ (docs/platform/peers.md, "Figures"), and a pool's
+nodes have either kind of CPU. (The peer tier's AEGIS-128L, libsodium's, runs on AES-NI
+alone: the masks leave it as it is.) A bench told
 ``--as-avx2`` starts every process it measures (the agents and what they are compared
 with: the plain socket, NIXL raw) with OpenSSL told those features are absent
 (``OPENSSL_ia32cap``), and glibc's string functions too (``GLIBC_TUNABLES``), so that one
