@@ -7,8 +7,9 @@ or NIXL raw's) plus the passes over the chunk that its protection needs, and no 
 * the sender: ``seal`` (sealed: the chunk encrypted into the send buffer, with AEGIS-128L
   as the agents seal for each other) or ``copy_tag``
   (integrity: the chunk copied into the send buffer and its tag computed over the copy);
-* the receiver: ``open_sealed`` (decrypted where it was received) or ``check_tag``
-  (its tag computed where it lies); on NIXL also ``copy`` (out of the landing first).
+* the receiver: ``open_sealed`` (decrypted where it was received, or from a NIXL landing
+  into L1) or ``check_tag`` (its tag computed where it lies; on NIXL also ``copy``, out of
+  the landing first).
 
 Each is the agents' own code (:class:`~kvpool.agent.l2.codec.ObjectCodec`) on one thread,
 timed by that thread's CPU clock over buffers that do not fit the caches together (as a
@@ -58,7 +59,8 @@ class Passes:
         sealed = protection == "sealed"
         sender = self.seal if sealed else self.copy_tag
         receiver = self.open_sealed if sealed else self.check_tag
-        return sender + receiver + (self.copy if transport == "nixl" else 0.0)
+        copied = transport == "nixl" and not sealed  # a sealed one opens from the landing
+        return sender + receiver + (self.copy if copied else 0.0)
 
 
 def measure(sizes: Sequence[int]) -> dict[int, Passes]:

@@ -24,6 +24,7 @@ from kvpool.agent.l2.codec import (
     IntegrityError,
     ObjectCodec,
     header_size,
+    opens_in_one_read,
     payload_length,
 )
 from kvpool.agent.l2.nvme import NvmeAdapter
@@ -261,3 +262,16 @@ async def test_aegis_is_the_cfrg_drafts_aegis_128l() -> None:
     assert opened == bytes(16)
     tag[31] ^= 1
     assert not aegis_128l.open_into(key, nonce, b"", ciphertext, bytes(tag), out=opened)
+
+
+@FORMATS
+async def test_only_a_sealed_format_3_object_opens_in_one_read(
+    tmp_path: Path, seal: bool, aegis: bool
+) -> None:
+    """The peer tier opens such an object straight from a NIXL landing, which the peer can
+    write meanwhile: AEGIS checks the plaintext it writes. Others are copied out first."""
+    write_key(tmp_path / "keys", 1, KEY_1)
+    writer = codec(tmp_path / "keys", seal=seal, aegis=aegis)
+    with writer.encode(chunk(0), payload(100)) as (header, _):
+        assert opens_in_one_read(header) is (seal and aegis)
+    assert not opens_in_one_read(header[:6])

@@ -147,6 +147,44 @@ def test_bodies_land_where_the_client_lent_and_a_larger_chunk_grows_the_landing(
     assert not loopback.errors
 
 
+def test_a_body_is_taken_where_it_landed_and_not_where_it_crossed_tcp(
+    loopback: Loopback,
+) -> None:
+    """A client opens a sealed chunk straight from its landing into L1 (no copy first):
+    the body's view is the landing's memory, and a body larger than a slot (it crossed
+    the connection) or the body's head alone is none (it is received as before)."""
+    bodies = [os.urandom(size) for size in (1000, SLOT_BYTES + 5, 3000)]
+    client = loopback.connect(_answering(bodies))
+    client.proven("server", True)
+    assert isinstance(client, NixlChannel)
+    client.send(Get("tenant", KEY))
+    answer, length = client.receive()
+    assert isinstance(answer, Object) and length == len(bodies[0])
+    landed = client.landed_body(length)
+    assert landed is not None and bytes(landed) == bodies[0]
+    assert client._landing is not None and landed.obj is client._landing.memory
+    assert client.landed_body(length) is None  # taken: nothing is left of it
+    client.send(Get("tenant", KEY))
+    _, length = client.receive()
+    assert client.landed_body(length) is None  # it crossed TCP
+    body = memoryview(bytearray(length))
+    client.receive_body(body)
+    assert body == bodies[1]
+    client.send(Get("tenant", KEY))
+    _, length = client.receive()
+    head = memoryview(bytearray(10))
+    client.receive_body(head)
+    assert client.landed_body(length) is None  # only the rest, as long as it is
+    rest = client.landed_body(length - 10)
+    assert rest is not None and bytes(head) + bytes(rest) == bodies[2]
+    client.close()
+    loopback.close()
+    assert not loopback.errors
+    left, right = socket.socketpair()
+    with left, right:
+        assert TcpChannel(left, "left").landed_body(10) is None
+
+
 def test_a_body_built_in_the_send_buffer_lands_as_it_was_built(loopback: Loopback) -> None:
     """A server builds (seals) a body where NIXL sends it from, and sends it as it lies:
     only where the client's landing takes it; on TCP there is no such memory."""

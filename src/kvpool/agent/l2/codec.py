@@ -83,6 +83,18 @@ def header_size(prefix: bytes | memoryview) -> int:
     return HEADER.size
 
 
+def opens_in_one_read(header: bytes | memoryview) -> bool:
+    """Whether the object of ``header`` opens (:meth:`ObjectCodec.open` with ``out``) in
+    one read of its body, checking the bytes it writes: a sealed format 3 object (AEGIS
+    absorbs the plaintext it produces). So it may open from memory another party can
+    write meanwhile (a NIXL landing): bytes changed under it are a miss, never loaded."""
+    return (
+        len(header) > PREFIX_SIZE
+        and header[PREFIX_SIZE - 1] == AEGIS_FORMAT_VERSION
+        and bool(header[PREFIX_SIZE] & SEALED)
+    )
+
+
 def payload_length(header: bytes | memoryview) -> int:
     """The payload length a header states (0 if it is shorter than a header)."""
     if len(header) < header_size(header):

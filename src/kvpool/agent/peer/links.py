@@ -30,6 +30,7 @@ from kvpool.agent.l2.codec import (
     IntegrityError,
     ObjectCodec,
     header_size,
+    opens_in_one_read,
     payload_length,
 )
 from kvpool.agent.peer.session import open_session
@@ -334,6 +335,10 @@ class PeerLink:
         memory = into.reserve(size)
         if memory is None:
             raise _Unwanted  # the body is dropped with the connection
+        landed = channel.landed_body(size) if opens_in_one_read(header) else None
+        if landed is not None:  # opened from the landing into L1: no copy first
+            settings.codec.open(name, header, landed, out=memory)
+            return size
         channel.receive_body(memory)
         settings.codec.open(name, header, memory, in_place=True)
         return size

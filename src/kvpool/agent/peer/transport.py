@@ -107,6 +107,13 @@ class PeerChannel(Protocol):
         """Exactly ``len(into)`` bytes of the body into ``into``."""
         ...
 
+    def landed_body(self, length: int) -> memoryview | None:
+        """A client's: the rest of the body, ``length`` bytes, where it landed (a NIXL
+        landing, which the server may write again once the next request is sent: read it
+        before), taken as :meth:`receive_body` would take it; None where the body comes
+        over the connection (take it with :meth:`receive_body`)."""
+        ...
+
     def wait_readable(self, timeout: float) -> bool:
         """Whether something (a frame, or the end of the connection) arrives in ``timeout``
         seconds (an idle connection waits longer than a frame in progress may take)."""
@@ -220,6 +227,9 @@ class TcpChannel:
         meta = memoryview(bytearray(meta_length))
         self.receive_body(meta)
         return parse_message(meta), body_length
+
+    def landed_body(self, length: int) -> memoryview | None:
+        return None  # it comes over the connection
 
     def receive_body(self, into: memoryview) -> None:
         ready = min(len(into), self._end - self._start)

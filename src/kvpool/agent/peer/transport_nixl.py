@@ -452,6 +452,13 @@ class NixlChannel:
             self._recent.append(length)  # it did not fit a slot
         return message, length
 
+    def landed_body(self, length: int) -> memoryview | None:
+        landed = self._landed
+        if landed is None or len(landed) != length:
+            return None
+        self._landed = None
+        return landed
+
     def receive_body(self, into: memoryview) -> None:
         landed = self._landed
         if landed is None:
