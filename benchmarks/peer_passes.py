@@ -67,7 +67,10 @@ def measure(sizes: Sequence[int]) -> dict[int, Passes]:
     """Each size's passes, measured in a process of their own (started with this one's
     environment)."""
     command = [sys.executable, "-m", "benchmarks.peer_passes", *map(str, sizes)]
-    output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    checkout = Path(__file__).resolve().parents[1]  # its errors go to this one's stderr
+    output = subprocess.run(
+        command, stdout=subprocess.PIPE, text=True, check=True, cwd=checkout
+    ).stdout
     return {int(size): Passes(**fields) for size, fields in json.loads(output).items()}
 
 

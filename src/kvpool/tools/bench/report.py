@@ -104,7 +104,9 @@ def machine() -> str:
     if flags is not None and "aes" in flags:
         has = [name for name in CIPHER_FEATURES if name in flags]
         lacks = [name for name in CIPHER_FEATURES if name not in flags]
-        cpu += f" ({' '.join(has) or 'no AVX2'}{'; no ' + ' '.join(lacks) if lacks else ''})"
+        said = [" ".join(has)] if has else []
+        said += [f"no {' '.join(lacks)}"] if lacks else []
+        cpu += f" ({'; '.join(said)})"
     load = " ".join(f"{value:.2f}" for value in os.getloadavg())
     line = f"CPU: {cpu}, {os.cpu_count()} CPUs; load average (1, 5, 15 min) at the end: {load}"
     masks = [f"{name}={os.environ[name]}" for name in CPU_MASKS if os.environ.get(name)]
