@@ -1,7 +1,9 @@
 """A peer that proves the pool's credential and then misbehaves, as the agent under test
 sees it over a real connection: it claims every chunk, then answers a get with another
 tenant's chunk, flipped bytes, half a body before it dies, or nothing at all; sealed, or,
-for the ``-plaintext`` behaviours, as a pool that protects integrity only sends. On the
+for the ``-plaintext`` behaviours, as a pool that protects integrity only sends; in object
+format 3 (AEGIS-128L, which a sealed chunk opens from a NIXL landing), or 2 (AES-GCM, as an
+agent of an older build seals, copied out of the landing first) for ``-aes-gcm``. On the
 NIXL transport it writes those bodies into the asker's landing, and ``unwritten`` says it
 wrote a chunk there that it never wrote (the landing holds what it held before).
 
@@ -38,6 +40,7 @@ Behaviour = Literal[
     "flipped",
     "other-tenant-plaintext",
     "flipped-plaintext",
+    "flipped-aes-gcm",
     "cut",
     "stall",
     "unwritten",
@@ -108,7 +111,8 @@ class _Rogue:
         """What it seals for any key (the real chunk's bytes, where the test wants them)."""
         self.keyring = Keyring(key_dir, what="peer key")
         sealed = not behaviour.endswith("-plaintext")
-        self.codec = ObjectCodec(self.keyring, pool, seal=sealed, buffers=BufferPool())
+        aegis = not behaviour.endswith("-aes-gcm")  # as an agent of an older build seals
+        self.codec = ObjectCodec(self.keyring, pool, seal=sealed, buffers=BufferPool(), aegis=aegis)
         self.counts = {"gets": 0, "asked": 0}
         self._counts = workdir / "counts"
         self._lock = threading.Lock()
