@@ -59,7 +59,8 @@ def get_as_a_peer(
 
 def main() -> None:
     address, key_dir, tenant, key, transport, *rest = sys.argv[1:]
-    formats = [int(f) for f in rest[0].split(",") if f != "none"] if rest else [3]
+    said = rest[0].split(",") if rest else [str(AEGIS_FORMAT_VERSION)]
+    formats = [int(f) for f in said if f != "none"]
     header, body = get_as_a_peer(
         address, Path(key_dir), tenant, bytes.fromhex(key), transport=transport, formats=formats
     )

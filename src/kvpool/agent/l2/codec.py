@@ -30,9 +30,11 @@ where AES-GCM runs at less than half of it). Its header differs only at its end:
 
 Its key is HKDF-Expand of the tenant's key (16 bytes); its nonce is random, so a (key,
 nonce) pair repeats only if 128 random bits do: at 2^48 objects of one tenant, with a
-probability under 2^-32, AEGIS's bound for random nonces. Only sealed objects take it.
-Every build that writes format 3 reads both, and the peer tier writes it only for an
-asker that says it reads it (:class:`~kvpool.agent.peer.wire.Prove`).
+probability under 2^-32, AEGIS's bound for random nonces. An object that is not sealed
+carries AEGIS's tag over its body under a key bound to its header (HKDF-Expand of the
+tenant's AEGIS key with the header as info). Every build that writes format 3 reads
+both, and the peer tier writes it only for an asker that says it reads it
+(:class:`~kvpool.agent.peer.wire.Prove`).
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def opens_in_one_read(header: bytes | memoryview) -> bool:
     write meanwhile (a NIXL landing): bytes changed under it are a miss, never loaded."""
     return (
         len(header) > PREFIX_SIZE
-        and header[PREFIX_SIZE - 1] == AEGIS_FORMAT_VERSION
+        and header_size(header) == AEGIS_HEADER.size
         and bool(header[PREFIX_SIZE] & SEALED)
     )
 
@@ -185,14 +187,12 @@ class ObjectCodec:
         """A format 3 object of ``payload``: sealed into ``body``, or (integrity) its tag
         computed over ``body``, where the payload lies already. The tag goes into ``tag``;
         the header's associated data (all of it but the tag) is returned."""
-        keys = self.keyring.current()
-        if key_id is None:
-            key_id = keys.active_id
+        key_id, material = self._writing_key(key_id)
         nonce = os.urandom(aegis.NONCE_SIZE)
         associated = self._associated(
             AEGIS_HEADER, AEGIS_FORMAT_VERSION, key_id, name, len(payload), nonce=nonce
         )
-        key = _aegis_key(keys.by_id[key_id], self._pool, name.tenant.encode())
+        key = _aegis_key(material, self._pool, name.tenant.encode())
         if self.seal:
             aegis.seal_into(key, nonce, associated, payload, out=body, tag=tag)
         else:
@@ -204,14 +204,19 @@ class ObjectCodec:
     ) -> tuple[bytes, AEADEncryptionContext]:
         """A new format 2 object's associated data (its header without the tag) and its
         cipher, the associated data authenticated."""
+        key_id, material = self._writing_key(key_id)
+        nonce = os.urandom(NONCE_SIZE)
+        associated = self._associated(HEADER, FORMAT_VERSION, key_id, name, length, nonce=nonce)
+        cipher = self._cipher(material, name.tenant, nonce, None).encryptor()
+        cipher.authenticate_additional_data(associated)
+        return associated, cipher
+
+    def _writing_key(self, key_id: int | None) -> tuple[int, bytes]:
+        """The key id a new object names (``key_id``, else the active one) and its material."""
         keys = self.keyring.current()
         if key_id is None:
             key_id = keys.active_id
-        nonce = os.urandom(NONCE_SIZE)
-        associated = self._associated(HEADER, FORMAT_VERSION, key_id, name, length, nonce=nonce)
-        cipher = self._cipher(keys.by_id[key_id], name.tenant, nonce, None).encryptor()
-        cipher.authenticate_additional_data(associated)
-        return associated, cipher
+        return key_id, keys.by_id[key_id]
 
     def _associated(
         self,
