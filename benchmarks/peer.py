@@ -382,8 +382,9 @@ def _bounds(
     lines = [
         f"/ bound: over the least of the transport's raw rate in that run and what the {cores} "
         "cores both hosts share carry, all busy, at the raw side's CPU per GB plus the passes "
-        "over each chunk its protection needs (sender: seal, or copy and tag; receiver: open, "
-        "or tag; nixl integrity: and the copy out of the landing), each measured alone on one "
+        "over each chunk its protection needs (sender: seal, or tag, on nixl copy and tag; "
+        "receiver: open, or tag; nixl integrity: and the copy out of the landing), each "
+        "measured alone on one "
         "thread "
         "(benchmarks/peer_passes.py), CPU s/GB:"
     ]

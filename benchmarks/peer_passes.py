@@ -5,8 +5,9 @@ A peer side moves a chunk at the CPU cost of its transport's raw rate (the plain
 or NIXL raw's) plus the passes over the chunk that its protection needs, and no fewer:
 
 * the sender: ``seal`` (sealed: the chunk encrypted into the send buffer, with AEGIS-128L
-  as the agents seal for each other) or ``copy_tag``
-  (integrity: the chunk copied into the send buffer and its tag computed over the copy);
+  as the agents seal for each other); with integrity, over TCP ``check_tag`` (its tag
+  computed where it lies, the pass the receiver makes too), over NIXL ``copy_tag`` (the
+  chunk copied into the staging buffer and its tag computed over the copy);
 * the receiver: ``open_sealed`` (decrypted where it was received, or from a NIXL landing
   into L1) or ``check_tag`` (its tag computed where it lies; on NIXL also ``copy``, out of
   the landing first).
@@ -56,11 +57,11 @@ class Passes:
 
     def per_gb(self, transport: str, protection: str) -> float:
         """Both sides' passes together, for a side of ``transport`` and ``protection``."""
-        sealed = protection == "sealed"
-        sender = self.seal if sealed else self.copy_tag
-        receiver = self.open_sealed if sealed else self.check_tag
-        copied = transport == "nixl" and not sealed  # a sealed one opens from the landing
-        return sender + receiver + (self.copy if copied else 0.0)
+        nixl = transport == "nixl"
+        if protection == "sealed":  # on NIXL too: it opens from the landing into L1
+            return self.seal + self.open_sealed
+        sender = self.copy_tag if nixl else self.check_tag  # over TCP it goes from L1
+        return sender + self.check_tag + (self.copy if nixl else 0.0)
 
 
 def measure(sizes: Sequence[int]) -> dict[int, Passes]:

@@ -2,7 +2,9 @@
 no agent around them) and a client speaking the wire over loopback TCP: answers to
 requests that came together go in one send; answers kept for the request behind them are
 sent, not refused as busy, where the bytes they hold are all the connection may have in
-flight; and they go before the server reads its NVMe for the next.
+flight; and they go before the server reads its NVMe for the next. And what a chunk's read
+lease covers while its answer is sent: a sealed chunk goes from a buffer of its own (the
+lease ended), an authenticated one from its L1 pages (the lease held until it is sent).
 
 The peer tier's tests between agents catch a wrong or missing chunk; these catch the
 grouping itself, which those would not see."""
@@ -13,8 +15,11 @@ import asyncio
 import contextlib
 import secrets
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+import pytest
 
 from kvpool.agent.l2.base import ObjectKey
 from kvpool.agent.l2.buffers import BufferPool
@@ -29,6 +34,7 @@ from tests.peer.test_answers import CountedSends
 from tests.peer.test_wire import POOL, keyring, tcp_pair
 from tests.support.chunks import key
 from tests.support.l1 import PAGE, make_cache, make_service
+from tests.support.polling import wait_until
 
 ALICE = "a" * 32
 CHUNK = 16 * PAGE
@@ -80,10 +86,11 @@ class Served:
         *,
         max_bytes_in_flight: int = 256 << 20,
         on_disk: dict[bytes, bytes] | None = None,
+        seal: bool = True,
     ) -> None:
         key_dir = tmp_path / "keys"
         ring = keyring(key_dir, k1="the pool's peer key material, 32+ bytes")
-        self.codec = ObjectCodec(ring, POOL, seal=True, buffers=BufferPool())
+        self.codec = ObjectCodec(ring, POOL, seal=seal, buffers=BufferPool(), aegis=True)
         config = PeersConfig(key_dir=key_dir, max_bytes_in_flight=max_bytes_in_flight)
         listener = TcpTransport().listen("127.0.0.1", 0, 5.0)
         self.disk = None
@@ -106,6 +113,13 @@ class Served:
     def answer(self, names: list[ObjectKey]) -> list[bytes | None]:
         """Send a ``Get`` for each of ``names`` at once from a client, serve them on the
         server's end, and read the answers: each chunk opened, or None for a busy one."""
+        with self.asked(names) as client:
+            return [self.read(client, name) for name in names]
+
+    @contextlib.contextmanager
+    def asked(self, names: list[ObjectKey]) -> Iterator[TcpChannel]:
+        """A client that sent a ``Get`` for each of ``names`` at once, their answers being
+        served on the server's end, for the client to :meth:`read`."""
         with tcp_pair(5.0, 5.0) as (server_end, client):
             counted = CountedSends(server_end)
             counted.sends = self.sends  # the disk sees them as they are made
@@ -114,13 +128,12 @@ class Served:
                 target=self.server._answer, args=(server_end, Session("asker", 1)), daemon=True
             )
             serving.start()
-            answers = [self._read(client, name) for name in names]
+            yield client
             client.close()  # the server's connection ends: it stops answering
             serving.join(10.0)
         assert not serving.is_alive()
-        return answers
 
-    def _read(self, client: TcpChannel, name: ObjectKey) -> bytes | None:
+    def read(self, client: TcpChannel, name: ObjectKey) -> bytes | None:
         message, length = client.receive()
         if isinstance(message, Busy):
             return None
@@ -130,9 +143,11 @@ class Served:
         return bytes(self.codec.decode(name, body))
 
 
-def stored(service: CacheService, count: int) -> tuple[list[ObjectKey], list[bytes]]:
+def stored(
+    service: CacheService, count: int, size: int = CHUNK
+) -> tuple[list[ObjectKey], list[bytes]]:
     names = [ObjectKey(ALICE, key(f"chunk-{index}")) for index in range(count)]
-    chunks = [secrets.token_bytes(CHUNK) for _ in names]
+    chunks = [secrets.token_bytes(size) for _ in names]
     result = service.store(ALICE, [name.key for name in names], chunks)
     assert result.stored == count
     return names, chunks
@@ -176,3 +191,27 @@ def test_kept_answers_go_before_the_server_reads_its_disk(tmp_path: Path) -> Non
         assert served.answer([*names, on_disk]) == [*chunks, chunk]
     assert served.disk is not None and served.disk.sent_before_reads == [[1]]
     assert served.sends == [1, 1]
+
+
+@pytest.mark.parametrize("seal", [True, False], ids=["sealed", "integrity"])
+def test_a_chunk_in_l1_is_leased_while_sent_only_where_it_goes_from_its_pages(
+    tmp_path: Path, seal: bool
+) -> None:
+    """A chunk larger than the sockets hold, asked for by a client that does not read yet:
+    the server is stuck sending it. Sealed, it is sent from its ciphertext's buffer and its
+    lease has ended (a slow peer holds no L1 pages); with integrity it is sent from its
+    pages, which stay leased (nothing can reuse them under the tag) until the client has
+    read it all. Either way it opens, and no lease is left."""
+    size = 16 << 20
+    service = make_service(make_cache(pages=size // PAGE + 64), tmp_path / "q.json")
+    names, chunks = stored(service, 1, size)
+    with event_loop() as loop:
+        served = Served(tmp_path, service, loop, seal=seal)
+        with served.asked(names) as client:
+            wait_until(lambda: served.server.stats.bytes_in_flight == size)
+            time.sleep(0.2)  # the server is sending now, or has done with the lease
+            assert not served.server.stats.served_chunks  # stuck: the client reads nothing
+            assert service.stats().open_leases == (0 if seal else 1)
+            assert served.read(client, names[0]) == chunks[0]
+        wait_until(lambda: served.server.stats.bytes_in_flight == 0)
+    assert service.stats().open_leases == 0

@@ -27,8 +27,13 @@ store. At most ``max_transfers`` offers pull at once from one connection's reque
 (the prefetch's own slots bound them further: a tenant holds at most half).
 
 A chunk in L1 is read under a read lease (its pages cannot be evicted or
-reused meanwhile) held only while it is sealed (or, as plaintext, copied) into a
-send buffer; the network then sends from that buffer, so a slow peer holds no lease. Serving never
+reused meanwhile). A sealed chunk's lease is held only while it is sealed into a send
+buffer; the network then sends from that buffer, so a slow peer holds no lease. With
+``wire_protection: integrity`` over TCP the plaintext is tagged where it lies and sent
+from there (no copy), its lease held until it is sent: a slow peer then holds that chunk's
+pages, at most ``max_bytes_in_flight`` of them at once, until the peer is cut off
+(``io_timeout_seconds`` without progress) or the lease expires (``lease_seconds``; pages
+reused by then fail the tag: a miss at the peer). Serving never
 blocks this node's own clients: past ``max_transfers`` transfers or
 ``max_bytes_in_flight`` bytes at once a request is answered
 :class:`~kvpool.agent.peer.wire.Busy` (the asking agent goes to its next
@@ -345,7 +350,9 @@ class PeerServer:
     ) -> None:
         """Seal or authenticate ``payload`` into a buffer of its own (the channel's send
         buffer where it has one), ending ``lease`` as soon as it is there, and send it (a
-        slow peer holds no lease); its bytes count in flight until it is sent."""
+        slow peer holds no lease); over TCP, authenticate it where it lies and send it from
+        there, ``lease`` held until it is sent (:meth:`_send_apart`). Its bytes count in
+        flight until it is sent."""
         leases = [] if lease is None else [lease]
         size = len(payload)
         try:
@@ -382,15 +389,19 @@ class PeerServer:
         *,
         leases: list[int],
     ) -> None:
-        """Seal or authenticate ``payload`` into a buffer of the pool's (plaintext copied
-        there first where it lies in L1) and send it."""
+        """Seal ``payload`` into a buffer of the pool's and send it; or authenticate it where
+        it lies and send it from there, its ``leases`` (where it lies in L1) held until it
+        is sent: no copy, and its pages cannot change under the tag meanwhile."""
         size = len(payload)
-        if leases and not codec.seal:  # plaintext goes out as it lies: copy it
-            copy = answers.hold(codec.buffers.borrow(size))
-            copy[:] = payload
-            payload = copy
         header, body = answers.hold(codec.encode(name, payload, key_id))
-        self._send_detached(answers, [header, body], size, leases)
+        if codec.seal:
+            self._send_detached(answers, [header, body], size, leases)
+            return
+        held = leases.copy()
+        leases.clear()  # the answers own them now: they end once it is sent
+        answers.once_sent(lambda: self.service.release_all(held))
+        self._pacer.wait(size)
+        answers.add(Object(), [header, body])
 
     def _send_detached(
         self, answers: Answers, body: list[Buffer], size: int, leases: list[int]
