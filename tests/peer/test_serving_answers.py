@@ -117,10 +117,11 @@ class Served:
             return [self.read(client, name) for name in names]
 
     @contextlib.contextmanager
-    def asked(self, names: list[ObjectKey]) -> Iterator[TcpChannel]:
+    def asked(self, names: list[ObjectKey], io_timeout: float = 5.0) -> Iterator[TcpChannel]:
         """A client that sent a ``Get`` for each of ``names`` at once, their answers being
-        served on the server's end, for the client to :meth:`read`."""
-        with tcp_pair(5.0, 5.0) as (server_end, client):
+        served on the server's end (which gives up a send that makes no progress for
+        ``io_timeout`` seconds), for the client to :meth:`read`."""
+        with tcp_pair(io_timeout, 5.0) as (server_end, client):
             counted = CountedSends(server_end)
             counted.sends = self.sends  # the disk sees them as they are made
             client.send_frames([(Get(name.tenant, name.key), ()) for name in names])
@@ -215,3 +216,23 @@ def test_a_chunk_in_l1_is_leased_while_sent_only_where_it_goes_from_its_pages(
             assert served.read(client, names[0]) == chunks[0]
         wait_until(lambda: served.server.stats.bytes_in_flight == 0)
     assert service.stats().open_leases == 0
+
+
+def test_a_peer_that_stops_reading_an_answer_from_l1_is_cut_off_and_its_lease_ends(
+    tmp_path: Path,
+) -> None:
+    """With integrity, a peer that asks for a chunk and never reads it holds the chunk's
+    pages only until the server's send makes no progress for its I/O timeout: then the
+    connection goes, and the lease and the bytes in flight with it."""
+    size = 16 << 20
+    service = make_service(make_cache(pages=size // PAGE + 64), tmp_path / "q.json")
+    names, _ = stored(service, 1, size)
+    with event_loop() as loop:
+        served = Served(tmp_path, service, loop, seal=False)
+        with served.asked(names, io_timeout=0.5):
+            wait_until(lambda: service.stats().open_leases == 1)
+            started = time.monotonic()
+            wait_until(lambda: service.stats().open_leases == 0)
+            assert time.monotonic() - started < 3.0
+            assert served.server.stats.bytes_in_flight == 0
+            assert not served.server.stats.served_chunks
