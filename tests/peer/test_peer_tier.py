@@ -246,10 +246,10 @@ def _read_from_another_host(
 def test_a_slow_peer_gets_the_plaintext_it_asked_for_while_the_pages_go(
     pool: Pool, hosts: Hosts, pool_key: Path
 ) -> None:
-    """Under integrity, the chunk goes out as plaintext: it is copied out of L1 before its
-    read lease ends, so that a peer that takes its time (here: reads nothing while the
-    tenant's chunks are dropped and others take their pages) still gets the chunk it asked
-    for, whole, under its tag."""
+    """Under integrity, the chunk goes out as plaintext from its L1 pages, under a read
+    lease held until it is sent, so that a peer that takes its time (here: reads nothing
+    while the tenant's chunks are dropped and others are stored) still gets the chunk it
+    asked for, whole, under its tag: the drop frees its pages only once it is sent."""
     (holder,) = pool({"PEERS__WIRE_PROTECTION": "integrity", "L1_SIZE": "128Mi"})
     key, chunk = chain("slow-reader", 1)[0], data(7, 24 << 20)  # more than the link buffers
     store(holder, [key], [chunk])

@@ -27,7 +27,7 @@ from kvpool.agent.l2.codec import ObjectCodec
 from kvpool.agent.peer.serving import PeerServer
 from kvpool.agent.peer.session import Session
 from kvpool.agent.peer.transport import TcpChannel, TcpTransport
-from kvpool.agent.peer.wire import Busy, Get, Object
+from kvpool.agent.peer.wire import Busy, Get, Object, WireError
 from kvpool.agent.service.cache_service import CacheService
 from kvpool.common.config import PeersConfig
 from tests.peer.test_answers import CountedSends
@@ -126,7 +126,9 @@ class Served:
             counted.sends = self.sends  # the disk sees them as they are made
             client.send_frames([(Get(name.tenant, name.key), ()) for name in names])
             serving = threading.Thread(
-                target=self.server._answer, args=(server_end, Session("asker", 1)), daemon=True
+                target=self.server._answer,
+                args=(server_end, Session("asker", 1, opens_aegis=True)),
+                daemon=True,
             )
             serving.start()
             yield client
@@ -210,8 +212,9 @@ def test_a_chunk_in_l1_is_leased_while_sent_only_where_it_goes_from_its_pages(
         served = Served(tmp_path, service, loop, seal=seal)
         with served.asked(names) as client:
             wait_until(lambda: served.server.stats.bytes_in_flight == size)
-            time.sleep(0.2)  # the server is sending now, or has done with the lease
-            assert not served.server.stats.served_chunks  # stuck: the client reads nothing
+            wait_until(lambda: service.stats().open_leases == (0 if seal else 1))
+            time.sleep(0.2)  # the server is stuck in its send: the client reads nothing
+            assert not served.server.stats.served_chunks
             assert service.stats().open_leases == (0 if seal else 1)
             assert served.read(client, names[0]) == chunks[0]
         wait_until(lambda: served.server.stats.bytes_in_flight == 0)
@@ -233,6 +236,33 @@ def test_a_peer_that_stops_reading_an_answer_from_l1_is_cut_off_and_its_lease_en
             wait_until(lambda: service.stats().open_leases == 1)
             started = time.monotonic()
             wait_until(lambda: service.stats().open_leases == 0)
-            assert time.monotonic() - started < 3.0
-            assert served.server.stats.bytes_in_flight == 0
+            assert time.monotonic() - started < 8.0  # not the lease's expiry (30 s)
+            wait_until(lambda: served.server.stats.bytes_in_flight == 0)
+            assert not served.server.stats.served_chunks
+
+
+def test_a_peer_that_takes_an_answer_from_l1_slowly_is_cut_off_before_its_lease_ends(
+    tmp_path: Path,
+) -> None:
+    """However steadily a peer takes an answer that goes from L1's pages, it has half the
+    lease's lifetime to take it all: then the connection goes, the lease with it, before
+    the lease could expire and the pages change under the tag. Here the peer reads a
+    little every 0.2 s (never idle for the 5 s I/O timeout) and the lease lasts 2 s."""
+    size = 16 << 20
+    cache = make_cache(pages=size // PAGE + 64, lease_seconds=2.0)
+    service = make_service(cache, tmp_path / "q.json")
+    names, _ = stored(service, 1, size)
+    with event_loop() as loop:
+        served = Served(tmp_path, service, loop, seal=False)
+        with served.asked(names, io_timeout=5.0) as client:
+            wait_until(lambda: service.stats().open_leases == 1)
+            started = time.monotonic()
+            sip = memoryview(bytearray(64 << 10))
+            with contextlib.suppress(OSError, WireError):
+                while service.stats().open_leases and time.monotonic() - started < 4.0:
+                    client._sock.recv_into(sip)  # a trickle: progress, never enough
+                    time.sleep(0.2)
+            assert service.stats().open_leases == 0
+            assert time.monotonic() - started < 2.0  # 1 s: half the lease
+            wait_until(lambda: served.server.stats.bytes_in_flight == 0)
             assert not served.server.stats.served_chunks

@@ -37,6 +37,7 @@ def make_cache(
     low: float = 0.8,
     idle_tenants: int = IDLE_TENANTS,
     pin_budget: int = 0,
+    lease_seconds: float = 30.0,
 ) -> L1Cache:
     return L1Cache(
         SegmentLayout(page_size=PAGE, data_offset=PAGE, data_size=PAGE * pages),
@@ -44,7 +45,7 @@ def make_cache(
         quotas or QuotaBook(),
         high_watermark=high,
         low_watermark=low,
-        lease_seconds=30.0,
+        lease_seconds=lease_seconds,
         clock=clock or FakeClock(),
         idle_tenants=idle_tenants,
         pin_budget=pin_budget,

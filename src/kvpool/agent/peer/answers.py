@@ -11,9 +11,12 @@ sent as soon as no request is waiting behind it, so a lone request waits for not
 server sends what it holds before it blocks on anything else (a read from disk, the pace
 of a bandwidth cap), and before it answers "busy" for want of the bytes they count.
 
-What an answer's body lies in (a sealed chunk's buffer) is held until it is sent, and
-the work to do once it is (the bytes in flight counted down) is done then, or when the
-connection ends with the answer unsent.
+What an answer's body lies in (a sealed chunk's buffer, or an authenticated chunk's L1
+pages and their read lease) is held until it is sent, and the work to do once it is (the
+bytes in flight counted down, the lease ended) is done then, or when the connection ends
+with the answer unsent. Answers that hold L1 pages are sent by a deadline
+(:meth:`Answers.send_by`, before their leases expire): a peer that takes them too slowly
+is cut off.
 """
 
 from __future__ import annotations
@@ -38,6 +41,12 @@ class Answers:
         self._frames: list[Frame] = []
         self._bytes = 0
         self._held = contextlib.ExitStack()
+        self._deadline: float | None = None
+
+    def send_by(self, deadline: float) -> None:
+        """The answers made so far are sent by the monotonic time ``deadline`` (or the
+        connection fails, :class:`TimeoutError`), however steadily the peer takes them."""
+        self._deadline = deadline if self._deadline is None else min(self._deadline, deadline)
 
     def hold(self, context: contextlib.AbstractContextManager[T]) -> T:
         """``context`` entered until the answers made so far are sent (or dropped): what an
@@ -64,11 +73,18 @@ class Answers:
     def send(self) -> None:
         frames, self._frames, self._bytes = self._frames, [], 0
         held, self._held = self._held, contextlib.ExitStack()
+        deadline, self._deadline = self._deadline, None
         with held:
-            if frames:
+            if not frames:
+                return
+            if deadline is None:
                 self.channel.send_frames(frames)
+                return
+            self.channel.set_deadline(deadline)
+            self.channel.send_frames(frames)
+            self.channel.set_deadline(None)  # failed: the connection goes
 
     def drop(self) -> None:
         """The connection ends: answers not sent are not, and what they held is let go."""
-        self._frames, self._bytes = [], 0
+        self._frames, self._bytes, self._deadline = [], 0, None
         self._held.close()

@@ -29,11 +29,13 @@ store. At most ``max_transfers`` offers pull at once from one connection's reque
 A chunk in L1 is read under a read lease (its pages cannot be evicted or
 reused meanwhile). A sealed chunk's lease is held only while it is sealed into a send
 buffer; the network then sends from that buffer, so a slow peer holds no lease. With
-``wire_protection: integrity`` over TCP the plaintext is tagged where it lies and sent
-from there (no copy), its lease held until it is sent: a slow peer then holds that chunk's
-pages, at most ``max_bytes_in_flight`` of them at once, until the peer is cut off
-(``io_timeout_seconds`` without progress) or the lease expires (``lease_seconds``; pages
-reused by then fail the tag: a miss at the peer). Serving never
+``wire_protection: integrity`` the plaintext is tagged where it lies and sent from there
+(no copy; on NIXL, where it does not go from the registered send buffer), its lease held
+until it is sent: a slow peer then holds that chunk's pages (and, as any read lease does,
+keeps its prefix from eviction), at most ``max_bytes_in_flight`` of them at once, until it
+is cut off: ``io_timeout_seconds`` without progress, or half of ``lease_seconds`` however
+it progresses, before the lease could expire. Under a ``bandwidth`` cap it is copied
+first, as before, so that the pace's wait holds no pages. Serving never
 blocks this node's own clients: past ``max_transfers`` transfers or
 ``max_bytes_in_flight`` bytes at once a request is answered
 :class:`~kvpool.agent.peer.wire.Busy` (the asking agent goes to its next
@@ -270,7 +272,7 @@ class PeerServer:
                 if body_length:
                     raise WireError("a request with a body")
                 if isinstance(request, Exists):
-                    answers.add(Have(self._held(request.tenant, request.keys)))
+                    answers.add(Have(self._held(answers, request.tenant, request.keys)))
                 elif isinstance(request, Get):
                     codec = self.codec if session.opens_aegis else self._format_2
                     self._send(
@@ -308,11 +310,13 @@ class PeerServer:
             self.stats.offers[outcome] += 1
         return Busy() if outcome == "busy" else Accepted()
 
-    def _held(self, tenant: str, keys: list[bytes]) -> int:
-        """The leading run of ``keys`` held in L1, then on NVMe."""
+    def _held(self, answers: Answers, tenant: str, keys: list[bytes]) -> int:
+        """The leading run of ``keys`` held in L1, then on NVMe (the answers kept go before
+        the disk is asked)."""
         count = self.service.lookup(tenant, keys, lock=False, count=False).count
         if count == len(keys) or self.nvme is None:
             return count
+        answers.send()
         rest = [ObjectKey(tenant, key) for key in keys[count:]]
         found = self._on_loop(self.nvme.exists(rest))
         return count + next((i for i, has in enumerate(found) if not has), len(found))
@@ -350,9 +354,9 @@ class PeerServer:
     ) -> None:
         """Seal or authenticate ``payload`` into a buffer of its own (the channel's send
         buffer where it has one), ending ``lease`` as soon as it is there, and send it (a
-        slow peer holds no lease); over TCP, authenticate it where it lies and send it from
-        there, ``lease`` held until it is sent (:meth:`_send_apart`). Its bytes count in
-        flight until it is sent."""
+        slow peer holds no lease); or authenticate it where it lies and send it from there,
+        ``lease`` held until it is sent (:meth:`_send_apart`). Its bytes count in flight
+        until it is sent."""
         leases = [] if lease is None else [lease]
         size = len(payload)
         try:
@@ -389,18 +393,25 @@ class PeerServer:
         *,
         leases: list[int],
     ) -> None:
-        """Seal ``payload`` into a buffer of the pool's and send it; or authenticate it where
-        it lies and send it from there, its ``leases`` (where it lies in L1) held until it
-        is sent: no copy, and its pages cannot change under the tag meanwhile."""
+        """Seal ``payload`` into a buffer of the pool's and send it. Plaintext that lies in L1
+        (its ``leases``) is authenticated where it lies and sent from there, the leases held
+        until it is sent, by half their lifetime (its pages cannot change under the tag
+        meanwhile, nor a slow peer hold them longer); under a bandwidth cap it is copied
+        first, so that the pace's wait holds no pages."""
         size = len(payload)
+        from_pages = bool(leases) and not codec.seal and not self._pacer.rate
+        if leases and not codec.seal and not from_pages:
+            copy = answers.hold(codec.buffers.borrow(size))
+            copy[:] = payload
+            payload = copy
         header, body = answers.hold(codec.encode(name, payload, key_id))
-        if codec.seal:
+        if not from_pages:
             self._send_detached(answers, [header, body], size, leases)
             return
         held = leases.copy()
         leases.clear()  # the answers own them now: they end once it is sent
         answers.once_sent(lambda: self.service.release_all(held))
-        self._pacer.wait(size)
+        answers.send_by(time.monotonic() + self.service.lease_seconds / 2)
         answers.add(Object(), [header, body])
 
     def _send_detached(

@@ -114,6 +114,11 @@ class DataService(ServiceState):
         after the chunk ``after`` (see :class:`~kvpool.agent.service.landing.ChunkLanding`)."""
         return ChunkLanding(self, tenant, key, parent, keep, after, on_decided)
 
+    @property
+    def lease_seconds(self) -> float:
+        """How long a lease lasts before it expires (the cache's setting)."""
+        return self._cache.lease_seconds
+
     def release(self, lease: int) -> None:
         """End a lease (read locks, or an uncommitted reservation); UnknownLease if none."""
         with self._lock:
