@@ -384,9 +384,7 @@ def _bounds(
         "cores both hosts share carry, all busy, at the raw side's CPU per GB plus the passes "
         "over each chunk its protection needs (sender: seal, or tag, on nixl copy and tag; "
         "receiver: open, or tag; nixl integrity: and the copy out of the landing), each "
-        "measured alone on one "
-        "thread "
-        "(benchmarks/peer_passes.py), CPU s/GB:"
+        "measured alone on one thread (benchmarks/peer_passes.py), CPU s/GB:"
     ]
     for size, count in counts.items():
         passes = results.passes[size]

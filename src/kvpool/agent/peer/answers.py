@@ -77,12 +77,11 @@ class Answers:
         with held:
             if not frames:
                 return
-            if deadline is None:
-                self.channel.send_frames(frames)
-                return
-            self.channel.set_deadline(deadline)
+            if deadline is not None:
+                self.channel.set_deadline(deadline)
             self.channel.send_frames(frames)
-            self.channel.set_deadline(None)  # failed: the connection goes
+            if deadline is not None:  # (where the send failed, the connection goes)
+                self.channel.set_deadline(None)
 
     def drop(self) -> None:
         """The connection ends: answers not sent are not, and what they held is let go."""

@@ -399,8 +399,9 @@ class PeerServer:
         meanwhile, nor a slow peer hold them longer); under a bandwidth cap it is copied
         first, so that the pace's wait holds no pages."""
         size = len(payload)
-        from_pages = bool(leases) and not codec.seal and not self._pacer.rate
-        if leases and not codec.seal and not from_pages:
+        plaintext_in_l1 = bool(leases) and not codec.seal
+        from_pages = plaintext_in_l1 and not self._pacer.rate
+        if plaintext_in_l1 and not from_pages:
             copy = answers.hold(codec.buffers.borrow(size))
             copy[:] = payload
             payload = copy
