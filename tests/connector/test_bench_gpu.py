@@ -32,7 +32,9 @@ def test_bench_gpu_on_cpu_caches_prints_its_tables() -> None:
 
     (row,) = rows_of(result.stdout, "copies between GPU blocks and the agent's chunk files")
     assert row[:3] == ["small-heads", "256", "3.0"]
-    assert all(re.fullmatch(r"\d+\.\d+(/\d+\.\d+)?", cell) for cell in row[3:]), row
+    rates = row[3:9] + row[10:]
+    assert all(re.fullmatch(r"\d+\.\d+(/\d+\.\d+)?", cell) for cell in rates), row
+    assert row[9] == "cpu"  # kvpool fused: no GPU, no fused copies
     shared = rows_of(result.stdout, "processes mapping one segment")
     assert [row[0] for row in shared] == ["1", "2"]
     assert len(shared[1][1].split(" + ")) == 2

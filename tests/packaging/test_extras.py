@@ -42,6 +42,7 @@ CONNECTOR_NEEDS_VLLM = {
     "kvpool.connector.worker_stores": "torch (the stores' tensors)",
     "kvpool.connector.copier": "torch (the copy primitive)",
     "kvpool.connector.staged": "torch (the GPU copies)",
+    "kvpool.connector.fused": "torch (the GPU copies' fused kernel)",
     "kvpool.connector.layout": "torch (shapes and strides of vLLM's KV cache)",
 }
 CLEAN = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}

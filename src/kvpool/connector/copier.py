@@ -123,6 +123,12 @@ class BlockCopier:
             self._arrays = [[_as_bytes(cache) for cache in group] for group in self._caches]
 
     @property
+    def fused(self) -> list[bool]:
+        """Whether each group's CUDA copies move a slab in one launch
+        (:mod:`kvpool.connector.fused`); none on CPU."""
+        return [] if self._staged is None else self._staged.fused
+
+    @property
     def synchronous(self) -> bool:
         """Copies have finished when ``store``/``load`` return."""
         return self._staged is None

@@ -10,6 +10,9 @@ buffer on the GPU (one ``index_select`` per layer, at device-memory speed); on t
 stream the slab goes to the host in one copy, while the next slab is being gathered into the
 other buffer. A load runs the other way (DMA into a slab, then one ``index_copy_`` per layer).
 Two buffers of ``SLAB_BYTES`` (or one layer, if larger) are the GPU memory this costs.
+Where Triton is installed, a slab's gather (and scatter) is one launch for all its layers
+(:mod:`kvpool.connector.fused`): a launch per layer bounds the copy of small pages; a group
+the fused kernel cannot take is copied layer by layer, as everywhere without Triton.
 
 Events order the two streams: a gather waits until the DMA that last read its buffer has
 finished, a DMA waits for its gather (and a load's scatter for its DMA, the next DMA into the
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpool.connector.fused import FusedPages
 from kvpool.connector.layout import ChunkFormat
 
 SLAB_BYTES = 32 << 20
@@ -61,8 +65,12 @@ class StagedCopies:
         caches: Sequence[Sequence[torch.Tensor]],
         chunk_format: ChunkFormat,
         slab_bytes: int = SLAB_BYTES,
+        *,
+        fused: bool = True,
     ) -> None:
+        """``fused``: a slab's layers in one launch where they can be (else one per layer)."""
         self._caches = caches
+        self._fused = [FusedPages.of(group) if fused else None for group in caches]
         self._format = chunk_format
         self._slabs = slabs(chunk_format, slab_bytes)
         self.device = caches[0][0].device
@@ -86,6 +94,11 @@ class StagedCopies:
             for i in range(len(slab.layers))
         ]
 
+    @property
+    def fused(self) -> list[bool]:
+        """Whether each group's slabs are copied in one launch (else one per layer)."""
+        return [pages is not None for pages in self._fused]
+
     def _next_buffer(self) -> tuple[torch.Tensor, torch.cuda.Event]:
         turn = self._turn
         self._turn ^= 1
@@ -104,9 +117,7 @@ class StagedCopies:
             buffer, free = self._next_buffer()
             self.gather.wait_event(free)
             with torch.cuda.stream(self.gather):
-                for layer, pages in zip(slab.layers, self._pages(buffer, slab), strict=True):
-                    cache = self._caches[slab.group][layer]
-                    torch.index_select(cache, 0, indexes[slab.group], out=pages)
+                self._gather(slab, indexes[slab.group], buffer)
             gathered = torch.cuda.Event()  # type: ignore[no-untyped-call]
             gathered.record(self.gather)
             self.dma.wait_event(gathered)
@@ -134,7 +145,7 @@ class StagedCopies:
                 for _, ids in targets
             ]
         for slab in self._slabs:
-            first, ids = targets[slab.group]
+            first, _ = targets[slab.group]
             index = indexes[slab.group]
             if index is None:
                 continue  # vLLM wants none of this group's blocks
@@ -148,13 +159,31 @@ class StagedCopies:
             arrived.record(self.dma)
             self.gather.wait_event(arrived)
             with torch.cuda.stream(self.gather):
-                for layer, pages in zip(slab.layers, self._pages(buffer, slab), strict=True):
-                    cache = self._caches[slab.group][layer]
-                    cache.index_copy_(0, index, pages[first : first + len(ids)])
+                self._scatter(slab, index, first, buffer)
             free.record(self.gather)
         done = torch.cuda.Event()  # type: ignore[no-untyped-call]
         done.record(self.gather)
         return done
+
+    def _gather(self, slab: Slab, index: torch.Tensor, buffer: torch.Tensor) -> None:
+        """The slab's blocks ``index`` of each layer into ``buffer``, on the current stream."""
+        fused = self._fused[slab.group]
+        if fused is not None:
+            fused.gather(slab.layers, index, buffer[: slab.size])
+            return
+        for layer, pages in zip(slab.layers, self._pages(buffer, slab), strict=True):
+            torch.index_select(self._caches[slab.group][layer], 0, index, out=pages)
+
+    def _scatter(self, slab: Slab, index: torch.Tensor, first: int, buffer: torch.Tensor) -> None:
+        """Each layer's pages ``first`` on in ``buffer`` into its blocks ``index``, on the
+        current stream."""
+        fused = self._fused[slab.group]
+        if fused is not None:
+            kept = self._format.groups[slab.group].kept
+            fused.scatter(slab.layers, index, first, kept, buffer[: slab.size])
+            return
+        for layer, pages in zip(slab.layers, self._pages(buffer, slab), strict=True):
+            self._caches[slab.group][layer].index_copy_(0, index, pages[first : first + len(index)])
 
     def synchronize(self) -> None:
         self.dma.synchronize()

@@ -15,6 +15,10 @@ size, each of ``--runs`` runs times, for a batch of chunks:
   the loaded blocks must equal the stored ones byte for byte, or the bench fails;
 * ``raw``: one ``cudaMemcpyAsync`` per chunk between a contiguous GPU buffer of the chunk's
   size and the chunk's (pageable) pages: the limit of what the same memory allows;
+* ``unfused``: kvpool's copier with a launch per layer in each slab, as before its fused
+  kernel (:mod:`kvpool.connector.fused`) and wherever that cannot run (no Triton); the
+  ``kvpool fused`` column says whether kvpool's own copies of the layout were fused. On CPU
+  caches both are the same numpy copies;
 * ``per-block``: a naive loop, one copy per block and layer;
 * ``staged``: every layer gathered into a contiguous GPU staging buffer, then one copy (and
   the reverse for a load): the batched alternative, at the cost of a chunk of GPU memory.
@@ -44,8 +48,10 @@ import torch
 from kvpool.client import AgentClient
 from kvpool.common import keys, problems
 from kvpool.common.sizes import parse_size
-from kvpool.connector.copier import MappedChunks
+from kvpool.connector import fused
+from kvpool.connector.copier import BlockCopier, MappedChunks
 from kvpool.connector.layout import ChunkFormat
+from kvpool.connector.staged import StagedCopies
 from kvpool.tools.bench import gpu_overlap, gpu_shared
 from kvpool.tools.bench.gpu_caches import (
     BLOCK_TOKENS,
@@ -67,7 +73,7 @@ BATCH_BYTES = 512 << 20
 """Bytes copied per timed batch (at least one chunk, at most 16)."""
 GOAL = 0.8
 """Store and load at >= 0.8 x the raw copy of the same memory, for 2048-token chunks."""
-METHODS = ("kvpool", "raw", "per-block", "per-layer", "staged")
+METHODS = ("kvpool", "raw", "unfused", "per-block", "per-layer", "staged")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -192,14 +198,16 @@ _HEADER = (
     "raw load",
     "store/raw",
     "load/raw",
+    "kvpool fused",
+    "unfused st/ld",
     "per-block st/ld",
     "per-layer st/ld",
     "staged st/ld",
 )
 
 
-def _row(name: str, tokens: int, measured: tuple[int, Rates]) -> list[object]:
-    size, rates = measured
+def _row(name: str, tokens: int, measured: tuple[int, Rates, list[bool]]) -> list[object]:
+    size, rates, fused_groups = measured
     store, load = rates.store, rates.load
 
     def ratio(mine: list[float], raw: list[float]) -> str:
@@ -215,6 +223,7 @@ def _row(name: str, tokens: int, measured: tuple[int, Rates]) -> list[object]:
         median_spread(load["raw"], "{:.1f}"),
         ratio(store["kvpool"], store["raw"]),
         ratio(load["kvpool"], load["raw"]),
+        _fused_cell(fused_groups),
         *(
             f"{statistics.median(store[method]):.1f}/{statistics.median(load[method]):.1f}"
             for method in METHODS[2:]
@@ -222,15 +231,24 @@ def _row(name: str, tokens: int, measured: tuple[int, Rates]) -> list[object]:
     ]
 
 
+def _fused_cell(groups: list[bool]) -> str:
+    """Whether kvpool's copies of a layout moved each slab in one launch."""
+    if not groups:
+        return "cpu"
+    return "yes" if all(groups) else "no" if not any(groups) else f"{sum(groups)}/{len(groups)}"
+
+
 def _header(device: torch.device, files: MappedChunks, mapped: float) -> str:
     if device.type != "cuda":
         return f"device: CPU caches; chunk files from the door {files.files.door}"
+    why_not = fused.unavailable()
     props = torch.cuda.get_device_properties(device)
     link = _nvidia_smi("pcie.link.gen.current,pcie.link.width.current,driver_version")
     return (
         f"device: {props.name}, {props.total_memory / 2**30:.0f} GiB, torch {torch.__version__}"
         f" (PCIe gen,width,driver: {link}); chunk files from the door {files.files.door}, "
-        f"not pinned (sparse) (connect: {mapped:.1f} s)"
+        f"not pinned (sparse) (connect: {mapped:.1f} s); fused copies: "
+        f"{why_not or 'one Triton launch a slab'}"
     )
 
 
@@ -261,7 +279,7 @@ def _agent_cuda(pid: int) -> str:
 # ------------------------------------------------------------------ one layout, one chunk size
 
 
-def _measure(rig: Rig, name: str, tokens: int, runs: int) -> tuple[int, Rates]:
+def _measure(rig: Rig, name: str, tokens: int, runs: int) -> tuple[int, Rates, list[bool]]:
     size = chunk_bytes(name, tokens)
     count = batch_size(size, BATCH_BYTES, 16)
     copies = ChunkCopies.make(name, tokens, count, rig.device, seed=1)
@@ -269,7 +287,7 @@ def _measure(rig: Rig, name: str, tokens: int, runs: int) -> tuple[int, Rates]:
     rates = Rates({method: [] for method in METHODS}, {method: [] for method in METHODS})
     for run in range(runs + 1):  # run 0 warms up: the first copies through new mappings are slow
         _run_once(rig, copies, methods, rates if run else None)
-    return size, rates
+    return size, rates, copies.copier.fused
 
 
 def _run_once(rig: Rig, copies: ChunkCopies, methods: _Methods, rates: Rates | None) -> None:
@@ -314,6 +332,12 @@ class _Methods:
         self._contiguous = torch.empty(size, dtype=torch.uint8, device=device)
         self._staging = torch.empty(size, dtype=torch.uint8, device=device)
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+        self._unfused = (
+            StagedCopies(self._views, chunk_format, fused=False)
+            if device.type == "cuda"
+            else BlockCopier(self._views, chunk_format)
+        )
+        """kvpool's copier with a launch per layer (on CPU, its only copies)."""
 
     @contextlib.contextmanager
     def _on_stream(self) -> Iterator[None]:
@@ -332,6 +356,10 @@ class _Methods:
     ) -> tuple[Callable[[], None], Callable[[], None]]:
         if method == "raw":
             return (lambda: self._raw(chunks, store=True)), (lambda: self._raw(chunks, store=False))
+        if method == "unfused":
+            return (lambda: self._slabs_per_layer(chunks, sources, store=True)), (
+                lambda: self._slabs_per_layer(chunks, targets, store=False)
+            )
         if method == "per-block":
             return (lambda: self._per_block(chunks, sources, store=True)), (
                 lambda: self._per_block(chunks, targets, store=False)
@@ -364,6 +392,18 @@ class _Methods:
                 kept_ids(self._format, list(ids)),
                 strict=True,
             )
+
+    def _slabs_per_layer(
+        self, chunks: Sequence[torch.Tensor], blocks: Sequence[Sequence[int]], *, store: bool
+    ) -> None:
+        """kvpool's copier as before the fused kernel (and where it is not): its slabs, each
+        layer gathered or scattered by a launch of its own."""
+        for chunk, ids in zip(chunks, blocks, strict=True):
+            kept = kept_ids(self._format, list(ids))
+            if store:
+                self._unfused.store(chunk, kept)
+            else:
+                self._unfused.load(chunk, [(0, group) for group in kept])
 
     def _per_block(
         self, chunks: Sequence[torch.Tensor], blocks: Sequence[Sequence[int]], *, store: bool
