@@ -164,15 +164,65 @@ def test_layers_that_differ_or_pages_of_too_many_runs_are_copied_layer_by_layer(
     assert runs_of(scattered) is None
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_page_whose_address_allows_narrower_words_is_copied_in_them() -> None:
+    """Layers at 2 and 8 bytes into one buffer: the first moves two-byte words, and the two
+    together are no group of one kernel."""
+    memory = torch.zeros(2 * 8 + 2 * BLOCKS * 64, dtype=torch.uint8)
+    layers = [
+        memory[at : at + 2 * BLOCKS * 64].view(torch.bfloat16).view(BLOCKS, 64) for at in (2, 8)
+    ]
+    runs = [runs_of(layer) for layer in layers]
+
+    assert [None if run is None else run.word for run in runs] == [torch.int16, torch.int64]
+    assert FusedPages.of(layers) is None
+    assert FusedPages.of(layers[1:]) is not None
 
 
 @pytest.fixture
 def compiled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The kernel made anew for the compiler (and made anew again after)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     fused._kernel.cache_clear()
     yield
     fused._kernel.cache_clear()
+
+
+@pytest.mark.process  # Triton runs ptxas
+@pytest.mark.parametrize(
+    ("word", "gather", "piece", "integers"),
+    [("int64", True, 1024, "i32"), ("int16", False, 1, "i64"), ("uint8", True, 16, "i32")],
+)
+def test_the_kernel_compiles_for_a_hopper_gpu_here(
+    compiled: None, word: str, gather: bool, piece: int, integers: str
+) -> None:
+    """What the interpreter never checks (it ignores the arguments' annotations, say): the
+    kernel compiles to a cubin for an H100/H200 (sm_90) with Triton's own compiler and
+    ptxas, no GPU needed."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = fused._kernel()
+    short = {"int64": "i64", "int16": "i16", "uint8": "u8"}[word]
+    pointers = {"bases": "*i64", "ids": "*i64", "buffer": f"*{short}"}
+    names = kernel.arg_names[len(pointers) : -3]
+    constants = {"WORD": getattr(tl, word), "GATHER": gather, "PIECE": piece}
+    signature = {
+        **pointers,
+        **dict.fromkeys(names, integers),
+        **dict.fromkeys(constants, "constexpr"),
+    }
+
+    binary = triton.compile(
+        ASTSource(fn=kernel, signature=signature, constexprs=constants),
+        target=GPUTarget("cuda", 90, 32),
+    )
+
+    assert binary.asm["cubin"]
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @cuda
@@ -180,8 +230,9 @@ def compiled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def test_on_cuda_staged_copies_store_and_load_the_per_layer_bytes(
     compiled: None, layout: str
 ) -> None:
-    """A chunk of 4 blocks (a window group keeping its last 2) stored and loaded by the fused
-    path and by the per-layer path: the same chunk bytes, the same caches after."""
+    """A chunk of 4 blocks (a window group keeping its last one) stored and loaded by the fused
+    path and by the per-layer path, a slab a layer (slabs from every layer, through both
+    staging buffers): the same chunk bytes, the same caches after."""
     make = LAYOUTS[layout]
     tensors = [make(seed).cuda() for seed in range(LAYERS)]
     layouts = [detect_layout(tensor, BLOCKS) for tensor in tensors]
@@ -193,7 +244,8 @@ def test_on_cuda_staged_copies_store_and_load_the_per_layer_bytes(
         for fused_path in (True, False):
             copies = [tensor.clone() for tensor in tensors]
             views = [layout.blocks(copy) for layout, copy in zip(layouts, copies, strict=True)]
-            staged = StagedCopies([views], chunk_format, fused=fused_path)
+            layer_bytes = chunk_format.chunk_bytes // LAYERS  # a slab a layer: both buffers
+            staged = StagedCopies([views], chunk_format, layer_bytes, fused=fused_path)
             assert staged.fused == [fused_path]
             chunk = torch.empty(chunk_format.chunk_bytes, dtype=torch.uint8).pin_memory()
             staged.store(chunk, [[5, 0, 7, 2][-kept:]]).synchronize()

@@ -18,20 +18,27 @@ does: layer after layer, each ``[kept, *page]`` with the page C-contiguous in it
 order (:mod:`kvpool.connector.layout`), so the bytes are those of the per-layer path.
 
 The layers of a slab share one view shape, strides and dtype (one group's caches, as vLLM
-allocates them). A group whose layers differ, or whose page has more than
-:data:`OUTER_DIMS` dimensions around its runs, is copied layer by layer; so is every group
-where Triton is not installed (:func:`unavailable`).
+allocates them). A group whose layers differ (in shape, strides, dtype or the words their
+addresses allow), or whose page has more than :data:`OUTER_DIMS` dimensions around its
+runs, is copied layer by layer; so is every group where Triton is not installed
+(:func:`unavailable`) or the kernel does not compile (said in the log). The kernel is
+compiled when the copies are made (vLLM's start), not at a forward's first copy: its
+integers and pointers are not specialized on their values, so one compiled kernel a way
+serves every copy of a group.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 OUTER_DIMS = 3
 """The page's dimensions around its contiguous runs that one launch walks."""
@@ -114,14 +121,19 @@ class FusedPages:
 
     def __init__(self, views: Sequence[torch.Tensor], runs: Runs) -> None:
         self._runs = runs
+        self._views = list(views)
+        """Held so that the memory the addresses name stays the caches'."""
         self._bases = torch.tensor(
             [view.data_ptr() for view in views], dtype=torch.int64, device=views[0].device
         )
         """Each layer's first block's address, on the device."""
+        self._piece = min(PIECE_WORDS, 1 << (runs.run - 1).bit_length())
 
     @classmethod
     def of(cls, views: Sequence[torch.Tensor]) -> FusedPages | None:
-        """The fused copies of ``views``, or None where they cannot be (see the module)."""
+        """The fused copies of ``views``, or None where they cannot be (see the module). On a
+        GPU the kernel is compiled here, both ways, not at a forward's first copy; a kernel
+        that does not compile leaves the group to the per-layer path, saying why."""
         if unavailable() is not None or not views:
             return None
         first = views[0]
@@ -132,7 +144,14 @@ class FusedPages:
         runs = per_layer[0]
         if runs is None or any(other is None or other.word != runs.word for other in per_layer):
             return None
-        return cls(views, runs)
+        pages = cls(views, runs)
+        if first.device.type == "cuda":
+            try:
+                pages._compile()
+            except Exception as error:  # Triton's errors name no common base
+                log.warning("fused copies off for layers of %s: %s", tuple(first.shape), error)
+                return None
+        return pages
 
     def gather(self, layers: range, ids: torch.Tensor, out: torch.Tensor) -> None:
         """Blocks ``ids`` of ``layers`` into ``out`` (bytes: each layer's ``[len(ids), *page]``,
@@ -156,14 +175,26 @@ class FusedPages:
         *,
         gather: bool,
     ) -> None:
+        count = len(layers) * len(ids) * self._runs.runs_per_page
+        if count:
+            grid = (count, -(-self._runs.run // self._piece))
+            arguments = self._arguments(layers, ids, first, kept, buffer)
+            _kernel()[grid](*arguments, **self._options(gather))
+
+    def _compile(self) -> None:
+        """Compile the kernel for this group's copies, both ways (nothing runs)."""
+        ids = torch.zeros(1, dtype=torch.int64, device=self._bases.device)
+        buffer = torch.empty(self._runs.run, dtype=self._runs.word, device=self._bases.device)
+        arguments = self._arguments(range(1), ids, 0, 1, buffer.view(torch.uint8))
+        for gather in (True, False):
+            _kernel().warmup(*arguments, grid=(1, 1), **self._options(gather))
+
+    def _arguments(
+        self, layers: range, ids: torch.Tensor, first: int, kept: int, buffer: torch.Tensor
+    ) -> tuple[object, ...]:
         runs = self._runs
-        count = len(layers) * len(ids) * runs.runs_per_page
-        if not count:
-            return
-        piece = min(PIECE_WORDS, 1 << (runs.run - 1).bit_length())
         (_, s0), (n1, s1), (n2, s2) = runs.outer
-        grid = (count, -(-runs.run // piece))
-        _kernel()[grid](
+        return (
             self._bases[layers.start : layers.stop],
             ids,
             buffer.view(runs.word),
@@ -178,10 +209,16 @@ class FusedPages:
             s1,
             s2,
             runs.run,
-            WORD=_triton_word(runs.word),
-            GATHER=gather,
-            PIECE=piece,
         )
+
+    def _options(self, gather: bool) -> dict[str, object]:
+        """The kernel's constants, and its warps: a thread per word of a piece, at most 4."""
+        return {
+            "WORD": _triton_word(self._runs.word),
+            "GATHER": gather,
+            "PIECE": self._piece,
+            "num_warps": max(1, min(4, self._piece // 32)),
+        }
 
 
 def _triton_word(word: torch.dtype) -> Any:
@@ -212,27 +249,28 @@ def _kernel() -> Any:
             "s1",
             "s2",
             "run",
-        ]
+        ],
+        do_not_specialize_on_alignment=["bases", "ids", "buffer"],
     )
-    def copy_pages(  # noqa: PLR0917 (a kernel's arguments are positional)
-        bases: Any,
-        ids: Any,
-        buffer: Any,
-        blocks: Any,
-        first: Any,
-        kept: Any,
-        block_stride: Any,
-        runs_per_page: Any,
-        n1: Any,
-        n2: Any,
-        s0: Any,
-        s1: Any,
-        s2: Any,
-        run: Any,
+    def copy_pages(  # type: ignore[no-untyped-def]  # noqa: PLR0917 (positional, a kernel's)
+        bases,  # no annotations: Triton's compiler reads them as the arguments' types
+        ids,
+        buffer,
+        blocks,
+        first,
+        kept,
+        block_stride,
+        runs_per_page,
+        n1,
+        n2,
+        s0,
+        s1,
+        s2,
+        run,
         WORD: tl.constexpr,
         GATHER: tl.constexpr,
         PIECE: tl.constexpr,
-    ) -> None:
+    ):
         """Program ``(r, p)``: piece ``p`` of run ``r``, the runs counted over the layers,
         each layer's ``blocks`` blocks, and each page's runs ``(i0, i1, i2)`` in C order."""
         index = tl.program_id(0).to(tl.int64)

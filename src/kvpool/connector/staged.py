@@ -10,9 +10,10 @@ buffer on the GPU (one ``index_select`` per layer, at device-memory speed); on t
 stream the slab goes to the host in one copy, while the next slab is being gathered into the
 other buffer. A load runs the other way (DMA into a slab, then one ``index_copy_`` per layer).
 Two buffers of ``SLAB_BYTES`` (or one layer, if larger) are the GPU memory this costs.
-Where Triton is installed, a slab's gather (and scatter) is one launch for all its layers
-(:mod:`kvpool.connector.fused`): a launch per layer bounds the copy of small pages; a group
-the fused kernel cannot take is copied layer by layer, as everywhere without Triton.
+Where Triton is installed and its kernel compiles, a slab's gather (and scatter) is one
+launch for all its layers (:mod:`kvpool.connector.fused`): a launch per layer bounds the copy
+of small pages; a group the fused kernel cannot take is copied layer by layer, as everywhere
+without Triton.
 
 Events order the two streams: a gather waits until the DMA that last read its buffer has
 finished, a DMA waits for its gather (and a load's scatter for its DMA, the next DMA into the

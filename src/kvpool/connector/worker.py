@@ -156,14 +156,17 @@ class KVPoolConnectorWorker:
             ],
             part_format,
         )
+        fused = copier.fused or [False] * len(layouts)
         log.info(
             "kvpool worker %d: %s, %d bytes per %s",
             self._rank,
             "; ".join(
                 f"{group.rule.name}: {group.layers} layers, {group.kept} of "
                 f"{group.blocks_per_chunk} blocks {layout[0].page_shape} "
-                f"({layout[0].physical_order})"
-                for group, layout in zip(part_format.groups, layouts, strict=True)
+                f"({layout[0].physical_order}{', fused copies' if one_launch else ''})"
+                for group, layout, one_launch in zip(
+                    part_format.groups, layouts, fused, strict=True
+                )
             ),
             part_format.chunk_bytes,
             "state record" if groups[0][0].is_state else f"{chunk_tokens}-token chunk",
