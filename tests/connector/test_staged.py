@@ -1,12 +1,13 @@
-"""How a chunk is cut into slabs for the GPU copies (the slab copies themselves need CUDA:
-``test_worker_cuda.py``)."""
+"""How a chunk is cut into slabs for the GPU copies, and the block ids they take (the slab
+copies themselves need CUDA: ``test_worker_cuda.py``, ``test_fused.py``)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvpool.connector.layout import BlockLayout, ChunkFormat, GroupRule
-from kvpool.connector.staged import slabs
+from kvpool.connector.staged import block_index, slabs
 
 PAGE = (2, 16, 8, 128)
 """A FlashAttention block of Llama-3-8B: 64 KiB in bf16."""
@@ -42,3 +43,11 @@ def test_a_layer_larger_than_a_slab_is_a_slab_of_its_own() -> None:
 
     assert [list(slab.layers) for slab in cut] == [[0], [1], [2]]
     assert [slab.size for slab in cut] == [8 << 20] * 3
+
+
+def test_block_ids_outside_the_cache_are_refused_before_any_copy() -> None:
+    cpu = torch.device("cpu")
+
+    assert block_index([0, 96, 5], 97, cpu).tolist() == [0, 96, 5]
+    with pytest.raises(ValueError, match=r"block ids \[97, -1\] outside the cache's 97 blocks"):
+        block_index([3, 97, -1], 97, cpu)

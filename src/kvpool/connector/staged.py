@@ -58,6 +58,16 @@ def slabs(chunk_format: ChunkFormat, limit: int = SLAB_BYTES) -> list[Slab]:
     return result
 
 
+def block_index(ids: Sequence[int], num_blocks: int, device: torch.device) -> torch.Tensor:
+    """``ids`` as an index on ``device`` (copied beside the caller's stream); ValueError for an
+    id that is no block of the cache: the fused kernel writes where an id points, unchecked,
+    and a launch per layer would fail on the device, taking the CUDA context with it."""
+    wrong = [block for block in ids if not 0 <= block < num_blocks]
+    if wrong:
+        raise ValueError(f"block ids {wrong[:4]} outside the cache's {num_blocks} blocks")
+    return torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
+
+
 class StagedCopies:
     """Pipelined store and load of chunks for one set of caches on one CUDA device."""
 
@@ -111,8 +121,8 @@ class StagedCopies:
         self.gather.wait_stream(torch.cuda.current_stream(self.device))  # blocks computed
         with torch.cuda.stream(self.gather):
             indexes = [
-                torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
-                for ids in block_ids
+                block_index(ids, group[0].shape[0], self.device)
+                for ids, group in zip(block_ids, self._caches, strict=True)
             ]
         for slab in self._slabs:
             buffer, free = self._next_buffer()
@@ -140,10 +150,8 @@ class StagedCopies:
         self.gather.wait_stream(torch.cuda.current_stream(self.device))  # blocks are free
         with torch.cuda.stream(self.gather):
             indexes = [
-                torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
-                if ids
-                else None
-                for _, ids in targets
+                block_index(ids, group[0].shape[0], self.device) if ids else None
+                for (_, ids), group in zip(targets, self._caches, strict=True)
             ]
         for slab in self._slabs:
             first, _ = targets[slab.group]
