@@ -248,7 +248,7 @@ class Pod:
         """The readiness probe's verdict (running and no probe: ready)."""
         if self.process.poll() is not None:
             raise AssertionError(
-                f"pod {self.name} exited with {self.process.returncode}{self._tail()}"
+                f"pod {self.name} exited with {self.process.returncode}{self.tail()}"
             )
         probe = self.container.get("readinessProbe")
         if probe is None:
@@ -283,7 +283,8 @@ class Pod:
             self.on_stop.pop()()
         return self.process.returncode
 
-    def _tail(self) -> str:
+    def tail(self) -> str:
+        """The last 30 lines of its log, after a colon (empty without a log)."""
         if self.log is None or not self.log.exists():
             return ""
         return ":\n" + "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])

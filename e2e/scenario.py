@@ -692,10 +692,10 @@ class Flow:
         )
         pod = self.kubelets[0].run("team-a-client", TEAMS[0], template)
         self.stack.callback(pod.stop, 5)
-        returncode = pod.process.wait(60)
+        returncode = pod.process.wait(150)
         assert pod.log is not None
         output = pod.log.read_text()
-        assert returncode == 0, output
+        assert returncode == 0, f"{output}\nnode-a's agent{self.agents[0].tail()}"
         answers = json.loads(output.strip().splitlines()[-1])
         evidence.usage_before, evidence.quota_set = answers["before"], answers["quota"]
         evidence.usage_after = answers["after"]

@@ -26,15 +26,21 @@ def main() -> None:
     headers = {"Authorization": f"Bearer {read('token')}"}
     url = f"{endpoint}/v1/tenants/{tenant}"
 
+    # a quota is written to the API server before it applies (the agent waits up to 10 s
+    # there, then answers 503): wait longer than that, to see the agent's own answer
+    timeout = 30
+
     def call(method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        response = httpx.request(method, url + path, json=body, headers=headers, timeout=10)
+        response = httpx.request(method, url + path, json=body, headers=headers, timeout=timeout)
         response.raise_for_status()
         return response.json()
 
     before = call("GET", "/usage")
     quota = call("PUT", "/quota", {"limit_bytes": int(before["used_bytes"] * fraction)})
     after = call("GET", "/usage")
-    refused = httpx.put(f"{url}/quota", json={"limit_bytes": above}, headers=headers, timeout=10)
+    refused = httpx.put(
+        f"{url}/quota", json={"limit_bytes": above}, headers=headers, timeout=timeout
+    )
     print(
         json.dumps(
             {

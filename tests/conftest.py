@@ -38,6 +38,17 @@ def _only_process_tests_start_processes(event: str, _args: tuple[object, ...]) -
 sys.addaudithook(_only_process_tests_start_processes)
 
 
+LONGEST_FIRST = ("e2e/test_e2e.py", "tests/system/")
+"""Modules that take minutes each (the e2e flow about 3, each cluster bench about 5): they
+are collected first, so that make test's workers take them first (Makefile: PYTEST_JOBS
+keeps the collection order). A long module taken last runs alone at the end while the other
+worker waits."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: not item.nodeid.startswith(LONGEST_FIRST))  # stable
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
     _running.append(item)
