@@ -4,7 +4,8 @@ requests that came together go in one send; answers kept for the request behind 
 sent, not refused as busy, where the bytes they hold are all the connection may have in
 flight; and they go before the server reads its NVMe for the next. And what a chunk's read
 lease covers while its answer is sent: a sealed chunk goes from a buffer of its own (the
-lease ended), an authenticated one from its L1 pages (the lease held until it is sent).
+lease ended), an authenticated one from its L1 pages (the lease held until it is sent);
+and answers kept before a leased chunk are sent within half that lease's lifetime.
 
 The peer tier's tests between agents catch a wrong or missing chunk; these catch the
 grouping itself, which those would not see."""
@@ -273,3 +274,32 @@ def test_a_peer_that_takes_an_answer_from_l1_slowly_is_cut_off_before_its_lease_
             assert time.monotonic() - started < 2.0  # 1 s: half the lease
             wait_until(lambda: served.server.stats.bytes_in_flight == 0)
             assert not served.server.stats.served_chunks
+
+
+def test_answers_kept_before_a_leased_chunk_are_sent_before_its_lease_could_end(
+    tmp_path: Path,
+) -> None:
+    """The connection may have one chunk in flight, and the answer kept for the request
+    behind it goes before that request's chunk (leased meanwhile) can be sealed. A peer
+    that takes the kept answer slowly has half the lease's lifetime to take it: then the
+    connection goes, and the lease with it, before it could expire and the pages become
+    another chunk's under the seal. The peer reads a little every 0.2 s (never idle for
+    the 5 s I/O timeout); the lease lasts 2 s."""
+    size = 12 * CHUNK  # under a batch's bytes (the first answer is kept), over the sockets'
+    cache = make_cache(pages=2 * size // PAGE + 64, lease_seconds=2.0)
+    service = make_service(cache, tmp_path / "q.json")
+    names, _ = stored(service, 2, size)
+    with event_loop() as loop:
+        served = Served(tmp_path, service, loop, max_bytes_in_flight=size)
+        with served.asked(names, io_timeout=5.0) as client:
+            wait_until(lambda: service.stats().open_leases == 1)  # the second chunk's
+            started = time.monotonic()
+            sip = memoryview(bytearray(16 << 10))
+            with contextlib.suppress(OSError, WireError):
+                while service.stats().open_leases and time.monotonic() - started < 4.0:
+                    client._sock.recv_into(sip)  # a trickle: progress, never enough
+                    time.sleep(0.2)
+            assert service.stats().open_leases == 0
+            assert time.monotonic() - started < 2.0  # 1 s: half the lease
+            wait_until(lambda: served.server.stats.bytes_in_flight == 0)
+            assert served.server.stats.served_chunks == 1

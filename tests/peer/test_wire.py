@@ -252,12 +252,14 @@ def tcp_pair(
     reader_timeout: float, sender_timeout: float
 ) -> Iterator[tuple[TcpChannel, TcpChannel]]:
     """A reader's and a sender's channel over loopback TCP (what the kernel's timeouts do
-    differs between TCP and a socket pair's Unix sockets), the sender's buffer small."""
+    differs between TCP and a socket pair's Unix sockets), their buffers small both ways
+    (a reader may answer: a peer server reads requests and sends chunks)."""
     with socket.create_server(("127.0.0.1", 0)) as listener:
         sender = socket.create_connection(listener.getsockname())
         reader, _ = listener.accept()
-    sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
-    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+    for end in (sender, reader):
+        end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
+        end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
     reader.settimeout(reader_timeout)
     sender.settimeout(sender_timeout)
     try:

@@ -34,8 +34,10 @@ buffer; the network then sends from that buffer, so a slow peer holds no lease. 
 until it is sent: a slow peer then holds that chunk's pages (and, as any read lease does,
 keeps its prefix from eviction), at most ``max_bytes_in_flight`` of them at once, until it
 is cut off: ``io_timeout_seconds`` without progress, or half of ``lease_seconds`` however
-it progresses, before the lease could expire. Under a ``bandwidth`` cap it is copied
-first, as before, so that the pace's wait holds no pages. Serving never
+it progresses, before the lease could expire. Answers kept for a request behind them and
+sent while that request's chunk is leased (to free the bytes they count, or before a paced
+answer) are held to the same half. Under a ``bandwidth`` cap it is copied first, as
+before, so that the pace's wait holds no pages. Serving never
 blocks this node's own clients: past ``max_transfers`` transfers or
 ``max_bytes_in_flight`` bytes at once a request is answered
 :class:`~kvpool.agent.peer.wire.Busy` (the asking agent goes to its next
@@ -362,15 +364,15 @@ class PeerServer:
         try:
             claimed = self._claim_bytes(size)
             if not claimed and answers.holding:
-                answers.send()  # what it holds counts in flight until sent
+                self._send_kept(answers, leases)  # what it holds counts in flight until sent
                 claimed = self._claim_bytes(size)
             if not claimed:
                 with self._lock:
                     self.stats.refused["busy"] += 1
                 answers.add(Busy())
                 return
-            if self._pacer.rate:
-                answers.send()  # a paced answer waits its turn with none kept before it
+            if self._pacer.rate:  # a paced answer waits its turn with none kept before it
+                self._send_kept(answers, leases)
             answers.once_sent(lambda: self._sent_bytes(size))
             built = answers.channel.body_memory(codec.header_size + size)
             if built is not None:  # the object made where it is sent from: no copy
@@ -382,6 +384,14 @@ class PeerServer:
             self.stats.served_bytes += size
         finally:
             self.service.release_all(leases)
+
+    def _send_kept(self, answers: Answers, leases: list[int]) -> None:
+        """Send the answers kept so far while ``leases`` hold the next chunk's L1 pages (just
+        leased): by half the leases' lifetime, so that a slow peer cannot keep them past
+        their expiry, when the pages could become another chunk's before they are read."""
+        if leases:
+            answers.send_by(time.monotonic() + self.service.lease_seconds / 2)
+        answers.send()
 
     def _send_apart(
         self,
