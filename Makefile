@@ -36,8 +36,8 @@ FAST := not process and not engine and not root and not netns
 # pytest-xdist: JOBS workers, each taking whole modules (--dist loadscope), so that a
 # module's engine or emulator starts once. Half the suite waits on processes, not the CPU:
 # two workers on a machine of two cores run it in about half the time of one. Modules go to
-# the workers in collection order (pyproject's testpaths: the longest first), not re-sorted
-# by their count of tests, which would send the longest, one-test modules last.
+# the workers in collection order (the longest first: tests/conftest.py, LONGEST_FIRST), not
+# re-sorted by their count of tests, which would send the longest, one-test modules last.
 JOBS ?= 2
 PYTEST_JOBS := -n $(JOBS) --dist loadscope --no-loadscope-reorder
 

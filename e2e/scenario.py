@@ -692,7 +692,10 @@ class Flow:
         )
         pod = self.kubelets[0].run("team-a-client", TEAMS[0], template)
         self.stack.callback(pod.stop, 5)
-        returncode = pod.process.wait(150)
+        try:
+            returncode: int | None = pod.process.wait(150)  # four calls of at most 30 s
+        except subprocess.TimeoutExpired:
+            returncode = None
         assert pod.log is not None
         output = pod.log.read_text()
         assert returncode == 0, f"{output}\nnode-a's agent{self.agents[0].tail()}"

@@ -38,7 +38,12 @@ def _only_process_tests_start_processes(event: str, _args: tuple[object, ...]) -
 sys.addaudithook(_only_process_tests_start_processes)
 
 
-LONGEST_FIRST = ("e2e/test_e2e.py", "tests/system/")
+LONGEST_FIRST = (
+    "e2e/test_e2e.py",
+    "tests/system/test_bench_cluster.py",
+    "tests/system/test_bench_cluster_pd.py",
+    "tests/system/test_disaggregation.py",
+)
 """Modules that take minutes each (the e2e flow about 3, each cluster bench about 5): they
 are collected first, so that make test's workers take them first (Makefile: PYTEST_JOBS
 keeps the collection order). A long module taken last runs alone at the end while the other

@@ -292,7 +292,8 @@ def test_answers_kept_before_a_leased_chunk_are_sent_before_its_lease_could_end(
     with event_loop() as loop:
         served = Served(tmp_path, service, loop, max_bytes_in_flight=size)
         with served.asked(names, io_timeout=5.0) as client:
-            wait_until(lambda: service.stats().open_leases == 1)  # the second chunk's
+            # the kept answer comes once the second chunk is leased (not the first's, sealed)
+            wait_until(lambda: unread(client) > 0 and service.stats().open_leases == 1)
             started = time.monotonic()
             sip = memoryview(bytearray(16 << 10))
             with contextlib.suppress(OSError, WireError):

@@ -10,6 +10,7 @@ import contextlib
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -572,6 +573,41 @@ def test_a_send_buffer_closed_with_a_write_on_its_way_rests(
     loopback.close()
     assert not loopback.errors
     assert outboxes[1] != outboxes[0] and outboxes[2] == outboxes[1]
+
+
+def test_a_server_waiting_for_its_writes_is_held_to_its_deadline(
+    loopback: Loopback, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server whose WRITE is not done (a slow client) and which must say it before its
+    next answer waits no longer than the deadline its send is held to (the peer server's:
+    half a chunk's lease), not the I/O timeout (5 s here): :class:`TimeoutError`."""
+    waited: list[float] = []
+
+    def answer(channel: PeerChannel) -> None:
+        channel.proven("client", False)
+        held = _hold_writes(channel, monkeypatch)
+        channel.receive()
+        channel.send(Object(), [b"x" * 1000])  # its WRITE held
+        channel.receive()
+        started = time.monotonic()
+        channel.set_deadline(started + 0.3)
+        try:
+            with pytest.raises(TimeoutError):
+                channel.send(Missing())  # said after the chunk's WRITE
+        finally:
+            waited.append(time.monotonic() - started)
+            channel.set_deadline(None)  # (a peer server's connection would end here)
+            held.let_go.set()
+
+    client = loopback.connect(answer)
+    client.proven("server", True)
+    client.send(Get("tenant", KEY))
+    client.send(Get("tenant", KEY))
+    loopback.threads[-1].join(10)
+    client.close()
+    loopback.close()
+    assert not loopback.errors
+    assert len(waited) == 1 and waited[0] < 2.5, waited
 
 
 def test_a_server_builds_in_no_section_whose_last_write_is_on_its_way(

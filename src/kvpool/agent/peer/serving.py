@@ -358,39 +358,49 @@ class PeerServer:
         buffer where it has one), ending ``lease`` as soon as it is there, and send it (a
         slow peer holds no lease); or authenticate it where it lies and send it from there,
         ``lease`` held until it is sent (:meth:`_send_apart`). Its bytes count in flight
-        until it is sent."""
+        until it is sent.
+
+        Whatever is sent while ``lease`` holds the pages is sent by half its lifetime from
+        now (the lease was just taken), however the peer progresses: then the connection
+        goes, before the lease could expire and the pages become another chunk's while
+        they are read (sealed, tagged or sent)."""
         leases = [] if lease is None else [lease]
+        deadline = None if lease is None else time.monotonic() + self.service.lease_seconds / 2
         size = len(payload)
         try:
             claimed = self._claim_bytes(size)
             if not claimed and answers.holding:
-                self._send_kept(answers, leases)  # what it holds counts in flight until sent
+                self._send_kept(answers, deadline)  # what it holds counts in flight until sent
                 claimed = self._claim_bytes(size)
             if not claimed:
                 with self._lock:
                     self.stats.refused["busy"] += 1
+                self.service.release_all(leases)  # the "busy" may be sent with those kept
+                leases.clear()
                 answers.add(Busy())
                 return
             if self._pacer.rate:  # a paced answer waits its turn with none kept before it
-                self._send_kept(answers, leases)
+                self._send_kept(answers, deadline)
             answers.once_sent(lambda: self._sent_bytes(size))
             built = answers.channel.body_memory(codec.header_size + size)
             if built is not None:  # the object made where it is sent from: no copy
                 codec.encode_into(name, payload, built, key_id)
                 self._send_detached(answers, [built], size, leases)
             else:
-                self._send_apart(answers, codec, key_id, name, payload, leases=leases)
+                self._send_apart(
+                    answers, codec, key_id, name, payload, leases=leases, deadline=deadline
+                )
             self.stats.served_chunks += 1
             self.stats.served_bytes += size
         finally:
             self.service.release_all(leases)
 
-    def _send_kept(self, answers: Answers, leases: list[int]) -> None:
-        """Send the answers kept so far while ``leases`` hold the next chunk's L1 pages (just
-        leased): by half the leases' lifetime, so that a slow peer cannot keep them past
-        their expiry, when the pages could become another chunk's before they are read."""
-        if leases:
-            answers.send_by(time.monotonic() + self.service.lease_seconds / 2)
+    @staticmethod
+    def _send_kept(answers: Answers, deadline: float | None) -> None:
+        """Send the answers kept so far, by ``deadline`` where the next chunk's pages are
+        leased meanwhile (:meth:`_send_object`)."""
+        if deadline is not None:
+            answers.send_by(deadline)
         answers.send()
 
     def _send_apart(
@@ -402,12 +412,13 @@ class PeerServer:
         payload: bytes | memoryview,
         *,
         leases: list[int],
+        deadline: float | None,
     ) -> None:
         """Seal ``payload`` into a buffer of the pool's and send it. Plaintext that lies in L1
         (its ``leases``) is authenticated where it lies and sent from there, the leases held
-        until it is sent, by half their lifetime (its pages cannot change under the tag
-        meanwhile, nor a slow peer hold them longer); under a bandwidth cap it is copied
-        first, so that the pace's wait holds no pages."""
+        until it is sent, by ``deadline``: half their lifetime (its pages cannot change under
+        the tag meanwhile, nor a slow peer hold them longer); under a bandwidth cap it is
+        copied first, so that the pace's wait holds no pages."""
         size = len(payload)
         plaintext_in_l1 = bool(leases) and not codec.seal
         from_pages = plaintext_in_l1 and not self._pacer.rate
@@ -422,7 +433,8 @@ class PeerServer:
         held = leases.copy()
         leases.clear()  # the answers own them now: they end once it is sent
         answers.once_sent(lambda: self.service.release_all(held))
-        answers.send_by(time.monotonic() + self.service.lease_seconds / 2)
+        assert deadline is not None  # leased
+        answers.send_by(deadline)
         answers.add(Object(), [header, body])
 
     def _send_detached(

@@ -297,6 +297,8 @@ class NixlChannel:
         self._tcp = tcp
         self._engine = engine
         self._io_timeout = io_timeout
+        self._deadline: float | None = None
+        """:meth:`set_deadline`'s: the WRITEs waited for (:meth:`_say_done`) are held to it too."""
         self.remote = tcp.remote
         self.transport = "tcp"
         self.lands = serving
@@ -475,6 +477,7 @@ class NixlChannel:
         return self._tcp.wait_readable(timeout)
 
     def set_deadline(self, deadline: float | None) -> None:
+        self._deadline = deadline
         self._tcp.set_deadline(deadline)
 
     def close(self) -> None:
@@ -697,10 +700,13 @@ class NixlChannel:
             while posted:
                 oldest = posted[0]
                 if not self._engine.done(oldest.write):
-                    if time.monotonic() > oldest.deadline:
+                    now = time.monotonic()
+                    if now > oldest.deadline:
                         raise TimeoutError(
                             f"NIXL's write to {oldest.write.agent} outlasted the I/O timeout"
                         )
+                    if self._deadline is not None and now > self._deadline:
+                        raise TimeoutError(f"{self.remote} is past its deadline")
                     return
                 posted.popleft()
                 said += [(written, ()) for written in oldest.said]
